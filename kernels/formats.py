@@ -1,0 +1,82 @@
+"""In-graph decoders of the checkpoint's weight formats (pure torch, no bitcasts).
+
+Quantized weights travel through graphs as uint8 codes: a dtype bitcast of a
+graph input is one of the things neuronx-cc rejects, so decoding is done with
+integer and float arithmetic that every backend lowers.
+
+- e4m3fn (OCP fp8): bit 7 sign, bits 6..3 exponent (bias 7), bits 2..0 mantissa;
+  no infinities, 0x7f / 0xff are NaN, max 448.
+- ue8m0: the byte b is the scale 2^(b - 127); 0xff is NaN.
+- e2m1 (fp4): bit 3 sign, bits 2..1 exponent, bit 0 mantissa; magnitudes
+  {0, .5, 1, 1.5, 2, 3, 4, 6}. Two codes a byte, the even element in the low nibble.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+FP8_BLOCK = 32      # fp8 weights: one scale per 32x32 block
+FP4_GROUP = 32      # fp4 weights: one scale per row and 32 columns
+
+
+def e4m3fn_decode(codes: Tensor) -> Tensor:
+    """uint8 e4m3fn codes -> float32 values."""
+    c = codes.to(torch.int32)
+    exponent = (c >> 3) & 15
+    mantissa = (c & 7).to(torch.float32)
+    normal = (mantissa + 8) * torch.exp2((exponent - 10).to(torch.float32))
+    magnitude = torch.where(exponent == 0, mantissa * 2.0**-9, normal)
+    magnitude = torch.where((c & 127) == 127, torch.full_like(magnitude, float("nan")), magnitude)
+    return torch.where(c >= 128, -magnitude, magnitude)
+
+
+def ue8m0_decode(codes: Tensor) -> Tensor:
+    """uint8 ue8m0 bytes -> float32 powers of two."""
+    value = torch.exp2(codes.to(torch.float32) - 127.0)
+    return torch.where(codes == 255, torch.full_like(value, float("nan")), value)
+
+
+def e2m1_decode(nibbles: Tensor) -> Tensor:
+    """Integer tensor of 4-bit e2m1 codes -> float32 values."""
+    n = nibbles.to(torch.int32)
+    exponent = (n >> 1) & 3
+    mantissa = (n & 1).to(torch.float32)
+    normal = (mantissa + 2) * torch.exp2((exponent - 2).to(torch.float32))
+    magnitude = torch.where(exponent == 0, mantissa * 0.5, normal)
+    return torch.where((n & 8) != 0, -magnitude, magnitude)
+
+
+def _expand_blocks(scales: Tensor, rows: int, cols: int, row_block: int, col_block: int) -> Tensor:
+    # scales [..., ceil(rows/rb), ceil(cols/cb)] -> [..., rows, cols]
+    s = scales.repeat_interleave(row_block, dim=-2)[..., :rows, :]
+    return s.repeat_interleave(col_block, dim=-1)[..., :cols]
+
+
+def dequant_fp8(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """fp8 weight [..., N, K] with ue8m0 scales [..., ceil(N/32), ceil(K/32)] -> dtype."""
+    rows, cols = codes.shape[-2], codes.shape[-1]
+    s = _expand_blocks(ue8m0_decode(scales), rows, cols, FP8_BLOCK, FP8_BLOCK)
+    return (e4m3fn_decode(codes) * s).to(dtype)
+
+
+def dequant_fp8_rows(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """fp8 rows [..., K] with per-row ue8m0 scales [..., ceil(K/32)] -> dtype."""
+    cols = codes.shape[-1]
+    s = ue8m0_decode(scales).repeat_interleave(FP8_BLOCK, dim=-1)[..., :cols]
+    return (e4m3fn_decode(codes) * s).to(dtype)
+
+
+def unpack_fp4(packed: Tensor) -> Tensor:
+    """uint8 [..., K/2] (two e2m1 codes a byte) -> float32 [..., K]."""
+    p = packed.to(torch.int32)
+    low, high = e2m1_decode(p & 15), e2m1_decode(p >> 4)
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def dequant_fp4(packed: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """fp4 weight [..., N, K/2] with ue8m0 scales [..., N, ceil(K/32)] -> dtype [..., N, K]."""
+    values = unpack_fp4(packed)
+    cols = values.shape[-1]
+    s = ue8m0_decode(scales).repeat_interleave(FP4_GROUP, dim=-1)[..., :cols]
+    return (values * s).to(dtype)

@@ -1,0 +1,51 @@
+"""The kernel registry: every custom op of deepinfer, its reference, its source.
+
+Each kernel is a `torch.library` custom op in the `deepinfer` namespace, so
+tracing keeps it as one node that a target can lower (inline the reference on
+the cpu target, an NKI kernel on trn2). The pure-torch reference is also the
+fake (meta) implementation: references are written without data-dependent
+Python control flow, so they run on FakeTensors unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+NAMESPACE = "deepinfer"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    op: Callable            # the custom op (callable; .default is the OpOverload)
+    reference: Callable     # pure-torch implementation
+    source: Path            # file holding the reference, for cache keys
+
+    @property
+    def overload(self) -> torch._ops.OpOverload:
+        return getattr(torch.ops, NAMESPACE).__getattr__(self.name).default
+
+
+KERNELS: dict[str, Kernel] = {}
+
+
+def register(reference: Callable) -> Callable:
+    """Turn a pure-torch reference into the custom op `deepinfer::<name>`.
+
+    The op's schema comes from the reference's type annotations. Returns the op.
+    """
+    name = reference.__name__.removesuffix("_ref")
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(reference)
+    op.register_fake(reference)
+    KERNELS[name] = Kernel(name, op, reference, Path(inspect.getsourcefile(reference)))
+    return op
+
+
+def reference_decompositions() -> dict:
+    """OpOverload -> reference, for inlining every kernel before compiling."""
+    return {k.overload: k.reference for k in KERNELS.values()}

@@ -1,0 +1,341 @@
+"""Attention regions, one class per kind of V4.1 attention layer.
+
+Every kind runs the attention site of a layer in one graph: hyper-connection
+mixes of the streams, collapse with the previous site's `pre`, `attn_norm`,
+attention, expand. They differ in the state they own and what they select:
+
+| class              | layers             | state views                         | carries        |
+|--------------------|--------------------|-------------------------------------|----------------|
+| WindowAttention    | ratio 0            | win                                 |                |
+| SourceAttention    | kv sources         | win, ckv, ikeys (+ part_kv, part_gate when ratio > 1) | -> topk (+ cand) |
+| ReindexAttention   | index sources only | win; the source's ckv and ikeys     | (cand ->) -> topk |
+| ReuseAttention     | other compressed   | win; the source's ckv               | topk ->        |
+
+State layouts (one layer's views; the runtime's pools stack them layer-major):
+- `win`   [S, window, hd]: ring of the last `window` latents of each sequence
+          slot, the latent of position j at j % window. Slot 0 is scratch.
+- `ckv`   [NB, bs / r, hd]: compressed latents, paged: block b of a sequence's
+          block table holds its compressed entries t with t * r in block b.
+- `ikeys` [NB, bs / r, index_head_dim]: indexer keys, paged like `ckv`.
+- `part_kv`, `part_gate` [S, r, hd] float32: the compressor's projections of
+          the tokens of the incomplete trailing group, at position % r.
+Block 0 of every paged pool is scratch: padding writes land there.
+
+Step inputs: positions [B, T] (absolute, -1 for padding; a row's valid tokens
+come first and are consecutive), slots [B], block_table [B, MB] (block ids,
+0 where unallocated). Carries: `topk` [B, T, K] selected compressed indices
+(ascending, -1 for none), `cand` [B, T, Wc] bool candidate pool.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from deepinfer.kernels import attention as _attn  # noqa: F401  (registers ops)
+from deepinfer.kernels.cachequant import maybe_quant
+from deepinfer.kernels.rope import apply_rope, rope_angles, rope_frequencies
+from deepinfer.regions.base import Region, WeightSpec, fp8_specs
+from deepinfer.regions.config import TextConfig
+from deepinfer.regions.paging import gather_rows, gather_pages, write_pages
+
+ops = torch.ops.deepinfer
+
+
+def _attention_specs(c: TextConfig) -> list[WeightSpec]:
+    n, D, H, hd = c.hc_mult, c.hidden_size, c.num_attention_heads, c.head_dim
+    G, R = c.o_groups, c.o_lora_rank
+    return [
+        WeightSpec("hc_fn", "hc_attn_fn", ((2 + n) * n, n * D), "F32"),
+        WeightSpec("hc_base", "hc_attn_base", ((2 + n) * n,), "F32"),
+        WeightSpec("hc_scale", "hc_attn_scale", (3,), "F32"),
+        WeightSpec("attn_norm", "attn_norm.weight", (D,), "BF16"),
+        *fp8_specs("wq_a", "attn.wq_a", c.q_lora_rank, D),
+        WeightSpec("q_norm", "attn.q_norm.weight", (c.q_lora_rank,), "BF16"),
+        *fp8_specs("wq_b", "attn.wq_b", H * hd, c.q_lora_rank),
+        *fp8_specs("wkv", "attn.wkv", hd, D),
+        WeightSpec("kv_norm", "attn.kv_norm.weight", (hd,), "BF16"),
+        *fp8_specs("wo_a", "attn.wo_a", G * R, H * hd // G),
+        *fp8_specs("wo_b", "attn.wo_b", D, G * R),
+        WeightSpec("sink", "attn.attn_sink", (H,), "F32"),
+    ]
+
+
+def _indexer_query_specs(c: TextConfig) -> list[WeightSpec]:
+    return [
+        *fp8_specs("iwq_b", "attn.indexer.wq_b", c.index_n_heads * c.index_head_dim, c.q_lora_rank),
+        WeightSpec("iweights", "attn.indexer.weights_proj.weight", (c.index_n_heads, c.hidden_size), "BF16"),
+    ]
+
+
+def _source_specs(c: TextConfig, ratio: int) -> list[WeightSpec]:
+    hd, D = c.head_dim, c.hidden_size
+    specs = [WeightSpec("c_wkv", "attn.compressor.wkv.weight", (hd, D), "F32")]
+    if ratio > 1:
+        specs.append(WeightSpec("c_wgate", "attn.compressor.wgate.weight", (hd, D), "F32"))
+    specs += [
+        WeightSpec("c_norm", "attn.compressor.norm.weight", (hd,), "BF16"),
+        WeightSpec("iwk", "attn.indexer.wk.weight", (c.index_head_dim, hd), "BF16"),
+        WeightSpec("ik_norm", "attn.indexer.k_norm.weight", (c.index_head_dim,), "BF16"),
+    ]
+    return specs
+
+
+class _Attention(Region):
+    """Shared pieces: projections, the window, sparse attention, the output."""
+
+    ratio: int = 0
+
+    def __init__(self, c: TextConfig, specs: list[WeightSpec], *, dtype: torch.dtype, cache_quant: bool):
+        super().__init__(_attention_specs(c) + specs, dtype)
+        self.c = c
+        self.cache_quant = cache_quant
+        self.heads, self.hd = c.num_attention_heads, c.head_dim
+        self.window = c.sliding_window
+
+    # -- pieces ---------------------------------------------------------------------------
+
+    def _angles(self, positions: Tensor) -> Tensor:
+        c = self.c
+        if self.ratio:
+            freqs = rope_frequencies(c.qk_rope_head_dim, c.compress_rope_theta, c.rope_scaling)
+        else:
+            freqs = rope_frequencies(c.qk_rope_head_dim, c.rope_theta, None)
+        return rope_angles(positions.clamp_min(0), freqs)
+
+    def _site_input(self, h: Tensor, pre: Tensor):
+        mix = ops.hc_mixes(h, self.hc_fn, self.hc_base, self.hc_scale,
+                           self.c.rms_norm_eps, self.c.hc_eps, self.c.hc_sinkhorn_iters)
+        x = ops.rmsnorm(ops.hc_collapse(h, pre), self.attn_norm, self.c.rms_norm_eps)   # [B, T, D]
+        return x, mix
+
+    def _project(self, x: Tensor, angles: Tensor):
+        eps = self.c.rms_norm_eps
+        q_lat = ops.rmsnorm(ops.blockquant_gemm(x, self.wq_a, self.wq_a_s, "fp8"), self.q_norm, eps)
+        q = ops.blockquant_gemm(q_lat, self.wq_b, self.wq_b_s, "fp8").unflatten(-1, (self.heads, self.hd))
+        q = apply_rope(q, angles)                                                     # [B, T, H, hd]
+        kv = ops.rmsnorm(ops.blockquant_gemm(x, self.wkv, self.wkv_s, "fp8"), self.kv_norm, eps)
+        kv = maybe_quant(apply_rope(kv, angles), "fp8", self.cache_quant)             # [B, T, hd]
+        return q, q_lat, kv
+
+    def _window_keys(self, kv: Tensor, positions: Tensor, slots: Tensor, win: Tensor):
+        """Keys of the causal window of each query; updates the ring in place.
+
+        Returns keys [B, T, window, hd] and their validity [B, T, window].
+        """
+        W = self.window
+        ring = win.index_select(0, slots)                                             # [B, W, hd]
+        buf = torch.cat((ring, kv), dim=1)                                            # [B, W + T, hd]
+        p0 = positions[:, :1]                                                         # [B, 1]
+        j = positions.unsqueeze(-1) - (W - 1) + torch.arange(W, device=kv.device)     # [B, T, W]
+        p0e = p0.unsqueeze(-1)
+        idx = torch.where(j >= p0e, W + j - p0e, j.remainder(W)).clamp(0, buf.shape[1] - 1)
+        valid = (j >= 0) & (positions >= 0).unsqueeze(-1)
+        keys = gather_rows(buf, idx)                                                  # [B, T, W, hd]
+        # ring update: slot s takes the latest position j* <= last with j* % W == s
+        last = positions.amax(dim=1, keepdim=True)                                    # [B, 1]
+        s = torch.arange(W, device=kv.device)
+        jstar = last - (last - s).remainder(W)                                        # [B, W]
+        fresh = (jstar >= p0) & (last >= 0)
+        new = gather_rows(buf, (W + jstar - p0).clamp(0, buf.shape[1] - 1))
+        win.index_copy_(0, slots, torch.where(fresh.unsqueeze(-1), new, ring))
+        return keys, valid
+
+    def _selected_keys(self, ckv_all: Tensor, topk: Tensor):
+        """Compressed latents [B, Wc, hd] at topk [B, T, K] -> [B, T, K, hd], validity."""
+        return gather_rows(ckv_all, topk.clamp_min(0)), topk >= 0
+
+    def _attend(self, q: Tensor, keys: Tensor, valid: Tensor, angles: Tensor) -> Tensor:
+        """Sparse attention with the sink, de-rotation and the grouped output projection."""
+        c = self.c
+        o = ops.sparse_attn(q, keys, valid, self.sink, self.hd ** -0.5)              # [B, T, H, hd]
+        o = apply_rope(o, angles, inverse=True)
+        G = c.o_groups
+        o = o.flatten(-2).unflatten(-1, (G, -1))                                      # [B, T, G, H*hd/G]
+        wo_a = self.wo_a.unflatten(0, (G, -1))                                        # [G, R, H*hd/G]
+        wo_a_s = self.wo_a_s.unflatten(0, (G, -1))
+        o = ops.blockquant_gemm(o, wo_a, wo_a_s, "fp8").flatten(-2)                  # [B, T, G*R]
+        return ops.blockquant_gemm(o, self.wo_b, self.wo_b_s, "fp8")                  # [B, T, D]
+
+    def _finish(self, out: Tensor, h: Tensor, mix) -> tuple[Tensor, Tensor]:
+        pre, post, comb = mix
+        return ops.hc_expand(out, h, post, comb), pre
+
+    # -- indexer ---------------------------------------------------------------------------
+
+    def _index_queries(self, x: Tensor, q_lat: Tensor, angles: Tensor):
+        c = self.c
+        qi = ops.blockquant_gemm(q_lat, self.iwq_b, self.iwq_b_s, "fp8")
+        qi = apply_rope(qi.unflatten(-1, (c.index_n_heads, c.index_head_dim)), angles)
+        qi = maybe_quant(qi, "mxfp4", self.cache_quant)                               # [B, T, Hi, di]
+        w = F.linear(x, self.iweights.to(x.dtype)) * (c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5)
+        return qi, w
+
+    def _select(self, x, q_lat, angles, positions, ikeys_all, cand, make_cand: bool):
+        """Index scores over the visible compressed entries -> topk (and the candidate pool)."""
+        c = self.c
+        qi, w = self._index_queries(x, q_lat, angles)
+        width = ikeys_all.shape[1]
+        vis_len = torch.div(positions + 1, self.ratio, rounding_mode="floor").clamp_min(0)   # [B, T]
+        visible = torch.arange(width, device=x.device) < vis_len.unsqueeze(-1)        # [B, T, Wc]
+        scores = ops.index_score(qi, ikeys_all, w, visible)
+        if make_cand:
+            cand = candidate_blocks(scores, vis_len, c.candidate_topk_blocks, c.candidate_block_size) & visible
+        elif cand is not None:
+            scores = scores.masked_fill(~cand, float("-inf"))
+        k = min(c.index_topk, width)
+        idx = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+        idx = torch.where(torch.isfinite(scores.gather(-1, idx)), idx, -1)
+        return idx, cand
+
+
+def candidate_blocks(scores: Tensor, vis_len: Tensor, topk_blocks: int, block: int) -> Tensor:
+    """Candidate pool: top blocks by max score, the block of the latest visible entry always kept.
+
+    scores [B, T, Wc] (-inf where invisible); vis_len [B, T] -> bool [B, T, Wc].
+    """
+    width = scores.shape[-1]
+    padded = F.pad(scores, (0, -width % block), value=float("-inf"))
+    block_scores = padded.unflatten(-1, (-1, block)).amax(-1)                          # [B, T, NBk]
+    last = torch.div(vis_len - 1, block, rounding_mode="floor").unsqueeze(-1)
+    ids = torch.arange(block_scores.shape[-1], device=scores.device)
+    block_scores = block_scores.masked_fill(ids == last, float("inf"))
+    top = block_scores.topk(min(topk_blocks, block_scores.shape[-1]), dim=-1)
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block, dim=-1)[..., :width]
+
+
+class WindowAttention(_Attention):
+    """Ratio-0 layers: attention over the causal window only."""
+
+    kind = "attn_window"
+
+    def __init__(self, c: TextConfig, *, dtype: torch.dtype, cache_quant: bool):
+        super().__init__(c, [], dtype=dtype, cache_quant=cache_quant)
+
+    def decode(self, h: Tensor, pre: Tensor, positions: Tensor, slots: Tensor, win: Tensor):
+        """h [B, T, n, D], pre [B, T, n] -> (h [B, T, n, D], pre [B, T, n])."""
+        x, mix = self._site_input(h, pre)
+        angles = self._angles(positions)
+        q, _, kv = self._project(x, angles)
+        keys, valid = self._window_keys(kv, positions, slots, win)
+        return self._finish(self._attend(q, keys, valid, angles), h, mix)
+
+
+class SourceAttention(_Attention):
+    """kv sources: compress the KV, write index keys, select top-k (and the candidate pool)."""
+
+    kind = "attn_source"
+
+    def __init__(self, c: TextConfig, *, ratio: int, candidate_source: bool, dtype: torch.dtype,
+                 cache_quant: bool):
+        self.ratio = ratio
+        super().__init__(c, _source_specs(c, ratio) + _indexer_query_specs(c), dtype=dtype,
+                         cache_quant=cache_quant)
+        self.candidate_source = candidate_source
+        self.kind = f"attn_source_r{ratio}" + ("_cand" if candidate_source else "")
+
+    def _compress(self, x: Tensor, positions: Tensor, slots: Tensor, part_kv, part_gate):
+        """Complete groups of this chunk -> latents [B, G, hd] (pre-rope), indices t [B, G], mask."""
+        r = self.ratio
+        valid = positions >= 0
+        if r == 1:
+            latent = ops.rmsnorm(F.linear(x, self.c_wkv.to(x.dtype)), self.c_norm, self.c.rms_norm_eps)
+            return latent, positions.clamp_min(0), valid
+        B, T = positions.shape
+        kv = F.linear(x.float(), self.c_wkv)                                          # [B, T, hd] f32
+        gate = F.linear(x.float(), self.c_wgate)
+        p0 = positions[:, :1].clamp_min(0)                                            # [B, 1]
+        off = p0.remainder(r)
+        nvalid = valid.sum(dim=1, keepdim=True)                                       # [B, 1]
+        L = r * -(-(T + r - 1) // r)
+        i = torch.arange(L, device=x.device)
+        src = torch.where(i < off, i, r + i - off).clamp(0, r + T - 1)                # [B, L]
+        buf_kv = torch.cat((part_kv.index_select(0, slots), kv), dim=1)               # [B, r + T, hd]
+        buf_gate = torch.cat((part_gate.index_select(0, slots), gate), dim=1)
+        pooled = ops.compress_pool(gather_rows(buf_kv, src).unflatten(1, (-1, r)),
+                                   gather_rows(buf_gate, src).unflatten(1, (-1, r)))  # [B, G, hd]
+        latent = ops.rmsnorm(pooled.to(x.dtype), self.c_norm, self.c.rms_norm_eps)
+        g = torch.arange(L // r, device=x.device)
+        t = torch.div(p0 - off, r, rounding_mode="floor") + g                         # [B, G]
+        complete = (g + 1) * r <= off + nvalid
+        # the trailing incomplete group becomes the new partial state
+        start = torch.div(off + nvalid, r, rounding_mode="floor") * r                 # [B, 1]
+        j = start + torch.arange(r, device=x.device)
+        psrc = torch.where(j < off, j, r + j - off).clamp(0, r + T - 1)
+        part_kv.index_copy_(0, slots, gather_rows(buf_kv, psrc))
+        part_gate.index_copy_(0, slots, gather_rows(buf_gate, psrc))
+        return latent, t, complete
+
+    def _write_compressed(self, latent, t, complete, block_table, ckv, ikeys):
+        c, eps = self.c, self.c.rms_norm_eps
+        freqs = rope_frequencies(c.qk_rope_head_dim, c.compress_rope_theta, c.rope_scaling)
+        cang = rope_angles(t * self.ratio, freqs)
+        ckv_new = maybe_quant(apply_rope(latent, cang), "nvfp4", self.cache_quant)
+        ik = ops.rmsnorm(F.linear(latent, self.iwk.to(latent.dtype)), self.ik_norm, eps)
+        ik_new = maybe_quant(apply_rope(ik, cang), "mxfp4", self.cache_quant)
+        write_pages(ckv, block_table, t, complete, ckv_new.to(ckv.dtype))
+        write_pages(ikeys, block_table, t, complete, ik_new.to(ikeys.dtype))
+
+    def decode(self, h, pre, positions, slots, block_table, win, ckv, ikeys, part_kv=None, part_gate=None):
+        """-> (h, pre, topk [B, T, K]) and, for the candidate source, cand [B, T, Wc]."""
+        x, mix = self._site_input(h, pre)
+        angles = self._angles(positions)
+        q, q_lat, kv = self._project(x, angles)
+        keys, valid = self._window_keys(kv, positions, slots, win)
+        latent, t, complete = self._compress(x, positions, slots, part_kv, part_gate)
+        self._write_compressed(latent, t, complete, block_table, ckv, ikeys)
+        ckv_all, ik_all = gather_pages(ckv, block_table), gather_pages(ikeys, block_table)
+        topk, cand = self._select(x, q_lat, angles, positions, ik_all, None, self.candidate_source)
+        sel, sel_valid = self._selected_keys(ckv_all, topk)
+        out = self._attend(q, torch.cat((keys, sel.to(keys.dtype)), 2), torch.cat((valid, sel_valid), 2), angles)
+        h, pre = self._finish(out, h, mix)
+        return (h, pre, topk, cand) if self.candidate_source else (h, pre, topk)
+
+
+class ReindexAttention(_Attention):
+    """Index sources that are not kv sources: own queries over the latest source's keys."""
+
+    kind = "attn_reindex"
+
+    def __init__(self, c: TextConfig, *, ratio: int, uses_candidates: bool, dtype: torch.dtype,
+                 cache_quant: bool):
+        self.ratio = ratio
+        super().__init__(c, _indexer_query_specs(c), dtype=dtype, cache_quant=cache_quant)
+        self.uses_candidates = uses_candidates
+        self.kind = f"attn_reindex_r{ratio}" + ("_cand" if uses_candidates else "")
+
+    def decode(self, h, pre, positions, slots, block_table, win, ckv, ikeys, cand=None):
+        """-> (h, pre, topk [B, T, K])."""
+        x, mix = self._site_input(h, pre)
+        angles = self._angles(positions)
+        q, q_lat, kv = self._project(x, angles)
+        keys, valid = self._window_keys(kv, positions, slots, win)
+        ckv_all, ik_all = gather_pages(ckv, block_table), gather_pages(ikeys, block_table)
+        topk, _ = self._select(x, q_lat, angles, positions, ik_all, cand, False)
+        sel, sel_valid = self._selected_keys(ckv_all, topk)
+        out = self._attend(q, torch.cat((keys, sel.to(keys.dtype)), 2), torch.cat((valid, sel_valid), 2), angles)
+        h, pre = self._finish(out, h, mix)
+        return h, pre, topk
+
+
+class ReuseAttention(_Attention):
+    """Other compressed layers: the previous layer's compressed KV and selection, unchanged."""
+
+    kind = "attn_reuse"
+
+    def __init__(self, c: TextConfig, *, ratio: int, dtype: torch.dtype, cache_quant: bool):
+        self.ratio = ratio
+        super().__init__(c, [], dtype=dtype, cache_quant=cache_quant)
+        self.kind = f"attn_reuse_r{ratio}"
+
+    def decode(self, h, pre, positions, slots, block_table, win, ckv, topk):
+        """-> (h, pre)."""
+        x, mix = self._site_input(h, pre)
+        angles = self._angles(positions)
+        q, _, kv = self._project(x, angles)
+        keys, valid = self._window_keys(kv, positions, slots, win)
+        sel, sel_valid = self._selected_keys(gather_pages(ckv, block_table), topk)
+        out = self._attend(q, torch.cat((keys, sel.to(keys.dtype)), 2), torch.cat((valid, sel_valid), 2), angles)
+        return self._finish(out, h, mix)

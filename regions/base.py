@@ -1,0 +1,77 @@
+"""What every region module shares: weight specs, the rank buffer, the dtype.
+
+A region is an `nn.Module` whose compiled method (`decode`) is a pure function
+of its inputs: activations, the layer's state views, positions, the layer's
+weights (registered buffers, lifted into graph inputs by the compiler) and the
+rank (a registered buffer). One instance holds one layer's weights; every layer
+of a kind runs the same traced graph with its own weights bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# checkpoint storage dtype name -> dtype the region holds it in. fp8 codes, fp4
+# pairs and ue8m0 scales travel as uint8 (no dtype bitcasts inside graphs).
+CKPT_DTYPES = {
+    "F8_E4M3": torch.uint8,
+    "F8_E8M0": torch.uint8,
+    "I8": torch.uint8,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+}
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """One weight of a region: its buffer, checkpoint key, shape and storage dtype.
+
+    `key` is relative to the layer prefix (`layers.N.`) and may contain `{e}`:
+    then the buffer stacks `experts` checkpoint tensors along a new first dim.
+    """
+
+    name: str
+    key: str
+    shape: tuple[int, ...]
+    ckpt_dtype: str
+    experts: int = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return CKPT_DTYPES[self.ckpt_dtype]
+
+    @property
+    def buffer_shape(self) -> tuple[int, ...]:
+        return ((self.experts,) if self.experts else ()) + self.shape
+
+
+def fp8_specs(name: str, key: str, rows: int, cols: int) -> list[WeightSpec]:
+    """An fp8 [rows, cols] weight and its [ceil(rows/32), ceil(cols/32)] ue8m0 scale."""
+    return [WeightSpec(name, f"{key}.weight", (rows, cols), "F8_E4M3"),
+            WeightSpec(f"{name}_s", f"{key}.scale", (-(-rows // 32), -(-cols // 32)), "F8_E8M0")]
+
+
+def fp4_specs(name: str, key: str, rows: int, cols: int, experts: int) -> list[WeightSpec]:
+    """Per-expert fp4 [rows, cols] weights (packed [rows, cols/2]) and [rows, cols/32] scales."""
+    return [WeightSpec(name, f"{key}.weight", (rows, cols // 2), "I8", experts),
+            WeightSpec(f"{name}_s", f"{key}.scale", (rows, -(-cols // 32)), "F8_E8M0", experts)]
+
+
+class Region(nn.Module):
+    """Base of every region: allocates the weight buffers and the rank buffer."""
+
+    kind: str = ""
+
+    def __init__(self, specs: list[WeightSpec], dtype: torch.dtype):
+        super().__init__()
+        self.specs = specs
+        self.dtype = dtype
+        self.register_buffer("rank", torch.zeros((), dtype=torch.int64))
+        for spec in specs:
+            self.register_buffer(spec.name, torch.zeros(spec.buffer_shape, dtype=spec.dtype))
+
+    def w(self, name: str) -> torch.Tensor:
+        return getattr(self, name)

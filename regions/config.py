@@ -1,0 +1,316 @@
+"""The DeepSeek-V4.1 model config, parsed from a release's `config.json`.
+
+The release nests the text model under `text_config`, the vision tower under
+`vision_config` and the weight format under `quantization_config`. Parsing
+checks every key this project uses for type and range, and the attention
+schedule rules of MODEL.md; other keys (the draft's `dspark_*`, ...) are kept
+untouched in `extra` so a bundle can record them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deepinfer.errors import ConfigError
+
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int = 1
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    max_position_embeddings: int = 1048576
+    rms_norm_eps: float = 1e-20
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: dict | None = None
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int = 1
+    moe_intermediate_size: int
+    scoring_func: str = "sqrtsoftplus"
+    topk_method: str = "noaux_tc"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    hidden_act: str = "silu"
+    sliding_window: int
+    compress_ratios: tuple[int, ...]
+    kv_source_layer_ids: tuple[int, ...]
+    index_source_layer_ids: tuple[int, ...]
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    candidate_source_layer_id: int = -1
+    candidate_topk_blocks: int = 1
+    candidate_block_size: int = 1
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    engram_layer_ids: tuple[int, ...] = ()
+    engram_num_embeddings: tuple[int, ...] = ()
+    engram_max_ngram_size: int = 4
+    engram_vocab_size: int = 2
+    engram_n_heads: int = 1
+    engram_head_dim: int = 32
+    engram_pad_token_id: int = 2
+    engram_compressed_vocab_size: int = 0
+    num_nextn_predict_layers: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def engram_hash_heads(self) -> int:
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    def layer_kind(self, layer: int) -> str:
+        """The attention kind of `layer`: window, source, reindex or reuse."""
+        if self.compress_ratios[layer] == 0:
+            return "window"
+        if layer in self.kv_source_layer_ids:
+            return "source"
+        if layer in self.index_source_layer_ids:
+            return "reindex"
+        return "reuse"
+
+    def kv_source_of(self, layer: int) -> int:
+        """The latest kv source at or before `layer` (validated to exist)."""
+        return max(s for s in self.kv_source_layer_ids if s <= layer)
+
+    def uses_candidates(self, layer: int) -> bool:
+        """Whether `layer`'s index selection is restricted to the candidate pool."""
+        c = self.candidate_source_layer_id
+        return 0 <= c < layer and layer in self.index_source_layer_ids
+
+
+@dataclass(frozen=True, kw_only=True)
+class VisionConfig:
+    num_hidden_layers: int = 0
+    hidden_size: int = 1024
+    num_attention_heads: int = 16
+    intermediate_size: int = 2816
+    patch_size: int = 14
+    rope_theta: float = 10000.0
+    downsample_ratio: int = 3
+    max_image_tokens: int = 1024
+    min_pixels: int = 295936
+    max_wh_ratio: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantConfig:
+    quant_method: str = "fp8"
+    activation_scheme: str = "dynamic"
+    weight_block_size: tuple[int, ...] = (32, 32)
+    scale_fmt: str = "ue8m0"
+    expert_dtype: str = "fp4"
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class V41Config:
+    text: TextConfig
+    vision: VisionConfig
+    quant: QuantConfig
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    pad_token_id: int = 2
+    image_token_id: int = 129264
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "bfloat16"
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """The release-shaped nested dict (what `config.json` holds)."""
+        out = _flat(self)
+        out["text_config"] = _flat(self.text)
+        out["vision_config"] = _flat(self.vision)
+        out["quantization_config"] = _flat(self.quant)
+        return out
+
+    def digest(self) -> str:
+        """sha256 of the normalized config (sorted keys, no whitespace)."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _flat(obj) -> dict:
+    out = {}
+    for f in dataclasses.fields(obj):
+        if f.name in ("text", "vision", "quant", "extra"):
+            continue
+        value = getattr(obj, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    out.update(obj.extra)
+    return out
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _check_type(value: Any, annotation: str, where: str) -> Any:
+    """Coerce a JSON value to a dataclass field's annotated type, or raise."""
+    base = annotation.replace(" | None", "")
+    if value is None and "None" in annotation:
+        return None
+    if base == "int" and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if base == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if base == "bool" and isinstance(value, bool):
+        return value
+    if base == "str" and isinstance(value, str):
+        return value
+    if base == "dict" and isinstance(value, dict):
+        return value
+    if base.startswith("tuple[int") and isinstance(value, list):
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return tuple(value)
+    raise ConfigError(f"{where}: expected {annotation}, got {json.dumps(value)}")
+
+
+def _build(cls, data: Any, where: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected an object, got {type(data).__name__}")
+    kwargs, extra = {}, {}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        f = fields.get(key)
+        if f is None or key in ("extra", "text", "vision", "quant"):
+            extra[key] = value
+            continue
+        kwargs[key] = _check_type(value, str(f.type), f"{where}.{key}")
+    missing = [
+        n for n, f in fields.items()
+        if n not in kwargs and n not in ("extra", "text", "vision", "quant")
+        and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{where}: missing required key(s) {', '.join(missing)}")
+    return kwargs, extra
+
+
+def parse_config(data: dict, source: str = CONFIG_FILE) -> V41Config:
+    """Parse and validate a release-shaped config dict; `source` names it in errors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object at the top level")
+    model_type = data.get("model_type")
+    if model_type != "deepseek_v41":
+        raise ConfigError(f"{source}: model_type is {model_type!r}, expected 'deepseek_v41'")
+    top = {k: v for k, v in data.items()
+           if k not in ("text_config", "vision_config", "quantization_config")}
+    if "text_config" not in data:
+        raise ConfigError(f"{source}: missing required key text_config")
+    kw, extra = _build(TextConfig, data["text_config"], f"{source}: text_config")
+    text = TextConfig(**kw, extra=extra)
+    kw, extra = _build(VisionConfig, data.get("vision_config", {}), f"{source}: vision_config")
+    vision = VisionConfig(**kw, extra=extra)
+    kw, extra = _build(QuantConfig, data.get("quantization_config", {}),
+                       f"{source}: quantization_config")
+    quant = QuantConfig(**kw, extra=extra)
+    kw, extra = _build(V41Config, top, source)
+    config = V41Config(text=text, vision=vision, quant=quant, **kw, extra=extra)
+    validate(config, source)
+    return config
+
+
+def load_config(path: str | Path) -> V41Config:
+    """Read `config.json` from a checkpoint directory (or the file itself)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / CONFIG_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file; a checkpoint directory needs {CONFIG_FILE}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    return parse_config(data, str(path))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _require(cond: bool, source: str, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{source}: text_config.{key}: {message}")
+
+
+def validate(config: V41Config, source: str = CONFIG_FILE) -> None:
+    """Check value ranges and the attention schedule rules of MODEL.md."""
+    t = config.text
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                "qk_rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "n_routed_experts",
+                "num_experts_per_tok", "moe_intermediate_size", "sliding_window", "index_n_heads",
+                "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters"):
+        _require(getattr(t, key) > 0, source, key, f"must be a positive integer, got {getattr(t, key)}")
+    _require(t.num_key_value_heads == 1, source, "num_key_value_heads",
+             "V4.1 uses one shared latent (MQA); expected 1")
+    _require(t.n_shared_experts == 1, source, "n_shared_experts", "expected 1")
+    _require(t.num_attention_heads % t.o_groups == 0, source, "o_groups",
+             f"must divide num_attention_heads={t.num_attention_heads}")
+    _require(t.qk_rope_head_dim % 2 == 0 and t.qk_rope_head_dim <= min(t.head_dim, t.index_head_dim),
+             source, "qk_rope_head_dim", "must be even and at most head_dim and index_head_dim")
+    _require(t.num_experts_per_tok <= t.n_routed_experts, source, "num_experts_per_tok",
+             f"must not exceed n_routed_experts={t.n_routed_experts}")
+    _require(t.scoring_func == "sqrtsoftplus", source, "scoring_func", "only 'sqrtsoftplus' is supported")
+    _require(t.hidden_act == "silu", source, "hidden_act", "only 'silu' is supported")
+    for key in ("rms_norm_eps", "rope_theta", "compress_rope_theta", "hc_eps"):
+        value = getattr(t, key)
+        _require(math.isfinite(value) and value > 0, source, key, f"must be finite and positive, got {value}")
+    n = t.num_hidden_layers
+    _require(len(t.compress_ratios) >= n, source, "compress_ratios",
+             f"has {len(t.compress_ratios)} entries, needs one per layer ({n})")
+    _require(all(r >= 0 for r in t.compress_ratios), source, "compress_ratios", "must be non-negative")
+    for key in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
+        ids = getattr(t, key)
+        _require(list(ids) == sorted(set(ids)) and all(0 <= i for i in ids), source, key,
+                 f"must be strictly increasing non-negative layer ids, got {list(ids)}")
+    _require(set(t.kv_source_layer_ids) <= set(t.index_source_layer_ids), source, "kv_source_layer_ids",
+             "every kv source must also be an index source (index_source_layer_ids)")
+    owner = None
+    for layer in range(n):
+        ratio = t.compress_ratios[layer]
+        if ratio == 0:
+            _require(layer not in t.index_source_layer_ids, source, "index_source_layer_ids",
+                     f"layer {layer} has compress ratio 0 and cannot be a kv or index source")
+            continue
+        if layer in t.kv_source_layer_ids:
+            owner = ratio
+        _require(owner == ratio, source, "compress_ratios",
+                 f"compressed layer {layer} (ratio {ratio}) needs an earlier kv source with the same ratio")
+    c = t.candidate_source_layer_id
+    _require(c >= -1, source, "candidate_source_layer_id", "must be -1 (disabled) or a layer id")
+    if c >= 0:
+        _require(c in t.kv_source_layer_ids, source, "candidate_source_layer_id",
+                 f"layer {c} must be a kv source")
+        _require(t.candidate_block_size > 0 and t.candidate_topk_blocks > 0, source,
+                 "candidate_block_size", "candidate_block_size and candidate_topk_blocks must be positive")
+        later_sources = [s for s in t.kv_source_layer_ids if s > c]
+        _require(not later_sources, source, "kv_source_layer_ids",
+                 f"kv source {later_sources} after the candidate source {c} is not supported")
+    _require(len(t.engram_layer_ids) == len(t.engram_num_embeddings), source, "engram_num_embeddings",
+             "needs one row count per engram_layer_ids entry")
+    if t.engram_layer_ids:
+        _require(t.engram_max_ngram_size >= 2, source, "engram_max_ngram_size", "must be at least 2")
+        _require(0 <= t.engram_pad_token_id < t.vocab_size, source, "engram_pad_token_id",
+                 "must be a token id inside the vocabulary")
+        _require(all(r > 0 for r in t.engram_num_embeddings), source, "engram_num_embeddings",
+                 "row counts must be positive")
+    if not 0 <= config.image_token_id < t.vocab_size:
+        raise ConfigError(f"{source}: image_token_id {config.image_token_id} is outside the vocabulary")

@@ -1,0 +1,54 @@
+"""Engram: an n-gram-hashed memory added to the streams before a layer's attention.
+
+Per stream i: dot = sum(rms(h_i) * q_w_i * rms(key_i) * k_w_i) / sqrt(D),
+gate = sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))), h_i += gate * value, where
+(key_0..key_{n-1}, value) = wkv(looked-up rows). The hashes are computed on the
+host from the token history (`deepinfer.regions.engram_hash`); the table rows are
+fp8 with one ue8m0 scale per row and 32 channels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from deepinfer.kernels.formats import dequant_fp8_rows
+from deepinfer.regions.base import Region, WeightSpec, fp8_specs
+from deepinfer.regions.config import TextConfig
+
+ops = torch.ops.deepinfer
+
+
+def engram_specs(c: TextConfig, rows: int) -> list[WeightSpec]:
+    n, D, hd = c.hc_mult, c.hidden_size, c.engram_head_dim
+    return [
+        WeightSpec("table", "engram.embed.weight", (rows, hd), "F8_E4M3"),
+        WeightSpec("table_s", "engram.embed.scale", (rows, -(-hd // 32)), "F8_E8M0"),
+        *fp8_specs("wkv", "engram.wkv", (n + 1) * D, c.engram_hash_heads * hd),
+        WeightSpec("q_weight", "engram.q_weight", (n, D), "BF16"),
+        WeightSpec("k_weight", "engram.k_weight", (n, D), "BF16"),
+    ]
+
+
+class Engram(Region):
+    kind = "engram"
+
+    def __init__(self, c: TextConfig, *, rows: int, dtype: torch.dtype):
+        super().__init__(engram_specs(c, rows), dtype)
+        self.c = c
+
+    def decode(self, h: Tensor, hash_ids: Tensor, token_mask: Tensor) -> Tensor:
+        """h [B, T, n, D], hash_ids [B, T, hash_heads] table rows, token_mask [B, T] bool -> h."""
+        c = self.c
+        n, D, eps = c.hc_mult, c.hidden_size, c.rms_norm_eps
+        rows = dequant_fp8_rows(self.table[hash_ids], self.table_s[hash_ids], h.dtype)   # [B, T, hh, hd]
+        kv = ops.blockquant_gemm(rows.flatten(-2), self.wkv, self.wkv_s, "fp8")          # [B, T, (n+1)*D]
+        key, value = kv.split((n * D, D), dim=-1)
+        key = key.float().unflatten(-1, (n, D))
+        hf = h.float()
+        weights = self.q_weight.float() * self.k_weight.float()                          # [n, D]
+        rstd = torch.rsqrt(hf.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+        dot = (hf * weights * key).sum(-1) * rstd * D ** -0.5                            # [B, T, n]
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        gate = gate * token_mask.unsqueeze(-1).to(gate.dtype)
+        return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)

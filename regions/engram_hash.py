@@ -1,0 +1,92 @@
+"""Host-side n-gram hashes that address the engram tables.
+
+For engram layer `l` (its index `li` among `engram_layer_ids`), position p and
+n-gram size m in 2..max_ngram: tokens at shifts 0..max_ngram-1 (the pad id
+before the sequence start, or once any earlier shift crossed a masked token)
+are multiplied by the layer's odd multipliers (numpy `default_rng(10007 * l)`),
+XOR-folded, and for each of `engram_n_heads` heads reduced `mod prime + offset`.
+Primes are consecutive primes above `engram_vocab_size - 1`, distinct across all
+layers and sizes; offsets are the running sums of a layer's primes.
+
+Token ids go through the engram token map first. deepinfer uses the identity
+map (a byte-level tokenizer has nothing to normalise), which requires
+`engram_compressed_vocab_size == vocab_size`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from deepinfer.errors import ConfigError
+from deepinfer.regions.config import TextConfig
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+
+
+class EngramHasher:
+    def __init__(self, c: TextConfig):
+        if c.engram_layer_ids and c.engram_compressed_vocab_size != c.vocab_size:
+            raise ConfigError(
+                f"config.json: text_config.engram_compressed_vocab_size={c.engram_compressed_vocab_size} differs "
+                f"from vocab_size={c.vocab_size}; deepinfer only supports the identity engram token map")
+        self.max_ngram = c.engram_max_ngram_size
+        self.heads = c.engram_n_heads
+        self.pad = c.engram_pad_token_id
+        bound = max(1, (np.iinfo(np.int64).max // max(c.engram_compressed_vocab_size, 1)) // 2)
+        seen: set[int] = set()
+        self.primes, self.offsets, self.multipliers = [], [], []
+        for layer, rows in zip(c.engram_layer_ids, c.engram_num_embeddings):
+            primes = []
+            for _ in range(self.max_ngram - 1):
+                p = c.engram_vocab_size - 1
+                for _ in range(self.heads):
+                    p += 1
+                    while not _is_prime(p) or p in seen:
+                        p += 1
+                    seen.add(p)
+                    primes.append(p)
+            if sum(primes) > rows:
+                raise ConfigError(f"config.json: text_config.engram_num_embeddings: layer {layer} needs "
+                                  f"{sum(primes)} rows for its hash buckets, has {rows}")
+            rng = np.random.default_rng(10007 * layer)
+            self.primes.append(np.array(primes, dtype=np.int64))
+            self.offsets.append(np.cumsum([0] + primes[:-1]).astype(np.int64))
+            self.multipliers.append(rng.integers(0, bound, size=self.max_ngram, dtype=np.int64) * 2 + 1)
+
+    def hashes(self, ids: np.ndarray, start: int, count: int, masked: np.ndarray | None = None) -> np.ndarray:
+        """Rows for positions start..start+count-1 of one sequence -> int64 [count, layers, hash_heads].
+
+        ids: the sequence's token ids up to at least start+count-1; masked (bool,
+        same length, optional): positions (image tokens) that block the n-grams.
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        pos = np.arange(start, start + count)
+        blocked = np.zeros(count, dtype=bool)
+        tokens = []
+        for shift in range(self.max_ngram):
+            src = pos - shift
+            ok = src >= 0
+            tok = ids[np.maximum(src, 0)]
+            blocked |= ~ok
+            if masked is not None:
+                blocked |= np.asarray(masked, dtype=bool)[np.maximum(src, 0)] & ok
+            tokens.append(np.where(blocked, self.pad, tok))
+        tokens = np.stack(tokens, axis=-1)                                  # [count, max_ngram]
+        out = []
+        for primes, offsets, mult in zip(self.primes, self.offsets, self.multipliers):
+            products = tokens * mult                                       # [count, max_ngram]
+            rolling, heads = products[:, 0], []
+            for shift in range(1, self.max_ngram):
+                rolling = rolling ^ products[:, shift]
+                p = primes[(shift - 1) * self.heads: shift * self.heads]
+                heads.append(rolling[:, None] % p)
+            out.append(np.concatenate(heads, axis=-1) + offsets)
+        return np.stack(out, axis=1)

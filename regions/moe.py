@@ -1,0 +1,86 @@
+"""The FFN site of every layer: hyper-connection mixes, ffn_norm, MoE, expand.
+
+Routing: gate logits in float32, s = sqrt(softplus(logits)); experts = top-k of
+s + bias (`bias_vl` for image tokens); weights = s of the selected experts,
+normalised to sum one, times routed_scaling_factor. Routed experts (fp4, per-32
+ue8m0 scales) gather the selected experts' weights per token (`[N, k, ...]`),
+so the graph has static shapes whatever the routing. Each expert and the fp8
+shared expert is a clamped SwiGLU; routed outputs accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from deepinfer.kernels import hc as _hc  # noqa: F401  (registers ops)
+from deepinfer.regions.base import Region, WeightSpec, fp4_specs, fp8_specs
+from deepinfer.regions.config import TextConfig
+
+ops = torch.ops.deepinfer
+
+
+def moe_specs(c: TextConfig) -> list[WeightSpec]:
+    n, D, I, E = c.hc_mult, c.hidden_size, c.moe_intermediate_size, c.n_routed_experts
+    return [
+        WeightSpec("hc_fn", "hc_ffn_fn", ((2 + n) * n, n * D), "F32"),
+        WeightSpec("hc_base", "hc_ffn_base", ((2 + n) * n,), "F32"),
+        WeightSpec("hc_scale", "hc_ffn_scale", (3,), "F32"),
+        WeightSpec("ffn_norm", "ffn_norm.weight", (D,), "BF16"),
+        WeightSpec("gate", "ffn.gate.weight", (E, D), "BF16"),
+        WeightSpec("gate_bias", "ffn.gate.bias", (E,), "F32"),
+        WeightSpec("gate_bias_vl", "ffn.gate.bias_vl", (E,), "F32"),
+        *fp4_specs("w1", "ffn.experts.{e}.w1", I, D, E),
+        *fp4_specs("w3", "ffn.experts.{e}.w3", I, D, E),
+        *fp4_specs("w2", "ffn.experts.{e}.w2", D, I, E),
+        *fp8_specs("sw1", "ffn.shared_experts.w1", I, D),
+        *fp8_specs("sw3", "ffn.shared_experts.w3", I, D),
+        *fp8_specs("sw2", "ffn.shared_experts.w2", D, I),
+    ]
+
+
+def route(x: Tensor, gate: Tensor, bias: Tensor, k: int, normalize: bool, scale: float):
+    """x [N, D], gate [E, D], bias [N, E] -> (weights [N, k] f32, experts [N, k])."""
+    s = torch.sqrt(F.softplus(F.linear(x.float(), gate.float())))                   # [N, E]
+    experts = (s + bias).topk(k, dim=-1).indices
+    weights = s.gather(1, experts)
+    if normalize and k > 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, experts
+
+
+class MoE(Region):
+    kind = "moe"
+
+    def __init__(self, c: TextConfig, *, dtype: torch.dtype):
+        super().__init__(moe_specs(c), dtype)
+        self.c = c
+
+    def routed(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """x [N, D] through the selected experts, weighted and summed -> [N, D] (x's dtype)."""
+        limit, k = self.c.swiglu_limit, experts.shape[1]
+        xk = x.unsqueeze(1).expand(-1, k, -1)                                         # [N, k, D]
+        g = ops.blockquant_gemm(xk, self.w1[experts], self.w1_s[experts], "fp4")      # [N, k, I]
+        u = ops.blockquant_gemm(xk, self.w3[experts], self.w3_s[experts], "fp4")
+        a = ops.swiglu(g, u, weights.unsqueeze(-1), limit)
+        y = ops.blockquant_gemm(a, self.w2[experts], self.w2_s[experts], "fp4")       # [N, k, D]
+        return y.float().sum(1).to(x.dtype)
+
+    def shared(self, x: Tensor) -> Tensor:
+        g = ops.blockquant_gemm(x, self.sw1, self.sw1_s, "fp8")
+        u = ops.blockquant_gemm(x, self.sw3, self.sw3_s, "fp8")
+        return ops.blockquant_gemm(ops.swiglu(g, u, None, self.c.swiglu_limit), self.sw2, self.sw2_s, "fp8")
+
+    def decode(self, h: Tensor, pre: Tensor, is_image: Tensor):
+        """h [B, T, n, D], pre [B, T, n] (the attention site's), is_image [B, T] bool -> (h, pre)."""
+        c = self.c
+        pre_f, post, comb = ops.hc_mixes(h, self.hc_fn, self.hc_base, self.hc_scale,
+                                         c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        x = ops.rmsnorm(ops.hc_collapse(h, pre), self.ffn_norm, c.rms_norm_eps)     # [B, T, D]
+        xf = x.flatten(0, 1)                                                          # [N, D]
+        bias = torch.where(is_image.flatten().unsqueeze(-1), self.gate_bias_vl, self.gate_bias)
+        weights, experts = route(xf, self.gate, bias, c.num_experts_per_tok, c.norm_topk_prob,
+                                 c.routed_scaling_factor)
+        out = (self.routed(xf, weights, experts) + self.shared(xf)).view_as(x)
+        return ops.hc_expand(out, h, post, comb), pre_f

@@ -1,0 +1,59 @@
+"""Per-layer KV/state layouts of a V4.1 model (see `regions/attention.py` for their meaning).
+
+`state_layout` is the one place that knows which layer owns which state and
+its shape, given the pool geometry: `slots` sequence slots (slot 0 scratch),
+`blocks` paged blocks of `block_size` token positions (block 0 scratch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.errors import ConfigError
+from deepinfer.regions.config import TextConfig
+from deepinfer.regions.plan import LayerPlan
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def check_block_size(c: TextConfig, block_size: int) -> None:
+    ratios = {r for r in c.compress_ratios[: c.num_hidden_layers] if r}
+    bad = [r for r in ratios if block_size % r]
+    if block_size <= 0 or bad:
+        raise ConfigError(f"block_size {block_size} must be a positive multiple of every compress ratio "
+                          f"{sorted(ratios)}")
+
+
+def layer_state(c: TextConfig, p: LayerPlan, *, slots: int, blocks: int, block_size: int,
+                dtype: torch.dtype) -> list[StateSpec]:
+    """The state views layer `p` owns (reuse/reindex layers read their source's)."""
+    hd = c.head_dim
+    specs = [StateSpec("win", (slots, c.sliding_window, hd), dtype)]
+    if p.attn == "source":
+        per_block = block_size // p.ratio
+        specs += [StateSpec("ckv", (blocks, per_block, hd), dtype),
+                  StateSpec("ikeys", (blocks, per_block, c.index_head_dim), dtype)]
+        if p.ratio > 1:
+            specs += [StateSpec("part_kv", (slots, p.ratio, hd), torch.float32),
+                      StateSpec("part_gate", (slots, p.ratio, hd), torch.float32)]
+    return specs
+
+
+def state_layout(c: TextConfig, plans: list[LayerPlan], *, slots: int, blocks: int, block_size: int,
+                 dtype: torch.dtype) -> dict[int, list[StateSpec]]:
+    check_block_size(c, block_size)
+    return {p.layer: layer_state(c, p, slots=slots, blocks=blocks, block_size=block_size, dtype=dtype)
+            for p in plans}
+
+
+def allocate(layout: dict[int, list[StateSpec]]) -> dict[int, dict[str, torch.Tensor]]:
+    """Zero-filled tensors for a layout (the reference model's own buffers)."""
+    return {layer: {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs}
+            for layer, specs in layout.items()}

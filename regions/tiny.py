@@ -1,0 +1,171 @@
+"""`deepinfer make-tiny`: a deterministic random V4.1 checkpoint in the release layout.
+
+Same file layout, tensor names and storage dtypes as the release (config.json,
+model.safetensors and its index; fp8 e4m3 weights with [32, 32] F8_E8M0 scales,
+fp4 experts two a byte with per-32 F8_E8M0 scales, bf16 norms and embeddings,
+f32 hyper-connection parameters, fp8 engram tables with per-row scales), at a
+size that runs in milliseconds. Every layer kind is present (MODEL.md's tiny
+layer plan); `layers` > 6 repeats the pattern. Weights are scaled so that
+activations stay near unit RMS and greedy generation moves through many tokens.
+The tokenizer is byte-level (`deepinfer.regions.tokenizer`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from deepinfer.errors import ConfigError
+from deepinfer.quant.blockfp8 import quantize_fp8_blocks
+from deepinfer.quant.fp4 import quantize_mxfp4
+from deepinfer.quant.fp8 import E4M3FN_MAX, e4m3fn_encode
+from deepinfer.quant.ue8m0 import UE8M0_LUT, scale_bytes_for
+from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE
+from deepinfer.regions.config import CONFIG_FILE, parse_config
+from deepinfer.regions.plan import make_head, make_layer_regions, plan_layers
+
+MIN_LAYERS = 6
+
+
+def tiny_config(layers: int = MIN_LAYERS) -> dict:
+    """The release-shaped config.json of a tiny model with `layers` layers."""
+    if layers < MIN_LAYERS:
+        raise ConfigError(f"--layers {layers}: a tiny model needs at least {MIN_LAYERS} layers "
+                          "to hold every layer kind")
+    n2 = (layers - 2) // 2
+    src2, src1 = 2, 2 + n2
+    reindex = list(range(src1 + 1, layers, 2))
+    text = {
+        "model_type": "deepseek_v41_text",
+        "vocab_size": 288, "hidden_size": 256, "num_hidden_layers": layers,
+        "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 64, "qk_rope_head_dim": 16,
+        "q_lora_rank": 64, "o_lora_rank": 32, "o_groups": 2, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-20, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1},
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "moe_intermediate_size": 64, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc",
+        "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "hidden_act": "silu",
+        "sliding_window": 8,
+        "compress_ratios": [0, 0] + [2] * n2 + [1] * (layers - 2 - n2),
+        "kv_source_layer_ids": [src2, src1],
+        "index_source_layer_ids": [src2, src1] + reindex,
+        "index_n_heads": 4, "index_head_dim": 32, "index_topk": 6,
+        "candidate_source_layer_id": src1, "candidate_topk_blocks": 2, "candidate_block_size": 4,
+        "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+        "engram_layer_ids": [1], "engram_num_embeddings": [4096], "engram_max_ngram_size": 3,
+        "engram_vocab_size": 1000, "engram_n_heads": 2, "engram_head_dim": 32,
+        "engram_pad_token_id": 2, "engram_compressed_vocab_size": 288,
+        "num_nextn_predict_layers": 0,
+    }
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+        "text_config": text,
+        "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 0, "hidden_size": 64,
+                          "num_attention_heads": 4, "intermediate_size": 128, "patch_size": 14,
+                          "rope_theta": 10000.0, "downsample_ratio": 3, "max_image_tokens": 64,
+                          "min_pixels": 3136, "max_wh_ratio": None},
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
+        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "image_token_id": 259,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    }
+
+
+def _dense_float(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Values of an unquantized tensor, by what it is."""
+    if name.endswith(("norm.weight", "q_weight", "k_weight")):
+        return 1 + 0.1 * rng.standard_normal(shape)
+    if name.endswith(("_fn",)):
+        return 0.03 * rng.standard_normal(shape)
+    if name.endswith("_base"):
+        return 0.5 * rng.standard_normal(shape)
+    if name.endswith("_scale"):
+        return 1 + 0.1 * rng.standard_normal(shape)
+    if name.endswith("attn_sink"):
+        return rng.standard_normal(shape)
+    if name.endswith(("gate.bias", "gate.bias_vl")):
+        return 0.1 * rng.standard_normal(shape)
+    return rng.standard_normal(shape) / np.sqrt(shape[-1])     # projections: unit output RMS
+
+
+def _fp8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row fp8 with one ue8m0 scale per 32 columns (engram tables)."""
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // 32, 32)
+    scales = scale_bytes_for(np.abs(g).max(-1), E4M3FN_MAX)                    # [rows, cols/32]
+    codes = e4m3fn_encode((g / UE8M0_LUT[scales][..., None]).astype(np.float32))
+    return codes.reshape(rows, cols), scales
+
+
+def _tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    cfg = parse_config(config)
+    c = cfg.text
+    rng = np.random.default_rng(seed)
+    regions = [(f"layers.{p.layer}.", r) for p in plan_layers(c)
+               for r in make_layer_regions(c, p, torch.float32, True).values()]
+    regions.append(("", make_head(c, torch.float32)))
+    out = {"embed.weight": torch.from_numpy(rng.standard_normal((c.vocab_size, c.hidden_size))
+                                            .astype(np.float32)).to(torch.bfloat16)}
+    for prefix, region in regions:
+        for spec in region.specs:
+            if spec.ckpt_dtype == "F8_E8M0":
+                continue                                  # written with its weight
+            count = spec.experts or 1
+            for e in range(count):
+                key = prefix + spec.key.format(e=e)
+                scale_key = key.removesuffix(".weight") + ".scale"
+                if spec.ckpt_dtype == "F8_E4M3":
+                    rows, cols = spec.shape
+                    w = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+                    if spec.name == "table":
+                        w = rng.standard_normal((rows, cols)).astype(np.float32)
+                        codes, scales = _fp8_rows(w)
+                    else:
+                        codes, scales = quantize_fp8_blocks(w)
+                    out[key] = torch.from_numpy(codes).view(torch.float8_e4m3fn)
+                    out[scale_key] = torch.from_numpy(scales).view(torch.float8_e8m0fnu)
+                elif spec.ckpt_dtype == "I8":
+                    rows, half = spec.shape
+                    w = (rng.standard_normal((rows, half * 2)) / np.sqrt(half * 2)).astype(np.float32)
+                    packed, scales = quantize_mxfp4(w)
+                    out[key] = torch.from_numpy(packed).view(torch.int8)
+                    out[scale_key] = torch.from_numpy(scales).view(torch.float8_e8m0fnu)
+                else:
+                    dtype = torch.bfloat16 if spec.ckpt_dtype == "BF16" else torch.float32
+                    values = _dense_float(rng, key, spec.shape).astype(np.float32)
+                    out[key] = torch.from_numpy(values).to(dtype)
+    return out
+
+
+def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = MIN_LAYERS) -> Path:
+    """Write the tiny checkpoint to `out_dir` (atomically: a sibling temp dir, then rename)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(f"{out_dir}: exists and is not empty; choose a new directory")
+    config = tiny_config(layers)
+    tensors = _tensors(config, seed)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt", "generator": "deepinfer make-tiny",
+                                                               "seed": str(seed)})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": {k: SINGLE_FILE for k in sorted(tensors)}}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        os.chmod(tmp, 0o755)
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

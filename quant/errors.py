@@ -1,0 +1,42 @@
+"""Typed errors raised by deepinfer.quant for bad user input.
+
+`QuantInputError` covers arguments that cannot be processed (wrong dtype or
+shape, non-finite values where a format has no room for them). Errors about a
+checkpoint file carry the file and tensor name in `CheckpointError`.
+Both derive from ValueError so generic callers can catch them as such.
+"""
+
+from __future__ import annotations
+
+
+class QuantInputError(ValueError):
+    """An array handed to a quant function is not what the format expects."""
+
+
+class CheckpointError(QuantInputError):
+    """A checkpoint file or one of its tensors is corrupt, truncated or of an
+    unexpected dtype/shape. The message names the file and the tensor."""
+
+    def __init__(self, path: str, tensor: str | None, problem: str, fix: str = ""):
+        where = f"{path}" + (f", tensor {tensor!r}" if tensor else "")
+        msg = f"{where}: {problem}"
+        if fix:
+            msg += f" ({fix})"
+        super().__init__(msg)
+        self.path = path
+        self.tensor = tensor
+        self.problem = problem
+
+
+def expect_dtype(arr, dtype, what: str):
+    """Return `arr` as an ndarray, raising QuantInputError if its dtype is not
+    `dtype` (no silent casts: a float64 weight or int8 code array is a caller
+    bug that would otherwise be rounded or reinterpreted quietly)."""
+    import numpy as np
+
+    a = np.asarray(arr)
+    if a.dtype != np.dtype(dtype):
+        raise QuantInputError(
+            f"{what}: expected dtype {np.dtype(dtype).name}, got {a.dtype.name} "
+            f"(convert explicitly, e.g. .view(np.uint8) for raw fp8 codes)")
+    return a

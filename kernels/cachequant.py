@@ -51,7 +51,8 @@ def quant_dequant(x: Tensor, fmt: str) -> Tensor:
         q = (g / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
     else:
         if fmt == "nvfp4":
-            scale = (amax.clamp_min(6 * 2.0**-9) / 6).to(torch.float8_e4m3fn).float()
+            # e4m3fn encoding saturates at 448 (explicit: not every torch cast does)
+            scale = (amax.clamp_min(6 * 2.0**-9) / 6).clamp(max=448).to(torch.float8_e4m3fn).float()
         else:
             scale = pow2ceil(amax.clamp_min(6 * 2.0**-126) * (1 / 6))
         q = e2m1_round((g / scale).clamp(-6, 6))

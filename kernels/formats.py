@@ -20,15 +20,24 @@ FP8_BLOCK = 32      # fp8 weights: one scale per 32x32 block
 FP4_GROUP = 32      # fp4 weights: one scale per row and 32 columns
 
 
-def e4m3fn_decode(codes: Tensor) -> Tensor:
-    """uint8 e4m3fn codes -> float32 values."""
-    c = codes.to(torch.int32)
+def _e4m3fn_values(c: Tensor) -> Tensor:
+    """int32 codes -> float32 values, by arithmetic."""
     exponent = (c >> 3) & 15
     mantissa = (c & 7).to(torch.float32)
     normal = (mantissa + 8) * torch.exp2((exponent - 10).to(torch.float32))
     magnitude = torch.where(exponent == 0, mantissa * 2.0**-9, normal)
     magnitude = torch.where((c & 127) == 127, torch.full_like(magnitude, float("nan")), magnitude)
     return torch.where(c >= 128, -magnitude, magnitude)
+
+
+def e4m3fn_decode(codes: Tensor) -> Tensor:
+    """uint8 e4m3fn codes -> float32 values.
+
+    The 256-entry table is computed in the graph (cheap) and indexed: one
+    gather per weight element instead of a chain of elementwise ops.
+    """
+    table = _e4m3fn_values(torch.arange(256, dtype=torch.int32, device=codes.device))
+    return table[codes.to(torch.int64)]
 
 
 def ue8m0_decode(codes: Tensor) -> Tensor:
@@ -39,7 +48,12 @@ def ue8m0_decode(codes: Tensor) -> Tensor:
 
 def e2m1_decode(nibbles: Tensor) -> Tensor:
     """Integer tensor of 4-bit e2m1 codes -> float32 values."""
-    n = nibbles.to(torch.int32)
+    table = _e2m1_values(torch.arange(16, dtype=torch.int32, device=nibbles.device))
+    return table[nibbles.to(torch.int64)]
+
+
+def _e2m1_values(n: Tensor) -> Tensor:
+    """int32 4-bit codes -> float32 values, by arithmetic."""
     exponent = (n >> 1) & 3
     mantissa = (n & 1).to(torch.float32)
     normal = (mantissa + 2) * torch.exp2((exponent - 2).to(torch.float32))
@@ -56,8 +70,11 @@ def _expand_blocks(scales: Tensor, rows: int, cols: int, row_block: int, col_blo
 def dequant_fp8(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
     """fp8 weight [..., N, K] with ue8m0 scales [..., ceil(N/32), ceil(K/32)] -> dtype."""
     rows, cols = codes.shape[-2], codes.shape[-1]
-    s = _expand_blocks(ue8m0_decode(scales), rows, cols, FP8_BLOCK, FP8_BLOCK)
-    return (e4m3fn_decode(codes) * s).to(dtype)
+    values, s = e4m3fn_decode(codes), ue8m0_decode(scales)
+    if rows % FP8_BLOCK or cols % FP8_BLOCK:
+        return (values * _expand_blocks(s, rows, cols, FP8_BLOCK, FP8_BLOCK)).to(dtype)
+    blocks = values.unflatten(-1, (-1, FP8_BLOCK)).unflatten(-3, (-1, FP8_BLOCK))    # [..., Nb, 32, Kb, 32]
+    return (blocks * s.unsqueeze(-1).unsqueeze(-3)).flatten(-2).flatten(-3, -2).to(dtype)
 
 
 def dequant_fp8_rows(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
@@ -69,9 +86,9 @@ def dequant_fp8_rows(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tenso
 
 def unpack_fp4(packed: Tensor) -> Tensor:
     """uint8 [..., K/2] (two e2m1 codes a byte) -> float32 [..., K]."""
-    p = packed.to(torch.int32)
-    low, high = e2m1_decode(p & 15), e2m1_decode(p >> 4)
-    return torch.stack((low, high), dim=-1).flatten(-2)
+    table = _e2m1_values(torch.arange(16, dtype=torch.int32, device=packed.device))
+    p = packed.to(torch.int64)
+    return torch.stack((table[p & 15], table[p >> 4]), dim=-1).flatten(-2)
 
 
 def dequant_fp4(packed: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:

@@ -28,7 +28,7 @@ class Kernel:
 
     @property
     def overload(self) -> torch._ops.OpOverload:
-        return getattr(torch.ops, NAMESPACE).__getattr__(self.name).default
+        return self.op._opoverload
 
 
 KERNELS: dict[str, Kernel] = {}

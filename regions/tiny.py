@@ -156,8 +156,8 @@ def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = MIN_LAYERS) -
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt", "generator": "deepinfer make-tiny",
-                                                               "seed": str(seed)})
+        # one metadata key only: safetensors writes several in random order
+        save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": {k: SINGLE_FILE for k in sorted(tensors)}}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

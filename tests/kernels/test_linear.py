@@ -1,0 +1,196 @@
+"""Block-quantized GEMM and clamped SwiGLU (kernels/linear.py), through torch.ops.deepinfer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import deepinfer.kernels  # noqa: F401  (registers the ops)
+
+OPS = torch.ops.deepinfer
+E2M1_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _fp8_codes(gen, shape) -> torch.Tensor:
+    c = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32)
+    return torch.where((c & 127) == 127, c - 1, c).to(torch.uint8)     # no NaN codes
+
+
+def _scale_bytes(gen, shape, lo=118, hi=128) -> torch.Tensor:
+    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int32).to(torch.uint8)
+
+
+def _weight_fp8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[N, K] e4m3fn codes times the 2^(s-127) of their 32x32 block, in float64."""
+    n, k = codes.shape
+    w = codes.view(torch.float8_e4m3fn).double()
+    for r in range(n):
+        for c in range(0, k, 32):
+            w[r, c:c + 32] *= math.ldexp(1.0, int(scales[r // 32, c // 32]) - 127)
+    return w
+
+
+def _weight_fp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] packed e2m1 (low nibble = even column) times 2^(s-127) per row and 32 columns."""
+    n, half = packed.shape
+    w = torch.empty(n, 2 * half, dtype=torch.float64)
+    for r in range(n):
+        for c in range(2 * half):
+            byte = int(packed[r, c // 2])
+            code = (byte >> 4) if c % 2 else (byte & 15)
+            w[r, c] = E2M1_TABLE[code] * math.ldexp(1.0, int(scales[r, c // 32]) - 127)
+    return w
+
+
+# ---------------------------------------------------------------- blockquant_gemm
+
+@pytest.mark.parametrize("n, k", [(40, 70), (32, 64), (5, 13)])
+def test_blockquant_gemm_fp8_shared_weight(n, k):
+    gen = torch.Generator().manual_seed(n * 100 + k)
+    codes = _fp8_codes(gen, (n, k))
+    scales = _scale_bytes(gen, (math.ceil(n / 32), math.ceil(k / 32)))
+    x = torch.randn(3, 5, k, generator=gen)
+    got = OPS.blockquant_gemm(x, codes, scales, "fp8")
+    assert got.shape == (3, 5, n) and got.dtype == torch.float32
+    want = x.double() @ _weight_fp8(codes, scales).T
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("n, k", [(40, 70), (8, 64), (3, 2)])
+def test_blockquant_gemm_fp4_shared_weight(n, k):
+    gen = torch.Generator().manual_seed(n * 100 + k + 1)
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scales = _scale_bytes(gen, (n, math.ceil(k / 32)))
+    x = torch.randn(4, k, generator=gen)
+    got = OPS.blockquant_gemm(x, packed, scales, "fp4")
+    assert got.shape == (4, n) and got.dtype == torch.float32
+    want = x.double() @ _weight_fp4(packed, scales).T
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_blockquant_gemm_bf16_activations():
+    gen = torch.Generator().manual_seed(2)
+    codes = _fp8_codes(gen, (40, 70))
+    scales = _scale_bytes(gen, (2, 3))
+    x = torch.randn(6, 70, generator=gen).to(torch.bfloat16)
+    got = OPS.blockquant_gemm(x, codes, scales, "fp8")
+    assert got.dtype == torch.bfloat16 and got.shape == (6, 40)
+    want = x.double() @ _weight_fp8(codes, scales).T
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("n, k", [(40, 70), (64, 32)])
+def test_blockquant_gemm_fp8_per_row_weights(n, k):
+    # MoE form: x [T, k, K] with one weight per (token, slot): codes [T, k, N, K]
+    gen = torch.Generator().manual_seed(3)
+    t, slots = 4, 3
+    codes = _fp8_codes(gen, (t, slots, n, k))
+    scales = _scale_bytes(gen, (t, slots, math.ceil(n / 32), math.ceil(k / 32)))
+    x = torch.randn(t, slots, k, generator=gen)
+    got = OPS.blockquant_gemm(x, codes, scales, "fp8")
+    assert got.shape == (t, slots, n)
+    for i in range(t):
+        for j in range(slots):
+            want = _weight_fp8(codes[i, j], scales[i, j]) @ x[i, j].double()
+            torch.testing.assert_close(got[i, j].double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_blockquant_gemm_fp4_per_row_weights():
+    gen = torch.Generator().manual_seed(4)
+    t, slots, n, k = 3, 2, 16, 96
+    packed = torch.randint(0, 256, (t, slots, n, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scales = _scale_bytes(gen, (t, slots, n, 3))
+    x = torch.randn(t, slots, k, generator=gen)
+    got = OPS.blockquant_gemm(x, packed, scales, "fp4")
+    assert got.shape == (t, slots, n)
+    for i in range(t):
+        for j in range(slots):
+            want = _weight_fp4(packed[i, j], scales[i, j]) @ x[i, j].double()
+            torch.testing.assert_close(got[i, j].double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@settings(max_examples=15, deadline=None)
+@given(lead=st.lists(st.integers(1, 3), min_size=1, max_size=2), n=st.integers(1, 40),
+       k=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_blockquant_gemm_fp8_property_shapes(lead, n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    codes = _fp8_codes(gen, (n, k))
+    scales = _scale_bytes(gen, (math.ceil(n / 32), math.ceil(k / 32)))
+    x = torch.randn(*lead, k, generator=gen)
+    got = OPS.blockquant_gemm(x, codes, scales, "fp8")
+    assert got.shape == (*lead, n)
+    want = x.double() @ _weight_fp8(codes, scales).T
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * (want.abs().max().item() + 1))
+
+
+# ---------------------------------------------------------------- swiglu
+
+def _swiglu_formula(gate, up, weight, limit):
+    g, u = gate.double(), up.double()
+    if limit > 0:
+        g = torch.minimum(g, torch.tensor(float(limit), dtype=torch.float64))
+        u = torch.maximum(torch.minimum(u, torch.tensor(float(limit), dtype=torch.float64)),
+                          torch.tensor(-float(limit), dtype=torch.float64))
+    y = g / (1 + torch.exp(-g)) * u
+    return y if weight is None else y * weight.double()
+
+
+@pytest.mark.parametrize("limit", [10.0, 3.0, 0.0, -1.0])
+@pytest.mark.parametrize("with_weight", [False, True])
+def test_swiglu_matches_formula(limit, with_weight):
+    gen = torch.Generator().manual_seed(int(limit) + 20)
+    gate = torch.randn(3, 5, 64, generator=gen) * 8
+    up = torch.randn(3, 5, 64, generator=gen) * 8
+    weight = torch.rand(3, 5, 1, generator=gen) if with_weight else None
+    got = OPS.swiglu(gate, up, weight, limit)
+    assert got.dtype == torch.float32 and got.shape == gate.shape
+    torch.testing.assert_close(got.double(), _swiglu_formula(gate, up, weight, limit), rtol=1e-5, atol=1e-6)
+
+
+def test_swiglu_clamps_gate_above_only_and_up_both_sides():
+    gate = torch.tensor([-15.0, 15.0, 1.0, 1.0, 12.0])
+    up = torch.tensor([1.0, 1.0, 15.0, -15.0, -12.0])
+    got = OPS.swiglu(gate, up, None, 10.0)
+    silu = lambda v: v / (1 + math.exp(-v))                   # noqa: E731
+    want = [silu(-15.0) * 1, silu(10.0) * 1, silu(1.0) * 10, silu(1.0) * -10, silu(10.0) * -10]
+    torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("limit", [0.0, -5.0])
+def test_swiglu_non_positive_limit_disables_clamps(limit):
+    got = OPS.swiglu(torch.tensor([50.0, -30.0]), torch.tensor([-40.0, 2.0]), None, limit)
+    silu = lambda v: v / (1 + math.exp(-v))                   # noqa: E731
+    torch.testing.assert_close(got.double(), torch.tensor([silu(50.0) * -40, silu(-30.0) * 2],
+                                                          dtype=torch.float64), rtol=1e-6, atol=1e-12)
+
+
+def test_swiglu_weight_broadcasts_per_row():
+    gate = torch.full((2, 3, 4), 2.0)
+    up = torch.ones(2, 3, 4)
+    weight = torch.tensor([0.5, 2.0, 0.0]).view(1, 3, 1)
+    got = OPS.swiglu(gate, up, weight, 10.0)
+    silu2 = 2.0 / (1 + math.exp(-2.0))
+    for j, w in enumerate([0.5, 2.0, 0.0]):
+        torch.testing.assert_close(got[:, j], torch.full((2, 4), silu2 * w), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("gate_dtype, up_dtype", [(torch.bfloat16, torch.bfloat16),
+                                                  (torch.bfloat16, torch.float32),
+                                                  (torch.float32, torch.bfloat16)])
+def test_swiglu_output_dtype_is_gates(gate_dtype, up_dtype):
+    gen = torch.Generator().manual_seed(5)
+    gate = (torch.randn(4, 32, generator=gen) * 4).to(gate_dtype)
+    up = (torch.randn(4, 32, generator=gen) * 4).to(up_dtype)
+    weight = torch.rand(4, 1, generator=gen)
+    got = OPS.swiglu(gate, up, weight, 10.0)
+    assert got.dtype == gate_dtype
+    want = _swiglu_formula(gate, up, weight, 10.0)
+    if gate_dtype == torch.bfloat16:
+        # float32 math, one rounding at the end: within one bf16 rounding of the exact value
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-6)
+    else:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)

@@ -39,6 +39,7 @@ from deepinfer.kernels.rope import apply_rope, rope_angles, rope_frequencies
 from deepinfer.regions.base import Region, WeightSpec, fp8_specs
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.paging import gather_rows, gather_pages, write_pages
+from deepinfer.regions.state import Geometry, InputSpec, step_inputs
 
 ops = torch.ops.deepinfer
 
@@ -93,6 +94,28 @@ class _Attention(Region):
         self.cache_quant = cache_quant
         self.heads, self.hd = c.num_attention_heads, c.head_dim
         self.window = c.sliding_window
+
+    # -- signature ------------------------------------------------------------------------
+
+    def topk_width(self, g: Geometry) -> int:
+        return min(self.c.index_topk, g.compressed_width(self.ratio))
+
+    def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        """The inputs of `decode`, in order, for a [B, T] step over geometry g."""
+        c, f32 = self.c, torch.float32
+        specs = [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+                 InputSpec("pre", (B, T, c.hc_mult), f32, "activation"),
+                 *step_inputs(B, T, g, paged=bool(self.ratio)),
+                 InputSpec("win", (g.slots, self.window, self.hd), self.dtype, "state")]
+        if self.ratio:
+            per_block = g.block_size // self.ratio
+            specs += [InputSpec("ckv", (g.blocks, per_block, self.hd), self.dtype, "state")]
+            if self.kind.startswith(("attn_source", "attn_reindex")):
+                specs.append(InputSpec("ikeys", (g.blocks, per_block, c.index_head_dim), self.dtype, "state"))
+        return specs + self._extra_specs(B, T, g)
+
+    def _extra_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        return []
 
     # -- pieces ---------------------------------------------------------------------------
 
@@ -236,6 +259,13 @@ class SourceAttention(_Attention):
         self.candidate_source = candidate_source
         self.kind = f"attn_source_r{ratio}" + ("_cand" if candidate_source else "")
 
+    def _extra_specs(self, B, T, g):
+        r = self.ratio
+        if r == 1:
+            return []
+        return [InputSpec("part_kv", (g.slots, r, self.hd), torch.float32, "state"),
+                InputSpec("part_gate", (g.slots, r, self.hd), torch.float32, "state")]
+
     def _compress(self, x: Tensor, positions: Tensor, slots: Tensor, part_kv, part_gate):
         """Complete groups of this chunk -> latents [B, G, hd] (pre-rope), indices t [B, G], mask."""
         r = self.ratio
@@ -306,6 +336,11 @@ class ReindexAttention(_Attention):
         self.uses_candidates = uses_candidates
         self.kind = f"attn_reindex_r{ratio}" + ("_cand" if uses_candidates else "")
 
+    def _extra_specs(self, B, T, g):
+        if not self.uses_candidates:
+            return []
+        return [InputSpec("cand", (B, T, g.compressed_width(self.ratio)), torch.bool, "carry")]
+
     def decode(self, h, pre, positions, slots, block_table, win, ckv, ikeys, cand=None):
         """-> (h, pre, topk [B, T, K])."""
         x, mix = self._site_input(h, pre)
@@ -329,6 +364,9 @@ class ReuseAttention(_Attention):
         self.ratio = ratio
         super().__init__(c, [], dtype=dtype, cache_quant=cache_quant)
         self.kind = f"attn_reuse_r{ratio}"
+
+    def _extra_specs(self, B, T, g):
+        return [InputSpec("topk", (B, T, self.topk_width(g)), torch.int64, "carry")]
 
     def decode(self, h, pre, positions, slots, block_table, win, ckv, topk):
         """-> (h, pre)."""

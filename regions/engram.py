@@ -15,6 +15,7 @@ from torch import Tensor
 from deepinfer.kernels.formats import dequant_fp8_rows
 from deepinfer.regions.base import Region, WeightSpec, fp8_specs
 from deepinfer.regions.config import TextConfig
+from deepinfer.regions.state import Geometry, InputSpec
 
 ops = torch.ops.deepinfer
 
@@ -36,6 +37,12 @@ class Engram(Region):
     def __init__(self, c: TextConfig, *, rows: int, dtype: torch.dtype):
         super().__init__(engram_specs(c, rows), dtype)
         self.c = c
+
+    def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        c = self.c
+        return [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+                InputSpec("hash_ids", (B, T, c.engram_hash_heads), torch.int64, "step"),
+                InputSpec("token_mask", (B, T), torch.bool, "step")]
 
     def decode(self, h: Tensor, hash_ids: Tensor, token_mask: Tensor) -> Tensor:
         """h [B, T, n, D], hash_ids [B, T, hash_heads] table rows, token_mask [B, T] bool -> h."""

@@ -9,6 +9,7 @@ from torch.nn import functional as F
 from deepinfer.kernels import hc as _hc  # noqa: F401  (registers ops)
 from deepinfer.regions.base import Region, WeightSpec
 from deepinfer.regions.config import TextConfig
+from deepinfer.regions.state import Geometry, InputSpec
 
 ops = torch.ops.deepinfer
 
@@ -22,6 +23,11 @@ class Head(Region):
         super().__init__([WeightSpec("norm", "norm.weight", (c.hidden_size,), "BF16"),
                           WeightSpec("head", "head.weight", (c.vocab_size, c.hidden_size), "F32")], dtype)
         self.c = c
+
+    def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        c = self.c
+        return [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+                InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation")]
 
     def decode(self, h: Tensor, pre: Tensor) -> Tensor:
         """h [B, T, n, D], pre [B, T, n] -> logits [B, T, V] float32."""

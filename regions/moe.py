@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from deepinfer.kernels import hc as _hc  # noqa: F401  (registers ops)
 from deepinfer.regions.base import Region, WeightSpec, fp4_specs, fp8_specs
 from deepinfer.regions.config import TextConfig
+from deepinfer.regions.state import Geometry, InputSpec
 
 ops = torch.ops.deepinfer
 
@@ -56,6 +57,12 @@ class MoE(Region):
     def __init__(self, c: TextConfig, *, dtype: torch.dtype):
         super().__init__(moe_specs(c), dtype)
         self.c = c
+
+    def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        c = self.c
+        return [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+                InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation"),
+                InputSpec("is_image", (B, T), torch.bool, "step")]
 
     def routed(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """x [N, D] through the selected experts, weighted and summed -> [N, D] (x's dtype)."""

@@ -8,12 +8,15 @@ its shape, given the pool geometry: `slots` sequence slots (slot 0 scratch),
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer.errors import ConfigError
 from deepinfer.regions.config import TextConfig
-from deepinfer.regions.plan import LayerPlan
+
+if TYPE_CHECKING:
+    from deepinfer.regions.plan import LayerPlan
 
 
 @dataclass(frozen=True)
@@ -57,3 +60,34 @@ def allocate(layout: dict[int, list[StateSpec]]) -> dict[int, dict[str, torch.Te
     """Zero-filled tensors for a layout (the reference model's own buffers)."""
     return {layer: {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs}
             for layer, specs in layout.items()}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Pool geometry a region's state views and step inputs are shaped by."""
+
+    slots: int            # sequence slots (slot 0 is scratch)
+    blocks: int           # paged blocks (block 0 is scratch)
+    block_size: int       # token positions per block
+    max_blocks: int       # block-table width: blocks per sequence at the maximum context
+
+    def compressed_width(self, ratio: int) -> int:
+        """Compressed entries a sequence can hold at `ratio` (Wc)."""
+        return self.max_blocks * self.block_size // ratio
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One input of a region method: name, shape, dtype, and its role."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    role: str               # activation | step | state | carry
+
+
+def step_inputs(B: int, T: int, g: Geometry, *, paged: bool) -> list[InputSpec]:
+    specs = [InputSpec("positions", (B, T), torch.int64, "step"), InputSpec("slots", (B,), torch.int64, "step")]
+    if paged:
+        specs.append(InputSpec("block_table", (B, g.max_blocks), torch.int64, "step"))
+    return specs

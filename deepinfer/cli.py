@@ -55,8 +55,9 @@ def main():
 @click.option("--seed", default=0, show_default=True, help="Random seed; the same seed gives the same bytes.")
 @click.option("--layers", default=6, show_default=True,
               help="Number of layers (>= 6; longer models repeat the pattern so every layer kind stays present).")
+@click.option("--exist-ok", is_flag=True, help="Keep OUT when it already holds this tiny checkpoint.")
 @user_errors
-def make_tiny_cmd(out: Path, seed: int, layers: int):
+def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool):
     """Write a deterministic tiny random V4.1 checkpoint to OUT.
 
     The checkpoint has the release's layout (config.json, model.safetensors and
@@ -66,7 +67,7 @@ def make_tiny_cmd(out: Path, seed: int, layers: int):
     """
     from deepinfer.regions.tiny import make_tiny
 
-    path = make_tiny(out, seed=seed, layers=layers)
+    path = make_tiny(out, seed=seed, layers=layers, exist_ok=exist_ok)
     click.echo(f"wrote {path} (seed {seed}, {layers} layers)")
 
 

@@ -26,6 +26,10 @@ class CheckpointError(QuantInputError):
         self.path = path
         self.tensor = tensor
         self.problem = problem
+        self.fix = fix
+
+    def __reduce__(self):  # raised in worker processes, re-raised in the parent
+        return (type(self), (self.path, self.tensor, self.problem, self.fix))
 
 
 def expect_dtype(arr, dtype, what: str):

@@ -14,8 +14,9 @@ So a block whose magnitudes are all <= 240 is already valid e4m3. A block
 holding larger magnitudes is halved (code -> code of value/2, exact except for
 subnormal results, which round to nearest even) and its ue8m0 byte gains one.
 The decision is per scale block, so blocks that fit keep their subnormal
-precision. The target names the format its kernels read; the bundle manifest
-records it (`FP8_FORMATS` keys).
+precision (rescale.convert_format does this in the uint8 domain). The target
+names the format its kernels read; the bundle manifest records it
+(`FP8_FORMATS` keys).
 """
 
 from __future__ import annotations

@@ -145,12 +145,27 @@ def _tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = MIN_LAYERS) -> Path:
-    """Write the tiny checkpoint to `out_dir` (atomically: a sibling temp dir, then rename)."""
+def _is_same_tiny(path: Path, config: dict) -> bool:
+    try:
+        return (json.loads((path / CONFIG_FILE).read_text()) == config
+                and (path / SINGLE_FILE).exists() and (path / INDEX_FILE).exists())
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = MIN_LAYERS, exist_ok: bool = False) -> Path:
+    """Write the tiny checkpoint to `out_dir` (atomically: a sibling temp dir, then rename).
+
+    With `exist_ok`, a directory that already holds a complete tiny checkpoint of
+    the same seed and layer count is kept as it is.
+    """
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ConfigError(f"{out_dir}: exists and is not empty; choose a new directory")
     config = tiny_config(layers)
+    config["generator"] = {"name": "deepinfer make-tiny", "seed": seed}
+    if out_dir.exists() and any(out_dir.iterdir()):
+        if exist_ok and _is_same_tiny(out_dir, config):
+            return out_dir
+        raise ConfigError(f"{out_dir}: exists and is not empty" + (" and holds a different checkpoint (seed or layers)" if exist_ok else "") + "; choose a new directory")
     tensors = _tensors(config, seed)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))

@@ -1,0 +1,131 @@
+"""Minimal safetensors reading/writing for streaming: headers, row-range memory maps.
+
+File format: 8-byte little-endian header length N, N bytes of JSON
+{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}},
+then the data section; offsets are relative to the data section. Everything a
+reader needs to trust is checked up front against the file size, so a truncated
+or corrupt file fails with a CheckpointError naming the file and tensor before
+any worker touches it (a memory map past EOF would crash with SIGBUS instead).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import CheckpointError
+
+# safetensors dtype -> numpy dtype used to carry the bytes (bf16 and fp8 as raw bits)
+DTYPES = {
+    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
+    "F8_E8M0": np.uint8, "I16": np.int16, "U16": np.uint16, "F16": np.float16, "BF16": np.uint16,
+    "I32": np.int32, "U32": np.uint32, "F32": np.float32, "I64": np.int64, "U64": np.uint64,
+    "F64": np.float64,
+}
+MAX_HEADER = 100 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    path: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int       # absolute byte offset of the tensor in the file
+    nbytes: int
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(DTYPES[self.dtype])
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
+
+
+def _entry(path: str, name: str, e, data_start: int, data_len: int) -> TensorInfo:
+    if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
+        raise CheckpointError(path, name, "header entry lacks dtype/shape/data_offsets")
+    dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+    if dtype not in DTYPES:
+        raise CheckpointError(path, name, f"unexpected dtype {dtype!r}",
+                              f"known dtypes: {', '.join(DTYPES)}")
+    if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+            or not isinstance(offs, list) or len(offs) != 2
+            or not all(isinstance(o, int) for o in offs) or not 0 <= offs[0] <= offs[1]):
+        raise CheckpointError(path, name, f"malformed shape {shape!r} or data_offsets {offs!r}")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+    if offs[1] - offs[0] != nbytes:
+        raise CheckpointError(path, name, f"data_offsets {offs} span {offs[1] - offs[0]} bytes, "
+                              f"but {dtype} {shape} needs {nbytes}")
+    if offs[1] > data_len:
+        raise CheckpointError(path, name, f"file is truncated: the tensor ends at data byte "
+                              f"{offs[1]} but the data section has {data_len} bytes")
+    return TensorInfo(path, name, dtype, tuple(shape), data_start + offs[0], nbytes)
+
+
+def read_header(path: str) -> tuple[dict[str, TensorInfo], dict]:
+    """-> ({name: TensorInfo}, metadata). Raises CheckpointError on anything malformed."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(path, None, f"file is truncated: {size} bytes, no header length")
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER or 8 + n > size:
+            raise CheckpointError(path, None, f"header length {n} does not fit a {size}-byte file "
+                                  "(truncated or not a safetensors file)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(path, None, f"header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(path, None, "header is not a JSON object")
+    meta = header.pop("__metadata__", {}) or {}
+    tensors = {k: _entry(path, k, v, 8 + n, size - 8 - n) for k, v in header.items()}
+    return tensors, meta
+
+
+def map_bytes(path: str, offset: int, nbytes: int) -> np.ndarray:
+    """Read-only memory map of bytes [offset, offset + nbytes) of a file as uint8.
+    Pre-faulted in one call where the OS allows (MAP_POPULATE) instead of one
+    page fault per 4 KiB. The map lives as long as the returned array."""
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), offset + nbytes - start, flags=flags, prot=mmap.PROT_READ,
+                       offset=start)
+    return np.frombuffer(mm, np.uint8, nbytes, offset - start)
+
+
+def map_rows(t: TensorInfo, r0: int, r1: int) -> np.ndarray:
+    """Read-only memory map of rows [r0, r1) of a tensor (axis 0); 0-d/1-d tensors
+    map whole. Dropping the array unmaps it, so resident pages stay bounded."""
+    shape = t.shape if len(t.shape) < 2 else (r1 - r0,) + t.shape[1:]
+    nbytes = int(np.prod(shape, dtype=np.int64)) * t.np_dtype.itemsize
+    if nbytes == 0:
+        return np.empty(shape, t.np_dtype)
+    off = t.offset + (r0 * t.row_bytes if len(t.shape) >= 2 else 0)
+    return map_bytes(t.path, off, nbytes).view(t.np_dtype).reshape(shape)
+
+
+def layout_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict) -> tuple[bytes, dict[str, int]]:
+    """entries: (name, dtype, shape, nbytes) in file order ->
+    (header bytes including the 8-byte length, {name: absolute data offset})."""
+    body, pos = {}, 0
+    for name, dtype, shape, nbytes in entries:
+        body[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    if metadata:
+        body["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)                 # keep the data section 8-byte aligned
+    start = 8 + len(raw)
+    offsets = {name: start + body[name]["data_offsets"][0] for name, *_ in entries}
+    return len(raw).to_bytes(8, "little") + raw, offsets

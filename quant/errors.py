@@ -8,12 +8,14 @@ Both derive from ValueError so generic callers can catch them as such.
 
 from __future__ import annotations
 
+from deepinfer import errors
 
-class QuantInputError(ValueError):
+
+class QuantInputError(errors.DeepinferError, ValueError):
     """An array handed to a quant function is not what the format expects."""
 
 
-class CheckpointError(QuantInputError):
+class CheckpointError(QuantInputError, errors.CheckpointError):
     """A checkpoint file or one of its tensors is corrupt, truncated or of an
     unexpected dtype/shape. The message names the file and the tensor."""
 

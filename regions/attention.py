@@ -207,10 +207,21 @@ class _Attention(Region):
             cand = candidate_blocks(scores, vis_len, c.candidate_topk_blocks, c.candidate_block_size) & visible
         elif cand is not None:
             scores = scores.masked_fill(~cand, float("-inf"))
-        k = min(c.index_topk, width)
-        idx = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+        idx = top_indices(scores, min(c.index_topk, width)).sort(dim=-1).values
         idx = torch.where(torch.isfinite(scores.gather(-1, idx)), idx, -1)
         return idx, cand
+
+
+def top_indices(scores: Tensor, k: int) -> Tensor:
+    """Indices of the k largest scores along the last dim; among equal scores the lowest index wins.
+
+    `torch.topk` leaves the order of ties unspecified, and on CPU it depends on
+    the row width: the same scores padded to another width (a longer forward,
+    another pool size) select differently. Entries whose index heads all fall
+    under the relu score exactly 0 and tie often, so the rule must be fixed: a
+    stable descending sort makes selection independent of width and chunking.
+    """
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def candidate_blocks(scores: Tensor, vis_len: Tensor, topk_blocks: int, block: int) -> Tensor:
@@ -224,8 +235,9 @@ def candidate_blocks(scores: Tensor, vis_len: Tensor, topk_blocks: int, block: i
     last = torch.div(vis_len - 1, block, rounding_mode="floor").unsqueeze(-1)
     ids = torch.arange(block_scores.shape[-1], device=scores.device)
     block_scores = block_scores.masked_fill(ids == last, float("inf"))
-    top = block_scores.topk(min(topk_blocks, block_scores.shape[-1]), dim=-1)
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, top.indices, top.values > float("-inf"))
+    top = top_indices(block_scores, min(topk_blocks, block_scores.shape[-1]))
+    chosen = block_scores.gather(-1, top) > float("-inf")
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, top, chosen)
     return keep.repeat_interleave(block, dim=-1)[..., :width]
 
 

@@ -117,6 +117,9 @@ class _Attention(Region):
     def _extra_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         return []
 
+    def output_names(self) -> list[str]:
+        return ["h", "pre"]
+
     # -- pieces ---------------------------------------------------------------------------
 
     def _angles(self, positions: Tensor) -> Tensor:
@@ -278,6 +281,9 @@ class SourceAttention(_Attention):
         return [InputSpec("part_kv", (g.slots, r, self.hd), torch.float32, "state"),
                 InputSpec("part_gate", (g.slots, r, self.hd), torch.float32, "state")]
 
+    def output_names(self) -> list[str]:
+        return ["h", "pre", "topk"] + (["cand"] if self.candidate_source else [])
+
     def _compress(self, x: Tensor, positions: Tensor, slots: Tensor, part_kv, part_gate):
         """Complete groups of this chunk -> latents [B, G, hd] (pre-rope), indices t [B, G], mask."""
         r = self.ratio
@@ -347,6 +353,9 @@ class ReindexAttention(_Attention):
         super().__init__(c, _indexer_query_specs(c), dtype=dtype, cache_quant=cache_quant)
         self.uses_candidates = uses_candidates
         self.kind = f"attn_reindex_r{ratio}" + ("_cand" if uses_candidates else "")
+
+    def output_names(self) -> list[str]:
+        return ["h", "pre", "topk"]
 
     def _extra_specs(self, B, T, g):
         if not self.uses_candidates:

@@ -38,6 +38,9 @@ class Engram(Region):
         super().__init__(engram_specs(c, rows), dtype)
         self.c = c
 
+    def output_names(self) -> list[str]:
+        return ["h"]
+
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         c = self.c
         return [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),

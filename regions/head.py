@@ -24,6 +24,9 @@ class Head(Region):
                           WeightSpec("head", "head.weight", (c.vocab_size, c.hidden_size), "F32")], dtype)
         self.c = c
 
+    def output_names(self) -> list[str]:
+        return ["logits"]
+
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         c = self.c
         return [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),

@@ -58,6 +58,9 @@ class MoE(Region):
         super().__init__(moe_specs(c), dtype)
         self.c = c
 
+    def output_names(self) -> list[str]:
+        return ["h", "pre"]
+
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         c = self.c
         return [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),

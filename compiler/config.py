@@ -1,0 +1,239 @@
+"""`model.toml`: the one place that parses it, into frozen dataclasses, one per section.
+
+    [model]     checkpoint, dtype, cache_quant, tiny (generate when absent)
+    [target]    name, executable, options
+    [buckets]   batch, tokens, max_context
+    [kv]        block_size, num_blocks
+    [parallel]  tp, ep, cp
+    [quant]     recipe
+    [host]      embedding
+    [cache]     dir
+
+Unknown sections or keys, wrong types and impossible values raise ConfigError
+naming the file, the key and its line, and listing what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deepinfer.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinySection:
+    """Generate the make-tiny checkpoint at `checkpoint` when it is absent."""
+    seed: int = 0
+    layers: int = 6
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    checkpoint: Path
+    dtype: str = "fp32"
+    cache_quant: bool = True
+    tiny: TinySection | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetSection:
+    name: str = "cpu"
+    executable: str = "aoti"
+    options: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketSection:
+    batch: tuple[int, ...] = (1,)
+    tokens: tuple[int, ...] = (1,)
+    max_context: int = 256
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (batch, tokens) step shape an executable is compiled for."""
+        return [(b, t) for b in self.batch for t in self.tokens]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVSection:
+    block_size: int = 16
+    num_blocks: int = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSection:
+    tp: int = 1
+    ep: int = 1
+    cp: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantSection:
+    recipe: str = "release"
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostSection:
+    embedding: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheSection:
+    dir: Path | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileConfig:
+    source: Path
+    model: ModelSection
+    target: TargetSection
+    buckets: BucketSection
+    kv: KVSection
+    parallel: ParallelSection
+    quant: QuantSection
+    host: HostSection
+    cache: CacheSection
+
+
+SECTIONS = {"model": ModelSection, "target": TargetSection, "buckets": BucketSection, "kv": KVSection,
+            "parallel": ParallelSection, "quant": QuantSection, "host": HostSection, "cache": CacheSection}
+DTYPES = ("fp32", "bf16")
+QUANT_RECIPES = ("release",)
+
+
+class _Where:
+    """Locates `[section]` / `key =` lines in the TOML text for error messages."""
+
+    def __init__(self, path: Path, text: str):
+        self.path, self.lines = path, text.splitlines()
+
+    def line(self, section: str, key: str | None = None) -> int | None:
+        in_section = False
+        for i, raw in enumerate(self.lines, 1):
+            s = raw.strip()
+            if s.startswith("["):
+                in_section = s.strip("[] ").split(".")[0] == section
+                if in_section and key is None:
+                    return i
+            elif in_section and key and re.match(rf"{re.escape(key)}\s*=", s):
+                return i
+        return None
+
+    def error(self, section: str, key: str | None, message: str) -> ConfigError:
+        line = self.line(section, key)
+        name = f"{section}.{key}" if key else f"[{section}]"
+        at = f":{line}" if line else ""
+        return ConfigError(f"{self.path}{at}: {name}: {message}")
+
+
+def _coerce(value: Any, annotation: str, where: _Where, section: str, key: str, base: Path) -> Any:
+    t = annotation.replace(" | None", "")
+    ok = {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "bool": isinstance(value, bool),
+        "str": isinstance(value, str),
+        "dict": isinstance(value, dict),
+        "Path": isinstance(value, str),
+        "tuple[int, ...]": isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                            for v in value),
+    }.get(t)
+    if t == "TinySection":
+        if value is False:
+            return None
+        if not isinstance(value, dict):
+            raise where.error(section, key, "expected a table like {seed = 0, layers = 6}")
+        return _section(TinySection, value, where, f"{section}.{key}", base)
+    if not ok:
+        raise where.error(section, key, f"expected {t.replace('tuple[int, ...]', 'a list of integers')}, "
+                                        f"got {value!r}")
+    if t == "Path":
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else (base / p)
+    return tuple(value) if t.startswith("tuple") else value
+
+
+def _section(cls, data: dict, where: _Where, name: str, base: Path):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise where.error(name.split(".")[0], key, f"unknown key; valid keys: {', '.join(fields)}")
+        kwargs[key] = _coerce(value, str(fields[key].type), where, name, key, base)
+    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise where.error(name, None, f"missing required key(s): {', '.join(missing)}")
+    return cls(**kwargs)
+
+
+def _check(cfg: CompileConfig, where: _Where) -> None:
+    from deepinfer.compiler.targets import TARGETS
+
+    def need(cond, section, key, message):
+        if not cond:
+            raise where.error(section, key, message)
+
+    m, t, b, kv, p = cfg.model, cfg.target, cfg.buckets, cfg.kv, cfg.parallel
+    need(m.dtype in DTYPES, "model", "dtype", f"expected one of {', '.join(DTYPES)}, got {m.dtype!r}")
+    need(t.name in TARGETS, "target", "name", f"unknown target {t.name!r}; valid: {', '.join(TARGETS)}")
+    kinds = TARGETS[t.name].EXECUTABLES
+    need(t.executable in kinds, "target", "executable",
+         f"target {t.name!r} builds {', '.join(kinds)}, not {t.executable!r}")
+    for key in ("batch", "tokens"):
+        values = getattr(b, key)
+        need(values and all(v > 0 for v in values) and len(set(values)) == len(values), "buckets", key,
+             f"expected distinct positive integers, got {list(values)}")
+    need(1 in b.tokens, "buckets", "tokens", "must include 1 (decode steps run one token per sequence)")
+    need(b.max_context > 0 and b.max_context >= max(b.tokens), "buckets", "max_context",
+         f"must be positive and at least the largest tokens bucket ({max(b.tokens)})")
+    need(kv.block_size > 0, "kv", "block_size", "must be positive")
+    min_blocks = -(-b.max_context // kv.block_size) * max(b.batch) + 1
+    need(kv.num_blocks >= min_blocks, "kv", "num_blocks",
+         f"{kv.num_blocks} blocks cannot hold {max(b.batch)} sequences of max_context {b.max_context} "
+         f"(need at least {min_blocks}, block 0 is scratch)")
+    for key in ("tp", "ep", "cp"):
+        need(getattr(p, key) >= 1, "parallel", key, "must be at least 1")
+        need(getattr(p, key) == 1, "parallel", key, "multi-rank bundles are not implemented yet; use 1")
+    need(cfg.quant.recipe in QUANT_RECIPES, "quant", "recipe",
+         f"unknown recipe {cfg.quant.recipe!r}; valid: {', '.join(QUANT_RECIPES)}")
+    need(cfg.host.embedding, "host", "embedding", "the token embedding always stays on the host (true)")
+    if m.tiny is not None:
+        need(m.tiny.layers >= 6, "model", "tiny", "layers must be at least 6")
+
+
+def load_compile_config(path: str | Path) -> CompileConfig:
+    """Parse and validate a model.toml. Relative paths are relative to the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    where = _Where(path, text)
+    unknown = [s for s in data if s not in SECTIONS]
+    if unknown:
+        raise where.error(unknown[0], None, f"unknown section; valid sections: {', '.join(SECTIONS)}")
+    if "model" not in data:
+        raise ConfigError(f"{path}: missing required section [model]")
+    base = path.resolve().parent
+    sections = {}
+    for name, cls in SECTIONS.items():
+        value = data.get(name, {})
+        if not isinstance(value, dict):
+            raise where.error(name, None, "expected a table")
+        sections[name] = _section(cls, value, where, name, base)
+    cfg = CompileConfig(source=path, **sections)
+    _check(cfg, where)
+    return cfg

@@ -1,0 +1,46 @@
+"""Compile jobs: one executable per (kind, method, bucket), optionally in worker processes."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str            # e.g. attn_window.decode.b1t1
+    lowered: Path        # saved, lowered ExportedProgram
+    out: Path            # executable to produce
+    target: str
+    executable: str
+    options: dict
+
+
+def run_job(job: Job) -> float:
+    """Compile one executable (in this process or a worker); returns seconds."""
+    from deepinfer.compiler.targets import TARGETS
+
+    start = time.perf_counter()
+    TARGETS[job.target](job.executable, job.options).compile(job.lowered, job.out)
+    return time.perf_counter() - start
+
+
+def run_jobs(jobs: list[Job], n_workers: int, progress) -> dict[str, float]:
+    """Run every job; `progress(done, total, job, seconds)` after each. Fails on the first error."""
+    seconds: dict[str, float] = {}
+    if n_workers <= 1 or len(jobs) <= 1:
+        for i, job in enumerate(jobs, 1):
+            seconds[job.name] = run_job(job)
+            progress(i, len(jobs), job, seconds[job.name])
+        return seconds
+    # spawned workers inherit the environment (TMPDIR, TORCHINDUCTOR_CACHE_DIR)
+    with ProcessPoolExecutor(max_workers=n_workers, mp_context=get_context("spawn")) as pool:
+        futures = {pool.submit(run_job, job): job for job in jobs}
+        for i, future in enumerate(as_completed(futures), 1):
+            job = futures[future]
+            seconds[job.name] = future.result()
+            progress(i, len(jobs), job, seconds[job.name])
+    return seconds

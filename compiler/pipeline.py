@@ -1,0 +1,218 @@
+"""deepinfer-compile as a list of named passes.
+
+    parse config -> plan regions -> preprocess weights -> trace -> compile
+    -> lay out state -> write manifest -> publish (atomic rename)
+
+Every pass reads and extends one `Build`. The bundle is assembled in a
+temporary sibling of the output directory and renamed into place at the end:
+an interrupted or failed compile leaves no partial bundle.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import deepinfer
+from deepinfer.bundles import layout, manifest as mf
+from deepinfer.compiler.config import CompileConfig
+from deepinfer.compiler.jobs import Job, run_jobs
+from deepinfer.compiler.plan import METHOD, RegionPlan, plan_regions
+from deepinfer.compiler.pools import plan_pools
+from deepinfer.compiler.targets import TARGETS
+from deepinfer.compiler.trace import trace
+from deepinfer.compiler.weights import write_host, write_weights
+from deepinfer.errors import ConfigError
+from deepinfer.regions.checkpoint import Checkpoint
+from deepinfer.regions.config import V41Config, load_config
+from deepinfer.regions.reference import DTYPES
+from deepinfer.regions.state import Geometry
+
+LOWERED_DIR = ".lowered"
+
+
+@dataclass
+class Build:
+    config: CompileConfig
+    out: Path
+    staging: Path
+    jobs: int = 1
+    log: object = print
+    model: V41Config | None = None
+    plan: RegionPlan | None = None
+    target: object = None
+    geometry: Geometry | None = None
+    weights: list = field(default_factory=list)
+    host: dict = field(default_factory=dict)
+    executables: list[dict] = field(default_factory=list)
+    compile_jobs: list[Job] = field(default_factory=list)
+    pools: dict = field(default_factory=dict)
+    state_bindings: dict = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def parse_config(b: Build) -> None:
+    m = b.config.model
+    if not (m.checkpoint / "config.json").exists() and m.tiny is not None:
+        from deepinfer.regions.tiny import make_tiny
+
+        b.log(f"checkpoint {m.checkpoint} absent: generating the tiny checkpoint "
+              f"(seed {m.tiny.seed}, {m.tiny.layers} layers)")
+        make_tiny(m.checkpoint, seed=m.tiny.seed, layers=m.tiny.layers, exist_ok=True)
+    b.model = load_config(m.checkpoint)
+    t = b.config.target
+    b.target = TARGETS[t.name](t.executable, t.options)
+    kv, buckets = b.config.kv, b.config.buckets
+    b.geometry = Geometry(slots=max(buckets.batch) + 1, blocks=kv.num_blocks, block_size=kv.block_size,
+                          max_blocks=-(-buckets.max_context // kv.block_size))
+
+
+def plan(b: Build) -> None:
+    b.plan = plan_regions(b.model.text, DTYPES[b.config.model.dtype], b.config.model.cache_quant)
+    kinds = ", ".join(f"{k} x{len(kp.layers)}" for k, kp in b.plan.kinds.items())
+    b.log(f"{len(b.plan.layers)} layers -> {len(b.plan.kinds)} region kinds ({kinds})")
+
+
+def preprocess_weights(b: Build) -> None:
+    ckpt = Checkpoint(b.config.model.checkpoint)
+    b.weights = write_weights(ckpt, b.plan, b.staging, rank=0, progress=b.log)
+    t = b.model.text
+    b.host = write_host(ckpt, b.staging, t.vocab_size, t.hidden_size)
+
+
+def _io(specs) -> list[dict]:
+    return [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."), "role": s.role}
+            for s in specs]
+
+
+def trace_regions(b: Build) -> None:
+    lowered_dir = b.staging / LOWERED_DIR
+    lowered_dir.mkdir()
+    shapes = b.config.buckets.shapes()
+    for kind, method, batch, tokens in b.plan.executables(shapes):
+        region = b.plan.kinds[kind].region
+        ep, sig, _ = trace(region, batch, tokens, b.geometry, method)
+        ep = b.target.lower(ep)
+        user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+        names = [s.name for s in sig.all]
+        mutated = sorted(names[user.index(n)] for n in ep.graph_signature.user_inputs_to_mutate.values())
+        name = f"{kind}.{method}.b{batch}t{tokens}"
+        torch.export.save(ep, str(lowered_dir / f"{name}.pt2"))
+        artifact = layout.executable_path(kind, method, batch, tokens, b.target.suffix)
+        b.compile_jobs.append(Job(name, lowered_dir / f"{name}.pt2", b.staging / artifact, b.target.name,
+                                  b.target.executable, b.target.options))
+        b.executables.append({"kind": kind, "method": method, "bucket": {"batch": batch, "tokens": tokens},
+                              "artifact": artifact, "executable": b.target.executable,
+                              "inputs": _io(sig.all), "outputs": region.output_names(), "mutates": mutated})
+        b.log(f"traced {name}")
+
+
+def compile_regions(b: Build) -> None:
+    (b.staging / layout.REGIONS_DIR).mkdir()
+
+    def progress(done, total, job, seconds):
+        b.log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
+
+    run_jobs(b.compile_jobs, b.jobs, progress)
+    shutil.rmtree(b.staging / LOWERED_DIR)
+
+
+def layout_state(b: Build) -> None:
+    b.pools, b.state_bindings = plan_pools(b.model.text, b.plan.layers, block_size=b.config.kv.block_size,
+                                           dtype=DTYPES[b.config.model.dtype])
+
+
+def write_manifest(b: Build) -> None:
+    c = b.config
+    for e in b.executables:
+        e["digest"] = mf.sha256_file(b.staging / e["artifact"])
+    layers = []
+    for p in b.plan.layers:
+        steps = {slot: {"kind": kind, "index": index} for slot, (kind, index) in b.plan.bindings[p.layer].items()}
+        layers.append({"layer": p.layer, "attn": p.attn, "ratio": p.ratio, "kv_source": p.kv_source,
+                       "candidate_source": p.candidate_source, "uses_candidates": p.uses_candidates,
+                       "engram": p.engram_rows > 0, "regions": steps, "state": b.state_bindings[p.layer]})
+    files = {}
+    for path in sorted(b.staging.rglob("*")):
+        if path.is_file():
+            files[path.relative_to(b.staging).as_posix()] = mf.sha256_file(path)
+    for w in b.weights:
+        w["digest"] = files[w["path"]]
+    for h in b.host.values():
+        h["digest"] = files[h["path"]]
+    manifest = {
+        "format_version": mf.FORMAT_VERSION,
+        "deepinfer_version": deepinfer.__version__,
+        "toolchain": b.target.toolchain(),
+        "target": {"name": c.target.name, "executable": c.target.executable, "options": c.target.options},
+        "topology": {"tp": c.parallel.tp, "ep": c.parallel.ep, "cp": c.parallel.cp, "world_size": 1},
+        "model": {"config": b.model.to_dict(), "config_hash": b.model.digest(), "dtype": c.model.dtype,
+                  "cache_quant": c.model.cache_quant, "weight_format": "e4m3fn", "scale_layout": "ue8m0-u8-row-major",
+                  "tokenizer": "byte"},
+        "buckets": {"shapes": [{"batch": bb, "tokens": t} for bb, t in c.buckets.shapes()],
+                    "max_context": c.buckets.max_context},
+        "kv": {"block_size": c.kv.block_size, "num_blocks": c.kv.num_blocks, "slots": b.geometry.slots,
+               "max_blocks": b.geometry.max_blocks, "scratch": "block 0 and slot 0", "pools": b.pools,
+               "state_writes": "in-place"},
+        "regions": b.executables,
+        "head": {"kind": "head", "index": 0},
+        "layers": layers,
+        "weights": {"rank-0": b.weights},
+        "host": b.host,
+        "files": files,
+    }
+    (b.staging / layout.MANIFEST_FILE).write_text(mf.dumps(manifest))
+
+
+PASSES = [
+    ("parse config", parse_config),
+    ("plan regions", plan),
+    ("preprocess weights", preprocess_weights),
+    ("trace", trace_regions),
+    ("compile", compile_regions),
+    ("lay out state", layout_state),
+    ("write manifest", write_manifest),
+]
+
+
+def _publish(staging: Path, out: Path, force: bool) -> None:
+    """Rename the finished bundle into place (an existing one is replaced only with force)."""
+    if out.exists():
+        if not force:
+            raise ConfigError(f"{out}: exists; pass --force to replace it")
+        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, trash / out.name)
+        os.replace(staging, out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, out)
+
+
+def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bool = False,
+                   log=None) -> tuple[Path, dict[str, float]]:
+    """Run every pass; returns the bundle path and the seconds each pass took."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    out = Path(out)
+    if out.exists() and not force:
+        raise ConfigError(f"{out}: exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    b = Build(config, out, staging, jobs=jobs, log=log)
+    try:
+        for name, run in PASSES:
+            start = time.perf_counter()
+            run(b)
+            b.timings[name] = time.perf_counter() - start
+        os.chmod(staging, 0o755)
+        _publish(staging, out, force)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out, b.timings

@@ -1,0 +1,59 @@
+"""Region planning: which (kind, method) each layer runs, and the executables to build.
+
+Layers are grouped by region kind (the attention variant, engram, moe; the
+head once). Each kind is traced once per bucket; its weights are stacked over
+the layers of that kind so layer i's weights are slice `index` of each stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.regions.base import Region
+from deepinfer.regions.config import TextConfig
+from deepinfer.regions.plan import LayerPlan, make_head, make_layer_regions, plan_layers
+
+METHOD = "decode"
+
+
+@dataclass
+class KindPlan:
+    kind: str
+    region: Region                                         # a representative instance (zero weights)
+    layers: list[int] = field(default_factory=list)        # layers running this kind, in stack order
+    slot: str = ""                                         # engram | attn | moe | head
+
+
+@dataclass
+class RegionPlan:
+    layers: list[LayerPlan]
+    kinds: dict[str, KindPlan]
+    # layer -> {slot: (kind, index in that kind's stacks)}
+    bindings: dict[int, dict[str, tuple[str, int]]]
+
+    def executables(self, shapes: list[tuple[int, int]]) -> list[tuple[str, str, int, int]]:
+        return [(k, METHOD, b, t) for k in self.kinds for b, t in shapes]
+
+
+def plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool) -> RegionPlan:
+    layers = plan_layers(c)
+    kinds: dict[str, KindPlan] = {}
+    bindings: dict[int, dict[str, tuple[str, int]]] = {}
+    engram_rows = max([p.engram_rows for p in layers], default=0)
+    for p in layers:
+        regions = make_layer_regions(c, p, dtype, cache_quant)
+        if "engram" in regions and p.engram_rows != engram_rows:
+            # stacks share one shape: tables are padded to the largest (rows past a
+            # layer's own count are never addressed by its hashes)
+            regions["engram"] = make_layer_regions(
+                c, LayerPlan(**{**p.__dict__, "engram_rows": engram_rows}), dtype, cache_quant)["engram"]
+        bindings[p.layer] = {}
+        for slot, region in regions.items():
+            kp = kinds.setdefault(region.kind, KindPlan(region.kind, region, slot=slot))
+            bindings[p.layer][slot] = (region.kind, len(kp.layers))
+            kp.layers.append(p.layer)
+    head = make_head(c, dtype)
+    kinds[head.kind] = KindPlan(head.kind, head, layers=[-1], slot="head")
+    return RegionPlan(layers, kinds, bindings)

@@ -1,0 +1,45 @@
+"""Layer-major KV/state pools of a bundle.
+
+Every state view of the same name and owner kind across layers is one pool
+`[layers owning it, slots | blocks, ...]`, so a layer's view is one contiguous
+slice `pool[index]`. Reuse and reindex layers bind their kv source's slices.
+"""
+
+from __future__ import annotations
+
+from deepinfer.regions.config import TextConfig
+from deepinfer.regions.plan import LayerPlan
+from deepinfer.regions.state import check_block_size, layer_state
+
+PAGED = ("ckv", "ikeys")          # indexed by block; the others by sequence slot
+
+
+def pool_name(state: str, p: LayerPlan) -> str:
+    return state if state == "win" else f"{state}.r{p.ratio}"
+
+
+def plan_pools(c: TextConfig, plans: list[LayerPlan], *, block_size: int, dtype) -> tuple[dict, dict]:
+    """-> (pools: name -> {shape (dim 1 symbolic), dtype, dim, layers}, per-layer state bindings)."""
+    check_block_size(c, block_size)
+    pools: dict[str, dict] = {}
+    owned: dict[int, dict[str, list]] = {}
+    for p in plans:
+        owned[p.layer] = {}
+        for spec in layer_state(c, p, slots=1, blocks=1, block_size=block_size, dtype=dtype):
+            name = pool_name(spec.name, p)
+            pool = pools.setdefault(name, {
+                "state": spec.name, "dtype": str(spec.dtype).removeprefix("torch."),
+                "dim": "blocks" if spec.name in PAGED else "slots",
+                "entry_shape": list(spec.shape[1:]), "layers": []})
+            owned[p.layer][spec.name] = [name, len(pool["layers"])]
+            pool["layers"].append(p.layer)
+    bindings = {}
+    for p in plans:
+        views = {"win": owned[p.layer]["win"]}
+        if p.kv_source is not None:
+            src = owned[p.kv_source]
+            views.update({k: v for k, v in src.items() if k in PAGED})
+            if p.attn == "source":
+                views.update(owned[p.layer])
+        bindings[p.layer] = views
+    return pools, bindings

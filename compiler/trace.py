@@ -1,0 +1,82 @@
+"""Tracing a region method with torch.export, weights and rank lifted into graph inputs.
+
+AOTInductor constant-folds registered buffers into the generated code (a rank
+buffer would bake rank 0 into every executable), so the traced module has no
+parameters or buffers at all: a shell of the region whose weight tensors,
+rank included, arrive as the first inputs of the graph. The region's own code
+runs unchanged: the shell's attributes are the input tensors while it traces.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch.export import Dim
+
+from deepinfer.regions.base import Region
+from deepinfer.regions.examples import example_inputs
+from deepinfer.regions.state import Geometry, InputSpec
+
+
+@dataclass(frozen=True)
+class Signature:
+    """Flat, ordered inputs of an executable: weights (rank included) then the method's inputs."""
+
+    weights: list[InputSpec]
+    inputs: list[InputSpec]
+
+    @property
+    def all(self) -> list[InputSpec]:
+        return self.weights + self.inputs
+
+
+def weight_specs(region: Region) -> list[InputSpec]:
+    return [InputSpec(name, tuple(t.shape), t.dtype, "rank" if name == "rank" else "weight")
+            for name, t in region.named_buffers()]
+
+
+class Lifted(torch.nn.Module):
+    """forward(*weights, *inputs) = region.<method>(*inputs) with the weights bound."""
+
+    def __init__(self, region: Region, method: str = "decode"):
+        super().__init__()
+        shell = copy.copy(region)
+        shell._buffers, shell._parameters, shell._modules = {}, {}, {}
+        object.__setattr__(self, "shell", shell)      # not a submodule: nothing to lift as state
+        self.names = [n for n, _ in region.named_buffers()]
+        self.method = method
+
+    def forward(self, *flat):
+        n = len(self.names)
+        shell = self.shell
+        for name, t in zip(self.names, flat[:n]):
+            shell.__dict__[name] = t
+        try:
+            return getattr(shell, self.method)(*flat[n:])
+        finally:
+            for name in self.names:
+                shell.__dict__.pop(name, None)
+
+
+def dynamic_dims(sig: Signature) -> tuple:
+    """Pool sizes stay dynamic so the runtime may choose its block count and slots."""
+    slots, blocks = Dim("slots", min=2), Dim("blocks", min=2)
+    out = []
+    for spec in sig.all:
+        if spec.role == "state":
+            out.append({0: blocks if spec.name in ("ckv", "ikeys") else slots})
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def trace(region: Region, B: int, T: int, geometry: Geometry, method: str = "decode"):
+    """Export `region.<method>` for a [B, T] step -> (ExportedProgram, Signature, example inputs)."""
+    sig = Signature(weight_specs(region), region.input_specs(B, T, geometry))
+    rows = region.table.shape[0] if hasattr(region, "table") else 1
+    args = [t.clone() for _, t in region.named_buffers()] + \
+        example_inputs(sig.inputs, geometry, table_rows=rows)
+    ep = torch.export.export(Lifted(region, method), tuple(args), dynamic_shapes={"flat": dynamic_dims(sig)}, strict=False)
+    return ep, sig, args

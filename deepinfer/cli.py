@@ -111,11 +111,15 @@ def write_logits(path: Path, gens) -> None:
               help="Activation dtype (bf16 as released; fp32 for exact comparisons).")
 @click.option("--cache-quant/--no-cache-quant", default=True, show_default=True,
               help="Quantize cached KV and indexer keys/queries as the release does (off for exact comparisons).")
+@click.option("--topk-ties", type=click.Choice(["nemo", "lowest"]), default="nemo", show_default=True,
+              help="Indexer top-k among equal scores: as NeMo AutoModel's forward (torch.topk over the "
+                   "sequence's width), or lowest index first (what compiled bundles do).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--dump-logits", type=click.Path(dir_okay=False, path_type=Path),
               help="Write tokens and per-position float32 logits to this .safetensors file.")
 @user_errors
-def reference_cmd(checkpoint, prompt, prompt_ids, max_new_tokens, chunk, dtype, cache_quant, as_json, dump_logits):
+def reference_cmd(checkpoint, prompt, prompt_ids, max_new_tokens, chunk, dtype, cache_quant, topk_ties, as_json,
+                  dump_logits):
     """Generate greedily with the pure-torch reference model.
 
     The reference composes the same regions the compiler traces, layer by layer
@@ -125,7 +129,7 @@ def reference_cmd(checkpoint, prompt, prompt_ids, max_new_tokens, chunk, dtype, 
     from deepinfer.regions.reference import ReferenceModel
     from deepinfer.regions.tokenizer import ByteTokenizer
 
-    model = ReferenceModel(checkpoint, dtype=dtype, cache_quant=cache_quant)
+    model = ReferenceModel(checkpoint, dtype=dtype, cache_quant=cache_quant, ties=topk_ties)
     cfg = model.config
     tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
     prompts = prompts_from(prompt, prompt_ids, cfg.text.vocab_size, tok)

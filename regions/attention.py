@@ -94,6 +94,7 @@ class _Attention(Region):
         self.cache_quant = cache_quant
         self.heads, self.hd = c.num_attention_heads, c.head_dim
         self.window = c.sliding_window
+        self.ties = "lowest"        # see `top_indices`; the eager reference may choose "nemo"
 
     # -- signature ------------------------------------------------------------------------
 
@@ -206,6 +207,8 @@ class _Attention(Region):
         vis_len = torch.div(positions + 1, self.ratio, rounding_mode="floor").clamp_min(0)   # [B, T]
         visible = torch.arange(width, device=x.device) < vis_len.unsqueeze(-1)        # [B, T, Wc]
         scores = ops.index_score(qi, ikeys_all, w, visible)
+        if self.ties == "nemo":
+            return self._select_nemo(scores, positions, vis_len, visible, cand, make_cand)
         if make_cand:
             cand = candidate_blocks(scores, vis_len, c.candidate_topk_blocks, c.candidate_block_size) & visible
         elif cand is not None:
@@ -213,6 +216,39 @@ class _Attention(Region):
         idx = top_indices(scores, min(c.index_topk, width)).sort(dim=-1).values
         idx = torch.where(torch.isfinite(scores.gather(-1, idx)), idx, -1)
         return idx, cand
+
+
+    def _select_nemo(self, scores, positions, vis_len, visible, cand, make_cand: bool):
+        """Selection as NeMo AutoModel's full-sequence forward makes it (eager only).
+
+        NeMo scores a row of width floor(length / ratio) and calls torch.topk,
+        whose choice among equal scores depends on that width. Slicing each
+        sequence's row to the width of its forward so far reproduces it exactly.
+        """
+        c = self.c
+        B, T, width = scores.shape
+        k_out = min(c.index_topk, width)
+        topk = torch.full((B, T, k_out), -1, dtype=torch.int64)
+        cand_out = torch.zeros_like(scores, dtype=torch.bool) if make_cand else cand
+        for b in range(B):
+            W = int(positions[b].max() + 1) // self.ratio
+            if W <= 0:
+                continue
+            s = scores[b, :, :W]
+            if make_cand:
+                keep = candidate_blocks(s, vis_len[b], c.candidate_topk_blocks, c.candidate_block_size,
+                                        select=torch_topk) & visible[b, :, :W]
+                cand_out[b, :, :W] = keep
+            elif cand is not None:
+                s = s.masked_fill(~cand[b, :, :W], float("-inf"))
+            k = min(c.index_topk, W)
+            idx = s.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+            topk[b, :, :k] = torch.where(torch.isfinite(s.gather(-1, idx)), idx, -1)
+        return topk, cand_out
+
+
+def torch_topk(scores: Tensor, k: int) -> Tensor:
+    return scores.topk(k, dim=-1).indices
 
 
 def top_indices(scores: Tensor, k: int) -> Tensor:
@@ -227,7 +263,7 @@ def top_indices(scores: Tensor, k: int) -> Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def candidate_blocks(scores: Tensor, vis_len: Tensor, topk_blocks: int, block: int) -> Tensor:
+def candidate_blocks(scores: Tensor, vis_len: Tensor, topk_blocks: int, block: int, select=None) -> Tensor:
     """Candidate pool: top blocks by max score, the block of the latest visible entry always kept.
 
     scores [B, T, Wc] (-inf where invisible); vis_len [B, T] -> bool [B, T, Wc].
@@ -238,7 +274,7 @@ def candidate_blocks(scores: Tensor, vis_len: Tensor, topk_blocks: int, block: i
     last = torch.div(vis_len - 1, block, rounding_mode="floor").unsqueeze(-1)
     ids = torch.arange(block_scores.shape[-1], device=scores.device)
     block_scores = block_scores.masked_fill(ids == last, float("inf"))
-    top = top_indices(block_scores, min(topk_blocks, block_scores.shape[-1]))
+    top = (select or top_indices)(block_scores, min(topk_blocks, block_scores.shape[-1]))
     chosen = block_scores.gather(-1, top) > float("-inf")
     keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, top, chosen)
     return keep.repeat_interleave(block, dim=-1)[..., :width]

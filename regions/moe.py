@@ -68,13 +68,23 @@ class MoE(Region):
                 InputSpec("is_image", (B, T), torch.bool, "step")]
 
     def routed(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        """x [N, D] through the selected experts, weighted and summed -> [N, D] (x's dtype)."""
+        """x [N, D] through the selected experts this rank holds, weighted and summed -> [N, D].
+
+        The expert stacks hold this rank's E_local experts, global ids
+        rank * E_local ... (rank + 1) * E_local - 1 (all of them on one rank);
+        selected experts held elsewhere contribute zero through the same graph.
+        """
         limit, k = self.c.swiglu_limit, experts.shape[1]
+        local_count = self.w1.shape[0]
+        local = experts - self.rank * local_count                                     # [N, k]
+        held = (local >= 0) & (local < local_count)
+        local = local.clamp(0, local_count - 1)
+        weights = torch.where(held, weights, 0.0)
         xk = x.unsqueeze(1).expand(-1, k, -1)                                         # [N, k, D]
-        g = ops.blockquant_gemm(xk, self.w1[experts], self.w1_s[experts], "fp4")      # [N, k, I]
-        u = ops.blockquant_gemm(xk, self.w3[experts], self.w3_s[experts], "fp4")
+        g = ops.blockquant_gemm(xk, self.w1[local], self.w1_s[local], "fp4")          # [N, k, I]
+        u = ops.blockquant_gemm(xk, self.w3[local], self.w3_s[local], "fp4")
         a = ops.swiglu(g, u, weights.unsqueeze(-1), limit)
-        y = ops.blockquant_gemm(a, self.w2[experts], self.w2_s[experts], "fp4")       # [N, k, D]
+        y = ops.blockquant_gemm(a, self.w2[local], self.w2_s[local], "fp4")           # [N, k, D]
         return y.float().sum(1).to(x.dtype)
 
     def shared(self, x: Tensor) -> Tensor:

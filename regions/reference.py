@@ -83,9 +83,16 @@ def run_layers(plans, layers, head, states, h, pre, batch: Batch) -> Tensor:
 
 
 class ReferenceModel:
-    """A V4.1 checkpoint as eager regions. `dtype`: "bf16" (as released) or "fp32"."""
+    """A V4.1 checkpoint as eager regions.
 
-    def __init__(self, checkpoint: str | Path, *, dtype: str = "bf16", cache_quant: bool = True):
+    dtype: "bf16" (as released) or "fp32". ties: how the indexer's top-k breaks
+    ties between equal scores: "nemo" (torch.topk over the sequence's own width,
+    as NeMo AutoModel's forward does) or "lowest" (lowest index first, what
+    compiled bundles do: static shapes admit no per-sequence width).
+    """
+
+    def __init__(self, checkpoint: str | Path, *, dtype: str = "bf16", cache_quant: bool = True,
+                 ties: str = "nemo"):
         self.path = Path(checkpoint)
         self.config: V41Config = load_config(self.path)
         c = self.config.text
@@ -95,6 +102,7 @@ class ReferenceModel:
         self.layers = []
         for p in self.plans:
             regions = make_layer_regions(c, p, self.dtype, cache_quant)
+            regions["attn"].ties = ties
             for region in regions.values():
                 load_region(ckpt, region, f"layers.{p.layer}.")
             self.layers.append(regions)
@@ -153,7 +161,7 @@ class ReferenceModel:
                           slots=torch.where(active, torch.arange(1, B + 1), 0),
                           block_table=torch.where(active.unsqueeze(1), table, 0),
                           hashes=self.hash_batch([np.array(g.tokens) for g in gens], positions),
-                          is_image=tokens == self.config.image_token_id)
+                          is_image=torch.zeros_like(tokens, dtype=torch.bool))   # text only
             h, pre = self.embed(tokens)
             logits = run_layers(self.plans, self.layers, self.head, states, h, pre, batch)
             for b in range(B):

@@ -43,43 +43,45 @@ class Generation:
     tokens: list[int]                       # prompt then generated
     prompt_len: int
     logits: list[Tensor] = field(default_factory=list)   # one [V] row per processed position
+    error: str | None = None                             # why the request stopped early (runtime)
 
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
 
-def run_layers(plans, layers, head, states, h, pre, batch: Batch) -> Tensor:
+def run_layers(plans, invoke, states, h, pre, batch: Batch) -> Tensor:
     """h, pre through every layer's regions and the head -> logits [B, T, V].
 
-    `layers[i]` holds layer i's regions, `states[i]` its state views. This is the
-    wiring of region inputs that the runtime reproduces from a bundle manifest.
+    `invoke(layer, slot, *inputs)` runs one region call (`slot`: engram, attn,
+    moe; the head is layer -1, slot "head") and returns its outputs;
+    `states[layer]` holds the layer's state views by name. This is the one
+    wiring of region inputs, shared by the reference and the bundle runtime.
     """
     topk = cand = None
     engram_index = 0
     token_mask = (batch.positions >= 0) & ~batch.is_image
     common = (batch.positions, batch.slots, batch.block_table)
     for p in plans:
-        regions, st = layers[p.layer], states[p.layer]
-        if "engram" in regions:
-            h = regions["engram"].decode(h, batch.hashes[:, :, engram_index], token_mask)
+        st = states[p.layer]
+        if p.engram_rows:
+            (h,) = invoke(p.layer, "engram", h, batch.hashes[:, :, engram_index], token_mask)
             engram_index += 1
-        attn = regions["attn"]
         if p.attn == "window":
-            h, pre = attn.decode(h, pre, batch.positions, batch.slots, st["win"])
+            h, pre = invoke(p.layer, "attn", h, pre, batch.positions, batch.slots, st["win"])
         elif p.attn == "source":
             parts = (st["part_kv"], st["part_gate"]) if p.ratio > 1 else ()
-            out = attn.decode(h, pre, *common, st["win"], st["ckv"], st["ikeys"], *parts)
+            out = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], st["ikeys"], *parts)
             h, pre, topk = out[:3]
             cand = out[3] if p.candidate_source else cand
         elif p.attn == "reindex":
-            src = states[p.kv_source]
             extra = (cand,) if p.uses_candidates else ()
-            h, pre, topk = attn.decode(h, pre, *common, st["win"], src["ckv"], src["ikeys"], *extra)
+            h, pre, topk = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], st["ikeys"], *extra)
         else:
-            h, pre = attn.decode(h, pre, *common, st["win"], states[p.kv_source]["ckv"], topk)
-        h, pre = regions["moe"].decode(h, pre, batch.is_image)
-    return head.decode(h, pre)
+            h, pre = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], topk)
+        h, pre = invoke(p.layer, "moe", h, pre, batch.is_image)
+    (logits,) = invoke(-1, "head", h, pre)
+    return logits
 
 
 class ReferenceModel:
@@ -112,6 +114,11 @@ class ReferenceModel:
                                c.hc_mult, self.dtype)
         self.hasher = EngramHasher(c) if c.engram_layer_ids else None
 
+    def invoke(self, layer: int, slot: str, *inputs):
+        region = self.head if slot == "head" else self.layers[layer][slot]
+        out = region.decode(*inputs)
+        return out if isinstance(out, tuple) else (out,)
+
     def hash_batch(self, histories: list[np.ndarray], positions: Tensor) -> Tensor | None:
         """Engram rows for a step: histories[b] holds sequence b's ids up to its last position."""
         if self.hasher is None:
@@ -143,6 +150,9 @@ class ReferenceModel:
         layout = state_layout(c, self.plans, slots=B + 1, blocks=B * per_seq + 1, block_size=bs,
                               dtype=self.dtype)
         states = allocate(layout)
+        for p in self.plans:              # reuse / reindex layers read their source's pages
+            if p.attn in ("reuse", "reindex"):
+                states[p.layer].update({k: states[p.kv_source][k] for k in ("ckv", "ikeys")})
         table = 1 + torch.arange(B * per_seq).view(B, per_seq)
         gens = [Generation(list(p), len(p)) for p in prompts]
         done = [max_new_tokens == 0] * B
@@ -163,7 +173,7 @@ class ReferenceModel:
                           hashes=self.hash_batch([np.array(g.tokens) for g in gens], positions),
                           is_image=torch.zeros_like(tokens, dtype=torch.bool))   # text only
             h, pre = self.embed(tokens)
-            logits = run_layers(self.plans, self.layers, self.head, states, h, pre, batch)
+            logits = run_layers(self.plans, self.invoke, states, h, pre, batch)
             for b in range(B):
                 if not todo[b]:
                     continue

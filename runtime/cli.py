@@ -1,0 +1,81 @@
+"""`deepinfer-run`: a thin layer over `deepinfer.runtime.load(path).generate(...)`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from deepinfer.cli import prompts_from, user_errors, write_logits
+
+
+def timing_lines(stats, wall: float) -> list[str]:
+    lines = [f"{'region kind':<24}{'calls':>7}{'total ms':>11}{'mean us':>10}{'share':>8}"]
+    for row in stats.table():
+        lines.append(f"{row['kind']:<24}{row['calls']:>7}{row['total_ms']:>11.1f}{row['mean_us']:>10.0f}"
+                     f"{row['share']:>8.1%}")
+    calls = sum(stats.calls.values()) or 1
+    waste = 1 - stats.tokens / stats.padded if stats.padded else 0.0
+    lines.append(f"{stats.steps} steps, {stats.step_seconds / max(stats.steps, 1) * 1e3:.2f} ms a step; "
+                 f"runtime overhead {stats.overhead / calls * 1e6:.1f} us a region call; "
+                 f"padding waste {waste:.1%}; wall {wall:.2f} s")
+    return lines
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--prompt", multiple=True, help="Prompt text (byte-level tokenizer). Repeat for a batch.")
+@click.option("--prompt-ids", multiple=True, help="Prompt as token ids, e.g. 0,72,101. Repeat for a batch.")
+@click.option("--max-new-tokens", default=16, show_default=True, help="Tokens to generate per prompt.")
+@click.option("--num-kv-blocks", type=int, default=None,
+              help="Size of the KV block pool (default: the bundle's num_blocks).")
+@click.option("--timing", is_flag=True, help="Print host time per region kind and the runtime's own overhead.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.option("--dump-logits", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write tokens and per-position float32 logits to this .safetensors file.")
+@click.option("--no-verify", is_flag=True, help="Skip the digest check of the bundle's files at load.")
+@user_errors
+def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_json, dump_logits, no_verify):
+    """Load BUNDLE (validated: format version, digests, target) and generate greedily.
+
+    Prompts run as decode-shaped chunks through the bucket executables, then
+    one token per step; several prompts batch into the decode batch buckets.
+
+    \b
+    Example:
+      deepinfer-run build/tiny --prompt "Hello, world" --max-new-tokens 32 --timing
+    """
+    from deepinfer.regions.tokenizer import ByteTokenizer
+    from deepinfer.runtime import load
+
+    start = time.perf_counter()
+    session = load(bundle, num_kv_blocks=num_kv_blocks, verify=not no_verify)
+    cfg = session.config
+    tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+    prompts = prompts_from(prompt, prompt_ids, cfg.text.vocab_size, tok)
+    gens = session.generate(prompts, max_new_tokens)
+    wall = time.perf_counter() - start
+    if dump_logits:
+        write_logits(dump_logits, gens)
+    if as_json:
+        out = {"outputs": [{"prompt_ids": g.tokens[:g.prompt_len], "generated_ids": g.generated,
+                            "text": tok.decode(g.generated), "error": g.error} for g in gens]}
+        if timing:
+            s = session.stats
+            out["timing"] = {"regions": s.table(), "steps": s.steps, "step_ms": s.step_seconds / max(s.steps, 1) * 1e3,
+                             "overhead_us_per_call": s.overhead / max(sum(s.calls.values()), 1) * 1e6,
+                             "padding_waste": 1 - s.tokens / s.padded if s.padded else 0.0, "wall_s": wall}
+        click.echo(json.dumps(out))
+    else:
+        for g in gens:
+            click.echo(tok.decode(g.generated) if g.error is None else f"error: {g.error}")
+        if timing:
+            click.echo("\n".join(timing_lines(session.stats, wall)), err=True)
+    if any(g.error for g in gens):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

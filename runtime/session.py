@@ -1,0 +1,203 @@
+"""A loaded bundle: executables, weight views, state pools; greedy generation.
+
+Loading validates the manifest (format version, digests, target and
+toolchain), memory-maps the weights, loads each executable once and binds
+each layer's weights as views into the layer-major stacks. Generation runs
+prompts as decode-shaped chunks padded to the nearest bucket, then one token
+per step, with the same region wiring as the reference (`run_layers`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deepinfer.bundles import manifest as mf
+from deepinfer.regions.config import parse_config
+from deepinfer.regions.engram_hash import EngramHasher
+from deepinfer.regions.head import Embedding
+from deepinfer.regions.plan import LayerPlan
+from deepinfer.regions.reference import DTYPES, Batch, Generation, run_layers
+from deepinfer.runtime.backends import check_compatible, load_executable
+from deepinfer.runtime.mmap_weights import load_mmap
+from deepinfer.runtime.scheduler import Allocator, OutOfBlocks, bucket_at_least
+
+
+@dataclass
+class Stats:
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+    seconds: dict = field(default_factory=lambda: defaultdict(float))     # host time in the executable
+    overhead: float = 0.0             # runtime time around region calls (argument lists, lookups)
+    steps: int = 0
+    step_seconds: float = 0.0
+    tokens: int = 0                   # real tokens processed
+    padded: int = 0                   # token slots computed (incl. padding)
+
+    def table(self) -> list[dict]:
+        total = sum(self.seconds.values()) or 1.0
+        return [{"kind": k, "calls": self.calls[k], "total_ms": self.seconds[k] * 1e3,
+                 "mean_us": self.seconds[k] / self.calls[k] * 1e6, "share": self.seconds[k] / total}
+                for k in sorted(self.seconds, key=lambda k: -self.seconds[k])]
+
+
+class Session:
+    def __init__(self, bundle: Path, manifest: dict, *, num_kv_blocks: int | None = None, rank: int = 0):
+        self.path, self.manifest = Path(bundle), manifest
+        self.config = parse_config(manifest["model"]["config"], f"{bundle}/manifest.json")
+        self.dtype = DTYPES[manifest["model"]["dtype"]]
+        self.plans = [LayerPlan(layer=l["layer"], attn=l["attn"], ratio=l["ratio"], kv_source=l["kv_source"],
+                                candidate_source=l["candidate_source"], uses_candidates=l["uses_candidates"],
+                                engram_rows=int(l["engram"])) for l in manifest["layers"]]
+        kv = manifest["kv"]
+        self.block_size, self.max_blocks = kv["block_size"], kv["max_blocks"]
+        self.num_blocks, self.num_slots = num_kv_blocks or kv["num_blocks"], kv["slots"]
+        shapes = manifest["buckets"]["shapes"]
+        self.batch_sizes = sorted({s["batch"] for s in shapes})
+        self.token_sizes = sorted({s["tokens"] for s in shapes})
+        self.rank = torch.tensor(rank, dtype=torch.int64)
+        self._load_executables()
+        self._bind_weights(rank)
+        self._allocate_pools()
+        host = manifest["host"]["embed"]
+        embed = load_mmap(self.path / host["path"])[host["tensor"]]
+        self.embed = Embedding(embed, self.config.text.hc_mult, self.dtype)
+        self.hasher = EngramHasher(self.config.text) if self.config.text.engram_layer_ids else None
+        self.stats = Stats()
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def _load_executables(self) -> None:
+        self.executables, self.signatures = {}, {}
+        for r in self.manifest["regions"]:
+            key = (r["kind"], r["bucket"]["batch"], r["bucket"]["tokens"])
+            self.executables[key] = load_executable(self.manifest, self.path / r["artifact"])
+            self.signatures[r["kind"]] = r["inputs"]
+
+    def _bind_weights(self, rank: int) -> None:
+        """(layer, slot) -> (kind, weight views in the executable's input order)."""
+        entries = self.manifest["weights"].get(f"rank-{rank}")
+        if entries is None:
+            raise mf.BundleError(f"{self.path}: no weights for rank {rank}")
+        stacks = {e["kind"]: load_mmap(self.path / e["path"]) for e in entries}
+        self.bound = {}
+        places = [(l["layer"], slot, b) for l in self.manifest["layers"] for slot, b in l["regions"].items()]
+        places.append((-1, "head", self.manifest["head"]))
+        for layer, slot, b in places:
+            kind, index = b["kind"], b["index"]
+            views = [self.rank if s["role"] == "rank" else stacks[kind][s["name"]][index]
+                     for s in self.signatures[kind] if s["role"] in ("weight", "rank")]
+            self.bound[(layer, slot)] = (kind, views)
+
+    def _allocate_pools(self) -> None:
+        self.pools, self.states = {}, defaultdict(dict)
+        for name, pool in self.manifest["kv"]["pools"].items():
+            size = self.num_blocks if pool["dim"] == "blocks" else self.num_slots
+            self.pools[name] = torch.zeros((len(pool["layers"]), size, *pool["entry_shape"]),
+                                           dtype=getattr(torch, pool["dtype"]))
+        for l in self.manifest["layers"]:
+            for state, (pool, index) in l["state"].items():
+                self.states[l["layer"]][state] = self.pools[pool][index]
+
+    # -- running ------------------------------------------------------------------------------
+
+    def _invoke(self, B: int, T: int):
+        executables, bound, stats = self.executables, self.bound, self.stats
+
+        def invoke(layer: int, slot: str, *inputs):
+            t0 = time.perf_counter()
+            kind, weights = bound[(layer, slot)]
+            exe = executables[(kind, B, T)]
+            args = weights + list(inputs)
+            t1 = time.perf_counter()
+            out = exe(args)
+            t2 = time.perf_counter()
+            stats.calls[kind] += 1
+            stats.seconds[kind] += t2 - t1
+            stats.overhead += t1 - t0
+            return out
+        return invoke
+
+    def _step(self, rows: list[tuple[int, list[int], int]], alloc: Allocator, gens) -> torch.Tensor:
+        """rows: (seq, token ids, first position). Returns logits [len(rows), T, V]."""
+        B = bucket_at_least(self.batch_sizes, len(rows))
+        T = bucket_at_least(self.token_sizes, max(len(ids) for _, ids, _ in rows))
+        tokens = torch.full((B, T), self.config.pad_token_id, dtype=torch.int64)
+        positions = torch.full((B, T), -1, dtype=torch.int64)
+        slots = torch.zeros(B, dtype=torch.int64)
+        table = torch.zeros((B, self.max_blocks), dtype=torch.int64)
+        for b, (seq, ids, start) in enumerate(rows):
+            tokens[b, :len(ids)] = torch.tensor(ids)
+            positions[b, :len(ids)] = torch.arange(start, start + len(ids))
+            slots[b] = alloc.slot_of[seq]
+            table[b] = torch.tensor(alloc.table_row(seq))
+        hashes = None
+        if self.hasher is not None:
+            hashes = torch.zeros((B, T, len(self.hasher.primes), self.hasher.heads * (self.hasher.max_ngram - 1)),
+                                 dtype=torch.int64)
+            for b, (seq, ids, start) in enumerate(rows):
+                hashes[b, :len(ids)] = torch.from_numpy(self.hasher.hashes(np.array(gens[seq].tokens), start, len(ids)))
+        batch = Batch(tokens, positions, slots, table, hashes, torch.zeros((B, T), dtype=torch.bool))
+        h, pre = self.embed(tokens)
+        start = time.perf_counter()
+        logits = run_layers(self.plans, self._invoke(B, T), self.states, h, pre, batch)
+        self.stats.step_seconds += time.perf_counter() - start
+        self.stats.steps += 1
+        self.stats.tokens += sum(len(ids) for _, ids, _ in rows)
+        self.stats.padded += B * T
+        return logits
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, eos: int | None = None) -> list[Generation]:
+        """Greedy generation; a request that cannot get blocks fails alone (its `error` is set)."""
+        eos = self.config.eos_token_id if eos is None else eos
+        gens = [Generation(list(p), len(p)) for p in prompts]
+        alloc = Allocator(self.num_slots, self.num_blocks, self.block_size, self.max_blocks)
+        consumed = [0] * len(gens)
+        waiting = list(range(len(gens)))
+        active: list[int] = []
+        chunk = self.token_sizes[-1]
+        for i, g in enumerate(gens):
+            if max_new_tokens == 0:
+                waiting.remove(i)
+        while waiting or active:
+            while waiting and len(active) < self.batch_sizes[-1] and alloc.admit(waiting[0]):
+                active.append(waiting.pop(0))
+            rows = []
+            for seq in list(active):
+                n = min(chunk, len(gens[seq].tokens) - consumed[seq])
+                try:
+                    alloc.reserve(seq, consumed[seq] + n)
+                except OutOfBlocks as e:
+                    gens[seq].error = str(e)
+                    alloc.release(seq)
+                    active.remove(seq)
+                    continue
+                rows.append((seq, gens[seq].tokens[consumed[seq]:consumed[seq] + n], consumed[seq]))
+            if not rows:
+                continue
+            logits = self._step(rows, alloc, gens)
+            for b, (seq, ids, start) in enumerate(rows):
+                g = gens[seq]
+                g.logits.extend(logits[b, :len(ids)].float().clone())
+                consumed[seq] += len(ids)
+                if consumed[seq] == len(g.tokens):
+                    nxt = int(torch.argmax(logits[b, len(ids) - 1]))
+                    g.tokens.append(nxt)
+                    if nxt == eos or len(g.generated) >= max_new_tokens:
+                        alloc.release(seq)
+                        active.remove(seq)
+        return gens
+
+
+def load(path: str | Path, *, num_kv_blocks: int | None = None, verify: bool = True, rank: int = 0) -> Session:
+    """Open a bundle: validate (format version first, files, digests, target, toolchain), then load it."""
+    path = Path(path)
+    manifest = mf.read(path)
+    mf.validate(path, manifest, digests=verify)
+    check_compatible(manifest, path)
+    return Session(path, manifest, num_kv_blocks=num_kv_blocks, rank=rank)

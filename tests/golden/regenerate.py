@@ -17,7 +17,13 @@ import torch
 
 GOLDEN = Path(__file__).with_name("tiny_seed0.json")
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, twice over.", "abc", "1 + 1 ="]
-MODES = [("fp32", False), ("fp32", True), ("bf16", True)]
+# (dtype, cache quantization, indexer tie rule): "nemo" is the reference's default;
+# "lowest" is what compiled bundles compute (the golden they are held to).
+MODES = [("fp32", False, "nemo"), ("fp32", True, "nemo"), ("bf16", True, "nemo"), ("fp32", True, "lowest")]
+
+
+def mode_name(dtype: str, quant: bool, ties: str) -> str:
+    return f"{dtype}-{'quant' if quant else 'noquant'}" + ("-lowest" if ties == "lowest" else "")
 MAX_NEW = 16
 
 
@@ -35,10 +41,10 @@ def generate_all(ckpt: Path) -> dict:
     tok = ByteTokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
     out = {"checkpoint": "make-tiny seed 0, 6 layers", "max_new_tokens": MAX_NEW, "modes": {}}
-    for dtype, quant in MODES:
-        model = ReferenceModel(ckpt, dtype=dtype, cache_quant=quant)
+    for dtype, quant, ties in MODES:
+        model = ReferenceModel(ckpt, dtype=dtype, cache_quant=quant, ties=ties)
         gens = model.generate(prompts, MAX_NEW)
-        out["modes"][f"{dtype}-{'quant' if quant else 'noquant'}"] = [
+        out["modes"][mode_name(dtype, quant, ties)] = [
             {"prompt": text, "prompt_ids": g.tokens[:g.prompt_len], "generated_ids": g.generated,
              "logits_summary": summary(g.logits)} for text, g in zip(PROMPTS, gens)]
     return out

@@ -1,0 +1,130 @@
+"""deepinfer-run: bundles reproduce the golden tokens; damaged bundles and exhausted pools are refused cleanly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from deepinfer.bundles.manifest import BundleError
+from deepinfer.runtime import load
+
+GOLDEN = json.loads((__import__("pathlib").Path(__file__).parent.parent / "golden" / "tiny_seed0.json").read_text())
+RUNS = GOLDEN["modes"]["fp32-quant-lowest"]        # what bundles compute: lowest index wins among tied scores
+NEW = GOLDEN["max_new_tokens"]
+
+
+def check_against_golden(gens, runs):
+    for g, run in zip(gens, runs, strict=True):
+        assert g.error is None
+        assert g.generated == run["generated_ids"], run["prompt"]
+        logits = torch.stack(g.logits).double()
+        for row, want in zip(logits, run["logits_summary"], strict=True):
+            assert int(row.argmax()) == want[0]
+            assert abs(float(row.max()) - want[1]) < 1e-3 and abs(float(row.logsumexp(-1)) - want[2]) < 1e-3
+
+
+@pytest.mark.parametrize("which", ["run_aoti_bundle", "run_exported_bundle"])
+def test_bundle_reproduces_golden_tokens(request, which):
+    session = load(request.getfixturevalue(which))
+    prompts = [r["prompt_ids"] for r in RUNS]
+    check_against_golden([session.generate([p], NEW)[0] for p in prompts], RUNS)    # batch 1
+    check_against_golden(session.generate(prompts, NEW), RUNS)                      # all four in one batch
+
+
+def test_padding_waste_and_timing_are_recorded(run_exported_bundle):
+    session = load(run_exported_bundle)
+    session.generate([RUNS[0]["prompt_ids"], RUNS[2]["prompt_ids"]], 3)
+    s = session.stats
+    assert s.steps > 0 and s.padded > s.tokens > 0
+    table = s.table()
+    assert {r["kind"] for r in table} >= {"moe", "head", "attn_window"}
+    assert abs(sum(r["share"] for r in table) - 1) < 1e-9
+
+
+def copy_bundle(src, tmp_path):
+    dst = tmp_path / "bundle"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_manifest(bundle, fn):
+    path = bundle / "manifest.json"
+    data = json.loads(path.read_text())
+    fn(data)
+    path.write_text(json.dumps(data))
+
+
+def test_altered_weight_file_is_refused(run_exported_bundle, tmp_path):
+    b = copy_bundle(run_exported_bundle, tmp_path)
+    w = b / "weights" / "rank-0" / "moe.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 0xFF
+    w.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"weights/rank-0/moe.safetensors does not match its digest"):
+        load(b)
+
+
+def test_missing_executable_is_refused(run_exported_bundle, tmp_path):
+    b = copy_bundle(run_exported_bundle, tmp_path)
+    victim = sorted((b / "regions").iterdir())[0]
+    victim.unlink()
+    with pytest.raises(BundleError, match=f"missing file regions/{victim.name}"):
+        load(b)
+
+
+def test_unknown_format_version_is_refused(run_exported_bundle, tmp_path):
+    b = copy_bundle(run_exported_bundle, tmp_path)
+    edit_manifest(b, lambda d: d.update(format_version=99))
+    with pytest.raises(BundleError, match="format_version 99 is not supported"):
+        load(b)
+
+
+def test_wrong_target_is_refused(run_exported_bundle, tmp_path):
+    b = copy_bundle(run_exported_bundle, tmp_path)
+    edit_manifest(b, lambda d: d["target"].update(name="trn2", executable="neff"))
+    with pytest.raises(BundleError, match="built for target 'trn2'.*Neuron runtime"):
+        load(b)
+    edit_manifest(b, lambda d: d.update(target={"name": "cpu", "executable": "aoti"},
+                                       toolchain=dict(d["toolchain"], torch="1.0.0")))
+    with pytest.raises(BundleError, match="compiled with torch 1.0.0"):
+        load(b)
+
+
+def test_block_exhaustion_fails_only_the_offending_request(run_exported_bundle):
+    """Pool of 4 usable blocks (16 positions each): the 57-token prompt cannot fit, the short ones can."""
+    session = load(run_exported_bundle, num_kv_blocks=5)
+    long, short = RUNS[1], RUNS[0]
+    gens = session.generate([short["prompt_ids"], long["prompt_ids"], RUNS[3]["prompt_ids"]], NEW)
+    assert gens[1].error is not None and "KV pool exhausted" in gens[1].error
+    assert gens[0].error is None and gens[0].generated == short["generated_ids"]
+    assert gens[2].error is None and gens[2].generated == RUNS[3]["generated_ids"]
+
+
+def test_cli_prints_text_json_and_timing(run_exported_bundle):
+    from deepinfer.runtime.cli import main
+
+    runner = CliRunner()
+    r = runner.invoke(main, [str(run_exported_bundle), "--prompt-ids", ",".join(map(str, RUNS[0]["prompt_ids"])),
+                             "--max-new-tokens", "4", "--json", "--timing"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["outputs"][0]["generated_ids"] == RUNS[0]["generated_ids"][:4]
+    assert out["timing"]["overhead_us_per_call"] > 0 and out["timing"]["regions"]
+    r = runner.invoke(main, [str(run_exported_bundle), "--prompt", "Hi", "--max-new-tokens", "2", "--timing"])
+    assert r.exit_code == 0 and "region kind" in r.output and "us a region call" in r.output
+    r = runner.invoke(main, [str(run_exported_bundle.parent / "nope")])
+    assert r.exit_code == 2
+
+
+def test_cli_refuses_damaged_bundle_in_one_line(run_exported_bundle, tmp_path):
+    from deepinfer.runtime.cli import main
+
+    b = copy_bundle(run_exported_bundle, tmp_path)
+    edit_manifest(b, lambda d: d.update(format_version=2))
+    r = CliRunner().invoke(main, [str(b), "--prompt", "x"])
+    assert r.exit_code == 2
+    assert r.output.count("\n") == 1 and "format_version 2 is not supported" in r.output

@@ -119,7 +119,7 @@ class _Where:
     def line(self, section: str, key: str | None = None) -> int | None:
         in_section = False
         for i, raw in enumerate(self.lines, 1):
-            s = raw.strip()
+            s = raw.split("#", 1)[0].strip()
             if s.startswith("["):
                 in_section = s.strip("[] ").split(".")[0] == section
                 if in_section and key is None:
@@ -166,7 +166,7 @@ def _section(cls, data: dict, where: _Where, name: str, base: Path):
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
-            raise where.error(name.split(".")[0], key, f"unknown key; valid keys: {', '.join(fields)}")
+            raise where.error(*(name.split(".") + [key])[:2], f"unknown key {key!r}; valid keys: {', '.join(fields)}")
         kwargs[key] = _coerce(value, str(fields[key].type), where, name, key, base)
     missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
@@ -210,6 +210,15 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
         need(m.tiny.layers >= 6, "model", "tiny", "layers must be at least 6")
 
 
+def config_error(cfg: CompileConfig, section: str, key: str, message: str) -> ConfigError:
+    """A ConfigError located at `section.key` of the model.toml `cfg` came from."""
+    try:
+        text = cfg.source.read_text()
+    except OSError:
+        text = ""
+    return _Where(cfg.source, text).error(section, key, message)
+
+
 def load_compile_config(path: str | Path) -> CompileConfig:
     """Parse and validate a model.toml. Relative paths are relative to the file."""
     path = Path(path)
@@ -220,7 +229,8 @@ def load_compile_config(path: str | Path) -> CompileConfig:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        line = re.search(r"line (\d+)", str(e))
+        raise ConfigError(f"{path}{':' + line.group(1) if line else ''}: not valid TOML ({e})") from None
     where = _Where(path, text)
     unknown = [s for s in data if s not in SECTIONS]
     if unknown:

@@ -22,7 +22,7 @@ import torch
 
 import deepinfer
 from deepinfer.bundles import layout, manifest as mf
-from deepinfer.compiler.config import CompileConfig
+from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.jobs import Job, run_jobs
 from deepinfer.compiler.plan import METHOD, RegionPlan, plan_regions
 from deepinfer.compiler.pools import plan_pools
@@ -33,7 +33,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.regions.checkpoint import Checkpoint
 from deepinfer.regions.config import V41Config, load_config
 from deepinfer.regions.reference import DTYPES
-from deepinfer.regions.state import Geometry
+from deepinfer.regions.state import Geometry, check_block_size
 
 LOWERED_DIR = ".lowered"
 
@@ -67,6 +67,10 @@ def parse_config(b: Build) -> None:
               f"(seed {m.tiny.seed}, {m.tiny.layers} layers)")
         make_tiny(m.checkpoint, seed=m.tiny.seed, layers=m.tiny.layers, exist_ok=True)
     b.model = load_config(m.checkpoint)
+    try:
+        check_block_size(b.model.text, b.config.kv.block_size)
+    except ConfigError as e:
+        raise config_error(b.config, "kv", "block_size", str(e)) from None
     t = b.config.target
     b.target = TARGETS[t.name](t.executable, t.options)
     kv, buckets = b.config.kv, b.config.buckets
@@ -210,6 +214,8 @@ def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bo
             start = time.perf_counter()
             run(b)
             b.timings[name] = time.perf_counter() - start
+        for path in staging.rglob("*"):      # safetensors writes 0600; a bundle is for sharing
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
         os.chmod(staging, 0o755)
         _publish(staging, out, force)
     except BaseException:

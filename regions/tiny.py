@@ -41,7 +41,7 @@ def tiny_config(layers: int = MIN_LAYERS) -> dict:
                           "to hold every layer kind")
     n2 = (layers - 2) // 2
     src2, src1 = 2, 2 + n2
-    reindex = list(range(src1 + 1, layers, 2))
+    reindex = list(range(src1 + 1, layers))      # the same kinds at any depth
     text = {
         "model_type": "deepseek_v41_text",
         "vocab_size": 288, "hidden_size": 256, "num_hidden_layers": layers,

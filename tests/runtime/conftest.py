@@ -36,9 +36,9 @@ num_blocks = 21
 
 
 @pytest.fixture(scope="session")
-def run_aoti_bundle(tmp_path_factory, tiny_ckpt) -> Path:
+def run_aoti_bundle(aoti_bundle) -> Path:
     """AOTInductor packages, buckets batch {1, 4} x tokens {1} (prompts fed as 1-token chunks)."""
-    return compile_run_bundle(tmp_path_factory, tiny_ckpt, "aoti", [1])
+    return aoti_bundle
 
 
 @pytest.fixture(scope="session")

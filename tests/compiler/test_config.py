@@ -1,0 +1,174 @@
+"""model.toml errors: one test per error class, each naming the file, the key and its line.
+
+The message format is `path:LINE: section.key: what is wrong` (one line); the
+CLI prints it after `error: ` and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from deepinfer.compiler.cli import main as compile_cli
+from deepinfer.compiler.config import load_compile_config
+from deepinfer.errors import ConfigError, DeepinferError
+
+BASE = """\
+# a valid model.toml for the tiny model
+[model]
+checkpoint = "checkpoint"
+dtype = "fp32"
+cache_quant = true
+
+[target]
+name = "cpu"
+executable = "exported"
+
+[buckets]
+batch = [1, 2]
+tokens = [1, 4]
+max_context = 32
+
+[kv]
+block_size = 16
+num_blocks = 8
+
+[parallel]
+tp = 1
+ep = 1
+cp = 1
+"""
+
+
+def write(tmp_path, text: str, old: str | None = None, new: str | None = None):
+    """BASE (or `text`) with `old` replaced by `new`, written to model.toml -> (path, line of `new`)."""
+    if old is not None:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = tmp_path / "model.toml"
+    path.write_text(text)
+    line = next((i for i, s in enumerate(text.splitlines(), 1) if new and new.splitlines()[-1] in s), None)
+    return path, line
+
+
+def config_error(path) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_compile_config(path)
+    message = str(e.value)
+    assert "\n" not in message, "a config error is one line"
+    return message
+
+
+def test_base_is_valid(tmp_path):
+    path, _ = write(tmp_path, BASE)
+    cfg = load_compile_config(path)
+    assert cfg.model.checkpoint == tmp_path / "checkpoint"          # relative to the file
+    assert cfg.buckets.shapes() == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    assert issubclass(ConfigError, DeepinferError)                 # what the CLI turns into exit 2
+
+
+# (test id, old text, new text, `section.key` named, fragments the message must hold)
+CASES = [
+    ("unknown_key", 'dtype = "fp32"', 'dtype = "fp32"\ncolour = "red"', "model.colour",
+     ["unknown key", "checkpoint, dtype, cache_quant, tiny"]),
+    ("unknown_key_nested", 'dtype = "fp32"', "tiny = { seed = 0, layer = 6 }", "model.tiny",
+     ["unknown key 'layer'", "seed, layers"]),
+    ("wrong_type_int", "max_context = 32", 'max_context = "32"', "buckets.max_context",
+     ["expected int", "'32'"]),
+    ("wrong_type_list", "batch = [1, 2]", "batch = 2", "buckets.batch", ["expected a list of integers", "2"]),
+    ("wrong_type_bool", "cache_quant = true", 'cache_quant = "yes"', "model.cache_quant", ["expected bool"]),
+    ("dtype", 'dtype = "fp32"', 'dtype = "fp16"', "model.dtype", ["'fp16'", "fp32, bf16"]),
+    ("tokens_without_1", "tokens = [1, 4]", "tokens = [2, 4]", "buckets.tokens", ["must include 1"]),
+    ("max_context_below_tokens", "max_context = 32", "max_context = 2", "buckets.max_context",
+     ["largest tokens bucket (4)"]),
+    ("num_blocks_too_small", "num_blocks = 8", "num_blocks = 4", "kv.num_blocks",
+     ["4 blocks", "need at least 5"]),
+    ("unknown_target", 'name = "cpu"', 'name = "trn3"', "target.name", ["'trn3'", "valid: cpu"]),
+    ("executable_not_built_by_target", 'executable = "exported"', 'executable = "neff"', "target.executable",
+     ["'neff'", "aoti, exported"]),
+    ("parallel_tp", "tp = 1", "tp = 2", "parallel.tp", ["not implemented yet", "use 1"]),
+    ("parallel_ep", "ep = 1", "ep = 4", "parallel.ep", ["not implemented yet"]),
+    ("parallel_cp", "cp = 1", "cp = 2", "parallel.cp", ["not implemented yet"]),
+]
+
+
+@pytest.mark.parametrize("old, new, name, fragments", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_config_error_names_file_key_and_line(tmp_path, old, new, name, fragments):
+    path, line = write(tmp_path, BASE, old, new)
+    message = config_error(path)
+    assert message.startswith(f"{path}:{line}: {name}: "), message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_unknown_section(tmp_path):
+    path, line = write(tmp_path, BASE + "\n[extra]\nx = 1\n", "[extra]", "[extra]")
+    message = config_error(path)
+    assert message.startswith(f"{path}:{line}: [extra]: unknown section"), message
+    assert "model, target, buckets, kv, parallel, quant, host, cache" in message
+
+
+def test_missing_model_section(tmp_path):
+    path, _ = write(tmp_path, BASE.split("[target]")[0].replace("[model]", "[cache]").replace(
+        'checkpoint = "checkpoint"\ndtype = "fp32"\ncache_quant = true', 'dir = "c"'))
+    assert config_error(path) == f"{path}: missing required section [model]"
+
+
+def test_invalid_toml_syntax(tmp_path):
+    path, line = write(tmp_path, BASE, "tp = 1", "tp = = 1")
+    message = config_error(path)
+    assert message.startswith(f"{path}:{line}: not valid TOML"), message
+    assert f"line {line}" in message, message
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.toml"
+    assert config_error(path) == f"{path}: no such file"
+
+
+def test_block_size_not_multiple_of_compress_ratios(tmp_path, tiny_ckpt, monkeypatch):
+    """The tiny model compresses at ratios 1 and 2: block_size 15 is refused before anything is traced."""
+    import deepinfer.compiler.pipeline as pipeline
+
+    def traced(*args, **kwargs):
+        raise AssertionError("traced a region before kv.block_size was checked against the compress ratios")
+
+    monkeypatch.setattr(pipeline, "trace", traced)
+    text = BASE.replace('"checkpoint"', f'"{tiny_ckpt}"')
+    path, line = write(tmp_path, text, "block_size = 16", "block_size = 15")
+    cfg = load_compile_config(path)            # the ratios are the checkpoint's: known once it is read
+    out = tmp_path / "bundle"
+    with pytest.raises(ConfigError) as e:
+        pipeline.compile_bundle(cfg, out, log=lambda msg: None)
+    message = str(e.value)
+    assert message.startswith(f"{path}:{line}: kv.block_size: "), message
+    assert "15" in message and "[1, 2]" in message, message
+    assert not out.exists()
+
+
+# --- the CLI: one line, exit status 2, nothing written ---
+
+def run_cli(*args):
+    return CliRunner().invoke(compile_cli, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("old, new, name", [
+    ("num_blocks = 8", "num_blocks = 4", "kv.num_blocks"),
+    ('dtype = "fp32"', 'dtpe = "fp32"', "model.dtpe"),
+], ids=["impossible_value", "unknown_key"])
+def test_cli_prints_config_error_on_one_line(tmp_path, old, new, name):
+    path, line = write(tmp_path, BASE, old, new)
+    out = tmp_path / "bundle"
+    result = run_cli(path, "-o", out)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"error: {config_error(path)}"]
+    assert lines[0].startswith(f"error: {path}:{line}: {name}: ")
+    assert "Traceback" not in result.output and result.stdout == ""
+    assert not out.exists()
+
+
+def test_cli_missing_file(tmp_path):
+    result = run_cli(tmp_path / "nope.toml", "-o", tmp_path / "bundle")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: {tmp_path / 'nope.toml'}: no such file"

@@ -1,0 +1,81 @@
+"""Region planning: every layer kind of the tiny model, bindings into the kinds' stacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.compiler.plan import METHOD, plan_regions
+from deepinfer.regions.config import load_config
+from deepinfer.regions.tiny import make_tiny
+
+# kind -> (slot, layers running it in stack order) for the 6-layer tiny model (MODEL.md's tiny layer plan)
+TINY_KINDS = {
+    "attn_window": ("attn", [0, 1]),
+    "engram": ("engram", [1]),
+    "attn_source_r2": ("attn", [2]),
+    "attn_reuse_r2": ("attn", [3]),
+    "attn_source_r1_cand": ("attn", [4]),
+    "attn_reindex_r1_cand": ("attn", [5]),
+    "moe": ("moe", [0, 1, 2, 3, 4, 5]),
+    "head": ("head", [-1]),
+}
+
+
+def plan_of(ckpt):
+    return plan_regions(load_config(ckpt).text, torch.float32, True)
+
+
+def test_every_kind_of_the_tiny_model(tiny_ckpt):
+    plan = plan_of(tiny_ckpt)
+    assert {k: (kp.slot, kp.layers) for k, kp in plan.kinds.items()} == TINY_KINDS
+    for kind, kp in plan.kinds.items():
+        assert kp.region.kind == kind
+
+
+def test_bindings(tiny_ckpt):
+    plan = plan_of(tiny_ckpt)
+    assert plan.bindings == {
+        0: {"attn": ("attn_window", 0), "moe": ("moe", 0)},
+        1: {"engram": ("engram", 0), "attn": ("attn_window", 1), "moe": ("moe", 1)},
+        2: {"attn": ("attn_source_r2", 0), "moe": ("moe", 2)},
+        3: {"attn": ("attn_reuse_r2", 0), "moe": ("moe", 3)},
+        4: {"attn": ("attn_source_r1_cand", 0), "moe": ("moe", 4)},
+        5: {"attn": ("attn_reindex_r1_cand", 0), "moe": ("moe", 5)},
+    }
+
+
+def check_bindings_consistent(plan):
+    """Layer i's (kind, index) is slice `index` of the kind's stacks, and every stack slice is bound once."""
+    seen = {k: [] for k in plan.kinds if k != "head"}
+    for layer, slots in plan.bindings.items():
+        for slot, (kind, index) in slots.items():
+            assert plan.kinds[kind].slot == slot
+            assert plan.kinds[kind].layers[index] == layer
+            seen[kind].append(index)
+    for kind, indices in seen.items():
+        assert sorted(indices) == list(range(len(plan.kinds[kind].layers))), kind
+
+
+def test_executables_are_kinds_times_buckets(tiny_ckpt):
+    plan = plan_of(tiny_ckpt)
+    check_bindings_consistent(plan)
+    shapes = [(1, 1), (1, 8), (2, 1), (2, 8)]
+    exes = plan.executables(shapes)
+    assert len(exes) == len(set(exes)) == len(TINY_KINDS) * len(shapes)
+    assert {(k, m) for k, m, _, _ in exes} == {(k, METHOD) for k in TINY_KINDS}
+
+
+@pytest.mark.parametrize("layers", [12, 24])
+def test_longer_tiny_models_keep_their_bindings_consistent(tmp_path, layers):
+    plan = plan_of(make_tiny(tmp_path / f"tiny{layers}", layers=layers))
+    check_bindings_consistent(plan)
+    assert plan.kinds["moe"].layers == list(range(layers))
+    assert sorted(layer for kp in plan.kinds.values() if kp.slot == "attn" for layer in kp.layers) == \
+        list(range(layers))
+
+
+@pytest.mark.parametrize("layers", [12, 24])
+def test_longer_tiny_models_have_the_same_kinds(tmp_path, layers):
+    plan = plan_of(make_tiny(tmp_path / f"tiny{layers}", layers=layers))
+    assert {k: kp.slot for k, kp in plan.kinds.items()} == {k: slot for k, (slot, _) in TINY_KINDS.items()}

@@ -19,7 +19,8 @@ spec = importlib.util.spec_from_file_location("regenerate", GOLDEN_DIR / "regene
 regenerate = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(regenerate)
 
-TOLERANCE = {"fp32-noquant": 1e-4, "fp32-quant": 0.05, "bf16-quant": 0.5, "fp32-quant-lowest": 0.05}
+TOLERANCE = {"fp32-noquant": 1e-4, "fp32-quant": 0.05, "bf16-quant": 0.5, "fp32-quant-lowest": 0.05,
+             "fp32-noquant-lowest": 1e-4}
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ GOLDEN = Path(__file__).with_name("tiny_seed0.json")
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, twice over.", "abc", "1 + 1 ="]
 # (dtype, cache quantization, indexer tie rule): "nemo" is the reference's default;
 # "lowest" is what compiled bundles compute (the golden they are held to).
-MODES = [("fp32", False, "nemo"), ("fp32", True, "nemo"), ("bf16", True, "nemo"), ("fp32", True, "lowest")]
+MODES = [("fp32", False, "nemo"), ("fp32", True, "nemo"), ("bf16", True, "nemo"), ("fp32", True, "lowest"),
+         ("fp32", False, "lowest")]
 
 
 def mode_name(dtype: str, quant: bool, ties: str) -> str:

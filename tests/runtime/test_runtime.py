@@ -15,6 +15,7 @@ from deepinfer.runtime import load
 GOLDEN = json.loads((__import__("pathlib").Path(__file__).parent.parent / "golden" / "tiny_seed0.json").read_text())
 RUNS = GOLDEN["modes"]["fp32-quant-lowest"]        # what bundles compute: lowest index wins among tied scores
 NEW = GOLDEN["max_new_tokens"]
+GOLDEN_FOR = {"run_aoti_bundle": "fp32-noquant-lowest", "run_exported_bundle": "fp32-quant-lowest"}
 
 
 def check_against_golden(gens, runs):
@@ -29,10 +30,14 @@ def check_against_golden(gens, runs):
 
 @pytest.mark.parametrize("which", ["run_aoti_bundle", "run_exported_bundle"])
 def test_bundle_reproduces_golden_tokens(request, which):
+    """AOTInductor (no cache quantization, 1-token prompt steps) and exported (cache
+    quantization, 8-token prompt chunks) bundles, at batch 1 and with all four prompts."""
     session = load(request.getfixturevalue(which))
-    prompts = [r["prompt_ids"] for r in RUNS]
-    check_against_golden([session.generate([p], NEW)[0] for p in prompts], RUNS)    # batch 1
-    check_against_golden(session.generate(prompts, NEW), RUNS)                      # all four in one batch
+    runs = GOLDEN["modes"][GOLDEN_FOR[which]]
+    assert session.manifest["model"]["cache_quant"] == GOLDEN_FOR[which].startswith("fp32-quant")
+    prompts = [r["prompt_ids"] for r in runs]
+    check_against_golden([session.generate([p], NEW)[0] for p in prompts], runs)    # batch 1
+    check_against_golden(session.generate(prompts, NEW), runs)                      # all four in one batch
 
 
 def test_padding_waste_and_timing_are_recorded(run_exported_bundle):

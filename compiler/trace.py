@@ -10,6 +10,7 @@ runs unchanged: the shell's attributes are the input tensors while it traces.
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,10 @@ from torch.export import Dim
 from deepinfer.regions.base import Region
 from deepinfer.regions.examples import example_inputs
 from deepinfer.regions.state import Geometry, InputSpec
+
+# torch 2.13's export pickles tree specs through a deprecated isinstance check and warns
+# once per executable; it says nothing about the user's model
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning)
 
 
 @dataclass(frozen=True)

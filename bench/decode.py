@@ -44,10 +44,14 @@ def main() -> None:
     ap.add_argument("--toml", type=Path, default=ROOT / "examples" / "tiny" / "model.toml")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from deepinfer.compiler.config import load_compile_config
     from deepinfer.compiler.pipeline import compile_bundle

@@ -36,8 +36,12 @@ def timing_lines(stats, wall: float) -> list[str]:
 @click.option("--dump-logits", type=click.Path(dir_okay=False, path_type=Path),
               help="Write tokens and per-position float32 logits to this .safetensors file.")
 @click.option("--no-verify", is_flag=True, help="Skip the digest check of the bundle's files at load.")
+@click.option("--threads", type=int, default=None,
+              help="Host threads for the executables (default: torch's; 1 is often fastest for small models "
+                   "on a busy machine).")
 @user_errors
-def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_json, dump_logits, no_verify):
+def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_json, dump_logits, no_verify,
+         threads):
     """Load BUNDLE (validated: format version, digests, target) and generate greedily.
 
     Prompts run as decode-shaped chunks through the bucket executables, then
@@ -50,6 +54,10 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
     from deepinfer.regions.tokenizer import ByteTokenizer
     from deepinfer.runtime import load
 
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     start = time.perf_counter()
     session = load(bundle, num_kv_blocks=num_kv_blocks, verify=not no_verify)
     cfg = session.config

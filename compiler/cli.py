@@ -20,8 +20,18 @@ from deepinfer.cli import user_errors
               help="Compile executables in N parallel worker processes.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle at the output path.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout when done.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Artifact cache directory (default: $DEEPINFER_CACHE_DIR, else model.toml [cache] dir, "
+                   "else ~/.cache/deepinfer, under $XDG_CACHE_HOME when set).")
+@click.option("--no-cache", is_flag=True, help="Neither read nor write the artifact cache.")
+@click.option("--print-cache-key", is_flag=True,
+              help="Print one key for the whole bundle (for CI cache systems) and exit without compiling.")
+@click.option("--require-cache", is_flag=True,
+              help="Fail if any executable or weight stack is not in the cache (names the region and why).")
+@click.option("-v", "--verbose", is_flag=True, help="Debug output: the hash of every part of each missed key.")
 @user_errors
-def main(model_toml: Path, output: Path | None, jobs: int, force: bool, as_json: bool):
+def main(model_toml: Path, output: Path | None, jobs: int, force: bool, as_json: bool, cache_dir: Path | None,
+         no_cache: bool, print_cache_key: bool, require_cache: bool, verbose: bool):
     """Compile MODEL_TOML into a bundle: one executable per (region kind, method, bucket).
 
     \b
@@ -34,24 +44,38 @@ def main(model_toml: Path, output: Path | None, jobs: int, force: bool, as_json:
     Example:
       deepinfer-compile examples/tiny/model.toml -o build/tiny
     """
+    from deepinfer.bundles.cache import Cache, resolve_dir
     from deepinfer.compiler.config import load_compile_config
-    from deepinfer.compiler.pipeline import compile_bundle
+    from deepinfer.compiler.pipeline import cache_key, compile_bundle
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(".cache/inductor").resolve()))
     cfg = load_compile_config(model_toml)
+    if no_cache and (require_cache or cache_dir):
+        raise click.UsageError("--no-cache excludes --require-cache and --cache-dir")
+    log = lambda msg: click.echo(msg, err=True)  # noqa: E731
+    cache = None if no_cache else Cache(resolve_dir(cache_dir, cfg.cache.dir), log=log)
+    if print_cache_key:
+        click.echo(cache_key(cfg, cache=cache, log=log, verbose=verbose).digest)
+        return
     out = output or Path("build") / model_toml.resolve().parent.name
     b, m, t = cfg.buckets, cfg.model, cfg.target
     click.echo(f"compiling {model_toml} -> {out}\n"
                f"  checkpoint {m.checkpoint} ({m.dtype}, cache_quant={str(m.cache_quant).lower()})\n"
                f"  target {t.name} ({t.executable}), buckets batch={list(b.batch)} tokens={list(b.tokens)} "
                f"max_context={b.max_context}, kv block_size={cfg.kv.block_size} num_blocks={cfg.kv.num_blocks}, "
-               f"jobs={jobs}", err=True)
-    path, timings = compile_bundle(cfg, out, jobs=jobs, force=force)
+               f"jobs={jobs}, cache {cache.dir if cache else 'off'}{' (required)' if require_cache else ''}",
+               err=True)
+    path, timings = compile_bundle(cfg, out, jobs=jobs, force=force, log=log, cache=cache,
+                                   require_cache=require_cache, verbose=verbose)
     total = sum(timings.values())
-    click.echo(f"wrote {path} in {total:.1f} s", err=True)
+    manifest = json.loads((path / "manifest.json").read_text())
+    n = len(manifest["regions"])
+    compiled = cache.stats["compiled"] if cache else \
+        [f"{e['kind']}.{e['method']}.b{e['bucket']['batch']}t{e['bucket']['tokens']}" for e in manifest["regions"]]
+    click.echo(f"wrote {path} in {total:.1f} s ({len(compiled)} of {n} executables compiled)", err=True)
     if as_json:
-        manifest = json.loads((path / "manifest.json").read_text())
-        click.echo(json.dumps({"bundle": str(path), "seconds": timings, "executables": len(manifest["regions"])}))
+        click.echo(json.dumps({"bundle": str(path), "seconds": timings, "executables": n,
+                               "compiled": compiled, "cache": str(cache.dir) if cache else None}))
 
 
 if __name__ == "__main__":

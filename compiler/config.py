@@ -188,6 +188,8 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
     kinds = TARGETS[t.name].EXECUTABLES
     need(t.executable in kinds, "target", "executable",
          f"target {t.name!r} builds {', '.join(kinds)}, not {t.executable!r}")
+    bad_option = TARGETS[t.name].check_options(t.options)
+    need(bad_option is None, "target", "options", bad_option)
     for key in ("batch", "tokens"):
         values = getattr(b, key)
         need(values and all(v > 0 for v in values) and len(set(values)) == len(values), "buckets", key,

@@ -3,13 +3,18 @@
     parse config -> plan regions -> preprocess weights -> trace -> compile
     -> lay out state -> write manifest -> publish (atomic rename)
 
-Every pass reads and extends one `Build`. The bundle is assembled in a
+Every pass reads and extends one `Build`. With a cache (`compiler/cached.py`),
+the weights pass fetches each kind's stacks by key instead of rebuilding them,
+the trace pass fetches an executable whose trace record and executable are
+cached (neither tracing nor compiling it), and the compile pass compiles only
+the misses, each at most once among the compiles that share the cache. The bundle is assembled in a
 temporary sibling of the output directory and renamed into place at the end:
 an interrupted or failed compile leaves no partial bundle.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -22,13 +27,16 @@ import torch
 
 import deepinfer
 from deepinfer.bundles import layout, manifest as mf
+from deepinfer.bundles.cache import Cache
+from deepinfer.bundles.keys import Key, graph_digest, kernels_reached
+from deepinfer.compiler import cached
 from deepinfer.compiler.config import CompileConfig, config_error
-from deepinfer.compiler.jobs import Job, run_jobs
+from deepinfer.compiler.jobs import Job
 from deepinfer.compiler.plan import METHOD, RegionPlan, plan_regions
 from deepinfer.compiler.pools import plan_pools
 from deepinfer.compiler.targets import TARGETS
 from deepinfer.compiler.trace import trace
-from deepinfer.compiler.weights import write_host, write_weights
+from deepinfer.compiler.weights import kind_entry, write_host, write_kind
 from deepinfer.errors import ConfigError
 from deepinfer.regions.checkpoint import Checkpoint
 from deepinfer.regions.config import V41Config, load_config
@@ -45,6 +53,9 @@ class Build:
     staging: Path
     jobs: int = 1
     log: object = print
+    cache: Cache | None = None
+    require_cache: bool = False
+    verbose: bool = False
     model: V41Config | None = None
     plan: RegionPlan | None = None
     target: object = None
@@ -53,6 +64,7 @@ class Build:
     host: dict = field(default_factory=dict)
     executables: list[dict] = field(default_factory=list)
     compile_jobs: list[Job] = field(default_factory=list)
+    exe_keys: dict[str, Key] = field(default_factory=dict)
     pools: dict = field(default_factory=dict)
     state_bindings: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
@@ -86,9 +98,17 @@ def plan(b: Build) -> None:
 
 def preprocess_weights(b: Build) -> None:
     ckpt = Checkpoint(b.config.model.checkpoint)
-    b.weights = write_weights(ckpt, b.plan, b.staging, rank=0, progress=b.log)
+    for kind, kp in b.plan.kinds.items():
+        key = cached.weights_key(b, ckpt, kind, kp) if b.cache else None
+        hit = cached.fetch_or_build(b, "weights", key, layout.weights_path(0, kind),
+                                    lambda: write_kind(ckpt, kind, kp, b.staging, rank=0))
+        b.weights.append(kind_entry(kind, kp, rank=0))
+        b.log(f"weights {kind}: {len(kp.layers)} layer(s){' (cached)' if hit else ''}")
     t = b.model.text
-    b.host = write_host(ckpt, b.staging, t.vocab_size, t.hidden_size)
+    key = cached.host_key(b, ckpt) if b.cache else None
+    rel = layout.host_path(layout.HOST_EMBED_FILE)
+    cached.fetch_or_build(b, "host", key, rel, lambda: write_host(ckpt, b.staging, t.vocab_size, t.hidden_size))
+    b.host = {"embed": {"path": rel, "tensor": "embed"}}
 
 
 def _io(specs) -> list[dict]:
@@ -101,30 +121,47 @@ def trace_regions(b: Build) -> None:
     lowered_dir.mkdir()
     shapes = b.config.buckets.shapes()
     for kind, method, batch, tokens in b.plan.executables(shapes):
+        name = f"{kind}.{method}.b{batch}t{tokens}"
+        artifact = layout.executable_path(kind, method, batch, tokens, b.target.suffix)
+        tkey = cached.trace_key(b, kind, method, batch, tokens) if b.cache else None
+        record = cached.trace_record(b, tkey) if b.cache else None
+        if record and b.cache.get_file("executable", record["executable_key"], b.staging / artifact):
+            b.executables.append(record["entry"])
+            b.log(f"cached {name}")
+            continue
         region = b.plan.kinds[kind].region
         ep, sig, _ = trace(region, batch, tokens, b.geometry, method)
+        kernels = kernels_reached(ep)
         ep = b.target.lower(ep)
         user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
         names = [s.name for s in sig.all]
         mutated = sorted(names[user.index(n)] for n in ep.graph_signature.user_inputs_to_mutate.values())
-        name = f"{kind}.{method}.b{batch}t{tokens}"
+        entry = {"kind": kind, "method": method, "bucket": {"batch": batch, "tokens": tokens},
+                 "artifact": artifact, "executable": b.target.executable,
+                 "inputs": _io(sig.all), "outputs": region.output_names(), "mutates": mutated}
+        b.executables.append(entry)
+        b.log(f"traced {name}")
+        if b.cache:
+            ekey = cached.executable_key(b, kind, method, batch, tokens, graph_digest(ep), kernels)
+            record = {"executable_key": ekey.digest, "kernels": kernels, "entry": entry}
+            b.cache.put_bytes("trace", tkey, json.dumps(record).encode())
+            if b.cache.get_file("executable", ekey, b.staging / artifact):
+                b.log(f"cached {name}")
+                continue
+            cached.missed(b, "executable", ekey)
+            b.exe_keys[name] = ekey
         torch.export.save(ep, str(lowered_dir / f"{name}.pt2"))
-        artifact = layout.executable_path(kind, method, batch, tokens, b.target.suffix)
         b.compile_jobs.append(Job(name, lowered_dir / f"{name}.pt2", b.staging / artifact, b.target.name,
                                   b.target.executable, b.target.options))
-        b.executables.append({"kind": kind, "method": method, "bucket": {"batch": batch, "tokens": tokens},
-                              "artifact": artifact, "executable": b.target.executable,
-                              "inputs": _io(sig.all), "outputs": region.output_names(), "mutates": mutated})
-        b.log(f"traced {name}")
 
 
 def compile_regions(b: Build) -> None:
-    (b.staging / layout.REGIONS_DIR).mkdir()
+    (b.staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
 
     def progress(done, total, job, seconds):
         b.log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
 
-    run_jobs(b.compile_jobs, b.jobs, progress)
+    cached.compile_jobs(b, b.compile_jobs, progress)
     shutil.rmtree(b.staging / LOWERED_DIR)
 
 
@@ -199,16 +236,25 @@ def _publish(staging: Path, out: Path, force: bool) -> None:
         os.replace(staging, out)
 
 
-def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bool = False,
-                   log=None) -> tuple[Path, dict[str, float]]:
-    """Run every pass; returns the bundle path and the seconds each pass took."""
+def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bool = False, log=None,
+                   cache: Cache | None = None, require_cache: bool = False,
+                   verbose: bool = False) -> tuple[Path, dict[str, float]]:
+    """Run every pass; returns the bundle path and the seconds each pass took.
+
+    With `cache`, every executable, weight stack and trace is fetched by key or
+    built and stored; `cache.stats` counts hits, misses and compiles. With
+    `require_cache`, a miss raises CacheError naming the region and why.
+    `verbose` logs each missed key's part hashes.
+    """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(out)
     if out.exists() and not force:
         raise ConfigError(f"{out}: exists; pass --force to replace it")
+    if require_cache and cache is None:
+        raise ConfigError("--require-cache needs a cache (drop --no-cache)")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    b = Build(config, out, staging, jobs=jobs, log=log)
+    b = Build(config, out, staging, jobs=jobs, log=log, cache=cache, require_cache=require_cache, verbose=verbose)
     try:
         for name, run in PASSES:
             start = time.perf_counter()
@@ -222,3 +268,23 @@ def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bo
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out, b.timings
+
+
+def cache_key(config: CompileConfig, *, cache: Cache | None = None, log=None, verbose: bool = False) -> Key:
+    """One key for the whole bundle (for CI cache systems), from the trace and weight keys:
+    nothing is traced or compiled. `cache` only lends its tensor-digest memo."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    b = Build(config, Path(), Path(), log=log, cache=cache)
+    parse_config(b)
+    plan(b)
+    ckpt = Checkpoint(config.model.checkpoint)
+    weights = {kind: cached.weights_key(b, ckpt, kind, kp) for kind, kp in b.plan.kinds.items()}
+    traces = {f"{k}.{m}.b{bb}t{t}": cached.trace_key(b, k, m, bb, t)
+              for k, m, bb, t in b.plan.executables(config.buckets.shapes())}
+    key = cached.bundle_key(b, weights, cached.host_key(b, ckpt), traces)
+    if verbose:
+        for k in [*weights.values(), *traces.values(), key]:
+            log(f"{k.kind} {k.identity} {k.digest[:16]}")
+            for line in k.lines():
+                log(line)
+    return key

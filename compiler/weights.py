@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer.bundles import layout
-from deepinfer.compiler.plan import RegionPlan
+from deepinfer.compiler.plan import KindPlan, RegionPlan
 from deepinfer.regions.base import WeightSpec
 from deepinfer.regions.checkpoint import Checkpoint
 
@@ -36,25 +36,45 @@ def _load_padded(ckpt: Checkpoint, prefix: str, spec: WeightSpec) -> torch.Tenso
     return ckpt.load_spec(prefix, spec)
 
 
+def source_names(kp: KindPlan) -> list[str]:
+    """The checkpoint tensors a kind's stacks are built from."""
+    names = []
+    for spec in kp.region.specs:
+        for layer in kp.layers:
+            prefix = "" if layer < 0 else f"layers.{layer}."
+            keys = [spec.key.format(e=e) for e in range(spec.experts)] if spec.experts else [spec.key]
+            names += [prefix + k for k in keys]
+    return names
+
+
+def kind_entry(kind: str, kp: KindPlan, rank: int = 0) -> dict:
+    """A kind's manifest entry (digest added when the manifest is written)."""
+    return {"kind": kind, "path": layout.weights_path(rank, kind), "layers": kp.layers,
+            "tensors": {s.name: {"shape": [len(kp.layers), *s.buffer_shape],
+                                 "dtype": str(s.dtype).removeprefix("torch.")} for s in kp.region.specs}}
+
+
+def write_kind(ckpt: Checkpoint, kind: str, kp: KindPlan, out: Path, rank: int = 0) -> dict:
+    """Write one kind's stacks to its safetensors file under `out`; returns its manifest entry."""
+    tensors = {}
+    for spec in kp.region.specs:
+        stack = torch.empty((len(kp.layers),) + spec.buffer_shape, dtype=spec.dtype)
+        for i, layer in enumerate(kp.layers):
+            prefix = "" if layer < 0 else f"layers.{layer}."
+            stack[i] = _load_padded(ckpt, prefix, spec)
+        tensors[spec.name] = stack
+    entry = kind_entry(kind, kp, rank)
+    (out / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / entry["path"]))
+    return entry
+
+
 def write_weights(ckpt: Checkpoint, plan: RegionPlan, out: Path, rank: int = 0,
                   progress=lambda msg: None) -> list[dict]:
     """Write one safetensors file per kind under `out`; returns their manifest entries."""
     entries = []
     for kind, kp in plan.kinds.items():
-        tensors = {}
-        for spec in kp.region.specs:
-            shape = (len(kp.layers),) + spec.buffer_shape
-            stack = torch.empty(shape, dtype=spec.dtype)
-            for i, layer in enumerate(kp.layers):
-                prefix = "" if layer < 0 else f"layers.{layer}."
-                stack[i] = _load_padded(ckpt, prefix, spec)
-            tensors[spec.name] = stack
-        rel = layout.weights_path(rank, kind)
-        (out / rel).parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / rel))
-        entries.append({"kind": kind, "path": rel, "layers": kp.layers,
-                        "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                                    for n, t in tensors.items()}})
+        entries.append(write_kind(ckpt, kind, kp, out, rank))
         progress(f"weights {kind}: {len(kp.layers)} layer(s)")
     return entries
 

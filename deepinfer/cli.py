@@ -146,5 +146,129 @@ def reference_cmd(checkpoint, prompt, prompt_ids, max_new_tokens, chunk, dtype, 
             click.echo(tok.decode(g.generated))
 
 
+# --- deepinfer cache ---
+
+UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+AGES = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_amount(text: str, units: dict, what: str, example: str) -> float:
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]?)[bB]?\s*", text)
+    if not m or m.group(2).lower() not in units:
+        raise click.BadParameter(f"{text!r}: expected a {what} like {example}")
+    return float(m.group(1)) * units[m.group(2).lower()]
+
+
+def open_cache(cache_dir: Path | None):
+    from deepinfer.bundles.cache import Cache, resolve_dir
+
+    return Cache(resolve_dir(cache_dir, None), log=lambda msg: click.echo(msg, err=True))
+
+
+cache_dir_option = click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+                                help="Cache directory (default: $DEEPINFER_CACHE_DIR, else ~/.cache/deepinfer).")
+
+
+@main.group("cache")
+def cache_group():
+    """Inspect and maintain the artifact cache deepinfer-compile reads and writes."""
+
+
+@cache_group.command("ls")
+@cache_dir_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per entry, one a line.")
+@user_errors
+def cache_ls(cache_dir, as_json):
+    """List the cache's entries: kind, key, what it builds, size, last use."""
+    import time
+
+    cache = open_cache(cache_dir)
+    entries = cache.entries()
+    total = 0
+    for e in sorted(entries, key=lambda e: (e.kind, e.meta.get("identity", ""))):
+        size = cache.size(e)
+        total += size
+        if as_json:
+            click.echo(json.dumps({"kind": e.kind, "key": e.key, "identity": e.meta.get("identity"),
+                                   "size": size, "last_used": e.last_used}))
+        else:
+            age = (time.time() - e.last_used) / 3600
+            click.echo(f"{e.kind:<10} {e.key[:16]}  {e.meta.get('identity', '?'):<32} {size / 1e6:9.2f} MB  "
+                       f"used {age:.1f} h ago")
+    if not as_json:
+        click.echo(f"{len(entries)} entries, {total / 1e6:.2f} MB in {cache.dir}")
+
+
+@cache_group.command("prune")
+@cache_dir_option
+@click.option("--max-size", help="Keep at most this much, least recently used removed first (e.g. 2G, 500M).")
+@click.option("--max-age", help="Remove entries not used for this long (e.g. 7d, 12h).")
+@user_errors
+def cache_prune(cache_dir, max_size, max_age):
+    """Remove entries unused for --max-age, then the least recently used beyond --max-size."""
+    if max_size is None and max_age is None:
+        raise click.UsageError("give --max-size and/or --max-age")
+    size = parse_amount(max_size, UNITS, "size", "2G or 500M") if max_size else None
+    age = parse_amount(max_age, AGES, "duration", "7d or 12h") if max_age else None
+    cache = open_cache(cache_dir)
+    removed = cache.prune(max_size=size, max_age=age)
+    for e in removed:
+        click.echo(f"removed {e.kind} {e.key[:16]} {e.meta.get('identity', '?')}")
+    click.echo(f"removed {len(removed)} entries; {len(cache.entries())} left in {cache.dir}")
+
+
+@cache_group.command("verify")
+@cache_dir_option
+@user_errors
+def cache_verify(cache_dir):
+    """Re-hash every entry; remove corrupt ones (exit status 1 if any were found)."""
+    cache = open_cache(cache_dir)
+    n = len(cache.entries())
+    bad = cache.verify()
+    for e, why in bad:
+        click.echo(f"corrupt {e.kind} {e.key[:16]} {e.meta.get('identity', '?')}: {why} (removed)")
+    click.echo(f"{n - len(bad)} of {n} entries intact in {cache.dir}")
+    if bad:
+        sys.exit(1)
+
+
+@cache_group.command("explain")
+@click.argument("key_a")
+@click.argument("key_b")
+@cache_dir_option
+@user_errors
+def cache_explain(key_a, key_b, cache_dir):
+    """Compare two cache keys part by part (keys, unique key prefixes, or meta.json paths)."""
+    from deepinfer.bundles.cache import CacheError
+
+    cache = open_cache(cache_dir)
+
+    def meta(ref: str) -> dict:
+        if Path(ref).is_file():
+            return json.loads(Path(ref).read_text())
+        entry = cache.find(ref)
+        if entry is None:
+            raise CacheError(f"{ref}: no single entry with this key in {cache.dir} (give 8+ characters "
+                             "of a key from `deepinfer cache ls`, or a meta.json path)")
+        return entry.meta
+
+    a, b = meta(key_a), meta(key_b)
+    click.echo(f"A {a.get('kind')} {a.get('identity')} {a.get('key', '')[:16]}")
+    click.echo(f"B {b.get('kind')} {b.get('identity')} {b.get('key', '')[:16]}")
+    pa = {p["name"]: p for p in a.get("parts", [])}
+    pb = {p["name"]: p for p in b.get("parts", [])}
+    names = list(pa) + [n for n in pb if n not in pa]
+    for name in names:
+        ha, hb = pa.get(name, {}).get("hash", "-"), pb.get(name, {}).get("hash", "-")
+        click.echo(f"  {name:<10} {ha[:16]:<16} {hb[:16]:<16} {'same' if ha == hb else 'DIFFERS'}")
+        va, vb = pa.get(name, {}).get("value"), pb.get(name, {}).get("value")
+        if ha != hb and isinstance(va, dict) and isinstance(vb, dict):
+            for k in sorted(set(va) | set(vb)):
+                if va.get(k) != vb.get(k):
+                    click.echo(f"    {k}: {va.get(k)!r} -> {vb.get(k)!r}")
+
+
 if __name__ == "__main__":
     main()

@@ -13,6 +13,8 @@ CACHE = ROOT / ".cache"
 # TORCHINDUCTOR_CACHE_DIR: keep both inside the project's ignored .cache/.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE / "inductor"))
 os.environ.setdefault("TMPDIR", str(CACHE / "tmp"))
+# deepinfer's artifact cache: never the user's ~/.cache (tests needing isolation pass their own).
+os.environ.setdefault("DEEPINFER_CACHE_DIR", str(CACHE / "deepinfer-test"))
 (CACHE / "tmp").mkdir(parents=True, exist_ok=True)
 
 

@@ -7,7 +7,9 @@ compiled code would go back through Python.
 
 from __future__ import annotations
 
+import functools
 import platform
+import subprocess
 from pathlib import Path
 
 import torch
@@ -20,14 +22,33 @@ class CpuTarget:
     name = "cpu"
     EXECUTABLES = ("aoti", "exported")
     suffix = ".pt2"
+    # options are Inductor config settings (aoti); these only write logs or dumps, so cache
+    # keys leave them out (bundles/keys.py). Every other option is keyed.
+    LOG_OPTIONS = ("trace.enabled", "trace.debug_dir", "trace.debug_log", "trace.info_log", "trace.fx_graph",
+                   "trace.fx_graph_transformed", "trace.ir_pre_fusion", "trace.ir_post_fusion",
+                   "trace.output_code", "trace.graph_diagram", "trace.log_autotuning_results",
+                   "trace.compile_profile", "verbose_progress")
 
     def __init__(self, executable: str = "aoti", options: dict | None = None):
         self.executable = executable
         self.options = dict(options or {})
 
+    @staticmethod
+    def check_options(options: dict) -> str | None:
+        """A message for the first option Inductor does not know, else None."""
+        known = torch._inductor.config.get_config_copy()
+        bad = [k for k in options if k not in known]
+        return f"unknown Inductor option {bad[0]!r} (see torch._inductor.config)" if bad else None
+
+    def keyed_options(self) -> dict:
+        return {k: v for k, v in self.options.items() if k not in self.LOG_OPTIONS}
+
     def toolchain(self) -> dict[str, str]:
-        return {"deepinfer": deepinfer.__version__, "torch": torch.__version__,
-                "python": platform.python_version(), "machine": platform.machine()}
+        versions = {"deepinfer": deepinfer.__version__, "torch": torch.__version__,
+                    "python": platform.python_version(), "machine": platform.machine()}
+        if self.executable == "aoti":
+            versions["cxx"] = _cxx_version()
+        return versions
 
     def lower(self, ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
         return ep.run_decompositions(reference_decompositions())
@@ -38,4 +59,17 @@ class CpuTarget:
             out.write_bytes(Path(lowered).read_bytes())
             return
         ep = torch.export.load(str(lowered))
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(out))
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(out), inductor_configs=self.options or None)
+
+
+@functools.cache
+def _cxx_version() -> str:
+    """The first line of the C++ compiler's --version (AOTInductor builds with it)."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    cxx = get_cpp_compiler()
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return f"{cxx} (version unknown)"
+    return out.splitlines()[0].strip() if out else f"{cxx} (version unknown)"

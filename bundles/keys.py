@@ -1,0 +1,243 @@
+"""Cache keys: an ordered list of named parts, hashed unambiguously.
+
+Each part is canonical bytes (JSON with sorted keys, or raw bytes). A key's
+digest is sha256 over its kind and, for each part in order, the part's name
+and the sha256 of its bytes, each length-prefixed, so no two different part
+lists collide by concatenation. The hash of every part is kept (and logged at
+debug verbosity, and written beside each cache entry) so that a miss can be
+explained part by part (`deepinfer cache explain`).
+
+Never hashed: paths, timestamps, object ids, log levels. Always hashed: the
+toolchain versions and the source of every kernel and lowering a graph reaches.
+
+Which compile options a key sees is decided by two explicit lists below:
+`KEYED_OPTIONS` change what is built; `UNKEYED_OPTIONS` only change logs,
+dumps, where things go or how many workers run. Every `model.toml` key, every
+`deepinfer-compile` option and every log-only target option is in exactly one
+(tests/cache/test_keys.py checks both lists against the config and the CLI).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import struct
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer.bundles.manifest import FORMAT_VERSION
+
+CACHE_VERSION = 1           # layout of the cache entries and of the key parts
+
+# model.toml keys (section.key) and deepinfer-compile options that change what is built.
+# model.checkpoint and model.tiny are keyed by the checkpoint's contents (tensor digests
+# and config hash), never by path.
+KEYED_OPTIONS = (
+    "model.checkpoint", "model.tiny", "model.dtype", "model.cache_quant",
+    "target.name", "target.executable", "target.options",
+    "buckets.batch", "buckets.tokens", "buckets.max_context",
+    "kv.block_size", "kv.num_blocks",
+    "parallel.tp", "parallel.ep", "parallel.cp",
+    "quant.recipe", "host.embedding",
+)
+# ...and those that only change logs, dumps, locations or parallelism: never in a key.
+UNKEYED_OPTIONS = (
+    "cache.dir", "--output", "--jobs", "--force", "--json", "--cache-dir", "--no-cache",
+    "--print-cache-key", "--require-cache", "--verbose",
+)
+
+
+def canonical(value) -> bytes:
+    """bytes as they are; anything else as JSON with sorted keys and no whitespace."""
+    if isinstance(value, bytes):
+        return value
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _lp(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+@dataclass(frozen=True)
+class Key:
+    """`kind` (executable, trace, weights, host, bundle), `identity` (what it builds, for
+    messages; not hashed) and the ordered parts [(name, canonical bytes)]."""
+
+    kind: str
+    identity: str
+    parts: tuple[tuple[str, bytes], ...]
+
+    @staticmethod
+    def of(kind: str, identity: str, parts: list[tuple[str, object]]) -> Key:
+        names = [n for n, _ in parts]
+        assert len(set(names)) == len(names), f"duplicate key part in {names}"
+        return Key(kind, identity, tuple((n, canonical(v)) for n, v in parts))
+
+    @property
+    def part_hashes(self) -> dict[str, str]:
+        return {name: sha256(data) for name, data in self.parts}
+
+    @property
+    def digest(self) -> str:
+        h = hashlib.sha256(_lp(self.kind.encode()))
+        for name, part_hash in self.part_hashes.items():
+            h.update(_lp(name.encode()) + _lp(part_hash.encode()))
+        return h.hexdigest()
+
+    def describe(self) -> list[dict]:
+        """[{name, hash, value}]: the value only when short readable JSON (for explain)."""
+        out = []
+        for name, data in self.parts:
+            row = {"name": name, "hash": sha256(data)}
+            if len(data) <= 4096:
+                try:
+                    row["value"] = json.loads(data)
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    pass
+            out.append(row)
+        return out
+
+    def lines(self) -> list[str]:
+        """One debug line per part: name and hash."""
+        return [f"  {self.kind} {self.identity} {name:<10} {h[:16]}" for name, h in self.part_hashes.items()]
+
+
+def format_part() -> dict:
+    return {"bundle_format": FORMAT_VERSION, "cache": CACHE_VERSION}
+
+
+# --- sources ---
+
+def _file_text(module: types.ModuleType) -> bytes:
+    return Path(inspect.getsourcefile(module)).read_bytes()
+
+
+def modules_digest(names: list[str]) -> dict[str, str]:
+    """{module name: sha256 of its source file}, by module name (never by path)."""
+    import importlib
+
+    return {n: sha256(_file_text(importlib.import_module(n))) for n in sorted(names)}
+
+
+def package_modules(package: str) -> list[str]:
+    """Every module of a deepinfer package (all its files, imported or not)."""
+    import importlib
+    import pkgutil
+
+    pkg = importlib.import_module(package)
+    return [package] + sorted(f"{package}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__))
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+SIMPLE = (int, float, str, bytes, bool, tuple, frozenset, type(None))
+
+
+def source_closure(fn) -> bytes:
+    """The source of `fn` and of every deepinfer function, class or module it reaches.
+
+    Globals that are deepinfer functions or classes are followed (their source);
+    deepinfer modules contribute their whole file; simple constants their repr;
+    any other deepinfer-owned global pulls in the whole file defining `fn`.
+    """
+    out: list[bytes] = []
+    seen: set = set()
+
+    def own(obj) -> bool:
+        return (getattr(obj, "__module__", None) or getattr(obj, "__name__", "")).startswith("deepinfer")
+
+    def visit(f):
+        if f in seen:
+            return
+        seen.add(f)
+        out.append(_lp(f"{f.__module__}.{f.__qualname__}".encode()) + _lp(inspect.getsource(f).encode()))
+        code = getattr(f, "__code__", None)
+        if code is None:                 # a class: its source is its methods' source
+            return
+        for name in sorted(_code_names(code)):
+            if name not in f.__globals__:
+                continue
+            v = f.__globals__[name]
+            if isinstance(v, types.ModuleType):
+                if v.__name__.startswith("deepinfer") and v not in seen:
+                    seen.add(v)
+                    out.append(_lp(v.__name__.encode()) + _lp(_file_text(v)))
+            elif inspect.isfunction(v) or inspect.isclass(v):
+                if own(v):
+                    visit(v)
+            elif isinstance(v, SIMPLE):
+                out.append(_lp(f"{f.__module__}.{name}".encode()) + _lp(repr(v).encode()))
+            elif own(v) or isinstance(v, torch.Tensor):
+                module = inspect.getmodule(f)
+                if module not in seen:
+                    seen.add(module)
+                    out.append(_lp(module.__name__.encode()) + _lp(_file_text(module)))
+
+    visit(fn)
+    return b"".join(out)
+
+
+def kernel_sources(names: list[str]) -> dict[str, str]:
+    """{kernel name: sha256 of its reference's source closure} for the kernels a graph reaches."""
+    from deepinfer.kernels import KERNELS
+
+    return {n: sha256(source_closure(KERNELS[n].reference)) for n in sorted(names)}
+
+
+# --- graphs ---
+
+def _graph_modules(ep: torch.export.ExportedProgram) -> list[tuple[str, torch.fx.GraphModule]]:
+    return sorted((name, m) for name, m in ep.graph_module.named_modules() if isinstance(m, torch.fx.GraphModule))
+
+
+def kernels_reached(ep: torch.export.ExportedProgram) -> list[str]:
+    """Names of the deepinfer kernels a traced (not yet lowered) program calls."""
+    found = set()
+    for _, gm in _graph_modules(ep):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and getattr(node.target, "namespace", None) == "deepinfer":
+                found.add(node.target._opname if hasattr(node.target, "_opname") else str(node.target))
+    return sorted(found)
+
+
+def _val(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{v.dtype}{list(v.shape)}{list(v.stride())}"
+    if isinstance(v, (list, tuple)):
+        return "(" + ",".join(_val(x) for x in v) + ")"
+    return repr(v)
+
+
+def graph_digest(ep: torch.export.ExportedProgram) -> str:
+    """sha256 of the canonical program: each graph's code, every node's value metadata,
+    the signature, the range constraints and the bytes of any constants.
+
+    Not `torch.export.save` bytes: those differ between processes.
+    """
+    h = hashlib.sha256()
+    for name, gm in _graph_modules(ep):
+        h.update(_lp(name.encode()) + _lp(gm.code.encode()))
+        meta = "\n".join(f"{n.name}:{_val(n.meta.get('val'))}" for n in gm.graph.nodes)
+        h.update(_lp(meta.encode()))
+    h.update(_lp(str(ep.graph_signature).encode()))
+    ranges = sorted((str(k), str(v)) for k, v in ep.range_constraints.items())
+    h.update(_lp(repr(ranges).encode()))
+    for name, t in sorted({**ep.state_dict, **ep.constants}.items()):
+        t = t.detach().contiguous().cpu()
+        h.update(_lp(f"{name}:{_val(t)}".encode()) + _lp(t.view(torch.uint8).numpy().tobytes()
+                                                          if t.numel() else b""))
+    return h.hexdigest()

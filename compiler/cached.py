@@ -1,0 +1,266 @@
+"""The compile pipeline's use of the artifact cache: its keys, and fetch-or-build.
+
+Two levels, so that a warm compile neither traces nor compiles:
+
+    trace key       everything that determines a traced graph, known before tracing:
+                    region, method, bucket, geometry, model config, signature, target,
+                    toolchain, the source of every graph-shaping module
+                    -> a trace record: the executable key and the manifest entry
+    executable key  the canonical lowered graph, (class, method), bucket, target and its
+                    keyed options, toolchain, the source of every kernel the graph
+                    reaches and of the lowering, the format version
+                    -> the executable
+
+A kernel's source change misses every trace record (retracing is cheap) but
+changes only the executable keys of graphs that reach that kernel: only those
+recompile. Weights are keyed by the digests of their source tensors, the
+recipe and the weight code (`weights_key`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import os
+import struct
+from pathlib import Path
+
+from deepinfer.bundles.cache import CacheError, Lock
+from deepinfer.bundles.keys import Key, format_part, kernel_sources, modules_digest, package_modules, sha256
+from deepinfer.compiler.jobs import run_job, run_jobs
+from deepinfer.compiler.trace import Signature, weight_specs
+from deepinfer.regions.checkpoint import Checkpoint, _header
+
+WEIGHT_MODULES = ["deepinfer.compiler.weights", "deepinfer.regions.checkpoint", "deepinfer.regions.base"]
+BUNDLE_MODULES = ["deepinfer.compiler.pipeline", "deepinfer.compiler.pools", "deepinfer.compiler.cached",
+                  "deepinfer.bundles.keys", "deepinfer.bundles.layout", "deepinfer.bundles.manifest"]
+
+
+def _target_module(target) -> str:
+    return inspect.getmodule(type(target)).__name__
+
+
+@functools.cache
+def graph_sources(target_module: str) -> dict[str, str]:
+    """Every module whose source can shape a traced graph, by name -> sha256."""
+    names = package_modules("deepinfer.regions") + package_modules("deepinfer.kernels")
+    return modules_digest(names + ["deepinfer.compiler.trace", "deepinfer.compiler.plan", target_module])
+
+
+def _target_part(b) -> dict:
+    return {"name": b.target.name, "executable": b.target.executable, "options": b.target.keyed_options()}
+
+
+def _model_part(b) -> dict:
+    return {"config_hash": b.model.digest(), "dtype": b.config.model.dtype, "cache_quant": b.config.model.cache_quant}
+
+
+def _specs(specs) -> list:
+    return [[s.name, list(s.shape), str(s.dtype), s.role] for s in specs]
+
+
+def trace_key(b, kind: str, method: str, batch: int, tokens: int) -> Key:
+    region = b.plan.kinds[kind].region
+    sig = Signature(weight_specs(region), region.input_specs(batch, tokens, b.geometry))
+    return Key.of("trace", f"{kind}.{method}.b{batch}t{tokens}", [
+        ("format", format_part()),
+        ("region", {"class": type(region).__qualname__, "kind": kind, "method": method}),
+        ("bucket", {"batch": batch, "tokens": tokens}),
+        ("geometry", vars(b.geometry)),
+        ("model", _model_part(b)),
+        ("signature", {"weights": _specs(sig.weights), "inputs": _specs(sig.inputs)}),
+        ("target", _target_part(b)),
+        ("toolchain", b.target.toolchain()),
+        ("sources", graph_sources(_target_module(b.target))),
+    ])
+
+
+def executable_key(b, kind: str, method: str, batch: int, tokens: int, graph: str, kernels: list[str]) -> Key:
+    region = b.plan.kinds[kind].region
+    return Key.of("executable", f"{kind}.{method}.b{batch}t{tokens}", [
+        ("format", format_part()),
+        ("graph", graph),
+        ("region", {"class": type(region).__qualname__, "method": method}),
+        ("bucket", {"batch": batch, "tokens": tokens}),
+        ("target", _target_part(b)),
+        ("toolchain", b.target.toolchain()),
+        ("kernels", kernel_sources(kernels)),
+        ("lowering", modules_digest([_target_module(b.target), "deepinfer.kernels.registry"])),
+    ])
+
+
+# --- weights ---
+
+def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
+    """{tensor name: sha256 of dtype, shape and raw bytes} for one safetensors file,
+    memoized by the file's identity and stat (a changed file is re-hashed)."""
+    st = os.stat(path)
+    ident = sha256(f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode())
+    memo_file = memo / f"{ident}.json" if memo else None
+    if memo_file and memo_file.exists():
+        try:
+            return json.loads(memo_file.read_text())
+        except ValueError:
+            pass
+    header = _header(path)
+    with open(path, "rb") as f:
+        base = 8 + struct.unpack("<Q", f.read(8))[0]
+        out = {}
+        for name, info in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]
+                                 if kv[0] != "__metadata__" else -1):
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            f.seek(base + start)
+            h = hashlib.sha256(f"{info['dtype']}{info['shape']}".encode())
+            left = end - start
+            while left:
+                block = f.read(min(left, 1 << 24))
+                if not block:
+                    break
+                h.update(block)
+                left -= len(block)
+            out[name] = h.hexdigest()
+    if memo_file:
+        memo.mkdir(parents=True, exist_ok=True)
+        tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(out))
+        os.replace(tmp, memo_file)
+    return out
+
+
+def tensor_digests(ckpt: Checkpoint, names: list[str], memo: Path | None) -> dict[str, str]:
+    for n in names:
+        ckpt.info(n)                               # a missing tensor is a CheckpointError here
+    per_file = {p: _file_digests(p, memo) for p in sorted({ckpt.files[n] for n in names})}
+    return {n: per_file[ckpt.files[n]][n] for n in names}
+
+
+def weights_key(b, ckpt: Checkpoint, kind: str, kp, rank: int = 0) -> Key:
+    from deepinfer.compiler.weights import source_names
+
+    memo = b.cache.root / "files" if b.cache else None
+    return Key.of("weights", f"weights {kind}", [
+        ("format", format_part()),
+        ("kind", {"kind": kind, "rank": rank}),
+        ("layout", {"specs": [[s.name, s.key, list(s.shape), s.ckpt_dtype, s.experts] for s in kp.region.specs],
+                    "layers": kp.layers}),
+        ("tensors", tensor_digests(ckpt, source_names(kp), memo)),
+        ("recipe", b.config.quant.recipe),
+        ("sources", modules_digest(WEIGHT_MODULES)),
+    ])
+
+
+def host_key(b, ckpt: Checkpoint) -> Key:
+    t = b.model.text
+    memo = b.cache.root / "files" if b.cache else None
+    return Key.of("host", "host embed", [
+        ("format", format_part()),
+        ("tensors", tensor_digests(ckpt, ["embed.weight"], memo)),
+        ("shape", {"vocab": t.vocab_size, "hidden": t.hidden_size}),
+        ("sources", modules_digest(WEIGHT_MODULES)),
+    ])
+
+
+def bundle_key(b, weights: dict[str, Key], host: Key, traces: dict[str, Key]) -> Key:
+    c = b.config
+    return Key.of("bundle", str(c.source.name), [
+        ("format", format_part()),
+        ("config", {"model": _model_part(b), "target": _target_part(b),
+                    "buckets": {"batch": list(c.buckets.batch), "tokens": list(c.buckets.tokens),
+                                "max_context": c.buckets.max_context},
+                    "kv": {"block_size": c.kv.block_size, "num_blocks": c.kv.num_blocks},
+                    "parallel": {"tp": c.parallel.tp, "ep": c.parallel.ep, "cp": c.parallel.cp},
+                    "quant": c.quant.recipe, "host": c.host.embedding}),
+        ("toolchain", b.target.toolchain()),
+        ("weights", {k: v.digest for k, v in weights.items()}),
+        ("host", host.digest),
+        ("traces", {k: v.digest for k, v in traces.items()}),
+        ("sources", modules_digest(BUNDLE_MODULES)),
+    ])
+
+
+# --- fetch or build ---
+
+def missed(b, kind: str, key: Key) -> None:
+    """A miss: log the key's parts at debug verbosity; under --require-cache, fail with why."""
+    if b.verbose:
+        b.log(f"cache miss: {kind} {key.identity} {key.digest[:16]}")
+        for line in key.lines():
+            b.log(line)
+    if not b.require_cache:
+        return
+    near = b.cache.closest(kind, key.identity)
+    if near is None:
+        why = f"the cache at {b.cache.dir} holds no {kind} for it"
+    else:
+        old = {p["name"]: p["hash"] for p in near.meta.get("parts", [])}
+        diff = [n for n, h in key.part_hashes.items() if old.get(n) != h]
+        why = (f"key part(s) {', '.join(diff)} differ from the cached entry {near.key[:16]} "
+               f"(deepinfer cache explain {near.key[:16]} {key.digest[:16]})")
+    raise CacheError(f"--require-cache: cache miss for {kind} {key.identity}: {why}")
+
+
+def fetch_or_build(b, kind: str, key: Key, rel: str, build) -> bool:
+    """staging/rel from the cache, or `build()` it there and store it. Returns True on a hit."""
+    if b.cache is None:
+        build()
+        return False
+    with b.cache.lock(kind, key):
+        if b.cache.get_file(kind, key, b.staging / rel):
+            return True
+        missed(b, kind, key)
+        build()
+        b.cache.put_file(kind, key, b.staging / rel)
+    return False
+
+
+def trace_record(b, key: Key) -> dict | None:
+    data = b.cache.get_bytes("trace", key)
+    return json.loads(data) if data is not None else None
+
+
+def compile_jobs(b, jobs, progress) -> None:
+    """Compile each job's executable once across every compile sharing the cache: the
+    jobs whose lock this compile takes run here (in parallel); the others are waited
+    for and then fetched (or compiled here if their compile died)."""
+    if b.cache is None:
+        run_jobs(jobs, b.jobs, progress)
+        return
+    mine, theirs, locks = [], [], {}
+    for job in jobs:
+        key = b.exe_keys[job.name]
+        lock = b.cache.lock("executable", key, blocking=False)
+        if not lock.held:
+            theirs.append(job)
+        elif b.cache.get_file("executable", key, job.out):       # stored since the trace pass
+            lock.release()
+            b.log(f"cached {job.name}")
+        else:
+            locks[job.name] = lock
+            mine.append(job)
+
+    def done(i, total, job, seconds):
+        b.cache.put_file("executable", b.exe_keys[job.name], job.out)
+        b.cache.stats["compiled"].append(job.name)
+        locks.pop(job.name).release()
+        progress(i, total, job, seconds)
+
+    try:
+        run_jobs(mine, b.jobs, done)
+    finally:
+        for lock in locks.values():
+            lock.release()
+    for i, job in enumerate(theirs, 1):
+        key = b.exe_keys[job.name]
+        b.log(f"waiting for another compile of {job.name}")
+        with Lock(b.cache.root / "locks" / f"executable-{key.digest}.lock", blocking=True):
+            if b.cache.get_file("executable", key, job.out):
+                b.log(f"cached {job.name}")
+                continue
+            seconds = run_job(job)
+            b.cache.put_file("executable", key, job.out)
+            b.cache.stats["compiled"].append(job.name)
+            progress(i, len(theirs), job, seconds)

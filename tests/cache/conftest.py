@@ -1,0 +1,67 @@
+"""A small exported model (8 executables, no C++ compile) and a cache filled by compiling it once."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from deepinfer.bundles.cache import Cache
+from deepinfer.compiler.config import load_compile_config
+from deepinfer.compiler.pipeline import compile_bundle
+
+TOML = """[model]
+checkpoint = "{ckpt}"
+dtype = "fp32"
+cache_quant = true
+
+[target]
+name = "cpu"
+executable = "exported"
+options = {options}
+
+[buckets]
+batch = [1]
+tokens = [1]
+max_context = 32
+
+[kv]
+block_size = 16
+num_blocks = {num_blocks}
+"""
+EXECUTABLES = 8          # 8 region kinds x 1 bucket
+
+
+def write_toml(directory: Path, ckpt: Path, *, options: str = "{}", num_blocks: int = 5, extra: str = "") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "model.toml"
+    path.write_text(TOML.format(ckpt=ckpt, options=options, num_blocks=num_blocks) + extra)
+    return path
+
+
+def compile_cached(toml: Path, out: Path, cache_dir: Path, **kwargs) -> tuple[Path, Cache]:
+    cache = Cache(cache_dir)
+    path, _ = compile_bundle(load_compile_config(toml), out, jobs=2, force=True, log=lambda msg: None,
+                             cache=cache, **kwargs)
+    return path, cache
+
+
+@pytest.fixture(scope="session")
+def small_toml(tmp_path_factory, tiny_ckpt) -> Path:
+    return write_toml(tmp_path_factory.mktemp("small"), tiny_ckpt)
+
+
+@pytest.fixture(scope="session")
+def filled(tmp_path_factory, small_toml) -> tuple[Path, Path, Cache]:
+    """(cache dir, bundle, cache) after one cold compile of the small model."""
+    root = tmp_path_factory.mktemp("filled")
+    bundle, cache = compile_cached(small_toml, root / "bundle", root / "cache")
+    assert len(cache.stats["compiled"]) == EXECUTABLES
+    return root / "cache", bundle, cache
+
+
+@pytest.fixture
+def cache_copy(filled, tmp_path) -> Path:
+    """A private copy of the filled cache, free to damage."""
+    return shutil.copytree(filled[0], tmp_path / "cache")

@@ -1,0 +1,257 @@
+"""Cache keys: unambiguous, the same across processes, changed by every part, blind to log-only options."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import deepinfer.compiler.cached as cached
+from deepinfer.bundles import keys
+from deepinfer.bundles.keys import KEYED_OPTIONS, UNKEYED_OPTIONS, Key
+from deepinfer.compiler.config import SECTIONS, load_compile_config
+from deepinfer.compiler.pipeline import Build, cache_key, parse_config, plan
+from deepinfer.compiler.targets import TARGETS
+from deepinfer.compiler.targets.cpu import CpuTarget
+from deepinfer.compiler.trace import trace
+from deepinfer.regions.checkpoint import Checkpoint
+
+from .conftest import write_toml
+
+QUIET = dict(log=lambda msg: None)
+
+
+def build(toml: Path) -> Build:
+    b = Build(load_compile_config(toml), Path(), Path(), **QUIET)
+    parse_config(b)
+    plan(b)
+    return b
+
+
+def test_parts_are_hashed_unambiguously():
+    assert Key.of("k", "", [("a", b"bc")]).digest != Key.of("k", "", [("ab", b"c")]).digest
+    assert Key.of("k", "", [("a", b"b"), ("c", b"")]).digest != Key.of("k", "", [("a", b""), ("c", b"b")]).digest
+    assert Key.of("k", "", [("a", 1), ("b", 2)]).digest != Key.of("k", "", [("b", 2), ("a", 1)]).digest
+    assert Key.of("k", "", [("a", 1)]).digest != Key.of("j", "", [("a", 1)]).digest
+    assert Key.of("k", "x", [("a", {"y": 1, "z": 2})]).digest == Key.of("k", "y", [("a", {"z": 2, "y": 1})]).digest
+
+
+KEYS_SCRIPT = """
+import json, sys
+from pathlib import Path
+from deepinfer.bundles.keys import graph_digest, kernels_reached
+from deepinfer.compiler import cached
+from deepinfer.compiler.config import load_compile_config
+from deepinfer.compiler.pipeline import Build, cache_key, parse_config, plan
+from deepinfer.compiler.trace import trace
+cfg = load_compile_config(sys.argv[1])
+b = Build(cfg, Path(), Path(), log=lambda m: None)
+parse_config(b); plan(b)
+ep, _, _ = trace(b.plan.kinds["head"].region, 1, 1, b.geometry)
+kernels = kernels_reached(ep)
+exe = cached.executable_key(b, "head", "decode", 1, 1, graph_digest(b.target.lower(ep)), kernels)
+print(json.dumps({"bundle": cache_key(cfg, log=lambda m: None).digest, "executable": exe.digest,
+                  "kernels": kernels}))
+"""
+
+
+def test_same_inputs_same_key_across_processes(small_toml):
+    out = []
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        proc = subprocess.run([sys.executable, "-c", KEYS_SCRIPT, str(small_toml)], env=env, capture_output=True,
+                              text=True, check=True)
+        out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert out[0] == out[1]
+    assert out[0]["bundle"] == cache_key(load_compile_config(small_toml), **QUIET).digest
+    assert out[0]["kernels"] == ["hc_collapse", "rmsnorm"]
+
+
+# --- every part changes the key ---
+
+def changed_part(base: Key, other: Key) -> list[str]:
+    assert base.digest != other.digest
+    a, b = base.part_hashes, other.part_hashes
+    return [n for n in a if a[n] != b[n]]
+
+
+@pytest.fixture(scope="module")
+def b(small_toml):
+    return build(small_toml)
+
+
+EXE = dict(kind="head", method="decode", batch=1, tokens=1, graph="g" * 64, kernels=["rmsnorm"])
+
+EXE_VARIANTS = {
+    "format": lambda b, mp, kw: mp.setattr(cached, "format_part", lambda: {"bundle_format": 99, "cache": 1}),
+    "graph": lambda b, mp, kw: kw.update(graph="h" * 64),
+    "region": lambda b, mp, kw: kw.update(kind="moe"),                 # another class, same method
+    "bucket": lambda b, mp, kw: kw.update(tokens=2),
+    "target": lambda b, mp, kw: mp.setattr(b.target, "options", {"cpp.simdlen": 8}),
+    "toolchain": lambda b, mp, kw: mp.setattr(b.target, "toolchain", lambda: {"torch": "9.9"}),
+    "kernels": lambda b, mp, kw: kw.update(kernels=["rmsnorm", "swiglu"]),
+    "lowering": lambda b, mp, kw: mp.setattr(cached, "modules_digest", lambda names: {n: "x" for n in names}),
+}
+
+
+@pytest.mark.parametrize("part", list(EXE_VARIANTS))
+def test_each_executable_key_part_changes_the_key(b, monkeypatch, part):
+    base = cached.executable_key(b, **EXE)
+    assert [n for n, _ in base.parts] == list(EXE_VARIANTS)            # every part has a variant here
+    kw = dict(EXE)
+    EXE_VARIANTS[part](b, monkeypatch, kw)
+    assert changed_part(base, cached.executable_key(b, **kw)) == [part]
+
+
+TRACE_VARIANTS = {
+    "format": lambda b, mp, kw: mp.setattr(cached, "format_part", lambda: {"bundle_format": 99, "cache": 1}),
+    "region": lambda b, mp, kw: kw.update(method="prefill"),
+    "bucket": None,                                   # the signature changes with it: tested below
+    "geometry": lambda b, mp, kw: mp.setattr(b, "geometry", dataclasses.replace(b.geometry, blocks=99)),
+    "model": lambda b, mp, kw: mp.setattr(type(b.model), "digest", lambda self: "other"),
+    "signature": lambda b, mp, kw: mp.setattr(b.plan.kinds["head"].region, "input_specs",
+                                              lambda *a: []),
+    "target": lambda b, mp, kw: mp.setattr(b.target, "options", {"cpp.simdlen": 8}),
+    "toolchain": lambda b, mp, kw: mp.setattr(b.target, "toolchain", lambda: {"torch": "9.9"}),
+    "sources": lambda b, mp, kw: mp.setattr(cached, "graph_sources", lambda m: {"deepinfer.kernels.norm": "x"}),
+}
+
+
+@pytest.mark.parametrize("part", [p for p, v in TRACE_VARIANTS.items() if v])
+def test_each_trace_key_part_changes_the_key(b, monkeypatch, part):
+    base = cached.trace_key(b, "head", "decode", 1, 1)
+    assert [n for n, _ in base.parts] == list(TRACE_VARIANTS)
+    kw = dict(kind="head", method="decode", batch=1, tokens=1)
+    TRACE_VARIANTS[part](b, monkeypatch, kw)
+    assert changed_part(base, cached.trace_key(b, **kw)) == [part]
+
+
+def test_trace_key_bucket(b):
+    base = cached.trace_key(b, "head", "decode", 1, 1)
+    assert changed_part(base, cached.trace_key(b, "head", "decode", 1, 2)) == ["bucket", "signature"]
+
+
+WEIGHT_VARIANTS = {
+    "format": lambda b, mp: mp.setattr(cached, "format_part", lambda: {"bundle_format": 99, "cache": 1}),
+    "kind": None,                                     # another kind has other specs: tested below
+    "layout": lambda b, mp: mp.setattr(b.plan.kinds["moe"], "layers", b.plan.kinds["moe"].layers[:-1]),
+    "tensors": lambda b, mp: mp.setattr(cached, "tensor_digests", lambda ckpt, names, memo: {n: "x" for n in names}),
+    "recipe": lambda b, mp: mp.setattr(b, "config", dataclasses.replace(
+        b.config, quant=dataclasses.replace(b.config.quant, recipe="x"))),
+    "sources": lambda b, mp: mp.setattr(cached, "modules_digest", lambda names: {n: "x" for n in names}),
+}
+
+
+@pytest.mark.parametrize("part", [p for p, v in WEIGHT_VARIANTS.items() if v])
+def test_each_weights_key_part_changes_the_key(b, monkeypatch, part):
+    ckpt = Checkpoint(b.config.model.checkpoint)
+    base = cached.weights_key(b, ckpt, "moe", b.plan.kinds["moe"])
+    assert [n for n, _ in base.parts] == list(WEIGHT_VARIANTS)
+    WEIGHT_VARIANTS[part](b, monkeypatch)
+    assert part in changed_part(base, cached.weights_key(b, ckpt, "moe", b.plan.kinds["moe"]))
+
+
+# --- what the key sees: two explicit lists ---
+
+def test_every_option_is_in_exactly_one_list():
+    from deepinfer.compiler.cli import main
+
+    assert not set(KEYED_OPTIONS) & set(UNKEYED_OPTIONS)
+    toml_keys = {f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    cli = {max(p.opts, key=len) for p in main.params if p.param_type_name == "option" and p.name != "help"}
+    assert set(KEYED_OPTIONS) | set(UNKEYED_OPTIONS) == toml_keys | cli
+    assert not set(CpuTarget.LOG_OPTIONS) - set(__import__("torch")._inductor.config.get_config_copy())
+
+
+def bundle_key(toml: Path) -> Key:
+    return cache_key(load_compile_config(toml), **QUIET)
+
+
+def test_unkeyed_options_do_not_change_the_key(small_toml, tmp_path, b):
+    base = bundle_key(small_toml)
+    ckpt = load_compile_config(small_toml).model.checkpoint
+    logs = "{" + ", ".join(f'"{o}" = {json.dumps("x" if o.endswith(("dir", "format")) else True)}'
+                           for o in CpuTarget.LOG_OPTIONS) + "}"
+    moved = write_toml(tmp_path / "elsewhere", ckpt, options=logs, extra='\n[cache]\ndir = "somewhere"\n')
+    assert bundle_key(moved).digest == base.digest
+    logged = build(moved)
+    assert cached.trace_key(logged, "head", "decode", 1, 1).digest == cached.trace_key(b, "head", "decode", 1, 1).digest
+    assert cached.executable_key(logged, **EXE).digest == cached.executable_key(b, **EXE).digest
+
+
+KEYED_EDITS = {
+    "model.dtype": ('dtype = "fp32"', 'dtype = "bf16"'),
+    "model.cache_quant": ("cache_quant = true", "cache_quant = false"),
+    "target.name": ('name = "cpu"', 'name = "cpu2"'),
+    "target.executable": ('executable = "exported"', 'executable = "aoti"'),
+    "target.options": ("options = {}", 'options = {"cpp.simdlen" = 8}'),
+    "buckets.batch": ("batch = [1]", "batch = [1, 2]"),
+    "buckets.tokens": ("tokens = [1]", "tokens = [1, 2]"),
+    "buckets.max_context": ("max_context = 32", "max_context = 48"),
+    "kv.block_size": ("block_size = 16", "block_size = 32"),
+    "kv.num_blocks": ("num_blocks = 5", "num_blocks = 6"),
+}
+# options with one valid value today: the key holds their value (config part)
+SINGLE_VALUED = {"parallel.tp": 1, "parallel.ep": 1, "parallel.cp": 1, "quant.recipe": "release",
+                 "host.embedding": True}
+
+
+@pytest.mark.parametrize("option", [o for o in KEYED_OPTIONS if not o.startswith("model.checkpoint")
+                                    and o != "model.tiny"])
+def test_keyed_options_change_the_key(small_toml, tmp_path, monkeypatch, option):
+    base = bundle_key(small_toml)
+    if option in SINGLE_VALUED:
+        [config] = [p for p in base.describe() if p["name"] == "config"]
+        section, key = option.split(".")
+        value = config["value"][section]
+        assert (value[key] if isinstance(value, dict) else value) == SINGLE_VALUED[option]
+        return
+    monkeypatch.setitem(TARGETS, "cpu2", type("Cpu2", (CpuTarget,), {"name": "cpu2"}))
+    old, new = KEYED_EDITS[option]
+    text = small_toml.read_text()
+    assert old in text
+    edited = tmp_path / "model.toml"
+    edited.write_text(text.replace(old, new, 1))
+    assert bundle_key(edited).digest != base.digest
+
+
+def test_checkpoint_contents_change_the_key(small_toml, tmp_path):
+    """model.checkpoint and model.tiny are keyed by contents: a copy elsewhere keeps the key, another seed not."""
+    import shutil
+
+    ckpt = load_compile_config(small_toml).model.checkpoint
+    copy = shutil.copytree(ckpt, tmp_path / "copy")
+    base = bundle_key(small_toml).digest
+    assert bundle_key(write_toml(tmp_path / "a", copy)).digest == base
+    other = write_toml(tmp_path / "b", tmp_path / "seed1", extra="")
+    other.write_text(other.read_text().replace("cache_quant = true", "cache_quant = true\ntiny = { seed = 1 }"))
+    assert bundle_key(other).digest != base
+
+
+# --- kernels ---
+
+def test_kernel_source_closure_follows_helpers_only():
+    from deepinfer.kernels import KERNELS
+
+    gemm = keys.source_closure(KERNELS["blockquant_gemm"].reference).decode(errors="replace")
+    assert "def dequant_fp8(" in gemm and "def dequant_fp4(" in gemm       # helpers in kernels/formats.py
+    pool = keys.source_closure(KERNELS["compress_pool"].reference).decode(errors="replace")
+    assert "def compress_pool_ref(" in pool and "def sparse_attn_ref(" not in pool   # same file, not reached
+
+
+def test_a_kernel_change_reaches_only_graphs_calling_it(b, monkeypatch):
+    from deepinfer.bundles.keys import kernels_reached
+
+    reached = {k: kernels_reached(trace(b.plan.kinds[k].region, 1, 1, b.geometry)[0]) for k in ("head", "attn_source_r2")}
+    assert "compress_pool" in reached["attn_source_r2"] and "compress_pool" not in reached["head"]
+    before = {k: cached.executable_key(b, k, "decode", 1, 1, "g", ks).digest for k, ks in reached.items()}
+    closure = keys.source_closure
+    monkeypatch.setattr(keys, "source_closure",
+                        lambda fn: closure(fn) + (b"# changed" if fn.__name__ == "compress_pool_ref" else b""))
+    after = {k: cached.executable_key(b, k, "decode", 1, 1, "g", ks).digest for k, ks in reached.items()}
+    assert after["head"] == before["head"] and after["attn_source_r2"] != before["attn_source_r2"]

@@ -82,6 +82,21 @@ def prompts_from(prompt: tuple[str, ...], prompt_ids: tuple[str, ...], vocab: in
     return prompts
 
 
+def generation_options(fn):
+    """The options `deepinfer reference` and `deepinfer-run` share: prompts, length, output."""
+    options = [
+        click.option("--prompt", multiple=True, help="Prompt text (byte-level tokenizer). Repeat for a batch."),
+        click.option("--prompt-ids", multiple=True, help="Prompt as token ids, e.g. 0,72,101. Repeat for a batch."),
+        click.option("--max-new-tokens", default=16, show_default=True, help="Tokens to generate per prompt."),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text."),
+        click.option("--dump-logits", type=click.Path(dir_okay=False, path_type=Path),
+                     help="Write tokens and per-position float32 logits to this .safetensors file."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
 def write_logits(path: Path, gens) -> None:
     """tokens (int64, prompt then generated) and logits (float32 [positions, V]) per prompt.
 
@@ -102,9 +117,7 @@ def write_logits(path: Path, gens) -> None:
 
 @main.command("reference")
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--prompt", multiple=True, help="Prompt text (byte-level tokenizer). Repeat for a batch.")
-@click.option("--prompt-ids", multiple=True, help="Prompt as token ids, e.g. 0,72,101. Repeat for a batch.")
-@click.option("--max-new-tokens", default=16, show_default=True, help="Tokens to generate per prompt.")
+@generation_options
 @click.option("--chunk", type=int, default=None,
               help="Prompt chunk size in tokens (default: each prompt in one chunk; 1 feeds it token by token).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
@@ -114,9 +127,6 @@ def write_logits(path: Path, gens) -> None:
 @click.option("--topk-ties", type=click.Choice(["nemo", "lowest"]), default="nemo", show_default=True,
               help="Indexer top-k among equal scores: as NeMo AutoModel's forward (torch.topk over the "
                    "sequence's width), or lowest index first (what compiled bundles do).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-@click.option("--dump-logits", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write tokens and per-position float32 logits to this .safetensors file.")
 @user_errors
 def reference_cmd(checkpoint, prompt, prompt_ids, max_new_tokens, chunk, dtype, cache_quant, topk_ties, as_json,
                   dump_logits):

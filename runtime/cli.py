@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from deepinfer.cli import prompts_from, user_errors, write_logits
+from deepinfer.cli import generation_options, prompts_from, user_errors, write_logits
 
 
 def timing_lines(stats, wall: float) -> list[str]:
@@ -26,15 +26,10 @@ def timing_lines(stats, wall: float) -> list[str]:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--prompt", multiple=True, help="Prompt text (byte-level tokenizer). Repeat for a batch.")
-@click.option("--prompt-ids", multiple=True, help="Prompt as token ids, e.g. 0,72,101. Repeat for a batch.")
-@click.option("--max-new-tokens", default=16, show_default=True, help="Tokens to generate per prompt.")
+@generation_options
 @click.option("--num-kv-blocks", type=int, default=None,
               help="Size of the KV block pool (default: the bundle's num_blocks).")
 @click.option("--timing", is_flag=True, help="Print host time per region kind and the runtime's own overhead.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-@click.option("--dump-logits", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write tokens and per-position float32 logits to this .safetensors file.")
 @click.option("--no-verify", is_flag=True, help="Skip the digest check of the bundle's files at load.")
 @click.option("--threads", type=int, default=None,
               help="Host threads for the executables (default: torch's; 1 is often fastest for small models "

@@ -32,11 +32,11 @@ from deepinfer.bundles.keys import Key, graph_digest, kernels_reached
 from deepinfer.compiler import cached
 from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.jobs import Job
-from deepinfer.compiler.plan import METHOD, RegionPlan, plan_regions
+from deepinfer.compiler.plan import RegionPlan, plan_regions
 from deepinfer.compiler.pools import plan_pools
 from deepinfer.compiler.targets import TARGETS
 from deepinfer.compiler.trace import trace
-from deepinfer.compiler.weights import kind_entry, write_host, write_kind
+from deepinfer.compiler.weights import host_entries, kind_entry, write_host, write_kind
 from deepinfer.errors import ConfigError
 from deepinfer.regions.checkpoint import Checkpoint
 from deepinfer.regions.config import V41Config, load_config
@@ -106,9 +106,9 @@ def preprocess_weights(b: Build) -> None:
         b.log(f"weights {kind}: {len(kp.layers)} layer(s){' (cached)' if hit else ''}")
     t = b.model.text
     key = cached.host_key(b, ckpt) if b.cache else None
-    rel = layout.host_path(layout.HOST_EMBED_FILE)
-    cached.fetch_or_build(b, "host", key, rel, lambda: write_host(ckpt, b.staging, t.vocab_size, t.hidden_size))
-    b.host = {"embed": {"path": rel, "tensor": "embed"}}
+    b.host = host_entries()
+    cached.fetch_or_build(b, "host", key, b.host["embed"]["path"],
+                          lambda: write_host(ckpt, b.staging, t.vocab_size, t.hidden_size))
 
 
 def _io(specs) -> list[dict]:

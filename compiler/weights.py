@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer.bundles import layout
-from deepinfer.compiler.plan import KindPlan, RegionPlan
+from deepinfer.compiler.plan import KindPlan
 from deepinfer.regions.base import WeightSpec
 from deepinfer.regions.checkpoint import Checkpoint
 
@@ -69,18 +69,12 @@ def write_kind(ckpt: Checkpoint, kind: str, kp: KindPlan, out: Path, rank: int =
     return entry
 
 
-def write_weights(ckpt: Checkpoint, plan: RegionPlan, out: Path, rank: int = 0,
-                  progress=lambda msg: None) -> list[dict]:
-    """Write one safetensors file per kind under `out`; returns their manifest entries."""
-    entries = []
-    for kind, kp in plan.kinds.items():
-        entries.append(write_kind(ckpt, kind, kp, out, rank))
-        progress(f"weights {kind}: {len(kp.layers)} layer(s)")
-    return entries
+def host_entries() -> dict:
+    """The manifest's host-resident tensors: the token embedding."""
+    return {"embed": {"path": layout.host_path(layout.HOST_EMBED_FILE), "tensor": "embed"}}
 
 
-def write_host(ckpt: Checkpoint, out: Path, vocab: int, hidden: int) -> dict:
-    rel = layout.host_path(layout.HOST_EMBED_FILE)
+def write_host(ckpt: Checkpoint, out: Path, vocab: int, hidden: int) -> None:
+    rel = host_entries()["embed"]["path"]
     (out / rel).parent.mkdir(parents=True, exist_ok=True)
     save_file({"embed": ckpt.get("embed.weight", "BF16", (vocab, hidden)).contiguous()}, str(out / rel))
-    return {"embed": {"path": rel, "tensor": "embed"}}

@@ -90,3 +90,18 @@ class EngramHasher:
                 heads.append(rolling[:, None] % p)
             out.append(np.concatenate(heads, axis=-1) + offsets)
         return np.stack(out, axis=1)
+
+    def step(self, histories: list, positions) -> np.ndarray:
+        """Rows for a [B, T] step -> int64 [B, T, layers, hash_heads] (0 at padding).
+
+        histories[b]: sequence b's ids up to its last position in the step;
+        positions: [B, T] (valid positions first and consecutive, -1 padding).
+        """
+        positions = np.asarray(positions)
+        B, T = positions.shape
+        out = np.zeros((B, T, len(self.primes), self.heads * (self.max_ngram - 1)), dtype=np.int64)
+        for b in range(B):
+            n = int((positions[b] >= 0).sum())
+            if n:
+                out[b, :n] = self.hashes(histories[b], int(positions[b, 0]), n)
+        return out

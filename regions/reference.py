@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -119,19 +118,6 @@ class ReferenceModel:
         out = region.decode(*inputs)
         return out if isinstance(out, tuple) else (out,)
 
-    def hash_batch(self, histories: list[np.ndarray], positions: Tensor) -> Tensor | None:
-        """Engram rows for a step: histories[b] holds sequence b's ids up to its last position."""
-        if self.hasher is None:
-            return None
-        B, T = positions.shape
-        out = np.zeros((B, T, len(self.hasher.primes), self.hasher.heads * (self.hasher.max_ngram - 1)),
-                       dtype=np.int64)
-        for b in range(B):
-            n = int((positions[b] >= 0).sum())
-            if n:
-                out[b, :n] = self.hasher.hashes(histories[b], int(positions[b, 0]), n)
-        return torch.from_numpy(out)
-
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, chunk: int | None = None,
                  eos: int | None = None) -> list[Generation]:
@@ -170,7 +156,8 @@ class ReferenceModel:
             batch = Batch(tokens, positions,
                           slots=torch.where(active, torch.arange(1, B + 1), 0),
                           block_table=torch.where(active.unsqueeze(1), table, 0),
-                          hashes=self.hash_batch([np.array(g.tokens) for g in gens], positions),
+                          hashes=None if self.hasher is None else torch.from_numpy(
+                              self.hasher.step([g.tokens for g in gens], positions.numpy())),
                           is_image=torch.zeros_like(tokens, dtype=torch.bool))   # text only
             h, pre = self.embed(tokens)
             logits = run_layers(self.plans, self.invoke, states, h, pre, batch)

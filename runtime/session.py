@@ -14,7 +14,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from deepinfer.bundles import manifest as mf
@@ -137,10 +136,8 @@ class Session:
             table[b] = torch.tensor(alloc.table_row(seq))
         hashes = None
         if self.hasher is not None:
-            hashes = torch.zeros((B, T, len(self.hasher.primes), self.hasher.heads * (self.hasher.max_ngram - 1)),
-                                 dtype=torch.int64)
-            for b, (seq, ids, start) in enumerate(rows):
-                hashes[b, :len(ids)] = torch.from_numpy(self.hasher.hashes(np.array(gens[seq].tokens), start, len(ids)))
+            histories = [gens[seq].tokens for seq, _, _ in rows] + [[]] * (B - len(rows))
+            hashes = torch.from_numpy(self.hasher.step(histories, positions.numpy()))
         batch = Batch(tokens, positions, slots, table, hashes, torch.zeros((B, T), dtype=torch.bool))
         h, pre = self.embed(tokens)
         start = time.perf_counter()

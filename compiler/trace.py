@@ -77,11 +77,14 @@ def dynamic_dims(sig: Signature) -> tuple:
     return tuple(out)
 
 
-def trace(region: Region, B: int, T: int, geometry: Geometry, method: str = "decode"):
-    """Export `region.<method>` for a [B, T] step -> (ExportedProgram, Signature, example inputs)."""
+def trace(region: Region, B: int, T: int, geometry: Geometry, method: str = "decode", *, dynamic: bool = True):
+    """Export `region.<method>` for a [B, T] step -> (ExportedProgram, Signature, example inputs).
+
+    With `dynamic`, pool sizes (slots, blocks) stay symbolic; targets that need
+    static shapes (trn2) trace with the geometry's own sizes."""
     sig = Signature(weight_specs(region), region.input_specs(B, T, geometry))
     rows = region.table.shape[0] if hasattr(region, "table") else 1
     args = [t.clone() for _, t in region.named_buffers()] + \
         example_inputs(sig.inputs, geometry, table_rows=rows)
-    ep = torch.export.export(Lifted(region, method), tuple(args), dynamic_shapes={"flat": dynamic_dims(sig)}, strict=False)
+    ep = torch.export.export(Lifted(region, method), tuple(args), dynamic_shapes={"flat": dynamic_dims(sig)} if dynamic else None, strict=False)
     return ep, sig, args

@@ -1,0 +1,242 @@
+"""Traced region -> XLA HLO (HloModuleProto) for neuronx-cc, and running it on XLA:CPU.
+
+    ExportedProgram (static shapes, state writes returned as outputs)
+      -> StableHLO       torch-mlir's FX importer (front end "torch-mlir"), or
+                         torch-xla's exporter (front end "torch-xla", on Neuron images)
+      -> HloModuleProto  jaxlib's MLIR -> XLA computation converter
+      -> XLA:CPU         jaxlib's PJRT CPU client, to check every graph numerically
+
+State pools are inputs whose new contents come back as outputs; each such
+output is declared an alias of its input (`tf.aliasing_output`, which the
+converter turns into the HLO module's input_output_alias), so an XLA backend
+updates the pool in place rather than copying it.
+
+The heavy libraries (torch-mlir, jax/jaxlib, torch-xla) are imported lazily:
+a missing one is a `LoweringUnavailable` naming the package and how to install it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from deepinfer.errors import DeepinferError
+
+FRONTENDS = ("torch-mlir", "torch-xla")
+INSTALL = {
+    "torch_mlir": "pip install 'deepinfer[trn2]' (torch-mlir from PyPI)",
+    "jax": "pip install 'deepinfer[trn2]' (jax and jaxlib from PyPI)",
+    "torch_xla": "use a Neuron image (torch-xla ships with torch-neuronx) or choose frontend = \"torch-mlir\"",
+}
+
+
+class LoweringUnavailable(DeepinferError):
+    """A package the HLO lowering needs is not installed."""
+
+
+class LoweringError(DeepinferError):
+    """A graph could not be lowered to HLO."""
+
+
+def _need(module: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise LoweringUnavailable(f"the trn2 target needs {module.replace('_', '-')} to lower graphs to HLO "
+                                  f"({e}); {INSTALL[module]}") from None
+
+
+@functools.cache
+def versions(frontend: str) -> dict[str, str]:
+    """Versions of the lowering toolchain (they go into cache keys and the manifest)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in ("jax", "jaxlib", "torch-mlir" if frontend == "torch-mlir" else "torch-xla"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = "absent"
+    return out
+
+
+# --- decompositions for ops the StableHLO legalization lacks -------------------------------------
+
+def _rshift(x, k):
+    return torch.floor_divide(x, 2 ** int(k))          # arithmetic shift == floor division by 2^k
+
+
+def _lshift(x, k):
+    return x * (2 ** int(k))                            # wraps like the shift in two's complement
+
+
+def _sort(x, *, stable=None, dim=-1, descending=False):
+    # torch-mlir lowers aten.sort only; finish_module() makes every lowered sort stable
+    return torch.ops.aten.sort.default(x, dim, descending)
+
+
+def _remainder(a, b):
+    # torch-mlir lowers remainder to stablehlo.remainder, whose sign follows the dividend
+    # (C fmod); torch's follows the divisor. Negative ring offsets need torch's.
+    return a - torch.div(a, b, rounding_mode="floor") * b
+
+
+def _widened(op):
+    """`op` with uint8 operands widened to int32: torch-mlir emits signed comparisons for
+    uint8, which the HLO verifier rejects. Other dtypes fall through to the op itself."""
+    def run(a, b, *rest):
+        if a.dtype != torch.uint8 and not (isinstance(b, torch.Tensor) and b.dtype == torch.uint8):
+            return NotImplemented
+        widen = (lambda x: x.to(torch.int32) if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 else x)
+        return op(widen(a), widen(b), *rest)
+    return run
+
+
+def hlo_decompositions() -> dict:
+    """aten ops torch-mlir cannot lower to StableHLO (or lowers wrongly) -> equivalent ones."""
+    aten = torch.ops.aten
+    table = {aten.__rshift__.Scalar: _rshift, aten.__lshift__.Scalar: _lshift,
+             aten.sort.stable: _sort, aten.remainder.Scalar: _remainder, aten.remainder.Tensor: _remainder}
+    for name in ("eq", "ne", "lt", "le", "gt", "ge"):
+        for overload in ("Scalar", "Tensor"):
+            op = getattr(getattr(aten, name), overload)
+            table[op] = _widened(op)
+    return table
+
+
+# --- front ends -----------------------------------------------------------------------------------
+
+def to_stablehlo(ep: torch.export.ExportedProgram, frontend: str = "torch-mlir") -> str:
+    """A decomposed, functional ExportedProgram -> StableHLO text (function @main)."""
+    if frontend == "torch-xla":
+        _need("torch_xla")
+        from torch_xla.stablehlo import exported_program_to_stablehlo
+
+        return exported_program_to_stablehlo(ep).get_stablehlo_text("forward")
+    _need("torch_mlir")
+    from torch_mlir import fx
+    from torch_mlir.compiler_utils import TorchMlirCompilerError
+
+    try:
+        module = fx.export_and_import(ep, output_type="stablehlo", func_name="main")
+    except TorchMlirCompilerError as e:
+        lines = [l for l in str(e).splitlines() if "error:" in l] or str(e).splitlines()[:1]
+        raise LoweringError(f"torch-mlir could not lower to StableHLO: {lines[0].strip()}") from None
+    return module.operation.get_asm(enable_debug_info=False)
+
+
+def _walk(op):
+    yield op
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                yield from _walk(inner)
+
+
+def finish_module(text: str, aliases: dict[int, int]) -> str:
+    """Two edits on the StableHLO text, through the MLIR API:
+
+    - every `stablehlo.sort` becomes stable. torch-mlir lowers only `aten.sort`, with
+      is_stable = false; the indexer's top-k needs the lowest index among equal scores
+      (see regions/attention.top_indices), and a stable sort is a valid unstable one;
+    - @main's argument i is marked as aliasing output j for each {j: i} in `aliases`
+      (`tf.aliasing_output`, which becomes the HLO module's input_output_alias).
+    """
+    _need("jax")
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+
+    with mlir.make_ir_context():
+        module = ir.Module.parse(text)
+        main = None
+        for op in module.body.operations:
+            for inner in _walk(op):
+                if inner.name == "stablehlo.sort":
+                    inner.attributes["is_stable"] = ir.BoolAttr.get(True)
+            if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == "main":
+                main = op
+        if main is None:
+            raise LoweringError("no @main function in the lowered module")
+        if aliases:
+            _alias(main, aliases)
+        return module.operation.get_asm(enable_debug_info=False)
+
+
+def _alias(main, aliases: dict[int, int]) -> None:
+    from jax._src.lib.mlir import ir
+
+    n = len(main.regions[0].blocks[0].arguments)
+    old = list(ir.ArrayAttr(main.attributes["arg_attrs"])) if "arg_attrs" in main.attributes else \
+        [ir.DictAttr.get({}) for _ in range(n)]
+    i32 = ir.IntegerType.get_signless(32)
+    by_input = {i: j for j, i in aliases.items()}
+    new = []
+    for i, attrs in enumerate(old):
+        d = {a.name: a.attr for a in ir.DictAttr(attrs)}
+        if i in by_input:
+            d["tf.aliasing_output"] = ir.IntegerAttr.get(i32, by_input[i])
+        new.append(ir.DictAttr.get(d))
+    main.attributes["arg_attrs"] = ir.ArrayAttr.get(new)
+
+
+def to_hlo_proto(stablehlo: str) -> bytes:
+    """StableHLO text -> serialized HloModuleProto (what neuronx-cc --framework XLA reads)."""
+    _need("jax")
+    from jax._src.lib import xla_client
+
+    try:
+        computation = xla_client._xla.mlir.mlir_module_to_xla_computation(stablehlo, use_tuple_args=False,
+                                                                          return_tuple=True)
+    except Exception as e:  # noqa: BLE001 (jaxlib raises its own runtime error types)
+        raise LoweringError(f"StableHLO -> HLO conversion failed: {str(e).splitlines()[0]}") from None
+    return computation.as_serialized_hlo_module_proto()
+
+
+# --- XLA:CPU --------------------------------------------------------------------------------------
+
+@functools.cache
+def _cpu_client():
+    jax = _need("jax")
+    jax.config.update("jax_enable_x64", True)      # int64 inputs keep their type
+    from jax._src import xla_bridge
+
+    return xla_bridge.get_backend("cpu")
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.contiguous().numpy()
+
+
+def _to_torch(a: np.ndarray) -> torch.Tensor:
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.array(a))
+
+
+class CpuHlo:
+    """An HloModuleProto compiled for XLA:CPU: call(list of tensors) -> list of tensors."""
+
+    def __init__(self, proto: bytes):
+        from jax._src.lib import xla_client
+
+        client = _cpu_client()
+        module = xla_client._xla.mlir.hlo_to_stablehlo(proto)
+        self.device = client.local_devices()[0]
+        self.executable = client.compile_and_load(module, xla_client.DeviceList(tuple([self.device])),
+                                                  xla_client.CompileOptions())
+        self.client = client
+
+    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        import jax
+
+        arrays = [jax.device_put(_to_numpy(t), self.device) for t in inputs]
+        results = self.executable.execute_sharded(arrays).disassemble_into_single_device_arrays()
+        return [_to_torch(np.asarray(r[0])) for r in results]

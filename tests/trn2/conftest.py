@@ -1,0 +1,72 @@
+"""The libnrt TEST DOUBLE (doubles/fake_nrt.c), built once per session, and a per-test environment for it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+SOURCE = Path(__file__).parent / "doubles" / "fake_nrt.c"
+BUILD = ROOT / ".cache" / "fake_nrt"
+
+
+def _gcc(out: Path, source: Path) -> Path:
+    """Compile `source` into the shared library `out` (written beside, then renamed into place)."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc not found: the libnrt test double is built from C source at test time")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-Wall", "-o", str(tmp), str(source)], check=True)
+    os.replace(tmp, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def fake_nrt_path() -> Path:
+    return _gcc(BUILD / "libfake_nrt.so", SOURCE)
+
+
+@pytest.fixture(scope="session")
+def empty_library(tmp_path_factory) -> Path:
+    """A shared library that exports none of libnrt's functions."""
+    src = tmp_path_factory.mktemp("empty") / "empty.c"
+    src.write_text("int not_nrt(void) { return 0; }\n")
+    return _gcc(BUILD / "libempty.so", src)
+
+
+@dataclass
+class FakeNrt:
+    path: Path
+    log_path: Path
+
+    def lines(self) -> list[str]:
+        return self.log_path.read_text().splitlines() if self.log_path.exists() else []
+
+    def calls(self) -> list[str]:
+        return [line.split()[0] for line in self.lines()]
+
+    def clear(self) -> None:
+        self.log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def fake_nrt(fake_nrt_path, tmp_path, monkeypatch) -> FakeNrt:
+    """DEEPINFER_LIBNRT pointed at the double, a fresh call log, no visible-core pinning or injected failure."""
+    from deepinfer.runtime.neuron import NeuronCore
+
+    monkeypatch.setenv("DEEPINFER_LIBNRT", str(fake_nrt_path))
+    monkeypatch.setenv("FAKE_NRT_LOG", str(tmp_path / "nrt.log"))
+    monkeypatch.delenv("FAKE_NRT_FAIL", raising=False)
+    # set, then delete: monkeypatch then also undoes the NeuronCore(core=k) pinning the tests cause
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "")
+    monkeypatch.delenv("NEURON_RT_VISIBLE_CORES")
+    yield FakeNrt(fake_nrt_path, tmp_path / "nrt.log")
+    monkeypatch.delenv("FAKE_NRT_FAIL", raising=False)
+    if NeuronCore._active is not None:      # a failed test must not leave the double initialized
+        NeuronCore._active.close()

@@ -1,0 +1,392 @@
+/*
+ * TEST DOUBLE of libnrt, the AWS Neuron runtime C library.  NOT the Neuron runtime.
+ *
+ * It implements exactly the libnrt functions that deepinfer/runtime/nrt.py
+ * binds, with the signatures of nrt/nrt.h, nrt/nrt_experimental.h and
+ * nrt/nrt_version.h, so that tests/trn2/test_nrt_contract.py can check how
+ * the binding calls the API (argument order, out-parameters, struct layouts,
+ * status handling, call order). It runs no model and knows nothing about
+ * Trainium: passing against it proves nothing about Trn2 behaviour or numerics.
+ *
+ * Every call is appended as one line "<function> <key=value ...> -> <status>"
+ * to the file named by $FAKE_NRT_LOG (no log when unset).  $FAKE_NRT_FAIL=
+ * "<function>=<status>" makes that function return <status> without acting.
+ *
+ * nrt_load does NOT take a NEFF.  It takes a small text description written
+ * by the tests (the "fake model"):
+ *
+ *     FAKE_NRT_MODEL 1
+ *     input  <name> <bytes>
+ *     output <name> <bytes>
+ *     copy   <output name> <input name>     (on execute: output bytes <- input bytes)
+ *
+ * Tensors are malloc'd host memory with size bookkeeping; a slice is a view
+ * into its source's memory.  Misuse returns the status libnrt documents for
+ * it where there is one (NRT_INVALID for bad sizes/names, NRT_UNINITIALIZED
+ * outside nrt_init/nrt_close).
+ *
+ * Build: gcc -shared -fPIC -O1 -o libfake_nrt.so fake_nrt.c
+ */
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef enum {
+    NRT_SUCCESS = 0, NRT_FAILURE = 1, NRT_INVALID = 2, NRT_RESOURCE = 4, NRT_UNINITIALIZED = 13,
+} NRT_STATUS;
+
+#define NAME_MAX_ 256       /* NRT_TENSOR_NAME_MAX */
+#define MAX_IO 32
+
+typedef struct nrt_tensor {
+    char name[NAME_MAX_];
+    unsigned char *data;
+    size_t size;
+    int owns;                    /* 0 for a slice */
+    int live_slices;
+    struct nrt_tensor *source;   /* the tensor a slice views */
+} nrt_tensor_t;
+
+typedef void nrt_tensor_set_t;
+typedef int nrt_framework_type_t;     /* C enums: int-sized; NRT_FRAMEWORK_TYPE_NO_FW = 1 */
+typedef int nrt_tensor_placement_t;   /* DEVICE = 0, HOST = 1, VIRTUAL = 2 */
+
+typedef struct nrt_tensor_info {      /* layout of nrt_experimental.h */
+    char name[NAME_MAX_];
+    int usage;                        /* nrt_tensor_usage_t: 0 input, 1 output */
+    size_t size;
+    int dtype;                        /* nrt_dtype_t */
+    uint32_t *shape;
+    uint32_t ndim;
+} nrt_tensor_info_t;
+
+typedef struct nrt_tensor_info_array {
+    uint64_t tensor_count;
+    nrt_tensor_info_t tensor_array[];
+} nrt_tensor_info_array_t;
+
+typedef struct nrt_version {          /* layout of nrt_version.h */
+    uint64_t rt_major, rt_minor, rt_patch, rt_maintenance;
+    char rt_detail[128];
+    char git_hash[64];
+} nrt_version_t;
+
+typedef struct { char name[NAME_MAX_]; size_t size; int usage; } fake_io;
+
+typedef struct nrt_model {
+    int n_io, n_copy;
+    fake_io io[MAX_IO];
+    int copy_out[MAX_IO], copy_in[MAX_IO];      /* indices into io */
+} nrt_model_t;
+
+typedef struct { int n; char names[MAX_IO][NAME_MAX_]; nrt_tensor_t *tensors[MAX_IO]; } fake_set;
+
+static int g_init;
+static long g_live_tensors, g_live_models, g_live_sets;
+
+static void log_line(const char *fmt, va_list ap, int status, int with_status) {
+    const char *path = getenv("FAKE_NRT_LOG");
+    if (!path || !*path) return;
+    FILE *f = fopen(path, "a");
+    if (!f) return;
+    vfprintf(f, fmt, ap);
+    if (with_status) fprintf(f, " -> %d", status);
+    fputc('\n', f);
+    fclose(f);
+}
+
+/* log "<fmt ...> -> status" and return status */
+static NRT_STATUS done(NRT_STATUS status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    log_line(fmt, ap, status, 1);
+    va_end(ap);
+    return status;
+}
+
+static void note(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    log_line(fmt, ap, 0, 0);
+    va_end(ap);
+}
+
+/* $FAKE_NRT_FAIL = "<function>=<status>" */
+static int injected(const char *fn) {
+    const char *spec = getenv("FAKE_NRT_FAIL");
+    size_t n = strlen(fn);
+    if (spec && strncmp(spec, fn, n) == 0 && spec[n] == '=') return atoi(spec + n + 1);
+    return 0;
+}
+
+#define GUARD(fn)                                                                 \
+    do {                                                                          \
+        int s_ = injected(fn);                                                    \
+        if (s_) return done((NRT_STATUS)s_, "%s injected", fn);                   \
+        if (!g_init) return done(NRT_UNINITIALIZED, "%s before nrt_init", fn);    \
+    } while (0)
+
+static const char *or_empty(const char *s) { return s ? s : ""; }
+
+/* ---- runtime ------------------------------------------------------------------------- */
+
+NRT_STATUS nrt_init(nrt_framework_type_t framework, const char *fw_version, const char *fal_version) {
+    int s = injected("nrt_init");
+    const char *visible = getenv("NEURON_RT_VISIBLE_CORES");
+    if (s) return done((NRT_STATUS)s, "nrt_init injected");
+    if (g_init) return done(NRT_FAILURE, "nrt_init already initialized");
+    if (framework != 1 || !fw_version || !fal_version)      /* NRT_FRAMEWORK_TYPE_NO_FW */
+        return done(NRT_INVALID, "nrt_init framework=%d", framework);
+    g_init = 1;
+    return done(NRT_SUCCESS, "nrt_init framework=%d fw_version='%s' fal_version='%s' visible_cores=%s",
+                framework, fw_version, fal_version, visible ? visible : "unset");
+}
+
+void nrt_close(void) {
+    note("nrt_close live_tensors=%ld live_models=%ld live_sets=%ld", g_live_tensors, g_live_models, g_live_sets);
+    g_init = 0;
+}
+
+NRT_STATUS nrt_get_version(nrt_version_t *ver, size_t size) {
+    nrt_version_t v = {2, 99, 0, 0, "fake_nrt test double", "none"};
+    if (!ver) return done(NRT_INVALID, "nrt_get_version ver=NULL");
+    memcpy(ver, &v, size < sizeof v ? size : sizeof v);
+    return done(NRT_SUCCESS, "nrt_get_version size=%zu", size);
+}
+
+/* ---- models ---------------------------------------------------------------------------- */
+
+static int find_io(const nrt_model_t *m, const char *name, int usage) {
+    for (int i = 0; i < m->n_io; i++)
+        if (m->io[i].usage == usage && strcmp(m->io[i].name, name) == 0) return i;
+    return -1;
+}
+
+/* parse the fake model text; 0 on success */
+static int parse_model(char *text, nrt_model_t *m) {
+    char *save = NULL, *line = strtok_r(text, "\n", &save);
+    int version = 0;
+    if (!line || sscanf(line, "FAKE_NRT_MODEL %d", &version) != 1 || version != 1) return -1;
+    while ((line = strtok_r(NULL, "\n", &save))) {
+        char kind[16], a[NAME_MAX_], b[NAME_MAX_];
+        size_t bytes;
+        if (line[0] == '\0' || line[0] == '#') continue;
+        if (sscanf(line, "%15s %255s %zu", kind, a, &bytes) == 3 &&
+            (strcmp(kind, "input") == 0 || strcmp(kind, "output") == 0)) {
+            if (m->n_io == MAX_IO) return -1;
+            fake_io *io = &m->io[m->n_io++];
+            snprintf(io->name, sizeof io->name, "%s", a);
+            io->size = bytes;
+            io->usage = strcmp(kind, "output") == 0;
+        } else if (sscanf(line, "%15s %255s %255s", kind, a, b) == 3 && strcmp(kind, "copy") == 0) {
+            int o = find_io(m, a, 1), i = find_io(m, b, 0);
+            if (o < 0 || i < 0 || m->io[o].size != m->io[i].size || m->n_copy == MAX_IO) return -1;
+            m->copy_out[m->n_copy] = o;
+            m->copy_in[m->n_copy++] = i;
+        } else {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+NRT_STATUS nrt_load(const void *neff_bytes, size_t size, int32_t vnc, int32_t vnc_count, nrt_model_t **model) {
+    GUARD("nrt_load");
+    if (!neff_bytes || !model) return done(NRT_INVALID, "nrt_load null argument");
+    if (vnc != -1 && vnc != 0) return done(NRT_INVALID, "nrt_load vnc=%d (one visible core)", vnc);
+    if (vnc_count != -1) return done(NRT_INVALID, "nrt_load vnc_count=%d (deprecated: must be -1)", vnc_count);
+    char *text = malloc(size + 1);
+    nrt_model_t *m = calloc(1, sizeof *m);
+    memcpy(text, neff_bytes, size);
+    text[size] = '\0';
+    int bad = parse_model(text, m);
+    free(text);
+    if (bad) {
+        free(m);
+        return done(NRT_INVALID, "nrt_load size=%zu vnc=%d not a fake model", size, vnc);
+    }
+    *model = m;
+    g_live_models++;
+    return done(NRT_SUCCESS, "nrt_load size=%zu vnc=%d vnc_count=%d tensors=%d", size, vnc, vnc_count, m->n_io);
+}
+
+NRT_STATUS nrt_unload(nrt_model_t *model) {
+    GUARD("nrt_unload");
+    if (!model) return done(NRT_INVALID, "nrt_unload model=NULL");
+    free(model);
+    g_live_models--;
+    return done(NRT_SUCCESS, "nrt_unload");
+}
+
+NRT_STATUS nrt_get_model_tensor_info(nrt_model_t *model, nrt_tensor_info_array_t **tensor_info) {
+    GUARD("nrt_get_model_tensor_info");
+    if (!model || !tensor_info) return done(NRT_INVALID, "nrt_get_model_tensor_info null argument");
+    nrt_tensor_info_array_t *arr = calloc(1, sizeof *arr + model->n_io * sizeof(nrt_tensor_info_t));
+    arr->tensor_count = model->n_io;
+    for (int i = 0; i < model->n_io; i++) {
+        nrt_tensor_info_t *t = &arr->tensor_array[i];
+        snprintf(t->name, sizeof t->name, "%s", model->io[i].name);
+        t->usage = model->io[i].usage;
+        t->size = model->io[i].size;
+        t->dtype = 0x3;                   /* NRT_DTYPE_UINT8 in today's nrt.h: the double sees bytes */
+        t->ndim = 1;
+        t->shape = malloc(sizeof(uint32_t));
+        t->shape[0] = (uint32_t)model->io[i].size;
+    }
+    *tensor_info = arr;
+    return done(NRT_SUCCESS, "nrt_get_model_tensor_info count=%d", model->n_io);
+}
+
+NRT_STATUS nrt_free_model_tensor_info(nrt_tensor_info_array_t *tensor_info) {
+    GUARD("nrt_free_model_tensor_info");
+    if (!tensor_info) return done(NRT_INVALID, "nrt_free_model_tensor_info NULL");
+    for (uint64_t i = 0; i < tensor_info->tensor_count; i++) free(tensor_info->tensor_array[i].shape);
+    free(tensor_info);
+    return done(NRT_SUCCESS, "nrt_free_model_tensor_info");
+}
+
+/* ---- tensors --------------------------------------------------------------------------- */
+
+static nrt_tensor_t *new_tensor(const char *name, unsigned char *data, size_t size, nrt_tensor_t *source) {
+    nrt_tensor_t *t = calloc(1, sizeof *t);
+    snprintf(t->name, sizeof t->name, "%s", or_empty(name));
+    t->data = data;
+    t->size = size;
+    t->owns = source == NULL;
+    t->source = source;
+    g_live_tensors++;
+    return t;
+}
+
+NRT_STATUS nrt_tensor_allocate(nrt_tensor_placement_t placement, int vnc, size_t size, const char *name,
+                               nrt_tensor_t **tensor) {
+    GUARD("nrt_tensor_allocate");
+    if (!tensor || placement < 0 || placement > 2)
+        return done(NRT_INVALID, "nrt_tensor_allocate placement=%d", placement);
+    if (placement == 0 && vnc != 0)          /* NRT_TENSOR_PLACEMENT_DEVICE on the one visible core */
+        return done(NRT_INVALID, "nrt_tensor_allocate placement=0 vnc=%d", vnc);
+    *tensor = new_tensor(name, calloc(size ? size : 1, 1), size, NULL);
+    return done(NRT_SUCCESS, "nrt_tensor_allocate placement=%d vnc=%d size=%zu name=%s", placement, vnc, size,
+                or_empty(name));
+}
+
+NRT_STATUS nrt_tensor_allocate_slice(const nrt_tensor_t *source, size_t offset, size_t size, const char *name,
+                                     nrt_tensor_t **slice) {
+    GUARD("nrt_tensor_allocate_slice");
+    if (!source || !slice) return done(NRT_INVALID, "nrt_tensor_allocate_slice null argument");
+    if (offset > source->size || size > source->size - offset)
+        return done(NRT_INVALID, "nrt_tensor_allocate_slice source=%s offset=%zu size=%zu outside %zu bytes",
+                    source->name, offset, size, source->size);
+    nrt_tensor_t *src = (nrt_tensor_t *)source;
+    src->live_slices++;
+    *slice = new_tensor(name, src->data + offset, size, src);
+    return done(NRT_SUCCESS, "nrt_tensor_allocate_slice source=%s offset=%zu size=%zu name=%s", source->name,
+                offset, size, or_empty(name));
+}
+
+void nrt_tensor_free(nrt_tensor_t **tensor) {
+    if (!tensor || !*tensor) {
+        note("nrt_tensor_free NULL");
+        return;
+    }
+    nrt_tensor_t *t = *tensor;
+    if (t->live_slices) {                    /* misuse: slices still point into it; leak instead */
+        note("nrt_tensor_free name=%s MISUSE live_slices=%d", t->name, t->live_slices);
+        return;
+    }
+    note("nrt_tensor_free name=%s", t->name);
+    if (t->source) t->source->live_slices--;
+    if (t->owns) free(t->data);
+    free(t);
+    *tensor = NULL;
+    g_live_tensors--;
+}
+
+static NRT_STATUS check_range(const char *fn, const nrt_tensor_t *t, const void *buf, size_t offset, size_t size) {
+    if (!t || !buf) return done(NRT_INVALID, "%s null argument", fn);
+    if (offset > t->size || size > t->size - offset)
+        return done(NRT_INVALID, "%s name=%s offset=%zu size=%zu outside %zu bytes", fn, t->name, offset, size,
+                    t->size);
+    return NRT_SUCCESS;
+}
+
+NRT_STATUS nrt_tensor_write(nrt_tensor_t *tensor, const void *buf, size_t offset, size_t size) {
+    GUARD("nrt_tensor_write");
+    NRT_STATUS s = check_range("nrt_tensor_write", tensor, buf, offset, size);
+    if (s) return s;
+    memcpy(tensor->data + offset, buf, size);
+    return done(NRT_SUCCESS, "nrt_tensor_write name=%s offset=%zu size=%zu", tensor->name, offset, size);
+}
+
+NRT_STATUS nrt_tensor_read(const nrt_tensor_t *tensor, void *buf, size_t offset, size_t size) {
+    GUARD("nrt_tensor_read");
+    NRT_STATUS s = check_range("nrt_tensor_read", tensor, buf, offset, size);
+    if (s) return s;
+    memcpy(buf, tensor->data + offset, size);
+    return done(NRT_SUCCESS, "nrt_tensor_read name=%s offset=%zu size=%zu", tensor->name, offset, size);
+}
+
+size_t nrt_tensor_get_size(const nrt_tensor_t *tensor) {
+    note("nrt_tensor_get_size name=%s", tensor ? tensor->name : "NULL");
+    return tensor ? tensor->size : 0;
+}
+
+/* ---- tensor sets and execution ---------------------------------------------------------- */
+
+NRT_STATUS nrt_allocate_tensor_set(nrt_tensor_set_t **result) {
+    GUARD("nrt_allocate_tensor_set");
+    if (!result) return done(NRT_INVALID, "nrt_allocate_tensor_set NULL");
+    *result = calloc(1, sizeof(fake_set));
+    g_live_sets++;
+    return done(NRT_SUCCESS, "nrt_allocate_tensor_set");
+}
+
+NRT_STATUS nrt_add_tensor_to_tensor_set(nrt_tensor_set_t *tensor_set, const char *tensor_name, nrt_tensor_t *tensor) {
+    GUARD("nrt_add_tensor_to_tensor_set");
+    fake_set *s = tensor_set;
+    if (!s || !tensor_name || !tensor) return done(NRT_INVALID, "nrt_add_tensor_to_tensor_set null argument");
+    int i = 0;
+    while (i < s->n && strcmp(s->names[i], tensor_name) != 0) i++;
+    if (i == MAX_IO) return done(NRT_RESOURCE, "nrt_add_tensor_to_tensor_set full");
+    if (i == s->n) s->n++;
+    snprintf(s->names[i], NAME_MAX_, "%s", tensor_name);
+    s->tensors[i] = tensor;
+    return done(NRT_SUCCESS, "nrt_add_tensor_to_tensor_set name=%s tensor=%s", tensor_name, tensor->name);
+}
+
+void nrt_destroy_tensor_set(nrt_tensor_set_t **tensor_set) {
+    note("nrt_destroy_tensor_set");
+    if (!tensor_set || !*tensor_set) return;
+    free(*tensor_set);
+    *tensor_set = NULL;
+    g_live_sets--;
+}
+
+static nrt_tensor_t *lookup(const fake_set *s, const char *name) {
+    for (int i = 0; i < s->n; i++)
+        if (strcmp(s->names[i], name) == 0) return s->tensors[i];
+    return NULL;
+}
+
+NRT_STATUS nrt_execute(nrt_model_t *model, const nrt_tensor_set_t *input_set, nrt_tensor_set_t *output_set) {
+    GUARD("nrt_execute");
+    if (!model || !input_set || !output_set) return done(NRT_INVALID, "nrt_execute null argument");
+    nrt_tensor_t *bound[MAX_IO];
+    for (int i = 0; i < model->n_io; i++) {
+        const fake_io *io = &model->io[i];
+        bound[i] = lookup(io->usage ? output_set : input_set, io->name);
+        if (!bound[i])
+            return done(NRT_INVALID, "nrt_execute missing %s %s", io->usage ? "output" : "input", io->name);
+        if (bound[i]->size != io->size)
+            return done(NRT_INVALID, "nrt_execute %s has %zu bytes, model wants %zu", io->name, bound[i]->size,
+                        io->size);
+    }
+    for (int c = 0; c < model->n_copy; c++) {
+        int o = model->copy_out[c], i = model->copy_in[c];
+        memmove(bound[o]->data, bound[i]->data, model->io[o].size);
+    }
+    return done(NRT_SUCCESS, "nrt_execute tensors=%d copies=%d", model->n_io, model->n_copy);
+}

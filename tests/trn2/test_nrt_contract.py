@@ -1,0 +1,228 @@
+"""Contract tests of the Neuron runtime backend against a TEST DOUBLE of libnrt.
+
+tests/trn2/doubles/fake_nrt.c implements the libnrt functions the binding
+calls, with libnrt's signatures, over malloc'd host memory; its "models" are
+small text files that declare tensor names, byte sizes and output<-input
+copies, not NEFFs. These tests check that runtime/nrt.py and runtime/neuron.py
+speak the C interface (prototypes, struct layouts, call order, status
+handling, by-name binding); they prove nothing about Trn2 execution or numerics.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from deepinfer.errors import DeepinferError
+from deepinfer.runtime import nrt
+from deepinfer.runtime.neuron import DeviceTensor, NeuronArgumentError, NeuronCore, NeuronExecutable, NeuronModel
+from deepinfer.runtime.nrt import NeuronRuntimeError, NeuronRuntimeMissing
+
+
+def fake_model(path, inputs: dict, outputs: dict, copies: dict):
+    """A fake-model description for the double (NOT a NEFF): sizes in bytes, copies {output: input}."""
+    lines = ["FAKE_NRT_MODEL 1"]
+    lines += [f"input {n} {b}" for n, b in inputs.items()]
+    lines += [f"output {n} {b}" for n, b in outputs.items()]
+    lines += [f"copy {o} {i}" for o, i in copies.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_struct_layouts_match_the_headers():
+    # nrt_tensor_info_t on LP64: char[256], enum, (pad), size_t, enum, (pad), uint32_t*, uint32_t, (pad)
+    info = nrt.NrtTensorInfo
+    assert [getattr(info, f).offset for f in ("name", "usage", "size", "dtype", "shape", "ndim")] == \
+        [0, 256, 264, 272, 280, 288]
+    assert ctypes.sizeof(info) == 296
+    assert nrt.NrtTensorInfoArray.tensor_array.offset == 8
+    assert ctypes.sizeof(nrt.NrtVersion) == 4 * 8 + 128 + 64
+
+
+def test_init_close_order_and_version(fake_nrt, tmp_path):
+    core = NeuronCore(core=3)
+    assert core.version == "2.99.0.0 (fake_nrt test double)"
+    first = fake_nrt.lines()[0]
+    assert first.startswith("nrt_init framework=1 fw_version='' fal_version='' visible_cores=3")
+    with pytest.raises(NeuronArgumentError, match="already initialized"):
+        NeuronCore()
+    stack = DeviceTensor.allocate(core, 64, "stack")
+    stack.slice(16, 16, "layer1")
+    NeuronModel.load(core, fake_model(tmp_path / "m.fake", {"a": 4}, {"b": 4}, {"b": "a"}))
+    fake_nrt.clear()
+    core.close()
+    assert fake_nrt.calls() == ["nrt_unload", "nrt_tensor_free", "nrt_tensor_free", "nrt_close"]
+    frees = [line for line in fake_nrt.lines() if line.startswith("nrt_tensor_free")]
+    assert frees == ["nrt_tensor_free name=layer1", "nrt_tensor_free name=stack"]       # slice first
+    assert fake_nrt.lines()[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"
+    with pytest.raises(NeuronArgumentError, match="closed"):
+        DeviceTensor.allocate(core, 8, "late")
+    with NeuronCore() as again:                    # nrt_init again after nrt_close
+        assert again.vnc == 0
+
+
+def test_visible_core_conflict_is_refused(fake_nrt, monkeypatch):
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-3")
+    with pytest.raises(NeuronArgumentError, match="NEURON_RT_VISIBLE_CORES=0-3 but NeuronCore 2"):
+        NeuronCore(core=2)
+    assert fake_nrt.calls() == []
+
+
+def test_load_reports_tensor_info_in_library_order(fake_nrt, tmp_path):
+    path = fake_model(tmp_path / "m.fake", {"tokens": 16, "kv": 256}, {"logits": 40, "kv_out": 256},
+                      {"kv_out": "kv"})
+    with NeuronCore() as core:
+        model = NeuronModel.load(core, path)
+        assert [(i.name, i.size) for i in model.inputs] == [("tokens", 16), ("kv", 256)]
+        assert [(i.name, i.size) for i in model.outputs] == [("logits", 40), ("kv_out", 256)]
+        assert model.inputs[1].shape == (256,) and model.inputs[1].dtype == 0x3     # what the double reports
+        load = [line for line in fake_nrt.lines() if line.startswith("nrt_load")][0]
+        assert "vnc=0 vnc_count=-1" in load
+        assert fake_nrt.calls()[-2:] == ["nrt_get_model_tensor_info", "nrt_free_model_tensor_info"]
+        bad = tmp_path / "bad.neff"
+        bad.write_bytes(b"\x00NEFF?")
+        with pytest.raises(NeuronRuntimeError, match=r"nrt_load failed with NRT status 2 \(NRT_INVALID\)"):
+            NeuronModel.load(core, bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8, torch.int64])
+def test_write_read_round_trip(fake_nrt, dtype):
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.uint8:
+        host = torch.arange(256, dtype=torch.uint8)[torch.randperm(256, generator=g)][:26].reshape(2, 13)
+    elif dtype == torch.int64:
+        host = torch.randint(-2**62, 2**62, (2, 13), generator=g, dtype=torch.int64)
+        host[0, 0], host[1, 12] = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max
+    else:
+        host = torch.randn(2, 13, generator=g).to(dtype)
+    with NeuronCore() as core:
+        t = DeviceTensor.from_torch(core, host, "x")
+        assert t.nbytes == host.numel() * host.element_size()
+        assert core.lib.size(t.handle) == t.nbytes                       # nrt_tensor_get_size
+        back = t.to_torch(dtype, (2, 13))
+        assert torch.equal(back.view(torch.uint8), host.view(torch.uint8))      # byte-exact
+        with pytest.raises(NeuronArgumentError, match="'x'"):
+            t.to_torch(dtype, (2, 12))
+        with pytest.raises(NeuronArgumentError, match="contiguous CPU tensor"):
+            t.write_from(torch.zeros(13, 2, dtype=dtype).t())
+
+
+def test_slices_are_views_into_the_parent(fake_nrt):
+    L, rows, cols = 4, 3, 5                          # a layer-major stack [L, 3, 5] bf16
+    per = rows * cols * 2
+    with NeuronCore() as core:
+        stack = DeviceTensor.from_torch(core, torch.zeros(L, rows, cols, dtype=torch.bfloat16), "wq")
+        layer2 = stack.slice(2 * per, per, "wq[2]")
+        data = torch.arange(rows * cols, dtype=torch.bfloat16).reshape(rows, cols)
+        layer2.write_from(data)
+        whole = stack.to_torch(torch.bfloat16, (L, rows, cols))
+        assert torch.equal(whole[2], data) and not whole[[0, 1, 3]].any()
+        stack.write_from(torch.ones(L, rows, cols, dtype=torch.bfloat16))        # and back through the view
+        assert torch.equal(layer2.to_torch(torch.bfloat16, (rows, cols)), torch.ones(rows, cols, dtype=torch.bfloat16))
+        with pytest.raises(NeuronArgumentError, match="outside tensor 'wq'"):
+            stack.slice(3 * per, per + 2, "wq[3]+")
+        with pytest.raises(NeuronRuntimeError, match=r"nrt_tensor_allocate_slice failed .*NRT_INVALID"):
+            core.lib.allocate_slice(stack.handle, 3 * per, per + 2, "raw")   # the double checks bounds too
+        with pytest.raises(NeuronArgumentError, match=r"live slices \['wq\[2\]'\]"):
+            stack.free()
+        layer2.free()
+        stack.free()
+
+
+def test_execute_copies_as_declared(fake_nrt, tmp_path):
+    path = fake_model(tmp_path / "m.fake", {"a": 8, "b": 16}, {"y": 16, "z": 8}, {"y": "b", "z": "a"})
+    with NeuronCore() as core:
+        model = NeuronModel.load(core, path)
+        a = DeviceTensor.from_torch(core, torch.tensor([1, -2], dtype=torch.int32), "a")
+        b = DeviceTensor.from_torch(core, torch.tensor([5, 6], dtype=torch.int64), "b")
+        y, z = DeviceTensor.allocate(core, 16, "y"), DeviceTensor.allocate(core, 8, "z")
+        fake_nrt.clear()
+        model.execute([a, b], [y, z])
+        assert torch.equal(y.to_torch(torch.int64, (2,)), torch.tensor([5, 6]))
+        assert torch.equal(z.to_torch(torch.int32, (2,)), torch.tensor([1, -2], dtype=torch.int32))
+        adds = [line.split()[1] for line in fake_nrt.lines() if line.startswith("nrt_add_tensor_to_tensor_set")]
+        assert adds == ["name=a", "name=b", "name=y", "name=z"]
+        assert fake_nrt.calls().count("nrt_destroy_tensor_set") == 2
+
+
+def test_size_mismatch_names_the_tensor(fake_nrt, tmp_path):
+    path = fake_model(tmp_path / "m.fake", {"a": 8, "b": 16}, {"y": 16}, {"y": "b"})
+    with NeuronCore() as core:
+        model = NeuronModel.load(core, path)
+        a, b, y = (DeviceTensor.allocate(core, n, name) for n, name in ((8, "a"), (12, "b"), (16, "y")))
+        with pytest.raises(NeuronArgumentError, match=r"input 'b' is bound to DeviceTensor\('b', 12 bytes\), "
+                                                      r"the model expects 16 bytes"):
+            model.execute([a, b], [y])
+        with pytest.raises(NeuronArgumentError, match=r"1 inputs given, the model takes 2: \['a', 'b'\]"):
+            model.execute([a], [y])
+        assert "nrt_execute" not in fake_nrt.calls()
+
+
+def test_failing_status_names_the_function(fake_nrt, tmp_path, monkeypatch):
+    path = fake_model(tmp_path / "m.fake", {"a": 8}, {"y": 8}, {"y": "a"})
+    with NeuronCore() as core:
+        model = NeuronModel.load(core, path)
+        a, y = DeviceTensor.allocate(core, 8, "a"), DeviceTensor.allocate(core, 8, "y")
+        monkeypatch.setenv("FAKE_NRT_FAIL", "nrt_execute=1004")
+        with pytest.raises(NeuronRuntimeError, match=r"nrt_execute failed with NRT status 1004 "
+                                                     r"\(NRT_EXEC_COMPLETED_WITH_ERR\)") as e:
+            model.execute([a], [y])
+        assert (e.value.function, e.value.status) == ("nrt_execute", 1004)
+        assert fake_nrt.calls()[-2:] == ["nrt_destroy_tensor_set", "nrt_destroy_tensor_set"]   # sets still freed
+        monkeypatch.setenv("FAKE_NRT_FAIL", "nrt_tensor_write=77")
+        with pytest.raises(NeuronRuntimeError, match=r"nrt_tensor_write failed with NRT status 77 "
+                                                     r"\(unknown status\): tensor 'a'"):
+            a.write_from(torch.zeros(2, dtype=torch.float32))
+    monkeypatch.setenv("FAKE_NRT_FAIL", "nrt_init=9")
+    with pytest.raises(NeuronRuntimeError, match=r"nrt_init failed .*NRT_LOAD_NOT_ENOUGH_NC"):
+        NeuronCore()
+    assert NeuronCore._active is None
+
+
+def test_missing_library_is_one_clear_line(monkeypatch, tmp_path, empty_library):
+    missing = tmp_path / "no" / "libnrt.so.1"
+    monkeypatch.setenv("DEEPINFER_LIBNRT", str(missing))
+    with pytest.raises(NeuronRuntimeMissing) as e:
+        NeuronCore()
+    message = str(e.value)
+    assert isinstance(e.value, DeepinferError) and "\n" not in message
+    assert str(missing) in message and "aws-neuronx-runtime-lib" in message and "DEEPINFER_LIBNRT" in message
+    monkeypatch.setenv("DEEPINFER_LIBNRT", str(empty_library))
+    with pytest.raises(NeuronRuntimeMissing, match="does not export nrt_init"):
+        nrt.open_library()
+
+
+def test_executable_adapter_resident_host_and_aliased_state(fake_nrt, tmp_path):
+    # libnrt's order differs from the call order on purpose: binding is by name
+    path = fake_model(tmp_path / "m.fake", {"x": 16, "state": 16, "w": 24}, {"new_state": 16, "y": 24},
+                      {"y": "w", "new_state": "x"})
+    signature = [{"name": "w", "role": "weight"}, {"name": "x", "role": "input"}, {"name": "state", "role": "state"}]
+    out_specs = [("y", (2, 3), torch.float32), ("new_state", (4,), torch.float32)]
+    with NeuronCore() as core:
+        exe = NeuronExecutable(path, core, signature, out_specs, aliases={"1": 2})
+        w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        weights = DeviceTensor.from_torch(core, w, "w")
+        state = DeviceTensor.from_torch(core, torch.zeros(4), "state")
+        for step in range(2):
+            x = torch.full((4,), float(step + 1))
+            y, new_state = exe([weights, x, state])
+            assert torch.equal(y, w)                                 # resident weights reached the model
+            assert new_state is state                                # aliased: bound in place, not read back
+            assert torch.equal(state.to_torch(torch.float32, (4,)), x)
+        allocs = [line for line in fake_nrt.lines() if line.startswith("nrt_tensor_allocate ")]
+        assert sum("name=in:x" in line for line in allocs) == 1     # one staging buffer, reused
+        assert not any("name=in:w" in line or "name=in:state" in line for line in allocs)
+        with pytest.raises(NeuronArgumentError, match="aliases input 'state', which must be a resident"):
+            exe([weights, x, torch.zeros(4)])
+        with pytest.raises(NeuronArgumentError, match=r"output 'y' declared \(2, 2\)"):
+            NeuronExecutable(path, core, signature, [("y", (2, 2), torch.float32), out_specs[1]], {1: 2})
+        with pytest.raises(NeuronArgumentError, match=r"unknown \['v'\], unbound \['w'\]"):
+            NeuronExecutable(path, core, ["v", "x", "state"], out_specs, {1: 2})
+        exe.close()
+        weights.free()
+        state.free()
+        fake_nrt.clear()
+    assert fake_nrt.calls() == ["nrt_close"]          # failed constructions and close() released everything
+    assert fake_nrt.lines()[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"

@@ -33,6 +33,12 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def file_digests(bundle: Path) -> dict[str, str]:
+    """Every file under `bundle` (the manifest excepted) by relative path -> sha256."""
+    return {p.relative_to(bundle).as_posix(): sha256_file(p) for p in sorted(Path(bundle).rglob("*"))
+            if p.is_file() and p.name != MANIFEST_FILE}
+
+
 def dumps(manifest: dict) -> str:
     """JSON text with `format_version` as the first key."""
     ordered = {"format_version": manifest["format_version"]}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import json
 import os
 import struct
@@ -38,15 +37,11 @@ BUNDLE_MODULES = ["deepinfer.compiler.pipeline", "deepinfer.compiler.pools", "de
                   "deepinfer.bundles.keys", "deepinfer.bundles.layout", "deepinfer.bundles.manifest"]
 
 
-def _target_module(target) -> str:
-    return inspect.getmodule(type(target)).__name__
-
-
 @functools.cache
-def graph_sources(target_module: str) -> dict[str, str]:
+def graph_sources(lowering_modules: tuple[str, ...]) -> dict[str, str]:
     """Every module whose source can shape a traced graph, by name -> sha256."""
     names = package_modules("deepinfer.regions") + package_modules("deepinfer.kernels")
-    return modules_digest(names + ["deepinfer.compiler.trace", "deepinfer.compiler.plan", target_module])
+    return modules_digest(names + ["deepinfer.compiler.trace", "deepinfer.compiler.plan", *lowering_modules])
 
 
 def _target_part(b) -> dict:
@@ -73,7 +68,7 @@ def trace_key(b, kind: str, method: str, batch: int, tokens: int) -> Key:
         ("signature", {"weights": _specs(sig.weights), "inputs": _specs(sig.inputs)}),
         ("target", _target_part(b)),
         ("toolchain", b.target.toolchain()),
-        ("sources", graph_sources(_target_module(b.target))),
+        ("sources", graph_sources(b.target.LOWERING_MODULES)),
     ])
 
 
@@ -87,7 +82,7 @@ def executable_key(b, kind: str, method: str, batch: int, tokens: int, graph: st
         ("target", _target_part(b)),
         ("toolchain", b.target.toolchain()),
         ("kernels", kernel_sources(kernels)),
-        ("lowering", modules_digest([_target_module(b.target), "deepinfer.kernels.registry"])),
+        ("lowering", modules_digest([*b.target.LOWERING_MODULES, "deepinfer.kernels.registry"])),
     ])
 
 

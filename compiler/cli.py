@@ -13,7 +13,7 @@ from deepinfer.cli import user_errors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("model_toml", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model_toml", type=click.Path(dir_okay=False, path_type=Path), required=False)
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
               help="Bundle directory to write (default: build/<name of MODEL_TOML's folder>).")
 @click.option("--jobs", "-j", type=int, default=1, show_default=True,
@@ -29,9 +29,15 @@ from deepinfer.cli import user_errors
 @click.option("--require-cache", is_flag=True,
               help="Fail if any executable or weight stack is not in the cache (names the region and why).")
 @click.option("-v", "--verbose", is_flag=True, help="Debug output: the hash of every part of each missed key.")
+@click.option("--hlo-only", is_flag=True,
+              help="trn2: stop after lowering and checking every region; write an HLO-stage bundle "
+                   "that --finish completes on any host with neuronx-cc.")
+@click.option("--finish", "finish", type=click.Path(file_okay=False, path_type=Path), metavar="BUNDLE",
+              help="Compile the HLO modules of an HLO-stage trn2 BUNDLE into NEFFs (no MODEL_TOML).")
 @user_errors
-def main(model_toml: Path, output: Path | None, jobs: int, force: bool, as_json: bool, cache_dir: Path | None,
-         no_cache: bool, print_cache_key: bool, require_cache: bool, verbose: bool):
+def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, as_json: bool, cache_dir: Path | None,
+         no_cache: bool, print_cache_key: bool, require_cache: bool, verbose: bool, hlo_only: bool,
+         finish: Path | None):
     """Compile MODEL_TOML into a bundle: one executable per (region kind, method, bucket).
 
     \b
@@ -41,14 +47,29 @@ def main(model_toml: Path, output: Path | None, jobs: int, force: bool, as_json:
     weights are inputs, stacked layer-major in the bundle.
 
     \b
-    Example:
+    On trn2, each region is lowered to an XLA HLO module, run on XLA:CPU against
+    its reference region, and compiled by neuronx-cc into a NEFF. Without
+    neuronx-cc, --hlo-only writes the bundle up to the NEFFs, and
+    `deepinfer-compile --finish BUNDLE` completes it where neuronx-cc is.
+
+    \b
+    Examples:
       deepinfer-compile examples/tiny/model.toml -o build/tiny
+      deepinfer-compile examples/tiny/model_trn2.toml -o build/tiny-trn2 --hlo-only
+      deepinfer-compile --finish build/tiny-trn2 --jobs 8
     """
     from deepinfer.bundles.cache import Cache, resolve_dir
     from deepinfer.compiler.config import load_compile_config
     from deepinfer.compiler.pipeline import cache_key, compile_bundle
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(".cache/inductor").resolve()))
+    if (model_toml is None) == (finish is None):
+        raise click.UsageError("give MODEL_TOML, or --finish BUNDLE (not both)")
+    if finish is not None:
+        from deepinfer.compiler.finish import finish_bundle
+
+        finish_bundle(finish, jobs=jobs, log=lambda msg: click.echo(msg, err=True))
+        return
     cfg = load_compile_config(model_toml)
     if no_cache and (require_cache or cache_dir):
         raise click.UsageError("--no-cache excludes --require-cache and --cache-dir")
@@ -66,7 +87,7 @@ def main(model_toml: Path, output: Path | None, jobs: int, force: bool, as_json:
                f"jobs={jobs}, cache {cache.dir if cache else 'off'}{' (required)' if require_cache else ''}",
                err=True)
     path, timings = compile_bundle(cfg, out, jobs=jobs, force=force, log=log, cache=cache,
-                                   require_cache=require_cache, verbose=verbose)
+                                   require_cache=require_cache, verbose=verbose, hlo_only=hlo_only)
     total = sum(timings.values())
     manifest = json.loads((path / "manifest.json").read_text())
     n = len(manifest["regions"])

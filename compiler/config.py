@@ -48,7 +48,7 @@ class ModelSection:
 @dataclass(frozen=True, kw_only=True)
 class TargetSection:
     name: str = "cpu"
-    executable: str = "aoti"
+    executable: str | None = None      # None: the target's first (cpu: aoti, trn2: neff)
     options: dict = field(default_factory=dict)
 
 
@@ -175,8 +175,14 @@ def _section(cls, data: dict, where: _Where, name: str, base: Path):
     return cls(**kwargs)
 
 
-def _check(cfg: CompileConfig, where: _Where) -> None:
+def _targets() -> dict:
     from deepinfer.compiler.targets import TARGETS
+
+    return TARGETS
+
+
+def _check(cfg: CompileConfig, where: _Where) -> None:
+    TARGETS = _targets()
 
     def need(cond, section, key, message):
         if not cond:
@@ -246,6 +252,9 @@ def load_compile_config(path: str | Path) -> CompileConfig:
         if not isinstance(value, dict):
             raise where.error(name, None, "expected a table")
         sections[name] = _section(cls, value, where, name, base)
+    t = sections["target"]
+    if t.executable is None and t.name in _targets():
+        sections["target"] = dataclasses.replace(t, executable=_targets()[t.name].EXECUTABLES[0])
     cfg = CompileConfig(source=path, **sections)
     _check(cfg, where)
     return cfg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ class Job:
     target: str
     executable: str
     options: dict
+    log: Path | None = None   # the compiler's log, kept in the bundle (targets that write one)
 
 
 def run_job(job: Job) -> float:
@@ -24,7 +26,7 @@ def run_job(job: Job) -> float:
     from deepinfer.compiler.targets import TARGETS
 
     start = time.perf_counter()
-    TARGETS[job.target](job.executable, job.options).compile(job.lowered, job.out)
+    TARGETS[job.target](job.executable, job.options).compile(job.lowered, job.out, log=job.log, name=job.name)
     return time.perf_counter() - start
 
 
@@ -44,3 +46,17 @@ def run_jobs(jobs: list[Job], n_workers: int, progress) -> dict[str, float]:
             seconds[job.name] = future.result()
             progress(i, len(jobs), job, seconds[job.name])
     return seconds
+
+
+def keep_failed_logs(error: Exception, logs: Path, out: Path) -> Exception:
+    """A failed compile leaves no bundle: its compiler logs move to <out>.failed-logs/, and
+    the error (same type) names them there."""
+    if not logs.is_dir() or not any(logs.iterdir()):
+        return error
+    kept = out.parent / f"{out.name}.failed-logs"
+    shutil.rmtree(kept, ignore_errors=True)
+    shutil.copytree(logs, kept)
+    message = str(error)
+    for path in (logs.resolve(), logs):
+        message = message.replace(str(path), str(kept))
+    return type(error)(message)

@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 import deepinfer
 from deepinfer.bundles import layout, manifest as mf
@@ -31,13 +30,13 @@ from deepinfer.bundles.cache import Cache
 from deepinfer.bundles.keys import Key, graph_digest, kernels_reached
 from deepinfer.compiler import cached
 from deepinfer.compiler.config import CompileConfig, config_error
-from deepinfer.compiler.jobs import Job
+from deepinfer.compiler.jobs import Job, keep_failed_logs
 from deepinfer.compiler.plan import RegionPlan, plan_regions
 from deepinfer.compiler.pools import plan_pools
 from deepinfer.compiler.targets import TARGETS
 from deepinfer.compiler.trace import trace
 from deepinfer.compiler.weights import host_entries, kind_entry, write_host, write_kind
-from deepinfer.errors import ConfigError
+from deepinfer.errors import ConfigError, DeepinferError
 from deepinfer.regions.checkpoint import Checkpoint
 from deepinfer.regions.config import V41Config, load_config
 from deepinfer.regions.reference import DTYPES
@@ -56,6 +55,7 @@ class Build:
     cache: Cache | None = None
     require_cache: bool = False
     verbose: bool = False
+    hlo_only: bool = False
     model: V41Config | None = None
     plan: RegionPlan | None = None
     target: object = None
@@ -117,31 +117,51 @@ def _io(specs) -> list[dict]:
 
 
 def trace_regions(b: Build) -> None:
+    """Trace, lower and emit each executable's graph (a cache hit skips all three); trn2 graphs
+    are also run on XLA:CPU against their reference region here."""
     lowered_dir = b.staging / LOWERED_DIR
     lowered_dir.mkdir()
     shapes = b.config.buckets.shapes()
+    use_cache = b.cache is not None and not b.hlo_only
     for kind, method, batch, tokens in b.plan.executables(shapes):
         name = f"{kind}.{method}.b{batch}t{tokens}"
         artifact = layout.executable_path(kind, method, batch, tokens, b.target.suffix)
-        tkey = cached.trace_key(b, kind, method, batch, tokens) if b.cache else None
-        record = cached.trace_record(b, tkey) if b.cache else None
+        tkey = cached.trace_key(b, kind, method, batch, tokens) if use_cache else None
+        record = cached.trace_record(b, tkey) if use_cache else None
         if record and b.cache.get_file("executable", record["executable_key"], b.staging / artifact):
             b.executables.append(record["entry"])
             b.log(f"cached {name}")
             continue
         region = b.plan.kinds[kind].region
-        ep, sig, _ = trace(region, batch, tokens, b.geometry, method)
+        ep, sig, args = trace(region, batch, tokens, b.geometry, method, dynamic=not b.target.static_shapes)
         kernels = kernels_reached(ep)
         ep = b.target.lower(ep)
-        user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
         names = [s.name for s in sig.all]
+        user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
         mutated = sorted(names[user.index(n)] for n in ep.graph_signature.user_inputs_to_mutate.values())
         entry = {"kind": kind, "method": method, "bucket": {"batch": batch, "tokens": tokens},
                  "artifact": artifact, "executable": b.target.executable,
                  "inputs": _io(sig.all), "outputs": region.output_names(), "mutates": mutated}
+        lowered = lowered_dir / f"{name}{b.target.lowered_suffix}"
+        if b.target.static_shapes:               # state comes back as outputs: emit and check now
+            entry.update(b.target.emit(ep, names, entry["outputs"], lowered), mutates=[])
+            if b.target.check:
+                entry["check"] = b.target.check_numerics(lowered, region, method, args, len(sig.weights), names,
+                                                         entry["state_outputs"], f"region {name}")
+                b.log(f"lowered {name}: HLO {lowered.stat().st_size} bytes, XLA:CPU vs reference "
+                      f"max |diff| {entry['check']['max_abs']:.2g}")
+            else:
+                b.log(f"lowered {name}: HLO {lowered.stat().st_size} bytes (check off)")
+        if b.hlo_only:
+            entry["artifact"] = layout.executable_path(kind, method, batch, tokens, b.target.lowered_suffix)
+            (b.staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
+            os.replace(lowered, b.staging / entry["artifact"])
+            b.executables.append(entry)
+            continue
         b.executables.append(entry)
-        b.log(f"traced {name}")
-        if b.cache:
+        if not b.target.static_shapes:
+            b.log(f"traced {name}")
+        if use_cache:
             ekey = cached.executable_key(b, kind, method, batch, tokens, graph_digest(ep), kernels)
             record = {"executable_key": ekey.digest, "kernels": kernels, "entry": entry}
             b.cache.put_bytes("trace", tkey, json.dumps(record).encode())
@@ -150,19 +170,32 @@ def trace_regions(b: Build) -> None:
                 continue
             cached.missed(b, "executable", ekey)
             b.exe_keys[name] = ekey
-        torch.export.save(ep, str(lowered_dir / f"{name}.pt2"))
-        b.compile_jobs.append(Job(name, lowered_dir / f"{name}.pt2", b.staging / artifact, b.target.name,
-                                  b.target.executable, b.target.options))
+        if not b.target.static_shapes:
+            b.target.emit(ep, names, entry["outputs"], lowered)
+        b.compile_jobs.append(Job(name, lowered, b.staging / artifact, b.target.name, b.target.executable,
+                                  b.target.options, log=b.staging / layout.log_path(kind, method, batch, tokens)))
 
 
 def compile_regions(b: Build) -> None:
     (b.staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
+    if b.hlo_only:
+        b.log(f"HLO-stage bundle: {len(b.executables)} HLO modules; finish it where neuronx-cc is installed "
+              f"with: deepinfer-compile --finish {b.out}")
+    elif b.compile_jobs:
+        b.target.require_compiler()
 
     def progress(done, total, job, seconds):
         b.log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
 
-    cached.compile_jobs(b, b.compile_jobs, progress)
+    try:
+        cached.compile_jobs(b, b.compile_jobs, progress)
+    except DeepinferError as e:
+        raise keep_failed_logs(e, b.staging / layout.LOGS_DIR, b.out) from None
     shutil.rmtree(b.staging / LOWERED_DIR)
+    if not b.hlo_only:
+        for e in b.executables:
+            e.update(b.target.describe(b.staging / e["artifact"]))
+
 
 
 def layout_state(b: Build) -> None:
@@ -180,10 +213,7 @@ def write_manifest(b: Build) -> None:
         layers.append({"layer": p.layer, "attn": p.attn, "ratio": p.ratio, "kv_source": p.kv_source,
                        "candidate_source": p.candidate_source, "uses_candidates": p.uses_candidates,
                        "engram": p.engram_rows > 0, "regions": steps, "state": b.state_bindings[p.layer]})
-    files = {}
-    for path in sorted(b.staging.rglob("*")):
-        if path.is_file():
-            files[path.relative_to(b.staging).as_posix()] = mf.sha256_file(path)
+    files = mf.file_digests(b.staging)
     for w in b.weights:
         w["digest"] = files[w["path"]]
     for h in b.host.values():
@@ -193,7 +223,9 @@ def write_manifest(b: Build) -> None:
         "deepinfer_version": deepinfer.__version__,
         "toolchain": b.target.toolchain(),
         "target": {"name": c.target.name, "executable": c.target.executable, "options": c.target.options},
-        "topology": {"tp": c.parallel.tp, "ep": c.parallel.ep, "cp": c.parallel.cp, "world_size": 1},
+        "stage": "hlo" if b.hlo_only else "executable",
+        "topology": {"tp": c.parallel.tp, "ep": c.parallel.ep, "cp": c.parallel.cp, "world_size": 1,
+                     **({"lnc": b.target.lnc} if hasattr(b.target, "lnc") else {})},
         "model": {"config": b.model.to_dict(), "config_hash": b.model.digest(), "dtype": c.model.dtype,
                   "cache_quant": c.model.cache_quant, "weight_format": "e4m3fn", "scale_layout": "ue8m0-u8-row-major",
                   "tokenizer": "byte"},
@@ -201,7 +233,7 @@ def write_manifest(b: Build) -> None:
                     "max_context": c.buckets.max_context},
         "kv": {"block_size": c.kv.block_size, "num_blocks": c.kv.num_blocks, "slots": b.geometry.slots,
                "max_blocks": b.geometry.max_blocks, "scratch": "block 0 and slot 0", "pools": b.pools,
-               "state_writes": "in-place"},
+               "state_writes": b.target.state_writes, "static_pools": b.target.static_shapes},
         "regions": b.executables,
         "head": {"kind": "head", "index": 0},
         "layers": layers,
@@ -237,14 +269,15 @@ def _publish(staging: Path, out: Path, force: bool) -> None:
 
 
 def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bool = False, log=None,
-                   cache: Cache | None = None, require_cache: bool = False,
-                   verbose: bool = False) -> tuple[Path, dict[str, float]]:
+                   cache: Cache | None = None, require_cache: bool = False, verbose: bool = False,
+                   hlo_only: bool = False) -> tuple[Path, dict[str, float]]:
     """Run every pass; returns the bundle path and the seconds each pass took.
 
     With `cache`, every executable, weight stack and trace is fetched by key or
     built and stored; `cache.stats` counts hits, misses and compiles. With
     `require_cache`, a miss raises CacheError naming the region and why.
-    `verbose` logs each missed key's part hashes.
+    `verbose` logs each missed key's part hashes. `hlo_only` (trn2) stops after lowering and
+    checking: the bundle holds HLO modules, finished later by `finish_bundle`.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(out)
@@ -252,9 +285,12 @@ def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bo
         raise ConfigError(f"{out}: exists; pass --force to replace it")
     if require_cache and cache is None:
         raise ConfigError("--require-cache needs a cache (drop --no-cache)")
+    if hlo_only and not TARGETS[config.target.name].static_shapes:
+        raise config_error(config, "target", "name", f"--hlo-only is for the trn2 target, not {config.target.name!r}")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    b = Build(config, out, staging, jobs=jobs, log=log, cache=cache, require_cache=require_cache, verbose=verbose)
+    b = Build(config, out, staging, jobs=jobs, log=log, cache=cache, require_cache=require_cache, verbose=verbose,
+              hlo_only=hlo_only)
     try:
         for name, run in PASSES:
             start = time.perf_counter()

@@ -5,6 +5,6 @@ Importing this package registers every op under `torch.ops.deepinfer`.
 """
 
 from deepinfer.kernels import attention, hc, linear, norm  # noqa: F401  (registers the ops)
-from deepinfer.kernels.registry import KERNELS, reference_decompositions
+from deepinfer.kernels.registry import KERNELS, reference_decompositions, target_decompositions
 
-__all__ = ["KERNELS", "reference_decompositions"]
+__all__ = ["KERNELS", "reference_decompositions", "target_decompositions"]

@@ -49,3 +49,18 @@ def register(reference: Callable) -> Callable:
 def reference_decompositions() -> dict:
     """OpOverload -> reference, for inlining every kernel before compiling."""
     return {k.overload: k.reference for k in KERNELS.values()}
+
+
+# Per-target lowerings that replace a kernel's reference decomposition: target -> kernel name ->
+# (is_available, lowering). On trn2 an NKI kernel would go here, used only where `nki` imports;
+# none is registered yet, so every target inlines the references.
+LOWERINGS: dict[str, dict[str, tuple[Callable[[], bool], Callable]]] = {"cpu": {}, "trn2": {}}
+
+
+def target_decompositions(target: str) -> dict:
+    """OpOverload -> the target's lowering where one is registered and available, else the reference."""
+    table = reference_decompositions()
+    for name, (available, lowering) in LOWERINGS.get(target, {}).items():
+        if available():
+            table[KERNELS[name].overload] = lowering
+    return table

@@ -37,22 +37,50 @@ class ExportedExecutable:
 
 
 LOADERS = {("cpu", "aoti"): AotiExecutable, ("cpu", "exported"): ExportedExecutable}
+RUNNABLE = (*LOADERS, ("trn2", "neff"))
+
+
+class HostPlacement:
+    """Where a cpu bundle's tensors live: host memory. Weight views are views of the
+    memory-mapped stacks; executables write state in place and return only their outputs."""
+
+    def __init__(self, manifest: dict, bundle: Path):
+        self.manifest = manifest
+
+    def resident(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return tensor
+
+    def view(self, stack: torch.Tensor, index: int) -> torch.Tensor:
+        return stack[index]
+
+    def load(self, entry: dict, path: Path):
+        t = self.manifest["target"]
+        return LOADERS[(t["name"], t["executable"])](path)
+
+    def close(self) -> None:
+        pass
+
+
+def placement_for(manifest: dict, bundle: Path, rank: int = 0):
+    """The placement that runs this bundle: host memory, or one NeuronCore per process on trn2."""
+    if manifest["target"]["name"] == "trn2":
+        from deepinfer.runtime.neuron_bundle import NeuronPlacement
+
+        return NeuronPlacement(manifest, bundle, rank)
+    return HostPlacement(manifest, bundle)
 
 
 def check_compatible(manifest: dict, bundle: Path) -> None:
     """Refuse, with the reason, a bundle this process cannot run."""
     target = manifest["target"]
     key = (target.get("name"), target.get("executable"))
-    if key not in LOADERS:
-        runnable = ", ".join(f"{t}/{e}" for t, e in LOADERS)
-        raise BundleError(f"{bundle}: built for target {key[0]!r} ({key[1]}); this runtime runs {runnable}"
-                          + (" (trn2 bundles need the Neuron runtime on a Trn2 host)" if key[0] == "trn2" else ""))
+    if key not in RUNNABLE:
+        runnable = ", ".join(f"{t}/{e}" for t, e in RUNNABLE)
+        raise BundleError(f"{bundle}: built for target {key[0]!r} ({key[1]}); this runtime runs {runnable}")
+    if manifest.get("stage", "executable") != "executable":
+        raise BundleError(f"{bundle}: an HLO-stage bundle (no NEFFs yet); finish it on a host with neuronx-cc: "
+                          f"deepinfer-compile --finish {bundle}")
     built = manifest["toolchain"].get("torch")
-    if built != torch.__version__:
+    if key[0] == "cpu" and built != torch.__version__:
         raise BundleError(f"{bundle}: compiled with torch {built}, this process has torch {torch.__version__}; "
                           "recompile the bundle with this torch")
-
-
-def load_executable(manifest: dict, path: Path):
-    t = manifest["target"]
-    return LOADERS[(t["name"], t["executable"])](path)

@@ -22,7 +22,7 @@ from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.head import Embedding
 from deepinfer.regions.plan import LayerPlan
 from deepinfer.regions.reference import DTYPES, Batch, Generation, run_layers
-from deepinfer.runtime.backends import check_compatible, load_executable
+from deepinfer.runtime.backends import check_compatible, placement_for
 from deepinfer.runtime.mmap_weights import load_mmap
 from deepinfer.runtime.scheduler import Allocator, OutOfBlocks, bucket_at_least
 
@@ -55,10 +55,14 @@ class Session:
         kv = manifest["kv"]
         self.block_size, self.max_blocks = kv["block_size"], kv["max_blocks"]
         self.num_blocks, self.num_slots = num_kv_blocks or kv["num_blocks"], kv["slots"]
+        if kv.get("static_pools") and self.num_blocks != kv["num_blocks"]:
+            raise mf.BundleError(f"{bundle}: compiled for exactly {kv['num_blocks']} KV blocks (static shapes); "
+                                 f"cannot run with {self.num_blocks} (change [kv] num_blocks and recompile)")
         shapes = manifest["buckets"]["shapes"]
         self.batch_sizes = sorted({s["batch"] for s in shapes})
         self.token_sizes = sorted({s["tokens"] for s in shapes})
         self.rank = torch.tensor(rank, dtype=torch.int64)
+        self.placement = placement_for(manifest, self.path, rank)
         self._load_executables()
         self._bind_weights(rank)
         self._allocate_pools()
@@ -74,7 +78,7 @@ class Session:
         self.executables, self.signatures = {}, {}
         for r in self.manifest["regions"]:
             key = (r["kind"], r["bucket"]["batch"], r["bucket"]["tokens"])
-            self.executables[key] = load_executable(self.manifest, self.path / r["artifact"])
+            self.executables[key] = self.placement.load(r, self.path / r["artifact"])
             self.signatures[r["kind"]] = r["inputs"]
 
     def _bind_weights(self, rank: int) -> None:
@@ -82,13 +86,14 @@ class Session:
         entries = self.manifest["weights"].get(f"rank-{rank}")
         if entries is None:
             raise mf.BundleError(f"{self.path}: no weights for rank {rank}")
-        stacks = {e["kind"]: load_mmap(self.path / e["path"]) for e in entries}
+        stacks = {e["kind"]: {name: self.placement.resident(t, f"{e['kind']}.{name}")
+                              for name, t in load_mmap(self.path / e["path"]).items()} for e in entries}
         self.bound = {}
         places = [(l["layer"], slot, b) for l in self.manifest["layers"] for slot, b in l["regions"].items()]
         places.append((-1, "head", self.manifest["head"]))
         for layer, slot, b in places:
             kind, index = b["kind"], b["index"]
-            views = [self.rank if s["role"] == "rank" else stacks[kind][s["name"]][index]
+            views = [self.rank if s["role"] == "rank" else self.placement.view(stacks[kind][s["name"]], index)
                      for s in self.signatures[kind] if s["role"] in ("weight", "rank")]
             self.bound[(layer, slot)] = (kind, views)
 
@@ -96,11 +101,16 @@ class Session:
         self.pools, self.states = {}, defaultdict(dict)
         for name, pool in self.manifest["kv"]["pools"].items():
             size = self.num_blocks if pool["dim"] == "blocks" else self.num_slots
-            self.pools[name] = torch.zeros((len(pool["layers"]), size, *pool["entry_shape"]),
-                                           dtype=getattr(torch, pool["dtype"]))
+            self.pools[name] = self.placement.resident(
+                torch.zeros((len(pool["layers"]), size, *pool["entry_shape"]), dtype=getattr(torch, pool["dtype"])),
+                f"pool.{name}")
         for l in self.manifest["layers"]:
             for state, (pool, index) in l["state"].items():
-                self.states[l["layer"]][state] = self.pools[pool][index]
+                self.states[l["layer"]][state] = self.placement.view(self.pools[pool], index)
+
+    def close(self) -> None:
+        """Release the executables and device memory (a no-op for host bundles)."""
+        self.placement.close()
 
     # -- running ------------------------------------------------------------------------------
 

@@ -22,6 +22,10 @@ class CpuTarget:
     name = "cpu"
     EXECUTABLES = ("aoti", "exported")
     suffix = ".pt2"
+    lowered_suffix = ".pt2"
+    static_shapes = False
+    state_writes = "in-place"
+    LOWERING_MODULES = ("deepinfer.compiler.targets.cpu",)
     # options are Inductor config settings (aoti); these only write logs or dumps, so cache
     # keys leave them out (bundles/keys.py). Every other option is keyed.
     LOG_OPTIONS = ("trace.enabled", "trace.debug_dir", "trace.debug_log", "trace.info_log", "trace.fx_graph",
@@ -53,7 +57,18 @@ class CpuTarget:
     def lower(self, ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
         return ep.run_decompositions(reference_decompositions())
 
-    def compile(self, lowered: Path, out: Path) -> None:
+    def emit(self, ep: torch.export.ExportedProgram, names: list[str], outputs: list[str], out: Path) -> dict:
+        """Save the lowered program for a compile job; state is written in place (no extra outputs)."""
+        torch.export.save(ep, str(out))
+        return {}
+
+    def require_compiler(self) -> None:
+        """AOTInductor ships with torch: nothing to look for."""
+
+    def describe(self, executable: Path) -> dict:
+        return {}
+
+    def compile(self, lowered: Path, out: Path, *, log: Path | None = None, name: str = "") -> None:
         """`lowered`: a saved ExportedProgram -> the executable at `out`."""
         if self.executable == "exported":
             out.write_bytes(Path(lowered).read_bytes())

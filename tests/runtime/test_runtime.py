@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from deepinfer.bundles.manifest import BundleError
 from deepinfer.runtime import load
+from deepinfer.runtime.nrt import NeuronRuntimeMissing
 
 GOLDEN = json.loads((__import__("pathlib").Path(__file__).parent.parent / "golden" / "tiny_seed0.json").read_text())
 RUNS = GOLDEN["modes"]["fp32-quant-lowest"]        # what bundles compute: lowest index wins among tied scores
@@ -88,10 +89,14 @@ def test_unknown_format_version_is_refused(run_exported_bundle, tmp_path):
         load(b)
 
 
-def test_wrong_target_is_refused(run_exported_bundle, tmp_path):
+def test_wrong_target_is_refused(run_exported_bundle, tmp_path, monkeypatch):
     b = copy_bundle(run_exported_bundle, tmp_path)
+    edit_manifest(b, lambda d: d["target"].update(name="tpu", executable="xla"))
+    with pytest.raises(BundleError, match="built for target 'tpu' \\(xla\\); this runtime runs cpu/aoti"):
+        load(b)
     edit_manifest(b, lambda d: d["target"].update(name="trn2", executable="neff"))
-    with pytest.raises(BundleError, match="built for target 'trn2'.*Neuron runtime"):
+    monkeypatch.setenv("DEEPINFER_LIBNRT", str(tmp_path / "no-libnrt.so"))
+    with pytest.raises(NeuronRuntimeMissing, match="libnrt"):
         load(b)
     edit_manifest(b, lambda d: d.update(target={"name": "cpu", "executable": "aoti"},
                                        toolchain=dict(d["toolchain"], torch="1.0.0")))

@@ -1,0 +1,83 @@
+"""`deepinfer-compile --finish BUNDLE`: turn an HLO-stage trn2 bundle into a NEFF bundle.
+
+An HLO-stage bundle (`deepinfer-compile --hlo-only`) holds everything but the
+NEFFs: weights, state layout, and one checked HLO module per executable. Any
+x86_64 Linux host with neuronx-cc can finish it (no Trn2 needed): each HLO
+module is compiled in parallel jobs, the NEFF headers are read into the
+manifest, the HLO modules are dropped, and the finished bundle replaces the
+old one atomically (built in a temporary sibling, weights hard-linked).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from deepinfer.bundles import layout, manifest as mf
+from deepinfer.compiler.jobs import Job, keep_failed_logs, run_jobs
+from deepinfer.compiler.targets import TARGETS
+from deepinfer.errors import DeepinferError
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None) -> Path:
+    """Compile every HLO module of an HLO-stage bundle into a NEFF; returns the bundle path."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    bundle = Path(bundle)
+    manifest = mf.read(bundle)
+    mf.validate(bundle, manifest)
+    if manifest.get("stage") != "hlo":
+        raise mf.BundleError(f"{bundle}: not an HLO-stage bundle (stage {manifest.get('stage', 'executable')!r}); "
+                             "nothing to finish")
+    t = manifest["target"]
+    target = TARGETS[t["name"]](t["executable"], t["options"])
+    target.require_compiler()
+    staging = Path(tempfile.mkdtemp(prefix=f".{bundle.name}.finish-", dir=bundle.resolve().parent))
+    try:
+        shutil.copytree(bundle, staging / "b", copy_function=_link_or_copy)
+        work = staging / "b"
+        job_list = []
+        for e in manifest["regions"]:
+            kind, method, bb, tt = e["kind"], e["method"], e["bucket"]["batch"], e["bucket"]["tokens"]
+            neff = layout.executable_path(kind, method, bb, tt, target.suffix)
+            job_list.append((e, neff, Job(f"{kind}.{method}.b{bb}t{tt}", work / e["artifact"], work / neff,
+                                          t["name"], t["executable"], t["options"],
+                                          log=work / layout.log_path(kind, method, bb, tt))))
+
+        def progress(done, total, job, seconds):
+            log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
+
+        try:
+            run_jobs([j for _, _, j in job_list], jobs, progress)
+        except DeepinferError as err:
+            raise keep_failed_logs(err, work / layout.LOGS_DIR, bundle) from None
+        for e, neff, job in job_list:
+            job.lowered.unlink()
+            e["artifact"] = neff
+            e.update(target.describe(work / neff))
+        manifest["stage"] = "executable"
+        manifest["toolchain"] = {**manifest["toolchain"], "neuronx-cc": target.toolchain()["neuronx-cc"]}
+        manifest["files"] = mf.file_digests(work)
+        for group in [*manifest["weights"].values(), manifest["host"].values()]:
+            for w in group:
+                w["digest"] = manifest["files"][w["path"]]
+        for e in manifest["regions"]:
+            e["digest"] = manifest["files"][e["artifact"]]
+        (work / layout.MANIFEST_FILE).write_text(mf.dumps(manifest))
+        old = staging / "old"
+        os.replace(bundle, old)
+        os.replace(work, bundle)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log(f"finished {bundle}: {len(job_list)} NEFFs")
+    return bundle
+

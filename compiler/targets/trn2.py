@@ -1,0 +1,156 @@
+"""The trn2 target: region -> XLA HLO -> NEFF (neuronx-cc), run by the Neuron runtime.
+
+    trace (static shapes) -> lower (kernel decompositions, NKI where registered and importable)
+    -> HLO module (compiler/targets/hlo.py), checked numerically on XLA:CPU against the
+       reference region -> neuronx-cc per executable (compiler/targets/neuronxcc.py) -> NEFF
+
+What differs from the cpu target:
+- shapes are static: the state pools have the compiled block count and slot count;
+- state writes are returned: the new contents of every pool a region writes come first
+  among its outputs, each declared an alias of its input (input_output_alias), so the
+  device updates the pool in place;
+- fp8 weights travel as uint8 and every decode is arithmetic (kernels/formats.py), as
+  neuronx-cc needs (no dtype bitcasts of graph inputs).
+
+Options (model.toml [target].options): neuronx-cc's (lnc, optlevel, model_type,
+auto_cast, extra_flags, verbose, timeout_s) and deepinfer's own: `frontend`
+("torch-mlir", or "torch-xla" where installed) and `check` (run the XLA:CPU check,
+default true).
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+
+import deepinfer
+from deepinfer.bundles import neff
+from deepinfer.compiler.targets import hlo, neuronxcc
+from deepinfer.errors import DeepinferError
+from deepinfer.kernels import target_decompositions
+
+OWN_OPTIONS = {"frontend": hlo.FRONTENDS, "check": (True, False)}
+# tolerance of the XLA:CPU check per activation dtype: |hlo - ref| <= atol + rtol * max|ref|
+TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
+
+
+class CheckFailed(DeepinferError):
+    """A lowered graph disagrees with its reference region on XLA:CPU."""
+
+
+class Trn2Target:
+    name = "trn2"
+    EXECUTABLES = ("neff",)
+    suffix = ".neff"
+    lowered_suffix = ".hlo.pb"
+    static_shapes = True
+    state_writes = "returned (pool outputs alias their inputs)"
+    # options that only change logs, waiting or checking: left out of cache keys
+    LOG_OPTIONS = (*neuronxcc.LOG_ONLY, "check")
+    LOWERING_MODULES = ("deepinfer.compiler.targets.trn2", "deepinfer.compiler.targets.hlo",
+                        "deepinfer.compiler.targets.neuronxcc")
+
+    def __init__(self, executable: str = "neff", options: dict | None = None):
+        self.executable = executable
+        self.options = dict(options or {})
+        self.frontend = self.options.get("frontend", "torch-mlir")
+        self.check = self.options.get("check", True)
+        compiler_options = {k: v for k, v in self.options.items() if k not in OWN_OPTIONS}
+        self.compile_options = neuronxcc.NeuronCompileOptions.from_dict(compiler_options)
+        if isinstance(self.compile_options, str):
+            raise ValueError(self.compile_options)
+
+    @staticmethod
+    def check_options(options: dict) -> str | None:
+        """A message for the first bad option, else None."""
+        for key, allowed in OWN_OPTIONS.items():
+            if key in options and options[key] not in allowed:
+                return f"option {key} = {options[key]!r} is not one of {', '.join(map(repr, allowed))}"
+        bad = neuronxcc.NeuronCompileOptions.from_dict({k: v for k, v in options.items() if k not in OWN_OPTIONS})
+        if isinstance(bad, str):
+            return f"{bad} (or deepinfer's own: {', '.join(OWN_OPTIONS)})"
+        return None
+
+    @property
+    def lnc(self) -> int:
+        return self.compile_options.lnc
+
+    def keyed_options(self) -> dict:
+        return {k: v for k, v in self.options.items() if k not in self.LOG_OPTIONS}
+
+    def toolchain(self) -> dict[str, str]:
+        compiler = neuronxcc.find_compiler()
+        return {"deepinfer": deepinfer.__version__, "torch": torch.__version__, "python": platform.python_version(),
+                **hlo.versions(self.frontend),
+                "neuronx-cc": neuronxcc.compiler_version(compiler) if compiler else "absent"}
+
+    def lower(self, ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+        return ep.run_decompositions({**target_decompositions(self.name), **hlo.hlo_decompositions()})
+
+    def emit(self, ep: torch.export.ExportedProgram, names: list[str], outputs: list[str], out: Path) -> dict:
+        """Write the HLO module of a lowered program to `out`; returns the executable's outputs:
+        {"state_outputs": [input names], "aliases": {out: in}, "output_specs": [{name, shape, dtype}]}.
+        The new contents of each written state input come first, then the region's outputs."""
+        user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+        state = [names[user.index(o.target)] for o in ep.graph_signature.output_specs
+                 if o.kind.name == "USER_INPUT_MUTATION"]
+        aliases = {j: names.index(n) for j, n in enumerate(state)}
+        text = hlo.finish_module(hlo.to_stablehlo(ep, self.frontend), aliases)
+        out.write_bytes(hlo.to_hlo_proto(text))
+        values = [a.meta["val"] for a in ep.graph.output_node().args[0]]
+        labels = state + list(outputs)
+        specs = [{"name": n, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+                 for n, v in zip(labels, values)]
+        return {"state_outputs": state, "aliases": aliases, "output_specs": specs}
+
+    def check_numerics(self, proto: Path, region, method: str, args: list[torch.Tensor], n_weights: int,
+                       names: list[str], state_outputs: list[str], where: str) -> dict:
+        """Run the HLO module on XLA:CPU and the reference region eagerly on the same inputs.
+        Returns {"max_abs": ..., "tolerance": ...}; raises CheckFailed beyond tolerance."""
+        got = hlo.CpuHlo(Path(proto).read_bytes())([a.clone() for a in args])
+        inputs = [a.clone() for a in args[n_weights:]]
+        with torch.no_grad():
+            ref = getattr(region, method)(*inputs)
+        ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+        ref = [inputs[names.index(n) - n_weights] for n in state_outputs] + ref
+        labels = state_outputs + region.output_names()
+        if len(got) != len(ref):
+            raise CheckFailed(f"{where}: the HLO module returns {len(got)} outputs, the region {len(ref)}")
+        atol, rtol = TOLERANCE.get(region.dtype, TOLERANCE[torch.float32])
+        worst = 0.0
+        for label, g, r in zip(labels, got, ref):
+            if tuple(g.shape) != tuple(r.shape):
+                raise CheckFailed(f"{where}: output {label} has shape {tuple(g.shape)} on XLA:CPU, "
+                                  f"{tuple(r.shape)} in the reference")
+            if not r.dtype.is_floating_point:
+                bad = int((g.to(r.dtype) != r).sum())
+                if bad:
+                    raise CheckFailed(f"{where}: output {label} differs from the reference in {bad} "
+                                      f"of {r.numel()} entries on XLA:CPU")
+                continue
+            diff = (g.float() - r.float()).abs().max().item() if r.numel() else 0.0
+            limit = atol + rtol * (r.float().abs().max().item() if r.numel() else 0.0)
+            if not diff <= limit:
+                raise CheckFailed(f"{where}: output {label} differs from the reference by {diff:.3g} "
+                                  f"on XLA:CPU (tolerance {limit:.3g})")
+            worst = max(worst, diff)
+        return {"max_abs": worst, "atol": atol, "rtol": rtol}
+
+    def require_compiler(self) -> None:
+        """Before any NEFF job: neuronx-cc must be here (every graph is already lowered and checked)."""
+        if neuronxcc.find_compiler() is None:
+            raise neuronxcc.NeuronCompilerMissing(
+                "every region was lowered to HLO and checked on XLA:CPU, but neuronx-cc is not installed: "
+                f"{neuronxcc.MISSING_MESSAGE} (deepinfer-compile --hlo-only writes that bundle)")
+
+    def describe(self, executable: Path) -> dict:
+        """The NEFF header's facts for the manifest; a NEFF built for another LNC is refused."""
+        header = neff.read_header(executable)
+        neff.check_loadable(header, lnc=self.lnc, path=executable.name)
+        return {"neff": neff.summary(header)}
+
+    def compile(self, lowered: Path, out: Path, *, log: Path | None = None, name: str = "") -> None:
+        """HLO module -> NEFF with neuronx-cc; its log is kept at `log`."""
+        neuronxcc.compile_neff(lowered, out, log or out.with_suffix(".log"), self.compile_options, region=name)

@@ -1,0 +1,79 @@
+"""A trn2 bundle on one NeuronCore: resident weights and pools, layer views as slices.
+
+The session asks its placement for every tensor it keeps: weight stacks and
+state pools are written to the device once (`resident`), and a layer's weights
+or state are byte slices of them (`view`, nrt_tensor_allocate_slice: no copy).
+Each NEFF is loaded once per (kind, bucket), whatever the number of layers;
+its header is checked against the manifest first (LNC, version, identity).
+State pools come back as aliased outputs: they are bound to the pool slice
+itself, and the session sees only the region's own outputs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer.bundles import neff
+from deepinfer.runtime.neuron import DeviceTensor, NeuronCore, NeuronExecutable
+
+
+@dataclass
+class DeviceStack:
+    """A layer-major tensor on the device: rows of `row_bytes` each."""
+    tensor: DeviceTensor
+    rows: int
+    row_bytes: int
+
+
+def _spec(s: dict) -> tuple[str, tuple, torch.dtype]:
+    return s["name"], tuple(s["shape"]), getattr(torch, s["dtype"])
+
+
+class RegionCall:
+    """A loaded NEFF as the session calls it: inputs in manifest order, the region's outputs back
+    (the leading state outputs are written into the pools in place and dropped here)."""
+
+    def __init__(self, exe: NeuronExecutable, n_state: int):
+        self.exe, self.n_state = exe, n_state
+
+    def __call__(self, inputs: list) -> list:
+        return self.exe(inputs)[self.n_state:]
+
+
+class NeuronPlacement:
+    """Session placement for trn2: one NeuronCore per process (rank r uses core r unless
+    NEURON_RT_VISIBLE_CORES is set by the launcher)."""
+
+    def __init__(self, manifest: dict, bundle: Path, rank: int = 0):
+        self.manifest, self.bundle = manifest, Path(bundle)
+        self.lnc = manifest["topology"].get("lnc", 1)
+        os.environ.setdefault("NEURON_LOGICAL_NC_CONFIG", str(self.lnc))
+        self.core = NeuronCore(None if "NEURON_RT_VISIBLE_CORES" in os.environ else rank)
+        self.calls: list[RegionCall] = []
+
+    def resident(self, tensor: torch.Tensor, name: str) -> DeviceStack:
+        t = tensor.contiguous()
+        rows = t.shape[0] if t.dim() else 1
+        return DeviceStack(DeviceTensor.from_torch(self.core, t, name), rows, t.numel() * t.element_size() // rows)
+
+    def view(self, stack: DeviceStack, index: int) -> DeviceTensor:
+        if not 0 <= index < stack.rows:
+            raise IndexError(f"row {index} of a {stack.rows}-row device stack")
+        return stack.tensor.slice(index * stack.row_bytes, stack.row_bytes, f"{stack.tensor.name}[{index}]")
+
+    def load(self, entry: dict, path: Path) -> RegionCall:
+        header = neff.read_header(path)
+        neff.check_loadable(header, lnc=self.lnc, path=path, recorded=entry.get("neff"))
+        outputs = [_spec(s) for s in entry["output_specs"]]
+        exe = NeuronExecutable(path, self.core, entry["inputs"], outputs, entry.get("aliases", {}))
+        self.calls.append(RegionCall(exe, len(entry.get("state_outputs", []))))
+        return self.calls[-1]
+
+    def close(self) -> None:
+        for call in self.calls:
+            call.exe.close()
+        self.core.close()

@@ -1,0 +1,203 @@
+"""The trn2 target up to the NEFF: HLO lowering, its XLA:CPU check, --hlo-only, --finish.
+
+The HLO modules and their numerics are real (torch-mlir and jaxlib's XLA:CPU).
+neuronx-cc is the stand-in of doubles/neuronx-cc (a TEST DOUBLE): the finish
+tests check the orchestration (command lines, logs, manifest, atomicity), and
+prove nothing about real NEFFs or Trn2.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torch_mlir", reason="the trn2 lowering needs the [trn2] extra (torch-mlir)")
+pytest.importorskip("jax", reason="the trn2 lowering needs the [trn2] extra (jax, jaxlib)")
+
+from jax._src.lib import xla_client  # noqa: E402
+
+from deepinfer.bundles import manifest as mf  # noqa: E402
+from deepinfer.compiler.finish import finish_bundle  # noqa: E402
+from deepinfer.compiler.plan import plan_regions  # noqa: E402
+from deepinfer.compiler.targets import hlo, neuronxcc  # noqa: E402
+from deepinfer.compiler.targets.trn2 import CheckFailed, Trn2Target  # noqa: E402
+from deepinfer.compiler.trace import trace  # noqa: E402
+from deepinfer.regions.config import load_config  # noqa: E402
+from deepinfer.regions.state import Geometry  # noqa: E402
+from deepinfer.runtime import load  # noqa: E402
+
+KINDS = {"attn_window", "moe", "engram", "attn_source_r2", "attn_reuse_r2", "attn_source_r1_cand",
+         "attn_reindex_r1_cand", "head"}
+STUB = Path(__file__).resolve().parent / "doubles" / "neuronx-cc"
+
+
+def manifest(bundle: Path) -> dict:
+    return json.loads((bundle / "manifest.json").read_text())
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch) -> Path:
+    """The stand-in neuronx-cc (a test double) on DEEPINFER_NEURONX_CC; its argv lines go to the returned file."""
+    STUB.chmod(STUB.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    for var in ("FAKE_NEURONX_CC_FAIL", "FAKE_NEURONX_CC_SLEEP", "FAKE_NEURONX_CC_VERSION"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FAKE_NEURONX_CC_PYTHON", sys.executable)
+    monkeypatch.setenv("FAKE_NEURONX_CC_RECORD", str(tmp_path / "record.jsonl"))
+    monkeypatch.setenv(neuronxcc.ENV_COMPILER, str(STUB))
+    return tmp_path / "record.jsonl"
+
+
+def copy_bundle(bundle: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "bundle"
+    shutil.copytree(bundle, out)
+    return out
+
+
+# --- lowering and the XLA:CPU check -----------------------------------------------------------
+
+def test_every_region_kind_is_lowered_and_checked(trn2_hlo_bundle):
+    m = manifest(trn2_hlo_bundle)
+    assert m["stage"] == "hlo" and m["target"]["name"] == "trn2"
+    assert {e["kind"] for e in m["regions"]} == KINDS
+    for e in m["regions"]:
+        assert e["artifact"].endswith(".hlo.pb")
+        assert 0 <= e["check"]["max_abs"] <= 1e-5, e["kind"]          # fp32 graphs: rounding only
+    mf.validate(trn2_hlo_bundle, m)
+
+
+def test_weights_and_rank_are_hlo_parameters(trn2_hlo_bundle):
+    """One HLO module per kind serves every layer and rank: nothing is baked in."""
+    for e in manifest(trn2_hlo_bundle)["regions"]:
+        shape = xla_client.XlaComputation((trn2_hlo_bundle / e["artifact"]).read_bytes()).program_shape()
+        params = shape.parameter_shapes()
+        assert len(params) == len(e["inputs"]), e["kind"]
+        for p, spec in zip(params, e["inputs"]):
+            assert list(p.dimensions()) == spec["shape"], (e["kind"], spec["name"])
+        rank = [i for i, s in enumerate(e["inputs"]) if s["role"] == "rank"]
+        assert rank == [0] and params[0].dimensions() == ()
+        fp8 = [s for s in e["inputs"] if s["role"] == "weight" and s["dtype"] == "uint8"]
+        assert fp8 or e["kind"] == "head", "fp8 weights travel as uint8"
+
+
+def test_state_outputs_alias_their_pool_inputs(trn2_hlo_bundle):
+    for e in manifest(trn2_hlo_bundle)["regions"]:
+        proto = (trn2_hlo_bundle / e["artifact"]).read_bytes()
+        text = xla_client.XlaComputation(proto).as_hlo_text().splitlines()[0]
+        for out, inp in e["aliases"].items():
+            spec = e["inputs"][inp]
+            assert spec["role"] == "state" and e["output_specs"][int(out)]["name"] == spec["name"]
+            assert e["output_specs"][int(out)]["shape"] == spec["shape"]
+            assert f"{{{out}}}: ({inp}, {{}}" in text, text
+        attn = e["kind"].startswith("attn")
+        assert bool(e["aliases"]) == attn and e["mutates"] == []
+
+
+def _lower_window(tmp_path, target: Trn2Target, checkpoint: Path) -> dict:
+    """Lower and check the window attention region for a (1, 1) step."""
+    cfg = load_config(checkpoint)
+    region = plan_regions(cfg.text, torch.float32, True).kinds["attn_window"].region
+    g = Geometry(slots=2, blocks=4, block_size=16, max_blocks=2)
+    ep, sig, args = trace(region, 1, 1, g, dynamic=False)
+    ep = target.lower(ep)
+    names = [s.name for s in sig.all]
+    info = target.emit(ep, names, region.output_names(), tmp_path / "w.hlo.pb")
+    return target.check_numerics(tmp_path / "w.hlo.pb", region, "decode", args, len(sig.weights), names,
+                                 info["state_outputs"], "region attn_window.decode.b1t1")
+
+
+def test_check_catches_a_wrong_lowering(tmp_path, tiny_ckpt, monkeypatch):
+    """torch-mlir lowers `remainder` with C's sign rule; without deepinfer's decomposition the
+    window ring is written at the wrong rows, and the XLA:CPU check must say so."""
+    target = Trn2Target("neff", {})
+    assert _lower_window(tmp_path, target, tiny_ckpt)["max_abs"] <= 1e-6
+    table = hlo.hlo_decompositions()
+    for op in (torch.ops.aten.remainder.Scalar, torch.ops.aten.remainder.Tensor):
+        table.pop(op)
+    monkeypatch.setattr(hlo, "hlo_decompositions", lambda: table)
+    with pytest.raises(CheckFailed, match=r"region attn_window.decode.b1t1: output win differs"):
+        _lower_window(tmp_path, target, tiny_ckpt)
+
+
+@pytest.mark.parametrize("a, b", [(torch.arange(-9, 9), 4), (torch.arange(-9, 9), torch.tensor(-4))])
+def test_decompositions_match_torch(a, b):
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x.remainder(b), x >> 1, x << 2, (x.to(torch.uint8) > 200), torch.sort(
+                x.float().abs(), stable=True, descending=True).indices
+    ep = torch.export.export(M(), (a,)).run_decompositions(hlo.hlo_decompositions())
+    got = hlo.CpuHlo(hlo.to_hlo_proto(hlo.finish_module(hlo.to_stablehlo(ep), {})))([a])
+    for g, r in zip(got, M()(a)):
+        assert torch.equal(g, r)
+
+
+def test_lowering_options_are_keyed_or_log_only():
+    t = Trn2Target("neff", {"lnc": 1, "optlevel": 3, "verbose": "info", "timeout_s": 10, "check": False,
+                            "frontend": "torch-mlir"})
+    assert t.keyed_options() == {"lnc": 1, "optlevel": 3, "frontend": "torch-mlir"}
+    assert Trn2Target.check_options({"frontend": "tvm"}).startswith("option frontend = 'tvm'")
+    assert "unknown neuronx-cc option 'lcn'" in Trn2Target.check_options({"lcn": 2})
+
+
+# --- without neuronx-cc, and --finish with the stand-in ----------------------------------------
+
+def test_hlo_stage_bundle_is_refused_at_load(trn2_hlo_bundle):
+    with pytest.raises(mf.BundleError, match="HLO-stage bundle.*deepinfer-compile --finish"):
+        load(trn2_hlo_bundle)
+
+
+def test_finish_with_the_stand_in(trn2_hlo_bundle, tmp_path, stand_in):
+    bundle = copy_bundle(trn2_hlo_bundle, tmp_path)
+    finish_bundle(bundle, jobs=2, log=lambda msg: None)
+    m = manifest(bundle)
+    mf.validate(bundle, m)
+    assert m["stage"] == "executable" and m["toolchain"]["neuronx-cc"] == "2.99.0.0+0000000d"
+    argvs = [json.loads(line)["argv"] for line in stand_in.read_text().splitlines()]
+    compiles = [a for a in argvs if a[:1] == ["compile"]]
+    assert len(compiles) == len(m["regions"]) == 8
+    for argv in compiles:
+        joined = " ".join(argv)
+        assert "--framework XLA --target trn2 --lnc 1 --model-type transformer -O1" in joined
+        assert argv[1].endswith(".hlo.pb")
+    for e in m["regions"]:
+        assert e["artifact"].endswith(".neff") and e["neff"]["lnc"] == 1
+        name = Path(e["artifact"]).name.removesuffix(".neff")
+        assert (bundle / "logs" / f"{name}.log").read_text().count("neuronx-cc") >= 1
+    assert not list(bundle.rglob("*.hlo.pb"))
+    with pytest.raises(mf.BundleError, match="not an HLO-stage bundle"):
+        finish_bundle(bundle, log=lambda msg: None)
+
+
+def test_failed_finish_names_region_and_keeps_bundle(trn2_hlo_bundle, tmp_path, stand_in, monkeypatch):
+    bundle = copy_bundle(trn2_hlo_bundle, tmp_path)
+    before = manifest(bundle)
+    monkeypatch.setenv("FAKE_NEURONX_CC_FAIL", "NCC_IBCG902")
+    with pytest.raises(neuronxcc.NeuronCompileError) as err:
+        finish_bundle(bundle, log=lambda msg: None)
+    message = str(err.value)
+    assert "\n" not in message and "NCC_IBCG902" in message and "region " in message
+    log = Path(message.rsplit("log: ", 1)[1].rstrip(")"))
+    assert log.is_file() and log.parent.name == "bundle.failed-logs"
+    assert manifest(bundle) == before
+    mf.validate(bundle, before)
+
+
+def test_missing_compiler_after_lowering(tmp_path, tiny_ckpt, monkeypatch):
+    """Without neuronx-cc: every region is lowered and checked, then one clear error, no bundle left."""
+    from deepinfer.compiler.config import load_compile_config
+    from deepinfer.compiler.pipeline import compile_bundle
+
+    monkeypatch.setenv(neuronxcc.ENV_COMPILER, str(tmp_path / "no-neuronx-cc"))
+    toml = tmp_path / "model.toml"
+    toml.write_text(f'[model]\ncheckpoint = "{tiny_ckpt}"\n[target]\nname = "trn2"\noptions = {{ check = false }}\n'
+                    "[buckets]\nmax_context = 32\n[kv]\nnum_blocks = 4\n")
+    lines = []
+    with pytest.raises(neuronxcc.NeuronCompilerMissing, match="every region was lowered to HLO.*--hlo-only"):
+        compile_bundle(load_compile_config(toml), tmp_path / "out", log=lines.append)
+    assert sum(line.startswith("lowered ") for line in lines) == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.toml"]

@@ -156,6 +156,115 @@ def reference_cmd(checkpoint, prompt, prompt_ids, max_new_tokens, chunk, dtype, 
             click.echo(tok.decode(g.generated))
 
 
+# --- deepinfer compare / noise-floor ---
+
+def floor_options(fn):
+    """How `deepinfer noise-floor` and `deepinfer compare --noise-floor` measure the floor."""
+    options = [
+        click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="bf16", show_default=True,
+                     help="Precision of the runs compared: fp32 floors summation order only (prompt chunk "
+                          "widths 1 and 3); bf16 also bf16 against fp32 activations."),
+        click.option("--cache-quant/--no-cache-quant", default=True, show_default=True,
+                     help="Quantize the reference's cached KV as the runs compared did."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+@main.command("noise-floor")
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("dump", type=click.Path(dir_okay=False, path_type=Path))
+@floor_options
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Save the floor as JSON, for `deepinfer compare --floor FILE`.")
+@click.option("--json", "as_json", is_flag=True, help="Print the floor as JSON instead of text.")
+@user_errors
+def noise_floor_cmd(checkpoint, dump, dtype, cache_quant, output, as_json):
+    """Measure how far the reference drifts from itself on DUMP's tokens.
+
+    The pure-torch reference of CHECKPOINT is teacher-forced on every token
+    sequence of DUMP (a --dump-logits file), once in fp32 in one chunk and
+    once per perturbation (other prompt chunk widths; with --dtype bf16 also
+    bf16 activations). The floor is the worst cosine, relative error and
+    argmax agreement over the perturbations.
+    """
+    from deepinfer import compare as cmp
+
+    floor = cmp.floor_for(cmp.load_dump(dump), checkpoint, dtype=dtype, cache_quant=cache_quant)
+    if output:
+        cmp.save_floor(floor, output)
+    if as_json:
+        click.echo(json.dumps(cmp.report_floor(floor)))
+    else:
+        click.echo("\n".join(cmp.floor_lines(floor)))
+        if output:
+            click.echo(f"wrote {output}")
+
+
+@main.command("compare")
+@click.argument("a", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("b", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--noise-floor", "checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Measure the noise floor with this checkpoint's reference on A's tokens.")
+@click.option("--floor", "floor_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Reuse a floor saved by `deepinfer noise-floor -o` (its --dtype and cache quant apply).")
+@floor_options
+@click.option("--margin", type=float, default=4.0, show_default=True,
+              help="Within noise means worst rel err <= MARGIN x the floor's (at least 1e-6).")
+@click.option("--per-step", is_flag=True, help="Also print one row per position.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@user_errors
+def compare_cmd(a, b, checkpoint, floor_file, dtype, cache_quant, margin, per_step, as_json):
+    """Compare the logit dumps A and B (--dump-logits files) position by position.
+
+    For each position both computed from the same tokens: cosine similarity,
+    relative error ||A - B|| / ||B|| (give the reference as B) and argmax
+    agreement; then a summary per prompt. Rows after greedy generation
+    diverges saw different tokens and are not compared.
+
+    With a floor (--noise-floor CKPT, or --floor FILE) the verdict is "within
+    noise" when the worst rel err is at most MARGIN times the floor's and the
+    argmax agreement is at least the floor's.
+
+    \b
+    Exit status: 0 within noise (or no floor given), 1 outside noise,
+    2 unreadable or mismatched input.
+
+    \b
+    Example:
+      deepinfer reference tiny/ --prompt Hi --dtype fp32 --dump-logits ref.st
+      deepinfer-run build/tiny --prompt Hi --dump-logits run.st
+      deepinfer compare run.st ref.st --noise-floor tiny/ --dtype fp32
+    """
+    from deepinfer import compare as cmp
+
+    if checkpoint and floor_file:
+        raise click.UsageError("give --noise-floor CKPT or --floor FILE, not both")
+    da, db = cmp.load_dump(a), cmp.load_dump(b)
+    result = cmp.compare(da, db)
+    floor = verdict = None
+    if floor_file:
+        floor = cmp.load_floor(floor_file)
+        if floor.tokens != cmp.floor_tokens(da):
+            click.echo(f"note: {floor_file} was measured on other tokens than {a}", err=True)
+    elif checkpoint:
+        floor = cmp.floor_for(da, checkpoint, dtype=dtype, cache_quant=cache_quant)
+    if floor is not None:
+        verdict = cmp.verdict(result, floor, margin)
+    if as_json:
+        click.echo(json.dumps(cmp.report_json(result, floor, verdict, per_step=per_step)))
+    else:
+        lines = cmp.table_lines(result, per_step=per_step)
+        if floor is not None:
+            lines += cmp.floor_lines(floor) + [cmp.verdict_line(verdict)]
+        else:
+            lines.append("verdict: none (give --noise-floor CKPT or --floor FILE)")
+        click.echo("\n".join(lines))
+    if verdict is not None and not verdict.within:
+        sys.exit(1)
+
+
 # --- deepinfer cache ---
 
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

@@ -15,3 +15,7 @@ class ConfigError(DeepinferError):
 
 class CheckpointError(DeepinferError):
     """A checkpoint tensor is missing, corrupt, or has the wrong dtype or shape."""
+
+
+class CompareError(DeepinferError):
+    """A logit dump or noise-floor file is missing, malformed, or does not match the other."""

@@ -42,12 +42,14 @@ KEYED_OPTIONS = (
     "buckets.batch", "buckets.tokens", "buckets.max_context",
     "kv.block_size", "kv.num_blocks",
     "parallel.tp", "parallel.ep", "parallel.cp",
-    "quant.recipe", "host.embedding",
+    "quant.recipe", "host.embedding", "--hlo-only",
 )
 # ...and those that only change logs, dumps, locations or parallelism: never in a key.
 UNKEYED_OPTIONS = (
     "cache.dir", "--output", "--jobs", "--force", "--json", "--cache-dir", "--no-cache",
-    "--print-cache-key", "--require-cache", "--verbose",
+    "--print-cache-key", "--require-cache", "--verbose", "--finish",
+    # the budget decides whether a compile is refused, not what it builds
+    "memory.limit_gib", "memory.reserve_gib",
 )
 
 

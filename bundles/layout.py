@@ -5,6 +5,7 @@
       regions/<kind>.<method>.b<B>t<T>.pt2   one executable per (kind, method, bucket)
       weights/rank-<R>/<kind>.safetensors    a kind's weights, stacked layer-major
       host/embed.safetensors                 host-resident tensors (token embedding)
+      host/vision.safetensors                the vision tower, aligner and image delimiters (checkpoint names)
       logs/                                  per-executable compiler logs (targets that write them)
 """
 
@@ -20,6 +21,7 @@ LOGS_DIR = "logs"
 EXECUTABLE_FORMAT = "{kind}.{method}.b{batch}t{tokens}{suffix}"
 WEIGHTS_FORMAT = "rank-{rank}/{kind}.safetensors"
 HOST_EMBED_FILE = "embed.safetensors"
+HOST_VISION_FILE = "vision.safetensors"
 
 
 def executable_path(kind: str, method: str, batch: int, tokens: int, suffix: str) -> str:

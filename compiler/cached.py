@@ -65,6 +65,7 @@ def trace_key(b, kind: str, method: str, batch: int, tokens: int) -> Key:
         ("bucket", {"batch": batch, "tokens": tokens}),
         ("geometry", vars(b.geometry)),
         ("model", _model_part(b)),
+        ("topology", b.topology.to_dict()),
         ("signature", {"weights": _specs(sig.weights), "inputs": _specs(sig.inputs)}),
         ("target", _target_part(b)),
         ("toolchain", b.target.toolchain()),
@@ -139,7 +140,7 @@ def weights_key(b, ckpt: Checkpoint, kind: str, kp, rank: int = 0) -> Key:
     memo = b.cache.root / "files" if b.cache else None
     return Key.of("weights", f"weights {kind}", [
         ("format", format_part()),
-        ("kind", {"kind": kind, "rank": rank}),
+        ("kind", {"kind": kind, "rank": rank, "topology": b.topology.to_dict()}),
         ("layout", {"specs": [[s.name, s.key, list(s.shape), s.ckpt_dtype, s.experts] for s in kp.region.specs],
                     "layers": kp.layers}),
         ("tensors", tensor_digests(ckpt, source_names(kp), memo)),
@@ -159,7 +160,21 @@ def host_key(b, ckpt: Checkpoint) -> Key:
     ])
 
 
-def bundle_key(b, weights: dict[str, Key], host: Key, traces: dict[str, Key]) -> Key:
+def vision_key(b, ckpt: Checkpoint) -> Key:
+    """The host-resident vision tower file: its checkpoint tensors and their layout."""
+    from deepinfer.regions.vision import vision_specs
+
+    specs = vision_specs(b.model.vision, b.model.text.hidden_size)
+    memo = b.cache.root / "files" if b.cache else None
+    return Key.of("host", "host vision", [
+        ("format", format_part()),
+        ("tensors", tensor_digests(ckpt, sorted(specs), memo)),
+        ("layout", {name: [list(shape), dtype] for name, (shape, dtype) in sorted(specs.items())}),
+        ("sources", modules_digest(WEIGHT_MODULES + ["deepinfer.regions.vision"])),
+    ])
+
+
+def bundle_key(b, weights: dict[str, Key], host: Key, traces: dict[str, Key], vision: Key | None = None) -> Key:
     c = b.config
     return Key.of("bundle", str(c.source.name), [
         ("format", format_part()),
@@ -168,13 +183,14 @@ def bundle_key(b, weights: dict[str, Key], host: Key, traces: dict[str, Key]) ->
                                 "max_context": c.buckets.max_context},
                     "kv": {"block_size": c.kv.block_size, "num_blocks": c.kv.num_blocks},
                     "parallel": {"tp": c.parallel.tp, "ep": c.parallel.ep, "cp": c.parallel.cp},
-                    "quant": c.quant.recipe, "host": c.host.embedding}),
+                    "quant": c.quant.recipe, "host": c.host.embedding,
+                    **({"stage": "hlo"} if b.hlo_only else {})}),
         ("toolchain", b.target.toolchain()),
         ("weights", {k: v.digest for k, v in weights.items()}),
         ("host", host.digest),
         ("traces", {k: v.digest for k, v in traces.items()}),
         ("sources", modules_digest(BUNDLE_MODULES)),
-    ])
+    ] + ([("vision", vision.digest)] if vision is not None else []))
 
 
 # --- fetch or build ---

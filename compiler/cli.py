@@ -76,7 +76,7 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
     log = lambda msg: click.echo(msg, err=True)  # noqa: E731
     cache = None if no_cache else Cache(resolve_dir(cache_dir, cfg.cache.dir), log=log)
     if print_cache_key:
-        click.echo(cache_key(cfg, cache=cache, log=log, verbose=verbose).digest)
+        click.echo(cache_key(cfg, cache=cache, log=log, verbose=verbose, hlo_only=hlo_only).digest)
         return
     out = output or Path("build") / model_toml.resolve().parent.name
     b, m, t = cfg.buckets, cfg.model, cfg.target

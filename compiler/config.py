@@ -8,6 +8,7 @@
     [quant]     recipe
     [host]      embedding
     [cache]     dir
+    [memory]    limit_gib, reserve_gib (device memory per rank: compiler/budget.py)
 
 Unknown sections or keys, wrong types and impossible values raise ConfigError
 naming the file, the key and its line, and listing what is valid.
@@ -92,6 +93,12 @@ class CacheSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MemorySection:
+    limit_gib: float | None = None     # device memory per rank; None: the target's (trn2 HBM per core x LNC)
+    reserve_gib: float = 0.0           # kept free for the runtime and collectives
+
+
+@dataclass(frozen=True, kw_only=True)
 class CompileConfig:
     source: Path
     model: ModelSection
@@ -102,10 +109,12 @@ class CompileConfig:
     quant: QuantSection
     host: HostSection
     cache: CacheSection
+    memory: MemorySection
 
 
 SECTIONS = {"model": ModelSection, "target": TargetSection, "buckets": BucketSection, "kv": KVSection,
-            "parallel": ParallelSection, "quant": QuantSection, "host": HostSection, "cache": CacheSection}
+            "parallel": ParallelSection, "quant": QuantSection, "host": HostSection, "cache": CacheSection,
+            "memory": MemorySection}
 DTYPES = ("fp32", "bf16")
 QUANT_RECIPES = ("release",)
 
@@ -139,6 +148,7 @@ def _coerce(value: Any, annotation: str, where: _Where, section: str, key: str, 
     t = annotation.replace(" | None", "")
     ok = {
         "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
         "bool": isinstance(value, bool),
         "str": isinstance(value, str),
         "dict": isinstance(value, dict),
@@ -210,10 +220,14 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
          f"(need at least {min_blocks}, block 0 is scratch)")
     for key in ("tp", "ep", "cp"):
         need(getattr(p, key) >= 1, "parallel", key, "must be at least 1")
-        need(getattr(p, key) == 1, "parallel", key, "multi-rank bundles are not implemented yet; use 1")
     need(cfg.quant.recipe in QUANT_RECIPES, "quant", "recipe",
          f"unknown recipe {cfg.quant.recipe!r}; valid: {', '.join(QUANT_RECIPES)}")
     need(cfg.host.embedding, "host", "embedding", "the token embedding always stays on the host (true)")
+    mem = cfg.memory
+    need(mem.limit_gib is None or mem.limit_gib > 0, "memory", "limit_gib", f"must be positive, got {mem.limit_gib}")
+    need(mem.reserve_gib >= 0, "memory", "reserve_gib", f"must be at least 0, got {mem.reserve_gib}")
+    need(mem.limit_gib is None or mem.reserve_gib < mem.limit_gib, "memory", "reserve_gib",
+         f"{mem.reserve_gib} GiB leaves nothing of limit_gib = {mem.limit_gib}")
     if m.tiny is not None:
         need(m.tiny.layers >= 6, "model", "tiny", "layers must be at least 6")
 

@@ -14,6 +14,7 @@ an interrupted or failed compile leaves no partial bundle.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -28,19 +29,22 @@ import deepinfer
 from deepinfer.bundles import layout, manifest as mf
 from deepinfer.bundles.cache import Cache
 from deepinfer.bundles.keys import Key, graph_digest, kernels_reached
-from deepinfer.compiler import cached
+from deepinfer.compiler import budget, cached
 from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.jobs import Job, keep_failed_logs
 from deepinfer.compiler.plan import RegionPlan, plan_regions
+from deepinfer.compiler.shard import shard
 from deepinfer.compiler.pools import plan_pools
 from deepinfer.compiler.targets import TARGETS
 from deepinfer.compiler.trace import trace
-from deepinfer.compiler.weights import host_entries, kind_entry, write_host, write_kind
+from deepinfer.compiler.weights import host_entries, kind_entry, write_host, write_host_vision, write_kind
 from deepinfer.errors import ConfigError, DeepinferError
 from deepinfer.regions.checkpoint import Checkpoint
 from deepinfer.regions.config import V41Config, load_config
 from deepinfer.regions.reference import DTYPES
+from deepinfer.regions import topology
 from deepinfer.regions.state import Geometry, check_block_size
+from deepinfer.regions.topology import Topology
 
 LOWERED_DIR = ".lowered"
 
@@ -60,7 +64,8 @@ class Build:
     plan: RegionPlan | None = None
     target: object = None
     geometry: Geometry | None = None
-    weights: list = field(default_factory=list)
+    weights: dict = field(default_factory=dict)         # "rank-R" -> kind entries
+    topology: Topology = Topology()
     host: dict = field(default_factory=dict)
     executables: list[dict] = field(default_factory=list)
     compile_jobs: list[Job] = field(default_factory=list)
@@ -83,6 +88,11 @@ def parse_config(b: Build) -> None:
         check_block_size(b.model.text, b.config.kv.block_size)
     except ConfigError as e:
         raise config_error(b.config, "kv", "block_size", str(e)) from None
+    p = b.config.parallel
+    b.topology = Topology(tp=p.tp, ep=p.ep, cp=p.cp)
+    bad = topology.check(b.topology, b.model.text)
+    if bad:
+        raise config_error(b.config, "parallel", bad[0], bad[1])
     t = b.config.target
     b.target = TARGETS[t.name](t.executable, t.options)
     kv, buckets = b.config.kv, b.config.buckets
@@ -91,24 +101,33 @@ def parse_config(b: Build) -> None:
 
 
 def plan(b: Build) -> None:
-    b.plan = plan_regions(b.model.text, DTYPES[b.config.model.dtype], b.config.model.cache_quant)
+    b.plan = plan_regions(b.model.text, DTYPES[b.config.model.dtype], b.config.model.cache_quant, b.topology)
     kinds = ", ".join(f"{k} x{len(kp.layers)}" for k, kp in b.plan.kinds.items())
     b.log(f"{len(b.plan.layers)} layers -> {len(b.plan.kinds)} region kinds ({kinds})")
 
 
 def preprocess_weights(b: Build) -> None:
+    """Each rank's stacks under weights/rank-R/ (sharded per compiler/shard.py)."""
     ckpt = Checkpoint(b.config.model.checkpoint)
-    for kind, kp in b.plan.kinds.items():
-        key = cached.weights_key(b, ckpt, kind, kp) if b.cache else None
-        hit = cached.fetch_or_build(b, "weights", key, layout.weights_path(0, kind),
-                                    lambda: write_kind(ckpt, kind, kp, b.staging, rank=0))
-        b.weights.append(kind_entry(kind, kp, rank=0))
-        b.log(f"weights {kind}: {len(kp.layers)} layer(s){' (cached)' if hit else ''}")
+    world = b.topology.world
+    for rank in range(world):
+        for kind, kp in b.plan.kinds.items():
+            cut = functools.partial(shard, kind, c=b.model.text, topo=b.topology, rank=rank)
+            key = cached.weights_key(b, ckpt, kind, kp, rank) if b.cache else None
+            hit = cached.fetch_or_build(b, "weights", key, layout.weights_path(rank, kind),
+                                        lambda: write_kind(ckpt, kind, kp, b.staging, rank=rank, shard=cut))
+            b.weights.setdefault(f"rank-{rank}", []).append(kind_entry(kind, kp, rank=rank))
+            b.log(f"weights {kind}{f' rank {rank}' if world > 1 else ''}: {len(kp.layers)} layer(s)"
+                  f"{' (cached)' if hit else ''}")
     t = b.model.text
     key = cached.host_key(b, ckpt) if b.cache else None
-    b.host = host_entries()
+    b.host = host_entries(vision=b.model.vision.num_hidden_layers > 0)
     cached.fetch_or_build(b, "host", key, b.host["embed"]["path"],
                           lambda: write_host(ckpt, b.staging, t.vocab_size, t.hidden_size))
+    if "vision" in b.host:                       # the vision tower runs on the host, as checkpointed
+        key = cached.vision_key(b, ckpt) if b.cache else None
+        cached.fetch_or_build(b, "host", key, b.host["vision"]["path"],
+                              lambda: write_host_vision(ckpt, b.staging, b.model))
 
 
 def _io(specs) -> list[dict]:
@@ -122,8 +141,9 @@ def trace_regions(b: Build) -> None:
     lowered_dir = b.staging / LOWERED_DIR
     lowered_dir.mkdir()
     shapes = b.config.buckets.shapes()
+    gathered = b.topology.groups if b.topology.dispatch else 1
     use_cache = b.cache is not None and not b.hlo_only
-    for kind, method, batch, tokens in b.plan.executables(shapes):
+    for kind, method, batch, tokens in b.plan.executables(shapes, gathered):
         name = f"{kind}.{method}.b{batch}t{tokens}"
         artifact = layout.executable_path(kind, method, batch, tokens, b.target.suffix)
         tkey = cached.trace_key(b, kind, method, batch, tokens) if use_cache else None
@@ -141,7 +161,8 @@ def trace_regions(b: Build) -> None:
         mutated = sorted(names[user.index(n)] for n in ep.graph_signature.user_inputs_to_mutate.values())
         entry = {"kind": kind, "method": method, "bucket": {"batch": batch, "tokens": tokens},
                  "artifact": artifact, "executable": b.target.executable,
-                 "inputs": _io(sig.all), "outputs": region.output_names(), "mutates": mutated}
+                 "inputs": _io(sig.all), "outputs": region.output_names(), "mutates": mutated,
+                 "scratch_bytes": budget.scratch_bytes(ep)}
         lowered = lowered_dir / f"{name}{b.target.lowered_suffix}"
         if b.target.static_shapes:               # state comes back as outputs: emit and check now
             entry.update(b.target.emit(ep, names, entry["outputs"], lowered), mutates=[])
@@ -214,7 +235,7 @@ def write_manifest(b: Build) -> None:
                        "candidate_source": p.candidate_source, "uses_candidates": p.uses_candidates,
                        "engram": p.engram_rows > 0, "regions": steps, "state": b.state_bindings[p.layer]})
     files = mf.file_digests(b.staging)
-    for w in b.weights:
+    for w in (w for entries in b.weights.values() for w in entries):
         w["digest"] = files[w["path"]]
     for h in b.host.values():
         h["digest"] = files[h["path"]]
@@ -224,7 +245,7 @@ def write_manifest(b: Build) -> None:
         "toolchain": b.target.toolchain(),
         "target": {"name": c.target.name, "executable": c.target.executable, "options": c.target.options},
         "stage": "hlo" if b.hlo_only else "executable",
-        "topology": {"tp": c.parallel.tp, "ep": c.parallel.ep, "cp": c.parallel.cp, "world_size": 1,
+        "topology": {**b.topology.to_dict(), "dispatch": b.topology.dispatch,
                      **({"lnc": b.target.lnc} if hasattr(b.target, "lnc") else {})},
         "model": {"config": b.model.to_dict(), "config_hash": b.model.digest(), "dtype": c.model.dtype,
                   "cache_quant": c.model.cache_quant, "weight_format": "e4m3fn", "scale_layout": "ue8m0-u8-row-major",
@@ -237,8 +258,9 @@ def write_manifest(b: Build) -> None:
         "regions": b.executables,
         "head": {"kind": "head", "index": 0},
         "layers": layers,
-        "weights": {"rank-0": b.weights},
+        "weights": b.weights,
         "host": b.host,
+        "memory": budget.record(b),           # per rank; refuses the bundle if the executables overflow it
         "files": files,
     }
     (b.staging / layout.MANIFEST_FILE).write_text(mf.dumps(manifest))
@@ -247,8 +269,10 @@ def write_manifest(b: Build) -> None:
 PASSES = [
     ("parse config", parse_config),
     ("plan regions", plan),
+    ("check memory budget", budget.check_planned),         # weights + pools, before any is written
     ("preprocess weights", preprocess_weights),
     ("trace", trace_regions),
+    ("check memory budget with scratch", budget.check_traced),
     ("compile", compile_regions),
     ("lay out state", layout_state),
     ("write manifest", write_manifest),
@@ -306,18 +330,22 @@ def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bo
     return out, b.timings
 
 
-def cache_key(config: CompileConfig, *, cache: Cache | None = None, log=None, verbose: bool = False) -> Key:
+def cache_key(config: CompileConfig, *, cache: Cache | None = None, log=None, verbose: bool = False,
+              hlo_only: bool = False) -> Key:
     """One key for the whole bundle (for CI cache systems), from the trace and weight keys:
     nothing is traced or compiled. `cache` only lends its tensor-digest memo."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    b = Build(config, Path(), Path(), log=log, cache=cache)
+    b = Build(config, Path(), Path(), log=log, cache=cache, hlo_only=hlo_only)
     parse_config(b)
     plan(b)
     ckpt = Checkpoint(config.model.checkpoint)
-    weights = {kind: cached.weights_key(b, ckpt, kind, kp) for kind, kp in b.plan.kinds.items()}
+    weights = {f"{kind} rank {r}": cached.weights_key(b, ckpt, kind, kp, r) for kind, kp in b.plan.kinds.items()
+               for r in range(b.topology.world)}
+    gathered = b.topology.groups if b.topology.dispatch else 1
     traces = {f"{k}.{m}.b{bb}t{t}": cached.trace_key(b, k, m, bb, t)
-              for k, m, bb, t in b.plan.executables(config.buckets.shapes())}
-    key = cached.bundle_key(b, weights, cached.host_key(b, ckpt), traces)
+              for k, m, bb, t in b.plan.executables(config.buckets.shapes(), gathered)}
+    key = cached.bundle_key(b, weights, cached.host_key(b, ckpt), traces,
+                            cached.vision_key(b, ckpt) if b.model.vision.num_hidden_layers > 0 else None)
     if verbose:
         for k in [*weights.values(), *traces.values(), key]:
             log(f"{k.kind} {k.identity} {k.digest[:16]}")

@@ -14,6 +14,7 @@ import torch
 from deepinfer.regions.base import Region
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.plan import LayerPlan, make_head, make_layer_regions, plan_layers
+from deepinfer.regions.topology import Topology
 
 METHOD = "decode"
 
@@ -24,6 +25,7 @@ class KindPlan:
     region: Region                                         # a representative instance (zero weights)
     layers: list[int] = field(default_factory=list)        # layers running this kind, in stack order
     slot: str = ""                                         # engram | attn | moe | head
+    full_specs: list = field(default_factory=list)         # the unsharded weights (as in the checkpoint)
 
 
 @dataclass
@@ -33,27 +35,31 @@ class RegionPlan:
     # layer -> {slot: (kind, index in that kind's stacks)}
     bindings: dict[int, dict[str, tuple[str, int]]]
 
-    def executables(self, shapes: list[tuple[int, int]]) -> list[tuple[str, str, int, int]]:
-        return [(k, METHOD, b, t) for k in self.kinds for b, t in shapes]
+    def executables(self, shapes: list[tuple[int, int]], gathered: int = 1) -> list[tuple[str, str, int, int]]:
+        """(kind, method, batch, tokens) to build. With EP dispatch over `gathered` token groups
+        the MoE runs on the gathered rows: its batch buckets are `gathered` times larger."""
+        return [(k, METHOD, b * (gathered if k == "moe" else 1), t) for k in self.kinds for b, t in shapes]
 
 
-def plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool) -> RegionPlan:
+def plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology()) -> RegionPlan:
+    """Regions shaped for one rank of `topo` (one executable set serves every rank)."""
     layers = plan_layers(c)
     kinds: dict[str, KindPlan] = {}
     bindings: dict[int, dict[str, tuple[str, int]]] = {}
     engram_rows = max([p.engram_rows for p in layers], default=0)
     for p in layers:
-        regions = make_layer_regions(c, p, dtype, cache_quant)
-        if "engram" in regions and p.engram_rows != engram_rows:
+        if p.engram_rows:
             # stacks share one shape: tables are padded to the largest (rows past a
             # layer's own count are never addressed by its hashes)
-            regions["engram"] = make_layer_regions(
-                c, LayerPlan(**{**p.__dict__, "engram_rows": engram_rows}), dtype, cache_quant)["engram"]
+            p = LayerPlan(**{**p.__dict__, "engram_rows": engram_rows})
+        regions = make_layer_regions(c, p, dtype, cache_quant, topo)
+        full = make_layer_regions(c, p, dtype, cache_quant) if topo.world > 1 else regions
         bindings[p.layer] = {}
         for slot, region in regions.items():
-            kp = kinds.setdefault(region.kind, KindPlan(region.kind, region, slot=slot))
+            kp = kinds.setdefault(region.kind, KindPlan(region.kind, region, slot=slot,
+                                                        full_specs=full[slot].specs))
             bindings[p.layer][slot] = (region.kind, len(kp.layers))
             kp.layers.append(p.layer)
     head = make_head(c, dtype)
-    kinds[head.kind] = KindPlan(head.kind, head, layers=[-1], slot="head")
+    kinds[head.kind] = KindPlan(head.kind, head, layers=[-1], slot="head", full_specs=head.specs)
     return RegionPlan(layers, kinds, bindings)

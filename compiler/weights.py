@@ -39,7 +39,7 @@ def _load_padded(ckpt: Checkpoint, prefix: str, spec: WeightSpec) -> torch.Tenso
 def source_names(kp: KindPlan) -> list[str]:
     """The checkpoint tensors a kind's stacks are built from."""
     names = []
-    for spec in kp.region.specs:
+    for spec in kp.full_specs:
         for layer in kp.layers:
             prefix = "" if layer < 0 else f"layers.{layer}."
             keys = [spec.key.format(e=e) for e in range(spec.experts)] if spec.experts else [spec.key]
@@ -54,14 +54,16 @@ def kind_entry(kind: str, kp: KindPlan, rank: int = 0) -> dict:
                                  "dtype": str(s.dtype).removeprefix("torch.")} for s in kp.region.specs}}
 
 
-def write_kind(ckpt: Checkpoint, kind: str, kp: KindPlan, out: Path, rank: int = 0) -> dict:
-    """Write one kind's stacks to its safetensors file under `out`; returns its manifest entry."""
+def write_kind(ckpt: Checkpoint, kind: str, kp: KindPlan, out: Path, rank: int = 0, shard=None) -> dict:
+    """Write one kind's stacks for `rank` to its safetensors file under `out`; returns its
+    manifest entry. `shard(name, full tensor, shape=)` cuts the rank's part (compiler/shard.py)."""
     tensors = {}
-    for spec in kp.region.specs:
+    for spec, full in zip(kp.region.specs, kp.full_specs):
         stack = torch.empty((len(kp.layers),) + spec.buffer_shape, dtype=spec.dtype)
         for i, layer in enumerate(kp.layers):
             prefix = "" if layer < 0 else f"layers.{layer}."
-            stack[i] = _load_padded(ckpt, prefix, spec)
+            t = _load_padded(ckpt, prefix, full)
+            stack[i] = shard(spec.name, t, shape=spec.buffer_shape) if shard else t
         tensors[spec.name] = stack
     entry = kind_entry(kind, kp, rank)
     (out / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
@@ -69,9 +71,23 @@ def write_kind(ckpt: Checkpoint, kind: str, kp: KindPlan, out: Path, rank: int =
     return entry
 
 
-def host_entries() -> dict:
-    """The manifest's host-resident tensors: the token embedding."""
-    return {"embed": {"path": layout.host_path(layout.HOST_EMBED_FILE), "tensor": "embed"}}
+def host_entries(vision: bool = False) -> dict:
+    """The manifest's host-resident tensors: the token embedding (and the vision tower)."""
+    out = {"embed": {"path": layout.host_path(layout.HOST_EMBED_FILE), "tensor": "embed"}}
+    if vision:
+        out["vision"] = {"path": layout.host_path(layout.HOST_VISION_FILE), "tensors": "checkpoint names"}
+    return out
+
+
+def write_host_vision(ckpt: Checkpoint, out: Path, config) -> None:
+    """The vision tower, aligner and image delimiters, as stored in the checkpoint (V41Config `config`)."""
+    from deepinfer.regions.vision import vision_specs
+
+    rel = host_entries(vision=True)["vision"]["path"]
+    (out / rel).parent.mkdir(parents=True, exist_ok=True)
+    tensors = {name: ckpt.get(name, dtype, shape).contiguous()
+               for name, (shape, dtype) in vision_specs(config.vision, config.text.hidden_size).items()}
+    save_file(tensors, str(out / rel))
 
 
 def write_host(ckpt: Checkpoint, out: Path, vocab: int, hidden: int) -> None:

@@ -63,7 +63,9 @@ def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool):
     The checkpoint has the release's layout (config.json, model.safetensors and
     its index; fp8 weights with [32, 32] ue8m0 scales, fp4 experts, bf16 norms)
     and every layer kind: window-only, kv sources at ratio 2 and 1, reindex,
-    reuse, the candidate pool and engram. Its tokenizer is byte-level.
+    reuse, the candidate pool and engram, plus a tiny vision tower (2 blocks,
+    patch 4, 2 x 2 merge; images via --image). Its tokenizer is byte-level
+    (image token 259).
     """
     from deepinfer.regions.tiny import make_tiny
 
@@ -71,8 +73,9 @@ def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool):
     click.echo(f"wrote {path} (seed {seed}, {layers} layers)")
 
 
-def prompts_from(prompt: tuple[str, ...], prompt_ids: tuple[str, ...], vocab: int, tokenizer) -> list[list[int]]:
-    prompts = [tokenizer.encode(p) for p in prompt] + [parse_ids(p) for p in prompt_ids]
+def prompts_from(prompt: tuple[str, ...], prompt_ids: tuple[str, ...], vocab: int, tokenizer,
+                 image_token: int | None = None) -> list[list[int]]:
+    prompts = [tokenizer.encode(p, image_token=image_token) for p in prompt] + [parse_ids(p) for p in prompt_ids]
     if not prompts:
         raise click.UsageError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
     for ids in prompts:
@@ -95,6 +98,30 @@ def generation_options(fn):
     for option in reversed(options):
         fn = option(fn)
     return fn
+
+
+image_option = click.option(
+    "--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="An image for every prompt, run through the host-side vision tower: binary PPM/PGM (P6/P5), PNG "
+         "(8-bit, non-interlaced) or .npy uint8 [H, W, 3]. It takes the place of the prompt's <image> marker "
+         "(--prompt-ids: the image token id), else goes right after bos. Repeat for several images, one "
+         "marker each.")
+
+
+def prompts_with_images(prompt, prompt_ids, images, config, tokenizer, tower):
+    """(token-id prompts, per-prompt image embeddings or None); `tower()` gives the vision tower,
+    asked for only when there are images."""
+    if not images:
+        return prompts_from(prompt, prompt_ids, config.text.vocab_size, tokenizer), None
+    from deepinfer.regions.image import read_image
+    from deepinfer.regions.vision import with_images
+
+    token = config.image_token_id
+    prompts = prompts_from(prompt, prompt_ids, config.text.vocab_size, tokenizer, image_token=token)
+    vision = tower()
+    spans = [vision.embed(read_image(path)) for path in images]
+    placed = [with_images(ids, spans, token, config.bos_token_id) for ids in prompts]
+    return [ids for ids, _ in placed], [embeds for _, embeds in placed]
 
 
 def write_logits(path: Path, gens) -> None:
@@ -127,14 +154,19 @@ def write_logits(path: Path, gens) -> None:
 @click.option("--topk-ties", type=click.Choice(["nemo", "lowest"]), default="nemo", show_default=True,
               help="Indexer top-k among equal scores: as NeMo AutoModel's forward (torch.topk over the "
                    "sequence's width), or lowest index first (what compiled bundles do).")
+@image_option
 @user_errors
 def reference_cmd(checkpoint, prompt, prompt_ids, max_new_tokens, chunk, dtype, cache_quant, topk_ties, as_json,
-                  dump_logits):
+                  dump_logits, images):
     """Generate greedily with the pure-torch reference model.
 
     The reference composes the same regions the compiler traces, layer by layer
     in eager torch, with its own state buffers. It is the oracle every bundle
     is held to.
+
+    \b
+    Example (an image at the prompt's <image> marker):
+      deepinfer reference tiny/ --image cat.ppm --prompt "<image>What is this?"
     """
     from deepinfer.regions.reference import ReferenceModel
     from deepinfer.regions.tokenizer import ByteTokenizer
@@ -142,8 +174,8 @@ def reference_cmd(checkpoint, prompt, prompt_ids, max_new_tokens, chunk, dtype, 
     model = ReferenceModel(checkpoint, dtype=dtype, cache_quant=cache_quant, ties=topk_ties)
     cfg = model.config
     tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
-    prompts = prompts_from(prompt, prompt_ids, cfg.text.vocab_size, tok)
-    gens = model.generate(prompts, max_new_tokens, chunk=chunk)
+    prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: model.vision)
+    gens = model.generate(prompts, max_new_tokens, chunk=chunk, images=embeds)
     if dump_logits:
         write_logits(dump_logits, gens)
     if as_json:
@@ -262,6 +294,55 @@ def compare_cmd(a, b, checkpoint, floor_file, dtype, cache_quant, margin, per_st
             lines.append("verdict: none (give --noise-floor CKPT or --floor FILE)")
         click.echo("\n".join(lines))
     if verdict is not None and not verdict.within:
+        sys.exit(1)
+
+
+@main.command("diff")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--prompt", multiple=True, help="Prompt text (byte-level tokenizer). Repeat for a batch.")
+@click.option("--prompt-ids", multiple=True, help="Prompt as token ids, e.g. 0,72,101. Repeat for a batch.")
+@click.option("--max-new-tokens", default=4, show_default=True, help="Tokens to generate per prompt.")
+@click.option("--tolerance", type=float, default=None,
+              help="Worst score a kind may have [default: 1e-4 for fp32 bundles, 2e-2 for bf16].")
+@click.option("--per-layer", is_flag=True, help="One row per (kind, layer) instead of one per kind.")
+@click.option("--num-kv-blocks", type=int, default=None, help="Size of the KV block pool (default: the bundle's).")
+@click.option("--no-verify", is_flag=True, help="Skip the digest check of the bundle's files at load.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@user_errors
+def diff_cmd(bundle, prompt, prompt_ids, max_new_tokens, tolerance, per_layer, num_kv_blocks, no_verify, as_json):
+    """Rank BUNDLE's region kinds by how far they are from their pure-torch reference.
+
+    Generates greedily on the prompts; every region call's inputs are copied
+    before the executable runs, and the eager reference region of that kind
+    (this bundle's config, that layer's weights from the bundle's stacks) is
+    run on the copies. Outputs and written state are compared: floats by
+    max |exe - ref| / max |ref|, integers (top-k) by the fraction that differ.
+    The run continues with the executable's outputs, so differences do not
+    compound and the worst kind is the culprit.
+
+    \b
+    Exit status: 0 every kind within --tolerance, 1 some kind differs,
+    2 unreadable bundle or bad input.
+
+    \b
+    Example:
+      deepinfer diff build/tiny --prompt "Hello" --per-layer
+    """
+    from deepinfer import diff
+    from deepinfer.bundles.manifest import read
+    from deepinfer.regions.config import parse_config
+    from deepinfer.regions.tokenizer import ByteTokenizer
+
+    cfg = parse_config(read(bundle)["model"]["config"], f"{bundle}/manifest.json")
+    tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+    prompts = prompts_from(prompt, prompt_ids, cfg.text.vocab_size, tok)
+    report = diff.diff_bundle(bundle, prompts, max_new_tokens, tolerance=tolerance, verify=not no_verify,
+                              num_kv_blocks=num_kv_blocks)
+    if as_json:
+        click.echo(json.dumps(diff.report_json(report)))
+    else:
+        click.echo("\n".join(diff.table_lines(report, per_layer=per_layer)))
+    if report.failing():
         sys.exit(1)
 
 

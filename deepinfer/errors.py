@@ -19,3 +19,7 @@ class CheckpointError(DeepinferError):
 
 class CompareError(DeepinferError):
     """A logit dump or noise-floor file is missing, malformed, or does not match the other."""
+
+
+class ImageError(DeepinferError):
+    """An image file is unreadable, of an unsupported format, or does not fit the vision config."""

@@ -87,6 +87,7 @@ class _Attention(Region):
     """Shared pieces: projections, the window, sparse attention, the output."""
 
     ratio: int = 0
+    tp: int = 1             # > 1: this rank's heads only; the output is a partial sum (see _finish)
 
     def __init__(self, c: TextConfig, specs: list[WeightSpec], *, dtype: torch.dtype, cache_quant: bool):
         super().__init__(_attention_specs(c) + specs, dtype)
@@ -186,8 +187,14 @@ class _Attention(Region):
         return ops.blockquant_gemm(o, self.wo_b, self.wo_b_s, "fp8")                  # [B, T, D]
 
     def _finish(self, out: Tensor, h: Tensor, mix) -> tuple[Tensor, Tensor]:
+        """The new streams. With tp > 1, `out` covers this rank's heads: the streams come back
+        as a float32 partial whose residual mix only the group's first rank adds; the runtime
+        sums the partials over the tp ranks (regions/topology.py)."""
         pre, post, comb = mix
-        return ops.hc_expand(out, h, post, comb), pre
+        if self.tp == 1:
+            return ops.hc_expand(out, h, post, comb), pre
+        lead = (self.rank % self.tp == 0).to(torch.float32)
+        return ops.hc_expand(out.float(), h.float() * lead, post, comb), pre
 
     # -- indexer ---------------------------------------------------------------------------
 

@@ -91,11 +91,12 @@ class EngramHasher:
             out.append(np.concatenate(heads, axis=-1) + offsets)
         return np.stack(out, axis=1)
 
-    def step(self, histories: list, positions) -> np.ndarray:
+    def step(self, histories: list, positions, masks: list | None = None) -> np.ndarray:
         """Rows for a [B, T] step -> int64 [B, T, layers, hash_heads] (0 at padding).
 
         histories[b]: sequence b's ids up to its last position in the step;
-        positions: [B, T] (valid positions first and consecutive, -1 padding).
+        positions: [B, T] (valid positions first and consecutive, -1 padding);
+        masks[b] (optional, may be shorter than the history or None): image positions.
         """
         positions = np.asarray(positions)
         B, T = positions.shape
@@ -103,5 +104,8 @@ class EngramHasher:
         for b in range(B):
             n = int((positions[b] >= 0).sum())
             if n:
-                out[b, :n] = self.hashes(histories[b], int(positions[b, 0]), n)
+                m = masks[b] if masks is not None and b < len(masks) else None
+                if m is not None:                   # generated tokens (beyond the prompt) are text
+                    m = np.pad(np.asarray(m, dtype=bool), (0, max(0, len(histories[b]) - len(m))))
+                out[b, :n] = self.hashes(histories[b], int(positions[b, 0]), n, m)
         return out

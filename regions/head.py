@@ -47,9 +47,16 @@ class Embedding(nn.Module):
         self.hc_mult = hc_mult
         self.dtype = dtype
 
-    def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """tokens [B, T] -> h [B, T, n, D] (contiguous), pre [B, T, n] float32."""
+    def forward(self, tokens: Tensor, is_image: Tensor | None = None,
+                image_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """tokens [B, T] -> h [B, T, n, D] (contiguous), pre [B, T, n] float32.
+
+        Where is_image [B, T] is set, the row of image_rows [B, T, D] (the vision
+        tower's span) replaces the token's embedding.
+        """
         e = self.weight[tokens].to(self.dtype)
+        if image_rows is not None:
+            e = torch.where(is_image.unsqueeze(-1), image_rows.to(self.dtype), e)
         h = e.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
         pre = torch.zeros(*tokens.shape, self.hc_mult, dtype=torch.float32)
         pre[..., 0] = 1

@@ -18,12 +18,15 @@ from deepinfer.kernels import hc as _hc  # noqa: F401  (registers ops)
 from deepinfer.regions.base import Region, WeightSpec, fp4_specs, fp8_specs
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.state import Geometry, InputSpec
+from deepinfer.regions.topology import Topology, shared_width
 
 ops = torch.ops.deepinfer
 
 
-def moe_specs(c: TextConfig) -> list[WeightSpec]:
+def moe_specs(c: TextConfig, topo: Topology = Topology()) -> list[WeightSpec]:
+    """The weights one rank holds: its E / ep routed experts and its shared-expert slice."""
     n, D, I, E = c.hc_mult, c.hidden_size, c.moe_intermediate_size, c.n_routed_experts
+    El, Is = E // topo.ep, shared_width(c, topo)
     return [
         WeightSpec("hc_fn", "hc_ffn_fn", ((2 + n) * n, n * D), "F32"),
         WeightSpec("hc_base", "hc_ffn_base", ((2 + n) * n,), "F32"),
@@ -32,12 +35,12 @@ def moe_specs(c: TextConfig) -> list[WeightSpec]:
         WeightSpec("gate", "ffn.gate.weight", (E, D), "BF16"),
         WeightSpec("gate_bias", "ffn.gate.bias", (E,), "F32"),
         WeightSpec("gate_bias_vl", "ffn.gate.bias_vl", (E,), "F32"),
-        *fp4_specs("w1", "ffn.experts.{e}.w1", I, D, E),
-        *fp4_specs("w3", "ffn.experts.{e}.w3", I, D, E),
-        *fp4_specs("w2", "ffn.experts.{e}.w2", D, I, E),
-        *fp8_specs("sw1", "ffn.shared_experts.w1", I, D),
-        *fp8_specs("sw3", "ffn.shared_experts.w3", I, D),
-        *fp8_specs("sw2", "ffn.shared_experts.w2", D, I),
+        *fp4_specs("w1", "ffn.experts.{e}.w1", I, D, El),
+        *fp4_specs("w3", "ffn.experts.{e}.w3", I, D, El),
+        *fp4_specs("w2", "ffn.experts.{e}.w2", D, I, El),
+        *fp8_specs("sw1", "ffn.shared_experts.w1", Is, D),
+        *fp8_specs("sw3", "ffn.shared_experts.w3", Is, D),
+        *fp8_specs("sw2", "ffn.shared_experts.w2", D, Is),
     ]
 
 
@@ -52,11 +55,16 @@ def route(x: Tensor, gate: Tensor, bias: Tensor, k: int, normalize: bool, scale:
 
 
 class MoE(Region):
+    """With ep > 1 the region returns this rank's partial (float32): its experts' and its
+    shared slice's contribution, the residual mix added by rank 0 only; the runtime sums
+    the partials over the EP group (regions/topology.py)."""
+
     kind = "moe"
 
-    def __init__(self, c: TextConfig, *, dtype: torch.dtype):
-        super().__init__(moe_specs(c), dtype)
+    def __init__(self, c: TextConfig, *, dtype: torch.dtype, topo: Topology = Topology()):
+        super().__init__(moe_specs(c, topo), dtype)
         self.c = c
+        self.ep = topo.ep
 
     def output_names(self) -> list[str]:
         return ["h", "pre"]
@@ -71,12 +79,12 @@ class MoE(Region):
         """x [N, D] through the selected experts this rank holds, weighted and summed -> [N, D].
 
         The expert stacks hold this rank's E_local experts, global ids
-        rank * E_local ... (rank + 1) * E_local - 1 (all of them on one rank);
-        selected experts held elsewhere contribute zero through the same graph.
+        r * E_local ... (r + 1) * E_local - 1 for r = rank mod ep (all of them when ep
+        is 1); selected experts held elsewhere contribute zero through the same graph.
         """
         limit, k = self.c.swiglu_limit, experts.shape[1]
         local_count = self.w1.shape[0]
-        local = experts - self.rank * local_count                                     # [N, k]
+        local = experts - (self.rank % self.ep) * local_count                         # [N, k]
         held = (local >= 0) & (local < local_count)
         local = local.clamp(0, local_count - 1)
         weights = torch.where(held, weights, 0.0)
@@ -85,7 +93,7 @@ class MoE(Region):
         u = ops.blockquant_gemm(xk, self.w3[local], self.w3_s[local], "fp4")
         a = ops.swiglu(g, u, weights.unsqueeze(-1), limit)
         y = ops.blockquant_gemm(a, self.w2[local], self.w2_s[local], "fp4")           # [N, k, D]
-        return y.float().sum(1).to(x.dtype)
+        return y.float().sum(1)
 
     def shared(self, x: Tensor) -> Tensor:
         g = ops.blockquant_gemm(x, self.sw1, self.sw1_s, "fp8")
@@ -102,5 +110,9 @@ class MoE(Region):
         bias = torch.where(is_image.flatten().unsqueeze(-1), self.gate_bias_vl, self.gate_bias)
         weights, experts = route(xf, self.gate, bias, c.num_experts_per_tok, c.norm_topk_prob,
                                  c.routed_scaling_factor)
-        out = (self.routed(xf, weights, experts) + self.shared(xf)).view_as(x)
-        return ops.hc_expand(out, h, post, comb), pre_f
+        if self.ep == 1:
+            out = (self.routed(xf, weights, experts).to(x.dtype) + self.shared(xf)).view_as(x)
+            return ops.hc_expand(out, h, post, comb), pre_f
+        out = (self.routed(xf, weights, experts) + self.shared(xf).float()).view(x.shape)  # [B, T, D] f32
+        lead = (self.rank == 0).to(torch.float32)
+        return ops.hc_expand(out, h.float() * lead, post, comb), pre_f

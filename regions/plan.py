@@ -17,6 +17,7 @@ from deepinfer.regions.config import TextConfig
 from deepinfer.regions.engram import Engram
 from deepinfer.regions.head import Head
 from deepinfer.regions.moe import MoE
+from deepinfer.regions.topology import Topology, attention_config
 
 
 @dataclass(frozen=True)
@@ -44,25 +45,32 @@ def plan_layers(c: TextConfig) -> list[LayerPlan]:
     return plans
 
 
-def make_attention(c: TextConfig, p: LayerPlan, dtype: torch.dtype, cache_quant: bool) -> Region:
+def make_attention(c: TextConfig, p: LayerPlan, dtype: torch.dtype, cache_quant: bool,
+                   topo: Topology = Topology()) -> Region:
+    """The layer's attention region, with the heads one tp rank computes."""
+    a = attention_config(c, topo)
     if p.attn == "window":
-        return WindowAttention(c, dtype=dtype, cache_quant=cache_quant)
-    if p.attn == "source":
-        return SourceAttention(c, ratio=p.ratio, candidate_source=p.candidate_source, dtype=dtype,
-                               cache_quant=cache_quant)
-    if p.attn == "reindex":
-        return ReindexAttention(c, ratio=p.ratio, uses_candidates=p.uses_candidates, dtype=dtype,
-                                cache_quant=cache_quant)
-    return ReuseAttention(c, ratio=p.ratio, dtype=dtype, cache_quant=cache_quant)
+        region = WindowAttention(a, dtype=dtype, cache_quant=cache_quant)
+    elif p.attn == "source":
+        region = SourceAttention(a, ratio=p.ratio, candidate_source=p.candidate_source, dtype=dtype,
+                                 cache_quant=cache_quant)
+    elif p.attn == "reindex":
+        region = ReindexAttention(a, ratio=p.ratio, uses_candidates=p.uses_candidates, dtype=dtype,
+                                  cache_quant=cache_quant)
+    else:
+        region = ReuseAttention(a, ratio=p.ratio, dtype=dtype, cache_quant=cache_quant)
+    region.tp = topo.tp
+    return region
 
 
-def make_layer_regions(c: TextConfig, p: LayerPlan, dtype: torch.dtype, cache_quant: bool) -> dict[str, Region]:
-    """The regions of one layer: optional `engram`, `attn`, `moe`."""
+def make_layer_regions(c: TextConfig, p: LayerPlan, dtype: torch.dtype, cache_quant: bool,
+                       topo: Topology = Topology()) -> dict[str, Region]:
+    """The regions of one layer (shaped for one rank of `topo`): optional `engram`, `attn`, `moe`."""
     regions = {}
     if p.engram_rows:
         regions["engram"] = Engram(c, rows=p.engram_rows, dtype=dtype)
-    regions["attn"] = make_attention(c, p, dtype, cache_quant)
-    regions["moe"] = MoE(c, dtype=dtype)
+    regions["attn"] = make_attention(c, p, dtype, cache_quant, topo)
+    regions["moe"] = MoE(c, dtype=dtype, topo=topo)
     return regions
 
 

@@ -15,11 +15,12 @@ import torch
 from torch import Tensor
 
 from deepinfer.regions.checkpoint import Checkpoint, load_region
-from deepinfer.regions.config import V41Config, load_config
+from deepinfer.regions.config import CONFIG_FILE, V41Config, load_config
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.head import Embedding
 from deepinfer.regions.plan import make_head, make_layer_regions, plan_layers
 from deepinfer.regions.state import allocate, state_layout
+from deepinfer.regions.vision import ImageEmbeds, VisionTower, engram_masks, step_images
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 REFERENCE_BLOCK_SIZE = 16
@@ -35,6 +36,7 @@ class Batch:
     block_table: Tensor     # [B, MB] int64
     hashes: Tensor | None   # [B, T, engram_layers, hash_heads] int64
     is_image: Tensor        # [B, T] bool
+    image_rows: Tensor | None = None    # [B, T, D]: the embeddings of image positions (vision tower)
 
 
 @dataclass
@@ -112,19 +114,30 @@ class ReferenceModel:
         self.embed = Embedding(ckpt.get("embed.weight", "BF16", (c.vocab_size, c.hidden_size)),
                                c.hc_mult, self.dtype)
         self.hasher = EngramHasher(c) if c.engram_layer_ids else None
+        self._vision: VisionTower | None = None
 
     def invoke(self, layer: int, slot: str, *inputs):
         region = self.head if slot == "head" else self.layers[layer][slot]
         out = region.decode(*inputs)
         return out if isinstance(out, tuple) else (out,)
 
+    @property
+    def vision(self) -> VisionTower:
+        """The host-side vision tower (loaded on first use; a ConfigError without one)."""
+        if self._vision is None:
+            self._vision = VisionTower(self.config, Checkpoint(self.path).get, self.dtype,
+                                       str(self.path / CONFIG_FILE))
+        return self._vision
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, chunk: int | None = None,
-                 eos: int | None = None) -> list[Generation]:
+                 eos: int | None = None, images: list[ImageEmbeds | None] | None = None) -> list[Generation]:
         """Greedy generation for a batch of token-id prompts.
 
         Prompts run as decode-shaped chunks of `chunk` tokens (default: the
-        longest prompt in one chunk), then one token per step.
+        longest prompt in one chunk), then one token per step. `images[b]`
+        (from `vision.with_images`) marks prompt b's image positions and
+        holds the rows that replace their embeddings.
         """
         c = self.config.text
         eos = self.config.eos_token_id if eos is None else eos
@@ -153,13 +166,15 @@ class ReferenceModel:
                 tokens[b, :todo[b]] = torch.tensor(ids, dtype=torch.int64)
                 positions[b, :todo[b]] = torch.arange(consumed[b], consumed[b] + todo[b])
             active = torch.tensor([t > 0 for t in todo])
+            is_image, image_rows = step_images(images, list(zip(consumed, todo)), T, self.dtype)
             batch = Batch(tokens, positions,
                           slots=torch.where(active, torch.arange(1, B + 1), 0),
                           block_table=torch.where(active.unsqueeze(1), table, 0),
                           hashes=None if self.hasher is None else torch.from_numpy(
-                              self.hasher.step([g.tokens for g in gens], positions.numpy())),
-                          is_image=torch.zeros_like(tokens, dtype=torch.bool))   # text only
-            h, pre = self.embed(tokens)
+                              self.hasher.step([g.tokens for g in gens], positions.numpy(),
+                                               engram_masks(images, list(range(B))))),
+                          is_image=is_image, image_rows=image_rows)
+            h, pre = self.embed(tokens, is_image, image_rows)
             logits = run_layers(self.plans, self.invoke, states, h, pre, batch)
             for b in range(B):
                 if not todo[b]:

@@ -7,7 +7,10 @@ f32 hyper-connection parameters, fp8 engram tables with per-row scales), at a
 size that runs in milliseconds. Every layer kind is present (MODEL.md's tiny
 layer plan); `layers` > 6 repeats the pattern. Weights are scaled so that
 activations stay near unit RMS and greedy generation moves through many tokens.
-The tokenizer is byte-level (`deepinfer.regions.tokenizer`).
+The tokenizer is byte-level (`deepinfer.regions.tokenizer`). A tiny vision
+tower (2 blocks of width 64, patch 4, 2 x 2 merge) comes from a generator of
+its own, drawn after the text tensors, so the text tensors are the same bytes
+with or without it.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from deepinfer.quant.ue8m0 import UE8M0_LUT, scale_bytes_for
 from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE
 from deepinfer.regions.config import CONFIG_FILE, parse_config
 from deepinfer.regions.plan import make_head, make_layer_regions, plan_layers
+from deepinfer.regions.vision import vision_specs
 
 MIN_LAYERS = 6
+VISION_STREAM = 0x5649          # the vision tensors' generator: default_rng((seed, VISION_STREAM))
 
 
 def tiny_config(layers: int = MIN_LAYERS) -> dict:
@@ -68,10 +73,10 @@ def tiny_config(layers: int = MIN_LAYERS) -> dict:
     return {
         "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
         "text_config": text,
-        "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 0, "hidden_size": 64,
-                          "num_attention_heads": 4, "intermediate_size": 128, "patch_size": 14,
-                          "rope_theta": 10000.0, "downsample_ratio": 3, "max_image_tokens": 64,
-                          "min_pixels": 3136, "max_wh_ratio": None},
+        "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 2, "hidden_size": 64,
+                          "num_attention_heads": 4, "intermediate_size": 128, "patch_size": 4,
+                          "rope_theta": 10000.0, "downsample_ratio": 2, "max_image_tokens": 64,
+                          "min_pixels": 256, "max_wh_ratio": None},
         "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
                                 "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
         "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "image_token_id": 259,
@@ -145,6 +150,26 @@ def _tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _vision_tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """The vision tower, aligner and delimiters, from their own generator (the text tensors
+    do not move when these change)."""
+    cfg = parse_config(config)
+    rng = np.random.default_rng((seed, VISION_STREAM))
+    out = {}
+    for name, (shape, dtype) in vision_specs(cfg.vision, cfg.text.hidden_size).items():
+        if ".norm" in name:
+            values = 1 + 0.1 * rng.standard_normal(shape)
+        elif name.endswith(".bias"):
+            values = 0.1 * rng.standard_normal(shape)
+        elif name.startswith("image_"):
+            values = rng.standard_normal(shape)                   # like embedding rows
+        else:
+            values = rng.standard_normal(shape) / np.sqrt(shape[-1])
+        out[name] = torch.from_numpy(values.astype(np.float32)).to(
+            torch.bfloat16 if dtype == "BF16" else torch.float32)
+    return out
+
+
 def _is_same_tiny(path: Path, config: dict) -> bool:
     try:
         return (json.loads((path / CONFIG_FILE).read_text()) == config
@@ -167,6 +192,7 @@ def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = MIN_LAYERS, e
             return out_dir
         raise ConfigError(f"{out_dir}: exists and is not empty" + (" and holds a different checkpoint (seed or layers)" if exist_ok else "") + "; choose a new directory")
     tensors = _tensors(config, seed)
+    tensors.update(_vision_tensors(config, seed))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from deepinfer.cli import generation_options, prompts_from, user_errors, write_logits
+from deepinfer.cli import generation_options, image_option, prompts_with_images, user_errors, write_logits
 
 
 def timing_lines(stats, wall: float) -> list[str]:
@@ -34,9 +34,10 @@ def timing_lines(stats, wall: float) -> list[str]:
 @click.option("--threads", type=int, default=None,
               help="Host threads for the executables (default: torch's; 1 is often fastest for small models "
                    "on a busy machine).")
+@image_option
 @user_errors
 def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_json, dump_logits, no_verify,
-         threads):
+         threads, images):
     """Load BUNDLE (validated: format version, digests, target) and generate greedily.
 
     Prompts run as decode-shaped chunks through the bucket executables, then
@@ -45,6 +46,7 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
     \b
     Example:
       deepinfer-run build/tiny --prompt "Hello, world" --max-new-tokens 32 --timing
+      deepinfer-run build/tiny --image cat.ppm --prompt "<image>What is this?"   # tower runs on the host
     """
     from deepinfer.regions.tokenizer import ByteTokenizer
     from deepinfer.runtime import load
@@ -57,8 +59,8 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
     session = load(bundle, num_kv_blocks=num_kv_blocks, verify=not no_verify)
     cfg = session.config
     tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
-    prompts = prompts_from(prompt, prompt_ids, cfg.text.vocab_size, tok)
-    gens = session.generate(prompts, max_new_tokens)
+    prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: session.vision)
+    gens = session.generate(prompts, max_new_tokens, images=embeds)
     wall = time.perf_counter() - start
     if dump_logits:
         write_logits(dump_logits, gens)

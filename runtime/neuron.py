@@ -230,7 +230,17 @@ class NeuronExecutable:
     "name", or names). out_specs: (name, shape, dtype) per output. aliases:
     {output index: input index} for outputs written in place into a state
     input; those are bound to that input's DeviceTensor and returned as it,
-    without a read back. Tensors are bound by name, never by libnrt's order.
+    without a read back.
+
+    Binding (see `_positions`): when the NEFF's tensor names are the manifest's
+    names, tensors are bound by name, never by libnrt's order. Otherwise, when the
+    NEFF names its inputs exactly `input0..input<n-1>` and its outputs exactly
+    `output0..output<m-1>`, the k-th manifest input is bound to `input<k>` and the
+    k-th output spec to `output<k>` (parameter and result order of the HLO module).
+    ASSUMPTION TO VERIFY ON TRN2: that neuronx-cc names a NEFF compiled from an
+    HloModuleProto this way (we believe so; it is not documented, and it has only
+    been exercised against the TEST DOUBLES in tests/trn2/doubles). Any other
+    naming is refused with both lists of names.
     """
 
     def __init__(self, path: str | Path, core: NeuronCore, signature: Sequence[str | dict],
@@ -301,14 +311,22 @@ class NeuronExecutable:
 
 
 def _positions(model: NeuronModel, usage: str, infos: list[TensorInfo], names: list[str]) -> list[int]:
-    """For each name, its index in the model's own list; every model tensor must be named exactly once."""
+    """For each of our names (call order), the index of its tensor in the model's own list.
+
+    By name when the model's names are ours; else positionally when the model names its
+    tensors `<usage><N>` with N exactly 0..len-1 (our k-th tensor is `<usage><k>`: the
+    unverified assumption about real NEFFs in NeuronExecutable's docstring)."""
     index = {i.name: k for k, i in enumerate(infos)}
+    if len(index) == len(infos) and set(index) == set(names) and len(set(names)) == len(names):
+        return [index[n] for n in names]
+    positional = [f"{usage}{k}" for k in range(len(infos))]
+    if set(index) == set(positional) and len(names) == len(infos):
+        return [index[p] for p in positional]
     unknown = [n for n in names if n not in index]
     missing = [i.name for i in infos if i.name not in names]
-    if unknown or missing or len(set(names)) != len(names):
-        raise NeuronArgumentError(f"{model.path}: {usage} names {names} do not match the model's "
-                                  f"{[i.name for i in infos]} (unknown {unknown}, unbound {missing})")
-    return [index[n] for n in names]
+    raise NeuronArgumentError(f"{model.path}: {usage} names {names} do not match the model's "
+                              f"{[i.name for i in infos]} (unknown {unknown}, unbound {missing}; the model's "
+                              f"names must be ours, or exactly {usage}0..{usage}{len(infos) - 1} to bind by position)")
 
 
 def _reorder(tensors: list[DeviceTensor], positions: list[int]) -> list[DeviceTensor]:

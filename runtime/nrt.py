@@ -49,7 +49,8 @@ Uncertain (not verified on hardware):
     within the process's visible cores (NEURON_RT_VISIBLE_CORES), so a process
     pinned to one core uses index 0; the headers do not say so explicitly.
   - The order of entries in nrt_tensor_info_array_t is not documented; callers
-    bind tensors by name, never by position.
+    bind tensors by name, never by their order in that array (names of the form
+    input<N>/output<N> are read as positions: see neuron.NeuronExecutable).
   - Struct layouts assume LP64 (x86_64 / aarch64 Linux): sizeof(nrt_tensor_info_t) == 296.
 """
 

@@ -9,6 +9,7 @@ per step, with the same region wiring as the reference (`run_layers`).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.head import Embedding
 from deepinfer.regions.plan import LayerPlan
 from deepinfer.regions.reference import DTYPES, Batch, Generation, run_layers
+from deepinfer.regions.topology import Topology
+from deepinfer.regions.vision import VisionTower, engram_masks, step_images, tensor_getter
 from deepinfer.runtime.backends import check_compatible, placement_for
 from deepinfer.runtime.mmap_weights import load_mmap
 from deepinfer.runtime.scheduler import Allocator, OutOfBlocks, bucket_at_least
@@ -45,7 +48,8 @@ class Stats:
 
 
 class Session:
-    def __init__(self, bundle: Path, manifest: dict, *, num_kv_blocks: int | None = None, rank: int = 0):
+    def __init__(self, bundle: Path, manifest: dict, *, num_kv_blocks: int | None = None, rank: int = 0,
+                 comm=None):
         self.path, self.manifest = Path(bundle), manifest
         self.config = parse_config(manifest["model"]["config"], f"{bundle}/manifest.json")
         self.dtype = DTYPES[manifest["model"]["dtype"]]
@@ -62,15 +66,25 @@ class Session:
         self.batch_sizes = sorted({s["batch"] for s in shapes})
         self.token_sizes = sorted({s["tokens"] for s in shapes})
         self.rank = torch.tensor(rank, dtype=torch.int64)
+        t = manifest["topology"]
+        self.topology = Topology(tp=t["tp"], ep=t["ep"], cp=t["cp"])
+        self.comm = comm
         self.placement = placement_for(manifest, self.path, rank)
-        self._load_executables()
-        self._bind_weights(rank)
-        self._allocate_pools()
+        try:
+            self._load_executables()
+            self._bind_weights(rank)
+            self._allocate_pools()
+        except BaseException:
+            self.placement.close()          # a refused load must not keep the device
+            raise
         host = manifest["host"]["embed"]
         embed = load_mmap(self.path / host["path"])[host["tensor"]]
         self.embed = Embedding(embed, self.config.text.hc_mult, self.dtype)
         self.hasher = EngramHasher(self.config.text) if self.config.text.engram_layer_ids else None
         self.stats = Stats()
+        # optional hook around every region call: on_call(layer, slot, kind, inputs, run) -> outputs,
+        # where run() calls the executable (deepinfer/diff.py); None costs one test per call
+        self.on_call = None
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -112,29 +126,42 @@ class Session:
         """Release the executables and device memory (a no-op for host bundles)."""
         self.placement.close()
 
+    @functools.cached_property
+    def vision(self) -> VisionTower:
+        """The host-resident vision tower (host/vision.safetensors), loaded on first use."""
+        host = self.manifest["host"].get("vision")
+        if host is None:
+            raise mf.BundleError(f"{self.path}: the bundle has no vision tower (its checkpoint's "
+                                 "vision_config.num_hidden_layers is 0); it cannot take images")
+        tensors = load_mmap(self.path / host["path"])
+        return VisionTower(self.config, tensor_getter(tensors, str(self.path / host["path"])), self.dtype,
+                           f"{self.path}/manifest.json")
+
     # -- running ------------------------------------------------------------------------------
 
-    def _invoke(self, B: int, T: int):
-        executables, bound, stats = self.executables, self.bound, self.stats
+    def _invoke(self):
+        executables, bound, stats, on_call, comm = self.executables, self.bound, self.stats, self.on_call, self.comm
 
         def invoke(layer: int, slot: str, *inputs):
             t0 = time.perf_counter()
             kind, weights = bound[(layer, slot)]
-            exe = executables[(kind, B, T)]
+            if comm is not None and slot == "moe" and comm.topo.dispatch:
+                inputs = comm.dispatch(*inputs)                 # every group's rows
+            exe = executables[(kind, inputs[0].shape[0], inputs[0].shape[1])]
             args = weights + list(inputs)
             t1 = time.perf_counter()
-            out = exe(args)
+            out = exe(args) if on_call is None else on_call(layer, slot, kind, inputs, lambda: exe(args))
             t2 = time.perf_counter()
             stats.calls[kind] += 1
             stats.seconds[kind] += t2 - t1
             stats.overhead += t1 - t0
-            return out
+            return out if comm is None else comm.after(slot, out, self.dtype)
         return invoke
 
-    def _step(self, rows: list[tuple[int, list[int], int]], alloc: Allocator, gens) -> torch.Tensor:
-        """rows: (seq, token ids, first position). Returns logits [len(rows), T, V]."""
-        B = bucket_at_least(self.batch_sizes, len(rows))
-        T = bucket_at_least(self.token_sizes, max(len(ids) for _, ids, _ in rows))
+    def _batch(self, rows: list[tuple[int, list[int], int]], alloc: Allocator, gens, B: int, T: int,
+               images=None) -> Batch:
+        """rows: (seq, token ids, first position) -> the step's host metadata, padded to [B, T];
+        images[seq]: that prompt's image positions and rows (vision.ImageEmbeds) or None."""
         tokens = torch.full((B, T), self.config.pad_token_id, dtype=torch.int64)
         positions = torch.full((B, T), -1, dtype=torch.int64)
         slots = torch.zeros(B, dtype=torch.int64)
@@ -144,39 +171,70 @@ class Session:
             positions[b, :len(ids)] = torch.arange(start, start + len(ids))
             slots[b] = alloc.slot_of[seq]
             table[b] = torch.tensor(alloc.table_row(seq))
+        seqs = [seq for seq, _, _ in rows]
+        spans = [(start, len(ids)) for _, ids, start in rows] + [(0, 0)] * (B - len(rows))
+        is_image, image_rows = step_images(None if images is None else [images[s] for s in seqs], spans, T,
+                                           self.dtype)
         hashes = None
         if self.hasher is not None:
             histories = [gens[seq].tokens for seq, _, _ in rows] + [[]] * (B - len(rows))
-            hashes = torch.from_numpy(self.hasher.step(histories, positions.numpy()))
-        batch = Batch(tokens, positions, slots, table, hashes, torch.zeros((B, T), dtype=torch.bool))
-        h, pre = self.embed(tokens)
+            hashes = torch.from_numpy(self.hasher.step(histories, positions.numpy(), engram_masks(images, seqs)))
+        return Batch(tokens, positions, slots, table, hashes, is_image, image_rows)
+
+    def _run(self, batch: Batch) -> torch.Tensor:
+        """One step through every layer and the head -> logits [B, T, V]."""
+        h, pre = self.embed(batch.tokens, batch.is_image, batch.image_rows)
         start = time.perf_counter()
-        logits = run_layers(self.plans, self._invoke(B, T), self.states, h, pre, batch)
+        logits = run_layers(self.plans, self._invoke(), self.states, h, pre, batch)
         self.stats.step_seconds += time.perf_counter() - start
         self.stats.steps += 1
-        self.stats.tokens += sum(len(ids) for _, ids, _ in rows)
-        self.stats.padded += B * T
+        self.stats.padded += batch.tokens.numel()
+        self.stats.tokens += int((batch.positions >= 0).sum())
         return logits
 
+    def _step(self, rows_by_group: list[list], allocs: list[Allocator], gens, images=None) -> list[torch.Tensor]:
+        """Leader: one step of every token group -> each group's logits [B, T, V]."""
+        B = bucket_at_least(self.batch_sizes, max(1, *(len(r) for r in rows_by_group)))
+        T = bucket_at_least(self.token_sizes, max(len(ids) for rows in rows_by_group for _, ids, _ in rows))
+        batches = [self._batch(rows, alloc, gens, B, T, images) for rows, alloc in zip(rows_by_group, allocs)]
+        if self.comm is None:
+            return [self._run(batches[0])]
+        self.comm.step(batches)
+        return self.comm.gather_logits(self._run(batches[self.comm.group]))
+
+    def serve(self) -> None:
+        """Follower ranks: run the steps the leader sends until it sends None (no sampling)."""
+        with torch.inference_mode():
+            while (batches := self.comm.step()) is not None:
+                self.comm.gather_logits(self._run(batches[self.comm.group]))
+
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, eos: int | None = None) -> list[Generation]:
-        """Greedy generation; a request that cannot get blocks fails alone (its `error` is set)."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, eos: int | None = None,
+                 images: list | None = None) -> list[Generation]:
+        """Greedy generation (on the leader with several ranks: followers `serve`); a request
+        that cannot get blocks fails alone (its `error` is set). images[i] (vision.ImageEmbeds
+        from `vision.with_images`, or None): prompt i's image positions and their embeddings."""
         eos = self.config.eos_token_id if eos is None else eos
         gens = [Generation(list(p), len(p)) for p in prompts]
-        alloc = Allocator(self.num_slots, self.num_blocks, self.block_size, self.max_blocks)
+        groups = self.topology.groups
+        allocs = [Allocator(self.num_slots, self.num_blocks, self.block_size, self.max_blocks) for _ in range(groups)]
+        group_of: dict[int, int] = {}
         consumed = [0] * len(gens)
-        waiting = list(range(len(gens)))
+        waiting = [] if max_new_tokens == 0 else list(range(len(gens)))
         active: list[int] = []
         chunk = self.token_sizes[-1]
-        for i, g in enumerate(gens):
-            if max_new_tokens == 0:
-                waiting.remove(i)
         while waiting or active:
-            while waiting and len(active) < self.batch_sizes[-1] and alloc.admit(waiting[0]):
+            while waiting:                      # admit into the least loaded group with room
+                load = [sum(group_of[s] == g for s in active) for g in range(groups)]
+                g = min(range(groups), key=lambda i: load[i])
+                if load[g] >= self.batch_sizes[-1] or not allocs[g].admit(waiting[0]):
+                    break
+                group_of[waiting[0]] = g
                 active.append(waiting.pop(0))
-            rows = []
+            rows_by_group = [[] for _ in range(groups)]
             for seq in list(active):
                 n = min(chunk, len(gens[seq].tokens) - consumed[seq])
+                alloc = allocs[group_of[seq]]
                 try:
                     alloc.reserve(seq, consumed[seq] + n)
                 except OutOfBlocks as e:
@@ -184,27 +242,38 @@ class Session:
                     alloc.release(seq)
                     active.remove(seq)
                     continue
-                rows.append((seq, gens[seq].tokens[consumed[seq]:consumed[seq] + n], consumed[seq]))
-            if not rows:
+                rows_by_group[group_of[seq]].append((seq, gens[seq].tokens[consumed[seq]:consumed[seq] + n],
+                                                     consumed[seq]))
+            if not any(rows_by_group):
                 continue
-            logits = self._step(rows, alloc, gens)
-            for b, (seq, ids, start) in enumerate(rows):
-                g = gens[seq]
-                g.logits.extend(logits[b, :len(ids)].float().clone())
-                consumed[seq] += len(ids)
-                if consumed[seq] == len(g.tokens):
-                    nxt = int(torch.argmax(logits[b, len(ids) - 1]))
-                    g.tokens.append(nxt)
-                    if nxt == eos or len(g.generated) >= max_new_tokens:
-                        alloc.release(seq)
-                        active.remove(seq)
+            for rows, logits in zip(rows_by_group, self._step(rows_by_group, allocs, gens, images)):
+                for b, (seq, ids, start) in enumerate(rows):
+                    g = gens[seq]
+                    g.logits.extend(logits[b, :len(ids)].float().clone())
+                    consumed[seq] += len(ids)
+                    if consumed[seq] == len(g.tokens):
+                        nxt = int(torch.argmax(logits[b, len(ids) - 1]))
+                        g.tokens.append(nxt)
+                        if nxt == eos or len(g.generated) >= max_new_tokens:
+                            allocs[group_of[seq]].release(seq)
+                            active.remove(seq)
+        if self.comm is not None:
+            self.comm.step(None)
         return gens
 
 
-def load(path: str | Path, *, num_kv_blocks: int | None = None, verify: bool = True, rank: int = 0) -> Session:
-    """Open a bundle: validate (format version first, files, digests, target, toolchain), then load it."""
+def load(path: str | Path, *, num_kv_blocks: int | None = None, verify: bool = True, rank: int = 0,
+         comm=None) -> Session:
+    """Open a bundle: validate (format version first, files, digests, target, toolchain), then load
+    it as `rank` (with `comm`, a runtime.ranks.Comm, when the bundle has several ranks)."""
     path = Path(path)
     manifest = mf.read(path)
     mf.validate(path, manifest, digests=verify)
     check_compatible(manifest, path)
-    return Session(path, manifest, num_kv_blocks=num_kv_blocks, rank=rank)
+    world = manifest["topology"].get("world_size", 1)
+    if not 0 <= rank < world:
+        raise mf.BundleError(f"{path}: rank {rank} is outside the bundle's world size {world}")
+    if world > 1 and comm is None:
+        raise mf.BundleError(f"{path}: a {world}-rank bundle; run it with deepinfer-run (which starts "
+                             "the ranks) or under torchrun")
+    return Session(path, manifest, num_kv_blocks=num_kv_blocks, rank=rank, comm=comm)

@@ -20,6 +20,7 @@ from deepinfer.compiler.targets import TARGETS
 from deepinfer.compiler.targets.cpu import CpuTarget
 from deepinfer.compiler.trace import trace
 from deepinfer.regions.checkpoint import Checkpoint
+from deepinfer.regions.topology import Topology
 
 from .conftest import write_toml
 
@@ -114,6 +115,7 @@ TRACE_VARIANTS = {
     "bucket": None,                                   # the signature changes with it: tested below
     "geometry": lambda b, mp, kw: mp.setattr(b, "geometry", dataclasses.replace(b.geometry, blocks=99)),
     "model": lambda b, mp, kw: mp.setattr(type(b.model), "digest", lambda self: "other"),
+    "topology": lambda b, mp, kw: mp.setattr(b, "topology", Topology(cp=2)),
     "signature": lambda b, mp, kw: mp.setattr(b.plan.kinds["head"].region, "input_specs",
                                               lambda *a: []),
     "target": lambda b, mp, kw: mp.setattr(b.target, "options", {"cpp.simdlen": 8}),
@@ -197,8 +199,8 @@ KEYED_EDITS = {
     "kv.num_blocks": ("num_blocks = 5", "num_blocks = 6"),
 }
 # options with one valid value today: the key holds their value (config part)
-SINGLE_VALUED = {"parallel.tp": 1, "parallel.ep": 1, "parallel.cp": 1, "quant.recipe": "release",
-                 "host.embedding": True}
+SINGLE_VALUED = {"quant.recipe": "release", "host.embedding": True}
+PARALLEL_EDITS = {"parallel.tp": "tp = 2", "parallel.ep": "ep = 2", "parallel.cp": "cp = 2"}
 
 
 @pytest.mark.parametrize("option", [o for o in KEYED_OPTIONS if not o.startswith("model.checkpoint")
@@ -210,6 +212,14 @@ def test_keyed_options_change_the_key(small_toml, tmp_path, monkeypatch, option)
         section, key = option.split(".")
         value = config["value"][section]
         assert (value[key] if isinstance(value, dict) else value) == SINGLE_VALUED[option]
+        return
+    if option == "--hlo-only":
+        assert cache_key(load_compile_config(small_toml), hlo_only=True, **QUIET).digest != base.digest
+        return
+    if option in PARALLEL_EDITS:
+        edited = write_toml(tmp_path / "parallel", load_compile_config(small_toml).model.checkpoint,
+                            extra=f"\n[parallel]\n{PARALLEL_EDITS[option]}\n")
+        assert bundle_key(edited).digest != base.digest
         return
     monkeypatch.setitem(TARGETS, "cpu2", type("Cpu2", (CpuTarget,), {"name": "cpu2"}))
     old, new = KEYED_EDITS[option]

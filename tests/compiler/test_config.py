@@ -86,9 +86,9 @@ CASES = [
     ("unknown_target", 'name = "cpu"', 'name = "trn3"', "target.name", ["'trn3'", "valid: cpu"]),
     ("executable_not_built_by_target", 'executable = "exported"', 'executable = "neff"', "target.executable",
      ["'neff'", "aoti, exported"]),
-    ("parallel_tp", "tp = 1", "tp = 2", "parallel.tp", ["not implemented yet", "use 1"]),
-    ("parallel_ep", "ep = 1", "ep = 4", "parallel.ep", ["not implemented yet"]),
-    ("parallel_cp", "cp = 1", "cp = 2", "parallel.cp", ["not implemented yet"]),
+    ("parallel_tp", "tp = 1", "tp = 0", "parallel.tp", ["must be at least 1"]),
+    ("parallel_ep", "ep = 1", "ep = -2", "parallel.ep", ["must be at least 1"]),
+    ("parallel_cp", "cp = 1", "cp = true", "parallel.cp", ["expected int"]),
 ]
 
 

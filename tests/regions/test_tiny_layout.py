@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from safetensors import safe_open
 
 # MODEL.md "Checkpoint tensors": per-layer name -> (shape formula, dtype)
@@ -73,6 +74,23 @@ def expected_tensors(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
             fp8(p + "engram.wkv", (n + 1) * D, heads * ehd)
             out[p + "engram.q_weight"] = ((n, D), "BF16")
             out[p + "engram.k_weight"] = ((n, D), "BF16")
+    # MODEL.md "Vision tower (host-resident)": bf16 unless noted, norms f32
+    v = cfg["vision_config"]
+    Vd, Vi, P, r = v["hidden_size"], v["intermediate_size"], v["patch_size"], v["downsample_ratio"]
+    if v["num_hidden_layers"]:
+        out["vision.patch_embed.proj.weight"] = ((Vd, 3 * P * P), "BF16")
+        out["vision.patch_embed.proj.bias"] = ((Vd,), "BF16")
+        for j in range(v["num_hidden_layers"]):
+            p = f"vision.blocks.{j}."
+            out[p + "norm1.weight"] = out[p + "norm2.weight"] = ((Vd,), "F32")
+            out[p + "attn.wqkv.weight"], out[p + "attn.wqkv.bias"] = ((3 * Vd, Vd), "BF16"), ((3 * Vd,), "BF16")
+            out[p + "attn.wo.weight"], out[p + "attn.wo.bias"] = ((Vd, Vd), "BF16"), ((Vd,), "BF16")
+            out[p + "mlp.w1.weight"], out[p + "mlp.w2.weight"] = ((2 * Vi, Vd), "BF16"), ((Vd, Vi), "BF16")
+        out["vision.norm.weight"] = ((Vd,), "F32")
+        out["aligner.w1.weight"], out["aligner.w1.bias"] = ((D, Vd * r * r), "BF16"), ((D,), "BF16")
+        out["aligner.w2.weight"], out["aligner.w2.bias"] = ((D, D), "BF16"), ((D,), "BF16")
+        for name in ("image_start", "image_end", "image_newline"):
+            out[name] = ((D,), "BF16")
     return out
 
 
@@ -104,15 +122,15 @@ def test_config_is_release_shaped_and_tiny_plan(tiny_ckpt):
     assert t["compress_ratios"] == [0, 0, 2, 2, 1, 1]
     assert t["kv_source_layer_ids"] == [2, 4] and t["index_source_layer_ids"] == [2, 4, 5]
     assert t["candidate_source_layer_id"] == 4 and t["engram_layer_ids"] == [1]
-    assert cfg["vision_config"]["num_hidden_layers"] == 0
+    v = cfg["vision_config"]
+    assert (v["num_hidden_layers"], v["hidden_size"], v["patch_size"], v["downsample_ratio"]) == (2, 64, 4, 2)
+    assert cfg["image_token_id"] == 259
     assert t["engram_compressed_vocab_size"] == t["vocab_size"]
     assert cfg["quantization_config"]["weight_block_size"] == [32, 32]
 
 
 def test_scales_follow_release_rule(tiny_ckpt):
     """fp8 blocks: scale = pow2ceil(amax / 448), so every block's max code is in (224, 448]."""
-    import torch
-
     with safe_open(str(tiny_ckpt / "model.safetensors"), "pt") as f:
         w = f.get_tensor("layers.0.attn.wq_a.weight").float()
         s = f.get_tensor("layers.0.attn.wq_a.scale").float()
@@ -148,3 +166,16 @@ def test_deterministic(tmp_path):
     c = make_tiny(tmp_path / "c", seed=4)
     read = lambda p: (p / "model.safetensors").read_bytes()  # noqa: E731
     assert read(a) == read(b) and read(a) != read(c)
+
+
+def test_text_tensors_do_not_depend_on_the_vision_tower(tmp_path, monkeypatch):
+    """The vision tensors come from their own generator: without them the text tensors are the same bytes."""
+    from deepinfer.regions import tiny
+
+    a = tiny.make_tiny(tmp_path / "a")
+    monkeypatch.setattr(tiny, "_vision_tensors", lambda config, seed: {})
+    b = tiny.make_tiny(tmp_path / "b")
+    with safe_open(str(a / "model.safetensors"), "pt") as fa, safe_open(str(b / "model.safetensors"), "pt") as fb:
+        assert set(fb.keys()) < set(fa.keys())
+        for name in fb.keys():
+            assert fa.get_tensor(name).view(-1).view(torch.uint8).equal(fb.get_tensor(name).view(-1).view(torch.uint8))

@@ -12,13 +12,21 @@
  * to the file named by $FAKE_NRT_LOG (no log when unset).  $FAKE_NRT_FAIL=
  * "<function>=<status>" makes that function return <status> without acting.
  *
- * nrt_load does NOT take a NEFF.  It takes a small text description written
- * by the tests (the "fake model"):
+ * nrt_load runs no NEFF.  It takes a small text description (the "fake model"):
  *
  *     FAKE_NRT_MODEL 1
  *     input  <name> <bytes>
  *     output <name> <bytes>
  *     copy   <output name> <input name>     (on execute: output bytes <- input bytes)
+ *     end                                   (optional in a bare description)
+ *
+ * either bare (written by the tests) or inside a NEFF-shaped file: a blob that
+ * starts with a 1024-byte NEFF header (package version 1 or 2 at byte 0, header
+ * size 1024 at byte 8, as deepinfer/bundles/neff.py reads it) is searched for
+ * the "FAKE_NRT_MODEL 1" marker, and the description runs from there to its
+ * "end" line (the stand-in neuronx-cc, doubles/neuronx_cc_stub.py, puts it in
+ * an uncompressed tar member).  On execute, outputs that no copy line writes
+ * are zero-filled.
  *
  * Tensors are malloc'd host memory with size bookkeeping; a slice is a view
  * into its source's memory.  Misuse returns the status libnrt documents for
@@ -28,6 +36,7 @@
  * Build: gcc -shared -fPIC -O1 -o libfake_nrt.so fake_nrt.c
  */
 
+#define _GNU_SOURCE         /* memmem */
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -39,7 +48,7 @@ typedef enum {
 } NRT_STATUS;
 
 #define NAME_MAX_ 256       /* NRT_TENSOR_NAME_MAX */
-#define MAX_IO 32
+#define MAX_IO 256         /* a region takes ~40 tensors */
 
 typedef struct nrt_tensor {
     char name[NAME_MAX_];
@@ -165,15 +174,19 @@ static int find_io(const nrt_model_t *m, const char *name, int usage) {
     return -1;
 }
 
-/* parse the fake model text; 0 on success */
-static int parse_model(char *text, nrt_model_t *m) {
+/* parse the fake model text; 0 on success.  `need_end`: the text must close with an "end" line. */
+static int parse_model(char *text, nrt_model_t *m, int need_end) {
     char *save = NULL, *line = strtok_r(text, "\n", &save);
-    int version = 0;
+    int version = 0, ended = 0;
     if (!line || sscanf(line, "FAKE_NRT_MODEL %d", &version) != 1 || version != 1) return -1;
     while ((line = strtok_r(NULL, "\n", &save))) {
         char kind[16], a[NAME_MAX_], b[NAME_MAX_];
         size_t bytes;
         if (line[0] == '\0' || line[0] == '#') continue;
+        if (strcmp(line, "end") == 0) {
+            ended = 1;
+            break;
+        }
         if (sscanf(line, "%15s %255s %zu", kind, a, &bytes) == 3 &&
             (strcmp(kind, "input") == 0 || strcmp(kind, "output") == 0)) {
             if (m->n_io == MAX_IO) return -1;
@@ -190,7 +203,19 @@ static int parse_model(char *text, nrt_model_t *m) {
             return -1;
         }
     }
-    return 0;
+    return need_end && !ended ? -1 : 0;
+}
+
+static const char MARKER[] = "FAKE_NRT_MODEL 1";
+#define NEFF_HEADER_SIZE 1024
+
+/* a NEFF-shaped blob: u64 package version (1 or 2) at byte 0, u64 header size 1024 at byte 8 */
+static int neff_headed(const void *blob, size_t size) {
+    uint64_t pkg, header_size;
+    if (size < NEFF_HEADER_SIZE) return 0;
+    memcpy(&pkg, blob, 8);
+    memcpy(&header_size, (const char *)blob + 8, 8);
+    return (pkg == 1 || pkg == 2) && header_size == NEFF_HEADER_SIZE;
 }
 
 NRT_STATUS nrt_load(const void *neff_bytes, size_t size, int32_t vnc, int32_t vnc_count, nrt_model_t **model) {
@@ -198,11 +223,20 @@ NRT_STATUS nrt_load(const void *neff_bytes, size_t size, int32_t vnc, int32_t vn
     if (!neff_bytes || !model) return done(NRT_INVALID, "nrt_load null argument");
     if (vnc != -1 && vnc != 0) return done(NRT_INVALID, "nrt_load vnc=%d (one visible core)", vnc);
     if (vnc_count != -1) return done(NRT_INVALID, "nrt_load vnc_count=%d (deprecated: must be -1)", vnc_count);
-    char *text = malloc(size + 1);
+    const char *start = neff_bytes;
+    int neff = neff_headed(neff_bytes, size);
+    if (neff) {
+        start = memmem(start + NEFF_HEADER_SIZE, size - NEFF_HEADER_SIZE, MARKER, sizeof MARKER - 1);
+        if (!start)
+            return done(NRT_INVALID, "nrt_load size=%zu vnc=%d NEFF without a fake model (gzip'd payload, "
+                        "or not written by the stand-in neuronx-cc)", size, vnc);
+    }
+    size_t n = size - (size_t)(start - (const char *)neff_bytes);
+    char *text = malloc(n + 1);
     nrt_model_t *m = calloc(1, sizeof *m);
-    memcpy(text, neff_bytes, size);
-    text[size] = '\0';
-    int bad = parse_model(text, m);
+    memcpy(text, start, n);
+    text[n] = '\0';
+    int bad = parse_model(text, m, neff);
     free(text);
     if (bad) {
         free(m);
@@ -210,7 +244,8 @@ NRT_STATUS nrt_load(const void *neff_bytes, size_t size, int32_t vnc, int32_t vn
     }
     *model = m;
     g_live_models++;
-    return done(NRT_SUCCESS, "nrt_load size=%zu vnc=%d vnc_count=%d tensors=%d", size, vnc, vnc_count, m->n_io);
+    return done(NRT_SUCCESS, "nrt_load size=%zu vnc=%d vnc_count=%d tensors=%d source=%s", size, vnc, vnc_count,
+                m->n_io, neff ? "neff" : "text");
 }
 
 NRT_STATUS nrt_unload(nrt_model_t *model) {
@@ -384,9 +419,14 @@ NRT_STATUS nrt_execute(nrt_model_t *model, const nrt_tensor_set_t *input_set, nr
             return done(NRT_INVALID, "nrt_execute %s has %zu bytes, model wants %zu", io->name, bound[i]->size,
                         io->size);
     }
+    int copied[MAX_IO] = {0}, in_place = 0;
+    for (int c = 0; c < model->n_copy; c++) copied[model->copy_out[c]] = 1;
+    for (int i = 0; i < model->n_io; i++)
+        if (model->io[i].usage && !copied[i]) memset(bound[i]->data, 0, model->io[i].size);
     for (int c = 0; c < model->n_copy; c++) {
         int o = model->copy_out[c], i = model->copy_in[c];
+        in_place += bound[o]->data == bound[i]->data;         /* output bound to its input's storage */
         memmove(bound[o]->data, bound[i]->data, model->io[o].size);
     }
-    return done(NRT_SUCCESS, "nrt_execute tensors=%d copies=%d", model->n_io, model->n_copy);
+    return done(NRT_SUCCESS, "nrt_execute tensors=%d copies=%d in_place=%d", model->n_io, model->n_copy, in_place);
 }

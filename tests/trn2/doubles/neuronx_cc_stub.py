@@ -7,6 +7,15 @@ header laid out as deepinfer.bundles.neff documents, then a gzip'd tar) holding 
 note that it is a test double. Nothing run against it says anything about real NEFFs,
 the real compiler, or Trn2.
 
+When its input is a serialized HloModuleProto it can read (through jaxlib, when the
+Python running it has jax), the payload also holds `fake-model.txt`: a description of
+the module's interface for the libnrt TEST DOUBLE (tests/trn2/doubles/fake_nrt.c), which
+finds it inside the NEFF. Tensors are named positionally, as we believe real NEFFs name
+them (unverified): `input<i>` per parameter, `output<j>` per result, `copy output<j>
+input<i>` per input_output_alias; sizes in bytes. Such a payload is an uncompressed tar
+(package version 1) so the double can find the text by searching the bytes.
+Input it cannot read (any other bytes) gets the note alone, as before.
+
 Environment:
   FAKE_NEURONX_CC_RECORD=path   append {"argv": [...], "cwd": ...} as one JSON line per call
   FAKE_NEURONX_CC_FAIL=NCC_X    print an error line in the real format and exit 70
@@ -62,13 +71,58 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def neff_bytes(name: str, lnc: int, compressed: bool) -> bytes:
-    """A structurally valid NEFF: header, then a (gzip'd) tar holding NOTE."""
+def fake_model(hlo: bytes) -> str | None:
+    """The fake-model text for fake_nrt.c describing an HloModuleProto's entry computation,
+    or None when `hlo` is not one this Python can read."""
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.lib import xla_client
+        from jax._src.lib.mlir import ir
+    except ImportError:
+        return None
+    try:
+        bytecode = xla_client._xla.mlir.hlo_to_stablehlo(hlo)
+    except Exception:  # noqa: BLE001 (jaxlib's runtime error: not an HloModuleProto)
+        return None
+    with mlir.make_ir_context():
+        module = ir.Module.parse(bytecode)
+        main = next(op for op in module.body.operations
+                    if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == "main")
+        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+        lines = ["FAKE_NRT_MODEL 1"]
+        lines += [f"input input{i} {_nbytes(t)}" for i, t in enumerate(ftype.inputs)]
+        lines += [f"output output{j} {_nbytes(t)}" for j, t in enumerate(ftype.results)]
+        attrs = module.operation.attributes
+        aliases = ir.ArrayAttr(attrs["mhlo.input_output_alias"]) if "mhlo.input_output_alias" in attrs else []
+        for entry in aliases:          # {alias = {parameter_number = i, ...}, output_index = array<i64: j>}
+            entry = ir.DictAttr(entry)
+            (j,) = ir.DenseI64ArrayAttr(entry["output_index"])
+            i = ir.IntegerAttr(ir.DictAttr(entry["alias"])["parameter_number"]).value
+            lines.append(f"copy output{j} input{i}")
+    return "\n".join(lines + ["end"]) + "\n"
+
+
+def _nbytes(t) -> int:
+    from jax._src.lib.mlir import ir
+
+    t = ir.RankedTensorType(t)
+    n = 1
+    for d in t.shape:
+        n *= d
+    return n * max(1, (t.element_type.width + 7) // 8)      # i1 (pred) is stored as a byte
+
+
+def neff_bytes(name: str, lnc: int, compressed: bool, model: str | None = None) -> bytes:
+    """A structurally valid NEFF: header, then a (gzip'd) tar holding NOTE, and `model` as
+    fake-model.txt when given (then always a plain tar: the libnrt double searches the bytes)."""
+    members = [("TEST-DOUBLE.txt", NOTE)] + ([("fake-model.txt", model.encode())] if model else [])
+    compressed = compressed and model is None
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        info = tarfile.TarInfo("TEST-DOUBLE.txt")
-        info.size = len(NOTE)
-        tar.addfile(info, io.BytesIO(NOTE))
+        for member, data in members:
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
     payload = gzip.compress(buf.getvalue(), mtime=0) if compressed else buf.getvalue()
     pkg = 2 if compressed else 1
     digest = hashlib.md5(payload).digest() + b"0" * 16 if compressed else hashlib.sha256(payload).digest()
@@ -96,7 +150,9 @@ def compile_(argv: list[str]) -> int:
             return _error(log, fail, f"stand-in failure requested through FAKE_NEURONX_CC_FAIL ({kind})",
                           exit_code=70, kind=kind)
         name = os.path.splitext(os.path.basename(args.output))[0]
-        data = neff_bytes(name, lnc, compressed=not args.enable_fast_loading_neuron_binaries)
+        with open(args.model_files, "rb") as f:
+            model = fake_model(f.read())
+        data = neff_bytes(name, lnc, compressed=not args.enable_fast_loading_neuron_binaries, model=model)
         with open(args.output, "wb") as f:
             f.write(data)
         log.write("INFO [neuronx-cc stand-in]: wrote a TEST DOUBLE NEFF\n")

@@ -1,0 +1,242 @@
+"""Device memory a bundle needs per rank, checked against the target's at compile time.
+
+Per rank (every rank holds the same shapes: one executable set serves all):
+
+    weights      the rank's layer-major stacks: every weight spec of a kind's region
+                 (already shaped for one rank) x the layers of that kind, exactly the
+                 tensor bytes of weights/rank-R/*.safetensors (less their JSON headers)
+    pools        every KV/state pool as the runtime allocates it:
+                 layers owning it x (blocks | slots) x entry shape x dtype size
+    executables  the compiled files, all loaded at once (known after compiling)
+    scratch      the largest executable's peak of intermediate tensors, from a liveness
+                 pass over its lowered FX graph (known after tracing; see `scratch_bytes`)
+
+The host-resident token embedding (and vision tower) is host memory and not counted.
+
+The limit per rank is `[memory] limit_gib` when given, else the target's device
+memory: trn2 -> 12 GiB of HBM per physical NeuronCore times LNC (a Trainium2 device
+has 96 GiB of HBM in 4 stacks for 8 NeuronCore-v3, AWS Neuron "Trainium2 Architecture
+Guide for NKI"; a logical NeuronCore of LNC=2 combines two physical cores and their
+memory, "Logical NeuronCore configuration"); cpu -> none (host memory is the runtime
+machine's, unknown at compile time). `[memory] reserve_gib` is kept free for the
+runtime and collectives.
+
+The pipeline checks three times, each as soon as the numbers exist: weights + pools
+right after planning (before any weight is written or graph traced), + scratch after
+tracing (before compiling), + executables when the manifest is written (it records the
+breakdown per rank under "memory"). Over the limit is a ConfigError with the breakdown.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.compiler.config import config_error
+from deepinfer.compiler.pools import plan_pools
+from deepinfer.regions.reference import DTYPES
+
+GiB = 1 << 30
+TRN2_HBM_PER_CORE = 96 * GiB // 8          # per physical NeuronCore-v3
+SCRATCH_METHOD = ("peak live bytes of intermediate tensors in the largest lowered graph "
+                  "(views share their base; inputs not counted; no fusion assumed: an upper bound)")
+
+
+def device_memory(target) -> tuple[int | None, str]:
+    """(bytes per rank, where the number comes from) for a target; None: no limit."""
+    if target.name == "trn2":
+        lnc = target.lnc
+        return TRN2_HBM_PER_CORE * lnc, f"trn2 HBM: 12 GiB per NeuronCore x LNC {lnc}"
+    return None, f"{target.name}: host memory, no limit unless [memory] limit_gib is set"
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def weights_by_kind(plan) -> dict[str, int]:
+    return {kind: len(kp.layers) * sum(_nbytes(s.buffer_shape, s.dtype) for s in kp.region.specs)
+            for kind, kp in plan.kinds.items()}
+
+
+def pools_by_name(pools: dict, geometry) -> dict[str, int]:
+    """Bytes of each pool as the runtime allocates it ([layers, blocks | slots, *entry])."""
+    return {name: _nbytes((len(p["layers"]), geometry.blocks if p["dim"] == "blocks" else geometry.slots,
+                           *p["entry_shape"]), getattr(torch, p["dtype"])) for name, p in pools.items()}
+
+
+# -- scratch: a liveness pass over a lowered graph -------------------------------------------------
+
+def _concrete(n) -> int:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    return int(optimization_hint(n, fallback=1)) if isinstance(n, torch.SymInt) else int(n)
+
+
+def _value_bytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return math.prod(_concrete(d) for d in val.shape) * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(_value_bytes(v) for v in val)
+    return 0
+
+
+def _aliases(node: torch.fx.Node) -> bool:
+    """A view, an in-place write or a getitem: no new memory, the first input's storage."""
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
+
+
+def scratch_bytes(ep: torch.export.ExportedProgram) -> int:
+    """Peak bytes of intermediate tensors alive at once when the graph runs node by node.
+
+    Each node that allocates holds its output from its definition to the last use of
+    it or of any view of it; graph outputs live to the end. Graph inputs (weights,
+    pools, activations) are counted elsewhere. A fusing compiler holds less: this
+    is an upper bound on what an executable needs beyond its inputs.
+    """
+    nodes = list(ep.graph.nodes)
+    storage: dict[torch.fx.Node, torch.fx.Node | None] = {}      # node -> the node that allocated its memory
+    size: dict[torch.fx.Node, int] = {}
+    for n in nodes:
+        if n.op == "placeholder":
+            storage[n] = None
+        elif n.op == "call_function":
+            base = next((a for a in n.all_input_nodes), None)
+            if _aliases(n) and base is not None:
+                storage[n] = storage[base]
+            else:
+                storage[n], size[n] = n, _value_bytes(n.meta.get("val"))
+    last = {s: i for i, s in enumerate(nodes) if s in size}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            s = storage.get(a)
+            if s is not None:
+                last[s] = len(nodes) if n.op == "output" else max(last[s], i)
+    live = peak = 0
+    frees: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        if n in size:
+            live += size[n]
+            peak = max(peak, live)
+            frees[last[n]] = frees.get(last[n], 0) + size[n]
+        live -= frees.pop(i, 0)
+    return peak
+
+
+# -- the breakdown and the checks ----------------------------------------------------------------
+
+def human(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class Breakdown:
+    weights: dict[str, int]                   # kind -> bytes
+    pools: dict[str, int]                     # pool -> bytes
+    limit: int | None
+    limit_source: str
+    reserve: int = 0
+    scratch: int | None = None                # None: not traced yet
+    scratch_of: str = ""                      # the executable that sets it
+    executables: int | None = None            # None: not compiled yet
+
+    @property
+    def total(self) -> int:
+        return sum(self.weights.values()) + sum(self.pools.values()) + (self.scratch or 0) + (self.executables or 0)
+
+    @property
+    def usable(self) -> int | None:
+        return None if self.limit is None else self.limit - self.reserve
+
+    @property
+    def fits(self) -> bool:
+        return self.usable is None or self.total <= self.usable
+
+    def lines(self) -> list[str]:
+        w, p = sum(self.weights.values()), sum(self.pools.values())
+        big = max(self.pools, key=self.pools.get) if self.pools else None
+        out = [f"  weights      {human(w):>15}  ({len(self.weights)} region kinds)",
+               f"  state pools  {human(p):>15}  ({len(self.pools)} pools"
+               + (f"; largest {big} {human(self.pools[big])})" if big else ")"),
+               f"  executables  {human(self.executables) if self.executables is not None else 'after compiling':>15}",
+               f"  scratch      {human(self.scratch) if self.scratch is not None else 'after tracing':>15}"
+               + (f"  (largest graph: {self.scratch_of})" if self.scratch_of else "")]
+        limit = "no limit" if self.limit is None else \
+            f"limit {human(self.limit)} ({self.limit_source}) - reserve {human(self.reserve)} = {human(self.usable)}"
+        out.append(f"  total        {human(self.total):>15}  per rank; {limit}")
+        return out
+
+    def to_dict(self) -> dict:
+        return {"weights": sum(self.weights.values()), "pools": sum(self.pools.values()),
+                "executables": self.executables, "scratch": self.scratch, "total": self.total,
+                "limit": self.limit, "limit_source": self.limit_source, "reserve": self.reserve,
+                "weights_by_kind": self.weights, "pools_by_name": self.pools,
+                "scratch_of": self.scratch_of, "scratch_method": SCRATCH_METHOD}
+
+
+def breakdown(b) -> Breakdown:
+    """What is known of build `b`'s needs per rank so far (scratch once traced, executables once compiled)."""
+    mem = b.config.memory
+    if mem.limit_gib is not None:
+        limit, source = int(mem.limit_gib * GiB), "[memory] limit_gib"
+    else:
+        limit, source = device_memory(b.target)
+    pools, _ = plan_pools(b.model.text, b.plan.layers, block_size=b.config.kv.block_size,
+                          dtype=DTYPES[b.config.model.dtype])
+    out = Breakdown(weights_by_kind(b.plan), pools_by_name(pools, b.geometry), limit, source,
+                    reserve=int(mem.reserve_gib * GiB))
+    if b.executables:
+        known = [e for e in b.executables if "scratch_bytes" in e]
+        if known:
+            worst = max(known, key=lambda e: e["scratch_bytes"])
+            out.scratch = worst["scratch_bytes"]
+            out.scratch_of = f"{worst['kind']}.{worst['method']}.b{worst['bucket']['batch']}t{worst['bucket']['tokens']}"
+        if len(known) < len(b.executables):       # trace records cached by a deepinfer without the estimate
+            out.scratch_of += f"{'; ' if known else ''}{len(b.executables) - len(known)} graph(s) not estimated"
+        compiled = [b.staging / e["artifact"] for e in b.executables]
+        if not b.hlo_only and all(p.is_file() for p in compiled):
+            out.executables = sum(p.stat().st_size for p in compiled)
+    return out
+
+
+def check(b, when: str) -> Breakdown:
+    """Raise ConfigError with the breakdown when rank memory would overflow; else return it."""
+    d = breakdown(b)
+    if not d.fits:
+        raise config_error(b.config, "memory", "limit_gib",
+                           f"the bundle does not fit ({when}): it needs {human(d.total)} per rank, more than "
+                           f"{human(d.usable)} usable; lower [kv] num_blocks or the batch buckets, shard over more "
+                           "ranks ([parallel]), or set [memory] limit_gib / reserve_gib\n" + "\n".join(d.lines()))
+    return d
+
+
+def check_planned(b) -> None:
+    """Pass: weights + pools, before any weight is written or graph traced."""
+    d = check(b, "weights and state pools, as planned")
+    b.log(f"memory per rank as planned: {human(d.total)} (weights {human(sum(d.weights.values()))}, pools "
+          f"{human(sum(d.pools.values()))}); {'no limit' if d.limit is None else f'usable {human(d.usable)}'}")
+
+
+def check_traced(b) -> None:
+    """Pass: + the largest traced graph's scratch, before compiling."""
+    d = check(b, "with the traced graphs' scratch")
+    if d.scratch is not None:
+        b.log(f"memory per rank with scratch: {human(d.total)} (scratch {human(d.scratch)}, {d.scratch_of})")
+
+
+def record(b) -> dict:
+    """The manifest's "memory": the full breakdown per rank, checked once more with the executables."""
+    d = check(b, "with the compiled executables")
+    return {f"rank-{r}": d.to_dict() for r in range(b.topology.world)}
+

@@ -1,0 +1,247 @@
+"""Which region kind of a bundle disagrees with its pure-torch reference, and by how much.
+
+`diff_bundle` runs a bundle on prompts (greedy, as `deepinfer-run` does) with
+a hook around every region call (`Session.on_call`). For each call it copies
+the inputs before the executable runs (state views included: an executable
+writes its state in place), runs the executable, then runs the eager
+reference region of that kind on the copies: the region built from the
+bundle's own config, with that layer's weights bound from the bundle's own
+weight stacks (the manifest's layer binding names the stack row). It compares
+every output and every state the call wrote.
+
+The run itself goes on with the executable's outputs, so each call is judged
+on exactly the inputs the executable saw: differences do not compound from
+layer to layer, and the worst kind is the one whose own graph disagrees.
+
+Scores, per output: floating point -> max |exe - ref| / max |ref|; integer
+(top-k indices, candidates) -> the fraction of entries that differ. A call's
+score is its worst output's; a kind's (or a layer's) is its worst call's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from deepinfer.bundles.manifest import BundleError
+from deepinfer.runtime.mmap_weights import load_mmap
+
+# default tolerance on the score per activation dtype: a few hundred ulps of fp32, a few of bf16
+TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}
+
+
+@dataclass
+class OutputDiff:
+    name: str                 # an output, or "<state> (state)" for a state the call writes
+    max_abs: float            # max |exe - ref| (floating point)
+    ref_max: float            # max |ref|
+    mismatches: int           # entries that differ (integer outputs)
+    numel: int
+    integer: bool
+
+    @property
+    def score(self) -> float:
+        if self.integer:
+            return self.mismatches / self.numel if self.numel else 0.0
+        if math.isnan(self.max_abs):
+            return math.inf
+        if self.ref_max > 0:
+            return self.max_abs / self.ref_max
+        return 0.0 if self.max_abs == 0 else math.inf
+
+
+@dataclass
+class Entry:
+    """The worst difference of one (kind, layer), or of a kind over its layers."""
+    kind: str
+    layer: int                # the layer (for a kind: its worst layer); -1 is the head
+    calls: int = 0
+    score: float = 0.0
+    output: str = ""          # the output with the worst score
+    max_abs: float = 0.0      # of that output, in that call
+    mismatches: int = 0       # integer entries that differed, over all calls
+
+    def add(self, diffs: list[OutputDiff]) -> None:
+        self.calls += 1
+        self.mismatches += sum(d.mismatches for d in diffs)
+        for d in diffs:
+            if not self.output or d.score > self.score:
+                self.score, self.output, self.max_abs = d.score, d.name, d.max_abs
+
+
+def _rank(entries: list[Entry]) -> list[Entry]:
+    return sorted(entries, key=lambda e: (-e.score, -e.mismatches, e.kind, e.layer))
+
+
+@dataclass
+class DiffReport:
+    bundle: Path
+    tolerance: float
+    prompts: int
+    layers: list[Entry] = field(default_factory=list)    # one per (kind, layer), worst first
+
+    def kinds(self) -> list[Entry]:
+        """One entry per kind (its worst layer's score and output, calls over all layers), worst first."""
+        out: dict[str, Entry] = {}
+        for e in self.layers:
+            k = out.setdefault(e.kind, Entry(e.kind, e.layer))
+            if e.score > k.score or not k.output:
+                k.layer, k.score, k.output, k.max_abs = e.layer, e.score, e.output, e.max_abs
+            k.calls += e.calls
+            k.mismatches += e.mismatches
+        return _rank(list(out.values()))
+
+    def failing(self) -> list[Entry]:
+        return [e for e in self.kinds() if not e.score <= self.tolerance]
+
+
+def compare_tensors(name: str, got: torch.Tensor, ref: torch.Tensor) -> OutputDiff:
+    if tuple(got.shape) != tuple(ref.shape):
+        raise BundleError(f"output {name}: the executable returns shape {tuple(got.shape)}, "
+                          f"the reference region {tuple(ref.shape)}")
+    if not ref.dtype.is_floating_point:
+        bad = int((got.to(ref.dtype) != ref).sum())
+        return OutputDiff(name, 0.0, 0.0, bad, ref.numel(), True)
+    if not ref.numel():
+        return OutputDiff(name, 0.0, 0.0, 0, 0, False)
+    g, r = got.double(), ref.double()
+    same = (g == r) | (g.isnan() & r.isnan())                 # equal infinities and NaNs agree
+    diff = torch.where(same, 0.0, (g - r).abs().nan_to_num(nan=math.inf))
+    return OutputDiff(name, float(diff.max()), float(r.abs().nan_to_num(nan=0.0).max()), 0, ref.numel(), False)
+
+
+def _host(x, spec: dict) -> torch.Tensor:
+    """A tensor the session passed or got back, as a host tensor (device tensors are read back)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    return x.to_torch(getattr(torch, spec["dtype"]), spec["shape"])
+
+
+class References:
+    """The eager region of every kind, rebound per call to one layer's rows of the bundle's stacks."""
+
+    def __init__(self, session, rank: int = 0):
+        from deepinfer.compiler.plan import plan_regions
+        from deepinfer.regions.reference import DTYPES
+
+        m = session.manifest
+        plan = plan_regions(session.config.text, DTYPES[m["model"]["dtype"]], m["model"]["cache_quant"],
+                            session.topology)          # shaped for one rank, as the executables are
+        self.regions = {kind: kp.region for kind, kp in plan.kinds.items()}
+        self.rank = torch.tensor(rank, dtype=torch.int64)
+        entries = m["weights"].get(f"rank-{rank}")
+        if entries is None:
+            raise BundleError(f"{session.path}: no weights for rank {rank}")
+        self.stacks = {e["kind"]: load_mmap(session.path / e["path"]) for e in entries}
+        self.rows = {(l["layer"], slot): b["index"] for l in m["layers"] for slot, b in l["regions"].items()}
+        self.rows[(-1, "head")] = m["head"]["index"]
+        missing = sorted(set(session.signatures) - set(self.regions))
+        if missing:
+            raise BundleError(f"{session.path}: region kind(s) {', '.join(missing)} have no reference region "
+                              "in this deepinfer (bundle from another version?)")
+
+    def bind(self, layer: int, slot: str, kind: str):
+        """The reference region of `kind` holding layer `layer`'s weights."""
+        region, stacks, row = self.regions[kind], self.stacks[kind], self.rows[(layer, slot)]
+        for name, buf in list(region.named_buffers()):
+            value = self.rank if name == "rank" else stacks[name][row]
+            if value.shape != buf.shape or value.dtype != buf.dtype:
+                raise BundleError(f"{kind}.{name}: row {row} of the bundle's stack is {tuple(value.shape)} "
+                                  f"{value.dtype}, the reference region holds {tuple(buf.shape)} {buf.dtype}")
+            setattr(region, name, value)
+        return region
+
+
+class Recorder:
+    """`Session.on_call`: runs each call on the executable and on its reference region, scores it."""
+
+    def __init__(self, session, references: References):
+        self.refs = references
+        self.entries: dict[tuple[str, int], Entry] = {}
+        self.specs, self.outputs = {}, {}
+        for r in session.manifest["regions"]:
+            self.specs[r["kind"]] = [s for s in r["inputs"] if s["role"] not in ("weight", "rank")]
+            self.outputs[r["kind"]] = r["outputs"]
+
+    def __call__(self, layer: int, slot: str, kind: str, inputs: tuple, run):
+        specs = self.specs[kind]
+        before = [_host(x, s).clone() for x, s in zip(inputs, specs)]     # state as it was before the call
+        out = run()
+        region = self.refs.bind(layer, slot, kind)
+        with torch.no_grad():
+            ref = region.decode(*before)                                   # writes its state into the copies
+        ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+        names = self.outputs[kind]
+        if len(out) != len(ref) or len(ref) != len(names):
+            raise BundleError(f"{kind}: the executable returns {len(out)} outputs, the reference region "
+                              f"{len(ref)}, the manifest names {len(names)}")
+        diffs = [compare_tensors(n, torch.as_tensor(g), r) for n, g, r in zip(names, out, ref)]
+        for i, s in enumerate(specs):
+            if s["role"] == "state":
+                diffs.append(compare_tensors(f"{s['name']} (state)", _host(inputs[i], s), before[i]))
+        self.entries.setdefault((kind, layer), Entry(kind, layer)).add(diffs)
+        return out
+
+
+def diff_session(session, prompts: list[list[int]], max_new_tokens: int = 4, *,
+                 tolerance: float | None = None) -> DiffReport:
+    """Generate with a loaded session, every region call checked against its reference region."""
+    recorder = Recorder(session, References(session, int(session.rank)))
+    session.on_call = recorder
+    try:
+        session.generate(prompts, max_new_tokens)
+    finally:
+        session.on_call = None
+    tol = TOLERANCE[session.manifest["model"]["dtype"]] if tolerance is None else tolerance
+    return DiffReport(session.path, tol, len(prompts), _rank(list(recorder.entries.values())))
+
+
+def diff_bundle(path: str | Path, prompts: list[list[int]], max_new_tokens: int = 4, *,
+                tolerance: float | None = None, verify: bool = True, num_kv_blocks: int | None = None,
+                rank: int = 0) -> DiffReport:
+    """Load the bundle at `path` (validated as `deepinfer-run` does) and `diff_session` it."""
+    from deepinfer.runtime import load
+
+    session = load(path, num_kv_blocks=num_kv_blocks, verify=verify, rank=rank)
+    try:
+        return diff_session(session, prompts, max_new_tokens, tolerance=tolerance)
+    finally:
+        session.close()
+
+
+def _layer(layer: int) -> str:
+    return "head" if layer < 0 else str(layer)
+
+
+def table_lines(report: DiffReport, *, per_layer: bool = False) -> list[str]:
+    """Kinds (or kinds x layers) ranked worst first."""
+    rows = report.layers if per_layer else report.kinds()
+    head = f"{'region kind':<24}{'layer' if per_layer else 'worst layer':>12}{'calls':>7}" \
+           f"{'worst rel diff':>16}{'max abs':>11}  {'worst output':<20}{'int mismatches':>15}  verdict"
+    lines = [head]
+    for e in rows:
+        verdict = "ok" if e.score <= report.tolerance else "DIFFERS"
+        lines.append(f"{e.kind:<24}{_layer(e.layer):>12}{e.calls:>7}{e.score:>16.3g}{e.max_abs:>11.3g}  "
+                     f"{e.output:<20}{e.mismatches:>15}  {verdict}")
+    bad = report.failing()
+    calls = sum(e.calls for e in report.layers)
+    lines.append(f"{calls} region calls over {report.prompts} prompt(s); tolerance {report.tolerance:.3g} "
+                 f"(rel diff, or the fraction of integer entries that differ): "
+                 + (f"{len(bad)} kind(s) differ: {', '.join(e.kind for e in bad)}" if bad else "every kind agrees"))
+    return lines
+
+
+def _json(e: Entry) -> dict:
+    score = e.score if math.isfinite(e.score) else str(e.score)
+    return {"kind": e.kind, "layer": e.layer, "calls": e.calls, "worst_rel_diff": score,
+            "max_abs": e.max_abs if math.isfinite(e.max_abs) else str(e.max_abs),
+            "worst_output": e.output, "int_mismatches": e.mismatches}
+
+
+def report_json(report: DiffReport) -> dict:
+    return {"bundle": str(report.bundle), "tolerance": report.tolerance, "prompts": report.prompts,
+            "kinds": [_json(e) for e in report.kinds()], "layers": [_json(e) for e in report.layers],
+            "differ": [e.kind for e in report.failing()]}

@@ -1,0 +1,111 @@
+"""Ranks: tensor (tp), expert (ep) and context (cp) parallel degrees, and what each rank holds.
+
+    world = max(tp * cp, ep) processes, one per NeuronCore (or CPU process)
+    rank  = group * (tp * cp) + cp_rank * tp + tp_rank
+
+- Tokens are replicated inside a group of tp * cp ranks: every rank of a group runs
+  the same prompt chunks and decode steps (the seed notes' context parallel, with
+  prompt chunks replicated). Groups (world / (tp * cp) of them) serve different
+  sequences, each with its own KV pools.
+- tp splits attention heads (and output groups): each tp rank computes its heads'
+  share of the attention output; the shares are summed (all-reduce) at the region
+  boundary. KV is a single latent head: every tp rank keeps the same pools.
+- ep splits the routed experts over all ranks (ep is 1 or world). When the EP group
+  is one token group (ep == tp * cp), tokens are already replicated: the MoE partials
+  are all-reduced. Otherwise tokens are dispatched with one all-gather of packed rows
+  and combined with one fp32 reduce-scatter.
+- The shared expert is split into column slices of `shared_width` over the first
+  ranks; the others hold zero weights and add zeros through the same graph.
+
+Regions see only shapes (heads per rank, local experts, slice width) and the rank
+buffer; one executable set serves every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from deepinfer.regions.config import TextConfig
+
+BLOCK = 32          # fp8 scale block: shards are whole blocks
+
+
+@dataclass(frozen=True)
+class Topology:
+    tp: int = 1
+    ep: int = 1
+    cp: int = 1
+
+    @property
+    def group_size(self) -> int:
+        """Ranks that share a token stream."""
+        return self.tp * self.cp
+
+    @property
+    def world(self) -> int:
+        return max(self.group_size, self.ep)
+
+    @property
+    def groups(self) -> int:
+        """Token groups (independent sequence sets)."""
+        return self.world // self.group_size
+
+    @property
+    def dispatch(self) -> bool:
+        """True when the EP group spans token groups (all-gather + reduce-scatter)."""
+        return self.ep > 1 and self.groups > 1
+
+    def group_of(self, rank: int) -> int:
+        return rank // self.group_size
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def to_dict(self) -> dict:
+        return {"tp": self.tp, "ep": self.ep, "cp": self.cp, "world_size": self.world, "groups": self.groups}
+
+
+def check(topo: Topology, c: TextConfig) -> tuple[str, str] | None:
+    """(key, message) for the first degree this model cannot use, else None."""
+    if topo.ep > 1 and topo.ep != topo.world:
+        return "ep", f"ep = {topo.ep} must be 1 or the world size {topo.world} (tp * cp = {topo.group_size})"
+    if topo.ep > 1 and topo.tp > 1:
+        return "ep", "expert parallel with tensor parallel attention is not supported; use tp = 1 or ep = 1"
+    if topo.ep > 1 and topo.groups > 1 and topo.cp > 1:
+        return "ep", (f"ep = {topo.ep} over {topo.groups} groups of cp = {topo.cp}: use ep = cp (all-reduce) "
+                      "or cp = 1 (dispatch)")
+    if c.n_routed_experts % topo.ep:
+        return "ep", f"ep = {topo.ep} does not divide the model's {c.n_routed_experts} routed experts"
+    if c.num_attention_heads % topo.tp or c.o_groups % topo.tp:
+        return "tp", (f"tp = {topo.tp} must divide the attention heads ({c.num_attention_heads}) and "
+                      f"output groups ({c.o_groups})")
+    rows = c.o_groups // topo.tp * c.o_lora_rank
+    if topo.tp > 1 and (rows % BLOCK or c.num_attention_heads // topo.tp * c.head_dim % BLOCK):
+        return "tp", f"tp = {topo.tp} would split the attention weights inside a {BLOCK}-wide fp8 scale block"
+    return None
+
+
+def attention_config(c: TextConfig, topo: Topology) -> TextConfig:
+    """The attention shapes one tp rank computes: its heads and output groups."""
+    if topo.tp == 1:
+        return c
+    return dataclasses.replace(c, num_attention_heads=c.num_attention_heads // topo.tp,
+                               o_groups=c.o_groups // topo.tp)
+
+
+def shared_width(c: TextConfig, topo: Topology) -> int:
+    """Columns of the shared expert's intermediate each participating rank computes."""
+    if topo.ep == 1:
+        return c.moe_intermediate_size
+    per_rank = -(-c.moe_intermediate_size // topo.world)
+    return -(-per_rank // BLOCK) * BLOCK
+
+
+def shared_slice(c: TextConfig, topo: Topology, rank: int) -> tuple[int, int] | None:
+    """[start, stop) of the shared intermediate rank `rank` holds; None: it adds zeros."""
+    width = shared_width(c, topo)
+    start = rank * width if topo.ep > 1 else 0
+    if start >= c.moe_intermediate_size:
+        return None
+    return start, min(start + width, c.moe_intermediate_size)

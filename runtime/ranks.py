@@ -1,0 +1,223 @@
+"""Ranks over torch.distributed: collectives at region boundaries, leader and followers.
+
+One process per rank (gloo on CPU; the Neuron process group on Trn2), launched
+by `deepinfer-run` itself or by torchrun. Rank 0 leads: it schedules every step
+and broadcasts the step's host metadata (tokens, positions, slots, block
+tables, engram hashes) for each token group; followers run the steps they are
+sent and never sample. Collectives (regions/topology.py for the layout):
+
+    attention, tp > 1   all-reduce of the float32 partial streams over the tp group
+    MoE, ep > 1         tokens replicated in the EP group: one all-reduce of the float32
+                        partials; otherwise dispatch = one all-gather of packed uint8 rows
+                        (h, pre, is_image as bytes) and combine = one float32 reduce-scatter
+    head, groups > 1    one all-gather of the logits for the leader's sampler
+
+Large float32 collectives run in chunks of at most `chunk_bytes` per rank.
+Every collective counts the bytes this rank sends (`Comm.sent`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.regions.topology import Topology
+
+CHUNK_BYTES = 64 << 20
+
+
+class Comm:
+    """This process's rank, its groups and the collectives the session calls."""
+
+    def __init__(self, topo: Topology, rank: int, *, chunk_bytes: int = CHUNK_BYTES):
+        self.topo, self.rank, self.world = topo, rank, topo.world
+        self.group = topo.group_of(rank)
+        self.chunk = chunk_bytes // 4                       # float32 elements per chunk
+        self.tp_group = None
+        for g in range(topo.groups):                        # every rank creates every subgroup
+            for c in range(topo.cp):
+                base = g * topo.group_size + c * topo.tp
+                ranks = list(range(base, base + topo.tp))
+                made = dist.new_group(ranks) if topo.tp > 1 else None
+                if rank in ranks:
+                    self.tp_group = made
+        self.sent: dict[str, int] = defaultdict(int)
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    # -- host metadata ------------------------------------------------------------------------
+
+    def step(self, batches=None):
+        """Leader: send this step's batches (one per token group; None ends the run).
+        Follower: receive them. Returns the batches."""
+        box = [batches]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # -- region boundaries --------------------------------------------------------------------
+
+    def after(self, slot: str, out: list, dtype: torch.dtype) -> list:
+        """Combine a region's outputs over its group (attention with tp, MoE with ep)."""
+        if slot == "attn" and self.topo.tp > 1:
+            return [self._all_reduce(out[0], "tp all-reduce", self.tp_group).to(dtype), *out[1:]]
+        if slot == "moe" and self.topo.ep > 1:
+            if self.topo.dispatch:
+                B = out[0].shape[0] // self.world
+                own = slice(self.rank * B, (self.rank + 1) * B)
+                return [self._reduce_scatter(out[0]).to(dtype), out[1][own]]
+            return [self._all_reduce(out[0], "ep all-reduce", None).to(dtype), *out[1:]]
+        return out
+
+    def dispatch(self, h: torch.Tensor, pre: torch.Tensor, is_image: torch.Tensor):
+        """Every rank's (h, pre, is_image) rows, gathered with one all-gather of packed bytes."""
+        start = time.perf_counter()
+        B, T = h.shape[:2]
+        parts = [h.contiguous().view(B, T, -1).view(torch.uint8), pre.contiguous().view(torch.uint8),
+                 is_image.contiguous().view(torch.uint8).unsqueeze(-1)]
+        widths = [p.shape[-1] for p in parts]
+        rows = torch.cat(parts, dim=-1).reshape(B * T, -1)                  # [rows, bytes]
+        out = torch.empty((self.world * rows.shape[0], rows.shape[1]), dtype=torch.uint8)
+        dist.all_gather_single(out, rows)
+        self.sent["ep dispatch all-gather"] += rows.numel()
+        self.seconds["ep dispatch all-gather"] += time.perf_counter() - start
+        out = out.view(self.world * B, T, -1)
+        h_bytes, pre_bytes, _ = widths
+        hs = out[..., :h_bytes].contiguous().view(h.dtype).view(self.world * B, *h.shape[1:])
+        ps = out[..., h_bytes:h_bytes + pre_bytes].contiguous().view(pre.dtype).view(self.world * B, *pre.shape[1:])
+        images = out[..., h_bytes + pre_bytes].bool()
+        return hs, ps, images
+
+    def gather_logits(self, logits: torch.Tensor) -> list[torch.Tensor]:
+        """Each token group's logits (from the group's first rank), on every rank."""
+        if self.topo.groups == 1:
+            return [logits]
+        start = time.perf_counter()
+        B = logits.shape[0]
+        out = torch.empty((self.world * B, *logits.shape[1:]), dtype=logits.dtype)
+        dist.all_gather_single(out, logits.contiguous())
+        self.sent["logits all-gather"] += logits.numel() * logits.element_size()
+        self.seconds["logits all-gather"] += time.perf_counter() - start
+        first = [g * self.topo.group_size for g in range(self.topo.groups)]
+        return [out[r * B:(r + 1) * B] for r in first]
+
+    # -- float32 collectives in chunks --------------------------------------------------------
+
+    def _all_reduce(self, x: torch.Tensor, name: str, group) -> torch.Tensor:
+        start = time.perf_counter()
+        flat = x.float().contiguous().view(-1).clone()
+        for i in range(0, flat.numel(), self.chunk):
+            piece = flat[i:i + self.chunk]
+            dist.all_reduce(piece, group=group)
+        self.sent[name] += flat.numel() * 4
+        self.seconds[name] += time.perf_counter() - start
+        return flat.view(x.shape)
+
+    def _reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """x [world * B, ...] float32 partials -> this rank's rows [B, ...], summed over ranks."""
+        start = time.perf_counter()
+        per = x.float().contiguous().view(self.world, -1)
+        out = torch.empty(per.shape[1], dtype=torch.float32)
+        for i in range(0, per.shape[1], self.chunk):
+            piece = out[i:i + self.chunk]
+            dist.reduce_scatter_single(piece, per[:, i:i + self.chunk].contiguous().view(-1))
+        self.sent["ep combine reduce-scatter"] += per.numel() * 4
+        self.seconds["ep combine reduce-scatter"] += time.perf_counter() - start
+        return out.view(x.shape[0] // self.world, *x.shape[1:])
+
+
+# --- launching ----------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(rank: int, world: int, port: int | None = None) -> None:
+    """Join the process group (gloo on CPU). Under torchrun the environment says where."""
+    if port is not None or "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port or free_port())
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world) when started by torchrun, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def _rank_main(rank: int, world: int, port: int, bundle: str, prompts, max_new_tokens: int, options: dict,
+               results) -> None:
+    from deepinfer.runtime.session import load
+
+    init(rank, world, port)
+    try:
+        comm = Comm(_topology(bundle), rank, chunk_bytes=options.pop("chunk_bytes", CHUNK_BYTES))
+        session = load(bundle, rank=rank, comm=comm, **options)
+        if comm.leader:
+            gens = session.generate(prompts, max_new_tokens)
+            for g in gens:             # numpy: tensors would travel as shared memory of an exiting process
+                g.logits = [row.numpy() for row in g.logits]
+            results.put({"gens": gens, "stats": session.stats, "sent": dict(comm.sent),
+                         "seconds": dict(comm.seconds)})
+        else:
+            session.serve()
+            results.put({"rank": rank, "sent": dict(comm.sent)})
+    except BaseException as e:                   # the parent reports the first failure
+        results.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _topology(bundle) -> Topology:
+    from deepinfer.bundles import manifest as mf
+
+    t = mf.read(bundle)["topology"]
+    return Topology(tp=t["tp"], ep=t["ep"], cp=t["cp"])
+
+
+def generate_ranks(bundle, prompts: list[list[int]], max_new_tokens: int, **options) -> dict:
+    """Start one process per rank of `bundle` on this host (gloo), generate on the leader.
+    Returns {"gens": [...], "stats": leader's Stats, "sent": {rank: {collective: bytes}}}."""
+    import torch.multiprocessing as mp
+
+    from deepinfer.errors import DeepinferError
+
+    world = _topology(bundle).world
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(bundle), prompts, max_new_tokens,
+                                                  dict(options), results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    out, sent, errors = None, {}, []
+    for _ in procs:
+        item = results.get()
+        if "error" in item:
+            errors.append(f"rank {item['rank']}: {item['error']}")
+            break
+        rank = item.get("rank", 0)
+        sent[rank] = item["sent"]
+        if rank == 0:
+            out = item
+    for p in procs:
+        p.join(timeout=None if not errors else 5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise DeepinferError(errors[0])
+    for g in out["gens"]:
+        g.logits = [torch.from_numpy(row) for row in g.logits]
+    return {"gens": out["gens"], "stats": out["stats"], "sent": sent, "seconds": out["seconds"]}

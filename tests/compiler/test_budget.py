@@ -1,0 +1,127 @@
+"""The memory budget per rank: its breakdown matches the bundle, and a bundle that would not fit is refused."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.bundles import manifest as mf
+from deepinfer.compiler import budget
+from deepinfer.compiler.config import load_compile_config
+from deepinfer.compiler.pipeline import Build, compile_bundle, parse_config, plan
+from deepinfer.errors import ConfigError
+
+
+def write_toml(root: Path, ckpt: Path, *, target: str = "cpu", options: str = "{}", num_blocks: int = 4,
+               memory: str = "") -> Path:
+    toml = root / "model.toml"
+    toml.write_text(f"""[model]
+checkpoint = "{ckpt}"
+dtype = "fp32"
+
+[target]
+name = "{target}"
+options = {options}
+
+[buckets]
+batch = [1]
+tokens = [1]
+max_context = 32
+
+[kv]
+block_size = 16
+num_blocks = {num_blocks}
+{memory}""")
+    return toml
+
+
+def test_scratch_is_the_peak_of_live_intermediates():
+    class Chain(torch.nn.Module):
+        def forward(self, x):                     # x: 1000 float32 = 4000 bytes
+            a = x * 2
+            b = a + 1                             # a dies here: a and b live (8000)
+            c = b.view(10, 100)                   # a view: no memory of its own, keeps b alive
+            return c * 3                          # b (through c) and the output live (8000)
+
+    ep = torch.export.export(Chain(), (torch.zeros(1000),))
+    assert budget.scratch_bytes(ep) == 8000
+
+
+def test_breakdown_adds_up(exported_bundle):
+    """weights = the tensor bytes of the weight files; pools = what the runtime allocates; the rest as built."""
+    from deepinfer.runtime import load
+
+    m = mf.read(exported_bundle)
+    mem = m["memory"]["rank-0"]
+    for entry in m["weights"]["rank-0"]:
+        path = exported_bundle / entry["path"]
+        header = struct.unpack("<Q", path.read_bytes()[:8])[0]
+        assert mem["weights_by_kind"][entry["kind"]] == path.stat().st_size - 8 - header, entry["kind"]
+    assert mem["weights"] == sum(mem["weights_by_kind"].values())
+    session = load(exported_bundle, verify=False)
+    allocated = {name: p.numel() * p.element_size() for name, p in session.pools.items()}
+    assert mem["pools_by_name"] == allocated and mem["pools"] == sum(allocated.values())
+    assert mem["executables"] == sum((exported_bundle / r["artifact"]).stat().st_size for r in m["regions"])
+    assert mem["scratch"] == max(r["scratch_bytes"] for r in m["regions"]) > 0
+    assert mem["total"] == mem["weights"] + mem["pools"] + mem["executables"] + mem["scratch"]
+    assert mem["limit"] is None                 # cpu: no device limit by default
+
+
+def test_trn2_pools_over_hbm_refused_before_tracing(tmp_path, tiny_ckpt, monkeypatch):
+    """2M KV blocks of the tiny model are ~17 GiB of pools: over one LNC=1 core's 12 GiB of HBM."""
+    toml = write_toml(tmp_path, tiny_ckpt, target="trn2", options="{ lnc = 1 }", num_blocks=2_000_000)
+    called = []
+    monkeypatch.setattr("deepinfer.compiler.pipeline.trace", lambda *a, **k: called.append(a))
+    with pytest.raises(ConfigError) as e:
+        compile_bundle(load_compile_config(toml), tmp_path / "bundle", log=lambda msg: None)
+    message = str(e.value)
+    assert "memory.limit_gib" in message and "does not fit (weights and state pools, as planned)" in message
+    assert "state pools" in message and "12.00 GiB (trn2 HBM: 12 GiB per NeuronCore x LNC 1)" in message
+    assert not called, "refused before tracing"
+    assert not (tmp_path / "bundle").exists() and not list(tmp_path.glob(".bundle*"))
+
+
+def test_trn2_lnc2_core_has_24_gib(tmp_path, tiny_ckpt):
+    b = Build(load_compile_config(write_toml(tmp_path, tiny_ckpt, target="trn2", options="{ lnc = 2 }")),
+              tmp_path / "out", tmp_path, log=lambda msg: None)
+    parse_config(b)
+    plan(b)
+    assert budget.breakdown(b).limit == 24 * budget.GiB
+
+
+def test_limit_gib_refuses_the_tiny_model(tmp_path, tiny_ckpt):
+    toml = write_toml(tmp_path, tiny_ckpt, memory="\n[memory]\nlimit_gib = 0.001\n")
+    with pytest.raises(ConfigError, match=r"model.toml:\d+: memory.limit_gib: the bundle does not fit") as e:
+        compile_bundle(load_compile_config(toml), tmp_path / "bundle", log=lambda msg: None)
+    assert "limit 1.02 MiB ([memory] limit_gib)" in str(e.value)
+    assert not (tmp_path / "bundle").exists() and not list(tmp_path.glob(".bundle*"))
+
+
+def test_scratch_is_checked_after_tracing(tmp_path, tiny_ckpt):
+    """Weights and pools fit; the traced graphs' scratch does not."""
+    toml = write_toml(tmp_path, tiny_ckpt, memory="\n[memory]\nlimit_gib = 0.01\nreserve_gib = 0.005\n")
+    b = Build(load_compile_config(toml), tmp_path / "out", tmp_path, log=lambda msg: None)
+    parse_config(b)
+    plan(b)
+    budget.check_planned(b)                                   # ~4 MiB of 5.12 MiB usable
+    b.executables = [{"kind": "moe", "method": "decode", "bucket": {"batch": 1, "tokens": 1},
+                      "artifact": "regions/none.pt2", "scratch_bytes": 2 << 20}]
+    with pytest.raises(ConfigError, match="with the traced graphs' scratch") as e:
+        budget.check_traced(b)
+    assert "(largest graph: moe.decode.b1t1)" in str(e.value)
+
+
+@pytest.mark.parametrize("memory, message", [
+    ("limit_gib = 0", "memory.limit_gib: must be positive"),
+    ("reserve_gib = -1", "memory.reserve_gib: must be at least 0"),
+    ("limit_gib = 2\nreserve_gib = 2.0", "memory.reserve_gib: 2.0 GiB leaves nothing"),
+    ("limit_gib = \"big\"", "memory.limit_gib: expected float"),
+    ("limit = 2", "unknown key 'limit'; valid keys: limit_gib, reserve_gib"),
+])
+def test_memory_section_validated(tmp_path, memory, message):
+    toml = write_toml(tmp_path, tmp_path / "ckpt", memory=f"\n[memory]\n{memory}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_compile_config(toml)

@@ -1,0 +1,247 @@
+"""Contract tests of the trn2 runtime path against TEST DOUBLES; they prove nothing about Trn2 numerics.
+
+The tiny HLO-stage bundle is finished by the stand-in neuronx-cc (doubles/neuronx-cc),
+whose "NEFFs" carry only a description of each HLO module's interface (positional
+tensor names input<i>/output<j>, byte sizes, input_output_alias as copies), and is
+run by `deepinfer.runtime.load` over the libnrt double (doubles/fake_nrt.c), which
+zero-fills every output it does not copy from an input. The logits are therefore
+zeros: these tests check plumbing only (what is loaded, allocated, sliced, bound and
+freed, and how often), read from the double's call log.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+import stat
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from deepinfer.bundles import layout, neff
+from deepinfer.bundles.manifest import BundleError
+from deepinfer.compiler.finish import finish_bundle
+from deepinfer.compiler.targets import neuronxcc
+from deepinfer.runtime import load
+from deepinfer.runtime.neuron import NeuronCore
+
+DOUBLES = Path(__file__).resolve().parent / "doubles"
+STUB = DOUBLES / "neuronx-cc"
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
+
+
+@pytest.fixture(scope="module")
+def finished(trn2_hlo_bundle, tmp_path_factory) -> Path:
+    """A copy of the tiny HLO-stage bundle finished by the stand-in neuronx-cc (TEST DOUBLE NEFFs)."""
+    bundle = tmp_path_factory.mktemp("session") / "bundle"
+    shutil.copytree(trn2_hlo_bundle, bundle)
+    STUB.chmod(STUB.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("FAKE_NEURONX_CC_FAIL", "FAKE_NEURONX_CC_SLEEP", "FAKE_NEURONX_CC_VERSION",
+                    "FAKE_NEURONX_CC_RECORD"):
+            mp.delenv(var, raising=False)
+        mp.setenv("FAKE_NEURONX_CC_PYTHON", sys.executable)
+        mp.setenv(neuronxcc.ENV_COMPILER, str(STUB))
+        finish_bundle(bundle, jobs=1, log=lambda msg: None)
+    return bundle
+
+
+@pytest.fixture
+def nrt(fake_nrt, monkeypatch):
+    """The libnrt double, with the placement's process-wide LNC setting undone after the test."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "")
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")
+    return fake_nrt
+
+
+def manifest(bundle: Path) -> dict:
+    return json.loads((bundle / layout.MANIFEST_FILE).read_text())
+
+
+def fake_model_of(path: Path) -> str:
+    """The fake-model text the stand-in put in a NEFF's (plain tar) payload."""
+    header = neff.read_header(path)
+    assert not header.compressed
+    payload = path.read_bytes()[header.payload_offset:header.payload_offset + header.data_size]
+    with tarfile.open(fileobj=io.BytesIO(payload)) as tar:
+        return tar.extractfile("fake-model.txt").read().decode()
+
+
+def nbytes(spec: dict) -> int:
+    n = ITEMSIZE[spec["dtype"]]
+    for d in spec["shape"]:
+        n *= d
+    return n
+
+
+def field(line: str, key: str) -> str:
+    return re.search(rf"\b{key}=(\S+)", line).group(1)
+
+
+def executions(lines: list[str]) -> list[tuple[list, list, str]]:
+    """(input bindings, output bindings, the execute line) per nrt_execute; a binding is
+    (NEFF tensor name, device tensor name). NeuronModel.execute fills the input set, then
+    the output set, then executes."""
+    sets, out = [], []
+    for line in lines:
+        if line.startswith("nrt_allocate_tensor_set"):
+            sets.append([])
+        elif line.startswith("nrt_add_tensor_to_tensor_set"):
+            sets[-1].append((field(line, "name"), field(line, "tensor")))
+        elif line.startswith("nrt_execute"):
+            out.append((sets[-2], sets[-1], line))
+    return out
+
+
+def test_stand_in_neffs_describe_the_manifest_interface(finished):
+    """Each NEFF's fake model (read by the stand-in from the HLO module) has the manifest's
+    inputs and outputs, in order, with their byte sizes, and copies exactly its aliases."""
+    m = manifest(finished)
+    assert m["stage"] == "executable"
+    for e in m["regions"]:
+        lines = fake_model_of(finished / e["artifact"]).splitlines()
+        assert lines[0] == "FAKE_NRT_MODEL 1" and lines[-1] == "end"
+        assert [ln for ln in lines if ln.startswith("input ")] == \
+            [f"input input{i} {nbytes(s)}" for i, s in enumerate(e["inputs"])], e["kind"]
+        assert [ln for ln in lines if ln.startswith("output ")] == \
+            [f"output output{j} {nbytes(s)}" for j, s in enumerate(e["output_specs"])], e["kind"]
+        assert sorted(ln for ln in lines if ln.startswith("copy ")) == \
+            sorted(f"copy output{j} input{i}" for j, i in e["aliases"].items()), e["kind"]
+        assert len(e["aliases"]) == len(e["state_outputs"])
+
+
+def test_generate_through_the_doubles(finished, nrt):
+    m = manifest(finished)
+    session = load(finished)
+    gens = session.generate([[1, 5, 9]], max_new_tokens=2)
+    steps, vocab = session.stats.steps, session.config.text.vocab_size
+    session.close()
+    lines = nrt.lines()
+    calls = Counter(nrt.calls())
+
+    # shapes and plumbing only: the double zero-fills the head's logits, so argmax picks token 0
+    (g,) = gens
+    assert g.error is None and len(g.tokens) == 3 + 2
+    assert len(g.logits) == 4 and all(t.shape == (vocab,) and not t.any() for t in g.logits)
+    assert steps == 4                                 # bucket tokens = 1: 3 prompt steps, then 1 decode step
+
+    # one runtime, one load per executable (not per layer), all of them stand-in NEFFs
+    assert calls["nrt_init"] == 1 and calls["nrt_close"] == 1
+    loads = [ln for ln in lines if ln.startswith("nrt_load")]
+    assert len(loads) == len(m["regions"]) == 8
+    assert all(ln.endswith("source=neff -> 0") for ln in loads)
+    assert sorted(int(field(ln, "size")) for ln in loads) == \
+        sorted((finished / e["artifact"]).stat().st_size for e in m["regions"])
+    assert calls["nrt_unload"] == 8
+
+    # resident allocations: one per weight stack and per pool; staging and outputs once per executable
+    allocs = [field(ln, "name") for ln in lines if ln.startswith("nrt_tensor_allocate ")]
+    stacks = [f"{w['kind']}.{name}" for w in m["weights"]["rank-0"] for name in w["tensors"]]
+    pools = [f"pool.{name}" for name in m["kv"]["pools"]]
+    assert sorted(a for a in allocs if not a.startswith(("in:", "out:"))) == sorted(stacks + pools)
+    assert sum(a.startswith("in:") for a in allocs) == \
+        sum(s["role"] not in ("weight", "state") for e in m["regions"] for s in e["inputs"])
+    assert sum(a.startswith("out:") for a in allocs) == \
+        sum(len(e["output_specs"]) - len(e["aliases"]) for e in m["regions"])
+
+    # every layer's weights and state are slices of the stacks and pools (no copies)
+    signature = {e["kind"]: e["inputs"] for e in m["regions"]}
+    places = [b for layer in m["layers"] for b in layer["regions"].values()] + [m["head"]]
+    weight_views = [f"{b['kind']}.{s['name']}[{b['index']}]" for b in places for s in signature[b["kind"]]
+                    if s["role"] == "weight"]
+    state_views = [f"pool.{pool}[{index}]" for layer in m["layers"] for pool, index in layer["state"].values()]
+    slices = [field(ln, "name") for ln in lines if ln.startswith("nrt_tensor_allocate_slice")]
+    assert Counter(slices) == Counter(weight_views + state_views)
+    assert len(places) == 14 > len(loads)                 # 6 layers and the head share 8 executables
+
+    # region calls: every region of every layer and the head, once per step
+    per_step = sum(len(layer["regions"]) for layer in m["layers"]) + 1
+    runs = executions(lines)
+    assert calls["nrt_execute"] == len(runs) == per_step * steps == sum(session.stats.calls.values())
+
+    # positional binding: NEFF input<k> / output<k> get the manifest's k-th input / output, and
+    # state pools are aliased (the pool slice bound as input<i> is also output<j>, copied in place)
+    entries = {e["kind"]: e for e in m["regions"]}
+    pool_state = {name: pool["state"] for name, pool in m["kv"]["pools"].items()}
+    bound_state = set()
+    for ins, outs, line in runs:
+        kind = next(t.split(".", 1)[0] for _, t in ins if t.split(".", 1)[0] in entries)
+        e = entries[kind]
+        bound_in, bound_out = dict(ins), dict(outs)
+        assert sorted(bound_in) == sorted(f"input{k}" for k in range(len(e["inputs"])))
+        assert sorted(bound_out) == sorted(f"output{k}" for k in range(len(e["output_specs"])))
+        for k, s in enumerate(e["inputs"]):
+            t = bound_in[f"input{k}"]
+            if s["role"] == "weight":
+                assert t.startswith(f"{kind}.{s['name']}["), (kind, k, t)
+            elif s["role"] == "state":
+                assert pool_state[t[len("pool."):t.index("[")]] == s["name"], (kind, k, t)
+                bound_state.add(t)
+            else:
+                assert t == f"in:{s['name']}", (kind, k, t)
+        for k, s in enumerate(e["output_specs"]):
+            t = bound_out[f"output{k}"]
+            alias = e["aliases"].get(str(k))
+            assert t == (bound_in[f"input{alias}"] if alias is not None else f"out:{s['name']}"), (kind, k, t)
+        assert int(field(line, "in_place")) == int(field(line, "copies")) == len(e["aliases"])
+    assert bound_state == set(state_views)
+
+    # everything released before nrt_close
+    assert calls["nrt_allocate_tensor_set"] == calls["nrt_destroy_tensor_set"] == 2 * len(runs)
+    assert calls["nrt_tensor_free"] == len(allocs) + len(slices)
+    assert not any("MISUSE" in ln for ln in lines)
+    assert lines[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"
+    assert NeuronCore._active is None
+
+
+def replace_neff(bundle: Path, entry: dict) -> None:
+    """Overwrite a region's NEFF with an equivalent stand-in NEFF (same model, new uuid)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("neuronx_cc_stub", DOUBLES / "neuronx_cc_stub.py")
+    stub = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stub)
+    path = bundle / entry["artifact"]
+    header = neff.read_header(path)
+    path.write_bytes(stub.neff_bytes(header.name, header.lnc, compressed=False, model=fake_model_of(path)))
+
+
+def test_replaced_neff_is_refused(finished, nrt, tmp_path):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(finished, bundle)
+    entry = next(e for e in manifest(bundle)["regions"] if e["kind"] == "moe")
+    replace_neff(bundle, entry)
+    with pytest.raises(BundleError, match=r"moe\.decode\.b1t1\.neff does not match its digest"):
+        load(bundle)                                     # the digest check comes first
+    with pytest.raises(neff.NeffError) as err:
+        load(bundle, verify=False)                       # without it, the NEFF's uuid still gives it away
+    message = str(err.value)
+    assert str(bundle / entry["artifact"]) in message and "\n" not in message
+    assert f"differs from the manifest's {entry['neff']['uuid']!r}" in message and "replaced after compiling" in message
+
+
+def test_refused_load_releases_the_core(finished, nrt, tmp_path):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(finished, bundle)
+    replace_neff(bundle, next(e for e in manifest(bundle)["regions"] if e["kind"] == "moe"))
+    with pytest.raises(neff.NeffError):
+        load(bundle, verify=False)
+    assert NeuronCore._active is None
+    assert nrt.lines()[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"
+
+
+def test_other_num_kv_blocks_is_refused(finished, nrt):
+    blocks = manifest(finished)["kv"]["num_blocks"]
+    with pytest.raises(BundleError, match=rf"compiled for exactly {blocks} KV blocks \(static shapes\); "
+                                          rf"cannot run with {blocks + 1}"):
+        load(finished, num_kv_blocks=blocks + 1)
+    assert nrt.calls() == []                             # refused before the runtime is touched
+    session = load(finished, num_kv_blocks=blocks)       # the compiled number is accepted
+    session.close()
+    assert nrt.lines()[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"
+

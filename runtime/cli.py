@@ -42,25 +42,47 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
 
     Prompts run as decode-shaped chunks through the bucket executables, then
     one token per step; several prompts batch into the decode batch buckets.
+    A multi-rank bundle ([parallel] tp/ep/cp) starts one process per rank here
+    (gloo), or runs as one rank under torchrun (torchrun --nproc-per-node N
+    $(which deepinfer-run) BUNDLE ...): rank 0 schedules and prints.
 
     \b
     Example:
       deepinfer-run build/tiny --prompt "Hello, world" --max-new-tokens 32 --timing
       deepinfer-run build/tiny --image cat.ppm --prompt "<image>What is this?"   # tower runs on the host
     """
+    from deepinfer.bundles import manifest as mf
+    from deepinfer.regions.config import parse_config
     from deepinfer.regions.tokenizer import ByteTokenizer
-    from deepinfer.runtime import load
+    from deepinfer.runtime import load, ranks
+    from deepinfer.runtime.session import load_vision
 
     if threads:
         import torch
 
         torch.set_num_threads(threads)
     start = time.perf_counter()
-    session = load(bundle, num_kv_blocks=num_kv_blocks, verify=not no_verify)
-    cfg = session.config
+    manifest = mf.read(bundle)
+    cfg = parse_config(manifest["model"]["config"], f"{bundle}/manifest.json")
     tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
-    prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: session.vision)
-    gens = session.generate(prompts, max_new_tokens, images=embeds)
+    prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: load_vision(bundle, manifest))
+    world, launched = manifest["topology"].get("world_size", 1), ranks.torchrun_rank()
+    if world > 1 and launched is None:          # start the ranks here: one process each
+        run = ranks.generate_ranks(bundle, prompts, max_new_tokens, num_kv_blocks=num_kv_blocks,
+                                   verify=not no_verify, threads=threads, images=embeds)
+        gens, stats = run["gens"], run["stats"]
+    else:
+        comm = None
+        if launched is not None:                # under torchrun: this process is one rank
+            rank, _ = launched
+            ranks.init(rank, world)
+            comm = ranks.Comm(ranks.Topology(**{k: manifest["topology"][k] for k in ("tp", "ep", "cp")}), rank)
+        session = load(bundle, num_kv_blocks=num_kv_blocks, verify=not no_verify,
+                       rank=comm.rank if comm else 0, comm=comm)
+        if comm is not None and not comm.leader:
+            session.serve()
+            return
+        gens, stats = session.generate(prompts, max_new_tokens, images=embeds), session.stats
     wall = time.perf_counter() - start
     if dump_logits:
         write_logits(dump_logits, gens)
@@ -68,7 +90,7 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
         out = {"outputs": [{"prompt_ids": g.tokens[:g.prompt_len], "generated_ids": g.generated,
                             "text": tok.decode(g.generated), "error": g.error} for g in gens]}
         if timing:
-            s = session.stats
+            s = stats
             out["timing"] = {"regions": s.table(), "steps": s.steps, "step_ms": s.step_seconds / max(s.steps, 1) * 1e3,
                              "overhead_us_per_call": s.overhead / max(sum(s.calls.values()), 1) * 1e6,
                              "padding_waste": 1 - s.tokens / s.padded if s.padded else 0.0, "wall_s": wall}
@@ -77,7 +99,7 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
         for g in gens:
             click.echo(tok.decode(g.generated) if g.error is None else f"error: {g.error}")
         if timing:
-            click.echo("\n".join(timing_lines(session.stats, wall)), err=True)
+            click.echo("\n".join(timing_lines(stats, wall)), err=True)
     if any(g.error for g in gens):
         raise SystemExit(1)
 

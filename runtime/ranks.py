@@ -160,12 +160,15 @@ def _rank_main(rank: int, world: int, port: int, bundle: str, prompts, max_new_t
                results) -> None:
     from deepinfer.runtime.session import load
 
+    if options.get("threads"):
+        torch.set_num_threads(options["threads"])
     init(rank, world, port)
     try:
-        comm = Comm(_topology(bundle), rank, chunk_bytes=options.pop("chunk_bytes", CHUNK_BYTES))
-        session = load(bundle, rank=rank, comm=comm, **options)
+        comm = Comm(_topology(bundle), rank, chunk_bytes=options.get("chunk_bytes", CHUNK_BYTES))
+        session = load(bundle, rank=rank, comm=comm, num_kv_blocks=options.get("num_kv_blocks"),
+                       verify=options.get("verify", True))
         if comm.leader:
-            gens = session.generate(prompts, max_new_tokens)
+            gens = session.generate(prompts, max_new_tokens, images=options.get("images"))
             for g in gens:             # numpy: tensors would travel as shared memory of an exiting process
                 g.logits = [row.numpy() for row in g.logits]
             results.put({"gens": gens, "stats": session.stats, "sent": dict(comm.sent),
@@ -189,7 +192,10 @@ def _topology(bundle) -> Topology:
 
 def generate_ranks(bundle, prompts: list[list[int]], max_new_tokens: int, **options) -> dict:
     """Start one process per rank of `bundle` on this host (gloo), generate on the leader.
-    Returns {"gens": [...], "stats": leader's Stats, "sent": {rank: {collective: bytes}}}."""
+
+    options: num_kv_blocks, verify, threads, images (as Session.generate takes them),
+    chunk_bytes (float32 collectives). Returns {"gens": [...], "stats": the leader's Stats,
+    "sent": {rank: {collective: bytes}}, "seconds": the leader's {collective: seconds}}."""
     import torch.multiprocessing as mp
 
     from deepinfer.errors import DeepinferError

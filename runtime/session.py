@@ -129,13 +129,7 @@ class Session:
     @functools.cached_property
     def vision(self) -> VisionTower:
         """The host-resident vision tower (host/vision.safetensors), loaded on first use."""
-        host = self.manifest["host"].get("vision")
-        if host is None:
-            raise mf.BundleError(f"{self.path}: the bundle has no vision tower (its checkpoint's "
-                                 "vision_config.num_hidden_layers is 0); it cannot take images")
-        tensors = load_mmap(self.path / host["path"])
-        return VisionTower(self.config, tensor_getter(tensors, str(self.path / host["path"])), self.dtype,
-                           f"{self.path}/manifest.json")
+        return load_vision(self.path, self.manifest)
 
     # -- running ------------------------------------------------------------------------------
 
@@ -260,6 +254,18 @@ class Session:
         if self.comm is not None:
             self.comm.step(None)
         return gens
+
+
+def load_vision(bundle: Path, manifest: dict) -> VisionTower:
+    """A bundle's host-resident vision tower and aligner."""
+    host = manifest["host"].get("vision")
+    if host is None:
+        raise mf.BundleError(f"{bundle}: the bundle has no vision tower (its checkpoint's "
+                             "vision_config.num_hidden_layers is 0); it cannot take images")
+    config = parse_config(manifest["model"]["config"], f"{bundle}/manifest.json")
+    tensors = load_mmap(Path(bundle) / host["path"])
+    return VisionTower(config, tensor_getter(tensors, str(Path(bundle) / host["path"])),
+                       DTYPES[manifest["model"]["dtype"]], f"{bundle}/manifest.json")
 
 
 def load(path: str | Path, *, num_kv_blocks: int | None = None, verify: bool = True, rank: int = 0,

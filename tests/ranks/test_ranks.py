@@ -1,0 +1,110 @@
+"""Multi-rank bundles end to end: processes over gloo generate the one-rank bundle's tokens.
+
+Each topology is compiled once (session fixture `rank_bundle`); `generate_ranks`
+starts one process per rank, the leader schedules and samples, followers run
+the steps they are sent. Cache quantization is off, so tokens must match the
+one-rank bundle exactly and logits to float32 rounding of the reordered sums.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from deepinfer.runtime import load
+from deepinfer.runtime.ranks import Comm, free_port, generate_ranks, init
+from deepinfer.regions.topology import Topology
+
+PROMPTS = [[0, 72, 101, 108, 108, 111, 44, 32, 119], [0, 5, 9, 11, 13, 40]]
+NEW = 4
+TOPOLOGIES = {"tp=2": (2, 1, 1), "ep=2": (1, 2, 1), "ep=4": (1, 4, 1), "cp=2": (1, 1, 2), "cp=ep=4": (1, 4, 4)}
+
+
+@pytest.fixture(scope="module")
+def one_rank(rank_bundle):
+    session = load(rank_bundle())
+    return session.generate(PROMPTS, NEW)
+
+
+def manifest(bundle) -> dict:
+    return json.loads((bundle / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("name", list(TOPOLOGIES))
+def test_ranks_generate_the_one_rank_tokens(rank_bundle, one_rank, name):
+    tp, ep, cp = TOPOLOGIES[name]
+    bundle = rank_bundle(tp, ep, cp)
+    m = manifest(bundle)
+    world = m["topology"]["world_size"]
+    assert world == max(tp * cp, ep) and sorted(m["weights"]) == [f"rank-{r}" for r in range(world)]
+    # one executable set for every rank: each (kind, bucket) once, every rank's weights its own files
+    assert len({(e["kind"], e["bucket"]["batch"], e["bucket"]["tokens"]) for e in m["regions"]}) == len(m["regions"])
+    digests = [{w["kind"]: w["digest"] for w in m["weights"][f"rank-{r}"]} for r in range(world)]
+    sharded = {"moe"} if ep > 1 else {k for k in digests[0] if k.startswith("attn")} if tp > 1 else set()
+    for kind in digests[0]:
+        assert (len({d[kind] for d in digests}) > 1) == (kind in sharded), kind
+    run = generate_ranks(bundle, PROMPTS, NEW, threads=1)
+    for got, want in zip(run["gens"], one_rank):
+        assert got.tokens == want.tokens
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+    sent = run["sent"]
+    assert sorted(sent) == list(range(world))
+    if tp > 1:
+        assert set(sent[0]) == {"tp all-reduce"}
+    elif ep > 1 and cp == ep:
+        assert set(sent[0]) == {"ep all-reduce"}
+    elif ep > 1:
+        assert set(sent[0]) == {"ep dispatch all-gather", "ep combine reduce-scatter", "logits all-gather"}
+    else:
+        assert sent[0] == {}                           # cp alone: replicated tokens, nothing to combine
+
+
+def test_a_multi_rank_bundle_needs_its_ranks(rank_bundle):
+    from deepinfer.bundles.manifest import BundleError
+
+    with pytest.raises(BundleError, match="2-rank bundle; run it with deepinfer-run"):
+        load(rank_bundle(2, 1, 1))
+
+
+def _collectives(rank: int, world: int, port: int, out) -> None:
+    init(rank, world, port)
+    try:
+        comm = Comm(Topology(ep=world), rank, chunk_bytes=64)         # 16 floats a chunk: many chunks
+        B, T, n, D = 2, 3, 4, 8
+        gen = torch.Generator().manual_seed(rank)
+        h = torch.randn(B, T, n, D, generator=gen).to(torch.bfloat16)
+        pre = torch.rand(B, T, n, generator=gen)
+        img = torch.rand(B, T, generator=gen) > 0.5
+        hs, ps, imgs = comm.dispatch(h, pre, img)
+        partial = torch.randn(world * B, T, n, D, generator=gen)
+        summed = comm._reduce_scatter(partial)
+        out.put((rank, h, pre, img, hs, ps, imgs, partial, summed, dict(comm.sent)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dispatch_and_combine_collectives():
+    """Packed-byte dispatch returns every rank's rows exactly; the chunked reduce-scatter sums."""
+    world, ctx = 2, mp.get_context("spawn")
+    out, port = ctx.SimpleQueue(), free_port()
+    procs = [ctx.Process(target=_collectives, args=(r, world, port, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict((item[0], item[1:]) for item in (out.get() for _ in procs))
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for r in range(world):
+        h, pre, img, hs, ps, imgs, partial, summed, sent = got[r]
+        for s in range(world):
+            assert torch.equal(hs[s * 2:(s + 1) * 2], got[s][0]) and hs.dtype == torch.bfloat16
+            assert torch.equal(ps[s * 2:(s + 1) * 2], got[s][1]) and torch.equal(imgs[s * 2:(s + 1) * 2], got[s][2])
+        want = sum(got[s][6][r * 2:(r + 1) * 2] for s in range(world))
+        torch.testing.assert_close(summed, want)
+        row = h[0, 0].numel() * 2 + pre[0, 0].numel() * 4 + 1        # bytes of one packed row
+        assert sent["ep dispatch all-gather"] == 2 * 3 * row
+        assert sent["ep combine reduce-scatter"] == partial.numel() * 4

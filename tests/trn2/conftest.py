@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+STAND_IN = Path(__file__).resolve().parent / "doubles" / "neuronx-cc"
 SOURCE = Path(__file__).parent / "doubles" / "fake_nrt.c"
 BUILD = ROOT / ".cache" / "fake_nrt"
 
@@ -70,3 +73,19 @@ def fake_nrt(fake_nrt_path, tmp_path, monkeypatch) -> FakeNrt:
     monkeypatch.delenv("FAKE_NRT_FAIL", raising=False)
     if NeuronCore._active is not None:      # a failed test must not leave the double initialized
         NeuronCore._active.close()
+
+
+@pytest.fixture
+def stub(tmp_path, monkeypatch) -> str:
+    """The stand-in neuronx-cc (a TEST DOUBLE) on DEEPINFER_NEURONX_CC, recording its argv to
+    `tmp_path/record.jsonl`."""
+    from deepinfer.compiler.targets import neuronxcc as ncc
+
+    STAND_IN.chmod(STAND_IN.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    for var in ("FAKE_NEURONX_CC_FAIL", "FAKE_NEURONX_CC_SLEEP", "FAKE_NEURONX_CC_VERSION"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FAKE_NEURONX_CC_PYTHON", sys.executable)
+    monkeypatch.setenv("FAKE_NEURONX_CC_RECORD", str(tmp_path / "record.jsonl"))
+    monkeypatch.setenv(ncc.ENV_COMPILER, str(STAND_IN))
+    ncc._VERSIONS.clear()
+    return str(STAND_IN)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import stat
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,7 +32,6 @@ from deepinfer.runtime import load  # noqa: E402
 
 KINDS = {"attn_window", "moe", "engram", "attn_source_r2", "attn_reuse_r2", "attn_source_r1_cand",
          "attn_reindex_r1_cand", "head"}
-STUB = Path(__file__).resolve().parent / "doubles" / "neuronx-cc"
 
 
 def manifest(bundle: Path) -> dict:
@@ -42,14 +39,8 @@ def manifest(bundle: Path) -> dict:
 
 
 @pytest.fixture
-def stand_in(tmp_path, monkeypatch) -> Path:
-    """The stand-in neuronx-cc (a test double) on DEEPINFER_NEURONX_CC; its argv lines go to the returned file."""
-    STUB.chmod(STUB.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    for var in ("FAKE_NEURONX_CC_FAIL", "FAKE_NEURONX_CC_SLEEP", "FAKE_NEURONX_CC_VERSION"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("FAKE_NEURONX_CC_PYTHON", sys.executable)
-    monkeypatch.setenv("FAKE_NEURONX_CC_RECORD", str(tmp_path / "record.jsonl"))
-    monkeypatch.setenv(neuronxcc.ENV_COMPILER, str(STUB))
+def stand_in(stub, tmp_path) -> Path:
+    """The stand-in neuronx-cc (a test double, tests/trn2/conftest.py); returns its argv record."""
     return tmp_path / "record.jsonl"
 
 

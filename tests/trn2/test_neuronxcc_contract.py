@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import sys
 import time
 from pathlib import Path
@@ -27,19 +26,6 @@ DOUBLES = Path(__file__).resolve().parent / "doubles"
 STUB = DOUBLES / "neuronx-cc"
 STUB_VERSION = "2.99.0.0+0000000d"
 REGION = "attn_window.decode.b1t1"
-
-
-@pytest.fixture
-def stub(tmp_path, monkeypatch) -> str:
-    """The stand-in compiler, executable, recording its argv to `tmp_path/record.jsonl`."""
-    STUB.chmod(STUB.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    for var in ("FAKE_NEURONX_CC_FAIL", "FAKE_NEURONX_CC_SLEEP", "FAKE_NEURONX_CC_VERSION"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("FAKE_NEURONX_CC_PYTHON", sys.executable)
-    monkeypatch.setenv("FAKE_NEURONX_CC_RECORD", str(tmp_path / "record.jsonl"))
-    monkeypatch.setenv(ncc.ENV_COMPILER, str(STUB))
-    ncc._VERSIONS.clear()
-    return str(STUB)
 
 
 def recorded(tmp_path) -> list[dict]:

@@ -41,7 +41,8 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
     """Compile MODEL_TOML into a bundle: one executable per (region kind, method, bucket).
 
     \b
-    Passes: parse config -> plan regions -> preprocess weights -> trace
+    Passes: parse config -> plan regions -> check memory budget -> preprocess
+    weights (per rank) -> trace (and lower) -> check memory budget with scratch
     -> compile -> lay out state -> write manifest -> publish (atomic rename).
     Every layer of a kind and every rank reuse the same executables; the
     weights are inputs, stacked layer-major in the bundle.
@@ -84,7 +85,9 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
                f"  checkpoint {m.checkpoint} ({m.dtype}, cache_quant={str(m.cache_quant).lower()})\n"
                f"  target {t.name} ({t.executable}), buckets batch={list(b.batch)} tokens={list(b.tokens)} "
                f"max_context={b.max_context}, kv block_size={cfg.kv.block_size} num_blocks={cfg.kv.num_blocks}, "
-               f"jobs={jobs}, cache {cache.dir if cache else 'off'}{' (required)' if require_cache else ''}",
+               f"parallel tp={cfg.parallel.tp} ep={cfg.parallel.ep} cp={cfg.parallel.cp}, "
+               f"jobs={jobs}, cache {cache.dir if cache else 'off'}{' (required)' if require_cache else ''}"
+               f"{', stop at HLO' if hlo_only else ''}",
                err=True)
     path, timings = compile_bundle(cfg, out, jobs=jobs, force=force, log=log, cache=cache,
                                    require_cache=require_cache, verbose=verbose, hlo_only=hlo_only)
@@ -93,7 +96,8 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
     n = len(manifest["regions"])
     compiled = cache.stats["compiled"] if cache else \
         [f"{e['kind']}.{e['method']}.b{e['bucket']['batch']}t{e['bucket']['tokens']}" for e in manifest["regions"]]
-    click.echo(f"wrote {path} in {total:.1f} s ({len(compiled)} of {n} executables compiled)", err=True)
+    what = "HLO modules lowered and checked" if hlo_only else "executables compiled"
+    click.echo(f"wrote {path} in {total:.1f} s ({len(compiled)} of {n} {what})", err=True)
     if as_json:
         click.echo(json.dumps({"bundle": str(path), "seconds": timings, "executables": n,
                                "compiled": compiled, "cache": str(cache.dir) if cache else None}))

@@ -1,7 +1,8 @@
 """deepinfer-compile as a list of named passes.
 
-    parse config -> plan regions -> preprocess weights -> trace -> compile
-    -> lay out state -> write manifest -> publish (atomic rename)
+    parse config -> plan regions -> check memory budget -> preprocess weights (per rank)
+    -> trace (and lower; on trn2: HLO, checked on XLA:CPU) -> check memory budget with scratch
+    -> compile -> lay out state -> write manifest -> publish (atomic rename)
 
 Every pass reads and extends one `Build`. With a cache (`compiler/cached.py`),
 the weights pass fetches each kind's stacks by key instead of rebuilding them,
@@ -24,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 import deepinfer
 from deepinfer.bundles import layout, manifest as mf
 from deepinfer.bundles.cache import Cache
@@ -33,16 +33,16 @@ from deepinfer.compiler import budget, cached
 from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.jobs import Job, keep_failed_logs
 from deepinfer.compiler.plan import RegionPlan, plan_regions
-from deepinfer.compiler.shard import shard
 from deepinfer.compiler.pools import plan_pools
+from deepinfer.compiler.shard import shard
 from deepinfer.compiler.targets import TARGETS
 from deepinfer.compiler.trace import trace
 from deepinfer.compiler.weights import host_entries, kind_entry, write_host, write_host_vision, write_kind
 from deepinfer.errors import ConfigError, DeepinferError
 from deepinfer.regions.checkpoint import Checkpoint
 from deepinfer.regions.config import V41Config, load_config
-from deepinfer.regions.reference import DTYPES
 from deepinfer.regions import topology
+from deepinfer.regions.reference import DTYPES
 from deepinfer.regions.state import Geometry, check_block_size
 from deepinfer.regions.topology import Topology
 

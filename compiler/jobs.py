@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import shutil
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
+
+
+# worker processes load saved programs; torch 2.13 warns about its own tree-spec pickling
+# once per program (compiler/trace.py filters the same warning in the main process)
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning)
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,10 @@ def trace_regions(b: Build) -> None:
                  "scratch_bytes": budget.scratch_bytes(ep)}
         lowered = lowered_dir / f"{name}{b.target.lowered_suffix}"
         if b.target.static_shapes:               # state comes back as outputs: emit and check now
-            entry.update(b.target.emit(ep, names, entry["outputs"], lowered), mutates=[])
+            try:
+                entry.update(b.target.emit(ep, names, entry["outputs"], lowered), mutates=[])
+            except DeepinferError as e:
+                raise type(e)(f"region {name}: {e}") from None
             if b.target.check:
                 entry["check"] = b.target.check_numerics(lowered, region, method, args, len(sig.weights), names,
                                                          entry["state_outputs"], f"region {name}")

@@ -217,7 +217,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def _to_torch(a: np.ndarray) -> torch.Tensor:
     if a.dtype.name == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(np.array(a).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.array(a))
 
 

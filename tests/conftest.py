@@ -35,6 +35,42 @@ def ref_fp32(tiny_ckpt):
 
 # --- compiled bundles (session-scoped: an AOTInductor compile costs ~15 s per executable) ---
 
+def write_model_toml(directory: Path, checkpoint: Path, *, tiny_layers: int | None = None, cache_quant: bool = True,
+                     target: str = "cpu", executable: str | None = None, options: str = "{}",
+                     batch: tuple = (1,), tokens: tuple = (1,), max_context: int = 32, num_blocks: int = 4,
+                     parallel: tuple[int, int, int] = (1, 1, 1), extra: str = "") -> Path:
+    """A small fp32 model.toml for `checkpoint` in `directory` (created); returns its path.
+
+    `tiny_layers`: generate the tiny checkpoint there when absent. Sections the defaults
+    leave out (executable, [parallel] at one rank) are not written; `extra` is appended.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    model = f"tiny = {{ seed = 0, layers = {tiny_layers} }}\n" if tiny_layers else ""
+    exe = f'executable = "{executable}"\n' if executable else ""
+    ranks = "" if tuple(parallel) == (1, 1, 1) else \
+        "\n[parallel]\ntp = {}\nep = {}\ncp = {}\n".format(*parallel)
+    path = directory / "model.toml"
+    path.write_text(f"""[model]
+checkpoint = "{checkpoint}"
+{model}dtype = "fp32"
+cache_quant = {str(cache_quant).lower()}
+
+[target]
+name = "{target}"
+{exe}options = {options}
+
+[buckets]
+batch = {list(batch)}
+tokens = {list(tokens)}
+max_context = {max_context}
+
+[kv]
+block_size = 16
+num_blocks = {num_blocks}
+{ranks}{extra}""")
+    return path
+
+
 def _compile_tiny(tmp_path_factory, name: str, checkpoint: Path, *, executable: str, tokens: list[int],
                   layers: int = 6, batch: tuple = (1,), max_context: int = 32, num_blocks: int = 4,
                   cache_quant: bool = True, target: str = "cpu", options: str = "{}", hlo_only: bool = False,
@@ -47,32 +83,9 @@ def _compile_tiny(tmp_path_factory, name: str, checkpoint: Path, *, executable: 
     from deepinfer.compiler.pipeline import compile_bundle
 
     root = tmp_path_factory.mktemp(name)
-    toml = root / "model.toml"
-    toml.write_text(f"""[model]
-checkpoint = "{checkpoint}"
-tiny = {{ seed = 0, layers = {layers} }}
-dtype = "fp32"
-cache_quant = {str(cache_quant).lower()}
-
-[target]
-name = "{target}"
-executable = "{executable}"
-options = {options}
-
-[buckets]
-batch = {list(batch)}
-tokens = {tokens}
-max_context = {max_context}
-
-[kv]
-block_size = 16
-num_blocks = {num_blocks}
-
-[parallel]
-tp = {parallel[0]}
-ep = {parallel[1]}
-cp = {parallel[2]}
-""")
+    toml = write_model_toml(root, checkpoint, tiny_layers=layers, cache_quant=cache_quant, target=target,
+                            executable=executable, options=options, batch=batch, tokens=tokens,
+                            max_context=max_context, num_blocks=num_blocks, parallel=parallel)
     path, _ = compile_bundle(load_compile_config(toml), root / "bundle", jobs=2, log=lambda msg: None,
                              hlo_only=hlo_only)
     return path

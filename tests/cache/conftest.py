@@ -11,33 +11,15 @@ from deepinfer.bundles.cache import Cache
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.pipeline import compile_bundle
 
-TOML = """[model]
-checkpoint = "{ckpt}"
-dtype = "fp32"
-cache_quant = true
+from ..conftest import write_model_toml
 
-[target]
-name = "cpu"
-executable = "exported"
-options = {options}
-
-[buckets]
-batch = [1]
-tokens = [1]
-max_context = 32
-
-[kv]
-block_size = 16
-num_blocks = {num_blocks}
-"""
 EXECUTABLES = 8          # 8 region kinds x 1 bucket
 
 
 def write_toml(directory: Path, ckpt: Path, *, options: str = "{}", num_blocks: int = 5, extra: str = "") -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "model.toml"
-    path.write_text(TOML.format(ckpt=ckpt, options=options, num_blocks=num_blocks) + extra)
-    return path
+    """The small model of the cache tests: saved ExportedPrograms, bucket (1, 1), cache quantization on."""
+    return write_model_toml(directory, ckpt, executable="exported", options=options, num_blocks=num_blocks,
+                            extra=extra)
 
 
 def compile_cached(toml: Path, out: Path, cache_dir: Path, **kwargs) -> tuple[Path, Cache]:

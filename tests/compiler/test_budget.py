@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,28 +13,7 @@ from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.pipeline import Build, compile_bundle, parse_config, plan
 from deepinfer.errors import ConfigError
 
-
-def write_toml(root: Path, ckpt: Path, *, target: str = "cpu", options: str = "{}", num_blocks: int = 4,
-               memory: str = "") -> Path:
-    toml = root / "model.toml"
-    toml.write_text(f"""[model]
-checkpoint = "{ckpt}"
-dtype = "fp32"
-
-[target]
-name = "{target}"
-options = {options}
-
-[buckets]
-batch = [1]
-tokens = [1]
-max_context = 32
-
-[kv]
-block_size = 16
-num_blocks = {num_blocks}
-{memory}""")
-    return toml
+from ..conftest import write_model_toml
 
 
 def test_scratch_is_the_peak_of_live_intermediates():
@@ -72,7 +50,7 @@ def test_breakdown_adds_up(exported_bundle):
 
 def test_trn2_pools_over_hbm_refused_before_tracing(tmp_path, tiny_ckpt, monkeypatch):
     """2M KV blocks of the tiny model are ~17 GiB of pools: over one LNC=1 core's 12 GiB of HBM."""
-    toml = write_toml(tmp_path, tiny_ckpt, target="trn2", options="{ lnc = 1 }", num_blocks=2_000_000)
+    toml = write_model_toml(tmp_path, tiny_ckpt, target="trn2", options="{ lnc = 1 }", num_blocks=2_000_000)
     called = []
     monkeypatch.setattr("deepinfer.compiler.pipeline.trace", lambda *a, **k: called.append(a))
     with pytest.raises(ConfigError) as e:
@@ -85,7 +63,7 @@ def test_trn2_pools_over_hbm_refused_before_tracing(tmp_path, tiny_ckpt, monkeyp
 
 
 def test_trn2_lnc2_core_has_24_gib(tmp_path, tiny_ckpt):
-    b = Build(load_compile_config(write_toml(tmp_path, tiny_ckpt, target="trn2", options="{ lnc = 2 }")),
+    b = Build(load_compile_config(write_model_toml(tmp_path, tiny_ckpt, target="trn2", options="{ lnc = 2 }")),
               tmp_path / "out", tmp_path, log=lambda msg: None)
     parse_config(b)
     plan(b)
@@ -93,7 +71,7 @@ def test_trn2_lnc2_core_has_24_gib(tmp_path, tiny_ckpt):
 
 
 def test_limit_gib_refuses_the_tiny_model(tmp_path, tiny_ckpt):
-    toml = write_toml(tmp_path, tiny_ckpt, memory="\n[memory]\nlimit_gib = 0.001\n")
+    toml = write_model_toml(tmp_path, tiny_ckpt, extra="\n[memory]\nlimit_gib = 0.001\n")
     with pytest.raises(ConfigError, match=r"model.toml:\d+: memory.limit_gib: the bundle does not fit") as e:
         compile_bundle(load_compile_config(toml), tmp_path / "bundle", log=lambda msg: None)
     assert "limit 1.02 MiB ([memory] limit_gib)" in str(e.value)
@@ -102,7 +80,7 @@ def test_limit_gib_refuses_the_tiny_model(tmp_path, tiny_ckpt):
 
 def test_scratch_is_checked_after_tracing(tmp_path, tiny_ckpt):
     """Weights and pools fit; the traced graphs' scratch does not."""
-    toml = write_toml(tmp_path, tiny_ckpt, memory="\n[memory]\nlimit_gib = 0.01\nreserve_gib = 0.005\n")
+    toml = write_model_toml(tmp_path, tiny_ckpt, extra="\n[memory]\nlimit_gib = 0.01\nreserve_gib = 0.005\n")
     b = Build(load_compile_config(toml), tmp_path / "out", tmp_path, log=lambda msg: None)
     parse_config(b)
     plan(b)
@@ -122,6 +100,6 @@ def test_scratch_is_checked_after_tracing(tmp_path, tiny_ckpt):
     ("limit = 2", "unknown key 'limit'; valid keys: limit_gib, reserve_gib"),
 ])
 def test_memory_section_validated(tmp_path, memory, message):
-    toml = write_toml(tmp_path, tmp_path / "ckpt", memory=f"\n[memory]\n{memory}\n")
+    toml = write_model_toml(tmp_path, tmp_path / "ckpt", extra=f"\n[memory]\n{memory}\n")
     with pytest.raises(ConfigError, match=message):
         load_compile_config(toml)

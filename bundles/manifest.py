@@ -39,6 +39,16 @@ def file_digests(bundle: Path) -> dict[str, str]:
             if p.is_file() and p.name != MANIFEST_FILE}
 
 
+def stamp_digests(bundle: Path, manifest: dict) -> None:
+    """Cover every file of `bundle` in `manifest["files"]`, and give each region artifact,
+    weight stack and host tensor file its digest from there (each file hashed once)."""
+    files = manifest["files"] = file_digests(bundle)
+    entries = [*manifest["regions"], *(w for rank in manifest["weights"].values() for w in rank),
+               *manifest["host"].values()]
+    for e in entries:
+        e["digest"] = files[e["artifact"] if "artifact" in e else e["path"]]
+
+
 def dumps(manifest: dict) -> str:
     """JSON text with `format_version` as the first key."""
     ordered = {"format_version": manifest["format_version"]}

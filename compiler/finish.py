@@ -18,6 +18,7 @@ from pathlib import Path
 
 from deepinfer.bundles import layout, manifest as mf
 from deepinfer.compiler.jobs import Job, keep_failed_logs, run_jobs
+from deepinfer.compiler.pipeline import publish
 from deepinfer.compiler.targets import TARGETS
 from deepinfer.errors import DeepinferError
 
@@ -66,16 +67,9 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None) -> Path:
             e.update(target.describe(work / neff))
         manifest["stage"] = "executable"
         manifest["toolchain"] = {**manifest["toolchain"], "neuronx-cc": target.toolchain()["neuronx-cc"]}
-        manifest["files"] = mf.file_digests(work)
-        for group in [*manifest["weights"].values(), manifest["host"].values()]:
-            for w in group:
-                w["digest"] = manifest["files"][w["path"]]
-        for e in manifest["regions"]:
-            e["digest"] = manifest["files"][e["artifact"]]
+        mf.stamp_digests(work, manifest)
         (work / layout.MANIFEST_FILE).write_text(mf.dumps(manifest))
-        old = staging / "old"
-        os.replace(bundle, old)
-        os.replace(work, bundle)
+        publish(work, bundle, force=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log(f"finished {bundle}: {len(job_list)} NEFFs")

@@ -229,19 +229,12 @@ def layout_state(b: Build) -> None:
 
 def write_manifest(b: Build) -> None:
     c = b.config
-    for e in b.executables:
-        e["digest"] = mf.sha256_file(b.staging / e["artifact"])
     layers = []
     for p in b.plan.layers:
         steps = {slot: {"kind": kind, "index": index} for slot, (kind, index) in b.plan.bindings[p.layer].items()}
         layers.append({"layer": p.layer, "attn": p.attn, "ratio": p.ratio, "kv_source": p.kv_source,
                        "candidate_source": p.candidate_source, "uses_candidates": p.uses_candidates,
                        "engram": p.engram_rows > 0, "regions": steps, "state": b.state_bindings[p.layer]})
-    files = mf.file_digests(b.staging)
-    for w in (w for entries in b.weights.values() for w in entries):
-        w["digest"] = files[w["path"]]
-    for h in b.host.values():
-        h["digest"] = files[h["path"]]
     manifest = {
         "format_version": mf.FORMAT_VERSION,
         "deepinfer_version": deepinfer.__version__,
@@ -264,8 +257,8 @@ def write_manifest(b: Build) -> None:
         "weights": b.weights,
         "host": b.host,
         "memory": budget.record(b),           # per rank; refuses the bundle if the executables overflow it
-        "files": files,
     }
+    mf.stamp_digests(b.staging, manifest)
     (b.staging / layout.MANIFEST_FILE).write_text(mf.dumps(manifest))
 
 
@@ -282,7 +275,7 @@ PASSES = [
 ]
 
 
-def _publish(staging: Path, out: Path, force: bool) -> None:
+def publish(staging: Path, out: Path, force: bool) -> None:
     """Rename the finished bundle into place (an existing one is replaced only with force)."""
     if out.exists():
         if not force:
@@ -326,7 +319,7 @@ def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bo
         for path in staging.rglob("*"):      # safetensors writes 0600; a bundle is for sharing
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
         os.chmod(staging, 0o755)
-        _publish(staging, out, force)
+        publish(staging, out, force)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -37,6 +37,11 @@ class Topology:
     ep: int = 1
     cp: int = 1
 
+    @classmethod
+    def recorded(cls, topology: dict) -> Topology:
+        """The topology a bundle manifest records (its "topology" entry)."""
+        return cls(tp=topology["tp"], ep=topology["ep"], cp=topology["cp"])
+
     @property
     def group_size(self) -> int:
         """Ranks that share a token stream."""

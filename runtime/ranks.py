@@ -186,8 +186,7 @@ def _rank_main(rank: int, world: int, port: int, bundle: str, prompts, max_new_t
 def _topology(bundle) -> Topology:
     from deepinfer.bundles import manifest as mf
 
-    t = mf.read(bundle)["topology"]
-    return Topology(tp=t["tp"], ep=t["ep"], cp=t["cp"])
+    return Topology.recorded(mf.read(bundle)["topology"])
 
 
 def generate_ranks(bundle, prompts: list[list[int]], max_new_tokens: int, **options) -> dict:

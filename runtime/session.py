@@ -66,8 +66,7 @@ class Session:
         self.batch_sizes = sorted({s["batch"] for s in shapes})
         self.token_sizes = sorted({s["tokens"] for s in shapes})
         self.rank = torch.tensor(rank, dtype=torch.int64)
-        t = manifest["topology"]
-        self.topology = Topology(tp=t["tp"], ep=t["ep"], cp=t["cp"])
+        self.topology = Topology.recorded(manifest["topology"])
         self.comm = comm
         self.placement = placement_for(manifest, self.path, rank)
         try:

@@ -44,7 +44,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 def predicted(text, layers: int, tp: int, ep: int, cp: int, B: int, act_bytes: int) -> dict:
     """Bytes one rank sends per decode step, per collective, and the all-to-all comparison."""
-    from deepinfer.regions.topology import Topology
+    from deepinfer.bundles.topology import Topology
 
     topo = Topology(tp=tp, ep=ep, cp=cp)
     n, D, V, k = text.hc_mult, text.hidden_size, text.vocab_size, text.num_experts_per_tok

@@ -37,7 +37,7 @@ import torch
 
 from deepinfer.compiler.config import config_error
 from deepinfer.compiler.pools import plan_pools
-from deepinfer.regions.reference import DTYPES
+from deepinfer.regions.step import DTYPES
 
 GiB = 1 << 30
 TRN2_HBM_PER_CORE = 96 * GiB // 8          # per physical NeuronCore-v3

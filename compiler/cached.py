@@ -23,14 +23,14 @@ import functools
 import hashlib
 import json
 import os
-import struct
 from pathlib import Path
 
 from deepinfer.bundles.cache import CacheError, Lock
 from deepinfer.bundles.keys import Key, format_part, kernel_sources, modules_digest, package_modules, sha256
 from deepinfer.compiler.jobs import run_job, run_jobs
 from deepinfer.compiler.trace import Signature, weight_specs
-from deepinfer.regions.checkpoint import Checkpoint, _header
+from deepinfer.bundles.safetensors import read_header
+from deepinfer.regions.checkpoint import Checkpoint
 
 WEIGHT_MODULES = ["deepinfer.compiler.weights", "deepinfer.regions.checkpoint", "deepinfer.regions.base"]
 BUNDLE_MODULES = ["deepinfer.compiler.pipeline", "deepinfer.compiler.pools", "deepinfer.compiler.cached",
@@ -100,25 +100,20 @@ def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
             return json.loads(memo_file.read_text())
         except ValueError:
             pass
-    header = _header(path)
+    tensors, _ = read_header(str(path))
+    out = {}
     with open(path, "rb") as f:
-        base = 8 + struct.unpack("<Q", f.read(8))[0]
-        out = {}
-        for name, info in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]
-                                 if kv[0] != "__metadata__" else -1):
-            if name == "__metadata__":
-                continue
-            start, end = info["data_offsets"]
-            f.seek(base + start)
-            h = hashlib.sha256(f"{info['dtype']}{info['shape']}".encode())
-            left = end - start
+        for t in sorted(tensors.values(), key=lambda t: t.offset):
+            f.seek(t.offset)
+            h = hashlib.sha256(f"{t.dtype}{list(t.shape)}".encode())
+            left = t.nbytes
             while left:
                 block = f.read(min(left, 1 << 24))
                 if not block:
                     break
                 h.update(block)
                 left -= len(block)
-            out[name] = h.hexdigest()
+            out[t.name] = h.hexdigest()
     if memo_file:
         memo.mkdir(parents=True, exist_ok=True)
         tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}")

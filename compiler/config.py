@@ -21,9 +21,9 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from deepinfer.errors import ConfigError
+from deepinfer.schema import Problem, Rules, build
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -144,45 +144,10 @@ class _Where:
         return ConfigError(f"{self.path}{at}: {name}: {message}")
 
 
-def _coerce(value: Any, annotation: str, where: _Where, section: str, key: str, base: Path) -> Any:
-    t = annotation.replace(" | None", "")
-    ok = {
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-        "bool": isinstance(value, bool),
-        "str": isinstance(value, str),
-        "dict": isinstance(value, dict),
-        "Path": isinstance(value, str),
-        "tuple[int, ...]": isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
-                                                            for v in value),
-    }.get(t)
-    if t == "TinySection":
-        if value is False:
-            return None
-        if not isinstance(value, dict):
-            raise where.error(section, key, "expected a table like {seed = 0, layers = 6}")
-        return _section(TinySection, value, where, f"{section}.{key}", base)
-    if not ok:
-        raise where.error(section, key, f"expected {t.replace('tuple[int, ...]', 'a list of integers')}, "
-                                        f"got {value!r}")
-    if t == "Path":
-        p = Path(value).expanduser()
-        return p if p.is_absolute() else (base / p)
-    return tuple(value) if t.startswith("tuple") else value
-
-
-def _section(cls, data: dict, where: _Where, name: str, base: Path):
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        if key not in fields:
-            raise where.error(*(name.split(".") + [key])[:2], f"unknown key {key!r}; valid keys: {', '.join(fields)}")
-        kwargs[key] = _coerce(value, str(fields[key].type), where, name, key, base)
-    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise where.error(name, None, f"missing required key(s): {', '.join(missing)}")
-    return cls(**kwargs)
+def _resolve(base: Path, value: str) -> Path:
+    """A path of the file: relative to its folder, `~` expanded."""
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else base / p
 
 
 def _targets() -> dict:
@@ -260,12 +225,19 @@ def load_compile_config(path: str | Path) -> CompileConfig:
     if "model" not in data:
         raise ConfigError(f"{path}: missing required section [model]")
     base = path.resolve().parent
+    rules = Rules(paths=lambda value: _resolve(base, value))
+    model = data["model"]
+    if isinstance(model, dict) and model.get("tiny") is False:      # tiny = false: no generation
+        data["model"] = {k: v for k, v in model.items() if k != "tiny"}
     sections = {}
     for name, cls in SECTIONS.items():
         value = data.get(name, {})
         if not isinstance(value, dict):
             raise where.error(name, None, "expected a table")
-        sections[name] = _section(cls, value, where, name, base)
+        try:
+            sections[name] = build(cls, value, key=(name,), rules=rules)
+        except Problem as p:
+            raise where.error(p.key[0], p.key[1] if len(p.key) > 1 else None, p.message) from None
     t = sections["target"]
     if t.executable is None and t.name in _targets():
         sections["target"] = dataclasses.replace(t, executable=_targets()[t.name].EXECUTABLES[0])

@@ -42,9 +42,9 @@ from deepinfer.errors import ConfigError, DeepinferError
 from deepinfer.regions.checkpoint import Checkpoint
 from deepinfer.regions.config import V41Config, load_config
 from deepinfer.regions import topology
-from deepinfer.regions.reference import DTYPES
+from deepinfer.regions.step import DTYPES
 from deepinfer.regions.state import Geometry, check_block_size
-from deepinfer.regions.topology import Topology
+from deepinfer.bundles.topology import Topology
 
 LOWERED_DIR = ".lowered"
 

@@ -13,8 +13,9 @@ import torch
 
 from deepinfer.regions.base import Region
 from deepinfer.regions.config import TextConfig
-from deepinfer.regions.plan import LayerPlan, make_head, make_layer_regions, plan_layers
-from deepinfer.regions.topology import Topology
+from deepinfer.regions.plan import make_head, make_layer_regions
+from deepinfer.regions.step import LayerPlan, plan_layers
+from deepinfer.bundles.topology import Topology
 
 METHOD = "decode"
 

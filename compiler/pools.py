@@ -8,7 +8,7 @@ slice `pool[index]`. Reuse and reindex layers bind their kv source's slices.
 from __future__ import annotations
 
 from deepinfer.regions.config import TextConfig
-from deepinfer.regions.plan import LayerPlan
+from deepinfer.regions.step import LayerPlan
 from deepinfer.regions.state import check_block_size, layer_state
 
 PAGED = ("ckv", "ikeys")          # indexed by block; the others by sequence slot

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from deepinfer.regions.config import TextConfig
-from deepinfer.regions.topology import BLOCK, Topology, shared_slice, shared_width
+from deepinfer.bundles.topology import Topology
+from deepinfer.regions.topology import BLOCK, shared_slice, shared_width
 
 ROUTED = ("w1", "w1_s", "w3", "w3_s", "w2", "w2_s")
 

@@ -114,7 +114,7 @@ def prompts_with_images(prompt, prompt_ids, images, config, tokenizer, tower):
     if not images:
         return prompts_from(prompt, prompt_ids, config.text.vocab_size, tokenizer), None
     from deepinfer.regions.image import read_image
-    from deepinfer.regions.vision import with_images
+    from deepinfer.regions.spans import with_images
 
     token = config.image_token_id
     prompts = prompts_from(prompt, prompt_ids, config.text.vocab_size, tokenizer, image_token=token)

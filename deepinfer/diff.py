@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.bundles.manifest import BundleError
-from deepinfer.runtime.mmap_weights import load_mmap
+from deepinfer.bundles.safetensors import load_mmap
 
 # default tolerance on the score per activation dtype: a few hundred ulps of fp32, a few of bf16
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}
@@ -125,7 +125,7 @@ class References:
 
     def __init__(self, session, rank: int = 0):
         from deepinfer.compiler.plan import plan_regions
-        from deepinfer.regions.reference import DTYPES
+        from deepinfer.regions.step import DTYPES
 
         m = session.manifest
         plan = plan_regions(session.config.text, DTYPES[m["model"]["dtype"]], m["model"]["cache_quant"],

@@ -17,6 +17,19 @@ class CheckpointError(DeepinferError):
     """A checkpoint tensor is missing, corrupt, or has the wrong dtype or shape."""
 
 
+class TensorFileError(CheckpointError, ValueError):
+    """A safetensors file (a checkpoint's or a bundle's) or one of its tensors is corrupt, truncated
+    or of an unexpected dtype/shape. The message names the file and the tensor."""
+
+    def __init__(self, path: str, tensor: str | None, problem: str, fix: str = ""):
+        where = f"{path}" + (f", tensor {tensor!r}" if tensor else "")
+        super().__init__(f"{where}: {problem}" + (f" ({fix})" if fix else ""))
+        self.path, self.tensor, self.problem, self.fix = path, tensor, problem, fix
+
+    def __reduce__(self):  # raised in worker processes, re-raised in the parent
+        return (type(self), (self.path, self.tensor, self.problem, self.fix))
+
+
 class CompareError(DeepinferError):
     """A logit dump or noise-floor file is missing, malformed, or does not match the other."""
 

@@ -9,8 +9,9 @@ Modules (bit formats are documented byte by byte in each):
   shift      power-of-two rescaling of fp8 codes in the uint8 domain
   rescale    rescale to ue8m0 scales of another block size; e4m3fn -> e4m3
   pack       packed scale layouts (int32 MN-major, int16 pairs) and their names
-  safetensors_io, stream_plan, stream
-             the streaming driver over a safetensors checkpoint
+  stream_plan, stream
+             the streaming driver over a safetensors checkpoint (headers and memory maps:
+             deepinfer.bundles.safetensors)
 
 No torch in any of them: torch is only the reference the tests compare against.
 """

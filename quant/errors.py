@@ -2,7 +2,7 @@
 
 `QuantInputError` covers arguments that cannot be processed (wrong dtype or
 shape, non-finite values where a format has no room for them). Errors about a
-checkpoint file carry the file and tensor name in `CheckpointError`.
+checkpoint file carry the file and tensor name in `deepinfer.errors.TensorFileError`.
 Both derive from ValueError so generic callers can catch them as such.
 """
 
@@ -13,25 +13,6 @@ from deepinfer import errors
 
 class QuantInputError(errors.DeepinferError, ValueError):
     """An array handed to a quant function is not what the format expects."""
-
-
-class CheckpointError(QuantInputError, errors.CheckpointError):
-    """A checkpoint file or one of its tensors is corrupt, truncated or of an
-    unexpected dtype/shape. The message names the file and the tensor."""
-
-    def __init__(self, path: str, tensor: str | None, problem: str, fix: str = ""):
-        where = f"{path}" + (f", tensor {tensor!r}" if tensor else "")
-        msg = f"{where}: {problem}"
-        if fix:
-            msg += f" ({fix})"
-        super().__init__(msg)
-        self.path = path
-        self.tensor = tensor
-        self.problem = problem
-        self.fix = fix
-
-    def __reduce__(self):  # raised in worker processes, re-raised in the parent
-        return (type(self), (self.path, self.tensor, self.problem, self.fix))
 
 
 def expect_dtype(arr, dtype, what: str):

@@ -21,11 +21,13 @@ import time
 
 import numpy as np
 
+from deepinfer.bundles.safetensors import map_bytes, map_rows
+from deepinfer.errors import TensorFileError
+
 from . import blocks
-from .errors import CheckpointError, QuantInputError
+from .errors import QuantInputError
 from .pack import pack_scales
 from .rescale import convert_format, rescale_fp32, rescale_ue8m0
-from .safetensors_io import map_bytes, map_rows
 from .stream_plan import Plan, StreamRecipe, StreamReport, Task, plan_checkpoint
 
 __all__ = ["StreamRecipe", "StreamReport", "process_checkpoint", "run_task"]
@@ -63,10 +65,10 @@ def run_task(task: Task):
     job = task.job
     try:
         codes, scales = _convert(task)
-    except CheckpointError:
+    except TensorFileError:
         raise
     except QuantInputError as e:
-        raise CheckpointError(job.weight.path, job.weight.name,
+        raise TensorFileError(job.weight.path, job.weight.name,
                               f"in rows {task.lo}..{task.hi} (positions below are relative): {e}") from None
     # pwrite costs about half of what page faults on a writable shared map cost
     # (measured on ext4 and tmpfs); tasks alternate between files so concurrent

@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from deepinfer.bundles.safetensors import TensorInfo, layout_header, read_header
+from deepinfer.errors import TensorFileError
+
 from . import blocks
-from .errors import CheckpointError, QuantInputError
+from .errors import QuantInputError
 from .formats import FP8_E4M3FN, fp8_format
 from .pack import LAYOUT_I16_PAIRS, LAYOUT_I32_MN_MAJOR, LAYOUT_U8, SCALE_LAYOUTS, pack_scales
 from .rescale import block_pair
-from .safetensors_io import TensorInfo, layout_header, read_header
 
 SCALE_DTYPES = {"F8_E8M0": (32, 32), "F32": (128, 128)}   # scale dtype -> checkpoint block
 LAYOUT_DTYPE = {LAYOUT_U8: "F8_E8M0", LAYOUT_I32_MN_MAJOR: "I32", LAYOUT_I16_PAIRS: "I16"}
@@ -90,7 +92,7 @@ def _checkpoint_files(src) -> list[str]:
     if os.path.isdir(src):
         files = sorted(glob.glob(os.path.join(src, "*.safetensors")))
         if not files:
-            raise CheckpointError(str(src), None, "no *.safetensors files in the directory")
+            raise TensorFileError(str(src), None, "no *.safetensors files in the directory")
         return files
     return [str(src)]
 
@@ -99,12 +101,12 @@ def _block_from_grid(w: TensorInfo, s: TensorInfo, pref: tuple[int, int]) -> tup
     """The checkpoint block that produced scale grid s.shape for weight w.shape:
     the format's block on each axis, else one scale per row (block 1)."""
     if len(w.shape) != 2 or len(s.shape) != 2:
-        raise CheckpointError(w.path, w.name, f"fp8 weight {list(w.shape)} and scale {s.name!r} "
+        raise TensorFileError(w.path, w.name, f"fp8 weight {list(w.shape)} and scale {s.name!r} "
                               f"{list(s.shape)} must both be 2-D")
     for br in (pref[0], 1):
         if blocks.grid(w.shape, br, pref[1]) == s.shape:
             return br, pref[1]
-    raise CheckpointError(s.path, s.name, f"scale shape {list(s.shape)} does not fit fp8 weight "
+    raise TensorFileError(s.path, s.name, f"scale shape {list(s.shape)} does not fit fp8 weight "
                           f"{w.name!r} {list(w.shape)} with [{pref[0]}, {pref[1]}] blocks "
                           f"(expected {list(blocks.grid(w.shape, *pref))}) or per-row scales")
 
@@ -118,10 +120,10 @@ def _fp8_jobs(index: dict[str, TensorInfo], recipe: StreamRecipe) -> dict[str, F
         cands = [stem + "scale", stem + "weight_scale_inv"]
         scale = next((index[c] for c in cands if c in index), None)
         if scale is None:
-            raise CheckpointError(w.path, name, "fp8 weight has no scale tensor",
+            raise TensorFileError(w.path, name, "fp8 weight has no scale tensor",
                                   f"expected {cands[0]!r} (F8_E8M0) or {cands[1]!r} (F32)")
         if scale.dtype not in SCALE_DTYPES:
-            raise CheckpointError(scale.path, scale.name, f"unexpected dtype {scale.dtype} for the "
+            raise TensorFileError(scale.path, scale.name, f"unexpected dtype {scale.dtype} for the "
                                   f"scale of fp8 weight {name!r}", "expected F8_E8M0 or F32")
         src = _block_from_grid(w, scale, SCALE_DTYPES[scale.dtype])
         keep = recipe.dst_block is None or src[0] == 1
@@ -210,7 +212,7 @@ def plan_checkpoint(src, out_dir: str, recipe: StreamRecipe) -> Plan:
     for p, (tensors, _) in headers.items():
         for name, t in tensors.items():
             if name in index:
-                raise CheckpointError(p, name, f"tensor also present in {index[name].path}")
+                raise TensorFileError(p, name, f"tensor also present in {index[name].path}")
             index[name] = t
     jobs = _fp8_jobs(index, recipe)
     by_scale = {j.scale.name: j for j in jobs.values()}

@@ -9,41 +9,17 @@ and the tensor.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from deepinfer.bundles.safetensors import TensorInfo, read_header
 from deepinfer.errors import CheckpointError
 from deepinfer.regions.base import Region, WeightSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-# safetensors dtype string -> torch dtype as safetensors returns it
-ST_DTYPES = {
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8,
-    "BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16, "I64": torch.int64,
-}
-
-
-def _header(path: Path) -> dict:
-    """The JSON header of a safetensors file, checked against the file size."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file (no header)")
-            n = struct.unpack("<Q", raw)[0]
-            header = json.loads(f.read(n))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
-    size = path.stat().st_size
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise CheckpointError(f"{path}: truncated: tensors need {8 + n + end} bytes, file has {size}")
-    return header
 
 
 class Checkpoint:
@@ -58,25 +34,30 @@ class Checkpoint:
             except (json.JSONDecodeError, KeyError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
         elif (self.dir / SINGLE_FILE).exists():
-            weight_map = {k: SINGLE_FILE for k in _header(self.dir / SINGLE_FILE) if k != "__metadata__"}
+            weight_map = dict.fromkeys(read_header(str(self.dir / SINGLE_FILE))[0], SINGLE_FILE)
         else:
             raise CheckpointError(f"{self.dir}: no {SINGLE_FILE} or {INDEX_FILE}")
         self.files = {name: self.dir / f for name, f in weight_map.items()}
-        self._headers: dict[Path, dict] = {}
+        self._headers: dict[Path, dict[str, TensorInfo]] = {}
         self._handles: dict[Path, object] = {}
 
     def names(self) -> list[str]:
         return list(self.files)
 
-    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
-        """(dtype string, shape) of a tensor from its file's header."""
+    def tensor(self, name: str) -> TensorInfo:
+        """Where a tensor lies in its file, from the file's (checked) header."""
         path = self._path(name)
         if path not in self._headers:
-            self._headers[path] = _header(path)
+            self._headers[path] = read_header(str(path))[0]
         entry = self._headers[path].get(name)
         if entry is None:
             raise CheckpointError(f"{path}: tensor {name} is listed in the index but not in the file")
-        return entry["dtype"], tuple(entry["shape"])
+        return entry
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(dtype string, shape) of a tensor from its file's header."""
+        t = self.tensor(name)
+        return t.dtype, t.shape
 
     def _path(self, name: str) -> Path:
         if name not in self.files:

@@ -15,11 +15,13 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from deepinfer.errors import ConfigError
+from deepinfer.schema import Problem, Rules, build
 
 CONFIG_FILE = "config.json"
+NESTED = ("text_config", "vision_config", "quantization_config")
+EXTRA = Rules(unknown="extra")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,46 +165,13 @@ def _flat(obj) -> dict:
 # ----------------------------------------------------------------------------- parsing
 
 
-def _check_type(value: Any, annotation: str, where: str) -> Any:
-    """Coerce a JSON value to a dataclass field's annotated type, or raise."""
-    base = annotation.replace(" | None", "")
-    if value is None and "None" in annotation:
-        return None
-    if base == "int" and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if base == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if base == "bool" and isinstance(value, bool):
-        return value
-    if base == "str" and isinstance(value, str):
-        return value
-    if base == "dict" and isinstance(value, dict):
-        return value
-    if base.startswith("tuple[int") and isinstance(value, list):
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return tuple(value)
-    raise ConfigError(f"{where}: expected {annotation}, got {json.dumps(value)}")
-
-
-def _build(cls, data: Any, where: str):
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected an object, got {type(data).__name__}")
-    kwargs, extra = {}, {}
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key, value in data.items():
-        f = fields.get(key)
-        if f is None or key in ("extra", "text", "vision", "quant"):
-            extra[key] = value
-            continue
-        kwargs[key] = _check_type(value, str(f.type), f"{where}.{key}")
-    missing = [
-        n for n, f in fields.items()
-        if n not in kwargs and n not in ("extra", "text", "vision", "quant")
-        and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise ConfigError(f"{where}: missing required key(s) {', '.join(missing)}")
-    return kwargs, extra
+def _build(cls, data, source: str, key: tuple, **given):
+    """`cls` from a config.json object; unknown keys are kept in `extra`."""
+    try:
+        return build(cls, data, key=key, rules=EXTRA, given=given)
+    except Problem as p:
+        where = p.dotted()
+        raise ConfigError(f"{source}: {where + ': ' if where else ''}{p.message}") from None
 
 
 def parse_config(data: dict, source: str = CONFIG_FILE) -> V41Config:
@@ -212,19 +181,13 @@ def parse_config(data: dict, source: str = CONFIG_FILE) -> V41Config:
     model_type = data.get("model_type")
     if model_type != "deepseek_v41":
         raise ConfigError(f"{source}: model_type is {model_type!r}, expected 'deepseek_v41'")
-    top = {k: v for k, v in data.items()
-           if k not in ("text_config", "vision_config", "quantization_config")}
     if "text_config" not in data:
         raise ConfigError(f"{source}: missing required key text_config")
-    kw, extra = _build(TextConfig, data["text_config"], f"{source}: text_config")
-    text = TextConfig(**kw, extra=extra)
-    kw, extra = _build(VisionConfig, data.get("vision_config", {}), f"{source}: vision_config")
-    vision = VisionConfig(**kw, extra=extra)
-    kw, extra = _build(QuantConfig, data.get("quantization_config", {}),
-                       f"{source}: quantization_config")
-    quant = QuantConfig(**kw, extra=extra)
-    kw, extra = _build(V41Config, top, source)
-    config = V41Config(text=text, vision=vision, quant=quant, **kw, extra=extra)
+    top = {k: v for k, v in data.items() if k not in NESTED}
+    config = _build(V41Config, top, source, (),
+                    text=_build(TextConfig, data["text_config"], source, ("text_config",)),
+                    vision=_build(VisionConfig, data.get("vision_config", {}), source, ("vision_config",)),
+                    quant=_build(QuantConfig, data.get("quantization_config", {}), source, ("quantization_config",)))
     validate(config, source)
     return config
 

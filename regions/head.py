@@ -1,9 +1,9 @@
-"""The final head (a compiled region) and the token embedding (host-side)."""
+"""The final head (a compiled region); the token embedding is host-side (regions/step.py)."""
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn import functional as F
 
 from deepinfer.kernels import hc as _hc  # noqa: F401  (registers ops)
@@ -36,28 +36,3 @@ class Head(Region):
         """h [B, T, n, D], pre [B, T, n] -> logits [B, T, V] float32."""
         x = ops.rmsnorm(ops.hc_collapse(h, pre), self.norm, self.c.rms_norm_eps)
         return F.linear(x.float(), self.head.float())
-
-
-class Embedding(nn.Module):
-    """Token embedding on the host: ids -> n identical streams and the one-hot first `pre`."""
-
-    def __init__(self, weight: Tensor, hc_mult: int, dtype: torch.dtype):
-        super().__init__()
-        self.weight = weight            # [V, D], kept in checkpoint storage (bf16)
-        self.hc_mult = hc_mult
-        self.dtype = dtype
-
-    def forward(self, tokens: Tensor, is_image: Tensor | None = None,
-                image_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """tokens [B, T] -> h [B, T, n, D] (contiguous), pre [B, T, n] float32.
-
-        Where is_image [B, T] is set, the row of image_rows [B, T, D] (the vision
-        tower's span) replaces the token's embedding.
-        """
-        e = self.weight[tokens].to(self.dtype)
-        if image_rows is not None:
-            e = torch.where(is_image.unsqueeze(-1), image_rows.to(self.dtype), e)
-        h = e.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
-        pre = torch.zeros(*tokens.shape, self.hc_mult, dtype=torch.float32)
-        pre[..., 0] = 1
-        return h, pre

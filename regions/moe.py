@@ -18,7 +18,8 @@ from deepinfer.kernels import hc as _hc  # noqa: F401  (registers ops)
 from deepinfer.regions.base import Region, WeightSpec, fp4_specs, fp8_specs
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.state import Geometry, InputSpec
-from deepinfer.regions.topology import Topology, shared_width
+from deepinfer.bundles.topology import Topology
+from deepinfer.regions.topology import shared_width
 
 ops = torch.ops.deepinfer
 

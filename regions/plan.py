@@ -1,48 +1,23 @@
-"""Which region kind each layer of a V4.1 config runs, and the regions' factory.
+"""The regions' factory: the region modules each layer of a V4.1 config runs.
 
 A layer is: [engram] -> attention site (one of the attention kinds) -> FFN site
-(MoE). The model ends with the head. `plan_layers` is the single place that
-reads the attention schedule of the config.
+(MoE). The model ends with the head. Which kind a layer is comes from
+`regions.step.plan_layers`, the single place that reads the attention schedule.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from deepinfer.bundles.topology import Topology
 from deepinfer.regions.attention import ReindexAttention, ReuseAttention, SourceAttention, WindowAttention
 from deepinfer.regions.base import Region
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.engram import Engram
 from deepinfer.regions.head import Head
 from deepinfer.regions.moe import MoE
-from deepinfer.regions.topology import Topology, attention_config
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    layer: int
-    attn: str                   # window | source | reindex | reuse
-    ratio: int
-    kv_source: int | None       # the layer whose compressed KV / index keys it reads
-    candidate_source: bool
-    uses_candidates: bool
-    engram_rows: int            # 0 when the layer has no engram
-
-
-def plan_layers(c: TextConfig) -> list[LayerPlan]:
-    plans = []
-    for layer in range(c.num_hidden_layers):
-        kind = c.layer_kind(layer)
-        rows = dict(zip(c.engram_layer_ids, c.engram_num_embeddings)).get(layer, 0)
-        plans.append(LayerPlan(
-            layer=layer, attn=kind, ratio=c.compress_ratios[layer],
-            kv_source=None if kind == "window" else c.kv_source_of(layer),
-            candidate_source=layer == c.candidate_source_layer_id,
-            uses_candidates=c.uses_candidates(layer) and kind == "reindex",
-            engram_rows=rows))
-    return plans
+from deepinfer.regions.step import LayerPlan
+from deepinfer.regions.topology import attention_config
 
 
 def make_attention(c: TextConfig, p: LayerPlan, dtype: torch.dtype, cache_quant: bool,

@@ -16,7 +16,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.regions.config import TextConfig
 
 if TYPE_CHECKING:
-    from deepinfer.regions.plan import LayerPlan
+    from deepinfer.regions.step import LayerPlan
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from deepinfer.quant.fp8 import E4M3FN_MAX, e4m3fn_encode
 from deepinfer.quant.ue8m0 import UE8M0_LUT, scale_bytes_for
 from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE
 from deepinfer.regions.config import CONFIG_FILE, parse_config
-from deepinfer.regions.plan import make_head, make_layer_regions, plan_layers
+from deepinfer.regions.plan import make_head, make_layer_regions
+from deepinfer.regions.step import plan_layers
 from deepinfer.regions.vision import vision_specs
 
 MIN_LAYERS = 6

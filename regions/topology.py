@@ -1,4 +1,4 @@
-"""Ranks: tensor (tp), expert (ep) and context (cp) parallel degrees, and what each rank holds.
+"""What each rank of a topology holds of a V4.1 model (the degrees: bundles/topology.py).
 
     world = max(tp * cp, ep) processes, one per NeuronCore (or CPU process)
     rank  = group * (tp * cp) + cp_rank * tp + tp_rank
@@ -24,51 +24,11 @@ buffer; one executable set serves every rank.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
+from deepinfer.bundles.topology import Topology
 from deepinfer.regions.config import TextConfig
 
 BLOCK = 32          # fp8 scale block: shards are whole blocks
-
-
-@dataclass(frozen=True)
-class Topology:
-    tp: int = 1
-    ep: int = 1
-    cp: int = 1
-
-    @classmethod
-    def recorded(cls, topology: dict) -> Topology:
-        """The topology a bundle manifest records (its "topology" entry)."""
-        return cls(tp=topology["tp"], ep=topology["ep"], cp=topology["cp"])
-
-    @property
-    def group_size(self) -> int:
-        """Ranks that share a token stream."""
-        return self.tp * self.cp
-
-    @property
-    def world(self) -> int:
-        return max(self.group_size, self.ep)
-
-    @property
-    def groups(self) -> int:
-        """Token groups (independent sequence sets)."""
-        return self.world // self.group_size
-
-    @property
-    def dispatch(self) -> bool:
-        """True when the EP group spans token groups (all-gather + reduce-scatter)."""
-        return self.ep > 1 and self.groups > 1
-
-    def group_of(self, rank: int) -> int:
-        return rank // self.group_size
-
-    def tp_rank(self, rank: int) -> int:
-        return rank % self.tp
-
-    def to_dict(self) -> dict:
-        return {"tp": self.tp, "ep": self.ep, "cp": self.cp, "world_size": self.world, "groups": self.groups}
 
 
 def check(topo: Topology, c: TextConfig) -> tuple[str, str] | None:

@@ -76,7 +76,7 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
         if launched is not None:                # under torchrun: this process is one rank
             rank, _ = launched
             ranks.init(rank, world)
-            comm = ranks.Comm(ranks.Topology.recorded(manifest["topology"]), rank)
+            comm = ranks.Comm(ranks.Topology(*(manifest["topology"][k] for k in ("tp", "ep", "cp"))), rank)
         session = load(bundle, num_kv_blocks=num_kv_blocks, verify=not no_verify,
                        rank=comm.rank if comm else 0, comm=comm)
         if comm is not None and not comm.leader:

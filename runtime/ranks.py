@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from deepinfer.regions.topology import Topology
+from deepinfer.bundles.topology import Topology
 
 CHUNK_BYTES = 64 << 20
 
@@ -186,7 +186,7 @@ def _rank_main(rank: int, world: int, port: int, bundle: str, prompts, max_new_t
 def _topology(bundle) -> Topology:
     from deepinfer.bundles import manifest as mf
 
-    return Topology.recorded(mf.read(bundle)["topology"])
+    return Topology(*(mf.read(bundle)["topology"][k] for k in ("tp", "ep", "cp")))
 
 
 def generate_ranks(bundle, prompts: list[list[int]], max_new_tokens: int, **options) -> dict:

@@ -18,16 +18,13 @@ from pathlib import Path
 import torch
 
 from deepinfer.bundles import manifest as mf
+from deepinfer.bundles.safetensors import load_mmap
+from deepinfer.bundles.topology import Topology
 from deepinfer.regions.config import parse_config
 from deepinfer.regions.engram_hash import EngramHasher
-from deepinfer.regions.head import Embedding
-from deepinfer.regions.plan import LayerPlan
-from deepinfer.regions.reference import DTYPES, Batch, Generation, run_layers
-from deepinfer.regions.topology import Topology
-from deepinfer.regions.vision import VisionTower, engram_masks, step_images, tensor_getter
+from deepinfer.regions.generate import Allocator, Generation, Row, bucket_at_least, greedy, make_batch
+from deepinfer.regions.step import DTYPES, Batch, Embedding, LayerPlan, run_layers
 from deepinfer.runtime.backends import check_compatible, placement_for
-from deepinfer.runtime.mmap_weights import load_mmap
-from deepinfer.runtime.scheduler import Allocator, OutOfBlocks, bucket_at_least
 
 
 @dataclass
@@ -66,7 +63,7 @@ class Session:
         self.batch_sizes = sorted({s["batch"] for s in shapes})
         self.token_sizes = sorted({s["tokens"] for s in shapes})
         self.rank = torch.tensor(rank, dtype=torch.int64)
-        self.topology = Topology.recorded(manifest["topology"])
+        self.topology = Topology(*(manifest["topology"][k] for k in ("tp", "ep", "cp")))
         self.comm = comm
         self.placement = placement_for(manifest, self.path, rank)
         try:
@@ -126,7 +123,7 @@ class Session:
         self.placement.close()
 
     @functools.cached_property
-    def vision(self) -> VisionTower:
+    def vision(self):
         """The host-resident vision tower (host/vision.safetensors), loaded on first use."""
         return load_vision(self.path, self.manifest)
 
@@ -151,29 +148,6 @@ class Session:
             return out if comm is None else comm.after(slot, out, self.dtype)
         return invoke
 
-    def _batch(self, rows: list[tuple[int, list[int], int]], alloc: Allocator, gens, B: int, T: int,
-               images=None) -> Batch:
-        """rows: (seq, token ids, first position) -> the step's host metadata, padded to [B, T];
-        images[seq]: that prompt's image positions and rows (vision.ImageEmbeds) or None."""
-        tokens = torch.full((B, T), self.config.pad_token_id, dtype=torch.int64)
-        positions = torch.full((B, T), -1, dtype=torch.int64)
-        slots = torch.zeros(B, dtype=torch.int64)
-        table = torch.zeros((B, self.max_blocks), dtype=torch.int64)
-        for b, (seq, ids, start) in enumerate(rows):
-            tokens[b, :len(ids)] = torch.tensor(ids)
-            positions[b, :len(ids)] = torch.arange(start, start + len(ids))
-            slots[b] = alloc.slot_of[seq]
-            table[b] = torch.tensor(alloc.table_row(seq))
-        seqs = [seq for seq, _, _ in rows]
-        spans = [(start, len(ids)) for _, ids, start in rows] + [(0, 0)] * (B - len(rows))
-        is_image, image_rows = step_images(None if images is None else [images[s] for s in seqs], spans, T,
-                                           self.dtype)
-        hashes = None
-        if self.hasher is not None:
-            histories = [gens[seq].tokens for seq, _, _ in rows] + [[]] * (B - len(rows))
-            hashes = torch.from_numpy(self.hasher.step(histories, positions.numpy(), engram_masks(images, seqs)))
-        return Batch(tokens, positions, slots, table, hashes, is_image, image_rows)
-
     def _run(self, batch: Batch) -> torch.Tensor:
         """One step through every layer and the head -> logits [B, T, V]."""
         h, pre = self.embed(batch.tokens, batch.is_image, batch.image_rows)
@@ -185,11 +159,30 @@ class Session:
         self.stats.tokens += int((batch.positions >= 0).sum())
         return logits
 
-    def _step(self, rows_by_group: list[list], allocs: list[Allocator], gens, images=None) -> list[torch.Tensor]:
-        """Leader: one step of every token group -> each group's logits [B, T, V]."""
+    # -- what `greedy` drives ----------------------------------------------------------------------
+
+    @property
+    def groups(self) -> int:
+        return self.topology.groups
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_sizes[-1]
+
+    @property
+    def chunk(self) -> int:
+        return self.token_sizes[-1]
+
+    def allocator(self) -> Allocator:
+        return Allocator(self.num_slots, self.num_blocks, self.block_size, self.max_blocks)
+
+    def run(self, rows_by_group: list[list[Row]], allocs: list[Allocator], gens, images) -> list[torch.Tensor]:
+        """Leader: one step of every token group, padded to the nearest bucket -> each group's logits."""
         B = bucket_at_least(self.batch_sizes, max(1, *(len(r) for r in rows_by_group)))
         T = bucket_at_least(self.token_sizes, max(len(ids) for rows in rows_by_group for _, ids, _ in rows))
-        batches = [self._batch(rows, alloc, gens, B, T, images) for rows, alloc in zip(rows_by_group, allocs)]
+        batches = [make_batch(rows, list(range(len(rows))), B, T, alloc=alloc, gens=gens, images=images,
+                              hasher=self.hasher, pad=self.config.pad_token_id, dtype=self.dtype)
+                   for rows, alloc in zip(rows_by_group, allocs)]
         if self.comm is None:
             return [self._run(batches[0])]
         self.comm.step(batches)
@@ -205,58 +198,20 @@ class Session:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, eos: int | None = None,
                  images: list | None = None) -> list[Generation]:
         """Greedy generation (on the leader with several ranks: followers `serve`); a request
-        that cannot get blocks fails alone (its `error` is set). images[i] (vision.ImageEmbeds
-        from `vision.with_images`, or None): prompt i's image positions and their embeddings."""
+        that cannot get blocks fails alone (its `error` is set). images[i] (spans.ImageEmbeds
+        from `spans.with_images`, or None): prompt i's image positions and their embeddings."""
         eos = self.config.eos_token_id if eos is None else eos
-        gens = [Generation(list(p), len(p)) for p in prompts]
-        groups = self.topology.groups
-        allocs = [Allocator(self.num_slots, self.num_blocks, self.block_size, self.max_blocks) for _ in range(groups)]
-        group_of: dict[int, int] = {}
-        consumed = [0] * len(gens)
-        waiting = [] if max_new_tokens == 0 else list(range(len(gens)))
-        active: list[int] = []
-        chunk = self.token_sizes[-1]
-        while waiting or active:
-            while waiting:                      # admit into the least loaded group with room
-                load = [sum(group_of[s] == g for s in active) for g in range(groups)]
-                g = min(range(groups), key=lambda i: load[i])
-                if load[g] >= self.batch_sizes[-1] or not allocs[g].admit(waiting[0]):
-                    break
-                group_of[waiting[0]] = g
-                active.append(waiting.pop(0))
-            rows_by_group = [[] for _ in range(groups)]
-            for seq in list(active):
-                n = min(chunk, len(gens[seq].tokens) - consumed[seq])
-                alloc = allocs[group_of[seq]]
-                try:
-                    alloc.reserve(seq, consumed[seq] + n)
-                except OutOfBlocks as e:
-                    gens[seq].error = str(e)
-                    alloc.release(seq)
-                    active.remove(seq)
-                    continue
-                rows_by_group[group_of[seq]].append((seq, gens[seq].tokens[consumed[seq]:consumed[seq] + n],
-                                                     consumed[seq]))
-            if not any(rows_by_group):
-                continue
-            for rows, logits in zip(rows_by_group, self._step(rows_by_group, allocs, gens, images)):
-                for b, (seq, ids, start) in enumerate(rows):
-                    g = gens[seq]
-                    g.logits.extend(logits[b, :len(ids)].float().clone())
-                    consumed[seq] += len(ids)
-                    if consumed[seq] == len(g.tokens):
-                        nxt = int(torch.argmax(logits[b, len(ids) - 1]))
-                        g.tokens.append(nxt)
-                        if nxt == eos or len(g.generated) >= max_new_tokens:
-                            allocs[group_of[seq]].release(seq)
-                            active.remove(seq)
-        if self.comm is not None:
-            self.comm.step(None)
-        return gens
+        try:
+            return greedy(self, prompts, max_new_tokens, eos=eos, images=images)
+        finally:
+            if self.comm is not None:
+                self.comm.step(None)
 
 
-def load_vision(bundle: Path, manifest: dict) -> VisionTower:
-    """A bundle's host-resident vision tower and aligner."""
+def load_vision(bundle: Path, manifest: dict):
+    """A bundle's host-resident vision tower and aligner (regions.vision, imported only here)."""
+    from deepinfer.regions.vision import VisionTower, tensor_getter
+
     host = manifest["host"].get("vision")
     if host is None:
         raise mf.BundleError(f"{bundle}: the bundle has no vision tower (its checkpoint's "

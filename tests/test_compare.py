@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from deepinfer import compare as cmp
 from deepinfer.cli import main, write_logits
 from deepinfer.errors import CompareError
-from deepinfer.regions.reference import Generation
+from deepinfer.regions.generate import Generation
 
 V = 40
 

@@ -20,7 +20,7 @@ from deepinfer.compiler.targets import TARGETS
 from deepinfer.compiler.targets.cpu import CpuTarget
 from deepinfer.compiler.trace import trace
 from deepinfer.regions.checkpoint import Checkpoint
-from deepinfer.regions.topology import Topology
+from deepinfer.bundles.topology import Topology
 
 from .conftest import write_toml
 

@@ -113,7 +113,7 @@ def ep_moe(ref_fp32, tmp_path_factory):
     from deepinfer.compiler.targets.cpu import CpuTarget
     from deepinfer.compiler.trace import trace
     from deepinfer.regions.moe import MoE
-    from deepinfer.regions.topology import Topology
+    from deepinfer.bundles.topology import Topology
 
     full, topo = ref_fp32.layers[0]["moe"], Topology(ep=2)
     c = full.c

@@ -9,7 +9,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from deepinfer.quant.blockfp8 import quantize_fp8_blocks
-from deepinfer.quant.errors import CheckpointError, QuantInputError
+from deepinfer.errors import TensorFileError
+from deepinfer.quant.errors import QuantInputError
 from deepinfer.quant.fp4 import quantize_mxfp4
 from deepinfer.quant.pack import (LAYOUT_I16_PAIRS, LAYOUT_I32_MN_MAJOR, LAYOUT_U8,
                                   unpack_i16_pairs, unpack_i32_mn_major)
@@ -126,35 +127,35 @@ def test_truncated_file_names_file_and_tensor(tmp_path):
     p = _write(tmp_path / "x.safetensors", {"a": torch.ones(10, 10), "b": torch.ones(100, 10)})
     data = p.read_bytes()
     p.write_bytes(data[:-100])
-    with pytest.raises(CheckpointError, match=r"x\.safetensors, tensor 'b': file is truncated"):
+    with pytest.raises(TensorFileError, match=r"x\.safetensors, tensor 'b': file is truncated"):
         process_checkpoint(str(p), str(tmp_path / "out"))
     p.write_bytes(data[:5])
-    with pytest.raises(CheckpointError, match="no header length"):
+    with pytest.raises(TensorFileError, match="no header length"):
         process_checkpoint(str(p), str(tmp_path / "out"))
 
 
 def test_corrupt_header(tmp_path):
     p = tmp_path / "x.safetensors"
     p.write_bytes((20).to_bytes(8, "little") + b"{not json at all!!!!" + b"\0" * 10)
-    with pytest.raises(CheckpointError, match="not valid JSON"):
+    with pytest.raises(TensorFileError, match="not valid JSON"):
         process_checkpoint(str(p), str(tmp_path / "out"))
 
 
 def test_unexpected_dtypes_and_missing_scale(tmp_path):
     w = _t(np.zeros((64, 64), np.uint8), F8)
     p = _write(tmp_path / "s.safetensors", {"m.weight": w, "m.scale": torch.zeros(2, 2, dtype=torch.int32)})
-    with pytest.raises(CheckpointError, match=r"tensor 'm.scale': unexpected dtype I32.*F8_E8M0 or F32"):
+    with pytest.raises(TensorFileError, match=r"tensor 'm.scale': unexpected dtype I32.*F8_E8M0 or F32"):
         process_checkpoint(str(p), str(tmp_path / "out"))
     p = _write(tmp_path / "s.safetensors", {"m.weight": w})
-    with pytest.raises(CheckpointError, match=r"tensor 'm.weight': fp8 weight has no scale"):
+    with pytest.raises(TensorFileError, match=r"tensor 'm.weight': fp8 weight has no scale"):
         process_checkpoint(str(p), str(tmp_path / "out"))
     p = _write(tmp_path / "s.safetensors", {"m.weight": w, "m.scale": _t(np.zeros((3, 2), np.uint8), E8)})
-    with pytest.raises(CheckpointError, match=r"scale shape \[3, 2\] does not fit"):
+    with pytest.raises(TensorFileError, match=r"scale shape \[3, 2\] does not fit"):
         process_checkpoint(str(p), str(tmp_path / "out"))
     raw = bytearray(p.read_bytes())
     raw[raw.index(b"F8_E4M3")] = ord("X")
     p.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"unexpected dtype 'X8_E4M3'"):
+    with pytest.raises(TensorFileError, match=r"unexpected dtype 'X8_E4M3'"):
         process_checkpoint(str(p), str(tmp_path / "out"))
 
 
@@ -163,7 +164,7 @@ def test_nan_weight_error_from_worker_and_cleanup(tmp_path, workers):
     c = np.zeros((64, 64), np.uint8)
     c[50, 7] = 0x7F
     p = _write(tmp_path / "n.safetensors", {"m.weight": _t(c, F8), "m.scale": _t(np.ones((2, 2), np.uint8), E8)})
-    with pytest.raises(CheckpointError, match=r"n\.safetensors, tensor 'm.weight': .*NaN"):
+    with pytest.raises(TensorFileError, match=r"n\.safetensors, tensor 'm.weight': .*NaN"):
         process_checkpoint(str(p), str(tmp_path / "out"), StreamRecipe(dst_block=64, chunk_bytes=64 * 32),
                            workers=workers)
     assert os.listdir(tmp_path / "out") == []

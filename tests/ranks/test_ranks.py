@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from deepinfer.runtime import load
 from deepinfer.runtime.ranks import Comm, free_port, generate_ranks, init
-from deepinfer.regions.topology import Topology
+from deepinfer.bundles.topology import Topology
 
 PROMPTS = [[0, 72, 101, 108, 108, 111, 44, 32, 119], [0, 5, 9, 11, 13, 40]]
 NEW = 4

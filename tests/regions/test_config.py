@@ -43,7 +43,7 @@ def released() -> dict:
 
 
 def test_released_config_parses_with_its_plan():
-    from deepinfer.regions.plan import plan_layers
+    from deepinfer.regions.step import plan_layers
 
     cfg = parse_config(released())
     t = cfg.text

@@ -144,7 +144,7 @@ def test_scales_follow_release_rule(tiny_ckpt):
 @pytest.mark.parametrize("layers", [7, 10])
 def test_longer_variants_keep_every_kind(tmp_path, layers):
     from deepinfer.regions.config import load_config
-    from deepinfer.regions.plan import plan_layers
+    from deepinfer.regions.step import plan_layers
     from deepinfer.regions.tiny import make_tiny
 
     path = make_tiny(tmp_path / "t", layers=layers)

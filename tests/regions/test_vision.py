@@ -19,7 +19,8 @@ from torch.nn import functional as F
 from deepinfer.errors import ImageError
 from deepinfer.regions.config import VisionConfig
 from deepinfer.regions.image import GREY, fit, plan_grid, preprocess, read_image, to_patches
-from deepinfer.regions.vision import apply_rope_2d, merge_cells, rope_2d, with_images
+from deepinfer.regions.spans import with_images
+from deepinfer.regions.vision import apply_rope_2d, merge_cells, rope_2d
 
 GOLDEN_DIR = Path(__file__).parent.parent / "golden"
 spec = importlib.util.spec_from_file_location("regenerate", GOLDEN_DIR / "regenerate.py")

@@ -1,11 +1,17 @@
-"""Minimal safetensors reading/writing for streaming: headers, row-range memory maps.
+"""The safetensors format, read in one place: headers, the dtype table, memory maps.
+
+Checkpoints (regions/checkpoint.py, the quant/ streaming driver), the compile
+cache's tensor digests and a bundle's weight files (the runtime) are all read
+through `read_header`, with one dtype table.
 
 File format: 8-byte little-endian header length N, N bytes of JSON
 {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}},
 then the data section; offsets are relative to the data section. Everything a
 reader needs to trust is checked up front against the file size, so a truncated
-or corrupt file fails with a CheckpointError naming the file and tensor before
+or corrupt file fails with a TensorFileError naming the file and tensor before
 any worker touches it (a memory map past EOF would crash with SIGBUS instead).
+No torch here except where a tensor is asked for (`load_mmap`, `torch_dtype`):
+the quant/ workers are numpy only.
 """
 
 from __future__ import annotations
@@ -17,15 +23,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import CheckpointError
+from deepinfer.errors import TensorFileError
 
-# safetensors dtype -> numpy dtype used to carry the bytes (bf16 and fp8 as raw bits)
-DTYPES = {
-    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
-    "F8_E8M0": np.uint8, "I16": np.int16, "U16": np.uint16, "F16": np.float16, "BF16": np.uint16,
-    "I32": np.int32, "U32": np.uint32, "F32": np.float32, "I64": np.int64, "U64": np.uint64,
-    "F64": np.float64,
+# safetensors dtype -> (numpy dtype that carries the bytes: bf16 and fp8 as raw bits, torch dtype name)
+TABLE = {
+    "BOOL": (np.bool_, "bool"), "U8": (np.uint8, "uint8"), "I8": (np.int8, "int8"),
+    "F8_E4M3": (np.uint8, "float8_e4m3fn"), "F8_E5M2": (np.uint8, "float8_e5m2"),
+    "F8_E8M0": (np.uint8, "float8_e8m0fnu"), "I16": (np.int16, "int16"), "U16": (np.uint16, "uint16"),
+    "F16": (np.float16, "float16"), "BF16": (np.uint16, "bfloat16"), "I32": (np.int32, "int32"),
+    "U32": (np.uint32, "uint32"), "F32": (np.float32, "float32"), "I64": (np.int64, "int64"),
+    "U64": (np.uint64, "uint64"), "F64": (np.float64, "float64"),
 }
+DTYPES = {name: carrier for name, (carrier, _) in TABLE.items()}
 MAX_HEADER = 100 << 20
 
 
@@ -49,42 +58,42 @@ class TensorInfo:
 
 def _entry(path: str, name: str, e, data_start: int, data_len: int) -> TensorInfo:
     if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
-        raise CheckpointError(path, name, "header entry lacks dtype/shape/data_offsets")
+        raise TensorFileError(path, name, "header entry lacks dtype/shape/data_offsets")
     dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
     if dtype not in DTYPES:
-        raise CheckpointError(path, name, f"unexpected dtype {dtype!r}",
+        raise TensorFileError(path, name, f"unexpected dtype {dtype!r}",
                               f"known dtypes: {', '.join(DTYPES)}")
     if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
             or not isinstance(offs, list) or len(offs) != 2
             or not all(isinstance(o, int) for o in offs) or not 0 <= offs[0] <= offs[1]):
-        raise CheckpointError(path, name, f"malformed shape {shape!r} or data_offsets {offs!r}")
+        raise TensorFileError(path, name, f"malformed shape {shape!r} or data_offsets {offs!r}")
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
     if offs[1] - offs[0] != nbytes:
-        raise CheckpointError(path, name, f"data_offsets {offs} span {offs[1] - offs[0]} bytes, "
+        raise TensorFileError(path, name, f"data_offsets {offs} span {offs[1] - offs[0]} bytes, "
                               f"but {dtype} {shape} needs {nbytes}")
     if offs[1] > data_len:
-        raise CheckpointError(path, name, f"file is truncated: the tensor ends at data byte "
+        raise TensorFileError(path, name, f"file is truncated: the tensor ends at data byte "
                               f"{offs[1]} but the data section has {data_len} bytes")
     return TensorInfo(path, name, dtype, tuple(shape), data_start + offs[0], nbytes)
 
 
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict]:
-    """-> ({name: TensorInfo}, metadata). Raises CheckpointError on anything malformed."""
+    """-> ({name: TensorInfo}, metadata). Raises TensorFileError on anything malformed."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(path, None, f"file is truncated: {size} bytes, no header length")
+            raise TensorFileError(path, None, f"file is truncated: {size} bytes, no header length")
         n = int.from_bytes(head, "little")
         if n > MAX_HEADER or 8 + n > size:
-            raise CheckpointError(path, None, f"header length {n} does not fit a {size}-byte file "
+            raise TensorFileError(path, None, f"header length {n} does not fit a {size}-byte file "
                                   "(truncated or not a safetensors file)")
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(path, None, f"header is not valid JSON ({e})") from None
+            raise TensorFileError(path, None, f"header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
-        raise CheckpointError(path, None, "header is not a JSON object")
+        raise TensorFileError(path, None, "header is not a JSON object")
     meta = header.pop("__metadata__", {}) or {}
     tensors = {k: _entry(path, k, v, 8 + n, size - 8 - n) for k, v in header.items()}
     return tensors, meta
@@ -129,3 +138,29 @@ def layout_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata
     start = 8 + len(raw)
     offsets = {name: start + body[name]["data_offsets"][0] for name, *_ in entries}
     return len(raw).to_bytes(8, "little") + raw, offsets
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a safetensors dtype name."""
+    import torch
+
+    return getattr(torch, TABLE[name][1])
+
+
+def load_mmap(path) -> dict:
+    """{name: torch tensor} viewing a copy-on-write memory map of the file: pages are read on
+    first touch, nothing is copied up front, and nothing a caller does writes back to the file."""
+    import torch
+
+    tensors, _ = read_header(str(path))
+    if not tensors:
+        return {}
+    start = min(t.offset for t in tensors.values())
+    data = np.memmap(path, dtype=np.uint8, mode="c", offset=start)
+    out = {}
+    for name, t in tensors.items():
+        array = data[t.offset - start:t.offset - start + t.nbytes].view(t.np_dtype).reshape(t.shape)
+        tensor = torch.from_numpy(array)
+        want = torch_dtype(t.dtype)
+        out[name] = tensor.view(want) if tensor.dtype != want else tensor
+    return out

@@ -1,0 +1,47 @@
+"""Ranks: tensor (tp), expert (ep) and context (cp) parallel degrees and the sizes they imply.
+
+    world = max(tp * cp, ep) processes, one per NeuronCore (or CPU process)
+    rank  = group * (tp * cp) + cp_rank * tp + tp_rank
+
+Tokens are replicated inside a group of tp * cp ranks; groups serve different
+sequences. What each rank holds of a model: regions/topology.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Topology:
+    tp: int = 1
+    ep: int = 1
+    cp: int = 1
+
+    @property
+    def group_size(self) -> int:
+        """Ranks that share a token stream."""
+        return self.tp * self.cp
+
+    @property
+    def world(self) -> int:
+        return max(self.group_size, self.ep)
+
+    @property
+    def groups(self) -> int:
+        """Token groups (independent sequence sets)."""
+        return self.world // self.group_size
+
+    @property
+    def dispatch(self) -> bool:
+        """True when the EP group spans token groups (all-gather + reduce-scatter)."""
+        return self.ep > 1 and self.groups > 1
+
+    def group_of(self, rank: int) -> int:
+        return rank // self.group_size
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def to_dict(self) -> dict:
+        return {"tp": self.tp, "ep": self.ep, "cp": self.cp, "world_size": self.world, "groups": self.groups}

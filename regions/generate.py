@@ -1,0 +1,174 @@
+"""Greedy generation: the one loop the reference and the bundle runtime share.
+
+A `Stepper` runs one step for rows of sequences (the reference's eager
+regions, or a loaded bundle's executables); `greedy` decides what each step
+holds. Sequences are admitted while their token group has a free slot and room
+in the batch, prompts run as chunks of at most `chunk` tokens, then one token
+per step; a sequence finishes on eos or after `max_new_tokens`. Each sequence
+holds one slot and the KV blocks its positions need (`Allocator`); running out
+of blocks fails that request only.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from deepinfer.regions.spans import ImageEmbeds, engram_masks, step_images
+from deepinfer.regions.step import Batch
+
+Row = tuple[int, list[int], int]          # (sequence, token ids this step, position of the first)
+
+
+@dataclass
+class Generation:
+    tokens: list[int]                       # prompt then generated
+    prompt_len: int
+    logits: list[Tensor] = field(default_factory=list)   # one [V] row per processed position
+    error: str | None = None                             # why the request stopped early
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+class OutOfBlocks(Exception):
+    pass
+
+
+class Allocator:
+    """Sequence slots and KV blocks of one token group; slot 0 and block 0 are scratch."""
+
+    def __init__(self, slots: int, blocks: int, block_size: int, max_blocks: int):
+        self.free_slots = list(range(slots - 1, 0, -1))
+        self.free_blocks = list(range(blocks - 1, 0, -1))
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.tables: dict[int, list[int]] = {}
+        self.slot_of: dict[int, int] = {}
+
+    def admit(self, seq: int) -> bool:
+        if not self.free_slots:
+            return False
+        self.slot_of[seq] = self.free_slots.pop()
+        self.tables[seq] = []
+        return True
+
+    def reserve(self, seq: int, positions: int) -> None:
+        """Make sure sequence `seq` has blocks for its first `positions` positions."""
+        need = -(-positions // self.block_size)
+        if need > self.max_blocks:
+            raise OutOfBlocks(f"needs {positions} positions, more than the bundle's max_context "
+                              f"({self.max_blocks * self.block_size})")
+        table = self.tables[seq]
+        while len(table) < need:
+            if not self.free_blocks:
+                raise OutOfBlocks(f"KV pool exhausted: no free block for position {len(table) * self.block_size} "
+                                  "(raise --num-kv-blocks or run fewer sequences at once)")
+            table.append(self.free_blocks.pop())
+
+    def release(self, seq: int) -> None:
+        self.free_blocks.extend(reversed(self.tables.pop(seq, [])))
+        if seq in self.slot_of:
+            self.free_slots.append(self.slot_of.pop(seq))
+
+    def table_row(self, seq: int) -> list[int]:
+        t = self.tables[seq]
+        return t + [0] * (self.max_blocks - len(t))
+
+
+def bucket_at_least(options: list[int], n: int) -> int:
+    """The smallest compiled size >= n (options sorted); n must not exceed the largest."""
+    return options[bisect.bisect_left(options, n)]
+
+
+def make_batch(rows: list[Row], places: list[int], B: int, T: int, *, alloc: Allocator, gens: list[Generation],
+               images: list[ImageEmbeds | None] | None, hasher, pad: int, dtype: torch.dtype) -> Batch:
+    """A step's host metadata: row i of `rows` at batch row `places[i]` of a [B, T] step (others padding)."""
+    tokens = torch.full((B, T), pad, dtype=torch.int64)
+    positions = torch.full((B, T), -1, dtype=torch.int64)
+    slots = torch.zeros(B, dtype=torch.int64)
+    table = torch.zeros((B, alloc.max_blocks), dtype=torch.int64)
+    spans, histories, row_images = [(0, 0)] * B, [[]] * B, [None] * B
+    for (seq, ids, start), b in zip(rows, places):
+        tokens[b, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        positions[b, :len(ids)] = torch.arange(start, start + len(ids))
+        slots[b] = alloc.slot_of[seq]
+        table[b] = torch.tensor(alloc.table_row(seq))
+        spans[b], histories[b] = (start, len(ids)), gens[seq].tokens
+        row_images[b] = images[seq] if images else None
+    is_image, image_rows = step_images(row_images if images else None, spans, T, dtype)
+    hashes = None
+    if hasher is not None:
+        masks = engram_masks(row_images if images else None, list(range(B)))
+        hashes = torch.from_numpy(hasher.step(histories, positions.numpy(), masks))
+    return Batch(tokens, positions, slots, table, hashes, is_image, image_rows)
+
+
+class Stepper(Protocol):
+    """A model `greedy` can drive."""
+
+    groups: int          # token groups: independent sets of sequences, each with its own allocator
+    max_batch: int       # sequences of one group in a step
+    chunk: int           # prompt tokens of one sequence in a step
+
+    def allocator(self) -> Allocator: ...
+
+    def run(self, rows_by_group: list[list[Row]], allocs: list[Allocator], gens: list[Generation],
+            images) -> list[Tensor]:
+        """One step -> each group's logits [B, T, V], batch row i for that group's rows[i]."""
+
+
+def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, eos: int,
+           images: list[ImageEmbeds | None] | None = None) -> list[Generation]:
+    """Greedy generation for token-id prompts; a request that cannot get blocks fails alone
+    (its `error` is set). images[i]: prompt i's image positions and their embeddings."""
+    gens = [Generation(list(p), len(p)) for p in prompts]
+    groups = stepper.groups
+    allocs = [stepper.allocator() for _ in range(groups)]
+    group_of: dict[int, int] = {}
+    consumed = [0] * len(gens)
+    waiting = [] if max_new_tokens == 0 else list(range(len(gens)))
+    active: list[int] = []
+    while waiting or active:
+        while waiting:                      # admit into the least loaded group with room
+            load = [sum(group_of[s] == g for s in active) for g in range(groups)]
+            g = min(range(groups), key=lambda i: load[i])
+            if load[g] >= stepper.max_batch or not allocs[g].admit(waiting[0]):
+                break
+            group_of[waiting[0]] = g
+            active.append(waiting.pop(0))
+        if not active:                      # nothing running and nothing can start: no slot at all
+            for seq in waiting:
+                gens[seq].error = "no sequence slot (the bundle was compiled without room for a sequence)"
+            break
+        rows_by_group: list[list[Row]] = [[] for _ in range(groups)]
+        for seq in list(active):
+            n = min(stepper.chunk, len(gens[seq].tokens) - consumed[seq])
+            alloc = allocs[group_of[seq]]
+            try:
+                alloc.reserve(seq, consumed[seq] + n)
+            except OutOfBlocks as e:
+                gens[seq].error = str(e)
+                alloc.release(seq)
+                active.remove(seq)
+                continue
+            rows_by_group[group_of[seq]].append((seq, gens[seq].tokens[consumed[seq]:consumed[seq] + n],
+                                                 consumed[seq]))
+        if not any(rows_by_group):
+            continue
+        for rows, logits in zip(rows_by_group, stepper.run(rows_by_group, allocs, gens, images)):
+            for b, (seq, ids, start) in enumerate(rows):
+                g = gens[seq]
+                g.logits.extend(logits[b, :len(ids)].float().clone())
+                consumed[seq] += len(ids)
+                if consumed[seq] == len(g.tokens):          # caught up: sample the next token
+                    nxt = int(torch.argmax(logits[b, len(ids) - 1]))
+                    g.tokens.append(nxt)
+                    if nxt == eos or len(g.generated) >= max_new_tokens:
+                        allocs[group_of[seq]].release(seq)
+                        active.remove(seq)
+    return gens

@@ -1,0 +1,118 @@
+"""One step through a V4.1 model, as the reference and the bundle runtime both run it.
+
+Everything the runtime needs from the model family and nothing that builds a
+region: the activation dtypes, the layer plan (which attention kind each layer
+runs, read from the config's schedule), a step's host inputs (`Batch`), the
+host-side token embedding, and `run_layers`, the one wiring of region inputs
+and outputs through the layers and the head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from deepinfer.regions.config import TextConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layer: int
+    attn: str                   # window | source | reindex | reuse
+    ratio: int
+    kv_source: int | None       # the layer whose compressed KV / index keys it reads
+    candidate_source: bool
+    uses_candidates: bool
+    engram_rows: int            # 0 when the layer has no engram
+
+
+def plan_layers(c: TextConfig) -> list[LayerPlan]:
+    """Each layer's attention kind, its kv source, candidate role and engram rows (the one
+    place that reads the config's attention schedule)."""
+    plans = []
+    for layer in range(c.num_hidden_layers):
+        kind = c.layer_kind(layer)
+        rows = dict(zip(c.engram_layer_ids, c.engram_num_embeddings)).get(layer, 0)
+        plans.append(LayerPlan(
+            layer=layer, attn=kind, ratio=c.compress_ratios[layer],
+            kv_source=None if kind == "window" else c.kv_source_of(layer),
+            candidate_source=layer == c.candidate_source_layer_id,
+            uses_candidates=c.uses_candidates(layer) and kind == "reindex",
+            engram_rows=rows))
+    return plans
+
+
+@dataclass
+class Batch:
+    """One step's inputs: T tokens for each of B sequences (-1 positions are padding)."""
+
+    tokens: Tensor          # [B, T] int64
+    positions: Tensor       # [B, T] int64
+    slots: Tensor           # [B] int64
+    block_table: Tensor     # [B, MB] int64
+    hashes: Tensor | None   # [B, T, engram_layers, hash_heads] int64
+    is_image: Tensor        # [B, T] bool
+    image_rows: Tensor | None = None    # [B, T, D]: the embeddings of image positions (vision tower)
+
+
+def run_layers(plans, invoke, states, h, pre, batch: Batch) -> Tensor:
+    """h, pre through every layer's regions and the head -> logits [B, T, V].
+
+    `invoke(layer, slot, *inputs)` runs one region call (`slot`: engram, attn,
+    moe; the head is layer -1, slot "head") and returns its outputs;
+    `states[layer]` holds the layer's state views by name. This is the one
+    wiring of region inputs, shared by the reference and the bundle runtime.
+    """
+    topk = cand = None
+    engram_index = 0
+    token_mask = (batch.positions >= 0) & ~batch.is_image
+    common = (batch.positions, batch.slots, batch.block_table)
+    for p in plans:
+        st = states[p.layer]
+        if p.engram_rows:
+            (h,) = invoke(p.layer, "engram", h, batch.hashes[:, :, engram_index], token_mask)
+            engram_index += 1
+        if p.attn == "window":
+            h, pre = invoke(p.layer, "attn", h, pre, batch.positions, batch.slots, st["win"])
+        elif p.attn == "source":
+            parts = (st["part_kv"], st["part_gate"]) if p.ratio > 1 else ()
+            out = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], st["ikeys"], *parts)
+            h, pre, topk = out[:3]
+            cand = out[3] if p.candidate_source else cand
+        elif p.attn == "reindex":
+            extra = (cand,) if p.uses_candidates else ()
+            h, pre, topk = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], st["ikeys"], *extra)
+        else:
+            h, pre = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], topk)
+        h, pre = invoke(p.layer, "moe", h, pre, batch.is_image)
+    (logits,) = invoke(-1, "head", h, pre)
+    return logits
+
+
+class Embedding(nn.Module):
+    """Token embedding on the host: ids -> n identical streams and the one-hot first `pre`."""
+
+    def __init__(self, weight: Tensor, hc_mult: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = weight            # [V, D], kept in checkpoint storage (bf16)
+        self.hc_mult = hc_mult
+        self.dtype = dtype
+
+    def forward(self, tokens: Tensor, is_image: Tensor | None = None,
+                image_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """tokens [B, T] -> h [B, T, n, D] (contiguous), pre [B, T, n] float32.
+
+        Where is_image [B, T] is set, the row of image_rows [B, T, D] (the vision
+        tower's span) replaces the token's embedding.
+        """
+        e = self.weight[tokens].to(self.dtype)
+        if image_rows is not None:
+            e = torch.where(is_image.unsqueeze(-1), image_rows.to(self.dtype), e)
+        h = e.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
+        pre = torch.zeros(*tokens.shape, self.hc_mult, dtype=torch.float32)
+        pre[..., 0] = 1
+        return h, pre

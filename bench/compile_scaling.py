@@ -64,11 +64,13 @@ def compile_once(work: Path, layers: int, args) -> dict:
     if proc.returncode:
         sys.exit(f"compiling {layers} layers failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    manifest = json.loads((out / "manifest.json").read_text())
+    from deepinfer.bundles import manifest as mf
+
+    manifest = mf.read(out)
     passes = summary["seconds"]
     total = sum(passes.values())
     return {"executables": summary["executables"],
-            "kinds": sorted({e["kind"] for e in manifest["regions"]}),
+            "kinds": sorted({e.kind for e in manifest.regions}),
             "total_s": total, "excluding_weights_s": total - passes.get(WEIGHTS_PASS, 0.0), "passes": passes}
 
 

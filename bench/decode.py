@@ -63,9 +63,9 @@ def main() -> None:
         print(f"compiling {args.toml} -> {args.bundle}", file=sys.stderr)
         compile_bundle(load_compile_config(args.toml), args.bundle, jobs=2)
     session = load(args.bundle)
-    m = session.manifest["model"]
+    m = session.manifest.model
     ckpt = load_compile_config(args.toml).model.checkpoint
-    ref = ReferenceModel(ckpt, dtype=m["dtype"], cache_quant=m["cache_quant"], ties="lowest")
+    ref = ReferenceModel(ckpt, dtype=m.dtype, cache_quant=m.cache_quant, ties="lowest")
     tok = ByteTokenizer()
     batch = max(session.batch_sizes)
     prompts = [tok.encode(p) for p in PROMPTS][:batch]

@@ -88,6 +88,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    from deepinfer.bundles.layout import MANIFEST_FILE
     from deepinfer.regions.config import load_config, parse_config
     from deepinfer.regions.tiny import tiny_config
 
@@ -98,7 +99,7 @@ def main() -> int:
         p = predicted(text, text.num_hidden_layers, tp, ep, cp, args.batch, DTYPE_BYTES[args.dtype])
         rows.append({"layout": name, **p})
         bundle = args.measure / name if args.measure else None
-        if bundle is not None and (bundle / "manifest.json").exists():
+        if bundle is not None and (bundle / MANIFEST_FILE).exists():
             measured[name] = {**measure(bundle, args.steps),
                               "predicted_b1": predicted(text, text.num_hidden_layers, tp, ep, cp, 1,
                                                         DTYPE_BYTES[args.dtype])["collectives"]}

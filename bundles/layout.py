@@ -11,22 +11,32 @@
 
 from __future__ import annotations
 
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 MANIFEST_FILE = "manifest.json"
 REGIONS_DIR = "regions"
 WEIGHTS_DIR = "weights"
 HOST_DIR = "host"
 LOGS_DIR = "logs"
-EXECUTABLE_FORMAT = "{kind}.{method}.b{batch}t{tokens}{suffix}"
-WEIGHTS_FORMAT = "rank-{rank}/{kind}.safetensors"
+EXECUTABLE_NAME = "{kind}.{method}.b{batch}t{tokens}"
+RANK_KEY = "rank-{rank}"
+WEIGHTS_FORMAT = RANK_KEY + "/{kind}.safetensors"
 HOST_EMBED_FILE = "embed.safetensors"
 HOST_VISION_FILE = "vision.safetensors"
 
 
+def executable_name(kind: str, method: str, batch: int, tokens: int) -> str:
+    """An executable's name, e.g. `attn_window.decode.b1t1`: its file stem, log name and cache identity."""
+    return EXECUTABLE_NAME.format(kind=kind, method=method, batch=batch, tokens=tokens)
+
+
+def rank_key(rank: int) -> str:
+    """How the manifest names a rank's entries (weights, memory): `rank-R`."""
+    return RANK_KEY.format(rank=rank)
+
+
 def executable_path(kind: str, method: str, batch: int, tokens: int, suffix: str) -> str:
-    return str(PurePosixPath(REGIONS_DIR) / EXECUTABLE_FORMAT.format(
-        kind=kind, method=method, batch=batch, tokens=tokens, suffix=suffix))
+    return str(PurePosixPath(REGIONS_DIR) / (executable_name(kind, method, batch, tokens) + suffix))
 
 
 def weights_path(rank: int, kind: str) -> str:
@@ -38,8 +48,17 @@ def host_path(name: str) -> str:
 
 
 def log_path(kind: str, method: str, batch: int, tokens: int) -> str:
-    return str(PurePosixPath(LOGS_DIR) / EXECUTABLE_FORMAT.format(
-        kind=kind, method=method, batch=batch, tokens=tokens, suffix=".log"))
+    return str(PurePosixPath(LOGS_DIR) / (executable_name(kind, method, batch, tokens) + ".log"))
+
+
+def failed_logs(out: Path) -> Path:
+    """Where a failed compile of bundle `out` leaves its compiler logs."""
+    return out.parent / f"{out.name}.failed-logs"
+
+
+def staging_prefix(out: Path) -> str:
+    """The prefix of the temporary sibling a bundle at `out` is assembled in."""
+    return f".{out.name}.tmp-"
 
 
 def is_inside(rel: str) -> bool:

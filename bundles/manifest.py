@@ -1,29 +1,265 @@
-"""The bundle manifest: schema, format version, digests, validation.
+"""The bundle manifest: the one contract between compiler and runtime.
 
-`format_version` is written first and checked first: a reader refuses any
-version it does not know before it looks at anything else. Every file of a
-bundle is listed in `files` with its sha256; `validate` checks every path is
-inside the bundle, every file exists and every digest matches.
+`Manifest` and its parts are frozen dataclasses. The compiler builds one and
+`write`s it; the runtime `read`s it, which checks, once and in this order:
+
+1. `format_version` (written first, checked first): an unknown version is
+   refused before anything else is looked at;
+2. every value's type (bundles written by hand or damaged in transit);
+3. ranges and cross-references: every layer's region kind has an executable
+   for every bucket and a weight stack on every rank holding its row, every
+   state binding names a pool and a row of it, every path stays inside the
+   bundle and is covered by a digest, the topology's derived sizes agree.
+
+`check_files` then checks the files themselves (present, digests match).
+The JSON layout is format version 1, unchanged: `dump` writes exactly the
+keys the dataclasses hold, `format_version` first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
+from deepinfer.bundles import layout
 from deepinfer.bundles.layout import MANIFEST_FILE, is_inside
+from deepinfer.bundles.topology import Topology
 from deepinfer.errors import DeepinferError
+from deepinfer.schema import Problem, Rules, build, coerce, dump
 
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
-REQUIRED_KEYS = ("format_version", "deepinfer_version", "toolchain", "target", "topology", "model",
-                 "buckets", "kv", "regions", "layers", "weights", "host", "files")
+STAGES = ("executable", "hlo")
+ROLES = ("rank", "weight", "activation", "step", "state", "carry")
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "int64", "int32", "uint8", "int8", "bool")
 
 
 class BundleError(DeepinferError):
     """A bundle is damaged, incomplete, or cannot be run here."""
 
+
+# --- the parts ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    name: str
+    executable: str
+    options: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ranks:
+    """The recorded topology: the degrees, their derived sizes (checked), the target's LNC."""
+    tp: int
+    ep: int
+    cp: int
+    world_size: int
+    groups: int
+    dispatch: bool
+    lnc: int | None = None
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(tp=self.tp, ep=self.ep, cp=self.cp)
+
+    @classmethod
+    def of(cls, topo: Topology, lnc: int | None = None) -> Ranks:
+        return cls(tp=topo.tp, ep=topo.ep, cp=topo.cp, world_size=topo.world, groups=topo.groups,
+                   dispatch=topo.dispatch, lnc=lnc)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model:
+    config: dict                    # the normalized config.json (regions/config.py parses it)
+    config_hash: str
+    dtype: Literal["fp32", "bf16"]
+    cache_quant: bool
+    weight_format: str
+    scale_layout: str
+    tokenizer: str = "byte"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    batch: int
+    tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Buckets:
+    shapes: tuple[Shape, ...]
+    max_context: int
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted({s.batch for s in self.shapes})
+
+    @property
+    def token_sizes(self) -> list[int]:
+        return sorted({s.tokens for s in self.shapes})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pool:
+    """One layer-major state pool: [len(layers), blocks | slots, *entry_shape]."""
+    state: str
+    dtype: str
+    dim: Literal["blocks", "slots"]
+    entry_shape: tuple[int, ...]
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KV:
+    block_size: int
+    num_blocks: int
+    slots: int
+    max_blocks: int
+    scratch: str
+    pools: dict[str, Pool]
+    state_writes: str
+    static_pools: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorSpec:
+    """One input of an executable (its `role`) or one output (`output_specs`: role empty)."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Executable:
+    """One compiled (kind, method, bucket): its file, call signature and what it writes."""
+    kind: str
+    method: str
+    bucket: Shape
+    artifact: str
+    executable: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[str, ...]
+    mutates: tuple[str, ...] = ()
+    scratch_bytes: int | None = None
+    digest: str | None = None
+    # targets whose executables return state (trn2): the written state inputs, in output order
+    state_outputs: tuple[str, ...] | None = None
+    aliases: dict[int, int] | None = None           # output index -> input index
+    output_specs: tuple[TensorSpec, ...] | None = None
+    check: dict | None = None                       # the lowering's numeric check (trn2)
+    neff: dict | None = None                        # the NEFF header's facts (trn2)
+
+    @property
+    def name(self) -> str:
+        return layout.executable_name(self.kind, self.method, self.bucket.batch, self.bucket.tokens)
+
+    @property
+    def weights(self) -> list[TensorSpec]:
+        """The weight and rank inputs, in call order (they come first)."""
+        return [s for s in self.inputs if s.role in ("weight", "rank")]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Binding:
+    """Which executable kind a layer's slot runs, and its row in that kind's weight stacks."""
+    kind: str
+    index: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layer:
+    layer: int
+    attn: Literal["window", "source", "reindex", "reuse"]
+    ratio: int
+    kv_source: int | None
+    candidate_source: bool
+    uses_candidates: bool
+    engram: bool
+    regions: dict[str, Binding]                      # slot (engram, attn, moe) -> binding
+    state: dict[str, tuple[str | int, ...]]          # state name -> [pool, row]
+
+    def pool_row(self, state: str) -> tuple[str, int]:
+        pool, row = self.state[state]
+        return pool, row
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorShape:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightStack:
+    """One kind's weights on one rank: each tensor stacked over the kind's layers."""
+    kind: str
+    path: str
+    layers: tuple[int, ...]
+    tensors: dict[str, TensorShape]
+    digest: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostFile:
+    path: str
+    tensor: str | None = None                       # the one tensor (embed)
+    tensors: str | None = None                      # how its tensors are named (vision)
+    digest: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    format_version: int
+    deepinfer_version: str
+    toolchain: dict[str, str]
+    target: Target
+    stage: Literal["executable", "hlo"] = "executable"
+    topology: Ranks
+    model: Model
+    buckets: Buckets
+    kv: KV
+    regions: tuple[Executable, ...]
+    head: Binding
+    layers: tuple[Layer, ...]
+    weights: dict[str, tuple[WeightStack, ...]]     # "rank-R" -> that rank's stacks
+    host: dict[str, HostFile]
+    memory: dict = field(default_factory=dict)      # the budget's breakdown per rank (informational)
+    files: dict[str, str] = field(default_factory=dict)
+
+    # -- lookups ---------------------------------------------------------------------------
+    def rank_weights(self, rank: int) -> tuple[WeightStack, ...]:
+        entries = self.weights.get(layout.rank_key(rank))
+        if entries is None:
+            raise BundleError(f"no weights for rank {rank} (the bundle has {', '.join(self.weights)})")
+        return entries
+
+    def bindings(self) -> list[tuple[int, str, Binding]]:
+        """(layer, slot, binding) for every region call of a step; the head is layer -1."""
+        out = [(l.layer, slot, b) for l in self.layers for slot, b in l.regions.items()]
+        return out + [(-1, "head", self.head)]
+
+    def referenced(self) -> list[str]:
+        """Every file the manifest points at."""
+        return ([e.artifact for e in self.regions] + [w.path for ws in self.weights.values() for w in ws]
+                + [h.path for h in self.host.values()])
+
+    def with_digests(self, files: dict[str, str]) -> Manifest:
+        """This manifest covering `files` (path -> digest), each artifact, stack and host file given its digest."""
+        return dataclasses.replace(
+            self, files=dict(files),
+            regions=tuple(dataclasses.replace(e, digest=files[e.artifact]) for e in self.regions),
+            weights={r: tuple(dataclasses.replace(w, digest=files[w.path]) for w in ws)
+                     for r, ws in self.weights.items()},
+            host={k: dataclasses.replace(h, digest=files[h.path]) for k, h in self.host.items()})
+
+
+# --- reading, checking, writing ------------------------------------------------------------------
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
@@ -39,50 +275,149 @@ def file_digests(bundle: Path) -> dict[str, str]:
             if p.is_file() and p.name != MANIFEST_FILE}
 
 
-def stamp_digests(bundle: Path, manifest: dict) -> None:
-    """Cover every file of `bundle` in `manifest["files"]`, and give each region artifact,
-    weight stack and host tensor file its digest from there (each file hashed once)."""
-    files = manifest["files"] = file_digests(bundle)
-    entries = [*manifest["regions"], *(w for rank in manifest["weights"].values() for w in rank),
-               *manifest["host"].values()]
-    for e in entries:
-        e["digest"] = files[e["artifact"] if "artifact" in e else e["path"]]
+def stamp(bundle: Path, m: Manifest) -> Manifest:
+    """`m` covering every file of `bundle` (each hashed once)."""
+    return m.with_digests(file_digests(bundle))
 
 
-def dumps(manifest: dict) -> str:
+def to_json(part) -> dict:
+    """A manifest (or any part of one) as its JSON value."""
+    return dump(part)
+
+
+def parse_executable(data, where: str) -> Executable:
+    """One executable entry from its JSON value (a cached trace record holds one)."""
+    try:
+        return build(Executable, data)
+    except Problem as p:
+        raise BundleError(f"{where}: {p.dotted()}: {p.message}") from None
+
+
+def executable_fields(extra: dict) -> dict:
+    """Fields a target adds to an executable (as JSON values) -> the typed values `Executable` holds."""
+    hints = typing.get_type_hints(Executable)
+    return {k: coerce(v, hints[k], (k,), Rules()) for k, v in extra.items()}
+
+
+def dumps(m: Manifest) -> str:
     """JSON text with `format_version` as the first key."""
-    ordered = {"format_version": manifest["format_version"]}
-    ordered.update((k, v) for k, v in manifest.items() if k != "format_version")
-    return json.dumps(ordered, indent=1, sort_keys=False) + "\n"
+    return json.dumps(to_json(m), indent=1) + "\n"
 
 
-def read(bundle: Path) -> dict:
-    """Load and check the manifest's version and keys (not the files: see `validate`)."""
+def write(bundle: Path, m: Manifest) -> Path:
+    path = Path(bundle) / MANIFEST_FILE
+    path.write_text(dumps(m))
+    return path
+
+
+def parse(data, where: str) -> Manifest:
+    """A manifest from its JSON value: version first, then types, then cross-references."""
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
+        raise BundleError(f"{where}: format_version {version!r} is not supported by this deepinfer "
+                          f"(reads {', '.join(map(str, SUPPORTED_VERSIONS))}); recompile the bundle "
+                          "or use the deepinfer that wrote it")
+    missing = [f.name for f in dataclasses.fields(Manifest) if f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise BundleError(f"{where}: manifest lacks {', '.join(missing)}")
+    try:
+        m = build(Manifest, data)
+        check(m)
+    except Problem as p:
+        raise BundleError(f"{where}: {p.dotted()}: {p.message}") from None
+    return m
+
+
+def read(bundle: Path) -> Manifest:
+    """Load and check a bundle's manifest (not the files: see `check_files`)."""
     path = Path(bundle) / MANIFEST_FILE
     try:
         text = path.read_text()
     except FileNotFoundError:
         raise BundleError(f"{bundle}: not a bundle (no {MANIFEST_FILE})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BundleError(f"{path}: unreadable manifest ({e})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise BundleError(f"{path}: corrupt manifest ({e.msg} at line {e.lineno})") from None
-    version = data.get("format_version") if isinstance(data, dict) else None
-    if version not in SUPPORTED_VERSIONS:
-        raise BundleError(f"{path}: format_version {version!r} is not supported by this deepinfer "
-                          f"(reads {', '.join(map(str, SUPPORTED_VERSIONS))}); recompile the bundle "
-                          "or use the deepinfer that wrote it")
-    missing = [k for k in REQUIRED_KEYS if k not in data]
-    if missing:
-        raise BundleError(f"{path}: manifest lacks {', '.join(missing)}")
-    return data
+    return parse(data, str(path))
 
 
-def validate(bundle: Path, manifest: dict, *, digests: bool = True) -> None:
+def _need(cond: bool, key: tuple, message: str) -> None:
+    if not cond:
+        raise Problem(key, message)
+
+
+def check(m: Manifest) -> None:
+    """Ranges and cross-references (types are the dataclasses')."""
+    t = m.topology
+    topo = t.topology
+    _need(min(t.tp, t.ep, t.cp) >= 1, ("topology",), f"degrees must be at least 1, got tp={t.tp} ep={t.ep} cp={t.cp}")
+    _need((t.world_size, t.groups, t.dispatch) == (topo.world, topo.groups, topo.dispatch), ("topology",),
+          f"world_size {t.world_size}, groups {t.groups}, dispatch {t.dispatch} do not follow from tp={t.tp} "
+          f"ep={t.ep} cp={t.cp} (expected {topo.world}, {topo.groups}, {topo.dispatch})")
+    kv = m.kv
+    for name in ("block_size", "num_blocks", "slots", "max_blocks"):
+        _need(getattr(kv, name) >= 1, ("kv", name), f"must be at least 1, got {getattr(kv, name)}")
+    _need(m.buckets.max_context >= 1 and m.buckets.shapes, ("buckets",), "needs shapes and a positive max_context")
+    for name, pool in kv.pools.items():
+        _need(pool.dtype in DTYPE_NAMES, ("kv", "pools", name, "dtype"), f"unknown dtype {pool.dtype!r}")
+        _need(all(d >= 0 for d in pool.entry_shape), ("kv", "pools", name, "entry_shape"), "negative size")
+    # executables: unique, inside the bundle, a known signature
+    seen = set()
+    for i, e in enumerate(m.regions):
+        key = ("regions", i)
+        _need(e.name not in seen, key, f"{e.name} is listed twice")
+        seen.add(e.name)
+        _need(is_inside(e.artifact), key + ("artifact",), f"path {e.artifact!r} is not inside the bundle")
+        _need(e.bucket.batch >= 1 and e.bucket.tokens >= 1, key + ("bucket",), "sizes must be positive")
+        for j, s in enumerate(e.inputs):
+            _need(s.role in ROLES, key + ("inputs", j, "role"), f"unknown role {s.role!r}")
+            _need(s.dtype in DTYPE_NAMES, key + ("inputs", j, "dtype"), f"unknown dtype {s.dtype!r}")
+        if e.aliases:
+            for o, src in e.aliases.items():
+                _need(0 <= src < len(e.inputs), key + ("aliases", o), f"input {src} out of range")
+    kinds = {e.kind for e in m.regions}
+    # weights: one list per rank of the world, inside the bundle
+    ranks = [layout.rank_key(r) for r in range(t.world_size)]
+    _need(sorted(m.weights) == sorted(ranks), ("weights",), f"expected weights for {', '.join(ranks)}, "
+          f"got {', '.join(m.weights) or 'none'}")
+    for r, stacks in m.weights.items():
+        for i, w in enumerate(stacks):
+            _need(is_inside(w.path), ("weights", r, i, "path"), f"path {w.path!r} is not inside the bundle")
+    for name, h in m.host.items():
+        _need(is_inside(h.path), ("host", name, "path"), f"path {h.path!r} is not inside the bundle")
+    _need("embed" in m.host, ("host",), "lacks the token embedding (embed)")
+    # layers: every binding names an executable kind and a row of its stacks on every rank
+    rows = {r: {w.kind: len(w.layers) for w in stacks} for r, stacks in m.weights.items()}
+    for i, l in enumerate(m.layers):
+        _need(l.layer == i, ("layers", i, "layer"), f"expected layer {i}, got {l.layer}")
+        for slot, b in l.regions.items():
+            _bound(b, ("layers", i, "regions", slot), kinds, rows)
+        for state, ref in l.state.items():
+            key = ("layers", i, "state", state)
+            _need(len(ref) == 2 and isinstance(ref[0], str) and isinstance(ref[1], int), key,
+                  f"expected [pool name, row], got {list(ref)}")
+            pool = kv.pools.get(ref[0])
+            _need(pool is not None, key, f"unknown pool {ref[0]!r}")
+            _need(0 <= ref[1] < len(pool.layers), key, f"row {ref[1]} of pool {ref[0]!r} ({len(pool.layers)} rows)")
+    _bound(m.head, ("head",), kinds, rows)
+
+
+def _bound(b: Binding, key: tuple, kinds: set, rows: dict) -> None:
+    _need(b.kind in kinds, key + ("kind",), f"no executable of kind {b.kind!r}")
+    for r, by_kind in rows.items():
+        _need(b.kind in by_kind, key + ("kind",), f"{r} has no weights of kind {b.kind!r}")
+        _need(0 <= b.index < by_kind[b.kind], key + ("index",),
+              f"row {b.index} of {r}'s {b.kind} stacks ({by_kind[b.kind]} rows)")
+
+
+def check_files(bundle: Path, m: Manifest, *, digests: bool = True) -> None:
     """Every listed file inside the bundle, present, with its digest; every referenced file listed."""
     bundle = Path(bundle)
-    files = manifest["files"]
-    for rel, digest in files.items():
+    for rel, digest in m.files.items():
         if not is_inside(rel):
             raise BundleError(f"{bundle}: manifest path {rel!r} is not inside the bundle")
         path = bundle / rel
@@ -90,9 +425,6 @@ def validate(bundle: Path, manifest: dict, *, digests: bool = True) -> None:
             raise BundleError(f"{bundle}: missing file {rel} (listed in the manifest)")
         if digests and sha256_file(path) != digest:
             raise BundleError(f"{bundle}: {rel} does not match its digest (altered or corrupt); recompile")
-    referenced = [r["artifact"] for r in manifest["regions"]]
-    referenced += [w["path"] for rank in manifest["weights"].values() for w in rank]
-    referenced += [h["path"] for h in manifest["host"].values()]
-    unlisted = [r for r in referenced if r not in files]
+    unlisted = [r for r in m.referenced() if r not in m.files]
     if unlisted:
         raise BundleError(f"{bundle}: {unlisted[0]} is referenced but not covered by a digest")

@@ -14,11 +14,8 @@ Per rank (every rank holds the same shapes: one executable set serves all):
 The host-resident token embedding (and vision tower) is host memory and not counted.
 
 The limit per rank is `[memory] limit_gib` when given, else the target's device
-memory: trn2 -> 12 GiB of HBM per physical NeuronCore times LNC (a Trainium2 device
-has 96 GiB of HBM in 4 stacks for 8 NeuronCore-v3, AWS Neuron "Trainium2 Architecture
-Guide for NKI"; a logical NeuronCore of LNC=2 combines two physical cores and their
-memory, "Logical NeuronCore configuration"); cpu -> none (host memory is the runtime
-machine's, unknown at compile time). `[memory] reserve_gib` is kept free for the
+memory (`Target.device_memory`): trn2 -> 12 GiB of HBM per physical NeuronCore times
+LNC; cpu -> none (host memory is the runtime machine's, unknown at compile time). `[memory] reserve_gib` is kept free for the
 runtime and collectives.
 
 The pipeline checks three times, each as soon as the numbers exist: weights + pools
@@ -35,22 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.bundles.layout import rank_key
 from deepinfer.compiler.config import config_error
 from deepinfer.compiler.pools import plan_pools
-from deepinfer.regions.step import DTYPES
 
 GiB = 1 << 30
-TRN2_HBM_PER_CORE = 96 * GiB // 8          # per physical NeuronCore-v3
 SCRATCH_METHOD = ("peak live bytes of intermediate tensors in the largest lowered graph "
                   "(views share their base; inputs not counted; no fusion assumed: an upper bound)")
-
-
-def device_memory(target) -> tuple[int | None, str]:
-    """(bytes per rank, where the number comes from) for a target; None: no limit."""
-    if target.name == "trn2":
-        lnc = target.lnc
-        return TRN2_HBM_PER_CORE * lnc, f"trn2 HBM: 12 GiB per NeuronCore x LNC {lnc}"
-    return None, f"{target.name}: host memory, no limit unless [memory] limit_gib is set"
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
@@ -64,8 +52,8 @@ def weights_by_kind(plan) -> dict[str, int]:
 
 def pools_by_name(pools: dict, geometry) -> dict[str, int]:
     """Bytes of each pool as the runtime allocates it ([layers, blocks | slots, *entry])."""
-    return {name: _nbytes((len(p["layers"]), geometry.blocks if p["dim"] == "blocks" else geometry.slots,
-                           *p["entry_shape"]), getattr(torch, p["dtype"])) for name, p in pools.items()}
+    return {name: _nbytes((len(p.layers), geometry.blocks if p.dim == "blocks" else geometry.slots,
+                           *p.entry_shape), getattr(torch, p.dtype)) for name, p in pools.items()}
 
 
 # -- scratch: a liveness pass over a lowered graph -------------------------------------------------
@@ -185,58 +173,57 @@ class Breakdown:
                 "scratch_of": self.scratch_of, "scratch_method": SCRATCH_METHOD}
 
 
-def breakdown(b) -> Breakdown:
-    """What is known of build `b`'s needs per rank so far (scratch once traced, executables once compiled)."""
-    mem = b.config.memory
+def breakdown(spec, plan, executables=(), staging=None) -> Breakdown:
+    """What is known of a compile's needs per rank so far: weights and pools once planned,
+    scratch once traced (`executables`), executables once compiled (their files under `staging`)."""
+    mem = spec.config.memory
     if mem.limit_gib is not None:
         limit, source = int(mem.limit_gib * GiB), "[memory] limit_gib"
     else:
-        limit, source = device_memory(b.target)
-    pools, _ = plan_pools(b.model.text, b.plan.layers, block_size=b.config.kv.block_size,
-                          dtype=DTYPES[b.config.model.dtype])
-    out = Breakdown(weights_by_kind(b.plan), pools_by_name(pools, b.geometry), limit, source,
+        limit, source = spec.target.device_memory()
+    pools, _ = plan_pools(spec.model.text, plan.layers, block_size=spec.config.kv.block_size, dtype=spec.dtype)
+    out = Breakdown(weights_by_kind(plan), pools_by_name(pools, spec.geometry), limit, source,
                     reserve=int(mem.reserve_gib * GiB))
-    if b.executables:
-        known = [e for e in b.executables if "scratch_bytes" in e]
+    if executables:
+        known = [e for e in executables if e.scratch_bytes is not None]
         if known:
-            worst = max(known, key=lambda e: e["scratch_bytes"])
-            out.scratch = worst["scratch_bytes"]
-            out.scratch_of = f"{worst['kind']}.{worst['method']}.b{worst['bucket']['batch']}t{worst['bucket']['tokens']}"
-        if len(known) < len(b.executables):       # trace records cached by a deepinfer without the estimate
-            out.scratch_of += f"{'; ' if known else ''}{len(b.executables) - len(known)} graph(s) not estimated"
-        compiled = [b.staging / e["artifact"] for e in b.executables]
-        if not b.hlo_only and all(p.is_file() for p in compiled):
+            worst = max(known, key=lambda e: e.scratch_bytes)
+            out.scratch, out.scratch_of = worst.scratch_bytes, worst.name
+        if len(known) < len(executables):          # trace records cached by a deepinfer without the estimate
+            out.scratch_of += f"{'; ' if known else ''}{len(executables) - len(known)} graph(s) not estimated"
+        compiled = [staging / e.artifact for e in executables] if staging is not None else []
+        if compiled and not spec.hlo_only and all(p.is_file() for p in compiled):
             out.executables = sum(p.stat().st_size for p in compiled)
     return out
 
 
-def check(b, when: str) -> Breakdown:
+def check(spec, plan, when: str, executables=(), staging=None) -> Breakdown:
     """Raise ConfigError with the breakdown when rank memory would overflow; else return it."""
-    d = breakdown(b)
+    d = breakdown(spec, plan, executables, staging)
     if not d.fits:
-        raise config_error(b.config, "memory", "limit_gib",
+        raise config_error(spec.config, "memory", "limit_gib",
                            f"the bundle does not fit ({when}): it needs {human(d.total)} per rank, more than "
                            f"{human(d.usable)} usable; lower [kv] num_blocks or the batch buckets, shard over more "
                            "ranks ([parallel]), or set [memory] limit_gib / reserve_gib\n" + "\n".join(d.lines()))
     return d
 
 
-def check_planned(b) -> None:
+def check_planned(spec, plan, log) -> None:
     """Pass: weights + pools, before any weight is written or graph traced."""
-    d = check(b, "weights and state pools, as planned")
-    b.log(f"memory per rank as planned: {human(d.total)} (weights {human(sum(d.weights.values()))}, pools "
+    d = check(spec, plan, "weights and state pools, as planned")
+    log(f"memory per rank as planned: {human(d.total)} (weights {human(sum(d.weights.values()))}, pools "
           f"{human(sum(d.pools.values()))}); {'no limit' if d.limit is None else f'usable {human(d.usable)}'}")
 
 
-def check_traced(b) -> None:
+def check_traced(spec, plan, traced, log) -> None:
     """Pass: + the largest traced graph's scratch, before compiling."""
-    d = check(b, "with the traced graphs' scratch")
+    d = check(spec, plan, "with the traced graphs' scratch", traced.executables)
     if d.scratch is not None:
-        b.log(f"memory per rank with scratch: {human(d.total)} (scratch {human(d.scratch)}, {d.scratch_of})")
+        log(f"memory per rank with scratch: {human(d.total)} (scratch {human(d.scratch)}, {d.scratch_of})")
 
 
-def record(b) -> dict:
+def record(spec, plan, executables, staging) -> dict:
     """The manifest's "memory": the full breakdown per rank, checked once more with the executables."""
-    d = check(b, "with the compiled executables")
-    return {f"rank-{r}": d.to_dict() for r in range(b.topology.world)}
+    d = check(spec, plan, "with the compiled executables", executables, staging)
+    return {rank_key(r): d.to_dict() for r in range(spec.topology.world)}
 

@@ -25,8 +25,9 @@ import json
 import os
 from pathlib import Path
 
-from deepinfer.bundles.cache import CacheError, Lock
-from deepinfer.bundles.keys import Key, format_part, kernel_sources, modules_digest, package_modules, sha256
+from deepinfer.bundles.layout import executable_name
+from deepinfer.compiler.cache import CacheError
+from deepinfer.compiler.keys import Key, format_part, kernel_sources, modules_digest, package_modules, sha256
 from deepinfer.compiler.jobs import run_job, run_jobs
 from deepinfer.compiler.trace import Signature, weight_specs
 from deepinfer.bundles.safetensors import read_header
@@ -34,7 +35,7 @@ from deepinfer.regions.checkpoint import Checkpoint
 
 WEIGHT_MODULES = ["deepinfer.compiler.weights", "deepinfer.regions.checkpoint", "deepinfer.regions.base"]
 BUNDLE_MODULES = ["deepinfer.compiler.pipeline", "deepinfer.compiler.pools", "deepinfer.compiler.cached",
-                  "deepinfer.bundles.keys", "deepinfer.bundles.layout", "deepinfer.bundles.manifest"]
+                  "deepinfer.compiler.keys", "deepinfer.bundles.layout", "deepinfer.bundles.manifest"]
 
 
 @functools.cache
@@ -44,46 +45,49 @@ def graph_sources(lowering_modules: tuple[str, ...]) -> dict[str, str]:
     return modules_digest(names + ["deepinfer.compiler.trace", "deepinfer.compiler.plan", *lowering_modules])
 
 
-def _target_part(b) -> dict:
-    return {"name": b.target.name, "executable": b.target.executable, "options": b.target.keyed_options()}
+def _target_part(spec) -> dict:
+    t = spec.target
+    return {"name": t.name, "executable": t.executable, "options": t.keyed_options()}
 
 
-def _model_part(b) -> dict:
-    return {"config_hash": b.model.digest(), "dtype": b.config.model.dtype, "cache_quant": b.config.model.cache_quant}
+def _model_part(spec) -> dict:
+    m = spec.config.model
+    return {"config_hash": spec.model.digest(), "dtype": m.dtype, "cache_quant": m.cache_quant}
 
 
 def _specs(specs) -> list:
     return [[s.name, list(s.shape), str(s.dtype), s.role] for s in specs]
 
 
-def trace_key(b, kind: str, method: str, batch: int, tokens: int) -> Key:
-    region = b.plan.kinds[kind].region
-    sig = Signature(weight_specs(region), region.input_specs(batch, tokens, b.geometry))
-    return Key.of("trace", f"{kind}.{method}.b{batch}t{tokens}", [
+def trace_key(spec, plan, kind: str, method: str, batch: int, tokens: int) -> Key:
+    region = plan.kinds[kind].region
+    sig = Signature(weight_specs(region), region.input_specs(batch, tokens, spec.geometry))
+    return Key.of("trace", executable_name(kind, method, batch, tokens), [
         ("format", format_part()),
         ("region", {"class": type(region).__qualname__, "kind": kind, "method": method}),
         ("bucket", {"batch": batch, "tokens": tokens}),
-        ("geometry", vars(b.geometry)),
-        ("model", _model_part(b)),
-        ("topology", b.topology.to_dict()),
+        ("geometry", vars(spec.geometry)),
+        ("model", _model_part(spec)),
+        ("topology", spec.topology.to_dict()),
         ("signature", {"weights": _specs(sig.weights), "inputs": _specs(sig.inputs)}),
-        ("target", _target_part(b)),
-        ("toolchain", b.target.toolchain()),
-        ("sources", graph_sources(b.target.LOWERING_MODULES)),
+        ("target", _target_part(spec)),
+        ("toolchain", spec.target.toolchain()),
+        ("sources", graph_sources(spec.target.LOWERING_MODULES)),
     ])
 
 
-def executable_key(b, kind: str, method: str, batch: int, tokens: int, graph: str, kernels: list[str]) -> Key:
-    region = b.plan.kinds[kind].region
-    return Key.of("executable", f"{kind}.{method}.b{batch}t{tokens}", [
+def executable_key(spec, plan, kind: str, method: str, batch: int, tokens: int, graph: str,
+                   kernels: list[str]) -> Key:
+    region = plan.kinds[kind].region
+    return Key.of("executable", executable_name(kind, method, batch, tokens), [
         ("format", format_part()),
         ("graph", graph),
         ("region", {"class": type(region).__qualname__, "method": method}),
         ("bucket", {"batch": batch, "tokens": tokens}),
-        ("target", _target_part(b)),
-        ("toolchain", b.target.toolchain()),
+        ("target", _target_part(spec)),
+        ("toolchain", spec.target.toolchain()),
         ("kernels", kernel_sources(kernels)),
-        ("lowering", modules_digest([*b.target.LOWERING_MODULES, "deepinfer.kernels.registry"])),
+        ("lowering", modules_digest([*spec.target.LOWERING_MODULES, "deepinfer.kernels.registry"])),
     ])
 
 
@@ -129,24 +133,27 @@ def tensor_digests(ckpt: Checkpoint, names: list[str], memo: Path | None) -> dic
     return {n: per_file[ckpt.files[n]][n] for n in names}
 
 
-def weights_key(b, ckpt: Checkpoint, kind: str, kp, rank: int = 0) -> Key:
+def memo_dir(run) -> Path | None:
+    """Where the cache memoizes checkpoint tensor digests (none without a cache)."""
+    return run.cache.root / "files" if run.cache else None
+
+
+def weights_key(spec, ckpt: Checkpoint, kind: str, kp, rank: int = 0, memo: Path | None = None) -> Key:
     from deepinfer.compiler.weights import source_names
 
-    memo = b.cache.root / "files" if b.cache else None
     return Key.of("weights", f"weights {kind}", [
         ("format", format_part()),
-        ("kind", {"kind": kind, "rank": rank, "topology": b.topology.to_dict()}),
+        ("kind", {"kind": kind, "rank": rank, "topology": spec.topology.to_dict()}),
         ("layout", {"specs": [[s.name, s.key, list(s.shape), s.ckpt_dtype, s.experts] for s in kp.region.specs],
                     "layers": kp.layers}),
         ("tensors", tensor_digests(ckpt, source_names(kp), memo)),
-        ("recipe", b.config.quant.recipe),
+        ("recipe", spec.config.quant.recipe),
         ("sources", modules_digest(WEIGHT_MODULES)),
     ])
 
 
-def host_key(b, ckpt: Checkpoint) -> Key:
-    t = b.model.text
-    memo = b.cache.root / "files" if b.cache else None
+def host_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
+    t = spec.model.text
     return Key.of("host", "host embed", [
         ("format", format_part()),
         ("tensors", tensor_digests(ckpt, ["embed.weight"], memo)),
@@ -155,12 +162,11 @@ def host_key(b, ckpt: Checkpoint) -> Key:
     ])
 
 
-def vision_key(b, ckpt: Checkpoint) -> Key:
+def vision_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
     """The host-resident vision tower file: its checkpoint tensors and their layout."""
     from deepinfer.regions.vision import vision_specs
 
-    specs = vision_specs(b.model.vision, b.model.text.hidden_size)
-    memo = b.cache.root / "files" if b.cache else None
+    specs = vision_specs(spec.model.vision, spec.model.text.hidden_size)
     return Key.of("host", "host vision", [
         ("format", format_part()),
         ("tensors", tensor_digests(ckpt, sorted(specs), memo)),
@@ -169,18 +175,18 @@ def vision_key(b, ckpt: Checkpoint) -> Key:
     ])
 
 
-def bundle_key(b, weights: dict[str, Key], host: Key, traces: dict[str, Key], vision: Key | None = None) -> Key:
-    c = b.config
+def bundle_key(spec, weights: dict[str, Key], host: Key, traces: dict[str, Key], vision: Key | None = None) -> Key:
+    c = spec.config
     return Key.of("bundle", str(c.source.name), [
         ("format", format_part()),
-        ("config", {"model": _model_part(b), "target": _target_part(b),
+        ("config", {"model": _model_part(spec), "target": _target_part(spec),
                     "buckets": {"batch": list(c.buckets.batch), "tokens": list(c.buckets.tokens),
                                 "max_context": c.buckets.max_context},
                     "kv": {"block_size": c.kv.block_size, "num_blocks": c.kv.num_blocks},
                     "parallel": {"tp": c.parallel.tp, "ep": c.parallel.ep, "cp": c.parallel.cp},
                     "quant": c.quant.recipe, "host": c.host.embedding,
-                    **({"stage": "hlo"} if b.hlo_only else {})}),
-        ("toolchain", b.target.toolchain()),
+                    **({"stage": "hlo"} if spec.hlo_only else {})}),
+        ("toolchain", spec.target.toolchain()),
         ("weights", {k: v.digest for k, v in weights.items()}),
         ("host", host.digest),
         ("traces", {k: v.digest for k, v in traces.items()}),
@@ -190,17 +196,17 @@ def bundle_key(b, weights: dict[str, Key], host: Key, traces: dict[str, Key], vi
 
 # --- fetch or build ---
 
-def missed(b, kind: str, key: Key) -> None:
+def missed(run, kind: str, key: Key) -> None:
     """A miss: log the key's parts at debug verbosity; under --require-cache, fail with why."""
-    if b.verbose:
-        b.log(f"cache miss: {kind} {key.identity} {key.digest[:16]}")
+    if run.verbose:
+        run.log(f"cache miss: {kind} {key.identity} {key.digest[:16]}")
         for line in key.lines():
-            b.log(line)
-    if not b.require_cache:
+            run.log(line)
+    if not run.require_cache:
         return
-    near = b.cache.closest(kind, key.identity)
+    near = run.cache.closest(kind, key.identity)
     if near is None:
-        why = f"the cache at {b.cache.dir} holds no {kind} for it"
+        why = f"the cache at {run.cache.dir} holds no {kind} for it"
     else:
         old = {p["name"]: p["hash"] for p in near.meta.get("parts", [])}
         diff = [n for n, h in key.part_hashes.items() if old.get(n) != h]
@@ -209,64 +215,65 @@ def missed(b, kind: str, key: Key) -> None:
     raise CacheError(f"--require-cache: cache miss for {kind} {key.identity}: {why}")
 
 
-def fetch_or_build(b, kind: str, key: Key, rel: str, build) -> bool:
+def fetch_or_build(run, kind: str, key: Key, rel: str, build) -> bool:
     """staging/rel from the cache, or `build()` it there and store it. Returns True on a hit."""
-    if b.cache is None:
+    if run.cache is None:
         build()
         return False
-    with b.cache.lock(kind, key):
-        if b.cache.get_file(kind, key, b.staging / rel):
+    with run.cache.lock(kind, key):
+        if run.cache.get_file(kind, key, run.staging / rel):
             return True
-        missed(b, kind, key)
+        missed(run, kind, key)
         build()
-        b.cache.put_file(kind, key, b.staging / rel)
+        run.cache.put_file(kind, key, run.staging / rel)
     return False
 
 
-def trace_record(b, key: Key) -> dict | None:
-    data = b.cache.get_bytes("trace", key)
+def trace_record(run, key: Key) -> dict | None:
+    data = run.cache.get_bytes("trace", key)
     return json.loads(data) if data is not None else None
 
 
-def compile_jobs(b, jobs, progress) -> None:
+def compile_jobs(run, traced, progress) -> None:
     """Compile each job's executable once across every compile sharing the cache: the
     jobs whose lock this compile takes run here (in parallel); the others are waited
     for and then fetched (or compiled here if their compile died)."""
-    if b.cache is None:
-        run_jobs(jobs, b.jobs, progress)
+    cache = run.cache
+    if cache is None:
+        run_jobs(list(traced.jobs), run.jobs, progress)
         return
     mine, theirs, locks = [], [], {}
-    for job in jobs:
-        key = b.exe_keys[job.name]
-        lock = b.cache.lock("executable", key, blocking=False)
+    for job in traced.jobs:
+        key = traced.keys[job.name]
+        lock = cache.lock("executable", key, blocking=False)
         if not lock.held:
             theirs.append(job)
-        elif b.cache.get_file("executable", key, job.out):       # stored since the trace pass
+        elif cache.get_file("executable", key, job.out):       # stored since the trace pass
             lock.release()
-            b.log(f"cached {job.name}")
+            run.log(f"cached {job.name}")
         else:
             locks[job.name] = lock
             mine.append(job)
 
     def done(i, total, job, seconds):
-        b.cache.put_file("executable", b.exe_keys[job.name], job.out)
-        b.cache.stats["compiled"].append(job.name)
+        cache.put_file("executable", traced.keys[job.name], job.out)
+        cache.stats["compiled"].append(job.name)
         locks.pop(job.name).release()
         progress(i, total, job, seconds)
 
     try:
-        run_jobs(mine, b.jobs, done)
+        run_jobs(mine, run.jobs, done)
     finally:
         for lock in locks.values():
             lock.release()
     for i, job in enumerate(theirs, 1):
-        key = b.exe_keys[job.name]
-        b.log(f"waiting for another compile of {job.name}")
-        with Lock(b.cache.root / "locks" / f"executable-{key.digest}.lock", blocking=True):
-            if b.cache.get_file("executable", key, job.out):
-                b.log(f"cached {job.name}")
+        key = traced.keys[job.name]
+        run.log(f"waiting for another compile of {job.name}")
+        with cache.lock("executable", key, blocking=True):
+            if cache.get_file("executable", key, job.out):
+                run.log(f"cached {job.name}")
                 continue
             seconds = run_job(job)
-            b.cache.put_file("executable", key, job.out)
-            b.cache.stats["compiled"].append(job.name)
+            cache.put_file("executable", key, job.out)
+            cache.stats["compiled"].append(job.name)
             progress(i, len(theirs), job, seconds)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from deepinfer.cli import user_errors
+from deepinfer.cli_common import user_errors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -59,7 +59,8 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
       deepinfer-compile examples/tiny/model_trn2.toml -o build/tiny-trn2 --hlo-only
       deepinfer-compile --finish build/tiny-trn2 --jobs 8
     """
-    from deepinfer.bundles.cache import Cache, resolve_dir
+    from deepinfer.bundles import manifest as mf
+    from deepinfer.compiler.cache import Cache, resolve_dir
     from deepinfer.compiler.config import load_compile_config
     from deepinfer.compiler.pipeline import cache_key, compile_bundle
 
@@ -92,10 +93,9 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
     path, timings = compile_bundle(cfg, out, jobs=jobs, force=force, log=log, cache=cache,
                                    require_cache=require_cache, verbose=verbose, hlo_only=hlo_only)
     total = sum(timings.values())
-    manifest = json.loads((path / "manifest.json").read_text())
-    n = len(manifest["regions"])
-    compiled = cache.stats["compiled"] if cache else \
-        [f"{e['kind']}.{e['method']}.b{e['bucket']['batch']}t{e['bucket']['tokens']}" for e in manifest["regions"]]
+    manifest = mf.read(path)
+    n = len(manifest.regions)
+    compiled = cache.stats["compiled"] if cache else [e.name for e in manifest.regions]
     what = "HLO modules lowered and checked" if hlo_only else "executables compiled"
     click.echo(f"wrote {path} in {total:.1f} s ({len(compiled)} of {n} {what})", err=True)
     if as_json:

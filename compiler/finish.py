@@ -10,6 +10,7 @@ old one atomically (built in a temporary sibling, weights hard-linked).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -35,23 +36,21 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None) -> Path:
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     bundle = Path(bundle)
     manifest = mf.read(bundle)
-    mf.validate(bundle, manifest)
-    if manifest.get("stage") != "hlo":
-        raise mf.BundleError(f"{bundle}: not an HLO-stage bundle (stage {manifest.get('stage', 'executable')!r}); "
-                             "nothing to finish")
-    t = manifest["target"]
-    target = TARGETS[t["name"]](t["executable"], t["options"])
+    mf.check_files(bundle, manifest)
+    if manifest.stage != "hlo":
+        raise mf.BundleError(f"{bundle}: not an HLO-stage bundle (stage {manifest.stage!r}); nothing to finish")
+    t = manifest.target
+    target = TARGETS[t.name](t.executable, t.options)
     target.require_compiler()
     staging = Path(tempfile.mkdtemp(prefix=f".{bundle.name}.finish-", dir=bundle.resolve().parent))
     try:
         shutil.copytree(bundle, staging / "b", copy_function=_link_or_copy)
         work = staging / "b"
         job_list = []
-        for e in manifest["regions"]:
-            kind, method, bb, tt = e["kind"], e["method"], e["bucket"]["batch"], e["bucket"]["tokens"]
+        for e in manifest.regions:
+            kind, method, bb, tt = e.kind, e.method, e.bucket.batch, e.bucket.tokens
             neff = layout.executable_path(kind, method, bb, tt, target.suffix)
-            job_list.append((e, neff, Job(f"{kind}.{method}.b{bb}t{tt}", work / e["artifact"], work / neff,
-                                          t["name"], t["executable"], t["options"],
+            job_list.append((e, neff, Job(e.name, work / e.artifact, work / neff, t.name, t.executable, t.options,
                                           log=work / layout.log_path(kind, method, bb, tt))))
 
         def progress(done, total, job, seconds):
@@ -61,17 +60,16 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None) -> Path:
             run_jobs([j for _, _, j in job_list], jobs, progress)
         except DeepinferError as err:
             raise keep_failed_logs(err, work / layout.LOGS_DIR, bundle) from None
+        regions = []
         for e, neff, job in job_list:
             job.lowered.unlink()
-            e["artifact"] = neff
-            e.update(target.describe(work / neff))
-        manifest["stage"] = "executable"
-        manifest["toolchain"] = {**manifest["toolchain"], "neuronx-cc": target.toolchain()["neuronx-cc"]}
-        mf.stamp_digests(work, manifest)
-        (work / layout.MANIFEST_FILE).write_text(mf.dumps(manifest))
+            regions.append(dataclasses.replace(e, artifact=neff,
+                                               **mf.executable_fields(target.describe(work / neff))))
+        finished = dataclasses.replace(manifest, stage="executable", regions=tuple(regions), toolchain={
+            **manifest.toolchain, "neuronx-cc": target.toolchain()["neuronx-cc"]})
+        mf.write(work, mf.stamp(work, finished))
         publish(work, bundle, force=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log(f"finished {bundle}: {len(job_list)} NEFFs")
     return bundle
-

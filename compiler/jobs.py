@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
+from deepinfer.bundles import layout
+
 
 # worker processes load saved programs; torch 2.13 warns about its own tree-spec pickling
 # once per program (compiler/trace.py filters the same warning in the main process)
@@ -59,7 +61,7 @@ def keep_failed_logs(error: Exception, logs: Path, out: Path) -> Exception:
     the error (same type) names them there."""
     if not logs.is_dir() or not any(logs.iterdir()):
         return error
-    kept = out.parent / f"{out.name}.failed-logs"
+    kept = layout.failed_logs(out)
     shutil.rmtree(kept, ignore_errors=True)
     shutil.copytree(logs, kept)
     message = str(error)

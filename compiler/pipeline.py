@@ -4,17 +4,22 @@
     -> trace (and lower; on trn2: HLO, checked on XLA:CPU) -> check memory budget with scratch
     -> compile -> lay out state -> write manifest -> publish (atomic rename)
 
-Every pass reads and extends one `Build`. With a cache (`compiler/cached.py`),
-the weights pass fetches each kind's stacks by key instead of rebuilding them,
-the trace pass fetches an executable whose trace record and executable are
-cached (neither tracing nor compiling it), and the compile pass compiles only
-the misses, each at most once among the compiles that share the cache. The bundle is assembled in a
-temporary sibling of the output directory and renamed into place at the end:
-an interrupted or failed compile leaves no partial bundle.
+Each pass is a plain function: it takes what it uses and returns what it
+makes (`PASSES` names both). What is built is fixed once parsed (`Spec`); how
+the compile runs (staging directory, workers, log, cache) is `Run`.
+
+With a cache (`compiler/cached.py`), the weights pass fetches each kind's
+stacks by key instead of rebuilding them, the trace pass fetches an executable
+whose trace record and executable are cached (neither tracing nor compiling
+it), and the compile pass compiles only the misses, each at most once among
+the compiles that share the cache. The bundle is assembled in a temporary
+sibling of the output directory and renamed into place at the end: an
+interrupted or failed compile leaves no partial bundle.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -24,256 +29,310 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 import deepinfer
 from deepinfer.bundles import layout, manifest as mf
-from deepinfer.bundles.cache import Cache
-from deepinfer.bundles.keys import Key, graph_digest, kernels_reached
+from deepinfer.bundles.topology import Topology
 from deepinfer.compiler import budget, cached
+from deepinfer.compiler.cache import Cache
 from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.jobs import Job, keep_failed_logs
+from deepinfer.compiler.keys import Key, graph_digest, kernels_reached
 from deepinfer.compiler.plan import RegionPlan, plan_regions
 from deepinfer.compiler.pools import plan_pools
 from deepinfer.compiler.shard import shard
-from deepinfer.compiler.targets import TARGETS
+from deepinfer.compiler.targets import TARGETS, Target
 from deepinfer.compiler.trace import trace
 from deepinfer.compiler.weights import host_entries, kind_entry, write_host, write_host_vision, write_kind
 from deepinfer.errors import ConfigError, DeepinferError
+from deepinfer.regions import topology
 from deepinfer.regions.checkpoint import Checkpoint
 from deepinfer.regions.config import V41Config, load_config
-from deepinfer.regions import topology
-from deepinfer.regions.step import DTYPES
 from deepinfer.regions.state import Geometry, check_block_size
-from deepinfer.bundles.topology import Topology
+from deepinfer.regions.step import DTYPES
 
 LOWERED_DIR = ".lowered"
 
 
-@dataclass
-class Build:
+@dataclass(frozen=True)
+class Spec:
+    """What a compile builds, resolved from model.toml and the checkpoint's config."""
+
     config: CompileConfig
-    out: Path
-    staging: Path
+    model: V41Config
+    topology: Topology
+    target: Target
+    geometry: Geometry
+    hlo_only: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.config.model.dtype]
+
+    def executables(self, plan: RegionPlan) -> list[tuple[str, str, int, int]]:
+        """(kind, method, batch, tokens) of every executable (MoE on gathered rows under EP dispatch)."""
+        gathered = self.topology.groups if self.topology.dispatch else 1
+        return plan.executables(self.config.buckets.shapes(), gathered)
+
+
+@dataclass(frozen=True)
+class Run:
+    """How a compile runs: never what it builds."""
+
+    staging: Path                   # the bundle being assembled
+    out: Path                       # where it is published
     jobs: int = 1
-    log: object = print
+    log: Callable[[str], None] = print
     cache: Cache | None = None
     require_cache: bool = False
     verbose: bool = False
-    hlo_only: bool = False
-    model: V41Config | None = None
-    plan: RegionPlan | None = None
-    target: object = None
-    geometry: Geometry | None = None
-    weights: dict = field(default_factory=dict)         # "rank-R" -> kind entries
-    topology: Topology = Topology()
-    host: dict = field(default_factory=dict)
-    executables: list[dict] = field(default_factory=list)
-    compile_jobs: list[Job] = field(default_factory=list)
-    exe_keys: dict[str, Key] = field(default_factory=dict)
-    pools: dict = field(default_factory=dict)
-    state_bindings: dict = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
 
 
-def parse_config(b: Build) -> None:
-    m = b.config.model
+@dataclass(frozen=True)
+class Weights:
+    stacks: dict[str, tuple[mf.WeightStack, ...]]       # rank key -> that rank's stacks
+    host: dict[str, mf.HostFile]
+
+
+@dataclass(frozen=True)
+class Traced:
+    executables: tuple[mf.Executable, ...]              # every executable, in plan order
+    jobs: tuple[Job, ...]                               # those to compile
+    keys: dict[str, Key] = field(default_factory=dict)  # their executable keys (with a cache)
+
+
+@dataclass(frozen=True)
+class State:
+    pools: dict[str, mf.Pool]
+    bindings: dict[int, dict[str, tuple[str, int]]]     # layer -> state name -> (pool, row)
+
+
+# --- the passes ---------------------------------------------------------------------------------
+
+def parse(config: CompileConfig, hlo_only: bool, log) -> Spec:
+    m = config.model
     if not (m.checkpoint / "config.json").exists() and m.tiny is not None:
         from deepinfer.regions.tiny import make_tiny
 
-        b.log(f"checkpoint {m.checkpoint} absent: generating the tiny checkpoint "
-              f"(seed {m.tiny.seed}, {m.tiny.layers} layers)")
+        log(f"checkpoint {m.checkpoint} absent: generating the tiny checkpoint "
+            f"(seed {m.tiny.seed}, {m.tiny.layers} layers)")
         make_tiny(m.checkpoint, seed=m.tiny.seed, layers=m.tiny.layers, exist_ok=True)
-    b.model = load_config(m.checkpoint)
+    model = load_config(m.checkpoint)
     try:
-        check_block_size(b.model.text, b.config.kv.block_size)
+        check_block_size(model.text, config.kv.block_size)
     except ConfigError as e:
-        raise config_error(b.config, "kv", "block_size", str(e)) from None
-    p = b.config.parallel
-    b.topology = Topology(tp=p.tp, ep=p.ep, cp=p.cp)
-    bad = topology.check(b.topology, b.model.text)
+        raise config_error(config, "kv", "block_size", str(e)) from None
+    p = config.parallel
+    topo = Topology(tp=p.tp, ep=p.ep, cp=p.cp)
+    bad = topology.check(topo, model.text)
     if bad:
-        raise config_error(b.config, "parallel", bad[0], bad[1])
-    t = b.config.target
-    b.target = TARGETS[t.name](t.executable, t.options)
-    kv, buckets = b.config.kv, b.config.buckets
-    b.geometry = Geometry(slots=max(buckets.batch) + 1, blocks=kv.num_blocks, block_size=kv.block_size,
-                          max_blocks=-(-buckets.max_context // kv.block_size))
+        raise config_error(config, "parallel", bad[0], bad[1])
+    t = config.target
+    kv, buckets = config.kv, config.buckets
+    geometry = Geometry(slots=max(buckets.batch) + 1, blocks=kv.num_blocks, block_size=kv.block_size,
+                        max_blocks=-(-buckets.max_context // kv.block_size))
+    return Spec(config, model, topo, TARGETS[t.name](t.executable, t.options), geometry, hlo_only)
 
 
-def plan(b: Build) -> None:
-    b.plan = plan_regions(b.model.text, DTYPES[b.config.model.dtype], b.config.model.cache_quant, b.topology)
-    kinds = ", ".join(f"{k} x{len(kp.layers)}" for k, kp in b.plan.kinds.items())
-    b.log(f"{len(b.plan.layers)} layers -> {len(b.plan.kinds)} region kinds ({kinds})")
+def plan(spec: Spec, log) -> RegionPlan:
+    p = plan_regions(spec.model.text, spec.dtype, spec.config.model.cache_quant, spec.topology)
+    kinds = ", ".join(f"{k} x{len(kp.layers)}" for k, kp in p.kinds.items())
+    log(f"{len(p.layers)} layers -> {len(p.kinds)} region kinds ({kinds})")
+    return p
 
 
-def preprocess_weights(b: Build) -> None:
-    """Each rank's stacks under weights/rank-R/ (sharded per compiler/shard.py)."""
-    ckpt = Checkpoint(b.config.model.checkpoint)
-    world = b.topology.world
+def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
+    """Each rank's stacks under weights/rank-R/ (sharded per compiler/shard.py), the host files."""
+    ckpt = Checkpoint(spec.config.model.checkpoint)
+    world = spec.topology.world
+    stacks: dict[str, list[mf.WeightStack]] = {}
     for rank in range(world):
-        for kind, kp in b.plan.kinds.items():
-            cut = functools.partial(shard, kind, c=b.model.text, topo=b.topology, rank=rank)
-            key = cached.weights_key(b, ckpt, kind, kp, rank) if b.cache else None
-            hit = cached.fetch_or_build(b, "weights", key, layout.weights_path(rank, kind),
-                                        lambda: write_kind(ckpt, kind, kp, b.staging, rank=rank, shard=cut))
-            b.weights.setdefault(f"rank-{rank}", []).append(kind_entry(kind, kp, rank=rank))
-            b.log(f"weights {kind}{f' rank {rank}' if world > 1 else ''}: {len(kp.layers)} layer(s)"
-                  f"{' (cached)' if hit else ''}")
-    t = b.model.text
-    key = cached.host_key(b, ckpt) if b.cache else None
-    b.host = host_entries(vision=b.model.vision.num_hidden_layers > 0)
-    cached.fetch_or_build(b, "host", key, b.host["embed"]["path"],
-                          lambda: write_host(ckpt, b.staging, t.vocab_size, t.hidden_size))
-    if "vision" in b.host:                       # the vision tower runs on the host, as checkpointed
-        key = cached.vision_key(b, ckpt) if b.cache else None
-        cached.fetch_or_build(b, "host", key, b.host["vision"]["path"],
-                              lambda: write_host_vision(ckpt, b.staging, b.model))
+        for kind, kp in plan.kinds.items():
+            cut = functools.partial(shard, kind, c=spec.model.text, topo=spec.topology, rank=rank)
+            key = cached.weights_key(spec, ckpt, kind, kp, rank, cached.memo_dir(run)) if run.cache else None
+            hit = cached.fetch_or_build(run, "weights", key, layout.weights_path(rank, kind),
+                                        lambda: write_kind(ckpt, kind, kp, run.staging, rank=rank, shard=cut))
+            stacks.setdefault(layout.rank_key(rank), []).append(kind_entry(kind, kp, rank=rank))
+            run.log(f"weights {kind}{f' rank {rank}' if world > 1 else ''}: {len(kp.layers)} layer(s)"
+                    f"{' (cached)' if hit else ''}")
+    t, memo = spec.model.text, cached.memo_dir(run)
+    host = host_entries(vision=spec.model.vision.num_hidden_layers > 0)
+    cached.fetch_or_build(run, "host", cached.host_key(spec, ckpt, memo) if run.cache else None,
+                          host["embed"].path, lambda: write_host(ckpt, run.staging, t.vocab_size, t.hidden_size))
+    if "vision" in host:                         # the vision tower runs on the host, as checkpointed
+        cached.fetch_or_build(run, "host", cached.vision_key(spec, ckpt, memo) if run.cache else None,
+                              host["vision"].path, lambda: write_host_vision(ckpt, run.staging, spec.model))
+    return Weights({r: tuple(s) for r, s in stacks.items()}, host)
 
 
-def _io(specs) -> list[dict]:
-    return [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."), "role": s.role}
-            for s in specs]
+def _io(specs) -> tuple[mf.TensorSpec, ...]:
+    return tuple(mf.TensorSpec(name=s.name, shape=tuple(s.shape), dtype=str(s.dtype).removeprefix("torch."),
+                               role=s.role) for s in specs)
 
 
-def trace_regions(b: Build) -> None:
+def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
     """Trace, lower and emit each executable's graph (a cache hit skips all three); trn2 graphs
     are also run on XLA:CPU against their reference region here."""
-    lowered_dir = b.staging / LOWERED_DIR
+    target = spec.target
+    lowered_dir = run.staging / LOWERED_DIR
     lowered_dir.mkdir()
-    shapes = b.config.buckets.shapes()
-    gathered = b.topology.groups if b.topology.dispatch else 1
-    use_cache = b.cache is not None and not b.hlo_only
-    for kind, method, batch, tokens in b.plan.executables(shapes, gathered):
-        name = f"{kind}.{method}.b{batch}t{tokens}"
-        artifact = layout.executable_path(kind, method, batch, tokens, b.target.suffix)
-        tkey = cached.trace_key(b, kind, method, batch, tokens) if use_cache else None
-        record = cached.trace_record(b, tkey) if use_cache else None
-        if record and b.cache.get_file("executable", record["executable_key"], b.staging / artifact):
-            b.executables.append(record["entry"])
-            b.log(f"cached {name}")
+    use_cache = run.cache is not None and not spec.hlo_only
+    executables, jobs, keys = [], [], {}
+    for kind, method, batch, tokens in spec.executables(plan):
+        name = layout.executable_name(kind, method, batch, tokens)
+        artifact = layout.executable_path(kind, method, batch, tokens, target.suffix)
+        tkey = cached.trace_key(spec, plan, kind, method, batch, tokens) if use_cache else None
+        record = cached.trace_record(run, tkey) if use_cache else None
+        if record and run.cache.get_file("executable", record["executable_key"], run.staging / artifact):
+            executables.append(mf.parse_executable(record["entry"], f"cached trace record of {name}"))
+            run.log(f"cached {name}")
             continue
-        region = b.plan.kinds[kind].region
-        ep, sig, args = trace(region, batch, tokens, b.geometry, method, dynamic=not b.target.static_shapes)
+        region = plan.kinds[kind].region
+        ep, sig, args = trace(region, batch, tokens, spec.geometry, method, dynamic=not target.static_shapes)
         kernels = kernels_reached(ep)
-        ep = b.target.lower(ep)
+        ep = target.lower(ep)
         names = [s.name for s in sig.all]
         user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
         mutated = sorted(names[user.index(n)] for n in ep.graph_signature.user_inputs_to_mutate.values())
-        entry = {"kind": kind, "method": method, "bucket": {"batch": batch, "tokens": tokens},
-                 "artifact": artifact, "executable": b.target.executable,
-                 "inputs": _io(sig.all), "outputs": region.output_names(), "mutates": mutated,
-                 "scratch_bytes": budget.scratch_bytes(ep)}
-        lowered = lowered_dir / f"{name}{b.target.lowered_suffix}"
-        if b.target.static_shapes:               # state comes back as outputs: emit and check now
-            try:
-                entry.update(b.target.emit(ep, names, entry["outputs"], lowered), mutates=[])
-            except DeepinferError as e:
-                raise type(e)(f"region {name}: {e}") from None
-            if b.target.check:
-                entry["check"] = b.target.check_numerics(lowered, region, method, args, len(sig.weights), names,
-                                                         entry["state_outputs"], f"region {name}")
-                b.log(f"lowered {name}: HLO {lowered.stat().st_size} bytes, XLA:CPU vs reference "
-                      f"max |diff| {entry['check']['max_abs']:.2g}")
-            else:
-                b.log(f"lowered {name}: HLO {lowered.stat().st_size} bytes (check off)")
-        if b.hlo_only:
-            entry["artifact"] = layout.executable_path(kind, method, batch, tokens, b.target.lowered_suffix)
-            (b.staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
-            os.replace(lowered, b.staging / entry["artifact"])
-            b.executables.append(entry)
+        entry = mf.Executable(kind=kind, method=method, bucket=mf.Shape(batch=batch, tokens=tokens),
+                              artifact=artifact, executable=target.executable, inputs=_io(sig.all),
+                              outputs=tuple(region.output_names()), mutates=tuple(mutated),
+                              scratch_bytes=budget.scratch_bytes(ep))
+        lowered = lowered_dir / f"{name}{target.lowered_suffix}"
+        if target.static_shapes:                 # state comes back as outputs: emit and check now
+            entry = _emit_and_check(spec, entry, ep, names, lowered, region, method, args, len(sig.weights), run)
+        if spec.hlo_only:
+            entry = dataclasses.replace(entry, artifact=layout.executable_path(kind, method, batch, tokens,
+                                                                               target.lowered_suffix))
+            (run.staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
+            os.replace(lowered, run.staging / entry.artifact)
+            executables.append(entry)
             continue
-        b.executables.append(entry)
-        if not b.target.static_shapes:
-            b.log(f"traced {name}")
+        executables.append(entry)
+        if not target.static_shapes:
+            run.log(f"traced {name}")
         if use_cache:
-            ekey = cached.executable_key(b, kind, method, batch, tokens, graph_digest(ep), kernels)
-            record = {"executable_key": ekey.digest, "kernels": kernels, "entry": entry}
-            b.cache.put_bytes("trace", tkey, json.dumps(record).encode())
-            if b.cache.get_file("executable", ekey, b.staging / artifact):
-                b.log(f"cached {name}")
+            ekey = cached.executable_key(spec, plan, kind, method, batch, tokens, graph_digest(ep), kernels)
+            record = {"executable_key": ekey.digest, "kernels": kernels, "entry": mf.to_json(entry)}
+            run.cache.put_bytes("trace", tkey, json.dumps(record).encode())
+            if run.cache.get_file("executable", ekey, run.staging / artifact):
+                run.log(f"cached {name}")
                 continue
-            cached.missed(b, "executable", ekey)
-            b.exe_keys[name] = ekey
-        if not b.target.static_shapes:
-            b.target.emit(ep, names, entry["outputs"], lowered)
-        b.compile_jobs.append(Job(name, lowered, b.staging / artifact, b.target.name, b.target.executable,
-                                  b.target.options, log=b.staging / layout.log_path(kind, method, batch, tokens)))
+            cached.missed(run, "executable", ekey)
+            keys[name] = ekey
+        if not target.static_shapes:
+            target.emit(ep, names, list(entry.outputs), lowered)
+        jobs.append(Job(name, lowered, run.staging / artifact, target.name, target.executable, target.options,
+                        log=run.staging / layout.log_path(kind, method, batch, tokens)))
+    return Traced(tuple(executables), tuple(jobs), keys)
 
 
-def compile_regions(b: Build) -> None:
-    (b.staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
-    if b.hlo_only:
-        b.log(f"HLO-stage bundle: {len(b.executables)} HLO modules; finish it where neuronx-cc is installed "
-              f"with: deepinfer-compile --finish {b.out}")
-    elif b.compile_jobs:
-        b.target.require_compiler()
+def _emit_and_check(spec: Spec, entry: mf.Executable, ep, names, lowered: Path, region, method, args, n_weights,
+                    run: Run) -> mf.Executable:
+    """Static-shape targets: write the lowered module (state returned, aliased) and check it numerically."""
+    target = spec.target
+    try:
+        extra = target.emit(ep, names, list(entry.outputs), lowered)
+    except DeepinferError as e:
+        raise type(e)(f"region {entry.name}: {e}") from None
+    entry = dataclasses.replace(entry, mutates=(), **mf.executable_fields(extra))
+    if not target.check:
+        run.log(f"lowered {entry.name}: HLO {lowered.stat().st_size} bytes (check off)")
+        return entry
+    check = target.check_numerics(lowered, region, method, args, n_weights, names, list(entry.state_outputs),
+                                  f"region {entry.name}")
+    run.log(f"lowered {entry.name}: HLO {lowered.stat().st_size} bytes, XLA:CPU vs reference "
+            f"max |diff| {check['max_abs']:.2g}")
+    return dataclasses.replace(entry, check=check)
+
+
+def compile_regions(spec: Spec, traced: Traced, run: Run) -> tuple[mf.Executable, ...]:
+    target = spec.target
+    (run.staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
+    if spec.hlo_only:
+        run.log(f"HLO-stage bundle: {len(traced.executables)} HLO modules; finish it where neuronx-cc is "
+                f"installed with: deepinfer-compile --finish {run.out}")
+    elif traced.jobs:
+        target.require_compiler()
 
     def progress(done, total, job, seconds):
-        b.log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
+        run.log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
 
-    try:
-        cached.compile_jobs(b, b.compile_jobs, progress)
-    except DeepinferError as e:
-        raise keep_failed_logs(e, b.staging / layout.LOGS_DIR, b.out) from None
-    shutil.rmtree(b.staging / LOWERED_DIR)
-    if not b.hlo_only:
-        for e in b.executables:
-            e.update(b.target.describe(b.staging / e["artifact"]))
+    cached.compile_jobs(run, traced, progress)
+    shutil.rmtree(run.staging / LOWERED_DIR)
+    if spec.hlo_only:
+        return traced.executables
+    return tuple(dataclasses.replace(e, **mf.executable_fields(target.describe(run.staging / e.artifact)))
+                 for e in traced.executables)
 
 
+def layout_state(spec: Spec, plan: RegionPlan) -> State:
+    pools, bindings = plan_pools(spec.model.text, plan.layers, block_size=spec.config.kv.block_size,
+                                 dtype=spec.dtype)
+    return State(pools, bindings)
 
-def layout_state(b: Build) -> None:
-    b.pools, b.state_bindings = plan_pools(b.model.text, b.plan.layers, block_size=b.config.kv.block_size,
-                                           dtype=DTYPES[b.config.model.dtype])
+
+def write_manifest(spec: Spec, plan: RegionPlan, weights: Weights, executables: tuple[mf.Executable, ...],
+                   state: State, run: Run) -> mf.Manifest:
+    c, g = spec.config, spec.geometry
+    layers = tuple(mf.Layer(
+        layer=p.layer, attn=p.attn, ratio=p.ratio, kv_source=p.kv_source, candidate_source=p.candidate_source,
+        uses_candidates=p.uses_candidates, engram=p.engram_rows > 0,
+        regions={slot: mf.Binding(kind=kind, index=index) for slot, (kind, index) in plan.bindings[p.layer].items()},
+        state={name: tuple(ref) for name, ref in state.bindings[p.layer].items()}) for p in plan.layers)
+    manifest = mf.Manifest(
+        format_version=mf.FORMAT_VERSION,
+        deepinfer_version=deepinfer.__version__,
+        toolchain=spec.target.toolchain(),
+        target=mf.Target(name=c.target.name, executable=c.target.executable, options=c.target.options),
+        stage="hlo" if spec.hlo_only else "executable",
+        topology=mf.Ranks.of(spec.topology, spec.target.lnc),
+        model=mf.Model(config=spec.model.to_dict(), config_hash=spec.model.digest(), dtype=c.model.dtype,
+                       cache_quant=c.model.cache_quant, weight_format="e4m3fn", scale_layout="ue8m0-u8-row-major",
+                       tokenizer="byte"),
+        buckets=mf.Buckets(shapes=tuple(mf.Shape(batch=b, tokens=t) for b, t in c.buckets.shapes()),
+                           max_context=c.buckets.max_context),
+        kv=mf.KV(block_size=c.kv.block_size, num_blocks=c.kv.num_blocks, slots=g.slots, max_blocks=g.max_blocks,
+                 scratch="block 0 and slot 0", pools=state.pools, state_writes=spec.target.state_writes,
+                 static_pools=spec.target.static_shapes),
+        regions=executables,
+        head=mf.Binding(kind="head", index=0),
+        layers=layers,
+        weights=weights.stacks,
+        host=weights.host,
+        # per rank; refuses the bundle if the executables overflow it
+        memory=budget.record(spec, plan, executables, run.staging),
+    )
+    manifest = mf.stamp(run.staging, manifest)
+    mf.write(run.staging, manifest)
+    return manifest
 
 
-def write_manifest(b: Build) -> None:
-    c = b.config
-    layers = []
-    for p in b.plan.layers:
-        steps = {slot: {"kind": kind, "index": index} for slot, (kind, index) in b.plan.bindings[p.layer].items()}
-        layers.append({"layer": p.layer, "attn": p.attn, "ratio": p.ratio, "kv_source": p.kv_source,
-                       "candidate_source": p.candidate_source, "uses_candidates": p.uses_candidates,
-                       "engram": p.engram_rows > 0, "regions": steps, "state": b.state_bindings[p.layer]})
-    manifest = {
-        "format_version": mf.FORMAT_VERSION,
-        "deepinfer_version": deepinfer.__version__,
-        "toolchain": b.target.toolchain(),
-        "target": {"name": c.target.name, "executable": c.target.executable, "options": c.target.options},
-        "stage": "hlo" if b.hlo_only else "executable",
-        "topology": {**b.topology.to_dict(), "dispatch": b.topology.dispatch,
-                     **({"lnc": b.target.lnc} if hasattr(b.target, "lnc") else {})},
-        "model": {"config": b.model.to_dict(), "config_hash": b.model.digest(), "dtype": c.model.dtype,
-                  "cache_quant": c.model.cache_quant, "weight_format": "e4m3fn", "scale_layout": "ue8m0-u8-row-major",
-                  "tokenizer": "byte"},
-        "buckets": {"shapes": [{"batch": bb, "tokens": t} for bb, t in c.buckets.shapes()],
-                    "max_context": c.buckets.max_context},
-        "kv": {"block_size": c.kv.block_size, "num_blocks": c.kv.num_blocks, "slots": b.geometry.slots,
-               "max_blocks": b.geometry.max_blocks, "scratch": "block 0 and slot 0", "pools": b.pools,
-               "state_writes": b.target.state_writes, "static_pools": b.target.static_shapes},
-        "regions": b.executables,
-        "head": {"kind": "head", "index": 0},
-        "layers": layers,
-        "weights": b.weights,
-        "host": b.host,
-        "memory": budget.record(b),           # per rank; refuses the bundle if the executables overflow it
-    }
-    mf.stamp_digests(b.staging, manifest)
-    (b.staging / layout.MANIFEST_FILE).write_text(mf.dumps(manifest))
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable
+    needs: tuple[str, ...]          # the values it takes, by name
+    makes: str | None               # the name of what it returns (None: a check)
 
 
 PASSES = [
-    ("parse config", parse_config),
-    ("plan regions", plan),
-    ("check memory budget", budget.check_planned),         # weights + pools, before any is written
-    ("preprocess weights", preprocess_weights),
-    ("trace", trace_regions),
-    ("check memory budget with scratch", budget.check_traced),
-    ("compile", compile_regions),
-    ("lay out state", layout_state),
-    ("write manifest", write_manifest),
+    Pass("parse config", parse, ("config", "hlo_only", "log"), "spec"),
+    Pass("plan regions", plan, ("spec", "log"), "plan"),
+    Pass("check memory budget", budget.check_planned, ("spec", "plan", "log"), None),
+    Pass("preprocess weights", preprocess_weights, ("spec", "plan", "run"), "weights"),
+    Pass("trace", trace_regions, ("spec", "plan", "run"), "traced"),
+    Pass("check memory budget with scratch", budget.check_traced, ("spec", "plan", "traced", "log"), None),
+    Pass("compile", compile_regions, ("spec", "traced", "run"), "executables"),
+    Pass("lay out state", layout_state, ("spec", "plan"), "state"),
+    Pass("write manifest", write_manifest, ("spec", "plan", "weights", "executables", "state", "run"), "manifest"),
 ]
 
+
+# --- publishing and the API ---------------------------------------------------------------------
 
 def publish(staging: Path, out: Path, force: bool) -> None:
     """Rename the finished bundle into place (an existing one is replaced only with force)."""
@@ -288,6 +347,10 @@ def publish(staging: Path, out: Path, force: bool) -> None:
         os.replace(staging, out)
 
 
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
 def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bool = False, log=None,
                    cache: Cache | None = None, require_cache: bool = False, verbose: bool = False,
                    hlo_only: bool = False) -> tuple[Path, dict[str, float]]:
@@ -299,7 +362,7 @@ def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bo
     `verbose` logs each missed key's part hashes. `hlo_only` (trn2) stops after lowering and
     checking: the bundle holds HLO modules, finished later by `finish_bundle`.
     """
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = log or _stderr
     out = Path(out)
     if out.exists() and not force:
         raise ConfigError(f"{out}: exists; pass --force to replace it")
@@ -308,40 +371,46 @@ def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bo
     if hlo_only and not TARGETS[config.target.name].static_shapes:
         raise config_error(config, "target", "name", f"--hlo-only is for the trn2 target, not {config.target.name!r}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    b = Build(config, out, staging, jobs=jobs, log=log, cache=cache, require_cache=require_cache, verbose=verbose,
-              hlo_only=hlo_only)
+    staging = Path(tempfile.mkdtemp(prefix=layout.staging_prefix(out), dir=out.parent))
+    values = {"config": config, "hlo_only": hlo_only, "log": log,
+              "run": Run(staging, out, jobs=jobs, log=log, cache=cache, require_cache=require_cache, verbose=verbose)}
+    timings: dict[str, float] = {}
     try:
-        for name, run in PASSES:
+        for p in PASSES:
             start = time.perf_counter()
-            run(b)
-            b.timings[name] = time.perf_counter() - start
+            made = p.run(*(values[n] for n in p.needs))
+            if p.makes:
+                values[p.makes] = made
+            timings[p.name] = time.perf_counter() - start
         for path in staging.rglob("*"):      # safetensors writes 0600; a bundle is for sharing
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
         os.chmod(staging, 0o755)
         publish(staging, out, force)
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, DeepinferError):
+            e = keep_failed_logs(e, staging / layout.LOGS_DIR, out)
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, DeepinferError):
+            raise e from None
         raise
-    return out, b.timings
+    return out, timings
 
 
 def cache_key(config: CompileConfig, *, cache: Cache | None = None, log=None, verbose: bool = False,
               hlo_only: bool = False) -> Key:
     """One key for the whole bundle (for CI cache systems), from the trace and weight keys:
     nothing is traced or compiled. `cache` only lends its tensor-digest memo."""
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    b = Build(config, Path(), Path(), log=log, cache=cache, hlo_only=hlo_only)
-    parse_config(b)
-    plan(b)
+    log = log or _stderr
+    spec = parse(config, hlo_only, log)
+    p = plan(spec, log)
     ckpt = Checkpoint(config.model.checkpoint)
-    weights = {f"{kind} rank {r}": cached.weights_key(b, ckpt, kind, kp, r) for kind, kp in b.plan.kinds.items()
-               for r in range(b.topology.world)}
-    gathered = b.topology.groups if b.topology.dispatch else 1
-    traces = {f"{k}.{m}.b{bb}t{t}": cached.trace_key(b, k, m, bb, t)
-              for k, m, bb, t in b.plan.executables(config.buckets.shapes(), gathered)}
-    key = cached.bundle_key(b, weights, cached.host_key(b, ckpt), traces,
-                            cached.vision_key(b, ckpt) if b.model.vision.num_hidden_layers > 0 else None)
+    memo = cache.root / "files" if cache else None
+    weights = {f"{kind} rank {r}": cached.weights_key(spec, ckpt, kind, kp, r, memo) for kind, kp in p.kinds.items()
+               for r in range(spec.topology.world)}
+    traces = {layout.executable_name(k, m, bb, t): cached.trace_key(spec, p, k, m, bb, t)
+              for k, m, bb, t in spec.executables(p)}
+    key = cached.bundle_key(spec, weights, cached.host_key(spec, ckpt, memo), traces,
+                            cached.vision_key(spec, ckpt, memo) if spec.model.vision.num_hidden_layers > 0 else None)
     if verbose:
         for k in [*weights.values(), *traces.values(), key]:
             log(f"{k.kind} {k.identity} {k.digest[:16]}")

@@ -7,9 +7,10 @@ slice `pool[index]`. Reuse and reindex layers bind their kv source's slices.
 
 from __future__ import annotations
 
+from deepinfer.bundles.manifest import Pool
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.step import LayerPlan
-from deepinfer.regions.state import check_block_size, layer_state
+from deepinfer.regions.state import StateSpec, check_block_size, layer_state
 
 PAGED = ("ckv", "ikeys")          # indexed by block; the others by sequence slot
 
@@ -18,21 +19,24 @@ def pool_name(state: str, p: LayerPlan) -> str:
     return state if state == "win" else f"{state}.r{p.ratio}"
 
 
-def plan_pools(c: TextConfig, plans: list[LayerPlan], *, block_size: int, dtype) -> tuple[dict, dict]:
-    """-> (pools: name -> {shape (dim 1 symbolic), dtype, dim, layers}, per-layer state bindings)."""
+def plan_pools(c: TextConfig, plans: list[LayerPlan], *, block_size: int,
+               dtype) -> tuple[dict[str, Pool], dict[int, dict[str, tuple[str, int]]]]:
+    """-> (pools by name, per layer: state name -> (pool, row))."""
     check_block_size(c, block_size)
-    pools: dict[str, dict] = {}
-    owned: dict[int, dict[str, list]] = {}
+    specs: dict[str, StateSpec] = {}
+    layers: dict[str, list[int]] = {}
+    owned: dict[int, dict[str, tuple[str, int]]] = {}
     for p in plans:
         owned[p.layer] = {}
         for spec in layer_state(c, p, slots=1, blocks=1, block_size=block_size, dtype=dtype):
             name = pool_name(spec.name, p)
-            pool = pools.setdefault(name, {
-                "state": spec.name, "dtype": str(spec.dtype).removeprefix("torch."),
-                "dim": "blocks" if spec.name in PAGED else "slots",
-                "entry_shape": list(spec.shape[1:]), "layers": []})
-            owned[p.layer][spec.name] = [name, len(pool["layers"])]
-            pool["layers"].append(p.layer)
+            specs.setdefault(name, spec)
+            rows = layers.setdefault(name, [])
+            owned[p.layer][spec.name] = (name, len(rows))
+            rows.append(p.layer)
+    pools = {name: Pool(state=spec.name, dtype=str(spec.dtype).removeprefix("torch."),
+                        dim="blocks" if spec.name in PAGED else "slots", entry_shape=tuple(spec.shape[1:]),
+                        layers=tuple(layers[name])) for name, spec in specs.items()}
     bindings = {}
     for p in plans:
         views = {"win": owned[p.layer]["win"]}

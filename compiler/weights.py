@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer.bundles import layout
+from deepinfer.bundles.manifest import HostFile, TensorShape, WeightStack
 from deepinfer.compiler.plan import KindPlan
 from deepinfer.regions.base import WeightSpec
 from deepinfer.regions.checkpoint import Checkpoint
@@ -47,14 +48,15 @@ def source_names(kp: KindPlan) -> list[str]:
     return names
 
 
-def kind_entry(kind: str, kp: KindPlan, rank: int = 0) -> dict:
+def kind_entry(kind: str, kp: KindPlan, rank: int = 0) -> WeightStack:
     """A kind's manifest entry (digest added when the manifest is written)."""
-    return {"kind": kind, "path": layout.weights_path(rank, kind), "layers": kp.layers,
-            "tensors": {s.name: {"shape": [len(kp.layers), *s.buffer_shape],
-                                 "dtype": str(s.dtype).removeprefix("torch.")} for s in kp.region.specs}}
+    return WeightStack(kind=kind, path=layout.weights_path(rank, kind), layers=tuple(kp.layers),
+                       tensors={s.name: TensorShape(shape=(len(kp.layers), *s.buffer_shape),
+                                                    dtype=str(s.dtype).removeprefix("torch."))
+                                for s in kp.region.specs})
 
 
-def write_kind(ckpt: Checkpoint, kind: str, kp: KindPlan, out: Path, rank: int = 0, shard=None) -> dict:
+def write_kind(ckpt: Checkpoint, kind: str, kp: KindPlan, out: Path, rank: int = 0, shard=None) -> WeightStack:
     """Write one kind's stacks for `rank` to its safetensors file under `out`; returns its
     manifest entry. `shard(name, full tensor, shape=)` cuts the rank's part (compiler/shard.py)."""
     tensors = {}
@@ -66,16 +68,16 @@ def write_kind(ckpt: Checkpoint, kind: str, kp: KindPlan, out: Path, rank: int =
             stack[i] = shard(spec.name, t, shape=spec.buffer_shape) if shard else t
         tensors[spec.name] = stack
     entry = kind_entry(kind, kp, rank)
-    (out / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / entry["path"]))
+    (out / entry.path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / entry.path))
     return entry
 
 
-def host_entries(vision: bool = False) -> dict:
+def host_entries(vision: bool = False) -> dict[str, HostFile]:
     """The manifest's host-resident tensors: the token embedding (and the vision tower)."""
-    out = {"embed": {"path": layout.host_path(layout.HOST_EMBED_FILE), "tensor": "embed"}}
+    out = {"embed": HostFile(path=layout.host_path(layout.HOST_EMBED_FILE), tensor="embed")}
     if vision:
-        out["vision"] = {"path": layout.host_path(layout.HOST_VISION_FILE), "tensors": "checkpoint names"}
+        out["vision"] = HostFile(path=layout.host_path(layout.HOST_VISION_FILE), tensors="checkpoint names")
     return out
 
 
@@ -83,7 +85,7 @@ def write_host_vision(ckpt: Checkpoint, out: Path, config) -> None:
     """The vision tower, aligner and image delimiters, as stored in the checkpoint (V41Config `config`)."""
     from deepinfer.regions.vision import vision_specs
 
-    rel = host_entries(vision=True)["vision"]["path"]
+    rel = host_entries(vision=True)["vision"].path
     (out / rel).parent.mkdir(parents=True, exist_ok=True)
     tensors = {name: ckpt.get(name, dtype, shape).contiguous()
                for name, (shape, dtype) in vision_specs(config.vision, config.text.hidden_size).items()}
@@ -91,6 +93,6 @@ def write_host_vision(ckpt: Checkpoint, out: Path, config) -> None:
 
 
 def write_host(ckpt: Checkpoint, out: Path, vocab: int, hidden: int) -> None:
-    rel = host_entries()["embed"]["path"]
+    rel = host_entries()["embed"].path
     (out / rel).parent.mkdir(parents=True, exist_ok=True)
     save_file({"embed": ckpt.get("embed.weight", "BF16", (vocab, hidden)).contiguous()}, str(out / rel))

@@ -113,11 +113,11 @@ def compare_tensors(name: str, got: torch.Tensor, ref: torch.Tensor) -> OutputDi
     return OutputDiff(name, float(diff.max()), float(r.abs().nan_to_num(nan=0.0).max()), 0, ref.numel(), False)
 
 
-def _host(x, spec: dict) -> torch.Tensor:
+def _host(x, spec) -> torch.Tensor:
     """A tensor the session passed or got back, as a host tensor (device tensors are read back)."""
     if isinstance(x, torch.Tensor):
         return x
-    return x.to_torch(getattr(torch, spec["dtype"]), spec["shape"])
+    return x.to_torch(getattr(torch, spec.dtype), spec.shape)
 
 
 class References:
@@ -125,19 +125,18 @@ class References:
 
     def __init__(self, session, rank: int = 0):
         from deepinfer.compiler.plan import plan_regions
-        from deepinfer.regions.step import DTYPES
 
         m = session.manifest
-        plan = plan_regions(session.config.text, DTYPES[m["model"]["dtype"]], m["model"]["cache_quant"],
+        plan = plan_regions(session.config.text, session.dtype, m.model.cache_quant,
                             session.topology)          # shaped for one rank, as the executables are
         self.regions = {kind: kp.region for kind, kp in plan.kinds.items()}
         self.rank = torch.tensor(rank, dtype=torch.int64)
-        entries = m["weights"].get(f"rank-{rank}")
-        if entries is None:
-            raise BundleError(f"{session.path}: no weights for rank {rank}")
-        self.stacks = {e["kind"]: load_mmap(session.path / e["path"]) for e in entries}
-        self.rows = {(l["layer"], slot): b["index"] for l in m["layers"] for slot, b in l["regions"].items()}
-        self.rows[(-1, "head")] = m["head"]["index"]
+        try:
+            entries = m.rank_weights(rank)
+        except BundleError as e:
+            raise BundleError(f"{session.path}: {e}") from None
+        self.stacks = {e.kind: load_mmap(session.path / e.path) for e in entries}
+        self.rows = {(layer, slot): b.index for layer, slot, b in m.bindings()}
         missing = sorted(set(session.signatures) - set(self.regions))
         if missing:
             raise BundleError(f"{session.path}: region kind(s) {', '.join(missing)} have no reference region "
@@ -162,9 +161,9 @@ class Recorder:
         self.refs = references
         self.entries: dict[tuple[str, int], Entry] = {}
         self.specs, self.outputs = {}, {}
-        for r in session.manifest["regions"]:
-            self.specs[r["kind"]] = [s for s in r["inputs"] if s["role"] not in ("weight", "rank")]
-            self.outputs[r["kind"]] = r["outputs"]
+        for e in session.manifest.regions:
+            self.specs[e.kind] = [s for s in e.inputs if s.role not in ("weight", "rank")]
+            self.outputs[e.kind] = e.outputs
 
     def __call__(self, layer: int, slot: str, kind: str, inputs: tuple, run):
         specs = self.specs[kind]
@@ -180,8 +179,8 @@ class Recorder:
                               f"{len(ref)}, the manifest names {len(names)}")
         diffs = [compare_tensors(n, torch.as_tensor(g), r) for n, g, r in zip(names, out, ref)]
         for i, s in enumerate(specs):
-            if s["role"] == "state":
-                diffs.append(compare_tensors(f"{s['name']} (state)", _host(inputs[i], s), before[i]))
+            if s.role == "state":
+                diffs.append(compare_tensors(f"{s.name} (state)", _host(inputs[i], s), before[i]))
         self.entries.setdefault((kind, layer), Entry(kind, layer)).add(diffs)
         return out
 
@@ -195,17 +194,18 @@ def diff_session(session, prompts: list[list[int]], max_new_tokens: int = 4, *,
         session.generate(prompts, max_new_tokens)
     finally:
         session.on_call = None
-    tol = TOLERANCE[session.manifest["model"]["dtype"]] if tolerance is None else tolerance
+    tol = TOLERANCE[session.manifest.model.dtype] if tolerance is None else tolerance
     return DiffReport(session.path, tol, len(prompts), _rank(list(recorder.entries.values())))
 
 
-def diff_bundle(path: str | Path, prompts: list[list[int]], max_new_tokens: int = 4, *,
+def diff_bundle(bundle, prompts: list[list[int]], max_new_tokens: int = 4, *,
                 tolerance: float | None = None, verify: bool = True, num_kv_blocks: int | None = None,
                 rank: int = 0) -> DiffReport:
-    """Load the bundle at `path` (validated as `deepinfer-run` does) and `diff_session` it."""
+    """Load `bundle` (a path, validated as `deepinfer-run` does, or an opened runtime.Bundle) and
+    `diff_session` it."""
     from deepinfer.runtime import load
 
-    session = load(path, num_kv_blocks=num_kv_blocks, verify=verify, rank=rank)
+    session = load(bundle, num_kv_blocks=num_kv_blocks, verify=verify, rank=rank)
     try:
         return diff_session(session, prompts, max_new_tokens, tolerance=tolerance)
     finally:

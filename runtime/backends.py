@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.bundles.manifest import BundleError
+from deepinfer.bundles.manifest import BundleError, Executable, Manifest
 
 
 class AotiExecutable:
@@ -44,8 +44,8 @@ class HostPlacement:
     """Where a cpu bundle's tensors live: host memory. Weight views are views of the
     memory-mapped stacks; executables write state in place and return only their outputs."""
 
-    def __init__(self, manifest: dict, bundle: Path):
-        self.manifest = manifest
+    def __init__(self, manifest: Manifest, bundle: Path, rank: int = 0):
+        self.loader = LOADERS[(manifest.target.name, manifest.target.executable)]
 
     def resident(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return tensor
@@ -53,34 +53,37 @@ class HostPlacement:
     def view(self, stack: torch.Tensor, index: int) -> torch.Tensor:
         return stack[index]
 
-    def load(self, entry: dict, path: Path):
-        t = self.manifest["target"]
-        return LOADERS[(t["name"], t["executable"])](path)
+    def load(self, entry: Executable, path: Path):
+        return self.loader(path)
 
     def close(self) -> None:
         pass
 
 
-def placement_for(manifest: dict, bundle: Path, rank: int = 0):
+def _neuron_placement(manifest: Manifest, bundle: Path, rank: int = 0):
+    from deepinfer.runtime.neuron_bundle import NeuronPlacement       # libnrt only where trn2 bundles run
+
+    return NeuronPlacement(manifest, bundle, rank)
+
+
+PLACEMENTS = {"cpu": HostPlacement, "trn2": _neuron_placement}
+
+
+def placement_for(manifest: Manifest, bundle: Path, rank: int = 0):
     """The placement that runs this bundle: host memory, or one NeuronCore per process on trn2."""
-    if manifest["target"]["name"] == "trn2":
-        from deepinfer.runtime.neuron_bundle import NeuronPlacement
-
-        return NeuronPlacement(manifest, bundle, rank)
-    return HostPlacement(manifest, bundle)
+    return PLACEMENTS[manifest.target.name](manifest, bundle, rank)
 
 
-def check_compatible(manifest: dict, bundle: Path) -> None:
+def check_compatible(manifest: Manifest, bundle: Path) -> None:
     """Refuse, with the reason, a bundle this process cannot run."""
-    target = manifest["target"]
-    key = (target.get("name"), target.get("executable"))
+    key = (manifest.target.name, manifest.target.executable)
     if key not in RUNNABLE:
         runnable = ", ".join(f"{t}/{e}" for t, e in RUNNABLE)
         raise BundleError(f"{bundle}: built for target {key[0]!r} ({key[1]}); this runtime runs {runnable}")
-    if manifest.get("stage", "executable") != "executable":
+    if manifest.stage != "executable":
         raise BundleError(f"{bundle}: an HLO-stage bundle (no NEFFs yet); finish it on a host with neuronx-cc: "
                           f"deepinfer-compile --finish {bundle}")
-    built = manifest["toolchain"].get("torch")
+    built = manifest.toolchain.get("torch")
     if key[0] == "cpu" and built != torch.__version__:
         raise BundleError(f"{bundle}: compiled with torch {built}, this process has torch {torch.__version__}; "
                           "recompile the bundle with this torch")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from deepinfer.cli import generation_options, image_option, prompts_with_images, user_errors, write_logits
+from deepinfer.cli_common import generation_options, image_option, prompts_with_images, user_errors, write_logits
 
 
 def timing_lines(stats, wall: float) -> list[str]:
@@ -51,10 +51,8 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
       deepinfer-run build/tiny --prompt "Hello, world" --max-new-tokens 32 --timing
       deepinfer-run build/tiny --image cat.ppm --prompt "<image>What is this?"   # tower runs on the host
     """
-    from deepinfer.bundles import manifest as mf
-    from deepinfer.regions.config import parse_config
     from deepinfer.regions.tokenizer import ByteTokenizer
-    from deepinfer.runtime import load, ranks
+    from deepinfer.runtime import load, open_bundle, ranks
     from deepinfer.runtime.session import load_vision
 
     if threads:
@@ -62,11 +60,11 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
 
         torch.set_num_threads(threads)
     start = time.perf_counter()
-    manifest = mf.read(bundle)
-    cfg = parse_config(manifest["model"]["config"], f"{bundle}/manifest.json")
+    opened = open_bundle(bundle, verify=not no_verify)
+    cfg = opened.config
     tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
-    prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: load_vision(bundle, manifest))
-    world, launched = manifest["topology"].get("world_size", 1), ranks.torchrun_rank()
+    prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: load_vision(opened))
+    world, launched = opened.manifest.topology.world_size, ranks.torchrun_rank()
     if world > 1 and launched is None:          # start the ranks here: one process each
         run = ranks.generate_ranks(bundle, prompts, max_new_tokens, num_kv_blocks=num_kv_blocks,
                                    verify=not no_verify, threads=threads, images=embeds)
@@ -76,9 +74,8 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
         if launched is not None:                # under torchrun: this process is one rank
             rank, _ = launched
             ranks.init(rank, world)
-            comm = ranks.Comm(ranks.Topology(*(manifest["topology"][k] for k in ("tp", "ep", "cp"))), rank)
-        session = load(bundle, num_kv_blocks=num_kv_blocks, verify=not no_verify,
-                       rank=comm.rank if comm else 0, comm=comm)
+            comm = ranks.Comm(opened.manifest.topology.topology, rank)
+        session = load(opened, num_kv_blocks=num_kv_blocks, rank=comm.rank if comm else 0, comm=comm)
         if comm is not None and not comm.leader:
             session.serve()
             return

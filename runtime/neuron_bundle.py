@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.bundles import neff
+from deepinfer.bundles.manifest import Executable, Manifest, TensorSpec
 from deepinfer.runtime.neuron import DeviceTensor, NeuronCore, NeuronExecutable
 
 
@@ -29,8 +30,8 @@ class DeviceStack:
     row_bytes: int
 
 
-def _spec(s: dict) -> tuple[str, tuple, torch.dtype]:
-    return s["name"], tuple(s["shape"]), getattr(torch, s["dtype"])
+def _spec(s: TensorSpec) -> tuple[str, tuple, torch.dtype]:
+    return s.name, tuple(s.shape), getattr(torch, s.dtype)
 
 
 class RegionCall:
@@ -48,9 +49,9 @@ class NeuronPlacement:
     """Session placement for trn2: one NeuronCore per process (rank r uses core r unless
     NEURON_RT_VISIBLE_CORES is set by the launcher)."""
 
-    def __init__(self, manifest: dict, bundle: Path, rank: int = 0):
+    def __init__(self, manifest: Manifest, bundle: Path, rank: int = 0):
         self.manifest, self.bundle = manifest, Path(bundle)
-        self.lnc = manifest["topology"].get("lnc", 1)
+        self.lnc = manifest.topology.lnc or 1
         os.environ.setdefault("NEURON_LOGICAL_NC_CONFIG", str(self.lnc))
         self.core = NeuronCore(None if "NEURON_RT_VISIBLE_CORES" in os.environ else rank)
         self.calls: list[RegionCall] = []
@@ -65,12 +66,12 @@ class NeuronPlacement:
             raise IndexError(f"row {index} of a {stack.rows}-row device stack")
         return stack.tensor.slice(index * stack.row_bytes, stack.row_bytes, f"{stack.tensor.name}[{index}]")
 
-    def load(self, entry: dict, path: Path) -> RegionCall:
+    def load(self, entry: Executable, path: Path) -> RegionCall:
         header = neff.read_header(path)
-        neff.check_loadable(header, lnc=self.lnc, path=path, recorded=entry.get("neff"))
-        outputs = [_spec(s) for s in entry["output_specs"]]
-        exe = NeuronExecutable(path, self.core, entry["inputs"], outputs, entry.get("aliases", {}))
-        self.calls.append(RegionCall(exe, len(entry.get("state_outputs", []))))
+        neff.check_loadable(header, lnc=self.lnc, path=path, recorded=entry.neff)
+        outputs = [_spec(s) for s in entry.output_specs or ()]
+        exe = NeuronExecutable(path, self.core, [s.name for s in entry.inputs], outputs, entry.aliases or {})
+        self.calls.append(RegionCall(exe, len(entry.state_outputs or ())))
         return self.calls[-1]
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ import os
 import socket
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -186,7 +187,7 @@ def _rank_main(rank: int, world: int, port: int, bundle: str, prompts, max_new_t
 def _topology(bundle) -> Topology:
     from deepinfer.bundles import manifest as mf
 
-    return Topology(*(mf.read(bundle)["topology"][k] for k in ("tp", "ep", "cp")))
+    return mf.read(Path(bundle)).topology.topology
 
 
 def generate_ranks(bundle, prompts: list[list[int]], max_new_tokens: int, **options) -> dict:

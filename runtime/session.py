@@ -1,7 +1,8 @@
 """A loaded bundle: executables, weight views, state pools; greedy generation.
 
-Loading validates the manifest (format version, digests, target and
-toolchain), memory-maps the weights, loads each executable once and binds
+Opening validates the manifest once (format version, types, cross-references,
+digests, target and toolchain) and parses the model config once; loading
+memory-maps the weights, loads each executable once and binds
 each layer's weights as views into the layer-major stacks. Generation runs
 prompts as decode-shaped chunks padded to the nearest bucket, then one token
 per step, with the same region wiring as the reference (`run_layers`).
@@ -18,9 +19,9 @@ from pathlib import Path
 import torch
 
 from deepinfer.bundles import manifest as mf
+from deepinfer.bundles.layout import MANIFEST_FILE
 from deepinfer.bundles.safetensors import load_mmap
-from deepinfer.bundles.topology import Topology
-from deepinfer.regions.config import parse_config
+from deepinfer.regions.config import V41Config, parse_config
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.generate import Allocator, Generation, Row, bucket_at_least, greedy, make_batch
 from deepinfer.regions.step import DTYPES, Batch, Embedding, LayerPlan, run_layers
@@ -44,28 +45,45 @@ class Stats:
                 for k in sorted(self.seconds, key=lambda k: -self.seconds[k])]
 
 
+@dataclass(frozen=True)
+class Bundle:
+    """A bundle opened for running: its path, its manifest (read and checked once) and its model config
+    (parsed once)."""
+
+    path: Path
+    manifest: mf.Manifest
+    config: V41Config
+
+
+def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
+    """Read and check a bundle's manifest (format version first, types, cross-references), its files
+    (present; digests unless `verify` is off) and that this process can run it; parse its config."""
+    path = Path(path)
+    manifest = mf.read(path)
+    mf.check_files(path, manifest, digests=verify)
+    check_compatible(manifest, path)
+    return Bundle(path, manifest, parse_config(manifest.model.config, str(path / MANIFEST_FILE)))
+
+
 class Session:
-    def __init__(self, bundle: Path, manifest: dict, *, num_kv_blocks: int | None = None, rank: int = 0,
-                 comm=None):
-        self.path, self.manifest = Path(bundle), manifest
-        self.config = parse_config(manifest["model"]["config"], f"{bundle}/manifest.json")
-        self.dtype = DTYPES[manifest["model"]["dtype"]]
-        self.plans = [LayerPlan(layer=l["layer"], attn=l["attn"], ratio=l["ratio"], kv_source=l["kv_source"],
-                                candidate_source=l["candidate_source"], uses_candidates=l["uses_candidates"],
-                                engram_rows=int(l["engram"])) for l in manifest["layers"]]
-        kv = manifest["kv"]
-        self.block_size, self.max_blocks = kv["block_size"], kv["max_blocks"]
-        self.num_blocks, self.num_slots = num_kv_blocks or kv["num_blocks"], kv["slots"]
-        if kv.get("static_pools") and self.num_blocks != kv["num_blocks"]:
-            raise mf.BundleError(f"{bundle}: compiled for exactly {kv['num_blocks']} KV blocks (static shapes); "
+    def __init__(self, bundle: Bundle, *, num_kv_blocks: int | None = None, rank: int = 0, comm=None):
+        m = bundle.manifest
+        self.bundle, self.path, self.manifest, self.config = bundle, bundle.path, m, bundle.config
+        self.dtype = DTYPES[m.model.dtype]
+        self.plans = [LayerPlan(layer=l.layer, attn=l.attn, ratio=l.ratio, kv_source=l.kv_source,
+                                candidate_source=l.candidate_source, uses_candidates=l.uses_candidates,
+                                engram_rows=int(l.engram)) for l in m.layers]
+        kv = m.kv
+        self.block_size, self.max_blocks = kv.block_size, kv.max_blocks
+        self.num_blocks, self.num_slots = num_kv_blocks or kv.num_blocks, kv.slots
+        if kv.static_pools and self.num_blocks != kv.num_blocks:
+            raise mf.BundleError(f"{self.path}: compiled for exactly {kv.num_blocks} KV blocks (static shapes); "
                                  f"cannot run with {self.num_blocks} (change [kv] num_blocks and recompile)")
-        shapes = manifest["buckets"]["shapes"]
-        self.batch_sizes = sorted({s["batch"] for s in shapes})
-        self.token_sizes = sorted({s["tokens"] for s in shapes})
+        self.batch_sizes, self.token_sizes = m.buckets.batch_sizes, m.buckets.token_sizes
         self.rank = torch.tensor(rank, dtype=torch.int64)
-        self.topology = Topology(*(manifest["topology"][k] for k in ("tp", "ep", "cp")))
+        self.topology = m.topology.topology
         self.comm = comm
-        self.placement = placement_for(manifest, self.path, rank)
+        self.placement = placement_for(m, self.path, rank)
         try:
             self._load_executables()
             self._bind_weights(rank)
@@ -73,8 +91,8 @@ class Session:
         except BaseException:
             self.placement.close()          # a refused load must not keep the device
             raise
-        host = manifest["host"]["embed"]
-        embed = load_mmap(self.path / host["path"])[host["tensor"]]
+        host = m.host["embed"]
+        embed = load_mmap(self.path / host.path)[host.tensor]
         self.embed = Embedding(embed, self.config.text.hc_mult, self.dtype)
         self.hasher = EngramHasher(self.config.text) if self.config.text.engram_layer_ids else None
         self.stats = Stats()
@@ -86,37 +104,34 @@ class Session:
 
     def _load_executables(self) -> None:
         self.executables, self.signatures = {}, {}
-        for r in self.manifest["regions"]:
-            key = (r["kind"], r["bucket"]["batch"], r["bucket"]["tokens"])
-            self.executables[key] = self.placement.load(r, self.path / r["artifact"])
-            self.signatures[r["kind"]] = r["inputs"]
+        for e in self.manifest.regions:
+            self.executables[(e.kind, e.bucket.batch, e.bucket.tokens)] = self.placement.load(e, self.path / e.artifact)
+            self.signatures[e.kind] = e.inputs
 
     def _bind_weights(self, rank: int) -> None:
         """(layer, slot) -> (kind, weight views in the executable's input order)."""
-        entries = self.manifest["weights"].get(f"rank-{rank}")
-        if entries is None:
-            raise mf.BundleError(f"{self.path}: no weights for rank {rank}")
-        stacks = {e["kind"]: {name: self.placement.resident(t, f"{e['kind']}.{name}")
-                              for name, t in load_mmap(self.path / e["path"]).items()} for e in entries}
+        try:
+            entries = self.manifest.rank_weights(rank)
+        except mf.BundleError as e:
+            raise mf.BundleError(f"{self.path}: {e}") from None
+        stacks = {e.kind: {name: self.placement.resident(t, f"{e.kind}.{name}")
+                           for name, t in load_mmap(self.path / e.path).items()} for e in entries}
         self.bound = {}
-        places = [(l["layer"], slot, b) for l in self.manifest["layers"] for slot, b in l["regions"].items()]
-        places.append((-1, "head", self.manifest["head"]))
-        for layer, slot, b in places:
-            kind, index = b["kind"], b["index"]
-            views = [self.rank if s["role"] == "rank" else self.placement.view(stacks[kind][s["name"]], index)
-                     for s in self.signatures[kind] if s["role"] in ("weight", "rank")]
-            self.bound[(layer, slot)] = (kind, views)
+        for layer, slot, b in self.manifest.bindings():
+            views = [self.rank if s.role == "rank" else self.placement.view(stacks[b.kind][s.name], b.index)
+                     for s in self.signatures[b.kind] if s.role in ("weight", "rank")]
+            self.bound[(layer, slot)] = (b.kind, views)
 
     def _allocate_pools(self) -> None:
         self.pools, self.states = {}, defaultdict(dict)
-        for name, pool in self.manifest["kv"]["pools"].items():
-            size = self.num_blocks if pool["dim"] == "blocks" else self.num_slots
+        for name, pool in self.manifest.kv.pools.items():
+            size = self.num_blocks if pool.dim == "blocks" else self.num_slots
             self.pools[name] = self.placement.resident(
-                torch.zeros((len(pool["layers"]), size, *pool["entry_shape"]), dtype=getattr(torch, pool["dtype"])),
+                torch.zeros((len(pool.layers), size, *pool.entry_shape), dtype=getattr(torch, pool.dtype)),
                 f"pool.{name}")
-        for l in self.manifest["layers"]:
-            for state, (pool, index) in l["state"].items():
-                self.states[l["layer"]][state] = self.placement.view(self.pools[pool], index)
+        for l in self.manifest.layers:
+            for state, (pool, index) in l.state.items():
+                self.states[l.layer][state] = self.placement.view(self.pools[pool], index)
 
     def close(self) -> None:
         """Release the executables and device memory (a no-op for host bundles)."""
@@ -125,7 +140,7 @@ class Session:
     @functools.cached_property
     def vision(self):
         """The host-resident vision tower (host/vision.safetensors), loaded on first use."""
-        return load_vision(self.path, self.manifest)
+        return load_vision(self.bundle)
 
     # -- running ------------------------------------------------------------------------------
 
@@ -208,32 +223,29 @@ class Session:
                 self.comm.step(None)
 
 
-def load_vision(bundle: Path, manifest: dict):
+def load_vision(bundle: Bundle):
     """A bundle's host-resident vision tower and aligner (regions.vision, imported only here)."""
     from deepinfer.regions.vision import VisionTower, tensor_getter
 
-    host = manifest["host"].get("vision")
+    host = bundle.manifest.host.get("vision")
     if host is None:
-        raise mf.BundleError(f"{bundle}: the bundle has no vision tower (its checkpoint's "
+        raise mf.BundleError(f"{bundle.path}: the bundle has no vision tower (its checkpoint's "
                              "vision_config.num_hidden_layers is 0); it cannot take images")
-    config = parse_config(manifest["model"]["config"], f"{bundle}/manifest.json")
-    tensors = load_mmap(Path(bundle) / host["path"])
-    return VisionTower(config, tensor_getter(tensors, str(Path(bundle) / host["path"])),
-                       DTYPES[manifest["model"]["dtype"]], f"{bundle}/manifest.json")
+    path = bundle.path / host.path
+    return VisionTower(bundle.config, tensor_getter(load_mmap(path), str(path)), DTYPES[bundle.manifest.model.dtype],
+                       str(bundle.path / MANIFEST_FILE))
 
 
-def load(path: str | Path, *, num_kv_blocks: int | None = None, verify: bool = True, rank: int = 0,
+def load(bundle: Bundle | str | Path, *, num_kv_blocks: int | None = None, verify: bool = True, rank: int = 0,
          comm=None) -> Session:
-    """Open a bundle: validate (format version first, files, digests, target, toolchain), then load
-    it as `rank` (with `comm`, a runtime.ranks.Comm, when the bundle has several ranks)."""
-    path = Path(path)
-    manifest = mf.read(path)
-    mf.validate(path, manifest, digests=verify)
-    check_compatible(manifest, path)
-    world = manifest["topology"].get("world_size", 1)
+    """Open a bundle (see `open_bundle`; an opened `Bundle` is not read again), then load it as `rank`
+    (with `comm`, a runtime.ranks.Comm, when the bundle has several ranks)."""
+    if not isinstance(bundle, Bundle):
+        bundle = open_bundle(bundle, verify=verify)
+    world = bundle.manifest.topology.world_size
     if not 0 <= rank < world:
-        raise mf.BundleError(f"{path}: rank {rank} is outside the bundle's world size {world}")
+        raise mf.BundleError(f"{bundle.path}: rank {rank} is outside the bundle's world size {world}")
     if world > 1 and comm is None:
-        raise mf.BundleError(f"{path}: a {world}-rank bundle; run it with deepinfer-run (which starts "
+        raise mf.BundleError(f"{bundle.path}: a {world}-rank bundle; run it with deepinfer-run (which starts "
                              "the ranks) or under torchrun")
-    return Session(path, manifest, num_kv_blocks=num_kv_blocks, rank=rank, comm=comm)
+    return Session(bundle, num_kv_blocks=num_kv_blocks, rank=rank, comm=comm)

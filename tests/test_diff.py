@@ -31,23 +31,22 @@ class Scaled(torch.nn.Module):
         return tuple(out)
 
 
-def _example(spec: dict) -> torch.Tensor:
-    dtype = getattr(torch, spec["dtype"])
-    return torch.randn(spec["shape"]).to(dtype) if dtype.is_floating_point else torch.zeros(spec["shape"], dtype=dtype)
+def _example(spec) -> torch.Tensor:
+    dtype = getattr(torch, spec.dtype)
+    return torch.randn(spec.shape).to(dtype) if dtype.is_floating_point else torch.zeros(spec.shape, dtype=dtype)
 
 
 def break_kind(bundle, kind: str, factor: float = 1.01) -> None:
     """Re-export every executable of `kind` with its `h` output scaled; digests updated (a valid bundle)."""
     m = mf.read(bundle)
-    for r in m["regions"]:
-        if r["kind"] != kind:
+    for r in m.regions:
+        if r.kind != kind:
             continue
-        path = bundle / r["artifact"]
+        path = bundle / r.artifact
         inner = torch.export.load(str(path)).module(check_guards=False)
-        ep = torch.export.export(Scaled(inner, factor), tuple(_example(s) for s in r["inputs"]), strict=False)
+        ep = torch.export.export(Scaled(inner, factor), tuple(_example(s) for s in r.inputs), strict=False)
         torch.export.save(ep, str(path))
-        m["files"][r["artifact"]] = r["digest"] = mf.sha256_file(path)
-    (bundle / "manifest.json").write_text(mf.dumps(m))
+    mf.write(bundle, mf.stamp(bundle, m))
 
 
 @pytest.fixture
@@ -72,10 +71,10 @@ def test_every_kind_agrees(bundle_copy):
     report = diff_bundle(bundle_copy, PROMPTS, max_new_tokens=2)
     m = mf.read(bundle_copy)
     kinds = report.kinds()
-    assert {e.kind for e in kinds} == {r["kind"] for r in m["regions"]}        # every kind was called
+    assert {e.kind for e in kinds} == {r.kind for r in m.regions}              # every kind was called
     calls = {e.kind: e.calls for e in kinds}
     assert calls["head"] == 3                     # the prompt in two 2-token chunks, then one decode step
-    assert calls["moe"] == len(m["layers"]) * calls["head"]
+    assert calls["moe"] == len(m.layers) * calls["head"]
     assert not report.failing(), "\n".join(table_lines(report))
     assert all(e.score <= TOLERANCE["fp32"] for e in report.layers)
 
@@ -99,7 +98,7 @@ def test_state_write_is_checked(exported_bundle):
     """An executable that writes its window state wrongly (outputs right) is found by its state."""
     session = load(exported_bundle, verify=False)
     kind = "attn_window"
-    win = [s["name"] for s in session.signatures[kind]].index("win")
+    win = [s.name for s in session.signatures[kind]].index("win")
     for key, exe in list(session.executables.items()):
         if key[0] == kind:
             def wrong(args, exe=exe):

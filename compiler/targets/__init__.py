@@ -1,16 +1,63 @@
 """Targets: how a traced region becomes an executable, and which runtime backend runs it.
 
-A target implements: `toolchain()` (versions for cache keys and the manifest),
-`lower(ep)` (target-specific decompositions of the traced program), and
-`emit(ep, input names, output names, out)` (write what a compile job reads; returns extra manifest
-fields), `compile(lowered, out, log=, name=)` (produce the executable file; may
-run in a worker process). `EXECUTABLES` lists the executable kinds it can build;
-`static_shapes` says whether pools are traced at their compiled sizes.
+Every target implements `Target`; the pipeline, the budget and the cache keys ask
+it, never its name. `TARGETS` is the registry (its keys are model.toml's
+`[target] name` choices).
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+import torch
 
 from deepinfer.compiler.targets.cpu import CpuTarget
 from deepinfer.compiler.targets.trn2 import Trn2Target
 
-TARGETS = {"cpu": CpuTarget, "trn2": Trn2Target}
 
-__all__ = ["TARGETS"]
+class Target(Protocol):
+    name: ClassVar[str]
+    EXECUTABLES: ClassVar[tuple[str, ...]]      # the executable kinds it builds (the first is the default)
+    LOWERING_MODULES: ClassVar[tuple[str, ...]]  # the modules whose source shapes its executables
+    LOG_OPTIONS: ClassVar[tuple[str, ...]]      # options that only change logs or checks (never keyed)
+    suffix: ClassVar[str]                       # the executable's file suffix
+    lowered_suffix: ClassVar[str]               # what a compile job reads (and an HLO-stage bundle holds)
+    static_shapes: ClassVar[bool]               # pools traced at their compiled sizes, state returned
+    state_writes: ClassVar[str]                 # how executables write state (recorded in the manifest)
+    executable: str
+    options: dict
+    lnc: int | None                             # logical NeuronCore size (trn2), recorded with the topology
+    check: bool                                 # run the lowered graph against its reference region
+
+    @staticmethod
+    def check_options(options: dict) -> str | None:
+        """A message for the first bad [target] option, else None."""
+
+    def keyed_options(self) -> dict: ...
+
+    def toolchain(self) -> dict[str, str]:
+        """Versions that change what is built (cache keys, the manifest)."""
+
+    def device_memory(self) -> tuple[int | None, str]:
+        """(bytes of device memory per rank, where the number comes from); None: no limit."""
+
+    def lower(self, ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram: ...
+
+    def emit(self, ep: torch.export.ExportedProgram, names: list[str], outputs: list[str], out: Path) -> dict:
+        """Write what a compile job reads; returns extra manifest fields of the executable."""
+
+    def check_numerics(self, lowered: Path, region, method: str, args: list, n_weights: int, names: list[str],
+                       state_outputs: list[str], where: str) -> dict: ...
+
+    def require_compiler(self) -> None: ...
+
+    def describe(self, executable: Path) -> dict:
+        """Facts of a built executable for its manifest entry."""
+
+    def compile(self, lowered: Path, out: Path, *, log: Path | None = None, name: str = "") -> None: ...
+
+
+TARGETS: dict[str, type[Target]] = {"cpu": CpuTarget, "trn2": Trn2Target}
+
+__all__ = ["TARGETS", "Target"]

@@ -27,11 +27,14 @@ class CpuTarget:
     state_writes = "in-place"
     LOWERING_MODULES = ("deepinfer.compiler.targets.cpu",)
     # options are Inductor config settings (aoti); these only write logs or dumps, so cache
-    # keys leave them out (bundles/keys.py). Every other option is keyed.
+    # keys leave them out (compiler/keys.py). Every other option is keyed.
     LOG_OPTIONS = ("trace.enabled", "trace.debug_dir", "trace.debug_log", "trace.info_log", "trace.fx_graph",
                    "trace.fx_graph_transformed", "trace.ir_pre_fusion", "trace.ir_post_fusion",
                    "trace.output_code", "trace.graph_diagram", "trace.log_autotuning_results",
                    "trace.compile_profile", "verbose_progress")
+
+    lnc = None
+    check = False                       # AOTInductor compiles the traced graph itself: nothing to check
 
     def __init__(self, executable: str = "aoti", options: dict | None = None):
         self.executable = executable
@@ -53,6 +56,12 @@ class CpuTarget:
         if self.executable == "aoti":
             versions["cxx"] = _cxx_version()
         return versions
+
+    def device_memory(self) -> tuple[int | None, str]:
+        return None, "cpu: host memory, no limit unless [memory] limit_gib is set"
+
+    def check_numerics(self, *args, **kwargs) -> dict:
+        raise NotImplementedError("the cpu target has no lowering to check")
 
     def lower(self, ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
         return ep.run_decompositions(reference_decompositions())

@@ -32,6 +32,7 @@ from deepinfer.errors import DeepinferError
 from deepinfer.kernels import target_decompositions
 
 OWN_OPTIONS = {"frontend": hlo.FRONTENDS, "check": (True, False)}
+HBM_PER_CORE = 96 * (1 << 30) // 8        # per physical NeuronCore-v3
 # tolerance of the XLA:CPU check per activation dtype: |hlo - ref| <= atol + rtol * max|ref|
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -76,6 +77,12 @@ class Trn2Target:
     @property
     def lnc(self) -> int:
         return self.compile_options.lnc
+
+    def device_memory(self) -> tuple[int | None, str]:
+        """HBM per logical NeuronCore: a Trainium2 device has 96 GiB of HBM in 4 stacks for 8
+        NeuronCore-v3 (AWS Neuron "Trainium2 Architecture Guide for NKI"), 12 GiB each; a logical
+        core of LNC=2 combines two physical cores and their memory ("Logical NeuronCore configuration")."""
+        return HBM_PER_CORE * self.lnc, f"trn2 HBM: 12 GiB per NeuronCore x LNC {self.lnc}"
 
     def keyed_options(self) -> dict:
         return {k: v for k, v in self.options.items() if k not in self.LOG_OPTIONS}

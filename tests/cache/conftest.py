@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.bundles.cache import Cache
+from deepinfer.compiler.cache import Cache
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.pipeline import compile_bundle
 

@@ -13,11 +13,11 @@ import time
 import pytest
 from click.testing import CliRunner
 
-import deepinfer.bundles.keys as keys
+import deepinfer.compiler.keys as keys
 import deepinfer.compiler.cached as cached
 import deepinfer.compiler.pipeline as pipeline
 from deepinfer.bundles import manifest as mf
-from deepinfer.bundles.cache import Cache
+from deepinfer.compiler.cache import Cache
 from deepinfer.compiler.cli import main as compile_cli
 from deepinfer.compiler.config import load_compile_config
 
@@ -45,7 +45,7 @@ def test_warm_compile_builds_nothing(filled, cache_copy, small_toml, tmp_path):
     assert kinds.count("executable") == kinds.count("trace") == EXECUTABLES
     assert kinds.count("weights") == 8 and kinds.count("host") == 2          # embedding and vision tower
     assert manifest(bundle) == manifest(cold)
-    mf.validate(bundle, mf.read(bundle))
+    mf.check_files(bundle, mf.read(bundle))
 
 
 def test_tampered_entries_are_detected_and_replaced(filled, cache_copy, small_toml, tmp_path):
@@ -62,7 +62,7 @@ def test_tampered_entries_are_detected_and_replaced(filled, cache_copy, small_to
     assert sorted(k for k, _ in cache.stats["corrupt"]) == ["executable", "weights"]
     assert cache.stats["compiled"] == [damaged["executable"]]
     assert without_executable_digests(manifest(bundle)) == without_executable_digests(manifest(cold))
-    mf.validate(bundle, mf.read(bundle))
+    mf.check_files(bundle, mf.read(bundle))
     assert Cache(cache_copy).verify() == []                                   # replaced by good entries
 
 
@@ -137,7 +137,7 @@ def test_two_compiles_at_once_build_each_executable_once(small_toml, tmp_path):
     assert len(both) == len(set(both)) == EXECUTABLES                         # each once, between them
     assert manifest(tmp_path / "b0") == manifest(tmp_path / "b1")             # identical bundles
     for i in range(2):
-        mf.validate(tmp_path / f"b{i}", mf.read(tmp_path / f"b{i}"))
+        mf.check_files(tmp_path / f"b{i}", mf.read(tmp_path / f"b{i}"))
     assert Cache(tmp_path / "cache").verify() == []
 
 
@@ -155,5 +155,5 @@ def test_killed_compiles_never_leave_an_accepted_bad_entry(filled, small_toml, t
         assert Cache(cache_dir).verify() == []                                # every entry present is whole
     bundle, cache = compile_cached(small_toml, tmp_path / "final", cache_dir)
     assert cache.stats["corrupt"] == []
-    mf.validate(bundle, mf.read(bundle))
+    mf.check_files(bundle, mf.read(bundle))
     assert without_executable_digests(manifest(bundle)) == without_executable_digests(manifest(cold))

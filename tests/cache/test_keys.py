@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import deepinfer.compiler.cached as cached
-from deepinfer.bundles import keys
-from deepinfer.bundles.keys import KEYED_OPTIONS, UNKEYED_OPTIONS, Key
+from deepinfer.compiler import keys
+from deepinfer.compiler.keys import KEYED_OPTIONS, UNKEYED_OPTIONS, Key
 from deepinfer.compiler.config import SECTIONS, load_compile_config
-from deepinfer.compiler.pipeline import Build, cache_key, parse_config, plan
+from deepinfer.compiler.pipeline import Spec, cache_key, parse, plan
 from deepinfer.compiler.targets import TARGETS
 from deepinfer.compiler.targets.cpu import CpuTarget
 from deepinfer.compiler.trace import trace
@@ -27,11 +27,24 @@ from .conftest import write_toml
 QUIET = dict(log=lambda msg: None)
 
 
+@dataclasses.dataclass
+class Build:
+    """A parsed and planned model.toml, as the keys take it; `replace` swaps parts of the spec."""
+
+    spec: Spec
+    plan: object
+
+    def replace(self, **changes) -> None:
+        self.spec = dataclasses.replace(self.spec, **changes)
+
+    @property
+    def target(self):
+        return self.spec.target
+
+
 def build(toml: Path) -> Build:
-    b = Build(load_compile_config(toml), Path(), Path(), **QUIET)
-    parse_config(b)
-    plan(b)
-    return b
+    spec = parse(load_compile_config(toml), False, QUIET["log"])
+    return Build(spec, plan(spec, QUIET["log"]))
 
 
 def test_parts_are_hashed_unambiguously():
@@ -45,17 +58,17 @@ def test_parts_are_hashed_unambiguously():
 KEYS_SCRIPT = """
 import json, sys
 from pathlib import Path
-from deepinfer.bundles.keys import graph_digest, kernels_reached
+from deepinfer.compiler.keys import graph_digest, kernels_reached
 from deepinfer.compiler import cached
 from deepinfer.compiler.config import load_compile_config
-from deepinfer.compiler.pipeline import Build, cache_key, parse_config, plan
+from deepinfer.compiler.pipeline import cache_key, parse, plan
 from deepinfer.compiler.trace import trace
 cfg = load_compile_config(sys.argv[1])
-b = Build(cfg, Path(), Path(), log=lambda m: None)
-parse_config(b); plan(b)
-ep, _, _ = trace(b.plan.kinds["head"].region, 1, 1, b.geometry)
+spec = parse(cfg, False, lambda m: None)
+p = plan(spec, lambda m: None)
+ep, _, _ = trace(p.kinds["head"].region, 1, 1, spec.geometry)
 kernels = kernels_reached(ep)
-exe = cached.executable_key(b, "head", "decode", 1, 1, graph_digest(b.target.lower(ep)), kernels)
+exe = cached.executable_key(spec, p, "head", "decode", 1, 1, graph_digest(spec.target.lower(ep)), kernels)
 print(json.dumps({"bundle": cache_key(cfg, log=lambda m: None).digest, "executable": exe.digest,
                   "kernels": kernels}))
 """
@@ -82,8 +95,14 @@ def changed_part(base: Key, other: Key) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def b(small_toml):
+def planned(small_toml):
     return build(small_toml)
+
+
+@pytest.fixture
+def b(planned):
+    """The planned small model; a test's changes to it stay in that test."""
+    return Build(planned.spec, planned.plan)
 
 
 EXE = dict(kind="head", method="decode", batch=1, tokens=1, graph="g" * 64, kernels=["rmsnorm"])
@@ -102,20 +121,20 @@ EXE_VARIANTS = {
 
 @pytest.mark.parametrize("part", list(EXE_VARIANTS))
 def test_each_executable_key_part_changes_the_key(b, monkeypatch, part):
-    base = cached.executable_key(b, **EXE)
+    base = cached.executable_key(b.spec, b.plan, **EXE)
     assert [n for n, _ in base.parts] == list(EXE_VARIANTS)            # every part has a variant here
     kw = dict(EXE)
     EXE_VARIANTS[part](b, monkeypatch, kw)
-    assert changed_part(base, cached.executable_key(b, **kw)) == [part]
+    assert changed_part(base, cached.executable_key(b.spec, b.plan, **kw)) == [part]
 
 
 TRACE_VARIANTS = {
     "format": lambda b, mp, kw: mp.setattr(cached, "format_part", lambda: {"bundle_format": 99, "cache": 1}),
     "region": lambda b, mp, kw: kw.update(method="prefill"),
     "bucket": None,                                   # the signature changes with it: tested below
-    "geometry": lambda b, mp, kw: mp.setattr(b, "geometry", dataclasses.replace(b.geometry, blocks=99)),
-    "model": lambda b, mp, kw: mp.setattr(type(b.model), "digest", lambda self: "other"),
-    "topology": lambda b, mp, kw: mp.setattr(b, "topology", Topology(cp=2)),
+    "geometry": lambda b, mp, kw: b.replace(geometry=dataclasses.replace(b.spec.geometry, blocks=99)),
+    "model": lambda b, mp, kw: mp.setattr(type(b.spec.model), "digest", lambda self: "other"),
+    "topology": lambda b, mp, kw: b.replace(topology=Topology(cp=2)),
     "signature": lambda b, mp, kw: mp.setattr(b.plan.kinds["head"].region, "input_specs",
                                               lambda *a: []),
     "target": lambda b, mp, kw: mp.setattr(b.target, "options", {"cpp.simdlen": 8}),
@@ -126,16 +145,16 @@ TRACE_VARIANTS = {
 
 @pytest.mark.parametrize("part", [p for p, v in TRACE_VARIANTS.items() if v])
 def test_each_trace_key_part_changes_the_key(b, monkeypatch, part):
-    base = cached.trace_key(b, "head", "decode", 1, 1)
+    base = cached.trace_key(b.spec, b.plan, "head", "decode", 1, 1)
     assert [n for n, _ in base.parts] == list(TRACE_VARIANTS)
     kw = dict(kind="head", method="decode", batch=1, tokens=1)
     TRACE_VARIANTS[part](b, monkeypatch, kw)
-    assert changed_part(base, cached.trace_key(b, **kw)) == [part]
+    assert changed_part(base, cached.trace_key(b.spec, b.plan, **kw)) == [part]
 
 
 def test_trace_key_bucket(b):
-    base = cached.trace_key(b, "head", "decode", 1, 1)
-    assert changed_part(base, cached.trace_key(b, "head", "decode", 1, 2)) == ["bucket", "signature"]
+    base = cached.trace_key(b.spec, b.plan, "head", "decode", 1, 1)
+    assert changed_part(base, cached.trace_key(b.spec, b.plan, "head", "decode", 1, 2)) == ["bucket", "signature"]
 
 
 WEIGHT_VARIANTS = {
@@ -143,19 +162,19 @@ WEIGHT_VARIANTS = {
     "kind": None,                                     # another kind has other specs: tested below
     "layout": lambda b, mp: mp.setattr(b.plan.kinds["moe"], "layers", b.plan.kinds["moe"].layers[:-1]),
     "tensors": lambda b, mp: mp.setattr(cached, "tensor_digests", lambda ckpt, names, memo: {n: "x" for n in names}),
-    "recipe": lambda b, mp: mp.setattr(b, "config", dataclasses.replace(
-        b.config, quant=dataclasses.replace(b.config.quant, recipe="x"))),
+    "recipe": lambda b, mp: b.replace(config=dataclasses.replace(
+        b.spec.config, quant=dataclasses.replace(b.spec.config.quant, recipe="x"))),
     "sources": lambda b, mp: mp.setattr(cached, "modules_digest", lambda names: {n: "x" for n in names}),
 }
 
 
 @pytest.mark.parametrize("part", [p for p, v in WEIGHT_VARIANTS.items() if v])
 def test_each_weights_key_part_changes_the_key(b, monkeypatch, part):
-    ckpt = Checkpoint(b.config.model.checkpoint)
-    base = cached.weights_key(b, ckpt, "moe", b.plan.kinds["moe"])
+    ckpt = Checkpoint(b.spec.config.model.checkpoint)
+    base = cached.weights_key(b.spec, ckpt, "moe", b.plan.kinds["moe"])
     assert [n for n, _ in base.parts] == list(WEIGHT_VARIANTS)
     WEIGHT_VARIANTS[part](b, monkeypatch)
-    assert part in changed_part(base, cached.weights_key(b, ckpt, "moe", b.plan.kinds["moe"]))
+    assert part in changed_part(base, cached.weights_key(b.spec, ckpt, "moe", b.plan.kinds["moe"]))
 
 
 # --- what the key sees: two explicit lists ---
@@ -182,8 +201,10 @@ def test_unkeyed_options_do_not_change_the_key(small_toml, tmp_path, b):
     moved = write_toml(tmp_path / "elsewhere", ckpt, options=logs, extra='\n[cache]\ndir = "somewhere"\n')
     assert bundle_key(moved).digest == base.digest
     logged = build(moved)
-    assert cached.trace_key(logged, "head", "decode", 1, 1).digest == cached.trace_key(b, "head", "decode", 1, 1).digest
-    assert cached.executable_key(logged, **EXE).digest == cached.executable_key(b, **EXE).digest
+    assert cached.trace_key(logged.spec, logged.plan, "head", "decode", 1, 1).digest == \
+        cached.trace_key(b.spec, b.plan, "head", "decode", 1, 1).digest
+    assert cached.executable_key(logged.spec, logged.plan, **EXE).digest == \
+        cached.executable_key(b.spec, b.plan, **EXE).digest
 
 
 KEYED_EDITS = {
@@ -255,13 +276,14 @@ def test_kernel_source_closure_follows_helpers_only():
 
 
 def test_a_kernel_change_reaches_only_graphs_calling_it(b, monkeypatch):
-    from deepinfer.bundles.keys import kernels_reached
+    from deepinfer.compiler.keys import kernels_reached
 
-    reached = {k: kernels_reached(trace(b.plan.kinds[k].region, 1, 1, b.geometry)[0]) for k in ("head", "attn_source_r2")}
+    reached = {k: kernels_reached(trace(b.plan.kinds[k].region, 1, 1, b.spec.geometry)[0])
+               for k in ("head", "attn_source_r2")}
     assert "compress_pool" in reached["attn_source_r2"] and "compress_pool" not in reached["head"]
-    before = {k: cached.executable_key(b, k, "decode", 1, 1, "g", ks).digest for k, ks in reached.items()}
+    before = {k: cached.executable_key(b.spec, b.plan, k, "decode", 1, 1, "g", ks).digest for k, ks in reached.items()}
     closure = keys.source_closure
     monkeypatch.setattr(keys, "source_closure",
                         lambda fn: closure(fn) + (b"# changed" if fn.__name__ == "compress_pool_ref" else b""))
-    after = {k: cached.executable_key(b, k, "decode", 1, 1, "g", ks).digest for k, ks in reached.items()}
+    after = {k: cached.executable_key(b.spec, b.plan, k, "decode", 1, 1, "g", ks).digest for k, ks in reached.items()}
     assert after["head"] == before["head"] and after["attn_source_r2"] != before["attn_source_r2"]

@@ -9,8 +9,8 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from deepinfer.bundles.cache import Cache, Lock, default_dir, resolve_dir
-from deepinfer.bundles.keys import Key
+from deepinfer.compiler.cache import Cache, Lock, default_dir, resolve_dir
+from deepinfer.compiler.keys import Key
 from deepinfer.cli import main as deepinfer
 
 

@@ -10,10 +10,12 @@ import torch
 from deepinfer.bundles import manifest as mf
 from deepinfer.compiler import budget
 from deepinfer.compiler.config import load_compile_config
-from deepinfer.compiler.pipeline import Build, compile_bundle, parse_config, plan
+from deepinfer.compiler.pipeline import Traced, compile_bundle, parse, plan
 from deepinfer.errors import ConfigError
 
 from ..conftest import write_model_toml
+
+QUIET = lambda msg: None  # noqa: E731
 
 
 def test_scratch_is_the_peak_of_live_intermediates():
@@ -33,17 +35,17 @@ def test_breakdown_adds_up(exported_bundle):
     from deepinfer.runtime import load
 
     m = mf.read(exported_bundle)
-    mem = m["memory"]["rank-0"]
-    for entry in m["weights"]["rank-0"]:
-        path = exported_bundle / entry["path"]
+    mem = m.memory["rank-0"]
+    for entry in m.weights["rank-0"]:
+        path = exported_bundle / entry.path
         header = struct.unpack("<Q", path.read_bytes()[:8])[0]
-        assert mem["weights_by_kind"][entry["kind"]] == path.stat().st_size - 8 - header, entry["kind"]
+        assert mem["weights_by_kind"][entry.kind] == path.stat().st_size - 8 - header, entry.kind
     assert mem["weights"] == sum(mem["weights_by_kind"].values())
     session = load(exported_bundle, verify=False)
     allocated = {name: p.numel() * p.element_size() for name, p in session.pools.items()}
     assert mem["pools_by_name"] == allocated and mem["pools"] == sum(allocated.values())
-    assert mem["executables"] == sum((exported_bundle / r["artifact"]).stat().st_size for r in m["regions"])
-    assert mem["scratch"] == max(r["scratch_bytes"] for r in m["regions"]) > 0
+    assert mem["executables"] == sum((exported_bundle / r.artifact).stat().st_size for r in m.regions)
+    assert mem["scratch"] == max(r.scratch_bytes for r in m.regions) > 0
     assert mem["total"] == mem["weights"] + mem["pools"] + mem["executables"] + mem["scratch"]
     assert mem["limit"] is None                 # cpu: no device limit by default
 
@@ -63,11 +65,9 @@ def test_trn2_pools_over_hbm_refused_before_tracing(tmp_path, tiny_ckpt, monkeyp
 
 
 def test_trn2_lnc2_core_has_24_gib(tmp_path, tiny_ckpt):
-    b = Build(load_compile_config(write_model_toml(tmp_path, tiny_ckpt, target="trn2", options="{ lnc = 2 }")),
-              tmp_path / "out", tmp_path, log=lambda msg: None)
-    parse_config(b)
-    plan(b)
-    assert budget.breakdown(b).limit == 24 * budget.GiB
+    spec = parse(load_compile_config(write_model_toml(tmp_path, tiny_ckpt, target="trn2", options="{ lnc = 2 }")),
+                 False, QUIET)
+    assert budget.breakdown(spec, plan(spec, QUIET)).limit == 24 * budget.GiB
 
 
 def test_limit_gib_refuses_the_tiny_model(tmp_path, tiny_ckpt):
@@ -81,14 +81,13 @@ def test_limit_gib_refuses_the_tiny_model(tmp_path, tiny_ckpt):
 def test_scratch_is_checked_after_tracing(tmp_path, tiny_ckpt):
     """Weights and pools fit; the traced graphs' scratch does not."""
     toml = write_model_toml(tmp_path, tiny_ckpt, extra="\n[memory]\nlimit_gib = 0.01\nreserve_gib = 0.005\n")
-    b = Build(load_compile_config(toml), tmp_path / "out", tmp_path, log=lambda msg: None)
-    parse_config(b)
-    plan(b)
-    budget.check_planned(b)                                   # ~4 MiB of 5.12 MiB usable
-    b.executables = [{"kind": "moe", "method": "decode", "bucket": {"batch": 1, "tokens": 1},
-                      "artifact": "regions/none.pt2", "scratch_bytes": 2 << 20}]
+    spec = parse(load_compile_config(toml), False, QUIET)
+    planned = plan(spec, QUIET)
+    budget.check_planned(spec, planned, QUIET)                # ~4 MiB of 5.12 MiB usable
+    moe = mf.Executable(kind="moe", method="decode", bucket=mf.Shape(batch=1, tokens=1), artifact="regions/none.pt2",
+                        executable="exported", inputs=(), outputs=(), scratch_bytes=2 << 20)
     with pytest.raises(ConfigError, match="with the traced graphs' scratch") as e:
-        budget.check_traced(b)
+        budget.check_traced(spec, planned, Traced((moe,), ()), QUIET)
     assert "(largest graph: moe.decode.b1t1)" in str(e.value)
 
 

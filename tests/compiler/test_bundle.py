@@ -43,19 +43,20 @@ def test_format_version_is_the_first_key(exported_bundle):
     text = manifest_text(exported_bundle)
     assert re.match(r'\{\s*"format_version": 1,', text), text[:40]
     assert next(iter(json.loads(text))) == "format_version"
-    assert mf.read(exported_bundle)["format_version"] == mf.FORMAT_VERSION in mf.SUPPORTED_VERSIONS
+    assert mf.read(exported_bundle).format_version == mf.FORMAT_VERSION in mf.SUPPORTED_VERSIONS
 
 
 def test_manifest_round_trip(exported_bundle, bundle_copy):
     m = mf.read(exported_bundle)
     assert mf.dumps(m) == manifest_text(exported_bundle)            # the file is what dumps writes
-    assert json.loads(mf.dumps(m)) == m
-    # dumps puts format_version first whatever the dict's order
-    moved = {k: v for k, v in m.items() if k != "format_version"} | {"format_version": m["format_version"]}
-    (bundle_copy / layout.MANIFEST_FILE).write_text(mf.dumps(moved))
-    assert next(iter(json.loads(manifest_text(bundle_copy)))) == "format_version"
+    assert mf.parse(json.loads(mf.dumps(m)), "round trip") == m
+    # a reader takes format_version wherever it stands; dumps puts it first
+    data = mf.to_json(m)
+    moved = {k: v for k, v in data.items() if k != "format_version"} | {"format_version": data["format_version"]}
+    (bundle_copy / layout.MANIFEST_FILE).write_text(json.dumps(moved))
     assert mf.read(bundle_copy) == m
-    mf.validate(bundle_copy, mf.read(bundle_copy))
+    assert next(iter(json.loads(mf.dumps(mf.read(bundle_copy))))) == "format_version"
+    mf.check_files(bundle_copy, mf.read(bundle_copy))
 
 
 @pytest.mark.parametrize("version", [mf.FORMAT_VERSION + 1, 0, "1", None], ids=["newer", "zero", "string", "null"])
@@ -79,6 +80,48 @@ def test_missing_required_key(bundle_copy):
     assert bundle_error(mf.read, bundle_copy).endswith("manifest lacks layers")
 
 
+def _set(path: list, value):
+    """An edit that sets data[path...] = value."""
+    def edit(data):
+        node = data
+        for part in path[:-1]:
+            node = node[part]
+        node[path[-1]] = value
+    return edit
+
+
+# (what is damaged, the edit, what the one-line error must say)
+DAMAGE = {
+    "type": (_set(["kv", "block_size"], "16"), "kv.block_size: expected int, got '16'"),
+    "nested type": (_set(["regions", 3, "bucket", "batch"], 1.5), "regions[3].bucket.batch: expected int"),
+    "literal": (_set(["kv", "pools", "win", "dim"], "rows"), "kv.pools.win.dim: expected one of 'blocks', 'slots'"),
+    "unknown key": (_set(["kv", "colour"], "red"), "kv.colour: unknown key 'colour'"),
+    "binding to no executable": (_set(["layers", 2, "regions", "attn", "kind"], "attn_nothing"),
+                                 "layers[2].regions.attn.kind: no executable of kind 'attn_nothing'"),
+    "binding past the stack": (_set(["layers", 5, "regions", "moe", "index"], 6),
+                               "layers[5].regions.moe.index: row 6 of rank-0's moe stacks (6 rows)"),
+    "state past the pool": (_set(["layers", 0, "state", "win"], ["win", 9]),
+                            "layers[0].state.win: row 9 of pool 'win'"),
+    "state in no pool": (_set(["layers", 0, "state", "win"], ["nowhere", 0]), "unknown pool 'nowhere'"),
+    "topology": (_set(["topology", "world_size"], 2), "topology: world_size 2, groups 1, dispatch False do not follow"),
+    "ranks": (lambda data: data["weights"].update({"rank-1": data["weights"]["rank-0"]}),
+              "weights: expected weights for rank-0, got rank-0, rank-1"),
+    "duplicate executable": (lambda data: data["regions"].append(data["regions"][0]),
+                             "is listed twice"),
+    "artifact outside": (_set(["regions", 0, "artifact"], "../x.pt2"), "regions[0].artifact: path '../x.pt2' is not"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_manifest_is_one_line_naming_the_key(bundle_copy, damage):
+    """read() checks types and cross-references once, before anything is loaded."""
+    edit, message = DAMAGE[damage]
+    edit_manifest(bundle_copy, edit)
+    error = bundle_error(mf.read, bundle_copy)
+    assert error.startswith(f"{bundle_copy / layout.MANIFEST_FILE}: ") and "\n" not in error, error
+    assert message in error, error
+
+
 def test_not_a_bundle_and_corrupt_manifest(tmp_path, bundle_copy):
     assert "not a bundle" in bundle_error(mf.read, tmp_path / "nothing")
     (bundle_copy / layout.MANIFEST_FILE).write_text('{"format_version": 1,')
@@ -89,8 +132,8 @@ def test_not_a_bundle_and_corrupt_manifest(tmp_path, bundle_copy):
 
 def test_intact_bundle_validates(exported_bundle):
     m = mf.read(exported_bundle)
-    mf.validate(exported_bundle, m)
-    listed = set(m["files"])
+    mf.check_files(exported_bundle, m)
+    listed = set(m.files)
     on_disk = {p.relative_to(exported_bundle).as_posix() for p in exported_bundle.rglob("*") if p.is_file()}
     assert on_disk - listed == {layout.MANIFEST_FILE}           # every other file has a digest
     assert not [p for p in exported_bundle.rglob("*") if p.name.startswith(".")]
@@ -100,7 +143,7 @@ def test_intact_bundle_validates(exported_bundle):
                                  "host/embed.safetensors"])
 def test_missing_file_is_detected(bundle_copy, rel):
     (bundle_copy / rel).unlink()
-    message = bundle_error(mf.validate, bundle_copy, mf.read(bundle_copy))
+    message = bundle_error(mf.check_files, bundle_copy, mf.read(bundle_copy))
     assert message == f"{bundle_copy}: missing file {rel} (listed in the manifest)"
 
 
@@ -111,21 +154,21 @@ def test_altered_file_is_detected(bundle_copy, rel):
     data[len(data) // 2] ^= 0x01                                  # one bit, size unchanged
     path.write_bytes(bytes(data))
     m = mf.read(bundle_copy)
-    message = bundle_error(mf.validate, bundle_copy, m)
+    message = bundle_error(mf.check_files, bundle_copy, m)
     assert message.startswith(f"{bundle_copy}: {rel} does not match its digest")
-    mf.validate(bundle_copy, m, digests=False)                    # presence alone still holds
+    mf.check_files(bundle_copy, m, digests=False)                    # presence alone still holds
 
 
 def test_referenced_file_without_digest_is_detected(bundle_copy):
     edit_manifest(bundle_copy, lambda data: data["files"].pop("weights/rank-0/moe.safetensors"))
-    message = bundle_error(mf.validate, bundle_copy, mf.read(bundle_copy))
+    message = bundle_error(mf.check_files, bundle_copy, mf.read(bundle_copy))
     assert "weights/rank-0/moe.safetensors is referenced but not covered by a digest" in message
 
 
 @pytest.mark.parametrize("rel", ["../outside.pt2", "/etc/passwd"])
 def test_path_outside_the_bundle_is_refused(bundle_copy, rel):
     edit_manifest(bundle_copy, lambda data: data["files"].update({rel: "sha256:0"}))
-    assert f"{rel!r} is not inside the bundle" in bundle_error(mf.validate, bundle_copy, mf.read(bundle_copy))
+    assert f"{rel!r} is not inside the bundle" in bundle_error(mf.check_files, bundle_copy, mf.read(bundle_copy))
 
 
 # --- no partial bundle ---

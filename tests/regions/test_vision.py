@@ -357,10 +357,10 @@ def test_bundle_carries_the_tower_and_reproduces_the_reference(exported_bundle, 
     from deepinfer.runtime.cli import main as run_main
 
     m = mf.read(exported_bundle)
-    host = m["host"]["vision"]
-    assert host["path"] == "host/vision.safetensors" and host["digest"] == m["files"][host["path"]]
+    host = m.host["vision"]
+    assert host.path == "host/vision.safetensors" and host.digest == m.files[host.path]
     session = load(exported_bundle)
-    assert session.manifest["model"]["cache_quant"] and session.manifest["model"]["dtype"] == "fp32"
+    assert session.manifest.model.cache_quant and session.manifest.model.dtype == "fp32"
     ref = ReferenceModel(tiny_ckpt, dtype="fp32", cache_quant=True, ties="lowest")
     image = regenerate.gradient_image()
     assert torch.equal(session.vision.embed(image), ref.vision.embed(image))

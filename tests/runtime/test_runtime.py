@@ -35,7 +35,7 @@ def test_bundle_reproduces_golden_tokens(request, which):
     quantization, 8-token prompt chunks) bundles, at batch 1 and with all four prompts."""
     session = load(request.getfixturevalue(which))
     runs = GOLDEN["modes"][GOLDEN_FOR[which]]
-    assert session.manifest["model"]["cache_quant"] == GOLDEN_FOR[which].startswith("fp32-quant")
+    assert session.manifest.model.cache_quant == GOLDEN_FOR[which].startswith("fp32-quant")
     prompts = [r["prompt_ids"] for r in runs]
     check_against_golden([session.generate([p], NEW)[0] for p in prompts], runs)    # batch 1
     check_against_golden(session.generate(prompts, NEW), runs)                      # all four in one batch

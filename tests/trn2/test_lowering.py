@@ -59,7 +59,7 @@ def test_every_region_kind_is_lowered_and_checked(trn2_hlo_bundle):
     for e in m["regions"]:
         assert e["artifact"].endswith(".hlo.pb")
         assert 0 <= e["check"]["max_abs"] <= 1e-5, e["kind"]          # fp32 graphs: rounding only
-    mf.validate(trn2_hlo_bundle, m)
+    mf.check_files(trn2_hlo_bundle, mf.read(trn2_hlo_bundle))
 
 
 def test_weights_and_rank_are_hlo_parameters(trn2_hlo_bundle):
@@ -146,7 +146,7 @@ def test_finish_with_the_stand_in(trn2_hlo_bundle, tmp_path, stand_in):
     bundle = copy_bundle(trn2_hlo_bundle, tmp_path)
     finish_bundle(bundle, jobs=2, log=lambda msg: None)
     m = manifest(bundle)
-    mf.validate(bundle, m)
+    mf.check_files(bundle, mf.read(bundle))
     assert m["stage"] == "executable" and m["toolchain"]["neuronx-cc"] == "2.99.0.0+0000000d"
     argvs = [json.loads(line)["argv"] for line in stand_in.read_text().splitlines()]
     compiles = [a for a in argvs if a[:1] == ["compile"]]
@@ -175,7 +175,7 @@ def test_failed_finish_names_region_and_keeps_bundle(trn2_hlo_bundle, tmp_path, 
     log = Path(message.rsplit("log: ", 1)[1].rstrip(")"))
     assert log.is_file() and log.parent.name == "bundle.failed-logs"
     assert manifest(bundle) == before
-    mf.validate(bundle, before)
+    mf.check_files(bundle, mf.read(bundle))
 
 
 def test_missing_compiler_after_lowering(tmp_path, tiny_ckpt, monkeypatch):

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepinfer.bundles.keys import CACHE_VERSION, Key
+from deepinfer.compiler.keys import CACHE_VERSION, Key
 from deepinfer.bundles.manifest import sha256_file
 from deepinfer.errors import DeepinferError
 

@@ -1,0 +1,106 @@
+"""Click helpers the command-line tools share (deepinfer, deepinfer-compile, deepinfer-run).
+
+Nothing here imports a tool: each CLI imports these, and the umbrella `deepinfer`
+command imports the sub-CLIs, never the reverse.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import click
+
+from deepinfer.errors import DeepinferError
+
+
+def user_errors(fn):
+    """Turn user-input errors into a one-line message and exit status 2."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DeepinferError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+    return wrapper
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected comma-separated token ids like 1,2,3") from None
+    if not ids:
+        raise click.BadParameter("empty --prompt-ids")
+    return ids
+
+
+def prompts_from(prompt: tuple[str, ...], prompt_ids: tuple[str, ...], vocab: int, tokenizer,
+                 image_token: int | None = None) -> list[list[int]]:
+    prompts = [tokenizer.encode(p, image_token=image_token) for p in prompt] + [parse_ids(p) for p in prompt_ids]
+    if not prompts:
+        raise click.UsageError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
+    for ids in prompts:
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise click.BadParameter(f"token ids {bad} outside the vocabulary [0, {vocab})")
+    return prompts
+
+
+def generation_options(fn):
+    """The options `deepinfer reference` and `deepinfer-run` share: prompts, length, output."""
+    options = [
+        click.option("--prompt", multiple=True, help="Prompt text (byte-level tokenizer). Repeat for a batch."),
+        click.option("--prompt-ids", multiple=True, help="Prompt as token ids, e.g. 0,72,101. Repeat for a batch."),
+        click.option("--max-new-tokens", default=16, show_default=True, help="Tokens to generate per prompt."),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text."),
+        click.option("--dump-logits", type=click.Path(dir_okay=False, path_type=Path),
+                     help="Write tokens and per-position float32 logits to this .safetensors file."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+image_option = click.option(
+    "--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="An image for every prompt, run through the host-side vision tower: binary PPM/PGM (P6/P5), PNG "
+         "(8-bit, non-interlaced) or .npy uint8 [H, W, 3]. It takes the place of the prompt's <image> marker "
+         "(--prompt-ids: the image token id), else goes right after bos. Repeat for several images, one "
+         "marker each.")
+
+
+def prompts_with_images(prompt, prompt_ids, images, config, tokenizer, tower):
+    """(token-id prompts, per-prompt image embeddings or None); `tower()` gives the vision tower,
+    asked for only when there are images."""
+    if not images:
+        return prompts_from(prompt, prompt_ids, config.text.vocab_size, tokenizer), None
+    from deepinfer.regions.image import read_image
+    from deepinfer.regions.spans import with_images
+
+    token = config.image_token_id
+    prompts = prompts_from(prompt, prompt_ids, config.text.vocab_size, tokenizer, image_token=token)
+    vision = tower()
+    spans = [vision.embed(read_image(path)) for path in images]
+    placed = [with_images(ids, spans, token, config.bos_token_id) for ids in prompts]
+    return [ids for ids, _ in placed], [embeds for _, embeds in placed]
+
+
+def write_logits(path: Path, gens) -> None:
+    """tokens (int64, prompt then generated) and logits (float32 [positions, V]) per prompt.
+
+    The first prompt's tensors are `tokens` and `logits`; prompt i > 0 adds `.i`.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    out = {}
+    for i, g in enumerate(gens):
+        suffix = "" if i == 0 else f".{i}"
+        out["tokens" + suffix] = torch.tensor(g.tokens, dtype=torch.int64)
+        out["logits" + suffix] = torch.stack(g.logits).float().contiguous()
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(out, str(tmp))
+    tmp.replace(path)

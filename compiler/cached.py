@@ -19,30 +19,42 @@ recipe and the weight code (`weights_key`).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 from pathlib import Path
 
 from deepinfer.bundles.layout import executable_name
-from deepinfer.compiler.cache import CacheError
-from deepinfer.compiler.keys import Key, format_part, kernel_sources, modules_digest, package_modules, sha256
-from deepinfer.compiler.jobs import run_job, run_jobs
-from deepinfer.compiler.trace import Signature, weight_specs
 from deepinfer.bundles.safetensors import read_header
+from deepinfer.compiler.cache import CacheError
+from deepinfer.compiler.jobs import run_job, run_jobs
+from deepinfer.compiler.keys import Key, format_part, import_closure, kernel_sources, modules_digest, sha256
+from deepinfer.compiler.trace import Signature, weight_specs
 from deepinfer.regions.checkpoint import Checkpoint
 
-WEIGHT_MODULES = ["deepinfer.compiler.weights", "deepinfer.regions.checkpoint", "deepinfer.regions.base"]
-BUNDLE_MODULES = ["deepinfer.compiler.pipeline", "deepinfer.compiler.pools", "deepinfer.compiler.cached",
-                  "deepinfer.compiler.keys", "deepinfer.bundles.layout", "deepinfer.bundles.manifest"]
+# What each key's "sources" part covers: the import closure of the code that builds it (derived,
+# never listed by hand). Kernel modules are left to the executable key's own "kernels" part, which
+# follows each reached kernel's reference and helpers (a kernel change recompiles only the graphs
+# that reach it).
+WEIGHT_ROOTS = ("deepinfer.compiler.weights", "deepinfer.compiler.shard")
+TRACE_ROOTS = ("deepinfer.compiler.trace", "deepinfer.compiler.plan")
+BUNDLE_ROOTS = ("deepinfer.compiler.pipeline",)
+LOWERING_STOP = tuple(m for m in import_closure(("deepinfer.kernels",)) if m.startswith("deepinfer.kernels.")
+                      and m != "deepinfer.kernels.registry")
 
 
-@functools.cache
+def weight_sources() -> tuple[str, ...]:
+    return import_closure(WEIGHT_ROOTS)
+
+
 def graph_sources(lowering_modules: tuple[str, ...]) -> dict[str, str]:
     """Every module whose source can shape a traced graph, by name -> sha256."""
-    names = package_modules("deepinfer.regions") + package_modules("deepinfer.kernels")
-    return modules_digest(names + ["deepinfer.compiler.trace", "deepinfer.compiler.plan", *lowering_modules])
+    return modules_digest(import_closure(TRACE_ROOTS + tuple(lowering_modules)))
+
+
+def lowering_sources(lowering_modules: tuple[str, ...]) -> tuple[str, ...]:
+    """The target's lowering code and what it imports, kernel modules aside."""
+    return import_closure(tuple(lowering_modules) + ("deepinfer.kernels.registry",), LOWERING_STOP)
 
 
 def _target_part(spec) -> dict:
@@ -87,7 +99,7 @@ def executable_key(spec, plan, kind: str, method: str, batch: int, tokens: int, 
         ("target", _target_part(spec)),
         ("toolchain", spec.target.toolchain()),
         ("kernels", kernel_sources(kernels)),
-        ("lowering", modules_digest([*spec.target.LOWERING_MODULES, "deepinfer.kernels.registry"])),
+        ("lowering", modules_digest(lowering_sources(spec.target.LOWERING_MODULES))),
     ])
 
 
@@ -148,7 +160,7 @@ def weights_key(spec, ckpt: Checkpoint, kind: str, kp, rank: int = 0, memo: Path
                     "layers": kp.layers}),
         ("tensors", tensor_digests(ckpt, source_names(kp), memo)),
         ("recipe", spec.config.quant.recipe),
-        ("sources", modules_digest(WEIGHT_MODULES)),
+        ("sources", modules_digest(weight_sources())),
     ])
 
 
@@ -158,7 +170,7 @@ def host_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
         ("format", format_part()),
         ("tensors", tensor_digests(ckpt, ["embed.weight"], memo)),
         ("shape", {"vocab": t.vocab_size, "hidden": t.hidden_size}),
-        ("sources", modules_digest(WEIGHT_MODULES)),
+        ("sources", modules_digest(weight_sources())),
     ])
 
 
@@ -171,7 +183,7 @@ def vision_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
         ("format", format_part()),
         ("tensors", tensor_digests(ckpt, sorted(specs), memo)),
         ("layout", {name: [list(shape), dtype] for name, (shape, dtype) in sorted(specs.items())}),
-        ("sources", modules_digest(WEIGHT_MODULES + ["deepinfer.regions.vision"])),
+        ("sources", modules_digest(import_closure(WEIGHT_ROOTS + ("deepinfer.regions.vision",)))),
     ])
 
 
@@ -190,7 +202,7 @@ def bundle_key(spec, weights: dict[str, Key], host: Key, traces: dict[str, Key],
         ("weights", {k: v.digest for k, v in weights.items()}),
         ("host", host.digest),
         ("traces", {k: v.digest for k, v in traces.items()}),
-        ("sources", modules_digest(BUNDLE_MODULES)),
+        ("sources", modules_digest(import_closure(BUNDLE_ROOTS))),
     ] + ([("vision", vision.digest)] if vision is not None else []))
 
 

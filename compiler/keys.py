@@ -19,7 +19,11 @@ dumps, where things go or how many workers run. Every `model.toml` key, every
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
+import importlib
+import importlib.util
 import inspect
 import json
 import struct
@@ -122,20 +126,73 @@ def _file_text(module: types.ModuleType) -> bytes:
     return Path(inspect.getsourcefile(module)).read_bytes()
 
 
-def modules_digest(names: list[str]) -> dict[str, str]:
+def modules_digest(names) -> dict[str, str]:
     """{module name: sha256 of its source file}, by module name (never by path)."""
-    import importlib
-
     return {n: sha256(_file_text(importlib.import_module(n))) for n in sorted(names)}
 
 
-def package_modules(package: str) -> list[str]:
-    """Every module of a deepinfer package (all its files, imported or not)."""
-    import importlib
-    import pkgutil
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
-    pkg = importlib.import_module(package)
-    return [package] + sorted(f"{package}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__))
+
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+@functools.cache
+def module_imports(name: str) -> frozenset[str]:
+    """The deepinfer modules that module `name` imports anywhere in its file (at module level or
+    inside functions; `if TYPE_CHECKING:` blocks, which never run, excepted)."""
+    spec = importlib.util.find_spec(name)
+    tree = ast.parse(Path(spec.origin).read_text(), spec.origin)
+    package = name if spec.submodule_search_locations else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            module = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+            found.add(module)
+            found.update(f"{module}.{a.name}" for a in node.names if _is_module(f"{module}.{a.name}"))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return frozenset(m for m in found if m == "deepinfer" or m.startswith("deepinfer."))
+
+
+def _with_packages(name: str) -> list[str]:
+    """A module and the packages above it (importing it runs each package's __init__)."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+@functools.cache
+def import_closure(roots: tuple[str, ...], stop: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Every deepinfer module `roots` reach through imports, the packages they live in included;
+    modules named in `stop` (or under a package named there) are neither included nor followed."""
+    def stopped(m: str) -> bool:
+        return any(m == s or m.startswith(s + ".") for s in stop)
+
+    seen: set[str] = set()
+    todo = [p for r in roots for p in _with_packages(r)]
+    while todo:
+        m = todo.pop()
+        if m in seen or stopped(m):
+            continue
+        seen.add(m)
+        todo.extend(p for dep in module_imports(m) for p in _with_packages(dep) if p not in seen)
+    return tuple(sorted(seen))
 
 
 def _code_names(code: types.CodeType) -> set[str]:

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 
 from deepinfer.bundles import layout
 from deepinfer.bundles.manifest import HostFile, TensorShape, WeightStack
-from deepinfer.compiler.plan import KindPlan
 from deepinfer.regions.base import WeightSpec
 from deepinfer.regions.checkpoint import Checkpoint
+
+if TYPE_CHECKING:                      # a type only: the weights' cache key must not see the region classes
+    from deepinfer.compiler.plan import KindPlan
 
 
 def _load_padded(ckpt: Checkpoint, prefix: str, spec: WeightSpec) -> torch.Tensor:

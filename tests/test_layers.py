@@ -1,0 +1,111 @@
+"""The package's layering: the bundle is the only contract between compiler and runtime.
+
+Every deepinfer module is read (its imports, module-level and inside
+functions) and placed in a layer; a module may import its own layer or lower
+ones, never a higher one. `import deepinfer.runtime` is checked in a fresh
+interpreter against the exact set of modules it may load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+import deepinfer
+from deepinfer.compiler.keys import import_closure, module_imports
+
+# lowest first: a module may import its own layer and those below it
+LAYERS = [
+    ("format", ["deepinfer", "deepinfer.errors", "deepinfer.schema", "deepinfer.bundles"]),
+    ("numerics", ["deepinfer.quant", "deepinfer.kernels"]),
+    ("model family", ["deepinfer.regions"]),
+    ("compiler and runtime", ["deepinfer.compiler", "deepinfer.runtime"]),
+    ("tools", ["deepinfer.compare", "deepinfer.diff", "deepinfer.cli_common"]),
+    ("commands", ["deepinfer.cli", "deepinfer.__main__", "deepinfer.compiler.cli", "deepinfer.runtime.cli"]),
+]
+# what `import deepinfer.runtime` loads: the format, the shared step of the model family, the runtime
+RUNTIME_LOADS = [
+    "deepinfer", "deepinfer.bundles", "deepinfer.bundles.layout", "deepinfer.bundles.manifest",
+    "deepinfer.bundles.safetensors", "deepinfer.bundles.topology", "deepinfer.errors", "deepinfer.regions",
+    "deepinfer.regions.config", "deepinfer.regions.engram_hash", "deepinfer.regions.generate",
+    "deepinfer.regions.spans", "deepinfer.regions.step", "deepinfer.runtime", "deepinfer.runtime.backends",
+    "deepinfer.runtime.session", "deepinfer.schema",
+]
+REGION_CLASSES = ["deepinfer.regions.attention", "deepinfer.regions.moe", "deepinfer.regions.engram",
+                  "deepinfer.regions.head", "deepinfer.regions.base", "deepinfer.regions.plan"]
+MOVED = ["deepinfer.bundles.keys", "deepinfer.bundles.cache", "deepinfer.runtime.scheduler",
+         "deepinfer.runtime.mmap_weights", "deepinfer.quant.safetensors_io"]
+
+
+def all_modules() -> list[str]:
+    found = ["deepinfer"]
+    for info in pkgutil.walk_packages(deepinfer.__path__, "deepinfer."):
+        found.append(info.name)
+    for package in ("compiler", "regions", "kernels", "quant", "runtime", "bundles"):
+        pkg = importlib.import_module(f"deepinfer.{package}")
+        found += [f"deepinfer.{package}"] + [i.name for i in pkgutil.walk_packages(pkg.__path__, f"deepinfer.{package}.")]
+    return sorted(set(found))
+
+
+def layer(module: str) -> int:
+    """The layer of the most specific entry naming `module` or a package above it."""
+    best, depth = None, -1
+    for i, (_, names) in enumerate(LAYERS):
+        for n in names:
+            if (module == n or module.startswith(n + ".")) and n.count(".") > depth and \
+                    not (n == "deepinfer" and module != "deepinfer"):
+                best, depth = i, n.count(".")
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best
+
+
+def test_every_module_is_found():
+    modules = all_modules()
+    assert "deepinfer.compiler.targets.trn2" in modules and "deepinfer.runtime.session" in modules
+    assert len(modules) > 60
+
+
+def test_no_module_imports_a_layer_above_it():
+    bad = []
+    for m in all_modules():
+        for dep in module_imports(m):
+            if layer(dep) > layer(m):
+                bad.append(f"{m} ({LAYERS[layer(m)][0]}) imports {dep} ({LAYERS[layer(dep)][0]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_compiler_and_runtime_never_import_each_other():
+    for m in all_modules():
+        deps = module_imports(m)
+        if m.startswith("deepinfer.runtime"):
+            assert not [d for d in deps if d.startswith("deepinfer.compiler")], m
+        if m.startswith("deepinfer.compiler") and m != "deepinfer.compiler.cli":
+            assert not [d for d in deps if d.startswith("deepinfer.runtime")], m
+    # nor through anything they reach
+    runtime = import_closure(("deepinfer.runtime", "deepinfer.runtime.cli"))
+    assert not [m for m in runtime if m.startswith("deepinfer.compiler") or m in ("deepinfer.cli", "deepinfer.diff")]
+    assert not set(REGION_CLASSES) & set(runtime)
+
+
+def test_sub_commands_do_not_import_the_umbrella():
+    for m in ("deepinfer.compiler.cli", "deepinfer.runtime.cli"):
+        assert "deepinfer.cli" not in import_closure((m,)), m
+
+
+def test_import_runtime_loads_only_the_contract():
+    code = ("import sys, json; import deepinfer.runtime; "
+            "print(json.dumps(sorted(m for m in sys.modules if m == 'deepinfer' or m.startswith('deepinfer.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded == RUNTIME_LOADS
+    assert not [m for m in loaded if m.startswith(("deepinfer.compiler", "deepinfer.kernels"))]
+
+
+@pytest.mark.parametrize("module", MOVED)
+def test_moved_modules_leave_no_shim(module):
+    assert importlib.util.find_spec(module) is None

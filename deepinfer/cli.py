@@ -86,7 +86,8 @@ def reference_cmd(checkpoint, prompt, prompt_ids, max_new_tokens, chunk, dtype, 
     prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: model.vision)
     gens = model.generate(prompts, max_new_tokens, chunk=chunk, images=embeds)
     if dump_logits:
-        write_logits(dump_logits, gens)
+        write_logits(dump_logits, gens, {"source": "reference", "dtype": dtype, "cache_quant": cache_quant,
+                                         "config_hash": cfg.digest(), "checkpoint": checkpoint.resolve()})
     if as_json:
         click.echo(json.dumps({
             "dtype": dtype, "cache_quant": cache_quant,
@@ -100,13 +101,15 @@ def reference_cmd(checkpoint, prompt, prompt_ids, max_new_tokens, chunk, dtype, 
 # --- deepinfer compare / noise-floor ---
 
 def floor_options(fn):
-    """How `deepinfer noise-floor` and `deepinfer compare --noise-floor` measure the floor."""
+    """How `deepinfer noise-floor` and `deepinfer compare` measure the floor."""
     options = [
-        click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="bf16", show_default=True,
+        click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None,
                      help="Precision of the runs compared: fp32 floors summation order only (prompt chunk "
-                          "widths 1 and 3); bf16 also bf16 against fp32 activations."),
-        click.option("--cache-quant/--no-cache-quant", default=True, show_default=True,
-                     help="Quantize the reference's cached KV as the runs compared did."),
+                          "widths 1 and 3); bf16 also bf16 against fp32 activations. [default: the dumps' "
+                          "own (bf16 if either ran in bf16), else bf16]"),
+        click.option("--cache-quant/--no-cache-quant", default=None,
+                     help="Quantize the reference's cached KV as the runs compared did. [default: as the "
+                          "dumps record, else on]"),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -132,7 +135,9 @@ def noise_floor_cmd(checkpoint, dump, dtype, cache_quant, output, as_json):
     """
     from deepinfer import compare as cmp
 
-    floor = cmp.floor_for(cmp.load_dump(dump), checkpoint, dtype=dtype, cache_quant=cache_quant)
+    d = cmp.load_dump(dump)
+    dtype, cache_quant = _floor_setting(dtype, cache_quant, cmp.floor_precision(d, d))
+    floor = cmp.floor_for(d, checkpoint, dtype=dtype, cache_quant=cache_quant)
     if output:
         cmp.save_floor(floor, output)
     if as_json:
@@ -143,20 +148,30 @@ def noise_floor_cmd(checkpoint, dump, dtype, cache_quant, output, as_json):
             click.echo(f"wrote {output}")
 
 
+def _floor_setting(dtype, cache_quant, recorded) -> tuple[str, bool]:
+    """The floor's precision: as given, else as the dumps record, else bf16 with cache quantization."""
+    rec_dtype, rec_quant = recorded
+    dtype = dtype or rec_dtype or "bf16"
+    cache_quant = cache_quant if cache_quant is not None else rec_quant if rec_quant is not None else True
+    return dtype, cache_quant
+
+
 @main.command("compare")
 @click.argument("a", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("b", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--noise-floor", "checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Measure the noise floor with this checkpoint's reference on A's tokens.")
+              help="Measure the noise floor with this checkpoint's reference on A's tokens [default: the "
+                   "checkpoint a reference dump records, when it is here].")
 @click.option("--floor", "floor_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Reuse a floor saved by `deepinfer noise-floor -o` (its --dtype and cache quant apply).")
+@click.option("--no-floor", is_flag=True, help="Print the metrics only, without a floor or a verdict.")
 @floor_options
 @click.option("--margin", type=float, default=4.0, show_default=True,
               help="Within noise means worst rel err <= MARGIN x the floor's (at least 1e-6).")
 @click.option("--per-step", is_flag=True, help="Also print one row per position.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @user_errors
-def compare_cmd(a, b, checkpoint, floor_file, dtype, cache_quant, margin, per_step, as_json):
+def compare_cmd(a, b, checkpoint, floor_file, no_floor, dtype, cache_quant, margin, per_step, as_json):
     """Compare the logit dumps A and B (--dump-logits files) position by position.
 
     For each position both computed from the same tokens: cosine similarity,
@@ -164,32 +179,44 @@ def compare_cmd(a, b, checkpoint, floor_file, dtype, cache_quant, margin, per_st
     agreement; then a summary per prompt. Rows after greedy generation
     diverges saw different tokens and are not compared.
 
-    With a floor (--noise-floor CKPT, or --floor FILE) the verdict is "within
-    noise" when the worst rel err is at most MARGIN times the floor's and the
-    argmax agreement is at least the floor's.
+    The verdict is "within noise" when the worst rel err is at most MARGIN
+    times the noise floor's and the argmax agreement is at least the floor's.
+    The floor is measured at the dumps' own precision (both fp32: summation
+    order only; either bf16: bf16 too) with the checkpoint given by
+    --noise-floor, else the one a `deepinfer reference` dump records; or read
+    from --floor FILE. Dumps that record different models are refused.
 
     \b
-    Exit status: 0 within noise (or no floor given), 1 outside noise,
-    2 unreadable or mismatched input.
+    Exit status: 0 within noise (or --no-floor), 1 outside noise,
+    2 unreadable or mismatched input, or no floor to judge by.
 
     \b
     Example:
-      deepinfer reference tiny/ --prompt Hi --dtype fp32 --dump-logits ref.st
+      deepinfer reference tiny/ --prompt Hi --dtype fp32 --topk-ties lowest --dump-logits ref.st
       deepinfer-run build/tiny --prompt Hi --dump-logits run.st
-      deepinfer compare run.st ref.st --noise-floor tiny/ --dtype fp32
+      deepinfer compare run.st ref.st            # floor: fp32, from tiny/ (recorded in ref.st)
     """
     from deepinfer import compare as cmp
+    from deepinfer.errors import CompareError
 
-    if checkpoint and floor_file:
-        raise click.UsageError("give --noise-floor CKPT or --floor FILE, not both")
+    if sum(map(bool, (checkpoint, floor_file, no_floor))) > 1:
+        raise click.UsageError("give one of --noise-floor CKPT, --floor FILE and --no-floor")
     da, db = cmp.load_dump(a), cmp.load_dump(b)
+    cmp.same_model(da, db)
     result = cmp.compare(da, db)
     floor = verdict = None
     if floor_file:
         floor = cmp.load_floor(floor_file)
         if floor.tokens != cmp.floor_tokens(da):
             click.echo(f"note: {floor_file} was measured on other tokens than {a}", err=True)
-    elif checkpoint:
+    elif not no_floor:
+        checkpoint = checkpoint or cmp.recorded_checkpoint(da, db)
+        if checkpoint is None:
+            raise CompareError(f"no noise floor to judge {a} against {b}: give --noise-floor CKPT or --floor FILE "
+                               "(neither dump records a checkpoint found here), or --no-floor for the metrics alone")
+        dtype, cache_quant = _floor_setting(dtype, cache_quant, cmp.floor_precision(da, db))
+        click.echo(f"measuring the noise floor with {checkpoint} ({dtype}, cache quant "
+                   f"{'on' if cache_quant else 'off'})", err=True)
         floor = cmp.floor_for(da, checkpoint, dtype=dtype, cache_quant=cache_quant)
     if floor is not None:
         verdict = cmp.verdict(result, floor, margin)
@@ -200,7 +227,7 @@ def compare_cmd(a, b, checkpoint, floor_file, dtype, cache_quant, margin, per_st
         if floor is not None:
             lines += cmp.floor_lines(floor) + [cmp.verdict_line(verdict)]
         else:
-            lines.append("verdict: none (give --noise-floor CKPT or --floor FILE)")
+            lines.append("verdict: none (--no-floor)")
         click.echo("\n".join(lines))
     if verdict is not None and not verdict.within:
         sys.exit(1)

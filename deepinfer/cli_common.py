@@ -88,10 +88,12 @@ def prompts_with_images(prompt, prompt_ids, images, config, tokenizer, tower):
     return [ids for ids, _ in placed], [embeds for _, embeds in placed]
 
 
-def write_logits(path: Path, gens) -> None:
+def write_logits(path: Path, gens, meta: dict | None = None) -> None:
     """tokens (int64, prompt then generated) and logits (float32 [positions, V]) per prompt.
 
-    The first prompt's tensors are `tokens` and `logits`; prompt i > 0 adds `.i`.
+    The first prompt's tensors are `tokens` and `logits`; prompt i > 0 adds `.i`. `meta` (what
+    produced them: source, dtype, cache_quant, config_hash, checkpoint) goes to the file's
+    metadata, where `deepinfer compare` reads it.
     """
     import torch
     from safetensors.torch import save_file
@@ -102,5 +104,5 @@ def write_logits(path: Path, gens) -> None:
         out["tokens" + suffix] = torch.tensor(g.tokens, dtype=torch.int64)
         out["logits" + suffix] = torch.stack(g.logits).float().contiguous()
     tmp = path.with_name(path.name + ".tmp")
-    save_file(out, str(tmp))
+    save_file(out, str(tmp), metadata={k: str(v) for k, v in (meta or {}).items()} or None)
     tmp.replace(path)

@@ -49,15 +49,25 @@ class Dump:
     path: Path
     tokens: list[list[int]]       # per prompt: prompt then generated ids
     logits: list[torch.Tensor]    # per prompt: [positions, V] float32, row j after tokens[0..j]
+    meta: dict = field(default_factory=dict)   # what produced it: source, dtype, cache_quant, config_hash, checkpoint
 
     @property
     def vocab(self) -> int:
         return self.logits[0].shape[1]
 
+    @property
+    def dtype(self) -> str | None:
+        return self.meta.get("dtype")
+
+    @property
+    def cache_quant(self) -> bool | None:
+        value = self.meta.get("cache_quant")
+        return None if value is None else value == "True"
+
 
 def load_dump(path: str | Path) -> Dump:
     """Read a `--dump-logits` file: `tokens`/`logits` for prompt 0, `tokens.i`/`logits.i` for prompt i."""
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -65,6 +75,8 @@ def load_dump(path: str | Path) -> Dump:
         raise CompareError(f"{path}: no such file (expected a logit dump written by --dump-logits)")
     try:
         tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
     except (SafetensorError, OSError, ValueError) as e:
         raise CompareError(f"{path}: not a safetensors logit dump ({e})") from None
     tokens, logits = [], []
@@ -90,7 +102,34 @@ def load_dump(path: str | Path) -> Dump:
     vocabs = {x.shape[1] for x in logits}
     if len(vocabs) > 1:
         raise CompareError(f"{path}: prompts have different vocabulary sizes {sorted(vocabs)}")
-    return Dump(path, tokens, logits)
+    return Dump(path, tokens, logits, meta)
+
+
+def same_model(a: Dump, b: Dump) -> None:
+    """Refuse dumps that record different models (their config hashes)."""
+    ha, hb = a.meta.get("config_hash"), b.meta.get("config_hash")
+    if ha and hb and ha != hb:
+        raise CompareError(f"{a.path} comes from model {ha[:16]} but {b.path} from model {hb[:16]} "
+                           "(config hashes differ): not the same model")
+
+
+def floor_precision(a: Dump, b: Dump) -> tuple[str | None, bool | None]:
+    """The floor's dtype and cache quantization for dumps of this precision: bf16 if either
+    dump ran in bf16, fp32 if both say fp32; cache quantization if either quantized. None
+    where the dumps do not say (dumps from before deepinfer recorded it)."""
+    dtypes = {d.dtype for d in (a, b)}
+    dtype = None if None in dtypes else "bf16" if "bf16" in dtypes else "fp32"
+    quant = {d.cache_quant for d in (a, b)}
+    return dtype, (None if quant == {None} else True in quant)
+
+
+def recorded_checkpoint(a: Dump, b: Dump) -> Path | None:
+    """The checkpoint a reference dump was made from, if either dump records one that exists here."""
+    for d in (b, a):
+        ckpt = d.meta.get("checkpoint")
+        if ckpt and Path(ckpt).is_dir():
+            return Path(ckpt)
+    return None
 
 
 # --- comparison ---
@@ -147,11 +186,12 @@ class Comparison:
 
 
 def row_metrics(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine similarity and ||a - b|| / ||b|| per row of a, b [N, V], in float64."""
+    """Cosine similarity and ||a - b|| / ||b|| per row of a, b [N, V], in float64. Equal rows
+    have cosine exactly 1 (the computed ratio can land an ulp off, by summation order)."""
     a, b = a.double(), b.double()
     na, nb, diff = a.norm(dim=-1), b.norm(dim=-1), (a - b).norm(dim=-1)
     cosine = (a * b).sum(-1) / (na * nb)
-    cosine = torch.where((na == 0) & (nb == 0), 1.0, torch.nan_to_num(cosine, nan=0.0)).clamp(-1, 1)
+    cosine = torch.where(diff == 0, 1.0, torch.nan_to_num(cosine, nan=0.0)).clamp(-1, 1)
     rel = torch.where(diff == 0, 0.0, diff / nb)
     return cosine, rel
 

@@ -13,9 +13,10 @@ The run itself goes on with the executable's outputs, so each call is judged
 on exactly the inputs the executable saw: differences do not compound from
 layer to layer, and the worst kind is the one whose own graph disagrees.
 
-Scores, per output: floating point -> max |exe - ref| / max |ref|; integer
-(top-k indices, candidates) -> the fraction of entries that differ. A call's
-score is its worst output's; a kind's (or a layer's) is its worst call's.
+Scores, per output (regions/agreement.py, the rule the compile-time check of
+lowered graphs uses too): floating point -> max |exe - ref| / max |ref|;
+integer (top-k indices, candidates) -> the fraction of entries that differ. A
+call's score is its worst output's; a kind's (or a layer's) is its worst call's.
 """
 
 from __future__ import annotations
@@ -28,29 +29,8 @@ import torch
 
 from deepinfer.bundles.manifest import BundleError
 from deepinfer.bundles.safetensors import load_mmap
+from deepinfer.regions.agreement import TOLERANCE, OutputDiff, ShapeMismatch, compare_tensors
 
-# default tolerance on the score per activation dtype: a few hundred ulps of fp32, a few of bf16
-TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}
-
-
-@dataclass
-class OutputDiff:
-    name: str                 # an output, or "<state> (state)" for a state the call writes
-    max_abs: float            # max |exe - ref| (floating point)
-    ref_max: float            # max |ref|
-    mismatches: int           # entries that differ (integer outputs)
-    numel: int
-    integer: bool
-
-    @property
-    def score(self) -> float:
-        if self.integer:
-            return self.mismatches / self.numel if self.numel else 0.0
-        if math.isnan(self.max_abs):
-            return math.inf
-        if self.ref_max > 0:
-            return self.max_abs / self.ref_max
-        return 0.0 if self.max_abs == 0 else math.inf
 
 
 @dataclass
@@ -96,21 +76,6 @@ class DiffReport:
 
     def failing(self) -> list[Entry]:
         return [e for e in self.kinds() if not e.score <= self.tolerance]
-
-
-def compare_tensors(name: str, got: torch.Tensor, ref: torch.Tensor) -> OutputDiff:
-    if tuple(got.shape) != tuple(ref.shape):
-        raise BundleError(f"output {name}: the executable returns shape {tuple(got.shape)}, "
-                          f"the reference region {tuple(ref.shape)}")
-    if not ref.dtype.is_floating_point:
-        bad = int((got.to(ref.dtype) != ref).sum())
-        return OutputDiff(name, 0.0, 0.0, bad, ref.numel(), True)
-    if not ref.numel():
-        return OutputDiff(name, 0.0, 0.0, 0, 0, False)
-    g, r = got.double(), ref.double()
-    same = (g == r) | (g.isnan() & r.isnan())                 # equal infinities and NaNs agree
-    diff = torch.where(same, 0.0, (g - r).abs().nan_to_num(nan=math.inf))
-    return OutputDiff(name, float(diff.max()), float(r.abs().nan_to_num(nan=0.0).max()), 0, ref.numel(), False)
 
 
 def _host(x, spec) -> torch.Tensor:
@@ -177,10 +142,13 @@ class Recorder:
         if len(out) != len(ref) or len(ref) != len(names):
             raise BundleError(f"{kind}: the executable returns {len(out)} outputs, the reference region "
                               f"{len(ref)}, the manifest names {len(names)}")
-        diffs = [compare_tensors(n, torch.as_tensor(g), r) for n, g, r in zip(names, out, ref)]
-        for i, s in enumerate(specs):
-            if s.role == "state":
-                diffs.append(compare_tensors(f"{s.name} (state)", _host(inputs[i], s), before[i]))
+        try:
+            diffs = [compare_tensors(n, torch.as_tensor(g), r) for n, g, r in zip(names, out, ref)]
+            for i, s in enumerate(specs):
+                if s.role == "state":
+                    diffs.append(compare_tensors(f"{s.name} (state)", _host(inputs[i], s), before[i]))
+        except ShapeMismatch as e:
+            raise BundleError(f"{kind}: {e}") from None
         self.entries.setdefault((kind, layer), Entry(kind, layer)).add(diffs)
         return out
 

@@ -82,7 +82,9 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
         gens, stats = session.generate(prompts, max_new_tokens, images=embeds), session.stats
     wall = time.perf_counter() - start
     if dump_logits:
-        write_logits(dump_logits, gens)
+        m = opened.manifest.model
+        write_logits(dump_logits, gens, {"source": "bundle", "dtype": m.dtype, "cache_quant": m.cache_quant,
+                                         "config_hash": m.config_hash})
     if as_json:
         out = {"outputs": [{"prompt_ids": g.tokens[:g.prompt_len], "generated_ids": g.generated,
                             "text": tok.decode(g.generated), "error": g.error} for g in gens]}

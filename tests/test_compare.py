@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -205,3 +206,53 @@ def test_cli_noise_floor_measures_and_saves(ref_dump, tiny_ckpt, tmp_path):
 def test_cli_margin_default_is_the_modules():
     opt = next(p for p in main.commands["compare"].params if p.name == "margin")
     assert opt.default == cmp.MARGIN
+
+
+# --- dumps say what produced them: the floor follows their precision, other models are refused ---
+
+def test_floor_follows_the_dumps_precision(tmp_path):
+    fp32 = {"dtype": "fp32", "cache_quant": True}
+    a, b = tmp_path / "a.st", tmp_path / "b.st"
+    write_logits(a, fake_gens(), {**fp32, "source": "bundle"})
+    write_logits(b, fake_gens(), {**fp32, "source": "reference"})
+    da, db = cmp.load_dump(a), cmp.load_dump(b)
+    assert (da.dtype, da.cache_quant) == ("fp32", True)
+    assert cmp.floor_precision(da, db) == ("fp32", True)             # not bf16: the runs were fp32
+    write_logits(b, fake_gens(), {"dtype": "bf16", "cache_quant": False})
+    assert cmp.floor_precision(da, cmp.load_dump(b)) == ("bf16", True)
+    write_logits(b, fake_gens())                                      # an old dump says nothing
+    assert cmp.floor_precision(da, cmp.load_dump(b)) == (None, True)
+
+
+def test_dumps_of_different_models_are_refused(tmp_path):
+    a, b = tmp_path / "a.st", tmp_path / "b.st"
+    write_logits(a, fake_gens(), {"config_hash": "1" * 64})
+    write_logits(b, fake_gens(), {"config_hash": "2" * 64})
+    r = CliRunner().invoke(main, ["compare", str(a), str(b), "--no-floor"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "not the same model" in r.output, r.output
+
+
+def test_no_floor_is_not_a_silent_pass(tmp_path):
+    """Without a floor there is no verdict: an error, unless the metrics alone are asked for."""
+    other = fake_gens()
+    other[0].logits[1] = other[0].logits[1] * 3                       # inside the prompt: same tokens
+    a, b = dump(tmp_path, "a.st", fake_gens()).path, dump(tmp_path, "b.st", other).path
+    r = CliRunner().invoke(main, ["compare", str(a), str(b)])
+    assert r.exit_code == 2 and "no noise floor" in r.output and r.output.count("\n") == 1, r.output
+    r = CliRunner().invoke(main, ["compare", str(a), str(b), "--no-floor"])
+    assert r.exit_code == 0 and "verdict: none" in r.output, r.output
+
+
+def test_reference_dump_records_its_checkpoint_and_precision(tiny_ckpt, tmp_path):
+    """`deepinfer reference --dump-logits` records what made it; compare measures the floor from that."""
+    ref = tmp_path / "ref.st"
+    r = CliRunner().invoke(main, ["reference", str(tiny_ckpt), "--prompt-ids", "0,72,105,33", "--max-new-tokens", "2",
+                                  "--dtype", "fp32", "--topk-ties", "lowest", "--dump-logits", str(ref)])
+    assert r.exit_code == 0, r.output
+    d = cmp.load_dump(ref)
+    assert d.meta["source"] == "reference" and d.dtype == "fp32" and Path(d.meta["checkpoint"]) == tiny_ckpt.resolve()
+    r = CliRunner().invoke(main, ["compare", str(ref), str(ref), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["floor"]["dtype"] == "fp32" and out["verdict"]["within"]
+    assert out["floor"]["rel"] < 1e-3                  # summation order only, not bf16 (rel ~0.5 on this model)

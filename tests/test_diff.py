@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from deepinfer.bundles import manifest as mf
 from deepinfer.cli import main
-from deepinfer.diff import TOLERANCE, compare_tensors, diff_bundle, diff_session, table_lines
+from deepinfer.diff import diff_bundle, diff_session, table_lines
+from deepinfer.regions.agreement import TOLERANCE, compare_tensors
 from deepinfer.runtime import load
 
 PROMPTS = [[0, 75, 104, 33]]          # bos "Hi!" (byte ids + 3)

@@ -30,11 +30,10 @@ from deepinfer.bundles import neff
 from deepinfer.compiler.targets import hlo, neuronxcc
 from deepinfer.errors import DeepinferError
 from deepinfer.kernels import target_decompositions
+from deepinfer.regions.agreement import ShapeMismatch, compare_tensors, tolerance
 
 OWN_OPTIONS = {"frontend": hlo.FRONTENDS, "check": (True, False)}
 HBM_PER_CORE = 96 * (1 << 30) // 8        # per physical NeuronCore-v3
-# tolerance of the XLA:CPU check per activation dtype: |hlo - ref| <= atol + rtol * max|ref|
-TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
 
 
 class CheckFailed(DeepinferError):
@@ -115,7 +114,8 @@ class Trn2Target:
     def check_numerics(self, proto: Path, region, method: str, args: list[torch.Tensor], n_weights: int,
                        names: list[str], state_outputs: list[str], where: str) -> dict:
         """Run the HLO module on XLA:CPU and the reference region eagerly on the same inputs.
-        Returns {"max_abs": ..., "tolerance": ...}; raises CheckFailed beyond tolerance."""
+        Every output must agree as `deepinfer diff` judges (regions/agreement.py). Returns
+        {"max_abs", "score", "tolerance"}; raises CheckFailed naming the first output that does not."""
         got = hlo.CpuHlo(Path(proto).read_bytes())([a.clone() for a in args])
         inputs = [a.clone() for a in args[n_weights:]]
         with torch.no_grad():
@@ -125,25 +125,22 @@ class Trn2Target:
         labels = state_outputs + region.output_names()
         if len(got) != len(ref):
             raise CheckFailed(f"{where}: the HLO module returns {len(got)} outputs, the region {len(ref)}")
-        atol, rtol = TOLERANCE.get(region.dtype, TOLERANCE[torch.float32])
-        worst = 0.0
+        tol = tolerance(region.dtype)
+        diffs = []
         for label, g, r in zip(labels, got, ref):
-            if tuple(g.shape) != tuple(r.shape):
+            try:
+                d = compare_tensors(label, g, r)
+            except ShapeMismatch:
                 raise CheckFailed(f"{where}: output {label} has shape {tuple(g.shape)} on XLA:CPU, "
-                                  f"{tuple(r.shape)} in the reference")
-            if not r.dtype.is_floating_point:
-                bad = int((g.to(r.dtype) != r).sum())
-                if bad:
-                    raise CheckFailed(f"{where}: output {label} differs from the reference in {bad} "
-                                      f"of {r.numel()} entries on XLA:CPU")
-                continue
-            diff = (g.float() - r.float()).abs().max().item() if r.numel() else 0.0
-            limit = atol + rtol * (r.float().abs().max().item() if r.numel() else 0.0)
-            if not diff <= limit:
-                raise CheckFailed(f"{where}: output {label} differs from the reference by {diff:.3g} "
-                                  f"on XLA:CPU (tolerance {limit:.3g})")
-            worst = max(worst, diff)
-        return {"max_abs": worst, "atol": atol, "rtol": rtol}
+                                  f"{tuple(r.shape)} in the reference") from None
+            if not d.agrees(tol):
+                what = f"in {d.mismatches} of {d.numel} entries" if d.integer else \
+                    f"by {d.max_abs:.3g} (max |ref| {d.ref_max:.3g})"
+                raise CheckFailed(f"{where}: output {label} differs from the reference {what} on XLA:CPU "
+                                  f"(score {d.score:.3g}, tolerance {tol:g})")
+            diffs.append(d)
+        return {"max_abs": max((d.max_abs for d in diffs), default=0.0),
+                "score": max((d.score for d in diffs), default=0.0), "tolerance": tol}
 
     def require_compiler(self) -> None:
         """Before any NEFF job: neuronx-cc must be here (every graph is already lowered and checked)."""

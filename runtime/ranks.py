@@ -19,9 +19,11 @@ Every collective counts the bytes this rank sends (`Comm.sent`).
 from __future__ import annotations
 
 import os
-import socket
+import queue
+import tempfile
 import time
 from collections import defaultdict
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -136,18 +138,17 @@ class Comm:
 
 # --- launching ----------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+COLLECTIVE_TIMEOUT_S = 600.0        # a collective (a step's broadcast included) that waits longer fails
 
 
-def init(rank: int, world: int, port: int | None = None) -> None:
-    """Join the process group (gloo on CPU). Under torchrun the environment says where."""
-    if port is not None or "MASTER_ADDR" not in os.environ:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port or free_port())
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def init(rank: int, world: int, rendezvous: str | Path | None = None, *,
+         timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+    """Join the process group (gloo on CPU). `rendezvous`: a file path the ranks of one run share
+    (no port to pick, so none to race for); without it, torchrun's environment (env://).
+    Every collective fails after `timeout_s` rather than hang on a dead rank."""
+    method = f"file://{Path(rendezvous).resolve()}" if rendezvous is not None else "env://"
+    dist.init_process_group("gloo", init_method=method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
 
 
 def torchrun_rank() -> tuple[int, int] | None:
@@ -157,13 +158,13 @@ def torchrun_rank() -> tuple[int, int] | None:
     return None
 
 
-def _rank_main(rank: int, world: int, port: int, bundle: str, prompts, max_new_tokens: int, options: dict,
+def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, max_new_tokens: int, options: dict,
                results) -> None:
     from deepinfer.runtime.session import load
 
     if options.get("threads"):
         torch.set_num_threads(options["threads"])
-    init(rank, world, port)
+    init(rank, world, rendezvous, timeout_s=options.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S))
     try:
         comm = Comm(_topology(bundle), rank, chunk_bytes=options.get("chunk_bytes", CHUNK_BYTES))
         session = load(bundle, rank=rank, comm=comm, num_kv_blocks=options.get("num_kv_blocks"),
@@ -190,40 +191,66 @@ def _topology(bundle) -> Topology:
     return mf.read(Path(bundle)).topology.topology
 
 
-def generate_ranks(bundle, prompts: list[list[int]], max_new_tokens: int, **options) -> dict:
+def generate_ranks(bundle, prompts: list[list[int]], max_new_tokens: int, *, timeout_s: float = 3600.0,
+                   **options) -> dict:
     """Start one process per rank of `bundle` on this host (gloo), generate on the leader.
 
     options: num_kv_blocks, verify, threads, images (as Session.generate takes them),
-    chunk_bytes (float32 collectives). Returns {"gens": [...], "stats": the leader's Stats,
-    "sent": {rank: {collective: bytes}}, "seconds": the leader's {collective: seconds}}."""
+    chunk_bytes (float32 collectives), collective_timeout_s. The whole run may take at most
+    `timeout_s`; a rank that dies or fails ends it with that rank's error. Returns {"gens": [...],
+    "stats": the leader's Stats, "sent": {rank: {collective: bytes}}, "seconds": the leader's
+    {collective: seconds}}."""
     import torch.multiprocessing as mp
 
     from deepinfer.errors import DeepinferError
 
     world = _topology(bundle).world
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(bundle), prompts, max_new_tokens,
-                                                  dict(options), results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    out, sent, errors = None, {}, []
-    for _ in procs:
-        item = results.get()
-        if "error" in item:
-            errors.append(f"rank {item['rank']}: {item['error']}")
-            break
-        rank = item.get("rank", 0)
-        sent[rank] = item["sent"]
-        if rank == 0:
-            out = item
-    for p in procs:
-        p.join(timeout=None if not errors else 5)
-        if p.is_alive():
-            p.kill()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="deepinfer-ranks-") as tmp:
+        rendezvous = str(Path(tmp) / "rendezvous")
+        procs = [ctx.Process(target=_rank_main, args=(r, world, rendezvous, str(bundle), prompts, max_new_tokens,
+                                                      dict(options), results), daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            items = _collect(procs, results, timeout_s)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=10)
+    errors = [f"rank {i['rank']}: {i['error']}" for i in items if "error" in i]
     if errors:
         raise DeepinferError(errors[0])
+    out = next(i for i in items if i.get("rank", 0) == 0)
     for g in out["gens"]:
         g.logits = [torch.from_numpy(row) for row in g.logits]
+    sent = {i.get("rank", 0): i["sent"] for i in items}
     return {"gens": out["gens"], "stats": out["stats"], "sent": sent, "seconds": out["seconds"]}
+
+
+def _collect(procs, results, timeout_s: float) -> list[dict]:
+    """Every rank's result, or the first error; a rank that exits without one, or a run past
+    `timeout_s`, is an error naming the rank."""
+    deadline = time.monotonic() + timeout_s
+    items: list[dict] = []
+    while len(items) < len(procs):
+        try:
+            item = results.get(timeout=1.0)
+        except queue.Empty:
+            reported = {i.get("rank", 0) for i in items}
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
+            if dead:
+                time.sleep(0.5)                   # its own report may still be in the queue
+                if results.empty():
+                    return [{"rank": dead[0], "error": f"exited with status {procs[dead[0]].exitcode} "
+                                                      "without a result"}]
+            elif time.monotonic() > deadline:
+                return [{"rank": min(set(range(len(procs))) - reported), "error": f"no result in {timeout_s:.0f} s"}]
+            continue
+        items.append(item)
+        if "error" in item:
+            return [item]
+    return items

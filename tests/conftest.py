@@ -18,6 +18,17 @@ os.environ.setdefault("DEEPINFER_CACHE_DIR", str(CACHE / "deepinfer-test"))
 (CACHE / "tmp").mkdir(parents=True, exist_ok=True)
 
 
+# fixtures that compile bundles: a test using one is `slow` (the fast run, -m "not slow", skips it)
+COMPILES = {"aoti_bundle", "exported_bundle", "exported_bundle_12", "trn2_hlo_bundle", "rank_bundle",
+            "run_aoti_bundle", "run_exported_bundle", "filled", "cache_copy"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if COMPILES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     """The seed-0, 6-layer tiny checkpoint (generated once per session)."""

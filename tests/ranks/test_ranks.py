@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer.runtime import load
-from deepinfer.runtime.ranks import Comm, free_port, generate_ranks, init
+from deepinfer.runtime.ranks import Comm, generate_ranks, init
 from deepinfer.bundles.topology import Topology
 
 PROMPTS = [[0, 72, 101, 108, 108, 111, 44, 32, 119], [0, 5, 9, 11, 13, 40]]
@@ -70,8 +70,8 @@ def test_a_multi_rank_bundle_needs_its_ranks(rank_bundle):
         load(rank_bundle(2, 1, 1))
 
 
-def _collectives(rank: int, world: int, port: int, out) -> None:
-    init(rank, world, port)
+def _collectives(rank: int, world: int, rendezvous: str, out) -> None:
+    init(rank, world, rendezvous, timeout_s=60)
     try:
         comm = Comm(Topology(ep=world), rank, chunk_bytes=64)         # 16 floats a chunk: many chunks
         B, T, n, D = 2, 3, 4, 8
@@ -87,14 +87,15 @@ def _collectives(rank: int, world: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
-def test_dispatch_and_combine_collectives():
+def test_dispatch_and_combine_collectives(tmp_path):
     """Packed-byte dispatch returns every rank's rows exactly; the chunked reduce-scatter sums."""
     world, ctx = 2, mp.get_context("spawn")
-    out, port = ctx.SimpleQueue(), free_port()
-    procs = [ctx.Process(target=_collectives, args=(r, world, port, out)) for r in range(world)]
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_collectives, args=(r, world, str(tmp_path / "rendezvous"), out))
+             for r in range(world)]
     for p in procs:
         p.start()
-    got = dict((item[0], item[1:]) for item in (out.get() for _ in procs))
+    got = dict((item[0], item[1:]) for item in (out.get(timeout=120) for _ in procs))
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
@@ -108,3 +109,32 @@ def test_dispatch_and_combine_collectives():
         row = h[0, 0].numel() * 2 + pre[0, 0].numel() * 4 + 1        # bytes of one packed row
         assert sent["ep dispatch all-gather"] == 2 * 3 * row
         assert sent["ep combine reduce-scatter"] == partial.numel() * 4
+
+
+class _Proc:
+    """A stand-in for a rank's process: only its exit code is read."""
+
+    def __init__(self, exitcode):
+        self.exitcode = exitcode
+
+
+def test_a_rank_that_dies_without_a_result_ends_the_run():
+    import queue as q
+
+    from deepinfer.runtime.ranks import _collect
+
+    results = q.Queue()
+    results.put({"rank": 1, "sent": {}})
+    items = _collect([_Proc(-9), _Proc(0)], results, timeout_s=60)           # rank 0 killed, no result
+    assert items == [{"rank": 0, "error": "exited with status -9 without a result"}]
+
+
+def test_a_run_past_its_deadline_is_an_error_not_a_hang():
+    import queue as q
+    import time
+
+    from deepinfer.runtime.ranks import _collect
+
+    start = time.monotonic()
+    items = _collect([_Proc(None), _Proc(None)], q.Queue(), timeout_s=0.5)     # alive, silent
+    assert items == [{"rank": 0, "error": "no result in 0 s"}] and time.monotonic() - start < 10

@@ -66,7 +66,7 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
     prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: load_vision(opened))
     world, launched = opened.manifest.topology.world_size, ranks.torchrun_rank()
     if world > 1 and launched is None:          # start the ranks here: one process each
-        run = ranks.generate_ranks(bundle, prompts, max_new_tokens, num_kv_blocks=num_kv_blocks,
+        run = ranks.generate_ranks(opened, prompts, max_new_tokens, num_kv_blocks=num_kv_blocks,
                                    verify=not no_verify, threads=threads, images=embeds)
         gens, stats = run["gens"], run["stats"]
     else:

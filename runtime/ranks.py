@@ -160,15 +160,15 @@ def torchrun_rank() -> tuple[int, int] | None:
 
 def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, max_new_tokens: int, options: dict,
                results) -> None:
-    from deepinfer.runtime.session import load
+    from deepinfer.runtime.session import load, open_bundle
 
     if options.get("threads"):
         torch.set_num_threads(options["threads"])
     init(rank, world, rendezvous, timeout_s=options.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S))
     try:
-        comm = Comm(_topology(bundle), rank, chunk_bytes=options.get("chunk_bytes", CHUNK_BYTES))
-        session = load(bundle, rank=rank, comm=comm, num_kv_blocks=options.get("num_kv_blocks"),
-                       verify=options.get("verify", True))
+        opened = open_bundle(bundle, verify=options.get("verify", True))
+        comm = Comm(opened.manifest.topology.topology, rank, chunk_bytes=options.get("chunk_bytes", CHUNK_BYTES))
+        session = load(opened, rank=rank, comm=comm, num_kv_blocks=options.get("num_kv_blocks"))
         if comm.leader:
             gens = session.generate(prompts, max_new_tokens, images=options.get("images"))
             for g in gens:             # numpy: tensors would travel as shared memory of an exiting process
@@ -185,15 +185,10 @@ def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, max
         dist.destroy_process_group()
 
 
-def _topology(bundle) -> Topology:
-    from deepinfer.bundles import manifest as mf
-
-    return mf.read(Path(bundle)).topology.topology
-
-
 def generate_ranks(bundle, prompts: list[list[int]], max_new_tokens: int, *, timeout_s: float = 3600.0,
                    **options) -> dict:
-    """Start one process per rank of `bundle` on this host (gloo), generate on the leader.
+    """Start one process per rank of `bundle` (a path, or an opened runtime.Bundle) on this host (gloo),
+    generate on the leader.
 
     options: num_kv_blocks, verify, threads, images (as Session.generate takes them),
     chunk_bytes (float32 collectives), collective_timeout_s. The whole run may take at most
@@ -204,7 +199,13 @@ def generate_ranks(bundle, prompts: list[list[int]], max_new_tokens: int, *, tim
 
     from deepinfer.errors import DeepinferError
 
-    world = _topology(bundle).world
+    from deepinfer.bundles import manifest as mf
+    from deepinfer.runtime.session import Bundle
+
+    if isinstance(bundle, Bundle):
+        bundle, world = bundle.path, bundle.manifest.topology.world_size
+    else:
+        world = mf.read(Path(bundle)).topology.world_size
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="deepinfer-ranks-") as tmp:

@@ -181,7 +181,11 @@ def test_cli_compare_json_end_to_end(floor, ref_dump, tiny_ckpt, tmp_path):
     logits[4][i], logits[4][j] = logits[4][j].clone(), logits[4][i].clone()
     bad = tmp_path / "bad.st"
     write_logits(bad, [Generation(ref_dump.tokens[0], 4, logits)])
-    # the tiny model's bf16 floor flips argmaxes itself (measured 5/6 agree): one flip is within it
+    # a floor that flips an argmax itself (bf16 often does on the tiny model; not on every CPU, so the
+    # floor is written here): one flip at the same position is within it
+    flipping = cmp.Floor(floor.checkpoint, "bf16", True, floor.tokens, [
+        {"name": "bf16", "cosine": 0.99, "rel": 0.1, "argmax": 5 / 6, "flips": [[4]]}])
+    cmp.save_floor(flipping, floor_file)
     r = runner.invoke(main, ["compare", str(bad), str(ref_dump.path), "--floor", str(floor_file)])
     assert r.exit_code == 0 and "verdict: within noise" in r.output, r.output
     # the fp32 floor (summation order only) flips none, and its rel err is ~1e-6

@@ -70,6 +70,15 @@ def test_a_multi_rank_bundle_needs_its_ranks(rank_bundle):
         load(rank_bundle(2, 1, 1))
 
 
+def _plain(t: torch.Tensor) -> tuple:
+    return str(t.dtype).removeprefix("torch."), tuple(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _tensor(plain: tuple) -> torch.Tensor:
+    dtype, shape, data = plain
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).view(shape)
+
+
 def _collectives(rank: int, world: int, rendezvous: str, out) -> None:
     init(rank, world, rendezvous, timeout_s=60)
     try:
@@ -82,7 +91,8 @@ def _collectives(rank: int, world: int, rendezvous: str, out) -> None:
         hs, ps, imgs = comm.dispatch(h, pre, img)
         partial = torch.randn(world * B, T, n, D, generator=gen)
         summed = comm._reduce_scatter(partial)
-        out.put((rank, h, pre, img, hs, ps, imgs, partial, summed, dict(comm.sent)))
+        # as bytes: a tensor would travel as shared memory of a process that exits right after
+        out.put((rank, *(_plain(t) for t in (h, pre, img, hs, ps, imgs, partial, summed)), dict(comm.sent)))
     finally:
         dist.destroy_process_group()
 
@@ -95,7 +105,7 @@ def test_dispatch_and_combine_collectives(tmp_path):
              for r in range(world)]
     for p in procs:
         p.start()
-    got = dict((item[0], item[1:]) for item in (out.get(timeout=120) for _ in procs))
+    got = {item[0]: [_tensor(x) for x in item[1:-1]] + [item[-1]] for item in (out.get(timeout=120) for _ in procs)}
     for p in procs:
         p.join(60)
         assert p.exitcode == 0

@@ -6,33 +6,7 @@ from pathlib import Path
 
 import pytest
 
-
-def compile_run_bundle(tmp_path_factory, ckpt: Path, executable: str, tokens: list[int]) -> Path:
-    from deepinfer.compiler.config import load_compile_config
-    from deepinfer.compiler.pipeline import compile_bundle
-
-    root = tmp_path_factory.mktemp(f"run-{executable}")
-    toml = root / "model.toml"
-    toml.write_text(f"""[model]
-checkpoint = "{ckpt}"
-dtype = "fp32"
-cache_quant = true
-
-[target]
-name = "cpu"
-executable = "{executable}"
-
-[buckets]
-batch = [1, 4]
-tokens = {tokens}
-max_context = 80
-
-[kv]
-block_size = 16
-num_blocks = 21
-""")
-    path, _ = compile_bundle(load_compile_config(toml), root / "bundle", jobs=2, log=lambda msg: None)
-    return path
+from ..conftest import _compile_tiny
 
 
 @pytest.fixture(scope="session")
@@ -43,5 +17,6 @@ def run_aoti_bundle(aoti_bundle) -> Path:
 
 @pytest.fixture(scope="session")
 def run_exported_bundle(tmp_path_factory, tiny_ckpt) -> Path:
-    """Saved ExportedPrograms, buckets batch {1, 4} x tokens {1, 8} (8-token prompt chunks)."""
-    return compile_run_bundle(tmp_path_factory, tiny_ckpt, "exported", [1, 8])
+    """Saved ExportedPrograms, buckets batch {1, 4} x tokens {1, 8} (8-token prompt chunks), cache quantization on."""
+    return _compile_tiny(tmp_path_factory, "run-exported", tiny_ckpt, executable="exported", tokens=[1, 8],
+                         batch=(1, 4), max_context=80, num_blocks=21, cache_quant=True)

@@ -34,7 +34,6 @@ from deepinfer.schema import Problem, Rules, build, coerce, dump
 
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
-STAGES = ("executable", "hlo")
 ROLES = ("rank", "weight", "activation", "step", "state", "carry")
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "int64", "int32", "uint8", "int8", "bool")
 
@@ -159,11 +158,6 @@ class Executable:
     def name(self) -> str:
         return layout.executable_name(self.kind, self.method, self.bucket.batch, self.bucket.tokens)
 
-    @property
-    def weights(self) -> list[TensorSpec]:
-        """The weight and rank inputs, in call order (they come first)."""
-        return [s for s in self.inputs if s.role in ("weight", "rank")]
-
 
 @dataclass(frozen=True, kw_only=True)
 class Binding:
@@ -183,10 +177,6 @@ class Layer:
     engram: bool
     regions: dict[str, Binding]                      # slot (engram, attn, moe) -> binding
     state: dict[str, tuple[str | int, ...]]          # state name -> [pool, row]
-
-    def pool_row(self, state: str) -> tuple[str, int]:
-        pool, row = self.state[state]
-        return pool, row
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -380,6 +370,11 @@ def check(m: Manifest) -> None:
             for o, src in e.aliases.items():
                 _need(0 <= src < len(e.inputs), key + ("aliases", o), f"input {src} out of range")
     kinds = {e.kind for e in m.regions}
+    for kind in sorted(kinds):                     # one executable per bucket (batch sizes may be gathered rows)
+        mine = [e for e in m.regions if e.kind == kind]
+        _need(len(mine) == len(m.buckets.shapes) and {e.bucket.tokens for e in mine} == set(m.buckets.token_sizes),
+              ("regions",), f"kind {kind!r} has executables for {sorted((e.bucket.batch, e.bucket.tokens) for e in mine)}, "
+              f"not one for each of the {len(m.buckets.shapes)} buckets")
     # weights: one list per rank of the world, inside the bundle
     ranks = [layout.rank_key(r) for r in range(t.world_size)]
     _need(sorted(m.weights) == sorted(ranks), ("weights",), f"expected weights for {', '.join(ranks)}, "

@@ -40,14 +40,13 @@ GROUPS = {"aoti_bundle": "aoti", "run_aoti_bundle": "aoti", "rank_bundle": "rank
           "filled": "cache", "cache_copy": "cache"}
 
 
-# compile processes per fixture: one per core, less what the other xdist worker uses
-COMPILE_JOBS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
-
-
 @pytest.hookimpl(tryfirst=True)          # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
     for item in items:
-        groups = [g for f, g in GROUPS.items() if f in getattr(item, "fixturenames", ())]
+        params = getattr(item, "callspec", None)
+        named = {v for v in params.params.values() if isinstance(v, str)} if params else set()
+        used = set(getattr(item, "fixturenames", ())) | named
+        groups = [g for f, g in GROUPS.items() if f in used]    # a fixture, or its name as a parameter
         if groups:
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group(groups[0]))
@@ -122,22 +121,24 @@ def _compile_tiny(tmp_path_factory, name: str, checkpoint: Path, *, executable: 
     toml = write_model_toml(root, checkpoint, tiny_layers=layers, cache_quant=cache_quant, target=target,
                             executable=executable, options=options, batch=batch, tokens=tokens,
                             max_context=max_context, num_blocks=num_blocks, parallel=parallel)
-    path, _ = compile_bundle(load_compile_config(toml), root / "bundle", jobs=COMPILE_JOBS, log=lambda msg: None,
+    path, _ = compile_bundle(load_compile_config(toml), root / "bundle", jobs=2, log=lambda msg: None,
                              hlo_only=hlo_only, cache=Cache(Path(os.environ[CACHE_ENV])))
     return path
 
 
 @pytest.fixture(scope="session")
 def aoti_bundle(tmp_path_factory, tiny_ckpt) -> Path:
-    """The 6-layer tiny model as AOTInductor packages, buckets batch {1, 4} x tokens {1} (16 executables).
+    """The 6-layer tiny model as AOTInductor packages, bucket batch 4 x tokens 1 (8 executables).
 
     The one AOTInductor bundle of the suite (compile and runtime tests share it): room for
-    the golden prompts (73 positions) at batch 4. Without cache quantization: it feeds
+    the golden prompts (73 positions) at batch 4; one prompt runs padded to the batch of 4
+    (the exported bundles cover several batch buckets; each AOTInductor executable costs
+    ~15 s of C++ compile). Without cache quantization: it feeds
     prompts one token a step, and with quantization one last-bit difference from the
     golden's one-chunk prompt can cross an fp8 rounding boundary and change later tokens
     (measured); the exported bundle covers cache quantization.
     """
-    return _compile_tiny(tmp_path_factory, "aoti", tiny_ckpt, executable="aoti", tokens=[1], batch=(1, 4),
+    return _compile_tiny(tmp_path_factory, "aoti", tiny_ckpt, executable="aoti", tokens=[1], batch=(4,),
                          max_context=80, num_blocks=21, cache_quant=False)
 
 

@@ -21,22 +21,20 @@ from .conftest import regenerate
 GOLDEN = json.loads(regenerate.GOLDEN.read_text())
 
 
-@pytest.fixture(scope="module")
-def actual(tiny_ckpt):
-    """The reference's generations in every mode (not summarized: check_run reads the logits)."""
+MODES = {regenerate.mode_name(d, q, t): (d, q, t) for d, q, t in regenerate.MODES}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_reference_matches_golden(tiny_ckpt, mode):
     from deepinfer.regions.reference import ReferenceModel
     from deepinfer.regions.tokenizer import ByteTokenizer
 
+    dtype, quant, ties = MODES[mode]
     prompts = [ByteTokenizer().encode(p) for p in regenerate.PROMPTS]
-    return {regenerate.mode_name(d, q, t): ReferenceModel(tiny_ckpt, dtype=d, cache_quant=q, ties=t).generate(
-        prompts, regenerate.MAX_NEW) for d, q, t in regenerate.MODES}
-
-
-@pytest.mark.parametrize("mode", list(regenerate.STATED))
-def test_reference_matches_golden(actual, mode):
+    gens = ReferenceModel(tiny_ckpt, dtype=dtype, cache_quant=quant, ties=ties).generate(prompts, regenerate.MAX_NEW)
     tolerance = GOLDEN["noise"][mode]["tolerance"]
     assert tolerance >= regenerate.STATED[mode]
-    for g, want in zip(actual[mode], GOLDEN["modes"][mode], strict=True):
+    for g, want in zip(gens, GOLDEN["modes"][mode], strict=True):
         regenerate.check_run(g.tokens, g.logits, want, tolerance)
 
 

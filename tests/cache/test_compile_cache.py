@@ -23,6 +23,8 @@ from deepinfer.compiler.config import load_compile_config
 
 from .conftest import EXECUTABLES, compile_cached, write_toml
 
+pytestmark = pytest.mark.slow            # every test here compiles the small model, some several times
+
 
 def manifest(bundle) -> dict:
     return json.loads((bundle / "manifest.json").read_text())

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from deepinfer.bundles.manifest import BundleError
 from deepinfer.runtime import load
 from deepinfer.runtime.nrt import NeuronRuntimeMissing
+from deepinfer.runtime.session import Stats
 
 from ..conftest import regenerate
 
@@ -30,11 +31,25 @@ def check_against_golden(gens, mode: str):
         regenerate.check_run(g.tokens, g.logits, run, tolerance)
 
 
+@pytest.fixture(scope="module")
+def loaded():
+    """bundle -> a Session loaded once for this module's tests (loading an exported bundle's 32
+    programs takes ~20 s); each test that takes one starts with fresh stats."""
+    sessions = {}
+
+    def get(bundle):
+        if bundle not in sessions:
+            sessions[bundle] = load(bundle)
+        sessions[bundle].stats = Stats()
+        return sessions[bundle]
+    return get
+
+
 @pytest.mark.parametrize("which", ["run_aoti_bundle", "run_exported_bundle"])
-def test_bundle_reproduces_golden_tokens(request, which):
+def test_bundle_reproduces_golden_tokens(request, loaded, which):
     """AOTInductor (no cache quantization, 1-token prompt steps) and exported (cache
     quantization, 8-token prompt chunks) bundles, at batch 1 and with all four prompts."""
-    session = load(request.getfixturevalue(which))
+    session = loaded(request.getfixturevalue(which))
     runs = GOLDEN["modes"][GOLDEN_FOR[which]]
     assert session.manifest.model.cache_quant == GOLDEN_FOR[which].startswith("fp32-quant")
     prompts = [r["prompt_ids"] for r in runs]
@@ -42,8 +57,8 @@ def test_bundle_reproduces_golden_tokens(request, which):
     check_against_golden(session.generate(prompts, NEW), GOLDEN_FOR[which])                      # all four at once
 
 
-def test_padding_waste_and_timing_are_recorded(run_exported_bundle):
-    session = load(run_exported_bundle)
+def test_padding_waste_and_timing_are_recorded(run_exported_bundle, loaded):
+    session = loaded(run_exported_bundle)
     session.generate([RUNS[0]["prompt_ids"], RUNS[2]["prompt_ids"]], 3)
     s = session.stats
     assert s.steps > 0 and s.padded > s.tokens > 0
@@ -115,9 +130,12 @@ def test_block_exhaustion_fails_only_the_offending_request(run_exported_bundle):
     assert gens[2].error is None and gens[2].generated == RUNS[3]["generated_ids"]
 
 
-def test_cli_prints_text_json_and_timing(run_exported_bundle):
+def test_cli_prints_text_json_and_timing(run_exported_bundle, loaded, monkeypatch):
+    import deepinfer.runtime
     from deepinfer.runtime.cli import main
 
+    session = loaded(run_exported_bundle)
+    monkeypatch.setattr(deepinfer.runtime, "load", lambda *args, **kwargs: session)   # opened by the CLI, loaded once
     runner = CliRunner()
     r = runner.invoke(main, [str(run_exported_bundle), "--prompt-ids", ",".join(map(str, RUNS[0]["prompt_ids"])),
                              "--max-new-tokens", "4", "--json", "--timing"])

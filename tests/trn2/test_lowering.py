@@ -178,6 +178,7 @@ def test_failed_finish_names_region_and_keeps_bundle(trn2_hlo_bundle, tmp_path, 
     mf.check_files(bundle, mf.read(bundle))
 
 
+@pytest.mark.slow
 def test_missing_compiler_after_lowering(tmp_path, tiny_ckpt, monkeypatch):
     """Without neuronx-cc: every region is lowered and checked, then one clear error, no bundle left."""
     from deepinfer.compiler.config import load_compile_config

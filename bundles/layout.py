@@ -3,7 +3,8 @@
     bundle/
       manifest.json                          the bundle's description (format_version first)
       regions/<kind>.<method>.b<B>t<T>.pt2   one executable per (kind, method, bucket)
-      weights/rank-<R>/<kind>.safetensors    a kind's weights, stacked layer-major
+      weights/rank-<R>/<kind>.safetensors    a kind's weights one rank holds, stacked layer-major
+      weights/shared/<kind>.safetensors      a kind's weights every rank holds whole, stored once
       host/embed.safetensors                 host-resident tensors (token embedding)
       host/vision.safetensors                the vision tower, aligner and image delimiters (checkpoint names)
       logs/                                  per-executable compiler logs (targets that write them)
@@ -21,6 +22,7 @@ LOGS_DIR = "logs"
 EXECUTABLE_NAME = "{kind}.{method}.b{batch}t{tokens}"
 RANK_KEY = "rank-{rank}"
 WEIGHTS_FORMAT = RANK_KEY + "/{kind}.safetensors"
+SHARED_WEIGHTS_FORMAT = "shared/{kind}.safetensors"
 HOST_EMBED_FILE = "embed.safetensors"
 HOST_VISION_FILE = "vision.safetensors"
 
@@ -41,6 +43,10 @@ def executable_path(kind: str, method: str, batch: int, tokens: int, suffix: str
 
 def weights_path(rank: int, kind: str) -> str:
     return str(PurePosixPath(WEIGHTS_DIR) / WEIGHTS_FORMAT.format(rank=rank, kind=kind))
+
+
+def shared_weights_path(kind: str) -> str:
+    return str(PurePosixPath(WEIGHTS_DIR) / SHARED_WEIGHTS_FORMAT.format(kind=kind))
 
 
 def host_path(name: str) -> str:

@@ -12,8 +12,7 @@
    bundle and is covered by a digest, the topology's derived sizes agree.
 
 `check_files` then checks the files themselves (present, digests match).
-The JSON layout is format version 1, unchanged: `dump` writes exactly the
-keys the dataclasses hold, `format_version` first.
+`dump` writes exactly the keys the dataclasses hold, `format_version` first.
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ from deepinfer.bundles.topology import Topology
 from deepinfer.errors import DeepinferError
 from deepinfer.schema import Problem, Rules, build, coerce, dump
 
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2                  # 2: shared weight stacks, per-tensor file and format
+SUPPORTED_VERSIONS = (2,)
 ROLES = ("rank", "weight", "activation", "step", "state", "carry")
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "int64", "int32", "uint8", "int8", "bool")
 
@@ -181,18 +180,29 @@ class Layer:
 
 @dataclass(frozen=True, kw_only=True)
 class TensorShape:
+    """One stacked weight: its shape and storage dtype, the file holding it, and its value
+    format (the names quant/ uses: e4m3fn, ue8m0-u8-row-major, e2m1-x2-u8, bf16, f32)."""
     shape: tuple[int, ...]
     dtype: str
+    file: Literal["rank", "shared"] = "rank"
+    format: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class WeightStack:
-    """One kind's weights on one rank: each tensor stacked over the kind's layers."""
+    """One kind's weights on one rank: each tensor stacked over the kind's layers, in the rank's
+    own file (`path`) or in the file every rank shares (`shared`)."""
     kind: str
-    path: str
+    path: str | None
+    shared: str | None = None
     layers: tuple[int, ...]
     tensors: dict[str, TensorShape]
     digest: str | None = None
+    shared_digest: str | None = None
+
+    @property
+    def files(self) -> list[str]:
+        return [p for p in (self.path, self.shared) if p is not None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,7 +246,7 @@ class Manifest:
 
     def referenced(self) -> list[str]:
         """Every file the manifest points at."""
-        return ([e.artifact for e in self.regions] + [w.path for ws in self.weights.values() for w in ws]
+        return ([e.artifact for e in self.regions] + [p for ws in self.weights.values() for w in ws for p in w.files]
                 + [h.path for h in self.host.values()])
 
     def with_digests(self, files: dict[str, str]) -> Manifest:
@@ -244,8 +254,8 @@ class Manifest:
         return dataclasses.replace(
             self, files=dict(files),
             regions=tuple(dataclasses.replace(e, digest=files[e.artifact]) for e in self.regions),
-            weights={r: tuple(dataclasses.replace(w, digest=files[w.path]) for w in ws)
-                     for r, ws in self.weights.items()},
+            weights={r: tuple(dataclasses.replace(w, digest=files.get(w.path), shared_digest=files.get(w.shared))
+                              for w in ws) for r, ws in self.weights.items()},
             host={k: dataclasses.replace(h, digest=files[h.path]) for k, h in self.host.items()})
 
 
@@ -381,7 +391,11 @@ def check(m: Manifest) -> None:
           f"got {', '.join(m.weights) or 'none'}")
     for r, stacks in m.weights.items():
         for i, w in enumerate(stacks):
-            _need(is_inside(w.path), ("weights", r, i, "path"), f"path {w.path!r} is not inside the bundle")
+            for key, path in (("path", w.path), ("shared", w.shared)):
+                _need(path is None or is_inside(path), ("weights", r, i, key), f"path {path!r} is not inside the bundle")
+            for name, t in w.tensors.items():
+                _need((w.path if t.file == "rank" else w.shared) is not None, ("weights", r, i, "tensors", name),
+                      f"held in the {t.file} file, which the entry does not name")
     for name, h in m.host.items():
         _need(is_inside(h.path), ("host", name, "path"), f"path {h.path!r} is not inside the bundle")
     _need("embed" in m.host, ("host",), "lacks the token embedding (embed)")

@@ -113,6 +113,19 @@ def map_bytes(path: str, offset: int, nbytes: int) -> np.ndarray:
     return np.frombuffer(mm, np.uint8, nbytes, offset - start)
 
 
+def pwrite(path: str, offset: int, data: np.ndarray) -> None:
+    """Write an array's bytes at `offset` of an existing file (positioned: no seek, no
+    shared file position, so many processes can fill one pre-sized file)."""
+    view = memoryview(np.ascontiguousarray(data)).cast("B")
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
+    finally:
+        os.close(fd)
+
+
 def map_rows(t: TensorInfo, r0: int, r1: int) -> np.ndarray:
     """Read-only memory map of rows [r0, r1) of a tensor (axis 0); 0-d/1-d tensors
     map whole. Dropping the array unmaps it, so resident pages stay bounded."""

@@ -19,6 +19,7 @@ recipe and the weight code (`weights_key`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -150,10 +151,11 @@ def memo_dir(run) -> Path | None:
     return run.cache.root / "files" if run.cache else None
 
 
-def weights_key(spec, ckpt: Checkpoint, kind: str, kp, rank: int = 0, memo: Path | None = None) -> Key:
+def weights_key(spec, ckpt: Checkpoint, kind: str, kp, rank: int | None = 0, memo: Path | None = None) -> Key:
+    """A kind's stacks of one rank's file (`rank`), or of the file every rank shares (`rank` None)."""
     from deepinfer.compiler.weights import source_names
 
-    return Key.of("weights", f"weights {kind}", [
+    return Key.of("weights", f"weights {kind}" + (" shared" if rank is None else ""), [
         ("format", format_part()),
         ("kind", {"kind": kind, "rank": rank, "topology": spec.topology.to_dict()}),
         ("layout", {"specs": [[s.name, s.key, list(s.shape), s.ckpt_dtype, s.experts] for s in kp.region.specs],
@@ -206,6 +208,48 @@ def bundle_key(spec, weights: dict[str, Key], host: Key, traces: dict[str, Key],
     ] + ([("vision", vision.digest)] if vision is not None else []))
 
 
+def weight_file_keys(spec, plan, ckpt: Checkpoint, run) -> dict[str, tuple[str, Key]]:
+    """bundle-relative path -> (cache kind, key) of every file the weight pass writes."""
+    from deepinfer.compiler.weights import host_entries, stack_files
+
+    memo = memo_dir(run)
+    _, entries = stack_files(spec, plan, ckpt, Path(), wanted=lambda rel: False)
+    out = {}
+    for rank_key, stacks in entries.items():
+        rank = int(rank_key.removeprefix("rank-"))
+        for w in stacks:
+            if w.path is not None:
+                out[w.path] = ("weights", weights_key(spec, ckpt, w.kind, plan.kinds[w.kind], rank, memo))
+            if w.shared is not None and w.shared not in out:
+                out[w.shared] = ("weights", weights_key(spec, ckpt, w.kind, plan.kinds[w.kind], None, memo))
+    host = host_entries(vision=spec.model.vision.num_hidden_layers > 0)
+    out[host["embed"].path] = ("host", host_key(spec, ckpt, memo))
+    if "vision" in host:
+        out[host["vision"].path] = ("host", vision_key(spec, ckpt, memo))
+    return out
+
+
+@contextlib.contextmanager
+def held(run, keys: dict[str, tuple[str, Key]]):
+    """Lock every file's entry (sorted: compiles sharing a cache never deadlock), fetch those the
+    cache holds into the staging bundle, yield their paths; the caller builds and stores the rest
+    before the locks are released, so a file is built once among concurrent compiles."""
+    locks = []
+    try:
+        fetched = set()
+        for kind, key in sorted(keys.values(), key=lambda kk: kk[1].digest):
+            locks.append(run.cache.lock(kind, key))
+        for rel, (kind, key) in keys.items():                 # plan order: the first miss named is the first file
+            if run.cache.get_file(kind, key, run.staging / rel):
+                fetched.add(rel)
+            else:
+                missed(run, kind, key)
+        yield fetched
+    finally:
+        for lock in locks:
+            lock.release()
+
+
 # --- fetch or build ---
 
 def missed(run, kind: str, key: Key) -> None:
@@ -225,20 +269,6 @@ def missed(run, kind: str, key: Key) -> None:
         why = (f"key part(s) {', '.join(diff)} differ from the cached entry {near.key[:16]} "
                f"(deepinfer cache explain {near.key[:16]} {key.digest[:16]})")
     raise CacheError(f"--require-cache: cache miss for {kind} {key.identity}: {why}")
-
-
-def fetch_or_build(run, kind: str, key: Key, rel: str, build) -> bool:
-    """staging/rel from the cache, or `build()` it there and store it. Returns True on a hit."""
-    if run.cache is None:
-        build()
-        return False
-    with run.cache.lock(kind, key):
-        if run.cache.get_file(kind, key, run.staging / rel):
-            return True
-        missed(run, kind, key)
-        build()
-        run.cache.put_file(kind, key, run.staging / rel)
-    return False
 
 
 def trace_record(run, key: Key) -> dict | None:

@@ -20,7 +20,6 @@ interrupted or failed compile leaves no partial bundle.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import shutil
@@ -43,10 +42,10 @@ from deepinfer.compiler.jobs import Job, keep_failed_logs
 from deepinfer.compiler.keys import Key, graph_digest, kernels_reached
 from deepinfer.compiler.plan import RegionPlan, plan_regions
 from deepinfer.compiler.pools import plan_pools
-from deepinfer.compiler.shard import shard
+from deepinfer.compiler.stream import stream
 from deepinfer.compiler.targets import TARGETS, Target
 from deepinfer.compiler.trace import trace
-from deepinfer.compiler.weights import host_entries, kind_entry, write_host, write_host_vision, write_kind
+from deepinfer.compiler.weights import host_entries, host_files, stack_files
 from deepinfer.errors import ConfigError, DeepinferError
 from deepinfer.regions import topology
 from deepinfer.regions.checkpoint import Checkpoint
@@ -145,27 +144,24 @@ def plan(spec: Spec, log) -> RegionPlan:
 
 
 def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
-    """Each rank's stacks under weights/rank-R/ (sharded per compiler/shard.py), the host files."""
+    """Every rank's stacks and the host files, streamed from the checkpoint (compiler/stream.py):
+    each source byte read once, whatever the number of ranks; a file the cache holds is fetched."""
     ckpt = Checkpoint(spec.config.model.checkpoint)
-    world = spec.topology.world
-    stacks: dict[str, list[mf.WeightStack]] = {}
-    for rank in range(world):
-        for kind, kp in plan.kinds.items():
-            cut = functools.partial(shard, kind, c=spec.model.text, topo=spec.topology, rank=rank)
-            key = cached.weights_key(spec, ckpt, kind, kp, rank, cached.memo_dir(run)) if run.cache else None
-            hit = cached.fetch_or_build(run, "weights", key, layout.weights_path(rank, kind),
-                                        lambda: write_kind(ckpt, kind, kp, run.staging, rank=rank, shard=cut))
-            stacks.setdefault(layout.rank_key(rank), []).append(kind_entry(kind, kp, rank=rank))
-            run.log(f"weights {kind}{f' rank {rank}' if world > 1 else ''}: {len(kp.layers)} layer(s)"
-                    f"{' (cached)' if hit else ''}")
-    t, memo = spec.model.text, cached.memo_dir(run)
-    host = host_entries(vision=spec.model.vision.num_hidden_layers > 0)
-    cached.fetch_or_build(run, "host", cached.host_key(spec, ckpt, memo) if run.cache else None,
-                          host["embed"].path, lambda: write_host(ckpt, run.staging, t.vocab_size, t.hidden_size))
-    if "vision" in host:                         # the vision tower runs on the host, as checkpointed
-        cached.fetch_or_build(run, "host", cached.vision_key(spec, ckpt, memo) if run.cache else None,
-                              host["vision"].path, lambda: write_host_vision(ckpt, run.staging, spec.model))
-    return Weights({r: tuple(s) for r, s in stacks.items()}, host)
+    keys = cached.weight_file_keys(spec, plan, ckpt, run) if run.cache else {}
+    with cached.held(run, keys) as fetched:
+        def wanted(rel: str) -> bool:
+            return rel not in fetched
+
+        files, stacks = stack_files(spec, plan, ckpt, run.staging, wanted)
+        files += host_files(spec.model, ckpt, run.staging, wanted)
+        report = stream(files, workers=run.jobs, log=run.log)
+        for f in files:
+            rel = Path(f.path).relative_to(run.staging).as_posix()
+            if rel in keys:
+                run.cache.put_file(keys[rel][0], keys[rel][1], Path(f.path))
+    run.log(f"weights: {len(files)} file(s) written, {report['bytes_read'] / 2**30:.2f} GiB read in "
+            f"{report['seconds']:.1f} s" + (f", {len(fetched)} from the cache" if fetched else ""))
+    return Weights({r: tuple(s) for r, s in stacks.items()}, host_entries(vision=spec.model.vision.num_hidden_layers > 0))
 
 
 def _io(specs) -> tuple[mf.TensorSpec, ...]:
@@ -191,7 +187,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
             run.log(f"cached {name}")
             continue
         region = plan.kinds[kind].region
-        ep, sig, args = trace(region, batch, tokens, spec.geometry, method, dynamic=not target.static_shapes)
+        ep, sig, inputs = trace(region, batch, tokens, spec.geometry, method, dynamic=not target.static_shapes)
         kernels = kernels_reached(ep)
         ep = target.lower(ep)
         names = [s.name for s in sig.all]
@@ -203,7 +199,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
                               scratch_bytes=budget.scratch_bytes(ep))
         lowered = lowered_dir / f"{name}{target.lowered_suffix}"
         if target.static_shapes:                 # state comes back as outputs: emit and check now
-            entry = _emit_and_check(spec, entry, ep, names, lowered, region, method, args, len(sig.weights), run)
+            entry = _emit_and_check(spec, entry, ep, names, lowered, region, method, inputs, run)
         if spec.hlo_only:
             entry = dataclasses.replace(entry, artifact=layout.executable_path(kind, method, batch, tokens,
                                                                                target.lowered_suffix))
@@ -230,7 +226,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
     return Traced(tuple(executables), tuple(jobs), keys)
 
 
-def _emit_and_check(spec: Spec, entry: mf.Executable, ep, names, lowered: Path, region, method, args, n_weights,
+def _emit_and_check(spec: Spec, entry: mf.Executable, ep, names, lowered: Path, region, method, inputs,
                     run: Run) -> mf.Executable:
     """Static-shape targets: write the lowered module (state returned, aliased) and check it numerically."""
     target = spec.target
@@ -242,7 +238,7 @@ def _emit_and_check(spec: Spec, entry: mf.Executable, ep, names, lowered: Path, 
     if not target.check:
         run.log(f"lowered {entry.name}: HLO {lowered.stat().st_size} bytes (check off)")
         return entry
-    check = target.check_numerics(lowered, region, method, args, n_weights, names, list(entry.state_outputs),
+    check = target.check_numerics(lowered, region, method, inputs, names, list(entry.state_outputs),
                                   f"region {entry.name}")
     run.log(f"lowered {entry.name}: HLO {lowered.stat().st_size} bytes, XLA:CPU vs reference "
             f"max |diff| {check['max_abs']:.2g}")

@@ -23,7 +23,7 @@ METHOD = "decode"
 @dataclass
 class KindPlan:
     kind: str
-    region: Region                                         # a representative instance (zero weights)
+    region: Region                                         # a representative instance (meta weights)
     layers: list[int] = field(default_factory=list)        # layers running this kind, in stack order
     slot: str = ""                                         # engram | attn | moe | head
     full_specs: list = field(default_factory=list)         # the unsharded weights (as in the checkpoint)
@@ -43,7 +43,16 @@ class RegionPlan:
 
 
 def plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology()) -> RegionPlan:
-    """Regions shaped for one rank of `topo` (one executable set serves every rank)."""
+    """Regions shaped for one rank of `topo` (one executable set serves every rank).
+
+    Their weight buffers are on the meta device: shapes and dtypes, no memory (a release
+    plan would otherwise allocate a real region of every kind). Whoever runs a region binds
+    real tensors to it first (`deepinfer diff`, the trn2 check)."""
+    with torch.device("meta"):
+        return _plan_regions(c, dtype, cache_quant, topo)
+
+
+def _plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology) -> RegionPlan:
     layers = plan_layers(c)
     kinds: dict[str, KindPlan] = {}
     bindings: dict[int, dict[str, tuple[str, int]]] = {}

@@ -1,4 +1,4 @@
-"""Per-rank weight shards: a checkpoint tensor -> what rank r holds (regions/topology.py).
+"""Per-rank weight shards: which part of a checkpoint tensor rank r holds (regions/topology.py).
 
     moe, ep > 1       routed experts [E, ...] -> experts r*E/ep ... (r+1)*E/ep - 1
                       shared expert -> its intermediate columns [start, stop) of `shared_slice`,
@@ -7,76 +7,117 @@
                       columns of this rank's output groups (scales follow in 32-blocks)
     everything else   replicated
 
-fp8 weights [rows, cols] carry ue8m0 scales [rows/32, cols/32]: slicing rows or
-columns of a weight slices the matching scale blocks (shards are whole blocks,
-which `topology.check` guarantees).
+A cut is declarative (`cut`): the weight pass streams exactly those rows and
+columns from the checkpoint to each rank's file, and `shard` applies the same
+cut to a whole tensor (the tests' reference). fp8 weights [rows, cols] carry
+ue8m0 scales [rows/32, cols/32]: slicing rows or columns of a weight slices the
+matching scale blocks (shards are whole blocks, which `topology.check` guarantees).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from deepinfer.regions.config import TextConfig
 from deepinfer.bundles.topology import Topology
+from deepinfer.regions.config import TextConfig
 from deepinfer.regions.topology import BLOCK, shared_slice, shared_width
 
 ROUTED = ("w1", "w1_s", "w3", "w3_s", "w2", "w2_s")
+SHARED = ("sw1", "sw3", "sw2")
 
 
-def _rows(t: torch.Tensor, start: int, stop: int, scale: bool) -> torch.Tensor:
-    return t[start // BLOCK: -(-stop // BLOCK)] if scale else t[start:stop]
+@dataclass(frozen=True)
+class Cut:
+    """What a rank holds of one (per-layer) checkpoint tensor, in that tensor's own units.
+
+    experts: [e0, e1) of a per-expert stack (one checkpoint tensor per expert); rows: [r0, r1)
+    of dim 0; cols: [c0, c1) of dim 1; None: all of it. zero: the rank holds zeros only.
+    The destination may be larger (zero padding): the piece sits at its start.
+    """
+
+    experts: tuple[int, int] | None = None
+    rows: tuple[int, int] | None = None
+    cols: tuple[int, int] | None = None
+    zero: bool = False
+
+    @property
+    def whole(self) -> bool:
+        return self == WHOLE
 
 
-def _cols(t: torch.Tensor, start: int, stop: int, scale: bool) -> torch.Tensor:
-    return t[:, start // BLOCK: -(-stop // BLOCK)] if scale else t[:, start:stop]
+WHOLE = Cut()
+ZERO = Cut(zero=True)
 
 
-def _shared(name: str, t: torch.Tensor, c: TextConfig, topo: Topology, rank: int, shape) -> torch.Tensor:
-    out = torch.zeros(shape, dtype=t.dtype)
+def _span(start: int, stop: int, scale: bool) -> tuple[int, int]:
+    return (start // BLOCK, -(-stop // BLOCK)) if scale else (start, stop)
+
+
+def _shared(name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
     piece = shared_slice(c, topo, rank)
     if piece is None:
-        return out                                   # this rank adds zeros
-    start, stop = piece
-    scale = name.endswith("_s")
+        return ZERO                                  # this rank adds zeros
+    span = _span(*piece, name.endswith("_s"))
     if name.startswith(("sw1", "sw3")):             # [I, D]: intermediate rows
-        part = _rows(t, start, stop, scale)
-        out[: part.shape[0]] = part
-    else:                                            # sw2 [D, I]: intermediate columns
-        part = _cols(t, start, stop, scale)
-        out[:, : part.shape[1]] = part
-    return out
+        return Cut(rows=span)
+    return Cut(cols=span)                            # sw2 [D, I]: intermediate columns
 
 
-def _attention(name: str, t: torch.Tensor, c: TextConfig, topo: Topology, rank: int) -> torch.Tensor:
+def _attention(name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
     r = topo.tp_rank(rank)
     heads = c.num_attention_heads // topo.tp
     rows = c.o_groups // topo.tp * c.o_lora_rank
     scale = name.endswith("_s")
     if name.startswith("wq_b"):
         span = heads * c.head_dim
-        return _rows(t, r * span, (r + 1) * span, scale)
+        return Cut(rows=_span(r * span, (r + 1) * span, scale))
     if name == "sink":
-        return t[r * heads:(r + 1) * heads]
+        return Cut(rows=(r * heads, (r + 1) * heads))
     if name.startswith("wo_a"):
-        return _rows(t, r * rows, (r + 1) * rows, scale)
+        return Cut(rows=_span(r * rows, (r + 1) * rows, scale))
     if name.startswith("wo_b"):
-        return _cols(t, r * rows, (r + 1) * rows, scale)
-    return t
+        return Cut(cols=_span(r * rows, (r + 1) * rows, scale))
+    return WHOLE
+
+
+def cut(kind: str, name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
+    """What rank `rank` holds of weight `name` of a region of `kind`."""
+    if kind == "moe" and topo.ep > 1:
+        if name in ROUTED:
+            n = c.n_routed_experts // topo.ep
+            r = rank % topo.ep
+            return Cut(experts=(r * n, (r + 1) * n))
+        if name.startswith(SHARED):
+            return _shared(name, c, topo, rank)
+    elif kind.startswith("attn") and topo.tp > 1:
+        return _attention(name, c, topo, rank)
+    return WHOLE
+
+
+def replicated(kind: str, name: str, c: TextConfig, topo: Topology) -> bool:
+    """Whether every rank holds the whole tensor (then a bundle stores it once)."""
+    return all(cut(kind, name, c, topo, r).whole for r in range(topo.world))
 
 
 def shard(kind: str, name: str, t: torch.Tensor, c: TextConfig, topo: Topology, rank: int,
           shape: tuple[int, ...]) -> torch.Tensor:
     """Rank `rank`'s part of weight `name` of a region of `kind` (full tensor `t`), of `shape`."""
-    if kind == "moe" and topo.ep > 1:
-        if name in ROUTED:
-            n = c.n_routed_experts // topo.ep
-            r = rank % topo.ep
-            t = t[r * n:(r + 1) * n]
-        elif name.startswith(("sw1", "sw3", "sw2")):
-            t = _shared(name, t, c, topo, rank, shape)
-    elif kind.startswith("attn") and topo.tp > 1:
-        t = _attention(name, t, c, topo, rank)
-    if tuple(t.shape) != tuple(shape):
-        raise AssertionError(f"{kind}.{name}: shard of rank {rank} has shape {tuple(t.shape)}, "
-                             f"the region expects {tuple(shape)} (shared width {shared_width(c, topo)})")
+    k = cut(kind, name, c, topo, rank)
+    if k.zero:
+        return torch.zeros(shape, dtype=t.dtype)
+    if k.experts:
+        t = t[k.experts[0]:k.experts[1]]
+    if k.rows:
+        t = t[k.rows[0]:k.rows[1]]
+    if k.cols:
+        t = t[:, k.cols[0]:k.cols[1]]
+    if tuple(t.shape) != tuple(shape):              # zero-padded to the shared expert's slice width
+        if not name.startswith(SHARED) or t.dim() != len(shape) or any(a > b for a, b in zip(t.shape, shape)):
+            raise AssertionError(f"{kind}.{name}: shard of rank {rank} has shape {tuple(t.shape)}, "
+                                 f"the region expects {tuple(shape)} (shared width {shared_width(c, topo)})")
+        out = torch.zeros(shape, dtype=t.dtype)
+        out[tuple(slice(0, n) for n in t.shape)] = t
+        return out
     return t.contiguous()

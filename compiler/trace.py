@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
 
 from deepinfer.regions.base import Region
@@ -80,11 +81,27 @@ def dynamic_dims(sig: Signature) -> tuple:
 def trace(region: Region, B: int, T: int, geometry: Geometry, method: str = "decode", *, dynamic: bool = True):
     """Export `region.<method>` for a [B, T] step -> (ExportedProgram, Signature, example inputs).
 
-    With `dynamic`, pool sizes (slots, blocks) stay symbolic; targets that need
+    Nothing real-size is allocated: the region's weights are meta tensors (compiler/plan.py)
+    and the graph is traced on fake tensors. The example inputs returned are the method's own
+    (small: positions, slots, activations; no weights), for numerical checks. The program
+    keeps meta example inputs only (its shapes and dtypes), so a saved program holds no
+    sample data. With `dynamic`, pool sizes (slots, blocks) stay symbolic; targets that need
     static shapes (trn2) trace with the geometry's own sizes."""
     sig = Signature(weight_specs(region), region.input_specs(B, T, geometry))
     rows = region.table.shape[0] if hasattr(region, "table") else 1
-    args = [t.clone() for _, t in region.named_buffers()] + \
-        example_inputs(sig.inputs, geometry, table_rows=rows)
-    ep = torch.export.export(Lifted(region, method), tuple(args), dynamic_shapes={"flat": dynamic_dims(sig)} if dynamic else None, strict=False)
-    return ep, sig, args
+    inputs = example_inputs(sig.inputs, geometry, table_rows=rows)
+    mode = FakeTensorMode()
+    with mode:
+        weights = [torch.empty(s.shape, dtype=s.dtype) for s in sig.weights]
+    args = weights + [mode.from_tensor(t) for t in inputs]
+    ep = torch.export.export(Lifted(region, method), tuple(args),
+                             dynamic_shapes={"flat": dynamic_dims(sig)} if dynamic else None, strict=False)
+    ep.example_inputs = (tuple(torch.empty(s.shape, dtype=s.dtype, device="meta") for s in sig.all), {})
+    return ep, sig, inputs
+
+
+def concrete_inputs(ep: torch.export.ExportedProgram) -> None:
+    """Give a loaded program example inputs AOTInductor can compile with: uninitialised host
+    tensors of the recorded shapes (never touched, so no memory is committed for them)."""
+    args, kwargs = ep.example_inputs
+    ep.example_inputs = (tuple(torch.empty(a.shape, dtype=a.dtype) for a in args), kwargs)

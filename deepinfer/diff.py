@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from deepinfer.bundles.manifest import BundleError
-from deepinfer.bundles.safetensors import load_mmap
 from deepinfer.regions.agreement import TOLERANCE, OutputDiff, ShapeMismatch, compare_tensors
 
 
@@ -90,6 +89,7 @@ class References:
 
     def __init__(self, session, rank: int = 0):
         from deepinfer.compiler.plan import plan_regions
+        from deepinfer.runtime.session import stack_tensors
 
         m = session.manifest
         plan = plan_regions(session.config.text, session.dtype, m.model.cache_quant,
@@ -100,7 +100,7 @@ class References:
             entries = m.rank_weights(rank)
         except BundleError as e:
             raise BundleError(f"{session.path}: {e}") from None
-        self.stacks = {e.kind: load_mmap(session.path / e.path) for e in entries}
+        self.stacks = {e.kind: stack_tensors(session.path, e) for e in entries}
         self.rows = {(layer, slot): b.index for layer, slot, b in m.bindings()}
         missing = sorted(set(session.signatures) - set(self.regions))
         if missing:

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from deepinfer.bundles.safetensors import map_bytes, map_rows
+from deepinfer.bundles.safetensors import map_bytes, map_rows, pwrite
 from deepinfer.errors import TensorFileError
 
 from . import blocks
@@ -31,17 +31,6 @@ from .rescale import convert_format, rescale_fp32, rescale_ue8m0
 from .stream_plan import Plan, StreamRecipe, StreamReport, Task, plan_checkpoint
 
 __all__ = ["StreamRecipe", "StreamReport", "process_checkpoint", "run_task"]
-
-
-def _pwrite(path: str, offset: int, arr: np.ndarray) -> None:
-    view = memoryview(np.ascontiguousarray(arr)).cast("B")
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        while view:
-            n = os.pwrite(fd, view, offset)
-            view, offset = view[n:], offset + n
-    finally:
-        os.close(fd)
 
 
 def _convert(task: Task) -> tuple[np.ndarray, np.ndarray]:
@@ -60,7 +49,7 @@ def run_task(task: Task):
     """Run one task (in a worker). Returns None, or (weight name, first scale row, scale rows)."""
     if task.kind == "copy":
         t = task.src
-        _pwrite(task.dst_path, task.dst_offset + task.lo, map_bytes(t.path, t.offset + task.lo, task.hi - task.lo))
+        pwrite(task.dst_path, task.dst_offset + task.lo, map_bytes(t.path, t.offset + task.lo, task.hi - task.lo))
         return None
     job = task.job
     try:
@@ -73,7 +62,7 @@ def run_task(task: Task):
     # pwrite costs about half of what page faults on a writable shared map cost
     # (measured on ext4 and tmpfs); tasks alternate between files so concurrent
     # writers seldom queue on the same file's inode lock.
-    _pwrite(task.dst_path, task.dst_offset + task.lo * job.weight.row_bytes, codes)
+    pwrite(task.dst_path, task.dst_offset + task.lo * job.weight.row_bytes, codes)
     return job.weight.name, task.lo // job.dst[0], scales
 
 
@@ -94,7 +83,7 @@ class _ScaleAssembler:
         entry[1] += rows.shape[0]
         if entry[1] == grid[0]:
             path, offset = self.plan.scale_slots[name]
-            _pwrite(path, offset, pack_scales(entry[0], job.layout))
+            pwrite(path, offset, pack_scales(entry[0], job.layout))
             del self.pending[name]
 
     def finish(self) -> None:

@@ -75,3 +75,19 @@ class Region(nn.Module):
 
     def w(self, name: str) -> torch.Tensor:
         return getattr(self, name)
+
+    def with_weights(self, tensors: dict[str, torch.Tensor]) -> Region:
+        """A shallow copy holding `tensors` as its buffers (every buffer, by name, same shapes and
+        dtypes); this region is unchanged (a plan's regions hold meta buffers only)."""
+        missing = sorted(set(self._buffers) - set(tensors))
+        if missing:
+            raise KeyError(f"{self.kind}: no tensor for buffer(s) {', '.join(missing)}")
+        for name, t in tensors.items():
+            own = self._buffers[name]
+            if tuple(t.shape) != tuple(own.shape) or t.dtype != own.dtype:
+                raise ValueError(f"{self.kind}.{name}: {tuple(t.shape)} {t.dtype}, the region holds "
+                                 f"{tuple(own.shape)} {own.dtype}")
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy._buffers = dict(tensors)
+        return copy

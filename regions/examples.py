@@ -7,9 +7,14 @@ and blocks per row, in-range engram rows, top-k indices that are visible.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from deepinfer.regions.state import Geometry, InputSpec
+
+ITEMSIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}
 
 
 def example_inputs(specs: list[InputSpec], g: Geometry, *, start: int = 0, seed: int = 0,
@@ -42,4 +47,39 @@ def example_inputs(specs: list[InputSpec], g: Geometry, *, start: int = 0, seed:
         else:
             t = torch.zeros(s.shape, dtype=s.dtype)
         out.append(t.to(s.dtype).contiguous())
+    return out
+
+
+def stored_values(rng: np.random.Generator, key: str, ckpt_dtype: str, count: int) -> np.ndarray:
+    """`count` random elements of checkpoint tensor `key`, valid in its stored format, as bytes:
+    fp8 codes without NaN, ue8m0 scales that keep weights near 1/sqrt(5120) (fp4 experts'
+    scales larger: e2m1's largest magnitude is 6, not 448), bf16/f32 near 0 (norms and
+    scales near 1)."""
+    if ckpt_dtype == "F8_E4M3":
+        codes = rng.integers(0, 256, count, dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] -= 1
+        return codes
+    if ckpt_dtype == "F8_E8M0":
+        return rng.integers(120, 124, count, dtype=np.uint8) if "experts" in key else \
+            rng.integers(113, 117, count, dtype=np.uint8)
+    if ckpt_dtype == "I8":
+        return rng.integers(0, 256, count, dtype=np.uint8)
+    values = rng.standard_normal(count, dtype=np.float32)
+    near_one = key.endswith(("norm.weight", "_scale", "q_weight", "k_weight"))
+    values *= 0.1 if near_one else 0.02
+    values += 1 if near_one else 0
+    if ckpt_dtype == "F32":
+        return values.view(np.uint8)
+    return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)     # bf16, truncated
+
+
+def random_weights(region, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded random weights of a region's real shapes (rank 0): what a numerical check runs on
+    when a zero weight would prove little."""
+    rng = np.random.default_rng(seed)
+    out = {"rank": torch.zeros((), dtype=torch.int64)}
+    for spec in region.specs:
+        count = math.prod(spec.buffer_shape)
+        data = stored_values(rng, spec.key, spec.ckpt_dtype, count)
+        out[spec.name] = torch.from_numpy(data.copy()).view(spec.dtype).reshape(spec.buffer_shape)
     return out

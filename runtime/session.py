@@ -115,7 +115,7 @@ class Session:
         except mf.BundleError as e:
             raise mf.BundleError(f"{self.path}: {e}") from None
         stacks = {e.kind: {name: self.placement.resident(t, f"{e.kind}.{name}")
-                           for name, t in load_mmap(self.path / e.path).items()} for e in entries}
+                           for name, t in stack_tensors(self.path, e).items()} for e in entries}
         self.bound = {}
         for layer, slot, b in self.manifest.bindings():
             views = [self.rank if s.role == "rank" else self.placement.view(stacks[b.kind][s.name], b.index)
@@ -221,6 +221,14 @@ class Session:
         finally:
             if self.comm is not None:
                 self.comm.step(None)
+
+
+def stack_tensors(bundle: Path, entry: mf.WeightStack) -> dict[str, torch.Tensor]:
+    """A kind's stacks on one rank, memory-mapped: its own file's and those every rank shares."""
+    out = {}
+    for rel in entry.files:
+        out.update(load_mmap(Path(bundle) / rel))
+    return out
 
 
 def load_vision(bundle: Bundle):

@@ -47,8 +47,9 @@ class Target(Protocol):
     def emit(self, ep: torch.export.ExportedProgram, names: list[str], outputs: list[str], out: Path) -> dict:
         """Write what a compile job reads; returns extra manifest fields of the executable."""
 
-    def check_numerics(self, lowered: Path, region, method: str, args: list, n_weights: int, names: list[str],
-                       state_outputs: list[str], where: str) -> dict: ...
+    def check_numerics(self, lowered: Path, region, method: str, inputs: list, names: list[str],
+                       state_outputs: list[str], where: str, seed: int = 0) -> dict:
+        """Run the lowered module against `region` on the method's `inputs` and seeded random weights."""
 
     def require_compiler(self) -> None: ...
 

@@ -31,6 +31,7 @@ from deepinfer.compiler.targets import hlo, neuronxcc
 from deepinfer.errors import DeepinferError
 from deepinfer.kernels import target_decompositions
 from deepinfer.regions.agreement import ShapeMismatch, compare_tensors, tolerance
+from deepinfer.regions.examples import random_weights
 
 OWN_OPTIONS = {"frontend": hlo.FRONTENDS, "check": (True, False)}
 HBM_PER_CORE = 96 * (1 << 30) // 8        # per physical NeuronCore-v3
@@ -111,15 +112,20 @@ class Trn2Target:
                  for n, v in zip(labels, values)]
         return {"state_outputs": state, "aliases": aliases, "output_specs": specs}
 
-    def check_numerics(self, proto: Path, region, method: str, args: list[torch.Tensor], n_weights: int,
-                       names: list[str], state_outputs: list[str], where: str) -> dict:
-        """Run the HLO module on XLA:CPU and the reference region eagerly on the same inputs.
-        Every output must agree as `deepinfer diff` judges (regions/agreement.py). Returns
-        {"max_abs", "score", "tolerance"}; raises CheckFailed naming the first output that does not."""
-        got = hlo.CpuHlo(Path(proto).read_bytes())([a.clone() for a in args])
-        inputs = [a.clone() for a in args[n_weights:]]
+    def check_numerics(self, proto: Path, region, method: str, inputs: list[torch.Tensor], names: list[str],
+                       state_outputs: list[str], where: str, seed: int = 0) -> dict:
+        """Run the HLO module on XLA:CPU and the reference region eagerly on the same inputs: the
+        method's example inputs and seeded random weights of the region's real shapes
+        (regions/examples.random_weights; this region's only, freed after). Every output must agree
+        as `deepinfer diff` judges (regions/agreement.py). Returns {"max_abs", "score",
+        "tolerance"}; raises CheckFailed naming the first output that does not."""
+        weights = random_weights(region, seed)
+        n_weights = len(names) - len(inputs)
+        flat = [weights[n] for n in names[:n_weights]]
+        got = hlo.CpuHlo(Path(proto).read_bytes())(flat + [a.clone() for a in inputs])
+        inputs = [a.clone() for a in inputs]
         with torch.no_grad():
-            ref = getattr(region, method)(*inputs)
+            ref = getattr(region.with_weights(weights), method)(*inputs)
         ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
         ref = [inputs[names.index(n) - n_weights] for n in state_outputs] + ref
         labels = state_outputs + region.output_names()

@@ -41,7 +41,7 @@ def bundle_error(fn, *args, **kwargs) -> str:
 
 def test_format_version_is_the_first_key(exported_bundle):
     text = manifest_text(exported_bundle)
-    assert re.match(r'\{\s*"format_version": 1,', text), text[:40]
+    assert re.match(r'\{\s*"format_version": %d,' % mf.FORMAT_VERSION, text), text[:40]
     assert next(iter(json.loads(text))) == "format_version"
     assert mf.read(exported_bundle).format_version == mf.FORMAT_VERSION in mf.SUPPORTED_VERSIONS
 

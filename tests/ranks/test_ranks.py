@@ -43,10 +43,14 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, one_rank, name):
     assert world == max(tp * cp, ep) and sorted(m["weights"]) == [f"rank-{r}" for r in range(world)]
     # one executable set for every rank: each (kind, bucket) once, every rank's weights its own files
     assert len({(e["kind"], e["bucket"]["batch"], e["bucket"]["tokens"]) for e in m["regions"]}) == len(m["regions"])
-    digests = [{w["kind"]: w["digest"] for w in m["weights"][f"rank-{r}"]} for r in range(world)]
+    stacks = [{w["kind"]: w for w in m["weights"][f"rank-{r}"]} for r in range(world)]
+    digests = [{k: (w.get("digest"), w.get("shared_digest")) for k, w in s.items()} for s in stacks]
     sharded = {"moe"} if ep > 1 else {k for k in digests[0] if k.startswith("attn")} if tp > 1 else set()
     for kind in digests[0]:
         assert (len({d[kind] for d in digests}) > 1) == (kind in sharded), kind
+        if kind not in sharded:          # every rank holds it whole: one shared file, no rank file
+            assert all(s[kind].get("path") is None and s[kind]["shared"] == stacks[0][kind]["shared"]
+                       for s in stacks), kind
     run = generate_ranks(bundle, PROMPTS, NEW, threads=1)
     for got, want in zip(run["gens"], one_rank):
         assert got.tokens == want.tokens

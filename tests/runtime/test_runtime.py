@@ -153,7 +153,7 @@ def test_cli_refuses_damaged_bundle_in_one_line(run_exported_bundle, tmp_path):
     from deepinfer.runtime.cli import main
 
     b = copy_bundle(run_exported_bundle, tmp_path)
-    edit_manifest(b, lambda d: d.update(format_version=2))
+    edit_manifest(b, lambda d: d.update(format_version=99))
     r = CliRunner().invoke(main, [str(b), "--prompt", "x"])
     assert r.exit_code == 2
-    assert r.output.count("\n") == 1 and "format_version 2 is not supported" in r.output
+    assert r.output.count("\n") == 1 and "format_version 99 is not supported" in r.output

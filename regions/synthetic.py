@@ -1,0 +1,125 @@
+"""Synthetic checkpoints with the release's per-layer tensor shapes, any size.
+
+For measuring what grows with the release (weight-pass throughput and memory, bundle
+bytes, trace memory) without its 475 GiB: the released text dimensions (hidden 5120,
+moe_intermediate 2304, 64 heads of 512, the real attention, indexer and engram
+widths), with fewer layers, routed experts and engram rows. The layer pattern is the
+tiny model's (every layer kind present, `regions/tiny.py`); every other text key is
+the release's value (MODEL.md).
+
+Values are random but valid in their formats (`regions/examples.stored_values`),
+so the files can be compiled and run; they are no model. Files are written one
+tensor at a time, in chunks (`CHUNK_BYTES`), at their final offsets: memory stays
+bounded at any size. One file per layer plus one for the rest, with the index the
+release ships.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deepinfer.bundles.safetensors import layout_header, pwrite
+from deepinfer.regions.checkpoint import INDEX_FILE
+from deepinfer.regions.config import CONFIG_FILE, parse_config
+from deepinfer.regions.examples import ITEMSIZE, stored_values
+from deepinfer.regions.plan import make_head, make_layer_regions
+from deepinfer.regions.step import plan_layers
+from deepinfer.regions.tiny import tiny_config
+
+CHUNK_BYTES = 32 << 20
+# the released text dimensions (MODEL.md); layer ids, expert and engram row counts are chosen
+RELEASE_DIMS = {
+    "vocab_size": 129280, "hidden_size": 5120, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_lora_rank": 1024, "o_groups": 8,
+    "max_position_embeddings": 1048576, "num_experts_per_tok": 6, "moe_intermediate_size": 2304,
+    "sliding_window": 128, "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512,
+    "candidate_topk_blocks": 2048, "candidate_block_size": 8, "engram_max_ngram_size": 4,
+    "engram_vocab_size": 16000000, "engram_n_heads": 8, "engram_head_dim": 256,
+    "engram_compressed_vocab_size": 99092,
+}
+
+
+def synthetic_config(layers: int = 6, experts: int = 8, engram_rows: int = 65536) -> dict:
+    """config.json of a release-dimension model with `layers` layers and `experts` routed experts."""
+    config = tiny_config(layers)
+    text = config["text_config"]
+    text.update(RELEASE_DIMS, n_routed_experts=experts,
+                num_experts_per_tok=min(RELEASE_DIMS["num_experts_per_tok"], experts),
+                engram_num_embeddings=[engram_rows] * len(text["engram_layer_ids"]))
+    config["vision_config"] = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 0}
+    config["image_token_id"] = 129264
+    config["generator"] = {"name": "deepinfer synthetic", "layers": layers, "experts": experts,
+                           "engram_rows": engram_rows}
+    return config
+
+
+def checkpoint_tensors(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, safetensors dtype, shape) of every tensor the model's regions read, in layer order."""
+    c = parse_config(config).text
+    out = [("embed.weight", "BF16", (c.vocab_size, c.hidden_size))]
+    with torch.device("meta"):               # shapes only: no region holds real buffers here
+        regions = [(f"layers.{p.layer}.", r) for p in plan_layers(c)
+                   for r in make_layer_regions(c, p, torch.float32, True).values()]
+        regions.append(("", make_head(c, torch.float32)))
+    for prefix, region in regions:
+        for spec in region.specs:
+            for e in range(spec.experts or 1):
+                out.append((prefix + spec.key.format(e=e), spec.ckpt_dtype, spec.shape))
+    return out
+
+
+def _file_of(name: str) -> str:
+    layer = name.split(".")[1] if name.startswith("layers.") else None
+    return f"model-layer-{int(layer):03d}.safetensors" if layer is not None else "model-rest.safetensors"
+
+
+def checkpoint_bytes(config: dict) -> int:
+    return sum(math.prod(s) * ITEMSIZE[d] for _, d, s in checkpoint_tensors(config))
+
+
+def write_synthetic(out_dir: str | Path, config: dict, *, seed: int = 0, log=lambda msg: None) -> int:
+    """Write the checkpoint of `config` to `out_dir` (atomically); returns its tensor bytes."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir}: exists and is not empty")
+    tensors = checkpoint_tensors(config)
+    by_file: dict[str, list] = {}
+    for name, dtype, shape in tensors:
+        by_file.setdefault(_file_of(name), []).append((name, dtype, shape, math.prod(shape) * ITEMSIZE[dtype]))
+    rng = np.random.default_rng(seed)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    total = 0
+    try:
+        for fname, entries in by_file.items():
+            header, offsets = layout_header([(n, d, s, b) for n, d, s, b in entries], {"format": "pt"})
+            path = str(tmp / fname)
+            with open(path, "wb") as f:
+                f.write(header)
+                f.truncate(len(header) + sum(e[3] for e in entries))
+            for name, dtype, _, nbytes in entries:
+                step = CHUNK_BYTES - CHUNK_BYTES % ITEMSIZE[dtype]
+                for a in range(0, nbytes, step):
+                    n = min(step, nbytes - a)
+                    pwrite(path, offsets[name] + a, stored_values(rng, name, dtype, n // ITEMSIZE[dtype]))
+            total += sum(e[3] for e in entries)
+            log(f"synthetic checkpoint: {fname} written ({total / 2**30:.2f} GiB so far)")
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {name: _file_of(name) for name, _, _ in tensors}}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return total

@@ -1,0 +1,180 @@
+"""The streaming weight pass: the same bytes as whole-tensor stacking, each checkpoint byte read
+once for every rank, replicated stacks stored once, bad checkpoints refused before any output."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save
+
+import deepinfer.compiler.stream as stream_mod
+from deepinfer.bundles import layout
+from deepinfer.compiler import pipeline
+from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.config import load_compile_config
+from deepinfer.compiler.shard import shard
+from deepinfer.compiler.stream import stream
+from deepinfer.compiler.weights import host_files, stack_files
+from deepinfer.errors import CheckpointError
+from deepinfer.regions.checkpoint import Checkpoint
+
+from ..conftest import write_model_toml
+
+QUIET = lambda msg: None  # noqa: E731
+
+
+def planned(tmp_path, ckpt, parallel=(1, 1, 1)):
+    spec = pipeline.parse(load_compile_config(write_model_toml(tmp_path / "toml", ckpt, executable="exported",
+                                                               parallel=parallel)), False, QUIET)
+    return spec, pipeline.plan(spec, QUIET)
+
+
+def whole_stacks(ckpt: Checkpoint, spec, plan, kind: str, rank: int) -> dict[str, torch.Tensor]:
+    """A kind's stacks on `rank` the way a whole-tensor pass builds them: load each full source
+    tensor, cut the rank's part (compiler/shard.py), pad an engram table, stack the layers."""
+    kp = plan.kinds[kind]
+    out = {}
+    for s, full in zip(kp.region.specs, kp.full_specs):
+        rows = []
+        for layer in kp.layers:
+            prefix = "" if layer < 0 else f"layers.{layer}."
+            own = dataclasses.replace(full, shape=ckpt.info(prefix + full.key)[1]) if s.name in ("table", "table_s") \
+                else full
+            t = ckpt.load_spec(prefix, own)
+            if tuple(t.shape) != tuple(full.buffer_shape):
+                t = torch.cat([t, torch.zeros((full.buffer_shape[0] - t.shape[0], *t.shape[1:]), dtype=t.dtype)])
+            rows.append(shard(kind, s.name, t, spec.model.text, spec.topology, rank, s.buffer_shape))
+        out[s.name] = torch.stack(rows)
+    return out
+
+
+def test_one_rank_files_are_save_file_bytes(tiny_ckpt, tmp_path):
+    """With one rank every stack goes to the rank's file, byte for byte what safetensors writes for the
+    stacks built whole (the pass before streaming wrote exactly that)."""
+    spec, plan = planned(tmp_path, tiny_ckpt)
+    ckpt = Checkpoint(tiny_ckpt)
+    files, entries = stack_files(spec, plan, ckpt, tmp_path / "b")
+    files += host_files(spec.model, ckpt, tmp_path / "b")
+    report = stream(files, workers=2, chunk_bytes=4096)                 # many chunks per tensor
+    [stacks] = entries.values()
+    for w in stacks:
+        assert w.shared is None and w.path == layout.weights_path(0, w.kind)
+        want = save(whole_stacks(ckpt, spec, plan, w.kind, 0))
+        assert (tmp_path / "b" / w.path).read_bytes() == want, w.kind
+    embed = ckpt.get("embed.weight")
+    assert (tmp_path / "b" / "host/embed.safetensors").read_bytes() == save({"embed": embed.contiguous()})
+    sources = {p.src.name: p.src.nbytes for f in files for t in f.tensors for p in t.pieces}
+    assert report["bytes_read"] == sum(sources.values())                # every source byte once
+
+
+@pytest.mark.parametrize("parallel", [(1, 2, 1), (2, 1, 1)], ids=["ep=2", "tp=2"])
+def test_ranks_read_once_hold_their_cut_and_share_the_rest(tiny_ckpt, tmp_path, parallel):
+    spec, plan = planned(tmp_path, tiny_ckpt, parallel)
+    ckpt = Checkpoint(tiny_ckpt)
+    files, entries = stack_files(spec, plan, ckpt, tmp_path / "b")
+    report = stream(files, workers=1, chunk_bytes=1 << 12)
+    sources = {(p.src.path, p.src.name): p.src.nbytes for f in files for t in f.tensors for p in t.pieces}
+    assert report["bytes_read"] == sum(sources.values())            # each source byte once, for every rank
+    shared = {f.path for f in files if "/weights/shared/" in f.path}
+    assert shared, "replicated stacks go to shared files"
+    for rank in range(spec.topology.world):
+        for w in entries[layout.rank_key(rank)]:
+            own = _read(tmp_path / "b" / w.path) if w.path else {}
+            common = _read(tmp_path / "b" / w.shared) if w.shared else {}
+            want = whole_stacks(ckpt, spec, plan, w.kind, rank)
+            assert own.keys() | common.keys() == want.keys() and not own.keys() & common.keys(), w.kind
+            for name in want:
+                got = common[name] if w.tensors[name].file == "shared" else own[name]
+                assert torch.equal(got.view(torch.uint8), want[name].contiguous().view(torch.uint8)), \
+                    (rank, w.kind, name)
+            if w.shared:
+                assert str(tmp_path / "b" / w.shared) in shared
+    ep, tp = parallel[1], parallel[0]
+    moe = [w for w in entries["rank-0"] if w.kind == "moe"][0]
+    assert (moe.tensors["w1"].file == "rank") == (ep > 1) and moe.tensors["gate"].file == "shared"
+    attn = [w for w in entries["rank-0"] if w.kind == "attn_window"][0]
+    assert (attn.tensors["wq_b"].file == "rank") == (tp > 1) and attn.tensors["attn_norm"].file == "shared"
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _rewrite(ckpt: Path, name: str, tensor: torch.Tensor) -> None:
+    """Replace one tensor of the tiny checkpoint's single file."""
+    from safetensors.torch import load_file, save_file
+
+    path = ckpt / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors[name] = tensor
+    save_file(tensors, str(path))
+
+
+@pytest.mark.parametrize("damage", ["shape", "dtype", "truncated"])
+def test_bad_checkpoint_tensor_is_one_line_before_any_output(tiny_ckpt, tmp_path, damage):
+    ckpt = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+    name = "layers.2.attn.wq_b.weight"
+    if damage == "shape":
+        _rewrite(ckpt, name, torch.zeros((8, 8), dtype=torch.float8_e4m3fn))
+        expected = f"tensor {name} has shape [8, 8]"
+    elif damage == "dtype":
+        _rewrite(ckpt, name, torch.zeros(Checkpoint(ckpt).info(name)[1], dtype=torch.bfloat16))
+        expected = f"tensor {name} has dtype BF16, expected F8_E4M3"
+    else:
+        path = ckpt / "model.safetensors"
+        path.write_bytes(path.read_bytes()[:-1000])
+        expected = "truncated"
+    toml = write_model_toml(tmp_path / "m", ckpt, executable="exported")
+    with pytest.raises(CheckpointError) as e:
+        pipeline.compile_bundle(load_compile_config(toml), tmp_path / "bundle", log=QUIET)
+    message = str(e.value)
+    assert "\n" not in message and "model.safetensors" in message and expected in message, message
+    assert not (tmp_path / "bundle").exists() and not list(tmp_path.glob(".bundle*"))
+
+
+def test_failure_mid_stream_leaves_no_bundle_and_no_cache_entry(tiny_ckpt, tmp_path, monkeypatch):
+    calls = []
+    real = stream_mod.run_task
+
+    def failing(task):
+        calls.append(task)
+        if len(calls) == 5:
+            raise RuntimeError("killed mid-stream")
+        return real(task)
+
+    monkeypatch.setattr(stream_mod, "run_task", failing)
+    toml = write_model_toml(tmp_path / "m", tiny_ckpt, executable="exported")
+    cache = Cache(tmp_path / "cache")
+    with pytest.raises(RuntimeError, match="killed mid-stream"):
+        pipeline.compile_bundle(load_compile_config(toml), tmp_path / "bundle", log=QUIET, cache=cache)
+    assert len(calls) == 5
+    assert not (tmp_path / "bundle").exists() and not list(tmp_path.glob(".bundle*"))
+    assert [e for e in cache.entries() if e.kind in ("weights", "host")] == []
+
+
+def test_progress_names_bytes_rate_and_eta():
+    lines = []
+    p = stream_mod.Progress(4 << 30, lines.append, every=0.0)
+    p.add(1 << 30)
+    p.add(3 << 30)
+    assert lines[0].startswith("weights: 1.00 / 4.00 GiB, ") and "GB/s, ETA" in lines[0]
+    assert lines[-1].startswith("weights: 4.00 / 4.00 GiB") and lines[-1].endswith("ETA 0 s")
+
+
+def test_manifest_entries_name_their_files(exported_bundle):
+    m = json.loads((exported_bundle / layout.MANIFEST_FILE).read_text())
+    assert m["format_version"] == 2
+    for w in m["weights"]["rank-0"]:
+        assert w["path"] == layout.weights_path(0, w["kind"]) and "shared" not in w
+        assert {t["file"] for t in w["tensors"].values()} == {"rank"}
+        assert all(t["format"] for t in w["tensors"].values())
+    header = struct.unpack("<Q", (exported_bundle / m["weights"]["rank-0"][0]["path"]).read_bytes()[:8])[0]
+    assert header % 8 == 0

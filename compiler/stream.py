@@ -19,7 +19,6 @@ file and tensor.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deepinfer.bundles.safetensors import TensorInfo, layout_header, map_rows, pwrite
+from deepinfer.quant.stream import worker_context
 
 CHUNK_BYTES = 64 << 20
 # the safetensors library's dtype order (its Dtype enum), by which it sorts a file's tensors
@@ -186,10 +186,6 @@ class Progress:
                      f"{rate / 1e9:.2f} GB/s, ETA {eta:.0f} s")
 
 
-def _start_method() -> str:
-    return "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-
-
 def stream(files: list[OutFile], *, workers: int = 1, log=lambda msg: None, chunk_bytes: int = CHUNK_BYTES,
            what: str = "weights") -> dict:
     """Create every file at its size (zeros) and fill it; returns {"bytes_read", "bytes_written", "seconds"}.
@@ -207,7 +203,7 @@ def stream(files: list[OutFile], *, workers: int = 1, log=lambda msg: None, chun
         for task in tasks:
             progress.add(run_task(task))
     else:
-        with mp.get_context(_start_method()).Pool(workers) as pool:
+        with worker_context().Pool(workers) as pool:
             for n in pool.imap_unordered(run_task, tasks, chunksize=1):
                 progress.add(n)
     return {"bytes_read": progress.done, "bytes_written": sum(s for _, s in layouts.values()),

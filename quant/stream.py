@@ -90,10 +90,14 @@ class _ScaleAssembler:
         assert not self.pending, f"incomplete scale grids: {sorted(self.pending)}"
 
 
-def _start_method(name: str | None) -> str:
-    if name:
-        return name
-    return "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+def worker_context(name: str | None = None):
+    """The multiprocessing context for stream workers. Never a plain fork by default: the
+    parent may hold threads (torch's pools, JAX's runtime when the trn2 target is loaded)
+    whose locks a forked child would inherit held. A fork server starts one clean process
+    and forks workers from it; workers need only numpy and this package."""
+    if not name:
+        name = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    return mp.get_context(name)
 
 
 def _execute(plan: Plan, recipe: StreamRecipe, workers: int, start_method: str | None) -> None:
@@ -102,7 +106,7 @@ def _execute(plan: Plan, recipe: StreamRecipe, workers: int, start_method: str |
         for task in plan.tasks:
             scales.add(run_task(task))
     else:
-        with mp.get_context(_start_method(start_method)).Pool(workers) as pool:
+        with worker_context(start_method).Pool(workers) as pool:
             for result in pool.imap_unordered(run_task, plan.tasks, chunksize=1):
                 scales.add(result)
     scales.finish()

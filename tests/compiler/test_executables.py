@@ -111,7 +111,7 @@ def ep_moe(ref_fp32, tmp_path_factory):
     AOTInductor package (batch 1, one token): there the rank selects experts and the residual."""
     from deepinfer.compiler.shard import shard
     from deepinfer.compiler.targets.cpu import CpuTarget
-    from deepinfer.compiler.trace import trace
+    from deepinfer.compiler.trace import concrete_inputs, trace
     from deepinfer.regions.moe import MoE
     from deepinfer.bundles.topology import Topology
 
@@ -125,7 +125,9 @@ def ep_moe(ref_fp32, tmp_path_factory):
     ep, sig, _ = trace(region, 1, 1, g)
     target = CpuTarget("aoti")
     path = tmp_path_factory.mktemp("ep_moe") / "moe.pt2"
-    torch._inductor.aoti_compile_and_package(target.lower(ep), package_path=str(path))
+    lowered = target.lower(ep)
+    concrete_inputs(lowered)            # traced programs keep meta example inputs only
+    torch._inductor.aoti_compile_and_package(lowered, package_path=str(path))
     runner = torch._inductor.aoti_load_package(str(path))
     inputs = example_inputs(sig.inputs, g, seed=1)
     weights = [t for name, t in region.named_buffers() if name != "rank"]

@@ -178,3 +178,62 @@ def test_manifest_entries_name_their_files(exported_bundle):
         assert all(t["format"] for t in w["tensors"].values())
     header = struct.unpack("<Q", (exported_bundle / m["weights"]["rank-0"][0]["path"]).read_bytes()[:8])[0]
     assert header % 8 == 0
+
+
+KILLED_COMPILE = """
+import os, sys, time
+import deepinfer.compiler.stream as stream
+from deepinfer.compiler import pipeline
+from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.config import load_compile_config
+
+real, done = stream.run_task, []
+
+def slow(task):
+    done.append(real(task))
+    if len(done) == 5:
+        print("MID-STREAM", flush=True)
+        time.sleep(600)                      # the test kills the process here
+    return done[-1]
+
+stream.run_task = slow
+pipeline.compile_bundle(load_compile_config(sys.argv[1]), sys.argv[2], cache=Cache(sys.argv[3]), log=lambda m: None)
+"""
+
+
+def test_compile_killed_mid_weight_pass_leaves_nothing_a_later_compile_accepts(tiny_ckpt, tmp_path):
+    """SIGKILL in the middle of the weight pass (no handler runs): no bundle, no cache entry, no
+    lock held; the next weight pass over the same cache builds every file again, the same bytes."""
+    import os
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    toml = write_model_toml(tmp_path / "m", tiny_ckpt, executable="exported")
+    out, cache_dir = tmp_path / "bundle", tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_COMPILE, str(toml), str(out), str(cache_dir)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 300)
+        line = proc.stdout.readline() if ready else "(no line in 300 s)"   # once, mid-stream (or EOF)
+        assert line.strip() == "MID-STREAM", line
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert not out.exists()
+    cache = Cache(cache_dir)
+    assert [e for e in cache.entries() if e.kind in ("weights", "host")] == []
+    spec, plan = planned(tmp_path, tiny_ckpt)
+    staging = tmp_path / "again"
+    staging.mkdir()
+    run = pipeline.Run(staging, staging, log=QUIET, cache=cache)
+    pipeline.preprocess_weights(spec, plan, run)       # would block on a lock the dead process kept
+    assert not [k for k, _ in cache.stats["hit"] if k in ("weights", "host")]
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    pipeline.preprocess_weights(spec, plan, pipeline.Run(fresh, fresh, log=QUIET))
+    files = sorted(p.relative_to(fresh) for p in fresh.rglob("*.safetensors"))
+    assert files and files == sorted(p.relative_to(staging) for p in staging.rglob("*.safetensors"))
+    for rel in files:
+        assert (fresh / rel).read_bytes() == (staging / rel).read_bytes(), rel

@@ -79,7 +79,7 @@ class ParallelSection:
 
 @dataclass(frozen=True, kw_only=True)
 class QuantSection:
-    recipe: str = "release"
+    recipe: str = "target"          # the target's own (cpu: release, trn2: e4m3); compiler/weights.RECIPES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +116,7 @@ SECTIONS = {"model": ModelSection, "target": TargetSection, "buckets": BucketSec
             "parallel": ParallelSection, "quant": QuantSection, "host": HostSection, "cache": CacheSection,
             "memory": MemorySection}
 DTYPES = ("fp32", "bf16")
-QUANT_RECIPES = ("release",)
+QUANT_RECIPES = ("target", "release", "e4m3")   # "target" or a name of compiler/weights.RECIPES
 
 
 class _Where:

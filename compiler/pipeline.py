@@ -45,7 +45,7 @@ from deepinfer.compiler.pools import plan_pools
 from deepinfer.compiler.stream import stream
 from deepinfer.compiler.targets import TARGETS, Target
 from deepinfer.compiler.trace import trace
-from deepinfer.compiler.weights import host_entries, host_files, stack_files
+from deepinfer.compiler.weights import RECIPES, Recipe, host_entries, host_files, stack_files
 from deepinfer.errors import ConfigError, DeepinferError
 from deepinfer.regions import topology
 from deepinfer.regions.checkpoint import Checkpoint
@@ -70,6 +70,12 @@ class Spec:
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.config.model.dtype]
+
+    @property
+    def recipe(self) -> Recipe:
+        """The weight recipe: [quant] recipe, or the target's own for "target"."""
+        name = self.config.quant.recipe
+        return RECIPES[self.target.recipe if name == "target" else name]
 
     def executables(self, plan: RegionPlan) -> list[tuple[str, str, int, int]]:
         """(kind, method, batch, tokens) of every executable (MoE on gathered rows under EP dispatch)."""
@@ -137,7 +143,8 @@ def parse(config: CompileConfig, hlo_only: bool, log) -> Spec:
 
 
 def plan(spec: Spec, log) -> RegionPlan:
-    p = plan_regions(spec.model.text, spec.dtype, spec.config.model.cache_quant, spec.topology)
+    p = plan_regions(spec.model.text, spec.dtype, spec.config.model.cache_quant, spec.topology,
+                     spec.recipe.fp8_format)
     kinds = ", ".join(f"{k} x{len(kp.layers)}" for k, kp in p.kinds.items())
     log(f"{len(p.layers)} layers -> {len(p.kinds)} region kinds ({kinds})")
     return p

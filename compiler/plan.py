@@ -42,14 +42,19 @@ class RegionPlan:
         return [(k, METHOD, b * (gathered if k == "moe" else 1), t) for k in self.kinds for b, t in shapes]
 
 
-def plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology()) -> RegionPlan:
-    """Regions shaped for one rank of `topo` (one executable set serves every rank).
+def plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology(),
+                 fp8_format: str = "e4m3fn") -> RegionPlan:
+    """Regions shaped for one rank of `topo` (one executable set serves every rank), decoding
+    fp8 weights stored in `fp8_format` (the weight recipe's).
 
     Their weight buffers are on the meta device: shapes and dtypes, no memory (a release
     plan would otherwise allocate a real region of every kind). Whoever runs a region binds
     real tensors to it first (`deepinfer diff`, the trn2 check)."""
     with torch.device("meta"):
-        return _plan_regions(c, dtype, cache_quant, topo)
+        p = _plan_regions(c, dtype, cache_quant, topo)
+    for kp in p.kinds.values():
+        kp.region.fp8_format = fp8_format
+    return p
 
 
 def _plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology) -> RegionPlan:

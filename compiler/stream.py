@@ -59,6 +59,83 @@ def _inner(t: TensorInfo) -> int:
     return math.prod(t.shape[2:]) if len(t.shape) > 2 else 1
 
 
+@dataclass(frozen=True)
+class Fp8Convert:
+    """An fp8 weight the bundle stores otherwise than the checkpoint: codes (F8_E4M3, [R, C])
+    with block scales (F8_E8M0 on `src_block`, or DeepSeek-V3's F32 `weight_scale_inv` on
+    [128, 128]) become codes of `fmt` with ue8m0 scales on `dst_block`, by quant/rescale:
+    `rescale_fp32` for float scales, `convert_format` for ue8m0 ones (same blocks). Row chunks
+    are whole multiples of both blocks' rows, so a chunk converts on its own."""
+
+    codes: TensorInfo
+    scales: TensorInfo
+    src_block: tuple[int, int]
+    dst_block: tuple[int, int]
+    fmt: str
+
+    @property
+    def align(self) -> int:
+        """Codes rows per chunk step."""
+        return math.lcm(self.src_block[0], self.dst_block[0])
+
+    def part(self, which: str) -> Derived:
+        return Derived(self, which)
+
+    def convert(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(codes rows [lo, hi), their scale rows [lo / dst_rows, ...)) as written; `lo` is aligned."""
+        from deepinfer.quant.rescale import convert_format, rescale_fp32
+
+        codes = map_rows(self.codes, lo, hi).view(np.uint8)
+        sr = self.src_block[0]
+        scales = map_rows(self.scales, lo // sr, -(-hi // sr))
+        if self.scales.dtype == "F32":
+            return rescale_fp32(codes, scales, self.src_block, self.dst_block, self.fmt)
+        return convert_format(codes, scales.view(np.uint8), self.src_block, self.fmt)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """The codes or the scales part of an `Fp8Convert`, as a piece's source: the shape and rows of
+    what is written (uint8), the bytes read counted on the checkpoint tensor they come from."""
+
+    conv: Fp8Convert
+    which: str                    # "codes" | "scales"
+    dtype = "U8"
+    np_dtype = np.dtype(np.uint8)
+
+    @property
+    def stored(self) -> TensorInfo:
+        return self.conv.codes if self.which == "codes" else self.conv.scales
+
+    @property
+    def path(self) -> str:
+        return self.stored.path
+
+    @property
+    def name(self) -> str:
+        return self.stored.name
+
+    @property
+    def nbytes(self) -> int:
+        return self.stored.nbytes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.which == "codes":
+            return self.conv.codes.shape
+        (r, c), (br, bc) = self.conv.codes.shape, self.conv.dst_block
+        return (-(-r // br), -(-c // bc))
+
+    @property
+    def row_bytes(self) -> int:
+        return self.shape[1]
+
+    @property
+    def rows_per_row(self) -> int:
+        """Codes rows behind one row of this part."""
+        return 1 if self.which == "codes" else self.conv.dst_block[0]
+
+
 @dataclass
 class OutTensor:
     name: str
@@ -90,7 +167,9 @@ class OutFile:
 
 @dataclass(frozen=True)
 class Write:
-    """One piece, placed: output path and the absolute offset of its first row."""
+    """One piece, placed: output path and the absolute offset of its first row. `part`: which
+    part of a converted source it takes ("codes" / "scales"; "" for stored bytes); its rows
+    count in that part's rows."""
 
     path: str
     offset: int
@@ -98,17 +177,26 @@ class Write:
     cols: tuple[int, int] | None
     row_bytes: int
     width: int
+    part: str = ""
 
 
 @dataclass(frozen=True)
 class Task:
-    src: TensorInfo
+    """Rows [lo, hi) of one source: a checkpoint tensor, or the codes of an `Fp8Convert` (whose
+    scale rows come with them)."""
+
+    src: TensorInfo | Fp8Convert
     lo: int
     hi: int
     writes: tuple[Write, ...]
 
     @property
     def nbytes(self) -> int:
+        """Checkpoint bytes the task reads."""
+        if isinstance(self.src, Fp8Convert):
+            s, sr = self.src.scales, self.src.src_block[0]
+            return (self.hi - self.lo) * self.src.codes.row_bytes + \
+                (-(-self.hi // sr) - self.lo // sr) * s.row_bytes
         return (self.hi - self.lo) * self.src.row_bytes
 
 
@@ -116,45 +204,80 @@ def _rows(t: TensorInfo) -> int:
     return t.shape[0] if t.shape else 1
 
 
+def _code_rows(p: Piece) -> tuple[int, int]:
+    """The piece's rows in rows of its source tensor (codes rows for a converted part)."""
+    n = getattr(p.src, "rows_per_row", 1)
+    return p.rows[0] * n, p.rows[1] * n
+
+
+def _source_of(p: Piece):
+    """What a task reads for the piece: the checkpoint tensor, or the conversion of a derived part."""
+    return p.src.conv if isinstance(p.src, Derived) else p.src
+
+
 def plan_tasks(files: list[OutFile], chunk_bytes: int = CHUNK_BYTES) -> tuple[list[Task], dict[str, tuple]]:
     """Tasks covering every source row some piece reads, grouped by source tensor and row chunk;
     and each file's (header, size)."""
-    writes: dict[tuple[str, str], list[Write]] = {}
-    sources: dict[tuple[str, str], TensorInfo] = {}
+    writes: dict[tuple[str, str], list[tuple[Write, tuple[int, int]]]] = {}
+    sources: dict[tuple[str, str], TensorInfo | Fp8Convert] = {}
     layouts = {}
     for f in files:
         header, offsets, size = f.layout()
         layouts[f.path] = (header, size)
         for t in f.tensors:
             for p in t.pieces:
-                key = (p.src.path, p.src.name)
-                sources[key] = p.src
-                writes.setdefault(key, []).append(Write(f.path, offsets[t.name] + p.offset, p.rows, p.cols,
-                                                        p.row_bytes, p.width))
+                src = _source_of(p)
+                stored = src.codes if isinstance(src, Fp8Convert) else src
+                key = (stored.path, stored.name)
+                if sources.setdefault(key, src) != src:
+                    raise ValueError(f"{stored.path}: tensor {stored.name} is planned both converted and as stored")
+                part = p.src.which if isinstance(p.src, Derived) else ""
+                w = Write(f.path, offsets[t.name] + p.offset, p.rows, p.cols, p.row_bytes, p.width, part)
+                writes.setdefault(key, []).append((w, _code_rows(p)))
     tasks = []
-    for key in sorted(writes, key=lambda k: (k[0], sources[k].offset)):      # file order: sequential reads
+    for key in sorted(writes, key=lambda k: (k[0], _stored(sources[k]).offset)):   # file order: sequential reads
         src, ws = sources[key], writes[key]
-        lo, hi = min(w.rows[0] for w in ws), max(w.rows[1] for w in ws)
-        step = max(1, chunk_bytes // max(src.row_bytes, 1))
+        stored = _stored(src)
+        align = src.align if isinstance(src, Fp8Convert) else 1
+        lo = min(r[0] for _, r in ws) // align * align
+        hi = max(r[1] for _, r in ws)
+        step = max(1, chunk_bytes // max(stored.row_bytes, 1) // align) * align
         for a in range(lo, hi, step):
             b = min(a + step, hi)
-            mine = tuple(w for w in ws if w.rows[0] < b and a < w.rows[1])
+            mine = tuple(w for w, r in ws if r[0] < b and a < r[1])
             if mine:
                 tasks.append(Task(src, a, b, mine))
     return tasks, layouts
 
 
-def run_task(task: Task) -> int:
-    """Map the task's rows once; write each piece's part. Returns the bytes read."""
+def _stored(src: TensorInfo | Fp8Convert) -> TensorInfo:
+    return src.codes if isinstance(src, Fp8Convert) else src
+
+
+def _task_rows(task: Task) -> dict[str, tuple[int, np.ndarray]]:
+    """{part: (index of its first row, uint8 rows [n, row bytes])} of what the task writes from."""
     src = task.src
+    if isinstance(src, Fp8Convert):
+        codes, scales = src.convert(task.lo, task.hi)
+        return {"codes": (task.lo, codes), "scales": (task.lo // src.dst_block[0], scales)}
     if len(src.shape) >= 2:
         data = map_rows(src, task.lo, task.hi).view(np.uint8).reshape(task.hi - task.lo, -1)
     else:                                               # a vector (or scalar): its elements are its rows
         data = map_rows(src, 0, 0).view(np.uint8).reshape(_rows(src), -1)[task.lo:task.hi]
-    item = src.np_dtype.itemsize * _inner(src)
+    return {"": (task.lo, data)}
+
+
+def run_task(task: Task) -> int:
+    """Map the task's rows once (converted where the recipe says); write each piece's part.
+    Returns the checkpoint bytes read."""
+    parts = _task_rows(task)
+    item = 1 if isinstance(task.src, Fp8Convert) else task.src.np_dtype.itemsize * _inner(task.src)
     for w in task.writes:
-        a, b = max(task.lo, w.rows[0]), min(task.hi, w.rows[1])
-        part = data[a - task.lo:b - task.lo]
+        base, data = parts[w.part]
+        a, b = max(base, w.rows[0]), min(base + len(data), w.rows[1])
+        if a >= b:
+            continue
+        part = data[a - base:b - base]
         if w.cols is not None:
             part = part[:, w.cols[0] * item:w.cols[1] * item]
         offset = w.offset + (a - w.rows[0]) * w.row_bytes

@@ -5,9 +5,16 @@ new first dimension, so binding layer i is a slice view (no copy per call). A st
 every rank holds whole (attention without tp, the router, norms, ...) is written once, to
 `weights/shared/<kind>.safetensors`, and referenced by every rank's manifest entry; the
 others go to `weights/rank-R/<kind>.safetensors` (with one rank, everything goes there).
-What a rank holds of a tensor is `compiler/shard.py`'s cut. The `release` recipe keeps the
-release's formats (fp8 e4m3fn codes, [32, 32] ue8m0 scales, fp4 pairs), as uint8.
-Host-resident tensors (the token embedding, the vision tower) go to `host/`.
+What a rank holds of a tensor is `compiler/shard.py`'s cut. Host-resident tensors (the token
+embedding, the vision tower) go to `host/`.
+
+The weight recipe (`RECIPES`, by target: [quant] recipe in model.toml) says how fp8 weights
+are stored. `release` keeps the release's formats (fp8 e4m3fn codes, [32, 32] ue8m0 scales,
+fp4 pairs), as uint8: the bytes are the checkpoint's. `e4m3` writes IEEE-like e4m3 codes
+(what Neuron's float8_e4m3 reads): a scale block holding a magnitude over 240 is halved and
+its ue8m0 byte gains one (quant/rescale.convert_format). Either way a checkpoint that ships
+float32 block scales (DeepSeek-V3's `weight_scale_inv`, [128, 128]) is rescaled to ue8m0 on
+[32, 32] blocks through quant/'s LUT path. Each tensor's manifest entry names its format.
 
 Nothing here reads tensor data: the plan is headers and offsets (`compiler/stream.py` moves
 the bytes). Every source tensor is checked here, dtype and shape, naming its file.
@@ -16,17 +23,23 @@ the bytes). Every source tensor is checked here, dtype and shape, naming its fil
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch
 
 from deepinfer.bundles import layout
 from deepinfer.bundles.manifest import HostFile, TensorShape, WeightStack
 from deepinfer.bundles.safetensors import TensorInfo
 from deepinfer.compiler import shard
-from deepinfer.compiler.stream import OutFile, OutTensor, Piece
+from deepinfer.compiler.stream import Derived, Fp8Convert, OutFile, OutTensor, Piece
 from deepinfer.errors import CheckpointError
+from deepinfer.quant.formats import FP8_E4M3, FP8_E4M3FN
+from deepinfer.quant.rescale import convert_format
+from deepinfer.quant.stream_plan import SCALE_DTYPES, block_from_grid
 from deepinfer.regions.base import WeightSpec
-from deepinfer.regions.checkpoint import Checkpoint
+from deepinfer.regions.checkpoint import Checkpoint, release_block
 
 if TYPE_CHECKING:                      # types only: the weights' cache key must not see the region classes
     from deepinfer.compiler.plan import KindPlan, RegionPlan
@@ -36,6 +49,23 @@ SAFETENSORS_DTYPES = {"uint8": "U8", "int8": "I8", "bfloat16": "BF16", "float32"
 SHARED = "shared"
 PADDED = ("table", "table_s")          # engram tables: a layer's own rows, then zeros to the largest
 FORMATS = {"F8_E4M3": "e4m3fn", "F8_E8M0": "ue8m0-u8-row-major", "I8": "e2m1-x2-u8", "BF16": "bf16", "F32": "f32"}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the weight pass stores fp8 weights: the codes' format (quant/formats.py names);
+    scales are ue8m0 bytes, row-major (quant/pack.py LAYOUT_U8), the layout the targets'
+    in-graph decoders read."""
+
+    name: str
+    fp8_format: str
+
+    def formats(self, ckpt_dtype: str) -> str:
+        """The manifest's format name of a tensor stored from `ckpt_dtype`."""
+        return self.fp8_format if ckpt_dtype == "F8_E4M3" else FORMATS[ckpt_dtype]
+
+
+RECIPES = {"release": Recipe("release", FP8_E4M3FN), "e4m3": Recipe("e4m3", FP8_E4M3)}
 
 
 def _st_dtype(spec: WeightSpec) -> str:
@@ -54,12 +84,54 @@ def _source(ckpt: Checkpoint, name: str, spec: WeightSpec, padded: bool) -> Tens
     return t
 
 
+def _stored(ckpt: Checkpoint, name: str, spec: WeightSpec, padded: bool, recipe: Recipe) -> TensorInfo | Derived:
+    """The source of weight `name`: the checkpoint tensor itself, or the codes or scales part of
+    its fp8 conversion where the recipe changes the format or the checkpoint scales by float32."""
+    weight = ckpt.fp8_weight(spec, name)
+    scales = ckpt.tensor(ckpt.scale_of(weight)) if weight else None
+    if scales is None or (scales.dtype == "F8_E8M0" and recipe.fp8_format == FP8_E4M3FN):
+        return _source(ckpt, name, spec, padded)
+    if scales.dtype not in SCALE_DTYPES:
+        raise CheckpointError(f"{scales.path}: tensor {scales.name} has dtype {scales.dtype}, expected "
+                              f"{' or '.join(SCALE_DTYPES)}")
+    codes = ckpt.tensor(weight)
+    src = block_from_grid(codes, scales, SCALE_DTYPES[scales.dtype])
+    dst = release_block(src) if scales.dtype == "F32" else src
+    part = Fp8Convert(codes, scales, src, dst, recipe.fp8_format).part(
+        "codes" if spec.ckpt_dtype == "F8_E4M3" else "scales")
+    ok = part.shape == spec.shape or (padded and part.shape[1:] == spec.shape[1:] and part.shape[0] <= spec.shape[0])
+    if not ok:
+        raise CheckpointError(f"{part.path}: tensor {name} has shape {list(part.shape)} as stored, "
+                              f"expected {list(spec.shape)}")
+    return part
+
+
+def in_format(specs: list[WeightSpec], tensors: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+    """A region's weights (release formats, by buffer name) with every fp8 weight and its ue8m0
+    scales converted to `fmt` in memory, as the weight pass writes them (quant/rescale's
+    convert_format, per scale block). What a check of a converting target's graph runs on."""
+    if fmt == FP8_E4M3FN:
+        return tensors
+    out = dict(tensors)
+    by_key = {s.key: s for s in specs}
+    for s in specs:
+        if s.ckpt_dtype != "F8_E4M3" or s.experts:
+            continue
+        scale = by_key[s.key.removesuffix("weight") + "scale"]
+        codes, scales = tensors[s.name].numpy(), tensors[scale.name].numpy()
+        per_row = scales.shape[0] == codes.shape[0] > 1              # engram tables: one scale row per row
+        block = (1 if per_row else 32, 32)
+        new, new_s = convert_format(codes, scales, block, fmt)
+        out[s.name], out[scale.name] = torch.from_numpy(new), torch.from_numpy(new_s)
+    return out
+
+
 def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
     """Bytes of one row (dim 0) of a tensor of `shape` (a vector's rows are its elements)."""
     return math.prod(shape[1:]) * itemsize if len(shape) > 1 else itemsize
 
 
-def _pieces(ckpt: Checkpoint, kind: str, kp, spec: WeightSpec, full: WeightSpec, cut: shard.Cut) -> list[Piece]:
+def _pieces(ckpt: Checkpoint, kp, spec: WeightSpec, full: WeightSpec, cut: shard.Cut, recipe: Recipe) -> list[Piece]:
     """Where each layer's part of weight `spec` comes from, as pieces of its stack [layers, ...]."""
     if cut.zero:
         return []
@@ -75,7 +147,7 @@ def _pieces(ckpt: Checkpoint, kind: str, kp, spec: WeightSpec, full: WeightSpec,
                 src = _source(ckpt, prefix + full.key.format(e=e), full, False)
                 out.append(Piece(src, (0, src.shape[0]), None, i * slot + (e - e0) * per_expert, src.row_bytes))
             continue
-        src = _source(ckpt, prefix + full.key, full, spec.name in PADDED)
+        src = _stored(ckpt, prefix + full.key, full, spec.name in PADDED, recipe)
         rows = cut.rows or (0, src.shape[0] if src.shape else 1)
         out.append(Piece(src, rows, cut.cols, i * slot, _row_bytes(spec.shape, itemsize)))
     return out
@@ -87,7 +159,7 @@ def stack_files(spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path,
 
     `wanted(rel)`: whether file `rel` (relative to the bundle) must be written (a cached one
     is fetched instead); its entries are made either way."""
-    c, topo = spec.model.text, spec.topology
+    c, topo, recipe = spec.model.text, spec.topology, spec.recipe
     files: dict[str, OutFile] = {}
     entries: dict[str, list[WeightStack]] = {}
     for kind, kp in plan.kinds.items():
@@ -100,14 +172,14 @@ def stack_files(spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path,
                 rel = layout.shared_weights_path(kind) if where == SHARED else layout.weights_path(rank, kind)
                 paths[where] = rel
                 tensors[s.name] = TensorShape(shape=(len(kp.layers), *s.buffer_shape), dtype=str(s.dtype).removeprefix(
-                    "torch."), file=where, format=FORMATS[s.ckpt_dtype])
+                    "torch."), file=where, format=recipe.formats(s.ckpt_dtype))
                 if where == SHARED and rank > 0:
                     continue                                   # planned once, for rank 0
                 if wanted is not None and not wanted(rel):
                     continue
                 f = files.setdefault(rel, OutFile(str(staging / rel)))
                 f.tensors.append(OutTensor(s.name, _st_dtype(s), (len(kp.layers), *s.buffer_shape),
-                                           _pieces(ckpt, kind, kp, s, full, shard.cut(kind, s.name, c, topo, rank))))
+                                           _pieces(ckpt, kp, s, full, shard.cut(kind, s.name, c, topo, rank), recipe)))
             entries.setdefault(layout.rank_key(rank), []).append(WeightStack(
                 kind=kind, path=paths.get("rank"), shared=paths.get(SHARED), layers=tuple(kp.layers),
                 tensors=tensors))
@@ -147,12 +219,14 @@ def host_files(model, ckpt: Checkpoint, staging: Path, wanted=None) -> list[OutF
     return out
 
 
-def source_names(kp: KindPlan) -> list[str]:
-    """The checkpoint tensors a kind's stacks are built from."""
-    names = []
+def source_names(kp: KindPlan, ckpt: Checkpoint) -> list[str]:
+    """The checkpoint tensors a kind's stacks are built from (an fp8 weight's codes and
+    scales both feed each of them where the recipe converts)."""
+    names = {}
     for spec in kp.full_specs:
         for layer in kp.layers:
             prefix = "" if layer < 0 else f"layers.{layer}."
             keys = [spec.key.format(e=e) for e in range(spec.experts)] if spec.experts else [spec.key]
-            names += [prefix + k for k in keys]
-    return names
+            for k in keys:
+                names.update(dict.fromkeys(ckpt.sources(spec, prefix + k)))
+    return list(names)

@@ -34,8 +34,11 @@ def main():
 @click.option("--layers", default=6, show_default=True,
               help="Number of layers (>= 6; longer models repeat the pattern so every layer kind stays present).")
 @click.option("--exist-ok", is_flag=True, help="Keep OUT when it already holds this tiny checkpoint.")
+@click.option("--scales", type=click.Choice(["ue8m0", "fp32"]), default="ue8m0", show_default=True,
+              help="fp8 block scales: the release's ue8m0 on [32, 32], or DeepSeek-V3-style float32 "
+                   "weight_scale_inv on [128, 128] (the compile rescales those to ue8m0).")
 @user_errors
-def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool):
+def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool, scales: str):
     """Write a deterministic tiny random V4.1 checkpoint to OUT.
 
     The checkpoint has the release's layout (config.json, model.safetensors and
@@ -47,8 +50,8 @@ def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool):
     """
     from deepinfer.regions.tiny import make_tiny
 
-    path = make_tiny(out, seed=seed, layers=layers, exist_ok=exist_ok)
-    click.echo(f"wrote {path} (seed {seed}, {layers} layers)")
+    path = make_tiny(out, seed=seed, layers=layers, exist_ok=exist_ok, scales=scales)
+    click.echo(f"wrote {path} (seed {seed}, {layers} layers" + (", float32 block scales)" if scales == "fp32" else ")"))
 
 
 @main.command("reference")

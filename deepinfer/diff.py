@@ -91,15 +91,21 @@ class References:
         from deepinfer.compiler.plan import plan_regions
         from deepinfer.runtime.session import stack_tensors
 
+        from deepinfer.quant.formats import FP8_E4M3FN, FP8_FORMATS
+
         m = session.manifest
-        plan = plan_regions(session.config.text, session.dtype, m.model.cache_quant,
-                            session.topology)          # shaped for one rank, as the executables are
-        self.regions = {kind: kp.region for kind, kp in plan.kinds.items()}
-        self.rank = torch.tensor(rank, dtype=torch.int64)
         try:
             entries = m.rank_weights(rank)
         except BundleError as e:
             raise BundleError(f"{session.path}: {e}") from None
+        # the fp8 format the weight recipe stored (the regions decode what the bundle holds)
+        fp8 = {t.format for e in entries for t in e.tensors.values() if t.format in FP8_FORMATS}
+        if len(fp8) > 1:
+            raise BundleError(f"{session.path}: fp8 weights in several formats ({', '.join(sorted(fp8))})")
+        plan = plan_regions(session.config.text, session.dtype, m.model.cache_quant,
+                            session.topology, fp8.pop() if fp8 else FP8_E4M3FN)   # shaped for one rank
+        self.regions = {kind: kp.region for kind, kp in plan.kinds.items()}
+        self.rank = torch.tensor(rank, dtype=torch.int64)
         self.stacks = {e.kind: stack_tensors(session.path, e) for e in entries}
         self.rows = {(layer, slot): b.index for layer, slot, b in m.bindings()}
         missing = sorted(set(session.signatures) - set(self.regions))

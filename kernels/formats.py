@@ -5,7 +5,10 @@ graph input is one of the things neuronx-cc rejects, so decoding is done with
 integer and float arithmetic that every backend lowers.
 
 - e4m3fn (OCP fp8): bit 7 sign, bits 6..3 exponent (bias 7), bits 2..0 mantissa;
-  no infinities, 0x7f / 0xff are NaN, max 448.
+  no infinities, 0x7f / 0xff are NaN, max 448. The checkpoint's format.
+- e4m3 (IEEE-like, what Neuron's float8_e4m3 reads): the same codes up to exponent
+  14 (max 240, code 0x77); exponent 15 is inf (mantissa 0) or NaN. The `e4m3` weight
+  recipe writes it (quant/formats.py: a block over 240 is halved, its scale doubled).
 - ue8m0: the byte b is the scale 2^(b - 127); 0xff is NaN.
 - e2m1 (fp4): bit 3 sign, bits 2..1 exponent, bit 0 mantissa; magnitudes
   {0, .5, 1, 1.5, 2, 3, 4, 6}. Two codes a byte, the even element in the low nibble.
@@ -30,14 +33,32 @@ def _e4m3fn_values(c: Tensor) -> Tensor:
     return torch.where(c >= 128, -magnitude, magnitude)
 
 
-def e4m3fn_decode(codes: Tensor) -> Tensor:
-    """uint8 e4m3fn codes -> float32 values.
+def _e4m3_values(c: Tensor) -> Tensor:
+    """int32 codes -> float32 IEEE-like e4m3 values: e4m3fn's below exponent 15, inf or NaN there."""
+    special = torch.where((c & 7) == 0, torch.full(c.shape, float("inf"), device=c.device),
+                          torch.full(c.shape, float("nan"), device=c.device))
+    special = torch.where(c >= 128, -special, special)
+    return torch.where((c & 120) == 120, special, _e4m3fn_values(c))
+
+
+FP8_TABLES = {"e4m3fn": _e4m3fn_values, "e4m3": _e4m3_values}
+# the blockquant_gemm format name of fp8 weights stored in each fp8 format
+FP8_GEMM_FORMATS = {"e4m3fn": "fp8", "e4m3": "fp8-e4m3"}
+
+
+def fp8_decode(codes: Tensor, fmt: str = "e4m3fn") -> Tensor:
+    """uint8 fp8 codes of format `fmt` ("e4m3fn" or "e4m3") -> float32 values.
 
     The 256-entry table is computed in the graph (cheap) and indexed: one
     gather per weight element instead of a chain of elementwise ops.
     """
-    table = _e4m3fn_values(torch.arange(256, dtype=torch.int32, device=codes.device))
+    table = FP8_TABLES[fmt](torch.arange(256, dtype=torch.int32, device=codes.device))
     return table[codes.to(torch.int64)]
+
+
+def e4m3fn_decode(codes: Tensor) -> Tensor:
+    """uint8 e4m3fn codes -> float32 values."""
+    return fp8_decode(codes, "e4m3fn")
 
 
 def ue8m0_decode(codes: Tensor) -> Tensor:
@@ -67,21 +88,21 @@ def _expand_blocks(scales: Tensor, rows: int, cols: int, row_block: int, col_blo
     return s.repeat_interleave(col_block, dim=-1)[..., :cols]
 
 
-def dequant_fp8(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
-    """fp8 weight [..., N, K] with ue8m0 scales [..., ceil(N/32), ceil(K/32)] -> dtype."""
+def dequant_fp8(codes: Tensor, scales: Tensor, dtype: torch.dtype, fmt: str = "e4m3fn") -> Tensor:
+    """fp8 weight [..., N, K] (codes of `fmt`) with ue8m0 scales [..., ceil(N/32), ceil(K/32)] -> dtype."""
     rows, cols = codes.shape[-2], codes.shape[-1]
-    values, s = e4m3fn_decode(codes), ue8m0_decode(scales)
+    values, s = fp8_decode(codes, fmt), ue8m0_decode(scales)
     if rows % FP8_BLOCK or cols % FP8_BLOCK:
         return (values * _expand_blocks(s, rows, cols, FP8_BLOCK, FP8_BLOCK)).to(dtype)
     blocks = values.unflatten(-1, (-1, FP8_BLOCK)).unflatten(-3, (-1, FP8_BLOCK))    # [..., Nb, 32, Kb, 32]
     return (blocks * s.unsqueeze(-1).unsqueeze(-3)).flatten(-2).flatten(-3, -2).to(dtype)
 
 
-def dequant_fp8_rows(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
-    """fp8 rows [..., K] with per-row ue8m0 scales [..., ceil(K/32)] -> dtype."""
+def dequant_fp8_rows(codes: Tensor, scales: Tensor, dtype: torch.dtype, fmt: str = "e4m3fn") -> Tensor:
+    """fp8 rows [..., K] (codes of `fmt`) with per-row ue8m0 scales [..., ceil(K/32)] -> dtype."""
     cols = codes.shape[-1]
     s = ue8m0_decode(scales).repeat_interleave(FP8_BLOCK, dim=-1)[..., :cols]
-    return (e4m3fn_decode(codes) * s).to(dtype)
+    return (fp8_decode(codes, fmt) * s).to(dtype)
 
 
 def unpack_fp4(packed: Tensor) -> Tensor:

@@ -9,20 +9,23 @@ from torch.nn import functional as F
 from deepinfer.kernels.formats import dequant_fp4, dequant_fp8
 from deepinfer.kernels.registry import register
 
-WEIGHT_FORMATS = ("fp8", "fp4")
+WEIGHT_FORMATS = ("fp8", "fp8-e4m3", "fp4")
 
 
 def blockquant_gemm_ref(x: Tensor, codes: Tensor, scales: Tensor, fmt: str) -> Tensor:
     """y = x @ W.T with W decoded from (codes, scales), computed in x's dtype.
 
     fmt "fp8": codes uint8 e4m3fn [..., N, K], scales ue8m0 [..., ceil(N/32), ceil(K/32)].
+    fmt "fp8-e4m3": the same with IEEE-like e4m3 codes (the `e4m3` weight recipe).
     fmt "fp4": codes uint8 [..., N, K/2] (two e2m1 a byte), scales ue8m0 [..., N, ceil(K/32)].
     A 2-D weight is shared by every row of x [..., K] -> [..., N]. A weight with
     leading dims is per row: x [..., K] with codes [..., N, K'] -> [..., N]
     (the MoE's gathered experts, `[tokens, k, N, K']`).
     """
-    decode = dequant_fp8 if fmt == "fp8" else dequant_fp4
-    w = decode(codes, scales, x.dtype)
+    if fmt == "fp4":
+        w = dequant_fp4(codes, scales, x.dtype)
+    else:
+        w = dequant_fp8(codes, scales, x.dtype, "e4m3" if fmt == "fp8-e4m3" else "e4m3fn")
     if codes.dim() == 2:
         return F.linear(x, w)
     return torch.matmul(w, x.unsqueeze(-1)).squeeze(-1)

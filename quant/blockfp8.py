@@ -43,3 +43,17 @@ def dequantize_fp8_blocks(codes: np.ndarray, scales: np.ndarray, block: int = 32
     b = blocks.check_block(block, "dequantize_fp8_blocks")
     blocks.check_grid(scales, codes.shape, b, b, "dequantize_fp8_blocks")
     return e4m3fn_decode(codes) * blocks.expand(UE8M0_LUT[scales], b, b, codes.shape)
+
+
+def quantize_fp8_float_scales(w: np.ndarray, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [R, C] -> (codes uint8 [R, C], scale_inv float32 [ceil(R/b), ceil(C/b)]), as
+    DeepSeek-V3-style checkpoints store fp8 weights (`X.weight_scale_inv`, element (i, j) =
+    e4m3fn(code) * scale_inv[i // b, j // b]): scale_inv = amax / 448 per block in float32 (an
+    all-zero block gets 1), codes = e4m3fn_encode(w / scale_inv)."""
+    w = blocks.check_matrix(expect_dtype(w, np.float32, "quantize_fp8_float_scales weight"),
+                            "quantize_fp8_float_scales weight")
+    b = blocks.check_block(block, "quantize_fp8_float_scales")
+    amax = blocks.block_max(np.abs(w), b, b)
+    inv = np.where(amax > 0, amax / np.float32(E4M3FN_MAX), np.float32(1.0)).astype(np.float32)
+    codes = e4m3fn_encode(w / blocks.expand(inv, b, b, w.shape))
+    return codes, inv

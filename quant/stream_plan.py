@@ -97,7 +97,7 @@ def _checkpoint_files(src) -> list[str]:
     return [str(src)]
 
 
-def _block_from_grid(w: TensorInfo, s: TensorInfo, pref: tuple[int, int]) -> tuple[int, int]:
+def block_from_grid(w: TensorInfo, s: TensorInfo, pref: tuple[int, int]) -> tuple[int, int]:
     """The checkpoint block that produced scale grid s.shape for weight w.shape:
     the format's block on each axis, else one scale per row (block 1)."""
     if len(w.shape) != 2 or len(s.shape) != 2:
@@ -125,7 +125,7 @@ def _fp8_jobs(index: dict[str, TensorInfo], recipe: StreamRecipe) -> dict[str, F
         if scale.dtype not in SCALE_DTYPES:
             raise TensorFileError(scale.path, scale.name, f"unexpected dtype {scale.dtype} for the "
                                   f"scale of fp8 weight {name!r}", "expected F8_E8M0 or F32")
-        src = _block_from_grid(w, scale, SCALE_DTYPES[scale.dtype])
+        src = block_from_grid(w, scale, SCALE_DTYPES[scale.dtype])
         keep = recipe.dst_block is None or src[0] == 1
         dst = src if keep else block_pair(recipe.dst_block, "StreamRecipe.dst_block")
         per_row = src[0] == 1 and recipe.row_scale_layout is not None

@@ -140,10 +140,10 @@ class _Attention(Region):
 
     def _project(self, x: Tensor, angles: Tensor):
         eps = self.c.rms_norm_eps
-        q_lat = ops.rmsnorm(ops.blockquant_gemm(x, self.wq_a, self.wq_a_s, "fp8"), self.q_norm, eps)
-        q = ops.blockquant_gemm(q_lat, self.wq_b, self.wq_b_s, "fp8").unflatten(-1, (self.heads, self.hd))
+        q_lat = ops.rmsnorm(ops.blockquant_gemm(x, self.wq_a, self.wq_a_s, self.fp8), self.q_norm, eps)
+        q = ops.blockquant_gemm(q_lat, self.wq_b, self.wq_b_s, self.fp8).unflatten(-1, (self.heads, self.hd))
         q = apply_rope(q, angles)                                                     # [B, T, H, hd]
-        kv = ops.rmsnorm(ops.blockquant_gemm(x, self.wkv, self.wkv_s, "fp8"), self.kv_norm, eps)
+        kv = ops.rmsnorm(ops.blockquant_gemm(x, self.wkv, self.wkv_s, self.fp8), self.kv_norm, eps)
         kv = maybe_quant(apply_rope(kv, angles), "fp8", self.cache_quant)             # [B, T, hd]
         return q, q_lat, kv
 
@@ -183,8 +183,8 @@ class _Attention(Region):
         o = o.flatten(-2).unflatten(-1, (G, -1))                                      # [B, T, G, H*hd/G]
         wo_a = self.wo_a.unflatten(0, (G, -1))                                        # [G, R, H*hd/G]
         wo_a_s = self.wo_a_s.unflatten(0, (G, -1))
-        o = ops.blockquant_gemm(o, wo_a, wo_a_s, "fp8").flatten(-2)                  # [B, T, G*R]
-        return ops.blockquant_gemm(o, self.wo_b, self.wo_b_s, "fp8")                  # [B, T, D]
+        o = ops.blockquant_gemm(o, wo_a, wo_a_s, self.fp8).flatten(-2)                  # [B, T, G*R]
+        return ops.blockquant_gemm(o, self.wo_b, self.wo_b_s, self.fp8)                  # [B, T, D]
 
     def _finish(self, out: Tensor, h: Tensor, mix) -> tuple[Tensor, Tensor]:
         """The new streams. With tp > 1, `out` covers this rank's heads: the streams come back
@@ -200,7 +200,7 @@ class _Attention(Region):
 
     def _index_queries(self, x: Tensor, q_lat: Tensor, angles: Tensor):
         c = self.c
-        qi = ops.blockquant_gemm(q_lat, self.iwq_b, self.iwq_b_s, "fp8")
+        qi = ops.blockquant_gemm(q_lat, self.iwq_b, self.iwq_b_s, self.fp8)
         qi = apply_rope(qi.unflatten(-1, (c.index_n_heads, c.index_head_dim)), angles)
         qi = maybe_quant(qi, "mxfp4", self.cache_quant)                               # [B, T, Hi, di]
         w = F.linear(x, self.iweights.to(x.dtype)) * (c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5)

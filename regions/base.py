@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from deepinfer.kernels.formats import FP8_GEMM_FORMATS
+
 # checkpoint storage dtype name -> dtype the region holds it in. fp8 codes, fp4
 # pairs and ue8m0 scales travel as uint8 (no dtype bitcasts inside graphs).
 CKPT_DTYPES = {
@@ -61,9 +63,14 @@ def fp4_specs(name: str, key: str, rows: int, cols: int, experts: int) -> list[W
 
 
 class Region(nn.Module):
-    """Base of every region: allocates the weight buffers and the rank buffer."""
+    """Base of every region: allocates the weight buffers and the rank buffer.
+
+    `fp8_format` is the format of the fp8 codes its buffers hold: the checkpoint's
+    "e4m3fn", or "e4m3" where the compile's weight recipe converted them (a compiler
+    sets it on the instance before tracing; its decoders follow it)."""
 
     kind: str = ""
+    fp8_format: str = "e4m3fn"
 
     def __init__(self, specs: list[WeightSpec], dtype: torch.dtype):
         super().__init__()
@@ -72,6 +79,11 @@ class Region(nn.Module):
         self.register_buffer("rank", torch.zeros((), dtype=torch.int64))
         for spec in specs:
             self.register_buffer(spec.name, torch.zeros(spec.buffer_shape, dtype=spec.dtype))
+
+    @property
+    def fp8(self) -> str:
+        """The blockquant_gemm format name of this region's fp8 weights."""
+        return FP8_GEMM_FORMATS[self.fp8_format]
 
     def w(self, name: str) -> torch.Tensor:
         return getattr(self, name)

@@ -40,6 +40,7 @@ class Checkpoint:
         self.files = {name: self.dir / f for name, f in weight_map.items()}
         self._headers: dict[Path, dict[str, TensorInfo]] = {}
         self._handles: dict[Path, object] = {}
+        self._rescaled: tuple[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def names(self) -> list[str]:
         return list(self.files)
@@ -79,13 +80,75 @@ class Checkpoint:
         except Exception as e:  # safetensors raises its own error types for corrupt data
             raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
 
-    def load_spec(self, prefix: str, spec: WeightSpec) -> torch.Tensor:
-        """One region weight: the checkpoint tensor(s) in the region's storage dtype."""
+    def scale_of(self, weight: str) -> str:
+        """The scale tensor of fp8 weight `weight` (`X.weight`): `X.scale` (ue8m0, as released)
+        or, in a DeepSeek-V3-style checkpoint, `X.weight_scale_inv` (float32, [128, 128] blocks)."""
+        stem = weight.removesuffix("weight")
+        for name in (stem + "scale", stem + "weight_scale_inv"):
+            if name in self.files:
+                return name
+        raise CheckpointError(f"{self.dir}: missing tensor {stem}scale (nor {stem}weight_scale_inv)")
+
+    def fp8_weight(self, spec: WeightSpec, key: str) -> str | None:
+        """The fp8 weight (`X.weight`, F8_E4M3) whose codes or scales region weight `key` is;
+        None for anything else (an fp4 weight's scales among them)."""
+        if spec.experts or spec.ckpt_dtype not in ("F8_E4M3", "F8_E8M0"):
+            return None
+        weight = key if spec.ckpt_dtype == "F8_E4M3" else key.removesuffix("scale") + "weight"
+        if weight not in self.files or self.tensor(weight).dtype != "F8_E4M3":
+            return None
+        return weight
+
+    def float_scaled(self, spec: WeightSpec, key: str) -> str | None:
+        """The fp8 weight behind `key` when the checkpoint scales it by float32 blocks
+        (`X.weight_scale_inv`): then a region's codes and ue8m0 scales are computed from it."""
+        weight = self.fp8_weight(spec, key)
+        return weight if weight and self.scale_of(weight).endswith("weight_scale_inv") else None
+
+    def sources(self, spec: WeightSpec, key: str) -> list[str]:
+        """The checkpoint tensors region weight `key` is computed from."""
+        weight = self.fp8_weight(spec, key)
+        return [key] if weight is None else [weight, self.scale_of(weight)]
+
+    def rescaled(self, weight: str, fp8_format: str = "e4m3fn") -> tuple[torch.Tensor, torch.Tensor]:
+        """A float-scaled fp8 weight as the release stores it: codes (e4m3fn, or another
+        quant/formats.py format) with ue8m0 scales on [32, 32] blocks (per-row scales stay per
+        row), through quant/rescale's LUT path (one rounding per element: the nearest code to
+        code * scale_inv / new scale)."""
+        from deepinfer.quant.rescale import rescale_fp32
+        from deepinfer.quant.stream_plan import SCALE_DTYPES, block_from_grid
+
+        if self._rescaled and self._rescaled[0] == (weight, fp8_format):     # codes, then their scales
+            return self._rescaled[1]
+        scale = self.scale_of(weight)
+        codes, inv = self.tensor(weight), self.tensor(scale)
+        src = block_from_grid(codes, inv, SCALE_DTYPES[inv.dtype])
+        out, out_s = rescale_fp32(self.get(weight).view(torch.uint8).numpy(), self.get(scale, "F32").numpy(),
+                                  src, release_block(src), fp8_format)
+        self._rescaled = ((weight, fp8_format), (torch.from_numpy(out), torch.from_numpy(out_s)))
+        return self._rescaled[1]
+
+    def load_spec(self, prefix: str, spec: WeightSpec, fp8_format: str = "e4m3fn") -> torch.Tensor:
+        """One region weight: the checkpoint tensor(s) in the region's storage dtype (fp8 weights
+        scaled by float32 blocks rescaled, to codes of `fp8_format`)."""
         keys = [prefix + spec.key.format(e=e) for e in range(spec.experts)] if spec.experts \
             else [prefix + spec.key]
+        weight = self.float_scaled(spec, keys[0])
+        if weight is not None:
+            t = self.rescaled(weight, fp8_format)[0 if spec.ckpt_dtype == "F8_E4M3" else 1]
+            if tuple(t.shape) != spec.shape:
+                raise CheckpointError(f"{self.files[weight]}: tensor {keys[0]} would have shape {list(t.shape)} "
+                                      f"after rescaling, expected {list(spec.shape)}")
+            return t
         parts = [self.get(k, spec.ckpt_dtype, spec.shape) for k in keys]
         t = torch.stack(parts) if spec.experts else parts[0]
         return t.view(spec.dtype) if t.dtype != spec.dtype else t
+
+
+def release_block(src: tuple[int, int]) -> tuple[int, int]:
+    """The release's scale block for fp8 weights scaled on `src` blocks: [32, 32], or one
+    scale per row and 32 columns for per-row scaled tensors."""
+    return (1, 32) if src[0] == 1 else (32, 32)
 
 
 def load_region(ckpt: Checkpoint, region: Region, prefix: str) -> None:

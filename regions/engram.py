@@ -51,8 +51,9 @@ class Engram(Region):
         """h [B, T, n, D], hash_ids [B, T, hash_heads] table rows, token_mask [B, T] bool -> h."""
         c = self.c
         n, D, eps = c.hc_mult, c.hidden_size, c.rms_norm_eps
-        rows = dequant_fp8_rows(self.table[hash_ids], self.table_s[hash_ids], h.dtype)   # [B, T, hh, hd]
-        kv = ops.blockquant_gemm(rows.flatten(-2), self.wkv, self.wkv_s, "fp8")          # [B, T, (n+1)*D]
+        rows = dequant_fp8_rows(self.table[hash_ids], self.table_s[hash_ids], h.dtype,   # [B, T, hh, hd]
+                                self.fp8_format)
+        kv = ops.blockquant_gemm(rows.flatten(-2), self.wkv, self.wkv_s, self.fp8)          # [B, T, (n+1)*D]
         key, value = kv.split((n * D, D), dim=-1)
         key = key.float().unflatten(-1, (n, D))
         hf = h.float()

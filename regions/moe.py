@@ -97,9 +97,10 @@ class MoE(Region):
         return y.float().sum(1)
 
     def shared(self, x: Tensor) -> Tensor:
-        g = ops.blockquant_gemm(x, self.sw1, self.sw1_s, "fp8")
-        u = ops.blockquant_gemm(x, self.sw3, self.sw3_s, "fp8")
-        return ops.blockquant_gemm(ops.swiglu(g, u, None, self.c.swiglu_limit), self.sw2, self.sw2_s, "fp8")
+        g = ops.blockquant_gemm(x, self.sw1, self.sw1_s, self.fp8)
+        u = ops.blockquant_gemm(x, self.sw3, self.sw3_s, self.fp8)
+        a = ops.swiglu(g, u, None, self.c.swiglu_limit)
+        return ops.blockquant_gemm(a, self.sw2, self.sw2_s, self.fp8)
 
     def decode(self, h: Tensor, pre: Tensor, is_image: Tensor):
         """h [B, T, n, D], pre [B, T, n] (the attention site's), is_image [B, T] bool -> (h, pre)."""

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer.errors import ConfigError
-from deepinfer.quant.blockfp8 import quantize_fp8_blocks
+from deepinfer.quant.blockfp8 import quantize_fp8_blocks, quantize_fp8_float_scales
 from deepinfer.quant.fp4 import quantize_mxfp4
 from deepinfer.quant.fp8 import E4M3FN_MAX, e4m3fn_encode
 from deepinfer.quant.ue8m0 import UE8M0_LUT, scale_bytes_for
@@ -38,6 +38,8 @@ from deepinfer.regions.vision import vision_specs
 
 MIN_LAYERS = 6
 VISION_STREAM = 0x5649          # the vision tensors' generator: default_rng((seed, VISION_STREAM))
+SCALES = ("ue8m0", "fp32")      # fp8 block scales: the release's, or DeepSeek-V3's float32 [128, 128]
+FLOAT_SCALE_BLOCK = 128
 
 
 def tiny_config(layers: int = MIN_LAYERS) -> dict:
@@ -111,7 +113,7 @@ def _fp8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(rows, cols), scales
 
 
-def _tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
+def _tensors(config: dict, seed: int, scales: str = "ue8m0") -> dict[str, torch.Tensor]:
     cfg = parse_config(config)
     c = cfg.text
     rng = np.random.default_rng(seed)
@@ -133,17 +135,22 @@ def _tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
                     w = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
                     if spec.name == "table":
                         w = rng.standard_normal((rows, cols)).astype(np.float32)
-                        codes, scales = _fp8_rows(w)
+                        codes, s = _fp8_rows(w)
+                    elif scales == "fp32":
+                        codes, inv = quantize_fp8_float_scales(w, FLOAT_SCALE_BLOCK)
+                        out[key] = torch.from_numpy(codes).view(torch.float8_e4m3fn)
+                        out[key + "_scale_inv"] = torch.from_numpy(inv)
+                        continue
                     else:
-                        codes, scales = quantize_fp8_blocks(w)
+                        codes, s = quantize_fp8_blocks(w)
                     out[key] = torch.from_numpy(codes).view(torch.float8_e4m3fn)
-                    out[scale_key] = torch.from_numpy(scales).view(torch.float8_e8m0fnu)
+                    out[scale_key] = torch.from_numpy(s).view(torch.float8_e8m0fnu)
                 elif spec.ckpt_dtype == "I8":
                     rows, half = spec.shape
                     w = (rng.standard_normal((rows, half * 2)) / np.sqrt(half * 2)).astype(np.float32)
-                    packed, scales = quantize_mxfp4(w)
+                    packed, s = quantize_mxfp4(w)
                     out[key] = torch.from_numpy(packed).view(torch.int8)
-                    out[scale_key] = torch.from_numpy(scales).view(torch.float8_e8m0fnu)
+                    out[scale_key] = torch.from_numpy(s).view(torch.float8_e8m0fnu)
                 else:
                     dtype = torch.bfloat16 if spec.ckpt_dtype == "BF16" else torch.float32
                     values = _dense_float(rng, key, spec.shape).astype(np.float32)
@@ -179,20 +186,31 @@ def _is_same_tiny(path: Path, config: dict) -> bool:
         return False
 
 
-def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = MIN_LAYERS, exist_ok: bool = False) -> Path:
+def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = MIN_LAYERS, exist_ok: bool = False,
+              scales: str = "ue8m0") -> Path:
     """Write the tiny checkpoint to `out_dir` (atomically: a sibling temp dir, then rename).
 
-    With `exist_ok`, a directory that already holds a complete tiny checkpoint of
-    the same seed and layer count is kept as it is.
+    `scales` "fp32" stores the fp8 block weights as DeepSeek-V3-style checkpoints do: float32
+    `X.weight_scale_inv` on [128, 128] blocks instead of `X.scale` (the same float weights,
+    quantized so; engram tables and fp4 experts keep their ue8m0 scales). With `exist_ok`, a
+    directory that already holds a complete tiny checkpoint of the same seed, layer count and
+    scales is kept as it is.
     """
+    if scales not in SCALES:
+        raise ConfigError(f"--scales {scales!r}: valid: {', '.join(SCALES)}")
     out_dir = Path(out_dir)
     config = tiny_config(layers)
     config["generator"] = {"name": "deepinfer make-tiny", "seed": seed}
+    if scales == "fp32":
+        config["generator"]["scales"] = scales
+        q = config["quantization_config"]                  # as DeepSeek-V3's config.json words it
+        del q["scale_fmt"]
+        q.update(fmt="e4m3", weight_block_size=[FLOAT_SCALE_BLOCK] * 2)
     if out_dir.exists() and any(out_dir.iterdir()):
         if exist_ok and _is_same_tiny(out_dir, config):
             return out_dir
         raise ConfigError(f"{out_dir}: exists and is not empty" + (" and holds a different checkpoint (seed or layers)" if exist_ok else "") + "; choose a new directory")
-    tensors = _tensors(config, seed)
+    tensors = _tensors(config, seed, scales)
     tensors.update(_vision_tensors(config, seed))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))

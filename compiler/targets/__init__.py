@@ -18,6 +18,7 @@ from deepinfer.compiler.targets.trn2 import Trn2Target
 
 class Target(Protocol):
     name: ClassVar[str]
+    recipe: ClassVar[str]                       # its weight recipe (compiler/weights.RECIPES)
     EXECUTABLES: ClassVar[tuple[str, ...]]      # the executable kinds it builds (the first is the default)
     LOWERING_MODULES: ClassVar[tuple[str, ...]]  # the modules whose source shapes its executables
     LOG_OPTIONS: ClassVar[tuple[str, ...]]      # options that only change logs or checks (never keyed)

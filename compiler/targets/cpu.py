@@ -21,6 +21,7 @@ from deepinfer.kernels import reference_decompositions
 
 class CpuTarget:
     name = "cpu"
+    recipe = "release"                  # the weight recipe [quant] recipe = "target" means
     EXECUTABLES = ("aoti", "exported")
     suffix = ".pt2"
     lowered_suffix = ".pt2"

@@ -43,6 +43,7 @@ class CheckFailed(DeepinferError):
 
 class Trn2Target:
     name = "trn2"
+    recipe = "e4m3"                     # IEEE-like fp8, as Neuron's float8_e4m3 reads it
     EXECUTABLES = ("neff",)
     suffix = ".neff"
     lowered_suffix = ".hlo.pb"
@@ -116,16 +117,21 @@ class Trn2Target:
                        state_outputs: list[str], where: str, seed: int = 0) -> dict:
         """Run the HLO module on XLA:CPU and the reference region eagerly on the same inputs: the
         method's example inputs and seeded random weights of the region's real shapes
-        (regions/examples.random_weights; this region's only, freed after). Every output must agree
+        (regions/examples.random_weights; this region's only, freed after), both as the weight
+        recipe stores them (e4m3 codes and their scales: compiler/weights.in_format), so the
+        module's in-graph decode reads the bytes a bundle holds. Every output must agree
         as `deepinfer diff` judges (regions/agreement.py). Returns {"max_abs", "score",
         "tolerance"}; raises CheckFailed naming the first output that does not."""
-        weights = random_weights(region, seed)
+        from deepinfer.compiler.weights import in_format
+
+        weights = random_weights(region, seed)                 # the release's formats
+        stored = in_format(region.specs, weights, region.fp8_format)   # as the weight recipe writes them
         n_weights = len(names) - len(inputs)
-        flat = [weights[n] for n in names[:n_weights]]
+        flat = [stored[n] for n in names[:n_weights]]
         got = hlo.CpuHlo(Path(proto).read_bytes())(flat + [a.clone() for a in inputs])
         inputs = [a.clone() for a in inputs]
         with torch.no_grad():
-            ref = getattr(region.with_weights(weights), method)(*inputs)
+            ref = getattr(region.with_weights(stored), method)(*inputs)
         ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
         ref = [inputs[names.index(n) - n_weights] for n in state_outputs] + ref
         labels = state_outputs + region.output_names()

@@ -135,6 +135,7 @@ TRACE_VARIANTS = {
     "geometry": lambda b, mp, kw: b.replace(geometry=dataclasses.replace(b.spec.geometry, blocks=99)),
     "model": lambda b, mp, kw: mp.setattr(type(b.spec.model), "digest", lambda self: "other"),
     "topology": lambda b, mp, kw: b.replace(topology=Topology(cp=2)),
+    "fp8": lambda b, mp, kw: mp.setattr(b.plan.kinds["head"].region, "fp8_format", "e4m3"),
     "signature": lambda b, mp, kw: mp.setattr(b.plan.kinds["head"].region, "input_specs",
                                               lambda *a: []),
     "target": lambda b, mp, kw: mp.setattr(b.target, "options", {"cpp.simdlen": 8}),
@@ -163,7 +164,7 @@ WEIGHT_VARIANTS = {
     "layout": lambda b, mp: mp.setattr(b.plan.kinds["moe"], "layers", b.plan.kinds["moe"].layers[:-1]),
     "tensors": lambda b, mp: mp.setattr(cached, "tensor_digests", lambda ckpt, names, memo: {n: "x" for n in names}),
     "recipe": lambda b, mp: b.replace(config=dataclasses.replace(
-        b.spec.config, quant=dataclasses.replace(b.spec.config.quant, recipe="x"))),
+        b.spec.config, quant=dataclasses.replace(b.spec.config.quant, recipe="e4m3"))),
     "sources": lambda b, mp: mp.setattr(cached, "modules_digest", lambda names: {n: "x" for n in names}),
 }
 
@@ -220,8 +221,9 @@ KEYED_EDITS = {
     "kv.num_blocks": ("num_blocks = 5", "num_blocks = 6"),
 }
 # options with one valid value today: the key holds their value (config part)
-SINGLE_VALUED = {"quant.recipe": "release", "host.embedding": True}
-PARALLEL_EDITS = {"parallel.tp": "tp = 2", "parallel.ep": "ep = 2", "parallel.cp": "cp = 2"}
+SINGLE_VALUED = {"host.embedding": True}
+SECTION_EDITS = {"parallel.tp": "[parallel]\ntp = 2", "parallel.ep": "[parallel]\nep = 2",
+                 "parallel.cp": "[parallel]\ncp = 2", "quant.recipe": '[quant]\nrecipe = "e4m3"'}
 
 
 @pytest.mark.parametrize("option", [o for o in KEYED_OPTIONS if not o.startswith("model.checkpoint")
@@ -237,9 +239,9 @@ def test_keyed_options_change_the_key(small_toml, tmp_path, monkeypatch, option)
     if option == "--hlo-only":
         assert cache_key(load_compile_config(small_toml), hlo_only=True, **QUIET).digest != base.digest
         return
-    if option in PARALLEL_EDITS:
-        edited = write_toml(tmp_path / "parallel", load_compile_config(small_toml).model.checkpoint,
-                            extra=f"\n[parallel]\n{PARALLEL_EDITS[option]}\n")
+    if option in SECTION_EDITS:
+        edited = write_toml(tmp_path / "section", load_compile_config(small_toml).model.checkpoint,
+                            extra=f"\n{SECTION_EDITS[option]}\n")
         assert bundle_key(edited).digest != base.digest
         return
     monkeypatch.setitem(TARGETS, "cpu2", type("Cpu2", (CpuTarget,), {"name": "cpu2"}))

@@ -20,7 +20,7 @@ from deepinfer.compiler.cache import Cache
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.shard import shard
 from deepinfer.compiler.stream import stream
-from deepinfer.compiler.weights import host_files, stack_files
+from deepinfer.compiler.weights import host_files, in_format, stack_files
 from deepinfer.errors import CheckpointError
 from deepinfer.regions.checkpoint import Checkpoint
 
@@ -29,24 +29,31 @@ from ..conftest import write_model_toml
 QUIET = lambda msg: None  # noqa: E731
 
 
-def planned(tmp_path, ckpt, parallel=(1, 1, 1)):
+def planned(tmp_path, ckpt, parallel=(1, 1, 1), extra=""):
     spec = pipeline.parse(load_compile_config(write_model_toml(tmp_path / "toml", ckpt, executable="exported",
-                                                               parallel=parallel)), False, QUIET)
+                                                               parallel=parallel, extra=extra)), False, QUIET)
     return spec, pipeline.plan(spec, QUIET)
 
 
 def whole_stacks(ckpt: Checkpoint, spec, plan, kind: str, rank: int) -> dict[str, torch.Tensor]:
     """A kind's stacks on `rank` the way a whole-tensor pass builds them: load each full source
-    tensor, cut the rank's part (compiler/shard.py), pad an engram table, stack the layers."""
+    tensor (rescaled whole, to the recipe's format, where the checkpoint has float32 scales),
+    convert a layer's fp8 weights to the recipe's format in memory, cut the rank's part (compiler/shard.py), pad an engram
+    table, stack the layers."""
     kp = plan.kinds[kind]
+    layers = []
+    for layer in kp.layers:
+        prefix = "" if layer < 0 else f"layers.{layer}."
+        full = {}
+        for s in kp.full_specs:
+            own = dataclasses.replace(s, shape=ckpt.info(prefix + s.key)[1]) if s.name in ("table", "table_s") else s
+            full[s.name] = ckpt.load_spec(prefix, own, spec.recipe.fp8_format)
+        layers.append(in_format(kp.full_specs, full, spec.recipe.fp8_format))
     out = {}
     for s, full in zip(kp.region.specs, kp.full_specs):
         rows = []
-        for layer in kp.layers:
-            prefix = "" if layer < 0 else f"layers.{layer}."
-            own = dataclasses.replace(full, shape=ckpt.info(prefix + full.key)[1]) if s.name in ("table", "table_s") \
-                else full
-            t = ckpt.load_spec(prefix, own)
+        for tensors in layers:
+            t = tensors[s.name]
             if tuple(t.shape) != tuple(full.buffer_shape):
                 t = torch.cat([t, torch.zeros((full.buffer_shape[0] - t.shape[0], *t.shape[1:]), dtype=t.dtype)])
             rows.append(shard(kind, s.name, t, spec.model.text, spec.topology, rank, s.buffer_shape))
@@ -73,10 +80,25 @@ def test_one_rank_files_are_save_file_bytes(tiny_ckpt, tmp_path):
     assert report["bytes_read"] == sum(sources.values())                # every source byte once
 
 
-@pytest.mark.parametrize("parallel", [(1, 2, 1), (2, 1, 1)], ids=["ep=2", "tp=2"])
-def test_ranks_read_once_hold_their_cut_and_share_the_rest(tiny_ckpt, tmp_path, parallel):
-    spec, plan = planned(tmp_path, tiny_ckpt, parallel)
-    ckpt = Checkpoint(tiny_ckpt)
+@pytest.fixture(scope="module")
+def float_scaled_ckpt(tmp_path_factory) -> Path:
+    """The tiny model with DeepSeek-V3-style float32 [128, 128] block scales (make-tiny --scales fp32)."""
+    from deepinfer.regions.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("v3") / "tiny", scales="fp32")
+
+
+@pytest.mark.parametrize("parallel, recipe, scales", [
+    ((1, 2, 1), "release", "ue8m0"), ((2, 1, 1), "release", "ue8m0"),
+    ((2, 1, 1), "e4m3", "ue8m0"), ((2, 1, 1), "release", "fp32"), ((1, 2, 1), "e4m3", "fp32")],
+    ids=["ep=2", "tp=2", "tp=2-e4m3", "tp=2-fp32-scales", "ep=2-e4m3-fp32-scales"])
+def test_ranks_read_once_hold_their_cut_and_share_the_rest(tiny_ckpt, float_scaled_ckpt, tmp_path, parallel,
+                                                           recipe, scales):
+    """Small chunks (many per tensor; converted ones whole scale blocks each) against stacks built
+    whole; a converting recipe reads every byte once too."""
+    source = float_scaled_ckpt if scales == "fp32" else tiny_ckpt
+    spec, plan = planned(tmp_path, source, parallel, extra=f'\n[quant]\nrecipe = "{recipe}"\n')
+    ckpt = Checkpoint(source)
     files, entries = stack_files(spec, plan, ckpt, tmp_path / "b")
     report = stream(files, workers=1, chunk_bytes=1 << 12)
     sources = {(p.src.path, p.src.name): p.src.nbytes for f in files for t in f.tensors for p in t.pieces}

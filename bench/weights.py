@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -63,12 +64,49 @@ ep = {ep}
 """
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
+def _status_kib(field: str, pid: str = "self") -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:                       # the process ended
+        pass
     return 0
+
+
+class WorkerPeaks(threading.Thread):
+    """The largest worker's peak RSS beyond its starting point, sampled from /proc every 0.1 s.
+
+    Workers are forked from a fork server (quant/stream.worker_context): grandchildren of this
+    process, which RUSAGE_CHILDREN does not see while the server lives. A worker's start is its
+    fork server's resident size (an interpreter with numpy and the stream module); VmHWM is the
+    worker's own high-water mark, so a sample shortly before it ends holds its peak."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.extra_kib, self.done = 0, threading.Event()
+
+    def sample(self) -> None:
+        parents = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                ppid = _status_kib("PPid", d)
+                parents.setdefault(ppid, []).append(int(d))
+        servers = parents.get(os.getpid(), [])
+        for server in servers:
+            base = _status_kib("VmRSS", str(server))
+            for worker in parents.get(server, []):
+                self.extra_kib = max(self.extra_kib, _status_kib("VmHWM", str(worker)) - base)
+
+    def run(self) -> None:
+        while not self.done.wait(0.1):
+            self.sample()
+
+    def stop(self) -> int:
+        self.done.set()
+        self.join(timeout=10)
+        return self.extra_kib
 
 
 def _dir_bytes(path: Path, under: tuple[str, ...] = ()) -> int:
@@ -96,15 +134,17 @@ def child_weights(ckpt: str, out: str, ep: int, jobs: int) -> None:
     spec = pipeline.parse(config, False, lambda m: None)
     plan = pipeline.plan(spec, lambda m: None)
     staging = Path(out)
+    peaks = WorkerPeaks()
+    peaks.start()
     t0 = time.perf_counter()                                  # as the driver's: headers, plan, bytes
     source = Checkpoint(spec.config.model.checkpoint)
     files, _ = stack_files(spec, plan, source, staging)       # preprocess_weights without a cache
     files += host_files(spec.model, source, staging)
     report = stream(files, workers=jobs)
-    print(json.dumps({"seconds": time.perf_counter() - t0, "bytes_read": report["bytes_read"],
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"seconds": seconds, "bytes_read": report["bytes_read"],
                       "bundle_bytes": _dir_bytes(staging), "base_kib": base,
-                      "parent_peak_kib": _status_kib("VmHWM"),
-                      "child_peak_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+                      "parent_peak_kib": _status_kib("VmHWM"), "worker_extra_kib": peaks.stop()}))
 
 
 def child_driver(ckpt: str, out: str, jobs: int) -> None:
@@ -112,11 +152,13 @@ def child_driver(ckpt: str, out: str, jobs: int) -> None:
 
     import deepinfer.compiler.pipeline  # noqa: F401  (the same interpreter baseline as the pass)
     base = _status_kib("VmRSS")
+    peaks = WorkerPeaks()
+    peaks.start()
     t0 = time.perf_counter()
     rep = process_checkpoint(ckpt, out, workers=jobs)
-    print(json.dumps({"seconds": time.perf_counter() - t0, "bytes_in": rep.bytes_in, "base_kib": base,
-                      "parent_peak_kib": _status_kib("VmHWM"),
-                      "child_peak_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"seconds": seconds, "bytes_in": rep.bytes_in, "base_kib": base,
+                      "parent_peak_kib": _status_kib("VmHWM"), "worker_extra_kib": peaks.stop()}))
 
 
 def child_compile(ckpt: str, out: str, jobs: int) -> None:
@@ -125,11 +167,17 @@ def child_compile(ckpt: str, out: str, jobs: int) -> None:
 
     base = _status_kib("VmRSS")
     config = _config(Path(out).parent, Path(ckpt), 1)
+    peaks = WorkerPeaks()
+    peaks.start()
     t0 = time.perf_counter()
     compile_bundle(config, Path(out), jobs=jobs, log=lambda m: None)
-    print(json.dumps({"seconds": time.perf_counter() - t0, "base_kib": base,
+    seconds = time.perf_counter() - t0
+    # compile jobs are spawned children (compiler/jobs.py): RUSAGE_CHILDREN sees them, beyond
+    # their own interpreter's start (taken as this process's base)
+    jobs_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss - base
+    print(json.dumps({"seconds": seconds, "base_kib": base,
                       "parent_peak_kib": _status_kib("VmHWM"),
-                      "child_peak_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+                      "worker_extra_kib": max(peaks.stop(), jobs_kib),
                       "executable_bytes": _dir_bytes(Path(out), (layout.REGIONS_DIR,)),
                       "weight_bytes": _dir_bytes(Path(out), (layout.WEIGHTS_DIR, layout.HOST_DIR))}))
 
@@ -143,10 +191,10 @@ def _child(*args: str, timeout: float = 3600) -> dict:
 
 
 def _extra_mib(r: dict) -> dict:
-    """Peak RSS beyond the interpreter: the parent's, and the largest worker's (forked
-    workers start from the parent's pages, so theirs is also measured from its base)."""
+    """Peak RSS beyond the interpreter: the parent's, and the largest worker's (each from its
+    own start: `WorkerPeaks`)."""
     parent = max(0, r["parent_peak_kib"] - r["base_kib"]) / 1024
-    worker = max(0, r["child_peak_kib"] - r["base_kib"]) / 1024
+    worker = max(0, r["worker_extra_kib"]) / 1024
     return {"parent_mib": parent, "worker_mib": worker, "peak_mib": max(parent, worker)}
 
 

@@ -8,7 +8,11 @@ and the tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -17,6 +21,7 @@ from safetensors import safe_open
 from deepinfer.bundles.safetensors import TensorInfo, read_header
 from deepinfer.errors import CheckpointError
 from deepinfer.regions.base import Region, WeightSpec
+from deepinfer.regions.config import CONFIG_FILE
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -155,3 +160,24 @@ def load_region(ckpt: Checkpoint, region: Region, prefix: str) -> None:
     """Fill a region's weight buffers from the checkpoint tensors under `prefix`."""
     for spec in region.specs:
         getattr(region, spec.name).copy_(ckpt.load_spec(prefix, spec))
+
+
+@contextlib.contextmanager
+def written_checkpoint(out_dir: Path, config: dict, weight_map: dict[str, str], total_bytes: int):
+    """Write a checkpoint directory atomically: yields a sibling temporary directory to write the
+    safetensors files into; on success the config and the index are added and the directory takes
+    `out_dir`'s place (absent or empty); on any error it is removed."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield tmp
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        os.chmod(tmp, 0o755)
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -16,19 +16,15 @@ release ships.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from deepinfer.bundles.safetensors import layout_header, pwrite
-from deepinfer.regions.checkpoint import INDEX_FILE
-from deepinfer.regions.config import CONFIG_FILE, parse_config
+from deepinfer.regions.checkpoint import written_checkpoint
+from deepinfer.regions.config import parse_config
 from deepinfer.regions.examples import ITEMSIZE, stored_values
 from deepinfer.regions.plan import make_head, make_layer_regions
 from deepinfer.regions.step import plan_layers
@@ -95,10 +91,9 @@ def write_synthetic(out_dir: str | Path, config: dict, *, seed: int = 0, log=lam
     for name, dtype, shape in tensors:
         by_file.setdefault(_file_of(name), []).append((name, dtype, shape, math.prod(shape) * ITEMSIZE[dtype]))
     rng = np.random.default_rng(seed)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    total = 0
-    try:
+    total = sum(e[3] for entries in by_file.values() for e in entries)
+    done = 0
+    with written_checkpoint(out_dir, config, {name: _file_of(name) for name, _, _ in tensors}, total) as tmp:
         for fname, entries in by_file.items():
             header, offsets = layout_header([(n, d, s, b) for n, d, s, b in entries], {"format": "pt"})
             path = str(tmp / fname)
@@ -110,16 +105,6 @@ def write_synthetic(out_dir: str | Path, config: dict, *, seed: int = 0, log=lam
                 for a in range(0, nbytes, step):
                     n = min(step, nbytes - a)
                     pwrite(path, offsets[name] + a, stored_values(rng, name, dtype, n // ITEMSIZE[dtype]))
-            total += sum(e[3] for e in entries)
-            log(f"synthetic checkpoint: {fname} written ({total / 2**30:.2f} GiB so far)")
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {name: _file_of(name) for name, _, _ in tensors}}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        if out_dir.exists():
-            out_dir.rmdir()
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            done += sum(e[3] for e in entries)
+            log(f"synthetic checkpoint: {fname} written ({done / 2**30:.2f} GiB so far)")
     return total

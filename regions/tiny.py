@@ -16,9 +16,6 @@ with or without it.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +27,7 @@ from deepinfer.quant.blockfp8 import quantize_fp8_blocks, quantize_fp8_float_sca
 from deepinfer.quant.fp4 import quantize_mxfp4
 from deepinfer.quant.fp8 import E4M3FN_MAX, e4m3fn_encode
 from deepinfer.quant.ue8m0 import UE8M0_LUT, scale_bytes_for
-from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE
+from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE, written_checkpoint
 from deepinfer.regions.config import CONFIG_FILE, parse_config
 from deepinfer.regions.plan import make_head, make_layer_regions
 from deepinfer.regions.step import plan_layers
@@ -212,20 +209,8 @@ def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = MIN_LAYERS, e
         raise ConfigError(f"{out_dir}: exists and is not empty" + (" and holds a different checkpoint (seed or layers)" if exist_ok else "") + "; choose a new directory")
     tensors = _tensors(config, seed, scales)
     tensors.update(_vision_tensors(config, seed))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with written_checkpoint(out_dir, config, dict.fromkeys(tensors, SINGLE_FILE), total) as tmp:
         # one metadata key only: safetensors writes several in random order
         save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": {k: SINGLE_FILE for k in sorted(tensors)}}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        os.chmod(tmp, 0o755)
-        if out_dir.exists():
-            out_dir.rmdir()
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

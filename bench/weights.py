@@ -8,14 +8,16 @@ Writes two synthetic checkpoints with the release's per-layer tensor shapes
 indexer and engram widths; 6 layers; routed experts chosen per size) under a
 temporary directory, removed afterwards. On each, side by side in one run:
 
-- the weight pass alone (plan + stream; no tracing) at ep=1 and ep=8, each in a
-  fresh process (peak RSS is its own: parent and largest worker, beyond the
-  interpreter with deepinfer imported);
+- the weight pass alone (plan + stream; no tracing) at ep=1 and ep=8 with the cpu
+  target's `release` recipe, and at ep=8 with trn2's `e4m3` (every fp8 block
+  converted), each in a fresh process (peak RSS is its own: parent and largest
+  worker, beyond the interpreter with deepinfer imported);
 - quant/'s streaming driver over the same files (its default recipe: every byte
   read, fp8 rows converted, written), the reference the pass is held to.
 
-Then, on the larger checkpoint, a whole compile (every pass, exported executables,
-one bucket) in a fresh process: its peak RSS and the executables' bytes.
+Then, on each checkpoint, a whole compile (every pass, exported executables, one
+bucket) in a fresh process: its peak RSS and the executables' bytes (the same at
+both sizes: executables hold graphs, not weights).
 
 Figures: GB/s of checkpoint input and the ratio to the driver's; peak RSS at the two
 sizes and its growth; bytes read / checkpoint bytes at ep=8 (what the pass maps);
@@ -39,6 +41,8 @@ from pathlib import Path
 
 GIB = 1 << 30
 MIB = 1 << 20
+PASS_RUNS = ("ep1", "ep8", "ep8-e4m3")
+EP8_RUNS = ("ep8", "ep8-e4m3")
 RELEASE_GIB = 475
 
 TOML = """[model]
@@ -61,6 +65,9 @@ num_blocks = 8
 
 [parallel]
 ep = {ep}
+
+[quant]
+recipe = "{recipe}"
 """
 
 
@@ -114,15 +121,15 @@ def _dir_bytes(path: Path, under: tuple[str, ...] = ()) -> int:
     return sum(f.stat().st_size for r in roots if r.exists() for f in r.rglob("*") if f.is_file())
 
 
-def _config(work: Path, ckpt: Path, ep: int):
+def _config(work: Path, ckpt: Path, ep: int, recipe: str = "release"):
     from deepinfer.compiler.config import load_compile_config
 
-    toml = work / f"model-ep{ep}.toml"
-    toml.write_text(TOML.format(ckpt=ckpt, ep=ep))
+    toml = work / f"model-ep{ep}-{recipe}.toml"
+    toml.write_text(TOML.format(ckpt=ckpt, ep=ep, recipe=recipe))
     return load_compile_config(toml)
 
 
-def child_weights(ckpt: str, out: str, ep: int, jobs: int) -> None:
+def child_weights(ckpt: str, out: str, ep: int, jobs: int, recipe: str) -> None:
     """The weight pass alone, in this (fresh) process."""
     from deepinfer.compiler import pipeline
     from deepinfer.compiler.stream import stream
@@ -130,7 +137,7 @@ def child_weights(ckpt: str, out: str, ep: int, jobs: int) -> None:
     from deepinfer.regions.checkpoint import Checkpoint
 
     base = _status_kib("VmRSS")
-    config = _config(Path(out).parent, Path(ckpt), ep)
+    config = _config(Path(out).parent, Path(ckpt), ep, recipe)
     spec = pipeline.parse(config, False, lambda m: None)
     plan = pipeline.plan(spec, lambda m: None)
     staging = Path(out)
@@ -202,7 +209,7 @@ def _drop(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def bench_size(work: Path, experts: int, layers: int, jobs: int, reps: int, log) -> dict:
+def bench_size(work: Path, experts: int, layers: int, jobs: int, reps: int, log, compile_too: bool) -> dict:
     from deepinfer.regions.synthetic import synthetic_config, write_synthetic
 
     ckpt = work / f"ckpt-e{experts}"
@@ -212,11 +219,12 @@ def bench_size(work: Path, experts: int, layers: int, jobs: int, reps: int, log)
         f"{time.perf_counter() - t0:.0f} s")
     best: dict[str, dict] = {}
     for rep in range(reps):                        # alternate, keep each one's best: a shared host is noisy
-        for name, args in (("driver", ("driver", str(ckpt), str(work / "drv"), str(jobs))),
-                           ("ep1", ("weights", str(ckpt), str(work / "b1"), "1", str(jobs))),
-                           ("ep8", ("weights", str(ckpt), str(work / "b8"), "8", str(jobs)))):
+        for name, args in (("driver", ("driver", str(ckpt), str(work / "out"), str(jobs))),
+                           ("ep1", ("weights", str(ckpt), str(work / "out"), "1", str(jobs), "release")),
+                           ("ep8", ("weights", str(ckpt), str(work / "out"), "8", str(jobs), "release")),
+                           ("ep8-e4m3", ("weights", str(ckpt), str(work / "out"), "8", str(jobs), "e4m3"))):
             r = _child(*args)
-            _drop(work / ("drv" if name == "driver" else "b" + name[2:]))
+            _drop(work / "out")
             r.update(_extra_mib(r))
             old = best.get(name)
             if old is None or r["seconds"] < old["seconds"]:
@@ -224,6 +232,13 @@ def bench_size(work: Path, experts: int, layers: int, jobs: int, reps: int, log)
             log(f"  {name} run {rep + 1}: {size / r['seconds'] / 1e9:.3f} GB/s, "
                 f"peak RSS +{r['peak_mib']:.0f} MiB")
     out = {"experts": experts, "checkpoint_bytes": size}
+    if compile_too:
+        r = _child("compile", str(ckpt), str(work / "bundle"), str(jobs))
+        _drop(work / "bundle")
+        out["compile"] = {"seconds": round(r["seconds"], 1), "peak_rss_mib": round(_extra_mib(r)["peak_mib"], 1),
+                          "executable_bytes": r["executable_bytes"], "weight_bytes": r["weight_bytes"]}
+        log(f"  whole compile: {r['seconds']:.0f} s, peak RSS +{out['compile']['peak_rss_mib']:.0f} MiB, "
+            f"executables {r['executable_bytes'] / MIB:.1f} MiB")
     for name, r in best.items():
         out[name] = {"seconds": round(r["seconds"], 3), "gbps": round(size / r["seconds"] / 1e9, 3),
                      "peak_rss_mib": round(r["peak_mib"], 1), "parent_mib": round(r["parent_mib"], 1),
@@ -259,7 +274,7 @@ def main() -> None:
     if a._child:
         what, *rest = a._child
         if what == "weights":
-            return child_weights(rest[0], rest[1], int(rest[2]), int(rest[3]))
+            return child_weights(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4])
         if what == "driver":
             return child_driver(rest[0], rest[1], int(rest[2]))
         return child_compile(rest[0], rest[1], int(rest[2]))
@@ -272,24 +287,22 @@ def main() -> None:
         work = Path(d)
         runs = []
         for experts in sizes:
-            runs.append(bench_size(work, experts, a.layers, a.jobs, a.reps, log))
-            if experts != sizes[-1]:
-                _drop(work / f"ckpt-e{experts}")
-        compile_run = None
-        if not a.no_compile:
-            r = _child("compile", str(work / f"ckpt-e{sizes[-1]}"), str(work / "bundle"), str(a.jobs))
-            compile_run = {"seconds": round(r["seconds"], 1), "peak_rss_mib": round(_extra_mib(r)["peak_mib"], 1),
-                           "executable_bytes": r["executable_bytes"], "weight_bytes": r["weight_bytes"]}
+            runs.append(bench_size(work, experts, a.layers, a.jobs, a.reps, log, not a.no_compile))
+            _drop(work / f"ckpt-e{experts}")
+    compile_run = None
+    if not a.no_compile:                              # the larger checkpoint's; executables of both
+        compile_run = dict(runs[-1]["compile"], executable_bytes_by_size={
+            f"{r['checkpoint_bytes'] / GIB:.2f} GiB": r["compile"]["executable_bytes"] for r in runs})
     small, large = runs[0], runs[-1]
-    pass_peak = max(r[k]["peak_rss_mib"] for r in runs for k in ("ep1", "ep8"))
+    pass_peak = max(r[k]["peak_rss_mib"] for r in runs for k in PASS_RUNS)
     summary = {
         "weights_gbps_ratio_to_driver": round(min(r[k]["gbps"] / r["driver"]["gbps"] for r in runs
-                                                  for k in ("ep1", "ep8")), 3),
+                                                  for k in PASS_RUNS), 3),
         "peak_rss_mib": pass_peak,
-        "rss_growth_mib": round(max(large[k]["peak_rss_mib"] - small[k]["peak_rss_mib"] for k in ("ep1", "ep8")), 1),
-        "read_amplification_ep8": max(r["ep8"]["read_amplification"] for r in runs),
-        "bundle_over_checkpoint_ep8": max(r["ep8"]["bundle_over_checkpoint"] for r in runs),
-        "projection_475gib_ep64_192core_s": round(projection(large["ep8"]["gbps"], a.jobs,
+        "rss_growth_mib": round(max(large[k]["peak_rss_mib"] - small[k]["peak_rss_mib"] for k in PASS_RUNS), 1),
+        "read_amplification_ep8": max(r[k]["read_amplification"] for r in runs for k in EP8_RUNS),
+        "bundle_over_checkpoint_ep8": max(r[k]["bundle_over_checkpoint"] for r in runs for k in EP8_RUNS),
+        "projection_475gib_ep64_192core_s": round(projection(min(large[k]["gbps"] for k in EP8_RUNS), a.jobs,
                                                              storage_gbps=a.storage_gbps)),
         "compile": compile_run, "runs": runs, "jobs": a.jobs, "layers": a.layers,
         "loadavg_1min": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
@@ -304,7 +317,7 @@ def _table(s: dict, log) -> None:
         f"{'read/ckpt':>9} {'bundle/ckpt':>11}")
     for r in s["runs"]:
         label = f"{r['checkpoint_bytes'] / GIB:.2f} GiB, {r['experts']}e"
-        for k in ("driver", "ep1", "ep8"):
+        for k in ("driver", *PASS_RUNS):
             x = r[k]
             ratio = x["gbps"] / r["driver"]["gbps"]
             log(f"{label:>18} {k:>7} {x['gbps']:7.3f} {ratio:9.3f} {x['peak_rss_mib']:12.0f} "
@@ -316,11 +329,13 @@ def _table(s: dict, log) -> None:
         f"at ep=8: {s['bundle_over_checkpoint_ep8']:.3f} (target <= 1.1)")
     if s["compile"]:
         c = s["compile"]
+        sizes = ", ".join(f"{b / MIB:.2f} MiB ({k} checkpoint)" for k, b in c["executable_bytes_by_size"].items())
         log(f"whole compile (exported, 1 bucket) of the larger: {c['seconds']:.0f} s, peak RSS beyond the "
-            f"interpreter {c['peak_rss_mib']:.0f} MiB (target <= 2048); executables {c['executable_bytes'] / MIB:.1f} "
-            f"MiB for {c['weight_bytes'] / GIB:.2f} GiB of weights")
+            f"interpreter {c['peak_rss_mib']:.0f} MiB (target <= 2048); {c['weight_bytes'] / GIB:.2f} GiB of "
+            f"weights; executables {sizes}")
     log(f"projection, {RELEASE_GIB} GiB at ep=64 on a 192-core host: {s['projection_475gib_ep64_192core_s']} s "
-        f"(per-worker rate x 192, or storage at the assumed rate; each byte is read once at any ep)")
+        f"(the slower ep=8 recipe's per-worker rate x 192, or storage at the assumed rate; each byte is read "
+        f"once at any ep)")
     log(f"1-min load average {s['loadavg_1min']} on {s['cpus']} CPUs")
 
 

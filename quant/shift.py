@@ -75,7 +75,15 @@ def apply_shifts(codes: np.ndarray, k: np.ndarray, shift: np.ndarray, gr: int, g
     c3 = codes.reshape(rt, gr, cols)
     np.add(c3, delta_c, out=out.reshape(rt, gr, cols))
     mask = k.reshape(rt, gr, cols) < thr_c                       # [rt, gr, cols]
-    if mask.any():
+    if sh.min() >= 0 and sh.max() == 1:
+        # halving only (convert_format's case): codes below 16 (exponent 0 or 1) are k * 2^-9, so
+        # their half is the code round-half-even(k / 2), sign kept: whole-array uint8 operations
+        # instead of a gather at every small code (uniformly random codes have many)
+        half = (codes & np.uint8(0x80)) | ((k >> 1) + (k & (k >> 1) & 1))
+        keep = mask.reshape(rows, cols).view(np.uint8) * np.uint8(0xFF)   # 0xFF where half applies
+        out &= ~keep                                                      # a bitwise blend: several
+        out |= half & keep                                                # times np.copyto(where=)
+    elif mask.any():
         flat = np.flatnonzero(mask)
         s_at = sh[flat // (gr * cols), (flat % cols) // gc]
         out.reshape(-1)[flat] = SHIFT_TABLES[s_at + MAX_SHIFT, codes.reshape(-1)[flat]]

@@ -85,26 +85,29 @@ def _status_kib(field: str, pid: str = "self") -> int:
 class WorkerPeaks(threading.Thread):
     """The largest worker's peak RSS beyond its starting point, sampled from /proc every 0.1 s.
 
-    Workers are forked from a fork server (quant/stream.worker_context): grandchildren of this
-    process, which RUSAGE_CHILDREN does not see while the server lives. A worker's start is its
-    fork server's resident size (an interpreter with numpy and the stream module); VmHWM is the
-    worker's own high-water mark, so a sample shortly before it ends holds its peak."""
+    Forked workers are children of this process and start from its pages (their start: the
+    interpreter's resident size before the run, `base_kib`); workers of a fork server
+    (quant/stream.worker_context when JAX is loaded) are its children and start from its
+    resident size. RUSAGE_CHILDREN would miss the latter while the server lives. VmHWM is a
+    process's own high-water mark, so a sample shortly before a worker ends holds its peak."""
 
-    def __init__(self):
+    def __init__(self, base_kib: int):
         super().__init__(daemon=True)
-        self.extra_kib, self.done = 0, threading.Event()
+        self.base_kib, self.extra_kib, self.done = base_kib, 0, threading.Event()
 
     def sample(self) -> None:
-        parents = {}
+        children = {}
         for d in os.listdir("/proc"):
             if d.isdigit():
-                ppid = _status_kib("PPid", d)
-                parents.setdefault(ppid, []).append(int(d))
-        servers = parents.get(os.getpid(), [])
-        for server in servers:
-            base = _status_kib("VmRSS", str(server))
-            for worker in parents.get(server, []):
-                self.extra_kib = max(self.extra_kib, _status_kib("VmHWM", str(worker)) - base)
+                children.setdefault(_status_kib("PPid", d), []).append(int(d))
+        for child in children.get(os.getpid(), []):
+            workers = children.get(child)
+            if workers:                                    # a fork server (or a compile job's children)
+                base = _status_kib("VmRSS", str(child))
+                for w in workers:
+                    self.extra_kib = max(self.extra_kib, _status_kib("VmHWM", str(w)) - base)
+            else:
+                self.extra_kib = max(self.extra_kib, _status_kib("VmHWM", str(child)) - self.base_kib)
 
     def run(self) -> None:
         while not self.done.wait(0.1):
@@ -141,7 +144,7 @@ def child_weights(ckpt: str, out: str, ep: int, jobs: int, recipe: str) -> None:
     spec = pipeline.parse(config, False, lambda m: None)
     plan = pipeline.plan(spec, lambda m: None)
     staging = Path(out)
-    peaks = WorkerPeaks()
+    peaks = WorkerPeaks(base)
     peaks.start()
     t0 = time.perf_counter()                                  # as the driver's: headers, plan, bytes
     source = Checkpoint(spec.config.model.checkpoint)
@@ -159,7 +162,7 @@ def child_driver(ckpt: str, out: str, jobs: int) -> None:
 
     import deepinfer.compiler.pipeline  # noqa: F401  (the same interpreter baseline as the pass)
     base = _status_kib("VmRSS")
-    peaks = WorkerPeaks()
+    peaks = WorkerPeaks(base)
     peaks.start()
     t0 = time.perf_counter()
     rep = process_checkpoint(ckpt, out, workers=jobs)
@@ -174,7 +177,7 @@ def child_compile(ckpt: str, out: str, jobs: int) -> None:
 
     base = _status_kib("VmRSS")
     config = _config(Path(out).parent, Path(ckpt), 1)
-    peaks = WorkerPeaks()
+    peaks = WorkerPeaks(base)
     peaks.start()
     t0 = time.perf_counter()
     compile_bundle(config, Path(out), jobs=jobs, log=lambda m: None)
@@ -190,6 +193,7 @@ def child_compile(ckpt: str, out: str, jobs: int) -> None:
 
 
 def _child(*args: str, timeout: float = 3600) -> dict:
+    os.sync()            # every run starts with no dirty pages (the last run's writes or the checkpoint's)
     cmd = [sys.executable, __file__, "--_child", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
@@ -264,7 +268,7 @@ def main() -> None:
                     help="routed experts of the smaller and the larger checkpoint (6 layers: 5.7 and 8.2 GiB)")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--jobs", type=int, default=2, help="worker processes of the pass and the driver")
-    ap.add_argument("--reps", type=int, default=2, help="runs of each, alternating; the best is kept")
+    ap.add_argument("--reps", type=int, default=3, help="runs of each, alternating; the best is kept")
     ap.add_argument("--no-compile", action="store_true", help="skip the whole-compile run")
     ap.add_argument("--storage-gbps", type=float, default=4.0,
                     help="read bandwidth assumed for the 192-core projection")

@@ -140,11 +140,20 @@ def _rewrite(ckpt: Path, name: str, tensor: torch.Tensor) -> None:
     save_file(tensors, str(path))
 
 
-@pytest.mark.parametrize("damage", ["shape", "dtype", "truncated"])
-def test_bad_checkpoint_tensor_is_one_line_before_any_output(tiny_ckpt, tmp_path, damage):
-    ckpt = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+@pytest.mark.parametrize("damage", ["shape", "dtype", "truncated", "float-scale-shape", "float-scale-dtype"])
+def test_bad_checkpoint_tensor_is_one_line_before_any_output(tiny_ckpt, float_scaled_ckpt, tmp_path, damage):
+    float_scaled = damage.startswith("float")
+    ckpt = shutil.copytree(float_scaled_ckpt if float_scaled else tiny_ckpt, tmp_path / "ckpt")
     name = "layers.2.attn.wq_b.weight"
-    if damage == "shape":
+    if float_scaled:
+        name += "_scale_inv"
+        if damage.endswith("shape"):
+            _rewrite(ckpt, name, torch.ones((3, 3)))
+            expected = "scale shape [3, 3] does not fit fp8 weight"
+        else:
+            _rewrite(ckpt, name, torch.ones(Checkpoint(ckpt).info(name)[1], dtype=torch.bfloat16))
+            expected = f"tensor {name} has dtype BF16, expected F8_E8M0 or F32"
+    elif damage == "shape":
         _rewrite(ckpt, name, torch.zeros((8, 8), dtype=torch.float8_e4m3fn))
         expected = f"tensor {name} has shape [8, 8]"
     elif damage == "dtype":

@@ -18,6 +18,13 @@ os.environ.setdefault("TMPDIR", str(CACHE / "tmp"))
 CACHE_ENV = "DEEPINFER_CACHE_DIR"
 os.environ.setdefault(CACHE_ENV, str(CACHE / "deepinfer-test"))
 (CACHE / "tmp").mkdir(parents=True, exist_ok=True)
+# Under pytest-xdist, the workers share the cores: each gets its share of threads (torch's
+# default, one per core in every worker, oversubscribed 2 cores about 10x on reference tests:
+# the fast run went from 152 s to 74 s). An OMP_NUM_THREADS the caller sets wins; results
+# do not depend on the thread count (docs/testing.md).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 
 def _load_regenerate():

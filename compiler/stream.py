@@ -227,7 +227,7 @@ def plan_tasks(files: list[OutFile], chunk_bytes: int = CHUNK_BYTES) -> tuple[li
         for t in f.tensors:
             for p in t.pieces:
                 src = _source_of(p)
-                stored = src.codes if isinstance(src, Fp8Convert) else src
+                stored = _stored(src)
                 key = (stored.path, stored.name)
                 if sources.setdefault(key, src) != src:
                     raise ValueError(f"{stored.path}: tensor {stored.name} is planned both converted and as stored")

@@ -37,7 +37,6 @@ from deepinfer.compiler.stream import Derived, Fp8Convert, OutFile, OutTensor, P
 from deepinfer.errors import CheckpointError
 from deepinfer.quant.formats import FP8_E4M3, FP8_E4M3FN
 from deepinfer.quant.rescale import convert_format
-from deepinfer.quant.stream_plan import SCALE_DTYPES, block_from_grid
 from deepinfer.regions.base import WeightSpec
 from deepinfer.regions.checkpoint import Checkpoint, release_block
 
@@ -78,29 +77,27 @@ def _source(ckpt: Checkpoint, name: str, spec: WeightSpec, padded: bool) -> Tens
     path = ckpt.files[name]
     if t.dtype != spec.ckpt_dtype:
         raise CheckpointError(f"{path}: tensor {name} has dtype {t.dtype}, expected {spec.ckpt_dtype}")
-    ok = t.shape == spec.shape or (padded and t.shape[1:] == spec.shape[1:] and t.shape[0] <= spec.shape[0])
-    if not ok:
+    if not _fits(t.shape, spec, padded):
         raise CheckpointError(f"{path}: tensor {name} has shape {list(t.shape)}, expected {list(spec.shape)}")
     return t
+
+
+def _fits(shape: tuple[int, ...], spec: WeightSpec, padded: bool) -> bool:
+    """`shape` is the spec's, or (a padded tensor) has no more rows than it."""
+    return shape == spec.shape or (padded and shape[1:] == spec.shape[1:] and shape[0] <= spec.shape[0])
 
 
 def _stored(ckpt: Checkpoint, name: str, spec: WeightSpec, padded: bool, recipe: Recipe) -> TensorInfo | Derived:
     """The source of weight `name`: the checkpoint tensor itself, or the codes or scales part of
     its fp8 conversion where the recipe changes the format or the checkpoint scales by float32."""
     weight = ckpt.fp8_weight(spec, name)
-    scales = ckpt.tensor(ckpt.scale_of(weight)) if weight else None
-    if scales is None or (scales.dtype == "F8_E8M0" and recipe.fp8_format == FP8_E4M3FN):
-        return _source(ckpt, name, spec, padded)
-    if scales.dtype not in SCALE_DTYPES:
-        raise CheckpointError(f"{scales.path}: tensor {scales.name} has dtype {scales.dtype}, expected "
-                              f"{' or '.join(SCALE_DTYPES)}")
-    codes = ckpt.tensor(weight)
-    src = block_from_grid(codes, scales, SCALE_DTYPES[scales.dtype])
+    if weight is None or (recipe.fp8_format == FP8_E4M3FN and ckpt.tensor(ckpt.scale_of(weight)).dtype == "F8_E8M0"):
+        return _source(ckpt, name, spec, padded)             # stored as released: the bytes as they are
+    codes, scales, src = ckpt.fp8_blocks(weight)
     dst = release_block(src) if scales.dtype == "F32" else src
     part = Fp8Convert(codes, scales, src, dst, recipe.fp8_format).part(
         "codes" if spec.ckpt_dtype == "F8_E4M3" else "scales")
-    ok = part.shape == spec.shape or (padded and part.shape[1:] == spec.shape[1:] and part.shape[0] <= spec.shape[0])
-    if not ok:
+    if not _fits(part.shape, spec, padded):
         raise CheckpointError(f"{part.path}: tensor {name} has shape {list(part.shape)} as stored, "
                               f"expected {list(spec.shape)}")
     return part

@@ -6,10 +6,11 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from deepinfer.kernels.formats import dequant_fp4, dequant_fp8
+from deepinfer.kernels.formats import FP8_GEMM_FORMATS, dequant_fp4, dequant_fp8
 from deepinfer.kernels.registry import register
 
-WEIGHT_FORMATS = ("fp8", "fp8-e4m3", "fp4")
+FP8_OF_GEMM_FORMAT = {gemm: fp8 for fp8, gemm in FP8_GEMM_FORMATS.items()}   # "fp8" -> "e4m3fn", ...
+WEIGHT_FORMATS = (*FP8_OF_GEMM_FORMAT, "fp4")
 
 
 def blockquant_gemm_ref(x: Tensor, codes: Tensor, scales: Tensor, fmt: str) -> Tensor:
@@ -25,7 +26,7 @@ def blockquant_gemm_ref(x: Tensor, codes: Tensor, scales: Tensor, fmt: str) -> T
     if fmt == "fp4":
         w = dequant_fp4(codes, scales, x.dtype)
     else:
-        w = dequant_fp8(codes, scales, x.dtype, "e4m3" if fmt == "fp8-e4m3" else "e4m3fn")
+        w = dequant_fp8(codes, scales, x.dtype, FP8_OF_GEMM_FORMAT[fmt])
     if codes.dim() == 2:
         return F.linear(x, w)
     return torch.matmul(w, x.unsqueeze(-1)).squeeze(-1)

@@ -111,13 +111,19 @@ def block_from_grid(w: TensorInfo, s: TensorInfo, pref: tuple[int, int]) -> tupl
                           f"(expected {list(blocks.grid(w.shape, *pref))}) or per-row scales")
 
 
+def scale_names(weight: str) -> tuple[str, str]:
+    """The names the scale of fp8 weight `weight` may have: `X.scale` (F8_E8M0, as released)
+    or DeepSeek-V3's `X.weight_scale_inv` (F32)."""
+    stem = weight[: -len("weight")] if weight.endswith(".weight") else weight + "."
+    return stem + "scale", stem + "weight_scale_inv"
+
+
 def _fp8_jobs(index: dict[str, TensorInfo], recipe: StreamRecipe) -> dict[str, Fp8Job]:
     jobs = {}
     for name, w in index.items():
         if w.dtype != "F8_E4M3":
             continue
-        stem = name[: -len("weight")] if name.endswith(".weight") else name + "."
-        cands = [stem + "scale", stem + "weight_scale_inv"]
+        cands = scale_names(name)
         scale = next((index[c] for c in cands if c in index), None)
         if scale is None:
             raise TensorFileError(w.path, name, "fp8 weight has no scale tensor",
@@ -130,7 +136,7 @@ def _fp8_jobs(index: dict[str, TensorInfo], recipe: StreamRecipe) -> dict[str, F
         dst = src if keep else block_pair(recipe.dst_block, "StreamRecipe.dst_block")
         per_row = src[0] == 1 and recipe.row_scale_layout is not None
         layout = recipe.row_scale_layout if per_row else recipe.scale_layout
-        jobs[name] = Fp8Job(w, scale, src, dst, stem + "scale", keep, layout)
+        jobs[name] = Fp8Job(w, scale, src, dst, cands[0], keep, layout)
     return jobs
 
 

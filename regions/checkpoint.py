@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from deepinfer.bundles.safetensors import TensorInfo, read_header
 from deepinfer.errors import CheckpointError
+from deepinfer.quant.stream_plan import SCALE_DTYPES, block_from_grid, scale_names
 from deepinfer.regions.base import Region, WeightSpec
 from deepinfer.regions.config import CONFIG_FILE
 
@@ -88,11 +89,19 @@ class Checkpoint:
     def scale_of(self, weight: str) -> str:
         """The scale tensor of fp8 weight `weight` (`X.weight`): `X.scale` (ue8m0, as released)
         or, in a DeepSeek-V3-style checkpoint, `X.weight_scale_inv` (float32, [128, 128] blocks)."""
-        stem = weight.removesuffix("weight")
-        for name in (stem + "scale", stem + "weight_scale_inv"):
+        names = scale_names(weight)
+        for name in names:
             if name in self.files:
                 return name
-        raise CheckpointError(f"{self.dir}: missing tensor {stem}scale (nor {stem}weight_scale_inv)")
+        raise CheckpointError(f"{self.dir}: missing tensor {names[0]} (nor {names[1]})")
+
+    def fp8_blocks(self, weight: str) -> tuple[TensorInfo, TensorInfo, tuple[int, int]]:
+        """An fp8 weight's codes, its scale tensor (dtype checked) and the block each scale covers."""
+        codes, scales = self.tensor(weight), self.tensor(self.scale_of(weight))
+        if scales.dtype not in SCALE_DTYPES:
+            raise CheckpointError(f"{scales.path}: tensor {scales.name} has dtype {scales.dtype}, expected "
+                                  f"{' or '.join(SCALE_DTYPES)}")
+        return codes, scales, block_from_grid(codes, scales, SCALE_DTYPES[scales.dtype])
 
     def fp8_weight(self, spec: WeightSpec, key: str) -> str | None:
         """The fp8 weight (`X.weight`, F8_E4M3) whose codes or scales region weight `key` is;
@@ -121,14 +130,11 @@ class Checkpoint:
         row), through quant/rescale's LUT path (one rounding per element: the nearest code to
         code * scale_inv / new scale)."""
         from deepinfer.quant.rescale import rescale_fp32
-        from deepinfer.quant.stream_plan import SCALE_DTYPES, block_from_grid
 
         if self._rescaled and self._rescaled[0] == (weight, fp8_format):     # codes, then their scales
             return self._rescaled[1]
-        scale = self.scale_of(weight)
-        codes, inv = self.tensor(weight), self.tensor(scale)
-        src = block_from_grid(codes, inv, SCALE_DTYPES[inv.dtype])
-        out, out_s = rescale_fp32(self.get(weight).view(torch.uint8).numpy(), self.get(scale, "F32").numpy(),
+        _, inv, src = self.fp8_blocks(weight)
+        out, out_s = rescale_fp32(self.get(weight).view(torch.uint8).numpy(), self.get(inv.name, "F32").numpy(),
                                   src, release_block(src), fp8_format)
         self._rescaled = ((weight, fp8_format), (torch.from_numpy(out), torch.from_numpy(out_s)))
         return self._rescaled[1]

@@ -18,11 +18,13 @@ from deepinfer.bundles import layout
 from deepinfer.compiler import pipeline
 from deepinfer.compiler.cache import Cache
 from deepinfer.compiler.config import load_compile_config
+from deepinfer.compiler.plan import plan_regions
 from deepinfer.compiler.shard import shard
 from deepinfer.compiler.stream import stream
 from deepinfer.compiler.weights import host_files, in_format, stack_files
 from deepinfer.errors import CheckpointError
 from deepinfer.regions.checkpoint import Checkpoint
+from deepinfer.regions.config import load_config
 
 from ..conftest import write_model_toml
 
@@ -171,6 +173,18 @@ def test_bad_checkpoint_tensor_is_one_line_before_any_output(tiny_ckpt, float_sc
     assert not (tmp_path / "bundle").exists() and not list(tmp_path.glob(".bundle*"))
 
 
+def test_reference_loader_names_a_bad_float_scale(float_scaled_ckpt, tmp_path):
+    """The reference's loader checks float scales as the weight pass does (it raised KeyError)."""
+    ckpt = shutil.copytree(float_scaled_ckpt, tmp_path / "ckpt")
+    name = "layers.2.attn.wq_b.weight_scale_inv"
+    _rewrite(ckpt, name, torch.ones(Checkpoint(ckpt).info(name)[1], dtype=torch.bfloat16))
+    source = Checkpoint(ckpt)
+    region = plan_regions(load_config(ckpt).text, torch.float32, False).kinds["attn_source_r2"].region
+    spec = next(s for s in region.specs if s.name == "wq_b")
+    with pytest.raises(CheckpointError, match=f"tensor {name} has dtype BF16, expected F8_E8M0 or F32"):
+        source.load_spec("layers.2.", spec)
+
+
 def test_failure_mid_stream_leaves_no_bundle_and_no_cache_entry(tiny_ckpt, tmp_path, monkeypatch):
     calls = []
     real = stream_mod.run_task
@@ -217,6 +231,7 @@ import deepinfer.compiler.stream as stream
 from deepinfer.compiler import pipeline
 from deepinfer.compiler.cache import Cache
 from deepinfer.compiler.config import load_compile_config
+from deepinfer.compiler.plan import plan_regions
 
 real, done = stream.run_task, []
 

@@ -6,6 +6,7 @@
       weights/rank-<R>/<kind>.safetensors    a kind's weights one rank holds, stacked layer-major
       weights/shared/<kind>.safetensors      a kind's weights every rank holds whole, stored once
       host/embed.safetensors                 host-resident tensors (token embedding)
+      host/engram.safetensors                the engram tables and their scales (checkpoint names)
       host/vision.safetensors                the vision tower, aligner and image delimiters (checkpoint names)
       logs/                                  per-executable compiler logs (targets that write them)
 """
@@ -24,6 +25,7 @@ RANK_KEY = "rank-{rank}"
 WEIGHTS_FORMAT = RANK_KEY + "/{kind}.safetensors"
 SHARED_WEIGHTS_FORMAT = "shared/{kind}.safetensors"
 HOST_EMBED_FILE = "embed.safetensors"
+HOST_ENGRAM_FILE = "engram.safetensors"
 HOST_VISION_FILE = "vision.safetensors"
 
 

@@ -399,6 +399,8 @@ def check(m: Manifest) -> None:
     for name, h in m.host.items():
         _need(is_inside(h.path), ("host", name, "path"), f"path {h.path!r} is not inside the bundle")
     _need("embed" in m.host, ("host",), "lacks the token embedding (embed)")
+    _need("engram" in m.host or not any(l.engram for l in m.layers), ("host",),
+          "lacks the engram tables (engram) its engram layers read")
     # layers: every binding names an executable kind and a row of its stacks on every rank
     rows = {r: {w.kind: len(w.layers) for w in stacks} for r, stacks in m.weights.items()}
     for i, l in enumerate(m.layers):

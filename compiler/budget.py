@@ -11,7 +11,8 @@ Per rank (every rank holds the same shapes: one executable set serves all):
     scratch      the largest executable's peak of intermediate tensors, from a liveness
                  pass over its lowered FX graph (known after tracing; see `scratch_bytes`)
 
-The host-resident token embedding (and vision tower) is host memory and not counted.
+Host-resident tensors (`compiler/weights.py` places them: the token embedding, the engram
+tables, the vision tower) are host memory: reported beside the total (`host`), never in it.
 
 The limit per rank is `[memory] limit_gib` when given, else the target's device
 memory (`Target.device_memory`): trn2 -> 12 GiB of HBM per physical NeuronCore times
@@ -28,13 +29,14 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from deepinfer.bundles.layout import rank_key
 from deepinfer.compiler.config import config_error
 from deepinfer.compiler.pools import plan_pools
+from deepinfer.compiler.weights import host_bytes
 
 GiB = 1 << 30
 SCRATCH_METHOD = ("peak live bytes of intermediate tensors in the largest lowered graph "
@@ -138,6 +140,7 @@ class Breakdown:
     scratch: int | None = None                # None: not traced yet
     scratch_of: str = ""                      # the executable that sets it
     executables: int | None = None            # None: not compiled yet
+    host: dict[str, int] = field(default_factory=dict)    # host file -> bytes (host memory, not in the total)
 
     @property
     def total(self) -> int:
@@ -163,6 +166,8 @@ class Breakdown:
         limit = "no limit" if self.limit is None else \
             f"limit {human(self.limit)} ({self.limit_source}) - reserve {human(self.reserve)} = {human(self.usable)}"
         out.append(f"  total        {human(self.total):>15}  per rank; {limit}")
+        out.append(f"  host         {human(sum(self.host.values())):>15}  (not device memory: "
+                   + ", ".join(f"{k} {human(v)}" for k, v in self.host.items()) + ")")
         return out
 
     def to_dict(self) -> dict:
@@ -170,7 +175,8 @@ class Breakdown:
                 "executables": self.executables, "scratch": self.scratch, "total": self.total,
                 "limit": self.limit, "limit_source": self.limit_source, "reserve": self.reserve,
                 "weights_by_kind": self.weights, "pools_by_name": self.pools,
-                "scratch_of": self.scratch_of, "scratch_method": SCRATCH_METHOD}
+                "scratch_of": self.scratch_of, "scratch_method": SCRATCH_METHOD,
+                "host": sum(self.host.values()), "host_by_file": self.host}
 
 
 def breakdown(spec, plan, executables=(), staging=None) -> Breakdown:
@@ -183,7 +189,7 @@ def breakdown(spec, plan, executables=(), staging=None) -> Breakdown:
         limit, source = spec.target.device_memory()
     pools, _ = plan_pools(spec.model.text, plan.layers, block_size=spec.config.kv.block_size, dtype=spec.dtype)
     out = Breakdown(weights_by_kind(plan), pools_by_name(pools, spec.geometry), limit, source,
-                    reserve=int(mem.reserve_gib * GiB))
+                    reserve=int(mem.reserve_gib * GiB), host=host_bytes(spec.model))
     if executables:
         known = [e for e in executables if e.scratch_bytes is not None]
         if known:
@@ -212,7 +218,8 @@ def check_planned(spec, plan, log) -> None:
     """Pass: weights + pools, before any weight is written or graph traced."""
     d = check(spec, plan, "weights and state pools, as planned")
     log(f"memory per rank as planned: {human(d.total)} (weights {human(sum(d.weights.values()))}, pools "
-          f"{human(sum(d.pools.values()))}); {'no limit' if d.limit is None else f'usable {human(d.usable)}'}")
+          f"{human(sum(d.pools.values()))}); {'no limit' if d.limit is None else f'usable {human(d.usable)}'}; "
+          f"host {human(sum(d.host.values()))}")
 
 
 def check_traced(spec, plan, traced, log) -> None:

@@ -177,6 +177,21 @@ def host_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
     ])
 
 
+def engram_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
+    """The host-resident engram tables file: its checkpoint tensors, their layout and the recipe
+    (fp8 codes are stored in the recipe's format)."""
+    from deepinfer.compiler.weights import host_sources
+    from deepinfer.regions.base import engram_table_specs
+
+    return Key.of("host", "host engram", [
+        ("format", format_part()),
+        ("tensors", tensor_digests(ckpt, host_sources(spec.model, ckpt), memo)),
+        ("layout", [[s.name, list(s.shape), s.ckpt_dtype] for s in engram_table_specs(spec.model.text)]),
+        ("recipe", spec.recipe.name),
+        ("sources", modules_digest(weight_sources())),
+    ])
+
+
 def vision_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
     """The host-resident vision tower file: its checkpoint tensors and their layout."""
     from deepinfer.regions.vision import vision_specs
@@ -190,7 +205,8 @@ def vision_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
     ])
 
 
-def bundle_key(spec, weights: dict[str, Key], host: Key, traces: dict[str, Key], vision: Key | None = None) -> Key:
+def bundle_key(spec, weights: dict[str, Key], host: Key, traces: dict[str, Key], vision: Key | None = None,
+               engram: Key | None = None) -> Key:
     c = spec.config
     return Key.of("bundle", str(c.source.name), [
         ("format", format_part()),
@@ -206,7 +222,8 @@ def bundle_key(spec, weights: dict[str, Key], host: Key, traces: dict[str, Key],
         ("host", host.digest),
         ("traces", {k: v.digest for k, v in traces.items()}),
         ("sources", modules_digest(import_closure(BUNDLE_ROOTS))),
-    ] + ([("vision", vision.digest)] if vision is not None else []))
+    ] + ([("vision", vision.digest)] if vision is not None else [])
+      + ([("engram", engram.digest)] if engram is not None else []))
 
 
 def weight_file_keys(spec, plan, ckpt: Checkpoint, run) -> dict[str, tuple[str, Key]]:
@@ -223,8 +240,10 @@ def weight_file_keys(spec, plan, ckpt: Checkpoint, run) -> dict[str, tuple[str, 
                 out[w.path] = ("weights", weights_key(spec, ckpt, w.kind, plan.kinds[w.kind], rank, memo))
             if w.shared is not None and w.shared not in out:
                 out[w.shared] = ("weights", weights_key(spec, ckpt, w.kind, plan.kinds[w.kind], None, memo))
-    host = host_entries(vision=spec.model.vision.num_hidden_layers > 0)
+    host = host_entries(spec.model)
     out[host["embed"].path] = ("host", host_key(spec, ckpt, memo))
+    if "engram" in host:
+        out[host["engram"].path] = ("host", engram_key(spec, ckpt, memo))
     if "vision" in host:
         out[host["vision"].path] = ("host", vision_key(spec, ckpt, memo))
     return out

@@ -160,7 +160,7 @@ def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
             return rel not in fetched
 
         files, stacks = stack_files(spec, plan, ckpt, run.staging, wanted)
-        files += host_files(spec.model, ckpt, run.staging, wanted)
+        files += host_files(spec.model, ckpt, run.staging, spec.recipe, wanted)
         report = stream(files, workers=run.jobs, log=run.log)
         for f in files:
             rel = Path(f.path).relative_to(run.staging).as_posix()
@@ -168,7 +168,7 @@ def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
                 run.cache.put_file(keys[rel][0], keys[rel][1], Path(f.path))
     run.log(f"weights: {len(files)} file(s) written, {report['bytes_read'] / 2**30:.2f} GiB read in "
             f"{report['seconds']:.1f} s" + (f", {len(fetched)} from the cache" if fetched else ""))
-    return Weights({r: tuple(s) for r, s in stacks.items()}, host_entries(vision=spec.model.vision.num_hidden_layers > 0))
+    return Weights({r: tuple(s) for r, s in stacks.items()}, host_entries(spec.model))
 
 
 def _io(specs) -> tuple[mf.TensorSpec, ...]:
@@ -413,7 +413,8 @@ def cache_key(config: CompileConfig, *, cache: Cache | None = None, log=None, ve
     traces = {layout.executable_name(k, m, bb, t): cached.trace_key(spec, p, k, m, bb, t)
               for k, m, bb, t in spec.executables(p)}
     key = cached.bundle_key(spec, weights, cached.host_key(spec, ckpt, memo), traces,
-                            cached.vision_key(spec, ckpt, memo) if spec.model.vision.num_hidden_layers > 0 else None)
+                            cached.vision_key(spec, ckpt, memo) if spec.model.vision.num_hidden_layers > 0 else None,
+                            cached.engram_key(spec, ckpt, memo) if spec.model.text.engram_layer_ids else None)
     if verbose:
         for k in [*weights.values(), *traces.values(), key]:
             log(f"{k.kind} {k.identity} {k.digest[:16]}")

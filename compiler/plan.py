@@ -61,12 +61,7 @@ def _plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: To
     layers = plan_layers(c)
     kinds: dict[str, KindPlan] = {}
     bindings: dict[int, dict[str, tuple[str, int]]] = {}
-    engram_rows = max([p.engram_rows for p in layers], default=0)
     for p in layers:
-        if p.engram_rows:
-            # stacks share one shape: tables are padded to the largest (rows past a
-            # layer's own count are never addressed by its hashes)
-            p = LayerPlan(**{**p.__dict__, "engram_rows": engram_rows})
         regions = make_layer_regions(c, p, dtype, cache_quant, topo)
         full = make_layer_regions(c, p, dtype, cache_quant) if topo.world > 1 else regions
         bindings[p.layer] = {}

@@ -88,8 +88,7 @@ def trace(region: Region, B: int, T: int, geometry: Geometry, method: str = "dec
     sample data. With `dynamic`, pool sizes (slots, blocks) stay symbolic; targets that need
     static shapes (trn2) trace with the geometry's own sizes."""
     sig = Signature(weight_specs(region), region.input_specs(B, T, geometry))
-    rows = region.table.shape[0] if hasattr(region, "table") else 1
-    inputs = example_inputs(sig.inputs, geometry, table_rows=rows)
+    inputs = example_inputs(sig.inputs, geometry)
     mode = FakeTensorMode()
     with mode:
         weights = [torch.empty(s.shape, dtype=s.dtype) for s in sig.weights]

@@ -5,8 +5,12 @@ new first dimension, so binding layer i is a slice view (no copy per call). A st
 every rank holds whole (attention without tp, the router, norms, ...) is written once, to
 `weights/shared/<kind>.safetensors`, and referenced by every rank's manifest entry; the
 others go to `weights/rank-R/<kind>.safetensors` (with one rank, everything goes there).
-What a rank holds of a tensor is `compiler/shard.py`'s cut. Host-resident tensors (the token
-embedding, the vision tower) go to `host/`.
+What a rank holds of a tensor is `compiler/shard.py`'s cut. Host-resident tensors go to
+`host/`, once for all ranks: the token embedding, the engram tables (2 x 384M rows x 256 fp8
+at release scale, 189 GiB with their scales: 16x a rank's device memory; the runtime
+memory-maps them and sends each step's rows to the engram region), the vision tower.
+This is the placement decision: what `host_bytes` lists is never a device weight, and
+the budget counts it apart (`compiler/budget.py`).
 
 The weight recipe (`RECIPES`, by target: [quant] recipe in model.toml) says how fp8 weights
 are stored. `release` keeps the release's formats (fp8 e4m3fn codes, [32, 32] ue8m0 scales,
@@ -37,7 +41,7 @@ from deepinfer.compiler.stream import Derived, Fp8Convert, OutFile, OutTensor, P
 from deepinfer.errors import CheckpointError
 from deepinfer.quant.formats import FP8_E4M3, FP8_E4M3FN
 from deepinfer.quant.rescale import convert_format
-from deepinfer.regions.base import WeightSpec
+from deepinfer.regions.base import WeightSpec, engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint, release_block
 
 if TYPE_CHECKING:                      # types only: the weights' cache key must not see the region classes
@@ -46,7 +50,6 @@ if TYPE_CHECKING:                      # types only: the weights' cache key must
 SAFETENSORS_DTYPES = {"uint8": "U8", "int8": "I8", "bfloat16": "BF16", "float32": "F32", "float16": "F16",
                       "int64": "I64", "int32": "I32", "bool": "BOOL"}
 SHARED = "shared"
-PADDED = ("table", "table_s")          # engram tables: a layer's own rows, then zeros to the largest
 FORMATS = {"F8_E4M3": "e4m3fn", "F8_E8M0": "ue8m0-u8-row-major", "I8": "e2m1-x2-u8", "BF16": "bf16", "F32": "f32"}
 
 
@@ -71,33 +74,28 @@ def _st_dtype(spec: WeightSpec) -> str:
     return SAFETENSORS_DTYPES[str(spec.dtype).removeprefix("torch.")]
 
 
-def _source(ckpt: Checkpoint, name: str, spec: WeightSpec, padded: bool) -> TensorInfo:
-    """The checkpoint tensor `name`, checked against the spec (rows may be fewer when padded)."""
+def _source(ckpt: Checkpoint, name: str, spec: WeightSpec) -> TensorInfo:
+    """The checkpoint tensor `name`, checked against the spec."""
     t = ckpt.tensor(name)
     path = ckpt.files[name]
     if t.dtype != spec.ckpt_dtype:
         raise CheckpointError(f"{path}: tensor {name} has dtype {t.dtype}, expected {spec.ckpt_dtype}")
-    if not _fits(t.shape, spec, padded):
+    if t.shape != spec.shape:
         raise CheckpointError(f"{path}: tensor {name} has shape {list(t.shape)}, expected {list(spec.shape)}")
     return t
 
 
-def _fits(shape: tuple[int, ...], spec: WeightSpec, padded: bool) -> bool:
-    """`shape` is the spec's, or (a padded tensor) has no more rows than it."""
-    return shape == spec.shape or (padded and shape[1:] == spec.shape[1:] and shape[0] <= spec.shape[0])
-
-
-def _stored(ckpt: Checkpoint, name: str, spec: WeightSpec, padded: bool, recipe: Recipe) -> TensorInfo | Derived:
+def _stored(ckpt: Checkpoint, name: str, spec: WeightSpec, recipe: Recipe) -> TensorInfo | Derived:
     """The source of weight `name`: the checkpoint tensor itself, or the codes or scales part of
     its fp8 conversion where the recipe changes the format or the checkpoint scales by float32."""
     weight = ckpt.fp8_weight(spec, name)
     if weight is None or (recipe.fp8_format == FP8_E4M3FN and ckpt.tensor(ckpt.scale_of(weight)).dtype == "F8_E8M0"):
-        return _source(ckpt, name, spec, padded)             # stored as released: the bytes as they are
+        return _source(ckpt, name, spec)                     # stored as released: the bytes as they are
     codes, scales, src = ckpt.fp8_blocks(weight)
     dst = release_block(src) if scales.dtype == "F32" else src
     part = Fp8Convert(codes, scales, src, dst, recipe.fp8_format).part(
         "codes" if spec.ckpt_dtype == "F8_E4M3" else "scales")
-    if not _fits(part.shape, spec, padded):
+    if part.shape != spec.shape:
         raise CheckpointError(f"{part.path}: tensor {name} has shape {list(part.shape)} as stored, "
                               f"expected {list(spec.shape)}")
     return part
@@ -116,9 +114,7 @@ def in_format(specs: list[WeightSpec], tensors: dict[str, torch.Tensor], fmt: st
             continue
         scale = by_key[s.key.removesuffix("weight") + "scale"]
         codes, scales = tensors[s.name].numpy(), tensors[scale.name].numpy()
-        per_row = scales.shape[0] == codes.shape[0] > 1              # engram tables: one scale row per row
-        block = (1 if per_row else 32, 32)
-        new, new_s = convert_format(codes, scales, block, fmt)
+        new, new_s = convert_format(codes, scales, (32, 32), fmt)
         out[s.name], out[scale.name] = torch.from_numpy(new), torch.from_numpy(new_s)
     return out
 
@@ -141,10 +137,10 @@ def _pieces(ckpt: Checkpoint, kp, spec: WeightSpec, full: WeightSpec, cut: shard
             e0, e1 = cut.experts or (0, full.experts)
             per_expert = math.prod(spec.shape) * itemsize
             for e in range(e0, e1):
-                src = _source(ckpt, prefix + full.key.format(e=e), full, False)
+                src = _source(ckpt, prefix + full.key.format(e=e), full)
                 out.append(Piece(src, (0, src.shape[0]), None, i * slot + (e - e0) * per_expert, src.row_bytes))
             continue
-        src = _stored(ckpt, prefix + full.key, full, spec.name in PADDED, recipe)
+        src = _stored(ckpt, prefix + full.key, full, recipe)
         rows = cut.rows or (0, src.shape[0] if src.shape else 1)
         out.append(Piece(src, rows, cut.cols, i * slot, _row_bytes(spec.shape, itemsize)))
     return out
@@ -183,37 +179,57 @@ def stack_files(spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path,
     return list(files.values()), entries
 
 
-def host_entries(vision: bool = False) -> dict[str, HostFile]:
-    """The manifest's host-resident tensors: the token embedding (and the vision tower)."""
+def host_entries(model) -> dict[str, HostFile]:
+    """The manifest's host-resident tensors of V41Config `model`: the token embedding, the engram
+    tables (with engram layers), the vision tower (with one)."""
     out = {"embed": HostFile(path=layout.host_path(layout.HOST_EMBED_FILE), tensor="embed")}
-    if vision:
+    if model.text.engram_layer_ids:
+        out["engram"] = HostFile(path=layout.host_path(layout.HOST_ENGRAM_FILE), tensors="checkpoint names")
+    if model.vision.num_hidden_layers > 0:
         out["vision"] = HostFile(path=layout.host_path(layout.HOST_VISION_FILE), tensors="checkpoint names")
     return out
 
 
-def _whole(src: TensorInfo, name: str) -> OutTensor:
-    return OutTensor(name, src.dtype, src.shape, [Piece(src, (0, src.shape[0] if src.shape else 1), None, 0,
-                                                         src.row_bytes)])
+def _embed_spec(model) -> WeightSpec:
+    return WeightSpec("embed", "embed.weight", (model.text.vocab_size, model.text.hidden_size), "BF16")
 
 
-def host_files(model, ckpt: Checkpoint, staging: Path, wanted=None) -> list[OutFile]:
-    """The token embedding, and the vision tower as checkpointed (V41Config `model`)."""
-    t = model.text
-    embed = WeightSpec("embed", "embed.weight", (t.vocab_size, t.hidden_size), "BF16")
-    out = []
-    rel = host_entries()["embed"].path
-    if wanted is None or wanted(rel):
-        out.append(OutFile(str(staging / rel), [_whole(_source(ckpt, embed.key, embed, False), "embed")]))
-    if model.vision.num_hidden_layers > 0:
-        from deepinfer.regions.vision import vision_specs
+def _vision_specs(model) -> list[WeightSpec]:
+    if model.vision.num_hidden_layers == 0:
+        return []
+    from deepinfer.regions.vision import vision_specs
 
-        rel = host_entries(vision=True)["vision"].path
-        if wanted is None or wanted(rel):
-            specs = vision_specs(model.vision, t.hidden_size)
-            out.append(OutFile(str(staging / rel), [
-                _whole(_source(ckpt, name, WeightSpec(name, name, shape, dtype), False), name)
-                for name, (shape, dtype) in specs.items()]))
-    return out
+    return [WeightSpec(name, name, shape, dtype)
+            for name, (shape, dtype) in vision_specs(model.vision, model.text.hidden_size).items()]
+
+
+def host_bytes(model) -> dict[str, int]:
+    """Bytes of each host file's tensors (V41Config `model`): host memory of the machine that runs
+    the bundle, mapped once by every rank it runs there, never a device weight."""
+    specs = {"embed": [_embed_spec(model)], "engram": engram_table_specs(model.text), "vision": _vision_specs(model)}
+    return {name: sum(math.prod(s.shape) * s.dtype.itemsize for s in specs[name]) for name in host_entries(model)}
+
+
+def _whole(src: TensorInfo | Derived, name: str, spec: WeightSpec) -> OutTensor:
+    return OutTensor(name, _st_dtype(spec), spec.shape, [Piece(src, (0, spec.shape[0]), None, 0,
+                                                               _row_bytes(spec.shape, spec.dtype.itemsize))])
+
+
+def host_files(model, ckpt: Checkpoint, staging: Path, recipe: Recipe, wanted=None) -> list[OutFile]:
+    """The token embedding, the engram tables (fp8 stored as the recipe says, like every fp8
+    weight) and the vision tower as checkpointed (V41Config `model`)."""
+    entries = host_entries(model)
+    embed = _embed_spec(model)
+    tensors = {"embed": [_whole(_source(ckpt, embed.key, embed), "embed", embed)],
+               "engram": [_whole(_stored(ckpt, s.key, s, recipe), s.name, s) for s in engram_table_specs(model.text)],
+               "vision": [_whole(_source(ckpt, s.key, s), s.name, s) for s in _vision_specs(model)]}
+    return [OutFile(str(staging / entry.path), tensors[name]) for name, entry in entries.items()
+            if wanted is None or wanted(entry.path)]
+
+
+def host_sources(model, ckpt: Checkpoint) -> list[str]:
+    """The checkpoint tensors the engram host file is built from."""
+    return [n for s in engram_table_specs(model.text) for n in ckpt.sources(s, s.key)]
 
 
 def source_names(kp: KindPlan, ckpt: Checkpoint) -> list[str]:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from deepinfer.kernels.formats import FP8_GEMM_FORMATS
+from deepinfer.regions.config import TextConfig
 
 # checkpoint storage dtype name -> dtype the region holds it in. fp8 codes, fp4
 # pairs and ue8m0 scales travel as uint8 (no dtype bitcasts inside graphs).
@@ -54,6 +55,15 @@ def fp8_specs(name: str, key: str, rows: int, cols: int) -> list[WeightSpec]:
     """An fp8 [rows, cols] weight and its [ceil(rows/32), ceil(cols/32)] ue8m0 scale."""
     return [WeightSpec(name, f"{key}.weight", (rows, cols), "F8_E4M3"),
             WeightSpec(f"{name}_s", f"{key}.scale", (-(-rows // 32), -(-cols // 32)), "F8_E8M0")]
+
+
+def engram_table_specs(c: TextConfig) -> list[WeightSpec]:
+    """The engram tables (codes and per-row ue8m0 scales of every engram layer), keyed by their
+    checkpoint names. No region holds them: they stay on the host (regions.step.EngramRows)."""
+    hd = c.engram_head_dim
+    return [spec for codes, scales, rows in c.engram_tables()
+            for spec in (WeightSpec(codes, codes, (rows, hd), "F8_E4M3"),
+                         WeightSpec(scales, scales, (rows, -(-hd // 32)), "F8_E8M0"))]
 
 
 def fp4_specs(name: str, key: str, rows: int, cols: int, experts: int) -> list[WeightSpec]:

@@ -79,6 +79,13 @@ class TextConfig:
     def engram_hash_heads(self) -> int:
         return (self.engram_max_ngram_size - 1) * self.engram_n_heads
 
+    def engram_tables(self) -> list[tuple[str, str, int]]:
+        """Per engram layer, in layer order: the checkpoint names of its table's fp8 rows
+        ([rows, engram_head_dim]) and of their ue8m0 scales ([rows, engram_head_dim / 32]), and
+        its row count. The names the host file keeps too (`host/engram.safetensors`)."""
+        return [(f"layers.{layer}.engram.embed.weight", f"layers.{layer}.engram.embed.scale", rows)
+                for layer, rows in zip(self.engram_layer_ids, self.engram_num_embeddings)]
+
     def layer_kind(self, layer: int) -> str:
         """The attention kind of `layer`: window, source, reindex or reuse."""
         if self.compress_ratios[layer] == 0:

@@ -2,7 +2,8 @@
 
 The compiler traces with them and checks lowered graphs numerically on them,
 so they must exercise real paths: valid consecutive positions, distinct slots
-and blocks per row, in-range engram rows, top-k indices that are visible.
+and blocks per row, engram rows of valid fp8 codes and scales, top-k indices
+that are visible.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from deepinfer.regions.state import Geometry, InputSpec
 ITEMSIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}
 
 
-def example_inputs(specs: list[InputSpec], g: Geometry, *, start: int = 0, seed: int = 0,
-                   table_rows: int = 1) -> list[torch.Tensor]:
+def example_inputs(specs: list[InputSpec], g: Geometry, *, start: int = 0, seed: int = 0) -> list[torch.Tensor]:
     """One tensor per spec. Row b holds positions start+b .. start+b+T-1 (b-th slot, own blocks)."""
     gen = torch.Generator().manual_seed(seed)
     by_name = {s.name: s for s in specs}
@@ -32,8 +32,10 @@ def example_inputs(specs: list[InputSpec], g: Geometry, *, start: int = 0, seed:
             t = (1 + torch.arange(B)) % g.slots
         elif s.name == "block_table":
             t = (1 + torch.arange(B * s.shape[1]).view(B, -1)) % g.blocks
-        elif s.name == "hash_ids":
-            t = torch.randint(0, table_rows, s.shape, generator=gen)
+        elif s.name in ("rows", "rows_s"):                  # engram table rows: fp8 codes, ue8m0 scales
+            rng = np.random.default_rng(seed)
+            values = stored_values(rng, s.name, "F8_E4M3" if s.name == "rows" else "F8_E8M0", math.prod(s.shape))
+            t = torch.from_numpy(values).reshape(s.shape)
         elif s.name in ("token_mask", "cand"):
             t = torch.ones(s.shape, dtype=torch.bool)
         elif s.name == "is_image":

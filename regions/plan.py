@@ -7,16 +7,18 @@ A layer is: [engram] -> attention site (one of the attention kinds) -> FFN site
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from deepinfer.bundles.topology import Topology
 from deepinfer.regions.attention import ReindexAttention, ReuseAttention, SourceAttention, WindowAttention
-from deepinfer.regions.base import Region
+from deepinfer.regions.base import Region, WeightSpec, engram_table_specs
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.engram import Engram
 from deepinfer.regions.head import Head
 from deepinfer.regions.moe import MoE
-from deepinfer.regions.step import LayerPlan
+from deepinfer.regions.step import LayerPlan, plan_layers
 from deepinfer.regions.topology import attention_config
 
 
@@ -43,7 +45,7 @@ def make_layer_regions(c: TextConfig, p: LayerPlan, dtype: torch.dtype, cache_qu
     """The regions of one layer (shaped for one rank of `topo`): optional `engram`, `attn`, `moe`."""
     regions = {}
     if p.engram_rows:
-        regions["engram"] = Engram(c, rows=p.engram_rows, dtype=dtype)
+        regions["engram"] = Engram(c, dtype=dtype)
     regions["attn"] = make_attention(c, p, dtype, cache_quant, topo)
     regions["moe"] = MoE(c, dtype=dtype, topo=topo)
     return regions
@@ -51,3 +53,21 @@ def make_layer_regions(c: TextConfig, p: LayerPlan, dtype: torch.dtype, cache_qu
 
 def make_head(c: TextConfig, dtype: torch.dtype) -> Head:
     return Head(c, dtype=dtype)
+
+
+def checkpoint_specs(c: TextConfig) -> list[tuple[str, WeightSpec]]:
+    """(layer prefix, weight spec with its key under the prefix) of every checkpoint tensor the
+    text model reads but the embedding, in layer order: per layer its engram table (host-resident,
+    no region's weight) and its regions' weights, then the head's. What the checkpoint
+    generators write, in the order they draw it."""
+    out = []
+    with torch.device("meta"):                  # specs only: no region holds real buffers here
+        for p in plan_layers(c):
+            prefix = f"layers.{p.layer}."
+            for slot, region in make_layer_regions(c, p, torch.float32, True).items():
+                if slot == "engram":
+                    out += [(prefix, dataclasses.replace(s, key=s.key.removeprefix(prefix)))
+                            for s in engram_table_specs(c) if s.key.startswith(prefix)]
+                out += [(prefix, s) for s in region.specs]
+        out += [("", s) for s in make_head(c, torch.float32).specs]
+    return out

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from deepinfer.regions.base import engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint, load_region
 from deepinfer.regions.config import CONFIG_FILE, V41Config, load_config
 from deepinfer.regions.engram_hash import EngramHasher
@@ -21,7 +22,7 @@ from deepinfer.regions.generate import Allocator, Generation, Row, greedy, make_
 from deepinfer.regions.plan import make_head, make_layer_regions
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.state import allocate, state_layout
-from deepinfer.regions.step import DTYPES, Embedding, plan_layers, run_layers
+from deepinfer.regions.step import DTYPES, Embedding, EngramRows, plan_layers, run_layers
 from deepinfer.regions.vision import VisionTower
 
 REFERENCE_BLOCK_SIZE = 16
@@ -56,6 +57,8 @@ class ReferenceModel:
         self.embed = Embedding(ckpt.get("embed.weight", "BF16", (c.vocab_size, c.hidden_size)),
                                c.hc_mult, self.dtype)
         self.hasher = EngramHasher(c) if c.engram_layer_ids else None
+        self.engram = EngramRows.of(c, {s.name: ckpt.load_spec("", s) for s in engram_table_specs(c)},
+                                    str(self.path)) if c.engram_layer_ids else None
         self._vision: VisionTower | None = None
 
     def invoke(self, layer: int, slot: str, *inputs):
@@ -115,5 +118,5 @@ class _Eager:
         batch = make_batch(rows, [seq for seq, _, _ in rows], self.max_batch, T, alloc=allocs[0], gens=gens,
                            images=images, hasher=m.hasher, pad=m.config.pad_token_id, dtype=m.dtype)
         h, pre = m.embed(batch.tokens, batch.is_image, batch.image_rows)
-        logits = run_layers(m.plans, m.invoke, self.states, h, pre, batch)
+        logits = run_layers(m.plans, m.invoke, self.states, h, pre, batch, m.engram)
         return [logits[[seq for seq, _, _ in rows]]]

@@ -3,8 +3,8 @@
 Everything the runtime needs from the model family and nothing that builds a
 region: the activation dtypes, the layer plan (which attention kind each layer
 runs, read from the config's schedule), a step's host inputs (`Batch`), the
-host-side token embedding, and `run_layers`, the one wiring of region inputs
-and outputs through the layers and the head.
+host-side token embedding and engram tables, and `run_layers`, the one wiring
+of region inputs and outputs through the layers and the head.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from deepinfer.errors import TensorFileError
 from deepinfer.regions.config import TextConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -59,13 +60,15 @@ class Batch:
     image_rows: Tensor | None = None    # [B, T, D]: the embeddings of image positions (vision tower)
 
 
-def run_layers(plans, invoke, states, h, pre, batch: Batch) -> Tensor:
+def run_layers(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | None) -> Tensor:
     """h, pre through every layer's regions and the head -> logits [B, T, V].
 
     `invoke(layer, slot, *inputs)` runs one region call (`slot`: engram, attn,
     moe; the head is layer -1, slot "head") and returns its outputs;
-    `states[layer]` holds the layer's state views by name. This is the one
-    wiring of region inputs, shared by the reference and the bundle runtime.
+    `states[layer]` holds the layer's state views by name; `engram` the host
+    tables the engram layers' rows come from (None without engram layers). This
+    is the one wiring of region inputs, shared by the reference and the bundle
+    runtime.
     """
     topk = cand = None
     engram_index = 0
@@ -74,7 +77,8 @@ def run_layers(plans, invoke, states, h, pre, batch: Batch) -> Tensor:
     for p in plans:
         st = states[p.layer]
         if p.engram_rows:
-            (h,) = invoke(p.layer, "engram", h, batch.hashes[:, :, engram_index], token_mask)
+            rows, rows_s = engram.rows(engram_index, batch.hashes[:, :, engram_index])
+            (h,) = invoke(p.layer, "engram", h, rows, rows_s, token_mask)
             engram_index += 1
         if p.attn == "window":
             h, pre = invoke(p.layer, "attn", h, pre, batch.positions, batch.slots, st["win"])
@@ -116,3 +120,43 @@ class Embedding(nn.Module):
         pre = torch.zeros(*tokens.shape, self.hc_mult, dtype=torch.float32)
         pre[..., 0] = 1
         return h, pre
+
+
+class EngramRows:
+    """The engram tables on the host: a step reads only the rows its hashes name.
+
+    Per engram layer, its table's fp8 codes [rows, hd] and ue8m0 scales [rows, hd/32]
+    (uint8; memory-mapped from the bundle's host file, so only touched pages are read).
+    `rows` hands a step's rows to the engram region still fp8: B*T*hash_heads rows of
+    hd + hd/32 bytes per layer (batch 64 decode at release dims: 1,536 rows, 396 KiB),
+    half of what decoding them to bf16 on the host would send (768 KiB); the region
+    decodes them in-graph, as it decoded its own table before.
+    """
+
+    def __init__(self, tables: list[tuple[Tensor, Tensor]]):
+        self.tables = tables
+
+    @classmethod
+    def of(cls, c: TextConfig, tensors: dict[str, Tensor], source: str) -> EngramRows:
+        """The tables of config `c` from `tensors` (checkpoint names, as `c.engram_tables()` lists
+        them), each checked for shape and dtype; `source` names the file in errors."""
+        hd, per_row = c.engram_head_dim, -(-c.engram_head_dim // 32)
+        tables = []
+        for codes, scales, rows in c.engram_tables():
+            pair = []
+            for name, shape in ((codes, (rows, hd)), (scales, (rows, per_row))):
+                t = tensors.get(name)
+                if t is None:
+                    raise TensorFileError(source, name, "missing engram table")
+                if tuple(t.shape) != shape or t.dtype != torch.uint8:
+                    raise TensorFileError(source, name, f"{list(t.shape)} {t.dtype}, expected {list(shape)} uint8 "
+                                                        "(fp8 codes or ue8m0 scales as bytes)")
+                pair.append(t)
+            tables.append((pair[0], pair[1]))
+        return cls(tables)
+
+    def rows(self, index: int, hashes: Tensor) -> tuple[Tensor, Tensor]:
+        """hashes [B, T, hash_heads] int64 (rows of engram layer `index`'s table) -> its codes
+        [B, T, hash_heads, hd] and scales [B, T, hash_heads, hd/32], uint8, gathered on the host."""
+        codes, scales = self.tables[index]
+        return codes[hashes], scales[hashes]

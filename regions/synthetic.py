@@ -20,14 +20,12 @@ import math
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from deepinfer.bundles.safetensors import layout_header, pwrite
 from deepinfer.regions.checkpoint import written_checkpoint
 from deepinfer.regions.config import parse_config
 from deepinfer.regions.examples import ITEMSIZE, stored_values
-from deepinfer.regions.plan import make_head, make_layer_regions
-from deepinfer.regions.step import plan_layers
+from deepinfer.regions.plan import checkpoint_specs
 from deepinfer.regions.tiny import tiny_config
 
 CHUNK_BYTES = 32 << 20
@@ -61,14 +59,9 @@ def checkpoint_tensors(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, shape) of every tensor the model's regions read, in layer order."""
     c = parse_config(config).text
     out = [("embed.weight", "BF16", (c.vocab_size, c.hidden_size))]
-    with torch.device("meta"):               # shapes only: no region holds real buffers here
-        regions = [(f"layers.{p.layer}.", r) for p in plan_layers(c)
-                   for r in make_layer_regions(c, p, torch.float32, True).values()]
-        regions.append(("", make_head(c, torch.float32)))
-    for prefix, region in regions:
-        for spec in region.specs:
-            for e in range(spec.experts or 1):
-                out.append((prefix + spec.key.format(e=e), spec.ckpt_dtype, spec.shape))
+    for prefix, spec in checkpoint_specs(c):
+        for e in range(spec.experts or 1):
+            out.append((prefix + spec.key.format(e=e), spec.ckpt_dtype, spec.shape))
     return out
 
 

@@ -29,8 +29,7 @@ from deepinfer.quant.fp8 import E4M3FN_MAX, e4m3fn_encode
 from deepinfer.quant.ue8m0 import UE8M0_LUT, scale_bytes_for
 from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE, written_checkpoint
 from deepinfer.regions.config import CONFIG_FILE, parse_config
-from deepinfer.regions.plan import make_head, make_layer_regions
-from deepinfer.regions.step import plan_layers
+from deepinfer.regions.plan import checkpoint_specs
 from deepinfer.regions.vision import vision_specs
 
 MIN_LAYERS = 6
@@ -101,6 +100,9 @@ def _dense_float(rng: np.random.Generator, name: str, shape: tuple[int, ...]) ->
     return rng.standard_normal(shape) / np.sqrt(shape[-1])     # projections: unit output RMS
 
 
+ENGRAM_TABLE = "engram.embed.weight"          # a layer's engram table: per-row scales, unit rows
+
+
 def _fp8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-row fp8 with one ue8m0 scale per 32 columns (engram tables)."""
     rows, cols = w.shape
@@ -114,44 +116,40 @@ def _tensors(config: dict, seed: int, scales: str = "ue8m0") -> dict[str, torch.
     cfg = parse_config(config)
     c = cfg.text
     rng = np.random.default_rng(seed)
-    regions = [(f"layers.{p.layer}.", r) for p in plan_layers(c)
-               for r in make_layer_regions(c, p, torch.float32, True).values()]
-    regions.append(("", make_head(c, torch.float32)))
     out = {"embed.weight": torch.from_numpy(rng.standard_normal((c.vocab_size, c.hidden_size))
                                             .astype(np.float32)).to(torch.bfloat16)}
-    for prefix, region in regions:
-        for spec in region.specs:
-            if spec.ckpt_dtype == "F8_E8M0":
-                continue                                  # written with its weight
-            count = spec.experts or 1
-            for e in range(count):
-                key = prefix + spec.key.format(e=e)
-                scale_key = key.removesuffix(".weight") + ".scale"
-                if spec.ckpt_dtype == "F8_E4M3":
-                    rows, cols = spec.shape
-                    w = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-                    if spec.name == "table":
-                        w = rng.standard_normal((rows, cols)).astype(np.float32)
-                        codes, s = _fp8_rows(w)
-                    elif scales == "fp32":
-                        codes, inv = quantize_fp8_float_scales(w, FLOAT_SCALE_BLOCK)
-                        out[key] = torch.from_numpy(codes).view(torch.float8_e4m3fn)
-                        out[key + "_scale_inv"] = torch.from_numpy(inv)
-                        continue
-                    else:
-                        codes, s = quantize_fp8_blocks(w)
+    for prefix, spec in checkpoint_specs(c):
+        if spec.ckpt_dtype == "F8_E8M0":
+            continue                                  # written with its weight
+        count = spec.experts or 1
+        for e in range(count):
+            key = prefix + spec.key.format(e=e)
+            scale_key = key.removesuffix(".weight") + ".scale"
+            if spec.ckpt_dtype == "F8_E4M3":
+                rows, cols = spec.shape
+                w = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+                if spec.key == ENGRAM_TABLE:
+                    w = rng.standard_normal((rows, cols)).astype(np.float32)
+                    codes, s = _fp8_rows(w)
+                elif scales == "fp32":
+                    codes, inv = quantize_fp8_float_scales(w, FLOAT_SCALE_BLOCK)
                     out[key] = torch.from_numpy(codes).view(torch.float8_e4m3fn)
-                    out[scale_key] = torch.from_numpy(s).view(torch.float8_e8m0fnu)
-                elif spec.ckpt_dtype == "I8":
-                    rows, half = spec.shape
-                    w = (rng.standard_normal((rows, half * 2)) / np.sqrt(half * 2)).astype(np.float32)
-                    packed, s = quantize_mxfp4(w)
-                    out[key] = torch.from_numpy(packed).view(torch.int8)
-                    out[scale_key] = torch.from_numpy(s).view(torch.float8_e8m0fnu)
+                    out[key + "_scale_inv"] = torch.from_numpy(inv)
+                    continue
                 else:
-                    dtype = torch.bfloat16 if spec.ckpt_dtype == "BF16" else torch.float32
-                    values = _dense_float(rng, key, spec.shape).astype(np.float32)
-                    out[key] = torch.from_numpy(values).to(dtype)
+                    codes, s = quantize_fp8_blocks(w)
+                out[key] = torch.from_numpy(codes).view(torch.float8_e4m3fn)
+                out[scale_key] = torch.from_numpy(s).view(torch.float8_e8m0fnu)
+            elif spec.ckpt_dtype == "I8":
+                rows, half = spec.shape
+                w = (rng.standard_normal((rows, half * 2)) / np.sqrt(half * 2)).astype(np.float32)
+                packed, s = quantize_mxfp4(w)
+                out[key] = torch.from_numpy(packed).view(torch.int8)
+                out[scale_key] = torch.from_numpy(s).view(torch.float8_e8m0fnu)
+            else:
+                dtype = torch.bfloat16 if spec.ckpt_dtype == "BF16" else torch.float32
+                values = _dense_float(rng, key, spec.shape).astype(np.float32)
+                out[key] = torch.from_numpy(values).to(dtype)
     return out
 
 

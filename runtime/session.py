@@ -3,7 +3,10 @@
 Opening validates the manifest once (format version, types, cross-references,
 digests, target and toolchain) and parses the model config once; loading
 memory-maps the weights, loads each executable once and binds
-each layer's weights as views into the layer-major stacks. Generation runs
+each layer's weights as views into the layer-major stacks. The host files (token
+embedding, engram tables) are memory-mapped too, by every rank from the same
+file: a step reads the embedding rows of its tokens and the engram rows of its
+hashes (the leader broadcasts the hashes, never the rows). Generation runs
 prompts as decode-shaped chunks padded to the nearest bucket, then one token
 per step, with the same region wiring as the reference (`run_layers`).
 """
@@ -24,7 +27,7 @@ from deepinfer.bundles.safetensors import load_mmap
 from deepinfer.regions.config import V41Config, parse_config
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.generate import Allocator, Generation, Row, bucket_at_least, greedy, make_batch
-from deepinfer.regions.step import DTYPES, Batch, Embedding, LayerPlan, run_layers
+from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, run_layers
 from deepinfer.runtime.backends import check_compatible, placement_for
 
 
@@ -95,6 +98,10 @@ class Session:
         embed = load_mmap(self.path / host.path)[host.tensor]
         self.embed = Embedding(embed, self.config.text.hc_mult, self.dtype)
         self.hasher = EngramHasher(self.config.text) if self.config.text.engram_layer_ids else None
+        self.engram = None
+        if any(p.engram_rows for p in self.plans):          # the manifest then names the host file
+            tables = self.path / m.host["engram"].path
+            self.engram = EngramRows.of(self.config.text, load_mmap(tables), str(tables))
         self.stats = Stats()
         # optional hook around every region call: on_call(layer, slot, kind, inputs, run) -> outputs,
         # where run() calls the executable (deepinfer/diff.py); None costs one test per call
@@ -167,7 +174,7 @@ class Session:
         """One step through every layer and the head -> logits [B, T, V]."""
         h, pre = self.embed(batch.tokens, batch.is_image, batch.image_rows)
         start = time.perf_counter()
-        logits = run_layers(self.plans, self._invoke(), self.states, h, pre, batch)
+        logits = run_layers(self.plans, self._invoke(), self.states, h, pre, batch, self.engram)
         self.stats.step_seconds += time.perf_counter() - start
         self.stats.steps += 1
         self.stats.padded += batch.tokens.numel()

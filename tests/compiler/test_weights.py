@@ -69,7 +69,7 @@ def test_one_rank_files_are_save_file_bytes(tiny_ckpt, tmp_path):
     spec, plan = planned(tmp_path, tiny_ckpt)
     ckpt = Checkpoint(tiny_ckpt)
     files, entries = stack_files(spec, plan, ckpt, tmp_path / "b")
-    files += host_files(spec.model, ckpt, tmp_path / "b")
+    files += host_files(spec.model, ckpt, tmp_path / "b", spec.recipe)
     report = stream(files, workers=2, chunk_bytes=4096)                 # many chunks per tensor
     [stacks] = entries.values()
     for w in stacks:

@@ -28,8 +28,7 @@ def region_of(model, layer, name):
 
 
 def inputs_for(region, seed=0):
-    rows = region.table.shape[0] if hasattr(region, "table") else 1
-    return example_inputs(region.input_specs(B, T, GEO), GEO, start=5, seed=seed, table_rows=rows)
+    return example_inputs(region.input_specs(B, T, GEO), GEO, start=5, seed=seed)
 
 
 def clone(args):
@@ -120,16 +119,25 @@ def test_moe_routing_matches_formula(ref_fp32):
 
 
 def test_engram_gate_matches_formula(ref_fp32):
+    """The rows the host gathers for some hashes, through the region, against the formula on the
+    checkpoint's own table rows (read with the safetensors library)."""
+    from safetensors.torch import load_file
+
     region = ref_fp32.layers[1]["engram"]
-    h, ids, mask = inputs_for(region)
-    out = region.decode(h, ids, mask)
+    h, _, _, mask = inputs_for(region)
     c = ref_fp32.config.text
+    [(codes_name, scales_name, table_rows)] = c.engram_tables()
+    hashes = torch.randint(0, table_rows, (B, T, c.engram_hash_heads), generator=torch.Generator().manual_seed(1))
+    out = region.decode(h, *ref_fp32.engram.rows(0, hashes), mask)
     b, t = 1, 2
-    rows = ids[b, t]
+    rows = hashes[b, t].numpy()
+    ckpt = {}
+    for f in ref_fp32.path.glob("*.safetensors"):
+        ckpt.update(load_file(f))
     from deepinfer.quant.fp8 import e4m3fn_decode
     from deepinfer.quant.ue8m0 import ue8m0_decode
-    codes = region.table[rows].numpy()
-    scales = ue8m0_decode(region.table_s[rows].numpy()).repeat(32, axis=-1)
+    codes = ckpt[codes_name].view(torch.uint8).numpy()[rows]
+    scales = ue8m0_decode(ckpt[scales_name].view(torch.uint8).numpy()[rows]).repeat(32, axis=-1)
     emb = torch.from_numpy((e4m3fn_decode(codes) * scales).reshape(-1))
     from deepinfer.quant.blockfp8 import dequantize_fp8_blocks
     wkv = torch.from_numpy(dequantize_fp8_blocks(region.wkv.numpy(), region.wkv_s.numpy()))

@@ -7,7 +7,7 @@ every rank holds whole (attention without tp, the router, norms, ...) is written
 others go to `weights/rank-R/<kind>.safetensors` (with one rank, everything goes there).
 What a rank holds of a tensor is `compiler/shard.py`'s cut. Host-resident tensors go to
 `host/`, once for all ranks: the token embedding, the engram tables (2 x 384M rows x 256 fp8
-at release scale, 189 GiB with their scales: 16x a rank's device memory; the runtime
+at release scale, 189 GiB with their scales: 8x a rank's 24 GiB of device memory; the runtime
 memory-maps them and sends each step's rows to the engram region), the vision tower.
 This is the placement decision: what `host_bytes` lists is never a device weight, and
 the budget counts it apart (`compiler/budget.py`).

@@ -55,6 +55,31 @@ def synthetic_config(layers: int = 6, experts: int = 8, engram_rows: int = 65536
     return config
 
 
+# the released layer schedule, expert and engram row counts and vision tower (MODEL.md)
+RELEASE_SCHEDULE = {
+    "num_hidden_layers": 40, "n_routed_experts": 384, "num_experts_per_tok": 6,
+    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20,
+    "kv_source_layer_ids": [2, 8, 14, 20], "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+    "candidate_source_layer_id": 20, "engram_layer_ids": [1, 14],
+    "engram_num_embeddings": [384006168, 384016682], "engram_pad_token_id": 2,
+}
+RELEASE_VISION = {
+    "model_type": "deepseek_v41_vision", "num_hidden_layers": 32, "hidden_size": 1024, "num_attention_heads": 16,
+    "intermediate_size": 2816, "patch_size": 14, "rope_theta": 10000.0, "downsample_ratio": 3,
+    "max_image_tokens": 1024, "min_pixels": 295936, "max_wh_ratio": None,
+}
+
+
+def release_config() -> dict:
+    """config.json of the release itself (its 40 layers, 384 experts, engram tables and vision tower):
+    for planning and budgets only, far too large to write."""
+    config = synthetic_config(layers=40, experts=384)
+    config["text_config"].update(RELEASE_SCHEDULE)
+    config["vision_config"] = dict(RELEASE_VISION)
+    del config["generator"]                     # nothing writes its tensors
+    return config
+
+
 def checkpoint_tensors(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, shape) of every tensor the model's regions read, in layer order."""
     c = parse_config(config).text

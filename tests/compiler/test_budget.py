@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import struct
 
 import pytest
@@ -31,15 +33,20 @@ def test_scratch_is_the_peak_of_live_intermediates():
 
 
 def test_breakdown_adds_up(exported_bundle):
-    """weights = the tensor bytes of the weight files; pools = what the runtime allocates; the rest as built."""
+    """weights = the tensor bytes of the weight files; pools = what the runtime allocates; the rest as built;
+    host = the tensor bytes of the host files, apart from the total."""
     from deepinfer.runtime import load
+
+    def tensor_bytes(path):
+        header = struct.unpack("<Q", path.read_bytes()[:8])[0]
+        return path.stat().st_size - 8 - header
 
     m = mf.read(exported_bundle)
     mem = m.memory["rank-0"]
     for entry in m.weights["rank-0"]:
-        path = exported_bundle / entry.path
-        header = struct.unpack("<Q", path.read_bytes()[:8])[0]
-        assert mem["weights_by_kind"][entry.kind] == path.stat().st_size - 8 - header, entry.kind
+        assert mem["weights_by_kind"][entry.kind] == tensor_bytes(exported_bundle / entry.path), entry.kind
+    assert mem["host_by_file"] == {name: tensor_bytes(exported_bundle / h.path) for name, h in m.host.items()}
+    assert "engram" in m.host and mem["host"] == sum(mem["host_by_file"].values())
     assert mem["weights"] == sum(mem["weights_by_kind"].values())
     session = load(exported_bundle, verify=False)
     allocated = {name: p.numel() * p.element_size() for name, p in session.pools.items()}
@@ -102,3 +109,25 @@ def test_memory_section_validated(tmp_path, memory, message):
     toml = write_model_toml(tmp_path, tmp_path / "ckpt", extra=f"\n[memory]\n{memory}\n")
     with pytest.raises(ConfigError, match=message):
         load_compile_config(toml)
+
+
+def test_engram_tables_are_host_bytes_at_release_scale(tmp_path):
+    """The release config planned for trn2 at EP = CP = 64 (config.json only: no tensor is read):
+    the engram tables count as host bytes, every row and scale of both, and no rank's device
+    weights hold them; what is left fits a rank's 24 GiB."""
+    from deepinfer.regions.synthetic import release_config
+
+    ckpt = tmp_path / "release"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(release_config()))
+    toml = write_model_toml(tmp_path, ckpt, target="trn2", options="{ lnc = 2 }", parallel=(1, 64, 64),
+                            batch=[1, 64], tokens=[1], max_context=1024, num_blocks=4097)
+    spec = parse(load_compile_config(toml), True, QUIET)
+    p = plan(spec, QUIET)
+    d = budget.breakdown(spec, p)
+    rows = (384006168, 384016682)                              # MODEL.md: engram_num_embeddings
+    assert d.host["engram"] == sum(r * (256 + 256 // 32) for r in rows)
+    biggest = max(math.prod(s.buffer_shape) for kp in p.kinds.values() for s in kp.region.specs)
+    assert biggest < min(rows) * 256
+    assert sum(d.weights.values()) < 13 * budget.GiB and d.total <= d.usable
+    assert "engram" in d.to_dict()["host_by_file"] and d.to_dict()["total"] == d.total

@@ -3,7 +3,6 @@ once for every rank, replicated stacks stored once, bad checkpoints refused befo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import struct
@@ -23,6 +22,8 @@ from deepinfer.compiler.shard import shard
 from deepinfer.compiler.stream import stream
 from deepinfer.compiler.weights import host_files, in_format, stack_files
 from deepinfer.errors import CheckpointError
+from deepinfer.quant.formats import FP8_E4M3
+from deepinfer.quant.rescale import convert_format
 from deepinfer.regions.checkpoint import Checkpoint
 from deepinfer.regions.config import load_config
 
@@ -40,24 +41,21 @@ def planned(tmp_path, ckpt, parallel=(1, 1, 1), extra=""):
 def whole_stacks(ckpt: Checkpoint, spec, plan, kind: str, rank: int) -> dict[str, torch.Tensor]:
     """A kind's stacks on `rank` the way a whole-tensor pass builds them: load each full source
     tensor (rescaled whole, to the recipe's format, where the checkpoint has float32 scales),
-    convert a layer's fp8 weights to the recipe's format in memory, cut the rank's part (compiler/shard.py), pad an engram
-    table, stack the layers."""
+    convert a layer's fp8 weights to the recipe's format in memory, cut the rank's part (compiler/shard.py), stack
+    the layers."""
     kp = plan.kinds[kind]
     layers = []
     for layer in kp.layers:
         prefix = "" if layer < 0 else f"layers.{layer}."
         full = {}
         for s in kp.full_specs:
-            own = dataclasses.replace(s, shape=ckpt.info(prefix + s.key)[1]) if s.name in ("table", "table_s") else s
-            full[s.name] = ckpt.load_spec(prefix, own, spec.recipe.fp8_format)
+            full[s.name] = ckpt.load_spec(prefix, s, spec.recipe.fp8_format)
         layers.append(in_format(kp.full_specs, full, spec.recipe.fp8_format))
     out = {}
     for s, full in zip(kp.region.specs, kp.full_specs):
         rows = []
         for tensors in layers:
             t = tensors[s.name]
-            if tuple(t.shape) != tuple(full.buffer_shape):
-                t = torch.cat([t, torch.zeros((full.buffer_shape[0] - t.shape[0], *t.shape[1:]), dtype=t.dtype)])
             rows.append(shard(kind, s.name, t, spec.model.text, spec.topology, rank, s.buffer_shape))
         out[s.name] = torch.stack(rows)
     return out
@@ -78,6 +76,11 @@ def test_one_rank_files_are_save_file_bytes(tiny_ckpt, tmp_path):
         assert (tmp_path / "b" / w.path).read_bytes() == want, w.kind
     embed = ckpt.get("embed.weight")
     assert (tmp_path / "b" / "host/embed.safetensors").read_bytes() == save({"embed": embed.contiguous()})
+    # the engram tables: host-resident, no rank's stack holds them; the checkpoint's bytes as uint8
+    assert not [n for w in stacks for n in w.tensors if "table" in n]
+    tables = {n: ckpt.get(n).view(torch.uint8) for codes, scales, _ in spec.model.text.engram_tables()
+              for n in (codes, scales)}
+    assert (tmp_path / "b" / "host/engram.safetensors").read_bytes() == save(tables)
     sources = {p.src.name: p.src.nbytes for f in files for t in f.tensors for p in t.pieces}
     assert report["bytes_read"] == sum(sources.values())                # every source byte once
 
@@ -119,6 +122,16 @@ def test_ranks_read_once_hold_their_cut_and_share_the_rest(tiny_ckpt, float_scal
                     (rank, w.kind, name)
             if w.shared:
                 assert str(tmp_path / "b" / w.shared) in shared
+    # the host engram tables: once for every rank, fp8 codes in the recipe's format (each row its own
+    # scale block), against quant/rescale's whole-array conversion
+    stream(host_files(spec.model, ckpt, tmp_path / "b", spec.recipe), workers=1, chunk_bytes=1 << 12)
+    host = _read(tmp_path / "b" / "host/engram.safetensors")
+    for codes_name, scales_name, _ in spec.model.text.engram_tables():
+        codes, scales = (ckpt.get(n).view(torch.uint8).numpy() for n in (codes_name, scales_name))
+        if recipe == "e4m3":
+            codes, scales = convert_format(codes, scales, (1, 32), FP8_E4M3)
+        assert torch.equal(host[codes_name], torch.from_numpy(codes)) and \
+            torch.equal(host[scales_name], torch.from_numpy(scales)), (recipe, codes_name)
     ep, tp = parallel[1], parallel[0]
     moe = [w for w in entries["rank-0"] if w.kind == "moe"][0]
     assert (moe.tensors["w1"].file == "rank") == (ep > 1) and moe.tensors["gate"].file == "shared"

@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from deepinfer.bundles.manifest import BundleError
+from deepinfer.errors import TensorFileError
 from deepinfer.runtime import load
 from deepinfer.runtime.nrt import NeuronRuntimeMissing
 from deepinfer.runtime.session import Stats
@@ -96,6 +97,24 @@ def test_missing_executable_is_refused(run_exported_bundle, tmp_path):
     victim.unlink()
     with pytest.raises(BundleError, match=f"missing file regions/{victim.name}"):
         load(b)
+
+
+def test_engram_host_file_is_checked(run_exported_bundle, tmp_path):
+    """The host engram tables: one of another shape is refused naming the file and the tensor; a
+    manifest that drops them while a layer has engram is refused naming the key."""
+    from safetensors.torch import load_file, save_file
+
+    b = copy_bundle(run_exported_bundle, tmp_path)
+    host = b / "host/engram.safetensors"
+    tables = load_file(str(host))
+    tables["layers.1.engram.embed.weight"] = tables["layers.1.engram.embed.weight"][:-1].clone()
+    save_file(tables, str(host))
+    with pytest.raises(TensorFileError, match=r"host/engram.safetensors, tensor 'layers.1.engram.embed.weight': "
+                                              r"\[4095, 32\] torch.uint8, expected \[4096, 32\]"):
+        load(b, verify=False)
+    edit_manifest(b, lambda d: d["host"].pop("engram"))
+    with pytest.raises(BundleError, match=r"host: lacks the engram tables \(engram\) its engram layers read"):
+        load(b, verify=False)
 
 
 def test_unknown_format_version_is_refused(run_exported_bundle, tmp_path):

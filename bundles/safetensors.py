@@ -113,14 +113,20 @@ def map_bytes(path: str, offset: int, nbytes: int) -> np.ndarray:
     return np.frombuffer(mm, np.uint8, nbytes, offset - start)
 
 
+WRITE_SLICE = 1 << 20
+
+
 def pwrite(path: str, offset: int, data: np.ndarray) -> None:
     """Write an array's bytes at `offset` of an existing file (positioned: no seek, no
-    shared file position, so many processes can fill one pre-sized file)."""
+    shared file position, so many processes can fill one pre-sized file). Written in calls of
+    at most `WRITE_SLICE` bytes: a buffered write holds the file's inode lock for the whole
+    call (dirty-page throttling included), so long calls make the other writers of that file
+    queue; short ones also copy from a cache-sized span of the source."""
     view = memoryview(np.ascontiguousarray(data)).cast("B")
     fd = os.open(path, os.O_WRONLY)
     try:
         while view:
-            n = os.pwrite(fd, view, offset)
+            n = os.pwrite(fd, view[:WRITE_SLICE], offset)
             view, offset = view[n:], offset + n
     finally:
         os.close(fd)

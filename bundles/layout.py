@@ -62,11 +62,6 @@ def failed_logs(out: Path) -> Path:
     return out.parent / f"{out.name}.failed-logs"
 
 
-def staging_prefix(out: Path) -> str:
-    """The prefix of the temporary sibling a bundle at `out` is assembled in."""
-    return f".{out.name}.tmp-"
-
-
 def is_inside(rel: str) -> bool:
     """A manifest path must be relative and stay inside the bundle."""
     p = PurePosixPath(rel)

@@ -18,7 +18,8 @@ from deepinfer.cli_common import user_errors
               help="Bundle directory to write (default: build/<name of MODEL_TOML's folder>).")
 @click.option("--jobs", "-j", type=int, default=1, show_default=True,
               help="Compile executables in N parallel worker processes.")
-@click.option("--force", is_flag=True, help="Replace an existing bundle at the output path.")
+@click.option("--force", is_flag=True, help="Replace an existing bundle (or an empty directory) at the output path; "
+              "anything else there is refused.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout when done.")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Artifact cache directory (default: $DEEPINFER_CACHE_DIR, else model.toml [cache] dir, "

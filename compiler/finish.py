@@ -14,12 +14,11 @@ import dataclasses
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from deepinfer.bundles import layout, manifest as mf
 from deepinfer.compiler.jobs import Job, keep_failed_logs, run_jobs
-from deepinfer.compiler.pipeline import publish
+from deepinfer.compiler.publish import clean_stale, make_staging, publish
 from deepinfer.compiler.targets import TARGETS
 from deepinfer.errors import DeepinferError
 
@@ -42,7 +41,8 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None) -> Path:
     t = manifest.target
     target = TARGETS[t.name](t.executable, t.options)
     target.require_compiler()
-    staging = Path(tempfile.mkdtemp(prefix=f".{bundle.name}.finish-", dir=bundle.resolve().parent))
+    clean_stale(bundle.resolve(), log)
+    staging = make_staging(bundle.resolve())
     try:
         shutil.copytree(bundle, staging / "b", copy_function=_link_or_copy)
         work = staging / "b"

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ from deepinfer.compiler.jobs import Job, keep_failed_logs
 from deepinfer.compiler.keys import Key, graph_digest, kernels_reached
 from deepinfer.compiler.plan import RegionPlan, plan_regions
 from deepinfer.compiler.pools import plan_pools
+from deepinfer.compiler.publish import check_output, clean_stale, make_staging, publish
 from deepinfer.compiler.stream import stream
 from deepinfer.compiler.targets import TARGETS, Target
 from deepinfer.compiler.trace import trace
@@ -337,19 +337,6 @@ PASSES = [
 
 # --- publishing and the API ---------------------------------------------------------------------
 
-def publish(staging: Path, out: Path, force: bool) -> None:
-    """Rename the finished bundle into place (an existing one is replaced only with force)."""
-    if out.exists():
-        if not force:
-            raise ConfigError(f"{out}: exists; pass --force to replace it")
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, trash / out.name)
-        os.replace(staging, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(staging, out)
-
-
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -367,14 +354,13 @@ def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bo
     """
     log = log or _stderr
     out = Path(out)
-    if out.exists() and not force:
-        raise ConfigError(f"{out}: exists; pass --force to replace it")
+    check_output(out, force, config.model.checkpoint)
     if require_cache and cache is None:
         raise ConfigError("--require-cache needs a cache (drop --no-cache)")
     if hlo_only and not TARGETS[config.target.name].static_shapes:
         raise config_error(config, "target", "name", f"--hlo-only is for the trn2 target, not {config.target.name!r}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=layout.staging_prefix(out), dir=out.parent))
+    clean_stale(out, log)
+    staging = make_staging(out)
     values = {"config": config, "hlo_only": hlo_only, "log": log,
               "run": Run(staging, out, jobs=jobs, log=log, cache=cache, require_cache=require_cache, verbose=verbose)}
     timings: dict[str, float] = {}

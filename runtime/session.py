@@ -11,6 +11,7 @@ per step, with the same region wiring as the reference (`run_layers`).
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -53,16 +54,36 @@ class Bundle:
     path: Path
     manifest: mf.Manifest
     config: V41Config
+    identity: tuple[int, int] = (0, 0)     # the directory's (device, inode) when it was opened
+
+    def check_unchanged(self) -> None:
+        """Refuse a bundle directory replaced since it was opened (`deepinfer-compile --force` renames
+        a new bundle into place): what was loaded would mix two bundles' files."""
+        if _identity(self.path) != self.identity:
+            raise mf.BundleError(f"{self.path}: replaced while it was being loaded (a compile with --force?); "
+                                 "nothing from it is used; run again")
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (-1, -1)
+    return (st.st_dev, st.st_ino)
 
 
 def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
     """Read and check a bundle's manifest (format version first, types, cross-references), its files
-    (present; digests unless `verify` is off) and that this process can run it; parse its config."""
+    (present; digests unless `verify` is off) and that this process can run it; parse its config.
+    Loading checks at its end that the directory is still the one opened here."""
     path = Path(path)
+    identity = _identity(path)
     manifest = mf.read(path)
     mf.check_files(path, manifest, digests=verify)
     check_compatible(manifest, path)
-    return Bundle(path, manifest, parse_config(manifest.model.config, str(path / MANIFEST_FILE)))
+    bundle = Bundle(path, manifest, parse_config(manifest.model.config, str(path / MANIFEST_FILE)), identity)
+    bundle.check_unchanged()
+    return bundle
 
 
 class Session:
@@ -140,7 +161,9 @@ class Session:
     @functools.cached_property
     def vision(self):
         """The host-resident vision tower (host/vision.safetensors), loaded on first use."""
-        return load_vision(self.bundle)
+        tower = load_vision(self.bundle)
+        self.bundle.check_unchanged()
+        return tower
 
     # -- running ------------------------------------------------------------------------------
 
@@ -256,4 +279,6 @@ def load(bundle: Bundle | str | Path, *, num_kv_blocks: int | None = None, verif
     if world > 1 and comm is None:
         raise mf.BundleError(f"{bundle.path}: a {world}-rank bundle; run it with deepinfer-run (which starts "
                              "the ranks) or under torchrun")
-    return Session(bundle, num_kv_blocks=num_kv_blocks, rank=rank, comm=comm)
+    session = Session(bundle, num_kv_blocks=num_kv_blocks, rank=rank, comm=comm)
+    bundle.check_unchanged()
+    return session

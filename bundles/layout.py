@@ -2,6 +2,7 @@
 
     bundle/
       manifest.json                          the bundle's description (format_version first)
+      signature.json                         optional: an Ed25519 signature over manifest.json (--sign)
       regions/<kind>.<method>.b<B>t<T>.pt2   one executable per (kind, method, bucket)
       weights/rank-<R>/<kind>.safetensors    a kind's weights one rank holds, stacked layer-major
       weights/shared/<kind>.safetensors      a kind's weights every rank holds whole, stored once
@@ -15,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 
 MANIFEST_FILE = "manifest.json"
+SIGNATURE_FILE = "signature.json"
 REGIONS_DIR = "regions"
 WEIGHTS_DIR = "weights"
 HOST_DIR = "host"

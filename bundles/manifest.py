@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from deepinfer.bundles import layout
-from deepinfer.bundles.layout import MANIFEST_FILE, is_inside
+from deepinfer.bundles.layout import MANIFEST_FILE, SIGNATURE_FILE, is_inside
 from deepinfer.bundles.topology import Topology
 from deepinfer.errors import DeepinferError
 from deepinfer.schema import Problem, Rules, build, coerce, dump
@@ -270,9 +270,10 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def file_digests(bundle: Path) -> dict[str, str]:
-    """Every file under `bundle` (the manifest excepted) by relative path -> sha256."""
+    """Every file under `bundle` (the manifest and its signature excepted) by relative path -> sha256."""
+    top = {MANIFEST_FILE, SIGNATURE_FILE}
     return {p.relative_to(bundle).as_posix(): sha256_file(p) for p in sorted(Path(bundle).rglob("*"))
-            if p.is_file() and p.name != MANIFEST_FILE}
+            if p.is_file() and not (p.parent == Path(bundle) and p.name in top)}
 
 
 def stamp(bundle: Path, m: Manifest) -> Manifest:
@@ -329,17 +330,25 @@ def parse(data, where: str) -> Manifest:
     return m
 
 
-def read(bundle: Path) -> Manifest:
-    """Load and check a bundle's manifest (not the files: see `check_files`)."""
+def read(bundle: Path, *, trust=None) -> Manifest:
+    """Load and check a bundle's manifest (not the files: see `check_files`). With `trust` (an
+    Ed25519 public key, `bundles.signing`), the bytes read are first verified against the bundle's
+    signature, and those same bytes are parsed."""
     path = Path(bundle) / MANIFEST_FILE
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise BundleError(f"{bundle}: not a bundle (no {MANIFEST_FILE})") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise BundleError(f"{path}: unreadable manifest ({e})") from None
+    if trust is not None:
+        from deepinfer.bundles.signing import verify_bytes
+
+        verify_bytes(raw, Path(bundle) / SIGNATURE_FILE, trust)
     try:
-        data = json.loads(text)
+        data = json.loads(raw.decode())
+    except UnicodeDecodeError as e:
+        raise BundleError(f"{path}: unreadable manifest ({e})") from None
     except json.JSONDecodeError as e:
         raise BundleError(f"{path}: corrupt manifest ({e.msg} at line {e.lineno})") from None
     return parse(data, str(path))

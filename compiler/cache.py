@@ -3,6 +3,7 @@
     <dir>/v1/
       <kind>/<key[:2]>/<key>/artifact     the cached file (executable, weights, trace record)
       <kind>/<key[:2]>/<key>/meta.json    key, identity, parts and their hashes, digest, size
+      <kind>/<key[:2]>/<key>/signature.json   with a signing key: Ed25519 over meta.json
       locks/<kind>-<key>.lock             flock: one process builds a given entry at a time
       tmp/                                entries being written (renamed into place when whole)
       files/                              memo of checkpoint tensor digests by file stat
@@ -28,11 +29,13 @@ from pathlib import Path
 
 from deepinfer.compiler.keys import CACHE_VERSION, Key
 from deepinfer.bundles.manifest import sha256_file
+from deepinfer.bundles.signing import TrustError, sign_bytes, verify_bytes
 from deepinfer.errors import DeepinferError
 
 ENV_DIR = "DEEPINFER_CACHE_DIR"
 ARTIFACT = "artifact"
 META = "meta.json"
+SIGNATURE = "signature.json"
 KINDS = ("executable", "trace", "weights", "host")
 
 
@@ -104,10 +107,15 @@ class Lock:
 
 
 class Cache:
-    def __init__(self, directory: Path, log=lambda msg: None):
+    """With `sign` (an Ed25519 private key), every entry stored gets a signature of its meta.json
+    (which holds the artifact's digest); with `trust` (a public key), an entry is used only when
+    that signature verifies, and is otherwise removed and rebuilt (`bundles.signing`)."""
+
+    def __init__(self, directory: Path, log=lambda msg: None, *, sign=None, trust=None):
         self.dir = Path(directory)
         self.root = self.dir / f"v{CACHE_VERSION}"
         self.log = log
+        self.sign, self.trust = sign, trust
         self.stats = {"hit": [], "miss": [], "corrupt": [], "stored": [], "compiled": []}
 
     # --- paths ---
@@ -124,11 +132,19 @@ class Cache:
         digest = key.digest if isinstance(key, Key) else key
         path = self.entry_dir(kind, digest)
         try:
-            meta = json.loads((path / META).read_text())
+            raw = (path / META).read_bytes()
+            meta = json.loads(raw)
         except (OSError, ValueError):
             if path.exists():
                 self._corrupt(Entry(kind, digest, path, {}), "unreadable meta.json")
             return None
+        if self.trust is not None:
+            try:
+                verify_bytes(raw, path / SIGNATURE, self.trust)
+            except TrustError as e:
+                self._corrupt(Entry(kind, digest, path, meta if isinstance(meta, dict) else {}),
+                              f"not signed by the trusted key: {e}")
+                return None
         if not isinstance(meta, dict) or meta.get("key") != digest or not (path / ARTIFACT).is_file():
             self._corrupt(Entry(kind, digest, path, meta if isinstance(meta, dict) else {}), "incomplete entry")
             return None
@@ -204,7 +220,10 @@ class Cache:
             meta = {"cache_version": CACHE_VERSION, "kind": kind, "key": key.digest, "identity": key.identity,
                     "digest": sha256_file(tmp / ARTIFACT), "size": (tmp / ARTIFACT).stat().st_size,
                     "created": time.time(), "parts": key.describe()}
-            _fsync_write(tmp / META, (json.dumps(meta, indent=1) + "\n").encode())
+            raw = (json.dumps(meta, indent=1) + "\n").encode()
+            if self.sign is not None:
+                _fsync_write(tmp / SIGNATURE, (json.dumps(sign_bytes(raw, self.sign)) + "\n").encode())
+            _fsync_write(tmp / META, raw)
             final.parent.mkdir(parents=True, exist_ok=True)
             if final.exists() and self.lookup(kind, key.digest) is not None:
                 return                                   # another compile stored it first

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from deepinfer.cli_common import user_errors
+from deepinfer.cli_common import trust_option, trusted_key, user_errors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -35,10 +35,14 @@ from deepinfer.cli_common import user_errors
                    "that --finish completes on any host with neuronx-cc.")
 @click.option("--finish", "finish", type=click.Path(file_okay=False, path_type=Path), metavar="BUNDLE",
               help="Compile the HLO modules of an HLO-stage trn2 BUNDLE into NEFFs (no MODEL_TOML).")
+@click.option("--sign", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="KEY",
+              help="Ed25519 private key (PEM): sign the bundle's manifest (signature.json) and the cache entries "
+                   "this compile stores. `deepinfer keygen` or `openssl genpkey -algorithm ed25519` makes one.")
+@trust_option
 @user_errors
 def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, as_json: bool, cache_dir: Path | None,
          no_cache: bool, print_cache_key: bool, require_cache: bool, verbose: bool, hlo_only: bool,
-         finish: Path | None):
+         finish: Path | None, sign: Path | None, trust: Path | None):
     """Compile MODEL_TOML into a bundle: one executable per (region kind, method, bucket).
 
     \b
@@ -68,16 +72,22 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(".cache/inductor").resolve()))
     if (model_toml is None) == (finish is None):
         raise click.UsageError("give MODEL_TOML, or --finish BUNDLE (not both)")
+    signing_key = None
+    if sign is not None:
+        from deepinfer.bundles.signing import load_private_key
+
+        signing_key = load_private_key(sign)
     if finish is not None:
         from deepinfer.compiler.finish import finish_bundle
 
-        finish_bundle(finish, jobs=jobs, log=lambda msg: click.echo(msg, err=True))
+        finish_bundle(finish, jobs=jobs, log=lambda msg: click.echo(msg, err=True), sign=signing_key)
         return
     cfg = load_compile_config(model_toml)
     if no_cache and (require_cache or cache_dir):
         raise click.UsageError("--no-cache excludes --require-cache and --cache-dir")
     log = lambda msg: click.echo(msg, err=True)  # noqa: E731
-    cache = None if no_cache else Cache(resolve_dir(cache_dir, cfg.cache.dir), log=log)
+    cache = None if no_cache else Cache(resolve_dir(cache_dir, cfg.cache.dir), log=log, sign=signing_key,
+                                         trust=trusted_key(trust))
     if print_cache_key:
         click.echo(cache_key(cfg, cache=cache, log=log, verbose=verbose, hlo_only=hlo_only).digest)
         return
@@ -92,7 +102,8 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
                f"{', stop at HLO' if hlo_only else ''}",
                err=True)
     path, timings = compile_bundle(cfg, out, jobs=jobs, force=force, log=log, cache=cache,
-                                   require_cache=require_cache, verbose=verbose, hlo_only=hlo_only)
+                                   require_cache=require_cache, verbose=verbose, hlo_only=hlo_only,
+                                   sign=signing_key)
     total = sum(timings.values())
     manifest = mf.read(path)
     n = len(manifest.regions)

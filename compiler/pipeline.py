@@ -33,6 +33,7 @@ import torch
 
 import deepinfer
 from deepinfer.bundles import layout, manifest as mf
+from deepinfer.bundles.signing import sign_file
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler import budget, cached
 from deepinfer.compiler.cache import Cache
@@ -343,14 +344,15 @@ def _stderr(msg: str) -> None:
 
 def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bool = False, log=None,
                    cache: Cache | None = None, require_cache: bool = False, verbose: bool = False,
-                   hlo_only: bool = False) -> tuple[Path, dict[str, float]]:
+                   hlo_only: bool = False, sign=None) -> tuple[Path, dict[str, float]]:
     """Run every pass; returns the bundle path and the seconds each pass took.
 
     With `cache`, every executable, weight stack and trace is fetched by key or
     built and stored; `cache.stats` counts hits, misses and compiles. With
     `require_cache`, a miss raises CacheError naming the region and why.
     `verbose` logs each missed key's part hashes. `hlo_only` (trn2) stops after lowering and
-    checking: the bundle holds HLO modules, finished later by `finish_bundle`.
+    checking: the bundle holds HLO modules, finished later by `finish_bundle`. With `sign` (an
+    Ed25519 private key, `bundles.signing`), the manifest is signed before the bundle is published.
     """
     log = log or _stderr
     out = Path(out)
@@ -371,6 +373,8 @@ def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bo
             if p.makes:
                 values[p.makes] = made
             timings[p.name] = time.perf_counter() - start
+        if sign is not None:
+            sign_file(staging / layout.MANIFEST_FILE, sign, staging / layout.SIGNATURE_FILE)
         for path in staging.rglob("*"):      # safetensors writes 0600; a bundle is for sharing
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
         os.chmod(staging, 0o755)

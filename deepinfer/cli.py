@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from deepinfer.cli_common import generation_options, image_option, prompts_from, prompts_with_images, user_errors, \
-    write_logits
+from deepinfer.cli_common import generation_options, image_option, prompts_from, prompts_with_images, trust_option, \
+    trusted_key, user_errors, write_logits
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -247,8 +247,10 @@ def compare_cmd(a, b, checkpoint, floor_file, no_floor, dtype, cache_quant, marg
 @click.option("--num-kv-blocks", type=int, default=None, help="Size of the KV block pool (default: the bundle's).")
 @click.option("--no-verify", is_flag=True, help="Skip the digest check of the bundle's files at load.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@trust_option
 @user_errors
-def diff_cmd(bundle, prompt, prompt_ids, max_new_tokens, tolerance, per_layer, num_kv_blocks, no_verify, as_json):
+def diff_cmd(bundle, prompt, prompt_ids, max_new_tokens, tolerance, per_layer, num_kv_blocks, no_verify, as_json,
+             trust):
     """Rank BUNDLE's region kinds by how far they are from their pure-torch reference.
 
     Generates greedily on the prompts; every region call's inputs are copied
@@ -271,7 +273,7 @@ def diff_cmd(bundle, prompt, prompt_ids, max_new_tokens, tolerance, per_layer, n
     from deepinfer.regions.tokenizer import ByteTokenizer
     from deepinfer.runtime import open_bundle
 
-    opened = open_bundle(bundle, verify=not no_verify)
+    opened = open_bundle(bundle, verify=not no_verify, trust=trusted_key(trust))
     cfg = opened.config
     tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
     prompts = prompts_from(prompt, prompt_ids, cfg.text.vocab_size, tok)
@@ -406,6 +408,28 @@ def cache_explain(key_a, key_b, cache_dir):
             for k in sorted(set(va) | set(vb)):
                 if va.get(k) != vb.get(k):
                     click.echo(f"    {k}: {va.get(k)!r} -> {vb.get(k)!r}")
+
+
+@main.command("keygen")
+@click.argument("private_key", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("public_key", type=click.Path(dir_okay=False, path_type=Path), required=False)
+@user_errors
+def keygen_cmd(private_key: Path, public_key: Path | None):
+    """Make an Ed25519 key pair for signing bundles: PRIVATE_KEY (PEM, mode 0600) and PUBLIC_KEY
+    (PEM; default: PRIVATE_KEY with .pub appended). The same keys as `openssl genpkey -algorithm
+    ed25519` and `openssl pkey -pubout` make.
+
+    \b
+    Example:
+      deepinfer keygen ci-signing.pem                     # and ci-signing.pem.pub
+      deepinfer-compile model.toml -o build/m --sign ci-signing.pem
+      deepinfer-run build/m --trust ci-signing.pem.pub --prompt "Hello"
+    """
+    from deepinfer.bundles.signing import keygen
+
+    public_key = public_key or private_key.with_name(private_key.name + ".pub")
+    kid = keygen(private_key, public_key)
+    click.echo(f"wrote {private_key} (private, keep it secret) and {public_key} (public); key id {kid}")
 
 
 def _add_tools() -> None:

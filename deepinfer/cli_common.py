@@ -27,6 +27,26 @@ def user_errors(fn):
     return wrapper
 
 
+TRUST_ENV = "DEEPINFER_TRUST"
+
+
+def trust_option(fn):
+    """--trust PUBKEY (or $DEEPINFER_TRUST): verify a bundle's signature before loading it."""
+    return click.option("--trust", type=click.Path(exists=True, dir_okay=False, path_type=Path), envvar=TRUST_ENV,
+                        help="Ed25519 public key (PEM) to trust: a bundle (or, compiling, a cache entry) whose "
+                             "signature does not verify with it is refused before anything of it is loaded "
+                             f"(default: ${TRUST_ENV}). Bundles and caches hold code; see the README, Trust.")(fn)
+
+
+def trusted_key(path: Path | None):
+    """The public key of --trust, or None."""
+    if path is None:
+        return None
+    from deepinfer.bundles.signing import load_public_key
+
+    return load_public_key(path)
+
+
 def parse_ids(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.replace(" ", "").split(",") if x]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from deepinfer.cli_common import generation_options, image_option, prompts_with_images, user_errors, write_logits
+from deepinfer.cli_common import (generation_options, image_option, prompts_with_images, trust_option, trusted_key,
+                                  user_errors, write_logits)
 
 
 def timing_lines(stats, wall: float) -> list[str]:
@@ -35,9 +36,10 @@ def timing_lines(stats, wall: float) -> list[str]:
               help="Host threads for the executables (default: torch's; 1 is often fastest for small models "
                    "on a busy machine).")
 @image_option
+@trust_option
 @user_errors
 def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_json, dump_logits, no_verify,
-         threads, images):
+         threads, images, trust):
     """Load BUNDLE (validated: format version, digests, target) and generate greedily.
 
     Prompts run as decode-shaped chunks through the bucket executables, then
@@ -60,14 +62,15 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
 
         torch.set_num_threads(threads)
     start = time.perf_counter()
-    opened = open_bundle(bundle, verify=not no_verify)
+    opened = open_bundle(bundle, verify=not no_verify, trust=trusted_key(trust))
     cfg = opened.config
     tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
     prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: load_vision(opened))
     world, launched = opened.manifest.topology.world_size, ranks.torchrun_rank()
     if world > 1 and launched is None:          # start the ranks here: one process each
         run = ranks.generate_ranks(opened, prompts, max_new_tokens, num_kv_blocks=num_kv_blocks,
-                                   verify=not no_verify, threads=threads, images=embeds)
+                                   verify=not no_verify, threads=threads, images=embeds,
+                                   trust=str(trust) if trust else None)
         gens, stats = run["gens"], run["stats"]
     else:
         comm = None

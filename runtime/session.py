@@ -72,13 +72,18 @@ def _identity(path: Path) -> tuple[int, int]:
     return (st.st_dev, st.st_ino)
 
 
-def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
+def open_bundle(path: str | Path, *, verify: bool = True, trust=None) -> Bundle:
     """Read and check a bundle's manifest (format version first, types, cross-references), its files
     (present; digests unless `verify` is off) and that this process can run it; parse its config.
-    Loading checks at its end that the directory is still the one opened here."""
+    With `trust` (an Ed25519 public key, `bundles.signing.load_public_key`), the manifest must carry a
+    signature by that key, checked before anything else is read. Loading checks at its end that the
+    directory is still the one opened here."""
     path = Path(path)
+    if trust is not None and not verify:
+        raise mf.BundleError(f"{path}: a trusted key needs the digest check (the signature covers the files "
+                             "through their digests); drop --no-verify")
     identity = _identity(path)
-    manifest = mf.read(path)
+    manifest = mf.read(path, trust=trust)
     mf.check_files(path, manifest, digests=verify)
     check_compatible(manifest, path)
     bundle = Bundle(path, manifest, parse_config(manifest.model.config, str(path / MANIFEST_FILE)), identity)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 import deepinfer
+from deepinfer.bundles.pt2 import load_exported
 from deepinfer.compiler.trace import concrete_inputs
 from deepinfer.kernels import reference_decompositions
 
@@ -84,7 +85,7 @@ class CpuTarget:
         if self.executable == "exported":
             out.write_bytes(Path(lowered).read_bytes())
             return
-        ep = torch.export.load(str(lowered))
+        ep = load_exported(lowered)
         concrete_inputs(ep)                 # saved programs carry shapes, not sample data
         torch._inductor.aoti_compile_and_package(ep, package_path=str(out), inductor_configs=self.options or None)
 

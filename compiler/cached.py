@@ -109,9 +109,12 @@ def executable_key(spec, plan, kind: str, method: str, batch: int, tokens: int, 
 
 def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
     """{tensor name: sha256 of dtype, shape and raw bytes} for one safetensors file,
-    memoized by the file's identity and stat (a changed file is re-hashed)."""
+    memoized by the file's identity and stat: path, device, inode, size, mtime and ctime. A file
+    edited in place with its size and mtime restored (`rsync -t --inplace`, `touch -r`) still
+    has a new ctime, which no user call can set back, so it is re-hashed."""
     st = os.stat(path)
-    ident = sha256(f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode())
+    ident = sha256(f"{os.path.realpath(path)}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}"
+                   f"\0{st.st_ctime_ns}".encode())
     memo_file = memo / f"{ident}.json" if memo else None
     if memo_file and memo_file.exists():
         try:

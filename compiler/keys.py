@@ -52,6 +52,8 @@ KEYED_OPTIONS = (
 UNKEYED_OPTIONS = (
     "cache.dir", "--output", "--jobs", "--force", "--json", "--cache-dir", "--no-cache",
     "--print-cache-key", "--require-cache", "--verbose", "--finish",
+    # signing adds signature files beside what is built; trust decides which cache entries are used
+    "--sign", "--trust",
     # the budget decides whether a compile is refused, not what it builds
     "memory.limit_gib", "memory.reserve_gib",
 )

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -289,3 +290,25 @@ def test_a_kernel_change_reaches_only_graphs_calling_it(b, monkeypatch):
                         lambda fn: closure(fn) + (b"# changed" if fn.__name__ == "compress_pool_ref" else b""))
     after = {k: cached.executable_key(b.spec, b.plan, k, "decode", 1, 1, "g", ks).digest for k, ks in reached.items()}
     assert after["head"] == before["head"] and after["attn_source_r2"] != before["attn_source_r2"]
+
+
+def test_a_tensor_edited_in_place_with_size_and_mtime_restored_is_hashed_again(tmp_path):
+    """As `rsync -t --inplace` or `touch -r` leave a file: same path, inode, size and mtime."""
+    import torch
+    from safetensors.torch import save_file
+
+    path, memo = tmp_path / "w.safetensors", tmp_path / "memo"
+    save_file({"w": torch.zeros(64)}, str(path))
+    before = cached._file_digests(path, memo)
+    st = os.stat(path)
+    for _ in range(200):                        # ctime ticks at the kernel's clock granularity (<= 10 ms)
+        with open(path, "r+b") as f:            # in place: one byte of the tensor's data
+            f.seek(-1, os.SEEK_END)
+            f.write(b"\x01")
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        if os.stat(path).st_ctime_ns != st.st_ctime_ns:
+            break
+        time.sleep(0.01)
+    now = os.stat(path)
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    assert cached._file_digests(path, memo)["w"] != before["w"]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from deepinfer.cli_common import generation_options, image_option, prompts_from, prompts_with_images, trust_option, \
-    trusted_key, user_errors, write_logits
+from deepinfer.cli_common import echo_generations, generation_options, image_option, prompts_from, \
+    prompts_with_images, trust_option, trusted_key, user_errors, write_logits
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -95,10 +95,11 @@ def reference_cmd(checkpoint, prompt, prompt_ids, max_new_tokens, chunk, dtype, 
         click.echo(json.dumps({
             "dtype": dtype, "cache_quant": cache_quant,
             "outputs": [{"prompt_ids": g.tokens[:g.prompt_len], "generated_ids": g.generated,
-                         "text": tok.decode(g.generated)} for g in gens]}))
+                         "text": tok.decode(g.generated), "error": g.error} for g in gens]}))
+        if any(g.error for g in gens):
+            sys.exit(1)
     else:
-        for g in gens:
-            click.echo(tok.decode(g.generated))
+        echo_generations(gens, tok.decode)
 
 
 # --- deepinfer compare / noise-floor ---
@@ -244,7 +245,8 @@ def compare_cmd(a, b, checkpoint, floor_file, no_floor, dtype, cache_quant, marg
 @click.option("--tolerance", type=float, default=None,
               help="Worst score a kind may have [default: 1e-4 for fp32 bundles, 2e-2 for bf16].")
 @click.option("--per-layer", is_flag=True, help="One row per (kind, layer) instead of one per kind.")
-@click.option("--num-kv-blocks", type=int, default=None, help="Size of the KV block pool (default: the bundle's).")
+@click.option("--num-kv-blocks", type=click.IntRange(min=2), default=None,
+              help="Size of the KV block pool, block 0 being scratch (default: the bundle's).")
 @click.option("--no-verify", is_flag=True, help="Skip the digest check of the bundle's files at load.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @trust_option

@@ -7,6 +7,7 @@ command imports the sub-CLIs, never the reverse.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -69,15 +70,31 @@ def prompts_from(prompt: tuple[str, ...], prompt_ids: tuple[str, ...], vocab: in
     return prompts
 
 
+def _writable_destination(ctx, param, path: Path | None) -> Path | None:
+    """Check an output file's directory before the work that fills it (generation can take long)."""
+    if path is None:
+        return None
+    parent = path.parent
+    if not parent.is_dir():
+        raise click.BadParameter(f"{path}: directory {parent} does not exist", ctx, param)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"{path}: directory {parent} is not writable", ctx, param)
+    if path.is_dir():
+        raise click.BadParameter(f"{path}: is a directory", ctx, param)
+    return path
+
+
 def generation_options(fn):
     """The options `deepinfer reference` and `deepinfer-run` share: prompts, length, output."""
     options = [
         click.option("--prompt", multiple=True, help="Prompt text (byte-level tokenizer). Repeat for a batch."),
         click.option("--prompt-ids", multiple=True, help="Prompt as token ids, e.g. 0,72,101. Repeat for a batch."),
-        click.option("--max-new-tokens", default=16, show_default=True, help="Tokens to generate per prompt."),
+        click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True,
+                     help="Tokens to generate per prompt (at least 1)."),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text."),
-        click.option("--dump-logits", type=click.Path(dir_okay=False, path_type=Path),
-                     help="Write tokens and per-position float32 logits to this .safetensors file."),
+        click.option("--dump-logits", type=click.Path(dir_okay=False, path_type=Path), callback=_writable_destination,
+                     help="Write tokens and per-position float32 logits to this .safetensors file (its directory "
+                          "is checked before generating)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -106,6 +123,18 @@ def prompts_with_images(prompt, prompt_ids, images, config, tokenizer, tower):
     spans = [vision.embed(read_image(path)) for path in images]
     placed = [with_images(ids, spans, token, config.bos_token_id) for ids in prompts]
     return [ids for ids, _ in placed], [embeds for _, embeds in placed]
+
+
+def echo_generations(gens, decode) -> None:
+    """Text mode: each prompt's generated text on stdout, then, for one that stopped early (the
+    context or the KV pool ran out), the reason on stderr. Exits 1 after all are printed if any
+    stopped early."""
+    for i, g in enumerate(gens):
+        click.echo(decode(g.generated))
+        if g.error is not None:
+            click.echo(f"error: prompt {i}: stopped after {len(g.generated)} generated tokens: {g.error}", err=True)
+    if any(g.error is not None for g in gens):
+        sys.exit(1)
 
 
 def write_logits(path: Path, gens, meta: dict | None = None) -> None:

@@ -37,7 +37,12 @@ class Generation:
 
 
 class OutOfBlocks(Exception):
-    pass
+    """A sequence cannot get the blocks it needs: past the bundle's max_context (`context`), or the
+    pool is exhausted."""
+
+    def __init__(self, message: str, context: bool = False):
+        super().__init__(message)
+        self.context = context
 
 
 class Allocator:
@@ -62,13 +67,17 @@ class Allocator:
         need = -(-positions // self.block_size)
         if need > self.max_blocks:
             raise OutOfBlocks(f"needs {positions} positions, more than the bundle's max_context "
-                              f"({self.max_blocks * self.block_size})")
+                              f"({self.max_context})", context=True)
         table = self.tables[seq]
         while len(table) < need:
             if not self.free_blocks:
                 raise OutOfBlocks(f"KV pool exhausted: no free block for position {len(table) * self.block_size} "
                                   "(raise --num-kv-blocks or run fewer sequences at once)")
             table.append(self.free_blocks.pop())
+
+    @property
+    def max_context(self) -> int:
+        return self.max_blocks * self.block_size
 
     def release(self, seq: int) -> None:
         self.free_blocks.extend(reversed(self.tables.pop(seq, [])))
@@ -122,6 +131,16 @@ class Stepper(Protocol):
         """One step -> each group's logits [B, T, V], batch row i for that group's rows[i]."""
 
 
+def _stop_reason(e: OutOfBlocks, g: Generation, max_context: int) -> str:
+    """Why a sequence stopped, counted in the sequence's own tokens (not the chunk that hit the limit)."""
+    if not e.context:
+        return str(e)
+    if g.prompt_len > max_context:
+        return f"the prompt has {g.prompt_len} tokens, more than the bundle's max_context ({max_context})"
+    return (f"reached the bundle's max_context ({max_context} positions: a prompt of {g.prompt_len} tokens "
+            f"and {len(g.generated)} generated)")
+
+
 def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, eos: int,
            images: list[ImageEmbeds | None] | None = None) -> list[Generation]:
     """Greedy generation for token-id prompts; a request that cannot get blocks fails alone
@@ -152,7 +171,7 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
             try:
                 alloc.reserve(seq, consumed[seq] + n)
             except OutOfBlocks as e:
-                gens[seq].error = str(e)
+                gens[seq].error = _stop_reason(e, gens[seq], alloc.max_context)
                 alloc.release(seq)
                 active.remove(seq)
                 continue

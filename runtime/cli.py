@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from deepinfer.cli_common import (generation_options, image_option, prompts_with_images, trust_option, trusted_key,
+from deepinfer.cli_common import (echo_generations, generation_options, image_option, prompts_with_images, trust_option, trusted_key,
                                   user_errors, write_logits)
 
 
@@ -28,11 +28,11 @@ def timing_lines(stats, wall: float) -> list[str]:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @generation_options
-@click.option("--num-kv-blocks", type=int, default=None,
-              help="Size of the KV block pool (default: the bundle's num_blocks).")
+@click.option("--num-kv-blocks", type=click.IntRange(min=2), default=None,
+              help="Size of the KV block pool, block 0 being scratch (default: the bundle's num_blocks).")
 @click.option("--timing", is_flag=True, help="Print host time per region kind and the runtime's own overhead.")
 @click.option("--no-verify", is_flag=True, help="Skip the digest check of the bundle's files at load.")
-@click.option("--threads", type=int, default=None,
+@click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Host threads for the executables (default: torch's; 1 is often fastest for small models "
                    "on a busy machine).")
 @image_option
@@ -98,10 +98,9 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
                              "padding_waste": 1 - s.tokens / s.padded if s.padded else 0.0, "wall_s": wall}
         click.echo(json.dumps(out))
     else:
-        for g in gens:
-            click.echo(tok.decode(g.generated) if g.error is None else f"error: {g.error}")
         if timing:
             click.echo("\n".join(timing_lines(stats, wall)), err=True)
+        echo_generations(gens, tok.decode)
     if any(g.error for g in gens):
         raise SystemExit(1)
 

@@ -11,6 +11,7 @@ per step, with the same region wiring as the reference (`run_layers`).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from collections import defaultdict
@@ -26,7 +27,7 @@ from deepinfer.regions.config import V41Config, parse_config
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.generate import Allocator, Generation, Row, bucket_at_least, greedy, make_batch
 from deepinfer.regions.step import DTYPES, Batch, Embedding, LayerPlan, run_layers
-from deepinfer.runtime.backends import check_compatible, placement_for
+from deepinfer.runtime.backends import HostPlacement, check_compatible, placement_for
 
 
 @dataclass
@@ -62,6 +63,11 @@ class Bundle:
         if _identity(self.path) != self.identity:
             raise mf.BundleError(f"{self.path}: replaced while it was being loaded (a compile with --force?); "
                                  "nothing from it is used; run again")
+
+
+def host_memory() -> int:
+    """This host's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _identity(path: Path) -> tuple[int, int]:
@@ -101,7 +107,10 @@ class Session:
                                 engram_rows=int(l.engram)) for l in m.layers]
         kv = m.kv
         self.block_size, self.max_blocks = kv.block_size, kv.max_blocks
-        self.num_blocks, self.num_slots = num_kv_blocks or kv.num_blocks, kv.slots
+        self.num_blocks = kv.num_blocks if num_kv_blocks is None else num_kv_blocks
+        self.num_slots = kv.slots
+        if self.num_blocks < 2:
+            raise mf.BundleError(f"num_kv_blocks {self.num_blocks}: needs at least 2 (block 0 is scratch)")
         if kv.static_pools and self.num_blocks != kv.num_blocks:
             raise mf.BundleError(f"{self.path}: compiled for exactly {kv.num_blocks} KV blocks (static shapes); "
                                  f"cannot run with {self.num_blocks} (change [kv] num_blocks and recompile)")
@@ -148,13 +157,20 @@ class Session:
                      for s in self.signatures[b.kind] if s.role in ("weight", "rank")]
             self.bound[(layer, slot)] = (b.kind, views)
 
+    def _pool_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {name: ((len(pool.layers), self.num_blocks if pool.dim == "blocks" else self.num_slots,
+                        *pool.entry_shape), getattr(torch, pool.dtype))
+                for name, pool in self.manifest.kv.pools.items()}
+
     def _allocate_pools(self) -> None:
+        shapes = self._pool_shapes()
+        need = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
+        if isinstance(self.placement, HostPlacement) and need > host_memory():
+            raise mf.BundleError(f"{self.path}: the KV/state pools need {need / 2**30:.1f} GiB at num_kv_blocks "
+                                 f"{self.num_blocks}, more than this host's {host_memory() / 2**30:.1f} GiB of memory")
         self.pools, self.states = {}, defaultdict(dict)
-        for name, pool in self.manifest.kv.pools.items():
-            size = self.num_blocks if pool.dim == "blocks" else self.num_slots
-            self.pools[name] = self.placement.resident(
-                torch.zeros((len(pool.layers), size, *pool.entry_shape), dtype=getattr(torch, pool.dtype)),
-                f"pool.{name}")
+        for name, (shape, dtype) in shapes.items():
+            self.pools[name] = self.placement.resident(torch.zeros(shape, dtype=dtype), f"pool.{name}")
         for l in self.manifest.layers:
             for state, (pool, index) in l.state.items():
                 self.states[l.layer][state] = self.placement.view(self.pools[pool], index)

@@ -193,8 +193,11 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
     need(mem.reserve_gib >= 0, "memory", "reserve_gib", f"must be at least 0, got {mem.reserve_gib}")
     need(mem.limit_gib is None or mem.reserve_gib < mem.limit_gib, "memory", "reserve_gib",
          f"{mem.reserve_gib} GiB leaves nothing of limit_gib = {mem.limit_gib}")
+    need(not m.checkpoint.exists() or m.checkpoint.is_dir(), "model", "checkpoint",
+         f"{m.checkpoint} is a file; give the checkpoint directory (config.json and *.safetensors)")
     if m.tiny is not None:
         need(m.tiny.layers >= 6, "model", "tiny", "layers must be at least 6")
+        need(m.tiny.seed >= 0, "model", "tiny", f"seed must be at least 0, got {m.tiny.seed}")
 
 
 def config_error(cfg: CompileConfig, section: str, key: str, message: str) -> ConfigError:
@@ -210,9 +213,13 @@ def load_compile_config(path: str | Path) -> CompileConfig:
     """Parse and validate a model.toml. Relative paths are relative to the file."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

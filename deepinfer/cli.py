@@ -30,7 +30,8 @@ def main():
 
 @main.command("make-tiny")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--seed", default=0, show_default=True, help="Random seed; the same seed gives the same bytes.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Random seed (>= 0); the same seed gives the same bytes.")
 @click.option("--layers", default=6, show_default=True,
               help="Number of layers (>= 6; longer models repeat the pattern so every layer kind stays present).")
 @click.option("--exist-ok", is_flag=True, help="Keep OUT when it already holds this tiny checkpoint.")

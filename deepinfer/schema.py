@@ -133,7 +133,10 @@ def coerce(value, tp, key: Key, rules: Rules):
             return value
     elif tp is Path:
         if isinstance(value, str):
-            return rules.paths(value)
+            try:
+                return rules.paths(value)
+            except (RuntimeError, ValueError, OSError) as e:       # e.g. `~nosuchuser/...`
+                raise Problem(key, f"cannot resolve the path {value!r} ({e})") from None
     else:
         raise TypeError(f"schema: no rule for annotation {tp!r} at {key}")
     raise Problem(key, f"expected {describe(tp)}, got {value!r}")

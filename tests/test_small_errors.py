@@ -42,3 +42,15 @@ def test_make_tiny(tmp_path):
     _one_line_error(CliRunner().invoke(deepinfer_main, ["make-tiny", str(tmp_path / "afile")]),
                     "afile", "is a file")
     assert (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.parametrize("num_blocks", [3_000_000_000, 2**63 - 1])
+def test_pools_larger_than_the_host_are_refused_before_any_work(tmp_path, tiny_ckpt, monkeypatch, num_blocks):
+    (tmp_path / "model.toml").write_text(f'[model]\ncheckpoint = "{tiny_ckpt}"\n[target]\nexecutable = "exported"\n'
+                                         f"[kv]\nnum_blocks = {num_blocks}\n")
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(compile_main, ["model.toml", "-o", "out", "--no-cache"])
+    assert r.exit_code == 2, r.output
+    assert "memory.limit_gib: the bundle does not fit (weights and state pools, as planned)" in r.output
+    assert "lower [kv] num_blocks" in r.output and "this host's memory" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.toml"]

@@ -8,6 +8,7 @@ compiled code would go back through Python.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -61,7 +62,9 @@ class CpuTarget:
         return versions
 
     def device_memory(self) -> tuple[int | None, str]:
-        return None, "cpu: host memory, no limit unless [memory] limit_gib is set"
+        """A cpu rank runs in host memory: this host's, unless [memory] limit_gib names another's."""
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), \
+            "cpu: this host's memory; set [memory] limit_gib for the host that runs the bundle"
 
     def check_numerics(self, *args, **kwargs) -> dict:
         raise NotImplementedError("the cpu target has no lowering to check")

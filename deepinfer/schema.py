@@ -12,6 +12,7 @@ with the key path it was found at, which each caller turns into its own error
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -127,6 +128,8 @@ def coerce(value, tp, key: Key, rules: Rules):
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):                 # JSON readers accept NaN and Infinity
+                raise Problem(key, f"must be a finite number, got {value!r}")
             return float(value)
     elif tp is str:
         if isinstance(value, str):

@@ -152,6 +152,7 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
     consumed = [0] * len(gens)
     waiting = [] if max_new_tokens == 0 else list(range(len(gens)))
     active: list[int] = []
+    steps = 0
     while waiting or active:
         while waiting:                      # admit into the least loaded group with room
             load = [sum(group_of[s] == g for s in active) for g in range(groups)]
@@ -179,10 +180,19 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
                                                  consumed[seq]))
         if not any(rows_by_group):
             continue
+        steps += 1
         for rows, logits in zip(rows_by_group, stepper.run(rows_by_group, allocs, gens, images)):
             for b, (seq, ids, start) in enumerate(rows):
                 g = gens[seq]
-                g.logits.extend(logits[b, :len(ids)].float().clone())
+                mine = logits[b, :len(ids)].float()
+                finite = torch.isfinite(mine).all(-1)
+                if not bool(finite.all()):           # emitting argmax of NaN (token 0) would hide it
+                    at = start + int((~finite).nonzero()[0, 0])
+                    g.error = f"non-finite logits (NaN or infinity) at position {at}, step {steps}"
+                    allocs[group_of[seq]].release(seq)
+                    active.remove(seq)
+                    continue
+                g.logits.extend(mine.clone())
                 consumed[seq] += len(ids)
                 if consumed[seq] == len(g.tokens):          # caught up: sample the next token
                     nxt = int(torch.argmax(logits[b, len(ids) - 1]))

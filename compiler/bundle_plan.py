@@ -38,6 +38,7 @@ from deepinfer.compiler import budget, pipeline
 from deepinfer.compiler.budget import Breakdown, human
 from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.plan import RegionPlan
+from deepinfer.errors import ConfigError
 from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 from deepinfer.regions.config import CONFIG_FILE, V41Config
 
@@ -167,6 +168,10 @@ class BundlePlan:
                        f"{human(self.memory[rank0].pools[name]):>12}")
         out += ["", "scratch: " + ("not traced (--no-scratch)" if self.scratch is None else budget.SCRATCH_METHOD)]
         if self.scratch is not None:
+            untraced = [k for k in self.regions.kinds if not any(n.startswith(k + ".") for n in self.scratch)]
+            out.append("  traced at each kind's largest bucket (its largest graph)"
+                       + (f"; not traced: {', '.join(untraced)}" if untraced else ""))
+        if self.scratch is not None:
             out += [f"  {name:<36} {human(n):>12}" for name, n in self.scratch.items()]
             moe = self.moe_scratch
             if len(moe) > 1:
@@ -230,11 +235,11 @@ def plan_checkpoint(model: V41Config, directory: Path) -> tuple[Checkpoint, str]
 
 # -- scratch --------------------------------------------------------------------------------------
 
-def traced_buckets(executables: list[tuple[str, str, int, int]]) -> list[tuple[str, str, int, int]]:
+def traced_buckets(executables: list[tuple[str, str, int, int]], kinds=None) -> list[tuple[str, str, int, int]]:
     """The graphs a plan traces: each kind's largest bucket (most rows; more tokens on a tie), and
-    the MoE's smallest batch bucket at its largest tokens bucket."""
+    the MoE's smallest batch bucket at its largest tokens bucket; only `kinds` when given."""
     out = []
-    for kind in dict.fromkeys(k for k, _, _, _ in executables):
+    for kind in dict.fromkeys(k for k, _, _, _ in executables if kinds is None or k in kinds):
         mine = [e for e in executables if e[0] == kind]
         top = max(mine, key=lambda e: (e[2] * e[3], e[3]))
         out.append(top)
@@ -245,10 +250,10 @@ def traced_buckets(executables: list[tuple[str, str, int, int]]) -> list[tuple[s
     return out
 
 
-def trace_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, log) -> dict[str, int]:
+def trace_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, log, kinds=None) -> dict[str, int]:
     """executable name -> peak intermediate bytes of its lowered graph (compiler/budget.scratch_bytes)."""
     out = {}
-    for kind, method, batch, tokens in traced_buckets(executables):
+    for kind, method, batch, tokens in traced_buckets(executables, kinds):
         name = layout.executable_name(kind, method, batch, tokens)
         start = time.perf_counter()
         ep = pipeline.lowered_graph(spec, regions, kind, method, batch, tokens)[0]
@@ -261,11 +266,11 @@ def trace_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, log) ->
 
 # -- the API --------------------------------------------------------------------------------------
 
-def plan_bundle(config: CompileConfig, *, scratch: bool = True, log=lambda msg: None) -> BundlePlan:
+def plan_bundle(config: CompileConfig, *, scratch: bool = True, kinds=None, log=lambda msg: None) -> BundlePlan:
     """Plan the compile of `config` without reading tensor data or writing anything.
 
-    `scratch`: trace each region kind (fake tensors) for its graph's scratch; without it the
-    verdict counts weights and pools only (the compile's first check)."""
+    `scratch`: trace each region kind (fake tensors) for its graph's scratch, or only those
+    of `kinds`; without it the verdict counts weights and pools only (the compile's first check)."""
     start = time.perf_counter()
     m = config.model
     if not (m.checkpoint / CONFIG_FILE).exists():
@@ -274,14 +279,17 @@ def plan_bundle(config: CompileConfig, *, scratch: bool = True, log=lambda msg: 
                            + (" (the compile generates this tiny checkpoint: `deepinfer make-tiny` it first)"
                               if m.tiny is not None else ""))
     spec = pipeline.parse(config, False, log)
-    regions = pipeline.plan(spec, log)
+    regions = pipeline.plan(spec, lambda msg: None)          # the plan prints its own layer plan
     ckpt, source = plan_checkpoint(spec.model, m.checkpoint)
     planned, stacks = pipeline.weight_files(spec, regions, ckpt, Path(BUNDLE))
     files = {PurePosixPath(f.path).relative_to(BUNDLE).as_posix(): f.layout()[2] for f in planned}
     rank_files = {rank: tuple(s.path for s in entries if s.path) for rank, entries in stacks.items()}
     shared = tuple(dict.fromkeys(s.shared for entries in stacks.values() for s in entries if s.shared))
     executables = spec.executables(regions)
-    traced = trace_scratch(spec, regions, executables, log) if scratch else None
+    unknown = sorted(set(kinds or ()) - set(regions.kinds))
+    if unknown:
+        raise ConfigError(f"no region kind {unknown[0]!r} in this model; its kinds: {', '.join(regions.kinds)}")
+    traced = trace_scratch(spec, regions, executables, log, kinds) if scratch else None
     graphs = [GraphScratch(name, n) for name, n in (traced or {}).items()]
     memory = budget.per_rank(spec, budget.breakdown(spec, regions, graphs))
     return BundlePlan(spec, regions, source, executables, files, rank_files, shared,

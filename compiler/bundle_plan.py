@@ -8,8 +8,10 @@ Every figure is the compile's own, from its passes run as far as they go without
                                   source tensor checked against its spec, offsets and headers
                                   laid out, nothing read or written
     state pools                   the state layout pass (pipeline.layout_state)
-    memory per rank, verdict      compiler/budget.py's breakdown, with the scratch of graphs
-                                  traced on fake tensors and lowered (pipeline.lowered_graph)
+    memory per rank, verdict      compiler/budget.py's breakdown, with the scratch of the compile's
+                                  graphs: its trace records where the compile cache holds them,
+                                  else graphs traced here on fake tensors and lowered
+                                  (pipeline.lowered_graph)
 
 The checkpoint is the directory's safetensors headers (`model.safetensors` or the index
 and its shards) when it has them, their data never read (it may be absent); else the
@@ -17,15 +19,20 @@ tensors `config.json` implies (regions/synthetic.checkpoint_tensors: the regions
 weight specs, what the compile would read). The engram hasher and its token map are
 the runtime's (and the compile's, for the map): nothing here needs the tokenizer.
 
-Scratch is traced at each kind's largest bucket (most rows per step): the compile
-takes the largest over all graphs, and a graph's intermediates grow with its rows, never
-shrink. The MoE is traced at its smallest and largest batch buckets (both at the largest
-tokens bucket) too, to show whether its scratch depends on the rows per step.
+Scratch: every executable whose trace record the compile cache holds (a compile, or
+`deepinfer-compile --hlo-only`, of the same model.toml wrote it) gives its own figure. A kind
+without records is traced here at its largest bucket (most rows per step), which bounds its
+other buckets: a graph's intermediates grow with its rows, and the budget takes the
+largest over all graphs. At release dimensions that costs about 10 s of CPU and up to 2 GiB
+per kind (measured), so `scratch=False` (`--no-scratch`) skips it. The MoE is also traced at
+its smallest batch bucket (at the largest tokens bucket), to show whether its scratch
+depends on the rows per step.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -34,7 +41,7 @@ from pathlib import Path, PurePosixPath
 from deepinfer.bundles import layout
 from deepinfer.bundles.manifest import Pool
 from deepinfer.bundles.safetensors import DTYPES, TensorInfo
-from deepinfer.compiler import budget, pipeline
+from deepinfer.compiler import budget, cached, pipeline
 from deepinfer.compiler.budget import Breakdown, human
 from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.plan import RegionPlan
@@ -65,7 +72,8 @@ class BundlePlan:
     shared_files: tuple[str, ...]               # weight files every rank loads (stored once)
     pools: dict[str, Pool]
     memory: dict[str, Breakdown]                # rank key -> its breakdown
-    scratch: dict[str, int] | None             # traced graph -> scratch bytes (None: not traced)
+    scratch: dict[str, int] | None             # graph -> scratch bytes (None: none known)
+    recorded: tuple[str, ...]                   # the graphs whose scratch came from the cache's trace records
     seconds: float
 
     # -- figures ---------------------------------------------------------------------------------
@@ -125,7 +133,7 @@ class BundlePlan:
                              "bytes": self.memory[layout.rank_key(0)].pools[name]}
                       for name, p in self.pools.items()},
             "scratch": None if self.scratch is None else {
-                "method": budget.SCRATCH_METHOD, "traced": self.scratch,
+                "method": budget.SCRATCH_METHOD, "traced": self.scratch, "from_cache": list(self.recorded),
                 "moe_by_batch": {str(b): n for b, n in moe.items()},
                 "moe_rows_independent": len(set(moe.values())) == 1 and len(moe) > 1},
             "memory": {r: {**d.to_dict(), "fits": d.fits} for r, d in self.memory.items()},
@@ -166,11 +174,13 @@ class BundlePlan:
         for name, p in self.pools.items():
             out.append(f"  {name:<14} {len(p.layers):>3} layers x {p.dim:<6} x {list(p.entry_shape)} {p.dtype:<9} "
                        f"{human(self.memory[rank0].pools[name]):>12}")
-        out += ["", "scratch: " + ("not traced (--no-scratch)" if self.scratch is None else budget.SCRATCH_METHOD)]
+        out += ["", "scratch: " + ("not traced (--no-scratch) and not in the compile cache" if self.scratch is None
+                                   else budget.SCRATCH_METHOD)]
         if self.scratch is not None:
             untraced = [k for k in self.regions.kinds if not any(n.startswith(k + ".") for n in self.scratch)]
-            out.append("  traced at each kind's largest bucket (its largest graph)"
-                       + (f"; not traced: {', '.join(untraced)}" if untraced else ""))
+            out.append(f"  {len(self.recorded)} graph(s) from the compile cache's trace records, "
+                       f"{len(self.scratch) - len(self.recorded)} traced here at their kind's largest bucket"
+                       + (f"; unknown: {', '.join(untraced)}" if untraced else ""))
         if self.scratch is not None:
             out += [f"  {name:<36} {human(n):>12}" for name, n in self.scratch.items()]
             moe = self.moe_scratch
@@ -266,11 +276,24 @@ def trace_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, log, ki
 
 # -- the API --------------------------------------------------------------------------------------
 
-def plan_bundle(config: CompileConfig, *, scratch: bool = True, kinds=None, log=lambda msg: None) -> BundlePlan:
+def recorded_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, cache) -> dict[str, int]:
+    """executable name -> scratch bytes, from the trace records the compile cache holds for them."""
+    out = {}
+    for kind, method, batch, tokens in executables:
+        data = cache.get_bytes("trace", cached.trace_key(spec, regions, kind, method, batch, tokens))
+        n = json.loads(data)["entry"].get("scratch_bytes") if data is not None else None
+        if n is not None:
+            out[layout.executable_name(kind, method, batch, tokens)] = n
+    return out
+
+
+def plan_bundle(config: CompileConfig, *, scratch: bool = True, kinds=None, cache=None,
+                log=lambda msg: None) -> BundlePlan:
     """Plan the compile of `config` without reading tensor data or writing anything.
 
-    `scratch`: trace each region kind (fake tensors) for its graph's scratch, or only those
-    of `kinds`; without it the verdict counts weights and pools only (the compile's first check)."""
+    Scratch comes from the trace records `cache` (a compiler/cache.Cache) holds; with `scratch`,
+    each kind without records (only those of `kinds` when given) is traced on fake tensors. With
+    neither, the verdict counts weights and pools only (the compile's first check)."""
     start = time.perf_counter()
     m = config.model
     if not (m.checkpoint / CONFIG_FILE).exists():
@@ -289,8 +312,11 @@ def plan_bundle(config: CompileConfig, *, scratch: bool = True, kinds=None, log=
     unknown = sorted(set(kinds or ()) - set(regions.kinds))
     if unknown:
         raise ConfigError(f"no region kind {unknown[0]!r} in this model; its kinds: {', '.join(regions.kinds)}")
-    traced = trace_scratch(spec, regions, executables, log, kinds) if scratch else None
+    known = recorded_scratch(spec, regions, executables, cache) if cache is not None else {}
+    missing = [e for e in executables if not any(n.startswith(e[0] + ".") for n in known)]
+    traced = {**known, **(trace_scratch(spec, regions, missing, log, kinds) if scratch else {})} or None
     graphs = [GraphScratch(name, n) for name, n in (traced or {}).items()]
     memory = budget.per_rank(spec, budget.breakdown(spec, regions, graphs))
     return BundlePlan(spec, regions, source, executables, files, rank_files, shared,
-                      pipeline.layout_state(spec, regions).pools, memory, traced, time.perf_counter() - start)
+                      pipeline.layout_state(spec, regions).pools, memory, traced, tuple(known),
+                      time.perf_counter() - start)

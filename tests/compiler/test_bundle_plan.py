@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -18,13 +20,14 @@ from click.testing import CliRunner
 from deepinfer.bundles.safetensors import layout_header
 from deepinfer.cli import main
 from deepinfer.compiler.bundle_plan import plan_bundle
+from deepinfer.compiler.cache import Cache
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.errors import CheckpointError, ConfigError
 from deepinfer.regions.checkpoint import written_checkpoint
 from deepinfer.regions.config import load_config
 from deepinfer.regions.synthetic import checkpoint_tensors, synthetic_config
 
-from ..conftest import write_model_toml
+from ..conftest import CACHE_ENV, write_model_toml
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = ROOT / "examples" / "release" / "model.toml"
@@ -38,9 +41,11 @@ RELEASE_KINDS = {"attn_window": [0, 1], "attn_source_r2": [2, 8, 14],
 
 
 @pytest.fixture(scope="module")
-def release():
-    """The release plan with the MoE traced (the other kinds' graphs take a minute more)."""
-    return plan_bundle(load_compile_config(RELEASE), kinds=("moe",))
+def release() -> dict:
+    """`deepinfer plan examples/release/model.toml --json`, the MoE traced (all kinds: minutes more)."""
+    r = CliRunner().invoke(main, ["plan", str(RELEASE), "--json", "--scratch-of", "moe"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
 
 
 def test_release_config_validates():
@@ -52,19 +57,19 @@ def test_release_config_validates():
 
 
 def test_release_layer_plan_and_executables(release):
-    d = release.to_dict()
+    d = release
     assert {k: v["layers"] for k, v in d["kinds"].items()} == RELEASE_KINDS
     # 9 kinds x 1 method x 4 buckets; EP = CP = 64 is one token group: the MoE is not gathered
     assert d["executables"]["count"] == d["compile_jobs"] == 9 * 4
     assert d["topology"] == {"tp": 1, "ep": 64, "cp": 64, "world_size": 64, "groups": 1}
-    assert release.checkpoint.startswith("config.json only")
+    assert d["checkpoint"]["source"].startswith("config.json only")
 
 
 def test_release_weights_per_rank(release):
     """Six of the 384 experts per rank, by MODEL.md's shapes: w1, w3 [2304, 2560] I8 + [2304, 160]
     scales, w2 [5120, 1152] + [5120, 72]; engram tables [rows, 256] fp8 + [rows, 8] scales, padded
     to the larger table's 384016682 rows."""
-    d = release.to_dict()
+    d = release
     routed = 40 * 6 * (2 * (2304 * 2560 + 2304 * 160) + 5120 * 1152 + 5120 * 72)
     moe = d["kinds"]["moe"]["weights_per_rank"]
     assert routed < moe < routed + 40 * (16 << 20)        # + a shared expert slice, the router, norms per layer
@@ -79,48 +84,52 @@ def test_release_weights_per_rank(release):
 
 
 def test_release_memory_verdict(release):
-    """Today the engram tables (189 GiB) sit on every rank's device: no rank fits its 24 GiB."""
-    mem = release.to_dict()["memory"]
+    """A verdict for each of the 64 ranks against trn2's 24 GiB at LNC 2, from its breakdown. (Today
+    no rank fits: the engram tables, 189 GiB, sit on every device; the xfails below flip.)"""
+    mem = release["memory"]
     assert set(mem) == {f"rank-{r}" for r in range(64)}
     for m in mem.values():
-        assert m["limit"] == 24 * GiB and m["limit_source"].startswith("trn2 HBM")
-        assert m["total"] == m["weights"] + m["pools"] + m["scratch"]
-        assert m["fits"] is False and m["weights_by_kind"]["engram"] > m["limit"]
+        assert m["limit"] == 24 * GiB and m["limit_source"].startswith("trn2 HBM") and m["reserve"] == 0
+        assert m["total"] == m["weights"] + m["pools"] + m["scratch"] and m["executables"] is None
+        assert m["scratch"] == max(release["scratch"]["traced"].values())
+        assert m["fits"] == (m["total"] <= m["limit"])
 
 
 @pytest.mark.xfail(strict=True, reason="engram tables stay in device memory (189 GiB per rank) until they "
                                        "move to host memory")
 def test_release_weights_and_pools_fit_once_engram_leaves_the_device(release):
-    for m in release.to_dict()["memory"].values():
+    for m in release["memory"].values():
         assert m["weights"] + m["pools"] <= m["limit"] - m["reserve"]
 
 
 @pytest.mark.xfail(strict=True, reason="the MoE gathers the selected experts per row: its scratch grows with "
                                        "the rows per step until it is bounded (grouped per local expert, tiled)")
 def test_release_moe_scratch_independent_of_rows(release):
-    scratch = release.to_dict()["scratch"]
+    scratch = release["scratch"]
     assert set(scratch["moe_by_batch"]) == {"1", "8"} and scratch["moe_rows_independent"]
 
 
 @pytest.mark.xfail(strict=True, reason="every rank fits only once engram tables leave the device and the "
                                        "MoE's scratch is bounded")
 def test_release_every_rank_fits(release):
-    assert all(m["fits"] for m in release.to_dict()["memory"].values())
+    assert all(m["fits"] for m in release["memory"].values())
 
 
 def test_release_moe_scratch_traced_at_two_batches(release):
     """Today: 810 MiB of gathered expert weights per row, so batch 8 holds 8x batch 1's."""
-    moe = release.moe_scratch
-    assert sorted(moe) == [1, 8] and moe[8] > moe[1] > 0
+    moe = release["scratch"]["moe_by_batch"]
+    assert sorted(moe) == ["1", "8"] and moe["8"] > moe["1"] > 0
+    assert set(release["scratch"]["traced"]) == {"moe.decode.b1t128", "moe.decode.b8t128"}
 
 
 def test_plan_cli_prints_the_full_plan():
     r = CliRunner().invoke(main, ["plan", str(RELEASE), "--no-scratch"])
     assert r.exit_code == 0, r.output
     for line in ("layer plan: 40 layers -> 9 region kinds", "9 kinds x 1 method(s) (decode) x 4 buckets = 36; "
-                 "compile jobs: 36", "ranks 0-63 (64): DOES NOT FIT", "state pools (7):", "bundle on disk:",
+                 "compile jobs: 36", "state pools (7):", "bundle on disk:", "scratch: not traced",
                  "limit 24.00 GiB (trn2 HBM: 12 GiB per NeuronCore x LNC 2)"):
         assert line in r.output, line
+    assert re.search(r"memory budget per rank:\n  ranks 0-63 \(64\): (fits|DOES NOT FIT)\n", r.output)
 
 
 # -- a headers-only checkpoint at release dimensions ------------------------------------------------
@@ -210,18 +219,24 @@ def test_unknown_kind_to_trace(tmp_path, tiny_ckpt):
 
 def test_plan_predicts_the_compiled_bundle(rank_bundle):
     """EP = CP = 4 on the tiny model: the planned files are the files written, byte for byte in
-    size; memory per rank and every traced graph's scratch are the manifest's."""
+    size; memory per rank and every graph's scratch are the manifest's, traced here or read from
+    the trace records the compile left in its cache."""
     bundle = rank_bundle(1, 4, 4)
-    plan = plan_bundle(load_compile_config(bundle.parent / "model.toml")).to_dict()
+    config = load_compile_config(bundle.parent / "model.toml")
+    traced = plan_bundle(config).to_dict()
+    recorded = plan_bundle(config, scratch=False, cache=Cache(Path(os.environ[CACHE_ENV]))).to_dict()
     written = {p.relative_to(bundle).as_posix(): p.stat().st_size
                for d in ("weights", "host") for p in (bundle / d).rglob("*") if p.is_file()}
-    assert plan["weights"]["files"] == written
+    assert traced["weights"]["files"] == recorded["weights"]["files"] == written
     manifest = json.loads((bundle / "manifest.json").read_text())
     scratch = {f"{e['kind']}.{e['method']}.b{e['bucket']['batch']}t{e['bucket']['tokens']}": e["scratch_bytes"]
                for e in manifest["regions"]}
-    assert plan["scratch"]["traced"] == {n: scratch[n] for n in plan["scratch"]["traced"]}
-    for rank, m in manifest["memory"].items():
-        p = plan["memory"][rank]
-        assert (p["weights_by_kind"], p["pools_by_name"], p["scratch"]) == \
-            (m["weights_by_kind"], m["pools_by_name"], m["scratch"]), rank
-    assert plan["compile_jobs"] == len(manifest["regions"])
+    assert recorded["scratch"]["traced"] == scratch and sorted(recorded["scratch"]["from_cache"]) == sorted(scratch)
+    assert traced["scratch"]["from_cache"] == [] and len(traced["scratch"]["traced"]) == 8     # a graph per kind
+    assert traced["scratch"]["traced"] == {n: scratch[n] for n in traced["scratch"]["traced"]}
+    for plan in (traced, recorded):
+        for rank, m in manifest["memory"].items():
+            p = plan["memory"][rank]
+            assert (p["weights_by_kind"], p["pools_by_name"], p["scratch"]) == \
+                (m["weights_by_kind"], m["pools_by_name"], m["scratch"]), rank
+        assert plan["compile_jobs"] == len(manifest["regions"])

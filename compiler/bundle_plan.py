@@ -19,8 +19,8 @@ tensors `config.json` implies (regions/synthetic.checkpoint_tensors: the regions
 weight specs, what the compile would read). The engram hasher and its token map are
 the runtime's (and the compile's, for the map): nothing here needs the tokenizer.
 
-Scratch: every executable whose trace record the compile cache holds (a compile, or
-`deepinfer-compile --hlo-only`, of the same model.toml wrote it) gives its own figure. A kind
+Scratch: every executable whose trace record the compile cache holds (an earlier compile
+of the same model.toml wrote it; `--hlo-only` compiles keep none) gives its own figure. A kind
 without records is traced here at its largest bucket (most rows per step), which bounds its
 other buckets: a graph's intermediates grow with its rows, and the budget takes the
 largest over all graphs. At release dimensions that costs about 10 s of CPU and up to 2 GiB
@@ -133,7 +133,7 @@ class BundlePlan:
                              "bytes": self.memory[layout.rank_key(0)].pools[name]}
                       for name, p in self.pools.items()},
             "scratch": None if self.scratch is None else {
-                "method": budget.SCRATCH_METHOD, "traced": self.scratch, "from_cache": list(self.recorded),
+                "method": budget.SCRATCH_METHOD, "by_graph": self.scratch, "from_cache": list(self.recorded),
                 "moe_by_batch": {str(b): n for b, n in moe.items()},
                 "moe_rows_independent": len(set(moe.values())) == 1 and len(moe) > 1},
             "memory": {r: {**d.to_dict(), "fits": d.fits} for r, d in self.memory.items()},

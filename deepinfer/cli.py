@@ -329,8 +329,8 @@ def plan_cmd(model_toml, as_json, no_scratch, kinds, cache_dir, no_cache):
     rank, the bundle's size on disk and the number of compile jobs. Nothing is
     written. Exit status 0 whether or not the ranks fit: the verdict is printed.
 
-    Scratch comes from the trace records of the compile cache (a compile or an
-    --hlo-only compile of the same file wrote them), else each region kind is
+    Scratch comes from the trace records of the compile cache (an earlier compile
+    of the same file wrote them), else each region kind is
     traced on fake tensors at its largest bucket (about 10 s of CPU a kind at
     release dimensions).
 

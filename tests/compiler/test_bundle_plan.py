@@ -91,7 +91,7 @@ def test_release_memory_verdict(release):
     for m in mem.values():
         assert m["limit"] == 24 * GiB and m["limit_source"].startswith("trn2 HBM") and m["reserve"] == 0
         assert m["total"] == m["weights"] + m["pools"] + m["scratch"] and m["executables"] is None
-        assert m["scratch"] == max(release["scratch"]["traced"].values())
+        assert m["scratch"] == max(release["scratch"]["by_graph"].values())
         assert m["fits"] == (m["total"] <= m["limit"])
 
 
@@ -119,7 +119,7 @@ def test_release_moe_scratch_traced_at_two_batches(release):
     """Today: 810 MiB of gathered expert weights per row, so batch 8 holds 8x batch 1's."""
     moe = release["scratch"]["moe_by_batch"]
     assert sorted(moe) == ["1", "8"] and moe["8"] > moe["1"] > 0
-    assert set(release["scratch"]["traced"]) == {"moe.decode.b1t128", "moe.decode.b8t128"}
+    assert set(release["scratch"]["by_graph"]) == {"moe.decode.b1t128", "moe.decode.b8t128"}
 
 
 def test_plan_cli_prints_the_full_plan():
@@ -231,9 +231,9 @@ def test_plan_predicts_the_compiled_bundle(rank_bundle):
     manifest = json.loads((bundle / "manifest.json").read_text())
     scratch = {f"{e['kind']}.{e['method']}.b{e['bucket']['batch']}t{e['bucket']['tokens']}": e["scratch_bytes"]
                for e in manifest["regions"]}
-    assert recorded["scratch"]["traced"] == scratch and sorted(recorded["scratch"]["from_cache"]) == sorted(scratch)
-    assert traced["scratch"]["from_cache"] == [] and len(traced["scratch"]["traced"]) == 8     # a graph per kind
-    assert traced["scratch"]["traced"] == {n: scratch[n] for n in traced["scratch"]["traced"]}
+    assert recorded["scratch"]["by_graph"] == scratch and sorted(recorded["scratch"]["from_cache"]) == sorted(scratch)
+    assert traced["scratch"]["from_cache"] == [] and len(traced["scratch"]["by_graph"]) == 8     # a graph per kind
+    assert traced["scratch"]["by_graph"] == {n: scratch[n] for n in traced["scratch"]["by_graph"]}
     for plan in (traced, recorded):
         for rank, m in manifest["memory"].items():
             p = plan["memory"][rank]

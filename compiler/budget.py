@@ -222,8 +222,13 @@ def check_traced(spec, plan, traced, log) -> None:
         log(f"memory per rank with scratch: {human(d.total)} (scratch {human(d.scratch)}, {d.scratch_of})")
 
 
+def per_rank(spec, d: Breakdown) -> dict[str, Breakdown]:
+    """The breakdown of every rank, by rank key (every rank holds the same shapes)."""
+    return {rank_key(r): d for r in range(spec.topology.world)}
+
+
 def record(spec, plan, executables, staging) -> dict:
     """The manifest's "memory": the full breakdown per rank, checked once more with the executables."""
     d = check(spec, plan, "with the compiled executables", executables, staging)
-    return {rank_key(r): d.to_dict() for r in range(spec.topology.world)}
+    return {rank: b.to_dict() for rank, b in per_rank(spec, d).items()}
 

@@ -151,6 +151,14 @@ def plan(spec: Spec, log) -> RegionPlan:
     return p
 
 
+def weight_files(spec: Spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path, wanted=None):
+    """The weight pass's output files under `staging` (planned from the checkpoint's headers: every
+    source tensor checked, nothing read) and each rank's manifest entries; `wanted` as `stack_files`'."""
+    files, stacks = stack_files(spec, plan, ckpt, staging, wanted)
+    files += host_files(spec.model, ckpt, staging, wanted)
+    return files, stacks
+
+
 def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
     """Every rank's stacks and the host files, streamed from the checkpoint (compiler/stream.py):
     each source byte read once, whatever the number of ranks; a file the cache holds is fetched."""
@@ -160,8 +168,7 @@ def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
         def wanted(rel: str) -> bool:
             return rel not in fetched
 
-        files, stacks = stack_files(spec, plan, ckpt, run.staging, wanted)
-        files += host_files(spec.model, ckpt, run.staging, wanted)
+        files, stacks = weight_files(spec, plan, ckpt, run.staging, wanted)
         report = stream(files, workers=run.jobs, log=run.log)
         for f in files:
             rel = Path(f.path).relative_to(run.staging).as_posix()
@@ -175,6 +182,15 @@ def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
 def _io(specs) -> tuple[mf.TensorSpec, ...]:
     return tuple(mf.TensorSpec(name=s.name, shape=tuple(s.shape), dtype=str(s.dtype).removeprefix("torch."),
                                role=s.role) for s in specs)
+
+
+def lowered_graph(spec: Spec, plan: RegionPlan, kind: str, method: str, batch: int, tokens: int):
+    """One executable's graph: its kind's region traced on fake tensors for the bucket, lowered for
+    the target -> (lowered program, signature, example inputs, kernels the traced graph reaches)."""
+    ep, sig, inputs = trace(plan.kinds[kind].region, batch, tokens, spec.geometry, method,
+                            dynamic=not spec.target.static_shapes)
+    kernels = kernels_reached(ep)
+    return spec.target.lower(ep), sig, inputs, kernels
 
 
 def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
@@ -195,9 +211,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
             run.log(f"cached {name}")
             continue
         region = plan.kinds[kind].region
-        ep, sig, inputs = trace(region, batch, tokens, spec.geometry, method, dynamic=not target.static_shapes)
-        kernels = kernels_reached(ep)
-        ep = target.lower(ep)
+        ep, sig, inputs, kernels = lowered_graph(spec, plan, kind, method, batch, tokens)
         names = [s.name for s in sig.all]
         user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
         mutated = sorted(names[user.index(n)] for n in ep.graph_signature.user_inputs_to_mutate.values())

@@ -29,10 +29,15 @@ SINGLE_FILE = "model.safetensors"
 
 
 class Checkpoint:
-    """Name -> tensor access over a checkpoint directory."""
+    """Name -> tensor access over a checkpoint directory.
 
-    def __init__(self, directory: str | Path):
+    With `data` false only the safetensors headers need to be there (a headers-only
+    checkpoint, or a release whose data is not to be touched): names, dtypes, shapes and
+    offsets are all a plan needs; reading a tensor then fails."""
+
+    def __init__(self, directory: str | Path, *, data: bool = True):
         self.dir = Path(directory)
+        self.data = data
         index = self.dir / INDEX_FILE
         if index.exists():
             try:
@@ -40,13 +45,27 @@ class Checkpoint:
             except (json.JSONDecodeError, KeyError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
         elif (self.dir / SINGLE_FILE).exists():
-            weight_map = dict.fromkeys(read_header(str(self.dir / SINGLE_FILE))[0], SINGLE_FILE)
+            weight_map = dict.fromkeys(read_header(str(self.dir / SINGLE_FILE), data=data)[0], SINGLE_FILE)
         else:
             raise CheckpointError(f"{self.dir}: no {SINGLE_FILE} or {INDEX_FILE}")
         self.files = {name: self.dir / f for name, f in weight_map.items()}
         self._headers: dict[Path, dict[str, TensorInfo]] = {}
         self._handles: dict[Path, object] = {}
         self._rescaled: tuple[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @classmethod
+    def described(cls, directory: str | Path, tensors: dict[str, TensorInfo]) -> Checkpoint:
+        """A checkpoint known by its tensors' descriptions alone, no files (what `config.json`
+        implies, to plan a compile without the weights): every description's path is where
+        its errors point; nothing can be read."""
+        ckpt = cls.__new__(cls)
+        ckpt.dir, ckpt.data = Path(directory), False
+        ckpt.files = {name: Path(t.path) for name, t in tensors.items()}
+        ckpt._headers = {}
+        for name, t in tensors.items():
+            ckpt._headers.setdefault(Path(t.path), {})[name] = t
+        ckpt._handles, ckpt._rescaled = {}, None
+        return ckpt
 
     def names(self) -> list[str]:
         return list(self.files)
@@ -55,7 +74,7 @@ class Checkpoint:
         """Where a tensor lies in its file, from the file's (checked) header."""
         path = self._path(name)
         if path not in self._headers:
-            self._headers[path] = read_header(str(path))[0]
+            self._headers[path] = read_header(str(path), data=self.data)[0]
         entry = self._headers[path].get(name)
         if entry is None:
             raise CheckpointError(f"{path}: tensor {name} is listed in the index but not in the file")

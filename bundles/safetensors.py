@@ -100,6 +100,11 @@ def read_header(path: str, *, data: bool = True) -> tuple[dict[str, TensorInfo],
         raise TensorFileError(path, None, "header is not a JSON object")
     meta = header.pop("__metadata__", {}) or {}
     tensors = {k: _entry(path, k, v, 8 + n, size - 8 - n if data else None) for k, v in header.items()}
+    end, last = 8 + n, None
+    for t in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+        if t.offset < end:                       # shared bytes: writing one would change another
+            raise TensorFileError(path, t.name, f"data overlaps tensor {last!r}")
+        end, last = t.offset + t.nbytes, t.name
     return tensors, meta
 
 

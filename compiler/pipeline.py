@@ -163,6 +163,10 @@ def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
     """Every rank's stacks and the host files, streamed from the checkpoint (compiler/stream.py):
     each source byte read once, whatever the number of ranks; a file the cache holds is fetched."""
     ckpt = Checkpoint(spec.config.model.checkpoint)
+    unused = ckpt.layers_beyond(spec.model.text.num_hidden_layers)
+    if unused:
+        run.log(f"note: {ckpt.dir}: the checkpoint holds layers {unused[0]}..{unused[-1]}, which config.json's "
+                f"text_config.num_hidden_layers = {spec.model.text.num_hidden_layers} leaves unused")
     keys = cached.weight_file_keys(spec, plan, ckpt, run) if run.cache else {}
     with cached.held(run, keys) as fetched:
         def wanted(rel: str) -> bool:

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import safe_open
@@ -26,6 +26,17 @@ from deepinfer.regions.config import CONFIG_FILE
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+def _check_weight_map(index: Path, weight_map) -> None:
+    """Every entry a tensor name -> a file name inside the checkpoint directory."""
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: weight_map is a {type(weight_map).__name__}, expected an object")
+    for name, file in weight_map.items():
+        p = PurePosixPath(file) if isinstance(file, str) else None
+        if p is None or p.is_absolute() or ".." in p.parts or file in ("", "."):
+            raise CheckpointError(f"{index}: weight_map[{name!r}] = {file!r} is not a file inside the checkpoint "
+                                  "directory")
 
 
 class Checkpoint:
@@ -42,8 +53,9 @@ class Checkpoint:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            _check_weight_map(index, weight_map)
         elif (self.dir / SINGLE_FILE).exists():
             weight_map = dict.fromkeys(read_header(str(self.dir / SINGLE_FILE), data=data)[0], SINGLE_FILE)
         else:
@@ -69,6 +81,12 @@ class Checkpoint:
 
     def names(self) -> list[str]:
         return list(self.files)
+
+    def layers_beyond(self, num_layers: int) -> list[int]:
+        """Layer indices the checkpoint holds (`layers.N.*`) at or past `num_layers`: weights a
+        config with that many layers leaves unused."""
+        found = {int(n.split(".")[1]) for n in self.files if n.startswith("layers.") and n.split(".")[1].isdigit()}
+        return sorted(i for i in found if i >= num_layers)
 
     def tensor(self, name: str) -> TensorInfo:
         """Where a tensor lies in its file, from the file's (checked) header."""

@@ -106,8 +106,26 @@ class Lock:
         self.release()
 
 
+class _NoLock:
+    """What `Cache.lock` hands out when the cache cannot be written: nothing to hold."""
+
+    held = True
+
+    def release(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
 class Cache:
-    """With `sign` (an Ed25519 private key), every entry stored gets a signature of its meta.json
+    """A cache that cannot be written (full disk, read-only directory, a file in the way) is
+    used read-only with one warning: it never fails a compile.
+
+    With `sign` (an Ed25519 private key), every entry stored gets a signature of its meta.json
     (which holds the artifact's digest); with `trust` (a public key), an entry is used only when
     that signature verifies, and is otherwise removed and rebuilt (`bundles.signing`)."""
 
@@ -117,14 +135,27 @@ class Cache:
         self.log = log
         self.sign, self.trust = sign, trust
         self.stats = {"hit": [], "miss": [], "corrupt": [], "stored": [], "compiled": []}
+        self.read_only = False
+
+    def _cannot_write(self, e: OSError) -> None:
+        """Stop writing to the cache, with one warning naming the directory and why."""
+        if not self.read_only:
+            self.read_only = True
+            self.log(f"warning: cache {self.dir}: cannot write ({e.strerror or e}); this compile goes on "
+                     "without storing to the cache")
 
     # --- paths ---
     def entry_dir(self, kind: str, key: str) -> Path:
         return self.root / kind / key[:2] / key
 
-    def lock(self, kind: str, key: Key | str, blocking: bool = True) -> Lock:
+    def lock(self, kind: str, key: Key | str, blocking: bool = True) -> Lock | _NoLock:
         digest = key.digest if isinstance(key, Key) else key
-        return Lock(self.root / "locks" / f"{kind}-{digest}.lock", blocking)
+        if not self.read_only:
+            try:
+                return Lock(self.root / "locks" / f"{kind}-{digest}.lock", blocking)
+            except OSError as e:
+                self._cannot_write(e)
+        return _NoLock()
 
     # --- reading ---
     def lookup(self, kind: str, key: Key | str) -> Entry | None:
@@ -209,7 +240,15 @@ class Cache:
 
     def _put(self, kind: str, key: Key, write) -> None:
         """Write the entry whole in tmp/, then rename it into place (an intact entry already
-        there, written by another compile, is kept)."""
+        there, written by another compile, is kept). A write that fails makes the cache read-only."""
+        if self.read_only:
+            return
+        try:
+            self._write_entry(kind, key, write)
+        except OSError as e:
+            self._cannot_write(e)
+
+    def _write_entry(self, kind: str, key: Key, write) -> None:
         final = self.entry_dir(kind, key.digest)
         (self.root / "tmp").mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{kind}-{key.digest[:16]}-", dir=self.root / "tmp"))
@@ -237,8 +276,12 @@ class Cache:
 
     def remove(self, path: Path) -> None:
         """Take an entry out of its place atomically, then delete it."""
-        (self.root / "tmp").mkdir(parents=True, exist_ok=True)
-        trash = Path(tempfile.mkdtemp(prefix="removed-", dir=self.root / "tmp"))
+        try:
+            (self.root / "tmp").mkdir(parents=True, exist_ok=True)
+            trash = Path(tempfile.mkdtemp(prefix="removed-", dir=self.root / "tmp"))
+        except OSError as e:
+            self._cannot_write(e)
+            return
         try:
             os.replace(path, trash / "entry")
         except OSError:

@@ -136,10 +136,14 @@ def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
                 left -= len(block)
             out[t.name] = h.hexdigest()
     if memo_file:
-        memo.mkdir(parents=True, exist_ok=True)
         tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(out))
-        os.replace(tmp, memo_file)
+        try:
+            memo.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(out))
+            os.replace(tmp, memo_file)
+        except OSError:                             # a cache that cannot be written: hash again next time
+            with contextlib.suppress(OSError):
+                tmp.unlink()
     return out
 
 

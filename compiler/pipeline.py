@@ -20,6 +20,7 @@ interrupted or failed compile leaves no partial bundle.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -159,6 +160,25 @@ def weight_files(spec: Spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path, 
     return files, stacks
 
 
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+SPACE_MARGIN = 1 << 30                      # executables, logs and the manifest besides the weights
+
+
+def check_space(staging: Path, need: int, out: Path) -> None:
+    """Refuse, before writing them, weights the output's file system has no room for."""
+    free = shutil.disk_usage(staging).free
+    if need + SPACE_MARGIN > free:
+        raise ConfigError(f"{out.parent}: {free / 2**30:.2f} GiB free, the bundle needs about "
+                          f"{(need + SPACE_MARGIN) / 2**30:.2f} GiB ({need / 2**30:.2f} GiB of weights); "
+                          "free space or choose another -o")
+
+
+def disk_error(e: OSError, out: Path) -> ConfigError:
+    """A write into the output's directory that the disk refused, as one line."""
+    where = e.filename or out.parent
+    return ConfigError(f"{where}: {e.strerror} while writing the bundle for {out}; nothing was published")
+
+
 def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
     """Every rank's stacks and the host files, streamed from the checkpoint (compiler/stream.py):
     each source byte read once, whatever the number of ranks; a file the cache holds is fetched."""
@@ -173,6 +193,7 @@ def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
             return rel not in fetched
 
         files, stacks = weight_files(spec, plan, ckpt, run.staging, wanted)
+        check_space(run.staging, sum(f.layout()[2] for f in files), run.out)
         report = stream(files, workers=run.jobs, log=run.log)
         for f in files:
             rel = Path(f.path).relative_to(run.staging).as_posix()
@@ -380,7 +401,10 @@ def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bo
     if hlo_only and not TARGETS[config.target.name].static_shapes:
         raise config_error(config, "target", "name", f"--hlo-only is for the trn2 target, not {config.target.name!r}")
     clean_stale(out, log)
-    staging = make_staging(out)
+    try:
+        staging = make_staging(out)
+    except OSError as e:
+        raise disk_error(e, out) from None
     values = {"config": config, "hlo_only": hlo_only, "log": log,
               "run": Run(staging, out, jobs=jobs, log=log, cache=cache, require_cache=require_cache, verbose=verbose)}
     timings: dict[str, float] = {}
@@ -398,6 +422,8 @@ def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bo
         os.chmod(staging, 0o755)
         publish(staging, out, force)
     except BaseException as e:
+        if isinstance(e, OSError) and e.errno in DISK_ERRORS:
+            e = disk_error(e, out)
         if isinstance(e, DeepinferError):
             e = keep_failed_logs(e, staging / layout.LOGS_DIR, out)
         shutil.rmtree(staging, ignore_errors=True)

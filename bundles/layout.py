@@ -8,6 +8,8 @@
       weights/shared/<kind>.safetensors      a kind's weights every rank holds whole, stored once
       host/embed.safetensors                 host-resident tensors (token embedding)
       host/vision.safetensors                the vision tower, aligner and image delimiters (checkpoint names)
+      host/engram_token_map.safetensors      engram's compressed token map (`tokenizers` tokenizers)
+      tokenizer/tokenizer.json, ...          the checkpoint's tokenizer files, copied (where it has tokenizer.json)
       logs/                                  per-executable compiler logs (targets that write them)
 """
 
@@ -21,12 +23,18 @@ REGIONS_DIR = "regions"
 WEIGHTS_DIR = "weights"
 HOST_DIR = "host"
 LOGS_DIR = "logs"
+TOKENIZER_DIR = "tokenizer"
+TOKENIZER_FILE = "tokenizer.json"                # the checkpoint's names, kept in the bundle
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CHAT_TEMPLATE_FILE)   # copied where present
 EXECUTABLE_NAME = "{kind}.{method}.b{batch}t{tokens}"
 RANK_KEY = "rank-{rank}"
 WEIGHTS_FORMAT = RANK_KEY + "/{kind}.safetensors"
 SHARED_WEIGHTS_FORMAT = "shared/{kind}.safetensors"
 HOST_EMBED_FILE = "embed.safetensors"
 HOST_VISION_FILE = "vision.safetensors"
+HOST_ENGRAM_MAP_FILE = "engram_token_map.safetensors"
 
 
 def executable_name(kind: str, method: str, batch: int, tokens: int) -> str:
@@ -53,6 +61,10 @@ def shared_weights_path(kind: str) -> str:
 
 def host_path(name: str) -> str:
     return str(PurePosixPath(HOST_DIR) / name)
+
+
+def tokenizer_path(name: str) -> str:
+    return str(PurePosixPath(TOKENIZER_DIR) / name)
 
 
 def log_path(kind: str, method: str, batch: int, tokens: int) -> str:

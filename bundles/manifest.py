@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from deepinfer.bundles import layout
-from deepinfer.bundles.layout import MANIFEST_FILE, SIGNATURE_FILE, is_inside
+from deepinfer.bundles.layout import MANIFEST_FILE, SIGNATURE_FILE, TOKENIZER_FILE, is_inside
 from deepinfer.bundles.topology import Topology
 from deepinfer.errors import DeepinferError
 from deepinfer.schema import Problem, Rules, build, coerce, dump
@@ -79,7 +79,7 @@ class Model:
     cache_quant: bool
     weight_format: str
     scale_layout: str
-    tokenizer: str = "byte"
+    tokenizer: Literal["byte", "tokenizers"] = "byte"       # "tokenizers": its files are host entries
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,8 +207,10 @@ class WeightStack:
 
 @dataclass(frozen=True, kw_only=True)
 class HostFile:
+    """A file the host reads: tensors (embed, vision, engram_token_map) or a tokenizer file
+    (`tokenizer/<name>`, keyed by its name)."""
     path: str
-    tensor: str | None = None                       # the one tensor (embed)
+    tensor: str | None = None                       # the one tensor (embed, engram_token_map)
     tensors: str | None = None                      # how its tensors are named (vision)
     digest: str | None = None
 
@@ -408,6 +410,12 @@ def check(m: Manifest) -> None:
     for name, h in m.host.items():
         _need(is_inside(h.path), ("host", name, "path"), f"path {h.path!r} is not inside the bundle")
     _need("embed" in m.host, ("host",), "lacks the token embedding (embed)")
+    if m.model.tokenizer == "tokenizers":
+        _need(TOKENIZER_FILE in m.host, ("host",), f"lacks {TOKENIZER_FILE}, which the tokenizer "
+              f"({m.model.tokenizer!r}) reads")
+    engram = any(l.engram for l in m.layers)
+    _need(("engram_token_map" in m.host) == (engram and m.model.tokenizer == "tokenizers"), ("host",),
+          "an engram_token_map goes with engram layers and a 'tokenizers' tokenizer, and only there")
     # layers: every binding names an executable kind and a row of its stacks on every rank
     rows = {r: {w.kind: len(w.layers) for w in stacks} for r, stacks in m.weights.items()}
     for i, l in enumerate(m.layers):

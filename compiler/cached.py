@@ -197,7 +197,9 @@ def vision_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
     ])
 
 
-def bundle_key(spec, weights: dict[str, Key], host: Key, traces: dict[str, Key], vision: Key | None = None) -> Key:
+def bundle_key(spec, weights: dict[str, Key], host: Key, traces: dict[str, Key], vision: Key | None = None,
+               tokenizer: dict[str, str] | None = None) -> Key:
+    """`tokenizer`: the sha256 of each tokenizer file the bundle carries (none for the byte tokenizer)."""
     c = spec.config
     return Key.of("bundle", str(c.source.name), [
         ("format", format_part()),
@@ -213,7 +215,7 @@ def bundle_key(spec, weights: dict[str, Key], host: Key, traces: dict[str, Key],
         ("host", host.digest),
         ("traces", {k: v.digest for k, v in traces.items()}),
         ("sources", modules_digest(import_closure(BUNDLE_ROOTS))),
-    ] + ([("vision", vision.digest)] if vision is not None else []))
+    ] + ([("vision", vision.digest)] if vision is not None else []) + ([("tokenizer", tokenizer)] if tokenizer else []))
 
 
 def weight_file_keys(spec, plan, ckpt: Checkpoint, run) -> dict[str, tuple[str, Key]]:

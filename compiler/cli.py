@@ -46,7 +46,7 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
     """Compile MODEL_TOML into a bundle: one executable per (region kind, method, bucket).
 
     \b
-    Passes: parse config -> plan regions -> check memory budget -> preprocess
+    Passes: parse config -> copy tokenizer -> plan regions -> check memory budget -> preprocess
     weights (per rank) -> trace (and lower) -> check memory budget with scratch
     -> compile -> lay out state -> write manifest -> publish (atomic rename).
     Every layer of a kind and every rank reuse the same executables; the

@@ -1,6 +1,7 @@
 """deepinfer-compile as a list of named passes.
 
-    parse config -> plan regions -> check memory budget -> preprocess weights (per rank)
+    parse config -> copy tokenizer (and build engram's token map) -> plan regions -> check memory budget
+    -> preprocess weights (per rank)
     -> trace (and lower; on trn2: HLO, checked on XLA:CPU) -> check memory budget with scratch
     -> compile -> lay out state -> write manifest -> publish (atomic rename)
 
@@ -46,6 +47,7 @@ from deepinfer.compiler.pools import plan_pools
 from deepinfer.compiler.publish import check_output, clean_stale, make_staging, publish
 from deepinfer.compiler.stream import stream
 from deepinfer.compiler.targets import TARGETS, Target
+from deepinfer.compiler.tokenizer import bundle_tokenizer, tokenizer_digests
 from deepinfer.compiler.trace import trace
 from deepinfer.compiler.weights import RECIPES, Recipe, host_entries, host_files, stack_files
 from deepinfer.errors import ConfigError, DeepinferError
@@ -142,6 +144,12 @@ def parse(config: CompileConfig, hlo_only: bool, log) -> Spec:
     geometry = Geometry(slots=max(buckets.batch) + 1, blocks=kv.num_blocks, block_size=kv.block_size,
                         max_blocks=-(-buckets.max_context // kv.block_size))
     return Spec(config, model, topo, TARGETS[t.name](t.executable, t.options), geometry, hlo_only)
+
+
+def copy_tokenizer(spec: Spec, run: Run) -> dict[str, mf.HostFile]:
+    """The checkpoint's tokenizer files and engram's token map, checked against the config before
+    any weight is read (compiler/tokenizer.py); none for the byte-level tokenizer."""
+    return bundle_tokenizer(spec.model, spec.config.model.checkpoint, run.staging, run.log)
 
 
 def plan(spec: Spec, log) -> RegionPlan:
@@ -318,8 +326,8 @@ def layout_state(spec: Spec, plan: RegionPlan) -> State:
     return State(pools, bindings)
 
 
-def write_manifest(spec: Spec, plan: RegionPlan, weights: Weights, executables: tuple[mf.Executable, ...],
-                   state: State, run: Run) -> mf.Manifest:
+def write_manifest(spec: Spec, plan: RegionPlan, weights: Weights, tokenizer: dict[str, mf.HostFile],
+                   executables: tuple[mf.Executable, ...], state: State, run: Run) -> mf.Manifest:
     c, g = spec.config, spec.geometry
     layers = tuple(mf.Layer(
         layer=p.layer, attn=p.attn, ratio=p.ratio, kv_source=p.kv_source, candidate_source=p.candidate_source,
@@ -335,7 +343,7 @@ def write_manifest(spec: Spec, plan: RegionPlan, weights: Weights, executables: 
         topology=mf.Ranks.of(spec.topology, spec.target.lnc),
         model=mf.Model(config=spec.model.to_dict(), config_hash=spec.model.digest(), dtype=c.model.dtype,
                        cache_quant=c.model.cache_quant, weight_format="e4m3fn", scale_layout="ue8m0-u8-row-major",
-                       tokenizer="byte"),
+                       tokenizer="tokenizers" if tokenizer else "byte"),
         buckets=mf.Buckets(shapes=tuple(mf.Shape(batch=b, tokens=t) for b, t in c.buckets.shapes()),
                            max_context=c.buckets.max_context),
         kv=mf.KV(block_size=c.kv.block_size, num_blocks=c.kv.num_blocks, slots=g.slots, max_blocks=g.max_blocks,
@@ -345,7 +353,7 @@ def write_manifest(spec: Spec, plan: RegionPlan, weights: Weights, executables: 
         head=mf.Binding(kind="head", index=0),
         layers=layers,
         weights=weights.stacks,
-        host=weights.host,
+        host={**weights.host, **tokenizer},
         # per rank; refuses the bundle if the executables overflow it
         memory=budget.record(spec, plan, executables, run.staging),
     )
@@ -364,6 +372,7 @@ class Pass:
 
 PASSES = [
     Pass("parse config", parse, ("config", "hlo_only", "log"), "spec"),
+    Pass("copy tokenizer", copy_tokenizer, ("spec", "run"), "tokenizer"),
     Pass("plan regions", plan, ("spec", "log"), "plan"),
     Pass("check memory budget", budget.check_planned, ("spec", "plan", "log"), None),
     Pass("preprocess weights", preprocess_weights, ("spec", "plan", "run"), "weights"),
@@ -371,7 +380,8 @@ PASSES = [
     Pass("check memory budget with scratch", budget.check_traced, ("spec", "plan", "traced", "log"), None),
     Pass("compile", compile_regions, ("spec", "traced", "run"), "executables"),
     Pass("lay out state", layout_state, ("spec", "plan"), "state"),
-    Pass("write manifest", write_manifest, ("spec", "plan", "weights", "executables", "state", "run"), "manifest"),
+    Pass("write manifest", write_manifest, ("spec", "plan", "weights", "tokenizer", "executables", "state", "run"),
+         "manifest"),
 ]
 
 
@@ -447,7 +457,8 @@ def cache_key(config: CompileConfig, *, cache: Cache | None = None, log=None, ve
     traces = {layout.executable_name(k, m, bb, t): cached.trace_key(spec, p, k, m, bb, t)
               for k, m, bb, t in spec.executables(p)}
     key = cached.bundle_key(spec, weights, cached.host_key(spec, ckpt, memo), traces,
-                            cached.vision_key(spec, ckpt, memo) if spec.model.vision.num_hidden_layers > 0 else None)
+                            cached.vision_key(spec, ckpt, memo) if spec.model.vision.num_hidden_layers > 0 else None,
+                            tokenizer_digests(config.model.checkpoint))
     if verbose:
         for k in [*weights.values(), *traces.values(), key]:
             log(f"{k.kind} {k.identity} {k.digest[:16]}")

@@ -69,25 +69,24 @@ def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool, scales: str
                    "sequence's width), or lowest index first (what compiled bundles do).")
 @image_option
 @user_errors
-def reference_cmd(checkpoint, prompt, prompt_ids, max_new_tokens, chunk, dtype, cache_quant, topk_ties, as_json,
-                  dump_logits, images):
+def reference_cmd(checkpoint, prompt, chat, prompt_ids, max_new_tokens, chunk, dtype, cache_quant, topk_ties,
+                  as_json, dump_logits, images):
     """Generate greedily with the pure-torch reference model.
 
     The reference composes the same regions the compiler traces, layer by layer
     in eager torch, with its own state buffers. It is the oracle every bundle
-    is held to.
+    is held to. Text goes through the checkpoint's tokenizer.json where it has
+    one, else the tiny model's byte-level tokenizer.
 
     \b
     Example (an image at the prompt's <image> marker):
       deepinfer reference tiny/ --image cat.ppm --prompt "<image>What is this?"
     """
     from deepinfer.regions.reference import ReferenceModel
-    from deepinfer.regions.tokenizer import ByteTokenizer
 
     model = ReferenceModel(checkpoint, dtype=dtype, cache_quant=cache_quant, ties=topk_ties)
-    cfg = model.config
-    tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
-    prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: model.vision)
+    cfg, tok = model.config, model.tokenizer
+    prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: model.vision, chat)
     gens = model.generate(prompts, max_new_tokens, chunk=chunk, images=embeds)
     if dump_logits:
         write_logits(dump_logits, gens, {"source": "reference", "dtype": dtype, "cache_quant": cache_quant,
@@ -240,7 +239,7 @@ def compare_cmd(a, b, checkpoint, floor_file, no_floor, dtype, cache_quant, marg
 
 @main.command("diff")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--prompt", multiple=True, help="Prompt text (byte-level tokenizer). Repeat for a batch.")
+@click.option("--prompt", multiple=True, help="Prompt text (the bundle's tokenizer). Repeat for a batch.")
 @click.option("--prompt-ids", multiple=True, help="Prompt as token ids, e.g. 0,72,101. Repeat for a batch.")
 @click.option("--max-new-tokens", default=4, show_default=True, help="Tokens to generate per prompt.")
 @click.option("--tolerance", type=float, default=None,
@@ -273,13 +272,11 @@ def diff_cmd(bundle, prompt, prompt_ids, max_new_tokens, tolerance, per_layer, n
       deepinfer diff build/tiny --prompt "Hello" --per-layer
     """
     from deepinfer import diff
-    from deepinfer.regions.tokenizer import ByteTokenizer
+    from deepinfer.regions.tokenizer import for_bundle
     from deepinfer.runtime import open_bundle
 
     opened = open_bundle(bundle, verify=not no_verify, trust=trusted_key(trust))
-    cfg = opened.config
-    tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
-    prompts = prompts_from(prompt, prompt_ids, cfg.text.vocab_size, tok)
+    prompts = prompts_from(prompt, prompt_ids, opened.config.text.vocab_size, for_bundle(opened))
     report = diff.diff_bundle(opened, prompts, max_new_tokens, tolerance=tolerance, num_kv_blocks=num_kv_blocks)
     if as_json:
         click.echo(json.dumps(diff.report_json(report)))

@@ -59,8 +59,13 @@ def parse_ids(text: str) -> list[int]:
 
 
 def prompts_from(prompt: tuple[str, ...], prompt_ids: tuple[str, ...], vocab: int, tokenizer,
-                 image_token: int | None = None) -> list[list[int]]:
-    prompts = [tokenizer.encode(p, image_token=image_token) for p in prompt] + [parse_ids(p) for p in prompt_ids]
+                 image_token: int | None = None, chat: bool = False) -> list[list[int]]:
+    """Token ids of each --prompt (with `chat`, one user message through the chat template) and --prompt-ids."""
+    if chat:
+        texts = [tokenizer.chat([{"role": "user", "content": p}], image_token=image_token) for p in prompt]
+    else:
+        texts = [tokenizer.encode(p, image_token=image_token) for p in prompt]
+    prompts = texts + [parse_ids(p) for p in prompt_ids]
     if not prompts:
         raise click.UsageError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
     for ids in prompts:
@@ -87,7 +92,9 @@ def _writable_destination(ctx, param, path: Path | None) -> Path | None:
 def generation_options(fn):
     """The options `deepinfer reference` and `deepinfer-run` share: prompts, length, output."""
     options = [
-        click.option("--prompt", multiple=True, help="Prompt text (byte-level tokenizer). Repeat for a batch."),
+        click.option("--prompt", multiple=True, help="Prompt text (the model's tokenizer). Repeat for a batch."),
+        click.option("--chat", is_flag=True, help="Each --prompt is one user message, rendered through the "
+                     "tokenizer's chat template (with a generation prompt) before encoding."),
         click.option("--prompt-ids", multiple=True, help="Prompt as token ids, e.g. 0,72,101. Repeat for a batch."),
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True,
                      help="Tokens to generate per prompt (at least 1)."),
@@ -109,16 +116,16 @@ image_option = click.option(
          "marker each.")
 
 
-def prompts_with_images(prompt, prompt_ids, images, config, tokenizer, tower):
+def prompts_with_images(prompt, prompt_ids, images, config, tokenizer, tower, chat: bool = False):
     """(token-id prompts, per-prompt image embeddings or None); `tower()` gives the vision tower,
     asked for only when there are images."""
     if not images:
-        return prompts_from(prompt, prompt_ids, config.text.vocab_size, tokenizer), None
+        return prompts_from(prompt, prompt_ids, config.text.vocab_size, tokenizer, chat=chat), None
     from deepinfer.regions.image import read_image
     from deepinfer.regions.spans import with_images
 
     token = config.image_token_id
-    prompts = prompts_from(prompt, prompt_ids, config.text.vocab_size, tokenizer, image_token=token)
+    prompts = prompts_from(prompt, prompt_ids, config.text.vocab_size, tokenizer, image_token=token, chat=chat)
     vision = tower()
     spans = [vision.embed(read_image(path)) for path in images]
     placed = [with_images(ids, spans, token, config.bos_token_id) for ids in prompts]

@@ -38,12 +38,15 @@ def timing_lines(stats, wall: float) -> list[str]:
 @image_option
 @trust_option
 @user_errors
-def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_json, dump_logits, no_verify,
+def main(bundle, prompt, chat, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_json, dump_logits, no_verify,
          threads, images, trust):
     """Load BUNDLE (validated: format version, digests, target) and generate greedily.
 
-    Prompts run as decode-shaped chunks through the bucket executables, then
-    one token per step; several prompts batch into the decode batch buckets.
+    Text goes through the bundle's tokenizer (the checkpoint's tokenizer.json, copied at
+    compile time, or the tiny model's byte-level one); --chat renders each prompt as a
+    user message through its chat template. Prompts run as decode-shaped chunks through
+    the bucket executables, then one token per step; several prompts batch into the
+    decode batch buckets.
     A multi-rank bundle ([parallel] tp/ep/cp) starts one process per rank here
     (gloo), or runs as one rank under torchrun (torchrun --nproc-per-node N
     $(which deepinfer-run) BUNDLE ...): rank 0 schedules and prints.
@@ -51,9 +54,10 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
     \b
     Example:
       deepinfer-run build/tiny --prompt "Hello, world" --max-new-tokens 32 --timing
+      deepinfer-run build/release --chat --prompt "What is a mixture of experts?"
       deepinfer-run build/tiny --image cat.ppm --prompt "<image>What is this?"   # tower runs on the host
     """
-    from deepinfer.regions.tokenizer import ByteTokenizer
+    from deepinfer.regions.tokenizer import for_bundle
     from deepinfer.runtime import load, open_bundle, ranks
     from deepinfer.runtime.session import load_vision
 
@@ -64,8 +68,8 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
     start = time.perf_counter()
     opened = open_bundle(bundle, verify=not no_verify, trust=trusted_key(trust))
     cfg = opened.config
-    tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
-    prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: load_vision(opened))
+    tok = for_bundle(opened)
+    prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: load_vision(opened), chat)
     world, launched = opened.manifest.topology.world_size, ranks.torchrun_rank()
     if world > 1 and launched is None:          # start the ranks here: one process each
         run = ranks.generate_ranks(opened, prompts, max_new_tokens, num_kv_blocks=num_kv_blocks,

@@ -129,13 +129,18 @@ class Session:
         host = m.host["embed"]
         embed = load_mmap(self.path / host.path)[host.tensor]
         self.embed = Embedding(embed, self.config.text.hc_mult, self.dtype)
-        self.hasher = EngramHasher(self.config.text) if self.config.text.engram_layer_ids else None
+        self.hasher = EngramHasher(self.config.text, self._token_map()) if self.config.text.engram_layer_ids else None
         self.stats = Stats()
         # optional hook around every region call: on_call(layer, slot, kind, inputs, run) -> outputs,
         # where run() calls the executable (deepinfer/diff.py); None costs one test per call
         self.on_call = None
 
     # -- loading ------------------------------------------------------------------------------
+
+    def _token_map(self):
+        """Engram's compressed token map the bundle carries (None: the identity, byte-level tokenizer)."""
+        host = self.manifest.host.get("engram_token_map")
+        return None if host is None else load_mmap(self.path / host.path)[host.tensor].numpy()
 
     def _load_executables(self) -> None:
         self.executables, self.signatures = {}, {}

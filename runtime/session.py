@@ -26,8 +26,8 @@ from deepinfer.bundles.safetensors import load_mmap
 from deepinfer.regions.config import V41Config, parse_config
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.generate import Allocator, Generation, Row, bucket_at_least, greedy, make_batch
-from deepinfer.regions.step import DTYPES, Batch, Embedding, LayerPlan, run_layers
-from deepinfer.runtime.backends import HostPlacement, check_compatible, placement_for
+from deepinfer.regions.step import DTYPES, Batch, Embedding, LayerPlan, plan_layers, run_layers
+from deepinfer.runtime.backends import check_compatible, placement_for
 
 
 @dataclass
@@ -93,8 +93,39 @@ def open_bundle(path: str | Path, *, verify: bool = True, trust=None) -> Bundle:
     mf.check_files(path, manifest, digests=verify)
     check_compatible(manifest, path)
     bundle = Bundle(path, manifest, parse_config(manifest.model.config, str(path / MANIFEST_FILE)), identity)
+    check_layers(bundle)
     bundle.check_unchanged()
     return bundle
+
+
+LAYER_FIELDS = ("attn", "ratio", "kv_source", "candidate_source", "uses_candidates")
+
+
+def check_layers(bundle: Bundle) -> None:
+    """The manifest's layer table against the model config it carries: each layer's attention
+    role as the config's schedule gives it, and each (kind, index) binding the layer's place among
+    the layers of that kind (stacks are layer-major in layer order). A table edited by hand (two
+    layers' weights swapped, a layer's kind changed) is refused before anything is loaded."""
+    where = bundle.path / MANIFEST_FILE
+    m = bundle.manifest
+    want = plan_layers(bundle.config.text)
+    if [l.layer for l in m.layers] != [p.layer for p in want]:
+        raise mf.BundleError(f"{where}: layers lists {[l.layer for l in m.layers]}, the model config has "
+                             f"{len(want)} layers")
+    seen: dict[str, int] = defaultdict(int)
+    for i, (l, p) in enumerate(zip(m.layers, want)):
+        for name in LAYER_FIELDS:
+            if getattr(l, name) != getattr(p, name):
+                raise mf.BundleError(f"{where}: layers[{i}].{name} is {getattr(l, name)!r}; the model config "
+                                     f"gives layer {p.layer} {getattr(p, name)!r}")
+        if l.engram != bool(p.engram_rows):
+            raise mf.BundleError(f"{where}: layers[{i}].engram is {l.engram}; the model config gives layer "
+                                 f"{p.layer} {bool(p.engram_rows)}")
+        for slot, b in l.regions.items():
+            if b.index != seen[b.kind]:
+                raise mf.BundleError(f"{where}: layers[{i}].regions.{slot}.index is {b.index}; layer {p.layer} is "
+                                     f"number {seen[b.kind]} of kind {b.kind} in layer order")
+            seen[b.kind] += 1
 
 
 class Session:
@@ -118,6 +149,7 @@ class Session:
         self.rank = torch.tensor(rank, dtype=torch.int64)
         self.topology = m.topology.topology
         self.comm = comm
+        self._check_pool_memory()               # before anything is loaded
         self.placement = placement_for(m, self.path, rank)
         try:
             self._load_executables()
@@ -167,14 +199,16 @@ class Session:
                         *pool.entry_shape), getattr(torch, pool.dtype))
                 for name, pool in self.manifest.kv.pools.items()}
 
-    def _allocate_pools(self) -> None:
-        shapes = self._pool_shapes()
-        need = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
-        if isinstance(self.placement, HostPlacement) and need > host_memory():
+    def _check_pool_memory(self) -> None:
+        """Pools a host bundle cannot allocate on this host are refused before anything is loaded."""
+        need = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self._pool_shapes().values())
+        if self.manifest.target.name == "cpu" and need > host_memory():
             raise mf.BundleError(f"{self.path}: the KV/state pools need {need / 2**30:.1f} GiB at num_kv_blocks "
                                  f"{self.num_blocks}, more than this host's {host_memory() / 2**30:.1f} GiB of memory")
+
+    def _allocate_pools(self) -> None:
         self.pools, self.states = {}, defaultdict(dict)
-        for name, (shape, dtype) in shapes.items():
+        for name, (shape, dtype) in self._pool_shapes().items():
             self.pools[name] = self.placement.resident(torch.zeros(shape, dtype=dtype), f"pool.{name}")
         for l in self.manifest.layers:
             for state, (pool, index) in l.state.items():

@@ -9,7 +9,9 @@ Per rank (every rank holds the same shapes: one executable set serves all):
                  layers owning it x (blocks | slots) x entry shape x dtype size
     executables  the compiled files, all loaded at once (known after compiling)
     scratch      the largest executable's peak of intermediate tensors, from a liveness
-                 pass over its lowered FX graph (known after tracing; see `scratch_bytes`)
+                 pass over its lowered FX graph (known after tracing; see `scratch_bytes`);
+                 also per region kind (`scratch_by_kind`): the MoE's is bounded by a tile of
+                 its local experts' weights, whatever the rows of a step (kernels/linear.py)
 
 The host-resident token embedding (and vision tower) is host memory and not counted.
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -137,6 +139,7 @@ class Breakdown:
     reserve: int = 0
     scratch: int | None = None                # None: not traced yet
     scratch_of: str = ""                      # the executable that sets it
+    scratch_by_kind: dict[str, int] = field(default_factory=dict)   # kind -> its largest traced scratch
     executables: int | None = None            # None: not compiled yet
 
     @property
@@ -160,6 +163,9 @@ class Breakdown:
                f"  executables  {human(self.executables) if self.executables is not None else 'after compiling':>15}",
                f"  scratch      {human(self.scratch) if self.scratch is not None else 'after tracing':>15}"
                + (f"  (largest graph: {self.scratch_of})" if self.scratch_of else "")]
+        if self.scratch_by_kind:
+            kinds = sorted(self.scratch_by_kind, key=lambda k: -self.scratch_by_kind[k])
+            out.append("    by kind    " + ", ".join(f"{k} {human(self.scratch_by_kind[k])}" for k in kinds))
         limit = "no limit" if self.limit is None else \
             f"limit {human(self.limit)} ({self.limit_source}) - reserve {human(self.reserve)} = {human(self.usable)}"
         out.append(f"  total        {human(self.total):>15}  per rank; {limit}")
@@ -170,7 +176,8 @@ class Breakdown:
                 "executables": self.executables, "scratch": self.scratch, "total": self.total,
                 "limit": self.limit, "limit_source": self.limit_source, "reserve": self.reserve,
                 "weights_by_kind": self.weights, "pools_by_name": self.pools,
-                "scratch_of": self.scratch_of, "scratch_method": SCRATCH_METHOD}
+                "scratch_of": self.scratch_of, "scratch_by_kind": self.scratch_by_kind,
+                "scratch_method": SCRATCH_METHOD}
 
 
 def breakdown(spec, plan, executables=(), staging=None) -> Breakdown:
@@ -189,6 +196,8 @@ def breakdown(spec, plan, executables=(), staging=None) -> Breakdown:
         if known:
             worst = max(known, key=lambda e: e.scratch_bytes)
             out.scratch, out.scratch_of = worst.scratch_bytes, worst.name
+            for e in known:
+                out.scratch_by_kind[e.kind] = max(out.scratch_by_kind.get(e.kind, 0), e.scratch_bytes)
         if len(known) < len(executables):          # trace records cached by a deepinfer without the estimate
             out.scratch_of += f"{'; ' if known else ''}{len(executables) - len(known)} graph(s) not estimated"
         compiled = [staging / e.artifact for e in executables] if staging is not None else []

@@ -57,8 +57,12 @@ MOE = "moe"
 class GraphScratch:
     """One traced graph's scratch, as `budget.breakdown` reads an executable's."""
 
-    name: str
+    name: str                                   # the executable's name: `<kind>.<method>.<bucket>`
     scratch_bytes: int
+
+    @property
+    def kind(self) -> str:
+        return self.name.split(".", 1)[0]
 
 
 @dataclass
@@ -99,6 +103,19 @@ class BundlePlan:
         return {b: self.scratch[layout.executable_name(k, m, b, tt)] for k, m, b, tt in self.executables
                 if k == MOE and tt == t and layout.executable_name(k, m, b, tt) in self.scratch}
 
+    @property
+    def moe_split(self) -> tuple[int, float] | None:
+        """(bytes independent of the rows, bytes per row) of the MoE's scratch, from its graphs at
+        the smallest and largest batch (rows = batch x tokens): the first is what its experts'
+        weights cost (decoded in tiles), the second the rows' activations."""
+        moe = self.moe_scratch
+        if len(moe) < 2:
+            return None
+        t = max(t for k, _, _, t in self.executables if k == MOE)
+        (b1, s1), (b2, s2) = min(moe.items()), max(moe.items())
+        per_row = (s2 - s1) / ((b2 - b1) * t)
+        return max(0, round(s1 - per_row * b1 * t)), per_row
+
     # -- output ----------------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
@@ -135,7 +152,8 @@ class BundlePlan:
             "scratch": None if self.scratch is None else {
                 "method": budget.SCRATCH_METHOD, "by_graph": self.scratch, "from_cache": list(self.recorded),
                 "moe_by_batch": {str(b): n for b, n in moe.items()},
-                "moe_rows_independent": len(set(moe.values())) == 1 and len(moe) > 1},
+                "moe_fixed_bytes": self.moe_split[0] if self.moe_split else None,
+                "moe_bytes_per_row": self.moe_split[1] if self.moe_split else None},
             "memory": {r: {**d.to_dict(), "fits": d.fits} for r, d in self.memory.items()},
             "bundle": {"bytes": self.bundle_bytes, "executables": None},
             "seconds": round(self.seconds, 2),
@@ -183,11 +201,11 @@ class BundlePlan:
                        + (f"; unknown: {', '.join(untraced)}" if untraced else ""))
         if self.scratch is not None:
             out += [f"  {name:<36} {human(n):>12}" for name, n in self.scratch.items()]
-            moe = self.moe_scratch
-            if len(moe) > 1:
-                same = len(set(moe.values())) == 1
-                out.append(f"  MoE scratch {'does not depend' if same else 'grows'} with the rows per step: "
-                           + ", ".join(f"batch {b}: {human(n)}" for b, n in moe.items()))
+            if self.moe_split:
+                fixed, per_row = self.moe_split
+                out.append(f"  MoE scratch: {human(fixed)} whatever the rows (its experts' weights, decoded in "
+                           f"tiles) + {human(round(per_row))} per row (activations); "
+                           + ", ".join(f"batch {b}: {human(n)}" for b, n in self.moe_scratch.items()))
         out += ["", "memory budget per rank:"]
         for ranks, d in _same(self.memory, lambda d: (d.total, d.usable)).items():
             out.append(f"  {ranks}: {'fits' if d.fits else 'DOES NOT FIT'}")

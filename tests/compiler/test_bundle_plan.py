@@ -102,11 +102,14 @@ def test_release_weights_and_pools_fit_once_engram_leaves_the_device(release):
         assert m["weights"] + m["pools"] <= m["limit"] - m["reserve"]
 
 
-@pytest.mark.xfail(strict=True, reason="the MoE gathers the selected experts per row: its scratch grows with "
-                                       "the rows per step until it is bounded (grouped per local expert, tiled)")
 def test_release_moe_scratch_independent_of_rows(release):
+    """The MoE's scratch is a part its local experts' weights set (decoded in tiles), independent
+    of the rows, plus the rows' activations: under a MiB a row (462 KiB measured), where gathering
+    each row's 6 experts cost 810 MiB a row."""
     scratch = release["scratch"]
-    assert set(scratch["moe_by_batch"]) == {"1", "8"} and scratch["moe_rows_independent"]
+    assert set(scratch["moe_by_batch"]) == {"1", "8"}
+    assert 0 < scratch["moe_fixed_bytes"] <= 256 << 20
+    assert 0 < scratch["moe_bytes_per_row"] <= 1 << 20
 
 
 @pytest.mark.xfail(strict=True, reason="every rank fits only once engram tables leave the device and the "
@@ -116,7 +119,7 @@ def test_release_every_rank_fits(release):
 
 
 def test_release_moe_scratch_traced_at_two_batches(release):
-    """Today: 810 MiB of gathered expert weights per row, so batch 8 holds 8x batch 1's."""
+    """Both batch buckets' MoE graphs are traced; the larger holds more rows' activations."""
     moe = release["scratch"]["moe_by_batch"]
     assert sorted(moe) == ["1", "8"] and moe["8"] > moe["1"] > 0
     assert set(release["scratch"]["by_graph"]) == {"moe.decode.b1t128", "moe.decode.b8t128"}

@@ -3,7 +3,8 @@
     bundle/
       manifest.json                          the bundle's description (format_version first)
       signature.json                         optional: an Ed25519 signature over manifest.json (--sign)
-      regions/<kind>.<method>.b<B>t<T>.pt2   one executable per (kind, method, bucket)
+      regions/<kind>.<method>.b<B>t<T>[c<C>].pt2   one executable per (kind, method, bucket); c<C>: the
+                                             context bucket of the kinds built per context
       weights/rank-<R>/<kind>.safetensors    a kind's weights one rank holds, stacked layer-major
       weights/shared/<kind>.safetensors      a kind's weights every rank holds whole, stored once
       host/embed.safetensors                 host-resident tensors (token embedding)
@@ -29,6 +30,7 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CHAT_TEMPLATE_FILE)   # copied where present
 EXECUTABLE_NAME = "{kind}.{method}.b{batch}t{tokens}"
+CONTEXT_SUFFIX = "c{context}"
 RANK_KEY = "rank-{rank}"
 WEIGHTS_FORMAT = RANK_KEY + "/{kind}.safetensors"
 SHARED_WEIGHTS_FORMAT = "shared/{kind}.safetensors"
@@ -37,9 +39,11 @@ HOST_VISION_FILE = "vision.safetensors"
 HOST_ENGRAM_MAP_FILE = "engram_token_map.safetensors"
 
 
-def executable_name(kind: str, method: str, batch: int, tokens: int) -> str:
-    """An executable's name, e.g. `attn_window.decode.b1t1`: its file stem, log name and cache identity."""
-    return EXECUTABLE_NAME.format(kind=kind, method=method, batch=batch, tokens=tokens)
+def executable_name(kind: str, method: str, batch: int, tokens: int, context: int | None) -> str:
+    """An executable's name, e.g. `attn_window.decode.b1t1`, or `attn_source_r2.decode.b1t1c256` for a
+    kind built per context bucket (`context` positions): its file stem, log name and cache identity."""
+    name = EXECUTABLE_NAME.format(kind=kind, method=method, batch=batch, tokens=tokens)
+    return name if context is None else name + CONTEXT_SUFFIX.format(context=context)
 
 
 def rank_key(rank: int) -> str:
@@ -47,8 +51,8 @@ def rank_key(rank: int) -> str:
     return RANK_KEY.format(rank=rank)
 
 
-def executable_path(kind: str, method: str, batch: int, tokens: int, suffix: str) -> str:
-    return str(PurePosixPath(REGIONS_DIR) / (executable_name(kind, method, batch, tokens) + suffix))
+def executable_path(kind: str, method: str, batch: int, tokens: int, context: int | None, suffix: str) -> str:
+    return str(PurePosixPath(REGIONS_DIR) / (executable_name(kind, method, batch, tokens, context) + suffix))
 
 
 def weights_path(rank: int, kind: str) -> str:
@@ -67,8 +71,8 @@ def tokenizer_path(name: str) -> str:
     return str(PurePosixPath(TOKENIZER_DIR) / name)
 
 
-def log_path(kind: str, method: str, batch: int, tokens: int) -> str:
-    return str(PurePosixPath(LOGS_DIR) / (executable_name(kind, method, batch, tokens) + ".log"))
+def log_path(kind: str, method: str, batch: int, tokens: int, context: int | None) -> str:
+    return str(PurePosixPath(LOGS_DIR) / (executable_name(kind, method, batch, tokens, context) + ".log"))
 
 
 def failed_logs(out: Path) -> Path:

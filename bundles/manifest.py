@@ -84,14 +84,20 @@ class Model:
 
 @dataclass(frozen=True, kw_only=True)
 class Shape:
+    """A step shape; an executable's bucket adds its context bucket (positions) when its kind's
+    shapes depend on the context, and has none (None, absent in the JSON) when they do not."""
     batch: int
     tokens: int
+    context: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class Buckets:
     shapes: tuple[Shape, ...]
     max_context: int
+    # the context buckets, ascending, the last max_context; absent in bundles written before
+    # context buckets, which have one: max_context
+    contexts: tuple[int, ...] = ()
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -100,6 +106,10 @@ class Buckets:
     @property
     def token_sizes(self) -> list[int]:
         return sorted({s.tokens for s in self.shapes})
+
+    @property
+    def context_sizes(self) -> list[int]:
+        return list(self.contexts or (self.max_context,))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +132,10 @@ class KV:
     pools: dict[str, Pool]
     state_writes: str
     static_pools: bool
+
+    def blocks_for(self, context: int) -> int:
+        """The block-table width of a `context`-position bucket."""
+        return -(-context // self.block_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +169,8 @@ class Executable:
 
     @property
     def name(self) -> str:
-        return layout.executable_name(self.kind, self.method, self.bucket.batch, self.bucket.tokens)
+        b = self.bucket
+        return layout.executable_name(self.kind, self.method, b.batch, b.tokens, b.context)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -372,7 +387,14 @@ def check(m: Manifest) -> None:
     kv = m.kv
     for name in ("block_size", "num_blocks", "slots", "max_blocks"):
         _need(getattr(kv, name) >= 1, ("kv", name), f"must be at least 1, got {getattr(kv, name)}")
-    _need(m.buckets.max_context >= 1 and m.buckets.shapes, ("buckets",), "needs shapes and a positive max_context")
+    b = m.buckets
+    _need(b.max_context >= 1 and b.shapes, ("buckets",), "needs shapes and a positive max_context")
+    _need(not b.contexts or (list(b.contexts) == sorted(set(b.contexts)) and b.contexts[0] >= 1
+                             and b.contexts[-1] == b.max_context), ("buckets", "contexts"),
+          f"expected ascending positive context lengths ending at max_context {b.max_context}, "
+          f"got {list(b.contexts)}")
+    _need(kv.max_blocks == kv.blocks_for(b.max_context), ("kv", "max_blocks"),
+          f"{kv.max_blocks} blocks do not hold max_context {b.max_context} at block_size {kv.block_size}")
     for name, pool in kv.pools.items():
         _need(pool.dtype in DTYPE_NAMES, ("kv", "pools", name, "dtype"), f"unknown dtype {pool.dtype!r}")
         _need(all(d >= 0 for d in pool.entry_shape), ("kv", "pools", name, "entry_shape"), "negative size")
@@ -384,6 +406,9 @@ def check(m: Manifest) -> None:
         seen.add(e.name)
         _need(is_inside(e.artifact), key + ("artifact",), f"path {e.artifact!r} is not inside the bundle")
         _need(e.bucket.batch >= 1 and e.bucket.tokens >= 1, key + ("bucket",), "sizes must be positive")
+        _need(e.bucket.context is None or e.bucket.context in b.context_sizes, key + ("bucket", "context"),
+              f"{e.bucket.context} is not one of the context buckets {b.context_sizes}")
+        _check_table(e, kv, b, key)
         for j, s in enumerate(e.inputs):
             _need(s.role in ROLES, key + ("inputs", j, "role"), f"unknown role {s.role!r}")
             _need(s.dtype in DTYPE_NAMES, key + ("inputs", j, "dtype"), f"unknown dtype {s.dtype!r}")
@@ -391,11 +416,16 @@ def check(m: Manifest) -> None:
             for o, src in e.aliases.items():
                 _need(0 <= src < len(e.inputs), key + ("aliases", o), f"input {src} out of range")
     kinds = {e.kind for e in m.regions}
-    for kind in sorted(kinds):                     # one executable per bucket (batch sizes may be gathered rows)
-        mine = [e for e in m.regions if e.kind == kind]
-        _need(len(mine) == len(m.buckets.shapes) and {e.bucket.tokens for e in mine} == set(m.buckets.token_sizes),
-              ("regions",), f"kind {kind!r} has executables for {sorted((e.bucket.batch, e.bucket.tokens) for e in mine)}, "
-              f"not one for each of the {len(m.buckets.shapes)} buckets")
+    for kind in sorted(kinds):      # one executable per bucket (batch sizes may be gathered rows), and per
+        mine = [e for e in m.regions if e.kind == kind]                 # context bucket if it reads one
+        contexts = [None] if mine[0].bucket.context is None else b.context_sizes
+        for c in contexts:
+            at = [e for e in mine if e.bucket.context == c]
+            _need(len(at) == len(b.shapes) and {e.bucket.tokens for e in at} == set(b.token_sizes), ("regions",),
+                  f"kind {kind!r} has executables for {sorted((e.bucket.batch, e.bucket.tokens) for e in at)}"
+                  + ("" if c is None else f" at context {c}") + f", not one for each of the {len(b.shapes)} buckets")
+        _need(len(mine) == len(b.shapes) * len(contexts), ("regions",),
+              f"kind {kind!r} has executables both with and without a context bucket")
     # weights: one list per rank of the world, inside the bundle
     ranks = [layout.rank_key(r) for r in range(t.world_size)]
     _need(sorted(m.weights) == sorted(ranks), ("weights",), f"expected weights for {', '.join(ranks)}, "
@@ -430,6 +460,19 @@ def check(m: Manifest) -> None:
             _need(pool is not None, key, f"unknown pool {ref[0]!r}")
             _need(0 <= ref[1] < len(pool.layers), key, f"row {ref[1]} of pool {ref[0]!r} ({len(pool.layers)} rows)")
     _bound(m.head, ("head",), kinds, rows)
+
+
+def _check_table(e: Executable, kv: KV, b: Buckets, key: tuple) -> None:
+    """An executable's block table (if it takes one) is as wide as its context bucket's; one without a
+    context bucket serves every step, so the bundle must have a single context bucket."""
+    for j, s in enumerate(e.inputs):
+        if s.name == "block_table" and s.role == "step":
+            _need(e.bucket.context is not None or len(b.context_sizes) == 1, key + ("bucket",),
+                  f"takes a block table but has no context bucket (the bundle has {b.context_sizes})")
+            want = kv.blocks_for(e.bucket.context or b.max_context)
+            _need(len(s.shape) == 2 and s.shape[1] == want, key + ("inputs", j, "shape"),
+                  f"block table {list(s.shape)}: expected {want} blocks for context "
+                  f"{e.bucket.context or b.max_context} at block_size {kv.block_size}")
 
 
 def _bound(b: Binding, key: tuple, kinds: set, rows: dict) -> None:

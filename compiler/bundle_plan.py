@@ -70,7 +70,7 @@ class BundlePlan:
     spec: pipeline.Spec
     regions: RegionPlan
     checkpoint: str                             # where the shapes came from
-    executables: list[tuple[str, str, int, int]]
+    executables: list[tuple[str, str, int, int, int | None]]   # (kind, method, batch, tokens, context)
     files: dict[str, int]                       # bundle path -> bytes on disk (weights and host files)
     rank_files: dict[str, tuple[str, ...]]      # rank key -> its own weight files
     shared_files: tuple[str, ...]               # weight files every rank loads (stored once)
@@ -99,9 +99,9 @@ class BundlePlan:
         """batch -> scratch of the MoE graph at the largest tokens bucket (from the traced graphs)."""
         if self.scratch is None:
             return {}
-        t = max(t for k, _, _, t in self.executables if k == MOE)
-        return {b: self.scratch[layout.executable_name(k, m, b, tt)] for k, m, b, tt in self.executables
-                if k == MOE and tt == t and layout.executable_name(k, m, b, tt) in self.scratch}
+        t = max(e[3] for e in self.executables if e[0] == MOE)
+        return {e[2]: self.scratch[layout.executable_name(*e)] for e in self.executables
+                if e[0] == MOE and e[3] == t and layout.executable_name(*e) in self.scratch}
 
     @property
     def moe_split(self) -> tuple[int, float] | None:
@@ -111,7 +111,7 @@ class BundlePlan:
         moe = self.moe_scratch
         if len(moe) < 2:
             return None
-        t = max(t for k, _, _, t in self.executables if k == MOE)
+        t = max(e[3] for e in self.executables if e[0] == MOE)
         (b1, s1), (b2, s2) = min(moe.items()), max(moe.items())
         per_row = (s2 - s1) / ((b2 - b1) * t)
         return max(0, round(s1 - per_row * b1 * t)), per_row
@@ -137,7 +137,7 @@ class BundlePlan:
                        for p in self.regions.layers],
             "kinds": kinds,
             "executables": {"count": len(self.executables), "kinds": len(self.regions.kinds),
-                            "methods": sorted({m for _, m, _, _ in self.executables}),
+                            "methods": sorted({e[1] for e in self.executables}),
                             "buckets": [list(s) for s in c.buckets.shapes()],
                             "names": [layout.executable_name(*e) for e in self.executables]},
             "compile_jobs": len(self.executables),
@@ -173,12 +173,16 @@ class BundlePlan:
             layers = "head" if kp.layers == [-1] else "layers " + _ranges(kp.layers)
             out.append(f"  {kind:<22} {kp.slot:<7} {layers:<40} {human(self.device_weights(rank0)[kind]):>12} per rank")
         shapes = c.buckets.shapes()
-        methods = sorted({m for _, m, _, _ in self.executables})
+        methods = sorted({e[1] for e in self.executables})
         out += ["", f"executables: {len(self.regions.kinds)} kinds x {len(methods)} method(s) ({', '.join(methods)}) "
                     f"x {len(shapes)} buckets = {len(self.executables)}; compile jobs: {len(self.executables)} "
                     "(a cache hit skips one)",
                 "  buckets (batch x tokens): " + ", ".join(f"{b}x{tk}" for b, tk in shapes)
                 + ("; the MoE runs on the gathered rows (EP dispatch)" if topo.dispatch else "")]
+        if len(c.buckets.context) > 1:
+            per_context = sorted({e[0] for e in self.executables if e[4] is not None})
+            out.append(f"  context buckets: {', '.join(map(str, c.buckets.context))} (built per context: "
+                       f"{', '.join(per_context)})")
         out += ["", "weights per rank after sharding (device):"]
         out += [f"  {ranks}: {human(sum(d.weights.values()))}" for ranks, d in _same(self.memory, _weights_of).items()]
         own = [f for fs in self.rank_files.values() for f in fs]
@@ -263,13 +267,14 @@ def plan_checkpoint(model: V41Config, directory: Path) -> tuple[Checkpoint, str]
 
 # -- scratch --------------------------------------------------------------------------------------
 
-def traced_buckets(executables: list[tuple[str, str, int, int]], kinds=None) -> list[tuple[str, str, int, int]]:
-    """The graphs a plan traces: each kind's largest bucket (most rows; more tokens on a tie), and
-    the MoE's smallest batch bucket at its largest tokens bucket; only `kinds` when given."""
+def traced_buckets(executables: list[tuple], kinds=None) -> list[tuple]:
+    """The graphs a plan traces: each kind's largest bucket (most rows; more tokens, then the
+    largest context bucket on a tie), and the MoE's smallest batch bucket at its largest tokens
+    bucket; only `kinds` when given. Executables are (kind, method, batch, tokens, context)."""
     out = []
-    for kind in dict.fromkeys(k for k, _, _, _ in executables if kinds is None or k in kinds):
+    for kind in dict.fromkeys(e[0] for e in executables if kinds is None or e[0] in kinds):
         mine = [e for e in executables if e[0] == kind]
-        top = max(mine, key=lambda e: (e[2] * e[3], e[3]))
+        top = max(mine, key=lambda e: (e[2] * e[3], e[3], e[4] or 0))
         out.append(top)
         if kind == MOE:
             low = min((e for e in mine if e[3] == top[3]), key=lambda e: e[2])
@@ -281,10 +286,10 @@ def traced_buckets(executables: list[tuple[str, str, int, int]], kinds=None) -> 
 def trace_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, log, kinds=None) -> dict[str, int]:
     """executable name -> peak intermediate bytes of its lowered graph (compiler/budget.scratch_bytes)."""
     out = {}
-    for kind, method, batch, tokens in traced_buckets(executables, kinds):
-        name = layout.executable_name(kind, method, batch, tokens)
+    for kind, method, batch, tokens, context in traced_buckets(executables, kinds):
+        name = layout.executable_name(kind, method, batch, tokens, context)
         start = time.perf_counter()
-        ep = pipeline.lowered_graph(spec, regions, kind, method, batch, tokens)[0]
+        ep = pipeline.lowered_graph(spec, regions, kind, method, batch, tokens, context)[0]
         out[name] = budget.scratch_bytes(ep)
         del ep
         gc.collect()
@@ -297,11 +302,11 @@ def trace_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, log, ki
 def recorded_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, cache) -> dict[str, int]:
     """executable name -> scratch bytes, from the trace records the compile cache holds for them."""
     out = {}
-    for kind, method, batch, tokens in executables:
-        data = cache.get_bytes("trace", cached.trace_key(spec, regions, kind, method, batch, tokens))
+    for e in executables:
+        data = cache.get_bytes("trace", cached.trace_key(spec, regions, *e))
         n = json.loads(data)["entry"].get("scratch_bytes") if data is not None else None
         if n is not None:
-            out[layout.executable_name(kind, method, batch, tokens)] = n
+            out[layout.executable_name(*e)] = n
     return out
 
 

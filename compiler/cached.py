@@ -72,14 +72,15 @@ def _specs(specs) -> list:
     return [[s.name, list(s.shape), str(s.dtype), s.role] for s in specs]
 
 
-def trace_key(spec, plan, kind: str, method: str, batch: int, tokens: int) -> Key:
+def trace_key(spec, plan, kind: str, method: str, batch: int, tokens: int, context: int | None) -> Key:
     region = plan.kinds[kind].region
-    sig = Signature(weight_specs(region), region.input_specs(batch, tokens, spec.geometry))
-    return Key.of("trace", executable_name(kind, method, batch, tokens), [
+    geometry = spec.geometry_at(context)
+    sig = Signature(weight_specs(region), region.input_specs(batch, tokens, geometry))
+    return Key.of("trace", executable_name(kind, method, batch, tokens, context), [
         ("format", format_part()),
         ("region", {"class": type(region).__qualname__, "kind": kind, "method": method}),
-        ("bucket", {"batch": batch, "tokens": tokens}),
-        ("geometry", vars(spec.geometry)),
+        ("bucket", {"batch": batch, "tokens": tokens, "context": context}),
+        ("geometry", vars(geometry)),
         ("model", _model_part(spec)),
         ("topology", spec.topology.to_dict()),
         ("fp8", region.fp8_format),
@@ -90,14 +91,14 @@ def trace_key(spec, plan, kind: str, method: str, batch: int, tokens: int) -> Ke
     ])
 
 
-def executable_key(spec, plan, kind: str, method: str, batch: int, tokens: int, graph: str,
+def executable_key(spec, plan, kind: str, method: str, batch: int, tokens: int, context: int | None, graph: str,
                    kernels: list[str]) -> Key:
     region = plan.kinds[kind].region
-    return Key.of("executable", executable_name(kind, method, batch, tokens), [
+    return Key.of("executable", executable_name(kind, method, batch, tokens, context), [
         ("format", format_part()),
         ("graph", graph),
         ("region", {"class": type(region).__qualname__, "method": method}),
-        ("bucket", {"batch": batch, "tokens": tokens}),
+        ("bucket", {"batch": batch, "tokens": tokens, "context": context}),
         ("target", _target_part(spec)),
         ("toolchain", spec.target.toolchain()),
         ("kernels", kernel_sources(kernels)),
@@ -205,7 +206,7 @@ def bundle_key(spec, weights: dict[str, Key], host: Key, traces: dict[str, Key],
         ("format", format_part()),
         ("config", {"model": _model_part(spec), "target": _target_part(spec),
                     "buckets": {"batch": list(c.buckets.batch), "tokens": list(c.buckets.tokens),
-                                "max_context": c.buckets.max_context},
+                                "max_context": c.buckets.max_context, "context": list(c.buckets.context)},
                     "kv": {"block_size": c.kv.block_size, "num_blocks": c.kv.num_blocks},
                     "parallel": {"tp": c.parallel.tp, "ep": c.parallel.ep, "cp": c.parallel.cp},
                     "quant": spec.recipe.name, "host": c.host.embedding,

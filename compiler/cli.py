@@ -96,7 +96,7 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
     click.echo(f"compiling {model_toml} -> {out}\n"
                f"  checkpoint {m.checkpoint} ({m.dtype}, cache_quant={str(m.cache_quant).lower()})\n"
                f"  target {t.name} ({t.executable}), buckets batch={list(b.batch)} tokens={list(b.tokens)} "
-               f"max_context={b.max_context}, kv block_size={cfg.kv.block_size} num_blocks={cfg.kv.num_blocks}, "
+               f"max_context={b.max_context} context={list(b.context)}, kv block_size={cfg.kv.block_size} num_blocks={cfg.kv.num_blocks}, "
                f"parallel tp={cfg.parallel.tp} ep={cfg.parallel.ep} cp={cfg.parallel.cp}, "
                f"jobs={jobs}, cache {cache.dir if cache else 'off'}{' (required)' if require_cache else ''}"
                f"{', stop at HLO' if hlo_only else ''}",

@@ -51,10 +51,10 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None, sign=None) -> 
         work = staging / "b"
         job_list = []
         for e in manifest.regions:
-            kind, method, bb, tt = e.kind, e.method, e.bucket.batch, e.bucket.tokens
-            neff = layout.executable_path(kind, method, bb, tt, target.suffix)
+            ident = (e.kind, e.method, e.bucket.batch, e.bucket.tokens, e.bucket.context)
+            neff = layout.executable_path(*ident, target.suffix)
             job_list.append((e, neff, Job(e.name, work / e.artifact, work / neff, t.name, t.executable, t.options,
-                                          log=work / layout.log_path(kind, method, bb, tt))))
+                                          log=work / layout.log_path(*ident))))
 
         def progress(done, total, job, seconds):
             log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")

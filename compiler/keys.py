@@ -43,7 +43,7 @@ CACHE_VERSION = 1           # layout of the cache entries and of the key parts
 KEYED_OPTIONS = (
     "model.checkpoint", "model.tiny", "model.dtype", "model.cache_quant",
     "target.name", "target.executable", "target.options",
-    "buckets.batch", "buckets.tokens", "buckets.max_context",
+    "buckets.batch", "buckets.tokens", "buckets.max_context", "buckets.context",
     "kv.block_size", "kv.num_blocks",
     "parallel.tp", "parallel.ep", "parallel.cp",
     "quant.recipe", "host.embedding", "--hlo-only",

@@ -81,10 +81,15 @@ class Spec:
         name = self.config.quant.recipe
         return RECIPES[self.target.recipe if name == "target" else name]
 
-    def executables(self, plan: RegionPlan) -> list[tuple[str, str, int, int]]:
-        """(kind, method, batch, tokens) of every executable (MoE on gathered rows under EP dispatch)."""
+    def executables(self, plan: RegionPlan) -> list[tuple[str, str, int, int, int | None]]:
+        """(kind, method, batch, tokens, context) of every executable (MoE on gathered rows under EP
+        dispatch; context None for the kinds whose shapes do not depend on it)."""
         gathered = self.topology.groups if self.topology.dispatch else 1
-        return plan.executables(self.config.buckets.shapes(), gathered)
+        return plan.executables(self.config.buckets.shapes(), self.config.buckets.context, gathered)
+
+    def geometry_at(self, context: int | None) -> Geometry:
+        """The geometry an executable of context bucket `context` is traced with (None: the full one)."""
+        return self.geometry if context is None else self.geometry.at_context(context)
 
 
 @dataclass(frozen=True)
@@ -217,10 +222,12 @@ def _io(specs) -> tuple[mf.TensorSpec, ...]:
                                role=s.role) for s in specs)
 
 
-def lowered_graph(spec: Spec, plan: RegionPlan, kind: str, method: str, batch: int, tokens: int):
-    """One executable's graph: its kind's region traced on fake tensors for the bucket, lowered for
-    the target -> (lowered program, signature, example inputs, kernels the traced graph reaches)."""
-    ep, sig, inputs = trace(plan.kinds[kind].region, batch, tokens, spec.geometry, method,
+def lowered_graph(spec: Spec, plan: RegionPlan, kind: str, method: str, batch: int, tokens: int,
+                  context: int | None = None):
+    """One executable's graph: its kind's region traced on fake tensors for the bucket (`context`:
+    its context bucket, None for kinds built once), lowered for the target -> (lowered program,
+    signature, example inputs, kernels the traced graph reaches)."""
+    ep, sig, inputs = trace(plan.kinds[kind].region, batch, tokens, spec.geometry_at(context), method,
                             dynamic=not spec.target.static_shapes)
     kernels = kernels_reached(ep)
     return spec.target.lower(ep), sig, inputs, kernels
@@ -234,21 +241,21 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
     lowered_dir.mkdir()
     use_cache = run.cache is not None and not spec.hlo_only
     executables, jobs, keys = [], [], {}
-    for kind, method, batch, tokens in spec.executables(plan):
-        name = layout.executable_name(kind, method, batch, tokens)
-        artifact = layout.executable_path(kind, method, batch, tokens, target.suffix)
-        tkey = cached.trace_key(spec, plan, kind, method, batch, tokens) if use_cache else None
+    for kind, method, batch, tokens, context in spec.executables(plan):
+        name = layout.executable_name(kind, method, batch, tokens, context)
+        artifact = layout.executable_path(kind, method, batch, tokens, context, target.suffix)
+        tkey = cached.trace_key(spec, plan, kind, method, batch, tokens, context) if use_cache else None
         record = cached.trace_record(run, tkey) if use_cache else None
         if record and run.cache.get_file("executable", record["executable_key"], run.staging / artifact):
             executables.append(mf.parse_executable(record["entry"], f"cached trace record of {name}"))
             run.log(f"cached {name}")
             continue
         region = plan.kinds[kind].region
-        ep, sig, inputs, kernels = lowered_graph(spec, plan, kind, method, batch, tokens)
+        ep, sig, inputs, kernels = lowered_graph(spec, plan, kind, method, batch, tokens, context)
         names = [s.name for s in sig.all]
         user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
         mutated = sorted(names[user.index(n)] for n in ep.graph_signature.user_inputs_to_mutate.values())
-        entry = mf.Executable(kind=kind, method=method, bucket=mf.Shape(batch=batch, tokens=tokens),
+        entry = mf.Executable(kind=kind, method=method, bucket=mf.Shape(batch=batch, tokens=tokens, context=context),
                               artifact=artifact, executable=target.executable, inputs=_io(sig.all),
                               outputs=tuple(region.output_names()), mutates=tuple(mutated),
                               scratch_bytes=budget.scratch_bytes(ep))
@@ -256,7 +263,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
         if target.static_shapes:                 # state comes back as outputs: emit and check now
             entry = _emit_and_check(spec, entry, ep, names, lowered, region, method, inputs, run)
         if spec.hlo_only:
-            entry = dataclasses.replace(entry, artifact=layout.executable_path(kind, method, batch, tokens,
+            entry = dataclasses.replace(entry, artifact=layout.executable_path(kind, method, batch, tokens, context,
                                                                                target.lowered_suffix))
             (run.staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
             os.replace(lowered, run.staging / entry.artifact)
@@ -266,7 +273,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
         if not target.static_shapes:
             run.log(f"traced {name}")
         if use_cache:
-            ekey = cached.executable_key(spec, plan, kind, method, batch, tokens, graph_digest(ep), kernels)
+            ekey = cached.executable_key(spec, plan, kind, method, batch, tokens, context, graph_digest(ep), kernels)
             record = {"executable_key": ekey.digest, "kernels": kernels, "entry": mf.to_json(entry)}
             run.cache.put_bytes("trace", tkey, json.dumps(record).encode())
             if run.cache.get_file("executable", ekey, run.staging / artifact):
@@ -277,7 +284,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
         if not target.static_shapes:
             target.emit(ep, names, list(entry.outputs), lowered)
         jobs.append(Job(name, lowered, run.staging / artifact, target.name, target.executable, target.options,
-                        log=run.staging / layout.log_path(kind, method, batch, tokens)))
+                        log=run.staging / layout.log_path(kind, method, batch, tokens, context)))
     return Traced(tuple(executables), tuple(jobs), keys)
 
 
@@ -345,7 +352,7 @@ def write_manifest(spec: Spec, plan: RegionPlan, weights: Weights, tokenizer: di
                        cache_quant=c.model.cache_quant, weight_format="e4m3fn", scale_layout="ue8m0-u8-row-major",
                        tokenizer="tokenizers" if tokenizer else "byte"),
         buckets=mf.Buckets(shapes=tuple(mf.Shape(batch=b, tokens=t) for b, t in c.buckets.shapes()),
-                           max_context=c.buckets.max_context),
+                           max_context=c.buckets.max_context, contexts=c.buckets.context),
         kv=mf.KV(block_size=c.kv.block_size, num_blocks=c.kv.num_blocks, slots=g.slots, max_blocks=g.max_blocks,
                  scratch="block 0 and slot 0", pools=state.pools, state_writes=spec.target.state_writes,
                  static_pools=spec.target.static_shapes),
@@ -454,8 +461,7 @@ def cache_key(config: CompileConfig, *, cache: Cache | None = None, log=None, ve
     memo = cache.root / "files" if cache else None
     weights = {f"{kind} rank {r}": cached.weights_key(spec, ckpt, kind, kp, r, memo) for kind, kp in p.kinds.items()
                for r in range(spec.topology.world)}
-    traces = {layout.executable_name(k, m, bb, t): cached.trace_key(spec, p, k, m, bb, t)
-              for k, m, bb, t in spec.executables(p)}
+    traces = {layout.executable_name(*e): cached.trace_key(spec, p, *e) for e in spec.executables(p)}
     key = cached.bundle_key(spec, weights, cached.host_key(spec, ckpt, memo), traces,
                             cached.vision_key(spec, ckpt, memo) if spec.model.vision.num_hidden_layers > 0 else None,
                             tokenizer_digests(config.model.checkpoint))

@@ -84,9 +84,12 @@ class Allocator:
         if seq in self.slot_of:
             self.free_slots.append(self.slot_of.pop(seq))
 
-    def table_row(self, seq: int) -> list[int]:
+    def table_row(self, seq: int, width: int) -> list[int]:
+        """Sequence `seq`'s block table padded to `width` blocks (at least the blocks it holds: a
+        sequence's blocks are the first of its table, so a narrower table is an exact prefix)."""
         t = self.tables[seq]
-        return t + [0] * (self.max_blocks - len(t))
+        assert len(t) <= width, (seq, len(t), width)
+        return t + [0] * (width - len(t))
 
 
 def bucket_at_least(options: list[int], n: int) -> int:
@@ -94,19 +97,28 @@ def bucket_at_least(options: list[int], n: int) -> int:
     return options[bisect.bisect_left(options, n)]
 
 
-def make_batch(rows: list[Row], places: list[int], B: int, T: int, *, alloc: Allocator, gens: list[Generation],
-               images: list[ImageEmbeds | None] | None, hasher, pad: int, dtype: torch.dtype) -> Batch:
-    """A step's host metadata: row i of `rows` at batch row `places[i]` of a [B, T] step (others padding)."""
+def table_width(rows_by_group: list[list[Row]], block_size: int, widths: list[int]) -> int:
+    """A step's block-table width: the smallest of `widths` (sorted; the context buckets' widths in
+    blocks) that holds the longest sequence after the step, i.e. its highest written position + 1."""
+    longest = max(start + len(ids) for rows in rows_by_group for _, ids, start in rows)
+    return bucket_at_least(widths, -(-longest // block_size))
+
+
+def make_batch(rows: list[Row], places: list[int], B: int, T: int, *, blocks: int, alloc: Allocator,
+               gens: list[Generation], images: list[ImageEmbeds | None] | None, hasher, pad: int,
+               dtype: torch.dtype) -> Batch:
+    """A step's host metadata: row i of `rows` at batch row `places[i]` of a [B, T] step (others padding),
+    block tables `blocks` wide (the step's context bucket)."""
     tokens = torch.full((B, T), pad, dtype=torch.int64)
     positions = torch.full((B, T), -1, dtype=torch.int64)
     slots = torch.zeros(B, dtype=torch.int64)
-    table = torch.zeros((B, alloc.max_blocks), dtype=torch.int64)
+    table = torch.zeros((B, blocks), dtype=torch.int64)
     spans, histories, row_images = [(0, 0)] * B, [[]] * B, [None] * B
     for (seq, ids, start), b in zip(rows, places):
         tokens[b, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
         positions[b, :len(ids)] = torch.arange(start, start + len(ids))
         slots[b] = alloc.slot_of[seq]
-        table[b] = torch.tensor(alloc.table_row(seq))
+        table[b] = torch.tensor(alloc.table_row(seq, blocks))
         spans[b], histories[b] = (start, len(ids)), gens[seq].tokens
         row_images[b] = images[seq] if images else None
     is_image, image_rows = step_images(row_images if images else None, spans, T, dtype)

@@ -121,8 +121,9 @@ class _Eager:
     def run(self, rows_by_group: list[list[Row]], allocs: list[Allocator], gens, images) -> list[Tensor]:
         m, (rows,) = self.model, rows_by_group
         T = max(len(ids) for _, ids, _ in rows)
-        batch = make_batch(rows, [seq for seq, _, _ in rows], self.max_batch, T, alloc=allocs[0], gens=gens,
-                           images=images, hasher=m.hasher, pad=m.config.pad_token_id, dtype=m.dtype)
+        batch = make_batch(rows, [seq for seq, _, _ in rows], self.max_batch, T, blocks=self.geometry[2],
+                           alloc=allocs[0], gens=gens, images=images, hasher=m.hasher, pad=m.config.pad_token_id,
+                           dtype=m.dtype)
         h, pre = m.embed(batch.tokens, batch.is_image, batch.image_rows)
         logits = run_layers(m.plans, m.invoke, self.states, h, pre, batch)
         return [logits[[seq for seq, _, _ in rows]]]

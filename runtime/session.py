@@ -5,7 +5,10 @@ digests, target and toolchain) and parses the model config once; loading
 memory-maps the weights, loads each executable once and binds
 each layer's weights as views into the layer-major stacks. Generation runs
 prompts as decode-shaped chunks padded to the nearest bucket, then one token
-per step, with the same region wiring as the reference (`run_layers`).
+per step, with the same region wiring as the reference (`run_layers`). Each
+step also runs the smallest context bucket that holds its longest sequence:
+its block tables are that bucket's width, and the kinds built per context
+bucket run that bucket's executables.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from deepinfer.bundles.layout import MANIFEST_FILE
 from deepinfer.bundles.safetensors import load_mmap
 from deepinfer.regions.config import V41Config, parse_config
 from deepinfer.regions.engram_hash import EngramHasher
-from deepinfer.regions.generate import Allocator, Generation, Row, bucket_at_least, greedy, make_batch
+from deepinfer.regions.generate import (Allocator, Generation, Row, bucket_at_least, greedy, make_batch,
+                                        table_width)
 from deepinfer.regions.step import DTYPES, Batch, Embedding, LayerPlan, plan_layers, run_layers
 from deepinfer.runtime.backends import check_compatible, placement_for
 
@@ -146,6 +150,7 @@ class Session:
             raise mf.BundleError(f"{self.path}: compiled for exactly {kv.num_blocks} KV blocks (static shapes); "
                                  f"cannot run with {self.num_blocks} (change [kv] num_blocks and recompile)")
         self.batch_sizes, self.token_sizes = m.buckets.batch_sizes, m.buckets.token_sizes
+        self.context_blocks = [kv.blocks_for(c) for c in m.buckets.context_sizes]    # block-table widths
         self.rank = torch.tensor(rank, dtype=torch.int64)
         self.topology = m.topology.topology
         self.comm = comm
@@ -175,10 +180,16 @@ class Session:
         return None if host is None else load_mmap(self.path / host.path)[host.tensor].numpy()
 
     def _load_executables(self) -> None:
-        self.executables, self.signatures = {}, {}
+        """(kind, batch, tokens, block-table width or None for kinds that do not read one) -> executable."""
+        self.executables, self.signatures, self.context_kinds = {}, {}, set()
+        kv = self.manifest.kv
         for e in self.manifest.regions:
-            self.executables[(e.kind, e.bucket.batch, e.bucket.tokens)] = self.placement.load(e, self.path / e.artifact)
+            b = e.bucket
+            blocks = None if b.context is None else kv.blocks_for(b.context)
+            self.executables[(e.kind, b.batch, b.tokens, blocks)] = self.placement.load(e, self.path / e.artifact)
             self.signatures[e.kind] = e.inputs
+            if blocks is not None:
+                self.context_kinds.add(e.kind)
 
     def _bind_weights(self, rank: int) -> None:
         """(layer, slot) -> (kind, weight views in the executable's input order)."""
@@ -227,15 +238,17 @@ class Session:
 
     # -- running ------------------------------------------------------------------------------
 
-    def _invoke(self):
+    def _invoke(self, blocks: int):
+        """invoke(layer, slot, *inputs) for one step whose block tables are `blocks` wide."""
         executables, bound, stats, on_call, comm = self.executables, self.bound, self.stats, self.on_call, self.comm
+        context_kinds = self.context_kinds
 
         def invoke(layer: int, slot: str, *inputs):
             t0 = time.perf_counter()
             kind, weights = bound[(layer, slot)]
             if comm is not None and slot == "moe" and comm.topo.dispatch:
                 inputs = comm.dispatch(*inputs)                 # every group's rows
-            exe = executables[(kind, inputs[0].shape[0], inputs[0].shape[1])]
+            exe = executables[(kind, inputs[0].shape[0], inputs[0].shape[1], blocks if kind in context_kinds else None)]
             args = weights + list(inputs)
             t1 = time.perf_counter()
             out = exe(args) if on_call is None else on_call(layer, slot, kind, inputs, lambda: exe(args))
@@ -250,7 +263,7 @@ class Session:
         """One step through every layer and the head -> logits [B, T, V]."""
         h, pre = self.embed(batch.tokens, batch.is_image, batch.image_rows)
         start = time.perf_counter()
-        logits = run_layers(self.plans, self._invoke(), self.states, h, pre, batch)
+        logits = run_layers(self.plans, self._invoke(batch.block_table.shape[1]), self.states, h, pre, batch)
         self.stats.step_seconds += time.perf_counter() - start
         self.stats.steps += 1
         self.stats.padded += batch.tokens.numel()
@@ -275,11 +288,14 @@ class Session:
         return Allocator(self.num_slots, self.num_blocks, self.block_size, self.max_blocks)
 
     def run(self, rows_by_group: list[list[Row]], allocs: list[Allocator], gens, images) -> list[torch.Tensor]:
-        """Leader: one step of every token group, padded to the nearest bucket -> each group's logits."""
+        """Leader: one step of every token group, padded to the nearest bucket -> each group's logits.
+        The context bucket is the smallest whose block table holds the longest sequence after the step
+        (its highest written position + 1), for every group alike."""
         B = bucket_at_least(self.batch_sizes, max(1, *(len(r) for r in rows_by_group)))
         T = bucket_at_least(self.token_sizes, max(len(ids) for rows in rows_by_group for _, ids, _ in rows))
-        batches = [make_batch(rows, list(range(len(rows))), B, T, alloc=alloc, gens=gens, images=images,
-                              hasher=self.hasher, pad=self.config.pad_token_id, dtype=self.dtype)
+        blocks = table_width(rows_by_group, self.block_size, self.context_blocks)
+        batches = [make_batch(rows, list(range(len(rows))), B, T, blocks=blocks, alloc=alloc, gens=gens,
+                              images=images, hasher=self.hasher, pad=self.config.pad_token_id, dtype=self.dtype)
                    for rows, alloc in zip(rows_by_group, allocs)]
         if self.comm is None:
             return [self._run(batches[0])]

@@ -78,16 +78,18 @@ def ref_fp32(tiny_ckpt):
 
 def write_model_toml(directory: Path, checkpoint: Path, *, tiny_layers: int | None = None, cache_quant: bool = True,
                      target: str = "cpu", executable: str | None = None, options: str = "{}",
-                     batch: tuple = (1,), tokens: tuple = (1,), max_context: int = 32, num_blocks: int = 4,
+                     batch: tuple = (1,), tokens: tuple = (1,), max_context: int = 32,
+                     context: tuple | None = None, num_blocks: int = 4,
                      parallel: tuple[int, int, int] = (1, 1, 1), extra: str = "") -> Path:
     """A small fp32 model.toml for `checkpoint` in `directory` (created); returns its path.
 
     `tiny_layers`: generate the tiny checkpoint there when absent. Sections the defaults
-    leave out (executable, [parallel] at one rank) are not written; `extra` is appended.
+    leave out (executable, context buckets, [parallel] at one rank) are not written; `extra` is appended.
     """
     directory.mkdir(parents=True, exist_ok=True)
     model = f"tiny = {{ seed = 0, layers = {tiny_layers} }}\n" if tiny_layers else ""
     exe = f'executable = "{executable}"\n' if executable else ""
+    contexts = f"context = {list(context)}\n" if context else ""
     ranks = "" if tuple(parallel) == (1, 1, 1) else \
         "\n[parallel]\ntp = {}\nep = {}\ncp = {}\n".format(*parallel)
     path = directory / "model.toml"
@@ -104,7 +106,7 @@ name = "{target}"
 batch = {list(batch)}
 tokens = {list(tokens)}
 max_context = {max_context}
-
+{contexts}
 [kv]
 block_size = 16
 num_blocks = {num_blocks}
@@ -113,7 +115,8 @@ num_blocks = {num_blocks}
 
 
 def _compile_tiny(tmp_path_factory, name: str, checkpoint: Path, *, executable: str, tokens: list[int],
-                  layers: int = 6, batch: tuple = (1,), max_context: int = 32, num_blocks: int = 4,
+                  layers: int = 6, batch: tuple = (1,), max_context: int = 32, context: tuple | None = None,
+                  num_blocks: int = 4,
                   cache_quant: bool = True, target: str = "cpu", options: str = "{}", hlo_only: bool = False,
                   parallel: tuple[int, int, int] = (1, 1, 1), extra: str = "") -> Path:
     """Write a small model.toml for `checkpoint` and compile it; returns the bundle directory.
@@ -127,7 +130,8 @@ def _compile_tiny(tmp_path_factory, name: str, checkpoint: Path, *, executable: 
     root = tmp_path_factory.mktemp(name)
     toml = write_model_toml(root, checkpoint, tiny_layers=layers, cache_quant=cache_quant, target=target,
                             executable=executable, options=options, batch=batch, tokens=tokens,
-                            max_context=max_context, num_blocks=num_blocks, parallel=parallel, extra=extra)
+                            max_context=max_context, context=context, num_blocks=num_blocks, parallel=parallel,
+                            extra=extra)
     path, _ = compile_bundle(load_compile_config(toml), root / "bundle", jobs=2, log=lambda msg: None,
                              hlo_only=hlo_only, cache=Cache(Path(os.environ[CACHE_ENV])))
     return path

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from deepinfer.bundles import layout
-from deepinfer.bundles.layout import MANIFEST_FILE, is_inside
+from deepinfer.bundles.layout import MANIFEST_FILE, SIGNATURE_FILE, TOKENIZER_FILE, is_inside
 from deepinfer.bundles.topology import Topology
 from deepinfer.errors import DeepinferError
 from deepinfer.schema import Problem, Rules, build, coerce, dump
@@ -79,19 +79,25 @@ class Model:
     cache_quant: bool
     weight_format: str
     scale_layout: str
-    tokenizer: str = "byte"
+    tokenizer: Literal["byte", "tokenizers"] = "byte"       # "tokenizers": its files are host entries
 
 
 @dataclass(frozen=True, kw_only=True)
 class Shape:
+    """A step shape; an executable's bucket adds its context bucket (positions) when its kind's
+    shapes depend on the context, and has none (None, absent in the JSON) when they do not."""
     batch: int
     tokens: int
+    context: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class Buckets:
     shapes: tuple[Shape, ...]
     max_context: int
+    # the context buckets, ascending, the last max_context; absent in bundles written before
+    # context buckets, which have one: max_context
+    contexts: tuple[int, ...] = ()
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -100,6 +106,10 @@ class Buckets:
     @property
     def token_sizes(self) -> list[int]:
         return sorted({s.tokens for s in self.shapes})
+
+    @property
+    def context_sizes(self) -> list[int]:
+        return list(self.contexts or (self.max_context,))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +132,10 @@ class KV:
     pools: dict[str, Pool]
     state_writes: str
     static_pools: bool
+
+    def blocks_for(self, context: int) -> int:
+        """The block-table width of a `context`-position bucket."""
+        return -(-context // self.block_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +169,8 @@ class Executable:
 
     @property
     def name(self) -> str:
-        return layout.executable_name(self.kind, self.method, self.bucket.batch, self.bucket.tokens)
+        b = self.bucket
+        return layout.executable_name(self.kind, self.method, b.batch, b.tokens, b.context)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,8 +222,10 @@ class WeightStack:
 
 @dataclass(frozen=True, kw_only=True)
 class HostFile:
+    """A file the host reads: tensors (embed, vision, engram_token_map) or a tokenizer file
+    (`tokenizer/<name>`, keyed by its name)."""
     path: str
-    tensor: str | None = None                       # the one tensor (embed)
+    tensor: str | None = None                       # the one tensor (embed, engram_token_map)
     tensors: str | None = None                      # how its tensors are named (vision)
     digest: str | None = None
 
@@ -270,9 +287,10 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def file_digests(bundle: Path) -> dict[str, str]:
-    """Every file under `bundle` (the manifest excepted) by relative path -> sha256."""
+    """Every file under `bundle` (the manifest and its signature excepted) by relative path -> sha256."""
+    top = {MANIFEST_FILE, SIGNATURE_FILE}
     return {p.relative_to(bundle).as_posix(): sha256_file(p) for p in sorted(Path(bundle).rglob("*"))
-            if p.is_file() and p.name != MANIFEST_FILE}
+            if p.is_file() and not (p.parent == Path(bundle) and p.name in top)}
 
 
 def stamp(bundle: Path, m: Manifest) -> Manifest:
@@ -329,17 +347,25 @@ def parse(data, where: str) -> Manifest:
     return m
 
 
-def read(bundle: Path) -> Manifest:
-    """Load and check a bundle's manifest (not the files: see `check_files`)."""
+def read(bundle: Path, *, trust=None) -> Manifest:
+    """Load and check a bundle's manifest (not the files: see `check_files`). With `trust` (an
+    Ed25519 public key, `bundles.signing`), the bytes read are first verified against the bundle's
+    signature, and those same bytes are parsed."""
     path = Path(bundle) / MANIFEST_FILE
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise BundleError(f"{bundle}: not a bundle (no {MANIFEST_FILE})") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise BundleError(f"{path}: unreadable manifest ({e})") from None
+    if trust is not None:
+        from deepinfer.bundles.signing import verify_bytes
+
+        verify_bytes(raw, Path(bundle) / SIGNATURE_FILE, trust)
     try:
-        data = json.loads(text)
+        data = json.loads(raw.decode())
+    except UnicodeDecodeError as e:
+        raise BundleError(f"{path}: unreadable manifest ({e})") from None
     except json.JSONDecodeError as e:
         raise BundleError(f"{path}: corrupt manifest ({e.msg} at line {e.lineno})") from None
     return parse(data, str(path))
@@ -361,7 +387,14 @@ def check(m: Manifest) -> None:
     kv = m.kv
     for name in ("block_size", "num_blocks", "slots", "max_blocks"):
         _need(getattr(kv, name) >= 1, ("kv", name), f"must be at least 1, got {getattr(kv, name)}")
-    _need(m.buckets.max_context >= 1 and m.buckets.shapes, ("buckets",), "needs shapes and a positive max_context")
+    b = m.buckets
+    _need(b.max_context >= 1 and b.shapes, ("buckets",), "needs shapes and a positive max_context")
+    _need(not b.contexts or (list(b.contexts) == sorted(set(b.contexts)) and b.contexts[0] >= 1
+                             and b.contexts[-1] == b.max_context), ("buckets", "contexts"),
+          f"expected ascending positive context lengths ending at max_context {b.max_context}, "
+          f"got {list(b.contexts)}")
+    _need(kv.max_blocks == kv.blocks_for(b.max_context), ("kv", "max_blocks"),
+          f"{kv.max_blocks} blocks do not hold max_context {b.max_context} at block_size {kv.block_size}")
     for name, pool in kv.pools.items():
         _need(pool.dtype in DTYPE_NAMES, ("kv", "pools", name, "dtype"), f"unknown dtype {pool.dtype!r}")
         _need(all(d >= 0 for d in pool.entry_shape), ("kv", "pools", name, "entry_shape"), "negative size")
@@ -373,6 +406,9 @@ def check(m: Manifest) -> None:
         seen.add(e.name)
         _need(is_inside(e.artifact), key + ("artifact",), f"path {e.artifact!r} is not inside the bundle")
         _need(e.bucket.batch >= 1 and e.bucket.tokens >= 1, key + ("bucket",), "sizes must be positive")
+        _need(e.bucket.context is None or e.bucket.context in b.context_sizes, key + ("bucket", "context"),
+              f"{e.bucket.context} is not one of the context buckets {b.context_sizes}")
+        _check_table(e, kv, b, key)
         for j, s in enumerate(e.inputs):
             _need(s.role in ROLES, key + ("inputs", j, "role"), f"unknown role {s.role!r}")
             _need(s.dtype in DTYPE_NAMES, key + ("inputs", j, "dtype"), f"unknown dtype {s.dtype!r}")
@@ -380,11 +416,16 @@ def check(m: Manifest) -> None:
             for o, src in e.aliases.items():
                 _need(0 <= src < len(e.inputs), key + ("aliases", o), f"input {src} out of range")
     kinds = {e.kind for e in m.regions}
-    for kind in sorted(kinds):                     # one executable per bucket (batch sizes may be gathered rows)
-        mine = [e for e in m.regions if e.kind == kind]
-        _need(len(mine) == len(m.buckets.shapes) and {e.bucket.tokens for e in mine} == set(m.buckets.token_sizes),
-              ("regions",), f"kind {kind!r} has executables for {sorted((e.bucket.batch, e.bucket.tokens) for e in mine)}, "
-              f"not one for each of the {len(m.buckets.shapes)} buckets")
+    for kind in sorted(kinds):      # one executable per bucket (batch sizes may be gathered rows), and per
+        mine = [e for e in m.regions if e.kind == kind]                 # context bucket if it reads one
+        contexts = [None] if mine[0].bucket.context is None else b.context_sizes
+        for c in contexts:
+            at = [e for e in mine if e.bucket.context == c]
+            _need(len(at) == len(b.shapes) and {e.bucket.tokens for e in at} == set(b.token_sizes), ("regions",),
+                  f"kind {kind!r} has executables for {sorted((e.bucket.batch, e.bucket.tokens) for e in at)}"
+                  + ("" if c is None else f" at context {c}") + f", not one for each of the {len(b.shapes)} buckets")
+        _need(len(mine) == len(b.shapes) * len(contexts), ("regions",),
+              f"kind {kind!r} has executables both with and without a context bucket")
     # weights: one list per rank of the world, inside the bundle
     ranks = [layout.rank_key(r) for r in range(t.world_size)]
     _need(sorted(m.weights) == sorted(ranks), ("weights",), f"expected weights for {', '.join(ranks)}, "
@@ -401,6 +442,12 @@ def check(m: Manifest) -> None:
     _need("embed" in m.host, ("host",), "lacks the token embedding (embed)")
     _need("engram" in m.host or not any(l.engram for l in m.layers), ("host",),
           "lacks the engram tables (engram) its engram layers read")
+    if m.model.tokenizer == "tokenizers":
+        _need(TOKENIZER_FILE in m.host, ("host",), f"lacks {TOKENIZER_FILE}, which the tokenizer "
+              f"({m.model.tokenizer!r}) reads")
+    engram = any(l.engram for l in m.layers)
+    _need(("engram_token_map" in m.host) == (engram and m.model.tokenizer == "tokenizers"), ("host",),
+          "an engram_token_map goes with engram layers and a 'tokenizers' tokenizer, and only there")
     # layers: every binding names an executable kind and a row of its stacks on every rank
     rows = {r: {w.kind: len(w.layers) for w in stacks} for r, stacks in m.weights.items()}
     for i, l in enumerate(m.layers):
@@ -415,6 +462,19 @@ def check(m: Manifest) -> None:
             _need(pool is not None, key, f"unknown pool {ref[0]!r}")
             _need(0 <= ref[1] < len(pool.layers), key, f"row {ref[1]} of pool {ref[0]!r} ({len(pool.layers)} rows)")
     _bound(m.head, ("head",), kinds, rows)
+
+
+def _check_table(e: Executable, kv: KV, b: Buckets, key: tuple) -> None:
+    """An executable's block table (if it takes one) is as wide as its context bucket's; one without a
+    context bucket serves every step, so the bundle must have a single context bucket."""
+    for j, s in enumerate(e.inputs):
+        if s.name == "block_table" and s.role == "step":
+            _need(e.bucket.context is not None or len(b.context_sizes) == 1, key + ("bucket",),
+                  f"takes a block table but has no context bucket (the bundle has {b.context_sizes})")
+            want = kv.blocks_for(e.bucket.context or b.max_context)
+            _need(len(s.shape) == 2 and s.shape[1] == want, key + ("inputs", j, "shape"),
+                  f"block table {list(s.shape)}: expected {want} blocks for context "
+                  f"{e.bucket.context or b.max_context} at block_size {kv.block_size}")
 
 
 def _bound(b: Binding, key: tuple, kinds: set, rows: dict) -> None:

@@ -56,7 +56,7 @@ class TensorInfo:
         return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
 
 
-def _entry(path: str, name: str, e, data_start: int, data_len: int) -> TensorInfo:
+def _entry(path: str, name: str, e, data_start: int, data_len: int | None) -> TensorInfo:
     if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
         raise TensorFileError(path, name, "header entry lacks dtype/shape/data_offsets")
     dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
@@ -71,14 +71,18 @@ def _entry(path: str, name: str, e, data_start: int, data_len: int) -> TensorInf
     if offs[1] - offs[0] != nbytes:
         raise TensorFileError(path, name, f"data_offsets {offs} span {offs[1] - offs[0]} bytes, "
                               f"but {dtype} {shape} needs {nbytes}")
-    if offs[1] > data_len:
+    if data_len is not None and offs[1] > data_len:
         raise TensorFileError(path, name, f"file is truncated: the tensor ends at data byte "
                               f"{offs[1]} but the data section has {data_len} bytes")
     return TensorInfo(path, name, dtype, tuple(shape), data_start + offs[0], nbytes)
 
 
-def read_header(path: str) -> tuple[dict[str, TensorInfo], dict]:
-    """-> ({name: TensorInfo}, metadata). Raises TensorFileError on anything malformed."""
+def read_header(path: str, *, data: bool = True) -> tuple[dict[str, TensorInfo], dict]:
+    """-> ({name: TensorInfo}, metadata). Raises TensorFileError on anything malformed.
+
+    Reads the 8-byte length and the JSON header, never tensor data. With `data` false the data
+    section may be absent or short (a headers-only checkpoint, enough to plan a compile): every
+    entry is still checked for dtype, shape and offsets, not against the file's size."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -95,7 +99,12 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict]:
     if not isinstance(header, dict):
         raise TensorFileError(path, None, "header is not a JSON object")
     meta = header.pop("__metadata__", {}) or {}
-    tensors = {k: _entry(path, k, v, 8 + n, size - 8 - n) for k, v in header.items()}
+    tensors = {k: _entry(path, k, v, 8 + n, size - 8 - n if data else None) for k, v in header.items()}
+    end, last = 8 + n, None
+    for t in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+        if t.offset < end:                       # shared bytes: writing one would change another
+            raise TensorFileError(path, t.name, f"data overlaps tensor {last!r}")
+        end, last = t.offset + t.nbytes, t.name
     return tensors, meta
 
 
@@ -113,14 +122,20 @@ def map_bytes(path: str, offset: int, nbytes: int) -> np.ndarray:
     return np.frombuffer(mm, np.uint8, nbytes, offset - start)
 
 
+WRITE_SLICE = 1 << 20
+
+
 def pwrite(path: str, offset: int, data: np.ndarray) -> None:
     """Write an array's bytes at `offset` of an existing file (positioned: no seek, no
-    shared file position, so many processes can fill one pre-sized file)."""
+    shared file position, so many processes can fill one pre-sized file). Written in calls of
+    at most `WRITE_SLICE` bytes: a buffered write holds the file's inode lock for the whole
+    call (dirty-page throttling included), so long calls make the other writers of that file
+    queue; short ones also copy from a cache-sized span of the source."""
     view = memoryview(np.ascontiguousarray(data)).cast("B")
     fd = os.open(path, os.O_WRONLY)
     try:
         while view:
-            n = os.pwrite(fd, view, offset)
+            n = os.pwrite(fd, view[:WRITE_SLICE], offset)
             view, offset = view[n:], offset + n
     finally:
         os.close(fd)

@@ -9,7 +9,9 @@ Per rank (every rank holds the same shapes: one executable set serves all):
                  layers owning it x (blocks | slots) x entry shape x dtype size
     executables  the compiled files, all loaded at once (known after compiling)
     scratch      the largest executable's peak of intermediate tensors, from a liveness
-                 pass over its lowered FX graph (known after tracing; see `scratch_bytes`)
+                 pass over its lowered FX graph (known after tracing; see `scratch_bytes`);
+                 also per region kind (`scratch_by_kind`): the MoE's is bounded by a tile of
+                 its local experts' weights, whatever the rows of a step (kernels/linear.py)
 
 Host-resident tensors (`compiler/weights.py` places them: the token embedding, the engram
 tables, the vision tower) are host memory: reported beside the total (`host`), never in it.
@@ -139,6 +141,7 @@ class Breakdown:
     reserve: int = 0
     scratch: int | None = None                # None: not traced yet
     scratch_of: str = ""                      # the executable that sets it
+    scratch_by_kind: dict[str, int] = field(default_factory=dict)   # kind -> its largest traced scratch
     executables: int | None = None            # None: not compiled yet
     host: dict[str, int] = field(default_factory=dict)    # host file -> bytes (host memory, not in the total)
 
@@ -163,6 +166,9 @@ class Breakdown:
                f"  executables  {human(self.executables) if self.executables is not None else 'after compiling':>15}",
                f"  scratch      {human(self.scratch) if self.scratch is not None else 'after tracing':>15}"
                + (f"  (largest graph: {self.scratch_of})" if self.scratch_of else "")]
+        if self.scratch_by_kind:
+            kinds = sorted(self.scratch_by_kind, key=lambda k: -self.scratch_by_kind[k])
+            out.append("    by kind    " + ", ".join(f"{k} {human(self.scratch_by_kind[k])}" for k in kinds))
         limit = "no limit" if self.limit is None else \
             f"limit {human(self.limit)} ({self.limit_source}) - reserve {human(self.reserve)} = {human(self.usable)}"
         out.append(f"  total        {human(self.total):>15}  per rank; {limit}")
@@ -175,8 +181,8 @@ class Breakdown:
                 "executables": self.executables, "scratch": self.scratch, "total": self.total,
                 "limit": self.limit, "limit_source": self.limit_source, "reserve": self.reserve,
                 "weights_by_kind": self.weights, "pools_by_name": self.pools,
-                "scratch_of": self.scratch_of, "scratch_method": SCRATCH_METHOD,
-                "host": sum(self.host.values()), "host_by_file": self.host}
+                "scratch_of": self.scratch_of, "scratch_by_kind": self.scratch_by_kind,
+                "scratch_method": SCRATCH_METHOD, "host": sum(self.host.values()), "host_by_file": self.host}
 
 
 def breakdown(spec, plan, executables=(), staging=None) -> Breakdown:
@@ -195,6 +201,8 @@ def breakdown(spec, plan, executables=(), staging=None) -> Breakdown:
         if known:
             worst = max(known, key=lambda e: e.scratch_bytes)
             out.scratch, out.scratch_of = worst.scratch_bytes, worst.name
+            for e in known:
+                out.scratch_by_kind[e.kind] = max(out.scratch_by_kind.get(e.kind, 0), e.scratch_bytes)
         if len(known) < len(executables):          # trace records cached by a deepinfer without the estimate
             out.scratch_of += f"{'; ' if known else ''}{len(executables) - len(known)} graph(s) not estimated"
         compiled = [staging / e.artifact for e in executables] if staging is not None else []
@@ -229,8 +237,13 @@ def check_traced(spec, plan, traced, log) -> None:
         log(f"memory per rank with scratch: {human(d.total)} (scratch {human(d.scratch)}, {d.scratch_of})")
 
 
+def per_rank(spec, d: Breakdown) -> dict[str, Breakdown]:
+    """The breakdown of every rank, by rank key (every rank holds the same shapes)."""
+    return {rank_key(r): d for r in range(spec.topology.world)}
+
+
 def record(spec, plan, executables, staging) -> dict:
     """The manifest's "memory": the full breakdown per rank, checked once more with the executables."""
     d = check(spec, plan, "with the compiled executables", executables, staging)
-    return {rank_key(r): d.to_dict() for r in range(spec.topology.world)}
+    return {rank: b.to_dict() for rank, b in per_rank(spec, d).items()}
 

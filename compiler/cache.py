@@ -3,6 +3,7 @@
     <dir>/v1/
       <kind>/<key[:2]>/<key>/artifact     the cached file (executable, weights, trace record)
       <kind>/<key[:2]>/<key>/meta.json    key, identity, parts and their hashes, digest, size
+      <kind>/<key[:2]>/<key>/signature.json   with a signing key: Ed25519 over meta.json
       locks/<kind>-<key>.lock             flock: one process builds a given entry at a time
       tmp/                                entries being written (renamed into place when whole)
       files/                              memo of checkpoint tensor digests by file stat
@@ -28,11 +29,13 @@ from pathlib import Path
 
 from deepinfer.compiler.keys import CACHE_VERSION, Key
 from deepinfer.bundles.manifest import sha256_file
+from deepinfer.bundles.signing import TrustError, sign_bytes, verify_bytes
 from deepinfer.errors import DeepinferError
 
 ENV_DIR = "DEEPINFER_CACHE_DIR"
 ARTIFACT = "artifact"
 META = "meta.json"
+SIGNATURE = "signature.json"
 KINDS = ("executable", "trace", "weights", "host")
 
 
@@ -103,20 +106,56 @@ class Lock:
         self.release()
 
 
+class _NoLock:
+    """What `Cache.lock` hands out when the cache cannot be written: nothing to hold."""
+
+    held = True
+
+    def release(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
 class Cache:
-    def __init__(self, directory: Path, log=lambda msg: None):
+    """A cache that cannot be written (full disk, read-only directory, a file in the way) is
+    used read-only with one warning: it never fails a compile.
+
+    With `sign` (an Ed25519 private key), every entry stored gets a signature of its meta.json
+    (which holds the artifact's digest); with `trust` (a public key), an entry is used only when
+    that signature verifies, and is otherwise removed and rebuilt (`bundles.signing`)."""
+
+    def __init__(self, directory: Path, log=lambda msg: None, *, sign=None, trust=None):
         self.dir = Path(directory)
         self.root = self.dir / f"v{CACHE_VERSION}"
         self.log = log
+        self.sign, self.trust = sign, trust
         self.stats = {"hit": [], "miss": [], "corrupt": [], "stored": [], "compiled": []}
+        self.read_only = False
+
+    def _cannot_write(self, e: OSError) -> None:
+        """Stop writing to the cache, with one warning naming the directory and why."""
+        if not self.read_only:
+            self.read_only = True
+            self.log(f"warning: cache {self.dir}: cannot write ({e.strerror or e}); this compile goes on "
+                     "without storing to the cache")
 
     # --- paths ---
     def entry_dir(self, kind: str, key: str) -> Path:
         return self.root / kind / key[:2] / key
 
-    def lock(self, kind: str, key: Key | str, blocking: bool = True) -> Lock:
+    def lock(self, kind: str, key: Key | str, blocking: bool = True) -> Lock | _NoLock:
         digest = key.digest if isinstance(key, Key) else key
-        return Lock(self.root / "locks" / f"{kind}-{digest}.lock", blocking)
+        if not self.read_only:
+            try:
+                return Lock(self.root / "locks" / f"{kind}-{digest}.lock", blocking)
+            except OSError as e:
+                self._cannot_write(e)
+        return _NoLock()
 
     # --- reading ---
     def lookup(self, kind: str, key: Key | str) -> Entry | None:
@@ -124,11 +163,19 @@ class Cache:
         digest = key.digest if isinstance(key, Key) else key
         path = self.entry_dir(kind, digest)
         try:
-            meta = json.loads((path / META).read_text())
+            raw = (path / META).read_bytes()
+            meta = json.loads(raw)
         except (OSError, ValueError):
             if path.exists():
                 self._corrupt(Entry(kind, digest, path, {}), "unreadable meta.json")
             return None
+        if self.trust is not None:
+            try:
+                verify_bytes(raw, path / SIGNATURE, self.trust)
+            except TrustError as e:
+                self._corrupt(Entry(kind, digest, path, meta if isinstance(meta, dict) else {}),
+                              f"not signed by the trusted key: {e}")
+                return None
         if not isinstance(meta, dict) or meta.get("key") != digest or not (path / ARTIFACT).is_file():
             self._corrupt(Entry(kind, digest, path, meta if isinstance(meta, dict) else {}), "incomplete entry")
             return None
@@ -193,7 +240,15 @@ class Cache:
 
     def _put(self, kind: str, key: Key, write) -> None:
         """Write the entry whole in tmp/, then rename it into place (an intact entry already
-        there, written by another compile, is kept)."""
+        there, written by another compile, is kept). A write that fails makes the cache read-only."""
+        if self.read_only:
+            return
+        try:
+            self._write_entry(kind, key, write)
+        except OSError as e:
+            self._cannot_write(e)
+
+    def _write_entry(self, kind: str, key: Key, write) -> None:
         final = self.entry_dir(kind, key.digest)
         (self.root / "tmp").mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{kind}-{key.digest[:16]}-", dir=self.root / "tmp"))
@@ -204,7 +259,10 @@ class Cache:
             meta = {"cache_version": CACHE_VERSION, "kind": kind, "key": key.digest, "identity": key.identity,
                     "digest": sha256_file(tmp / ARTIFACT), "size": (tmp / ARTIFACT).stat().st_size,
                     "created": time.time(), "parts": key.describe()}
-            _fsync_write(tmp / META, (json.dumps(meta, indent=1) + "\n").encode())
+            raw = (json.dumps(meta, indent=1) + "\n").encode()
+            if self.sign is not None:
+                _fsync_write(tmp / SIGNATURE, (json.dumps(sign_bytes(raw, self.sign)) + "\n").encode())
+            _fsync_write(tmp / META, raw)
             final.parent.mkdir(parents=True, exist_ok=True)
             if final.exists() and self.lookup(kind, key.digest) is not None:
                 return                                   # another compile stored it first
@@ -218,8 +276,12 @@ class Cache:
 
     def remove(self, path: Path) -> None:
         """Take an entry out of its place atomically, then delete it."""
-        (self.root / "tmp").mkdir(parents=True, exist_ok=True)
-        trash = Path(tempfile.mkdtemp(prefix="removed-", dir=self.root / "tmp"))
+        try:
+            (self.root / "tmp").mkdir(parents=True, exist_ok=True)
+            trash = Path(tempfile.mkdtemp(prefix="removed-", dir=self.root / "tmp"))
+        except OSError as e:
+            self._cannot_write(e)
+            return
         try:
             os.replace(path, trash / "entry")
         except OSError:

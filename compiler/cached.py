@@ -72,14 +72,15 @@ def _specs(specs) -> list:
     return [[s.name, list(s.shape), str(s.dtype), s.role] for s in specs]
 
 
-def trace_key(spec, plan, kind: str, method: str, batch: int, tokens: int) -> Key:
+def trace_key(spec, plan, kind: str, method: str, batch: int, tokens: int, context: int | None) -> Key:
     region = plan.kinds[kind].region
-    sig = Signature(weight_specs(region), region.input_specs(batch, tokens, spec.geometry))
-    return Key.of("trace", executable_name(kind, method, batch, tokens), [
+    geometry = spec.geometry_at(context)
+    sig = Signature(weight_specs(region), region.input_specs(batch, tokens, geometry))
+    return Key.of("trace", executable_name(kind, method, batch, tokens, context), [
         ("format", format_part()),
         ("region", {"class": type(region).__qualname__, "kind": kind, "method": method}),
-        ("bucket", {"batch": batch, "tokens": tokens}),
-        ("geometry", vars(spec.geometry)),
+        ("bucket", {"batch": batch, "tokens": tokens, "context": context}),
+        ("geometry", vars(geometry)),
         ("model", _model_part(spec)),
         ("topology", spec.topology.to_dict()),
         ("fp8", region.fp8_format),
@@ -90,14 +91,14 @@ def trace_key(spec, plan, kind: str, method: str, batch: int, tokens: int) -> Ke
     ])
 
 
-def executable_key(spec, plan, kind: str, method: str, batch: int, tokens: int, graph: str,
+def executable_key(spec, plan, kind: str, method: str, batch: int, tokens: int, context: int | None, graph: str,
                    kernels: list[str]) -> Key:
     region = plan.kinds[kind].region
-    return Key.of("executable", executable_name(kind, method, batch, tokens), [
+    return Key.of("executable", executable_name(kind, method, batch, tokens, context), [
         ("format", format_part()),
         ("graph", graph),
         ("region", {"class": type(region).__qualname__, "method": method}),
-        ("bucket", {"batch": batch, "tokens": tokens}),
+        ("bucket", {"batch": batch, "tokens": tokens, "context": context}),
         ("target", _target_part(spec)),
         ("toolchain", spec.target.toolchain()),
         ("kernels", kernel_sources(kernels)),
@@ -109,9 +110,12 @@ def executable_key(spec, plan, kind: str, method: str, batch: int, tokens: int, 
 
 def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
     """{tensor name: sha256 of dtype, shape and raw bytes} for one safetensors file,
-    memoized by the file's identity and stat (a changed file is re-hashed)."""
+    memoized by the file's identity and stat: path, device, inode, size, mtime and ctime. A file
+    edited in place with its size and mtime restored (`rsync -t --inplace`, `touch -r`) still
+    has a new ctime, which no user call can set back, so it is re-hashed."""
     st = os.stat(path)
-    ident = sha256(f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode())
+    ident = sha256(f"{os.path.realpath(path)}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}"
+                   f"\0{st.st_ctime_ns}".encode())
     memo_file = memo / f"{ident}.json" if memo else None
     if memo_file and memo_file.exists():
         try:
@@ -133,10 +137,14 @@ def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
                 left -= len(block)
             out[t.name] = h.hexdigest()
     if memo_file:
-        memo.mkdir(parents=True, exist_ok=True)
         tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(out))
-        os.replace(tmp, memo_file)
+        try:
+            memo.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(out))
+            os.replace(tmp, memo_file)
+        except OSError:                             # a cache that cannot be written: hash again next time
+            with contextlib.suppress(OSError):
+                tmp.unlink()
     return out
 
 
@@ -206,13 +214,14 @@ def vision_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
 
 
 def bundle_key(spec, weights: dict[str, Key], host: Key, traces: dict[str, Key], vision: Key | None = None,
-               engram: Key | None = None) -> Key:
+               engram: Key | None = None, tokenizer: dict[str, str] | None = None) -> Key:
+    """`tokenizer`: the sha256 of each tokenizer file the bundle carries (none for the byte tokenizer)."""
     c = spec.config
     return Key.of("bundle", str(c.source.name), [
         ("format", format_part()),
         ("config", {"model": _model_part(spec), "target": _target_part(spec),
                     "buckets": {"batch": list(c.buckets.batch), "tokens": list(c.buckets.tokens),
-                                "max_context": c.buckets.max_context},
+                                "max_context": c.buckets.max_context, "context": list(c.buckets.context)},
                     "kv": {"block_size": c.kv.block_size, "num_blocks": c.kv.num_blocks},
                     "parallel": {"tp": c.parallel.tp, "ep": c.parallel.ep, "cp": c.parallel.cp},
                     "quant": spec.recipe.name, "host": c.host.embedding,
@@ -223,7 +232,8 @@ def bundle_key(spec, weights: dict[str, Key], host: Key, traces: dict[str, Key],
         ("traces", {k: v.digest for k, v in traces.items()}),
         ("sources", modules_digest(import_closure(BUNDLE_ROOTS))),
     ] + ([("vision", vision.digest)] if vision is not None else [])
-      + ([("engram", engram.digest)] if engram is not None else []))
+      + ([("engram", engram.digest)] if engram is not None else [])
+      + ([("tokenizer", tokenizer)] if tokenizer else []))
 
 
 def weight_file_keys(spec, plan, ckpt: Checkpoint, run) -> dict[str, tuple[str, Key]]:

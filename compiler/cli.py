@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from deepinfer.cli_common import user_errors
+from deepinfer.cli_common import trust_option, trusted_key, user_errors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -18,7 +18,8 @@ from deepinfer.cli_common import user_errors
               help="Bundle directory to write (default: build/<name of MODEL_TOML's folder>).")
 @click.option("--jobs", "-j", type=int, default=1, show_default=True,
               help="Compile executables in N parallel worker processes.")
-@click.option("--force", is_flag=True, help="Replace an existing bundle at the output path.")
+@click.option("--force", is_flag=True, help="Replace an existing bundle (or an empty directory) at the output path; "
+              "anything else there is refused.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout when done.")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Artifact cache directory (default: $DEEPINFER_CACHE_DIR, else model.toml [cache] dir, "
@@ -34,14 +35,18 @@ from deepinfer.cli_common import user_errors
                    "that --finish completes on any host with neuronx-cc.")
 @click.option("--finish", "finish", type=click.Path(file_okay=False, path_type=Path), metavar="BUNDLE",
               help="Compile the HLO modules of an HLO-stage trn2 BUNDLE into NEFFs (no MODEL_TOML).")
+@click.option("--sign", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="KEY",
+              help="Ed25519 private key (PEM): sign the bundle's manifest (signature.json) and the cache entries "
+                   "this compile stores. `deepinfer keygen` or `openssl genpkey -algorithm ed25519` makes one.")
+@trust_option
 @user_errors
 def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, as_json: bool, cache_dir: Path | None,
          no_cache: bool, print_cache_key: bool, require_cache: bool, verbose: bool, hlo_only: bool,
-         finish: Path | None):
+         finish: Path | None, sign: Path | None, trust: Path | None):
     """Compile MODEL_TOML into a bundle: one executable per (region kind, method, bucket).
 
     \b
-    Passes: parse config -> plan regions -> check memory budget -> preprocess
+    Passes: parse config -> copy tokenizer -> plan regions -> check memory budget -> preprocess
     weights (per rank) -> trace (and lower) -> check memory budget with scratch
     -> compile -> lay out state -> write manifest -> publish (atomic rename).
     Every layer of a kind and every rank reuse the same executables; the
@@ -67,16 +72,22 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(".cache/inductor").resolve()))
     if (model_toml is None) == (finish is None):
         raise click.UsageError("give MODEL_TOML, or --finish BUNDLE (not both)")
+    signing_key = None
+    if sign is not None:
+        from deepinfer.bundles.signing import load_private_key
+
+        signing_key = load_private_key(sign)
     if finish is not None:
         from deepinfer.compiler.finish import finish_bundle
 
-        finish_bundle(finish, jobs=jobs, log=lambda msg: click.echo(msg, err=True))
+        finish_bundle(finish, jobs=jobs, log=lambda msg: click.echo(msg, err=True), sign=signing_key)
         return
     cfg = load_compile_config(model_toml)
     if no_cache and (require_cache or cache_dir):
         raise click.UsageError("--no-cache excludes --require-cache and --cache-dir")
     log = lambda msg: click.echo(msg, err=True)  # noqa: E731
-    cache = None if no_cache else Cache(resolve_dir(cache_dir, cfg.cache.dir), log=log)
+    cache = None if no_cache else Cache(resolve_dir(cache_dir, cfg.cache.dir), log=log, sign=signing_key,
+                                         trust=trusted_key(trust))
     if print_cache_key:
         click.echo(cache_key(cfg, cache=cache, log=log, verbose=verbose, hlo_only=hlo_only).digest)
         return
@@ -85,13 +96,14 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
     click.echo(f"compiling {model_toml} -> {out}\n"
                f"  checkpoint {m.checkpoint} ({m.dtype}, cache_quant={str(m.cache_quant).lower()})\n"
                f"  target {t.name} ({t.executable}), buckets batch={list(b.batch)} tokens={list(b.tokens)} "
-               f"max_context={b.max_context}, kv block_size={cfg.kv.block_size} num_blocks={cfg.kv.num_blocks}, "
+               f"max_context={b.max_context} context={list(b.context)}, kv block_size={cfg.kv.block_size} num_blocks={cfg.kv.num_blocks}, "
                f"parallel tp={cfg.parallel.tp} ep={cfg.parallel.ep} cp={cfg.parallel.cp}, "
                f"jobs={jobs}, cache {cache.dir if cache else 'off'}{' (required)' if require_cache else ''}"
                f"{', stop at HLO' if hlo_only else ''}",
                err=True)
     path, timings = compile_bundle(cfg, out, jobs=jobs, force=force, log=log, cache=cache,
-                                   require_cache=require_cache, verbose=verbose, hlo_only=hlo_only)
+                                   require_cache=require_cache, verbose=verbose, hlo_only=hlo_only,
+                                   sign=signing_key)
     total = sum(timings.values())
     manifest = mf.read(path)
     n = len(manifest.regions)

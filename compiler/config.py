@@ -2,7 +2,7 @@
 
     [model]     checkpoint, dtype, cache_quant, tiny (generate when absent)
     [target]    name, executable, options
-    [buckets]   batch, tokens, max_context
+    [buckets]   batch, tokens, max_context, context
     [kv]        block_size, num_blocks
     [parallel]  tp, ep, cp
     [quant]     recipe
@@ -58,6 +58,10 @@ class BucketSection:
     batch: tuple[int, ...] = (1,)
     tokens: tuple[int, ...] = (1,)
     max_context: int = 256
+    # context buckets (positions, ascending, the last max_context): kinds whose shapes depend on the
+    # context are built once per bucket; a step runs the smallest that holds its longest sequence.
+    # None: [max_context]
+    context: tuple[int, ...] | None = None
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (batch, tokens) step shape an executable is compiled for."""
@@ -179,6 +183,11 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
     need(b.max_context > 0 and b.max_context >= max(b.tokens), "buckets", "max_context",
          f"must be positive and at least the largest tokens bucket ({max(b.tokens)})")
     need(kv.block_size > 0, "kv", "block_size", "must be positive")
+    ctx = list(b.context)
+    need(ctx and ctx == sorted(set(ctx)) and ctx[-1] == b.max_context
+         and all(c > 0 and c % kv.block_size == 0 for c in ctx[:-1]), "buckets", "context",
+         f"expected ascending context lengths, each a multiple of [kv] block_size ({kv.block_size}), "
+         f"the last equal to max_context ({b.max_context}); got {ctx}")
     min_blocks = -(-b.max_context // kv.block_size) * max(b.batch) + 1
     need(kv.num_blocks >= min_blocks, "kv", "num_blocks",
          f"{kv.num_blocks} blocks cannot hold {max(b.batch)} sequences of max_context {b.max_context} "
@@ -193,8 +202,11 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
     need(mem.reserve_gib >= 0, "memory", "reserve_gib", f"must be at least 0, got {mem.reserve_gib}")
     need(mem.limit_gib is None or mem.reserve_gib < mem.limit_gib, "memory", "reserve_gib",
          f"{mem.reserve_gib} GiB leaves nothing of limit_gib = {mem.limit_gib}")
+    need(not m.checkpoint.exists() or m.checkpoint.is_dir(), "model", "checkpoint",
+         f"{m.checkpoint} is a file; give the checkpoint directory (config.json and *.safetensors)")
     if m.tiny is not None:
         need(m.tiny.layers >= 6, "model", "tiny", "layers must be at least 6")
+        need(m.tiny.seed >= 0, "model", "tiny", f"seed must be at least 0, got {m.tiny.seed}")
 
 
 def config_error(cfg: CompileConfig, section: str, key: str, message: str) -> ConfigError:
@@ -210,9 +222,13 @@ def load_compile_config(path: str | Path) -> CompileConfig:
     """Parse and validate a model.toml. Relative paths are relative to the file."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -238,6 +254,9 @@ def load_compile_config(path: str | Path) -> CompileConfig:
             sections[name] = build(cls, value, key=(name,), rules=rules)
         except Problem as p:
             raise where.error(p.key[0], p.key[1] if len(p.key) > 1 else None, p.message) from None
+    b = sections["buckets"]
+    if b.context is None:
+        sections["buckets"] = dataclasses.replace(b, context=(b.max_context,))
     t = sections["target"]
     if t.executable is None and t.name in _targets():
         sections["target"] = dataclasses.replace(t, executable=_targets()[t.name].EXECUTABLES[0])

@@ -14,12 +14,12 @@ import dataclasses
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from deepinfer.bundles import layout, manifest as mf
+from deepinfer.bundles.signing import sign_file
 from deepinfer.compiler.jobs import Job, keep_failed_logs, run_jobs
-from deepinfer.compiler.pipeline import publish
+from deepinfer.compiler.publish import clean_stale, make_staging, publish
 from deepinfer.compiler.targets import TARGETS
 from deepinfer.errors import DeepinferError
 
@@ -31,8 +31,10 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None) -> Path:
-    """Compile every HLO module of an HLO-stage bundle into a NEFF; returns the bundle path."""
+def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None, sign=None) -> Path:
+    """Compile every HLO module of an HLO-stage bundle into a NEFF; returns the bundle path. The
+    manifest changes, so a signature of the HLO-stage bundle is dropped; `sign` (an Ed25519
+    private key) signs the finished one."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     bundle = Path(bundle)
     manifest = mf.read(bundle)
@@ -42,16 +44,17 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None) -> Path:
     t = manifest.target
     target = TARGETS[t.name](t.executable, t.options)
     target.require_compiler()
-    staging = Path(tempfile.mkdtemp(prefix=f".{bundle.name}.finish-", dir=bundle.resolve().parent))
+    clean_stale(bundle.resolve(), log)
+    staging = make_staging(bundle.resolve())
     try:
         shutil.copytree(bundle, staging / "b", copy_function=_link_or_copy)
         work = staging / "b"
         job_list = []
         for e in manifest.regions:
-            kind, method, bb, tt = e.kind, e.method, e.bucket.batch, e.bucket.tokens
-            neff = layout.executable_path(kind, method, bb, tt, target.suffix)
+            ident = (e.kind, e.method, e.bucket.batch, e.bucket.tokens, e.bucket.context)
+            neff = layout.executable_path(*ident, target.suffix)
             job_list.append((e, neff, Job(e.name, work / e.artifact, work / neff, t.name, t.executable, t.options,
-                                          log=work / layout.log_path(kind, method, bb, tt))))
+                                          log=work / layout.log_path(*ident))))
 
         def progress(done, total, job, seconds):
             log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
@@ -67,7 +70,10 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None) -> Path:
                                                **mf.executable_fields(target.describe(work / neff))))
         finished = dataclasses.replace(manifest, stage="executable", regions=tuple(regions), toolchain={
             **manifest.toolchain, "neuronx-cc": target.toolchain()["neuronx-cc"]})
+        (work / layout.SIGNATURE_FILE).unlink(missing_ok=True)
         mf.write(work, mf.stamp(work, finished))
+        if sign is not None:
+            sign_file(work / layout.MANIFEST_FILE, sign, work / layout.SIGNATURE_FILE)
         publish(work, bundle, force=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

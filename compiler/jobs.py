@@ -63,7 +63,11 @@ def keep_failed_logs(error: Exception, logs: Path, out: Path) -> Exception:
         return error
     kept = layout.failed_logs(out)
     shutil.rmtree(kept, ignore_errors=True)
-    shutil.copytree(logs, kept)
+    try:
+        shutil.copytree(logs, kept)
+    except OSError:                          # e.g. the disk that failed the compile is full
+        shutil.rmtree(kept, ignore_errors=True)
+        return error
     message = str(error)
     for path in (logs.resolve(), logs):
         message = message.replace(str(path), str(kept))

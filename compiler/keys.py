@@ -43,7 +43,7 @@ CACHE_VERSION = 1           # layout of the cache entries and of the key parts
 KEYED_OPTIONS = (
     "model.checkpoint", "model.tiny", "model.dtype", "model.cache_quant",
     "target.name", "target.executable", "target.options",
-    "buckets.batch", "buckets.tokens", "buckets.max_context",
+    "buckets.batch", "buckets.tokens", "buckets.max_context", "buckets.context",
     "kv.block_size", "kv.num_blocks",
     "parallel.tp", "parallel.ep", "parallel.cp",
     "quant.recipe", "host.embedding", "--hlo-only",
@@ -52,6 +52,8 @@ KEYED_OPTIONS = (
 UNKEYED_OPTIONS = (
     "cache.dir", "--output", "--jobs", "--force", "--json", "--cache-dir", "--no-cache",
     "--print-cache-key", "--require-cache", "--verbose", "--finish",
+    # signing adds signature files beside what is built; trust decides which cache entries are used
+    "--sign", "--trust",
     # the budget decides whether a compile is refused, not what it builds
     "memory.limit_gib", "memory.reserve_gib",
 )

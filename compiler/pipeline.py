@@ -1,6 +1,7 @@
 """deepinfer-compile as a list of named passes.
 
-    parse config -> plan regions -> check memory budget -> preprocess weights (per rank)
+    parse config -> copy tokenizer (and build engram's token map) -> plan regions -> check memory budget
+    -> preprocess weights (per rank)
     -> trace (and lower; on trn2: HLO, checked on XLA:CPU) -> check memory budget with scratch
     -> compile -> lay out state -> write manifest -> publish (atomic rename)
 
@@ -20,11 +21,11 @@ interrupted or failed compile leaves no partial bundle.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 
 import deepinfer
 from deepinfer.bundles import layout, manifest as mf
+from deepinfer.bundles.signing import sign_file
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler import budget, cached
 from deepinfer.compiler.cache import Cache
@@ -42,8 +44,10 @@ from deepinfer.compiler.jobs import Job, keep_failed_logs
 from deepinfer.compiler.keys import Key, graph_digest, kernels_reached
 from deepinfer.compiler.plan import RegionPlan, plan_regions
 from deepinfer.compiler.pools import plan_pools
+from deepinfer.compiler.publish import check_output, clean_stale, make_staging, publish
 from deepinfer.compiler.stream import stream
 from deepinfer.compiler.targets import TARGETS, Target
+from deepinfer.compiler.tokenizer import bundle_tokenizer, tokenizer_digests
 from deepinfer.compiler.trace import trace
 from deepinfer.compiler.weights import RECIPES, Recipe, host_entries, host_files, stack_files
 from deepinfer.errors import ConfigError, DeepinferError
@@ -77,10 +81,15 @@ class Spec:
         name = self.config.quant.recipe
         return RECIPES[self.target.recipe if name == "target" else name]
 
-    def executables(self, plan: RegionPlan) -> list[tuple[str, str, int, int]]:
-        """(kind, method, batch, tokens) of every executable (MoE on gathered rows under EP dispatch)."""
+    def executables(self, plan: RegionPlan) -> list[tuple[str, str, int, int, int | None]]:
+        """(kind, method, batch, tokens, context) of every executable (MoE on gathered rows under EP
+        dispatch; context None for the kinds whose shapes do not depend on it)."""
         gathered = self.topology.groups if self.topology.dispatch else 1
-        return plan.executables(self.config.buckets.shapes(), gathered)
+        return plan.executables(self.config.buckets.shapes(), self.config.buckets.context, gathered)
+
+    def geometry_at(self, context: int | None) -> Geometry:
+        """The geometry an executable of context bucket `context` is traced with (None: the full one)."""
+        return self.geometry if context is None else self.geometry.at_context(context)
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,12 @@ def parse(config: CompileConfig, hlo_only: bool, log) -> Spec:
     return Spec(config, model, topo, TARGETS[t.name](t.executable, t.options), geometry, hlo_only)
 
 
+def copy_tokenizer(spec: Spec, run: Run) -> dict[str, mf.HostFile]:
+    """The checkpoint's tokenizer files and engram's token map, checked against the config before
+    any weight is read (compiler/tokenizer.py); none for the byte-level tokenizer."""
+    return bundle_tokenizer(spec.model, spec.config.model.checkpoint, run.staging, run.log)
+
+
 def plan(spec: Spec, log) -> RegionPlan:
     p = plan_regions(spec.model.text, spec.dtype, spec.config.model.cache_quant, spec.topology,
                      spec.recipe.fp8_format)
@@ -150,17 +165,48 @@ def plan(spec: Spec, log) -> RegionPlan:
     return p
 
 
+def weight_files(spec: Spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path, wanted=None):
+    """The weight pass's output files under `staging` (planned from the checkpoint's headers: every
+    source tensor checked, nothing read) and each rank's manifest entries; `wanted` as `stack_files`'."""
+    files, stacks = stack_files(spec, plan, ckpt, staging, wanted)
+    files += host_files(spec.model, ckpt, staging, spec.recipe, wanted)
+    return files, stacks
+
+
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+SPACE_MARGIN = 1 << 30                      # executables, logs and the manifest besides the weights
+
+
+def check_space(staging: Path, need: int, out: Path) -> None:
+    """Refuse, before writing them, weights the output's file system has no room for."""
+    free = shutil.disk_usage(staging).free
+    if need + SPACE_MARGIN > free:
+        raise ConfigError(f"{out.parent}: {free / 2**30:.2f} GiB free, the bundle needs about "
+                          f"{(need + SPACE_MARGIN) / 2**30:.2f} GiB ({need / 2**30:.2f} GiB of weights); "
+                          "free space or choose another -o")
+
+
+def disk_error(e: OSError, out: Path) -> ConfigError:
+    """A write into the output's directory that the disk refused, as one line."""
+    where = e.filename or out.parent
+    return ConfigError(f"{where}: {e.strerror} while writing the bundle for {out}; nothing was published")
+
+
 def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
     """Every rank's stacks and the host files, streamed from the checkpoint (compiler/stream.py):
     each source byte read once, whatever the number of ranks; a file the cache holds is fetched."""
     ckpt = Checkpoint(spec.config.model.checkpoint)
+    unused = ckpt.layers_beyond(spec.model.text.num_hidden_layers)
+    if unused:
+        run.log(f"note: {ckpt.dir}: the checkpoint holds layers {unused[0]}..{unused[-1]}, which config.json's "
+                f"text_config.num_hidden_layers = {spec.model.text.num_hidden_layers} leaves unused")
     keys = cached.weight_file_keys(spec, plan, ckpt, run) if run.cache else {}
     with cached.held(run, keys) as fetched:
         def wanted(rel: str) -> bool:
             return rel not in fetched
 
-        files, stacks = stack_files(spec, plan, ckpt, run.staging, wanted)
-        files += host_files(spec.model, ckpt, run.staging, spec.recipe, wanted)
+        files, stacks = weight_files(spec, plan, ckpt, run.staging, wanted)
+        check_space(run.staging, sum(f.layout()[2] for f in files), run.out)
         report = stream(files, workers=run.jobs, log=run.log)
         for f in files:
             rel = Path(f.path).relative_to(run.staging).as_posix()
@@ -176,6 +222,17 @@ def _io(specs) -> tuple[mf.TensorSpec, ...]:
                                role=s.role) for s in specs)
 
 
+def lowered_graph(spec: Spec, plan: RegionPlan, kind: str, method: str, batch: int, tokens: int,
+                  context: int | None = None):
+    """One executable's graph: its kind's region traced on fake tensors for the bucket (`context`:
+    its context bucket, None for kinds built once), lowered for the target -> (lowered program,
+    signature, example inputs, kernels the traced graph reaches)."""
+    ep, sig, inputs = trace(plan.kinds[kind].region, batch, tokens, spec.geometry_at(context), method,
+                            dynamic=not spec.target.static_shapes)
+    kernels = kernels_reached(ep)
+    return spec.target.lower(ep), sig, inputs, kernels
+
+
 def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
     """Trace, lower and emit each executable's graph (a cache hit skips all three); trn2 graphs
     are also run on XLA:CPU against their reference region here."""
@@ -184,23 +241,21 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
     lowered_dir.mkdir()
     use_cache = run.cache is not None and not spec.hlo_only
     executables, jobs, keys = [], [], {}
-    for kind, method, batch, tokens in spec.executables(plan):
-        name = layout.executable_name(kind, method, batch, tokens)
-        artifact = layout.executable_path(kind, method, batch, tokens, target.suffix)
-        tkey = cached.trace_key(spec, plan, kind, method, batch, tokens) if use_cache else None
+    for kind, method, batch, tokens, context in spec.executables(plan):
+        name = layout.executable_name(kind, method, batch, tokens, context)
+        artifact = layout.executable_path(kind, method, batch, tokens, context, target.suffix)
+        tkey = cached.trace_key(spec, plan, kind, method, batch, tokens, context) if use_cache else None
         record = cached.trace_record(run, tkey) if use_cache else None
         if record and run.cache.get_file("executable", record["executable_key"], run.staging / artifact):
             executables.append(mf.parse_executable(record["entry"], f"cached trace record of {name}"))
             run.log(f"cached {name}")
             continue
         region = plan.kinds[kind].region
-        ep, sig, inputs = trace(region, batch, tokens, spec.geometry, method, dynamic=not target.static_shapes)
-        kernels = kernels_reached(ep)
-        ep = target.lower(ep)
+        ep, sig, inputs, kernels = lowered_graph(spec, plan, kind, method, batch, tokens, context)
         names = [s.name for s in sig.all]
         user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
         mutated = sorted(names[user.index(n)] for n in ep.graph_signature.user_inputs_to_mutate.values())
-        entry = mf.Executable(kind=kind, method=method, bucket=mf.Shape(batch=batch, tokens=tokens),
+        entry = mf.Executable(kind=kind, method=method, bucket=mf.Shape(batch=batch, tokens=tokens, context=context),
                               artifact=artifact, executable=target.executable, inputs=_io(sig.all),
                               outputs=tuple(region.output_names()), mutates=tuple(mutated),
                               scratch_bytes=budget.scratch_bytes(ep))
@@ -208,7 +263,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
         if target.static_shapes:                 # state comes back as outputs: emit and check now
             entry = _emit_and_check(spec, entry, ep, names, lowered, region, method, inputs, run)
         if spec.hlo_only:
-            entry = dataclasses.replace(entry, artifact=layout.executable_path(kind, method, batch, tokens,
+            entry = dataclasses.replace(entry, artifact=layout.executable_path(kind, method, batch, tokens, context,
                                                                                target.lowered_suffix))
             (run.staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
             os.replace(lowered, run.staging / entry.artifact)
@@ -218,7 +273,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
         if not target.static_shapes:
             run.log(f"traced {name}")
         if use_cache:
-            ekey = cached.executable_key(spec, plan, kind, method, batch, tokens, graph_digest(ep), kernels)
+            ekey = cached.executable_key(spec, plan, kind, method, batch, tokens, context, graph_digest(ep), kernels)
             record = {"executable_key": ekey.digest, "kernels": kernels, "entry": mf.to_json(entry)}
             run.cache.put_bytes("trace", tkey, json.dumps(record).encode())
             if run.cache.get_file("executable", ekey, run.staging / artifact):
@@ -229,7 +284,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
         if not target.static_shapes:
             target.emit(ep, names, list(entry.outputs), lowered)
         jobs.append(Job(name, lowered, run.staging / artifact, target.name, target.executable, target.options,
-                        log=run.staging / layout.log_path(kind, method, batch, tokens)))
+                        log=run.staging / layout.log_path(kind, method, batch, tokens, context)))
     return Traced(tuple(executables), tuple(jobs), keys)
 
 
@@ -278,8 +333,8 @@ def layout_state(spec: Spec, plan: RegionPlan) -> State:
     return State(pools, bindings)
 
 
-def write_manifest(spec: Spec, plan: RegionPlan, weights: Weights, executables: tuple[mf.Executable, ...],
-                   state: State, run: Run) -> mf.Manifest:
+def write_manifest(spec: Spec, plan: RegionPlan, weights: Weights, tokenizer: dict[str, mf.HostFile],
+                   executables: tuple[mf.Executable, ...], state: State, run: Run) -> mf.Manifest:
     c, g = spec.config, spec.geometry
     layers = tuple(mf.Layer(
         layer=p.layer, attn=p.attn, ratio=p.ratio, kv_source=p.kv_source, candidate_source=p.candidate_source,
@@ -295,9 +350,9 @@ def write_manifest(spec: Spec, plan: RegionPlan, weights: Weights, executables: 
         topology=mf.Ranks.of(spec.topology, spec.target.lnc),
         model=mf.Model(config=spec.model.to_dict(), config_hash=spec.model.digest(), dtype=c.model.dtype,
                        cache_quant=c.model.cache_quant, weight_format="e4m3fn", scale_layout="ue8m0-u8-row-major",
-                       tokenizer="byte"),
+                       tokenizer="tokenizers" if tokenizer else "byte"),
         buckets=mf.Buckets(shapes=tuple(mf.Shape(batch=b, tokens=t) for b, t in c.buckets.shapes()),
-                           max_context=c.buckets.max_context),
+                           max_context=c.buckets.max_context, contexts=c.buckets.context),
         kv=mf.KV(block_size=c.kv.block_size, num_blocks=c.kv.num_blocks, slots=g.slots, max_blocks=g.max_blocks,
                  scratch="block 0 and slot 0", pools=state.pools, state_writes=spec.target.state_writes,
                  static_pools=spec.target.static_shapes),
@@ -305,7 +360,7 @@ def write_manifest(spec: Spec, plan: RegionPlan, weights: Weights, executables: 
         head=mf.Binding(kind="head", index=0),
         layers=layers,
         weights=weights.stacks,
-        host=weights.host,
+        host={**weights.host, **tokenizer},
         # per rank; refuses the bundle if the executables overflow it
         memory=budget.record(spec, plan, executables, run.staging),
     )
@@ -324,6 +379,7 @@ class Pass:
 
 PASSES = [
     Pass("parse config", parse, ("config", "hlo_only", "log"), "spec"),
+    Pass("copy tokenizer", copy_tokenizer, ("spec", "run"), "tokenizer"),
     Pass("plan regions", plan, ("spec", "log"), "plan"),
     Pass("check memory budget", budget.check_planned, ("spec", "plan", "log"), None),
     Pass("preprocess weights", preprocess_weights, ("spec", "plan", "run"), "weights"),
@@ -331,24 +387,12 @@ PASSES = [
     Pass("check memory budget with scratch", budget.check_traced, ("spec", "plan", "traced", "log"), None),
     Pass("compile", compile_regions, ("spec", "traced", "run"), "executables"),
     Pass("lay out state", layout_state, ("spec", "plan"), "state"),
-    Pass("write manifest", write_manifest, ("spec", "plan", "weights", "executables", "state", "run"), "manifest"),
+    Pass("write manifest", write_manifest, ("spec", "plan", "weights", "tokenizer", "executables", "state", "run"),
+         "manifest"),
 ]
 
 
 # --- publishing and the API ---------------------------------------------------------------------
-
-def publish(staging: Path, out: Path, force: bool) -> None:
-    """Rename the finished bundle into place (an existing one is replaced only with force)."""
-    if out.exists():
-        if not force:
-            raise ConfigError(f"{out}: exists; pass --force to replace it")
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, trash / out.name)
-        os.replace(staging, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(staging, out)
-
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -356,25 +400,28 @@ def _stderr(msg: str) -> None:
 
 def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bool = False, log=None,
                    cache: Cache | None = None, require_cache: bool = False, verbose: bool = False,
-                   hlo_only: bool = False) -> tuple[Path, dict[str, float]]:
+                   hlo_only: bool = False, sign=None) -> tuple[Path, dict[str, float]]:
     """Run every pass; returns the bundle path and the seconds each pass took.
 
     With `cache`, every executable, weight stack and trace is fetched by key or
     built and stored; `cache.stats` counts hits, misses and compiles. With
     `require_cache`, a miss raises CacheError naming the region and why.
     `verbose` logs each missed key's part hashes. `hlo_only` (trn2) stops after lowering and
-    checking: the bundle holds HLO modules, finished later by `finish_bundle`.
+    checking: the bundle holds HLO modules, finished later by `finish_bundle`. With `sign` (an
+    Ed25519 private key, `bundles.signing`), the manifest is signed before the bundle is published.
     """
     log = log or _stderr
     out = Path(out)
-    if out.exists() and not force:
-        raise ConfigError(f"{out}: exists; pass --force to replace it")
+    check_output(out, force, config.model.checkpoint)
     if require_cache and cache is None:
         raise ConfigError("--require-cache needs a cache (drop --no-cache)")
     if hlo_only and not TARGETS[config.target.name].static_shapes:
         raise config_error(config, "target", "name", f"--hlo-only is for the trn2 target, not {config.target.name!r}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=layout.staging_prefix(out), dir=out.parent))
+    clean_stale(out, log)
+    try:
+        staging = make_staging(out)
+    except OSError as e:
+        raise disk_error(e, out) from None
     values = {"config": config, "hlo_only": hlo_only, "log": log,
               "run": Run(staging, out, jobs=jobs, log=log, cache=cache, require_cache=require_cache, verbose=verbose)}
     timings: dict[str, float] = {}
@@ -385,11 +432,15 @@ def compile_bundle(config: CompileConfig, out: Path, *, jobs: int = 1, force: bo
             if p.makes:
                 values[p.makes] = made
             timings[p.name] = time.perf_counter() - start
+        if sign is not None:
+            sign_file(staging / layout.MANIFEST_FILE, sign, staging / layout.SIGNATURE_FILE)
         for path in staging.rglob("*"):      # safetensors writes 0600; a bundle is for sharing
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
         os.chmod(staging, 0o755)
         publish(staging, out, force)
     except BaseException as e:
+        if isinstance(e, OSError) and e.errno in DISK_ERRORS:
+            e = disk_error(e, out)
         if isinstance(e, DeepinferError):
             e = keep_failed_logs(e, staging / layout.LOGS_DIR, out)
         shutil.rmtree(staging, ignore_errors=True)
@@ -410,11 +461,11 @@ def cache_key(config: CompileConfig, *, cache: Cache | None = None, log=None, ve
     memo = cache.root / "files" if cache else None
     weights = {f"{kind} rank {r}": cached.weights_key(spec, ckpt, kind, kp, r, memo) for kind, kp in p.kinds.items()
                for r in range(spec.topology.world)}
-    traces = {layout.executable_name(k, m, bb, t): cached.trace_key(spec, p, k, m, bb, t)
-              for k, m, bb, t in spec.executables(p)}
+    traces = {layout.executable_name(*e): cached.trace_key(spec, p, *e) for e in spec.executables(p)}
     key = cached.bundle_key(spec, weights, cached.host_key(spec, ckpt, memo), traces,
                             cached.vision_key(spec, ckpt, memo) if spec.model.vision.num_hidden_layers > 0 else None,
-                            cached.engram_key(spec, ckpt, memo) if spec.model.text.engram_layer_ids else None)
+                            cached.engram_key(spec, ckpt, memo) if spec.model.text.engram_layer_ids else None,
+                            tokenizer_digests(config.model.checkpoint))
     if verbose:
         for k in [*weights.values(), *traces.values(), key]:
             log(f"{k.kind} {k.identity} {k.digest[:16]}")

@@ -1,8 +1,11 @@
 """Region planning: which (kind, method) each layer runs, and the executables to build.
 
 Layers are grouped by region kind (the attention variant, engram, moe; the
-head once). Each kind is traced once per bucket; its weights are stacked over
-the layers of that kind so layer i's weights are slice `index` of each stack.
+head once). Each kind is traced once per bucket: per (batch, tokens), and per
+context bucket too for the kinds whose shapes depend on the context (those
+reading a block table: attention with compressed state). Its weights are
+stacked over the layers of that kind so layer i's weights are slice `index`
+of each stack.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from deepinfer.regions.base import Region
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.plan import make_head, make_layer_regions
+from deepinfer.regions.state import reads_context
 from deepinfer.regions.step import LayerPlan, plan_layers
 from deepinfer.bundles.topology import Topology
 
@@ -28,6 +32,11 @@ class KindPlan:
     slot: str = ""                                         # engram | attn | moe | head
     full_specs: list = field(default_factory=list)         # the unsharded weights (as in the checkpoint)
 
+    @property
+    def reads_context(self) -> bool:
+        """Built per context bucket: its input shapes depend on the block-table width."""
+        return reads_context(self.region)
+
 
 @dataclass
 class RegionPlan:
@@ -36,10 +45,13 @@ class RegionPlan:
     # layer -> {slot: (kind, index in that kind's stacks)}
     bindings: dict[int, dict[str, tuple[str, int]]]
 
-    def executables(self, shapes: list[tuple[int, int]], gathered: int = 1) -> list[tuple[str, str, int, int]]:
-        """(kind, method, batch, tokens) to build. With EP dispatch over `gathered` token groups
+    def executables(self, shapes: list[tuple[int, int]], contexts: tuple[int, ...],
+                    gathered: int = 1) -> list[tuple[str, str, int, int, int | None]]:
+        """(kind, method, batch, tokens, context) to build: context is one of `contexts` for the
+        kinds that read it, None for the others. With EP dispatch over `gathered` token groups
         the MoE runs on the gathered rows: its batch buckets are `gathered` times larger."""
-        return [(k, METHOD, b * (gathered if k == "moe" else 1), t) for k in self.kinds for b, t in shapes]
+        return [(k, METHOD, b * (gathered if k == "moe" else 1), t, c) for k, kp in self.kinds.items()
+                for b, t in shapes for c in (contexts if kp.reads_context else (None,))]
 
 
 def plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology(),

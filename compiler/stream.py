@@ -13,7 +13,8 @@ read once: one task serves all of its pieces.
 Memory: each worker holds one chunk (and one padded row buffer); never a stack or a
 whole tensor. Every problem with a source tensor (missing, other dtype or shape,
 truncated file) is found while planning, before any output is written, and named by
-file and tensor.
+file and tensor; a NaN or infinity in a float tensor (fp8 codes and scales included) is
+found as its rows are read, and fails the pass the same way (nothing is published).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deepinfer.bundles.safetensors import TensorInfo, layout_header, map_rows, pwrite
+from deepinfer.errors import CheckpointError
+from deepinfer.quant.finite import first_nonfinite
 from deepinfer.quant.stream import worker_context
 
 CHUNK_BYTES = 64 << 20
@@ -88,6 +91,8 @@ class Fp8Convert:
         codes = map_rows(self.codes, lo, hi).view(np.uint8)
         sr = self.src_block[0]
         scales = map_rows(self.scales, lo // sr, -(-hi // sr))
+        check_finite(self.codes, codes, lo)
+        check_finite(self.scales, scales, lo // sr)
         if self.scales.dtype == "F32":
             return rescale_fp32(codes, scales, self.src_block, self.dst_block, self.fmt)
         return convert_format(codes, scales.view(np.uint8), self.src_block, self.fmt)
@@ -264,7 +269,21 @@ def _task_rows(task: Task) -> dict[str, tuple[int, np.ndarray]]:
         data = map_rows(src, task.lo, task.hi).view(np.uint8).reshape(task.hi - task.lo, -1)
     else:                                               # a vector (or scalar): its elements are its rows
         data = map_rows(src, 0, 0).view(np.uint8).reshape(_rows(src), -1)[task.lo:task.hi]
+    check_finite(src, data, task.lo)
     return {"": (task.lo, data)}
+
+
+def check_finite(t: TensorInfo, rows: np.ndarray, first_row: int) -> None:
+    """Refuse a NaN or infinity in rows of checkpoint tensor `t` (read here anyway), naming the
+    file, the tensor and the element."""
+    i = first_nonfinite(rows, t.dtype)
+    if i is not None:
+        per_row = max(1, math.prod(t.shape[1:]))
+        flat = first_row * per_row + i
+        at = np.unravel_index(flat, t.shape) if t.shape else ()
+        raise CheckpointError(f"{t.path}: tensor {t.name}: non-finite value (NaN or infinity) at "
+                              f"[{', '.join(map(str, at))}]; the checkpoint is damaged or was saved from a "
+                              "diverged run")
 
 
 def run_task(task: Task) -> int:

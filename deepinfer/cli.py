@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from deepinfer.cli_common import generation_options, image_option, prompts_from, prompts_with_images, user_errors, \
-    write_logits
+from deepinfer.cli_common import echo_generations, generation_options, image_option, prompts_from, \
+    prompts_with_images, trust_option, trusted_key, user_errors, write_logits
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,7 +30,8 @@ def main():
 
 @main.command("make-tiny")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--seed", default=0, show_default=True, help="Random seed; the same seed gives the same bytes.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Random seed (>= 0); the same seed gives the same bytes.")
 @click.option("--layers", default=6, show_default=True,
               help="Number of layers (>= 6; longer models repeat the pattern so every layer kind stays present).")
 @click.option("--exist-ok", is_flag=True, help="Keep OUT when it already holds this tiny checkpoint.")
@@ -68,25 +69,24 @@ def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool, scales: str
                    "sequence's width), or lowest index first (what compiled bundles do).")
 @image_option
 @user_errors
-def reference_cmd(checkpoint, prompt, prompt_ids, max_new_tokens, chunk, dtype, cache_quant, topk_ties, as_json,
-                  dump_logits, images):
+def reference_cmd(checkpoint, prompt, chat, prompt_ids, max_new_tokens, chunk, dtype, cache_quant, topk_ties,
+                  as_json, dump_logits, images):
     """Generate greedily with the pure-torch reference model.
 
     The reference composes the same regions the compiler traces, layer by layer
     in eager torch, with its own state buffers. It is the oracle every bundle
-    is held to.
+    is held to. Text goes through the checkpoint's tokenizer.json where it has
+    one, else the tiny model's byte-level tokenizer.
 
     \b
     Example (an image at the prompt's <image> marker):
       deepinfer reference tiny/ --image cat.ppm --prompt "<image>What is this?"
     """
     from deepinfer.regions.reference import ReferenceModel
-    from deepinfer.regions.tokenizer import ByteTokenizer
 
     model = ReferenceModel(checkpoint, dtype=dtype, cache_quant=cache_quant, ties=topk_ties)
-    cfg = model.config
-    tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
-    prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: model.vision)
+    cfg, tok = model.config, model.tokenizer
+    prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: model.vision, chat)
     gens = model.generate(prompts, max_new_tokens, chunk=chunk, images=embeds)
     if dump_logits:
         write_logits(dump_logits, gens, {"source": "reference", "dtype": dtype, "cache_quant": cache_quant,
@@ -95,10 +95,11 @@ def reference_cmd(checkpoint, prompt, prompt_ids, max_new_tokens, chunk, dtype, 
         click.echo(json.dumps({
             "dtype": dtype, "cache_quant": cache_quant,
             "outputs": [{"prompt_ids": g.tokens[:g.prompt_len], "generated_ids": g.generated,
-                         "text": tok.decode(g.generated)} for g in gens]}))
+                         "text": tok.decode(g.generated), "error": g.error} for g in gens]}))
+        if any(g.error for g in gens):
+            sys.exit(1)
     else:
-        for g in gens:
-            click.echo(tok.decode(g.generated))
+        echo_generations(gens, tok.decode)
 
 
 # --- deepinfer compare / noise-floor ---
@@ -238,17 +239,20 @@ def compare_cmd(a, b, checkpoint, floor_file, no_floor, dtype, cache_quant, marg
 
 @main.command("diff")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--prompt", multiple=True, help="Prompt text (byte-level tokenizer). Repeat for a batch.")
+@click.option("--prompt", multiple=True, help="Prompt text (the bundle's tokenizer). Repeat for a batch.")
 @click.option("--prompt-ids", multiple=True, help="Prompt as token ids, e.g. 0,72,101. Repeat for a batch.")
 @click.option("--max-new-tokens", default=4, show_default=True, help="Tokens to generate per prompt.")
 @click.option("--tolerance", type=float, default=None,
               help="Worst score a kind may have [default: 1e-4 for fp32 bundles, 2e-2 for bf16].")
 @click.option("--per-layer", is_flag=True, help="One row per (kind, layer) instead of one per kind.")
-@click.option("--num-kv-blocks", type=int, default=None, help="Size of the KV block pool (default: the bundle's).")
+@click.option("--num-kv-blocks", type=click.IntRange(min=2), default=None,
+              help="Size of the KV block pool, block 0 being scratch (default: the bundle's).")
 @click.option("--no-verify", is_flag=True, help="Skip the digest check of the bundle's files at load.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@trust_option
 @user_errors
-def diff_cmd(bundle, prompt, prompt_ids, max_new_tokens, tolerance, per_layer, num_kv_blocks, no_verify, as_json):
+def diff_cmd(bundle, prompt, prompt_ids, max_new_tokens, tolerance, per_layer, num_kv_blocks, no_verify, as_json,
+             trust):
     """Rank BUNDLE's region kinds by how far they are from their pure-torch reference.
 
     Generates greedily on the prompts; every region call's inputs are copied
@@ -268,13 +272,11 @@ def diff_cmd(bundle, prompt, prompt_ids, max_new_tokens, tolerance, per_layer, n
       deepinfer diff build/tiny --prompt "Hello" --per-layer
     """
     from deepinfer import diff
-    from deepinfer.regions.tokenizer import ByteTokenizer
+    from deepinfer.regions.tokenizer import for_bundle
     from deepinfer.runtime import open_bundle
 
-    opened = open_bundle(bundle, verify=not no_verify)
-    cfg = opened.config
-    tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
-    prompts = prompts_from(prompt, prompt_ids, cfg.text.vocab_size, tok)
+    opened = open_bundle(bundle, verify=not no_verify, trust=trusted_key(trust))
+    prompts = prompts_from(prompt, prompt_ids, opened.config.text.vocab_size, for_bundle(opened))
     report = diff.diff_bundle(opened, prompts, max_new_tokens, tolerance=tolerance, num_kv_blocks=num_kv_blocks)
     if as_json:
         click.echo(json.dumps(diff.report_json(report)))
@@ -307,6 +309,48 @@ def open_cache(cache_dir: Path | None):
 
 cache_dir_option = click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
                                 help="Cache directory (default: $DEEPINFER_CACHE_DIR, else ~/.cache/deepinfer).")
+
+
+@main.command("plan")
+@click.argument("model_toml", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.option("--no-scratch", is_flag=True,
+              help="Do not trace the regions for their scratch (seconds instead of about a minute at release "
+                   "dimensions); the memory verdict then counts weights and state pools only.")
+@click.option("--scratch-of", "kinds", multiple=True, metavar="KIND",
+              help="Trace only this region kind (repeat for several), e.g. moe.")
+@cache_dir_option
+@click.option("--no-cache", is_flag=True, help="Do not read the compile cache's trace records.")
+@user_errors
+def plan_cmd(model_toml, as_json, no_scratch, kinds, cache_dir, no_cache):
+    """Print what `deepinfer compile MODEL_TOML` would build, reading no tensor data.
+
+    From the checkpoint's config.json and its safetensors headers (or config.json
+    alone): the layer plan, region kinds and executables per bucket, weight bytes
+    per rank after sharding, the state pools, the memory budget verdict of every
+    rank, the bundle's size on disk and the number of compile jobs. Nothing is
+    written. Exit status 0 whether or not the ranks fit: the verdict is printed.
+
+    Scratch comes from the trace records of the compile cache (an earlier compile
+    of the same file wrote them), else each region kind is
+    traced on fake tensors at its largest bucket (about 10 s of CPU a kind at
+    release dimensions).
+
+    \b
+    Example (the released Flash model at EP = CP = 64 on trn2):
+      deepinfer plan examples/release/model.toml
+    """
+    from deepinfer.compiler.bundle_plan import plan_bundle
+    from deepinfer.compiler.cache import Cache, resolve_dir
+    from deepinfer.compiler.config import load_compile_config
+
+    if no_cache and cache_dir:
+        raise click.UsageError("--no-cache excludes --cache-dir")
+    cfg = load_compile_config(model_toml)
+    log = lambda msg: click.echo(msg, err=True)  # noqa: E731
+    cache = None if no_cache else Cache(resolve_dir(cache_dir, cfg.cache.dir), log=log)
+    plan = plan_bundle(cfg, scratch=not no_scratch, kinds=kinds or None, cache=cache, log=log)
+    click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else "\n".join(plan.lines()))
 
 
 @main.group("cache")
@@ -406,6 +450,28 @@ def cache_explain(key_a, key_b, cache_dir):
             for k in sorted(set(va) | set(vb)):
                 if va.get(k) != vb.get(k):
                     click.echo(f"    {k}: {va.get(k)!r} -> {vb.get(k)!r}")
+
+
+@main.command("keygen")
+@click.argument("private_key", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("public_key", type=click.Path(dir_okay=False, path_type=Path), required=False)
+@user_errors
+def keygen_cmd(private_key: Path, public_key: Path | None):
+    """Make an Ed25519 key pair for signing bundles: PRIVATE_KEY (PEM, mode 0600) and PUBLIC_KEY
+    (PEM; default: PRIVATE_KEY with .pub appended). The same keys as `openssl genpkey -algorithm
+    ed25519` and `openssl pkey -pubout` make.
+
+    \b
+    Example:
+      deepinfer keygen ci-signing.pem                     # and ci-signing.pem.pub
+      deepinfer-compile model.toml -o build/m --sign ci-signing.pem
+      deepinfer-run build/m --trust ci-signing.pem.pub --prompt "Hello"
+    """
+    from deepinfer.bundles.signing import keygen
+
+    public_key = public_key or private_key.with_name(private_key.name + ".pub")
+    kid = keygen(private_key, public_key)
+    click.echo(f"wrote {private_key} (private, keep it secret) and {public_key} (public); key id {kid}")
 
 
 def _add_tools() -> None:

@@ -7,6 +7,7 @@ command imports the sub-CLIs, never the reverse.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,26 @@ def user_errors(fn):
     return wrapper
 
 
+TRUST_ENV = "DEEPINFER_TRUST"
+
+
+def trust_option(fn):
+    """--trust PUBKEY (or $DEEPINFER_TRUST): verify a bundle's signature before loading it."""
+    return click.option("--trust", type=click.Path(exists=True, dir_okay=False, path_type=Path), envvar=TRUST_ENV,
+                        help="Ed25519 public key (PEM) to trust: a bundle (or, compiling, a cache entry) whose "
+                             "signature does not verify with it is refused before anything of it is loaded "
+                             f"(default: ${TRUST_ENV}). Bundles and caches hold code; see the README, Trust.")(fn)
+
+
+def trusted_key(path: Path | None):
+    """The public key of --trust, or None."""
+    if path is None:
+        return None
+    from deepinfer.bundles.signing import load_public_key
+
+    return load_public_key(path)
+
+
 def parse_ids(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.replace(" ", "").split(",") if x]
@@ -38,8 +59,13 @@ def parse_ids(text: str) -> list[int]:
 
 
 def prompts_from(prompt: tuple[str, ...], prompt_ids: tuple[str, ...], vocab: int, tokenizer,
-                 image_token: int | None = None) -> list[list[int]]:
-    prompts = [tokenizer.encode(p, image_token=image_token) for p in prompt] + [parse_ids(p) for p in prompt_ids]
+                 image_token: int | None = None, chat: bool = False) -> list[list[int]]:
+    """Token ids of each --prompt (with `chat`, one user message through the chat template) and --prompt-ids."""
+    if chat:
+        texts = [tokenizer.chat([{"role": "user", "content": p}], image_token=image_token) for p in prompt]
+    else:
+        texts = [tokenizer.encode(p, image_token=image_token) for p in prompt]
+    prompts = texts + [parse_ids(p) for p in prompt_ids]
     if not prompts:
         raise click.UsageError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
     for ids in prompts:
@@ -49,15 +75,33 @@ def prompts_from(prompt: tuple[str, ...], prompt_ids: tuple[str, ...], vocab: in
     return prompts
 
 
+def _writable_destination(ctx, param, path: Path | None) -> Path | None:
+    """Check an output file's directory before the work that fills it (generation can take long)."""
+    if path is None:
+        return None
+    parent = path.parent
+    if not parent.is_dir():
+        raise click.BadParameter(f"{path}: directory {parent} does not exist", ctx, param)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"{path}: directory {parent} is not writable", ctx, param)
+    if path.is_dir():
+        raise click.BadParameter(f"{path}: is a directory", ctx, param)
+    return path
+
+
 def generation_options(fn):
     """The options `deepinfer reference` and `deepinfer-run` share: prompts, length, output."""
     options = [
-        click.option("--prompt", multiple=True, help="Prompt text (byte-level tokenizer). Repeat for a batch."),
+        click.option("--prompt", multiple=True, help="Prompt text (the model's tokenizer). Repeat for a batch."),
+        click.option("--chat", is_flag=True, help="Each --prompt is one user message, rendered through the "
+                     "tokenizer's chat template (with a generation prompt) before encoding."),
         click.option("--prompt-ids", multiple=True, help="Prompt as token ids, e.g. 0,72,101. Repeat for a batch."),
-        click.option("--max-new-tokens", default=16, show_default=True, help="Tokens to generate per prompt."),
+        click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True,
+                     help="Tokens to generate per prompt (at least 1)."),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text."),
-        click.option("--dump-logits", type=click.Path(dir_okay=False, path_type=Path),
-                     help="Write tokens and per-position float32 logits to this .safetensors file."),
+        click.option("--dump-logits", type=click.Path(dir_okay=False, path_type=Path), callback=_writable_destination,
+                     help="Write tokens and per-position float32 logits to this .safetensors file (its directory "
+                          "is checked before generating)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -72,20 +116,32 @@ image_option = click.option(
          "marker each.")
 
 
-def prompts_with_images(prompt, prompt_ids, images, config, tokenizer, tower):
+def prompts_with_images(prompt, prompt_ids, images, config, tokenizer, tower, chat: bool = False):
     """(token-id prompts, per-prompt image embeddings or None); `tower()` gives the vision tower,
     asked for only when there are images."""
     if not images:
-        return prompts_from(prompt, prompt_ids, config.text.vocab_size, tokenizer), None
+        return prompts_from(prompt, prompt_ids, config.text.vocab_size, tokenizer, chat=chat), None
     from deepinfer.regions.image import read_image
     from deepinfer.regions.spans import with_images
 
     token = config.image_token_id
-    prompts = prompts_from(prompt, prompt_ids, config.text.vocab_size, tokenizer, image_token=token)
+    prompts = prompts_from(prompt, prompt_ids, config.text.vocab_size, tokenizer, image_token=token, chat=chat)
     vision = tower()
     spans = [vision.embed(read_image(path)) for path in images]
     placed = [with_images(ids, spans, token, config.bos_token_id) for ids in prompts]
     return [ids for ids, _ in placed], [embeds for _, embeds in placed]
+
+
+def echo_generations(gens, decode) -> None:
+    """Text mode: each prompt's generated text on stdout, then, for one that stopped early (the
+    context or the KV pool ran out), the reason on stderr. Exits 1 after all are printed if any
+    stopped early."""
+    for i, g in enumerate(gens):
+        click.echo(decode(g.generated))
+        if g.error is not None:
+            click.echo(f"error: prompt {i}: stopped after {len(g.generated)} generated tokens: {g.error}", err=True)
+    if any(g.error is not None for g in gens):
+        sys.exit(1)
 
 
 def write_logits(path: Path, gens, meta: dict | None = None) -> None:

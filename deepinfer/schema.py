@@ -12,6 +12,7 @@ with the key path it was found at, which each caller turns into its own error
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -127,13 +128,18 @@ def coerce(value, tp, key: Key, rules: Rules):
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):                 # JSON readers accept NaN and Infinity
+                raise Problem(key, f"must be a finite number, got {value!r}")
             return float(value)
     elif tp is str:
         if isinstance(value, str):
             return value
     elif tp is Path:
         if isinstance(value, str):
-            return rules.paths(value)
+            try:
+                return rules.paths(value)
+            except (RuntimeError, ValueError, OSError) as e:       # e.g. `~nosuchuser/...`
+                raise Problem(key, f"cannot resolve the path {value!r} ({e})") from None
     else:
         raise TypeError(f"schema: no rule for annotation {tp!r} at {key}")
     raise Problem(key, f"expected {describe(tp)}, got {value!r}")

@@ -105,16 +105,29 @@ def dequant_fp8_rows(codes: Tensor, scales: Tensor, dtype: torch.dtype, fmt: str
     return (fp8_decode(codes, fmt) * s).to(dtype)
 
 
-def unpack_fp4(packed: Tensor) -> Tensor:
-    """uint8 [..., K/2] (two e2m1 codes a byte) -> float32 [..., K]."""
-    table = _e2m1_values(torch.arange(16, dtype=torch.int32, device=packed.device))
-    p = packed.to(torch.int64)
-    return torch.stack((table[p & 15], table[p >> 4]), dim=-1).flatten(-2)
+def fp4_pairs(device: torch.device) -> Tensor:
+    """float32 [256, 2]: the e2m1 values of a byte's low (even) and high (odd) nibble, by arithmetic."""
+    values = _e2m1_values(torch.arange(16, dtype=torch.int32, device=device))
+    return torch.stack((values.repeat(16), values.repeat_interleave(16)), dim=-1)
 
 
-def dequant_fp4(packed: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
-    """fp4 weight [..., N, K/2] with ue8m0 scales [..., N, ceil(K/32)] -> dtype [..., N, K]."""
-    values = unpack_fp4(packed)
+def unpack_fp4(packed: Tensor, pairs: Tensor | None = None) -> Tensor:
+    """uint8 [..., K/2] (two e2m1 codes a byte) -> float32 [..., K].
+
+    One lookup per byte in the pair table (`fp4_pairs`, built here unless a caller that
+    decodes many tiles passes the one it built): no per-nibble integer temporaries."""
+    pairs = fp4_pairs(packed.device) if pairs is None else pairs
+    values = pairs.index_select(0, packed.reshape(-1).to(torch.int64))                      # [numel, 2]
+    return values.view(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def dequant_fp4(packed: Tensor, scales: Tensor, dtype: torch.dtype, pairs: Tensor | None = None) -> Tensor:
+    """fp4 weight [..., N, K/2] with ue8m0 scales [..., N, ceil(K/32)] -> dtype [..., N, K].
+    `pairs`: the byte table of `unpack_fp4`, when the caller decodes many tiles."""
+    values = unpack_fp4(packed, pairs)
     cols = values.shape[-1]
-    s = ue8m0_decode(scales).repeat_interleave(FP4_GROUP, dim=-1)[..., :cols]
-    return (values * s).to(dtype)
+    s = ue8m0_decode(scales)
+    if cols % FP4_GROUP:
+        return (values * s.repeat_interleave(FP4_GROUP, dim=-1)[..., :cols]).to(dtype)
+    groups = values.unflatten(-1, (-1, FP4_GROUP))                                  # [..., N, K/32, 32]
+    return (groups * s.unsqueeze(-1)).flatten(-2).to(dtype)

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import safe_open
@@ -28,19 +28,36 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-class Checkpoint:
-    """Name -> tensor access over a checkpoint directory."""
+def _check_weight_map(index: Path, weight_map) -> None:
+    """Every entry a tensor name -> a file name inside the checkpoint directory."""
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: weight_map is a {type(weight_map).__name__}, expected an object")
+    for name, file in weight_map.items():
+        p = PurePosixPath(file) if isinstance(file, str) else None
+        if p is None or p.is_absolute() or ".." in p.parts or file in ("", "."):
+            raise CheckpointError(f"{index}: weight_map[{name!r}] = {file!r} is not a file inside the checkpoint "
+                                  "directory")
 
-    def __init__(self, directory: str | Path):
+
+class Checkpoint:
+    """Name -> tensor access over a checkpoint directory.
+
+    With `data` false only the safetensors headers need to be there (a headers-only
+    checkpoint, or a release whose data is not to be touched): names, dtypes, shapes and
+    offsets are all a plan needs; reading a tensor then fails."""
+
+    def __init__(self, directory: str | Path, *, data: bool = True):
         self.dir = Path(directory)
+        self.data = data
         index = self.dir / INDEX_FILE
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            _check_weight_map(index, weight_map)
         elif (self.dir / SINGLE_FILE).exists():
-            weight_map = dict.fromkeys(read_header(str(self.dir / SINGLE_FILE))[0], SINGLE_FILE)
+            weight_map = dict.fromkeys(read_header(str(self.dir / SINGLE_FILE), data=data)[0], SINGLE_FILE)
         else:
             raise CheckpointError(f"{self.dir}: no {SINGLE_FILE} or {INDEX_FILE}")
         self.files = {name: self.dir / f for name, f in weight_map.items()}
@@ -48,14 +65,34 @@ class Checkpoint:
         self._handles: dict[Path, object] = {}
         self._rescaled: tuple[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] | None = None
 
+    @classmethod
+    def described(cls, directory: str | Path, tensors: dict[str, TensorInfo]) -> Checkpoint:
+        """A checkpoint known by its tensors' descriptions alone, no files (what `config.json`
+        implies, to plan a compile without the weights): every description's path is where
+        its errors point; nothing can be read."""
+        ckpt = cls.__new__(cls)
+        ckpt.dir, ckpt.data = Path(directory), False
+        ckpt.files = {name: Path(t.path) for name, t in tensors.items()}
+        ckpt._headers = {}
+        for name, t in tensors.items():
+            ckpt._headers.setdefault(Path(t.path), {})[name] = t
+        ckpt._handles, ckpt._rescaled = {}, None
+        return ckpt
+
     def names(self) -> list[str]:
         return list(self.files)
+
+    def layers_beyond(self, num_layers: int) -> list[int]:
+        """Layer indices the checkpoint holds (`layers.N.*`) at or past `num_layers`: weights a
+        config with that many layers leaves unused."""
+        found = {int(n.split(".")[1]) for n in self.files if n.startswith("layers.") and n.split(".")[1].isdigit()}
+        return sorted(i for i in found if i >= num_layers)
 
     def tensor(self, name: str) -> TensorInfo:
         """Where a tensor lies in its file, from the file's (checked) header."""
         path = self._path(name)
         if path not in self._headers:
-            self._headers[path] = read_header(str(path))[0]
+            self._headers[path] = read_header(str(path), data=self.data)[0]
         entry = self._headers[path].get(name)
         if entry is None:
             raise CheckpointError(f"{path}: tensor {name} is listed in the index but not in the file")

@@ -282,5 +282,7 @@ def validate(config: V41Config, source: str = CONFIG_FILE) -> None:
                  "must be a token id inside the vocabulary")
         _require(all(r > 0 for r in t.engram_num_embeddings), source, "engram_num_embeddings",
                  "row counts must be positive")
-    if not 0 <= config.image_token_id < t.vocab_size:
-        raise ConfigError(f"{source}: image_token_id {config.image_token_id} is outside the vocabulary")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id"):
+        value = getattr(config, key)
+        if not 0 <= value < t.vocab_size:
+            raise ConfigError(f"{source}: {key} {value} is outside the vocabulary [0, {t.vocab_size})")

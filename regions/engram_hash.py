@@ -8,9 +8,10 @@ XOR-folded, and for each of `engram_n_heads` heads reduced `mod prime + offset`.
 Primes are consecutive primes above `engram_vocab_size - 1`, distinct across all
 layers and sizes; offsets are the running sums of a layer's primes.
 
-Token ids go through the engram token map first. deepinfer uses the identity
-map (a byte-level tokenizer has nothing to normalise), which requires
-`engram_compressed_vocab_size == vocab_size`.
+Token ids go through the engram compressed token map first, the pad id too (as
+NeMo AutoModel does): the map a `tokenizers` tokenizer's bundle carries
+(`regions/engram_map.py`), or the identity for the byte-level tokenizer (nothing
+to normalise), which requires `engram_compressed_vocab_size == vocab_size`.
 """
 
 from __future__ import annotations
@@ -32,14 +33,18 @@ def _is_prime(n: int) -> bool:
 
 
 class EngramHasher:
-    def __init__(self, c: TextConfig):
-        if c.engram_layer_ids and c.engram_compressed_vocab_size != c.vocab_size:
+    """`token_map` (int [tokenizer ids]): the compressed token map, None for the identity."""
+
+    def __init__(self, c: TextConfig, token_map: np.ndarray | None = None):
+        if token_map is None and c.engram_layer_ids and c.engram_compressed_vocab_size != c.vocab_size:
             raise ConfigError(
                 f"config.json: text_config.engram_compressed_vocab_size={c.engram_compressed_vocab_size} differs "
-                f"from vocab_size={c.vocab_size}; deepinfer only supports the identity engram token map")
+                f"from vocab_size={c.vocab_size}: the byte-level tokenizer hashes through the identity map; a "
+                "model with a compressed vocabulary needs its tokenizer.json beside config.json")
+        self.token_map = None if token_map is None else np.asarray(token_map, dtype=np.int64)
         self.max_ngram = c.engram_max_ngram_size
         self.heads = c.engram_n_heads
-        self.pad = c.engram_pad_token_id
+        self.pad = c.engram_pad_token_id if token_map is None else int(self.token_map[c.engram_pad_token_id])
         bound = max(1, (np.iinfo(np.int64).max // max(c.engram_compressed_vocab_size, 1)) // 2)
         seen: set[int] = set()
         self.primes, self.offsets, self.multipliers = [], [], []
@@ -61,13 +66,23 @@ class EngramHasher:
             self.offsets.append(np.cumsum([0] + primes[:-1]).astype(np.int64))
             self.multipliers.append(rng.integers(0, bound, size=self.max_ngram, dtype=np.int64) * 2 + 1)
 
+    def compress(self, ids: np.ndarray) -> np.ndarray:
+        """Token ids -> compressed ids (a ValueError for an id the tokenizer does not have, as NeMo)."""
+        if self.token_map is None:
+            return ids
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self.token_map)):
+            bad = ids[(ids < 0) | (ids >= len(self.token_map))][0]
+            raise ValueError(f"token id {bad} is outside the tokenizer's {len(self.token_map)} ids: "
+                             "the engram token map has no entry for it")
+        return self.token_map[ids]
+
     def hashes(self, ids: np.ndarray, start: int, count: int, masked: np.ndarray | None = None) -> np.ndarray:
         """Rows for positions start..start+count-1 of one sequence -> int64 [count, layers, hash_heads].
 
         ids: the sequence's token ids up to at least start+count-1; masked (bool,
         same length, optional): positions (image tokens) that block the n-grams.
         """
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = self.compress(np.asarray(ids, dtype=np.int64)[:start + count])
         pos = np.arange(start, start + count)
         blocked = np.zeros(count, dtype=bool)
         tokens = []

@@ -37,7 +37,12 @@ class Generation:
 
 
 class OutOfBlocks(Exception):
-    pass
+    """A sequence cannot get the blocks it needs: past the bundle's max_context (`context`), or the
+    pool is exhausted."""
+
+    def __init__(self, message: str, context: bool = False):
+        super().__init__(message)
+        self.context = context
 
 
 class Allocator:
@@ -62,7 +67,7 @@ class Allocator:
         need = -(-positions // self.block_size)
         if need > self.max_blocks:
             raise OutOfBlocks(f"needs {positions} positions, more than the bundle's max_context "
-                              f"({self.max_blocks * self.block_size})")
+                              f"({self.max_context})", context=True)
         table = self.tables[seq]
         while len(table) < need:
             if not self.free_blocks:
@@ -70,14 +75,21 @@ class Allocator:
                                   "(raise --num-kv-blocks or run fewer sequences at once)")
             table.append(self.free_blocks.pop())
 
+    @property
+    def max_context(self) -> int:
+        return self.max_blocks * self.block_size
+
     def release(self, seq: int) -> None:
         self.free_blocks.extend(reversed(self.tables.pop(seq, [])))
         if seq in self.slot_of:
             self.free_slots.append(self.slot_of.pop(seq))
 
-    def table_row(self, seq: int) -> list[int]:
+    def table_row(self, seq: int, width: int) -> list[int]:
+        """Sequence `seq`'s block table padded to `width` blocks (at least the blocks it holds: a
+        sequence's blocks are the first of its table, so a narrower table is an exact prefix)."""
         t = self.tables[seq]
-        return t + [0] * (self.max_blocks - len(t))
+        assert len(t) <= width, (seq, len(t), width)
+        return t + [0] * (width - len(t))
 
 
 def bucket_at_least(options: list[int], n: int) -> int:
@@ -85,19 +97,28 @@ def bucket_at_least(options: list[int], n: int) -> int:
     return options[bisect.bisect_left(options, n)]
 
 
-def make_batch(rows: list[Row], places: list[int], B: int, T: int, *, alloc: Allocator, gens: list[Generation],
-               images: list[ImageEmbeds | None] | None, hasher, pad: int, dtype: torch.dtype) -> Batch:
-    """A step's host metadata: row i of `rows` at batch row `places[i]` of a [B, T] step (others padding)."""
+def table_width(rows_by_group: list[list[Row]], block_size: int, widths: list[int]) -> int:
+    """A step's block-table width: the smallest of `widths` (sorted; the context buckets' widths in
+    blocks) that holds the longest sequence after the step, i.e. its highest written position + 1."""
+    longest = max(start + len(ids) for rows in rows_by_group for _, ids, start in rows)
+    return bucket_at_least(widths, -(-longest // block_size))
+
+
+def make_batch(rows: list[Row], places: list[int], B: int, T: int, *, blocks: int, alloc: Allocator,
+               gens: list[Generation], images: list[ImageEmbeds | None] | None, hasher, pad: int,
+               dtype: torch.dtype) -> Batch:
+    """A step's host metadata: row i of `rows` at batch row `places[i]` of a [B, T] step (others padding),
+    block tables `blocks` wide (the step's context bucket)."""
     tokens = torch.full((B, T), pad, dtype=torch.int64)
     positions = torch.full((B, T), -1, dtype=torch.int64)
     slots = torch.zeros(B, dtype=torch.int64)
-    table = torch.zeros((B, alloc.max_blocks), dtype=torch.int64)
+    table = torch.zeros((B, blocks), dtype=torch.int64)
     spans, histories, row_images = [(0, 0)] * B, [[]] * B, [None] * B
     for (seq, ids, start), b in zip(rows, places):
         tokens[b, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
         positions[b, :len(ids)] = torch.arange(start, start + len(ids))
         slots[b] = alloc.slot_of[seq]
-        table[b] = torch.tensor(alloc.table_row(seq))
+        table[b] = torch.tensor(alloc.table_row(seq, blocks))
         spans[b], histories[b] = (start, len(ids)), gens[seq].tokens
         row_images[b] = images[seq] if images else None
     is_image, image_rows = step_images(row_images if images else None, spans, T, dtype)
@@ -122,6 +143,16 @@ class Stepper(Protocol):
         """One step -> each group's logits [B, T, V], batch row i for that group's rows[i]."""
 
 
+def _stop_reason(e: OutOfBlocks, g: Generation, max_context: int) -> str:
+    """Why a sequence stopped, counted in the sequence's own tokens (not the chunk that hit the limit)."""
+    if not e.context:
+        return str(e)
+    if g.prompt_len > max_context:
+        return f"the prompt has {g.prompt_len} tokens, more than the bundle's max_context ({max_context})"
+    return (f"reached the bundle's max_context ({max_context} positions: a prompt of {g.prompt_len} tokens "
+            f"and {len(g.generated)} generated)")
+
+
 def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, eos: int,
            images: list[ImageEmbeds | None] | None = None) -> list[Generation]:
     """Greedy generation for token-id prompts; a request that cannot get blocks fails alone
@@ -133,6 +164,7 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
     consumed = [0] * len(gens)
     waiting = [] if max_new_tokens == 0 else list(range(len(gens)))
     active: list[int] = []
+    steps = 0
     while waiting or active:
         while waiting:                      # admit into the least loaded group with room
             load = [sum(group_of[s] == g for s in active) for g in range(groups)]
@@ -152,7 +184,7 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
             try:
                 alloc.reserve(seq, consumed[seq] + n)
             except OutOfBlocks as e:
-                gens[seq].error = str(e)
+                gens[seq].error = _stop_reason(e, gens[seq], alloc.max_context)
                 alloc.release(seq)
                 active.remove(seq)
                 continue
@@ -160,10 +192,19 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
                                                  consumed[seq]))
         if not any(rows_by_group):
             continue
+        steps += 1
         for rows, logits in zip(rows_by_group, stepper.run(rows_by_group, allocs, gens, images)):
             for b, (seq, ids, start) in enumerate(rows):
                 g = gens[seq]
-                g.logits.extend(logits[b, :len(ids)].float().clone())
+                mine = logits[b, :len(ids)].float()
+                finite = torch.isfinite(mine).all(-1)
+                if not bool(finite.all()):           # emitting argmax of NaN (token 0) would hide it
+                    at = start + int((~finite).nonzero()[0, 0])
+                    g.error = f"non-finite logits (NaN or infinity) at position {at}, step {steps}"
+                    allocs[group_of[seq]].release(seq)
+                    active.remove(seq)
+                    continue
+                g.logits.extend(mine.clone())
                 consumed[seq] += len(ids)
                 if consumed[seq] == len(g.tokens):          # caught up: sample the next token
                     nxt = int(torch.argmax(logits[b, len(ids) - 1]))

@@ -39,6 +39,10 @@ from deepinfer.regions.config import VisionConfig
 
 GREY = 127
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# bounds checked before anything is decoded: an image is resized to at most max_image_tokens
+# patches anyway, and a hostile file must not make the host read or allocate without limit
+MAX_FILE_BYTES = 256 << 20
+MAX_PIXELS = 1 << 26                                       # 64 Mpixel, e.g. 8192 x 8192
 FORMATS = "binary PPM/PGM (P6/P5), PNG (8-bit, non-interlaced) or .npy uint8 [H, W, 3]"
 
 
@@ -49,9 +53,12 @@ def read_image(path: str | Path) -> np.ndarray:
     """An image file -> uint8 [H, W, 3] RGB."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise ImageError(f"{path}: cannot read the image ({e.strerror})") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ImageError(f"{path}: more than {MAX_FILE_BYTES:,} bytes; not read further")
     if path.suffix.lower() == ".npy":
         return _from_npy(path)
     if data[:2] in (b"P5", b"P6"):
@@ -61,6 +68,15 @@ def read_image(path: str | Path) -> np.ndarray:
     else:
         raise ImageError(f"{path}: not a supported image; give {FORMATS}")
     return _to_rgb(pixels, path)
+
+
+def _check_size(width: int, height: int, path: Path) -> None:
+    """Declared dimensions, before the raster is decoded or allocated."""
+    if not (width > 0 and height > 0):
+        raise ImageError(f"{path}: image declares {width} x {height} pixels")
+    if width * height > MAX_PIXELS:
+        raise ImageError(f"{path}: image declares {width} x {height} pixels, more than {MAX_PIXELS >> 20} Mpixel; "
+                         "downscale it first")
 
 
 def _to_rgb(pixels: np.ndarray, where) -> np.ndarray:
@@ -80,6 +96,8 @@ def _from_npy(path: Path) -> np.ndarray:
         array = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
         raise ImageError(f"{path}: not a readable .npy array ({e})") from None
+    if array.ndim >= 2:
+        _check_size(array.shape[1], array.shape[0], path)
     if array.dtype != np.uint8:
         raise ImageError(f"{path}: .npy image has dtype {array.dtype}; expected uint8 RGB values 0..255")
     return _to_rgb(array, path)
@@ -104,6 +122,7 @@ def _from_pnm(data: bytes, path: Path) -> np.ndarray:
     width, height, maxval = fields
     if not (width > 0 and height > 0 and 0 < maxval < 65536):
         raise ImageError(f"{path}: PPM/PGM header has width {width}, height {height}, maxval {maxval}")
+    _check_size(width, height, path)
     i += 1                                                   # the single whitespace byte
     channels = 3 if data[:2] == b"P6" else 1
     dtype = np.dtype(">u2") if maxval > 255 else np.dtype(np.uint8)
@@ -124,7 +143,10 @@ def _from_png(data: bytes, path: Path) -> np.ndarray:
         body = data[pos + 8:pos + 8 + length]
         pos += 12 + length
         if kind == b"IHDR":
+            if len(body) != 13:
+                raise ImageError(f"{path}: malformed PNG (IHDR of {len(body)} bytes, expected 13)")
             header = struct.unpack(">IIBBBBB", body)
+            _check_size(header[0], header[1], path)
         elif kind == b"PLTE":
             palette = np.frombuffer(body, dtype=np.uint8).reshape(-1, 3)
         elif kind == b"IDAT":
@@ -138,11 +160,11 @@ def _from_png(data: bytes, path: Path) -> np.ndarray:
     if depth != 8 or interlace != 0 or channels is None or (color == 3 and palette is None):
         raise ImageError(f"{path}: PNG with bit depth {depth}, colour type {color}, interlace {interlace} is not "
                          "supported (8-bit non-interlaced only); convert it, e.g. to binary PPM (P6)")
-    try:
-        raw = np.frombuffer(zlib.decompress(b"".join(idat)), dtype=np.uint8)
+    stride = width * channels
+    try:                                                    # never inflate past what the header declares
+        raw = np.frombuffer(zlib.decompressobj().decompress(b"".join(idat), height * (stride + 1)), dtype=np.uint8)
     except zlib.error as e:
         raise ImageError(f"{path}: corrupt PNG image data ({e})") from None
-    stride = width * channels
     if raw.size < height * (stride + 1):
         raise ImageError(f"{path}: PNG image data is truncated")
     rows = raw[:height * (stride + 1)].reshape(height, stride + 1)

@@ -3,9 +3,12 @@
 Routing: gate logits in float32, s = sqrt(softplus(logits)); experts = top-k of
 s + bias (`bias_vl` for image tokens); weights = s of the selected experts,
 normalised to sum one, times routed_scaling_factor. Routed experts (fp4, per-32
-ue8m0 scales) gather the selected experts' weights per token (`[N, k, ...]`),
-so the graph has static shapes whatever the routing. Each expert and the fp8
-shared expert is a clamped SwiGLU; routed outputs accumulate in float32.
+ue8m0 scales) are computed grouped (`kernels/linear.moe_experts`): every local
+expert once over all rows of the step, each row weighted by its routing weight
+of that expert (zero when not selected), so the graph has static shapes whatever
+the routing and each expert's weights are decoded once per call, in row tiles:
+scratch is bounded by the local experts' weights, not by the rows. Each expert
+and the fp8 shared expert is a clamped SwiGLU; routed outputs accumulate in float32.
 """
 
 from __future__ import annotations
@@ -77,24 +80,21 @@ class MoE(Region):
                 InputSpec("is_image", (B, T), torch.bool, "step")]
 
     def routed(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        """x [N, D] through the selected experts this rank holds, weighted and summed -> [N, D].
+        """x [N, D] through the selected experts this rank holds, weighted and summed -> [N, D] f32.
 
         The expert stacks hold this rank's E_local experts, global ids
         r * E_local ... (r + 1) * E_local - 1 for r = rank mod ep (all of them when ep
-        is 1); selected experts held elsewhere contribute zero through the same graph.
+        is 1). Each local expert computes every row once (`moe_experts`), with the row's
+        routing weight of it, zero where the row did not select it or selected an expert
+        held elsewhere: static shapes, no capacity to overflow, and each expert's weights
+        decoded once per call whatever the row count.
         """
-        limit, k = self.c.swiglu_limit, experts.shape[1]
         local_count = self.w1.shape[0]
         local = experts - (self.rank % self.ep) * local_count                         # [N, k]
-        held = (local >= 0) & (local < local_count)
-        local = local.clamp(0, local_count - 1)
-        weights = torch.where(held, weights, 0.0)
-        xk = x.unsqueeze(1).expand(-1, k, -1)                                         # [N, k, D]
-        g = ops.blockquant_gemm(xk, self.w1[local], self.w1_s[local], "fp4")          # [N, k, I]
-        u = ops.blockquant_gemm(xk, self.w3[local], self.w3_s[local], "fp4")
-        a = ops.swiglu(g, u, weights.unsqueeze(-1), limit)
-        y = ops.blockquant_gemm(a, self.w2[local], self.w2_s[local], "fp4")           # [N, k, D]
-        return y.float().sum(1)
+        ids = torch.arange(local_count, device=x.device)
+        dense = (weights.unsqueeze(-1) * (local.unsqueeze(-1) == ids)).sum(1)        # [N, E_local]
+        return ops.moe_experts(x, dense, self.w1, self.w1_s, self.w3, self.w3_s, self.w2, self.w2_s,
+                               self.c.swiglu_limit)
 
     def shared(self, x: Tensor) -> Tensor:
         g = ops.blockquant_gemm(x, self.sw1, self.sw1_s, self.fp8)

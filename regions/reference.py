@@ -14,15 +14,18 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from deepinfer.bundles.layout import TOKENIZER_FILE
 from deepinfer.regions.base import engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint, load_region
 from deepinfer.regions.config import CONFIG_FILE, V41Config, load_config
 from deepinfer.regions.engram_hash import EngramHasher
+from deepinfer.regions.engram_map import checked_token_map
 from deepinfer.regions.generate import Allocator, Generation, Row, greedy, make_batch
 from deepinfer.regions.plan import make_head, make_layer_regions
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.state import allocate, state_layout
 from deepinfer.regions.step import DTYPES, Embedding, EngramRows, plan_layers, run_layers
+from deepinfer.regions.tokenizer import for_checkpoint
 from deepinfer.regions.vision import VisionTower
 
 REFERENCE_BLOCK_SIZE = 16
@@ -35,6 +38,8 @@ class ReferenceModel:
     ties between equal scores: "nemo" (torch.topk over the sequence's own width,
     as NeMo AutoModel's forward does) or "lowest" (lowest index first, what
     compiled bundles do: static shapes admit no per-sequence width).
+    `tokenizer` is the checkpoint's (`tokenizer.json` where it has one, else byte-level);
+    engram hashes go through its compressed token map, as a bundle's do.
     """
 
     def __init__(self, checkpoint: str | Path, *, dtype: str = "bf16", cache_quant: bool = True,
@@ -42,6 +47,11 @@ class ReferenceModel:
         self.path = Path(checkpoint)
         self.config: V41Config = load_config(self.path)
         c = self.config.text
+        self.tokenizer = for_checkpoint(self.path, self.config)
+        token_map = None                    # engram's compressed token map, checked before any weight is read
+        if c.engram_layer_ids and self.tokenizer.kind == "tokenizers":
+            token_map = checked_token_map(self.tokenizer.backend, c, self.path / TOKENIZER_FILE, self.path / CONFIG_FILE)
+        self.hasher = EngramHasher(c, token_map) if c.engram_layer_ids else None
         self.dtype = DTYPES[dtype]
         self.plans = plan_layers(c)
         ckpt = Checkpoint(self.path)
@@ -56,7 +66,6 @@ class ReferenceModel:
         load_region(ckpt, self.head, "")
         self.embed = Embedding(ckpt.get("embed.weight", "BF16", (c.vocab_size, c.hidden_size)),
                                c.hc_mult, self.dtype)
-        self.hasher = EngramHasher(c) if c.engram_layer_ids else None
         self.engram = EngramRows.of(c, {s.name: ckpt.load_spec("", s) for s in engram_table_specs(c)},
                                     str(self.path)) if c.engram_layer_ids else None
         self._vision: VisionTower | None = None
@@ -115,8 +124,9 @@ class _Eager:
     def run(self, rows_by_group: list[list[Row]], allocs: list[Allocator], gens, images) -> list[Tensor]:
         m, (rows,) = self.model, rows_by_group
         T = max(len(ids) for _, ids, _ in rows)
-        batch = make_batch(rows, [seq for seq, _, _ in rows], self.max_batch, T, alloc=allocs[0], gens=gens,
-                           images=images, hasher=m.hasher, pad=m.config.pad_token_id, dtype=m.dtype)
+        batch = make_batch(rows, [seq for seq, _, _ in rows], self.max_batch, T, blocks=self.geometry[2],
+                           alloc=allocs[0], gens=gens, images=images, hasher=m.hasher, pad=m.config.pad_token_id,
+                           dtype=m.dtype)
         h, pre = m.embed(batch.tokens, batch.is_image, batch.image_rows)
         logits = run_layers(m.plans, m.invoke, self.states, h, pre, batch, m.engram)
         return [logits[[seq for seq, _, _ in rows]]]

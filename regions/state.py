@@ -7,6 +7,7 @@ its shape, given the pool geometry: `slots` sequence slots (slot 0 scratch),
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,6 +63,11 @@ def allocate(layout: dict[int, list[StateSpec]]) -> dict[int, dict[str, torch.Te
             for layer, specs in layout.items()}
 
 
+# the block size of the geometries `reads_context` compares (any positive size serves: a block table,
+# and every width derived from it, differs between one block and two)
+CONTEXT_PROBE_BLOCK = 16
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Pool geometry a region's state views and step inputs are shaped by."""
@@ -69,11 +75,22 @@ class Geometry:
     slots: int            # sequence slots (slot 0 is scratch)
     blocks: int           # paged blocks (block 0 is scratch)
     block_size: int       # token positions per block
-    max_blocks: int       # block-table width: blocks per sequence at the maximum context
+    max_blocks: int       # block-table width: blocks per sequence at the (bucket's) context
 
     def compressed_width(self, ratio: int) -> int:
         """Compressed entries a sequence can hold at `ratio` (Wc)."""
         return self.max_blocks * self.block_size // ratio
+
+    def at_context(self, context: int) -> Geometry:
+        """This geometry with the block table of a `context`-position bucket (the pools unchanged)."""
+        return dataclasses.replace(self, max_blocks=-(-context // self.block_size))
+
+
+def reads_context(region) -> bool:
+    """Whether a region's input shapes depend on the block-table width, i.e. on the context (block
+    tables, compressed-width carries): its inputs at two geometries that differ only there."""
+    g = Geometry(slots=2, blocks=2, block_size=CONTEXT_PROBE_BLOCK, max_blocks=1)
+    return region.input_specs(1, 1, g) != region.input_specs(1, 1, g.at_context(2 * CONTEXT_PROBE_BLOCK))
 
 
 @dataclass(frozen=True)

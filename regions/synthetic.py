@@ -81,12 +81,18 @@ def release_config() -> dict:
 
 
 def checkpoint_tensors(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, safetensors dtype, shape) of every tensor the model's regions read, in layer order."""
-    c = parse_config(config).text
+    """(name, safetensors dtype, shape) of every tensor the model's regions read, in layer order,
+    then the vision tower's (when the config has one): what a compile reads of a checkpoint."""
+    model = parse_config(config)
+    c = model.text
     out = [("embed.weight", "BF16", (c.vocab_size, c.hidden_size))]
     for prefix, spec in checkpoint_specs(c):
         for e in range(spec.experts or 1):
             out.append((prefix + spec.key.format(e=e), spec.ckpt_dtype, spec.shape))
+    if model.vision.num_hidden_layers > 0:
+        from deepinfer.regions.vision import vision_specs
+
+        out += [(name, dtype, shape) for name, (shape, dtype) in vision_specs(model.vision, c.hidden_size).items()]
     return out
 
 

@@ -193,7 +193,11 @@ def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = MIN_LAYERS, e
     """
     if scales not in SCALES:
         raise ConfigError(f"--scales {scales!r}: valid: {', '.join(SCALES)}")
+    if seed < 0:
+        raise ConfigError(f"seed {seed}: must be at least 0")
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir}: is a file; make-tiny writes a checkpoint directory")
     config = tiny_config(layers)
     config["generator"] = {"name": "deepinfer make-tiny", "seed": seed}
     if scales == "fp32":

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.bundles.manifest import BundleError, Executable, Manifest
+from deepinfer.bundles.pt2 import load_exported
 
 
 class AotiExecutable:
@@ -29,7 +30,7 @@ class ExportedExecutable:
             warnings.simplefilter("ignore")
             # shapes are checked by the runtime against the manifest; the per-call guard
             # evaluation of module() costs ~0.1 s a call with dynamic pool sizes
-            self.module = torch.export.load(str(path)).module(check_guards=False)
+            self.module = load_exported(path).module(check_guards=False)
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         out = self.module(*inputs)

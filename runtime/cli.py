@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from deepinfer.cli_common import generation_options, image_option, prompts_with_images, user_errors, write_logits
+from deepinfer.cli_common import (echo_generations, generation_options, image_option, prompts_with_images, trust_option, trusted_key,
+                                  user_errors, write_logits)
 
 
 def timing_lines(stats, wall: float) -> list[str]:
@@ -27,21 +28,25 @@ def timing_lines(stats, wall: float) -> list[str]:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @generation_options
-@click.option("--num-kv-blocks", type=int, default=None,
-              help="Size of the KV block pool (default: the bundle's num_blocks).")
+@click.option("--num-kv-blocks", type=click.IntRange(min=2), default=None,
+              help="Size of the KV block pool, block 0 being scratch (default: the bundle's num_blocks).")
 @click.option("--timing", is_flag=True, help="Print host time per region kind and the runtime's own overhead.")
 @click.option("--no-verify", is_flag=True, help="Skip the digest check of the bundle's files at load.")
-@click.option("--threads", type=int, default=None,
+@click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Host threads for the executables (default: torch's; 1 is often fastest for small models "
                    "on a busy machine).")
 @image_option
+@trust_option
 @user_errors
-def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_json, dump_logits, no_verify,
-         threads, images):
+def main(bundle, prompt, chat, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_json, dump_logits, no_verify,
+         threads, images, trust):
     """Load BUNDLE (validated: format version, digests, target) and generate greedily.
 
-    Prompts run as decode-shaped chunks through the bucket executables, then
-    one token per step; several prompts batch into the decode batch buckets.
+    Text goes through the bundle's tokenizer (the checkpoint's tokenizer.json, copied at
+    compile time, or the tiny model's byte-level one); --chat renders each prompt as a
+    user message through its chat template. Prompts run as decode-shaped chunks through
+    the bucket executables, then one token per step; several prompts batch into the
+    decode batch buckets.
     A multi-rank bundle ([parallel] tp/ep/cp) starts one process per rank here
     (gloo), or runs as one rank under torchrun (torchrun --nproc-per-node N
     $(which deepinfer-run) BUNDLE ...): rank 0 schedules and prints.
@@ -49,9 +54,10 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
     \b
     Example:
       deepinfer-run build/tiny --prompt "Hello, world" --max-new-tokens 32 --timing
+      deepinfer-run build/release --chat --prompt "What is a mixture of experts?"
       deepinfer-run build/tiny --image cat.ppm --prompt "<image>What is this?"   # tower runs on the host
     """
-    from deepinfer.regions.tokenizer import ByteTokenizer
+    from deepinfer.regions.tokenizer import for_bundle
     from deepinfer.runtime import load, open_bundle, ranks
     from deepinfer.runtime.session import load_vision
 
@@ -60,14 +66,15 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
 
         torch.set_num_threads(threads)
     start = time.perf_counter()
-    opened = open_bundle(bundle, verify=not no_verify)
+    opened = open_bundle(bundle, verify=not no_verify, trust=trusted_key(trust))
     cfg = opened.config
-    tok = ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
-    prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: load_vision(opened))
+    tok = for_bundle(opened)
+    prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: load_vision(opened), chat)
     world, launched = opened.manifest.topology.world_size, ranks.torchrun_rank()
     if world > 1 and launched is None:          # start the ranks here: one process each
         run = ranks.generate_ranks(opened, prompts, max_new_tokens, num_kv_blocks=num_kv_blocks,
-                                   verify=not no_verify, threads=threads, images=embeds)
+                                   verify=not no_verify, threads=threads, images=embeds,
+                                   trust=str(trust) if trust else None)
         gens, stats = run["gens"], run["stats"]
     else:
         comm = None
@@ -95,10 +102,9 @@ def main(bundle, prompt, prompt_ids, max_new_tokens, num_kv_blocks, timing, as_j
                              "padding_waste": 1 - s.tokens / s.padded if s.padded else 0.0, "wall_s": wall}
         click.echo(json.dumps(out))
     else:
-        for g in gens:
-            click.echo(tok.decode(g.generated) if g.error is None else f"error: {g.error}")
         if timing:
             click.echo("\n".join(timing_lines(stats, wall)), err=True)
+        echo_generations(gens, tok.decode)
     if any(g.error for g in gens):
         raise SystemExit(1)
 

@@ -166,7 +166,12 @@ def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, max
         torch.set_num_threads(options["threads"])
     init(rank, world, rendezvous, timeout_s=options.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S))
     try:
-        opened = open_bundle(bundle, verify=options.get("verify", True))
+        trust = options.get("trust")
+        if trust:
+            from deepinfer.bundles.signing import load_public_key
+
+            trust = load_public_key(trust)
+        opened = open_bundle(bundle, verify=options.get("verify", True), trust=trust)
         comm = Comm(opened.manifest.topology.topology, rank, chunk_bytes=options.get("chunk_bytes", CHUNK_BYTES))
         session = load(opened, rank=rank, comm=comm, num_kv_blocks=options.get("num_kv_blocks"))
         if comm.leader:
@@ -190,7 +195,7 @@ def generate_ranks(bundle, prompts: list[list[int]], max_new_tokens: int, *, tim
     """Start one process per rank of `bundle` (a path, or an opened runtime.Bundle) on this host (gloo),
     generate on the leader.
 
-    options: num_kv_blocks, verify, threads, images (as Session.generate takes them),
+    options: num_kv_blocks, verify, trust (a public key's path), threads, images (as Session.generate takes them),
     chunk_bytes (float32 collectives), collective_timeout_s. The whole run may take at most
     `timeout_s`; a rank that dies or fails ends it with that rank's error. Returns {"gens": [...],
     "stats": the leader's Stats, "sent": {rank: {collective: bytes}}, "seconds": the leader's

@@ -8,12 +8,17 @@ embedding, engram tables) are memory-mapped too, by every rank from the same
 file: a step reads the embedding rows of its tokens and the engram rows of its
 hashes (the leader broadcasts the hashes, never the rows). Generation runs
 prompts as decode-shaped chunks padded to the nearest bucket, then one token
-per step, with the same region wiring as the reference (`run_layers`).
+per step, with the same region wiring as the reference (`run_layers`). Each
+step also runs the smallest context bucket that holds its longest sequence:
+its block tables are that bucket's width, and the kinds built per context
+bucket run that bucket's executables.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,8 +31,9 @@ from deepinfer.bundles.layout import MANIFEST_FILE
 from deepinfer.bundles.safetensors import load_mmap
 from deepinfer.regions.config import V41Config, parse_config
 from deepinfer.regions.engram_hash import EngramHasher
-from deepinfer.regions.generate import Allocator, Generation, Row, bucket_at_least, greedy, make_batch
-from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, run_layers
+from deepinfer.regions.generate import (Allocator, Generation, Row, bucket_at_least, greedy, make_batch,
+                                        table_width)
+from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, plan_layers, run_layers
 from deepinfer.runtime.backends import check_compatible, placement_for
 
 
@@ -56,16 +62,77 @@ class Bundle:
     path: Path
     manifest: mf.Manifest
     config: V41Config
+    identity: tuple[int, int] = (0, 0)     # the directory's (device, inode) when it was opened
+
+    def check_unchanged(self) -> None:
+        """Refuse a bundle directory replaced since it was opened (`deepinfer-compile --force` renames
+        a new bundle into place): what was loaded would mix two bundles' files."""
+        if _identity(self.path) != self.identity:
+            raise mf.BundleError(f"{self.path}: replaced while it was being loaded (a compile with --force?); "
+                                 "nothing from it is used; run again")
 
 
-def open_bundle(path: str | Path, *, verify: bool = True) -> Bundle:
+def host_memory() -> int:
+    """This host's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (-1, -1)
+    return (st.st_dev, st.st_ino)
+
+
+def open_bundle(path: str | Path, *, verify: bool = True, trust=None) -> Bundle:
     """Read and check a bundle's manifest (format version first, types, cross-references), its files
-    (present; digests unless `verify` is off) and that this process can run it; parse its config."""
+    (present; digests unless `verify` is off) and that this process can run it; parse its config.
+    With `trust` (an Ed25519 public key, `bundles.signing.load_public_key`), the manifest must carry a
+    signature by that key, checked before anything else is read. Loading checks at its end that the
+    directory is still the one opened here."""
     path = Path(path)
-    manifest = mf.read(path)
+    if trust is not None and not verify:
+        raise mf.BundleError(f"{path}: a trusted key needs the digest check (the signature covers the files "
+                             "through their digests); drop --no-verify")
+    identity = _identity(path)
+    manifest = mf.read(path, trust=trust)
     mf.check_files(path, manifest, digests=verify)
     check_compatible(manifest, path)
-    return Bundle(path, manifest, parse_config(manifest.model.config, str(path / MANIFEST_FILE)))
+    bundle = Bundle(path, manifest, parse_config(manifest.model.config, str(path / MANIFEST_FILE)), identity)
+    check_layers(bundle)
+    bundle.check_unchanged()
+    return bundle
+
+
+LAYER_FIELDS = ("attn", "ratio", "kv_source", "candidate_source", "uses_candidates")
+
+
+def check_layers(bundle: Bundle) -> None:
+    """The manifest's layer table against the model config it carries: each layer's attention
+    role as the config's schedule gives it, and each (kind, index) binding the layer's place among
+    the layers of that kind (stacks are layer-major in layer order). A table edited by hand (two
+    layers' weights swapped, a layer's kind changed) is refused before anything is loaded."""
+    where = bundle.path / MANIFEST_FILE
+    m = bundle.manifest
+    want = plan_layers(bundle.config.text)
+    if [l.layer for l in m.layers] != [p.layer for p in want]:
+        raise mf.BundleError(f"{where}: layers lists {[l.layer for l in m.layers]}, the model config has "
+                             f"{len(want)} layers")
+    seen: dict[str, int] = defaultdict(int)
+    for i, (l, p) in enumerate(zip(m.layers, want)):
+        for name in LAYER_FIELDS:
+            if getattr(l, name) != getattr(p, name):
+                raise mf.BundleError(f"{where}: layers[{i}].{name} is {getattr(l, name)!r}; the model config "
+                                     f"gives layer {p.layer} {getattr(p, name)!r}")
+        if l.engram != bool(p.engram_rows):
+            raise mf.BundleError(f"{where}: layers[{i}].engram is {l.engram}; the model config gives layer "
+                                 f"{p.layer} {bool(p.engram_rows)}")
+        for slot, b in l.regions.items():
+            if b.index != seen[b.kind]:
+                raise mf.BundleError(f"{where}: layers[{i}].regions.{slot}.index is {b.index}; layer {p.layer} is "
+                                     f"number {seen[b.kind]} of kind {b.kind} in layer order")
+            seen[b.kind] += 1
 
 
 class Session:
@@ -78,14 +145,19 @@ class Session:
                                 engram_rows=int(l.engram)) for l in m.layers]
         kv = m.kv
         self.block_size, self.max_blocks = kv.block_size, kv.max_blocks
-        self.num_blocks, self.num_slots = num_kv_blocks or kv.num_blocks, kv.slots
+        self.num_blocks = kv.num_blocks if num_kv_blocks is None else num_kv_blocks
+        self.num_slots = kv.slots
+        if self.num_blocks < 2:
+            raise mf.BundleError(f"num_kv_blocks {self.num_blocks}: needs at least 2 (block 0 is scratch)")
         if kv.static_pools and self.num_blocks != kv.num_blocks:
             raise mf.BundleError(f"{self.path}: compiled for exactly {kv.num_blocks} KV blocks (static shapes); "
                                  f"cannot run with {self.num_blocks} (change [kv] num_blocks and recompile)")
         self.batch_sizes, self.token_sizes = m.buckets.batch_sizes, m.buckets.token_sizes
+        self.context_blocks = [kv.blocks_for(c) for c in m.buckets.context_sizes]    # block-table widths
         self.rank = torch.tensor(rank, dtype=torch.int64)
         self.topology = m.topology.topology
         self.comm = comm
+        self._check_pool_memory()               # before anything is loaded
         self.placement = placement_for(m, self.path, rank)
         try:
             self._load_executables()
@@ -97,7 +169,7 @@ class Session:
         host = m.host["embed"]
         embed = load_mmap(self.path / host.path)[host.tensor]
         self.embed = Embedding(embed, self.config.text.hc_mult, self.dtype)
-        self.hasher = EngramHasher(self.config.text) if self.config.text.engram_layer_ids else None
+        self.hasher = EngramHasher(self.config.text, self._token_map()) if self.config.text.engram_layer_ids else None
         self.engram = None
         if any(p.engram_rows for p in self.plans):          # the manifest then names the host file
             tables = self.path / m.host["engram"].path
@@ -109,11 +181,22 @@ class Session:
 
     # -- loading ------------------------------------------------------------------------------
 
+    def _token_map(self):
+        """Engram's compressed token map the bundle carries (None: the identity, byte-level tokenizer)."""
+        host = self.manifest.host.get("engram_token_map")
+        return None if host is None else load_mmap(self.path / host.path)[host.tensor].numpy()
+
     def _load_executables(self) -> None:
-        self.executables, self.signatures = {}, {}
+        """(kind, batch, tokens, block-table width or None for kinds that do not read one) -> executable."""
+        self.executables, self.signatures, self.context_kinds = {}, {}, set()
+        kv = self.manifest.kv
         for e in self.manifest.regions:
-            self.executables[(e.kind, e.bucket.batch, e.bucket.tokens)] = self.placement.load(e, self.path / e.artifact)
+            b = e.bucket
+            blocks = None if b.context is None else kv.blocks_for(b.context)
+            self.executables[(e.kind, b.batch, b.tokens, blocks)] = self.placement.load(e, self.path / e.artifact)
             self.signatures[e.kind] = e.inputs
+            if blocks is not None:
+                self.context_kinds.add(e.kind)
 
     def _bind_weights(self, rank: int) -> None:
         """(layer, slot) -> (kind, weight views in the executable's input order)."""
@@ -129,13 +212,22 @@ class Session:
                      for s in self.signatures[b.kind] if s.role in ("weight", "rank")]
             self.bound[(layer, slot)] = (b.kind, views)
 
+    def _pool_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {name: ((len(pool.layers), self.num_blocks if pool.dim == "blocks" else self.num_slots,
+                        *pool.entry_shape), getattr(torch, pool.dtype))
+                for name, pool in self.manifest.kv.pools.items()}
+
+    def _check_pool_memory(self) -> None:
+        """Pools a host bundle cannot allocate on this host are refused before anything is loaded."""
+        need = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self._pool_shapes().values())
+        if self.manifest.target.name == "cpu" and need > host_memory():
+            raise mf.BundleError(f"{self.path}: the KV/state pools need {need / 2**30:.1f} GiB at num_kv_blocks "
+                                 f"{self.num_blocks}, more than this host's {host_memory() / 2**30:.1f} GiB of memory")
+
     def _allocate_pools(self) -> None:
         self.pools, self.states = {}, defaultdict(dict)
-        for name, pool in self.manifest.kv.pools.items():
-            size = self.num_blocks if pool.dim == "blocks" else self.num_slots
-            self.pools[name] = self.placement.resident(
-                torch.zeros((len(pool.layers), size, *pool.entry_shape), dtype=getattr(torch, pool.dtype)),
-                f"pool.{name}")
+        for name, (shape, dtype) in self._pool_shapes().items():
+            self.pools[name] = self.placement.resident(torch.zeros(shape, dtype=dtype), f"pool.{name}")
         for l in self.manifest.layers:
             for state, (pool, index) in l.state.items():
                 self.states[l.layer][state] = self.placement.view(self.pools[pool], index)
@@ -147,19 +239,23 @@ class Session:
     @functools.cached_property
     def vision(self):
         """The host-resident vision tower (host/vision.safetensors), loaded on first use."""
-        return load_vision(self.bundle)
+        tower = load_vision(self.bundle)
+        self.bundle.check_unchanged()
+        return tower
 
     # -- running ------------------------------------------------------------------------------
 
-    def _invoke(self):
+    def _invoke(self, blocks: int):
+        """invoke(layer, slot, *inputs) for one step whose block tables are `blocks` wide."""
         executables, bound, stats, on_call, comm = self.executables, self.bound, self.stats, self.on_call, self.comm
+        context_kinds = self.context_kinds
 
         def invoke(layer: int, slot: str, *inputs):
             t0 = time.perf_counter()
             kind, weights = bound[(layer, slot)]
             if comm is not None and slot == "moe" and comm.topo.dispatch:
                 inputs = comm.dispatch(*inputs)                 # every group's rows
-            exe = executables[(kind, inputs[0].shape[0], inputs[0].shape[1])]
+            exe = executables[(kind, inputs[0].shape[0], inputs[0].shape[1], blocks if kind in context_kinds else None)]
             args = weights + list(inputs)
             t1 = time.perf_counter()
             out = exe(args) if on_call is None else on_call(layer, slot, kind, inputs, lambda: exe(args))
@@ -174,7 +270,8 @@ class Session:
         """One step through every layer and the head -> logits [B, T, V]."""
         h, pre = self.embed(batch.tokens, batch.is_image, batch.image_rows)
         start = time.perf_counter()
-        logits = run_layers(self.plans, self._invoke(), self.states, h, pre, batch, self.engram)
+        logits = run_layers(self.plans, self._invoke(batch.block_table.shape[1]), self.states, h, pre, batch,
+                            self.engram)
         self.stats.step_seconds += time.perf_counter() - start
         self.stats.steps += 1
         self.stats.padded += batch.tokens.numel()
@@ -199,11 +296,14 @@ class Session:
         return Allocator(self.num_slots, self.num_blocks, self.block_size, self.max_blocks)
 
     def run(self, rows_by_group: list[list[Row]], allocs: list[Allocator], gens, images) -> list[torch.Tensor]:
-        """Leader: one step of every token group, padded to the nearest bucket -> each group's logits."""
+        """Leader: one step of every token group, padded to the nearest bucket -> each group's logits.
+        The context bucket is the smallest whose block table holds the longest sequence after the step
+        (its highest written position + 1), for every group alike."""
         B = bucket_at_least(self.batch_sizes, max(1, *(len(r) for r in rows_by_group)))
         T = bucket_at_least(self.token_sizes, max(len(ids) for rows in rows_by_group for _, ids, _ in rows))
-        batches = [make_batch(rows, list(range(len(rows))), B, T, alloc=alloc, gens=gens, images=images,
-                              hasher=self.hasher, pad=self.config.pad_token_id, dtype=self.dtype)
+        blocks = table_width(rows_by_group, self.block_size, self.context_blocks)
+        batches = [make_batch(rows, list(range(len(rows))), B, T, blocks=blocks, alloc=alloc, gens=gens,
+                              images=images, hasher=self.hasher, pad=self.config.pad_token_id, dtype=self.dtype)
                    for rows, alloc in zip(rows_by_group, allocs)]
         if self.comm is None:
             return [self._run(batches[0])]
@@ -263,4 +363,6 @@ def load(bundle: Bundle | str | Path, *, num_kv_blocks: int | None = None, verif
     if world > 1 and comm is None:
         raise mf.BundleError(f"{bundle.path}: a {world}-rank bundle; run it with deepinfer-run (which starts "
                              "the ranks) or under torchrun")
-    return Session(bundle, num_kv_blocks=num_kv_blocks, rank=rank, comm=comm)
+    session = Session(bundle, num_kv_blocks=num_kv_blocks, rank=rank, comm=comm)
+    bundle.check_unchanged()
+    return session

@@ -31,7 +31,8 @@ LAYERS = [
 # what `import deepinfer.runtime` loads: the format, the shared step of the model family, the runtime
 RUNTIME_LOADS = [
     "deepinfer", "deepinfer.bundles", "deepinfer.bundles.layout", "deepinfer.bundles.manifest",
-    "deepinfer.bundles.safetensors", "deepinfer.bundles.topology", "deepinfer.errors", "deepinfer.regions",
+    "deepinfer.bundles.pt2", "deepinfer.bundles.safetensors", "deepinfer.bundles.topology", "deepinfer.errors",
+    "deepinfer.regions",
     "deepinfer.regions.config", "deepinfer.regions.engram_hash", "deepinfer.regions.generate",
     "deepinfer.regions.spans", "deepinfer.regions.step", "deepinfer.runtime", "deepinfer.runtime.backends",
     "deepinfer.runtime.session", "deepinfer.schema",

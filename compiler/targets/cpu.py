@@ -8,6 +8,7 @@ compiled code would go back through Python.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 import deepinfer
+from deepinfer.bundles.pt2 import load_exported
 from deepinfer.compiler.trace import concrete_inputs
 from deepinfer.kernels import reference_decompositions
 
@@ -60,7 +62,9 @@ class CpuTarget:
         return versions
 
     def device_memory(self) -> tuple[int | None, str]:
-        return None, "cpu: host memory, no limit unless [memory] limit_gib is set"
+        """A cpu rank runs in host memory: this host's, unless [memory] limit_gib names another's."""
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), \
+            "cpu: this host's memory; set [memory] limit_gib for the host that runs the bundle"
 
     def check_numerics(self, *args, **kwargs) -> dict:
         raise NotImplementedError("the cpu target has no lowering to check")
@@ -84,7 +88,7 @@ class CpuTarget:
         if self.executable == "exported":
             out.write_bytes(Path(lowered).read_bytes())
             return
-        ep = torch.export.load(str(lowered))
+        ep = load_exported(lowered)
         concrete_inputs(ep)                 # saved programs carry shapes, not sample data
         torch._inductor.aoti_compile_and_package(ep, package_path=str(out), inductor_configs=self.options or None)
 

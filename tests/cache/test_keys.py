@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,7 @@ spec = parse(cfg, False, lambda m: None)
 p = plan(spec, lambda m: None)
 ep, _, _ = trace(p.kinds["head"].region, 1, 1, spec.geometry)
 kernels = kernels_reached(ep)
-exe = cached.executable_key(spec, p, "head", "decode", 1, 1, graph_digest(spec.target.lower(ep)), kernels)
+exe = cached.executable_key(spec, p, "head", "decode", 1, 1, None, graph_digest(spec.target.lower(ep)), kernels)
 print(json.dumps({"bundle": cache_key(cfg, log=lambda m: None).digest, "executable": exe.digest,
                   "kernels": kernels}))
 """
@@ -105,7 +106,7 @@ def b(planned):
     return Build(planned.spec, planned.plan)
 
 
-EXE = dict(kind="head", method="decode", batch=1, tokens=1, graph="g" * 64, kernels=["rmsnorm"])
+EXE = dict(kind="head", method="decode", batch=1, tokens=1, context=None, graph="g" * 64, kernels=["rmsnorm"])
 
 EXE_VARIANTS = {
     "format": lambda b, mp, kw: mp.setattr(cached, "format_part", lambda: {"bundle_format": 99, "cache": 1}),
@@ -146,16 +147,28 @@ TRACE_VARIANTS = {
 
 @pytest.mark.parametrize("part", [p for p, v in TRACE_VARIANTS.items() if v])
 def test_each_trace_key_part_changes_the_key(b, monkeypatch, part):
-    base = cached.trace_key(b.spec, b.plan, "head", "decode", 1, 1)
+    base = cached.trace_key(b.spec, b.plan, "head", "decode", 1, 1, None)
     assert [n for n, _ in base.parts] == list(TRACE_VARIANTS)
-    kw = dict(kind="head", method="decode", batch=1, tokens=1)
+    kw = dict(kind="head", method="decode", batch=1, tokens=1, context=None)
     TRACE_VARIANTS[part](b, monkeypatch, kw)
     assert changed_part(base, cached.trace_key(b.spec, b.plan, **kw)) == [part]
 
 
 def test_trace_key_bucket(b):
-    base = cached.trace_key(b.spec, b.plan, "head", "decode", 1, 1)
-    assert changed_part(base, cached.trace_key(b.spec, b.plan, "head", "decode", 1, 2)) == ["bucket", "signature"]
+    base = cached.trace_key(b.spec, b.plan, "head", "decode", 1, 1, None)
+    assert changed_part(base, cached.trace_key(b.spec, b.plan, "head", "decode", 1, 2, None)) == ["bucket", "signature"]
+
+
+def test_trace_key_context_bucket(b):
+    """A kind built per context bucket: another bucket is another name, bucket, geometry and signature
+    (its block table); the executable key sees the bucket too."""
+    base = cached.trace_key(b.spec, b.plan, "attn_source_r2", "decode", 1, 1, 32)
+    other = cached.trace_key(b.spec, b.plan, "attn_source_r2", "decode", 1, 1, 16)
+    assert base.identity.endswith("b1t1c32") and other.identity.endswith("b1t1c16")
+    assert changed_part(base, other) == ["bucket", "geometry", "signature"]
+    exe = dict(EXE, kind="attn_source_r2", context=32)
+    assert changed_part(cached.executable_key(b.spec, b.plan, **exe),
+                        cached.executable_key(b.spec, b.plan, **dict(exe, context=16))) == ["bucket"]
 
 
 WEIGHT_VARIANTS = {
@@ -202,8 +215,8 @@ def test_unkeyed_options_do_not_change_the_key(small_toml, tmp_path, b):
     moved = write_toml(tmp_path / "elsewhere", ckpt, options=logs, extra='\n[cache]\ndir = "somewhere"\n')
     assert bundle_key(moved).digest == base.digest
     logged = build(moved)
-    assert cached.trace_key(logged.spec, logged.plan, "head", "decode", 1, 1).digest == \
-        cached.trace_key(b.spec, b.plan, "head", "decode", 1, 1).digest
+    assert cached.trace_key(logged.spec, logged.plan, "head", "decode", 1, 1, None).digest == \
+        cached.trace_key(b.spec, b.plan, "head", "decode", 1, 1, None).digest
     assert cached.executable_key(logged.spec, logged.plan, **EXE).digest == \
         cached.executable_key(b.spec, b.plan, **EXE).digest
 
@@ -217,6 +230,7 @@ KEYED_EDITS = {
     "buckets.batch": ("batch = [1]", "batch = [1, 2]"),
     "buckets.tokens": ("tokens = [1]", "tokens = [1, 2]"),
     "buckets.max_context": ("max_context = 32", "max_context = 48"),
+    "buckets.context": ("max_context = 32", "max_context = 32\ncontext = [16, 32]"),
     "kv.block_size": ("block_size = 16", "block_size = 32"),
     "kv.num_blocks": ("num_blocks = 5", "num_blocks = 6"),
 }
@@ -283,9 +297,33 @@ def test_a_kernel_change_reaches_only_graphs_calling_it(b, monkeypatch):
     reached = {k: kernels_reached(trace(b.plan.kinds[k].region, 1, 1, b.spec.geometry)[0])
                for k in ("head", "attn_source_r2")}
     assert "compress_pool" in reached["attn_source_r2"] and "compress_pool" not in reached["head"]
-    before = {k: cached.executable_key(b.spec, b.plan, k, "decode", 1, 1, "g", ks).digest for k, ks in reached.items()}
+    before = {k: cached.executable_key(b.spec, b.plan, k, "decode", 1, 1, None, "g", ks).digest
+              for k, ks in reached.items()}
     closure = keys.source_closure
     monkeypatch.setattr(keys, "source_closure",
                         lambda fn: closure(fn) + (b"# changed" if fn.__name__ == "compress_pool_ref" else b""))
-    after = {k: cached.executable_key(b.spec, b.plan, k, "decode", 1, 1, "g", ks).digest for k, ks in reached.items()}
+    after = {k: cached.executable_key(b.spec, b.plan, k, "decode", 1, 1, None, "g", ks).digest
+             for k, ks in reached.items()}
     assert after["head"] == before["head"] and after["attn_source_r2"] != before["attn_source_r2"]
+
+
+def test_a_tensor_edited_in_place_with_size_and_mtime_restored_is_hashed_again(tmp_path):
+    """As `rsync -t --inplace` or `touch -r` leave a file: same path, inode, size and mtime."""
+    import torch
+    from safetensors.torch import save_file
+
+    path, memo = tmp_path / "w.safetensors", tmp_path / "memo"
+    save_file({"w": torch.zeros(64)}, str(path))
+    before = cached._file_digests(path, memo)
+    st = os.stat(path)
+    for _ in range(200):                        # ctime ticks at the kernel's clock granularity (<= 10 ms)
+        with open(path, "r+b") as f:            # in place: one byte of the tensor's data
+            f.seek(-1, os.SEEK_END)
+            f.write(b"\x01")
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        if os.stat(path).st_ctime_ns != st.st_ctime_ns:
+            break
+        time.sleep(0.01)
+    now = os.stat(path)
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    assert cached._file_digests(path, memo)["w"] != before["w"]

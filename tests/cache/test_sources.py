@@ -41,9 +41,9 @@ def edited(monkeypatch, module: str) -> None:
 KEYS = {
     "weights": (lambda spec, p: cached.weights_key(spec, Checkpoint(spec.config.model.checkpoint), "moe",
                                                    p.kinds["moe"]), cached.weight_sources),
-    "trace": (lambda spec, p: cached.trace_key(spec, p, "attn_source_r2", "decode", 1, 1),
+    "trace": (lambda spec, p: cached.trace_key(spec, p, "attn_source_r2", "decode", 1, 1, spec.config.buckets.max_context),
               lambda: cached.import_closure(cached.TRACE_ROOTS + spec_lowering())),
-    "executable": (lambda spec, p: cached.executable_key(spec, p, "head", "decode", 1, 1, "g", ["rmsnorm"]),
+    "executable": (lambda spec, p: cached.executable_key(spec, p, "head", "decode", 1, 1, None, "g", ["rmsnorm"]),
                    lambda: cached.lowering_sources(spec_lowering())),
 }
 

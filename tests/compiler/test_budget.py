@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -53,6 +54,8 @@ def test_breakdown_adds_up(exported_bundle):
     assert mem["pools_by_name"] == allocated and mem["pools"] == sum(allocated.values())
     assert mem["executables"] == sum((exported_bundle / r.artifact).stat().st_size for r in m.regions)
     assert mem["scratch"] == max(r.scratch_bytes for r in m.regions) > 0
+    for kind in {r.kind for r in m.regions}:
+        assert mem["scratch_by_kind"][kind] == max(r.scratch_bytes for r in m.regions if r.kind == kind) > 0
     assert mem["total"] == mem["weights"] + mem["pools"] + mem["executables"] + mem["scratch"]
     assert mem["limit"] is None                 # cpu: no device limit by default
 
@@ -93,9 +96,12 @@ def test_scratch_is_checked_after_tracing(tmp_path, tiny_ckpt):
     budget.check_planned(spec, planned, QUIET)                # ~4 MiB of 5.12 MiB usable
     moe = mf.Executable(kind="moe", method="decode", bucket=mf.Shape(batch=1, tokens=1), artifact="regions/none.pt2",
                         executable="exported", inputs=(), outputs=(), scratch_bytes=2 << 20)
+    head = dataclasses.replace(moe, kind="head", bucket=mf.Shape(batch=2, tokens=1), scratch_bytes=1 << 20)
+    moe8 = dataclasses.replace(moe, bucket=mf.Shape(batch=8, tokens=1), scratch_bytes=(2 << 20) + 4096)
     with pytest.raises(ConfigError, match="with the traced graphs' scratch") as e:
-        budget.check_traced(spec, planned, Traced((moe,), ()), QUIET)
-    assert "(largest graph: moe.decode.b1t1)" in str(e.value)
+        budget.check_traced(spec, planned, Traced((moe, head, moe8), ()), QUIET)
+    assert "(largest graph: moe.decode.b8t1)" in str(e.value)
+    assert "by kind    moe 2.00 MiB, head 1.00 MiB" in str(e.value)       # each kind's largest graph
 
 
 @pytest.mark.parametrize("memory, message", [
@@ -131,3 +137,29 @@ def test_engram_tables_are_host_bytes_at_release_scale(tmp_path):
     assert biggest < min(rows) * 256
     assert sum(d.weights.values()) < 13 * budget.GiB and d.total <= d.usable
     assert "engram" in d.to_dict()["host_by_file"] and d.to_dict()["total"] == d.total
+
+
+def test_moe_scratch_is_bounded_by_its_local_experts_not_the_rows():
+    """One rank of the release at EP = 64 (6 of 384 experts, hidden 5120, intermediate 2304), traced and
+    lowered for cpu at 1 and 64 rows: scratch stays within a few decoded weight tiles (gathering 6 experts'
+    float32 weights per row was 810 MiB a row) and grows only by the rows' activations."""
+    from deepinfer.bundles.topology import Topology
+    from deepinfer.compiler.targets.cpu import CpuTarget
+    from deepinfer.compiler.trace import trace
+    from deepinfer.kernels.linear import EXPERT_TILE_BYTES
+    from deepinfer.regions.config import parse_config
+    from deepinfer.regions.moe import MoE
+    from deepinfer.regions.state import Geometry
+    from deepinfer.regions.synthetic import synthetic_config
+
+    c = parse_config(synthetic_config(experts=384)).text
+    with torch.device("meta"):
+        region = MoE(c, dtype=torch.bfloat16, topo=Topology(ep=64))
+    assert region.w1.shape == (6, 2304, 2560)
+    scratch = {}
+    for rows in (1, 64):
+        ep, _, _ = trace(region, rows, 1, Geometry(slots=2, blocks=2, block_size=16, max_blocks=1))
+        scratch[rows] = budget.scratch_bytes(CpuTarget().lower(ep))
+    one_expert = 3 * 2304 * 5120 * 4                  # w1, w3, w2 of one expert in float32
+    assert scratch[1] <= 3 * EXPERT_TILE_BYTES < one_expert
+    assert 0 <= scratch[64] - scratch[1] <= 63 * (1 << 20)

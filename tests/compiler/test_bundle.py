@@ -211,6 +211,7 @@ def test_failure_with_force_keeps_the_existing_bundle(tmp_path, tiny_ckpt, monke
     monkeypatch.setattr(pipeline, "trace", failing_trace)
     cfg, out = write_toml(tmp_path, tiny_ckpt), tmp_path / "bundle"
     out.mkdir()
+    (out / "manifest.json").write_text('{"format_version": 1}')      # what --force may replace: a bundle
     (out / "marker").write_text("the previous bundle")
     with pytest.raises(RuntimeError):
         pipeline.compile_bundle(cfg, out, force=True, log=lambda msg: None)

@@ -81,6 +81,17 @@ CASES = [
     ("tokens_without_1", "tokens = [1, 4]", "tokens = [2, 4]", "buckets.tokens", ["must include 1"]),
     ("max_context_below_tokens", "max_context = 32", "max_context = 2", "buckets.max_context",
      ["largest tokens bucket (4)"]),
+    ("context_type", "max_context = 32", "max_context = 32\ncontext = 16", "buckets.context",
+     ["expected a list of integers"]),
+    ("context_not_ascending", "max_context = 32", "max_context = 32\ncontext = [32, 16]", "buckets.context",
+     ["ascending", "got [32, 16]"]),
+    ("context_repeated", "max_context = 32", "max_context = 32\ncontext = [16, 16, 32]", "buckets.context",
+     ["ascending", "got [16, 16, 32]"]),
+    ("context_last_not_max", "max_context = 32", "max_context = 32\ncontext = [16]", "buckets.context",
+     ["the last equal to max_context (32)", "got [16]"]),
+    ("context_not_block_multiple", "max_context = 32", "max_context = 32\ncontext = [8, 32]", "buckets.context",
+     ["a multiple of [kv] block_size (16)", "got [8, 32]"]),
+    ("context_empty", "max_context = 32", "max_context = 32\ncontext = []", "buckets.context", ["got []"]),
     ("num_blocks_too_small", "num_blocks = 8", "num_blocks = 4", "kv.num_blocks",
      ["4 blocks", "need at least 5"]),
     ("unknown_target", 'name = "cpu"', 'name = "trn3"', "target.name", ["'trn3'", "valid: cpu"]),
@@ -99,6 +110,13 @@ def test_config_error_names_file_key_and_line(tmp_path, old, new, name, fragment
     assert message.startswith(f"{path}:{line}: {name}: "), message
     for fragment in fragments:
         assert fragment in message, (fragment, message)
+
+
+def test_context_buckets_default_to_max_context(tmp_path):
+    path, _ = write(tmp_path, BASE)
+    assert load_compile_config(path).buckets.context == (32,)
+    path, _ = write(tmp_path, BASE, "max_context = 32", "max_context = 48\ncontext = [16, 32, 48]")
+    assert load_compile_config(path).buckets.context == (16, 32, 48)
 
 
 def test_unknown_section(tmp_path):

@@ -163,8 +163,13 @@ def test_weights_are_inputs_not_baked(moe, ref_fp32):
 
 # --- one executable per (kind, method, bucket), whatever the layer count (saved ExportedPrograms) ---
 
+# the tiny model's kinds that read a block table: built per context bucket
+CONTEXT_KINDS = {"attn_source_r2", "attn_reuse_r2", "attn_source_r1_cand", "attn_reindex_r1_cand"}
+
+
 def executable_keys(m: dict) -> list[tuple]:
-    return [(e["kind"], e["method"], e["bucket"]["batch"], e["bucket"]["tokens"]) for e in m["regions"]]
+    return [(e["kind"], e["method"], e["bucket"]["batch"], e["bucket"]["tokens"], e["bucket"].get("context"))
+            for e in m["regions"]]
 
 
 @pytest.mark.parametrize("name", ["exported_bundle", "exported_bundle_12"])
@@ -174,7 +179,9 @@ def test_one_executable_per_kind_and_bucket(request, name):
     kinds = [w["kind"] for w in m["weights"]["rank-0"]]
     shapes = [(s["batch"], s["tokens"]) for s in m["buckets"]["shapes"]]
     keys = executable_keys(m)
-    assert sorted(keys) == sorted((k, "decode", b, t) for k in kinds for b, t in shapes)
+    contexts = m["buckets"]["contexts"]
+    assert sorted(keys, key=str) == sorted(((k, "decode", b, t, c) for k in kinds for b, t in shapes
+                                            for c in (contexts if k in CONTEXT_KINDS else [None])), key=str)
     artifacts = sorted(e["artifact"] for e in m["regions"])
     assert artifacts == sorted(p.relative_to(bundle).as_posix() for p in (bundle / "regions").iterdir())
     for e in m["regions"]:
@@ -209,7 +216,7 @@ def test_signatures_do_not_depend_on_layer_count(exported_bundle, exported_bundl
 def test_executable_count_does_not_grow_with_layers(exported_bundle, exported_bundle_12):
     """Executables per bucket: kinds, the same for 6 and 12 layers (the 12-layer bundle has bucket (1, 1))."""
     m6, m12 = mf.to_json(mf.read(exported_bundle)), mf.to_json(mf.read(exported_bundle_12))
-    per_bucket = [sorted(k for k in executable_keys(m) if k[2:] == (1, 1)) for m in (m6, m12)]
+    per_bucket = [sorted((k for k in executable_keys(m) if k[2:4] == (1, 1)), key=str) for m in (m6, m12)]
     assert per_bucket[0] == per_bucket[1]
     assert len(m6["regions"]) == len(per_bucket[0]) * len(m6["buckets"]["shapes"])
 

@@ -57,13 +57,26 @@ def check_bindings_consistent(plan):
         assert sorted(indices) == list(range(len(plan.kinds[kind].layers))), kind
 
 
-def test_executables_are_kinds_times_buckets(tiny_ckpt):
+# the kinds that read a block table (attention over compressed state): built per context bucket
+CONTEXT_KINDS = {"attn_source_r2", "attn_reuse_r2", "attn_source_r1_cand", "attn_reindex_r1_cand"}
+
+
+@pytest.mark.parametrize("contexts", [(64,), (16, 64), (16, 32, 64)])
+def test_executables_are_kinds_times_buckets(tiny_ckpt, contexts):
+    """Each kind once per (batch, tokens); the kinds whose shapes depend on the context once more per
+    context bucket: sum over kinds of the buckets it depends on."""
     plan = plan_of(tiny_ckpt)
     check_bindings_consistent(plan)
     shapes = [(1, 1), (1, 8), (2, 1), (2, 8)]
-    exes = plan.executables(shapes)
-    assert len(exes) == len(set(exes)) == len(TINY_KINDS) * len(shapes)
-    assert {(k, m) for k, m, _, _ in exes} == {(k, METHOD) for k in TINY_KINDS}
+    exes = plan.executables(shapes, contexts)
+    free = len(TINY_KINDS) - len(CONTEXT_KINDS)
+    assert len(exes) == len(set(exes)) == (free + len(CONTEXT_KINDS) * len(contexts)) * len(shapes)
+    assert {(k, m) for k, m, *_ in exes} == {(k, METHOD) for k in TINY_KINDS}
+    assert {k for k, _, _, _, c in exes if c is not None} == CONTEXT_KINDS
+    for kind in CONTEXT_KINDS:
+        assert sorted((b, t, c) for k, _, b, t, c in exes if k == kind) == \
+            sorted((b, t, c) for b, t in shapes for c in contexts)
+    assert all(c is None for k, _, _, _, c in exes if k not in CONTEXT_KINDS)
 
 
 @pytest.mark.parametrize("layers", [12, 24])

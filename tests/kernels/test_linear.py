@@ -194,3 +194,73 @@ def test_swiglu_output_dtype_is_gates(gate_dtype, up_dtype):
         torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-6)
     else:
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- moe_experts
+
+def _experts_formula(x, weights, w1, w1_s, w3, w3_s, w2, w2_s, limit):
+    """Expert by expert in float64: sum_e w2_e(swiglu(w1_e x, w3_e x) * weights[:, e])."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for e in range(w1.shape[0]):
+        g = x.double() @ _weight_fp4(w1[e], w1_s[e]).T
+        u = x.double() @ _weight_fp4(w3[e], w3_s[e]).T
+        out += _swiglu_formula(g, u, weights[:, e:e + 1], limit) @ _weight_fp4(w2[e], w2_s[e]).T
+    return out
+
+
+def _expert_stacks(gen, experts, inter, hidden):
+    def fp4(rows, cols):
+        packed = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.int32)
+        return packed.to(torch.uint8), _scale_bytes(gen, (experts, rows, math.ceil(cols / 32)), 124, 128)
+    return (*fp4(inter, hidden), *fp4(inter, hidden), *fp4(hidden, inter))
+
+
+@pytest.mark.parametrize("tile_bytes", [1 << 30, 12_000])          # one tile; three, the last one shorter
+def test_moe_experts_matches_expert_by_expert(tile_bytes, monkeypatch):
+    """Rows routed to some experts only (zero weights elsewhere), a row routed nowhere, clamps active."""
+    from deepinfer.kernels import linear
+
+    monkeypatch.setattr(linear, "EXPERT_TILE_BYTES", tile_bytes)
+    gen = torch.Generator().manual_seed(7)
+    experts, inter, hidden, rows = 3, 40, 64, 5
+    assert len(linear.expert_tiles(experts, inter, hidden)) == (1 if tile_bytes > 1e6 else 3)
+    stacks = _expert_stacks(gen, experts, inter, hidden)
+    x = torch.randn(rows, hidden, generator=gen)
+    weights = torch.rand(rows, experts, generator=gen) * (torch.rand(rows, experts, generator=gen) < 0.6)
+    weights[2] = 0.0
+    got = OPS.moe_experts(x, weights, *stacks, 10.0)
+    want = _experts_formula(x, weights, *stacks, 10.0)
+    assert got.dtype == torch.float32 and got.shape == (rows, hidden)
+    assert torch.equal(got[2], torch.zeros(hidden))
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_moe_experts_bf16_casts_each_product_before_w2():
+    """In bf16 the weighted SwiGLU product is rounded to bf16 before w2 (MODEL.md)."""
+    gen = torch.Generator().manual_seed(8)
+    stacks = _expert_stacks(gen, 2, 32, 64)
+    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(4, 2, generator=gen)
+    got = OPS.moe_experts(x, weights, *stacks, 10.0)
+    want = torch.zeros(4, 64, dtype=torch.float64)
+    for e in range(2):
+        g = x.double() @ _weight_fp4(stacks[0][e], stacks[1][e]).T
+        u = x.double() @ _weight_fp4(stacks[2][e], stacks[3][e]).T
+        a = _swiglu_formula(g, u, weights[:, e:e + 1], 10.0).to(torch.bfloat16).double()
+        want += a @ _weight_fp4(stacks[4][e], stacks[5][e]).T
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("experts, rows, cols", [(6, 2304, 5120), (6, 5120, 2304), (384, 2304, 5120), (8, 64, 256),
+                                                 (1, 1, 32)])
+def test_expert_tiles_cover_the_rows_in_bounded_tiles(experts, rows, cols):
+    from deepinfer.kernels.linear import EXPERT_MAX_TILES, EXPERT_TILE_BYTES, expert_tiles
+
+    tiles = expert_tiles(experts, rows, cols)
+    assert tiles[0][0] == 0 and tiles[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in zip(tiles, tiles[1:]))
+    assert all(stop > start for start, stop in tiles)
+    assert len(tiles) <= EXPERT_MAX_TILES
+    tile_bytes = experts * (tiles[0][1] - tiles[0][0]) * cols * 4
+    assert tile_bytes <= EXPERT_TILE_BYTES or len(tiles) == EXPERT_MAX_TILES
+    assert tile_bytes <= max(EXPERT_TILE_BYTES, -(-experts * rows * cols * 4 // EXPERT_MAX_TILES) + experts * cols * 4)

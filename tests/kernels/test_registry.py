@@ -7,7 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from deepinfer.kernels import KERNELS, reference_decompositions
 
-EXPECTED = {"blockquant_gemm", "swiglu", "rmsnorm", "hc_mixes", "hc_collapse", "hc_expand",
+EXPECTED = {"blockquant_gemm", "swiglu", "moe_experts", "rmsnorm", "hc_mixes", "hc_collapse", "hc_expand",
             "sparse_attn", "index_score", "compress_pool"}
 u8, f32, bf16, b8 = torch.uint8, torch.float32, torch.bfloat16, torch.bool
 
@@ -31,6 +31,10 @@ CASES = {
     "swiglu": [
         ((_t((2, 3, 64), bf16), _t((2, 3, 64), bf16), _t((2, 3, 1), f32), 10.0), [((2, 3, 64), bf16)]),
         ((_t((5, 8), f32), _t((5, 8), bf16), None, 0.0), [((5, 8), f32)]),
+    ],
+    "moe_experts": [
+        ((_t((5, 64), bf16), _t((5, 3), f32), _t((3, 32, 32), u8), _t((3, 32, 2), u8), _t((3, 32, 32), u8),
+          _t((3, 32, 2), u8), _t((3, 64, 16), u8), _t((3, 64, 1), u8), 10.0), [((5, 64), f32)]),
     ],
     "rmsnorm": [
         ((_t((2, 3, 32), bf16), _t((32,), bf16), 1e-20), [((2, 3, 32), bf16)]),

@@ -89,6 +89,32 @@ def test_image_files_read_back_exactly(tmp_path):
         read_image(tmp_path / "short.ppm")
 
 
+def test_hostile_image_files_are_bounded(tmp_path, monkeypatch):
+    """Bytes read and declared dimensions are bounded before decoding; a short IHDR is one line."""
+    from deepinfer.regions import image
+
+    def ihdr_png(width, height, ihdr_len=13):
+        body = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)[:ihdr_len]
+        idat = zlib.compress(bytes(1 << 20))                          # inflates to 1 MiB: never all of it
+        return (b"\x89PNG\r\n\x1a\n" + struct.pack(">I", len(body)) + b"IHDR" + body + b"\0" * 4
+                + struct.pack(">I", len(idat)) + b"IDAT" + idat + b"\0" * 4)
+
+    (tmp_path / "huge.png").write_bytes(ihdr_png(20000, 20000))
+    with pytest.raises(ImageError, match=r"huge\.png: image declares 20000 x 20000 pixels, more than 64 Mpixel"):
+        read_image(tmp_path / "huge.png")
+    (tmp_path / "short.png").write_bytes(ihdr_png(4, 4, ihdr_len=9))
+    with pytest.raises(ImageError, match="IHDR of 9 bytes, expected 13"):
+        read_image(tmp_path / "short.png")
+    (tmp_path / "big.ppm").write_bytes(b"P6 20000 20000 255\n")
+    with pytest.raises(ImageError, match="declares 20000 x 20000"):
+        read_image(tmp_path / "big.ppm")
+    (tmp_path / "bomb.png").write_bytes(ihdr_png(2, 2))              # 1 MiB of zeros for 2 x 2 pixels
+    assert read_image(tmp_path / "bomb.png").shape == (2, 2, 3)
+    monkeypatch.setattr(image, "MAX_FILE_BYTES", 1 << 16)
+    with pytest.raises(ImageError, match="zero: more than 65,536 bytes; not read further"):
+        read_image("/dev/zero")                                       # an endless file is not read to its end
+
+
 # --- sizing and patches ---
 
 @pytest.mark.parametrize("h, w, rows, cols", [(20, 28, 5, 7), (12, 24, 3, 6), (16, 24, 4, 6), (4, 64, 1, 16),

@@ -17,6 +17,8 @@ def run_aoti_bundle(aoti_bundle) -> Path:
 
 @pytest.fixture(scope="session")
 def run_exported_bundle(tmp_path_factory, tiny_ckpt) -> Path:
-    """Saved ExportedPrograms, buckets batch {1, 4} x tokens {1, 8} (8-token prompt chunks), cache quantization on."""
+    """Saved ExportedPrograms, buckets batch {1, 4} x tokens {1, 8} (8-token prompt chunks) x context
+    {16, 80} (the golden prompts cross from one to the other while generating, the longest while
+    prefilling), cache quantization on."""
     return _compile_tiny(tmp_path_factory, "run-exported", tiny_ckpt, executable="exported", tokens=[1, 8],
-                         batch=(1, 4), max_context=80, num_blocks=21, cache_quant=True)
+                         batch=(1, 4), max_context=80, context=(16, 80), num_blocks=21, cache_quant=True)

@@ -68,6 +68,51 @@ def test_padding_waste_and_timing_are_recorded(run_exported_bundle, loaded):
     assert abs(sum(r["share"] for r in table) - 1) < 1e-9
 
 
+def _table_widths(session):
+    """session.on_call recording, per call of a kind built per context bucket, its block table's width."""
+    widths = []
+    context_kinds = {e.kind for e in session.manifest.regions if e.bucket.context is not None}
+
+    def on_call(layer, slot, kind, inputs, run):
+        if kind in context_kinds:
+            widths.append(next(x.shape[1] for x, s in zip(inputs, session.signatures[kind][-len(inputs):])
+                               if s.name == "block_table"))
+        return run()
+    session.on_call = on_call
+    return widths
+
+
+def test_context_buckets_follow_the_longest_sequence(run_exported_bundle, loaded):
+    """"Hello" (6 positions, 16 generated) crosses from the 16-position bucket (1 block) into the
+    80-position one (5 blocks) while generating: the golden tokens and logits, and the same as the bundle
+    run single-bucket (every step at the largest bucket: a bundle compiled with context = [80] has
+    exactly those executables)."""
+    session = loaded(run_exported_bundle)
+    m = session.manifest
+    assert m.buckets.contexts == (16, 80) and session.context_blocks == [1, 5]
+    names = [e.name for e in m.regions]
+    assert len(names) == len(set(names)) and "attn_source_r2.decode.b4t8c16" in names
+    assert "attn_window.decode.b4t8" in names and not any(n.startswith("attn_window") and "c" in n.split(".")[-1]
+                                                          for n in names)
+    run = RUNS[0]
+    try:
+        widths = _table_widths(session)
+        [bucketed] = session.generate([run["prompt_ids"]], NEW)
+        assert widths[0] == 1 and widths[-1] == 5 and widths == sorted(widths)
+        session.context_blocks = session.context_blocks[-1:]
+        widths.clear()
+        [single] = session.generate([run["prompt_ids"]], NEW)
+        assert set(widths) == {5}
+    finally:
+        session.on_call = None
+        session.context_blocks = [1, 5]
+    tolerance = GOLDEN["noise"]["fp32-quant-lowest"]["tolerance"]
+    assert bucketed.error is None
+    regenerate.check_run(bucketed.tokens, bucketed.logits, run, tolerance)
+    assert bucketed.tokens == single.tokens
+    assert (torch.stack(bucketed.logits) - torch.stack(single.logits)).abs().max() <= tolerance
+
+
 def copy_bundle(src, tmp_path):
     dst = tmp_path / "bundle"
     shutil.copytree(src, dst)

@@ -1,0 +1,345 @@
+"""`deepinfer plan`: what a compile would build, from `config.json` and safetensors headers alone.
+
+Every figure is the compile's own, from its passes run as far as they go without tensor data:
+
+    layer plan, region kinds      pipeline.parse and pipeline.plan (compiler/plan.py)
+    executables, compile jobs     Spec.executables: region kinds x methods x buckets
+    weight files, bytes on disk   the weight pass's file plan (pipeline.weight_files): every
+                                  source tensor checked against its spec, offsets and headers
+                                  laid out, nothing read or written
+    state pools                   the state layout pass (pipeline.layout_state)
+    memory per rank, verdict      compiler/budget.py's breakdown, with the scratch of the compile's
+                                  graphs: its trace records where the compile cache holds them,
+                                  else graphs traced here on fake tensors and lowered
+                                  (pipeline.lowered_graph)
+
+The checkpoint is the directory's safetensors headers (`model.safetensors` or the index
+and its shards) when it has them, their data never read (it may be absent); else the
+tensors `config.json` implies (regions/synthetic.checkpoint_tensors: the regions'
+weight specs, what the compile would read). The engram hasher and its token map are
+the runtime's (and the compile's, for the map): nothing here needs the tokenizer.
+
+Scratch: every executable whose trace record the compile cache holds (an earlier compile
+of the same model.toml wrote it; `--hlo-only` compiles keep none) gives its own figure. A kind
+without records is traced here at its largest bucket (most rows per step), which bounds its
+other buckets: a graph's intermediates grow with its rows, and the budget takes the
+largest over all graphs. At release dimensions that costs about 10 s of CPU and up to 2 GiB
+per kind (measured), so `scratch=False` (`--no-scratch`) skips it. The MoE is also traced at
+its smallest batch bucket (at the largest tokens bucket), to show whether its scratch
+depends on the rows per step.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from deepinfer.bundles import layout
+from deepinfer.bundles.manifest import Pool
+from deepinfer.bundles.safetensors import DTYPES, TensorInfo
+from deepinfer.compiler import budget, cached, pipeline
+from deepinfer.compiler.budget import Breakdown, human
+from deepinfer.compiler.config import CompileConfig, config_error
+from deepinfer.compiler.plan import RegionPlan
+from deepinfer.errors import ConfigError
+from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
+from deepinfer.regions.config import CONFIG_FILE, V41Config
+
+BUNDLE = PurePosixPath("bundle")          # where the planned files would go: paths are reported relative to it
+MOE = "moe"
+
+
+@dataclass(frozen=True)
+class GraphScratch:
+    """One traced graph's scratch, as `budget.breakdown` reads an executable's."""
+
+    name: str                                   # the executable's name: `<kind>.<method>.<bucket>`
+    scratch_bytes: int
+
+    @property
+    def kind(self) -> str:
+        return self.name.split(".", 1)[0]
+
+
+@dataclass
+class BundlePlan:
+    spec: pipeline.Spec
+    regions: RegionPlan
+    checkpoint: str                             # where the shapes came from
+    executables: list[tuple[str, str, int, int, int | None]]   # (kind, method, batch, tokens, context)
+    files: dict[str, int]                       # bundle path -> bytes on disk (weights and host files)
+    rank_files: dict[str, tuple[str, ...]]      # rank key -> its own weight files
+    shared_files: tuple[str, ...]               # weight files every rank loads (stored once)
+    pools: dict[str, Pool]
+    memory: dict[str, Breakdown]                # rank key -> its breakdown
+    scratch: dict[str, int] | None             # graph -> scratch bytes (None: none known)
+    recorded: tuple[str, ...]                   # the graphs whose scratch came from the cache's trace records
+    seconds: float
+
+    # -- figures ---------------------------------------------------------------------------------
+
+    def device_weights(self, rank: str) -> dict[str, int]:
+        return self.memory[rank].weights
+
+    def rank_file_bytes(self, rank: str) -> int:
+        """Bytes a rank loads from the bundle's weight files: its own and the shared ones."""
+        return sum(self.files[f] for f in (*self.rank_files[rank], *self.shared_files))
+
+    @property
+    def bundle_bytes(self) -> int:
+        """Bytes of the bundle's weight and host files (the executables are known after compiling)."""
+        return sum(self.files.values())
+
+    @property
+    def moe_scratch(self) -> dict[int, int]:
+        """batch -> scratch of the MoE graph at the largest tokens bucket (from the traced graphs)."""
+        if self.scratch is None:
+            return {}
+        t = max(e[3] for e in self.executables if e[0] == MOE)
+        return {e[2]: self.scratch[layout.executable_name(*e)] for e in self.executables
+                if e[0] == MOE and e[3] == t and layout.executable_name(*e) in self.scratch}
+
+    @property
+    def moe_split(self) -> tuple[int, float] | None:
+        """(bytes independent of the rows, bytes per row) of the MoE's scratch, from its graphs at
+        the smallest and largest batch (rows = batch x tokens): the first is what its experts'
+        weights cost (decoded in tiles), the second the rows' activations."""
+        moe = self.moe_scratch
+        if len(moe) < 2:
+            return None
+        t = max(e[3] for e in self.executables if e[0] == MOE)
+        (b1, s1), (b2, s2) = min(moe.items()), max(moe.items())
+        per_row = (s2 - s1) / ((b2 - b1) * t)
+        return max(0, round(s1 - per_row * b1 * t)), per_row
+
+    # -- output ----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        c, topo = self.spec.config, self.spec.topology
+        kinds = {}
+        for kind, kp in self.regions.kinds.items():
+            kinds[kind] = {"slot": kp.slot, "layers": kp.layers,
+                           "executables": [layout.executable_name(*e) for e in self.executables if e[0] == kind],
+                           "weights_per_rank": self.device_weights(layout.rank_key(0))[kind]}
+        moe = self.moe_scratch
+        return {
+            "model_toml": str(c.source),
+            "checkpoint": {"path": str(c.model.checkpoint), "source": self.checkpoint},
+            "target": {"name": c.target.name, "executable": c.target.executable, "lnc": self.spec.target.lnc},
+            "topology": topo.to_dict(),
+            "layers": [{"layer": p.layer, "attn": p.attn, "ratio": p.ratio, "kv_source": p.kv_source,
+                        "engram": p.engram_rows > 0,
+                        "regions": {slot: kind for slot, (kind, _) in self.regions.bindings[p.layer].items()}}
+                       for p in self.regions.layers],
+            "kinds": kinds,
+            "executables": {"count": len(self.executables), "kinds": len(self.regions.kinds),
+                            "methods": sorted({e[1] for e in self.executables}),
+                            "buckets": [list(s) for s in c.buckets.shapes()],
+                            "names": [layout.executable_name(*e) for e in self.executables]},
+            "compile_jobs": len(self.executables),
+            "weights": {"files": self.files,
+                        "shared_files": list(self.shared_files),
+                        "per_rank_device": {r: sum(d.weights.values()) for r, d in self.memory.items()},
+                        "per_rank_files": {r: self.rank_file_bytes(r) for r in self.rank_files}},
+            "pools": {name: {"state": p.state, "dim": p.dim, "layers": list(p.layers),
+                             "entry_shape": list(p.entry_shape), "dtype": p.dtype,
+                             "bytes": self.memory[layout.rank_key(0)].pools[name]}
+                      for name, p in self.pools.items()},
+            "scratch": None if self.scratch is None else {
+                "method": budget.SCRATCH_METHOD, "by_graph": self.scratch, "from_cache": list(self.recorded),
+                "moe_by_batch": {str(b): n for b, n in moe.items()},
+                "moe_fixed_bytes": self.moe_split[0] if self.moe_split else None,
+                "moe_bytes_per_row": self.moe_split[1] if self.moe_split else None},
+            "memory": {r: {**d.to_dict(), "fits": d.fits} for r, d in self.memory.items()},
+            "bundle": {"bytes": self.bundle_bytes, "executables": None},
+            "seconds": round(self.seconds, 2),
+        }
+
+    def lines(self) -> list[str]:
+        c, topo, spec = self.spec.config, self.spec.topology, self.spec
+        t = spec.model.text
+        out = [f"plan of {c.source} ({self.checkpoint}, {self.seconds:.1f} s)",
+               f"model: {t.num_hidden_layers} layers, {t.n_routed_experts} routed experts, hidden {t.hidden_size}; "
+               f"target {c.target.name} ({c.target.executable}"
+               + (f", LNC {spec.target.lnc})" if spec.target.lnc else ")")
+               + f"; tp {topo.tp}, ep {topo.ep}, cp {topo.cp}: {topo.world} ranks", ""]
+        out.append(f"layer plan: {len(self.regions.layers)} layers -> {len(self.regions.kinds)} region kinds")
+        rank0 = layout.rank_key(0)
+        for kind, kp in self.regions.kinds.items():
+            layers = "head" if kp.layers == [-1] else "layers " + _ranges(kp.layers)
+            out.append(f"  {kind:<22} {kp.slot:<7} {layers:<40} {human(self.device_weights(rank0)[kind]):>12} per rank")
+        shapes = c.buckets.shapes()
+        methods = sorted({e[1] for e in self.executables})
+        out += ["", f"executables: {len(self.regions.kinds)} kinds x {len(methods)} method(s) ({', '.join(methods)}) "
+                    f"x {len(shapes)} buckets = {len(self.executables)}; compile jobs: {len(self.executables)} "
+                    "(a cache hit skips one)",
+                "  buckets (batch x tokens): " + ", ".join(f"{b}x{tk}" for b, tk in shapes)
+                + ("; the MoE runs on the gathered rows (EP dispatch)" if topo.dispatch else "")]
+        if len(c.buckets.context) > 1:
+            per_context = sorted({e[0] for e in self.executables if e[4] is not None})
+            out.append(f"  context buckets: {', '.join(map(str, c.buckets.context))} (built per context: "
+                       f"{', '.join(per_context)})")
+        out += ["", "weights per rank after sharding (device):"]
+        out += [f"  {ranks}: {human(sum(d.weights.values()))}" for ranks, d in _same(self.memory, _weights_of).items()]
+        own = [f for fs in self.rank_files.values() for f in fs]
+        host = [f for f in self.files if f not in own and f not in self.shared_files]
+        out.append(f"  files: {len(own)} rank files {human(sum(self.files[f] for f in own))}, "
+                   f"{len(self.shared_files)} shared {human(sum(self.files[f] for f in self.shared_files))}, "
+                   f"{len(host)} host {human(sum(self.files[f] for f in host))}")
+        out += [f"  {ranks} load {human(n)} each from the weight files (own and shared)" for ranks, n in _same(
+            {r: self.rank_file_bytes(r) for r in self.rank_files}, lambda v: v).items()]
+        out += ["", f"state pools ({len(self.pools)}):"]
+        for name, p in self.pools.items():
+            out.append(f"  {name:<14} {len(p.layers):>3} layers x {p.dim:<6} x {list(p.entry_shape)} {p.dtype:<9} "
+                       f"{human(self.memory[rank0].pools[name]):>12}")
+        out += ["", "scratch: " + ("not traced (--no-scratch) and not in the compile cache" if self.scratch is None
+                                   else budget.SCRATCH_METHOD)]
+        if self.scratch is not None:
+            untraced = [k for k in self.regions.kinds if not any(n.startswith(k + ".") for n in self.scratch)]
+            out.append(f"  {len(self.recorded)} graph(s) from the compile cache's trace records, "
+                       f"{len(self.scratch) - len(self.recorded)} traced here at their kind's largest bucket"
+                       + (f"; unknown: {', '.join(untraced)}" if untraced else ""))
+        if self.scratch is not None:
+            out += [f"  {name:<36} {human(n):>12}" for name, n in self.scratch.items()]
+            if self.moe_split:
+                fixed, per_row = self.moe_split
+                out.append(f"  MoE scratch: {human(fixed)} whatever the rows (its experts' weights, decoded in "
+                           f"tiles) + {human(round(per_row))} per row (activations); "
+                           + ", ".join(f"batch {b}: {human(n)}" for b, n in self.moe_scratch.items()))
+        out += ["", "memory budget per rank:"]
+        for ranks, d in _same(self.memory, lambda d: (d.total, d.usable)).items():
+            out.append(f"  {ranks}: {'fits' if d.fits else 'DOES NOT FIT'}")
+            out += ["  " + line for line in d.lines()]
+        out += ["", f"bundle on disk: {human(self.bundle_bytes)} of weights and host files in {len(self.files)} files "
+                    f"(+ {len(self.executables)} executables, sized when compiled)"]
+        return out
+
+
+def _weights_of(d: Breakdown):
+    return tuple(sorted(d.weights.items()))
+
+
+def _ranges(ids: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    parts, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            parts.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(parts)
+
+
+def _rank_label(ranks: list[str]) -> str:
+    ids = [int(r.rsplit("-", 1)[1]) for r in ranks]
+    return f"rank {_ranges(ids)}" if len(ids) == 1 else f"ranks {_ranges(ids)} ({len(ids)})"
+
+
+def _same(by_rank: dict, key) -> dict:
+    """Ranks grouped by `key` of their value -> {label: the first value of the group}."""
+    groups: dict = {}
+    for r, v in by_rank.items():
+        groups.setdefault(key(v), []).append((r, v))
+    return {_rank_label([r for r, _ in g]): g[0][1] for g in groups.values()}
+
+
+# -- the checkpoint a plan reads --------------------------------------------------------------------
+
+def plan_checkpoint(model: V41Config, directory: Path) -> tuple[Checkpoint, str]:
+    """The checkpoint's safetensors headers when it has them (data unread), else the tensors its
+    config implies -> (checkpoint, what the shapes came from)."""
+    if (directory / INDEX_FILE).exists() or (directory / SINGLE_FILE).exists():
+        ckpt = Checkpoint(directory, data=False)
+        return ckpt, f"safetensors headers of {len(set(ckpt.files.values()))} file(s)"
+    from deepinfer.regions.synthetic import checkpoint_tensors
+
+    source = str(directory / CONFIG_FILE)
+    tensors = {name: TensorInfo(source, name, dtype, tuple(shape), 0,
+                                math.prod(shape) * DTYPES[dtype]().itemsize)
+               for name, dtype, shape in checkpoint_tensors(model.to_dict())}
+    return Checkpoint.described(directory, tensors), f"{CONFIG_FILE} only: shapes from the regions' weight specs"
+
+
+# -- scratch --------------------------------------------------------------------------------------
+
+def traced_buckets(executables: list[tuple], kinds=None) -> list[tuple]:
+    """The graphs a plan traces: each kind's largest bucket (most rows; more tokens, then the
+    largest context bucket on a tie), and the MoE's smallest batch bucket at its largest tokens
+    bucket; only `kinds` when given. Executables are (kind, method, batch, tokens, context)."""
+    out = []
+    for kind in dict.fromkeys(e[0] for e in executables if kinds is None or e[0] in kinds):
+        mine = [e for e in executables if e[0] == kind]
+        top = max(mine, key=lambda e: (e[2] * e[3], e[3], e[4] or 0))
+        out.append(top)
+        if kind == MOE:
+            low = min((e for e in mine if e[3] == top[3]), key=lambda e: e[2])
+            if low != top:
+                out.append(low)
+    return out
+
+
+def trace_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, log, kinds=None) -> dict[str, int]:
+    """executable name -> peak intermediate bytes of its lowered graph (compiler/budget.scratch_bytes)."""
+    out = {}
+    for kind, method, batch, tokens, context in traced_buckets(executables, kinds):
+        name = layout.executable_name(kind, method, batch, tokens, context)
+        start = time.perf_counter()
+        ep = pipeline.lowered_graph(spec, regions, kind, method, batch, tokens, context)[0]
+        out[name] = budget.scratch_bytes(ep)
+        del ep
+        gc.collect()
+        log(f"traced {name}: scratch {human(out[name])} ({time.perf_counter() - start:.1f} s)")
+    return out
+
+
+# -- the API --------------------------------------------------------------------------------------
+
+def recorded_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, cache) -> dict[str, int]:
+    """executable name -> scratch bytes, from the trace records the compile cache holds for them."""
+    out = {}
+    for e in executables:
+        data = cache.get_bytes("trace", cached.trace_key(spec, regions, *e))
+        n = json.loads(data)["entry"].get("scratch_bytes") if data is not None else None
+        if n is not None:
+            out[layout.executable_name(*e)] = n
+    return out
+
+
+def plan_bundle(config: CompileConfig, *, scratch: bool = True, kinds=None, cache=None,
+                log=lambda msg: None) -> BundlePlan:
+    """Plan the compile of `config` without reading tensor data or writing anything.
+
+    Scratch comes from the trace records `cache` (a compiler/cache.Cache) holds; with `scratch`,
+    each kind without records (only those of `kinds` when given) is traced on fake tensors. With
+    neither, the verdict counts weights and pools only (the compile's first check)."""
+    start = time.perf_counter()
+    m = config.model
+    if not (m.checkpoint / CONFIG_FILE).exists():
+        raise config_error(config, "model", "checkpoint",
+                           f"{m.checkpoint / CONFIG_FILE}: no such file; a plan reads the checkpoint's config"
+                           + (" (the compile generates this tiny checkpoint: `deepinfer make-tiny` it first)"
+                              if m.tiny is not None else ""))
+    spec = pipeline.parse(config, False, log)
+    regions = pipeline.plan(spec, lambda msg: None)          # the plan prints its own layer plan
+    ckpt, source = plan_checkpoint(spec.model, m.checkpoint)
+    planned, stacks = pipeline.weight_files(spec, regions, ckpt, Path(BUNDLE))
+    files = {PurePosixPath(f.path).relative_to(BUNDLE).as_posix(): f.layout()[2] for f in planned}
+    rank_files = {rank: tuple(s.path for s in entries if s.path) for rank, entries in stacks.items()}
+    shared = tuple(dict.fromkeys(s.shared for entries in stacks.values() for s in entries if s.shared))
+    executables = spec.executables(regions)
+    unknown = sorted(set(kinds or ()) - set(regions.kinds))
+    if unknown:
+        raise ConfigError(f"no region kind {unknown[0]!r} in this model; its kinds: {', '.join(regions.kinds)}")
+    known = recorded_scratch(spec, regions, executables, cache) if cache is not None else {}
+    missing = [e for e in executables if not any(n.startswith(e[0] + ".") for n in known)]
+    traced = {**known, **(trace_scratch(spec, regions, missing, log, kinds) if scratch else {})} or None
+    graphs = [GraphScratch(name, n) for name, n in (traced or {}).items()]
+    memory = budget.per_rank(spec, budget.breakdown(spec, regions, graphs))
+    return BundlePlan(spec, regions, source, executables, files, rank_files, shared,
+                      pipeline.layout_state(spec, regions).pools, memory, traced, tuple(known),
+                      time.perf_counter() - start)

@@ -1,0 +1,121 @@
+"""Where a bundle is assembled and how it replaces what is at its output path.
+
+A bundle is built in a staging sibling of its output directory and renamed into place whole.
+`--force` replaces only what deepinfer made: an existing bundle (a directory holding a
+deepinfer manifest) or an empty directory; anything else at the output path is refused, and
+so is an output inside the checkpoint directory (or one holding it), because the replaced
+directory is deleted.
+
+A staging directory is named `.<out>.tmp-<host>-<pid>-<random>` (a replaced bundle waits in
+`.<out>.old-<host>-<pid>-<random>` until the new one is in place), so the next compile into
+the same parent removes the ones a killed compile left: those of this host whose process is
+gone. A live process's directories, and other hosts', are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+from deepinfer.bundles import layout
+from deepinfer.errors import ConfigError
+
+STAGING, TRASH = "tmp", "old"
+
+
+def _host() -> str:
+    """This host's name as it may appear in a file name (no dashes: they separate the fields)."""
+    return "".join(ch if ch.isalnum() else "_" for ch in socket.gethostname()) or "host"
+
+
+def _prefix(out: Path, what: str) -> str:
+    return f".{out.name}.{what}-"
+
+
+def _owned_prefix(out: Path, what: str) -> str:
+    return f"{_prefix(out, what)}{_host()}-{os.getpid()}-"
+
+
+def is_bundle(path: Path) -> bool:
+    """A directory holding a deepinfer manifest (a JSON object with a format version)."""
+    manifest = path / layout.MANIFEST_FILE
+    try:
+        with open(manifest, "rb") as f:
+            data = json.loads(f.read(1 << 26))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "format_version" in data
+
+
+def _within(a: Path, b: Path) -> bool:
+    """a is b or inside it (both resolved)."""
+    return a == b or b in a.parents
+
+
+def check_output(out: Path, force: bool, checkpoint: Path | None = None) -> None:
+    """Refuse, before any work, an output path that the compile may not write or replace."""
+    if checkpoint is not None:
+        o, c = out.resolve(), Path(checkpoint).resolve()
+        if _within(o, c):
+            raise ConfigError(f"{out}: inside the checkpoint directory {checkpoint}; write the bundle elsewhere")
+        if _within(c, o):
+            raise ConfigError(f"{out}: holds the checkpoint directory {checkpoint}; write the bundle elsewhere")
+    if not out.exists() and not out.is_symlink():
+        return
+    if not force:
+        raise ConfigError(f"{out}: exists; pass --force to replace it")
+    if out.is_symlink() or not out.is_dir():
+        raise ConfigError(f"{out}: exists and is not a directory; --force replaces only a bundle or an empty directory")
+    if not is_bundle(out) and any(out.iterdir()):
+        raise ConfigError(f"{out}: not a deepinfer bundle (no {layout.MANIFEST_FILE} with a format_version) and not "
+                          f"empty; --force replaces only a bundle or an empty directory")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:                  # another user's process
+        return True
+    return True
+
+
+def clean_stale(out: Path, log=lambda msg: None) -> list[Path]:
+    """Remove the staging and replaced-bundle directories of `out` left by compiles on this host
+    whose process is gone; returns what was removed."""
+    removed = []
+    for what in (STAGING, TRASH):
+        prefix = _prefix(out, what) + _host() + "-"
+        for path in out.parent.glob(f"{prefix}*"):
+            pid = path.name[len(prefix):].split("-", 1)[0]
+            if not path.is_dir() or path.is_symlink() or not pid.isdigit() or _alive(int(pid)):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            log(f"removed {path} (left by process {pid}, which is gone)")
+    return removed
+
+
+def make_staging(out: Path, what: str = STAGING) -> Path:
+    """A new staging directory beside `out`, named for this process."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=_owned_prefix(out, what), dir=out.parent))
+
+
+def publish(staging: Path, out: Path, force: bool) -> None:
+    """Rename the finished bundle into place. With `force`, what is at `out` must pass
+    `check_output` again (it may have changed during the compile); it is moved aside, the new
+    bundle renamed in, and the old one deleted."""
+    if out.exists() or out.is_symlink():
+        check_output(out, force)
+        trash = make_staging(out, TRASH)
+        os.replace(out, trash / out.name)
+        os.replace(staging, out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, out)

@@ -1,0 +1,101 @@
+"""--force replaces only what deepinfer made; an output never overlaps the checkpoint; a killed
+compile's staging directories are removed by the next compile into the same parent."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deepinfer.compiler import pipeline, publish
+from deepinfer.compiler.config import load_compile_config
+from deepinfer.errors import ConfigError
+
+
+@pytest.fixture
+def cfg(tmp_path, tiny_ckpt):
+    path = tmp_path / "model.toml"
+    path.write_text(f'[model]\ncheckpoint = "{tiny_ckpt}"\n[target]\nexecutable = "exported"\n'
+                    "[buckets]\nmax_context = 32\n[kv]\nnum_blocks = 4\n")
+    return load_compile_config(path)
+
+
+@pytest.fixture
+def no_passes(monkeypatch):
+    """Publishing without compiling: the staging directory is published empty."""
+    monkeypatch.setattr(pipeline, "PASSES", [])
+
+
+def compile_into(cfg, out, force=True):
+    return pipeline.compile_bundle(cfg, out, force=force, log=lambda msg: None)
+
+
+def test_force_refuses_a_directory_that_is_not_a_bundle(tmp_path, cfg, no_passes):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="not a deepinfer bundle .* and not empty"):
+        compile_into(cfg, notes)
+    assert (notes / "todo.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.toml", "notes"]
+
+
+def test_force_refuses_a_file(tmp_path, cfg, no_passes):
+    target = tmp_path / "out"
+    target.write_text("data")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        compile_into(cfg, target)
+    assert target.read_text() == "data"
+
+
+def test_force_replaces_a_bundle_or_an_empty_directory(tmp_path, cfg, no_passes):
+    empty, old = tmp_path / "empty", tmp_path / "old"
+    empty.mkdir()
+    old.mkdir()
+    (old / "manifest.json").write_text('{"format_version": 1, "files": {}}')
+    for out in (empty, old):
+        compile_into(cfg, out)
+        assert out.is_dir() and list(out.iterdir()) == []          # the (empty) new bundle
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "model.toml", "old"]
+
+
+@pytest.mark.parametrize("where", ["equal", "inside", "holding"])
+def test_output_must_not_overlap_the_checkpoint(tmp_path, cfg, tiny_ckpt, no_passes, where):
+    out = {"equal": tiny_ckpt, "inside": tiny_ckpt / "bundle", "holding": tiny_ckpt.parent}[where]
+    before = sorted(p.name for p in tiny_ckpt.iterdir())
+    with pytest.raises(ConfigError, match="checkpoint directory"):
+        compile_into(cfg, out)
+    assert sorted(p.name for p in tiny_ckpt.iterdir()) == before
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=60)
+    return proc.pid
+
+
+def test_next_compile_removes_what_a_killed_compile_left(tmp_path, cfg, no_passes):
+    out, host = tmp_path / "bundle", publish._host()
+    dead = _dead_pid()
+    stale = [tmp_path / f".bundle.tmp-{host}-{dead}-abc", tmp_path / f".bundle.old-{host}-{dead}-def"]
+    kept = [tmp_path / f".bundle.tmp-{host}-{os.getpid()}-ghi",        # a live process's
+            tmp_path / f".bundle.tmp-otherhost-{dead}-jkl",            # another host's
+            tmp_path / f".other.tmp-{host}-{dead}-mno"]                # another output's
+    for d in stale + kept:
+        (d / "weights").mkdir(parents=True)
+    compile_into(cfg, out, force=False)
+    assert out.is_dir()
+    assert not any(d.exists() for d in stale)
+    assert all(d.exists() for d in kept)
+
+
+def test_a_failed_compile_leaves_only_what_was_there(tmp_path, cfg, monkeypatch):
+    def failing(*args):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(pipeline, "PASSES", [pipeline.Pass("fail", failing, (), None)])
+    with pytest.raises(RuntimeError, match="injected failure"):
+        compile_into(cfg, tmp_path / "bundle", force=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.toml"]

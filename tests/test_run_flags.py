@@ -1,0 +1,80 @@
+"""Run-time flags are checked before any work, and a sequence that stops early keeps its output
+and says why in its own terms (issue 16, class 9)."""
+
+from __future__ import annotations
+
+import click
+import torch
+from click.testing import CliRunner
+
+from deepinfer.cli import main as deepinfer_main
+from deepinfer.cli_common import echo_generations
+from deepinfer.regions.generate import Allocator, greedy
+from deepinfer.runtime.cli import main as run_main
+
+
+class FixedStepper:
+    """A test double of a model: always predicts token 5; a context of 8 positions (2 blocks of 4)."""
+
+    groups, max_batch = 1, 1
+
+    def __init__(self, chunk: int):
+        self.chunk = chunk
+
+    def allocator(self):
+        return Allocator(slots=2, blocks=10, block_size=4, max_blocks=2)
+
+    def run(self, rows_by_group, allocs, gens, images):
+        (rows,) = rows_by_group
+        T = max(len(ids) for _, ids, _ in rows)
+        logits = torch.zeros((len(rows), T, 8))
+        logits[..., 5] = 1.0
+        return [logits]
+
+
+def test_reaching_max_context_keeps_what_was_generated():
+    [g] = greedy(FixedStepper(chunk=4), [[1] * 6], max_new_tokens=10, eos=7)
+    assert g.generated == [5, 5, 5]
+    assert g.error == "reached the bundle's max_context (8 positions: a prompt of 6 tokens and 3 generated)"
+
+
+def test_a_prompt_longer_than_the_context_is_counted_whole():
+    [g] = greedy(FixedStepper(chunk=3), [[1] * 10], max_new_tokens=4, eos=7)
+    assert g.generated == []
+    assert g.error == "the prompt has 10 tokens, more than the bundle's max_context (8)"
+
+
+def test_text_mode_prints_the_output_then_the_reason():
+    gens = greedy(FixedStepper(chunk=4), [[1] * 6, [1] * 2], max_new_tokens=2, eos=7)
+    gens[0] = greedy(FixedStepper(chunk=4), [[1] * 6], max_new_tokens=10, eos=7)[0]
+
+    @click.command()
+    def show():
+        echo_generations(gens, lambda ids: " ".join(map(str, ids)))
+
+    r = CliRunner().invoke(show)
+    assert r.exit_code == 1
+    assert r.stdout.splitlines() == ["5 5 5", "5 5"]
+    assert r.stderr.splitlines() == ["error: prompt 0: stopped after 3 generated tokens: reached the bundle's "
+                                     "max_context (8 positions: a prompt of 6 tokens and 3 generated)"]
+
+
+def _usage_error(cli, args):
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 2, r.output
+    return r.output
+
+
+def test_bad_counts_are_refused_at_parse_time(tmp_path, tiny_ckpt):
+    assert "-5 is not in the range x>=1" in _usage_error(
+        deepinfer_main, ["reference", str(tiny_ckpt), "--prompt-ids", "0,72", "--max-new-tokens", "-5"])
+    for flag, value in (("--threads", "-1"), ("--num-kv-blocks", "0"), ("--num-kv-blocks", "-3")):
+        assert "is not in the range" in _usage_error(run_main, [str(tmp_path), "--prompt-ids", "0", flag, value])
+
+
+def test_a_dump_destination_is_checked_before_generating(tmp_path, tiny_ckpt):
+    out = _usage_error(deepinfer_main, ["reference", str(tiny_ckpt), "--prompt-ids", "0,72",
+                                        "--dump-logits", str(tmp_path / "missing" / "run.st")])
+    assert "missing does not exist" in out
+    assert "is a directory" in _usage_error(
+        deepinfer_main, ["reference", str(tiny_ckpt), "--prompt-ids", "0,72", "--dump-logits", str(tmp_path)])

@@ -1,0 +1,140 @@
+"""Signed bundles and cache entries: Ed25519 over the manifest (which holds every file's digest),
+verified before anything else of a bundle is read; keys as openssl writes them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+
+from deepinfer.bundles import layout, manifest as mf
+from deepinfer.bundles.signing import TrustError, keygen, load_private_key, load_public_key, sign_file, verify_bytes
+from deepinfer.compiler import pipeline
+from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.keys import Key
+from deepinfer.runtime.cli import main as run_main
+
+
+@pytest.fixture
+def keys(tmp_path):
+    """(private, public) key objects of a fresh pair, and their paths."""
+    priv, pub = tmp_path / "k.pem", tmp_path / "k.pem.pub"
+    keygen(priv, pub)
+    return load_private_key(priv), load_public_key(pub), priv, pub
+
+
+@pytest.fixture
+def other_public(tmp_path):
+    keygen(tmp_path / "o.pem", tmp_path / "o.pub")
+    return load_public_key(tmp_path / "o.pub")
+
+
+def test_keygen_writes_a_private_key_only_its_owner_reads(keys):
+    _, _, priv, pub = keys
+    assert priv.stat().st_mode & 0o077 == 0
+    assert pub.read_text().startswith("-----BEGIN PUBLIC KEY-----")
+    with pytest.raises(TrustError, match="exists; not overwriting"):
+        keygen(priv, pub)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_openssl_keys_sign_and_verify(tmp_path):
+    priv, pub, rsa = tmp_path / "ed.pem", tmp_path / "ed.pub", tmp_path / "rsa.pem"
+    subprocess.run(["openssl", "genpkey", "-algorithm", "ed25519", "-out", str(priv)], check=True, timeout=60)
+    subprocess.run(["openssl", "pkey", "-in", str(priv), "-pubout", "-out", str(pub)], check=True, timeout=60)
+    data, record = tmp_path / "data", tmp_path / "data.sig"
+    data.write_bytes(b"manifest bytes")
+    sign_file(data, load_private_key(priv), record)
+    verify_bytes(b"manifest bytes", record, load_public_key(pub))
+    with pytest.raises(TrustError, match="does not verify"):
+        verify_bytes(b"manifest bytez", record, load_public_key(pub))
+    subprocess.run(["openssl", "genpkey", "-algorithm", "rsa", "-pkeyopt", "rsa_keygen_bits:1024", "-out", str(rsa)],
+                   check=True, timeout=60)
+    with pytest.raises(TrustError, match="not an Ed25519 private key"):
+        load_private_key(rsa)
+
+
+def test_a_bad_key_file_is_one_line(tmp_path):
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a key")
+    with pytest.raises(TrustError, match=r"bad\.pem: not a readable PEM public key") as e:
+        load_public_key(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_compile_signs_the_manifest_it_publishes(tmp_path, tiny_ckpt, keys, other_public, monkeypatch):
+    from deepinfer.compiler.config import load_compile_config
+
+    def write_manifest(run):
+        (run.staging / layout.MANIFEST_FILE).write_text('{"format_version": 1}')
+
+    monkeypatch.setattr(pipeline, "PASSES", [pipeline.Pass("write manifest", write_manifest, ("run",), None)])
+    toml = tmp_path / "model.toml"
+    toml.write_text(f'[model]\ncheckpoint = "{tiny_ckpt}"\n[target]\nexecutable = "exported"\n')
+    private, public, _, _ = keys
+    out, _ = pipeline.compile_bundle(load_compile_config(toml), tmp_path / "b", sign=private, log=lambda m: None)
+    raw = (out / layout.MANIFEST_FILE).read_bytes()
+    verify_bytes(raw, out / layout.SIGNATURE_FILE, public)
+    with pytest.raises(TrustError, match="does not verify with the trusted key"):
+        verify_bytes(raw, out / layout.SIGNATURE_FILE, other_public)
+    with pytest.raises(TrustError, match="does not verify"):
+        verify_bytes(raw.replace(b"1", b"2"), out / layout.SIGNATURE_FILE, public)
+
+
+def test_cache_entries_are_used_only_when_signed_by_the_trusted_key(tmp_path, keys, other_public):
+    private, public, _, _ = keys
+    key = Key.of("trace", "a trace", [("part", "value")])
+    Cache(tmp_path / "signed", sign=private).put_bytes("trace", key, b"record")
+    Cache(tmp_path / "unsigned").put_bytes("trace", key, b"record")
+    assert Cache(tmp_path / "signed", trust=public).get_bytes("trace", key) == b"record"
+    for directory, trust in (("signed", other_public), ("unsigned", public)):
+        logged = []
+        cache = Cache(tmp_path / directory, trust=trust, log=logged.append)
+        assert cache.get_bytes("trace", key) is None
+        assert "not signed by the trusted key" in logged[0]
+        assert cache.lookup("trace", key) is None              # removed: the next compile rebuilds it
+
+
+# --- a compiled bundle, signed (the exported group's bundle, copied) ---
+
+@pytest.fixture
+def signed_bundle(exported_bundle, tmp_path, keys):
+    bundle = shutil.copytree(exported_bundle, tmp_path / "bundle")
+    sign_file(bundle / layout.MANIFEST_FILE, keys[0], bundle / layout.SIGNATURE_FILE)
+    return bundle
+
+
+def _run(bundle, *args, env=None):
+    return CliRunner().invoke(run_main, [str(bundle), "--prompt-ids", "0,72", "--max-new-tokens", "2", *args],
+                              env=env)
+
+
+def test_run_trusts_a_signed_bundle(signed_bundle, keys):
+    r = _run(signed_bundle, "--trust", str(keys[3]))
+    assert r.exit_code == 0, r.output
+    r = _run(signed_bundle, env={"DEEPINFER_TRUST": str(keys[3])})
+    assert r.exit_code == 0, r.output
+
+
+def test_run_refuses_before_loading_anything(signed_bundle, keys, tmp_path, monkeypatch):
+    from deepinfer.runtime import backends
+
+    def never(*args, **kwargs):
+        raise AssertionError("an executable was loaded")
+
+    monkeypatch.setattr(backends.ExportedExecutable, "__init__", never)
+    manifest = signed_bundle / layout.MANIFEST_FILE
+    data = json.loads(manifest.read_text())
+    data["model"]["cache_quant"] = not data["model"]["cache_quant"]   # an edit the digests do not see
+    manifest.write_text(mf.dumps(mf.parse(data, str(manifest))))
+    unsigned = shutil.copytree(signed_bundle, tmp_path / "unsigned")
+    (unsigned / layout.SIGNATURE_FILE).unlink()
+    for bundle, why in ((signed_bundle, "does not verify with the trusted key"), (unsigned, "missing")):
+        r = _run(bundle, "--trust", str(keys[3]))
+        assert r.exit_code == 2 and why in r.output, r.output
+        assert r.output.count("\n") == 1
+    r = _run(signed_bundle, "--trust", str(keys[3]), "--no-verify")
+    assert r.exit_code == 2 and "drop --no-verify" in r.output

@@ -56,7 +56,7 @@ class _Bucketed(_Eager):
         batch = make_batch(rows, [seq for seq, _, _ in rows], self.max_batch, T, blocks=blocks, alloc=allocs[0],
                            gens=gens, images=images, hasher=m.hasher, pad=m.config.pad_token_id, dtype=m.dtype)
         h, pre = m.embed(batch.tokens, batch.is_image, batch.image_rows)
-        return [run_layers(m.plans, m.invoke, self.states, h, pre, batch)[[seq for seq, _, _ in rows]]]
+        return [run_layers(m.plans, m.invoke, self.states, h, pre, batch, m.engram)[[seq for seq, _, _ in rows]]]
 
 
 def test_narrow_block_tables_generate_what_the_full_width_does(ref_fp32):

@@ -336,7 +336,7 @@ def test_image_positions_reach_engram_and_moe_as_image(ref):
         if slot == "moe":
             seen.setdefault("moe", inputs[2].clone())
         if slot == "engram":
-            seen.setdefault("engram", inputs[2].clone())
+            seen.setdefault("engram", inputs[3].clone())   # decode(h, rows, rows_s, token_mask)
         return invoke(layer, slot, *inputs)
     ref.invoke = spy
     try:

@@ -38,8 +38,15 @@ def main():
 @click.option("--scales", type=click.Choice(["ue8m0", "fp32"]), default="ue8m0", show_default=True,
               help="fp8 block scales: the release's ue8m0 on [32, 32], or DeepSeek-V3-style float32 "
                    "weight_scale_inv on [128, 128] (the compile rescales those to ue8m0).")
+@click.option("--geometry", type=click.Choice(["tiny", "release"]), default="tiny", show_default=True,
+              help="release: the released dimensions (hidden 5120, 64 heads of 512, vocab 129280, experts of "
+                   "2304, ...) in 7 layers holding every region kind of the release, with --experts routed "
+                   "experts; random valid values, no model (about 5 GB at 8 experts; --layers and --scales "
+                   "do not apply).")
+@click.option("--experts", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Routed experts per layer of --geometry release.")
 @user_errors
-def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool, scales: str):
+def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool, scales: str, geometry: str, experts: int):
     """Write a deterministic tiny random V4.1 checkpoint to OUT.
 
     The checkpoint has the release's layout (config.json, model.safetensors and
@@ -49,6 +56,13 @@ def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool, scales: str
     patch 4, 2 x 2 merge; images via --image). Its tokenizer is byte-level
     (image token 259).
     """
+    if geometry == "release":
+        from deepinfer.regions.synthetic import release_geometry_config, write_synthetic
+
+        size = write_synthetic(out, release_geometry_config(experts), seed=seed,
+                               log=lambda msg: click.echo(msg, err=True))
+        click.echo(f"wrote {out} (release geometry, 7 layers, {experts} experts, {size / 2**30:.2f} GiB, seed {seed})")
+        return
     from deepinfer.regions.tiny import make_tiny
 
     path = make_tiny(out, seed=seed, layers=layers, exist_ok=exist_ok, scales=scales)

@@ -55,6 +55,20 @@ def synthetic_config(layers: int = 6, experts: int = 8, engram_rows: int = 65536
     return config
 
 
+def release_geometry_config(experts: int = 8, engram_rows: int = 65536) -> dict:
+    """config.json of a 7-layer model at the released dimensions whose layers are every region kind
+    of the release: window-only (0, 1; engram on 1), the ratio-2 kv source (2) and a ratio-2 reuse
+    layer (3), the ratio-1 kv and candidate source (4), a reindex layer (5) and a ratio-1 reuse
+    layer (6, as the release's 21-23, which the tiny pattern lacks). Its tokenizer is byte-level,
+    so engram's token map is the identity (`engram_compressed_vocab_size` = `vocab_size`)."""
+    config = synthetic_config(layers=7, experts=experts, engram_rows=engram_rows)
+    text = config["text_config"]
+    text.update(compress_ratios=[0, 0, 2, 2, 1, 1, 1], kv_source_layer_ids=[2, 4], index_source_layer_ids=[2, 4, 5],
+                candidate_source_layer_id=4, engram_compressed_vocab_size=text["vocab_size"])
+    config["generator"]["geometry"] = "release"
+    return config
+
+
 # the released layer schedule, expert and engram row counts and vision tower (MODEL.md)
 RELEASE_SCHEDULE = {
     "num_hidden_layers": 40, "n_routed_experts": 384, "num_experts_per_tok": 6,

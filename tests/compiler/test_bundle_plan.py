@@ -241,3 +241,21 @@ def test_plan_predicts_the_compiled_bundle(rank_bundle):
             assert (p["weights_by_kind"], p["pools_by_name"], p["scratch"]) == \
                 (m["weights_by_kind"], m["pools_by_name"], m["scratch"]), rank
         assert plan["compile_jobs"] == len(manifest["regions"])
+
+
+def test_release_geometry_holds_every_region_kind_of_the_release():
+    """`make-tiny --geometry release`: 7 layers at the released dimensions with the release's region
+    kinds (the ratio-1 reuse layers 21-23 included), each with the release's weight shapes."""
+    import torch
+
+    from deepinfer.compiler.plan import plan_regions
+    from deepinfer.regions.config import parse_config
+    from deepinfer.regions.synthetic import release_config, release_geometry_config
+
+    small, full = (plan_regions(parse_config(c).text, torch.bfloat16, True)
+                   for c in (release_geometry_config(8), release_config()))
+    assert set(small.kinds) == set(full.kinds) and "attn_reuse_r1" in small.kinds
+    for kind, kp in full.kinds.items():
+        if kind in ("moe", "engram"):              # fewer experts and engram rows by design
+            continue
+        assert [s.shape for s in small.kinds[kind].region.specs] == [s.shape for s in kp.region.specs], kind

@@ -45,7 +45,7 @@ def test_warm_compile_builds_nothing(filled, cache_copy, small_toml, tmp_path):
     assert cache.stats["compiled"] == [] and cache.stats["miss"] == [] and cache.stats["stored"] == []
     kinds = [kind for kind, _ in cache.stats["hit"]]
     assert kinds.count("executable") == kinds.count("trace") == EXECUTABLES
-    assert kinds.count("weights") == 8 and kinds.count("host") == 2          # embedding and vision tower
+    assert kinds.count("weights") == 8 and kinds.count("host") == 3          # embedding, engram tables, vision
     assert manifest(bundle) == manifest(cold)
     mf.check_files(bundle, mf.read(bundle))
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from deepinfer.bundles import layout
 from deepinfer.bundles.safetensors import layout_header
 from deepinfer.cli import main
 from deepinfer.compiler.bundle_plan import plan_bundle
@@ -230,8 +231,8 @@ def test_plan_predicts_the_compiled_bundle(rank_bundle):
                for d in ("weights", "host") for p in (bundle / d).rglob("*") if p.is_file()}
     assert traced["weights"]["files"] == recorded["weights"]["files"] == written
     manifest = json.loads((bundle / "manifest.json").read_text())
-    scratch = {f"{e['kind']}.{e['method']}.b{e['bucket']['batch']}t{e['bucket']['tokens']}": e["scratch_bytes"]
-               for e in manifest["regions"]}
+    scratch = {layout.executable_name(e["kind"], e["method"], e["bucket"]["batch"], e["bucket"]["tokens"],
+                                      e["bucket"].get("context")): e["scratch_bytes"] for e in manifest["regions"]}
     assert recorded["scratch"]["by_graph"] == scratch and sorted(recorded["scratch"]["from_cache"]) == sorted(scratch)
     assert traced["scratch"]["from_cache"] == [] and len(traced["scratch"]["by_graph"]) == 8     # a graph per kind
     assert traced["scratch"]["by_graph"] == {n: scratch[n] for n in traced["scratch"]["by_graph"]}

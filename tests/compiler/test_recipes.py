@@ -24,11 +24,13 @@ from deepinfer.diff import References, diff_bundle, table_lines
 from deepinfer.kernels.formats import fp8_decode
 from deepinfer.quant.formats import E4M3_LUT
 from deepinfer.quant.fp8 import E4M3FN_LUT
+from deepinfer.quant.rescale import convert_format
 from deepinfer.quant.ue8m0 import UE8M0_LUT
 from deepinfer.regions.checkpoint import Checkpoint
 from deepinfer.regions.config import load_config, parse_config
 from deepinfer.regions.examples import random_weights
 from deepinfer.regions.reference import ReferenceModel
+from deepinfer.regions.step import EngramRows
 from deepinfer.regions.synthetic import synthetic_config
 from deepinfer.regions.tiny import make_tiny
 from deepinfer.runtime import load
@@ -167,6 +169,10 @@ def with_recipe(model: ReferenceModel, fmt: str) -> ReferenceModel:
 
     model.layers = [{slot: convert(r) for slot, r in regions.items()} for regions in model.layers]
     model.head = convert(model.head)
+    if model.engram is not None:            # the host tables: one ue8m0 scale per row and 32 columns
+        model.engram = EngramRows([tuple(torch.from_numpy(x) for x in convert_format(codes.numpy(), scales.numpy(),
+                                                                                     (1, 32), fmt))
+                                   for codes, scales in model.engram.tables])
     return model
 
 

@@ -104,7 +104,7 @@ def test_bundle_records_its_tokenizer(exported_bundle_12, exported_bundle):
     stored = load_mmap(exported_bundle_12 / m.host["engram_token_map"].path)["token_map"]
     assert stored.tolist() == GOLDEN["map"]
     byte = mf.read(exported_bundle)
-    assert byte.model.tokenizer == "byte" and sorted(byte.host) == ["embed", "vision"]
+    assert byte.model.tokenizer == "byte" and sorted(byte.host) == ["embed", "engram", "vision"]
 
 
 @pytest.fixture

@@ -60,11 +60,14 @@ def release_geometry_config(experts: int = 8, engram_rows: int = 65536) -> dict:
     of the release: window-only (0, 1; engram on 1), the ratio-2 kv source (2) and a ratio-2 reuse
     layer (3), the ratio-1 kv and candidate source (4), a reindex layer (5) and a ratio-1 reuse
     layer (6, as the release's 21-23, which the tiny pattern lacks). Its tokenizer is byte-level,
-    so engram's token map is the identity (`engram_compressed_vocab_size` = `vocab_size`)."""
+    so engram's token map is the identity (`engram_compressed_vocab_size` = `vocab_size`), and the
+    engram hash modulus is small enough for `engram_rows` (the release's 16M needs 384M rows, 98 GB
+    per table; every tensor dimension stays the release's)."""
     config = synthetic_config(layers=7, experts=experts, engram_rows=engram_rows)
     text = config["text_config"]
     text.update(compress_ratios=[0, 0, 2, 2, 1, 1, 1], kv_source_layer_ids=[2, 4], index_source_layer_ids=[2, 4, 5],
-                candidate_source_layer_id=4, engram_compressed_vocab_size=text["vocab_size"])
+                candidate_source_layer_id=4, engram_compressed_vocab_size=text["vocab_size"],
+                engram_vocab_size=engram_rows // (2 * text["engram_n_heads"] * (text["engram_max_ngram_size"] - 1)))
     config["generator"]["geometry"] = "release"
     return config
 

@@ -29,6 +29,7 @@ import torch
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.layout import MANIFEST_FILE
 from deepinfer.bundles.safetensors import load_mmap
+from deepinfer.host import physical_memory
 from deepinfer.regions.config import V41Config, parse_config
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.generate import (Allocator, Generation, Row, bucket_at_least, greedy, make_batch,
@@ -70,11 +71,6 @@ class Bundle:
         if _identity(self.path) != self.identity:
             raise mf.BundleError(f"{self.path}: replaced while it was being loaded (a compile with --force?); "
                                  "nothing from it is used; run again")
-
-
-def host_memory() -> int:
-    """This host's physical memory in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _identity(path: Path) -> tuple[int, int]:
@@ -220,9 +216,9 @@ class Session:
     def _check_pool_memory(self) -> None:
         """Pools a host bundle cannot allocate on this host are refused before anything is loaded."""
         need = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self._pool_shapes().values())
-        if self.manifest.target.name == "cpu" and need > host_memory():
+        if self.manifest.target.name == "cpu" and need > physical_memory():
             raise mf.BundleError(f"{self.path}: the KV/state pools need {need / 2**30:.1f} GiB at num_kv_blocks "
-                                 f"{self.num_blocks}, more than this host's {host_memory() / 2**30:.1f} GiB of memory")
+                                 f"{self.num_blocks}, more than this host's {physical_memory() / 2**30:.1f} GiB of memory")
 
     def _allocate_pools(self) -> None:
         self.pools, self.states = {}, defaultdict(dict)

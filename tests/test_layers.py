@@ -21,7 +21,7 @@ from deepinfer.compiler.keys import import_closure, module_imports
 
 # lowest first: a module may import its own layer and those below it
 LAYERS = [
-    ("format", ["deepinfer", "deepinfer.errors", "deepinfer.schema", "deepinfer.bundles"]),
+    ("format", ["deepinfer", "deepinfer.errors", "deepinfer.schema", "deepinfer.host", "deepinfer.bundles"]),
     ("numerics", ["deepinfer.quant", "deepinfer.kernels"]),
     ("model family", ["deepinfer.regions"]),
     ("compiler and runtime", ["deepinfer.compiler", "deepinfer.runtime"]),
@@ -32,6 +32,7 @@ LAYERS = [
 RUNTIME_LOADS = [
     "deepinfer", "deepinfer.bundles", "deepinfer.bundles.layout", "deepinfer.bundles.manifest",
     "deepinfer.bundles.pt2", "deepinfer.bundles.safetensors", "deepinfer.bundles.topology", "deepinfer.errors",
+    "deepinfer.host",
     "deepinfer.regions",
     "deepinfer.regions.config", "deepinfer.regions.engram_hash", "deepinfer.regions.generate",
     "deepinfer.regions.spans", "deepinfer.regions.step", "deepinfer.runtime", "deepinfer.runtime.backends",

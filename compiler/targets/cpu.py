@@ -8,7 +8,6 @@ compiled code would go back through Python.
 from __future__ import annotations
 
 import functools
-import os
 import platform
 import subprocess
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 
 import deepinfer
 from deepinfer.bundles.pt2 import load_exported
+from deepinfer.host import physical_memory
 from deepinfer.compiler.trace import concrete_inputs
 from deepinfer.kernels import reference_decompositions
 
@@ -63,7 +63,7 @@ class CpuTarget:
 
     def device_memory(self) -> tuple[int | None, str]:
         """A cpu rank runs in host memory: this host's, unless [memory] limit_gib names another's."""
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), \
+        return physical_memory(), \
             "cpu: this host's memory; set [memory] limit_gib for the host that runs the bundle"
 
     def check_numerics(self, *args, **kwargs) -> dict:

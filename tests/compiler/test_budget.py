@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import struct
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from deepinfer.bundles import manifest as mf
 from deepinfer.compiler import budget
 from deepinfer.compiler.config import load_compile_config
+from deepinfer.host import physical_memory
 from deepinfer.compiler.pipeline import Traced, compile_bundle, parse, plan
 from deepinfer.errors import ConfigError
 
@@ -58,7 +58,7 @@ def test_breakdown_adds_up(exported_bundle):
     for kind in {r.kind for r in m.regions}:
         assert mem["scratch_by_kind"][kind] == max(r.scratch_bytes for r in m.regions if r.kind == kind) > 0
     assert mem["total"] == mem["weights"] + mem["pools"] + mem["executables"] + mem["scratch"]
-    assert mem["limit"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")   # cpu: this host's memory
+    assert mem["limit"] == physical_memory()   # cpu: this host's memory
 
 
 def test_trn2_pools_over_hbm_refused_before_tracing(tmp_path, tiny_ckpt, monkeypatch):

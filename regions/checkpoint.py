@@ -200,9 +200,19 @@ def release_block(src: tuple[int, int]) -> tuple[int, int]:
 
 
 def load_region(ckpt: Checkpoint, region: Region, prefix: str) -> None:
-    """Fill a region's weight buffers from the checkpoint tensors under `prefix`."""
+    """Give a region's weight buffers the checkpoint tensors under `prefix`: each buffer becomes
+    the tensor read (its shape and dtype checked), so a region built on the meta device holds
+    the weights once, with no zero-filled buffer to copy them into (at the released dimensions
+    that fill was a second copy of every weight and a third of the reference's load time)."""
     for spec in region.specs:
-        getattr(region, spec.name).copy_(ckpt.load_spec(prefix, spec))
+        t = ckpt.load_spec(prefix, spec)
+        own = region._buffers[spec.name]
+        if tuple(t.shape) != tuple(own.shape) or t.dtype != own.dtype:
+            raise CheckpointError(f"{ckpt.dir}: {prefix}{spec.key} reads as {list(t.shape)} {t.dtype}, "
+                                  f"the {region.kind} region holds {list(own.shape)} {own.dtype}")
+        region._buffers[spec.name] = t
+    if region.rank.is_meta:
+        region._buffers["rank"] = torch.zeros((), dtype=torch.int64)
 
 
 @contextlib.contextmanager

@@ -57,12 +57,14 @@ class ReferenceModel:
         ckpt = Checkpoint(self.path)
         self.layers = []
         for p in self.plans:
-            regions = make_layer_regions(c, p, self.dtype, cache_quant)
+            with torch.device("meta"):          # shapes only: load_region gives each buffer its tensor
+                regions = make_layer_regions(c, p, self.dtype, cache_quant)
             regions["attn"].ties = ties
             for region in regions.values():
                 load_region(ckpt, region, f"layers.{p.layer}.")
             self.layers.append(regions)
-        self.head = make_head(c, self.dtype)
+        with torch.device("meta"):
+            self.head = make_head(c, self.dtype)
         load_region(ckpt, self.head, "")
         self.embed = Embedding(ckpt.get("embed.weight", "BF16", (c.vocab_size, c.hidden_size)),
                                c.hc_mult, self.dtype)

@@ -17,8 +17,9 @@ at 8 experts), this runs, each as its own process so its peak RSS is its own (`o
     floor-bf16 / compile-bf16 / run-bf16 / compare-bf16   a bf16 bundle against the fp32
                        reference within the floor `deepinfer noise-floor --dtype bf16` measures
 
-Every bundle has batch bucket 1, one tokens bucket wide enough for the prompt (decode steps run
-padded in it) and `max_context` 64, so each executable is traced once. A step that fails is
+Every bundle has one bucket (batch 1, tokens 1: the prompt runs a token a step) and
+`max_context` 64, so each executable is traced once; --steps runs a subset (a step whose input
+step ran before keeps that output: `--steps compile-aoti,run-aoti,compare-aoti` after a whole run). A step that fails is
 reported with its exit status and the last line of its stderr; later steps that need its output
 are skipped. Peak RSS counts the memory-mapped checkpoint or bundle pages a process touched.
 """
@@ -51,7 +52,7 @@ cache_quant = false
 {target}
 [buckets]
 batch = [1]
-tokens = [{tokens}]
+tokens = [1]
 max_context = 64
 [kv]
 block_size = 16
@@ -109,7 +110,6 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8, help="routed experts of the synthetic checkpoint")
     ap.add_argument("--prompt", default="Hi")
     ap.add_argument("--max-new-tokens", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=4, help="the bundles' one tokens bucket")
     ap.add_argument("--jobs", type=int, default=2, help="compile jobs")
     ap.add_argument("--steps", default="all", help=f"comma-separated subset of: {', '.join(STEPS)}")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -124,13 +124,13 @@ def main() -> None:
     os.environ.setdefault("TMPDIR", str(work / "tmp"))
     for name, dtype, target in (("exported", "fp32", "exported"), ("aoti", "fp32", "aoti"),
                                 ("trn2", "fp32", "trn2"), ("bf16", "bf16", "exported")):
-        (work / f"{name}.toml").write_text(TOML.format(dtype=dtype, target=TARGETS[target], tokens=a.tokens))
+        (work / f"{name}.toml").write_text(TOML.format(dtype=dtype, target=TARGETS[target]))
     argv = commands(a.prompt, a.max_new_tokens, a.experts, a.jobs)
     results: dict[str, dict] = {}
     for step in steps:
         if step == "make-tiny" and (work / "ckpt" / "config.json").exists():
-            results[step] = {"skipped": "ckpt exists"}
-        elif any(results.get(n, {}).get("rc", 0) for n in NEEDS.get(step, [])):
+            results[step] = {"skipped": "ckpt exists", "rc": 0}
+        elif any(results[n].get("rc") != 0 for n in NEEDS.get(step, []) if n in results):
             results[step] = {"skipped": "a step it needs failed"}
         else:
             results[step] = measure(argv[step], work, work / f"{step}.log")

@@ -303,7 +303,7 @@ def _emit_and_check(spec: Spec, entry: mf.Executable, ep, names, lowered: Path, 
     check = target.check_numerics(lowered, region, method, inputs, names, list(entry.state_outputs),
                                   f"region {entry.name}")
     run.log(f"lowered {entry.name}: HLO {lowered.stat().st_size} bytes, XLA:CPU vs reference "
-            f"max |diff| {check['max_abs']:.2g}")
+            f"max |diff| {check['max_abs']:.2g}, score {check['score']:.2g} (tolerance {check['tolerance']:g})")
     return dataclasses.replace(entry, check=check)
 
 

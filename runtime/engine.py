@@ -159,6 +159,7 @@ class Engine:
         self.gens: dict[int, Generation] = {}                 # what Session.run reads (engram histories)
         self._waiting: deque[Request] = deque()
         self._closing = False
+        self._rows_free = stepper.max_batch * stepper.groups
         self._cond = threading.Condition()
         self._next_seq = 0
 
@@ -186,14 +187,15 @@ class Engine:
                                "max_tokens")
 
     def submit(self, request: Request) -> None:
-        """Queue `request` (after `check`); QueueFull when `max_queue` requests wait already."""
+        """Queue `request` (after `check`); QueueFull when `max_queue` requests wait already beyond those
+        the batch's free rows take at the next step boundary."""
         self.check(len(request.prompt), request.max_tokens)
         with self._cond:
             if self._closing:
                 raise QueueFull("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) >= self.max_queue + self._rows_free:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting already (--max-queue "
-                                f"{self.max_queue}); retry later")
+                                f"{self.max_queue}, {self._rows_free} free rows in the batch); retry later")
             request.submitted = time.perf_counter()
             self._waiting.append(request)
             self.metrics.queue_depth.set(len(self._waiting))
@@ -330,6 +332,7 @@ class Engine:
         r.on_finish(reason, error)
 
     def _publish(self) -> None:
+        self._rows_free = self.stepper.max_batch * len(self.allocs) - len(self.running)
         self.metrics.queue_depth.set(len(self._waiting))
         self.metrics.running.set(len(self.running))
         self.metrics.kv_blocks.set(sum(len(t) for a in self.allocs for t in a.tables.values()))

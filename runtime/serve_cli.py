@@ -15,8 +15,8 @@ from deepinfer.cli_common import trust_option, trusted_key, user_errors
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port to listen on (0: a free one; the URL printed at start names it).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Requests that may wait for a place in the running batch; beyond them: HTTP 429 with "
-                   "Retry-After.")
+              help="Requests that may wait for a place in the running batch, beyond those its free rows take "
+                   "at the next step; more: HTTP 429 with Retry-After.")
 @click.option("--model-name", default=None, help="The model's id in the API (default: the bundle directory's name).")
 @click.option("--num-kv-blocks", type=click.IntRange(min=2), default=None,
               help="Size of the KV block pool, block 0 being scratch (default: the bundle's num_blocks).")

@@ -133,9 +133,12 @@ def test_cancel_frees_the_slot_and_blocks_at_the_next_step():
 
 def test_queue_bound_and_requests_that_can_never_fit():
     engine = Engine(Counting(max_blocks=4), eos=EOS, max_queue=2)
-    engine.submit(request([2], 2, {}))
-    engine.submit(request([2], 2, {}))
-    with pytest.raises(QueueFull, match="2 requests are waiting"):
+    for _ in range(4):          # 2 for the batch's free rows, 2 for the queue
+        engine.submit(request([2], 2, {}))
+    with pytest.raises(QueueFull, match="4 requests are waiting already .--max-queue 2, 2 free rows"):
+        engine.submit(request([2], 2, {}))
+    engine.step()               # 2 admitted: now the queue alone counts
+    with pytest.raises(QueueFull, match="2 requests are waiting already .--max-queue 2, 0 free rows"):
         engine.submit(request([2], 2, {}))
     with pytest.raises(RequestError, match="maximum context length is 16 tokens; the request needs 17"):
         engine.check(10, 8)

@@ -39,11 +39,12 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class RequestError(DeepinferError):
-    """A request the engine can never run (the server answers 400); `param` names the field."""
+    """A request the engine can never run (the server answers 400); `param` names the field, `code`
+    is OpenAI's for it (context_length_exceeded) or None."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class QueueFull(DeepinferError):
@@ -171,20 +172,24 @@ class Engine:
 
     def check(self, prompt_len: int, max_tokens: int) -> None:
         """Refuse a request that could never run (RequestError), whatever else is running."""
+        too_long = "context_length_exceeded"
         if prompt_len < 1:
             raise RequestError("the prompt is empty", "prompt")
+        if prompt_len > self.max_context:
+            raise RequestError(f"this model's maximum context length is {self.max_context} tokens; the prompt "
+                               f"has {prompt_len}", "prompt", too_long)
         if max_tokens < 1:
             raise RequestError(f"max_tokens is {max_tokens}; it must be at least 1", "max_tokens")
         need = self.positions(prompt_len, max_tokens)
         if need > self.max_context:
             raise RequestError(f"this model's maximum context length is {self.max_context} tokens; the request "
                                f"needs {need} ({prompt_len} in the prompt, {max_tokens} to generate less the "
-                               "last); shorten the prompt or lower max_tokens", "max_tokens")
+                               "last); shorten the prompt or lower max_tokens", "max_tokens", too_long)
         blocks = -(-need // self.block_size)
         if blocks > self.capacity_blocks:
             raise RequestError(f"the request needs {blocks} KV blocks of {self.block_size} positions; the pool "
                                f"holds {self.capacity_blocks} (start the server with more --num-kv-blocks)",
-                               "max_tokens")
+                               "max_tokens", too_long)
 
     def submit(self, request: Request) -> None:
         """Queue `request` (after `check`); QueueFull when `max_queue` requests wait already beyond those

@@ -162,8 +162,7 @@ class Served:
         try:
             self.engine.check(len(prompt), max_tokens)
         except RequestError as e:
-            raise BadRequest(str(e), e.param, code="context_length_exceeded" if e.param == "max_tokens" else None) \
-                from None
+            raise BadRequest(str(e), e.param, code=e.code) from None
         return Params(prompt, max_tokens, Sampling(temperature, top_p, max(top_k, 0), _field(body, "seed", int, None)),
                       stops, stream, bool(options.get("include_usage")))
 
@@ -239,12 +238,10 @@ def _field(body: dict, name: str, kind: type, default):
     value = body.get(name)
     if value is None:
         return default
-    ok = (isinstance(value, bool) if kind is bool else
-          isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
-          isinstance(value, int) and not isinstance(value, bool))
-    if not ok:
-        raise BadRequest(f"{name} is {value!r}; expected {'a boolean' if kind is bool else 'an integer' if kind is int else 'a number'}",
-                         name)
+    accepted = {bool: (bool,), int: (int,), float: (int, float)}[kind]
+    if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+        expected = {bool: "a boolean", int: "an integer", float: "a number"}[kind]
+        raise BadRequest(f"{name} is {value!r}; expected {expected}", name)
     return float(value) if kind is float else value
 
 

@@ -145,6 +145,9 @@ def test_queue_bound_and_requests_that_can_never_fit():
     engine.check(10, 7)
     with pytest.raises(RequestError, match="max_tokens is 0"):
         engine.check(3, 0)
+    with pytest.raises(RequestError, match="length is 16 tokens; the prompt has 17") as e:
+        engine.check(17, 1)
+    assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
     small = Engine(Counting(blocks=3), eos=EOS, max_queue=2)      # 2 usable blocks of 4
     with pytest.raises(RequestError, match="needs 3 KV blocks"):
         small.check(8, 2)

@@ -182,7 +182,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, exp
     assert e.value.body["param"] == "max_tokens" and "-3" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="y" * 100, max_tokens=4)
-    assert e.value.body["code"] == "context_length_exceeded" and "maximum context length is 80" in e.value.body["message"]
+    assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "prompt")
+    assert "maximum context length is 80 tokens; the prompt has 101" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="y" * 60, max_tokens=30)
+    assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "max_tokens")
     with pytest.raises(openai.BadRequestError, match="n = 1"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):

@@ -155,6 +155,7 @@ class Engine:
         a = self.allocs[0]
         self.block_size, self.max_context = a.block_size, a.max_context
         self.capacity_blocks = len(a.free_blocks)            # per group: the pool less the scratch block
+        self.capacity_slots = len(a.free_slots)              # per group: less the scratch slot
         self.metrics.kv_blocks_total.set(self.capacity_blocks * len(self.allocs))
         self.running: dict[int, Request] = {}
         self.gens: dict[int, Generation] = {}                 # what Session.run reads (engram histories)
@@ -173,6 +174,8 @@ class Engine:
     def check(self, prompt_len: int, max_tokens: int) -> None:
         """Refuse a request that could never run (RequestError), whatever else is running."""
         too_long = "context_length_exceeded"
+        if not self.capacity_slots:
+            raise RequestError("the bundle was compiled without room for a sequence ([kv] slots)")
         if prompt_len < 1:
             raise RequestError("the prompt is empty", "prompt")
         if prompt_len > self.max_context:

@@ -151,6 +151,8 @@ def test_queue_bound_and_requests_that_can_never_fit():
     small = Engine(Counting(blocks=3), eos=EOS, max_queue=2)      # 2 usable blocks of 4
     with pytest.raises(RequestError, match="needs 3 KV blocks"):
         small.check(8, 2)
+    with pytest.raises(RequestError, match="without room for a sequence"):
+        Engine(Counting(slots=1), eos=EOS, max_queue=2).check(1, 1)
 
 
 def test_run_on_its_own_thread_and_close():

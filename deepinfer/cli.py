@@ -489,12 +489,14 @@ def keygen_cmd(private_key: Path, public_key: Path | None):
 
 
 def _add_tools() -> None:
-    """`deepinfer compile` and `deepinfer run`: the sub-CLIs, under the umbrella too."""
+    """`deepinfer compile`, `deepinfer run` and `deepinfer serve`: the sub-CLIs, under the umbrella too."""
     from deepinfer.compiler.cli import main as compile_main
     from deepinfer.runtime.cli import main as run_main
+    from deepinfer.runtime.serve_cli import main as serve_main
 
     main.add_command(compile_main, "compile")
     main.add_command(run_main, "run")
+    main.add_command(serve_main, "serve")
 
 
 _add_tools()

@@ -158,22 +158,28 @@ def torchrun_rank() -> tuple[int, int] | None:
     return None
 
 
-def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, max_new_tokens: int, options: dict,
-               results) -> None:
+def _load_rank(rank: int, world: int, rendezvous: str, bundle: str, options: dict):
+    """Join the ranks' process group and load `bundle` as `rank` -> (session, comm). The caller
+    destroys the process group."""
     from deepinfer.runtime.session import load, open_bundle
 
     if options.get("threads"):
         torch.set_num_threads(options["threads"])
     init(rank, world, rendezvous, timeout_s=options.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S))
-    try:
-        trust = options.get("trust")
-        if trust:
-            from deepinfer.bundles.signing import load_public_key
+    trust = options.get("trust")
+    if trust:
+        from deepinfer.bundles.signing import load_public_key
 
-            trust = load_public_key(trust)
-        opened = open_bundle(bundle, verify=options.get("verify", True), trust=trust)
-        comm = Comm(opened.manifest.topology.topology, rank, chunk_bytes=options.get("chunk_bytes", CHUNK_BYTES))
-        session = load(opened, rank=rank, comm=comm, num_kv_blocks=options.get("num_kv_blocks"))
+        trust = load_public_key(trust)
+    opened = open_bundle(bundle, verify=options.get("verify", True), trust=trust)
+    comm = Comm(opened.manifest.topology.topology, rank, chunk_bytes=options.get("chunk_bytes", CHUNK_BYTES))
+    return load(opened, rank=rank, comm=comm, num_kv_blocks=options.get("num_kv_blocks")), comm
+
+
+def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, max_new_tokens: int, options: dict,
+               results) -> None:
+    try:
+        session, comm = _load_rank(rank, world, rendezvous, bundle, options)
         if comm.leader:
             gens = session.generate(prompts, max_new_tokens, images=options.get("images"))
             for g in gens:             # numpy: tensors would travel as shared memory of an exiting process
@@ -187,7 +193,59 @@ def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, max
         results.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _follower_main(rank: int, world: int, rendezvous: str, bundle: str, options: dict) -> None:
+    """A follower rank of a leader in another process (`Leader`): run its steps until it sends None."""
+    try:
+        session, _ = _load_rank(rank, world, rendezvous, bundle, options)
+        session.serve()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Leader:
+    """This process as rank 0 of a multi-rank bundle, the followers one process each on this host
+    (what `deepinfer-serve` runs: the leader schedules every step, the followers run what it sends).
+
+    `session` is the leader's; `close` ends the followers' loop and waits for them (at most
+    `timeout_s` each before they are killed). options: as `generate_ranks` takes them."""
+
+    def __init__(self, bundle, world: int, *, timeout_s: float = 30.0, **options):
+        import torch.multiprocessing as mp
+
+        self.timeout_s = timeout_s
+        self._tmp = tempfile.TemporaryDirectory(prefix="deepinfer-ranks-")
+        rendezvous = str(Path(self._tmp.name) / "rendezvous")
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_follower_main, args=(r, world, rendezvous, str(bundle), dict(options)),
+                                  daemon=True) for r in range(1, world)]
+        for p in self.procs:
+            p.start()
+        try:
+            self.session, self.comm = _load_rank(0, world, rendezvous, str(bundle), options)
+        except BaseException:
+            self._stop()
+            raise
+
+    def close(self) -> None:
+        try:
+            self.comm.step(None)
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        for p in self.procs:
+            p.join(timeout=self.timeout_s)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=self.timeout_s)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._tmp.cleanup()
 
 
 def generate_ranks(bundle, prompts: list[list[int]], max_new_tokens: int, *, timeout_s: float = 3600.0,

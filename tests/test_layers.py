@@ -26,7 +26,8 @@ LAYERS = [
     ("model family", ["deepinfer.regions"]),
     ("compiler and runtime", ["deepinfer.compiler", "deepinfer.runtime"]),
     ("tools", ["deepinfer.compare", "deepinfer.diff", "deepinfer.cli_common"]),
-    ("commands", ["deepinfer.cli", "deepinfer.__main__", "deepinfer.compiler.cli", "deepinfer.runtime.cli"]),
+    ("commands", ["deepinfer.cli", "deepinfer.__main__", "deepinfer.compiler.cli", "deepinfer.runtime.cli",
+                  "deepinfer.runtime.serve_cli"]),
 ]
 # what `import deepinfer.runtime` loads: the format, the shared step of the model family, the runtime
 RUNTIME_LOADS = [

@@ -152,3 +152,29 @@ def test_a_run_past_its_deadline_is_an_error_not_a_hang():
     start = time.monotonic()
     items = _collect([_Proc(None), _Proc(None)], q.Queue(), timeout_s=0.5)     # alive, silent
     assert items == [{"rank": 0, "error": "no result in 0 s"}] and time.monotonic() - start < 10
+
+
+def test_serve_leads_the_ranks(rank_bundle, one_rank):
+    """deepinfer-serve on a 2-rank bundle (ep = 2: two token groups) starts its follower and gives the
+    one-rank bundle's greedy tokens, requests one at a time and both at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from deepinfer.regions.tokenizer import ByteTokenizer
+    from deepinfer.runtime.server import ServerProcess
+
+    server = ServerProcess(rank_bundle(1, 2, 1), "--model-name", "tiny", "--threads", "1")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+        def complete(ids):
+            return client.completions.create(model="tiny", prompt=ids, max_tokens=NEW)
+        with ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(complete, PROMPTS))
+        for out in ([complete(p) for p in PROMPTS], together):
+            for got, want in zip(out, one_rank):
+                assert got.choices[0].text == ByteTokenizer().decode(want.generated)
+                assert got.usage.completion_tokens == len(want.generated)
+    finally:
+        assert server.stop() == 0, server.proc.stderr.read()

@@ -1,0 +1,165 @@
+"""deepinfer-serve under concurrent streaming clients, against one request at a time, in one run.
+
+    python bench/serve.py [--bundle build/tiny-serve] [--requests 16] [--max-tokens 32] [--json]
+
+Starts `deepinfer-serve` on the tiny AOTInductor bundle (compiled from
+examples/tiny/model_serve.toml when --bundle does not exist: batch buckets 1 and 8,
+prompt chunks of 8), then sends the same `--requests` prompts through 1 (the
+baseline: one request at a time), 4 and 8 concurrent streaming clients. Each
+level reports generated tokens/s over its wall time, time to first token and the
+gaps between streamed chunks (inter-token latency; a chunk is one token unless a
+multi-byte character spans two) as p50/p99, measured by the clients. Then a burst
+of `--burst` requests at once: every one must come back exactly once, and the
+server's RSS (from /proc) afterwards is compared with its idle figure before the
+burst. Clients are plain http.client threads, light next to the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import urlparse
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
+
+MODEL = "tiny"
+PROMPTS = ["Hello, world", "The quick brown fox jumps over the lazy dog.", "abc", "1 + 1 =", "Once upon a time",
+           "def main():", "GET / HTTP/1.1", "Dear Sir or Madam,"]
+LEVELS = (1, 4, 8)
+TIMEOUT_S = 600
+
+
+def stream(url: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion: {"sent", "chunks": [arrival times], "tokens", "id", "finish"}."""
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT_S)
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    sent = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+    out = {"sent": sent, "chunks": [], "tokens": 0, "id": None, "finish": None}
+    for line in resp:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        out["id"] = event["id"]
+        if event.get("usage"):
+            out["tokens"] = event["usage"]["completion_tokens"]
+        for choice in event.get("choices", []):
+            if choice["text"]:
+                out["chunks"].append(time.perf_counter())
+            if choice["finish_reason"]:
+                out["finish"] = choice["finish_reason"]
+    conn.close()
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def level(url: str, clients: int, prompts: list[str], max_tokens: int) -> dict:
+    """`prompts` through `clients` concurrent streaming clients."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda p: stream(url, p, max_tokens), prompts))
+    wall = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [(r["chunks"][0] - r["sent"]) * 1e3 for r in results if r["chunks"]]
+    itl = [(b - a) * 1e3 for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
+    return {"clients": clients, "requests": len(results), "generated_tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+            "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99)}
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def burst(url: str, pid: int, n: int, max_tokens: int) -> dict:
+    """`n` requests at once (the queue holds them); each must come back once; RSS before and after."""
+    idle = rss_mib(pid)
+    barrier = threading.Barrier(n, timeout=TIMEOUT_S)
+
+    def one(i: int) -> dict:
+        barrier.wait()
+        return stream(url, PROMPTS[i % len(PROMPTS)], max_tokens)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(one, range(n)))
+    wall = time.perf_counter() - start
+    time.sleep(1.0)                     # the engine's last step and the server's last writes
+    after = rss_mib(pid)
+    ids = [r["id"] for r in results]
+    return {"requests": n, "completed": sum(r["finish"] is not None for r in results), "unique_ids": len(set(ids)),
+            "wall_s": wall, "rss_idle_mib": idle, "rss_after_mib": after, "rss_ratio": after / idle}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", type=Path, default=ROOT / "build" / "tiny-serve")
+    ap.add_argument("--toml", type=Path, default=ROOT / "examples" / "tiny" / "model_serve.toml")
+    ap.add_argument("--requests", type=int, default=16, help="requests per level (the same prompts at each)")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--burst", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    from deepinfer.runtime.server import ServerProcess
+
+    if not args.bundle.exists():
+        from deepinfer.compiler.config import load_compile_config
+        from deepinfer.compiler.pipeline import compile_bundle
+
+        compile_bundle(load_compile_config(args.toml), args.bundle, jobs=2)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+    server = ServerProcess(args.bundle, "--model-name", MODEL, "--threads", str(args.threads), "--max-queue",
+                           str(max(args.burst, args.requests)))
+    try:
+        level(server.url, 8, PROMPTS, 4)                        # warm-up: every bucket once
+        levels = {c: level(server.url, c, prompts, args.max_tokens) for c in LEVELS}
+        burst_out = burst(server.url, server.pid, args.burst, 8)
+    finally:
+        status = server.stop()
+    out = {"bundle": str(args.bundle), "max_tokens": args.max_tokens, "server_threads": args.threads,
+           "levels": levels, "burst": burst_out, "server_exit": status,
+           "throughput_ratio_8_over_1": levels[8]["tokens_per_s"] / levels[1]["tokens_per_s"],
+           "itl_p99_ms_8": levels[8]["itl_p99_ms"]}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return
+    print(f"{'clients':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  (ms)")
+    for c, r in levels.items():
+        print(f"{c:>8}{r['tokens_per_s']:>9.1f}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>8.1f}"
+              f"{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>8.1f}")
+    b = burst_out
+    print(f"throughput 8 / 1: {out['throughput_ratio_8_over_1']:.2f}x; burst of {b['requests']}: {b['completed']} "
+          f"completed, {b['unique_ids']} distinct ids; RSS {b['rss_idle_mib']:.1f} -> {b['rss_after_mib']:.1f} MiB "
+          f"({(b['rss_ratio'] - 1) * 100:+.1f}%)")
+    if status != 0:
+        sys.exit(f"the server exited with status {status}")
+
+
+if __name__ == "__main__":
+    main()

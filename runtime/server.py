@@ -4,7 +4,7 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `stream: true` as server-sent events), `GET /v1/models`, `GET /health` and
 `GET /metrics` (Prometheus text). Requests are checked before they reach the
 engine: a malformed body, an unknown model, a bad field or a request that can
-never fit is a 400 (404 for the model, as OpenAI answers) with OpenAI's error
+never fit is a 400 (the model's with `code: model_not_found`) with OpenAI's error
 body `{"error": {"message", "type", "param", "code"}}`; a full queue is a 429
 with Retry-After. A client that disconnects cancels its sequence.
 
@@ -41,10 +41,9 @@ def plain_chat(messages: list[dict]) -> str:
 class BadRequest(Exception):
     """A request the server refuses before it reaches the engine."""
 
-    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
-                 type_: str = "invalid_request_error", code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, *, code: str | None = None):
         super().__init__(message)
-        self.param, self.status, self.type, self.code = param, status, type_, code
+        self.param, self.code = param, code
 
 
 class TextStream:
@@ -128,7 +127,7 @@ class Served:
     def params(self, body: dict, prompt: list[int], default_max: int) -> Params:
         if body.get("model") != self.model:
             raise BadRequest(f"The model {body.get('model')!r} does not exist; this server serves {self.model!r}",
-                             "model", status=404, code="model_not_found")
+                             "model", code="model_not_found")
         n = _field(body, "n", int, 1)
         if n != 1:
             raise BadRequest(f"n is {n}; this server returns one choice per request (n = 1)", "n")
@@ -262,7 +261,7 @@ def create_app(served: Served):
             return JSONResponse(error_body(str(e), "rate_limit_exceeded", code="queue_full"), status_code=429,
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
         served.engine.metrics.requests.labels("bad_request").inc()
-        return JSONResponse(error_body(str(e), e.type, e.param, e.code), status_code=e.status)
+        return JSONResponse(error_body(str(e), "invalid_request_error", e.param, e.code), status_code=400)
 
     async def body_of(request: HttpRequest) -> dict:
         raw = await request.body()

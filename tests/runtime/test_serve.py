@@ -174,7 +174,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, exp
     client = server.client()
     status, body = server.post("/v1/completions", b'{"model": "tiny", "prompt": ')
     assert status == 400 and "not valid JSON" in body["error"]["message"]
-    with pytest.raises(openai.NotFoundError) as e:
+    with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:

@@ -106,7 +106,9 @@ class Trn2Target:
     def emit(self, ep: torch.export.ExportedProgram, names: list[str], outputs: list[str], out: Path) -> dict:
         """Write the HLO module of a lowered program to `out`; returns the executable's outputs:
         {"state_outputs": [input names], "aliases": {out: in}, "output_specs": [{name, shape, dtype}]}.
-        The new contents of each written state input come first, then the region's outputs."""
+        The new contents of each written state input come first, then the region's outputs.
+        A module holding a sort or top-k wider than neuronx-cc compiles is refused (LoweringError,
+        nothing written; the pipeline prefixes the region)."""
         user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
         state = [names[user.index(o.target)] for o in ep.graph_signature.output_specs
                  if o.kind.name == "USER_INPUT_MUTATION"]

@@ -6,7 +6,7 @@ Layout relied on (little-endian, packed; a 1024-byte header, then `data_size` pa
     0x000  u64        package version: 1 = plain tar + SHA-256, 2 = gzip'd tar + MD5
     0x008  u64        header size (1024)
     0x010  u64        payload size in bytes as stored (compressed for package version 2)
-    0x018  u64        NEFF format version, major (libnrt 2.31 refuses major > 2)
+    0x018  u64        NEFF format version, major (libnrt judges it at nrt_load)
     0x020  u64        NEFF format version, minor
     0x028  char[128]  compiler build label
     0x0A8  u32        (producer flag; 1 when the payload is gzip'd)
@@ -55,8 +55,8 @@ from pathlib import Path
 from deepinfer.errors import DeepinferError
 
 HEADER_SIZE = 1024
-PACKAGE_VERSIONS = (1, 2)
-MAX_MAJOR_VERSION = 2          # libnrt 2.31 refuses NEFFs with a newer major version
+PACKAGE_VERSIONS = (1, 2)      # the packagings known today; a later one is the runtime's to judge
+MAX_PACKAGE_VERSION = 255      # larger: not a package version, so not a NEFF (there is no magic number)
 _LAYOUT = struct.Struct("<QQQQQ128sI32s16s256sI64sQI")   # 556 bytes, then padding
 assert _LAYOUT.size == 0x22C
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -125,9 +125,9 @@ def _parse(path: Path, raw: bytes, raw_size: int) -> NeffHeader:
                         f"{HEADER_SIZE}-byte header)")
     (pkg, header_size, data_size, major, minor, build, _flag, digest, uuid, name, cores, _per_node,
      features, vnc) = _LAYOUT.unpack_from(raw)
-    if pkg not in PACKAGE_VERSIONS:
-        raise NeffError(f"{path}: not a NEFF (package version {pkg} at byte 0, expected "
-                        f"{' or '.join(map(str, PACKAGE_VERSIONS))})")
+    if pkg == 0 or pkg > MAX_PACKAGE_VERSION:
+        raise NeffError(f"{path}: not a NEFF (package version {pkg} at byte 0, expected a small positive "
+                        f"number: {' or '.join(map(str, PACKAGE_VERSIONS))} today)")
     if header_size != HEADER_SIZE:
         raise NeffError(f"{path}: not a NEFF (header size field {header_size}, expected {HEADER_SIZE})")
     available = raw_size - HEADER_SIZE
@@ -165,13 +165,12 @@ def _text(field: bytes) -> str:
 
 
 def check_loadable(header: NeffHeader, *, lnc: int, path: str | Path, recorded: dict | None = None) -> None:
-    """Refuse a NEFF this bundle/runtime cannot load: compiled for another LNC, a NEFF format
-    newer than the runtime reads, or not the NEFF the manifest recorded (`recorded`: its `summary`).
-    A NEFF whose LNC field is 0 (not recorded) passes the LNC check: it cannot be judged here."""
-    if header.version_major > MAX_MAJOR_VERSION:
-        raise NeffError(f"{path}: NEFF format {header.version} is newer than the Neuron runtime reads "
-                        f"(major <= {MAX_MAJOR_VERSION}); compile with the neuronx-cc that matches the "
-                        "installed runtime")
+    """Refuse a NEFF this bundle/runtime cannot load: compiled for another LNC, or not the NEFF
+    the manifest recorded (`recorded`: its `summary`). A NEFF whose LNC field is 0 (not recorded)
+    passes the LNC check: it cannot be judged here. Its format and package versions are the
+    runtime's to judge: nrt_load answers NRT_UNSUPPORTED_NEFF_VERSION for one it does not read
+    (runtime/nrt.Libnrt.load names the runtime's version then); a table of versions kept here
+    would refuse NEFFs a newer runtime loads."""
     if header.lnc is not None and header.lnc != lnc:
         raise NeffError(f"{path}: compiled for LNC {header.lnc}, this bundle/runtime is configured for "
                         f"LNC {lnc}; recompile with lnc = {lnc} or run with "
@@ -182,6 +181,12 @@ def check_loadable(header: NeffHeader, *, lnc: int, path: str | Path, recorded: 
             if key in recorded and recorded[key] != actual[key]:
                 raise NeffError(f"{path}: {key} {actual[key]!r} differs from the manifest's "
                                 f"{recorded[key]!r}; the file was replaced after compiling, recompile")
+
+
+def output_name(name: str) -> str:
+    """The NEFF tensor name of output `name` (the manifest's output spec name). Inputs keep their
+    manifest names; outputs get their own so that no input and output share a name (`win` is both)."""
+    return f"out_{name}"
 
 
 def summary(header: NeffHeader) -> dict:

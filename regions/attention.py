@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from deepinfer.kernels import attention as _attn  # noqa: F401  (registers ops)
+from deepinfer.kernels import attention as _attn, select as _select  # noqa: F401  (registers ops)
 from deepinfer.kernels.cachequant import maybe_quant
 from deepinfer.kernels.rope import apply_rope, rope_angles, rope_frequencies
 from deepinfer.regions.base import Region, WeightSpec, fp8_specs
@@ -95,7 +95,7 @@ class _Attention(Region):
         self.cache_quant = cache_quant
         self.heads, self.hd = c.num_attention_heads, c.head_dim
         self.window = c.sliding_window
-        self.ties = "lowest"        # see `top_indices`; the eager reference may choose "nemo"
+        self.ties = "lowest"        # see kernels/select.py; the eager reference may choose "nemo"
 
     # -- signature ------------------------------------------------------------------------
 
@@ -220,7 +220,7 @@ class _Attention(Region):
             cand = candidate_blocks(scores, vis_len, c.candidate_topk_blocks, c.candidate_block_size) & visible
         elif cand is not None:
             scores = scores.masked_fill(~cand, float("-inf"))
-        idx = top_indices(scores, min(c.index_topk, width)).sort(dim=-1).values
+        idx = ops.top_indices(scores, min(c.index_topk, width)).sort(dim=-1).values
         idx = torch.where(torch.isfinite(scores.gather(-1, idx)), idx, -1)
         return idx, cand
 
@@ -258,18 +258,6 @@ def torch_topk(scores: Tensor, k: int) -> Tensor:
     return scores.topk(k, dim=-1).indices
 
 
-def top_indices(scores: Tensor, k: int) -> Tensor:
-    """Indices of the k largest scores along the last dim; among equal scores the lowest index wins.
-
-    `torch.topk` leaves the order of ties unspecified, and on CPU it depends on
-    the row width: the same scores padded to another width (a longer forward,
-    another pool size) select differently. Entries whose index heads all fall
-    under the relu score exactly 0 and tie often, so the rule must be fixed: a
-    stable descending sort makes selection independent of width and chunking.
-    """
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-
-
 def candidate_blocks(scores: Tensor, vis_len: Tensor, topk_blocks: int, block: int, select=None) -> Tensor:
     """Candidate pool: top blocks by max score, the block of the latest visible entry always kept.
 
@@ -281,7 +269,7 @@ def candidate_blocks(scores: Tensor, vis_len: Tensor, topk_blocks: int, block: i
     last = torch.div(vis_len - 1, block, rounding_mode="floor").unsqueeze(-1)
     ids = torch.arange(block_scores.shape[-1], device=scores.device)
     block_scores = block_scores.masked_fill(ids == last, float("inf"))
-    top = (select or top_indices)(block_scores, min(topk_blocks, block_scores.shape[-1]))
+    top = (select or ops.top_indices)(block_scores, min(topk_blocks, block_scores.shape[-1]))
     chosen = block_scores.gather(-1, top) > float("-inf")
     keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, top, chosen)
     return keep.repeat_interleave(block, dim=-1)[..., :width]

@@ -3,9 +3,10 @@
 Built on the ctypes binding in `nrt.py`. Resident tensors (weight stacks,
 state pools) are allocated once and bound as `DeviceTensor`s; a layer's view
 into a layer-major stack is a slice (nrt_tensor_allocate_slice), not a copy.
-Host per-step inputs are copied into reusable staging tensors by
-`NeuronExecutable`, which has the call API of the executables in
-`backends.py`.
+Host per-step inputs are copied into reusable staging tensors (`HostInputs`,
+written only when their bytes change), and outputs that feed the next region
+call stay on the device (`DeviceValue`): `NeuronExecutable` has the call API
+of the executables in `backends.py`.
 
 Core selection: libnrt reads NEURON_RT_VISIBLE_CORES once, at nrt_init, and
 reserves those cores for this process. `NeuronCore(core=k)` pins the process
@@ -23,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from deepinfer.bundles.neff import output_name
 from deepinfer.errors import DeepinferError
 from deepinfer.runtime.nrt import Libnrt, TensorInfo, open_library
 
@@ -223,37 +225,88 @@ def _name(entry: str | dict) -> str:
     return entry["name"] if isinstance(entry, dict) else entry
 
 
+class DeviceValue:
+    """An executable's output left on the device: its output buffer, valid until that executable
+    runs again (which overwrites the buffer). Passed as another call's input, it is bound as it is,
+    with no copy through the host; `to_torch` reads it back."""
+
+    def __init__(self, tensor: DeviceTensor, shape: Sequence[int], dtype: torch.dtype, producer: NeuronExecutable):
+        self.tensor, self.shape, self.dtype, self.producer = tensor, torch.Size(shape), dtype, producer
+        self.call = producer.calls
+
+    def __repr__(self) -> str:
+        return f"DeviceValue({self.tensor.name!r}, {tuple(self.shape)} {self.dtype}, call {self.call})"
+
+    def current(self) -> bool:
+        return self.producer.calls == self.call
+
+    def to_torch(self) -> torch.Tensor:
+        if not self.current():
+            raise NeuronArgumentError(f"{self!r} was overwritten by a later call of {self.producer.model.path}")
+        return self.tensor.to_torch(self.dtype, self.shape)
+
+
+class HostInputs:
+    """Device buffers of the host inputs of a placement's executables, shared by all of them: one per
+    (name, bytes). Each keeps a host copy of what it holds, so an input equal to it (a step's
+    positions, slots, block table, given to every layer's region) is written once, not once a call."""
+
+    def __init__(self, core: NeuronCore):
+        self.core = core
+        self.buffers: dict[tuple[str, int], tuple[DeviceTensor, torch.Tensor]] = {}
+
+    def stage(self, name: str, x: torch.Tensor) -> DeviceTensor:
+        x = x.contiguous()
+        key = (name, _host_bytes(x, name))
+        if key in self.buffers:
+            buf, held = self.buffers[key]
+            if held.dtype == x.dtype and torch.equal(held, x):
+                return buf
+        else:
+            buf = DeviceTensor.allocate(self.core, key[1], f"in:{name}")
+        buf.write_from(x)
+        self.buffers[key] = (buf, x.clone())
+        return buf
+
+    def close(self) -> None:
+        for buf, _ in self.buffers.values():
+            buf.free()
+        self.buffers.clear()
+
+
 class NeuronExecutable:
     """backends.py's call API over a NeuronModel: `exe(inputs) -> outputs`.
 
-    signature: the executable's inputs in call order (manifest entries with
-    "name", or names). out_specs: (name, shape, dtype) per output. aliases:
-    {output index: input index} for outputs written in place into a state
-    input; those are bound to that input's DeviceTensor and returned as it,
-    without a read back.
+    signature: the executable's inputs in call order (manifest entries with "name", or
+    names). out_specs: (name, shape, dtype) per output. aliases: {output index: input
+    index} for outputs written in place into a state input; those are bound to that
+    input's DeviceTensor and returned as it, without a read back. host_outputs: the
+    names of the outputs read back to the host (None: all); the others come back as
+    `DeviceValue`s, left on the device for the next region call. host_inputs: where
+    host tensors given as inputs are staged (shared between executables; by default
+    this executable's own).
 
-    Binding (see `_positions`): when the NEFF's tensor names are the manifest's
-    names, tensors are bound by name, never by libnrt's order. Otherwise, when the
-    NEFF names its inputs exactly `input0..input<n-1>` and its outputs exactly
-    `output0..output<m-1>`, the k-th manifest input is bound to `input<k>` and the
-    k-th output spec to `output<k>` (parameter and result order of the HLO module).
-    ASSUMPTION TO VERIFY ON TRN2: that neuronx-cc names a NEFF compiled from an
-    HloModuleProto this way (we believe so; it is not documented, and it has only
-    been exercised against the TEST DOUBLES in tests/trn2/doubles). Any other
-    naming is refused with both lists of names.
+    Binding is by name: the NEFF's input tensors carry the manifest's input names and its
+    outputs `neff.output_name(name)` (the trn2 target stamps them on the HLO module as
+    neff_input_names / neff_output_names), whatever order libnrt lists them in.
     """
 
     def __init__(self, path: str | Path, core: NeuronCore, signature: Sequence[str | dict],
-                 out_specs: Sequence[tuple[str, Sequence[int], torch.dtype]], aliases: dict | None = None):
+                 out_specs: Sequence[tuple[str, Sequence[int], torch.dtype]], aliases: dict | None = None, *,
+                 host_outputs: Sequence[str] | None = None, host_inputs: HostInputs | None = None):
         self.model = NeuronModel.load(core, path)
         self.core, self.names = core, [_name(s) for s in signature]
         self.out_specs = [(n, tuple(s), d) for n, s, d in out_specs]
         self.aliases = {int(o): int(i) for o, i in (aliases or {}).items()}   # JSON keys are strings
-        self.staging: dict[int, DeviceTensor] = {}          # input index -> reusable host-input buffer
+        self.host_outputs = {n for n, _, _ in self.out_specs} if host_outputs is None else set(host_outputs)
+        self.own_inputs = host_inputs is None
+        self.host_inputs = HostInputs(core) if host_inputs is None else host_inputs
         self.out_buffers: dict[int, DeviceTensor] = {}
+        self.calls = 0
         try:
             self.in_pos = _positions(self.model, "input", self.model.inputs, self.names)
-            self.out_pos = _positions(self.model, "output", self.model.outputs, [n for n, _, _ in self.out_specs])
+            self.out_pos = _positions(self.model, "output", self.model.outputs,
+                                      [output_name(n) for n, _, _ in self.out_specs])
             for j in range(len(self.out_specs)):
                 if j not in self.aliases:
                     self.out_buffers[j] = self._out_buffer(j)
@@ -262,11 +315,13 @@ class NeuronExecutable:
             raise
 
     def close(self) -> None:
-        """Free the staging and output buffers and unload the model (resident inputs are the caller's)."""
-        for t in [*self.staging.values(), *self.out_buffers.values()]:
+        """Free the output buffers (and this executable's own input staging) and unload the model
+        (resident inputs and shared staging are the caller's)."""
+        for t in self.out_buffers.values():
             t.free()
-        self.staging.clear()
         self.out_buffers.clear()
+        if self.own_inputs:
+            self.host_inputs.close()
         self.model.unload()
 
     def _out_buffer(self, j: int) -> DeviceTensor:
@@ -278,17 +333,18 @@ class NeuronExecutable:
                                       f"the model writes {size} bytes")
         return DeviceTensor.allocate(self.core, size, f"out:{name}")
 
-    def _stage(self, i: int, x: torch.Tensor | DeviceTensor) -> DeviceTensor:
+    def _stage(self, i: int, x: torch.Tensor | DeviceTensor | DeviceValue) -> DeviceTensor:
         if isinstance(x, DeviceTensor):
             return x                                         # resident: weights, state pools
-        x = x.contiguous()
-        nbytes, buf = _host_bytes(x, self.names[i]), self.staging.get(i)
-        if buf is None or buf.nbytes != nbytes:              # fixed buckets: allocated on the first call
-            if buf is not None:
-                buf.free()
-            buf = self.staging[i] = DeviceTensor.allocate(self.core, nbytes, f"in:{self.names[i]}")
-        buf.write_from(x)
-        return buf
+        if isinstance(x, DeviceValue):                       # another call's output, still on the device
+            if not x.current():
+                raise NeuronArgumentError(f"input {self.names[i]!r}: {x!r} was overwritten by a later call of "
+                                          f"{x.producer.model.path}")
+            if x.producer is self:
+                raise NeuronArgumentError(f"input {self.names[i]!r}: {x!r} is this executable's own output buffer, "
+                                          "which the call would overwrite while reading it")
+            return x.tensor
+        return self.host_inputs.stage(self.names[i], x)
 
     def __call__(self, inputs: list) -> list:
         if len(inputs) != len(self.names):
@@ -303,30 +359,23 @@ class NeuronExecutable:
                 outs.append(bound[self.aliases[j]])
             else:
                 outs.append(self.out_buffers[j])
-        ins_by_model = _reorder(bound, self.in_pos)
-        outs_by_model = _reorder(outs, self.out_pos)
-        self.model.execute(ins_by_model, outs_by_model)
-        return [outs[j] if j in self.aliases else outs[j].to_torch(dtype, shape)
-                for j, (_, shape, dtype) in enumerate(self.out_specs)]
+        self.model.execute(_reorder(bound, self.in_pos), _reorder(outs, self.out_pos))
+        self.calls += 1
+        return [outs[j] if j in self.aliases else
+                outs[j].to_torch(dtype, shape) if name in self.host_outputs else DeviceValue(outs[j], shape, dtype, self)
+                for j, (name, shape, dtype) in enumerate(self.out_specs)]
 
 
 def _positions(model: NeuronModel, usage: str, infos: list[TensorInfo], names: list[str]) -> list[int]:
-    """For each of our names (call order), the index of its tensor in the model's own list.
-
-    By name when the model's names are ours; else positionally when the model names its
-    tensors `<usage><N>` with N exactly 0..len-1 (our k-th tensor is `<usage><k>`: the
-    unverified assumption about real NEFFs in NeuronExecutable's docstring)."""
+    """For each of our names (call order), the index of its tensor in the model's own list."""
     index = {i.name: k for k, i in enumerate(infos)}
     if len(index) == len(infos) and set(index) == set(names) and len(set(names)) == len(names):
         return [index[n] for n in names]
-    positional = [f"{usage}{k}" for k in range(len(infos))]
-    if set(index) == set(positional) and len(names) == len(infos):
-        return [index[p] for p in positional]
     unknown = [n for n in names if n not in index]
     missing = [i.name for i in infos if i.name not in names]
     raise NeuronArgumentError(f"{model.path}: {usage} names {names} do not match the model's "
-                              f"{[i.name for i in infos]} (unknown {unknown}, unbound {missing}; the model's "
-                              f"names must be ours, or exactly {usage}0..{usage}{len(infos) - 1} to bind by position)")
+                              f"{[i.name for i in infos]} (unknown {unknown}, unbound {missing}); the NEFF's tensors "
+                              "must carry the manifest's names (neff_input_names / neff_output_names): recompile")
 
 
 def _reorder(tensors: list[DeviceTensor], positions: list[int]) -> list[DeviceTensor]:

@@ -6,7 +6,10 @@ or state are byte slices of them (`view`, nrt_tensor_allocate_slice: no copy).
 Each NEFF is loaded once per (kind, bucket), whatever the number of layers;
 its header is checked against the manifest first (LNC, version, identity).
 State pools come back as aliased outputs: they are bound to the pool slice
-itself, and the session sees only the region's own outputs.
+itself, and the session sees only the region's own outputs. Those stay on the
+device too (`DeviceValue`s passed to the next call as they are), except the
+head's logits: per step, the host writes the embedded tokens and the step's
+host inputs (each once, when it changed) and reads the logits back.
 """
 
 from __future__ import annotations
@@ -18,8 +21,13 @@ from pathlib import Path
 import torch
 
 from deepinfer.bundles import neff
-from deepinfer.bundles.manifest import Executable, Manifest, TensorSpec
-from deepinfer.runtime.neuron import DeviceTensor, NeuronCore, NeuronExecutable
+from deepinfer.bundles.manifest import BundleError, Executable, Manifest, TensorSpec
+from deepinfer.runtime.neuron import DeviceTensor, HostInputs, NeuronCore, NeuronExecutable
+
+ENV_LNC = "NEURON_LOGICAL_NC_CONFIG"
+# the region outputs the host reads (sampling); every other output (the streams h and pre, the
+# selected indices, the candidate pool) stays on the device for the next region call
+HOST_OUTPUTS = ("logits",)
 
 
 @dataclass
@@ -52,8 +60,9 @@ class NeuronPlacement:
     def __init__(self, manifest: Manifest, bundle: Path, rank: int = 0):
         self.manifest, self.bundle = manifest, Path(bundle)
         self.lnc = manifest.topology.lnc or 1
-        os.environ.setdefault("NEURON_LOGICAL_NC_CONFIG", str(self.lnc))
+        _set_lnc(self.lnc, self.bundle)
         self.core = NeuronCore(None if "NEURON_RT_VISIBLE_CORES" in os.environ else rank)
+        self.host_inputs = HostInputs(self.core)
         self.calls: list[RegionCall] = []
 
     def resident(self, tensor: torch.Tensor, name: str) -> DeviceStack:
@@ -70,11 +79,23 @@ class NeuronPlacement:
         header = neff.read_header(path)
         neff.check_loadable(header, lnc=self.lnc, path=path, recorded=entry.neff)
         outputs = [_spec(s) for s in entry.output_specs or ()]
-        exe = NeuronExecutable(path, self.core, [s.name for s in entry.inputs], outputs, entry.aliases or {})
+        exe = NeuronExecutable(path, self.core, [s.name for s in entry.inputs], outputs, entry.aliases or {},
+                               host_outputs=HOST_OUTPUTS, host_inputs=self.host_inputs)
         self.calls.append(RegionCall(exe, len(entry.state_outputs or ())))
         return self.calls[-1]
 
     def close(self) -> None:
         for call in self.calls:
             call.exe.close()
+        self.host_inputs.close()
         self.core.close()
+
+
+def _set_lnc(lnc: int, bundle: Path) -> None:
+    """NEURON_LOGICAL_NC_CONFIG must equal the LNC the NEFFs were compiled for (the runtime's
+    setting and neuronx-cc's --lnc must agree): set it when unset, refuse a different one."""
+    current = os.environ.get(ENV_LNC)
+    if current is not None and current.strip() != str(lnc):
+        raise BundleError(f"{bundle}: {ENV_LNC}={current} but the bundle's NEFFs were compiled for LNC {lnc}; "
+                          f"unset it or set {ENV_LNC}={lnc} (or recompile with lnc = {current.strip()})")
+    os.environ[ENV_LNC] = str(lnc)

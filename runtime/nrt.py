@@ -39,7 +39,8 @@ src/libnrt/include/nrt/, and the rendered API pages):
   nrt_tensor_info_t = {char name[256]; nrt_tensor_usage_t usage; size_t size; nrt_dtype_t dtype;
                        uint32_t *shape; uint32_t ndim}     (usage: INPUT = 0, OUTPUT = 1)
   nrt_tensor_info_array_t = {uint64_t tensor_count; nrt_tensor_info_t tensor_array[]}
-  NRT_STATUS is a C enum (int): values in STATUS_NAMES below.
+  NRT_STATUS is a C enum (int): every value of nrt_status.h in STATUS_NAMES below;
+  const char *nrt_get_status_as_str(NRT_STATUS status)   [nrt_status.h; optional here]
 
 Uncertain (not verified on hardware):
   - nrt_dtype_t values changed between releases (sequential 0..11 in an older
@@ -48,9 +49,10 @@ Uncertain (not verified on hardware):
   - The VNC index given to nrt_load / nrt_tensor_allocate is taken to count
     within the process's visible cores (NEURON_RT_VISIBLE_CORES), so a process
     pinned to one core uses index 0; the headers do not say so explicitly.
-  - The order of entries in nrt_tensor_info_array_t is not documented; callers
-    bind tensors by name, never by their order in that array (names of the form
-    input<N>/output<N> are read as positions: see neuron.NeuronExecutable).
+  - The order of entries in nrt_tensor_info_array_t is not documented (lexical by
+    name, per AWS's own producers); callers bind tensors by name, never by their
+    order in that array: the trn2 target names every NEFF tensor (neff_input_names /
+    neff_output_names on the HLO module, see neuron.NeuronExecutable).
   - Struct layouts assume LP64 (x86_64 / aarch64 Linux): sizeof(nrt_tensor_info_t) == 296.
 """
 
@@ -72,13 +74,20 @@ NRT_TENSOR_PLACEMENT_DEVICE = 0
 NRT_TENSOR_USAGE_INPUT, NRT_TENSOR_USAGE_OUTPUT = 0, 1
 NRT_TENSOR_NAME_MAX = 256
 
+# every NRT_STATUS of nrt_status.h (aws-neuron-sdk, src/libnrt/include/nrt/nrt_status.h)
 STATUS_NAMES = {
     0: "NRT_SUCCESS", 1: "NRT_FAILURE", 2: "NRT_INVALID", 3: "NRT_INVALID_HANDLE", 4: "NRT_RESOURCE",
     5: "NRT_TIMEOUT", 6: "NRT_HW_ERROR", 7: "NRT_QUEUE_FULL", 9: "NRT_LOAD_NOT_ENOUGH_NC",
-    10: "NRT_UNSUPPORTED_NEFF_VERSION", 13: "NRT_UNINITIALIZED", 14: "NRT_CLOSED",
+    10: "NRT_UNSUPPORTED_NEFF_VERSION", 11: "NRT_FAIL_HOST_MEM_ALLOC", 13: "NRT_UNINITIALIZED", 14: "NRT_CLOSED",
+    15: "NRT_QUEUE_EMPTY", 101: "NRT_EXEC_UNIT_DISABLED",
     1002: "NRT_EXEC_BAD_INPUT", 1003: "NRT_EXEC_COMPLETED_WITH_NUM_ERR", 1004: "NRT_EXEC_COMPLETED_WITH_ERR",
-    1005: "NRT_EXEC_NC_BUSY", 1100: "NRT_COLL_PENDING",
+    1005: "NRT_EXEC_NC_BUSY", 1006: "NRT_EXEC_OOB", 1100: "NRT_COLL_PENDING",
+    1200: "NRT_EXEC_HW_ERR_COLLECTIVES", 1201: "NRT_EXEC_HW_ERR_HBM_UE", 1202: "NRT_EXEC_HW_ERR_NC_UE",
+    1203: "NRT_EXEC_HW_ERR_DMA_ABORT", 1204: "NRT_EXEC_SW_NQ_OVERFLOW", 1205: "NRT_EXEC_HW_ERR_REPAIRABLE_HBM_UE",
+    1206: "NRT_NETWORK_PROXY_FAILURE",
 }
+NRT_UNSUPPORTED_NEFF_VERSION = 10
+NRT_EXEC_COMPLETED_WITH_NUM_ERR = 1003
 
 
 class NeuronRuntimeMissing(DeepinferError):
@@ -86,12 +95,21 @@ class NeuronRuntimeMissing(DeepinferError):
 
 
 class NeuronRuntimeError(DeepinferError):
-    """A libnrt call returned a status other than NRT_SUCCESS."""
+    """A libnrt call returned a status other than NRT_SUCCESS: its name from nrt_status.h, and
+    the runtime's own words (nrt_get_status_as_str) where this libnrt has them."""
 
-    def __init__(self, function: str, status: int, detail: str = ""):
+    def __init__(self, function: str, status: int, detail: str = "", text: str | None = None):
         self.function, self.status = function, status
         name = STATUS_NAMES.get(status, "unknown status")
-        super().__init__(f"{function} failed with NRT status {status} ({name})" + (f": {detail}" if detail else ""))
+        said = f", {text}" if text and text != name else ""
+        super().__init__(f"{function} failed with NRT status {status} ({name}{said})" + (f": {detail}" if detail else ""))
+
+
+class NeuronNumericalError(NeuronRuntimeError):
+    """nrt_execute returned NRT_EXEC_COMPLETED_WITH_NUM_ERR: the model ran to the end but produced
+    NaN. Treated as a failure, never as a result: the outputs hold NaN and the state pools the call
+    wrote in place are suspect, so the step's logits are not sampled and the session must not go on
+    (NaN never passes silently; the CPU path stops a sequence whose logits turn non-finite)."""
 
 
 class NrtTensorInfo(ctypes.Structure):
@@ -145,7 +163,8 @@ _SIG = {  # name: (restype, argtypes)
     "nrt_destroy_tensor_set": (None, [_PP]),
     "nrt_execute": (_STATUS, [_P, _P, _P]),
 }
-_OPTIONAL = {"nrt_get_version": (_STATUS, [ctypes.POINTER(NrtVersion), ctypes.c_size_t])}
+_OPTIONAL = {"nrt_get_version": (_STATUS, [ctypes.POINTER(NrtVersion), ctypes.c_size_t]),
+             "nrt_get_status_as_str": (ctypes.c_char_p, [_STATUS])}
 
 _FIX = f"install aws-neuronx-runtime-lib on a Trn2 host or set {ENV_LIBRARY} to the path of libnrt.so"
 
@@ -192,7 +211,15 @@ class Libnrt:
     def _call(self, name: str, *args, detail: str = "") -> None:
         status = getattr(self.dll, name)(*args)
         if status != 0:
-            raise NeuronRuntimeError(name, status, detail)
+            error = NeuronNumericalError if status == NRT_EXEC_COMPLETED_WITH_NUM_ERR else NeuronRuntimeError
+            raise error(name, status, detail, self.status_text(status))
+
+    def status_text(self, status: int) -> str | None:
+        """The runtime's description of a status (nrt_get_status_as_str), None where it has none."""
+        if not hasattr(self.dll, "nrt_get_status_as_str"):
+            return None
+        text = self.dll.nrt_get_status_as_str(status)
+        return text.decode(errors="replace") if text else None
 
     # -- runtime ---------------------------------------------------------------------------------
 
@@ -214,8 +241,18 @@ class Libnrt:
     # -- models ----------------------------------------------------------------------------------
 
     def load(self, neff: bytes, vnc: int, *, detail: str = "") -> int:
+        """nrt_load; the runtime judges the NEFF's format version (deepinfer does not second-guess
+        it): NRT_UNSUPPORTED_NEFF_VERSION names the runtime's version and what to do."""
         model = ctypes.c_void_p()
-        self._call("nrt_load", neff, len(neff), vnc, -1, ctypes.byref(model), detail=detail)
+        try:
+            self._call("nrt_load", neff, len(neff), vnc, -1, ctypes.byref(model), detail=detail)
+        except NeuronRuntimeError as e:
+            if e.status != NRT_UNSUPPORTED_NEFF_VERSION:
+                raise
+            raise NeuronRuntimeError("nrt_load", e.status, f"{detail}: libnrt {self.version() or '(version unknown)'} "
+                                     "does not load this NEFF's format; compile with the neuronx-cc of the "
+                                     "Neuron SDK release that installed this runtime",
+                                     self.status_text(e.status)) from None
         return model.value
 
     def unload(self, model: int) -> None:

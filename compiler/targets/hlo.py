@@ -7,9 +7,10 @@
       -> XLA:CPU         jaxlib's PJRT CPU client, to check every graph numerically
 
 State pools are inputs whose new contents come back as outputs; each such
-output is declared an alias of its input (`tf.aliasing_output`, which the
-converter turns into the HLO module's input_output_alias), so an XLA backend
-updates the pool in place rather than copying it.
+output is declared a must-alias of its input (the HLO module's
+input_output_alias), so the device updates the pool in place rather than
+copying it. Parameters and the root tuple carry the NEFF tensor names
+(`finish_module`).
 
 The heavy libraries (torch-mlir, jax/jaxlib, torch-xla) are imported lazily:
 a missing one is a `LoweringUnavailable` naming the package and how to install it.
@@ -137,50 +138,104 @@ def _walk(op):
                 yield from _walk(inner)
 
 
-def finish_module(text: str, aliases: dict[int, int]) -> str:
-    """Two edits on the StableHLO text, through the MLIR API:
+def finish_module(text: str, aliases: dict[int, int], input_names: list[str], output_names: list[str]) -> str:
+    """The StableHLO edits neuronx-cc and libnrt need, through the MLIR API:
 
     - every `stablehlo.sort` becomes stable. torch-mlir lowers only `aten.sort`, with
       is_stable = false; the indexer's top-k needs the lowest index among equal scores
-      (see regions/attention.top_indices), and a stable sort is a valid unstable one;
-    - @main's argument i is marked as aliasing output j for each {j: i} in `aliases`
-      (`tf.aliasing_output`, which becomes the HLO module's input_output_alias).
+      (see kernels/select.py), and a stable sort is a valid unstable one;
+    - {j: i} in `aliases` makes output j a must-alias of parameter i (the module's
+      `mhlo.input_output_alias`, kind must_alias): the runtime binds one device buffer as
+      both, and the compiler must write the pool in place (a may-alias leaves it free to
+      write elsewhere and return the copy, which a bound-twice buffer would not see);
+    - parameter i carries the frontend attribute `neff_input_names = input_names[i]`, and the
+      root, an explicit tuple, `neff_output_names` = the comma-joined `output_names`: the
+      NEFF's tensors then have our names, so the runtime binds by name and never by libnrt's
+      (lexical) order of tensors;
+    - a result that is a parameter unchanged is returned through a `copy` (neuronx-cc cannot
+      return a raw parameter).
     """
     _need("jax")
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir import ir
 
-    with mlir.make_ir_context():
+    for name in (*input_names, *output_names):
+        if not name or "," in name:
+            raise LoweringError(f"tensor name {name!r} cannot be a NEFF tensor name (empty or with a comma)")
+    with mlir.make_ir_context(), ir.Location.unknown():
         module = ir.Module.parse(text)
         main = None
         for op in module.body.operations:
             for inner in _walk(op):
-                if inner.name == "stablehlo.sort":
+                if inner.operation.name == "stablehlo.sort":
                     inner.attributes["is_stable"] = ir.BoolAttr.get(True)
             if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == "main":
                 main = op
         if main is None:
             raise LoweringError("no @main function in the lowered module")
+        _name_inputs(main, input_names)
+        _tuple_root(main, output_names)
         if aliases:
-            _alias(main, aliases)
+            module.operation.attributes["mhlo.input_output_alias"] = _must_alias(aliases)
         return module.operation.get_asm(enable_debug_info=False)
 
 
-def _alias(main, aliases: dict[int, int]) -> None:
+def _frontend(**attrs: str):
+    from jax._src.lib.mlir import ir
+
+    return ir.DictAttr.get({k: ir.StringAttr.get(v) for k, v in attrs.items()})
+
+
+def _name_inputs(main, names: list[str]) -> None:
     from jax._src.lib.mlir import ir
 
     n = len(main.regions[0].blocks[0].arguments)
+    if len(names) != n:
+        raise LoweringError(f"@main takes {n} parameters, {len(names)} input names were given")
     old = list(ir.ArrayAttr(main.attributes["arg_attrs"])) if "arg_attrs" in main.attributes else \
         [ir.DictAttr.get({}) for _ in range(n)]
-    i32 = ir.IntegerType.get_signless(32)
-    by_input = {i: j for j, i in aliases.items()}
     new = []
-    for i, attrs in enumerate(old):
+    for name, attrs in zip(names, old):
         d = {a.name: a.attr for a in ir.DictAttr(attrs)}
-        if i in by_input:
-            d["tf.aliasing_output"] = ir.IntegerAttr.get(i32, by_input[i])
+        d["mhlo.frontend_attributes"] = _frontend(neff_input_names=name)
         new.append(ir.DictAttr.get(d))
     main.attributes["arg_attrs"] = ir.ArrayAttr.get(new)
+
+
+def _tuple_root(main, names: list[str]) -> None:
+    """@main returns one explicit tuple (named, parameters copied) instead of its results."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import func, hlo as stablehlo
+
+    block = main.regions[0].blocks[0]
+    ret = list(block.operations)[-1]
+    values = list(ret.operands)
+    if len(names) != len(values):
+        raise LoweringError(f"@main returns {len(values)} results, {len(names)} output names were given")
+    with ir.InsertionPoint(ret):
+        values = [ir.Operation.create("mhlo.copy", results=[v.type], operands=[v]).result
+                  if isinstance(v.owner, ir.Block) else v for v in values]
+        root = stablehlo.TupleOp(values)
+        root.operation.attributes["mhlo.frontend_attributes"] = _frontend(neff_output_names=",".join(names))
+        func.ReturnOp([root.result])
+    ret.erase()
+    ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+    main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(ftype.inputs, [root.result.type]))
+    if "res_attrs" in main.attributes:
+        del main.attributes["res_attrs"]
+
+
+def _must_alias(aliases: dict[int, int]):
+    """mhlo.input_output_alias entries: output j must alias the whole of parameter i."""
+    from jax._src.lib.mlir import ir
+
+    i64 = ir.IntegerType.get_signless(64)
+    entries = [ir.DictAttr.get({
+        "alias": ir.DictAttr.get({"kind": ir.StringAttr.get("must_alias"),
+                                  "parameter_number": ir.IntegerAttr.get(i64, i),
+                                  "parameter_index": ir.DenseI64ArrayAttr.get([])}),
+        "output_index": ir.DenseI64ArrayAttr.get([j])}) for j, i in sorted(aliases.items())]
+    return ir.ArrayAttr.get(entries)
 
 
 def to_hlo_proto(stablehlo: str) -> bytes:
@@ -190,10 +245,39 @@ def to_hlo_proto(stablehlo: str) -> bytes:
 
     try:
         computation = xla_client._xla.mlir.mlir_module_to_xla_computation(stablehlo, use_tuple_args=False,
-                                                                          return_tuple=True)
+                                                                          return_tuple=False)
     except Exception as e:  # noqa: BLE001 (jaxlib raises its own runtime error types)
         raise LoweringError(f"StableHLO -> HLO conversion failed: {str(e).splitlines()[0]}") from None
     return computation.as_serialized_hlo_module_proto()
+
+
+# Sort and top-k ops in an HLO module: custom-call targets neuronx-cc or XLA use for top-k.
+TOPK_TARGETS = ("TopK", "AwsNeuronTopK")
+
+
+def selection_widths(proto: bytes) -> list[tuple[str, int]]:
+    """(op, width) for every sort and top-k of an HloModuleProto: the length of the dimension it
+    sorts or selects over. Read from the module itself (converted back to MLIR), so it sees what
+    neuronx-cc will read, whatever produced the ops."""
+    _need("jax")
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client
+    from jax._src.lib.mlir import ir
+
+    found = []
+    with mlir.make_ir_context():
+        module = ir.Module.parse(xla_client._xla.mlir.hlo_to_stablehlo(proto))
+        for op in module.body.operations:
+            for inner in _walk(op):
+                name = inner.operation.name
+                if name.endswith(".sort"):
+                    shape = ir.RankedTensorType(inner.operands[0].type).shape
+                    dim = ir.IntegerAttr(inner.attributes["dimension"]).value
+                    found.append(("sort", shape[dim]))
+                elif name.endswith((".top_k", ".topk")) or (name.endswith(".custom_call") and ir.StringAttr(
+                        inner.attributes["call_target_name"]).value in TOPK_TARGETS):
+                    found.append((name.rsplit(".", 1)[1], ir.RankedTensorType(inner.operands[0].type).shape[-1]))
+    return found
 
 
 # --- XLA:CPU --------------------------------------------------------------------------------------

@@ -32,6 +32,9 @@ Facts this module relies on (public sources, read 2026-08):
   or `[INTERNAL_ERROR] [NCC_INLA001] Unhandled exception ...` (sometimes after a
   timestamp); codes are `NCC_` + a letter (E user error, I internal) + three letters +
   three digits. The compiler reports "Diagnostic logs stored in .../log-neuron-cc.txt".
+  Older releases print a bracketed code of three letters and three digits instead:
+  `2024-04-30T20:50:00Z [TEN404] (op) Internal tensorizer error: ...`; it is reported the same way.
+  https://github.com/aws-neuron/aws-neuron-sdk/issues/881
   https://awsdocs-neuron.readthedocs-hosted.com/en/latest/compiler/error-codes/index.html
   https://github.com/vllm-project/vllm-neuron/issues/16
 - The compiler ships as the `neuronx-cc` wheel in AWS's pip repository and runs on any
@@ -74,7 +77,8 @@ MISSING_MESSAGE = (
     "`deepinfer-compile --finish BUNDLE` later")
 
 _VERSION_RE = re.compile(r"NeuronX Compiler version\s+([0-9][^\s]*)")
-_NCC_CODE_RE = re.compile(r"\[?\b(NCC_[A-Z]{3,6}[0-9]{3,4})\b\]?")
+# `NCC_EVRF029` (bracketed or not), or the older bracketed `[TEN404]` form (three letters, three digits)
+_NCC_CODE_RE = re.compile(r"\[?\b(NCC_[A-Z]{3,6}[0-9]{3,4})\b\]?|\[([A-Z]{3}[0-9]{3})\]")
 _MAX_LINE = 400
 _LOG_SEPARATOR = f"# ---- {COMPILER_LOG} (the compiler's own log) ----"
 
@@ -296,7 +300,7 @@ def _failure_message(region: str, returncode: int, log_path: Path) -> str:
             text = line[match.end():].lstrip(" :-").rstrip()
             if not text and i + 1 < len(lines):        # message on the next line
                 text = lines[i + 1]
-            return (f"region {region}: neuronx-cc failed with {match.group(1)}: {_clip(text)} "
+            return (f"region {region}: neuronx-cc failed with {match.group(1) or match.group(2)}: {_clip(text)} "
                     f"(log: {log_path})")
     console_lines = [ln.strip() for ln in console.splitlines() if ln.strip() and not ln.startswith("# ")]
     last = console_lines[-1] if console_lines else "(no output)"

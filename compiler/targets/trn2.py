@@ -7,8 +7,11 @@
 What differs from the cpu target:
 - shapes are static: the state pools have the compiled block count and slot count;
 - state writes are returned: the new contents of every pool a region writes come first
-  among its outputs, each declared an alias of its input (input_output_alias), so the
+  among its outputs, each declared a must-alias of its input (input_output_alias), so the
   device updates the pool in place;
+- parameters and outputs carry their NEFF tensor names (neff_input_names /
+  neff_output_names), and no sort or top-k is wider than neuronx-cc compiles
+  (MAX_SELECTION_WIDTH; the indexer selects blockwise, kernels/select.py);
 - fp8 weights travel as uint8 and every decode is arithmetic (kernels/formats.py), as
   neuronx-cc needs (no dtype bitcasts of graph inputs).
 
@@ -34,6 +37,9 @@ from deepinfer.regions.agreement import ShapeMismatch, compare_tensors, toleranc
 from deepinfer.regions.examples import random_weights
 
 OWN_OPTIONS = {"frontend": hlo.FRONTENDS, "check": (True, False)}
+# neuronx-cc rewrites a sort (and sort-then-slice) into its AwsNeuronTopK, which fails over rows
+# wider than this (aws-neuron-sdk issue 1339, open): no HLO module of this target holds one
+MAX_SELECTION_WIDTH = 16384
 HBM_PER_CORE = 96 * (1 << 30) // 8        # per physical NeuronCore-v3
 
 
@@ -52,7 +58,7 @@ class Trn2Target:
     # options that only change logs, waiting or checking: left out of cache keys
     LOG_OPTIONS = (*neuronxcc.LOG_ONLY, "check")
     LOWERING_MODULES = ("deepinfer.compiler.targets.trn2", "deepinfer.compiler.targets.hlo",
-                        "deepinfer.compiler.targets.neuronxcc")
+                        "deepinfer.compiler.targets.neuronxcc", "deepinfer.kernels.select")
 
     def __init__(self, executable: str = "neff", options: dict | None = None):
         self.executable = executable
@@ -100,15 +106,24 @@ class Trn2Target:
     def emit(self, ep: torch.export.ExportedProgram, names: list[str], outputs: list[str], out: Path) -> dict:
         """Write the HLO module of a lowered program to `out`; returns the executable's outputs:
         {"state_outputs": [input names], "aliases": {out: in}, "output_specs": [{name, shape, dtype}]}.
-        The new contents of each written state input come first, then the region's outputs."""
+        The new contents of each written state input come first, then the region's outputs.
+        A module holding a sort or top-k wider than neuronx-cc compiles is refused (LoweringError,
+        nothing written; the pipeline prefixes the region)."""
         user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
         state = [names[user.index(o.target)] for o in ep.graph_signature.output_specs
                  if o.kind.name == "USER_INPUT_MUTATION"]
         aliases = {j: names.index(n) for j, n in enumerate(state)}
-        text = hlo.finish_module(hlo.to_stablehlo(ep, self.frontend), aliases)
-        out.write_bytes(hlo.to_hlo_proto(text))
-        values = [a.meta["val"] for a in ep.graph.output_node().args[0]]
         labels = state + list(outputs)
+        text = hlo.finish_module(hlo.to_stablehlo(ep, self.frontend), aliases, names,
+                                 [neff.output_name(n) for n in labels])
+        proto = hlo.to_hlo_proto(text)
+        for op, width in hlo.selection_widths(proto):
+            if width > MAX_SELECTION_WIDTH:
+                raise hlo.LoweringError(f"the HLO module holds a {op} over {width} entries; neuronx-cc compiles "
+                                        f"sort and top-k up to {MAX_SELECTION_WIDTH} (aws-neuron-sdk issue 1339): "
+                                        "select blockwise (kernels/select.py)")
+        out.write_bytes(proto)
+        values = [a.meta["val"] for a in ep.graph.output_node().args[0]]
         specs = [{"name": n, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
                  for n, v in zip(labels, values)]
         return {"state_outputs": state, "aliases": aliases, "output_specs": specs}

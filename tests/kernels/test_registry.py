@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from deepinfer.kernels import KERNELS, reference_decompositions
 
 EXPECTED = {"blockquant_gemm", "swiglu", "moe_experts", "rmsnorm", "hc_mixes", "hc_collapse", "hc_expand",
-            "sparse_attn", "index_score", "compress_pool"}
+            "sparse_attn", "index_score", "compress_pool", "top_indices"}
 u8, f32, bf16, b8 = torch.uint8, torch.float32, torch.bfloat16, torch.bool
 
 
@@ -58,6 +58,7 @@ CASES = {
          [((2, 3, 7), f32)]),
     ],
     "compress_pool": [((_t((2, 3, 4, 16), bf16), _t((2, 3, 4, 16), bf16)), [((2, 3, 16), f32)])],
+    "top_indices": [((_t((2, 3, 37), f32), 5), [((2, 3, 5), torch.int64)])],
 }
 
 

@@ -9,9 +9,12 @@ prove nothing about real NEFFs or Trn2.
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,7 +27,7 @@ from deepinfer.bundles import manifest as mf  # noqa: E402
 from deepinfer.compiler.finish import finish_bundle  # noqa: E402
 from deepinfer.compiler.plan import plan_regions  # noqa: E402
 from deepinfer.compiler.targets import hlo, neuronxcc  # noqa: E402
-from deepinfer.compiler.targets.trn2 import CheckFailed, Trn2Target  # noqa: E402
+from deepinfer.compiler.targets.trn2 import MAX_SELECTION_WIDTH, CheckFailed, Trn2Target  # noqa: E402
 from deepinfer.compiler.trace import trace  # noqa: E402
 from deepinfer.regions.config import load_config  # noqa: E402
 from deepinfer.regions.state import Geometry  # noqa: E402
@@ -78,7 +81,9 @@ def test_weights_and_rank_are_hlo_parameters(trn2_hlo_bundle):
         assert fp8 or e["kind"] == "head", "fp8 weights travel as uint8"
 
 
-def test_state_outputs_alias_their_pool_inputs(trn2_hlo_bundle):
+def test_state_outputs_must_alias_their_pool_inputs(trn2_hlo_bundle):
+    """Must-alias, as AWS's own producers declare pools: a may-alias lets the compiler write the new
+    pool elsewhere, which the runtime (one buffer bound as input and output) would never see."""
     for e in manifest(trn2_hlo_bundle)["regions"]:
         proto = (trn2_hlo_bundle / e["artifact"]).read_bytes()
         text = xla_client.XlaComputation(proto).as_hlo_text().splitlines()[0]
@@ -86,9 +91,56 @@ def test_state_outputs_alias_their_pool_inputs(trn2_hlo_bundle):
             spec = e["inputs"][inp]
             assert spec["role"] == "state" and e["output_specs"][int(out)]["name"] == spec["name"]
             assert e["output_specs"][int(out)]["shape"] == spec["shape"]
-            assert f"{{{out}}}: ({inp}, {{}}" in text, text
+            assert f"{{{out}}}: ({inp}, {{}}, must-alias)" in text, text
+        assert "may-alias" not in text
         attn = e["kind"].startswith("attn")
         assert bool(e["aliases"]) == attn and e["mutates"] == []
+
+
+def _entry(text: str) -> list[str]:
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("ENTRY "))
+    return lines[start + 1:]
+
+
+def test_neff_tensor_names_are_stamped(trn2_hlo_bundle):
+    """Every parameter carries its manifest input name and the root tuple the output names, so the
+    runtime binds by name (the regions have 11 to 40 inputs: libnrt's lexical order would put
+    input10 before input2)."""
+    for e in manifest(trn2_hlo_bundle)["regions"]:
+        entry = _entry(xla_client.XlaComputation((trn2_hlo_bundle / e["artifact"]).read_bytes()).as_hlo_text())
+        names = {}
+        for line in entry:
+            m = re.search(r"parameter\((\d+)\).*neff_input_names=\"([^\"]*)\"", line)
+            if m:
+                names[int(m.group(1))] = m.group(2)
+        assert names == {i: s["name"] for i, s in enumerate(e["inputs"])}, e["kind"]
+        (root,) = [ln for ln in entry if ln.lstrip().startswith("ROOT ")]
+        outputs = re.search(r'neff_output_names="([^"]*)"', root).group(1).split(",")
+        assert outputs == [f"out_{s['name']}" for s in e["output_specs"]], e["kind"]
+    assert max(len(e["inputs"]) for e in manifest(trn2_hlo_bundle)["regions"]) > 10
+
+
+class _PassThrough(torch.nn.Module):
+    def forward(self, x, y):
+        return x + 1, y, x
+
+
+def test_outputs_that_are_parameters_are_copied():
+    """neuronx-cc cannot return a raw parameter: such an output goes through an explicit copy."""
+    a, b = torch.arange(4.0), torch.arange(3)
+    ep = torch.export.export(_PassThrough(), (a, b)).run_decompositions(hlo.hlo_decompositions())
+    text = hlo.finish_module(hlo.to_stablehlo(ep), {}, ["x", "y"], ["out_a", "out_y", "out_x"])
+    proto = hlo.to_hlo_proto(text)
+    entry = _entry(xla_client.XlaComputation(proto).as_hlo_text())
+    params = {re.match(r"\s*(\S+) = ", ln).group(1) for ln in entry if " parameter(" in ln}
+    (root,) = [ln for ln in entry if ln.lstrip().startswith("ROOT ")]
+    operands = re.search(r" tuple\(([^)]*)\)", root).group(1).split(", ")
+    assert len(operands) == 3 and not params & set(operands), root
+    copies = {re.match(r"\s*(\S+) = ", ln).group(1) for ln in entry if " copy(" in ln}
+    assert set(operands[1:]) <= copies
+    got = hlo.CpuHlo(proto)([a, b])
+    assert torch.equal(got[0], a + 1) and torch.equal(got[1], b) and torch.equal(got[2], a)
 
 
 def _lower_window(tmp_path, target: Trn2Target, checkpoint: Path) -> dict:
@@ -124,7 +176,8 @@ def test_decompositions_match_torch(a, b):
             return x.remainder(b), x >> 1, x << 2, (x.to(torch.uint8) > 200), torch.sort(
                 x.float().abs(), stable=True, descending=True).indices
     ep = torch.export.export(M(), (a,)).run_decompositions(hlo.hlo_decompositions())
-    got = hlo.CpuHlo(hlo.to_hlo_proto(hlo.finish_module(hlo.to_stablehlo(ep), {})))([a])
+    got = hlo.CpuHlo(hlo.to_hlo_proto(hlo.finish_module(hlo.to_stablehlo(ep), {}, ["x"],
+                                                        [f"out{i}" for i in range(5)])))([a])
     for g, r in zip(got, M()(a)):
         assert torch.equal(g, r)
 
@@ -195,3 +248,88 @@ def test_missing_compiler_after_lowering(tmp_path, tiny_ckpt, monkeypatch):
         compile_bundle(load_compile_config(toml), tmp_path / "out", log=lines.append)
     assert sum(line.startswith("lowered ") for line in lines) == 8
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.toml"]
+
+
+# --- selection wider than neuronx-cc's top-k --------------------------------------------------
+
+class _Select(torch.nn.Module):
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def forward(self, scores):
+        return torch.ops.deepinfer.top_indices(scores, self.k)
+
+
+def _tied_scores(width: int) -> torch.Tensor:
+    """Rows of few distinct values (ties everywhere), one mostly -inf (entries not yet visible)."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.randint(0, 3, (2, 1, width), generator=g).float()
+    s[1, 0, width // 3:] = float("-inf")
+    return s
+
+
+def _stable_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The lowest-index tie rule, from numpy's stable argsort (not the code under test)."""
+    order = np.argsort(-scores.numpy(), axis=-1, kind="stable")
+    return torch.from_numpy(np.ascontiguousarray(order[..., :k]))
+
+
+@pytest.mark.parametrize("k", [512, 2048])           # the release's index_topk and candidate_topk_blocks
+def test_blockwise_selection_through_the_lowering(tmp_path, k):
+    """A row of 40,000 entries (wider than neuronx-cc's 16,384): the trn2 lowering sorts at most
+    16,384 at a time and still selects the reference's indices, ties to the lowest index."""
+    scores = _tied_scores(40000)
+    target = Trn2Target("neff", {})
+    ep = target.lower(torch.export.export(_Select(k), (scores,)))
+    target.emit(ep, ["scores"], ["idx"], tmp_path / "s.hlo.pb")
+    proto = (tmp_path / "s.hlo.pb").read_bytes()
+    widths = hlo.selection_widths(proto)
+    assert widths and max(w for _, w in widths) <= MAX_SELECTION_WIDTH
+    (got,) = hlo.CpuHlo(proto)([scores])
+    assert torch.equal(got, _stable_top(scores, k))
+
+
+def test_wide_sort_is_refused_naming_region_and_op(tmp_path):
+    """The same selection lowered without the blockwise form holds a sort over the whole row:
+    the target refuses the module (one line naming the region and the op)."""
+    from deepinfer.bundles import manifest as mf_types
+    from deepinfer.compiler.pipeline import _emit_and_check
+    from deepinfer.kernels import reference_decompositions
+
+    scores = _tied_scores(40000)
+    target = Trn2Target("neff", {})
+    ep = torch.export.export(_Select(512), (scores,)).run_decompositions(
+        {**reference_decompositions(), **hlo.hlo_decompositions()})
+    entry = mf_types.Executable(kind="select", method="decode", bucket=mf_types.Shape(batch=2, tokens=1, context=None),
+                                artifact="x", executable="neff", inputs=(), outputs=("idx",))
+    with pytest.raises(hlo.LoweringError) as err:
+        _emit_and_check(types.SimpleNamespace(target=target), entry, ep, ["scores"], tmp_path / "s.hlo.pb",
+                        None, "decode", [scores], None)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("region select.decode.b2t1: ")
+    assert "holds a sort over 40000 entries" in message and not (tmp_path / "s.hlo.pb").exists()
+
+
+@pytest.mark.slow
+def test_indexer_region_at_a_long_context(tmp_path, tiny_ckpt):
+    """The candidate-source attention (a ratio-1 indexer and the candidate pool) at a context whose
+    row of compressed entries is 32,768 wide, decoding its last position (every entry visible, the
+    pools random): lowered with no sort wider than neuronx-cc compiles, and equal to the reference
+    region on XLA:CPU (its top-k indices and candidate pool exactly)."""
+    from deepinfer.regions.examples import example_inputs
+
+    cfg = load_config(tiny_ckpt)
+    region = plan_regions(cfg.text, torch.float32, True).kinds["attn_source_r1_cand"].region
+    g = Geometry(slots=2, blocks=2049, block_size=16, max_blocks=2048)
+    assert g.compressed_width(1) == 32768 > MAX_SELECTION_WIDTH
+    ep, sig, _ = trace(region, 1, 1, g, dynamic=False)
+    inputs = example_inputs(sig.inputs, g, start=32767)
+    target = Trn2Target("neff", {})
+    ep = target.lower(ep)
+    names = [s.name for s in sig.all]
+    info = target.emit(ep, names, region.output_names(), tmp_path / "r.hlo.pb")
+    assert max(w for _, w in hlo.selection_widths((tmp_path / "r.hlo.pb").read_bytes())) <= MAX_SELECTION_WIDTH
+    check = target.check_numerics(tmp_path / "r.hlo.pb", region, "decode", inputs, names, info["state_outputs"],
+                                  "region attn_source_r1_cand")
+    assert check["score"] <= 1e-5

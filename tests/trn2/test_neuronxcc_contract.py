@@ -246,6 +246,10 @@ def test_errors_are_deepinfer_errors():
      "NCC_INLA001: Unhandled exception with message:"),
     ("RunNeuronCCImpl: [ERROR] [NCC_EOOM001]\n  Maximum peak HBM usage of 32.00GB exceeds HBM limit\n",
      "NCC_EOOM001: Maximum peak HBM usage of 32.00GB exceeds HBM limit"),
+    # the older form: a bracketed code of three letters and three digits (aws-neuron-sdk issue 881)
+    ("INFO: compiling\n2024-04-30T20:50:00Z [TEN404] (aten__add_add.31) Internal tensorizer error: "
+     "NeuronValueNumbering - Please open a support ticket\n",
+     "TEN404: (aten__add_add.31) Internal tensorizer error: NeuronValueNumbering - Please open a support ticket"),
 ])
 def test_failure_message_quotes_the_error_line(tmp_path, console, expected):
     # log text in the shapes public neuronx-cc reports show (see the module's sources)

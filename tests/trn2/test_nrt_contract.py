@@ -20,8 +20,9 @@ import torch
 
 from deepinfer.errors import DeepinferError
 from deepinfer.runtime import nrt
-from deepinfer.runtime.neuron import DeviceTensor, NeuronArgumentError, NeuronCore, NeuronExecutable, NeuronModel
-from deepinfer.runtime.nrt import NeuronRuntimeError, NeuronRuntimeMissing
+from deepinfer.runtime.neuron import (DeviceTensor, DeviceValue, NeuronArgumentError, NeuronCore, NeuronExecutable,
+                                      NeuronModel)
+from deepinfer.runtime.nrt import NeuronNumericalError, NeuronRuntimeError, NeuronRuntimeMissing
 
 
 def fake_model(path, inputs: dict, outputs: dict, copies: dict):
@@ -199,8 +200,8 @@ def test_missing_library_is_one_clear_line(monkeypatch, tmp_path, empty_library)
 
 def test_executable_adapter_resident_host_and_aliased_state(fake_nrt, tmp_path):
     # libnrt's order differs from the call order on purpose: binding is by name
-    path = fake_model(tmp_path / "m.fake", {"x": 16, "state": 16, "w": 24}, {"new_state": 16, "y": 24},
-                      {"y": "w", "new_state": "x"})
+    path = fake_model(tmp_path / "m.fake", {"x": 16, "state": 16, "w": 24}, {"out_new_state": 16, "out_y": 24},
+                      {"out_y": "w", "out_new_state": "x"})
     signature = [{"name": "w", "role": "weight"}, {"name": "x", "role": "input"}, {"name": "state", "role": "state"}]
     out_specs = [("y", (2, 3), torch.float32), ("new_state", (4,), torch.float32)]
     with NeuronCore() as core:
@@ -231,37 +232,103 @@ def test_executable_adapter_resident_host_and_aliased_state(fake_nrt, tmp_path):
     assert fake_nrt.lines()[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"
 
 
-def test_executable_binds_positional_names_by_index(fake_nrt, tmp_path):
-    # names as we believe neuronx-cc gives them (input<N>/output<N>: UNVERIFIED on Trn2), listed
-    # by libnrt out of order: input<k> is the k-th manifest input whatever the list order
-    path = fake_model(tmp_path / "m.fake", {"input2": 16, "input0": 24, "input1": 16},
-                      {"output1": 24, "output0": 16}, {"output0": "input1", "output1": "input0"})
-    signature = [{"name": "w", "role": "weight"}, {"name": "state", "role": "state"}, {"name": "x", "role": "input"}]
-    out_specs = [("new_state", (4,), torch.float32), ("y", (2, 3), torch.float32)]
+def test_executable_binds_by_name_whatever_libnrt_lists(fake_nrt, tmp_path):
+    """12 inputs, listed by libnrt in lexical order (input0, input1, input10, input11, input2, ...):
+    each is bound by its name to the tensor of that name, so the data reach the right inputs."""
+    names = [f"input{k}" for k in range(12)]
+    path = fake_model(tmp_path / "m.fake", {n: 8 for n in sorted(names)}, {f"out_y{k}": 8 for k in (2, 10)},
+                      {"out_y2": "input2", "out_y10": "input10"})
     with NeuronCore() as core:
-        exe = NeuronExecutable(path, core, signature, out_specs, aliases={"0": 1})
-        assert exe.in_pos == [1, 2, 0] and exe.out_pos == [1, 0]
-        w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-        weights = DeviceTensor.from_torch(core, w, "w")
-        state = DeviceTensor.from_torch(core, torch.full((4,), 7.0), "state")
-        fake_nrt.clear()
-        new_state, y = exe([weights, state, torch.ones(4)])
-        assert torch.equal(y, w) and new_state is state
+        exe = NeuronExecutable(path, core, names, [("y2", (2,), torch.float32), ("y10", (2,), torch.float32)])
+        assert [i.name for i in exe.model.inputs][:4] == ["input0", "input1", "input10", "input11"]
+        y2, y10 = exe([torch.full((2,), float(k)) for k in range(12)])
+        assert y2.tolist() == [2.0, 2.0] and y10.tolist() == [10.0, 10.0]
         adds = [line.split()[1:3] for line in fake_nrt.lines() if line.startswith("nrt_add_tensor_to_tensor_set")]
-        assert adds == [["name=input2", "tensor=in:x"], ["name=input0", "tensor=w"], ["name=input1", "tensor=state"],
-                        ["name=output1", "tensor=out:y"], ["name=output0", "tensor=state"]]
-        assert "in_place=1" in [line for line in fake_nrt.lines() if line.startswith("nrt_execute")][0]
+        assert ["name=input10", "tensor=in:input10"] in adds and ["name=input2", "tensor=in:input2"] in adds
         exe.close()
-        weights.free()
-        state.free()
-        for names in ({"input0": 24, "input2": 16, "input3": 16}, {"input0": 24, "input1": 16, "x": 16}):
-            bad = fake_model(tmp_path / "bad.fake", names, {"output0": 16, "output1": 24}, {})
-            with pytest.raises(NeuronArgumentError, match=r"exactly input0\.\.input2 to bind by position"):
-                NeuronExecutable(bad, core, signature, out_specs, {"0": 1})
-        short = fake_model(tmp_path / "short.fake", {"input0": 24, "input1": 16, "input2": 16}, {"output0": 16}, {})
-        with pytest.raises(NeuronArgumentError, match=r"output names \['new_state', 'y'\] do not match"):
-            NeuronExecutable(short, core, signature, out_specs, {"0": 1})
+        # a NEFF whose tensors do not carry our names is refused, never bound by position or order
+        bad = fake_model(tmp_path / "bad.fake", {"input0": 24, "input1": 16}, {"output0": 16}, {})
+        with pytest.raises(NeuronArgumentError, match=r"input names \['w', 'x'\] do not match .* must carry the "
+                                                      r"manifest's names"):
+            NeuronExecutable(bad, core, ["w", "x"], [("y", (4,), torch.float32)])
     assert fake_nrt.lines()[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"
+
+
+def test_outputs_stay_on_the_device_between_calls(fake_nrt, tmp_path):
+    """Outputs not named as host outputs come back as DeviceValues: passed to the next call they are
+    bound as they are (no read, no write); a value its producer has overwritten, or an executable's
+    own output fed back to it, is refused."""
+    a = fake_model(tmp_path / "a.fake", {"x": 8}, {"out_h": 8}, {"out_h": "x"})
+    b = fake_model(tmp_path / "b.fake", {"h": 8}, {"out_logits": 8}, {"out_logits": "h"})
+    with NeuronCore() as core:
+        first = NeuronExecutable(a, core, ["x"], [("h", (2,), torch.float32)], host_outputs=())
+        head = NeuronExecutable(b, core, ["h"], [("logits", (2,), torch.float32)], host_outputs=("logits",))
+        fake_nrt.clear()
+        (h,) = first([torch.tensor([1.0, 2.0])])
+        assert isinstance(h, DeviceValue) and h.shape == (2,)
+        (logits,) = head([h])
+        assert logits.tolist() == [1.0, 2.0]
+        reads = [line for line in fake_nrt.lines() if line.startswith("nrt_tensor_read")]
+        writes = [line for line in fake_nrt.lines() if line.startswith("nrt_tensor_write")]
+        assert [field_of(r, "name") for r in reads] == ["out:logits"] and [field_of(w, "name") for w in writes] == ["in:x"]
+        first([torch.tensor([1.0, 2.0])])                  # equal host input: not written again
+        assert sum(line.startswith("nrt_tensor_write") for line in fake_nrt.lines()) == 1
+        with pytest.raises(NeuronArgumentError, match="was overwritten by a later call"):
+            head([h])
+        (h2,) = first([torch.tensor([3.0, 4.0])])
+        with pytest.raises(NeuronArgumentError, match="this executable's own output buffer"):
+            first([h2])
+        assert h2.to_torch().tolist() == [3.0, 4.0]
+        first.close()
+        head.close()
+    assert fake_nrt.lines()[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"
+
+
+def field_of(line: str, key: str) -> str:
+    return next(part.split("=", 1)[1] for part in line.split() if part.startswith(f"{key}="))
+
+
+# every NRT_STATUS of nrt_status.h (aws-neuron-sdk src/libnrt/include/nrt/nrt_status.h), typed here from the header
+NRT_STATUS_H = {
+    "NRT_SUCCESS": 0, "NRT_FAILURE": 1, "NRT_INVALID": 2, "NRT_INVALID_HANDLE": 3, "NRT_RESOURCE": 4,
+    "NRT_TIMEOUT": 5, "NRT_HW_ERROR": 6, "NRT_QUEUE_FULL": 7, "NRT_LOAD_NOT_ENOUGH_NC": 9,
+    "NRT_UNSUPPORTED_NEFF_VERSION": 10, "NRT_FAIL_HOST_MEM_ALLOC": 11, "NRT_UNINITIALIZED": 13, "NRT_CLOSED": 14,
+    "NRT_QUEUE_EMPTY": 15, "NRT_EXEC_UNIT_DISABLED": 101, "NRT_EXEC_BAD_INPUT": 1002,
+    "NRT_EXEC_COMPLETED_WITH_NUM_ERR": 1003, "NRT_EXEC_COMPLETED_WITH_ERR": 1004, "NRT_EXEC_NC_BUSY": 1005,
+    "NRT_EXEC_OOB": 1006, "NRT_COLL_PENDING": 1100, "NRT_EXEC_HW_ERR_COLLECTIVES": 1200,
+    "NRT_EXEC_HW_ERR_HBM_UE": 1201, "NRT_EXEC_HW_ERR_NC_UE": 1202, "NRT_EXEC_HW_ERR_DMA_ABORT": 1203,
+    "NRT_EXEC_SW_NQ_OVERFLOW": 1204, "NRT_EXEC_HW_ERR_REPAIRABLE_HBM_UE": 1205, "NRT_NETWORK_PROXY_FAILURE": 1206,
+}
+
+
+def test_every_status_is_named():
+    assert nrt.STATUS_NAMES == {v: k for k, v in NRT_STATUS_H.items()}
+
+
+def test_statuses_of_execute_and_load(fake_nrt, tmp_path, monkeypatch):
+    """A status reads as its name and the runtime's own words (nrt_get_status_as_str); "completed with
+    NaN" is an error of its own kind, never a result; a NEFF version the runtime refuses names the
+    runtime's version (deepinfer keeps no version table of its own)."""
+    path = fake_model(tmp_path / "m.fake", {"x": 8}, {"out_y": 8}, {"out_y": "x"})
+    with NeuronCore() as core:
+        exe = NeuronExecutable(path, core, ["x"], [("y", (2,), torch.float32)])
+        monkeypatch.setenv("FAKE_NRT_FAIL", "nrt_execute=1003")
+        with pytest.raises(NeuronNumericalError) as err:
+            exe([torch.zeros(2)])
+        assert "NRT status 1003 (NRT_EXEC_COMPLETED_WITH_NUM_ERR, fake_nrt: execution completed with numerical " \
+               "errors (NaN))" in str(err.value) and str(path) in str(err.value)
+        monkeypatch.setenv("FAKE_NRT_FAIL", "nrt_execute=1206")
+        with pytest.raises(NeuronRuntimeError, match=r"NRT status 1206 \(NRT_NETWORK_PROXY_FAILURE\)") as err:
+            exe([torch.zeros(2)])
+        assert not isinstance(err.value, NeuronNumericalError)
+        monkeypatch.setenv("FAKE_NRT_FAIL", "nrt_load=10")
+        with pytest.raises(NeuronRuntimeError) as err:
+            NeuronModel.load(core, path)
+        message = str(err.value)
+        assert "\n" not in message and str(path) in message and "NRT_UNSUPPORTED_NEFF_VERSION" in message
+        assert "libnrt 2.99.0.0 (fake_nrt test double) does not load this NEFF's format" in message
+        monkeypatch.delenv("FAKE_NRT_FAIL")
+        exe.close()
 
 
 def test_load_finds_the_model_inside_a_neff_shaped_blob(fake_nrt, tmp_path):

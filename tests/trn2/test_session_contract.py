@@ -1,12 +1,13 @@
 """Contract tests of the trn2 runtime path against TEST DOUBLES; they prove nothing about Trn2 numerics.
 
 The tiny HLO-stage bundle is finished by the stand-in neuronx-cc (doubles/neuronx-cc),
-whose "NEFFs" carry only a description of each HLO module's interface (positional
-tensor names input<i>/output<j>, byte sizes, input_output_alias as copies), and is
-run by `deepinfer.runtime.load` over the libnrt double (doubles/fake_nrt.c), which
-zero-fills every output it does not copy from an input. The logits are therefore
-zeros: these tests check plumbing only (what is loaded, allocated, sliced, bound and
-freed, and how often), read from the double's call log.
+whose "NEFFs" carry only a description of each HLO module's interface (the tensor names
+the module stamps, neff_input_names / neff_output_names, listed in lexical order as
+libnrt lists them; byte sizes; must-alias entries as copies), and is run by
+`deepinfer.runtime.load` over the libnrt double (doubles/fake_nrt.c), which zero-fills
+every output it does not copy from an input. The logits are therefore zeros: these
+tests check plumbing only (what is loaded, allocated, sliced, bound, copied between
+host and device, and freed, and how often), read from the double's call log.
 """
 
 from __future__ import annotations
@@ -100,19 +101,36 @@ def executions(lines: list[str]) -> list[tuple[list, list, str]]:
 
 def test_stand_in_neffs_describe_the_manifest_interface(finished):
     """Each NEFF's fake model (read by the stand-in from the HLO module) has the manifest's
-    inputs and outputs, in order, with their byte sizes, and copies exactly its aliases."""
+    inputs and outputs by name, in libnrt's lexical order, with their byte sizes, and copies
+    exactly its (must-)aliases."""
     m = manifest(finished)
     assert m["stage"] == "executable"
     for e in m["regions"]:
         lines = fake_model_of(finished / e["artifact"]).splitlines()
         assert lines[0] == "FAKE_NRT_MODEL 1" and lines[-1] == "end"
         assert [ln for ln in lines if ln.startswith("input ")] == \
-            [f"input input{i} {nbytes(s)}" for i, s in enumerate(e["inputs"])], e["kind"]
+            [f"input {s['name']} {nbytes(s)}" for s in sorted(e["inputs"], key=lambda s: s["name"])], e["kind"]
         assert [ln for ln in lines if ln.startswith("output ")] == \
-            [f"output output{j} {nbytes(s)}" for j, s in enumerate(e["output_specs"])], e["kind"]
+            [f"output out_{s['name']} {nbytes(s)}" for s in sorted(e["output_specs"], key=lambda s: s["name"])], \
+            e["kind"]
         assert sorted(ln for ln in lines if ln.startswith("copy ")) == \
-            sorted(f"copy output{j} input{i}" for j, i in e["aliases"].items()), e["kind"]
+            sorted(f"copy out_{e['output_specs'][int(j)]['name']} {e['inputs'][i]['name']}"
+                   for j, i in e["aliases"].items()), e["kind"]
         assert len(e["aliases"]) == len(e["state_outputs"])
+
+
+def transfers(lines: list[str]) -> list[dict]:
+    """Per step (each ends with the head's logits read back): the tensors written host->device and
+    read device->host, with their bytes, from the double's log."""
+    steps, cur = [], {"to_device": [], "to_host": []}
+    for line in lines:
+        if line.startswith(("nrt_tensor_write", "nrt_tensor_read")):
+            way = "to_device" if line.startswith("nrt_tensor_write") else "to_host"
+            cur[way].append((field(line, "name"), int(field(line, "size"))))
+            if way == "to_host" and field(line, "name") == "out:logits":
+                steps.append(cur)
+                cur = {"to_device": [], "to_host": []}
+    return steps
 
 
 def test_generate_through_the_doubles(finished, nrt):
@@ -139,13 +157,15 @@ def test_generate_through_the_doubles(finished, nrt):
         sorted((finished / e["artifact"]).stat().st_size for e in m["regions"])
     assert calls["nrt_unload"] == 8
 
-    # resident allocations: one per weight stack and per pool; staging and outputs once per executable
+    # resident allocations: one per weight stack and per pool; an input buffer per host input name (shared
+    # by the executables) and the outputs once per executable
     allocs = [field(ln, "name") for ln in lines if ln.startswith("nrt_tensor_allocate ")]
     stacks = [f"{w['kind']}.{name}" for w in m["weights"]["rank-0"] for name in w["tensors"]]
     pools = [f"pool.{name}" for name in m["kv"]["pools"]]
     assert sorted(a for a in allocs if not a.startswith(("in:", "out:"))) == sorted(stacks + pools)
-    assert sum(a.startswith("in:") for a in allocs) == \
-        sum(s["role"] not in ("weight", "state") for e in m["regions"] for s in e["inputs"])
+    host_inputs = {s["name"] for e in m["regions"] for s in e["inputs"] if s["role"] in ("step", "rank")} | \
+        {"h", "pre"}
+    assert sorted(a for a in allocs if a.startswith("in:")) == sorted(f"in:{n}" for n in host_inputs)
     assert sum(a.startswith("out:") for a in allocs) == \
         sum(len(e["output_specs"]) - len(e["aliases"]) for e in m["regions"])
 
@@ -164,8 +184,10 @@ def test_generate_through_the_doubles(finished, nrt):
     runs = executions(lines)
     assert calls["nrt_execute"] == len(runs) == per_step * steps == sum(session.stats.calls.values())
 
-    # positional binding: NEFF input<k> / output<k> get the manifest's k-th input / output, and
-    # state pools are aliased (the pool slice bound as input<i> is also output<j>, copied in place)
+    # binding by name: each NEFF tensor (named by the HLO module, listed by libnrt in lexical order) gets
+    # the manifest's tensor of that name, and state pools are aliased (the pool slice bound as an input is
+    # also the output of the same name, written in place); activations and carries come from the
+    # previous call's output buffer, on the device
     entries = {e["kind"]: e for e in m["regions"]}
     pool_state = {name: pool["state"] for name, pool in m["kv"]["pools"].items()}
     bound_state = set()
@@ -173,23 +195,43 @@ def test_generate_through_the_doubles(finished, nrt):
         kind = next(t.split(".", 1)[0] for _, t in ins if t.split(".", 1)[0] in entries)
         e = entries[kind]
         bound_in, bound_out = dict(ins), dict(outs)
-        assert sorted(bound_in) == sorted(f"input{k}" for k in range(len(e["inputs"])))
-        assert sorted(bound_out) == sorted(f"output{k}" for k in range(len(e["output_specs"])))
-        for k, s in enumerate(e["inputs"]):
-            t = bound_in[f"input{k}"]
+        assert [n for n, _ in ins] == [s["name"] for s in sorted(e["inputs"], key=lambda s: s["name"])]
+        assert sorted(bound_out) == sorted(f"out_{s['name']}" for s in e["output_specs"])
+        for s in e["inputs"]:
+            t = bound_in[s["name"]]
             if s["role"] == "weight":
-                assert t.startswith(f"{kind}.{s['name']}["), (kind, k, t)
+                assert t.startswith(f"{kind}.{s['name']}["), (kind, s["name"], t)
             elif s["role"] == "state":
-                assert pool_state[t[len("pool."):t.index("[")]] == s["name"], (kind, k, t)
+                assert pool_state[t[len("pool."):t.index("[")]] == s["name"], (kind, s["name"], t)
                 bound_state.add(t)
+            elif s["role"] in ("activation", "carry"):
+                assert t in (f"out:{s['name']}", f"in:{s['name']}"), (kind, s["name"], t)
             else:
-                assert t == f"in:{s['name']}", (kind, k, t)
+                assert t == f"in:{s['name']}", (kind, s["name"], t)
         for k, s in enumerate(e["output_specs"]):
-            t = bound_out[f"output{k}"]
             alias = e["aliases"].get(str(k))
-            assert t == (bound_in[f"input{alias}"] if alias is not None else f"out:{s['name']}"), (kind, k, t)
+            want = bound_in[e["inputs"][alias]["name"]] if alias is not None else f"out:{s['name']}"
+            assert bound_out[f"out_{s['name']}"] == want, (kind, s["name"])
         assert int(field(line, "in_place")) == int(field(line, "copies")) == len(e["aliases"])
     assert bound_state == set(state_views)
+
+    # host <-> device per step (item 7): the streams h and pre, the selected indices and the candidate
+    # pool stay on the device between region calls; the host writes the first call's h and pre and the
+    # step's inputs (each once a step, and only when it changed) and reads back the logits alone
+    per_name = {s["name"]: nbytes(s) for e in m["regions"] for s in e["inputs"] if s["role"] == "step"}
+    per_name.update({s["name"]: nbytes(s) for s in entries["head"]["inputs"] if s["role"] == "activation"})
+    logits = nbytes(next(s for s in entries["head"]["output_specs"] if s["name"] == "logits"))
+    per_step_io = transfers(lines)
+    assert len(per_step_io) == steps
+    for io_ in per_step_io[1:]:                         # the first step also writes the weights and pools
+        assert io_["to_host"] == [("out:logits", logits)]
+        written = [n.removeprefix("in:") for n, _ in io_["to_device"]]
+        assert len(written) == len(set(written)) and set(written) <= set(per_name), written
+        assert sum(b for _, b in io_["to_device"]) <= sum(per_name.values())
+    decode = per_step_io[-1]
+    assert sum(b for _, b in decode["to_host"]) == logits == vocab * 4
+    assert "positions" in {n.removeprefix("in:") for n, _ in decode["to_device"]}        # changes every step
+    assert not any(n.startswith("out:") and n != "out:logits" for io_ in per_step_io for n, _ in io_["to_host"])
 
     # everything released before nrt_close
     assert calls["nrt_allocate_tensor_set"] == calls["nrt_destroy_tensor_set"] == 2 * len(runs)
@@ -245,3 +287,24 @@ def test_other_num_kv_blocks_is_refused(finished, nrt):
     session.close()
     assert nrt.lines()[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"
 
+
+
+def test_lnc_setting_must_match_the_bundle(finished, nrt, monkeypatch):
+    """The runtime's NEURON_LOGICAL_NC_CONFIG must equal the LNC the NEFFs were compiled for (here 1):
+    a different one is refused before the runtime starts, never overridden or ignored."""
+    import os
+
+    assert manifest(finished)["topology"]["lnc"] == 1
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    with pytest.raises(BundleError) as err:
+        load(finished)
+    message = str(err.value)
+    assert "\n" not in message and str(finished) in message
+    assert "NEURON_LOGICAL_NC_CONFIG=2 but the bundle's NEFFs were compiled for LNC 1" in message
+    assert nrt.calls() == [] and os.environ["NEURON_LOGICAL_NC_CONFIG"] == "2"
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    load(finished).close()
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")
+    load(finished).close()                               # unset: set to the bundle's
+    assert os.environ["NEURON_LOGICAL_NC_CONFIG"] == "1"
+    assert nrt.lines()[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"

@@ -9,7 +9,9 @@
  * Trainium: passing against it proves nothing about Trn2 behaviour or numerics.
  *
  * Every call is appended as one line "<function> <key=value ...> -> <status>"
- * to the file named by $FAKE_NRT_LOG (no log when unset).  $FAKE_NRT_FAIL=
+ * to the file named by $FAKE_NRT_LOG (no log when unset).  nrt_execute's line
+ * carries the bytes copied host->device (nrt_tensor_write) and device->host
+ * (nrt_tensor_read) since nrt_init: to_device=N to_host=M.  $FAKE_NRT_FAIL=
  * "<function>=<status>" makes that function return <status> without acting.
  *
  * nrt_load runs no NEFF.  It takes a small text description (the "fake model"):
@@ -95,6 +97,7 @@ typedef struct { int n; char names[MAX_IO][NAME_MAX_]; nrt_tensor_t *tensors[MAX
 
 static int g_init;
 static long g_live_tensors, g_live_models, g_live_sets;
+static size_t g_to_device, g_to_host;      /* bytes through nrt_tensor_write / nrt_tensor_read since nrt_init */
 
 static void log_line(const char *fmt, va_list ap, int status, int with_status) {
     const char *path = getenv("FAKE_NRT_LOG");
@@ -150,6 +153,7 @@ NRT_STATUS nrt_init(nrt_framework_type_t framework, const char *fw_version, cons
     if (framework != 1 || !fw_version || !fal_version)      /* NRT_FRAMEWORK_TYPE_NO_FW */
         return done(NRT_INVALID, "nrt_init framework=%d", framework);
     g_init = 1;
+    g_to_device = g_to_host = 0;
     return done(NRT_SUCCESS, "nrt_init framework=%d fw_version='%s' fal_version='%s' visible_cores=%s",
                 framework, fw_version, fal_version, visible ? visible : "unset");
 }
@@ -157,6 +161,15 @@ NRT_STATUS nrt_init(nrt_framework_type_t framework, const char *fw_version, cons
 void nrt_close(void) {
     note("nrt_close live_tensors=%ld live_models=%ld live_sets=%ld", g_live_tensors, g_live_models, g_live_sets);
     g_init = 0;
+}
+
+/* nrt_status.h's string for a status; the double's own words, marked as such */
+const char *nrt_get_status_as_str(NRT_STATUS status) {
+    switch ((int)status) {
+    case 10: return "fake_nrt: unsupported NEFF version";
+    case 1003: return "fake_nrt: execution completed with numerical errors (NaN)";
+    default: return NULL;
+    }
 }
 
 NRT_STATUS nrt_get_version(nrt_version_t *ver, size_t size) {
@@ -353,6 +366,7 @@ NRT_STATUS nrt_tensor_write(nrt_tensor_t *tensor, const void *buf, size_t offset
     NRT_STATUS s = check_range("nrt_tensor_write", tensor, buf, offset, size);
     if (s) return s;
     memcpy(tensor->data + offset, buf, size);
+    g_to_device += size;
     return done(NRT_SUCCESS, "nrt_tensor_write name=%s offset=%zu size=%zu", tensor->name, offset, size);
 }
 
@@ -361,6 +375,7 @@ NRT_STATUS nrt_tensor_read(const nrt_tensor_t *tensor, void *buf, size_t offset,
     NRT_STATUS s = check_range("nrt_tensor_read", tensor, buf, offset, size);
     if (s) return s;
     memcpy(buf, tensor->data + offset, size);
+    g_to_host += size;
     return done(NRT_SUCCESS, "nrt_tensor_read name=%s offset=%zu size=%zu", tensor->name, offset, size);
 }
 
@@ -428,5 +443,6 @@ NRT_STATUS nrt_execute(nrt_model_t *model, const nrt_tensor_set_t *input_set, nr
         in_place += bound[o]->data == bound[i]->data;         /* output bound to its input's storage */
         memmove(bound[o]->data, bound[i]->data, model->io[o].size);
     }
-    return done(NRT_SUCCESS, "nrt_execute tensors=%d copies=%d in_place=%d", model->n_io, model->n_copy, in_place);
+    return done(NRT_SUCCESS, "nrt_execute tensors=%d copies=%d in_place=%d to_device=%zu to_host=%zu", model->n_io,
+                model->n_copy, in_place, g_to_device, g_to_host);
 }

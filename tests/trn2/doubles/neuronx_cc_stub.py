@@ -10,11 +10,12 @@ the real compiler, or Trn2.
 When its input is a serialized HloModuleProto it can read (through jaxlib, when the
 Python running it has jax), the payload also holds `fake-model.txt`: a description of
 the module's interface for the libnrt TEST DOUBLE (tests/trn2/doubles/fake_nrt.c), which
-finds it inside the NEFF. Tensors are named positionally, as we believe real NEFFs name
-them (unverified): `input<i>` per parameter, `output<j>` per result, `copy output<j>
-input<i>` per input_output_alias; sizes in bytes. Such a payload is an uncompressed tar
-(package version 1) so the double can find the text by searching the bytes.
-Input it cannot read (any other bytes) gets the note alone, as before.
+finds it inside the NEFF. Tensors take the names the module stamps on them (the frontend
+attributes neff_input_names on each parameter, neff_output_names on the root tuple), listed
+in lexical order of their names as libnrt lists them; `copy <output> <input>` per
+must-alias entry of input_output_alias; sizes in bytes. Such a payload is an uncompressed
+tar (package version 1) so the double can find the text by searching the bytes. Input it
+cannot read (any other bytes, a module without names or with a may-alias) gets the note alone.
 
 Environment:
   FAKE_NEURONX_CC_RECORD=path   append {"argv": [...], "cwd": ...} as one JSON line per call
@@ -31,6 +32,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import struct
 import sys
 import tarfile
@@ -82,23 +84,31 @@ def fake_model(hlo: bytes) -> str | None:
         return None
     try:
         bytecode = xla_client._xla.mlir.hlo_to_stablehlo(hlo)
-    except Exception:  # noqa: BLE001 (jaxlib's runtime error: not an HloModuleProto)
+        root = next(ln for ln in xla_client.XlaComputation(hlo).as_hlo_text().splitlines()
+                    if ln.lstrip().startswith("ROOT ") and "neff_output_names" in ln)
+    except Exception:  # noqa: BLE001 (jaxlib's runtime error: not an HloModuleProto; StopIteration: no names)
         return None
     with mlir.make_ir_context():
         module = ir.Module.parse(bytecode)
         main = next(op for op in module.body.operations
                     if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == "main")
         ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
-        lines = ["FAKE_NRT_MODEL 1"]
-        lines += [f"input input{i} {_nbytes(t)}" for i, t in enumerate(ftype.inputs)]
-        lines += [f"output output{j} {_nbytes(t)}" for j, t in enumerate(ftype.results)]
+        inputs = [ir.StringAttr(ir.DictAttr(ir.DictAttr(a)["mhlo.frontend_attributes"])["neff_input_names"]).value
+                  for a in ir.ArrayAttr(main.attributes["arg_attrs"])]
+        outputs = re.search(r'neff_output_names="([^"]*)"', root).group(1).split(",")
+        sizes = {("input", n): _nbytes(t) for n, t in zip(inputs, ftype.inputs)}
+        sizes.update({("output", n): _nbytes(t) for n, t in zip(outputs, ftype.results)})
+        # libnrt lists a NEFF's tensors in lexical order of their names (input0, input1, input10, ...)
+        lines = ["FAKE_NRT_MODEL 1"] + [f"{usage} {name} {size}" for (usage, name), size in sorted(sizes.items())]
         attrs = module.operation.attributes
         aliases = ir.ArrayAttr(attrs["mhlo.input_output_alias"]) if "mhlo.input_output_alias" in attrs else []
-        for entry in aliases:          # {alias = {parameter_number = i, ...}, output_index = array<i64: j>}
+        for entry in aliases:  # {alias = {kind = "must_alias", parameter_number = i, ...}, output_index = array<i64: j>}
             entry = ir.DictAttr(entry)
             (j,) = ir.DenseI64ArrayAttr(entry["output_index"])
-            i = ir.IntegerAttr(ir.DictAttr(entry["alias"])["parameter_number"]).value
-            lines.append(f"copy output{j} input{i}")
+            alias = ir.DictAttr(entry["alias"])
+            if ir.StringAttr(alias["kind"]).value != "must_alias":
+                return None                  # a may-alias: the runtime could not bind one buffer as both
+            lines.append(f"copy {outputs[j]} {inputs[ir.IntegerAttr(alias['parameter_number']).value]}")
     return "\n".join(lines + ["end"]) + "\n"
 
 

@@ -23,7 +23,7 @@ from deepinfer.regions.engram_map import checked_token_map
 from deepinfer.regions.generate import Allocator, Generation, Row, greedy, make_batch
 from deepinfer.regions.plan import make_head, make_layer_regions
 from deepinfer.regions.spans import ImageEmbeds
-from deepinfer.regions.state import allocate, state_layout
+from deepinfer.regions.state import PAGED, allocate, state_layout
 from deepinfer.regions.step import DTYPES, Embedding, EngramRows, plan_layers, run_layers
 from deepinfer.regions.tokenizer import for_checkpoint
 from deepinfer.regions.vision import VisionTower
@@ -116,6 +116,9 @@ class _Eager:
         for p in model.plans:              # reuse / reindex layers read their source's pages
             if p.attn in ("reuse", "reindex"):
                 self.states[p.layer].update({k: self.states[p.kv_source][k] for k in ("ckv", "ikeys")})
+
+    def slot_states(self) -> list[Tensor]:
+        return [t for layer in self.states.values() for name, t in layer.items() if name not in PAGED]
 
     def allocator(self) -> Allocator:
         slots, blocks, width = self.geometry

@@ -291,6 +291,12 @@ class Session:
     def allocator(self) -> Allocator:
         return Allocator(self.num_slots, self.num_blocks, self.block_size, self.max_blocks)
 
+    def slot_states(self) -> list[torch.Tensor]:
+        """Each layer's views of the pools indexed by sequence slot (window rings, compressor partials)."""
+        pools = self.manifest.kv.pools
+        return [self.states[l.layer][state] for l in self.manifest.layers
+                for state, (pool, _) in l.state.items() if pools[pool].dim == "slots"]
+
     def run(self, rows_by_group: list[list[Row]], allocs: list[Allocator], gens, images) -> list[torch.Tensor]:
         """Leader: one step of every token group, padded to the nearest bucket -> each group's logits.
         The context bucket is the smallest whose block table holds the longest sequence after the step

@@ -320,13 +320,18 @@ class Session:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, eos: int | None = None,
-                 images: list | None = None) -> list[Generation]:
+                 images: list | None = None, drafter=None) -> list[Generation]:
         """Greedy generation (on the leader with several ranks: followers `serve`); a request
         that cannot get blocks fails alone (its `error` is set). images[i] (spans.ImageEmbeds
-        from `spans.with_images`, or None): prompt i's image positions and their embeddings."""
+        from `spans.with_images`, or None): prompt i's image positions and their embeddings.
+        With `drafter` (a `generate.Drafter`), speculative decoding: the same tokens, verified
+        `drafter.block` + 1 at a time (the bundle's tokens buckets should hold that width)."""
         eos = self.config.eos_token_id if eos is None else eos
+        if drafter is not None and self.comm is not None:
+            raise mf.BundleError(f"{self.path}: speculative decoding runs on single-rank bundles only (its rollback "
+                                 "restores the leader's per-slot state)")
         try:
-            return greedy(self, prompts, max_new_tokens, eos=eos, images=images)
+            return greedy(self, prompts, max_new_tokens, eos=eos, images=images, drafter=drafter)
         finally:
             if self.comm is not None:
                 self.comm.step(None)

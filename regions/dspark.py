@@ -174,3 +174,60 @@ def run_stages(stages: list[dict[str, Region]], c: TextConfig, embed: Tensor, fe
         h, pre = regions["attn"].decode(h, pre, context, context_positions, positions)
         h, pre = regions["moe"].decode(h, pre, no_image)
     return h, pre
+
+
+class DSparkDrafter:
+    """The DSpark draft as `generate.greedy` drives it (a `generate.Drafter`).
+
+    Its state is the target context it attends to: per sequence, the features of its last
+    `sliding_window` committed positions (`observe` takes them from the step's capture, for
+    committed positions only, so nothing needs rolling back). A block drafts greedily: the
+    stages run once over the anchor and the noise tokens; position i's token is the argmax of
+    the head's logits plus the transition bias of position i - 1's token (the anchor for i = 0).
+    """
+
+    def __init__(self, c: TextConfig, stages: list[dict[str, Region]], embed: Tensor, head: Tensor):
+        self.c, self.stages, self.embed, self.head = c, stages, embed, head
+        self.block = c.dspark_block_size
+        self.capture_layers = tuple(c.dspark_target_layer_ids)
+        self.features: dict[int, dict[int, Tensor]] = {}         # seq -> position -> [L * D]
+
+    def observe(self, seq: int, stepper, group: int, row: int, start: int, keep: int) -> None:
+        cap = stepper.capture
+        feats = torch.cat([ops.hc_collapse(*[t[row, :keep] for t in cap[layer]]) for layer in self.capture_layers], -1)
+        mine = self.features.setdefault(seq, {})
+        for i in range(keep):
+            mine[start + i] = feats[i]
+        for p in [p for p in mine if p < start + keep - self.c.sliding_window]:
+            del mine[p]
+
+    @torch.inference_mode()
+    def draft(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+        c, W, P = self.c, self.c.sliding_window, self.block
+        B = len(requests)
+        L, D = len(self.capture_layers), c.hidden_size
+        features = torch.zeros(B, W, L * D, dtype=self.stages[0]["attn"].dtype)
+        context_positions = torch.full((B, W), -1, dtype=torch.int64)
+        for b, (seq, tokens, _) in enumerate(requests):
+            anchor = len(tokens) - 1
+            mine = self.features.get(seq, {})
+            for j, p in enumerate(range(anchor - W, anchor)):
+                if p in mine:
+                    features[b, j], context_positions[b, j] = mine[p], p
+        anchors = torch.tensor([tokens[-1] for _, tokens, _ in requests], dtype=torch.int64)
+        block_tokens = torch.full((B, P), c.dspark_noise_token_id, dtype=torch.int64)
+        block_tokens[:, 0] = anchors
+        positions = torch.tensor([len(tokens) - 1 for _, tokens, _ in requests]).unsqueeze(1) + torch.arange(P)
+        h, pre = run_stages(self.stages, c, self.embed, features, context_positions, block_tokens, positions)
+        head = self.stages[-1]["head"]
+        previous = block_tokens.clone()             # position i's previous token: the anchor, then drafts
+        drafts = torch.zeros(B, P, dtype=torch.int64)
+        base = None
+        for i in range(P):
+            normalized, transition, _ = head.decode(h, pre, previous)
+            if base is None:
+                base = F.linear(normalized.float(), self.head.float())                   # [B, P, V]
+            drafts[:, i] = (base[:, i] + transition[:, i].float()).argmax(-1)
+            if i + 1 < P:
+                previous[:, i + 1] = drafts[:, i]
+        return {seq: drafts[b, :n].tolist() for b, (seq, _, n) in enumerate(requests)}

@@ -150,6 +150,7 @@ class Drafter(Protocol):
     """What proposes tokens for speculative decoding (`regions/speculative.py`)."""
 
     block: int           # tokens it drafts at most per step (the verify step is block + 1 tokens)
+    capture_layers: tuple[int, ...]     # the target layers whose attention inputs `observe` reads
 
     def draft(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         """(sequence, its committed tokens, how many to draft) for each request -> its drafted tokens."""
@@ -249,6 +250,8 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
     waiting = [] if max_new_tokens == 0 else list(range(len(gens)))
     active: list[int] = []
     steps = 0
+    if drafter is not None and drafter.capture_layers:
+        stepper.capture = dict.fromkeys(drafter.capture_layers)
     while waiting or active:
         while waiting:                      # admit into the least loaded group with room
             load = [sum(group_of[s] == g for s in active) for g in range(groups)]

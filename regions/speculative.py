@@ -30,6 +30,7 @@ class AllAcceptedDraftDouble:
     def __init__(self, plain: list[Generation], block: int):
         self.plain = [g.tokens for g in plain]
         self.block = block
+        self.capture_layers = ()
 
     def draft(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         out = {}

@@ -174,6 +174,7 @@ class Session:
         # optional hook around every region call: on_call(layer, slot, kind, inputs, run) -> outputs,
         # where run() calls the executable (deepinfer/diff.py); None costs one test per call
         self.on_call = None
+        self.capture = None         # layers whose attention inputs a drafter reads (regions.step.run_layers)
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -267,7 +268,7 @@ class Session:
         h, pre = self.embed(batch.tokens, batch.is_image, batch.image_rows)
         start = time.perf_counter()
         logits = run_layers(self.plans, self._invoke(batch.block_table.shape[1]), self.states, h, pre, batch,
-                            self.engram)
+                            self.engram, self.capture)
         self.stats.step_seconds += time.perf_counter() - start
         self.stats.steps += 1
         self.stats.padded += batch.tokens.numel()

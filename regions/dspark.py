@@ -33,6 +33,7 @@ from deepinfer.kernels.rope import apply_rope
 from deepinfer.regions.attention import _Attention
 from deepinfer.regions.base import Region, WeightSpec, fp8_specs
 from deepinfer.regions.config import TextConfig
+from deepinfer.regions.generate import SpeculationStats
 from deepinfer.regions.moe import MoE
 from deepinfer.regions.state import Geometry, InputSpec
 
@@ -191,6 +192,7 @@ class DSparkDrafter:
         self.block = c.dspark_block_size
         self.capture_layers = tuple(c.dspark_target_layer_ids)
         self.features: dict[int, dict[int, Tensor]] = {}         # seq -> position -> [L * D]
+        self.stats = SpeculationStats()
 
     def observe(self, seq: int, stepper, group: int, row: int, start: int, keep: int) -> None:
         cap = stepper.capture

@@ -151,6 +151,7 @@ class Drafter(Protocol):
 
     block: int           # tokens it drafts at most per step (the verify step is block + 1 tokens)
     capture_layers: tuple[int, ...]     # the target layers whose attention inputs `observe` reads
+    stats: SpeculationStats
 
     def draft(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         """(sequence, its committed tokens, how many to draft) for each request -> its drafted tokens."""
@@ -158,6 +159,29 @@ class Drafter(Protocol):
     def observe(self, seq: int, stepper: Stepper, group: int, row: int, start: int, keep: int) -> None:
         """After a step: positions start .. start + keep - 1 of `seq` (batch row `row` of `group`) are
         committed; what the drafter reads of the target for them, it takes from `stepper` now."""
+
+
+@dataclass
+class SpeculationStats:
+    """What a drafter's verify steps gave, counted per sequence and step."""
+
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a verify step commits: the accepted drafts and the target's own next token."""
+        return (self.accepted + self.verify_steps) / max(1, self.verify_steps)
+
+    def line(self) -> str:
+        return (f"{self.verify_steps} verify steps, {self.accepted} of {self.drafted} drafted tokens accepted, "
+                f"{self.tokens_per_step:.2f} tokens per step")
 
 
 @dataclass
@@ -300,6 +324,8 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
                 while caught_up and a < len(drafts) and choice[u - 1 + a] == drafts[a]:
                     a += 1
                 keep = u + a                                # rows whose input tokens are now committed
+                if drafts:
+                    drafter.stats.record(len(drafts), a)
                 finite = torch.isfinite(mine[:keep]).all(-1)
                 if not bool(finite.all()):           # emitting argmax of NaN (token 0) would hide it
                     at = start + int((~finite).nonzero()[0, 0])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepinfer.regions.generate import Generation
+from deepinfer.regions.generate import Generation, SpeculationStats
 
 
 class AllAcceptedDraftDouble:
@@ -31,6 +31,7 @@ class AllAcceptedDraftDouble:
         self.plain = [g.tokens for g in plain]
         self.block = block
         self.capture_layers = ()
+        self.stats = SpeculationStats()
 
     def draft(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         out = {}

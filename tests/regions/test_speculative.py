@@ -67,3 +67,24 @@ def test_rollback_is_what_keeps_the_output(ref_fp32):
     double = OneRejectedDraftDouble(plain, BLOCK, ref_fp32.config.text.vocab_size, seed=1)
     got, _ = speculative(ref_fp32, PROMPTS, double, stepper=NoRollback)
     assert [g.tokens for g in got] != [g.tokens for g in plain]
+
+
+def test_tiny_dspark_draft_leaves_the_output_unchanged(ref_fp32):
+    """The tiny checkpoint's own (random) DSpark draft, alone and batched: it accepts next to nothing,
+    and every verify step is still the plain run's."""
+    drafter = ref_fp32.dspark()
+    for prompts in [[p] for p in PROMPTS] + [PROMPTS]:
+        plain = ref_fp32.generate(prompts, NEW)
+        got, _ = speculative(ref_fp32, prompts, drafter)
+        assert [g.tokens for g in got] == [g.tokens for g in plain]
+    assert drafter.stats.verify_steps > 0 and drafter.stats.drafted > drafter.stats.accepted
+
+
+def test_checkpoint_without_a_draft_is_refused(tmp_path):
+    from deepinfer.errors import ConfigError
+    from deepinfer.regions.reference import ReferenceModel
+    from deepinfer.regions.tiny import make_tiny
+
+    model = ReferenceModel(make_tiny(tmp_path / "nodraft", draft=False), dtype="fp32")
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers is 0: the checkpoint has no DSpark draft"):
+        model.dspark()

@@ -135,6 +135,7 @@ class Stepper(Protocol):
     groups: int          # token groups: independent sets of sequences, each with its own allocator
     max_batch: int       # sequences of one group in a step
     chunk: int           # prompt tokens of one sequence in a step
+    capture: dict | None  # layers whose attention inputs a step keeps for a drafter (run_layers)
 
     def allocator(self) -> Allocator: ...
 
@@ -348,4 +349,6 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
                             active.remove(seq)
                             break
         saved.restore(rejected)
+    if drafter is not None:
+        stepper.capture = None
     return gens

@@ -80,11 +80,19 @@ def test_tiny_dspark_draft_leaves_the_output_unchanged(ref_fp32):
     assert drafter.stats.verify_steps > 0 and drafter.stats.drafted > drafter.stats.accepted
 
 
-def test_checkpoint_without_a_draft_is_refused(tmp_path):
-    from deepinfer.errors import ConfigError
-    from deepinfer.regions.reference import ReferenceModel
+def test_reference_cli_speculative(tiny_ckpt, tmp_path):
+    """`deepinfer reference --speculative dspark`: the plain run's tokens and a tokens-per-step line; a
+    checkpoint without a draft is refused in one line, non-zero."""
+    from click.testing import CliRunner
+
+    from deepinfer.cli import main
     from deepinfer.regions.tiny import make_tiny
 
-    model = ReferenceModel(make_tiny(tmp_path / "nodraft", draft=False), dtype="fp32")
-    with pytest.raises(ConfigError, match="num_nextn_predict_layers is 0: the checkpoint has no DSpark draft"):
-        model.dspark()
+    args = ["reference", str(tiny_ckpt), "--prompt", "Hello", "--max-new-tokens", "8", "--dtype", "fp32", "--json"]
+    plain = CliRunner().invoke(main, args)
+    spec = CliRunner().invoke(main, args + ["--speculative", "dspark"])
+    assert plain.exit_code == spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout and "tokens per step" in spec.stderr
+    nodraft = make_tiny(tmp_path / "nodraft", draft=False)
+    r = CliRunner().invoke(main, ["reference", str(nodraft), "--prompt", "Hello", "--speculative", "dspark"])
+    assert r.exit_code != 0 and "no DSpark draft" in r.output and len(r.output.strip().splitlines()) == 1

@@ -1,6 +1,7 @@
 """Speculative decoding on the tiny AOTInductor bundle: plain decode against verify steps.
 
     python bench/speculative.py [--bundle build/tiny-spec] [--new-tokens 61] [--repeats 3] [--json]
+    python bench/speculative.py --executable exported --bundle build/tiny-spec-exported   # no C++ compile
 
 In one process, on one bundle (compiled from examples/tiny/speculative.toml when --bundle does
 not exist: buckets tokens 1, 6 and 8), best of `repeats` for one prompt at batch 1:
@@ -20,6 +21,7 @@ Times are the decode phase only: a run of `new_tokens` minus a run of one token 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -33,7 +35,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 TARGETS = {"verify_over_decode_step": 2.0, "tokens_per_step_all_accepted": 5, "speedup_all_accepted": 2.5}
 
 
-def decode_seconds(generate, prompt: list[int], new_tokens: int) -> float:
+def decode_seconds(generate, new_tokens: int) -> float:
     """Seconds of the decode phase: a run of new_tokens minus a run of the prompt alone."""
     start = time.perf_counter()
     generate(1)
@@ -47,6 +49,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, default=ROOT / "build" / "tiny-spec")
     ap.add_argument("--toml", type=Path, default=ROOT / "examples" / "tiny" / "speculative.toml")
+    ap.add_argument("--executable", choices=["aoti", "exported"], default="aoti",
+                    help="executable kind of a bundle compiled here (the toml's is aoti)")
     ap.add_argument("--new-tokens", type=int, default=61, help="tokens per run (61: 1 + 10 blocks of 6)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
@@ -63,7 +67,9 @@ def main() -> None:
 
     if not args.bundle.exists():
         print(f"compiling {args.toml} -> {args.bundle}", file=sys.stderr)
-        compile_bundle(load_compile_config(args.toml), args.bundle, jobs=2)
+        config = load_compile_config(args.toml)
+        target = dataclasses.replace(config.target, executable=args.executable)
+        compile_bundle(dataclasses.replace(config, target=target), args.bundle, jobs=2)
     session = load(args.bundle)
     m = session.manifest.model
     block = session.config.text.dspark_block_size
@@ -80,10 +86,10 @@ def main() -> None:
         best = {"plain": float("inf")} | {k: float("inf") for k in drafters}
         stats = {}
         for _ in range(args.repeats):
-            best["plain"] = min(best["plain"], decode_seconds(lambda k: session.generate([prompt], k), prompt, n))
+            best["plain"] = min(best["plain"], decode_seconds(lambda k: session.generate([prompt], k), n))
             for name, make in drafters.items():
                 drafter = make()
-                seconds = decode_seconds(lambda k: session.generate([prompt], k, drafter=drafter), prompt, n)
+                seconds = decode_seconds(lambda k: session.generate([prompt], k, drafter=drafter), n)
                 best[name] = min(best[name], seconds)
                 got = session.generate([prompt], n, drafter=(drafter := make()))
                 assert got[0].tokens == plain[0].tokens, f"{name}: speculative output differs from plain"

@@ -10,9 +10,7 @@ from __future__ import annotations
 from deepinfer.bundles.manifest import Pool
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.step import LayerPlan
-from deepinfer.regions.state import StateSpec, check_block_size, layer_state
-
-PAGED = ("ckv", "ikeys")          # indexed by block; the others by sequence slot
+from deepinfer.regions.state import PAGED, StateSpec, check_block_size, layer_state
 
 
 def pool_name(state: str, p: LayerPlan) -> str:

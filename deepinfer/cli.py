@@ -81,10 +81,13 @@ def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool, scales: str
 @click.option("--topk-ties", type=click.Choice(["nemo", "lowest"]), default="nemo", show_default=True,
               help="Indexer top-k among equal scores: as NeMo AutoModel's forward (torch.topk over the "
                    "sequence's width), or lowest index first (what compiled bundles do).")
+@click.option("--speculative", type=click.Choice(["dspark"]), default=None,
+              help="Speculative decoding with the checkpoint's DSpark draft (mtp.*), run eagerly beside the "
+                   "target: the same tokens; prints tokens per target step.")
 @image_option
 @user_errors
 def reference_cmd(checkpoint, prompt, chat, prompt_ids, max_new_tokens, chunk, dtype, cache_quant, topk_ties,
-                  as_json, dump_logits, images):
+                  speculative, as_json, dump_logits, images):
     """Generate greedily with the pure-torch reference model.
 
     The reference composes the same regions the compiler traces, layer by layer
@@ -101,7 +104,10 @@ def reference_cmd(checkpoint, prompt, chat, prompt_ids, max_new_tokens, chunk, d
     model = ReferenceModel(checkpoint, dtype=dtype, cache_quant=cache_quant, ties=topk_ties)
     cfg, tok = model.config, model.tokenizer
     prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: model.vision, chat)
-    gens = model.generate(prompts, max_new_tokens, chunk=chunk, images=embeds)
+    drafter = model.dspark() if speculative else None
+    gens = model.generate(prompts, max_new_tokens, chunk=chunk, images=embeds, drafter=drafter)
+    if drafter is not None:
+        click.echo(f"speculative dspark: {drafter.stats.line()}", err=True)
     if dump_logits:
         write_logits(dump_logits, gens, {"source": "reference", "dtype": dtype, "cache_quant": cache_quant,
                                          "config_hash": cfg.digest(), "checkpoint": checkpoint.resolve()})

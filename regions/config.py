@@ -3,8 +3,9 @@
 The release nests the text model under `text_config`, the vision tower under
 `vision_config` and the weight format under `quantization_config`. Parsing
 checks every key this project uses for type and range, and the attention
-schedule rules of MODEL.md; other keys (the draft's `dspark_*`, ...) are kept
-untouched in `extra` so a bundle can record them.
+schedule rules of MODEL.md (the DSpark draft's `dspark_*` keys among them, when
+`num_nextn_predict_layers` > 0); other keys are kept untouched in `extra` so a
+bundle can record them.
 """
 
 from __future__ import annotations
@@ -73,7 +74,20 @@ class TextConfig:
     engram_pad_token_id: int = 2
     engram_compressed_vocab_size: int = 0
     num_nextn_predict_layers: int = 0
+    # the DSpark speculative draft (`mtp.0` .. `mtp.{num_nextn_predict_layers - 1}`, regions/dspark.py);
+    # defaults are the release's, checked only when num_nextn_predict_layers > 0
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_num_experts_per_tok: int = 3
     extra: dict = field(default_factory=dict)
+
+    @property
+    def has_draft(self) -> bool:
+        """Whether the config describes a DSpark draft (its tensors are under `mtp.`)."""
+        return self.num_nextn_predict_layers > 0
 
     @property
     def engram_hash_heads(self) -> int:
@@ -282,7 +296,28 @@ def validate(config: V41Config, source: str = CONFIG_FILE) -> None:
                  "must be a token id inside the vocabulary")
         _require(all(r > 0 for r in t.engram_num_embeddings), source, "engram_num_embeddings",
                  "row counts must be positive")
+    if t.has_draft:
+        validate_draft(t, source)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id"):
         value = getattr(config, key)
         if not 0 <= value < t.vocab_size:
             raise ConfigError(f"{source}: {key} {value} is outside the vocabulary [0, {t.vocab_size})")
+
+
+def validate_draft(t: TextConfig, source: str = CONFIG_FILE) -> None:
+    """The DSpark draft's keys: a positive block, target layers inside the model, a Markov head, its
+    own routed experts, sliding-window-only stages (compress ratio 0 where the schedule lists them)."""
+    n, k = t.num_hidden_layers, t.num_nextn_predict_layers
+    for key in ("dspark_block_size", "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok"):
+        _require(getattr(t, key) > 0, source, key,
+                 f"must be a positive integer when num_nextn_predict_layers is {k}, got {getattr(t, key)}")
+    _require(t.dspark_num_experts_per_tok <= t.dspark_n_routed_experts, source, "dspark_num_experts_per_tok",
+             f"must not exceed dspark_n_routed_experts={t.dspark_n_routed_experts}")
+    ids = list(t.dspark_target_layer_ids)
+    _require(bool(ids) and ids == sorted(set(ids)) and all(0 <= i < n for i in ids), source,
+             "dspark_target_layer_ids", f"must be strictly increasing layer ids in [0, {n}), got {ids}")
+    _require(0 <= t.dspark_noise_token_id < t.vocab_size, source, "dspark_noise_token_id",
+             f"{t.dspark_noise_token_id} is outside the vocabulary [0, {t.vocab_size})")
+    stages = list(t.compress_ratios[n:n + k])
+    _require(all(r == 0 for r in stages), source, "compress_ratios",
+             f"the draft's stages (entries {n}..{n + k - 1}) must be sliding-window only (0), got {stages}")

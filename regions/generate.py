@@ -135,12 +135,117 @@ class Stepper(Protocol):
     groups: int          # token groups: independent sets of sequences, each with its own allocator
     max_batch: int       # sequences of one group in a step
     chunk: int           # prompt tokens of one sequence in a step
+    capture: dict | None  # layers whose attention inputs a step keeps for a drafter (run_layers)
 
     def allocator(self) -> Allocator: ...
+
+    def slot_states(self) -> list[Tensor]:
+        """The state views indexed by sequence slot (dim 0): what a rejected draft rolls back."""
 
     def run(self, rows_by_group: list[list[Row]], allocs: list[Allocator], gens: list[Generation],
             images) -> list[Tensor]:
         """One step -> each group's logits [B, T, V], batch row i for that group's rows[i]."""
+
+
+class Drafter(Protocol):
+    """What proposes tokens for speculative decoding (`regions/speculative.py`)."""
+
+    block: int           # tokens it drafts at most per step (the verify step is block + 1 tokens)
+    capture_layers: tuple[int, ...]     # the target layers whose attention inputs `observe` reads
+    stats: SpeculationStats
+
+    def draft(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+        """(sequence, its committed tokens, how many to draft) for each request -> its drafted tokens."""
+
+    def observe(self, seq: int, stepper: Stepper, group: int, row: int, start: int, keep: int) -> None:
+        """After a step: positions start .. start + keep - 1 of `seq` (batch row `row` of `group`) are
+        committed; what the drafter reads of the target for them, it takes from `stepper` now."""
+
+
+@dataclass
+class SpeculationStats:
+    """What a drafter's verify steps gave, counted per sequence and step."""
+
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a verify step commits: the accepted drafts and the target's own next token."""
+        return (self.accepted + self.verify_steps) / max(1, self.verify_steps)
+
+    def line(self) -> str:
+        return (f"{self.verify_steps} verify steps, {self.accepted} of {self.drafted} drafted tokens accepted, "
+                f"{self.tokens_per_step:.2f} tokens per step")
+
+
+@dataclass
+class DraftedTokens:
+    """A sequence's committed tokens followed by this step's drafts: the history its step reads."""
+
+    tokens: list[int]
+
+
+def draft_for(drafter: Drafter, active: list[int], gens: list[Generation], consumed: list[int],
+              max_new_tokens: int, chunk: int, max_context: dict[int, int]) -> dict[int, list[int]]:
+    """This step's drafts: for each sequence that has generated and whose unconsumed tokens leave room in
+    a verify step of `drafter.block` + 1 tokens, as many as still fit its token budget and context."""
+    requests = []
+    for seq in active:
+        g = gens[seq]
+        u = len(g.tokens) - consumed[seq]
+        n = min(drafter.block + 1, chunk) - u
+        n = min(n, max_new_tokens - len(g.generated) - 1, max_context[seq] - len(g.tokens))
+        if g.generated and n > 0:
+            requests.append((seq, g.tokens, n))
+    return drafter.draft(requests) if requests else {}
+
+
+def reserve(alloc: Allocator, seq: int, positions: int, drafted: dict[int, list[int]]) -> None:
+    """Blocks for `positions` and the sequence's drafts; drafts that do not fit are dropped (the step
+    then fails, or not, exactly as a plain step would)."""
+    try:
+        alloc.reserve(seq, positions + len(drafted.get(seq, [])))
+    except OutOfBlocks:
+        if not drafted.pop(seq, None):
+            raise
+        alloc.reserve(seq, positions)
+
+
+class SlotSnapshot:
+    """The per-slot state of the sequences a step verifies, as it was before the step.
+
+    Rollback of a partially rejected block: every per-slot state (window rings, the compressor's
+    partial groups) goes back to its snapshot and the sequence's accepted tokens are fed again at
+    the head of its next step. Paged state (compressed KV, index keys) needs no copy: an entry
+    written for a rejected position is invisible to every query until the step that commits its
+    group's last position writes it again, before it is read (`t < (p + 1) // ratio`); candidate
+    pools and top-k selections are carries recomputed every step.
+    """
+
+    def __init__(self, views: list[Tensor], slots: dict[int, int], saved: list[Tensor]):
+        self.views, self.slots, self.saved = views, slots, saved
+
+    @classmethod
+    def take(cls, stepper: Stepper, slots: dict[int, int]) -> SlotSnapshot:
+        views = stepper.slot_states() if slots else []
+        index = torch.tensor(list(slots.values()), dtype=torch.int64)
+        return cls(views, slots, [v.index_select(0, index) for v in views])
+
+    def restore(self, seqs: list[int]) -> None:
+        if not seqs:
+            return
+        order = list(self.slots)
+        rows = torch.tensor([order.index(s) for s in seqs], dtype=torch.int64)
+        index = torch.tensor([self.slots[s] for s in seqs], dtype=torch.int64)
+        for v, saved in zip(self.views, self.saved):
+            v.index_copy_(0, index, saved.index_select(0, rows))
 
 
 def _stop_reason(e: OutOfBlocks, g: Generation, max_context: int) -> str:
@@ -154,9 +259,14 @@ def _stop_reason(e: OutOfBlocks, g: Generation, max_context: int) -> str:
 
 
 def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, eos: int,
-           images: list[ImageEmbeds | None] | None = None) -> list[Generation]:
+           images: list[ImageEmbeds | None] | None = None, drafter: Drafter | None = None) -> list[Generation]:
     """Greedy generation for token-id prompts; a request that cannot get blocks fails alone
-    (its `error` is set). images[i]: prompt i's image positions and their embeddings."""
+    (its `error` is set). images[i]: prompt i's image positions and their embeddings.
+
+    With a `drafter` (speculative decoding, `regions/speculative.py`), a sequence that has caught
+    up feeds its drafted tokens after its unconsumed ones in one verify step; the drafts the
+    target's greedy choices agree with are kept, plus the target's own next token, so the output
+    is the plain loop's token for token."""
     gens = [Generation(list(p), len(p)) for p in prompts]
     groups = stepper.groups
     allocs = [stepper.allocator() for _ in range(groups)]
@@ -165,6 +275,8 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
     waiting = [] if max_new_tokens == 0 else list(range(len(gens)))
     active: list[int] = []
     steps = 0
+    if drafter is not None and drafter.capture_layers:
+        stepper.capture = dict.fromkeys(drafter.capture_layers)
     while waiting or active:
         while waiting:                      # admit into the least loaded group with room
             load = [sum(group_of[s] == g for s in active) for g in range(groups)]
@@ -177,39 +289,66 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
             for seq in waiting:
                 gens[seq].error = "no sequence slot (the bundle was compiled without room for a sequence)"
             break
+        drafted = draft_for(drafter, active, gens, consumed, max_new_tokens, stepper.chunk,
+                            {s: allocs[group_of[s]].max_context for s in active}) if drafter else {}
         rows_by_group: list[list[Row]] = [[] for _ in range(groups)]
         for seq in list(active):
             n = min(stepper.chunk, len(gens[seq].tokens) - consumed[seq])
             alloc = allocs[group_of[seq]]
             try:
-                alloc.reserve(seq, consumed[seq] + n)
+                reserve(alloc, seq, consumed[seq] + n, drafted)
             except OutOfBlocks as e:
                 gens[seq].error = _stop_reason(e, gens[seq], alloc.max_context)
                 alloc.release(seq)
                 active.remove(seq)
                 continue
-            rows_by_group[group_of[seq]].append((seq, gens[seq].tokens[consumed[seq]:consumed[seq] + n],
-                                                 consumed[seq]))
+            ids = gens[seq].tokens[consumed[seq]:consumed[seq] + n] + drafted.get(seq, [])
+            rows_by_group[group_of[seq]].append((seq, ids, consumed[seq]))
         if not any(rows_by_group):
             continue
         steps += 1
-        for rows, logits in zip(rows_by_group, stepper.run(rows_by_group, allocs, gens, images)):
+        verifying = {seq: allocs[group_of[seq]].slot_of[seq] for rows in rows_by_group
+                     for seq, _, _ in rows if drafted.get(seq)}
+        saved = SlotSnapshot.take(stepper, verifying)
+        histories = [DraftedTokens(g.tokens + drafted[s]) if drafted.get(s) else g for s, g in enumerate(gens)]
+        rejected = []
+        for group, (rows, logits) in enumerate(zip(rows_by_group, stepper.run(rows_by_group, allocs, histories,
+                                                                             images))):
             for b, (seq, ids, start) in enumerate(rows):
                 g = gens[seq]
+                drafts = drafted.get(seq, [])
+                u = len(ids) - len(drafts)                  # committed tokens fed this step
                 mine = logits[b, :len(ids)].float()
-                finite = torch.isfinite(mine).all(-1)
+                caught_up = start + u == len(g.tokens)
+                choice = mine.argmax(-1).tolist()           # the target's greedy token after each position
+                a = 0
+                while caught_up and a < len(drafts) and choice[u - 1 + a] == drafts[a]:
+                    a += 1
+                keep = u + a                                # rows whose input tokens are now committed
+                if drafts:
+                    drafter.stats.record(len(drafts), a)
+                finite = torch.isfinite(mine[:keep]).all(-1)
                 if not bool(finite.all()):           # emitting argmax of NaN (token 0) would hide it
                     at = start + int((~finite).nonzero()[0, 0])
                     g.error = f"non-finite logits (NaN or infinity) at position {at}, step {steps}"
                     allocs[group_of[seq]].release(seq)
                     active.remove(seq)
                     continue
-                g.logits.extend(mine.clone())
-                consumed[seq] += len(ids)
-                if consumed[seq] == len(g.tokens):          # caught up: sample the next token
-                    nxt = int(torch.argmax(logits[b, len(ids) - 1]))
-                    g.tokens.append(nxt)
-                    if nxt == eos or len(g.generated) >= max_new_tokens:
-                        allocs[group_of[seq]].release(seq)
-                        active.remove(seq)
+                g.logits.extend(mine[len(g.logits) - start:keep].clone())   # refed positions are recorded once
+                if drafter is not None:
+                    drafter.observe(seq, stepper, group, b, start, keep)
+                if a == len(drafts):
+                    consumed[seq] = start + len(ids)
+                else:                                       # the block is rolled back and refed next step
+                    rejected.append(seq)
+                if caught_up:                               # the accepted drafts, then the target's own token
+                    for nxt in drafts[:a] + [choice[u - 1 + a]]:
+                        g.tokens.append(nxt)
+                        if nxt == eos or len(g.generated) >= max_new_tokens:
+                            allocs[group_of[seq]].release(seq)
+                            active.remove(seq)
+                            break
+        saved.restore(rejected)
+    if drafter is not None:
+        stepper.capture = None
     return gens

@@ -15,15 +15,17 @@ import torch
 from torch import Tensor
 
 from deepinfer.bundles.layout import TOKENIZER_FILE
+from deepinfer.errors import ConfigError
 from deepinfer.regions.base import engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint, load_region
 from deepinfer.regions.config import CONFIG_FILE, V41Config, load_config
+from deepinfer.regions.dspark import PREFIX, DSparkDrafter, draft_regions
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.engram_map import checked_token_map
 from deepinfer.regions.generate import Allocator, Generation, Row, greedy, make_batch
 from deepinfer.regions.plan import make_head, make_layer_regions
 from deepinfer.regions.spans import ImageEmbeds
-from deepinfer.regions.state import allocate, state_layout
+from deepinfer.regions.state import PAGED, allocate, state_layout
 from deepinfer.regions.step import DTYPES, Embedding, EngramRows, plan_layers, run_layers
 from deepinfer.regions.tokenizer import for_checkpoint
 from deepinfer.regions.vision import VisionTower
@@ -53,6 +55,7 @@ class ReferenceModel:
             token_map = checked_token_map(self.tokenizer.backend, c, self.path / TOKENIZER_FILE, self.path / CONFIG_FILE)
         self.hasher = EngramHasher(c, token_map) if c.engram_layer_ids else None
         self.dtype = DTYPES[dtype]
+        self.cache_quant = cache_quant
         self.plans = plan_layers(c)
         ckpt = Checkpoint(self.path)
         self.layers = []
@@ -87,16 +90,32 @@ class ReferenceModel:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, chunk: int | None = None,
-                 eos: int | None = None, images: list[ImageEmbeds | None] | None = None) -> list[Generation]:
+                 eos: int | None = None, images: list[ImageEmbeds | None] | None = None,
+                 drafter=None) -> list[Generation]:
         """Greedy generation for a batch of token-id prompts.
 
         Prompts run as decode-shaped chunks of `chunk` tokens (default: the
         longest prompt in one chunk), then one token per step. `images[b]`
         (from `spans.with_images`) marks prompt b's image positions and
-        holds the rows that replace their embeddings.
+        holds the rows that replace their embeddings. With `drafter` (`self.dspark()` or a
+        test double of `regions/speculative.py`), speculative decoding: the same tokens.
         """
         eos = self.config.eos_token_id if eos is None else eos
-        return greedy(_Eager(self, prompts, max_new_tokens, chunk), prompts, max_new_tokens, eos=eos, images=images)
+        return greedy(_Eager(self, prompts, max_new_tokens, chunk), prompts, max_new_tokens, eos=eos, images=images,
+                      drafter=drafter)
+
+    def dspark(self) -> DSparkDrafter:
+        """The checkpoint's DSpark draft (`mtp.*`) as eager regions, drafting for this model."""
+        c = self.config.text
+        if not c.has_draft:
+            raise ConfigError(f"{self.path / CONFIG_FILE}: text_config.num_nextn_predict_layers is 0: the checkpoint "
+                              "has no DSpark draft (mtp.* tensors); speculative decoding needs one")
+        ckpt = Checkpoint(self.path)
+        stages = draft_regions(c, self.dtype, self.cache_quant)
+        for stage, regions in enumerate(stages):
+            for region in regions.values():
+                load_region(ckpt, region, PREFIX.format(stage=stage))
+        return DSparkDrafter(c, stages, self.embed.weight, self.head.head)
 
 
 class _Eager:
@@ -104,6 +123,7 @@ class _Eager:
     (finished prompts stay as padding rows), pools sized for the longest sequence."""
 
     groups = 1
+    capture: dict | None = None         # layers whose attention inputs a drafter reads (run_layers)
 
     def __init__(self, model: ReferenceModel, prompts: list[list[int]], max_new_tokens: int, chunk: int | None):
         self.model = model
@@ -119,6 +139,9 @@ class _Eager:
             if p.attn in ("reuse", "reindex"):
                 self.states[p.layer].update({k: self.states[p.kv_source][k] for k in ("ckv", "ikeys")})
 
+    def slot_states(self) -> list[Tensor]:
+        return [t for layer in self.states.values() for name, t in layer.items() if name not in PAGED]
+
     def allocator(self) -> Allocator:
         slots, blocks, width = self.geometry
         return Allocator(slots, blocks, REFERENCE_BLOCK_SIZE, width)
@@ -130,5 +153,5 @@ class _Eager:
                            alloc=allocs[0], gens=gens, images=images, hasher=m.hasher, pad=m.config.pad_token_id,
                            dtype=m.dtype)
         h, pre = m.embed(batch.tokens, batch.is_image, batch.image_rows)
-        logits = run_layers(m.plans, m.invoke, self.states, h, pre, batch, m.engram)
+        logits = run_layers(m.plans, m.invoke, self.states, h, pre, batch, m.engram, self.capture)
         return [logits[[seq for seq, _, _ in rows]]]

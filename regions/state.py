@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from deepinfer.regions.step import LayerPlan
 
 
+PAGED = ("ckv", "ikeys")          # indexed by block; the others by sequence slot
+
+
 @dataclass(frozen=True)
 class StateSpec:
     name: str

@@ -60,7 +60,8 @@ class Batch:
     image_rows: Tensor | None = None    # [B, T, D]: the embeddings of image positions (vision tower)
 
 
-def run_layers(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | None) -> Tensor:
+def run_layers(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | None,
+               capture: dict | None = None) -> Tensor:
     """h, pre through every layer's regions and the head -> logits [B, T, V].
 
     `invoke(layer, slot, *inputs)` runs one region call (`slot`: engram, attn,
@@ -68,7 +69,8 @@ def run_layers(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows |
     `states[layer]` holds the layer's state views by name; `engram` the host
     tables the engram layers' rows come from (None without engram layers). This
     is the one wiring of region inputs, shared by the reference and the bundle
-    runtime.
+    runtime. `capture` (layer -> anything) gets, for each of its layers, the streams and
+    `pre` that layer's attention site reads (after its engram): the DSpark draft's features.
     """
     topk = cand = None
     engram_index = 0
@@ -80,6 +82,8 @@ def run_layers(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows |
             rows, rows_s = engram.rows(engram_index, batch.hashes[:, :, engram_index])
             (h,) = invoke(p.layer, "engram", h, rows, rows_s, token_mask)
             engram_index += 1
+        if capture is not None and p.layer in capture:
+            capture[p.layer] = (h, pre)
         if p.attn == "window":
             h, pre = invoke(p.layer, "attn", h, pre, batch.positions, batch.slots, st["win"])
         elif p.attn == "source":

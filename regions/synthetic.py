@@ -47,7 +47,8 @@ def synthetic_config(layers: int = 6, experts: int = 8, engram_rows: int = 65536
     text = config["text_config"]
     text.update(RELEASE_DIMS, n_routed_experts=experts,
                 num_experts_per_tok=min(RELEASE_DIMS["num_experts_per_tok"], experts),
-                engram_num_embeddings=[engram_rows] * len(text["engram_layer_ids"]))
+                engram_num_embeddings=[engram_rows] * len(text["engram_layer_ids"]),
+                num_nextn_predict_layers=0)          # no DSpark draft (`mtp.*`) is written
     config["vision_config"] = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 0}
     config["image_token_id"] = 129264
     config["generator"] = {"name": "deepinfer synthetic", "layers": layers, "experts": experts,

@@ -8,9 +8,10 @@ size that runs in milliseconds. Every layer kind is present (MODEL.md's tiny
 layer plan); `layers` > 6 repeats the pattern. Weights are scaled so that
 activations stay near unit RMS and greedy generation moves through many tokens.
 The tokenizer is byte-level (`deepinfer.regions.tokenizer`). A tiny vision
-tower (2 blocks of width 64, patch 4, 2 x 2 merge) comes from a generator of
-its own, drawn after the text tensors, so the text tensors are the same bytes
-with or without it.
+tower (2 blocks of width 64, patch 4, 2 x 2 merge) and the DSpark draft (3
+stages, `mtp.*`, 4 experts top-2, Markov rank 32, reading the last 3 layers)
+come from generators of their own, drawn after the text tensors, so the text
+tensors are the same bytes with or without them.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from deepinfer.quant.fp8 import E4M3FN_MAX, e4m3fn_encode
 from deepinfer.quant.ue8m0 import UE8M0_LUT, scale_bytes_for
 from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE, written_checkpoint
 from deepinfer.regions.config import CONFIG_FILE, parse_config
+from deepinfer.regions.dspark import draft_specs
 from deepinfer.regions.plan import checkpoint_specs
 from deepinfer.regions.vision import vision_specs
 
 MIN_LAYERS = 6
 VISION_STREAM = 0x5649          # the vision tensors' generator: default_rng((seed, VISION_STREAM))
+DRAFT_STREAM = 0x4D5450         # the DSpark draft's (`mtp.*`) generator: default_rng((seed, DRAFT_STREAM))
 SCALES = ("ue8m0", "fp32")      # fp8 block scales: the release's, or DeepSeek-V3's float32 [128, 128]
 FLOAT_SCALE_BLOCK = 128
 
@@ -67,8 +70,11 @@ def tiny_config(layers: int = MIN_LAYERS) -> dict:
         "engram_layer_ids": [1], "engram_num_embeddings": [4096], "engram_max_ngram_size": 3,
         "engram_vocab_size": 1000, "engram_n_heads": 2, "engram_head_dim": 32,
         "engram_pad_token_id": 2, "engram_compressed_vocab_size": 288,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 287,
+        "dspark_target_layer_ids": [layers - 3, layers - 2, layers - 1], "dspark_markov_rank": 32,
+        "dspark_n_routed_experts": 4, "dspark_num_experts_per_tok": 2,
     }
+    text["compress_ratios"] += [0] * text["num_nextn_predict_layers"]      # the draft's stages, as released
     return {
         "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
         "text_config": text,
@@ -112,13 +118,9 @@ def _fp8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(rows, cols), scales
 
 
-def _tensors(config: dict, seed: int, scales: str = "ue8m0") -> dict[str, torch.Tensor]:
-    cfg = parse_config(config)
-    c = cfg.text
-    rng = np.random.default_rng(seed)
-    out = {"embed.weight": torch.from_numpy(rng.standard_normal((c.vocab_size, c.hidden_size))
-                                            .astype(np.float32)).to(torch.bfloat16)}
-    for prefix, spec in checkpoint_specs(c):
+def _draw(rng: np.random.Generator, specs, scales: str, out: dict[str, torch.Tensor]) -> None:
+    """Random values for each (prefix, spec), in order, into `out` in checkpoint storage."""
+    for prefix, spec in specs:
         if spec.ckpt_dtype == "F8_E8M0":
             continue                                  # written with its weight
         count = spec.experts or 1
@@ -150,6 +152,25 @@ def _tensors(config: dict, seed: int, scales: str = "ue8m0") -> dict[str, torch.
                 dtype = torch.bfloat16 if spec.ckpt_dtype == "BF16" else torch.float32
                 values = _dense_float(rng, key, spec.shape).astype(np.float32)
                 out[key] = torch.from_numpy(values).to(dtype)
+
+
+def _tensors(config: dict, seed: int, scales: str = "ue8m0") -> dict[str, torch.Tensor]:
+    cfg = parse_config(config)
+    c = cfg.text
+    rng = np.random.default_rng(seed)
+    out = {"embed.weight": torch.from_numpy(rng.standard_normal((c.vocab_size, c.hidden_size))
+                                            .astype(np.float32)).to(torch.bfloat16)}
+    _draw(rng, checkpoint_specs(c), scales, out)
+    return out
+
+
+def _draft_tensors(config: dict, seed: int, scales: str) -> dict[str, torch.Tensor]:
+    """The DSpark draft's `mtp.*` tensors, from their own generator (the text tensors do not move
+    with or without them)."""
+    c = parse_config(config).text
+    out: dict[str, torch.Tensor] = {}
+    if c.has_draft:
+        _draw(np.random.default_rng((seed, DRAFT_STREAM)), draft_specs(c), scales, out)
     return out
 
 
@@ -182,14 +203,15 @@ def _is_same_tiny(path: Path, config: dict) -> bool:
 
 
 def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = MIN_LAYERS, exist_ok: bool = False,
-              scales: str = "ue8m0") -> Path:
+              scales: str = "ue8m0", draft: bool = True) -> Path:
     """Write the tiny checkpoint to `out_dir` (atomically: a sibling temp dir, then rename).
 
     `scales` "fp32" stores the fp8 block weights as DeepSeek-V3-style checkpoints do: float32
     `X.weight_scale_inv` on [128, 128] blocks instead of `X.scale` (the same float weights,
     quantized so; engram tables and fp4 experts keep their ue8m0 scales). With `exist_ok`, a
     directory that already holds a complete tiny checkpoint of the same seed, layer count and
-    scales is kept as it is.
+    scales is kept as it is. Without `draft`, the checkpoint has no DSpark draft
+    (`num_nextn_predict_layers` 0, no `mtp.*` tensors); the text tensors are the same bytes.
     """
     if scales not in SCALES:
         raise ConfigError(f"--scales {scales!r}: valid: {', '.join(SCALES)}")
@@ -200,6 +222,9 @@ def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = MIN_LAYERS, e
         raise ConfigError(f"{out_dir}: is a file; make-tiny writes a checkpoint directory")
     config = tiny_config(layers)
     config["generator"] = {"name": "deepinfer make-tiny", "seed": seed}
+    if not draft:
+        config["generator"]["draft"] = False
+        config["text_config"]["num_nextn_predict_layers"] = 0
     if scales == "fp32":
         config["generator"]["scales"] = scales
         q = config["quantization_config"]                  # as DeepSeek-V3's config.json words it
@@ -210,6 +235,7 @@ def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = MIN_LAYERS, e
             return out_dir
         raise ConfigError(f"{out_dir}: exists and is not empty" + (" and holds a different checkpoint (seed or layers)" if exist_ok else "") + "; choose a new directory")
     tensors = _tensors(config, seed, scales)
+    tensors.update(_draft_tensors(config, seed, scales))
     tensors.update(_vision_tensors(config, seed))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     with written_checkpoint(out_dir, config, dict.fromkeys(tensors, SINGLE_FILE), total) as tmp:

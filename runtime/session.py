@@ -174,6 +174,7 @@ class Session:
         # optional hook around every region call: on_call(layer, slot, kind, inputs, run) -> outputs,
         # where run() calls the executable (deepinfer/diff.py); None costs one test per call
         self.on_call = None
+        self.capture = None         # layers whose attention inputs a drafter reads (regions.step.run_layers)
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -267,7 +268,7 @@ class Session:
         h, pre = self.embed(batch.tokens, batch.is_image, batch.image_rows)
         start = time.perf_counter()
         logits = run_layers(self.plans, self._invoke(batch.block_table.shape[1]), self.states, h, pre, batch,
-                            self.engram)
+                            self.engram, self.capture)
         self.stats.step_seconds += time.perf_counter() - start
         self.stats.steps += 1
         self.stats.padded += batch.tokens.numel()
@@ -290,6 +291,12 @@ class Session:
 
     def allocator(self) -> Allocator:
         return Allocator(self.num_slots, self.num_blocks, self.block_size, self.max_blocks)
+
+    def slot_states(self) -> list[torch.Tensor]:
+        """Each layer's views of the pools indexed by sequence slot (window rings, compressor partials)."""
+        pools = self.manifest.kv.pools
+        return [self.states[l.layer][state] for l in self.manifest.layers
+                for state, (pool, _) in l.state.items() if pools[pool].dim == "slots"]
 
     def run(self, rows_by_group: list[list[Row]], allocs: list[Allocator], gens, images) -> list[torch.Tensor]:
         """Leader: one step of every token group, padded to the nearest bucket -> each group's logits.
@@ -314,13 +321,18 @@ class Session:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, eos: int | None = None,
-                 images: list | None = None) -> list[Generation]:
+                 images: list | None = None, drafter=None) -> list[Generation]:
         """Greedy generation (on the leader with several ranks: followers `serve`); a request
         that cannot get blocks fails alone (its `error` is set). images[i] (spans.ImageEmbeds
-        from `spans.with_images`, or None): prompt i's image positions and their embeddings."""
+        from `spans.with_images`, or None): prompt i's image positions and their embeddings.
+        With `drafter` (a `generate.Drafter`), speculative decoding: the same tokens, verified
+        `drafter.block` + 1 at a time (the bundle's tokens buckets should hold that width)."""
         eos = self.config.eos_token_id if eos is None else eos
+        if drafter is not None and self.comm is not None:
+            raise mf.BundleError(f"{self.path}: speculative decoding runs on single-rank bundles only (its rollback "
+                                 "restores the leader's per-slot state)")
         try:
-            return greedy(self, prompts, max_new_tokens, eos=eos, images=images)
+            return greedy(self, prompts, max_new_tokens, eos=eos, images=images, drafter=drafter)
         finally:
             if self.comm is not None:
                 self.comm.step(None)

@@ -4,6 +4,7 @@ and says why in its own terms (issue 16, class 9)."""
 from __future__ import annotations
 
 import click
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -17,9 +18,13 @@ class FixedStepper:
     """A test double of a model: always predicts token 5; a context of 8 positions (2 blocks of 4)."""
 
     groups, max_batch = 1, 1
+    capture = None
 
     def __init__(self, chunk: int):
         self.chunk = chunk
+
+    def slot_states(self):
+        return []
 
     def allocator(self):
         return Allocator(slots=2, blocks=10, block_size=4, max_blocks=2)
@@ -30,6 +35,19 @@ class FixedStepper:
         logits = torch.zeros((len(rows), T, 8))
         logits[..., 5] = 1.0
         return [logits]
+
+
+@pytest.mark.parametrize("prompt, new", [(3, 10), (6, 10), (1, 3)])
+def test_speculation_stops_where_plain_decoding_does(prompt, new):
+    """Drafts never reach past max_context or the token budget: with every draft accepted, the same
+    tokens and the same error as the plain run (8 positions of context)."""
+    from deepinfer.regions.speculative import AllAcceptedDraftDouble
+
+    plain = greedy(FixedStepper(chunk=6), [[1] * prompt], max_new_tokens=new, eos=7)
+    drafter = AllAcceptedDraftDouble(plain, block=5)
+    [g] = greedy(FixedStepper(chunk=6), [[1] * prompt], max_new_tokens=new, eos=7, drafter=drafter)
+    assert (g.tokens, g.error) == (plain[0].tokens, plain[0].error)
+    assert drafter.stats.drafted > 0 and drafter.stats.accepted == drafter.stats.drafted
 
 
 def test_reaching_max_context_keeps_what_was_generated():

@@ -49,7 +49,8 @@ def test_released_config_parses_with_its_plan():
     t = cfg.text
     assert t.hidden_size == 5120 and t.compress_ratios[20] == 1 and t.engram_hash_heads == 24
     assert cfg.quant.weight_block_size == (32, 32) and cfg.vision.num_hidden_layers == 32
-    assert t.extra["dspark_block_size"] == 5          # unknown keys kept, not dropped
+    assert t.extra["model_type"] == "deepseek_v41_text"          # unknown keys kept, not dropped
+    assert t.dspark_block_size == 5 and t.dspark_target_layer_ids == (37, 38, 39) and t.has_draft
     kinds = {p.layer: p.attn for p in plan_layers(t)}
     assert [kinds[i] for i in (0, 1, 2, 3, 8, 20, 21, 24, 25)] == [
         "window", "window", "source", "reuse", "source", "source", "reuse", "reindex", "reuse"]
@@ -80,6 +81,12 @@ def test_roundtrip_and_digest():
     (lambda d: d["text_config"].update(engram_num_embeddings=[5]), "one row count per"),
     (lambda d: d["text_config"].update(compress_ratios=[0, 0]), "needs one per layer"),
     (lambda d: d.update(image_token_id=10**7), "outside the vocabulary"),
+    (lambda d: d["text_config"].update(dspark_target_layer_ids=[38, 37]), "dspark_target_layer_ids: must be"),
+    (lambda d: d["text_config"].update(dspark_target_layer_ids=[39, 40]), "got .39, 40."),
+    (lambda d: d["text_config"].update(dspark_markov_rank=0), "dspark_markov_rank: must be a positive"),
+    (lambda d: d["text_config"].update(dspark_num_experts_per_tok=200), "must not exceed dspark_n_routed"),
+    (lambda d: d["text_config"].update(dspark_noise_token_id=129280), "dspark_noise_token_id: 129280 is outside"),
+    (lambda d: d["text_config"].update(compress_ratios=[0, 0] + [2] * 18 + [1] * 21), "sliding-window only"),
 ])
 def test_bad_configs_name_the_key(mutate, message):
     d = copy.deepcopy(released())

@@ -28,8 +28,8 @@ def expected_tensors(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
         out[name + ".weight"] = ((rows, cols), FP8)
         out[name + ".scale"] = ((ceil32(rows), ceil32(cols)), "F8_E8M0")
 
-    for L in range(t["num_hidden_layers"]):
-        p = f"layers.{L}."
+    def block(p, E):
+        """A layer's (or a draft stage's) attention and MoE sites."""
         out[p + "attn_norm.weight"] = ((D,), "BF16")
         out[p + "ffn_norm.weight"] = ((D,), "BF16")
         for site in ("attn", "ffn"):
@@ -44,6 +44,33 @@ def expected_tensors(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
         fp8(p + "attn.wo_a", G * R, H * hd // G)
         fp8(p + "attn.wo_b", D, G * R)
         out[p + "attn.attn_sink"] = ((H,), "F32")
+        out[p + "ffn.gate.weight"] = ((E, D), "BF16")
+        out[p + "ffn.gate.bias"] = ((E,), "F32")
+        out[p + "ffn.gate.bias_vl"] = ((E,), "F32")
+        for e in range(E):
+            for w, (rows, cols) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+                out[p + f"ffn.experts.{e}.{w}.weight"] = ((rows, cols // 2), "I8")
+                out[p + f"ffn.experts.{e}.{w}.scale"] = ((rows, cols // 32), "F8_E8M0")
+        fp8(p + "ffn.shared_experts.w1", I, D)
+        fp8(p + "ffn.shared_experts.w3", I, D)
+        fp8(p + "ffn.shared_experts.w2", D, I)
+
+    # the DSpark draft (NeMo AutoModel's DeepseekV41DSparkModel under its released names)
+    stages = t.get("num_nextn_predict_layers", 0)
+    for k in range(stages):
+        p = f"mtp.{k}."
+        block(p, t["dspark_n_routed_experts"])
+        if k == 0:
+            fp8(p + "main_proj", D, D * len(t["dspark_target_layer_ids"]))
+            out[p + "main_norm.weight"] = ((D,), "BF16")
+        if k == stages - 1:
+            Rm = t["dspark_markov_rank"]
+            out[p + "norm.weight"] = ((D,), "BF16")
+            out[p + "markov_head.embed.weight"] = out[p + "markov_head.head.weight"] = ((V, Rm), "BF16")
+            out[p + "confidence_head.proj.weight"] = ((1, D + Rm), "F32")
+    for L in range(t["num_hidden_layers"]):
+        p = f"layers.{L}."
+        block(p, E)
         ratio = t["compress_ratios"][L]
         if L in t["kv_source_layer_ids"]:
             out[p + "attn.compressor.wkv.weight"] = ((hd, D), "F32")
@@ -55,16 +82,6 @@ def expected_tensors(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
         if L in t["index_source_layer_ids"]:
             fp8(p + "attn.indexer.wq_b", Hi * di, q)
             out[p + "attn.indexer.weights_proj.weight"] = ((Hi, D), "BF16")
-        out[p + "ffn.gate.weight"] = ((E, D), "BF16")
-        out[p + "ffn.gate.bias"] = ((E,), "F32")
-        out[p + "ffn.gate.bias_vl"] = ((E,), "F32")
-        for e in range(E):
-            for w, (rows, cols) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
-                out[p + f"ffn.experts.{e}.{w}.weight"] = ((rows, cols // 2), "I8")
-                out[p + f"ffn.experts.{e}.{w}.scale"] = ((rows, cols // 32), "F8_E8M0")
-        fp8(p + "ffn.shared_experts.w1", I, D)
-        fp8(p + "ffn.shared_experts.w3", I, D)
-        fp8(p + "ffn.shared_experts.w2", D, I)
         if L in t["engram_layer_ids"]:
             rows = t["engram_num_embeddings"][t["engram_layer_ids"].index(L)]
             ehd = t["engram_head_dim"]
@@ -119,7 +136,8 @@ def test_config_is_release_shaped_and_tiny_plan(tiny_ckpt):
     assert cfg["model_type"] == "deepseek_v41"
     assert set(cfg) >= {"text_config", "vision_config", "quantization_config", "image_token_id"}
     t = cfg["text_config"]
-    assert t["compress_ratios"] == [0, 0, 2, 2, 1, 1]
+    assert t["compress_ratios"] == [0, 0, 2, 2, 1, 1, 0, 0, 0]           # three draft stages, window-only
+    assert t["num_nextn_predict_layers"] == 3 and t["dspark_target_layer_ids"] == [3, 4, 5]
     assert t["kv_source_layer_ids"] == [2, 4] and t["index_source_layer_ids"] == [2, 4, 5]
     assert t["candidate_source_layer_id"] == 4 and t["engram_layer_ids"] == [1]
     v = cfg["vision_config"]
@@ -177,5 +195,17 @@ def test_text_tensors_do_not_depend_on_the_vision_tower(tmp_path, monkeypatch):
     b = tiny.make_tiny(tmp_path / "b")
     with safe_open(str(a / "model.safetensors"), "pt") as fa, safe_open(str(b / "model.safetensors"), "pt") as fb:
         assert set(fb.keys()) < set(fa.keys())
+        for name in fb.keys():
+            assert fa.get_tensor(name).view(-1).view(torch.uint8).equal(fb.get_tensor(name).view(-1).view(torch.uint8))
+
+
+def test_text_tensors_do_not_depend_on_the_draft(tmp_path):
+    """The DSpark draft comes from its own generator: without it the text tensors are the same bytes."""
+    from deepinfer.regions.tiny import make_tiny
+
+    a = make_tiny(tmp_path / "a")
+    b = make_tiny(tmp_path / "b", draft=False)
+    with safe_open(str(a / "model.safetensors"), "pt") as fa, safe_open(str(b / "model.safetensors"), "pt") as fb:
+        assert {k for k in fa.keys() if not k.startswith("mtp.")} == set(fb.keys())
         for name in fb.keys():
             assert fa.get_tensor(name).view(-1).view(torch.uint8).equal(fb.get_tensor(name).view(-1).view(torch.uint8))

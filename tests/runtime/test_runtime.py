@@ -46,6 +46,29 @@ def loaded():
     return get
 
 
+def test_speculative_doubles_keep_the_tokens(loaded, run_exported_bundle):
+    """Speculative decoding through the bundle's executables (verify steps in its 6-token bucket) gives
+    the plain run's tokens with both test doubles, every golden prompt alone and all four batched."""
+    from deepinfer.regions.speculative import AllAcceptedDraftDouble, OneRejectedDraftDouble
+
+    session = loaded(run_exported_bundle)
+    block = 5
+    assert block + 1 in session.token_sizes
+    prompts = [r["prompt_ids"] for r in RUNS]
+    for batch in [[p] for p in prompts] + [prompts]:
+        plain = session.generate(batch, NEW)
+        doubles = (AllAcceptedDraftDouble(plain, block),
+                   OneRejectedDraftDouble(plain, block, session.config.text.vocab_size, seed=1))
+        for drafter in doubles:
+            steps = session.stats.steps
+            got = session.generate(batch, NEW, drafter=drafter)
+            assert [g.tokens for g in got] == [g.tokens for g in plain], type(drafter).__name__
+            assert all(g.error is None for g in got)
+        if len(batch) == 1:     # prompt chunks of 8, then verify steps of 6 tokens with every draft kept
+            assert session.stats.steps - steps > 0
+    assert all(doubles[1].offsets), doubles[1].offsets
+
+
 @pytest.mark.parametrize("which", ["run_aoti_bundle", "run_exported_bundle"])
 def test_bundle_reproduces_golden_tokens(request, loaded, which):
     """AOTInductor (no cache quantization, 1-token prompt steps) and exported (cache

@@ -1,0 +1,235 @@
+"""DSpark, the release's speculative draft (`mtp.0` .. `mtp.{k-1}`), as regions.
+
+What the draft reads: for a sequence whose last committed token (the anchor) is at
+position a, the target's features at positions [a - window, a) (the residual streams
+at the attention input of each `dspark_target_layer_ids` layer, after its engram,
+collapsed with the `pre` that attention site uses; concatenated over those layers,
+[C, L * D]), the anchor's embedding and `dspark_block_size` - 1 embeddings of the noise
+token, at positions a .. a + block - 1. What it produces: for each of the block's
+positions i, logits over the vocabulary for the token at a + i + 1 (the target's frozen
+head over the last stage's normalized state, plus the Markov transition head's bias for
+the token before it) and a confidence logit.
+
+Stages: stage 0 first projects the features (`main_proj`, `main_norm`) into the context
+every stage attends to. Each stage is a sliding-window-only attention site (its queries
+are the block; its keys the projected context rotated at the context's positions, and the
+block itself, every block position seeing the whole block), then an MoE site with the
+draft's own routed experts (`dspark_n_routed_experts`, `dspark_num_experts_per_tok`),
+hyper-connected as the target's layers are. The last stage owns `norm`, the Markov head
+(`markov_head.embed`, `markov_head.head`, rank `dspark_markov_rank`) and the confidence
+head (`confidence_head.proj`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from deepinfer.kernels.cachequant import maybe_quant
+from deepinfer.kernels.rope import apply_rope
+from deepinfer.regions.attention import _Attention
+from deepinfer.regions.base import Region, WeightSpec, fp8_specs
+from deepinfer.regions.config import TextConfig
+from deepinfer.regions.generate import SpeculationStats
+from deepinfer.regions.moe import MoE
+from deepinfer.regions.state import Geometry, InputSpec
+
+ops = torch.ops.deepinfer
+
+PREFIX = "mtp.{stage}."
+
+
+def draft_moe_config(c: TextConfig) -> TextConfig:
+    """The text config as the draft's MoE sites see it: the draft's routed experts."""
+    return dataclasses.replace(c, n_routed_experts=c.dspark_n_routed_experts,
+                               num_experts_per_tok=c.dspark_num_experts_per_tok)
+
+
+class DraftContext(Region):
+    """Stage 0's projection of the target features: features [B, C, L*D] -> context [B, C, D]."""
+
+    kind = "dspark_context"
+
+    def __init__(self, c: TextConfig, *, dtype: torch.dtype):
+        D, L = c.hidden_size, len(c.dspark_target_layer_ids)
+        super().__init__([*fp8_specs("main_proj", "main_proj", D, L * D),
+                          WeightSpec("main_norm", "main_norm.weight", (D,), "BF16")], dtype)
+        self.c = c
+
+    def output_names(self) -> list[str]:
+        return ["context"]
+
+    def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        c = self.c
+        return [InputSpec("features", (B, T, len(c.dspark_target_layer_ids) * c.hidden_size), self.dtype,
+                          "activation")]
+
+    def decode(self, features: Tensor) -> Tensor:
+        x = ops.blockquant_gemm(features, self.main_proj, self.main_proj_s, self.fp8)
+        return ops.rmsnorm(x, self.main_norm, self.c.rms_norm_eps)
+
+
+class DraftAttention(_Attention):
+    """A draft stage's attention site: the block's queries over the projected target context (its
+    window before the anchor) and the whole block."""
+
+    kind = "dspark_attn"
+
+    def __init__(self, c: TextConfig, *, dtype: torch.dtype, cache_quant: bool):
+        super().__init__(c, [], dtype=dtype, cache_quant=cache_quant)
+
+    def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        c, W = self.c, self.c.sliding_window
+        return [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+                InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation"),
+                InputSpec("context", (B, W, c.hidden_size), self.dtype, "activation"),
+                InputSpec("context_positions", (B, W), torch.int64, "step"),
+                InputSpec("positions", (B, T), torch.int64, "step")]
+
+    def decode(self, h: Tensor, pre: Tensor, context: Tensor, context_positions: Tensor, positions: Tensor):
+        """h [B, P, n, D], pre [B, P, n], context [B, C, D] at context_positions [B, C] (-1: empty),
+        positions [B, P] -> (h, pre)."""
+        x, mix = self._site_input(h, pre)
+        angles = self._angles(positions)
+        q, _, kv = self._project(x, angles)                                           # kv [B, P, hd]
+        eps = self.c.rms_norm_eps
+        ctx = ops.rmsnorm(ops.blockquant_gemm(context, self.wkv, self.wkv_s, self.fp8), self.kv_norm, eps)
+        ctx = maybe_quant(apply_rope(ctx, self._angles(context_positions)), "fp8", self.cache_quant)
+        B, P = positions.shape
+        keys = torch.cat((ctx, kv), 1).unsqueeze(1).expand(B, P, -1, -1)              # [B, P, C + P, hd]
+        valid = torch.cat((context_positions >= 0, positions >= 0), 1).unsqueeze(1).expand(B, P, -1)
+        return self._finish(self._attend(q, keys, valid, angles), h, mix)
+
+
+class DraftHead(Region):
+    """The last stage's heads: normalized state [B, P, D], the Markov transition logits [B, P, V] of
+    each position's previous token, and the confidence logit [B, P] (float32)."""
+
+    kind = "dspark_head"
+
+    def __init__(self, c: TextConfig, *, dtype: torch.dtype):
+        D, V, R = c.hidden_size, c.vocab_size, c.dspark_markov_rank
+        super().__init__([WeightSpec("norm", "norm.weight", (D,), "BF16"),
+                          WeightSpec("markov_embed", "markov_head.embed.weight", (V, R), "BF16"),
+                          WeightSpec("markov_head", "markov_head.head.weight", (V, R), "BF16"),
+                          WeightSpec("confidence", "confidence_head.proj.weight", (1, D + R), "F32")], dtype)
+        self.c = c
+
+    def output_names(self) -> list[str]:
+        return ["normalized", "transition", "confidence"]
+
+    def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        c = self.c
+        return [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+                InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation"),
+                InputSpec("previous", (B, T), torch.int64, "step")]
+
+    def decode(self, h: Tensor, pre: Tensor, previous: Tensor):
+        normalized = ops.rmsnorm(ops.hc_collapse(h, pre), self.norm, self.c.rms_norm_eps)
+        embedding = self.markov_embed[previous].to(self.dtype)                           # [B, P, R]
+        transition = F.linear(embedding, self.markov_head.to(self.dtype))
+        confidence = F.linear(torch.cat((normalized.float(), embedding.float()), -1), self.confidence)
+        return normalized, transition, confidence.squeeze(-1)
+
+
+def draft_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool) -> list[dict[str, Region]]:
+    """Each stage's regions by slot (`context` on stage 0, `attn`, `moe`, `head` on the last)."""
+    stages = []
+    for stage in range(c.num_nextn_predict_layers):
+        regions = {"attn": DraftAttention(c, dtype=dtype, cache_quant=cache_quant),
+                   "moe": MoE(draft_moe_config(c), dtype=dtype)}
+        if stage == 0:
+            regions = {"context": DraftContext(c, dtype=dtype), **regions}
+        if stage == c.num_nextn_predict_layers - 1:
+            regions["head"] = DraftHead(c, dtype=dtype)
+        stages.append(regions)
+    return stages
+
+
+def draft_specs(c: TextConfig) -> list[tuple[str, WeightSpec]]:
+    """(stage prefix, weight spec) of every `mtp.*` checkpoint tensor, in stage order (what the tiny
+    checkpoint generator draws, in this order)."""
+    with torch.device("meta"):
+        return [(PREFIX.format(stage=stage), s) for stage, regions in enumerate(draft_regions(c, torch.float32, True))
+                for region in regions.values() for s in region.specs]
+
+
+def run_stages(stages: list[dict[str, Region]], c: TextConfig, embed: Tensor, features: Tensor,
+               context_positions: Tensor, block_tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """One draft block through every stage -> the last stage's streams h [B, P, n, D] and pre [B, P, n]
+    (what `DraftHead` reads).
+
+    embed [V, D] is the target's; features [B, C, L*D] at context_positions [B, C] (-1: empty);
+    block_tokens [B, P] (the anchor, then noise tokens) at positions [B, P]."""
+    dtype = stages[0]["attn"].dtype
+    e = embed[block_tokens].to(dtype)
+    h = e.unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
+    pre = torch.zeros(*block_tokens.shape, c.hc_mult, dtype=torch.float32)
+    pre[..., 0] = 1
+    context = stages[0]["context"].decode(features.to(dtype))
+    no_image = torch.zeros(block_tokens.shape, dtype=torch.bool)
+    for regions in stages:
+        h, pre = regions["attn"].decode(h, pre, context, context_positions, positions)
+        h, pre = regions["moe"].decode(h, pre, no_image)
+    return h, pre
+
+
+class DSparkDrafter:
+    """The DSpark draft as `generate.greedy` drives it (a `generate.Drafter`).
+
+    Its state is the target context it attends to: per sequence, the features of its last
+    `sliding_window` committed positions (`observe` takes them from the step's capture, for
+    committed positions only, so nothing needs rolling back). A block drafts greedily: the
+    stages run once over the anchor and the noise tokens; position i's token is the argmax of
+    the head's logits plus the transition bias of position i - 1's token (the anchor for i = 0).
+    """
+
+    def __init__(self, c: TextConfig, stages: list[dict[str, Region]], embed: Tensor, head: Tensor):
+        self.c, self.stages, self.embed, self.head = c, stages, embed, head
+        self.block = c.dspark_block_size
+        self.capture_layers = tuple(c.dspark_target_layer_ids)
+        self.features: dict[int, dict[int, Tensor]] = {}         # seq -> position -> [L * D]
+        self.stats = SpeculationStats()
+
+    def observe(self, seq: int, stepper, group: int, row: int, start: int, keep: int) -> None:
+        cap = stepper.capture
+        feats = torch.cat([ops.hc_collapse(*[t[row, :keep] for t in cap[layer]]) for layer in self.capture_layers], -1)
+        mine = self.features.setdefault(seq, {})
+        for i in range(keep):
+            mine[start + i] = feats[i]
+        for p in [p for p in mine if p < start + keep - self.c.sliding_window]:
+            del mine[p]
+
+    @torch.inference_mode()
+    def draft(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+        c, W, P = self.c, self.c.sliding_window, self.block
+        B = len(requests)
+        L, D = len(self.capture_layers), c.hidden_size
+        features = torch.zeros(B, W, L * D, dtype=self.stages[0]["attn"].dtype)
+        context_positions = torch.full((B, W), -1, dtype=torch.int64)
+        for b, (seq, tokens, _) in enumerate(requests):
+            anchor = len(tokens) - 1
+            mine = self.features.get(seq, {})
+            for j, p in enumerate(range(anchor - W, anchor)):
+                if p in mine:
+                    features[b, j], context_positions[b, j] = mine[p], p
+        anchors = torch.tensor([tokens[-1] for _, tokens, _ in requests], dtype=torch.int64)
+        block_tokens = torch.full((B, P), c.dspark_noise_token_id, dtype=torch.int64)
+        block_tokens[:, 0] = anchors
+        positions = torch.tensor([len(tokens) - 1 for _, tokens, _ in requests]).unsqueeze(1) + torch.arange(P)
+        h, pre = run_stages(self.stages, c, self.embed, features, context_positions, block_tokens, positions)
+        head = self.stages[-1]["head"]
+        previous = block_tokens.clone()             # position i's previous token: the anchor, then drafts
+        drafts = torch.zeros(B, P, dtype=torch.int64)
+        base = None
+        for i in range(P):
+            normalized, transition, _ = head.decode(h, pre, previous)
+            if base is None:
+                base = F.linear(normalized.float(), self.head.float())                   # [B, P, V]
+            drafts[:, i] = (base[:, i] + transition[:, i].float()).argmax(-1)
+            if i + 1 < P:
+                previous[:, i + 1] = drafts[:, i]
+        return {seq: drafts[b, :n].tolist() for b, (seq, _, n) in enumerate(requests)}

@@ -24,9 +24,10 @@ pytestmark = pytest.mark.slow
 
 
 def invoke(*args: str) -> str:
+    """Run `deepinfer ARGS`; its stdout (progress and notes go to stderr)."""
     result = CliRunner().invoke(main, list(args), catch_exceptions=False)
     assert result.exit_code == 0, f"deepinfer {' '.join(args)}: exit {result.exit_code}\n{result.output}"
-    return result.output
+    return result.stdout
 
 
 def test_release_geometry_bundle_agrees_with_the_reference(tmp_path):

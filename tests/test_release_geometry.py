@@ -6,7 +6,7 @@ release's top-6 routing admits (5.5 GiB). The bundle is exported fp32 with one b
 logits must agree with the reference's within the noise floor that `deepinfer compare` measures
 on this checkpoint. A two-token prompt (bos, "H") and one generated token keep the forwards
 through all 7 layers to 7 (the bundle's two steps, the reference's one, the floor's four); on
-2 cores the test takes about 5 minutes (bench/release_geometry.py times every step, AOTInductor and bf16
+2 cores the test took 193 s alone (bench/release_geometry.py times every step, AOTInductor and bf16
 included, at 8 experts).
 """
 

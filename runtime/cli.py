@@ -58,7 +58,7 @@ def main(bundle, prompt, chat, prompt_ids, max_new_tokens, num_kv_blocks, timing
       deepinfer-run build/tiny --image cat.ppm --prompt "<image>What is this?"   # tower runs on the host
     """
     from deepinfer.regions.tokenizer import for_bundle
-    from deepinfer.runtime import load, open_bundle, ranks
+    from deepinfer.runtime import open_bundle, ranks
     from deepinfer.runtime.session import load_vision
 
     if threads:
@@ -77,14 +77,8 @@ def main(bundle, prompt, chat, prompt_ids, max_new_tokens, num_kv_blocks, timing
                                    trust=str(trust) if trust else None)
         gens, stats = run["gens"], run["stats"]
     else:
-        comm = None
-        if launched is not None:                # under torchrun: this process is one rank
-            rank, _ = launched
-            ranks.init(rank, world)
-            comm = ranks.Comm(opened.manifest.topology.topology, rank)
-        session = load(opened, num_kv_blocks=num_kv_blocks, rank=comm.rank if comm else 0, comm=comm)
+        session, comm = ranks.load_here(opened, launched, num_kv_blocks)
         if comm is not None and not comm.leader:
-            session.serve()
             return
         gens, stats = session.generate(prompts, max_new_tokens, images=embeds), session.stats
     wall = time.perf_counter() - start

@@ -158,6 +158,23 @@ def torchrun_rank() -> tuple[int, int] | None:
     return None
 
 
+def load_here(opened, launched: tuple[int, int] | None, num_kv_blocks: int | None):
+    """Load an opened bundle in this process -> (session, comm): the one rank, or under torchrun
+    (`launched`, from `torchrun_rank`) the rank torchrun made this process (comm None at one rank).
+    A follower's session serves the leader's steps until it ends; the caller returns then."""
+    from deepinfer.runtime.session import load
+
+    comm = None
+    if launched is not None:
+        rank, _ = launched
+        init(rank, opened.manifest.topology.world_size)
+        comm = Comm(opened.manifest.topology.topology, rank)
+    session = load(opened, num_kv_blocks=num_kv_blocks, rank=comm.rank if comm else 0, comm=comm)
+    if comm is not None and not comm.leader:
+        session.serve()
+    return session, comm
+
+
 def _load_rank(rank: int, world: int, rendezvous: str, bundle: str, options: dict):
     """Join the ranks' process group and load `bundle` as `rank` -> (session, comm). The caller
     destroys the process group."""

@@ -42,7 +42,7 @@ def main(bundle, host, port, max_queue, model_name, num_kv_blocks, threads, no_v
     import torch
 
     from deepinfer.regions.tokenizer import for_bundle
-    from deepinfer.runtime import load, open_bundle, ranks
+    from deepinfer.runtime import open_bundle, ranks
     from deepinfer.runtime.server import serve
 
     if threads:
@@ -56,14 +56,8 @@ def main(bundle, host, port, max_queue, model_name, num_kv_blocks, threads, no_v
                               threads=threads, trust=str(trust) if trust else None)
         session, finish = leader.session, leader.close
     else:
-        comm = None
-        if launched is not None:                    # under torchrun: this process is one rank
-            rank, _ = launched
-            ranks.init(rank, world)
-            comm = ranks.Comm(opened.manifest.topology.topology, rank)
-        session = load(opened, num_kv_blocks=num_kv_blocks, rank=comm.rank if comm else 0, comm=comm)
+        session, comm = ranks.load_here(opened, launched, num_kv_blocks)
         if comm is not None and not comm.leader:
-            session.serve()
             return
         if comm is not None:
             finish = lambda: comm.step(None)        # noqa: E731

@@ -154,14 +154,8 @@ class Session:
         self.topology = m.topology.topology
         self.comm = comm
         self._check_pool_memory()               # before anything is loaded
-        self.placement = placement_for(m, self.path, rank)
-        try:
-            self._load_executables()
-            self._bind_weights(rank)
-            self._allocate_pools()
-        except BaseException:
-            self.placement.close()          # a refused load must not keep the device
-            raise
+        # the host tables (memory-mapped, checked against the config) before the executables, whose
+        # load is most of a session's start: a damaged bundle is refused in a moment
         host = m.host["embed"]
         embed = load_mmap(self.path / host.path)[host.tensor]
         self.embed = Embedding(embed, self.config.text.hc_mult, self.dtype)
@@ -170,6 +164,14 @@ class Session:
         if any(p.engram_rows for p in self.plans):          # the manifest then names the host file
             tables = self.path / m.host["engram"].path
             self.engram = EngramRows.of(self.config.text, load_mmap(tables), str(tables))
+        self.placement = placement_for(m, self.path, rank)
+        try:
+            self._load_executables()
+            self._bind_weights(rank)
+            self._allocate_pools()
+        except BaseException:
+            self.placement.close()          # a refused load must not keep the device
+            raise
         self.stats = Stats()
         # optional hook around every region call: on_call(layer, slot, kind, inputs, run) -> outputs,
         # where run() calls the executable (deepinfer/diff.py); None costs one test per call

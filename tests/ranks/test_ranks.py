@@ -21,7 +21,9 @@ from deepinfer.bundles.topology import Topology
 
 PROMPTS = [[0, 72, 101, 108, 108, 111, 44, 32, 119], [0, 5, 9, 11, 13, 40]]
 NEW = 4
-TOPOLOGIES = {"tp=2": (2, 1, 1), "ep=2": (1, 2, 1), "ep=4": (1, 4, 1), "cp=2": (1, 1, 2), "cp=ep=4": (1, 4, 4)}
+# ep=2 and cp=ep=4 between them cover ep dispatch/combine and four ranks (a separate ep=4 cost a compile
+# and a four-process run for neither)
+TOPOLOGIES = {"tp=2": (2, 1, 1), "ep=2": (1, 2, 1), "cp=2": (1, 1, 2), "cp=ep=4": (1, 4, 4)}
 
 
 @pytest.fixture(scope="module")

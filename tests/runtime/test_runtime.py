@@ -46,7 +46,21 @@ def loaded():
     return get
 
 
-def test_speculative_doubles_keep_the_tokens(loaded, run_exported_bundle):
+@pytest.fixture(scope="module")
+def plain(loaded):
+    """(bundle, prompts) -> the bundle's greedy generations of NEW tokens, run once for this module's
+    tests (the golden check and the speculative identity read the same runs)."""
+    runs = {}
+
+    def get(bundle, prompts):
+        key = (bundle, tuple(map(tuple, prompts)))
+        if key not in runs:
+            runs[key] = loaded(bundle).generate(prompts, NEW)
+        return runs[key]
+    return get
+
+
+def test_speculative_doubles_keep_the_tokens(loaded, plain, run_exported_bundle):
     """Speculative decoding through the bundle's executables (verify steps in its 6-token bucket) gives
     the plain run's tokens with both test doubles, every golden prompt alone and all four batched."""
     from deepinfer.regions.speculative import AllAcceptedDraftDouble, OneRejectedDraftDouble
@@ -56,13 +70,13 @@ def test_speculative_doubles_keep_the_tokens(loaded, run_exported_bundle):
     assert block + 1 in session.token_sizes
     prompts = [r["prompt_ids"] for r in RUNS]
     for batch in [[p] for p in prompts] + [prompts]:
-        plain = session.generate(batch, NEW)
-        doubles = (AllAcceptedDraftDouble(plain, block),
-                   OneRejectedDraftDouble(plain, block, session.config.text.vocab_size, seed=1))
+        want = plain(run_exported_bundle, batch)
+        doubles = (AllAcceptedDraftDouble(want, block),
+                   OneRejectedDraftDouble(want, block, session.config.text.vocab_size, seed=1))
         for drafter in doubles:
             steps = session.stats.steps
             got = session.generate(batch, NEW, drafter=drafter)
-            assert [g.tokens for g in got] == [g.tokens for g in plain], type(drafter).__name__
+            assert [g.tokens for g in got] == [g.tokens for g in want], type(drafter).__name__
             assert all(g.error is None for g in got)
         if len(batch) == 1:     # prompt chunks of 8, then verify steps of 6 tokens with every draft kept
             assert session.stats.steps - steps > 0
@@ -70,15 +84,15 @@ def test_speculative_doubles_keep_the_tokens(loaded, run_exported_bundle):
 
 
 @pytest.mark.parametrize("which", ["run_aoti_bundle", "run_exported_bundle"])
-def test_bundle_reproduces_golden_tokens(request, loaded, which):
+def test_bundle_reproduces_golden_tokens(request, loaded, plain, which):
     """AOTInductor (no cache quantization, 1-token prompt steps) and exported (cache
     quantization, 8-token prompt chunks) bundles, at batch 1 and with all four prompts."""
-    session = loaded(request.getfixturevalue(which))
+    bundle = request.getfixturevalue(which)
     runs = GOLDEN["modes"][GOLDEN_FOR[which]]
-    assert session.manifest.model.cache_quant == GOLDEN_FOR[which].startswith("fp32-quant")
+    assert loaded(bundle).manifest.model.cache_quant == GOLDEN_FOR[which].startswith("fp32-quant")
     prompts = [r["prompt_ids"] for r in runs]
-    check_against_golden([session.generate([p], NEW)[0] for p in prompts], GOLDEN_FOR[which])    # batch 1
-    check_against_golden(session.generate(prompts, NEW), GOLDEN_FOR[which])                      # all four at once
+    check_against_golden([plain(bundle, [p])[0] for p in prompts], GOLDEN_FOR[which])      # batch 1
+    check_against_golden(plain(bundle, prompts), GOLDEN_FOR[which])                         # all four at once
 
 
 def test_padding_waste_and_timing_are_recorded(run_exported_bundle, loaded):

@@ -276,6 +276,8 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
             (run.staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
             os.replace(lowered, run.staging / entry.artifact)
             executables.append(entry)
+            if run.cache is not None:
+                run.cache.stats["lowered"].append(name)
             continue
         executables.append(entry)
         if not target.static_shapes:

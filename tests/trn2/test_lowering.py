@@ -240,6 +240,19 @@ def test_lowering_options_are_keyed_or_log_only():
 
 # --- without neuronx-cc, and --finish with the stand-in ----------------------------------------
 
+def test_hlo_only_reports_the_modules_it_lowered(trn2_hlo_compile):
+    """`deepinfer-compile --hlo-only` counts the HLO modules it lowered and checked (every one: an
+    HLO-stage compile fetches no trace from the cache), not the cache's compile jobs, which it never
+    runs (with a cache it once said "0 of 8 lowered")."""
+    bundle, output = trn2_hlo_compile
+    names = sorted(e["artifact"].removeprefix("regions/").removesuffix(".hlo.pb") for e in manifest(bundle)["regions"])
+    assert len(names) == 9
+    summary = re.findall(r"\((\d+) of (\d+) HLO modules lowered and checked, (\d+) from the cache\)", output)
+    assert summary == [("9", "9", "0")], output[-2000:]
+    report = json.loads(output.strip().splitlines()[-1])
+    assert sorted(report["lowered"]) == names and report["compiled"] == [] and report["executables"] == 9
+
+
 def test_hlo_stage_bundle_is_refused_at_load(trn2_hlo_bundle):
     with pytest.raises(mf.BundleError, match="HLO-stage bundle.*deepinfer-compile --finish"):
         load(trn2_hlo_bundle)

@@ -132,8 +132,8 @@ def test_release_moe_scratch_traced_at_two_batches(release):
 def test_plan_cli_prints_the_full_plan():
     r = CliRunner().invoke(main, ["plan", str(RELEASE), "--no-scratch"])
     assert r.exit_code == 0, r.output
-    for line in ("layer plan: 40 layers -> 9 region kinds", "9 kinds x 1 method(s) (decode) x 4 buckets = 36; "
-                 "compile jobs: 36", "state pools (7):", "bundle on disk:", "scratch: not traced",
+    for line in ("layer plan: 40 layers -> 10 region kinds", "10 kinds x 1 method(s) (decode) x 4 buckets = 40; "
+                 "compile jobs: 40", "  embed                  embed   embed", "state pools (7):", "bundle on disk:", "scratch: not traced",
                  "limit 24.00 GiB (trn2 HBM: 12 GiB per NeuronCore x LNC 2)"):
         assert line in r.output, line
     assert re.search(r"memory budget per rank:\n  ranks 0-63 \(64\): (fits|DOES NOT FIT)\n", r.output)

@@ -151,7 +151,7 @@ def child_weights(ckpt: str, out: str, ep: int, jobs: int, recipe: str) -> None:
     t0 = time.perf_counter()                                  # as the driver's: headers, plan, bytes
     source = Checkpoint(spec.config.model.checkpoint)
     files, _ = stack_files(spec, plan, source, staging)       # preprocess_weights without a cache
-    files += host_files(spec.model, source, staging, spec.recipe)
+    files += host_files(spec.model, source, staging, spec.recipe, device_embedding=spec.device_embedding)
     report = stream(files, workers=jobs)
     seconds = time.perf_counter() - t0
     print(json.dumps({"seconds": seconds, "bytes_read": report["bytes_read"],

@@ -243,6 +243,7 @@ class Manifest:
     kv: KV
     regions: tuple[Executable, ...]
     head: Binding
+    embed: Binding | None = None                    # the token embedding region; None: a host lookup (host.embed)
     layers: tuple[Layer, ...]
     weights: dict[str, tuple[WeightStack, ...]]     # "rank-R" -> that rank's stacks
     host: dict[str, HostFile]
@@ -257,9 +258,10 @@ class Manifest:
         return entries
 
     def bindings(self) -> list[tuple[int, str, Binding]]:
-        """(layer, slot, binding) for every region call of a step; the head is layer -1."""
+        """(layer, slot, binding) for every region call of a step, in order; the model's ends are
+        layer -1: the embedding (where it is a region) first, the head last."""
         out = [(l.layer, slot, b) for l in self.layers for slot, b in l.regions.items()]
-        return out + [(-1, "head", self.head)]
+        return ([(-1, "embed", self.embed)] if self.embed is not None else []) + out + [(-1, "head", self.head)]
 
     def referenced(self) -> list[str]:
         """Every file the manifest points at."""
@@ -439,7 +441,9 @@ def check(m: Manifest) -> None:
                       f"held in the {t.file} file, which the entry does not name")
     for name, h in m.host.items():
         _need(is_inside(h.path), ("host", name, "path"), f"path {h.path!r} is not inside the bundle")
-    _need("embed" in m.host, ("host",), "lacks the token embedding (embed)")
+    _need(("embed" in m.host) != (m.embed is not None), ("host",),
+          "lacks the token embedding (embed)" if m.embed is None else
+          "holds the token embedding (embed) beside the embedding region (embed): one of them, not both")
     _need("engram" in m.host or not any(l.engram for l in m.layers), ("host",),
           "lacks the engram tables (engram) its engram layers read")
     if m.model.tokenizer == "tokenizers":
@@ -462,6 +466,8 @@ def check(m: Manifest) -> None:
             _need(pool is not None, key, f"unknown pool {ref[0]!r}")
             _need(0 <= ref[1] < len(pool.layers), key, f"row {ref[1]} of pool {ref[0]!r} ({len(pool.layers)} rows)")
     _bound(m.head, ("head",), kinds, rows)
+    if m.embed is not None:
+        _bound(m.embed, ("embed",), kinds, rows)
 
 
 def _check_table(e: Executable, kv: KV, b: Buckets, key: tuple) -> None:

@@ -13,7 +13,8 @@ Per rank (every rank holds the same shapes: one executable set serves all):
                  also per region kind (`scratch_by_kind`): the MoE's is bounded by a tile of
                  its local experts' weights, whatever the rows of a step (kernels/linear.py)
 
-Host-resident tensors (`compiler/weights.py` places them: the token embedding, the engram
+Host-resident tensors (`compiler/weights.py` places them: the token embedding where the
+target looks it up on the host, the engram
 tables, the vision tower) are host memory: reported beside the total (`host`), never in it.
 
 The limit per rank is `[memory] limit_gib` when given, else the target's device
@@ -195,7 +196,7 @@ def breakdown(spec, plan, executables=(), staging=None) -> Breakdown:
         limit, source = spec.target.device_memory()
     pools, _ = plan_pools(spec.model.text, plan.layers, block_size=spec.config.kv.block_size, dtype=spec.dtype)
     out = Breakdown(weights_by_kind(plan), pools_by_name(pools, spec.geometry), limit, source,
-                    reserve=int(mem.reserve_gib * GiB), host=host_bytes(spec.model))
+                    reserve=int(mem.reserve_gib * GiB), host=host_bytes(spec.model, device_embedding=spec.device_embedding))
     if executables:
         known = [e for e in executables if e.scratch_bytes is not None]
         if known:

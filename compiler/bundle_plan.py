@@ -170,7 +170,7 @@ class BundlePlan:
         out.append(f"layer plan: {len(self.regions.layers)} layers -> {len(self.regions.kinds)} region kinds")
         rank0 = layout.rank_key(0)
         for kind, kp in self.regions.kinds.items():
-            layers = "head" if kp.layers == [-1] else "layers " + _ranges(kp.layers)
+            layers = kp.slot if kp.layers == [-1] else "layers " + _ranges(kp.layers)
             out.append(f"  {kind:<22} {kp.slot:<7} {layers:<40} {human(self.device_weights(rank0)[kind]):>12} per rank")
         shapes = c.buckets.shapes()
         methods = sorted({e[1] for e in self.executables})

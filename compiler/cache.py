@@ -134,7 +134,9 @@ class Cache:
         self.root = self.dir / f"v{CACHE_VERSION}"
         self.log = log
         self.sign, self.trust = sign, trust
-        self.stats = {"hit": [], "miss": [], "corrupt": [], "stored": [], "compiled": []}
+        # "compiled": executables compiled by this process; "lowered": HLO modules lowered and checked
+        # for an HLO-stage bundle (whose traces are never fetched: --hlo-only lowers every region)
+        self.stats = {"hit": [], "miss": [], "corrupt": [], "stored": [], "compiled": [], "lowered": []}
         self.read_only = False
 
     def _cannot_write(self, e: OSError) -> None:

@@ -224,7 +224,7 @@ def bundle_key(spec, weights: dict[str, Key], host: Key, traces: dict[str, Key],
                                 "max_context": c.buckets.max_context, "context": list(c.buckets.context)},
                     "kv": {"block_size": c.kv.block_size, "num_blocks": c.kv.num_blocks},
                     "parallel": {"tp": c.parallel.tp, "ep": c.parallel.ep, "cp": c.parallel.cp},
-                    "quant": spec.recipe.name, "host": c.host.embedding,
+                    "quant": spec.recipe.name, "host": {"embedding": not spec.device_embedding},
                     **({"stage": "hlo"} if spec.hlo_only else {})}),
         ("toolchain", spec.target.toolchain()),
         ("weights", {k: v.digest for k, v in weights.items()}),
@@ -250,8 +250,9 @@ def weight_file_keys(spec, plan, ckpt: Checkpoint, run) -> dict[str, tuple[str, 
                 out[w.path] = ("weights", weights_key(spec, ckpt, w.kind, plan.kinds[w.kind], rank, memo))
             if w.shared is not None and w.shared not in out:
                 out[w.shared] = ("weights", weights_key(spec, ckpt, w.kind, plan.kinds[w.kind], None, memo))
-    host = host_entries(spec.model)
-    out[host["embed"].path] = ("host", host_key(spec, ckpt, memo))
+    host = host_entries(spec.model, device_embedding=spec.device_embedding)
+    if "embed" in host:
+        out[host["embed"].path] = ("host", host_key(spec, ckpt, memo))
     if "engram" in host:
         out[host["engram"].path] = ("host", engram_key(spec, ckpt, memo))
     if "vision" in host:

@@ -107,12 +107,16 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
     total = sum(timings.values())
     manifest = mf.read(path)
     n = len(manifest.regions)
-    compiled = cache.stats["compiled"] if cache else [e.name for e in manifest.regions]
+    # what this compile built (the others came from the cache): an HLO-stage bundle's modules are
+    # lowered, never compiled
+    built = cache.stats["lowered" if hlo_only else "compiled"] if cache else [e.name for e in manifest.regions]
     what = "HLO modules lowered and checked" if hlo_only else "executables compiled"
-    click.echo(f"wrote {path} in {total:.1f} s ({len(compiled)} of {n} {what})", err=True)
+    click.echo(f"wrote {path} in {total:.1f} s ({len(built)} of {n} {what}, {n - len(built)} from the cache)",
+               err=True)
     if as_json:
         click.echo(json.dumps({"bundle": str(path), "seconds": timings, "executables": n,
-                               "compiled": compiled, "cache": str(cache.dir) if cache else None}))
+                               "compiled": [] if hlo_only else built, "lowered": built if hlo_only else [],
+                               "cache": str(cache.dir) if cache else None}))
 
 
 if __name__ == "__main__":

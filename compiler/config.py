@@ -88,7 +88,7 @@ class QuantSection:
 
 @dataclass(frozen=True, kw_only=True)
 class HostSection:
-    embedding: bool = True
+    embedding: bool | None = None       # the token embedding on the host; None: the target's choice
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,7 +196,6 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
         need(getattr(p, key) >= 1, "parallel", key, "must be at least 1")
     need(cfg.quant.recipe in QUANT_RECIPES, "quant", "recipe",
          f"unknown recipe {cfg.quant.recipe!r}; valid: {', '.join(QUANT_RECIPES)}")
-    need(cfg.host.embedding, "host", "embedding", "the token embedding always stays on the host (true)")
     mem = cfg.memory
     need(mem.limit_gib is None or mem.limit_gib > 0, "memory", "limit_gib", f"must be positive, got {mem.limit_gib}")
     need(mem.reserve_gib >= 0, "memory", "reserve_gib", f"must be at least 0, got {mem.reserve_gib}")

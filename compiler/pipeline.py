@@ -81,6 +81,13 @@ class Spec:
         name = self.config.quant.recipe
         return RECIPES[self.target.recipe if name == "target" else name]
 
+    @property
+    def device_embedding(self) -> bool:
+        """Whether the token embedding is a region (token ids in, its table a device weight):
+        [host] embedding = false, or the target's choice where model.toml leaves it unset."""
+        host = self.config.host.embedding
+        return self.target.device_embedding if host is None else not host
+
     def executables(self, plan: RegionPlan) -> list[tuple[str, str, int, int, int | None]]:
         """(kind, method, batch, tokens, context) of every executable (MoE on gathered rows under EP
         dispatch; context None for the kinds whose shapes do not depend on it)."""
@@ -159,7 +166,7 @@ def copy_tokenizer(spec: Spec, run: Run) -> dict[str, mf.HostFile]:
 
 def plan(spec: Spec, log) -> RegionPlan:
     p = plan_regions(spec.model.text, spec.dtype, spec.config.model.cache_quant, spec.topology,
-                     spec.recipe.fp8_format)
+                     spec.recipe.fp8_format, device_embedding=spec.device_embedding)
     kinds = ", ".join(f"{k} x{len(kp.layers)}" for k, kp in p.kinds.items())
     log(f"{len(p.layers)} layers -> {len(p.kinds)} region kinds ({kinds})")
     return p
@@ -169,7 +176,7 @@ def weight_files(spec: Spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path, 
     """The weight pass's output files under `staging` (planned from the checkpoint's headers: every
     source tensor checked, nothing read) and each rank's manifest entries; `wanted` as `stack_files`'."""
     files, stacks = stack_files(spec, plan, ckpt, staging, wanted)
-    files += host_files(spec.model, ckpt, staging, spec.recipe, wanted)
+    files += host_files(spec.model, ckpt, staging, spec.recipe, wanted, device_embedding=spec.device_embedding)
     return files, stacks
 
 
@@ -214,7 +221,8 @@ def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
                 run.cache.put_file(keys[rel][0], keys[rel][1], Path(f.path))
     run.log(f"weights: {len(files)} file(s) written, {report['bytes_read'] / 2**30:.2f} GiB read in "
             f"{report['seconds']:.1f} s" + (f", {len(fetched)} from the cache" if fetched else ""))
-    return Weights({r: tuple(s) for r, s in stacks.items()}, host_entries(spec.model))
+    return Weights({r: tuple(s) for r, s in stacks.items()},
+                   host_entries(spec.model, device_embedding=spec.device_embedding))
 
 
 def _io(specs) -> tuple[mf.TensorSpec, ...]:
@@ -268,6 +276,8 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
             (run.staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
             os.replace(lowered, run.staging / entry.artifact)
             executables.append(entry)
+            if run.cache is not None:
+                run.cache.stats["lowered"].append(name)
             continue
         executables.append(entry)
         if not target.static_shapes:
@@ -358,6 +368,7 @@ def write_manifest(spec: Spec, plan: RegionPlan, weights: Weights, tokenizer: di
                  static_pools=spec.target.static_shapes),
         regions=executables,
         head=mf.Binding(kind="head", index=0),
+        embed=mf.Binding(kind="embed", index=0) if "embed" in plan.kinds else None,
         layers=layers,
         weights=weights.stacks,
         host={**weights.host, **tokenizer},

@@ -1,7 +1,8 @@
 """Region planning: which (kind, method) each layer runs, and the executables to build.
 
 Layers are grouped by region kind (the attention variant, engram, moe; the
-head once). Each kind is traced once per bucket: per (batch, tokens), and per
+head once, and the token embedding once where it runs on the device). Each
+kind is traced once per bucket: per (batch, tokens), and per
 context bucket too for the kinds whose shapes depend on the context (those
 reading a block table: attention with compressed state). Its weights are
 stacked over the layers of that kind so layer i's weights are slice `index`
@@ -16,7 +17,7 @@ import torch
 
 from deepinfer.regions.base import Region
 from deepinfer.regions.config import TextConfig
-from deepinfer.regions.plan import make_head, make_layer_regions
+from deepinfer.regions.plan import make_embed, make_head, make_layer_regions
 from deepinfer.regions.state import reads_context
 from deepinfer.regions.step import LayerPlan, plan_layers
 from deepinfer.bundles.topology import Topology
@@ -29,7 +30,7 @@ class KindPlan:
     kind: str
     region: Region                                         # a representative instance (meta weights)
     layers: list[int] = field(default_factory=list)        # layers running this kind, in stack order
-    slot: str = ""                                         # engram | attn | moe | head
+    slot: str = ""                                         # embed | engram | attn | moe | head
     full_specs: list = field(default_factory=list)         # the unsharded weights (as in the checkpoint)
 
     @property
@@ -55,23 +56,29 @@ class RegionPlan:
 
 
 def plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology(),
-                 fp8_format: str = "e4m3fn") -> RegionPlan:
+                 fp8_format: str = "e4m3fn", *, device_embedding: bool = False) -> RegionPlan:
     """Regions shaped for one rank of `topo` (one executable set serves every rank), decoding
-    fp8 weights stored in `fp8_format` (the weight recipe's).
+    fp8 weights stored in `fp8_format` (the weight recipe's). With `device_embedding` the token
+    embedding is a region kind of its own (`embed`, first), its table a weight stack held whole
+    by every rank; without, the runtime looks the rows up on the host.
 
     Their weight buffers are on the meta device: shapes and dtypes, no memory (a release
     plan would otherwise allocate a real region of every kind). Whoever runs a region binds
     real tensors to it first (`deepinfer diff`, the trn2 check)."""
     with torch.device("meta"):
-        p = _plan_regions(c, dtype, cache_quant, topo)
+        p = _plan_regions(c, dtype, cache_quant, topo, device_embedding)
     for kp in p.kinds.values():
         kp.region.fp8_format = fp8_format
     return p
 
 
-def _plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology) -> RegionPlan:
+def _plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology,
+                  device_embedding: bool) -> RegionPlan:
     layers = plan_layers(c)
     kinds: dict[str, KindPlan] = {}
+    if device_embedding:
+        embed = make_embed(c, dtype)
+        kinds[embed.kind] = KindPlan(embed.kind, embed, layers=[-1], slot="embed", full_specs=embed.specs)
     bindings: dict[int, dict[str, tuple[str, int]]] = {}
     for p in layers:
         regions = make_layer_regions(c, p, dtype, cache_quant, topo)

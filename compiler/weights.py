@@ -6,7 +6,8 @@ every rank holds whole (attention without tp, the router, norms, ...) is written
 `weights/shared/<kind>.safetensors`, and referenced by every rank's manifest entry; the
 others go to `weights/rank-R/<kind>.safetensors` (with one rank, everything goes there).
 What a rank holds of a tensor is `compiler/shard.py`'s cut. Host-resident tensors go to
-`host/`, once for all ranks: the token embedding, the engram tables (2 x 384M rows x 256 fp8
+`host/`, once for all ranks: the token embedding (where it is not a device region's weight:
+trn2 holds it as the `embed` stack, shared by every rank), the engram tables (2 x 384M rows x 256 fp8
 at release scale, 189 GiB with their scales: 8x a rank's 24 GiB of device memory; the runtime
 memory-maps them and sends each step's rows to the engram region), the vision tower.
 This is the placement decision: what `host_bytes` lists is never a device weight, and
@@ -179,10 +180,12 @@ def stack_files(spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path,
     return list(files.values()), entries
 
 
-def host_entries(model) -> dict[str, HostFile]:
-    """The manifest's host-resident tensors of V41Config `model`: the token embedding, the engram
-    tables (with engram layers), the vision tower (with one)."""
-    out = {"embed": HostFile(path=layout.host_path(layout.HOST_EMBED_FILE), tensor="embed")}
+def host_entries(model, *, device_embedding: bool) -> dict[str, HostFile]:
+    """The manifest's host-resident tensors of V41Config `model`: the token embedding (unless it is
+    a device region's weight), the engram tables (with engram layers), the vision tower (with one)."""
+    out = {}
+    if not device_embedding:
+        out["embed"] = HostFile(path=layout.host_path(layout.HOST_EMBED_FILE), tensor="embed")
     if model.text.engram_layer_ids:
         out["engram"] = HostFile(path=layout.host_path(layout.HOST_ENGRAM_FILE), tensors="checkpoint names")
     if model.vision.num_hidden_layers > 0:
@@ -203,11 +206,12 @@ def _vision_specs(model) -> list[WeightSpec]:
             for name, (shape, dtype) in vision_specs(model.vision, model.text.hidden_size).items()]
 
 
-def host_bytes(model) -> dict[str, int]:
+def host_bytes(model, *, device_embedding: bool) -> dict[str, int]:
     """Bytes of each host file's tensors (V41Config `model`): host memory of the machine that runs
     the bundle, mapped once by every rank it runs there, never a device weight."""
     specs = {"embed": [_embed_spec(model)], "engram": engram_table_specs(model.text), "vision": _vision_specs(model)}
-    return {name: sum(math.prod(s.shape) * s.dtype.itemsize for s in specs[name]) for name in host_entries(model)}
+    return {name: sum(math.prod(s.shape) * s.dtype.itemsize for s in specs[name])
+            for name in host_entries(model, device_embedding=device_embedding)}
 
 
 def _whole(src: TensorInfo | Derived, name: str, spec: WeightSpec) -> OutTensor:
@@ -215,16 +219,23 @@ def _whole(src: TensorInfo | Derived, name: str, spec: WeightSpec) -> OutTensor:
                                                                _row_bytes(spec.shape, spec.dtype.itemsize))])
 
 
-def host_files(model, ckpt: Checkpoint, staging: Path, recipe: Recipe, wanted=None) -> list[OutFile]:
-    """The token embedding, the engram tables (fp8 stored as the recipe says, like every fp8
-    weight) and the vision tower as checkpointed (V41Config `model`)."""
-    entries = host_entries(model)
-    embed = _embed_spec(model)
-    tensors = {"embed": [_whole(_source(ckpt, embed.key, embed), "embed", embed)],
-               "engram": [_whole(_stored(ckpt, s.key, s, recipe), s.name, s) for s in engram_table_specs(model.text)],
-               "vision": [_whole(_source(ckpt, s.key, s), s.name, s) for s in _vision_specs(model)]}
-    return [OutFile(str(staging / entry.path), tensors[name]) for name, entry in entries.items()
-            if wanted is None or wanted(entry.path)]
+def host_files(model, ckpt: Checkpoint, staging: Path, recipe: Recipe, wanted=None, *,
+               device_embedding: bool) -> list[OutFile]:
+    """The token embedding (unless on the device), the engram tables (fp8 stored as the recipe
+    says, like every fp8 weight) and the vision tower as checkpointed (V41Config `model`)."""
+    out = []
+    for name, entry in host_entries(model, device_embedding=device_embedding).items():
+        if wanted is not None and not wanted(entry.path):
+            continue
+        if name == "embed":
+            spec = _embed_spec(model)
+            tensors = [_whole(_source(ckpt, spec.key, spec), "embed", spec)]
+        elif name == "engram":
+            tensors = [_whole(_stored(ckpt, s.key, s, recipe), s.name, s) for s in engram_table_specs(model.text)]
+        else:
+            tensors = [_whole(_source(ckpt, s.key, s), s.name, s) for s in _vision_specs(model)]
+        out.append(OutFile(str(staging / entry.path), tensors))
+    return out
 
 
 def host_sources(model, ckpt: Checkpoint) -> list[str]:

@@ -36,7 +36,7 @@ from deepinfer.regions.agreement import TOLERANCE, OutputDiff, ShapeMismatch, co
 class Entry:
     """The worst difference of one (kind, layer), or of a kind over its layers."""
     kind: str
-    layer: int                # the layer (for a kind: its worst layer); -1 is the head
+    layer: int                # the layer (for a kind: its worst layer); -1 is the model's ends (embed, head)
     calls: int = 0
     score: float = 0.0
     output: str = ""          # the output with the worst score
@@ -102,8 +102,8 @@ class References:
         fp8 = {t.format for e in entries for t in e.tensors.values() if t.format in FP8_FORMATS}
         if len(fp8) > 1:
             raise BundleError(f"{session.path}: fp8 weights in several formats ({', '.join(sorted(fp8))})")
-        plan = plan_regions(session.config.text, session.dtype, m.model.cache_quant,
-                            session.topology, fp8.pop() if fp8 else FP8_E4M3FN)   # shaped for one rank
+        plan = plan_regions(session.config.text, session.dtype, m.model.cache_quant,       # shaped for one rank
+                            session.topology, fp8.pop() if fp8 else FP8_E4M3FN, device_embedding=m.embed is not None)
         self.regions = {kind: kp.region for kind, kp in plan.kinds.items()}
         self.rank = torch.tensor(rank, dtype=torch.int64)
         self.stacks = {e.kind: stack_tensors(session.path, e) for e in entries}
@@ -187,7 +187,7 @@ def diff_bundle(bundle, prompts: list[list[int]], max_new_tokens: int = 4, *,
 
 
 def _layer(layer: int) -> str:
-    return "head" if layer < 0 else str(layer)
+    return "-" if layer < 0 else str(layer)
 
 
 def table_lines(report: DiffReport, *, per_layer: bool = False) -> list[str]:

@@ -36,6 +36,9 @@ def example_inputs(specs: list[InputSpec], g: Geometry, *, start: int = 0, seed:
             rng = np.random.default_rng(seed)
             values = stored_values(rng, s.name, "F8_E4M3" if s.name == "rows" else "F8_E8M0", math.prod(s.shape))
             t = torch.from_numpy(values).reshape(s.shape)
+        elif s.high is not None:                            # ids over the whole range, its last included
+            t = torch.randint(0, s.high, s.shape, generator=gen)
+            t.view(-1)[0] = s.high - 1
         elif s.name in ("token_mask", "cand"):
             t = torch.ones(s.shape, dtype=torch.bool)
         elif s.name == "is_image":

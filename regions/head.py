@@ -1,4 +1,6 @@
-"""The final head (a compiled region); the token embedding is host-side (regions/step.py)."""
+"""The model's two ends as compiled regions: the token embedding (targets that keep it on the
+device, trn2) and the final head. Targets that embed on the host run `regions.step.Embedding`,
+the same computation (`regions.step.embed_tokens`)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,37 @@ from deepinfer.kernels import hc as _hc  # noqa: F401  (registers ops)
 from deepinfer.regions.base import Region, WeightSpec
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.state import Geometry, InputSpec
+from deepinfer.regions.step import embed_tokens
 
 ops = torch.ops.deepinfer
+
+
+class Embed(Region):
+    """Token ids -> the streams the first layer reads: a gather of the step's rows of the
+    embedding table (a device weight [V, D], bf16 as checkpointed), image rows where the step
+    has image positions. Its inputs are all host step inputs (a few bytes a token and the
+    [B, T, D] image rows, which stay unchanged, and so unsent, on text-only steps); its outputs
+    stay on the device for the first layer."""
+
+    kind = "embed"
+
+    def __init__(self, c: TextConfig, *, dtype: torch.dtype):
+        super().__init__([WeightSpec("embed", "embed.weight", (c.vocab_size, c.hidden_size), "BF16")], dtype)
+        self.c = c
+
+    def output_names(self) -> list[str]:
+        return ["h", "pre"]
+
+    def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        c = self.c
+        return [InputSpec("tokens", (B, T), torch.int64, "step", high=c.vocab_size),
+                InputSpec("is_image", (B, T), torch.bool, "step"),
+                InputSpec("image_rows", (B, T, c.hidden_size), self.dtype, "step")]
+
+    def decode(self, tokens: Tensor, is_image: Tensor, image_rows: Tensor) -> tuple[Tensor, Tensor]:
+        """tokens [B, T] int64, is_image [B, T] bool, image_rows [B, T, D] -> h [B, T, n, D],
+        pre [B, T, n] float32."""
+        return embed_tokens(self.embed, tokens, self.c.hc_mult, self.dtype, is_image, image_rows)
 
 
 class Head(Region):

@@ -1,7 +1,8 @@
 """The regions' factory: the region modules each layer of a V4.1 config runs.
 
 A layer is: [engram] -> attention site (one of the attention kinds) -> FFN site
-(MoE). The model ends with the head. Which kind a layer is comes from
+(MoE). The model ends with the head; the token embedding is a region too where
+the target keeps it on the device (`make_embed`). Which kind a layer is comes from
 `regions.step.plan_layers`, the single place that reads the attention schedule.
 """
 
@@ -16,7 +17,7 @@ from deepinfer.regions.attention import ReindexAttention, ReuseAttention, Source
 from deepinfer.regions.base import Region, WeightSpec, engram_table_specs
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.engram import Engram
-from deepinfer.regions.head import Head
+from deepinfer.regions.head import Embed, Head
 from deepinfer.regions.moe import MoE
 from deepinfer.regions.step import LayerPlan, plan_layers
 from deepinfer.regions.topology import attention_config
@@ -53,6 +54,10 @@ def make_layer_regions(c: TextConfig, p: LayerPlan, dtype: torch.dtype, cache_qu
 
 def make_head(c: TextConfig, dtype: torch.dtype) -> Head:
     return Head(c, dtype=dtype)
+
+
+def make_embed(c: TextConfig, dtype: torch.dtype) -> Embed:
+    return Embed(c, dtype=dtype)
 
 
 def checkpoint_specs(c: TextConfig) -> list[tuple[str, WeightSpec]]:

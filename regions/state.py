@@ -104,6 +104,7 @@ class InputSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     role: str               # activation | step | state | carry
+    high: int | None = None  # an index input's bound: its values lie in [0, high) (token ids: the vocabulary)
 
 
 def step_inputs(B: int, T: int, g: Geometry, *, paged: bool) -> list[InputSpec]:

@@ -101,8 +101,28 @@ def run_layers(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows |
     return logits
 
 
+def embed_tokens(weight: Tensor, tokens: Tensor, hc_mult: int, dtype: torch.dtype, is_image: Tensor | None = None,
+                 image_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The token embedding: tokens [B, T] -> h [B, T, n, D] (contiguous), pre [B, T, n] float32.
+
+    weight [V, D] (checkpoint storage, bf16) is read by a gather of the step's rows (never a
+    one-hot product over the vocabulary); the n streams start identical and the first `pre` is
+    one-hot on stream 0. Where is_image [B, T] is set, the row of image_rows [B, T, D] (the vision
+    tower's span) replaces the token's embedding. The one implementation: the host lookup
+    (`Embedding`) and the device region (`regions.head.Embed`) both run it.
+    """
+    e = weight[tokens].to(dtype)                                            # [B, T, D]
+    if image_rows is not None:
+        e = torch.where(is_image.unsqueeze(-1), image_rows.to(dtype), e)
+    h = e.unsqueeze(2).expand(-1, -1, hc_mult, -1).contiguous()
+    pre = torch.zeros(*tokens.shape, hc_mult, dtype=torch.float32)
+    pre[..., 0] = 1
+    return h, pre
+
+
 class Embedding(nn.Module):
-    """Token embedding on the host: ids -> n identical streams and the one-hot first `pre`."""
+    """Token embedding on the host (cpu bundles, the reference): ids -> n identical streams and the
+    one-hot first `pre` (`embed_tokens`)."""
 
     def __init__(self, weight: Tensor, hc_mult: int, dtype: torch.dtype):
         super().__init__()
@@ -112,18 +132,8 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: Tensor, is_image: Tensor | None = None,
                 image_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """tokens [B, T] -> h [B, T, n, D] (contiguous), pre [B, T, n] float32.
-
-        Where is_image [B, T] is set, the row of image_rows [B, T, D] (the vision
-        tower's span) replaces the token's embedding.
-        """
-        e = self.weight[tokens].to(self.dtype)
-        if image_rows is not None:
-            e = torch.where(is_image.unsqueeze(-1), image_rows.to(self.dtype), e)
-        h = e.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
-        pre = torch.zeros(*tokens.shape, self.hc_mult, dtype=torch.float32)
-        pre[..., 0] = 1
-        return h, pre
+        """tokens [B, T] -> h [B, T, n, D], pre [B, T, n] (`embed_tokens`)."""
+        return embed_tokens(self.weight, tokens, self.hc_mult, self.dtype, is_image, image_rows)
 
 
 class EngramRows:

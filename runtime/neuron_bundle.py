@@ -8,7 +8,8 @@ its header is checked against the manifest first (LNC, version, identity).
 State pools come back as aliased outputs: they are bound to the pool slice
 itself, and the session sees only the region's own outputs. Those stay on the
 device too (`DeviceValue`s passed to the next call as they are), except the
-head's logits: per step, the host writes the embedded tokens and the step's
+head's logits: per step, the host writes the token ids (to the embedding
+region, whose table is a resident weight like any other) and the step's other
 host inputs (each once, when it changed) and reads the logits back.
 """
 

@@ -4,9 +4,10 @@ Opening validates the manifest once (format version, types, cross-references,
 digests, target and toolchain) and parses the model config once; loading
 memory-maps the weights, loads each executable once and binds
 each layer's weights as views into the layer-major stacks. The host files (token
-embedding, engram tables) are memory-mapped too, by every rank from the same
-file: a step reads the embedding rows of its tokens and the engram rows of its
-hashes (the leader broadcasts the hashes, never the rows). Generation runs
+embedding where the bundle has no embedding region, engram tables) are memory-mapped
+too, by every rank from the same file: a step reads the embedding rows of its tokens
+(or hands the ids to the embedding region) and the engram rows of its hashes (the
+leader broadcasts the hashes, never the rows). Generation runs
 prompts as decode-shaped chunks padded to the nearest bucket, then one token
 per step, with the same region wiring as the reference (`run_layers`). Each
 step also runs the smallest context bucket that holds its longest sequence:
@@ -156,9 +157,11 @@ class Session:
         self._check_pool_memory()               # before anything is loaded
         # the host tables (memory-mapped, checked against the config) before the executables, whose
         # load is most of a session's start: a damaged bundle is refused in a moment
-        host = m.host["embed"]
-        embed = load_mmap(self.path / host.path)[host.tensor]
-        self.embed = Embedding(embed, self.config.text.hc_mult, self.dtype)
+        self.embed = None                   # the bundle's embedding region (m.embed) runs on the device
+        if m.embed is None:
+            host = m.host["embed"]
+            self.embed = Embedding(load_mmap(self.path / host.path)[host.tensor], self.config.text.hc_mult,
+                                   self.dtype)
         self.hasher = EngramHasher(self.config.text, self._token_map()) if self.config.text.engram_layer_ids else None
         self.engram = None
         if any(p.engram_rows for p in self.plans):          # the manifest then names the host file
@@ -266,11 +269,17 @@ class Session:
         return invoke
 
     def _run(self, batch: Batch) -> torch.Tensor:
-        """One step through every layer and the head -> logits [B, T, V]."""
-        h, pre = self.embed(batch.tokens, batch.is_image, batch.image_rows)
+        """One step: the embedding (the host lookup, or the embedding region fed the token ids),
+        every layer and the head -> logits [B, T, V]."""
         start = time.perf_counter()
-        logits = run_layers(self.plans, self._invoke(batch.block_table.shape[1]), self.states, h, pre, batch,
-                            self.engram, self.capture)
+        invoke = self._invoke(batch.block_table.shape[1])
+        if self.embed is not None:
+            h, pre = self.embed(batch.tokens, batch.is_image, batch.image_rows)
+        else:       # a text-only step's zero image rows equal the last ones: the device staging skips them
+            rows = batch.image_rows if batch.image_rows is not None else \
+                torch.zeros(*batch.tokens.shape, self.config.text.hidden_size, dtype=self.dtype)
+            h, pre = invoke(-1, "embed", batch.tokens, batch.is_image, rows)
+        logits = run_layers(self.plans, invoke, self.states, h, pre, batch, self.engram, self.capture)
         self.stats.step_seconds += time.perf_counter() - start
         self.stats.steps += 1
         self.stats.padded += batch.tokens.numel()

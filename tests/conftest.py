@@ -44,6 +44,7 @@ regenerate = _load_regenerate()
 # artifact cache, so a bundle two groups need is compiled by one worker and fetched by the other.
 GROUPS = {"aoti_bundle": "aoti", "run_aoti_bundle": "aoti", "rank_bundle": "ranks", "run_exported_bundle": "run",
           "exported_bundle": "exported", "exported_bundle_12": "exported", "trn2_hlo_bundle": "trn2",
+          "trn2_hlo_compile": "trn2",
           "filled": "cache", "cache_copy": "cache", "e4m3_bundle": "recipes", "v3_bundle": "recipes"}
 
 
@@ -195,11 +196,28 @@ def exported_bundle_12(tmp_path_factory, tiny12_ckpt) -> Path:
 
 
 @pytest.fixture(scope="session")
-def trn2_hlo_bundle(tmp_path_factory, tiny_ckpt) -> Path:
-    """The 6-layer tiny model for trn2 as an HLO-stage bundle, bucket (1, 1): every region kind
-    lowered to HLO and checked on XLA:CPU against its reference region (8 HLO modules)."""
-    return _compile_tiny(tmp_path_factory, "trn2", tiny_ckpt, executable="neff", tokens=[1], target="trn2",
-                         options='{ lnc = 1, optlevel = 1 }', hlo_only=True)
+def trn2_hlo_compile(tmp_path_factory, tiny_ckpt) -> tuple[Path, str]:
+    """The 6-layer tiny model for trn2 as an HLO-stage bundle, bucket (1, 1), built by
+    `deepinfer-compile --hlo-only --json` (the shared artifact cache): every region kind lowered
+    to HLO and checked on XLA:CPU against its reference region (9 HLO modules). Returns the
+    bundle and what the command printed (its progress and summary lines, then the JSON)."""
+    from click.testing import CliRunner
+
+    from deepinfer.compiler.cli import main
+
+    root = tmp_path_factory.mktemp("trn2")
+    toml = write_model_toml(root, tiny_ckpt, tiny_layers=6, target="trn2", executable="neff",
+                            options="{ lnc = 1, optlevel = 1 }")
+    result = CliRunner().invoke(main, [str(toml), "-o", str(root / "bundle"), "--jobs", "2", "--hlo-only", "--json",
+                                       "--cache-dir", os.environ[CACHE_ENV]])
+    assert result.exit_code == 0, result.output
+    return root / "bundle", result.output
+
+
+@pytest.fixture(scope="session")
+def trn2_hlo_bundle(trn2_hlo_compile) -> Path:
+    """The tiny trn2 HLO-stage bundle of `trn2_hlo_compile`."""
+    return trn2_hlo_compile[0]
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ class Target(Protocol):
     lowered_suffix: ClassVar[str]               # what a compile job reads (and an HLO-stage bundle holds)
     static_shapes: ClassVar[bool]               # pools traced at their compiled sizes, state returned
     state_writes: ClassVar[str]                 # how executables write state (recorded in the manifest)
+    device_embedding: ClassVar[bool]            # the token embedding is a region (ids in), not a host lookup
     executable: str
     options: dict
     lnc: int | None                             # logical NeuronCore size (trn2), recorded with the topology

@@ -12,6 +12,8 @@ What differs from the cpu target:
 - parameters and outputs carry their NEFF tensor names (neff_input_names /
   neff_output_names), and no sort or top-k is wider than neuronx-cc compiles
   (MAX_SELECTION_WIDTH; the indexer selects blockwise, kernels/select.py);
+- the token embedding is a region (`embed`): the host sends token ids, the table is a
+  resident weight and the streams the first layer reads never leave the device;
 - fp8 weights travel as uint8 and every decode is arithmetic (kernels/formats.py), as
   neuronx-cc needs (no dtype bitcasts of graph inputs).
 
@@ -55,6 +57,9 @@ class Trn2Target:
     lowered_suffix = ".hlo.pb"
     static_shapes = True
     state_writes = "returned (pool outputs alias their inputs)"
+    # ids go in, not rows: the table is a resident weight stack (replicated: every rank embeds its
+    # own token group, and a vocabulary split would need a collective before the first layer)
+    device_embedding = True
     # options that only change logs, waiting or checking: left out of cache keys
     LOG_OPTIONS = (*neuronxcc.LOG_ONLY, "check")
     LOWERING_MODULES = ("deepinfer.compiler.targets.trn2", "deepinfer.compiler.targets.hlo",

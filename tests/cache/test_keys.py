@@ -235,8 +235,8 @@ KEYED_EDITS = {
     "kv.num_blocks": ("num_blocks = 5", "num_blocks = 6"),
 }
 # options with one valid value today: the key holds their value (config part)
-SINGLE_VALUED = {"host.embedding": True}
-SECTION_EDITS = {"parallel.tp": "[parallel]\ntp = 2", "parallel.ep": "[parallel]\nep = 2",
+SINGLE_VALUED: dict = {}
+SECTION_EDITS = {"host.embedding": "[host]\nembedding = false","parallel.tp": "[parallel]\ntp = 2", "parallel.ep": "[parallel]\nep = 2",
                  "parallel.cp": "[parallel]\ncp = 2", "quant.recipe": '[quant]\nrecipe = "e4m3"'}
 
 

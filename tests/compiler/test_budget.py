@@ -121,7 +121,8 @@ def test_memory_section_validated(tmp_path, memory, message):
 def test_engram_tables_are_host_bytes_at_release_scale(tmp_path):
     """The release config planned for trn2 at EP = CP = 64 (config.json only: no tensor is read):
     the engram tables count as host bytes, every row and scale of both, and no rank's device
-    weights hold them; what is left fits a rank's 24 GiB."""
+    weights hold them; the token embedding is a device weight on trn2, whole on every rank (vocab
+    129280 x hidden 5120 bf16, 1.23 GiB), and no host file; what is left fits a rank's 24 GiB."""
     from deepinfer.regions.synthetic import release_config
 
     ckpt = tmp_path / "release"
@@ -136,7 +137,8 @@ def test_engram_tables_are_host_bytes_at_release_scale(tmp_path):
     assert d.host["engram"] == sum(r * (256 + 256 // 32) for r in rows)
     biggest = max(math.prod(s.buffer_shape) for kp in p.kinds.values() for s in kp.region.specs)
     assert biggest < min(rows) * 256
-    assert sum(d.weights.values()) < 13 * budget.GiB and d.total <= d.usable
+    assert d.weights["embed"] == 129280 * 5120 * 2 and "embed" not in d.host
+    assert sum(d.weights.values()) < 14 * budget.GiB and d.total <= d.usable
     assert "engram" in d.to_dict()["host_by_file"] and d.to_dict()["total"] == d.total
 
 

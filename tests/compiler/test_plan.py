@@ -92,3 +92,55 @@ def test_longer_tiny_models_keep_their_bindings_consistent(tmp_path, layers):
 def test_longer_tiny_models_have_the_same_kinds(tmp_path, layers):
     plan = plan_of(make_tiny(tmp_path / f"tiny{layers}", layers=layers))
     assert {k: kp.slot for k, kp in plan.kinds.items()} == {k: slot for k, (slot, _) in TINY_KINDS.items()}
+
+
+@pytest.mark.parametrize("target, host, device", [("cpu", None, False), ("trn2", None, True),
+                                                  ("trn2", "true", False), ("cpu", "false", True)])
+def test_where_the_embedding_runs(tiny_ckpt, tmp_path, target, host, device):
+    """The target decides (cpu: the host lookup; trn2: the `embed` region, first, its table a weight
+    stack every rank holds whole), and model.toml's [host] embedding overrides it; the host file of
+    the embedding exists exactly when there is no region."""
+    from deepinfer.compiler import pipeline
+    from deepinfer.compiler.config import load_compile_config
+    from deepinfer.compiler.shard import replicated
+    from deepinfer.compiler.weights import host_entries
+
+    from ..conftest import write_model_toml
+
+    extra = "" if host is None else f"\n[host]\nembedding = {host}\n"
+    spec = pipeline.parse(load_compile_config(write_model_toml(tmp_path, tiny_ckpt, target=target, extra=extra)),
+                          False, lambda msg: None)
+    plan = pipeline.plan(spec, lambda msg: None)
+    assert spec.device_embedding == device
+    assert ("embed" in plan.kinds) == device and ("embed" in host_entries(spec.model, device_embedding=device)) != device
+    if device:
+        kp = plan.kinds["embed"]
+        assert list(plan.kinds)[0] == "embed" and (kp.slot, kp.layers) == ("embed", [-1])
+        c = spec.model.text
+        assert [(s.name, s.key, s.shape, s.ckpt_dtype) for s in kp.region.specs] == \
+            [("embed", "embed.weight", (c.vocab_size, c.hidden_size), "BF16")]
+        assert replicated("embed", "embed", c, spec.topology)
+
+
+def test_embedding_region_is_the_host_lookup(tiny_ckpt):
+    """The `embed` region, traced and run as a program, equals the host lookup (regions.step.Embedding)
+    on the checkpoint's table, image rows included; its token ids span the vocabulary in the examples."""
+    from safetensors.torch import load_file
+
+    from deepinfer.compiler.trace import trace
+    from deepinfer.regions.examples import example_inputs
+    from deepinfer.regions.state import Geometry
+    from deepinfer.regions.step import Embedding
+
+    c = load_config(tiny_ckpt).text
+    table = load_file(tiny_ckpt / "model.safetensors")["embed.weight"]
+    region = plan_regions(c, torch.float32, True, device_embedding=True).kinds["embed"].region
+    g = Geometry(slots=2, blocks=2, block_size=16, max_blocks=1)
+    ep, sig, inputs = trace(region, 2, 3, g, dynamic=False)
+    tokens, is_image, rows = example_inputs(sig.inputs, g, seed=4)
+    assert tokens.view(-1)[0] == c.vocab_size - 1 and 0 <= int(tokens.min()) and tokens.unique().numel() > 1
+    is_image = torch.tensor([[False, True, False], [True, False, False]])
+    h, pre = ep.module()(torch.tensor(0), table, tokens, is_image, rows)
+    want = Embedding(table, c.hc_mult, torch.float32)(tokens, is_image, rows)
+    assert torch.equal(h, want[0]) and torch.equal(pre, want[1])
+    assert h.shape == (2, 3, c.hc_mult, c.hidden_size) and torch.equal(h[0, 1, 2], rows[0, 1])

@@ -67,7 +67,7 @@ def test_one_rank_files_are_save_file_bytes(tiny_ckpt, tmp_path):
     spec, plan = planned(tmp_path, tiny_ckpt)
     ckpt = Checkpoint(tiny_ckpt)
     files, entries = stack_files(spec, plan, ckpt, tmp_path / "b")
-    files += host_files(spec.model, ckpt, tmp_path / "b", spec.recipe)
+    files += host_files(spec.model, ckpt, tmp_path / "b", spec.recipe, device_embedding=spec.device_embedding)
     report = stream(files, workers=2, chunk_bytes=4096)                 # many chunks per tensor
     [stacks] = entries.values()
     for w in stacks:
@@ -124,7 +124,8 @@ def test_ranks_read_once_hold_their_cut_and_share_the_rest(tiny_ckpt, float_scal
                 assert str(tmp_path / "b" / w.shared) in shared
     # the host engram tables: once for every rank, fp8 codes in the recipe's format (each row its own
     # scale block), against quant/rescale's whole-array conversion
-    stream(host_files(spec.model, ckpt, tmp_path / "b", spec.recipe), workers=1, chunk_bytes=1 << 12)
+    stream(host_files(spec.model, ckpt, tmp_path / "b", spec.recipe, device_embedding=spec.device_embedding),
+           workers=1, chunk_bytes=1 << 12)
     host = _read(tmp_path / "b" / "host/engram.safetensors")
     for codes_name, scales_name, _ in spec.model.text.engram_tables():
         codes, scales = (ckpt.get(n).view(torch.uint8).numpy() for n in (codes_name, scales_name))

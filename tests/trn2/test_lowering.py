@@ -33,7 +33,7 @@ from deepinfer.regions.config import load_config  # noqa: E402
 from deepinfer.regions.state import Geometry  # noqa: E402
 from deepinfer.runtime import load  # noqa: E402
 
-KINDS = {"attn_window", "moe", "engram", "attn_source_r2", "attn_reuse_r2", "attn_source_r1_cand",
+KINDS = {"embed", "attn_window", "moe", "engram", "attn_source_r2", "attn_reuse_r2", "attn_source_r1_cand",
          "attn_reindex_r1_cand", "head"}
 
 
@@ -62,8 +62,9 @@ def test_every_region_kind_is_lowered_and_checked(trn2_hlo_bundle):
     for e in m["regions"]:
         assert e["artifact"].endswith(".hlo.pb")
         assert 0 <= e["check"]["score"] <= 1e-5, e["kind"]            # fp32 graphs: rounding only
-    # checked on random weights of the real shapes (all-zero weights made every output zero)
-    assert all(e["check"]["max_abs"] > 0 for e in m["regions"] if e["kind"] != "engram")
+    # checked on random weights of the real shapes (all-zero weights made every output zero); the
+    # embedding's gather is exact (test_embedding_is_a_gather_of_rows)
+    assert all(e["check"]["max_abs"] > 0 for e in m["regions"] if e["kind"] not in ("engram", "embed"))
     mf.check_files(trn2_hlo_bundle, mf.read(trn2_hlo_bundle))
 
 
@@ -78,7 +79,7 @@ def test_weights_and_rank_are_hlo_parameters(trn2_hlo_bundle):
         rank = [i for i, s in enumerate(e["inputs"]) if s["role"] == "rank"]
         assert rank == [0] and params[0].dimensions() == ()
         fp8 = [s for s in e["inputs"] if s["role"] == "weight" and s["dtype"] == "uint8"]
-        assert fp8 or e["kind"] == "head", "fp8 weights travel as uint8"
+        assert fp8 or e["kind"] in ("embed", "head"), "fp8 weights travel as uint8"
 
 
 def test_state_outputs_must_alias_their_pool_inputs(trn2_hlo_bundle):
@@ -119,6 +120,53 @@ def test_neff_tensor_names_are_stamped(trn2_hlo_bundle):
         outputs = re.search(r'neff_output_names="([^"]*)"', root).group(1).split(",")
         assert outputs == [f"out_{s['name']}" for s in e["output_specs"]], e["kind"]
     assert max(len(e["inputs"]) for e in manifest(trn2_hlo_bundle)["regions"]) > 10
+
+
+def test_embedding_is_a_gather_of_rows(trn2_hlo_bundle, tiny_ckpt):
+    """The embedding region reads the step's rows of its table with one gather of [1, D] slices (no
+    one-hot product over the vocabulary, no dot at all) and, run on XLA:CPU with ids that include
+    the vocabulary's last row and image positions among text ones, equals the host lookup
+    (regions.step.Embedding, on the checkpoint's table) exactly."""
+    from deepinfer.regions.step import Embedding
+    from safetensors.torch import load_file
+
+    c = load_config(tiny_ckpt).text
+    V, D, n = c.vocab_size, c.hidden_size, c.hc_mult
+    for e in manifest(trn2_hlo_bundle)["regions"]:
+        if e["kind"] != "embed":
+            continue
+        proto = (trn2_hlo_bundle / e["artifact"]).read_bytes()
+        entry = _entry(xla_client.XlaComputation(proto).as_hlo_text())
+        gathers = [ln for ln in entry if " gather(" in ln]
+        assert len(gathers) == 1 and f"slice_sizes={{1,{D}}}" in gathers[0], gathers
+        assert not any(re.search(r" (dot|convolution)\(", ln) for ln in entry), "a matmul in the embedding"
+        B, T = e["bucket"]["batch"], e["bucket"]["tokens"]
+        table = load_file(tiny_ckpt / "model.safetensors")["embed.weight"]
+        tokens = torch.tensor([V - 1, 0, 7, 100, V - 2, 3, 9, 250] * 2)[:B * T].view(B, T)
+        is_image = (torch.arange(B * T) % 3 == 1).view(B, T)
+        image_rows = torch.randn(B, T, D)
+        h, pre = hlo.CpuHlo(proto)([torch.tensor(0), table, tokens, is_image, image_rows])
+        want_h, want_pre = Embedding(table, n, torch.float32)(tokens, is_image, image_rows)
+        assert h.shape == (B, T, n, D) and torch.equal(h, want_h) and torch.equal(pre, want_pre)
+        assert torch.equal(h[is_image][:, 0], image_rows[is_image]) and h.abs().sum() > 0
+
+
+def test_manifest_binds_one_embedding(trn2_hlo_bundle):
+    """A trn2 bundle binds the embedding region (its table a one-row stack, no host file); a manifest
+    with both or neither is refused, naming the key."""
+    import copy
+
+    data = manifest(trn2_hlo_bundle)
+    assert data["embed"] == {"kind": "embed", "index": 0} and "embed" not in data["host"]
+    [w] = [w for w in data["weights"]["rank-0"] if w["kind"] == "embed"]
+    assert w["layers"] == [-1] and w["tensors"]["embed"]["shape"] == [1, 288, 256]
+    assert not (trn2_hlo_bundle / "host" / "embed.safetensors").exists()
+    both, neither = copy.deepcopy(data), copy.deepcopy(data)
+    both["host"]["embed"] = {"path": "host/embed.safetensors", "tensor": "embed"}
+    neither["embed"] = None
+    for bad, message in ((both, "holds the token embedding .*not both"), (neither, "lacks the token embedding")):
+        with pytest.raises(mf.BundleError, match=rf"m.json: host: {message}"):
+            mf.parse(bad, "m.json")
 
 
 class _PassThrough(torch.nn.Module):
@@ -192,6 +240,19 @@ def test_lowering_options_are_keyed_or_log_only():
 
 # --- without neuronx-cc, and --finish with the stand-in ----------------------------------------
 
+def test_hlo_only_reports_the_modules_it_lowered(trn2_hlo_compile):
+    """`deepinfer-compile --hlo-only` counts the HLO modules it lowered and checked (every one: an
+    HLO-stage compile fetches no trace from the cache), not the cache's compile jobs, which it never
+    runs (with a cache it once said "0 of 8 lowered")."""
+    bundle, output = trn2_hlo_compile
+    names = sorted(e["artifact"].removeprefix("regions/").removesuffix(".hlo.pb") for e in manifest(bundle)["regions"])
+    assert len(names) == 9
+    summary = re.findall(r"\((\d+) of (\d+) HLO modules lowered and checked, (\d+) from the cache\)", output)
+    assert summary == [("9", "9", "0")], output[-2000:]
+    report = json.loads(output.strip().splitlines()[-1])
+    assert sorted(report["lowered"]) == names and report["compiled"] == [] and report["executables"] == 9
+
+
 def test_hlo_stage_bundle_is_refused_at_load(trn2_hlo_bundle):
     with pytest.raises(mf.BundleError, match="HLO-stage bundle.*deepinfer-compile --finish"):
         load(trn2_hlo_bundle)
@@ -205,7 +266,7 @@ def test_finish_with_the_stand_in(trn2_hlo_bundle, tmp_path, stand_in):
     assert m["stage"] == "executable" and m["toolchain"]["neuronx-cc"] == "2.99.0.0+0000000d"
     argvs = [json.loads(line)["argv"] for line in stand_in.read_text().splitlines()]
     compiles = [a for a in argvs if a[:1] == ["compile"]]
-    assert len(compiles) == len(m["regions"]) == 8
+    assert len(compiles) == len(m["regions"]) == 9
     for argv in compiles:
         joined = " ".join(argv)
         assert "--framework XLA --target trn2 --lnc 1 --model-type transformer -O1" in joined
@@ -246,7 +307,7 @@ def test_missing_compiler_after_lowering(tmp_path, tiny_ckpt, monkeypatch):
     lines = []
     with pytest.raises(neuronxcc.NeuronCompilerMissing, match="every region was lowered to HLO.*--hlo-only"):
         compile_bundle(load_compile_config(toml), tmp_path / "out", log=lines.append)
-    assert sum(line.startswith("lowered ") for line in lines) == 8
+    assert sum(line.startswith("lowered ") for line in lines) == 9
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.toml"]
 
 

@@ -151,11 +151,11 @@ def test_generate_through_the_doubles(finished, nrt):
     # one runtime, one load per executable (not per layer), all of them stand-in NEFFs
     assert calls["nrt_init"] == 1 and calls["nrt_close"] == 1
     loads = [ln for ln in lines if ln.startswith("nrt_load")]
-    assert len(loads) == len(m["regions"]) == 8
+    assert len(loads) == len(m["regions"]) == 9
     assert all(ln.endswith("source=neff -> 0") for ln in loads)
     assert sorted(int(field(ln, "size")) for ln in loads) == \
         sorted((finished / e["artifact"]).stat().st_size for e in m["regions"])
-    assert calls["nrt_unload"] == 8
+    assert calls["nrt_unload"] == 9
 
     # resident allocations: one per weight stack and per pool; an input buffer per host input name (shared
     # by the executables) and the outputs once per executable
@@ -163,24 +163,23 @@ def test_generate_through_the_doubles(finished, nrt):
     stacks = [f"{w['kind']}.{name}" for w in m["weights"]["rank-0"] for name in w["tensors"]]
     pools = [f"pool.{name}" for name in m["kv"]["pools"]]
     assert sorted(a for a in allocs if not a.startswith(("in:", "out:"))) == sorted(stacks + pools)
-    host_inputs = {s["name"] for e in m["regions"] for s in e["inputs"] if s["role"] in ("step", "rank")} | \
-        {"h", "pre"}
+    host_inputs = {s["name"] for e in m["regions"] for s in e["inputs"] if s["role"] in ("step", "rank")}
     assert sorted(a for a in allocs if a.startswith("in:")) == sorted(f"in:{n}" for n in host_inputs)
     assert sum(a.startswith("out:") for a in allocs) == \
         sum(len(e["output_specs"]) - len(e["aliases"]) for e in m["regions"])
 
     # every layer's weights and state are slices of the stacks and pools (no copies)
     signature = {e["kind"]: e["inputs"] for e in m["regions"]}
-    places = [b for layer in m["layers"] for b in layer["regions"].values()] + [m["head"]]
+    places = [m["embed"]] + [b for layer in m["layers"] for b in layer["regions"].values()] + [m["head"]]
     weight_views = [f"{b['kind']}.{s['name']}[{b['index']}]" for b in places for s in signature[b["kind"]]
                     if s["role"] == "weight"]
     state_views = [f"pool.{pool}[{index}]" for layer in m["layers"] for pool, index in layer["state"].values()]
     slices = [field(ln, "name") for ln in lines if ln.startswith("nrt_tensor_allocate_slice")]
     assert Counter(slices) == Counter(weight_views + state_views)
-    assert len(places) == 14 > len(loads)                 # 6 layers and the head share 8 executables
+    assert len(places) == 15 > len(loads)                 # the embedding, 6 layers and the head share 9 executables
 
-    # region calls: every region of every layer and the head, once per step
-    per_step = sum(len(layer["regions"]) for layer in m["layers"]) + 1
+    # region calls: the embedding, every region of every layer and the head, once per step
+    per_step = sum(len(layer["regions"]) for layer in m["layers"]) + 2
     runs = executions(lines)
     assert calls["nrt_execute"] == len(runs) == per_step * steps == sum(session.stats.calls.values())
 
@@ -216,21 +215,33 @@ def test_generate_through_the_doubles(finished, nrt):
     assert bound_state == set(state_views)
 
     # host <-> device per step (item 7): the streams h and pre, the selected indices and the candidate
-    # pool stay on the device between region calls; the host writes the first call's h and pre and the
-    # step's inputs (each once a step, and only when it changed) and reads back the logits alone
+    # pool stay on the device between region calls, and the embedding is a region: the host writes
+    # the token ids and the step's other inputs (each once a step, and only when it changed), never
+    # a stream, and reads back the logits alone
     per_name = {s["name"]: nbytes(s) for e in m["regions"] for s in e["inputs"] if s["role"] == "step"}
-    per_name.update({s["name"]: nbytes(s) for s in entries["head"]["inputs"] if s["role"] == "activation"})
+    assert {s["name"]: s["role"] for s in entries["embed"]["inputs"] if s["role"] != "weight"} == \
+        {"rank": "rank", "tokens": "step", "is_image": "step", "image_rows": "step"}
     logits = nbytes(next(s for s in entries["head"]["output_specs"] if s["name"] == "logits"))
     per_step_io = transfers(lines)
     assert len(per_step_io) == steps
+    for io_ in per_step_io:
+        assert not {"in:h", "in:pre"} & {n for n, _ in io_["to_device"]}, io_["to_device"]
     for io_ in per_step_io[1:]:                         # the first step also writes the weights and pools
         assert io_["to_host"] == [("out:logits", logits)]
         written = [n.removeprefix("in:") for n, _ in io_["to_device"]]
         assert len(written) == len(set(written)) and set(written) <= set(per_name), written
         assert sum(b for _, b in io_["to_device"]) <= sum(per_name.values())
+    # the decode step (token 0 after the prompt's 9, at position 3): its id, its position and those of
+    # its engram rows that changed go in, at most 148 bytes (the fixture's: 144, its rows' scales are
+    # the last step's); the host lookup wrote h [1, 1, 4, 256] float32 instead of the id: 4,236 bytes
+    # a step (docs/trn2.md)
     decode = per_step_io[-1]
+    engram = {s["name"]: nbytes(s) for s in entries["engram"]["inputs"] if s["name"] in ("rows", "rows_s")}
+    changing = {"in:tokens": 8, "in:positions": 8, "in:rows": engram["rows"], "in:rows_s": engram["rows_s"]}
+    written = dict(decode["to_device"])
+    assert {"in:tokens", "in:positions"} <= set(written) and written.items() <= changing.items(), written
+    assert sum(written.values()) <= sum(changing.values()) == 148
     assert sum(b for _, b in decode["to_host"]) == logits == vocab * 4
-    assert "positions" in {n.removeprefix("in:") for n, _ in decode["to_device"]}        # changes every step
     assert not any(n.startswith("out:") and n != "out:logits" for io_ in per_step_io for n, _ in io_["to_host"])
 
     # everything released before nrt_close

@@ -38,7 +38,7 @@ RELEASE_KINDS = {"attn_window": [0, 1], "attn_source_r2": [2, 8, 14],
                  "attn_reuse_r2": [3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 15, 16, 17, 18, 19],
                  "attn_source_r1_cand": [20], "attn_reindex_r1_cand": [24, 28, 32, 36],
                  "attn_reuse_r1": [21, 22, 23, 25, 26, 27, 29, 30, 31, 33, 34, 35, 37, 38, 39],
-                 "engram": [1, 14], "moe": list(range(40)), "head": [-1], "embed": [-1]}
+                 "engram": [1, 14], "moe": list(range(40)), "head": [-1]}
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,9 @@ def test_release_config_validates():
 def test_release_layer_plan_and_executables(release):
     d = release
     assert {k: v["layers"] for k, v in d["kinds"].items()} == RELEASE_KINDS
-    # 10 kinds (the embedding is a region on trn2) x 1 method x 4 buckets; EP = CP = 64 is one token
-    # group: the MoE is not gathered
-    assert d["executables"]["count"] == d["compile_jobs"] == 10 * 4
+    # 9 kinds (the example keeps the embedding on the host: [host] embedding = true) x 1 method x 4
+    # buckets; EP = CP = 64 is one token group: the MoE is not gathered
+    assert d["executables"]["count"] == d["compile_jobs"] == 9 * 4
     assert d["topology"] == {"tp": 1, "ep": 64, "cp": 64, "world_size": 64, "groups": 1}
     assert d["checkpoint"]["source"].startswith("config.json only")
 
@@ -77,10 +77,9 @@ def test_release_weights_per_rank(release):
     assert routed < moe < routed + 40 * (16 << 20)        # + a shared expert slice, the router, norms per layer
     tables = (384006168 + 384016682) * (256 + 8)
     assert d["kinds"]["engram"]["weights_per_rank"] < GiB
-    # the token embedding: a device weight on trn2, whole on every rank, stored once (a shared file)
-    assert d["kinds"]["embed"]["weights_per_rank"] == 129280 * 5120 * 2
-    assert "weights/shared/embed.safetensors" in d["weights"]["files"]
-    assert not any(f.startswith("host/embed") for f in d["weights"]["files"])
+    # the token embedding: the example's [host] embedding = true keeps it a host file, no device weight
+    assert "embed" not in d["kinds"] and all(m["host_by_file"]["embed"] == 129280 * 5120 * 2
+                                             for m in d["memory"].values())
     assert all(m["host_by_file"]["engram"] == tables for m in d["memory"].values())
     per_rank = d["weights"]["per_rank_device"]
     assert set(per_rank) == {f"rank-{r}" for r in range(64)} and len(set(per_rank.values())) == 1
@@ -132,8 +131,8 @@ def test_release_moe_scratch_traced_at_two_batches(release):
 def test_plan_cli_prints_the_full_plan():
     r = CliRunner().invoke(main, ["plan", str(RELEASE), "--no-scratch"])
     assert r.exit_code == 0, r.output
-    for line in ("layer plan: 40 layers -> 10 region kinds", "10 kinds x 1 method(s) (decode) x 4 buckets = 40; "
-                 "compile jobs: 40", "  embed                  embed   embed", "state pools (7):", "bundle on disk:", "scratch: not traced",
+    for line in ("layer plan: 40 layers -> 9 region kinds", "9 kinds x 1 method(s) (decode) x 4 buckets = 36; "
+                 "compile jobs: 36", "state pools (7):", "bundle on disk:", "scratch: not traced",
                  "limit 24.00 GiB (trn2 HBM: 12 GiB per NeuronCore x LNC 2)"):
         assert line in r.output, line
     assert re.search(r"memory budget per rank:\n  ranks 0-63 \(64\): (fits|DOES NOT FIT)\n", r.output)

@@ -46,6 +46,7 @@ PASS_RUNS = ("ep1", "ep8", "ep8-e4m3")
 EP8_RUNS = ("ep8", "ep8-e4m3")
 DRIVER_FOR = {"ep1": "driver", "ep8": "driver", "ep8-e4m3": "driver-e4m3"}   # the same fp8 work
 RELEASE_GIB = 475
+COLD: list[bool] = []           # per run: whether the page cache was dropped before it (drop_page_cache)
 
 TOML = """[model]
 checkpoint = "{ckpt}"
@@ -195,8 +196,24 @@ def child_compile(ckpt: str, out: str, jobs: int) -> None:
                       "weight_bytes": _dir_bytes(Path(out), (layout.WEIGHTS_DIR, layout.HOST_DIR))}))
 
 
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def drop_page_cache() -> bool:
+    """Evict clean pages (Linux, root only): every run then reads the checkpoint from the disk, as
+    a compile of a 475 GiB checkpoint does. Without it a run finds whatever of the checkpoint the
+    previous runs' writes left cached, which favours the runs that follow a small one. False
+    where not permitted."""
+    try:
+        DROP_CACHES.write_text("1")
+        return True
+    except OSError:
+        return False
+
+
 def _child(*args: str, timeout: float = 3600) -> dict:
     os.sync()            # every run starts with no dirty pages (the last run's writes or the checkpoint's)
+    COLD.append(drop_page_cache())
     cmd = [sys.executable, __file__, "--_child", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
@@ -316,6 +333,7 @@ def main() -> None:
                                                              storage_gbps=a.storage_gbps)),
         "compile": compile_run, "runs": runs, "jobs": a.jobs, "layers": a.layers,
         "loadavg_1min": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
+        "cold_page_cache": all(COLD),
     }
     _table(summary, log)
     if a.json:
@@ -347,7 +365,9 @@ def _table(s: dict, log) -> None:
     log(f"projection, {RELEASE_GIB} GiB at ep=64 on a 192-core host: {s['projection_475gib_ep64_192core_s']} s "
         f"(the slower ep=8 recipe's per-worker rate x 192, or storage at the assumed rate; each byte is read "
         f"once at any ep)")
-    log(f"1-min load average {s['loadavg_1min']} on {s['cpus']} CPUs")
+    log(f"1-min load average {s['loadavg_1min']} on {s['cpus']} CPUs; page cache "
+        + ("dropped before every run (cold reads)" if s["cold_page_cache"] else
+           "not dropped (not root): a run may find the checkpoint cached by the ones before"))
 
 
 if __name__ == "__main__":

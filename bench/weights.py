@@ -6,7 +6,8 @@
 Writes two synthetic checkpoints with the release's per-layer tensor shapes
 (`regions/synthetic.py`: hidden 5120, moe_intermediate 2304, the real attention,
 indexer and engram widths; 6 layers; routed experts chosen per size) under a
-temporary directory, removed afterwards. On each, side by side in one run:
+temporary directory, removed afterwards. On each, side by side in one run, each run
+after a sync and, where the bench may (root), with the page cache dropped:
 
 - the weight pass alone (plan + stream; no tracing) at ep=1 and ep=8 with the cpu
   target's `release` recipe, and at ep=8 with trn2's `e4m3` (every fp8 block

@@ -45,7 +45,7 @@ class Stats:
     overhead: float = 0.0             # runtime time around region calls (argument lists, lookups)
     steps: int = 0
     step_seconds: float = 0.0
-    by_tokens: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0.0]))   # T bucket -> [steps, seconds]
+    by_tokens: dict = field(default_factory=dict)     # tokens bucket -> [steps, seconds] (picklable: ranks send it)
     tokens: int = 0                   # real tokens processed
     padded: int = 0                   # token slots computed (incl. padding)
 
@@ -283,7 +283,7 @@ class Session:
         seconds = time.perf_counter() - start
         self.stats.step_seconds += seconds
         self.stats.steps += 1
-        shape = self.stats.by_tokens[batch.tokens.shape[1]]
+        shape = self.stats.by_tokens.setdefault(batch.tokens.shape[1], [0, 0.0])
         shape[0] += 1
         shape[1] += seconds
         self.stats.padded += batch.tokens.numel()

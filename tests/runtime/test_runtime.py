@@ -83,7 +83,7 @@ def test_speculative_doubles_keep_the_tokens(loaded, plain, run_exported_bundle)
     assert all(doubles[1].offsets), doubles[1].offsets
 
 
-def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, run_exported_bundle, tiny_ckpt):
+def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, plain, run_exported_bundle, tiny_ckpt):
     """The draft compiled into the bundle (its executables and features pool; no checkpoint read) keeps the
     plain run's tokens on the four golden prompts batched. Then, from the features that run left in the
     pool, it drafts a block for each prompt as the eager reference drafter does from the same features:
@@ -94,7 +94,7 @@ def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, run
 
     session = loaded(run_exported_bundle)
     prompts = [r["prompt_ids"] for r in RUNS]
-    plain = session.generate(prompts, NEW)
+    want = plain(run_exported_bundle, prompts)
     compiled = session.dspark()
     slots, draft = {}, compiled.draft
 
@@ -103,7 +103,7 @@ def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, run
         return draft(requests)
     compiled.draft = recording
     got = session.generate(prompts, NEW, drafter=compiled)
-    assert [g.tokens for g in got] == [g.tokens for g in plain]
+    assert [g.tokens for g in got] == [g.tokens for g in want]
     assert compiled.stats.verify_steps > 0 and sorted(slots) == [0, 1, 2, 3]
 
     reference = ReferenceModel(tiny_ckpt, dtype="fp32", cache_quant=True, ties="lowest").dspark()
@@ -123,7 +123,7 @@ def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, run
     assert agreed >= len(requests)
 
 
-def test_cli_speculative_keeps_the_tokens(run_exported_bundle, run_aoti_bundle, loaded, monkeypatch):
+def test_cli_speculative_keeps_the_tokens(run_exported_bundle, run_aoti_bundle, loaded, plain, monkeypatch):
     """`deepinfer-run --speculative dspark` on the bundle: the plain run's tokens, and with --timing the
     tokens per target step and the verify step over a plain decode step; a bundle compiled without a
     draft is refused in one line, non-zero."""
@@ -132,7 +132,7 @@ def test_cli_speculative_keeps_the_tokens(run_exported_bundle, run_aoti_bundle, 
 
     session = loaded(run_exported_bundle)
     ids = RUNS[0]["prompt_ids"]
-    plain = session.generate([ids], 8)[0].generated
+    want = plain(run_exported_bundle, [ids])[0].generated[:8]
 
     def fresh(*args, **kwargs):             # the bundle opened by the CLI, loaded once; stats of its run only
         session.stats = Stats()
@@ -143,7 +143,7 @@ def test_cli_speculative_keeps_the_tokens(run_exported_bundle, run_aoti_bundle, 
                              "8", "--json", "--timing", "--speculative", "dspark"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert out["outputs"][0]["generated_ids"] == plain
+    assert out["outputs"][0]["generated_ids"] == want
     spec = out["timing"]["speculation"]
     assert spec["verify_steps"] > 0 and spec["tokens_per_step"] >= 1
     assert spec["verify_over_decode_step"] is not None and spec["verify_over_decode_step"] > 0

@@ -62,13 +62,18 @@ class RegionPlan:
     draft_block: int = 0               # positions a draft step runs (dspark_block_size)
     draft_window: int = 0              # target positions the context projection reads (sliding_window)
 
+    @property
+    def draft_kinds(self) -> list[str]:
+        """The kinds the draft's stages run, in stage order (none without a draft)."""
+        return list(dict.fromkeys(kind for stage in self.draft for kind, _ in stage.values()))
+
     def executables(self, shapes: list[tuple[int, int]], contexts: tuple[int, ...],
                     gathered: int = 1) -> list[tuple[str, str, int, int, int | None]]:
         """(kind, method, batch, tokens, context) to build: context is one of `contexts` for the
         kinds that read it, None for the others. With EP dispatch over `gathered` token groups
         the MoE runs on the gathered rows: its batch buckets are `gathered` times larger. The
         draft's kinds come last, one executable per batch bucket."""
-        drafts = list(dict.fromkeys(kind for stage in self.draft for kind, _ in stage.values()))
+        drafts = self.draft_kinds
         out = [(k, METHOD, b * (gathered if k == "moe" else 1), t, c) for k, kp in self.kinds.items()
                if k not in drafts for b, t in shapes for c in (contexts if kp.reads_context else (None,))]
         if not self.draft:

@@ -9,8 +9,8 @@ not exist: buckets tokens 1, 6 and 8), best of `repeats` for one prompt at batch
     plain         greedy decoding, one token a step: seconds per decode step
     all accepted  the test double that drafts the plain run's own continuation
                   (regions/speculative.py): every verify step is 6 tokens and keeps them all
-    dspark        the checkpoint's own tiny DSpark draft, run eagerly beside the bundle
-                  (random weights: it accepts next to nothing)
+    dspark        the checkpoint's own tiny DSpark draft, compiled into the bundle
+                  ([speculative] draft; random weights: it accepts next to nothing)
 
 Reported: decode and verify step times and their ratio (`verify_over_decode_step`, target at
 most 2.0), tokens per verify step and tokens/s per draft, and the all-accepted speedup over
@@ -60,7 +60,6 @@ def main() -> None:
 
     from deepinfer.compiler.config import load_compile_config
     from deepinfer.compiler.pipeline import compile_bundle
-    from deepinfer.regions.reference import ReferenceModel
     from deepinfer.regions.speculative import AllAcceptedDraftDouble
     from deepinfer.regions.tokenizer import ByteTokenizer
     from deepinfer.runtime import load
@@ -71,18 +70,17 @@ def main() -> None:
         target = dataclasses.replace(config.target, executable=args.executable)
         compile_bundle(dataclasses.replace(config, target=target), args.bundle, jobs=2)
     session = load(args.bundle)
-    m = session.manifest.model
     block = session.config.text.dspark_block_size
     if block + 1 not in session.token_sizes:
         sys.exit(f"{args.bundle}: no tokens bucket of {block + 1} (the verify step); compile with tokens "
                  f"including {block + 1}")
-    ckpt = load_compile_config(args.toml).model.checkpoint
-    dspark = ReferenceModel(ckpt, dtype=m.dtype, cache_quant=m.cache_quant, ties="lowest").dspark()
+    if session.manifest.draft is None:
+        sys.exit(f"{args.bundle}: compiled without the draft; recompile it from {args.toml} ([speculative] draft)")
     prompt = ByteTokenizer().encode(PROMPT)
     n = args.new_tokens
     with torch.inference_mode():
         plain = session.generate([prompt], n)
-        drafters = {"all_accepted": lambda: AllAcceptedDraftDouble(plain, block), "dspark": lambda: dspark}
+        drafters = {"all_accepted": lambda: AllAcceptedDraftDouble(plain, block), "dspark": session.dspark}
         best = {"plain": float("inf")} | {k: float("inf") for k in drafters}
         stats = {}
         for _ in range(args.repeats):

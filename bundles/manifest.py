@@ -194,6 +194,21 @@ class Layer:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Draft:
+    """The speculative draft compiled into the bundle (`[speculative] draft`): its stages' region
+    bindings (rows of the draft kinds' stacks), the step it runs (`block` positions at each batch
+    bucket; its `context` slot reads `window` target positions), the target layers whose attention
+    inputs it reads, and the pool holding them (`kv.pools[features]`, one row per target layer).
+    Its logits go through the target head's `project` method."""
+    name: str
+    block: int
+    window: int
+    target_layers: tuple[int, ...]
+    features: str
+    stages: tuple[dict[str, Binding], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class TensorShape:
     """One stacked weight: its shape and storage dtype, the file holding it, and its value
     format (the names quant/ uses: e4m3fn, ue8m0-u8-row-major, e2m1-x2-u8, bf16, f32)."""
@@ -249,6 +264,12 @@ class Manifest:
     host: dict[str, HostFile]
     memory: dict = field(default_factory=dict)      # the budget's breakdown per rank (informational)
     files: dict[str, str] = field(default_factory=dict)
+    draft: Draft | None = None
+
+    @property
+    def draft_kinds(self) -> set[str]:
+        """The kinds the draft's stages run (none without a draft)."""
+        return {b.kind for stage in (self.draft.stages if self.draft else ()) for b in stage.values()}
 
     # -- lookups ---------------------------------------------------------------------------
     def rank_weights(self, rank: int) -> tuple[WeightStack, ...]:
@@ -418,8 +439,9 @@ def check(m: Manifest) -> None:
             for o, src in e.aliases.items():
                 _need(0 <= src < len(e.inputs), key + ("aliases", o), f"input {src} out of range")
     kinds = {e.kind for e in m.regions}
-    for kind in sorted(kinds):      # one executable per bucket (batch sizes may be gathered rows), and per
-        mine = [e for e in m.regions if e.kind == kind]                 # context bucket if it reads one
+    drafts = m.draft_kinds
+    for kind in sorted(kinds - drafts):     # one executable per bucket (batch sizes may be gathered rows), and
+        mine = [e for e in m.regions if e.kind == kind and e.method == "decode"]    # per context bucket if read
         contexts = [None] if mine[0].bucket.context is None else b.context_sizes
         for c in contexts:
             at = [e for e in mine if e.bucket.context == c]
@@ -468,6 +490,31 @@ def check(m: Manifest) -> None:
     _bound(m.head, ("head",), kinds, rows)
     if m.embed is not None:
         _bound(m.embed, ("embed",), kinds, rows)
+    if m.draft is not None:
+        _check_draft(m, kinds, rows)
+
+
+DRAFT_PROJECT = ("head", "project")     # the draft's logits: the target head's projection
+
+
+def _check_draft(m: Manifest, kinds: set, rows: dict) -> None:
+    """Every draft stage's binding names a draft executable kind and a row of its stacks; each draft kind
+    and the head's projection have one executable per batch bucket, at the draft's step shape; the
+    features pool holds one row per target layer it reads."""
+    d, batches = m.draft, m.buckets.batch_sizes
+    _need(d.block >= 1 and d.window >= 1, ("draft",), f"block {d.block} and window {d.window} must be positive")
+    for i, stage in enumerate(d.stages):
+        for slot, b in stage.items():
+            _bound(b, ("draft", "stages", i, slot), kinds, rows)
+    calls = {(k, "decode") for k in m.draft_kinds} | {DRAFT_PROJECT}
+    for kind, method in sorted(calls):
+        at = [e for e in m.regions if (e.kind, e.method) == (kind, method)]
+        _need(sorted(e.bucket.batch for e in at) == batches, ("regions",),
+              f"draft kind {kind!r} ({method}) has executables for batches {sorted(e.bucket.batch for e in at)}, "
+              f"not one for each of {batches}")
+    pool = m.kv.pools.get(d.features)
+    _need(pool is not None and pool.layers == d.target_layers, ("draft", "features"),
+          f"pool {d.features!r} must exist with one row per target layer {list(d.target_layers)}")
 
 
 def _check_table(e: Executable, kv: KV, b: Buckets, key: tuple) -> None:

@@ -194,7 +194,8 @@ def breakdown(spec, plan, executables=(), staging=None) -> Breakdown:
         limit, source = int(mem.limit_gib * GiB), "[memory] limit_gib"
     else:
         limit, source = spec.target.device_memory()
-    pools, _ = plan_pools(spec.model.text, plan.layers, block_size=spec.config.kv.block_size, dtype=spec.dtype)
+    pools, _ = plan_pools(spec.model.text, plan.layers, block_size=spec.config.kv.block_size, dtype=spec.dtype,
+                          draft=bool(plan.draft))
     out = Breakdown(weights_by_kind(plan), pools_by_name(pools, spec.geometry), limit, source,
                     reserve=int(mem.reserve_gib * GiB), host=host_bytes(spec.model, device_embedding=spec.device_embedding))
     if executables:

@@ -170,13 +170,16 @@ class BundlePlan:
         out.append(f"layer plan: {len(self.regions.layers)} layers -> {len(self.regions.kinds)} region kinds")
         rank0 = layout.rank_key(0)
         for kind, kp in self.regions.kinds.items():
-            layers = kp.slot if kp.layers == [-1] else "layers " + _ranges(kp.layers)
+            layers = (kp.slot if kp.layers == [-1] else
+                      ("draft stages " if kp.source != "layers.{}." else "layers ") + _ranges(kp.layers))
             out.append(f"  {kind:<22} {kp.slot:<7} {layers:<40} {human(self.device_weights(rank0)[kind]):>12} per rank")
         shapes = c.buckets.shapes()
         methods = sorted({e[1] for e in self.executables})
+        drafted = len(self.regions.draft_kinds) + 1 if self.regions.draft else 0        # + the head's project
         out += ["", f"executables: {len(self.regions.kinds)} kinds x {len(methods)} method(s) ({', '.join(methods)}) "
-                    f"x {len(shapes)} buckets = {len(self.executables)}; compile jobs: {len(self.executables)} "
-                    "(a cache hit skips one)",
+                    f"x {len(shapes)} buckets"
+                    + (f" ({drafted} draft calls at the {len(c.buckets.batch)} batch buckets only)" if drafted else "")
+                    + f" = {len(self.executables)}; compile jobs: {len(self.executables)} (a cache hit skips one)",
                 "  buckets (batch x tokens): " + ", ".join(f"{b}x{tk}" for b, tk in shapes)
                 + ("; the MoE runs on the gathered rows (EP dispatch)" if topo.dispatch else "")]
         if len(c.buckets.context) > 1:

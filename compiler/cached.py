@@ -75,7 +75,7 @@ def _specs(specs) -> list:
 def trace_key(spec, plan, kind: str, method: str, batch: int, tokens: int, context: int | None) -> Key:
     region = plan.kinds[kind].region
     geometry = spec.geometry_at(context)
-    sig = Signature(weight_specs(region), region.input_specs(batch, tokens, geometry))
+    sig = Signature(weight_specs(region), region.method_inputs(method, batch, tokens, geometry))
     return Key.of("trace", executable_name(kind, method, batch, tokens, context), [
         ("format", format_part()),
         ("region", {"class": type(region).__qualname__, "kind": kind, "method": method}),

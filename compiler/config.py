@@ -9,6 +9,7 @@
     [host]      embedding
     [cache]     dir
     [memory]    limit_gib, reserve_gib (device memory per rank: compiler/budget.py)
+    [speculative] draft (compile the checkpoint's speculative draft into the bundle)
 
 Unknown sections or keys, wrong types and impossible values raise ConfigError
 naming the file, the key and its line, and listing what is valid.
@@ -103,6 +104,12 @@ class MemorySection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SpeculativeSection:
+    # the checkpoint's draft compiled beside the target ("dspark": its mtp.* stages); None: no draft
+    draft: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class CompileConfig:
     source: Path
     model: ModelSection
@@ -114,13 +121,15 @@ class CompileConfig:
     host: HostSection
     cache: CacheSection
     memory: MemorySection
+    speculative: SpeculativeSection
 
 
 SECTIONS = {"model": ModelSection, "target": TargetSection, "buckets": BucketSection, "kv": KVSection,
             "parallel": ParallelSection, "quant": QuantSection, "host": HostSection, "cache": CacheSection,
-            "memory": MemorySection}
+            "memory": MemorySection, "speculative": SpeculativeSection}
 DTYPES = ("fp32", "bf16")
 QUANT_RECIPES = ("target", "release", "e4m3")   # "target" or a name of compiler/weights.RECIPES
+DRAFTS = ("dspark",)
 
 
 class _Where:
@@ -196,6 +205,12 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
         need(getattr(p, key) >= 1, "parallel", key, "must be at least 1")
     need(cfg.quant.recipe in QUANT_RECIPES, "quant", "recipe",
          f"unknown recipe {cfg.quant.recipe!r}; valid: {', '.join(QUANT_RECIPES)}")
+    draft = cfg.speculative.draft
+    need(draft is None or draft in DRAFTS, "speculative", "draft",
+         f"unknown draft {draft!r}; valid: {', '.join(DRAFTS)}")
+    need(draft is None or (p.tp, p.ep, p.cp) == (1, 1, 1), "speculative", "draft",
+         f"a draft is compiled for single-rank bundles only (the runtime's rollback restores the leader's "
+         f"state); got [parallel] tp={p.tp} ep={p.ep} cp={p.cp}")
     mem = cfg.memory
     need(mem.limit_gib is None or mem.limit_gib > 0, "memory", "limit_gib", f"must be positive, got {mem.limit_gib}")
     need(mem.reserve_gib >= 0, "memory", "reserve_gib", f"must be at least 0, got {mem.reserve_gib}")

@@ -47,6 +47,7 @@ KEYED_OPTIONS = (
     "kv.block_size", "kv.num_blocks",
     "parallel.tp", "parallel.ep", "parallel.cp",
     "quant.recipe", "host.embedding", "--hlo-only",
+    "speculative.draft",            # the draft's executables and stacks: their own keys, in the bundle's
 )
 # ...and those that only change logs, dumps, locations or parallelism: never in a key.
 UNKEYED_OPTIONS = (

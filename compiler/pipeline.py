@@ -43,7 +43,7 @@ from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.jobs import Job, keep_failed_logs
 from deepinfer.compiler.keys import Key, graph_digest, kernels_reached
 from deepinfer.compiler.plan import RegionPlan, plan_regions
-from deepinfer.compiler.pools import plan_pools
+from deepinfer.compiler.pools import DRAFT_FEATURES, plan_pools
 from deepinfer.compiler.publish import check_output, clean_stale, make_staging, publish
 from deepinfer.compiler.stream import stream
 from deepinfer.compiler.targets import TARGETS, Target
@@ -74,6 +74,11 @@ class Spec:
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.config.model.dtype]
+
+    @property
+    def draft(self) -> bool:
+        """Whether the bundle holds the checkpoint's speculative draft ([speculative] draft)."""
+        return self.config.speculative.draft is not None
 
     @property
     def recipe(self) -> Recipe:
@@ -146,6 +151,11 @@ def parse(config: CompileConfig, hlo_only: bool, log) -> Spec:
         check_block_size(model.text, config.kv.block_size)
     except ConfigError as e:
         raise config_error(config, "kv", "block_size", str(e)) from None
+    if config.speculative.draft is not None and not model.text.has_draft:
+        raise config_error(config, "speculative", "draft",
+                           f"the checkpoint {m.checkpoint} has no DSpark draft (its config.json's "
+                           "text_config.num_nextn_predict_layers is 0: no mtp.* tensors); drop the key or "
+                           "use a checkpoint with a draft")
     p = config.parallel
     topo = Topology(tp=p.tp, ep=p.ep, cp=p.cp)
     bad = topology.check(topo, model.text)
@@ -155,7 +165,12 @@ def parse(config: CompileConfig, hlo_only: bool, log) -> Spec:
     kv, buckets = config.kv, config.buckets
     geometry = Geometry(slots=max(buckets.batch) + 1, blocks=kv.num_blocks, block_size=kv.block_size,
                         max_blocks=-(-buckets.max_context // kv.block_size))
-    return Spec(config, model, topo, TARGETS[t.name](t.executable, t.options), geometry, hlo_only)
+    spec = Spec(config, model, topo, TARGETS[t.name](t.executable, t.options), geometry, hlo_only)
+    if spec.draft and spec.device_embedding:
+        raise config_error(config, "speculative", "draft",
+                           f"the draft embeds its block with the host's embedding table, and target {t.name} "
+                           "makes the embedding a device region; add [host] embedding = true to keep it on the host")
+    return spec
 
 
 def copy_tokenizer(spec: Spec, run: Run) -> dict[str, mf.HostFile]:
@@ -166,7 +181,7 @@ def copy_tokenizer(spec: Spec, run: Run) -> dict[str, mf.HostFile]:
 
 def plan(spec: Spec, log) -> RegionPlan:
     p = plan_regions(spec.model.text, spec.dtype, spec.config.model.cache_quant, spec.topology,
-                     spec.recipe.fp8_format, device_embedding=spec.device_embedding)
+                     spec.recipe.fp8_format, device_embedding=spec.device_embedding, draft=spec.draft)
     kinds = ", ".join(f"{k} x{len(kp.layers)}" for k, kp in p.kinds.items())
     log(f"{len(p.layers)} layers -> {len(p.kinds)} region kinds ({kinds})")
     return p
@@ -339,7 +354,7 @@ def compile_regions(spec: Spec, traced: Traced, run: Run) -> tuple[mf.Executable
 
 def layout_state(spec: Spec, plan: RegionPlan) -> State:
     pools, bindings = plan_pools(spec.model.text, plan.layers, block_size=spec.config.kv.block_size,
-                                 dtype=spec.dtype)
+                                 dtype=spec.dtype, draft=bool(plan.draft))
     return State(pools, bindings)
 
 
@@ -374,10 +389,21 @@ def write_manifest(spec: Spec, plan: RegionPlan, weights: Weights, tokenizer: di
         host={**weights.host, **tokenizer},
         # per rank; refuses the bundle if the executables overflow it
         memory=budget.record(spec, plan, executables, run.staging),
+        draft=_draft_entry(spec, plan),
     )
     manifest = mf.stamp(run.staging, manifest)
     mf.write(run.staging, manifest)
     return manifest
+
+
+def _draft_entry(spec: Spec, plan: RegionPlan) -> mf.Draft | None:
+    if not plan.draft:
+        return None
+    c = spec.model.text
+    return mf.Draft(name=spec.config.speculative.draft, block=plan.draft_block, window=plan.draft_window,
+                    target_layers=tuple(c.dspark_target_layer_ids), features=DRAFT_FEATURES,
+                    stages=tuple({slot: mf.Binding(kind=kind, index=index) for slot, (kind, index) in stage.items()}
+                                 for stage in plan.draft))
 
 
 @dataclass(frozen=True)

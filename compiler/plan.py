@@ -7,6 +7,13 @@ context bucket too for the kinds whose shapes depend on the context (those
 reading a block table: attention with compressed state). Its weights are
 stacked over the layers of that kind so layer i's weights are slice `index`
 of each stack.
+
+With a draft (`[speculative] draft`), the DSpark stages (`regions/dspark.py`) are planned
+the same way: kinds `dspark_context`, `dspark_attn`, `dspark_moe`, `dspark_head` stacked
+over the stages (`mtp.N.`), traced at the batch buckets only, for the draft's step
+shape: a block of `dspark_block_size` positions (the context projection: the window of
+`sliding_window` target positions), plus the head's `project` method at the block (the
+draft's logits are the target's head).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from deepinfer.regions.step import LayerPlan, plan_layers
 from deepinfer.bundles.topology import Topology
 
 METHOD = "decode"
+DRAFT_PROJECT = "project"          # the target head's method the draft's logits go through
 
 
 @dataclass
@@ -30,8 +38,13 @@ class KindPlan:
     kind: str
     region: Region                                         # a representative instance (meta weights)
     layers: list[int] = field(default_factory=list)        # layers running this kind, in stack order
-    slot: str = ""                                         # embed | engram | attn | moe | head
+    slot: str = ""                                         # embed | engram | attn | moe | head (draft: context, ...)
+    source: str = "layers.{}."                             # checkpoint prefix of a stack row (head, embed: none)
     full_specs: list = field(default_factory=list)         # the unsharded weights (as in the checkpoint)
+
+    def prefix(self, layer: int) -> str:
+        """The checkpoint prefix of stack row `layer` (a layer, a draft stage; -1: the head's, none)."""
+        return "" if layer < 0 else self.source.format(layer)
 
     @property
     def reads_context(self) -> bool:
@@ -45,28 +58,49 @@ class RegionPlan:
     kinds: dict[str, KindPlan]
     # layer -> {slot: (kind, index in that kind's stacks)}
     bindings: dict[int, dict[str, tuple[str, int]]]
+    # the draft's stages: stage -> {slot: (kind, index in that kind's stacks)}; empty without a draft
+    draft: list[dict[str, tuple[str, int]]] = field(default_factory=list)
+    draft_block: int = 0               # positions a draft step runs (dspark_block_size)
+    draft_window: int = 0              # target positions the context projection reads (sliding_window)
+
+    @property
+    def draft_kinds(self) -> list[str]:
+        """The kinds the draft's stages run, in stage order (none without a draft)."""
+        return list(dict.fromkeys(kind for stage in self.draft for kind, _ in stage.values()))
 
     def executables(self, shapes: list[tuple[int, int]], contexts: tuple[int, ...],
                     gathered: int = 1) -> list[tuple[str, str, int, int, int | None]]:
         """(kind, method, batch, tokens, context) to build: context is one of `contexts` for the
         kinds that read it, None for the others. With EP dispatch over `gathered` token groups
-        the MoE runs on the gathered rows: its batch buckets are `gathered` times larger."""
-        return [(k, METHOD, b * (gathered if k == "moe" else 1), t, c) for k, kp in self.kinds.items()
-                for b, t in shapes for c in (contexts if kp.reads_context else (None,))]
+        the MoE runs on the gathered rows: its batch buckets are `gathered` times larger. The
+        draft's kinds come last, one executable per batch bucket."""
+        drafts = self.draft_kinds
+        out = [(k, METHOD, b * (gathered if k == "moe" else 1), t, c) for k, kp in self.kinds.items()
+               if k not in drafts for b, t in shapes for c in (contexts if kp.reads_context else (None,))]
+        if not self.draft:
+            return out
+        batches = sorted({b for b, _ in shapes})
+        for k in drafts:
+            out += [(k, METHOD, b, self.draft_window if self.kinds[k].slot == "context" else self.draft_block, None)
+                    for b in batches]
+        return out + [("head", DRAFT_PROJECT, b, self.draft_block, None) for b in batches]
 
 
 def plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology(),
-                 fp8_format: str = "e4m3fn", *, device_embedding: bool = False) -> RegionPlan:
+                 fp8_format: str = "e4m3fn", *, device_embedding: bool = False, draft: bool = False) -> RegionPlan:
     """Regions shaped for one rank of `topo` (one executable set serves every rank), decoding
     fp8 weights stored in `fp8_format` (the weight recipe's). With `device_embedding` the token
     embedding is a region kind of its own (`embed`, first), its table a weight stack held whole
-    by every rank; without, the runtime looks the rows up on the host.
+    by every rank; without, the runtime looks the rows up on the host. With `draft`, the DSpark
+    stages too (single-rank: every stage whole).
 
     Their weight buffers are on the meta device: shapes and dtypes, no memory (a release
     plan would otherwise allocate a real region of every kind). Whoever runs a region binds
     real tensors to it first (`deepinfer diff`, the trn2 check)."""
     with torch.device("meta"):
         p = _plan_regions(c, dtype, cache_quant, topo, device_embedding)
+        if draft:
+            _plan_draft(p, c, dtype, cache_quant)
     for kp in p.kinds.values():
         kp.region.fp8_format = fp8_format
     return p
@@ -92,3 +126,17 @@ def _plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: To
     head = make_head(c, dtype)
     kinds[head.kind] = KindPlan(head.kind, head, layers=[-1], slot="head", full_specs=head.specs)
     return RegionPlan(layers, kinds, bindings)
+
+
+def _plan_draft(p: RegionPlan, c: TextConfig, dtype: torch.dtype, cache_quant: bool) -> None:
+    from deepinfer.regions.dspark import draft_regions
+
+    for stage, regions in enumerate(draft_regions(c, dtype, cache_quant)):
+        bound = {}
+        for slot, region in regions.items():
+            kp = p.kinds.setdefault(region.kind, KindPlan(region.kind, region, slot=slot, full_specs=region.specs,
+                                                          source="mtp.{}."))
+            bound[slot] = (region.kind, len(kp.layers))
+            kp.layers.append(stage)
+        p.draft.append(bound)
+    p.draft_block, p.draft_window = c.dspark_block_size, c.sliding_window

@@ -3,6 +3,8 @@
 Every state view of the same name and owner kind across layers is one pool
 `[layers owning it, slots | blocks, ...]`, so a layer's view is one contiguous
 slice `pool[index]`. Reuse and reindex layers bind their kv source's slices.
+With a draft, its features pool (`DRAFT_FEATURES`, regions/drafting.py) is one more:
+[target layers it reads, slots, sliding_window, hidden], bound to no layer.
 """
 
 from __future__ import annotations
@@ -12,14 +14,16 @@ from deepinfer.regions.config import TextConfig
 from deepinfer.regions.step import LayerPlan
 from deepinfer.regions.state import PAGED, StateSpec, check_block_size, layer_state
 
+DRAFT_FEATURES = "dspark_features"
+
 
 def pool_name(state: str, p: LayerPlan) -> str:
     return state if state == "win" else f"{state}.r{p.ratio}"
 
 
-def plan_pools(c: TextConfig, plans: list[LayerPlan], *, block_size: int,
-               dtype) -> tuple[dict[str, Pool], dict[int, dict[str, tuple[str, int]]]]:
-    """-> (pools by name, per layer: state name -> (pool, row))."""
+def plan_pools(c: TextConfig, plans: list[LayerPlan], *, block_size: int, dtype,
+               draft: bool = False) -> tuple[dict[str, Pool], dict[int, dict[str, tuple[str, int]]]]:
+    """-> (pools by name, per layer: state name -> (pool, row)); with `draft`, the draft's features pool."""
     check_block_size(c, block_size)
     specs: dict[str, StateSpec] = {}
     layers: dict[str, list[int]] = {}
@@ -35,6 +39,10 @@ def plan_pools(c: TextConfig, plans: list[LayerPlan], *, block_size: int,
     pools = {name: Pool(state=spec.name, dtype=str(spec.dtype).removeprefix("torch."),
                         dim="blocks" if spec.name in PAGED else "slots", entry_shape=tuple(spec.shape[1:]),
                         layers=tuple(layers[name])) for name, spec in specs.items()}
+    if draft:
+        pools[DRAFT_FEATURES] = Pool(state="features", dtype=str(dtype).removeprefix("torch."), dim="slots",
+                                     entry_shape=(c.sliding_window, c.hidden_size),
+                                     layers=tuple(c.dspark_target_layer_ids))
     bindings = {}
     for p in plans:
         views = {"win": owned[p.layer]["win"]}

@@ -87,7 +87,7 @@ def trace(region: Region, B: int, T: int, geometry: Geometry, method: str = "dec
     keeps meta example inputs only (its shapes and dtypes), so a saved program holds no
     sample data. With `dynamic`, pool sizes (slots, blocks) stay symbolic; targets that need
     static shapes (trn2) trace with the geometry's own sizes."""
-    sig = Signature(weight_specs(region), region.input_specs(B, T, geometry))
+    sig = Signature(weight_specs(region), region.method_inputs(method, B, T, geometry))
     inputs = example_inputs(sig.inputs, geometry)
     mode = FakeTensorMode()
     with mode:

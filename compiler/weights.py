@@ -133,7 +133,7 @@ def _pieces(ckpt: Checkpoint, kp, spec: WeightSpec, full: WeightSpec, cut: shard
     slot = math.prod(spec.buffer_shape) * itemsize             # one layer of the stack
     out = []
     for i, layer in enumerate(kp.layers):
-        prefix = "" if layer < 0 else f"layers.{layer}."
+        prefix = kp.prefix(layer)
         if full.experts:                                       # one checkpoint tensor per expert
             e0, e1 = cut.experts or (0, full.experts)
             per_expert = math.prod(spec.shape) * itemsize
@@ -249,7 +249,7 @@ def source_names(kp: KindPlan, ckpt: Checkpoint) -> list[str]:
     names = {}
     for spec in kp.full_specs:
         for layer in kp.layers:
-            prefix = "" if layer < 0 else f"layers.{layer}."
+            prefix = kp.prefix(layer)
             keys = [spec.key.format(e=e) for e in range(spec.experts)] if spec.experts else [spec.key]
             for k in keys:
                 names.update(dict.fromkeys(ckpt.sources(spec, prefix + k)))

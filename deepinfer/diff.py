@@ -103,7 +103,8 @@ class References:
         if len(fp8) > 1:
             raise BundleError(f"{session.path}: fp8 weights in several formats ({', '.join(sorted(fp8))})")
         plan = plan_regions(session.config.text, session.dtype, m.model.cache_quant,       # shaped for one rank
-                            session.topology, fp8.pop() if fp8 else FP8_E4M3FN, device_embedding=m.embed is not None)
+                            session.topology, fp8.pop() if fp8 else FP8_E4M3FN, device_embedding=m.embed is not None,
+                            draft=m.draft is not None)
         self.regions = {kind: kp.region for kind, kp in plan.kinds.items()}
         self.rank = torch.tensor(rank, dtype=torch.int64)
         self.stacks = {e.kind: stack_tensors(session.path, e) for e in entries}

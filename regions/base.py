@@ -90,6 +90,11 @@ class Region(nn.Module):
         for spec in specs:
             self.register_buffer(spec.name, torch.zeros(spec.buffer_shape, dtype=spec.dtype))
 
+    def method_inputs(self, method: str, B: int, T: int, g) -> list:
+        """The inputs of compiled method `method` for a [B, T] step: `input_specs` for `decode`, every
+        region's; `<method>_inputs` for another (the head's `project`)."""
+        return self.input_specs(B, T, g) if method == "decode" else getattr(self, f"{method}_inputs")(B, T, g)
+
     @property
     def fp8(self) -> str:
         """The blockquant_gemm format name of this region's fp8 weights."""

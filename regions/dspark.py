@@ -33,9 +33,10 @@ from deepinfer.kernels.rope import apply_rope
 from deepinfer.regions.attention import _Attention
 from deepinfer.regions.base import Region, WeightSpec, fp8_specs
 from deepinfer.regions.config import TextConfig
-from deepinfer.regions.generate import SpeculationStats
+from deepinfer.regions.drafting import run_draft_stages
 from deepinfer.regions.moe import MoE
 from deepinfer.regions.state import Geometry, InputSpec
+from deepinfer.regions.step import Embedding
 
 ops = torch.ops.deepinfer
 
@@ -70,6 +71,13 @@ class DraftContext(Region):
     def decode(self, features: Tensor) -> Tensor:
         x = ops.blockquant_gemm(features, self.main_proj, self.main_proj_s, self.fp8)
         return ops.rmsnorm(x, self.main_norm, self.c.rms_norm_eps)
+
+
+class DraftMoE(MoE):
+    """A draft stage's MoE site: the target's MoE region over the draft's own routed experts (its own
+    kind, so its executables and weight stacks are the draft's)."""
+
+    kind = "dspark_moe"
 
 
 class DraftAttention(_Attention):
@@ -140,7 +148,7 @@ def draft_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool) -> list[
     stages = []
     for stage in range(c.num_nextn_predict_layers):
         regions = {"attn": DraftAttention(c, dtype=dtype, cache_quant=cache_quant),
-                   "moe": MoE(draft_moe_config(c), dtype=dtype)}
+                   "moe": DraftMoE(draft_moe_config(c), dtype=dtype)}
         if stage == 0:
             regions = {"context": DraftContext(c, dtype=dtype), **regions}
         if stage == c.num_nextn_predict_layers - 1:
@@ -157,79 +165,22 @@ def draft_specs(c: TextConfig) -> list[tuple[str, WeightSpec]]:
                 for region in regions.values() for s in region.specs]
 
 
-def run_stages(stages: list[dict[str, Region]], c: TextConfig, embed: Tensor, features: Tensor,
+def eager_invoke(stages: list[dict[str, Region]], head: Region | None):
+    """invoke(stage, slot, *inputs) over eager regions (`regions.drafting`): stage -1 is the target's
+    `head`, whose `project` the draft's logits go through."""
+    def invoke(stage: int, slot: str, *inputs):
+        out = head.project(*inputs) if slot == "project" else stages[stage][slot].decode(*inputs)
+        return out if isinstance(out, tuple) else (out,)
+    return invoke
+
+
+def run_stages(stages: list[dict[str, Region]], c: TextConfig, embed: Embedding, features: Tensor,
                context_positions: Tensor, block_tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """One draft block through every stage -> the last stage's streams h [B, P, n, D] and pre [B, P, n]
-    (what `DraftHead` reads).
+    """One draft block through every stage, eagerly -> the last stage's streams h [B, P, n, D] and pre
+    [B, P, n] (what `DraftHead` reads).
 
-    embed [V, D] is the target's; features [B, C, L*D] at context_positions [B, C] (-1: empty);
-    block_tokens [B, P] (the anchor, then noise tokens) at positions [B, P]."""
-    dtype = stages[0]["attn"].dtype
-    e = embed[block_tokens].to(dtype)
-    h = e.unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
-    pre = torch.zeros(*block_tokens.shape, c.hc_mult, dtype=torch.float32)
-    pre[..., 0] = 1
-    context = stages[0]["context"].decode(features.to(dtype))
-    no_image = torch.zeros(block_tokens.shape, dtype=torch.bool)
-    for regions in stages:
-        h, pre = regions["attn"].decode(h, pre, context, context_positions, positions)
-        h, pre = regions["moe"].decode(h, pre, no_image)
-    return h, pre
-
-
-class DSparkDrafter:
-    """The DSpark draft as `generate.greedy` drives it (a `generate.Drafter`).
-
-    Its state is the target context it attends to: per sequence, the features of its last
-    `sliding_window` committed positions (`observe` takes them from the step's capture, for
-    committed positions only, so nothing needs rolling back). A block drafts greedily: the
-    stages run once over the anchor and the noise tokens; position i's token is the argmax of
-    the head's logits plus the transition bias of position i - 1's token (the anchor for i = 0).
-    """
-
-    def __init__(self, c: TextConfig, stages: list[dict[str, Region]], embed: Tensor, head: Tensor):
-        self.c, self.stages, self.embed, self.head = c, stages, embed, head
-        self.block = c.dspark_block_size
-        self.capture_layers = tuple(c.dspark_target_layer_ids)
-        self.features: dict[int, dict[int, Tensor]] = {}         # seq -> position -> [L * D]
-        self.stats = SpeculationStats()
-
-    def observe(self, seq: int, stepper, group: int, row: int, start: int, keep: int) -> None:
-        cap = stepper.capture
-        feats = torch.cat([ops.hc_collapse(*[t[row, :keep] for t in cap[layer]]) for layer in self.capture_layers], -1)
-        mine = self.features.setdefault(seq, {})
-        for i in range(keep):
-            mine[start + i] = feats[i]
-        for p in [p for p in mine if p < start + keep - self.c.sliding_window]:
-            del mine[p]
-
-    @torch.inference_mode()
-    def draft(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
-        c, W, P = self.c, self.c.sliding_window, self.block
-        B = len(requests)
-        L, D = len(self.capture_layers), c.hidden_size
-        features = torch.zeros(B, W, L * D, dtype=self.stages[0]["attn"].dtype)
-        context_positions = torch.full((B, W), -1, dtype=torch.int64)
-        for b, (seq, tokens, _) in enumerate(requests):
-            anchor = len(tokens) - 1
-            mine = self.features.get(seq, {})
-            for j, p in enumerate(range(anchor - W, anchor)):
-                if p in mine:
-                    features[b, j], context_positions[b, j] = mine[p], p
-        anchors = torch.tensor([tokens[-1] for _, tokens, _ in requests], dtype=torch.int64)
-        block_tokens = torch.full((B, P), c.dspark_noise_token_id, dtype=torch.int64)
-        block_tokens[:, 0] = anchors
-        positions = torch.tensor([len(tokens) - 1 for _, tokens, _ in requests]).unsqueeze(1) + torch.arange(P)
-        h, pre = run_stages(self.stages, c, self.embed, features, context_positions, block_tokens, positions)
-        head = self.stages[-1]["head"]
-        previous = block_tokens.clone()             # position i's previous token: the anchor, then drafts
-        drafts = torch.zeros(B, P, dtype=torch.int64)
-        base = None
-        for i in range(P):
-            normalized, transition, _ = head.decode(h, pre, previous)
-            if base is None:
-                base = F.linear(normalized.float(), self.head.float())                   # [B, P, V]
-            drafts[:, i] = (base[:, i] + transition[:, i].float()).argmax(-1)
-            if i + 1 < P:
-                previous[:, i + 1] = drafts[:, i]
-        return {seq: drafts[b, :n].tolist() for b, (seq, _, n) in enumerate(requests)}
+    embed is the target's (`regions.step.Embedding`); features [B, C, L*D] at context_positions [B, C]
+    (-1: empty); block_tokens [B, P] (the anchor, then noise tokens) at positions [B, P]."""
+    h, pre = embed(block_tokens)
+    return run_draft_stages(eager_invoke(stages, None), len(stages), h, pre, features.to(embed.dtype),
+                            context_positions, positions)

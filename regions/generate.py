@@ -154,12 +154,14 @@ class Drafter(Protocol):
     capture_layers: tuple[int, ...]     # the target layers whose attention inputs `observe` reads
     stats: SpeculationStats
 
-    def draft(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
-        """(sequence, its committed tokens, how many to draft) for each request -> its drafted tokens."""
+    def draft(self, requests: list[tuple[int, int, list[int], int]]) -> dict[int, list[int]]:
+        """(sequence, its slot, its committed tokens, how many to draft) for each request -> its drafted
+        tokens."""
 
-    def observe(self, seq: int, stepper: Stepper, group: int, row: int, start: int, keep: int) -> None:
-        """After a step: positions start .. start + keep - 1 of `seq` (batch row `row` of `group`) are
-        committed; what the drafter reads of the target for them, it takes from `stepper` now."""
+    def observe(self, seq: int, slot: int, stepper: Stepper, group: int, row: int, start: int, keep: int) -> None:
+        """After a step: positions start .. start + keep - 1 of `seq` (in sequence slot `slot`, batch row
+        `row` of `group`) are committed; what the drafter reads of the target for them, it takes from
+        `stepper` now (a drafter's per-sequence state may live in pools indexed by slot)."""
 
 
 @dataclass
@@ -192,19 +194,31 @@ class DraftedTokens:
     tokens: list[int]
 
 
-def draft_for(drafter: Drafter, active: list[int], gens: list[Generation], consumed: list[int],
-              max_new_tokens: int, chunk: int, max_context: dict[int, int]) -> dict[int, list[int]]:
-    """This step's drafts: for each sequence that has generated and whose unconsumed tokens leave room in
-    a verify step of `drafter.block` + 1 tokens, as many as still fit its token budget and context."""
+def draft_for(drafter: Drafter, active: list[int], gens, consumed, max_new_tokens: dict[int, int], chunk: int,
+              max_context: dict[int, int], slots: dict[int, int]) -> dict[int, list[int]]:
+    """This step's drafts: for each sequence of `active` that has generated and whose unconsumed tokens
+    leave room in a verify step of `drafter.block` + 1 tokens, as many as still fit its token budget
+    (`max_new_tokens[seq]`) and context. `gens` and `consumed` are indexed by sequence."""
     requests = []
     for seq in active:
         g = gens[seq]
         u = len(g.tokens) - consumed[seq]
         n = min(drafter.block + 1, chunk) - u
-        n = min(n, max_new_tokens - len(g.generated) - 1, max_context[seq] - len(g.tokens))
+        n = min(n, max_new_tokens[seq] - len(g.generated) - 1, max_context[seq] - len(g.tokens))
         if g.generated and n > 0:
-            requests.append((seq, g.tokens, n))
+            requests.append((seq, slots[seq], g.tokens, n))
     return drafter.draft(requests) if requests else {}
+
+
+def verify(logits: Tensor, fed: int, drafts: list[int], caught_up: bool = True) -> tuple[list[int], int]:
+    """One sequence's verify step: logits [fed + len(drafts), V] of its fed committed tokens then its
+    drafts -> (the target's greedy token after each position, how many drafts it accepts: the longest
+    prefix equal to its own choices; none unless the sequence had caught up, all its tokens fed)."""
+    choice = logits.argmax(-1).tolist()
+    a = 0
+    while caught_up and a < len(drafts) and choice[fed - 1 + a] == drafts[a]:
+        a += 1
+    return choice, a
 
 
 def reserve(alloc: Allocator, seq: int, positions: int, drafted: dict[int, list[int]]) -> None:
@@ -289,8 +303,9 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
             for seq in waiting:
                 gens[seq].error = "no sequence slot (the bundle was compiled without room for a sequence)"
             break
-        drafted = draft_for(drafter, active, gens, consumed, max_new_tokens, stepper.chunk,
-                            {s: allocs[group_of[s]].max_context for s in active}) if drafter else {}
+        drafted = draft_for(drafter, active, gens, consumed, dict.fromkeys(active, max_new_tokens), stepper.chunk,
+                            {s: allocs[group_of[s]].max_context for s in active},
+                            {s: allocs[group_of[s]].slot_of[s] for s in active}) if drafter else {}
         rows_by_group: list[list[Row]] = [[] for _ in range(groups)]
         for seq in list(active):
             n = min(stepper.chunk, len(gens[seq].tokens) - consumed[seq])
@@ -320,10 +335,7 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
                 u = len(ids) - len(drafts)                  # committed tokens fed this step
                 mine = logits[b, :len(ids)].float()
                 caught_up = start + u == len(g.tokens)
-                choice = mine.argmax(-1).tolist()           # the target's greedy token after each position
-                a = 0
-                while caught_up and a < len(drafts) and choice[u - 1 + a] == drafts[a]:
-                    a += 1
+                choice, a = verify(mine, u, drafts, caught_up)
                 keep = u + a                                # rows whose input tokens are now committed
                 if drafts:
                     drafter.stats.record(len(drafts), a)
@@ -336,7 +348,7 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
                     continue
                 g.logits.extend(mine[len(g.logits) - start:keep].clone())   # refed positions are recorded once
                 if drafter is not None:
-                    drafter.observe(seq, stepper, group, b, start, keep)
+                    drafter.observe(seq, allocs[group].slot_of[seq], stepper, group, b, start, keep)
                 if a == len(drafts):
                     consumed[seq] = start + len(ids)
                 else:                                       # the block is rolled back and refed next step

@@ -63,7 +63,14 @@ class Head(Region):
         return [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
                 InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation")]
 
+    def project_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        return [InputSpec("x", (B, T, self.c.hidden_size), self.dtype, "activation")]
+
     def decode(self, h: Tensor, pre: Tensor) -> Tensor:
         """h [B, T, n, D], pre [B, T, n] -> logits [B, T, V] float32."""
-        x = ops.rmsnorm(ops.hc_collapse(h, pre), self.norm, self.c.rms_norm_eps)
+        return self.project(ops.rmsnorm(ops.hc_collapse(h, pre), self.norm, self.c.rms_norm_eps))
+
+    def project(self, x: Tensor) -> Tensor:
+        """The vocabulary projection alone: normalized states x [B, T, D] -> logits [B, T, V] float32.
+        The DSpark draft's own last norm feeds it (its logits are the target's frozen head)."""
         return F.linear(x.float(), self.head.float())

@@ -19,7 +19,8 @@ from deepinfer.errors import ConfigError
 from deepinfer.regions.base import engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint, load_region
 from deepinfer.regions.config import CONFIG_FILE, V41Config, load_config
-from deepinfer.regions.dspark import PREFIX, DSparkDrafter, draft_regions
+from deepinfer.regions.drafting import DSparkDrafter
+from deepinfer.regions.dspark import PREFIX, draft_regions, eager_invoke
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.engram_map import checked_token_map
 from deepinfer.regions.generate import Allocator, Generation, Row, greedy, make_batch
@@ -110,12 +111,17 @@ class ReferenceModel:
         if not c.has_draft:
             raise ConfigError(f"{self.path / CONFIG_FILE}: text_config.num_nextn_predict_layers is 0: the checkpoint "
                               "has no DSpark draft (mtp.* tensors); speculative decoding needs one")
+        features = torch.zeros(len(c.dspark_target_layer_ids), 1, c.sliding_window, c.hidden_size, dtype=self.dtype)
+        return DSparkDrafter(c, eager_invoke(self.draft_stages(), self.head), self.embed, features)
+
+    def draft_stages(self) -> list[dict]:
+        """The draft's stages (`regions.dspark.draft_regions`) with the checkpoint's `mtp.*` weights."""
         ckpt = Checkpoint(self.path)
-        stages = draft_regions(c, self.dtype, self.cache_quant)
+        stages = draft_regions(self.config.text, self.dtype, self.cache_quant)
         for stage, regions in enumerate(stages):
             for region in regions.values():
                 load_region(ckpt, region, PREFIX.format(stage=stage))
-        return DSparkDrafter(c, stages, self.embed.weight, self.head.head)
+        return stages
 
 
 class _Eager:

@@ -33,14 +33,14 @@ class AllAcceptedDraftDouble:
         self.capture_layers = ()
         self.stats = SpeculationStats()
 
-    def draft(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+    def draft(self, requests: list[tuple[int, int, list[int], int]]) -> dict[int, list[int]]:
         out = {}
-        for seq, tokens, n in requests:
+        for seq, _, tokens, n in requests:
             full = self.plain[seq]
             out[seq] = full[len(tokens):len(tokens) + n] if full[:len(tokens)] == tokens else []
         return out
 
-    def observe(self, seq, stepper, group, row, start, keep) -> None:
+    def observe(self, seq, slot, stepper, group, row, start, keep) -> None:
         """Reads nothing of the target."""
 
 
@@ -55,7 +55,7 @@ class OneRejectedDraftDouble(AllAcceptedDraftDouble):
         self.rng = np.random.default_rng(seed)
         self.offsets = [0] * block
 
-    def draft(self, requests: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+    def draft(self, requests: list[tuple[int, int, list[int], int]]) -> dict[int, list[int]]:
         out = super().draft(requests)
         for seq, drafts in out.items():
             if drafts:

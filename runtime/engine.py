@@ -19,6 +19,12 @@ generator. A cancelled request (its client disconnected) leaves the batch at
 the next step boundary. Requests talk back through two callbacks run on the
 engine's thread: `on_token(id) -> stop?` (stop strings are the caller's) and
 `on_finish(reason, error)`.
+
+With a `drafter` (`deepinfer-serve --speculative dspark`: the bundle's compiled draft), greedy
+requests decode speculatively, as `regions.generate.greedy` does: a caught-up sequence feeds its
+drafts after its unfed token in one verify step, keeps the drafts the target's argmax agrees with
+plus the target's own token, and a rejected block's per-slot state is restored from its snapshot
+and the accepted tokens fed again (the same tokens as without). Sampled requests decode plainly.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Callable
 import torch
 
 from deepinfer.errors import DeepinferError
-from deepinfer.regions.generate import Generation, Row, Stepper
+from deepinfer.regions.generate import DraftedTokens, Generation, Row, SlotSnapshot, Stepper, draft_for, verify
 
 # seconds: step times of a tiny CPU bundle (~ms) up to a release rank's prefill chunk (~s)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -135,6 +141,10 @@ class Metrics:
                               registry=r)
         self.ttft = Histogram("deepinfer_time_to_first_token_seconds", "From a request's arrival to its "
                               "first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.drafted = Counter("deepinfer_drafted_tokens", "Tokens drafted for greedy requests (--speculative)",
+                               registry=r)
+        self.accepted = Counter("deepinfer_accepted_tokens", "Drafted tokens the target's verify steps kept",
+                                registry=r)
         self.itl = Histogram("deepinfer_inter_token_latency_seconds", "Between two tokens of one request",
                              buckets=LATENCY_BUCKETS, registry=r)
 
@@ -148,8 +158,12 @@ class Engine:
     """Continuous batching over `stepper` (a loaded `Session`: the leader of its ranks); `run` drives it
     on one thread, `submit`, `cancel` and `close` may be called from any thread."""
 
-    def __init__(self, stepper: Stepper, *, eos: int, max_queue: int, metrics: Metrics | None = None):
+    def __init__(self, stepper: Stepper, *, eos: int, max_queue: int, metrics: Metrics | None = None,
+                 drafter=None):
         self.stepper, self.eos, self.max_queue = stepper, eos, max_queue
+        self.drafter = drafter                          # a generate.Drafter for greedy requests, or None
+        if drafter is not None and drafter.capture_layers:
+            stepper.capture = dict.fromkeys(drafter.capture_layers)
         self.metrics = metrics or Metrics()
         self.allocs = [stepper.allocator() for _ in range(stepper.groups)]
         a = self.allocs[0]
@@ -246,25 +260,77 @@ class Engine:
             self._finish(r, "cancelled")
         if not self.running:
             return
+        drafted = self._drafts()
         rows_by_group: list[list[Row]] = [[] for _ in self.allocs]
         for seq, r in self.running.items():
             n = min(self.stepper.chunk, len(r.gen.tokens) - r.consumed)
-            self.allocs[r.group].reserve(seq, r.consumed + n)        # admission left room: cannot fail
-            rows_by_group[r.group].append((seq, r.gen.tokens[r.consumed:r.consumed + n], r.consumed))
+            drafts = drafted.get(seq, [])      # within the request's max_tokens: inside what admission reserved
+            self.allocs[r.group].reserve(seq, r.consumed + n + len(drafts))      # admission left room: cannot fail
+            rows_by_group[r.group].append((seq, r.gen.tokens[r.consumed:r.consumed + n] + drafts, r.consumed))
         self.metrics.kv_blocks.set(sum(len(t) for a in self.allocs for t in a.tables.values()))
+        saved = SlotSnapshot.take(self.stepper, {seq: self.allocs[self.running[seq].group].slot_of[seq]
+                                                 for seq in drafted})
+        histories = {seq: DraftedTokens(g.tokens + drafted[seq]) if seq in drafted else g
+                     for seq, g in self.gens.items()}
         start = time.perf_counter()
         try:
-            out = self.stepper.run(rows_by_group, self.allocs, self.gens, None)
+            out = self.stepper.run(rows_by_group, self.allocs, histories, None)
         except Exception as e:          # a failed step fails its sequences, not the server
             for r in list(self.running.values()):
                 self._finish(r, "error", f"the step failed: {type(e).__name__}: {e}")
             return
         now = time.perf_counter()
         self.metrics.step.observe(now - start)
-        for rows, logits in zip(rows_by_group, out):
+        rejected = []
+        for group, (rows, logits) in enumerate(zip(rows_by_group, out)):
             for b, (seq, ids, start_pos) in enumerate(rows):
-                self._advance(self.running[seq], logits[b, :len(ids)], start_pos, now)
+                r = self.running[seq]
+                if seq in drafted:
+                    if not self._verify(r, logits[b, :len(ids)], start_pos, drafted[seq], group, b, now):
+                        rejected.append(seq)
+                    continue
+                if self.drafter is not None:      # every committed position's features, for later drafts
+                    self.drafter.observe(seq, self.allocs[group].slot_of[seq], self.stepper, group, b, start_pos,
+                                         len(ids))
+                self._advance(r, logits[b, :len(ids)], start_pos, now)
+        saved.restore(rejected)
         self._publish()
+
+    def _drafts(self) -> dict[int, list[int]]:
+        """This step's drafts for the running greedy requests (none without a drafter)."""
+        if self.drafter is None:
+            return {}
+        seqs = [seq for seq, r in self.running.items() if r.sampling.temperature == 0]
+        running = self.running
+        return draft_for(self.drafter, seqs, self.gens, {s: running[s].consumed for s in seqs},
+                         {s: running[s].max_tokens for s in seqs}, self.stepper.chunk,
+                         dict.fromkeys(seqs, self.max_context),
+                         {s: self.allocs[running[s].group].slot_of[s] for s in seqs})
+
+    def _verify(self, r: Request, logits: torch.Tensor, start: int, drafts: list[int], group: int, row: int,
+                now: float) -> bool:
+        """A verify step's row (logits of the sequence's unfed committed tokens, then of its drafts: drafts
+        go to caught-up sequences only): the accepted drafts and the target's own token are emitted ->
+        whether every draft was accepted (else the caller restores the slot's state and the accepted
+        tokens are fed again next step)."""
+        fed = len(logits) - len(drafts)
+        choice, a = verify(logits.float(), fed, drafts)
+        keep = fed + a
+        self.drafter.stats.record(len(drafts), a)
+        self.metrics.drafted.inc(len(drafts))
+        self.metrics.accepted.inc(a)
+        finite = torch.isfinite(logits[:keep]).all(-1)
+        if not bool(finite.all()):
+            self._finish(r, "error", f"non-finite logits (NaN or infinity) at position "
+                                     f"{start + int((~finite).nonzero()[0, 0])}")
+            return True
+        self.drafter.observe(r.seq, self.allocs[group].slot_of[r.seq], self.stepper, group, row, start, keep)
+        if a == len(drafts):
+            r.consumed = start + len(logits)
+        for token in drafts[:a] + [choice[fed - 1 + a]]:
+            if self._emit(r, token, now):
+                break
+        return a == len(drafts)
 
     def _advance(self, r: Request, logits: torch.Tensor, start: int, now: float) -> None:
         finite = torch.isfinite(logits).all(-1)
@@ -277,7 +343,10 @@ class Engine:
         r.consumed += len(logits)
         if r.consumed < len(r.gen.tokens):       # more of the prompt to go
             return
-        token = sample(logits[-1], r.sampling, r.generator)
+        self._emit(r, sample(logits[-1], r.sampling, r.generator), now)
+
+    def _emit(self, r: Request, token: int, now: float) -> bool:
+        """Append `token` to `r`'s generation and tell its caller -> whether `r` finished."""
         r.gen.tokens.append(token)
         self.metrics.generated_tokens.inc()
         if r.last_token_at is None:
@@ -290,6 +359,7 @@ class Engine:
             self._finish(r, "stop")
         elif len(r.generated) >= r.max_tokens:
             self._finish(r, "length")
+        return r.finish_reason is not None
 
     def _admit(self) -> None:
         """Move waiting requests into the batch, first come first served, while a group has a free row,

@@ -22,9 +22,13 @@ from deepinfer.cli_common import trust_option, trusted_key, user_errors
               help="Size of the KV block pool, block 0 being scratch (default: the bundle's num_blocks).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Host threads for the executables.")
 @click.option("--no-verify", is_flag=True, help="Skip the digest check of the bundle's files at load.")
+@click.option("--speculative", type=click.Choice(["dspark"]), default=None,
+              help="Greedy requests (temperature 0) decode speculatively with the draft compiled into the bundle "
+                   "([speculative] draft in its model.toml): the same tokens as without. Sampled requests "
+                   "decode plainly. Single-rank bundles.")
 @trust_option
 @user_errors
-def main(bundle, host, port, max_queue, model_name, num_kv_blocks, threads, no_verify, trust):
+def main(bundle, host, port, max_queue, model_name, num_kv_blocks, threads, no_verify, speculative, trust):
     """Serve BUNDLE over the OpenAI HTTP API with continuous batching.
 
     POST /v1/completions and /v1/chat/completions (stream: true for server-sent
@@ -44,10 +48,13 @@ def main(bundle, host, port, max_queue, model_name, num_kv_blocks, threads, no_v
     from deepinfer.regions.tokenizer import for_bundle
     from deepinfer.runtime import open_bundle, ranks
     from deepinfer.runtime.server import serve
+    from deepinfer.runtime.session import require_draft
 
     if threads:
         torch.set_num_threads(threads)
     opened = open_bundle(bundle, verify=not no_verify, trust=trusted_key(trust))
+    if speculative:
+        require_draft(opened)
     tokenizer = for_bundle(opened)
     world, launched = opened.manifest.topology.world_size, ranks.torchrun_rank()
     finish = lambda: None                           # noqa: E731 (what ends the followers' loop)
@@ -68,7 +75,8 @@ def main(bundle, host, port, max_queue, model_name, num_kv_blocks, threads, no_v
 
     name = model_name or opened.path.name
     try:
-        serve(session, tokenizer, model=name, host=host, port=port, max_queue=max_queue, on_ready=ready)
+        serve(session, tokenizer, model=name, host=host, port=port, max_queue=max_queue, on_ready=ready,
+              drafter=session.dspark() if speculative else None)
     finally:
         finish()
 

@@ -398,8 +398,9 @@ async def _sse(served: Served, job: Request, events: asyncio.Queue, head: dict, 
 
 
 def serve(session, tokenizer, *, model: str, host: str, port: int, max_queue: int,
-          on_ready: Callable[[str], None]) -> None:
-    """Serve `session` (loaded; the leader of its ranks) on host:port until SIGINT or SIGTERM.
+          on_ready: Callable[[str], None], drafter=None) -> None:
+    """Serve `session` (loaded; the leader of its ranks) on host:port until SIGINT or SIGTERM; with
+    `drafter` (`session.dspark()`), greedy requests decode speculatively.
 
     Binds first (port 0: a free port, the bound one is what `on_ready` gets, as the URL), then runs
     the engine on its own thread and uvicorn on this one. At shutdown uvicorn lets open requests end
@@ -410,7 +411,7 @@ def serve(session, tokenizer, *, model: str, host: str, port: int, max_queue: in
 
     import uvicorn
 
-    engine = Engine(session, eos=session.config.eos_token_id, max_queue=max_queue)
+    engine = Engine(session, eos=session.config.eos_token_id, max_queue=max_queue, drafter=drafter)
     app = create_app(Served(engine, tokenizer, model, session.config.text.vocab_size))
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

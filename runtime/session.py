@@ -46,6 +46,7 @@ class Stats:
     overhead: float = 0.0             # runtime time around region calls (argument lists, lookups)
     steps: int = 0
     step_seconds: float = 0.0
+    by_tokens: dict = field(default_factory=dict)     # tokens bucket -> [steps, seconds] (picklable: ranks send it)
     tokens: int = 0                   # real tokens processed
     padded: int = 0                   # token slots computed (incl. padding)
 
@@ -102,6 +103,7 @@ def open_bundle(path: str | Path, *, verify: bool = True, trust=None) -> Bundle:
     return bundle
 
 
+METHOD, DRAFT_PROJECT = "decode", "project"     # a step's regions' method; the draft's logits (the head's)
 LAYER_FIELDS = ("attn", "ratio", "kv_source", "candidate_source", "uses_candidates")
 
 
@@ -189,13 +191,13 @@ class Session:
         return None if host is None else load_mmap(self.path / host.path)[host.tensor].numpy()
 
     def _load_executables(self) -> None:
-        """(kind, batch, tokens, block-table width or None for kinds that do not read one) -> executable."""
+        """(kind, method, batch, tokens, block-table width or None for kinds that do not read one) -> executable."""
         self.executables, self.signatures, self.context_kinds = {}, {}, set()
         kv = self.manifest.kv
         for e in self.manifest.regions:
             b = e.bucket
             blocks = None if b.context is None else kv.blocks_for(b.context)
-            self.executables[(e.kind, b.batch, b.tokens, blocks)] = self.placement.load(e, self.path / e.artifact)
+            self.executables[(e.kind, e.method, b.batch, b.tokens, blocks)] = self.placement.load(e, self.path / e.artifact)
             self.signatures[e.kind] = e.inputs
             if blocks is not None:
                 self.context_kinds.add(e.kind)
@@ -213,6 +215,12 @@ class Session:
             views = [self.rank if s.role == "rank" else self.placement.view(stacks[b.kind][s.name], b.index)
                      for s in self.signatures[b.kind] if s.role in ("weight", "rank")]
             self.bound[(layer, slot)] = (b.kind, views)
+        self.draft_bound = {}       # (stage, slot) -> (kind, weight views) of the draft's regions
+        for stage, regions in enumerate(self.manifest.draft.stages if self.manifest.draft else ()):
+            for slot, b in regions.items():
+                self.draft_bound[(stage, slot)] = (b.kind, [
+                    self.rank if s.role == "rank" else self.placement.view(stacks[b.kind][s.name], b.index)
+                    for s in self.signatures[b.kind] if s.role in ("weight", "rank")])
 
     def _pool_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {name: ((len(pool.layers), self.num_blocks if pool.dim == "blocks" else self.num_slots,
@@ -257,7 +265,8 @@ class Session:
             kind, weights = bound[(layer, slot)]
             if comm is not None and slot == "moe" and comm.topo.dispatch:
                 inputs = comm.dispatch(*inputs)                 # every group's rows
-            exe = executables[(kind, inputs[0].shape[0], inputs[0].shape[1], blocks if kind in context_kinds else None)]
+            exe = executables[(kind, METHOD, inputs[0].shape[0], inputs[0].shape[1],
+                               blocks if kind in context_kinds else None)]
             args = weights + list(inputs)
             t1 = time.perf_counter()
             out = exe(args) if on_call is None else on_call(layer, slot, kind, inputs, lambda: exe(args))
@@ -280,11 +289,42 @@ class Session:
                 torch.zeros(*batch.tokens.shape, self.config.text.hidden_size, dtype=self.dtype)
             h, pre = invoke(-1, "embed", batch.tokens, batch.is_image, rows)
         logits = run_layers(self.plans, invoke, self.states, h, pre, batch, self.engram, self.capture)
-        self.stats.step_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.stats.step_seconds += seconds
         self.stats.steps += 1
+        shape = self.stats.by_tokens.setdefault(batch.tokens.shape[1], [0, 0.0])
+        shape[0] += 1
+        shape[1] += seconds
         self.stats.padded += batch.tokens.numel()
         self.stats.tokens += int((batch.positions >= 0).sum())
         return logits
+
+    # -- the draft ---------------------------------------------------------------------------------
+
+    def dspark(self):
+        """The bundle's compiled DSpark draft as a `generate.Drafter` (`regions.drafting.DSparkDrafter`):
+        its executables at the batch buckets, its features pool; no checkpoint is read."""
+        d = require_draft(self.bundle)
+        from deepinfer.regions.drafting import DSparkDrafter       # the collapse op: only where a draft runs
+
+        return DSparkDrafter(self.config.text, self._draft_invoke(), self.embed, self.pools[d.features],
+                             self.batch_sizes)
+
+    def _draft_invoke(self):
+        """invoke(stage, slot, *inputs) over the draft's executables (stage -1: the head's `project`)."""
+        executables, stats, draft_bound, head = self.executables, self.stats, self.draft_bound, self.bound[(-1, "head")]
+
+        def invoke(stage: int, slot: str, *inputs):
+            kind, weights = head if slot == "project" else draft_bound[(stage, slot)]
+            method = DRAFT_PROJECT if slot == "project" else METHOD
+            exe = executables[(kind, method, inputs[0].shape[0], inputs[0].shape[1], None)]
+            t0 = time.perf_counter()
+            out = exe(weights + list(inputs))
+            name = kind if method == METHOD else f"{kind}.{method}"
+            stats.calls[name] += 1
+            stats.seconds[name] += time.perf_counter() - t0
+            return out
+        return invoke
 
     # -- what `greedy` drives ----------------------------------------------------------------------
 
@@ -347,6 +387,14 @@ class Session:
         finally:
             if self.comm is not None:
                 self.comm.step(None)
+
+
+def require_draft(bundle: Bundle) -> mf.Draft:
+    """The bundle's compiled draft; a BundleError in one line for a bundle compiled without one."""
+    if bundle.manifest.draft is None:
+        raise mf.BundleError(f"{bundle.path}: compiled without a speculative draft, so it cannot run --speculative "
+                             'dspark; add [speculative] draft = "dspark" to its model.toml and compile again')
+    return bundle.manifest.draft
 
 
 def stack_tensors(bundle: Path, entry: mf.WeightStack) -> dict[str, torch.Tensor]:

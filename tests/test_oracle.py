@@ -54,23 +54,20 @@ def test_dspark_draft_matches_nemo(tiny_ckpt, one_thread):
     """The tiny DSpark draft's block (tests/golden/nemo_dspark.py: NeMo's DeepseekV41DSparkModel on the
     same mtp.* weights, features and tokens; fp32, cache quantization off): draft logits and confidence
     within 1e-4 of the largest magnitude."""
-    from torch.nn import functional as F
-
     from deepinfer.regions.dspark import run_stages
     from deepinfer.regions.reference import ReferenceModel
 
     model = ReferenceModel(tiny_ckpt, dtype="fp32", cache_quant=False)
     c = model.config.text
-    drafter = model.dspark()
     a, W, P = DSPARK["anchor_position"], c.sliding_window, c.dspark_block_size
     features = torch.tensor(DSPARK["features"][a - W:a]).unsqueeze(0)               # the window before the anchor
     context_positions = torch.arange(a - W, a).unsqueeze(0)
     block = torch.full((1, P), c.dspark_noise_token_id)
     block[0, 0] = DSPARK["anchor_token"]
-    h, pre = run_stages(drafter.stages, c, model.embed.weight, features, context_positions, block,
-                        torch.arange(a, a + P).unsqueeze(0))
-    normalized, transition, confidence = drafter.stages[-1]["head"].decode(h, pre, torch.tensor([DSPARK["previous"]]))
-    logits = F.linear(normalized.float(), model.head.head.float()) + transition
+    stages = model.draft_stages()
+    h, pre = run_stages(stages, c, model.embed, features, context_positions, block, torch.arange(a, a + P).unsqueeze(0))
+    normalized, transition, confidence = stages[-1]["head"].decode(h, pre, torch.tensor([DSPARK["previous"]]))
+    logits = model.head.project(normalized) + transition
     for got, want in ((logits[0], DSPARK["logits"]), (confidence[0], DSPARK["confidence"])):
         want = torch.tensor(want, dtype=torch.float64)
         assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max(), (got.double() - want).abs().max()

@@ -131,7 +131,10 @@ def test_each_executable_key_part_changes_the_key(b, monkeypatch, part):
 
 TRACE_VARIANTS = {
     "format": lambda b, mp, kw: mp.setattr(cached, "format_part", lambda: {"bundle_format": 99, "cache": 1}),
-    "region": lambda b, mp, kw: kw.update(method="prefill"),
+    # another method with the same inputs (a method's inputs are `<method>_inputs`, `decode`'s `input_specs`)
+    "region": lambda b, mp, kw: (mp.setattr(type(b.plan.kinds[kw["kind"]].region), "prefill_inputs",
+                                            lambda self, B, T, g: self.input_specs(B, T, g), raising=False),
+                                 kw.update(method="prefill")),
     "bucket": None,                                   # the signature changes with it: tested below
     "geometry": lambda b, mp, kw: b.replace(geometry=dataclasses.replace(b.spec.geometry, blocks=99)),
     "model": lambda b, mp, kw: mp.setattr(type(b.spec.model), "digest", lambda self: "other"),
@@ -236,8 +239,9 @@ KEYED_EDITS = {
 }
 # options with one valid value today: the key holds their value (config part)
 SINGLE_VALUED: dict = {}
-SECTION_EDITS = {"host.embedding": "[host]\nembedding = false","parallel.tp": "[parallel]\ntp = 2", "parallel.ep": "[parallel]\nep = 2",
-                 "parallel.cp": "[parallel]\ncp = 2", "quant.recipe": '[quant]\nrecipe = "e4m3"'}
+SECTION_EDITS = {"host.embedding": "[host]\nembedding = false", "parallel.tp": "[parallel]\ntp = 2",
+                 "parallel.ep": "[parallel]\nep = 2", "parallel.cp": "[parallel]\ncp = 2",
+                 "quant.recipe": '[quant]\nrecipe = "e4m3"', "speculative.draft": '[speculative]\ndraft = "dspark"'}
 
 
 @pytest.mark.parametrize("option", [o for o in KEYED_OPTIONS if not o.startswith("model.checkpoint")

@@ -100,6 +100,10 @@ CASES = [
     ("parallel_tp", "tp = 1", "tp = 0", "parallel.tp", ["must be at least 1"]),
     ("parallel_ep", "ep = 1", "ep = -2", "parallel.ep", ["must be at least 1"]),
     ("parallel_cp", "cp = 1", "cp = true", "parallel.cp", ["expected int"]),
+    ("speculative_unknown_draft", "cp = 1", 'cp = 1\n\n[speculative]\ndraft = "eagle"', "speculative.draft",
+     ["'eagle'", "valid: dspark"]),
+    ("speculative_multi_rank", "ep = 1\ncp = 1", 'ep = 2\ncp = 1\n\n[speculative]\ndraft = "dspark"',
+     "speculative.draft", ["single-rank", "ep=2"]),
 ]
 
 
@@ -190,3 +194,21 @@ def test_cli_missing_file(tmp_path):
     result = run_cli(tmp_path / "nope.toml", "-o", tmp_path / "bundle")
     assert result.exit_code == 2
     assert result.stderr.strip() == f"error: {tmp_path / 'nope.toml'}: no such file"
+
+
+def test_draft_of_a_checkpoint_without_one_is_refused(tmp_path):
+    """[speculative] draft = "dspark" over a checkpoint without mtp.* (num_nextn_predict_layers 0): one
+    line naming the file, the key and its line; nothing written."""
+    from deepinfer.regions.tiny import make_tiny
+
+    nodraft = make_tiny(tmp_path / "nodraft", draft=False)
+    text = BASE.replace('"checkpoint"', f'"{nodraft}"')
+    path, line = write(tmp_path, text, "cp = 1", 'cp = 1\n\n[speculative]\ndraft = "dspark"')
+    out = tmp_path / "bundle"
+    result = run_cli(path, "-o", out)
+    assert result.exit_code == 2, result.output
+    errors = [s for s in result.stderr.splitlines() if s.startswith("error:")]     # after the resolved settings
+    assert len(errors) == 1 and errors[0].startswith(f"error: {path}:{line}: speculative.draft: "), errors
+    assert "no DSpark draft" in errors[0] and "num_nextn_predict_layers is 0" in errors[0]
+    assert "Traceback" not in result.output
+    assert not out.exists()

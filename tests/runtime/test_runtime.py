@@ -83,6 +83,78 @@ def test_speculative_doubles_keep_the_tokens(loaded, plain, run_exported_bundle)
     assert all(doubles[1].offsets), doubles[1].offsets
 
 
+def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, plain, run_exported_bundle, tiny_ckpt):
+    """The draft compiled into the bundle (its executables and features pool; no checkpoint read) keeps the
+    plain run's tokens on the four golden prompts batched. Then, from the features that run left in the
+    pool, it drafts a block for each prompt as the eager reference drafter does from the same features:
+    the same tokens, logits within the golden's measured floor, up to a position where the reference's
+    top-two margin is within that floor (there the argmax may go either way, and later positions are
+    conditioned on it, so the comparison stops)."""
+    from deepinfer.regions.reference import ReferenceModel
+
+    session = loaded(run_exported_bundle)
+    prompts = [r["prompt_ids"] for r in RUNS]
+    want = plain(run_exported_bundle, prompts)
+    compiled = session.dspark()
+    slots, draft = {}, compiled.draft
+
+    def recording(requests):
+        slots.update({seq: slot for seq, slot, _, _ in requests})
+        return draft(requests)
+    compiled.draft = recording
+    got = session.generate(prompts, NEW, drafter=compiled)
+    assert [g.tokens for g in got] == [g.tokens for g in want]
+    assert compiled.stats.verify_steps > 0 and sorted(slots) == [0, 1, 2, 3]
+
+    reference = ReferenceModel(tiny_ckpt, dtype="fp32", cache_quant=True, ties="lowest").dspark()
+    reference.features = compiled.features.clone()
+    requests = [(seq, slots[seq], g.tokens, compiled.block) for seq, g in enumerate(got)]
+    (want, want_logits), (mine, logits) = reference.block_logits(requests), compiled.block_logits(requests)
+    floor = GOLDEN["noise"]["fp32-quant-lowest"]["tolerance"]
+    agreed = 0
+    for b in range(len(requests)):
+        for i in range(compiled.block):
+            assert (logits[b, i] - want_logits[b, i]).abs().max() <= floor, (b, i)
+            if mine[b, i] != want[b, i]:
+                top = want_logits[b, i].topk(2).values
+                assert top[0] - top[1] <= floor, (b, i, int(mine[b, i]), int(want[b, i]))
+                break
+            agreed += 1
+    assert agreed >= len(requests)
+
+
+def test_cli_speculative_keeps_the_tokens(run_exported_bundle, run_aoti_bundle, loaded, plain, monkeypatch):
+    """`deepinfer-run --speculative dspark` on the bundle: the plain run's tokens, and with --timing the
+    tokens per target step and the verify step over a plain decode step; a bundle compiled without a
+    draft is refused in one line, non-zero."""
+    import deepinfer.runtime.session
+    from deepinfer.runtime.cli import main
+
+    session = loaded(run_exported_bundle)
+    ids = RUNS[0]["prompt_ids"]
+    want = plain(run_exported_bundle, [ids])[0].generated[:8]
+
+    def fresh(*args, **kwargs):             # the bundle opened by the CLI, loaded once; stats of its run only
+        session.stats = Stats()
+        return session
+    monkeypatch.setattr(deepinfer.runtime.session, "load", fresh)
+    runner = CliRunner()
+    r = runner.invoke(main, [str(run_exported_bundle), "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens",
+                             "8", "--json", "--timing", "--speculative", "dspark"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["outputs"][0]["generated_ids"] == want
+    spec = out["timing"]["speculation"]
+    assert spec["verify_steps"] > 0 and spec["tokens_per_step"] >= 1
+    assert spec["verify_over_decode_step"] is not None and spec["verify_over_decode_step"] > 0
+    assert {"dspark_attn", "dspark_moe", "dspark_head", "head.project"} <= {row["kind"] for row in out["timing"]["regions"]}
+    r = runner.invoke(main, [str(run_exported_bundle), "--prompt", "Hi", "--max-new-tokens", "3", "--timing",
+                             "--speculative", "dspark"])
+    assert r.exit_code == 0 and "tokens per step" in r.stderr, r.output
+    r = runner.invoke(main, [str(run_aoti_bundle), "--prompt", "Hi", "--speculative", "dspark"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "compiled without a speculative draft" in r.output
+
+
 @pytest.mark.parametrize("which", ["run_aoti_bundle", "run_exported_bundle"])
 def test_bundle_reproduces_golden_tokens(request, loaded, plain, which):
     """AOTInductor (no cache quantization, 1-token prompt steps) and exported (cache

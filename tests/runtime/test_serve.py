@@ -268,3 +268,29 @@ def test_text_stream_cuts_at_the_first_stop_and_holds_back_a_possible_start():
     assert "".join(pieces) == "abcSTxyz" and not stopped and pieces[5] == "STx"
     pieces, _, _ = streamed("tail S", ["STOP"])    # the end releases what was held
     assert pieces[-1] == "S" and "".join(pieces) == "tail S"
+
+
+def test_speculative_greedy_equals_plain_decoding(run_exported_bundle, aoti_bundle):
+    """deepinfer-serve --speculative dspark on the bundle with the draft compiled in: greedy completions
+    (drafted, verified) equal the same server's plain decoding of the same prompts (temperature 1 with
+    top_k 1: sampled requests decode plainly, and top-1 sampling draws the argmax), one at a time and
+    four at once; drafts were verified. A bundle without a draft is refused in one line."""
+    from deepinfer.runtime.serve_cli import main
+
+    s = Server(run_exported_bundle, "--speculative", "dspark")
+    try:
+        client = s.client()
+        prompts = PROMPTS[:4]
+
+        def complete(p, **kw):
+            return client.completions.create(model=MODEL, prompt=p, max_tokens=NEW, **kw).choices[0].text
+        plain = {p: complete(p, temperature=1.0, extra_body={"top_k": 1}) for p in prompts}
+        assert s.metric("deepinfer_drafted_tokens_total") == 0
+        assert complete(prompts[0]) == plain[prompts[0]]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(complete, prompts)) == [plain[p] for p in prompts]
+        assert s.metric("deepinfer_drafted_tokens_total") > 0
+    finally:
+        assert s.stop() == 0, s.proc.stderr.read()
+    r = CliRunner().invoke(main, [str(aoti_bundle), "--speculative", "dspark"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "compiled without a speculative draft" in r.output

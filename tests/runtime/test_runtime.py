@@ -123,21 +123,25 @@ def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, pla
     assert agreed >= len(requests)
 
 
-def test_cli_speculative_keeps_the_tokens(run_exported_bundle, run_aoti_bundle, loaded, plain, monkeypatch):
-    """`deepinfer-run --speculative dspark` on the bundle: the plain run's tokens, and with --timing the
-    tokens per target step and the verify step over a plain decode step; a bundle compiled without a
-    draft is refused in one line, non-zero."""
+def reuse_session(monkeypatch, session) -> None:
+    """deepinfer-run's load (runtime.session.load, through ranks.load_here) returns `session`, the
+    bundle loaded once for this module, with the stats of the CLI's run only."""
     import deepinfer.runtime.session
-    from deepinfer.runtime.cli import main
 
-    session = loaded(run_exported_bundle)
-    ids = RUNS[0]["prompt_ids"]
-    want = plain(run_exported_bundle, [ids])[0].generated[:8]
-
-    def fresh(*args, **kwargs):             # the bundle opened by the CLI, loaded once; stats of its run only
+    def fresh(*args, **kwargs):
         session.stats = Stats()
         return session
     monkeypatch.setattr(deepinfer.runtime.session, "load", fresh)
+
+
+def test_cli_speculative_keeps_the_tokens(run_exported_bundle, loaded, plain, monkeypatch):
+    """`deepinfer-run --speculative dspark` on the bundle: the plain run's tokens, and with --timing the
+    tokens per target step and the verify step over a plain decode step."""
+    from deepinfer.runtime.cli import main
+
+    ids = RUNS[0]["prompt_ids"]
+    want = plain(run_exported_bundle, [ids])[0].generated[:8]
+    reuse_session(monkeypatch, loaded(run_exported_bundle))
     runner = CliRunner()
     r = runner.invoke(main, [str(run_exported_bundle), "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens",
                              "8", "--json", "--timing", "--speculative", "dspark"])
@@ -151,7 +155,13 @@ def test_cli_speculative_keeps_the_tokens(run_exported_bundle, run_aoti_bundle, 
     r = runner.invoke(main, [str(run_exported_bundle), "--prompt", "Hi", "--max-new-tokens", "3", "--timing",
                              "--speculative", "dspark"])
     assert r.exit_code == 0 and "tokens per step" in r.stderr, r.output
-    r = runner.invoke(main, [str(run_aoti_bundle), "--prompt", "Hi", "--speculative", "dspark"])
+
+
+def test_cli_speculative_needs_a_compiled_draft(run_aoti_bundle):
+    """A bundle compiled without a draft is refused in one line, non-zero, before anything loads."""
+    from deepinfer.runtime.cli import main
+
+    r = CliRunner().invoke(main, [str(run_aoti_bundle), "--prompt", "Hi", "--speculative", "dspark"])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "compiled without a speculative draft" in r.output
 
 
@@ -304,11 +314,9 @@ def test_block_exhaustion_fails_only_the_offending_request(run_exported_bundle):
 
 
 def test_cli_prints_text_json_and_timing(run_exported_bundle, loaded, monkeypatch):
-    import deepinfer.runtime
     from deepinfer.runtime.cli import main
 
-    session = loaded(run_exported_bundle)
-    monkeypatch.setattr(deepinfer.runtime, "load", lambda *args, **kwargs: session)   # opened by the CLI, loaded once
+    reuse_session(monkeypatch, loaded(run_exported_bundle))
     runner = CliRunner()
     r = runner.invoke(main, [str(run_exported_bundle), "--prompt-ids", ",".join(map(str, RUNS[0]["prompt_ids"])),
                              "--max-new-tokens", "4", "--json", "--timing"])

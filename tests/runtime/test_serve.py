@@ -270,13 +270,11 @@ def test_text_stream_cuts_at_the_first_stop_and_holds_back_a_possible_start():
     assert pieces[-1] == "S" and "".join(pieces) == "tail S"
 
 
-def test_speculative_greedy_equals_plain_decoding(run_exported_bundle, aoti_bundle):
+def test_speculative_greedy_equals_plain_decoding(run_exported_bundle):
     """deepinfer-serve --speculative dspark on the bundle with the draft compiled in: greedy completions
     (drafted, verified) equal the same server's plain decoding of the same prompts (temperature 1 with
     top_k 1: sampled requests decode plainly, and top-1 sampling draws the argmax), one at a time and
-    four at once; drafts were verified. A bundle without a draft is refused in one line."""
-    from deepinfer.runtime.serve_cli import main
-
+    four at once; drafts were verified."""
     s = Server(run_exported_bundle, "--speculative", "dspark")
     try:
         client = s.client()
@@ -292,5 +290,11 @@ def test_speculative_greedy_equals_plain_decoding(run_exported_bundle, aoti_bund
         assert s.metric("deepinfer_drafted_tokens_total") > 0
     finally:
         assert s.stop() == 0, s.proc.stderr.read()
+
+
+def test_speculative_needs_a_compiled_draft(aoti_bundle):
+    """A bundle compiled without a draft is refused in one line, non-zero, before the server starts."""
+    from deepinfer.runtime.serve_cli import main
+
     r = CliRunner().invoke(main, [str(aoti_bundle), "--speculative", "dspark"])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "compiled without a speculative draft" in r.output

@@ -210,17 +210,16 @@ class Session:
             raise mf.BundleError(f"{self.path}: {e}") from None
         stacks = {e.kind: {name: self.placement.resident(t, f"{e.kind}.{name}")
                            for name, t in stack_tensors(self.path, e).items()} for e in entries}
-        self.bound = {}
-        for layer, slot, b in self.manifest.bindings():
-            views = [self.rank if s.role == "rank" else self.placement.view(stacks[b.kind][s.name], b.index)
-                     for s in self.signatures[b.kind] if s.role in ("weight", "rank")]
-            self.bound[(layer, slot)] = (b.kind, views)
-        self.draft_bound = {}       # (stage, slot) -> (kind, weight views) of the draft's regions
-        for stage, regions in enumerate(self.manifest.draft.stages if self.manifest.draft else ()):
-            for slot, b in regions.items():
-                self.draft_bound[(stage, slot)] = (b.kind, [
-                    self.rank if s.role == "rank" else self.placement.view(stacks[b.kind][s.name], b.index)
-                    for s in self.signatures[b.kind] if s.role in ("weight", "rank")])
+
+        def views(b: mf.Binding) -> tuple[str, list]:
+            """A binding's kind and its weight views (and the rank) in the executable's input order."""
+            return b.kind, [self.rank if s.role == "rank" else self.placement.view(stacks[b.kind][s.name], b.index)
+                            for s in self.signatures[b.kind] if s.role in ("weight", "rank")]
+        self.bound = {(layer, slot): views(b) for layer, slot, b in self.manifest.bindings()}
+        # (stage, slot) -> (kind, weight views) of the draft's regions
+        self.draft_bound = {(stage, slot): views(b)
+                            for stage, regions in enumerate(self.manifest.draft.stages if self.manifest.draft else ())
+                            for slot, b in regions.items()}
 
     def _pool_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {name: ((len(pool.layers), self.num_blocks if pool.dim == "blocks" else self.num_slots,

@@ -97,8 +97,8 @@ def main() -> None:
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench-cache-", dir=ROOT / ".cache" if (ROOT / ".cache").is_dir()
-                                     else None) as tmp:
-        tmp = Path(tmp)
+                                     else None) as tmp_name:
+        tmp = Path(tmp_name)
         toml = args.model.resolve()
         if args.executable:
             text = toml.read_text().replace('executable = "aoti"', f'executable = "{args.executable}"') \

@@ -116,8 +116,8 @@ def _rss_kib(field: str) -> int:
 def write_checkpoint(path: str, size_bytes: int, shape=(4096, 7168), files: int = 2) -> int:
     """Synthetic V4.1-style checkpoint: fp8 weights with [32, 32] ue8m0 scales,
     written with raw writes (the benchmark should not wait on a serializer)."""
-    from deepinfer.quant.blockfp8 import quantize_fp8_blocks
     from deepinfer.bundles.safetensors import layout_header
+    from deepinfer.quant.blockfp8 import quantize_fp8_blocks
 
     rng = np.random.default_rng(1)
     codes, scales = quantize_fp8_blocks((rng.standard_normal(shape) * 0.02).astype(np.float32))

@@ -67,10 +67,16 @@ def tool(name: str) -> str:
 
 
 def commands(prompt: str, new_tokens: int, experts: int, jobs: int) -> dict[str, list[str]]:
-    run = lambda b, dump: [tool("deepinfer-run"), b, "--prompt", prompt, "--max-new-tokens", str(new_tokens),
-                           "--dump-logits", dump]
-    compare = lambda dump, floor: [tool("deepinfer"), "compare", dump, "ref.st", "--floor", floor]
-    compile_ = lambda toml, b: [tool("deepinfer-compile"), toml, "-o", b, "--force", "--no-cache", "--jobs", str(jobs)]
+    def run(b: str, dump: str) -> list[str]:
+        return [tool("deepinfer-run"), b, "--prompt", prompt, "--max-new-tokens", str(new_tokens),
+                "--dump-logits", dump]
+
+    def compare(dump: str, floor: str) -> list[str]:
+        return [tool("deepinfer"), "compare", dump, "ref.st", "--floor", floor]
+
+    def compile_(toml: str, b: str) -> list[str]:
+        return [tool("deepinfer-compile"), toml, "-o", b, "--force", "--no-cache", "--jobs", str(jobs)]
+
     return {
         "make-tiny": [tool("deepinfer"), "make-tiny", "ckpt", "--geometry", "release", "--experts", str(experts)],
         "reference": [tool("deepinfer"), "reference", "ckpt", "--prompt", prompt, "--max-new-tokens",
@@ -145,7 +151,7 @@ def main() -> None:
         print(json.dumps(out, indent=2))
         return
     print(f"\nsynthetic release geometry, {a.experts} experts, checkpoint {out['checkpoint_gib']} GiB\n")
-    print(f"| step | wall s | peak RSS GiB | rc |\n|---|---|---|---|")
+    print("| step | wall s | peak RSS GiB | rc |\n|---|---|---|---|")
     for step, r in results.items():
         if "skipped" not in r:
             print(f"| {step} | {r['wall_s']} | {r['peak_rss_gib']} | {r['rc']} |")

@@ -87,7 +87,7 @@ def main() -> None:
             best["plain"] = min(best["plain"], decode_seconds(lambda k: session.generate([prompt], k), n))
             for name, make in drafters.items():
                 drafter = make()
-                seconds = decode_seconds(lambda k: session.generate([prompt], k, drafter=drafter), n)
+                seconds = decode_seconds(lambda k, d=drafter: session.generate([prompt], k, drafter=d), n)
                 best[name] = min(best[name], seconds)
                 got = session.generate([prompt], n, drafter=(drafter := make()))
                 assert got[0].tokens == plain[0].tokens, f"{name}: speculative output differs from plain"

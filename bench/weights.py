@@ -162,10 +162,9 @@ def child_weights(ckpt: str, out: str, ep: int, jobs: int, recipe: str) -> None:
 
 
 def child_driver(ckpt: str, out: str, jobs: int, fmt: str) -> None:
+    import deepinfer.compiler.pipeline  # noqa: F401  (the same interpreter baseline as the pass)
     from deepinfer.quant.stream import process_checkpoint
     from deepinfer.quant.stream_plan import StreamRecipe
-
-    import deepinfer.compiler.pipeline  # noqa: F401  (the same interpreter baseline as the pass)
     base = _status_kib("VmRSS")
     peaks = WorkerPeaks(base)
     peaks.start()

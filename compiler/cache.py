@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepinfer.compiler.keys import CACHE_VERSION, Key
 from deepinfer.bundles.manifest import sha256_file
 from deepinfer.bundles.signing import TrustError, sign_bytes, verify_bytes
+from deepinfer.compiler.keys import CACHE_VERSION, Key
 from deepinfer.errors import DeepinferError
 
 ENV_DIR = "DEEPINFER_CACHE_DIR"

@@ -16,7 +16,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from deepinfer.bundles import layout, manifest as mf
+from deepinfer.bundles import layout
+from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.signing import sign_file
 from deepinfer.compiler.jobs import Job, keep_failed_logs, run_jobs
 from deepinfer.compiler.publish import clean_stale, make_staging, publish

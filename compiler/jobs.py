@@ -12,7 +12,6 @@ from pathlib import Path
 
 from deepinfer.bundles import layout
 
-
 # worker processes load saved programs; torch 2.13 warns about its own tree-spec pickling
 # once per program (compiler/trace.py filters the same warning in the main process)
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning)

@@ -298,8 +298,8 @@ def graph_digest(ep: torch.export.ExportedProgram) -> str:
     h.update(_lp(str(ep.graph_signature).encode()))
     ranges = sorted((str(k), str(v)) for k, v in ep.range_constraints.items())
     h.update(_lp(repr(ranges).encode()))
-    for name, t in sorted({**ep.state_dict, **ep.constants}.items()):
-        t = t.detach().contiguous().cpu()
+    for name, value in sorted({**ep.state_dict, **ep.constants}.items()):
+        t = value.detach().contiguous().cpu()
         h.update(_lp(f"{name}:{_val(t)}".encode()) + _lp(t.view(torch.uint8).numpy().tobytes()
                                                           if t.numel() else b""))
     return h.hexdigest()

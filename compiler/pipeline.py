@@ -27,14 +27,15 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 import deepinfer
-from deepinfer.bundles import layout, manifest as mf
+from deepinfer.bundles import layout
+from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.signing import sign_file
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler import budget, cached

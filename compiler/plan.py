@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.bundles.topology import Topology
 from deepinfer.regions.base import Region
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.plan import make_embed, make_head, make_layer_regions
 from deepinfer.regions.state import reads_context
 from deepinfer.regions.step import LayerPlan, plan_layers
-from deepinfer.bundles.topology import Topology
 
 METHOD = "decode"
 DRAFT_PROJECT = "project"          # the target head's method the draft's logits go through

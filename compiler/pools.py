@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from deepinfer.bundles.manifest import Pool
 from deepinfer.regions.config import TextConfig
-from deepinfer.regions.step import LayerPlan
 from deepinfer.regions.state import PAGED, StateSpec, check_block_size, layer_state
+from deepinfer.regions.step import LayerPlan
 
 DRAFT_FEATURES = "dspark_features"
 

@@ -12,8 +12,17 @@ from pathlib import Path
 
 import click
 
-from deepinfer.cli_common import echo_generations, generation_options, image_option, prompts_from, \
-    prompts_with_images, trust_option, trusted_key, user_errors, write_logits
+from deepinfer.cli_common import (
+    echo_generations,
+    generation_options,
+    image_option,
+    prompts_from,
+    prompts_with_images,
+    trust_option,
+    trusted_key,
+    user_errors,
+    write_logits,
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

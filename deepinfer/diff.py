@@ -31,7 +31,6 @@ from deepinfer.bundles.manifest import BundleError
 from deepinfer.regions.agreement import TOLERANCE, OutputDiff, ShapeMismatch, compare_tensors
 
 
-
 @dataclass
 class Entry:
     """The worst difference of one (kind, layer), or of a kind over its layers."""
@@ -89,9 +88,8 @@ class References:
 
     def __init__(self, session, rank: int = 0):
         from deepinfer.compiler.plan import plan_regions
-        from deepinfer.runtime.session import stack_tensors
-
         from deepinfer.quant.formats import FP8_E4M3FN, FP8_FORMATS
+        from deepinfer.runtime.session import stack_tensors
 
         m = session.manifest
         try:

@@ -15,8 +15,9 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 Key = tuple[str | int, ...]
 
@@ -113,11 +114,12 @@ def coerce(value, tp, key: Key, rules: Rules):
             return value
         kt, vt = args
         out = {}
-        for k, v in value.items():
+        for raw, v in value.items():
+            k = raw
             if kt is int:
-                if not (isinstance(k, int) or (isinstance(k, str) and k.lstrip("-").isdigit())):
-                    raise Problem(key + (k,), f"expected an integer key, got {k!r}")
-                k = int(k)
+                if not (isinstance(raw, int) or (isinstance(raw, str) and raw.lstrip("-").isdigit())):
+                    raise Problem(key + (raw,), f"expected an integer key, got {raw!r}")
+                k = int(raw)
             out[k] = coerce(v, vt, key + (k,), rules)
         return out
     if tp is bool:

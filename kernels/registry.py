@@ -10,9 +10,9 @@ Python control flow, so they run on FakeTensors unchanged.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 

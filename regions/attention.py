@@ -33,12 +33,12 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from deepinfer.kernels import attention as _attn, select as _select  # noqa: F401  (registers ops)
+from deepinfer.kernels import attention as _attn  # noqa: F401  (registers ops)
 from deepinfer.kernels.cachequant import maybe_quant
 from deepinfer.kernels.rope import apply_rope, rope_angles, rope_frequencies
 from deepinfer.regions.base import Region, WeightSpec, fp8_specs
 from deepinfer.regions.config import TextConfig
-from deepinfer.regions.paging import gather_rows, gather_pages, write_pages
+from deepinfer.regions.paging import gather_pages, gather_rows, write_pages
 from deepinfer.regions.state import Geometry, InputSpec, step_inputs
 
 ops = torch.ops.deepinfer

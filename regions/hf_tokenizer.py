@@ -22,8 +22,9 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from deepinfer.bundles.layout import CHAT_TEMPLATE_FILE as TEMPLATE_FILE, TOKENIZER_CONFIG_FILE as CONFIG_FILE, \
-    TOKENIZER_FILE
+from deepinfer.bundles.layout import CHAT_TEMPLATE_FILE as TEMPLATE_FILE
+from deepinfer.bundles.layout import TOKENIZER_CONFIG_FILE as CONFIG_FILE
+from deepinfer.bundles.layout import TOKENIZER_FILE
 from deepinfer.errors import ConfigError
 from deepinfer.regions.tokenizer import Tokenizer
 

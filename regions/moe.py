@@ -17,11 +17,11 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from deepinfer.bundles.topology import Topology
 from deepinfer.kernels import hc as _hc  # noqa: F401  (registers ops)
 from deepinfer.regions.base import Region, WeightSpec, fp4_specs, fp8_specs
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.state import Geometry, InputSpec
-from deepinfer.bundles.topology import Topology
 from deepinfer.regions.topology import shared_width
 
 ops = torch.ops.deepinfer

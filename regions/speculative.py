@@ -57,7 +57,7 @@ class OneRejectedDraftDouble(AllAcceptedDraftDouble):
 
     def draft(self, requests: list[tuple[int, int, list[int], int]]) -> dict[int, list[int]]:
         out = super().draft(requests)
-        for seq, drafts in out.items():
+        for drafts in out.values():
             if drafts:
                 at = int(self.rng.integers(len(drafts)))
                 shift = 1 + int(self.rng.integers(self.vocab_size - 1))

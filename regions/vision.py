@@ -32,7 +32,7 @@ rows are cast to that dtype, as the text embedding is.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

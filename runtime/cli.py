@@ -8,8 +8,16 @@ from pathlib import Path
 
 import click
 
-from deepinfer.cli_common import (echo_generations, generation_options, image_option, prompts_with_images, trust_option, trusted_key,
-                                  user_errors, write_logits)
+from deepinfer.cli_common import (
+    echo_generations,
+    generation_options,
+    image_option,
+    prompts_with_images,
+    trust_option,
+    trusted_key,
+    user_errors,
+    write_logits,
+)
 
 
 def speculation_timing(stats, speculation, verify_tokens: int) -> dict:

@@ -19,8 +19,8 @@ the first visible core is used. One process per NeuronCore.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 

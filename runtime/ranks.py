@@ -277,9 +277,8 @@ def generate_ranks(bundle, prompts: list[list[int]], max_new_tokens: int, *, tim
     {collective: seconds}}."""
     import torch.multiprocessing as mp
 
-    from deepinfer.errors import DeepinferError
-
     from deepinfer.bundles import manifest as mf
+    from deepinfer.errors import DeepinferError
     from deepinfer.runtime.session import Bundle
 
     if isinstance(bundle, Bundle):

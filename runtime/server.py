@@ -23,8 +23,9 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from deepinfer.runtime.engine import Engine, QueueFull, Request, RequestError, Sampling
 

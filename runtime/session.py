@@ -33,8 +33,7 @@ from deepinfer.bundles.safetensors import load_mmap
 from deepinfer.host import physical_memory
 from deepinfer.regions.config import V41Config, parse_config
 from deepinfer.regions.engram_hash import EngramHasher
-from deepinfer.regions.generate import (Allocator, Generation, Row, bucket_at_least, greedy, make_batch,
-                                        table_width)
+from deepinfer.regions.generate import Allocator, Generation, Row, bucket_at_least, greedy, make_batch, table_width
 from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, plan_layers, run_layers
 from deepinfer.runtime.backends import check_compatible, placement_for
 
@@ -304,7 +303,7 @@ class Session:
         """The bundle's compiled DSpark draft as a `generate.Drafter` (`regions.drafting.DSparkDrafter`):
         its executables at the batch buckets, its features pool; no checkpoint is read."""
         d = require_draft(self.bundle)
-        from deepinfer.regions.drafting import DSparkDrafter       # the collapse op: only where a draft runs
+        from deepinfer.regions.drafting import DSparkDrafter  # the collapse op: only where a draft runs
 
         return DSparkDrafter(self.config.text, self._draft_invoke(), self.embed, self.pools[d.features],
                              self.batch_sizes)

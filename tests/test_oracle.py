@@ -68,6 +68,6 @@ def test_dspark_draft_matches_nemo(tiny_ckpt, one_thread):
     h, pre = run_stages(stages, c, model.embed, features, context_positions, block, torch.arange(a, a + P).unsqueeze(0))
     normalized, transition, confidence = stages[-1]["head"].decode(h, pre, torch.tensor([DSPARK["previous"]]))
     logits = model.head.project(normalized) + transition
-    for got, want in ((logits[0], DSPARK["logits"]), (confidence[0], DSPARK["confidence"])):
-        want = torch.tensor(want, dtype=torch.float64)
+    for got, expected in ((logits[0], DSPARK["logits"]), (confidence[0], DSPARK["confidence"])):
+        want = torch.tensor(expected, dtype=torch.float64)
         assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max(), (got.double() - want).abs().max()

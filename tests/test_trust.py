@@ -10,7 +10,8 @@ import subprocess
 import pytest
 from click.testing import CliRunner
 
-from deepinfer.bundles import layout, manifest as mf
+from deepinfer.bundles import layout
+from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.signing import TrustError, keygen, load_private_key, load_public_key, sign_file, verify_bytes
 from deepinfer.compiler import pipeline
 from deepinfer.compiler.cache import Cache

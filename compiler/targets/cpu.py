@@ -16,8 +16,8 @@ import torch
 
 import deepinfer
 from deepinfer.bundles.pt2 import load_exported
-from deepinfer.host import physical_memory
 from deepinfer.compiler.trace import concrete_inputs
+from deepinfer.host import physical_memory
 from deepinfer.kernels import reference_decompositions
 
 

@@ -92,7 +92,9 @@ def _widened(op):
     def run(a, b, *rest):
         if a.dtype != torch.uint8 and not (isinstance(b, torch.Tensor) and b.dtype == torch.uint8):
             return NotImplemented
-        widen = (lambda x: x.to(torch.int32) if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 else x)
+        def widen(x):
+            return x.to(torch.int32) if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 else x
+
         return op(widen(a), widen(b), *rest)
     return run
 
@@ -205,7 +207,8 @@ def _name_inputs(main, names: list[str]) -> None:
 def _tuple_root(main, names: list[str]) -> None:
     """@main returns one explicit tuple (named, parameters copied) instead of its results."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import func, hlo as stablehlo
+    from jax._src.lib.mlir.dialects import func
+    from jax._src.lib.mlir.dialects import hlo as stablehlo
 
     block = main.regions[0].blocks[0]
     ret = list(block.operations)[-1]
@@ -246,7 +249,7 @@ def to_hlo_proto(stablehlo: str) -> bytes:
     try:
         computation = xla_client._xla.mlir.mlir_module_to_xla_computation(stablehlo, use_tuple_args=False,
                                                                           return_tuple=False)
-    except Exception as e:  # noqa: BLE001 (jaxlib raises its own runtime error types)
+    except Exception as e:
         raise LoweringError(f"StableHLO -> HLO conversion failed: {str(e).splitlines()[0]}") from None
     return computation.as_serialized_hlo_module_proto()
 

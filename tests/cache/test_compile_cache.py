@@ -13,8 +13,8 @@ import time
 import pytest
 from click.testing import CliRunner
 
-import deepinfer.compiler.keys as keys
 import deepinfer.compiler.cached as cached
+import deepinfer.compiler.keys as keys
 import deepinfer.compiler.pipeline as pipeline
 from deepinfer.bundles import manifest as mf
 from deepinfer.compiler.cache import Cache

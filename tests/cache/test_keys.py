@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 
 import deepinfer.compiler.cached as cached
+from deepinfer.bundles.topology import Topology
 from deepinfer.compiler import keys
-from deepinfer.compiler.keys import KEYED_OPTIONS, UNKEYED_OPTIONS, Key
 from deepinfer.compiler.config import SECTIONS, load_compile_config
+from deepinfer.compiler.keys import KEYED_OPTIONS, UNKEYED_OPTIONS, Key
 from deepinfer.compiler.pipeline import Spec, cache_key, parse, plan
 from deepinfer.compiler.targets import TARGETS
 from deepinfer.compiler.targets.cpu import CpuTarget
 from deepinfer.compiler.trace import trace
 from deepinfer.regions.checkpoint import Checkpoint
-from deepinfer.bundles.topology import Topology
 
 from .conftest import write_toml
 

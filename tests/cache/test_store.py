@@ -9,9 +9,9 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from deepinfer.cli import main as deepinfer
 from deepinfer.compiler.cache import Cache, Lock, default_dir, resolve_dir
 from deepinfer.compiler.keys import Key
-from deepinfer.cli import main as deepinfer
 
 
 def key(n: int, identity: str = "thing") -> Key:

@@ -13,9 +13,9 @@ import torch
 from deepinfer.bundles import manifest as mf
 from deepinfer.compiler import budget
 from deepinfer.compiler.config import load_compile_config
-from deepinfer.host import physical_memory
 from deepinfer.compiler.pipeline import Traced, compile_bundle, parse, plan
 from deepinfer.errors import ConfigError
+from deepinfer.host import physical_memory
 
 from ..conftest import write_model_toml
 

@@ -9,7 +9,8 @@ import shutil
 import pytest
 
 import deepinfer.compiler.pipeline as pipeline
-from deepinfer.bundles import layout, manifest as mf
+from deepinfer.bundles import layout
+from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.manifest import BundleError
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.errors import ConfigError
@@ -41,7 +42,7 @@ def bundle_error(fn, *args, **kwargs) -> str:
 
 def test_format_version_is_the_first_key(exported_bundle):
     text = manifest_text(exported_bundle)
-    assert re.match(r'\{\s*"format_version": %d,' % mf.FORMAT_VERSION, text), text[:40]
+    assert re.match(rf'\{{\s*"format_version": {mf.FORMAT_VERSION},', text), text[:40]
     assert next(iter(json.loads(text))) == "format_version"
     assert mf.read(exported_bundle).format_version == mf.FORMAT_VERSION in mf.SUPPORTED_VERSIONS
 

@@ -144,8 +144,8 @@ def headers_only(out: Path, config: dict, *, change: dict | None = None) -> Path
     """The checkpoint of `config` as safetensors files that end after their headers (no data at
     all): one file per layer and one for the rest, with the index. `change`: name -> (dtype, shape)."""
     by_file: dict[str, list] = {}
-    for name, dtype, shape in checkpoint_tensors(config):
-        dtype, shape = (change or {}).get(name, (dtype, shape))
+    for name, stored_dtype, stored_shape in checkpoint_tensors(config):
+        dtype, shape = (change or {}).get(name, (stored_dtype, stored_shape))
         f = f"layer-{name.split('.')[1]}.safetensors" if name.startswith("layers.") else "rest.safetensors"
         size = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}[dtype]
         by_file.setdefault(f, []).append((name, dtype, shape, math.prod(shape) * size))

@@ -109,11 +109,11 @@ def test_signature_is_weights_rank_then_inputs(moe, ref_fp32):
 def ep_moe(ref_fp32, tmp_path_factory):
     """An expert-parallel (ep = 2) MoE region holding rank 0's shards of layer 0, and its
     AOTInductor package (batch 1, one token): there the rank selects experts and the residual."""
+    from deepinfer.bundles.topology import Topology
     from deepinfer.compiler.shard import shard
     from deepinfer.compiler.targets.cpu import CpuTarget
     from deepinfer.compiler.trace import concrete_inputs, trace
     from deepinfer.regions.moe import MoE
-    from deepinfer.bundles.topology import Topology
 
     full, topo = ref_fp32.layers[0]["moe"], Topology(ep=2)
     c = full.c
@@ -189,7 +189,7 @@ def test_one_executable_per_kind_and_bucket(request, name):
     # every layer binds a kind (not an executable of its own); the kind's stacks hold one slice per layer
     bound: dict[str, list[int]] = {}
     for layer in m["layers"]:
-        for slot, ref in layer["regions"].items():
+        for ref in layer["regions"].values():
             assert ref["kind"] in kinds
             bound.setdefault(ref["kind"], []).append((ref["index"], layer["layer"]))
     for w in m["weights"]["rank-0"]:

@@ -15,7 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 import deepinfer.compiler.pipeline as pipeline
-from deepinfer.bundles import layout, manifest as mf
+from deepinfer.bundles import layout
+from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.manifest import BundleError
 from deepinfer.bundles.safetensors import load_mmap
 from deepinfer.compiler.config import load_compile_config
@@ -143,7 +144,6 @@ def test_run_chat_through_the_bundle_matches_the_reference(exported_bundle_12, t
     instead moves the reference's logits well past that agreement."""
     import torch
 
-    from deepinfer.cli_common import write_logits
     from deepinfer.regions.engram_hash import EngramHasher
     from deepinfer.regions.reference import ReferenceModel
     from deepinfer.runtime.cli import main

@@ -52,7 +52,7 @@ def whole_stacks(ckpt: Checkpoint, spec, plan, kind: str, rank: int) -> dict[str
             full[s.name] = ckpt.load_spec(prefix, s, spec.recipe.fp8_format)
         layers.append(in_format(kp.full_specs, full, spec.recipe.fp8_format))
     out = {}
-    for s, full in zip(kp.region.specs, kp.full_specs):
+    for s in kp.region.specs:
         rows = []
         for tensors in layers:
             t = tensors[s.name]

@@ -30,12 +30,11 @@ SEED = 1234
 def main() -> None:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     try:
-        import torch
-        from safetensors.torch import load_file
-
         import nemo_automodel.components.models.deepseek_v41.dspark as dspark
+        import torch
         from nemo_automodel.components.models.common import BackendConfig
         from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
+        from safetensors.torch import load_file
     except ImportError as e:
         sys.exit(f"nemo_dspark.py: needs nemo-automodel 0.7.0 and torch ({e}); the golden is unchanged")
     ckpt = Path(sys.argv[1])

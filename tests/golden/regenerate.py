@@ -136,8 +136,8 @@ def gradient_image(height: int = IMAGE_SIZE[0], width: int = IMAGE_SIZE[1]):
 
 def image_prompts(model, texts=VISION_PROMPTS):
     """(token ids, ImageEmbeds) per prompt, the gradient image at each prompt's <image> marker."""
-    from deepinfer.regions.tokenizer import ByteTokenizer
     from deepinfer.regions.spans import with_images
+    from deepinfer.regions.tokenizer import ByteTokenizer
 
     c = model.config
     span = model.vision.embed(gradient_image())

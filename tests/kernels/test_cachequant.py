@@ -8,7 +8,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepinfer.kernels.cachequant import FORMATS, e2m1_round, maybe_quant, pow2ceil, quant_dequant
 

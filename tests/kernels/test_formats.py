@@ -7,10 +7,17 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepinfer.kernels.formats import (
-    dequant_fp4, dequant_fp8, dequant_fp8_rows, e2m1_decode, e4m3fn_decode, ue8m0_decode, unpack_fp4,
+    dequant_fp4,
+    dequant_fp8,
+    dequant_fp8_rows,
+    e2m1_decode,
+    e4m3fn_decode,
+    ue8m0_decode,
+    unpack_fp4,
 )
 
 ALL_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)

@@ -6,7 +6,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import deepinfer.kernels  # noqa: F401  (registers the ops)
 

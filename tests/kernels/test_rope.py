@@ -6,7 +6,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepinfer.kernels.rope import apply_rope, rope_angles, rope_frequencies
 

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepinfer.quant.blockfp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from deepinfer.quant.errors import QuantInputError

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepinfer.quant.errors import QuantInputError
-from deepinfer.quant.fp4 import (dequantize_mxfp4, e2m1_decode, e2m1_encode, pack_nibbles,
-                                 quantize_mxfp4, unpack_nibbles)
+from deepinfer.quant.fp4 import dequantize_mxfp4, e2m1_decode, e2m1_encode, pack_nibbles, quantize_mxfp4, unpack_nibbles
 
 # nibble -> value, written out by hand (bit 3 = sign)
 E2M1_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,

@@ -7,9 +7,18 @@ from hypothesis import given, settings
 from hypothesis.extra import numpy as hnp
 
 from deepinfer.quant.errors import QuantInputError
-from deepinfer.quant.pack import (LAYOUT_I16_PAIRS, LAYOUT_I32_MN_MAJOR, LAYOUT_U8, SCALE_LAYOUTS,
-                                  expand_rows, pack_i16_pairs, pack_i32_mn_major, pack_scales,
-                                  unpack_i16_pairs, unpack_i32_mn_major)
+from deepinfer.quant.pack import (
+    LAYOUT_I16_PAIRS,
+    LAYOUT_I32_MN_MAJOR,
+    LAYOUT_U8,
+    SCALE_LAYOUTS,
+    expand_rows,
+    pack_i16_pairs,
+    pack_i32_mn_major,
+    pack_scales,
+    unpack_i16_pairs,
+    unpack_i32_mn_major,
+)
 
 
 def test_i32_bytes_by_position():

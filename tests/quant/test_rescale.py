@@ -4,7 +4,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepinfer.quant.blockfp8 import quantize_fp8_blocks
 from deepinfer.quant.errors import QuantInputError

@@ -8,12 +8,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deepinfer.quant.blockfp8 import quantize_fp8_blocks
 from deepinfer.errors import TensorFileError
+from deepinfer.quant.blockfp8 import quantize_fp8_blocks
 from deepinfer.quant.errors import QuantInputError
 from deepinfer.quant.fp4 import quantize_mxfp4
-from deepinfer.quant.pack import (LAYOUT_I16_PAIRS, LAYOUT_I32_MN_MAJOR, LAYOUT_U8,
-                                  unpack_i16_pairs, unpack_i32_mn_major)
+from deepinfer.quant.pack import LAYOUT_I16_PAIRS, LAYOUT_I32_MN_MAJOR, LAYOUT_U8, unpack_i16_pairs, unpack_i32_mn_major
 from deepinfer.quant.rescale import convert_format, rescale_fp32, rescale_ue8m0
 from deepinfer.quant.stream import StreamRecipe, process_checkpoint
 

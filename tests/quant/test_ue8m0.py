@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepinfer.quant.ue8m0 import pow2ceil, scale_bytes_for, ue8m0_decode, ue8m0_encode
 

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deepinfer.bundles.topology import Topology
 from deepinfer.runtime import load
 from deepinfer.runtime.ranks import Comm, generate_ranks, init
-from deepinfer.bundles.topology import Topology
 
 PROMPTS = [[0, 72, 101, 108, 108, 111, 44, 32, 119], [0, 5, 9, 11, 13, 40]]
 NEW = 4

@@ -13,16 +13,16 @@ import dataclasses
 import pytest
 import torch
 
+from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.shard import shard
 from deepinfer.regions.checkpoint import Checkpoint, load_region
 from deepinfer.regions.config import load_config
+from deepinfer.regions.examples import example_inputs
 from deepinfer.regions.moe import MoE
 from deepinfer.regions.plan import make_attention
-from deepinfer.regions.step import plan_layers
 from deepinfer.regions.state import Geometry
-from deepinfer.bundles.topology import Topology
+from deepinfer.regions.step import plan_layers
 from deepinfer.regions.topology import check, shared_slice, shared_width
-from deepinfer.regions.examples import example_inputs
 
 
 @pytest.fixture(scope="module")

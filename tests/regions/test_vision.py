@@ -8,7 +8,6 @@ import json
 import math
 import struct
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -21,17 +21,17 @@ import torch
 pytest.importorskip("torch_mlir", reason="the trn2 lowering needs the [trn2] extra (torch-mlir)")
 pytest.importorskip("jax", reason="the trn2 lowering needs the [trn2] extra (jax, jaxlib)")
 
-from jax._src.lib import xla_client  # noqa: E402
+from jax._src.lib import xla_client
 
-from deepinfer.bundles import manifest as mf  # noqa: E402
-from deepinfer.compiler.finish import finish_bundle  # noqa: E402
-from deepinfer.compiler.plan import plan_regions  # noqa: E402
-from deepinfer.compiler.targets import hlo, neuronxcc  # noqa: E402
-from deepinfer.compiler.targets.trn2 import MAX_SELECTION_WIDTH, CheckFailed, Trn2Target  # noqa: E402
-from deepinfer.compiler.trace import trace  # noqa: E402
-from deepinfer.regions.config import load_config  # noqa: E402
-from deepinfer.regions.state import Geometry  # noqa: E402
-from deepinfer.runtime import load  # noqa: E402
+from deepinfer.bundles import manifest as mf
+from deepinfer.compiler.finish import finish_bundle
+from deepinfer.compiler.plan import plan_regions
+from deepinfer.compiler.targets import hlo, neuronxcc
+from deepinfer.compiler.targets.trn2 import MAX_SELECTION_WIDTH, CheckFailed, Trn2Target
+from deepinfer.compiler.trace import trace
+from deepinfer.regions.config import load_config
+from deepinfer.regions.state import Geometry
+from deepinfer.runtime import load
 
 KINDS = {"embed", "attn_window", "moe", "engram", "attn_source_r2", "attn_reuse_r2", "attn_source_r1_cand",
          "attn_reindex_r1_cand", "head"}
@@ -127,8 +127,9 @@ def test_embedding_is_a_gather_of_rows(trn2_hlo_bundle, tiny_ckpt):
     one-hot product over the vocabulary, no dot at all) and, run on XLA:CPU with ids that include
     the vocabulary's last row and image positions among text ones, equals the host lookup
     (regions.step.Embedding, on the checkpoint's table) exactly."""
-    from deepinfer.regions.step import Embedding
     from safetensors.torch import load_file
+
+    from deepinfer.regions.step import Embedding
 
     c = load_config(tiny_ckpt).text
     V, D, n = c.vocab_size, c.hidden_size, c.hc_mult

@@ -18,9 +18,17 @@ import pytest
 
 from deepinfer.bundles.neff import read_header
 from deepinfer.compiler.targets import neuronxcc as ncc
-from deepinfer.compiler.targets.neuronxcc import (KEYED, LOG_ONLY, NeuronCompileError, NeuronCompileOptions,
-                                                  NeuronCompilerMissing, command, compile_neff,
-                                                  compiler_version, find_compiler)
+from deepinfer.compiler.targets.neuronxcc import (
+    KEYED,
+    LOG_ONLY,
+    NeuronCompileError,
+    NeuronCompileOptions,
+    NeuronCompilerMissing,
+    command,
+    compile_neff,
+    compiler_version,
+    find_compiler,
+)
 
 DOUBLES = Path(__file__).resolve().parent / "doubles"
 STUB = DOUBLES / "neuronx-cc"

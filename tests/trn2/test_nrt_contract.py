@@ -20,8 +20,14 @@ import torch
 
 from deepinfer.errors import DeepinferError
 from deepinfer.runtime import nrt
-from deepinfer.runtime.neuron import (DeviceTensor, DeviceValue, NeuronArgumentError, NeuronCore, NeuronExecutable,
-                                      NeuronModel)
+from deepinfer.runtime.neuron import (
+    DeviceTensor,
+    DeviceValue,
+    NeuronArgumentError,
+    NeuronCore,
+    NeuronExecutable,
+    NeuronModel,
+)
 from deepinfer.runtime.nrt import NeuronNumericalError, NeuronRuntimeError, NeuronRuntimeMissing
 
 

@@ -36,8 +36,20 @@ TARGET_WARM = 0.03
 
 def compile_once(toml: Path, out: Path, cache: Path, jobs: int, inductor: Path) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor))
-    cmd = [sys.executable, "-m", "deepinfer.compiler.cli", str(toml), "-o", str(out), "--force",
-           "--cache-dir", str(cache), "--jobs", str(jobs), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepinfer.compiler.cli",
+        str(toml),
+        "-o",
+        str(out),
+        "--force",
+        "--cache-dir",
+        str(cache),
+        "--jobs",
+        str(jobs),
+        "--json",
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -62,7 +74,7 @@ class TouchedKernel:
 
         lines, start = inspect.getsourcelines(self.kernel.reference)
         text = self.original.splitlines(keepends=True)
-        i = start - 1 + len(lines) - 1                       # the reference's last line
+        i = start - 1 + len(lines) - 1  # the reference's last line
         text[i] = text[i].rstrip("\n") + "  # touched by bench/cache.py\n"
         self._write("".join(text))
         return self
@@ -89,20 +101,28 @@ def reaching(cache: Path, kernel: str) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=ROOT / "examples/tiny/model.toml")
-    ap.add_argument("--executable", choices=["aoti", "exported"], default=None,
-                    help="Override [target] executable (default: the model.toml's).")
+    ap.add_argument(
+        "--executable",
+        choices=["aoti", "exported"],
+        default=None,
+        help="Override [target] executable (default: the model.toml's).",
+    )
     ap.add_argument("--kernel", default="compress_pool", help="Kernel whose source the third run changes.")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="bench-cache-", dir=ROOT / ".cache" if (ROOT / ".cache").is_dir()
-                                     else None) as tmp_name:
+    with tempfile.TemporaryDirectory(
+        prefix="bench-cache-", dir=ROOT / ".cache" if (ROOT / ".cache").is_dir() else None
+    ) as tmp_name:
         tmp = Path(tmp_name)
         toml = args.model.resolve()
         if args.executable:
-            text = toml.read_text().replace('executable = "aoti"', f'executable = "{args.executable}"') \
+            text = (
+                toml.read_text()
+                .replace('executable = "aoti"', f'executable = "{args.executable}"')
                 .replace('executable = "exported"', f'executable = "{args.executable}"')
+            )
             text = text.replace('checkpoint = "checkpoint"', f'checkpoint = "{toml.parent / "checkpoint"}"')
             toml = tmp / "model.toml"
             toml.write_text(text)
@@ -121,23 +141,34 @@ def main() -> None:
     for r in runs.values():
         r["over_cold"] = round(r["wall_s"] / cold, 4)
     result = {
-        "model": str(args.model), "executable": args.executable or "as model.toml", "jobs": args.jobs,
-        "kernel": args.kernel, "runs": runs,
-        "warm_over_cold": runs["warm"]["over_cold"], "kernel_over_cold": runs["kernel"]["over_cold"],
+        "model": str(args.model),
+        "executable": args.executable or "as model.toml",
+        "jobs": args.jobs,
+        "kernel": args.kernel,
+        "runs": runs,
+        "warm_over_cold": runs["warm"]["over_cold"],
+        "kernel_over_cold": runs["kernel"]["over_cold"],
         "compiled": {k: len(r["compiled"]) for k, r in runs.items()},
         "kernel_reached_by": expected,
-        "targets": {"warm_over_cold_max": TARGET_WARM,
-                    "warm_ok": runs["warm"]["over_cold"] <= TARGET_WARM,
-                    "only_reaching_recompiled": runs["kernel"]["compiled"] == expected},
+        "targets": {
+            "warm_over_cold_max": TARGET_WARM,
+            "warm_ok": runs["warm"]["over_cold"] <= TARGET_WARM,
+            "only_reaching_recompiled": runs["kernel"]["compiled"] == expected,
+        },
     }
     print(f"{'run':<8} {'wall s':>9} {'/cold':>7} {'compiled':>9}", file=sys.stderr)
     for k, r in runs.items():
-        print(f"{k:<8} {r['wall_s']:>9.2f} {r['over_cold']:>7.3f} {len(r['compiled']):>5}/{r['executables']}",
-              file=sys.stderr)
+        print(
+            f"{k:<8} {r['wall_s']:>9.2f} {r['over_cold']:>7.3f} {len(r['compiled']):>5}/{r['executables']}",
+            file=sys.stderr,
+        )
     print(f"kernel {args.kernel} is reached by {len(expected)}: {', '.join(expected)}", file=sys.stderr)
     print(f"recompiled after the change: {', '.join(runs['kernel']['compiled']) or 'none'}", file=sys.stderr)
-    print(f"targets: warm/cold {result['warm_over_cold']:.4f} <= {TARGET_WARM}: {result['targets']['warm_ok']}; "
-          f"only reaching executables recompiled: {result['targets']['only_reaching_recompiled']}", file=sys.stderr)
+    print(
+        f"targets: warm/cold {result['warm_over_cold']:.4f} <= {TARGET_WARM}: {result['targets']['warm_ok']}; "
+        f"only reaching executables recompiled: {result['targets']['only_reaching_recompiled']}",
+        file=sys.stderr,
+    )
     if args.json:
         print(json.dumps(result))
 

@@ -44,10 +44,12 @@ def model_toml(checkpoint: Path, executable: str, batch: list[int], tokens: list
     max_context = max(32, max(tokens))
     block_size = 16
     num_blocks = -(-max_context // block_size) * max(batch) + 1
-    return (f'[model]\ncheckpoint = "{checkpoint}"\ndtype = "fp32"\ncache_quant = true\n\n'
-            f'[target]\nname = "cpu"\nexecutable = "{executable}"\n\n'
-            f"[buckets]\nbatch = {batch}\ntokens = {tokens}\nmax_context = {max_context}\n\n"
-            f"[kv]\nblock_size = {block_size}\nnum_blocks = {num_blocks}\n")
+    return (
+        f'[model]\ncheckpoint = "{checkpoint}"\ndtype = "fp32"\ncache_quant = true\n\n'
+        f'[target]\nname = "cpu"\nexecutable = "{executable}"\n\n'
+        f"[buckets]\nbatch = {batch}\ntokens = {tokens}\nmax_context = {max_context}\n\n"
+        f"[kv]\nblock_size = {block_size}\nnum_blocks = {num_blocks}\n"
+    )
 
 
 def compile_once(work: Path, layers: int, args) -> dict:
@@ -59,8 +61,12 @@ def compile_once(work: Path, layers: int, args) -> dict:
     toml.write_text(model_toml(ckpt, args.executable, args.batch, args.tokens))
     out = work / f"bundle{layers}"
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(work / f"inductor{layers}"))
-    proc = subprocess.run([sys.executable, "-m", "deepinfer.compiler.cli", str(toml), "-o", str(out),
-                           "--jobs", str(args.jobs), "--json"], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepinfer.compiler.cli", str(toml), "-o", str(out), "--jobs", str(args.jobs), "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode:
         sys.exit(f"compiling {layers} layers failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -69,19 +75,32 @@ def compile_once(work: Path, layers: int, args) -> dict:
     manifest = mf.read(out)
     passes = summary["seconds"]
     total = sum(passes.values())
-    return {"executables": summary["executables"],
-            "kinds": sorted({e.kind for e in manifest.regions}),
-            "total_s": total, "excluding_weights_s": total - passes.get(WEIGHTS_PASS, 0.0), "passes": passes}
+    return {
+        "executables": summary["executables"],
+        "kinds": sorted({e.kind for e in manifest.regions}),
+        "total_s": total,
+        "excluding_weights_s": total - passes.get(WEIGHTS_PASS, 0.0),
+        "passes": passes,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=[6, 12, 24],
-                    help="comma-separated layer counts (default 6,12,24); ratios are against the first")
+    ap.add_argument(
+        "--layers",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[6, 12, 24],
+        help="comma-separated layer counts (default 6,12,24); ratios are against the first",
+    )
     ap.add_argument("--executable", choices=("aoti", "exported"), default="aoti")
     ap.add_argument("--jobs", type=int, default=1, help="parallel compile workers per bundle")
-    ap.add_argument("--buckets", type=parse_buckets, default=([1], [1]), metavar="BATCHES:TOKENS",
-                    help="decode buckets, e.g. 1,2:1,8 (default 1:1: a few minutes with aoti)")
+    ap.add_argument(
+        "--buckets",
+        type=parse_buckets,
+        default=([1], [1]),
+        metavar="BATCHES:TOKENS",
+        help="decode buckets, e.g. 1,2:1,8 (default 1:1: a few minutes with aoti)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
     args.batch, args.tokens = args.buckets
@@ -101,17 +120,28 @@ def main() -> None:
         ratio_24 = runs[24]["excluding_weights_s"] / runs[6]["excluding_weights_s"]
         same_24 = runs[24]["kinds"] == runs[6]["kinds"] and runs[24]["executables"] == runs[6]["executables"]
     result = {
-        "executable": args.executable, "jobs": args.jobs, "buckets": {"batch": args.batch, "tokens": args.tokens},
+        "executable": args.executable,
+        "jobs": args.jobs,
+        "buckets": {"batch": args.batch, "tokens": args.tokens},
         "layers": args.layers,
         "executables": {str(n): r["executables"] for n, r in runs.items()},
         "kinds": {str(n): r["kinds"] for n, r in runs.items()},
-        "seconds": {str(n): {"total": round(r["total_s"], 2), "excluding_weights": round(r["excluding_weights_s"], 2),
-                             "passes": {k: round(v, 3) for k, v in r["passes"].items()}} for n, r in runs.items()},
+        "seconds": {
+            str(n): {
+                "total": round(r["total_s"], 2),
+                "excluding_weights": round(r["excluding_weights_s"], 2),
+                "passes": {k: round(v, 3) for k, v in r["passes"].items()},
+            }
+            for n, r in runs.items()
+        },
         "ratio_total": {str(n): round(r["ratio_total"], 3) for n, r in runs.items()},
         "ratio_excluding_weights": {str(n): round(r["ratio_excluding_weights"], 3) for n, r in runs.items()},
         "compile_ratio_24_over_6": None if ratio_24 is None else round(ratio_24, 3),
-        "targets": {"executables_equal_24_6": same_24, "compile_ratio_24_over_6_max": TARGET_RATIO,
-                    "compile_ratio_met": None if ratio_24 is None else ratio_24 <= TARGET_RATIO},
+        "targets": {
+            "executables_equal_24_6": same_24,
+            "compile_ratio_24_over_6_max": TARGET_RATIO,
+            "compile_ratio_met": None if ratio_24 is None else ratio_24 <= TARGET_RATIO,
+        },
     }
     report(runs, args, base, ratio_24, same_24, file=sys.stderr if args.json else sys.stdout)
     if args.json:
@@ -120,24 +150,30 @@ def main() -> None:
 
 def report(runs, args, base, ratio_24, same_24, file) -> None:
     """The table (on stderr with --json, so stdout holds only the JSON object)."""
+
     def say(line=""):
         print(line, file=file)
 
-    say(f"deepinfer-compile scaling: executable={args.executable} jobs={args.jobs} "
-        f"buckets batch={args.batch} tokens={args.tokens}")
-    say(f"{'layers':>6} {'executables':>11} {'total s':>9} {'excl. weights s':>15} "
-        f"{'x total':>8} {'x excl.':>8}")
+    say(
+        f"deepinfer-compile scaling: executable={args.executable} jobs={args.jobs} "
+        f"buckets batch={args.batch} tokens={args.tokens}"
+    )
+    say(f"{'layers':>6} {'executables':>11} {'total s':>9} {'excl. weights s':>15} {'x total':>8} {'x excl.':>8}")
     for n, r in runs.items():
-        say(f"{n:>6} {r['executables']:>11} {r['total_s']:>9.1f} {r['excluding_weights_s']:>15.1f} "
-            f"{r['ratio_total']:>7.2f}x {r['ratio_excluding_weights']:>7.2f}x")
+        say(
+            f"{n:>6} {r['executables']:>11} {r['total_s']:>9.1f} {r['excluding_weights_s']:>15.1f} "
+            f"{r['ratio_total']:>7.2f}x {r['ratio_excluding_weights']:>7.2f}x"
+        )
     for n, r in runs.items():
         extra = sorted(set(r["kinds"]) - set(base["kinds"]))
         if extra:
             say(f"  {n} layers: kinds not in {args.layers[0]} layers: {', '.join(extra)}")
     if ratio_24 is not None:
-        say(f"targets: executables 24 == 6 layers: {'yes' if same_24 else 'NO'}; "
+        say(
+            f"targets: executables 24 == 6 layers: {'yes' if same_24 else 'NO'}; "
             f"compile excl. weights 24/6 = {ratio_24:.2f}x "
-            f"({'within' if ratio_24 <= TARGET_RATIO else 'OVER'} {TARGET_RATIO}x)")
+            f"({'within' if ratio_24 <= TARGET_RATIO else 'OVER'} {TARGET_RATIO}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -23,9 +23,14 @@ from deepinfer.regions.state import Geometry
 from deepinfer.regions.step import plan_layers
 from deepinfer.regions.synthetic import synthetic_config
 
-RELEASE_SCHEDULE = {"compress_ratios": [0, 0] + [2] * 18 + [1] * 20, "kv_source_layer_ids": [2, 8, 14, 20],
-                    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36], "candidate_source_layer_id": 20,
-                    "engram_layer_ids": [1, 14], "engram_num_embeddings": [65536, 65536]}
+RELEASE_SCHEDULE = {
+    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20,
+    "kv_source_layer_ids": [2, 8, 14, 20],
+    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+    "candidate_source_layer_id": 20,
+    "engram_layer_ids": [1, 14],
+    "engram_num_embeddings": [65536, 65536],
+}
 
 
 def release_text_config():
@@ -43,11 +48,19 @@ def widths(contexts: list[int], block_size: int) -> list[dict]:
         g = full.at_context(context)
         scored = sum(g.compressed_width(p.ratio) for p in plans if p.attn in ("source", "reindex"))
         addressed = sum(g.compressed_width(p.ratio) for p in plans if p.ratio)
-        out.append({"context": context, "table_blocks": g.max_blocks,
-                    "scored_per_layer": {f"ratio {r}": g.compressed_width(r) for r in sorted({p.ratio for p in plans if p.ratio})},
-                    "topk": c.index_topk,
-                    "scored_per_step": scored, "addressed_per_step": addressed,
-                    "addressed_gib_per_step": addressed * c.head_dim * 2 / 2**30})
+        out.append(
+            {
+                "context": context,
+                "table_blocks": g.max_blocks,
+                "scored_per_layer": {
+                    f"ratio {r}": g.compressed_width(r) for r in sorted({p.ratio for p in plans if p.ratio})
+                },
+                "topk": c.index_topk,
+                "scored_per_step": scored,
+                "addressed_per_step": addressed,
+                "addressed_gib_per_step": addressed * c.head_dim * 2 / 2**30,
+            }
+        )
     return out
 
 
@@ -64,10 +77,14 @@ def main() -> None:
     print(f"{'context':>9} {'blocks':>7} {'scored/layer (r1, r2)':>22} {'scored/step':>12} {'KV addressed/step':>18}")
     for r in rows:
         per = ", ".join(str(v) for v in r["scored_per_layer"].values())
-        print(f"{r['context']:>9} {r['table_blocks']:>7} {per:>22} {r['scored_per_step']:>12} "
-              f"{r['addressed_gib_per_step']:>14.3f} GiB")
-    print(f"per decode step and sequence, bf16 latents of {release_text_config().head_dim}; "
-          "top-k selects at most 512 of the scored entries")
+        print(
+            f"{r['context']:>9} {r['table_blocks']:>7} {per:>22} {r['scored_per_step']:>12} "
+            f"{r['addressed_gib_per_step']:>14.3f} GiB"
+        )
+    print(
+        f"per decode step and sequence, bf16 latents of {release_text_config().head_dim}; "
+        "top-k selects at most 512 of the scored entries"
+    )
 
 
 if __name__ == "__main__":

@@ -80,25 +80,36 @@ def main() -> None:
     s = session.stats
     calls = sum(s.calls.values())
     result = {
-        "prompts": len(prompts), "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
-        "bundle_step_ms": best["bundle"][0] * 1e3, "eager_step_ms": best["eager"][0] * 1e3,
+        "prompts": len(prompts),
+        "new_tokens": args.new_tokens,
+        "threads": torch.get_num_threads(),
+        "bundle_step_ms": best["bundle"][0] * 1e3,
+        "eager_step_ms": best["eager"][0] * 1e3,
         "step_ratio_bundle_over_eager": best["bundle"][0] / best["eager"][0],
-        "bundle_prompt_token_ms": best["bundle"][1] * 1e3, "eager_prompt_token_ms": best["eager"][1] * 1e3,
+        "bundle_prompt_token_ms": best["bundle"][1] * 1e3,
+        "eager_prompt_token_ms": best["eager"][1] * 1e3,
         "prompt_ratio_bundle_over_eager": best["bundle"][1] / best["eager"][1],
-        "overhead_us_per_call": s.overhead / calls * 1e6, "region_calls": calls,
+        "overhead_us_per_call": s.overhead / calls * 1e6,
+        "region_calls": calls,
         "executable_us_per_call": sum(s.seconds.values()) / calls * 1e6,
     }
     if args.json:
         print(json.dumps(result))
         return
     print(f"{'':28}{'bundle':>12}{'eager':>12}{'ratio':>8}")
-    print(f"{'decode step (ms)':28}{result['bundle_step_ms']:>12.2f}{result['eager_step_ms']:>12.2f}"
-          f"{result['step_ratio_bundle_over_eager']:>8.3f}")
-    print(f"{'prompt token (ms)':28}{result['bundle_prompt_token_ms']:>12.2f}{result['eager_prompt_token_ms']:>12.2f}"
-          f"{result['prompt_ratio_bundle_over_eager']:>8.3f}")
-    print(f"runtime overhead {result['overhead_us_per_call']:.1f} us per region call "
-          f"(executable {result['executable_us_per_call']:.0f} us); {len(prompts)} prompts, "
-          f"{args.new_tokens} new tokens, {result['threads']} threads")
+    print(
+        f"{'decode step (ms)':28}{result['bundle_step_ms']:>12.2f}{result['eager_step_ms']:>12.2f}"
+        f"{result['step_ratio_bundle_over_eager']:>8.3f}"
+    )
+    print(
+        f"{'prompt token (ms)':28}{result['bundle_prompt_token_ms']:>12.2f}{result['eager_prompt_token_ms']:>12.2f}"
+        f"{result['prompt_ratio_bundle_over_eager']:>8.3f}"
+    )
+    print(
+        f"runtime overhead {result['overhead_us_per_call']:.1f} us per region call "
+        f"(executable {result['executable_us_per_call']:.0f} us); {len(prompts)} prompts, "
+        f"{args.new_tokens} new tokens, {result['threads']} threads"
+    )
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def measure(ep: int, cp: int, batch: int, context: int) -> dict:
         ckpt.mkdir()
         (ckpt / "config.json").write_text(json.dumps(release_config()))
         toml = Path(tmp) / "model.toml"
-        blocks = batch * -(-context // BLOCK) + 1              # every sequence at full context (block 0 scratch)
+        blocks = batch * -(-context // BLOCK) + 1  # every sequence at full context (block 0 scratch)
         toml.write_text(TOML.format(block=BLOCK, ckpt=ckpt, batch=batch, context=context, blocks=blocks, ep=ep, cp=cp))
         spec = pipeline.parse(load_compile_config(toml), True, lambda m: None)
         plan = pipeline.plan(spec, lambda m: None)
@@ -73,9 +73,13 @@ def measure(ep: int, cp: int, batch: int, context: int) -> dict:
         "pools_per_rank": sum(d.pools.values()),
         "limit_per_rank": d.limit,
         "host_bytes": d.host,
-        "engram_step": {"batch": batch, "rows": rows, "fp8_rows_and_scales_bytes": fp8,
-                        "bf16_decoded_bytes": rows * c.engram_head_dim * 2,
-                        "hashes_broadcast_bytes": batch * len(c.engram_layer_ids) * c.engram_hash_heads * 8},
+        "engram_step": {
+            "batch": batch,
+            "rows": rows,
+            "fp8_rows_and_scales_bytes": fp8,
+            "bf16_decoded_bytes": rows * c.engram_head_dim * 2,
+            "hashes_broadcast_bytes": batch * len(c.engram_layer_ids) * c.engram_hash_heads * 8,
+        },
     }
 
 

@@ -27,13 +27,36 @@ def synthetic_tokenizer(n: int, path: Path, seed: int = 0) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of)
-    pieces = [w.encode() for w in ("the", "The", " the", "ing", " and", "é", "É", "ü", "ß", "你", "好", "😀", "ﬁ",
-                                    "  ", "\n", " ", "Ａ", "a", "e", "x")]
+    pieces = [
+        w.encode()
+        for w in (
+            "the",
+            "The",
+            " the",
+            "ing",
+            " and",
+            "é",
+            "É",
+            "ü",
+            "ß",
+            "你",
+            "好",
+            "😀",
+            "ﬁ",
+            "  ",
+            "\n",
+            " ",
+            "Ａ",
+            "a",
+            "e",
+            "x",
+        )
+    ]
     rng = np.random.default_rng(seed)
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     while len(vocab) < n:
         data = b"".join(pieces[k] for k in rng.integers(0, len(pieces), size=rng.integers(1, 5)))
-        data = data[:rng.integers(2, 13)]
+        data = data[: rng.integers(2, 13)]
         vocab.setdefault("".join(alphabet[b] for b in data), len(vocab))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -42,8 +65,9 @@ def synthetic_tokenizer(n: int, path: Path, seed: int = 0) -> None:
 
 
 def _byte_of(symbol: str) -> int:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     if ord(symbol) in printable:
         return ord(symbol)
     return [b for b in range(256) if b not in printable][ord(symbol) - 256]
@@ -69,15 +93,24 @@ def main() -> None:
         mapped = time.perf_counter()
         save_file({"token_map": token_map}, str(Path(tmp) / "map.safetensors"))
         written = time.perf_counter()
-        out = {"ids": len(token_map), "keys": count, "file_bytes": path.stat().st_size,
-               "load_s": loaded - start, "map_s": mapped - loaded, "write_s": written - mapped,
-               "map_bytes": (Path(tmp) / "map.safetensors").stat().st_size}
+        out = {
+            "ids": len(token_map),
+            "keys": count,
+            "file_bytes": path.stat().st_size,
+            "load_s": loaded - start,
+            "map_s": mapped - loaded,
+            "write_s": written - mapped,
+            "map_bytes": (Path(tmp) / "map.safetensors").stat().st_size,
+        }
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"{out['ids']} ids -> {out['keys']} keys; tokenizer.json {out['file_bytes'] / 2**20:.1f} MiB loaded in "
-              f"{out['load_s']:.2f} s; map {out['map_s']:.2f} s; written {out['map_bytes'] / 2**10:.0f} KiB in "
-              f"{out['write_s'] * 1e3:.1f} ms", file=sys.stdout)
+        print(
+            f"{out['ids']} ids -> {out['keys']} keys; tokenizer.json {out['file_bytes'] / 2**20:.1f} MiB loaded in "
+            f"{out['load_s']:.2f} s; map {out['map_s']:.2f} s; written {out['map_bytes'] / 2**10:.0f} KiB in "
+            f"{out['write_s'] * 1e3:.1f} ms",
+            file=sys.stdout,
+        )
 
 
 if __name__ == "__main__":

@@ -66,9 +66,17 @@ def main() -> None:
     with torch.device("meta"):
         meta = MoE(c, dtype=dtype, topo=Topology(ep=args.ep))
     region = meta.with_weights(random_weights(meta)) if args.time_rows else None
-    result = {"experts": args.experts, "ep": args.ep, "local_experts": meta.w1.shape[0], "top_k": c.num_experts_per_tok, "hidden": c.hidden_size,
-              "intermediate": c.moe_intermediate_size, "dtype": args.dtype, "threads": torch.get_num_threads(),
-              "rows": []}
+    result = {
+        "experts": args.experts,
+        "ep": args.ep,
+        "local_experts": meta.w1.shape[0],
+        "top_k": c.num_experts_per_tok,
+        "hidden": c.hidden_size,
+        "intermediate": c.moe_intermediate_size,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "rows": [],
+    }
     for rows in sorted(set(args.rows) | set(args.time_rows)):
         row = {"rows": rows}
         if rows in args.rows:
@@ -91,8 +99,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"MoE region: {result['local_experts']} local experts of {args.experts}, top-{c.num_experts_per_tok}, hidden {c.hidden_size}, "
-          f"intermediate {c.moe_intermediate_size}, {args.dtype}, {result['threads']} threads")
+    print(
+        f"MoE region: {result['local_experts']} local experts of {args.experts}, top-{c.num_experts_per_tok}, hidden {c.hidden_size}, "
+        f"intermediate {c.moe_intermediate_size}, {args.dtype}, {result['threads']} threads"
+    )
     print(f"{'rows':>6}{'scratch':>14}{'nodes':>8}{'call ms':>10}{'cpu ms':>10}")
     for row in result["rows"]:
         scratch = budget.human(row["scratch_bytes"]) if "scratch_bytes" in row else "-"

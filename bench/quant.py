@@ -33,7 +33,7 @@ def _best(fn, reps: int) -> float:
 
 def _best_wall_cpu(fn, reps: int) -> tuple[float, float]:
     """(wall, cpu) seconds of the fastest of `reps` calls after a warm-up call."""
-    fn()                                            # warm up (page faults, caches)
+    fn()  # warm up (page faults, caches)
     best = (float("inf"), float("inf"))
     for _ in range(reps):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -52,7 +52,7 @@ def _ops(n: int):
     codes, s32 = blockfp8.quantize_fp8_blocks(w, 32)
     c128, _ = blockfp8.quantize_fp8_blocks(w, 128)
     s_fp32 = np.exp2(rng.uniform(-12, -6, size=(-(-rows // 128), cols // 128))).astype(np.float32)
-    wf = w[: rows // 4]                              # float inputs: a quarter of the elements
+    wf = w[: rows // 4]  # float inputs: a quarter of the elements
     small = codes[: rows // 4]
     sbytes = rng.integers(100, 140, size=(n // 64, 16), dtype=np.uint8)
     packed, s_fp4 = fp4.quantize_mxfp4(wf)
@@ -71,7 +71,7 @@ def _ops(n: int):
     ]
 
 
-_OPS: list = []   # (name, input, fn), built before the pools fork so workers share it
+_OPS: list = []  # (name, input, fn), built before the pools fork so workers share it
 
 
 def _time_op(args) -> tuple[float, float, float]:
@@ -91,19 +91,28 @@ def bench_ops(n: int, reps: int) -> list[dict]:
     rows = []
     with ctx.Pool(1) as one, ctx.Pool(2) as two:
         for i, (name, x, _) in enumerate(_OPS):
-            (t1, cpu1, c1), = one.map(_time_op, [(i, reps)])
+            ((t1, cpu1, c1),) = one.map(_time_op, [(i, reps)])
             both = two.map(_time_op, [(i, reps)] * 2, chunksize=1)
             gbps, copy = x.nbytes / t1 / 1e9, x.nbytes / c1 / 1e9
             agg2 = sum(x.nbytes / t / 1e9 for t, _, _ in both)
-            cpu_eff = sum(cpu1 / cpu for _, cpu, _ in both) / 2   # slowdown per CPU-second
-            rows.append({"op": name, "input_mib": round(x.nbytes / MIB, 1), "gbps": round(gbps, 3),
-                         "copy_gbps": round(copy, 2), "ratio": round(gbps / copy, 4),
-                         "gbps_2_workers": round(agg2, 3), "efficiency_2": round(agg2 / (2 * gbps), 3),
-                         "cpu_efficiency_2": round(cpu_eff, 3)})
+            cpu_eff = sum(cpu1 / cpu for _, cpu, _ in both) / 2  # slowdown per CPU-second
+            rows.append(
+                {
+                    "op": name,
+                    "input_mib": round(x.nbytes / MIB, 1),
+                    "gbps": round(gbps, 3),
+                    "copy_gbps": round(copy, 2),
+                    "ratio": round(gbps / copy, 4),
+                    "gbps_2_workers": round(agg2, 3),
+                    "efficiency_2": round(agg2 / (2 * gbps), 3),
+                    "cpu_efficiency_2": round(cpu_eff, 3),
+                }
+            )
     return rows
 
 
 # --- streaming driver, run in a fresh subprocess ------------------------------
+
 
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -126,8 +135,10 @@ def write_checkpoint(path: str, size_bytes: int, shape=(4096, 7168), files: int 
     for f in range(0, count, per_file):
         entries = []
         for i in range(f, min(f + per_file, count)):
-            entries += [(f"layers.{i}.w.weight", "F8_E4M3", codes.shape, codes.nbytes),
-                        (f"layers.{i}.w.scale", "F8_E8M0", scales.shape, scales.nbytes)]
+            entries += [
+                (f"layers.{i}.w.weight", "F8_E4M3", codes.shape, codes.nbytes),
+                (f"layers.{i}.w.scale", "F8_E8M0", scales.shape, scales.nbytes),
+            ]
         header, _ = layout_header(entries, {"format": "pt"})
         with open(os.path.join(path, f"model-{f:05d}.safetensors"), "wb") as out:
             out.write(header)
@@ -141,12 +152,20 @@ def driver_child(src: str, out: str, workers: int, chunk_mib: int) -> None:
 
     base = _rss_kib("VmRSS")
     cpu0 = _cpu_seconds()
-    rep = process_checkpoint(src, out, StreamRecipe(dst_block=128, chunk_bytes=chunk_mib * MIB),
-                             workers=workers)
-    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss       # KiB, largest child
-    print(json.dumps({"seconds": rep.seconds, "bytes_in": rep.bytes_in, "base_kib": base,
-                      "parent_peak_kib": _rss_kib("VmHWM"), "child_peak_kib": child,
-                      "cpu_seconds": _cpu_seconds() - cpu0}))
+    rep = process_checkpoint(src, out, StreamRecipe(dst_block=128, chunk_bytes=chunk_mib * MIB), workers=workers)
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB, largest child
+    print(
+        json.dumps(
+            {
+                "seconds": rep.seconds,
+                "bytes_in": rep.bytes_in,
+                "base_kib": base,
+                "parent_peak_kib": _rss_kib("VmHWM"),
+                "child_peak_kib": child,
+                "cpu_seconds": _cpu_seconds() - cpu0,
+            }
+        )
+    )
 
 
 def _cpu_seconds() -> float:
@@ -162,10 +181,14 @@ def _driver_run(src: str, out: str, workers: int, chunk_mib: int) -> dict:
         os.remove(os.path.join(out, f))
     extra_parent = max(0, r["parent_peak_kib"] - r["base_kib"]) / 1024
     extra_child = max(0, r["child_peak_kib"] - r["base_kib"]) / 1024 if workers > 1 else 0.0
-    return {"seconds": r["seconds"], "gbps": r["bytes_in"] / r["seconds"] / 1e9,
-            "gb_per_cpu_s": r["bytes_in"] / r["cpu_seconds"] / 1e9,
-            "peak_rss_mib": extra_parent + workers * extra_child,
-            "parent_extra_mib": extra_parent, "worker_extra_mib": extra_child}
+    return {
+        "seconds": r["seconds"],
+        "gbps": r["bytes_in"] / r["seconds"] / 1e9,
+        "gb_per_cpu_s": r["bytes_in"] / r["cpu_seconds"] / 1e9,
+        "peak_rss_mib": extra_parent + workers * extra_child,
+        "parent_extra_mib": extra_parent,
+        "worker_extra_mib": extra_child,
+    }
 
 
 def bench_driver(size_mib: int, chunk_mib: int, reps: int, tmpdir: str | None) -> dict:
@@ -188,12 +211,18 @@ def bench_driver(size_mib: int, chunk_mib: int, reps: int, tmpdir: str | None) -
                     res[workers] = best = r
                 best["peak_rss_mib"] = peak
     eff = res[2]["gbps"] / (2 * res[1]["gbps"])
-    return {"checkpoint_mib": round(size / MIB), "chunk_mib": chunk_mib, "runs": res,
-            "parallel_efficiency_2": eff, "dir": tmpdir or tempfile.gettempdir()}
+    return {
+        "checkpoint_mib": round(size / MIB),
+        "chunk_mib": chunk_mib,
+        "runs": res,
+        "parallel_efficiency_2": eff,
+        "dir": tmpdir or tempfile.gettempdir(),
+    }
 
 
-def projection(per_worker_gbps: float, eff: float, storage_gbps: float, cores: int = 192,
-               size_gib: float = 475) -> float:
+def projection(
+    per_worker_gbps: float, eff: float, storage_gbps: float, cores: int = 192, size_gib: float = 475
+) -> float:
     """Wall seconds: compute-bound (the 2-worker efficiency assumed to hold at `cores`),
     or bound by storage reading the input (and writing as much) at storage_gbps."""
     compute = size_gib * GIB / (per_worker_gbps * 1e9 * cores * max(eff, 1e-6))
@@ -208,8 +237,9 @@ def main() -> None:
     ap.add_argument("--ckpt-mib", type=int, default=384, help="synthetic checkpoint for the driver")
     ap.add_argument("--chunk-mib", type=int, default=64, help="driver chunk size")
     ap.add_argument("--tmpdir", default=None)
-    ap.add_argument("--storage-gbps", type=float, default=4.0,
-                    help="read (and write) bandwidth assumed for the 192-core projection")
+    ap.add_argument(
+        "--storage-gbps", type=float, default=4.0, help="read (and write) bandwidth assumed for the 192-core projection"
+    )
     ap.add_argument("--_driver", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._driver:
@@ -230,11 +260,13 @@ def main() -> None:
         "driver_gbps_per_worker": round(d1["gbps"], 3),
         "driver_parallel_efficiency_2": round(drv["parallel_efficiency_2"], 3),
         "driver": {w: {k: round(v, 3) for k, v in r.items()} for w, r in drv["runs"].items()},
-        "checkpoint_mib": drv["checkpoint_mib"], "chunk_mib": drv["chunk_mib"],
+        "checkpoint_mib": drv["checkpoint_mib"],
+        "chunk_mib": drv["chunk_mib"],
         "projection_475gib_192core_s": round(proj, 1),
         "projection_475gib_192core_driver_s": round(proj_drv, 1),
         "projection_storage_gbps": a.storage_gbps,
-        "loadavg_1min": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
+        "loadavg_1min": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
         "ops": ops,
     }
     if a.json:
@@ -244,29 +276,43 @@ def main() -> None:
 
 
 def _print_table(ops, drv, reps, per_worker, eff, proj, proj_drv, storage) -> None:
-    print(f"{'operation (1 worker unless noted)':34} {'in MiB':>7} {'GB/s':>7} {'copy':>7} "
-          f"{'ratio':>6} {'2 workers':>10} {'eff.':>5} {'cpu-eff.':>8}")
+    print(
+        f"{'operation (1 worker unless noted)':34} {'in MiB':>7} {'GB/s':>7} {'copy':>7} "
+        f"{'ratio':>6} {'2 workers':>10} {'eff.':>5} {'cpu-eff.':>8}"
+    )
     for r in ops:
-        print(f"{r['op']:34} {r['input_mib']:7.1f} {r['gbps']:7.3f} {r['copy_gbps']:7.2f} "
-              f"{r['ratio']:6.3f} {r['gbps_2_workers']:10.3f} {r['efficiency_2']:5.2f} "
-              f"{r['cpu_efficiency_2']:8.2f}")
-    print("eff. = 2-worker GB/s / (2 x 1-worker GB/s); cpu-eff. = the same per CPU-second "
-          "(1.0: running two at once costs nothing extra, only cores are missing)")
-    print(f"\nstreaming driver, {drv['checkpoint_mib']} MiB fp8 checkpoint in {drv['dir']}, "
-          f"ue8m0 32 -> 128, chunk {drv['chunk_mib']} MiB, best of {reps} (includes file I/O):")
+        print(
+            f"{r['op']:34} {r['input_mib']:7.1f} {r['gbps']:7.3f} {r['copy_gbps']:7.2f} "
+            f"{r['ratio']:6.3f} {r['gbps_2_workers']:10.3f} {r['efficiency_2']:5.2f} "
+            f"{r['cpu_efficiency_2']:8.2f}"
+        )
+    print(
+        "eff. = 2-worker GB/s / (2 x 1-worker GB/s); cpu-eff. = the same per CPU-second "
+        "(1.0: running two at once costs nothing extra, only cores are missing)"
+    )
+    print(
+        f"\nstreaming driver, {drv['checkpoint_mib']} MiB fp8 checkpoint in {drv['dir']}, "
+        f"ue8m0 32 -> 128, chunk {drv['chunk_mib']} MiB, best of {reps} (includes file I/O):"
+    )
     for w, r in drv["runs"].items():
-        print(f"  {w} worker(s): {r['gbps']:.3f} GB/s ({r['gb_per_cpu_s']:.3f} GB per CPU-second) in "
-              f"{r['seconds']:.2f} s, peak RSS beyond the interpreter {r['peak_rss_mib']:.0f} MiB "
-              f"(parent {r['parent_extra_mib']:.0f}, per worker {r['worker_extra_mib']:.0f})")
+        print(
+            f"  {w} worker(s): {r['gbps']:.3f} GB/s ({r['gb_per_cpu_s']:.3f} GB per CPU-second) in "
+            f"{r['seconds']:.2f} s, peak RSS beyond the interpreter {r['peak_rss_mib']:.0f} MiB "
+            f"(parent {r['parent_extra_mib']:.0f}, per worker {r['worker_extra_mib']:.0f})"
+        )
     print(f"  parallel efficiency at 2 workers: {drv['parallel_efficiency_2']:.3f}")
-    print(f"\n1-min load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs "
-          "(other processes on a shared host lower the 2-worker figures)")
+    print(
+        f"\n1-min load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs "
+        "(other processes on a shared host lower the 2-worker figures)"
+    )
     compute = 475 * GIB / (per_worker * 1e9 * 192 * max(eff, 1e-6))
-    print(f"projection, 475 GiB on a 192-core host: compute alone {compute:.0f} s at the rescale's "
-          f"{per_worker:.2f} GB/s per worker x efficiency {eff:.2f}; storage at {storage:g} GB/s "
-          f"each way needs {475 * GIB / storage / 1e9:.0f} s, so about {proj:.0f} s "
-          f"({proj / 60:.1f} min); {proj_drv:.0f} s ({proj_drv / 60:.1f} min) from the driver's "
-          "end-to-end rate (--storage-gbps to change the assumption).")
+    print(
+        f"projection, 475 GiB on a 192-core host: compute alone {compute:.0f} s at the rescale's "
+        f"{per_worker:.2f} GB/s per worker x efficiency {eff:.2f}; storage at {storage:g} GB/s "
+        f"each way needs {475 * GIB / storage / 1e9:.0f} s, so about {proj:.0f} s "
+        f"({proj / 60:.1f} min); {proj_drv:.0f} s ({proj_drv / 60:.1f} min) from the driver's "
+        "end-to-end rate (--storage-gbps to change the assumption)."
+    )
 
 
 if __name__ == "__main__":

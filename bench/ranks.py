@@ -37,8 +37,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-LAYOUTS = {"tp=2": (2, 1, 1), "ep=2": (1, 2, 1), "ep=4": (1, 4, 1), "cp=2": (1, 1, 2), "cp=ep=4": (1, 4, 4),
-           "ep=8": (1, 8, 1), "cp=ep=8": (1, 8, 8)}
+LAYOUTS = {
+    "tp=2": (2, 1, 1),
+    "ep=2": (1, 2, 1),
+    "ep=4": (1, 4, 1),
+    "cp=2": (1, 1, 2),
+    "cp=ep=4": (1, 4, 4),
+    "ep=8": (1, 8, 1),
+    "cp=ep=8": (1, 8, 8),
+}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -64,7 +71,7 @@ def predicted(text, layers: int, tp: int, ep: int, cp: int, B: int, act_bytes: i
     if ep > 1:
         distinct = R * (1 - (1 - 1 / R) ** k)
         remote = distinct * (R - 1) / R
-        tokens = B if topo.dispatch else B / R          # replicated tokens: each rank routes its share
+        tokens = B if topo.dispatch else B / R  # replicated tokens: each rank routes its share
         a2a = round(layers * tokens * remote * (D * act_bytes + D * 4))
     return {"collectives": out, "total": sum(out.values()), "all_to_all": a2a}
 
@@ -100,13 +107,19 @@ def main() -> int:
         rows.append({"layout": name, **p})
         bundle = args.measure / name if args.measure else None
         if bundle is not None and (bundle / MANIFEST_FILE).exists():
-            measured[name] = {**measure(bundle, args.steps),
-                              "predicted_b1": predicted(text, text.num_hidden_layers, tp, ep, cp, 1,
-                                                        DTYPE_BYTES[args.dtype])["collectives"]}
+            measured[name] = {
+                **measure(bundle, args.steps),
+                "predicted_b1": predicted(text, text.num_hidden_layers, tp, ep, cp, 1, DTYPE_BYTES[args.dtype])[
+                    "collectives"
+                ],
+            }
     err = sys.stderr if args.json else sys.stdout
-    print(f"bytes per rank per decode step: {text.num_hidden_layers} layers, hidden {text.hidden_size} x "
-          f"hc {text.hc_mult}, {text.n_routed_experts} experts top-{text.num_experts_per_tok}, batch "
-          f"{args.batch} per token group, {args.dtype} activations", file=err)
+    print(
+        f"bytes per rank per decode step: {text.num_hidden_layers} layers, hidden {text.hidden_size} x "
+        f"hc {text.hc_mult}, {text.n_routed_experts} experts top-{text.num_experts_per_tok}, batch "
+        f"{args.batch} per token group, {args.dtype} activations",
+        file=err,
+    )
     print(f"{'layout':<9}{'collective':<28}{'bytes':>14}{'all-to-all':>14}{'ratio':>8}", file=err)
     for r in rows:
         first = True
@@ -117,11 +130,23 @@ def main() -> int:
             first = False
     for name, m in measured.items():
         sent = m["per_rank"][0]
-        print(f"measured {name} (rank 0, {m['steps']} steps): " + ", ".join(
-            f"{k} {v:,.0f} (model {m['predicted_b1'].get(k, 0):,})" for k, v in sent.items()), file=err)
+        print(
+            f"measured {name} (rank 0, {m['steps']} steps): "
+            + ", ".join(f"{k} {v:,.0f} (model {m['predicted_b1'].get(k, 0):,})" for k, v in sent.items()),
+            file=err,
+        )
     if args.json:
-        print(json.dumps({"batch": args.batch, "dtype": args.dtype, "layers": text.num_hidden_layers,
-                          "layouts": rows, "measured": measured}))
+        print(
+            json.dumps(
+                {
+                    "batch": args.batch,
+                    "dtype": args.dtype,
+                    "layers": text.num_hidden_layers,
+                    "layouts": rows,
+                    "measured": measured,
+                }
+            )
+        )
     return 0
 
 

@@ -34,15 +34,37 @@ import sys
 import time
 from pathlib import Path
 
-STEPS = ["make-tiny", "reference", "floor-fp32", "compile-exported", "run-exported", "compare-exported",
-         "compile-aoti", "run-aoti", "compare-aoti", "hlo-only",
-         "floor-bf16", "compile-bf16", "run-bf16", "compare-bf16"]
-NEEDS = {"reference": ["make-tiny"], "floor-fp32": ["reference"],
-         "compile-exported": ["make-tiny"], "run-exported": ["compile-exported"],
-         "compare-exported": ["run-exported", "floor-fp32"],
-         "compile-aoti": ["make-tiny"], "run-aoti": ["compile-aoti"], "compare-aoti": ["run-aoti", "floor-fp32"],
-         "hlo-only": ["make-tiny"], "floor-bf16": ["reference"], "compile-bf16": ["make-tiny"],
-         "run-bf16": ["compile-bf16"], "compare-bf16": ["run-bf16", "floor-bf16"]}
+STEPS = [
+    "make-tiny",
+    "reference",
+    "floor-fp32",
+    "compile-exported",
+    "run-exported",
+    "compare-exported",
+    "compile-aoti",
+    "run-aoti",
+    "compare-aoti",
+    "hlo-only",
+    "floor-bf16",
+    "compile-bf16",
+    "run-bf16",
+    "compare-bf16",
+]
+NEEDS = {
+    "reference": ["make-tiny"],
+    "floor-fp32": ["reference"],
+    "compile-exported": ["make-tiny"],
+    "run-exported": ["compile-exported"],
+    "compare-exported": ["run-exported", "floor-fp32"],
+    "compile-aoti": ["make-tiny"],
+    "run-aoti": ["compile-aoti"],
+    "compare-aoti": ["run-aoti", "floor-fp32"],
+    "hlo-only": ["make-tiny"],
+    "floor-bf16": ["reference"],
+    "compile-bf16": ["make-tiny"],
+    "run-bf16": ["compile-bf16"],
+    "compare-bf16": ["run-bf16", "floor-bf16"],
+}
 
 TOML = """[model]
 checkpoint = "ckpt"
@@ -58,8 +80,11 @@ max_context = 64
 block_size = 16
 num_blocks = 5
 """
-TARGETS = {"exported": 'executable = "exported"', "aoti": 'executable = "aoti"',
-           "trn2": 'name = "trn2"\nexecutable = "neff"\noptions = { lnc = 2 }'}
+TARGETS = {
+    "exported": 'executable = "exported"',
+    "aoti": 'executable = "aoti"',
+    "trn2": 'name = "trn2"\nexecutable = "neff"\noptions = { lnc = 2 }',
+}
 
 
 def tool(name: str) -> str:
@@ -68,8 +93,16 @@ def tool(name: str) -> str:
 
 def commands(prompt: str, new_tokens: int, experts: int, jobs: int) -> dict[str, list[str]]:
     def run(b: str, dump: str) -> list[str]:
-        return [tool("deepinfer-run"), b, "--prompt", prompt, "--max-new-tokens", str(new_tokens),
-                "--dump-logits", dump]
+        return [
+            tool("deepinfer-run"),
+            b,
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            str(new_tokens),
+            "--dump-logits",
+            dump,
+        ]
 
     def compare(dump: str, floor: str) -> list[str]:
         return [tool("deepinfer"), "compare", dump, "ref.st", "--floor", floor]
@@ -79,9 +112,22 @@ def commands(prompt: str, new_tokens: int, experts: int, jobs: int) -> dict[str,
 
     return {
         "make-tiny": [tool("deepinfer"), "make-tiny", "ckpt", "--geometry", "release", "--experts", str(experts)],
-        "reference": [tool("deepinfer"), "reference", "ckpt", "--prompt", prompt, "--max-new-tokens",
-                      str(new_tokens), "--dtype", "fp32", "--no-cache-quant", "--topk-ties", "lowest",
-                      "--dump-logits", "ref.st"],
+        "reference": [
+            tool("deepinfer"),
+            "reference",
+            "ckpt",
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            str(new_tokens),
+            "--dtype",
+            "fp32",
+            "--no-cache-quant",
+            "--topk-ties",
+            "lowest",
+            "--dump-logits",
+            "ref.st",
+        ],
         "floor-fp32": [tool("deepinfer"), "noise-floor", "ckpt", "ref.st", "--dtype", "fp32", "-o", "floor_fp32.json"],
         "compile-exported": compile_("exported.toml", "b_exported"),
         "run-exported": run("b_exported", "run_exported.st"),
@@ -105,14 +151,22 @@ def measure(argv: list[str], cwd: Path, log: Path) -> dict:
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     lines = log.read_text(errors="replace").strip().splitlines()
-    return {"wall_s": round(time.perf_counter() - start, 1), "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2),
-            "rc": proc.returncode, "last_line": lines[-1] if lines else ""}
+    return {
+        "wall_s": round(time.perf_counter() - start, 1),
+        "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2),
+        "rc": proc.returncode,
+        "last_line": lines[-1] if lines else "",
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", type=Path, default=Path("build/release-geometry"),
-                    help="where the checkpoint, bundles and logs go (about 25 GiB with every step)")
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("build/release-geometry"),
+        help="where the checkpoint, bundles and logs go (about 25 GiB with every step)",
+    )
     ap.add_argument("--experts", type=int, default=8, help="routed experts of the synthetic checkpoint")
     ap.add_argument("--prompt", default="Hi")
     ap.add_argument("--max-new-tokens", type=int, default=2)
@@ -128,8 +182,12 @@ def main() -> None:
     (work / "tmp").mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor"))
     os.environ.setdefault("TMPDIR", str(work / "tmp"))
-    for name, dtype, target in (("exported", "fp32", "exported"), ("aoti", "fp32", "aoti"),
-                                ("trn2", "fp32", "trn2"), ("bf16", "bf16", "exported")):
+    for name, dtype, target in (
+        ("exported", "fp32", "exported"),
+        ("aoti", "fp32", "aoti"),
+        ("trn2", "fp32", "trn2"),
+        ("bf16", "bf16", "exported"),
+    ):
         (work / f"{name}.toml").write_text(TOML.format(dtype=dtype, target=TARGETS[target]))
     argv = commands(a.prompt, a.max_new_tokens, a.experts, a.jobs)
     results: dict[str, dict] = {}
@@ -141,12 +199,24 @@ def main() -> None:
         else:
             results[step] = measure(argv[step], work, work / f"{step}.log")
         r = results[step]
-        print(f"{step:18s} " + (f"skipped ({r['skipped']})" if "skipped" in r else
-                                f"{r['wall_s']:8.1f} s  {r['peak_rss_gib']:6.2f} GiB  rc {r['rc']}  {r['last_line'][:90]}"),
-              file=sys.stderr, flush=True)
+        print(
+            f"{step:18s} "
+            + (
+                f"skipped ({r['skipped']})"
+                if "skipped" in r
+                else f"{r['wall_s']:8.1f} s  {r['peak_rss_gib']:6.2f} GiB  rc {r['rc']}  {r['last_line'][:90]}"
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
     ckpt_bytes = sum(f.stat().st_size for f in (work / "ckpt").glob("*.safetensors"))
-    out = {"experts": a.experts, "checkpoint_gib": round(ckpt_bytes / 2**30, 2), "prompt": a.prompt,
-           "max_new_tokens": a.max_new_tokens, "steps": results}
+    out = {
+        "experts": a.experts,
+        "checkpoint_gib": round(ckpt_bytes / 2**30, 2),
+        "prompt": a.prompt,
+        "max_new_tokens": a.max_new_tokens,
+        "steps": results,
+    }
     if a.json:
         print(json.dumps(out, indent=2))
         return

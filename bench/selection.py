@@ -51,9 +51,16 @@ def measure(context: int, kinds: list[str] | None, work: Path) -> list[dict]:
         out = work / f"{kind}.hlo.pb"
         target.emit(target.lower(ep), [s.name for s in sig.all], region.output_names(), out)
         widths = hlo.selection_widths(out.read_bytes())
-        rows.append({"kind": kind, "widths": sorted({w for _, w in widths}), "ops": sorted({op for op, _ in widths}),
-                     "hlo_bytes": out.stat().st_size, "seconds": round(time.perf_counter() - start, 1),
-                     "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024})
+        rows.append(
+            {
+                "kind": kind,
+                "widths": sorted({w for _, w in widths}),
+                "ops": sorted({op for op, _ in widths}),
+                "hlo_bytes": out.stat().st_size,
+                "seconds": round(time.perf_counter() - start, 1),
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+            }
+        )
     return rows
 
 
@@ -73,8 +80,10 @@ def main() -> None:
         print(json.dumps(rows, indent=1))
         return
     for r in rows:
-        print(f"{r['kind']:24s} sort/top-k widths {r['widths']}  (HLO {r['hlo_bytes']} B, {r['seconds']} s, "
-              f"peak RSS {r['peak_rss_mib']} MiB)")
+        print(
+            f"{r['kind']:24s} sort/top-k widths {r['widths']}  (HLO {r['hlo_bytes']} B, {r['seconds']} s, "
+            f"peak RSS {r['peak_rss_mib']} MiB)"
+        )
     print(f"widest at context {args.context}: {max((w for r in rows for w in r['widths']), default=0)}")
 
 

@@ -32,8 +32,16 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
 
 MODEL = "tiny"
-PROMPTS = ["Hello, world", "The quick brown fox jumps over the lazy dog.", "abc", "1 + 1 =", "Once upon a time",
-           "def main():", "GET / HTTP/1.1", "Dear Sir or Madam,"]
+PROMPTS = [
+    "Hello, world",
+    "The quick brown fox jumps over the lazy dog.",
+    "abc",
+    "1 + 1 =",
+    "Once upon a time",
+    "def main():",
+    "GET / HTTP/1.1",
+    "Dear Sir or Madam,",
+]
 LEVELS = (1, 4, 8)
 TIMEOUT_S = 600
 
@@ -42,8 +50,15 @@ def stream(url: str, prompt: str, max_tokens: int) -> dict:
     """One streamed completion: {"sent", "chunks": [arrival times], "tokens", "id", "finish"}."""
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT_S)
-    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                       "stream_options": {"include_usage": True}})
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     sent = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -83,9 +98,17 @@ def level(url: str, clients: int, prompts: list[str], max_tokens: int) -> dict:
     tokens = sum(r["tokens"] for r in results)
     ttft = [(r["chunks"][0] - r["sent"]) * 1e3 for r in results if r["chunks"]]
     itl = [(b - a) * 1e3 for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
-    return {"clients": clients, "requests": len(results), "generated_tokens": tokens, "wall_s": wall,
-            "tokens_per_s": tokens / wall, "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-            "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99)}
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "generated_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "itl_p50_ms": percentile(itl, 50),
+        "itl_p99_ms": percentile(itl, 99),
+    }
 
 
 def rss_mib(pid: int) -> float:
@@ -108,11 +131,18 @@ def burst(url: str, pid: int, n: int, max_tokens: int) -> dict:
     with ThreadPoolExecutor(n) as pool:
         results = list(pool.map(one, range(n)))
     wall = time.perf_counter() - start
-    time.sleep(1.0)                     # the engine's last step and the server's last writes
+    time.sleep(1.0)  # the engine's last step and the server's last writes
     after = rss_mib(pid)
     ids = [r["id"] for r in results]
-    return {"requests": n, "completed": sum(r["finish"] is not None for r in results), "unique_ids": len(set(ids)),
-            "wall_s": wall, "rss_idle_mib": idle, "rss_after_mib": after, "rss_ratio": after / idle}
+    return {
+        "requests": n,
+        "completed": sum(r["finish"] is not None for r in results),
+        "unique_ids": len(set(ids)),
+        "wall_s": wall,
+        "rss_idle_mib": idle,
+        "rss_after_mib": after,
+        "rss_ratio": after / idle,
+    }
 
 
 def main() -> None:
@@ -134,29 +164,46 @@ def main() -> None:
 
         compile_bundle(load_compile_config(args.toml), args.bundle, jobs=2)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
-    server = ServerProcess(args.bundle, "--model-name", MODEL, "--threads", str(args.threads), "--max-queue",
-                           str(max(args.burst, args.requests)))
+    server = ServerProcess(
+        args.bundle,
+        "--model-name",
+        MODEL,
+        "--threads",
+        str(args.threads),
+        "--max-queue",
+        str(max(args.burst, args.requests)),
+    )
     try:
-        level(server.url, 8, PROMPTS, 4)                        # warm-up: every bucket once
+        level(server.url, 8, PROMPTS, 4)  # warm-up: every bucket once
         levels = {c: level(server.url, c, prompts, args.max_tokens) for c in LEVELS}
         burst_out = burst(server.url, server.pid, args.burst, 8)
     finally:
         status = server.stop()
-    out = {"bundle": str(args.bundle), "max_tokens": args.max_tokens, "server_threads": args.threads,
-           "levels": levels, "burst": burst_out, "server_exit": status,
-           "throughput_ratio_8_over_1": levels[8]["tokens_per_s"] / levels[1]["tokens_per_s"],
-           "itl_p99_ms_8": levels[8]["itl_p99_ms"]}
+    out = {
+        "bundle": str(args.bundle),
+        "max_tokens": args.max_tokens,
+        "server_threads": args.threads,
+        "levels": levels,
+        "burst": burst_out,
+        "server_exit": status,
+        "throughput_ratio_8_over_1": levels[8]["tokens_per_s"] / levels[1]["tokens_per_s"],
+        "itl_p99_ms_8": levels[8]["itl_p99_ms"],
+    }
     if args.json:
         print(json.dumps(out, indent=1))
         return
     print(f"{'clients':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  (ms)")
     for c, r in levels.items():
-        print(f"{c:>8}{r['tokens_per_s']:>9.1f}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>8.1f}"
-              f"{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>8.1f}")
+        print(
+            f"{c:>8}{r['tokens_per_s']:>9.1f}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>8.1f}"
+            f"{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>8.1f}"
+        )
     b = burst_out
-    print(f"throughput 8 / 1: {out['throughput_ratio_8_over_1']:.2f}x; burst of {b['requests']}: {b['completed']} "
-          f"completed, {b['unique_ids']} distinct ids; RSS {b['rss_idle_mib']:.1f} -> {b['rss_after_mib']:.1f} MiB "
-          f"({(b['rss_ratio'] - 1) * 100:+.1f}%)")
+    print(
+        f"throughput 8 / 1: {out['throughput_ratio_8_over_1']:.2f}x; burst of {b['requests']}: {b['completed']} "
+        f"completed, {b['unique_ids']} distinct ids; RSS {b['rss_idle_mib']:.1f} -> {b['rss_after_mib']:.1f} MiB "
+        f"({(b['rss_ratio'] - 1) * 100:+.1f}%)"
+    )
     if status != 0:
         sys.exit(f"the server exited with status {status}")
 

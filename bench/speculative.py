@@ -49,8 +49,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, default=ROOT / "build" / "tiny-spec")
     ap.add_argument("--toml", type=Path, default=ROOT / "examples" / "tiny" / "speculative.toml")
-    ap.add_argument("--executable", choices=["aoti", "exported"], default="aoti",
-                    help="executable kind of a bundle compiled here (the toml's is aoti)")
+    ap.add_argument(
+        "--executable",
+        choices=["aoti", "exported"],
+        default="aoti",
+        help="executable kind of a bundle compiled here (the toml's is aoti)",
+    )
     ap.add_argument("--new-tokens", type=int, default=61, help="tokens per run (61: 1 + 10 blocks of 6)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
@@ -72,8 +76,10 @@ def main() -> None:
     session = load(args.bundle)
     block = session.config.text.dspark_block_size
     if block + 1 not in session.token_sizes:
-        sys.exit(f"{args.bundle}: no tokens bucket of {block + 1} (the verify step); compile with tokens "
-                 f"including {block + 1}")
+        sys.exit(
+            f"{args.bundle}: no tokens bucket of {block + 1} (the verify step); compile with tokens "
+            f"including {block + 1}"
+        )
     if session.manifest.draft is None:
         sys.exit(f"{args.bundle}: compiled without the draft; recompile it from {args.toml} ([speculative] draft)")
     prompt = ByteTokenizer().encode(PROMPT)
@@ -94,17 +100,24 @@ def main() -> None:
                 stats[name] = drafter.stats
     decode_step = best["plain"] / (n - 1)
     verify_step = best["all_accepted"] / stats["all_accepted"].verify_steps
-    out = {"bundle": str(args.bundle), "new_tokens": n, "block": block,
-           "decode_step_ms": round(decode_step * 1e3, 3), "verify_step_ms": round(verify_step * 1e3, 3),
-           "verify_over_decode_step": round(verify_step / decode_step, 3),
-           "tokens_per_s_plain": round((n - 1) / best["plain"], 1)}
+    out = {
+        "bundle": str(args.bundle),
+        "new_tokens": n,
+        "block": block,
+        "decode_step_ms": round(decode_step * 1e3, 3),
+        "verify_step_ms": round(verify_step * 1e3, 3),
+        "verify_over_decode_step": round(verify_step / decode_step, 3),
+        "tokens_per_s_plain": round((n - 1) / best["plain"], 1),
+    }
     for name in drafters:
         out[f"tokens_per_step_{name}"] = round(stats[name].tokens_per_step, 3)
         out[f"tokens_per_s_{name}"] = round((n - 1) / best[name], 1)
         out[f"speedup_{name}"] = round(best["plain"] / best[name], 3)
-    out["targets_met"] = (out["verify_over_decode_step"] <= TARGETS["verify_over_decode_step"]
-                          and out["tokens_per_step_all_accepted"] >= TARGETS["tokens_per_step_all_accepted"]
-                          and out["speedup_all_accepted"] >= TARGETS["speedup_all_accepted"])
+    out["targets_met"] = (
+        out["verify_over_decode_step"] <= TARGETS["verify_over_decode_step"]
+        and out["tokens_per_step_all_accepted"] >= TARGETS["tokens_per_step_all_accepted"]
+        and out["speedup_all_accepted"] >= TARGETS["speedup_all_accepted"]
+    )
     if args.json:
         print(json.dumps(out))
     else:

@@ -45,9 +45,9 @@ GIB = 1 << 30
 MIB = 1 << 20
 PASS_RUNS = ("ep1", "ep8", "ep8-e4m3")
 EP8_RUNS = ("ep8", "ep8-e4m3")
-DRIVER_FOR = {"ep1": "driver", "ep8": "driver", "ep8-e4m3": "driver-e4m3"}   # the same fp8 work
+DRIVER_FOR = {"ep1": "driver", "ep8": "driver", "ep8-e4m3": "driver-e4m3"}  # the same fp8 work
 RELEASE_GIB = 475
-COLD: list[bool] = []           # per run: whether the page cache was dropped before it (drop_page_cache)
+COLD: list[bool] = []  # per run: whether the page cache was dropped before it (drop_page_cache)
 
 TOML = """[model]
 checkpoint = "{ckpt}"
@@ -81,7 +81,7 @@ def _status_kib(field: str, pid: str = "self") -> int:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
-    except OSError:                       # the process ended
+    except OSError:  # the process ended
         pass
     return 0
 
@@ -106,7 +106,7 @@ class WorkerPeaks(threading.Thread):
                 children.setdefault(_status_kib("PPid", d), []).append(int(d))
         for child in children.get(os.getpid(), []):
             workers = children.get(child)
-            if workers:                                    # a fork server (or a compile job's children)
+            if workers:  # a fork server (or a compile job's children)
                 base = _status_kib("VmRSS", str(child))
                 for w in workers:
                     self.extra_kib = max(self.extra_kib, _status_kib("VmHWM", str(w)) - base)
@@ -150,29 +150,48 @@ def child_weights(ckpt: str, out: str, ep: int, jobs: int, recipe: str) -> None:
     staging = Path(out)
     peaks = WorkerPeaks(base)
     peaks.start()
-    t0 = time.perf_counter()                                  # as the driver's: headers, plan, bytes
+    t0 = time.perf_counter()  # as the driver's: headers, plan, bytes
     source = Checkpoint(spec.config.model.checkpoint)
-    files, _ = stack_files(spec, plan, source, staging)       # preprocess_weights without a cache
+    files, _ = stack_files(spec, plan, source, staging)  # preprocess_weights without a cache
     files += host_files(spec.model, source, staging, spec.recipe, device_embedding=spec.device_embedding)
     report = stream(files, workers=jobs)
     seconds = time.perf_counter() - t0
-    print(json.dumps({"seconds": seconds, "bytes_read": report["bytes_read"],
-                      "bundle_bytes": _dir_bytes(staging), "base_kib": base,
-                      "parent_peak_kib": _status_kib("VmHWM"), "worker_extra_kib": peaks.stop()}))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "bytes_read": report["bytes_read"],
+                "bundle_bytes": _dir_bytes(staging),
+                "base_kib": base,
+                "parent_peak_kib": _status_kib("VmHWM"),
+                "worker_extra_kib": peaks.stop(),
+            }
+        )
+    )
 
 
 def child_driver(ckpt: str, out: str, jobs: int, fmt: str) -> None:
     import deepinfer.compiler.pipeline  # noqa: F401  (the same interpreter baseline as the pass)
     from deepinfer.quant.stream import process_checkpoint
     from deepinfer.quant.stream_plan import StreamRecipe
+
     base = _status_kib("VmRSS")
     peaks = WorkerPeaks(base)
     peaks.start()
     t0 = time.perf_counter()
     rep = process_checkpoint(ckpt, out, StreamRecipe(fp8_format=fmt), workers=jobs)
     seconds = time.perf_counter() - t0
-    print(json.dumps({"seconds": seconds, "bytes_in": rep.bytes_in, "base_kib": base,
-                      "parent_peak_kib": _status_kib("VmHWM"), "worker_extra_kib": peaks.stop()}))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "bytes_in": rep.bytes_in,
+                "base_kib": base,
+                "parent_peak_kib": _status_kib("VmHWM"),
+                "worker_extra_kib": peaks.stop(),
+            }
+        )
+    )
 
 
 def child_compile(ckpt: str, out: str, jobs: int) -> None:
@@ -189,11 +208,18 @@ def child_compile(ckpt: str, out: str, jobs: int) -> None:
     # compile jobs are spawned children (compiler/jobs.py): RUSAGE_CHILDREN sees them, beyond
     # their own interpreter's start (taken as this process's base)
     jobs_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss - base
-    print(json.dumps({"seconds": seconds, "base_kib": base,
-                      "parent_peak_kib": _status_kib("VmHWM"),
-                      "worker_extra_kib": max(peaks.stop(), jobs_kib),
-                      "executable_bytes": _dir_bytes(Path(out), (layout.REGIONS_DIR,)),
-                      "weight_bytes": _dir_bytes(Path(out), (layout.WEIGHTS_DIR, layout.HOST_DIR))}))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "base_kib": base,
+                "parent_peak_kib": _status_kib("VmHWM"),
+                "worker_extra_kib": max(peaks.stop(), jobs_kib),
+                "executable_bytes": _dir_bytes(Path(out), (layout.REGIONS_DIR,)),
+                "weight_bytes": _dir_bytes(Path(out), (layout.WEIGHTS_DIR, layout.HOST_DIR)),
+            }
+        )
+    )
 
 
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
@@ -212,7 +238,7 @@ def drop_page_cache() -> bool:
 
 
 def _child(*args: str, timeout: float = 3600) -> dict:
-    os.sync()            # every run starts with no dirty pages (the last run's writes or the checkpoint's)
+    os.sync()  # every run starts with no dirty pages (the last run's writes or the checkpoint's)
     COLD.append(drop_page_cache())
     cmd = [sys.executable, __file__, "--_child", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -239,38 +265,53 @@ def bench_size(work: Path, experts: int, layers: int, jobs: int, reps: int, log,
     ckpt = work / f"ckpt-e{experts}"
     t0 = time.perf_counter()
     size = write_synthetic(ckpt, synthetic_config(layers, experts))
-    log(f"checkpoint: {layers} layers, {experts} experts, {size / GIB:.2f} GiB written in "
-        f"{time.perf_counter() - t0:.0f} s")
+    log(
+        f"checkpoint: {layers} layers, {experts} experts, {size / GIB:.2f} GiB written in "
+        f"{time.perf_counter() - t0:.0f} s"
+    )
     best: dict[str, dict] = {}
-    for rep in range(reps):                        # alternate, keep each one's best: a shared host is noisy
-        for name, args in (("driver", ("driver", str(ckpt), str(work / "out"), str(jobs), "e4m3fn")),
-                           ("driver-e4m3", ("driver", str(ckpt), str(work / "out"), str(jobs), "e4m3")),
-                           ("ep1", ("weights", str(ckpt), str(work / "out"), "1", str(jobs), "release")),
-                           ("ep8", ("weights", str(ckpt), str(work / "out"), "8", str(jobs), "release")),
-                           ("ep8-e4m3", ("weights", str(ckpt), str(work / "out"), "8", str(jobs), "e4m3"))):
+    for rep in range(reps):  # alternate, keep each one's best: a shared host is noisy
+        for name, args in (
+            ("driver", ("driver", str(ckpt), str(work / "out"), str(jobs), "e4m3fn")),
+            ("driver-e4m3", ("driver", str(ckpt), str(work / "out"), str(jobs), "e4m3")),
+            ("ep1", ("weights", str(ckpt), str(work / "out"), "1", str(jobs), "release")),
+            ("ep8", ("weights", str(ckpt), str(work / "out"), "8", str(jobs), "release")),
+            ("ep8-e4m3", ("weights", str(ckpt), str(work / "out"), "8", str(jobs), "e4m3")),
+        ):
             r = _child(*args)
             _drop(work / "out")
             r.update(_extra_mib(r))
             old = best.get(name)
             if old is None or r["seconds"] < old["seconds"]:
                 best[name] = dict(r, peak_mib=max(r["peak_mib"], old["peak_mib"] if old else 0))
-            log(f"  {name} run {rep + 1}: {size / r['seconds'] / 1e9:.3f} GB/s, "
-                f"peak RSS +{r['peak_mib']:.0f} MiB")
+            log(f"  {name} run {rep + 1}: {size / r['seconds'] / 1e9:.3f} GB/s, peak RSS +{r['peak_mib']:.0f} MiB")
     out = {"experts": experts, "checkpoint_bytes": size}
     if compile_too:
         r = _child("compile", str(ckpt), str(work / "bundle"), str(jobs))
         _drop(work / "bundle")
-        out["compile"] = {"seconds": round(r["seconds"], 1), "peak_rss_mib": round(_extra_mib(r)["peak_mib"], 1),
-                          "executable_bytes": r["executable_bytes"], "weight_bytes": r["weight_bytes"]}
-        log(f"  whole compile: {r['seconds']:.0f} s, peak RSS +{out['compile']['peak_rss_mib']:.0f} MiB, "
-            f"executables {r['executable_bytes'] / MIB:.1f} MiB")
+        out["compile"] = {
+            "seconds": round(r["seconds"], 1),
+            "peak_rss_mib": round(_extra_mib(r)["peak_mib"], 1),
+            "executable_bytes": r["executable_bytes"],
+            "weight_bytes": r["weight_bytes"],
+        }
+        log(
+            f"  whole compile: {r['seconds']:.0f} s, peak RSS +{out['compile']['peak_rss_mib']:.0f} MiB, "
+            f"executables {r['executable_bytes'] / MIB:.1f} MiB"
+        )
     for name, r in best.items():
-        out[name] = {"seconds": round(r["seconds"], 3), "gbps": round(size / r["seconds"] / 1e9, 3),
-                     "peak_rss_mib": round(r["peak_mib"], 1), "parent_mib": round(r["parent_mib"], 1),
-                     "worker_mib": round(r["worker_mib"], 1)}
+        out[name] = {
+            "seconds": round(r["seconds"], 3),
+            "gbps": round(size / r["seconds"] / 1e9, 3),
+            "peak_rss_mib": round(r["peak_mib"], 1),
+            "parent_mib": round(r["parent_mib"], 1),
+            "worker_mib": round(r["worker_mib"], 1),
+        }
         if not name.startswith("driver"):
-            out[name].update(read_amplification=round(r["bytes_read"] / size, 4),
-                             bundle_over_checkpoint=round(r["bundle_bytes"] / size, 4))
+            out[name].update(
+                read_amplification=round(r["bytes_read"] / size, 4),
+                bundle_over_checkpoint=round(r["bundle_bytes"] / size, 4),
+            )
     return out
 
 
@@ -285,14 +326,18 @@ def projection(gbps_1: float, jobs: int, cores: int = 192, storage_gbps: float =
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object (the table goes to stderr)")
-    ap.add_argument("--experts", default="8,32",
-                    help="routed experts of the smaller and the larger checkpoint (6 layers: 5.7 and 8.2 GiB)")
+    ap.add_argument(
+        "--experts",
+        default="8,32",
+        help="routed experts of the smaller and the larger checkpoint (6 layers: 5.7 and 8.2 GiB)",
+    )
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--jobs", type=int, default=2, help="worker processes of the pass and the driver")
     ap.add_argument("--reps", type=int, default=3, help="runs of each, alternating; the best is kept")
     ap.add_argument("--no-compile", action="store_true", help="skip the whole-compile run")
-    ap.add_argument("--storage-gbps", type=float, default=4.0,
-                    help="read bandwidth assumed for the 192-core projection")
+    ap.add_argument(
+        "--storage-gbps", type=float, default=4.0, help="read bandwidth assumed for the 192-core projection"
+    )
     ap.add_argument("--tmpdir", default=None, help="where the checkpoints go (default: the system's)")
     ap.add_argument("--_child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -315,24 +360,34 @@ def main() -> None:
             runs.append(bench_size(work, experts, a.layers, a.jobs, a.reps, log, not a.no_compile))
             _drop(work / f"ckpt-e{experts}")
     compile_run = None
-    if not a.no_compile:                              # the larger checkpoint's; executables of both
-        compile_run = dict(runs[-1]["compile"], executable_bytes_by_size={
-            f"{r['checkpoint_bytes'] / GIB:.2f} GiB": r["compile"]["executable_bytes"] for r in runs})
+    if not a.no_compile:  # the larger checkpoint's; executables of both
+        compile_run = dict(
+            runs[-1]["compile"],
+            executable_bytes_by_size={
+                f"{r['checkpoint_bytes'] / GIB:.2f} GiB": r["compile"]["executable_bytes"] for r in runs
+            },
+        )
     small, large = runs[0], runs[-1]
     pass_peak = max(r[k]["peak_rss_mib"] for r in runs for k in PASS_RUNS)
     summary = {
         # each pass run against the driver doing the same fp8 work (e4m3fn: a copy; e4m3: halving)
-        "weights_gbps_ratio_to_driver": round(min(r[k]["gbps"] / r[DRIVER_FOR[k]]["gbps"] for r in runs
-                                                  for k in PASS_RUNS), 3),
+        "weights_gbps_ratio_to_driver": round(
+            min(r[k]["gbps"] / r[DRIVER_FOR[k]]["gbps"] for r in runs for k in PASS_RUNS), 3
+        ),
         "e4m3_gbps_ratio_to_copying_driver": round(min(r["ep8-e4m3"]["gbps"] / r["driver"]["gbps"] for r in runs), 3),
         "peak_rss_mib": pass_peak,
         "rss_growth_mib": round(max(large[k]["peak_rss_mib"] - small[k]["peak_rss_mib"] for k in PASS_RUNS), 1),
         "read_amplification_ep8": max(r[k]["read_amplification"] for r in runs for k in EP8_RUNS),
         "bundle_over_checkpoint_ep8": max(r[k]["bundle_over_checkpoint"] for r in runs for k in EP8_RUNS),
-        "projection_475gib_ep64_192core_s": round(projection(min(large[k]["gbps"] for k in EP8_RUNS), a.jobs,
-                                                             storage_gbps=a.storage_gbps)),
-        "compile": compile_run, "runs": runs, "jobs": a.jobs, "layers": a.layers,
-        "loadavg_1min": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
+        "projection_475gib_ep64_192core_s": round(
+            projection(min(large[k]["gbps"] for k in EP8_RUNS), a.jobs, storage_gbps=a.storage_gbps)
+        ),
+        "compile": compile_run,
+        "runs": runs,
+        "jobs": a.jobs,
+        "layers": a.layers,
+        "loadavg_1min": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
         "cold_page_cache": all(COLD),
     }
     _table(summary, log)
@@ -341,33 +396,52 @@ def main() -> None:
 
 
 def _table(s: dict, log) -> None:
-    log(f"\n{'checkpoint':>18} {'run':>11} {'GB/s':>7} {'vs driver':>9} {'peak RSS MiB':>12} "
-        f"{'read/ckpt':>9} {'bundle/ckpt':>11}")
+    log(
+        f"\n{'checkpoint':>18} {'run':>11} {'GB/s':>7} {'vs driver':>9} {'peak RSS MiB':>12} "
+        f"{'read/ckpt':>9} {'bundle/ckpt':>11}"
+    )
     for r in s["runs"]:
         label = f"{r['checkpoint_bytes'] / GIB:.2f} GiB, {r['experts']}e"
         for k in ("driver", "driver-e4m3", *PASS_RUNS):
             x = r[k]
             ratio = x["gbps"] / r[DRIVER_FOR.get(k, k)]["gbps"]
-            log(f"{label:>18} {k:>11} {x['gbps']:7.3f} {ratio:9.3f} {x['peak_rss_mib']:12.0f} "
-                f"{x.get('read_amplification', float('nan')):9.3f} {x.get('bundle_over_checkpoint', float('nan')):11.3f}")
-    log(f"\nweight pass / driver GB/s, same fp8 work (lowest): {s['weights_gbps_ratio_to_driver']:.3f} "
-        f"(target >= 0.8); the e4m3 pass against the copying driver: {s['e4m3_gbps_ratio_to_copying_driver']:.3f}")
-    log(f"peak RSS beyond the interpreter: {s['peak_rss_mib']:.0f} MiB (target <= 1024); growth from the "
-        f"smaller checkpoint to the larger {s['rss_growth_mib']:.0f} MiB (target <= 64)")
-    log(f"read amplification at ep=8: {s['read_amplification_ep8']:.3f} (target <= 1.05); bundle / checkpoint "
-        f"at ep=8: {s['bundle_over_checkpoint_ep8']:.3f} (target <= 1.1)")
+            log(
+                f"{label:>18} {k:>11} {x['gbps']:7.3f} {ratio:9.3f} {x['peak_rss_mib']:12.0f} "
+                f"{x.get('read_amplification', float('nan')):9.3f} {x.get('bundle_over_checkpoint', float('nan')):11.3f}"
+            )
+    log(
+        f"\nweight pass / driver GB/s, same fp8 work (lowest): {s['weights_gbps_ratio_to_driver']:.3f} "
+        f"(target >= 0.8); the e4m3 pass against the copying driver: {s['e4m3_gbps_ratio_to_copying_driver']:.3f}"
+    )
+    log(
+        f"peak RSS beyond the interpreter: {s['peak_rss_mib']:.0f} MiB (target <= 1024); growth from the "
+        f"smaller checkpoint to the larger {s['rss_growth_mib']:.0f} MiB (target <= 64)"
+    )
+    log(
+        f"read amplification at ep=8: {s['read_amplification_ep8']:.3f} (target <= 1.05); bundle / checkpoint "
+        f"at ep=8: {s['bundle_over_checkpoint_ep8']:.3f} (target <= 1.1)"
+    )
     if s["compile"]:
         c = s["compile"]
         sizes = ", ".join(f"{b / MIB:.2f} MiB ({k} checkpoint)" for k, b in c["executable_bytes_by_size"].items())
-        log(f"whole compile (exported, 1 bucket) of the larger: {c['seconds']:.0f} s, peak RSS beyond the "
+        log(
+            f"whole compile (exported, 1 bucket) of the larger: {c['seconds']:.0f} s, peak RSS beyond the "
             f"interpreter {c['peak_rss_mib']:.0f} MiB (target <= 2048); {c['weight_bytes'] / GIB:.2f} GiB of "
-            f"weights; executables {sizes}")
-    log(f"projection, {RELEASE_GIB} GiB at ep=64 on a 192-core host: {s['projection_475gib_ep64_192core_s']} s "
+            f"weights; executables {sizes}"
+        )
+    log(
+        f"projection, {RELEASE_GIB} GiB at ep=64 on a 192-core host: {s['projection_475gib_ep64_192core_s']} s "
         f"(the slower ep=8 recipe's per-worker rate x 192, or storage at the assumed rate; each byte is read "
-        f"once at any ep)")
-    log(f"1-min load average {s['loadavg_1min']} on {s['cpus']} CPUs; page cache "
-        + ("dropped before every run (cold reads)" if s["cold_page_cache"] else
-           "not dropped (not root): a run may find the checkpoint cached by the ones before"))
+        f"once at any ep)"
+    )
+    log(
+        f"1-min load average {s['loadavg_1min']} on {s['cpus']} CPUs; page cache "
+        + (
+            "dropped before every run (cold reads)"
+            if s["cold_page_cache"]
+            else "not dropped (not root): a run may find the checkpoint cached by the ones before"
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,18 +1,18 @@
 """Every path inside a bundle. Nothing else in deepinfer spells one.
 
-    bundle/
-      manifest.json                          the bundle's description (format_version first)
-      signature.json                         optional: an Ed25519 signature over manifest.json (--sign)
-      regions/<kind>.<method>.b<B>t<T>[c<C>].pt2   one executable per (kind, method, bucket); c<C>: the
-                                             context bucket of the kinds built per context
-      weights/rank-<R>/<kind>.safetensors    a kind's weights one rank holds, stacked layer-major
-      weights/shared/<kind>.safetensors      a kind's weights every rank holds whole, stored once
-      host/embed.safetensors                 host-resident tensors (token embedding)
-      host/engram.safetensors                the engram tables and their scales (checkpoint names)
-      host/vision.safetensors                the vision tower, aligner and image delimiters (checkpoint names)
-      host/engram_token_map.safetensors      engram's compressed token map (`tokenizers` tokenizers)
-      tokenizer/tokenizer.json, ...          the checkpoint's tokenizer files, copied (where it has tokenizer.json)
-      logs/                                  per-executable compiler logs (targets that write them)
+bundle/
+  manifest.json                          the bundle's description (format_version first)
+  signature.json                         optional: an Ed25519 signature over manifest.json (--sign)
+  regions/<kind>.<method>.b<B>t<T>[c<C>].pt2   one executable per (kind, method, bucket); c<C>: the
+                                         context bucket of the kinds built per context
+  weights/rank-<R>/<kind>.safetensors    a kind's weights one rank holds, stacked layer-major
+  weights/shared/<kind>.safetensors      a kind's weights every rank holds whole, stored once
+  host/embed.safetensors                 host-resident tensors (token embedding)
+  host/engram.safetensors                the engram tables and their scales (checkpoint names)
+  host/vision.safetensors                the vision tower, aligner and image delimiters (checkpoint names)
+  host/engram_token_map.safetensors      engram's compressed token map (`tokenizers` tokenizers)
+  tokenizer/tokenizer.json, ...          the checkpoint's tokenizer files, copied (where it has tokenizer.json)
+  logs/                                  per-executable compiler logs (targets that write them)
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ WEIGHTS_DIR = "weights"
 HOST_DIR = "host"
 LOGS_DIR = "logs"
 TOKENIZER_DIR = "tokenizer"
-TOKENIZER_FILE = "tokenizer.json"                # the checkpoint's names, kept in the bundle
+TOKENIZER_FILE = "tokenizer.json"  # the checkpoint's names, kept in the bundle
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CHAT_TEMPLATE_FILE)   # copied where present
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CHAT_TEMPLATE_FILE)  # copied where present
 EXECUTABLE_NAME = "{kind}.{method}.b{batch}t{tokens}"
 CONTEXT_SUFFIX = "c{context}"
 RANK_KEY = "rank-{rank}"

@@ -31,7 +31,7 @@ from deepinfer.bundles.topology import Topology
 from deepinfer.errors import DeepinferError
 from deepinfer.schema import Problem, Rules, build, coerce, dump
 
-FORMAT_VERSION = 2                  # 2: shared weight stacks, per-tensor file and format
+FORMAT_VERSION = 2  # 2: shared weight stacks, per-tensor file and format
 SUPPORTED_VERSIONS = (2,)
 ROLES = ("rank", "weight", "activation", "step", "state", "carry")
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "int64", "int32", "uint8", "int8", "bool")
@@ -43,6 +43,7 @@ class BundleError(DeepinferError):
 
 # --- the parts ---------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, kw_only=True)
 class Target:
     name: str
@@ -53,6 +54,7 @@ class Target:
 @dataclass(frozen=True, kw_only=True)
 class Ranks:
     """The recorded topology: the degrees, their derived sizes (checked), the target's LNC."""
+
     tp: int
     ep: int
     cp: int
@@ -67,25 +69,33 @@ class Ranks:
 
     @classmethod
     def of(cls, topo: Topology, lnc: int | None = None) -> Ranks:
-        return cls(tp=topo.tp, ep=topo.ep, cp=topo.cp, world_size=topo.world, groups=topo.groups,
-                   dispatch=topo.dispatch, lnc=lnc)
+        return cls(
+            tp=topo.tp,
+            ep=topo.ep,
+            cp=topo.cp,
+            world_size=topo.world,
+            groups=topo.groups,
+            dispatch=topo.dispatch,
+            lnc=lnc,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
 class Model:
-    config: dict                    # the normalized config.json (regions/config.py parses it)
+    config: dict  # the normalized config.json (regions/config.py parses it)
     config_hash: str
     dtype: Literal["fp32", "bf16"]
     cache_quant: bool
     weight_format: str
     scale_layout: str
-    tokenizer: Literal["byte", "tokenizers"] = "byte"       # "tokenizers": its files are host entries
+    tokenizer: Literal["byte", "tokenizers"] = "byte"  # "tokenizers": its files are host entries
 
 
 @dataclass(frozen=True, kw_only=True)
 class Shape:
     """A step shape; an executable's bucket adds its context bucket (positions) when its kind's
     shapes depend on the context, and has none (None, absent in the JSON) when they do not."""
+
     batch: int
     tokens: int
     context: int | None = None
@@ -115,6 +125,7 @@ class Buckets:
 @dataclass(frozen=True, kw_only=True)
 class Pool:
     """One layer-major state pool: [len(layers), blocks | slots, *entry_shape]."""
+
     state: str
     dtype: str
     dim: Literal["blocks", "slots"]
@@ -141,6 +152,7 @@ class KV:
 @dataclass(frozen=True, kw_only=True)
 class TensorSpec:
     """One input of an executable (its `role`) or one output (`output_specs`: role empty)."""
+
     name: str
     shape: tuple[int, ...]
     dtype: str
@@ -150,6 +162,7 @@ class TensorSpec:
 @dataclass(frozen=True, kw_only=True)
 class Executable:
     """One compiled (kind, method, bucket): its file, call signature and what it writes."""
+
     kind: str
     method: str
     bucket: Shape
@@ -162,10 +175,10 @@ class Executable:
     digest: str | None = None
     # targets whose executables return state (trn2): the written state inputs, in output order
     state_outputs: tuple[str, ...] | None = None
-    aliases: dict[int, int] | None = None           # output index -> input index
+    aliases: dict[int, int] | None = None  # output index -> input index
     output_specs: tuple[TensorSpec, ...] | None = None
-    check: dict | None = None                       # the lowering's numeric check (trn2)
-    neff: dict | None = None                        # the NEFF header's facts (trn2)
+    check: dict | None = None  # the lowering's numeric check (trn2)
+    neff: dict | None = None  # the NEFF header's facts (trn2)
 
     @property
     def name(self) -> str:
@@ -176,6 +189,7 @@ class Executable:
 @dataclass(frozen=True, kw_only=True)
 class Binding:
     """Which executable kind a layer's slot runs, and its row in that kind's weight stacks."""
+
     kind: str
     index: int
 
@@ -189,8 +203,8 @@ class Layer:
     candidate_source: bool
     uses_candidates: bool
     engram: bool
-    regions: dict[str, Binding]                      # slot (engram, attn, moe) -> binding
-    state: dict[str, tuple[str | int, ...]]          # state name -> [pool, row]
+    regions: dict[str, Binding]  # slot (engram, attn, moe) -> binding
+    state: dict[str, tuple[str | int, ...]]  # state name -> [pool, row]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +214,7 @@ class Draft:
     bucket; its `context` slot reads `window` target positions), the target layers whose attention
     inputs it reads, and the pool holding them (`kv.pools[features]`, one row per target layer).
     Its logits go through the target head's `project` method."""
+
     name: str
     block: int
     window: int
@@ -212,6 +227,7 @@ class Draft:
 class TensorShape:
     """One stacked weight: its shape and storage dtype, the file holding it, and its value
     format (the names quant/ uses: e4m3fn, ue8m0-u8-row-major, e2m1-x2-u8, bf16, f32)."""
+
     shape: tuple[int, ...]
     dtype: str
     file: Literal["rank", "shared"] = "rank"
@@ -222,6 +238,7 @@ class TensorShape:
 class WeightStack:
     """One kind's weights on one rank: each tensor stacked over the kind's layers, in the rank's
     own file (`path`) or in the file every rank shares (`shared`)."""
+
     kind: str
     path: str | None
     shared: str | None = None
@@ -239,9 +256,10 @@ class WeightStack:
 class HostFile:
     """A file the host reads: tensors (embed, vision, engram_token_map) or a tokenizer file
     (`tokenizer/<name>`, keyed by its name)."""
+
     path: str
-    tensor: str | None = None                       # the one tensor (embed, engram_token_map)
-    tensors: str | None = None                      # how its tensors are named (vision)
+    tensor: str | None = None  # the one tensor (embed, engram_token_map)
+    tensors: str | None = None  # how its tensors are named (vision)
     digest: str | None = None
 
 
@@ -258,11 +276,11 @@ class Manifest:
     kv: KV
     regions: tuple[Executable, ...]
     head: Binding
-    embed: Binding | None = None                    # the token embedding region; None: a host lookup (host.embed)
+    embed: Binding | None = None  # the token embedding region; None: a host lookup (host.embed)
     layers: tuple[Layer, ...]
-    weights: dict[str, tuple[WeightStack, ...]]     # "rank-R" -> that rank's stacks
+    weights: dict[str, tuple[WeightStack, ...]]  # "rank-R" -> that rank's stacks
     host: dict[str, HostFile]
-    memory: dict = field(default_factory=dict)      # the budget's breakdown per rank (informational)
+    memory: dict = field(default_factory=dict)  # the budget's breakdown per rank (informational)
     files: dict[str, str] = field(default_factory=dict)
     draft: Draft | None = None
 
@@ -286,20 +304,30 @@ class Manifest:
 
     def referenced(self) -> list[str]:
         """Every file the manifest points at."""
-        return ([e.artifact for e in self.regions] + [p for ws in self.weights.values() for w in ws for p in w.files]
-                + [h.path for h in self.host.values()])
+        return (
+            [e.artifact for e in self.regions]
+            + [p for ws in self.weights.values() for w in ws for p in w.files]
+            + [h.path for h in self.host.values()]
+        )
 
     def with_digests(self, files: dict[str, str]) -> Manifest:
         """This manifest covering `files` (path -> digest), each artifact, stack and host file given its digest."""
         return dataclasses.replace(
-            self, files=dict(files),
+            self,
+            files=dict(files),
             regions=tuple(dataclasses.replace(e, digest=files[e.artifact]) for e in self.regions),
-            weights={r: tuple(dataclasses.replace(w, digest=files.get(w.path), shared_digest=files.get(w.shared))
-                              for w in ws) for r, ws in self.weights.items()},
-            host={k: dataclasses.replace(h, digest=files[h.path]) for k, h in self.host.items()})
+            weights={
+                r: tuple(
+                    dataclasses.replace(w, digest=files.get(w.path), shared_digest=files.get(w.shared)) for w in ws
+                )
+                for r, ws in self.weights.items()
+            },
+            host={k: dataclasses.replace(h, digest=files[h.path]) for k, h in self.host.items()},
+        )
 
 
 # --- reading, checking, writing ------------------------------------------------------------------
+
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
@@ -312,8 +340,11 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 def file_digests(bundle: Path) -> dict[str, str]:
     """Every file under `bundle` (the manifest and its signature excepted) by relative path -> sha256."""
     top = {MANIFEST_FILE, SIGNATURE_FILE}
-    return {p.relative_to(bundle).as_posix(): sha256_file(p) for p in sorted(Path(bundle).rglob("*"))
-            if p.is_file() and not (p.parent == Path(bundle) and p.name in top)}
+    return {
+        p.relative_to(bundle).as_posix(): sha256_file(p)
+        for p in sorted(Path(bundle).rglob("*"))
+        if p.is_file() and not (p.parent == Path(bundle) and p.name in top)
+    }
 
 
 def stamp(bundle: Path, m: Manifest) -> Manifest:
@@ -355,11 +386,16 @@ def parse(data, where: str) -> Manifest:
     """A manifest from its JSON value: version first, then types, then cross-references."""
     version = data.get("format_version") if isinstance(data, dict) else None
     if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
-        raise BundleError(f"{where}: format_version {version!r} is not supported by this deepinfer "
-                          f"(reads {', '.join(map(str, SUPPORTED_VERSIONS))}); recompile the bundle "
-                          "or use the deepinfer that wrote it")
-    missing = [f.name for f in dataclasses.fields(Manifest) if f.name not in data
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        raise BundleError(
+            f"{where}: format_version {version!r} is not supported by this deepinfer "
+            f"(reads {', '.join(map(str, SUPPORTED_VERSIONS))}); recompile the bundle "
+            "or use the deepinfer that wrote it"
+        )
+    missing = [
+        f.name
+        for f in dataclasses.fields(Manifest)
+        if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise BundleError(f"{where}: manifest lacks {', '.join(missing)}")
     try:
@@ -404,20 +440,28 @@ def check(m: Manifest) -> None:
     t = m.topology
     topo = t.topology
     _need(min(t.tp, t.ep, t.cp) >= 1, ("topology",), f"degrees must be at least 1, got tp={t.tp} ep={t.ep} cp={t.cp}")
-    _need((t.world_size, t.groups, t.dispatch) == (topo.world, topo.groups, topo.dispatch), ("topology",),
-          f"world_size {t.world_size}, groups {t.groups}, dispatch {t.dispatch} do not follow from tp={t.tp} "
-          f"ep={t.ep} cp={t.cp} (expected {topo.world}, {topo.groups}, {topo.dispatch})")
+    _need(
+        (t.world_size, t.groups, t.dispatch) == (topo.world, topo.groups, topo.dispatch),
+        ("topology",),
+        f"world_size {t.world_size}, groups {t.groups}, dispatch {t.dispatch} do not follow from tp={t.tp} "
+        f"ep={t.ep} cp={t.cp} (expected {topo.world}, {topo.groups}, {topo.dispatch})",
+    )
     kv = m.kv
     for name in ("block_size", "num_blocks", "slots", "max_blocks"):
         _need(getattr(kv, name) >= 1, ("kv", name), f"must be at least 1, got {getattr(kv, name)}")
     b = m.buckets
     _need(b.max_context >= 1 and b.shapes, ("buckets",), "needs shapes and a positive max_context")
-    _need(not b.contexts or (list(b.contexts) == sorted(set(b.contexts)) and b.contexts[0] >= 1
-                             and b.contexts[-1] == b.max_context), ("buckets", "contexts"),
-          f"expected ascending positive context lengths ending at max_context {b.max_context}, "
-          f"got {list(b.contexts)}")
-    _need(kv.max_blocks == kv.blocks_for(b.max_context), ("kv", "max_blocks"),
-          f"{kv.max_blocks} blocks do not hold max_context {b.max_context} at block_size {kv.block_size}")
+    _need(
+        not b.contexts
+        or (list(b.contexts) == sorted(set(b.contexts)) and b.contexts[0] >= 1 and b.contexts[-1] == b.max_context),
+        ("buckets", "contexts"),
+        f"expected ascending positive context lengths ending at max_context {b.max_context}, got {list(b.contexts)}",
+    )
+    _need(
+        kv.max_blocks == kv.blocks_for(b.max_context),
+        ("kv", "max_blocks"),
+        f"{kv.max_blocks} blocks do not hold max_context {b.max_context} at block_size {kv.block_size}",
+    )
     for name, pool in kv.pools.items():
         _need(pool.dtype in DTYPE_NAMES, ("kv", "pools", name, "dtype"), f"unknown dtype {pool.dtype!r}")
         _need(all(d >= 0 for d in pool.entry_shape), ("kv", "pools", name, "entry_shape"), "negative size")
@@ -429,8 +473,11 @@ def check(m: Manifest) -> None:
         seen.add(e.name)
         _need(is_inside(e.artifact), key + ("artifact",), f"path {e.artifact!r} is not inside the bundle")
         _need(e.bucket.batch >= 1 and e.bucket.tokens >= 1, key + ("bucket",), "sizes must be positive")
-        _need(e.bucket.context is None or e.bucket.context in b.context_sizes, key + ("bucket", "context"),
-              f"{e.bucket.context} is not one of the context buckets {b.context_sizes}")
+        _need(
+            e.bucket.context is None or e.bucket.context in b.context_sizes,
+            key + ("bucket", "context"),
+            f"{e.bucket.context} is not one of the context buckets {b.context_sizes}",
+        )
         _check_table(e, kv, b, key)
         for j, s in enumerate(e.inputs):
             _need(s.role in ROLES, key + ("inputs", j, "role"), f"unknown role {s.role!r}")
@@ -440,40 +487,68 @@ def check(m: Manifest) -> None:
                 _need(0 <= src < len(e.inputs), key + ("aliases", o), f"input {src} out of range")
     kinds = {e.kind for e in m.regions}
     drafts = m.draft_kinds
-    for kind in sorted(kinds - drafts):     # one executable per bucket (batch sizes may be gathered rows), and
-        mine = [e for e in m.regions if e.kind == kind and e.method == "decode"]    # per context bucket if read
+    for kind in sorted(kinds - drafts):  # one executable per bucket (batch sizes may be gathered rows), and
+        mine = [e for e in m.regions if e.kind == kind and e.method == "decode"]  # per context bucket if read
         contexts = [None] if mine[0].bucket.context is None else b.context_sizes
         for c in contexts:
             at = [e for e in mine if e.bucket.context == c]
-            _need(len(at) == len(b.shapes) and {e.bucket.tokens for e in at} == set(b.token_sizes), ("regions",),
-                  f"kind {kind!r} has executables for {sorted((e.bucket.batch, e.bucket.tokens) for e in at)}"
-                  + ("" if c is None else f" at context {c}") + f", not one for each of the {len(b.shapes)} buckets")
-        _need(len(mine) == len(b.shapes) * len(contexts), ("regions",),
-              f"kind {kind!r} has executables both with and without a context bucket")
+            _need(
+                len(at) == len(b.shapes) and {e.bucket.tokens for e in at} == set(b.token_sizes),
+                ("regions",),
+                f"kind {kind!r} has executables for {sorted((e.bucket.batch, e.bucket.tokens) for e in at)}"
+                + ("" if c is None else f" at context {c}")
+                + f", not one for each of the {len(b.shapes)} buckets",
+            )
+        _need(
+            len(mine) == len(b.shapes) * len(contexts),
+            ("regions",),
+            f"kind {kind!r} has executables both with and without a context bucket",
+        )
     # weights: one list per rank of the world, inside the bundle
     ranks = [layout.rank_key(r) for r in range(t.world_size)]
-    _need(sorted(m.weights) == sorted(ranks), ("weights",), f"expected weights for {', '.join(ranks)}, "
-          f"got {', '.join(m.weights) or 'none'}")
+    _need(
+        sorted(m.weights) == sorted(ranks),
+        ("weights",),
+        f"expected weights for {', '.join(ranks)}, got {', '.join(m.weights) or 'none'}",
+    )
     for r, stacks in m.weights.items():
         for i, w in enumerate(stacks):
             for key, path in (("path", w.path), ("shared", w.shared)):
-                _need(path is None or is_inside(path), ("weights", r, i, key), f"path {path!r} is not inside the bundle")
+                _need(
+                    path is None or is_inside(path), ("weights", r, i, key), f"path {path!r} is not inside the bundle"
+                )
             for name, t in w.tensors.items():
-                _need((w.path if t.file == "rank" else w.shared) is not None, ("weights", r, i, "tensors", name),
-                      f"held in the {t.file} file, which the entry does not name")
+                _need(
+                    (w.path if t.file == "rank" else w.shared) is not None,
+                    ("weights", r, i, "tensors", name),
+                    f"held in the {t.file} file, which the entry does not name",
+                )
     for name, h in m.host.items():
         _need(is_inside(h.path), ("host", name, "path"), f"path {h.path!r} is not inside the bundle")
-    _need(("embed" in m.host) != (m.embed is not None), ("host",),
-          "lacks the token embedding (embed)" if m.embed is None else
-          "holds the token embedding (embed) beside the embedding region (embed): one of them, not both")
-    _need("engram" in m.host or not any(l.engram for l in m.layers), ("host",),
-          "lacks the engram tables (engram) its engram layers read")
+    _need(
+        ("embed" in m.host) != (m.embed is not None),
+        ("host",),
+        "lacks the token embedding (embed)"
+        if m.embed is None
+        else "holds the token embedding (embed) beside the embedding region (embed): one of them, not both",
+    )
+    _need(
+        "engram" in m.host or not any(l.engram for l in m.layers),
+        ("host",),
+        "lacks the engram tables (engram) its engram layers read",
+    )
     if m.model.tokenizer == "tokenizers":
-        _need(TOKENIZER_FILE in m.host, ("host",), f"lacks {TOKENIZER_FILE}, which the tokenizer "
-              f"({m.model.tokenizer!r}) reads")
+        _need(
+            TOKENIZER_FILE in m.host,
+            ("host",),
+            f"lacks {TOKENIZER_FILE}, which the tokenizer ({m.model.tokenizer!r}) reads",
+        )
     engram = any(l.engram for l in m.layers)
-    _need(("engram_token_map" in m.host) == (engram and m.model.tokenizer == "tokenizers"), ("host",),
-          "an engram_token_map goes with engram layers and a 'tokenizers' tokenizer, and only there")
+    _need(
+        ("engram_token_map" in m.host) == (engram and m.model.tokenizer == "tokenizers"),
+        ("host",),
+        "an engram_token_map goes with engram layers and a 'tokenizers' tokenizer, and only there",
+    )
     # layers: every binding names an executable kind and a row of its stacks on every rank
     rows = {r: {w.kind: len(w.layers) for w in stacks} for r, stacks in m.weights.items()}
     for i, l in enumerate(m.layers):
@@ -482,8 +557,11 @@ def check(m: Manifest) -> None:
             _bound(b, ("layers", i, "regions", slot), kinds, rows)
         for state, ref in l.state.items():
             key = ("layers", i, "state", state)
-            _need(len(ref) == 2 and isinstance(ref[0], str) and isinstance(ref[1], int), key,
-                  f"expected [pool name, row], got {list(ref)}")
+            _need(
+                len(ref) == 2 and isinstance(ref[0], str) and isinstance(ref[1], int),
+                key,
+                f"expected [pool name, row], got {list(ref)}",
+            )
             pool = kv.pools.get(ref[0])
             _need(pool is not None, key, f"unknown pool {ref[0]!r}")
             _need(0 <= ref[1] < len(pool.layers), key, f"row {ref[1]} of pool {ref[0]!r} ({len(pool.layers)} rows)")
@@ -494,7 +572,7 @@ def check(m: Manifest) -> None:
         _check_draft(m, kinds, rows)
 
 
-DRAFT_PROJECT = ("head", "project")     # the draft's logits: the target head's projection
+DRAFT_PROJECT = ("head", "project")  # the draft's logits: the target head's projection
 
 
 def _check_draft(m: Manifest, kinds: set, rows: dict) -> None:
@@ -509,12 +587,18 @@ def _check_draft(m: Manifest, kinds: set, rows: dict) -> None:
     calls = {(k, "decode") for k in m.draft_kinds} | {DRAFT_PROJECT}
     for kind, method in sorted(calls):
         at = [e for e in m.regions if (e.kind, e.method) == (kind, method)]
-        _need(sorted(e.bucket.batch for e in at) == batches, ("regions",),
-              f"draft kind {kind!r} ({method}) has executables for batches {sorted(e.bucket.batch for e in at)}, "
-              f"not one for each of {batches}")
+        _need(
+            sorted(e.bucket.batch for e in at) == batches,
+            ("regions",),
+            f"draft kind {kind!r} ({method}) has executables for batches {sorted(e.bucket.batch for e in at)}, "
+            f"not one for each of {batches}",
+        )
     pool = m.kv.pools.get(d.features)
-    _need(pool is not None and pool.layers == d.target_layers, ("draft", "features"),
-          f"pool {d.features!r} must exist with one row per target layer {list(d.target_layers)}")
+    _need(
+        pool is not None and pool.layers == d.target_layers,
+        ("draft", "features"),
+        f"pool {d.features!r} must exist with one row per target layer {list(d.target_layers)}",
+    )
 
 
 def _check_table(e: Executable, kv: KV, b: Buckets, key: tuple) -> None:
@@ -522,20 +606,29 @@ def _check_table(e: Executable, kv: KV, b: Buckets, key: tuple) -> None:
     context bucket serves every step, so the bundle must have a single context bucket."""
     for j, s in enumerate(e.inputs):
         if s.name == "block_table" and s.role == "step":
-            _need(e.bucket.context is not None or len(b.context_sizes) == 1, key + ("bucket",),
-                  f"takes a block table but has no context bucket (the bundle has {b.context_sizes})")
+            _need(
+                e.bucket.context is not None or len(b.context_sizes) == 1,
+                key + ("bucket",),
+                f"takes a block table but has no context bucket (the bundle has {b.context_sizes})",
+            )
             want = kv.blocks_for(e.bucket.context or b.max_context)
-            _need(len(s.shape) == 2 and s.shape[1] == want, key + ("inputs", j, "shape"),
-                  f"block table {list(s.shape)}: expected {want} blocks for context "
-                  f"{e.bucket.context or b.max_context} at block_size {kv.block_size}")
+            _need(
+                len(s.shape) == 2 and s.shape[1] == want,
+                key + ("inputs", j, "shape"),
+                f"block table {list(s.shape)}: expected {want} blocks for context "
+                f"{e.bucket.context or b.max_context} at block_size {kv.block_size}",
+            )
 
 
 def _bound(b: Binding, key: tuple, kinds: set, rows: dict) -> None:
     _need(b.kind in kinds, key + ("kind",), f"no executable of kind {b.kind!r}")
     for r, by_kind in rows.items():
         _need(b.kind in by_kind, key + ("kind",), f"{r} has no weights of kind {b.kind!r}")
-        _need(0 <= b.index < by_kind[b.kind], key + ("index",),
-              f"row {b.index} of {r}'s {b.kind} stacks ({by_kind[b.kind]} rows)")
+        _need(
+            0 <= b.index < by_kind[b.kind],
+            key + ("index",),
+            f"row {b.index} of {r}'s {b.kind} stacks ({by_kind[b.kind]} rows)",
+        )
 
 
 def check_files(bundle: Path, m: Manifest, *, digests: bool = True) -> None:

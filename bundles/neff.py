@@ -55,21 +55,36 @@ from pathlib import Path
 from deepinfer.errors import DeepinferError
 
 HEADER_SIZE = 1024
-PACKAGE_VERSIONS = (1, 2)      # the packagings known today; a later one is the runtime's to judge
-MAX_PACKAGE_VERSION = 255      # larger: not a package version, so not a NEFF (there is no magic number)
-_LAYOUT = struct.Struct("<QQQQQ128sI32s16s256sI64sQI")   # 556 bytes, then padding
+PACKAGE_VERSIONS = (1, 2)  # the packagings known today; a later one is the runtime's to judge
+MAX_PACKAGE_VERSION = 255  # larger: not a package version, so not a NEFF (there is no magic number)
+_LAYOUT = struct.Struct("<QQQQQ128sI32s16s256sI64sQI")  # 556 bytes, then padding
 assert _LAYOUT.size == 0x22C
 _GZIP_MAGIC = b"\x1f\x8b"
 
 # feature bit -> name, as neuronx-cc 2.24 names them (reverse-engineered; see the docstring)
 FEATURE_NAMES = {
-    0x2: "collective_has_offset", 0x4: "custom_ops", 0x8: "coalesced_ccops",
-    0x10: "queue_set_instances", 0x20: "has_functions", 0x40: "dynamic_pwp",
-    0x80: "indirect_memcpy_32b_sem_wait", 0x100: "indirect_memcpy_bound_check",
-    0x200: "dma_desc_higher_dim", 0x400: "vnc", 0x800: "dve_perf_mode", 0x1000: "dge",
-    0x2000: "pool_rsqrt", 0x4000: "remote_sem", 0x8000: "dge_cast", 0x10000: "vector_dge",
-    0x20000: "embedding_stride32", 0x100000: "sqi_no_rearm", 0x200000: "hardware_dge",
-    0x400000: "partial_sb2sb_ccop", 0x1000000: "arch_gt_39", 0x2000000: "large_tensor_support",
+    0x2: "collective_has_offset",
+    0x4: "custom_ops",
+    0x8: "coalesced_ccops",
+    0x10: "queue_set_instances",
+    0x20: "has_functions",
+    0x40: "dynamic_pwp",
+    0x80: "indirect_memcpy_32b_sem_wait",
+    0x100: "indirect_memcpy_bound_check",
+    0x200: "dma_desc_higher_dim",
+    0x400: "vnc",
+    0x800: "dve_perf_mode",
+    0x1000: "dge",
+    0x2000: "pool_rsqrt",
+    0x4000: "remote_sem",
+    0x8000: "dge_cast",
+    0x10000: "vector_dge",
+    0x20000: "embedding_stride32",
+    0x100000: "sqi_no_rearm",
+    0x200000: "hardware_dge",
+    0x400000: "partial_sb2sb_ccop",
+    0x1000000: "arch_gt_39",
+    0x2000000: "large_tensor_support",
 }
 
 
@@ -79,21 +94,21 @@ class NeffError(DeepinferError):
 
 @dataclass(frozen=True)
 class NeffHeader:
-    package_version: int       # 1: plain tar + SHA-256, 2: gzip'd tar + MD5
+    package_version: int  # 1: plain tar + SHA-256, 2: gzip'd tar + MD5
     header_size: int
-    data_size: int             # payload bytes as stored
+    data_size: int  # payload bytes as stored
     version_major: int
     version_minor: int
-    build: str                 # the compiler's build label
-    digest: str                # hex; the MD5 (package 2) or SHA-256 (package 1) the header carries
-    uuid: str | None           # None when the field is all zero (uncertain offset)
+    build: str  # the compiler's build label
+    digest: str  # hex; the MD5 (package 2) or SHA-256 (package 1) the header carries
+    uuid: str | None  # None when the field is all zero (uncertain offset)
     name: str
     requested_cores: int
     feature_bits: int
-    lnc: int | None            # None: not recorded (field 0)
-    raw_size: int              # the file's size
-    payload_offset: int        # where the payload starts (HEADER_SIZE)
-    compressed: bool           # the payload is gzip'd
+    lnc: int | None  # None: not recorded (field 0)
+    raw_size: int  # the file's size
+    payload_offset: int  # where the payload starts (HEADER_SIZE)
+    compressed: bool  # the payload is gzip'd
 
     @property
     def version(self) -> str:
@@ -121,25 +136,40 @@ def read_header(path: Path) -> NeffHeader:
 
 def _parse(path: Path, raw: bytes, raw_size: int) -> NeffHeader:
     if raw_size < HEADER_SIZE:
-        raise NeffError(f"{path}: truncated NEFF ({raw_size} bytes; a NEFF starts with a "
-                        f"{HEADER_SIZE}-byte header)")
-    (pkg, header_size, data_size, major, minor, build, _flag, digest, uuid, name, cores, _per_node,
-     features, vnc) = _LAYOUT.unpack_from(raw)
+        raise NeffError(f"{path}: truncated NEFF ({raw_size} bytes; a NEFF starts with a {HEADER_SIZE}-byte header)")
+    (pkg, header_size, data_size, major, minor, build, _flag, digest, uuid, name, cores, _per_node, features, vnc) = (
+        _LAYOUT.unpack_from(raw)
+    )
     if pkg == 0 or pkg > MAX_PACKAGE_VERSION:
-        raise NeffError(f"{path}: not a NEFF (package version {pkg} at byte 0, expected a small positive "
-                        f"number: {' or '.join(map(str, PACKAGE_VERSIONS))} today)")
+        raise NeffError(
+            f"{path}: not a NEFF (package version {pkg} at byte 0, expected a small positive "
+            f"number: {' or '.join(map(str, PACKAGE_VERSIONS))} today)"
+        )
     if header_size != HEADER_SIZE:
         raise NeffError(f"{path}: not a NEFF (header size field {header_size}, expected {HEADER_SIZE})")
     available = raw_size - HEADER_SIZE
     if data_size == 0 or data_size > available:
-        raise NeffError(f"{path}: damaged NEFF (header says {data_size} payload bytes, the file has "
-                        f"{available} after the header); recompile or copy it again")
+        raise NeffError(
+            f"{path}: damaged NEFF (header says {data_size} payload bytes, the file has "
+            f"{available} after the header); recompile or copy it again"
+        )
     return NeffHeader(
-        package_version=pkg, header_size=header_size, data_size=data_size, version_major=major,
-        version_minor=minor, build=_text(build), digest=(digest[:16] if pkg == 2 else digest).hex(),
-        uuid=str(uuidlib.UUID(bytes=uuid)) if any(uuid) else None, name=_text(name),
-        requested_cores=cores, feature_bits=features, lnc=vnc or None, raw_size=raw_size,
-        payload_offset=HEADER_SIZE, compressed=False)
+        package_version=pkg,
+        header_size=header_size,
+        data_size=data_size,
+        version_major=major,
+        version_minor=minor,
+        build=_text(build),
+        digest=(digest[:16] if pkg == 2 else digest).hex(),
+        uuid=str(uuidlib.UUID(bytes=uuid)) if any(uuid) else None,
+        name=_text(name),
+        requested_cores=cores,
+        feature_bits=features,
+        lnc=vnc or None,
+        raw_size=raw_size,
+        payload_offset=HEADER_SIZE,
+        compressed=False,
+    )
 
 
 def _check_payload(path: Path, f, header: NeffHeader) -> bool:
@@ -153,8 +183,9 @@ def _check_payload(path: Path, f, header: NeffHeader) -> bool:
         with tarfile.open(fileobj=f, mode="r|gz" if compressed else "r|") as tar:
             first = tar.next()
     except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
-        raise NeffError(f"{path}: damaged NEFF (payload at byte {header.payload_offset} is not a "
-                        f"readable {kind} archive: {e})") from None
+        raise NeffError(
+            f"{path}: damaged NEFF (payload at byte {header.payload_offset} is not a readable {kind} archive: {e})"
+        ) from None
     if first is None:
         raise NeffError(f"{path}: damaged NEFF (payload is an empty {kind} archive)")
     return compressed
@@ -172,15 +203,19 @@ def check_loadable(header: NeffHeader, *, lnc: int, path: str | Path, recorded: 
     (runtime/nrt.Libnrt.load names the runtime's version then); a table of versions kept here
     would refuse NEFFs a newer runtime loads."""
     if header.lnc is not None and header.lnc != lnc:
-        raise NeffError(f"{path}: compiled for LNC {header.lnc}, this bundle/runtime is configured for "
-                        f"LNC {lnc}; recompile with lnc = {lnc} or run with "
-                        f"NEURON_LOGICAL_NC_CONFIG={header.lnc}")
+        raise NeffError(
+            f"{path}: compiled for LNC {header.lnc}, this bundle/runtime is configured for "
+            f"LNC {lnc}; recompile with lnc = {lnc} or run with "
+            f"NEURON_LOGICAL_NC_CONFIG={header.lnc}"
+        )
     if recorded:
         actual = summary(header)
         for key in ("version", "lnc", "uuid"):
             if key in recorded and recorded[key] != actual[key]:
-                raise NeffError(f"{path}: {key} {actual[key]!r} differs from the manifest's "
-                                f"{recorded[key]!r}; the file was replaced after compiling, recompile")
+                raise NeffError(
+                    f"{path}: {key} {actual[key]!r} differs from the manifest's "
+                    f"{recorded[key]!r}; the file was replaced after compiling, recompile"
+                )
 
 
 def output_name(name: str) -> str:
@@ -191,6 +226,13 @@ def output_name(name: str) -> str:
 
 def summary(header: NeffHeader) -> dict:
     """JSON-serializable facts for the bundle manifest."""
-    return {"version": header.version, "package_version": header.package_version, "lnc": header.lnc,
-            "features": header.feature_bits, "feature_names": header.feature_names(),
-            "uuid": header.uuid, "name": header.name, "build": header.build}
+    return {
+        "version": header.version,
+        "package_version": header.package_version,
+        "lnc": header.lnc,
+        "features": header.feature_bits,
+        "feature_names": header.feature_names(),
+        "uuid": header.uuid,
+        "name": header.name,
+        "build": header.build,
+    }

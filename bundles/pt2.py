@@ -26,8 +26,9 @@ class UnsafeArchiveError(DeepinferError):
 
 
 def _refuse(path, why: str) -> UnsafeArchiveError:
-    return UnsafeArchiveError(f"{path}: {why}; deepinfer never unpickles an executable "
-                              "(re-export it with this deepinfer)")
+    return UnsafeArchiveError(
+        f"{path}: {why}; deepinfer never unpickles an executable (re-export it with this deepinfer)"
+    )
 
 
 def _check_archive(path: Path) -> None:

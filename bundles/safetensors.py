@@ -27,12 +27,22 @@ from deepinfer.errors import TensorFileError
 
 # safetensors dtype -> (numpy dtype that carries the bytes: bf16 and fp8 as raw bits, torch dtype name)
 TABLE = {
-    "BOOL": (np.bool_, "bool"), "U8": (np.uint8, "uint8"), "I8": (np.int8, "int8"),
-    "F8_E4M3": (np.uint8, "float8_e4m3fn"), "F8_E5M2": (np.uint8, "float8_e5m2"),
-    "F8_E8M0": (np.uint8, "float8_e8m0fnu"), "I16": (np.int16, "int16"), "U16": (np.uint16, "uint16"),
-    "F16": (np.float16, "float16"), "BF16": (np.uint16, "bfloat16"), "I32": (np.int32, "int32"),
-    "U32": (np.uint32, "uint32"), "F32": (np.float32, "float32"), "I64": (np.int64, "int64"),
-    "U64": (np.uint64, "uint64"), "F64": (np.float64, "float64"),
+    "BOOL": (np.bool_, "bool"),
+    "U8": (np.uint8, "uint8"),
+    "I8": (np.int8, "int8"),
+    "F8_E4M3": (np.uint8, "float8_e4m3fn"),
+    "F8_E5M2": (np.uint8, "float8_e5m2"),
+    "F8_E8M0": (np.uint8, "float8_e8m0fnu"),
+    "I16": (np.int16, "int16"),
+    "U16": (np.uint16, "uint16"),
+    "F16": (np.float16, "float16"),
+    "BF16": (np.uint16, "bfloat16"),
+    "I32": (np.int32, "int32"),
+    "U32": (np.uint32, "uint32"),
+    "F32": (np.float32, "float32"),
+    "I64": (np.int64, "int64"),
+    "U64": (np.uint64, "uint64"),
+    "F64": (np.float64, "float64"),
 }
 DTYPES = {name: carrier for name, (carrier, _) in TABLE.items()}
 MAX_HEADER = 100 << 20
@@ -44,7 +54,7 @@ class TensorInfo:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    offset: int       # absolute byte offset of the tensor in the file
+    offset: int  # absolute byte offset of the tensor in the file
     nbytes: int
 
     @property
@@ -61,19 +71,27 @@ def _entry(path: str, name: str, e, data_start: int, data_len: int | None) -> Te
         raise TensorFileError(path, name, "header entry lacks dtype/shape/data_offsets")
     dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
     if dtype not in DTYPES:
-        raise TensorFileError(path, name, f"unexpected dtype {dtype!r}",
-                              f"known dtypes: {', '.join(DTYPES)}")
-    if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
-            or not isinstance(offs, list) or len(offs) != 2
-            or not all(isinstance(o, int) for o in offs) or not 0 <= offs[0] <= offs[1]):
+        raise TensorFileError(path, name, f"unexpected dtype {dtype!r}", f"known dtypes: {', '.join(DTYPES)}")
+    if (
+        not isinstance(shape, list)
+        or not all(isinstance(d, int) and d >= 0 for d in shape)
+        or not isinstance(offs, list)
+        or len(offs) != 2
+        or not all(isinstance(o, int) for o in offs)
+        or not 0 <= offs[0] <= offs[1]
+    ):
         raise TensorFileError(path, name, f"malformed shape {shape!r} or data_offsets {offs!r}")
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
     if offs[1] - offs[0] != nbytes:
-        raise TensorFileError(path, name, f"data_offsets {offs} span {offs[1] - offs[0]} bytes, "
-                              f"but {dtype} {shape} needs {nbytes}")
+        raise TensorFileError(
+            path, name, f"data_offsets {offs} span {offs[1] - offs[0]} bytes, but {dtype} {shape} needs {nbytes}"
+        )
     if data_len is not None and offs[1] > data_len:
-        raise TensorFileError(path, name, f"file is truncated: the tensor ends at data byte "
-                              f"{offs[1]} but the data section has {data_len} bytes")
+        raise TensorFileError(
+            path,
+            name,
+            f"file is truncated: the tensor ends at data byte {offs[1]} but the data section has {data_len} bytes",
+        )
     return TensorInfo(path, name, dtype, tuple(shape), data_start + offs[0], nbytes)
 
 
@@ -90,8 +108,9 @@ def read_header(path: str, *, data: bool = True) -> tuple[dict[str, TensorInfo],
             raise TensorFileError(path, None, f"file is truncated: {size} bytes, no header length")
         n = int.from_bytes(head, "little")
         if n > MAX_HEADER or 8 + n > size:
-            raise TensorFileError(path, None, f"header length {n} does not fit a {size}-byte file "
-                                  "(truncated or not a safetensors file)")
+            raise TensorFileError(
+                path, None, f"header length {n} does not fit a {size}-byte file (truncated or not a safetensors file)"
+            )
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -102,7 +121,7 @@ def read_header(path: str, *, data: bool = True) -> tuple[dict[str, TensorInfo],
     tensors = {k: _entry(path, k, v, 8 + n, size - 8 - n if data else None) for k, v in header.items()}
     end, last = 8 + n, None
     for t in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
-        if t.offset < end:                       # shared bytes: writing one would change another
+        if t.offset < end:  # shared bytes: writing one would change another
             raise TensorFileError(path, t.name, f"data overlaps tensor {last!r}")
         end, last = t.offset + t.nbytes, t.name
     return tensors, meta
@@ -117,8 +136,7 @@ def map_bytes(path: str, offset: int, nbytes: int) -> np.ndarray:
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), offset + nbytes - start, flags=flags, prot=mmap.PROT_READ,
-                       offset=start)
+        mm = mmap.mmap(f.fileno(), offset + nbytes - start, flags=flags, prot=mmap.PROT_READ, offset=start)
     return np.frombuffer(mm, np.uint8, nbytes, offset - start)
 
 
@@ -162,7 +180,7 @@ def layout_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata
     if metadata:
         body["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     raw = json.dumps(body, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)                 # keep the data section 8-byte aligned
+    raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned
     start = 8 + len(raw)
     offsets = {name: start + body[name]["data_offsets"][0] for name, *_ in entries}
     return len(raw).to_bytes(8, "little") + raw, offsets
@@ -187,7 +205,7 @@ def load_mmap(path) -> dict:
     data = np.memmap(path, dtype=np.uint8, mode="c", offset=start)
     out = {}
     for name, t in tensors.items():
-        array = data[t.offset - start:t.offset - start + t.nbytes].view(t.np_dtype).reshape(t.shape)
+        array = data[t.offset - start : t.offset - start + t.nbytes].view(t.np_dtype).reshape(t.shape)
         tensor = torch.from_numpy(array)
         want = torch_dtype(t.dtype)
         out[name] = tensor.view(want) if tensor.dtype != want else tensor

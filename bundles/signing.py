@@ -37,8 +37,9 @@ def _primitives():
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ed25519
     except ImportError:
-        raise TrustError("signing and verifying bundles needs the `cryptography` package "
-                         "(pip install cryptography)") from None
+        raise TrustError(
+            "signing and verifying bundles needs the `cryptography` package (pip install cryptography)"
+        ) from None
     return serialization, ed25519, InvalidSignature
 
 
@@ -49,8 +50,10 @@ def load_private_key(path: str | Path):
     except (OSError, ValueError, TypeError) as e:
         raise TrustError(f"{path}: not a readable unencrypted PEM private key ({e})") from None
     if not isinstance(key, ed25519.Ed25519PrivateKey):
-        raise TrustError(f"{path}: not an Ed25519 private key (make one with `openssl genpkey -algorithm ed25519` "
-                         "or `deepinfer keygen`)")
+        raise TrustError(
+            f"{path}: not an Ed25519 private key (make one with `openssl genpkey -algorithm ed25519` "
+            "or `deepinfer keygen`)"
+        )
     return key
 
 
@@ -74,8 +77,11 @@ def key_id(public_key) -> str:
 
 def sign_bytes(data: bytes, private_key) -> dict:
     """The signature record of `data`."""
-    return {"algorithm": ALGORITHM, "key_id": key_id(private_key.public_key()),
-            "signature": base64.b64encode(private_key.sign(data)).decode()}
+    return {
+        "algorithm": ALGORITHM,
+        "key_id": key_id(private_key.public_key()),
+        "signature": base64.b64encode(private_key.sign(data)).decode(),
+    }
 
 
 def verify_bytes(data: bytes, record_path: Path, public_key) -> None:
@@ -84,19 +90,26 @@ def verify_bytes(data: bytes, record_path: Path, public_key) -> None:
     try:
         record = json.loads(record_path.read_text())
     except FileNotFoundError:
-        raise TrustError(f"{record_path}: missing; the trusted key {key_id(public_key)} requires a signature "
-                         "(compile with --sign KEY)") from None
+        raise TrustError(
+            f"{record_path}: missing; the trusted key {key_id(public_key)} requires a signature "
+            "(compile with --sign KEY)"
+        ) from None
     except (OSError, ValueError) as e:
         raise TrustError(f"{record_path}: unreadable signature ({e})") from None
-    if not isinstance(record, dict) or record.get("algorithm") != ALGORITHM \
-            or not isinstance(record.get("signature"), str):
+    if (
+        not isinstance(record, dict)
+        or record.get("algorithm") != ALGORITHM
+        or not isinstance(record.get("signature"), str)
+    ):
         raise TrustError(f"{record_path}: not an {ALGORITHM} signature record")
     try:
         signature = base64.b64decode(record["signature"], validate=True)
         public_key.verify(signature, data)
     except (ValueError, invalid):
-        raise TrustError(f"{record_path}: does not verify with the trusted key {key_id(public_key)} "
-                         f"(signed by {record.get('key_id', '?')}); refusing to load") from None
+        raise TrustError(
+            f"{record_path}: does not verify with the trusted key {key_id(public_key)} "
+            f"(signed by {record.get('key_id', '?')}); refusing to load"
+        ) from None
 
 
 def sign_file(path: Path, private_key, record_path: Path) -> None:
@@ -111,11 +124,13 @@ def keygen(private_path: Path, public_path: Path) -> str:
         if p.exists():
             raise TrustError(f"{p}: exists; not overwriting a key")
     key = ed25519.Ed25519PrivateKey.generate()
-    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(private)
-    public_path.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                          serialization.PublicFormat.SubjectPublicKeyInfo))
+    public_path.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
     return key_id(key.public_key())

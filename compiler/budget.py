@@ -42,8 +42,10 @@ from deepinfer.compiler.pools import plan_pools
 from deepinfer.compiler.weights import host_bytes
 
 GiB = 1 << 30
-SCRATCH_METHOD = ("peak live bytes of intermediate tensors in the largest lowered graph "
-                  "(views share their base; inputs not counted; no fusion assumed: an upper bound)")
+SCRATCH_METHOD = (
+    "peak live bytes of intermediate tensors in the largest lowered graph "
+    "(views share their base; inputs not counted; no fusion assumed: an upper bound)"
+)
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
@@ -51,17 +53,25 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
 
 
 def weights_by_kind(plan) -> dict[str, int]:
-    return {kind: len(kp.layers) * sum(_nbytes(s.buffer_shape, s.dtype) for s in kp.region.specs)
-            for kind, kp in plan.kinds.items()}
+    return {
+        kind: len(kp.layers) * sum(_nbytes(s.buffer_shape, s.dtype) for s in kp.region.specs)
+        for kind, kp in plan.kinds.items()
+    }
 
 
 def pools_by_name(pools: dict, geometry) -> dict[str, int]:
     """Bytes of each pool as the runtime allocates it ([layers, blocks | slots, *entry])."""
-    return {name: _nbytes((len(p.layers), geometry.blocks if p.dim == "blocks" else geometry.slots,
-                           *p.entry_shape), getattr(torch, p.dtype)) for name, p in pools.items()}
+    return {
+        name: _nbytes(
+            (len(p.layers), geometry.blocks if p.dim == "blocks" else geometry.slots, *p.entry_shape),
+            getattr(torch, p.dtype),
+        )
+        for name, p in pools.items()
+    }
 
 
 # -- scratch: a liveness pass over a lowered graph -------------------------------------------------
+
 
 def _concrete(n) -> int:
     from torch.fx.experimental.symbolic_shapes import optimization_hint
@@ -94,7 +104,7 @@ def scratch_bytes(ep: torch.export.ExportedProgram) -> int:
     is an upper bound on what an executable needs beyond its inputs.
     """
     nodes = list(ep.graph.nodes)
-    storage: dict[torch.fx.Node, torch.fx.Node | None] = {}      # node -> the node that allocated its memory
+    storage: dict[torch.fx.Node, torch.fx.Node | None] = {}  # node -> the node that allocated its memory
     size: dict[torch.fx.Node, int] = {}
     for n in nodes:
         if n.op == "placeholder":
@@ -124,6 +134,7 @@ def scratch_bytes(ep: torch.export.ExportedProgram) -> int:
 
 # -- the breakdown and the checks ----------------------------------------------------------------
 
+
 def human(n: int | None) -> str:
     if n is None:
         return "-"
@@ -135,16 +146,16 @@ def human(n: int | None) -> str:
 
 @dataclass
 class Breakdown:
-    weights: dict[str, int]                   # kind -> bytes
-    pools: dict[str, int]                     # pool -> bytes
+    weights: dict[str, int]  # kind -> bytes
+    pools: dict[str, int]  # pool -> bytes
     limit: int | None
     limit_source: str
     reserve: int = 0
-    scratch: int | None = None                # None: not traced yet
-    scratch_of: str = ""                      # the executable that sets it
-    scratch_by_kind: dict[str, int] = field(default_factory=dict)   # kind -> its largest traced scratch
-    executables: int | None = None            # None: not compiled yet
-    host: dict[str, int] = field(default_factory=dict)    # host file -> bytes (host memory, not in the total)
+    scratch: int | None = None  # None: not traced yet
+    scratch_of: str = ""  # the executable that sets it
+    scratch_by_kind: dict[str, int] = field(default_factory=dict)  # kind -> its largest traced scratch
+    executables: int | None = None  # None: not compiled yet
+    host: dict[str, int] = field(default_factory=dict)  # host file -> bytes (host memory, not in the total)
 
     @property
     def total(self) -> int:
@@ -161,29 +172,48 @@ class Breakdown:
     def lines(self) -> list[str]:
         w, p = sum(self.weights.values()), sum(self.pools.values())
         big = max(self.pools, key=self.pools.get) if self.pools else None
-        out = [f"  weights      {human(w):>15}  ({len(self.weights)} region kinds)",
-               f"  state pools  {human(p):>15}  ({len(self.pools)} pools"
-               + (f"; largest {big} {human(self.pools[big])})" if big else ")"),
-               f"  executables  {human(self.executables) if self.executables is not None else 'after compiling':>15}",
-               f"  scratch      {human(self.scratch) if self.scratch is not None else 'after tracing':>15}"
-               + (f"  (largest graph: {self.scratch_of})" if self.scratch_of else "")]
+        out = [
+            f"  weights      {human(w):>15}  ({len(self.weights)} region kinds)",
+            f"  state pools  {human(p):>15}  ({len(self.pools)} pools"
+            + (f"; largest {big} {human(self.pools[big])})" if big else ")"),
+            f"  executables  {human(self.executables) if self.executables is not None else 'after compiling':>15}",
+            f"  scratch      {human(self.scratch) if self.scratch is not None else 'after tracing':>15}"
+            + (f"  (largest graph: {self.scratch_of})" if self.scratch_of else ""),
+        ]
         if self.scratch_by_kind:
             kinds = sorted(self.scratch_by_kind, key=lambda k: -self.scratch_by_kind[k])
             out.append("    by kind    " + ", ".join(f"{k} {human(self.scratch_by_kind[k])}" for k in kinds))
-        limit = "no limit" if self.limit is None else \
-            f"limit {human(self.limit)} ({self.limit_source}) - reserve {human(self.reserve)} = {human(self.usable)}"
+        limit = (
+            "no limit"
+            if self.limit is None
+            else f"limit {human(self.limit)} ({self.limit_source}) - reserve {human(self.reserve)} = {human(self.usable)}"
+        )
         out.append(f"  total        {human(self.total):>15}  per rank; {limit}")
-        out.append(f"  host         {human(sum(self.host.values())):>15}  (not device memory: "
-                   + ", ".join(f"{k} {human(v)}" for k, v in self.host.items()) + ")")
+        out.append(
+            f"  host         {human(sum(self.host.values())):>15}  (not device memory: "
+            + ", ".join(f"{k} {human(v)}" for k, v in self.host.items())
+            + ")"
+        )
         return out
 
     def to_dict(self) -> dict:
-        return {"weights": sum(self.weights.values()), "pools": sum(self.pools.values()),
-                "executables": self.executables, "scratch": self.scratch, "total": self.total,
-                "limit": self.limit, "limit_source": self.limit_source, "reserve": self.reserve,
-                "weights_by_kind": self.weights, "pools_by_name": self.pools,
-                "scratch_of": self.scratch_of, "scratch_by_kind": self.scratch_by_kind,
-                "scratch_method": SCRATCH_METHOD, "host": sum(self.host.values()), "host_by_file": self.host}
+        return {
+            "weights": sum(self.weights.values()),
+            "pools": sum(self.pools.values()),
+            "executables": self.executables,
+            "scratch": self.scratch,
+            "total": self.total,
+            "limit": self.limit,
+            "limit_source": self.limit_source,
+            "reserve": self.reserve,
+            "weights_by_kind": self.weights,
+            "pools_by_name": self.pools,
+            "scratch_of": self.scratch_of,
+            "scratch_by_kind": self.scratch_by_kind,
+            "scratch_method": SCRATCH_METHOD,
+            "host": sum(self.host.values()),
+            "host_by_file": self.host,
+        }
 
 
 def breakdown(spec, plan, executables=(), staging=None) -> Breakdown:
@@ -194,10 +224,17 @@ def breakdown(spec, plan, executables=(), staging=None) -> Breakdown:
         limit, source = int(mem.limit_gib * GiB), "[memory] limit_gib"
     else:
         limit, source = spec.target.device_memory()
-    pools, _ = plan_pools(spec.model.text, plan.layers, block_size=spec.config.kv.block_size, dtype=spec.dtype,
-                          draft=bool(plan.draft))
-    out = Breakdown(weights_by_kind(plan), pools_by_name(pools, spec.geometry), limit, source,
-                    reserve=int(mem.reserve_gib * GiB), host=host_bytes(spec.model, device_embedding=spec.device_embedding))
+    pools, _ = plan_pools(
+        spec.model.text, plan.layers, block_size=spec.config.kv.block_size, dtype=spec.dtype, draft=bool(plan.draft)
+    )
+    out = Breakdown(
+        weights_by_kind(plan),
+        pools_by_name(pools, spec.geometry),
+        limit,
+        source,
+        reserve=int(mem.reserve_gib * GiB),
+        host=host_bytes(spec.model, device_embedding=spec.device_embedding),
+    )
     if executables:
         known = [e for e in executables if e.scratch_bytes is not None]
         if known:
@@ -205,7 +242,7 @@ def breakdown(spec, plan, executables=(), staging=None) -> Breakdown:
             out.scratch, out.scratch_of = worst.scratch_bytes, worst.name
             for e in known:
                 out.scratch_by_kind[e.kind] = max(out.scratch_by_kind.get(e.kind, 0), e.scratch_bytes)
-        if len(known) < len(executables):          # trace records cached by a deepinfer without the estimate
+        if len(known) < len(executables):  # trace records cached by a deepinfer without the estimate
             out.scratch_of += f"{'; ' if known else ''}{len(executables) - len(known)} graph(s) not estimated"
         compiled = [staging / e.artifact for e in executables] if staging is not None else []
         if compiled and not spec.hlo_only and all(p.is_file() for p in compiled):
@@ -217,19 +254,25 @@ def check(spec, plan, when: str, executables=(), staging=None) -> Breakdown:
     """Raise ConfigError with the breakdown when rank memory would overflow; else return it."""
     d = breakdown(spec, plan, executables, staging)
     if not d.fits:
-        raise config_error(spec.config, "memory", "limit_gib",
-                           f"the bundle does not fit ({when}): it needs {human(d.total)} per rank, more than "
-                           f"{human(d.usable)} usable; lower [kv] num_blocks or the batch buckets, shard over more "
-                           "ranks ([parallel]), or set [memory] limit_gib / reserve_gib\n" + "\n".join(d.lines()))
+        raise config_error(
+            spec.config,
+            "memory",
+            "limit_gib",
+            f"the bundle does not fit ({when}): it needs {human(d.total)} per rank, more than "
+            f"{human(d.usable)} usable; lower [kv] num_blocks or the batch buckets, shard over more "
+            "ranks ([parallel]), or set [memory] limit_gib / reserve_gib\n" + "\n".join(d.lines()),
+        )
     return d
 
 
 def check_planned(spec, plan, log) -> None:
     """Pass: weights + pools, before any weight is written or graph traced."""
     d = check(spec, plan, "weights and state pools, as planned")
-    log(f"memory per rank as planned: {human(d.total)} (weights {human(sum(d.weights.values()))}, pools "
-          f"{human(sum(d.pools.values()))}); {'no limit' if d.limit is None else f'usable {human(d.usable)}'}; "
-          f"host {human(sum(d.host.values()))}")
+    log(
+        f"memory per rank as planned: {human(d.total)} (weights {human(sum(d.weights.values()))}, pools "
+        f"{human(sum(d.pools.values()))}); {'no limit' if d.limit is None else f'usable {human(d.usable)}'}; "
+        f"host {human(sum(d.host.values()))}"
+    )
 
 
 def check_traced(spec, plan, traced, log) -> None:
@@ -248,4 +291,3 @@ def record(spec, plan, executables, staging) -> dict:
     """The manifest's "memory": the full breakdown per rank, checked once more with the executables."""
     d = check(spec, plan, "with the compiled executables", executables, staging)
     return {rank: b.to_dict() for rank, b in per_rank(spec, d).items()}
-

@@ -49,7 +49,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 from deepinfer.regions.config import CONFIG_FILE, V41Config
 
-BUNDLE = PurePosixPath("bundle")          # where the planned files would go: paths are reported relative to it
+BUNDLE = PurePosixPath("bundle")  # where the planned files would go: paths are reported relative to it
 MOE = "moe"
 
 
@@ -57,7 +57,7 @@ MOE = "moe"
 class GraphScratch:
     """One traced graph's scratch, as `budget.breakdown` reads an executable's."""
 
-    name: str                                   # the executable's name: `<kind>.<method>.<bucket>`
+    name: str  # the executable's name: `<kind>.<method>.<bucket>`
     scratch_bytes: int
 
     @property
@@ -69,15 +69,15 @@ class GraphScratch:
 class BundlePlan:
     spec: pipeline.Spec
     regions: RegionPlan
-    checkpoint: str                             # where the shapes came from
-    executables: list[tuple[str, str, int, int, int | None]]   # (kind, method, batch, tokens, context)
-    files: dict[str, int]                       # bundle path -> bytes on disk (weights and host files)
-    rank_files: dict[str, tuple[str, ...]]      # rank key -> its own weight files
-    shared_files: tuple[str, ...]               # weight files every rank loads (stored once)
+    checkpoint: str  # where the shapes came from
+    executables: list[tuple[str, str, int, int, int | None]]  # (kind, method, batch, tokens, context)
+    files: dict[str, int]  # bundle path -> bytes on disk (weights and host files)
+    rank_files: dict[str, tuple[str, ...]]  # rank key -> its own weight files
+    shared_files: tuple[str, ...]  # weight files every rank loads (stored once)
     pools: dict[str, Pool]
-    memory: dict[str, Breakdown]                # rank key -> its breakdown
-    scratch: dict[str, int] | None             # graph -> scratch bytes (None: none known)
-    recorded: tuple[str, ...]                   # the graphs whose scratch came from the cache's trace records
+    memory: dict[str, Breakdown]  # rank key -> its breakdown
+    scratch: dict[str, int] | None  # graph -> scratch bytes (None: none known)
+    recorded: tuple[str, ...]  # the graphs whose scratch came from the cache's trace records
     seconds: float
 
     # -- figures ---------------------------------------------------------------------------------
@@ -100,8 +100,11 @@ class BundlePlan:
         if self.scratch is None:
             return {}
         t = max(e[3] for e in self.executables if e[0] == MOE)
-        return {e[2]: self.scratch[layout.executable_name(*e)] for e in self.executables
-                if e[0] == MOE and e[3] == t and layout.executable_name(*e) in self.scratch}
+        return {
+            e[2]: self.scratch[layout.executable_name(*e)]
+            for e in self.executables
+            if e[0] == MOE and e[3] == t and layout.executable_name(*e) in self.scratch
+        }
 
     @property
     def moe_split(self) -> tuple[int, float] | None:
@@ -122,38 +125,65 @@ class BundlePlan:
         c, topo = self.spec.config, self.spec.topology
         kinds = {}
         for kind, kp in self.regions.kinds.items():
-            kinds[kind] = {"slot": kp.slot, "layers": kp.layers,
-                           "executables": [layout.executable_name(*e) for e in self.executables if e[0] == kind],
-                           "weights_per_rank": self.device_weights(layout.rank_key(0))[kind]}
+            kinds[kind] = {
+                "slot": kp.slot,
+                "layers": kp.layers,
+                "executables": [layout.executable_name(*e) for e in self.executables if e[0] == kind],
+                "weights_per_rank": self.device_weights(layout.rank_key(0))[kind],
+            }
         moe = self.moe_scratch
         return {
             "model_toml": str(c.source),
             "checkpoint": {"path": str(c.model.checkpoint), "source": self.checkpoint},
             "target": {"name": c.target.name, "executable": c.target.executable, "lnc": self.spec.target.lnc},
             "topology": topo.to_dict(),
-            "layers": [{"layer": p.layer, "attn": p.attn, "ratio": p.ratio, "kv_source": p.kv_source,
-                        "engram": p.engram_rows > 0,
-                        "regions": {slot: kind for slot, (kind, _) in self.regions.bindings[p.layer].items()}}
-                       for p in self.regions.layers],
+            "layers": [
+                {
+                    "layer": p.layer,
+                    "attn": p.attn,
+                    "ratio": p.ratio,
+                    "kv_source": p.kv_source,
+                    "engram": p.engram_rows > 0,
+                    "regions": {slot: kind for slot, (kind, _) in self.regions.bindings[p.layer].items()},
+                }
+                for p in self.regions.layers
+            ],
             "kinds": kinds,
-            "executables": {"count": len(self.executables), "kinds": len(self.regions.kinds),
-                            "methods": sorted({e[1] for e in self.executables}),
-                            "buckets": [list(s) for s in c.buckets.shapes()],
-                            "names": [layout.executable_name(*e) for e in self.executables]},
+            "executables": {
+                "count": len(self.executables),
+                "kinds": len(self.regions.kinds),
+                "methods": sorted({e[1] for e in self.executables}),
+                "buckets": [list(s) for s in c.buckets.shapes()],
+                "names": [layout.executable_name(*e) for e in self.executables],
+            },
             "compile_jobs": len(self.executables),
-            "weights": {"files": self.files,
-                        "shared_files": list(self.shared_files),
-                        "per_rank_device": {r: sum(d.weights.values()) for r, d in self.memory.items()},
-                        "per_rank_files": {r: self.rank_file_bytes(r) for r in self.rank_files}},
-            "pools": {name: {"state": p.state, "dim": p.dim, "layers": list(p.layers),
-                             "entry_shape": list(p.entry_shape), "dtype": p.dtype,
-                             "bytes": self.memory[layout.rank_key(0)].pools[name]}
-                      for name, p in self.pools.items()},
-            "scratch": None if self.scratch is None else {
-                "method": budget.SCRATCH_METHOD, "by_graph": self.scratch, "from_cache": list(self.recorded),
+            "weights": {
+                "files": self.files,
+                "shared_files": list(self.shared_files),
+                "per_rank_device": {r: sum(d.weights.values()) for r, d in self.memory.items()},
+                "per_rank_files": {r: self.rank_file_bytes(r) for r in self.rank_files},
+            },
+            "pools": {
+                name: {
+                    "state": p.state,
+                    "dim": p.dim,
+                    "layers": list(p.layers),
+                    "entry_shape": list(p.entry_shape),
+                    "dtype": p.dtype,
+                    "bytes": self.memory[layout.rank_key(0)].pools[name],
+                }
+                for name, p in self.pools.items()
+            },
+            "scratch": None
+            if self.scratch is None
+            else {
+                "method": budget.SCRATCH_METHOD,
+                "by_graph": self.scratch,
+                "from_cache": list(self.recorded),
                 "moe_by_batch": {str(b): n for b, n in moe.items()},
                 "moe_fixed_bytes": self.moe_split[0] if self.moe_split else None,
-                "moe_bytes_per_row": self.moe_split[1] if self.moe_split else None},
+                "moe_bytes_per_row": self.moe_split[1] if self.moe_split else None,
+            },
             "memory": {r: {**d.to_dict(), "fits": d.fits} for r, d in self.memory.items()},
             "bundle": {"bytes": self.bundle_bytes, "executables": None},
             "seconds": round(self.seconds, 2),
@@ -162,63 +192,95 @@ class BundlePlan:
     def lines(self) -> list[str]:
         c, topo, spec = self.spec.config, self.spec.topology, self.spec
         t = spec.model.text
-        out = [f"plan of {c.source} ({self.checkpoint}, {self.seconds:.1f} s)",
-               f"model: {t.num_hidden_layers} layers, {t.n_routed_experts} routed experts, hidden {t.hidden_size}; "
-               f"target {c.target.name} ({c.target.executable}"
-               + (f", LNC {spec.target.lnc})" if spec.target.lnc else ")")
-               + f"; tp {topo.tp}, ep {topo.ep}, cp {topo.cp}: {topo.world} ranks", ""]
+        out = [
+            f"plan of {c.source} ({self.checkpoint}, {self.seconds:.1f} s)",
+            f"model: {t.num_hidden_layers} layers, {t.n_routed_experts} routed experts, hidden {t.hidden_size}; "
+            f"target {c.target.name} ({c.target.executable}"
+            + (f", LNC {spec.target.lnc})" if spec.target.lnc else ")")
+            + f"; tp {topo.tp}, ep {topo.ep}, cp {topo.cp}: {topo.world} ranks",
+            "",
+        ]
         out.append(f"layer plan: {len(self.regions.layers)} layers -> {len(self.regions.kinds)} region kinds")
         rank0 = layout.rank_key(0)
         for kind, kp in self.regions.kinds.items():
-            layers = (kp.slot if kp.layers == [-1] else
-                      ("draft stages " if kp.source != "layers.{}." else "layers ") + _ranges(kp.layers))
+            layers = (
+                kp.slot
+                if kp.layers == [-1]
+                else ("draft stages " if kp.source != "layers.{}." else "layers ") + _ranges(kp.layers)
+            )
             out.append(f"  {kind:<22} {kp.slot:<7} {layers:<40} {human(self.device_weights(rank0)[kind]):>12} per rank")
         shapes = c.buckets.shapes()
         methods = sorted({e[1] for e in self.executables})
-        drafted = len(self.regions.draft_kinds) + 1 if self.regions.draft else 0        # + the head's project
-        out += ["", f"executables: {len(self.regions.kinds)} kinds x {len(methods)} method(s) ({', '.join(methods)}) "
-                    f"x {len(shapes)} buckets"
-                    + (f" ({drafted} draft calls at the {len(c.buckets.batch)} batch buckets only)" if drafted else "")
-                    + f" = {len(self.executables)}; compile jobs: {len(self.executables)} (a cache hit skips one)",
-                "  buckets (batch x tokens): " + ", ".join(f"{b}x{tk}" for b, tk in shapes)
-                + ("; the MoE runs on the gathered rows (EP dispatch)" if topo.dispatch else "")]
+        drafted = len(self.regions.draft_kinds) + 1 if self.regions.draft else 0  # + the head's project
+        out += [
+            "",
+            f"executables: {len(self.regions.kinds)} kinds x {len(methods)} method(s) ({', '.join(methods)}) "
+            f"x {len(shapes)} buckets"
+            + (f" ({drafted} draft calls at the {len(c.buckets.batch)} batch buckets only)" if drafted else "")
+            + f" = {len(self.executables)}; compile jobs: {len(self.executables)} (a cache hit skips one)",
+            "  buckets (batch x tokens): "
+            + ", ".join(f"{b}x{tk}" for b, tk in shapes)
+            + ("; the MoE runs on the gathered rows (EP dispatch)" if topo.dispatch else ""),
+        ]
         if len(c.buckets.context) > 1:
             per_context = sorted({e[0] for e in self.executables if e[4] is not None})
-            out.append(f"  context buckets: {', '.join(map(str, c.buckets.context))} (built per context: "
-                       f"{', '.join(per_context)})")
+            out.append(
+                f"  context buckets: {', '.join(map(str, c.buckets.context))} (built per context: "
+                f"{', '.join(per_context)})"
+            )
         out += ["", "weights per rank after sharding (device):"]
         out += [f"  {ranks}: {human(sum(d.weights.values()))}" for ranks, d in _same(self.memory, _weights_of).items()]
         own = [f for fs in self.rank_files.values() for f in fs]
         host = [f for f in self.files if f not in own and f not in self.shared_files]
-        out.append(f"  files: {len(own)} rank files {human(sum(self.files[f] for f in own))}, "
-                   f"{len(self.shared_files)} shared {human(sum(self.files[f] for f in self.shared_files))}, "
-                   f"{len(host)} host {human(sum(self.files[f] for f in host))}")
-        out += [f"  {ranks} load {human(n)} each from the weight files (own and shared)" for ranks, n in _same(
-            {r: self.rank_file_bytes(r) for r in self.rank_files}, lambda v: v).items()]
+        out.append(
+            f"  files: {len(own)} rank files {human(sum(self.files[f] for f in own))}, "
+            f"{len(self.shared_files)} shared {human(sum(self.files[f] for f in self.shared_files))}, "
+            f"{len(host)} host {human(sum(self.files[f] for f in host))}"
+        )
+        out += [
+            f"  {ranks} load {human(n)} each from the weight files (own and shared)"
+            for ranks, n in _same({r: self.rank_file_bytes(r) for r in self.rank_files}, lambda v: v).items()
+        ]
         out += ["", f"state pools ({len(self.pools)}):"]
         for name, p in self.pools.items():
-            out.append(f"  {name:<14} {len(p.layers):>3} layers x {p.dim:<6} x {list(p.entry_shape)} {p.dtype:<9} "
-                       f"{human(self.memory[rank0].pools[name]):>12}")
-        out += ["", "scratch: " + ("not traced (--no-scratch) and not in the compile cache" if self.scratch is None
-                                   else budget.SCRATCH_METHOD)]
+            out.append(
+                f"  {name:<14} {len(p.layers):>3} layers x {p.dim:<6} x {list(p.entry_shape)} {p.dtype:<9} "
+                f"{human(self.memory[rank0].pools[name]):>12}"
+            )
+        out += [
+            "",
+            "scratch: "
+            + (
+                "not traced (--no-scratch) and not in the compile cache"
+                if self.scratch is None
+                else budget.SCRATCH_METHOD
+            ),
+        ]
         if self.scratch is not None:
             untraced = [k for k in self.regions.kinds if not any(n.startswith(k + ".") for n in self.scratch)]
-            out.append(f"  {len(self.recorded)} graph(s) from the compile cache's trace records, "
-                       f"{len(self.scratch) - len(self.recorded)} traced here at their kind's largest bucket"
-                       + (f"; unknown: {', '.join(untraced)}" if untraced else ""))
+            out.append(
+                f"  {len(self.recorded)} graph(s) from the compile cache's trace records, "
+                f"{len(self.scratch) - len(self.recorded)} traced here at their kind's largest bucket"
+                + (f"; unknown: {', '.join(untraced)}" if untraced else "")
+            )
         if self.scratch is not None:
             out += [f"  {name:<36} {human(n):>12}" for name, n in self.scratch.items()]
             if self.moe_split:
                 fixed, per_row = self.moe_split
-                out.append(f"  MoE scratch: {human(fixed)} whatever the rows (its experts' weights, decoded in "
-                           f"tiles) + {human(round(per_row))} per row (activations); "
-                           + ", ".join(f"batch {b}: {human(n)}" for b, n in self.moe_scratch.items()))
+                out.append(
+                    f"  MoE scratch: {human(fixed)} whatever the rows (its experts' weights, decoded in "
+                    f"tiles) + {human(round(per_row))} per row (activations); "
+                    + ", ".join(f"batch {b}: {human(n)}" for b, n in self.moe_scratch.items())
+                )
         out += ["", "memory budget per rank:"]
         for ranks, d in _same(self.memory, lambda d: (d.total, d.usable)).items():
             out.append(f"  {ranks}: {'fits' if d.fits else 'DOES NOT FIT'}")
             out += ["  " + line for line in d.lines()]
-        out += ["", f"bundle on disk: {human(self.bundle_bytes)} of weights and host files in {len(self.files)} files "
-                    f"(+ {len(self.executables)} executables, sized when compiled)"]
+        out += [
+            "",
+            f"bundle on disk: {human(self.bundle_bytes)} of weights and host files in {len(self.files)} files "
+            f"(+ {len(self.executables)} executables, sized when compiled)",
+        ]
         return out
 
 
@@ -253,6 +315,7 @@ def _same(by_rank: dict, key) -> dict:
 
 # -- the checkpoint a plan reads --------------------------------------------------------------------
 
+
 def plan_checkpoint(model: V41Config, directory: Path) -> tuple[Checkpoint, str]:
     """The checkpoint's safetensors headers when it has them (data unread), else the tensors its
     config implies -> (checkpoint, what the shapes came from)."""
@@ -262,13 +325,15 @@ def plan_checkpoint(model: V41Config, directory: Path) -> tuple[Checkpoint, str]
     from deepinfer.regions.synthetic import checkpoint_tensors
 
     source = str(directory / CONFIG_FILE)
-    tensors = {name: TensorInfo(source, name, dtype, tuple(shape), 0,
-                                math.prod(shape) * DTYPES[dtype]().itemsize)
-               for name, dtype, shape in checkpoint_tensors(model.to_dict())}
+    tensors = {
+        name: TensorInfo(source, name, dtype, tuple(shape), 0, math.prod(shape) * DTYPES[dtype]().itemsize)
+        for name, dtype, shape in checkpoint_tensors(model.to_dict())
+    }
     return Checkpoint.described(directory, tensors), f"{CONFIG_FILE} only: shapes from the regions' weight specs"
 
 
 # -- scratch --------------------------------------------------------------------------------------
+
 
 def traced_buckets(executables: list[tuple], kinds=None) -> list[tuple]:
     """The graphs a plan traces: each kind's largest bucket (most rows; more tokens, then the
@@ -302,6 +367,7 @@ def trace_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, log, ki
 
 # -- the API --------------------------------------------------------------------------------------
 
+
 def recorded_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, cache) -> dict[str, int]:
     """executable name -> scratch bytes, from the trace records the compile cache holds for them."""
     out = {}
@@ -313,8 +379,9 @@ def recorded_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, cach
     return out
 
 
-def plan_bundle(config: CompileConfig, *, scratch: bool = True, kinds=None, cache=None,
-                log=lambda msg: None) -> BundlePlan:
+def plan_bundle(
+    config: CompileConfig, *, scratch: bool = True, kinds=None, cache=None, log=lambda msg: None
+) -> BundlePlan:
     """Plan the compile of `config` without reading tensor data or writing anything.
 
     Scratch comes from the trace records `cache` (a compiler/cache.Cache) holds; with `scratch`,
@@ -323,12 +390,19 @@ def plan_bundle(config: CompileConfig, *, scratch: bool = True, kinds=None, cach
     start = time.perf_counter()
     m = config.model
     if not (m.checkpoint / CONFIG_FILE).exists():
-        raise config_error(config, "model", "checkpoint",
-                           f"{m.checkpoint / CONFIG_FILE}: no such file; a plan reads the checkpoint's config"
-                           + (" (the compile generates this tiny checkpoint: `deepinfer make-tiny` it first)"
-                              if m.tiny is not None else ""))
+        raise config_error(
+            config,
+            "model",
+            "checkpoint",
+            f"{m.checkpoint / CONFIG_FILE}: no such file; a plan reads the checkpoint's config"
+            + (
+                " (the compile generates this tiny checkpoint: `deepinfer make-tiny` it first)"
+                if m.tiny is not None
+                else ""
+            ),
+        )
     spec = pipeline.parse(config, False, log)
-    regions = pipeline.plan(spec, lambda msg: None)          # the plan prints its own layer plan
+    regions = pipeline.plan(spec, lambda msg: None)  # the plan prints its own layer plan
     ckpt, source = plan_checkpoint(spec.model, m.checkpoint)
     planned, stacks = pipeline.weight_files(spec, regions, ckpt, Path(BUNDLE))
     files = {PurePosixPath(f.path).relative_to(BUNDLE).as_posix(): f.layout()[2] for f in planned}
@@ -343,6 +417,17 @@ def plan_bundle(config: CompileConfig, *, scratch: bool = True, kinds=None, cach
     traced = {**known, **(trace_scratch(spec, regions, missing, log, kinds) if scratch else {})} or None
     graphs = [GraphScratch(name, n) for name, n in (traced or {}).items()]
     memory = budget.per_rank(spec, budget.breakdown(spec, regions, graphs))
-    return BundlePlan(spec, regions, source, executables, files, rank_files, shared,
-                      pipeline.layout_state(spec, regions).pools, memory, traced, tuple(known),
-                      time.perf_counter() - start)
+    return BundlePlan(
+        spec,
+        regions,
+        source,
+        executables,
+        files,
+        rank_files,
+        shared,
+        pipeline.layout_state(spec, regions).pools,
+        memory,
+        traced,
+        tuple(known),
+        time.perf_counter() - start,
+    )

@@ -143,8 +143,10 @@ class Cache:
         """Stop writing to the cache, with one warning naming the directory and why."""
         if not self.read_only:
             self.read_only = True
-            self.log(f"warning: cache {self.dir}: cannot write ({e.strerror or e}); this compile goes on "
-                     "without storing to the cache")
+            self.log(
+                f"warning: cache {self.dir}: cannot write ({e.strerror or e}); this compile goes on "
+                "without storing to the cache"
+            )
 
     # --- paths ---
     def entry_dir(self, kind: str, key: str) -> Path:
@@ -175,8 +177,10 @@ class Cache:
             try:
                 verify_bytes(raw, path / SIGNATURE, self.trust)
             except TrustError as e:
-                self._corrupt(Entry(kind, digest, path, meta if isinstance(meta, dict) else {}),
-                              f"not signed by the trusted key: {e}")
+                self._corrupt(
+                    Entry(kind, digest, path, meta if isinstance(meta, dict) else {}),
+                    f"not signed by the trusted key: {e}",
+                )
                 return None
         if not isinstance(meta, dict) or meta.get("key") != digest or not (path / ARTIFACT).is_file():
             self._corrupt(Entry(kind, digest, path, meta if isinstance(meta, dict) else {}), "incomplete entry")
@@ -217,7 +221,7 @@ class Cache:
 
     def _hit(self, entry: Entry, key: Key | str) -> bool:
         try:
-            os.utime(entry.path / META)               # last use, for prune
+            os.utime(entry.path / META)  # last use, for prune
         except OSError:
             pass
         self.stats["hit"].append((entry.kind, entry.meta.get("identity", entry.key)))
@@ -228,8 +232,10 @@ class Cache:
         return False
 
     def _corrupt(self, entry: Entry, why: str) -> None:
-        self.log(f"cache: {entry.kind} entry {entry.key[:16]} ({entry.meta.get('identity', '?')}) is corrupt "
-                 f"({why}); removing it, it will be rebuilt")
+        self.log(
+            f"cache: {entry.kind} entry {entry.key[:16]} ({entry.meta.get('identity', '?')}) is corrupt "
+            f"({why}); removing it, it will be rebuilt"
+        )
         self.stats["corrupt"].append((entry.kind, entry.key))
         self.remove(entry.path)
 
@@ -258,19 +264,26 @@ class Cache:
             write(tmp / ARTIFACT)
             with open(tmp / ARTIFACT, "rb") as f:
                 os.fsync(f.fileno())
-            meta = {"cache_version": CACHE_VERSION, "kind": kind, "key": key.digest, "identity": key.identity,
-                    "digest": sha256_file(tmp / ARTIFACT), "size": (tmp / ARTIFACT).stat().st_size,
-                    "created": time.time(), "parts": key.describe()}
+            meta = {
+                "cache_version": CACHE_VERSION,
+                "kind": kind,
+                "key": key.digest,
+                "identity": key.identity,
+                "digest": sha256_file(tmp / ARTIFACT),
+                "size": (tmp / ARTIFACT).stat().st_size,
+                "created": time.time(),
+                "parts": key.describe(),
+            }
             raw = (json.dumps(meta, indent=1) + "\n").encode()
             if self.sign is not None:
                 _fsync_write(tmp / SIGNATURE, (json.dumps(sign_bytes(raw, self.sign)) + "\n").encode())
             _fsync_write(tmp / META, raw)
             final.parent.mkdir(parents=True, exist_ok=True)
             if final.exists() and self.lookup(kind, key.digest) is not None:
-                return                                   # another compile stored it first
+                return  # another compile stored it first
             try:
                 os.replace(tmp, final)
-            except OSError:                              # appeared meanwhile (non-empty dir)
+            except OSError:  # appeared meanwhile (non-empty dir)
                 return
             self.stats["stored"].append((kind, key.identity))
         finally:
@@ -339,8 +352,7 @@ class Cache:
     def size(self, e: Entry) -> int:
         return sum(p.stat().st_size for p in e.path.iterdir() if p.is_file())
 
-    def prune(self, max_size: int | None = None, max_age: float | None = None,
-              now: float | None = None) -> list[Entry]:
+    def prune(self, max_size: int | None = None, max_age: float | None = None, now: float | None = None) -> list[Entry]:
         """Remove entries unused for `max_age` seconds, then least recently used ones until
         the total is at most `max_size` bytes; also stale tmp/ and unheld lock files."""
         now = time.time() if now is None else now
@@ -361,10 +373,10 @@ class Cache:
                 removed.append(e)
                 self.remove(e.path)
         for memo in (self.root / "files").glob("*.json") if max_age is not None else []:
-            if now - memo.stat().st_mtime > max_age:        # tensor digests of files not seen lately
+            if now - memo.stat().st_mtime > max_age:  # tensor digests of files not seen lately
                 memo.unlink(missing_ok=True)
         for t in (self.root / "tmp").glob("*") if (self.root / "tmp").exists() else []:
-            if now - t.stat().st_mtime > 3600:           # an interrupted write from over an hour ago
+            if now - t.stat().st_mtime > 3600:  # an interrupted write from over an hour ago
                 shutil.rmtree(t, ignore_errors=True)
         for lock in (self.root / "locks").glob("*.lock") if (self.root / "locks").exists() else []:
             kind, _, digest = lock.stem.partition("-")

@@ -40,8 +40,11 @@ from deepinfer.regions.checkpoint import Checkpoint
 WEIGHT_ROOTS = ("deepinfer.compiler.weights", "deepinfer.compiler.shard")
 TRACE_ROOTS = ("deepinfer.compiler.trace", "deepinfer.compiler.plan")
 BUNDLE_ROOTS = ("deepinfer.compiler.pipeline",)
-LOWERING_STOP = tuple(m for m in import_closure(("deepinfer.kernels",)) if m.startswith("deepinfer.kernels.")
-                      and m != "deepinfer.kernels.registry")
+LOWERING_STOP = tuple(
+    m
+    for m in import_closure(("deepinfer.kernels",))
+    if m.startswith("deepinfer.kernels.") and m != "deepinfer.kernels.registry"
+)
 
 
 def weight_sources() -> tuple[str, ...]:
@@ -76,37 +79,47 @@ def trace_key(spec, plan, kind: str, method: str, batch: int, tokens: int, conte
     region = plan.kinds[kind].region
     geometry = spec.geometry_at(context)
     sig = Signature(weight_specs(region), region.method_inputs(method, batch, tokens, geometry))
-    return Key.of("trace", executable_name(kind, method, batch, tokens, context), [
-        ("format", format_part()),
-        ("region", {"class": type(region).__qualname__, "kind": kind, "method": method}),
-        ("bucket", {"batch": batch, "tokens": tokens, "context": context}),
-        ("geometry", vars(geometry)),
-        ("model", _model_part(spec)),
-        ("topology", spec.topology.to_dict()),
-        ("fp8", region.fp8_format),
-        ("signature", {"weights": _specs(sig.weights), "inputs": _specs(sig.inputs)}),
-        ("target", _target_part(spec)),
-        ("toolchain", spec.target.toolchain()),
-        ("sources", graph_sources(spec.target.LOWERING_MODULES)),
-    ])
+    return Key.of(
+        "trace",
+        executable_name(kind, method, batch, tokens, context),
+        [
+            ("format", format_part()),
+            ("region", {"class": type(region).__qualname__, "kind": kind, "method": method}),
+            ("bucket", {"batch": batch, "tokens": tokens, "context": context}),
+            ("geometry", vars(geometry)),
+            ("model", _model_part(spec)),
+            ("topology", spec.topology.to_dict()),
+            ("fp8", region.fp8_format),
+            ("signature", {"weights": _specs(sig.weights), "inputs": _specs(sig.inputs)}),
+            ("target", _target_part(spec)),
+            ("toolchain", spec.target.toolchain()),
+            ("sources", graph_sources(spec.target.LOWERING_MODULES)),
+        ],
+    )
 
 
-def executable_key(spec, plan, kind: str, method: str, batch: int, tokens: int, context: int | None, graph: str,
-                   kernels: list[str]) -> Key:
+def executable_key(
+    spec, plan, kind: str, method: str, batch: int, tokens: int, context: int | None, graph: str, kernels: list[str]
+) -> Key:
     region = plan.kinds[kind].region
-    return Key.of("executable", executable_name(kind, method, batch, tokens, context), [
-        ("format", format_part()),
-        ("graph", graph),
-        ("region", {"class": type(region).__qualname__, "method": method}),
-        ("bucket", {"batch": batch, "tokens": tokens, "context": context}),
-        ("target", _target_part(spec)),
-        ("toolchain", spec.target.toolchain()),
-        ("kernels", kernel_sources(kernels)),
-        ("lowering", modules_digest(lowering_sources(spec.target.LOWERING_MODULES))),
-    ])
+    return Key.of(
+        "executable",
+        executable_name(kind, method, batch, tokens, context),
+        [
+            ("format", format_part()),
+            ("graph", graph),
+            ("region", {"class": type(region).__qualname__, "method": method}),
+            ("bucket", {"batch": batch, "tokens": tokens, "context": context}),
+            ("target", _target_part(spec)),
+            ("toolchain", spec.target.toolchain()),
+            ("kernels", kernel_sources(kernels)),
+            ("lowering", modules_digest(lowering_sources(spec.target.LOWERING_MODULES))),
+        ],
+    )
 
 
 # --- weights ---
+
 
 def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
     """{tensor name: sha256 of dtype, shape and raw bytes} for one safetensors file,
@@ -114,8 +127,9 @@ def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
     edited in place with its size and mtime restored (`rsync -t --inplace`, `touch -r`) still
     has a new ctime, which no user call can set back, so it is re-hashed."""
     st = os.stat(path)
-    ident = sha256(f"{os.path.realpath(path)}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}"
-                   f"\0{st.st_ctime_ns}".encode())
+    ident = sha256(
+        f"{os.path.realpath(path)}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}".encode()
+    )
     memo_file = memo / f"{ident}.json" if memo else None
     if memo_file and memo_file.exists():
         try:
@@ -142,7 +156,7 @@ def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
             memo.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(out))
             os.replace(tmp, memo_file)
-        except OSError:                             # a cache that cannot be written: hash again next time
+        except OSError:  # a cache that cannot be written: hash again next time
             with contextlib.suppress(OSError):
                 tmp.unlink()
     return out
@@ -150,7 +164,7 @@ def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
 
 def tensor_digests(ckpt: Checkpoint, names: list[str], memo: Path | None) -> dict[str, str]:
     for n in names:
-        ckpt.info(n)                               # a missing tensor is a CheckpointError here
+        ckpt.info(n)  # a missing tensor is a CheckpointError here
     per_file = {p: _file_digests(p, memo) for p in sorted({ckpt.files[n] for n in names})}
     return {n: per_file[ckpt.files[n]][n] for n in names}
 
@@ -164,25 +178,38 @@ def weights_key(spec, ckpt: Checkpoint, kind: str, kp, rank: int | None = 0, mem
     """A kind's stacks of one rank's file (`rank`), or of the file every rank shares (`rank` None)."""
     from deepinfer.compiler.weights import source_names
 
-    return Key.of("weights", f"weights {kind}" + (" shared" if rank is None else ""), [
-        ("format", format_part()),
-        ("kind", {"kind": kind, "rank": rank, "topology": spec.topology.to_dict()}),
-        ("layout", {"specs": [[s.name, s.key, list(s.shape), s.ckpt_dtype, s.experts] for s in kp.region.specs],
-                    "layers": kp.layers}),
-        ("tensors", tensor_digests(ckpt, source_names(kp, ckpt), memo)),
-        ("recipe", spec.recipe.name),
-        ("sources", modules_digest(weight_sources())),
-    ])
+    return Key.of(
+        "weights",
+        f"weights {kind}" + (" shared" if rank is None else ""),
+        [
+            ("format", format_part()),
+            ("kind", {"kind": kind, "rank": rank, "topology": spec.topology.to_dict()}),
+            (
+                "layout",
+                {
+                    "specs": [[s.name, s.key, list(s.shape), s.ckpt_dtype, s.experts] for s in kp.region.specs],
+                    "layers": kp.layers,
+                },
+            ),
+            ("tensors", tensor_digests(ckpt, source_names(kp, ckpt), memo)),
+            ("recipe", spec.recipe.name),
+            ("sources", modules_digest(weight_sources())),
+        ],
+    )
 
 
 def host_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
     t = spec.model.text
-    return Key.of("host", "host embed", [
-        ("format", format_part()),
-        ("tensors", tensor_digests(ckpt, ["embed.weight"], memo)),
-        ("shape", {"vocab": t.vocab_size, "hidden": t.hidden_size}),
-        ("sources", modules_digest(weight_sources())),
-    ])
+    return Key.of(
+        "host",
+        "host embed",
+        [
+            ("format", format_part()),
+            ("tensors", tensor_digests(ckpt, ["embed.weight"], memo)),
+            ("shape", {"vocab": t.vocab_size, "hidden": t.hidden_size}),
+            ("sources", modules_digest(weight_sources())),
+        ],
+    )
 
 
 def engram_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
@@ -191,13 +218,17 @@ def engram_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
     from deepinfer.compiler.weights import host_sources
     from deepinfer.regions.base import engram_table_specs
 
-    return Key.of("host", "host engram", [
-        ("format", format_part()),
-        ("tensors", tensor_digests(ckpt, host_sources(spec.model, ckpt), memo)),
-        ("layout", [[s.name, list(s.shape), s.ckpt_dtype] for s in engram_table_specs(spec.model.text)]),
-        ("recipe", spec.recipe.name),
-        ("sources", modules_digest(weight_sources())),
-    ])
+    return Key.of(
+        "host",
+        "host engram",
+        [
+            ("format", format_part()),
+            ("tensors", tensor_digests(ckpt, host_sources(spec.model, ckpt), memo)),
+            ("layout", [[s.name, list(s.shape), s.ckpt_dtype] for s in engram_table_specs(spec.model.text)]),
+            ("recipe", spec.recipe.name),
+            ("sources", modules_digest(weight_sources())),
+        ],
+    )
 
 
 def vision_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
@@ -205,35 +236,62 @@ def vision_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
     from deepinfer.regions.vision import vision_specs
 
     specs = vision_specs(spec.model.vision, spec.model.text.hidden_size)
-    return Key.of("host", "host vision", [
-        ("format", format_part()),
-        ("tensors", tensor_digests(ckpt, sorted(specs), memo)),
-        ("layout", {name: [list(shape), dtype] for name, (shape, dtype) in sorted(specs.items())}),
-        ("sources", modules_digest(import_closure(WEIGHT_ROOTS + ("deepinfer.regions.vision",)))),
-    ])
+    return Key.of(
+        "host",
+        "host vision",
+        [
+            ("format", format_part()),
+            ("tensors", tensor_digests(ckpt, sorted(specs), memo)),
+            ("layout", {name: [list(shape), dtype] for name, (shape, dtype) in sorted(specs.items())}),
+            ("sources", modules_digest(import_closure(WEIGHT_ROOTS + ("deepinfer.regions.vision",)))),
+        ],
+    )
 
 
-def bundle_key(spec, weights: dict[str, Key], host: Key, traces: dict[str, Key], vision: Key | None = None,
-               engram: Key | None = None, tokenizer: dict[str, str] | None = None) -> Key:
+def bundle_key(
+    spec,
+    weights: dict[str, Key],
+    host: Key,
+    traces: dict[str, Key],
+    vision: Key | None = None,
+    engram: Key | None = None,
+    tokenizer: dict[str, str] | None = None,
+) -> Key:
     """`tokenizer`: the sha256 of each tokenizer file the bundle carries (none for the byte tokenizer)."""
     c = spec.config
-    return Key.of("bundle", str(c.source.name), [
-        ("format", format_part()),
-        ("config", {"model": _model_part(spec), "target": _target_part(spec),
-                    "buckets": {"batch": list(c.buckets.batch), "tokens": list(c.buckets.tokens),
-                                "max_context": c.buckets.max_context, "context": list(c.buckets.context)},
+    return Key.of(
+        "bundle",
+        str(c.source.name),
+        [
+            ("format", format_part()),
+            (
+                "config",
+                {
+                    "model": _model_part(spec),
+                    "target": _target_part(spec),
+                    "buckets": {
+                        "batch": list(c.buckets.batch),
+                        "tokens": list(c.buckets.tokens),
+                        "max_context": c.buckets.max_context,
+                        "context": list(c.buckets.context),
+                    },
                     "kv": {"block_size": c.kv.block_size, "num_blocks": c.kv.num_blocks},
                     "parallel": {"tp": c.parallel.tp, "ep": c.parallel.ep, "cp": c.parallel.cp},
-                    "quant": spec.recipe.name, "host": {"embedding": not spec.device_embedding},
-                    **({"stage": "hlo"} if spec.hlo_only else {})}),
-        ("toolchain", spec.target.toolchain()),
-        ("weights", {k: v.digest for k, v in weights.items()}),
-        ("host", host.digest),
-        ("traces", {k: v.digest for k, v in traces.items()}),
-        ("sources", modules_digest(import_closure(BUNDLE_ROOTS))),
-    ] + ([("vision", vision.digest)] if vision is not None else [])
-      + ([("engram", engram.digest)] if engram is not None else [])
-      + ([("tokenizer", tokenizer)] if tokenizer else []))
+                    "quant": spec.recipe.name,
+                    "host": {"embedding": not spec.device_embedding},
+                    **({"stage": "hlo"} if spec.hlo_only else {}),
+                },
+            ),
+            ("toolchain", spec.target.toolchain()),
+            ("weights", {k: v.digest for k, v in weights.items()}),
+            ("host", host.digest),
+            ("traces", {k: v.digest for k, v in traces.items()}),
+            ("sources", modules_digest(import_closure(BUNDLE_ROOTS))),
+        ]
+        + ([("vision", vision.digest)] if vision is not None else [])
+        + ([("engram", engram.digest)] if engram is not None else [])
+        + ([("tokenizer", tokenizer)] if tokenizer else []),
+    )
 
 
 def weight_file_keys(spec, plan, ckpt: Checkpoint, run) -> dict[str, tuple[str, Key]]:
@@ -270,7 +328,7 @@ def held(run, keys: dict[str, tuple[str, Key]]):
         fetched = set()
         for kind, key in sorted(keys.values(), key=lambda kk: kk[1].digest):
             locks.append(run.cache.lock(kind, key))
-        for rel, (kind, key) in keys.items():                 # plan order: the first miss named is the first file
+        for rel, (kind, key) in keys.items():  # plan order: the first miss named is the first file
             if run.cache.get_file(kind, key, run.staging / rel):
                 fetched.add(rel)
             else:
@@ -282,6 +340,7 @@ def held(run, keys: dict[str, tuple[str, Key]]):
 
 
 # --- fetch or build ---
+
 
 def missed(run, kind: str, key: Key) -> None:
     """A miss: log the key's parts at debug verbosity; under --require-cache, fail with why."""
@@ -297,8 +356,10 @@ def missed(run, kind: str, key: Key) -> None:
     else:
         old = {p["name"]: p["hash"] for p in near.meta.get("parts", [])}
         diff = [n for n, h in key.part_hashes.items() if old.get(n) != h]
-        why = (f"key part(s) {', '.join(diff)} differ from the cached entry {near.key[:16]} "
-               f"(deepinfer cache explain {near.key[:16]} {key.digest[:16]})")
+        why = (
+            f"key part(s) {', '.join(diff)} differ from the cached entry {near.key[:16]} "
+            f"(deepinfer cache explain {near.key[:16]} {key.digest[:16]})"
+        )
     raise CacheError(f"--require-cache: cache miss for {kind} {key.identity}: {why}")
 
 
@@ -321,7 +382,7 @@ def compile_jobs(run, traced, progress) -> None:
         lock = cache.lock("executable", key, blocking=False)
         if not lock.held:
             theirs.append(job)
-        elif cache.get_file("executable", key, job.out):       # stored since the trace pass
+        elif cache.get_file("executable", key, job.out):  # stored since the trace pass
             lock.release()
             run.log(f"cached {job.name}")
         else:

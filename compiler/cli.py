@@ -14,35 +14,77 @@ from deepinfer.cli_common import trust_option, trusted_key, user_errors
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model_toml", type=click.Path(dir_okay=False, path_type=Path), required=False)
-@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
-              help="Bundle directory to write (default: build/<name of MODEL_TOML's folder>).")
-@click.option("--jobs", "-j", type=int, default=1, show_default=True,
-              help="Compile executables in N parallel worker processes.")
-@click.option("--force", is_flag=True, help="Replace an existing bundle (or an empty directory) at the output path; "
-              "anything else there is refused.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Bundle directory to write (default: build/<name of MODEL_TOML's folder>).",
+)
+@click.option(
+    "--jobs", "-j", type=int, default=1, show_default=True, help="Compile executables in N parallel worker processes."
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace an existing bundle (or an empty directory) at the output path; anything else there is refused.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout when done.")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Artifact cache directory (default: $DEEPINFER_CACHE_DIR, else model.toml [cache] dir, "
-                   "else ~/.cache/deepinfer, under $XDG_CACHE_HOME when set).")
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Artifact cache directory (default: $DEEPINFER_CACHE_DIR, else model.toml [cache] dir, "
+    "else ~/.cache/deepinfer, under $XDG_CACHE_HOME when set).",
+)
 @click.option("--no-cache", is_flag=True, help="Neither read nor write the artifact cache.")
-@click.option("--print-cache-key", is_flag=True,
-              help="Print one key for the whole bundle (for CI cache systems) and exit without compiling.")
-@click.option("--require-cache", is_flag=True,
-              help="Fail if any executable or weight stack is not in the cache (names the region and why).")
+@click.option(
+    "--print-cache-key",
+    is_flag=True,
+    help="Print one key for the whole bundle (for CI cache systems) and exit without compiling.",
+)
+@click.option(
+    "--require-cache",
+    is_flag=True,
+    help="Fail if any executable or weight stack is not in the cache (names the region and why).",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Debug output: the hash of every part of each missed key.")
-@click.option("--hlo-only", is_flag=True,
-              help="trn2: stop after lowering and checking every region; write an HLO-stage bundle "
-                   "that --finish completes on any host with neuronx-cc.")
-@click.option("--finish", "finish", type=click.Path(file_okay=False, path_type=Path), metavar="BUNDLE",
-              help="Compile the HLO modules of an HLO-stage trn2 BUNDLE into NEFFs (no MODEL_TOML).")
-@click.option("--sign", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="KEY",
-              help="Ed25519 private key (PEM): sign the bundle's manifest (signature.json) and the cache entries "
-                   "this compile stores. `deepinfer keygen` or `openssl genpkey -algorithm ed25519` makes one.")
+@click.option(
+    "--hlo-only",
+    is_flag=True,
+    help="trn2: stop after lowering and checking every region; write an HLO-stage bundle "
+    "that --finish completes on any host with neuronx-cc.",
+)
+@click.option(
+    "--finish",
+    "finish",
+    type=click.Path(file_okay=False, path_type=Path),
+    metavar="BUNDLE",
+    help="Compile the HLO modules of an HLO-stage trn2 BUNDLE into NEFFs (no MODEL_TOML).",
+)
+@click.option(
+    "--sign",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    metavar="KEY",
+    help="Ed25519 private key (PEM): sign the bundle's manifest (signature.json) and the cache entries "
+    "this compile stores. `deepinfer keygen` or `openssl genpkey -algorithm ed25519` makes one.",
+)
 @trust_option
 @user_errors
-def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, as_json: bool, cache_dir: Path | None,
-         no_cache: bool, print_cache_key: bool, require_cache: bool, verbose: bool, hlo_only: bool,
-         finish: Path | None, sign: Path | None, trust: Path | None):
+def main(
+    model_toml: Path | None,
+    output: Path | None,
+    jobs: int,
+    force: bool,
+    as_json: bool,
+    cache_dir: Path | None,
+    no_cache: bool,
+    print_cache_key: bool,
+    require_cache: bool,
+    verbose: bool,
+    hlo_only: bool,
+    finish: Path | None,
+    sign: Path | None,
+    trust: Path | None,
+):
     """Compile MODEL_TOML into a bundle: one executable per (region kind, method, bucket).
 
     \b
@@ -86,24 +128,38 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
     if no_cache and (require_cache or cache_dir):
         raise click.UsageError("--no-cache excludes --require-cache and --cache-dir")
     log = lambda msg: click.echo(msg, err=True)  # noqa: E731
-    cache = None if no_cache else Cache(resolve_dir(cache_dir, cfg.cache.dir), log=log, sign=signing_key,
-                                         trust=trusted_key(trust))
+    cache = (
+        None
+        if no_cache
+        else Cache(resolve_dir(cache_dir, cfg.cache.dir), log=log, sign=signing_key, trust=trusted_key(trust))
+    )
     if print_cache_key:
         click.echo(cache_key(cfg, cache=cache, log=log, verbose=verbose, hlo_only=hlo_only).digest)
         return
     out = output or Path("build") / model_toml.resolve().parent.name
     b, m, t = cfg.buckets, cfg.model, cfg.target
-    click.echo(f"compiling {model_toml} -> {out}\n"
-               f"  checkpoint {m.checkpoint} ({m.dtype}, cache_quant={str(m.cache_quant).lower()})\n"
-               f"  target {t.name} ({t.executable}), buckets batch={list(b.batch)} tokens={list(b.tokens)} "
-               f"max_context={b.max_context} context={list(b.context)}, kv block_size={cfg.kv.block_size} num_blocks={cfg.kv.num_blocks}, "
-               f"parallel tp={cfg.parallel.tp} ep={cfg.parallel.ep} cp={cfg.parallel.cp}, "
-               f"jobs={jobs}, cache {cache.dir if cache else 'off'}{' (required)' if require_cache else ''}"
-               f"{', stop at HLO' if hlo_only else ''}",
-               err=True)
-    path, timings = compile_bundle(cfg, out, jobs=jobs, force=force, log=log, cache=cache,
-                                   require_cache=require_cache, verbose=verbose, hlo_only=hlo_only,
-                                   sign=signing_key)
+    click.echo(
+        f"compiling {model_toml} -> {out}\n"
+        f"  checkpoint {m.checkpoint} ({m.dtype}, cache_quant={str(m.cache_quant).lower()})\n"
+        f"  target {t.name} ({t.executable}), buckets batch={list(b.batch)} tokens={list(b.tokens)} "
+        f"max_context={b.max_context} context={list(b.context)}, kv block_size={cfg.kv.block_size} num_blocks={cfg.kv.num_blocks}, "
+        f"parallel tp={cfg.parallel.tp} ep={cfg.parallel.ep} cp={cfg.parallel.cp}, "
+        f"jobs={jobs}, cache {cache.dir if cache else 'off'}{' (required)' if require_cache else ''}"
+        f"{', stop at HLO' if hlo_only else ''}",
+        err=True,
+    )
+    path, timings = compile_bundle(
+        cfg,
+        out,
+        jobs=jobs,
+        force=force,
+        log=log,
+        cache=cache,
+        require_cache=require_cache,
+        verbose=verbose,
+        hlo_only=hlo_only,
+        sign=signing_key,
+    )
     total = sum(timings.values())
     manifest = mf.read(path)
     n = len(manifest.regions)
@@ -111,12 +167,20 @@ def main(model_toml: Path | None, output: Path | None, jobs: int, force: bool, a
     # lowered, never compiled
     built = cache.stats["lowered" if hlo_only else "compiled"] if cache else [e.name for e in manifest.regions]
     what = "HLO modules lowered and checked" if hlo_only else "executables compiled"
-    click.echo(f"wrote {path} in {total:.1f} s ({len(built)} of {n} {what}, {n - len(built)} from the cache)",
-               err=True)
+    click.echo(f"wrote {path} in {total:.1f} s ({len(built)} of {n} {what}, {n - len(built)} from the cache)", err=True)
     if as_json:
-        click.echo(json.dumps({"bundle": str(path), "seconds": timings, "executables": n,
-                               "compiled": [] if hlo_only else built, "lowered": built if hlo_only else [],
-                               "cache": str(cache.dir) if cache else None}))
+        click.echo(
+            json.dumps(
+                {
+                    "bundle": str(path),
+                    "seconds": timings,
+                    "executables": n,
+                    "compiled": [] if hlo_only else built,
+                    "lowered": built if hlo_only else [],
+                    "cache": str(cache.dir) if cache else None,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

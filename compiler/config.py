@@ -35,6 +35,7 @@ else:  # pragma: no cover
 @dataclass(frozen=True, kw_only=True)
 class TinySection:
     """Generate the make-tiny checkpoint at `checkpoint` when it is absent."""
+
     seed: int = 0
     layers: int = 6
 
@@ -50,7 +51,7 @@ class ModelSection:
 @dataclass(frozen=True, kw_only=True)
 class TargetSection:
     name: str = "cpu"
-    executable: str | None = None      # None: the target's first (cpu: aoti, trn2: neff)
+    executable: str | None = None  # None: the target's first (cpu: aoti, trn2: neff)
     options: dict = field(default_factory=dict)
 
 
@@ -84,12 +85,12 @@ class ParallelSection:
 
 @dataclass(frozen=True, kw_only=True)
 class QuantSection:
-    recipe: str = "target"          # the target's own (cpu: release, trn2: e4m3); compiler/weights.RECIPES
+    recipe: str = "target"  # the target's own (cpu: release, trn2: e4m3); compiler/weights.RECIPES
 
 
 @dataclass(frozen=True, kw_only=True)
 class HostSection:
-    embedding: bool | None = None       # the token embedding on the host; None: the target's choice
+    embedding: bool | None = None  # the token embedding on the host; None: the target's choice
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,8 +100,8 @@ class CacheSection:
 
 @dataclass(frozen=True, kw_only=True)
 class MemorySection:
-    limit_gib: float | None = None     # device memory per rank; None: the target's (trn2 HBM per core x LNC)
-    reserve_gib: float = 0.0           # kept free for the runtime and collectives
+    limit_gib: float | None = None  # device memory per rank; None: the target's (trn2 HBM per core x LNC)
+    reserve_gib: float = 0.0  # kept free for the runtime and collectives
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,11 +125,20 @@ class CompileConfig:
     speculative: SpeculativeSection
 
 
-SECTIONS = {"model": ModelSection, "target": TargetSection, "buckets": BucketSection, "kv": KVSection,
-            "parallel": ParallelSection, "quant": QuantSection, "host": HostSection, "cache": CacheSection,
-            "memory": MemorySection, "speculative": SpeculativeSection}
+SECTIONS = {
+    "model": ModelSection,
+    "target": TargetSection,
+    "buckets": BucketSection,
+    "kv": KVSection,
+    "parallel": ParallelSection,
+    "quant": QuantSection,
+    "host": HostSection,
+    "cache": CacheSection,
+    "memory": MemorySection,
+    "speculative": SpeculativeSection,
+}
 DTYPES = ("fp32", "bf16")
-QUANT_RECIPES = ("target", "release", "e4m3")   # "target" or a name of compiler/weights.RECIPES
+QUANT_RECIPES = ("target", "release", "e4m3")  # "target" or a name of compiler/weights.RECIPES
 DRAFTS = ("dspark",)
 
 
@@ -180,44 +190,83 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
     need(m.dtype in DTYPES, "model", "dtype", f"expected one of {', '.join(DTYPES)}, got {m.dtype!r}")
     need(t.name in TARGETS, "target", "name", f"unknown target {t.name!r}; valid: {', '.join(TARGETS)}")
     kinds = TARGETS[t.name].EXECUTABLES
-    need(t.executable in kinds, "target", "executable",
-         f"target {t.name!r} builds {', '.join(kinds)}, not {t.executable!r}")
+    need(
+        t.executable in kinds,
+        "target",
+        "executable",
+        f"target {t.name!r} builds {', '.join(kinds)}, not {t.executable!r}",
+    )
     bad_option = TARGETS[t.name].check_options(t.options)
     need(bad_option is None, "target", "options", bad_option)
     for key in ("batch", "tokens"):
         values = getattr(b, key)
-        need(values and all(v > 0 for v in values) and len(set(values)) == len(values), "buckets", key,
-             f"expected distinct positive integers, got {list(values)}")
+        need(
+            values and all(v > 0 for v in values) and len(set(values)) == len(values),
+            "buckets",
+            key,
+            f"expected distinct positive integers, got {list(values)}",
+        )
     need(1 in b.tokens, "buckets", "tokens", "must include 1 (decode steps run one token per sequence)")
-    need(b.max_context > 0 and b.max_context >= max(b.tokens), "buckets", "max_context",
-         f"must be positive and at least the largest tokens bucket ({max(b.tokens)})")
+    need(
+        b.max_context > 0 and b.max_context >= max(b.tokens),
+        "buckets",
+        "max_context",
+        f"must be positive and at least the largest tokens bucket ({max(b.tokens)})",
+    )
     need(kv.block_size > 0, "kv", "block_size", "must be positive")
     ctx = list(b.context)
-    need(ctx and ctx == sorted(set(ctx)) and ctx[-1] == b.max_context
-         and all(c > 0 and c % kv.block_size == 0 for c in ctx[:-1]), "buckets", "context",
-         f"expected ascending context lengths, each a multiple of [kv] block_size ({kv.block_size}), "
-         f"the last equal to max_context ({b.max_context}); got {ctx}")
+    need(
+        ctx
+        and ctx == sorted(set(ctx))
+        and ctx[-1] == b.max_context
+        and all(c > 0 and c % kv.block_size == 0 for c in ctx[:-1]),
+        "buckets",
+        "context",
+        f"expected ascending context lengths, each a multiple of [kv] block_size ({kv.block_size}), "
+        f"the last equal to max_context ({b.max_context}); got {ctx}",
+    )
     min_blocks = -(-b.max_context // kv.block_size) * max(b.batch) + 1
-    need(kv.num_blocks >= min_blocks, "kv", "num_blocks",
-         f"{kv.num_blocks} blocks cannot hold {max(b.batch)} sequences of max_context {b.max_context} "
-         f"(need at least {min_blocks}, block 0 is scratch)")
+    need(
+        kv.num_blocks >= min_blocks,
+        "kv",
+        "num_blocks",
+        f"{kv.num_blocks} blocks cannot hold {max(b.batch)} sequences of max_context {b.max_context} "
+        f"(need at least {min_blocks}, block 0 is scratch)",
+    )
     for key in ("tp", "ep", "cp"):
         need(getattr(p, key) >= 1, "parallel", key, "must be at least 1")
-    need(cfg.quant.recipe in QUANT_RECIPES, "quant", "recipe",
-         f"unknown recipe {cfg.quant.recipe!r}; valid: {', '.join(QUANT_RECIPES)}")
+    need(
+        cfg.quant.recipe in QUANT_RECIPES,
+        "quant",
+        "recipe",
+        f"unknown recipe {cfg.quant.recipe!r}; valid: {', '.join(QUANT_RECIPES)}",
+    )
     draft = cfg.speculative.draft
-    need(draft is None or draft in DRAFTS, "speculative", "draft",
-         f"unknown draft {draft!r}; valid: {', '.join(DRAFTS)}")
-    need(draft is None or (p.tp, p.ep, p.cp) == (1, 1, 1), "speculative", "draft",
-         f"a draft is compiled for single-rank bundles only (the runtime's rollback restores the leader's "
-         f"state); got [parallel] tp={p.tp} ep={p.ep} cp={p.cp}")
+    need(
+        draft is None or draft in DRAFTS, "speculative", "draft", f"unknown draft {draft!r}; valid: {', '.join(DRAFTS)}"
+    )
+    need(
+        draft is None or (p.tp, p.ep, p.cp) == (1, 1, 1),
+        "speculative",
+        "draft",
+        f"a draft is compiled for single-rank bundles only (the runtime's rollback restores the leader's "
+        f"state); got [parallel] tp={p.tp} ep={p.ep} cp={p.cp}",
+    )
     mem = cfg.memory
     need(mem.limit_gib is None or mem.limit_gib > 0, "memory", "limit_gib", f"must be positive, got {mem.limit_gib}")
     need(mem.reserve_gib >= 0, "memory", "reserve_gib", f"must be at least 0, got {mem.reserve_gib}")
-    need(mem.limit_gib is None or mem.reserve_gib < mem.limit_gib, "memory", "reserve_gib",
-         f"{mem.reserve_gib} GiB leaves nothing of limit_gib = {mem.limit_gib}")
-    need(not m.checkpoint.exists() or m.checkpoint.is_dir(), "model", "checkpoint",
-         f"{m.checkpoint} is a file; give the checkpoint directory (config.json and *.safetensors)")
+    need(
+        mem.limit_gib is None or mem.reserve_gib < mem.limit_gib,
+        "memory",
+        "reserve_gib",
+        f"{mem.reserve_gib} GiB leaves nothing of limit_gib = {mem.limit_gib}",
+    )
+    need(
+        not m.checkpoint.exists() or m.checkpoint.is_dir(),
+        "model",
+        "checkpoint",
+        f"{m.checkpoint} is a file; give the checkpoint directory (config.json and *.safetensors)",
+    )
     if m.tiny is not None:
         need(m.tiny.layers >= 6, "model", "tiny", "layers must be at least 6")
         need(m.tiny.seed >= 0, "model", "tiny", f"seed must be at least 0, got {m.tiny.seed}")
@@ -257,7 +306,7 @@ def load_compile_config(path: str | Path) -> CompileConfig:
     base = path.resolve().parent
     rules = Rules(paths=lambda value: _resolve(base, value))
     model = data["model"]
-    if isinstance(model, dict) and model.get("tiny") is False:      # tiny = false: no generation
+    if isinstance(model, dict) and model.get("tiny") is False:  # tiny = false: no generation
         data["model"] = {k: v for k, v in model.items() if k != "tiny"}
     sections = {}
     for name, cls in SECTIONS.items():

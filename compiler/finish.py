@@ -54,8 +54,21 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None, sign=None) -> 
         for e in manifest.regions:
             ident = (e.kind, e.method, e.bucket.batch, e.bucket.tokens, e.bucket.context)
             neff = layout.executable_path(*ident, target.suffix)
-            job_list.append((e, neff, Job(e.name, work / e.artifact, work / neff, t.name, t.executable, t.options,
-                                          log=work / layout.log_path(*ident))))
+            job_list.append(
+                (
+                    e,
+                    neff,
+                    Job(
+                        e.name,
+                        work / e.artifact,
+                        work / neff,
+                        t.name,
+                        t.executable,
+                        t.options,
+                        log=work / layout.log_path(*ident),
+                    ),
+                )
+            )
 
         def progress(done, total, job, seconds):
             log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
@@ -67,10 +80,13 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None, sign=None) -> 
         regions = []
         for e, neff, job in job_list:
             job.lowered.unlink()
-            regions.append(dataclasses.replace(e, artifact=neff,
-                                               **mf.executable_fields(target.describe(work / neff))))
-        finished = dataclasses.replace(manifest, stage="executable", regions=tuple(regions), toolchain={
-            **manifest.toolchain, "neuronx-cc": target.toolchain()["neuronx-cc"]})
+            regions.append(dataclasses.replace(e, artifact=neff, **mf.executable_fields(target.describe(work / neff))))
+        finished = dataclasses.replace(
+            manifest,
+            stage="executable",
+            regions=tuple(regions),
+            toolchain={**manifest.toolchain, "neuronx-cc": target.toolchain()["neuronx-cc"]},
+        )
         (work / layout.SIGNATURE_FILE).unlink(missing_ok=True)
         mf.write(work, mf.stamp(work, finished))
         if sign is not None:

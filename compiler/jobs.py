@@ -19,13 +19,13 @@ warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*
 
 @dataclass(frozen=True)
 class Job:
-    name: str            # e.g. attn_window.decode.b1t1
-    lowered: Path        # saved, lowered ExportedProgram
-    out: Path            # executable to produce
+    name: str  # e.g. attn_window.decode.b1t1
+    lowered: Path  # saved, lowered ExportedProgram
+    out: Path  # executable to produce
     target: str
     executable: str
     options: dict
-    log: Path | None = None   # the compiler's log, kept in the bundle (targets that write one)
+    log: Path | None = None  # the compiler's log, kept in the bundle (targets that write one)
 
 
 def run_job(job: Job) -> float:
@@ -64,7 +64,7 @@ def keep_failed_logs(error: Exception, logs: Path, out: Path) -> Exception:
     shutil.rmtree(kept, ignore_errors=True)
     try:
         shutil.copytree(logs, kept)
-    except OSError:                          # e.g. the disk that failed the compile is full
+    except OSError:  # e.g. the disk that failed the compile is full
         shutil.rmtree(kept, ignore_errors=True)
         return error
     message = str(error)

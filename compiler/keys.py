@@ -35,28 +35,52 @@ import torch
 
 from deepinfer.bundles.manifest import FORMAT_VERSION
 
-CACHE_VERSION = 1           # layout of the cache entries and of the key parts
+CACHE_VERSION = 1  # layout of the cache entries and of the key parts
 
 # model.toml keys (section.key) and deepinfer-compile options that change what is built.
 # model.checkpoint and model.tiny are keyed by the checkpoint's contents (tensor digests
 # and config hash), never by path.
 KEYED_OPTIONS = (
-    "model.checkpoint", "model.tiny", "model.dtype", "model.cache_quant",
-    "target.name", "target.executable", "target.options",
-    "buckets.batch", "buckets.tokens", "buckets.max_context", "buckets.context",
-    "kv.block_size", "kv.num_blocks",
-    "parallel.tp", "parallel.ep", "parallel.cp",
-    "quant.recipe", "host.embedding", "--hlo-only",
-    "speculative.draft",            # the draft's executables and stacks: their own keys, in the bundle's
+    "model.checkpoint",
+    "model.tiny",
+    "model.dtype",
+    "model.cache_quant",
+    "target.name",
+    "target.executable",
+    "target.options",
+    "buckets.batch",
+    "buckets.tokens",
+    "buckets.max_context",
+    "buckets.context",
+    "kv.block_size",
+    "kv.num_blocks",
+    "parallel.tp",
+    "parallel.ep",
+    "parallel.cp",
+    "quant.recipe",
+    "host.embedding",
+    "--hlo-only",
+    "speculative.draft",  # the draft's executables and stacks: their own keys, in the bundle's
 )
 # ...and those that only change logs, dumps, locations or parallelism: never in a key.
 UNKEYED_OPTIONS = (
-    "cache.dir", "--output", "--jobs", "--force", "--json", "--cache-dir", "--no-cache",
-    "--print-cache-key", "--require-cache", "--verbose", "--finish",
+    "cache.dir",
+    "--output",
+    "--jobs",
+    "--force",
+    "--json",
+    "--cache-dir",
+    "--no-cache",
+    "--print-cache-key",
+    "--require-cache",
+    "--verbose",
+    "--finish",
     # signing adds signature files beside what is built; trust decides which cache entries are used
-    "--sign", "--trust",
+    "--sign",
+    "--trust",
     # the budget decides whether a compile is refused, not what it builds
-    "memory.limit_gib", "memory.reserve_gib",
+    "memory.limit_gib",
+    "memory.reserve_gib",
 )
 
 
@@ -125,6 +149,7 @@ def format_part() -> dict:
 
 # --- sources ---
 
+
 def _file_text(module: types.ModuleType) -> bytes:
     return Path(inspect.getsourcefile(module)).read_bytes()
 
@@ -142,8 +167,9 @@ def _is_module(name: str) -> bool:
 
 
 def _type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 @functools.cache
@@ -184,6 +210,7 @@ def _with_packages(name: str) -> list[str]:
 def import_closure(roots: tuple[str, ...], stop: tuple[str, ...] = ()) -> tuple[str, ...]:
     """Every deepinfer module `roots` reach through imports, the packages they live in included;
     modules named in `stop` (or under a package named there) are neither included nor followed."""
+
     def stopped(m: str) -> bool:
         return any(m == s or m.startswith(s + ".") for s in stop)
 
@@ -228,7 +255,7 @@ def source_closure(fn) -> bytes:
         seen.add(f)
         out.append(_lp(f"{f.__module__}.{f.__qualname__}".encode()) + _lp(inspect.getsource(f).encode()))
         code = getattr(f, "__code__", None)
-        if code is None:                 # a class: its source is its methods' source
+        if code is None:  # a class: its source is its methods' source
             return
         for name in sorted(_code_names(code)):
             if name not in f.__globals__:
@@ -261,6 +288,7 @@ def kernel_sources(names: list[str]) -> dict[str, str]:
 
 
 # --- graphs ---
+
 
 def _graph_modules(ep: torch.export.ExportedProgram) -> list[tuple[str, torch.fx.GraphModule]]:
     return sorted((name, m) for name, m in ep.graph_module.named_modules() if isinstance(m, torch.fx.GraphModule))
@@ -300,6 +328,5 @@ def graph_digest(ep: torch.export.ExportedProgram) -> str:
     h.update(_lp(repr(ranges).encode()))
     for name, value in sorted({**ep.state_dict, **ep.constants}.items()):
         t = value.detach().contiguous().cpu()
-        h.update(_lp(f"{name}:{_val(t)}".encode()) + _lp(t.view(torch.uint8).numpy().tobytes()
-                                                          if t.numel() else b""))
+        h.update(_lp(f"{name}:{_val(t)}".encode()) + _lp(t.view(torch.uint8).numpy().tobytes() if t.numel() else b""))
     return h.hexdigest()

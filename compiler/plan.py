@@ -30,17 +30,17 @@ from deepinfer.regions.state import reads_context
 from deepinfer.regions.step import LayerPlan, plan_layers
 
 METHOD = "decode"
-DRAFT_PROJECT = "project"          # the target head's method the draft's logits go through
+DRAFT_PROJECT = "project"  # the target head's method the draft's logits go through
 
 
 @dataclass
 class KindPlan:
     kind: str
-    region: Region                                         # a representative instance (meta weights)
-    layers: list[int] = field(default_factory=list)        # layers running this kind, in stack order
-    slot: str = ""                                         # embed | engram | attn | moe | head (draft: context, ...)
-    source: str = "layers.{}."                             # checkpoint prefix of a stack row (head, embed: none)
-    full_specs: list = field(default_factory=list)         # the unsharded weights (as in the checkpoint)
+    region: Region  # a representative instance (meta weights)
+    layers: list[int] = field(default_factory=list)  # layers running this kind, in stack order
+    slot: str = ""  # embed | engram | attn | moe | head (draft: context, ...)
+    source: str = "layers.{}."  # checkpoint prefix of a stack row (head, embed: none)
+    full_specs: list = field(default_factory=list)  # the unsharded weights (as in the checkpoint)
 
     def prefix(self, layer: int) -> str:
         """The checkpoint prefix of stack row `layer` (a layer, a draft stage; -1: the head's, none)."""
@@ -60,34 +60,50 @@ class RegionPlan:
     bindings: dict[int, dict[str, tuple[str, int]]]
     # the draft's stages: stage -> {slot: (kind, index in that kind's stacks)}; empty without a draft
     draft: list[dict[str, tuple[str, int]]] = field(default_factory=list)
-    draft_block: int = 0               # positions a draft step runs (dspark_block_size)
-    draft_window: int = 0              # target positions the context projection reads (sliding_window)
+    draft_block: int = 0  # positions a draft step runs (dspark_block_size)
+    draft_window: int = 0  # target positions the context projection reads (sliding_window)
 
     @property
     def draft_kinds(self) -> list[str]:
         """The kinds the draft's stages run, in stage order (none without a draft)."""
         return list(dict.fromkeys(kind for stage in self.draft for kind, _ in stage.values()))
 
-    def executables(self, shapes: list[tuple[int, int]], contexts: tuple[int, ...],
-                    gathered: int = 1) -> list[tuple[str, str, int, int, int | None]]:
+    def executables(
+        self, shapes: list[tuple[int, int]], contexts: tuple[int, ...], gathered: int = 1
+    ) -> list[tuple[str, str, int, int, int | None]]:
         """(kind, method, batch, tokens, context) to build: context is one of `contexts` for the
         kinds that read it, None for the others. With EP dispatch over `gathered` token groups
         the MoE runs on the gathered rows: its batch buckets are `gathered` times larger. The
         draft's kinds come last, one executable per batch bucket."""
         drafts = self.draft_kinds
-        out = [(k, METHOD, b * (gathered if k == "moe" else 1), t, c) for k, kp in self.kinds.items()
-               if k not in drafts for b, t in shapes for c in (contexts if kp.reads_context else (None,))]
+        out = [
+            (k, METHOD, b * (gathered if k == "moe" else 1), t, c)
+            for k, kp in self.kinds.items()
+            if k not in drafts
+            for b, t in shapes
+            for c in (contexts if kp.reads_context else (None,))
+        ]
         if not self.draft:
             return out
         batches = sorted({b for b, _ in shapes})
         for k in drafts:
-            out += [(k, METHOD, b, self.draft_window if self.kinds[k].slot == "context" else self.draft_block, None)
-                    for b in batches]
+            out += [
+                (k, METHOD, b, self.draft_window if self.kinds[k].slot == "context" else self.draft_block, None)
+                for b in batches
+            ]
         return out + [("head", DRAFT_PROJECT, b, self.draft_block, None) for b in batches]
 
 
-def plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology(),
-                 fp8_format: str = "e4m3fn", *, device_embedding: bool = False, draft: bool = False) -> RegionPlan:
+def plan_regions(
+    c: TextConfig,
+    dtype: torch.dtype,
+    cache_quant: bool,
+    topo: Topology = Topology(),
+    fp8_format: str = "e4m3fn",
+    *,
+    device_embedding: bool = False,
+    draft: bool = False,
+) -> RegionPlan:
     """Regions shaped for one rank of `topo` (one executable set serves every rank), decoding
     fp8 weights stored in `fp8_format` (the weight recipe's). With `device_embedding` the token
     embedding is a region kind of its own (`embed`, first), its table a weight stack held whole
@@ -106,8 +122,9 @@ def plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Top
     return p
 
 
-def _plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology,
-                  device_embedding: bool) -> RegionPlan:
+def _plan_regions(
+    c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology, device_embedding: bool
+) -> RegionPlan:
     layers = plan_layers(c)
     kinds: dict[str, KindPlan] = {}
     if device_embedding:
@@ -119,8 +136,7 @@ def _plan_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: To
         full = make_layer_regions(c, p, dtype, cache_quant) if topo.world > 1 else regions
         bindings[p.layer] = {}
         for slot, region in regions.items():
-            kp = kinds.setdefault(region.kind, KindPlan(region.kind, region, slot=slot,
-                                                        full_specs=full[slot].specs))
+            kp = kinds.setdefault(region.kind, KindPlan(region.kind, region, slot=slot, full_specs=full[slot].specs))
             bindings[p.layer][slot] = (region.kind, len(kp.layers))
             kp.layers.append(p.layer)
     head = make_head(c, dtype)
@@ -134,8 +150,9 @@ def _plan_draft(p: RegionPlan, c: TextConfig, dtype: torch.dtype, cache_quant: b
     for stage, regions in enumerate(draft_regions(c, dtype, cache_quant)):
         bound = {}
         for slot, region in regions.items():
-            kp = p.kinds.setdefault(region.kind, KindPlan(region.kind, region, slot=slot, full_specs=region.specs,
-                                                          source="mtp.{}."))
+            kp = p.kinds.setdefault(
+                region.kind, KindPlan(region.kind, region, slot=slot, full_specs=region.specs, source="mtp.{}.")
+            )
             bound[slot] = (region.kind, len(kp.layers))
             kp.layers.append(stage)
         p.draft.append(bound)

@@ -21,8 +21,9 @@ def pool_name(state: str, p: LayerPlan) -> str:
     return state if state == "win" else f"{state}.r{p.ratio}"
 
 
-def plan_pools(c: TextConfig, plans: list[LayerPlan], *, block_size: int, dtype,
-               draft: bool = False) -> tuple[dict[str, Pool], dict[int, dict[str, tuple[str, int]]]]:
+def plan_pools(
+    c: TextConfig, plans: list[LayerPlan], *, block_size: int, dtype, draft: bool = False
+) -> tuple[dict[str, Pool], dict[int, dict[str, tuple[str, int]]]]:
     """-> (pools by name, per layer: state name -> (pool, row)); with `draft`, the draft's features pool."""
     check_block_size(c, block_size)
     specs: dict[str, StateSpec] = {}
@@ -36,13 +37,24 @@ def plan_pools(c: TextConfig, plans: list[LayerPlan], *, block_size: int, dtype,
             rows = layers.setdefault(name, [])
             owned[p.layer][spec.name] = (name, len(rows))
             rows.append(p.layer)
-    pools = {name: Pool(state=spec.name, dtype=str(spec.dtype).removeprefix("torch."),
-                        dim="blocks" if spec.name in PAGED else "slots", entry_shape=tuple(spec.shape[1:]),
-                        layers=tuple(layers[name])) for name, spec in specs.items()}
+    pools = {
+        name: Pool(
+            state=spec.name,
+            dtype=str(spec.dtype).removeprefix("torch."),
+            dim="blocks" if spec.name in PAGED else "slots",
+            entry_shape=tuple(spec.shape[1:]),
+            layers=tuple(layers[name]),
+        )
+        for name, spec in specs.items()
+    }
     if draft:
-        pools[DRAFT_FEATURES] = Pool(state="features", dtype=str(dtype).removeprefix("torch."), dim="slots",
-                                     entry_shape=(c.sliding_window, c.hidden_size),
-                                     layers=tuple(c.dspark_target_layer_ids))
+        pools[DRAFT_FEATURES] = Pool(
+            state="features",
+            dtype=str(dtype).removeprefix("torch."),
+            dim="slots",
+            entry_shape=(c.sliding_window, c.hidden_size),
+            layers=tuple(c.dspark_target_layer_ids),
+        )
     bindings = {}
     for p in plans:
         views = {"win": owned[p.layer]["win"]}

@@ -71,8 +71,10 @@ def check_output(out: Path, force: bool, checkpoint: Path | None = None) -> None
     if out.is_symlink() or not out.is_dir():
         raise ConfigError(f"{out}: exists and is not a directory; --force replaces only a bundle or an empty directory")
     if not is_bundle(out) and any(out.iterdir()):
-        raise ConfigError(f"{out}: not a deepinfer bundle (no {layout.MANIFEST_FILE} with a format_version) and not "
-                          f"empty; --force replaces only a bundle or an empty directory")
+        raise ConfigError(
+            f"{out}: not a deepinfer bundle (no {layout.MANIFEST_FILE} with a format_version) and not "
+            f"empty; --force replaces only a bundle or an empty directory"
+        )
 
 
 def _alive(pid: int) -> bool:
@@ -80,7 +82,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:                  # another user's process
+    except PermissionError:  # another user's process
         return True
     return True
 
@@ -92,7 +94,7 @@ def clean_stale(out: Path, log=lambda msg: None) -> list[Path]:
     for what in (STAGING, TRASH):
         prefix = _prefix(out, what) + _host() + "-"
         for path in out.parent.glob(f"{prefix}*"):
-            pid = path.name[len(prefix):].split("-", 1)[0]
+            pid = path.name[len(prefix) :].split("-", 1)[0]
             if not path.is_dir() or path.is_symlink() or not pid.isdigit() or _alive(int(pid)):
                 continue
             shutil.rmtree(path, ignore_errors=True)

@@ -58,11 +58,11 @@ def _span(start: int, stop: int, scale: bool) -> tuple[int, int]:
 def _shared(name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
     piece = shared_slice(c, topo, rank)
     if piece is None:
-        return ZERO                                  # this rank adds zeros
+        return ZERO  # this rank adds zeros
     span = _span(*piece, name.endswith("_s"))
-    if name.startswith(("sw1", "sw3")):             # [I, D]: intermediate rows
+    if name.startswith(("sw1", "sw3")):  # [I, D]: intermediate rows
         return Cut(rows=span)
-    return Cut(cols=span)                            # sw2 [D, I]: intermediate columns
+    return Cut(cols=span)  # sw2 [D, I]: intermediate columns
 
 
 def _attention(name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
@@ -101,22 +101,25 @@ def replicated(kind: str, name: str, c: TextConfig, topo: Topology) -> bool:
     return all(cut(kind, name, c, topo, r).whole for r in range(topo.world))
 
 
-def shard(kind: str, name: str, t: torch.Tensor, c: TextConfig, topo: Topology, rank: int,
-          shape: tuple[int, ...]) -> torch.Tensor:
+def shard(
+    kind: str, name: str, t: torch.Tensor, c: TextConfig, topo: Topology, rank: int, shape: tuple[int, ...]
+) -> torch.Tensor:
     """Rank `rank`'s part of weight `name` of a region of `kind` (full tensor `t`), of `shape`."""
     k = cut(kind, name, c, topo, rank)
     if k.zero:
         return torch.zeros(shape, dtype=t.dtype)
     if k.experts:
-        t = t[k.experts[0]:k.experts[1]]
+        t = t[k.experts[0] : k.experts[1]]
     if k.rows:
-        t = t[k.rows[0]:k.rows[1]]
+        t = t[k.rows[0] : k.rows[1]]
     if k.cols:
-        t = t[:, k.cols[0]:k.cols[1]]
-    if tuple(t.shape) != tuple(shape):              # zero-padded to the shared expert's slice width
+        t = t[:, k.cols[0] : k.cols[1]]
+    if tuple(t.shape) != tuple(shape):  # zero-padded to the shared expert's slice width
         if not name.startswith(SHARED) or t.dim() != len(shape) or any(a > b for a, b in zip(t.shape, shape)):
-            raise AssertionError(f"{kind}.{name}: shard of rank {rank} has shape {tuple(t.shape)}, "
-                                 f"the region expects {tuple(shape)} (shared width {shared_width(c, topo)})")
+            raise AssertionError(
+                f"{kind}.{name}: shard of rank {rank} has shape {tuple(t.shape)}, "
+                f"the region expects {tuple(shape)} (shared width {shared_width(c, topo)})"
+            )
         out = torch.zeros(shape, dtype=t.dtype)
         out[tuple(slice(0, n) for n in t.shape)] = t
         return out

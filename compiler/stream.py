@@ -33,8 +33,27 @@ from deepinfer.quant.stream import worker_context
 
 CHUNK_BYTES = 64 << 20
 # the safetensors library's dtype order (its Dtype enum), by which it sorts a file's tensors
-DTYPE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16",
-               "BF16", "I32", "U32", "F32", "F64", "I64", "U64")
+DTYPE_ORDER = (
+    "BOOL",
+    "F4",
+    "F6_E2M3",
+    "F6_E3M2",
+    "U8",
+    "I8",
+    "F8_E5M2",
+    "F8_E4M3",
+    "F8_E8M0",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "F64",
+    "I64",
+    "U64",
+)
 
 
 @dataclass(frozen=True)
@@ -46,8 +65,8 @@ class Piece:
     src: TensorInfo
     rows: tuple[int, int]
     cols: tuple[int, int] | None
-    offset: int                   # from the start of the output tensor's data
-    row_bytes: int                # output bytes per row (at least the piece's width)
+    offset: int  # from the start of the output tensor's data
+    row_bytes: int  # output bytes per row (at least the piece's width)
 
     @property
     def width(self) -> int:
@@ -104,7 +123,7 @@ class Derived:
     what is written (uint8), the bytes read counted on the checkpoint tensor they come from."""
 
     conv: Fp8Convert
-    which: str                    # "codes" | "scales"
+    which: str  # "codes" | "scales"
     dtype = "U8"
     np_dtype = np.dtype(np.uint8)
 
@@ -144,7 +163,7 @@ class Derived:
 @dataclass
 class OutTensor:
     name: str
-    dtype: str                    # safetensors dtype name
+    dtype: str  # safetensors dtype name
     shape: tuple[int, ...]
     pieces: list[Piece] = field(default_factory=list)
 
@@ -157,7 +176,7 @@ class OutTensor:
 
 @dataclass
 class OutFile:
-    path: str                     # where it is written (its final place in the staging bundle)
+    path: str  # where it is written (its final place in the staging bundle)
     tensors: list[OutTensor] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
 
@@ -200,8 +219,7 @@ class Task:
         """Checkpoint bytes the task reads."""
         if isinstance(self.src, Fp8Convert):
             s, sr = self.src.scales, self.src.src_block[0]
-            return (self.hi - self.lo) * self.src.codes.row_bytes + \
-                (-(-self.hi // sr) - self.lo // sr) * s.row_bytes
+            return (self.hi - self.lo) * self.src.codes.row_bytes + (-(-self.hi // sr) - self.lo // sr) * s.row_bytes
         return (self.hi - self.lo) * self.src.row_bytes
 
 
@@ -240,7 +258,7 @@ def plan_tasks(files: list[OutFile], chunk_bytes: int = CHUNK_BYTES) -> tuple[li
                 w = Write(f.path, offsets[t.name] + p.offset, p.rows, p.cols, p.row_bytes, p.width, part)
                 writes.setdefault(key, []).append((w, _code_rows(p)))
     tasks = []
-    for key in sorted(writes, key=lambda k: (k[0], _stored(sources[k]).offset)):   # file order: sequential reads
+    for key in sorted(writes, key=lambda k: (k[0], _stored(sources[k]).offset)):  # file order: sequential reads
         src, ws = sources[key], writes[key]
         stored = _stored(src)
         align = src.align if isinstance(src, Fp8Convert) else 1
@@ -267,8 +285,8 @@ def _task_rows(task: Task) -> dict[str, tuple[int, np.ndarray]]:
         return {"codes": (task.lo, codes), "scales": (task.lo // src.dst_block[0], scales)}
     if len(src.shape) >= 2:
         data = map_rows(src, task.lo, task.hi).view(np.uint8).reshape(task.hi - task.lo, -1)
-    else:                                               # a vector (or scalar): its elements are its rows
-        data = map_rows(src, 0, 0).view(np.uint8).reshape(_rows(src), -1)[task.lo:task.hi]
+    else:  # a vector (or scalar): its elements are its rows
+        data = map_rows(src, 0, 0).view(np.uint8).reshape(_rows(src), -1)[task.lo : task.hi]
     check_finite(src, data, task.lo)
     return {"": (task.lo, data)}
 
@@ -281,9 +299,11 @@ def check_finite(t: TensorInfo, rows: np.ndarray, first_row: int) -> None:
         per_row = max(1, math.prod(t.shape[1:]))
         flat = first_row * per_row + i
         at = np.unravel_index(flat, t.shape) if t.shape else ()
-        raise CheckpointError(f"{t.path}: tensor {t.name}: non-finite value (NaN or infinity) at "
-                              f"[{', '.join(map(str, at))}]; the checkpoint is damaged or was saved from a "
-                              "diverged run")
+        raise CheckpointError(
+            f"{t.path}: tensor {t.name}: non-finite value (NaN or infinity) at "
+            f"[{', '.join(map(str, at))}]; the checkpoint is damaged or was saved from a "
+            "diverged run"
+        )
 
 
 def run_task(task: Task) -> int:
@@ -296,15 +316,15 @@ def run_task(task: Task) -> int:
         a, b = max(base, w.rows[0]), min(base + len(data), w.rows[1])
         if a >= b:
             continue
-        part = data[a - base:b - base]
+        part = data[a - base : b - base]
         if w.cols is not None:
-            part = part[:, w.cols[0] * item:w.cols[1] * item]
+            part = part[:, w.cols[0] * item : w.cols[1] * item]
         offset = w.offset + (a - w.rows[0]) * w.row_bytes
         if w.width == w.row_bytes:
             pwrite(w.path, offset, part)
-        else:                                           # wider output rows: the rest stays zero
+        else:  # wider output rows: the rest stays zero
             padded = np.zeros((b - a, w.row_bytes), np.uint8)
-            padded[:, :w.width] = part
+            padded[:, : w.width] = part
             pwrite(w.path, offset, padded)
     return task.nbytes
 
@@ -324,12 +344,20 @@ class Progress:
             self.last = now
             rate = self.done / max(now - self.start, 1e-9)
             eta = (self.total - self.done) / rate if rate > 0 else 0.0
-            self.log(f"{self.what}: {self.done / 2**30:.2f} / {self.total / 2**30:.2f} GiB, "
-                     f"{rate / 1e9:.2f} GB/s, ETA {eta:.0f} s")
+            self.log(
+                f"{self.what}: {self.done / 2**30:.2f} / {self.total / 2**30:.2f} GiB, "
+                f"{rate / 1e9:.2f} GB/s, ETA {eta:.0f} s"
+            )
 
 
-def stream(files: list[OutFile], *, workers: int = 1, log=lambda msg: None, chunk_bytes: int = CHUNK_BYTES,
-           what: str = "weights") -> dict:
+def stream(
+    files: list[OutFile],
+    *,
+    workers: int = 1,
+    log=lambda msg: None,
+    chunk_bytes: int = CHUNK_BYTES,
+    what: str = "weights",
+) -> dict:
     """Create every file at its size (zeros) and fill it; returns {"bytes_read", "bytes_written", "seconds"}.
     A file is complete only when this returns: callers write into a staging directory that is
     published (or removed) whole."""
@@ -348,5 +376,8 @@ def stream(files: list[OutFile], *, workers: int = 1, log=lambda msg: None, chun
         with worker_context().Pool(workers) as pool:
             for n in pool.imap_unordered(run_task, tasks, chunksize=1):
                 progress.add(n)
-    return {"bytes_read": progress.done, "bytes_written": sum(s for _, s in layouts.values()),
-            "seconds": time.perf_counter() - start}
+    return {
+        "bytes_read": progress.done,
+        "bytes_written": sum(s for _, s in layouts.values()),
+        "seconds": time.perf_counter() - start,
+    }

@@ -45,7 +45,7 @@ def bundle_tokenizer(model: V41Config, checkpoint: Path, staging: Path, log) -> 
     names = tokenizer_files(checkpoint)
     if not names:
         return {}
-    tokenizer = TokenizersTokenizer.from_dir(checkpoint)      # refuses a damaged file before anything is copied
+    tokenizer = TokenizersTokenizer.from_dir(checkpoint)  # refuses a damaged file before anything is copied
     entries = {}
     (staging / layout.TOKENIZER_DIR).mkdir()
     for name in names:
@@ -53,13 +53,16 @@ def bundle_tokenizer(model: V41Config, checkpoint: Path, staging: Path, log) -> 
         shutil.copyfile(checkpoint / name, staging / entries[name].path)
     if model.text.engram_layer_ids:
         start = time.perf_counter()
-        token_map = checked_token_map(tokenizer.backend, model.text, checkpoint / layout.TOKENIZER_FILE,
-                                      checkpoint / CONFIG_FILE)
+        token_map = checked_token_map(
+            tokenizer.backend, model.text, checkpoint / layout.TOKENIZER_FILE, checkpoint / CONFIG_FILE
+        )
         entry = HostFile(path=layout.host_path(layout.HOST_ENGRAM_MAP_FILE), tensor=MAP_TENSOR)
         (staging / layout.HOST_DIR).mkdir(exist_ok=True)
         save_file({MAP_TENSOR: np.ascontiguousarray(token_map)}, str(staging / entry.path))
         entries["engram_token_map"] = entry
-        log(f"engram token map: {len(token_map)} ids -> {model.text.engram_compressed_vocab_size} keys "
-            f"({time.perf_counter() - start:.1f} s)")
+        log(
+            f"engram token map: {len(token_map)} ids -> {model.text.engram_compressed_vocab_size} keys "
+            f"({time.perf_counter() - start:.1f} s)"
+        )
     log(f"tokenizer: {', '.join(names)} copied")
     return entries

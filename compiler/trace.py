@@ -39,8 +39,10 @@ class Signature:
 
 
 def weight_specs(region: Region) -> list[InputSpec]:
-    return [InputSpec(name, tuple(t.shape), t.dtype, "rank" if name == "rank" else "weight")
-            for name, t in region.named_buffers()]
+    return [
+        InputSpec(name, tuple(t.shape), t.dtype, "rank" if name == "rank" else "weight")
+        for name, t in region.named_buffers()
+    ]
 
 
 class Lifted(torch.nn.Module):
@@ -50,7 +52,7 @@ class Lifted(torch.nn.Module):
         super().__init__()
         shell = copy.copy(region)
         shell._buffers, shell._parameters, shell._modules = {}, {}, {}
-        object.__setattr__(self, "shell", shell)      # not a submodule: nothing to lift as state
+        object.__setattr__(self, "shell", shell)  # not a submodule: nothing to lift as state
         self.names = [n for n, _ in region.named_buffers()]
         self.method = method
 
@@ -93,8 +95,12 @@ def trace(region: Region, B: int, T: int, geometry: Geometry, method: str = "dec
     with mode:
         weights = [torch.empty(s.shape, dtype=s.dtype) for s in sig.weights]
     args = weights + [mode.from_tensor(t) for t in inputs]
-    ep = torch.export.export(Lifted(region, method), tuple(args),
-                             dynamic_shapes={"flat": dynamic_dims(sig)} if dynamic else None, strict=False)
+    ep = torch.export.export(
+        Lifted(region, method),
+        tuple(args),
+        dynamic_shapes={"flat": dynamic_dims(sig)} if dynamic else None,
+        strict=False,
+    )
     ep.example_inputs = (tuple(torch.empty(s.shape, dtype=s.dtype, device="meta") for s in sig.all), {})
     return ep, sig, inputs
 

@@ -45,11 +45,19 @@ from deepinfer.quant.rescale import convert_format
 from deepinfer.regions.base import WeightSpec, engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint, release_block
 
-if TYPE_CHECKING:                      # types only: the weights' cache key must not see the region classes
+if TYPE_CHECKING:  # types only: the weights' cache key must not see the region classes
     from deepinfer.compiler.plan import KindPlan, RegionPlan
 
-SAFETENSORS_DTYPES = {"uint8": "U8", "int8": "I8", "bfloat16": "BF16", "float32": "F32", "float16": "F16",
-                      "int64": "I64", "int32": "I32", "bool": "BOOL"}
+SAFETENSORS_DTYPES = {
+    "uint8": "U8",
+    "int8": "I8",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float16": "F16",
+    "int64": "I64",
+    "int32": "I32",
+    "bool": "BOOL",
+}
 SHARED = "shared"
 FORMATS = {"F8_E4M3": "e4m3fn", "F8_E8M0": "ue8m0-u8-row-major", "I8": "e2m1-x2-u8", "BF16": "bf16", "F32": "f32"}
 
@@ -91,14 +99,16 @@ def _stored(ckpt: Checkpoint, name: str, spec: WeightSpec, recipe: Recipe) -> Te
     its fp8 conversion where the recipe changes the format or the checkpoint scales by float32."""
     weight = ckpt.fp8_weight(spec, name)
     if weight is None or (recipe.fp8_format == FP8_E4M3FN and ckpt.tensor(ckpt.scale_of(weight)).dtype == "F8_E8M0"):
-        return _source(ckpt, name, spec)                     # stored as released: the bytes as they are
+        return _source(ckpt, name, spec)  # stored as released: the bytes as they are
     codes, scales, src = ckpt.fp8_blocks(weight)
     dst = release_block(src) if scales.dtype == "F32" else src
     part = Fp8Convert(codes, scales, src, dst, recipe.fp8_format).part(
-        "codes" if spec.ckpt_dtype == "F8_E4M3" else "scales")
+        "codes" if spec.ckpt_dtype == "F8_E4M3" else "scales"
+    )
     if part.shape != spec.shape:
-        raise CheckpointError(f"{part.path}: tensor {name} has shape {list(part.shape)} as stored, "
-                              f"expected {list(spec.shape)}")
+        raise CheckpointError(
+            f"{part.path}: tensor {name} has shape {list(part.shape)} as stored, expected {list(spec.shape)}"
+        )
     return part
 
 
@@ -130,11 +140,11 @@ def _pieces(ckpt: Checkpoint, kp, spec: WeightSpec, full: WeightSpec, cut: shard
     if cut.zero:
         return []
     itemsize = spec.dtype.itemsize
-    slot = math.prod(spec.buffer_shape) * itemsize             # one layer of the stack
+    slot = math.prod(spec.buffer_shape) * itemsize  # one layer of the stack
     out = []
     for i, layer in enumerate(kp.layers):
         prefix = kp.prefix(layer)
-        if full.experts:                                       # one checkpoint tensor per expert
+        if full.experts:  # one checkpoint tensor per expert
             e0, e1 = cut.experts or (0, full.experts)
             per_expert = math.prod(spec.shape) * itemsize
             for e in range(e0, e1):
@@ -147,8 +157,9 @@ def _pieces(ckpt: Checkpoint, kp, spec: WeightSpec, full: WeightSpec, cut: shard
     return out
 
 
-def stack_files(spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path,
-                wanted=None) -> tuple[list[OutFile], dict[str, list[WeightStack]]]:
+def stack_files(
+    spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path, wanted=None
+) -> tuple[list[OutFile], dict[str, list[WeightStack]]]:
     """The output files of every rank's stacks, and each rank's manifest entries.
 
     `wanted(rel)`: whether file `rel` (relative to the bundle) must be written (a cached one
@@ -157,26 +168,41 @@ def stack_files(spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path,
     files: dict[str, OutFile] = {}
     entries: dict[str, list[WeightStack]] = {}
     for kind, kp in plan.kinds.items():
-        shared = {s.name for s in kp.region.specs
-                  if topo.world > 1 and shard.replicated(kind, s.name, c, topo)}
+        shared = {s.name for s in kp.region.specs if topo.world > 1 and shard.replicated(kind, s.name, c, topo)}
         for rank in range(topo.world):
             tensors, paths = {}, {}
             for s, full in zip(kp.region.specs, kp.full_specs):
                 where = SHARED if s.name in shared else "rank"
                 rel = layout.shared_weights_path(kind) if where == SHARED else layout.weights_path(rank, kind)
                 paths[where] = rel
-                tensors[s.name] = TensorShape(shape=(len(kp.layers), *s.buffer_shape), dtype=str(s.dtype).removeprefix(
-                    "torch."), file=where, format=recipe.formats(s.ckpt_dtype))
+                tensors[s.name] = TensorShape(
+                    shape=(len(kp.layers), *s.buffer_shape),
+                    dtype=str(s.dtype).removeprefix("torch."),
+                    file=where,
+                    format=recipe.formats(s.ckpt_dtype),
+                )
                 if where == SHARED and rank > 0:
-                    continue                                   # planned once, for rank 0
+                    continue  # planned once, for rank 0
                 if wanted is not None and not wanted(rel):
                     continue
                 f = files.setdefault(rel, OutFile(str(staging / rel)))
-                f.tensors.append(OutTensor(s.name, _st_dtype(s), (len(kp.layers), *s.buffer_shape),
-                                           _pieces(ckpt, kp, s, full, shard.cut(kind, s.name, c, topo, rank), recipe)))
-            entries.setdefault(layout.rank_key(rank), []).append(WeightStack(
-                kind=kind, path=paths.get("rank"), shared=paths.get(SHARED), layers=tuple(kp.layers),
-                tensors=tensors))
+                f.tensors.append(
+                    OutTensor(
+                        s.name,
+                        _st_dtype(s),
+                        (len(kp.layers), *s.buffer_shape),
+                        _pieces(ckpt, kp, s, full, shard.cut(kind, s.name, c, topo, rank), recipe),
+                    )
+                )
+            entries.setdefault(layout.rank_key(rank), []).append(
+                WeightStack(
+                    kind=kind,
+                    path=paths.get("rank"),
+                    shared=paths.get(SHARED),
+                    layers=tuple(kp.layers),
+                    tensors=tensors,
+                )
+            )
     return list(files.values()), entries
 
 
@@ -202,25 +228,34 @@ def _vision_specs(model) -> list[WeightSpec]:
         return []
     from deepinfer.regions.vision import vision_specs
 
-    return [WeightSpec(name, name, shape, dtype)
-            for name, (shape, dtype) in vision_specs(model.vision, model.text.hidden_size).items()]
+    return [
+        WeightSpec(name, name, shape, dtype)
+        for name, (shape, dtype) in vision_specs(model.vision, model.text.hidden_size).items()
+    ]
 
 
 def host_bytes(model, *, device_embedding: bool) -> dict[str, int]:
     """Bytes of each host file's tensors (V41Config `model`): host memory of the machine that runs
     the bundle, mapped once by every rank it runs there, never a device weight."""
     specs = {"embed": [_embed_spec(model)], "engram": engram_table_specs(model.text), "vision": _vision_specs(model)}
-    return {name: sum(math.prod(s.shape) * s.dtype.itemsize for s in specs[name])
-            for name in host_entries(model, device_embedding=device_embedding)}
+    return {
+        name: sum(math.prod(s.shape) * s.dtype.itemsize for s in specs[name])
+        for name in host_entries(model, device_embedding=device_embedding)
+    }
 
 
 def _whole(src: TensorInfo | Derived, name: str, spec: WeightSpec) -> OutTensor:
-    return OutTensor(name, _st_dtype(spec), spec.shape, [Piece(src, (0, spec.shape[0]), None, 0,
-                                                               _row_bytes(spec.shape, spec.dtype.itemsize))])
+    return OutTensor(
+        name,
+        _st_dtype(spec),
+        spec.shape,
+        [Piece(src, (0, spec.shape[0]), None, 0, _row_bytes(spec.shape, spec.dtype.itemsize))],
+    )
 
 
-def host_files(model, ckpt: Checkpoint, staging: Path, recipe: Recipe, wanted=None, *,
-               device_embedding: bool) -> list[OutFile]:
+def host_files(
+    model, ckpt: Checkpoint, staging: Path, recipe: Recipe, wanted=None, *, device_embedding: bool
+) -> list[OutFile]:
     """The token embedding (unless on the device), the engram tables (fp8 stored as the recipe
     says, like every fp8 weight) and the vision tower as checkpointed (V41Config `model`)."""
     out = []

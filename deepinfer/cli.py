@@ -39,21 +39,45 @@ def main():
 
 @main.command("make-tiny")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Random seed (>= 0); the same seed gives the same bytes.")
-@click.option("--layers", default=6, show_default=True,
-              help="Number of layers (>= 6; longer models repeat the pattern so every layer kind stays present).")
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Random seed (>= 0); the same seed gives the same bytes.",
+)
+@click.option(
+    "--layers",
+    default=6,
+    show_default=True,
+    help="Number of layers (>= 6; longer models repeat the pattern so every layer kind stays present).",
+)
 @click.option("--exist-ok", is_flag=True, help="Keep OUT when it already holds this tiny checkpoint.")
-@click.option("--scales", type=click.Choice(["ue8m0", "fp32"]), default="ue8m0", show_default=True,
-              help="fp8 block scales: the release's ue8m0 on [32, 32], or DeepSeek-V3-style float32 "
-                   "weight_scale_inv on [128, 128] (the compile rescales those to ue8m0).")
-@click.option("--geometry", type=click.Choice(["tiny", "release"]), default="tiny", show_default=True,
-              help="release: the released dimensions (hidden 5120, 64 heads of 512, vocab 129280, experts of "
-                   "2304, ...) in 7 layers holding every region kind of the release, with --experts routed "
-                   "experts; random valid values, no model (about 5 GB at 8 experts; --layers and --scales "
-                   "do not apply).")
-@click.option("--experts", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Routed experts per layer of --geometry release.")
+@click.option(
+    "--scales",
+    type=click.Choice(["ue8m0", "fp32"]),
+    default="ue8m0",
+    show_default=True,
+    help="fp8 block scales: the release's ue8m0 on [32, 32], or DeepSeek-V3-style float32 "
+    "weight_scale_inv on [128, 128] (the compile rescales those to ue8m0).",
+)
+@click.option(
+    "--geometry",
+    type=click.Choice(["tiny", "release"]),
+    default="tiny",
+    show_default=True,
+    help="release: the released dimensions (hidden 5120, 64 heads of 512, vocab 129280, experts of "
+    "2304, ...) in 7 layers holding every region kind of the release, with --experts routed "
+    "experts; random valid values, no model (about 5 GB at 8 experts; --layers and --scales "
+    "do not apply).",
+)
+@click.option(
+    "--experts",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Routed experts per layer of --geometry release.",
+)
 @user_errors
 def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool, scales: str, geometry: str, experts: int):
     """Write a deterministic tiny random V4.1 checkpoint to OUT.
@@ -68,8 +92,9 @@ def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool, scales: str
     if geometry == "release":
         from deepinfer.regions.synthetic import release_geometry_config, write_synthetic
 
-        size = write_synthetic(out, release_geometry_config(experts), seed=seed,
-                               log=lambda msg: click.echo(msg, err=True))
+        size = write_synthetic(
+            out, release_geometry_config(experts), seed=seed, log=lambda msg: click.echo(msg, err=True)
+        )
         click.echo(f"wrote {out} (release geometry, 7 layers, {experts} experts, {size / 2**30:.2f} GiB, seed {seed})")
         return
     from deepinfer.regions.tiny import make_tiny
@@ -81,22 +106,57 @@ def make_tiny_cmd(out: Path, seed: int, layers: int, exist_ok: bool, scales: str
 @main.command("reference")
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @generation_options
-@click.option("--chunk", type=int, default=None,
-              help="Prompt chunk size in tokens (default: each prompt in one chunk; 1 feeds it token by token).")
-@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
-              help="Activation dtype (bf16 as released; fp32 for exact comparisons).")
-@click.option("--cache-quant/--no-cache-quant", default=True, show_default=True,
-              help="Quantize cached KV and indexer keys/queries as the release does (off for exact comparisons).")
-@click.option("--topk-ties", type=click.Choice(["nemo", "lowest"]), default="nemo", show_default=True,
-              help="Indexer top-k among equal scores: as NeMo AutoModel's forward (torch.topk over the "
-                   "sequence's width), or lowest index first (what compiled bundles do).")
-@click.option("--speculative", type=click.Choice(["dspark"]), default=None,
-              help="Speculative decoding with the checkpoint's DSpark draft (mtp.*), run eagerly beside the "
-                   "target: the same tokens; prints tokens per target step.")
+@click.option(
+    "--chunk",
+    type=int,
+    default=None,
+    help="Prompt chunk size in tokens (default: each prompt in one chunk; 1 feeds it token by token).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["bf16", "fp32"]),
+    default="bf16",
+    show_default=True,
+    help="Activation dtype (bf16 as released; fp32 for exact comparisons).",
+)
+@click.option(
+    "--cache-quant/--no-cache-quant",
+    default=True,
+    show_default=True,
+    help="Quantize cached KV and indexer keys/queries as the release does (off for exact comparisons).",
+)
+@click.option(
+    "--topk-ties",
+    type=click.Choice(["nemo", "lowest"]),
+    default="nemo",
+    show_default=True,
+    help="Indexer top-k among equal scores: as NeMo AutoModel's forward (torch.topk over the "
+    "sequence's width), or lowest index first (what compiled bundles do).",
+)
+@click.option(
+    "--speculative",
+    type=click.Choice(["dspark"]),
+    default=None,
+    help="Speculative decoding with the checkpoint's DSpark draft (mtp.*), run eagerly beside the "
+    "target: the same tokens; prints tokens per target step.",
+)
 @image_option
 @user_errors
-def reference_cmd(checkpoint, prompt, chat, prompt_ids, max_new_tokens, chunk, dtype, cache_quant, topk_ties,
-                  speculative, as_json, dump_logits, images):
+def reference_cmd(
+    checkpoint,
+    prompt,
+    chat,
+    prompt_ids,
+    max_new_tokens,
+    chunk,
+    dtype,
+    cache_quant,
+    topk_ties,
+    speculative,
+    as_json,
+    dump_logits,
+    images,
+):
     """Generate greedily with the pure-torch reference model.
 
     The reference composes the same regions the compiler traces, layer by layer
@@ -118,13 +178,35 @@ def reference_cmd(checkpoint, prompt, chat, prompt_ids, max_new_tokens, chunk, d
     if drafter is not None:
         click.echo(f"speculative dspark: {drafter.stats.line()}", err=True)
     if dump_logits:
-        write_logits(dump_logits, gens, {"source": "reference", "dtype": dtype, "cache_quant": cache_quant,
-                                         "config_hash": cfg.digest(), "checkpoint": checkpoint.resolve()})
+        write_logits(
+            dump_logits,
+            gens,
+            {
+                "source": "reference",
+                "dtype": dtype,
+                "cache_quant": cache_quant,
+                "config_hash": cfg.digest(),
+                "checkpoint": checkpoint.resolve(),
+            },
+        )
     if as_json:
-        click.echo(json.dumps({
-            "dtype": dtype, "cache_quant": cache_quant,
-            "outputs": [{"prompt_ids": g.tokens[:g.prompt_len], "generated_ids": g.generated,
-                         "text": tok.decode(g.generated), "error": g.error} for g in gens]}))
+        click.echo(
+            json.dumps(
+                {
+                    "dtype": dtype,
+                    "cache_quant": cache_quant,
+                    "outputs": [
+                        {
+                            "prompt_ids": g.tokens[: g.prompt_len],
+                            "generated_ids": g.generated,
+                            "text": tok.decode(g.generated),
+                            "error": g.error,
+                        }
+                        for g in gens
+                    ],
+                }
+            )
+        )
         if any(g.error for g in gens):
             sys.exit(1)
     else:
@@ -133,16 +215,23 @@ def reference_cmd(checkpoint, prompt, chat, prompt_ids, max_new_tokens, chunk, d
 
 # --- deepinfer compare / noise-floor ---
 
+
 def floor_options(fn):
     """How `deepinfer noise-floor` and `deepinfer compare` measure the floor."""
     options = [
-        click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None,
-                     help="Precision of the runs compared: fp32 floors summation order only (prompt chunk "
-                          "widths 1 and 3); bf16 also bf16 against fp32 activations. [default: the dumps' "
-                          "own (bf16 if either ran in bf16), else bf16]"),
-        click.option("--cache-quant/--no-cache-quant", default=None,
-                     help="Quantize the reference's cached KV as the runs compared did. [default: as the "
-                          "dumps record, else on]"),
+        click.option(
+            "--dtype",
+            type=click.Choice(["fp32", "bf16"]),
+            default=None,
+            help="Precision of the runs compared: fp32 floors summation order only (prompt chunk "
+            "widths 1 and 3); bf16 also bf16 against fp32 activations. [default: the dumps' "
+            "own (bf16 if either ran in bf16), else bf16]",
+        ),
+        click.option(
+            "--cache-quant/--no-cache-quant",
+            default=None,
+            help="Quantize the reference's cached KV as the runs compared did. [default: as the dumps record, else on]",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -153,8 +242,12 @@ def floor_options(fn):
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("dump", type=click.Path(dir_okay=False, path_type=Path))
 @floor_options
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Save the floor as JSON, for `deepinfer compare --floor FILE`.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Save the floor as JSON, for `deepinfer compare --floor FILE`.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the floor as JSON instead of text.")
 @user_errors
 def noise_floor_cmd(checkpoint, dump, dtype, cache_quant, output, as_json):
@@ -192,15 +285,28 @@ def _floor_setting(dtype, cache_quant, recorded) -> tuple[str, bool]:
 @main.command("compare")
 @click.argument("a", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("b", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--noise-floor", "checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Measure the noise floor with this checkpoint's reference on A's tokens [default: the "
-                   "checkpoint a reference dump records, when it is here].")
-@click.option("--floor", "floor_file", type=click.Path(dir_okay=False, path_type=Path),
-              help="Reuse a floor saved by `deepinfer noise-floor -o` (its --dtype and cache quant apply).")
+@click.option(
+    "--noise-floor",
+    "checkpoint",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Measure the noise floor with this checkpoint's reference on A's tokens [default: the "
+    "checkpoint a reference dump records, when it is here].",
+)
+@click.option(
+    "--floor",
+    "floor_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Reuse a floor saved by `deepinfer noise-floor -o` (its --dtype and cache quant apply).",
+)
 @click.option("--no-floor", is_flag=True, help="Print the metrics only, without a floor or a verdict.")
 @floor_options
-@click.option("--margin", type=float, default=4.0, show_default=True,
-              help="Within noise means worst rel err <= MARGIN x the floor's (at least 1e-6).")
+@click.option(
+    "--margin",
+    type=float,
+    default=4.0,
+    show_default=True,
+    help="Within noise means worst rel err <= MARGIN x the floor's (at least 1e-6).",
+)
 @click.option("--per-step", is_flag=True, help="Also print one row per position.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @user_errors
@@ -245,11 +351,15 @@ def compare_cmd(a, b, checkpoint, floor_file, no_floor, dtype, cache_quant, marg
     elif not no_floor:
         checkpoint = checkpoint or cmp.recorded_checkpoint(da, db)
         if checkpoint is None:
-            raise CompareError(f"no noise floor to judge {a} against {b}: give --noise-floor CKPT or --floor FILE "
-                               "(neither dump records a checkpoint found here), or --no-floor for the metrics alone")
+            raise CompareError(
+                f"no noise floor to judge {a} against {b}: give --noise-floor CKPT or --floor FILE "
+                "(neither dump records a checkpoint found here), or --no-floor for the metrics alone"
+            )
         dtype, cache_quant = _floor_setting(dtype, cache_quant, cmp.floor_precision(da, db))
-        click.echo(f"measuring the noise floor with {checkpoint} ({dtype}, cache quant "
-                   f"{'on' if cache_quant else 'off'})", err=True)
+        click.echo(
+            f"measuring the noise floor with {checkpoint} ({dtype}, cache quant {'on' if cache_quant else 'off'})",
+            err=True,
+        )
         floor = cmp.floor_for(da, checkpoint, dtype=dtype, cache_quant=cache_quant)
     if floor is not None:
         verdict = cmp.verdict(result, floor, margin)
@@ -271,17 +381,26 @@ def compare_cmd(a, b, checkpoint, floor_file, no_floor, dtype, cache_quant, marg
 @click.option("--prompt", multiple=True, help="Prompt text (the bundle's tokenizer). Repeat for a batch.")
 @click.option("--prompt-ids", multiple=True, help="Prompt as token ids, e.g. 0,72,101. Repeat for a batch.")
 @click.option("--max-new-tokens", default=4, show_default=True, help="Tokens to generate per prompt.")
-@click.option("--tolerance", type=float, default=None,
-              help="Worst score a kind may have [default: 1e-4 for fp32 bundles, 2e-2 for bf16].")
+@click.option(
+    "--tolerance",
+    type=float,
+    default=None,
+    help="Worst score a kind may have [default: 1e-4 for fp32 bundles, 2e-2 for bf16].",
+)
 @click.option("--per-layer", is_flag=True, help="One row per (kind, layer) instead of one per kind.")
-@click.option("--num-kv-blocks", type=click.IntRange(min=2), default=None,
-              help="Size of the KV block pool, block 0 being scratch (default: the bundle's).")
+@click.option(
+    "--num-kv-blocks",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Size of the KV block pool, block 0 being scratch (default: the bundle's).",
+)
 @click.option("--no-verify", is_flag=True, help="Skip the digest check of the bundle's files at load.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @trust_option
 @user_errors
-def diff_cmd(bundle, prompt, prompt_ids, max_new_tokens, tolerance, per_layer, num_kv_blocks, no_verify, as_json,
-             trust):
+def diff_cmd(
+    bundle, prompt, prompt_ids, max_new_tokens, tolerance, per_layer, num_kv_blocks, no_verify, as_json, trust
+):
     """Rank BUNDLE's region kinds by how far they are from their pure-torch reference.
 
     Generates greedily on the prompts; every region call's inputs are copied
@@ -336,18 +455,29 @@ def open_cache(cache_dir: Path | None):
     return Cache(resolve_dir(cache_dir, None), log=lambda msg: click.echo(msg, err=True))
 
 
-cache_dir_option = click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
-                                help="Cache directory (default: $DEEPINFER_CACHE_DIR, else ~/.cache/deepinfer).")
+cache_dir_option = click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Cache directory (default: $DEEPINFER_CACHE_DIR, else ~/.cache/deepinfer).",
+)
 
 
 @main.command("plan")
 @click.argument("model_toml", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-@click.option("--no-scratch", is_flag=True,
-              help="Do not trace the regions for their scratch (seconds instead of about a minute at release "
-                   "dimensions); the memory verdict then counts weights and state pools only.")
-@click.option("--scratch-of", "kinds", multiple=True, metavar="KIND",
-              help="Trace only this region kind (repeat for several), e.g. moe.")
+@click.option(
+    "--no-scratch",
+    is_flag=True,
+    help="Do not trace the regions for their scratch (seconds instead of about a minute at release "
+    "dimensions); the memory verdict then counts weights and state pools only.",
+)
+@click.option(
+    "--scratch-of",
+    "kinds",
+    multiple=True,
+    metavar="KIND",
+    help="Trace only this region kind (repeat for several), e.g. moe.",
+)
 @cache_dir_option
 @click.option("--no-cache", is_flag=True, help="Do not read the compile cache's trace records.")
 @user_errors
@@ -402,12 +532,23 @@ def cache_ls(cache_dir, as_json):
         size = cache.size(e)
         total += size
         if as_json:
-            click.echo(json.dumps({"kind": e.kind, "key": e.key, "identity": e.meta.get("identity"),
-                                   "size": size, "last_used": e.last_used}))
+            click.echo(
+                json.dumps(
+                    {
+                        "kind": e.kind,
+                        "key": e.key,
+                        "identity": e.meta.get("identity"),
+                        "size": size,
+                        "last_used": e.last_used,
+                    }
+                )
+            )
         else:
             age = (time.time() - e.last_used) / 3600
-            click.echo(f"{e.kind:<10} {e.key[:16]}  {e.meta.get('identity', '?'):<32} {size / 1e6:9.2f} MB  "
-                       f"used {age:.1f} h ago")
+            click.echo(
+                f"{e.kind:<10} {e.key[:16]}  {e.meta.get('identity', '?'):<32} {size / 1e6:9.2f} MB  "
+                f"used {age:.1f} h ago"
+            )
     if not as_json:
         click.echo(f"{len(entries)} entries, {total / 1e6:.2f} MB in {cache.dir}")
 
@@ -461,8 +602,10 @@ def cache_explain(key_a, key_b, cache_dir):
             return json.loads(Path(ref).read_text())
         entry = cache.find(ref)
         if entry is None:
-            raise CacheError(f"{ref}: no single entry with this key in {cache.dir} (give 8+ characters "
-                             "of a key from `deepinfer cache ls`, or a meta.json path)")
+            raise CacheError(
+                f"{ref}: no single entry with this key in {cache.dir} (give 8+ characters "
+                "of a key from `deepinfer cache ls`, or a meta.json path)"
+            )
         return entry.meta
 
     a, b = meta(key_a), meta(key_b)

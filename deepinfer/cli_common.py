@@ -18,6 +18,7 @@ from deepinfer.errors import DeepinferError
 
 def user_errors(fn):
     """Turn user-input errors into a one-line message and exit status 2."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -25,6 +26,7 @@ def user_errors(fn):
         except DeepinferError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
+
     return wrapper
 
 
@@ -33,10 +35,14 @@ TRUST_ENV = "DEEPINFER_TRUST"
 
 def trust_option(fn):
     """--trust PUBKEY (or $DEEPINFER_TRUST): verify a bundle's signature before loading it."""
-    return click.option("--trust", type=click.Path(exists=True, dir_okay=False, path_type=Path), envvar=TRUST_ENV,
-                        help="Ed25519 public key (PEM) to trust: a bundle (or, compiling, a cache entry) whose "
-                             "signature does not verify with it is refused before anything of it is loaded "
-                             f"(default: ${TRUST_ENV}). Bundles and caches hold code; see the README, Trust.")(fn)
+    return click.option(
+        "--trust",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        envvar=TRUST_ENV,
+        help="Ed25519 public key (PEM) to trust: a bundle (or, compiling, a cache entry) whose "
+        "signature does not verify with it is refused before anything of it is loaded "
+        f"(default: ${TRUST_ENV}). Bundles and caches hold code; see the README, Trust.",
+    )(fn)
 
 
 def trusted_key(path: Path | None):
@@ -58,8 +64,14 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
-def prompts_from(prompt: tuple[str, ...], prompt_ids: tuple[str, ...], vocab: int, tokenizer,
-                 image_token: int | None = None, chat: bool = False) -> list[list[int]]:
+def prompts_from(
+    prompt: tuple[str, ...],
+    prompt_ids: tuple[str, ...],
+    vocab: int,
+    tokenizer,
+    image_token: int | None = None,
+    chat: bool = False,
+) -> list[list[int]]:
     """Token ids of each --prompt (with `chat`, one user message through the chat template) and --prompt-ids."""
     if chat:
         texts = [tokenizer.chat([{"role": "user", "content": p}], image_token=image_token) for p in prompt]
@@ -93,15 +105,28 @@ def generation_options(fn):
     """The options `deepinfer reference` and `deepinfer-run` share: prompts, length, output."""
     options = [
         click.option("--prompt", multiple=True, help="Prompt text (the model's tokenizer). Repeat for a batch."),
-        click.option("--chat", is_flag=True, help="Each --prompt is one user message, rendered through the "
-                     "tokenizer's chat template (with a generation prompt) before encoding."),
+        click.option(
+            "--chat",
+            is_flag=True,
+            help="Each --prompt is one user message, rendered through the "
+            "tokenizer's chat template (with a generation prompt) before encoding.",
+        ),
         click.option("--prompt-ids", multiple=True, help="Prompt as token ids, e.g. 0,72,101. Repeat for a batch."),
-        click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True,
-                     help="Tokens to generate per prompt (at least 1)."),
+        click.option(
+            "--max-new-tokens",
+            type=click.IntRange(min=1),
+            default=16,
+            show_default=True,
+            help="Tokens to generate per prompt (at least 1).",
+        ),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text."),
-        click.option("--dump-logits", type=click.Path(dir_okay=False, path_type=Path), callback=_writable_destination,
-                     help="Write tokens and per-position float32 logits to this .safetensors file (its directory "
-                          "is checked before generating)."),
+        click.option(
+            "--dump-logits",
+            type=click.Path(dir_okay=False, path_type=Path),
+            callback=_writable_destination,
+            help="Write tokens and per-position float32 logits to this .safetensors file (its directory "
+            "is checked before generating).",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -109,11 +134,15 @@ def generation_options(fn):
 
 
 image_option = click.option(
-    "--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    "--image",
+    "images",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="An image for every prompt, run through the host-side vision tower: binary PPM/PGM (P6/P5), PNG "
-         "(8-bit, non-interlaced) or .npy uint8 [H, W, 3]. It takes the place of the prompt's <image> marker "
-         "(--prompt-ids: the image token id), else goes right after bos. Repeat for several images, one "
-         "marker each.")
+    "(8-bit, non-interlaced) or .npy uint8 [H, W, 3]. It takes the place of the prompt's <image> marker "
+    "(--prompt-ids: the image token id), else goes right after bos. Repeat for several images, one "
+    "marker each.",
+)
 
 
 def prompts_with_images(prompt, prompt_ids, images, config, tokenizer, tower, chat: bool = False):

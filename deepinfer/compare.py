@@ -30,26 +30,27 @@ import torch
 from deepinfer.errors import CompareError
 
 FLOOR_FORMAT = "deepinfer-noise-floor/1"
-MARGIN = 4.0        # default slack over the measured floor: another implementation rounds differently again
-REL_MIN = 1e-6      # the floor's relative error never counts as less than this (a few fp32 ulps of a row)
+MARGIN = 4.0  # default slack over the measured floor: another implementation rounds differently again
+REL_MIN = 1e-6  # the floor's relative error never counts as less than this (a few fp32 ulps of a row)
 
 # name -> (activation dtype, prompt chunk width); each is compared with fp32 in one chunk.
 PERTURBATIONS = {
-    "fp32 chunk 1": ("fp32", 1),      # token by token: decode-shaped matmuls, other summation order
-    "fp32 chunk 3": ("fp32", 3),      # a width that splits prompts unevenly
-    "bf16": ("bf16", None),           # bf16 activations, as released
+    "fp32 chunk 1": ("fp32", 1),  # token by token: decode-shaped matmuls, other summation order
+    "fp32 chunk 3": ("fp32", 3),  # a width that splits prompts unevenly
+    "bf16": ("bf16", None),  # bf16 activations, as released
 }
 FLOOR_DTYPES = {"fp32": ["fp32 chunk 1", "fp32 chunk 3"], "bf16": list(PERTURBATIONS)}
 
 
 # --- dumps ---
 
+
 @dataclass(frozen=True)
 class Dump:
     path: Path
-    tokens: list[list[int]]       # per prompt: prompt then generated ids
-    logits: list[torch.Tensor]    # per prompt: [positions, V] float32, row j after tokens[0..j]
-    meta: dict = field(default_factory=dict)   # what produced it: source, dtype, cache_quant, config_hash, checkpoint
+    tokens: list[list[int]]  # per prompt: prompt then generated ids
+    logits: list[torch.Tensor]  # per prompt: [positions, V] float32, row j after tokens[0..j]
+    meta: dict = field(default_factory=dict)  # what produced it: source, dtype, cache_quant, config_hash, checkpoint
 
     @property
     def vocab(self) -> int:
@@ -87,18 +88,23 @@ def load_dump(path: str | Path) -> Dump:
             break
         where = f"{path}: prompt {len(tokens)}"
         if t is None or x is None:
-            raise CompareError(f"{where}: has {'logits' if t is None else 'tokens'}{suffix} "
-                               f"but no {'tokens' if t is None else 'logits'}{suffix}")
+            raise CompareError(
+                f"{where}: has {'logits' if t is None else 'tokens'}{suffix} "
+                f"but no {'tokens' if t is None else 'logits'}{suffix}"
+            )
         if t.dim() != 1 or x.dim() != 2 or x.shape[0] > t.shape[0] or x.shape[0] == 0:
-            raise CompareError(f"{where}: tokens{suffix} {list(t.shape)} and logits{suffix} {list(x.shape)} "
-                               "are not [N] ids and [positions <= N, vocab] rows")
+            raise CompareError(
+                f"{where}: tokens{suffix} {list(t.shape)} and logits{suffix} {list(x.shape)} "
+                "are not [N] ids and [positions <= N, vocab] rows"
+            )
         tokens.append([int(i) for i in t])
         logits.append(x.float())
     if not tokens:
         raise CompareError(f"{path}: no `tokens`/`logits` tensors; not a logit dump from --dump-logits")
     if tensors:
-        raise CompareError(f"{path}: unexpected tensors {sorted(tensors)} (prompts must be numbered 1, 2, ... "
-                           "without gaps)")
+        raise CompareError(
+            f"{path}: unexpected tensors {sorted(tensors)} (prompts must be numbered 1, 2, ... without gaps)"
+        )
     vocabs = {x.shape[1] for x in logits}
     if len(vocabs) > 1:
         raise CompareError(f"{path}: prompts have different vocabulary sizes {sorted(vocabs)}")
@@ -109,8 +115,10 @@ def same_model(a: Dump, b: Dump) -> None:
     """Refuse dumps that record different models (their config hashes)."""
     ha, hb = a.meta.get("config_hash"), b.meta.get("config_hash")
     if ha and hb and ha != hb:
-        raise CompareError(f"{a.path} comes from model {ha[:16]} but {b.path} from model {hb[:16]} "
-                           "(config hashes differ): not the same model")
+        raise CompareError(
+            f"{a.path} comes from model {ha[:16]} but {b.path} from model {hb[:16]} "
+            "(config hashes differ): not the same model"
+        )
 
 
 def floor_precision(a: Dump, b: Dump) -> tuple[str | None, bool | None]:
@@ -134,13 +142,14 @@ def recorded_checkpoint(a: Dump, b: Dump) -> Path | None:
 
 # --- comparison ---
 
+
 @dataclass(frozen=True)
 class PromptComparison:
     index: int
     rows_a: int
     rows_b: int
-    tokens_diverge_at: int | None   # first position where A and B fed different tokens (generation diverged)
-    tokens: list[int]               # per compared position: the token fed there
+    tokens_diverge_at: int | None  # first position where A and B fed different tokens (generation diverged)
+    tokens: list[int]  # per compared position: the token fed there
     cosine: list[float]
     rel: list[float]
     argmax_a: list[int]
@@ -156,7 +165,7 @@ class PromptComparison:
 
     @property
     def worst_cosine(self) -> float:
-        return float(torch.tensor(self.cosine, dtype=torch.float64).min())    # NaN propagates
+        return float(torch.tensor(self.cosine, dtype=torch.float64).min())  # NaN propagates
 
     @property
     def worst_rel(self) -> float:
@@ -204,41 +213,57 @@ def compare(a: Dump, b: Dump) -> Comparison:
     dump chose them greedily (so they differ in the prompt).
     """
     if len(a.tokens) != len(b.tokens):
-        raise CompareError(f"{a.path} has {len(a.tokens)} prompts but {b.path} has {len(b.tokens)}; "
-                           "dump both from the same --prompt/--prompt-ids")
+        raise CompareError(
+            f"{a.path} has {len(a.tokens)} prompts but {b.path} has {len(b.tokens)}; "
+            "dump both from the same --prompt/--prompt-ids"
+        )
     if a.vocab != b.vocab:
-        raise CompareError(f"{a.path} has logits over {a.vocab} tokens but {b.path} over {b.vocab}; "
-                           "dump both from the same model")
+        raise CompareError(
+            f"{a.path} has logits over {a.vocab} tokens but {b.path} over {b.vocab}; dump both from the same model"
+        )
     prompts = []
     for i, (ta, tb, xa, xb) in enumerate(zip(a.tokens, b.tokens, a.logits, b.logits)):
         n = min(len(xa), len(xb))
         split = next((j for j in range(min(len(ta), len(tb))) if ta[j] != tb[j]), None)
         if split is not None:
-            greedy = (0 < split <= n and ta[split] == int(xa[split - 1].argmax())
-                      and tb[split] == int(xb[split - 1].argmax()))
+            greedy = (
+                0 < split <= n and ta[split] == int(xa[split - 1].argmax()) and tb[split] == int(xb[split - 1].argmax())
+            )
             if not greedy:
-                raise CompareError(f"prompt {i}: {a.path} feeds token {ta[split]} at position {split} but "
-                                   f"{b.path} feeds {tb[split]}, and not as a greedy choice: the dumps come "
-                                   "from different prompts")
+                raise CompareError(
+                    f"prompt {i}: {a.path} feeds token {ta[split]} at position {split} but "
+                    f"{b.path} feeds {tb[split]}, and not as a greedy choice: the dumps come "
+                    "from different prompts"
+                )
             n = min(n, split)
         cosine, rel = row_metrics(xa[:n], xb[:n])
-        prompts.append(PromptComparison(
-            index=i, rows_a=len(xa), rows_b=len(xb), tokens_diverge_at=split, tokens=ta[:n],
-            cosine=cosine.tolist(), rel=rel.tolist(),
-            argmax_a=xa[:n].argmax(-1).tolist(), argmax_b=xb[:n].argmax(-1).tolist()))
+        prompts.append(
+            PromptComparison(
+                index=i,
+                rows_a=len(xa),
+                rows_b=len(xb),
+                tokens_diverge_at=split,
+                tokens=ta[:n],
+                cosine=cosine.tolist(),
+                rel=rel.tolist(),
+                argmax_a=xa[:n].argmax(-1).tolist(),
+                argmax_b=xb[:n].argmax(-1).tolist(),
+            )
+        )
     return Comparison(prompts)
 
 
 # --- noise floor ---
+
 
 @dataclass(frozen=True)
 class Floor:
     """The worst drift of the reference from itself (fp32 in one chunk) over `perturbations`."""
 
     checkpoint: str
-    dtype: str                    # "fp32": summation order only; "bf16": also bf16 activations
+    dtype: str  # "fp32": summation order only; "bf16": also bf16 activations
     cache_quant: bool
-    tokens: list[list[int]]       # the teacher-forced sequences it was measured on
+    tokens: list[list[int]]  # the teacher-forced sequences it was measured on
     # per perturbation: name, worst cosine, worst rel, argmax agreement, and per prompt the
     # positions whose argmax flipped ("flips")
     perturbations: list[dict] = field(default_factory=list)
@@ -263,11 +288,12 @@ class Floor:
         the floor over those same positions is the fair bar. Other tokens: the
         agreement over all of the floor's positions.
         """
-        if len(tokens) != len(self.tokens) or any(t != f[:len(t)] for t, f in zip(tokens, self.tokens)):
+        if len(tokens) != len(self.tokens) or any(t != f[: len(t)] for t, f in zip(tokens, self.tokens)):
             return self.argmax
         total = sum(len(t) for t in tokens)
-        return min(1 - sum(sum(j < len(t) for j in f) for f, t in zip(p["flips"], tokens)) / total
-                   for p in self.perturbations)
+        return min(
+            1 - sum(sum(j < len(t) for j in f) for f, t in zip(p["flips"], tokens)) / total for p in self.perturbations
+        )
 
 
 def teacher_forced(model, tokens: list[list[int]], chunk: int | None) -> list[torch.Tensor]:
@@ -276,8 +302,9 @@ def teacher_forced(model, tokens: list[list[int]], chunk: int | None) -> list[to
     return [torch.stack(g.logits) for g in gens]
 
 
-def measure_floor(checkpoint: str | Path, tokens: list[list[int]], *, dtype: str = "bf16",
-                  cache_quant: bool = True) -> Floor:
+def measure_floor(
+    checkpoint: str | Path, tokens: list[list[int]], *, dtype: str = "bf16", cache_quant: bool = True
+) -> Floor:
     """Run the reference on `tokens` (teacher-forced) as fp32 in one chunk and as each perturbation.
 
     All runs break index top-k ties by lowest index (NeMo's rule depends on
@@ -298,8 +325,10 @@ def measure_floor(checkpoint: str | Path, tokens: list[list[int]], *, dtype: str
     for i, t in enumerate(tokens):
         bad = sorted({x for x in t if not 0 <= x < vocab})
         if bad:
-            raise CompareError(f"prompt {i}: token ids {bad[:5]} outside {checkpoint}'s vocabulary [0, {vocab}); "
-                               "measure the floor with the checkpoint the dump came from")
+            raise CompareError(
+                f"prompt {i}: token ids {bad[:5]} outside {checkpoint}'s vocabulary [0, {vocab}); "
+                "measure the floor with the checkpoint the dump came from"
+            )
     base = teacher_forced(model("fp32"), tokens, None)
     results = []
     for name in FLOOR_DTYPES[dtype]:
@@ -307,17 +336,21 @@ def measure_floor(checkpoint: str | Path, tokens: list[list[int]], *, dtype: str
         rows = teacher_forced(model(d), tokens, chunk)
         pairs = [row_metrics(x, y) for x, y in zip(rows, base)]
         flips = [torch.nonzero(x.argmax(-1) != y.argmax(-1)).flatten().tolist() for x, y in zip(rows, base)]
-        results.append({"name": name,
-                        "cosine": min(float(c.min()) for c, _ in pairs),
-                        "rel": max(float(r.max()) for _, r in pairs),
-                        "argmax": 1 - sum(map(len, flips)) / sum(len(x) for x in base),
-                        "flips": flips})
+        results.append(
+            {
+                "name": name,
+                "cosine": min(float(c.min()) for c, _ in pairs),
+                "rel": max(float(r.max()) for _, r in pairs),
+                "argmax": 1 - sum(map(len, flips)) / sum(len(x) for x in base),
+                "flips": flips,
+            }
+        )
     return Floor(str(checkpoint), dtype, cache_quant, [list(t) for t in tokens], results)
 
 
 def floor_tokens(dump: Dump) -> list[list[int]]:
     """The sequences a floor for `dump` is measured on: each prompt's fed tokens, one per logits row."""
-    return [t[:len(x)] for t, x in zip(dump.tokens, dump.logits)]
+    return [t[: len(x)] for t, x in zip(dump.tokens, dump.logits)]
 
 
 def floor_for(dump: Dump, checkpoint: str | Path, *, dtype: str = "bf16", cache_quant: bool = True) -> Floor:
@@ -326,8 +359,10 @@ def floor_for(dump: Dump, checkpoint: str | Path, *, dtype: str = "bf16", cache_
 
     vocab = load_config(checkpoint).text.vocab_size
     if vocab != dump.vocab:
-        raise CompareError(f"{dump.path} has logits over {dump.vocab} tokens but {checkpoint} has a vocabulary "
-                           f"of {vocab}; measure the floor with the checkpoint the dump came from")
+        raise CompareError(
+            f"{dump.path} has logits over {dump.vocab} tokens but {checkpoint} has a vocabulary "
+            f"of {vocab}; measure the floor with the checkpoint the dump came from"
+        )
     return measure_floor(checkpoint, floor_tokens(dump), dtype=dtype, cache_quant=cache_quant)
 
 
@@ -349,8 +384,9 @@ def load_floor(path: str | Path) -> Floor:
         raise CompareError(f"{path}: not a noise-floor JSON file ({e})") from None
     if not isinstance(d, dict) or d.get("format") != FLOOR_FORMAT:
         got = d.get("format") if isinstance(d, dict) else None
-        raise CompareError(f"{path}: format {got!r}, expected {FLOOR_FORMAT!r}; measure it again with "
-                           "`deepinfer noise-floor`")
+        raise CompareError(
+            f"{path}: format {got!r}, expected {FLOOR_FORMAT!r}; measure it again with `deepinfer noise-floor`"
+        )
     try:
         floor = Floor(**d)
         for p in floor.perturbations:
@@ -366,11 +402,12 @@ def load_floor(path: str | Path) -> Floor:
 
 # --- verdict ---
 
+
 @dataclass(frozen=True)
 class Verdict:
     within: bool
-    rel_limit: float      # MARGIN * max(floor.rel, REL_MIN)
-    argmax_limit: float   # the floor's argmax agreement over the positions compared
+    rel_limit: float  # MARGIN * max(floor.rel, REL_MIN)
+    argmax_limit: float  # the floor's argmax agreement over the positions compared
     margin: float
 
     @property
@@ -381,11 +418,12 @@ class Verdict:
 def verdict(c: Comparison, floor: Floor, margin: float = MARGIN) -> Verdict:
     rel_limit = margin * max(floor.rel, REL_MIN)
     argmax_limit = floor.argmax_over([p.tokens for p in c.prompts])
-    within = c.worst_rel <= rel_limit and c.argmax_agreement >= argmax_limit     # NaN is outside
+    within = c.worst_rel <= rel_limit and c.argmax_agreement >= argmax_limit  # NaN is outside
     return Verdict(within, rel_limit, argmax_limit, margin)
 
 
 # --- reports ---
+
 
 def fmt_pos(j: int | None) -> str:
     return "-" if j is None else str(j)
@@ -395,28 +433,38 @@ def table_lines(c: Comparison, *, per_step: bool = False) -> list[str]:
     """One row per prompt (or per position with per_step) and a summary line."""
     lines = []
     if per_step:
-        lines.append(f"{'prompt':>6} {'pos':>5} {'token':>7} {'cosine':>12} {'rel err':>10} "
-                     f"{'argmax A':>9} {'argmax B':>9}")
+        lines.append(
+            f"{'prompt':>6} {'pos':>5} {'token':>7} {'cosine':>12} {'rel err':>10} {'argmax A':>9} {'argmax B':>9}"
+        )
         for p in c.prompts:
             for j in range(p.compared):
                 mark = "" if p.argmax_a[j] == p.argmax_b[j] else "  <- differs"
-                lines.append(f"{p.index:>6} {j:>5} {p.tokens[j]:>7} {p.cosine[j]:>12.8f} {p.rel[j]:>10.3e} "
-                             f"{p.argmax_a[j]:>9} {p.argmax_b[j]:>9}{mark}")
+                lines.append(
+                    f"{p.index:>6} {j:>5} {p.tokens[j]:>7} {p.cosine[j]:>12.8f} {p.rel[j]:>10.3e} "
+                    f"{p.argmax_a[j]:>9} {p.argmax_b[j]:>9}{mark}"
+                )
         lines.append("")
-    lines.append(f"{'prompt':>6} {'compared':>9} {'worst cosine':>13} {'worst rel':>10} {'argmax':>9} "
-                 f"{'first divergent':>16}")
+    lines.append(
+        f"{'prompt':>6} {'compared':>9} {'worst cosine':>13} {'worst rel':>10} {'argmax':>9} {'first divergent':>16}"
+    )
     for p in c.prompts:
         note = "" if p.tokens_diverge_at is None else f"  (tokens diverge at {p.tokens_diverge_at})"
-        lines.append(f"{p.index:>6} {f'{p.compared}/{p.rows_a}':>9} {p.worst_cosine:>13.8f} {p.worst_rel:>10.3e} "
-                     f"{f'{p.agree}/{p.compared}':>9} {fmt_pos(p.first_divergent):>16}{note}")
-    lines.append(f"summary: worst cosine {c.worst_cosine:.8f}, worst rel err {c.worst_rel:.3e}, "
-                 f"argmax agreement {c.argmax_agreement:.4f} over {sum(p.compared for p in c.prompts)} positions")
+        lines.append(
+            f"{p.index:>6} {f'{p.compared}/{p.rows_a}':>9} {p.worst_cosine:>13.8f} {p.worst_rel:>10.3e} "
+            f"{f'{p.agree}/{p.compared}':>9} {fmt_pos(p.first_divergent):>16}{note}"
+        )
+    lines.append(
+        f"summary: worst cosine {c.worst_cosine:.8f}, worst rel err {c.worst_rel:.3e}, "
+        f"argmax agreement {c.argmax_agreement:.4f} over {sum(p.compared for p in c.prompts)} positions"
+    )
     return lines
 
 
 def floor_lines(floor: Floor) -> list[str]:
-    lines = [f"noise floor ({floor.dtype}, cache quant {'on' if floor.cache_quant else 'off'}; "
-             f"reference vs itself in fp32, one chunk):"]
+    lines = [
+        f"noise floor ({floor.dtype}, cache quant {'on' if floor.cache_quant else 'off'}; "
+        f"reference vs itself in fp32, one chunk):"
+    ]
     for p in floor.perturbations:
         lines.append(f"  {p['name']:<14} cosine {p['cosine']:.8f}  rel err {p['rel']:.3e}  argmax {p['argmax']:.4f}")
     lines.append(f"  {'floor':<14} cosine {floor.cosine:.8f}  rel err {floor.rel:.3e}  argmax {floor.argmax:.4f}")
@@ -424,33 +472,70 @@ def floor_lines(floor: Floor) -> list[str]:
 
 
 def verdict_line(v: Verdict) -> str:
-    return (f"verdict: {v.text} (limits: rel err <= {v.rel_limit:.3e} = {v.margin:g} x floor, "
-            f"argmax agreement >= {v.argmax_limit:.4f})")
+    return (
+        f"verdict: {v.text} (limits: rel err <= {v.rel_limit:.3e} = {v.margin:g} x floor, "
+        f"argmax agreement >= {v.argmax_limit:.4f})"
+    )
 
 
 def report_floor(floor: Floor) -> dict:
-    return {"dtype": floor.dtype, "cache_quant": floor.cache_quant, "checkpoint": floor.checkpoint,
-            "cosine": floor.cosine, "rel": floor.rel, "argmax": floor.argmax, "perturbations": floor.perturbations}
+    return {
+        "dtype": floor.dtype,
+        "cache_quant": floor.cache_quant,
+        "checkpoint": floor.checkpoint,
+        "cosine": floor.cosine,
+        "rel": floor.rel,
+        "argmax": floor.argmax,
+        "perturbations": floor.perturbations,
+    }
 
 
 def report_json(c: Comparison, floor: Floor | None, v: Verdict | None, *, per_step: bool = False) -> dict:
     prompts = []
     for p in c.prompts:
-        d = {"index": p.index, "rows_a": p.rows_a, "rows_b": p.rows_b, "compared": p.compared,
-             "tokens_diverge_at": p.tokens_diverge_at, "worst_cosine": p.worst_cosine, "worst_rel": p.worst_rel,
-             "argmax_agree": p.agree, "first_divergent": p.first_divergent}
+        d = {
+            "index": p.index,
+            "rows_a": p.rows_a,
+            "rows_b": p.rows_b,
+            "compared": p.compared,
+            "tokens_diverge_at": p.tokens_diverge_at,
+            "worst_cosine": p.worst_cosine,
+            "worst_rel": p.worst_rel,
+            "argmax_agree": p.agree,
+            "first_divergent": p.first_divergent,
+        }
         if per_step:
-            d["steps"] = [{"position": j, "token": p.tokens[j], "cosine": p.cosine[j], "rel": p.rel[j],
-                           "argmax_a": p.argmax_a[j], "argmax_b": p.argmax_b[j]} for j in range(p.compared)]
+            d["steps"] = [
+                {
+                    "position": j,
+                    "token": p.tokens[j],
+                    "cosine": p.cosine[j],
+                    "rel": p.rel[j],
+                    "argmax_a": p.argmax_a[j],
+                    "argmax_b": p.argmax_b[j],
+                }
+                for j in range(p.compared)
+            ]
         prompts.append(d)
-    out = {"prompts": prompts,
-           "summary": {"worst_cosine": c.worst_cosine, "worst_rel": c.worst_rel,
-                       "argmax_agreement": c.argmax_agreement,
-                       "first_divergent": [p.first_divergent for p in c.prompts]},
-           "floor": None, "verdict": None}
+    out = {
+        "prompts": prompts,
+        "summary": {
+            "worst_cosine": c.worst_cosine,
+            "worst_rel": c.worst_rel,
+            "argmax_agreement": c.argmax_agreement,
+            "first_divergent": [p.first_divergent for p in c.prompts],
+        },
+        "floor": None,
+        "verdict": None,
+    }
     if floor is not None:
         out["floor"] = report_floor(floor)
     if v is not None:
-        out["verdict"] = {"within": v.within, "text": v.text, "rel_limit": v.rel_limit,
-                          "argmax_limit": v.argmax_limit, "margin": v.margin}
+        out["verdict"] = {
+            "within": v.within,
+            "text": v.text,
+            "rel_limit": v.rel_limit,
+            "argmax_limit": v.argmax_limit,
+            "margin": v.margin,
+        }
     return out

@@ -34,13 +34,14 @@ from deepinfer.regions.agreement import TOLERANCE, OutputDiff, ShapeMismatch, co
 @dataclass
 class Entry:
     """The worst difference of one (kind, layer), or of a kind over its layers."""
+
     kind: str
-    layer: int                # the layer (for a kind: its worst layer); -1 is the model's ends (embed, head)
+    layer: int  # the layer (for a kind: its worst layer); -1 is the model's ends (embed, head)
     calls: int = 0
     score: float = 0.0
-    output: str = ""          # the output with the worst score
-    max_abs: float = 0.0      # of that output, in that call
-    mismatches: int = 0       # integer entries that differed, over all calls
+    output: str = ""  # the output with the worst score
+    max_abs: float = 0.0  # of that output, in that call
+    mismatches: int = 0  # integer entries that differed, over all calls
 
     def add(self, diffs: list[OutputDiff]) -> None:
         self.calls += 1
@@ -59,7 +60,7 @@ class DiffReport:
     bundle: Path
     tolerance: float
     prompts: int
-    layers: list[Entry] = field(default_factory=list)    # one per (kind, layer), worst first
+    layers: list[Entry] = field(default_factory=list)  # one per (kind, layer), worst first
 
     def kinds(self) -> list[Entry]:
         """One entry per kind (its worst layer's score and output, calls over all layers), worst first."""
@@ -100,17 +101,25 @@ class References:
         fp8 = {t.format for e in entries for t in e.tensors.values() if t.format in FP8_FORMATS}
         if len(fp8) > 1:
             raise BundleError(f"{session.path}: fp8 weights in several formats ({', '.join(sorted(fp8))})")
-        plan = plan_regions(session.config.text, session.dtype, m.model.cache_quant,       # shaped for one rank
-                            session.topology, fp8.pop() if fp8 else FP8_E4M3FN, device_embedding=m.embed is not None,
-                            draft=m.draft is not None)
+        plan = plan_regions(
+            session.config.text,
+            session.dtype,
+            m.model.cache_quant,  # shaped for one rank
+            session.topology,
+            fp8.pop() if fp8 else FP8_E4M3FN,
+            device_embedding=m.embed is not None,
+            draft=m.draft is not None,
+        )
         self.regions = {kind: kp.region for kind, kp in plan.kinds.items()}
         self.rank = torch.tensor(rank, dtype=torch.int64)
         self.stacks = {e.kind: stack_tensors(session.path, e) for e in entries}
         self.rows = {(layer, slot): b.index for layer, slot, b in m.bindings()}
         missing = sorted(set(session.signatures) - set(self.regions))
         if missing:
-            raise BundleError(f"{session.path}: region kind(s) {', '.join(missing)} have no reference region "
-                              "in this deepinfer (bundle from another version?)")
+            raise BundleError(
+                f"{session.path}: region kind(s) {', '.join(missing)} have no reference region "
+                "in this deepinfer (bundle from another version?)"
+            )
 
     def bind(self, layer: int, slot: str, kind: str):
         """The reference region of `kind` holding layer `layer`'s weights."""
@@ -118,8 +127,10 @@ class References:
         for name, buf in list(region.named_buffers()):
             value = self.rank if name == "rank" else stacks[name][row]
             if value.shape != buf.shape or value.dtype != buf.dtype:
-                raise BundleError(f"{kind}.{name}: row {row} of the bundle's stack is {tuple(value.shape)} "
-                                  f"{value.dtype}, the reference region holds {tuple(buf.shape)} {buf.dtype}")
+                raise BundleError(
+                    f"{kind}.{name}: row {row} of the bundle's stack is {tuple(value.shape)} "
+                    f"{value.dtype}, the reference region holds {tuple(buf.shape)} {buf.dtype}"
+                )
             setattr(region, name, value)
         return region
 
@@ -137,16 +148,18 @@ class Recorder:
 
     def __call__(self, layer: int, slot: str, kind: str, inputs: tuple, run):
         specs = self.specs[kind]
-        before = [_host(x, s).clone() for x, s in zip(inputs, specs)]     # state as it was before the call
+        before = [_host(x, s).clone() for x, s in zip(inputs, specs)]  # state as it was before the call
         out = run()
         region = self.refs.bind(layer, slot, kind)
         with torch.no_grad():
-            ref = region.decode(*before)                                   # writes its state into the copies
+            ref = region.decode(*before)  # writes its state into the copies
         ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
         names = self.outputs[kind]
         if len(out) != len(ref) or len(ref) != len(names):
-            raise BundleError(f"{kind}: the executable returns {len(out)} outputs, the reference region "
-                              f"{len(ref)}, the manifest names {len(names)}")
+            raise BundleError(
+                f"{kind}: the executable returns {len(out)} outputs, the reference region "
+                f"{len(ref)}, the manifest names {len(names)}"
+            )
         try:
             diffs = [compare_tensors(n, torch.as_tensor(g), r) for n, g, r in zip(names, out, ref)]
             for i, s in enumerate(specs):
@@ -158,8 +171,9 @@ class Recorder:
         return out
 
 
-def diff_session(session, prompts: list[list[int]], max_new_tokens: int = 4, *,
-                 tolerance: float | None = None) -> DiffReport:
+def diff_session(
+    session, prompts: list[list[int]], max_new_tokens: int = 4, *, tolerance: float | None = None
+) -> DiffReport:
     """Generate with a loaded session, every region call checked against its reference region."""
     recorder = Recorder(session, References(session, int(session.rank)))
     session.on_call = recorder
@@ -171,9 +185,16 @@ def diff_session(session, prompts: list[list[int]], max_new_tokens: int = 4, *,
     return DiffReport(session.path, tol, len(prompts), _rank(list(recorder.entries.values())))
 
 
-def diff_bundle(bundle, prompts: list[list[int]], max_new_tokens: int = 4, *,
-                tolerance: float | None = None, verify: bool = True, num_kv_blocks: int | None = None,
-                rank: int = 0) -> DiffReport:
+def diff_bundle(
+    bundle,
+    prompts: list[list[int]],
+    max_new_tokens: int = 4,
+    *,
+    tolerance: float | None = None,
+    verify: bool = True,
+    num_kv_blocks: int | None = None,
+    rank: int = 0,
+) -> DiffReport:
     """Load `bundle` (a path, validated as `deepinfer-run` does, or an opened runtime.Bundle) and
     `diff_session` it."""
     from deepinfer.runtime import load
@@ -192,29 +213,46 @@ def _layer(layer: int) -> str:
 def table_lines(report: DiffReport, *, per_layer: bool = False) -> list[str]:
     """Kinds (or kinds x layers) ranked worst first."""
     rows = report.layers if per_layer else report.kinds()
-    head = f"{'region kind':<24}{'layer' if per_layer else 'worst layer':>12}{'calls':>7}" \
-           f"{'worst rel diff':>16}{'max abs':>11}  {'worst output':<20}{'int mismatches':>15}  verdict"
+    head = (
+        f"{'region kind':<24}{'layer' if per_layer else 'worst layer':>12}{'calls':>7}"
+        f"{'worst rel diff':>16}{'max abs':>11}  {'worst output':<20}{'int mismatches':>15}  verdict"
+    )
     lines = [head]
     for e in rows:
         verdict = "ok" if e.score <= report.tolerance else "DIFFERS"
-        lines.append(f"{e.kind:<24}{_layer(e.layer):>12}{e.calls:>7}{e.score:>16.3g}{e.max_abs:>11.3g}  "
-                     f"{e.output:<20}{e.mismatches:>15}  {verdict}")
+        lines.append(
+            f"{e.kind:<24}{_layer(e.layer):>12}{e.calls:>7}{e.score:>16.3g}{e.max_abs:>11.3g}  "
+            f"{e.output:<20}{e.mismatches:>15}  {verdict}"
+        )
     bad = report.failing()
     calls = sum(e.calls for e in report.layers)
-    lines.append(f"{calls} region calls over {report.prompts} prompt(s); tolerance {report.tolerance:.3g} "
-                 f"(rel diff, or the fraction of integer entries that differ): "
-                 + (f"{len(bad)} kind(s) differ: {', '.join(e.kind for e in bad)}" if bad else "every kind agrees"))
+    lines.append(
+        f"{calls} region calls over {report.prompts} prompt(s); tolerance {report.tolerance:.3g} "
+        f"(rel diff, or the fraction of integer entries that differ): "
+        + (f"{len(bad)} kind(s) differ: {', '.join(e.kind for e in bad)}" if bad else "every kind agrees")
+    )
     return lines
 
 
 def _json(e: Entry) -> dict:
     score = e.score if math.isfinite(e.score) else str(e.score)
-    return {"kind": e.kind, "layer": e.layer, "calls": e.calls, "worst_rel_diff": score,
-            "max_abs": e.max_abs if math.isfinite(e.max_abs) else str(e.max_abs),
-            "worst_output": e.output, "int_mismatches": e.mismatches}
+    return {
+        "kind": e.kind,
+        "layer": e.layer,
+        "calls": e.calls,
+        "worst_rel_diff": score,
+        "max_abs": e.max_abs if math.isfinite(e.max_abs) else str(e.max_abs),
+        "worst_output": e.output,
+        "int_mismatches": e.mismatches,
+    }
 
 
 def report_json(report: DiffReport) -> dict:
-    return {"bundle": str(report.bundle), "tolerance": report.tolerance, "prompts": report.prompts,
-            "kinds": [_json(e) for e in report.kinds()], "layers": [_json(e) for e in report.layers],
-            "differ": [e.kind for e in report.failing()]}
+    return {
+        "bundle": str(report.bundle),
+        "tolerance": report.tolerance,
+        "prompts": report.prompts,
+        "kinds": [_json(e) for e in report.kinds()],
+        "layers": [_json(e) for e in report.layers],
+        "differ": [e.kind for e in report.failing()],
+    }

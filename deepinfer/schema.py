@@ -80,7 +80,7 @@ def coerce(value, tp, key: Key, rules: Rules):
         if value is None and type(None) in args:
             return None
         options = [a for a in args if a is not type(None)]
-        if len(options) == 1:                     # X | None: X's own problem, nested keys included
+        if len(options) == 1:  # X | None: X's own problem, nested keys included
             return coerce(value, options[0], key, rules)
         for option in options[:-1]:
             try:
@@ -104,7 +104,7 @@ def coerce(value, tp, key: Key, rules: Rules):
         try:
             return tuple(coerce(v, item, key + (i,), rules) for i, v in enumerate(value))
         except Problem as p:
-            if item in (int, str, float):          # one message for a flat list
+            if item in (int, str, float):  # one message for a flat list
                 raise Problem(key, f"expected {describe(tp)}, got {value!r}") from None
             raise p
     if origin is dict or tp is dict:
@@ -130,7 +130,7 @@ def coerce(value, tp, key: Key, rules: Rules):
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):                 # JSON readers accept NaN and Infinity
+            if not math.isfinite(value):  # JSON readers accept NaN and Infinity
                 raise Problem(key, f"must be a finite number, got {value!r}")
             return float(value)
     elif tp is str:
@@ -140,7 +140,7 @@ def coerce(value, tp, key: Key, rules: Rules):
         if isinstance(value, str):
             try:
                 return rules.paths(value)
-            except (RuntimeError, ValueError, OSError) as e:       # e.g. `~nosuchuser/...`
+            except (RuntimeError, ValueError, OSError) as e:  # e.g. `~nosuchuser/...`
                 raise Problem(key, f"cannot resolve the path {value!r} ({e})") from None
     else:
         raise TypeError(f"schema: no rule for annotation {tp!r} at {key}")
@@ -170,8 +170,11 @@ def build(cls, data, *, key: Key = (), rules: Rules = Rules(), given: dict | Non
         kwargs[name] = coerce(value, hints[name], key + (name,), rules)
     if keep_extra:
         kwargs["extra"] = extra
-    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise Problem(key, f"missing required key(s) {', '.join(missing)}")
     return cls(**kwargs)

@@ -16,11 +16,11 @@ def sparse_attn_ref(q: Tensor, kv: Tensor, valid: Tensor, sink: Tensor, scale: f
     that joins the softmax. Computed in float32, returned in q's dtype.
     """
     kvf = torch.where(valid.unsqueeze(-1), kv.float(), 0.0)
-    logits = torch.matmul(q.float(), kvf.transpose(-1, -2)) * scale                  # [B, T, H, K]
+    logits = torch.matmul(q.float(), kvf.transpose(-1, -2)) * scale  # [B, T, H, K]
     logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
     sinks = sink.float().view(1, 1, -1, 1).expand(*logits.shape[:3], 1)
     probs = torch.cat((logits, sinks), dim=-1).softmax(-1)[..., :-1]
-    return torch.matmul(probs, kvf).to(q.dtype)                                         # [B, T, H, D]
+    return torch.matmul(probs, kvf).to(q.dtype)  # [B, T, H, D]
 
 
 def index_score_ref(q: Tensor, k: Tensor, w: Tensor, visible: Tensor) -> Tensor:

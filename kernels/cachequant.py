@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-FORMATS = {"fp8": 32, "nvfp4": 16, "mxfp4": 32}   # format -> group size
+FORMATS = {"fp8": 32, "nvfp4": 16, "mxfp4": 32}  # format -> group size
 
 
 def pow2ceil(x: Tensor) -> Tensor:
@@ -35,8 +35,7 @@ def pow2ceil(x: Tensor) -> Tensor:
 def e2m1_round(x: Tensor) -> Tensor:
     """Round float32 values in [-6, 6] to the nearest e2m1 level (ties to even index)."""
     m = x.abs()
-    level = torch.where(m < 2, torch.round(m * 2) * 0.5,
-                        torch.where(m < 4, torch.round(m), torch.round(m * 0.5) * 2))
+    level = torch.where(m < 2, torch.round(m * 2) * 0.5, torch.where(m < 4, torch.round(m), torch.round(m * 0.5) * 2))
     return torch.copysign(level, x)
 
 

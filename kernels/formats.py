@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-FP8_BLOCK = 32      # fp8 weights: one scale per 32x32 block
-FP4_GROUP = 32      # fp4 weights: one scale per row and 32 columns
+FP8_BLOCK = 32  # fp8 weights: one scale per 32x32 block
+FP4_GROUP = 32  # fp4 weights: one scale per row and 32 columns
 
 
 def _e4m3fn_values(c: Tensor) -> Tensor:
@@ -35,8 +35,11 @@ def _e4m3fn_values(c: Tensor) -> Tensor:
 
 def _e4m3_values(c: Tensor) -> Tensor:
     """int32 codes -> float32 IEEE-like e4m3 values: e4m3fn's below exponent 15, inf or NaN there."""
-    special = torch.where((c & 7) == 0, torch.full(c.shape, float("inf"), device=c.device),
-                          torch.full(c.shape, float("nan"), device=c.device))
+    special = torch.where(
+        (c & 7) == 0,
+        torch.full(c.shape, float("inf"), device=c.device),
+        torch.full(c.shape, float("nan"), device=c.device),
+    )
     special = torch.where(c >= 128, -special, special)
     return torch.where((c & 120) == 120, special, _e4m3fn_values(c))
 
@@ -94,7 +97,7 @@ def dequant_fp8(codes: Tensor, scales: Tensor, dtype: torch.dtype, fmt: str = "e
     values, s = fp8_decode(codes, fmt), ue8m0_decode(scales)
     if rows % FP8_BLOCK or cols % FP8_BLOCK:
         return (values * _expand_blocks(s, rows, cols, FP8_BLOCK, FP8_BLOCK)).to(dtype)
-    blocks = values.unflatten(-1, (-1, FP8_BLOCK)).unflatten(-3, (-1, FP8_BLOCK))    # [..., Nb, 32, Kb, 32]
+    blocks = values.unflatten(-1, (-1, FP8_BLOCK)).unflatten(-3, (-1, FP8_BLOCK))  # [..., Nb, 32, Kb, 32]
     return (blocks * s.unsqueeze(-1).unsqueeze(-3)).flatten(-2).flatten(-3, -2).to(dtype)
 
 
@@ -117,7 +120,7 @@ def unpack_fp4(packed: Tensor, pairs: Tensor | None = None) -> Tensor:
     One lookup per byte in the pair table (`fp4_pairs`, built here unless a caller that
     decodes many tiles passes the one it built): no per-nibble integer temporaries."""
     pairs = fp4_pairs(packed.device) if pairs is None else pairs
-    values = pairs.index_select(0, packed.reshape(-1).to(torch.int64))                      # [numel, 2]
+    values = pairs.index_select(0, packed.reshape(-1).to(torch.int64))  # [numel, 2]
     return values.view(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
@@ -129,5 +132,5 @@ def dequant_fp4(packed: Tensor, scales: Tensor, dtype: torch.dtype, pairs: Tenso
     s = ue8m0_decode(scales)
     if cols % FP4_GROUP:
         return (values * s.repeat_interleave(FP4_GROUP, dim=-1)[..., :cols]).to(dtype)
-    groups = values.unflatten(-1, (-1, FP4_GROUP))                                  # [..., N, K/32, 32]
+    groups = values.unflatten(-1, (-1, FP4_GROUP))  # [..., N, K/32, 32]
     return (groups * s.unsqueeze(-1)).flatten(-2).to(dtype)

@@ -13,8 +13,9 @@ from torch.nn import functional as F
 from deepinfer.kernels.registry import register
 
 
-def hc_mixes_ref(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor,
-                 norm_eps: float, hc_eps: float, iters: int) -> tuple[Tensor, Tensor, Tensor]:
+def hc_mixes_ref(
+    h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, norm_eps: float, hc_eps: float, iters: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """Coefficients (pre, post, comb) of one sublayer from the streams h.
 
     fn [(2+n)*n, n*D], base [(2+n)*n], scale [3] (float32).
@@ -22,13 +23,13 @@ def hc_mixes_ref(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor,
     pre = sigmoid + hc_eps; post = 2 * sigmoid; comb = Sinkhorn of softmax (iters rounds).
     """
     n = h.shape[-2]
-    flat = h.flatten(-2).float()                                       # [B, T, n*D]
+    flat = h.flatten(-2).float()  # [B, T, n*D]
     mix = F.linear(flat, fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     scales = torch.cat((scale[0:1].expand(n), scale[1:2].expand(n), scale[2:3].expand(n * n)))
     logits = torch.addcmul(base.float(), mix, scales.float())
     pre = torch.sigmoid(logits[..., :n]) + hc_eps
-    post = 2 * torch.sigmoid(logits[..., n:2 * n])
-    comb = logits[..., 2 * n:].unflatten(-1, (n, n)).softmax(-1) + hc_eps
+    post = 2 * torch.sigmoid(logits[..., n : 2 * n])
+    comb = logits[..., 2 * n :].unflatten(-1, (n, n)).softmax(-1) + hc_eps
     comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
@@ -43,8 +44,8 @@ def hc_collapse_ref(h: Tensor, pre: Tensor) -> Tensor:
 
 def hc_expand_ref(out: Tensor, h: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """h_new[o] = post[o] * out + sum_i comb[i, o] * h[i]; float32 math, out's dtype."""
-    update = post.unsqueeze(-1) * out.unsqueeze(-2)                    # [B, T, n, D]
-    mixed = (comb.unsqueeze(-1) * h.unsqueeze(-2)).sum(-3)             # [B, T, n, D]
+    update = post.unsqueeze(-1) * out.unsqueeze(-2)  # [B, T, n, D]
+    mixed = (comb.unsqueeze(-1) * h.unsqueeze(-2)).sum(-3)  # [B, T, n, D]
     return (update + mixed).to(out.dtype)
 
 

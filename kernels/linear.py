@@ -9,7 +9,7 @@ from torch.nn import functional as F
 from deepinfer.kernels.formats import FP8_GEMM_FORMATS, dequant_fp4, dequant_fp8, fp4_pairs
 from deepinfer.kernels.registry import register
 
-FP8_OF_GEMM_FORMAT = {gemm: fp8 for fp8, gemm in FP8_GEMM_FORMATS.items()}   # "fp8" -> "e4m3fn", ...
+FP8_OF_GEMM_FORMAT = {gemm: fp8 for fp8, gemm in FP8_GEMM_FORMATS.items()}  # "fp8" -> "e4m3fn", ...
 WEIGHT_FORMATS = (*FP8_OF_GEMM_FORMAT, "fp4")
 
 
@@ -63,8 +63,17 @@ def expert_tiles(experts: int, rows: int, cols: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
-def moe_experts_ref(x: Tensor, weights: Tensor, w1: Tensor, w1_s: Tensor, w3: Tensor, w3_s: Tensor,
-                    w2: Tensor, w2_s: Tensor, limit: float) -> Tensor:
+def moe_experts_ref(
+    x: Tensor,
+    weights: Tensor,
+    w1: Tensor,
+    w1_s: Tensor,
+    w3: Tensor,
+    w3_s: Tensor,
+    w2: Tensor,
+    w2_s: Tensor,
+    limit: float,
+) -> Tensor:
     """sum_e w2_e(swiglu(w1_e(x), w3_e(x)) * weights[:, e]) over the local experts -> [N, D] float32.
 
     x [N, D]; weights [N, E] float32 (a row's routing weight of expert e, zero where the
@@ -77,17 +86,17 @@ def moe_experts_ref(x: Tensor, weights: Tensor, w1: Tensor, w1_s: Tensor, w3: Te
     """
     E, I = w1.shape[0], w1.shape[1]
     D = x.shape[-1]
-    weight, pairs = weights.unsqueeze(-1), fp4_pairs(x.device)                       # [N, E, 1]
+    weight, pairs = weights.unsqueeze(-1), fp4_pairs(x.device)  # [N, E, 1]
     parts = []
     for start, stop in expert_tiles(E, I, D):
         g = F.linear(x, dequant_fp4(w1[:, start:stop], w1_s[:, start:stop], x.dtype, pairs).flatten(0, 1))
         u = F.linear(x, dequant_fp4(w3[:, start:stop], w3_s[:, start:stop], x.dtype, pairs).flatten(0, 1))
         parts.append(swiglu_ref(g.unflatten(-1, (E, -1)), u.unflatten(-1, (E, -1)), weight, limit))  # [N, E, t]
-    a = torch.cat(parts, -1).transpose(0, 1)                                          # [E, N, I]
+    a = torch.cat(parts, -1).transpose(0, 1)  # [E, N, I]
     out = []
     for start, stop in expert_tiles(E, D, I):
-        w = dequant_fp4(w2[:, start:stop], w2_s[:, start:stop], x.dtype, pairs)        # [E, t, I]
-        out.append(torch.bmm(a, w.transpose(1, 2)).float().sum(0))                    # [N, t]
+        w = dequant_fp4(w2[:, start:stop], w2_s[:, start:stop], x.dtype, pairs)  # [E, t, I]
+        out.append(torch.bmm(a, w.transpose(1, 2)).float().sum(0))  # [N, t]
     return torch.cat(out, -1)
 
 

@@ -22,9 +22,9 @@ NAMESPACE = "deepinfer"
 @dataclass(frozen=True)
 class Kernel:
     name: str
-    op: Callable            # the custom op (callable; .default is the OpOverload)
-    reference: Callable     # pure-torch implementation
-    source: Path            # file holding the reference, for cache keys
+    op: Callable  # the custom op (callable; .default is the OpOverload)
+    reference: Callable  # pure-torch implementation
+    source: Path  # file holding the reference, for cache keys
 
     @property
     def overload(self) -> torch._ops.OpOverload:

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from deepinfer.kernels.registry import LOWERINGS, register
 
-BLOCK = 16384          # neuronx-cc's widest top-k (trn2.MAX_SELECTION_WIDTH)
+BLOCK = 16384  # neuronx-cc's widest top-k (trn2.MAX_SELECTION_WIDTH)
 
 
 def top_indices_ref(scores: Tensor, k: int) -> Tensor:
@@ -40,14 +40,14 @@ def top_indices_ref(scores: Tensor, k: int) -> Tensor:
 
 def top_indices_blockwise(scores: Tensor, k: int, block: int = BLOCK) -> Tensor:
     """`top_indices_ref`'s result with no sort wider than `block`."""
-    values, index = scores, None                 # index: the row position of each entry of `values`
+    values, index = scores, None  # index: the row position of each entry of `values`
     while values.shape[-1] > block:
         if 2 * k > block:
             raise ValueError(f"top-{k} of {values.shape[-1]} entries: blockwise selection needs k <= {block // 2}")
         width = values.shape[-1]
         pad = -width % block
         # padding sorts after every real entry: -inf at a higher position than any real one
-        blocks = F.pad(values, (0, pad), value=float("-inf")).unflatten(-1, (-1, block))   # [..., nb, block]
+        blocks = F.pad(values, (0, pad), value=float("-inf")).unflatten(-1, (-1, block))  # [..., nb, block]
         best = torch.sort(blocks, dim=-1, descending=True, stable=True)
         pos = (best.indices[..., :k] + torch.arange(0, width + pad, block).unsqueeze(-1)).flatten(-2)  # [..., nb*k]
         values = best.values[..., :k].flatten(-2)

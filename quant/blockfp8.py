@@ -24,21 +24,21 @@ from .ue8m0 import UE8M0_LUT, scale_bytes_for
 
 def quantize_fp8_blocks(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
     """float32 [R, C] -> (codes uint8 [R, C], scales uint8 [ceil(R/b), ceil(C/b)])."""
-    w = blocks.check_matrix(expect_dtype(w, np.float32, "quantize_fp8_blocks weight"),
-                            "quantize_fp8_blocks weight")
+    w = blocks.check_matrix(expect_dtype(w, np.float32, "quantize_fp8_blocks weight"), "quantize_fp8_blocks weight")
     b = blocks.check_block(block, "quantize_fp8_blocks")
     with np.errstate(invalid="ignore"):
-        amax = blocks.block_max(np.abs(w), b, b)       # [Rb, Cb]; NaN propagates
-    scales = scale_bytes_for(amax, E4M3FN_MAX)         # [Rb, Cb]
-    inv = np.float32(1.0) / UE8M0_LUT[scales]          # exact: scales are powers of two
+        amax = blocks.block_max(np.abs(w), b, b)  # [Rb, Cb]; NaN propagates
+    scales = scale_bytes_for(amax, E4M3FN_MAX)  # [Rb, Cb]
+    inv = np.float32(1.0) / UE8M0_LUT[scales]  # exact: scales are powers of two
     codes = e4m3fn_encode(w * blocks.expand(inv, b, b, w.shape))
     return codes, scales
 
 
 def dequantize_fp8_blocks(codes: np.ndarray, scales: np.ndarray, block: int = 32) -> np.ndarray:
     """(codes uint8 [R, C], scales uint8 [Rb, Cb]) -> float32 [R, C]."""
-    codes = blocks.check_matrix(expect_dtype(codes, np.uint8, "dequantize_fp8_blocks codes"),
-                                "dequantize_fp8_blocks codes")
+    codes = blocks.check_matrix(
+        expect_dtype(codes, np.uint8, "dequantize_fp8_blocks codes"), "dequantize_fp8_blocks codes"
+    )
     scales = expect_dtype(scales, np.uint8, "dequantize_fp8_blocks scales")
     b = blocks.check_block(block, "dequantize_fp8_blocks")
     blocks.check_grid(scales, codes.shape, b, b, "dequantize_fp8_blocks")
@@ -50,8 +50,9 @@ def quantize_fp8_float_scales(w: np.ndarray, block: int = 128) -> tuple[np.ndarr
     DeepSeek-V3-style checkpoints store fp8 weights (`X.weight_scale_inv`, element (i, j) =
     e4m3fn(code) * scale_inv[i // b, j // b]): scale_inv = amax / 448 per block in float32 (an
     all-zero block gets 1), codes = e4m3fn_encode(w / scale_inv)."""
-    w = blocks.check_matrix(expect_dtype(w, np.float32, "quantize_fp8_float_scales weight"),
-                            "quantize_fp8_float_scales weight")
+    w = blocks.check_matrix(
+        expect_dtype(w, np.float32, "quantize_fp8_float_scales weight"), "quantize_fp8_float_scales weight"
+    )
     b = blocks.check_block(block, "quantize_fp8_float_scales")
     amax = blocks.block_max(np.abs(w), b, b)
     inv = np.where(amax > 0, amax / np.float32(E4M3FN_MAX), np.float32(1.0)).astype(np.float32)

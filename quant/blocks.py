@@ -53,4 +53,5 @@ def check_grid(scales: np.ndarray, shape: tuple[int, int], br: int, bc: int, wha
     if scales.shape != want:
         raise QuantInputError(
             f"{what}: scales of shape {scales.shape} do not match a {shape} matrix "
-            f"with [{br}, {bc}] blocks (expected {want})")
+            f"with [{br}, {bc}] blocks (expected {want})"
+        )

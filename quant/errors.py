@@ -25,5 +25,6 @@ def expect_dtype(arr, dtype, what: str):
     if a.dtype != np.dtype(dtype):
         raise QuantInputError(
             f"{what}: expected dtype {np.dtype(dtype).name}, got {a.dtype.name} "
-            f"(convert explicitly, e.g. .view(np.uint8) for raw fp8 codes)")
+            f"(convert explicitly, e.g. .view(np.uint8) for raw fp8 codes)"
+        )
     return a

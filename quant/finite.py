@@ -36,8 +36,8 @@ def first_nonfinite(raw: np.ndarray, dtype: str) -> int | None:
     step = max(1, SLICE_BYTES // flat.itemsize)
     tmp = np.empty(min(step, flat.size), view)
     for a in range(0, flat.size, step):
-        part = flat[a:a + step]
-        t = tmp[:part.size]
+        part = flat[a : a + step]
+        t = tmp[: part.size]
         np.bitwise_and(part, view(mask), out=t)
         if t.max() >= bad:
             return a + int(np.flatnonzero(t >= bad)[0])

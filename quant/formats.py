@@ -35,8 +35,8 @@ FP8_E4M3 = "e4m3"
 @dataclass(frozen=True)
 class Fp8Format:
     name: str
-    max_value: float   # largest finite magnitude
-    max_code: int      # its code (low 7 bits)
+    max_value: float  # largest finite magnitude
+    max_code: int  # its code (low 7 bits)
 
 
 FP8_FORMATS = {
@@ -51,8 +51,7 @@ def fp8_format(name: str) -> Fp8Format:
     try:
         return FP8_FORMATS[name]
     except KeyError:
-        raise QuantInputError(
-            f"unknown fp8 format {name!r}; valid formats: {', '.join(sorted(FP8_FORMATS))}") from None
+        raise QuantInputError(f"unknown fp8 format {name!r}; valid formats: {', '.join(sorted(FP8_FORMATS))}") from None
 
 
 def _build_e4m3_lut() -> np.ndarray:

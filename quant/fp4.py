@@ -31,8 +31,7 @@ E2M1_LUT.setflags(write=False)
 
 # Decision points between consecutive magnitudes and whether a tie rounds up
 # (it does when the upper neighbour has the even index).
-_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
-              (2.5, False), (3.5, True), (5.0, False))
+_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
 def e2m1_decode(nibbles: np.ndarray) -> np.ndarray:
@@ -77,7 +76,7 @@ def quantize_mxfp4(w: np.ndarray, group: int = 32) -> tuple[np.ndarray, np.ndarr
     if w.shape[1] % 2:
         raise QuantInputError(f"{what}: columns must be even to pack two per byte, got shape {w.shape}")
     with np.errstate(invalid="ignore"):
-        amax = blocks.block_max(np.abs(w), 1, g)       # [R, Cg]
+        amax = blocks.block_max(np.abs(w), 1, g)  # [R, Cg]
     scales = scale_bytes_for(amax, E2M1_MAX)
     inv = np.float32(1.0) / UE8M0_LUT[scales]
     nibbles = e2m1_encode(w * blocks.expand(inv, 1, g, w.shape))

@@ -43,9 +43,9 @@ E4M3FN_LUT.setflags(write=False)
 
 # float32 bit patterns used by the encoder
 _MIN_NORMAL_BITS = np.uint32(0x3C800000)  # 2^-6, smallest e4m3fn normal
-_SUB_MAGIC = np.float32(2.0**14)           # ulp(2^14) == 2^-9 == e4m3fn subnormal step
+_SUB_MAGIC = np.float32(2.0**14)  # ulp(2^14) == 2^-9 == e4m3fn subnormal step
 _SUB_MAGIC_BITS = np.uint32(0x46800000)
-_EXP_REBIAS = np.uint32((127 - 7) << 3)    # float32 exponent bias -> e4m3 bias, in code units
+_EXP_REBIAS = np.uint32((127 - 7) << 3)  # float32 exponent bias -> e4m3 bias, in code units
 _INF_BITS = np.uint32(0x7F800000)
 
 

@@ -58,8 +58,8 @@ def pack_i32_mn_major(s: np.ndarray) -> np.ndarray:
     s = _scales(s, "pack_i32_mn_major scales")
     mn, kb = s.shape[-2:]
     mnp, kw = -(-mn // MN_ALIGN_WORDS) * MN_ALIGN_WORDS, -(-kb // 4)
-    p = np.ascontiguousarray(_pad_last2(s, mnp, 4 * kw))         # [..., MNp, 4*KW]
-    words = p.view("<u4")                                         # [..., MNp, KW], byte i -> bits 8i..
+    p = np.ascontiguousarray(_pad_last2(s, mnp, 4 * kw))  # [..., MNp, 4*KW]
+    words = p.view("<u4")  # [..., MNp, KW], byte i -> bits 8i..
     return np.ascontiguousarray(np.swapaxes(words, -1, -2)).astype(np.uint32).view(np.int32)
 
 
@@ -77,14 +77,14 @@ def pack_i16_pairs(s: np.ndarray) -> np.ndarray:
     lo = p[..., 0::2].astype(np.float32)
     hi = p[..., 1::2].astype(np.float32)
     wrap = np.float32(65536.0) * (hi >= np.float32(128.0))
-    value = lo + np.float32(256.0) * hi - wrap                    # exact: |value| < 2^16
+    value = lo + np.float32(256.0) * hi - wrap  # exact: |value| < 2^16
     return value.astype(np.int16)
 
 
 def unpack_i16_pairs(h: np.ndarray, kb: int) -> np.ndarray:
     """int16 [..., MN, KH] -> uint8 [..., MN, KB]."""
     h = expect_dtype(h, np.int16, "unpack_i16_pairs words")
-    b = np.ascontiguousarray(h).astype("<i2").view(np.uint8)     # [..., MN, 2*KH]
+    b = np.ascontiguousarray(h).astype("<i2").view(np.uint8)  # [..., MN, 2*KH]
     return np.ascontiguousarray(b[..., :kb])
 
 

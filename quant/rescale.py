@@ -38,7 +38,7 @@ from .fp8 import E4M3FN_LUT
 from .shift import apply_shifts, check_no_nan, tile_kmax
 from .ue8m0 import UE8M0_LUT, UE8M0_NAN, scale_bytes_for
 
-CHUNK_BYTES = 4 << 20   # input bytes per chunk: a few working arrays of this stay in L3
+CHUNK_BYTES = 4 << 20  # input bytes per chunk: a few working arrays of this stay in L3
 
 
 def block_pair(block, what: str) -> tuple[int, int]:
@@ -51,6 +51,7 @@ def block_pair(block, what: str) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Geometry:
     """Block geometry of one rescale of a [R, C] matrix."""
+
     shape: tuple[int, int]
     src: tuple[int, int]
     dst: tuple[int, int]
@@ -92,10 +93,10 @@ class _Chunk:
         rows, cols = -(-(r1 - r0) // gr) * gr, -(-(c1 - c0) // gc) * gc
         self.codes = _padded(codes[r0:r1, c0:c1], rows, cols)
         self.k = self.codes & np.uint8(0x7F)
-        self.kmax = tile_kmax(self.k, gr, gc)                       # [rt, ct]
+        self.kmax = tile_kmax(self.k, gr, gc)  # [rt, ct]
         check_no_nan(self.kmax, what, (r0, c0), g.tile)
-        ti = (r0 + np.arange(rows // gr) * gr)                      # first row of each tile row
-        tj = (c0 + np.arange(cols // gc) * gc)
+        ti = r0 + np.arange(rows // gr) * gr  # first row of each tile row
+        tj = c0 + np.arange(cols // gc) * gc
         self.src_ij = np.ix_(ti // g.src[0], tj // g.src[1])
         self.dst_i, self.dst_j = ti // g.dst[0], tj // g.dst[1]
         self.box = (r0, r1, c0, c1)
@@ -108,9 +109,10 @@ class _Chunk:
         np.maximum.at(amax, (inv_i[:, None], inv_j[None, :]), tile_amax)
         t = scale_bytes_for(amax, qmax)
         if (t == UE8M0_NAN).any():
-            raise QuantInputError(f"{what}: a destination block scale overflows ue8m0 "
-                                  "(source scales too large for float32)")
-        self.tile_t = t[inv_i[:, None], inv_j[None, :]]             # [rt, ct]
+            raise QuantInputError(
+                f"{what}: a destination block scale overflows ue8m0 (source scales too large for float32)"
+            )
+        self.tile_t = t[inv_i[:, None], inv_j[None, :]]  # [rt, ct]
         return t
 
     def result_buffer(self, out: np.ndarray) -> np.ndarray:
@@ -144,8 +146,15 @@ def _check_inputs(codes, scales, sdtype, src, dst, what):
     return codes, scales, g
 
 
-def rescale_ue8m0(codes: np.ndarray, scales: np.ndarray, src_block=32, dst_block=128,
-                  fmt: str = FP8_E4M3FN, chunk_bytes: int = CHUNK_BYTES, out: np.ndarray | None = None):
+def rescale_ue8m0(
+    codes: np.ndarray,
+    scales: np.ndarray,
+    src_block=32,
+    dst_block=128,
+    fmt: str = FP8_E4M3FN,
+    chunk_bytes: int = CHUNK_BYTES,
+    out: np.ndarray | None = None,
+):
     """e4m3fn codes [R, C] with ue8m0 scales on src blocks -> (codes [R, C] in `fmt`,
     ue8m0 scales [ceil(R/dst_r), ceil(C/dst_c)])."""
     what = "rescale_ue8m0"
@@ -157,17 +166,24 @@ def rescale_ue8m0(codes: np.ndarray, scales: np.ndarray, src_block=32, dst_block
     out_s = np.empty(blocks.grid(codes.shape, *g.dst), np.uint8)
     for r0, r1, c0, c1 in g.chunks(chunk_bytes):
         ch = _Chunk(g, codes, r0, r1, c0, c1, what)
-        a = scales[ch.src_ij].astype(np.int16)                      # [rt, ct] source bytes
+        a = scales[ch.src_ij].astype(np.int16)  # [rt, ct] source bytes
         t = ch.dst_scales(E4M3FN_LUT[ch.kmax] * UE8M0_LUT[a], qmax, what)
-        out_s[ch.dst_i[0]: ch.dst_i[0] + t.shape[0], ch.dst_j[0]: ch.dst_j[0] + t.shape[1]] = t
+        out_s[ch.dst_i[0] : ch.dst_i[0] + t.shape[0], ch.dst_j[0] : ch.dst_j[0] + t.shape[1]] = t
         result = ch.result_buffer(out)
         apply_shifts(ch.codes, ch.k, ch.tile_t.astype(np.int16) - a, *g.tile, out=result)
         ch.store(out, result)
     return out, out_s
 
 
-def rescale_fp32(codes: np.ndarray, scale_inv: np.ndarray, src_block=128, dst_block=128,
-                 fmt: str = FP8_E4M3FN, chunk_bytes: int = CHUNK_BYTES, out: np.ndarray | None = None):
+def rescale_fp32(
+    codes: np.ndarray,
+    scale_inv: np.ndarray,
+    src_block=128,
+    dst_block=128,
+    fmt: str = FP8_E4M3FN,
+    chunk_bytes: int = CHUNK_BYTES,
+    out: np.ndarray | None = None,
+):
     """e4m3fn codes [R, C] with float32 scales (value = fp8 * scale) on src blocks ->
     (codes [R, C] in `fmt`, ue8m0 scales [ceil(R/dst_r), ceil(C/dst_c)])."""
     what = "rescale_fp32"
@@ -179,10 +195,10 @@ def rescale_fp32(codes: np.ndarray, scale_inv: np.ndarray, src_block=128, dst_bl
     out_s = np.empty(blocks.grid(codes.shape, *g.dst), np.uint8)
     for r0, r1, c0, c1 in g.chunks(chunk_bytes):
         ch = _Chunk(g, codes, r0, r1, c0, c1, what)
-        s = scale_inv[ch.src_ij]                                    # [rt, ct] float32
+        s = scale_inv[ch.src_ij]  # [rt, ct] float32
         t = ch.dst_scales(E4M3FN_LUT[ch.kmax] * s, qmax, what)
-        out_s[ch.dst_i[0]: ch.dst_i[0] + t.shape[0], ch.dst_j[0]: ch.dst_j[0] + t.shape[1]] = t
-        tables = _fp32_tables(s, ch.tile_t, encode)                 # [rt, ct, 256]
+        out_s[ch.dst_i[0] : ch.dst_i[0] + t.shape[0], ch.dst_j[0] : ch.dst_j[0] + t.shape[1]] = t
+        tables = _fp32_tables(s, ch.tile_t, encode)  # [rt, ct, 256]
         result = ch.result_buffer(out)
         _apply_tables(ch.codes, tables, *g.tile, out=result)
         ch.store(out, result)
@@ -193,13 +209,19 @@ def _fp32_tables(s: np.ndarray, t: np.ndarray, encode) -> np.ndarray:
     """Code tables per tile: code -> encode(fl32(e4m3fn(code) * s) / 2^(t-127)).
     s: [rt, ct] float32, t: [rt, ct] scale bytes. Built for the 128 positive codes;
     negative codes mirror them (both float32 steps are odd functions)."""
-    v = E4M3FN_LUT[None, None, :128] * s[:, :, None]                # [rt, ct, 128]
+    v = E4M3FN_LUT[None, None, :128] * s[:, :, None]  # [rt, ct, 128]
     pos = encode(v / UE8M0_LUT[t][:, :, None])
     return np.concatenate([pos, pos | np.uint8(0x80)], axis=2)
 
 
-def convert_format(codes: np.ndarray, scales: np.ndarray, block=32, fmt: str = FP8_E4M3,
-                   chunk_bytes: int = CHUNK_BYTES, out: np.ndarray | None = None):
+def convert_format(
+    codes: np.ndarray,
+    scales: np.ndarray,
+    block=32,
+    fmt: str = FP8_E4M3,
+    chunk_bytes: int = CHUNK_BYTES,
+    out: np.ndarray | None = None,
+):
     """e4m3fn codes + ue8m0 scales -> the device format `fmt` (formats.py).
 
     For "e4m3": every block holding a magnitude above 240 is halved (codes via the
@@ -215,11 +237,10 @@ def convert_format(codes: np.ndarray, scales: np.ndarray, block=32, fmt: str = F
     out_s = scales.copy()
     for r0, r1, c0, c1 in g.chunks(chunk_bytes):
         ch = _Chunk(g, codes, r0, r1, c0, c1, what)
-        halve = (ch.kmax > limit).astype(np.int16)                  # [rt, ct], tile == block
+        halve = (ch.kmax > limit).astype(np.int16)  # [rt, ct], tile == block
         a = scales[ch.src_ij]
         if ((a.astype(np.int16) + halve) >= UE8M0_NAN).any():
-            raise QuantInputError(f"{what}: a block with scale byte 254 needs halving; "
-                                  "its scale would overflow ue8m0")
+            raise QuantInputError(f"{what}: a block with scale byte 254 needs halving; its scale would overflow ue8m0")
         out_s[ch.src_ij] = a + halve.astype(np.uint8)
         result = ch.result_buffer(out)
         apply_shifts(ch.codes, ch.k, halve, *g.tile, out=result)
@@ -236,5 +257,5 @@ def _apply_tables(codes: np.ndarray, tables: np.ndarray, gr: int, gc: int, out: 
     base = (np.arange(cols, dtype=itype) // gc * 256)[None, :]
     for i in range(rt):
         rows = slice(i * gr, (i + 1) * gr)
-        idx = codes[rows] + base                                    # [gr, cols]
+        idx = codes[rows] + base  # [gr, cols]
         np.take(tables[i].reshape(-1), idx, out=out[rows])

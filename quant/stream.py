@@ -37,7 +37,7 @@ __all__ = ["StreamRecipe", "StreamReport", "process_checkpoint", "run_task"]
 def _convert(task: Task) -> tuple[np.ndarray, np.ndarray]:
     """Rescale rows [lo, hi) of an fp8 weight -> (codes [rows, C], new scale rows)."""
     job, lo, hi = task.job, task.lo, task.hi
-    w = map_rows(job.weight, lo, hi)                                 # [rows, C] uint8, read-only
+    w = map_rows(job.weight, lo, hi)  # [rows, C] uint8, read-only
     s = np.array(map_rows(job.scale, lo // job.src[0], -(-hi // job.src[0])))
     if job.scale.dtype == "F32":
         return rescale_fp32(w, s, job.src, job.dst, task.fmt)
@@ -58,8 +58,9 @@ def run_task(task: Task):
     except TensorFileError:
         raise
     except QuantInputError as e:
-        raise TensorFileError(job.weight.path, job.weight.name,
-                              f"in rows {task.lo}..{task.hi} (positions below are relative): {e}") from None
+        raise TensorFileError(
+            job.weight.path, job.weight.name, f"in rows {task.lo}..{task.hi} (positions below are relative): {e}"
+        ) from None
     # pwrite costs about half of what page faults on a writable shared map cost
     # (measured on ext4 and tmpfs); tasks alternate between files so concurrent
     # writers seldom queue on the same file's inode lock.
@@ -80,7 +81,7 @@ class _ScaleAssembler:
         job = self.plan.jobs[name]
         grid = blocks.grid(job.weight.shape, *job.dst)
         entry = self.pending.setdefault(name, [np.zeros(grid, np.uint8), 0])
-        entry[0][row0: row0 + rows.shape[0]] = rows
+        entry[0][row0 : row0 + rows.shape[0]] = rows
         entry[1] += rows.shape[0]
         if entry[1] == grid[0]:
             path, offset = self.plan.scale_slots[name]
@@ -91,7 +92,7 @@ class _ScaleAssembler:
         assert not self.pending, f"incomplete scale grids: {sorted(self.pending)}"
 
 
-THREADED_RUNTIMES = ("jax", "jaxlib")   # loaded: fork from a fork server, not from this process
+THREADED_RUNTIMES = ("jax", "jaxlib")  # loaded: fork from a fork server, not from this process
 
 
 def worker_context(name: str | None = None):
@@ -104,8 +105,7 @@ def worker_context(name: str | None = None):
     methods = mp.get_all_start_methods()
     if not name:
         risky = any(m in sys.modules for m in THREADED_RUNTIMES)
-        name = "fork" if "fork" in methods and not risky else \
-            "forkserver" if "forkserver" in methods else "spawn"
+        name = "fork" if "fork" in methods and not risky else "forkserver" if "forkserver" in methods else "spawn"
     return mp.get_context(name)
 
 
@@ -121,14 +121,15 @@ def _execute(plan: Plan, recipe: StreamRecipe, workers: int, start_method: str |
     scales.finish()
 
 
-def process_checkpoint(src, out_dir: str, recipe: StreamRecipe | None = None, workers: int = 1,
-                       start_method: str | None = None) -> StreamReport:
+def process_checkpoint(
+    src, out_dir: str, recipe: StreamRecipe | None = None, workers: int = 1, start_method: str | None = None
+) -> StreamReport:
     """Preprocess `src` (a directory of *.safetensors, one file, or a list of files)
     into `out_dir` (same file names). workers <= 1 runs in this process."""
     recipe = recipe or StreamRecipe()
     os.makedirs(out_dir, exist_ok=True)
     plan = plan_checkpoint(src, out_dir, recipe)
-    for fp in plan.files:   # replacing a file that is memory-mapped would corrupt the input
+    for fp in plan.files:  # replacing a file that is memory-mapped would corrupt the input
         if os.path.exists(fp.out) and os.path.samefile(fp.out, fp.src):
             raise QuantInputError(f"output {fp.out!r} is the input file; choose another out_dir")
     t0 = time.perf_counter()
@@ -145,5 +146,10 @@ def process_checkpoint(src, out_dir: str, recipe: StreamRecipe | None = None, wo
             if os.path.exists(fp.tmp):
                 os.remove(fp.tmp)
         raise
-    return StreamReport([fp.out for fp in plan.files], plan.tensors, plan.bytes_in,
-                        sum(fp.size for fp in plan.files), time.perf_counter() - t0)
+    return StreamReport(
+        [fp.out for fp in plan.files],
+        plan.tensors,
+        plan.bytes_in,
+        sum(fp.size for fp in plan.files),
+        time.perf_counter() - t0,
+    )

@@ -26,7 +26,7 @@ from .formats import FP8_E4M3FN, fp8_format
 from .pack import LAYOUT_I16_PAIRS, LAYOUT_I32_MN_MAJOR, LAYOUT_U8, SCALE_LAYOUTS, pack_scales
 from .rescale import block_pair
 
-SCALE_DTYPES = {"F8_E8M0": (32, 32), "F32": (128, 128)}   # scale dtype -> checkpoint block
+SCALE_DTYPES = {"F8_E8M0": (32, 32), "F32": (128, 128)}  # scale dtype -> checkpoint block
 LAYOUT_DTYPE = {LAYOUT_U8: "F8_E8M0", LAYOUT_I32_MN_MAJOR: "I32", LAYOUT_I16_PAIRS: "I16"}
 
 
@@ -36,6 +36,7 @@ class StreamRecipe:
     (then only the fp8 format changes); per-row scaled weights (block (1, b),
     e.g. engram.embed) always keep theirs, and take row_scale_layout when given
     (e.g. the int16 pairs their kernel reads) instead of scale_layout."""
+
     dst_block: int | tuple[int, int] | None = None
     fp8_format: str = FP8_E4M3FN
     scale_layout: str = LAYOUT_U8
@@ -61,18 +62,18 @@ class Fp8Job:
     src: tuple[int, int]
     dst: tuple[int, int]
     out_scale_name: str
-    keep_blocks: bool         # True: only convert the fp8 format (convert_format)
-    layout: str               # packed layout of the output scale (pack.py)
+    keep_blocks: bool  # True: only convert the fp8 format (convert_format)
+    layout: str  # packed layout of the output scale (pack.py)
 
 
 @dataclass(frozen=True)
 class Task:
-    kind: str                 # "copy" | "fp8"
+    kind: str  # "copy" | "fp8"
     src: TensorInfo
-    lo: int                   # copy: byte range; fp8: row range
+    lo: int  # copy: byte range; fp8: row range
     hi: int
     dst_path: str
-    dst_offset: int           # absolute offset of the output tensor
+    dst_offset: int  # absolute offset of the output tensor
     job: Fp8Job | None = None
     fmt: str = FP8_E4M3FN
 
@@ -80,7 +81,7 @@ class Task:
 @dataclass
 class StreamReport:
     files: list[str]
-    tensors: dict[str, dict] = field(default_factory=dict)   # manifest-ready description
+    tensors: dict[str, dict] = field(default_factory=dict)  # manifest-ready description
     bytes_in: int = 0
     bytes_out: int = 0
     seconds: float = 0.0
@@ -101,14 +102,19 @@ def block_from_grid(w: TensorInfo, s: TensorInfo, pref: tuple[int, int]) -> tupl
     """The checkpoint block that produced scale grid s.shape for weight w.shape:
     the format's block on each axis, else one scale per row (block 1)."""
     if len(w.shape) != 2 or len(s.shape) != 2:
-        raise TensorFileError(w.path, w.name, f"fp8 weight {list(w.shape)} and scale {s.name!r} "
-                              f"{list(s.shape)} must both be 2-D")
+        raise TensorFileError(
+            w.path, w.name, f"fp8 weight {list(w.shape)} and scale {s.name!r} {list(s.shape)} must both be 2-D"
+        )
     for br in (pref[0], 1):
         if blocks.grid(w.shape, br, pref[1]) == s.shape:
             return br, pref[1]
-    raise TensorFileError(s.path, s.name, f"scale shape {list(s.shape)} does not fit fp8 weight "
-                          f"{w.name!r} {list(w.shape)} with [{pref[0]}, {pref[1]}] blocks "
-                          f"(expected {list(blocks.grid(w.shape, *pref))}) or per-row scales")
+    raise TensorFileError(
+        s.path,
+        s.name,
+        f"scale shape {list(s.shape)} does not fit fp8 weight "
+        f"{w.name!r} {list(w.shape)} with [{pref[0]}, {pref[1]}] blocks "
+        f"(expected {list(blocks.grid(w.shape, *pref))}) or per-row scales",
+    )
 
 
 def scale_names(weight: str) -> tuple[str, str]:
@@ -126,11 +132,16 @@ def _fp8_jobs(index: dict[str, TensorInfo], recipe: StreamRecipe) -> dict[str, F
         cands = scale_names(name)
         scale = next((index[c] for c in cands if c in index), None)
         if scale is None:
-            raise TensorFileError(w.path, name, "fp8 weight has no scale tensor",
-                                  f"expected {cands[0]!r} (F8_E8M0) or {cands[1]!r} (F32)")
+            raise TensorFileError(
+                w.path, name, "fp8 weight has no scale tensor", f"expected {cands[0]!r} (F8_E8M0) or {cands[1]!r} (F32)"
+            )
         if scale.dtype not in SCALE_DTYPES:
-            raise TensorFileError(scale.path, scale.name, f"unexpected dtype {scale.dtype} for the "
-                                  f"scale of fp8 weight {name!r}", "expected F8_E8M0 or F32")
+            raise TensorFileError(
+                scale.path,
+                scale.name,
+                f"unexpected dtype {scale.dtype} for the scale of fp8 weight {name!r}",
+                "expected F8_E8M0 or F32",
+            )
         src = block_from_grid(w, scale, SCALE_DTYPES[scale.dtype])
         keep = recipe.dst_block is None or src[0] == 1
         dst = src if keep else block_pair(recipe.dst_block, "StreamRecipe.dst_block")
@@ -172,15 +183,15 @@ class FilePlan:
     out: str
     tmp: str
     header: bytes
-    size: int                              # total output bytes
-    offsets: dict[str, int]                # output tensor -> absolute offset
+    size: int  # total output bytes
+    offsets: dict[str, int]  # output tensor -> absolute offset
 
 
 @dataclass
 class Plan:
     files: list[FilePlan]
     tasks: list[Task]
-    tensors: dict[str, dict]               # manifest-ready description per output tensor
+    tensors: dict[str, dict]  # manifest-ready description per output tensor
     scale_slots: dict[str, tuple[str, int]]  # fp8 weight -> (output path, scale offset)
     jobs: dict[str, Fp8Job]
     bytes_in: int = 0
@@ -189,25 +200,31 @@ class Plan:
 def _tasks_for(name, t, job, fp, recipe) -> list[Task]:
     if job is None:
         step = recipe.chunk_bytes
-        return [Task("copy", t, b, min(b + step, t.nbytes), fp.tmp, fp.offsets[name])
-                for b in range(0, t.nbytes, step)]
+        return [Task("copy", t, b, min(b + step, t.nbytes), fp.tmp, fp.offsets[name]) for b in range(0, t.nbytes, step)]
     if name != job.weight.name:
-        return []                                     # a scale: written when its weight is done
+        return []  # a scale: written when its weight is done
     lr = math.lcm(job.src[0], job.dst[0])
     rows = max(lr, recipe.chunk_bytes // max(job.weight.row_bytes, 1) // lr * lr)
-    return [Task("fp8", t, r, min(r + rows, t.shape[0]), fp.tmp, fp.offsets[name], job,
-                 recipe.fp8_format) for r in range(0, t.shape[0], rows)]
+    return [
+        Task("fp8", t, r, min(r + rows, t.shape[0]), fp.tmp, fp.offsets[name], job, recipe.fp8_format)
+        for r in range(0, t.shape[0], rows)
+    ]
 
 
 def _describe(name, t, job, recipe) -> dict:
     if job is None:
         return {"kind": "copy", "dtype": t.dtype, "shape": list(t.shape)}
     if name == job.out_scale_name:
-        return {"kind": "fp8_scale", "weight": job.weight.name, "layout": job.layout,
-                "block": list(job.dst)}
-    return {"kind": "fp8_block", "fp8_format": recipe.fp8_format, "block": list(job.dst),
-            "scale": job.out_scale_name, "scale_layout": job.layout,
-            "source_block": list(job.src), "source_scale_dtype": job.scale.dtype}
+        return {"kind": "fp8_scale", "weight": job.weight.name, "layout": job.layout, "block": list(job.dst)}
+    return {
+        "kind": "fp8_block",
+        "fp8_format": recipe.fp8_format,
+        "block": list(job.dst),
+        "scale": job.out_scale_name,
+        "scale_layout": job.layout,
+        "source_block": list(job.src),
+        "source_scale_dtype": job.scale.dtype,
+    }
 
 
 def plan_checkpoint(src, out_dir: str, recipe: StreamRecipe) -> Plan:
@@ -229,8 +246,7 @@ def plan_checkpoint(src, out_dir: str, recipe: StreamRecipe) -> Plan:
         entries, items = _plan_file(p, tensors, jobs, by_scale, recipe)
         header, offsets = layout_header(entries, meta)
         out = os.path.join(out_dir, os.path.basename(p))
-        fp = FilePlan(p, out, f"{out}.tmp-{os.getpid()}", header, len(header) + sum(e[3] for e in entries),
-                      offsets)
+        fp = FilePlan(p, out, f"{out}.tmp-{os.getpid()}", header, len(header) + sum(e[3] for e in entries), offsets)
         plan.files.append(fp)
         per_file.append([])
         for name, t, job in items:

@@ -30,7 +30,7 @@ MIN_SCALE_BYTE = 1
 
 def _build_decode_lut() -> np.ndarray:
     bits = np.arange(256, dtype=np.uint32) << np.uint32(23)
-    bits[0] = 0x00400000    # 2^-127 as a float32 subnormal
+    bits[0] = 0x00400000  # 2^-127 as a float32 subnormal
     bits[255] = 0x7FC00000  # NaN
     return bits.view(np.float32)
 
@@ -65,7 +65,7 @@ def pow2ceil(x: np.ndarray) -> np.ndarray:
     x = expect_dtype(x, np.float32, "pow2ceil input")
     bits = np.ascontiguousarray(x).view(np.uint32)
     exp = bits & np.uint32(0x7F800000)
-    special = exp == np.uint32(0x7F800000)                 # inf / NaN: unchanged
+    special = exp == np.uint32(0x7F800000)  # inf / NaN: unchanged
     bump = ((bits & np.uint32(0x7FFFFF)) != 0) & ~special
     out = (bits & np.uint32(0x80000000)) | (exp + (bump.astype(np.uint32) << np.uint32(23)))
     return np.where(special, bits, out).view(np.float32).reshape(x.shape)

@@ -26,10 +26,10 @@ def tolerance(dtype: torch.dtype | str) -> float:
 
 @dataclass
 class OutputDiff:
-    name: str                 # an output, or "<state> (state)" for a state the call writes
-    max_abs: float            # max |exe - ref| (floating point)
-    ref_max: float            # max |ref|
-    mismatches: int           # entries that differ (integer outputs)
+    name: str  # an output, or "<state> (state)" for a state the call writes
+    max_abs: float  # max |exe - ref| (floating point)
+    ref_max: float  # max |ref|
+    mismatches: int  # entries that differ (integer outputs)
     numel: int
     integer: bool
 
@@ -44,7 +44,7 @@ class OutputDiff:
         return 0.0 if self.max_abs == 0 else math.inf
 
     def agrees(self, tol: float) -> bool:
-        return self.score <= tol                   # NaN and inf never agree
+        return self.score <= tol  # NaN and inf never agree
 
 
 class ShapeMismatch(ValueError):
@@ -53,14 +53,15 @@ class ShapeMismatch(ValueError):
 
 def compare_tensors(name: str, got: torch.Tensor, ref: torch.Tensor) -> OutputDiff:
     if tuple(got.shape) != tuple(ref.shape):
-        raise ShapeMismatch(f"output {name}: the executable returns shape {tuple(got.shape)}, "
-                            f"the reference region {tuple(ref.shape)}")
+        raise ShapeMismatch(
+            f"output {name}: the executable returns shape {tuple(got.shape)}, the reference region {tuple(ref.shape)}"
+        )
     if not ref.dtype.is_floating_point:
         bad = int((got.to(ref.dtype) != ref).sum())
         return OutputDiff(name, 0.0, 0.0, bad, ref.numel(), True)
     if not ref.numel():
         return OutputDiff(name, 0.0, 0.0, 0, 0, False)
     g, r = got.double(), ref.double()
-    same = (g == r) | (g.isnan() & r.isnan())                 # equal infinities and NaNs agree
+    same = (g == r) | (g.isnan() & r.isnan())  # equal infinities and NaNs agree
     diff = torch.where(same, 0.0, (g - r).abs().nan_to_num(nan=math.inf))
     return OutputDiff(name, float(diff.max()), float(r.abs().nan_to_num(nan=0.0).max()), 0, ref.numel(), False)

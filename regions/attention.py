@@ -87,7 +87,7 @@ class _Attention(Region):
     """Shared pieces: projections, the window, sparse attention, the output."""
 
     ratio: int = 0
-    tp: int = 1             # > 1: this rank's heads only; the output is a partial sum (see _finish)
+    tp: int = 1  # > 1: this rank's heads only; the output is a partial sum (see _finish)
 
     def __init__(self, c: TextConfig, specs: list[WeightSpec], *, dtype: torch.dtype, cache_quant: bool):
         super().__init__(_attention_specs(c) + specs, dtype)
@@ -95,7 +95,7 @@ class _Attention(Region):
         self.cache_quant = cache_quant
         self.heads, self.hd = c.num_attention_heads, c.head_dim
         self.window = c.sliding_window
-        self.ties = "lowest"        # see kernels/select.py; the eager reference may choose "nemo"
+        self.ties = "lowest"  # see kernels/select.py; the eager reference may choose "nemo"
 
     # -- signature ------------------------------------------------------------------------
 
@@ -105,10 +105,12 @@ class _Attention(Region):
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         """The inputs of `decode`, in order, for a [B, T] step over geometry g."""
         c, f32 = self.c, torch.float32
-        specs = [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
-                 InputSpec("pre", (B, T, c.hc_mult), f32, "activation"),
-                 *step_inputs(B, T, g, paged=bool(self.ratio)),
-                 InputSpec("win", (g.slots, self.window, self.hd), self.dtype, "state")]
+        specs = [
+            InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+            InputSpec("pre", (B, T, c.hc_mult), f32, "activation"),
+            *step_inputs(B, T, g, paged=bool(self.ratio)),
+            InputSpec("win", (g.slots, self.window, self.hd), self.dtype, "state"),
+        ]
         if self.ratio:
             per_block = g.block_size // self.ratio
             specs += [InputSpec("ckv", (g.blocks, per_block, self.hd), self.dtype, "state")]
@@ -133,18 +135,19 @@ class _Attention(Region):
         return rope_angles(positions.clamp_min(0), freqs)
 
     def _site_input(self, h: Tensor, pre: Tensor):
-        mix = ops.hc_mixes(h, self.hc_fn, self.hc_base, self.hc_scale,
-                           self.c.rms_norm_eps, self.c.hc_eps, self.c.hc_sinkhorn_iters)
-        x = ops.rmsnorm(ops.hc_collapse(h, pre), self.attn_norm, self.c.rms_norm_eps)   # [B, T, D]
+        mix = ops.hc_mixes(
+            h, self.hc_fn, self.hc_base, self.hc_scale, self.c.rms_norm_eps, self.c.hc_eps, self.c.hc_sinkhorn_iters
+        )
+        x = ops.rmsnorm(ops.hc_collapse(h, pre), self.attn_norm, self.c.rms_norm_eps)  # [B, T, D]
         return x, mix
 
     def _project(self, x: Tensor, angles: Tensor):
         eps = self.c.rms_norm_eps
         q_lat = ops.rmsnorm(ops.blockquant_gemm(x, self.wq_a, self.wq_a_s, self.fp8), self.q_norm, eps)
         q = ops.blockquant_gemm(q_lat, self.wq_b, self.wq_b_s, self.fp8).unflatten(-1, (self.heads, self.hd))
-        q = apply_rope(q, angles)                                                     # [B, T, H, hd]
+        q = apply_rope(q, angles)  # [B, T, H, hd]
         kv = ops.rmsnorm(ops.blockquant_gemm(x, self.wkv, self.wkv_s, self.fp8), self.kv_norm, eps)
-        kv = maybe_quant(apply_rope(kv, angles), "fp8", self.cache_quant)             # [B, T, hd]
+        kv = maybe_quant(apply_rope(kv, angles), "fp8", self.cache_quant)  # [B, T, hd]
         return q, q_lat, kv
 
     def _window_keys(self, kv: Tensor, positions: Tensor, slots: Tensor, win: Tensor):
@@ -153,18 +156,18 @@ class _Attention(Region):
         Returns keys [B, T, window, hd] and their validity [B, T, window].
         """
         W = self.window
-        ring = win.index_select(0, slots)                                             # [B, W, hd]
-        buf = torch.cat((ring, kv), dim=1)                                            # [B, W + T, hd]
-        p0 = positions[:, :1]                                                         # [B, 1]
-        j = positions.unsqueeze(-1) - (W - 1) + torch.arange(W, device=kv.device)     # [B, T, W]
+        ring = win.index_select(0, slots)  # [B, W, hd]
+        buf = torch.cat((ring, kv), dim=1)  # [B, W + T, hd]
+        p0 = positions[:, :1]  # [B, 1]
+        j = positions.unsqueeze(-1) - (W - 1) + torch.arange(W, device=kv.device)  # [B, T, W]
         p0e = p0.unsqueeze(-1)
         idx = torch.where(j >= p0e, W + j - p0e, j.remainder(W)).clamp(0, buf.shape[1] - 1)
         valid = (j >= 0) & (positions >= 0).unsqueeze(-1)
-        keys = gather_rows(buf, idx)                                                  # [B, T, W, hd]
+        keys = gather_rows(buf, idx)  # [B, T, W, hd]
         # ring update: slot s takes the latest position j* <= last with j* % W == s
-        last = positions.amax(dim=1, keepdim=True)                                    # [B, 1]
+        last = positions.amax(dim=1, keepdim=True)  # [B, 1]
         s = torch.arange(W, device=kv.device)
-        jstar = last - (last - s).remainder(W)                                        # [B, W]
+        jstar = last - (last - s).remainder(W)  # [B, W]
         fresh = (jstar >= p0) & (last >= 0)
         new = gather_rows(buf, (W + jstar - p0).clamp(0, buf.shape[1] - 1))
         win.index_copy_(0, slots, torch.where(fresh.unsqueeze(-1), new, ring))
@@ -177,14 +180,14 @@ class _Attention(Region):
     def _attend(self, q: Tensor, keys: Tensor, valid: Tensor, angles: Tensor) -> Tensor:
         """Sparse attention with the sink, de-rotation and the grouped output projection."""
         c = self.c
-        o = ops.sparse_attn(q, keys, valid, self.sink, self.hd ** -0.5)              # [B, T, H, hd]
+        o = ops.sparse_attn(q, keys, valid, self.sink, self.hd**-0.5)  # [B, T, H, hd]
         o = apply_rope(o, angles, inverse=True)
         G = c.o_groups
-        o = o.flatten(-2).unflatten(-1, (G, -1))                                      # [B, T, G, H*hd/G]
-        wo_a = self.wo_a.unflatten(0, (G, -1))                                        # [G, R, H*hd/G]
+        o = o.flatten(-2).unflatten(-1, (G, -1))  # [B, T, G, H*hd/G]
+        wo_a = self.wo_a.unflatten(0, (G, -1))  # [G, R, H*hd/G]
         wo_a_s = self.wo_a_s.unflatten(0, (G, -1))
-        o = ops.blockquant_gemm(o, wo_a, wo_a_s, self.fp8).flatten(-2)                  # [B, T, G*R]
-        return ops.blockquant_gemm(o, self.wo_b, self.wo_b_s, self.fp8)                  # [B, T, D]
+        o = ops.blockquant_gemm(o, wo_a, wo_a_s, self.fp8).flatten(-2)  # [B, T, G*R]
+        return ops.blockquant_gemm(o, self.wo_b, self.wo_b_s, self.fp8)  # [B, T, D]
 
     def _finish(self, out: Tensor, h: Tensor, mix) -> tuple[Tensor, Tensor]:
         """The new streams. With tp > 1, `out` covers this rank's heads: the streams come back
@@ -202,8 +205,8 @@ class _Attention(Region):
         c = self.c
         qi = ops.blockquant_gemm(q_lat, self.iwq_b, self.iwq_b_s, self.fp8)
         qi = apply_rope(qi.unflatten(-1, (c.index_n_heads, c.index_head_dim)), angles)
-        qi = maybe_quant(qi, "mxfp4", self.cache_quant)                               # [B, T, Hi, di]
-        w = F.linear(x, self.iweights.to(x.dtype)) * (c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5)
+        qi = maybe_quant(qi, "mxfp4", self.cache_quant)  # [B, T, Hi, di]
+        w = F.linear(x, self.iweights.to(x.dtype)) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
         return qi, w
 
     def _select(self, x, q_lat, angles, positions, ikeys_all, cand, make_cand: bool):
@@ -211,8 +214,8 @@ class _Attention(Region):
         c = self.c
         qi, w = self._index_queries(x, q_lat, angles)
         width = ikeys_all.shape[1]
-        vis_len = torch.div(positions + 1, self.ratio, rounding_mode="floor").clamp_min(0)   # [B, T]
-        visible = torch.arange(width, device=x.device) < vis_len.unsqueeze(-1)        # [B, T, Wc]
+        vis_len = torch.div(positions + 1, self.ratio, rounding_mode="floor").clamp_min(0)  # [B, T]
+        visible = torch.arange(width, device=x.device) < vis_len.unsqueeze(-1)  # [B, T, Wc]
         scores = ops.index_score(qi, ikeys_all, w, visible)
         if self.ties == "nemo":
             return self._select_nemo(scores, positions, vis_len, visible, cand, make_cand)
@@ -223,7 +226,6 @@ class _Attention(Region):
         idx = ops.top_indices(scores, min(c.index_topk, width)).sort(dim=-1).values
         idx = torch.where(torch.isfinite(scores.gather(-1, idx)), idx, -1)
         return idx, cand
-
 
     def _select_nemo(self, scores, positions, vis_len, visible, cand, make_cand: bool):
         """Selection as NeMo AutoModel's full-sequence forward makes it (eager only).
@@ -243,8 +245,10 @@ class _Attention(Region):
                 continue
             s = scores[b, :, :W]
             if make_cand:
-                keep = candidate_blocks(s, vis_len[b], c.candidate_topk_blocks, c.candidate_block_size,
-                                        select=torch_topk) & visible[b, :, :W]
+                keep = (
+                    candidate_blocks(s, vis_len[b], c.candidate_topk_blocks, c.candidate_block_size, select=torch_topk)
+                    & visible[b, :, :W]
+                )
                 cand_out[b, :, :W] = keep
             elif cand is not None:
                 s = s.masked_fill(~cand[b, :, :W], float("-inf"))
@@ -265,7 +269,7 @@ def candidate_blocks(scores: Tensor, vis_len: Tensor, topk_blocks: int, block: i
     """
     width = scores.shape[-1]
     padded = F.pad(scores, (0, -width % block), value=float("-inf"))
-    block_scores = padded.unflatten(-1, (-1, block)).amax(-1)                          # [B, T, NBk]
+    block_scores = padded.unflatten(-1, (-1, block)).amax(-1)  # [B, T, NBk]
     last = torch.div(vis_len - 1, block, rounding_mode="floor").unsqueeze(-1)
     ids = torch.arange(block_scores.shape[-1], device=scores.device)
     block_scores = block_scores.masked_fill(ids == last, float("inf"))
@@ -297,11 +301,9 @@ class SourceAttention(_Attention):
 
     kind = "attn_source"
 
-    def __init__(self, c: TextConfig, *, ratio: int, candidate_source: bool, dtype: torch.dtype,
-                 cache_quant: bool):
+    def __init__(self, c: TextConfig, *, ratio: int, candidate_source: bool, dtype: torch.dtype, cache_quant: bool):
         self.ratio = ratio
-        super().__init__(c, _source_specs(c, ratio) + _indexer_query_specs(c), dtype=dtype,
-                         cache_quant=cache_quant)
+        super().__init__(c, _source_specs(c, ratio) + _indexer_query_specs(c), dtype=dtype, cache_quant=cache_quant)
         self.candidate_source = candidate_source
         self.kind = f"attn_source_r{ratio}" + ("_cand" if candidate_source else "")
 
@@ -309,8 +311,10 @@ class SourceAttention(_Attention):
         r = self.ratio
         if r == 1:
             return []
-        return [InputSpec("part_kv", (g.slots, r, self.hd), torch.float32, "state"),
-                InputSpec("part_gate", (g.slots, r, self.hd), torch.float32, "state")]
+        return [
+            InputSpec("part_kv", (g.slots, r, self.hd), torch.float32, "state"),
+            InputSpec("part_gate", (g.slots, r, self.hd), torch.float32, "state"),
+        ]
 
     def output_names(self) -> list[str]:
         return ["h", "pre", "topk"] + (["cand"] if self.candidate_source else [])
@@ -323,24 +327,25 @@ class SourceAttention(_Attention):
             latent = ops.rmsnorm(F.linear(x, self.c_wkv.to(x.dtype)), self.c_norm, self.c.rms_norm_eps)
             return latent, positions.clamp_min(0), valid
         B, T = positions.shape
-        kv = F.linear(x.float(), self.c_wkv)                                          # [B, T, hd] f32
+        kv = F.linear(x.float(), self.c_wkv)  # [B, T, hd] f32
         gate = F.linear(x.float(), self.c_wgate)
-        p0 = positions[:, :1].clamp_min(0)                                            # [B, 1]
+        p0 = positions[:, :1].clamp_min(0)  # [B, 1]
         off = p0.remainder(r)
-        nvalid = valid.sum(dim=1, keepdim=True)                                       # [B, 1]
+        nvalid = valid.sum(dim=1, keepdim=True)  # [B, 1]
         L = r * -(-(T + r - 1) // r)
         i = torch.arange(L, device=x.device)
-        src = torch.where(i < off, i, r + i - off).clamp(0, r + T - 1)                # [B, L]
-        buf_kv = torch.cat((part_kv.index_select(0, slots), kv), dim=1)               # [B, r + T, hd]
+        src = torch.where(i < off, i, r + i - off).clamp(0, r + T - 1)  # [B, L]
+        buf_kv = torch.cat((part_kv.index_select(0, slots), kv), dim=1)  # [B, r + T, hd]
         buf_gate = torch.cat((part_gate.index_select(0, slots), gate), dim=1)
-        pooled = ops.compress_pool(gather_rows(buf_kv, src).unflatten(1, (-1, r)),
-                                   gather_rows(buf_gate, src).unflatten(1, (-1, r)))  # [B, G, hd]
+        pooled = ops.compress_pool(
+            gather_rows(buf_kv, src).unflatten(1, (-1, r)), gather_rows(buf_gate, src).unflatten(1, (-1, r))
+        )  # [B, G, hd]
         latent = ops.rmsnorm(pooled.to(x.dtype), self.c_norm, self.c.rms_norm_eps)
         g = torch.arange(L // r, device=x.device)
-        t = torch.div(p0 - off, r, rounding_mode="floor") + g                         # [B, G]
+        t = torch.div(p0 - off, r, rounding_mode="floor") + g  # [B, G]
         complete = (g + 1) * r <= off + nvalid
         # the trailing incomplete group becomes the new partial state
-        start = torch.div(off + nvalid, r, rounding_mode="floor") * r                 # [B, 1]
+        start = torch.div(off + nvalid, r, rounding_mode="floor") * r  # [B, 1]
         j = start + torch.arange(r, device=x.device)
         psrc = torch.where(j < off, j, r + j - off).clamp(0, r + T - 1)
         part_kv.index_copy_(0, slots, gather_rows(buf_kv, psrc))
@@ -378,8 +383,7 @@ class ReindexAttention(_Attention):
 
     kind = "attn_reindex"
 
-    def __init__(self, c: TextConfig, *, ratio: int, uses_candidates: bool, dtype: torch.dtype,
-                 cache_quant: bool):
+    def __init__(self, c: TextConfig, *, ratio: int, uses_candidates: bool, dtype: torch.dtype, cache_quant: bool):
         self.ratio = ratio
         super().__init__(c, _indexer_query_specs(c), dtype=dtype, cache_quant=cache_quant)
         self.uses_candidates = uses_candidates

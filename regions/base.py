@@ -53,23 +53,32 @@ class WeightSpec:
 
 def fp8_specs(name: str, key: str, rows: int, cols: int) -> list[WeightSpec]:
     """An fp8 [rows, cols] weight and its [ceil(rows/32), ceil(cols/32)] ue8m0 scale."""
-    return [WeightSpec(name, f"{key}.weight", (rows, cols), "F8_E4M3"),
-            WeightSpec(f"{name}_s", f"{key}.scale", (-(-rows // 32), -(-cols // 32)), "F8_E8M0")]
+    return [
+        WeightSpec(name, f"{key}.weight", (rows, cols), "F8_E4M3"),
+        WeightSpec(f"{name}_s", f"{key}.scale", (-(-rows // 32), -(-cols // 32)), "F8_E8M0"),
+    ]
 
 
 def engram_table_specs(c: TextConfig) -> list[WeightSpec]:
     """The engram tables (codes and per-row ue8m0 scales of every engram layer), keyed by their
     checkpoint names. No region holds them: they stay on the host (regions.step.EngramRows)."""
     hd = c.engram_head_dim
-    return [spec for codes, scales, rows in c.engram_tables()
-            for spec in (WeightSpec(codes, codes, (rows, hd), "F8_E4M3"),
-                         WeightSpec(scales, scales, (rows, -(-hd // 32)), "F8_E8M0"))]
+    return [
+        spec
+        for codes, scales, rows in c.engram_tables()
+        for spec in (
+            WeightSpec(codes, codes, (rows, hd), "F8_E4M3"),
+            WeightSpec(scales, scales, (rows, -(-hd // 32)), "F8_E8M0"),
+        )
+    ]
 
 
 def fp4_specs(name: str, key: str, rows: int, cols: int, experts: int) -> list[WeightSpec]:
     """Per-expert fp4 [rows, cols] weights (packed [rows, cols/2]) and [rows, cols/32] scales."""
-    return [WeightSpec(name, f"{key}.weight", (rows, cols // 2), "I8", experts),
-            WeightSpec(f"{name}_s", f"{key}.scale", (rows, -(-cols // 32)), "F8_E8M0", experts)]
+    return [
+        WeightSpec(name, f"{key}.weight", (rows, cols // 2), "I8", experts),
+        WeightSpec(f"{name}_s", f"{key}.scale", (rows, -(-cols // 32)), "F8_E8M0", experts),
+    ]
 
 
 class Region(nn.Module):
@@ -112,8 +121,9 @@ class Region(nn.Module):
         for name, t in tensors.items():
             own = self._buffers[name]
             if tuple(t.shape) != tuple(own.shape) or t.dtype != own.dtype:
-                raise ValueError(f"{self.kind}.{name}: {tuple(t.shape)} {t.dtype}, the region holds "
-                                 f"{tuple(own.shape)} {own.dtype}")
+                raise ValueError(
+                    f"{self.kind}.{name}: {tuple(t.shape)} {t.dtype}, the region holds {tuple(own.shape)} {own.dtype}"
+                )
         copy = object.__new__(type(self))
         copy.__dict__.update(self.__dict__)
         copy._buffers = dict(tensors)

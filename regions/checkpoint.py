@@ -35,8 +35,9 @@ def _check_weight_map(index: Path, weight_map) -> None:
     for name, file in weight_map.items():
         p = PurePosixPath(file) if isinstance(file, str) else None
         if p is None or p.is_absolute() or ".." in p.parts or file in ("", "."):
-            raise CheckpointError(f"{index}: weight_map[{name!r}] = {file!r} is not a file inside the checkpoint "
-                                  "directory")
+            raise CheckpointError(
+                f"{index}: weight_map[{name!r}] = {file!r} is not a file inside the checkpoint directory"
+            )
 
 
 class Checkpoint:
@@ -136,8 +137,9 @@ class Checkpoint:
         """An fp8 weight's codes, its scale tensor (dtype checked) and the block each scale covers."""
         codes, scales = self.tensor(weight), self.tensor(self.scale_of(weight))
         if scales.dtype not in SCALE_DTYPES:
-            raise CheckpointError(f"{scales.path}: tensor {scales.name} has dtype {scales.dtype}, expected "
-                                  f"{' or '.join(SCALE_DTYPES)}")
+            raise CheckpointError(
+                f"{scales.path}: tensor {scales.name} has dtype {scales.dtype}, expected {' or '.join(SCALE_DTYPES)}"
+            )
         return codes, scales, block_from_grid(codes, scales, SCALE_DTYPES[scales.dtype])
 
     def fp8_weight(self, spec: WeightSpec, key: str) -> str | None:
@@ -168,25 +170,31 @@ class Checkpoint:
         code * scale_inv / new scale)."""
         from deepinfer.quant.rescale import rescale_fp32
 
-        if self._rescaled and self._rescaled[0] == (weight, fp8_format):     # codes, then their scales
+        if self._rescaled and self._rescaled[0] == (weight, fp8_format):  # codes, then their scales
             return self._rescaled[1]
         _, inv, src = self.fp8_blocks(weight)
-        out, out_s = rescale_fp32(self.get(weight).view(torch.uint8).numpy(), self.get(inv.name, "F32").numpy(),
-                                  src, release_block(src), fp8_format)
+        out, out_s = rescale_fp32(
+            self.get(weight).view(torch.uint8).numpy(),
+            self.get(inv.name, "F32").numpy(),
+            src,
+            release_block(src),
+            fp8_format,
+        )
         self._rescaled = ((weight, fp8_format), (torch.from_numpy(out), torch.from_numpy(out_s)))
         return self._rescaled[1]
 
     def load_spec(self, prefix: str, spec: WeightSpec, fp8_format: str = "e4m3fn") -> torch.Tensor:
         """One region weight: the checkpoint tensor(s) in the region's storage dtype (fp8 weights
         scaled by float32 blocks rescaled, to codes of `fp8_format`)."""
-        keys = [prefix + spec.key.format(e=e) for e in range(spec.experts)] if spec.experts \
-            else [prefix + spec.key]
+        keys = [prefix + spec.key.format(e=e) for e in range(spec.experts)] if spec.experts else [prefix + spec.key]
         weight = self.float_scaled(spec, keys[0])
         if weight is not None:
             t = self.rescaled(weight, fp8_format)[0 if spec.ckpt_dtype == "F8_E4M3" else 1]
             if tuple(t.shape) != spec.shape:
-                raise CheckpointError(f"{self.files[weight]}: tensor {keys[0]} would have shape {list(t.shape)} "
-                                      f"after rescaling, expected {list(spec.shape)}")
+                raise CheckpointError(
+                    f"{self.files[weight]}: tensor {keys[0]} would have shape {list(t.shape)} "
+                    f"after rescaling, expected {list(spec.shape)}"
+                )
             return t
         parts = [self.get(k, spec.ckpt_dtype, spec.shape) for k in keys]
         t = torch.stack(parts) if spec.experts else parts[0]
@@ -208,8 +216,10 @@ def load_region(ckpt: Checkpoint, region: Region, prefix: str) -> None:
         t = ckpt.load_spec(prefix, spec)
         own = region._buffers[spec.name]
         if tuple(t.shape) != tuple(own.shape) or t.dtype != own.dtype:
-            raise CheckpointError(f"{ckpt.dir}: {prefix}{spec.key} reads as {list(t.shape)} {t.dtype}, "
-                                  f"the {region.kind} region holds {list(own.shape)} {own.dtype}")
+            raise CheckpointError(
+                f"{ckpt.dir}: {prefix}{spec.key} reads as {list(t.shape)} {t.dtype}, "
+                f"the {region.kind} region holds {list(own.shape)} {own.dtype}"
+            )
         region._buffers[spec.name] = t
     if region.rank.is_meta:
         region._buffers["rank"] = torch.zeros((), dtype=torch.int64)

@@ -97,8 +97,10 @@ class TextConfig:
         """Per engram layer, in layer order: the checkpoint names of its table's fp8 rows
         ([rows, engram_head_dim]) and of their ue8m0 scales ([rows, engram_head_dim / 32]), and
         its row count. The names the host file keeps too (`host/engram.safetensors`)."""
-        return [(f"layers.{layer}.engram.embed.weight", f"layers.{layer}.engram.embed.scale", rows)
-                for layer, rows in zip(self.engram_layer_ids, self.engram_num_embeddings)]
+        return [
+            (f"layers.{layer}.engram.embed.weight", f"layers.{layer}.engram.embed.scale", rows)
+            for layer, rows in zip(self.engram_layer_ids, self.engram_num_embeddings)
+        ]
 
     def layer_kind(self, layer: int) -> str:
         """The attention kind of `layer`: window, source, reindex or reuse."""
@@ -205,10 +207,15 @@ def parse_config(data: dict, source: str = CONFIG_FILE) -> V41Config:
     if "text_config" not in data:
         raise ConfigError(f"{source}: missing required key text_config")
     top = {k: v for k, v in data.items() if k not in NESTED}
-    config = _build(V41Config, top, source, (),
-                    text=_build(TextConfig, data["text_config"], source, ("text_config",)),
-                    vision=_build(VisionConfig, data.get("vision_config", {}), source, ("vision_config",)),
-                    quant=_build(QuantConfig, data.get("quantization_config", {}), source, ("quantization_config",)))
+    config = _build(
+        V41Config,
+        top,
+        source,
+        (),
+        text=_build(TextConfig, data["text_config"], source, ("text_config",)),
+        vision=_build(VisionConfig, data.get("vision_config", {}), source, ("vision_config",)),
+        quant=_build(QuantConfig, data.get("quantization_config", {}), source, ("quantization_config",)),
+    )
     validate(config, source)
     return config
 
@@ -238,64 +245,127 @@ def _require(cond: bool, source: str, key: str, message: str) -> None:
 def validate(config: V41Config, source: str = CONFIG_FILE) -> None:
     """Check value ranges and the attention schedule rules of MODEL.md."""
     t = config.text
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                "qk_rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "n_routed_experts",
-                "num_experts_per_tok", "moe_intermediate_size", "sliding_window", "index_n_heads",
-                "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "head_dim",
+        "qk_rope_head_dim",
+        "q_lora_rank",
+        "o_lora_rank",
+        "o_groups",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "sliding_window",
+        "index_n_heads",
+        "index_head_dim",
+        "index_topk",
+        "hc_mult",
+        "hc_sinkhorn_iters",
+    ):
         _require(getattr(t, key) > 0, source, key, f"must be a positive integer, got {getattr(t, key)}")
-    _require(t.num_key_value_heads == 1, source, "num_key_value_heads",
-             "V4.1 uses one shared latent (MQA); expected 1")
+    _require(t.num_key_value_heads == 1, source, "num_key_value_heads", "V4.1 uses one shared latent (MQA); expected 1")
     _require(t.n_shared_experts == 1, source, "n_shared_experts", "expected 1")
-    _require(t.num_attention_heads % t.o_groups == 0, source, "o_groups",
-             f"must divide num_attention_heads={t.num_attention_heads}")
-    _require(t.qk_rope_head_dim % 2 == 0 and t.qk_rope_head_dim <= min(t.head_dim, t.index_head_dim),
-             source, "qk_rope_head_dim", "must be even and at most head_dim and index_head_dim")
-    _require(t.num_experts_per_tok <= t.n_routed_experts, source, "num_experts_per_tok",
-             f"must not exceed n_routed_experts={t.n_routed_experts}")
+    _require(
+        t.num_attention_heads % t.o_groups == 0,
+        source,
+        "o_groups",
+        f"must divide num_attention_heads={t.num_attention_heads}",
+    )
+    _require(
+        t.qk_rope_head_dim % 2 == 0 and t.qk_rope_head_dim <= min(t.head_dim, t.index_head_dim),
+        source,
+        "qk_rope_head_dim",
+        "must be even and at most head_dim and index_head_dim",
+    )
+    _require(
+        t.num_experts_per_tok <= t.n_routed_experts,
+        source,
+        "num_experts_per_tok",
+        f"must not exceed n_routed_experts={t.n_routed_experts}",
+    )
     _require(t.scoring_func == "sqrtsoftplus", source, "scoring_func", "only 'sqrtsoftplus' is supported")
     _require(t.hidden_act == "silu", source, "hidden_act", "only 'silu' is supported")
     for key in ("rms_norm_eps", "rope_theta", "compress_rope_theta", "hc_eps"):
         value = getattr(t, key)
         _require(math.isfinite(value) and value > 0, source, key, f"must be finite and positive, got {value}")
     n = t.num_hidden_layers
-    _require(len(t.compress_ratios) >= n, source, "compress_ratios",
-             f"has {len(t.compress_ratios)} entries, needs one per layer ({n})")
+    _require(
+        len(t.compress_ratios) >= n,
+        source,
+        "compress_ratios",
+        f"has {len(t.compress_ratios)} entries, needs one per layer ({n})",
+    )
     _require(all(r >= 0 for r in t.compress_ratios), source, "compress_ratios", "must be non-negative")
     for key in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
         ids = getattr(t, key)
-        _require(list(ids) == sorted(set(ids)) and all(0 <= i for i in ids), source, key,
-                 f"must be strictly increasing non-negative layer ids, got {list(ids)}")
-    _require(set(t.kv_source_layer_ids) <= set(t.index_source_layer_ids), source, "kv_source_layer_ids",
-             "every kv source must also be an index source (index_source_layer_ids)")
+        _require(
+            list(ids) == sorted(set(ids)) and all(0 <= i for i in ids),
+            source,
+            key,
+            f"must be strictly increasing non-negative layer ids, got {list(ids)}",
+        )
+    _require(
+        set(t.kv_source_layer_ids) <= set(t.index_source_layer_ids),
+        source,
+        "kv_source_layer_ids",
+        "every kv source must also be an index source (index_source_layer_ids)",
+    )
     owner = None
     for layer in range(n):
         ratio = t.compress_ratios[layer]
         if ratio == 0:
-            _require(layer not in t.index_source_layer_ids, source, "index_source_layer_ids",
-                     f"layer {layer} has compress ratio 0 and cannot be a kv or index source")
+            _require(
+                layer not in t.index_source_layer_ids,
+                source,
+                "index_source_layer_ids",
+                f"layer {layer} has compress ratio 0 and cannot be a kv or index source",
+            )
             continue
         if layer in t.kv_source_layer_ids:
             owner = ratio
-        _require(owner == ratio, source, "compress_ratios",
-                 f"compressed layer {layer} (ratio {ratio}) needs an earlier kv source with the same ratio")
+        _require(
+            owner == ratio,
+            source,
+            "compress_ratios",
+            f"compressed layer {layer} (ratio {ratio}) needs an earlier kv source with the same ratio",
+        )
     c = t.candidate_source_layer_id
     _require(c >= -1, source, "candidate_source_layer_id", "must be -1 (disabled) or a layer id")
     if c >= 0:
-        _require(c in t.kv_source_layer_ids, source, "candidate_source_layer_id",
-                 f"layer {c} must be a kv source")
-        _require(t.candidate_block_size > 0 and t.candidate_topk_blocks > 0, source,
-                 "candidate_block_size", "candidate_block_size and candidate_topk_blocks must be positive")
+        _require(c in t.kv_source_layer_ids, source, "candidate_source_layer_id", f"layer {c} must be a kv source")
+        _require(
+            t.candidate_block_size > 0 and t.candidate_topk_blocks > 0,
+            source,
+            "candidate_block_size",
+            "candidate_block_size and candidate_topk_blocks must be positive",
+        )
         later_sources = [s for s in t.kv_source_layer_ids if s > c]
-        _require(not later_sources, source, "kv_source_layer_ids",
-                 f"kv source {later_sources} after the candidate source {c} is not supported")
-    _require(len(t.engram_layer_ids) == len(t.engram_num_embeddings), source, "engram_num_embeddings",
-             "needs one row count per engram_layer_ids entry")
+        _require(
+            not later_sources,
+            source,
+            "kv_source_layer_ids",
+            f"kv source {later_sources} after the candidate source {c} is not supported",
+        )
+    _require(
+        len(t.engram_layer_ids) == len(t.engram_num_embeddings),
+        source,
+        "engram_num_embeddings",
+        "needs one row count per engram_layer_ids entry",
+    )
     if t.engram_layer_ids:
         _require(t.engram_max_ngram_size >= 2, source, "engram_max_ngram_size", "must be at least 2")
-        _require(0 <= t.engram_pad_token_id < t.vocab_size, source, "engram_pad_token_id",
-                 "must be a token id inside the vocabulary")
-        _require(all(r > 0 for r in t.engram_num_embeddings), source, "engram_num_embeddings",
-                 "row counts must be positive")
+        _require(
+            0 <= t.engram_pad_token_id < t.vocab_size,
+            source,
+            "engram_pad_token_id",
+            "must be a token id inside the vocabulary",
+        )
+        _require(
+            all(r > 0 for r in t.engram_num_embeddings), source, "engram_num_embeddings", "row counts must be positive"
+        )
     if t.has_draft:
         validate_draft(t, source)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id"):
@@ -309,15 +379,35 @@ def validate_draft(t: TextConfig, source: str = CONFIG_FILE) -> None:
     own routed experts, sliding-window-only stages (compress ratio 0 where the schedule lists them)."""
     n, k = t.num_hidden_layers, t.num_nextn_predict_layers
     for key in ("dspark_block_size", "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok"):
-        _require(getattr(t, key) > 0, source, key,
-                 f"must be a positive integer when num_nextn_predict_layers is {k}, got {getattr(t, key)}")
-    _require(t.dspark_num_experts_per_tok <= t.dspark_n_routed_experts, source, "dspark_num_experts_per_tok",
-             f"must not exceed dspark_n_routed_experts={t.dspark_n_routed_experts}")
+        _require(
+            getattr(t, key) > 0,
+            source,
+            key,
+            f"must be a positive integer when num_nextn_predict_layers is {k}, got {getattr(t, key)}",
+        )
+    _require(
+        t.dspark_num_experts_per_tok <= t.dspark_n_routed_experts,
+        source,
+        "dspark_num_experts_per_tok",
+        f"must not exceed dspark_n_routed_experts={t.dspark_n_routed_experts}",
+    )
     ids = list(t.dspark_target_layer_ids)
-    _require(bool(ids) and ids == sorted(set(ids)) and all(0 <= i < n for i in ids), source,
-             "dspark_target_layer_ids", f"must be strictly increasing layer ids in [0, {n}), got {ids}")
-    _require(0 <= t.dspark_noise_token_id < t.vocab_size, source, "dspark_noise_token_id",
-             f"{t.dspark_noise_token_id} is outside the vocabulary [0, {t.vocab_size})")
-    stages = list(t.compress_ratios[n:n + k])
-    _require(all(r == 0 for r in stages), source, "compress_ratios",
-             f"the draft's stages (entries {n}..{n + k - 1}) must be sliding-window only (0), got {stages}")
+    _require(
+        bool(ids) and ids == sorted(set(ids)) and all(0 <= i < n for i in ids),
+        source,
+        "dspark_target_layer_ids",
+        f"must be strictly increasing layer ids in [0, {n}), got {ids}",
+    )
+    _require(
+        0 <= t.dspark_noise_token_id < t.vocab_size,
+        source,
+        "dspark_noise_token_id",
+        f"{t.dspark_noise_token_id} is outside the vocabulary [0, {t.vocab_size})",
+    )
+    stages = list(t.compress_ratios[n : n + k])
+    _require(
+        all(r == 0 for r in stages),
+        source,
+        "compress_ratios",
+        f"the draft's stages (entries {n}..{n + k - 1}) must be sliding-window only (0), got {stages}",
+    )

@@ -26,14 +26,15 @@ from deepinfer.regions.generate import SpeculationStats, bucket_at_least
 
 ops = torch.ops.deepinfer
 
-Request = tuple[int, int, list[int], int]     # (sequence, its slot, its committed tokens, how many to draft)
+Request = tuple[int, int, list[int], int]  # (sequence, its slot, its committed tokens, how many to draft)
 
 
-def run_draft_stages(invoke, stages: int, h: Tensor, pre: Tensor, features: Tensor, context_positions: Tensor,
-                     positions: Tensor) -> tuple[Tensor, Tensor]:
+def run_draft_stages(
+    invoke, stages: int, h: Tensor, pre: Tensor, features: Tensor, context_positions: Tensor, positions: Tensor
+) -> tuple[Tensor, Tensor]:
     """The block's streams h [B, P, n, D], pre [B, P, n] through every stage -> the last stage's (what its
     `head` reads). features [B, C, L*D] at context_positions [B, C] (-1: empty); the block at positions [B, P]."""
-    (context,) = invoke(0, "context", features)                                   # [B, C, D]
+    (context,) = invoke(0, "context", features)  # [B, C, D]
     no_image = torch.zeros(positions.shape, dtype=torch.bool)
     for stage in range(stages):
         h, pre = invoke(stage, "attn", h, pre, context, context_positions, positions)
@@ -52,7 +53,7 @@ class DSparkDrafter:
 
     def __init__(self, c: TextConfig, invoke, embed, features: Tensor, batch_sizes: list[int] | None = None):
         self.c, self.invoke, self.embed = c, invoke, embed
-        self.features = features                    # [L, slots, W, D]
+        self.features = features  # [L, slots, W, D]
         self.batch_sizes = batch_sizes
         self.block = c.dspark_block_size
         self.capture_layers = tuple(c.dspark_target_layer_ids)
@@ -60,14 +61,14 @@ class DSparkDrafter:
 
     def observe(self, seq: int, slot: int, stepper, group: int, row: int, start: int, keep: int) -> None:
         W = self.c.sliding_window
-        if slot >= self.features.shape[1]:          # a pool the drafter owns (the reference's) grows
+        if slot >= self.features.shape[1]:  # a pool the drafter owns (the reference's) grows
             more = torch.zeros_like(self.features[:, :1]).expand(-1, slot + 1 - self.features.shape[1], -1, -1)
             self.features = torch.cat((self.features, more), 1)
-        first = max(start, start + keep - W)                  # earlier positions would be overwritten at once
-        rows = (torch.arange(first, start + keep) % W)
+        first = max(start, start + keep - W)  # earlier positions would be overwritten at once
+        rows = torch.arange(first, start + keep) % W
         for i, layer in enumerate(self.capture_layers):
-            h, pre = stepper.capture[layer]                   # [B, T, n, D], [B, T, n]
-            x = ops.hc_collapse(h[row, first - start:keep], pre[row, first - start:keep])
+            h, pre = stepper.capture[layer]  # [B, T, n, D], [B, T, n]
+            x = ops.hc_collapse(h[row, first - start : keep], pre[row, first - start : keep])
             self.features[i, slot].index_copy_(0, rows, x.to(self.features.dtype))
 
     def block_logits(self, requests: list[Request]) -> tuple[Tensor, Tensor]:
@@ -76,27 +77,27 @@ class DSparkDrafter:
         c, W, P = self.c, self.c.sliding_window, self.block
         n = len(requests)
         B = n if self.batch_sizes is None else bucket_at_least(self.batch_sizes, n)
-        slots = torch.zeros(B, dtype=torch.int64)              # padding rows: slot 0 (scratch), anchor 0
+        slots = torch.zeros(B, dtype=torch.int64)  # padding rows: slot 0 (scratch), anchor 0
         anchors = torch.zeros(B, dtype=torch.int64)
         block_tokens = torch.full((B, P), c.dspark_noise_token_id, dtype=torch.int64)
         for b, (_, slot, tokens, _) in enumerate(requests):
             slots[b], anchors[b], block_tokens[b, 0] = slot, len(tokens) - 1, tokens[-1]
-        context_positions = anchors.unsqueeze(1) - W + torch.arange(W)               # [B, W]
-        ring = self.features[:, slots.unsqueeze(1), context_positions % W]           # [L, B, W, D]
-        features = ring.permute(1, 2, 0, 3).reshape(B, W, -1)                         # [B, W, L*D]
+        context_positions = anchors.unsqueeze(1) - W + torch.arange(W)  # [B, W]
+        ring = self.features[:, slots.unsqueeze(1), context_positions % W]  # [L, B, W, D]
+        features = ring.permute(1, 2, 0, 3).reshape(B, W, -1)  # [B, W, L*D]
         context_positions = context_positions.clamp(min=-1)
-        positions = anchors.unsqueeze(1) + torch.arange(P)                            # [B, P]
+        positions = anchors.unsqueeze(1) + torch.arange(P)  # [B, P]
         h, pre = self.embed(block_tokens)
         stages = c.num_nextn_predict_layers
         h, pre = run_draft_stages(self.invoke, stages, h, pre, features, context_positions, positions)
-        previous = block_tokens.clone()             # position i's previous token: the anchor, then drafts
+        previous = block_tokens.clone()  # position i's previous token: the anchor, then drafts
         drafts = torch.zeros(B, P, dtype=torch.int64)
         logits = torch.zeros(B, P, c.vocab_size, dtype=torch.float32)
         base = None
         for i in range(P):
             normalized, transition, _ = self.invoke(stages - 1, "head", h, pre, previous)
             if base is None:
-                (base,) = self.invoke(-1, "project", normalized)                    # [B, P, V]
+                (base,) = self.invoke(-1, "project", normalized)  # [B, P, V]
             logits[:, i] = base[:, i] + transition[:, i].float()
             drafts[:, i] = logits[:, i].argmax(-1)
             if i + 1 < P:

@@ -45,8 +45,9 @@ PREFIX = "mtp.{stage}."
 
 def draft_moe_config(c: TextConfig) -> TextConfig:
     """The text config as the draft's MoE sites see it: the draft's routed experts."""
-    return dataclasses.replace(c, n_routed_experts=c.dspark_n_routed_experts,
-                               num_experts_per_tok=c.dspark_num_experts_per_tok)
+    return dataclasses.replace(
+        c, n_routed_experts=c.dspark_n_routed_experts, num_experts_per_tok=c.dspark_num_experts_per_tok
+    )
 
 
 class DraftContext(Region):
@@ -56,8 +57,10 @@ class DraftContext(Region):
 
     def __init__(self, c: TextConfig, *, dtype: torch.dtype):
         D, L = c.hidden_size, len(c.dspark_target_layer_ids)
-        super().__init__([*fp8_specs("main_proj", "main_proj", D, L * D),
-                          WeightSpec("main_norm", "main_norm.weight", (D,), "BF16")], dtype)
+        super().__init__(
+            [*fp8_specs("main_proj", "main_proj", D, L * D), WeightSpec("main_norm", "main_norm.weight", (D,), "BF16")],
+            dtype,
+        )
         self.c = c
 
     def output_names(self) -> list[str]:
@@ -65,8 +68,7 @@ class DraftContext(Region):
 
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         c = self.c
-        return [InputSpec("features", (B, T, len(c.dspark_target_layer_ids) * c.hidden_size), self.dtype,
-                          "activation")]
+        return [InputSpec("features", (B, T, len(c.dspark_target_layer_ids) * c.hidden_size), self.dtype, "activation")]
 
     def decode(self, features: Tensor) -> Tensor:
         x = ops.blockquant_gemm(features, self.main_proj, self.main_proj_s, self.fp8)
@@ -91,23 +93,25 @@ class DraftAttention(_Attention):
 
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         c, W = self.c, self.c.sliding_window
-        return [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
-                InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation"),
-                InputSpec("context", (B, W, c.hidden_size), self.dtype, "activation"),
-                InputSpec("context_positions", (B, W), torch.int64, "step"),
-                InputSpec("positions", (B, T), torch.int64, "step")]
+        return [
+            InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+            InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation"),
+            InputSpec("context", (B, W, c.hidden_size), self.dtype, "activation"),
+            InputSpec("context_positions", (B, W), torch.int64, "step"),
+            InputSpec("positions", (B, T), torch.int64, "step"),
+        ]
 
     def decode(self, h: Tensor, pre: Tensor, context: Tensor, context_positions: Tensor, positions: Tensor):
         """h [B, P, n, D], pre [B, P, n], context [B, C, D] at context_positions [B, C] (-1: empty),
         positions [B, P] -> (h, pre)."""
         x, mix = self._site_input(h, pre)
         angles = self._angles(positions)
-        q, _, kv = self._project(x, angles)                                           # kv [B, P, hd]
+        q, _, kv = self._project(x, angles)  # kv [B, P, hd]
         eps = self.c.rms_norm_eps
         ctx = ops.rmsnorm(ops.blockquant_gemm(context, self.wkv, self.wkv_s, self.fp8), self.kv_norm, eps)
         ctx = maybe_quant(apply_rope(ctx, self._angles(context_positions)), "fp8", self.cache_quant)
         B, P = positions.shape
-        keys = torch.cat((ctx, kv), 1).unsqueeze(1).expand(B, P, -1, -1)              # [B, P, C + P, hd]
+        keys = torch.cat((ctx, kv), 1).unsqueeze(1).expand(B, P, -1, -1)  # [B, P, C + P, hd]
         valid = torch.cat((context_positions >= 0, positions >= 0), 1).unsqueeze(1).expand(B, P, -1)
         return self._finish(self._attend(q, keys, valid, angles), h, mix)
 
@@ -120,10 +124,15 @@ class DraftHead(Region):
 
     def __init__(self, c: TextConfig, *, dtype: torch.dtype):
         D, V, R = c.hidden_size, c.vocab_size, c.dspark_markov_rank
-        super().__init__([WeightSpec("norm", "norm.weight", (D,), "BF16"),
-                          WeightSpec("markov_embed", "markov_head.embed.weight", (V, R), "BF16"),
-                          WeightSpec("markov_head", "markov_head.head.weight", (V, R), "BF16"),
-                          WeightSpec("confidence", "confidence_head.proj.weight", (1, D + R), "F32")], dtype)
+        super().__init__(
+            [
+                WeightSpec("norm", "norm.weight", (D,), "BF16"),
+                WeightSpec("markov_embed", "markov_head.embed.weight", (V, R), "BF16"),
+                WeightSpec("markov_head", "markov_head.head.weight", (V, R), "BF16"),
+                WeightSpec("confidence", "confidence_head.proj.weight", (1, D + R), "F32"),
+            ],
+            dtype,
+        )
         self.c = c
 
     def output_names(self) -> list[str]:
@@ -131,13 +140,15 @@ class DraftHead(Region):
 
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         c = self.c
-        return [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
-                InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation"),
-                InputSpec("previous", (B, T), torch.int64, "step")]
+        return [
+            InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+            InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation"),
+            InputSpec("previous", (B, T), torch.int64, "step"),
+        ]
 
     def decode(self, h: Tensor, pre: Tensor, previous: Tensor):
         normalized = ops.rmsnorm(ops.hc_collapse(h, pre), self.norm, self.c.rms_norm_eps)
-        embedding = self.markov_embed[previous].to(self.dtype)                           # [B, P, R]
+        embedding = self.markov_embed[previous].to(self.dtype)  # [B, P, R]
         transition = F.linear(embedding, self.markov_head.to(self.dtype))
         confidence = F.linear(torch.cat((normalized.float(), embedding.float()), -1), self.confidence)
         return normalized, transition, confidence.squeeze(-1)
@@ -147,8 +158,10 @@ def draft_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool) -> list[
     """Each stage's regions by slot (`context` on stage 0, `attn`, `moe`, `head` on the last)."""
     stages = []
     for stage in range(c.num_nextn_predict_layers):
-        regions = {"attn": DraftAttention(c, dtype=dtype, cache_quant=cache_quant),
-                   "moe": DraftMoE(draft_moe_config(c), dtype=dtype)}
+        regions = {
+            "attn": DraftAttention(c, dtype=dtype, cache_quant=cache_quant),
+            "moe": DraftMoE(draft_moe_config(c), dtype=dtype),
+        }
         if stage == 0:
             regions = {"context": DraftContext(c, dtype=dtype), **regions}
         if stage == c.num_nextn_predict_layers - 1:
@@ -161,26 +174,40 @@ def draft_specs(c: TextConfig) -> list[tuple[str, WeightSpec]]:
     """(stage prefix, weight spec) of every `mtp.*` checkpoint tensor, in stage order (what the tiny
     checkpoint generator draws, in this order)."""
     with torch.device("meta"):
-        return [(PREFIX.format(stage=stage), s) for stage, regions in enumerate(draft_regions(c, torch.float32, True))
-                for region in regions.values() for s in region.specs]
+        return [
+            (PREFIX.format(stage=stage), s)
+            for stage, regions in enumerate(draft_regions(c, torch.float32, True))
+            for region in regions.values()
+            for s in region.specs
+        ]
 
 
 def eager_invoke(stages: list[dict[str, Region]], head: Region | None):
     """invoke(stage, slot, *inputs) over eager regions (`regions.drafting`): stage -1 is the target's
     `head`, whose `project` the draft's logits go through."""
+
     def invoke(stage: int, slot: str, *inputs):
         out = head.project(*inputs) if slot == "project" else stages[stage][slot].decode(*inputs)
         return out if isinstance(out, tuple) else (out,)
+
     return invoke
 
 
-def run_stages(stages: list[dict[str, Region]], c: TextConfig, embed: Embedding, features: Tensor,
-               context_positions: Tensor, block_tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+def run_stages(
+    stages: list[dict[str, Region]],
+    c: TextConfig,
+    embed: Embedding,
+    features: Tensor,
+    context_positions: Tensor,
+    block_tokens: Tensor,
+    positions: Tensor,
+) -> tuple[Tensor, Tensor]:
     """One draft block through every stage, eagerly -> the last stage's streams h [B, P, n, D] and pre
     [B, P, n] (what `DraftHead` reads).
 
     embed is the target's (`regions.step.Embedding`); features [B, C, L*D] at context_positions [B, C]
     (-1: empty); block_tokens [B, P] (the anchor, then noise tokens) at positions [B, P]."""
     h, pre = embed(block_tokens)
-    return run_draft_stages(eager_invoke(stages, None), len(stages), h, pre, features.to(embed.dtype),
-                            context_positions, positions)
+    return run_draft_stages(
+        eager_invoke(stages, None), len(stages), h, pre, features.to(embed.dtype), context_positions, positions
+    )

@@ -45,24 +45,26 @@ class Engram(Region):
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         c = self.c
         hh, hd = c.engram_hash_heads, c.engram_head_dim
-        return [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
-                InputSpec("rows", (B, T, hh, hd), torch.uint8, "step"),
-                InputSpec("rows_s", (B, T, hh, -(-hd // 32)), torch.uint8, "step"),
-                InputSpec("token_mask", (B, T), torch.bool, "step")]
+        return [
+            InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+            InputSpec("rows", (B, T, hh, hd), torch.uint8, "step"),
+            InputSpec("rows_s", (B, T, hh, -(-hd // 32)), torch.uint8, "step"),
+            InputSpec("token_mask", (B, T), torch.bool, "step"),
+        ]
 
     def decode(self, h: Tensor, rows: Tensor, rows_s: Tensor, token_mask: Tensor) -> Tensor:
         """h [B, T, n, D], rows [B, T, hash_heads, hd] fp8 codes of the hashed table rows, rows_s
         [B, T, hash_heads, hd/32] their ue8m0 scales, token_mask [B, T] bool -> h."""
         c = self.c
         n, D, eps = c.hc_mult, c.hidden_size, c.rms_norm_eps
-        rows = dequant_fp8_rows(rows, rows_s, h.dtype, self.fp8_format)                  # [B, T, hh, hd]
-        kv = ops.blockquant_gemm(rows.flatten(-2), self.wkv, self.wkv_s, self.fp8)          # [B, T, (n+1)*D]
+        rows = dequant_fp8_rows(rows, rows_s, h.dtype, self.fp8_format)  # [B, T, hh, hd]
+        kv = ops.blockquant_gemm(rows.flatten(-2), self.wkv, self.wkv_s, self.fp8)  # [B, T, (n+1)*D]
         key, value = kv.split((n * D, D), dim=-1)
         key = key.float().unflatten(-1, (n, D))
         hf = h.float()
-        weights = self.q_weight.float() * self.k_weight.float()                          # [n, D]
+        weights = self.q_weight.float() * self.k_weight.float()  # [n, D]
         rstd = torch.rsqrt(hf.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
-        dot = (hf * weights * key).sum(-1) * rstd * D ** -0.5                            # [B, T, n]
+        dot = (hf * weights * key).sum(-1) * rstd * D**-0.5  # [B, T, n]
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         gate = gate * token_mask.unsqueeze(-1).to(gate.dtype)
         return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)

@@ -40,7 +40,8 @@ class EngramHasher:
             raise ConfigError(
                 f"config.json: text_config.engram_compressed_vocab_size={c.engram_compressed_vocab_size} differs "
                 f"from vocab_size={c.vocab_size}: the byte-level tokenizer hashes through the identity map; a "
-                "model with a compressed vocabulary needs its tokenizer.json beside config.json")
+                "model with a compressed vocabulary needs its tokenizer.json beside config.json"
+            )
         self.token_map = None if token_map is None else np.asarray(token_map, dtype=np.int64)
         self.max_ngram = c.engram_max_ngram_size
         self.heads = c.engram_n_heads
@@ -59,8 +60,10 @@ class EngramHasher:
                     seen.add(p)
                     primes.append(p)
             if sum(primes) > rows:
-                raise ConfigError(f"config.json: text_config.engram_num_embeddings: layer {layer} needs "
-                                  f"{sum(primes)} rows for its hash buckets, has {rows}")
+                raise ConfigError(
+                    f"config.json: text_config.engram_num_embeddings: layer {layer} needs "
+                    f"{sum(primes)} rows for its hash buckets, has {rows}"
+                )
             rng = np.random.default_rng(10007 * layer)
             self.primes.append(np.array(primes, dtype=np.int64))
             self.offsets.append(np.cumsum([0] + primes[:-1]).astype(np.int64))
@@ -72,8 +75,10 @@ class EngramHasher:
             return ids
         if ids.size and (ids.min() < 0 or ids.max() >= len(self.token_map)):
             bad = ids[(ids < 0) | (ids >= len(self.token_map))][0]
-            raise ValueError(f"token id {bad} is outside the tokenizer's {len(self.token_map)} ids: "
-                             "the engram token map has no entry for it")
+            raise ValueError(
+                f"token id {bad} is outside the tokenizer's {len(self.token_map)} ids: "
+                "the engram token map has no entry for it"
+            )
         return self.token_map[ids]
 
     def hashes(self, ids: np.ndarray, start: int, count: int, masked: np.ndarray | None = None) -> np.ndarray:
@@ -82,7 +87,7 @@ class EngramHasher:
         ids: the sequence's token ids up to at least start+count-1; masked (bool,
         same length, optional): positions (image tokens) that block the n-grams.
         """
-        ids = self.compress(np.asarray(ids, dtype=np.int64)[:start + count])
+        ids = self.compress(np.asarray(ids, dtype=np.int64)[: start + count])
         pos = np.arange(start, start + count)
         blocked = np.zeros(count, dtype=bool)
         tokens = []
@@ -94,14 +99,14 @@ class EngramHasher:
             if masked is not None:
                 blocked |= np.asarray(masked, dtype=bool)[np.maximum(src, 0)] & ok
             tokens.append(np.where(blocked, self.pad, tok))
-        tokens = np.stack(tokens, axis=-1)                                  # [count, max_ngram]
+        tokens = np.stack(tokens, axis=-1)  # [count, max_ngram]
         out = []
         for primes, offsets, mult in zip(self.primes, self.offsets, self.multipliers):
-            products = tokens * mult                                       # [count, max_ngram]
+            products = tokens * mult  # [count, max_ngram]
             rolling, heads = products[:, 0], []
             for shift in range(1, self.max_ngram):
                 rolling = rolling ^ products[:, shift]
-                p = primes[(shift - 1) * self.heads: shift * self.heads]
+                p = primes[(shift - 1) * self.heads : shift * self.heads]
                 heads.append(rolling[:, None] % p)
             out.append(np.concatenate(heads, axis=-1) + offsets)
         return np.stack(out, axis=1)
@@ -120,7 +125,7 @@ class EngramHasher:
             n = int((positions[b] >= 0).sum())
             if n:
                 m = masks[b] if masks is not None and b < len(masks) else None
-                if m is not None:                   # generated tokens (beyond the prompt) are text
+                if m is not None:  # generated tokens (beyond the prompt) are text
                     m = np.pad(np.asarray(m, dtype=bool), (0, max(0, len(histories[b]) - len(m))))
                 out[b, :n] = self.hashes(histories[b], int(positions[b, 0]), n, m)
         return out

@@ -26,25 +26,30 @@ import numpy as np
 from deepinfer.errors import ConfigError
 from deepinfer.regions.config import TextConfig
 
-LONE_SPACE = "\ue000"           # private use: survives Strip, then becomes the space again
-REPLACEMENT = "\ufffd"          # what a decoder yields for bytes that are no complete character
+LONE_SPACE = "\ue000"  # private use: survives Strip, then becomes the space again
+REPLACEMENT = "\ufffd"  # what a decoder yields for bytes that are no complete character
 
 
 def _normalizer():
     from tokenizers import Regex, normalizers
 
-    return normalizers.Sequence([
-        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
-        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-        normalizers.Replace(Regex(r"^ $"), LONE_SPACE),
-        normalizers.Strip(),
-        normalizers.Replace(LONE_SPACE, " "),
-    ])
+    return normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), LONE_SPACE),
+            normalizers.Strip(),
+            normalizers.Replace(LONE_SPACE, " "),
+        ]
+    )
 
 
 def compressed_token_map(tokenizer) -> tuple[np.ndarray, int]:
     """(int32 [ids] map, number of distinct keys) for a `tokenizers.Tokenizer`."""
-    size = tokenizer.get_vocab_size(with_added_tokens=True)       # transformers' len(tokenizer)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)  # transformers' len(tokenizer)
     normalizer = _normalizer()
     numbers: dict[str, int] = {}
     out = np.empty(size, dtype=np.int32)
@@ -66,11 +71,15 @@ def checked_token_map(tokenizer, c: TextConfig, tokenizer_file: str | Path, conf
         raise ConfigError(
             f"{config_file}: text_config.engram_compressed_vocab_size is {c.engram_compressed_vocab_size}, but "
             f"{tokenizer_file} normalises to {count} distinct keys (the engram hashes need the tokenizer the "
-            "model was trained with)")
+            "model was trained with)"
+        )
     if len(token_map) > c.vocab_size:
-        raise ConfigError(f"{config_file}: text_config.vocab_size is {c.vocab_size}, but {tokenizer_file} has "
-                          f"{len(token_map)} ids")
+        raise ConfigError(
+            f"{config_file}: text_config.vocab_size is {c.vocab_size}, but {tokenizer_file} has {len(token_map)} ids"
+        )
     if not 0 <= c.engram_pad_token_id < len(token_map):
-        raise ConfigError(f"{config_file}: text_config.engram_pad_token_id {c.engram_pad_token_id} is outside "
-                          f"the {len(token_map)} ids of {tokenizer_file}")
+        raise ConfigError(
+            f"{config_file}: text_config.engram_pad_token_id {c.engram_pad_token_id} is outside "
+            f"the {len(token_map)} ids of {tokenizer_file}"
+        )
     return token_map

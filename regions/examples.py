@@ -32,11 +32,11 @@ def example_inputs(specs: list[InputSpec], g: Geometry, *, start: int = 0, seed:
             t = (1 + torch.arange(B)) % g.slots
         elif s.name == "block_table":
             t = (1 + torch.arange(B * s.shape[1]).view(B, -1)) % g.blocks
-        elif s.name in ("rows", "rows_s"):                  # engram table rows: fp8 codes, ue8m0 scales
+        elif s.name in ("rows", "rows_s"):  # engram table rows: fp8 codes, ue8m0 scales
             rng = np.random.default_rng(seed)
             values = stored_values(rng, s.name, "F8_E4M3" if s.name == "rows" else "F8_E8M0", math.prod(s.shape))
             t = torch.from_numpy(values).reshape(s.shape)
-        elif s.high is not None:                            # ids over the whole range, its last included
+        elif s.high is not None:  # ids over the whole range, its last included
             t = torch.randint(0, s.high, s.shape, generator=gen)
             t.view(-1)[0] = s.high - 1
         elif s.name in ("token_mask", "cand"):
@@ -70,8 +70,11 @@ def stored_values(rng: np.random.Generator, key: str, ckpt_dtype: str, count: in
         codes[(codes & 0x7F) == 0x7F] -= 1
         return codes
     if ckpt_dtype == "F8_E8M0":
-        return rng.integers(118, 122, count, dtype=np.uint8) if ".experts." in key else \
-            rng.integers(113, 117, count, dtype=np.uint8)
+        return (
+            rng.integers(118, 122, count, dtype=np.uint8)
+            if ".experts." in key
+            else rng.integers(113, 117, count, dtype=np.uint8)
+        )
     if ckpt_dtype == "I8":
         return rng.integers(0, 256, count, dtype=np.uint8)
     values = rng.standard_normal(count, dtype=np.float32)
@@ -80,7 +83,7 @@ def stored_values(rng: np.random.Generator, key: str, ckpt_dtype: str, count: in
     values += 1 if near_one else 0
     if ckpt_dtype == "F32":
         return values.view(np.uint8)
-    return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)     # bf16, truncated
+    return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # bf16, truncated
 
 
 def random_weights(region, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -21,19 +21,19 @@ from torch import Tensor
 from deepinfer.regions.spans import ImageEmbeds, engram_masks, step_images
 from deepinfer.regions.step import Batch
 
-Row = tuple[int, list[int], int]          # (sequence, token ids this step, position of the first)
+Row = tuple[int, list[int], int]  # (sequence, token ids this step, position of the first)
 
 
 @dataclass
 class Generation:
-    tokens: list[int]                       # prompt then generated
+    tokens: list[int]  # prompt then generated
     prompt_len: int
-    logits: list[Tensor] = field(default_factory=list)   # one [V] row per processed position
-    error: str | None = None                             # why the request stopped early
+    logits: list[Tensor] = field(default_factory=list)  # one [V] row per processed position
+    error: str | None = None  # why the request stopped early
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
 
 class OutOfBlocks(Exception):
@@ -66,13 +66,16 @@ class Allocator:
         """Make sure sequence `seq` has blocks for its first `positions` positions."""
         need = -(-positions // self.block_size)
         if need > self.max_blocks:
-            raise OutOfBlocks(f"needs {positions} positions, more than the bundle's max_context "
-                              f"({self.max_context})", context=True)
+            raise OutOfBlocks(
+                f"needs {positions} positions, more than the bundle's max_context ({self.max_context})", context=True
+            )
         table = self.tables[seq]
         while len(table) < need:
             if not self.free_blocks:
-                raise OutOfBlocks(f"KV pool exhausted: no free block for position {len(table) * self.block_size} "
-                                  "(raise --num-kv-blocks or run fewer sequences at once)")
+                raise OutOfBlocks(
+                    f"KV pool exhausted: no free block for position {len(table) * self.block_size} "
+                    "(raise --num-kv-blocks or run fewer sequences at once)"
+                )
             table.append(self.free_blocks.pop())
 
     @property
@@ -104,9 +107,20 @@ def table_width(rows_by_group: list[list[Row]], block_size: int, widths: list[in
     return bucket_at_least(widths, -(-longest // block_size))
 
 
-def make_batch(rows: list[Row], places: list[int], B: int, T: int, *, blocks: int, alloc: Allocator,
-               gens: list[Generation], images: list[ImageEmbeds | None] | None, hasher, pad: int,
-               dtype: torch.dtype) -> Batch:
+def make_batch(
+    rows: list[Row],
+    places: list[int],
+    B: int,
+    T: int,
+    *,
+    blocks: int,
+    alloc: Allocator,
+    gens: list[Generation],
+    images: list[ImageEmbeds | None] | None,
+    hasher,
+    pad: int,
+    dtype: torch.dtype,
+) -> Batch:
     """A step's host metadata: row i of `rows` at batch row `places[i]` of a [B, T] step (others padding),
     block tables `blocks` wide (the step's context bucket)."""
     tokens = torch.full((B, T), pad, dtype=torch.int64)
@@ -115,8 +129,8 @@ def make_batch(rows: list[Row], places: list[int], B: int, T: int, *, blocks: in
     table = torch.zeros((B, blocks), dtype=torch.int64)
     spans, histories, row_images = [(0, 0)] * B, [[]] * B, [None] * B
     for (seq, ids, start), b in zip(rows, places):
-        tokens[b, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        positions[b, :len(ids)] = torch.arange(start, start + len(ids))
+        tokens[b, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        positions[b, : len(ids)] = torch.arange(start, start + len(ids))
         slots[b] = alloc.slot_of[seq]
         table[b] = torch.tensor(alloc.table_row(seq, blocks))
         spans[b], histories[b] = (start, len(ids)), gens[seq].tokens
@@ -132,9 +146,9 @@ def make_batch(rows: list[Row], places: list[int], B: int, T: int, *, blocks: in
 class Stepper(Protocol):
     """A model `greedy` can drive."""
 
-    groups: int          # token groups: independent sets of sequences, each with its own allocator
-    max_batch: int       # sequences of one group in a step
-    chunk: int           # prompt tokens of one sequence in a step
+    groups: int  # token groups: independent sets of sequences, each with its own allocator
+    max_batch: int  # sequences of one group in a step
+    chunk: int  # prompt tokens of one sequence in a step
     capture: dict | None  # layers whose attention inputs a step keeps for a drafter (run_layers)
 
     def allocator(self) -> Allocator: ...
@@ -142,16 +156,17 @@ class Stepper(Protocol):
     def slot_states(self) -> list[Tensor]:
         """The state views indexed by sequence slot (dim 0): what a rejected draft rolls back."""
 
-    def run(self, rows_by_group: list[list[Row]], allocs: list[Allocator], gens: list[Generation],
-            images) -> list[Tensor]:
+    def run(
+        self, rows_by_group: list[list[Row]], allocs: list[Allocator], gens: list[Generation], images
+    ) -> list[Tensor]:
         """One step -> each group's logits [B, T, V], batch row i for that group's rows[i]."""
 
 
 class Drafter(Protocol):
     """What proposes tokens for speculative decoding (`regions/speculative.py`)."""
 
-    block: int           # tokens it drafts at most per step (the verify step is block + 1 tokens)
-    capture_layers: tuple[int, ...]     # the target layers whose attention inputs `observe` reads
+    block: int  # tokens it drafts at most per step (the verify step is block + 1 tokens)
+    capture_layers: tuple[int, ...]  # the target layers whose attention inputs `observe` reads
     stats: SpeculationStats
 
     def draft(self, requests: list[tuple[int, int, list[int], int]]) -> dict[int, list[int]]:
@@ -183,8 +198,10 @@ class SpeculationStats:
         return (self.accepted + self.verify_steps) / max(1, self.verify_steps)
 
     def line(self) -> str:
-        return (f"{self.verify_steps} verify steps, {self.accepted} of {self.drafted} drafted tokens accepted, "
-                f"{self.tokens_per_step:.2f} tokens per step")
+        return (
+            f"{self.verify_steps} verify steps, {self.accepted} of {self.drafted} drafted tokens accepted, "
+            f"{self.tokens_per_step:.2f} tokens per step"
+        )
 
 
 @dataclass
@@ -194,8 +211,16 @@ class DraftedTokens:
     tokens: list[int]
 
 
-def draft_for(drafter: Drafter, active: list[int], gens, consumed, max_new_tokens: dict[int, int], chunk: int,
-              max_context: dict[int, int], slots: dict[int, int]) -> dict[int, list[int]]:
+def draft_for(
+    drafter: Drafter,
+    active: list[int],
+    gens,
+    consumed,
+    max_new_tokens: dict[int, int],
+    chunk: int,
+    max_context: dict[int, int],
+    slots: dict[int, int],
+) -> dict[int, list[int]]:
     """This step's drafts: for each sequence of `active` that has generated and whose unconsumed tokens
     leave room in a verify step of `drafter.block` + 1 tokens, as many as still fit its token budget
     (`max_new_tokens[seq]`) and context. `gens` and `consumed` are indexed by sequence."""
@@ -268,12 +293,21 @@ def _stop_reason(e: OutOfBlocks, g: Generation, max_context: int) -> str:
         return str(e)
     if g.prompt_len > max_context:
         return f"the prompt has {g.prompt_len} tokens, more than the bundle's max_context ({max_context})"
-    return (f"reached the bundle's max_context ({max_context} positions: a prompt of {g.prompt_len} tokens "
-            f"and {len(g.generated)} generated)")
+    return (
+        f"reached the bundle's max_context ({max_context} positions: a prompt of {g.prompt_len} tokens "
+        f"and {len(g.generated)} generated)"
+    )
 
 
-def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, eos: int,
-           images: list[ImageEmbeds | None] | None = None, drafter: Drafter | None = None) -> list[Generation]:
+def greedy(
+    stepper: Stepper,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    eos: int,
+    images: list[ImageEmbeds | None] | None = None,
+    drafter: Drafter | None = None,
+) -> list[Generation]:
     """Greedy generation for token-id prompts; a request that cannot get blocks fails alone
     (its `error` is set). images[i]: prompt i's image positions and their embeddings.
 
@@ -292,20 +326,31 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
     if drafter is not None and drafter.capture_layers:
         stepper.capture = dict.fromkeys(drafter.capture_layers)
     while waiting or active:
-        while waiting:                      # admit into the least loaded group with room
+        while waiting:  # admit into the least loaded group with room
             load = [sum(group_of[s] == g for s in active) for g in range(groups)]
             g = min(range(groups), key=lambda i: load[i])
             if load[g] >= stepper.max_batch or not allocs[g].admit(waiting[0]):
                 break
             group_of[waiting[0]] = g
             active.append(waiting.pop(0))
-        if not active:                      # nothing running and nothing can start: no slot at all
+        if not active:  # nothing running and nothing can start: no slot at all
             for seq in waiting:
                 gens[seq].error = "no sequence slot (the bundle was compiled without room for a sequence)"
             break
-        drafted = draft_for(drafter, active, gens, consumed, dict.fromkeys(active, max_new_tokens), stepper.chunk,
-                            {s: allocs[group_of[s]].max_context for s in active},
-                            {s: allocs[group_of[s]].slot_of[s] for s in active}) if drafter else {}
+        drafted = (
+            draft_for(
+                drafter,
+                active,
+                gens,
+                consumed,
+                dict.fromkeys(active, max_new_tokens),
+                stepper.chunk,
+                {s: allocs[group_of[s]].max_context for s in active},
+                {s: allocs[group_of[s]].slot_of[s] for s in active},
+            )
+            if drafter
+            else {}
+        )
         rows_by_group: list[list[Row]] = [[] for _ in range(groups)]
         for seq in list(active):
             n = min(stepper.chunk, len(gens[seq].tokens) - consumed[seq])
@@ -317,43 +362,45 @@ def greedy(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, *, e
                 alloc.release(seq)
                 active.remove(seq)
                 continue
-            ids = gens[seq].tokens[consumed[seq]:consumed[seq] + n] + drafted.get(seq, [])
+            ids = gens[seq].tokens[consumed[seq] : consumed[seq] + n] + drafted.get(seq, [])
             rows_by_group[group_of[seq]].append((seq, ids, consumed[seq]))
         if not any(rows_by_group):
             continue
         steps += 1
-        verifying = {seq: allocs[group_of[seq]].slot_of[seq] for rows in rows_by_group
-                     for seq, _, _ in rows if drafted.get(seq)}
+        verifying = {
+            seq: allocs[group_of[seq]].slot_of[seq] for rows in rows_by_group for seq, _, _ in rows if drafted.get(seq)
+        }
         saved = SlotSnapshot.take(stepper, verifying)
         histories = [DraftedTokens(g.tokens + drafted[s]) if drafted.get(s) else g for s, g in enumerate(gens)]
         rejected = []
-        for group, (rows, logits) in enumerate(zip(rows_by_group, stepper.run(rows_by_group, allocs, histories,
-                                                                             images))):
+        for group, (rows, logits) in enumerate(
+            zip(rows_by_group, stepper.run(rows_by_group, allocs, histories, images))
+        ):
             for b, (seq, ids, start) in enumerate(rows):
                 g = gens[seq]
                 drafts = drafted.get(seq, [])
-                u = len(ids) - len(drafts)                  # committed tokens fed this step
-                mine = logits[b, :len(ids)].float()
+                u = len(ids) - len(drafts)  # committed tokens fed this step
+                mine = logits[b, : len(ids)].float()
                 caught_up = start + u == len(g.tokens)
                 choice, a = verify(mine, u, drafts, caught_up)
-                keep = u + a                                # rows whose input tokens are now committed
+                keep = u + a  # rows whose input tokens are now committed
                 if drafts:
                     drafter.stats.record(len(drafts), a)
                 finite = torch.isfinite(mine[:keep]).all(-1)
-                if not bool(finite.all()):           # emitting argmax of NaN (token 0) would hide it
+                if not bool(finite.all()):  # emitting argmax of NaN (token 0) would hide it
                     at = start + int((~finite).nonzero()[0, 0])
                     g.error = f"non-finite logits (NaN or infinity) at position {at}, step {steps}"
                     allocs[group_of[seq]].release(seq)
                     active.remove(seq)
                     continue
-                g.logits.extend(mine[len(g.logits) - start:keep].clone())   # refed positions are recorded once
+                g.logits.extend(mine[len(g.logits) - start : keep].clone())  # refed positions are recorded once
                 if drafter is not None:
                     drafter.observe(seq, allocs[group].slot_of[seq], stepper, group, b, start, keep)
                 if a == len(drafts):
                     consumed[seq] = start + len(ids)
-                else:                                       # the block is rolled back and refed next step
+                else:  # the block is rolled back and refed next step
                     rejected.append(seq)
-                if caught_up:                               # the accepted drafts, then the target's own token
+                if caught_up:  # the accepted drafts, then the target's own token
                     for nxt in drafts[:a] + [choice[u - 1 + a]]:
                         g.tokens.append(nxt)
                         if nxt == eos or len(g.generated) >= max_new_tokens:

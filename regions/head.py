@@ -35,9 +35,11 @@ class Embed(Region):
 
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         c = self.c
-        return [InputSpec("tokens", (B, T), torch.int64, "step", high=c.vocab_size),
-                InputSpec("is_image", (B, T), torch.bool, "step"),
-                InputSpec("image_rows", (B, T, c.hidden_size), self.dtype, "step")]
+        return [
+            InputSpec("tokens", (B, T), torch.int64, "step", high=c.vocab_size),
+            InputSpec("is_image", (B, T), torch.bool, "step"),
+            InputSpec("image_rows", (B, T, c.hidden_size), self.dtype, "step"),
+        ]
 
     def decode(self, tokens: Tensor, is_image: Tensor, image_rows: Tensor) -> tuple[Tensor, Tensor]:
         """tokens [B, T] int64, is_image [B, T] bool, image_rows [B, T, D] -> h [B, T, n, D],
@@ -51,8 +53,13 @@ class Head(Region):
     kind = "head"
 
     def __init__(self, c: TextConfig, *, dtype: torch.dtype):
-        super().__init__([WeightSpec("norm", "norm.weight", (c.hidden_size,), "BF16"),
-                          WeightSpec("head", "head.weight", (c.vocab_size, c.hidden_size), "F32")], dtype)
+        super().__init__(
+            [
+                WeightSpec("norm", "norm.weight", (c.hidden_size,), "BF16"),
+                WeightSpec("head", "head.weight", (c.vocab_size, c.hidden_size), "F32"),
+            ],
+            dtype,
+        )
         self.c = c
 
     def output_names(self) -> list[str]:
@@ -60,8 +67,10 @@ class Head(Region):
 
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         c = self.c
-        return [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
-                InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation")]
+        return [
+            InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+            InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation"),
+        ]
 
     def project_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         return [InputSpec("x", (B, T, self.c.hidden_size), self.dtype, "activation")]

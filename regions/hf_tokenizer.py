@@ -41,9 +41,10 @@ def read_tokenizer(path: Path):
 
     try:
         return Backend.from_file(str(path))
-    except Exception as e:          # tokenizers raises a bare Exception for any parse error
-        raise ConfigError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0] if str(e) else e!r})") \
-            from None
+    except Exception as e:  # tokenizers raises a bare Exception for any parse error
+        raise ConfigError(
+            f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0] if str(e) else e!r})"
+        ) from None
 
 
 def _token_text(value, source: Path, key: str) -> str | None:
@@ -60,7 +61,7 @@ class TokenizersTokenizer(Tokenizer):
     def __init__(self, backend, config: dict, template: str | None, source: Path):
         self.backend, self.template, self.source = backend, template, source
         where = source / CONFIG_FILE
-        self.special = {}                   # "bos_token" -> its text
+        self.special = {}  # "bos_token" -> its text
         for key in SPECIAL_KEYS:
             text = _token_text(config.get(key), where, key)
             if text is not None:
@@ -98,7 +99,7 @@ class TokenizersTokenizer(Tokenizer):
         return cls(backend, config, template, directory)
 
     def encode_text(self, text: str, bos: bool) -> list[int]:
-        if not self.explicit:                   # tokenizer.json's post-processor adds what it adds
+        if not self.explicit:  # tokenizer.json's post-processor adds what it adds
             return self.backend.encode(text, add_special_tokens=bos).ids
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if bos:
@@ -128,8 +129,9 @@ def _template(value, source: Path) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         if isinstance(named.get("default"), str):
             return named["default"]
-    raise ConfigError(f"{source}: chat_template: expected a template string or a list of "
-                      "{\"name\", \"template\"} with a \"default\"")
+    raise ConfigError(
+        f'{source}: chat_template: expected a template string or a list of {{"name", "template"}} with a "default"'
+    )
 
 
 def _environment():
@@ -142,8 +144,7 @@ def _environment():
         raise TemplateError(message)
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson

@@ -42,7 +42,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # bounds checked before anything is decoded: an image is resized to at most max_image_tokens
 # patches anyway, and a hostile file must not make the host read or allocate without limit
 MAX_FILE_BYTES = 256 << 20
-MAX_PIXELS = 1 << 26                                       # 64 Mpixel, e.g. 8192 x 8192
+MAX_PIXELS = 1 << 26  # 64 Mpixel, e.g. 8192 x 8192
 FORMATS = "binary PPM/PGM (P6/P5), PNG (8-bit, non-interlaced) or .npy uint8 [H, W, 3]"
 
 
@@ -75,18 +75,21 @@ def _check_size(width: int, height: int, path: Path) -> None:
     if not (width > 0 and height > 0):
         raise ImageError(f"{path}: image declares {width} x {height} pixels")
     if width * height > MAX_PIXELS:
-        raise ImageError(f"{path}: image declares {width} x {height} pixels, more than {MAX_PIXELS >> 20} Mpixel; "
-                         "downscale it first")
+        raise ImageError(
+            f"{path}: image declares {width} x {height} pixels, more than {MAX_PIXELS >> 20} Mpixel; downscale it first"
+        )
 
 
 def _to_rgb(pixels: np.ndarray, where) -> np.ndarray:
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
     if pixels.ndim != 3 or pixels.shape[2] not in (1, 2, 3, 4) or min(pixels.shape[:2]) == 0:
-        raise ImageError(f"{where}: image array has shape {list(pixels.shape)}; expected [H, W, 3] (or [H, W], "
-                         "[H, W, 4]) with H, W > 0")
+        raise ImageError(
+            f"{where}: image array has shape {list(pixels.shape)}; expected [H, W, 3] (or [H, W], "
+            "[H, W, 4]) with H, W > 0"
+        )
     channels = pixels.shape[2]
-    if channels in (1, 2):                                 # grey (+ alpha)
+    if channels in (1, 2):  # grey (+ alpha)
         pixels = np.repeat(pixels[:, :, :1], 3, axis=2)
     return np.ascontiguousarray(pixels[:, :, :3], dtype=np.uint8)
 
@@ -107,14 +110,14 @@ def _from_pnm(data: bytes, path: Path) -> np.ndarray:
     """Binary PGM (P5) or PPM (P6): header tokens with # comments, one whitespace byte, raster."""
     fields, i = [], 2
     while len(fields) < 3:
-        while i < len(data) and (data[i:i + 1].isspace() or data[i:i + 1] == b"#"):
-            if data[i:i + 1] == b"#":
-                while i < len(data) and data[i:i + 1] not in (b"\n", b"\r"):
+        while i < len(data) and (data[i : i + 1].isspace() or data[i : i + 1] == b"#"):
+            if data[i : i + 1] == b"#":
+                while i < len(data) and data[i : i + 1] not in (b"\n", b"\r"):
                     i += 1
             else:
                 i += 1
         start = i
-        while i < len(data) and data[i:i + 1].isdigit():
+        while i < len(data) and data[i : i + 1].isdigit():
             i += 1
         if start == i:
             raise ImageError(f"{path}: malformed PPM/PGM header (expected width, height and maxval)")
@@ -123,13 +126,14 @@ def _from_pnm(data: bytes, path: Path) -> np.ndarray:
     if not (width > 0 and height > 0 and 0 < maxval < 65536):
         raise ImageError(f"{path}: PPM/PGM header has width {width}, height {height}, maxval {maxval}")
     _check_size(width, height, path)
-    i += 1                                                   # the single whitespace byte
+    i += 1  # the single whitespace byte
     channels = 3 if data[:2] == b"P6" else 1
     dtype = np.dtype(">u2") if maxval > 255 else np.dtype(np.uint8)
     count = width * height * channels
     if len(data) - i < count * dtype.itemsize:
-        raise ImageError(f"{path}: PPM/PGM raster is truncated ({len(data) - i} bytes, "
-                         f"expected {count * dtype.itemsize})")
+        raise ImageError(
+            f"{path}: PPM/PGM raster is truncated ({len(data) - i} bytes, expected {count * dtype.itemsize})"
+        )
     raster = np.frombuffer(data, dtype=dtype, count=count, offset=i).reshape(height, width, channels)
     if maxval != 255:
         raster = np.round(raster.astype(np.float64) * 255 / maxval)
@@ -139,8 +143,8 @@ def _from_pnm(data: bytes, path: Path) -> np.ndarray:
 def _from_png(data: bytes, path: Path) -> np.ndarray:
     pos, header, palette, idat = 8, None, None, []
     while pos + 8 <= len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + length]
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + length]
         pos += 12 + length
         if kind == b"IHDR":
             if len(body) != 13:
@@ -158,16 +162,18 @@ def _from_png(data: bytes, path: Path) -> np.ndarray:
     width, height, depth, color, _, _, interlace = header
     channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}.get(color)
     if depth != 8 or interlace != 0 or channels is None or (color == 3 and palette is None):
-        raise ImageError(f"{path}: PNG with bit depth {depth}, colour type {color}, interlace {interlace} is not "
-                         "supported (8-bit non-interlaced only); convert it, e.g. to binary PPM (P6)")
+        raise ImageError(
+            f"{path}: PNG with bit depth {depth}, colour type {color}, interlace {interlace} is not "
+            "supported (8-bit non-interlaced only); convert it, e.g. to binary PPM (P6)"
+        )
     stride = width * channels
-    try:                                                    # never inflate past what the header declares
+    try:  # never inflate past what the header declares
         raw = np.frombuffer(zlib.decompressobj().decompress(b"".join(idat), height * (stride + 1)), dtype=np.uint8)
     except zlib.error as e:
         raise ImageError(f"{path}: corrupt PNG image data ({e})") from None
     if raw.size < height * (stride + 1):
         raise ImageError(f"{path}: PNG image data is truncated")
-    rows = raw[:height * (stride + 1)].reshape(height, stride + 1)
+    rows = raw[: height * (stride + 1)].reshape(height, stride + 1)
     out = np.zeros((height, stride), dtype=np.uint8)
     prior = np.zeros(stride, dtype=np.uint8)
     for y in range(height):
@@ -182,8 +188,8 @@ def _unfilter(kind: int, line: np.ndarray, prior: np.ndarray, bpp: int, path: Pa
     if kind == 0:
         return line
     if kind == 2:
-        return line + prior                                         # uint8 wraps as the format wants
-    if kind == 1:                                                   # sum of each byte's left neighbours
+        return line + prior  # uint8 wraps as the format wants
+    if kind == 1:  # sum of each byte's left neighbours
         groups = line.reshape(-1, bpp).astype(np.int64)
         return (np.cumsum(groups, axis=0) % 256).astype(np.uint8).reshape(-1)
     if kind not in (3, 4):
@@ -192,16 +198,16 @@ def _unfilter(kind: int, line: np.ndarray, prior: np.ndarray, bpp: int, path: Pa
     cur, up = line.astype(np.int64), prior.astype(np.int64)
     left = np.zeros(bpp, dtype=np.int64)
     for x in range(0, line.size, bpp):
-        b = up[x:x + bpp]
+        b = up[x : x + bpp]
         if kind == 3:
             pred = (left + b) // 2
         else:
-            c = up[x - bpp:x] if x else np.zeros(bpp, dtype=np.int64)
+            c = up[x - bpp : x] if x else np.zeros(bpp, dtype=np.int64)
             p = left + b - c
             pa, pb, pc = np.abs(p - left), np.abs(p - b), np.abs(p - c)
             pred = np.where((pa <= pb) & (pa <= pc), left, np.where(pb <= pc, b, c))
-        left = (cur[x:x + bpp] + pred) % 256
-        out[x:x + bpp] = left
+        left = (cur[x : x + bpp] + pred) % 256
+        out[x : x + bpp] = left
     return out
 
 
@@ -212,11 +218,11 @@ def _unfilter(kind: int, line: np.ndarray, prior: np.ndarray, bpp: int, path: Pa
 class ImageGrid:
     """Where one image lands: pixel size, ViT patch grid, merged grid."""
 
-    height: int        # pixels after fitting (a multiple of the patch size)
+    height: int  # pixels after fitting (a multiple of the patch size)
     width: int
-    rows: int          # ViT patch rows = height / P
+    rows: int  # ViT patch rows = height / P
     cols: int
-    llm_rows: int      # ceil(rows / r): rows of image features in the text
+    llm_rows: int  # ceil(rows / r): rows of image features in the text
     llm_cols: int
 
     @property
@@ -240,7 +246,7 @@ def plan_grid(width: int, height: int, v: VisionConfig) -> ImageGrid:
     w, h = width, height
     if v.max_wh_ratio is not None and width > height * v.max_wh_ratio:
         w = height * v.max_wh_ratio
-    if w * h < v.min_pixels:                                  # scale small images up
+    if w * h < v.min_pixels:  # scale small images up
         s = math.sqrt(v.min_pixels / (w * h))
         w, h = int(w * s), int(h * s)
     P, cell = v.patch_size, v.patch_size * v.downsample_ratio
@@ -260,15 +266,14 @@ def plan_grid(width: int, height: int, v: VisionConfig) -> ImageGrid:
             H, W = math.floor(h * beta / P) * P, math.floor(w * beta / P) * P
         grid = _grid(H, W, v)
     if min(grid.height, grid.width) <= 0 or grid.tokens > budget:
-        raise ImageError(f"image of {width} x {height} pixels does not fit vision_config.max_image_tokens "
-                         f"{budget}")
+        raise ImageError(f"image of {width} x {height} pixels does not fit vision_config.max_image_tokens {budget}")
     return grid
 
 
 def _resize(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
     if pixels.shape[:2] == (height, width):
         return pixels
-    x = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0).double()          # [1, 3, h, w]
+    x = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0).double()  # [1, 3, h, w]
     y = F.interpolate(x, size=(height, width), mode="bicubic", antialias=True, align_corners=False)
     return y.round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 0).numpy()
 
@@ -279,7 +284,7 @@ def fit(pixels: np.ndarray, grid: ImageGrid, v: VisionConfig) -> np.ndarray:
     H, W = grid.height, grid.width
     if v.max_wh_ratio is not None and w >= v.max_wh_ratio * h:
         return _resize(pixels, H, W)
-    if w * H > W * h:                                        # wider than the canvas: full width
+    if w * H > W * h:  # wider than the canvas: full width
         size = (max(1, round(h / w * W)), W)
     elif w * H < W * h:
         size = (H, max(1, round(w / h * H)))
@@ -290,13 +295,13 @@ def fit(pixels: np.ndarray, grid: ImageGrid, v: VisionConfig) -> np.ndarray:
         return inner
     out = np.full((H, W, 3), GREY, dtype=np.uint8)
     top, left = round((H - size[0]) / 2), round((W - size[1]) / 2)
-    out[top:top + size[0], left:left + size[1]] = inner
+    out[top : top + size[0], left : left + size[1]] = inner
     return out
 
 
 def to_patches(pixels: np.ndarray, grid: ImageGrid, patch: int) -> torch.Tensor:
     """uint8 [H, W, 3] -> float32 [rows * cols, 3, P, P] in [-1, 1], row-major patches."""
-    x = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).float() / 255      # [3, H, W]
+    x = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).float() / 255  # [3, H, W]
     x = (x - 0.5) / 0.5
     x = x.reshape(3, grid.rows, patch, grid.cols, patch).permute(1, 3, 0, 2, 4)
     return x.reshape(grid.rows * grid.cols, 3, patch, patch).contiguous()

@@ -50,7 +50,7 @@ def moe_specs(c: TextConfig, topo: Topology = Topology()) -> list[WeightSpec]:
 
 def route(x: Tensor, gate: Tensor, bias: Tensor, k: int, normalize: bool, scale: float):
     """x [N, D], gate [E, D], bias [N, E] -> (weights [N, k] f32, experts [N, k])."""
-    s = torch.sqrt(F.softplus(F.linear(x.float(), gate.float())))                   # [N, E]
+    s = torch.sqrt(F.softplus(F.linear(x.float(), gate.float())))  # [N, E]
     experts = (s + bias).topk(k, dim=-1).indices
     weights = s.gather(1, experts)
     if normalize and k > 1:
@@ -75,9 +75,11 @@ class MoE(Region):
 
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         c = self.c
-        return [InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
-                InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation"),
-                InputSpec("is_image", (B, T), torch.bool, "step")]
+        return [
+            InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+            InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation"),
+            InputSpec("is_image", (B, T), torch.bool, "step"),
+        ]
 
     def routed(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """x [N, D] through the selected experts this rank holds, weighted and summed -> [N, D] f32.
@@ -90,11 +92,12 @@ class MoE(Region):
         decoded once per call whatever the row count.
         """
         local_count = self.w1.shape[0]
-        local = experts - (self.rank % self.ep) * local_count                         # [N, k]
+        local = experts - (self.rank % self.ep) * local_count  # [N, k]
         ids = torch.arange(local_count, device=x.device)
-        dense = (weights.unsqueeze(-1) * (local.unsqueeze(-1) == ids)).sum(1)        # [N, E_local]
-        return ops.moe_experts(x, dense, self.w1, self.w1_s, self.w3, self.w3_s, self.w2, self.w2_s,
-                               self.c.swiglu_limit)
+        dense = (weights.unsqueeze(-1) * (local.unsqueeze(-1) == ids)).sum(1)  # [N, E_local]
+        return ops.moe_experts(
+            x, dense, self.w1, self.w1_s, self.w3, self.w3_s, self.w2, self.w2_s, self.c.swiglu_limit
+        )
 
     def shared(self, x: Tensor) -> Tensor:
         g = ops.blockquant_gemm(x, self.sw1, self.sw1_s, self.fp8)
@@ -105,13 +108,13 @@ class MoE(Region):
     def decode(self, h: Tensor, pre: Tensor, is_image: Tensor):
         """h [B, T, n, D], pre [B, T, n] (the attention site's), is_image [B, T] bool -> (h, pre)."""
         c = self.c
-        pre_f, post, comb = ops.hc_mixes(h, self.hc_fn, self.hc_base, self.hc_scale,
-                                         c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
-        x = ops.rmsnorm(ops.hc_collapse(h, pre), self.ffn_norm, c.rms_norm_eps)     # [B, T, D]
-        xf = x.flatten(0, 1)                                                          # [N, D]
+        pre_f, post, comb = ops.hc_mixes(
+            h, self.hc_fn, self.hc_base, self.hc_scale, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters
+        )
+        x = ops.rmsnorm(ops.hc_collapse(h, pre), self.ffn_norm, c.rms_norm_eps)  # [B, T, D]
+        xf = x.flatten(0, 1)  # [N, D]
         bias = torch.where(is_image.flatten().unsqueeze(-1), self.gate_bias_vl, self.gate_bias)
-        weights, experts = route(xf, self.gate, bias, c.num_experts_per_tok, c.norm_topk_prob,
-                                 c.routed_scaling_factor)
+        weights, experts = route(xf, self.gate, bias, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
         if self.ep == 1:
             out = (self.routed(xf, weights, experts).to(x.dtype) + self.shared(xf)).view_as(x)
             return ops.hc_expand(out, h, post, comb), pre_f

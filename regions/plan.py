@@ -23,26 +23,30 @@ from deepinfer.regions.step import LayerPlan, plan_layers
 from deepinfer.regions.topology import attention_config
 
 
-def make_attention(c: TextConfig, p: LayerPlan, dtype: torch.dtype, cache_quant: bool,
-                   topo: Topology = Topology()) -> Region:
+def make_attention(
+    c: TextConfig, p: LayerPlan, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology()
+) -> Region:
     """The layer's attention region, with the heads one tp rank computes."""
     a = attention_config(c, topo)
     if p.attn == "window":
         region = WindowAttention(a, dtype=dtype, cache_quant=cache_quant)
     elif p.attn == "source":
-        region = SourceAttention(a, ratio=p.ratio, candidate_source=p.candidate_source, dtype=dtype,
-                                 cache_quant=cache_quant)
+        region = SourceAttention(
+            a, ratio=p.ratio, candidate_source=p.candidate_source, dtype=dtype, cache_quant=cache_quant
+        )
     elif p.attn == "reindex":
-        region = ReindexAttention(a, ratio=p.ratio, uses_candidates=p.uses_candidates, dtype=dtype,
-                                  cache_quant=cache_quant)
+        region = ReindexAttention(
+            a, ratio=p.ratio, uses_candidates=p.uses_candidates, dtype=dtype, cache_quant=cache_quant
+        )
     else:
         region = ReuseAttention(a, ratio=p.ratio, dtype=dtype, cache_quant=cache_quant)
     region.tp = topo.tp
     return region
 
 
-def make_layer_regions(c: TextConfig, p: LayerPlan, dtype: torch.dtype, cache_quant: bool,
-                       topo: Topology = Topology()) -> dict[str, Region]:
+def make_layer_regions(
+    c: TextConfig, p: LayerPlan, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology()
+) -> dict[str, Region]:
     """The regions of one layer (shaped for one rank of `topo`): optional `engram`, `attn`, `moe`."""
     regions = {}
     if p.engram_rows:
@@ -66,13 +70,16 @@ def checkpoint_specs(c: TextConfig) -> list[tuple[str, WeightSpec]]:
     no region's weight) and its regions' weights, then the head's. What the checkpoint
     generators write, in the order they draw it."""
     out = []
-    with torch.device("meta"):                  # specs only: no region holds real buffers here
+    with torch.device("meta"):  # specs only: no region holds real buffers here
         for p in plan_layers(c):
             prefix = f"layers.{p.layer}."
             for slot, region in make_layer_regions(c, p, torch.float32, True).items():
                 if slot == "engram":
-                    out += [(prefix, dataclasses.replace(s, key=s.key.removeprefix(prefix)))
-                            for s in engram_table_specs(c) if s.key.startswith(prefix)]
+                    out += [
+                        (prefix, dataclasses.replace(s, key=s.key.removeprefix(prefix)))
+                        for s in engram_table_specs(c)
+                        if s.key.startswith(prefix)
+                    ]
                 out += [(prefix, s) for s in region.specs]
         out += [("", s) for s in make_head(c, torch.float32).specs]
     return out

@@ -45,15 +45,16 @@ class ReferenceModel:
     engram hashes go through its compressed token map, as a bundle's do.
     """
 
-    def __init__(self, checkpoint: str | Path, *, dtype: str = "bf16", cache_quant: bool = True,
-                 ties: str = "nemo"):
+    def __init__(self, checkpoint: str | Path, *, dtype: str = "bf16", cache_quant: bool = True, ties: str = "nemo"):
         self.path = Path(checkpoint)
         self.config: V41Config = load_config(self.path)
         c = self.config.text
         self.tokenizer = for_checkpoint(self.path, self.config)
-        token_map = None                    # engram's compressed token map, checked before any weight is read
+        token_map = None  # engram's compressed token map, checked before any weight is read
         if c.engram_layer_ids and self.tokenizer.kind == "tokenizers":
-            token_map = checked_token_map(self.tokenizer.backend, c, self.path / TOKENIZER_FILE, self.path / CONFIG_FILE)
+            token_map = checked_token_map(
+                self.tokenizer.backend, c, self.path / TOKENIZER_FILE, self.path / CONFIG_FILE
+            )
         self.hasher = EngramHasher(c, token_map) if c.engram_layer_ids else None
         self.dtype = DTYPES[dtype]
         self.cache_quant = cache_quant
@@ -61,7 +62,7 @@ class ReferenceModel:
         ckpt = Checkpoint(self.path)
         self.layers = []
         for p in self.plans:
-            with torch.device("meta"):          # shapes only: load_region gives each buffer its tensor
+            with torch.device("meta"):  # shapes only: load_region gives each buffer its tensor
                 regions = make_layer_regions(c, p, self.dtype, cache_quant)
             regions["attn"].ties = ties
             for region in regions.values():
@@ -70,10 +71,12 @@ class ReferenceModel:
         with torch.device("meta"):
             self.head = make_head(c, self.dtype)
         load_region(ckpt, self.head, "")
-        self.embed = Embedding(ckpt.get("embed.weight", "BF16", (c.vocab_size, c.hidden_size)),
-                               c.hc_mult, self.dtype)
-        self.engram = EngramRows.of(c, {s.name: ckpt.load_spec("", s) for s in engram_table_specs(c)},
-                                    str(self.path)) if c.engram_layer_ids else None
+        self.embed = Embedding(ckpt.get("embed.weight", "BF16", (c.vocab_size, c.hidden_size)), c.hc_mult, self.dtype)
+        self.engram = (
+            EngramRows.of(c, {s.name: ckpt.load_spec("", s) for s in engram_table_specs(c)}, str(self.path))
+            if c.engram_layer_ids
+            else None
+        )
         self._vision: VisionTower | None = None
 
     def invoke(self, layer: int, slot: str, *inputs):
@@ -85,14 +88,20 @@ class ReferenceModel:
     def vision(self) -> VisionTower:
         """The host-side vision tower (loaded on first use; a ConfigError without one)."""
         if self._vision is None:
-            self._vision = VisionTower(self.config, Checkpoint(self.path).get, self.dtype,
-                                       str(self.path / CONFIG_FILE))
+            self._vision = VisionTower(self.config, Checkpoint(self.path).get, self.dtype, str(self.path / CONFIG_FILE))
         return self._vision
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, chunk: int | None = None,
-                 eos: int | None = None, images: list[ImageEmbeds | None] | None = None,
-                 drafter=None) -> list[Generation]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        chunk: int | None = None,
+        eos: int | None = None,
+        images: list[ImageEmbeds | None] | None = None,
+        drafter=None,
+    ) -> list[Generation]:
         """Greedy generation for a batch of token-id prompts.
 
         Prompts run as decode-shaped chunks of `chunk` tokens (default: the
@@ -102,15 +111,23 @@ class ReferenceModel:
         test double of `regions/speculative.py`), speculative decoding: the same tokens.
         """
         eos = self.config.eos_token_id if eos is None else eos
-        return greedy(_Eager(self, prompts, max_new_tokens, chunk), prompts, max_new_tokens, eos=eos, images=images,
-                      drafter=drafter)
+        return greedy(
+            _Eager(self, prompts, max_new_tokens, chunk),
+            prompts,
+            max_new_tokens,
+            eos=eos,
+            images=images,
+            drafter=drafter,
+        )
 
     def dspark(self) -> DSparkDrafter:
         """The checkpoint's DSpark draft (`mtp.*`) as eager regions, drafting for this model."""
         c = self.config.text
         if not c.has_draft:
-            raise ConfigError(f"{self.path / CONFIG_FILE}: text_config.num_nextn_predict_layers is 0: the checkpoint "
-                              "has no DSpark draft (mtp.* tensors); speculative decoding needs one")
+            raise ConfigError(
+                f"{self.path / CONFIG_FILE}: text_config.num_nextn_predict_layers is 0: the checkpoint "
+                "has no DSpark draft (mtp.* tensors); speculative decoding needs one"
+            )
         features = torch.zeros(len(c.dspark_target_layer_ids), 1, c.sliding_window, c.hidden_size, dtype=self.dtype)
         return DSparkDrafter(c, eager_invoke(self.draft_stages(), self.head), self.embed, features)
 
@@ -129,7 +146,7 @@ class _Eager:
     (finished prompts stay as padding rows), pools sized for the longest sequence."""
 
     groups = 1
-    capture: dict | None = None         # layers whose attention inputs a drafter reads (run_layers)
+    capture: dict | None = None  # layers whose attention inputs a drafter reads (run_layers)
 
     def __init__(self, model: ReferenceModel, prompts: list[list[int]], max_new_tokens: int, chunk: int | None):
         self.model = model
@@ -137,11 +154,19 @@ class _Eager:
         longest = max(len(p) for p in prompts)
         self.chunk = chunk or longest
         per_seq = -(-(longest + max_new_tokens) // REFERENCE_BLOCK_SIZE)
-        self.geometry = (self.max_batch + 1, self.max_batch * per_seq + 1, per_seq)     # slots, blocks, table width
+        self.geometry = (self.max_batch + 1, self.max_batch * per_seq + 1, per_seq)  # slots, blocks, table width
         slots, blocks, _ = self.geometry
-        self.states = allocate(state_layout(model.config.text, model.plans, slots=slots, blocks=blocks,
-                                            block_size=REFERENCE_BLOCK_SIZE, dtype=model.dtype))
-        for p in model.plans:              # reuse / reindex layers read their source's pages
+        self.states = allocate(
+            state_layout(
+                model.config.text,
+                model.plans,
+                slots=slots,
+                blocks=blocks,
+                block_size=REFERENCE_BLOCK_SIZE,
+                dtype=model.dtype,
+            )
+        )
+        for p in model.plans:  # reuse / reindex layers read their source's pages
             if p.attn in ("reuse", "reindex"):
                 self.states[p.layer].update({k: self.states[p.kv_source][k] for k in ("ckv", "ikeys")})
 
@@ -155,9 +180,19 @@ class _Eager:
     def run(self, rows_by_group: list[list[Row]], allocs: list[Allocator], gens, images) -> list[Tensor]:
         m, (rows,) = self.model, rows_by_group
         T = max(len(ids) for _, ids, _ in rows)
-        batch = make_batch(rows, [seq for seq, _, _ in rows], self.max_batch, T, blocks=self.geometry[2],
-                           alloc=allocs[0], gens=gens, images=images, hasher=m.hasher, pad=m.config.pad_token_id,
-                           dtype=m.dtype)
+        batch = make_batch(
+            rows,
+            [seq for seq, _, _ in rows],
+            self.max_batch,
+            T,
+            blocks=self.geometry[2],
+            alloc=allocs[0],
+            gens=gens,
+            images=images,
+            hasher=m.hasher,
+            pad=m.config.pad_token_id,
+            dtype=m.dtype,
+        )
         h, pre = m.embed(batch.tokens, batch.is_image, batch.image_rows)
         logits = run_layers(m.plans, m.invoke, self.states, h, pre, batch, m.engram, self.capture)
         return [logits[[seq for seq, _, _ in rows]]]

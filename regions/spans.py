@@ -20,8 +20,8 @@ from deepinfer.errors import ImageError
 class ImageEmbeds:
     """The image positions of one prompt and the vectors that replace their token embeddings."""
 
-    mask: Tensor      # [L] bool: every position of every image span
-    embeds: Tensor    # [L, D]: the span rows at those positions (zero elsewhere)
+    mask: Tensor  # [L] bool: every position of every image span
+    embeds: Tensor  # [L, D]: the span rows at those positions (zero elsewhere)
 
 
 def with_images(ids: list[int], images: list[Tensor], image_token_id: int, bos: int) -> tuple[list[int], ImageEmbeds]:
@@ -34,8 +34,10 @@ def with_images(ids: list[int], images: list[Tensor], image_token_id: int, bos: 
         ids = ids[:at] + [image_token_id] * len(images) + ids[at:]
         slots = list(range(at, at + len(images)))
     if len(slots) != len(images):
-        raise ImageError(f"the prompt has {len(slots)} image placeholder(s) (<image> or token {image_token_id}) "
-                         f"but {len(images)} image(s) were given")
+        raise ImageError(
+            f"the prompt has {len(slots)} image placeholder(s) (<image> or token {image_token_id}) "
+            f"but {len(images)} image(s) were given"
+        )
     out, rows, mask = [], [], []
     last = 0
     D = images[0].shape[-1] if images else 0
@@ -53,8 +55,9 @@ def with_images(ids: list[int], images: list[Tensor], image_token_id: int, bos: 
     return out, ImageEmbeds(torch.tensor(mask + [False] * (len(ids) - last), dtype=torch.bool), torch.cat(rows))
 
 
-def step_images(images: list[ImageEmbeds | None] | None, spans: list[tuple[int, int]], T: int,
-                dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+def step_images(
+    images: list[ImageEmbeds | None] | None, spans: list[tuple[int, int]], T: int, dtype: torch.dtype
+) -> tuple[Tensor, Tensor | None]:
     """One step's is_image [B, T] and replacement rows [B, T, D] (None without images).
 
     spans[b] = (first position, count) of row b's tokens in this step (count 0: idle row).
@@ -70,8 +73,8 @@ def step_images(images: list[ImageEmbeds | None] | None, spans: list[tuple[int, 
         if im is None or start >= im.mask.shape[0]:
             continue
         n = min(count, im.mask.shape[0] - start)
-        is_image[b, :n] = im.mask[start:start + n]
-        rows[b, :n] = im.embeds[start:start + n].to(dtype)
+        is_image[b, :n] = im.mask[start : start + n]
+        rows[b, :n] = im.embeds[start : start + n].to(dtype)
     return is_image, rows
 
 
@@ -80,4 +83,3 @@ def engram_masks(images: list[ImageEmbeds | None] | None, rows: list[int]) -> li
     if not images:
         return None
     return [None if b >= len(images) or images[b] is None else images[b].mask.numpy() for b in rows]
-

@@ -37,7 +37,7 @@ class AllAcceptedDraftDouble:
         out = {}
         for seq, _, tokens, n in requests:
             full = self.plain[seq]
-            out[seq] = full[len(tokens):len(tokens) + n] if full[:len(tokens)] == tokens else []
+            out[seq] = full[len(tokens) : len(tokens) + n] if full[: len(tokens)] == tokens else []
         return out
 
     def observe(self, seq, slot, stepper, group, row, start, keep) -> None:

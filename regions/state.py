@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from deepinfer.regions.step import LayerPlan
 
 
-PAGED = ("ckv", "ikeys")          # indexed by block; the others by sequence slot
+PAGED = ("ckv", "ikeys")  # indexed by block; the others by sequence slot
 
 
 @dataclass(frozen=True)
@@ -34,36 +34,41 @@ def check_block_size(c: TextConfig, block_size: int) -> None:
     ratios = {r for r in c.compress_ratios[: c.num_hidden_layers] if r}
     bad = [r for r in ratios if block_size % r]
     if block_size <= 0 or bad:
-        raise ConfigError(f"block_size {block_size} must be a positive multiple of every compress ratio "
-                          f"{sorted(ratios)}")
+        raise ConfigError(
+            f"block_size {block_size} must be a positive multiple of every compress ratio {sorted(ratios)}"
+        )
 
 
-def layer_state(c: TextConfig, p: LayerPlan, *, slots: int, blocks: int, block_size: int,
-                dtype: torch.dtype) -> list[StateSpec]:
+def layer_state(
+    c: TextConfig, p: LayerPlan, *, slots: int, blocks: int, block_size: int, dtype: torch.dtype
+) -> list[StateSpec]:
     """The state views layer `p` owns (reuse/reindex layers read their source's)."""
     hd = c.head_dim
     specs = [StateSpec("win", (slots, c.sliding_window, hd), dtype)]
     if p.attn == "source":
         per_block = block_size // p.ratio
-        specs += [StateSpec("ckv", (blocks, per_block, hd), dtype),
-                  StateSpec("ikeys", (blocks, per_block, c.index_head_dim), dtype)]
+        specs += [
+            StateSpec("ckv", (blocks, per_block, hd), dtype),
+            StateSpec("ikeys", (blocks, per_block, c.index_head_dim), dtype),
+        ]
         if p.ratio > 1:
-            specs += [StateSpec("part_kv", (slots, p.ratio, hd), torch.float32),
-                      StateSpec("part_gate", (slots, p.ratio, hd), torch.float32)]
+            specs += [
+                StateSpec("part_kv", (slots, p.ratio, hd), torch.float32),
+                StateSpec("part_gate", (slots, p.ratio, hd), torch.float32),
+            ]
     return specs
 
 
-def state_layout(c: TextConfig, plans: list[LayerPlan], *, slots: int, blocks: int, block_size: int,
-                 dtype: torch.dtype) -> dict[int, list[StateSpec]]:
+def state_layout(
+    c: TextConfig, plans: list[LayerPlan], *, slots: int, blocks: int, block_size: int, dtype: torch.dtype
+) -> dict[int, list[StateSpec]]:
     check_block_size(c, block_size)
-    return {p.layer: layer_state(c, p, slots=slots, blocks=blocks, block_size=block_size, dtype=dtype)
-            for p in plans}
+    return {p.layer: layer_state(c, p, slots=slots, blocks=blocks, block_size=block_size, dtype=dtype) for p in plans}
 
 
 def allocate(layout: dict[int, list[StateSpec]]) -> dict[int, dict[str, torch.Tensor]]:
     """Zero-filled tensors for a layout (the reference model's own buffers)."""
-    return {layer: {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs}
-            for layer, specs in layout.items()}
+    return {layer: {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs} for layer, specs in layout.items()}
 
 
 # the block size of the geometries `reads_context` compares (any positive size serves: a block table,
@@ -75,10 +80,10 @@ CONTEXT_PROBE_BLOCK = 16
 class Geometry:
     """Pool geometry a region's state views and step inputs are shaped by."""
 
-    slots: int            # sequence slots (slot 0 is scratch)
-    blocks: int           # paged blocks (block 0 is scratch)
-    block_size: int       # token positions per block
-    max_blocks: int       # block-table width: blocks per sequence at the (bucket's) context
+    slots: int  # sequence slots (slot 0 is scratch)
+    blocks: int  # paged blocks (block 0 is scratch)
+    block_size: int  # token positions per block
+    max_blocks: int  # block-table width: blocks per sequence at the (bucket's) context
 
     def compressed_width(self, ratio: int) -> int:
         """Compressed entries a sequence can hold at `ratio` (Wc)."""
@@ -103,7 +108,7 @@ class InputSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    role: str               # activation | step | state | carry
+    role: str  # activation | step | state | carry
     high: int | None = None  # an index input's bound: its values lie in [0, high) (token ids: the vocabulary)
 
 

@@ -23,12 +23,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 @dataclass(frozen=True)
 class LayerPlan:
     layer: int
-    attn: str                   # window | source | reindex | reuse
+    attn: str  # window | source | reindex | reuse
     ratio: int
-    kv_source: int | None       # the layer whose compressed KV / index keys it reads
+    kv_source: int | None  # the layer whose compressed KV / index keys it reads
     candidate_source: bool
     uses_candidates: bool
-    engram_rows: int            # 0 when the layer has no engram
+    engram_rows: int  # 0 when the layer has no engram
 
 
 def plan_layers(c: TextConfig) -> list[LayerPlan]:
@@ -38,12 +38,17 @@ def plan_layers(c: TextConfig) -> list[LayerPlan]:
     for layer in range(c.num_hidden_layers):
         kind = c.layer_kind(layer)
         rows = dict(zip(c.engram_layer_ids, c.engram_num_embeddings)).get(layer, 0)
-        plans.append(LayerPlan(
-            layer=layer, attn=kind, ratio=c.compress_ratios[layer],
-            kv_source=None if kind == "window" else c.kv_source_of(layer),
-            candidate_source=layer == c.candidate_source_layer_id,
-            uses_candidates=c.uses_candidates(layer) and kind == "reindex",
-            engram_rows=rows))
+        plans.append(
+            LayerPlan(
+                layer=layer,
+                attn=kind,
+                ratio=c.compress_ratios[layer],
+                kv_source=None if kind == "window" else c.kv_source_of(layer),
+                candidate_source=layer == c.candidate_source_layer_id,
+                uses_candidates=c.uses_candidates(layer) and kind == "reindex",
+                engram_rows=rows,
+            )
+        )
     return plans
 
 
@@ -51,17 +56,18 @@ def plan_layers(c: TextConfig) -> list[LayerPlan]:
 class Batch:
     """One step's inputs: T tokens for each of B sequences (-1 positions are padding)."""
 
-    tokens: Tensor          # [B, T] int64
-    positions: Tensor       # [B, T] int64
-    slots: Tensor           # [B] int64
-    block_table: Tensor     # [B, MB] int64
-    hashes: Tensor | None   # [B, T, engram_layers, hash_heads] int64
-    is_image: Tensor        # [B, T] bool
-    image_rows: Tensor | None = None    # [B, T, D]: the embeddings of image positions (vision tower)
+    tokens: Tensor  # [B, T] int64
+    positions: Tensor  # [B, T] int64
+    slots: Tensor  # [B] int64
+    block_table: Tensor  # [B, MB] int64
+    hashes: Tensor | None  # [B, T, engram_layers, hash_heads] int64
+    is_image: Tensor  # [B, T] bool
+    image_rows: Tensor | None = None  # [B, T, D]: the embeddings of image positions (vision tower)
 
 
-def run_layers(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | None,
-               capture: dict | None = None) -> Tensor:
+def run_layers(
+    plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | None, capture: dict | None = None
+) -> Tensor:
     """h, pre through every layer's regions and the head -> logits [B, T, V].
 
     `invoke(layer, slot, *inputs)` runs one region call (`slot`: engram, attn,
@@ -101,8 +107,14 @@ def run_layers(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows |
     return logits
 
 
-def embed_tokens(weight: Tensor, tokens: Tensor, hc_mult: int, dtype: torch.dtype, is_image: Tensor | None = None,
-                 image_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def embed_tokens(
+    weight: Tensor,
+    tokens: Tensor,
+    hc_mult: int,
+    dtype: torch.dtype,
+    is_image: Tensor | None = None,
+    image_rows: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """The token embedding: tokens [B, T] -> h [B, T, n, D] (contiguous), pre [B, T, n] float32.
 
     weight [V, D] (checkpoint storage, bf16) is read by a gather of the step's rows (never a
@@ -111,7 +123,7 @@ def embed_tokens(weight: Tensor, tokens: Tensor, hc_mult: int, dtype: torch.dtyp
     tower's span) replaces the token's embedding. The one implementation: the host lookup
     (`Embedding`) and the device region (`regions.head.Embed`) both run it.
     """
-    e = weight[tokens].to(dtype)                                            # [B, T, D]
+    e = weight[tokens].to(dtype)  # [B, T, D]
     if image_rows is not None:
         e = torch.where(is_image.unsqueeze(-1), image_rows.to(dtype), e)
     h = e.unsqueeze(2).expand(-1, -1, hc_mult, -1).contiguous()
@@ -126,12 +138,13 @@ class Embedding(nn.Module):
 
     def __init__(self, weight: Tensor, hc_mult: int, dtype: torch.dtype):
         super().__init__()
-        self.weight = weight            # [V, D], kept in checkpoint storage (bf16)
+        self.weight = weight  # [V, D], kept in checkpoint storage (bf16)
         self.hc_mult = hc_mult
         self.dtype = dtype
 
-    def forward(self, tokens: Tensor, is_image: Tensor | None = None,
-                image_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, tokens: Tensor, is_image: Tensor | None = None, image_rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """tokens [B, T] -> h [B, T, n, D], pre [B, T, n] (`embed_tokens`)."""
         return embed_tokens(self.weight, tokens, self.hc_mult, self.dtype, is_image, image_rows)
 
@@ -163,8 +176,11 @@ class EngramRows:
                 if t is None:
                     raise TensorFileError(source, name, "missing engram table")
                 if tuple(t.shape) != shape or t.dtype != torch.uint8:
-                    raise TensorFileError(source, name, f"{list(t.shape)} {t.dtype}, expected {list(shape)} uint8 "
-                                                        "(fp8 codes or ue8m0 scales as bytes)")
+                    raise TensorFileError(
+                        source,
+                        name,
+                        f"{list(t.shape)} {t.dtype}, expected {list(shape)} uint8 (fp8 codes or ue8m0 scales as bytes)",
+                    )
                 pair.append(t)
             tables.append((pair[0], pair[1]))
         return cls(tables)

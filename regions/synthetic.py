@@ -31,12 +31,28 @@ from deepinfer.regions.tiny import tiny_config
 CHUNK_BYTES = 32 << 20
 # the released text dimensions (MODEL.md); layer ids, expert and engram row counts are chosen
 RELEASE_DIMS = {
-    "vocab_size": 129280, "hidden_size": 5120, "num_attention_heads": 64, "num_key_value_heads": 1,
-    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_lora_rank": 1024, "o_groups": 8,
-    "max_position_embeddings": 1048576, "num_experts_per_tok": 6, "moe_intermediate_size": 2304,
-    "sliding_window": 128, "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512,
-    "candidate_topk_blocks": 2048, "candidate_block_size": 8, "engram_max_ngram_size": 4,
-    "engram_vocab_size": 16000000, "engram_n_heads": 8, "engram_head_dim": 256,
+    "vocab_size": 129280,
+    "hidden_size": 5120,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1280,
+    "o_lora_rank": 1024,
+    "o_groups": 8,
+    "max_position_embeddings": 1048576,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2304,
+    "sliding_window": 128,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "candidate_topk_blocks": 2048,
+    "candidate_block_size": 8,
+    "engram_max_ngram_size": 4,
+    "engram_vocab_size": 16000000,
+    "engram_n_heads": 8,
+    "engram_head_dim": 256,
     "engram_compressed_vocab_size": 99092,
 }
 
@@ -45,14 +61,21 @@ def synthetic_config(layers: int = 6, experts: int = 8, engram_rows: int = 65536
     """config.json of a release-dimension model with `layers` layers and `experts` routed experts."""
     config = tiny_config(layers)
     text = config["text_config"]
-    text.update(RELEASE_DIMS, n_routed_experts=experts,
-                num_experts_per_tok=min(RELEASE_DIMS["num_experts_per_tok"], experts),
-                engram_num_embeddings=[engram_rows] * len(text["engram_layer_ids"]),
-                num_nextn_predict_layers=0)          # no DSpark draft (`mtp.*`) is written
+    text.update(
+        RELEASE_DIMS,
+        n_routed_experts=experts,
+        num_experts_per_tok=min(RELEASE_DIMS["num_experts_per_tok"], experts),
+        engram_num_embeddings=[engram_rows] * len(text["engram_layer_ids"]),
+        num_nextn_predict_layers=0,
+    )  # no DSpark draft (`mtp.*`) is written
     config["vision_config"] = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 0}
     config["image_token_id"] = 129264
-    config["generator"] = {"name": "deepinfer synthetic", "layers": layers, "experts": experts,
-                           "engram_rows": engram_rows}
+    config["generator"] = {
+        "name": "deepinfer synthetic",
+        "layers": layers,
+        "experts": experts,
+        "engram_rows": engram_rows,
+    }
     return config
 
 
@@ -66,25 +89,43 @@ def release_geometry_config(experts: int = 8, engram_rows: int = 65536) -> dict:
     per table; every tensor dimension stays the release's)."""
     config = synthetic_config(layers=7, experts=experts, engram_rows=engram_rows)
     text = config["text_config"]
-    text.update(compress_ratios=[0, 0, 2, 2, 1, 1, 1], kv_source_layer_ids=[2, 4], index_source_layer_ids=[2, 4, 5],
-                candidate_source_layer_id=4, engram_compressed_vocab_size=text["vocab_size"],
-                engram_vocab_size=engram_rows // (2 * text["engram_n_heads"] * (text["engram_max_ngram_size"] - 1)))
+    text.update(
+        compress_ratios=[0, 0, 2, 2, 1, 1, 1],
+        kv_source_layer_ids=[2, 4],
+        index_source_layer_ids=[2, 4, 5],
+        candidate_source_layer_id=4,
+        engram_compressed_vocab_size=text["vocab_size"],
+        engram_vocab_size=engram_rows // (2 * text["engram_n_heads"] * (text["engram_max_ngram_size"] - 1)),
+    )
     config["generator"]["geometry"] = "release"
     return config
 
 
 # the released layer schedule, expert and engram row counts and vision tower (MODEL.md)
 RELEASE_SCHEDULE = {
-    "num_hidden_layers": 40, "n_routed_experts": 384, "num_experts_per_tok": 6,
+    "num_hidden_layers": 40,
+    "n_routed_experts": 384,
+    "num_experts_per_tok": 6,
     "compress_ratios": [0, 0] + [2] * 18 + [1] * 20,
-    "kv_source_layer_ids": [2, 8, 14, 20], "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
-    "candidate_source_layer_id": 20, "engram_layer_ids": [1, 14],
-    "engram_num_embeddings": [384006168, 384016682], "engram_pad_token_id": 2,
+    "kv_source_layer_ids": [2, 8, 14, 20],
+    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+    "candidate_source_layer_id": 20,
+    "engram_layer_ids": [1, 14],
+    "engram_num_embeddings": [384006168, 384016682],
+    "engram_pad_token_id": 2,
 }
 RELEASE_VISION = {
-    "model_type": "deepseek_v41_vision", "num_hidden_layers": 32, "hidden_size": 1024, "num_attention_heads": 16,
-    "intermediate_size": 2816, "patch_size": 14, "rope_theta": 10000.0, "downsample_ratio": 3,
-    "max_image_tokens": 1024, "min_pixels": 295936, "max_wh_ratio": None,
+    "model_type": "deepseek_v41_vision",
+    "num_hidden_layers": 32,
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "intermediate_size": 2816,
+    "patch_size": 14,
+    "rope_theta": 10000.0,
+    "downsample_ratio": 3,
+    "max_image_tokens": 1024,
+    "min_pixels": 295936,
+    "max_wh_ratio": None,
 }
 
 
@@ -94,7 +135,7 @@ def release_config() -> dict:
     config = synthetic_config(layers=40, experts=384)
     config["text_config"].update(RELEASE_SCHEDULE)
     config["vision_config"] = dict(RELEASE_VISION)
-    del config["generator"]                     # nothing writes its tensors
+    del config["generator"]  # nothing writes its tensors
     return config
 
 

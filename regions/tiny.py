@@ -35,57 +35,114 @@ from deepinfer.regions.plan import checkpoint_specs
 from deepinfer.regions.vision import vision_specs
 
 MIN_LAYERS = 6
-VISION_STREAM = 0x5649          # the vision tensors' generator: default_rng((seed, VISION_STREAM))
-DRAFT_STREAM = 0x4D5450         # the DSpark draft's (`mtp.*`) generator: default_rng((seed, DRAFT_STREAM))
-SCALES = ("ue8m0", "fp32")      # fp8 block scales: the release's, or DeepSeek-V3's float32 [128, 128]
+VISION_STREAM = 0x5649  # the vision tensors' generator: default_rng((seed, VISION_STREAM))
+DRAFT_STREAM = 0x4D5450  # the DSpark draft's (`mtp.*`) generator: default_rng((seed, DRAFT_STREAM))
+SCALES = ("ue8m0", "fp32")  # fp8 block scales: the release's, or DeepSeek-V3's float32 [128, 128]
 FLOAT_SCALE_BLOCK = 128
 
 
 def tiny_config(layers: int = MIN_LAYERS) -> dict:
     """The release-shaped config.json of a tiny model with `layers` layers."""
     if layers < MIN_LAYERS:
-        raise ConfigError(f"--layers {layers}: a tiny model needs at least {MIN_LAYERS} layers "
-                          "to hold every layer kind")
+        raise ConfigError(
+            f"--layers {layers}: a tiny model needs at least {MIN_LAYERS} layers to hold every layer kind"
+        )
     n2 = (layers - 2) // 2
     src2, src1 = 2, 2 + n2
-    reindex = list(range(src1 + 1, layers))      # the same kinds at any depth
+    reindex = list(range(src1 + 1, layers))  # the same kinds at any depth
     text = {
         "model_type": "deepseek_v41_text",
-        "vocab_size": 288, "hidden_size": 256, "num_hidden_layers": layers,
-        "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 64, "qk_rope_head_dim": 16,
-        "q_lora_rank": 64, "o_lora_rank": 32, "o_groups": 2, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-20, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
-        "rope_scaling": {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                         "beta_fast": 32, "beta_slow": 1},
-        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
-        "moe_intermediate_size": 64, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc",
-        "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "hidden_act": "silu",
+        "vocab_size": 288,
+        "hidden_size": 256,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "qk_rope_head_dim": 16,
+        "q_lora_rank": 64,
+        "o_lora_rank": 32,
+        "o_groups": 2,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-20,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 64,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "swiglu_limit": 10.0,
+        "hidden_act": "silu",
         "sliding_window": 8,
         "compress_ratios": [0, 0] + [2] * n2 + [1] * (layers - 2 - n2),
         "kv_source_layer_ids": [src2, src1],
         "index_source_layer_ids": [src2, src1] + reindex,
-        "index_n_heads": 4, "index_head_dim": 32, "index_topk": 6,
-        "candidate_source_layer_id": src1, "candidate_topk_blocks": 2, "candidate_block_size": 4,
-        "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
-        "engram_layer_ids": [1], "engram_num_embeddings": [4096], "engram_max_ngram_size": 3,
-        "engram_vocab_size": 1000, "engram_n_heads": 2, "engram_head_dim": 32,
-        "engram_pad_token_id": 2, "engram_compressed_vocab_size": 288,
-        "num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 287,
-        "dspark_target_layer_ids": [layers - 3, layers - 2, layers - 1], "dspark_markov_rank": 32,
-        "dspark_n_routed_experts": 4, "dspark_num_experts_per_tok": 2,
+        "index_n_heads": 4,
+        "index_head_dim": 32,
+        "index_topk": 6,
+        "candidate_source_layer_id": src1,
+        "candidate_topk_blocks": 2,
+        "candidate_block_size": 4,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "engram_layer_ids": [1],
+        "engram_num_embeddings": [4096],
+        "engram_max_ngram_size": 3,
+        "engram_vocab_size": 1000,
+        "engram_n_heads": 2,
+        "engram_head_dim": 32,
+        "engram_pad_token_id": 2,
+        "engram_compressed_vocab_size": 288,
+        "num_nextn_predict_layers": 3,
+        "dspark_block_size": 5,
+        "dspark_noise_token_id": 287,
+        "dspark_target_layer_ids": [layers - 3, layers - 2, layers - 1],
+        "dspark_markov_rank": 32,
+        "dspark_n_routed_experts": 4,
+        "dspark_num_experts_per_tok": 2,
     }
-    text["compress_ratios"] += [0] * text["num_nextn_predict_layers"]      # the draft's stages, as released
+    text["compress_ratios"] += [0] * text["num_nextn_predict_layers"]  # the draft's stages, as released
     return {
-        "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
         "text_config": text,
-        "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 2, "hidden_size": 64,
-                          "num_attention_heads": 4, "intermediate_size": 128, "patch_size": 4,
-                          "rope_theta": 10000.0, "downsample_ratio": 2, "max_image_tokens": 64,
-                          "min_pixels": 256, "max_wh_ratio": None},
-        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
-        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "image_token_id": 259,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "vision_config": {
+            "model_type": "deepseek_v41_vision",
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "patch_size": 4,
+            "rope_theta": 10000.0,
+            "downsample_ratio": 2,
+            "max_image_tokens": 64,
+            "min_pixels": 256,
+            "max_wh_ratio": None,
+        },
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [32, 32],
+            "scale_fmt": "ue8m0",
+            "expert_dtype": "fp4",
+        },
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "image_token_id": 259,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
     }
 
 
@@ -103,17 +160,17 @@ def _dense_float(rng: np.random.Generator, name: str, shape: tuple[int, ...]) ->
         return rng.standard_normal(shape)
     if name.endswith(("gate.bias", "gate.bias_vl")):
         return 0.1 * rng.standard_normal(shape)
-    return rng.standard_normal(shape) / np.sqrt(shape[-1])     # projections: unit output RMS
+    return rng.standard_normal(shape) / np.sqrt(shape[-1])  # projections: unit output RMS
 
 
-ENGRAM_TABLE = "engram.embed.weight"          # a layer's engram table: per-row scales, unit rows
+ENGRAM_TABLE = "engram.embed.weight"  # a layer's engram table: per-row scales, unit rows
 
 
 def _fp8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-row fp8 with one ue8m0 scale per 32 columns (engram tables)."""
     rows, cols = w.shape
     g = w.reshape(rows, cols // 32, 32)
-    scales = scale_bytes_for(np.abs(g).max(-1), E4M3FN_MAX)                    # [rows, cols/32]
+    scales = scale_bytes_for(np.abs(g).max(-1), E4M3FN_MAX)  # [rows, cols/32]
     codes = e4m3fn_encode((g / UE8M0_LUT[scales][..., None]).astype(np.float32))
     return codes.reshape(rows, cols), scales
 
@@ -122,7 +179,7 @@ def _draw(rng: np.random.Generator, specs, scales: str, out: dict[str, torch.Ten
     """Random values for each (prefix, spec), in order, into `out` in checkpoint storage."""
     for prefix, spec in specs:
         if spec.ckpt_dtype == "F8_E8M0":
-            continue                                  # written with its weight
+            continue  # written with its weight
         count = spec.experts or 1
         for e in range(count):
             key = prefix + spec.key.format(e=e)
@@ -158,8 +215,11 @@ def _tensors(config: dict, seed: int, scales: str = "ue8m0") -> dict[str, torch.
     cfg = parse_config(config)
     c = cfg.text
     rng = np.random.default_rng(seed)
-    out = {"embed.weight": torch.from_numpy(rng.standard_normal((c.vocab_size, c.hidden_size))
-                                            .astype(np.float32)).to(torch.bfloat16)}
+    out = {
+        "embed.weight": torch.from_numpy(rng.standard_normal((c.vocab_size, c.hidden_size)).astype(np.float32)).to(
+            torch.bfloat16
+        )
+    }
     _draw(rng, checkpoint_specs(c), scales, out)
     return out
 
@@ -186,24 +246,33 @@ def _vision_tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
         elif name.endswith(".bias"):
             values = 0.1 * rng.standard_normal(shape)
         elif name.startswith("image_"):
-            values = rng.standard_normal(shape)                   # like embedding rows
+            values = rng.standard_normal(shape)  # like embedding rows
         else:
             values = rng.standard_normal(shape) / np.sqrt(shape[-1])
-        out[name] = torch.from_numpy(values.astype(np.float32)).to(
-            torch.bfloat16 if dtype == "BF16" else torch.float32)
+        out[name] = torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16 if dtype == "BF16" else torch.float32)
     return out
 
 
 def _is_same_tiny(path: Path, config: dict) -> bool:
     try:
-        return (json.loads((path / CONFIG_FILE).read_text()) == config
-                and (path / SINGLE_FILE).exists() and (path / INDEX_FILE).exists())
+        return (
+            json.loads((path / CONFIG_FILE).read_text()) == config
+            and (path / SINGLE_FILE).exists()
+            and (path / INDEX_FILE).exists()
+        )
     except (OSError, json.JSONDecodeError):
         return False
 
 
-def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = MIN_LAYERS, exist_ok: bool = False,
-              scales: str = "ue8m0", draft: bool = True) -> Path:
+def make_tiny(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    layers: int = MIN_LAYERS,
+    exist_ok: bool = False,
+    scales: str = "ue8m0",
+    draft: bool = True,
+) -> Path:
     """Write the tiny checkpoint to `out_dir` (atomically: a sibling temp dir, then rename).
 
     `scales` "fp32" stores the fp8 block weights as DeepSeek-V3-style checkpoints do: float32
@@ -227,13 +296,17 @@ def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = MIN_LAYERS, e
         config["text_config"]["num_nextn_predict_layers"] = 0
     if scales == "fp32":
         config["generator"]["scales"] = scales
-        q = config["quantization_config"]                  # as DeepSeek-V3's config.json words it
+        q = config["quantization_config"]  # as DeepSeek-V3's config.json words it
         del q["scale_fmt"]
         q.update(fmt="e4m3", weight_block_size=[FLOAT_SCALE_BLOCK] * 2)
     if out_dir.exists() and any(out_dir.iterdir()):
         if exist_ok and _is_same_tiny(out_dir, config):
             return out_dir
-        raise ConfigError(f"{out_dir}: exists and is not empty" + (" and holds a different checkpoint (seed or layers)" if exist_ok else "") + "; choose a new directory")
+        raise ConfigError(
+            f"{out_dir}: exists and is not empty"
+            + (" and holds a different checkpoint (seed or layers)" if exist_ok else "")
+            + "; choose a new directory"
+        )
     tensors = _tensors(config, seed, scales)
     tensors.update(_draft_tensors(config, seed, scales))
     tensors.update(_vision_tensors(config, seed))

@@ -22,7 +22,7 @@ from deepinfer.bundles.layout import TOKENIZER_DIR, TOKENIZER_FILE
 from deepinfer.errors import ConfigError
 
 BYTE_OFFSET = 3
-IMAGE_MARKER = "<image>"      # where a prompt's image goes (`--image`)
+IMAGE_MARKER = "<image>"  # where a prompt's image goes (`--image`)
 
 
 class Tokenizer:
@@ -43,8 +43,10 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """`messages` ({"role", "content"}) as the chat template renders them."""
-        raise ConfigError(f"the {self.kind} tokenizer has no chat template (--chat needs a tokenizer_config.json "
-                          "or chat_template.jinja that ships one)")
+        raise ConfigError(
+            f"the {self.kind} tokenizer has no chat template (--chat needs a tokenizer_config.json "
+            "or chat_template.jinja that ships one)"
+        )
 
     def encode(self, text: str, bos: bool = True, image_token: int | None = None) -> list[int]:
         """`encode_text`; with `image_token`, each `<image>` marker becomes that one id."""
@@ -56,7 +58,9 @@ class Tokenizer:
             ids = ids + [image_token] + self.encode_text(part, False)
         return ids
 
-    def chat(self, messages: list[dict], add_generation_prompt: bool = True, image_token: int | None = None) -> list[int]:
+    def chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, image_token: int | None = None
+    ) -> list[int]:
         """`messages` rendered by the chat template, then encoded without adding special tokens
         (the template writes them), as the ecosystem's `apply_chat_template` does."""
         return self.encode(self.render_chat(messages, add_generation_prompt), bos=False, image_token=image_token)

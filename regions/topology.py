@@ -28,7 +28,7 @@ import dataclasses
 from deepinfer.bundles.topology import Topology
 from deepinfer.regions.config import TextConfig
 
-BLOCK = 32          # fp8 scale block: shards are whole blocks
+BLOCK = 32  # fp8 scale block: shards are whole blocks
 
 
 def check(topo: Topology, c: TextConfig) -> tuple[str, str] | None:
@@ -38,13 +38,15 @@ def check(topo: Topology, c: TextConfig) -> tuple[str, str] | None:
     if topo.ep > 1 and topo.tp > 1:
         return "ep", "expert parallel with tensor parallel attention is not supported; use tp = 1 or ep = 1"
     if topo.ep > 1 and topo.groups > 1 and topo.cp > 1:
-        return "ep", (f"ep = {topo.ep} over {topo.groups} groups of cp = {topo.cp}: use ep = cp (all-reduce) "
-                      "or cp = 1 (dispatch)")
+        return "ep", (
+            f"ep = {topo.ep} over {topo.groups} groups of cp = {topo.cp}: use ep = cp (all-reduce) or cp = 1 (dispatch)"
+        )
     if c.n_routed_experts % topo.ep:
         return "ep", f"ep = {topo.ep} does not divide the model's {c.n_routed_experts} routed experts"
     if c.num_attention_heads % topo.tp or c.o_groups % topo.tp:
-        return "tp", (f"tp = {topo.tp} must divide the attention heads ({c.num_attention_heads}) and "
-                      f"output groups ({c.o_groups})")
+        return "tp", (
+            f"tp = {topo.tp} must divide the attention heads ({c.num_attention_heads}) and output groups ({c.o_groups})"
+        )
     rows = c.o_groups // topo.tp * c.o_lora_rank
     if topo.tp > 1 and (rows % BLOCK or c.num_attention_heads // topo.tp * c.head_dim % BLOCK):
         return "tp", f"tp = {topo.tp} would split the attention weights inside a {BLOCK}-wide fp8 scale block"
@@ -55,8 +57,7 @@ def attention_config(c: TextConfig, topo: Topology) -> TextConfig:
     """The attention shapes one tp rank computes: its heads and output groups."""
     if topo.tp == 1:
         return c
-    return dataclasses.replace(c, num_attention_heads=c.num_attention_heads // topo.tp,
-                               o_groups=c.o_groups // topo.tp)
+    return dataclasses.replace(c, num_attention_heads=c.num_attention_heads // topo.tp, o_groups=c.o_groups // topo.tp)
 
 
 def shared_width(c: TextConfig, topo: Topology) -> int:

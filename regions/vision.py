@@ -50,17 +50,30 @@ DELIMITERS = ("image_start", "image_end", "image_newline")
 def vision_specs(v: VisionConfig, hidden: int) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every checkpoint tensor of the tower, aligner and delimiters -> (shape, safetensors dtype)."""
     Vd, Vi, P, r = v.hidden_size, v.intermediate_size, v.patch_size, v.downsample_ratio
-    out = {"vision.patch_embed.proj.weight": ((Vd, 3 * P * P), "BF16"),
-           "vision.patch_embed.proj.bias": ((Vd,), "BF16")}
+    out = {"vision.patch_embed.proj.weight": ((Vd, 3 * P * P), "BF16"), "vision.patch_embed.proj.bias": ((Vd,), "BF16")}
     for j in range(v.num_hidden_layers):
         p = f"vision.blocks.{j}."
-        out.update({p + "norm1.weight": ((Vd,), "F32"), p + "norm2.weight": ((Vd,), "F32"),
-                    p + "attn.wqkv.weight": ((3 * Vd, Vd), "BF16"), p + "attn.wqkv.bias": ((3 * Vd,), "BF16"),
-                    p + "attn.wo.weight": ((Vd, Vd), "BF16"), p + "attn.wo.bias": ((Vd,), "BF16"),
-                    p + "mlp.w1.weight": ((2 * Vi, Vd), "BF16"), p + "mlp.w2.weight": ((Vd, Vi), "BF16")})
+        out.update(
+            {
+                p + "norm1.weight": ((Vd,), "F32"),
+                p + "norm2.weight": ((Vd,), "F32"),
+                p + "attn.wqkv.weight": ((3 * Vd, Vd), "BF16"),
+                p + "attn.wqkv.bias": ((3 * Vd,), "BF16"),
+                p + "attn.wo.weight": ((Vd, Vd), "BF16"),
+                p + "attn.wo.bias": ((Vd,), "BF16"),
+                p + "mlp.w1.weight": ((2 * Vi, Vd), "BF16"),
+                p + "mlp.w2.weight": ((Vd, Vi), "BF16"),
+            }
+        )
     out["vision.norm.weight"] = ((Vd,), "F32")
-    out.update({"aligner.w1.weight": ((hidden, Vd * r * r), "BF16"), "aligner.w1.bias": ((hidden,), "BF16"),
-                "aligner.w2.weight": ((hidden, hidden), "BF16"), "aligner.w2.bias": ((hidden,), "BF16")})
+    out.update(
+        {
+            "aligner.w1.weight": ((hidden, Vd * r * r), "BF16"),
+            "aligner.w1.bias": ((hidden,), "BF16"),
+            "aligner.w2.weight": ((hidden, hidden), "BF16"),
+            "aligner.w2.bias": ((hidden,), "BF16"),
+        }
+    )
     out.update({name: ((hidden,), "BF16") for name in DELIMITERS})
     return out
 
@@ -68,12 +81,16 @@ def vision_specs(v: VisionConfig, hidden: int) -> dict[str, tuple[tuple[int, ...
 def check_vision(v: VisionConfig, source: str = "config.json") -> None:
     """The shapes the tower needs, as ConfigErrors naming the key."""
     if v.num_hidden_layers <= 0:
-        raise ConfigError(f"{source}: vision_config.num_hidden_layers is {v.num_hidden_layers}: this checkpoint "
-                          "has no vision tower, so it cannot take images")
+        raise ConfigError(
+            f"{source}: vision_config.num_hidden_layers is {v.num_hidden_layers}: this checkpoint "
+            "has no vision tower, so it cannot take images"
+        )
     heads = v.num_attention_heads
     if heads <= 0 or v.hidden_size % heads or (v.hidden_size // heads) % 4:
-        raise ConfigError(f"{source}: vision_config.num_attention_heads {heads} must divide hidden_size "
-                          f"{v.hidden_size} into heads whose width is a multiple of 4 (2-D rotary halves)")
+        raise ConfigError(
+            f"{source}: vision_config.num_attention_heads {heads} must divide hidden_size "
+            f"{v.hidden_size} into heads whose width is a multiple of 4 (2-D rotary halves)"
+        )
     for key in ("patch_size", "downsample_ratio", "intermediate_size"):
         if getattr(v, key) <= 0:
             raise ConfigError(f"{source}: vision_config.{key} must be positive, got {getattr(v, key)}")
@@ -86,9 +103,9 @@ def rope_2d(rows: int, cols: int, head_dim: int, theta: float) -> tuple[Tensor, 
     """cos, sin [rows * cols, head_dim / 2] fp32 for row-major patches: row angles, then column angles."""
     quarter = head_dim // 4
     inv_freq = 1.0 / theta ** (torch.arange(quarter, dtype=torch.float32) * 2 / (head_dim // 2))
-    r = torch.arange(rows, dtype=torch.float32).repeat_interleave(cols)              # patch row
-    c = torch.arange(cols, dtype=torch.float32).repeat(rows)                         # patch column
-    angles = torch.cat([r[:, None] * inv_freq, c[:, None] * inv_freq], dim=-1)       # [N, hd/2]
+    r = torch.arange(rows, dtype=torch.float32).repeat_interleave(cols)  # patch row
+    c = torch.arange(cols, dtype=torch.float32).repeat(rows)  # patch column
+    angles = torch.cat([r[:, None] * inv_freq, c[:, None] * inv_freq], dim=-1)  # [N, hd/2]
     return angles.cos(), angles.sin()
 
 
@@ -107,7 +124,7 @@ def rms_norm(x: Tensor, weight: Tensor) -> Tensor:
 
 def merge_cells(x: Tensor, rows: int, cols: int, r: int) -> Tensor:
     """[rows * cols, C] -> [ceil(rows/r) * ceil(cols/r), C * r * r]: zero-pad, r x r cells in unfold order."""
-    grid = x.view(rows, cols, -1).permute(2, 0, 1)                                   # [C, rows, cols]
+    grid = x.view(rows, cols, -1).permute(2, 0, 1)  # [C, rows, cols]
     grid = F.pad(grid, (0, -cols % r, 0, -rows % r))
     return F.unfold(grid.unsqueeze(0), r, stride=r)[0].transpose(0, 1)
 
@@ -122,8 +139,13 @@ class VisionTower(nn.Module):
     `Checkpoint.get`, or `tensor_getter` over a bundle's host file).
     """
 
-    def __init__(self, config: V41Config, get: Callable[[str, str, tuple], Tensor], dtype: torch.dtype,
-                 source: str = "config.json"):
+    def __init__(
+        self,
+        config: V41Config,
+        get: Callable[[str, str, tuple], Tensor],
+        dtype: torch.dtype,
+        source: str = "config.json",
+    ):
         super().__init__()
         v = self.v = config.vision
         check_vision(v, source)
@@ -132,7 +154,7 @@ class VisionTower(nn.Module):
         self.weights = {}
         for name, (shape, stored) in vision_specs(v, self.hidden).items():
             t = get(name, stored, shape)
-            self.weights[name] = t.float() if stored == "F32" else t.to(dtype)      # norms stay fp32
+            self.weights[name] = t.float() if stored == "F32" else t.to(dtype)  # norms stay fp32
 
     def w(self, name: str) -> Tensor:
         return self.weights[name]
@@ -144,12 +166,12 @@ class VisionTower(nn.Module):
         """patches [rows * cols, 3, P, P] -> [rows * cols, Vd] (blocks, then the final norm)."""
         N = rows * cols
         assert patches.shape[0] == N, (patches.shape, rows, cols)
-        x = self.linear(patches.flatten(1).to(self.dtype), "vision.patch_embed.proj")     # [N, Vd]
+        x = self.linear(patches.flatten(1).to(self.dtype), "vision.patch_embed.proj")  # [N, Vd]
         cos, sin = rope_2d(rows, cols, self.head_dim, self.v.rope_theta)
         for j in range(self.v.num_hidden_layers):
             p = f"vision.blocks.{j}."
             q, k, v = self.linear(rms_norm(x, self.w(p + "norm1.weight")), p + "attn.wqkv").chunk(3, dim=-1)
-            q, k, v = (t.reshape(N, self.heads, self.head_dim) for t in (q, k, v))     # [N, H, hd]
+            q, k, v = (t.reshape(N, self.heads, self.head_dim) for t in (q, k, v))  # [N, H, hd]
             q, k = apply_rope_2d(q, cos, sin), apply_rope_2d(k, cos, sin)
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
             x = x + self.linear(o.transpose(0, 1).reshape(N, -1), p + "attn.wo")
@@ -187,4 +209,5 @@ def tensor_getter(tensors: dict[str, Tensor], where: str):
             got = "missing" if t is None else f"{t.dtype} {list(t.shape)}"
             raise ConfigError(f"{where}: vision tensor {name} is {got}, expected {dtype} {list(shape)}")
         return t
+
     return get

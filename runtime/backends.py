@@ -82,9 +82,13 @@ def check_compatible(manifest: Manifest, bundle: Path) -> None:
         runnable = ", ".join(f"{t}/{e}" for t, e in RUNNABLE)
         raise BundleError(f"{bundle}: built for target {key[0]!r} ({key[1]}); this runtime runs {runnable}")
     if manifest.stage != "executable":
-        raise BundleError(f"{bundle}: an HLO-stage bundle (no NEFFs yet); finish it on a host with neuronx-cc: "
-                          f"deepinfer-compile --finish {bundle}")
+        raise BundleError(
+            f"{bundle}: an HLO-stage bundle (no NEFFs yet); finish it on a host with neuronx-cc: "
+            f"deepinfer-compile --finish {bundle}"
+        )
     built = manifest.toolchain.get("torch")
     if key[0] == "cpu" and built != torch.__version__:
-        raise BundleError(f"{bundle}: compiled with torch {built}, this process has torch {torch.__version__}; "
-                          "recompile the bundle with this torch")
+        raise BundleError(
+            f"{bundle}: compiled with torch {built}, this process has torch {torch.__version__}; "
+            "recompile the bundle with this torch"
+        )

@@ -88,8 +88,8 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None)
     if s.top_p < 1.0:
         order = torch.argsort(x, descending=True)
         probs = torch.softmax(x[order], -1)
-        before = torch.cumsum(probs, -1) - probs          # mass of the tokens ranked above each
-        x[order[before >= s.top_p]] = float("-inf")       # the smallest prefix reaching top_p stays
+        before = torch.cumsum(probs, -1) - probs  # mass of the tokens ranked above each
+        x[order[before >= s.top_p]] = float("-inf")  # the smallest prefix reaching top_p stays
     return int(torch.multinomial(torch.softmax(x, -1), 1, generator=generator))
 
 
@@ -110,7 +110,7 @@ class Request:
     gen: Generation | None = None
     consumed: int = 0
     generator: torch.Generator | None = None
-    seq: int | None = None          # while running
+    seq: int | None = None  # while running
     group: int = 0
     need_blocks: int = 0
 
@@ -125,28 +125,44 @@ class Metrics:
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-        disable_created_metrics()           # no `_created` timestamp series beside every counter
+        disable_created_metrics()  # no `_created` timestamp series beside every counter
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("deepinfer_requests", "Requests by outcome: the finish reason (stop, length, "
-                                "cancelled, error) or why it was refused (queue_full, bad_request)",
-                                ["outcome"], registry=r)
+        self.requests = Counter(
+            "deepinfer_requests",
+            "Requests by outcome: the finish reason (stop, length, "
+            "cancelled, error) or why it was refused (queue_full, bad_request)",
+            ["outcome"],
+            registry=r,
+        )
         self.queue_depth = Gauge("deepinfer_queue_depth", "Requests waiting to join the batch", registry=r)
         self.running = Gauge("deepinfer_running_sequences", "Sequences in the running batch", registry=r)
         self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generated_tokens = Counter("deepinfer_generated_tokens", "Tokens generated", registry=r)
         self.kv_blocks = Gauge("deepinfer_kv_blocks_in_use", "KV blocks held by running sequences", registry=r)
-        self.kv_blocks_total = Gauge("deepinfer_kv_blocks", "KV blocks sequences can hold (the pool less "
-                                     "the scratch block, over every token group)", registry=r)
-        self.step = Histogram("deepinfer_step_seconds", "Time of one batched step", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.ttft = Histogram("deepinfer_time_to_first_token_seconds", "From a request's arrival to its "
-                              "first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.drafted = Counter("deepinfer_drafted_tokens", "Tokens drafted for greedy requests (--speculative)",
-                               registry=r)
-        self.accepted = Counter("deepinfer_accepted_tokens", "Drafted tokens the target's verify steps kept",
-                                registry=r)
-        self.itl = Histogram("deepinfer_inter_token_latency_seconds", "Between two tokens of one request",
-                             buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_blocks_total = Gauge(
+            "deepinfer_kv_blocks",
+            "KV blocks sequences can hold (the pool less the scratch block, over every token group)",
+            registry=r,
+        )
+        self.step = Histogram("deepinfer_step_seconds", "Time of one batched step", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "deepinfer_time_to_first_token_seconds",
+            "From a request's arrival to its first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.drafted = Counter(
+            "deepinfer_drafted_tokens", "Tokens drafted for greedy requests (--speculative)", registry=r
+        )
+        self.accepted = Counter(
+            "deepinfer_accepted_tokens", "Drafted tokens the target's verify steps kept", registry=r
+        )
+        self.itl = Histogram(
+            "deepinfer_inter_token_latency_seconds",
+            "Between two tokens of one request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
 
     def text(self) -> bytes:
         from prometheus_client import generate_latest
@@ -158,21 +174,20 @@ class Engine:
     """Continuous batching over `stepper` (a loaded `Session`: the leader of its ranks); `run` drives it
     on one thread, `submit`, `cancel` and `close` may be called from any thread."""
 
-    def __init__(self, stepper: Stepper, *, eos: int, max_queue: int, metrics: Metrics | None = None,
-                 drafter=None):
+    def __init__(self, stepper: Stepper, *, eos: int, max_queue: int, metrics: Metrics | None = None, drafter=None):
         self.stepper, self.eos, self.max_queue = stepper, eos, max_queue
-        self.drafter = drafter                          # a generate.Drafter for greedy requests, or None
+        self.drafter = drafter  # a generate.Drafter for greedy requests, or None
         if drafter is not None and drafter.capture_layers:
             stepper.capture = dict.fromkeys(drafter.capture_layers)
         self.metrics = metrics or Metrics()
         self.allocs = [stepper.allocator() for _ in range(stepper.groups)]
         a = self.allocs[0]
         self.block_size, self.max_context = a.block_size, a.max_context
-        self.capacity_blocks = len(a.free_blocks)            # per group: the pool less the scratch block
-        self.capacity_slots = len(a.free_slots)              # per group: less the scratch slot
+        self.capacity_blocks = len(a.free_blocks)  # per group: the pool less the scratch block
+        self.capacity_slots = len(a.free_slots)  # per group: less the scratch slot
         self.metrics.kv_blocks_total.set(self.capacity_blocks * len(self.allocs))
         self.running: dict[int, Request] = {}
-        self.gens: dict[int, Generation] = {}                 # what Session.run reads (engram histories)
+        self.gens: dict[int, Generation] = {}  # what Session.run reads (engram histories)
         self._waiting: deque[Request] = deque()
         self._closing = False
         self._rows_free = stepper.max_batch * stepper.groups
@@ -193,20 +208,30 @@ class Engine:
         if prompt_len < 1:
             raise RequestError("the prompt is empty", "prompt")
         if prompt_len > self.max_context:
-            raise RequestError(f"this model's maximum context length is {self.max_context} tokens; the prompt "
-                               f"has {prompt_len}", "prompt", too_long)
+            raise RequestError(
+                f"this model's maximum context length is {self.max_context} tokens; the prompt has {prompt_len}",
+                "prompt",
+                too_long,
+            )
         if max_tokens < 1:
             raise RequestError(f"max_tokens is {max_tokens}; it must be at least 1", "max_tokens")
         need = self.positions(prompt_len, max_tokens)
         if need > self.max_context:
-            raise RequestError(f"this model's maximum context length is {self.max_context} tokens; the request "
-                               f"needs {need} ({prompt_len} in the prompt, {max_tokens} to generate less the "
-                               "last); shorten the prompt or lower max_tokens", "max_tokens", too_long)
+            raise RequestError(
+                f"this model's maximum context length is {self.max_context} tokens; the request "
+                f"needs {need} ({prompt_len} in the prompt, {max_tokens} to generate less the "
+                "last); shorten the prompt or lower max_tokens",
+                "max_tokens",
+                too_long,
+            )
         blocks = -(-need // self.block_size)
         if blocks > self.capacity_blocks:
-            raise RequestError(f"the request needs {blocks} KV blocks of {self.block_size} positions; the pool "
-                               f"holds {self.capacity_blocks} (start the server with more --num-kv-blocks)",
-                               "max_tokens", too_long)
+            raise RequestError(
+                f"the request needs {blocks} KV blocks of {self.block_size} positions; the pool "
+                f"holds {self.capacity_blocks} (start the server with more --num-kv-blocks)",
+                "max_tokens",
+                too_long,
+            )
 
     def submit(self, request: Request) -> None:
         """Queue `request` (after `check`); QueueFull when `max_queue` requests wait already beyond those
@@ -216,8 +241,10 @@ class Engine:
             if self._closing:
                 raise QueueFull("the server is shutting down")
             if len(self._waiting) >= self.max_queue + self._rows_free:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting already (--max-queue "
-                                f"{self.max_queue}, {self._rows_free} free rows in the batch); retry later")
+                raise QueueFull(
+                    f"{len(self._waiting)} requests are waiting already (--max-queue "
+                    f"{self.max_queue}, {self._rows_free} free rows in the batch); retry later"
+                )
             request.submitted = time.perf_counter()
             self._waiting.append(request)
             self.metrics.queue_depth.set(len(self._waiting))
@@ -264,18 +291,20 @@ class Engine:
         rows_by_group: list[list[Row]] = [[] for _ in self.allocs]
         for seq, r in self.running.items():
             n = min(self.stepper.chunk, len(r.gen.tokens) - r.consumed)
-            drafts = drafted.get(seq, [])      # within the request's max_tokens: inside what admission reserved
-            self.allocs[r.group].reserve(seq, r.consumed + n + len(drafts))      # admission left room: cannot fail
-            rows_by_group[r.group].append((seq, r.gen.tokens[r.consumed:r.consumed + n] + drafts, r.consumed))
+            drafts = drafted.get(seq, [])  # within the request's max_tokens: inside what admission reserved
+            self.allocs[r.group].reserve(seq, r.consumed + n + len(drafts))  # admission left room: cannot fail
+            rows_by_group[r.group].append((seq, r.gen.tokens[r.consumed : r.consumed + n] + drafts, r.consumed))
         self.metrics.kv_blocks.set(sum(len(t) for a in self.allocs for t in a.tables.values()))
-        saved = SlotSnapshot.take(self.stepper, {seq: self.allocs[self.running[seq].group].slot_of[seq]
-                                                 for seq in drafted})
-        histories = {seq: DraftedTokens(g.tokens + drafted[seq]) if seq in drafted else g
-                     for seq, g in self.gens.items()}
+        saved = SlotSnapshot.take(
+            self.stepper, {seq: self.allocs[self.running[seq].group].slot_of[seq] for seq in drafted}
+        )
+        histories = {
+            seq: DraftedTokens(g.tokens + drafted[seq]) if seq in drafted else g for seq, g in self.gens.items()
+        }
         start = time.perf_counter()
         try:
             out = self.stepper.run(rows_by_group, self.allocs, histories, None)
-        except Exception as e:          # a failed step fails its sequences, not the server
+        except Exception as e:  # a failed step fails its sequences, not the server
             for r in list(self.running.values()):
                 self._finish(r, "error", f"the step failed: {type(e).__name__}: {e}")
             return
@@ -286,13 +315,14 @@ class Engine:
             for b, (seq, ids, start_pos) in enumerate(rows):
                 r = self.running[seq]
                 if seq in drafted:
-                    if not self._verify(r, logits[b, :len(ids)], start_pos, drafted[seq], group, b, now):
+                    if not self._verify(r, logits[b, : len(ids)], start_pos, drafted[seq], group, b, now):
                         rejected.append(seq)
                     continue
-                if self.drafter is not None:      # every committed position's features, for later drafts
-                    self.drafter.observe(seq, self.allocs[group].slot_of[seq], self.stepper, group, b, start_pos,
-                                         len(ids))
-                self._advance(r, logits[b, :len(ids)], start_pos, now)
+                if self.drafter is not None:  # every committed position's features, for later drafts
+                    self.drafter.observe(
+                        seq, self.allocs[group].slot_of[seq], self.stepper, group, b, start_pos, len(ids)
+                    )
+                self._advance(r, logits[b, : len(ids)], start_pos, now)
         saved.restore(rejected)
         self._publish()
 
@@ -302,13 +332,20 @@ class Engine:
             return {}
         seqs = [seq for seq, r in self.running.items() if r.sampling.temperature == 0]
         running = self.running
-        return draft_for(self.drafter, seqs, self.gens, {s: running[s].consumed for s in seqs},
-                         {s: running[s].max_tokens for s in seqs}, self.stepper.chunk,
-                         dict.fromkeys(seqs, self.max_context),
-                         {s: self.allocs[running[s].group].slot_of[s] for s in seqs})
+        return draft_for(
+            self.drafter,
+            seqs,
+            self.gens,
+            {s: running[s].consumed for s in seqs},
+            {s: running[s].max_tokens for s in seqs},
+            self.stepper.chunk,
+            dict.fromkeys(seqs, self.max_context),
+            {s: self.allocs[running[s].group].slot_of[s] for s in seqs},
+        )
 
-    def _verify(self, r: Request, logits: torch.Tensor, start: int, drafts: list[int], group: int, row: int,
-                now: float) -> bool:
+    def _verify(
+        self, r: Request, logits: torch.Tensor, start: int, drafts: list[int], group: int, row: int, now: float
+    ) -> bool:
         """A verify step's row (logits of the sequence's unfed committed tokens, then of its drafts: drafts
         go to caught-up sequences only): the accepted drafts and the target's own token are emitted ->
         whether every draft was accepted (else the caller restores the slot's state and the accepted
@@ -321,8 +358,9 @@ class Engine:
         self.metrics.accepted.inc(a)
         finite = torch.isfinite(logits[:keep]).all(-1)
         if not bool(finite.all()):
-            self._finish(r, "error", f"non-finite logits (NaN or infinity) at position "
-                                     f"{start + int((~finite).nonzero()[0, 0])}")
+            self._finish(
+                r, "error", f"non-finite logits (NaN or infinity) at position {start + int((~finite).nonzero()[0, 0])}"
+            )
             return True
         self.drafter.observe(r.seq, self.allocs[group].slot_of[r.seq], self.stepper, group, row, start, keep)
         if a == len(drafts):
@@ -334,14 +372,14 @@ class Engine:
 
     def _advance(self, r: Request, logits: torch.Tensor, start: int, now: float) -> None:
         finite = torch.isfinite(logits).all(-1)
-        if not bool(finite.all()):               # argmax of NaN (token 0) would hide it
+        if not bool(finite.all()):  # argmax of NaN (token 0) would hide it
             at = start + int((~finite).nonzero()[0, 0])
             self._finish(r, "error", f"non-finite logits (NaN or infinity) at position {at}")
             return
         if r.consumed < r.gen.prompt_len:
             self.metrics.prompt_tokens.inc(min(len(logits), r.gen.prompt_len - r.consumed))
         r.consumed += len(logits)
-        if r.consumed < len(r.gen.tokens):       # more of the prompt to go
+        if r.consumed < len(r.gen.tokens):  # more of the prompt to go
             return
         self._emit(r, sample(logits[-1], r.sampling, r.generator), now)
 

@@ -38,20 +38,22 @@ class NeuronArgumentError(DeepinferError):
 class NeuronCore:
     """nrt_init on entry, nrt_close on close (after freeing what this core still holds)."""
 
-    _active: NeuronCore | None = None    # nrt_init is once per process
+    _active: NeuronCore | None = None  # nrt_init is once per process
 
     def __init__(self, core: int | None = None, *, lib: Libnrt | None = None):
         if NeuronCore._active is not None:
-            raise NeuronArgumentError("the Neuron runtime is already initialized in this process "
-                                      f"({NeuronCore._active}); one process per NeuronCore: close it first")
+            raise NeuronArgumentError(
+                "the Neuron runtime is already initialized in this process "
+                f"({NeuronCore._active}); one process per NeuronCore: close it first"
+            )
         _pin_visible_core(core)
         self.lib = lib or open_library()
         self.physical = core
-        self.vnc = 0                                      # index among the visible cores
+        self.vnc = 0  # index among the visible cores
         self.lib.init()
         NeuronCore._active = self
         self.version = self.lib.version()
-        self._tensors: list[DeviceTensor] = []            # live, allocation order
+        self._tensors: list[DeviceTensor] = []  # live, allocation order
         self._models: list[NeuronModel] = []
 
     def __repr__(self) -> str:
@@ -87,14 +89,18 @@ def _pin_visible_core(core: int | None) -> None:
     if visible is None:
         os.environ[ENV_VISIBLE] = str(core)
     elif visible.strip() != str(core):
-        raise NeuronArgumentError(f"{ENV_VISIBLE}={visible} but NeuronCore {core} was asked for; one process "
-                                  f"per NeuronCore: set {ENV_VISIBLE}={core} or leave it unset")
+        raise NeuronArgumentError(
+            f"{ENV_VISIBLE}={visible} but NeuronCore {core} was asked for; one process "
+            f"per NeuronCore: set {ENV_VISIBLE}={core} or leave it unset"
+        )
 
 
 def _host_bytes(tensor: torch.Tensor, what: str) -> int:
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise NeuronArgumentError(f"{what}: expected a contiguous CPU tensor, got device {tensor.device}, "
-                                  f"contiguous={tensor.is_contiguous()}; call .contiguous().cpu() first")
+        raise NeuronArgumentError(
+            f"{what}: expected a contiguous CPU tensor, got device {tensor.device}, "
+            f"contiguous={tensor.is_contiguous()}; call .contiguous().cpu() first"
+        )
     return tensor.numel() * tensor.element_size()
 
 
@@ -136,8 +142,10 @@ class DeviceTensor:
         """Copy `tensor`'s bytes into this device tensor; the sizes must match exactly."""
         n = _host_bytes(tensor, self.name)
         if n != self.nbytes:
-            raise NeuronArgumentError(f"tensor {self.name!r}: writing {n} bytes ({tuple(tensor.shape)} "
-                                      f"{tensor.dtype}) into {self.nbytes} bytes")
+            raise NeuronArgumentError(
+                f"tensor {self.name!r}: writing {n} bytes ({tuple(tensor.shape)} "
+                f"{tensor.dtype}) into {self.nbytes} bytes"
+            )
         if n:
             self.core.lib.write(self._live(), tensor.data_ptr(), 0, n, detail=f"tensor {self.name!r}")
 
@@ -146,8 +154,9 @@ class DeviceTensor:
         out = torch.empty(tuple(shape), dtype=dtype)
         n = out.numel() * out.element_size()
         if n != self.nbytes:
-            raise NeuronArgumentError(f"tensor {self.name!r}: {tuple(shape)} {dtype} is {n} bytes, "
-                                      f"the device tensor holds {self.nbytes}")
+            raise NeuronArgumentError(
+                f"tensor {self.name!r}: {tuple(shape)} {dtype} is {n} bytes, the device tensor holds {self.nbytes}"
+            )
         if n:
             self.core.lib.read(self._live(), out.data_ptr(), 0, n, detail=f"tensor {self.name!r}")
         return out
@@ -155,8 +164,10 @@ class DeviceTensor:
     def slice(self, offset: int, nbytes: int, name: str) -> DeviceTensor:
         """A view of bytes [offset, offset + nbytes) sharing this tensor's storage (no copy)."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
-            raise NeuronArgumentError(f"slice {name!r}: bytes [{offset}, {offset + nbytes}) are outside "
-                                      f"tensor {self.name!r} of {self.nbytes} bytes")
+            raise NeuronArgumentError(
+                f"slice {name!r}: bytes [{offset}, {offset + nbytes}) are outside "
+                f"tensor {self.name!r} of {self.nbytes} bytes"
+            )
         handle = self.core.lib.allocate_slice(self._live(), offset, nbytes, name)
         return DeviceTensor(self.core, handle, nbytes, name, parent=self)
 
@@ -165,8 +176,10 @@ class DeviceTensor:
         if self.handle is None:
             return
         if any(s.handle is not None for s in self.slices):
-            raise NeuronArgumentError(f"tensor {self.name!r} still has live slices "
-                                      f"{[s.name for s in self.slices if s.handle is not None]}; free them first")
+            raise NeuronArgumentError(
+                f"tensor {self.name!r} still has live slices "
+                f"{[s.name for s in self.slices if s.handle is not None]}; free them first"
+            )
         self.core.lib.free(self.handle)
         self.handle = None
         self.core._tensors.remove(self)
@@ -201,7 +214,7 @@ class NeuronModel:
         self._bind_check("output", self.outputs, outputs)
         lib = self.core.lib
         sets = []
-        try:   # tensor sets are rebuilt each call: two small host allocations, no device traffic
+        try:  # tensor sets are rebuilt each call: two small host allocations, no device traffic
             for infos, tensors in ((self.inputs, inputs), (self.outputs, outputs)):
                 sets.append(lib.tensor_set())
                 for info, t in zip(infos, tensors):
@@ -213,12 +226,14 @@ class NeuronModel:
 
     def _bind_check(self, usage: str, infos: list[TensorInfo], tensors: Sequence[DeviceTensor]) -> None:
         if len(tensors) != len(infos):
-            raise NeuronArgumentError(f"{self.path}: {len(tensors)} {usage}s given, the model takes "
-                                      f"{len(infos)}: {[i.name for i in infos]}")
+            raise NeuronArgumentError(
+                f"{self.path}: {len(tensors)} {usage}s given, the model takes {len(infos)}: {[i.name for i in infos]}"
+            )
         for info, t in zip(infos, tensors):
             if t.nbytes != info.size:
-                raise NeuronArgumentError(f"{self.path}: {usage} {info.name!r} is bound to {t!r}, "
-                                          f"the model expects {info.size} bytes")
+                raise NeuronArgumentError(
+                    f"{self.path}: {usage} {info.name!r} is bound to {t!r}, the model expects {info.size} bytes"
+                )
 
 
 def _name(entry: str | dict) -> str:
@@ -291,13 +306,21 @@ class NeuronExecutable:
     neff_input_names / neff_output_names), whatever order libnrt lists them in.
     """
 
-    def __init__(self, path: str | Path, core: NeuronCore, signature: Sequence[str | dict],
-                 out_specs: Sequence[tuple[str, Sequence[int], torch.dtype]], aliases: dict | None = None, *,
-                 host_outputs: Sequence[str] | None = None, host_inputs: HostInputs | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        core: NeuronCore,
+        signature: Sequence[str | dict],
+        out_specs: Sequence[tuple[str, Sequence[int], torch.dtype]],
+        aliases: dict | None = None,
+        *,
+        host_outputs: Sequence[str] | None = None,
+        host_inputs: HostInputs | None = None,
+    ):
         self.model = NeuronModel.load(core, path)
         self.core, self.names = core, [_name(s) for s in signature]
         self.out_specs = [(n, tuple(s), d) for n, s, d in out_specs]
-        self.aliases = {int(o): int(i) for o, i in (aliases or {}).items()}   # JSON keys are strings
+        self.aliases = {int(o): int(i) for o, i in (aliases or {}).items()}  # JSON keys are strings
         self.host_outputs = {n for n, _, _ in self.out_specs} if host_outputs is None else set(host_outputs)
         self.own_inputs = host_inputs is None
         self.host_inputs = HostInputs(core) if host_inputs is None else host_inputs
@@ -305,8 +328,9 @@ class NeuronExecutable:
         self.calls = 0
         try:
             self.in_pos = _positions(self.model, "input", self.model.inputs, self.names)
-            self.out_pos = _positions(self.model, "output", self.model.outputs,
-                                      [output_name(n) for n, _, _ in self.out_specs])
+            self.out_pos = _positions(
+                self.model, "output", self.model.outputs, [output_name(n) for n, _, _ in self.out_specs]
+            )
             for j in range(len(self.out_specs)):
                 if j not in self.aliases:
                     self.out_buffers[j] = self._out_buffer(j)
@@ -329,20 +353,25 @@ class NeuronExecutable:
         size = self.model.outputs[self.out_pos[j]].size
         want = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         if want != size:
-            raise NeuronArgumentError(f"{self.model.path}: output {name!r} declared {shape} {dtype} ({want} bytes), "
-                                      f"the model writes {size} bytes")
+            raise NeuronArgumentError(
+                f"{self.model.path}: output {name!r} declared {shape} {dtype} ({want} bytes), "
+                f"the model writes {size} bytes"
+            )
         return DeviceTensor.allocate(self.core, size, f"out:{name}")
 
     def _stage(self, i: int, x: torch.Tensor | DeviceTensor | DeviceValue) -> DeviceTensor:
         if isinstance(x, DeviceTensor):
-            return x                                         # resident: weights, state pools
-        if isinstance(x, DeviceValue):                       # another call's output, still on the device
+            return x  # resident: weights, state pools
+        if isinstance(x, DeviceValue):  # another call's output, still on the device
             if not x.current():
-                raise NeuronArgumentError(f"input {self.names[i]!r}: {x!r} was overwritten by a later call of "
-                                          f"{x.producer.model.path}")
+                raise NeuronArgumentError(
+                    f"input {self.names[i]!r}: {x!r} was overwritten by a later call of {x.producer.model.path}"
+                )
             if x.producer is self:
-                raise NeuronArgumentError(f"input {self.names[i]!r}: {x!r} is this executable's own output buffer, "
-                                          "which the call would overwrite while reading it")
+                raise NeuronArgumentError(
+                    f"input {self.names[i]!r}: {x!r} is this executable's own output buffer, "
+                    "which the call would overwrite while reading it"
+                )
             return x.tensor
         return self.host_inputs.stage(self.names[i], x)
 
@@ -354,16 +383,23 @@ class NeuronExecutable:
         for j, (name, _, _) in enumerate(self.out_specs):
             if j in self.aliases:
                 if not isinstance(inputs[self.aliases[j]], DeviceTensor):
-                    raise NeuronArgumentError(f"output {name!r} aliases input {self.names[self.aliases[j]]!r}, "
-                                              "which must be a resident DeviceTensor")
+                    raise NeuronArgumentError(
+                        f"output {name!r} aliases input {self.names[self.aliases[j]]!r}, "
+                        "which must be a resident DeviceTensor"
+                    )
                 outs.append(bound[self.aliases[j]])
             else:
                 outs.append(self.out_buffers[j])
         self.model.execute(_reorder(bound, self.in_pos), _reorder(outs, self.out_pos))
         self.calls += 1
-        return [outs[j] if j in self.aliases else
-                outs[j].to_torch(dtype, shape) if name in self.host_outputs else DeviceValue(outs[j], shape, dtype, self)
-                for j, (name, shape, dtype) in enumerate(self.out_specs)]
+        return [
+            outs[j]
+            if j in self.aliases
+            else outs[j].to_torch(dtype, shape)
+            if name in self.host_outputs
+            else DeviceValue(outs[j], shape, dtype, self)
+            for j, (name, shape, dtype) in enumerate(self.out_specs)
+        ]
 
 
 def _positions(model: NeuronModel, usage: str, infos: list[TensorInfo], names: list[str]) -> list[int]:
@@ -373,9 +409,11 @@ def _positions(model: NeuronModel, usage: str, infos: list[TensorInfo], names: l
         return [index[n] for n in names]
     unknown = [n for n in names if n not in index]
     missing = [i.name for i in infos if i.name not in names]
-    raise NeuronArgumentError(f"{model.path}: {usage} names {names} do not match the model's "
-                              f"{[i.name for i in infos]} (unknown {unknown}, unbound {missing}); the NEFF's tensors "
-                              "must carry the manifest's names (neff_input_names / neff_output_names): recompile")
+    raise NeuronArgumentError(
+        f"{model.path}: {usage} names {names} do not match the model's "
+        f"{[i.name for i in infos]} (unknown {unknown}, unbound {missing}); the NEFF's tensors "
+        "must carry the manifest's names (neff_input_names / neff_output_names): recompile"
+    )
 
 
 def _reorder(tensors: list[DeviceTensor], positions: list[int]) -> list[DeviceTensor]:

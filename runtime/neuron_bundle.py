@@ -34,6 +34,7 @@ HOST_OUTPUTS = ("logits",)
 @dataclass
 class DeviceStack:
     """A layer-major tensor on the device: rows of `row_bytes` each."""
+
     tensor: DeviceTensor
     rows: int
     row_bytes: int
@@ -51,7 +52,7 @@ class RegionCall:
         self.exe, self.n_state = exe, n_state
 
     def __call__(self, inputs: list) -> list:
-        return self.exe(inputs)[self.n_state:]
+        return self.exe(inputs)[self.n_state :]
 
 
 class NeuronPlacement:
@@ -80,8 +81,15 @@ class NeuronPlacement:
         header = neff.read_header(path)
         neff.check_loadable(header, lnc=self.lnc, path=path, recorded=entry.neff)
         outputs = [_spec(s) for s in entry.output_specs or ()]
-        exe = NeuronExecutable(path, self.core, [s.name for s in entry.inputs], outputs, entry.aliases or {},
-                               host_outputs=HOST_OUTPUTS, host_inputs=self.host_inputs)
+        exe = NeuronExecutable(
+            path,
+            self.core,
+            [s.name for s in entry.inputs],
+            outputs,
+            entry.aliases or {},
+            host_outputs=HOST_OUTPUTS,
+            host_inputs=self.host_inputs,
+        )
         self.calls.append(RegionCall(exe, len(entry.state_outputs or ())))
         return self.calls[-1]
 
@@ -97,6 +105,8 @@ def _set_lnc(lnc: int, bundle: Path) -> None:
     setting and neuronx-cc's --lnc must agree): set it when unset, refuse a different one."""
     current = os.environ.get(ENV_LNC)
     if current is not None and current.strip() != str(lnc):
-        raise BundleError(f"{bundle}: {ENV_LNC}={current} but the bundle's NEFFs were compiled for LNC {lnc}; "
-                          f"unset it or set {ENV_LNC}={lnc} (or recompile with lnc = {current.strip()})")
+        raise BundleError(
+            f"{bundle}: {ENV_LNC}={current} but the bundle's NEFFs were compiled for LNC {lnc}; "
+            f"unset it or set {ENV_LNC}={lnc} (or recompile with lnc = {current.strip()})"
+        )
     os.environ[ENV_LNC] = str(lnc)

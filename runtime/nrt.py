@@ -76,14 +76,33 @@ NRT_TENSOR_NAME_MAX = 256
 
 # every NRT_STATUS of nrt_status.h (aws-neuron-sdk, src/libnrt/include/nrt/nrt_status.h)
 STATUS_NAMES = {
-    0: "NRT_SUCCESS", 1: "NRT_FAILURE", 2: "NRT_INVALID", 3: "NRT_INVALID_HANDLE", 4: "NRT_RESOURCE",
-    5: "NRT_TIMEOUT", 6: "NRT_HW_ERROR", 7: "NRT_QUEUE_FULL", 9: "NRT_LOAD_NOT_ENOUGH_NC",
-    10: "NRT_UNSUPPORTED_NEFF_VERSION", 11: "NRT_FAIL_HOST_MEM_ALLOC", 13: "NRT_UNINITIALIZED", 14: "NRT_CLOSED",
-    15: "NRT_QUEUE_EMPTY", 101: "NRT_EXEC_UNIT_DISABLED",
-    1002: "NRT_EXEC_BAD_INPUT", 1003: "NRT_EXEC_COMPLETED_WITH_NUM_ERR", 1004: "NRT_EXEC_COMPLETED_WITH_ERR",
-    1005: "NRT_EXEC_NC_BUSY", 1006: "NRT_EXEC_OOB", 1100: "NRT_COLL_PENDING",
-    1200: "NRT_EXEC_HW_ERR_COLLECTIVES", 1201: "NRT_EXEC_HW_ERR_HBM_UE", 1202: "NRT_EXEC_HW_ERR_NC_UE",
-    1203: "NRT_EXEC_HW_ERR_DMA_ABORT", 1204: "NRT_EXEC_SW_NQ_OVERFLOW", 1205: "NRT_EXEC_HW_ERR_REPAIRABLE_HBM_UE",
+    0: "NRT_SUCCESS",
+    1: "NRT_FAILURE",
+    2: "NRT_INVALID",
+    3: "NRT_INVALID_HANDLE",
+    4: "NRT_RESOURCE",
+    5: "NRT_TIMEOUT",
+    6: "NRT_HW_ERROR",
+    7: "NRT_QUEUE_FULL",
+    9: "NRT_LOAD_NOT_ENOUGH_NC",
+    10: "NRT_UNSUPPORTED_NEFF_VERSION",
+    11: "NRT_FAIL_HOST_MEM_ALLOC",
+    13: "NRT_UNINITIALIZED",
+    14: "NRT_CLOSED",
+    15: "NRT_QUEUE_EMPTY",
+    101: "NRT_EXEC_UNIT_DISABLED",
+    1002: "NRT_EXEC_BAD_INPUT",
+    1003: "NRT_EXEC_COMPLETED_WITH_NUM_ERR",
+    1004: "NRT_EXEC_COMPLETED_WITH_ERR",
+    1005: "NRT_EXEC_NC_BUSY",
+    1006: "NRT_EXEC_OOB",
+    1100: "NRT_COLL_PENDING",
+    1200: "NRT_EXEC_HW_ERR_COLLECTIVES",
+    1201: "NRT_EXEC_HW_ERR_HBM_UE",
+    1202: "NRT_EXEC_HW_ERR_NC_UE",
+    1203: "NRT_EXEC_HW_ERR_DMA_ABORT",
+    1204: "NRT_EXEC_SW_NQ_OVERFLOW",
+    1205: "NRT_EXEC_HW_ERR_REPAIRABLE_HBM_UE",
     1206: "NRT_NETWORK_PROXY_FAILURE",
 }
 NRT_UNSUPPORTED_NEFF_VERSION = 10
@@ -102,7 +121,9 @@ class NeuronRuntimeError(DeepinferError):
         self.function, self.status = function, status
         name = STATUS_NAMES.get(status, "unknown status")
         said = f", {text}" if text and text != name else ""
-        super().__init__(f"{function} failed with NRT status {status} ({name}{said})" + (f": {detail}" if detail else ""))
+        super().__init__(
+            f"{function} failed with NRT status {status} ({name}{said})" + (f": {detail}" if detail else "")
+        )
 
 
 class NeuronNumericalError(NeuronRuntimeError):
@@ -113,32 +134,39 @@ class NeuronNumericalError(NeuronRuntimeError):
 
 
 class NrtTensorInfo(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char * NRT_TENSOR_NAME_MAX),
-                ("usage", ctypes.c_int),                        # nrt_tensor_usage_t
-                ("size", ctypes.c_size_t),                      # bytes
-                ("dtype", ctypes.c_int),                        # nrt_dtype_t (release-dependent codes)
-                ("shape", ctypes.POINTER(ctypes.c_uint32)),
-                ("ndim", ctypes.c_uint32)]
+    _fields_ = [
+        ("name", ctypes.c_char * NRT_TENSOR_NAME_MAX),
+        ("usage", ctypes.c_int),  # nrt_tensor_usage_t
+        ("size", ctypes.c_size_t),  # bytes
+        ("dtype", ctypes.c_int),  # nrt_dtype_t (release-dependent codes)
+        ("shape", ctypes.POINTER(ctypes.c_uint32)),
+        ("ndim", ctypes.c_uint32),
+    ]
 
 
 class NrtTensorInfoArray(ctypes.Structure):
-    _fields_ = [("tensor_count", ctypes.c_uint64),
-                ("tensor_array", NrtTensorInfo * 0)]          # C flexible array member
+    _fields_ = [("tensor_count", ctypes.c_uint64), ("tensor_array", NrtTensorInfo * 0)]  # C flexible array member
 
 
 class NrtVersion(ctypes.Structure):
-    _fields_ = [("rt_major", ctypes.c_uint64), ("rt_minor", ctypes.c_uint64),
-                ("rt_patch", ctypes.c_uint64), ("rt_maintenance", ctypes.c_uint64),
-                ("rt_detail", ctypes.c_char * 128), ("git_hash", ctypes.c_char * 64)]
+    _fields_ = [
+        ("rt_major", ctypes.c_uint64),
+        ("rt_minor", ctypes.c_uint64),
+        ("rt_patch", ctypes.c_uint64),
+        ("rt_maintenance", ctypes.c_uint64),
+        ("rt_detail", ctypes.c_char * 128),
+        ("git_hash", ctypes.c_char * 64),
+    ]
 
 
 @dataclass(frozen=True)
 class TensorInfo:
     """One model input or output as nrt_get_model_tensor_info reports it."""
+
     name: str
-    usage: str            # "input" | "output"
-    size: int             # bytes
-    dtype: int            # raw nrt_dtype_t code (see module docstring)
+    usage: str  # "input" | "output"
+    size: int  # bytes
+    dtype: int  # raw nrt_dtype_t code (see module docstring)
     shape: tuple[int, ...]
 
 
@@ -163,8 +191,10 @@ _SIG = {  # name: (restype, argtypes)
     "nrt_destroy_tensor_set": (None, [_PP]),
     "nrt_execute": (_STATUS, [_P, _P, _P]),
 }
-_OPTIONAL = {"nrt_get_version": (_STATUS, [ctypes.POINTER(NrtVersion), ctypes.c_size_t]),
-             "nrt_get_status_as_str": (ctypes.c_char_p, [_STATUS])}
+_OPTIONAL = {
+    "nrt_get_version": (_STATUS, [ctypes.POINTER(NrtVersion), ctypes.c_size_t]),
+    "nrt_get_status_as_str": (ctypes.c_char_p, [_STATUS]),
+}
 
 _FIX = f"install aws-neuronx-runtime-lib on a Trn2 host or set {ENV_LIBRARY} to the path of libnrt.so"
 
@@ -174,16 +204,18 @@ def find_library() -> str:
     explicit = os.environ.get(ENV_LIBRARY)
     if explicit:
         if not Path(explicit).is_file():
-            raise NeuronRuntimeMissing(f"Neuron runtime library not found: {ENV_LIBRARY}={explicit} "
-                                       f"is not a file; {_FIX}")
+            raise NeuronRuntimeMissing(
+                f"Neuron runtime library not found: {ENV_LIBRARY}={explicit} is not a file; {_FIX}"
+            )
         return explicit
     found = ctypes.util.find_library("nrt")
     if found:
         return found
     if Path(DEFAULT_PATH).is_file():
         return DEFAULT_PATH
-    raise NeuronRuntimeMissing(f"Neuron runtime library not found (looked for ${ENV_LIBRARY}, "
-                               f"find_library('nrt'), {DEFAULT_PATH}); {_FIX}")
+    raise NeuronRuntimeMissing(
+        f"Neuron runtime library not found (looked for ${ENV_LIBRARY}, find_library('nrt'), {DEFAULT_PATH}); {_FIX}"
+    )
 
 
 def _cstr(name: str | None) -> bytes | None:
@@ -230,7 +262,7 @@ class Libnrt:
         self.dll.nrt_close()
 
     def version(self) -> str | None:
-        """"major.minor.patch.maintenance (detail)", or None when this libnrt has no nrt_get_version."""
+        """ "major.minor.patch.maintenance (detail)", or None when this libnrt has no nrt_get_version."""
         if not hasattr(self.dll, "nrt_get_version"):
             return None
         v = NrtVersion()
@@ -249,10 +281,14 @@ class Libnrt:
         except NeuronRuntimeError as e:
             if e.status != NRT_UNSUPPORTED_NEFF_VERSION:
                 raise
-            raise NeuronRuntimeError("nrt_load", e.status, f"{detail}: libnrt {self.version() or '(version unknown)'} "
-                                     "does not load this NEFF's format; compile with the neuronx-cc of the "
-                                     "Neuron SDK release that installed this runtime",
-                                     self.status_text(e.status)) from None
+            raise NeuronRuntimeError(
+                "nrt_load",
+                e.status,
+                f"{detail}: libnrt {self.version() or '(version unknown)'} "
+                "does not load this NEFF's format; compile with the neuronx-cc of the "
+                "Neuron SDK release that installed this runtime",
+                self.status_text(e.status),
+            ) from None
         return model.value
 
     def unload(self, model: int) -> None:
@@ -276,14 +312,28 @@ class Libnrt:
 
     def allocate(self, vnc: int, size: int, name: str | None) -> int:
         t = ctypes.c_void_p()
-        self._call("nrt_tensor_allocate", NRT_TENSOR_PLACEMENT_DEVICE, vnc, size, _cstr(name), ctypes.byref(t),
-                   detail=f"tensor {name!r}, {size} bytes")
+        self._call(
+            "nrt_tensor_allocate",
+            NRT_TENSOR_PLACEMENT_DEVICE,
+            vnc,
+            size,
+            _cstr(name),
+            ctypes.byref(t),
+            detail=f"tensor {name!r}, {size} bytes",
+        )
         return t.value
 
     def allocate_slice(self, source: int, offset: int, size: int, name: str | None) -> int:
         t = ctypes.c_void_p()
-        self._call("nrt_tensor_allocate_slice", source, offset, size, _cstr(name), ctypes.byref(t),
-                   detail=f"slice {name!r}, bytes [{offset}, {offset + size})")
+        self._call(
+            "nrt_tensor_allocate_slice",
+            source,
+            offset,
+            size,
+            _cstr(name),
+            ctypes.byref(t),
+            detail=f"slice {name!r}, bytes [{offset}, {offset + size})",
+        )
         return t.value
 
     def free(self, tensor: int) -> None:

@@ -40,9 +40,9 @@ class Comm:
     def __init__(self, topo: Topology, rank: int, *, chunk_bytes: int = CHUNK_BYTES):
         self.topo, self.rank, self.world = topo, rank, topo.world
         self.group = topo.group_of(rank)
-        self.chunk = chunk_bytes // 4                       # float32 elements per chunk
+        self.chunk = chunk_bytes // 4  # float32 elements per chunk
         self.tp_group = None
-        for g in range(topo.groups):                        # every rank creates every subgroup
+        for g in range(topo.groups):  # every rank creates every subgroup
             for c in range(topo.cp):
                 base = g * topo.group_size + c * topo.tp
                 ranks = list(range(base, base + topo.tp))
@@ -83,10 +83,13 @@ class Comm:
         """Every rank's (h, pre, is_image) rows, gathered with one all-gather of packed bytes."""
         start = time.perf_counter()
         B, T = h.shape[:2]
-        parts = [h.contiguous().view(B, T, -1).view(torch.uint8), pre.contiguous().view(torch.uint8),
-                 is_image.contiguous().view(torch.uint8).unsqueeze(-1)]
+        parts = [
+            h.contiguous().view(B, T, -1).view(torch.uint8),
+            pre.contiguous().view(torch.uint8),
+            is_image.contiguous().view(torch.uint8).unsqueeze(-1),
+        ]
         widths = [p.shape[-1] for p in parts]
-        rows = torch.cat(parts, dim=-1).reshape(B * T, -1)                  # [rows, bytes]
+        rows = torch.cat(parts, dim=-1).reshape(B * T, -1)  # [rows, bytes]
         out = torch.empty((self.world * rows.shape[0], rows.shape[1]), dtype=torch.uint8)
         dist.all_gather_single(out, rows)
         self.sent["ep dispatch all-gather"] += rows.numel()
@@ -94,7 +97,7 @@ class Comm:
         out = out.view(self.world * B, T, -1)
         h_bytes, pre_bytes, _ = widths
         hs = out[..., :h_bytes].contiguous().view(h.dtype).view(self.world * B, *h.shape[1:])
-        ps = out[..., h_bytes:h_bytes + pre_bytes].contiguous().view(pre.dtype).view(self.world * B, *pre.shape[1:])
+        ps = out[..., h_bytes : h_bytes + pre_bytes].contiguous().view(pre.dtype).view(self.world * B, *pre.shape[1:])
         images = out[..., h_bytes + pre_bytes].bool()
         return hs, ps, images
 
@@ -109,7 +112,7 @@ class Comm:
         self.sent["logits all-gather"] += logits.numel() * logits.element_size()
         self.seconds["logits all-gather"] += time.perf_counter() - start
         first = [g * self.topo.group_size for g in range(self.topo.groups)]
-        return [out[r * B:(r + 1) * B] for r in first]
+        return [out[r * B : (r + 1) * B] for r in first]
 
     # -- float32 collectives in chunks --------------------------------------------------------
 
@@ -117,7 +120,7 @@ class Comm:
         start = time.perf_counter()
         flat = x.float().contiguous().view(-1).clone()
         for i in range(0, flat.numel(), self.chunk):
-            piece = flat[i:i + self.chunk]
+            piece = flat[i : i + self.chunk]
             dist.all_reduce(piece, group=group)
         self.sent[name] += flat.numel() * 4
         self.seconds[name] += time.perf_counter() - start
@@ -129,8 +132,8 @@ class Comm:
         per = x.float().contiguous().view(self.world, -1)
         out = torch.empty(per.shape[1], dtype=torch.float32)
         for i in range(0, per.shape[1], self.chunk):
-            piece = out[i:i + self.chunk]
-            dist.reduce_scatter_single(piece, per[:, i:i + self.chunk].contiguous().view(-1))
+            piece = out[i : i + self.chunk]
+            dist.reduce_scatter_single(piece, per[:, i : i + self.chunk].contiguous().view(-1))
         self.sent["ep combine reduce-scatter"] += per.numel() * 4
         self.seconds["ep combine reduce-scatter"] += time.perf_counter() - start
         return out.view(x.shape[0] // self.world, *x.shape[1:])
@@ -138,17 +141,19 @@ class Comm:
 
 # --- launching ----------------------------------------------------------------------------------
 
-COLLECTIVE_TIMEOUT_S = 600.0        # a collective (a step's broadcast included) that waits longer fails
+COLLECTIVE_TIMEOUT_S = 600.0  # a collective (a step's broadcast included) that waits longer fails
 
 
-def init(rank: int, world: int, rendezvous: str | Path | None = None, *,
-         timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+def init(
+    rank: int, world: int, rendezvous: str | Path | None = None, *, timeout_s: float = COLLECTIVE_TIMEOUT_S
+) -> None:
     """Join the process group (gloo on CPU). `rendezvous`: a file path the ranks of one run share
     (no port to pick, so none to race for); without it, torchrun's environment (env://).
     Every collective fails after `timeout_s` rather than hang on a dead rank."""
     method = f"file://{Path(rendezvous).resolve()}" if rendezvous is not None else "env://"
-    dist.init_process_group("gloo", init_method=method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", init_method=method, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def torchrun_rank() -> tuple[int, int] | None:
@@ -193,20 +198,20 @@ def _load_rank(rank: int, world: int, rendezvous: str, bundle: str, options: dic
     return load(opened, rank=rank, comm=comm, num_kv_blocks=options.get("num_kv_blocks")), comm
 
 
-def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, max_new_tokens: int, options: dict,
-               results) -> None:
+def _rank_main(
+    rank: int, world: int, rendezvous: str, bundle: str, prompts, max_new_tokens: int, options: dict, results
+) -> None:
     try:
         session, comm = _load_rank(rank, world, rendezvous, bundle, options)
         if comm.leader:
             gens = session.generate(prompts, max_new_tokens, images=options.get("images"))
-            for g in gens:             # numpy: tensors would travel as shared memory of an exiting process
+            for g in gens:  # numpy: tensors would travel as shared memory of an exiting process
                 g.logits = [row.numpy() for row in g.logits]
-            results.put({"gens": gens, "stats": session.stats, "sent": dict(comm.sent),
-                         "seconds": dict(comm.seconds)})
+            results.put({"gens": gens, "stats": session.stats, "sent": dict(comm.sent), "seconds": dict(comm.seconds)})
         else:
             session.serve()
             results.put({"rank": rank, "sent": dict(comm.sent)})
-    except BaseException as e:                   # the parent reports the first failure
+    except BaseException as e:  # the parent reports the first failure
         results.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
         raise
     finally:
@@ -238,8 +243,10 @@ class Leader:
         self._tmp = tempfile.TemporaryDirectory(prefix="deepinfer-ranks-")
         rendezvous = str(Path(self._tmp.name) / "rendezvous")
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_follower_main, args=(r, world, rendezvous, str(bundle), dict(options)),
-                                  daemon=True) for r in range(1, world)]
+        self.procs = [
+            ctx.Process(target=_follower_main, args=(r, world, rendezvous, str(bundle), dict(options)), daemon=True)
+            for r in range(1, world)
+        ]
         for p in self.procs:
             p.start()
         try:
@@ -265,8 +272,9 @@ class Leader:
         self._tmp.cleanup()
 
 
-def generate_ranks(bundle, prompts: list[list[int]], max_new_tokens: int, *, timeout_s: float = 3600.0,
-                   **options) -> dict:
+def generate_ranks(
+    bundle, prompts: list[list[int]], max_new_tokens: int, *, timeout_s: float = 3600.0, **options
+) -> dict:
     """Start one process per rank of `bundle` (a path, or an opened runtime.Bundle) on this host (gloo),
     generate on the leader.
 
@@ -289,8 +297,14 @@ def generate_ranks(bundle, prompts: list[list[int]], max_new_tokens: int, *, tim
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="deepinfer-ranks-") as tmp:
         rendezvous = str(Path(tmp) / "rendezvous")
-        procs = [ctx.Process(target=_rank_main, args=(r, world, rendezvous, str(bundle), prompts, max_new_tokens,
-                                                      dict(options), results), daemon=True) for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(r, world, rendezvous, str(bundle), prompts, max_new_tokens, dict(options), results),
+                daemon=True,
+            )
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         try:
@@ -323,10 +337,11 @@ def _collect(procs, results, timeout_s: float) -> list[dict]:
             reported = {i.get("rank", 0) for i in items}
             dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
             if dead:
-                time.sleep(0.5)                   # its own report may still be in the queue
+                time.sleep(0.5)  # its own report may still be in the queue
                 if results.empty():
-                    return [{"rank": dead[0], "error": f"exited with status {procs[dead[0]].exitcode} "
-                                                      "without a result"}]
+                    return [
+                        {"rank": dead[0], "error": f"exited with status {procs[dead[0]].exitcode} without a result"}
+                    ]
             elif time.monotonic() > deadline:
                 return [{"rank": min(set(range(len(procs))) - reported), "error": f"no result in {timeout_s:.0f} s"}]
             continue

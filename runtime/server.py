@@ -29,9 +29,9 @@ from typing import Any
 
 from deepinfer.runtime.engine import Engine, QueueFull, Request, RequestError, Sampling
 
-RETRY_AFTER_S = 1                           # what a 429 tells the client to wait
-DEFAULT_COMPLETION_TOKENS = 16              # OpenAI's default max_tokens for /v1/completions
-MAX_STOPS = 4                               # OpenAI's limit on stop strings
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_STOPS = 4  # OpenAI's limit on stop strings
 
 
 def plain_chat(messages: list[dict]) -> str:
@@ -67,10 +67,10 @@ class TextStream:
         if self.stopped:
             return True
         self.ids.append(token)
-        new = self.decode(self.ids[self.prefix:])
-        old = self.decode(self.ids[self.prefix:self.read])
+        new = self.decode(self.ids[self.prefix :])
+        old = self.decode(self.ids[self.prefix : self.read])
         if len(new) > len(old) and not new.endswith("\ufffd"):
-            self._append(new[len(old):])
+            self._append(new[len(old) :])
             self.prefix, self.read = self.read, len(self.ids)
         return self.stopped
 
@@ -88,14 +88,14 @@ class TextStream:
     def take(self, final: bool = False) -> str:
         """The text not sent yet that is safe to send; `final` (the sequence ended) sends the rest."""
         if final and not self.stopped:
-            tail = self.decode(self.ids[self.prefix:])[len(self.decode(self.ids[self.prefix:self.read])):]
+            tail = self.decode(self.ids[self.prefix :])[len(self.decode(self.ids[self.prefix : self.read])) :]
             if tail:
                 self._append(tail)
                 self.prefix = self.read = len(self.ids)
         end = len(self.text)
         if not (final or self.stopped):
             end -= self._held()
-        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
 
     def _held(self) -> int:
@@ -127,13 +127,20 @@ class Served:
 
     def params(self, body: dict, prompt: list[int], default_max: int) -> Params:
         if body.get("model") != self.model:
-            raise BadRequest(f"The model {body.get('model')!r} does not exist; this server serves {self.model!r}",
-                             "model", code="model_not_found")
+            raise BadRequest(
+                f"The model {body.get('model')!r} does not exist; this server serves {self.model!r}",
+                "model",
+                code="model_not_found",
+            )
         n = _field(body, "n", int, 1)
         if n != 1:
             raise BadRequest(f"n is {n}; this server returns one choice per request (n = 1)", "n")
-        for name, harmless in (("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("best_of", (None, 1)),
-                               ("suffix", (None, ""))):
+        for name, harmless in (
+            ("logprobs", (None, False)),
+            ("top_logprobs", (None, 0)),
+            ("best_of", (None, 1)),
+            ("suffix", (None, "")),
+        ):
             if body.get(name) not in harmless:
                 raise BadRequest(f"{name} is not supported by this server", name)
         bad = [i for i in prompt if not 0 <= i < self.vocab]
@@ -163,13 +170,19 @@ class Served:
             self.engine.check(len(prompt), max_tokens)
         except RequestError as e:
             raise BadRequest(str(e), e.param, code=e.code) from None
-        return Params(prompt, max_tokens, Sampling(temperature, top_p, max(top_k, 0), _field(body, "seed", int, None)),
-                      stops, stream, bool(options.get("include_usage")))
+        return Params(
+            prompt,
+            max_tokens,
+            Sampling(temperature, top_p, max(top_k, 0), _field(body, "seed", int, None)),
+            stops,
+            stream,
+            bool(options.get("include_usage")),
+        )
 
     def completion_prompt(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]                  # a batch of one
+            prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
@@ -185,14 +198,14 @@ class Served:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise BadRequest(f"messages[{i}]: expected an object with a string role", f"messages[{i}]")
             content = m.get("content")
-            if isinstance(content, list):       # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
+            if isinstance(content, list):  # content parts: text only
+                if not all(
+                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+                ):
                     raise BadRequest(f"messages[{i}].content: only text parts are supported", f"messages[{i}]")
                 content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
-                raise BadRequest(f"messages[{i}].content: expected a string or a list of text parts",
-                                 f"messages[{i}]")
+                raise BadRequest(f"messages[{i}].content: expected a string or a list of text parts", f"messages[{i}]")
             plain.append({"role": m["role"], "content": content})
         if self.tokenizer.kind == "byte":
             return self.tokenizer.encode(plain_chat(plain))
@@ -200,7 +213,7 @@ class Served:
 
         try:
             return self.tokenizer.chat(plain)
-        except DeepinferError as e:             # the template's own raise_exception, or no template
+        except DeepinferError as e:  # the template's own raise_exception, or no template
             raise BadRequest(str(e), "messages") from None
 
     # -- generation ---------------------------------------------------------------------------
@@ -213,7 +226,7 @@ class Served:
         def put(item):
             try:
                 loop.call_soon_threadsafe(events.put_nowait, item)
-            except RuntimeError:                # the event loop closed under a shutdown
+            except RuntimeError:  # the event loop closed under a shutdown
                 pass
 
         def on_token(token: int) -> bool:
@@ -259,8 +272,11 @@ def create_app(served: Served):
     def refuse(e: BadRequest | QueueFull) -> JSONResponse:
         if isinstance(e, QueueFull):
             served.engine.metrics.requests.labels("queue_full").inc()
-            return JSONResponse(error_body(str(e), "rate_limit_exceeded", code="queue_full"), status_code=429,
-                                headers={"Retry-After": str(RETRY_AFTER_S)})
+            return JSONResponse(
+                error_body(str(e), "rate_limit_exceeded", code="queue_full"),
+                status_code=429,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         served.engine.metrics.requests.labels("bad_request").inc()
         return JSONResponse(error_body(str(e), "invalid_request_error", e.param, e.code), status_code=400)
 
@@ -278,30 +294,41 @@ def create_app(served: Served):
         try:
             body = await body_of(request)
             prompt = served.chat_prompt(body) if chat else served.completion_prompt(body)
-            p = served.params(body, prompt, served.engine.max_context - len(prompt) + 1 if chat
-                              else DEFAULT_COMPLETION_TOKENS)
+            p = served.params(
+                body, prompt, served.engine.max_context - len(prompt) + 1 if chat else DEFAULT_COMPLETION_TOKENS
+            )
             job, events, _ = served.start(p)
         except (BadRequest, QueueFull) as e:
             return refuse(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": served.model}
+        head = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": served.model,
+        }
 
         def usage() -> dict:
             n = len(job.generated)
             return {"prompt_tokens": len(p.prompt), "completion_tokens": n, "total_tokens": len(p.prompt) + n}
 
         if p.stream:
-            return StreamingResponse(_sse(served, job, events, head, chat, p.include_usage, usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                _sse(served, job, events, head, chat, p.include_usage, usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         text, done = await _collect(served, request, job, events)
-        if done is None:                            # the client left; it reads nothing
+        if done is None:  # the client left; it reads nothing
             return Response(status_code=499)
         _, reason, error = done
         if reason == "error":
             return JSONResponse(error_body(error, "server_error"), status_code=500)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason} if chat
-                  else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+            if chat
+            else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        )
         return JSONResponse({**head, "choices": [choice], "usage": usage()})
 
     async def completions(request):
@@ -311,9 +338,20 @@ def create_app(served: Served):
         return await generate(request, chat=True)
 
     async def models(request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": served.model, "object": "model", "created": served.created, "owned_by": "deepinfer",
-             "max_model_len": served.engine.max_context}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": served.model,
+                        "object": "model",
+                        "created": served.created,
+                        "owned_by": "deepinfer",
+                        "max_model_len": served.engine.max_context,
+                    }
+                ],
+            }
+        )
 
     async def health(request):
         return JSONResponse({"status": "ok"})
@@ -323,18 +361,21 @@ def create_app(served: Served):
 
         return Response(served.engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    return Starlette(routes=[
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ]
+    )
 
 
 async def _collect(served: Served, request, job: Request, events: asyncio.Queue):
     """A whole generation's text and its ("done", reason, error), or (text, None) when the client
     disconnected first (the sequence is then cancelled)."""
+
     async def gather():
         parts = []
         while (item := await events.get())[0] == "text":
@@ -357,8 +398,15 @@ async def _collect(served: Served, request, job: Request, events: asyncio.Queue)
     return "", None
 
 
-async def _sse(served: Served, job: Request, events: asyncio.Queue, head: dict, chat: bool, include_usage: bool,
-               usage: Callable[[], dict]):
+async def _sse(
+    served: Served,
+    job: Request,
+    events: asyncio.Queue,
+    head: dict,
+    chat: bool,
+    include_usage: bool,
+    usage: Callable[[], dict],
+):
     """Server-sent events of one streamed generation; leaving early (the client disconnected) cancels it."""
     kind = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
@@ -398,8 +446,17 @@ async def _sse(served: Served, job: Request, events: asyncio.Queue, head: dict, 
             served.engine.cancel(job)
 
 
-def serve(session, tokenizer, *, model: str, host: str, port: int, max_queue: int,
-          on_ready: Callable[[str], None], drafter=None) -> None:
+def serve(
+    session,
+    tokenizer,
+    *,
+    model: str,
+    host: str,
+    port: int,
+    max_queue: int,
+    on_ready: Callable[[str], None],
+    drafter=None,
+) -> None:
     """Serve `session` (loaded; the leader of its ranks) on host:port until SIGINT or SIGTERM; with
     `drafter` (`session.dspark()`), greedy requests decode speculatively.
 
@@ -421,8 +478,7 @@ def serve(session, tokenizer, *, model: str, host: str, port: int, max_queue: in
     thread = threading.Thread(target=engine.run, name="deepinfer-engine", daemon=True)
     thread.start()
     bound = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACE_S,
-                                           lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACE_S, lifespan="off"))
 
     def stopped(signum, frame):
         raise _Stopped(signum)
@@ -448,8 +504,8 @@ class _Stopped(Exception):
     """A stop signal, after uvicorn's graceful shutdown."""
 
 
-BACKLOG = 128                   # connections the kernel queues before uvicorn accepts them
-GRACE_S = 10                    # seconds open requests get to end at shutdown
+BACKLOG = 128  # connections the kernel queues before uvicorn accepts them
+GRACE_S = 10  # seconds open requests get to end at shutdown
 
 
 class ServerProcess:
@@ -465,9 +521,23 @@ class ServerProcess:
         import sys
         import threading
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.serve_cli", str(bundle), "--host",
-                                      "127.0.0.1", "--port", "0", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "deepinfer.runtime.serve_cli",
+                str(bundle),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stdout], daemon=True).start()
         try:

@@ -41,19 +41,26 @@ from deepinfer.runtime.backends import check_compatible, placement_for
 @dataclass
 class Stats:
     calls: dict = field(default_factory=lambda: defaultdict(int))
-    seconds: dict = field(default_factory=lambda: defaultdict(float))     # host time in the executable
-    overhead: float = 0.0             # runtime time around region calls (argument lists, lookups)
+    seconds: dict = field(default_factory=lambda: defaultdict(float))  # host time in the executable
+    overhead: float = 0.0  # runtime time around region calls (argument lists, lookups)
     steps: int = 0
     step_seconds: float = 0.0
-    by_tokens: dict = field(default_factory=dict)     # tokens bucket -> [steps, seconds] (picklable: ranks send it)
-    tokens: int = 0                   # real tokens processed
-    padded: int = 0                   # token slots computed (incl. padding)
+    by_tokens: dict = field(default_factory=dict)  # tokens bucket -> [steps, seconds] (picklable: ranks send it)
+    tokens: int = 0  # real tokens processed
+    padded: int = 0  # token slots computed (incl. padding)
 
     def table(self) -> list[dict]:
         total = sum(self.seconds.values()) or 1.0
-        return [{"kind": k, "calls": self.calls[k], "total_ms": self.seconds[k] * 1e3,
-                 "mean_us": self.seconds[k] / self.calls[k] * 1e6, "share": self.seconds[k] / total}
-                for k in sorted(self.seconds, key=lambda k: -self.seconds[k])]
+        return [
+            {
+                "kind": k,
+                "calls": self.calls[k],
+                "total_ms": self.seconds[k] * 1e3,
+                "mean_us": self.seconds[k] / self.calls[k] * 1e6,
+                "share": self.seconds[k] / total,
+            }
+            for k in sorted(self.seconds, key=lambda k: -self.seconds[k])
+        ]
 
 
 @dataclass(frozen=True)
@@ -64,14 +71,16 @@ class Bundle:
     path: Path
     manifest: mf.Manifest
     config: V41Config
-    identity: tuple[int, int] = (0, 0)     # the directory's (device, inode) when it was opened
+    identity: tuple[int, int] = (0, 0)  # the directory's (device, inode) when it was opened
 
     def check_unchanged(self) -> None:
         """Refuse a bundle directory replaced since it was opened (`deepinfer-compile --force` renames
         a new bundle into place): what was loaded would mix two bundles' files."""
         if _identity(self.path) != self.identity:
-            raise mf.BundleError(f"{self.path}: replaced while it was being loaded (a compile with --force?); "
-                                 "nothing from it is used; run again")
+            raise mf.BundleError(
+                f"{self.path}: replaced while it was being loaded (a compile with --force?); "
+                "nothing from it is used; run again"
+            )
 
 
 def _identity(path: Path) -> tuple[int, int]:
@@ -90,8 +99,10 @@ def open_bundle(path: str | Path, *, verify: bool = True, trust=None) -> Bundle:
     directory is still the one opened here."""
     path = Path(path)
     if trust is not None and not verify:
-        raise mf.BundleError(f"{path}: a trusted key needs the digest check (the signature covers the files "
-                             "through their digests); drop --no-verify")
+        raise mf.BundleError(
+            f"{path}: a trusted key needs the digest check (the signature covers the files "
+            "through their digests); drop --no-verify"
+        )
     identity = _identity(path)
     manifest = mf.read(path, trust=trust)
     mf.check_files(path, manifest, digests=verify)
@@ -102,7 +113,7 @@ def open_bundle(path: str | Path, *, verify: bool = True, trust=None) -> Bundle:
     return bundle
 
 
-METHOD, DRAFT_PROJECT = "decode", "project"     # a step's regions' method; the draft's logits (the head's)
+METHOD, DRAFT_PROJECT = "decode", "project"  # a step's regions' method; the draft's logits (the head's)
 LAYER_FIELDS = ("attn", "ratio", "kv_source", "candidate_source", "uses_candidates")
 
 
@@ -115,21 +126,28 @@ def check_layers(bundle: Bundle) -> None:
     m = bundle.manifest
     want = plan_layers(bundle.config.text)
     if [l.layer for l in m.layers] != [p.layer for p in want]:
-        raise mf.BundleError(f"{where}: layers lists {[l.layer for l in m.layers]}, the model config has "
-                             f"{len(want)} layers")
+        raise mf.BundleError(
+            f"{where}: layers lists {[l.layer for l in m.layers]}, the model config has {len(want)} layers"
+        )
     seen: dict[str, int] = defaultdict(int)
     for i, (l, p) in enumerate(zip(m.layers, want)):
         for name in LAYER_FIELDS:
             if getattr(l, name) != getattr(p, name):
-                raise mf.BundleError(f"{where}: layers[{i}].{name} is {getattr(l, name)!r}; the model config "
-                                     f"gives layer {p.layer} {getattr(p, name)!r}")
+                raise mf.BundleError(
+                    f"{where}: layers[{i}].{name} is {getattr(l, name)!r}; the model config "
+                    f"gives layer {p.layer} {getattr(p, name)!r}"
+                )
         if l.engram != bool(p.engram_rows):
-            raise mf.BundleError(f"{where}: layers[{i}].engram is {l.engram}; the model config gives layer "
-                                 f"{p.layer} {bool(p.engram_rows)}")
+            raise mf.BundleError(
+                f"{where}: layers[{i}].engram is {l.engram}; the model config gives layer "
+                f"{p.layer} {bool(p.engram_rows)}"
+            )
         for slot, b in l.regions.items():
             if b.index != seen[b.kind]:
-                raise mf.BundleError(f"{where}: layers[{i}].regions.{slot}.index is {b.index}; layer {p.layer} is "
-                                     f"number {seen[b.kind]} of kind {b.kind} in layer order")
+                raise mf.BundleError(
+                    f"{where}: layers[{i}].regions.{slot}.index is {b.index}; layer {p.layer} is "
+                    f"number {seen[b.kind]} of kind {b.kind} in layer order"
+                )
             seen[b.kind] += 1
 
 
@@ -138,9 +156,18 @@ class Session:
         m = bundle.manifest
         self.bundle, self.path, self.manifest, self.config = bundle, bundle.path, m, bundle.config
         self.dtype = DTYPES[m.model.dtype]
-        self.plans = [LayerPlan(layer=l.layer, attn=l.attn, ratio=l.ratio, kv_source=l.kv_source,
-                                candidate_source=l.candidate_source, uses_candidates=l.uses_candidates,
-                                engram_rows=int(l.engram)) for l in m.layers]
+        self.plans = [
+            LayerPlan(
+                layer=l.layer,
+                attn=l.attn,
+                ratio=l.ratio,
+                kv_source=l.kv_source,
+                candidate_source=l.candidate_source,
+                uses_candidates=l.uses_candidates,
+                engram_rows=int(l.engram),
+            )
+            for l in m.layers
+        ]
         kv = m.kv
         self.block_size, self.max_blocks = kv.block_size, kv.max_blocks
         self.num_blocks = kv.num_blocks if num_kv_blocks is None else num_kv_blocks
@@ -148,24 +175,25 @@ class Session:
         if self.num_blocks < 2:
             raise mf.BundleError(f"num_kv_blocks {self.num_blocks}: needs at least 2 (block 0 is scratch)")
         if kv.static_pools and self.num_blocks != kv.num_blocks:
-            raise mf.BundleError(f"{self.path}: compiled for exactly {kv.num_blocks} KV blocks (static shapes); "
-                                 f"cannot run with {self.num_blocks} (change [kv] num_blocks and recompile)")
+            raise mf.BundleError(
+                f"{self.path}: compiled for exactly {kv.num_blocks} KV blocks (static shapes); "
+                f"cannot run with {self.num_blocks} (change [kv] num_blocks and recompile)"
+            )
         self.batch_sizes, self.token_sizes = m.buckets.batch_sizes, m.buckets.token_sizes
-        self.context_blocks = [kv.blocks_for(c) for c in m.buckets.context_sizes]    # block-table widths
+        self.context_blocks = [kv.blocks_for(c) for c in m.buckets.context_sizes]  # block-table widths
         self.rank = torch.tensor(rank, dtype=torch.int64)
         self.topology = m.topology.topology
         self.comm = comm
-        self._check_pool_memory()               # before anything is loaded
+        self._check_pool_memory()  # before anything is loaded
         # the host tables (memory-mapped, checked against the config) before the executables, whose
         # load is most of a session's start: a damaged bundle is refused in a moment
-        self.embed = None                   # the bundle's embedding region (m.embed) runs on the device
+        self.embed = None  # the bundle's embedding region (m.embed) runs on the device
         if m.embed is None:
             host = m.host["embed"]
-            self.embed = Embedding(load_mmap(self.path / host.path)[host.tensor], self.config.text.hc_mult,
-                                   self.dtype)
+            self.embed = Embedding(load_mmap(self.path / host.path)[host.tensor], self.config.text.hc_mult, self.dtype)
         self.hasher = EngramHasher(self.config.text, self._token_map()) if self.config.text.engram_layer_ids else None
         self.engram = None
-        if any(p.engram_rows for p in self.plans):          # the manifest then names the host file
+        if any(p.engram_rows for p in self.plans):  # the manifest then names the host file
             tables = self.path / m.host["engram"].path
             self.engram = EngramRows.of(self.config.text, load_mmap(tables), str(tables))
         self.placement = placement_for(m, self.path, rank)
@@ -174,13 +202,13 @@ class Session:
             self._bind_weights(rank)
             self._allocate_pools()
         except BaseException:
-            self.placement.close()          # a refused load must not keep the device
+            self.placement.close()  # a refused load must not keep the device
             raise
         self.stats = Stats()
         # optional hook around every region call: on_call(layer, slot, kind, inputs, run) -> outputs,
         # where run() calls the executable (deepinfer/diff.py); None costs one test per call
         self.on_call = None
-        self.capture = None         # layers whose attention inputs a drafter reads (regions.step.run_layers)
+        self.capture = None  # layers whose attention inputs a drafter reads (regions.step.run_layers)
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -196,7 +224,9 @@ class Session:
         for e in self.manifest.regions:
             b = e.bucket
             blocks = None if b.context is None else kv.blocks_for(b.context)
-            self.executables[(e.kind, e.method, b.batch, b.tokens, blocks)] = self.placement.load(e, self.path / e.artifact)
+            self.executables[(e.kind, e.method, b.batch, b.tokens, blocks)] = self.placement.load(
+                e, self.path / e.artifact
+            )
             self.signatures[e.kind] = e.inputs
             if blocks is not None:
                 self.context_kinds.add(e.kind)
@@ -207,30 +237,46 @@ class Session:
             entries = self.manifest.rank_weights(rank)
         except mf.BundleError as e:
             raise mf.BundleError(f"{self.path}: {e}") from None
-        stacks = {e.kind: {name: self.placement.resident(t, f"{e.kind}.{name}")
-                           for name, t in stack_tensors(self.path, e).items()} for e in entries}
+        stacks = {
+            e.kind: {
+                name: self.placement.resident(t, f"{e.kind}.{name}") for name, t in stack_tensors(self.path, e).items()
+            }
+            for e in entries
+        }
 
         def views(b: mf.Binding) -> tuple[str, list]:
             """A binding's kind and its weight views (and the rank) in the executable's input order."""
-            return b.kind, [self.rank if s.role == "rank" else self.placement.view(stacks[b.kind][s.name], b.index)
-                            for s in self.signatures[b.kind] if s.role in ("weight", "rank")]
+            return b.kind, [
+                self.rank if s.role == "rank" else self.placement.view(stacks[b.kind][s.name], b.index)
+                for s in self.signatures[b.kind]
+                if s.role in ("weight", "rank")
+            ]
+
         self.bound = {(layer, slot): views(b) for layer, slot, b in self.manifest.bindings()}
         # (stage, slot) -> (kind, weight views) of the draft's regions
-        self.draft_bound = {(stage, slot): views(b)
-                            for stage, regions in enumerate(self.manifest.draft.stages if self.manifest.draft else ())
-                            for slot, b in regions.items()}
+        self.draft_bound = {
+            (stage, slot): views(b)
+            for stage, regions in enumerate(self.manifest.draft.stages if self.manifest.draft else ())
+            for slot, b in regions.items()
+        }
 
     def _pool_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {name: ((len(pool.layers), self.num_blocks if pool.dim == "blocks" else self.num_slots,
-                        *pool.entry_shape), getattr(torch, pool.dtype))
-                for name, pool in self.manifest.kv.pools.items()}
+        return {
+            name: (
+                (len(pool.layers), self.num_blocks if pool.dim == "blocks" else self.num_slots, *pool.entry_shape),
+                getattr(torch, pool.dtype),
+            )
+            for name, pool in self.manifest.kv.pools.items()
+        }
 
     def _check_pool_memory(self) -> None:
         """Pools a host bundle cannot allocate on this host are refused before anything is loaded."""
         need = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self._pool_shapes().values())
         if self.manifest.target.name == "cpu" and need > physical_memory():
-            raise mf.BundleError(f"{self.path}: the KV/state pools need {need / 2**30:.1f} GiB at num_kv_blocks "
-                                 f"{self.num_blocks}, more than this host's {physical_memory() / 2**30:.1f} GiB of memory")
+            raise mf.BundleError(
+                f"{self.path}: the KV/state pools need {need / 2**30:.1f} GiB at num_kv_blocks "
+                f"{self.num_blocks}, more than this host's {physical_memory() / 2**30:.1f} GiB of memory"
+            )
 
     def _allocate_pools(self) -> None:
         self.pools, self.states = {}, defaultdict(dict)
@@ -262,9 +308,10 @@ class Session:
             t0 = time.perf_counter()
             kind, weights = bound[(layer, slot)]
             if comm is not None and slot == "moe" and comm.topo.dispatch:
-                inputs = comm.dispatch(*inputs)                 # every group's rows
-            exe = executables[(kind, METHOD, inputs[0].shape[0], inputs[0].shape[1],
-                               blocks if kind in context_kinds else None)]
+                inputs = comm.dispatch(*inputs)  # every group's rows
+            exe = executables[
+                (kind, METHOD, inputs[0].shape[0], inputs[0].shape[1], blocks if kind in context_kinds else None)
+            ]
             args = weights + list(inputs)
             t1 = time.perf_counter()
             out = exe(args) if on_call is None else on_call(layer, slot, kind, inputs, lambda: exe(args))
@@ -273,6 +320,7 @@ class Session:
             stats.seconds[kind] += t2 - t1
             stats.overhead += t1 - t0
             return out if comm is None else comm.after(slot, out, self.dtype)
+
         return invoke
 
     def _run(self, batch: Batch) -> torch.Tensor:
@@ -282,9 +330,12 @@ class Session:
         invoke = self._invoke(batch.block_table.shape[1])
         if self.embed is not None:
             h, pre = self.embed(batch.tokens, batch.is_image, batch.image_rows)
-        else:       # a text-only step's zero image rows equal the last ones: the device staging skips them
-            rows = batch.image_rows if batch.image_rows is not None else \
-                torch.zeros(*batch.tokens.shape, self.config.text.hidden_size, dtype=self.dtype)
+        else:  # a text-only step's zero image rows equal the last ones: the device staging skips them
+            rows = (
+                batch.image_rows
+                if batch.image_rows is not None
+                else torch.zeros(*batch.tokens.shape, self.config.text.hidden_size, dtype=self.dtype)
+            )
             h, pre = invoke(-1, "embed", batch.tokens, batch.is_image, rows)
         logits = run_layers(self.plans, invoke, self.states, h, pre, batch, self.engram, self.capture)
         seconds = time.perf_counter() - start
@@ -305,8 +356,9 @@ class Session:
         d = require_draft(self.bundle)
         from deepinfer.regions.drafting import DSparkDrafter  # the collapse op: only where a draft runs
 
-        return DSparkDrafter(self.config.text, self._draft_invoke(), self.embed, self.pools[d.features],
-                             self.batch_sizes)
+        return DSparkDrafter(
+            self.config.text, self._draft_invoke(), self.embed, self.pools[d.features], self.batch_sizes
+        )
 
     def _draft_invoke(self):
         """invoke(stage, slot, *inputs) over the draft's executables (stage -1: the head's `project`)."""
@@ -322,6 +374,7 @@ class Session:
             stats.calls[name] += 1
             stats.seconds[name] += time.perf_counter() - t0
             return out
+
         return invoke
 
     # -- what `greedy` drives ----------------------------------------------------------------------
@@ -344,8 +397,12 @@ class Session:
     def slot_states(self) -> list[torch.Tensor]:
         """Each layer's views of the pools indexed by sequence slot (window rings, compressor partials)."""
         pools = self.manifest.kv.pools
-        return [self.states[l.layer][state] for l in self.manifest.layers
-                for state, (pool, _) in l.state.items() if pools[pool].dim == "slots"]
+        return [
+            self.states[l.layer][state]
+            for l in self.manifest.layers
+            for state, (pool, _) in l.state.items()
+            if pools[pool].dim == "slots"
+        ]
 
     def run(self, rows_by_group: list[list[Row]], allocs: list[Allocator], gens, images) -> list[torch.Tensor]:
         """Leader: one step of every token group, padded to the nearest bucket -> each group's logits.
@@ -354,9 +411,22 @@ class Session:
         B = bucket_at_least(self.batch_sizes, max(1, *(len(r) for r in rows_by_group)))
         T = bucket_at_least(self.token_sizes, max(len(ids) for rows in rows_by_group for _, ids, _ in rows))
         blocks = table_width(rows_by_group, self.block_size, self.context_blocks)
-        batches = [make_batch(rows, list(range(len(rows))), B, T, blocks=blocks, alloc=alloc, gens=gens,
-                              images=images, hasher=self.hasher, pad=self.config.pad_token_id, dtype=self.dtype)
-                   for rows, alloc in zip(rows_by_group, allocs)]
+        batches = [
+            make_batch(
+                rows,
+                list(range(len(rows))),
+                B,
+                T,
+                blocks=blocks,
+                alloc=alloc,
+                gens=gens,
+                images=images,
+                hasher=self.hasher,
+                pad=self.config.pad_token_id,
+                dtype=self.dtype,
+            )
+            for rows, alloc in zip(rows_by_group, allocs)
+        ]
         if self.comm is None:
             return [self._run(batches[0])]
         self.comm.step(batches)
@@ -369,8 +439,15 @@ class Session:
                 self.comm.gather_logits(self._run(batches[self.comm.group]))
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, eos: int | None = None,
-                 images: list | None = None, drafter=None) -> list[Generation]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        eos: int | None = None,
+        images: list | None = None,
+        drafter=None,
+    ) -> list[Generation]:
         """Greedy generation (on the leader with several ranks: followers `serve`); a request
         that cannot get blocks fails alone (its `error` is set). images[i] (spans.ImageEmbeds
         from `spans.with_images`, or None): prompt i's image positions and their embeddings.
@@ -378,8 +455,10 @@ class Session:
         `drafter.block` + 1 at a time (the bundle's tokens buckets should hold that width)."""
         eos = self.config.eos_token_id if eos is None else eos
         if drafter is not None and self.comm is not None:
-            raise mf.BundleError(f"{self.path}: speculative decoding runs on single-rank bundles only (its rollback "
-                                 "restores the leader's per-slot state)")
+            raise mf.BundleError(
+                f"{self.path}: speculative decoding runs on single-rank bundles only (its rollback "
+                "restores the leader's per-slot state)"
+            )
         try:
             return greedy(self, prompts, max_new_tokens, eos=eos, images=images, drafter=drafter)
         finally:
@@ -390,8 +469,10 @@ class Session:
 def require_draft(bundle: Bundle) -> mf.Draft:
     """The bundle's compiled draft; a BundleError in one line for a bundle compiled without one."""
     if bundle.manifest.draft is None:
-        raise mf.BundleError(f"{bundle.path}: compiled without a speculative draft, so it cannot run --speculative "
-                             'dspark; add [speculative] draft = "dspark" to its model.toml and compile again')
+        raise mf.BundleError(
+            f"{bundle.path}: compiled without a speculative draft, so it cannot run --speculative "
+            'dspark; add [speculative] draft = "dspark" to its model.toml and compile again'
+        )
     return bundle.manifest.draft
 
 
@@ -409,15 +490,22 @@ def load_vision(bundle: Bundle):
 
     host = bundle.manifest.host.get("vision")
     if host is None:
-        raise mf.BundleError(f"{bundle.path}: the bundle has no vision tower (its checkpoint's "
-                             "vision_config.num_hidden_layers is 0); it cannot take images")
+        raise mf.BundleError(
+            f"{bundle.path}: the bundle has no vision tower (its checkpoint's "
+            "vision_config.num_hidden_layers is 0); it cannot take images"
+        )
     path = bundle.path / host.path
-    return VisionTower(bundle.config, tensor_getter(load_mmap(path), str(path)), DTYPES[bundle.manifest.model.dtype],
-                       str(bundle.path / MANIFEST_FILE))
+    return VisionTower(
+        bundle.config,
+        tensor_getter(load_mmap(path), str(path)),
+        DTYPES[bundle.manifest.model.dtype],
+        str(bundle.path / MANIFEST_FILE),
+    )
 
 
-def load(bundle: Bundle | str | Path, *, num_kv_blocks: int | None = None, verify: bool = True, rank: int = 0,
-         comm=None) -> Session:
+def load(
+    bundle: Bundle | str | Path, *, num_kv_blocks: int | None = None, verify: bool = True, rank: int = 0, comm=None
+) -> Session:
     """Open a bundle (see `open_bundle`; an opened `Bundle` is not read again), then load it as `rank`
     (with `comm`, a runtime.ranks.Comm, when the bundle has several ranks)."""
     if not isinstance(bundle, Bundle):
@@ -426,8 +514,10 @@ def load(bundle: Bundle | str | Path, *, num_kv_blocks: int | None = None, verif
     if not 0 <= rank < world:
         raise mf.BundleError(f"{bundle.path}: rank {rank} is outside the bundle's world size {world}")
     if world > 1 and comm is None:
-        raise mf.BundleError(f"{bundle.path}: a {world}-rank bundle; run it with deepinfer-run (which starts "
-                             "the ranks) or under torchrun")
+        raise mf.BundleError(
+            f"{bundle.path}: a {world}-rank bundle; run it with deepinfer-run (which starts "
+            "the ranks) or under torchrun"
+        )
     session = Session(bundle, num_kv_blocks=num_kv_blocks, rank=rank, comm=comm)
     bundle.check_unchanged()
     return session

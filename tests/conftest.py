@@ -42,19 +42,29 @@ regenerate = _load_regenerate()
 # -m "not slow", skips it) and belongs to that group: with `pytest -n 2 --dist loadgroup` one worker
 # runs a group's tests, so each bundle is compiled once; fixtures compile through one shared
 # artifact cache, so a bundle two groups need is compiled by one worker and fetched by the other.
-GROUPS = {"aoti_bundle": "aoti", "run_aoti_bundle": "aoti", "rank_bundle": "ranks", "run_exported_bundle": "run",
-          "exported_bundle": "exported", "exported_bundle_12": "exported", "trn2_hlo_bundle": "trn2",
-          "trn2_hlo_compile": "trn2",
-          "filled": "cache", "cache_copy": "cache", "e4m3_bundle": "recipes", "v3_bundle": "recipes"}
+GROUPS = {
+    "aoti_bundle": "aoti",
+    "run_aoti_bundle": "aoti",
+    "rank_bundle": "ranks",
+    "run_exported_bundle": "run",
+    "exported_bundle": "exported",
+    "exported_bundle_12": "exported",
+    "trn2_hlo_bundle": "trn2",
+    "trn2_hlo_compile": "trn2",
+    "filled": "cache",
+    "cache_copy": "cache",
+    "e4m3_bundle": "recipes",
+    "v3_bundle": "recipes",
+}
 
 
-@pytest.hookimpl(tryfirst=True)          # before xdist's own hook reads the groups
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
     for item in items:
         params = getattr(item, "callspec", None)
         named = {v for v in params.params.values() if isinstance(v, str)} if params else set()
         used = set(getattr(item, "fixturenames", ())) | named
-        groups = [g for f, g in GROUPS.items() if f in used]    # a fixture, or its name as a parameter
+        groups = [g for f, g in GROUPS.items() if f in used]  # a fixture, or its name as a parameter
         if groups:
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group(groups[0]))
@@ -72,16 +82,29 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 def ref_fp32(tiny_ckpt):
     from deepinfer.regions.reference import ReferenceModel
 
-    return ReferenceModel(tiny_ckpt, dtype="fp32", cache_quant=True, ties="lowest")   # as bundles compute
+    return ReferenceModel(tiny_ckpt, dtype="fp32", cache_quant=True, ties="lowest")  # as bundles compute
 
 
 # --- compiled bundles (session-scoped: an AOTInductor compile costs ~15 s per executable) ---
 
-def write_model_toml(directory: Path, checkpoint: Path, *, tiny_layers: int | None = None, cache_quant: bool = True,
-                     target: str = "cpu", executable: str | None = None, options: str = "{}",
-                     batch: tuple = (1,), tokens: tuple = (1,), max_context: int = 32,
-                     context: tuple | None = None, num_blocks: int = 4,
-                     parallel: tuple[int, int, int] = (1, 1, 1), extra: str = "") -> Path:
+
+def write_model_toml(
+    directory: Path,
+    checkpoint: Path,
+    *,
+    tiny_layers: int | None = None,
+    cache_quant: bool = True,
+    target: str = "cpu",
+    executable: str | None = None,
+    options: str = "{}",
+    batch: tuple = (1,),
+    tokens: tuple = (1,),
+    max_context: int = 32,
+    context: tuple | None = None,
+    num_blocks: int = 4,
+    parallel: tuple[int, int, int] = (1, 1, 1),
+    extra: str = "",
+) -> Path:
     """A small fp32 model.toml for `checkpoint` in `directory` (created); returns its path.
 
     `tiny_layers`: generate the tiny checkpoint there when absent. Sections the defaults
@@ -91,8 +114,7 @@ def write_model_toml(directory: Path, checkpoint: Path, *, tiny_layers: int | No
     model = f"tiny = {{ seed = 0, layers = {tiny_layers} }}\n" if tiny_layers else ""
     exe = f'executable = "{executable}"\n' if executable else ""
     contexts = f"context = {list(context)}\n" if context else ""
-    ranks = "" if tuple(parallel) == (1, 1, 1) else \
-        "\n[parallel]\ntp = {}\nep = {}\ncp = {}\n".format(*parallel)
+    ranks = "" if tuple(parallel) == (1, 1, 1) else "\n[parallel]\ntp = {}\nep = {}\ncp = {}\n".format(*parallel)
     path = directory / "model.toml"
     path.write_text(f"""[model]
 checkpoint = "{checkpoint}"
@@ -115,11 +137,25 @@ num_blocks = {num_blocks}
     return path
 
 
-def _compile_tiny(tmp_path_factory, name: str, checkpoint: Path, *, executable: str, tokens: list[int],
-                  layers: int = 6, batch: tuple = (1,), max_context: int = 32, context: tuple | None = None,
-                  num_blocks: int = 4,
-                  cache_quant: bool = True, target: str = "cpu", options: str = "{}", hlo_only: bool = False,
-                  parallel: tuple[int, int, int] = (1, 1, 1), extra: str = "") -> Path:
+def _compile_tiny(
+    tmp_path_factory,
+    name: str,
+    checkpoint: Path,
+    *,
+    executable: str,
+    tokens: list[int],
+    layers: int = 6,
+    batch: tuple = (1,),
+    max_context: int = 32,
+    context: tuple | None = None,
+    num_blocks: int = 4,
+    cache_quant: bool = True,
+    target: str = "cpu",
+    options: str = "{}",
+    hlo_only: bool = False,
+    parallel: tuple[int, int, int] = (1, 1, 1),
+    extra: str = "",
+) -> Path:
     """Write a small model.toml for `checkpoint` and compile it; returns the bundle directory.
 
     `checkpoint` that does not exist yet is generated by the compiler (`tiny = {layers = N}`).
@@ -129,12 +165,30 @@ def _compile_tiny(tmp_path_factory, name: str, checkpoint: Path, *, executable: 
     from deepinfer.compiler.pipeline import compile_bundle
 
     root = tmp_path_factory.mktemp(name)
-    toml = write_model_toml(root, checkpoint, tiny_layers=layers, cache_quant=cache_quant, target=target,
-                            executable=executable, options=options, batch=batch, tokens=tokens,
-                            max_context=max_context, context=context, num_blocks=num_blocks, parallel=parallel,
-                            extra=extra)
-    path, _ = compile_bundle(load_compile_config(toml), root / "bundle", jobs=2, log=lambda msg: None,
-                             hlo_only=hlo_only, cache=Cache(Path(os.environ[CACHE_ENV])))
+    toml = write_model_toml(
+        root,
+        checkpoint,
+        tiny_layers=layers,
+        cache_quant=cache_quant,
+        target=target,
+        executable=executable,
+        options=options,
+        batch=batch,
+        tokens=tokens,
+        max_context=max_context,
+        context=context,
+        num_blocks=num_blocks,
+        parallel=parallel,
+        extra=extra,
+    )
+    path, _ = compile_bundle(
+        load_compile_config(toml),
+        root / "bundle",
+        jobs=2,
+        log=lambda msg: None,
+        hlo_only=hlo_only,
+        cache=Cache(Path(os.environ[CACHE_ENV])),
+    )
     return path
 
 
@@ -150,8 +204,17 @@ def aoti_bundle(tmp_path_factory, tiny_ckpt) -> Path:
     golden's one-chunk prompt can cross an fp8 rounding boundary and change later tokens
     (measured); the exported bundle covers cache quantization.
     """
-    return _compile_tiny(tmp_path_factory, "aoti", tiny_ckpt, executable="aoti", tokens=[1], batch=(4,),
-                         max_context=80, num_blocks=21, cache_quant=False)
+    return _compile_tiny(
+        tmp_path_factory,
+        "aoti",
+        tiny_ckpt,
+        executable="aoti",
+        tokens=[1],
+        batch=(4,),
+        max_context=80,
+        num_blocks=21,
+        cache_quant=False,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -206,10 +269,23 @@ def trn2_hlo_compile(tmp_path_factory, tiny_ckpt) -> tuple[Path, str]:
     from deepinfer.compiler.cli import main
 
     root = tmp_path_factory.mktemp("trn2")
-    toml = write_model_toml(root, tiny_ckpt, tiny_layers=6, target="trn2", executable="neff",
-                            options="{ lnc = 1, optlevel = 1 }")
-    result = CliRunner().invoke(main, [str(toml), "-o", str(root / "bundle"), "--jobs", "2", "--hlo-only", "--json",
-                                       "--cache-dir", os.environ[CACHE_ENV]])
+    toml = write_model_toml(
+        root, tiny_ckpt, tiny_layers=6, target="trn2", executable="neff", options="{ lnc = 1, optlevel = 1 }"
+    )
+    result = CliRunner().invoke(
+        main,
+        [
+            str(toml),
+            "-o",
+            str(root / "bundle"),
+            "--jobs",
+            "2",
+            "--hlo-only",
+            "--json",
+            "--cache-dir",
+            os.environ[CACHE_ENV],
+        ],
+    )
     assert result.exit_code == 0, result.output
     return root / "bundle", result.output
 
@@ -229,8 +305,17 @@ def rank_bundle(tmp_path_factory, tiny_ckpt):
     def get(tp: int = 1, ep: int = 1, cp: int = 1) -> Path:
         key = (tp, ep, cp)
         if key not in built:
-            built[key] = _compile_tiny(tmp_path_factory, f"ranks{tp}{ep}{cp}", tiny_ckpt, executable="exported",
-                                       tokens=[1, 4], max_context=48, num_blocks=8, cache_quant=False,
-                                       parallel=key)
+            built[key] = _compile_tiny(
+                tmp_path_factory,
+                f"ranks{tp}{ep}{cp}",
+                tiny_ckpt,
+                executable="exported",
+                tokens=[1, 4],
+                max_context=48,
+                num_blocks=8,
+                cache_quant=False,
+                parallel=key,
+            )
         return built[key]
+
     return get

@@ -58,10 +58,12 @@ def _with_index(tmp_path, tiny_ckpt, weight_map):
 
 
 def test_index_entries_stay_inside_the_checkpoint(tmp_path, tiny_ckpt):
-    for weight_map, message in (([1, 2], "weight_map is a list, expected an object"),
-                                ({"embed.weight": "../../../../etc/passwd"}, "is not a file inside the checkpoint"),
-                                ({"embed.weight": "/etc/passwd"}, "is not a file inside the checkpoint"),
-                                ({"embed.weight": 3}, "is not a file inside the checkpoint")):
+    for weight_map, message in (
+        ([1, 2], "weight_map is a list, expected an object"),
+        ({"embed.weight": "../../../../etc/passwd"}, "is not a file inside the checkpoint"),
+        ({"embed.weight": "/etc/passwd"}, "is not a file inside the checkpoint"),
+        ({"embed.weight": 3}, "is not a file inside the checkpoint"),
+    ):
         ckpt = _with_index(tmp_path, tiny_ckpt, weight_map)
         with pytest.raises(CheckpointError, match=message) as e:
             Checkpoint(ckpt)

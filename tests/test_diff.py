@@ -16,7 +16,7 @@ from deepinfer.diff import diff_bundle, diff_session, table_lines
 from deepinfer.regions.agreement import TOLERANCE, compare_tensors
 from deepinfer.runtime import load
 
-PROMPTS = [[0, 75, 104, 33]]          # bos "Hi!" (byte ids + 3)
+PROMPTS = [[0, 75, 104, 33]]  # bos "Hi!" (byte ids + 3)
 
 
 class Scaled(torch.nn.Module):
@@ -61,7 +61,7 @@ def test_compare_tensors_scores():
     assert compare_tensors("h", ref + torch.tensor([0.0, 0.4, 0.0]), ref).score == pytest.approx(0.1)
     assert compare_tensors("h", torch.tensor([1.0, float("nan"), 2.0]), ref).score == math.inf
     nan = torch.tensor([float("nan"), 1.0])
-    assert compare_tensors("h", nan.clone(), nan).score == 0.0                   # NaN where the reference has NaN
+    assert compare_tensors("h", nan.clone(), nan).score == 0.0  # NaN where the reference has NaN
     assert compare_tensors("z", torch.ones(2), torch.zeros(2)).score == math.inf
     topk = torch.tensor([[3, 1, -1, -1]])
     d = compare_tensors("topk", torch.tensor([[3, 2, -1, -1]]), topk)
@@ -72,9 +72,9 @@ def test_every_kind_agrees(bundle_copy):
     report = diff_bundle(bundle_copy, PROMPTS, max_new_tokens=2)
     m = mf.read(bundle_copy)
     kinds = report.kinds()
-    assert {e.kind for e in kinds} == {r.kind for r in m.regions}              # every kind was called
+    assert {e.kind for e in kinds} == {r.kind for r in m.regions}  # every kind was called
     calls = {e.kind: e.calls for e in kinds}
-    assert calls["head"] == 3                     # the prompt in two 2-token chunks, then one decode step
+    assert calls["head"] == 3  # the prompt in two 2-token chunks, then one decode step
     assert calls["moe"] == len(m.layers) * calls["head"]
     assert not report.failing(), "\n".join(table_lines(report))
     assert all(e.score <= TOLERANCE["fp32"] for e in report.layers)
@@ -82,13 +82,14 @@ def test_every_kind_agrees(bundle_copy):
 
 def test_broken_executable_ranked_first(bundle_copy):
     break_kind(bundle_copy, "moe")
-    result = CliRunner().invoke(main, ["diff", str(bundle_copy), "--prompt-ids", "0,75,104,33",
-                                       "--max-new-tokens", "2", "--json"])
+    result = CliRunner().invoke(
+        main, ["diff", str(bundle_copy), "--prompt-ids", "0,75,104,33", "--max-new-tokens", "2", "--json"]
+    )
     assert result.exit_code == 1, result.output
     report = json.loads(result.output)
     first, rest = report["kinds"][0], report["kinds"][1:]
     assert first["kind"] == "moe" and first["worst_output"] == "h"
-    assert first["worst_rel_diff"] == pytest.approx(0.01, rel=1e-3)              # exactly the 1.01 scaling
+    assert first["worst_rel_diff"] == pytest.approx(0.01, rel=1e-3)  # exactly the 1.01 scaling
     assert all(e["worst_rel_diff"] <= TOLERANCE["fp32"] for e in rest)
     assert first["worst_rel_diff"] > 100 * max(e["worst_rel_diff"] for e in rest) + 1e-6
     assert report["differ"] == ["moe"]
@@ -102,10 +103,12 @@ def test_state_write_is_checked(exported_bundle):
     win = [s.name for s in session.signatures[kind]].index("win")
     for key, exe in list(session.executables.items()):
         if key[0] == kind:
+
             def wrong(args, exe=exe):
                 out = exe(args)
-                args[win].add_(0.5)               # the pool view, after the executable wrote it
+                args[win].add_(0.5)  # the pool view, after the executable wrote it
                 return out
+
             session.executables[key] = wrong
     report = diff_session(session, PROMPTS, max_new_tokens=1)
     worst = report.kinds()[0]

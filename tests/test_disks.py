@@ -35,8 +35,7 @@ def test_no_room_for_the_weights_is_refused_before_writing(tmp_path, cfg, monkey
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
 def test_a_disk_that_refuses_a_write_is_one_line(tmp_path, cfg, monkeypatch, code):
     def refused(path, offset, data):
-        raise OSError(code, {errno.ENOSPC: "No space left on device", errno.EROFS: "Read-only file system"}[code],
-                      path)
+        raise OSError(code, {errno.ENOSPC: "No space left on device", errno.EROFS: "Read-only file system"}[code], path)
 
     monkeypatch.setattr(stream, "pwrite", refused)
     with pytest.raises(ConfigError, match="while writing the bundle for .*out; nothing was published") as e:

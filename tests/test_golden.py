@@ -46,8 +46,12 @@ def test_golden_outputs_are_not_degenerate():
 
 def _run(prompt: str, tokens: list[int], rows: list[tuple[int, float, float, float]]) -> dict:
     """A golden run: per position (argmax, max, lse, margin)."""
-    return {"prompt": prompt, "prompt_ids": tokens[:2], "generated_ids": tokens[2:],
-            "logits_summary": [[i, m, s, 0.0, g] for i, m, s, g in rows]}
+    return {
+        "prompt": prompt,
+        "prompt_ids": tokens[:2],
+        "generated_ids": tokens[2:],
+        "logits_summary": [[i, m, s, 0.0, g] for i, m, s, g in rows],
+    }
 
 
 def test_check_run_allows_a_flip_only_at_a_near_tie():
@@ -64,15 +68,17 @@ def test_check_run_allows_a_flip_only_at_a_near_tie():
     got = logits(3, 5, 6)
     summary = regenerate.summary(got)
     want = _run("p", [0, 1, 5, 6], [(r[0], r[1], r[2], r[4]) for r in summary])
-    regenerate.check_run([0, 1, 5, 6], got, want, 1e-4)                   # identical
-    flipped = logits(3, 4, 6)                                              # position 1 picks 4, not 5
-    want_tie = _run("p", [0, 1, 5, 6], [(3, 1.0, summary[0][2], 1.0), (5, 1.0, summary[1][2], 1e-5),
-                                          (6, 1.0, summary[2][2], 1.0)])
-    regenerate.check_run([0, 1, 4, 6], flipped, want_tie, 1e-4)            # golden margin 1e-5: a near tie
-    want_clear = _run("p", [0, 1, 5, 6], [(3, 1.0, summary[0][2], 1.0), (5, 1.0, summary[1][2], 0.5),
-                                           (6, 1.0, summary[2][2], 1.0)])
+    regenerate.check_run([0, 1, 5, 6], got, want, 1e-4)  # identical
+    flipped = logits(3, 4, 6)  # position 1 picks 4, not 5
+    want_tie = _run(
+        "p", [0, 1, 5, 6], [(3, 1.0, summary[0][2], 1.0), (5, 1.0, summary[1][2], 1e-5), (6, 1.0, summary[2][2], 1.0)]
+    )
+    regenerate.check_run([0, 1, 4, 6], flipped, want_tie, 1e-4)  # golden margin 1e-5: a near tie
+    want_clear = _run(
+        "p", [0, 1, 5, 6], [(3, 1.0, summary[0][2], 1.0), (5, 1.0, summary[1][2], 0.5), (6, 1.0, summary[2][2], 1.0)]
+    )
     with pytest.raises(AssertionError, match="margin 0.5 > tolerance"):
         regenerate.check_run([0, 1, 4, 6], flipped, want_clear, 1e-4)
-    shifted = [r + 1e-3 for r in got]                                      # logits beyond tolerance
+    shifted = [r + 1e-3 for r in got]  # logits beyond tolerance
     with pytest.raises(AssertionError):
         regenerate.check_run([0, 1, 5, 6], shifted, want, 1e-4)

@@ -26,23 +26,54 @@ LAYERS = [
     ("model family", ["deepinfer.regions"]),
     ("compiler and runtime", ["deepinfer.compiler", "deepinfer.runtime"]),
     ("tools", ["deepinfer.compare", "deepinfer.diff", "deepinfer.cli_common"]),
-    ("commands", ["deepinfer.cli", "deepinfer.__main__", "deepinfer.compiler.cli", "deepinfer.runtime.cli",
-                  "deepinfer.runtime.serve_cli"]),
+    (
+        "commands",
+        [
+            "deepinfer.cli",
+            "deepinfer.__main__",
+            "deepinfer.compiler.cli",
+            "deepinfer.runtime.cli",
+            "deepinfer.runtime.serve_cli",
+        ],
+    ),
 ]
 # what `import deepinfer.runtime` loads: the format, the shared step of the model family, the runtime
 RUNTIME_LOADS = [
-    "deepinfer", "deepinfer.bundles", "deepinfer.bundles.layout", "deepinfer.bundles.manifest",
-    "deepinfer.bundles.pt2", "deepinfer.bundles.safetensors", "deepinfer.bundles.topology", "deepinfer.errors",
+    "deepinfer",
+    "deepinfer.bundles",
+    "deepinfer.bundles.layout",
+    "deepinfer.bundles.manifest",
+    "deepinfer.bundles.pt2",
+    "deepinfer.bundles.safetensors",
+    "deepinfer.bundles.topology",
+    "deepinfer.errors",
     "deepinfer.host",
     "deepinfer.regions",
-    "deepinfer.regions.config", "deepinfer.regions.engram_hash", "deepinfer.regions.generate",
-    "deepinfer.regions.spans", "deepinfer.regions.step", "deepinfer.runtime", "deepinfer.runtime.backends",
-    "deepinfer.runtime.session", "deepinfer.schema",
+    "deepinfer.regions.config",
+    "deepinfer.regions.engram_hash",
+    "deepinfer.regions.generate",
+    "deepinfer.regions.spans",
+    "deepinfer.regions.step",
+    "deepinfer.runtime",
+    "deepinfer.runtime.backends",
+    "deepinfer.runtime.session",
+    "deepinfer.schema",
 ]
-REGION_CLASSES = ["deepinfer.regions.attention", "deepinfer.regions.moe", "deepinfer.regions.engram",
-                  "deepinfer.regions.head", "deepinfer.regions.base", "deepinfer.regions.plan"]
-MOVED = ["deepinfer.bundles.keys", "deepinfer.bundles.cache", "deepinfer.runtime.scheduler",
-         "deepinfer.runtime.mmap_weights", "deepinfer.quant.safetensors_io"]
+REGION_CLASSES = [
+    "deepinfer.regions.attention",
+    "deepinfer.regions.moe",
+    "deepinfer.regions.engram",
+    "deepinfer.regions.head",
+    "deepinfer.regions.base",
+    "deepinfer.regions.plan",
+]
+MOVED = [
+    "deepinfer.bundles.keys",
+    "deepinfer.bundles.cache",
+    "deepinfer.runtime.scheduler",
+    "deepinfer.runtime.mmap_weights",
+    "deepinfer.quant.safetensors_io",
+]
 
 
 def all_modules() -> list[str]:
@@ -51,7 +82,9 @@ def all_modules() -> list[str]:
         found.append(info.name)
     for package in ("compiler", "regions", "kernels", "quant", "runtime", "bundles"):
         pkg = importlib.import_module(f"deepinfer.{package}")
-        found += [f"deepinfer.{package}"] + [i.name for i in pkgutil.walk_packages(pkg.__path__, f"deepinfer.{package}.")]
+        found += [f"deepinfer.{package}"] + [
+            i.name for i in pkgutil.walk_packages(pkg.__path__, f"deepinfer.{package}.")
+        ]
     return sorted(set(found))
 
 
@@ -60,8 +93,11 @@ def layer(module: str) -> int:
     best, depth = None, -1
     for i, (_, names) in enumerate(LAYERS):
         for n in names:
-            if (module == n or module.startswith(n + ".")) and n.count(".") > depth and \
-                    not (n == "deepinfer" and module != "deepinfer"):
+            if (
+                (module == n or module.startswith(n + "."))
+                and n.count(".") > depth
+                and not (n == "deepinfer" and module != "deepinfer")
+            ):
                 best, depth = i, n.count(".")
     assert best is not None, f"{module} is in no layer: add it to LAYERS"
     return best
@@ -101,8 +137,10 @@ def test_sub_commands_do_not_import_the_umbrella():
 
 
 def test_import_runtime_loads_only_the_contract():
-    code = ("import sys, json; import deepinfer.runtime; "
-            "print(json.dumps(sorted(m for m in sys.modules if m == 'deepinfer' or m.startswith('deepinfer.'))))")
+    code = (
+        "import sys, json; import deepinfer.runtime; "
+        "print(json.dumps(sorted(m for m in sys.modules if m == 'deepinfer' or m.startswith('deepinfer.'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert loaded == RUNTIME_LOADS

@@ -21,8 +21,13 @@ from deepinfer.regions.config import load_config
 from deepinfer.regions.generate import Allocator, greedy
 
 # every code of each format, decoded by ml_dtypes (the independent reference)
-FORMATS = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-           "F8_E8M0": ml_dtypes.float8_e8m0fnu, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
+FORMATS = {
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+    "BF16": ml_dtypes.bfloat16,
+    "F16": np.float16,
+}
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
@@ -38,7 +43,7 @@ def test_every_code_of_small_formats(dtype):
 def test_wide_floats_and_positions():
     rng = np.random.default_rng(0)
     for np_type, dtype in ((np.float32, "F32"), (np.float64, "F64")):
-        x = rng.standard_normal(3 << 20).astype(np_type)             # spans several slices
+        x = rng.standard_normal(3 << 20).astype(np_type)  # spans several slices
         assert first_nonfinite(x.view(np.uint8), dtype) is None
         for value, at in ((np.inf, 2_500_000), (-np.inf, 1_000_003), (np.nan, 17)):
             y = x.copy()
@@ -61,24 +66,28 @@ def _poison(ckpt, name: str, value: bytes, index: int = 0):
     raise AssertionError(name)
 
 
-@pytest.mark.parametrize("name, value", [("layers.0.attn_norm.weight", np.array([np.nan], ml_dtypes.bfloat16)),
-                                         ("layers.2.attn.wq_b.weight", np.array([0x7F], np.uint8)),
-                                         ("head.weight", np.array([-np.inf], np.float32))])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("layers.0.attn_norm.weight", np.array([np.nan], ml_dtypes.bfloat16)),
+        ("layers.2.attn.wq_b.weight", np.array([0x7F], np.uint8)),
+        ("head.weight", np.array([-np.inf], np.float32)),
+    ],
+)
 def test_weight_pass_refuses_non_finite_weights(tmp_path, tiny_ckpt, name, value):
     ckpt = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
     t = _poison(ckpt, name, value.tobytes(), index=3)
     (tmp_path / "model.toml").write_text(f'[model]\ncheckpoint = "{ckpt}"\n[target]\nexecutable = "exported"\n')
     with pytest.raises(CheckpointError, match=rf"tensor {name}: non-finite value \(NaN or infinity\) at \[") as e:
-        pipeline.compile_bundle(load_compile_config(tmp_path / "model.toml"), tmp_path / "out",
-                                log=lambda m: None)
+        pipeline.compile_bundle(load_compile_config(tmp_path / "model.toml"), tmp_path / "out", log=lambda m: None)
     assert str(e.value).startswith(t.path) and "\n" not in str(e.value)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "model.toml"]      # nothing published
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "model.toml"]  # nothing published
 
 
 def test_config_values_must_be_finite(tmp_path, tiny_ckpt):
     data = json.loads((tiny_ckpt / "config.json").read_text())
     data["text_config"]["routed_scaling_factor"] = float("nan")
-    (tmp_path / "config.json").write_text(json.dumps(data))            # writes the NaN literal
+    (tmp_path / "config.json").write_text(json.dumps(data))  # writes the NaN literal
     with pytest.raises(ConfigError, match="text_config.routed_scaling_factor: must be a finite number, got nan"):
         load_config(tmp_path)
 
@@ -106,5 +115,5 @@ class NanAtStep:
 
 def test_non_finite_logits_stop_the_sequence_and_name_the_step():
     [g] = greedy(NanAtStep(bad=3), [[1, 1]], max_new_tokens=8, eos=7)
-    assert g.generated == [5, 5]                                       # steps 1 and 2, kept
+    assert g.generated == [5, 5]  # steps 1 and 2, kept
     assert g.error == "non-finite logits (NaN or infinity) at position 3, step 3"

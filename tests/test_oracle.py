@@ -60,7 +60,7 @@ def test_dspark_draft_matches_nemo(tiny_ckpt, one_thread):
     model = ReferenceModel(tiny_ckpt, dtype="fp32", cache_quant=False)
     c = model.config.text
     a, W, P = DSPARK["anchor_position"], c.sliding_window, c.dspark_block_size
-    features = torch.tensor(DSPARK["features"][a - W:a]).unsqueeze(0)               # the window before the anchor
+    features = torch.tensor(DSPARK["features"][a - W : a]).unsqueeze(0)  # the window before the anchor
     context_positions = torch.arange(a - W, a).unsqueeze(0)
     block = torch.full((1, P), c.dspark_noise_token_id)
     block[0, 0] = DSPARK["anchor_token"]

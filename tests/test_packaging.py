@@ -21,8 +21,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-NOT_SOURCES = (".git", ".venv", ".cache", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis",
-               "checkpoint", "tests")
+NOT_SOURCES = (
+    ".git",
+    ".venv",
+    ".cache",
+    "build",
+    "*.egg-info",
+    "__pycache__",
+    ".pytest_cache",
+    ".hypothesis",
+    "checkpoint",
+    "tests",
+)
 
 pytestmark = pytest.mark.slow
 
@@ -50,21 +60,31 @@ def fresh(tmp_path_factory) -> Path:
 
 
 def test_wheel_holds_every_package(fresh, tmp_path):
-    code = ("import deepinfer, deepinfer.compiler.pipeline, deepinfer.compiler.targets.trn2, deepinfer.runtime; "
-            "print(deepinfer.__file__)")
+    code = (
+        "import deepinfer, deepinfer.compiler.pipeline, deepinfer.compiler.targets.trn2, deepinfer.runtime; "
+        "print(deepinfer.__file__)"
+    )
     where = run([fresh / "python", "-c", code], cwd=tmp_path).stdout.strip()
-    assert Path(where).is_relative_to(fresh.parent), where              # the wheel's, not the source tree's
+    assert Path(where).is_relative_to(fresh.parent), where  # the wheel's, not the source tree's
     assert "Compile MODEL_TOML" in run([fresh / "deepinfer-compile", "--help"], cwd=tmp_path).stdout
 
 
 def test_wheel_compiles_and_runs_the_tiny_model(fresh, tmp_path):
     toml = tmp_path / "model.toml"
-    toml.write_text('[model]\ncheckpoint = "tiny"\ntiny = { seed = 0, layers = 6 }\ndtype = "fp32"\n'
-                    '[target]\nname = "cpu"\nexecutable = "exported"\n'
-                    "[buckets]\nbatch = [1]\ntokens = [1]\nmax_context = 32\n[kv]\nnum_blocks = 4\n")
+    toml.write_text(
+        '[model]\ncheckpoint = "tiny"\ntiny = { seed = 0, layers = 6 }\ndtype = "fp32"\n'
+        '[target]\nname = "cpu"\nexecutable = "exported"\n'
+        "[buckets]\nbatch = [1]\ntokens = [1]\nmax_context = 32\n[kv]\nnum_blocks = 4\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run([fresh / "deepinfer-compile", toml, "-o", tmp_path / "bundle", "--no-cache", "--jobs", "2"], cwd=tmp_path,
-        env=env)
-    out = run([fresh / "deepinfer-run", tmp_path / "bundle", "--prompt-ids", "0,72,105", "--max-new-tokens", "2",
-               "--json"], cwd=tmp_path, env=env)
+    run(
+        [fresh / "deepinfer-compile", toml, "-o", tmp_path / "bundle", "--no-cache", "--jobs", "2"],
+        cwd=tmp_path,
+        env=env,
+    )
+    out = run(
+        [fresh / "deepinfer-run", tmp_path / "bundle", "--prompt-ids", "0,72,105", "--max-new-tokens", "2", "--json"],
+        cwd=tmp_path,
+        env=env,
+    )
     assert '"generated_ids": [' in out.stdout

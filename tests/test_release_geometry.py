@@ -22,7 +22,7 @@ from deepinfer.cli import main
 from tests.conftest import write_model_toml
 
 pytestmark = pytest.mark.slow
-NEEDS_DISK = 14 << 30            # the 5.5 GiB checkpoint, the bundle's 5.5 GiB of weights, its staging
+NEEDS_DISK = 14 << 30  # the 5.5 GiB checkpoint, the bundle's 5.5 GiB of weights, its staging
 
 
 def invoke(*args: str) -> str:
@@ -40,15 +40,29 @@ def test_release_geometry_bundle_agrees_with_the_reference(tmp_path):
         pytest.skip(f"needs {NEEDS_DISK >> 30} GiB free under {tmp_path.parent}, has {free / 2**30:.1f} GiB")
     ckpt = tmp_path / "ckpt"
     write_synthetic(ckpt, release_geometry_config(experts=6), seed=0)
-    toml = write_model_toml(tmp_path / "model", ckpt, cache_quant=False, executable="exported",
-                            max_context=64, num_blocks=5)
+    toml = write_model_toml(
+        tmp_path / "model", ckpt, cache_quant=False, executable="exported", max_context=64, num_blocks=5
+    )
     bundle = tmp_path / "bundle"
     invoke("compile", str(toml), "-o", str(bundle), "--no-cache", "--jobs", "2")
     run, ref = tmp_path / "run.st", tmp_path / "ref.st"
     invoke("run", str(bundle), "--prompt", "H", "--max-new-tokens", "1", "--dump-logits", str(run))
-    invoke("reference", str(ckpt), "--prompt", "H", "--max-new-tokens", "1", "--dtype", "fp32",
-           "--no-cache-quant", "--topk-ties", "lowest", "--dump-logits", str(ref))
+    invoke(
+        "reference",
+        str(ckpt),
+        "--prompt",
+        "H",
+        "--max-new-tokens",
+        "1",
+        "--dtype",
+        "fp32",
+        "--no-cache-quant",
+        "--topk-ties",
+        "lowest",
+        "--dump-logits",
+        str(ref),
+    )
     report = json.loads(invoke("compare", str(run), str(ref), "--json"))
     assert report["verdict"]["within"], report
     assert report["summary"]["argmax_agreement"] == 1.0, report
-    assert [p["compared"] for p in report["prompts"]] == [2], report          # bos and "H"
+    assert [p["compared"] for p in report["prompts"]] == [2], report  # bos and "H"

@@ -73,8 +73,10 @@ def test_text_mode_prints_the_output_then_the_reason():
     r = CliRunner().invoke(show)
     assert r.exit_code == 1
     assert r.stdout.splitlines() == ["5 5 5", "5 5"]
-    assert r.stderr.splitlines() == ["error: prompt 0: stopped after 3 generated tokens: reached the bundle's "
-                                     "max_context (8 positions: a prompt of 6 tokens and 3 generated)"]
+    assert r.stderr.splitlines() == [
+        "error: prompt 0: stopped after 3 generated tokens: reached the bundle's "
+        "max_context (8 positions: a prompt of 6 tokens and 3 generated)"
+    ]
 
 
 def _usage_error(cli, args):
@@ -85,14 +87,18 @@ def _usage_error(cli, args):
 
 def test_bad_counts_are_refused_at_parse_time(tmp_path, tiny_ckpt):
     assert "-5 is not in the range x>=1" in _usage_error(
-        deepinfer_main, ["reference", str(tiny_ckpt), "--prompt-ids", "0,72", "--max-new-tokens", "-5"])
+        deepinfer_main, ["reference", str(tiny_ckpt), "--prompt-ids", "0,72", "--max-new-tokens", "-5"]
+    )
     for flag, value in (("--threads", "-1"), ("--num-kv-blocks", "0"), ("--num-kv-blocks", "-3")):
         assert "is not in the range" in _usage_error(run_main, [str(tmp_path), "--prompt-ids", "0", flag, value])
 
 
 def test_a_dump_destination_is_checked_before_generating(tmp_path, tiny_ckpt):
-    out = _usage_error(deepinfer_main, ["reference", str(tiny_ckpt), "--prompt-ids", "0,72",
-                                        "--dump-logits", str(tmp_path / "missing" / "run.st")])
+    out = _usage_error(
+        deepinfer_main,
+        ["reference", str(tiny_ckpt), "--prompt-ids", "0,72", "--dump-logits", str(tmp_path / "missing" / "run.st")],
+    )
     assert "missing does not exist" in out
     assert "is a directory" in _usage_error(
-        deepinfer_main, ["reference", str(tiny_ckpt), "--prompt-ids", "0,72", "--dump-logits", str(tmp_path)])
+        deepinfer_main, ["reference", str(tiny_ckpt), "--prompt-ids", "0,72", "--dump-logits", str(tmp_path)]
+    )

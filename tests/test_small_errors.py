@@ -12,8 +12,11 @@ TOMLS = {
     "checkpoint is a file": (b'[model]\ncheckpoint = "afile"\n', "model.checkpoint: ", "afile is a file"),
     "unknown ~user": (b'[model]\ncheckpoint = "~no_such_user_here/ck"\n', "model.checkpoint: ", "cannot resolve"),
     "not UTF-8": (b'[model]\ncheckpoint = "\xff\xfe"\n', "model.toml: ", "not UTF-8"),
-    "negative tiny seed": (b'[model]\ncheckpoint = "ck"\ntiny = { seed = -1, layers = 6 }\n', "model.tiny: ",
-                           "seed must be at least 0"),
+    "negative tiny seed": (
+        b'[model]\ncheckpoint = "ck"\ntiny = { seed = -1, layers = 6 }\n',
+        "model.tiny: ",
+        "seed must be at least 0",
+    ),
 }
 
 
@@ -39,15 +42,15 @@ def test_make_tiny(tmp_path):
     (tmp_path / "afile").write_text("x")
     r = CliRunner().invoke(deepinfer_main, ["make-tiny", "--seed", "-1", str(tmp_path / "t")])
     assert r.exit_code == 2 and "-1 is not in the range x>=0" in r.output
-    _one_line_error(CliRunner().invoke(deepinfer_main, ["make-tiny", str(tmp_path / "afile")]),
-                    "afile", "is a file")
+    _one_line_error(CliRunner().invoke(deepinfer_main, ["make-tiny", str(tmp_path / "afile")]), "afile", "is a file")
     assert (tmp_path / "afile").read_text() == "x"
 
 
 @pytest.mark.parametrize("num_blocks", [3_000_000_000, 2**63 - 1])
 def test_pools_larger_than_the_host_are_refused_before_any_work(tmp_path, tiny_ckpt, monkeypatch, num_blocks):
-    (tmp_path / "model.toml").write_text(f'[model]\ncheckpoint = "{tiny_ckpt}"\n[target]\nexecutable = "exported"\n'
-                                         f"[kv]\nnum_blocks = {num_blocks}\n")
+    (tmp_path / "model.toml").write_text(
+        f'[model]\ncheckpoint = "{tiny_ckpt}"\n[target]\nexecutable = "exported"\n[kv]\nnum_blocks = {num_blocks}\n'
+    )
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(compile_main, ["model.toml", "-o", "out", "--no-cache"])
     assert r.exit_code == 2, r.output

@@ -52,8 +52,11 @@ def test_openssl_keys_sign_and_verify(tmp_path):
     verify_bytes(b"manifest bytes", record, load_public_key(pub))
     with pytest.raises(TrustError, match="does not verify"):
         verify_bytes(b"manifest bytez", record, load_public_key(pub))
-    subprocess.run(["openssl", "genpkey", "-algorithm", "rsa", "-pkeyopt", "rsa_keygen_bits:1024", "-out", str(rsa)],
-                   check=True, timeout=60)
+    subprocess.run(
+        ["openssl", "genpkey", "-algorithm", "rsa", "-pkeyopt", "rsa_keygen_bits:1024", "-out", str(rsa)],
+        check=True,
+        timeout=60,
+    )
     with pytest.raises(TrustError, match="not an Ed25519 private key"):
         load_private_key(rsa)
 
@@ -96,10 +99,11 @@ def test_cache_entries_are_used_only_when_signed_by_the_trusted_key(tmp_path, ke
         cache = Cache(tmp_path / directory, trust=trust, log=logged.append)
         assert cache.get_bytes("trace", key) is None
         assert "not signed by the trusted key" in logged[0]
-        assert cache.lookup("trace", key) is None              # removed: the next compile rebuilds it
+        assert cache.lookup("trace", key) is None  # removed: the next compile rebuilds it
 
 
 # --- a compiled bundle, signed (the exported group's bundle, copied) ---
+
 
 @pytest.fixture
 def signed_bundle(exported_bundle, tmp_path, keys):
@@ -109,8 +113,7 @@ def signed_bundle(exported_bundle, tmp_path, keys):
 
 
 def _run(bundle, *args, env=None):
-    return CliRunner().invoke(run_main, [str(bundle), "--prompt-ids", "0,72", "--max-new-tokens", "2", *args],
-                              env=env)
+    return CliRunner().invoke(run_main, [str(bundle), "--prompt-ids", "0,72", "--max-new-tokens", "2", *args], env=env)
 
 
 def test_run_trusts_a_signed_bundle(signed_bundle, keys):
@@ -129,7 +132,7 @@ def test_run_refuses_before_loading_anything(signed_bundle, keys, tmp_path, monk
     monkeypatch.setattr(backends.ExportedExecutable, "__init__", never)
     manifest = signed_bundle / layout.MANIFEST_FILE
     data = json.loads(manifest.read_text())
-    data["model"]["cache_quant"] = not data["model"]["cache_quant"]   # an edit the digests do not see
+    data["model"]["cache_quant"] = not data["model"]["cache_quant"]  # an edit the digests do not see
     manifest.write_text(mf.dumps(mf.parse(data, str(manifest))))
     unsigned = shutil.copytree(signed_bundle, tmp_path / "unsigned")
     (unsigned / layout.SIGNATURE_FILE).unlink()

@@ -18,19 +18,19 @@ from deepinfer.compiler.targets.trn2 import Trn2Target
 
 class Target(Protocol):
     name: ClassVar[str]
-    recipe: ClassVar[str]                       # its weight recipe (compiler/weights.RECIPES)
-    EXECUTABLES: ClassVar[tuple[str, ...]]      # the executable kinds it builds (the first is the default)
+    recipe: ClassVar[str]  # its weight recipe (compiler/weights.RECIPES)
+    EXECUTABLES: ClassVar[tuple[str, ...]]  # the executable kinds it builds (the first is the default)
     LOWERING_MODULES: ClassVar[tuple[str, ...]]  # the modules whose source shapes its executables
-    LOG_OPTIONS: ClassVar[tuple[str, ...]]      # options that only change logs or checks (never keyed)
-    suffix: ClassVar[str]                       # the executable's file suffix
-    lowered_suffix: ClassVar[str]               # what a compile job reads (and an HLO-stage bundle holds)
-    static_shapes: ClassVar[bool]               # pools traced at their compiled sizes, state returned
-    state_writes: ClassVar[str]                 # how executables write state (recorded in the manifest)
-    device_embedding: ClassVar[bool]            # the token embedding is a region (ids in), not a host lookup
+    LOG_OPTIONS: ClassVar[tuple[str, ...]]  # options that only change logs or checks (never keyed)
+    suffix: ClassVar[str]  # the executable's file suffix
+    lowered_suffix: ClassVar[str]  # what a compile job reads (and an HLO-stage bundle holds)
+    static_shapes: ClassVar[bool]  # pools traced at their compiled sizes, state returned
+    state_writes: ClassVar[str]  # how executables write state (recorded in the manifest)
+    device_embedding: ClassVar[bool]  # the token embedding is a region (ids in), not a host lookup
     executable: str
     options: dict
-    lnc: int | None                             # logical NeuronCore size (trn2), recorded with the topology
-    check: bool                                 # run the lowered graph against its reference region
+    lnc: int | None  # logical NeuronCore size (trn2), recorded with the topology
+    check: bool  # run the lowered graph against its reference region
 
     @staticmethod
     def check_options(options: dict) -> str | None:
@@ -49,8 +49,17 @@ class Target(Protocol):
     def emit(self, ep: torch.export.ExportedProgram, names: list[str], outputs: list[str], out: Path) -> dict:
         """Write what a compile job reads; returns extra manifest fields of the executable."""
 
-    def check_numerics(self, lowered: Path, region, method: str, inputs: list, names: list[str],
-                       state_outputs: list[str], where: str, seed: int = 0) -> dict:
+    def check_numerics(
+        self,
+        lowered: Path,
+        region,
+        method: str,
+        inputs: list,
+        names: list[str],
+        state_outputs: list[str],
+        where: str,
+        seed: int = 0,
+    ) -> dict:
         """Run the lowered module against `region` on the method's `inputs` and seeded random weights."""
 
     def require_compiler(self) -> None: ...

@@ -23,7 +23,7 @@ from deepinfer.kernels import reference_decompositions
 
 class CpuTarget:
     name = "cpu"
-    recipe = "release"                  # the weight recipe [quant] recipe = "target" means
+    recipe = "release"  # the weight recipe [quant] recipe = "target" means
     EXECUTABLES = ("aoti", "exported")
     suffix = ".pt2"
     lowered_suffix = ".pt2"
@@ -37,13 +37,24 @@ class CpuTarget:
     LOWERING_MODULES = ("deepinfer.compiler.targets.cpu",)
     # options are Inductor config settings (aoti); these only write logs or dumps, so cache
     # keys leave them out (compiler/keys.py). Every other option is keyed.
-    LOG_OPTIONS = ("trace.enabled", "trace.debug_dir", "trace.debug_log", "trace.info_log", "trace.fx_graph",
-                   "trace.fx_graph_transformed", "trace.ir_pre_fusion", "trace.ir_post_fusion",
-                   "trace.output_code", "trace.graph_diagram", "trace.log_autotuning_results",
-                   "trace.compile_profile", "verbose_progress")
+    LOG_OPTIONS = (
+        "trace.enabled",
+        "trace.debug_dir",
+        "trace.debug_log",
+        "trace.info_log",
+        "trace.fx_graph",
+        "trace.fx_graph_transformed",
+        "trace.ir_pre_fusion",
+        "trace.ir_post_fusion",
+        "trace.output_code",
+        "trace.graph_diagram",
+        "trace.log_autotuning_results",
+        "trace.compile_profile",
+        "verbose_progress",
+    )
 
     lnc = None
-    check = False                       # AOTInductor compiles the traced graph itself: nothing to check
+    check = False  # AOTInductor compiles the traced graph itself: nothing to check
 
     def __init__(self, executable: str = "aoti", options: dict | None = None):
         self.executable = executable
@@ -60,16 +71,19 @@ class CpuTarget:
         return {k: v for k, v in self.options.items() if k not in self.LOG_OPTIONS}
 
     def toolchain(self) -> dict[str, str]:
-        versions = {"deepinfer": deepinfer.__version__, "torch": torch.__version__,
-                    "python": platform.python_version(), "machine": platform.machine()}
+        versions = {
+            "deepinfer": deepinfer.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+        }
         if self.executable == "aoti":
             versions["cxx"] = _cxx_version()
         return versions
 
     def device_memory(self) -> tuple[int | None, str]:
         """A cpu rank runs in host memory: this host's, unless [memory] limit_gib names another's."""
-        return physical_memory(), \
-            "cpu: this host's memory; set [memory] limit_gib for the host that runs the bundle"
+        return physical_memory(), "cpu: this host's memory; set [memory] limit_gib for the host that runs the bundle"
 
     def check_numerics(self, *args, **kwargs) -> dict:
         raise NotImplementedError("the cpu target has no lowering to check")
@@ -94,7 +108,7 @@ class CpuTarget:
             out.write_bytes(Path(lowered).read_bytes())
             return
         ep = load_exported(lowered)
-        concrete_inputs(ep)                 # saved programs carry shapes, not sample data
+        concrete_inputs(ep)  # saved programs carry shapes, not sample data
         torch._inductor.aoti_compile_and_package(ep, package_path=str(out), inductor_configs=self.options or None)
 
 

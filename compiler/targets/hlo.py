@@ -29,7 +29,7 @@ FRONTENDS = ("torch-mlir", "torch-xla")
 INSTALL = {
     "torch_mlir": "pip install 'deepinfer[trn2]' (torch-mlir from PyPI)",
     "jax": "pip install 'deepinfer[trn2]' (jax and jaxlib from PyPI)",
-    "torch_xla": "use a Neuron image (torch-xla ships with torch-neuronx) or choose frontend = \"torch-mlir\"",
+    "torch_xla": 'use a Neuron image (torch-xla ships with torch-neuronx) or choose frontend = "torch-mlir"',
 }
 
 
@@ -47,8 +47,9 @@ def _need(module: str):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise LoweringUnavailable(f"the trn2 target needs {module.replace('_', '-')} to lower graphs to HLO "
-                                  f"({e}); {INSTALL[module]}") from None
+        raise LoweringUnavailable(
+            f"the trn2 target needs {module.replace('_', '-')} to lower graphs to HLO ({e}); {INSTALL[module]}"
+        ) from None
 
 
 @functools.cache
@@ -67,12 +68,13 @@ def versions(frontend: str) -> dict[str, str]:
 
 # --- decompositions for ops the StableHLO legalization lacks -------------------------------------
 
+
 def _rshift(x, k):
-    return torch.floor_divide(x, 2 ** int(k))          # arithmetic shift == floor division by 2^k
+    return torch.floor_divide(x, 2 ** int(k))  # arithmetic shift == floor division by 2^k
 
 
 def _lshift(x, k):
-    return x * (2 ** int(k))                            # wraps like the shift in two's complement
+    return x * (2 ** int(k))  # wraps like the shift in two's complement
 
 
 def _sort(x, *, stable=None, dim=-1, descending=False):
@@ -89,21 +91,29 @@ def _remainder(a, b):
 def _widened(op):
     """`op` with uint8 operands widened to int32: torch-mlir emits signed comparisons for
     uint8, which the HLO verifier rejects. Other dtypes fall through to the op itself."""
+
     def run(a, b, *rest):
         if a.dtype != torch.uint8 and not (isinstance(b, torch.Tensor) and b.dtype == torch.uint8):
             return NotImplemented
+
         def widen(x):
             return x.to(torch.int32) if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 else x
 
         return op(widen(a), widen(b), *rest)
+
     return run
 
 
 def hlo_decompositions() -> dict:
     """aten ops torch-mlir cannot lower to StableHLO (or lowers wrongly) -> equivalent ones."""
     aten = torch.ops.aten
-    table = {aten.__rshift__.Scalar: _rshift, aten.__lshift__.Scalar: _lshift,
-             aten.sort.stable: _sort, aten.remainder.Scalar: _remainder, aten.remainder.Tensor: _remainder}
+    table = {
+        aten.__rshift__.Scalar: _rshift,
+        aten.__lshift__.Scalar: _lshift,
+        aten.sort.stable: _sort,
+        aten.remainder.Scalar: _remainder,
+        aten.remainder.Tensor: _remainder,
+    }
     for name in ("eq", "ne", "lt", "le", "gt", "ge"):
         for overload in ("Scalar", "Tensor"):
             op = getattr(getattr(aten, name), overload)
@@ -112,6 +122,7 @@ def hlo_decompositions() -> dict:
 
 
 # --- front ends -----------------------------------------------------------------------------------
+
 
 def to_stablehlo(ep: torch.export.ExportedProgram, frontend: str = "torch-mlir") -> str:
     """A decomposed, functional ExportedProgram -> StableHLO text (function @main)."""
@@ -194,8 +205,11 @@ def _name_inputs(main, names: list[str]) -> None:
     n = len(main.regions[0].blocks[0].arguments)
     if len(names) != n:
         raise LoweringError(f"@main takes {n} parameters, {len(names)} input names were given")
-    old = list(ir.ArrayAttr(main.attributes["arg_attrs"])) if "arg_attrs" in main.attributes else \
-        [ir.DictAttr.get({}) for _ in range(n)]
+    old = (
+        list(ir.ArrayAttr(main.attributes["arg_attrs"]))
+        if "arg_attrs" in main.attributes
+        else [ir.DictAttr.get({}) for _ in range(n)]
+    )
     new = []
     for name, attrs in zip(names, old):
         d = {a.name: a.attr for a in ir.DictAttr(attrs)}
@@ -216,8 +230,12 @@ def _tuple_root(main, names: list[str]) -> None:
     if len(names) != len(values):
         raise LoweringError(f"@main returns {len(values)} results, {len(names)} output names were given")
     with ir.InsertionPoint(ret):
-        values = [ir.Operation.create("mhlo.copy", results=[v.type], operands=[v]).result
-                  if isinstance(v.owner, ir.Block) else v for v in values]
+        values = [
+            ir.Operation.create("mhlo.copy", results=[v.type], operands=[v]).result
+            if isinstance(v.owner, ir.Block)
+            else v
+            for v in values
+        ]
         root = stablehlo.TupleOp(values)
         root.operation.attributes["mhlo.frontend_attributes"] = _frontend(neff_output_names=",".join(names))
         func.ReturnOp([root.result])
@@ -233,11 +251,21 @@ def _must_alias(aliases: dict[int, int]):
     from jax._src.lib.mlir import ir
 
     i64 = ir.IntegerType.get_signless(64)
-    entries = [ir.DictAttr.get({
-        "alias": ir.DictAttr.get({"kind": ir.StringAttr.get("must_alias"),
-                                  "parameter_number": ir.IntegerAttr.get(i64, i),
-                                  "parameter_index": ir.DenseI64ArrayAttr.get([])}),
-        "output_index": ir.DenseI64ArrayAttr.get([j])}) for j, i in sorted(aliases.items())]
+    entries = [
+        ir.DictAttr.get(
+            {
+                "alias": ir.DictAttr.get(
+                    {
+                        "kind": ir.StringAttr.get("must_alias"),
+                        "parameter_number": ir.IntegerAttr.get(i64, i),
+                        "parameter_index": ir.DenseI64ArrayAttr.get([]),
+                    }
+                ),
+                "output_index": ir.DenseI64ArrayAttr.get([j]),
+            }
+        )
+        for j, i in sorted(aliases.items())
+    ]
     return ir.ArrayAttr.get(entries)
 
 
@@ -247,8 +275,9 @@ def to_hlo_proto(stablehlo: str) -> bytes:
     from jax._src.lib import xla_client
 
     try:
-        computation = xla_client._xla.mlir.mlir_module_to_xla_computation(stablehlo, use_tuple_args=False,
-                                                                          return_tuple=False)
+        computation = xla_client._xla.mlir.mlir_module_to_xla_computation(
+            stablehlo, use_tuple_args=False, return_tuple=False
+        )
     except Exception as e:
         raise LoweringError(f"StableHLO -> HLO conversion failed: {str(e).splitlines()[0]}") from None
     return computation.as_serialized_hlo_module_proto()
@@ -277,18 +306,21 @@ def selection_widths(proto: bytes) -> list[tuple[str, int]]:
                     shape = ir.RankedTensorType(inner.operands[0].type).shape
                     dim = ir.IntegerAttr(inner.attributes["dimension"]).value
                     found.append(("sort", shape[dim]))
-                elif name.endswith((".top_k", ".topk")) or (name.endswith(".custom_call") and ir.StringAttr(
-                        inner.attributes["call_target_name"]).value in TOPK_TARGETS):
+                elif name.endswith((".top_k", ".topk")) or (
+                    name.endswith(".custom_call")
+                    and ir.StringAttr(inner.attributes["call_target_name"]).value in TOPK_TARGETS
+                ):
                     found.append((name.rsplit(".", 1)[1], ir.RankedTensorType(inner.operands[0].type).shape[-1]))
     return found
 
 
 # --- XLA:CPU --------------------------------------------------------------------------------------
 
+
 @functools.cache
 def _cpu_client():
     jax = _need("jax")
-    jax.config.update("jax_enable_x64", True)      # int64 inputs keep their type
+    jax.config.update("jax_enable_x64", True)  # int64 inputs keep their type
     from jax._src import xla_bridge
 
     return xla_bridge.get_backend("cpu")
@@ -317,8 +349,9 @@ class CpuHlo:
         client = _cpu_client()
         module = xla_client._xla.mlir.hlo_to_stablehlo(proto)
         self.device = client.local_devices()[0]
-        self.executable = client.compile_and_load(module, xla_client.DeviceList(tuple([self.device])),
-                                                  xla_client.CompileOptions())
+        self.executable = client.compile_and_load(
+            module, xla_client.DeviceList(tuple([self.device])), xla_client.CompileOptions()
+        )
         self.client = client
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

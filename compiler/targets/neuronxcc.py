@@ -59,7 +59,7 @@ from deepinfer.errors import DeepinferError
 ENV_COMPILER = "DEEPINFER_NEURONX_CC"
 TARGET = "trn2"
 VERSION_TIMEOUT_S = 60
-COMPILER_LOG = "log-neuron-cc.txt"       # the compiler's own diagnostic log, in the job dir
+COMPILER_LOG = "log-neuron-cc.txt"  # the compiler's own diagnostic log, in the job dir
 
 LNC_CHOICES = (1, 2)
 OPTLEVEL_CHOICES = (1, 2, 3)
@@ -67,14 +67,27 @@ MODEL_TYPES = ("generic", "transformer", "unet-inference")
 AUTO_CAST_MODES = ("none", "matmult", "all")
 VERBOSE_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Flags `command` owns; extra_flags may not repeat them (the later one would silently win).
-MANAGED_FLAGS = ("--framework", "--target", "--lnc", "--logical-nc-config", "-lnc", "--optlevel", "-O",
-                 "--model-type", "--auto-cast", "--output", "--logfile", "--verbose")
+MANAGED_FLAGS = (
+    "--framework",
+    "--target",
+    "--lnc",
+    "--logical-nc-config",
+    "-lnc",
+    "--optlevel",
+    "-O",
+    "--model-type",
+    "--auto-cast",
+    "--output",
+    "--logfile",
+    "--verbose",
+)
 
 MISSING_MESSAGE = (
     f"neuronx-cc not found on PATH or {ENV_COMPILER}; it ships with the Neuron SDK (pip install "
     "neuronx-cc from the Neuron pip repository https://pip.repos.neuron.amazonaws.com, on any "
     "x86_64 Linux host, no Trn2 needed to compile); or use an HLO-stage bundle and "
-    "`deepinfer-compile --finish BUNDLE` later")
+    "`deepinfer-compile --finish BUNDLE` later"
+)
 
 _VERSION_RE = re.compile(r"NeuronX Compiler version\s+([0-9][^\s]*)")
 # `NCC_EVRF029` (bracketed or not), or the older bracketed `[TEN404]` form (three letters, three digits)
@@ -92,6 +105,7 @@ class NeuronCompileError(DeepinferError):
 
 
 # --- finding the compiler ---
+
 
 def find_compiler() -> str | None:
     """$DEEPINFER_NEURONX_CC if set (must be an executable file), else `neuronx-cc` on PATH."""
@@ -115,8 +129,14 @@ def compiler_version(path: str) -> str:
     if key in _VERSIONS:
         return _VERSIONS[key]
     try:
-        proc = subprocess.run([path, "--version"], capture_output=True, text=True, errors="replace",
-                              timeout=VERSION_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            [path, "--version"],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=VERSION_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         raise NeuronCompileError(f"`{path} --version` did not answer within {VERSION_TIMEOUT_S} s") from None
     except OSError as e:
@@ -124,25 +144,29 @@ def compiler_version(path: str) -> str:
     match = _VERSION_RE.search(proc.stdout + "\n" + proc.stderr)
     if not match:
         first = next((ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()), "")
-        raise NeuronCompileError(f"`{path} --version` printed no 'NeuronX Compiler version' line "
-                                 f"(exit {proc.returncode}, first line {first[:_MAX_LINE]!r}); "
-                                 f"is {path} neuronx-cc?")
+        raise NeuronCompileError(
+            f"`{path} --version` printed no 'NeuronX Compiler version' line "
+            f"(exit {proc.returncode}, first line {first[:_MAX_LINE]!r}); "
+            f"is {path} neuronx-cc?"
+        )
     _VERSIONS[key] = match.group(1)
     return match.group(1)
 
 
 # --- options ---
 
+
 @dataclass(frozen=True, kw_only=True)
 class NeuronCompileOptions:
     """model.toml [target].options for trn2. Defaults follow the CLI reference except auto_cast
     ("none": deepinfer chooses every dtype itself, so the compiler must not downcast)."""
-    lnc: int = 2                        # trn2's documented default (--logical-nc-config)
-    optlevel: int = 2                   # the compiler's default
+
+    lnc: int = 2  # trn2's documented default (--logical-nc-config)
+    optlevel: int = 2  # the compiler's default
     model_type: str = "transformer"
     auto_cast: str = "none"
-    extra_flags: tuple[str, ...] = ()   # passed through verbatim, after ours
-    verbose: str | None = None          # None: the compiler's default (warning)
+    extra_flags: tuple[str, ...] = ()  # passed through verbatim, after ours
+    verbose: str | None = None  # None: the compiler's default (warning)
     timeout_s: float = 3600.0
 
     @classmethod
@@ -152,8 +176,13 @@ class NeuronCompileOptions:
         unknown = [k for k in options if k not in valid]
         if unknown:
             return f"unknown neuronx-cc option {unknown[0]!r}; valid options: {', '.join(valid)}"
-        choices = {"lnc": LNC_CHOICES, "optlevel": OPTLEVEL_CHOICES, "model_type": MODEL_TYPES,
-                   "auto_cast": AUTO_CAST_MODES, "verbose": VERBOSE_LEVELS}
+        choices = {
+            "lnc": LNC_CHOICES,
+            "optlevel": OPTLEVEL_CHOICES,
+            "model_type": MODEL_TYPES,
+            "auto_cast": AUTO_CAST_MODES,
+            "verbose": VERBOSE_LEVELS,
+        }
         for key, allowed in choices.items():
             if key in options and not _one_of(options[key], allowed):
                 return f"option {key} = {options[key]!r} is not one of {', '.join(map(repr, allowed))}"
@@ -164,8 +193,10 @@ class NeuronCompileOptions:
                 return f"option extra_flags = {flags!r} must be a list of strings"
             owned = [f for f in flags if _managed(f)]
             if owned:
-                return (f"option extra_flags contains {owned[0]!r}, which deepinfer sets itself; "
-                        f"use the options {', '.join(k for k in valid if k != 'extra_flags')} instead")
+                return (
+                    f"option extra_flags contains {owned[0]!r}, which deepinfer sets itself; "
+                    f"use the options {', '.join(k for k in valid if k != 'extra_flags')} instead"
+                )
             kwargs["extra_flags"] = tuple(flags)
         if "timeout_s" in kwargs:
             t = kwargs["timeout_s"]
@@ -197,12 +228,27 @@ def _managed(flag: str) -> bool:
 
 # --- the command ---
 
-def command(compiler: str, hlo_path: Path, neff_path: Path, opts: NeuronCompileOptions,
-            workdir: Path) -> list[str]:
+
+def command(compiler: str, hlo_path: Path, neff_path: Path, opts: NeuronCompileOptions, workdir: Path) -> list[str]:
     """The neuronx-cc argv for one HLO module -> one NEFF; the compiler's own log goes to workdir."""
-    argv = [compiler, "compile", str(hlo_path), "--framework", "XLA", "--target", TARGET,
-            "--lnc", str(opts.lnc), "--model-type", opts.model_type, f"-O{opts.optlevel}",
-            "--auto-cast", opts.auto_cast, "--logfile", str(Path(workdir) / COMPILER_LOG)]
+    argv = [
+        compiler,
+        "compile",
+        str(hlo_path),
+        "--framework",
+        "XLA",
+        "--target",
+        TARGET,
+        "--lnc",
+        str(opts.lnc),
+        "--model-type",
+        opts.model_type,
+        f"-O{opts.optlevel}",
+        "--auto-cast",
+        opts.auto_cast,
+        "--logfile",
+        str(Path(workdir) / COMPILER_LOG),
+    ]
     if opts.verbose is not None:
         argv += ["--verbose", opts.verbose]
     return [*argv, "--output", str(neff_path), *opts.extra_flags]
@@ -210,8 +256,16 @@ def command(compiler: str, hlo_path: Path, neff_path: Path, opts: NeuronCompileO
 
 # --- running it ---
 
-def compile_neff(hlo_path: Path, neff_path: Path, log_path: Path, opts: NeuronCompileOptions, *,
-                 region: str, compiler: str | None = None) -> Path:
+
+def compile_neff(
+    hlo_path: Path,
+    neff_path: Path,
+    log_path: Path,
+    opts: NeuronCompileOptions,
+    *,
+    region: str,
+    compiler: str | None = None,
+) -> Path:
     """Compile `hlo_path` into `neff_path` (written atomically); the full log is kept at `log_path`.
 
     Raises NeuronCompilerMissing without a compiler, NeuronCompileError (one line naming the
@@ -220,8 +274,9 @@ def compile_neff(hlo_path: Path, neff_path: Path, log_path: Path, opts: NeuronCo
     compiler = compiler or find_compiler()
     if compiler is None:
         explicit = os.environ.get(ENV_COMPILER)
-        raise NeuronCompilerMissing((f"{ENV_COMPILER}={explicit} is not an executable file; " if explicit else "")
-                                    + MISSING_MESSAGE)
+        raise NeuronCompilerMissing(
+            (f"{ENV_COMPILER}={explicit} is not an executable file; " if explicit else "") + MISSING_MESSAGE
+        )
     hlo_path, neff_path, log_path = Path(hlo_path).resolve(), Path(neff_path).resolve(), Path(log_path).resolve()
     if not hlo_path.is_file():
         raise NeuronCompileError(f"region {region}: HLO module {hlo_path} does not exist")
@@ -239,8 +294,7 @@ def compile_neff(hlo_path: Path, neff_path: Path, log_path: Path, opts: NeuronCo
         if returncode != 0:
             raise NeuronCompileError(_failure_message(region, returncode, log_path))
         if not staged.is_file() or staged.stat().st_size == 0:
-            raise NeuronCompileError(f"region {region}: neuronx-cc exited 0 but wrote no NEFF "
-                                     f"(log: {log_path})")
+            raise NeuronCompileError(f"region {region}: neuronx-cc exited 0 but wrote no NEFF (log: {log_path})")
         os.replace(staged, neff_path)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -254,8 +308,14 @@ def _run_logged(argv: list[str], workdir: Path, log_path: Path, timeout_s: float
         log.flush()
         try:
             # own process group: neuronx-cc starts helper processes, a timeout must stop them all
-            proc = subprocess.Popen(argv, cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                cwd=workdir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         except OSError as e:
             raise NeuronCompilerMissing(f"{argv[0]}: cannot run it ({e.strerror}); {MISSING_MESSAGE}") from None
         try:
@@ -263,8 +323,9 @@ def _run_logged(argv: list[str], workdir: Path, log_path: Path, timeout_s: float
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             log.write(f"\n# deepinfer: killed after {timeout_s:g} s\n")
-            raise NeuronCompileError(f"region {region}: neuronx-cc timed out after {timeout_s:g} s "
-                                     f"(log: {log_path})") from None
+            raise NeuronCompileError(
+                f"region {region}: neuronx-cc timed out after {timeout_s:g} s (log: {log_path})"
+            ) from None
         except BaseException:
             _kill_group(proc)
             raise
@@ -282,8 +343,7 @@ def _append_compiler_log(compiler_log: Path, log_path: Path) -> None:
     """Keep the compiler's own diagnostic log: it is deleted with the job directory."""
     if not compiler_log.is_file():
         return
-    with open(log_path, "a", encoding="utf-8") as log, open(compiler_log, encoding="utf-8",
-                                                             errors="replace") as src:
+    with open(log_path, "a", encoding="utf-8") as log, open(compiler_log, encoding="utf-8", errors="replace") as src:
         log.write(f"\n{_LOG_SEPARATOR}\n")
         shutil.copyfileobj(src, log)
 
@@ -297,15 +357,17 @@ def _failure_message(region: str, returncode: int, log_path: Path) -> str:
     for i, line in enumerate(lines):
         match = _NCC_CODE_RE.search(line)
         if match:
-            text = line[match.end():].lstrip(" :-").rstrip()
-            if not text and i + 1 < len(lines):        # message on the next line
+            text = line[match.end() :].lstrip(" :-").rstrip()
+            if not text and i + 1 < len(lines):  # message on the next line
                 text = lines[i + 1]
-            return (f"region {region}: neuronx-cc failed with {match.group(1) or match.group(2)}: {_clip(text)} "
-                    f"(log: {log_path})")
+            return (
+                f"region {region}: neuronx-cc failed with {match.group(1) or match.group(2)}: {_clip(text)} "
+                f"(log: {log_path})"
+            )
     console_lines = [ln.strip() for ln in console.splitlines() if ln.strip() and not ln.startswith("# ")]
     last = console_lines[-1] if console_lines else "(no output)"
     return f"region {region}: neuronx-cc failed (exit {returncode}): {_clip(last)} (log: {log_path})"
 
 
 def _clip(text: str) -> str:
-    return text if len(text) <= _MAX_LINE else text[:_MAX_LINE - 3] + "..."
+    return text if len(text) <= _MAX_LINE else text[: _MAX_LINE - 3] + "..."

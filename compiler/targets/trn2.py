@@ -42,7 +42,7 @@ OWN_OPTIONS = {"frontend": hlo.FRONTENDS, "check": (True, False)}
 # neuronx-cc rewrites a sort (and sort-then-slice) into its AwsNeuronTopK, which fails over rows
 # wider than this (aws-neuron-sdk issue 1339, open): no HLO module of this target holds one
 MAX_SELECTION_WIDTH = 16384
-HBM_PER_CORE = 96 * (1 << 30) // 8        # per physical NeuronCore-v3
+HBM_PER_CORE = 96 * (1 << 30) // 8  # per physical NeuronCore-v3
 
 
 class CheckFailed(DeepinferError):
@@ -51,7 +51,7 @@ class CheckFailed(DeepinferError):
 
 class Trn2Target:
     name = "trn2"
-    recipe = "e4m3"                     # IEEE-like fp8, as Neuron's float8_e4m3 reads it
+    recipe = "e4m3"  # IEEE-like fp8, as Neuron's float8_e4m3 reads it
     EXECUTABLES = ("neff",)
     suffix = ".neff"
     lowered_suffix = ".hlo.pb"
@@ -62,8 +62,12 @@ class Trn2Target:
     device_embedding = True
     # options that only change logs, waiting or checking: left out of cache keys
     LOG_OPTIONS = (*neuronxcc.LOG_ONLY, "check")
-    LOWERING_MODULES = ("deepinfer.compiler.targets.trn2", "deepinfer.compiler.targets.hlo",
-                        "deepinfer.compiler.targets.neuronxcc", "deepinfer.kernels.select")
+    LOWERING_MODULES = (
+        "deepinfer.compiler.targets.trn2",
+        "deepinfer.compiler.targets.hlo",
+        "deepinfer.compiler.targets.neuronxcc",
+        "deepinfer.kernels.select",
+    )
 
     def __init__(self, executable: str = "neff", options: dict | None = None):
         self.executable = executable
@@ -101,9 +105,13 @@ class Trn2Target:
 
     def toolchain(self) -> dict[str, str]:
         compiler = neuronxcc.find_compiler()
-        return {"deepinfer": deepinfer.__version__, "torch": torch.__version__, "python": platform.python_version(),
-                **hlo.versions(self.frontend),
-                "neuronx-cc": neuronxcc.compiler_version(compiler) if compiler else "absent"}
+        return {
+            "deepinfer": deepinfer.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            **hlo.versions(self.frontend),
+            "neuronx-cc": neuronxcc.compiler_version(compiler) if compiler else "absent",
+        }
 
     def lower(self, ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
         return ep.run_decompositions({**target_decompositions(self.name), **hlo.hlo_decompositions()})
@@ -115,26 +123,41 @@ class Trn2Target:
         A module holding a sort or top-k wider than neuronx-cc compiles is refused (LoweringError,
         nothing written; the pipeline prefixes the region)."""
         user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
-        state = [names[user.index(o.target)] for o in ep.graph_signature.output_specs
-                 if o.kind.name == "USER_INPUT_MUTATION"]
+        state = [
+            names[user.index(o.target)] for o in ep.graph_signature.output_specs if o.kind.name == "USER_INPUT_MUTATION"
+        ]
         aliases = {j: names.index(n) for j, n in enumerate(state)}
         labels = state + list(outputs)
-        text = hlo.finish_module(hlo.to_stablehlo(ep, self.frontend), aliases, names,
-                                 [neff.output_name(n) for n in labels])
+        text = hlo.finish_module(
+            hlo.to_stablehlo(ep, self.frontend), aliases, names, [neff.output_name(n) for n in labels]
+        )
         proto = hlo.to_hlo_proto(text)
         for op, width in hlo.selection_widths(proto):
             if width > MAX_SELECTION_WIDTH:
-                raise hlo.LoweringError(f"the HLO module holds a {op} over {width} entries; neuronx-cc compiles "
-                                        f"sort and top-k up to {MAX_SELECTION_WIDTH} (aws-neuron-sdk issue 1339): "
-                                        "select blockwise (kernels/select.py)")
+                raise hlo.LoweringError(
+                    f"the HLO module holds a {op} over {width} entries; neuronx-cc compiles "
+                    f"sort and top-k up to {MAX_SELECTION_WIDTH} (aws-neuron-sdk issue 1339): "
+                    "select blockwise (kernels/select.py)"
+                )
         out.write_bytes(proto)
         values = [a.meta["val"] for a in ep.graph.output_node().args[0]]
-        specs = [{"name": n, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
-                 for n, v in zip(labels, values)]
+        specs = [
+            {"name": n, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+            for n, v in zip(labels, values)
+        ]
         return {"state_outputs": state, "aliases": aliases, "output_specs": specs}
 
-    def check_numerics(self, proto: Path, region, method: str, inputs: list[torch.Tensor], names: list[str],
-                       state_outputs: list[str], where: str, seed: int = 0) -> dict:
+    def check_numerics(
+        self,
+        proto: Path,
+        region,
+        method: str,
+        inputs: list[torch.Tensor],
+        names: list[str],
+        state_outputs: list[str],
+        where: str,
+        seed: int = 0,
+    ) -> dict:
         """Run the HLO module on XLA:CPU and the reference region eagerly on the same inputs: the
         method's example inputs and seeded random weights of the region's real shapes
         (regions/examples.random_weights; this region's only, freed after), both as the weight
@@ -144,8 +167,8 @@ class Trn2Target:
         "tolerance"}; raises CheckFailed naming the first output that does not."""
         from deepinfer.compiler.weights import in_format
 
-        weights = random_weights(region, seed)                 # the release's formats
-        stored = in_format(region.specs, weights, region.fp8_format)   # as the weight recipe writes them
+        weights = random_weights(region, seed)  # the release's formats
+        stored = in_format(region.specs, weights, region.fp8_format)  # as the weight recipe writes them
         n_weights = len(names) - len(inputs)
         flat = [stored[n] for n in names[:n_weights]]
         got = hlo.CpuHlo(Path(proto).read_bytes())(flat + [a.clone() for a in inputs])
@@ -163,23 +186,33 @@ class Trn2Target:
             try:
                 d = compare_tensors(label, g, r)
             except ShapeMismatch:
-                raise CheckFailed(f"{where}: output {label} has shape {tuple(g.shape)} on XLA:CPU, "
-                                  f"{tuple(r.shape)} in the reference") from None
+                raise CheckFailed(
+                    f"{where}: output {label} has shape {tuple(g.shape)} on XLA:CPU, {tuple(r.shape)} in the reference"
+                ) from None
             if not d.agrees(tol):
-                what = f"in {d.mismatches} of {d.numel} entries" if d.integer else \
-                    f"by {d.max_abs:.3g} (max |ref| {d.ref_max:.3g})"
-                raise CheckFailed(f"{where}: output {label} differs from the reference {what} on XLA:CPU "
-                                  f"(score {d.score:.3g}, tolerance {tol:g})")
+                what = (
+                    f"in {d.mismatches} of {d.numel} entries"
+                    if d.integer
+                    else f"by {d.max_abs:.3g} (max |ref| {d.ref_max:.3g})"
+                )
+                raise CheckFailed(
+                    f"{where}: output {label} differs from the reference {what} on XLA:CPU "
+                    f"(score {d.score:.3g}, tolerance {tol:g})"
+                )
             diffs.append(d)
-        return {"max_abs": max((d.max_abs for d in diffs), default=0.0),
-                "score": max((d.score for d in diffs), default=0.0), "tolerance": tol}
+        return {
+            "max_abs": max((d.max_abs for d in diffs), default=0.0),
+            "score": max((d.score for d in diffs), default=0.0),
+            "tolerance": tol,
+        }
 
     def require_compiler(self) -> None:
         """Before any NEFF job: neuronx-cc must be here (every graph is already lowered and checked)."""
         if neuronxcc.find_compiler() is None:
             raise neuronxcc.NeuronCompilerMissing(
                 "every region was lowered to HLO and checked on XLA:CPU, but neuronx-cc is not installed: "
-                f"{neuronxcc.MISSING_MESSAGE} (deepinfer-compile --hlo-only writes that bundle)")
+                f"{neuronxcc.MISSING_MESSAGE} (deepinfer-compile --hlo-only writes that bundle)"
+            )
 
     def describe(self, executable: Path) -> dict:
         """The NEFF header's facts for the manifest; a NEFF built for another LNC is refused."""

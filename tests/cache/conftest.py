@@ -13,19 +13,19 @@ from deepinfer.compiler.pipeline import compile_bundle
 
 from ..conftest import write_model_toml
 
-EXECUTABLES = 8          # 8 region kinds x 1 bucket
+EXECUTABLES = 8  # 8 region kinds x 1 bucket
 
 
 def write_toml(directory: Path, ckpt: Path, *, options: str = "{}", num_blocks: int = 5, extra: str = "") -> Path:
     """The small model of the cache tests: saved ExportedPrograms, bucket (1, 1), cache quantization on."""
-    return write_model_toml(directory, ckpt, executable="exported", options=options, num_blocks=num_blocks,
-                            extra=extra)
+    return write_model_toml(directory, ckpt, executable="exported", options=options, num_blocks=num_blocks, extra=extra)
 
 
 def compile_cached(toml: Path, out: Path, cache_dir: Path, **kwargs) -> tuple[Path, Cache]:
     cache = Cache(cache_dir)
-    path, _ = compile_bundle(load_compile_config(toml), out, jobs=2, force=True, log=lambda msg: None,
-                             cache=cache, **kwargs)
+    path, _ = compile_bundle(
+        load_compile_config(toml), out, jobs=2, force=True, log=lambda msg: None, cache=cache, **kwargs
+    )
     return path, cache
 
 

@@ -23,7 +23,7 @@ from deepinfer.compiler.config import load_compile_config
 
 from .conftest import EXECUTABLES, compile_cached, write_toml
 
-pytestmark = pytest.mark.slow            # every test here compiles the small model, some several times
+pytestmark = pytest.mark.slow  # every test here compiles the small model, some several times
 
 
 def manifest(bundle) -> dict:
@@ -45,7 +45,7 @@ def test_warm_compile_builds_nothing(filled, cache_copy, small_toml, tmp_path):
     assert cache.stats["compiled"] == [] and cache.stats["miss"] == [] and cache.stats["stored"] == []
     kinds = [kind for kind, _ in cache.stats["hit"]]
     assert kinds.count("executable") == kinds.count("trace") == EXECUTABLES
-    assert kinds.count("weights") == 8 and kinds.count("host") == 3          # embedding, engram tables, vision
+    assert kinds.count("weights") == 8 and kinds.count("host") == 3  # embedding, engram tables, vision
     assert manifest(bundle) == manifest(cold)
     mf.check_files(bundle, mf.read(bundle))
 
@@ -57,7 +57,7 @@ def test_tampered_entries_are_detected_and_replaced(filled, cache_copy, small_to
     for kind in ("executable", "weights"):
         entry = sorted(cache.entries((kind,)), key=lambda e: e.meta["identity"])[0]
         data = bytearray(entry.artifact.read_bytes())
-        data[len(data) // 2] ^= 1                                             # one bit, size unchanged
+        data[len(data) // 2] ^= 1  # one bit, size unchanged
         entry.artifact.write_bytes(bytes(data))
         damaged[kind] = entry.meta["identity"]
     bundle, cache = compile_cached(small_toml, tmp_path / "b", cache_copy)
@@ -65,7 +65,7 @@ def test_tampered_entries_are_detected_and_replaced(filled, cache_copy, small_to
     assert cache.stats["compiled"] == [damaged["executable"]]
     assert without_executable_digests(manifest(bundle)) == without_executable_digests(manifest(cold))
     mf.check_files(bundle, mf.read(bundle))
-    assert Cache(cache_copy).verify() == []                                   # replaced by good entries
+    assert Cache(cache_copy).verify() == []  # replaced by good entries
 
 
 def test_kernel_change_recompiles_only_the_graphs_reaching_it(cache_copy, small_toml, tmp_path, monkeypatch):
@@ -80,8 +80,8 @@ def test_kernel_change_recompiles_only_the_graphs_reaching_it(cache_copy, small_
     monkeypatch.setattr(keys, "source_closure", changed_closure)
     monkeypatch.setattr(cached, "graph_sources", changed_sources)
     _, cache = compile_cached(small_toml, tmp_path / "b", cache_copy)
-    assert cache.stats["compiled"] == ["attn_source_r2.decode.b1t1c32"]      # its one context bucket: max_context
-    assert sum(1 for kind, _ in cache.stats["stored"] if kind == "trace") == EXECUTABLES      # all retraced
+    assert cache.stats["compiled"] == ["attn_source_r2.decode.b1t1c32"]  # its one context bucket: max_context
+    assert sum(1 for kind, _ in cache.stats["stored"] if kind == "trace") == EXECUTABLES  # all retraced
 
 
 def cli(*args):
@@ -93,20 +93,25 @@ def test_require_cache_fails_cleanly_on_a_miss(cache_copy, small_toml, tmp_path,
     r = cli(small_toml, "-o", tmp_path / "out", "--cache-dir", tmp_path / "empty", "--require-cache")
     assert r.exit_code == 2
     [line] = [line for line in r.output.splitlines() if line.startswith("error:")]
-    assert line == (f"error: --require-cache: cache miss for weights weights attn_window: "
-                    f"the cache at {tmp_path / 'empty'} holds no weights for it")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "empty"]       # no bundle, no staging
+    assert line == (
+        f"error: --require-cache: cache miss for weights weights attn_window: "
+        f"the cache at {tmp_path / 'empty'} holds no weights for it"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "empty"]  # no bundle, no staging
     monkeypatch.undo()
     # a changed keyed option: the executable misses, and the message says which key part differs
-    other = write_toml(tmp_path / "other", load_compile_config(small_toml).model.checkpoint,
-                       options='{"cpp.simdlen" = 8}')
+    other = write_toml(
+        tmp_path / "other", load_compile_config(small_toml).model.checkpoint, options='{"cpp.simdlen" = 8}'
+    )
     r = cli(other, "-o", tmp_path / "out", "--cache-dir", cache_copy, "--require-cache", "-v")
     assert r.exit_code == 2
     parts = [line.split()[2] for line in r.output.splitlines() if line.startswith("  executable attn_window")]
     assert parts == ["format", "graph", "region", "bucket", "target", "toolchain", "kernels", "lowering"]  # -v
     [line] = [line for line in r.output.splitlines() if line.startswith("error:")]
-    assert line.startswith("error: --require-cache: cache miss for executable attn_window.decode.b1t1: "
-                           "key part(s) target differ from the cached entry")
+    assert line.startswith(
+        "error: --require-cache: cache miss for executable attn_window.decode.b1t1: "
+        "key part(s) target differ from the cached entry"
+    )
     assert not (tmp_path / "out").exists()
     r = cli(small_toml, "-o", tmp_path / "out", "--cache-dir", cache_copy, "--require-cache", "--json")
     assert r.exit_code == 0, r.output
@@ -124,10 +129,28 @@ def test_print_cache_key(small_toml, tmp_path, monkeypatch):
 
 # --- several processes ---
 
+
 def start(toml, out, cache_dir, jobs=1):
-    return subprocess.Popen([sys.executable, "-m", "deepinfer.compiler.cli", str(toml), "-o", str(out), "--force",
-                             "--cache-dir", str(cache_dir), "--jobs", str(jobs), "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deepinfer.compiler.cli",
+            str(toml),
+            "-o",
+            str(out),
+            "--force",
+            "--cache-dir",
+            str(cache_dir),
+            "--jobs",
+            str(jobs),
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def test_two_compiles_at_once_build_each_executable_once(small_toml, tmp_path):
@@ -136,8 +159,8 @@ def test_two_compiles_at_once_build_each_executable_once(small_toml, tmp_path):
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     compiled = [json.loads(out.strip().splitlines()[-1])["compiled"] for out, _ in outs]
     both = compiled[0] + compiled[1]
-    assert len(both) == len(set(both)) == EXECUTABLES                         # each once, between them
-    assert manifest(tmp_path / "b0") == manifest(tmp_path / "b1")             # identical bundles
+    assert len(both) == len(set(both)) == EXECUTABLES  # each once, between them
+    assert manifest(tmp_path / "b0") == manifest(tmp_path / "b1")  # identical bundles
     for i in range(2):
         mf.check_files(tmp_path / f"b{i}", mf.read(tmp_path / f"b{i}"))
     assert Cache(tmp_path / "cache").verify() == []
@@ -154,7 +177,7 @@ def test_killed_compiles_never_leave_an_accepted_bad_entry(filled, small_toml, t
         p.communicate()
         entries = Cache(cache_dir).entries()
         assert all(e.meta.get("key") == e.key for e in entries)
-        assert Cache(cache_dir).verify() == []                                # every entry present is whole
+        assert Cache(cache_dir).verify() == []  # every entry present is whole
     bundle, cache = compile_cached(small_toml, tmp_path / "final", cache_dir)
     assert cache.stats["corrupt"] == []
     mf.check_files(bundle, mf.read(bundle))

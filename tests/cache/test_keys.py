@@ -79,8 +79,9 @@ def test_same_inputs_same_key_across_processes(small_toml):
     out = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        proc = subprocess.run([sys.executable, "-c", KEYS_SCRIPT, str(small_toml)], env=env, capture_output=True,
-                              text=True, check=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", KEYS_SCRIPT, str(small_toml)], env=env, capture_output=True, text=True, check=True
+        )
         out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert out[0] == out[1]
     assert out[0]["bundle"] == cache_key(load_compile_config(small_toml), **QUIET).digest
@@ -88,6 +89,7 @@ def test_same_inputs_same_key_across_processes(small_toml):
 
 
 # --- every part changes the key ---
+
 
 def changed_part(base: Key, other: Key) -> list[str]:
     assert base.digest != other.digest
@@ -111,7 +113,7 @@ EXE = dict(kind="head", method="decode", batch=1, tokens=1, context=None, graph=
 EXE_VARIANTS = {
     "format": lambda b, mp, kw: mp.setattr(cached, "format_part", lambda: {"bundle_format": 99, "cache": 1}),
     "graph": lambda b, mp, kw: kw.update(graph="h" * 64),
-    "region": lambda b, mp, kw: kw.update(kind="moe"),                 # another class, same method
+    "region": lambda b, mp, kw: kw.update(kind="moe"),  # another class, same method
     "bucket": lambda b, mp, kw: kw.update(tokens=2),
     "target": lambda b, mp, kw: mp.setattr(b.target, "options", {"cpp.simdlen": 8}),
     "toolchain": lambda b, mp, kw: mp.setattr(b.target, "toolchain", lambda: {"torch": "9.9"}),
@@ -123,7 +125,7 @@ EXE_VARIANTS = {
 @pytest.mark.parametrize("part", list(EXE_VARIANTS))
 def test_each_executable_key_part_changes_the_key(b, monkeypatch, part):
     base = cached.executable_key(b.spec, b.plan, **EXE)
-    assert [n for n, _ in base.parts] == list(EXE_VARIANTS)            # every part has a variant here
+    assert [n for n, _ in base.parts] == list(EXE_VARIANTS)  # every part has a variant here
     kw = dict(EXE)
     EXE_VARIANTS[part](b, monkeypatch, kw)
     assert changed_part(base, cached.executable_key(b.spec, b.plan, **kw)) == [part]
@@ -132,16 +134,21 @@ def test_each_executable_key_part_changes_the_key(b, monkeypatch, part):
 TRACE_VARIANTS = {
     "format": lambda b, mp, kw: mp.setattr(cached, "format_part", lambda: {"bundle_format": 99, "cache": 1}),
     # another method with the same inputs (a method's inputs are `<method>_inputs`, `decode`'s `input_specs`)
-    "region": lambda b, mp, kw: (mp.setattr(type(b.plan.kinds[kw["kind"]].region), "prefill_inputs",
-                                            lambda self, B, T, g: self.input_specs(B, T, g), raising=False),
-                                 kw.update(method="prefill")),
-    "bucket": None,                                   # the signature changes with it: tested below
+    "region": lambda b, mp, kw: (
+        mp.setattr(
+            type(b.plan.kinds[kw["kind"]].region),
+            "prefill_inputs",
+            lambda self, B, T, g: self.input_specs(B, T, g),
+            raising=False,
+        ),
+        kw.update(method="prefill"),
+    ),
+    "bucket": None,  # the signature changes with it: tested below
     "geometry": lambda b, mp, kw: b.replace(geometry=dataclasses.replace(b.spec.geometry, blocks=99)),
     "model": lambda b, mp, kw: mp.setattr(type(b.spec.model), "digest", lambda self: "other"),
     "topology": lambda b, mp, kw: b.replace(topology=Topology(cp=2)),
     "fp8": lambda b, mp, kw: mp.setattr(b.plan.kinds["head"].region, "fp8_format", "e4m3"),
-    "signature": lambda b, mp, kw: mp.setattr(b.plan.kinds["head"].region, "input_specs",
-                                              lambda *a: []),
+    "signature": lambda b, mp, kw: mp.setattr(b.plan.kinds["head"].region, "input_specs", lambda *a: []),
     "target": lambda b, mp, kw: mp.setattr(b.target, "options", {"cpp.simdlen": 8}),
     "toolchain": lambda b, mp, kw: mp.setattr(b.target, "toolchain", lambda: {"torch": "9.9"}),
     "sources": lambda b, mp, kw: mp.setattr(cached, "graph_sources", lambda m: {"deepinfer.kernels.norm": "x"}),
@@ -170,17 +177,19 @@ def test_trace_key_context_bucket(b):
     assert base.identity.endswith("b1t1c32") and other.identity.endswith("b1t1c16")
     assert changed_part(base, other) == ["bucket", "geometry", "signature"]
     exe = dict(EXE, kind="attn_source_r2", context=32)
-    assert changed_part(cached.executable_key(b.spec, b.plan, **exe),
-                        cached.executable_key(b.spec, b.plan, **dict(exe, context=16))) == ["bucket"]
+    assert changed_part(
+        cached.executable_key(b.spec, b.plan, **exe), cached.executable_key(b.spec, b.plan, **dict(exe, context=16))
+    ) == ["bucket"]
 
 
 WEIGHT_VARIANTS = {
     "format": lambda b, mp: mp.setattr(cached, "format_part", lambda: {"bundle_format": 99, "cache": 1}),
-    "kind": None,                                     # another kind has other specs: tested below
+    "kind": None,  # another kind has other specs: tested below
     "layout": lambda b, mp: mp.setattr(b.plan.kinds["moe"], "layers", b.plan.kinds["moe"].layers[:-1]),
     "tensors": lambda b, mp: mp.setattr(cached, "tensor_digests", lambda ckpt, names, memo: {n: "x" for n in names}),
-    "recipe": lambda b, mp: b.replace(config=dataclasses.replace(
-        b.spec.config, quant=dataclasses.replace(b.spec.config.quant, recipe="e4m3"))),
+    "recipe": lambda b, mp: b.replace(
+        config=dataclasses.replace(b.spec.config, quant=dataclasses.replace(b.spec.config.quant, recipe="e4m3"))
+    ),
     "sources": lambda b, mp: mp.setattr(cached, "modules_digest", lambda names: {n: "x" for n in names}),
 }
 
@@ -195,6 +204,7 @@ def test_each_weights_key_part_changes_the_key(b, monkeypatch, part):
 
 
 # --- what the key sees: two explicit lists ---
+
 
 def test_every_option_is_in_exactly_one_list():
     from deepinfer.compiler.cli import main
@@ -213,15 +223,24 @@ def bundle_key(toml: Path) -> Key:
 def test_unkeyed_options_do_not_change_the_key(small_toml, tmp_path, b):
     base = bundle_key(small_toml)
     ckpt = load_compile_config(small_toml).model.checkpoint
-    logs = "{" + ", ".join(f'"{o}" = {json.dumps("x" if o.endswith(("dir", "format")) else True)}'
-                           for o in CpuTarget.LOG_OPTIONS) + "}"
+    logs = (
+        "{"
+        + ", ".join(
+            f'"{o}" = {json.dumps("x" if o.endswith(("dir", "format")) else True)}' for o in CpuTarget.LOG_OPTIONS
+        )
+        + "}"
+    )
     moved = write_toml(tmp_path / "elsewhere", ckpt, options=logs, extra='\n[cache]\ndir = "somewhere"\n')
     assert bundle_key(moved).digest == base.digest
     logged = build(moved)
-    assert cached.trace_key(logged.spec, logged.plan, "head", "decode", 1, 1, None).digest == \
-        cached.trace_key(b.spec, b.plan, "head", "decode", 1, 1, None).digest
-    assert cached.executable_key(logged.spec, logged.plan, **EXE).digest == \
-        cached.executable_key(b.spec, b.plan, **EXE).digest
+    assert (
+        cached.trace_key(logged.spec, logged.plan, "head", "decode", 1, 1, None).digest
+        == cached.trace_key(b.spec, b.plan, "head", "decode", 1, 1, None).digest
+    )
+    assert (
+        cached.executable_key(logged.spec, logged.plan, **EXE).digest
+        == cached.executable_key(b.spec, b.plan, **EXE).digest
+    )
 
 
 KEYED_EDITS = {
@@ -239,13 +258,19 @@ KEYED_EDITS = {
 }
 # options with one valid value today: the key holds their value (config part)
 SINGLE_VALUED: dict = {}
-SECTION_EDITS = {"host.embedding": "[host]\nembedding = false", "parallel.tp": "[parallel]\ntp = 2",
-                 "parallel.ep": "[parallel]\nep = 2", "parallel.cp": "[parallel]\ncp = 2",
-                 "quant.recipe": '[quant]\nrecipe = "e4m3"', "speculative.draft": '[speculative]\ndraft = "dspark"'}
+SECTION_EDITS = {
+    "host.embedding": "[host]\nembedding = false",
+    "parallel.tp": "[parallel]\ntp = 2",
+    "parallel.ep": "[parallel]\nep = 2",
+    "parallel.cp": "[parallel]\ncp = 2",
+    "quant.recipe": '[quant]\nrecipe = "e4m3"',
+    "speculative.draft": '[speculative]\ndraft = "dspark"',
+}
 
 
-@pytest.mark.parametrize("option", [o for o in KEYED_OPTIONS if not o.startswith("model.checkpoint")
-                                    and o != "model.tiny"])
+@pytest.mark.parametrize(
+    "option", [o for o in KEYED_OPTIONS if not o.startswith("model.checkpoint") and o != "model.tiny"]
+)
 def test_keyed_options_change_the_key(small_toml, tmp_path, monkeypatch, option):
     base = bundle_key(small_toml)
     if option in SINGLE_VALUED:
@@ -258,8 +283,9 @@ def test_keyed_options_change_the_key(small_toml, tmp_path, monkeypatch, option)
         assert cache_key(load_compile_config(small_toml), hlo_only=True, **QUIET).digest != base.digest
         return
     if option in SECTION_EDITS:
-        edited = write_toml(tmp_path / "section", load_compile_config(small_toml).model.checkpoint,
-                            extra=f"\n{SECTION_EDITS[option]}\n")
+        edited = write_toml(
+            tmp_path / "section", load_compile_config(small_toml).model.checkpoint, extra=f"\n{SECTION_EDITS[option]}\n"
+        )
         assert bundle_key(edited).digest != base.digest
         return
     monkeypatch.setitem(TARGETS, "cpu2", type("Cpu2", (CpuTarget,), {"name": "cpu2"}))
@@ -286,28 +312,33 @@ def test_checkpoint_contents_change_the_key(small_toml, tmp_path):
 
 # --- kernels ---
 
+
 def test_kernel_source_closure_follows_helpers_only():
     from deepinfer.kernels import KERNELS
 
     gemm = keys.source_closure(KERNELS["blockquant_gemm"].reference).decode(errors="replace")
-    assert "def dequant_fp8(" in gemm and "def dequant_fp4(" in gemm       # helpers in kernels/formats.py
+    assert "def dequant_fp8(" in gemm and "def dequant_fp4(" in gemm  # helpers in kernels/formats.py
     pool = keys.source_closure(KERNELS["compress_pool"].reference).decode(errors="replace")
-    assert "def compress_pool_ref(" in pool and "def sparse_attn_ref(" not in pool   # same file, not reached
+    assert "def compress_pool_ref(" in pool and "def sparse_attn_ref(" not in pool  # same file, not reached
 
 
 def test_a_kernel_change_reaches_only_graphs_calling_it(b, monkeypatch):
     from deepinfer.compiler.keys import kernels_reached
 
-    reached = {k: kernels_reached(trace(b.plan.kinds[k].region, 1, 1, b.spec.geometry)[0])
-               for k in ("head", "attn_source_r2")}
+    reached = {
+        k: kernels_reached(trace(b.plan.kinds[k].region, 1, 1, b.spec.geometry)[0]) for k in ("head", "attn_source_r2")
+    }
     assert "compress_pool" in reached["attn_source_r2"] and "compress_pool" not in reached["head"]
-    before = {k: cached.executable_key(b.spec, b.plan, k, "decode", 1, 1, None, "g", ks).digest
-              for k, ks in reached.items()}
+    before = {
+        k: cached.executable_key(b.spec, b.plan, k, "decode", 1, 1, None, "g", ks).digest for k, ks in reached.items()
+    }
     closure = keys.source_closure
-    monkeypatch.setattr(keys, "source_closure",
-                        lambda fn: closure(fn) + (b"# changed" if fn.__name__ == "compress_pool_ref" else b""))
-    after = {k: cached.executable_key(b.spec, b.plan, k, "decode", 1, 1, None, "g", ks).digest
-             for k, ks in reached.items()}
+    monkeypatch.setattr(
+        keys, "source_closure", lambda fn: closure(fn) + (b"# changed" if fn.__name__ == "compress_pool_ref" else b"")
+    )
+    after = {
+        k: cached.executable_key(b.spec, b.plan, k, "decode", 1, 1, None, "g", ks).digest for k, ks in reached.items()
+    }
     assert after["head"] == before["head"] and after["attn_source_r2"] != before["attn_source_r2"]
 
 
@@ -320,8 +351,8 @@ def test_a_tensor_edited_in_place_with_size_and_mtime_restored_is_hashed_again(t
     save_file({"w": torch.zeros(64)}, str(path))
     before = cached._file_digests(path, memo)
     st = os.stat(path)
-    for _ in range(200):                        # ctime ticks at the kernel's clock granularity (<= 10 ms)
-        with open(path, "r+b") as f:            # in place: one byte of the tensor's data
+    for _ in range(200):  # ctime ticks at the kernel's clock granularity (<= 10 ms)
+        with open(path, "r+b") as f:  # in place: one byte of the tensor's data
             f.seek(-1, os.SEEK_END)
             f.write(b"\x01")
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -35,16 +35,23 @@ def edited(monkeypatch, module: str) -> None:
     def text(m):
         data = original(m)
         return data + b"\n# edited\n" if m.__name__ == module else data
+
     monkeypatch.setattr(keys, "_file_text", text)
 
 
 KEYS = {
-    "weights": (lambda spec, p: cached.weights_key(spec, Checkpoint(spec.config.model.checkpoint), "moe",
-                                                   p.kinds["moe"]), cached.weight_sources),
-    "trace": (lambda spec, p: cached.trace_key(spec, p, "attn_source_r2", "decode", 1, 1, spec.config.buckets.max_context),
-              lambda: cached.import_closure(cached.TRACE_ROOTS + spec_lowering())),
-    "executable": (lambda spec, p: cached.executable_key(spec, p, "head", "decode", 1, 1, None, "g", ["rmsnorm"]),
-                   lambda: cached.lowering_sources(spec_lowering())),
+    "weights": (
+        lambda spec, p: cached.weights_key(spec, Checkpoint(spec.config.model.checkpoint), "moe", p.kinds["moe"]),
+        cached.weight_sources,
+    ),
+    "trace": (
+        lambda spec, p: cached.trace_key(spec, p, "attn_source_r2", "decode", 1, 1, spec.config.buckets.max_context),
+        lambda: cached.import_closure(cached.TRACE_ROOTS + spec_lowering()),
+    ),
+    "executable": (
+        lambda spec, p: cached.executable_key(spec, p, "head", "decode", 1, 1, None, "g", ["rmsnorm"]),
+        lambda: cached.lowering_sources(spec_lowering()),
+    ),
 }
 
 
@@ -56,10 +63,15 @@ def spec_lowering() -> tuple[str, ...]:
 
 def test_weights_key_sees_the_sharding_code():
     sources = cached.weight_sources()
-    for module in ("deepinfer.compiler.shard", "deepinfer.regions.topology", "deepinfer.compiler.weights",
-                   "deepinfer.regions.checkpoint", "deepinfer.bundles.safetensors"):
+    for module in (
+        "deepinfer.compiler.shard",
+        "deepinfer.regions.topology",
+        "deepinfer.compiler.weights",
+        "deepinfer.regions.checkpoint",
+        "deepinfer.bundles.safetensors",
+    ):
         assert module in sources, module
-    assert "deepinfer.regions.attention" not in sources       # region code shapes graphs, not weight bytes
+    assert "deepinfer.regions.attention" not in sources  # region code shapes graphs, not weight bytes
 
 
 def test_lowering_leaves_kernels_to_the_kernels_part():
@@ -86,8 +98,12 @@ def test_bundle_key_sees_every_module_the_pipeline_reaches(small_toml, monkeypat
     cfg = load_compile_config(small_toml)
     base = cache_key(cfg, log=QUIET).digest
     modules = cached.import_closure(cached.BUNDLE_ROOTS)
-    assert {"deepinfer.compiler.pipeline", "deepinfer.compiler.pools", "deepinfer.bundles.manifest",
-            "deepinfer.compiler.shard"} <= set(modules)
+    assert {
+        "deepinfer.compiler.pipeline",
+        "deepinfer.compiler.pools",
+        "deepinfer.bundles.manifest",
+        "deepinfer.compiler.shard",
+    } <= set(modules)
     for module in modules:
         with monkeypatch.context() as mp:
             edited(mp, module)
@@ -106,7 +122,8 @@ print(json.dumps(sorted(m for m in sys.modules if m == "deepinfer" or m.startswi
 @pytest.mark.parametrize("roots", [cached.WEIGHT_ROOTS, cached.TRACE_ROOTS, cached.BUNDLE_ROOTS])
 def test_static_closure_covers_what_importing_loads(roots):
     """An independent check of the closure: what the interpreter loads importing the roots is in it."""
-    out = subprocess.run([sys.executable, "-c", CLOSURE_SCRIPT, *roots], capture_output=True, text=True,
-                         check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", CLOSURE_SCRIPT, *roots], capture_output=True, text=True, check=True, timeout=120
+    )
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
     assert loaded <= set(keys.import_closure(tuple(roots))), loaded - set(keys.import_closure(tuple(roots)))

@@ -39,7 +39,7 @@ def test_put_then_get(cache, tmp_path):
     assert cache.get_bytes("executable", key(2)) is None
     meta = json.loads((cache.entry_dir("executable", k.digest) / "meta.json").read_text())
     assert meta["key"] == k.digest and [p["name"] for p in meta["parts"]] == ["format", "graph"]
-    assert not list((cache.root / "tmp").iterdir())                    # nothing left behind
+    assert not list((cache.root / "tmp").iterdir())  # nothing left behind
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "meta"])
@@ -56,9 +56,9 @@ def test_tampered_entry_is_a_reported_miss_and_is_replaced(cache, tmp_path, dama
         (entry / "meta.json").write_text("{")
     dest = tmp_path / "dest"
     assert not cache.get_file("executable", k, dest)
-    assert not dest.exists()                                             # never hands out a wrong file
+    assert not dest.exists()  # never hands out a wrong file
     assert "is corrupt" in cache.logged[-1] and not entry.exists()
-    cache.put_bytes("executable", k, b"x" * 1000)                        # rebuilt and stored again
+    cache.put_bytes("executable", k, b"x" * 1000)  # rebuilt and stored again
     assert cache.get_file("executable", k, dest) and dest.read_bytes() == b"x" * 1000
 
 
@@ -66,10 +66,10 @@ def test_interrupted_write_is_not_an_entry(cache):
     k = key(1)
     half = cache.root / "tmp" / "executable-partial"
     half.mkdir(parents=True)
-    (half / "artifact").write_bytes(b"half")                              # meta.json never written
+    (half / "artifact").write_bytes(b"half")  # meta.json never written
     assert cache.lookup("executable", k) is None and cache.entries() == []
     entry = cache.entry_dir("executable", k.digest)
-    entry.mkdir(parents=True)                                            # a bare directory is no entry either
+    entry.mkdir(parents=True)  # a bare directory is no entry either
     (entry / "artifact").write_bytes(b"x")
     assert cache.get_bytes("executable", k) is None and not entry.exists()
 
@@ -85,11 +85,11 @@ def test_verify_removes_corrupt_entries(cache):
 def test_prune_by_age_then_size_least_recently_used_first(cache):
     keys = [put(cache, n, b"x" * 100) for n in range(4)]
     now = time.time()
-    for age, k in zip((40, 30, 20, 10), keys):                          # keys[0] least recently used
+    for age, k in zip((40, 30, 20, 10), keys):  # keys[0] least recently used
         os.utime(cache.entry_dir("executable", k.digest) / "meta.json", (now - age * 86400,) * 2)
     removed = cache.prune(max_age=35 * 86400, now=now)
     assert [e.key for e in removed] == [keys[0].digest]
-    cache.get_bytes("executable", keys[1])                              # a hit makes it the most recent
+    cache.get_bytes("executable", keys[1])  # a hit makes it the most recent
     size = sum(cache.size(e) for e in cache.entries())
     removed = cache.prune(max_size=size - 1, now=now)
     assert [e.key for e in removed] == [keys[2].digest]

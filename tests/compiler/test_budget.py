@@ -24,11 +24,11 @@ QUIET = lambda msg: None  # noqa: E731
 
 def test_scratch_is_the_peak_of_live_intermediates():
     class Chain(torch.nn.Module):
-        def forward(self, x):                     # x: 1000 float32 = 4000 bytes
+        def forward(self, x):  # x: 1000 float32 = 4000 bytes
             a = x * 2
-            b = a + 1                             # a dies here: a and b live (8000)
-            c = b.view(10, 100)                   # a view: no memory of its own, keeps b alive
-            return c * 3                          # b (through c) and the output live (8000)
+            b = a + 1  # a dies here: a and b live (8000)
+            c = b.view(10, 100)  # a view: no memory of its own, keeps b alive
+            return c * 3  # b (through c) and the output live (8000)
 
     ep = torch.export.export(Chain(), (torch.zeros(1000),))
     assert budget.scratch_bytes(ep) == 8000
@@ -58,7 +58,7 @@ def test_breakdown_adds_up(exported_bundle):
     for kind in {r.kind for r in m.regions}:
         assert mem["scratch_by_kind"][kind] == max(r.scratch_bytes for r in m.regions if r.kind == kind) > 0
     assert mem["total"] == mem["weights"] + mem["pools"] + mem["executables"] + mem["scratch"]
-    assert mem["limit"] == physical_memory()   # cpu: this host's memory
+    assert mem["limit"] == physical_memory()  # cpu: this host's memory
 
 
 def test_trn2_pools_over_hbm_refused_before_tracing(tmp_path, tiny_ckpt, monkeypatch):
@@ -76,8 +76,9 @@ def test_trn2_pools_over_hbm_refused_before_tracing(tmp_path, tiny_ckpt, monkeyp
 
 
 def test_trn2_lnc2_core_has_24_gib(tmp_path, tiny_ckpt):
-    spec = parse(load_compile_config(write_model_toml(tmp_path, tiny_ckpt, target="trn2", options="{ lnc = 2 }")),
-                 False, QUIET)
+    spec = parse(
+        load_compile_config(write_model_toml(tmp_path, tiny_ckpt, target="trn2", options="{ lnc = 2 }")), False, QUIET
+    )
     assert budget.breakdown(spec, plan(spec, QUIET)).limit == 24 * budget.GiB
 
 
@@ -94,24 +95,35 @@ def test_scratch_is_checked_after_tracing(tmp_path, tiny_ckpt):
     toml = write_model_toml(tmp_path, tiny_ckpt, extra="\n[memory]\nlimit_gib = 0.01\nreserve_gib = 0.005\n")
     spec = parse(load_compile_config(toml), False, QUIET)
     planned = plan(spec, QUIET)
-    budget.check_planned(spec, planned, QUIET)                # ~4 MiB of 5.12 MiB usable
-    moe = mf.Executable(kind="moe", method="decode", bucket=mf.Shape(batch=1, tokens=1), artifact="regions/none.pt2",
-                        executable="exported", inputs=(), outputs=(), scratch_bytes=2 << 20)
+    budget.check_planned(spec, planned, QUIET)  # ~4 MiB of 5.12 MiB usable
+    moe = mf.Executable(
+        kind="moe",
+        method="decode",
+        bucket=mf.Shape(batch=1, tokens=1),
+        artifact="regions/none.pt2",
+        executable="exported",
+        inputs=(),
+        outputs=(),
+        scratch_bytes=2 << 20,
+    )
     head = dataclasses.replace(moe, kind="head", bucket=mf.Shape(batch=2, tokens=1), scratch_bytes=1 << 20)
     moe8 = dataclasses.replace(moe, bucket=mf.Shape(batch=8, tokens=1), scratch_bytes=(2 << 20) + 4096)
     with pytest.raises(ConfigError, match="with the traced graphs' scratch") as e:
         budget.check_traced(spec, planned, Traced((moe, head, moe8), ()), QUIET)
     assert "(largest graph: moe.decode.b8t1)" in str(e.value)
-    assert "by kind    moe 2.00 MiB, head 1.00 MiB" in str(e.value)       # each kind's largest graph
+    assert "by kind    moe 2.00 MiB, head 1.00 MiB" in str(e.value)  # each kind's largest graph
 
 
-@pytest.mark.parametrize("memory, message", [
-    ("limit_gib = 0", "memory.limit_gib: must be positive"),
-    ("reserve_gib = -1", "memory.reserve_gib: must be at least 0"),
-    ("limit_gib = 2\nreserve_gib = 2.0", "memory.reserve_gib: 2.0 GiB leaves nothing"),
-    ("limit_gib = \"big\"", "memory.limit_gib: expected float"),
-    ("limit = 2", "unknown key 'limit'; valid keys: limit_gib, reserve_gib"),
-])
+@pytest.mark.parametrize(
+    "memory, message",
+    [
+        ("limit_gib = 0", "memory.limit_gib: must be positive"),
+        ("reserve_gib = -1", "memory.reserve_gib: must be at least 0"),
+        ("limit_gib = 2\nreserve_gib = 2.0", "memory.reserve_gib: 2.0 GiB leaves nothing"),
+        ('limit_gib = "big"', "memory.limit_gib: expected float"),
+        ("limit = 2", "unknown key 'limit'; valid keys: limit_gib, reserve_gib"),
+    ],
+)
 def test_memory_section_validated(tmp_path, memory, message):
     toml = write_model_toml(tmp_path, tmp_path / "ckpt", extra=f"\n[memory]\n{memory}\n")
     with pytest.raises(ConfigError, match=message):
@@ -128,12 +140,21 @@ def test_engram_tables_are_host_bytes_at_release_scale(tmp_path):
     ckpt = tmp_path / "release"
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps(release_config()))
-    toml = write_model_toml(tmp_path, ckpt, target="trn2", options="{ lnc = 2 }", parallel=(1, 64, 64),
-                            batch=[1, 64], tokens=[1], max_context=1024, num_blocks=4097)
+    toml = write_model_toml(
+        tmp_path,
+        ckpt,
+        target="trn2",
+        options="{ lnc = 2 }",
+        parallel=(1, 64, 64),
+        batch=[1, 64],
+        tokens=[1],
+        max_context=1024,
+        num_blocks=4097,
+    )
     spec = parse(load_compile_config(toml), True, QUIET)
     p = plan(spec, QUIET)
     d = budget.breakdown(spec, p)
-    rows = (384006168, 384016682)                              # MODEL.md: engram_num_embeddings
+    rows = (384006168, 384016682)  # MODEL.md: engram_num_embeddings
     assert d.host["engram"] == sum(r * (256 + 256 // 32) for r in rows)
     biggest = max(math.prod(s.buffer_shape) for kp in p.kinds.values() for s in kp.region.specs)
     assert biggest < min(rows) * 256
@@ -163,6 +184,6 @@ def test_moe_scratch_is_bounded_by_its_local_experts_not_the_rows():
     for rows in (1, 64):
         ep, _, _ = trace(region, rows, 1, Geometry(slots=2, blocks=2, block_size=16, max_blocks=1))
         scratch[rows] = budget.scratch_bytes(CpuTarget().lower(ep))
-    one_expert = 3 * 2304 * 5120 * 4                  # w1, w3, w2 of one expert in float32
+    one_expert = 3 * 2304 * 5120 * 4  # w1, w3, w2 of one expert in float32
     assert scratch[1] <= 3 * EXPERT_TILE_BYTES < one_expert
     assert 0 <= scratch[64] - scratch[1] <= 63 * (1 << 20)

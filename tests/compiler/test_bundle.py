@@ -40,6 +40,7 @@ def bundle_error(fn, *args, **kwargs) -> str:
 
 # --- manifest ---
 
+
 def test_format_version_is_the_first_key(exported_bundle):
     text = manifest_text(exported_bundle)
     assert re.match(rf'\{{\s*"format_version": {mf.FORMAT_VERSION},', text), text[:40]
@@ -49,7 +50,7 @@ def test_format_version_is_the_first_key(exported_bundle):
 
 def test_manifest_round_trip(exported_bundle, bundle_copy):
     m = mf.read(exported_bundle)
-    assert mf.dumps(m) == manifest_text(exported_bundle)            # the file is what dumps writes
+    assert mf.dumps(m) == manifest_text(exported_bundle)  # the file is what dumps writes
     assert mf.parse(json.loads(mf.dumps(m)), "round trip") == m
     # a reader takes format_version wherever it stands; dumps puts it first
     data = mf.to_json(m)
@@ -64,7 +65,8 @@ def test_manifest_round_trip(exported_bundle, bundle_copy):
 def test_unknown_format_version_is_refused_first(bundle_copy, version):
     def edit(data):
         data["format_version"] = version
-        del data["regions"]                  # checked first: the version is the complaint, not this
+        del data["regions"]  # checked first: the version is the complaint, not this
+
     edit_manifest(bundle_copy, edit)
     message = bundle_error(mf.read, bundle_copy)
     assert message.startswith(f"{bundle_copy / layout.MANIFEST_FILE}: format_version {version!r} is not supported")
@@ -83,11 +85,13 @@ def test_missing_required_key(bundle_copy):
 
 def _set(path: list, value):
     """An edit that sets data[path...] = value."""
+
     def edit(data):
         node = data
         for part in path[:-1]:
             node = node[part]
         node[path[-1]] = value
+
     return edit
 
 
@@ -97,18 +101,25 @@ DAMAGE = {
     "nested type": (_set(["regions", 3, "bucket", "batch"], 1.5), "regions[3].bucket.batch: expected int"),
     "literal": (_set(["kv", "pools", "win", "dim"], "rows"), "kv.pools.win.dim: expected one of 'blocks', 'slots'"),
     "unknown key": (_set(["kv", "colour"], "red"), "kv.colour: unknown key 'colour'"),
-    "binding to no executable": (_set(["layers", 2, "regions", "attn", "kind"], "attn_nothing"),
-                                 "layers[2].regions.attn.kind: no executable of kind 'attn_nothing'"),
-    "binding past the stack": (_set(["layers", 5, "regions", "moe", "index"], 6),
-                               "layers[5].regions.moe.index: row 6 of rank-0's moe stacks (6 rows)"),
-    "state past the pool": (_set(["layers", 0, "state", "win"], ["win", 9]),
-                            "layers[0].state.win: row 9 of pool 'win'"),
+    "binding to no executable": (
+        _set(["layers", 2, "regions", "attn", "kind"], "attn_nothing"),
+        "layers[2].regions.attn.kind: no executable of kind 'attn_nothing'",
+    ),
+    "binding past the stack": (
+        _set(["layers", 5, "regions", "moe", "index"], 6),
+        "layers[5].regions.moe.index: row 6 of rank-0's moe stacks (6 rows)",
+    ),
+    "state past the pool": (
+        _set(["layers", 0, "state", "win"], ["win", 9]),
+        "layers[0].state.win: row 9 of pool 'win'",
+    ),
     "state in no pool": (_set(["layers", 0, "state", "win"], ["nowhere", 0]), "unknown pool 'nowhere'"),
     "topology": (_set(["topology", "world_size"], 2), "topology: world_size 2, groups 1, dispatch False do not follow"),
-    "ranks": (lambda data: data["weights"].update({"rank-1": data["weights"]["rank-0"]}),
-              "weights: expected weights for rank-0, got rank-0, rank-1"),
-    "duplicate executable": (lambda data: data["regions"].append(data["regions"][0]),
-                             "is listed twice"),
+    "ranks": (
+        lambda data: data["weights"].update({"rank-1": data["weights"]["rank-0"]}),
+        "weights: expected weights for rank-0, got rank-0, rank-1",
+    ),
+    "duplicate executable": (lambda data: data["regions"].append(data["regions"][0]), "is listed twice"),
     "artifact outside": (_set(["regions", 0, "artifact"], "../x.pt2"), "regions[0].artifact: path '../x.pt2' is not"),
 }
 
@@ -131,17 +142,19 @@ def test_not_a_bundle_and_corrupt_manifest(tmp_path, bundle_copy):
 
 # --- validate ---
 
+
 def test_intact_bundle_validates(exported_bundle):
     m = mf.read(exported_bundle)
     mf.check_files(exported_bundle, m)
     listed = set(m.files)
     on_disk = {p.relative_to(exported_bundle).as_posix() for p in exported_bundle.rglob("*") if p.is_file()}
-    assert on_disk - listed == {layout.MANIFEST_FILE}           # every other file has a digest
+    assert on_disk - listed == {layout.MANIFEST_FILE}  # every other file has a digest
     assert not [p for p in exported_bundle.rglob("*") if p.name.startswith(".")]
 
 
-@pytest.mark.parametrize("rel", ["weights/rank-0/moe.safetensors", "regions/moe.decode.b1t2.pt2",
-                                 "host/embed.safetensors"])
+@pytest.mark.parametrize(
+    "rel", ["weights/rank-0/moe.safetensors", "regions/moe.decode.b1t2.pt2", "host/embed.safetensors"]
+)
 def test_missing_file_is_detected(bundle_copy, rel):
     (bundle_copy / rel).unlink()
     message = bundle_error(mf.check_files, bundle_copy, mf.read(bundle_copy))
@@ -152,12 +165,12 @@ def test_missing_file_is_detected(bundle_copy, rel):
 def test_altered_file_is_detected(bundle_copy, rel):
     path = bundle_copy / rel
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01                                  # one bit, size unchanged
+    data[len(data) // 2] ^= 0x01  # one bit, size unchanged
     path.write_bytes(bytes(data))
     m = mf.read(bundle_copy)
     message = bundle_error(mf.check_files, bundle_copy, m)
     assert message.startswith(f"{bundle_copy}: {rel} does not match its digest")
-    mf.check_files(bundle_copy, m, digests=False)                    # presence alone still holds
+    mf.check_files(bundle_copy, m, digests=False)  # presence alone still holds
 
 
 def test_referenced_file_without_digest_is_detected(bundle_copy):
@@ -174,10 +187,13 @@ def test_path_outside_the_bundle_is_refused(bundle_copy, rel):
 
 # --- no partial bundle ---
 
+
 def write_toml(tmp_path, ckpt):
     path = tmp_path / "model.toml"
-    path.write_text(f'[model]\ncheckpoint = "{ckpt}"\n[target]\nexecutable = "exported"\n'
-                    "[buckets]\nmax_context = 32\n[kv]\nnum_blocks = 4\n")
+    path.write_text(
+        f'[model]\ncheckpoint = "{ckpt}"\n[target]\nexecutable = "exported"\n'
+        "[buckets]\nmax_context = 32\n[kv]\nnum_blocks = 4\n"
+    )
     return load_compile_config(path)
 
 
@@ -199,7 +215,7 @@ def test_failure_mid_compile_leaves_no_partial_bundle(tmp_path, tiny_ckpt, monke
     cfg, out = write_toml(tmp_path, tiny_ckpt), tmp_path / "bundle"
     with pytest.raises(error, match="injected failure"):
         pipeline.compile_bundle(cfg, out, log=lambda msg: None)
-    assert "weights/rank-0/moe.safetensors" in seen                 # the failure was mid-compile
+    assert "weights/rank-0/moe.safetensors" in seen  # the failure was mid-compile
     assert not out.exists()
     assert staging_dirs(tmp_path) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.toml"]
@@ -212,7 +228,7 @@ def test_failure_with_force_keeps_the_existing_bundle(tmp_path, tiny_ckpt, monke
     monkeypatch.setattr(pipeline, "trace", failing_trace)
     cfg, out = write_toml(tmp_path, tiny_ckpt), tmp_path / "bundle"
     out.mkdir()
-    (out / "manifest.json").write_text('{"format_version": 1}')      # what --force may replace: a bundle
+    (out / "manifest.json").write_text('{"format_version": 1}')  # what --force may replace: a bundle
     (out / "marker").write_text("the previous bundle")
     with pytest.raises(RuntimeError):
         pipeline.compile_bundle(cfg, out, force=True, log=lambda msg: None)
@@ -221,7 +237,7 @@ def test_failure_with_force_keeps_the_existing_bundle(tmp_path, tiny_ckpt, monke
 
 
 def test_existing_output_needs_force(tmp_path, tiny_ckpt, monkeypatch):
-    monkeypatch.setattr(pipeline, "PASSES", [])                   # nothing may run
+    monkeypatch.setattr(pipeline, "PASSES", [])  # nothing may run
     cfg, out = write_toml(tmp_path, tiny_ckpt), tmp_path / "bundle"
     out.mkdir()
     with pytest.raises(ConfigError, match="exists; pass --force"):

@@ -34,11 +34,17 @@ ROOT = Path(__file__).resolve().parents[2]
 RELEASE = ROOT / "examples" / "release" / "model.toml"
 GiB = 1 << 30
 # MODEL.md's layer kinds at the released schedule: attention kind per layer range, engram on 1 and 14
-RELEASE_KINDS = {"attn_window": [0, 1], "attn_source_r2": [2, 8, 14],
-                 "attn_reuse_r2": [3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 15, 16, 17, 18, 19],
-                 "attn_source_r1_cand": [20], "attn_reindex_r1_cand": [24, 28, 32, 36],
-                 "attn_reuse_r1": [21, 22, 23, 25, 26, 27, 29, 30, 31, 33, 34, 35, 37, 38, 39],
-                 "engram": [1, 14], "moe": list(range(40)), "head": [-1]}
+RELEASE_KINDS = {
+    "attn_window": [0, 1],
+    "attn_source_r2": [2, 8, 14],
+    "attn_reuse_r2": [3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 15, 16, 17, 18, 19],
+    "attn_source_r1_cand": [20],
+    "attn_reindex_r1_cand": [24, 28, 32, 36],
+    "attn_reuse_r1": [21, 22, 23, 25, 26, 27, 29, 30, 31, 33, 34, 35, 37, 38, 39],
+    "engram": [1, 14],
+    "moe": list(range(40)),
+    "head": [-1],
+}
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +80,13 @@ def test_release_weights_per_rank(release):
     d = release
     routed = 40 * 6 * (2 * (2304 * 2560 + 2304 * 160) + 5120 * 1152 + 5120 * 72)
     moe = d["kinds"]["moe"]["weights_per_rank"]
-    assert routed < moe < routed + 40 * (16 << 20)        # + a shared expert slice, the router, norms per layer
+    assert routed < moe < routed + 40 * (16 << 20)  # + a shared expert slice, the router, norms per layer
     tables = (384006168 + 384016682) * (256 + 8)
     assert d["kinds"]["engram"]["weights_per_rank"] < GiB
     # the token embedding: the example's [host] embedding = true keeps it a host file, no device weight
-    assert "embed" not in d["kinds"] and all(m["host_by_file"]["embed"] == 129280 * 5120 * 2
-                                             for m in d["memory"].values())
+    assert "embed" not in d["kinds"] and all(
+        m["host_by_file"]["embed"] == 129280 * 5120 * 2 for m in d["memory"].values()
+    )
     assert all(m["host_by_file"]["engram"] == tables for m in d["memory"].values())
     per_rank = d["weights"]["per_rank_device"]
     assert set(per_rank) == {f"rank-{r}" for r in range(64)} and len(set(per_rank.values())) == 1
@@ -131,14 +138,20 @@ def test_release_moe_scratch_traced_at_two_batches(release):
 def test_plan_cli_prints_the_full_plan():
     r = CliRunner().invoke(main, ["plan", str(RELEASE), "--no-scratch"])
     assert r.exit_code == 0, r.output
-    for line in ("layer plan: 40 layers -> 9 region kinds", "9 kinds x 1 method(s) (decode) x 4 buckets = 36; "
-                 "compile jobs: 36", "state pools (7):", "bundle on disk:", "scratch: not traced",
-                 "limit 24.00 GiB (trn2 HBM: 12 GiB per NeuronCore x LNC 2)"):
+    for line in (
+        "layer plan: 40 layers -> 9 region kinds",
+        "9 kinds x 1 method(s) (decode) x 4 buckets = 36; compile jobs: 36",
+        "state pools (7):",
+        "bundle on disk:",
+        "scratch: not traced",
+        "limit 24.00 GiB (trn2 HBM: 12 GiB per NeuronCore x LNC 2)",
+    ):
         assert line in r.output, line
     assert re.search(r"memory budget per rank:\n  ranks 0-63 \(64\): (fits|DOES NOT FIT)\n", r.output)
 
 
 # -- a headers-only checkpoint at release dimensions ------------------------------------------------
+
 
 def headers_only(out: Path, config: dict, *, change: dict | None = None) -> Path:
     """The checkpoint of `config` as safetensors files that end after their headers (no data at
@@ -158,8 +171,17 @@ def headers_only(out: Path, config: dict, *, change: dict | None = None) -> Path
 
 def synthetic_toml(tmp_path: Path, ckpt: Path) -> Path:
     """Six release-dimension layers with 8 experts, at EP = CP = 8 on trn2."""
-    return write_model_toml(tmp_path / "toml", ckpt, target="trn2", options="{ lnc = 2 }", batch=(1, 4),
-                            tokens=(1, 8), max_context=256, num_blocks=80, parallel=(1, 8, 8))
+    return write_model_toml(
+        tmp_path / "toml",
+        ckpt,
+        target="trn2",
+        options="{ lnc = 2 }",
+        batch=(1, 4),
+        tokens=(1, 8),
+        max_context=256,
+        num_blocks=80,
+        parallel=(1, 8, 8),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +191,7 @@ def synthetic(tmp_path_factory):
 
 def test_headers_only_plan_equals_the_config_only_plan(tmp_path, synthetic, monkeypatch):
     ckpt = headers_only(tmp_path / "ckpt", synthetic)
-    assert all(f.stat().st_size < 1 << 20 for f in ckpt.glob("*.safetensors"))      # headers, no data
+    assert all(f.stat().st_size < 1 << 20 for f in ckpt.glob("*.safetensors"))  # headers, no data
     only = tmp_path / "config-only"
     only.mkdir()
     shutil.copy(ckpt / "config.json", only / "config.json")
@@ -177,8 +199,11 @@ def test_headers_only_plan_equals_the_config_only_plan(tmp_path, synthetic, monk
     def no_data(*args, **kwargs):
         raise AssertionError("tensor data read")
 
-    for target in ("deepinfer.bundles.safetensors.map_bytes", "deepinfer.bundles.safetensors.load_mmap",
-                   "deepinfer.regions.checkpoint.safe_open"):
+    for target in (
+        "deepinfer.bundles.safetensors.map_bytes",
+        "deepinfer.bundles.safetensors.load_mmap",
+        "deepinfer.regions.checkpoint.safe_open",
+    ):
         monkeypatch.setattr(target, no_data)
     a = plan_bundle(load_compile_config(synthetic_toml(tmp_path / "a", ckpt)), scratch=False)
     b = plan_bundle(load_compile_config(synthetic_toml(tmp_path / "b", only)), scratch=False)
@@ -223,6 +248,7 @@ def test_unknown_kind_to_trace(tmp_path, tiny_ckpt):
 
 # -- against what a compile writes (slow: the multi-rank bundle) ------------------------------------
 
+
 def test_plan_predicts_the_compiled_bundle(rank_bundle):
     """EP = CP = 4 on the tiny model: the planned files are the files written, byte for byte in
     size; memory per rank and every graph's scratch are the manifest's, traced here or read from
@@ -231,20 +257,31 @@ def test_plan_predicts_the_compiled_bundle(rank_bundle):
     config = load_compile_config(bundle.parent / "model.toml")
     traced = plan_bundle(config).to_dict()
     recorded = plan_bundle(config, scratch=False, cache=Cache(Path(os.environ[CACHE_ENV]))).to_dict()
-    written = {p.relative_to(bundle).as_posix(): p.stat().st_size
-               for d in ("weights", "host") for p in (bundle / d).rglob("*") if p.is_file()}
+    written = {
+        p.relative_to(bundle).as_posix(): p.stat().st_size
+        for d in ("weights", "host")
+        for p in (bundle / d).rglob("*")
+        if p.is_file()
+    }
     assert traced["weights"]["files"] == recorded["weights"]["files"] == written
     manifest = json.loads((bundle / "manifest.json").read_text())
-    scratch = {layout.executable_name(e["kind"], e["method"], e["bucket"]["batch"], e["bucket"]["tokens"],
-                                      e["bucket"].get("context")): e["scratch_bytes"] for e in manifest["regions"]}
+    scratch = {
+        layout.executable_name(
+            e["kind"], e["method"], e["bucket"]["batch"], e["bucket"]["tokens"], e["bucket"].get("context")
+        ): e["scratch_bytes"]
+        for e in manifest["regions"]
+    }
     assert recorded["scratch"]["by_graph"] == scratch and sorted(recorded["scratch"]["from_cache"]) == sorted(scratch)
-    assert traced["scratch"]["from_cache"] == [] and len(traced["scratch"]["by_graph"]) == 8     # a graph per kind
+    assert traced["scratch"]["from_cache"] == [] and len(traced["scratch"]["by_graph"]) == 8  # a graph per kind
     assert traced["scratch"]["by_graph"] == {n: scratch[n] for n in traced["scratch"]["by_graph"]}
     for plan in (traced, recorded):
         for rank, m in manifest["memory"].items():
             p = plan["memory"][rank]
-            assert (p["weights_by_kind"], p["pools_by_name"], p["scratch"]) == \
-                (m["weights_by_kind"], m["pools_by_name"], m["scratch"]), rank
+            assert (p["weights_by_kind"], p["pools_by_name"], p["scratch"]) == (
+                m["weights_by_kind"],
+                m["pools_by_name"],
+                m["scratch"],
+            ), rank
         assert plan["compile_jobs"] == len(manifest["regions"])
 
 
@@ -257,10 +294,11 @@ def test_release_geometry_holds_every_region_kind_of_the_release():
     from deepinfer.regions.config import parse_config
     from deepinfer.regions.synthetic import release_config, release_geometry_config
 
-    small, full = (plan_regions(parse_config(c).text, torch.bfloat16, True)
-                   for c in (release_geometry_config(8), release_config()))
+    small, full = (
+        plan_regions(parse_config(c).text, torch.bfloat16, True) for c in (release_geometry_config(8), release_config())
+    )
     assert set(small.kinds) == set(full.kinds) and "attn_reuse_r1" in small.kinds
     for kind, kp in full.kinds.items():
-        if kind in ("moe", "engram"):              # fewer experts and engram rows by design
+        if kind in ("moe", "engram"):  # fewer experts and engram rows by design
             continue
         assert [s.shape for s in small.kinds[kind].region.specs] == [s.shape for s in kp.region.specs], kind

@@ -62,48 +62,101 @@ def config_error(path) -> str:
 def test_base_is_valid(tmp_path):
     path, _ = write(tmp_path, BASE)
     cfg = load_compile_config(path)
-    assert cfg.model.checkpoint == tmp_path / "checkpoint"          # relative to the file
+    assert cfg.model.checkpoint == tmp_path / "checkpoint"  # relative to the file
     assert cfg.buckets.shapes() == [(1, 1), (1, 4), (2, 1), (2, 4)]
-    assert issubclass(ConfigError, DeepinferError)                 # what the CLI turns into exit 2
+    assert issubclass(ConfigError, DeepinferError)  # what the CLI turns into exit 2
 
 
 # (test id, old text, new text, `section.key` named, fragments the message must hold)
 CASES = [
-    ("unknown_key", 'dtype = "fp32"', 'dtype = "fp32"\ncolour = "red"', "model.colour",
-     ["unknown key", "checkpoint, dtype, cache_quant, tiny"]),
-    ("unknown_key_nested", 'dtype = "fp32"', "tiny = { seed = 0, layer = 6 }", "model.tiny",
-     ["unknown key 'layer'", "seed, layers"]),
-    ("wrong_type_int", "max_context = 32", 'max_context = "32"', "buckets.max_context",
-     ["expected int", "'32'"]),
+    (
+        "unknown_key",
+        'dtype = "fp32"',
+        'dtype = "fp32"\ncolour = "red"',
+        "model.colour",
+        ["unknown key", "checkpoint, dtype, cache_quant, tiny"],
+    ),
+    (
+        "unknown_key_nested",
+        'dtype = "fp32"',
+        "tiny = { seed = 0, layer = 6 }",
+        "model.tiny",
+        ["unknown key 'layer'", "seed, layers"],
+    ),
+    ("wrong_type_int", "max_context = 32", 'max_context = "32"', "buckets.max_context", ["expected int", "'32'"]),
     ("wrong_type_list", "batch = [1, 2]", "batch = 2", "buckets.batch", ["expected a list of integers", "2"]),
     ("wrong_type_bool", "cache_quant = true", 'cache_quant = "yes"', "model.cache_quant", ["expected bool"]),
     ("dtype", 'dtype = "fp32"', 'dtype = "fp16"', "model.dtype", ["'fp16'", "fp32, bf16"]),
     ("tokens_without_1", "tokens = [1, 4]", "tokens = [2, 4]", "buckets.tokens", ["must include 1"]),
-    ("max_context_below_tokens", "max_context = 32", "max_context = 2", "buckets.max_context",
-     ["largest tokens bucket (4)"]),
-    ("context_type", "max_context = 32", "max_context = 32\ncontext = 16", "buckets.context",
-     ["expected a list of integers"]),
-    ("context_not_ascending", "max_context = 32", "max_context = 32\ncontext = [32, 16]", "buckets.context",
-     ["ascending", "got [32, 16]"]),
-    ("context_repeated", "max_context = 32", "max_context = 32\ncontext = [16, 16, 32]", "buckets.context",
-     ["ascending", "got [16, 16, 32]"]),
-    ("context_last_not_max", "max_context = 32", "max_context = 32\ncontext = [16]", "buckets.context",
-     ["the last equal to max_context (32)", "got [16]"]),
-    ("context_not_block_multiple", "max_context = 32", "max_context = 32\ncontext = [8, 32]", "buckets.context",
-     ["a multiple of [kv] block_size (16)", "got [8, 32]"]),
+    (
+        "max_context_below_tokens",
+        "max_context = 32",
+        "max_context = 2",
+        "buckets.max_context",
+        ["largest tokens bucket (4)"],
+    ),
+    (
+        "context_type",
+        "max_context = 32",
+        "max_context = 32\ncontext = 16",
+        "buckets.context",
+        ["expected a list of integers"],
+    ),
+    (
+        "context_not_ascending",
+        "max_context = 32",
+        "max_context = 32\ncontext = [32, 16]",
+        "buckets.context",
+        ["ascending", "got [32, 16]"],
+    ),
+    (
+        "context_repeated",
+        "max_context = 32",
+        "max_context = 32\ncontext = [16, 16, 32]",
+        "buckets.context",
+        ["ascending", "got [16, 16, 32]"],
+    ),
+    (
+        "context_last_not_max",
+        "max_context = 32",
+        "max_context = 32\ncontext = [16]",
+        "buckets.context",
+        ["the last equal to max_context (32)", "got [16]"],
+    ),
+    (
+        "context_not_block_multiple",
+        "max_context = 32",
+        "max_context = 32\ncontext = [8, 32]",
+        "buckets.context",
+        ["a multiple of [kv] block_size (16)", "got [8, 32]"],
+    ),
     ("context_empty", "max_context = 32", "max_context = 32\ncontext = []", "buckets.context", ["got []"]),
-    ("num_blocks_too_small", "num_blocks = 8", "num_blocks = 4", "kv.num_blocks",
-     ["4 blocks", "need at least 5"]),
+    ("num_blocks_too_small", "num_blocks = 8", "num_blocks = 4", "kv.num_blocks", ["4 blocks", "need at least 5"]),
     ("unknown_target", 'name = "cpu"', 'name = "trn3"', "target.name", ["'trn3'", "valid: cpu"]),
-    ("executable_not_built_by_target", 'executable = "exported"', 'executable = "neff"', "target.executable",
-     ["'neff'", "aoti, exported"]),
+    (
+        "executable_not_built_by_target",
+        'executable = "exported"',
+        'executable = "neff"',
+        "target.executable",
+        ["'neff'", "aoti, exported"],
+    ),
     ("parallel_tp", "tp = 1", "tp = 0", "parallel.tp", ["must be at least 1"]),
     ("parallel_ep", "ep = 1", "ep = -2", "parallel.ep", ["must be at least 1"]),
     ("parallel_cp", "cp = 1", "cp = true", "parallel.cp", ["expected int"]),
-    ("speculative_unknown_draft", "cp = 1", 'cp = 1\n\n[speculative]\ndraft = "eagle"', "speculative.draft",
-     ["'eagle'", "valid: dspark"]),
-    ("speculative_multi_rank", "ep = 1\ncp = 1", 'ep = 2\ncp = 1\n\n[speculative]\ndraft = "dspark"',
-     "speculative.draft", ["single-rank", "ep=2"]),
+    (
+        "speculative_unknown_draft",
+        "cp = 1",
+        'cp = 1\n\n[speculative]\ndraft = "eagle"',
+        "speculative.draft",
+        ["'eagle'", "valid: dspark"],
+    ),
+    (
+        "speculative_multi_rank",
+        "ep = 1\ncp = 1",
+        'ep = 2\ncp = 1\n\n[speculative]\ndraft = "dspark"',
+        "speculative.draft",
+        ["single-rank", "ep=2"],
+    ),
 ]
 
 
@@ -131,8 +184,12 @@ def test_unknown_section(tmp_path):
 
 
 def test_missing_model_section(tmp_path):
-    path, _ = write(tmp_path, BASE.split("[target]")[0].replace("[model]", "[cache]").replace(
-        'checkpoint = "checkpoint"\ndtype = "fp32"\ncache_quant = true', 'dir = "c"'))
+    path, _ = write(
+        tmp_path,
+        BASE.split("[target]")[0]
+        .replace("[model]", "[cache]")
+        .replace('checkpoint = "checkpoint"\ndtype = "fp32"\ncache_quant = true', 'dir = "c"'),
+    )
     assert config_error(path) == f"{path}: missing required section [model]"
 
 
@@ -158,7 +215,7 @@ def test_block_size_not_multiple_of_compress_ratios(tmp_path, tiny_ckpt, monkeyp
     monkeypatch.setattr(pipeline, "trace", traced)
     text = BASE.replace('"checkpoint"', f'"{tiny_ckpt}"')
     path, line = write(tmp_path, text, "block_size = 16", "block_size = 15")
-    cfg = load_compile_config(path)            # the ratios are the checkpoint's: known once it is read
+    cfg = load_compile_config(path)  # the ratios are the checkpoint's: known once it is read
     out = tmp_path / "bundle"
     with pytest.raises(ConfigError) as e:
         pipeline.compile_bundle(cfg, out, log=lambda msg: None)
@@ -170,14 +227,19 @@ def test_block_size_not_multiple_of_compress_ratios(tmp_path, tiny_ckpt, monkeyp
 
 # --- the CLI: one line, exit status 2, nothing written ---
 
+
 def run_cli(*args):
     return CliRunner().invoke(compile_cli, [str(a) for a in args])
 
 
-@pytest.mark.parametrize("old, new, name", [
-    ("num_blocks = 8", "num_blocks = 4", "kv.num_blocks"),
-    ('dtype = "fp32"', 'dtpe = "fp32"', "model.dtpe"),
-], ids=["impossible_value", "unknown_key"])
+@pytest.mark.parametrize(
+    "old, new, name",
+    [
+        ("num_blocks = 8", "num_blocks = 4", "kv.num_blocks"),
+        ('dtype = "fp32"', 'dtpe = "fp32"', "model.dtpe"),
+    ],
+    ids=["impossible_value", "unknown_key"],
+)
 def test_cli_prints_config_error_on_one_line(tmp_path, old, new, name):
     path, line = write(tmp_path, BASE, old, new)
     out = tmp_path / "bundle"
@@ -207,7 +269,7 @@ def test_draft_of_a_checkpoint_without_one_is_refused(tmp_path):
     out = tmp_path / "bundle"
     result = run_cli(path, "-o", out)
     assert result.exit_code == 2, result.output
-    errors = [s for s in result.stderr.splitlines() if s.startswith("error:")]     # after the resolved settings
+    errors = [s for s in result.stderr.splitlines() if s.startswith("error:")]  # after the resolved settings
     assert len(errors) == 1 and errors[0].startswith(f"error: {path}:{line}: speculative.draft: "), errors
     assert "no DSpark draft" in errors[0] and "num_nextn_predict_layers is 0" in errors[0]
     assert "Traceback" not in result.output

@@ -22,13 +22,13 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 
 def geometry(m: dict) -> Geometry:
     kv = m["kv"]
-    return Geometry(slots=kv["slots"], blocks=kv["num_blocks"], block_size=kv["block_size"],
-                    max_blocks=kv["max_blocks"])
+    return Geometry(
+        slots=kv["slots"], blocks=kv["num_blocks"], block_size=kv["block_size"], max_blocks=kv["max_blocks"]
+    )
 
 
 def entry(m: dict, kind: str, batch: int, tokens: int) -> dict:
-    [e] = [e for e in m["regions"]
-           if e["kind"] == kind and e["bucket"] == {"batch": batch, "tokens": tokens}]
+    [e] = [e for e in m["regions"] if e["kind"] == kind and e["bucket"] == {"batch": batch, "tokens": tokens}]
     return e
 
 
@@ -119,14 +119,15 @@ def ep_moe(ref_fp32, tmp_path_factory):
     c = full.c
     region = MoE(c, dtype=torch.float32, topo=topo)
     for spec in region.specs:
-        getattr(region, spec.name).copy_(shard("moe", spec.name, getattr(full, spec.name), c, topo, 0,
-                                               spec.buffer_shape))
+        getattr(region, spec.name).copy_(
+            shard("moe", spec.name, getattr(full, spec.name), c, topo, 0, spec.buffer_shape)
+        )
     g = Geometry(slots=2, blocks=2, block_size=16, max_blocks=1)
     ep, sig, _ = trace(region, 1, 1, g)
     target = CpuTarget("aoti")
     path = tmp_path_factory.mktemp("ep_moe") / "moe.pt2"
     lowered = target.lower(ep)
-    concrete_inputs(lowered)            # traced programs keep meta example inputs only
+    concrete_inputs(lowered)  # traced programs keep meta example inputs only
     torch._inductor.aoti_compile_and_package(lowered, package_path=str(path))
     runner = torch._inductor.aoti_load_package(str(path))
     inputs = example_inputs(sig.inputs, g, seed=1)
@@ -134,6 +135,7 @@ def ep_moe(ref_fp32, tmp_path_factory):
 
     def run(rank: int):
         return tuple(runner(torch.tensor(rank, dtype=torch.int64), *weights, *[t.clone() for t in inputs]))
+
     return region, inputs, run
 
 
@@ -152,7 +154,7 @@ def test_rank_is_an_input_not_baked(ep_moe):
 
 def test_weights_are_inputs_not_baked(moe, ref_fp32):
     """The same package with layer 0's and layer 3's weights matches each layer's eager region."""
-    inputs = moe.inputs(ref_fp32.layers[0]["moe"])                 # the same activations for both
+    inputs = moe.inputs(ref_fp32.layers[0]["moe"])  # the same activations for both
     outs = {}
     for layer in (0, 3):
         outs[layer] = moe(layer, 0, inputs)
@@ -168,8 +170,10 @@ CONTEXT_KINDS = {"attn_source_r2", "attn_reuse_r2", "attn_source_r1_cand", "attn
 
 
 def executable_keys(m: dict) -> list[tuple]:
-    return [(e["kind"], e["method"], e["bucket"]["batch"], e["bucket"]["tokens"], e["bucket"].get("context"))
-            for e in m["regions"]]
+    return [
+        (e["kind"], e["method"], e["bucket"]["batch"], e["bucket"]["tokens"], e["bucket"].get("context"))
+        for e in m["regions"]
+    ]
 
 
 @pytest.mark.parametrize("name", ["exported_bundle", "exported_bundle_12"])
@@ -180,8 +184,15 @@ def test_one_executable_per_kind_and_bucket(request, name):
     shapes = [(s["batch"], s["tokens"]) for s in m["buckets"]["shapes"]]
     keys = executable_keys(m)
     contexts = m["buckets"]["contexts"]
-    assert sorted(keys, key=str) == sorted(((k, "decode", b, t, c) for k in kinds for b, t in shapes
-                                            for c in (contexts if k in CONTEXT_KINDS else [None])), key=str)
+    assert sorted(keys, key=str) == sorted(
+        (
+            (k, "decode", b, t, c)
+            for k in kinds
+            for b, t in shapes
+            for c in (contexts if k in CONTEXT_KINDS else [None])
+        ),
+        key=str,
+    )
     artifacts = sorted(e["artifact"] for e in m["regions"])
     assert artifacts == sorted(p.relative_to(bundle).as_posix() for p in (bundle / "regions").iterdir())
     for e in m["regions"]:

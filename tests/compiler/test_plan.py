@@ -74,8 +74,9 @@ def test_executables_are_kinds_times_buckets(tiny_ckpt, contexts):
     assert {(k, m) for k, m, *_ in exes} == {(k, METHOD) for k in TINY_KINDS}
     assert {k for k, _, _, _, c in exes if c is not None} == CONTEXT_KINDS
     for kind in CONTEXT_KINDS:
-        assert sorted((b, t, c) for k, _, b, t, c in exes if k == kind) == \
-            sorted((b, t, c) for b, t in shapes for c in contexts)
+        assert sorted((b, t, c) for k, _, b, t, c in exes if k == kind) == sorted(
+            (b, t, c) for b, t in shapes for c in contexts
+        )
     assert all(c is None for k, _, _, _, c in exes if k not in CONTEXT_KINDS)
 
 
@@ -84,8 +85,9 @@ def test_longer_tiny_models_keep_their_bindings_consistent(tmp_path, layers):
     plan = plan_of(make_tiny(tmp_path / f"tiny{layers}", layers=layers))
     check_bindings_consistent(plan)
     assert plan.kinds["moe"].layers == list(range(layers))
-    assert sorted(layer for kp in plan.kinds.values() if kp.slot == "attn" for layer in kp.layers) == \
-        list(range(layers))
+    assert sorted(layer for kp in plan.kinds.values() if kp.slot == "attn" for layer in kp.layers) == list(
+        range(layers)
+    )
 
 
 @pytest.mark.parametrize("layers", [12, 24])
@@ -94,8 +96,10 @@ def test_longer_tiny_models_have_the_same_kinds(tmp_path, layers):
     assert {k: kp.slot for k, kp in plan.kinds.items()} == {k: slot for k, (slot, _) in TINY_KINDS.items()}
 
 
-@pytest.mark.parametrize("target, host, device", [("cpu", None, False), ("trn2", None, True),
-                                                  ("trn2", "true", False), ("cpu", "false", True)])
+@pytest.mark.parametrize(
+    "target, host, device",
+    [("cpu", None, False), ("trn2", None, True), ("trn2", "true", False), ("cpu", "false", True)],
+)
 def test_where_the_embedding_runs(tiny_ckpt, tmp_path, target, host, device):
     """The target decides (cpu: the host lookup; trn2: the `embed` region, first, its table a weight
     stack every rank holds whole), and model.toml's [host] embedding overrides it; the host file of
@@ -108,17 +112,21 @@ def test_where_the_embedding_runs(tiny_ckpt, tmp_path, target, host, device):
     from ..conftest import write_model_toml
 
     extra = "" if host is None else f"\n[host]\nembedding = {host}\n"
-    spec = pipeline.parse(load_compile_config(write_model_toml(tmp_path, tiny_ckpt, target=target, extra=extra)),
-                          False, lambda msg: None)
+    spec = pipeline.parse(
+        load_compile_config(write_model_toml(tmp_path, tiny_ckpt, target=target, extra=extra)), False, lambda msg: None
+    )
     plan = pipeline.plan(spec, lambda msg: None)
     assert spec.device_embedding == device
-    assert ("embed" in plan.kinds) == device and ("embed" in host_entries(spec.model, device_embedding=device)) != device
+    assert ("embed" in plan.kinds) == device and (
+        "embed" in host_entries(spec.model, device_embedding=device)
+    ) != device
     if device:
         kp = plan.kinds["embed"]
         assert list(plan.kinds)[0] == "embed" and (kp.slot, kp.layers) == ("embed", [-1])
         c = spec.model.text
-        assert [(s.name, s.key, s.shape, s.ckpt_dtype) for s in kp.region.specs] == \
-            [("embed", "embed.weight", (c.vocab_size, c.hidden_size), "BF16")]
+        assert [(s.name, s.key, s.shape, s.ckpt_dtype) for s in kp.region.specs] == [
+            ("embed", "embed.weight", (c.vocab_size, c.hidden_size), "BF16")
+        ]
         assert replicated("embed", "embed", c, spec.topology)
 
 

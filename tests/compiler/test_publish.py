@@ -17,8 +17,10 @@ from deepinfer.errors import ConfigError
 @pytest.fixture
 def cfg(tmp_path, tiny_ckpt):
     path = tmp_path / "model.toml"
-    path.write_text(f'[model]\ncheckpoint = "{tiny_ckpt}"\n[target]\nexecutable = "exported"\n'
-                    "[buckets]\nmax_context = 32\n[kv]\nnum_blocks = 4\n")
+    path.write_text(
+        f'[model]\ncheckpoint = "{tiny_ckpt}"\n[target]\nexecutable = "exported"\n'
+        "[buckets]\nmax_context = 32\n[kv]\nnum_blocks = 4\n"
+    )
     return load_compile_config(path)
 
 
@@ -57,7 +59,7 @@ def test_force_replaces_a_bundle_or_an_empty_directory(tmp_path, cfg, no_passes)
     (old / "manifest.json").write_text('{"format_version": 1, "files": {}}')
     for out in (empty, old):
         compile_into(cfg, out)
-        assert out.is_dir() and list(out.iterdir()) == []          # the (empty) new bundle
+        assert out.is_dir() and list(out.iterdir()) == []  # the (empty) new bundle
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "model.toml", "old"]
 
 
@@ -80,9 +82,11 @@ def test_next_compile_removes_what_a_killed_compile_left(tmp_path, cfg, no_passe
     out, host = tmp_path / "bundle", publish._host()
     dead = _dead_pid()
     stale = [tmp_path / f".bundle.tmp-{host}-{dead}-abc", tmp_path / f".bundle.old-{host}-{dead}-def"]
-    kept = [tmp_path / f".bundle.tmp-{host}-{os.getpid()}-ghi",        # a live process's
-            tmp_path / f".bundle.tmp-otherhost-{dead}-jkl",            # another host's
-            tmp_path / f".other.tmp-{host}-{dead}-mno"]                # another output's
+    kept = [
+        tmp_path / f".bundle.tmp-{host}-{os.getpid()}-ghi",  # a live process's
+        tmp_path / f".bundle.tmp-otherhost-{dead}-jkl",  # another host's
+        tmp_path / f".other.tmp-{host}-{dead}-mno",
+    ]  # another output's
     for d in stale + kept:
         (d / "weights").mkdir(parents=True)
     compile_into(cfg, out, force=False)

@@ -40,11 +40,11 @@ from ..conftest import _compile_tiny
 
 PROMPTS = [[0, 72, 101, 108, 108, 111, 44, 32, 119], [0, 5, 9, 11, 13, 40]]
 NEW = 4
-SUBNORMAL_STEP = 2.0 ** -9          # e4m3's subnormal spacing (in units of the block scale)
+SUBNORMAL_STEP = 2.0**-9  # e4m3's subnormal spacing (in units of the block scale)
 
 
 def expand(scales: np.ndarray, block: tuple[int, int], shape: tuple[int, int]) -> np.ndarray:
-    return np.repeat(np.repeat(scales, block[0], 0), block[1], 1)[:shape[0], :shape[1]]
+    return np.repeat(np.repeat(scales, block[0], 0), block[1], 1)[: shape[0], : shape[1]]
 
 
 def check_e4m3(codes: np.ndarray, scales: np.ndarray, new: np.ndarray, new_s: np.ndarray, block) -> int:
@@ -57,13 +57,20 @@ def check_e4m3(codes: np.ndarray, scales: np.ndarray, new: np.ndarray, new_s: np
     got = E4M3_LUT[new] * expand(UE8M0_LUT[new_s], block, codes.shape)
     halved = expand(raised, block, codes.shape) == 1
     # a block is halved exactly when it holds a magnitude the e4m3 format cannot (> 240)
-    over = expand(np.maximum.reduceat(np.maximum.reduceat(np.abs(E4M3FN_LUT[codes]) > 240, np.arange(
-        0, codes.shape[0], block[0]), 0), np.arange(0, codes.shape[1], block[1]), 1), block, codes.shape)
+    over = expand(
+        np.maximum.reduceat(
+            np.maximum.reduceat(np.abs(E4M3FN_LUT[codes]) > 240, np.arange(0, codes.shape[0], block[0]), 0),
+            np.arange(0, codes.shape[1], block[1]),
+            1,
+        ),
+        block,
+        codes.shape,
+    )
     assert np.array_equal(halved, over)
-    exact = ~halved | (np.abs(E4M3FN_LUT[codes]) >= 2.0 ** -5)        # halved into the normal range
+    exact = ~halved | (np.abs(E4M3FN_LUT[codes]) >= 2.0**-5)  # halved into the normal range
     assert np.array_equal(got[exact], old[exact])
     step = SUBNORMAL_STEP * expand(UE8M0_LUT[new_s], block, codes.shape)
-    assert (np.abs(got - old)[~exact] <= step[~exact] / 2).all()     # round to nearest subnormal
+    assert (np.abs(got - old)[~exact] <= step[~exact] / 2).all()  # round to nearest subnormal
     return int((got != old).sum())
 
 
@@ -88,13 +95,14 @@ def test_e4m3_recipe_on_release_shaped_weights():
         pairs = fp8_pairs(region)
         converted = {x.name for pair in pairs for x in pair}
         for s in region.specs:
-            if s.name not in converted:                                           # fp4, bf16, f32: as stored
+            if s.name not in converted:  # fp4, bf16, f32: as stored
                 assert torch.equal(stored[s.name], weights[s.name]), s.name
         for s, scale in pairs:
             codes = weights[s.name].numpy()
             block = (1, 32) if scale.shape[0] == s.shape[0] else (32, 32)
-            rounded += check_e4m3(codes, weights[scale.name].numpy(), stored[s.name].numpy(),
-                                  stored[scale.name].numpy(), block)
+            rounded += check_e4m3(
+                codes, weights[scale.name].numpy(), stored[s.name].numpy(), stored[scale.name].numpy(), block
+            )
             total += codes.size
     # uniform random codes: ~6 % have exponent field 0 or 1 and odd mantissa, where halving rounds
     assert total == 3 * 2304 * 5120 and rounded > 0
@@ -102,11 +110,21 @@ def test_e4m3_recipe_on_release_shaped_weights():
 
 # --- bundles ----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def e4m3_bundle(tmp_path_factory, tiny_ckpt):
     """The tiny model with the e4m3 recipe on the cpu target (exported programs, no cache quantization)."""
-    return _compile_tiny(tmp_path_factory, "recipe-e4m3", tiny_ckpt, executable="exported", tokens=[1],
-                         max_context=48, num_blocks=8, cache_quant=False, extra='\n[quant]\nrecipe = "e4m3"\n')
+    return _compile_tiny(
+        tmp_path_factory,
+        "recipe-e4m3",
+        tiny_ckpt,
+        executable="exported",
+        tokens=[1],
+        max_context=48,
+        num_blocks=8,
+        cache_quant=False,
+        extra='\n[quant]\nrecipe = "e4m3"\n',
+    )
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +135,17 @@ def v3_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def v3_bundle(tmp_path_factory, v3_ckpt):
     """The float32-scaled tiny checkpoint compiled at tp = 2: its fp8 weights cut by rows and columns."""
-    return _compile_tiny(tmp_path_factory, "recipe-v3", v3_ckpt, executable="exported", tokens=[1],
-                         max_context=48, num_blocks=8, cache_quant=False, parallel=(2, 1, 1))
+    return _compile_tiny(
+        tmp_path_factory,
+        "recipe-v3",
+        v3_ckpt,
+        executable="exported",
+        tokens=[1],
+        max_context=48,
+        num_blocks=8,
+        cache_quant=False,
+        parallel=(2, 1, 1),
+    )
 
 
 def stacks(bundle, rank: int = 0) -> dict[str, dict]:
@@ -131,16 +158,22 @@ def stacks(bundle, rank: int = 0) -> dict[str, dict]:
         for name, t in w["tensors"].items():
             with safe_open(str(bundle / files[t["file"]]), framework="pt") as f:
                 arrays[name] = f.get_tensor(name)
-        out[w["kind"]] = {"layers": w["layers"], "tensors": arrays,
-                          "formats": {n: t["format"] for n, t in w["tensors"].items()}}
+        out[w["kind"]] = {
+            "layers": w["layers"],
+            "tensors": arrays,
+            "formats": {n: t["format"] for n, t in w["tensors"].items()},
+        }
     return out
 
 
 def fp8_pairs(region):
     """(codes spec, scale spec) of a region's fp8 weights."""
     by_key = {s.key: s for s in region.specs}
-    return [(s, by_key[s.key.removesuffix("weight") + "scale"]) for s in region.specs
-            if s.ckpt_dtype == "F8_E4M3" and not s.experts]
+    return [
+        (s, by_key[s.key.removesuffix("weight") + "scale"])
+        for s in region.specs
+        if s.ckpt_dtype == "F8_E4M3" and not s.experts
+    ]
 
 
 def test_e4m3_bundle_holds_the_recipe_bytes(e4m3_bundle, tiny_ckpt):
@@ -162,6 +195,7 @@ def test_e4m3_bundle_holds_the_recipe_bytes(e4m3_bundle, tiny_ckpt):
 
 def with_recipe(model: ReferenceModel, fmt: str) -> ReferenceModel:
     """The reference holding its weights as recipe `fmt` stores them (converted in memory)."""
+
     def convert(region):
         out = region.with_weights(in_format(region.specs, dict(region.named_buffers()), fmt))
         out.fp8_format = fmt
@@ -169,10 +203,13 @@ def with_recipe(model: ReferenceModel, fmt: str) -> ReferenceModel:
 
     model.layers = [{slot: convert(r) for slot, r in regions.items()} for regions in model.layers]
     model.head = convert(model.head)
-    if model.engram is not None:            # the host tables: one ue8m0 scale per row and 32 columns
-        model.engram = EngramRows([tuple(torch.from_numpy(x) for x in convert_format(codes.numpy(), scales.numpy(),
-                                                                                     (1, 32), fmt))
-                                   for codes, scales in model.engram.tables])
+    if model.engram is not None:  # the host tables: one ue8m0 scale per row and 32 columns
+        model.engram = EngramRows(
+            [
+                tuple(torch.from_numpy(x) for x in convert_format(codes.numpy(), scales.numpy(), (1, 32), fmt))
+                for codes, scales in model.engram.tables
+            ]
+        )
     return model
 
 
@@ -207,7 +244,7 @@ def test_float_scales_are_rescaled_to_ue8m0(v3_bundle, v3_ckpt):
             region = full.kinds[kind].region
             for codes_spec, scale_spec in fp8_pairs(region):
                 if "engram.embed" in codes_spec.key:
-                    continue                                     # engram tables keep ue8m0 row scales
+                    continue  # engram tables keep ue8m0 row scales
                 for i, layer in enumerate(got["layers"]):
                     name = ("" if layer < 0 else f"layers.{layer}.") + codes_spec.key
                     codes = ckpt.get(name).view(torch.uint8).numpy()
@@ -217,8 +254,10 @@ def test_float_scales_are_rescaled_to_ue8m0(v3_bundle, v3_ckpt):
                     rows, cols = _cut(value.shape, new.shape, rank)
                     decoded = E4M3FN_LUT[new] * expand(UE8M0_LUT[new_s], (32, 32), new.shape)
                     v = value[rows, cols]
-                    half_step = np.maximum(2.0 ** (np.floor(np.log2(np.maximum(np.abs(v), 1e-30))) - 4),
-                                           SUBNORMAL_STEP / 2 * expand(UE8M0_LUT[new_s], (32, 32), new.shape))
+                    half_step = np.maximum(
+                        2.0 ** (np.floor(np.log2(np.maximum(np.abs(v), 1e-30))) - 4),
+                        SUBNORMAL_STEP / 2 * expand(UE8M0_LUT[new_s], (32, 32), new.shape),
+                    )
                     assert (np.abs(decoded - v) <= half_step).all(), (rank, kind, name)
                     mem_codes, mem_s = (t.numpy() for t in ckpt.rescaled(name))
                     assert np.array_equal(new, mem_codes[rows, cols]), (rank, kind, name)

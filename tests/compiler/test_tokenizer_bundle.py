@@ -97,11 +97,14 @@ def test_damaged_tokenizer_fails_the_compile_in_one_line(ckpt, tmp_path):
 
 # --- the compiled bundle (slow) ---------------------------------------------------------------------
 
+
 def test_bundle_records_its_tokenizer(exported_bundle_12, exported_bundle):
     m = mf.read(exported_bundle_12)
     assert m.model.tokenizer == "tokenizers"
     for name in ("tokenizer.json", "tokenizer_config.json", "engram_token_map"):
-        assert m.files[m.host[name].path] == m.host[name].digest == mf.sha256_file(exported_bundle_12 / m.host[name].path)
+        assert (
+            m.files[m.host[name].path] == m.host[name].digest == mf.sha256_file(exported_bundle_12 / m.host[name].path)
+        )
     stored = load_mmap(exported_bundle_12 / m.host["engram_token_map"].path)["token_map"]
     assert stored.tolist() == GOLDEN["map"]
     byte = mf.read(exported_bundle)
@@ -122,7 +125,7 @@ def test_missing_or_altered_tokenizer_is_refused(bundle12_copy):
     path.write_text(text.replace('"<|user|>"', '"<|usr|>"'))
     with pytest.raises(BundleError, match=r"tokenizer/tokenizer.json does not match its digest"):
         open_bundle(bundle12_copy)
-    path.write_text(text[:100])                              # without the digest check: one line from the reader
+    path.write_text(text[:100])  # without the digest check: one line from the reader
     with pytest.raises(ConfigError, match=r"tokenizer/tokenizer.json: not a readable tokenizer.json"):
         for_bundle(open_bundle(bundle12_copy, verify=False))
     path.unlink()
@@ -149,20 +152,32 @@ def test_run_chat_through_the_bundle_matches_the_reference(exported_bundle_12, t
     from deepinfer.runtime.cli import main
 
     dump = tmp_path / "run.safetensors"
-    result = CliRunner().invoke(main, [str(exported_bundle_12), "--chat", "--prompt", "Hé", "--max-new-tokens", "3",
-                                       "--json", "--dump-logits", str(dump)])
+    result = CliRunner().invoke(
+        main,
+        [
+            str(exported_bundle_12),
+            "--chat",
+            "--prompt",
+            "Hé",
+            "--max-new-tokens",
+            "3",
+            "--json",
+            "--dump-logits",
+            str(dump),
+        ],
+    )
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)["outputs"][0]
-    assert out["prompt_ids"] == [0, 260, ord("H") + 3, 262 + 7, 261]         # <s><|user|>H é<|assistant|>
+    assert out["prompt_ids"] == [0, 260, ord("H") + 3, 262 + 7, 261]  # <s><|user|>H é<|assistant|>
     run = load_mmap(dump)
     ref = ReferenceModel(tiny12_ckpt, dtype="fp32", cache_quant=True, ties="lowest")
-    tokens = run["tokens"].tolist()[:-1]                                    # teacher-forced, fed as the bundle was
+    tokens = run["tokens"].tolist()[:-1]  # teacher-forced, fed as the bundle was
     logits = torch.stack(ref.generate([tokens], 1, chunk=1)[0].logits)
     assert logits.shape == run["logits"].shape
     scale = logits.abs().max()
     close = float((run["logits"] - logits).abs().max() / scale)
     assert close < 1e-4
-    ref.hasher = EngramHasher(ref.config.text, np.arange(288))             # raw ids: the identity map
+    ref.hasher = EngramHasher(ref.config.text, np.arange(288))  # raw ids: the identity map
     raw = torch.stack(ref.generate([tokens], 1, chunk=1)[0].logits)
     assert float((raw - logits).abs().max() / scale) > 100 * max(close, 1e-6)
 
@@ -174,4 +189,5 @@ def test_chat_without_template_is_one_line(exported_bundle):
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
         "error: the byte tokenizer has no chat template (--chat needs a tokenizer_config.json or "
-        "chat_template.jinja that ships one)"]
+        "chat_template.jinja that ships one)"
+    ]

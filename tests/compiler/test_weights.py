@@ -33,8 +33,13 @@ QUIET = lambda msg: None  # noqa: E731
 
 
 def planned(tmp_path, ckpt, parallel=(1, 1, 1), extra=""):
-    spec = pipeline.parse(load_compile_config(write_model_toml(tmp_path / "toml", ckpt, executable="exported",
-                                                               parallel=parallel, extra=extra)), False, QUIET)
+    spec = pipeline.parse(
+        load_compile_config(
+            write_model_toml(tmp_path / "toml", ckpt, executable="exported", parallel=parallel, extra=extra)
+        ),
+        False,
+        QUIET,
+    )
     return spec, pipeline.plan(spec, QUIET)
 
 
@@ -68,7 +73,7 @@ def test_one_rank_files_are_save_file_bytes(tiny_ckpt, tmp_path):
     ckpt = Checkpoint(tiny_ckpt)
     files, entries = stack_files(spec, plan, ckpt, tmp_path / "b")
     files += host_files(spec.model, ckpt, tmp_path / "b", spec.recipe, device_embedding=spec.device_embedding)
-    report = stream(files, workers=2, chunk_bytes=4096)                 # many chunks per tensor
+    report = stream(files, workers=2, chunk_bytes=4096)  # many chunks per tensor
     [stacks] = entries.values()
     for w in stacks:
         assert w.shared is None and w.path == layout.weights_path(0, w.kind)
@@ -78,11 +83,14 @@ def test_one_rank_files_are_save_file_bytes(tiny_ckpt, tmp_path):
     assert (tmp_path / "b" / "host/embed.safetensors").read_bytes() == save({"embed": embed.contiguous()})
     # the engram tables: host-resident, no rank's stack holds them; the checkpoint's bytes as uint8
     assert not [n for w in stacks for n in w.tensors if "table" in n]
-    tables = {n: ckpt.get(n).view(torch.uint8) for codes, scales, _ in spec.model.text.engram_tables()
-              for n in (codes, scales)}
+    tables = {
+        n: ckpt.get(n).view(torch.uint8)
+        for codes, scales, _ in spec.model.text.engram_tables()
+        for n in (codes, scales)
+    }
     assert (tmp_path / "b" / "host/engram.safetensors").read_bytes() == save(tables)
     sources = {p.src.name: p.src.nbytes for f in files for t in f.tensors for p in t.pieces}
-    assert report["bytes_read"] == sum(sources.values())                # every source byte once
+    assert report["bytes_read"] == sum(sources.values())  # every source byte once
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +101,20 @@ def float_scaled_ckpt(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("v3") / "tiny", scales="fp32")
 
 
-@pytest.mark.parametrize("parallel, recipe, scales", [
-    ((1, 2, 1), "release", "ue8m0"), ((2, 1, 1), "release", "ue8m0"),
-    ((2, 1, 1), "e4m3", "ue8m0"), ((2, 1, 1), "release", "fp32"), ((1, 2, 1), "e4m3", "fp32")],
-    ids=["ep=2", "tp=2", "tp=2-e4m3", "tp=2-fp32-scales", "ep=2-e4m3-fp32-scales"])
-def test_ranks_read_once_hold_their_cut_and_share_the_rest(tiny_ckpt, float_scaled_ckpt, tmp_path, parallel,
-                                                           recipe, scales):
+@pytest.mark.parametrize(
+    "parallel, recipe, scales",
+    [
+        ((1, 2, 1), "release", "ue8m0"),
+        ((2, 1, 1), "release", "ue8m0"),
+        ((2, 1, 1), "e4m3", "ue8m0"),
+        ((2, 1, 1), "release", "fp32"),
+        ((1, 2, 1), "e4m3", "fp32"),
+    ],
+    ids=["ep=2", "tp=2", "tp=2-e4m3", "tp=2-fp32-scales", "ep=2-e4m3-fp32-scales"],
+)
+def test_ranks_read_once_hold_their_cut_and_share_the_rest(
+    tiny_ckpt, float_scaled_ckpt, tmp_path, parallel, recipe, scales
+):
     """Small chunks (many per tensor; converted ones whole scale blocks each) against stacks built
     whole; a converting recipe reads every byte once too."""
     source = float_scaled_ckpt if scales == "fp32" else tiny_ckpt
@@ -107,7 +123,7 @@ def test_ranks_read_once_hold_their_cut_and_share_the_rest(tiny_ckpt, float_scal
     files, entries = stack_files(spec, plan, ckpt, tmp_path / "b")
     report = stream(files, workers=1, chunk_bytes=1 << 12)
     sources = {(p.src.path, p.src.name): p.src.nbytes for f in files for t in f.tensors for p in t.pieces}
-    assert report["bytes_read"] == sum(sources.values())            # each source byte once, for every rank
+    assert report["bytes_read"] == sum(sources.values())  # each source byte once, for every rank
     shared = {f.path for f in files if "/weights/shared/" in f.path}
     assert shared, "replicated stacks go to shared files"
     for rank in range(spec.topology.world):
@@ -118,21 +134,28 @@ def test_ranks_read_once_hold_their_cut_and_share_the_rest(tiny_ckpt, float_scal
             assert own.keys() | common.keys() == want.keys() and not own.keys() & common.keys(), w.kind
             for name in want:
                 got = common[name] if w.tensors[name].file == "shared" else own[name]
-                assert torch.equal(got.view(torch.uint8), want[name].contiguous().view(torch.uint8)), \
-                    (rank, w.kind, name)
+                assert torch.equal(got.view(torch.uint8), want[name].contiguous().view(torch.uint8)), (
+                    rank,
+                    w.kind,
+                    name,
+                )
             if w.shared:
                 assert str(tmp_path / "b" / w.shared) in shared
     # the host engram tables: once for every rank, fp8 codes in the recipe's format (each row its own
     # scale block), against quant/rescale's whole-array conversion
-    stream(host_files(spec.model, ckpt, tmp_path / "b", spec.recipe, device_embedding=spec.device_embedding),
-           workers=1, chunk_bytes=1 << 12)
+    stream(
+        host_files(spec.model, ckpt, tmp_path / "b", spec.recipe, device_embedding=spec.device_embedding),
+        workers=1,
+        chunk_bytes=1 << 12,
+    )
     host = _read(tmp_path / "b" / "host/engram.safetensors")
     for codes_name, scales_name, _ in spec.model.text.engram_tables():
         codes, scales = (ckpt.get(n).view(torch.uint8).numpy() for n in (codes_name, scales_name))
         if recipe == "e4m3":
             codes, scales = convert_format(codes, scales, (1, 32), FP8_E4M3)
-        assert torch.equal(host[codes_name], torch.from_numpy(codes)) and \
-            torch.equal(host[scales_name], torch.from_numpy(scales)), (recipe, codes_name)
+        assert torch.equal(host[codes_name], torch.from_numpy(codes)) and torch.equal(
+            host[scales_name], torch.from_numpy(scales)
+        ), (recipe, codes_name)
     ep, tp = parallel[1], parallel[0]
     moe = [w for w in entries["rank-0"] if w.kind == "moe"][0]
     assert (moe.tensors["w1"].file == "rank") == (ep > 1) and moe.tensors["gate"].file == "shared"
@@ -272,11 +295,12 @@ def test_compile_killed_mid_weight_pass_leaves_nothing_a_later_compile_accepts(t
 
     toml = write_model_toml(tmp_path / "m", tiny_ckpt, executable="exported")
     out, cache_dir = tmp_path / "bundle", tmp_path / "cache"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_COMPILE, str(toml), str(out), str(cache_dir)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_COMPILE, str(toml), str(out), str(cache_dir)], stdout=subprocess.PIPE, text=True
+    )
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 300)
-        line = proc.stdout.readline() if ready else "(no line in 300 s)"   # once, mid-stream (or EOF)
+        line = proc.stdout.readline() if ready else "(no line in 300 s)"  # once, mid-stream (or EOF)
         assert line.strip() == "MID-STREAM", line
     finally:
         os.kill(proc.pid, signal.SIGKILL)
@@ -288,7 +312,7 @@ def test_compile_killed_mid_weight_pass_leaves_nothing_a_later_compile_accepts(t
     staging = tmp_path / "again"
     staging.mkdir()
     run = pipeline.Run(staging, staging, log=QUIET, cache=cache)
-    pipeline.preprocess_weights(spec, plan, run)       # would block on a lock the dead process kept
+    pipeline.preprocess_weights(spec, plan, run)  # would block on a lock the dead process kept
     assert not [k for k, _ in cache.stats["hit"] if k in ("weights", "host")]
     fresh = tmp_path / "fresh"
     fresh.mkdir()

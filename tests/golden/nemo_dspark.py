@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 
 GOLDEN = Path(__file__).resolve().parent / "nemo_dspark_fp32.json"
-CONTEXT = 11                    # target positions 0..10; the tiny window (8) sees 3..10
+CONTEXT = 11  # target positions 0..10; the tiny window (8) sees 3..10
 ANCHOR_TOKEN = 104
-PREVIOUS = [104, 111, 32, 119, 111]     # the anchor, then the tokens after it (teacher-forced)
+PREVIOUS = [104, 111, 32, 119, 111]  # the anchor, then the tokens after it (teacher-forced)
 SEED = 1234
 
 
@@ -45,8 +45,11 @@ def main() -> None:
     backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", dispatcher="torch", experts="torch")
     torch.manual_seed(0)
     model = dspark.DeepseekV41DSparkModel(c, backend, num_anchors=1, enable_confidence_head=True).float()
-    tensors = {k: v for k, v in load_file(str(ckpt / "model.safetensors")).items()
-               if k in ("embed.weight", "head.weight") or k.startswith("mtp.")}
+    tensors = {
+        k: v
+        for k, v in load_file(str(ckpt / "model.safetensors")).items()
+        if k in ("embed.weight", "head.weight") or k.startswith("mtp.")
+    }
     native = model.state_dict_adapter.from_hf(tensors)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in native.items()}, strict=False)
     assert not unexpected and not [k for k in missing if "_extra_state" not in k], (missing, unexpected)
@@ -60,20 +63,32 @@ def main() -> None:
     with torch.no_grad():
         noise = model.embed_tokens(block).float()
         out = dspark.DeepseekV41DSparkBackbone.forward(
-            model, noise, features, position_ids=model.build_position_ids(anchor, CONTEXT),
-            attention_mask=model.build_attention_mask(anchor, torch.ones(1, 1, dtype=torch.bool), CONTEXT,
-                                                      torch.float32),
-            previous_token_ids=torch.tensor([PREVIOUS]))
+            model,
+            noise,
+            features,
+            position_ids=model.build_position_ids(anchor, CONTEXT),
+            attention_mask=model.build_attention_mask(
+                anchor, torch.ones(1, 1, dtype=torch.bool), CONTEXT, torch.float32
+            ),
+            previous_token_ids=torch.tensor([PREVIOUS]),
+        )
         logits = model.compute_logits(out.normalized_hidden_states) + out.transition_logits.float()
-    GOLDEN.write_text(json.dumps({
-        "source": "NeMo AutoModel 0.7.0 deepseek_v41 DeepseekV41DSparkModel (BackendConfig attn=eager linear=torch "
-                  "rms_norm=torch_fp32 experts=torch), float32, quantize_cache replaced by identity, on the seed-0 "
-                  "6-layer make-tiny checkpoint's mtp.* (tests/golden/nemo_dspark.py)",
-        "anchor_position": CONTEXT, "anchor_token": ANCHOR_TOKEN, "previous": PREVIOUS,
-        "features": [[round(x, 7) for x in row] for row in features[0].tolist()],
-        "logits": [[round(x, 6) for x in row] for row in logits[0].tolist()],
-        "confidence": [round(x, 6) for x in out.confidence_pred[0].tolist()],
-    }) + "\n")
+    GOLDEN.write_text(
+        json.dumps(
+            {
+                "source": "NeMo AutoModel 0.7.0 deepseek_v41 DeepseekV41DSparkModel (BackendConfig attn=eager linear=torch "
+                "rms_norm=torch_fp32 experts=torch), float32, quantize_cache replaced by identity, on the seed-0 "
+                "6-layer make-tiny checkpoint's mtp.* (tests/golden/nemo_dspark.py)",
+                "anchor_position": CONTEXT,
+                "anchor_token": ANCHOR_TOKEN,
+                "previous": PREVIOUS,
+                "features": [[round(x, 7) for x in row] for row in features[0].tolist()],
+                "logits": [[round(x, 6) for x in row] for row in logits[0].tolist()],
+                "confidence": [round(x, 6) for x in out.confidence_pred[0].tolist()],
+            }
+        )
+        + "\n"
+    )
     print(f"wrote {GOLDEN}")
 
 

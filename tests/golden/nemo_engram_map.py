@@ -25,9 +25,15 @@ TOKENIZER = HERE / "synthetic_tokenizer"
 GOLDEN = HERE / "nemo_engram_map.json"
 TEXT = "He said HE he, café cafe Café ﬁ fi Ａa 你\u00a0 😀\n\n  done"
 # the tiny checkpoint's engram settings (regions/tiny.py), pad moved to "HE"
-ENGRAM = {"engram_layer_ids": [1], "engram_num_embeddings": [4096], "engram_max_ngram_size": 3,
-          "engram_vocab_size": 1000, "engram_n_heads": 2, "engram_pad_token_id": 267}
-MASKED = 5                      # the position the masked run blocks
+ENGRAM = {
+    "engram_layer_ids": [1],
+    "engram_num_embeddings": [4096],
+    "engram_max_ngram_size": 3,
+    "engram_vocab_size": 1000,
+    "engram_n_heads": 2,
+    "engram_pad_token_id": 267,
+}
+MASKED = 5  # the position the masked run blocks
 
 
 def tokenizer_digest() -> str:
@@ -55,14 +61,14 @@ def main() -> None:
     mask[0, MASKED] = False
     out = {
         "source": f"nemo-automodel {nemo_automodel.__version__}, deepseek_v41/engram.py: _compressed_token_map and "
-                  "DeepseekV41NgramHash, on tests/golden/synthetic_tokenizer (tests/golden/nemo_engram_map.py)",
+        "DeepseekV41NgramHash, on tests/golden/synthetic_tokenizer (tests/golden/nemo_engram_map.py)",
         "tokenizer_sha256": tokenizer_digest(),
         "count": count,
         "map": list(token_map),
         "engram": {**ENGRAM, "engram_compressed_vocab_size": count},
         "text": TEXT,
         "ids": ids,
-        "hashes": hasher(input_ids)[0].tolist(),                      # [positions, layers, heads]
+        "hashes": hasher(input_ids)[0].tolist(),  # [positions, layers, heads]
         "masked_position": MASKED,
         "masked_hashes": hasher(input_ids, token_mask=mask)[0].tolist(),
     }

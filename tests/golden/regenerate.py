@@ -30,19 +30,31 @@ GOLDEN = Path(__file__).with_name("tiny_seed0.json")
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, twice over.", "abc", "1 + 1 ="]
 # (dtype, cache quantization, indexer tie rule): "nemo" is the reference's default;
 # "lowest" is what compiled bundles compute (the golden they are held to).
-MODES = [("fp32", False, "nemo"), ("fp32", True, "nemo"), ("bf16", True, "nemo"), ("fp32", True, "lowest"),
-         ("fp32", False, "lowest")]
+MODES = [
+    ("fp32", False, "nemo"),
+    ("fp32", True, "nemo"),
+    ("bf16", True, "nemo"),
+    ("fp32", True, "lowest"),
+    ("fp32", False, "lowest"),
+]
 
 
 def mode_name(dtype: str, quant: bool, ties: str) -> str:
     return f"{dtype}-{'quant' if quant else 'noquant'}" + ("-lowest" if ties == "lowest" else "")
+
+
 MAX_NEW = 16
 
 
 # the least tolerance per mode, whatever the drift measured here: fp32 rounding; with cache quantization a
 # last-bit difference can cross an fp8/fp4 rounding boundary on another CPU (seen: 1.3e-3 on an AMX machine)
-STATED = {"fp32-noquant": 1e-4, "fp32-quant": 0.05, "bf16-quant": 0.5, "fp32-quant-lowest": 0.05,
-          "fp32-noquant-lowest": 1e-4}
+STATED = {
+    "fp32-noquant": 1e-4,
+    "fp32-quant": 0.05,
+    "bf16-quant": 0.5,
+    "fp32-quant-lowest": 0.05,
+    "fp32-noquant-lowest": 1e-4,
+}
 MARGIN = 4.0
 PERTURB_CHUNKS = (1, 3)
 
@@ -51,14 +63,16 @@ def summary(logits: list[torch.Tensor]) -> list[list[float]]:
     """Per position: argmax, max logit, logsumexp, mean, and the top-1 minus top-2 margin."""
     L = torch.stack(logits).float()
     top2 = L.topk(2, dim=-1).values
-    return [[int(i), float(m), float(s), float(a), float(g)]
-            for i, m, s, a, g in zip(L.argmax(-1), L.amax(-1), L.logsumexp(-1), L.mean(-1), top2[:, 0] - top2[:, 1])]
+    return [
+        [int(i), float(m), float(s), float(a), float(g)]
+        for i, m, s, a, g in zip(L.argmax(-1), L.amax(-1), L.logsumexp(-1), L.mean(-1), top2[:, 0] - top2[:, 1])
+    ]
 
 
 def drift(a: list[list[float]], b: list[list[float]], tokens_a: list[int], tokens_b: list[int]) -> float:
     """The largest |max| and |logsumexp| difference of two summaries over the positions fed the same tokens."""
     same = next((j for j, (x, y) in enumerate(zip(tokens_a, tokens_b)) if x != y), min(len(tokens_a), len(tokens_b)))
-    rows = list(zip(a, b))[:max(0, same)]
+    rows = list(zip(a, b))[: max(0, same)]
     return max((abs(x[k] - y[k]) for x, y in rows for k in (1, 2)), default=0.0)
 
 
@@ -67,16 +81,18 @@ def check_run(tokens: list[int], logits: list[torch.Tensor], want: dict, toleran
     run: the same prompt; the same greedy tokens, or another one only at a near tie of the golden, where
     the comparison stops; the logits' max and logsumexp within `tolerance` up to there."""
     prompt = want["prompt_ids"]
-    assert tokens[:len(prompt)] == prompt, (want["prompt"], tokens[:len(prompt)])
+    assert tokens[: len(prompt)] == prompt, (want["prompt"], tokens[: len(prompt)])
     golden = prompt + want["generated_ids"]
     got = summary(logits)
     assert len(got) == len(want["logits_summary"]), (want["prompt"], len(got), len(want["logits_summary"]))
     for j, (a, b) in enumerate(zip(got, want["logits_summary"])):
         assert max(abs(a[1] - b[1]), abs(a[2] - b[2])) <= tolerance, (want["prompt"], j, a, b, tolerance)
         if a[0] != b[0]:
-            assert b[4] <= tolerance, (f"{want['prompt']!r} position {j}: argmax {a[0]}, golden {b[0]} "
-                                       f"with margin {b[4]:.3g} > tolerance {tolerance:.3g}")
-            return                                  # a near tie went the other way: later rows saw other tokens
+            assert b[4] <= tolerance, (
+                f"{want['prompt']!r} position {j}: argmax {a[0]}, golden {b[0]} "
+                f"with margin {b[4]:.3g} > tolerance {tolerance:.3g}"
+            )
+            return  # a near tie went the other way: later rows saw other tokens
         if j + 1 < len(golden) and j + 1 >= len(prompt):
             assert tokens[j + 1] == golden[j + 1], (want["prompt"], j + 1)
 
@@ -93,11 +109,15 @@ def noise(ckpt: Path, prompts: list, modes, max_new: int, images=None) -> dict:
     for dtype, quant in dict.fromkeys((d, q) for d, q, _ in modes):
         model = ReferenceModel(ckpt, dtype=dtype, cache_quant=quant, ties="lowest")
         base = model.generate(prompts, max_new, images=images)
-        drifts[dtype, quant] = max(drift(summary(g.logits), summary(h.logits), g.tokens, h.tokens)
-                                   for chunk in PERTURB_CHUNKS
-                                   for g, h in zip(base, model.generate(prompts, max_new, chunk=chunk, images=images)))
-    return {mode_name(d, q, t): {"drift": drifts[d, q], "tolerance": max(STATED[mode_name(d, q, t)], MARGIN * drifts[d, q])}
-            for d, q, t in modes}
+        drifts[dtype, quant] = max(
+            drift(summary(g.logits), summary(h.logits), g.tokens, h.tokens)
+            for chunk in PERTURB_CHUNKS
+            for g, h in zip(base, model.generate(prompts, max_new, chunk=chunk, images=images))
+        )
+    return {
+        mode_name(d, q, t): {"drift": drifts[d, q], "tolerance": max(STATED[mode_name(d, q, t)], MARGIN * drifts[d, q])}
+        for d, q, t in modes
+    }
 
 
 def generate_all(ckpt: Path) -> dict:
@@ -111,8 +131,14 @@ def generate_all(ckpt: Path) -> dict:
         model = ReferenceModel(ckpt, dtype=dtype, cache_quant=quant, ties=ties)
         gens = model.generate(prompts, MAX_NEW)
         out["modes"][mode_name(dtype, quant, ties)] = [
-            {"prompt": text, "prompt_ids": g.tokens[:g.prompt_len], "generated_ids": g.generated,
-             "logits_summary": summary(g.logits)} for text, g in zip(PROMPTS, gens)]
+            {
+                "prompt": text,
+                "prompt_ids": g.tokens[: g.prompt_len],
+                "generated_ids": g.generated,
+                "logits_summary": summary(g.logits),
+            }
+            for text, g in zip(PROMPTS, gens)
+        ]
     out["noise"] = noise(ckpt, prompts, MODES, MAX_NEW)
     return out
 
@@ -120,10 +146,10 @@ def generate_all(ckpt: Path) -> dict:
 # --- the vision golden: one synthetic image (5 x 7 patches: neither divisible by the 2 x 2 merge) ---
 
 VISION_GOLDEN = Path(__file__).with_name("tiny_vision_seed0.json")
-VISION_PROMPTS = ["<image>Hi", "Look:<image>"]          # the span fits the 32-position test bundles
+VISION_PROMPTS = ["<image>Hi", "Look:<image>"]  # the span fits the 32-position test bundles
 VISION_MODES = [("fp32", False, "nemo"), ("fp32", True, "lowest")]
 VISION_MAX_NEW = 8
-IMAGE_SIZE = (20, 28)                                   # height, width in pixels (patch 4)
+IMAGE_SIZE = (20, 28)  # height, width in pixels (patch 4)
 
 
 def gradient_image(height: int = IMAGE_SIZE[0], width: int = IMAGE_SIZE[1]):
@@ -141,32 +167,45 @@ def image_prompts(model, texts=VISION_PROMPTS):
 
     c = model.config
     span = model.vision.embed(gradient_image())
-    return [with_images(ByteTokenizer().encode(t, image_token=c.image_token_id), [span], c.image_token_id,
-                        c.bos_token_id) for t in texts]
+    return [
+        with_images(ByteTokenizer().encode(t, image_token=c.image_token_id), [span], c.image_token_id, c.bos_token_id)
+        for t in texts
+    ]
 
 
 def generate_vision(ckpt: Path) -> dict:
     from deepinfer.regions.reference import ReferenceModel
 
-    out = {"checkpoint": "make-tiny seed 0, 6 layers", "image": {"kind": "gradient", "size": list(IMAGE_SIZE)},
-           "max_new_tokens": VISION_MAX_NEW, "modes": {}}
+    out = {
+        "checkpoint": "make-tiny seed 0, 6 layers",
+        "image": {"kind": "gradient", "size": list(IMAGE_SIZE)},
+        "max_new_tokens": VISION_MAX_NEW,
+        "modes": {},
+    }
     for dtype, quant, ties in VISION_MODES:
         model = ReferenceModel(ckpt, dtype=dtype, cache_quant=quant, ties=ties)
         placed = image_prompts(model)
-        if "span" not in out:       # per span position: mean and RMS of the fp32 tower's embedding
+        if "span" not in out:  # per span position: mean and RMS of the fp32 tower's embedding
             rows = placed[0][1].embeds[placed[0][1].mask].double()
             out["span"] = [[float(r.mean()), float(r.square().mean().sqrt())] for r in rows]
         gens = model.generate([ids for ids, _ in placed], VISION_MAX_NEW, images=[e for _, e in placed])
         out["modes"][mode_name(dtype, quant, ties)] = [
-            {"prompt": text, "prompt_ids": g.tokens[:g.prompt_len], "generated_ids": g.generated,
-             "logits_summary": summary(g.logits)} for text, g in zip(VISION_PROMPTS, gens)]
+            {
+                "prompt": text,
+                "prompt_ids": g.tokens[: g.prompt_len],
+                "generated_ids": g.generated,
+                "logits_summary": summary(g.logits),
+            }
+            for text, g in zip(VISION_PROMPTS, gens)
+        ]
     out["noise"] = noise(ckpt, [ids for ids, _ in placed], VISION_MODES, VISION_MAX_NEW, images=[e for _, e in placed])
     return out
 
 
 def write_golden(path: Path, data: dict) -> None:
-    modes = ",\n".join(f' "{m}": [\n  ' + ",\n  ".join(json.dumps(r) for r in runs) + "\n ]"
-                       for m, runs in data["modes"].items())
+    modes = ",\n".join(
+        f' "{m}": [\n  ' + ",\n  ".join(json.dumps(r) for r in runs) + "\n ]" for m, runs in data["modes"].items()
+    )
     head = json.dumps({k: v for k, v in data.items() if k != "modes"})[:-1]
     path.write_text(head + ', "modes": {\n' + modes + "\n}}\n")
     print(f"wrote {path}", file=sys.stderr)

@@ -22,23 +22,51 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE / "synthetic_tokenizer"
 SPECIALS = {0: "<s>", 1: "</s>", 2: "<pad>", 259: "<image>", 260: "<|user|>", 261: "<|assistant|>"}
 # merged tokens in merge order, as the text they stand for (each is a merge of two earlier tokens)
-MERGES = [("  ", " ", " "), ("\n\n", "\n", "\n"), ("\r\n", "\r", "\n"), ("He", "H", "e"), ("he", "h", "e"),
-          ("HE", "H", "E"), (" he", " ", "he"), ("é", b"\xc3", b"\xa9"), ("è", b"\xc3", b"\xa8"),
-          ("É", b"\xc3", b"\x89"), ("ca", "c", "a"), ("caf", "ca", "f"), ("café", "caf", "é"),
-          ("cafe", "caf", "e"), (b"\xef\xac", b"\xef", b"\xac"), ("ﬁ", b"\xef\xac", b"\x81"), ("fi", "f", "i"),
-          (b"\xe4\xbd", b"\xe4", b"\xbd"), ("你", b"\xe4\xbd", b"\xa0"), (b"\xef\xbc", b"\xef", b"\xbc"),
-          ("Ａ", b"\xef\xbc", b"\xa1"), ("\u0301", b"\xcc", b"\x81"), ("\u00a0", b"\xc2", b"\xa0"),
-          (b"\xf0\x9f", b"\xf0", b"\x9f"), (b"\xf0\x9f\x98", b"\xf0\x9f", b"\x98"), ("😀", b"\xf0\x9f\x98", b"\x80")]
+MERGES = [
+    ("  ", " ", " "),
+    ("\n\n", "\n", "\n"),
+    ("\r\n", "\r", "\n"),
+    ("He", "H", "e"),
+    ("he", "h", "e"),
+    ("HE", "H", "E"),
+    (" he", " ", "he"),
+    ("é", b"\xc3", b"\xa9"),
+    ("è", b"\xc3", b"\xa8"),
+    ("É", b"\xc3", b"\x89"),
+    ("ca", "c", "a"),
+    ("caf", "ca", "f"),
+    ("café", "caf", "é"),
+    ("cafe", "caf", "e"),
+    (b"\xef\xac", b"\xef", b"\xac"),
+    ("ﬁ", b"\xef\xac", b"\x81"),
+    ("fi", "f", "i"),
+    (b"\xe4\xbd", b"\xe4", b"\xbd"),
+    ("你", b"\xe4\xbd", b"\xa0"),
+    (b"\xef\xbc", b"\xef", b"\xbc"),
+    ("Ａ", b"\xef\xbc", b"\xa1"),
+    ("\u0301", b"\xcc", b"\x81"),
+    ("\u00a0", b"\xc2", b"\xa0"),
+    (b"\xf0\x9f", b"\xf0", b"\x9f"),
+    (b"\xf0\x9f\x98", b"\xf0\x9f", b"\x98"),
+    ("😀", b"\xf0\x9f\x98", b"\x80"),
+]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m['role'] == 'system' %}{{ m['content'] }}\n"
     "{% elif m['role'] == 'user' %}<|user|>{{ m['content'] }}"
     "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}{{ eos_token }}"
     "{% else %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-CONFIG = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>",
-          "eos_token": {"content": "</s>", "special": True, "__type": "AddedToken"}, "pad_token": "<pad>",
-          "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CONFIG = {
+    "add_bos_token": True,
+    "add_eos_token": False,
+    "bos_token": "<s>",
+    "eos_token": {"content": "</s>", "special": True, "__type": "AddedToken"},
+    "pad_token": "<pad>",
+    "chat_template": CHAT_TEMPLATE,
+    "tokenizer_class": "PreTrainedTokenizerFast",
+}
 
 
 def _bytes(text) -> bytes:
@@ -50,7 +78,7 @@ def build():
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    order = sorted(alphabet, key=lambda ch: _byte_of(ch))             # the 256 byte symbols by byte value
+    order = sorted(alphabet, key=lambda ch: _byte_of(ch))  # the 256 byte symbols by byte value
 
     def symbols(data: bytes) -> str:
         return "".join(order[b] for b in data)
@@ -71,8 +99,9 @@ def build():
 
 def _byte_of(symbol: str) -> int:
     """The byte a ByteLevel symbol stands for (GPT-2's printable mapping of the 256 bytes)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     if ord(symbol) in printable:
         return ord(symbol)
     others = [b for b in range(256) if b not in printable]

@@ -16,6 +16,7 @@ OPS = torch.ops.deepinfer
 
 # ---------------------------------------------------------------- sparse_attn
 
+
 def _loop_sparse_attn(q, kv, valid, sink, scale):
     """For each query and head: softmax over [scale * q.k for valid keys] + [sink], values kv."""
     b_, t_, h_, d = q.shape
@@ -44,12 +45,11 @@ def _attn_inputs(gen, b, t, h, k, d, p_valid=0.6):
 def test_sparse_attn_matches_loop():
     gen = torch.Generator().manual_seed(0)
     q, kv, valid, sink = _attn_inputs(gen, 2, 3, 4, 10, 16)
-    valid[0, 0] = False                        # a query with no keys at all
+    valid[0, 0] = False  # a query with no keys at all
     got = OPS.sparse_attn(q, kv, valid, sink, 16**-0.5)
     assert got.shape == q.shape and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), _loop_sparse_attn(q, kv, valid, sink, 16**-0.5),
-                               rtol=1e-5, atol=1e-6)
-    assert torch.equal(got[0, 0], torch.zeros(4, 16))     # all weight on the zero-value sink
+    torch.testing.assert_close(got.double(), _loop_sparse_attn(q, kv, valid, sink, 16**-0.5), rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[0, 0], torch.zeros(4, 16))  # all weight on the zero-value sink
 
 
 @pytest.mark.parametrize("garbage", [float("nan"), float("inf"), float("-inf"), 3e38])
@@ -93,24 +93,29 @@ def test_sparse_attn_bf16():
     q, kv = q.to(torch.bfloat16), kv.to(torch.bfloat16)
     got = OPS.sparse_attn(q, kv, valid, sink, 32**-0.5)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.double(), _loop_sparse_attn(q, kv, valid, sink, 32**-0.5),
-                               rtol=2**-7, atol=2**-8)
+    torch.testing.assert_close(got.double(), _loop_sparse_attn(q, kv, valid, sink, 32**-0.5), rtol=2**-7, atol=2**-8)
 
 
 @settings(max_examples=15, deadline=None)
-@given(b=st.integers(1, 2), t=st.integers(1, 3), h=st.integers(1, 3), k=st.integers(1, 9),
-       d=st.integers(1, 8), seed=st.integers(0, 2**16))
+@given(
+    b=st.integers(1, 2),
+    t=st.integers(1, 3),
+    h=st.integers(1, 3),
+    k=st.integers(1, 9),
+    d=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
 def test_sparse_attn_property(b, t, h, k, d, seed):
     gen = torch.Generator().manual_seed(seed)
     q, kv, valid, sink = _attn_inputs(gen, b, t, h, k, d)
     kv = torch.where(valid.unsqueeze(-1), kv, torch.full_like(kv, float("nan")))
     got = OPS.sparse_attn(q, kv, valid, sink, d**-0.5)
     assert got.shape == (b, t, h, d)
-    torch.testing.assert_close(got.double(), _loop_sparse_attn(q, kv, valid, sink, d**-0.5),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.double(), _loop_sparse_attn(q, kv, valid, sink, d**-0.5), rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- index_score
+
 
 def _loop_index_score(q, k, w, visible):
     b_, t_, h_, _ = q.shape
@@ -121,8 +126,9 @@ def _loop_index_score(q, k, w, visible):
             for j in range(n):
                 if not bool(visible[b, t, j]):
                     continue
-                out[b, t, j] = sum(max(float(q[b, t, h].double() @ k[b, j].double()), 0.0) * float(w[b, t, h])
-                                   for h in range(h_))
+                out[b, t, j] = sum(
+                    max(float(q[b, t, h].double() @ k[b, j].double()), 0.0) * float(w[b, t, h]) for h in range(h_)
+                )
     return out
 
 
@@ -157,8 +163,8 @@ def test_index_score_causal_visibility():
     k = torch.randn(1, entries, 8, generator=gen)
     w = torch.rand(1, positions, 2, generator=gen)
     got = OPS.index_score(q, k, w, visible)
-    assert torch.isneginf(got[0, 0]).all()                       # position 0 sees nothing
-    assert torch.isfinite(got[0, 7]).all()                       # position 7 sees all 4
+    assert torch.isneginf(got[0, 0]).all()  # position 0 sees nothing
+    assert torch.isfinite(got[0, 7]).all()  # position 7 sees all 4
     torch.testing.assert_close(got.double(), _loop_index_score(q, k, w, visible), rtol=1e-5, atol=1e-5)
 
 
@@ -175,6 +181,7 @@ def test_index_score_bf16():
 
 
 # ---------------------------------------------------------------- compress_pool
+
 
 def _loop_compress_pool(kv, gate):
     b_, g_, r, c = kv.shape
@@ -202,8 +209,8 @@ def test_compress_pool_matches_loop(r):
 
 
 def test_compress_pool_softmax_over_tokens_per_channel():
-    kv = torch.tensor([[[[1.0, 10.0], [3.0, 30.0]]]])           # [1, 1, r=2, C=2]
-    gate = torch.tensor([[[[0.0, 1000.0], [0.0, -1000.0]]]])     # channel 0 even, channel 1 token 0
+    kv = torch.tensor([[[[1.0, 10.0], [3.0, 30.0]]]])  # [1, 1, r=2, C=2]
+    gate = torch.tensor([[[[0.0, 1000.0], [0.0, -1000.0]]]])  # channel 0 even, channel 1 token 0
     got = OPS.compress_pool(kv, gate)
     torch.testing.assert_close(got, torch.tensor([[[2.0, 10.0]]]))
 

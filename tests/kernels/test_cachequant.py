@@ -45,7 +45,7 @@ def _ref_quant_dequant(x: np.ndarray, fmt: str) -> np.ndarray:
     out = np.empty_like(rows)
     for r in range(rows.shape[0]):
         for start in range(0, rows.shape[1], group):
-            g = rows[r, start:start + group]
+            g = rows[r, start : start + group]
             amax = f32(np.abs(g).max())
             if fmt == "fp8":
                 scale = f32(_pow2ceil_py(float(max(amax, f32(1e-4)) / f32(448))))
@@ -57,7 +57,7 @@ def _ref_quant_dequant(x: np.ndarray, fmt: str) -> np.ndarray:
                 else:
                     scale = f32(_pow2ceil_py(float(max(amax, f32(6 * 2.0**-126)) / f32(6))))
                 q = np.array([_e2m1_nearest(float(v)) for v in np.clip(g / scale, f32(-6), f32(6))], f32)
-            out[r, start:start + group] = q * scale
+            out[r, start : start + group] = q * scale
     return out.reshape(x.shape)
 
 
@@ -72,6 +72,7 @@ def _test_input(gen: torch.Generator, shape) -> torch.Tensor:
 
 # ---------------------------------------------------------------- pow2ceil
 
+
 def test_pow2ceil_exact_powers_of_two_are_fixed_points():
     x = torch.tensor([math.ldexp(1.0, e) for e in range(-126, 128)], dtype=torch.float32)
     assert torch.equal(pow2ceil(x), x)
@@ -82,7 +83,7 @@ def test_pow2ceil_matches_frexp_definition():
     exps = gen.integers(1, 254, size=20000, dtype=np.uint32)
     mant = gen.integers(0, 1 << 23, size=20000, dtype=np.uint32)
     values = list((exps << np.uint32(23) | mant).view(np.float32))
-    for e in range(-125, 127):     # one ulp either side of every power of two
+    for e in range(-125, 127):  # one ulp either side of every power of two
         p = np.float32(math.ldexp(1.0, e))
         values += [np.nextafter(p, np.float32(0)), p, np.nextafter(p, np.float32(np.inf))]
     values += [np.float32(v) for v in (1e-4 / 448, 6 * 2.0**-126 / 6, 0.75, 3.0, 448.0, 1e30)]
@@ -101,8 +102,9 @@ def test_pow2ceil_keeps_shape():
 
 # ---------------------------------------------------------------- e2m1_round
 
+
 def _e2m1_grid() -> np.ndarray:
-    grid = list(np.linspace(-6, 6, 4801, dtype=np.float32))      # step 1/400
+    grid = list(np.linspace(-6, 6, 4801, dtype=np.float32))  # step 1/400
     mids = [(a + b) / 2 for a, b in zip(E2M1_LEVELS, E2M1_LEVELS[1:])]
     for m in mids + E2M1_LEVELS:
         for s in (1, -1):
@@ -118,8 +120,9 @@ def test_e2m1_round_matches_nearest_level_search():
     assert np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("mid, level", [(0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0),
-                                        (2.5, 2.0), (3.5, 4.0), (5.0, 4.0)])
+@pytest.mark.parametrize(
+    "mid, level", [(0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0), (5.0, 4.0)]
+)
 def test_e2m1_round_ties_go_to_even_index(mid, level):
     got = e2m1_round(torch.tensor([mid, -mid]))
     assert got.tolist() == [level, -level]
@@ -131,6 +134,7 @@ def test_e2m1_round_levels_are_fixed_points():
 
 
 # ---------------------------------------------------------------- quant_dequant
+
 
 def test_formats_table_matches_model_md():
     assert FORMATS == GROUP
@@ -171,7 +175,7 @@ def test_quant_dequant_nvfp4_scale_is_rounded_to_fp8():
     # amax 6.6 -> scale 1.1, which e4m3fn rounds to 1.125; 6.6 / 1.125 = 5.87 -> 6 -> 6.75
     x = torch.zeros(1, 16)
     x[0, 0] = 6.6
-    x[0, 1] = 1.125 * 2.5          # exact tie between 2 and 3: even index -> 2
+    x[0, 1] = 1.125 * 2.5  # exact tie between 2 and 3: even index -> 2
     got = quant_dequant(x, "nvfp4")
     assert got[0, 0].item() == 6.75
     assert got[0, 1].item() == 2.25
@@ -179,7 +183,7 @@ def test_quant_dequant_nvfp4_scale_is_rounded_to_fp8():
 
 def test_quant_dequant_nvfp4_scale_floor():
     x = torch.zeros(1, 16)
-    x[0, 0] = 2.0**-12            # below 6 * 2^-9: scale = 2^-9, value rounds to 0
+    x[0, 0] = 2.0**-12  # below 6 * 2^-9: scale = 2^-9, value rounds to 0
     x[0, 1] = 2.0**-9 * 1.5
     got = quant_dequant(x, "nvfp4")
     assert got[0, 0].item() == 0.0 and got[0, 1].item() == 2.0**-9 * 1.5
@@ -199,14 +203,14 @@ def test_quant_dequant_mxfp4_ties_at_exact_scale():
     mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
     row = [6.0] + mids + [-m for m in mids]
     x = torch.tensor([row + [0.0] * (32 - len(row))]) * 0.125
-    got = quant_dequant(x, "mxfp4")[0, :len(row)] / 0.125
+    got = quant_dequant(x, "mxfp4")[0, : len(row)] / 0.125
     tie = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
     assert got.tolist() == [6.0] + tie + [-t for t in tie]
 
 
 def test_quant_dequant_mxfp4_tiny_group_uses_floor():
     x = torch.zeros(1, 32)
-    x[0, 0] = 2.5e-39            # below 6 * 2^-126: scale 2^-126, value under a quarter of it -> 0
+    x[0, 0] = 2.5e-39  # below 6 * 2^-126: scale 2^-126, value under a quarter of it -> 0
     x[0, 1] = 2.0**-126
     got = quant_dequant(x, "mxfp4")
     assert got[0, 0].item() == 0.0 and got[0, 1].item() == 2.0**-126
@@ -214,7 +218,7 @@ def test_quant_dequant_mxfp4_tiny_group_uses_floor():
 
 def test_quant_dequant_groups_are_independent():
     x = torch.ones(1, 64) * 0.01
-    x[0, 40] = 1000.0             # only the second group's scale changes
+    x[0, 40] = 1000.0  # only the second group's scale changes
     got = quant_dequant(x, "fp8")
     assert torch.equal(got[0, :32], quant_dequant(torch.full((1, 32), 0.01), "fp8")[0])
 
@@ -226,9 +230,13 @@ def test_maybe_quant_switch():
 
 
 @settings(max_examples=30, deadline=None)
-@given(fmt=st.sampled_from(["fp8", "nvfp4", "mxfp4"]),
-       lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
-       channels=st.integers(1, 80), exp=st.integers(-20, 10), seed=st.integers(0, 2**16))
+@given(
+    fmt=st.sampled_from(["fp8", "nvfp4", "mxfp4"]),
+    lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    channels=st.integers(1, 80),
+    exp=st.integers(-20, 10),
+    seed=st.integers(0, 2**16),
+)
 def test_quant_dequant_property_any_shape(fmt, lead, channels, exp, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, channels, generator=gen) * 2.0**exp
@@ -237,5 +245,5 @@ def test_quant_dequant_property_any_shape(fmt, lead, channels, exp, seed):
     assert np.array_equal(got.numpy(), _ref_quant_dequant(x.numpy(), fmt))
     # the error of each element is bounded by its group's quantization step
     rel = {"fp8": 2.0**-4, "nvfp4": 0.5, "mxfp4": 0.5}[fmt]
-    floor = {"fp8": 2.0**-22, "nvfp4": 2.0**-9, "mxfp4": 2.0**-126}[fmt]   # smallest scale
+    floor = {"fp8": 2.0**-22, "nvfp4": 2.0**-9, "mxfp4": 2.0**-126}[fmt]  # smallest scale
     assert ((got - x).abs() <= x.abs() * rel + 2.0**exp + floor).all()

@@ -22,8 +22,7 @@ from deepinfer.kernels.formats import (
 
 ALL_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
 # e2m1 codes 0..15, written out: bit 3 the sign.
-E2M1_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+E2M1_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +42,7 @@ def _e4m3_value(code: int) -> float:
 
 def _random_codes(gen: torch.Generator, shape, finite: bool = True) -> torch.Tensor:
     c = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32)
-    if finite:   # e4m3fn NaN codes 0x7f / 0xff -> a finite neighbour
+    if finite:  # e4m3fn NaN codes 0x7f / 0xff -> a finite neighbour
         c = torch.where((c & 127) == 127, c - 1, c)
     return c.to(torch.uint8)
 
@@ -54,13 +53,14 @@ def _random_scales(gen: torch.Generator, shape) -> torch.Tensor:
 
 # ---------------------------------------------------------------- scalar decoders
 
+
 def test_e4m3fn_decode_all_codes_match_torch():
     want = ALL_CODES.view(torch.float8_e4m3fn).float()
     got = e4m3fn_decode(ALL_CODES)
     _assert_same_bits_or_nan(got, want)
     assert torch.isnan(got).nonzero().flatten().tolist() == [0x7F, 0xFF]
     assert got[0x7E].item() == 448.0 and got[0xFE].item() == -448.0
-    assert got[0x01].item() == 2.0**-9                         # smallest subnormal
+    assert got[0x01].item() == 2.0**-9  # smallest subnormal
     assert _bits(got[0x80:0x81]).item() == _bits(torch.tensor([-0.0])).item()
 
 
@@ -81,7 +81,7 @@ def test_ue8m0_decode_all_codes_match_torch():
 def test_e2m1_decode_all_nibbles_match_table():
     got = e2m1_decode(torch.arange(16))
     want = torch.tensor(E2M1_TABLE)
-    _assert_same_bits_or_nan(got, want)      # also checks -0.0 for code 8
+    _assert_same_bits_or_nan(got, want)  # also checks -0.0 for code 8
 
 
 def test_e2m1_decode_accepts_uint8_and_int8():
@@ -107,6 +107,7 @@ def test_unpack_fp4_all_bytes():
 
 
 # ---------------------------------------------------------------- block dequantizers
+
 
 def _loop_dequant_fp8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """[N, K] codes, [ceil(N/32), ceil(K/32)] scale bytes -> float32, block by block."""
@@ -156,7 +157,7 @@ def test_dequant_fp8_awkward_shapes(shape):
     assert torch.equal(got_bf16, want.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("n, k", [(40, 70), (64, 96)])       # partial blocks / whole blocks only
+@pytest.mark.parametrize("n, k", [(40, 70), (64, 96)])  # partial blocks / whole blocks only
 def test_dequant_fp8_leading_dims_are_independent_weights(n, k):
     gen = torch.Generator().manual_seed(1)
     codes = _random_codes(gen, (3, 2, n, k))
@@ -169,7 +170,7 @@ def test_dequant_fp8_leading_dims_are_independent_weights(n, k):
 
 
 def test_dequant_fp8_nan_code_stays_nan():
-    codes = torch.tensor([[0x7F, 0x38]], dtype=torch.uint8)   # NaN, 1.0
+    codes = torch.tensor([[0x7F, 0x38]], dtype=torch.uint8)  # NaN, 1.0
     got = dequant_fp8(codes, torch.tensor([[128]], dtype=torch.uint8), torch.float32)
     assert torch.isnan(got[0, 0]) and got[0, 1].item() == 2.0
 

@@ -30,10 +30,10 @@ def _loop_mixes(h, fn, base, scale, norm_eps, hc_eps, iters):
         mix = sum(float(fnd[j, c]) * flat[c] for c in range(n * d)) * inv_rms
         logits.append(float(base[j]) + mix * s[j])
     pre = [_sigmoid(v) + hc_eps for v in logits[:n]]
-    post = [2 * _sigmoid(v) for v in logits[n:2 * n]]
+    post = [2 * _sigmoid(v) for v in logits[n : 2 * n]]
     comb = []
-    for i in range(n):                                  # softmax over each row, + eps
-        row = logits[2 * n + i * n: 2 * n + (i + 1) * n]
+    for i in range(n):  # softmax over each row, + eps
+        row = logits[2 * n + i * n : 2 * n + (i + 1) * n]
         top = max(row)
         e = [math.exp(v - top) for v in row]
         comb.append([v / sum(e) + hc_eps for v in e])
@@ -53,8 +53,11 @@ def _loop_mixes(h, fn, base, scale, norm_eps, hc_eps, iters):
     for _ in range(iters - 1):
         normalise_rows()
         normalise_columns()
-    return (torch.tensor(pre, dtype=torch.float64), torch.tensor(post, dtype=torch.float64),
-            torch.tensor(comb, dtype=torch.float64))
+    return (
+        torch.tensor(pre, dtype=torch.float64),
+        torch.tensor(post, dtype=torch.float64),
+        torch.tensor(comb, dtype=torch.float64),
+    )
 
 
 def _inputs(gen, b, t, n, d, dtype=torch.float32):
@@ -66,6 +69,7 @@ def _inputs(gen, b, t, n, d, dtype=torch.float32):
 
 
 # ---------------------------------------------------------------- hc_mixes
+
 
 @pytest.mark.parametrize("iters", [1, 2, 20])
 @pytest.mark.parametrize("n, d", [(4, 8), (2, 5)])
@@ -123,20 +127,22 @@ def test_hc_mixes_scale_groups():
     h = torch.randn(1, 1, n, d)
     base = torch.zeros((2 + n) * n)
     base[:n] = torch.tensor([0.0, 1.0, -1.0, 2.0])
-    pre, post, comb = OPS.hc_mixes(h, torch.zeros((2 + n) * n, n * d), base, torch.tensor([9.0, 9.0, 9.0]),
-                                   1e-20, 0.0, 3)
+    pre, post, comb = OPS.hc_mixes(
+        h, torch.zeros((2 + n) * n, n * d), base, torch.tensor([9.0, 9.0, 9.0]), 1e-20, 0.0, 3
+    )
     torch.testing.assert_close(pre[0, 0], torch.sigmoid(base[:n]))
     torch.testing.assert_close(post[0, 0], torch.ones(n))
     torch.testing.assert_close(comb[0, 0], torch.full((n, n), 1 / n))
     # with fn non-zero only on the post rows, only s1 scales them
     fn = torch.zeros((2 + n) * n, n * d)
-    fn[n:2 * n, 0] = 1.0
-    h = torch.ones(1, 1, n, d)                        # rms 1, mix = 1 on the post rows
+    fn[n : 2 * n, 0] = 1.0
+    h = torch.ones(1, 1, n, d)  # rms 1, mix = 1 on the post rows
     _, post, _ = OPS.hc_mixes(h, fn, torch.zeros((2 + n) * n), torch.tensor([5.0, 0.5, 7.0]), 1e-20, 0.0, 1)
     torch.testing.assert_close(post[0, 0], 2 * torch.sigmoid(torch.full((n,), 0.5)))
 
 
 # ---------------------------------------------------------------- collapse / expand
+
 
 def _loop_collapse(h, pre):
     b_, t_, n, d = h.shape
@@ -170,7 +176,7 @@ def test_hc_collapse_matches_loop(dtype):
     want = _loop_collapse(h, pre)
     tol = 1e-5 if dtype == torch.float32 else 2**-8
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
-    if dtype == torch.bfloat16:        # float32 accumulation, one rounding
+    if dtype == torch.bfloat16:  # float32 accumulation, one rounding
         assert (got == want.to(dtype)).float().mean().item() > 0.98
 
 
@@ -202,16 +208,15 @@ def test_hc_expand_comb_orientation():
     n, d = 3, 2
     h = torch.arange(n * d, dtype=torch.float32).view(1, 1, n, d) + 1
     comb = torch.zeros(1, 1, n, n)
-    comb[0, 0, 0, 2] = 1.0             # stream 0 -> output 2
-    comb[0, 0, 1, 0] = 1.0             # stream 1 -> output 0
-    comb[0, 0, 2, 1] = 1.0             # stream 2 -> output 1
+    comb[0, 0, 0, 2] = 1.0  # stream 0 -> output 2
+    comb[0, 0, 1, 0] = 1.0  # stream 1 -> output 0
+    comb[0, 0, 2, 1] = 1.0  # stream 2 -> output 1
     got = OPS.hc_expand(torch.zeros(1, 1, d), h, torch.zeros(1, 1, n), comb)
     assert torch.equal(got[0, 0], h[0, 0, [1, 2, 0]])
 
 
 @settings(max_examples=15, deadline=None)
-@given(b=st.integers(1, 2), t=st.integers(1, 3), n=st.integers(1, 4), d=st.integers(1, 9),
-       seed=st.integers(0, 2**16))
+@given(b=st.integers(1, 2), t=st.integers(1, 3), n=st.integers(1, 4), d=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_hc_collapse_expand_property(b, t, n, d, seed):
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(b, t, n, d, generator=gen)
@@ -219,5 +224,6 @@ def test_hc_collapse_expand_property(b, t, n, d, seed):
     pre, post = torch.rand(b, t, n, generator=gen), torch.rand(b, t, n, generator=gen)
     comb = torch.rand(b, t, n, n, generator=gen)
     torch.testing.assert_close(OPS.hc_collapse(h, pre).double(), _loop_collapse(h, pre), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(OPS.hc_expand(out, h, post, comb).double(), _loop_expand(out, h, post, comb),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        OPS.hc_expand(out, h, post, comb).double(), _loop_expand(out, h, post, comb), rtol=1e-5, atol=1e-5
+    )

@@ -12,13 +12,12 @@ from hypothesis import strategies as st
 import deepinfer.kernels  # noqa: F401  (registers the ops)
 
 OPS = torch.ops.deepinfer
-E2M1_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+E2M1_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 
 def _fp8_codes(gen, shape) -> torch.Tensor:
     c = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32)
-    return torch.where((c & 127) == 127, c - 1, c).to(torch.uint8)     # no NaN codes
+    return torch.where((c & 127) == 127, c - 1, c).to(torch.uint8)  # no NaN codes
 
 
 def _scale_bytes(gen, shape, lo=118, hi=128) -> torch.Tensor:
@@ -31,7 +30,7 @@ def _weight_fp8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     w = codes.view(torch.float8_e4m3fn).double()
     for r in range(n):
         for c in range(0, k, 32):
-            w[r, c:c + 32] *= math.ldexp(1.0, int(scales[r // 32, c // 32]) - 127)
+            w[r, c : c + 32] *= math.ldexp(1.0, int(scales[r // 32, c // 32]) - 127)
     return w
 
 
@@ -48,6 +47,7 @@ def _weight_fp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- blockquant_gemm
+
 
 @pytest.mark.parametrize("n, k", [(40, 70), (32, 64), (5, 13)])
 def test_blockquant_gemm_fp8_shared_weight(n, k):
@@ -115,8 +115,12 @@ def test_blockquant_gemm_fp4_per_row_weights():
 
 
 @settings(max_examples=15, deadline=None)
-@given(lead=st.lists(st.integers(1, 3), min_size=1, max_size=2), n=st.integers(1, 40),
-       k=st.integers(1, 70), seed=st.integers(0, 2**16))
+@given(
+    lead=st.lists(st.integers(1, 3), min_size=1, max_size=2),
+    n=st.integers(1, 40),
+    k=st.integers(1, 70),
+    seed=st.integers(0, 2**16),
+)
 def test_blockquant_gemm_fp8_property_shapes(lead, n, k, seed):
     gen = torch.Generator().manual_seed(seed)
     codes = _fp8_codes(gen, (n, k))
@@ -130,12 +134,15 @@ def test_blockquant_gemm_fp8_property_shapes(lead, n, k, seed):
 
 # ---------------------------------------------------------------- swiglu
 
+
 def _swiglu_formula(gate, up, weight, limit):
     g, u = gate.double(), up.double()
     if limit > 0:
         g = torch.minimum(g, torch.tensor(float(limit), dtype=torch.float64))
-        u = torch.maximum(torch.minimum(u, torch.tensor(float(limit), dtype=torch.float64)),
-                          torch.tensor(-float(limit), dtype=torch.float64))
+        u = torch.maximum(
+            torch.minimum(u, torch.tensor(float(limit), dtype=torch.float64)),
+            torch.tensor(-float(limit), dtype=torch.float64),
+        )
     y = g / (1 + torch.exp(-g)) * u
     return y if weight is None else y * weight.double()
 
@@ -156,7 +163,7 @@ def test_swiglu_clamps_gate_above_only_and_up_both_sides():
     gate = torch.tensor([-15.0, 15.0, 1.0, 1.0, 12.0])
     up = torch.tensor([1.0, 1.0, 15.0, -15.0, -12.0])
     got = OPS.swiglu(gate, up, None, 10.0)
-    silu = lambda v: v / (1 + math.exp(-v))                   # noqa: E731
+    silu = lambda v: v / (1 + math.exp(-v))  # noqa: E731
     want = [silu(-15.0) * 1, silu(10.0) * 1, silu(1.0) * 10, silu(1.0) * -10, silu(10.0) * -10]
     torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-9)
 
@@ -164,9 +171,10 @@ def test_swiglu_clamps_gate_above_only_and_up_both_sides():
 @pytest.mark.parametrize("limit", [0.0, -5.0])
 def test_swiglu_non_positive_limit_disables_clamps(limit):
     got = OPS.swiglu(torch.tensor([50.0, -30.0]), torch.tensor([-40.0, 2.0]), None, limit)
-    silu = lambda v: v / (1 + math.exp(-v))                   # noqa: E731
-    torch.testing.assert_close(got.double(), torch.tensor([silu(50.0) * -40, silu(-30.0) * 2],
-                                                          dtype=torch.float64), rtol=1e-6, atol=1e-12)
+    silu = lambda v: v / (1 + math.exp(-v))  # noqa: E731
+    torch.testing.assert_close(
+        got.double(), torch.tensor([silu(50.0) * -40, silu(-30.0) * 2], dtype=torch.float64), rtol=1e-6, atol=1e-12
+    )
 
 
 def test_swiglu_weight_broadcasts_per_row():
@@ -179,9 +187,10 @@ def test_swiglu_weight_broadcasts_per_row():
         torch.testing.assert_close(got[:, j], torch.full((2, 4), silu2 * w), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("gate_dtype, up_dtype", [(torch.bfloat16, torch.bfloat16),
-                                                  (torch.bfloat16, torch.float32),
-                                                  (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "gate_dtype, up_dtype",
+    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
+)
 def test_swiglu_output_dtype_is_gates(gate_dtype, up_dtype):
     gen = torch.Generator().manual_seed(5)
     gate = (torch.randn(4, 32, generator=gen) * 4).to(gate_dtype)
@@ -199,13 +208,14 @@ def test_swiglu_output_dtype_is_gates(gate_dtype, up_dtype):
 
 # ---------------------------------------------------------------- moe_experts
 
+
 def _experts_formula(x, weights, w1, w1_s, w3, w3_s, w2, w2_s, limit):
     """Expert by expert in float64: sum_e w2_e(swiglu(w1_e x, w3_e x) * weights[:, e])."""
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
     for e in range(w1.shape[0]):
         g = x.double() @ _weight_fp4(w1[e], w1_s[e]).T
         u = x.double() @ _weight_fp4(w3[e], w3_s[e]).T
-        out += _swiglu_formula(g, u, weights[:, e:e + 1], limit) @ _weight_fp4(w2[e], w2_s[e]).T
+        out += _swiglu_formula(g, u, weights[:, e : e + 1], limit) @ _weight_fp4(w2[e], w2_s[e]).T
     return out
 
 
@@ -213,10 +223,11 @@ def _expert_stacks(gen, experts, inter, hidden):
     def fp4(rows, cols):
         packed = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.int32)
         return packed.to(torch.uint8), _scale_bytes(gen, (experts, rows, math.ceil(cols / 32)), 124, 128)
+
     return (*fp4(inter, hidden), *fp4(inter, hidden), *fp4(hidden, inter))
 
 
-@pytest.mark.parametrize("tile_bytes", [1 << 30, 12_000])          # one tile; three, the last one shorter
+@pytest.mark.parametrize("tile_bytes", [1 << 30, 12_000])  # one tile; three, the last one shorter
 def test_moe_experts_matches_expert_by_expert(tile_bytes, monkeypatch):
     """Rows routed to some experts only (zero weights elsewhere), a row routed nowhere, clamps active."""
     from deepinfer.kernels import linear
@@ -247,13 +258,14 @@ def test_moe_experts_bf16_casts_each_product_before_w2():
     for e in range(2):
         g = x.double() @ _weight_fp4(stacks[0][e], stacks[1][e]).T
         u = x.double() @ _weight_fp4(stacks[2][e], stacks[3][e]).T
-        a = _swiglu_formula(g, u, weights[:, e:e + 1], 10.0).to(torch.bfloat16).double()
+        a = _swiglu_formula(g, u, weights[:, e : e + 1], 10.0).to(torch.bfloat16).double()
         want += a @ _weight_fp4(stacks[4][e], stacks[5][e]).T
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("experts, rows, cols", [(6, 2304, 5120), (6, 5120, 2304), (384, 2304, 5120), (8, 64, 256),
-                                                 (1, 1, 32)])
+@pytest.mark.parametrize(
+    "experts, rows, cols", [(6, 2304, 5120), (6, 5120, 2304), (384, 2304, 5120), (8, 64, 256), (1, 1, 32)]
+)
 def test_expert_tiles_cover_the_rows_in_bounded_tiles(experts, rows, cols):
     from deepinfer.kernels.linear import EXPERT_MAX_TILES, EXPERT_TILE_BYTES, expert_tiles
 

@@ -36,9 +36,10 @@ def test_rmsnorm_float32_matches_formula(shape, eps):
 def test_rmsnorm_eps_matters_for_small_inputs():
     x = torch.full((1, 8), 1e-4)
     w = torch.ones(8)
-    got = rmsnorm(x, w, 1e-6)                      # 1e-4 / sqrt(1e-8 + 1e-6)
-    torch.testing.assert_close(got.double(), torch.full((1, 8), 1e-4 / (1e-8 + 1e-6) ** 0.5,
-                                                        dtype=torch.float64), rtol=1e-5, atol=0)
+    got = rmsnorm(x, w, 1e-6)  # 1e-4 / sqrt(1e-8 + 1e-6)
+    torch.testing.assert_close(
+        got.double(), torch.full((1, 8), 1e-4 / (1e-8 + 1e-6) ** 0.5, dtype=torch.float64), rtol=1e-5, atol=0
+    )
     torch.testing.assert_close(rmsnorm(x, w, 1e-20), torch.ones(1, 8), rtol=1e-5, atol=0)
 
 
@@ -63,8 +64,7 @@ def test_rmsnorm_bf16_in_bf16_out_computed_in_float32():
 
 
 @settings(max_examples=20, deadline=None)
-@given(lead=st.lists(st.integers(1, 4), min_size=0, max_size=3), c=st.integers(1, 96),
-       seed=st.integers(0, 2**16))
+@given(lead=st.lists(st.integers(1, 4), min_size=0, max_size=3), c=st.integers(1, 96), seed=st.integers(0, 2**16))
 def test_rmsnorm_property_shapes_and_unit_rms(lead, c, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, c, generator=gen) + 0.1

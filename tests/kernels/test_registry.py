@@ -7,8 +7,19 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from deepinfer.kernels import KERNELS, reference_decompositions
 
-EXPECTED = {"blockquant_gemm", "swiglu", "moe_experts", "rmsnorm", "hc_mixes", "hc_collapse", "hc_expand",
-            "sparse_attn", "index_score", "compress_pool", "top_indices"}
+EXPECTED = {
+    "blockquant_gemm",
+    "swiglu",
+    "moe_experts",
+    "rmsnorm",
+    "hc_mixes",
+    "hc_collapse",
+    "hc_expand",
+    "sparse_attn",
+    "index_score",
+    "compress_pool",
+    "top_indices",
+}
 u8, f32, bf16, b8 = torch.uint8, torch.float32, torch.bfloat16, torch.bool
 
 
@@ -33,29 +44,46 @@ CASES = {
         ((_t((5, 8), f32), _t((5, 8), bf16), None, 0.0), [((5, 8), f32)]),
     ],
     "moe_experts": [
-        ((_t((5, 64), bf16), _t((5, 3), f32), _t((3, 32, 32), u8), _t((3, 32, 2), u8), _t((3, 32, 32), u8),
-          _t((3, 32, 2), u8), _t((3, 64, 16), u8), _t((3, 64, 1), u8), 10.0), [((5, 64), f32)]),
+        (
+            (
+                _t((5, 64), bf16),
+                _t((5, 3), f32),
+                _t((3, 32, 32), u8),
+                _t((3, 32, 2), u8),
+                _t((3, 32, 32), u8),
+                _t((3, 32, 2), u8),
+                _t((3, 64, 16), u8),
+                _t((3, 64, 1), u8),
+                10.0,
+            ),
+            [((5, 64), f32)],
+        ),
     ],
     "rmsnorm": [
         ((_t((2, 3, 32), bf16), _t((32,), bf16), 1e-20), [((2, 3, 32), bf16)]),
         ((_t((7, 16), f32), _t((16,), f32), 1e-6), [((7, 16), f32)]),
     ],
     "hc_mixes": [
-        ((_t((2, 3, 4, 8), bf16), _t((24, 32), f32), _t((24,), f32), _t((3,), f32), 1e-20, 1e-6, 20),
-         [((2, 3, 4), f32), ((2, 3, 4), f32), ((2, 3, 4, 4), f32)]),
+        (
+            (_t((2, 3, 4, 8), bf16), _t((24, 32), f32), _t((24,), f32), _t((3,), f32), 1e-20, 1e-6, 20),
+            [((2, 3, 4), f32), ((2, 3, 4), f32), ((2, 3, 4, 4), f32)],
+        ),
     ],
     "hc_collapse": [((_t((2, 3, 4, 8), bf16), _t((2, 3, 4), f32)), [((2, 3, 8), bf16)])],
     "hc_expand": [
-        ((_t((2, 3, 8), bf16), _t((2, 3, 4, 8), bf16), _t((2, 3, 4), f32), _t((2, 3, 4, 4), f32)),
-         [((2, 3, 4, 8), bf16)]),
+        (
+            (_t((2, 3, 8), bf16), _t((2, 3, 4, 8), bf16), _t((2, 3, 4), f32), _t((2, 3, 4, 4), f32)),
+            [((2, 3, 4, 8), bf16)],
+        ),
     ],
     "sparse_attn": [
-        ((_t((2, 3, 4, 16), bf16), _t((2, 3, 10, 16), bf16), _t((2, 3, 10), b8), _t((4,), f32), 0.25),
-         [((2, 3, 4, 16), bf16)]),
+        (
+            (_t((2, 3, 4, 16), bf16), _t((2, 3, 10, 16), bf16), _t((2, 3, 10), b8), _t((4,), f32), 0.25),
+            [((2, 3, 4, 16), bf16)],
+        ),
     ],
     "index_score": [
-        ((_t((2, 3, 4, 16), f32), _t((2, 7, 16), f32), _t((2, 3, 4), f32), _t((2, 3, 7), b8)),
-         [((2, 3, 7), f32)]),
+        ((_t((2, 3, 4, 16), f32), _t((2, 7, 16), f32), _t((2, 3, 4), f32), _t((2, 3, 7), b8)), [((2, 3, 7), f32)]),
     ],
     "compress_pool": [((_t((2, 3, 4, 16), bf16), _t((2, 3, 4, 16), bf16)), [((2, 3, 16), f32)])],
     "top_indices": [((_t((2, 3, 37), f32), 5), [((2, 3, 5), torch.int64)])],
@@ -114,8 +142,7 @@ def test_fake_implementations_on_meta_device():
         args, outs = cases[0]
         meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
         got = _outputs(getattr(torch.ops.deepinfer, name)(*meta))
-        assert [(tuple(o.shape), o.dtype, o.device.type) for o in got] == \
-            [(s, d, "meta") for s, d in outs], name
+        assert [(tuple(o.shape), o.dtype, o.device.type) for o in got] == [(s, d, "meta") for s, d in outs], name
 
 
 def test_reference_decompositions_has_one_entry_per_kernel():
@@ -154,8 +181,11 @@ def _count(graph_module, target) -> int:
 
 
 def _custom_nodes(graph_module):
-    return [n for n in graph_module.graph.nodes if n.op == "call_function"
-            and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "deepinfer"]
+    return [
+        n
+        for n in graph_module.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "deepinfer"
+    ]
 
 
 def test_export_keeps_rmsnorm_as_one_node_and_decomposes():
@@ -178,8 +208,11 @@ def test_export_of_several_kernels_decomposes_all():
     module = _Expert()
     ep = torch.export.export(module, (x,))
     targets = [n.target for n in _custom_nodes(ep.graph_module)]
-    assert sorted(str(t) for t in targets) == ["deepinfer.blockquant_gemm.default",
-                                               "deepinfer.rmsnorm.default", "deepinfer.swiglu.default"]
+    assert sorted(str(t) for t in targets) == [
+        "deepinfer.blockquant_gemm.default",
+        "deepinfer.rmsnorm.default",
+        "deepinfer.swiglu.default",
+    ]
     decomposed = ep.run_decompositions(reference_decompositions())
     assert _custom_nodes(decomposed.graph_module) == []
     torch.testing.assert_close(decomposed.module()(x), module(x), rtol=1e-6, atol=1e-6)

@@ -11,19 +11,26 @@ from hypothesis import strategies as st
 
 from deepinfer.kernels.rope import apply_rope, rope_angles, rope_frequencies
 
-RELEASED_YARN = {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                 "beta_fast": 32, "beta_slow": 1}
+RELEASED_YARN = {
+    "rope_type": "yarn",
+    "factor": 16,
+    "original_max_position_embeddings": 65536,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
 
 
 def _plain_freqs(rope_dim: int, theta: float) -> list[float]:
     return [1.0 / theta ** (2 * i / rope_dim) for i in range(rope_dim // 2)]
 
 
-def _yarn_freqs(rope_dim: int, theta: float, factor: float, original: int,
-                beta_fast: float, beta_slow: float) -> list[float]:
+def _yarn_freqs(
+    rope_dim: int, theta: float, factor: float, original: int, beta_fast: float, beta_slow: float
+) -> list[float]:
     """YaRN frequency interpolation: pair i keeps its frequency below `low`, is divided by
     `factor` above `high`, and blends linearly in between. `low`/`high` are the pair indices
     whose wavelength completes beta_fast / beta_slow rotations over `original` positions."""
+
     def pair_dim(rotations: float) -> float:
         return rope_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
@@ -58,12 +65,14 @@ def _loop_rope(x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> 
 
 # ---------------------------------------------------------------- frequencies
 
+
 @pytest.mark.parametrize("rope_dim, theta", [(64, 10000.0), (16, 10000.0), (16, 160000.0), (2, 10.0)])
 def test_rope_frequencies_unscaled(rope_dim, theta):
     got = rope_frequencies(rope_dim, theta, None)
     assert got.dtype == torch.float32 and got.shape == (rope_dim // 2,)
-    torch.testing.assert_close(got.double(), torch.tensor(_plain_freqs(rope_dim, theta), dtype=torch.float64),
-                               rtol=2e-6, atol=0)
+    torch.testing.assert_close(
+        got.double(), torch.tensor(_plain_freqs(rope_dim, theta), dtype=torch.float64), rtol=2e-6, atol=0
+    )
 
 
 @pytest.mark.parametrize("rope_dim", [64, 16])
@@ -73,8 +82,8 @@ def test_rope_frequencies_yarn_released_config(rope_dim):
     want = _yarn_freqs(rope_dim, theta, 16, 65536, 32, 1)
     torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=2e-6, atol=0)
     plain = _plain_freqs(rope_dim, theta)
-    assert got[0].item() == pytest.approx(plain[0], rel=1e-6)            # high frequency: kept
-    assert got[-1].item() == pytest.approx(plain[-1] / 16, rel=1e-6)     # low frequency: / factor
+    assert got[0].item() == pytest.approx(plain[0], rel=1e-6)  # high frequency: kept
+    assert got[-1].item() == pytest.approx(plain[-1] / 16, rel=1e-6)  # low frequency: / factor
 
 
 def test_rope_frequencies_yarn_ramp_is_partial():
@@ -85,7 +94,7 @@ def test_rope_frequencies_yarn_ramp_is_partial():
     assert torch.allclose(ratio[:16], torch.ones(16, dtype=torch.float64), rtol=1e-6)
     assert torch.allclose(ratio[25:], torch.full((7,), 16.0, dtype=torch.float64), rtol=1e-6)
     assert ((ratio[16:25] > 1.0) & (ratio[16:25] < 16.0)).all()
-    assert ratio[20].item() == pytest.approx(1 / ((1 - 0.5) + 0.5 / 16), rel=1e-6)   # ramp (20-15)/10
+    assert ratio[20].item() == pytest.approx(1 / ((1 - 0.5) + 0.5 / 16), rel=1e-6)  # ramp (20-15)/10
 
 
 def test_rope_frequencies_yarn_other_parameters():
@@ -107,6 +116,7 @@ def test_rope_angles():
 
 
 # ---------------------------------------------------------------- apply_rope
+
 
 @pytest.mark.parametrize("shape", [(2, 3, 24), (2, 3, 4, 24), (1, 5, 16), (1, 2, 3, 16)])
 def test_apply_rope_matches_pair_loop(shape):
@@ -134,7 +144,7 @@ def test_apply_rope_inverse_matches_loop_and_undoes(shape):
 def test_apply_rope_adjacent_pairs_not_halves():
     # one pair at a right angle: channels (2i, 2i+1) of the rope part rotate, nothing else moves
     x = torch.zeros(1, 1, 6)
-    x[0, 0, 2] = 1.0                            # first rope channel (rope part = channels 2..5)
+    x[0, 0, 2] = 1.0  # first rope channel (rope part = channels 2..5)
     angles = torch.tensor([[[math.pi / 2, 0.0]]])
     got = apply_rope(x, angles)
     torch.testing.assert_close(got, torch.tensor([[[0.0, 0.0, 0.0, 1.0, 0.0, 0.0]]]), atol=1e-6, rtol=0)
@@ -156,8 +166,14 @@ def test_apply_rope_bf16_in_bf16_out():
 
 
 @settings(max_examples=20, deadline=None)
-@given(b=st.integers(1, 2), t=st.integers(1, 4), heads=st.sampled_from([None, 1, 3]),
-       pairs=st.integers(1, 6), extra=st.integers(0, 5), seed=st.integers(0, 2**16))
+@given(
+    b=st.integers(1, 2),
+    t=st.integers(1, 4),
+    heads=st.sampled_from([None, 1, 3]),
+    pairs=st.integers(1, 6),
+    extra=st.integers(0, 5),
+    seed=st.integers(0, 2**16),
+)
 def test_apply_rope_property_norms_preserved(b, t, heads, pairs, extra, seed):
     gen = torch.Generator().manual_seed(seed)
     shape = (b, t, 2 * pairs + extra) if heads is None else (b, t, heads, 2 * pairs + extra)
@@ -166,6 +182,6 @@ def test_apply_rope_property_norms_preserved(b, t, heads, pairs, extra, seed):
     y = apply_rope(x, angles)
     assert y.shape == x.shape
     assert torch.equal(y[..., :extra], x[..., :extra])
-    pair_norm = lambda v: v[..., extra:].unflatten(-1, (pairs, 2)).norm(dim=-1)   # noqa: E731
+    pair_norm = lambda v: v[..., extra:].unflatten(-1, (pairs, 2)).norm(dim=-1)  # noqa: E731
     torch.testing.assert_close(pair_norm(y), pair_norm(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(apply_rope(y, angles, inverse=True), x, rtol=1e-5, atol=1e-5)

@@ -22,8 +22,10 @@ def tied(shape, levels: int, seed: int, invisible: float = 0.3) -> torch.Tensor:
     return s.masked_fill(torch.rand(shape, generator=g) < invisible, float("-inf"))
 
 
-@pytest.mark.parametrize("width, k, block", [(100, 3, 8), (64, 4, 8), (65, 4, 8), (1000, 2, 4), (5, 5, 16),
-                                             (40000, 512, 16384), (70001, 2048, 16384)])
+@pytest.mark.parametrize(
+    "width, k, block",
+    [(100, 3, 8), (64, 4, 8), (65, 4, 8), (1000, 2, 4), (5, 5, 16), (40000, 512, 16384), (70001, 2048, 16384)],
+)
 def test_blockwise_equals_the_reference(width, k, block):
     """One round and several (1000 entries in blocks of 4: five rounds), a width that is not a multiple
     of the block (padding), rows with fewer visible entries than k (-inf ties)."""
@@ -34,8 +36,13 @@ def test_blockwise_equals_the_reference(width, k, block):
 
 
 @settings(max_examples=60, deadline=None)
-@given(width=st.integers(1, 300), k=st.integers(1, 4), block=st.sampled_from([8, 16]), levels=st.integers(1, 5),
-       seed=st.integers(0, 2**16))
+@given(
+    width=st.integers(1, 300),
+    k=st.integers(1, 4),
+    block=st.sampled_from([8, 16]),
+    levels=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
 def test_blockwise_property(width, k, block, levels, seed):
     k = min(k, width)
     s = tied((1, 2, width), levels, seed)

@@ -13,10 +13,10 @@ from deepinfer.quant.ue8m0 import ue8m0_decode
 
 def torch_quantize(w: np.ndarray, b: int, refs):
     t = torch.from_numpy(w)
-    scale = refs.torch_block_scale(refs.torch_block_amax(t, b, b), 448.0)   # [Rb, Cb]
+    scale = refs.torch_block_scale(refs.torch_block_amax(t, b, b), 448.0)  # [Rb, Cb]
     q = t / refs.torch_expand(scale, b, b, t.shape)
     codes = q.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-    sbytes = scale.to(torch.float8_e8m0fnu).view(torch.uint8)              # exact powers of two
+    sbytes = scale.to(torch.float8_e8m0fnu).view(torch.uint8)  # exact powers of two
     return codes.numpy(), sbytes.numpy()
 
 
@@ -57,8 +57,10 @@ def test_zero_block_scale_and_roundtrip():
 
 def test_exactly_representable_weights_roundtrip():
     rng = np.random.default_rng(5)
-    codes = rng.integers(0, 0x7F, size=(64, 96), dtype=np.uint8) | np.uint8(0x80) * rng.integers(0, 2, (64, 96)).astype(np.uint8)
-    codes[::32, ::32] = 0x7E                                   # each block's amax is 448
+    codes = rng.integers(0, 0x7F, size=(64, 96), dtype=np.uint8) | np.uint8(0x80) * rng.integers(0, 2, (64, 96)).astype(
+        np.uint8
+    )
+    codes[::32, ::32] = 0x7E  # each block's amax is 448
     scales = rng.integers(100, 140, size=(2, 3), dtype=np.uint8)
     w = dequantize_fp8_blocks(codes, scales)
     c2, s2 = quantize_fp8_blocks(w)
@@ -82,8 +84,12 @@ def test_input_errors():
         dequantize_fp8_blocks(np.zeros((2, 40), np.uint8), np.zeros((1, 1), np.uint8))
 
 
-@given(rows=st.integers(1, 150), cols=st.integers(1, 150), block=st.sampled_from([1, 4, 32, 48, 128]),
-       seed=st.integers(0, 2**31))
+@given(
+    rows=st.integers(1, 150),
+    cols=st.integers(1, 150),
+    block=st.sampled_from([1, 4, 32, 48, 128]),
+    seed=st.integers(0, 2**31),
+)
 @settings(max_examples=60, deadline=None)
 def test_property_shapes_and_blocks(rows, cols, block, seed, refs):
     w = _weights(np.random.default_rng(seed), (rows, cols))

@@ -29,20 +29,37 @@ def _random_values(rng, n):
     neighbouring codes, fp8 subnormals, float32 subnormals, overflow, inf, NaN."""
     parts = []
     k = n // 8
-    exps = rng.integers(127 - 14, 127 + 10, size=3 * k, dtype=np.uint32)   # ~2^-14 .. 2^9
+    exps = rng.integers(127 - 14, 127 + 10, size=3 * k, dtype=np.uint32)  # ~2^-14 .. 2^9
     man = rng.integers(0, 1 << 23, size=3 * k, dtype=np.uint32)
     sign = rng.integers(0, 2, size=3 * k, dtype=np.uint32) << np.uint32(31)
     parts.append((sign | (exps << np.uint32(23)) | man).view(np.float32))
-    lut = E4M3FN_LUT[:0x7F].astype(np.float64)                           # 0 .. 448
-    mids = ((lut[:-1] + lut[1:]) / 2).astype(np.float32)                 # exact ties
+    lut = E4M3FN_LUT[:0x7F].astype(np.float64)  # 0 .. 448
+    mids = ((lut[:-1] + lut[1:]) / 2).astype(np.float32)  # exact ties
     pick = mids[rng.integers(0, mids.size, size=2 * k)]
     parts.append(pick * rng.choice(np.float32([1, -1]), size=2 * k))
-    nudge = rng.choice(np.array([-1, 1], dtype=np.int64), size=k)       # 1 ulp off a tie
+    nudge = rng.choice(np.array([-1, 1], dtype=np.int64), size=k)  # 1 ulp off a tie
     parts.append((_bits(pick[:k]).astype(np.int64) + nudge).astype(np.uint32).view(np.float32))
-    parts.append(rng.uniform(-2.0**-6, 2.0**-6, size=k).astype(np.float32))   # fp8 subnormals
-    parts.append(rng.uniform(-2000, 2000, size=k).astype(np.float32))          # overflow
-    special = np.float32([0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 448, 464, 465, 1e-45, -1e-45,
-                          2.0**-10, 2.0**-10 * 1.0000001, 3e38, -3e38])
+    parts.append(rng.uniform(-(2.0**-6), 2.0**-6, size=k).astype(np.float32))  # fp8 subnormals
+    parts.append(rng.uniform(-2000, 2000, size=k).astype(np.float32))  # overflow
+    special = np.float32(
+        [
+            0,
+            -0.0,
+            np.inf,
+            -np.inf,
+            np.nan,
+            -np.nan,
+            448,
+            464,
+            465,
+            1e-45,
+            -1e-45,
+            2.0**-10,
+            2.0**-10 * 1.0000001,
+            3e38,
+            -3e38,
+        ]
+    )
     parts.append(np.resize(special, n - sum(p.size for p in parts)))
     return np.concatenate(parts)
 
@@ -77,15 +94,15 @@ def test_ties_round_to_even():
     # 0x08 (2^-6) and 0x09 (1.125 * 2^-6): the tie goes to the even code 0x08.
     assert e4m3fn_encode(np.float32([1.0625 * 2.0**-6]))[0] == 0x08
     assert e4m3fn_encode(np.float32([1.1875 * 2.0**-6]))[0] == 0x0A
-    assert e4m3fn_encode(np.float32([2.0**-10]))[0] == 0x00          # half the smallest subnormal
-    assert e4m3fn_encode(np.float32([3 * 2.0**-10]))[0] == 0x02      # 1.5 steps -> 2
+    assert e4m3fn_encode(np.float32([2.0**-10]))[0] == 0x00  # half the smallest subnormal
+    assert e4m3fn_encode(np.float32([3 * 2.0**-10]))[0] == 0x02  # 1.5 steps -> 2
 
 
 def test_shapes_preserved_and_dtype_checked():
     x = np.zeros((2, 13, 3), np.float32)
     assert e4m3fn_encode(x).shape == (2, 13, 3)
     assert e4m3fn_decode(np.zeros((2, 13), np.uint8)).shape == (2, 13)
-    assert e4m3fn_encode(x[:, ::2]).shape == (2, 7, 3)          # non-contiguous input
+    assert e4m3fn_encode(x[:, ::2]).shape == (2, 7, 3)  # non-contiguous input
     with pytest.raises(QuantInputError, match="float32"):
         e4m3fn_encode(np.zeros(3, np.float64))
     with pytest.raises(QuantInputError, match="uint8"):

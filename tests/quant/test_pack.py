@@ -22,10 +22,10 @@ from deepinfer.quant.pack import (
 
 
 def test_i32_bytes_by_position():
-    s = np.arange(1, 1 + 5 * 6, dtype=np.uint8).reshape(5, 6)      # MN 5, KB 6
+    s = np.arange(1, 1 + 5 * 6, dtype=np.uint8).reshape(5, 6)  # MN 5, KB 6
     w = pack_i32_mn_major(s)
     assert w.shape == (2, 8) and w.dtype == np.int32
-    raw = w.tobytes()                                               # memory order, little-endian
+    raw = w.tobytes()  # memory order, little-endian
     for m in range(8):
         for k in range(8):
             byte = raw[4 * ((k // 4) * 8 + m) + k % 4]
@@ -34,7 +34,7 @@ def test_i32_bytes_by_position():
 
 
 def test_i32_sign_bit_and_batch():
-    s = np.full((3, 4, 8), 255, np.uint8)                           # [experts, MN, KB]
+    s = np.full((3, 4, 8), 255, np.uint8)  # [experts, MN, KB]
     w = pack_i32_mn_major(s)
     assert w.shape == (3, 2, 4) and (w == -1).all()
 
@@ -44,7 +44,7 @@ def test_i16_matches_little_endian_view_and_torch_float_formula():
     s = rng.integers(0, 256, size=(7, 10), dtype=np.uint8)
     h = pack_i16_pairs(s)
     assert np.array_equal(h, s.view("<i2").astype(np.int16))
-    t = torch.from_numpy(s).float()                                 # the device's fp32 formulation
+    t = torch.from_numpy(s).float()  # the device's fp32 formulation
     ref = (t[:, 0::2] + 256 * t[:, 1::2] - 65536 * (t[:, 1::2] >= 128).float()).to(torch.int16)
     assert np.array_equal(h, ref.numpy())
 

@@ -52,8 +52,7 @@ def test_ue8m0_matches_reference(shape, src, dst, fmt, refs):
     rng = np.random.default_rng(abs(hash((shape, str(src), str(dst)))) % 2**32)
     codes, scales = _checkpoint_like(rng, shape, pair(src)[0])
     ours = rescale_ue8m0(codes, scales, src, dst, fmt, chunk_bytes=4096)
-    ref = torch_rescale(codes, scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float32),
-                        src, dst, fmt, refs)
+    ref = torch_rescale(codes, scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float32), src, dst, fmt, refs)
     assert np.array_equal(ours[1], ref[1])
     assert np.array_equal(ours[0], ref[0])
 
@@ -93,9 +92,9 @@ def test_reference_cases_exercise_subnormal_and_negative_shifts():
     rng = np.random.default_rng(1)
     codes, scales = _checkpoint_like(rng, (256, 256))
     out, out_s = rescale_ue8m0(codes, scales, 32, 128)
-    assert ((out & 0x7F) < 8).sum() > ((codes & 0x7F) < 8).sum()      # new subnormals/zeros
+    assert ((out & 0x7F) < 8).sum() > ((codes & 0x7F) < 8).sum()  # new subnormals/zeros
     c2 = codes.copy()
-    c2[:32, :32] &= np.uint8(0x9F)                                     # block max <= 224 -> scale drops
+    c2[:32, :32] &= np.uint8(0x9F)  # block max <= 224 -> scale drops
     out2, s2 = rescale_ue8m0(c2, scales, 32, 32)
     assert s2[0, 0] < scales[0, 0] and np.array_equal(s2[1:], scales[1:])
 
@@ -117,6 +116,7 @@ def test_nan_code_and_nan_scale_rejected():
 
 # --- device format conversion -------------------------------------------------
 
+
 def test_e4m3_lut_matches_ml_dtypes(refs):
     ref = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3).astype(np.float32)
     nan = np.isnan(ref)
@@ -126,8 +126,9 @@ def test_e4m3_lut_matches_ml_dtypes(refs):
 
 def test_e4m3_encode_matches_ml_dtypes():
     rng = np.random.default_rng(4)
-    x = np.concatenate([rng.uniform(-250, 250, 200_000), rng.uniform(-1, 1, 100_000) * 2.0**-6,
-                        E4M3_LUT[np.isfinite(E4M3_LUT)]]).astype(np.float32)
+    x = np.concatenate(
+        [rng.uniform(-250, 250, 200_000), rng.uniform(-1, 1, 100_000) * 2.0**-6, E4M3_LUT[np.isfinite(E4M3_LUT)]]
+    ).astype(np.float32)
     ref = np.clip(x, -240, 240).astype(ml_dtypes.float8_e4m3).view(np.uint8)
     assert np.array_equal(e4m3_encode(x), ref)
     assert list(e4m3_encode(np.float32([300, -np.inf, 248]))) == [0x77, 0xF7, 0x77]
@@ -137,19 +138,20 @@ def test_e4m3_encode_matches_ml_dtypes():
 def test_convert_to_e4m3_matches_reference(shape):
     rng = np.random.default_rng(shape[0])
     codes, scales = _checkpoint_like(rng, shape)
-    codes[: min(32, shape[0]), :] &= np.uint8(0xB7)     # some blocks with all magnitudes <= 240
+    codes[: min(32, shape[0]), :] &= np.uint8(0xB7)  # some blocks with all magnitudes <= 240
     out, out_s = convert_format(codes, scales, 32, "e4m3", chunk_bytes=2048)
     v = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
     big = np.zeros(scales.shape, bool)
     for i, j in np.ndindex(scales.shape):
-        big[i, j] = np.abs(v[32 * i: 32 * i + 32, 32 * j: 32 * j + 32]).max() > 240
+        big[i, j] = np.abs(v[32 * i : 32 * i + 32, 32 * j : 32 * j + 32]).max() > 240
     assert np.array_equal(out_s, scales + big)
     halve = np.repeat(np.repeat(big, 32, 0), 32, 1)[: shape[0], : shape[1]]
     want = np.where(halve, v / 2, v).astype(np.float32).astype(ml_dtypes.float8_e4m3).view(np.uint8)
     assert np.array_equal(out, want)
     # every value is the same number as before (up to subnormal rounding)
-    back = out.view(ml_dtypes.float8_e4m3).astype(np.float64) * np.exp2(np.repeat(np.repeat(
-        out_s.astype(np.float64) - scales, 32, 0), 32, 1)[: shape[0], : shape[1]])
+    back = out.view(ml_dtypes.float8_e4m3).astype(np.float64) * np.exp2(
+        np.repeat(np.repeat(out_s.astype(np.float64) - scales, 32, 0), 32, 1)[: shape[0], : shape[1]]
+    )
     assert np.all(np.abs(back - v) <= 2.0**-9)
 
 
@@ -161,14 +163,21 @@ def test_convert_identity_for_e4m3fn_and_scale_overflow():
         convert_format(codes, np.full((1, 1), 254, np.uint8), 32, "e4m3")
 
 
-@given(rows=st.integers(1, 200), cols=st.integers(1, 200),
-       src=st.sampled_from([16, 32, 128, (32, 16)]), dst=st.sampled_from([32, 64, 128, (1, 128), 48]),
-       fmt=st.sampled_from(["e4m3fn", "e4m3"]), seed=st.integers(0, 2**31))
+@given(
+    rows=st.integers(1, 200),
+    cols=st.integers(1, 200),
+    src=st.sampled_from([16, 32, 128, (32, 16)]),
+    dst=st.sampled_from([32, 64, 128, (1, 128), 48]),
+    fmt=st.sampled_from(["e4m3fn", "e4m3"]),
+    seed=st.integers(0, 2**31),
+)
 @settings(max_examples=60, deadline=None)
 def test_property_ue8m0(rows, cols, src, dst, fmt, seed, refs):
     rng = np.random.default_rng(seed)
-    codes = rng.integers(0, 0x7F, (rows, cols), dtype=np.uint8) | (rng.integers(0, 2, (rows, cols)) * 0x80).astype(np.uint8)
-    codes[rng.random((rows, cols)) < 0.5] &= np.uint8(0x8F)          # many small magnitudes
+    codes = rng.integers(0, 0x7F, (rows, cols), dtype=np.uint8) | (rng.integers(0, 2, (rows, cols)) * 0x80).astype(
+        np.uint8
+    )
+    codes[rng.random((rows, cols)) < 0.5] &= np.uint8(0x8F)  # many small magnitudes
     sr, sc = pair(src)
     scales = rng.integers(100, 140, (-(-rows // sr), -(-cols // sc)), dtype=np.uint8)
     ours = rescale_ue8m0(codes, scales, src, dst, fmt, chunk_bytes=3000)

@@ -41,10 +41,18 @@ def ckpt(tmp_path):
     src["v3.weight_scale_inv"] = np.exp2(rng.uniform(-12, -4, size=(3, 2))).astype(np.float32)
     c, s = quantize_fp8_blocks(rng.standard_normal((50, 64)).astype(np.float32), 32)
     src["engram.embed.weight"] = c
-    src["engram.embed.scale"] = np.repeat(s, 32, axis=0)[:50]          # per-row [50, 2]
+    src["engram.embed.scale"] = np.repeat(s, 32, axis=0)[:50]  # per-row [50, 2]
     src["e.0.w1.weight"], src["e.0.w1.scale"] = quantize_mxfp4(rng.standard_normal((64, 64)).astype(np.float32))
-    kinds = {"l0.wq.weight": F8, "l0.wq.scale": E8, "l0.wo.weight": F8, "l0.wo.scale": E8,
-             "v3.weight": F8, "engram.embed.weight": F8, "engram.embed.scale": E8, "e.0.w1.scale": E8}
+    kinds = {
+        "l0.wq.weight": F8,
+        "l0.wq.scale": E8,
+        "l0.wo.weight": F8,
+        "l0.wo.scale": E8,
+        "v3.weight": F8,
+        "engram.embed.weight": F8,
+        "engram.embed.scale": E8,
+        "e.0.w1.scale": E8,
+    }
     tens = {k: _t(v, kinds.get(k)) for k, v in src.items()}
     tens["e.0.w1.weight"] = tens["e.0.w1.weight"].view(torch.int8)
     tens["norm.weight"] = torch.randn(77).to(torch.bfloat16)
@@ -72,8 +80,9 @@ def _u8(t):
 @pytest.mark.parametrize("fmt,dst", [("e4m3fn", 128), ("e4m3", None), ("e4m3", (1, 128))])
 def test_outputs_match_in_memory_functions(ckpt, workers, fmt, dst):
     root, src, tens = ckpt
-    rep = process_checkpoint(str(root), str(root / "out"),
-                             StreamRecipe(dst_block=dst, fp8_format=fmt, chunk_bytes=5000), workers=workers)
+    rep = process_checkpoint(
+        str(root), str(root / "out"), StreamRecipe(dst_block=dst, fp8_format=fmt, chunk_bytes=5000), workers=workers
+    )
     out = _load(root / "out")
     assert set(out) == set(tens) - {"v3.weight_scale_inv"} | {"v3.scale"}
     for name in ("l0.wq", "l0.wo"):
@@ -97,20 +106,25 @@ def test_outputs_match_in_memory_functions(ckpt, workers, fmt, dst):
 @pytest.mark.parametrize("layout", [LAYOUT_U8, LAYOUT_I32_MN_MAJOR, LAYOUT_I16_PAIRS])
 def test_scale_layouts(ckpt, layout):
     root, src, _ = ckpt
-    rep = process_checkpoint(str(root), str(root / "out"),
-                             StreamRecipe(dst_block=32, scale_layout=layout, chunk_bytes=3000), workers=2)
+    rep = process_checkpoint(
+        str(root), str(root / "out"), StreamRecipe(dst_block=32, scale_layout=layout, chunk_bytes=3000), workers=2
+    )
     got = _u8(_load(root / "out")["l0.wq.scale"])
     want = rescale_ue8m0(src["l0.wq.weight"], src["l0.wq.scale"], 32, 32)[1]
-    unpack = {LAYOUT_U8: lambda g: g, LAYOUT_I16_PAIRS: lambda g: unpack_i16_pairs(g, want.shape[1]),
-              LAYOUT_I32_MN_MAJOR: lambda g: unpack_i32_mn_major(g, *want.shape)}[layout]
+    unpack = {
+        LAYOUT_U8: lambda g: g,
+        LAYOUT_I16_PAIRS: lambda g: unpack_i16_pairs(g, want.shape[1]),
+        LAYOUT_I32_MN_MAJOR: lambda g: unpack_i32_mn_major(g, *want.shape),
+    }[layout]
     assert np.array_equal(unpack(got), want)
     assert rep.tensors["l0.wq.scale"]["layout"] == layout
 
 
 def test_row_scale_layout_for_per_row_weights(ckpt):
     root, src, _ = ckpt
-    rep = process_checkpoint(str(root), str(root / "out"), StreamRecipe(
-        scale_layout=LAYOUT_I32_MN_MAJOR, row_scale_layout=LAYOUT_I16_PAIRS))
+    rep = process_checkpoint(
+        str(root), str(root / "out"), StreamRecipe(scale_layout=LAYOUT_I32_MN_MAJOR, row_scale_layout=LAYOUT_I16_PAIRS)
+    )
     out = _load(root / "out")
     assert rep.tensors["engram.embed.scale"]["layout"] == LAYOUT_I16_PAIRS
     assert rep.tensors["l0.wq.scale"]["layout"] == LAYOUT_I32_MN_MAJOR
@@ -164,8 +178,9 @@ def test_nan_weight_error_from_worker_and_cleanup(tmp_path, workers):
     c[50, 7] = 0x7F
     p = _write(tmp_path / "n.safetensors", {"m.weight": _t(c, F8), "m.scale": _t(np.ones((2, 2), np.uint8), E8)})
     with pytest.raises(TensorFileError, match=r"n\.safetensors, tensor 'm.weight': .*NaN"):
-        process_checkpoint(str(p), str(tmp_path / "out"), StreamRecipe(dst_block=64, chunk_bytes=64 * 32),
-                           workers=workers)
+        process_checkpoint(
+            str(p), str(tmp_path / "out"), StreamRecipe(dst_block=64, chunk_bytes=64 * 32), workers=workers
+        )
     assert os.listdir(tmp_path / "out") == []
 
 
@@ -187,7 +202,7 @@ def test_tasks_stay_within_chunk_bytes(ckpt):
     chunk = 4096
     plan = plan_checkpoint(str(root), str(root / "out"), StreamRecipe(dst_block=128, chunk_bytes=chunk))
     files = {t.dst_path for t in plan.tasks}
-    assert len(files) == 2 and plan.tasks[0].dst_path != plan.tasks[1].dst_path   # round-robin
+    assert len(files) == 2 and plan.tasks[0].dst_path != plan.tasks[1].dst_path  # round-robin
     for t in plan.tasks:
         if t.kind == "copy":
             assert t.hi - t.lo <= chunk
@@ -197,13 +212,12 @@ def test_tasks_stay_within_chunk_bytes(ckpt):
     covered = {}
     for t in plan.tasks:
         covered.setdefault(t.src.name, []).append((t.lo, t.hi))
-    for name, spans in covered.items():                       # tasks tile each tensor exactly
+    for name, spans in covered.items():  # tasks tile each tensor exactly
         spans.sort()
         end = spans[-1][1]
         assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         t = plan.tasks[[x.src.name for x in plan.tasks].index(name)].src
-        assert end == (t.nbytes if any(x.kind == "copy" and x.src.name == name for x in plan.tasks)
-                       else t.shape[0])
+        assert end == (t.nbytes if any(x.kind == "copy" and x.src.name == name for x in plan.tasks) else t.shape[0])
 
 
 def test_rescale_writes_into_given_output():

@@ -29,7 +29,7 @@ def test_encode_powers_of_two_exact_and_match_torch():
 def _ceil_bytes_frexp(x: np.ndarray) -> np.ndarray:
     """Independent ceiling: x = m * 2^e with m in [0.5, 1)."""
     m, e = np.frexp(x.astype(np.float64))
-    e = np.where(m == 0.5, e - 1, e)            # exact power of two
+    e = np.where(m == 0.5, e - 1, e)  # exact power of two
     return np.clip(e + 127, 0, 255).astype(np.uint8)
 
 
@@ -41,8 +41,9 @@ def test_encode_is_ceiling_on_random_values():
 
 
 def test_encode_specials():
-    x = np.float32([0.0, -0.0, 2.0**-127, 2.0**-127 * 1.5, 2.0**-140, 2.0**127, 2.0**127 * 1.5,
-                    np.inf, np.nan, -1.0, 3.0])
+    x = np.float32(
+        [0.0, -0.0, 2.0**-127, 2.0**-127 * 1.5, 2.0**-140, 2.0**127, 2.0**127 * 1.5, np.inf, np.nan, -1.0, 3.0]
+    )
     assert list(ue8m0_encode(x)) == [0, 0, 0, 1, 0, 254, 255, 255, 255, 255, 129]
 
 

@@ -50,9 +50,10 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, one_rank, name):
     sharded = {"moe"} if ep > 1 else {k for k in digests[0] if k.startswith("attn")} if tp > 1 else set()
     for kind in digests[0]:
         assert (len({d[kind] for d in digests}) > 1) == (kind in sharded), kind
-        if kind not in sharded:          # every rank holds it whole: one shared file, no rank file
-            assert all(s[kind].get("path") is None and s[kind]["shared"] == stacks[0][kind]["shared"]
-                       for s in stacks), kind
+        if kind not in sharded:  # every rank holds it whole: one shared file, no rank file
+            assert all(
+                s[kind].get("path") is None and s[kind]["shared"] == stacks[0][kind]["shared"] for s in stacks
+            ), kind
     run = generate_ranks(bundle, PROMPTS, NEW, threads=1)
     for got, want in zip(run["gens"], one_rank):
         assert got.tokens == want.tokens
@@ -66,7 +67,7 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, one_rank, name):
     elif ep > 1:
         assert set(sent[0]) == {"ep dispatch all-gather", "ep combine reduce-scatter", "logits all-gather"}
     else:
-        assert sent[0] == {}                           # cp alone: replicated tokens, nothing to combine
+        assert sent[0] == {}  # cp alone: replicated tokens, nothing to combine
 
 
 def test_a_multi_rank_bundle_needs_its_ranks(rank_bundle):
@@ -88,7 +89,7 @@ def _tensor(plain: tuple) -> torch.Tensor:
 def _collectives(rank: int, world: int, rendezvous: str, out) -> None:
     init(rank, world, rendezvous, timeout_s=60)
     try:
-        comm = Comm(Topology(ep=world), rank, chunk_bytes=64)         # 16 floats a chunk: many chunks
+        comm = Comm(Topology(ep=world), rank, chunk_bytes=64)  # 16 floats a chunk: many chunks
         B, T, n, D = 2, 3, 4, 8
         gen = torch.Generator().manual_seed(rank)
         h = torch.randn(B, T, n, D, generator=gen).to(torch.bfloat16)
@@ -107,8 +108,7 @@ def test_dispatch_and_combine_collectives(tmp_path):
     """Packed-byte dispatch returns every rank's rows exactly; the chunked reduce-scatter sums."""
     world, ctx = 2, mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_collectives, args=(r, world, str(tmp_path / "rendezvous"), out))
-             for r in range(world)]
+    procs = [ctx.Process(target=_collectives, args=(r, world, str(tmp_path / "rendezvous"), out)) for r in range(world)]
     for p in procs:
         p.start()
     got = {item[0]: [_tensor(x) for x in item[1:-1]] + [item[-1]] for item in (out.get(timeout=120) for _ in procs)}
@@ -118,11 +118,11 @@ def test_dispatch_and_combine_collectives(tmp_path):
     for r in range(world):
         h, pre, img, hs, ps, imgs, partial, summed, sent = got[r]
         for s in range(world):
-            assert torch.equal(hs[s * 2:(s + 1) * 2], got[s][0]) and hs.dtype == torch.bfloat16
-            assert torch.equal(ps[s * 2:(s + 1) * 2], got[s][1]) and torch.equal(imgs[s * 2:(s + 1) * 2], got[s][2])
-        want = sum(got[s][6][r * 2:(r + 1) * 2] for s in range(world))
+            assert torch.equal(hs[s * 2 : (s + 1) * 2], got[s][0]) and hs.dtype == torch.bfloat16
+            assert torch.equal(ps[s * 2 : (s + 1) * 2], got[s][1]) and torch.equal(imgs[s * 2 : (s + 1) * 2], got[s][2])
+        want = sum(got[s][6][r * 2 : (r + 1) * 2] for s in range(world))
         torch.testing.assert_close(summed, want)
-        row = h[0, 0].numel() * 2 + pre[0, 0].numel() * 4 + 1        # bytes of one packed row
+        row = h[0, 0].numel() * 2 + pre[0, 0].numel() * 4 + 1  # bytes of one packed row
         assert sent["ep dispatch all-gather"] == 2 * 3 * row
         assert sent["ep combine reduce-scatter"] == partial.numel() * 4
 
@@ -141,7 +141,7 @@ def test_a_rank_that_dies_without_a_result_ends_the_run():
 
     results = q.Queue()
     results.put({"rank": 1, "sent": {}})
-    items = _collect([_Proc(-9), _Proc(0)], results, timeout_s=60)           # rank 0 killed, no result
+    items = _collect([_Proc(-9), _Proc(0)], results, timeout_s=60)  # rank 0 killed, no result
     assert items == [{"rank": 0, "error": "exited with status -9 without a result"}]
 
 
@@ -152,7 +152,7 @@ def test_a_run_past_its_deadline_is_an_error_not_a_hang():
     from deepinfer.runtime.ranks import _collect
 
     start = time.monotonic()
-    items = _collect([_Proc(None), _Proc(None)], q.Queue(), timeout_s=0.5)     # alive, silent
+    items = _collect([_Proc(None), _Proc(None)], q.Queue(), timeout_s=0.5)  # alive, silent
     assert items == [{"rank": 0, "error": "no result in 0 s"}] and time.monotonic() - start < 10
 
 
@@ -172,6 +172,7 @@ def test_serve_leads_the_ranks(rank_bundle, one_rank):
 
         def complete(ids):
             return client.completions.create(model="tiny", prompt=ids, max_tokens=NEW)
+
         with ThreadPoolExecutor(2) as pool:
             together = list(pool.map(complete, PROMPTS))
         for out in ([complete(p) for p in PROMPTS], together):

@@ -40,13 +40,16 @@ def ranked(full, make, kind: str, c, topo: Topology, rank: int):
     return region
 
 
-@pytest.mark.parametrize("tp, ep, cp, key, words", [
-    (3, 1, 1, "tp", "must divide the attention heads"),
-    (1, 2, 4, "ep", "must be 1 or the world size"),
-    (2, 2, 1, "ep", "tensor parallel attention is not supported"),
-    (1, 4, 2, "ep", "use ep = cp"),
-    (1, 16, 1, "ep", "does not divide the model's 8 routed experts"),
-])
+@pytest.mark.parametrize(
+    "tp, ep, cp, key, words",
+    [
+        (3, 1, 1, "tp", "must divide the attention heads"),
+        (1, 2, 4, "ep", "must be 1 or the world size"),
+        (2, 2, 1, "ep", "tensor parallel attention is not supported"),
+        (1, 4, 2, "ep", "use ep = cp"),
+        (1, 16, 1, "ep", "does not divide the model's 8 routed experts"),
+    ],
+)
 def test_topology_is_checked_against_the_model(text, tp, ep, cp, key, words):
     bad = check(Topology(tp=tp, ep=ep, cp=cp), text)
     assert bad is not None and bad[0] == key and words in bad[1]
@@ -65,16 +68,18 @@ def test_ep_partials_sum_to_the_one_rank_moe(tiny_ckpt, text, ep):
     topo = Topology(ep=ep) if ep == 2 else Topology(cp=4, ep=4)
     g = Geometry(slots=3, blocks=4, block_size=16, max_blocks=2)
     h, pre, is_image = example_inputs(full.input_specs(2, 3, g), g, seed=3)
-    is_image[0, 1] = True                                      # the image bias too
+    is_image[0, 1] = True  # the image bias too
     want_h, want_pre = full.decode(h, pre, is_image)
-    parts = [ranked(full, lambda: MoE(text, dtype=torch.float32, topo=topo), "moe", text, topo, r).decode(
-        h, pre, is_image) for r in range(topo.world)]
+    parts = [
+        ranked(full, lambda: MoE(text, dtype=torch.float32, topo=topo), "moe", text, topo, r).decode(h, pre, is_image)
+        for r in range(topo.world)
+    ]
     got = torch.stack([p[0] for p in parts]).sum(0)
     assert all(p[0].dtype == torch.float32 for p in parts)
     torch.testing.assert_close(got, want_h, rtol=1e-5, atol=1e-5)
     for p in parts:
         assert torch.equal(p[1], want_pre)
-    assert not torch.equal(parts[0][0], parts[1][0])         # each rank really holds a share
+    assert not torch.equal(parts[0][0], parts[1][0])  # each rank really holds a share
 
 
 @pytest.mark.parametrize("inter, world", [(64, 2), (64, 4), (96, 4), (96, 3)])
@@ -87,16 +92,21 @@ def test_shared_expert_slices_give_the_unsliced_result(text, inter, world):
     for spec in full.specs:
         if spec.name.startswith("sw"):
             buf = getattr(full, spec.name)
-            buf.copy_(torch.randint(100, 140, buf.shape, generator=gen, dtype=torch.uint8) if spec.name.endswith("_s")
-                      else torch.randint(0, 0x7f, buf.shape, generator=gen, dtype=torch.uint8)
-                      | (torch.randint(0, 2, buf.shape, generator=gen, dtype=torch.uint8) << 7))   # no NaN codes
+            buf.copy_(
+                torch.randint(100, 140, buf.shape, generator=gen, dtype=torch.uint8)
+                if spec.name.endswith("_s")
+                else torch.randint(0, 0x7F, buf.shape, generator=gen, dtype=torch.uint8)
+                | (torch.randint(0, 2, buf.shape, generator=gen, dtype=torch.uint8) << 7)
+            )  # no NaN codes
     x = torch.randn(5, c.hidden_size, generator=gen)
     width = shared_width(c, topo)
     assert width % 32 == 0 and width * world >= inter
     holders = [r for r in range(world) if shared_slice(c, topo, r) is not None]
     assert holders == list(range(-(-inter // width)))
-    total = sum(ranked(full, lambda: MoE(c, dtype=torch.float32, topo=topo), "moe", c, topo, r).shared(x).float()
-                for r in range(world))
+    total = sum(
+        ranked(full, lambda: MoE(c, dtype=torch.float32, topo=topo), "moe", c, topo, r).shared(x).float()
+        for r in range(world)
+    )
     torch.testing.assert_close(total, full.shared(x).float(), rtol=1e-5, atol=1e-4)
 
 
@@ -114,5 +124,5 @@ def test_tp_partials_sum_to_the_one_rank_attention(tiny_ckpt, text):
         assert region.heads == text.num_attention_heads // 2
         parts.append(region.decode(*[a.clone() for a in args]))
     torch.testing.assert_close(parts[0][0] + parts[1][0], want[0], rtol=1e-5, atol=1e-5)
-    for p in parts:                                  # the indexer is replicated: same selection
+    for p in parts:  # the indexer is replicated: same selection
         assert torch.equal(p[2], want[2]) and torch.equal(p[1], want[1])

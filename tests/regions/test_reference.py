@@ -14,7 +14,7 @@ from ..conftest import regenerate
 
 GOLDEN = json.loads(regenerate.GOLDEN.read_text())
 TOK = ByteTokenizer()
-LONG = TOK.encode("The quick brown fox jumps over the lazy dog, twice over.")   # 57 ids
+LONG = TOK.encode("The quick brown fox jumps over the lazy dog, twice over.")  # 57 ids
 
 
 def run(model, prompts, n, chunk=None):
@@ -25,7 +25,7 @@ def test_generation_is_not_degenerate(ref_fp32):
     gens = run(ref_fp32, [TOK.encode("Hello"), TOK.encode("abc"), LONG], 20)
     for g in gens:
         assert len(g.generated) == 20 or g.generated[-1] == 1
-        assert len(set(g.generated)) >= 6, g.generated        # not one token repeated
+        assert len(set(g.generated)) >= 6, g.generated  # not one token repeated
 
 
 @pytest.mark.parametrize("cache_quant, chunks", [(False, (1, 5, 16)), (True, (1,))])
@@ -47,8 +47,12 @@ def test_prompt_chunks_match_token_by_token(tiny_ckpt, cache_quant, chunks):
     model = ReferenceModel(tiny_ckpt, dtype="fp32", cache_quant=cache_quant, ties="lowest")
     whole = run(model, [LONG], 12)[0]
     tolerance = GOLDEN["noise"]["fp32-quant-lowest"]["tolerance"] if cache_quant else 1e-3
-    want = {"prompt": "LONG", "prompt_ids": whole.tokens[:whole.prompt_len], "generated_ids": whole.generated,
-            "logits_summary": regenerate.summary(whole.logits)}
+    want = {
+        "prompt": "LONG",
+        "prompt_ids": whole.tokens[: whole.prompt_len],
+        "generated_ids": whole.generated,
+        "logits_summary": regenerate.summary(whole.logits),
+    }
     for chunk in chunks:
         part = run(model, [LONG], 12, chunk=chunk)[0]
         regenerate.check_run(part.tokens, part.logits, want, tolerance)
@@ -69,7 +73,7 @@ def test_batch_matches_single_sequences(ref_fp32):
 def test_logits_rows_are_processed_positions(ref_fp32):
     g = run(ref_fp32, [TOK.encode("xyz")], 5)[0]
     assert len(g.tokens) == 4 + 5 and len(g.logits) == len(g.tokens) - 1
-    for i in range(g.prompt_len - 1, len(g.tokens) - 1):     # each sampled token is the argmax of its row
+    for i in range(g.prompt_len - 1, len(g.tokens) - 1):  # each sampled token is the argmax of its row
         assert int(torch.argmax(g.logits[i])) == g.tokens[i + 1]
 
 
@@ -77,7 +81,7 @@ def _primes_above(start: int, count: int, skip: set) -> list[int]:
     out, n = [], start
     while len(out) < count:
         n += 1
-        if n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1)) and n not in skip:
+        if n > 1 and all(n % d for d in range(2, int(n**0.5) + 1)) and n not in skip:
             out.append(n)
     return out
 
@@ -95,7 +99,7 @@ def test_engram_hash_matches_model_md(ref_fp32):
     bound = (np.iinfo(np.int64).max // c.engram_compressed_vocab_size) // 2
     mult = np.random.default_rng(10007 * layer).integers(0, bound, size=m, dtype=np.int64) * 2 + 1
     ids = np.array(LONG)
-    got = ref_fp32.hasher.hashes(ids, 0, len(ids))[:, 0]                 # [T, hash_heads]
+    got = ref_fp32.hasher.hashes(ids, 0, len(ids))[:, 0]  # [T, hash_heads]
     for p in (0, 1, 2, 17, len(ids) - 1):
         toks = [int(ids[p - s]) if p - s >= 0 else c.engram_pad_token_id for s in range(m)]
         want = []

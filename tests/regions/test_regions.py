@@ -51,7 +51,7 @@ def test_export_lifts_weights_and_rank_and_matches_eager(exported, key):
     sig = ep.graph_signature
     buffers = set(sig.inputs_to_buffers.values())
     assert "region.rank" in buffers
-    assert {f"region.{s.name}" for s in region.specs} <= buffers        # weights are graph inputs
+    assert {f"region.{s.name}" for s in region.specs} <= buffers  # weights are graph inputs
     assert not ep.constants or all(v.numel() <= 256 for v in ep.constants.values())
     eager_args, traced_args = clone(args), clone(args)
     want = region.decode(*eager_args)
@@ -60,7 +60,7 @@ def test_export_lifts_weights_and_rank_and_matches_eager(exported, key):
     got = got if isinstance(got, tuple) else (got,)
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
-    for e, t in zip(eager_args, traced_args):                       # the same state writes
+    for e, t in zip(eager_args, traced_args):  # the same state writes
         torch.testing.assert_close(t, e, rtol=1e-4, atol=1e-4)
 
 
@@ -136,18 +136,20 @@ def test_engram_gate_matches_formula(ref_fp32):
         ckpt.update(load_file(f))
     from deepinfer.quant.fp8 import e4m3fn_decode
     from deepinfer.quant.ue8m0 import ue8m0_decode
+
     codes = ckpt[codes_name].view(torch.uint8).numpy()[rows]
     scales = ue8m0_decode(ckpt[scales_name].view(torch.uint8).numpy()[rows]).repeat(32, axis=-1)
     emb = torch.from_numpy((e4m3fn_decode(codes) * scales).reshape(-1))
     from deepinfer.quant.blockfp8 import dequantize_fp8_blocks
+
     wkv = torch.from_numpy(dequantize_fp8_blocks(region.wkv.numpy(), region.wkv_s.numpy()))
     kv = wkv @ emb
     n, D = c.hc_mult, c.hidden_size
-    value = kv[n * D:]
+    value = kv[n * D :]
     for i in range(n):
-        key = kv[i * D:(i + 1) * D]
+        key = kv[i * D : (i + 1) * D]
         hi = h[b, t, i]
         rms = lambda v: v / v.pow(2).mean().sqrt()  # noqa: E731
-        dot = (rms(hi) * region.q_weight[i].float() * rms(key) * region.k_weight[i].float()).sum() / D ** 0.5
+        dot = (rms(hi) * region.q_weight[i].float() * rms(key) * region.k_weight[i].float()).sum() / D**0.5
         gate = torch.sigmoid(torch.sign(dot) * dot.abs().clamp_min(1e-6).sqrt())
         torch.testing.assert_close(out[b, t, i], hi + gate * value, rtol=1e-4, atol=1e-4)

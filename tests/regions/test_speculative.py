@@ -40,7 +40,7 @@ class NoRollback(_Eager):
 
 
 def speculative(model, prompts, drafter, stepper=Counting):
-    st = stepper(model, prompts, NEW, max(BLOCK + 1, *map(len, prompts)))     # prompts still one chunk
+    st = stepper(model, prompts, NEW, max(BLOCK + 1, *map(len, prompts)))  # prompts still one chunk
     return greedy(st, prompts, NEW, eos=model.config.eos_token_id, drafter=drafter), st
 
 
@@ -51,12 +51,12 @@ def test_doubles_leave_the_output_unchanged(ref_fp32, batched):
         plain = ref_fp32.generate(prompts, NEW)
         got, st = speculative(ref_fp32, prompts, AllAcceptedDraftDouble(plain, BLOCK))
         assert [g.tokens for g in got] == [g.tokens for g in plain]
-        if not batched:             # one prompt step, then blocks of BLOCK + 1 tokens
+        if not batched:  # one prompt step, then blocks of BLOCK + 1 tokens
             assert st.steps == 1 + -(-(NEW - 1) // (BLOCK + 1)), st.steps
         double = OneRejectedDraftDouble(plain, BLOCK, ref_fp32.config.text.vocab_size, seed=1)
         got, _ = speculative(ref_fp32, prompts, double)
         assert [g.tokens for g in got] == [g.tokens for g in plain]
-        if batched:                 # seed 1 lands a rejection at every offset of the block (16, 2, 2, 3, 2)
+        if batched:  # seed 1 lands a rejection at every offset of the block (16, 2, 2, 3, 2)
             assert all(double.offsets), double.offsets
 
 

@@ -113,8 +113,11 @@ def expected_tensors(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
 
 def read_layout(path):
     with safe_open(str(path / "model.safetensors"), "pt") as f:
-        header = json.loads(open(path / "model.safetensors", "rb").read(8 + int.from_bytes(
-            open(path / "model.safetensors", "rb").read(8), "little"))[8:])
+        header = json.loads(
+            open(path / "model.safetensors", "rb").read(
+                8 + int.from_bytes(open(path / "model.safetensors", "rb").read(8), "little")
+            )[8:]
+        )
         names = set(f.keys())
     return {k: (tuple(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"}, names
 
@@ -136,7 +139,7 @@ def test_config_is_release_shaped_and_tiny_plan(tiny_ckpt):
     assert cfg["model_type"] == "deepseek_v41"
     assert set(cfg) >= {"text_config", "vision_config", "quantization_config", "image_token_id"}
     t = cfg["text_config"]
-    assert t["compress_ratios"] == [0, 0, 2, 2, 1, 1, 0, 0, 0]           # three draft stages, window-only
+    assert t["compress_ratios"] == [0, 0, 2, 2, 1, 1, 0, 0, 0]  # three draft stages, window-only
     assert t["num_nextn_predict_layers"] == 3 and t["dspark_target_layer_ids"] == [3, 4, 5]
     assert t["kv_source_layer_ids"] == [2, 4] and t["index_source_layer_ids"] == [2, 4, 5]
     assert t["candidate_source_layer_id"] == 4 and t["engram_layer_ids"] == [1]
@@ -156,7 +159,7 @@ def test_scales_follow_release_rule(tiny_ckpt):
         blocks = w.unflatten(0, (-1, 32)).unflatten(2, (-1, 32)).abs().amax((1, 3))
         assert (blocks >= 224).all() and s.shape == blocks.shape
         e = f.get_tensor("layers.0.ffn.experts.3.w2.weight").view(torch.uint8)
-        assert e.dtype == torch.uint8 and (e.int() & 0x77).any()   # both nibbles used
+        assert e.dtype == torch.uint8 and (e.int() & 0x77).any()  # both nibbles used
 
 
 @pytest.mark.parametrize("layers", [7, 10])
@@ -169,8 +172,13 @@ def test_longer_variants_keep_every_kind(tmp_path, layers):
     c = load_config(path).text
     plans = plan_layers(c)
     kinds = {(p.attn, p.ratio, p.candidate_source, p.uses_candidates) for p in plans}
-    assert {("window", 0, False, False), ("source", 2, False, False), ("source", 1, True, False),
-            ("reuse", 2, False, False), ("reindex", 1, False, True)} <= kinds
+    assert {
+        ("window", 0, False, False),
+        ("source", 2, False, False),
+        ("source", 1, True, False),
+        ("reuse", 2, False, False),
+        ("reindex", 1, False, True),
+    } <= kinds
     assert any(p.engram_rows for p in plans)
     layout, _ = read_layout(path)
     assert set(layout) == set(expected_tensors(json.loads((path / "config.json").read_text())))

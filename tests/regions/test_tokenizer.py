@@ -47,11 +47,13 @@ def tok() -> TokenizersTokenizer:
 def engram_config(**engram):
     """The tiny text config with the golden's engram settings (and `engram` on top)."""
     text = parse_config(tiny_config()).text
-    return dataclasses.replace(text, **{k: tuple(v) if isinstance(v, list) else v
-                                        for k, v in {**GOLDEN["engram"], **engram}.items()})
+    return dataclasses.replace(
+        text, **{k: tuple(v) if isinstance(v, list) else v for k, v in {**GOLDEN["engram"], **engram}.items()}
+    )
 
 
 # --- the compressed token map against NeMo's ------------------------------------------------------
+
 
 def test_golden_is_of_this_tokenizer():
     digest = "sha256:" + hashlib.sha256((SYNTH / "tokenizer.json").read_bytes()).hexdigest()
@@ -69,34 +71,40 @@ def test_map_merges_what_normalisation_merges():
     m = GOLDEN["map"]
     byte = {ch: ord(ch) + 3 for ch in "aefhi "}
     merged = {text: 262 + i for i, (text, _, _) in enumerate(_builder().MERGES)}
-    assert m[byte["a"]] == m[ord("A") + 3] == m[merged["Ａ"]]                     # case, fullwidth
+    assert m[byte["a"]] == m[ord("A") + 3] == m[merged["Ａ"]]  # case, fullwidth
     assert m[merged["He"]] == m[merged["he"]] == m[merged["HE"]] == m[merged[" he"]]
-    assert m[merged["é"]] == m[merged["è"]] == m[merged["É"]] == m[byte["e"]]    # accents
+    assert m[merged["é"]] == m[merged["è"]] == m[merged["É"]] == m[byte["e"]]  # accents
     assert m[merged["café"]] == m[merged["cafe"]] != m[merged["caf"]]
-    assert m[merged["ﬁ"]] == m[merged["fi"]]                                     # compatibility form
+    assert m[merged["ﬁ"]] == m[merged["fi"]]  # compatibility form
     spaces = [byte[" "], ord("\t") + 3, ord("\n") + 3, merged["  "], merged["\n\n"], merged["\r\n"], merged["\u00a0"]]
-    assert len({m[i] for i in spaces}) == 1                                       # runs and lone spaces
+    assert len({m[i] for i in spaces}) == 1  # runs and lone spaces
     partial = [0x80 + 3, 0xC3 + 3, merged[b"\xe4\xbd"], merged[b"\xf0\x9f\x98"]]
-    assert len({m[i] for i in partial}) == len(partial)                          # undecodable: own keys
+    assert len({m[i] for i in partial}) == len(partial)  # undecodable: own keys
     assert m[merged[b"\xe4\xbd"]] != m[merged["你"]]
 
 
 def test_count_mismatch_is_one_line_naming_the_key(tok):
     c = engram_config(engram_compressed_vocab_size=99092)
-    with pytest.raises(ConfigError, match=r"^ckpt/config.json: text_config.engram_compressed_vocab_size is 99092, "
-                                          r"but ckpt/tokenizer.json normalises to 246 distinct keys") as e:
+    with pytest.raises(
+        ConfigError,
+        match=r"^ckpt/config.json: text_config.engram_compressed_vocab_size is 99092, "
+        r"but ckpt/tokenizer.json normalises to 246 distinct keys",
+    ) as e:
         checked_token_map(tok.backend, c, "ckpt/tokenizer.json", "ckpt/config.json")
     assert "\n" not in str(e.value)
 
 
 # --- the hashes: NeMo's, through the map, the pad id too -----------------------------------------
 
+
 def test_hashes_match_nemo(tok):
     c = engram_config()
     token_map = checked_token_map(tok.backend, c, "tokenizer.json", "config.json")
     hasher = EngramHasher(c, token_map)
     ids = GOLDEN["ids"]
-    assert hasher.pad == GOLDEN["map"][GOLDEN["engram"]["engram_pad_token_id"]] != GOLDEN["engram"]["engram_pad_token_id"]
+    assert (
+        hasher.pad == GOLDEN["map"][GOLDEN["engram"]["engram_pad_token_id"]] != GOLDEN["engram"]["engram_pad_token_id"]
+    )
     assert hasher.hashes(ids, 0, len(ids)).tolist() == GOLDEN["hashes"]
     masked = np.zeros(len(ids), dtype=bool)
     masked[GOLDEN["masked_position"]] = True
@@ -128,12 +136,15 @@ def test_unknown_id_is_refused(tok):
 
 # --- encode / decode -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text", ["Hello, world", "café Crème brûlée", "naïve 你好 😀🚀", "  two\tspaces\n\nand\r\n",
-                                  "ﬁ Ａ\u00a0e\u0301", ""])
+
+@pytest.mark.parametrize(
+    "text",
+    ["Hello, world", "café Crème brûlée", "naïve 你好 😀🚀", "  two\tspaces\n\nand\r\n", "ﬁ Ａ\u00a0e\u0301", ""],
+)
 def test_round_trip(tok, text):
     ids = tok.encode(text, bos=False)
     assert tok.decode(ids) == text
-    assert tok.encode(text) == [0] + ids                    # add_bos_token true, add_eos_token false
+    assert tok.encode(text) == [0] + ids  # add_bos_token true, add_eos_token false
 
 
 def test_encode_uses_the_merges(tok):
@@ -145,7 +156,7 @@ def test_encode_uses_the_merges(tok):
 def test_special_tokens(tok):
     assert (tok.bos, tok.eos, tok.pad) == (0, 1, 2)
     assert tok.encode("<|user|>Hi</s>", bos=False) == [260, ord("H") + 3, ord("i") + 3, 1]
-    assert tok.decode([0, 260, 265, 1, 259, 2]) == "He"         # special tokens dropped
+    assert tok.decode([0, 260, 265, 1, 259, 2]) == "He"  # special tokens dropped
 
 
 def test_post_processor_decides_without_flags(tmp_path):
@@ -153,7 +164,9 @@ def test_post_processor_decides_without_flags(tmp_path):
     from tokenizers import processors
 
     backend = read_tokenizer(SYNTH / "tokenizer.json")
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 1)])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 1)]
+    )
     backend.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     t = TokenizersTokenizer.from_dir(tmp_path)
@@ -174,8 +187,12 @@ def test_image_marker(tok):
 
 # --- chat template ---------------------------------------------------------------------------------
 
-MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+MESSAGES = [
+    {"role": "system", "content": "Be terse."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello"},
+    {"role": "user", "content": "Bye"},
+]
 
 
 def test_chat_template_renders(tok):
@@ -195,8 +212,9 @@ def test_chat_template_raise_exception_is_one_line(tok):
 
 def test_chat_template_is_sandboxed(tmp_path):
     shutil.copy(SYNTH / "tokenizer.json", tmp_path)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": "{{ messages.__class__.__mro__[1].__subclasses__() }}"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "{{ messages.__class__.__mro__[1].__subclasses__() }}"})
+    )
     with pytest.raises(ChatTemplateError, match="unsafe"):
         TokenizersTokenizer.from_dir(tmp_path).render_chat(MESSAGES)
 
@@ -204,10 +222,11 @@ def test_chat_template_is_sandboxed(tmp_path):
 def test_chat_template_file_and_tojson(tmp_path):
     shutil.copy(SYNTH / "tokenizer.json", tmp_path)
     (tmp_path / "chat_template.jinja").write_text(
-        "{% for m in messages %}{{ m['content'] | tojson }}{% if loop.first %}{% break %}{% endif %}{% endfor %}")
+        "{% for m in messages %}{{ m['content'] | tojson }}{% if loop.first %}{% break %}{% endif %}{% endfor %}"
+    )
     t = TokenizersTokenizer.from_dir(tmp_path)
     assert t.render_chat([{"role": "user", "content": "café"}, {"role": "user", "content": "x"}]) == '"café"'
-    assert t.bos is None and t.encode("hi") == [ord("h") + 3, ord("i") + 3]     # no config, no post-processor
+    assert t.bos is None and t.encode("hi") == [ord("h") + 3, ord("i") + 3]  # no config, no post-processor
 
 
 def test_no_chat_template_is_one_line():
@@ -217,6 +236,7 @@ def test_no_chat_template_is_one_line():
 
 # --- bad files -------------------------------------------------------------------------------------
 
+
 def test_damaged_tokenizer_json_is_one_line(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": ')
     with pytest.raises(ConfigError, match=r"tokenizer.json: not a readable tokenizer.json") as e:
@@ -224,12 +244,15 @@ def test_damaged_tokenizer_json_is_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"bos_token": "<bos>"}, "bos_token: '<bos>' is not a token of"),
-    ({"eos_token": 7}, "eos_token: expected a token string"),
-    ({"add_bos_token": True}, "add_bos_token is true but bos_token is not set"),
-    ({"chat_template": 3}, "chat_template: expected a template string"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"bos_token": "<bos>"}, "bos_token: '<bos>' is not a token of"),
+        ({"eos_token": 7}, "eos_token: expected a token string"),
+        ({"add_bos_token": True}, "add_bos_token is true but bos_token is not set"),
+        ({"chat_template": 3}, "chat_template: expected a template string"),
+    ],
+)
 def test_bad_tokenizer_config_names_the_key(tmp_path, config, message):
     shutil.copy(SYNTH / "tokenizer.json", tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))

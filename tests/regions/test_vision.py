@@ -25,8 +25,16 @@ from ..conftest import regenerate
 
 GOLDEN = json.loads(regenerate.VISION_GOLDEN.read_text())
 
-TINY = VisionConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                    patch_size=4, downsample_ratio=2, max_image_tokens=64, min_pixels=256)
+TINY = VisionConfig(
+    num_hidden_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    intermediate_size=128,
+    patch_size=4,
+    downsample_ratio=2,
+    max_image_tokens=64,
+    min_pixels=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +45,7 @@ def ref(tiny_ckpt):
 
 
 # --- files ---
+
 
 def png_bytes(pixels: np.ndarray, color: int, filters: list[int]) -> bytes:
     """A PNG written here, with the given filter type on each row (the decoder must undo each)."""
@@ -59,8 +68,13 @@ def png_bytes(pixels: np.ndarray, color: int, filters: list[int]) -> bytes:
 
     def chunk(kind, body):
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, color, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"".join(rows))) + chunk(b"IEND", b""))
+
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, color, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(b"".join(rows)))
+        + chunk(b"IEND", b"")
+    )
 
 
 def test_image_files_read_back_exactly(tmp_path):
@@ -78,7 +92,7 @@ def test_image_files_read_back_exactly(tmp_path):
     assert np.array_equal(read_image(tmp_path / "g.pgm"), np.repeat(grey[:, :, None], 3, 2))
     assert np.array_equal(read_image(tmp_path / "w.ppm"), rgb)
     assert np.array_equal(read_image(tmp_path / "a.png"), rgb)
-    assert np.array_equal(read_image(tmp_path / "b.png"), rgba[:, :, :3])          # alpha dropped
+    assert np.array_equal(read_image(tmp_path / "b.png"), rgba[:, :, :3])  # alpha dropped
     assert np.array_equal(read_image(tmp_path / "a.npy"), rgb)
     (tmp_path / "bad.jpg").write_bytes(b"\xff\xd8\xff")
     with pytest.raises(ImageError, match="bad.jpg: not a supported image"):
@@ -94,9 +108,18 @@ def test_hostile_image_files_are_bounded(tmp_path, monkeypatch):
 
     def ihdr_png(width, height, ihdr_len=13):
         body = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)[:ihdr_len]
-        idat = zlib.compress(bytes(1 << 20))                          # inflates to 1 MiB: never all of it
-        return (b"\x89PNG\r\n\x1a\n" + struct.pack(">I", len(body)) + b"IHDR" + body + b"\0" * 4
-                + struct.pack(">I", len(idat)) + b"IDAT" + idat + b"\0" * 4)
+        idat = zlib.compress(bytes(1 << 20))  # inflates to 1 MiB: never all of it
+        return (
+            b"\x89PNG\r\n\x1a\n"
+            + struct.pack(">I", len(body))
+            + b"IHDR"
+            + body
+            + b"\0" * 4
+            + struct.pack(">I", len(idat))
+            + b"IDAT"
+            + idat
+            + b"\0" * 4
+        )
 
     (tmp_path / "huge.png").write_bytes(ihdr_png(20000, 20000))
     with pytest.raises(ImageError, match=r"huge\.png: image declares 20000 x 20000 pixels, more than 64 Mpixel"):
@@ -107,17 +130,19 @@ def test_hostile_image_files_are_bounded(tmp_path, monkeypatch):
     (tmp_path / "big.ppm").write_bytes(b"P6 20000 20000 255\n")
     with pytest.raises(ImageError, match="declares 20000 x 20000"):
         read_image(tmp_path / "big.ppm")
-    (tmp_path / "bomb.png").write_bytes(ihdr_png(2, 2))              # 1 MiB of zeros for 2 x 2 pixels
+    (tmp_path / "bomb.png").write_bytes(ihdr_png(2, 2))  # 1 MiB of zeros for 2 x 2 pixels
     assert read_image(tmp_path / "bomb.png").shape == (2, 2, 3)
     monkeypatch.setattr(image, "MAX_FILE_BYTES", 1 << 16)
     with pytest.raises(ImageError, match="zero: more than 65,536 bytes; not read further"):
-        read_image("/dev/zero")                                       # an endless file is not read to its end
+        read_image("/dev/zero")  # an endless file is not read to its end
 
 
 # --- sizing and patches ---
 
-@pytest.mark.parametrize("h, w, rows, cols", [(20, 28, 5, 7), (12, 24, 3, 6), (16, 24, 4, 6), (4, 64, 1, 16),
-                                              (10, 10, 4, 4), (18, 30, 5, 8)])
+
+@pytest.mark.parametrize(
+    "h, w, rows, cols", [(20, 28, 5, 7), (12, 24, 3, 6), (16, 24, 4, 6), (4, 64, 1, 16), (10, 10, 4, 4), (18, 30, 5, 8)]
+)
 def test_grid_and_span_layout(h, w, rows, cols):
     """Patch grid, merged grid ceil(rows/2) x ceil(cols/2), and the span: start, rows of
     features each followed by a newline, end."""
@@ -134,8 +159,11 @@ def test_grid_and_span_layout(h, w, rows, cols):
     assert ids == [0, 75] + [259] * g.tokens + [80]
     assert emb.mask.tolist() == [False, False] + [True] * g.tokens + [False]
     layout = emb.embeds[emb.mask][:, 0].tolist()
-    want = [-1.0] + sum(([float(1 + r * g.llm_cols + c) for c in range(g.llm_cols)] + [-3.0]
-                         for r in range(g.llm_rows)), []) + [-2.0]
+    want = (
+        [-1.0]
+        + sum(([float(1 + r * g.llm_cols + c) for c in range(g.llm_cols)] + [-3.0] for r in range(g.llm_rows)), [])
+        + [-2.0]
+    )
     assert layout == want
 
 
@@ -161,39 +189,39 @@ def test_sizing_rules():
 
 def test_fit_pads_with_grey_centred_and_keeps_exact_sizes():
     px = np.full((8, 16, 3), 200, dtype=np.uint8)
-    g = plan_grid(16, 8, TINY)                           # 128 pixels < 256: scaled to 22 x 11 -> 24 x 12
+    g = plan_grid(16, 8, TINY)  # 128 pixels < 256: scaled to 22 x 11 -> 24 x 12
     out = fit(px, g, TINY)
     assert out.shape == (g.height, g.width, 3) == (12, 24, 3)
     # 16 x 8 fitted into 24 x 12 keeps 2:1 exactly: no band
     assert (out == 200).all()
-    g2 = plan_grid(10, 40, TINY)                         # tall: 10 -> 12 columns, a grey column each side
+    g2 = plan_grid(10, 40, TINY)  # tall: 10 -> 12 columns, a grey column each side
     out2 = fit(np.full((40, 10, 3), 200, dtype=np.uint8), g2, TINY)
     assert out2.shape == (40, 12, 3)
     assert (out2[:, [0, 11]] == GREY).all() and (out2[:, 1:11] == 200).all()
     exact = regenerate.gradient_image()
-    assert np.array_equal(fit(exact, plan_grid(28, 20, TINY), TINY), exact)   # no resampling at grid size
+    assert np.array_equal(fit(exact, plan_grid(28, 20, TINY), TINY), exact)  # no resampling at grid size
 
 
 def test_patches_are_row_major_and_normalised():
     px = regenerate.gradient_image()
     patches, g = preprocess(px, TINY)
     assert patches.shape == (g.rows * g.cols, 3, 4, 4) and patches.dtype == torch.float32
-    k = 2 * g.cols + 5                                   # patch row 2, column 5
+    k = 2 * g.cols + 5  # patch row 2, column 5
     want = torch.from_numpy(px[8:12, 20:24].astype(np.float32)).permute(2, 0, 1) / 255 * 2 - 1
     assert torch.allclose(patches[k], want, atol=1e-6)
     assert patches.min() >= -1 and patches.max() <= 1
-    grey = to_patches(np.full((4, 4, 3), GREY, np.uint8), plan_grid(4, 4, VisionConfig(patch_size=4, min_pixels=16)),
-                      4)
+    grey = to_patches(np.full((4, 4, 3), GREY, np.uint8), plan_grid(4, 4, VisionConfig(patch_size=4, min_pixels=16)), 4)
     assert torch.allclose(grey, torch.full_like(grey, (GREY / 255 - 0.5) / 0.5))
 
 
 # --- the tower's pieces ---
 
+
 def complex_rope(x: torch.Tensor, row: int, col: int, theta: float) -> torch.Tensor:
     """The rotation written independently: channel pair (i, i + hd/2) as one complex number,
     turned by row * f_i (i < hd/4) or col * f_(i - hd/4), f_k = theta^(-4k / hd)."""
     hd = x.shape[-1]
-    z = torch.complex(x[..., : hd // 2].double(), x[..., hd // 2:].double())
+    z = torch.complex(x[..., : hd // 2].double(), x[..., hd // 2 :].double())
     k = torch.arange(hd // 2) % (hd // 4)
     pos = torch.where(torch.arange(hd // 2) < hd // 4, row, col).double()
     z = z * torch.polar(torch.ones(hd // 2, dtype=torch.float64), pos * theta ** (-4.0 * k / hd))
@@ -208,7 +236,7 @@ def test_rope_2d_rotates_rows_and_columns():
     for n in range(rows * cols):
         r, c = divmod(n, cols)
         assert torch.allclose(out[n].double(), complex_rope(x[n], r, c, theta), atol=1e-5)
-    assert torch.equal(out[0], x[0])                                   # (0, 0): no rotation
+    assert torch.equal(out[0], x[0])  # (0, 0): no rotation
     # half the channels see only the row, the other half only the column
     q = x[:1].expand(rows * cols, -1, -1)
     rot = apply_rope_2d(q, cos, sin).view(rows, cols, 2, hd)
@@ -222,6 +250,7 @@ def test_rope_2d_rotates_rows_and_columns():
     def score(a, b):
         (ra, ca), (rb, cb) = a, b
         return float(complex_rope(qk[0, 0], ra, ca, theta) @ complex_rope(qk[1, 0], rb, cb, theta))
+
     assert score((0, 1), (2, 3)) == pytest.approx(score((5, 7), (7, 9)), abs=1e-9)
 
 
@@ -273,13 +302,13 @@ def naive_span(ckpt, image: np.ndarray) -> torch.Tensor:
             heads.append(torch.softmax(qr @ kr.T / math.sqrt(hd), -1) @ val[:, sl])
         x = x + lin(torch.cat(heads, -1), p + "attn.wo")
         gu = lin(norm(x, p + "norm2.weight"), p + "mlp.w1", bias=False)
-        gate, up = gu[:, : v.intermediate_size], gu[:, v.intermediate_size:]
+        gate, up = gu[:, : v.intermediate_size], gu[:, v.intermediate_size :]
         x = x + lin(gate * torch.sigmoid(gate) * up, p + "mlp.w2", bias=False)
     x = norm(x, "vision.norm.weight")
     feats = lin(F.gelu(lin(merge_cells(x, g.rows, g.cols, v.downsample_ratio), "aligner.w1")), "aligner.w2")
     out = [t("image_start")]
     for i in range(g.llm_rows):
-        out += list(feats[i * g.llm_cols:(i + 1) * g.llm_cols]) + [t("image_newline")]
+        out += list(feats[i * g.llm_cols : (i + 1) * g.llm_cols]) + [t("image_newline")]
     return torch.stack(out + [t("image_end")])
 
 
@@ -303,6 +332,7 @@ def test_bf16_tower_stays_close_to_fp32(tiny_ckpt, ref):
 
 # --- the golden image prompt ---
 
+
 def test_span_and_tokens_match_golden(ref):
     placed = regenerate.image_prompts(ref)
     rows = placed[0][1].embeds[placed[0][1].mask].double()
@@ -320,14 +350,14 @@ def test_golden_is_not_degenerate_and_the_image_matters(ref):
         for run in runs:
             assert len(set(run["generated_ids"])) >= 3, run
     first = GOLDEN["modes"]["fp32-noquant"][0]
-    assert first["prompt_ids"] == [0] + [259] * 17 + [75, 108]          # bos, the 17-position span, "Hi"
+    assert first["prompt_ids"] == [0] + [259] * 17 + [75, 108]  # bos, the 17-position span, "Hi"
     assert ref.generate([[0, 75, 108]], GOLDEN["max_new_tokens"])[0].generated != first["generated_ids"]
 
 
 def test_image_positions_reach_engram_and_moe_as_image(ref):
     """Every span position is an image position: engram's token mask is off there and the MoE
     gets is_image (so it selects with bias_vl); text positions are untouched."""
-    (ids, emb), = regenerate.image_prompts(ref, ["<image>Hi"])
+    ((ids, emb),) = regenerate.image_prompts(ref, ["<image>Hi"])
     seen = {}
     invoke = ref.invoke
 
@@ -335,8 +365,9 @@ def test_image_positions_reach_engram_and_moe_as_image(ref):
         if slot == "moe":
             seen.setdefault("moe", inputs[2].clone())
         if slot == "engram":
-            seen.setdefault("engram", inputs[3].clone())   # decode(h, rows, rows_s, token_mask)
+            seen.setdefault("engram", inputs[3].clone())  # decode(h, rows, rows_s, token_mask)
         return invoke(layer, slot, *inputs)
+
     ref.invoke = spy
     try:
         ref.generate([ids], 1, images=[emb])
@@ -355,8 +386,18 @@ def test_reference_cli_with_an_image(tiny_ckpt, tmp_path):
     path = tmp_path / "grad.ppm"
     path.write_bytes(b"P6 28 20 255\n" + image.tobytes())
     want = GOLDEN["modes"]["fp32-noquant"]
-    args = ["reference", str(tiny_ckpt), "--dtype", "fp32", "--no-cache-quant", "--json", "--image", str(path),
-            "--max-new-tokens", str(GOLDEN["max_new_tokens"])]
+    args = [
+        "reference",
+        str(tiny_ckpt),
+        "--dtype",
+        "fp32",
+        "--no-cache-quant",
+        "--json",
+        "--image",
+        str(path),
+        "--max-new-tokens",
+        str(GOLDEN["max_new_tokens"]),
+    ]
     for run in want:
         args += ["--prompt", run["prompt"]]
     res = CliRunner().invoke(main, args)
@@ -368,6 +409,7 @@ def test_reference_cli_with_an_image(tiny_ckpt, tmp_path):
 
 
 # --- the bundle: the tower is host-side, so the text bundle takes images as compiled ---
+
 
 def test_bundle_carries_the_tower_and_reproduces_the_reference(exported_bundle, tiny_ckpt, tmp_path, monkeypatch):
     from click.testing import CliRunner
@@ -387,18 +429,32 @@ def test_bundle_carries_the_tower_and_reproduces_the_reference(exported_bundle, 
     image = regenerate.gradient_image()
     assert torch.equal(session.vision.embed(image), ref.vision.embed(image))
     want = GOLDEN["modes"]["fp32-quant-lowest"]
-    (ids, emb), = regenerate.image_prompts(ref, [want[1]["prompt"]])          # the API (prompt 0: the CLI below)
+    ((ids, emb),) = regenerate.image_prompts(ref, [want[1]["prompt"]])  # the API (prompt 0: the CLI below)
     g = session.generate([ids], GOLDEN["max_new_tokens"], images=[emb])[0]
     tolerance = GOLDEN["noise"]["fp32-quant-lowest"]["tolerance"]
     assert g.error is None
     regenerate.check_run(g.tokens, g.logits, want[1], tolerance)
     path = tmp_path / "grad.npy"
     np.save(path, image)
-    monkeypatch.setattr(deepinfer.runtime, "load", lambda *args, **kwargs: session)    # loaded once (~10 s)
-    res = CliRunner().invoke(run_main, [str(exported_bundle), "--json", "--image", str(path), "--prompt",
-                                        want[0]["prompt"], "--max-new-tokens", str(GOLDEN["max_new_tokens"]),
-                                        "--dump-logits", str(tmp_path / "run.st")])
+    monkeypatch.setattr(deepinfer.runtime, "load", lambda *args, **kwargs: session)  # loaded once (~10 s)
+    res = CliRunner().invoke(
+        run_main,
+        [
+            str(exported_bundle),
+            "--json",
+            "--image",
+            str(path),
+            "--prompt",
+            want[0]["prompt"],
+            "--max-new-tokens",
+            str(GOLDEN["max_new_tokens"]),
+            "--dump-logits",
+            str(tmp_path / "run.st"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     dumped = load_file(str(tmp_path / "run.st"))
-    assert json.loads(res.output)["outputs"][0]["generated_ids"] == dumped["tokens"].tolist()[len(want[0]["prompt_ids"]):]
+    assert (
+        json.loads(res.output)["outputs"][0]["generated_ids"] == dumped["tokens"].tolist()[len(want[0]["prompt_ids"]) :]
+    )
     regenerate.check_run(dumped["tokens"].tolist(), list(dumped["logits"]), want[0], tolerance)

@@ -21,6 +21,16 @@ def run_exported_bundle(tmp_path_factory, tiny_ckpt) -> Path:
     speculative verify step, a DSpark block of 5 and the anchor) x context {16, 80} (the golden prompts
     cross from one to the other while generating, the longest while prefilling), cache quantization on;
     with the checkpoint's DSpark draft compiled in ([speculative] draft: its regions at batch {1, 4})."""
-    return _compile_tiny(tmp_path_factory, "run-exported", tiny_ckpt, executable="exported", tokens=[1, 6, 8],
-                         batch=(1, 4), max_context=80, context=(16, 80), num_blocks=21, cache_quant=True,
-                         extra='\n[speculative]\ndraft = "dspark"\n')
+    return _compile_tiny(
+        tmp_path_factory,
+        "run-exported",
+        tiny_ckpt,
+        executable="exported",
+        tokens=[1, 6, 8],
+        batch=(1, 4),
+        max_context=80,
+        context=(16, 80),
+        num_blocks=21,
+        cache_quant=True,
+        extra='\n[speculative]\ndraft = "dspark"\n',
+    )

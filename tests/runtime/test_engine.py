@@ -20,8 +20,16 @@ class Counting:
 
     groups = 1
 
-    def __init__(self, *, max_batch: int = 2, chunk: int = 4, slots: int = 4, blocks: int = 9, block_size: int = 4,
-                 max_blocks: int = 8):
+    def __init__(
+        self,
+        *,
+        max_batch: int = 2,
+        chunk: int = 4,
+        slots: int = 4,
+        blocks: int = 9,
+        block_size: int = 4,
+        max_blocks: int = 8,
+    ):
         self.max_batch, self.chunk = max_batch, chunk
         self.geometry = (slots, blocks, block_size, max_blocks)
         self.steps: list[list[tuple[int, list[int], int]]] = []
@@ -32,9 +40,9 @@ class Counting:
     def run(self, rows_by_group, allocs, gens, images):
         (rows,) = rows_by_group
         self.steps.append([(seq, list(ids), start) for seq, ids, start in rows])
-        for seq, ids, start in rows:       # the engine reserved the blocks of every position it sends
+        for seq, ids, start in rows:  # the engine reserved the blocks of every position it sends
             assert len(allocs[0].tables[seq]) * allocs[0].block_size >= start + len(ids)
-            assert gens[seq].tokens[start:start + len(ids)] == ids
+            assert gens[seq].tokens[start : start + len(ids)] == ids
         T = max(len(ids) for _, ids, _ in rows)
         logits = torch.zeros(len(rows), T, V)
         for b, (_, ids, _) in enumerate(rows):
@@ -46,8 +54,13 @@ class Counting:
 def request(prompt, max_tokens, log, sampling=Sampling()):
     """A Request whose tokens and finish go to `log` ({"tokens": [...], "finish": (reason, error)})."""
     log.setdefault("tokens", [])
-    return Request(list(prompt), max_tokens, lambda t: log["tokens"].append(t) or False,
-                   lambda reason, error: log.__setitem__("finish", (reason, error)), sampling)
+    return Request(
+        list(prompt),
+        max_tokens,
+        lambda t: log["tokens"].append(t) or False,
+        lambda reason, error: log.__setitem__("finish", (reason, error)),
+        sampling,
+    )
 
 
 def drain(engine: Engine, limit: int = 200) -> None:
@@ -68,11 +81,11 @@ def test_tokens_finish_reasons_and_eos():
     idle = free(engine)
     a, b = {}, {}
     engine.submit(request([5, 6, 7], 3, a))
-    engine.submit(request([V - 2], 5, b))          # 31, 0, then eos (1)
+    engine.submit(request([V - 2], 5, b))  # 31, 0, then eos (1)
     drain(engine)
     assert a == {"tokens": [8, 9, 10], "finish": ("length", None)}
     assert b == {"tokens": [V - 1, 0, EOS], "finish": ("stop", None)}
-    assert free(engine) == idle                     # every slot and block back
+    assert free(engine) == idle  # every slot and block back
 
 
 def test_requests_join_at_step_boundaries_and_prefill_interleaves_with_decodes():
@@ -80,7 +93,7 @@ def test_requests_join_at_step_boundaries_and_prefill_interleaves_with_decodes()
     engine = Engine(stepper, eos=EOS, max_queue=8)
     a, b = {}, {}
     engine.submit(request([2] * 3, 4, a))
-    engine.step()                                   # a's prompt in one chunk, first token sampled
+    engine.step()  # a's prompt in one chunk, first token sampled
     engine.submit(request(list(range(10, 20)), 2, b))
     engine.step()
     engine.step()
@@ -102,7 +115,7 @@ def test_batch_limit_and_blocks_make_requests_wait_not_fail():
     engine.submit(request([8] * 4, 4, logs[1]))
     engine.submit(request([12], 2, logs[2]))
     engine.step()
-    assert [seq for seq, _, _ in stepper.steps[0]] == [0]       # b waits for blocks, c behind it (FIFO)
+    assert [seq for seq, _, _ in stepper.steps[0]] == [0]  # b waits for blocks, c behind it (FIFO)
     assert engine.metrics.queue_depth._value.get() == 2
     drain(engine)
     assert [log["finish"] for log in logs] == [("length", None)] * 3
@@ -124,7 +137,7 @@ def test_cancel_frees_the_slot_and_blocks_at_the_next_step():
     engine.step()
     assert log["finish"] == ("cancelled", None) and len(log["tokens"]) == 1
     assert free(engine) == idle and not engine.running
-    waiting = request([3], 2, {})                   # cancelled before it ran: never admitted
+    waiting = request([3], 2, {})  # cancelled before it ran: never admitted
     engine.submit(waiting)
     engine.cancel(waiting)
     engine.step()
@@ -133,11 +146,11 @@ def test_cancel_frees_the_slot_and_blocks_at_the_next_step():
 
 def test_queue_bound_and_requests_that_can_never_fit():
     engine = Engine(Counting(max_blocks=4), eos=EOS, max_queue=2)
-    for _ in range(4):          # 2 for the batch's free rows, 2 for the queue
+    for _ in range(4):  # 2 for the batch's free rows, 2 for the queue
         engine.submit(request([2], 2, {}))
     with pytest.raises(QueueFull, match="4 requests are waiting already .--max-queue 2, 2 free rows"):
         engine.submit(request([2], 2, {}))
-    engine.step()               # 2 admitted: now the queue alone counts
+    engine.step()  # 2 admitted: now the queue alone counts
     with pytest.raises(QueueFull, match="2 requests are waiting already .--max-queue 2, 0 free rows"):
         engine.submit(request([2], 2, {}))
     with pytest.raises(RequestError, match="maximum context length is 16 tokens; the request needs 17"):
@@ -148,7 +161,7 @@ def test_queue_bound_and_requests_that_can_never_fit():
     with pytest.raises(RequestError, match="length is 16 tokens; the prompt has 17") as e:
         engine.check(17, 1)
     assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
-    small = Engine(Counting(blocks=3), eos=EOS, max_queue=2)      # 2 usable blocks of 4
+    small = Engine(Counting(blocks=3), eos=EOS, max_queue=2)  # 2 usable blocks of 4
     with pytest.raises(RequestError, match="needs 3 KV blocks"):
         small.check(8, 2)
     with pytest.raises(RequestError, match="without room for a sequence"):
@@ -159,8 +172,12 @@ def test_run_on_its_own_thread_and_close():
     engine = Engine(Counting(), eos=EOS, max_queue=8)
     done = threading.Event()
     log = {}
-    r = Request([5], 3, lambda t: log.setdefault("tokens", []).append(t) or False,
-                lambda reason, error: (log.__setitem__("finish", reason), done.set()))
+    r = Request(
+        [5],
+        3,
+        lambda t: log.setdefault("tokens", []).append(t) or False,
+        lambda reason, error: (log.__setitem__("finish", reason), done.set()),
+    )
     thread = threading.Thread(target=engine.run)
     thread.start()
     try:

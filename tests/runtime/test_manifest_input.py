@@ -22,11 +22,15 @@ EDITS = {
     "files is a list": (lambda m: m.update(files=list(m["files"])), "files: expected a table"),
     "region without artifact": (lambda m: m["regions"][0].pop("artifact"), "regions[0]: missing required key"),
     "swapped layer weights": (_moe_swap, "layers[0].regions.moe.index is 1; layer 0 is number 0 of kind moe"),
-    "layer kind edited": (lambda m: m["layers"][2].update(attn="window"),
-                          "layers[2].attn is 'window'; the model config gives layer 2 'source'"),
+    "layer kind edited": (
+        lambda m: m["layers"][2].update(attn="window"),
+        "layers[2].attn is 'window'; the model config gives layer 2 'source'",
+    ),
     "2 PB of blocks": (lambda m: m["kv"].update(num_blocks=10**12), "more than this host's"),
-    "vision outside": (lambda m: m["host"]["vision"].update(path="../../../etc/passwd"),
-                       "host.vision.path: path '../../../etc/passwd' is not inside the bundle"),
+    "vision outside": (
+        lambda m: m["host"]["vision"].update(path="../../../etc/passwd"),
+        "host.vision.path: path '../../../etc/passwd' is not inside the bundle",
+    ),
 }
 
 

@@ -52,14 +52,17 @@ def test_a_clean_program_loads_and_runs(saved):
 def test_pickled_sample_inputs_are_refused_and_never_run(saved, tmp_path):
     marker = tmp_path / "payload-ran"
     payload = io.BytesIO()
-    torch.save(((Payload(marker),), {}), payload)          # what a full unpickle of the file runs
-    evil = _rewrite(saved, tmp_path / "evil.pt2", lambda name, data: payload.getvalue()
-                    if name.endswith("sample_inputs/model.pt") else data)
+    torch.save(((Payload(marker),), {}), payload)  # what a full unpickle of the file runs
+    evil = _rewrite(
+        saved,
+        tmp_path / "evil.pt2",
+        lambda name, data: payload.getvalue() if name.endswith("sample_inputs/model.pt") else data,
+    )
     with pytest.raises(UnsafeArchiveError, match=r"evil\.pt2: .*never unpickles") as err:
         load_exported(evil)
     assert "\n" not in str(err.value)
     assert not marker.exists()
-    torch.export.load(str(evil))                # the threat this guards against: torch's own load runs it
+    torch.export.load(str(evil))  # the threat this guards against: torch's own load runs it
     assert marker.exists()
 
 

@@ -18,7 +18,7 @@ from deepinfer.runtime.session import Stats
 from ..conftest import regenerate
 
 GOLDEN = json.loads(regenerate.GOLDEN.read_text())
-RUNS = GOLDEN["modes"]["fp32-quant-lowest"]        # what bundles compute: lowest index wins among tied scores
+RUNS = GOLDEN["modes"]["fp32-quant-lowest"]  # what bundles compute: lowest index wins among tied scores
 NEW = GOLDEN["max_new_tokens"]
 GOLDEN_FOR = {"run_aoti_bundle": "fp32-noquant-lowest", "run_exported_bundle": "fp32-quant-lowest"}
 
@@ -43,6 +43,7 @@ def loaded():
             sessions[bundle] = load(bundle)
         sessions[bundle].stats = Stats()
         return sessions[bundle]
+
     return get
 
 
@@ -57,6 +58,7 @@ def plain(loaded):
         if key not in runs:
             runs[key] = loaded(bundle).generate(prompts, NEW)
         return runs[key]
+
     return get
 
 
@@ -71,14 +73,16 @@ def test_speculative_doubles_keep_the_tokens(loaded, plain, run_exported_bundle)
     prompts = [r["prompt_ids"] for r in RUNS]
     for batch in [[p] for p in prompts] + [prompts]:
         want = plain(run_exported_bundle, batch)
-        doubles = (AllAcceptedDraftDouble(want, block),
-                   OneRejectedDraftDouble(want, block, session.config.text.vocab_size, seed=1))
+        doubles = (
+            AllAcceptedDraftDouble(want, block),
+            OneRejectedDraftDouble(want, block, session.config.text.vocab_size, seed=1),
+        )
         for drafter in doubles:
             steps = session.stats.steps
             got = session.generate(batch, NEW, drafter=drafter)
             assert [g.tokens for g in got] == [g.tokens for g in want], type(drafter).__name__
             assert all(g.error is None for g in got)
-        if len(batch) == 1:     # prompt chunks of 8, then verify steps of 6 tokens with every draft kept
+        if len(batch) == 1:  # prompt chunks of 8, then verify steps of 6 tokens with every draft kept
             assert session.stats.steps - steps > 0
     assert all(doubles[1].offsets), doubles[1].offsets
 
@@ -101,6 +105,7 @@ def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, pla
     def recording(requests):
         slots.update({seq: slot for seq, slot, _, _ in requests})
         return draft(requests)
+
     compiled.draft = recording
     got = session.generate(prompts, NEW, drafter=compiled)
     assert [g.tokens for g in got] == [g.tokens for g in want]
@@ -131,6 +136,7 @@ def reuse_session(monkeypatch, session) -> None:
     def fresh(*args, **kwargs):
         session.stats = Stats()
         return session
+
     monkeypatch.setattr(deepinfer.runtime.session, "load", fresh)
 
 
@@ -143,17 +149,33 @@ def test_cli_speculative_keeps_the_tokens(run_exported_bundle, loaded, plain, mo
     want = plain(run_exported_bundle, [ids])[0].generated[:8]
     reuse_session(monkeypatch, loaded(run_exported_bundle))
     runner = CliRunner()
-    r = runner.invoke(main, [str(run_exported_bundle), "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens",
-                             "8", "--json", "--timing", "--speculative", "dspark"])
+    r = runner.invoke(
+        main,
+        [
+            str(run_exported_bundle),
+            "--prompt-ids",
+            ",".join(map(str, ids)),
+            "--max-new-tokens",
+            "8",
+            "--json",
+            "--timing",
+            "--speculative",
+            "dspark",
+        ],
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["outputs"][0]["generated_ids"] == want
     spec = out["timing"]["speculation"]
     assert spec["verify_steps"] > 0 and spec["tokens_per_step"] >= 1
     assert spec["verify_over_decode_step"] is not None and spec["verify_over_decode_step"] > 0
-    assert {"dspark_attn", "dspark_moe", "dspark_head", "head.project"} <= {row["kind"] for row in out["timing"]["regions"]}
-    r = runner.invoke(main, [str(run_exported_bundle), "--prompt", "Hi", "--max-new-tokens", "3", "--timing",
-                             "--speculative", "dspark"])
+    assert {"dspark_attn", "dspark_moe", "dspark_head", "head.project"} <= {
+        row["kind"] for row in out["timing"]["regions"]
+    }
+    r = runner.invoke(
+        main,
+        [str(run_exported_bundle), "--prompt", "Hi", "--max-new-tokens", "3", "--timing", "--speculative", "dspark"],
+    )
     assert r.exit_code == 0 and "tokens per step" in r.stderr, r.output
 
 
@@ -173,8 +195,8 @@ def test_bundle_reproduces_golden_tokens(request, loaded, plain, which):
     runs = GOLDEN["modes"][GOLDEN_FOR[which]]
     assert loaded(bundle).manifest.model.cache_quant == GOLDEN_FOR[which].startswith("fp32-quant")
     prompts = [r["prompt_ids"] for r in runs]
-    check_against_golden([plain(bundle, [p])[0] for p in prompts], GOLDEN_FOR[which])      # batch 1
-    check_against_golden(plain(bundle, prompts), GOLDEN_FOR[which])                         # all four at once
+    check_against_golden([plain(bundle, [p])[0] for p in prompts], GOLDEN_FOR[which])  # batch 1
+    check_against_golden(plain(bundle, prompts), GOLDEN_FOR[which])  # all four at once
 
 
 def test_padding_waste_and_timing_are_recorded(run_exported_bundle, loaded):
@@ -194,15 +216,21 @@ def _table_widths(session):
 
     def on_call(layer, slot, kind, inputs, run):
         if kind in context_kinds:
-            widths.append(next(x.shape[1] for x, s in zip(inputs, session.signatures[kind][-len(inputs):])
-                               if s.name == "block_table"))
+            widths.append(
+                next(
+                    x.shape[1]
+                    for x, s in zip(inputs, session.signatures[kind][-len(inputs) :])
+                    if s.name == "block_table"
+                )
+            )
         return run()
+
     session.on_call = on_call
     return widths
 
 
 def test_context_buckets_follow_the_longest_sequence(run_exported_bundle, loaded):
-    """"Hello" (6 positions, 16 generated) crosses from the 16-position bucket (1 block) into the
+    """ "Hello" (6 positions, 16 generated) crosses from the 16-position bucket (1 block) into the
     80-position one (5 blocks) while generating: the golden tokens and logits, and the same as the bundle
     run single-bucket (every step at the largest bucket: a bundle compiled with context = [80] has
     exactly those executables)."""
@@ -211,8 +239,9 @@ def test_context_buckets_follow_the_longest_sequence(run_exported_bundle, loaded
     assert m.buckets.contexts == (16, 80) and session.context_blocks == [1, 5]
     names = [e.name for e in m.regions]
     assert len(names) == len(set(names)) and "attn_source_r2.decode.b4t8c16" in names
-    assert "attn_window.decode.b4t8" in names and not any(n.startswith("attn_window") and "c" in n.split(".")[-1]
-                                                          for n in names)
+    assert "attn_window.decode.b4t8" in names and not any(
+        n.startswith("attn_window") and "c" in n.split(".")[-1] for n in names
+    )
     run = RUNS[0]
     try:
         widths = _table_widths(session)
@@ -273,8 +302,11 @@ def test_engram_host_file_is_checked(run_exported_bundle, tmp_path):
     tables = load_file(str(host))
     tables["layers.1.engram.embed.weight"] = tables["layers.1.engram.embed.weight"][:-1].clone()
     save_file(tables, str(host))
-    with pytest.raises(TensorFileError, match=r"host/engram.safetensors, tensor 'layers.1.engram.embed.weight': "
-                                              r"\[4095, 32\] torch.uint8, expected \[4096, 32\]"):
+    with pytest.raises(
+        TensorFileError,
+        match=r"host/engram.safetensors, tensor 'layers.1.engram.embed.weight': "
+        r"\[4095, 32\] torch.uint8, expected \[4096, 32\]",
+    ):
         load(b, verify=False)
     edit_manifest(b, lambda d: d["host"].pop("engram"))
     with pytest.raises(BundleError, match=r"host: lacks the engram tables \(engram\) its engram layers read"):
@@ -297,8 +329,10 @@ def test_wrong_target_is_refused(run_exported_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPINFER_LIBNRT", str(tmp_path / "no-libnrt.so"))
     with pytest.raises(NeuronRuntimeMissing, match="libnrt"):
         load(b)
-    edit_manifest(b, lambda d: d.update(target={"name": "cpu", "executable": "aoti"},
-                                       toolchain=dict(d["toolchain"], torch="1.0.0")))
+    edit_manifest(
+        b,
+        lambda d: d.update(target={"name": "cpu", "executable": "aoti"}, toolchain=dict(d["toolchain"], torch="1.0.0")),
+    )
     with pytest.raises(BundleError, match="compiled with torch 1.0.0"):
         load(b)
 
@@ -318,8 +352,18 @@ def test_cli_prints_text_json_and_timing(run_exported_bundle, loaded, monkeypatc
 
     reuse_session(monkeypatch, loaded(run_exported_bundle))
     runner = CliRunner()
-    r = runner.invoke(main, [str(run_exported_bundle), "--prompt-ids", ",".join(map(str, RUNS[0]["prompt_ids"])),
-                             "--max-new-tokens", "4", "--json", "--timing"])
+    r = runner.invoke(
+        main,
+        [
+            str(run_exported_bundle),
+            "--prompt-ids",
+            ",".join(map(str, RUNS[0]["prompt_ids"])),
+            "--max-new-tokens",
+            "4",
+            "--json",
+            "--timing",
+        ],
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["outputs"][0]["generated_ids"] == RUNS[0]["generated_ids"][:4]

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from deepinfer.runtime.server import ServerProcess
 
 MODEL = "tiny"
-START_TIMEOUT_S = 300          # loading the bundle on a busy 2-core machine
+START_TIMEOUT_S = 300  # loading the bundle on a busy 2-core machine
 REQUEST_TIMEOUT_S = 120
 PROMPTS = ["Hello, world", "The quick brown fox", "abc", "1 + 1 =", "Once upon a time", "x", "def f(a):", "GET /"]
 NEW = 12
@@ -83,7 +83,7 @@ def expected(aoti_bundle):
 
 
 def finish_of(ids: list[int]) -> str:
-    return "stop" if ids[-1] == 1 else "length"       # eos is the tiny model's id 1
+    return "stop" if ids[-1] == 1 else "length"  # eos is the tiny model's id 1
 
 
 def check(completion, text: str, ids: list[int], prompt_tokens: int):
@@ -111,8 +111,11 @@ def test_greedy_completions_equal_deepinfer_run_one_at_a_time_and_concurrently(s
 def test_streaming_sends_the_same_text_in_pieces(server, expected):
     client = server.client()
     text, ids = expected[PROMPTS[1]]
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=NEW, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPTS[1], max_tokens=NEW, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish_of(ids)
@@ -122,7 +125,7 @@ def test_streaming_sends_the_same_text_in_pieces(server, expected):
 def test_chat_uses_the_plain_template_of_the_byte_tokenizer(server):
     client = server.client()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    rendered = "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"          # the documented format
+    rendered = "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"  # the documented format
     direct = client.completions.create(model=MODEL, prompt=rendered, max_tokens=NEW)
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW)
     assert chat.choices[0].message.role == "assistant"
@@ -138,8 +141,8 @@ def test_chat_uses_the_plain_template_of_the_byte_tokenizer(server):
 def test_stop_strings_cut_the_text_streamed_or_not(server, expected):
     client = server.client()
     text, _ = expected[PROMPTS[4]]
-    stop = next(text[i:i + 2] for i in range(3, len(text) - 1) if "\ufffd" not in text[i:i + 2])
-    want = text[:text.find(stop)]
+    stop = next(text[i : i + 2] for i in range(3, len(text) - 1) if "\ufffd" not in text[i : i + 2])
+    want = text[: text.find(stop)]
     out = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=NEW, stop=[stop, "\x00never"])
     assert out.choices[0].text == want and out.choices[0].finish_reason == "stop"
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=NEW, stop=stop, stream=True))
@@ -149,11 +152,14 @@ def test_stop_strings_cut_the_text_streamed_or_not(server, expected):
 def test_sampling_with_a_seed_repeats_and_top_k_1_is_greedy(server, expected):
     client = server.client()
     text, _ = expected[PROMPTS[2]]
-    greedy = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=NEW, temperature=1.5,
-                                       extra_body={"top_k": 1}, seed=5)
+    greedy = client.completions.create(
+        model=MODEL, prompt=PROMPTS[2], max_tokens=NEW, temperature=1.5, extra_body={"top_k": 1}, seed=5
+    )
     assert greedy.choices[0].text == text
-    a, b = (client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=NEW, temperature=1.0, seed=11)
-            for _ in range(2))
+    a, b = (
+        client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=NEW, temperature=1.0, seed=11)
+        for _ in range(2)
+    )
     assert a.choices[0].text == b.choices[0].text
 
 
@@ -166,8 +172,9 @@ def test_cancelling_mid_stream_frees_the_sequence(server):
     next(pieces)
     stream.close()
     server.wait_for(lambda: server.metric('deepinfer_requests_total{outcome="cancelled"}') == cancelled + 1)
-    server.wait_for(lambda: server.metric("deepinfer_running_sequences") == 0
-                    and server.metric("deepinfer_kv_blocks_in_use") == 0)
+    server.wait_for(
+        lambda: server.metric("deepinfer_running_sequences") == 0 and server.metric("deepinfer_kv_blocks_in_use") == 0
+    )
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, expected):
@@ -191,8 +198,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, exp
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model=MODEL, prompt=[0, 10**6], max_tokens=2)
-    check(client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=NEW), *expected[PROMPTS[3]],
-          len(PROMPTS[3].encode()) + 1)
+    check(
+        client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=NEW),
+        *expected[PROMPTS[3]],
+        len(PROMPTS[3].encode()) + 1,
+    )
 
 
 def test_models_health_and_metrics(server):
@@ -200,12 +210,19 @@ def test_models_health_and_metrics(server):
     models = server.client().models.list().data
     assert [m.id for m in models] == [MODEL]
     _, text = server.get("/metrics")
-    for name in ("deepinfer_requests_total", "deepinfer_queue_depth", "deepinfer_running_sequences",
-                 "deepinfer_prompt_tokens_total", "deepinfer_generated_tokens_total", "deepinfer_kv_blocks_in_use",
-                 "deepinfer_step_seconds_bucket", "deepinfer_time_to_first_token_seconds_bucket",
-                 "deepinfer_inter_token_latency_seconds_bucket"):
+    for name in (
+        "deepinfer_requests_total",
+        "deepinfer_queue_depth",
+        "deepinfer_running_sequences",
+        "deepinfer_prompt_tokens_total",
+        "deepinfer_generated_tokens_total",
+        "deepinfer_kv_blocks_in_use",
+        "deepinfer_step_seconds_bucket",
+        "deepinfer_time_to_first_token_seconds_bucket",
+        "deepinfer_inter_token_latency_seconds_bucket",
+    ):
         assert f"\n{name}" in text, name
-    assert server.metric("deepinfer_kv_blocks") == 20          # 21 blocks less the scratch block
+    assert server.metric("deepinfer_kv_blocks") == 20  # 21 blocks less the scratch block
 
 
 def test_a_full_queue_answers_429_with_retry_after(aoti_bundle):
@@ -213,7 +230,7 @@ def test_a_full_queue_answers_429_with_retry_after(aoti_bundle):
     try:
         client = s.client()
         running = [client.completions.create(model=MODEL, prompt="Hi", max_tokens=70, stream=True) for _ in range(4)]
-        for stream in running:                  # each has its first token: the batch of 4 is full
+        for stream in running:  # each has its first token: the batch of 4 is full
             next(iter(stream))
         waiting = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, stream=True)
         s.wait_for(lambda: s.metric("deepinfer_queue_depth") == 1)
@@ -230,6 +247,7 @@ def test_a_full_queue_answers_429_with_retry_after(aoti_bundle):
 
 
 # --- the text of a stream (no server) ------------------------------------------------------------
+
 
 def byte_ids(text: str) -> list[int]:
     from deepinfer.regions.tokenizer import ByteTokenizer
@@ -257,16 +275,16 @@ def streamed(text: str, stops: list[str]) -> tuple[list[str], bool, int]:
 def test_text_stream_waits_for_whole_characters():
     pieces, stopped, _ = streamed("hé€!", [])
     assert "".join(pieces) == "hé€!" and not stopped
-    assert pieces[:7] == ["h", "", "é", "", "", "€", "!"]          # é is 2 bytes, € is 3
+    assert pieces[:7] == ["h", "", "é", "", "", "€", "!"]  # é is 2 bytes, € is 3
 
 
 def test_text_stream_cuts_at_the_first_stop_and_holds_back_a_possible_start():
     pieces, stopped, pushed = streamed("abcSTOPdefEND", ["END", "STOP"])
     assert "".join(pieces) == "abc" and stopped and pushed == len("abcSTOP")
-    assert pieces[3:5] == ["", ""]                 # "S", "ST" might begin STOP: held back
+    assert pieces[3:5] == ["", ""]  # "S", "ST" might begin STOP: held back
     pieces, stopped, _ = streamed("abcSTxyz", ["STOP"])
     assert "".join(pieces) == "abcSTxyz" and not stopped and pieces[5] == "STx"
-    pieces, _, _ = streamed("tail S", ["STOP"])    # the end releases what was held
+    pieces, _, _ = streamed("tail S", ["STOP"])  # the end releases what was held
     assert pieces[-1] == "S" and "".join(pieces) == "tail S"
 
 
@@ -282,6 +300,7 @@ def test_speculative_greedy_equals_plain_decoding(run_exported_bundle):
 
         def complete(p, **kw):
             return client.completions.create(model=MODEL, prompt=p, max_tokens=NEW, **kw).choices[0].text
+
         plain = {p: complete(p, temperature=1.0, extra_body={"top_k": 1}) for p in prompts}
         assert s.metric("deepinfer_drafted_tokens_total") == 0
         assert complete(prompts[0]) == plain[prompts[0]]

@@ -29,7 +29,7 @@ def test_load_refuses_a_bundle_replaced_while_loading(tmp_path, monkeypatch):
     path = tmp_path / "bundle"
     path.mkdir()
     bundle = _bundle(path)
-    monkeypatch.setattr(rs, "Session", lambda b, **kw: _replace(b.path))   # the swap lands mid-load
+    monkeypatch.setattr(rs, "Session", lambda b, **kw: _replace(b.path))  # the swap lands mid-load
     with pytest.raises(BundleError, match="replaced while it was being loaded"):
         rs.load(bundle)
 

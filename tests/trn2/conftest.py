@@ -71,7 +71,7 @@ def fake_nrt(fake_nrt_path, tmp_path, monkeypatch) -> FakeNrt:
     monkeypatch.delenv("NEURON_RT_VISIBLE_CORES")
     yield FakeNrt(fake_nrt_path, tmp_path / "nrt.log")
     monkeypatch.delenv("FAKE_NRT_FAIL", raising=False)
-    if NeuronCore._active is not None:      # a failed test must not leave the double initialized
+    if NeuronCore._active is not None:  # a failed test must not leave the double initialized
         NeuronCore._active.close()
 
 

@@ -33,8 +33,17 @@ from deepinfer.regions.config import load_config
 from deepinfer.regions.state import Geometry
 from deepinfer.runtime import load
 
-KINDS = {"embed", "attn_window", "moe", "engram", "attn_source_r2", "attn_reuse_r2", "attn_source_r1_cand",
-         "attn_reindex_r1_cand", "head"}
+KINDS = {
+    "embed",
+    "attn_window",
+    "moe",
+    "engram",
+    "attn_source_r2",
+    "attn_reuse_r2",
+    "attn_source_r1_cand",
+    "attn_reindex_r1_cand",
+    "head",
+}
 
 
 def manifest(bundle: Path) -> dict:
@@ -55,13 +64,14 @@ def copy_bundle(bundle: Path, tmp_path: Path) -> Path:
 
 # --- lowering and the XLA:CPU check -----------------------------------------------------------
 
+
 def test_every_region_kind_is_lowered_and_checked(trn2_hlo_bundle):
     m = manifest(trn2_hlo_bundle)
     assert m["stage"] == "hlo" and m["target"]["name"] == "trn2"
     assert {e["kind"] for e in m["regions"]} == KINDS
     for e in m["regions"]:
         assert e["artifact"].endswith(".hlo.pb")
-        assert 0 <= e["check"]["score"] <= 1e-5, e["kind"]            # fp32 graphs: rounding only
+        assert 0 <= e["check"]["score"] <= 1e-5, e["kind"]  # fp32 graphs: rounding only
     # checked on random weights of the real shapes (all-zero weights made every output zero); the
     # embedding's gather is exact (test_embedding_is_a_gather_of_rows)
     assert all(e["check"]["max_abs"] > 0 for e in m["regions"] if e["kind"] not in ("engram", "embed"))
@@ -101,7 +111,7 @@ def test_state_outputs_must_alias_their_pool_inputs(trn2_hlo_bundle):
 def _entry(text: str) -> list[str]:
     lines = text.splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith("ENTRY "))
-    return lines[start + 1:]
+    return lines[start + 1 :]
 
 
 def test_neff_tensor_names_are_stamped(trn2_hlo_bundle):
@@ -143,7 +153,7 @@ def test_embedding_is_a_gather_of_rows(trn2_hlo_bundle, tiny_ckpt):
         assert not any(re.search(r" (dot|convolution)\(", ln) for ln in entry), "a matmul in the embedding"
         B, T = e["bucket"]["batch"], e["bucket"]["tokens"]
         table = load_file(tiny_ckpt / "model.safetensors")["embed.weight"]
-        tokens = torch.tensor([V - 1, 0, 7, 100, V - 2, 3, 9, 250] * 2)[:B * T].view(B, T)
+        tokens = torch.tensor([V - 1, 0, 7, 100, V - 2, 3, 9, 250] * 2)[: B * T].view(B, T)
         is_image = (torch.arange(B * T) % 3 == 1).view(B, T)
         image_rows = torch.randn(B, T, D)
         h, pre = hlo.CpuHlo(proto)([torch.tensor(0), table, tokens, is_image, image_rows])
@@ -201,8 +211,9 @@ def _lower_window(tmp_path, target: Trn2Target, checkpoint: Path) -> dict:
     ep = target.lower(ep)
     names = [s.name for s in sig.all]
     info = target.emit(ep, names, region.output_names(), tmp_path / "w.hlo.pb")
-    return target.check_numerics(tmp_path / "w.hlo.pb", region, "decode", inputs, names,
-                                 info["state_outputs"], "region attn_window.decode.b1t1")
+    return target.check_numerics(
+        tmp_path / "w.hlo.pb", region, "decode", inputs, names, info["state_outputs"], "region attn_window.decode.b1t1"
+    )
 
 
 def test_check_catches_a_wrong_lowering(tmp_path, tiny_ckpt, monkeypatch):
@@ -222,24 +233,33 @@ def test_check_catches_a_wrong_lowering(tmp_path, tiny_ckpt, monkeypatch):
 def test_decompositions_match_torch(a, b):
     class M(torch.nn.Module):
         def forward(self, x):
-            return x.remainder(b), x >> 1, x << 2, (x.to(torch.uint8) > 200), torch.sort(
-                x.float().abs(), stable=True, descending=True).indices
+            return (
+                x.remainder(b),
+                x >> 1,
+                x << 2,
+                (x.to(torch.uint8) > 200),
+                torch.sort(x.float().abs(), stable=True, descending=True).indices,
+            )
+
     ep = torch.export.export(M(), (a,)).run_decompositions(hlo.hlo_decompositions())
-    got = hlo.CpuHlo(hlo.to_hlo_proto(hlo.finish_module(hlo.to_stablehlo(ep), {}, ["x"],
-                                                        [f"out{i}" for i in range(5)])))([a])
+    got = hlo.CpuHlo(
+        hlo.to_hlo_proto(hlo.finish_module(hlo.to_stablehlo(ep), {}, ["x"], [f"out{i}" for i in range(5)]))
+    )([a])
     for g, r in zip(got, M()(a)):
         assert torch.equal(g, r)
 
 
 def test_lowering_options_are_keyed_or_log_only():
-    t = Trn2Target("neff", {"lnc": 1, "optlevel": 3, "verbose": "info", "timeout_s": 10, "check": False,
-                            "frontend": "torch-mlir"})
+    t = Trn2Target(
+        "neff", {"lnc": 1, "optlevel": 3, "verbose": "info", "timeout_s": 10, "check": False, "frontend": "torch-mlir"}
+    )
     assert t.keyed_options() == {"lnc": 1, "optlevel": 3, "frontend": "torch-mlir"}
     assert Trn2Target.check_options({"frontend": "tvm"}).startswith("option frontend = 'tvm'")
     assert "unknown neuronx-cc option 'lcn'" in Trn2Target.check_options({"lcn": 2})
 
 
 # --- without neuronx-cc, and --finish with the stand-in ----------------------------------------
+
 
 def test_hlo_only_reports_the_modules_it_lowered(trn2_hlo_compile):
     """`deepinfer-compile --hlo-only` counts the HLO modules it lowered and checked (every one: an
@@ -303,8 +323,10 @@ def test_missing_compiler_after_lowering(tmp_path, tiny_ckpt, monkeypatch):
 
     monkeypatch.setenv(neuronxcc.ENV_COMPILER, str(tmp_path / "no-neuronx-cc"))
     toml = tmp_path / "model.toml"
-    toml.write_text(f'[model]\ncheckpoint = "{tiny_ckpt}"\n[target]\nname = "trn2"\noptions = {{ check = false }}\n'
-                    "[buckets]\nmax_context = 32\n[kv]\nnum_blocks = 4\n")
+    toml.write_text(
+        f'[model]\ncheckpoint = "{tiny_ckpt}"\n[target]\nname = "trn2"\noptions = {{ check = false }}\n'
+        "[buckets]\nmax_context = 32\n[kv]\nnum_blocks = 4\n"
+    )
     lines = []
     with pytest.raises(neuronxcc.NeuronCompilerMissing, match="every region was lowered to HLO.*--hlo-only"):
         compile_bundle(load_compile_config(toml), tmp_path / "out", log=lines.append)
@@ -313,6 +335,7 @@ def test_missing_compiler_after_lowering(tmp_path, tiny_ckpt, monkeypatch):
 
 
 # --- selection wider than neuronx-cc's top-k --------------------------------------------------
+
 
 class _Select(torch.nn.Module):
     def __init__(self, k: int):
@@ -327,7 +350,7 @@ def _tied_scores(width: int) -> torch.Tensor:
     """Rows of few distinct values (ties everywhere), one mostly -inf (entries not yet visible)."""
     g = torch.Generator().manual_seed(0)
     s = torch.randint(0, 3, (2, 1, width), generator=g).float()
-    s[1, 0, width // 3:] = float("-inf")
+    s[1, 0, width // 3 :] = float("-inf")
     return s
 
 
@@ -337,7 +360,7 @@ def _stable_top(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(order[..., :k]))
 
 
-@pytest.mark.parametrize("k", [512, 2048])           # the release's index_topk and candidate_topk_blocks
+@pytest.mark.parametrize("k", [512, 2048])  # the release's index_topk and candidate_topk_blocks
 def test_blockwise_selection_through_the_lowering(tmp_path, k):
     """A row of 40,000 entries (wider than neuronx-cc's 16,384): the trn2 lowering sorts at most
     16,384 at a time and still selects the reference's indices, ties to the lowest index."""
@@ -362,12 +385,29 @@ def test_wide_sort_is_refused_naming_region_and_op(tmp_path):
     scores = _tied_scores(40000)
     target = Trn2Target("neff", {})
     ep = torch.export.export(_Select(512), (scores,)).run_decompositions(
-        {**reference_decompositions(), **hlo.hlo_decompositions()})
-    entry = mf_types.Executable(kind="select", method="decode", bucket=mf_types.Shape(batch=2, tokens=1, context=None),
-                                artifact="x", executable="neff", inputs=(), outputs=("idx",))
+        {**reference_decompositions(), **hlo.hlo_decompositions()}
+    )
+    entry = mf_types.Executable(
+        kind="select",
+        method="decode",
+        bucket=mf_types.Shape(batch=2, tokens=1, context=None),
+        artifact="x",
+        executable="neff",
+        inputs=(),
+        outputs=("idx",),
+    )
     with pytest.raises(hlo.LoweringError) as err:
-        _emit_and_check(types.SimpleNamespace(target=target), entry, ep, ["scores"], tmp_path / "s.hlo.pb",
-                        None, "decode", [scores], None)
+        _emit_and_check(
+            types.SimpleNamespace(target=target),
+            entry,
+            ep,
+            ["scores"],
+            tmp_path / "s.hlo.pb",
+            None,
+            "decode",
+            [scores],
+            None,
+        )
     message = str(err.value)
     assert "\n" not in message and message.startswith("region select.decode.b2t1: ")
     assert "holds a sort over 40000 entries" in message and not (tmp_path / "s.hlo.pb").exists()
@@ -392,6 +432,7 @@ def test_indexer_region_at_a_long_context(tmp_path, tiny_ckpt):
     names = [s.name for s in sig.all]
     info = target.emit(ep, names, region.output_names(), tmp_path / "r.hlo.pb")
     assert max(w for _, w in hlo.selection_widths((tmp_path / "r.hlo.pb").read_bytes())) <= MAX_SELECTION_WIDTH
-    check = target.check_numerics(tmp_path / "r.hlo.pb", region, "decode", inputs, names, info["state_outputs"],
-                                  "region attn_source_r1_cand")
+    check = target.check_numerics(
+        tmp_path / "r.hlo.pb", region, "decode", inputs, names, info["state_outputs"], "region attn_source_r1_cand"
+    )
     assert check["score"] <= 1e-5

@@ -52,14 +52,27 @@ def patched(data: bytes, offset: int, fmt: str, value) -> bytes:
 
 # --- round trip through the stand-in compiler ---
 
+
 @pytest.mark.parametrize("lnc, fast", [(1, False), (2, False), (2, True)])
 def test_round_trip_over_stand_in_output(tmp_path, lnc, fast):
     wrapper = DOUBLES / "neuronx-cc"
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     hlo = write(tmp_path / "m.hlo.pb", b"hlo")
     out = tmp_path / "attn.decode.b1t1.neff"
-    argv = [str(wrapper), "compile", str(hlo), "--framework", "XLA", "--target", "trn2", "--lnc", str(lnc),
-            "-O2", "--output", str(out)] + (["--enable-fast-loading-neuron-binaries"] if fast else [])
+    argv = [
+        str(wrapper),
+        "compile",
+        str(hlo),
+        "--framework",
+        "XLA",
+        "--target",
+        "trn2",
+        "--lnc",
+        str(lnc),
+        "-O2",
+        "--output",
+        str(out),
+    ] + (["--enable-fast-loading-neuron-binaries"] if fast else [])
     env = {"PATH": "/usr/bin:/bin", "FAKE_NEURONX_CC_PYTHON": sys.executable}
     subprocess.run(argv, check=True, cwd=tmp_path, env=env, capture_output=True)
     h = read_header(out)
@@ -91,10 +104,11 @@ def test_unrecorded_lnc_and_uuid_read_as_none(tmp_path):
     data = patched(patched(data, 0x228, "<I", 0), 0xCC, "16s", bytes(16))
     h = read_header(write(tmp_path / "old.neff", data))
     assert h.lnc is None and h.uuid is None
-    check_loadable(h, lnc=2, path="regions/old.neff")      # cannot judge: accepted
+    check_loadable(h, lnc=2, path="regions/old.neff")  # cannot judge: accepted
 
 
 # --- damaged files ---
+
 
 def error_for(path: Path) -> str:
     with pytest.raises(NeffError) as info:
@@ -110,10 +124,12 @@ def test_truncated_header(tmp_path, neff):
 
 
 def test_bad_package_version_is_not_a_neff(tmp_path, neff):
-    assert "not a NEFF (package version 0" in error_for(write(tmp_path / "z.neff",
-                                                              patched(neff.read_bytes(), 0, "<Q", 0)))
-    assert "not a NEFF (package version 4096" in error_for(write(tmp_path / "b.neff",
-                                                                 patched(neff.read_bytes(), 0, "<Q", 4096)))
+    assert "not a NEFF (package version 0" in error_for(
+        write(tmp_path / "z.neff", patched(neff.read_bytes(), 0, "<Q", 0))
+    )
+    assert "not a NEFF (package version 4096" in error_for(
+        write(tmp_path / "b.neff", patched(neff.read_bytes(), 0, "<Q", 4096))
+    )
     junk = b"\x7fELF" + bytes(2000)
     assert "not a NEFF" in error_for(write(tmp_path / "elf.neff", junk))
 
@@ -126,8 +142,10 @@ def test_bad_header_size(tmp_path, neff):
 def test_size_mismatch(tmp_path, neff):
     data = neff.read_bytes()
     cut = write(tmp_path / "cut.neff", data[:-10])
-    assert f"header says {len(data) - HEADER_SIZE} payload bytes, the file has {len(data) - HEADER_SIZE - 10}" \
+    assert (
+        f"header says {len(data) - HEADER_SIZE} payload bytes, the file has {len(data) - HEADER_SIZE - 10}"
         in error_for(cut)
+    )
     assert "damaged NEFF" in error_for(write(tmp_path / "zero.neff", patched(data, 16, "<Q", 0)))
     assert "damaged NEFF" in error_for(write(tmp_path / "big.neff", patched(data, 16, "<Q", 1 << 40)))
 
@@ -135,9 +153,9 @@ def test_size_mismatch(tmp_path, neff):
 def test_payload_not_a_tar(tmp_path, neff):
     data = neff.read_bytes()
     garbage = data[:HEADER_SIZE] + bytes(range(256)) * ((len(data) - HEADER_SIZE) // 256 + 1)
-    garbage = garbage[:len(data)]
+    garbage = garbage[: len(data)]
     assert "is not a readable tar archive" in error_for(write(tmp_path / "g.neff", garbage))
-    broken_gzip = data[:HEADER_SIZE + 12] + bytes(len(data) - HEADER_SIZE - 12)
+    broken_gzip = data[: HEADER_SIZE + 12] + bytes(len(data) - HEADER_SIZE - 12)
     assert "is not a readable gzip'd tar archive" in error_for(write(tmp_path / "z.neff", broken_gzip))
 
 
@@ -147,13 +165,13 @@ def test_missing_file(tmp_path):
 
 # --- loadability ---
 
+
 def test_lnc_mismatch_refused(neff):
     h = read_header(neff)
     check_loadable(h, lnc=2, path="regions/x.neff")
     with pytest.raises(NeffError) as info:
         check_loadable(h, lnc=1, path="regions/x.neff")
-    assert str(info.value).startswith(
-        "regions/x.neff: compiled for LNC 2, this bundle/runtime is configured for LNC 1")
+    assert str(info.value).startswith("regions/x.neff: compiled for LNC 2, this bundle/runtime is configured for LNC 1")
 
 
 def test_versions_are_the_runtimes_to_judge(tmp_path, neff):

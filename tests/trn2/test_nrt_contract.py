@@ -44,8 +44,14 @@ def fake_model(path, inputs: dict, outputs: dict, copies: dict):
 def test_struct_layouts_match_the_headers():
     # nrt_tensor_info_t on LP64: char[256], enum, (pad), size_t, enum, (pad), uint32_t*, uint32_t, (pad)
     info = nrt.NrtTensorInfo
-    assert [getattr(info, f).offset for f in ("name", "usage", "size", "dtype", "shape", "ndim")] == \
-        [0, 256, 264, 272, 280, 288]
+    assert [getattr(info, f).offset for f in ("name", "usage", "size", "dtype", "shape", "ndim")] == [
+        0,
+        256,
+        264,
+        272,
+        280,
+        288,
+    ]
     assert ctypes.sizeof(info) == 296
     assert nrt.NrtTensorInfoArray.tensor_array.offset == 8
     assert ctypes.sizeof(nrt.NrtVersion) == 4 * 8 + 128 + 64
@@ -65,11 +71,11 @@ def test_init_close_order_and_version(fake_nrt, tmp_path):
     core.close()
     assert fake_nrt.calls() == ["nrt_unload", "nrt_tensor_free", "nrt_tensor_free", "nrt_close"]
     frees = [line for line in fake_nrt.lines() if line.startswith("nrt_tensor_free")]
-    assert frees == ["nrt_tensor_free name=layer1", "nrt_tensor_free name=stack"]       # slice first
+    assert frees == ["nrt_tensor_free name=layer1", "nrt_tensor_free name=stack"]  # slice first
     assert fake_nrt.lines()[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"
     with pytest.raises(NeuronArgumentError, match="closed"):
         DeviceTensor.allocate(core, 8, "late")
-    with NeuronCore() as again:                    # nrt_init again after nrt_close
+    with NeuronCore() as again:  # nrt_init again after nrt_close
         assert again.vnc == 0
 
 
@@ -81,13 +87,12 @@ def test_visible_core_conflict_is_refused(fake_nrt, monkeypatch):
 
 
 def test_load_reports_tensor_info_in_library_order(fake_nrt, tmp_path):
-    path = fake_model(tmp_path / "m.fake", {"tokens": 16, "kv": 256}, {"logits": 40, "kv_out": 256},
-                      {"kv_out": "kv"})
+    path = fake_model(tmp_path / "m.fake", {"tokens": 16, "kv": 256}, {"logits": 40, "kv_out": 256}, {"kv_out": "kv"})
     with NeuronCore() as core:
         model = NeuronModel.load(core, path)
         assert [(i.name, i.size) for i in model.inputs] == [("tokens", 16), ("kv", 256)]
         assert [(i.name, i.size) for i in model.outputs] == [("logits", 40), ("kv_out", 256)]
-        assert model.inputs[1].shape == (256,) and model.inputs[1].dtype == 0x3     # what the double reports
+        assert model.inputs[1].shape == (256,) and model.inputs[1].dtype == 0x3  # what the double reports
         load = [line for line in fake_nrt.lines() if line.startswith("nrt_load")][0]
         assert "vnc=0 vnc_count=-1" in load
         assert fake_nrt.calls()[-2:] == ["nrt_get_model_tensor_info", "nrt_free_model_tensor_info"]
@@ -103,16 +108,16 @@ def test_write_read_round_trip(fake_nrt, dtype):
     if dtype == torch.uint8:
         host = torch.arange(256, dtype=torch.uint8)[torch.randperm(256, generator=g)][:26].reshape(2, 13)
     elif dtype == torch.int64:
-        host = torch.randint(-2**62, 2**62, (2, 13), generator=g, dtype=torch.int64)
+        host = torch.randint(-(2**62), 2**62, (2, 13), generator=g, dtype=torch.int64)
         host[0, 0], host[1, 12] = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max
     else:
         host = torch.randn(2, 13, generator=g).to(dtype)
     with NeuronCore() as core:
         t = DeviceTensor.from_torch(core, host, "x")
         assert t.nbytes == host.numel() * host.element_size()
-        assert core.lib.size(t.handle) == t.nbytes                       # nrt_tensor_get_size
+        assert core.lib.size(t.handle) == t.nbytes  # nrt_tensor_get_size
         back = t.to_torch(dtype, (2, 13))
-        assert torch.equal(back.view(torch.uint8), host.view(torch.uint8))      # byte-exact
+        assert torch.equal(back.view(torch.uint8), host.view(torch.uint8))  # byte-exact
         with pytest.raises(NeuronArgumentError, match="'x'"):
             t.to_torch(dtype, (2, 12))
         with pytest.raises(NeuronArgumentError, match="contiguous CPU tensor"):
@@ -120,7 +125,7 @@ def test_write_read_round_trip(fake_nrt, dtype):
 
 
 def test_slices_are_views_into_the_parent(fake_nrt):
-    L, rows, cols = 4, 3, 5                          # a layer-major stack [L, 3, 5] bf16
+    L, rows, cols = 4, 3, 5  # a layer-major stack [L, 3, 5] bf16
     per = rows * cols * 2
     with NeuronCore() as core:
         stack = DeviceTensor.from_torch(core, torch.zeros(L, rows, cols, dtype=torch.bfloat16), "wq")
@@ -129,12 +134,12 @@ def test_slices_are_views_into_the_parent(fake_nrt):
         layer2.write_from(data)
         whole = stack.to_torch(torch.bfloat16, (L, rows, cols))
         assert torch.equal(whole[2], data) and not whole[[0, 1, 3]].any()
-        stack.write_from(torch.ones(L, rows, cols, dtype=torch.bfloat16))        # and back through the view
+        stack.write_from(torch.ones(L, rows, cols, dtype=torch.bfloat16))  # and back through the view
         assert torch.equal(layer2.to_torch(torch.bfloat16, (rows, cols)), torch.ones(rows, cols, dtype=torch.bfloat16))
         with pytest.raises(NeuronArgumentError, match="outside tensor 'wq'"):
             stack.slice(3 * per, per + 2, "wq[3]+")
         with pytest.raises(NeuronRuntimeError, match=r"nrt_tensor_allocate_slice failed .*NRT_INVALID"):
-            core.lib.allocate_slice(stack.handle, 3 * per, per + 2, "raw")   # the double checks bounds too
+            core.lib.allocate_slice(stack.handle, 3 * per, per + 2, "raw")  # the double checks bounds too
         with pytest.raises(NeuronArgumentError, match=r"live slices \['wq\[2\]'\]"):
             stack.free()
         layer2.free()
@@ -162,8 +167,11 @@ def test_size_mismatch_names_the_tensor(fake_nrt, tmp_path):
     with NeuronCore() as core:
         model = NeuronModel.load(core, path)
         a, b, y = (DeviceTensor.allocate(core, n, name) for n, name in ((8, "a"), (12, "b"), (16, "y")))
-        with pytest.raises(NeuronArgumentError, match=r"input 'b' is bound to DeviceTensor\('b', 12 bytes\), "
-                                                      r"the model expects 16 bytes"):
+        with pytest.raises(
+            NeuronArgumentError,
+            match=r"input 'b' is bound to DeviceTensor\('b', 12 bytes\), "
+            r"the model expects 16 bytes",
+        ):
             model.execute([a, b], [y])
         with pytest.raises(NeuronArgumentError, match=r"1 inputs given, the model takes 2: \['a', 'b'\]"):
             model.execute([a], [y])
@@ -176,14 +184,20 @@ def test_failing_status_names_the_function(fake_nrt, tmp_path, monkeypatch):
         model = NeuronModel.load(core, path)
         a, y = DeviceTensor.allocate(core, 8, "a"), DeviceTensor.allocate(core, 8, "y")
         monkeypatch.setenv("FAKE_NRT_FAIL", "nrt_execute=1004")
-        with pytest.raises(NeuronRuntimeError, match=r"nrt_execute failed with NRT status 1004 "
-                                                     r"\(NRT_EXEC_COMPLETED_WITH_ERR\)") as e:
+        with pytest.raises(
+            NeuronRuntimeError,
+            match=r"nrt_execute failed with NRT status 1004 "
+            r"\(NRT_EXEC_COMPLETED_WITH_ERR\)",
+        ) as e:
             model.execute([a], [y])
         assert (e.value.function, e.value.status) == ("nrt_execute", 1004)
-        assert fake_nrt.calls()[-2:] == ["nrt_destroy_tensor_set", "nrt_destroy_tensor_set"]   # sets still freed
+        assert fake_nrt.calls()[-2:] == ["nrt_destroy_tensor_set", "nrt_destroy_tensor_set"]  # sets still freed
         monkeypatch.setenv("FAKE_NRT_FAIL", "nrt_tensor_write=77")
-        with pytest.raises(NeuronRuntimeError, match=r"nrt_tensor_write failed with NRT status 77 "
-                                                     r"\(unknown status\): tensor 'a'"):
+        with pytest.raises(
+            NeuronRuntimeError,
+            match=r"nrt_tensor_write failed with NRT status 77 "
+            r"\(unknown status\): tensor 'a'",
+        ):
             a.write_from(torch.zeros(2, dtype=torch.float32))
     monkeypatch.setenv("FAKE_NRT_FAIL", "nrt_init=9")
     with pytest.raises(NeuronRuntimeError, match=r"nrt_init failed .*NRT_LOAD_NOT_ENOUGH_NC"):
@@ -206,8 +220,12 @@ def test_missing_library_is_one_clear_line(monkeypatch, tmp_path, empty_library)
 
 def test_executable_adapter_resident_host_and_aliased_state(fake_nrt, tmp_path):
     # libnrt's order differs from the call order on purpose: binding is by name
-    path = fake_model(tmp_path / "m.fake", {"x": 16, "state": 16, "w": 24}, {"out_new_state": 16, "out_y": 24},
-                      {"out_y": "w", "out_new_state": "x"})
+    path = fake_model(
+        tmp_path / "m.fake",
+        {"x": 16, "state": 16, "w": 24},
+        {"out_new_state": 16, "out_y": 24},
+        {"out_y": "w", "out_new_state": "x"},
+    )
     signature = [{"name": "w", "role": "weight"}, {"name": "x", "role": "input"}, {"name": "state", "role": "state"}]
     out_specs = [("y", (2, 3), torch.float32), ("new_state", (4,), torch.float32)]
     with NeuronCore() as core:
@@ -218,11 +236,11 @@ def test_executable_adapter_resident_host_and_aliased_state(fake_nrt, tmp_path):
         for step in range(2):
             x = torch.full((4,), float(step + 1))
             y, new_state = exe([weights, x, state])
-            assert torch.equal(y, w)                                 # resident weights reached the model
-            assert new_state is state                                # aliased: bound in place, not read back
+            assert torch.equal(y, w)  # resident weights reached the model
+            assert new_state is state  # aliased: bound in place, not read back
             assert torch.equal(state.to_torch(torch.float32, (4,)), x)
         allocs = [line for line in fake_nrt.lines() if line.startswith("nrt_tensor_allocate ")]
-        assert sum("name=in:x" in line for line in allocs) == 1     # one staging buffer, reused
+        assert sum("name=in:x" in line for line in allocs) == 1  # one staging buffer, reused
         assert not any("name=in:w" in line or "name=in:state" in line for line in allocs)
         with pytest.raises(NeuronArgumentError, match="aliases input 'state', which must be a resident"):
             exe([weights, x, torch.zeros(4)])
@@ -234,7 +252,7 @@ def test_executable_adapter_resident_host_and_aliased_state(fake_nrt, tmp_path):
         weights.free()
         state.free()
         fake_nrt.clear()
-    assert fake_nrt.calls() == ["nrt_close"]          # failed constructions and close() released everything
+    assert fake_nrt.calls() == ["nrt_close"]  # failed constructions and close() released everything
     assert fake_nrt.lines()[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"
 
 
@@ -242,8 +260,12 @@ def test_executable_binds_by_name_whatever_libnrt_lists(fake_nrt, tmp_path):
     """12 inputs, listed by libnrt in lexical order (input0, input1, input10, input11, input2, ...):
     each is bound by its name to the tensor of that name, so the data reach the right inputs."""
     names = [f"input{k}" for k in range(12)]
-    path = fake_model(tmp_path / "m.fake", {n: 8 for n in sorted(names)}, {f"out_y{k}": 8 for k in (2, 10)},
-                      {"out_y2": "input2", "out_y10": "input10"})
+    path = fake_model(
+        tmp_path / "m.fake",
+        {n: 8 for n in sorted(names)},
+        {f"out_y{k}": 8 for k in (2, 10)},
+        {"out_y2": "input2", "out_y10": "input10"},
+    )
     with NeuronCore() as core:
         exe = NeuronExecutable(path, core, names, [("y2", (2,), torch.float32), ("y10", (2,), torch.float32)])
         assert [i.name for i in exe.model.inputs][:4] == ["input0", "input1", "input10", "input11"]
@@ -254,8 +276,11 @@ def test_executable_binds_by_name_whatever_libnrt_lists(fake_nrt, tmp_path):
         exe.close()
         # a NEFF whose tensors do not carry our names is refused, never bound by position or order
         bad = fake_model(tmp_path / "bad.fake", {"input0": 24, "input1": 16}, {"output0": 16}, {})
-        with pytest.raises(NeuronArgumentError, match=r"input names \['w', 'x'\] do not match .* must carry the "
-                                                      r"manifest's names"):
+        with pytest.raises(
+            NeuronArgumentError,
+            match=r"input names \['w', 'x'\] do not match .* must carry the "
+            r"manifest's names",
+        ):
             NeuronExecutable(bad, core, ["w", "x"], [("y", (4,), torch.float32)])
     assert fake_nrt.lines()[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"
 
@@ -276,8 +301,10 @@ def test_outputs_stay_on_the_device_between_calls(fake_nrt, tmp_path):
         assert logits.tolist() == [1.0, 2.0]
         reads = [line for line in fake_nrt.lines() if line.startswith("nrt_tensor_read")]
         writes = [line for line in fake_nrt.lines() if line.startswith("nrt_tensor_write")]
-        assert [field_of(r, "name") for r in reads] == ["out:logits"] and [field_of(w, "name") for w in writes] == ["in:x"]
-        first([torch.tensor([1.0, 2.0])])                  # equal host input: not written again
+        assert [field_of(r, "name") for r in reads] == ["out:logits"] and [field_of(w, "name") for w in writes] == [
+            "in:x"
+        ]
+        first([torch.tensor([1.0, 2.0])])  # equal host input: not written again
         assert sum(line.startswith("nrt_tensor_write") for line in fake_nrt.lines()) == 1
         with pytest.raises(NeuronArgumentError, match="was overwritten by a later call"):
             head([h])
@@ -296,14 +323,34 @@ def field_of(line: str, key: str) -> str:
 
 # every NRT_STATUS of nrt_status.h (aws-neuron-sdk src/libnrt/include/nrt/nrt_status.h), typed here from the header
 NRT_STATUS_H = {
-    "NRT_SUCCESS": 0, "NRT_FAILURE": 1, "NRT_INVALID": 2, "NRT_INVALID_HANDLE": 3, "NRT_RESOURCE": 4,
-    "NRT_TIMEOUT": 5, "NRT_HW_ERROR": 6, "NRT_QUEUE_FULL": 7, "NRT_LOAD_NOT_ENOUGH_NC": 9,
-    "NRT_UNSUPPORTED_NEFF_VERSION": 10, "NRT_FAIL_HOST_MEM_ALLOC": 11, "NRT_UNINITIALIZED": 13, "NRT_CLOSED": 14,
-    "NRT_QUEUE_EMPTY": 15, "NRT_EXEC_UNIT_DISABLED": 101, "NRT_EXEC_BAD_INPUT": 1002,
-    "NRT_EXEC_COMPLETED_WITH_NUM_ERR": 1003, "NRT_EXEC_COMPLETED_WITH_ERR": 1004, "NRT_EXEC_NC_BUSY": 1005,
-    "NRT_EXEC_OOB": 1006, "NRT_COLL_PENDING": 1100, "NRT_EXEC_HW_ERR_COLLECTIVES": 1200,
-    "NRT_EXEC_HW_ERR_HBM_UE": 1201, "NRT_EXEC_HW_ERR_NC_UE": 1202, "NRT_EXEC_HW_ERR_DMA_ABORT": 1203,
-    "NRT_EXEC_SW_NQ_OVERFLOW": 1204, "NRT_EXEC_HW_ERR_REPAIRABLE_HBM_UE": 1205, "NRT_NETWORK_PROXY_FAILURE": 1206,
+    "NRT_SUCCESS": 0,
+    "NRT_FAILURE": 1,
+    "NRT_INVALID": 2,
+    "NRT_INVALID_HANDLE": 3,
+    "NRT_RESOURCE": 4,
+    "NRT_TIMEOUT": 5,
+    "NRT_HW_ERROR": 6,
+    "NRT_QUEUE_FULL": 7,
+    "NRT_LOAD_NOT_ENOUGH_NC": 9,
+    "NRT_UNSUPPORTED_NEFF_VERSION": 10,
+    "NRT_FAIL_HOST_MEM_ALLOC": 11,
+    "NRT_UNINITIALIZED": 13,
+    "NRT_CLOSED": 14,
+    "NRT_QUEUE_EMPTY": 15,
+    "NRT_EXEC_UNIT_DISABLED": 101,
+    "NRT_EXEC_BAD_INPUT": 1002,
+    "NRT_EXEC_COMPLETED_WITH_NUM_ERR": 1003,
+    "NRT_EXEC_COMPLETED_WITH_ERR": 1004,
+    "NRT_EXEC_NC_BUSY": 1005,
+    "NRT_EXEC_OOB": 1006,
+    "NRT_COLL_PENDING": 1100,
+    "NRT_EXEC_HW_ERR_COLLECTIVES": 1200,
+    "NRT_EXEC_HW_ERR_HBM_UE": 1201,
+    "NRT_EXEC_HW_ERR_NC_UE": 1202,
+    "NRT_EXEC_HW_ERR_DMA_ABORT": 1203,
+    "NRT_EXEC_SW_NQ_OVERFLOW": 1204,
+    "NRT_EXEC_HW_ERR_REPAIRABLE_HBM_UE": 1205,
+    "NRT_NETWORK_PROXY_FAILURE": 1206,
 }
 
 
@@ -321,8 +368,12 @@ def test_statuses_of_execute_and_load(fake_nrt, tmp_path, monkeypatch):
         monkeypatch.setenv("FAKE_NRT_FAIL", "nrt_execute=1003")
         with pytest.raises(NeuronNumericalError) as err:
             exe([torch.zeros(2)])
-        assert "NRT status 1003 (NRT_EXEC_COMPLETED_WITH_NUM_ERR, fake_nrt: execution completed with numerical " \
-               "errors (NaN))" in str(err.value) and str(path) in str(err.value)
+        assert (
+            "NRT status 1003 (NRT_EXEC_COMPLETED_WITH_NUM_ERR, fake_nrt: execution completed with numerical "
+            "errors (NaN))"
+            in str(err.value)
+            and str(path) in str(err.value)
+        )
         monkeypatch.setenv("FAKE_NRT_FAIL", "nrt_execute=1206")
         with pytest.raises(NeuronRuntimeError, match=r"NRT status 1206 \(NRT_NETWORK_PROXY_FAILURE\)") as err:
             exe([torch.zeros(2)])
@@ -339,14 +390,16 @@ def test_statuses_of_execute_and_load(fake_nrt, tmp_path, monkeypatch):
 
 def test_load_finds_the_model_inside_a_neff_shaped_blob(fake_nrt, tmp_path):
     spec = importlib.util.spec_from_file_location(
-        "neuronx_cc_stub", Path(__file__).resolve().parent / "doubles" / "neuronx_cc_stub.py")
+        "neuronx_cc_stub", Path(__file__).resolve().parent / "doubles" / "neuronx_cc_stub.py"
+    )
     stub = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stub)
     text = "FAKE_NRT_MODEL 1\ninput input0 8\noutput output0 8\ncopy output0 input0\nend\n"
     (tmp_path / "m.neff").write_bytes(stub.neff_bytes("m", lnc=1, compressed=True, model=text))
-    (tmp_path / "gz.neff").write_bytes(stub.neff_bytes("gz", lnc=1, compressed=True))       # no model, gzip'd
-    (tmp_path / "open.neff").write_bytes(stub.neff_bytes("open", lnc=1, compressed=False,
-                                                         model=text.replace("end\n", "")))  # no end line
+    (tmp_path / "gz.neff").write_bytes(stub.neff_bytes("gz", lnc=1, compressed=True))  # no model, gzip'd
+    (tmp_path / "open.neff").write_bytes(
+        stub.neff_bytes("open", lnc=1, compressed=False, model=text.replace("end\n", ""))
+    )  # no end line
     with NeuronCore() as core:
         model = NeuronModel.load(core, tmp_path / "m.neff")
         assert [(i.name, i.size) for i in model.inputs + model.outputs] == [("input0", 8), ("output0", 8)]

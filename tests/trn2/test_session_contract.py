@@ -43,8 +43,12 @@ def finished(trn2_hlo_bundle, tmp_path_factory) -> Path:
     shutil.copytree(trn2_hlo_bundle, bundle)
     STUB.chmod(STUB.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     with pytest.MonkeyPatch.context() as mp:
-        for var in ("FAKE_NEURONX_CC_FAIL", "FAKE_NEURONX_CC_SLEEP", "FAKE_NEURONX_CC_VERSION",
-                    "FAKE_NEURONX_CC_RECORD"):
+        for var in (
+            "FAKE_NEURONX_CC_FAIL",
+            "FAKE_NEURONX_CC_SLEEP",
+            "FAKE_NEURONX_CC_VERSION",
+            "FAKE_NEURONX_CC_RECORD",
+        ):
             mp.delenv(var, raising=False)
         mp.setenv("FAKE_NEURONX_CC_PYTHON", sys.executable)
         mp.setenv(neuronxcc.ENV_COMPILER, str(STUB))
@@ -68,7 +72,7 @@ def fake_model_of(path: Path) -> str:
     """The fake-model text the stand-in put in a NEFF's (plain tar) payload."""
     header = neff.read_header(path)
     assert not header.compressed
-    payload = path.read_bytes()[header.payload_offset:header.payload_offset + header.data_size]
+    payload = path.read_bytes()[header.payload_offset : header.payload_offset + header.data_size]
     with tarfile.open(fileobj=io.BytesIO(payload)) as tar:
         return tar.extractfile("fake-model.txt").read().decode()
 
@@ -108,14 +112,15 @@ def test_stand_in_neffs_describe_the_manifest_interface(finished):
     for e in m["regions"]:
         lines = fake_model_of(finished / e["artifact"]).splitlines()
         assert lines[0] == "FAKE_NRT_MODEL 1" and lines[-1] == "end"
-        assert [ln for ln in lines if ln.startswith("input ")] == \
-            [f"input {s['name']} {nbytes(s)}" for s in sorted(e["inputs"], key=lambda s: s["name"])], e["kind"]
-        assert [ln for ln in lines if ln.startswith("output ")] == \
-            [f"output out_{s['name']} {nbytes(s)}" for s in sorted(e["output_specs"], key=lambda s: s["name"])], \
-            e["kind"]
-        assert sorted(ln for ln in lines if ln.startswith("copy ")) == \
-            sorted(f"copy out_{e['output_specs'][int(j)]['name']} {e['inputs'][i]['name']}"
-                   for j, i in e["aliases"].items()), e["kind"]
+        assert [ln for ln in lines if ln.startswith("input ")] == [
+            f"input {s['name']} {nbytes(s)}" for s in sorted(e["inputs"], key=lambda s: s["name"])
+        ], e["kind"]
+        assert [ln for ln in lines if ln.startswith("output ")] == [
+            f"output out_{s['name']} {nbytes(s)}" for s in sorted(e["output_specs"], key=lambda s: s["name"])
+        ], e["kind"]
+        assert sorted(ln for ln in lines if ln.startswith("copy ")) == sorted(
+            f"copy out_{e['output_specs'][int(j)]['name']} {e['inputs'][i]['name']}" for j, i in e["aliases"].items()
+        ), e["kind"]
         assert len(e["aliases"]) == len(e["state_outputs"])
 
 
@@ -146,15 +151,16 @@ def test_generate_through_the_doubles(finished, nrt):
     (g,) = gens
     assert g.error is None and len(g.tokens) == 3 + 2
     assert len(g.logits) == 4 and all(t.shape == (vocab,) and not t.any() for t in g.logits)
-    assert steps == 4                                 # bucket tokens = 1: 3 prompt steps, then 1 decode step
+    assert steps == 4  # bucket tokens = 1: 3 prompt steps, then 1 decode step
 
     # one runtime, one load per executable (not per layer), all of them stand-in NEFFs
     assert calls["nrt_init"] == 1 and calls["nrt_close"] == 1
     loads = [ln for ln in lines if ln.startswith("nrt_load")]
     assert len(loads) == len(m["regions"]) == 9
     assert all(ln.endswith("source=neff -> 0") for ln in loads)
-    assert sorted(int(field(ln, "size")) for ln in loads) == \
-        sorted((finished / e["artifact"]).stat().st_size for e in m["regions"])
+    assert sorted(int(field(ln, "size")) for ln in loads) == sorted(
+        (finished / e["artifact"]).stat().st_size for e in m["regions"]
+    )
     assert calls["nrt_unload"] == 9
 
     # resident allocations: one per weight stack and per pool; an input buffer per host input name (shared
@@ -165,18 +171,20 @@ def test_generate_through_the_doubles(finished, nrt):
     assert sorted(a for a in allocs if not a.startswith(("in:", "out:"))) == sorted(stacks + pools)
     host_inputs = {s["name"] for e in m["regions"] for s in e["inputs"] if s["role"] in ("step", "rank")}
     assert sorted(a for a in allocs if a.startswith("in:")) == sorted(f"in:{n}" for n in host_inputs)
-    assert sum(a.startswith("out:") for a in allocs) == \
-        sum(len(e["output_specs"]) - len(e["aliases"]) for e in m["regions"])
+    assert sum(a.startswith("out:") for a in allocs) == sum(
+        len(e["output_specs"]) - len(e["aliases"]) for e in m["regions"]
+    )
 
     # every layer's weights and state are slices of the stacks and pools (no copies)
     signature = {e["kind"]: e["inputs"] for e in m["regions"]}
     places = [m["embed"]] + [b for layer in m["layers"] for b in layer["regions"].values()] + [m["head"]]
-    weight_views = [f"{b['kind']}.{s['name']}[{b['index']}]" for b in places for s in signature[b["kind"]]
-                    if s["role"] == "weight"]
+    weight_views = [
+        f"{b['kind']}.{s['name']}[{b['index']}]" for b in places for s in signature[b["kind"]] if s["role"] == "weight"
+    ]
     state_views = [f"pool.{pool}[{index}]" for layer in m["layers"] for pool, index in layer["state"].values()]
     slices = [field(ln, "name") for ln in lines if ln.startswith("nrt_tensor_allocate_slice")]
     assert Counter(slices) == Counter(weight_views + state_views)
-    assert len(places) == 15 > len(loads)                 # the embedding, 6 layers and the head share 9 executables
+    assert len(places) == 15 > len(loads)  # the embedding, 6 layers and the head share 9 executables
 
     # region calls: the embedding, every region of every layer and the head, once per step
     per_step = sum(len(layer["regions"]) for layer in m["layers"]) + 2
@@ -201,7 +209,7 @@ def test_generate_through_the_doubles(finished, nrt):
             if s["role"] == "weight":
                 assert t.startswith(f"{kind}.{s['name']}["), (kind, s["name"], t)
             elif s["role"] == "state":
-                assert pool_state[t[len("pool."):t.index("[")]] == s["name"], (kind, s["name"], t)
+                assert pool_state[t[len("pool.") : t.index("[")]] == s["name"], (kind, s["name"], t)
                 bound_state.add(t)
             elif s["role"] in ("activation", "carry"):
                 assert t in (f"out:{s['name']}", f"in:{s['name']}"), (kind, s["name"], t)
@@ -219,14 +227,18 @@ def test_generate_through_the_doubles(finished, nrt):
     # the token ids and the step's other inputs (each once a step, and only when it changed), never
     # a stream, and reads back the logits alone
     per_name = {s["name"]: nbytes(s) for e in m["regions"] for s in e["inputs"] if s["role"] == "step"}
-    assert {s["name"]: s["role"] for s in entries["embed"]["inputs"] if s["role"] != "weight"} == \
-        {"rank": "rank", "tokens": "step", "is_image": "step", "image_rows": "step"}
+    assert {s["name"]: s["role"] for s in entries["embed"]["inputs"] if s["role"] != "weight"} == {
+        "rank": "rank",
+        "tokens": "step",
+        "is_image": "step",
+        "image_rows": "step",
+    }
     logits = nbytes(next(s for s in entries["head"]["output_specs"] if s["name"] == "logits"))
     per_step_io = transfers(lines)
     assert len(per_step_io) == steps
     for io_ in per_step_io:
         assert not {"in:h", "in:pre"} & {n for n, _ in io_["to_device"]}, io_["to_device"]
-    for io_ in per_step_io[1:]:                         # the first step also writes the weights and pools
+    for io_ in per_step_io[1:]:  # the first step also writes the weights and pools
         assert io_["to_host"] == [("out:logits", logits)]
         written = [n.removeprefix("in:") for n, _ in io_["to_device"]]
         assert len(written) == len(set(written)) and set(written) <= set(per_name), written
@@ -270,9 +282,9 @@ def test_replaced_neff_is_refused(finished, nrt, tmp_path):
     entry = next(e for e in manifest(bundle)["regions"] if e["kind"] == "moe")
     replace_neff(bundle, entry)
     with pytest.raises(BundleError, match=r"moe\.decode\.b1t1\.neff does not match its digest"):
-        load(bundle)                                     # the digest check comes first
+        load(bundle)  # the digest check comes first
     with pytest.raises(neff.NeffError) as err:
-        load(bundle, verify=False)                       # without it, the NEFF's uuid still gives it away
+        load(bundle, verify=False)  # without it, the NEFF's uuid still gives it away
     message = str(err.value)
     assert str(bundle / entry["artifact"]) in message and "\n" not in message
     assert f"differs from the manifest's {entry['neff']['uuid']!r}" in message and "replaced after compiling" in message
@@ -290,14 +302,16 @@ def test_refused_load_releases_the_core(finished, nrt, tmp_path):
 
 def test_other_num_kv_blocks_is_refused(finished, nrt):
     blocks = manifest(finished)["kv"]["num_blocks"]
-    with pytest.raises(BundleError, match=rf"compiled for exactly {blocks} KV blocks \(static shapes\); "
-                                          rf"cannot run with {blocks + 1}"):
+    with pytest.raises(
+        BundleError,
+        match=rf"compiled for exactly {blocks} KV blocks \(static shapes\); "
+        rf"cannot run with {blocks + 1}",
+    ):
         load(finished, num_kv_blocks=blocks + 1)
-    assert nrt.calls() == []                             # refused before the runtime is touched
-    session = load(finished, num_kv_blocks=blocks)       # the compiled number is accepted
+    assert nrt.calls() == []  # refused before the runtime is touched
+    session = load(finished, num_kv_blocks=blocks)  # the compiled number is accepted
     session.close()
     assert nrt.lines()[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"
-
 
 
 def test_lnc_setting_must_match_the_bundle(finished, nrt, monkeypatch):
@@ -316,6 +330,6 @@ def test_lnc_setting_must_match_the_bundle(finished, nrt, monkeypatch):
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
     load(finished).close()
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")
-    load(finished).close()                               # unset: set to the bundle's
+    load(finished).close()  # unset: set to the bundle's
     assert os.environ["NEURON_LOGICAL_NC_CONFIG"] == "1"
     assert nrt.lines()[-1] == "nrt_close live_tensors=0 live_models=0 live_sets=0"

@@ -39,11 +39,13 @@ import tarfile
 import time
 import uuid
 
-DEFAULT_VERSION = "2.99.0.0+0000000d"      # real format, impossible release: a double
+DEFAULT_VERSION = "2.99.0.0+0000000d"  # real format, impossible release: a double
 HEADER = struct.Struct("<QQQQQ128sI32s16s256sI64sQI")
 HEADER_SIZE = 1024
-NOTE = (b"This file was written by tests/trn2/doubles/neuronx_cc_stub.py, a TEST DOUBLE of "
-        b"neuronx-cc. It contains no executable code and cannot run on any Neuron device.\n")
+NOTE = (
+    b"This file was written by tests/trn2/doubles/neuronx_cc_stub.py, a TEST DOUBLE of "
+    b"neuronx-cc. It contains no executable code and cannot run on any Neuron device.\n"
+)
 
 
 def version() -> str:
@@ -63,9 +65,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--distribution-strategy", choices=["llm-training", "nemo"])
     p.add_argument("--native-int64", choices=["default", "enabled", "disabled"])
     p.add_argument("--implicit-integer-downcast")
-    for flag in ("--enable-mixed-precision-accumulation", "--disable-mixed-precision-accumulation",
-                 "--enable-saturate-infinity", "--enable-fast-context-switch",
-                 "--enable-fast-loading-neuron-binaries"):
+    for flag in (
+        "--enable-mixed-precision-accumulation",
+        "--disable-mixed-precision-accumulation",
+        "--enable-saturate-infinity",
+        "--enable-fast-context-switch",
+        "--enable-fast-loading-neuron-binaries",
+    ):
         p.add_argument(flag, action="store_true")
     p.add_argument("--logfile", default="log-neuron-cc.txt")
     p.add_argument("--output", default="file.neff")
@@ -84,17 +90,25 @@ def fake_model(hlo: bytes) -> str | None:
         return None
     try:
         bytecode = xla_client._xla.mlir.hlo_to_stablehlo(hlo)
-        root = next(ln for ln in xla_client.XlaComputation(hlo).as_hlo_text().splitlines()
-                    if ln.lstrip().startswith("ROOT ") and "neff_output_names" in ln)
+        root = next(
+            ln
+            for ln in xla_client.XlaComputation(hlo).as_hlo_text().splitlines()
+            if ln.lstrip().startswith("ROOT ") and "neff_output_names" in ln
+        )
     except Exception:
         return None
     with mlir.make_ir_context():
         module = ir.Module.parse(bytecode)
-        main = next(op for op in module.body.operations
-                    if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == "main")
+        main = next(
+            op
+            for op in module.body.operations
+            if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == "main"
+        )
         ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
-        inputs = [ir.StringAttr(ir.DictAttr(ir.DictAttr(a)["mhlo.frontend_attributes"])["neff_input_names"]).value
-                  for a in ir.ArrayAttr(main.attributes["arg_attrs"])]
+        inputs = [
+            ir.StringAttr(ir.DictAttr(ir.DictAttr(a)["mhlo.frontend_attributes"])["neff_input_names"]).value
+            for a in ir.ArrayAttr(main.attributes["arg_attrs"])
+        ]
         outputs = re.search(r'neff_output_names="([^"]*)"', root).group(1).split(",")
         sizes = {("input", n): _nbytes(t) for n, t in zip(inputs, ftype.inputs)}
         sizes.update({("output", n): _nbytes(t) for n, t in zip(outputs, ftype.results)})
@@ -107,7 +121,7 @@ def fake_model(hlo: bytes) -> str | None:
             (j,) = ir.DenseI64ArrayAttr(entry["output_index"])
             alias = ir.DictAttr(entry["alias"])
             if ir.StringAttr(alias["kind"]).value != "must_alias":
-                return None                  # a may-alias: the runtime could not bind one buffer as both
+                return None  # a may-alias: the runtime could not bind one buffer as both
             lines.append(f"copy {outputs[j]} {inputs[ir.IntegerAttr(alias['parameter_number']).value]}")
     return "\n".join(lines + ["end"]) + "\n"
 
@@ -119,7 +133,7 @@ def _nbytes(t) -> int:
     n = 1
     for d in t.shape:
         n *= d
-    return n * max(1, (t.element_type.width + 7) // 8)      # i1 (pred) is stored as a byte
+    return n * max(1, (t.element_type.width + 7) // 8)  # i1 (pred) is stored as a byte
 
 
 def neff_bytes(name: str, lnc: int, compressed: bool, model: str | None = None) -> bytes:
@@ -136,20 +150,38 @@ def neff_bytes(name: str, lnc: int, compressed: bool, model: str | None = None) 
     payload = gzip.compress(buf.getvalue(), mtime=0) if compressed else buf.getvalue()
     pkg = 2 if compressed else 1
     digest = hashlib.md5(payload).digest() + b"0" * 16 if compressed else hashlib.sha256(payload).digest()
-    features = 0x400 if lnc > 1 else 0          # "vnc" bit for LNC > 1
-    header = HEADER.pack(pkg, HEADER_SIZE, len(payload), 2, 0, version().encode(), int(compressed),
-                         digest, uuid.uuid4().bytes, name.encode()[:255], 1, bytes(64), features, lnc)
+    features = 0x400 if lnc > 1 else 0  # "vnc" bit for LNC > 1
+    header = HEADER.pack(
+        pkg,
+        HEADER_SIZE,
+        len(payload),
+        2,
+        0,
+        version().encode(),
+        int(compressed),
+        digest,
+        uuid.uuid4().bytes,
+        name.encode()[:255],
+        1,
+        bytes(64),
+        features,
+        lnc,
+    )
     return header.ljust(HEADER_SIZE, b"\0") + payload
 
 
 def compile_(argv: list[str]) -> int:
-    args = parser().parse_args(argv)           # exits 2 with a usage message on bad flags
+    args = parser().parse_args(argv)  # exits 2 with a usage message on bad flags
     lnc = args.lnc if args.lnc is not None else (2 if args.target == "trn2" else 1)
     with open(args.logfile, "a") as log:
         log.write(f"INFO [neuronx-cc stand-in]: compile {' '.join(argv)}\n")
         if lnc == 2 and args.target != "trn2":
-            return _error(log, "NCC_EARG001", f"Unsupported Logical Neuron Core configuration {lnc} "
-                          f"for target {args.target}", exit_code=70)
+            return _error(
+                log,
+                "NCC_EARG001",
+                f"Unsupported Logical Neuron Core configuration {lnc} for target {args.target}",
+                exit_code=70,
+            )
         if not os.path.isfile(args.model_files) or os.path.getsize(args.model_files) == 0:
             print(f"ERROR: input file {args.model_files} is missing or empty (stand-in)", file=sys.stderr)
             return 1
@@ -157,8 +189,9 @@ def compile_(argv: list[str]) -> int:
         if fail:
             kind = "INTERNAL_ERROR" if fail[4:5] == "I" else "ERROR"
             print("Compiler status: starting stand-in", flush=True)
-            return _error(log, fail, f"stand-in failure requested through FAKE_NEURONX_CC_FAIL ({kind})",
-                          exit_code=70, kind=kind)
+            return _error(
+                log, fail, f"stand-in failure requested through FAKE_NEURONX_CC_FAIL ({kind})", exit_code=70, kind=kind
+            )
         name = os.path.splitext(os.path.basename(args.output))[0]
         with open(args.model_files, "rb") as f:
             model = fake_model(f.read())
@@ -189,8 +222,10 @@ def main(argv: list[str]) -> int:
     if sleep:
         time.sleep(sleep)
     if argv[:1] == ["--version"]:
-        print(f"NeuronX Compiler version {version()}\n\nPython version {sys.version.split()[0]}\n"
-              "HWM version (test double)\nNumPy version (test double)")
+        print(
+            f"NeuronX Compiler version {version()}\n\nPython version {sys.version.split()[0]}\n"
+            "HWM version (test double)\nNumPy version (test double)"
+        )
         return 0
     if argv[:1] == ["compile"]:
         return compile_(argv[1:])

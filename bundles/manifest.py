@@ -33,6 +33,10 @@ from deepinfer.schema import Problem, Rules, build, coerce, dump
 
 FORMAT_VERSION = 2  # 2: shared weight stacks, per-tensor file and format
 SUPPORTED_VERSIONS = (2,)
+# the compiled methods: every region's step, and the target head's vocabulary projection the draft's logits go
+# through (the one other method a bundle holds); compiler, runtime and regions spell them only here
+DECODE = "decode"
+PROJECT = "project"
 ROLES = ("rank", "weight", "activation", "step", "state", "carry")
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "int64", "int32", "uint8", "int8", "bool")
 
@@ -488,7 +492,7 @@ def check(m: Manifest) -> None:
     kinds = {e.kind for e in m.regions}
     drafts = m.draft_kinds
     for kind in sorted(kinds - drafts):  # one executable per bucket (batch sizes may be gathered rows), and
-        mine = [e for e in m.regions if e.kind == kind and e.method == "decode"]  # per context bucket if read
+        mine = [e for e in m.regions if e.kind == kind and e.method == DECODE]  # per context bucket if read
         contexts = [None] if mine[0].bucket.context is None else b.context_sizes
         for c in contexts:
             at = [e for e in mine if e.bucket.context == c]
@@ -572,7 +576,7 @@ def check(m: Manifest) -> None:
         _check_draft(m, kinds, rows)
 
 
-DRAFT_PROJECT = ("head", "project")  # the draft's logits: the target head's projection
+DRAFT_PROJECT = ("head", PROJECT)  # the draft's logits: the target head's projection
 
 
 def _check_draft(m: Manifest, kinds: set, rows: dict) -> None:
@@ -584,7 +588,7 @@ def _check_draft(m: Manifest, kinds: set, rows: dict) -> None:
     for i, stage in enumerate(d.stages):
         for slot, b in stage.items():
             _bound(b, ("draft", "stages", i, slot), kinds, rows)
-    calls = {(k, "decode") for k in m.draft_kinds} | {DRAFT_PROJECT}
+    calls = {(k, DECODE) for k in m.draft_kinds} | {DRAFT_PROJECT}
     for kind, method in sorted(calls):
         at = [e for e in m.regions if (e.kind, e.method) == (kind, method)]
         _need(

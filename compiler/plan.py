@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.bundles.manifest import DECODE, PROJECT
 from deepinfer.bundles.topology import Topology
 from deepinfer.regions.base import Region
 from deepinfer.regions.config import TextConfig
@@ -29,8 +30,8 @@ from deepinfer.regions.plan import make_embed, make_head, make_layer_regions
 from deepinfer.regions.state import reads_context
 from deepinfer.regions.step import LayerPlan, plan_layers
 
-METHOD = "decode"
-DRAFT_PROJECT = "project"  # the target head's method the draft's logits go through
+METHOD = DECODE
+DRAFT_PROJECT = PROJECT  # the target head's method the draft's logits go through
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
 
+from deepinfer.bundles.manifest import DECODE
 from deepinfer.regions.base import Region
 from deepinfer.regions.examples import example_inputs
 from deepinfer.regions.state import Geometry, InputSpec
@@ -48,7 +49,7 @@ def weight_specs(region: Region) -> list[InputSpec]:
 class Lifted(torch.nn.Module):
     """forward(*weights, *inputs) = region.<method>(*inputs) with the weights bound."""
 
-    def __init__(self, region: Region, method: str = "decode"):
+    def __init__(self, region: Region, method: str = DECODE):
         super().__init__()
         shell = copy.copy(region)
         shell._buffers, shell._parameters, shell._modules = {}, {}, {}
@@ -80,7 +81,7 @@ def dynamic_dims(sig: Signature) -> tuple:
     return tuple(out)
 
 
-def trace(region: Region, B: int, T: int, geometry: Geometry, method: str = "decode", *, dynamic: bool = True):
+def trace(region: Region, B: int, T: int, geometry: Geometry, method: str = DECODE, *, dynamic: bool = True):
     """Export `region.<method>` for a [B, T] step -> (ExportedProgram, Signature, example inputs).
 
     Nothing real-size is allocated: the region's weights are meta tensors (compiler/plan.py)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from deepinfer.bundles.manifest import DECODE
 from deepinfer.kernels.formats import FP8_GEMM_FORMATS
 from deepinfer.regions.config import TextConfig
 
@@ -102,7 +103,7 @@ class Region(nn.Module):
     def method_inputs(self, method: str, B: int, T: int, g) -> list:
         """The inputs of compiled method `method` for a [B, T] step: `input_specs` for `decode`, every
         region's; `<method>_inputs` for another (the head's `project`)."""
-        return self.input_specs(B, T, g) if method == "decode" else getattr(self, f"{method}_inputs")(B, T, g)
+        return self.input_specs(B, T, g) if method == DECODE else getattr(self, f"{method}_inputs")(B, T, g)
 
     @property
     def fp8(self) -> str:

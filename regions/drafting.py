@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from deepinfer.bundles.manifest import PROJECT
 from deepinfer.kernels import hc as _hc  # noqa: F401  (registers the collapse op)
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.generate import SpeculationStats, bucket_at_least
@@ -97,7 +98,7 @@ class DSparkDrafter:
         for i in range(P):
             normalized, transition, _ = self.invoke(stages - 1, "head", h, pre, previous)
             if base is None:
-                (base,) = self.invoke(-1, "project", normalized)  # [B, P, V]
+                (base,) = self.invoke(-1, PROJECT, normalized)  # [B, P, V]
             logits[:, i] = base[:, i] + transition[:, i].float()
             drafts[:, i] = logits[:, i].argmax(-1)
             if i + 1 < P:

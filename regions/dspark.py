@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from deepinfer.bundles.manifest import PROJECT
 from deepinfer.kernels.cachequant import maybe_quant
 from deepinfer.kernels.rope import apply_rope
 from deepinfer.regions.attention import _Attention
@@ -187,7 +188,7 @@ def eager_invoke(stages: list[dict[str, Region]], head: Region | None):
     `head`, whose `project` the draft's logits go through."""
 
     def invoke(stage: int, slot: str, *inputs):
-        out = head.project(*inputs) if slot == "project" else stages[stage][slot].decode(*inputs)
+        out = head.project(*inputs) if slot == PROJECT else stages[stage][slot].decode(*inputs)
         return out if isinstance(out, tuple) else (out,)
 
     return invoke

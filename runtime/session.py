@@ -113,7 +113,7 @@ def open_bundle(path: str | Path, *, verify: bool = True, trust=None) -> Bundle:
     return bundle
 
 
-METHOD, DRAFT_PROJECT = "decode", "project"  # a step's regions' method; the draft's logits (the head's)
+METHOD, DRAFT_PROJECT = mf.DECODE, mf.PROJECT  # a step's regions' method; the draft's logits (the head's)
 LAYER_FIELDS = ("attn", "ratio", "kv_source", "candidate_source", "uses_candidates")
 
 
@@ -365,8 +365,8 @@ class Session:
         executables, stats, draft_bound, head = self.executables, self.stats, self.draft_bound, self.bound[(-1, "head")]
 
         def invoke(stage: int, slot: str, *inputs):
-            kind, weights = head if slot == "project" else draft_bound[(stage, slot)]
-            method = DRAFT_PROJECT if slot == "project" else METHOD
+            kind, weights = head if slot == DRAFT_PROJECT else draft_bound[(stage, slot)]
+            method = DRAFT_PROJECT if slot == DRAFT_PROJECT else METHOD
             exe = executables[(kind, method, inputs[0].shape[0], inputs[0].shape[1], None)]
             t0 = time.perf_counter()
             out = exe(weights + list(inputs))

@@ -57,7 +57,9 @@ def main() -> None:
     from deepinfer.compiler.pipeline import compile_bundle
     from deepinfer.regions.reference import ReferenceModel
     from deepinfer.regions.tokenizer import ByteTokenizer
-    from deepinfer.runtime import load
+    from deepinfer.runtime import RunOptions, load
+    from deepinfer.runtime.executor import generate_loaded
+    from deepinfer.runtime.schedule import decode_model
 
     if not args.bundle.exists():
         print(f"compiling {args.toml} -> {args.bundle}", file=sys.stderr)
@@ -67,17 +69,17 @@ def main() -> None:
     ckpt = load_compile_config(args.toml).model.checkpoint
     ref = ReferenceModel(ckpt, dtype=m.dtype, cache_quant=m.cache_quant, ties="lowest")
     tok = ByteTokenizer()
-    batch = max(session.batch_sizes)
+    batch = max(session.sizes.batch_sizes)
     prompts = [tok.encode(p) for p in PROMPTS][:batch]
     best = {"bundle": (float("inf"), float("inf")), "eager": (float("inf"), float("inf"))}
     with torch.inference_mode():
         for _ in range(args.repeats):
-            for name, gen in (("bundle", session.generate), ("eager", ref.generate)):
+            bundle = lambda ps, n: generate_loaded(session, ps, RunOptions(max_new_tokens=n))  # noqa: E731
+            eager = lambda ps, n: decode_model(ref, ps, n)  # noqa: E731
+            for name, gen in (("bundle", bundle), ("eager", eager)):
                 step, token = measure(gen, prompts, args.new_tokens)
                 best[name] = (min(best[name][0], step), min(best[name][1], token))
-    session.stats.__init__()
-    session.generate(prompts, args.new_tokens)
-    s = session.stats
+    s = generate_loaded(session, prompts, RunOptions(max_new_tokens=args.new_tokens)).stats
     calls = sum(s.calls.values())
     result = {
         "prompts": len(prompts),

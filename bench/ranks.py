@@ -77,11 +77,11 @@ def predicted(text, layers: int, tp: int, ep: int, cp: int, B: int, act_bytes: i
 
 
 def measure(bundle: Path, steps: int) -> dict:
-    from deepinfer.runtime.ranks import generate_ranks
+    from deepinfer.runtime import RunOptions, generate
 
-    run = generate_ranks(bundle, [[0]], steps, threads=1)
-    decode_steps = run["stats"].steps
-    per_rank = {r: {k: v / decode_steps for k, v in sent.items()} for r, sent in run["sent"].items()}
+    run = generate(bundle, [[0]], RunOptions(max_new_tokens=steps, threads=1))
+    decode_steps = run.stats.steps
+    per_rank = {r: {k: v / decode_steps for k, v in sent.items()} for r, sent in run.sent.items()}
     return {"steps": decode_steps, "per_rank": per_rank}
 
 

@@ -66,7 +66,8 @@ def main() -> None:
     from deepinfer.compiler.pipeline import compile_bundle
     from deepinfer.regions.speculative import AllAcceptedDraftDouble
     from deepinfer.regions.tokenizer import ByteTokenizer
-    from deepinfer.runtime import load
+    from deepinfer.runtime import RunOptions, Stats, load
+    from deepinfer.runtime.executor import generate_loaded
 
     if not args.bundle.exists():
         print(f"compiling {args.toml} -> {args.bundle}", file=sys.stderr)
@@ -75,7 +76,7 @@ def main() -> None:
         compile_bundle(dataclasses.replace(config, target=target), args.bundle, jobs=2)
     session = load(args.bundle)
     block = session.config.text.dspark_block_size
-    if block + 1 not in session.token_sizes:
+    if block + 1 not in session.sizes.token_sizes:
         sys.exit(
             f"{args.bundle}: no tokens bucket of {block + 1} (the verify step); compile with tokens "
             f"including {block + 1}"
@@ -84,20 +85,27 @@ def main() -> None:
         sys.exit(f"{args.bundle}: compiled without the draft; recompile it from {args.toml} ([speculative] draft)")
     prompt = ByteTokenizer().encode(PROMPT)
     n = args.new_tokens
+
+    def run(k: int, drafter=None):
+        return generate_loaded(session, [prompt], RunOptions(max_new_tokens=k), drafter=drafter)
+
     with torch.inference_mode():
-        plain = session.generate([prompt], n)
-        drafters = {"all_accepted": lambda: AllAcceptedDraftDouble(plain, block), "dspark": session.dspark}
+        plain = run(n)
+        drafters = {
+            "all_accepted": lambda: AllAcceptedDraftDouble(plain, block),
+            "dspark": lambda: session.dspark(Stats()),
+        }
         best = {"plain": float("inf")} | {k: float("inf") for k in drafters}
         stats = {}
         for _ in range(args.repeats):
-            best["plain"] = min(best["plain"], decode_seconds(lambda k: session.generate([prompt], k), n))
+            best["plain"] = min(best["plain"], decode_seconds(run, n))
             for name, make in drafters.items():
                 drafter = make()
-                seconds = decode_seconds(lambda k, d=drafter: session.generate([prompt], k, drafter=d), n)
+                seconds = decode_seconds(lambda k, d=drafter: run(k, d), n)
                 best[name] = min(best[name], seconds)
-                got = session.generate([prompt], n, drafter=(drafter := make()))
+                got = run(n, make())
                 assert got[0].tokens == plain[0].tokens, f"{name}: speculative output differs from plain"
-                stats[name] = drafter.stats
+                stats[name] = got.speculation
     decode_step = best["plain"] / (n - 1)
     verify_step = best["all_accepted"] / stats["all_accepted"].verify_steps
     out = {

@@ -68,6 +68,11 @@ def load_public_key(path: str | Path):
     return key
 
 
+def trusted(path: str | Path | None):
+    """The public key at `path` (--trust, $DEEPINFER_TRUST), or None when no key is given."""
+    return None if path is None else load_public_key(path)
+
+
 def key_id(public_key) -> str:
     """The first 16 hex digits of the sha256 of the raw public key: names a key in errors."""
     serialization, _, _ = _primitives()

@@ -169,14 +169,15 @@ def reference_cmd(
       deepinfer reference tiny/ --image cat.ppm --prompt "<image>What is this?"
     """
     from deepinfer.regions.reference import ReferenceModel
+    from deepinfer.runtime.schedule import decode_model
 
     model = ReferenceModel(checkpoint, dtype=dtype, cache_quant=cache_quant, ties=topk_ties)
     cfg, tok = model.config, model.tokenizer
     prompts, embeds = prompts_with_images(prompt, prompt_ids, images, cfg, tok, lambda: model.vision, chat)
     drafter = model.dspark() if speculative else None
-    gens = model.generate(prompts, max_new_tokens, chunk=chunk, images=embeds, drafter=drafter)
+    gens = decode_model(model, prompts, max_new_tokens, chunk=chunk, images=embeds, drafter=drafter)
     if drafter is not None:
-        click.echo(f"speculative dspark: {drafter.stats.line()}", err=True)
+        click.echo(f"speculative dspark: {gens.speculation.line()}", err=True)
     if dump_logits:
         write_logits(
             dump_logits,
@@ -420,11 +421,11 @@ def diff_cmd(
       deepinfer diff build/tiny --prompt "Hello" --per-layer
     """
     from deepinfer import diff
-    from deepinfer.regions.tokenizer import for_bundle
     from deepinfer.runtime import open_bundle
+    from deepinfer.runtime.bundle import tokenizer
 
     opened = open_bundle(bundle, verify=not no_verify, trust=trusted_key(trust))
-    prompts = prompts_from(prompt, prompt_ids, opened.config.text.vocab_size, for_bundle(opened))
+    prompts = prompts_from(prompt, prompt_ids, opened.config.text.vocab_size, tokenizer(opened))
     report = diff.diff_bundle(opened, prompts, max_new_tokens, tolerance=tolerance, num_kv_blocks=num_kv_blocks)
     if as_json:
         click.echo(json.dumps(diff.report_json(report)))

@@ -47,11 +47,51 @@ def trust_option(fn):
 
 def trusted_key(path: Path | None):
     """The public key of --trust, or None."""
-    if path is None:
-        return None
-    from deepinfer.bundles.signing import load_public_key
+    from deepinfer.bundles.signing import trusted
 
-    return load_public_key(path)
+    return trusted(path)
+
+
+def bundle_options(fn):
+    """The options `deepinfer-run` and `deepinfer-serve` share: how the bundle is opened and loaded
+    (`runtime.LoadOptions`, built by `load_settings`)."""
+    options = [
+        click.option(
+            "--num-kv-blocks",
+            type=click.IntRange(min=2),
+            default=None,
+            help="Size of the KV block pool, block 0 being scratch (default: the bundle's num_blocks).",
+        ),
+        click.option(
+            "--threads",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Host threads for the executables (default: torch's; 1 is often fastest for small models "
+            "on a busy machine).",
+        ),
+        click.option("--no-verify", is_flag=True, help="Skip the digest check of the bundle's files at load."),
+        click.option(
+            "--speculative",
+            type=click.Choice(["dspark"]),
+            default=None,
+            help="Greedy requests decode speculatively with the draft compiled into the bundle ([speculative] "
+            "draft in its model.toml): the same tokens as without. Single-rank bundles.",
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return trust_option(fn)
+
+
+def load_settings(num_kv_blocks, threads, no_verify, speculative, trust) -> dict:
+    """The `runtime.LoadOptions` fields of `bundle_options`' values."""
+    return {
+        "num_kv_blocks": num_kv_blocks,
+        "threads": threads,
+        "verify": not no_verify,
+        "speculative": speculative,
+        "trust": trust,
+    }
 
 
 def parse_ids(text: str) -> list[int]:

@@ -298,7 +298,9 @@ class Floor:
 
 def teacher_forced(model, tokens: list[list[int]], chunk: int | None) -> list[torch.Tensor]:
     """The model's logits [len(t), V] for each token sequence t, fed as a prompt in chunks of `chunk`."""
-    gens = model.generate(tokens, 1, chunk=chunk)
+    from deepinfer.runtime.schedule import decode_model
+
+    gens = decode_model(model, tokens, 1, chunk=chunk)
     return [torch.stack(g.logits) for g in gens]
 
 

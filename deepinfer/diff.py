@@ -1,7 +1,7 @@
 """Which region kind of a bundle disagrees with its pure-torch reference, and by how much.
 
 `diff_bundle` runs a bundle on prompts (greedy, as `deepinfer-run` does) with
-a hook around every region call (`Session.on_call`). For each call it copies
+a hook around every region call (`on_call`, an argument of the run). For each call it copies
 the inputs before the executable runs (state views included: an executable
 writes its state in place), runs the executable, then runs the eager
 reference region of that kind on the copies: the region built from the
@@ -90,7 +90,7 @@ class References:
     def __init__(self, session, rank: int = 0):
         from deepinfer.compiler.plan import plan_regions
         from deepinfer.quant.formats import FP8_E4M3FN, FP8_FORMATS
-        from deepinfer.runtime.session import stack_tensors
+        from deepinfer.runtime.bundle import stack_tensors
 
         m = session.manifest
         try:
@@ -105,7 +105,7 @@ class References:
             session.config.text,
             session.dtype,
             m.model.cache_quant,  # shaped for one rank
-            session.topology,
+            m.topology.topology,
             fp8.pop() if fp8 else FP8_E4M3FN,
             device_embedding=m.embed is not None,
             draft=m.draft is not None,
@@ -114,7 +114,7 @@ class References:
         self.rank = torch.tensor(rank, dtype=torch.int64)
         self.stacks = {e.kind: stack_tensors(session.path, e) for e in entries}
         self.rows = {(layer, slot): b.index for layer, slot, b in m.bindings()}
-        missing = sorted(set(session.signatures) - set(self.regions))
+        missing = sorted({e.kind for e in m.regions} - set(self.regions))
         if missing:
             raise BundleError(
                 f"{session.path}: region kind(s) {', '.join(missing)} have no reference region "
@@ -136,7 +136,7 @@ class References:
 
 
 class Recorder:
-    """`Session.on_call`: runs each call on the executable and on its reference region, scores it."""
+    """The run's `on_call`: runs each call on the executable and on its reference region, scores it."""
 
     def __init__(self, session, references: References):
         self.refs = references
@@ -174,13 +174,12 @@ class Recorder:
 def diff_session(
     session, prompts: list[list[int]], max_new_tokens: int = 4, *, tolerance: float | None = None
 ) -> DiffReport:
-    """Generate with a loaded session, every region call checked against its reference region."""
-    recorder = Recorder(session, References(session, int(session.rank)))
-    session.on_call = recorder
-    try:
-        session.generate(prompts, max_new_tokens)
-    finally:
-        session.on_call = None
+    """Generate with a loaded bundle (`runtime.Executor`), every region call checked against its reference region."""
+    from deepinfer.runtime import RunOptions
+    from deepinfer.runtime.executor import generate_loaded
+
+    recorder = Recorder(session, References(session, session.rank))
+    generate_loaded(session, prompts, RunOptions(max_new_tokens=max_new_tokens), on_call=recorder)
     tol = TOLERANCE[session.manifest.model.dtype] if tolerance is None else tolerance
     return DiffReport(session.path, tol, len(prompts), _rank(list(recorder.entries.values())))
 

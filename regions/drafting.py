@@ -1,6 +1,6 @@
 """Drafting a DSpark block: the one loop the reference and the bundle runtime share.
 
-`DSparkDrafter` is a `generate.Drafter` over `invoke(stage, slot, *inputs)`, the
+`DSparkDrafter` is a `regions.stepper.Drafter` over `invoke(stage, slot, *inputs)`, the
 draft's region calls (slots `context` on stage 0, `attn`, `moe`, `head` on the last,
 and `project`, the target head's vocabulary projection, as stage -1): the reference
 drives it with eager regions (`ReferenceModel.dspark`), the runtime with a bundle's
@@ -23,11 +23,9 @@ from torch import Tensor
 from deepinfer.bundles.manifest import PROJECT
 from deepinfer.kernels import hc as _hc  # noqa: F401  (registers the collapse op)
 from deepinfer.regions.config import TextConfig
-from deepinfer.regions.generate import SpeculationStats, bucket_at_least
+from deepinfer.regions.stepper import Captured, DraftRequest, bucket_at_least
 
 ops = torch.ops.deepinfer
-
-Request = tuple[int, int, list[int], int]  # (sequence, its slot, its committed tokens, how many to draft)
 
 
 def run_draft_stages(
@@ -44,7 +42,7 @@ def run_draft_stages(
 
 
 class DSparkDrafter:
-    """The DSpark draft as `generate.greedy` drives it.
+    """The DSpark draft as the scheduler drives it (a `regions.stepper.Drafter`).
 
     A block drafts greedily: the stages run once over the anchor and `dspark_block_size` - 1 noise
     tokens; position i's token is the argmax of the target head's logits of the last stage's
@@ -58,9 +56,8 @@ class DSparkDrafter:
         self.batch_sizes = batch_sizes
         self.block = c.dspark_block_size
         self.capture_layers = tuple(c.dspark_target_layer_ids)
-        self.stats = SpeculationStats()
 
-    def observe(self, seq: int, slot: int, stepper, group: int, row: int, start: int, keep: int) -> None:
+    def observe(self, slot: int, captured: Captured, row: int, start: int, keep: int) -> None:
         W = self.c.sliding_window
         if slot >= self.features.shape[1]:  # a pool the drafter owns (the reference's) grows
             more = torch.zeros_like(self.features[:, :1]).expand(-1, slot + 1 - self.features.shape[1], -1, -1)
@@ -68,11 +65,11 @@ class DSparkDrafter:
         first = max(start, start + keep - W)  # earlier positions would be overwritten at once
         rows = torch.arange(first, start + keep) % W
         for i, layer in enumerate(self.capture_layers):
-            h, pre = stepper.capture[layer]  # [B, T, n, D], [B, T, n]
+            h, pre = captured[layer]  # [B, T, n, D], [B, T, n]
             x = ops.hc_collapse(h[row, first - start : keep], pre[row, first - start : keep])
             self.features[i, slot].index_copy_(0, rows, x.to(self.features.dtype))
 
-    def block_logits(self, requests: list[Request]) -> tuple[Tensor, Tensor]:
+    def block_logits(self, requests: list[DraftRequest]) -> tuple[Tensor, Tensor]:
         """Each request's block drafted -> (drafts [B, P] int64, the logits each was the argmax of
         [B, P, V] float32), one row per request (the padding rows of the batch bucket dropped)."""
         c, W, P = self.c, self.c.sliding_window, self.block
@@ -106,6 +103,6 @@ class DSparkDrafter:
         return drafts[:n], logits[:n]
 
     @torch.inference_mode()
-    def draft(self, requests: list[Request]) -> dict[int, list[int]]:
+    def draft(self, requests: list[DraftRequest]) -> dict[int, list[int]]:
         drafts, _ = self.block_logits(requests)
         return {seq: drafts[b, :k].tolist() for b, (seq, _, _, k) in enumerate(requests)}

@@ -22,11 +22,10 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from deepinfer.bundles.layout import CHAT_TEMPLATE_FILE as TEMPLATE_FILE
-from deepinfer.bundles.layout import TOKENIZER_CONFIG_FILE as CONFIG_FILE
-from deepinfer.bundles.layout import TOKENIZER_FILE
 from deepinfer.errors import ConfigError
-from deepinfer.regions.tokenizer import Tokenizer
+from deepinfer.regions.tokenizer import CHAT_TEMPLATE_FILE as TEMPLATE_FILE
+from deepinfer.regions.tokenizer import TOKENIZER_CONFIG_FILE as CONFIG_FILE
+from deepinfer.regions.tokenizer import TOKENIZER_FILE, Tokenizer
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
 

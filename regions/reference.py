@@ -2,19 +2,19 @@
 
 It owns its state buffers (a slot and the blocks its positions need per
 sequence), runs prompts as decode-shaped chunks, then one token per step, and
-samples greedily with the loop the bundle runtime uses (`regions.generate`).
+is driven by the scheduler the bundle runtime uses (`stepper`; `runtime.schedule.decode`).
 Every later stage (compiled bundles, other targets) is held to what this
 produces.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from deepinfer.bundles.layout import TOKENIZER_FILE
 from deepinfer.errors import ConfigError
 from deepinfer.regions.base import engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint, load_region
@@ -23,12 +23,12 @@ from deepinfer.regions.drafting import DSparkDrafter
 from deepinfer.regions.dspark import PREFIX, draft_regions, eager_invoke
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.engram_map import checked_token_map
-from deepinfer.regions.generate import Allocator, Generation, Row, greedy, make_batch
 from deepinfer.regions.plan import make_head, make_layer_regions
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.state import PAGED, allocate, state_layout
 from deepinfer.regions.step import DTYPES, Embedding, EngramRows, plan_layers, run_layers
-from deepinfer.regions.tokenizer import for_checkpoint
+from deepinfer.regions.stepper import Allocator, Captured, Row, make_batch
+from deepinfer.regions.tokenizer import TOKENIZER_FILE, for_checkpoint
 from deepinfer.regions.vision import VisionTower
 
 REFERENCE_BLOCK_SIZE = 16
@@ -91,34 +91,12 @@ class ReferenceModel:
             self._vision = VisionTower(self.config, Checkpoint(self.path).get, self.dtype, str(self.path / CONFIG_FILE))
         return self._vision
 
-    @torch.inference_mode()
-    def generate(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int,
-        *,
-        chunk: int | None = None,
-        eos: int | None = None,
-        images: list[ImageEmbeds | None] | None = None,
-        drafter=None,
-    ) -> list[Generation]:
-        """Greedy generation for a batch of token-id prompts.
+    def stepper(self, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None) -> EagerSteps:
+        """The reference as a `Stepper` for these prompts (the scheduler drives it: `runtime.schedule.decode`).
 
-        Prompts run as decode-shaped chunks of `chunk` tokens (default: the
-        longest prompt in one chunk), then one token per step. `images[b]`
-        (from `spans.with_images`) marks prompt b's image positions and
-        holds the rows that replace their embeddings. With `drafter` (`self.dspark()` or a
-        test double of `regions/speculative.py`), speculative decoding: the same tokens.
-        """
-        eos = self.config.eos_token_id if eos is None else eos
-        return greedy(
-            _Eager(self, prompts, max_new_tokens, chunk),
-            prompts,
-            max_new_tokens,
-            eos=eos,
-            images=images,
-            drafter=drafter,
-        )
+        Prompts run as decode-shaped chunks of `chunk` tokens (default: the longest prompt in one
+        chunk), then one token per step; its pools hold every prompt and `max_new_tokens` more."""
+        return EagerSteps(self, prompts, max_new_tokens, chunk)
 
     def dspark(self) -> DSparkDrafter:
         """The checkpoint's DSpark draft (`mtp.*`) as eager regions, drafting for this model."""
@@ -141,12 +119,11 @@ class ReferenceModel:
         return stages
 
 
-class _Eager:
-    """The reference as `greedy` drives it: every prompt in one batch, row b always prompt b
+class EagerSteps:
+    """The reference as the scheduler drives it: every prompt in one batch, row b always prompt b
     (finished prompts stay as padding rows), pools sized for the longest sequence."""
 
     groups = 1
-    capture: dict | None = None  # layers whose attention inputs a drafter reads (run_layers)
 
     def __init__(self, model: ReferenceModel, prompts: list[list[int]], max_new_tokens: int, chunk: int | None):
         self.model = model
@@ -177,7 +154,14 @@ class _Eager:
         slots, blocks, width = self.geometry
         return Allocator(slots, blocks, REFERENCE_BLOCK_SIZE, width)
 
-    def run(self, rows_by_group: list[list[Row]], allocs: list[Allocator], gens, images) -> list[Tensor]:
+    def run(
+        self,
+        rows_by_group: list[list[Row]],
+        allocs: list[Allocator],
+        histories: Mapping[int, Sequence[int]],
+        images: Mapping[int, ImageEmbeds | None],
+        capture: Captured | None = None,
+    ) -> list[Tensor]:
         m, (rows,) = self.model, rows_by_group
         T = max(len(ids) for _, ids, _ in rows)
         batch = make_batch(
@@ -187,12 +171,12 @@ class _Eager:
             T,
             blocks=self.geometry[2],
             alloc=allocs[0],
-            gens=gens,
+            histories=histories,
             images=images,
             hasher=m.hasher,
             pad=m.config.pad_token_id,
             dtype=m.dtype,
         )
         h, pre = m.embed(batch.tokens, batch.is_image, batch.image_rows)
-        logits = run_layers(m.plans, m.invoke, self.states, h, pre, batch, m.engram, self.capture)
+        logits = run_layers(m.plans, m.invoke, self.states, h, pre, batch, m.engram, capture)
         return [logits[[seq for seq, _, _ in rows]]]

@@ -1,9 +1,9 @@
-"""Drafters for speculative decoding (`regions.generate.greedy(..., drafter=...)`).
+"""Drafters for speculative decoding (the scheduler's `drafter`, `runtime/schedule.py`).
 
 A drafter proposes up to `block` tokens after a sequence's committed ones; the
 target verifies them in one step of the committed-but-unfed tokens plus the
 drafts (a `block + 1`-token bucket) and keeps the longest prefix its own greedy
-choices agree with, then its own next token. `generate.SlotSnapshot` rolls back
+choices agree with, then its own next token. The scheduler's `SlotSnapshot` rolls back
 what a rejected position wrote.
 
 The release's draft is DSpark (`regions/dspark.py`). A randomly initialised
@@ -16,9 +16,11 @@ block is rolled back in turn).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from deepinfer.regions.generate import Generation, SpeculationStats
+from deepinfer.regions.stepper import Captured, DraftRequest
 
 
 class AllAcceptedDraftDouble:
@@ -27,20 +29,19 @@ class AllAcceptedDraftDouble:
     `plain[i]` is the plain greedy run of the same prompt i (same max_new_tokens); near its end it
     drafts what remains (fewer tokens), and off that run (a sequence that already diverged) nothing."""
 
-    def __init__(self, plain: list[Generation], block: int):
-        self.plain = [g.tokens for g in plain]
+    def __init__(self, plain: Sequence, block: int):
+        self.plain = [g.tokens for g in plain]  # each run's prompt then generated tokens (`.tokens`)
         self.block = block
-        self.capture_layers = ()
-        self.stats = SpeculationStats()
+        self.capture_layers: tuple[int, ...] = ()
 
-    def draft(self, requests: list[tuple[int, int, list[int], int]]) -> dict[int, list[int]]:
+    def draft(self, requests: list[DraftRequest]) -> dict[int, list[int]]:
         out = {}
         for seq, _, tokens, n in requests:
             full = self.plain[seq]
             out[seq] = full[len(tokens) : len(tokens) + n] if full[: len(tokens)] == tokens else []
         return out
 
-    def observe(self, seq, slot, stepper, group, row, start, keep) -> None:
+    def observe(self, slot: int, captured: Captured, row: int, start: int, keep: int) -> None:
         """Reads nothing of the target."""
 
 
@@ -49,13 +50,13 @@ class OneRejectedDraftDouble(AllAcceptedDraftDouble):
     by another token, so the target accepts exactly the drafts before it. `offsets` counts, per
     offset of the block, how often the corruption landed there."""
 
-    def __init__(self, plain: list[Generation], block: int, vocab_size: int, seed: int = 0):
+    def __init__(self, plain: Sequence, block: int, vocab_size: int, seed: int = 0):
         super().__init__(plain, block)
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(seed)
         self.offsets = [0] * block
 
-    def draft(self, requests: list[tuple[int, int, list[int], int]]) -> dict[int, list[int]]:
+    def draft(self, requests: list[DraftRequest]) -> dict[int, list[int]]:
         out = super().draft(requests)
         for drafts in out.values():
             if drafts:

@@ -5,7 +5,7 @@ prompt's `<image>` markers as the image token), `decode` (special tokens
 dropped), `chat` (messages through the chat template, where one ships).
 `ByteTokenizer` serves the tiny checkpoint; `TokenizersTokenizer`
 (`regions/hf_tokenizer.py`) a checkpoint or bundle that carries `tokenizer.json`.
-`for_checkpoint` and `for_bundle` pick one.
+`for_checkpoint` picks a checkpoint's; a bundle's is `runtime.bundle.tokenizer`.
 
 The byte-level tokenizer: ids 0, 1, 2 are bos, eos and pad; byte b is id b + 3;
 `image_token_id` (259 in the tiny config) marks image positions; ids above are
@@ -18,8 +18,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deepinfer.bundles.layout import TOKENIZER_DIR, TOKENIZER_FILE
 from deepinfer.errors import ConfigError
+
+# a checkpoint's tokenizer files (a bundle keeps them under their own names: bundles/layout.py)
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CHAT_TEMPLATE_FILE)
 
 BYTE_OFFSET = 3
 IMAGE_MARKER = "<image>"  # where a prompt's image goes (`--image`)
@@ -89,14 +94,3 @@ def for_checkpoint(directory: str | Path, config) -> Tokenizer:
 
         return TokenizersTokenizer.from_dir(directory)
     return ByteTokenizer(config.bos_token_id, config.eos_token_id, config.pad_token_id)
-
-
-def for_bundle(bundle) -> Tokenizer:
-    """The tokenizer a bundle (`runtime.Bundle`) records: its copied tokenizer files, or byte-level."""
-    m = bundle.manifest
-    if m.model.tokenizer == "byte":
-        c = bundle.config
-        return ByteTokenizer(c.bos_token_id, c.eos_token_id, c.pad_token_id)
-    from deepinfer.regions.hf_tokenizer import TokenizersTokenizer
-
-    return TokenizersTokenizer.from_dir(Path(bundle.path) / TOKENIZER_DIR)

@@ -1,10 +1,30 @@
-"""deepinfer.runtime: load a bundle and generate with it (`deepinfer-run`).
+"""deepinfer.runtime: load a bundle and generate with it (`deepinfer-run`) or serve it (`deepinfer-serve`).
 
-Depends only on the bundle format (deepinfer.bundles), the shared step of the
-model family (deepinfer.regions.step, .generate, .spans) and its own backends:
-never on the compiler or a region class (tests/test_layers.py holds it to that).
+    from deepinfer.runtime import RunOptions, generate
+    completions = generate("build/tiny", [[0, 72, 105]], RunOptions(max_new_tokens=8))
+
+Depends only on the bundle format (deepinfer.bundles), the step contract of the model family
+(deepinfer.regions.step, .stepper, .spans) and its own backends: never on the compiler or a region
+class (tests/test_layers.py holds it to that).
 """
 
-from deepinfer.runtime.session import Bundle, Session, load, open_bundle
+from deepinfer.runtime.api import generate, serve
+from deepinfer.runtime.bundle import Bundle, open_bundle
+from deepinfer.runtime.executor import Executor, Stats, load
+from deepinfer.runtime.options import LoadOptions, RunOptions, ServeOptions
+from deepinfer.runtime.schedule import Completion, Completions
 
-__all__ = ["Bundle", "Session", "load", "open_bundle"]
+__all__ = [
+    "Bundle",
+    "Completion",
+    "Completions",
+    "Executor",
+    "LoadOptions",
+    "RunOptions",
+    "ServeOptions",
+    "Stats",
+    "generate",
+    "load",
+    "open_bundle",
+    "serve",
+]

@@ -29,9 +29,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from deepinfer.bundles.signing import trusted
 from deepinfer.bundles.topology import Topology
-
-CHUNK_BYTES = 64 << 20
+from deepinfer.errors import DeepinferError
+from deepinfer.runtime.bundle import Bundle, open_bundle
+from deepinfer.runtime.executor import Executor, Stats, generate_loaded, load
+from deepinfer.runtime.options import CHUNK_BYTES, COLLECTIVE_TIMEOUT_S, LoadOptions, RunOptions
+from deepinfer.runtime.schedule import Completions
 
 
 class Comm:
@@ -141,8 +145,6 @@ class Comm:
 
 # --- launching ----------------------------------------------------------------------------------
 
-COLLECTIVE_TIMEOUT_S = 600.0  # a collective (a step's broadcast included) that waits longer fails
-
 
 def init(
     rank: int, world: int, rendezvous: str | Path | None = None, *, timeout_s: float = COLLECTIVE_TIMEOUT_S
@@ -163,53 +165,46 @@ def torchrun_rank() -> tuple[int, int] | None:
     return None
 
 
-def load_here(opened, launched: tuple[int, int] | None, num_kv_blocks: int | None):
-    """Load an opened bundle in this process -> (session, comm): the one rank, or under torchrun
-    (`launched`, from `torchrun_rank`) the rank torchrun made this process (comm None at one rank).
-    A follower's session serves the leader's steps until it ends; the caller returns then."""
-    from deepinfer.runtime.session import load
-
+def load_here(opened: Bundle, launched: tuple[int, int] | None, options: LoadOptions) -> Executor | None:
+    """Load an opened bundle in this process: the one rank, or under torchrun (`launched`, from
+    `torchrun_rank`) the rank torchrun made this process -> its executor (the leader's); a follower
+    runs the leader's steps until it ends, then this returns None."""
     comm = None
     if launched is not None:
         rank, _ = launched
-        init(rank, opened.manifest.topology.world_size)
-        comm = Comm(opened.manifest.topology.topology, rank)
-    session = load(opened, num_kv_blocks=num_kv_blocks, rank=comm.rank if comm else 0, comm=comm)
+        init(rank, opened.manifest.topology.world_size, timeout_s=options.collective_timeout_s)
+        comm = Comm(opened.manifest.topology.topology, rank, chunk_bytes=options.chunk_bytes)
+    executor = load(opened, num_kv_blocks=options.num_kv_blocks, rank=comm.rank if comm else 0, comm=comm)
     if comm is not None and not comm.leader:
-        session.serve()
-    return session, comm
+        executor.follow(Stats())
+        return None
+    return executor
 
 
-def _load_rank(rank: int, world: int, rendezvous: str, bundle: str, options: dict):
-    """Join the ranks' process group and load `bundle` as `rank` -> (session, comm). The caller
-    destroys the process group."""
-    from deepinfer.runtime.session import load, open_bundle
-
-    if options.get("threads"):
-        torch.set_num_threads(options["threads"])
-    init(rank, world, rendezvous, timeout_s=options.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S))
-    trust = options.get("trust")
-    if trust:
-        from deepinfer.bundles.signing import load_public_key
-
-        trust = load_public_key(trust)
-    opened = open_bundle(bundle, verify=options.get("verify", True), trust=trust)
-    comm = Comm(opened.manifest.topology.topology, rank, chunk_bytes=options.get("chunk_bytes", CHUNK_BYTES))
-    return load(opened, rank=rank, comm=comm, num_kv_blocks=options.get("num_kv_blocks")), comm
+def _load_rank(rank: int, world: int, rendezvous: str, bundle: str, options: LoadOptions) -> Executor:
+    """Join the ranks' process group and load `bundle` as `rank` (its executor holds the Comm). The
+    caller destroys the process group."""
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    init(rank, world, rendezvous, timeout_s=options.collective_timeout_s)
+    opened = open_bundle(bundle, verify=options.verify, trust=trusted(options.trust))
+    comm = Comm(opened.manifest.topology.topology, rank, chunk_bytes=options.chunk_bytes)
+    return load(opened, rank=rank, comm=comm, num_kv_blocks=options.num_kv_blocks)
 
 
-def _rank_main(
-    rank: int, world: int, rendezvous: str, bundle: str, prompts, max_new_tokens: int, options: dict, results
-) -> None:
+def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, options: RunOptions, results) -> None:
     try:
-        session, comm = _load_rank(rank, world, rendezvous, bundle, options)
+        executor = _load_rank(rank, world, rendezvous, bundle, options.load_options())
+        comm = executor.comm
         if comm.leader:
-            gens = session.generate(prompts, max_new_tokens, images=options.get("images"))
-            for g in gens:  # numpy: tensors would travel as shared memory of an exiting process
-                g.logits = [row.numpy() for row in g.logits]
-            results.put({"gens": gens, "stats": session.stats, "sent": dict(comm.sent), "seconds": dict(comm.seconds)})
+            outs = generate_loaded(executor, prompts, options)
+            for out in outs:  # numpy: tensors would travel as shared memory of an exiting process
+                out.logits = [row.numpy() for row in out.logits]
+            results.put(
+                {"outs": list(outs), "stats": outs.stats, "sent": dict(comm.sent), "seconds": dict(comm.seconds)}
+            )
         else:
-            session.serve()
+            executor.follow(Stats())
             results.put({"rank": rank, "sent": dict(comm.sent)})
     except BaseException as e:  # the parent reports the first failure
         results.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
@@ -219,11 +214,10 @@ def _rank_main(
             dist.destroy_process_group()
 
 
-def _follower_main(rank: int, world: int, rendezvous: str, bundle: str, options: dict) -> None:
+def _follower_main(rank: int, world: int, rendezvous: str, bundle: str, options: LoadOptions) -> None:
     """A follower rank of a leader in another process (`Leader`): run its steps until it sends None."""
     try:
-        session, _ = _load_rank(rank, world, rendezvous, bundle, options)
-        session.serve()
+        _load_rank(rank, world, rendezvous, bundle, options).follow(Stats())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -233,31 +227,32 @@ class Leader:
     """This process as rank 0 of a multi-rank bundle, the followers one process each on this host
     (what `deepinfer-serve` runs: the leader schedules every step, the followers run what it sends).
 
-    `session` is the leader's; `close` ends the followers' loop and waits for them (at most
-    `timeout_s` each before they are killed). options: as `generate_ranks` takes them."""
+    `executor` is the leader's; `close` ends the followers' loop and waits for them (at most
+    `timeout_s` each before they are killed)."""
 
-    def __init__(self, bundle, world: int, *, timeout_s: float = 30.0, **options):
+    def __init__(self, bundle: Path, world: int, options: LoadOptions, *, timeout_s: float = 30.0):
         import torch.multiprocessing as mp
 
         self.timeout_s = timeout_s
         self._tmp = tempfile.TemporaryDirectory(prefix="deepinfer-ranks-")
         rendezvous = str(Path(self._tmp.name) / "rendezvous")
         ctx = mp.get_context("spawn")
+        options = options.load_options()
         self.procs = [
-            ctx.Process(target=_follower_main, args=(r, world, rendezvous, str(bundle), dict(options)), daemon=True)
+            ctx.Process(target=_follower_main, args=(r, world, rendezvous, str(bundle), options), daemon=True)
             for r in range(1, world)
         ]
         for p in self.procs:
             p.start()
         try:
-            self.session, self.comm = _load_rank(0, world, rendezvous, str(bundle), options)
+            self.executor = _load_rank(0, world, rendezvous, str(bundle), options)
         except BaseException:
             self._stop()
             raise
 
     def close(self) -> None:
         try:
-            self.comm.step(None)
+            self.executor.comm.step(None)
         finally:
             self._stop()
 
@@ -272,27 +267,15 @@ class Leader:
         self._tmp.cleanup()
 
 
-def generate_ranks(
-    bundle, prompts: list[list[int]], max_new_tokens: int, *, timeout_s: float = 3600.0, **options
-) -> dict:
-    """Start one process per rank of `bundle` (a path, or an opened runtime.Bundle) on this host (gloo),
-    generate on the leader.
+def generate_ranks(bundle: Bundle, prompts: list[list[int]], options: RunOptions) -> Completions:
+    """Start one process per rank of an opened `bundle` on this host (gloo), generate on the leader.
 
-    options: num_kv_blocks, verify, trust (a public key's path), threads, images (as Session.generate takes them),
-    chunk_bytes (float32 collectives), collective_timeout_s. The whole run may take at most
-    `timeout_s`; a rank that dies or fails ends it with that rank's error. Returns {"gens": [...],
-    "stats": the leader's Stats, "sent": {rank: {collective: bytes}}, "seconds": the leader's
-    {collective: seconds}}."""
+    The whole run may take at most `options.timeout_s`; a rank that dies or fails ends it with that
+    rank's error. Returns the leader's completions with its `stats`, and `sent`: {rank: {collective:
+    bytes}}; `seconds`: the leader's {collective: seconds}."""
     import torch.multiprocessing as mp
 
-    from deepinfer.bundles import manifest as mf
-    from deepinfer.errors import DeepinferError
-    from deepinfer.runtime.session import Bundle
-
-    if isinstance(bundle, Bundle):
-        bundle, world = bundle.path, bundle.manifest.topology.world_size
-    else:
-        world = mf.read(Path(bundle)).topology.world_size
+    world = bundle.manifest.topology.world_size
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="deepinfer-ranks-") as tmp:
@@ -300,7 +283,7 @@ def generate_ranks(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, world, rendezvous, str(bundle), prompts, max_new_tokens, dict(options), results),
+                args=(r, world, rendezvous, str(bundle.path), prompts, options, results),
                 daemon=True,
             )
             for r in range(world)
@@ -308,7 +291,7 @@ def generate_ranks(
         for p in procs:
             p.start()
         try:
-            items = _collect(procs, results, timeout_s)
+            items = _collect(procs, results, options.timeout_s)
         finally:
             for p in procs:
                 p.join(timeout=10)
@@ -318,11 +301,11 @@ def generate_ranks(
     errors = [f"rank {i['rank']}: {i['error']}" for i in items if "error" in i]
     if errors:
         raise DeepinferError(errors[0])
-    out = next(i for i in items if i.get("rank", 0) == 0)
-    for g in out["gens"]:
-        g.logits = [torch.from_numpy(row) for row in g.logits]
+    leader = next(i for i in items if i.get("rank", 0) == 0)
+    for out in leader["outs"]:
+        out.logits = [torch.from_numpy(row) for row in out.logits]
     sent = {i.get("rank", 0): i["sent"] for i in items}
-    return {"gens": out["gens"], "stats": out["stats"], "sent": sent, "seconds": out["seconds"]}
+    return Completions(leader["outs"], stats=leader["stats"], sent=sent, seconds=leader["seconds"])
 
 
 def _collect(procs, results, timeout_s: float) -> list[dict]:

@@ -27,7 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.runtime.engine import Engine, QueueFull, Request, RequestError, Sampling
+from deepinfer.runtime.engine import Engine, QueueFull, RequestError
+from deepinfer.runtime.executor import Executor, Stats
+from deepinfer.runtime.options import ServeOptions
+from deepinfer.runtime.schedule import Completion, Request, Sampling
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -218,8 +221,9 @@ class Served:
 
     # -- generation ---------------------------------------------------------------------------
 
-    def start(self, p: Params) -> tuple[Request, asyncio.Queue, TextStream]:
-        """Submit a request; its events arrive on the queue: ("text", delta) ... then ("done", reason, error)."""
+    def start(self, p: Params) -> tuple[Request, Completion, asyncio.Queue]:
+        """Submit a request -> (it, its output as it grows, its events' queue): ("text", delta) ... then
+        ("done", reason, error)."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         text = TextStream(self.tokenizer.decode, p.stops)
 
@@ -242,8 +246,7 @@ class Served:
             put(("done", reason, error))
 
         request = Request(p.prompt, p.max_tokens, on_token, on_finish, p.sampling)
-        self.engine.submit(request)
-        return request, events, text
+        return request, self.engine.submit(request), events
 
 
 def _field(body: dict, name: str, kind: type, default):
@@ -297,7 +300,7 @@ def create_app(served: Served):
             p = served.params(
                 body, prompt, served.engine.max_context - len(prompt) + 1 if chat else DEFAULT_COMPLETION_TOKENS
             )
-            job, events, _ = served.start(p)
+            job, out, events = served.start(p)
         except (BadRequest, QueueFull) as e:
             return refuse(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -309,7 +312,7 @@ def create_app(served: Served):
         }
 
         def usage() -> dict:
-            n = len(job.generated)
+            n = len(out.generated)
             return {"prompt_tokens": len(p.prompt), "completion_tokens": n, "total_tokens": len(p.prompt) + n}
 
         if p.stream:
@@ -446,21 +449,11 @@ async def _sse(
             served.engine.cancel(job)
 
 
-def serve(
-    session,
-    tokenizer,
-    *,
-    model: str,
-    host: str,
-    port: int,
-    max_queue: int,
-    on_ready: Callable[[str], None],
-    drafter=None,
-) -> None:
-    """Serve `session` (loaded; the leader of its ranks) on host:port until SIGINT or SIGTERM; with
-    `drafter` (`session.dspark()`), greedy requests decode speculatively.
+def serve(executor: Executor, tokenizer, options: ServeOptions) -> None:
+    """Serve `executor` (a loaded bundle: the leader of its ranks) on options.host:options.port until
+    SIGINT or SIGTERM; with options.speculative, greedy requests decode with the bundle's draft.
 
-    Binds first (port 0: a free port, the bound one is what `on_ready` gets, as the URL), then runs
+    Binds first (port 0: a free port; `options.on_ready` gets a line naming the bound URL), then runs
     the engine on its own thread and uvicorn on this one. At shutdown uvicorn lets open requests end
     (at most `GRACE_S`), then the engine stops, cancelling what is left."""
     import signal
@@ -469,8 +462,13 @@ def serve(
 
     import uvicorn
 
-    engine = Engine(session, eos=session.config.eos_token_id, max_queue=max_queue, drafter=drafter)
-    app = create_app(Served(engine, tokenizer, model, session.config.text.vocab_size))
+    stats = Stats()
+    steps = executor.steps(stats)
+    drafter = executor.dspark(stats) if options.speculative else None
+    engine = Engine(steps, eos=executor.config.eos_token_id, max_queue=options.max_queue, drafter=drafter)
+    model = options.model_name or executor.path.name
+    app = create_app(Served(engine, tokenizer, model, executor.config.text.vocab_size))
+    host, port = options.host, options.port
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -488,7 +486,12 @@ def serve(
     # stopped by the callers' cleanup), not a death by signal that skips it
     previous = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        on_ready(f"http://{host}:{bound}" if ":" not in host else f"http://[{host}]:{bound}")
+        url = f"http://{host}:{bound}" if ":" not in host else f"http://[{host}]:{bound}"
+        if options.on_ready is not None:
+            options.on_ready(
+                f"deepinfer-serve: {executor.path} as model {model!r} on {url} (batch up to {steps.max_batch}, "
+                f"queue {options.max_queue})"
+            )
         server.run(sockets=[sock])
     except _Stopped:
         pass

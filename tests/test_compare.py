@@ -12,12 +12,12 @@ from click.testing import CliRunner
 from deepinfer import compare as cmp
 from deepinfer.cli import main, write_logits
 from deepinfer.errors import CompareError
-from deepinfer.regions.generate import Generation
+from deepinfer.runtime.schedule import Completion, decode_model
 
 V = 40
 
 
-def fake_gens(seed: int = 0, lengths=(6, 4), new: int = 3) -> list[Generation]:
+def fake_gens(seed: int = 0, lengths=(6, 4), new: int = 3) -> list[Completion]:
     """Greedy-consistent generations over random logits: generated tokens are the previous row's argmax."""
     g = torch.Generator().manual_seed(seed)
     gens = []
@@ -28,7 +28,7 @@ def fake_gens(seed: int = 0, lengths=(6, 4), new: int = 3) -> list[Generation]:
             logits.append(torch.randn(V, generator=g))
             if len(logits) >= n:
                 tokens.append(int(logits[-1].argmax()))
-        gens.append(Generation(tokens, n, logits))
+        gens.append(Completion(tokens, n, logits))
     return gens
 
 
@@ -149,7 +149,7 @@ def test_unreadable_inputs_name_the_file(tmp_path):
 
 @pytest.fixture(scope="module")
 def ref_dump(tmp_path_factory, ref_fp32) -> cmp.Dump:
-    gens = ref_fp32.generate([[0, 72, 105, 33]], 3)  # 6 logits rows
+    gens = decode_model(ref_fp32, [[0, 72, 105, 33]], 3)  # 6 logits rows
     path = tmp_path_factory.mktemp("compare") / "ref.st"
     write_logits(path, gens)
     return cmp.load_dump(path)
@@ -196,7 +196,7 @@ def test_cli_compare_json_end_to_end(floor, ref_dump, tiny_ckpt, tmp_path):
     i, j = logits[4].topk(2).indices.tolist()
     logits[4][i], logits[4][j] = logits[4][j].clone(), logits[4][i].clone()
     bad = tmp_path / "bad.st"
-    write_logits(bad, [Generation(ref_dump.tokens[0], 4, logits)])
+    write_logits(bad, [Completion(ref_dump.tokens[0], 4, logits)])
     # a floor that flips an argmax itself (bf16 often does on the tiny model; not on every CPU, so the
     # floor is written here): one flip at the same position is within it
     flipping = cmp.Floor(

@@ -28,10 +28,12 @@ MODES = {regenerate.mode_name(d, q, t): (d, q, t) for d, q, t in regenerate.MODE
 def test_reference_matches_golden(tiny_ckpt, mode):
     from deepinfer.regions.reference import ReferenceModel
     from deepinfer.regions.tokenizer import ByteTokenizer
+    from deepinfer.runtime.schedule import decode_model
 
     dtype, quant, ties = MODES[mode]
     prompts = [ByteTokenizer().encode(p) for p in regenerate.PROMPTS]
-    gens = ReferenceModel(tiny_ckpt, dtype=dtype, cache_quant=quant, ties=ties).generate(prompts, regenerate.MAX_NEW)
+    model = ReferenceModel(tiny_ckpt, dtype=dtype, cache_quant=quant, ties=ties)
+    gens = decode_model(model, prompts, regenerate.MAX_NEW)
     tolerance = GOLDEN["noise"][mode]["tolerance"]
     assert tolerance >= regenerate.STATED[mode]
     for g, want in zip(gens, GOLDEN["modes"][mode], strict=True):

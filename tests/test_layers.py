@@ -8,15 +8,19 @@ interpreter against the exact set of modules it may load.
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
 import json
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import deepinfer
+import deepinfer.runtime
 from deepinfer.compiler.keys import import_closure, module_imports
 
 # lowest first: a module may import its own layer and those below it
@@ -45,18 +49,24 @@ RUNTIME_LOADS = [
     "deepinfer.bundles.manifest",
     "deepinfer.bundles.pt2",
     "deepinfer.bundles.safetensors",
+    "deepinfer.bundles.signing",
     "deepinfer.bundles.topology",
     "deepinfer.errors",
     "deepinfer.host",
     "deepinfer.regions",
     "deepinfer.regions.config",
     "deepinfer.regions.engram_hash",
-    "deepinfer.regions.generate",
     "deepinfer.regions.spans",
     "deepinfer.regions.step",
+    "deepinfer.regions.stepper",
+    "deepinfer.regions.tokenizer",
     "deepinfer.runtime",
+    "deepinfer.runtime.api",
     "deepinfer.runtime.backends",
-    "deepinfer.runtime.session",
+    "deepinfer.runtime.bundle",
+    "deepinfer.runtime.executor",
+    "deepinfer.runtime.options",
+    "deepinfer.runtime.schedule",
     "deepinfer.schema",
 ]
 REGION_CLASSES = [
@@ -73,6 +83,8 @@ MOVED = [
     "deepinfer.runtime.scheduler",
     "deepinfer.runtime.mmap_weights",
     "deepinfer.quant.safetensors_io",
+    "deepinfer.regions.generate",
+    "deepinfer.runtime.session",
 ]
 
 
@@ -105,7 +117,7 @@ def layer(module: str) -> int:
 
 def test_every_module_is_found():
     modules = all_modules()
-    assert "deepinfer.compiler.targets.trn2" in modules and "deepinfer.runtime.session" in modules
+    assert "deepinfer.compiler.targets.trn2" in modules and "deepinfer.runtime.executor" in modules
     assert len(modules) > 60
 
 
@@ -150,3 +162,69 @@ def test_import_runtime_loads_only_the_contract():
 @pytest.mark.parametrize("module", MOVED)
 def test_moved_modules_leave_no_shim(module):
     assert importlib.util.find_spec(module) is None
+
+
+def test_the_model_family_does_not_know_the_bundle_layout():
+    """The bundle's paths are the runtime's and the compiler's: no regions module reads bundles.layout
+    (a bundle's tokenizer folder is read by runtime/bundle.py only)."""
+    for m in all_modules():
+        if m.startswith("deepinfer.regions"):
+            assert "deepinfer.bundles.layout" not in module_imports(m), m
+
+
+def test_a_bundle_keeps_the_checkpoint_tokenizer_names():
+    """The bundle's tokenizer folder holds the checkpoint's tokenizer files under their own names: the
+    bundle format's list and the model family's are the same."""
+    from deepinfer.bundles import layout
+    from deepinfer.regions import tokenizer
+
+    assert layout.TOKENIZER_FILES == tokenizer.TOKENIZER_FILES
+    assert layout.TOKENIZER_FILE == tokenizer.TOKENIZER_FILE
+
+
+def _mutable_attributes(cls: ast.ClassDef) -> set[str]:
+    """What instances of a class can change: every `self.x = ...` (or augmented, or a tuple target) in its
+    methods, and the fields of a dataclass that is not frozen."""
+    names: set[str] = set()
+    frozen = any(
+        isinstance(d, ast.Call) and any(k.arg == "frozen" and getattr(k.value, "value", False) for k in d.keywords)
+        for d in cls.decorator_list
+    )
+    dataclass = any(
+        (isinstance(d, ast.Name) and d.id == "dataclass")
+        or (isinstance(d, ast.Call) and getattr(d.func, "id", None) == "dataclass")
+        for d in cls.decorator_list
+    )
+    if dataclass and not frozen:
+        names |= {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    for node in ast.walk(cls):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for t in targets:
+            for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                    names.add(e.attr)
+    return names
+
+
+def test_no_runtime_class_has_more_than_12_mutable_attributes():
+    """What a loaded bundle is stays frozen (`Executor`); what a run changes lives in small objects."""
+    root = Path(deepinfer.runtime.__path__[0])
+    counts = {}
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                counts[f"{path.name}:{node.name}"] = len(_mutable_attributes(node))
+    assert counts["executor.py:Executor"] == 0 and counts["engine.py:Engine"] > 0
+    assert max(counts.values()) <= 12, {k: v for k, v in counts.items() if v > 12}
+
+
+def test_one_scheduler():
+    """Batch generation, serving and speculation share one loop: nothing else defines a generation loop."""
+    for package in ("regions", "runtime"):
+        root = Path(importlib.import_module(f"deepinfer.{package}").__path__[0])
+        for path in root.glob("*.py"):
+            assert "def greedy" not in path.read_text(), path

@@ -18,7 +18,8 @@ from deepinfer.compiler.config import load_compile_config
 from deepinfer.errors import CheckpointError, ConfigError
 from deepinfer.quant.finite import first_nonfinite
 from deepinfer.regions.config import load_config
-from deepinfer.regions.generate import Allocator, greedy
+from deepinfer.regions.stepper import Allocator
+from deepinfer.runtime.schedule import decode
 
 # every code of each format, decoded by ml_dtypes (the independent reference)
 FORMATS = {
@@ -103,7 +104,7 @@ class NanAtStep:
     def allocator(self):
         return Allocator(slots=2, blocks=16, block_size=4, max_blocks=4)
 
-    def run(self, rows_by_group, allocs, gens, images):
+    def run(self, rows_by_group, allocs, histories, images, capture=None):
         self.steps += 1
         (rows,) = rows_by_group
         logits = torch.zeros((len(rows), max(len(ids) for _, ids, _ in rows), 8))
@@ -114,6 +115,6 @@ class NanAtStep:
 
 
 def test_non_finite_logits_stop_the_sequence_and_name_the_step():
-    [g] = greedy(NanAtStep(bad=3), [[1, 1]], max_new_tokens=8, eos=7)
+    [g] = decode(NanAtStep(bad=3), [[1, 1]], max_new_tokens=8, eos=7)
     assert g.generated == [5, 5]  # steps 1 and 2, kept
     assert g.error == "non-finite logits (NaN or infinity) at position 3, step 3"

@@ -34,11 +34,12 @@ def one_thread():
 @pytest.mark.parametrize("mode", ["fp32-cqoff", "fp32-cqon"])
 def test_reference_matches_nemo(tiny_ckpt, mode, one_thread):
     from deepinfer.regions.reference import ReferenceModel
+    from deepinfer.runtime.schedule import decode_model
 
     model = ReferenceModel(tiny_ckpt, dtype="fp32", cache_quant=mode.endswith("on"))
     probe = ORACLE["probe_ids"]
     for run in ORACLE["modes"][mode]:
-        g = model.generate([run["prompt_ids"]], 1)[0]
+        g = decode_model(model, [run["prompt_ids"]], 1)[0]
         L = torch.stack(g.logits).double()
         assert len(L) == len(run["rows"])
         for i, row in enumerate(run["rows"]):

@@ -10,15 +10,15 @@ from click.testing import CliRunner
 
 from deepinfer.cli import main as deepinfer_main
 from deepinfer.cli_common import echo_generations
-from deepinfer.regions.generate import Allocator, greedy
+from deepinfer.regions.stepper import Allocator
 from deepinfer.runtime.cli import main as run_main
+from deepinfer.runtime.schedule import decode
 
 
 class FixedStepper:
     """A test double of a model: always predicts token 5; a context of 8 positions (2 blocks of 4)."""
 
     groups, max_batch = 1, 1
-    capture = None
 
     def __init__(self, chunk: int):
         self.chunk = chunk
@@ -29,7 +29,7 @@ class FixedStepper:
     def allocator(self):
         return Allocator(slots=2, blocks=10, block_size=4, max_blocks=2)
 
-    def run(self, rows_by_group, allocs, gens, images):
+    def run(self, rows_by_group, allocs, histories, images, capture=None):
         (rows,) = rows_by_group
         T = max(len(ids) for _, ids, _ in rows)
         logits = torch.zeros((len(rows), T, 8))
@@ -43,28 +43,29 @@ def test_speculation_stops_where_plain_decoding_does(prompt, new):
     tokens and the same error as the plain run (8 positions of context)."""
     from deepinfer.regions.speculative import AllAcceptedDraftDouble
 
-    plain = greedy(FixedStepper(chunk=6), [[1] * prompt], max_new_tokens=new, eos=7)
+    plain = decode(FixedStepper(chunk=6), [[1] * prompt], max_new_tokens=new, eos=7)
     drafter = AllAcceptedDraftDouble(plain, block=5)
-    [g] = greedy(FixedStepper(chunk=6), [[1] * prompt], max_new_tokens=new, eos=7, drafter=drafter)
+    got = decode(FixedStepper(chunk=6), [[1] * prompt], max_new_tokens=new, eos=7, drafter=drafter)
+    [g] = got
     assert (g.tokens, g.error) == (plain[0].tokens, plain[0].error)
-    assert drafter.stats.drafted > 0 and drafter.stats.accepted == drafter.stats.drafted
+    assert got.speculation.drafted > 0 and got.speculation.accepted == got.speculation.drafted
 
 
 def test_reaching_max_context_keeps_what_was_generated():
-    [g] = greedy(FixedStepper(chunk=4), [[1] * 6], max_new_tokens=10, eos=7)
+    [g] = decode(FixedStepper(chunk=4), [[1] * 6], max_new_tokens=10, eos=7)
     assert g.generated == [5, 5, 5]
     assert g.error == "reached the bundle's max_context (8 positions: a prompt of 6 tokens and 3 generated)"
 
 
 def test_a_prompt_longer_than_the_context_is_counted_whole():
-    [g] = greedy(FixedStepper(chunk=3), [[1] * 10], max_new_tokens=4, eos=7)
+    [g] = decode(FixedStepper(chunk=3), [[1] * 10], max_new_tokens=4, eos=7)
     assert g.generated == []
     assert g.error == "the prompt has 10 tokens, more than the bundle's max_context (8)"
 
 
 def test_text_mode_prints_the_output_then_the_reason():
-    gens = greedy(FixedStepper(chunk=4), [[1] * 6, [1] * 2], max_new_tokens=2, eos=7)
-    gens[0] = greedy(FixedStepper(chunk=4), [[1] * 6], max_new_tokens=10, eos=7)[0]
+    gens = decode(FixedStepper(chunk=4), [[1] * 6, [1] * 2], max_new_tokens=2, eos=7)
+    gens[0] = decode(FixedStepper(chunk=4), [[1] * 6], max_new_tokens=10, eos=7)[0]
 
     @click.command()
     def show():

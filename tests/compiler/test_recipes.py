@@ -33,8 +33,8 @@ from deepinfer.regions.reference import ReferenceModel
 from deepinfer.regions.step import EngramRows
 from deepinfer.regions.synthetic import synthetic_config
 from deepinfer.regions.tiny import make_tiny
-from deepinfer.runtime import load
-from deepinfer.runtime.ranks import generate_ranks
+from deepinfer.runtime import RunOptions, generate, load
+from deepinfer.runtime.schedule import decode_model
 
 from ..conftest import _compile_tiny
 
@@ -215,8 +215,8 @@ def with_recipe(model: ReferenceModel, fmt: str) -> ReferenceModel:
 
 def test_e4m3_bundle_generates_the_reference_tokens(e4m3_bundle, tiny_ckpt):
     ref = with_recipe(ReferenceModel(tiny_ckpt, dtype="fp32", cache_quant=False, ties="lowest"), "e4m3")
-    want = ref.generate(PROMPTS, NEW)
-    got = load(e4m3_bundle).generate(PROMPTS, NEW)
+    want = decode_model(ref, PROMPTS, NEW)
+    got = generate(load(e4m3_bundle), PROMPTS, RunOptions(max_new_tokens=NEW, keep_logits=True))
     for g, w in zip(got, want):
         assert g.tokens == w.tokens
         torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits), rtol=1e-4, atol=1e-4)
@@ -278,8 +278,8 @@ def _cut(full: tuple[int, int], part: tuple[int, int], rank: int) -> tuple[slice
 def test_float_scaled_bundle_generates_the_reference_tokens(v3_bundle, v3_ckpt):
     """The bundle's two ranks generate what the reference does on the same checkpoint (which
     rescales the float32 scales in memory, whole tensors at a time)."""
-    want = ReferenceModel(v3_ckpt, dtype="fp32", cache_quant=False, ties="lowest").generate(PROMPTS, NEW)
-    run = generate_ranks(v3_bundle, PROMPTS, NEW, threads=1)
-    for g, w in zip(run["gens"], want):
+    want = decode_model(ReferenceModel(v3_ckpt, dtype="fp32", cache_quant=False, ties="lowest"), PROMPTS, NEW)
+    run = generate(v3_bundle, PROMPTS, RunOptions(max_new_tokens=NEW, keep_logits=True, threads=1))
+    for g, w in zip(run, want):
         assert g.tokens == w.tokens
         torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits), rtol=1e-4, atol=1e-4)

@@ -117,8 +117,8 @@ def bundle12_copy(exported_bundle_12, tmp_path):
 
 
 def test_missing_or_altered_tokenizer_is_refused(bundle12_copy):
-    from deepinfer.regions.tokenizer import for_bundle
     from deepinfer.runtime import open_bundle
+    from deepinfer.runtime.bundle import tokenizer
 
     path = bundle12_copy / "tokenizer" / "tokenizer.json"
     text = path.read_text()
@@ -127,7 +127,7 @@ def test_missing_or_altered_tokenizer_is_refused(bundle12_copy):
         open_bundle(bundle12_copy)
     path.write_text(text[:100])  # without the digest check: one line from the reader
     with pytest.raises(ConfigError, match=r"tokenizer/tokenizer.json: not a readable tokenizer.json"):
-        for_bundle(open_bundle(bundle12_copy, verify=False))
+        tokenizer(open_bundle(bundle12_copy, verify=False))
     path.unlink()
     with pytest.raises(BundleError, match=r"missing file tokenizer/tokenizer.json"):
         open_bundle(bundle12_copy, verify=False)
@@ -150,6 +150,7 @@ def test_run_chat_through_the_bundle_matches_the_reference(exported_bundle_12, t
     from deepinfer.regions.engram_hash import EngramHasher
     from deepinfer.regions.reference import ReferenceModel
     from deepinfer.runtime.cli import main
+    from deepinfer.runtime.schedule import decode_model
 
     dump = tmp_path / "run.safetensors"
     result = CliRunner().invoke(
@@ -172,13 +173,13 @@ def test_run_chat_through_the_bundle_matches_the_reference(exported_bundle_12, t
     run = load_mmap(dump)
     ref = ReferenceModel(tiny12_ckpt, dtype="fp32", cache_quant=True, ties="lowest")
     tokens = run["tokens"].tolist()[:-1]  # teacher-forced, fed as the bundle was
-    logits = torch.stack(ref.generate([tokens], 1, chunk=1)[0].logits)
+    logits = torch.stack(decode_model(ref, [tokens], 1, chunk=1)[0].logits)
     assert logits.shape == run["logits"].shape
     scale = logits.abs().max()
     close = float((run["logits"] - logits).abs().max() / scale)
     assert close < 1e-4
     ref.hasher = EngramHasher(ref.config.text, np.arange(288))  # raw ids: the identity map
-    raw = torch.stack(ref.generate([tokens], 1, chunk=1)[0].logits)
+    raw = torch.stack(decode_model(ref, [tokens], 1, chunk=1)[0].logits)
     assert float((raw - logits).abs().max() / scale) > 100 * max(close, 1e-6)
 
 

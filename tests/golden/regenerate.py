@@ -104,15 +104,16 @@ def noise(ckpt: Path, prompts: list, modes, max_new: int, images=None) -> dict:
     rule: NeMo's rule picks among tied scores by the forward's width, so under other chunkings it would
     measure the rule, not rounding (goldens are generated and checked with prompts in one chunk)."""
     from deepinfer.regions.reference import ReferenceModel
+    from deepinfer.runtime.schedule import decode_model
 
     drifts = {}
     for dtype, quant in dict.fromkeys((d, q) for d, q, _ in modes):
         model = ReferenceModel(ckpt, dtype=dtype, cache_quant=quant, ties="lowest")
-        base = model.generate(prompts, max_new, images=images)
+        base = decode_model(model, prompts, max_new, images=images)
         drifts[dtype, quant] = max(
             drift(summary(g.logits), summary(h.logits), g.tokens, h.tokens)
             for chunk in PERTURB_CHUNKS
-            for g, h in zip(base, model.generate(prompts, max_new, chunk=chunk, images=images))
+            for g, h in zip(base, decode_model(model, prompts, max_new, chunk=chunk, images=images))
         )
     return {
         mode_name(d, q, t): {"drift": drifts[d, q], "tolerance": max(STATED[mode_name(d, q, t)], MARGIN * drifts[d, q])}
@@ -123,13 +124,14 @@ def noise(ckpt: Path, prompts: list, modes, max_new: int, images=None) -> dict:
 def generate_all(ckpt: Path) -> dict:
     from deepinfer.regions.reference import ReferenceModel
     from deepinfer.regions.tokenizer import ByteTokenizer
+    from deepinfer.runtime.schedule import decode_model
 
     tok = ByteTokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
     out = {"checkpoint": "make-tiny seed 0, 6 layers", "max_new_tokens": MAX_NEW, "modes": {}}
     for dtype, quant, ties in MODES:
         model = ReferenceModel(ckpt, dtype=dtype, cache_quant=quant, ties=ties)
-        gens = model.generate(prompts, MAX_NEW)
+        gens = decode_model(model, prompts, MAX_NEW)
         out["modes"][mode_name(dtype, quant, ties)] = [
             {
                 "prompt": text,
@@ -175,6 +177,7 @@ def image_prompts(model, texts=VISION_PROMPTS):
 
 def generate_vision(ckpt: Path) -> dict:
     from deepinfer.regions.reference import ReferenceModel
+    from deepinfer.runtime.schedule import decode_model
 
     out = {
         "checkpoint": "make-tiny seed 0, 6 layers",
@@ -188,7 +191,7 @@ def generate_vision(ckpt: Path) -> dict:
         if "span" not in out:  # per span position: mean and RMS of the fp32 tower's embedding
             rows = placed[0][1].embeds[placed[0][1].mask].double()
             out["span"] = [[float(r.mean()), float(r.square().mean().sqrt())] for r in rows]
-        gens = model.generate([ids for ids, _ in placed], VISION_MAX_NEW, images=[e for _, e in placed])
+        gens = decode_model(model, [ids for ids, _ in placed], VISION_MAX_NEW, images=[e for _, e in placed])
         out["modes"][mode_name(dtype, quant, ties)] = [
             {
                 "prompt": text,

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer.bundles.topology import Topology
-from deepinfer.runtime import load
-from deepinfer.runtime.ranks import Comm, generate_ranks, init
+from deepinfer.runtime import RunOptions, generate, load
+from deepinfer.runtime.ranks import Comm, init
 
 PROMPTS = [[0, 72, 101, 108, 108, 111, 44, 32, 119], [0, 5, 9, 11, 13, 40]]
 NEW = 4
@@ -28,8 +28,7 @@ TOPOLOGIES = {"tp=2": (2, 1, 1), "ep=2": (1, 2, 1), "cp=2": (1, 1, 2), "cp=ep=4"
 
 @pytest.fixture(scope="module")
 def one_rank(rank_bundle):
-    session = load(rank_bundle())
-    return session.generate(PROMPTS, NEW)
+    return generate(load(rank_bundle()), PROMPTS, RunOptions(max_new_tokens=NEW, keep_logits=True))
 
 
 def manifest(bundle) -> dict:
@@ -54,11 +53,11 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, one_rank, name):
             assert all(
                 s[kind].get("path") is None and s[kind]["shared"] == stacks[0][kind]["shared"] for s in stacks
             ), kind
-    run = generate_ranks(bundle, PROMPTS, NEW, threads=1)
-    for got, want in zip(run["gens"], one_rank):
+    run = generate(bundle, PROMPTS, RunOptions(max_new_tokens=NEW, keep_logits=True, threads=1))
+    for got, want in zip(run, one_rank, strict=True):
         assert got.tokens == want.tokens
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
-    sent = run["sent"]
+    sent = run.sent
     assert sorted(sent) == list(range(world))
     if tp > 1:
         assert set(sent[0]) == {"tp all-reduce"}

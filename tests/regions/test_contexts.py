@@ -11,9 +11,10 @@ import torch
 
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.manifest import BundleError
-from deepinfer.regions.generate import greedy, make_batch, table_width
-from deepinfer.regions.reference import REFERENCE_BLOCK_SIZE, _Eager
+from deepinfer.regions.reference import REFERENCE_BLOCK_SIZE, EagerSteps
 from deepinfer.regions.step import run_layers
+from deepinfer.regions.stepper import make_batch, table_width
+from deepinfer.runtime.schedule import decode, decode_model
 
 # --- the bucket a step runs ---
 
@@ -44,7 +45,7 @@ def test_a_sequence_past_the_largest_bucket_has_no_bucket():
 # --- a narrower block table computes what the full one does (eager regions, per-step widths) ---
 
 
-class _Bucketed(_Eager):
+class _Bucketed(EagerSteps):
     """The reference's stepper, each step's block tables as narrow as a bucket allows (the runtime's rule),
     from `widths` in blocks; `seen` records the widths the steps ran."""
 
@@ -52,7 +53,7 @@ class _Bucketed(_Eager):
         super().__init__(*args)
         self.widths, self.seen = widths, []
 
-    def run(self, rows_by_group, allocs, gens, images):
+    def run(self, rows_by_group, allocs, histories, images, capture=None):
         m, (rows,) = self.model, rows_by_group
         T = max(len(ids) for _, ids, _ in rows)
         blocks = table_width(rows_by_group, REFERENCE_BLOCK_SIZE, self.widths)
@@ -64,7 +65,7 @@ class _Bucketed(_Eager):
             T,
             blocks=blocks,
             alloc=allocs[0],
-            gens=gens,
+            histories=histories,
             images=images,
             hasher=m.hasher,
             pad=m.config.pad_token_id,
@@ -81,10 +82,10 @@ def test_narrow_block_tables_generate_what_the_full_width_does(ref_fp32):
     may see another number of masked keys)."""
     prompts = [[0, 72, 101, 108, 108], [0] + list(range(40, 51))]
     new = 6
-    want = ref_fp32.generate(prompts, new, chunk=4)
+    want = decode_model(ref_fp32, prompts, new, chunk=4)
     stepper = _Bucketed(ref_fp32, prompts, new, 4, widths=[1, 2])
     with torch.inference_mode():
-        got = greedy(stepper, prompts, new, eos=ref_fp32.config.eos_token_id)
+        got = decode(stepper, prompts, new, eos=ref_fp32.config.eos_token_id)
     assert stepper.seen[0] == 1 and stepper.seen[-1] == 2 and stepper.seen == sorted(stepper.seen)
     for g, w in zip(got, want, strict=True):
         assert g.tokens == w.tokens

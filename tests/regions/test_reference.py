@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deepinfer.regions.tokenizer import ByteTokenizer
+from deepinfer.runtime.schedule import decode_model
 
 from ..conftest import regenerate
 
@@ -18,7 +19,7 @@ LONG = TOK.encode("The quick brown fox jumps over the lazy dog, twice over.")  #
 
 
 def run(model, prompts, n, chunk=None):
-    return model.generate(prompts, n, chunk=chunk)
+    return decode_model(model, prompts, n, chunk=chunk)
 
 
 def test_generation_is_not_degenerate(ref_fp32):

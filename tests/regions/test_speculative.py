@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.regions.generate import greedy
-from deepinfer.regions.reference import _Eager
+from deepinfer.regions.reference import EagerSteps
 from deepinfer.regions.speculative import AllAcceptedDraftDouble, OneRejectedDraftDouble
 from deepinfer.regions.tokenizer import ByteTokenizer
+from deepinfer.runtime.schedule import SpeculationStats, decode, decode_model
 
 from ..conftest import regenerate
 
@@ -22,7 +22,7 @@ NEW = 16
 BLOCK = 5
 
 
-class Counting(_Eager):
+class Counting(EagerSteps):
     """The reference's stepper, counting its steps."""
 
     steps = 0
@@ -32,7 +32,7 @@ class Counting(_Eager):
         return super().run(*args)
 
 
-class NoRollback(_Eager):
+class NoRollback(EagerSteps):
     """The reference's stepper with the rollback disabled: nothing is restored for rejected drafts."""
 
     def slot_states(self):
@@ -41,14 +41,14 @@ class NoRollback(_Eager):
 
 def speculative(model, prompts, drafter, stepper=Counting):
     st = stepper(model, prompts, NEW, max(BLOCK + 1, *map(len, prompts)))  # prompts still one chunk
-    return greedy(st, prompts, NEW, eos=model.config.eos_token_id, drafter=drafter), st
+    return decode(st, prompts, NEW, eos=model.config.eos_token_id, drafter=drafter), st
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
 def test_doubles_leave_the_output_unchanged(ref_fp32, batched):
     groups = [PROMPTS] if batched else [[p] for p in PROMPTS]
     for prompts in groups:
-        plain = ref_fp32.generate(prompts, NEW)
+        plain = decode_model(ref_fp32, prompts, NEW)
         got, st = speculative(ref_fp32, prompts, AllAcceptedDraftDouble(plain, BLOCK))
         assert [g.tokens for g in got] == [g.tokens for g in plain]
         if not batched:  # one prompt step, then blocks of BLOCK + 1 tokens
@@ -63,7 +63,7 @@ def test_doubles_leave_the_output_unchanged(ref_fp32, batched):
 def test_rollback_is_what_keeps_the_output(ref_fp32):
     """Without restoring the per-slot state, rejected drafts leave their window-ring and partial-group
     writes behind and the output changes: the identity above depends on the rollback."""
-    plain = ref_fp32.generate(PROMPTS, NEW)
+    plain = decode_model(ref_fp32, PROMPTS, NEW)
     double = OneRejectedDraftDouble(plain, BLOCK, ref_fp32.config.text.vocab_size, seed=1)
     got, _ = speculative(ref_fp32, PROMPTS, double, stepper=NoRollback)
     assert [g.tokens for g in got] != [g.tokens for g in plain]
@@ -73,11 +73,18 @@ def test_tiny_dspark_draft_leaves_the_output_unchanged(ref_fp32):
     """The tiny checkpoint's own (random) DSpark draft, alone and batched: it accepts next to nothing,
     and every verify step is still the plain run's."""
     drafter = ref_fp32.dspark()
+    total = SpeculationStats()
     for prompts in [[p] for p in PROMPTS] + [PROMPTS]:
-        plain = ref_fp32.generate(prompts, NEW)
+        plain = decode_model(ref_fp32, prompts, NEW)
         got, _ = speculative(ref_fp32, prompts, drafter)
         assert [g.tokens for g in got] == [g.tokens for g in plain]
-    assert drafter.stats.verify_steps > 0 and drafter.stats.drafted > drafter.stats.accepted
+        s = got.speculation
+        total.verify_steps, total.drafted, total.accepted = (
+            total.verify_steps + s.verify_steps,
+            total.drafted + s.drafted,
+            total.accepted + s.accepted,
+        )
+    assert total.verify_steps > 0 and total.drafted > total.accepted
 
 
 def test_reference_cli_speculative(tiny_ckpt, tmp_path):

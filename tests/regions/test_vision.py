@@ -20,6 +20,7 @@ from deepinfer.regions.config import VisionConfig
 from deepinfer.regions.image import GREY, fit, plan_grid, preprocess, read_image, to_patches
 from deepinfer.regions.spans import with_images
 from deepinfer.regions.vision import apply_rope_2d, merge_cells, rope_2d
+from deepinfer.runtime.schedule import decode_model
 
 from ..conftest import regenerate
 
@@ -338,7 +339,7 @@ def test_span_and_tokens_match_golden(ref):
     rows = placed[0][1].embeds[placed[0][1].mask].double()
     got = [[float(r.mean()), float(r.square().mean().sqrt())] for r in rows]
     assert np.allclose(got, GOLDEN["span"], atol=1e-5)
-    gens = ref.generate([ids for ids, _ in placed], GOLDEN["max_new_tokens"], images=[e for _, e in placed])
+    gens = decode_model(ref, [ids for ids, _ in placed], GOLDEN["max_new_tokens"], images=[e for _, e in placed])
     tolerance = GOLDEN["noise"]["fp32-noquant"]["tolerance"]
     assert tolerance == 1e-4
     for g, want in zip(gens, GOLDEN["modes"]["fp32-noquant"], strict=True):
@@ -351,7 +352,7 @@ def test_golden_is_not_degenerate_and_the_image_matters(ref):
             assert len(set(run["generated_ids"])) >= 3, run
     first = GOLDEN["modes"]["fp32-noquant"][0]
     assert first["prompt_ids"] == [0] + [259] * 17 + [75, 108]  # bos, the 17-position span, "Hi"
-    assert ref.generate([[0, 75, 108]], GOLDEN["max_new_tokens"])[0].generated != first["generated_ids"]
+    assert decode_model(ref, [[0, 75, 108]], GOLDEN["max_new_tokens"])[0].generated != first["generated_ids"]
 
 
 def test_image_positions_reach_engram_and_moe_as_image(ref):
@@ -370,7 +371,7 @@ def test_image_positions_reach_engram_and_moe_as_image(ref):
 
     ref.invoke = spy
     try:
-        ref.generate([ids], 1, images=[emb])
+        decode_model(ref, [ids], 1, images=[emb])
     finally:
         del ref.invoke
     assert seen["moe"][0].tolist() == emb.mask.tolist()
@@ -414,10 +415,11 @@ def test_reference_cli_with_an_image(tiny_ckpt, tmp_path):
 def test_bundle_carries_the_tower_and_reproduces_the_reference(exported_bundle, tiny_ckpt, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    import deepinfer.runtime
+    import deepinfer.runtime.ranks
     from deepinfer.bundles import manifest as mf
     from deepinfer.regions.reference import ReferenceModel
-    from deepinfer.runtime import load
+    from deepinfer.runtime import RunOptions, generate, load
+    from deepinfer.runtime.bundle import load_vision
     from deepinfer.runtime.cli import main as run_main
 
     m = mf.read(exported_bundle)
@@ -427,16 +429,17 @@ def test_bundle_carries_the_tower_and_reproduces_the_reference(exported_bundle, 
     assert session.manifest.model.cache_quant and session.manifest.model.dtype == "fp32"
     ref = ReferenceModel(tiny_ckpt, dtype="fp32", cache_quant=True, ties="lowest")
     image = regenerate.gradient_image()
-    assert torch.equal(session.vision.embed(image), ref.vision.embed(image))
+    assert torch.equal(load_vision(session.bundle).embed(image), ref.vision.embed(image))
     want = GOLDEN["modes"]["fp32-quant-lowest"]
     ((ids, emb),) = regenerate.image_prompts(ref, [want[1]["prompt"]])  # the API (prompt 0: the CLI below)
-    g = session.generate([ids], GOLDEN["max_new_tokens"], images=[emb])[0]
+    options = RunOptions(max_new_tokens=GOLDEN["max_new_tokens"], images=(emb,), keep_logits=True)
+    g = generate(session, [ids], options)[0]
     tolerance = GOLDEN["noise"]["fp32-quant-lowest"]["tolerance"]
     assert g.error is None
     regenerate.check_run(g.tokens, g.logits, want[1], tolerance)
     path = tmp_path / "grad.npy"
     np.save(path, image)
-    monkeypatch.setattr(deepinfer.runtime, "load", lambda *args, **kwargs: session)  # loaded once (~10 s)
+    monkeypatch.setattr(deepinfer.runtime.ranks, "load", lambda *args, **kwargs: session)  # loaded once (~10 s)
     res = CliRunner().invoke(
         run_main,
         [

@@ -9,8 +9,9 @@ import threading
 import pytest
 import torch
 
-from deepinfer.regions.generate import Allocator
-from deepinfer.runtime.engine import Engine, QueueFull, Request, RequestError, Sampling, sample
+from deepinfer.regions.stepper import Allocator
+from deepinfer.runtime.engine import Engine, QueueFull, RequestError
+from deepinfer.runtime.schedule import Request, Sampling, sample
 
 V, EOS = 32, 1
 
@@ -37,12 +38,12 @@ class Counting:
     def allocator(self) -> Allocator:
         return Allocator(*self.geometry)
 
-    def run(self, rows_by_group, allocs, gens, images):
+    def run(self, rows_by_group, allocs, histories, images, capture=None):
         (rows,) = rows_by_group
         self.steps.append([(seq, list(ids), start) for seq, ids, start in rows])
         for seq, ids, start in rows:  # the engine reserved the blocks of every position it sends
             assert len(allocs[0].tables[seq]) * allocs[0].block_size >= start + len(ids)
-            assert gens[seq].tokens[start : start + len(ids)] == ids
+            assert histories[seq][start : start + len(ids)] == ids
         T = max(len(ids) for _, ids, _ in rows)
         logits = torch.zeros(len(rows), T, V)
         for b, (_, ids, _) in enumerate(rows):
@@ -65,14 +66,14 @@ def request(prompt, max_tokens, log, sampling=Sampling()):
 
 def drain(engine: Engine, limit: int = 200) -> None:
     for _ in range(limit):
-        if not engine.running and not engine._waiting:
+        if not engine.scheduler.busy:
             return
         engine.step()
     raise AssertionError("the engine did not finish its requests")
 
 
 def free(engine: Engine) -> tuple[int, int]:
-    a = engine.allocs[0]
+    a = engine.scheduler.allocs[0]
     return len(a.free_slots), len(a.free_blocks)
 
 
@@ -136,12 +137,13 @@ def test_cancel_frees_the_slot_and_blocks_at_the_next_step():
     engine.cancel(r)
     engine.step()
     assert log["finish"] == ("cancelled", None) and len(log["tokens"]) == 1
-    assert free(engine) == idle and not engine.running
-    waiting = request([3], 2, {})  # cancelled before it ran: never admitted
+    assert free(engine) == idle and not engine.scheduler.running
+    log = {}
+    waiting = request([3], 2, log)  # cancelled before it ran: never admitted
     engine.submit(waiting)
     engine.cancel(waiting)
     engine.step()
-    assert waiting.finish_reason == "cancelled" and free(engine) == idle
+    assert log["finish"] == ("cancelled", None) and free(engine) == idle
 
 
 def test_queue_bound_and_requests_that_can_never_fit():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -11,9 +12,9 @@ from click.testing import CliRunner
 
 from deepinfer.bundles.manifest import BundleError
 from deepinfer.errors import TensorFileError
-from deepinfer.runtime import load
+from deepinfer.runtime import RunOptions, Stats, generate, load
+from deepinfer.runtime.executor import generate_loaded
 from deepinfer.runtime.nrt import NeuronRuntimeMissing
-from deepinfer.runtime.session import Stats
 
 from ..conftest import regenerate
 
@@ -32,17 +33,24 @@ def check_against_golden(gens, mode: str):
         regenerate.check_run(g.tokens, g.logits, run, tolerance)
 
 
+def run(executor, prompts, n=NEW, *, drafter=None, on_call=None):
+    """Greedy generation on a loaded bundle, with a drafter of any kind (the test doubles included) and a
+    hook around every region call."""
+    return generate_loaded(
+        executor, prompts, RunOptions(max_new_tokens=n, keep_logits=True), on_call=on_call, drafter=drafter
+    )
+
+
 @pytest.fixture(scope="module")
 def loaded():
-    """bundle -> a Session loaded once for this module's tests (loading an exported bundle's 32
-    programs takes ~20 s); each test that takes one starts with fresh stats."""
-    sessions = {}
+    """bundle -> an Executor loaded once for this module's tests (loading an exported bundle's 32
+    programs takes ~20 s); each run has its own stats."""
+    executors = {}
 
     def get(bundle):
-        if bundle not in sessions:
-            sessions[bundle] = load(bundle)
-        sessions[bundle].stats = Stats()
-        return sessions[bundle]
+        if bundle not in executors:
+            executors[bundle] = load(bundle)
+        return executors[bundle]
 
     return get
 
@@ -56,7 +64,7 @@ def plain(loaded):
     def get(bundle, prompts):
         key = (bundle, tuple(map(tuple, prompts)))
         if key not in runs:
-            runs[key] = loaded(bundle).generate(prompts, NEW)
+            runs[key] = generate(loaded(bundle), prompts, RunOptions(max_new_tokens=NEW, keep_logits=True))
         return runs[key]
 
     return get
@@ -69,7 +77,7 @@ def test_speculative_doubles_keep_the_tokens(loaded, plain, run_exported_bundle)
 
     session = loaded(run_exported_bundle)
     block = 5
-    assert block + 1 in session.token_sizes
+    assert block + 1 in session.sizes.token_sizes
     prompts = [r["prompt_ids"] for r in RUNS]
     for batch in [[p] for p in prompts] + [prompts]:
         want = plain(run_exported_bundle, batch)
@@ -78,12 +86,11 @@ def test_speculative_doubles_keep_the_tokens(loaded, plain, run_exported_bundle)
             OneRejectedDraftDouble(want, block, session.config.text.vocab_size, seed=1),
         )
         for drafter in doubles:
-            steps = session.stats.steps
-            got = session.generate(batch, NEW, drafter=drafter)
+            got = run(session, batch, drafter=drafter)
             assert [g.tokens for g in got] == [g.tokens for g in want], type(drafter).__name__
             assert all(g.error is None for g in got)
         if len(batch) == 1:  # prompt chunks of 8, then verify steps of 6 tokens with every draft kept
-            assert session.stats.steps - steps > 0
+            assert got.stats.steps > 0
     assert all(doubles[1].offsets), doubles[1].offsets
 
 
@@ -99,7 +106,7 @@ def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, pla
     session = loaded(run_exported_bundle)
     prompts = [r["prompt_ids"] for r in RUNS]
     want = plain(run_exported_bundle, prompts)
-    compiled = session.dspark()
+    compiled = session.dspark(Stats())
     slots, draft = {}, compiled.draft
 
     def recording(requests):
@@ -107,9 +114,9 @@ def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, pla
         return draft(requests)
 
     compiled.draft = recording
-    got = session.generate(prompts, NEW, drafter=compiled)
+    got = run(session, prompts, drafter=compiled)
     assert [g.tokens for g in got] == [g.tokens for g in want]
-    assert compiled.stats.verify_steps > 0 and sorted(slots) == [0, 1, 2, 3]
+    assert got.speculation.verify_steps > 0 and sorted(slots) == [0, 1, 2, 3]
 
     reference = ReferenceModel(tiny_ckpt, dtype="fp32", cache_quant=True, ties="lowest").dspark()
     reference.features = compiled.features.clone()
@@ -129,15 +136,11 @@ def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, pla
 
 
 def reuse_session(monkeypatch, session) -> None:
-    """deepinfer-run's load (runtime.session.load, through ranks.load_here) returns `session`, the
-    bundle loaded once for this module, with the stats of the CLI's run only."""
-    import deepinfer.runtime.session
+    """deepinfer-run's load (runtime.executor.load, through ranks.load_here) returns `session`, the
+    bundle loaded once for this module (a run's stats are its own)."""
+    import deepinfer.runtime.ranks
 
-    def fresh(*args, **kwargs):
-        session.stats = Stats()
-        return session
-
-    monkeypatch.setattr(deepinfer.runtime.session, "load", fresh)
+    monkeypatch.setattr(deepinfer.runtime.ranks, "load", lambda *args, **kwargs: session)
 
 
 def test_cli_speculative_keeps_the_tokens(run_exported_bundle, loaded, plain, monkeypatch):
@@ -201,8 +204,7 @@ def test_bundle_reproduces_golden_tokens(request, loaded, plain, which):
 
 def test_padding_waste_and_timing_are_recorded(run_exported_bundle, loaded):
     session = loaded(run_exported_bundle)
-    session.generate([RUNS[0]["prompt_ids"], RUNS[2]["prompt_ids"]], 3)
-    s = session.stats
+    s = run(session, [RUNS[0]["prompt_ids"], RUNS[2]["prompt_ids"]], 3).stats
     assert s.steps > 0 and s.padded > s.tokens > 0
     table = s.table()
     assert {r["kind"] for r in table} >= {"moe", "head", "attn_window"}
@@ -210,23 +212,20 @@ def test_padding_waste_and_timing_are_recorded(run_exported_bundle, loaded):
 
 
 def _table_widths(session):
-    """session.on_call recording, per call of a kind built per context bucket, its block table's width."""
+    """(an on_call hook recording, per call of a kind built per context bucket, its block table's width;
+    the widths it records)."""
     widths = []
     context_kinds = {e.kind for e in session.manifest.regions if e.bucket.context is not None}
+    signatures = {e.kind: e.inputs for e in session.manifest.regions}
 
     def on_call(layer, slot, kind, inputs, run):
         if kind in context_kinds:
             widths.append(
-                next(
-                    x.shape[1]
-                    for x, s in zip(inputs, session.signatures[kind][-len(inputs) :])
-                    if s.name == "block_table"
-                )
+                next(x.shape[1] for x, s in zip(inputs, signatures[kind][-len(inputs) :]) if s.name == "block_table")
             )
         return run()
 
-    session.on_call = on_call
-    return widths
+    return on_call, widths
 
 
 def test_context_buckets_follow_the_longest_sequence(run_exported_bundle, loaded):
@@ -236,27 +235,23 @@ def test_context_buckets_follow_the_longest_sequence(run_exported_bundle, loaded
     exactly those executables)."""
     session = loaded(run_exported_bundle)
     m = session.manifest
-    assert m.buckets.contexts == (16, 80) and session.context_blocks == [1, 5]
+    assert m.buckets.contexts == (16, 80) and session.sizes.context_blocks == (1, 5)
     names = [e.name for e in m.regions]
     assert len(names) == len(set(names)) and "attn_source_r2.decode.b4t8c16" in names
     assert "attn_window.decode.b4t8" in names and not any(
         n.startswith("attn_window") and "c" in n.split(".")[-1] for n in names
     )
-    run = RUNS[0]
-    try:
-        widths = _table_widths(session)
-        [bucketed] = session.generate([run["prompt_ids"]], NEW)
-        assert widths[0] == 1 and widths[-1] == 5 and widths == sorted(widths)
-        session.context_blocks = session.context_blocks[-1:]
-        widths.clear()
-        [single] = session.generate([run["prompt_ids"]], NEW)
-        assert set(widths) == {5}
-    finally:
-        session.on_call = None
-        session.context_blocks = [1, 5]
+    golden = RUNS[0]
+    on_call, widths = _table_widths(session)
+    [bucketed] = run(session, [golden["prompt_ids"]], on_call=on_call)
+    assert widths[0] == 1 and widths[-1] == 5 and widths == sorted(widths)
+    largest = dataclasses.replace(session, sizes=dataclasses.replace(session.sizes, context_blocks=(5,)))
+    widths.clear()
+    [single] = run(largest, [golden["prompt_ids"]], on_call=on_call)
+    assert set(widths) == {5}
     tolerance = GOLDEN["noise"]["fp32-quant-lowest"]["tolerance"]
     assert bucketed.error is None
-    regenerate.check_run(bucketed.tokens, bucketed.logits, run, tolerance)
+    regenerate.check_run(bucketed.tokens, bucketed.logits, golden, tolerance)
     assert bucketed.tokens == single.tokens
     assert (torch.stack(bucketed.logits) - torch.stack(single.logits)).abs().max() <= tolerance
 
@@ -341,7 +336,7 @@ def test_block_exhaustion_fails_only_the_offending_request(run_exported_bundle):
     """Pool of 4 usable blocks (16 positions each): the 57-token prompt cannot fit, the short ones can."""
     session = load(run_exported_bundle, num_kv_blocks=5)
     long, short = RUNS[1], RUNS[0]
-    gens = session.generate([short["prompt_ids"], long["prompt_ids"], RUNS[3]["prompt_ids"]], NEW)
+    gens = run(session, [short["prompt_ids"], long["prompt_ids"], RUNS[3]["prompt_ids"]])
     assert gens[1].error is not None and "KV pool exhausted" in gens[1].error
     assert gens[0].error is None and gens[0].generated == short["generated_ids"]
     assert gens[2].error is None and gens[2].generated == RUNS[3]["generated_ids"]

@@ -9,12 +9,13 @@ from types import SimpleNamespace
 import pytest
 
 from deepinfer.bundles.manifest import BundleError
-from deepinfer.runtime import session as rs
+from deepinfer.runtime import bundle as rb
+from deepinfer.runtime import executor as rs
 
 
 def _bundle(path):
     manifest = SimpleNamespace(topology=SimpleNamespace(world_size=1))
-    return rs.Bundle(path, manifest, config=None, identity=rs._identity(path))
+    return rb.Bundle(path, manifest, config=None, identity=rb._identity(path))
 
 
 def _replace(path):
@@ -29,7 +30,7 @@ def test_load_refuses_a_bundle_replaced_while_loading(tmp_path, monkeypatch):
     path = tmp_path / "bundle"
     path.mkdir()
     bundle = _bundle(path)
-    monkeypatch.setattr(rs, "Session", lambda b, **kw: _replace(b.path))  # the swap lands mid-load
+    monkeypatch.setattr(rs, "_load", lambda b, *args: _replace(b.path))  # the swap lands mid-load
     with pytest.raises(BundleError, match="replaced while it was being loaded"):
         rs.load(bundle)
 
@@ -37,5 +38,5 @@ def test_load_refuses_a_bundle_replaced_while_loading(tmp_path, monkeypatch):
 def test_load_accepts_an_unchanged_bundle(tmp_path, monkeypatch):
     path = tmp_path / "bundle"
     path.mkdir()
-    monkeypatch.setattr(rs, "Session", lambda b, **kw: "loaded")
+    monkeypatch.setattr(rs, "_load", lambda b, *args: "loaded")
     assert rs.load(_bundle(path)) == "loaded"

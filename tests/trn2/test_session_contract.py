@@ -28,7 +28,7 @@ from deepinfer.bundles import layout, neff
 from deepinfer.bundles.manifest import BundleError
 from deepinfer.compiler.finish import finish_bundle
 from deepinfer.compiler.targets import neuronxcc
-from deepinfer.runtime import load
+from deepinfer.runtime import RunOptions, generate, load
 from deepinfer.runtime.neuron import NeuronCore
 
 DOUBLES = Path(__file__).resolve().parent / "doubles"
@@ -141,8 +141,8 @@ def transfers(lines: list[str]) -> list[dict]:
 def test_generate_through_the_doubles(finished, nrt):
     m = manifest(finished)
     session = load(finished)
-    gens = session.generate([[1, 5, 9]], max_new_tokens=2)
-    steps, vocab = session.stats.steps, session.config.text.vocab_size
+    gens = generate(session, [[1, 5, 9]], RunOptions(max_new_tokens=2, keep_logits=True))
+    steps, vocab, stats = gens.stats.steps, session.config.text.vocab_size, gens.stats
     session.close()
     lines = nrt.lines()
     calls = Counter(nrt.calls())
@@ -189,7 +189,7 @@ def test_generate_through_the_doubles(finished, nrt):
     # region calls: the embedding, every region of every layer and the head, once per step
     per_step = sum(len(layer["regions"]) for layer in m["layers"]) + 2
     runs = executions(lines)
-    assert calls["nrt_execute"] == len(runs) == per_step * steps == sum(session.stats.calls.values())
+    assert calls["nrt_execute"] == len(runs) == per_step * steps == sum(stats.calls.values())
 
     # binding by name: each NEFF tensor (named by the HLO module, listed by libnrt in lexical order) gets
     # the manifest's tensor of that name, and state pools are aliased (the pool slice bound as an input is

@@ -1,0 +1,184 @@
+"""The step contract: what the scheduler (`runtime/schedule.py`) and a model it drives agree on.
+
+A `Stepper` runs one step for rows of sequences (the reference's eager regions, or a loaded
+bundle's executables); the scheduler decides what each step holds. A step's rows are `Row`s,
+grouped by token group; each group has an `Allocator` of sequence slots and KV blocks (slot 0
+and block 0 are scratch), and `make_batch` turns a group's rows into the `Batch` (`regions/step.py`)
+that `run_layers` wires through the layers. A `Drafter` proposes tokens for speculative decoding
+and reads what a step captured of the target (`capture`: layer -> the streams its attention read).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from deepinfer.regions.spans import ImageEmbeds, engram_masks, step_images
+from deepinfer.regions.step import Batch
+
+Row = tuple[int, list[int], int]  # (sequence, token ids this step, position of the first)
+Captured = dict[int, tuple[Tensor, Tensor] | None]  # layer -> (h [B, T, n, D], pre [B, T, n]) its attention read
+
+
+class OutOfBlocks(Exception):
+    """A sequence cannot get the blocks it needs: past the bundle's max_context (`context`), or the
+    pool is exhausted."""
+
+    def __init__(self, message: str, context: bool = False):
+        super().__init__(message)
+        self.context = context
+
+
+class Allocator:
+    """Sequence slots and KV blocks of one token group; slot 0 and block 0 are scratch."""
+
+    def __init__(self, slots: int, blocks: int, block_size: int, max_blocks: int):
+        self.free_slots = list(range(slots - 1, 0, -1))
+        self.free_blocks = list(range(blocks - 1, 0, -1))
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.tables: dict[int, list[int]] = {}
+        self.slot_of: dict[int, int] = {}
+
+    def admit(self, seq: int) -> bool:
+        if not self.free_slots:
+            return False
+        self.slot_of[seq] = self.free_slots.pop()
+        self.tables[seq] = []
+        return True
+
+    def reserve(self, seq: int, positions: int) -> None:
+        """Make sure sequence `seq` has blocks for its first `positions` positions."""
+        need = -(-positions // self.block_size)
+        if need > self.max_blocks:
+            raise OutOfBlocks(
+                f"needs {positions} positions, more than the bundle's max_context ({self.max_context})", context=True
+            )
+        table = self.tables[seq]
+        while len(table) < need:
+            if not self.free_blocks:
+                raise OutOfBlocks(
+                    f"KV pool exhausted: no free block for position {len(table) * self.block_size} "
+                    "(raise --num-kv-blocks or run fewer sequences at once)"
+                )
+            table.append(self.free_blocks.pop())
+
+    @property
+    def max_context(self) -> int:
+        return self.max_blocks * self.block_size
+
+    def release(self, seq: int) -> None:
+        self.free_blocks.extend(reversed(self.tables.pop(seq, [])))
+        if seq in self.slot_of:
+            self.free_slots.append(self.slot_of.pop(seq))
+
+    def table_row(self, seq: int, width: int) -> list[int]:
+        """Sequence `seq`'s block table padded to `width` blocks (at least the blocks it holds: a
+        sequence's blocks are the first of its table, so a narrower table is an exact prefix)."""
+        t = self.tables[seq]
+        assert len(t) <= width, (seq, len(t), width)
+        return t + [0] * (width - len(t))
+
+
+def bucket_at_least(options: list[int], n: int) -> int:
+    """The smallest compiled size >= n (options sorted); n must not exceed the largest."""
+    return options[bisect.bisect_left(options, n)]
+
+
+def table_width(rows_by_group: list[list[Row]], block_size: int, widths: list[int]) -> int:
+    """A step's block-table width: the smallest of `widths` (sorted; the context buckets' widths in
+    blocks) that holds the longest sequence after the step, i.e. its highest written position + 1."""
+    longest = max(start + len(ids) for rows in rows_by_group for _, ids, start in rows)
+    return bucket_at_least(widths, -(-longest // block_size))
+
+
+def make_batch(
+    rows: list[Row],
+    places: list[int],
+    B: int,
+    T: int,
+    *,
+    blocks: int,
+    alloc: Allocator,
+    histories: Mapping[int, Sequence[int]],
+    images: Mapping[int, ImageEmbeds | None],
+    hasher,
+    pad: int,
+    dtype: torch.dtype,
+) -> Batch:
+    """A step's host metadata: row i of `rows` at batch row `places[i]` of a [B, T] step (others padding),
+    block tables `blocks` wide (the step's context bucket)."""
+    tokens = torch.full((B, T), pad, dtype=torch.int64)
+    positions = torch.full((B, T), -1, dtype=torch.int64)
+    slots = torch.zeros(B, dtype=torch.int64)
+    table = torch.zeros((B, blocks), dtype=torch.int64)
+    spans: list[tuple[int, int]] = [(0, 0)] * B
+    row_histories: list[Sequence[int]] = [[]] * B
+    row_images: list[ImageEmbeds | None] = [None] * B
+    for (seq, ids, start), b in zip(rows, places):
+        tokens[b, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        positions[b, : len(ids)] = torch.arange(start, start + len(ids))
+        slots[b] = alloc.slot_of[seq]
+        table[b] = torch.tensor(alloc.table_row(seq, blocks))
+        spans[b], row_histories[b] = (start, len(ids)), histories[seq]
+        row_images[b] = images.get(seq)
+    with_images = row_images if any(im is not None for im in row_images) else None
+    is_image, image_rows = step_images(with_images, spans, T, dtype)
+    hashes = None
+    if hasher is not None:
+        masks = engram_masks(with_images, list(range(B)))
+        hashes = torch.from_numpy(hasher.step(row_histories, positions.numpy(), masks))
+    return Batch(tokens, positions, slots, table, hashes, is_image, image_rows)
+
+
+class Stepper(Protocol):
+    """A model the scheduler drives: the reference (`ReferenceModel.stepper`) or a loaded bundle
+    (`runtime.executor.Steps`)."""
+
+    groups: int  # token groups: independent sets of sequences, each with its own allocator
+    max_batch: int  # sequences of one group in a step
+    chunk: int  # prompt tokens of one sequence in a step
+
+    def allocator(self) -> Allocator: ...
+
+    def slot_states(self) -> list[Tensor]:
+        """The state views indexed by sequence slot (dim 0): what a rejected draft rolls back."""
+        ...
+
+    def run(
+        self,
+        rows_by_group: list[list[Row]],
+        allocs: list[Allocator],
+        histories: Mapping[int, Sequence[int]],
+        images: Mapping[int, ImageEmbeds | None],
+        capture: Captured | None = None,
+    ) -> list[Tensor]:
+        """One step -> each group's logits [B, T, V], batch row i for that group's rows[i].
+
+        `histories[seq]`: sequence seq's tokens so far (with this step's drafts), what engram hashes
+        read; `images[seq]`: its prompt's image positions and rows, if any; `capture` (layer -> None):
+        filled, for each of its layers, with what that layer's attention read (`run_layers`)."""
+        ...
+
+
+DraftRequest = tuple[int, int, list[int], int]  # (sequence, its slot, its committed tokens, how many to draft)
+
+
+class Drafter(Protocol):
+    """What proposes tokens for speculative decoding (`regions/drafting.py`, `regions/speculative.py`)."""
+
+    block: int  # tokens it drafts at most per step (the verify step is block + 1 tokens)
+    capture_layers: tuple[int, ...]  # the target layers whose attention inputs `observe` reads
+
+    def draft(self, requests: list[DraftRequest]) -> dict[int, list[int]]:
+        """Each request -> its drafted tokens."""
+        ...
+
+    def observe(self, slot: int, captured: Captured, row: int, start: int, keep: int) -> None:
+        """After a step: positions start .. start + keep - 1 of the sequence in slot `slot` (batch row
+        `row` of the step that `captured` holds) are committed; what the drafter reads of the target
+        for them, it takes from `captured` now (its per-sequence state may live in pools by slot)."""
+        ...

@@ -1,0 +1,92 @@
+"""Running a bundle: `generate` (a batch of prompts to completion) and `serve` (the OpenAI HTTP API).
+
+Both hide where the ranks are: one rank loads in this process; a multi-rank bundle either starts
+its ranks here, one process each (gloo), or, under torchrun, loads the rank torchrun made this
+process (a follower runs the leader's steps until it ends). `deepinfer-run` and `deepinfer-serve`
+parse their arguments into `RunOptions` / `ServeOptions` and call these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from deepinfer.bundles.manifest import BundleError
+from deepinfer.bundles.signing import trusted
+from deepinfer.runtime.bundle import Bundle, open_bundle, require_draft, tokenizer
+from deepinfer.runtime.executor import Executor, generate_loaded
+from deepinfer.runtime.options import LoadOptions, RunOptions, ServeOptions
+from deepinfer.runtime.schedule import Completions
+
+
+def opened(bundle: Bundle | str | Path, options: LoadOptions) -> Bundle:
+    """`bundle` opened as `options` say (an opened one as it is); a draft it lacks is refused here."""
+    if not isinstance(bundle, Bundle):
+        bundle = open_bundle(bundle, verify=options.verify, trust=trusted(options.trust))
+    if options.speculative:
+        require_draft(bundle)
+        if bundle.manifest.topology.world_size > 1:
+            raise BundleError(
+                f"{bundle.path}: speculative decoding runs on single-rank bundles only (its rollback "
+                f"restores the leader's per-slot state); this bundle has "
+                f"{bundle.manifest.topology.world_size} ranks"
+            )
+    return bundle
+
+
+def generate(bundle: Bundle | Executor | str | Path, prompts: Sequence[list[int]], options: RunOptions) -> Completions:
+    """Greedy generation of token-id `prompts` on `bundle` (a path, an opened `Bundle`, or a loaded
+    `Executor` to reuse) -> one `Completion` per prompt, in order, with the run's `stats`. A request
+    that cannot get blocks fails alone (its `error` is set). Under torchrun, a follower rank returns
+    an empty list once the leader has finished."""
+    if isinstance(bundle, Executor):
+        return generate_loaded(bundle, prompts, options)
+    from deepinfer.runtime import ranks  # torch.distributed: only where a bundle is loaded
+
+    _threads(options)
+    b = opened(bundle, options)
+    launched = ranks.torchrun_rank()
+    if b.manifest.topology.world_size > 1 and launched is None:
+        return ranks.generate_ranks(b, list(prompts), options)
+    executor = ranks.load_here(b, launched, options)
+    if executor is None:  # a follower: the leader has finished
+        return Completions()
+    try:
+        return generate_loaded(executor, prompts, options)
+    finally:
+        executor.close()
+
+
+def serve(bundle: Bundle | str | Path, options: ServeOptions) -> None:
+    """Serve `bundle` over the OpenAI HTTP API on options.host:options.port until SIGINT or SIGTERM
+    (see `runtime.server.serve`); with several ranks this process leads them."""
+    from deepinfer.runtime import ranks
+    from deepinfer.runtime.server import serve as serve_http
+
+    _threads(options)
+    b = opened(bundle, options)
+    tok = tokenizer(b)
+    launched = ranks.torchrun_rank()
+    leader = None
+    if b.manifest.topology.world_size > 1 and launched is None:  # start the followers here: one process each
+        leader = ranks.Leader(b.path, b.manifest.topology.world_size, options)
+        executor = leader.executor
+    else:
+        loaded = ranks.load_here(b, launched, options)
+        if loaded is None:  # a follower: the leader has stopped serving
+            return
+        executor = loaded
+    try:
+        serve_http(executor, tok, options)
+    finally:
+        if leader is not None:
+            leader.close()
+        elif executor.comm is not None:
+            executor.comm.step(None)
+
+
+def _threads(options: LoadOptions) -> None:
+    if options.threads:
+        import torch
+
+        torch.set_num_threads(options.threads)

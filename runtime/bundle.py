@@ -1,0 +1,161 @@
+"""A bundle opened for running: its manifest read and checked once, its config parsed once.
+
+Opening validates the manifest (format version, types, cross-references, digests, target and
+toolchain) and the layer table against the config it carries; nothing is loaded. What else the
+runtime reads of a bundle without loading it is here too: its tokenizer (the copied tokenizer
+files, or byte-level), its host-resident vision tower and its compiled draft's description.
+Loading it is `runtime/executor.py`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer.bundles import manifest as mf
+from deepinfer.bundles.layout import MANIFEST_FILE, TOKENIZER_DIR
+from deepinfer.bundles.safetensors import load_mmap
+from deepinfer.regions.config import V41Config, parse_config
+from deepinfer.regions.step import DTYPES, plan_layers
+from deepinfer.regions.tokenizer import ByteTokenizer, Tokenizer
+from deepinfer.runtime.backends import check_compatible
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A bundle opened for running: its path, its manifest (read and checked once) and its model config
+    (parsed once)."""
+
+    path: Path
+    manifest: mf.Manifest
+    config: V41Config
+    identity: tuple[int, int] = (0, 0)  # the directory's (device, inode) when it was opened
+
+    def check_unchanged(self) -> None:
+        """Refuse a bundle directory replaced since it was opened (`deepinfer-compile --force` renames
+        a new bundle into place): what was loaded would mix two bundles' files."""
+        if _identity(self.path) != self.identity:
+            raise mf.BundleError(
+                f"{self.path}: replaced while it was being loaded (a compile with --force?); "
+                "nothing from it is used; run again"
+            )
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (-1, -1)
+    return (st.st_dev, st.st_ino)
+
+
+def open_bundle(path: str | Path, *, verify: bool = True, trust=None) -> Bundle:
+    """Read and check a bundle's manifest (format version first, types, cross-references), its files
+    (present; digests unless `verify` is off) and that this process can run it; parse its config.
+    With `trust` (an Ed25519 public key, `bundles.signing.load_public_key`), the manifest must carry a
+    signature by that key, checked before anything else is read. Loading checks at its end that the
+    directory is still the one opened here."""
+    path = Path(path)
+    if trust is not None and not verify:
+        raise mf.BundleError(
+            f"{path}: a trusted key needs the digest check (the signature covers the files "
+            "through their digests); drop --no-verify"
+        )
+    identity = _identity(path)
+    manifest = mf.read(path, trust=trust)
+    mf.check_files(path, manifest, digests=verify)
+    check_compatible(manifest, path)
+    bundle = Bundle(path, manifest, parse_config(manifest.model.config, str(path / MANIFEST_FILE)), identity)
+    check_layers(bundle)
+    bundle.check_unchanged()
+    return bundle
+
+
+LAYER_FIELDS = ("attn", "ratio", "kv_source", "candidate_source", "uses_candidates")
+
+
+def check_layers(bundle: Bundle) -> None:
+    """The manifest's layer table against the model config it carries: each layer's attention
+    role as the config's schedule gives it, and each (kind, index) binding the layer's place among
+    the layers of that kind (stacks are layer-major in layer order). A table edited by hand (two
+    layers' weights swapped, a layer's kind changed) is refused before anything is loaded."""
+    where = bundle.path / MANIFEST_FILE
+    m = bundle.manifest
+    want = plan_layers(bundle.config.text)
+    if [l.layer for l in m.layers] != [p.layer for p in want]:
+        raise mf.BundleError(
+            f"{where}: layers lists {[l.layer for l in m.layers]}, the model config has {len(want)} layers"
+        )
+    seen: dict[str, int] = defaultdict(int)
+    for i, (l, p) in enumerate(zip(m.layers, want)):
+        for name in LAYER_FIELDS:
+            if getattr(l, name) != getattr(p, name):
+                raise mf.BundleError(
+                    f"{where}: layers[{i}].{name} is {getattr(l, name)!r}; the model config "
+                    f"gives layer {p.layer} {getattr(p, name)!r}"
+                )
+        if l.engram != bool(p.engram_rows):
+            raise mf.BundleError(
+                f"{where}: layers[{i}].engram is {l.engram}; the model config gives layer "
+                f"{p.layer} {bool(p.engram_rows)}"
+            )
+        for slot, b in l.regions.items():
+            if b.index != seen[b.kind]:
+                raise mf.BundleError(
+                    f"{where}: layers[{i}].regions.{slot}.index is {b.index}; layer {p.layer} is "
+                    f"number {seen[b.kind]} of kind {b.kind} in layer order"
+                )
+            seen[b.kind] += 1
+
+
+def require_draft(bundle: Bundle) -> mf.Draft:
+    """The bundle's compiled draft; a BundleError in one line for a bundle compiled without one."""
+    if bundle.manifest.draft is None:
+        raise mf.BundleError(
+            f"{bundle.path}: compiled without a speculative draft, so it cannot run --speculative "
+            'dspark; add [speculative] draft = "dspark" to its model.toml and compile again'
+        )
+    return bundle.manifest.draft
+
+
+def stack_tensors(bundle: Path, entry: mf.WeightStack) -> dict[str, torch.Tensor]:
+    """A kind's stacks on one rank, memory-mapped: its own file's and those every rank shares."""
+    out = {}
+    for rel in entry.files:
+        out.update(load_mmap(Path(bundle) / rel))
+    return out
+
+
+def load_vision(bundle: Bundle):
+    """A bundle's host-resident vision tower and aligner (regions.vision, imported only here)."""
+    from deepinfer.regions.vision import VisionTower, tensor_getter
+
+    host = bundle.manifest.host.get("vision")
+    if host is None:
+        raise mf.BundleError(
+            f"{bundle.path}: the bundle has no vision tower (its checkpoint's "
+            "vision_config.num_hidden_layers is 0); it cannot take images"
+        )
+    path = bundle.path / host.path
+    return VisionTower(
+        bundle.config,
+        tensor_getter(load_mmap(path), str(path)),
+        DTYPES[bundle.manifest.model.dtype],
+        str(bundle.path / MANIFEST_FILE),
+    )
+
+
+def tokenizer(bundle: Bundle) -> Tokenizer:
+    """The tokenizer a bundle records: its copied tokenizer files (`tokenizer/`), or byte-level with
+    the ids of its config."""
+    m = bundle.manifest
+    if m.model.tokenizer == "byte":
+        c = bundle.config
+        return ByteTokenizer(c.bos_token_id, c.eos_token_id, c.pad_token_id)
+    from deepinfer.regions.hf_tokenizer import TokenizersTokenizer
+
+    return TokenizersTokenizer.from_dir(bundle.path / TOKENIZER_DIR)

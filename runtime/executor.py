@@ -1,0 +1,524 @@
+"""A loaded bundle: executables, bound weights, state pools, built once and never rebound.
+
+Loading memory-maps the weights, loads each executable once and binds each layer's weights as
+views into the layer-major stacks. The host files (the token embedding where the bundle has no
+embedding region, engram tables) are memory-mapped too, by every rank from the same file: a step
+reads the embedding rows of its tokens (or hands the ids to the embedding region) and the engram
+rows of its hashes (the leader broadcasts the hashes, never the rows).
+
+An `Executor` is what a loaded bundle is (frozen: its bindings never change; the pools' contents
+are the state a run writes). What a run changes lives beside it: `Stats` (time per region kind and
+step), and the `Steps` a scheduler drives (`regions.stepper.Stepper`): each step pads its rows to
+the nearest batch and tokens buckets and runs the smallest context bucket that holds its longest
+sequence, with the same region wiring as the reference (`run_layers`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from deepinfer.bundles import manifest as mf
+from deepinfer.bundles.safetensors import load_mmap
+from deepinfer.host import physical_memory
+from deepinfer.regions.config import V41Config
+from deepinfer.regions.engram_hash import EngramHasher
+from deepinfer.regions.spans import ImageEmbeds
+from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, run_layers
+from deepinfer.regions.stepper import Allocator, Captured, Drafter, Row, bucket_at_least, make_batch, table_width
+from deepinfer.runtime.backends import placement_for
+from deepinfer.runtime.bundle import Bundle, open_bundle, require_draft, stack_tensors
+from deepinfer.runtime.options import RunOptions
+from deepinfer.runtime.schedule import Completions, decode
+
+# on_call(layer, slot, kind, inputs, run) -> outputs, where run() calls the executable (deepinfer/diff.py)
+OnCall = Callable[[int, str, str, tuple, Callable[[], list]], list]
+
+
+@dataclass
+class Stats:
+    """What a run measured on this rank: host time per region kind and per step."""
+
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+    seconds: dict = field(default_factory=lambda: defaultdict(float))  # host time in the executable
+    overhead: float = 0.0  # runtime time around region calls (argument lists, lookups)
+    steps: int = 0
+    step_seconds: float = 0.0
+    by_tokens: dict = field(default_factory=dict)  # tokens bucket -> [steps, seconds] (picklable: ranks send it)
+    tokens: int = 0  # real tokens processed
+    padded: int = 0  # token slots computed (incl. padding)
+
+    def table(self) -> list[dict]:
+        total = sum(self.seconds.values()) or 1.0
+        return [
+            {
+                "kind": k,
+                "calls": self.calls[k],
+                "total_ms": self.seconds[k] * 1e3,
+                "mean_us": self.seconds[k] / self.calls[k] * 1e6,
+                "share": self.seconds[k] / total,
+            }
+            for k in sorted(self.seconds, key=lambda k: -self.seconds[k])
+        ]
+
+    def record_step(self, batch: Batch, seconds: float) -> None:
+        self.step_seconds += seconds
+        self.steps += 1
+        shape = self.by_tokens.setdefault(batch.tokens.shape[1], [0, 0.0])
+        shape[0] += 1
+        shape[1] += seconds
+        self.padded += batch.tokens.numel()
+        self.tokens += int((batch.positions >= 0).sum())
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The shapes a loaded bundle runs at: KV blocks and slots, and its buckets."""
+
+    block_size: int
+    max_blocks: int  # blocks of one sequence's table at max_context
+    num_blocks: int  # the pool's blocks (block 0 is scratch)
+    num_slots: int  # sequence slots (slot 0 is scratch)
+    batch_sizes: tuple[int, ...]
+    token_sizes: tuple[int, ...]
+    context_blocks: tuple[int, ...]  # the context buckets' block-table widths
+
+
+@dataclass(frozen=True)
+class HostTables:
+    """What a step reads on the host: the token embedding (None: the bundle's embedding region runs
+    on the device), engram's hasher and tables (None without engram layers)."""
+
+    embed: Embedding | None
+    hasher: EngramHasher | None
+    engram: EngramRows | None
+
+
+Binding = tuple[str, list]  # (kind, weight views and the rank in the executable's input order)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Executor:
+    """A bundle loaded as one rank: immutable bindings of executables, weights and pools."""
+
+    bundle: Bundle
+    rank: int
+    comm: object | None  # runtime.ranks.Comm when the bundle has several ranks
+    sizes: Sizes
+    plans: tuple[LayerPlan, ...]
+    host: HostTables
+    placement: object  # runtime.backends: where executables run and tensors live
+    executables: Mapping[tuple, Callable]  # (kind, method, batch, tokens, table width or None) -> executable
+    context_kinds: frozenset[str]  # kinds built per context bucket
+    bound: Mapping[tuple[int, str], Binding]  # (layer, slot) -> binding; the head is (-1, "head")
+    draft_bound: Mapping[tuple[int, str], Binding]  # (stage, slot) -> binding of the draft's regions
+    pools: Mapping[str, Tensor]
+    states: Mapping[int, Mapping[str, Tensor]]  # layer -> state name -> its view of a pool
+
+    @property
+    def path(self) -> Path:
+        return self.bundle.path
+
+    @property
+    def manifest(self) -> mf.Manifest:
+        return self.bundle.manifest
+
+    @property
+    def config(self) -> V41Config:
+        return self.bundle.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.manifest.model.dtype]
+
+    def close(self) -> None:
+        """Release the executables and device memory (a no-op for host bundles)."""
+        self.placement.close()
+
+    def steps(self, stats: Stats, on_call: OnCall | None = None) -> Steps:
+        """What a scheduler drives for one run on this executor (the leader's, with several ranks);
+        `on_call` wraps every region call (`deepinfer diff`)."""
+        return Steps(self, stats, on_call)
+
+    def follow(self, stats: Stats) -> None:
+        """Follower ranks: run the steps the leader sends until it sends None (no sampling)."""
+        with torch.inference_mode():
+            while (batches := self.comm.step()) is not None:
+                self.comm.gather_logits(self.forward(batches[self.comm.group], stats))
+
+    def forward(
+        self, batch: Batch, stats: Stats, *, on_call: OnCall | None = None, capture: Captured | None = None
+    ) -> Tensor:
+        """This rank's step: the embedding (the host lookup, or the embedding region fed the token
+        ids), every layer and the head -> logits [B, T, V]."""
+        start = time.perf_counter()
+        invoke = self._invoke(batch.block_table.shape[1], stats, on_call)
+        if self.host.embed is not None:
+            h, pre = self.host.embed(batch.tokens, batch.is_image, batch.image_rows)
+        else:  # a text-only step's zero image rows equal the last ones: the device staging skips them
+            rows = batch.image_rows
+            if rows is None:
+                rows = torch.zeros(*batch.tokens.shape, self.config.text.hidden_size, dtype=self.dtype)
+            h, pre = invoke(-1, "embed", batch.tokens, batch.is_image, rows)
+        logits = run_layers(self.plans, invoke, self.states, h, pre, batch, self.host.engram, capture)
+        stats.record_step(batch, time.perf_counter() - start)
+        return logits
+
+    def _invoke(self, blocks: int, stats: Stats, on_call: OnCall | None):
+        """invoke(layer, slot, *inputs) for one step whose block tables are `blocks` wide."""
+        executables, bound, comm, context_kinds = self.executables, self.bound, self.comm, self.context_kinds
+
+        def invoke(layer: int, slot: str, *inputs):
+            t0 = time.perf_counter()
+            kind, weights = bound[(layer, slot)]
+            if comm is not None and slot == "moe" and comm.topo.dispatch:
+                inputs = comm.dispatch(*inputs)  # every group's rows
+            width = blocks if kind in context_kinds else None
+            exe = executables[(kind, mf.DECODE, inputs[0].shape[0], inputs[0].shape[1], width)]
+            args = weights + list(inputs)
+            t1 = time.perf_counter()
+            out = exe(args) if on_call is None else on_call(layer, slot, kind, inputs, lambda: exe(args))
+            t2 = time.perf_counter()
+            stats.calls[kind] += 1
+            stats.seconds[kind] += t2 - t1
+            stats.overhead += t1 - t0
+            return out if comm is None else comm.after(slot, out, self.dtype)
+
+        return invoke
+
+    def dspark(self, stats: Stats):
+        """The bundle's compiled DSpark draft as a `regions.stepper.Drafter` (`regions.drafting.DSparkDrafter`):
+        its executables at the batch buckets, its features pool; no checkpoint is read."""
+        d = require_draft(self.bundle)
+        from deepinfer.regions.drafting import DSparkDrafter  # the collapse op: only where a draft runs
+
+        invoke = self._draft_invoke(stats)
+        return DSparkDrafter(
+            self.config.text, invoke, self.host.embed, self.pools[d.features], list(self.sizes.batch_sizes)
+        )
+
+    def _draft_invoke(self, stats: Stats):
+        """invoke(stage, slot, *inputs) over the draft's executables (stage -1: the head's `project`)."""
+        executables, draft_bound, head = self.executables, self.draft_bound, self.bound[(-1, "head")]
+
+        def invoke(stage: int, slot: str, *inputs):
+            kind, weights = head if slot == mf.PROJECT else draft_bound[(stage, slot)]
+            method = mf.PROJECT if slot == mf.PROJECT else mf.DECODE
+            exe = executables[(kind, method, inputs[0].shape[0], inputs[0].shape[1], None)]
+            t0 = time.perf_counter()
+            out = exe(weights + list(inputs))
+            name = kind if method == mf.DECODE else f"{kind}.{method}"
+            stats.calls[name] += 1
+            stats.seconds[name] += time.perf_counter() - t0
+            return out
+
+        return invoke
+
+    def slot_states(self) -> list[Tensor]:
+        """Each layer's views of the pools indexed by sequence slot (window rings, compressor partials)."""
+        pools = self.manifest.kv.pools
+        return [
+            self.states[entry.layer][state]
+            for entry in self.manifest.layers
+            for state, (pool, _) in entry.state.items()
+            if pools[pool].dim == "slots"
+        ]
+
+
+@dataclass(frozen=True)
+class Steps:
+    """A loaded bundle as the scheduler drives it (`regions.stepper.Stepper`): the leader's side of
+    every step, timed into `stats`; with several ranks it sends each step to the followers."""
+
+    executor: Executor
+    stats: Stats
+    on_call: OnCall | None = None
+
+    @property
+    def groups(self) -> int:
+        return self.executor.manifest.topology.groups
+
+    @property
+    def max_batch(self) -> int:
+        return self.executor.sizes.batch_sizes[-1]
+
+    @property
+    def chunk(self) -> int:
+        return self.executor.sizes.token_sizes[-1]
+
+    def allocator(self) -> Allocator:
+        s = self.executor.sizes
+        return Allocator(s.num_slots, s.num_blocks, s.block_size, s.max_blocks)
+
+    def slot_states(self) -> list[Tensor]:
+        return self.executor.slot_states()
+
+    def run(
+        self,
+        rows_by_group: list[list[Row]],
+        allocs: list[Allocator],
+        histories: Mapping[int, Sequence[int]],
+        images: Mapping[int, ImageEmbeds | None],
+        capture: Captured | None = None,
+    ) -> list[Tensor]:
+        """One step of every token group, padded to the nearest bucket -> each group's logits. The
+        context bucket is the smallest whose block table holds the longest sequence after the step
+        (its highest written position + 1), for every group alike."""
+        x, s = self.executor, self.executor.sizes
+        B = bucket_at_least(list(s.batch_sizes), max(1, *(len(r) for r in rows_by_group)))
+        T = bucket_at_least(list(s.token_sizes), max(len(ids) for rows in rows_by_group for _, ids, _ in rows))
+        blocks = table_width(rows_by_group, s.block_size, list(s.context_blocks))
+        batches = [
+            make_batch(
+                rows,
+                list(range(len(rows))),
+                B,
+                T,
+                blocks=blocks,
+                alloc=alloc,
+                histories=histories,
+                images=images,
+                hasher=x.host.hasher,
+                pad=x.config.pad_token_id,
+                dtype=x.dtype,
+            )
+            for rows, alloc in zip(rows_by_group, allocs)
+        ]
+        if x.comm is None:
+            return [x.forward(batches[0], self.stats, on_call=self.on_call, capture=capture)]
+        x.comm.step(batches)
+        local = x.forward(batches[x.comm.group], self.stats, on_call=self.on_call, capture=capture)
+        return x.comm.gather_logits(local)
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def load(
+    bundle: Bundle | str | Path, *, num_kv_blocks: int | None = None, verify: bool = True, rank: int = 0, comm=None
+) -> Executor:
+    """Open a bundle (see `open_bundle`; an opened `Bundle` is not read again), then load it as `rank`
+    (with `comm`, a runtime.ranks.Comm, when the bundle has several ranks)."""
+    if not isinstance(bundle, Bundle):
+        bundle = open_bundle(bundle, verify=verify)
+    world = bundle.manifest.topology.world_size
+    if not 0 <= rank < world:
+        raise mf.BundleError(f"{bundle.path}: rank {rank} is outside the bundle's world size {world}")
+    if world > 1 and comm is None:
+        raise mf.BundleError(
+            f"{bundle.path}: a {world}-rank bundle; run it with deepinfer-run (which starts "
+            "the ranks) or under torchrun"
+        )
+    executor = _load(bundle, rank, comm, num_kv_blocks)
+    bundle.check_unchanged()
+    return executor
+
+
+def _sizes(bundle: Bundle, num_kv_blocks: int | None) -> Sizes:
+    m, kv = bundle.manifest, bundle.manifest.kv
+    num_blocks = kv.num_blocks if num_kv_blocks is None else num_kv_blocks
+    if num_blocks < 2:
+        raise mf.BundleError(f"num_kv_blocks {num_blocks}: needs at least 2 (block 0 is scratch)")
+    if kv.static_pools and num_blocks != kv.num_blocks:
+        raise mf.BundleError(
+            f"{bundle.path}: compiled for exactly {kv.num_blocks} KV blocks (static shapes); "
+            f"cannot run with {num_blocks} (change [kv] num_blocks and recompile)"
+        )
+    return Sizes(
+        block_size=kv.block_size,
+        max_blocks=kv.max_blocks,
+        num_blocks=num_blocks,
+        num_slots=kv.slots,
+        batch_sizes=tuple(m.buckets.batch_sizes),
+        token_sizes=tuple(m.buckets.token_sizes),
+        context_blocks=tuple(kv.blocks_for(c) for c in m.buckets.context_sizes),
+    )
+
+
+def _load(bundle: Bundle, rank: int, comm, num_kv_blocks: int | None) -> Executor:
+    m = bundle.manifest
+    sizes = _sizes(bundle, num_kv_blocks)
+    pool_shapes = _pool_shapes(m, sizes)
+    _check_pool_memory(bundle, pool_shapes, sizes)  # before anything is loaded
+    plans = tuple(
+        LayerPlan(
+            layer=entry.layer,
+            attn=entry.attn,
+            ratio=entry.ratio,
+            kv_source=entry.kv_source,
+            candidate_source=entry.candidate_source,
+            uses_candidates=entry.uses_candidates,
+            engram_rows=int(entry.engram),
+        )
+        for entry in m.layers
+    )
+    # the host tables (memory-mapped, checked against the config) before the executables, whose
+    # load is most of a session's start: a damaged bundle is refused in a moment
+    host = _host_tables(bundle, plans)
+    placement = placement_for(m, bundle.path, rank)
+    try:
+        executables, context_kinds = _load_executables(bundle, placement)
+        bound, draft_bound = _bind_weights(bundle, placement, rank)
+        pools, states = _allocate_pools(m, placement, pool_shapes)
+    except BaseException:
+        placement.close()  # a refused load must not keep the device
+        raise
+    return Executor(
+        bundle=bundle,
+        rank=rank,
+        comm=comm,
+        sizes=sizes,
+        plans=plans,
+        host=host,
+        placement=placement,
+        executables=executables,
+        context_kinds=context_kinds,
+        bound=bound,
+        draft_bound=draft_bound,
+        pools=pools,
+        states=states,
+    )
+
+
+def _host_tables(bundle: Bundle, plans: tuple[LayerPlan, ...]) -> HostTables:
+    m, text = bundle.manifest, bundle.config.text
+    embed = None  # the bundle's embedding region (m.embed) runs on the device
+    if m.embed is None:
+        entry = m.host["embed"]
+        embed = Embedding(load_mmap(bundle.path / entry.path)[entry.tensor], text.hc_mult, DTYPES[m.model.dtype])
+    hasher = None
+    if text.engram_layer_ids:  # the compressed token map the bundle carries (none: the identity, byte-level)
+        entry = m.host.get("engram_token_map")
+        token_map = None if entry is None else load_mmap(bundle.path / entry.path)[entry.tensor].numpy()
+        hasher = EngramHasher(text, token_map)
+    engram = None
+    if any(p.engram_rows for p in plans):  # the manifest then names the host file
+        tables = bundle.path / m.host["engram"].path
+        engram = EngramRows.of(text, load_mmap(tables), str(tables))
+    return HostTables(embed, hasher, engram)
+
+
+def _load_executables(bundle: Bundle, placement) -> tuple[dict, frozenset[str]]:
+    """(kind, method, batch, tokens, block-table width or None for kinds that do not read one) ->
+    executable; and the kinds built per context bucket."""
+    executables, context_kinds = {}, set()
+    kv = bundle.manifest.kv
+    for e in bundle.manifest.regions:
+        b = e.bucket
+        blocks = None if b.context is None else kv.blocks_for(b.context)
+        executables[(e.kind, e.method, b.batch, b.tokens, blocks)] = placement.load(e, bundle.path / e.artifact)
+        if blocks is not None:
+            context_kinds.add(e.kind)
+    return executables, frozenset(context_kinds)
+
+
+def _bind_weights(bundle: Bundle, placement, rank: int) -> tuple[dict, dict]:
+    """(layer, slot) -> (kind, weight views in the executable's input order); the same for the
+    draft's (stage, slot)."""
+    m = bundle.manifest
+    try:
+        entries = m.rank_weights(rank)
+    except mf.BundleError as e:
+        raise mf.BundleError(f"{bundle.path}: {e}") from None
+    stacks = {
+        e.kind: {name: placement.resident(t, f"{e.kind}.{name}") for name, t in stack_tensors(bundle.path, e).items()}
+        for e in entries
+    }
+    signatures = {e.kind: e.inputs for e in m.regions}
+    rank_tensor = torch.tensor(rank, dtype=torch.int64)
+
+    def views(b: mf.Binding) -> Binding:
+        """A binding's kind and its weight views (and the rank) in the executable's input order."""
+        return b.kind, [
+            rank_tensor if s.role == "rank" else placement.view(stacks[b.kind][s.name], b.index)
+            for s in signatures[b.kind]
+            if s.role in ("weight", "rank")
+        ]
+
+    bound = {(layer, slot): views(b) for layer, slot, b in m.bindings()}
+    draft_bound = {
+        (stage, slot): views(b)
+        for stage, regions in enumerate(m.draft.stages if m.draft else ())
+        for slot, b in regions.items()
+    }
+    return bound, draft_bound
+
+
+def _pool_shapes(m: mf.Manifest, sizes: Sizes) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {
+        name: (
+            (len(pool.layers), sizes.num_blocks if pool.dim == "blocks" else sizes.num_slots, *pool.entry_shape),
+            getattr(torch, pool.dtype),
+        )
+        for name, pool in m.kv.pools.items()
+    }
+
+
+def _check_pool_memory(bundle: Bundle, shapes: dict, sizes: Sizes) -> None:
+    """Pools a host bundle cannot allocate on this host are refused before anything is loaded."""
+    need = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
+    if bundle.manifest.target.name == "cpu" and need > physical_memory():
+        raise mf.BundleError(
+            f"{bundle.path}: the KV/state pools need {need / 2**30:.1f} GiB at num_kv_blocks "
+            f"{sizes.num_blocks}, more than this host's {physical_memory() / 2**30:.1f} GiB of memory"
+        )
+
+
+def _allocate_pools(m: mf.Manifest, placement, shapes: dict) -> tuple[dict, dict]:
+    pools = {
+        name: placement.resident(torch.zeros(shape, dtype=dtype), f"pool.{name}")
+        for name, (shape, dtype) in shapes.items()
+    }
+    states: dict[int, dict[str, Tensor]] = defaultdict(dict)
+    for entry in m.layers:
+        for state, (pool, index) in entry.state.items():
+            states[entry.layer][state] = placement.view(pools[pool], index)
+    return pools, states
+
+
+# --- running -------------------------------------------------------------------------------------
+
+
+def generate_loaded(
+    executor: Executor,
+    prompts: Sequence[list[int]],
+    options: RunOptions,
+    *,
+    on_call: OnCall | None = None,
+    drafter: Drafter | None = None,
+) -> Completions:
+    """Batch generation on a loaded executor (the leader's, with several ranks: its followers run
+    what it sends until this ends them) -> the completions, with this run's `stats` and speculation
+    counts. `on_call` wraps every region call (`deepinfer diff`); `drafter` drafts instead of the
+    bundle's own (`options.speculative`): the test doubles of `regions/speculative.py`."""
+    stats = Stats()
+    try:
+        with torch.inference_mode():
+            if drafter is None and options.speculative:
+                if executor.comm is not None:
+                    raise mf.BundleError(
+                        f"{executor.path}: speculative decoding runs on single-rank bundles only (its rollback "
+                        "restores the leader's per-slot state)"
+                    )
+                drafter = executor.dspark(stats)
+            outs = decode(
+                executor.steps(stats, on_call),
+                prompts,
+                options.max_new_tokens,
+                eos=executor.config.eos_token_id,
+                images=options.images,
+                drafter=drafter,
+                keep_logits=options.keep_logits,
+            )
+    finally:
+        if executor.comm is not None:
+            executor.comm.step(None)
+    outs.stats = stats
+    return outs

@@ -1,0 +1,56 @@
+"""How a bundle is run: typed, frozen options for `runtime.generate` and `runtime.serve`.
+
+`LoadOptions` are what opening and loading a bundle take (both commands share them, and rank
+processes receive them); `RunOptions` add what one batch generation asks for, `ServeOptions`
+what the HTTP server does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from deepinfer.regions.spans import ImageEmbeds
+
+COLLECTIVE_TIMEOUT_S = 600.0  # a collective (a step's broadcast included) that waits longer fails
+CHUNK_BYTES = 64 << 20  # float32 collectives run in chunks of at most this many bytes per rank
+SPECULATIVE = ("dspark",)  # drafts a bundle can compile in ([speculative] draft)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How a bundle is opened and loaded, on every rank."""
+
+    num_kv_blocks: int | None = None  # the KV block pool (None: the bundle's num_blocks)
+    verify: bool = True  # check every file's digest at open
+    trust: Path | None = None  # an Ed25519 public key (PEM) the bundle must be signed by
+    threads: int | None = None  # host threads for the executables (None: torch's default)
+    speculative: str | None = None  # "dspark": decode greedy requests with the bundle's compiled draft
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+    chunk_bytes: int = CHUNK_BYTES
+
+    def load_options(self) -> LoadOptions:
+        """Just these options (what a rank process receives, whatever subclass holds them)."""
+        return LoadOptions(**{f.name: getattr(self, f.name) for f in fields(LoadOptions)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions(LoadOptions):
+    """One batch generation: every prompt to completion (greedy)."""
+
+    max_new_tokens: int = 16
+    images: tuple[ImageEmbeds | None, ...] | None = None  # per prompt: its image positions and rows
+    keep_logits: bool = False  # each completion's logits, one [V] row per position (--dump-logits)
+    timeout_s: float = 3600.0  # the whole run, when this process starts the ranks
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeOptions(LoadOptions):
+    """The OpenAI HTTP server (`deepinfer-serve`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: a free port (the URL given to `on_ready` names it)
+    max_queue: int = 64  # requests that may wait beyond the batch's free rows (more: HTTP 429)
+    model_name: str | None = None  # the model's id in the API (None: the bundle directory's name)
+    on_ready: Callable[[str], None] | None = None  # called with the URL once the socket is bound

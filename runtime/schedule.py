@@ -1,0 +1,534 @@
+"""The one scheduler: what each step holds, for batch generation, serving and speculative decoding.
+
+A `Scheduler` drives a `Stepper` (`regions/stepper.py`: the reference's eager regions or a loaded
+bundle's executables). Requests wait in a FIFO queue and join the running batch at step boundaries:
+into the least loaded token group with a free row (at most `max_batch` per group) and a free slot,
+and, where `reserve_whole` is set (serving), blocks for the whole request beyond what the running
+sequences may still claim, so a running sequence never runs out of blocks. Without it (batch
+generation) blocks are reserved step by step and a sequence that cannot get one fails alone, with
+the reason in its own terms. Every step gives each running sequence its next prompt chunk (at most
+`chunk` tokens) or its one decode token, so new prompts prefill interleaved with the others' decodes;
+a sequence finishes on eos, on its caller's stop, after `max_tokens`, or with an error.
+
+Sampling is per request: greedy (argmax) at temperature 0, else top-k, then top-p, then a draw from
+its own seeded generator.
+
+With a `drafter`, greedy requests decode speculatively: a sequence that has caught up feeds its
+drafted tokens after its unfed ones in one verify step; the drafts the target's argmax agrees with
+are kept, plus the target's own next token, so the output is the plain loop's token for token. A
+rejected block's per-slot state is restored from its snapshot and its accepted tokens are fed again
+at the head of the next step.
+
+`decode` is the batch policy (submit every prompt, then drain); `runtime/engine.py` runs the same
+scheduler on a thread for the server, `Events` reporting what it does to the server's metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from deepinfer.regions.spans import ImageEmbeds
+from deepinfer.regions.stepper import Allocator, Captured, Drafter, OutOfBlocks, Row, Stepper
+
+# --- requests and what they produce -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a request picks its tokens: temperature 0 is greedy; top_k 0 and top_p 1 keep every token."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def generator(self) -> torch.Generator | None:
+        if self.temperature == 0:
+            return None
+        g = torch.Generator()
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+GREEDY = Sampling()
+
+
+def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None) -> int:
+    """The next token from one position's logits [V]."""
+    if s.temperature == 0:
+        return int(torch.argmax(logits))
+    x = logits.float() / s.temperature
+    if 0 < s.top_k < x.numel():
+        kth = torch.topk(x, s.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if s.top_p < 1.0:
+        order = torch.argsort(x, descending=True)
+        probs = torch.softmax(x[order], -1)
+        before = torch.cumsum(probs, -1) - probs  # mass of the tokens ranked above each
+        x[order[before >= s.top_p]] = float("-inf")  # the smallest prefix reaching top_p stays
+    return int(torch.multinomial(torch.softmax(x, -1), 1, generator=generator))
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate. `on_token(id) -> stop?` and `on_finish(reason, error)` run on the
+    scheduler's thread; `cancelled` (set from any thread) drops it at the next step boundary."""
+
+    prompt: list[int]
+    max_tokens: int
+    on_token: Callable[[int], bool] | None = None
+    on_finish: Callable[[str, str | None], None] | None = None
+    sampling: Sampling = GREEDY
+    image: ImageEmbeds | None = None  # the prompt's image positions and their rows
+    keep_logits: bool = False  # record one [V] row per processed position (--dump-logits, compare)
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class Completion:
+    """What a request produced: its prompt then generated tokens, and why it ended (`finish_reason`:
+    stop, length, cancelled or error; `error` says why an error stopped it early)."""
+
+    tokens: list[int]
+    prompt_len: int
+    logits: list[Tensor] = field(default_factory=list)
+    error: str | None = None
+    finish_reason: str | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass
+class SpeculationStats:
+    """What a drafter's verify steps gave, counted per sequence and step."""
+
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a verify step commits: the accepted drafts and the target's own next token."""
+        return (self.accepted + self.verify_steps) / max(1, self.verify_steps)
+
+    def line(self) -> str:
+        return (
+            f"{self.verify_steps} verify steps, {self.accepted} of {self.drafted} drafted tokens accepted, "
+            f"{self.tokens_per_step:.2f} tokens per step"
+        )
+
+
+class Events:
+    """What a scheduler reports as it runs; these do nothing (`runtime.engine.Metrics` counts them)."""
+
+    def stepped(self, seconds: float) -> None:
+        """One batched step ran."""
+
+    def prompt_tokens(self, n: int) -> None:
+        """`n` prompt tokens were processed."""
+
+    def token(self, request: Request, now: float) -> None:
+        """`request` got a token at `now` (time.perf_counter)."""
+
+    def drafts(self, drafted: int, accepted: int) -> None:
+        """A verify step of one sequence."""
+
+    def finished(self, request: Request, reason: str) -> None:
+        """`request` ended."""
+
+    def load(self, running: int, waiting: int, kv_blocks: int) -> None:
+        """The batch after a step boundary: running sequences, waiting requests, KV blocks held."""
+
+
+@dataclass(eq=False)
+class Running:
+    """A request the scheduler holds: its output so far and where it is (sequence id, token group,
+    tokens fed, blocks it may claim)."""
+
+    request: Request
+    out: Completion
+    generator: torch.Generator | None
+    seq: int = -1  # assigned at admission
+    group: int = 0
+    consumed: int = 0  # tokens fed to the model (committed)
+    need_blocks: int = 0  # blocks admission set aside for the whole request (serving)
+
+
+# --- speculation ----------------------------------------------------------------------------------
+
+
+def draft_for(drafter: Drafter, running: list[Running], chunk: int, allocs: list[Allocator]) -> dict[int, list[int]]:
+    """This step's drafts: for each greedy sequence of `running` that has generated and whose unfed
+    tokens leave room in a verify step of `drafter.block` + 1 tokens, as many as still fit its token
+    budget and context -> drafts by sequence (only non-empty ones)."""
+    requests = []
+    for r in running:
+        if r.request.sampling.temperature != 0:
+            continue
+        out, alloc = r.out, allocs[r.group]
+        unfed = len(out.tokens) - r.consumed
+        n = min(drafter.block + 1, chunk) - unfed
+        n = min(n, r.request.max_tokens - len(out.generated) - 1, alloc.max_context - len(out.tokens))
+        if out.generated and n > 0:
+            requests.append((r.seq, alloc.slot_of[r.seq], out.tokens, n))
+    drafts = drafter.draft(requests) if requests else {}
+    return {seq: d for seq, d in drafts.items() if d}
+
+
+def verify(logits: Tensor, fed: int, drafts: list[int], caught_up: bool = True) -> tuple[list[int], int]:
+    """One sequence's verify step: logits [fed + len(drafts), V] of its fed committed tokens then its
+    drafts -> (the target's greedy token after each position, how many drafts it accepts: the longest
+    prefix equal to its own choices; none unless the sequence had caught up, all its tokens fed)."""
+    choice = logits.argmax(-1).tolist()
+    a = 0
+    while caught_up and a < len(drafts) and choice[fed - 1 + a] == drafts[a]:
+        a += 1
+    return choice, a
+
+
+def reserve(alloc: Allocator, seq: int, positions: int, drafted: dict[int, list[int]]) -> None:
+    """Blocks for `positions` and the sequence's drafts; drafts that do not fit are dropped (the step
+    then fails, or not, exactly as a plain step would)."""
+    try:
+        alloc.reserve(seq, positions + len(drafted.get(seq, [])))
+    except OutOfBlocks:
+        if not drafted.pop(seq, None):
+            raise
+        alloc.reserve(seq, positions)
+
+
+class SlotSnapshot:
+    """The per-slot state of the sequences a step verifies, as it was before the step.
+
+    Rollback of a partially rejected block: every per-slot state (window rings, the compressor's
+    partial groups) goes back to its snapshot and the sequence's accepted tokens are fed again at
+    the head of its next step. Paged state (compressed KV, index keys) needs no copy: an entry
+    written for a rejected position is invisible to every query until the step that commits its
+    group's last position writes it again, before it is read (`t < (p + 1) // ratio`); candidate
+    pools and top-k selections are carries recomputed every step.
+    """
+
+    def __init__(self, views: list[Tensor], slots: dict[int, int], saved: list[Tensor]):
+        self.views, self.slots, self.saved = views, slots, saved
+
+    @classmethod
+    def take(cls, stepper: Stepper, slots: dict[int, int]) -> SlotSnapshot:
+        views = stepper.slot_states() if slots else []
+        index = torch.tensor(list(slots.values()), dtype=torch.int64)
+        return cls(views, slots, [v.index_select(0, index) for v in views])
+
+    def restore(self, seqs: list[int]) -> None:
+        if not seqs:
+            return
+        order = list(self.slots)
+        rows = torch.tensor([order.index(s) for s in seqs], dtype=torch.int64)
+        index = torch.tensor([self.slots[s] for s in seqs], dtype=torch.int64)
+        for v, saved in zip(self.views, self.saved):
+            v.index_copy_(0, index, saved.index_select(0, rows))
+
+
+# --- the loop ------------------------------------------------------------------------------------
+
+
+def stop_reason(e: OutOfBlocks, out: Completion, max_context: int) -> str:
+    """Why a sequence stopped, counted in the sequence's own tokens (not the chunk that hit the limit)."""
+    if not e.context:
+        return str(e)
+    if out.prompt_len > max_context:
+        return f"the prompt has {out.prompt_len} tokens, more than the bundle's max_context ({max_context})"
+    return (
+        f"reached the bundle's max_context ({max_context} positions: a prompt of {out.prompt_len} tokens "
+        f"and {len(out.generated)} generated)"
+    )
+
+
+NO_SLOT = "no sequence slot (the bundle was compiled without room for a sequence)"
+
+
+class Scheduler:
+    """Continuous batching over `stepper`: `add` queues a request (from any thread when `lock` guards
+    the queue), `step` runs one step boundary on the scheduler's thread."""
+
+    def __init__(
+        self,
+        stepper: Stepper,
+        *,
+        eos: int,
+        reserve_whole: bool = False,
+        drafter: Drafter | None = None,
+        events: Events | None = None,
+        lock: AbstractContextManager | None = None,
+    ):
+        self.stepper, self.eos, self.reserve_whole, self.drafter = stepper, eos, reserve_whole, drafter
+        self.events = events or Events()
+        self.lock = lock or nullcontext()
+        self.allocs = [stepper.allocator() for _ in range(stepper.groups)]
+        self.waiting: deque[Running] = deque()
+        self.running: dict[int, Running] = {}
+        self.speculation = SpeculationStats()
+        self.steps = 0
+        self._next_seq = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add(self, request: Request) -> Completion:
+        """Queue `request` -> its output, filled in as it runs (a request for no tokens is done at once)."""
+        out = Completion(list(request.prompt), len(request.prompt))
+        r = Running(request, out, request.sampling.generator())
+        if request.max_tokens < 1:
+            self._finish(r, "length")
+            return out
+        with self.lock:
+            self.waiting.append(r)
+        return out
+
+    def fail_running(self, error: str) -> None:
+        """End every running sequence with `error` (a step that raised: its state is not to be trusted)."""
+        for r in list(self.running.values()):
+            self._finish(r, "error", error)
+
+    def close(self) -> None:
+        """End every waiting and running request as cancelled."""
+        with self.lock:
+            left = list(self.waiting)
+            self.waiting.clear()
+        for r in left + list(self.running.values()):
+            self._finish(r, "cancelled")
+
+    def step(self) -> None:
+        """One step boundary: admit waiting requests, drop cancelled ones, run one batched step, emit."""
+        self._admit()
+        for r in [r for r in self.running.values() if r.request.cancelled]:
+            self._finish(r, "cancelled")
+        if self.running:
+            self._run_step()
+        self._report()
+
+    def _run_step(self) -> None:
+        drafted = (
+            draft_for(self.drafter, list(self.running.values()), self.stepper.chunk, self.allocs)
+            if self.drafter is not None
+            else {}
+        )
+        rows_by_group: list[list[Row]] = [[] for _ in self.allocs]
+        for r in list(self.running.values()):
+            n = min(self.stepper.chunk, len(r.out.tokens) - r.consumed)
+            alloc = self.allocs[r.group]
+            try:
+                reserve(alloc, r.seq, r.consumed + n, drafted)
+            except OutOfBlocks as e:
+                self._finish(r, "error", stop_reason(e, r.out, alloc.max_context))
+                continue
+            ids = r.out.tokens[r.consumed : r.consumed + n] + drafted.get(r.seq, [])
+            rows_by_group[r.group].append((r.seq, ids, r.consumed))
+        if not any(rows_by_group):
+            return
+        self.steps += 1
+        saved = SlotSnapshot.take(
+            self.stepper, {seq: self.allocs[self.running[seq].group].slot_of[seq] for seq in drafted}
+        )
+        histories = {
+            seq: r.out.tokens + drafted[seq] if seq in drafted else r.out.tokens for seq, r in self.running.items()
+        }
+        images = {seq: r.request.image for seq, r in self.running.items() if r.request.image is not None}
+        capture: Captured | None = None
+        if self.drafter is not None and self.drafter.capture_layers:
+            capture = dict.fromkeys(self.drafter.capture_layers)
+        start = time.perf_counter()
+        out = self.stepper.run(rows_by_group, self.allocs, histories, images, capture)
+        now = time.perf_counter()
+        self.events.stepped(now - start)
+        rejected = []
+        for rows, logits in zip(rows_by_group, out):
+            for b, (seq, ids, first) in enumerate(rows):
+                r = self.running[seq]
+                if not self._commit(r, logits[b, : len(ids)].float(), first, drafted.get(seq, []), capture, b, now):
+                    rejected.append(seq)
+        saved.restore(rejected)
+
+    def _commit(
+        self,
+        r: Running,
+        logits: Tensor,
+        start: int,
+        drafts: list[int],
+        capture: Captured | None,
+        row: int,
+        now: float,
+    ) -> bool:
+        """One sequence's row of a step: logits [len(ids), V] of its fed tokens (its unfed committed
+        ones, then its drafts) -> whether every draft was accepted (else the caller restores its slot's
+        state, and the accepted tokens are fed again next step)."""
+        out, alloc = r.out, self.allocs[r.group]
+        fed = len(logits) - len(drafts)  # committed tokens fed this step
+        caught_up = start + fed == len(out.tokens)
+        choice, a = verify(logits, fed, drafts, caught_up)
+        keep = fed + a  # rows whose input tokens are now committed
+        if drafts:
+            self.speculation.record(len(drafts), a)
+            self.events.drafts(len(drafts), a)
+        finite = torch.isfinite(logits[:keep]).all(-1)
+        if not bool(finite.all()):  # emitting argmax of NaN (token 0) would hide it
+            at = start + int((~finite).nonzero()[0, 0])
+            self._finish(r, "error", f"non-finite logits (NaN or infinity) at position {at}, step {self.steps}")
+            return True
+        self.events.prompt_tokens(max(0, min(start + fed, out.prompt_len) - start))
+        if r.request.keep_logits:  # refed positions are recorded once
+            out.logits.extend(logits[len(out.logits) - start : keep].clone())
+        if self.drafter is not None:  # every committed position's features, for later drafts
+            self.drafter.observe(alloc.slot_of[r.seq], capture or {}, row, start, keep)
+        accepted = a == len(drafts)
+        if accepted:
+            r.consumed = start + len(logits)
+        if caught_up:  # the accepted drafts, then the target's own token
+            last = logits[fed - 1 + a]
+            own = choice[fed - 1 + a] if drafts else sample(last, r.request.sampling, r.generator)
+            for token in drafts[:a] + [own]:
+                if self._emit(r, token, now):
+                    break
+        return accepted
+
+    def _emit(self, r: Running, token: int, now: float) -> bool:
+        """Append `token` to `r`'s output and tell its caller -> whether `r` finished."""
+        r.out.tokens.append(token)
+        self.events.token(r.request, now)
+        stop = r.request.on_token(token) if r.request.on_token is not None else False
+        if token == self.eos or stop:
+            self._finish(r, "stop")
+        elif len(r.out.generated) >= r.request.max_tokens:
+            self._finish(r, "length")
+        return r.out.finish_reason is not None
+
+    def _admit(self) -> None:
+        """Move waiting requests into the batch, first come first served, while a group has a free row,
+        a free slot and (reserve_whole) blocks for the whole request beyond what its running sequences
+        may still claim. A request that cannot start while nothing runs never will: it fails."""
+        with self.lock:
+            for r in [r for r in self.waiting if r.request.cancelled]:
+                self.waiting.remove(r)
+                self._finish(r, "cancelled")
+            while self.waiting:
+                r = self.waiting[0]
+                need = self._blocks_for(r) if self.reserve_whole else 0
+                g = self._group_for(need)
+                if g is None:
+                    if self.running:
+                        break
+                    self.waiting.popleft()
+                    self._finish(r, "error", self._never_fits(need))
+                    continue
+                self.waiting.popleft()
+                r.seq, self._next_seq = self._next_seq, self._next_seq + 1
+                self.allocs[g].admit(r.seq)
+                r.group, r.need_blocks = g, need
+                self.running[r.seq] = r
+
+    def _blocks_for(self, r: Running) -> int:
+        """KV blocks a request needs: its prompt and every generated token but the last."""
+        a = self.allocs[0]
+        return -(-(len(r.request.prompt) + r.request.max_tokens - 1) // a.block_size)
+
+    def _group_for(self, need: int) -> int | None:
+        """The least loaded token group that can take a request needing `need` blocks, or None."""
+        load = [0] * len(self.allocs)
+        claims = [0] * len(self.allocs)
+        for seq, r in self.running.items():
+            load[r.group] += 1
+            claims[r.group] += max(0, r.need_blocks - len(self.allocs[r.group].tables[seq]))
+        for g in sorted(range(len(self.allocs)), key=lambda i: load[i]):
+            a = self.allocs[g]
+            if load[g] < self.stepper.max_batch and a.free_slots and len(a.free_blocks) - claims[g] >= need:
+                return g
+        return None
+
+    def _never_fits(self, need: int) -> str:
+        a = self.allocs[0]
+        if not a.free_slots:
+            return NO_SLOT
+        return f"needs {need} KV blocks of {a.block_size} positions; the pool holds {len(a.free_blocks)}"
+
+    def _finish(self, r: Running, reason: str, error: str | None = None) -> None:
+        if r.out.finish_reason is not None:
+            return
+        r.out.finish_reason, r.out.error = reason, error
+        if r.seq in self.running:
+            self.allocs[r.group].release(r.seq)
+            del self.running[r.seq]
+        self.events.finished(r.request, reason)
+        if r.request.on_finish is not None:
+            r.request.on_finish(reason, error)
+
+    def _report(self) -> None:
+        blocks = sum(len(t) for a in self.allocs for t in a.tables.values())
+        self.events.load(len(self.running), len(self.waiting), blocks)
+
+
+class Completions(list):
+    """The completions of a batch, in prompt order, with what the run measured: `speculation` (the
+    verify steps' counts) and, for a bundle, `stats` (`runtime.executor.Stats`: time per region kind
+    and step); for runs over ranks started here, `sent` ({rank: {collective: bytes}}) and `seconds`
+    (the leader's {collective: seconds})."""
+
+    def __init__(self, items=(), *, speculation=None, stats=None, sent=None, seconds=None):
+        super().__init__(items)
+        self.speculation: SpeculationStats = speculation or SpeculationStats()
+        self.stats, self.sent, self.seconds = stats, sent or {}, seconds or {}
+
+
+def decode(
+    stepper: Stepper,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    *,
+    eos: int,
+    images: Sequence[ImageEmbeds | None] | None = None,
+    drafter: Drafter | None = None,
+    keep_logits: bool = True,
+) -> Completions:
+    """Batch generation (greedy): submit every prompt, then step until all have finished. A request
+    that cannot get blocks fails alone (its `error` is set); images[i]: prompt i's image positions
+    and their rows. With a `drafter`, speculative decoding: the same tokens."""
+    scheduler = Scheduler(stepper, eos=eos, drafter=drafter)
+    outs = [
+        scheduler.add(Request(list(p), max_new_tokens, image=images[i] if images else None, keep_logits=keep_logits))
+        for i, p in enumerate(prompts)
+    ]
+    while scheduler.busy:
+        scheduler.step()
+    return Completions(outs, speculation=scheduler.speculation)
+
+
+def decode_model(
+    model,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    *,
+    chunk: int | None = None,
+    images: Sequence[ImageEmbeds | None] | None = None,
+    drafter: Drafter | None = None,
+) -> Completions:
+    """`decode` for a model that makes its own stepper for a batch (`regions.reference.ReferenceModel`:
+    `model.stepper(prompts, max_new_tokens, chunk)`, its eos from `model.config`): how tools and tests
+    reach the reference."""
+    with torch.inference_mode():
+        steps = model.stepper(prompts, max_new_tokens, chunk)
+        return decode(steps, prompts, max_new_tokens, eos=model.config.eos_token_id, images=images, drafter=drafter)

@@ -322,7 +322,12 @@ class Manifest:
             regions=tuple(dataclasses.replace(e, digest=files[e.artifact]) for e in self.regions),
             weights={
                 r: tuple(
-                    dataclasses.replace(w, digest=files.get(w.path), shared_digest=files.get(w.shared)) for w in ws
+                    dataclasses.replace(
+                        w,
+                        digest=None if w.path is None else files.get(w.path),
+                        shared_digest=None if w.shared is None else files.get(w.shared),
+                    )
+                    for w in ws
                 )
                 for r, ws in self.weights.items()
             },
@@ -454,7 +459,7 @@ def check(m: Manifest) -> None:
     for name in ("block_size", "num_blocks", "slots", "max_blocks"):
         _need(getattr(kv, name) >= 1, ("kv", name), f"must be at least 1, got {getattr(kv, name)}")
     b = m.buckets
-    _need(b.max_context >= 1 and b.shapes, ("buckets",), "needs shapes and a positive max_context")
+    _need(b.max_context >= 1 and bool(b.shapes), ("buckets",), "needs shapes and a positive max_context")
     _need(
         not b.contexts
         or (list(b.contexts) == sorted(set(b.contexts)) and b.contexts[0] >= 1 and b.contexts[-1] == b.max_context),
@@ -471,6 +476,7 @@ def check(m: Manifest) -> None:
         _need(all(d >= 0 for d in pool.entry_shape), ("kv", "pools", name, "entry_shape"), "negative size")
     # executables: unique, inside the bundle, a known signature
     seen = set()
+    key: tuple[str | int, ...]
     for i, e in enumerate(m.regions):
         key = ("regions", i)
         _need(e.name not in seen, key, f"{e.name} is listed twice")
@@ -517,15 +523,15 @@ def check(m: Manifest) -> None:
     )
     for r, stacks in m.weights.items():
         for i, w in enumerate(stacks):
-            for key, path in (("path", w.path), ("shared", w.shared)):
+            for which, path in (("path", w.path), ("shared", w.shared)):
                 _need(
-                    path is None or is_inside(path), ("weights", r, i, key), f"path {path!r} is not inside the bundle"
+                    path is None or is_inside(path), ("weights", r, i, which), f"path {path!r} is not inside the bundle"
                 )
-            for name, t in w.tensors.items():
+            for name, spec in w.tensors.items():
                 _need(
-                    (w.path if t.file == "rank" else w.shared) is not None,
+                    (w.path if spec.file == "rank" else w.shared) is not None,
                     ("weights", r, i, "tensors", name),
-                    f"held in the {t.file} file, which the entry does not name",
+                    f"held in the {spec.file} file, which the entry does not name",
                 )
     for name, h in m.host.items():
         _need(is_inside(h.path), ("host", name, "path"), f"path {h.path!r} is not inside the bundle")
@@ -557,18 +563,16 @@ def check(m: Manifest) -> None:
     rows = {r: {w.kind: len(w.layers) for w in stacks} for r, stacks in m.weights.items()}
     for i, l in enumerate(m.layers):
         _need(l.layer == i, ("layers", i, "layer"), f"expected layer {i}, got {l.layer}")
-        for slot, b in l.regions.items():
-            _bound(b, ("layers", i, "regions", slot), kinds, rows)
+        for slot, binding in l.regions.items():
+            _bound(binding, ("layers", i, "regions", slot), kinds, rows)
         for state, ref in l.state.items():
             key = ("layers", i, "state", state)
-            _need(
-                len(ref) == 2 and isinstance(ref[0], str) and isinstance(ref[1], int),
-                key,
-                f"expected [pool name, row], got {list(ref)}",
-            )
-            pool = kv.pools.get(ref[0])
-            _need(pool is not None, key, f"unknown pool {ref[0]!r}")
-            _need(0 <= ref[1] < len(pool.layers), key, f"row {ref[1]} of pool {ref[0]!r} ({len(pool.layers)} rows)")
+            if not (len(ref) == 2 and isinstance(ref[0], str) and isinstance(ref[1], int)):
+                raise Problem(key, f"expected [pool name, row], got {list(ref)}")
+            held = kv.pools.get(ref[0])
+            if held is None:
+                raise Problem(key, f"unknown pool {ref[0]!r}")
+            _need(0 <= ref[1] < len(held.layers), key, f"row {ref[1]} of pool {ref[0]!r} ({len(held.layers)} rows)")
     _bound(m.head, ("head",), kinds, rows)
     if m.embed is not None:
         _bound(m.embed, ("embed",), kinds, rows)
@@ -584,6 +588,7 @@ def _check_draft(m: Manifest, kinds: set, rows: dict) -> None:
     and the head's projection have one executable per batch bucket, at the draft's step shape; the
     features pool holds one row per target layer it reads."""
     d, batches = m.draft, m.buckets.batch_sizes
+    assert d is not None, "check() calls this only for a manifest with a draft"
     _need(d.block >= 1 and d.window >= 1, ("draft",), f"block {d.block} and window {d.window} must be positive")
     for i, stage in enumerate(d.stages):
         for slot, b in stage.items():

@@ -20,6 +20,7 @@ import json
 import mmap
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -149,7 +150,7 @@ def pwrite(path: str, offset: int, data: np.ndarray) -> None:
     at most `WRITE_SLICE` bytes: a buffered write holds the file's inode lock for the whole
     call (dirty-page throttling included), so long calls make the other writers of that file
     queue; short ones also copy from a cache-sized span of the source."""
-    view = memoryview(np.ascontiguousarray(data)).cast("B")
+    view = memoryview(np.ascontiguousarray(data)).cast("B")  # type: ignore[arg-type]  # numpy stubs: __buffer__ only on 3.12+
     fd = os.open(path, os.O_WRONLY)
     try:
         while view:
@@ -173,7 +174,8 @@ def map_rows(t: TensorInfo, r0: int, r1: int) -> np.ndarray:
 def layout_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict) -> tuple[bytes, dict[str, int]]:
     """entries: (name, dtype, shape, nbytes) in file order ->
     (header bytes including the 8-byte length, {name: absolute data offset})."""
-    body, pos = {}, 0
+    body: dict[str, dict[str, Any]] = {}
+    pos = 0
     for name, dtype, shape, nbytes in entries:
         body[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
         pos += nbytes

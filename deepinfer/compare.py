@@ -24,6 +24,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -80,7 +81,8 @@ def load_dump(path: str | Path) -> Dump:
             meta = dict(f.metadata() or {})
     except (SafetensorError, OSError, ValueError) as e:
         raise CompareError(f"{path}: not a safetensors logit dump ({e})") from None
-    tokens, logits = [], []
+    tokens: list[list[int]] = []
+    logits: list[torch.Tensor] = []
     while True:
         suffix = "" if not tokens else f".{len(tokens)}"
         t, x = tensors.pop("tokens" + suffix, None), tensors.pop("logits" + suffix, None)
@@ -495,7 +497,7 @@ def report_floor(floor: Floor) -> dict:
 def report_json(c: Comparison, floor: Floor | None, v: Verdict | None, *, per_step: bool = False) -> dict:
     prompts = []
     for p in c.prompts:
-        d = {
+        d: dict[str, Any] = {
             "index": p.index,
             "rows_a": p.rows_a,
             "rows_b": p.rows_b,

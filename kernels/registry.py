@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch._library.custom_ops import CustomOpDef
 
 NAMESPACE = "deepinfer"
 
@@ -22,7 +23,7 @@ NAMESPACE = "deepinfer"
 @dataclass(frozen=True)
 class Kernel:
     name: str
-    op: Callable  # the custom op (callable; .default is the OpOverload)
+    op: CustomOpDef  # the custom op (callable; ._opoverload is its OpOverload)
     reference: Callable  # pure-torch implementation
     source: Path  # file holding the reference, for cache keys
 
@@ -34,7 +35,7 @@ class Kernel:
 KERNELS: dict[str, Kernel] = {}
 
 
-def register(reference: Callable) -> Callable:
+def register(reference: Callable) -> CustomOpDef:
     """Turn a pure-torch reference into the custom op `deepinfer::<name>`.
 
     The op's schema comes from the reference's type annotations. Returns the op.
@@ -42,7 +43,9 @@ def register(reference: Callable) -> Callable:
     name = reference.__name__.removesuffix("_ref")
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(reference)
     op.register_fake(reference)
-    KERNELS[name] = Kernel(name, op, reference, Path(inspect.getsourcefile(reference)))
+    source = inspect.getsourcefile(reference)
+    assert source is not None, f"kernel reference {reference.__qualname__} has no source file"
+    KERNELS[name] = Kernel(name, op, reference, Path(source))
     return op
 
 

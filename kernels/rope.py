@@ -20,7 +20,7 @@ def rope_frequencies(rope_dim: int, theta: float, scaling: dict | None) -> Tenso
     """float32 [rope_dim // 2] rotation frequencies, YaRN-adjusted when `scaling` is given."""
     freqs = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
     original = int(scaling.get("original_max_position_embeddings", 0)) if scaling else 0
-    if original > 0:
+    if scaling is not None and original > 0:
         factor = float(scaling.get("factor", 1.0))
         beta_fast = float(scaling.get("beta_fast", 32))
         beta_slow = float(scaling.get("beta_slow", 1))

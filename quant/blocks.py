@@ -23,8 +23,9 @@ def check_matrix(a: np.ndarray, what: str) -> np.ndarray:
     return a
 
 
-def grid(shape: tuple[int, int], br: int, bc: int) -> tuple[int, int]:
-    """Scale-grid shape of a [R, C] matrix: [ceil(R/br), ceil(C/bc)]."""
+def grid(shape: tuple[int, ...], br: int, bc: int) -> tuple[int, int]:
+    """Scale-grid shape of a [R, C] matrix: [ceil(R/br), ceil(C/bc)]. `shape` is any 2-D shape
+    (a numpy shape, a safetensors header's) as a tuple."""
     return -(-shape[0] // br), -(-shape[1] // bc)
 
 

@@ -138,7 +138,9 @@ def _out_codes(out: np.ndarray | None, codes: np.ndarray, what: str) -> np.ndarr
     return out
 
 
-def _check_inputs(codes, scales, sdtype, src, dst, what):
+def _check_inputs(
+    codes: np.ndarray, scales: np.ndarray, sdtype: type[np.generic], src, dst, what: str
+) -> tuple[np.ndarray, np.ndarray, Geometry]:
     codes = blocks.check_matrix(expect_dtype(codes, np.uint8, f"{what} codes"), f"{what} codes")
     scales = expect_dtype(scales, sdtype, f"{what} scales")
     g = Geometry(codes.shape, block_pair(src, f"{what} src_block"), block_pair(dst, f"{what} dst_block"))

@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,7 @@ __all__ = ["StreamRecipe", "StreamReport", "process_checkpoint", "run_task"]
 def _convert(task: Task) -> tuple[np.ndarray, np.ndarray]:
     """Rescale rows [lo, hi) of an fp8 weight -> (codes [rows, C], new scale rows)."""
     job, lo, hi = task.job, task.lo, task.hi
+    assert job is not None, "an fp8 task carries its job"
     w = map_rows(job.weight, lo, hi)  # [rows, C] uint8, read-only
     s = np.array(map_rows(job.scale, lo // job.src[0], -(-hi // job.src[0])))
     if job.scale.dtype == "F32":
@@ -53,6 +55,7 @@ def run_task(task: Task):
         pwrite(task.dst_path, task.dst_offset + task.lo, map_bytes(t.path, t.offset + task.lo, task.hi - task.lo))
         return None
     job = task.job
+    assert job is not None, "an fp8 task carries its job"
     try:
         codes, scales = _convert(task)
     except TensorFileError:
@@ -72,7 +75,8 @@ class _ScaleAssembler:
     """Collects each fp8 weight's scale rows; packs and writes the grid when complete."""
 
     def __init__(self, plan: Plan):
-        self.plan, self.pending = plan, {}
+        self.plan = plan
+        self.pending: dict[str, list[Any]] = {}  # weight name -> [scale grid [Mb, Kb] uint8, rows filled]
 
     def add(self, result) -> None:
         if result is None:

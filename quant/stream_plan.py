@@ -145,8 +145,9 @@ def _fp8_jobs(index: dict[str, TensorInfo], recipe: StreamRecipe) -> dict[str, F
         src = block_from_grid(w, scale, SCALE_DTYPES[scale.dtype])
         keep = recipe.dst_block is None or src[0] == 1
         dst = src if keep else block_pair(recipe.dst_block, "StreamRecipe.dst_block")
-        per_row = src[0] == 1 and recipe.row_scale_layout is not None
-        layout = recipe.row_scale_layout if per_row else recipe.scale_layout
+        layout = recipe.scale_layout
+        if src[0] == 1 and recipe.row_scale_layout is not None:  # per-row scales
+            layout = recipe.row_scale_layout
         jobs[name] = Fp8Job(w, scale, src, dst, cands[0], keep, layout)
     return jobs
 

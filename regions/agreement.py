@@ -21,7 +21,7 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 def tolerance(dtype: torch.dtype | str) -> float:
     """The tolerance of an activation dtype (a torch dtype or its name)."""
-    return TOLERANCE[DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype]
+    return TOLERANCE[DTYPE_NAMES[dtype] if isinstance(dtype, torch.dtype) else dtype]
 
 
 @dataclass

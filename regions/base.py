@@ -9,7 +9,9 @@ of a kind runs the same traced graph with its own weights bound.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +19,9 @@ from torch import nn
 from deepinfer.bundles.manifest import DECODE
 from deepinfer.kernels.formats import FP8_GEMM_FORMATS
 from deepinfer.regions.config import TextConfig
+
+if TYPE_CHECKING:
+    from deepinfer.regions.state import Geometry, InputSpec
 
 # checkpoint storage dtype name -> dtype the region holds it in. fp8 codes, fp4
 # pairs and ue8m0 scales travel as uint8 (no dtype bitcasts inside graphs).
@@ -91,6 +96,15 @@ class Region(nn.Module):
 
     kind: str = ""
     fp8_format: str = "e4m3fn"
+    # the compiled method: every kind defines it, each with its own inputs (`input_specs`)
+    decode: Callable[..., Any]
+
+    if TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> torch.Tensor:
+            """A region holds buffers only (its weights and `rank`), no submodules: what nn.Module's
+            attribute lookup finds on it is a tensor."""
+            ...
 
     def __init__(self, specs: list[WeightSpec], dtype: torch.dtype):
         super().__init__()
@@ -99,6 +113,10 @@ class Region(nn.Module):
         self.register_buffer("rank", torch.zeros((), dtype=torch.int64))
         for spec in specs:
             self.register_buffer(spec.name, torch.zeros(spec.buffer_shape, dtype=spec.dtype))
+
+    def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        """The inputs of `decode` for a [B, T] step; every kind defines its own."""
+        raise NotImplementedError(f"{type(self).__name__} does not define input_specs")
 
     def method_inputs(self, method: str, B: int, T: int, g) -> list:
         """The inputs of compiled method `method` for a [B, T] step: `input_specs` for `decode`, every
@@ -121,6 +139,7 @@ class Region(nn.Module):
             raise KeyError(f"{self.kind}: no tensor for buffer(s) {', '.join(missing)}")
         for name, t in tensors.items():
             own = self._buffers[name]
+            assert own is not None, f"{self.kind}.{name}: a region registers no empty buffers"
             if tuple(t.shape) != tuple(own.shape) or t.dtype != own.dtype:
                 raise ValueError(
                     f"{self.kind}.{name}: {tuple(t.shape)} {t.dtype}, the region holds {tuple(own.shape)} {own.dtype}"

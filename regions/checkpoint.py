@@ -63,7 +63,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.dir}: no {SINGLE_FILE} or {INDEX_FILE}")
         self.files = {name: self.dir / f for name, f in weight_map.items()}
         self._headers: dict[Path, dict[str, TensorInfo]] = {}
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, safe_open] = {}
         self._rescaled: tuple[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
@@ -215,6 +215,7 @@ def load_region(ckpt: Checkpoint, region: Region, prefix: str) -> None:
     for spec in region.specs:
         t = ckpt.load_spec(prefix, spec)
         own = region._buffers[spec.name]
+        assert own is not None, f"{region.kind}.{spec.name}: a region registers no empty buffers"
         if tuple(t.shape) != tuple(own.shape) or t.dtype != own.dtype:
             raise CheckpointError(
                 f"{ckpt.dir}: {prefix}{spec.key} reads as {list(t.shape)} {t.dtype}, "

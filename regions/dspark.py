@@ -23,6 +23,7 @@ head (`confidence_head.proj`).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -38,6 +39,9 @@ from deepinfer.regions.drafting import run_draft_stages
 from deepinfer.regions.moe import MoE
 from deepinfer.regions.state import Geometry, InputSpec
 from deepinfer.regions.step import Embedding
+
+if TYPE_CHECKING:
+    from deepinfer.regions.head import Head
 
 ops = torch.ops.deepinfer
 
@@ -183,12 +187,16 @@ def draft_specs(c: TextConfig) -> list[tuple[str, WeightSpec]]:
         ]
 
 
-def eager_invoke(stages: list[dict[str, Region]], head: Region | None):
+def eager_invoke(stages: list[dict[str, Region]], head: Head | None):
     """invoke(stage, slot, *inputs) over eager regions (`regions.drafting`): stage -1 is the target's
     `head`, whose `project` the draft's logits go through."""
 
     def invoke(stage: int, slot: str, *inputs):
-        out = head.project(*inputs) if slot == PROJECT else stages[stage][slot].decode(*inputs)
+        if slot == PROJECT:
+            assert head is not None, "a draft whose logits go through the target head is given the head"
+            out = head.project(*inputs)
+        else:
+            out = stages[stage][slot].decode(*inputs)
         return out if isinstance(out, tuple) else (out,)
 
     return invoke

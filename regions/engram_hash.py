@@ -45,7 +45,7 @@ class EngramHasher:
         self.token_map = None if token_map is None else np.asarray(token_map, dtype=np.int64)
         self.max_ngram = c.engram_max_ngram_size
         self.heads = c.engram_n_heads
-        self.pad = c.engram_pad_token_id if token_map is None else int(self.token_map[c.engram_pad_token_id])
+        self.pad = c.engram_pad_token_id if self.token_map is None else int(self.token_map[c.engram_pad_token_id])
         bound = max(1, (np.iinfo(np.int64).max // max(c.engram_compressed_vocab_size, 1)) // 2)
         seen: set[int] = set()
         self.primes, self.offsets, self.multipliers = [], [], []
@@ -90,7 +90,7 @@ class EngramHasher:
         ids = self.compress(np.asarray(ids, dtype=np.int64)[: start + count])
         pos = np.arange(start, start + count)
         blocked = np.zeros(count, dtype=bool)
-        tokens = []
+        columns = []
         for shift in range(self.max_ngram):
             src = pos - shift
             ok = src >= 0
@@ -98,8 +98,8 @@ class EngramHasher:
             blocked |= ~ok
             if masked is not None:
                 blocked |= np.asarray(masked, dtype=bool)[np.maximum(src, 0)] & ok
-            tokens.append(np.where(blocked, self.pad, tok))
-        tokens = np.stack(tokens, axis=-1)  # [count, max_ngram]
+            columns.append(np.where(blocked, self.pad, tok))
+        tokens = np.stack(columns, axis=-1)  # [count, max_ngram]
         out = []
         for primes, offsets, mult in zip(self.primes, self.offsets, self.multipliers):
             products = tokens * mult  # [count, max_ngram]

@@ -108,7 +108,8 @@ def _from_npy(path: Path) -> np.ndarray:
 
 def _from_pnm(data: bytes, path: Path) -> np.ndarray:
     """Binary PGM (P5) or PPM (P6): header tokens with # comments, one whitespace byte, raster."""
-    fields, i = [], 2
+    fields: list[int] = []
+    i = 2
     while len(fields) < 3:
         while i < len(data) and (data[i : i + 1].isspace() or data[i : i + 1] == b"#"):
             if data[i : i + 1] == b"#":
@@ -180,7 +181,10 @@ def _from_png(data: bytes, path: Path) -> np.ndarray:
         out[y] = _unfilter(rows[y, 0], rows[y, 1:], prior, channels, path)
         prior = out[y]
     pixels = out.reshape(height, width, channels)
-    return palette[pixels[:, :, 0]] if color == 3 else pixels
+    if color == 3:
+        assert palette is not None  # a palette image without its PLTE chunk was refused above
+        return palette[pixels[:, :, 0]]
+    return pixels
 
 
 def _unfilter(kind: int, line: np.ndarray, prior: np.ndarray, bpp: int, path: Path) -> np.ndarray:
@@ -243,7 +247,8 @@ def plan_grid(width: int, height: int, v: VisionConfig) -> ImageGrid:
         raise ImageError(f"image of {width} x {height} pixels: width and height must be positive")
     if v.max_image_tokens < 4:
         raise ImageError(f"vision_config.max_image_tokens {v.max_image_tokens}: an image needs at least 4")
-    w, h = width, height
+    w: float = width  # fitted size, fractional until rounded to the patch grid
+    h: float = height
     if v.max_wh_ratio is not None and width > height * v.max_wh_ratio:
         w = height * v.max_wh_ratio
     if w * h < v.min_pixels:  # scale small images up

@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from deepinfer.bundles.topology import Topology
-from deepinfer.regions.attention import ReindexAttention, ReuseAttention, SourceAttention, WindowAttention
+from deepinfer.regions.attention import ReindexAttention, ReuseAttention, SourceAttention, WindowAttention, _Attention
 from deepinfer.regions.base import Region, WeightSpec, engram_table_specs
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.engram import Engram
@@ -28,6 +28,7 @@ def make_attention(
 ) -> Region:
     """The layer's attention region, with the heads one tp rank computes."""
     a = attention_config(c, topo)
+    region: _Attention
     if p.attn == "window":
         region = WindowAttention(a, dtype=dtype, cache_quant=cache_quant)
     elif p.attn == "source":
@@ -48,7 +49,7 @@ def make_layer_regions(
     c: TextConfig, p: LayerPlan, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology()
 ) -> dict[str, Region]:
     """The regions of one layer (shaped for one rank of `topo`): optional `engram`, `attn`, `moe`."""
-    regions = {}
+    regions: dict[str, Region] = {}
     if p.engram_rows:
         regions["engram"] = Engram(c, dtype=dtype)
     regions["attn"] = make_attention(c, p, dtype, cache_quant, topo)

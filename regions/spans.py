@@ -82,4 +82,4 @@ def engram_masks(images: list[ImageEmbeds | None] | None, rows: list[int]) -> li
     """Per batch row, the prompt's image mask (numpy) for the engram hasher (None without images)."""
     if not images:
         return None
-    return [None if b >= len(images) or images[b] is None else images[b].mask.numpy() for b in rows]
+    return [None if b >= len(images) or (im := images[b]) is None else im.mask.numpy() for b in rows]

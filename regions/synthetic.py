@@ -144,7 +144,7 @@ def checkpoint_tensors(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     then the vision tower's (when the config has one): what a compile reads of a checkpoint."""
     model = parse_config(config)
     c = model.text
-    out = [("embed.weight", "BF16", (c.vocab_size, c.hidden_size))]
+    out: list[tuple[str, str, tuple[int, ...]]] = [("embed.weight", "BF16", (c.vocab_size, c.hidden_size))]
     for prefix, spec in checkpoint_specs(c):
         for e in range(spec.experts or 1):
             out.append((prefix + spec.key.format(e=e), spec.ckpt_dtype, spec.shape))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,7 +51,7 @@ def tiny_config(layers: int = MIN_LAYERS) -> dict:
     n2 = (layers - 2) // 2
     src2, src1 = 2, 2 + n2
     reindex = list(range(src1 + 1, layers))  # the same kinds at any depth
-    text = {
+    text: dict[str, Any] = {
         "model_type": "deepseek_v41_text",
         "vocab_size": 288,
         "hidden_size": 256,

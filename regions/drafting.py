@@ -65,7 +65,9 @@ class DSparkDrafter:
         first = max(start, start + keep - W)  # earlier positions would be overwritten at once
         rows = torch.arange(first, start + keep) % W
         for i, layer in enumerate(self.capture_layers):
-            h, pre = captured[layer]  # [B, T, n, D], [B, T, n]
+            streams = captured[layer]
+            assert streams is not None, f"the step did not capture layer {layer}"
+            h, pre = streams  # [B, T, n, D], [B, T, n]
             x = ops.hc_collapse(h[row, first - start : keep], pre[row, first - start : keep])
             self.features[i, slot].index_copy_(0, rows, x.to(self.features.dtype))
 

@@ -70,8 +70,8 @@ class TokenizersTokenizer(Tokenizer):
         self.bos, self.eos, self.pad = (self._id(k) for k in ("bos_token", "eos_token", "pad_token"))
         self.explicit = "add_bos_token" in config or "add_eos_token" in config
         self.add_bos, self.add_eos = bool(config.get("add_bos_token")), bool(config.get("add_eos_token"))
-        for flag, key in ((self.add_bos, "bos_token"), (self.add_eos, "eos_token")):
-            if flag and key not in self.special:
+        for wanted, key in ((self.add_bos, "bos_token"), (self.add_eos, "eos_token")):
+            if wanted and key not in self.special:
                 raise ConfigError(f"{where}: add_{key} is true but {key} is not set")
 
     def _id(self, key: str) -> int | None:
@@ -102,7 +102,9 @@ class TokenizersTokenizer(Tokenizer):
             return self.backend.encode(text, add_special_tokens=bos).ids
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if bos:
-            ids = ([self.bos] if self.add_bos else []) + ids + ([self.eos] if self.add_eos else [])
+            first = [self.bos] if self.add_bos and self.bos is not None else []  # set when add_bos (checked above)
+            last = [self.eos] if self.add_eos and self.eos is not None else []
+            ids = first + ids + last
         return ids
 
     def decode(self, ids: list[int]) -> str:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from deepinfer.errors import ConfigError
+from deepinfer.regions.attention import _Attention
 from deepinfer.regions.base import engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint, load_region
 from deepinfer.regions.config import CONFIG_FILE, V41Config, load_config
@@ -23,6 +24,7 @@ from deepinfer.regions.drafting import DSparkDrafter
 from deepinfer.regions.dspark import PREFIX, draft_regions, eager_invoke
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.engram_map import checked_token_map
+from deepinfer.regions.hf_tokenizer import TokenizersTokenizer
 from deepinfer.regions.plan import make_head, make_layer_regions
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.state import PAGED, allocate, state_layout
@@ -51,7 +53,7 @@ class ReferenceModel:
         c = self.config.text
         self.tokenizer = for_checkpoint(self.path, self.config)
         token_map = None  # engram's compressed token map, checked before any weight is read
-        if c.engram_layer_ids and self.tokenizer.kind == "tokenizers":
+        if c.engram_layer_ids and isinstance(self.tokenizer, TokenizersTokenizer):
             token_map = checked_token_map(
                 self.tokenizer.backend, c, self.path / TOKENIZER_FILE, self.path / CONFIG_FILE
             )
@@ -64,7 +66,9 @@ class ReferenceModel:
         for p in self.plans:
             with torch.device("meta"):  # shapes only: load_region gives each buffer its tensor
                 regions = make_layer_regions(c, p, self.dtype, cache_quant)
-            regions["attn"].ties = ties
+            attn = regions["attn"]
+            assert isinstance(attn, _Attention)
+            attn.ties = ties
             for region in regions.values():
                 load_region(ckpt, region, f"layers.{p.layer}.")
             self.layers.append(regions)
@@ -144,7 +148,7 @@ class EagerSteps:
             )
         )
         for p in model.plans:  # reuse / reindex layers read their source's pages
-            if p.attn in ("reuse", "reindex"):
+            if p.attn in ("reuse", "reindex") and p.kv_source is not None:
                 self.states[p.layer].update({k: self.states[p.kv_source][k] for k in ("ckv", "ikeys")})
 
     def slot_states(self) -> list[Tensor]:

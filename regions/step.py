@@ -85,6 +85,7 @@ def run_layers(
     for p in plans:
         st = states[p.layer]
         if p.engram_rows:
+            assert engram is not None and batch.hashes is not None, "an engram layer needs its tables and hashes"
             rows, rows_s = engram.rows(engram_index, batch.hashes[:, :, engram_index])
             (h,) = invoke(p.layer, "engram", h, rows, rows_s, token_mask)
             engram_index += 1
@@ -125,6 +126,7 @@ def embed_tokens(
     """
     e = weight[tokens].to(dtype)  # [B, T, D]
     if image_rows is not None:
+        assert is_image is not None, "image rows come with their positions"
         e = torch.where(is_image.unsqueeze(-1), image_rows.to(dtype), e)
     h = e.unsqueeze(2).expand(-1, -1, hc_mult, -1).contiguous()
     pre = torch.zeros(*tokens.shape, hc_mult, dtype=torch.float32)

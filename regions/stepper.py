@@ -138,9 +138,20 @@ class Stepper(Protocol):
     """A model the scheduler drives: the reference (`ReferenceModel.stepper`) or a loaded bundle
     (`runtime.executor.Steps`)."""
 
-    groups: int  # token groups: independent sets of sequences, each with its own allocator
-    max_batch: int  # sequences of one group in a step
-    chunk: int  # prompt tokens of one sequence in a step
+    @property
+    def groups(self) -> int:
+        """Token groups: independent sets of sequences, each with its own allocator."""
+        ...
+
+    @property
+    def max_batch(self) -> int:
+        """Sequences of one group in a step."""
+        ...
+
+    @property
+    def chunk(self) -> int:
+        """Prompt tokens of one sequence in a step."""
+        ...
 
     def allocator(self) -> Allocator: ...
 
@@ -170,8 +181,15 @@ DraftRequest = tuple[int, int, list[int], int]  # (sequence, its slot, its commi
 class Drafter(Protocol):
     """What proposes tokens for speculative decoding (`regions/drafting.py`, `regions/speculative.py`)."""
 
-    block: int  # tokens it drafts at most per step (the verify step is block + 1 tokens)
-    capture_layers: tuple[int, ...]  # the target layers whose attention inputs `observe` reads
+    @property
+    def block(self) -> int:
+        """Tokens it drafts at most per step (the verify step is block + 1 tokens)."""
+        ...
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """The target layers whose attention inputs `observe` reads."""
+        ...
 
     def draft(self, requests: list[DraftRequest]) -> dict[int, list[int]]:
         """Each request -> its drafted tokens."""

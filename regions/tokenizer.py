@@ -34,9 +34,9 @@ class Tokenizer:
     """The interface: `bos`, `eos`, `pad` ids and the methods below. `kind` is the manifest's name for it."""
 
     kind: str
-    bos: int
-    eos: int
-    pad: int
+    bos: int | None  # None: the tokenizer has no such token (a tokenizer_config.json may set none)
+    eos: int | None
+    pad: int | None
 
     def encode_text(self, text: str, bos: bool) -> list[int]:
         """`text` as ids; with `bos`, the special tokens the tokenizer adds around a text."""
@@ -73,6 +73,9 @@ class Tokenizer:
 
 class ByteTokenizer(Tokenizer):
     kind = "byte"
+    bos: int
+    eos: int
+    pad: int
 
     def __init__(self, bos: int = 0, eos: int = 1, pad: int = 2):
         self.bos, self.eos, self.pad = bos, eos, pad

@@ -8,7 +8,9 @@ ExportedPrograms in-process. Trn2 bundles need the Neuron runtime backend.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -41,6 +43,18 @@ LOADERS = {("cpu", "aoti"): AotiExecutable, ("cpu", "exported"): ExportedExecuta
 RUNNABLE = (*LOADERS, ("trn2", "neff"))
 
 
+class Placement(Protocol):
+    """Where a bundle's tensors live and its executables run (host memory, or a NeuronCore)."""
+
+    def resident(self, tensor: torch.Tensor, name: str) -> torch.Tensor: ...
+
+    def view(self, stack: torch.Tensor, index: int) -> torch.Tensor: ...
+
+    def load(self, entry: Executable, path: Path) -> Callable[[list], list]: ...
+
+    def close(self) -> None: ...
+
+
 class HostPlacement:
     """Where a cpu bundle's tensors live: host memory. Weight views are views of the
     memory-mapped stacks; executables write state in place and return only their outputs."""
@@ -70,7 +84,7 @@ def _neuron_placement(manifest: Manifest, bundle: Path, rank: int = 0):
 PLACEMENTS = {"cpu": HostPlacement, "trn2": _neuron_placement}
 
 
-def placement_for(manifest: Manifest, bundle: Path, rank: int = 0):
+def placement_for(manifest: Manifest, bundle: Path, rank: int = 0) -> Placement:
     """The placement that runs this bundle: host memory, or one NeuronCore per process on trn2."""
     return PLACEMENTS[manifest.target.name](manifest, bundle, rank)
 

@@ -26,7 +26,7 @@ import torch
 
 from deepinfer.errors import DeepinferError
 from deepinfer.regions.stepper import Drafter, Stepper
-from deepinfer.runtime.schedule import Events, Request, Scheduler
+from deepinfer.runtime.schedule import Completion, Events, Request, Scheduler
 
 # seconds: step times of a tiny CPU bundle (~ms) up to a release rank's prefill chunk (~s)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -219,9 +219,9 @@ class Engine:
                 too_long,
             )
 
-    def submit(self, request: Request) -> None:
-        """Queue `request` (after `check`); QueueFull when `max_queue` requests wait already beyond those
-        the batch's free rows take at the next step boundary."""
+    def submit(self, request: Request) -> Completion:
+        """Queue `request` (after `check`) -> its output, filled in as it runs; QueueFull when `max_queue`
+        requests wait already beyond those the batch's free rows take at the next step boundary."""
         self.check(len(request.prompt), request.max_tokens)
         with self._cond:
             if self._closing:
@@ -234,9 +234,10 @@ class Engine:
                     f"{self.max_queue}, {free} free rows in the batch); retry later"
                 )
             self.events.arrived[request] = time.perf_counter()
-            self.scheduler.add(request)
+            out = self.scheduler.add(request)
             self.metrics.queue_depth.set(waiting + 1)
             self._cond.notify()
+        return out
 
     def cancel(self, request: Request) -> None:
         """Drop `request` at the next step boundary (its slot and blocks freed); a finished one is left alone."""

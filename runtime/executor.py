@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -33,10 +34,13 @@ from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, run_layers
 from deepinfer.regions.stepper import Allocator, Captured, Drafter, Row, bucket_at_least, make_batch, table_width
-from deepinfer.runtime.backends import placement_for
+from deepinfer.runtime.backends import Placement, placement_for
 from deepinfer.runtime.bundle import Bundle, open_bundle, require_draft, stack_tensors
 from deepinfer.runtime.options import RunOptions
 from deepinfer.runtime.schedule import Completions, decode
+
+if TYPE_CHECKING:  # runtime.ranks loads executors: only the type here
+    from deepinfer.runtime.ranks import Comm
 
 # on_call(layer, slot, kind, inputs, run) -> outputs, where run() calls the executable (deepinfer/diff.py)
 OnCall = Callable[[int, str, str, tuple, Callable[[], list]], list]
@@ -110,11 +114,11 @@ class Executor:
 
     bundle: Bundle
     rank: int
-    comm: object | None  # runtime.ranks.Comm when the bundle has several ranks
+    comm: Comm | None  # the ranks' collectives when the bundle has several
     sizes: Sizes
     plans: tuple[LayerPlan, ...]
     host: HostTables
-    placement: object  # runtime.backends: where executables run and tensors live
+    placement: Placement  # where executables run and tensors live
     executables: Mapping[tuple, Callable]  # (kind, method, batch, tokens, table width or None) -> executable
     context_kinds: frozenset[str]  # kinds built per context bucket
     bound: Mapping[tuple[int, str], Binding]  # (layer, slot) -> binding; the head is (-1, "head")
@@ -149,9 +153,11 @@ class Executor:
 
     def follow(self, stats: Stats) -> None:
         """Follower ranks: run the steps the leader sends until it sends None (no sampling)."""
+        comm = self.comm
+        assert comm is not None, "a follower is one of several ranks"
         with torch.inference_mode():
-            while (batches := self.comm.step()) is not None:
-                self.comm.gather_logits(self.forward(batches[self.comm.group], stats))
+            while (batches := comm.step()) is not None:
+                comm.gather_logits(self.forward(batches[comm.group], stats))
 
     def forward(
         self, batch: Batch, stats: Stats, *, on_call: OnCall | None = None, capture: Captured | None = None
@@ -228,7 +234,7 @@ class Executor:
             self.states[entry.layer][state]
             for entry in self.manifest.layers
             for state, (pool, _) in entry.state.items()
-            if pools[pool].dim == "slots"
+            if pools[str(pool)].dim == "slots"  # [pool name, row], checked when the manifest was read
         ]
 
 
@@ -291,11 +297,11 @@ class Steps:
             )
             for rows, alloc in zip(rows_by_group, allocs)
         ]
-        if x.comm is None:
+        comm = x.comm
+        if comm is None:
             return [x.forward(batches[0], self.stats, on_call=self.on_call, capture=capture)]
-        x.comm.step(batches)
-        local = x.forward(batches[x.comm.group], self.stats, on_call=self.on_call, capture=capture)
-        return x.comm.gather_logits(local)
+        comm.step(batches)
+        return comm.gather_logits(x.forward(batches[comm.group], self.stats, on_call=self.on_call, capture=capture))
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -395,8 +401,8 @@ def _host_tables(bundle: Bundle, plans: tuple[LayerPlan, ...]) -> HostTables:
         embed = Embedding(load_mmap(bundle.path / entry.path)[entry.tensor], text.hc_mult, DTYPES[m.model.dtype])
     hasher = None
     if text.engram_layer_ids:  # the compressed token map the bundle carries (none: the identity, byte-level)
-        entry = m.host.get("engram_token_map")
-        token_map = None if entry is None else load_mmap(bundle.path / entry.path)[entry.tensor].numpy()
+        mapped = m.host.get("engram_token_map")
+        token_map = None if mapped is None else load_mmap(bundle.path / mapped.path)[mapped.tensor].numpy()
         hasher = EngramHasher(text, token_map)
     engram = None
     if any(p.engram_rows for p in plans):  # the manifest then names the host file
@@ -405,7 +411,7 @@ def _host_tables(bundle: Bundle, plans: tuple[LayerPlan, ...]) -> HostTables:
     return HostTables(embed, hasher, engram)
 
 
-def _load_executables(bundle: Bundle, placement) -> tuple[dict, frozenset[str]]:
+def _load_executables(bundle: Bundle, placement: Placement) -> tuple[dict, frozenset[str]]:
     """(kind, method, batch, tokens, block-table width or None for kinds that do not read one) ->
     executable; and the kinds built per context bucket."""
     executables, context_kinds = {}, set()
@@ -419,7 +425,7 @@ def _load_executables(bundle: Bundle, placement) -> tuple[dict, frozenset[str]]:
     return executables, frozenset(context_kinds)
 
 
-def _bind_weights(bundle: Bundle, placement, rank: int) -> tuple[dict, dict]:
+def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict, dict]:
     """(layer, slot) -> (kind, weight views in the executable's input order); the same for the
     draft's (stage, slot)."""
     m = bundle.manifest
@@ -471,7 +477,7 @@ def _check_pool_memory(bundle: Bundle, shapes: dict, sizes: Sizes) -> None:
         )
 
 
-def _allocate_pools(m: mf.Manifest, placement, shapes: dict) -> tuple[dict, dict]:
+def _allocate_pools(m: mf.Manifest, placement: Placement, shapes: dict) -> tuple[dict, dict]:
     pools = {
         name: placement.resident(torch.zeros(shape, dtype=dtype), f"pool.{name}")
         for name, (shape, dtype) in shapes.items()
@@ -479,7 +485,7 @@ def _allocate_pools(m: mf.Manifest, placement, shapes: dict) -> tuple[dict, dict
     states: dict[int, dict[str, Tensor]] = defaultdict(dict)
     for entry in m.layers:
         for state, (pool, index) in entry.state.items():
-            states[entry.layer][state] = placement.view(pools[pool], index)
+            states[entry.layer][state] = placement.view(pools[str(pool)], int(index))  # [pool name, row]
     return pools, states
 
 
@@ -501,12 +507,12 @@ def generate_loaded(
     stats = Stats()
     try:
         with torch.inference_mode():
+            if (drafter is not None or options.speculative) and executor.comm is not None:
+                raise mf.BundleError(
+                    f"{executor.path}: speculative decoding runs on single-rank bundles only (its rollback "
+                    "restores the leader's per-slot state)"
+                )
             if drafter is None and options.speculative:
-                if executor.comm is not None:
-                    raise mf.BundleError(
-                        f"{executor.path}: speculative decoding runs on single-rank bundles only (its rollback "
-                        "restores the leader's per-slot state)"
-                    )
                 drafter = executor.dspark(stats)
             outs = decode(
                 executor.steps(stats, on_call),

@@ -108,7 +108,8 @@ class DeviceTensor:
     """An nrt_tensor_t* on one NeuronCore: an allocation, or a slice (view) of another DeviceTensor."""
 
     def __init__(self, core: NeuronCore, handle: int, nbytes: int, name: str, parent: DeviceTensor | None = None):
-        self.core, self.handle, self.nbytes, self.name, self.parent = core, handle, nbytes, name, parent
+        self.core, self.nbytes, self.name, self.parent = core, nbytes, name, parent
+        self.handle: int | None = handle  # None once freed
         self.slices: list[DeviceTensor] = []
         core._tensors.append(self)
         if parent is not None:
@@ -189,7 +190,8 @@ class NeuronModel:
     """A NEFF loaded on one NeuronCore, with the input and output tensors libnrt reports for it."""
 
     def __init__(self, core: NeuronCore, handle: int, info: list[TensorInfo], path: Path):
-        self.core, self.handle, self.path = core, handle, path
+        self.core, self.path = core, path
+        self.handle: int | None = handle  # None once unloaded
         self.inputs = [i for i in info if i.usage == "input"]
         self.outputs = [i for i in info if i.usage == "output"]
         core._models.append(self)
@@ -210,6 +212,9 @@ class NeuronModel:
 
     def execute(self, inputs: Sequence[DeviceTensor], outputs: Sequence[DeviceTensor]) -> None:
         """Run once; `inputs` and `outputs` follow the order of `self.inputs` and `self.outputs`."""
+        if self.handle is None:
+            raise NeuronArgumentError(f"{self.path}: the model was unloaded")
+        handle = self.handle
         self._bind_check("input", self.inputs, inputs)
         self._bind_check("output", self.outputs, outputs)
         lib = self.core.lib
@@ -219,7 +224,7 @@ class NeuronModel:
                 sets.append(lib.tensor_set())
                 for info, t in zip(infos, tensors):
                     lib.add_to_set(sets[-1], info.name, t._live())
-            lib.execute(self.handle, sets[0], sets[1], detail=str(self.path))
+            lib.execute(handle, sets[0], sets[1], detail=str(self.path))
         finally:
             for s in sets:
                 lib.destroy_set(s)

@@ -289,7 +289,7 @@ class Libnrt:
                 "Neuron SDK release that installed this runtime",
                 self.status_text(e.status),
             ) from None
-        return model.value
+        return _handle(model, "nrt_load")
 
     def unload(self, model: int) -> None:
         self._call("nrt_unload", model)
@@ -321,7 +321,7 @@ class Libnrt:
             ctypes.byref(t),
             detail=f"tensor {name!r}, {size} bytes",
         )
-        return t.value
+        return _handle(t, "nrt_tensor_allocate")
 
     def allocate_slice(self, source: int, offset: int, size: int, name: str | None) -> int:
         t = ctypes.c_void_p()
@@ -334,7 +334,7 @@ class Libnrt:
             ctypes.byref(t),
             detail=f"slice {name!r}, bytes [{offset}, {offset + size})",
         )
-        return t.value
+        return _handle(t, "nrt_tensor_allocate_slice")
 
     def free(self, tensor: int) -> None:
         self.dll.nrt_tensor_free(ctypes.byref(ctypes.c_void_p(tensor)))
@@ -353,13 +353,20 @@ class Libnrt:
     def tensor_set(self) -> int:
         s = ctypes.c_void_p()
         self._call("nrt_allocate_tensor_set", ctypes.byref(s))
-        return s.value
+        return _handle(s, "nrt_allocate_tensor_set")
 
     def add_to_set(self, tensor_set: int, name: str, tensor: int) -> None:
         self._call("nrt_add_tensor_to_tensor_set", tensor_set, name.encode(), tensor, detail=f"tensor {name!r}")
 
     def destroy_set(self, tensor_set: int) -> None:
         self.dll.nrt_destroy_tensor_set(ctypes.byref(ctypes.c_void_p(tensor_set)))
+
+
+def _handle(out: ctypes.c_void_p, fn: str) -> int:
+    """The handle a libnrt call wrote on success; a NULL one is the runtime's fault, named."""
+    if out.value is None:
+        raise NeuronRuntimeError(fn, 0, "returned success and a NULL handle", "")
+    return out.value
 
 
 def _info(e: NrtTensorInfo) -> TensorInfo:

@@ -196,6 +196,7 @@ def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, opt
     try:
         executor = _load_rank(rank, world, rendezvous, bundle, options.load_options())
         comm = executor.comm
+        assert comm is not None  # _load_rank gives every rank its Comm
         if comm.leader:
             outs = generate_loaded(executor, prompts, options)
             for out in outs:  # numpy: tensors would travel as shared memory of an exiting process
@@ -252,7 +253,9 @@ class Leader:
 
     def close(self) -> None:
         try:
-            self.executor.comm.step(None)
+            comm = self.executor.comm
+            assert comm is not None  # _load_rank gives every rank its Comm
+            comm.step(None)
         finally:
             self._stop()
 

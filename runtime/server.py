@@ -224,7 +224,7 @@ class Served:
     def start(self, p: Params) -> tuple[Request, Completion, asyncio.Queue]:
         """Submit a request -> (it, its output as it grows, its events' queue): ("text", delta) ... then
         ("done", reason, error)."""
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        loop, events = asyncio.get_running_loop(), asyncio.Queue[tuple]()
         text = TextStream(self.tokenizer.decode, p.stops)
 
         def put(item):
@@ -258,7 +258,10 @@ def _field(body: dict, name: str, kind: type, default):
     if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
         expected = {bool: "a boolean", int: "an integer", float: "a number"}[kind]
         raise BadRequest(f"{name} is {value!r}; expected {expected}", name)
-    return float(value) if kind is float else value
+    if kind is float:
+        assert isinstance(value, (int, float))  # accepted above
+        return float(value)
+    return value
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -542,7 +545,14 @@ class ServerProcess:
             env={**os.environ, **(env or {})},
         )
         lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stdout], daemon=True).start()
+        stdout = self.proc.stdout
+        assert stdout is not None  # stdout=PIPE
+
+        def read() -> None:
+            for line in stdout:
+                lines.put(line)
+
+        threading.Thread(target=read, daemon=True).start()
         try:
             first = lines.get(timeout=start_timeout_s)
         except queue.Empty:
@@ -551,7 +561,7 @@ class ServerProcess:
         found = re.search(r" on (http://127\.0\.0\.1:\d+) ", first)
         if not found:
             self.stop()
-            raise RuntimeError(f"deepinfer-serve: {first!r} {self.proc.stderr.read()}")
+            raise RuntimeError(f"deepinfer-serve: {first!r} {self.proc.stderr.read() if self.proc.stderr else ''}")
         self.url = found.group(1)
 
     @property

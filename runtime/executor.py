@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
@@ -376,7 +377,7 @@ def _load(bundle: Bundle, rank: int, comm, num_kv_blocks: int | None) -> Executo
     except BaseException:
         placement.close()  # a refused load must not keep the device
         raise
-    return Executor(
+    return Executor(  # read-only views: bindings are made here once
         bundle=bundle,
         rank=rank,
         comm=comm,
@@ -384,12 +385,12 @@ def _load(bundle: Bundle, rank: int, comm, num_kv_blocks: int | None) -> Executo
         plans=plans,
         host=host,
         placement=placement,
-        executables=executables,
+        executables=MappingProxyType(executables),
         context_kinds=context_kinds,
-        bound=bound,
-        draft_bound=draft_bound,
-        pools=pools,
-        states=states,
+        bound=MappingProxyType(bound),
+        draft_bound=MappingProxyType(draft_bound),
+        pools=MappingProxyType(pools),
+        states=MappingProxyType({layer: MappingProxyType(views) for layer, views in states.items()}),
     )
 
 

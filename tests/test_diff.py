@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -100,8 +101,9 @@ def test_state_write_is_checked(exported_bundle):
     """An executable that writes its window state wrongly (outputs right) is found by its state."""
     session = load(exported_bundle, verify=False)
     kind = "attn_window"
-    win = [s.name for s in session.signatures[kind]].index("win")
-    for key, exe in list(session.executables.items()):
+    win = [s.name for s in next(e.inputs for e in session.manifest.regions if e.kind == kind)].index("win")
+    executables = dict(session.executables)
+    for key, exe in session.executables.items():
         if key[0] == kind:
 
             def wrong(args, exe=exe):
@@ -109,7 +111,8 @@ def test_state_write_is_checked(exported_bundle):
                 args[win].add_(0.5)  # the pool view, after the executable wrote it
                 return out
 
-            session.executables[key] = wrong
+            executables[key] = wrong
+    session = dataclasses.replace(session, executables=executables)
     report = diff_session(session, PROMPTS, max_new_tokens=1)
     worst = report.kinds()[0]
     assert (worst.kind, worst.output) == (kind, "win (state)")

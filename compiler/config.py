@@ -4,7 +4,7 @@
     [target]    name, executable, options
     [buckets]   batch, tokens, max_context, context
     [kv]        block_size, num_blocks
-    [parallel]  tp, ep, cp
+    [parallel]  tp, ep, cp (bundles/topology.Topology itself: one spelling of the rank layout)
     [quant]     recipe
     [host]      embedding
     [cache]     dir
@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deepinfer.bundles.topology import Topology
 from deepinfer.errors import ConfigError
 from deepinfer.schema import Problem, Rules, build
 
@@ -77,13 +78,6 @@ class KVSection:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelSection:
-    tp: int = 1
-    ep: int = 1
-    cp: int = 1
-
-
-@dataclass(frozen=True, kw_only=True)
 class QuantSection:
     recipe: str = "target"  # the target's own (cpu: release, trn2: e4m3); compiler/weights.RECIPES
 
@@ -117,7 +111,7 @@ class CompileConfig:
     target: TargetSection
     buckets: BucketSection
     kv: KVSection
-    parallel: ParallelSection
+    parallel: Topology
     quant: QuantSection
     host: HostSection
     cache: CacheSection
@@ -130,7 +124,7 @@ SECTIONS = {
     "target": TargetSection,
     "buckets": BucketSection,
     "kv": KVSection,
-    "parallel": ParallelSection,
+    "parallel": Topology,
     "quant": QuantSection,
     "host": HostSection,
     "cache": CacheSection,

@@ -164,8 +164,7 @@ def parse(config: CompileConfig, hlo_only: bool, log) -> Spec:
             "text_config.num_nextn_predict_layers is 0: no mtp.* tensors); drop the key or "
             "use a checkpoint with a draft",
         )
-    p = config.parallel
-    topo = Topology(tp=p.tp, ep=p.ep, cp=p.cp)
+    topo = config.parallel
     bad = topology.check(topo, model.text)
     if bad:
         raise config_error(config, "parallel", bad[0], bad[1])

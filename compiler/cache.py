@@ -134,9 +134,9 @@ class Cache:
         self.root = self.dir / f"v{CACHE_VERSION}"
         self.log = log
         self.sign, self.trust = sign, trust
-        # "compiled": executables compiled by this process; "lowered": HLO modules lowered and checked
-        # for an HLO-stage bundle (whose traces are never fetched: --hlo-only lowers every region)
-        self.stats = {"hit": [], "miss": [], "corrupt": [], "stored": [], "compiled": [], "lowered": []}
+        # what this process asked of the cache: (kind, identity or key) of each hit, miss, corrupt
+        # entry removed and entry stored (what a compile built is its own report: compile_bundle's)
+        self.stats: dict[str, list[tuple[str, str]]] = {"hit": [], "miss": [], "corrupt": [], "stored": []}
         self.read_only = False
 
     def _cannot_write(self, e: OSError) -> None:

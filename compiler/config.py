@@ -70,6 +70,11 @@ class BucketSection:
         """Every (batch, tokens) step shape an executable is compiled for."""
         return [(b, t) for b in self.batch for t in self.tokens]
 
+    @property
+    def contexts(self) -> tuple[int, ...]:
+        """The context buckets: `context`, or [max_context] where model.toml leaves it out."""
+        return (self.max_context,) if self.context is None else self.context
+
 
 @dataclass(frozen=True, kw_only=True)
 class KVSection:
@@ -208,7 +213,7 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
         f"must be positive and at least the largest tokens bucket ({max(b.tokens)})",
     )
     need(kv.block_size > 0, "kv", "block_size", "must be positive")
-    ctx = list(b.context)
+    ctx = list(b.contexts)
     need(
         ctx
         and ctx == sorted(set(ctx))

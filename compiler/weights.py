@@ -28,6 +28,7 @@ the bytes). Every source tensor is checked here, dtype and shape, naming its fil
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,9 +45,11 @@ from deepinfer.quant.formats import FP8_E4M3, FP8_E4M3FN
 from deepinfer.quant.rescale import convert_format
 from deepinfer.regions.base import WeightSpec, engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint, release_block
+from deepinfer.regions.config import V41Config
 
-if TYPE_CHECKING:  # types only: the weights' cache key must not see the region classes
+if TYPE_CHECKING:  # types only: the weights' cache key must not see the region classes or the targets
     from deepinfer.compiler.plan import KindPlan, RegionPlan
+    from deepinfer.compiler.spec import Spec
 
 SAFETENSORS_DTYPES = {
     "uint8": "U8",
@@ -59,6 +62,7 @@ SAFETENSORS_DTYPES = {
     "bool": "BOOL",
 }
 SHARED = "shared"
+Wanted = Callable[[str], bool]  # whether a bundle file (relative path) must be written: a cached one is fetched
 FORMATS = {"F8_E4M3": "e4m3fn", "F8_E8M0": "ue8m0-u8-row-major", "I8": "e2m1-x2-u8", "BF16": "bf16", "F32": "f32"}
 
 
@@ -135,7 +139,9 @@ def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
     return math.prod(shape[1:]) * itemsize if len(shape) > 1 else itemsize
 
 
-def _pieces(ckpt: Checkpoint, kp, spec: WeightSpec, full: WeightSpec, cut: shard.Cut, recipe: Recipe) -> list[Piece]:
+def _pieces(
+    ckpt: Checkpoint, kp: KindPlan, spec: WeightSpec, full: WeightSpec, cut: shard.Cut, recipe: Recipe
+) -> list[Piece]:
     """Where each layer's part of weight `spec` comes from, as pieces of its stack [layers, ...]."""
     if cut.zero:
         return []
@@ -158,7 +164,7 @@ def _pieces(ckpt: Checkpoint, kp, spec: WeightSpec, full: WeightSpec, cut: shard
 
 
 def stack_files(
-    spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path, wanted=None
+    spec: Spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path, wanted: Wanted | None = None
 ) -> tuple[list[OutFile], dict[str, list[WeightStack]]]:
     """The output files of every rank's stacks, and each rank's manifest entries.
 
@@ -206,7 +212,7 @@ def stack_files(
     return list(files.values()), entries
 
 
-def host_entries(model, *, device_embedding: bool) -> dict[str, HostFile]:
+def host_entries(model: V41Config, *, device_embedding: bool) -> dict[str, HostFile]:
     """The manifest's host-resident tensors of V41Config `model`: the token embedding (unless it is
     a device region's weight), the engram tables (with engram layers), the vision tower (with one)."""
     out = {}
@@ -219,11 +225,11 @@ def host_entries(model, *, device_embedding: bool) -> dict[str, HostFile]:
     return out
 
 
-def _embed_spec(model) -> WeightSpec:
+def _embed_spec(model: V41Config) -> WeightSpec:
     return WeightSpec("embed", "embed.weight", (model.text.vocab_size, model.text.hidden_size), "BF16")
 
 
-def _vision_specs(model) -> list[WeightSpec]:
+def _vision_specs(model: V41Config) -> list[WeightSpec]:
     if model.vision.num_hidden_layers == 0:
         return []
     from deepinfer.regions.vision import vision_specs
@@ -234,7 +240,7 @@ def _vision_specs(model) -> list[WeightSpec]:
     ]
 
 
-def host_bytes(model, *, device_embedding: bool) -> dict[str, int]:
+def host_bytes(model: V41Config, *, device_embedding: bool) -> dict[str, int]:
     """Bytes of each host file's tensors (V41Config `model`): host memory of the machine that runs
     the bundle, mapped once by every rank it runs there, never a device weight."""
     specs = {"embed": [_embed_spec(model)], "engram": engram_table_specs(model.text), "vision": _vision_specs(model)}
@@ -254,7 +260,13 @@ def _whole(src: TensorInfo | Derived, name: str, spec: WeightSpec) -> OutTensor:
 
 
 def host_files(
-    model, ckpt: Checkpoint, staging: Path, recipe: Recipe, wanted=None, *, device_embedding: bool
+    model: V41Config,
+    ckpt: Checkpoint,
+    staging: Path,
+    recipe: Recipe,
+    wanted: Wanted | None = None,
+    *,
+    device_embedding: bool,
 ) -> list[OutFile]:
     """The token embedding (unless on the device), the engram tables (fp8 stored as the recipe
     says, like every fp8 weight) and the vision tower as checkpointed (V41Config `model`)."""
@@ -273,7 +285,7 @@ def host_files(
     return out
 
 
-def host_sources(model, ckpt: Checkpoint) -> list[str]:
+def host_sources(model: V41Config, ckpt: Checkpoint) -> list[str]:
     """The checkpoint tensors the engram host file is built from."""
     return [n for s in engram_table_specs(model.text) for n in ckpt.sources(s, s.key)]
 

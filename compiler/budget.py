@@ -191,7 +191,7 @@ class Breakdown:
 
     def lines(self) -> list[str]:
         w, p = sum(self.weights.values()), sum(self.pools.values())
-        big = max(self.pools, key=self.pools.get) if self.pools else None
+        big = max(self.pools, key=lambda name: self.pools[name]) if self.pools else None
         out = [
             f"  weights      {human(w):>15}  ({len(self.weights)} region kinds)",
             f"  state pools  {human(p):>15}  ({len(self.pools)} pools"
@@ -240,6 +240,7 @@ def breakdown(spec: Spec, plan: RegionPlan, executables: Sequence[Graph] = (), f
     """What is known of a compile's needs per rank so far: weights and pools once planned,
     scratch once traced (`executables`), executables once compiled (their `files`)."""
     mem = spec.config.memory
+    limit: int | None
     if mem.limit_gib is not None:
         limit, source = int(mem.limit_gib * GiB), "[memory] limit_gib"
     else:

@@ -372,9 +372,10 @@ class Cache:
                 total -= sizes[e.key]
                 removed.append(e)
                 self.remove(e.path)
-        for memo in (self.root / "files").glob("*.json") if max_age is not None else []:
-            if now - memo.stat().st_mtime > max_age:  # tensor digests of files not seen lately
-                memo.unlink(missing_ok=True)
+        if max_age is not None:
+            for memo in (self.root / "files").glob("*.json"):
+                if now - memo.stat().st_mtime > max_age:  # tensor digests of files not seen lately
+                    memo.unlink(missing_ok=True)
         for t in (self.root / "tmp").glob("*") if (self.root / "tmp").exists() else []:
             if now - t.stat().st_mtime > 3600:  # an interrupted write from over an hour ago
                 shutil.rmtree(t, ignore_errors=True)

@@ -193,10 +193,10 @@ def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
                 h.update(block)
                 left -= len(block)
             out[t.name] = h.hexdigest()
-    if memo_file:
+    if memo_file is not None:
         tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}")
         try:
-            memo.mkdir(parents=True, exist_ok=True)
+            memo_file.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(out))
             os.replace(tmp, memo_file)
         except OSError:  # a cache that cannot be written: hash again next time

@@ -315,7 +315,7 @@ def load_compile_config(path: str | Path) -> CompileConfig:
         try:
             sections[name] = build(cls, value, key=(name,), rules=rules)
         except Problem as p:
-            raise where.error(p.key[0], p.key[1] if len(p.key) > 1 else None, p.message) from None
+            raise where.error(str(p.key[0]), str(p.key[1]) if len(p.key) > 1 else None, p.message) from None
     b = sections["buckets"]
     if b.context is None:
         sections["buckets"] = dataclasses.replace(b, context=(b.max_context,))

@@ -26,10 +26,11 @@ import os
 import shutil
 import sys
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import deepinfer
 from deepinfer.bundles import layout
@@ -51,6 +52,7 @@ from deepinfer.compiler.tokenizer import bundle_tokenizer, tokenizer_digests
 from deepinfer.compiler.weights import Wanted, host_entries, host_files, stack_files
 from deepinfer.errors import ConfigError, DeepinferError
 from deepinfer.regions.checkpoint import Checkpoint
+from deepinfer.schema import Rules, coerce
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -176,7 +178,7 @@ def write_manifest(
     layers = tuple(
         mf.Layer(
             layer=p.layer,
-            attn=p.attn,
+            attn=_checked(mf.Layer, "attn", p.attn),
             ratio=p.ratio,
             kv_source=p.kv_source,
             candidate_source=p.candidate_source,
@@ -193,13 +195,13 @@ def write_manifest(
         format_version=mf.FORMAT_VERSION,
         deepinfer_version=deepinfer.__version__,
         toolchain=spec.target.toolchain(),
-        target=mf.Target(name=c.target.name, executable=c.target.executable, options=c.target.options),
+        target=mf.Target(name=c.target.name, executable=spec.target.executable, options=c.target.options),
         stage="hlo" if spec.hlo_only else "executable",
         topology=mf.Ranks.of(spec.topology, spec.target.lnc),
         model=mf.Model(
             config=spec.model.to_dict(),
             config_hash=spec.model.digest(),
-            dtype=c.model.dtype,
+            dtype=_checked(mf.Model, "dtype", c.model.dtype),
             cache_quant=c.model.cache_quant,
             weight_format="e4m3fn",
             scale_layout="ue8m0-u8-row-major",
@@ -235,12 +237,19 @@ def write_manifest(
     return manifest
 
 
+def _checked(part: type, name: str, value: object) -> Any:
+    """`value` checked against the annotation of field `name` of manifest part `part` (one of its
+    literals, where the compiler holds a str), as a reader of the manifest would check it."""
+    return coerce(value, typing.get_type_hints(part)[name], (name,), Rules())
+
+
 def _draft_entry(spec: Spec, plan: RegionPlan) -> mf.Draft | None:
-    if not plan.draft:
+    name = spec.config.speculative.draft
+    if not plan.draft or name is None:
         return None
     c = spec.model.text
     return mf.Draft(
-        name=spec.config.speculative.draft,
+        name=name,
         block=plan.draft_block,
         window=plan.draft_window,
         target_layers=tuple(c.dspark_target_layer_ids),

@@ -127,7 +127,7 @@ def parse(config: CompileConfig, hlo_only: bool, log: Log) -> Spec:
         config=config,
         model=model,
         topology=config.parallel,
-        target=TARGETS[t.name](t.executable, t.options),
+        target=TARGETS[t.name](t.executable or TARGETS[t.name].EXECUTABLES[0], t.options),  # None: its first
         geometry=geometry,
         hlo_only=hlo_only,
     )

@@ -31,7 +31,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -61,7 +61,7 @@ SAFETENSORS_DTYPES = {
     "int32": "I32",
     "bool": "BOOL",
 }
-SHARED = "shared"
+SHARED: Literal["shared"] = "shared"
 Wanted = Callable[[str], bool]  # whether a bundle file (relative path) must be written: a cached one is fetched
 FORMATS = {"F8_E4M3": "e4m3fn", "F8_E8M0": "ue8m0-u8-row-major", "I8": "e2m1-x2-u8", "BF16": "bf16", "F32": "f32"}
 
@@ -154,8 +154,10 @@ def _pieces(
             e0, e1 = cut.experts or (0, full.experts)
             per_expert = math.prod(spec.shape) * itemsize
             for e in range(e0, e1):
-                src = _source(ckpt, prefix + full.key.format(e=e), full)
-                out.append(Piece(src, (0, src.shape[0]), None, i * slot + (e - e0) * per_expert, src.row_bytes))
+                expert = _source(ckpt, prefix + full.key.format(e=e), full)
+                out.append(
+                    Piece(expert, (0, expert.shape[0]), None, i * slot + (e - e0) * per_expert, expert.row_bytes)
+                )
             continue
         src = _stored(ckpt, prefix + full.key, full, recipe)
         rows = cut.rows or (0, src.shape[0] if src.shape else 1)
@@ -178,7 +180,7 @@ def stack_files(
         for rank in range(topo.world):
             tensors, paths = {}, {}
             for s, full in zip(kp.region.specs, kp.full_specs):
-                where = SHARED if s.name in shared else "rank"
+                where: Literal["rank", "shared"] = SHARED if s.name in shared else "rank"
                 rel = layout.shared_weights_path(kind) if where == SHARED else layout.weights_path(rank, kind)
                 paths[where] = rel
                 tensors[s.name] = TensorShape(

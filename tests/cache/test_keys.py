@@ -225,6 +225,27 @@ def test_every_option_is_in_exactly_one_list():
     assert not set(CpuTarget.LOG_OPTIONS) - set(__import__("torch")._inductor.config.get_config_copy())
 
 
+def test_the_keyed_list_is_all_the_bundle_key_sees_of_the_options(b, monkeypatch):
+    """bundle_key's config part is KEYED_OPTIONS, option by option, in order: no second list of
+    config fields. Dropping an option from the list drops it from the key; adding one adds it."""
+    config = cached.config_part(b.spec)
+    assert list(config) == list(KEYED_OPTIONS)
+    assert set(cached.KEYED_VALUES) <= set(KEYED_OPTIONS)  # resolved values only for keyed options
+    assert not [o for o, v in config.items() if isinstance(v, Path)]  # never a path
+
+    def key(spec) -> str:
+        return cached.bundle_key(spec, weights={}, host={}, traces={}, tokenizer={}).digest
+
+    c = b.spec.config
+    more_blocks = dataclasses.replace(b.spec, config=dataclasses.replace(c, kv=dataclasses.replace(c.kv, num_blocks=7)))
+    assert key(more_blocks) != key(b.spec)
+    monkeypatch.setattr(cached, "KEYED_OPTIONS", tuple(o for o in KEYED_OPTIONS if o != "kv.num_blocks"))
+    assert "kv.num_blocks" not in cached.config_part(b.spec)
+    assert key(more_blocks) == key(b.spec)
+    monkeypatch.setattr(cached, "KEYED_OPTIONS", (*KEYED_OPTIONS, "memory.reserve_gib"))
+    assert cached.config_part(b.spec)["memory.reserve_gib"] == c.memory.reserve_gib
+
+
 def bundle_key(toml: Path) -> Key:
     return cache_key(load_compile_config(toml), **QUIET)
 

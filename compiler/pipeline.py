@@ -70,6 +70,48 @@ class State:
     bindings: dict[int, dict[str, tuple[str, int]]]  # layer -> state name -> (pool, row)
 
 
+# --- the pipeline ------------------------------------------------------------------------------
+
+
+class Timings:
+    """Runs passes by name, timing each: `seconds` maps pass names to seconds, in the order run."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str, run: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        start = time.perf_counter()
+        made = run(*args, **kwargs)
+        self.seconds[name] = time.perf_counter() - start
+        return made
+
+
+@dataclass(frozen=True, kw_only=True)
+class Built:
+    """What the passes built: the bundle's executables, and which of them this compile made itself."""
+
+    executables: int  # in the manifest
+    compiled: tuple[str, ...] = ()  # compiled here (the others came from the cache)
+    lowered: tuple[str, ...] = ()  # HLO-stage bundles: the HLO modules lowered and checked
+
+
+def build(config: CompileConfig, hlo_only: bool, run: Run, timed: Timings) -> Built:
+    """Every pass, in order, into `run.staging`."""
+    spec = timed("parse config", parse, config, hlo_only, run.log)
+    tokenizer = timed("copy tokenizer", copy_tokenizer, spec, run)
+    regions = timed("plan regions", plan, spec, run.log)
+    timed("check memory budget", budget.check_planned, spec, regions, run.log)
+    weights = timed("preprocess weights", preprocess_weights, spec, regions, run)
+    traced = timed("trace", trace_regions, spec, regions, run)
+    timed("check memory budget with scratch", budget.check_traced, spec, regions, traced.executables, run.log)
+    compiled = timed("compile", compile_regions, spec, traced, run)
+    state = timed("lay out state", layout_state, spec, regions)
+    manifest = timed(
+        "write manifest", write_manifest, spec, regions, weights, tokenizer, compiled.executables, state, run
+    )
+    return Built(executables=len(manifest.regions), compiled=compiled.built, lowered=traced.lowered)
+
+
 # --- the passes (the trace and compile passes: compiler/executables.py) -------------------------
 
 
@@ -258,48 +300,6 @@ def _draft_entry(spec: Spec, plan: RegionPlan) -> mf.Draft | None:
             {slot: mf.Binding(kind=kind, index=index) for slot, (kind, index) in stage.items()} for stage in plan.draft
         ),
     )
-
-
-# --- the pipeline ------------------------------------------------------------------------------
-
-
-class Timings:
-    """Runs passes by name, timing each: `seconds` maps pass names to seconds, in the order run."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    def __call__(self, name: str, run: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
-        start = time.perf_counter()
-        made = run(*args, **kwargs)
-        self.seconds[name] = time.perf_counter() - start
-        return made
-
-
-@dataclass(frozen=True, kw_only=True)
-class Built:
-    """What the passes built: the bundle's executables, and which of them this compile made itself."""
-
-    executables: int  # in the manifest
-    compiled: tuple[str, ...] = ()  # compiled here (the others came from the cache)
-    lowered: tuple[str, ...] = ()  # HLO-stage bundles: the HLO modules lowered and checked
-
-
-def build(config: CompileConfig, hlo_only: bool, run: Run, timed: Timings) -> Built:
-    """Every pass, in order, into `run.staging`."""
-    spec = timed("parse config", parse, config, hlo_only, run.log)
-    tokenizer = timed("copy tokenizer", copy_tokenizer, spec, run)
-    regions = timed("plan regions", plan, spec, run.log)
-    timed("check memory budget", budget.check_planned, spec, regions, run.log)
-    weights = timed("preprocess weights", preprocess_weights, spec, regions, run)
-    traced = timed("trace", trace_regions, spec, regions, run)
-    timed("check memory budget with scratch", budget.check_traced, spec, regions, traced.executables, run.log)
-    compiled = timed("compile", compile_regions, spec, traced, run)
-    state = timed("lay out state", layout_state, spec, regions)
-    manifest = timed(
-        "write manifest", write_manifest, spec, regions, weights, tokenizer, compiled.executables, state, run
-    )
-    return Built(executables=len(manifest.regions), compiled=compiled.built, lowered=traced.lowered)
 
 
 # --- the API -------------------------------------------------------------------------------------

@@ -57,7 +57,9 @@ class Target:
 
 @dataclass(frozen=True, kw_only=True)
 class Ranks:
-    """The recorded topology: the degrees, their derived sizes (checked), the target's LNC."""
+    """The recorded topology: a `Topology` (its degrees, field for field) with the sizes they imply
+    (`Topology.to_dict`, checked on reading) and the target's LNC. The degrees are spelled once, by
+    `Topology`; this is their JSON record (tests/ranks/test_shards.py holds the two to agreeing)."""
 
     tp: int
     ep: int

@@ -5,6 +5,10 @@
 
 Tokens are replicated inside a group of tp * cp ranks; groups serve different
 sequences. What each rank holds of a model: regions/topology.py.
+
+`Topology` is the one spelling of the degrees: model.toml's `[parallel]` section is parsed
+into it (compiler/config.py), the compiler plans and shards with it, and the manifest's
+`Ranks` records it with the sizes it implies (`Ranks.of(topology, lnc)`, `Ranks.topology`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Topology:
     tp: int = 1
     ep: int = 1
@@ -43,5 +47,6 @@ class Topology:
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, int]:
+        """The degrees and the sizes they imply, as the manifest's `Ranks` records them."""
         return {"tp": self.tp, "ep": self.ep, "cp": self.cp, "world_size": self.world, "groups": self.groups}

@@ -32,14 +32,21 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from deepinfer.bundles.layout import rank_key
+from deepinfer.bundles.manifest import Executable, Pool
 from deepinfer.compiler.config import config_error
+from deepinfer.compiler.plan import RegionPlan
 from deepinfer.compiler.pools import plan_pools
+from deepinfer.compiler.spec import Log, Spec
 from deepinfer.compiler.weights import host_bytes
+from deepinfer.regions.state import Geometry
 
 GiB = 1 << 30
 SCRATCH_METHOD = (
@@ -52,14 +59,27 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def weights_by_kind(plan) -> dict[str, int]:
+class Graph(Protocol):
+    """What the budget reads of a traced graph: a manifest entry, or a planned graph's figure."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def scratch_bytes(self) -> int | None: ...
+
+
+def weights_by_kind(plan: RegionPlan) -> dict[str, int]:
     return {
         kind: len(kp.layers) * sum(_nbytes(s.buffer_shape, s.dtype) for s in kp.region.specs)
         for kind, kp in plan.kinds.items()
     }
 
 
-def pools_by_name(pools: dict, geometry) -> dict[str, int]:
+def pools_by_name(pools: dict[str, Pool], geometry: Geometry) -> dict[str, int]:
     """Bytes of each pool as the runtime allocates it ([layers, blocks | slots, *entry])."""
     return {
         name: _nbytes(
@@ -171,7 +191,7 @@ class Breakdown:
 
     def lines(self) -> list[str]:
         w, p = sum(self.weights.values()), sum(self.pools.values())
-        big = max(self.pools, key=self.pools.get) if self.pools else None
+        big = max(self.pools, key=lambda name: self.pools[name]) if self.pools else None
         out = [
             f"  weights      {human(w):>15}  ({len(self.weights)} region kinds)",
             f"  state pools  {human(p):>15}  ({len(self.pools)} pools"
@@ -216,10 +236,11 @@ class Breakdown:
         }
 
 
-def breakdown(spec, plan, executables=(), staging=None) -> Breakdown:
+def breakdown(spec: Spec, plan: RegionPlan, executables: Sequence[Graph] = (), files: Sequence[Path] = ()) -> Breakdown:
     """What is known of a compile's needs per rank so far: weights and pools once planned,
-    scratch once traced (`executables`), executables once compiled (their files under `staging`)."""
+    scratch once traced (`executables`), executables once compiled (their `files`)."""
     mem = spec.config.memory
+    limit: int | None
     if mem.limit_gib is not None:
         limit, source = int(mem.limit_gib * GiB), "[memory] limit_gib"
     else:
@@ -236,23 +257,24 @@ def breakdown(spec, plan, executables=(), staging=None) -> Breakdown:
         host=host_bytes(spec.model, device_embedding=spec.device_embedding),
     )
     if executables:
-        known = [e for e in executables if e.scratch_bytes is not None]
+        known = [(e, n) for e in executables if (n := e.scratch_bytes) is not None]
         if known:
-            worst = max(known, key=lambda e: e.scratch_bytes)
-            out.scratch, out.scratch_of = worst.scratch_bytes, worst.name
-            for e in known:
-                out.scratch_by_kind[e.kind] = max(out.scratch_by_kind.get(e.kind, 0), e.scratch_bytes)
+            worst, most = max(known, key=lambda en: en[1])
+            out.scratch, out.scratch_of = most, worst.name
+            for e, n in known:
+                out.scratch_by_kind[e.kind] = max(out.scratch_by_kind.get(e.kind, 0), n)
         if len(known) < len(executables):  # trace records cached by a deepinfer without the estimate
             out.scratch_of += f"{'; ' if known else ''}{len(executables) - len(known)} graph(s) not estimated"
-        compiled = [staging / e.artifact for e in executables] if staging is not None else []
-        if compiled and not spec.hlo_only and all(p.is_file() for p in compiled):
-            out.executables = sum(p.stat().st_size for p in compiled)
+        if files and not spec.hlo_only and all(p.is_file() for p in files):
+            out.executables = sum(p.stat().st_size for p in files)
     return out
 
 
-def check(spec, plan, when: str, executables=(), staging=None) -> Breakdown:
+def check(
+    spec: Spec, plan: RegionPlan, when: str, executables: Sequence[Graph] = (), files: Sequence[Path] = ()
+) -> Breakdown:
     """Raise ConfigError with the breakdown when rank memory would overflow; else return it."""
-    d = breakdown(spec, plan, executables, staging)
+    d = breakdown(spec, plan, executables, files)
     if not d.fits:
         raise config_error(
             spec.config,
@@ -265,7 +287,7 @@ def check(spec, plan, when: str, executables=(), staging=None) -> Breakdown:
     return d
 
 
-def check_planned(spec, plan, log) -> None:
+def check_planned(spec: Spec, plan: RegionPlan, log: Log) -> None:
     """Pass: weights + pools, before any weight is written or graph traced."""
     d = check(spec, plan, "weights and state pools, as planned")
     log(
@@ -275,19 +297,20 @@ def check_planned(spec, plan, log) -> None:
     )
 
 
-def check_traced(spec, plan, traced, log) -> None:
-    """Pass: + the largest traced graph's scratch, before compiling."""
-    d = check(spec, plan, "with the traced graphs' scratch", traced.executables)
+def check_traced(spec: Spec, plan: RegionPlan, traced: Sequence[Graph], log: Log) -> None:
+    """Pass: + the largest traced graph's scratch (`traced`: the trace pass's entries), before compiling."""
+    d = check(spec, plan, "with the traced graphs' scratch", traced)
     if d.scratch is not None:
         log(f"memory per rank with scratch: {human(d.total)} (scratch {human(d.scratch)}, {d.scratch_of})")
 
 
-def per_rank(spec, d: Breakdown) -> dict[str, Breakdown]:
+def per_rank(spec: Spec, d: Breakdown) -> dict[str, Breakdown]:
     """The breakdown of every rank, by rank key (every rank holds the same shapes)."""
     return {rank_key(r): d for r in range(spec.topology.world)}
 
 
-def record(spec, plan, executables, staging) -> dict:
+def record(spec: Spec, plan: RegionPlan, executables: Sequence[Executable], staging: Path) -> dict[str, dict]:
     """The manifest's "memory": the full breakdown per rank, checked once more with the executables."""
-    d = check(spec, plan, "with the compiled executables", executables, staging)
+    files = [staging / e.artifact for e in executables]
+    d = check(spec, plan, "with the compiled executables", executables, files)
     return {rank: b.to_dict() for rank, b in per_rank(spec, d).items()}

@@ -2,7 +2,7 @@
 
 Every figure is the compile's own, from its passes run as far as they go without tensor data:
 
-    layer plan, region kinds      pipeline.parse and pipeline.plan (compiler/plan.py)
+    layer plan, region kinds      spec.parse and pipeline.plan (compiler/plan.py)
     executables, compile jobs     Spec.executables: region kinds x methods x buckets
     weight files, bytes on disk   the weight pass's file plan (pipeline.weight_files): every
                                   source tensor checked against its spec, offsets and headers
@@ -11,7 +11,7 @@ Every figure is the compile's own, from its passes run as far as they go without
     memory per rank, verdict      compiler/budget.py's breakdown, with the scratch of the compile's
                                   graphs: its trace records where the compile cache holds them,
                                   else graphs traced here on fake tensors and lowered
-                                  (pipeline.lowered_graph)
+                                  (executables.lower)
 
 The checkpoint is the directory's safetensors headers (`model.safetensors` or the index
 and its shards) when it has them, their data never read (it may be absent); else the
@@ -44,7 +44,9 @@ from deepinfer.bundles.safetensors import DTYPES, TensorInfo
 from deepinfer.compiler import budget, cached, pipeline
 from deepinfer.compiler.budget import Breakdown, human
 from deepinfer.compiler.config import CompileConfig, config_error
-from deepinfer.compiler.plan import RegionPlan
+from deepinfer.compiler.executables import lower
+from deepinfer.compiler.plan import Exe, RegionPlan
+from deepinfer.compiler.spec import Spec, parse
 from deepinfer.errors import ConfigError
 from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 from deepinfer.regions.config import CONFIG_FILE, V41Config
@@ -67,10 +69,10 @@ class GraphScratch:
 
 @dataclass
 class BundlePlan:
-    spec: pipeline.Spec
+    spec: Spec
     regions: RegionPlan
     checkpoint: str  # where the shapes came from
-    executables: list[tuple[str, str, int, int, int | None]]  # (kind, method, batch, tokens, context)
+    executables: list[Exe]
     files: dict[str, int]  # bundle path -> bytes on disk (weights and host files)
     rank_files: dict[str, tuple[str, ...]]  # rank key -> its own weight files
     shared_files: tuple[str, ...]  # weight files every rank loads (stored once)
@@ -222,10 +224,10 @@ class BundlePlan:
             + ", ".join(f"{b}x{tk}" for b, tk in shapes)
             + ("; the MoE runs on the gathered rows (EP dispatch)" if topo.dispatch else ""),
         ]
-        if len(c.buckets.context) > 1:
+        if len(c.buckets.contexts) > 1:
             per_context = sorted({e[0] for e in self.executables if e[4] is not None})
             out.append(
-                f"  context buckets: {', '.join(map(str, c.buckets.context))} (built per context: "
+                f"  context buckets: {', '.join(map(str, c.buckets.contexts))} (built per context: "
                 f"{', '.join(per_context)})"
             )
         out += ["", "weights per rank after sharding (device):"]
@@ -335,7 +337,7 @@ def plan_checkpoint(model: V41Config, directory: Path) -> tuple[Checkpoint, str]
 # -- scratch --------------------------------------------------------------------------------------
 
 
-def traced_buckets(executables: list[tuple], kinds=None) -> list[tuple]:
+def traced_buckets(executables: list[Exe], kinds=None) -> list[Exe]:
     """The graphs a plan traces: each kind's largest bucket (most rows; more tokens, then the
     largest context bucket on a tie), and the MoE's smallest batch bucket at its largest tokens
     bucket; only `kinds` when given. Executables are (kind, method, batch, tokens, context)."""
@@ -351,15 +353,15 @@ def traced_buckets(executables: list[tuple], kinds=None) -> list[tuple]:
     return out
 
 
-def trace_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, log, kinds=None) -> dict[str, int]:
+def trace_scratch(spec: Spec, regions: RegionPlan, executables, log, kinds=None) -> dict[str, int]:
     """executable name -> peak intermediate bytes of its lowered graph (compiler/budget.scratch_bytes)."""
     out = {}
-    for kind, method, batch, tokens, context in traced_buckets(executables, kinds):
-        name = layout.executable_name(kind, method, batch, tokens, context)
+    for exe in traced_buckets(executables, kinds):
+        name = exe.name
         start = time.perf_counter()
-        ep = pipeline.lowered_graph(spec, regions, kind, method, batch, tokens, context)[0]
-        out[name] = budget.scratch_bytes(ep)
-        del ep
+        graph = lower(spec, regions, exe)
+        out[name] = budget.scratch_bytes(graph.program)
+        del graph
         gc.collect()
         log(f"traced {name}: scratch {human(out[name])} ({time.perf_counter() - start:.1f} s)")
     return out
@@ -368,14 +370,14 @@ def trace_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, log, ki
 # -- the API --------------------------------------------------------------------------------------
 
 
-def recorded_scratch(spec: pipeline.Spec, regions: RegionPlan, executables, cache) -> dict[str, int]:
+def recorded_scratch(spec: Spec, regions: RegionPlan, executables, cache) -> dict[str, int]:
     """executable name -> scratch bytes, from the trace records the compile cache holds for them."""
     out = {}
     for e in executables:
-        data = cache.get_bytes("trace", cached.trace_key(spec, regions, *e))
+        data = cache.get_bytes("trace", cached.trace_key(spec, regions, e))
         n = json.loads(data)["entry"].get("scratch_bytes") if data is not None else None
         if n is not None:
-            out[layout.executable_name(*e)] = n
+            out[e.name] = n
     return out
 
 
@@ -401,7 +403,7 @@ def plan_bundle(
                 else ""
             ),
         )
-    spec = pipeline.parse(config, False, log)
+    spec = parse(config, False, log)
     regions = pipeline.plan(spec, lambda msg: None)  # the plan prints its own layer plan
     ckpt, source = plan_checkpoint(spec.model, m.checkpoint)
     planned, stacks = pipeline.weight_files(spec, regions, ckpt, Path(BUNDLE))

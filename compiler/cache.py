@@ -134,9 +134,9 @@ class Cache:
         self.root = self.dir / f"v{CACHE_VERSION}"
         self.log = log
         self.sign, self.trust = sign, trust
-        # "compiled": executables compiled by this process; "lowered": HLO modules lowered and checked
-        # for an HLO-stage bundle (whose traces are never fetched: --hlo-only lowers every region)
-        self.stats = {"hit": [], "miss": [], "corrupt": [], "stored": [], "compiled": [], "lowered": []}
+        # what this process asked of the cache: (kind, identity or key) of each hit, miss, corrupt
+        # entry removed and entry stored (what a compile built is its own report: compile_bundle's)
+        self.stats: dict[str, list[tuple[str, str]]] = {"hit": [], "miss": [], "corrupt": [], "stored": []}
         self.read_only = False
 
     def _cannot_write(self, e: OSError) -> None:
@@ -372,9 +372,10 @@ class Cache:
                 total -= sizes[e.key]
                 removed.append(e)
                 self.remove(e.path)
-        for memo in (self.root / "files").glob("*.json") if max_age is not None else []:
-            if now - memo.stat().st_mtime > max_age:  # tensor digests of files not seen lately
-                memo.unlink(missing_ok=True)
+        if max_age is not None:
+            for memo in (self.root / "files").glob("*.json"):
+                if now - memo.stat().st_mtime > max_age:  # tensor digests of files not seen lately
+                    memo.unlink(missing_ok=True)
         for t in (self.root / "tmp").glob("*") if (self.root / "tmp").exists() else []:
             if now - t.stat().st_mtime > 3600:  # an interrupted write from over an hour ago
                 shutil.rmtree(t, ignore_errors=True)

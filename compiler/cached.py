@@ -14,7 +14,10 @@ Two levels, so that a warm compile neither traces nor compiles:
 A kernel's source change misses every trace record (retracing is cheap) but
 changes only the executable keys of graphs that reach that kernel: only those
 recompile. Weights are keyed by the digests of their source tensors, the
-recipe and the weight code (`weights_key`).
+recipe and the weight code (`weights_key`), host files likewise (`host_key`).
+The bundle's key (`bundle_key`, for CI caches) sees every option of
+`keys.KEYED_OPTIONS`, the one list of what a key sees (`config_part`), and the
+keys of everything the bundle holds.
 """
 
 from __future__ import annotations
@@ -23,14 +26,28 @@ import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
-from deepinfer.bundles.layout import executable_name
 from deepinfer.bundles.safetensors import read_header
-from deepinfer.compiler.cache import CacheError
-from deepinfer.compiler.jobs import run_job, run_jobs
-from deepinfer.compiler.keys import Key, format_part, import_closure, kernel_sources, modules_digest, sha256
+from deepinfer.compiler.cache import Cache, CacheError
+from deepinfer.compiler.jobs import Job, run_job, run_jobs
+from deepinfer.compiler.keys import (
+    KEYED_OPTIONS,
+    Key,
+    format_part,
+    import_closure,
+    kernel_sources,
+    modules_digest,
+    sha256,
+)
+from deepinfer.compiler.plan import Exe, KindPlan, RegionPlan
+from deepinfer.compiler.spec import Run, Spec
 from deepinfer.compiler.trace import Signature, weight_specs
+from deepinfer.compiler.weights import host_entries, host_sources, source_names, stack_files
+from deepinfer.regions.base import engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint
 
 # What each key's "sources" part covers: the import closure of the code that builds it (derived,
@@ -61,56 +78,82 @@ def lowering_sources(lowering_modules: tuple[str, ...]) -> tuple[str, ...]:
     return import_closure(tuple(lowering_modules) + ("deepinfer.kernels.registry",), LOWERING_STOP)
 
 
-def _target_part(spec) -> dict:
+# --- the parts several keys share ---------------------------------------------------------------
+
+
+class TargetPart(TypedDict):
+    name: str
+    executable: str
+    options: dict  # the keyed ones: log-only options left out
+
+
+class ModelPart(TypedDict):
+    config_hash: str  # the checkpoint's config.json, by contents
+    dtype: str
+    cache_quant: bool
+
+
+class BucketPart(TypedDict):
+    batch: int
+    tokens: int
+    context: int | None
+
+
+def target_part(spec: Spec) -> TargetPart:
     t = spec.target
     return {"name": t.name, "executable": t.executable, "options": t.keyed_options()}
 
 
-def _model_part(spec) -> dict:
+def model_part(spec: Spec) -> ModelPart:
     m = spec.config.model
     return {"config_hash": spec.model.digest(), "dtype": m.dtype, "cache_quant": m.cache_quant}
 
 
-def _specs(specs) -> list:
+def bucket_part(exe: Exe) -> BucketPart:
+    return {"batch": exe.batch, "tokens": exe.tokens, "context": exe.context}
+
+
+def _specs(specs: Sequence) -> list:
     return [[s.name, list(s.shape), str(s.dtype), s.role] for s in specs]
 
 
-def trace_key(spec, plan, kind: str, method: str, batch: int, tokens: int, context: int | None) -> Key:
-    region = plan.kinds[kind].region
-    geometry = spec.geometry_at(context)
-    sig = Signature(weight_specs(region), region.method_inputs(method, batch, tokens, geometry))
+# --- one builder per kind of artifact: trace, executable, weights, host; and the bundle's -------
+
+
+def trace_key(spec: Spec, plan: RegionPlan, exe: Exe) -> Key:
+    region = plan.kinds[exe.kind].region
+    geometry = spec.geometry_at(exe.context)
+    sig = Signature(weight_specs(region), region.method_inputs(exe.method, exe.batch, exe.tokens, geometry))
     return Key.of(
         "trace",
-        executable_name(kind, method, batch, tokens, context),
+        exe.name,
         [
             ("format", format_part()),
-            ("region", {"class": type(region).__qualname__, "kind": kind, "method": method}),
-            ("bucket", {"batch": batch, "tokens": tokens, "context": context}),
+            ("region", {"class": type(region).__qualname__, "kind": exe.kind, "method": exe.method}),
+            ("bucket", bucket_part(exe)),
             ("geometry", vars(geometry)),
-            ("model", _model_part(spec)),
+            ("model", model_part(spec)),
             ("topology", spec.topology.to_dict()),
             ("fp8", region.fp8_format),
             ("signature", {"weights": _specs(sig.weights), "inputs": _specs(sig.inputs)}),
-            ("target", _target_part(spec)),
+            ("target", target_part(spec)),
             ("toolchain", spec.target.toolchain()),
             ("sources", graph_sources(spec.target.LOWERING_MODULES)),
         ],
     )
 
 
-def executable_key(
-    spec, plan, kind: str, method: str, batch: int, tokens: int, context: int | None, graph: str, kernels: list[str]
-) -> Key:
-    region = plan.kinds[kind].region
+def executable_key(spec: Spec, plan: RegionPlan, exe: Exe, graph: str, kernels: list[str]) -> Key:
+    region = plan.kinds[exe.kind].region
     return Key.of(
         "executable",
-        executable_name(kind, method, batch, tokens, context),
+        exe.name,
         [
             ("format", format_part()),
             ("graph", graph),
-            ("region", {"class": type(region).__qualname__, "method": method}),
-            ("bucket", {"batch": batch, "tokens": tokens, "context": context}),
-            ("target", _target_part(spec)),
+            ("region", {"class": type(region).__qualname__, "method": exe.method}),
+            ("bucket", bucket_part(exe)),
+            ("target", target_part(spec)),
             ("toolchain", spec.target.toolchain()),
             ("kernels", kernel_sources(kernels)),
             ("lowering", modules_digest(lowering_sources(spec.target.LOWERING_MODULES))),
@@ -118,7 +161,7 @@ def executable_key(
     )
 
 
-# --- weights ---
+# --- checkpoint tensors, by contents ---
 
 
 def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
@@ -150,10 +193,10 @@ def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
                 h.update(block)
                 left -= len(block)
             out[t.name] = h.hexdigest()
-    if memo_file:
+    if memo_file is not None:
         tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}")
         try:
-            memo.mkdir(parents=True, exist_ok=True)
+            memo_file.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(out))
             os.replace(tmp, memo_file)
         except OSError:  # a cache that cannot be written: hash again next time
@@ -169,15 +212,15 @@ def tensor_digests(ckpt: Checkpoint, names: list[str], memo: Path | None) -> dic
     return {n: per_file[ckpt.files[n]][n] for n in names}
 
 
-def memo_dir(run) -> Path | None:
+def memo_dir(run: Run) -> Path | None:
     """Where the cache memoizes checkpoint tensor digests (none without a cache)."""
     return run.cache.root / "files" if run.cache else None
 
 
-def weights_key(spec, ckpt: Checkpoint, kind: str, kp, rank: int | None = 0, memo: Path | None = None) -> Key:
+def weights_key(
+    spec: Spec, ckpt: Checkpoint, kind: str, kp: KindPlan, rank: int | None = 0, memo: Path | None = None
+) -> Key:
     """A kind's stacks of one rank's file (`rank`), or of the file every rank shares (`rank` None)."""
-    from deepinfer.compiler.weights import source_names
-
     return Key.of(
         "weights",
         f"weights {kind}" + (" shared" if rank is None else ""),
@@ -198,109 +241,129 @@ def weights_key(spec, ckpt: Checkpoint, kind: str, kp, rank: int | None = 0, mem
     )
 
 
-def host_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
+@dataclass(frozen=True, kw_only=True)
+class HostSource:
+    """What a host file (`compiler/weights.host_entries`) is built from."""
+
+    tensors: list[str]  # its checkpoint tensors
+    layout: object  # their names, shapes and dtypes as stored
+    by_recipe: bool  # stored in the recipe's fp8 format (engram's tables), else as checkpointed
+    roots: tuple[str, ...]  # the code that writes it (its import closure is the "sources" part)
+
+
+def host_source(spec: Spec, ckpt: Checkpoint, name: str) -> HostSource:
+    """The token embedding ("embed"), the engram tables ("engram") or the vision tower ("vision")."""
     t = spec.model.text
-    return Key.of(
-        "host",
-        "host embed",
-        [
-            ("format", format_part()),
-            ("tensors", tensor_digests(ckpt, ["embed.weight"], memo)),
-            ("shape", {"vocab": t.vocab_size, "hidden": t.hidden_size}),
-            ("sources", modules_digest(weight_sources())),
-        ],
-    )
-
-
-def engram_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
-    """The host-resident engram tables file: its checkpoint tensors, their layout and the recipe
-    (fp8 codes are stored in the recipe's format)."""
-    from deepinfer.compiler.weights import host_sources
-    from deepinfer.regions.base import engram_table_specs
-
-    return Key.of(
-        "host",
-        "host engram",
-        [
-            ("format", format_part()),
-            ("tensors", tensor_digests(ckpt, host_sources(spec.model, ckpt), memo)),
-            ("layout", [[s.name, list(s.shape), s.ckpt_dtype] for s in engram_table_specs(spec.model.text)]),
-            ("recipe", spec.recipe.name),
-            ("sources", modules_digest(weight_sources())),
-        ],
-    )
-
-
-def vision_key(spec, ckpt: Checkpoint, memo: Path | None = None) -> Key:
-    """The host-resident vision tower file: its checkpoint tensors and their layout."""
+    if name == "embed":
+        return HostSource(
+            tensors=["embed.weight"],
+            layout={"vocab": t.vocab_size, "hidden": t.hidden_size},
+            by_recipe=False,
+            roots=WEIGHT_ROOTS,
+        )
+    if name == "engram":
+        return HostSource(
+            tensors=host_sources(spec.model, ckpt),
+            layout=[[s.name, list(s.shape), s.ckpt_dtype] for s in engram_table_specs(t)],
+            by_recipe=True,
+            roots=WEIGHT_ROOTS,
+        )
+    assert name == "vision", name
     from deepinfer.regions.vision import vision_specs
 
-    specs = vision_specs(spec.model.vision, spec.model.text.hidden_size)
+    specs = vision_specs(spec.model.vision, t.hidden_size)
+    return HostSource(
+        tensors=sorted(specs),
+        layout={n: [list(shape), dtype] for n, (shape, dtype) in sorted(specs.items())},
+        by_recipe=False,
+        roots=WEIGHT_ROOTS + ("deepinfer.regions.vision",),
+    )
+
+
+def host_key(spec: Spec, ckpt: Checkpoint, name: str, memo: Path | None = None) -> Key:
+    """A host-resident file: its checkpoint tensors, their layout, the recipe (where it stores them)
+    and the code that writes it."""
+    src = host_source(spec, ckpt, name)
     return Key.of(
         "host",
-        "host vision",
+        f"host {name}",
         [
             ("format", format_part()),
-            ("tensors", tensor_digests(ckpt, sorted(specs), memo)),
-            ("layout", {name: [list(shape), dtype] for name, (shape, dtype) in sorted(specs.items())}),
-            ("sources", modules_digest(import_closure(WEIGHT_ROOTS + ("deepinfer.regions.vision",)))),
+            ("tensors", tensor_digests(ckpt, src.tensors, memo)),
+            ("layout", src.layout),
+            ("recipe", spec.recipe.name if src.by_recipe else None),
+            ("sources", modules_digest(import_closure(src.roots))),
         ],
     )
+
+
+def _checkpoint_contents(spec: Spec) -> str:
+    return spec.model.digest()
+
+
+# How the bundle key sees a keyed option whose value in model.toml is not what the compile uses.
+# model.checkpoint and model.tiny (which generates it) by the checkpoint's contents, never its path:
+# its config.json here, its tensors in the weights and host parts. Every other option of
+# KEYED_OPTIONS is keyed by its value as parsed (`option_value`).
+KEYED_VALUES: dict[str, Callable[[Spec], object]] = {
+    "model.checkpoint": _checkpoint_contents,
+    "model.tiny": _checkpoint_contents,
+    "target.options": lambda spec: spec.target.keyed_options(),  # log-only options left out
+    "quant.recipe": lambda spec: spec.recipe.name,  # "target": the target's recipe
+    "host.embedding": lambda spec: not spec.device_embedding,  # unset: the target's choice
+}
+
+
+def option_value(spec: Spec, option: str) -> object:
+    """A keyed option's value as parsed: `section.key` of model.toml, or a flag (`--hlo-only`:
+    `Spec.hlo_only`). Never a path: a path is keyed by what it points at."""
+    if option.startswith("--"):
+        value = getattr(spec, option.removeprefix("--").replace("-", "_"))
+    else:
+        section, key = option.split(".")
+        value = getattr(getattr(spec.config, section), key)
+    assert not isinstance(value, Path), f"{option}: keyed by its path ({value}); key what it points at"
+    return value
+
+
+def config_part(spec: Spec) -> dict[str, object]:
+    """The bundle key's view of model.toml and the flags: every option of KEYED_OPTIONS, in order
+    (the one list: an option is keyed by being listed there), as `KEYED_VALUES` or else as parsed."""
+    return {o: KEYED_VALUES[o](spec) if o in KEYED_VALUES else option_value(spec, o) for o in KEYED_OPTIONS}
 
 
 def bundle_key(
-    spec,
+    spec: Spec,
+    *,
     weights: dict[str, Key],
-    host: Key,
+    host: dict[str, Key],
     traces: dict[str, Key],
-    vision: Key | None = None,
-    engram: Key | None = None,
-    tokenizer: dict[str, str] | None = None,
+    tokenizer: dict[str, str],
 ) -> Key:
-    """`tokenizer`: the sha256 of each tokenizer file the bundle carries (none for the byte tokenizer)."""
-    c = spec.config
+    """One key for the whole bundle (`--print-cache-key`): the keyed options, the toolchain, the keys
+    of everything it holds, and the sha256 of each tokenizer file it carries (none for the byte
+    tokenizer)."""
     return Key.of(
         "bundle",
-        str(c.source.name),
+        str(spec.config.source.name),
         [
             ("format", format_part()),
-            (
-                "config",
-                {
-                    "model": _model_part(spec),
-                    "target": _target_part(spec),
-                    "buckets": {
-                        "batch": list(c.buckets.batch),
-                        "tokens": list(c.buckets.tokens),
-                        "max_context": c.buckets.max_context,
-                        "context": list(c.buckets.context),
-                    },
-                    "kv": {"block_size": c.kv.block_size, "num_blocks": c.kv.num_blocks},
-                    "parallel": {"tp": c.parallel.tp, "ep": c.parallel.ep, "cp": c.parallel.cp},
-                    "quant": spec.recipe.name,
-                    "host": {"embedding": not spec.device_embedding},
-                    **({"stage": "hlo"} if spec.hlo_only else {}),
-                },
-            ),
+            ("config", config_part(spec)),
             ("toolchain", spec.target.toolchain()),
             ("weights", {k: v.digest for k, v in weights.items()}),
-            ("host", host.digest),
+            ("host", {k: v.digest for k, v in host.items()}),
             ("traces", {k: v.digest for k, v in traces.items()}),
+            ("tokenizer", tokenizer),
             ("sources", modules_digest(import_closure(BUNDLE_ROOTS))),
-        ]
-        + ([("vision", vision.digest)] if vision is not None else [])
-        + ([("engram", engram.digest)] if engram is not None else [])
-        + ([("tokenizer", tokenizer)] if tokenizer else []),
+        ],
     )
 
 
-def weight_file_keys(spec, plan, ckpt: Checkpoint, run) -> dict[str, tuple[str, Key]]:
+def weight_file_keys(spec: Spec, plan: RegionPlan, ckpt: Checkpoint, run: Run) -> dict[str, tuple[str, Key]]:
     """bundle-relative path -> (cache kind, key) of every file the weight pass writes."""
-    from deepinfer.compiler.weights import host_entries, stack_files
-
     memo = memo_dir(run)
     _, entries = stack_files(spec, plan, ckpt, Path(), wanted=lambda rel: False)
-    out = {}
+    out: dict[str, tuple[str, Key]] = {}
     for rank_key, stacks in entries.items():
         rank = int(rank_key.removeprefix("rank-"))
         for w in stacks:
@@ -308,28 +371,30 @@ def weight_file_keys(spec, plan, ckpt: Checkpoint, run) -> dict[str, tuple[str, 
                 out[w.path] = ("weights", weights_key(spec, ckpt, w.kind, plan.kinds[w.kind], rank, memo))
             if w.shared is not None and w.shared not in out:
                 out[w.shared] = ("weights", weights_key(spec, ckpt, w.kind, plan.kinds[w.kind], None, memo))
-    host = host_entries(spec.model, device_embedding=spec.device_embedding)
-    if "embed" in host:
-        out[host["embed"].path] = ("host", host_key(spec, ckpt, memo))
-    if "engram" in host:
-        out[host["engram"].path] = ("host", engram_key(spec, ckpt, memo))
-    if "vision" in host:
-        out[host["vision"].path] = ("host", vision_key(spec, ckpt, memo))
+    for name, entry in host_entries(spec.model, device_embedding=spec.device_embedding).items():
+        out[entry.path] = ("host", host_key(spec, ckpt, name, memo))
     return out
 
 
+# --- fetch or build ---
+
+
 @contextlib.contextmanager
-def held(run, keys: dict[str, tuple[str, Key]]):
+def held(run: Run, keys: dict[str, tuple[str, Key]]) -> Iterator[set[str]]:
     """Lock every file's entry (sorted: compiles sharing a cache never deadlock), fetch those the
     cache holds into the staging bundle, yield their paths; the caller builds and stores the rest
     before the locks are released, so a file is built once among concurrent compiles."""
+    cache = run.cache
+    fetched: set[str] = set()
+    if cache is None:
+        yield fetched
+        return
     locks = []
     try:
-        fetched = set()
         for kind, key in sorted(keys.values(), key=lambda kk: kk[1].digest):
-            locks.append(run.cache.lock(kind, key))
+            locks.append(cache.lock(kind, key))
         for rel, (kind, key) in keys.items():  # plan order: the first miss named is the first file
-            if run.cache.get_file(kind, key, run.staging / rel):
+            if cache.get_file(kind, key, run.staging / rel):
                 fetched.add(rel)
             else:
                 missed(run, kind, key)
@@ -339,20 +404,18 @@ def held(run, keys: dict[str, tuple[str, Key]]):
             lock.release()
 
 
-# --- fetch or build ---
-
-
-def missed(run, kind: str, key: Key) -> None:
+def missed(run: Run, kind: str, key: Key) -> None:
     """A miss: log the key's parts at debug verbosity; under --require-cache, fail with why."""
     if run.verbose:
         run.log(f"cache miss: {kind} {key.identity} {key.digest[:16]}")
         for line in key.lines():
             run.log(line)
-    if not run.require_cache:
+    cache = run.cache
+    if not run.require_cache or cache is None:
         return
-    near = run.cache.closest(kind, key.identity)
+    near = cache.closest(kind, key.identity)
     if near is None:
-        why = f"the cache at {run.cache.dir} holds no {kind} for it"
+        why = f"the cache at {cache.dir} holds no {kind} for it"
     else:
         old = {p["name"]: p["hash"] for p in near.meta.get("parts", [])}
         diff = [n for n, h in key.part_hashes.items() if old.get(n) != h]
@@ -363,22 +426,26 @@ def missed(run, kind: str, key: Key) -> None:
     raise CacheError(f"--require-cache: cache miss for {kind} {key.identity}: {why}")
 
 
-def trace_record(run, key: Key) -> dict | None:
-    data = run.cache.get_bytes("trace", key)
+def trace_record(cache: Cache, key: Key) -> dict | None:
+    data = cache.get_bytes("trace", key)
     return json.loads(data) if data is not None else None
 
 
-def compile_jobs(run, traced, progress) -> None:
+Progress = Callable[[int, int, Job, float], None]
+
+
+def compile_jobs(run: Run, jobs: Sequence[Job], keys: dict[str, Key], progress: Progress) -> tuple[str, ...]:
     """Compile each job's executable once across every compile sharing the cache: the
     jobs whose lock this compile takes run here (in parallel); the others are waited
-    for and then fetched (or compiled here if their compile died)."""
+    for and then fetched (or compiled here if their compile died). Returns the names of
+    those compiled here, in the order they finished (without a cache: every job, in order)."""
     cache = run.cache
     if cache is None:
-        run_jobs(list(traced.jobs), run.jobs, progress)
-        return
-    mine, theirs, locks = [], [], {}
-    for job in traced.jobs:
-        key = traced.keys[job.name]
+        run_jobs(list(jobs), run.jobs, progress)
+        return tuple(job.name for job in jobs)
+    mine, theirs, locks, built = [], [], {}, []
+    for job in jobs:
+        key = keys[job.name]
         lock = cache.lock("executable", key, blocking=False)
         if not lock.held:
             theirs.append(job)
@@ -389,9 +456,9 @@ def compile_jobs(run, traced, progress) -> None:
             locks[job.name] = lock
             mine.append(job)
 
-    def done(i, total, job, seconds):
-        cache.put_file("executable", traced.keys[job.name], job.out)
-        cache.stats["compiled"].append(job.name)
+    def done(i: int, total: int, job: Job, seconds: float) -> None:
+        cache.put_file("executable", keys[job.name], job.out)
+        built.append(job.name)
         locks.pop(job.name).release()
         progress(i, total, job, seconds)
 
@@ -401,7 +468,7 @@ def compile_jobs(run, traced, progress) -> None:
         for lock in locks.values():
             lock.release()
     for i, job in enumerate(theirs, 1):
-        key = traced.keys[job.name]
+        key = keys[job.name]
         run.log(f"waiting for another compile of {job.name}")
         with cache.lock("executable", key, blocking=True):
             if cache.get_file("executable", key, job.out):
@@ -409,5 +476,6 @@ def compile_jobs(run, traced, progress) -> None:
                 continue
             seconds = run_job(job)
             cache.put_file("executable", key, job.out)
-            cache.stats["compiled"].append(job.name)
+            built.append(job.name)
             progress(i, len(theirs), job, seconds)
+    return tuple(built)

@@ -1,9 +1,9 @@
-"""`deepinfer-compile`: parse arguments, print the resolved settings, call `compile_bundle`."""
+"""`deepinfer-compile`: parse arguments, resolve defaults, call `compile_bundle` (or `cache_key`, or
+`finish_bundle`); `compile_bundle` reports the resolved settings and the summary through the log."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -84,7 +84,7 @@ def main(
     finish: Path | None,
     sign: Path | None,
     trust: Path | None,
-):
+) -> None:
     """Compile MODEL_TOML into a bundle: one executable per (region kind, method, bucket).
 
     \b
@@ -106,12 +106,10 @@ def main(
       deepinfer-compile examples/tiny/model_trn2.toml -o build/tiny-trn2 --hlo-only
       deepinfer-compile --finish build/tiny-trn2 --jobs 8
     """
-    from deepinfer.bundles import manifest as mf
     from deepinfer.compiler.cache import Cache, resolve_dir
     from deepinfer.compiler.config import load_compile_config
     from deepinfer.compiler.pipeline import cache_key, compile_bundle
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(".cache/inductor").resolve()))
     if (model_toml is None) == (finish is None):
         raise click.UsageError("give MODEL_TOML, or --finish BUNDLE (not both)")
     signing_key = None
@@ -122,65 +120,39 @@ def main(
     if finish is not None:
         from deepinfer.compiler.finish import finish_bundle
 
-        finish_bundle(finish, jobs=jobs, log=lambda msg: click.echo(msg, err=True), sign=signing_key)
+        finish_bundle(finish, jobs=jobs, log=_log, sign=signing_key)
         return
+    assert model_toml is not None  # one of the two, checked above
     cfg = load_compile_config(model_toml)
     if no_cache and (require_cache or cache_dir):
         raise click.UsageError("--no-cache excludes --require-cache and --cache-dir")
-    log = lambda msg: click.echo(msg, err=True)  # noqa: E731
     cache = (
         None
         if no_cache
-        else Cache(resolve_dir(cache_dir, cfg.cache.dir), log=log, sign=signing_key, trust=trusted_key(trust))
+        else Cache(resolve_dir(cache_dir, cfg.cache.dir), log=_log, sign=signing_key, trust=trusted_key(trust))
     )
     if print_cache_key:
-        click.echo(cache_key(cfg, cache=cache, log=log, verbose=verbose, hlo_only=hlo_only).digest)
+        click.echo(cache_key(cfg, cache=cache, log=_log, verbose=verbose, hlo_only=hlo_only).digest)
         return
-    out = output or Path("build") / model_toml.resolve().parent.name
-    b, m, t = cfg.buckets, cfg.model, cfg.target
-    click.echo(
-        f"compiling {model_toml} -> {out}\n"
-        f"  checkpoint {m.checkpoint} ({m.dtype}, cache_quant={str(m.cache_quant).lower()})\n"
-        f"  target {t.name} ({t.executable}), buckets batch={list(b.batch)} tokens={list(b.tokens)} "
-        f"max_context={b.max_context} context={list(b.context)}, kv block_size={cfg.kv.block_size} num_blocks={cfg.kv.num_blocks}, "
-        f"parallel tp={cfg.parallel.tp} ep={cfg.parallel.ep} cp={cfg.parallel.cp}, "
-        f"jobs={jobs}, cache {cache.dir if cache else 'off'}{' (required)' if require_cache else ''}"
-        f"{', stop at HLO' if hlo_only else ''}",
-        err=True,
-    )
-    path, timings = compile_bundle(
+    report = compile_bundle(
         cfg,
-        out,
+        output or Path("build") / model_toml.resolve().parent.name,
         jobs=jobs,
         force=force,
-        log=log,
+        log=_log,
         cache=cache,
         require_cache=require_cache,
         verbose=verbose,
         hlo_only=hlo_only,
         sign=signing_key,
     )
-    total = sum(timings.values())
-    manifest = mf.read(path)
-    n = len(manifest.regions)
-    # what this compile built (the others came from the cache): an HLO-stage bundle's modules are
-    # lowered, never compiled
-    built = cache.stats["lowered" if hlo_only else "compiled"] if cache else [e.name for e in manifest.regions]
-    what = "HLO modules lowered and checked" if hlo_only else "executables compiled"
-    click.echo(f"wrote {path} in {total:.1f} s ({len(built)} of {n} {what}, {n - len(built)} from the cache)", err=True)
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "bundle": str(path),
-                    "seconds": timings,
-                    "executables": n,
-                    "compiled": [] if hlo_only else built,
-                    "lowered": built if hlo_only else [],
-                    "cache": str(cache.dir) if cache else None,
-                }
-            )
-        )
+        click.echo(json.dumps(report.to_json()))
+
+
+def _log(msg: str) -> None:
+    """Progress and messages: on stderr (stdout carries only --json's summary and the key)."""
+    click.echo(msg, err=True)
 
 
 if __name__ == "__main__":

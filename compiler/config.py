@@ -4,7 +4,7 @@
     [target]    name, executable, options
     [buckets]   batch, tokens, max_context, context
     [kv]        block_size, num_blocks
-    [parallel]  tp, ep, cp
+    [parallel]  tp, ep, cp (bundles/topology.Topology itself: one spelling of the rank layout)
     [quant]     recipe
     [host]      embedding
     [cache]     dir
@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deepinfer.bundles.topology import Topology
 from deepinfer.errors import ConfigError
 from deepinfer.schema import Problem, Rules, build
 
@@ -69,18 +70,16 @@ class BucketSection:
         """Every (batch, tokens) step shape an executable is compiled for."""
         return [(b, t) for b in self.batch for t in self.tokens]
 
+    @property
+    def contexts(self) -> tuple[int, ...]:
+        """The context buckets: `context`, or [max_context] where model.toml leaves it out."""
+        return (self.max_context,) if self.context is None else self.context
+
 
 @dataclass(frozen=True, kw_only=True)
 class KVSection:
     block_size: int = 16
     num_blocks: int = 64
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelSection:
-    tp: int = 1
-    ep: int = 1
-    cp: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +116,7 @@ class CompileConfig:
     target: TargetSection
     buckets: BucketSection
     kv: KVSection
-    parallel: ParallelSection
+    parallel: Topology
     quant: QuantSection
     host: HostSection
     cache: CacheSection
@@ -130,7 +129,7 @@ SECTIONS = {
     "target": TargetSection,
     "buckets": BucketSection,
     "kv": KVSection,
-    "parallel": ParallelSection,
+    "parallel": Topology,
     "quant": QuantSection,
     "host": HostSection,
     "cache": CacheSection,
@@ -214,7 +213,7 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
         f"must be positive and at least the largest tokens bucket ({max(b.tokens)})",
     )
     need(kv.block_size > 0, "kv", "block_size", "must be positive")
-    ctx = list(b.context)
+    ctx = list(b.contexts)
     need(
         ctx
         and ctx == sorted(set(ctx))
@@ -316,7 +315,7 @@ def load_compile_config(path: str | Path) -> CompileConfig:
         try:
             sections[name] = build(cls, value, key=(name,), rules=rules)
         except Problem as p:
-            raise where.error(p.key[0], p.key[1] if len(p.key) > 1 else None, p.message) from None
+            raise where.error(str(p.key[0]), str(p.key[1]) if len(p.key) > 1 else None, p.message) from None
     b = sections["buckets"]
     if b.context is None:
         sections["buckets"] = dataclasses.replace(b, context=(b.max_context,))

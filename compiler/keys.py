@@ -151,7 +151,9 @@ def format_part() -> dict:
 
 
 def _file_text(module: types.ModuleType) -> bytes:
-    return Path(inspect.getsourcefile(module)).read_bytes()
+    path = inspect.getsourcefile(module)
+    assert path is not None, f"{module.__name__}: no source file"  # deepinfer's modules are source files
+    return Path(path).read_bytes()
 
 
 def modules_digest(names) -> dict[str, str]:
@@ -177,20 +179,25 @@ def module_imports(name: str) -> frozenset[str]:
     """The deepinfer modules that module `name` imports anywhere in its file (at module level or
     inside functions; `if TYPE_CHECKING:` blocks, which never run, excepted)."""
     spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.origin is not None, f"{name}: no source file"
     tree = ast.parse(Path(spec.origin).read_text(), spec.origin)
     package = name if spec.submodule_search_locations else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and _type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
+            for stmt in node.orelse:
+                visit(stmt)
             return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-            module = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+            if node.level:  # relative: from the package, or above it
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                assert node.module is not None  # an absolute `from` import names its module
+                module = node.module
             found.add(module)
             found.update(f"{module}.{a.name}" for a in node.names if _is_module(f"{module}.{a.name}"))
         for child in ast.iter_child_nodes(node):
@@ -246,8 +253,9 @@ def source_closure(fn) -> bytes:
     out: list[bytes] = []
     seen: set = set()
 
-    def own(obj) -> bool:
-        return (getattr(obj, "__module__", None) or getattr(obj, "__name__", "")).startswith("deepinfer")
+    def own(obj: object) -> bool:
+        name = getattr(obj, "__module__", None) or getattr(obj, "__name__", "")
+        return isinstance(name, str) and name.startswith("deepinfer")
 
     def visit(f):
         if f in seen:

@@ -1,13 +1,14 @@
-"""deepinfer-compile as a list of named passes.
+"""deepinfer-compile as a list of named passes, and its API (`compile_bundle`, `cache_key`).
 
     parse config -> copy tokenizer (and build engram's token map) -> plan regions -> check memory budget
     -> preprocess weights (per rank)
     -> trace (and lower; on trn2: HLO, checked on XLA:CPU) -> check memory budget with scratch
     -> compile -> lay out state -> write manifest -> publish (atomic rename)
 
-Each pass is a plain function: it takes what it uses and returns what it
-makes (`PASSES` names both). What is built is fixed once parsed (`Spec`); how
-the compile runs (staging directory, workers, log, cache) is `Run`.
+`build` calls the passes in that order, each a plain function that takes what it uses and returns
+what it makes, timed under its name. What is built is fixed once parsed (`Spec`); how the compile
+runs (staging directory, workers, log, cache) is `Run` (compiler/spec.py). The trace and compile
+passes are compiler/executables.py's; the memory checks compiler/budget.py's.
 
 With a cache (`compiler/cached.py`), the weights pass fetches each kind's
 stacks by key instead of rebuilding them, the trace pass fetches an executable
@@ -20,173 +21,98 @@ interrupted or failed compile leaves no partial bundle.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
-import json
 import os
 import shutil
 import sys
 import time
+import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import Any, ParamSpec, TypeVar
 
 import deepinfer
 from deepinfer.bundles import layout
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.signing import sign_file
-from deepinfer.bundles.topology import Topology
 from deepinfer.compiler import budget, cached
 from deepinfer.compiler.cache import Cache
 from deepinfer.compiler.config import CompileConfig, config_error
-from deepinfer.compiler.jobs import Job, keep_failed_logs
-from deepinfer.compiler.keys import Key, graph_digest, kernels_reached
+from deepinfer.compiler.executables import compile_regions, trace_regions
+from deepinfer.compiler.jobs import keep_failed_logs
+from deepinfer.compiler.keys import Key
 from deepinfer.compiler.plan import RegionPlan, plan_regions
 from deepinfer.compiler.pools import DRAFT_FEATURES, plan_pools
 from deepinfer.compiler.publish import check_output, clean_stale, make_staging, publish
-from deepinfer.compiler.stream import stream
-from deepinfer.compiler.targets import TARGETS, Target
+from deepinfer.compiler.spec import Log, Run, Spec, parse
+from deepinfer.compiler.stream import OutFile, stream
+from deepinfer.compiler.targets import TARGETS
 from deepinfer.compiler.tokenizer import bundle_tokenizer, tokenizer_digests
-from deepinfer.compiler.trace import trace
-from deepinfer.compiler.weights import RECIPES, Recipe, host_entries, host_files, stack_files
+from deepinfer.compiler.weights import Wanted, host_entries, host_files, stack_files
 from deepinfer.errors import ConfigError, DeepinferError
-from deepinfer.regions import topology
 from deepinfer.regions.checkpoint import Checkpoint
-from deepinfer.regions.config import V41Config, load_config
-from deepinfer.regions.state import Geometry, check_block_size
-from deepinfer.regions.step import DTYPES
+from deepinfer.schema import Rules, coerce
 
-LOWERED_DIR = ".lowered"
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What a compile builds, resolved from model.toml and the checkpoint's config."""
-
-    config: CompileConfig
-    model: V41Config
-    topology: Topology
-    target: Target
-    geometry: Geometry
-    hlo_only: bool = False
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return DTYPES[self.config.model.dtype]
-
-    @property
-    def draft(self) -> bool:
-        """Whether the bundle holds the checkpoint's speculative draft ([speculative] draft)."""
-        return self.config.speculative.draft is not None
-
-    @property
-    def recipe(self) -> Recipe:
-        """The weight recipe: [quant] recipe, or the target's own for "target"."""
-        name = self.config.quant.recipe
-        return RECIPES[self.target.recipe if name == "target" else name]
-
-    @property
-    def device_embedding(self) -> bool:
-        """Whether the token embedding is a region (token ids in, its table a device weight):
-        [host] embedding = false, or the target's choice where model.toml leaves it unset."""
-        host = self.config.host.embedding
-        return self.target.device_embedding if host is None else not host
-
-    def executables(self, plan: RegionPlan) -> list[tuple[str, str, int, int, int | None]]:
-        """(kind, method, batch, tokens, context) of every executable (MoE on gathered rows under EP
-        dispatch; context None for the kinds whose shapes do not depend on it)."""
-        gathered = self.topology.groups if self.topology.dispatch else 1
-        return plan.executables(self.config.buckets.shapes(), self.config.buckets.context, gathered)
-
-    def geometry_at(self, context: int | None) -> Geometry:
-        """The geometry an executable of context bucket `context` is traced with (None: the full one)."""
-        return self.geometry if context is None else self.geometry.at_context(context)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-@dataclass(frozen=True)
-class Run:
-    """How a compile runs: never what it builds."""
-
-    staging: Path  # the bundle being assembled
-    out: Path  # where it is published
-    jobs: int = 1
-    log: Callable[[str], None] = print
-    cache: Cache | None = None
-    require_cache: bool = False
-    verbose: bool = False
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Weights:
     stacks: dict[str, tuple[mf.WeightStack, ...]]  # rank key -> that rank's stacks
     host: dict[str, mf.HostFile]
 
 
-@dataclass(frozen=True)
-class Traced:
-    executables: tuple[mf.Executable, ...]  # every executable, in plan order
-    jobs: tuple[Job, ...]  # those to compile
-    keys: dict[str, Key] = field(default_factory=dict)  # their executable keys (with a cache)
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class State:
     pools: dict[str, mf.Pool]
     bindings: dict[int, dict[str, tuple[str, int]]]  # layer -> state name -> (pool, row)
 
 
-# --- the passes ---------------------------------------------------------------------------------
+# --- the pipeline ------------------------------------------------------------------------------
 
 
-def parse(config: CompileConfig, hlo_only: bool, log) -> Spec:
-    m = config.model
-    if not (m.checkpoint / "config.json").exists() and m.tiny is not None:
-        from deepinfer.regions.tiny import make_tiny
+class Timings:
+    """Runs passes by name, timing each: `seconds` maps pass names to seconds, in the order run."""
 
-        log(
-            f"checkpoint {m.checkpoint} absent: generating the tiny checkpoint "
-            f"(seed {m.tiny.seed}, {m.tiny.layers} layers)"
-        )
-        make_tiny(m.checkpoint, seed=m.tiny.seed, layers=m.tiny.layers, exist_ok=True)
-    model = load_config(m.checkpoint)
-    try:
-        check_block_size(model.text, config.kv.block_size)
-    except ConfigError as e:
-        raise config_error(config, "kv", "block_size", str(e)) from None
-    if config.speculative.draft is not None and not model.text.has_draft:
-        raise config_error(
-            config,
-            "speculative",
-            "draft",
-            f"the checkpoint {m.checkpoint} has no DSpark draft (its config.json's "
-            "text_config.num_nextn_predict_layers is 0: no mtp.* tensors); drop the key or "
-            "use a checkpoint with a draft",
-        )
-    p = config.parallel
-    topo = Topology(tp=p.tp, ep=p.ep, cp=p.cp)
-    bad = topology.check(topo, model.text)
-    if bad:
-        raise config_error(config, "parallel", bad[0], bad[1])
-    t = config.target
-    kv, buckets = config.kv, config.buckets
-    geometry = Geometry(
-        slots=max(buckets.batch) + 1,
-        blocks=kv.num_blocks,
-        block_size=kv.block_size,
-        max_blocks=-(-buckets.max_context // kv.block_size),
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str, run: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        start = time.perf_counter()
+        made = run(*args, **kwargs)
+        self.seconds[name] = time.perf_counter() - start
+        return made
+
+
+@dataclass(frozen=True, kw_only=True)
+class Built:
+    """What the passes built: the bundle's executables, and which of them this compile made itself."""
+
+    executables: int  # in the manifest
+    compiled: tuple[str, ...] = ()  # compiled here (the others came from the cache)
+    lowered: tuple[str, ...] = ()  # HLO-stage bundles: the HLO modules lowered and checked
+
+
+def build(config: CompileConfig, hlo_only: bool, run: Run, timed: Timings) -> Built:
+    """Every pass, in order, into `run.staging`."""
+    spec = timed("parse config", parse, config, hlo_only, run.log)
+    tokenizer = timed("copy tokenizer", copy_tokenizer, spec, run)
+    regions = timed("plan regions", plan, spec, run.log)
+    timed("check memory budget", budget.check_planned, spec, regions, run.log)
+    weights = timed("preprocess weights", preprocess_weights, spec, regions, run)
+    traced = timed("trace", trace_regions, spec, regions, run)
+    timed("check memory budget with scratch", budget.check_traced, spec, regions, traced.executables, run.log)
+    compiled = timed("compile", compile_regions, spec, traced, run)
+    state = timed("lay out state", layout_state, spec, regions)
+    manifest = timed(
+        "write manifest", write_manifest, spec, regions, weights, tokenizer, compiled.executables, state, run
     )
-    spec = Spec(config, model, topo, TARGETS[t.name](t.executable, t.options), geometry, hlo_only)
-    if spec.draft and spec.device_embedding:
-        raise config_error(
-            config,
-            "speculative",
-            "draft",
-            f"the draft embeds its block with the host's embedding table, and target {t.name} "
-            "makes the embedding a device region; add [host] embedding = true to keep it on the host",
-        )
-    return spec
+    return Built(executables=len(manifest.regions), compiled=compiled.built, lowered=traced.lowered)
+
+
+# --- the passes (the trace and compile passes: compiler/executables.py) -------------------------
 
 
 def copy_tokenizer(spec: Spec, run: Run) -> dict[str, mf.HostFile]:
@@ -195,7 +121,7 @@ def copy_tokenizer(spec: Spec, run: Run) -> dict[str, mf.HostFile]:
     return bundle_tokenizer(spec.model, spec.config.model.checkpoint, run.staging, run.log)
 
 
-def plan(spec: Spec, log) -> RegionPlan:
+def plan(spec: Spec, log: Log) -> RegionPlan:
     p = plan_regions(
         spec.model.text,
         spec.dtype,
@@ -210,7 +136,9 @@ def plan(spec: Spec, log) -> RegionPlan:
     return p
 
 
-def weight_files(spec: Spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path, wanted=None):
+def weight_files(
+    spec: Spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path, wanted: Wanted | None = None
+) -> tuple[list[OutFile], dict[str, list[mf.WeightStack]]]:
     """The weight pass's output files under `staging` (planned from the checkpoint's headers: every
     source tensor checked, nothing read) and each rank's manifest entries; `wanted` as `stack_files`'."""
     files, stacks = stack_files(spec, plan, ckpt, staging, wanted)
@@ -260,155 +188,15 @@ def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
         report = stream(files, workers=run.jobs, log=run.log)
         for f in files:
             rel = Path(f.path).relative_to(run.staging).as_posix()
-            if rel in keys:
+            if run.cache is not None and rel in keys:
                 run.cache.put_file(keys[rel][0], keys[rel][1], Path(f.path))
     run.log(
         f"weights: {len(files)} file(s) written, {report['bytes_read'] / 2**30:.2f} GiB read in "
         f"{report['seconds']:.1f} s" + (f", {len(fetched)} from the cache" if fetched else "")
     )
     return Weights(
-        {r: tuple(s) for r, s in stacks.items()}, host_entries(spec.model, device_embedding=spec.device_embedding)
-    )
-
-
-def _io(specs) -> tuple[mf.TensorSpec, ...]:
-    return tuple(
-        mf.TensorSpec(name=s.name, shape=tuple(s.shape), dtype=str(s.dtype).removeprefix("torch."), role=s.role)
-        for s in specs
-    )
-
-
-def lowered_graph(
-    spec: Spec, plan: RegionPlan, kind: str, method: str, batch: int, tokens: int, context: int | None = None
-):
-    """One executable's graph: its kind's region traced on fake tensors for the bucket (`context`:
-    its context bucket, None for kinds built once), lowered for the target -> (lowered program,
-    signature, example inputs, kernels the traced graph reaches)."""
-    ep, sig, inputs = trace(
-        plan.kinds[kind].region, batch, tokens, spec.geometry_at(context), method, dynamic=not spec.target.static_shapes
-    )
-    kernels = kernels_reached(ep)
-    return spec.target.lower(ep), sig, inputs, kernels
-
-
-def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
-    """Trace, lower and emit each executable's graph (a cache hit skips all three); trn2 graphs
-    are also run on XLA:CPU against their reference region here."""
-    target = spec.target
-    lowered_dir = run.staging / LOWERED_DIR
-    lowered_dir.mkdir()
-    use_cache = run.cache is not None and not spec.hlo_only
-    executables, jobs, keys = [], [], {}
-    for kind, method, batch, tokens, context in spec.executables(plan):
-        name = layout.executable_name(kind, method, batch, tokens, context)
-        artifact = layout.executable_path(kind, method, batch, tokens, context, target.suffix)
-        tkey = cached.trace_key(spec, plan, kind, method, batch, tokens, context) if use_cache else None
-        record = cached.trace_record(run, tkey) if use_cache else None
-        if record and run.cache.get_file("executable", record["executable_key"], run.staging / artifact):
-            executables.append(mf.parse_executable(record["entry"], f"cached trace record of {name}"))
-            run.log(f"cached {name}")
-            continue
-        region = plan.kinds[kind].region
-        ep, sig, inputs, kernels = lowered_graph(spec, plan, kind, method, batch, tokens, context)
-        names = [s.name for s in sig.all]
-        user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
-        mutated = sorted(names[user.index(n)] for n in ep.graph_signature.user_inputs_to_mutate.values())
-        entry = mf.Executable(
-            kind=kind,
-            method=method,
-            bucket=mf.Shape(batch=batch, tokens=tokens, context=context),
-            artifact=artifact,
-            executable=target.executable,
-            inputs=_io(sig.all),
-            outputs=tuple(region.output_names()),
-            mutates=tuple(mutated),
-            scratch_bytes=budget.scratch_bytes(ep),
-        )
-        lowered = lowered_dir / f"{name}{target.lowered_suffix}"
-        if target.static_shapes:  # state comes back as outputs: emit and check now
-            entry = _emit_and_check(spec, entry, ep, names, lowered, region, method, inputs, run)
-        if spec.hlo_only:
-            entry = dataclasses.replace(
-                entry, artifact=layout.executable_path(kind, method, batch, tokens, context, target.lowered_suffix)
-            )
-            (run.staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
-            os.replace(lowered, run.staging / entry.artifact)
-            executables.append(entry)
-            if run.cache is not None:
-                run.cache.stats["lowered"].append(name)
-            continue
-        executables.append(entry)
-        if not target.static_shapes:
-            run.log(f"traced {name}")
-        if use_cache:
-            ekey = cached.executable_key(spec, plan, kind, method, batch, tokens, context, graph_digest(ep), kernels)
-            record = {"executable_key": ekey.digest, "kernels": kernels, "entry": mf.to_json(entry)}
-            run.cache.put_bytes("trace", tkey, json.dumps(record).encode())
-            if run.cache.get_file("executable", ekey, run.staging / artifact):
-                run.log(f"cached {name}")
-                continue
-            cached.missed(run, "executable", ekey)
-            keys[name] = ekey
-        if not target.static_shapes:
-            target.emit(ep, names, list(entry.outputs), lowered)
-        jobs.append(
-            Job(
-                name,
-                lowered,
-                run.staging / artifact,
-                target.name,
-                target.executable,
-                target.options,
-                log=run.staging / layout.log_path(kind, method, batch, tokens, context),
-            )
-        )
-    return Traced(tuple(executables), tuple(jobs), keys)
-
-
-def _emit_and_check(
-    spec: Spec, entry: mf.Executable, ep, names, lowered: Path, region, method, inputs, run: Run
-) -> mf.Executable:
-    """Static-shape targets: write the lowered module (state returned, aliased) and check it numerically."""
-    target = spec.target
-    try:
-        extra = target.emit(ep, names, list(entry.outputs), lowered)
-    except DeepinferError as e:
-        raise type(e)(f"region {entry.name}: {e}") from None
-    entry = dataclasses.replace(entry, mutates=(), **mf.executable_fields(extra))
-    if not target.check:
-        run.log(f"lowered {entry.name}: HLO {lowered.stat().st_size} bytes (check off)")
-        return entry
-    check = target.check_numerics(
-        lowered, region, method, inputs, names, list(entry.state_outputs), f"region {entry.name}"
-    )
-    run.log(
-        f"lowered {entry.name}: HLO {lowered.stat().st_size} bytes, XLA:CPU vs reference "
-        f"max |diff| {check['max_abs']:.2g}, score {check['score']:.2g} (tolerance {check['tolerance']:g})"
-    )
-    return dataclasses.replace(entry, check=check)
-
-
-def compile_regions(spec: Spec, traced: Traced, run: Run) -> tuple[mf.Executable, ...]:
-    target = spec.target
-    (run.staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
-    if spec.hlo_only:
-        run.log(
-            f"HLO-stage bundle: {len(traced.executables)} HLO modules; finish it where neuronx-cc is "
-            f"installed with: deepinfer-compile --finish {run.out}"
-        )
-    elif traced.jobs:
-        target.require_compiler()
-
-    def progress(done, total, job, seconds):
-        run.log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
-
-    cached.compile_jobs(run, traced, progress)
-    shutil.rmtree(run.staging / LOWERED_DIR)
-    if spec.hlo_only:
-        return traced.executables
-    return tuple(
-        dataclasses.replace(e, **mf.executable_fields(target.describe(run.staging / e.artifact)))
-        for e in traced.executables
+        stacks={r: tuple(s) for r, s in stacks.items()},
+        host=host_entries(spec.model, device_embedding=spec.device_embedding),
     )
 
 
@@ -416,7 +204,7 @@ def layout_state(spec: Spec, plan: RegionPlan) -> State:
     pools, bindings = plan_pools(
         spec.model.text, plan.layers, block_size=spec.config.kv.block_size, dtype=spec.dtype, draft=bool(plan.draft)
     )
-    return State(pools, bindings)
+    return State(pools=pools, bindings=bindings)
 
 
 def write_manifest(
@@ -432,7 +220,7 @@ def write_manifest(
     layers = tuple(
         mf.Layer(
             layer=p.layer,
-            attn=p.attn,
+            attn=_checked(mf.Layer, "attn", p.attn),
             ratio=p.ratio,
             kv_source=p.kv_source,
             candidate_source=p.candidate_source,
@@ -449,13 +237,13 @@ def write_manifest(
         format_version=mf.FORMAT_VERSION,
         deepinfer_version=deepinfer.__version__,
         toolchain=spec.target.toolchain(),
-        target=mf.Target(name=c.target.name, executable=c.target.executable, options=c.target.options),
+        target=mf.Target(name=c.target.name, executable=spec.target.executable, options=c.target.options),
         stage="hlo" if spec.hlo_only else "executable",
         topology=mf.Ranks.of(spec.topology, spec.target.lnc),
         model=mf.Model(
             config=spec.model.to_dict(),
             config_hash=spec.model.digest(),
-            dtype=c.model.dtype,
+            dtype=_checked(mf.Model, "dtype", c.model.dtype),
             cache_quant=c.model.cache_quant,
             weight_format="e4m3fn",
             scale_layout="ue8m0-u8-row-major",
@@ -464,7 +252,7 @@ def write_manifest(
         buckets=mf.Buckets(
             shapes=tuple(mf.Shape(batch=b, tokens=t) for b, t in c.buckets.shapes()),
             max_context=c.buckets.max_context,
-            contexts=c.buckets.context,
+            contexts=c.buckets.contexts,
         ),
         kv=mf.KV(
             block_size=c.kv.block_size,
@@ -491,12 +279,19 @@ def write_manifest(
     return manifest
 
 
+def _checked(part: type, name: str, value: object) -> Any:
+    """`value` checked against the annotation of field `name` of manifest part `part` (one of its
+    literals, where the compiler holds a str), as a reader of the manifest would check it."""
+    return coerce(value, typing.get_type_hints(part)[name], (name,), Rules())
+
+
 def _draft_entry(spec: Spec, plan: RegionPlan) -> mf.Draft | None:
-    if not plan.draft:
+    name = spec.config.speculative.draft
+    if not plan.draft or name is None:
         return None
     c = spec.model.text
     return mf.Draft(
-        name=spec.config.speculative.draft,
+        name=name,
         block=plan.draft_block,
         window=plan.draft_window,
         target_layers=tuple(c.dspark_target_layer_ids),
@@ -507,64 +302,111 @@ def _draft_entry(spec: Spec, plan: RegionPlan) -> mf.Draft | None:
     )
 
 
-@dataclass(frozen=True)
-class Pass:
-    name: str
-    run: Callable
-    needs: tuple[str, ...]  # the values it takes, by name
-    makes: str | None  # the name of what it returns (None: a check)
+# --- the API -------------------------------------------------------------------------------------
 
 
-PASSES = [
-    Pass("parse config", parse, ("config", "hlo_only", "log"), "spec"),
-    Pass("copy tokenizer", copy_tokenizer, ("spec", "run"), "tokenizer"),
-    Pass("plan regions", plan, ("spec", "log"), "plan"),
-    Pass("check memory budget", budget.check_planned, ("spec", "plan", "log"), None),
-    Pass("preprocess weights", preprocess_weights, ("spec", "plan", "run"), "weights"),
-    Pass("trace", trace_regions, ("spec", "plan", "run"), "traced"),
-    Pass("check memory budget with scratch", budget.check_traced, ("spec", "plan", "traced", "log"), None),
-    Pass("compile", compile_regions, ("spec", "traced", "run"), "executables"),
-    Pass("lay out state", layout_state, ("spec", "plan"), "state"),
-    Pass(
-        "write manifest",
-        write_manifest,
-        ("spec", "plan", "weights", "tokenizer", "executables", "state", "run"),
-        "manifest",
-    ),
-]
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+INDUCTOR_CACHE = Path(".cache/inductor")  # under the working directory, unless the user names one
 
 
-# --- publishing and the API ---------------------------------------------------------------------
+def use_inductor_cache() -> Path:
+    """Inductor's cache directory (AOTInductor's compiled kernels and headers): $TORCHINDUCTOR_CACHE_DIR
+    when set, else ./.cache/inductor, set for this process and the compile workers it spawns."""
+    return Path(os.environ.setdefault(INDUCTOR_CACHE_ENV, str(INDUCTOR_CACHE.resolve())))
+
+
+def settings(
+    config: CompileConfig, out: Path, *, jobs: int, cache: Cache | None, require_cache: bool, hlo_only: bool
+) -> str:
+    """The resolved settings of a compile, as it reports them before it starts."""
+    b, m, t, p = config.buckets, config.model, config.target, config.parallel
+    return (
+        f"compiling {config.source} -> {out}\n"
+        f"  checkpoint {m.checkpoint} ({m.dtype}, cache_quant={str(m.cache_quant).lower()})\n"
+        f"  target {t.name} ({t.executable}), buckets batch={list(b.batch)} tokens={list(b.tokens)} "
+        f"max_context={b.max_context} context={list(b.contexts)}, kv block_size={config.kv.block_size} "
+        f"num_blocks={config.kv.num_blocks}, parallel tp={p.tp} ep={p.ep} cp={p.cp}, "
+        f"jobs={jobs}, cache {cache.dir if cache else 'off'}{' (required)' if require_cache else ''}"
+        f"{', stop at HLO' if hlo_only else ''}"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileReport:
+    """What `compile_bundle` did: the bundle, the settings it resolved, each pass's seconds, and
+    which executables it built itself (the others came from the cache)."""
+
+    bundle: Path
+    settings: str
+    seconds: dict[str, float]  # pass name -> seconds
+    executables: int  # in the bundle
+    compiled: tuple[str, ...]  # compiled by this compile (none for an HLO-stage bundle)
+    lowered: tuple[str, ...]  # HLO-stage bundles: the HLO modules lowered and checked (every one)
+    cache: Path | None  # the artifact cache's directory; None: no cache
+    hlo_only: bool = False
+
+    @property
+    def summary(self) -> str:
+        """One line: where, how long, how many built and how many fetched."""
+        built = self.lowered if self.hlo_only else self.compiled
+        what = "HLO modules lowered and checked" if self.hlo_only else "executables compiled"
+        n, total = self.executables, sum(self.seconds.values())
+        return f"wrote {self.bundle} in {total:.1f} s ({len(built)} of {n} {what}, {n - len(built)} from the cache)"
+
+    def to_json(self) -> dict[str, object]:
+        """The `deepinfer-compile --json` summary."""
+        return {
+            "bundle": str(self.bundle),
+            "seconds": self.seconds,
+            "executables": self.executables,
+            "compiled": list(self.compiled),
+            "lowered": list(self.lowered),
+            "cache": str(self.cache) if self.cache else None,
+        }
 
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _finish(staging: Path, out: Path, force: bool, sign: object | None) -> None:
+    """Sign the manifest (with a key), make the files readable by all, and publish the bundle."""
+    if sign is not None:
+        sign_file(staging / layout.MANIFEST_FILE, sign, staging / layout.SIGNATURE_FILE)
+    for path in staging.rglob("*"):  # safetensors writes 0600; a bundle is for sharing
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    os.chmod(staging, 0o755)
+    publish(staging, out, force)
+
+
 def compile_bundle(
     config: CompileConfig,
-    out: Path,
+    out: Path | str,
     *,
     jobs: int = 1,
     force: bool = False,
-    log=None,
+    log: Log | None = None,
     cache: Cache | None = None,
     require_cache: bool = False,
     verbose: bool = False,
     hlo_only: bool = False,
-    sign=None,
-) -> tuple[Path, dict[str, float]]:
-    """Run every pass; returns the bundle path and the seconds each pass took.
+    sign: object | None = None,
+) -> CompileReport:
+    """Run every pass and publish the bundle; logs the resolved settings first and a summary last,
+    and returns both with the seconds each pass took and what was built (`CompileReport`).
 
-    With `cache`, every executable, weight stack and trace is fetched by key or
-    built and stored; `cache.stats` counts hits, misses and compiles. With
-    `require_cache`, a miss raises CacheError naming the region and why.
-    `verbose` logs each missed key's part hashes. `hlo_only` (trn2) stops after lowering and
-    checking: the bundle holds HLO modules, finished later by `finish_bundle`. With `sign` (an
-    Ed25519 private key, `bundles.signing`), the manifest is signed before the bundle is published.
+    Inductor's cache goes to $TORCHINDUCTOR_CACHE_DIR, else ./.cache/inductor (`use_inductor_cache`).
+    With `cache`, every executable, weight stack and trace is fetched by key or built and stored.
+    With `require_cache`, a miss raises CacheError naming the region and why. `verbose` logs each
+    missed key's part hashes. `hlo_only` (trn2) stops after lowering and checking: the bundle holds
+    HLO modules, finished later by `finish_bundle`. With `sign` (an Ed25519 private key,
+    `bundles.signing`), the manifest is signed before the bundle is published.
     """
     log = log or _stderr
     out = Path(out)
+    resolved = settings(config, out, jobs=jobs, cache=cache, require_cache=require_cache, hlo_only=hlo_only)
+    log(resolved)
+    use_inductor_cache()
     check_output(out, force, config.model.checkpoint)
     if require_cache and cache is None:
         raise ConfigError("--require-cache needs a cache (drop --no-cache)")
@@ -575,26 +417,11 @@ def compile_bundle(
         staging = make_staging(out)
     except OSError as e:
         raise disk_error(e, out) from None
-    values = {
-        "config": config,
-        "hlo_only": hlo_only,
-        "log": log,
-        "run": Run(staging, out, jobs=jobs, log=log, cache=cache, require_cache=require_cache, verbose=verbose),
-    }
-    timings: dict[str, float] = {}
+    run = Run(staging=staging, out=out, jobs=jobs, log=log, cache=cache, require_cache=require_cache, verbose=verbose)
+    timed = Timings()
     try:
-        for p in PASSES:
-            start = time.perf_counter()
-            made = p.run(*(values[n] for n in p.needs))
-            if p.makes:
-                values[p.makes] = made
-            timings[p.name] = time.perf_counter() - start
-        if sign is not None:
-            sign_file(staging / layout.MANIFEST_FILE, sign, staging / layout.SIGNATURE_FILE)
-        for path in staging.rglob("*"):  # safetensors writes 0600; a bundle is for sharing
-            os.chmod(path, 0o755 if path.is_dir() else 0o644)
-        os.chmod(staging, 0o755)
-        publish(staging, out, force)
+        built = build(config, hlo_only, run, timed)
+        _finish(staging, out, force, sign)
     except BaseException as e:
         if isinstance(e, OSError) and e.errno in DISK_ERRORS:
             e = disk_error(e, out)
@@ -604,13 +431,29 @@ def compile_bundle(
         if isinstance(e, DeepinferError):
             raise e from None
         raise
-    return out, timings
+    report = CompileReport(
+        bundle=out,
+        settings=resolved,
+        seconds=timed.seconds,
+        executables=built.executables,
+        compiled=built.compiled,
+        lowered=built.lowered,
+        cache=cache.dir if cache else None,
+        hlo_only=hlo_only,
+    )
+    log(report.summary)
+    return report
 
 
 def cache_key(
-    config: CompileConfig, *, cache: Cache | None = None, log=None, verbose: bool = False, hlo_only: bool = False
+    config: CompileConfig,
+    *,
+    cache: Cache | None = None,
+    log: Log | None = None,
+    verbose: bool = False,
+    hlo_only: bool = False,
 ) -> Key:
-    """One key for the whole bundle (for CI cache systems), from the trace and weight keys:
+    """One key for the whole bundle (for CI cache systems), from the trace, weight and host keys:
     nothing is traced or compiled. `cache` only lends its tensor-digest memo."""
     log = log or _stderr
     spec = parse(config, hlo_only, log)
@@ -622,15 +465,13 @@ def cache_key(
         for kind, kp in p.kinds.items()
         for r in range(spec.topology.world)
     }
-    traces = {layout.executable_name(*e): cached.trace_key(spec, p, *e) for e in spec.executables(p)}
+    host = {
+        name: cached.host_key(spec, ckpt, name, memo)
+        for name in host_entries(spec.model, device_embedding=spec.device_embedding)
+    }
+    traces = {e.name: cached.trace_key(spec, p, e) for e in spec.executables(p)}
     key = cached.bundle_key(
-        spec,
-        weights,
-        cached.host_key(spec, ckpt, memo),
-        traces,
-        cached.vision_key(spec, ckpt, memo) if spec.model.vision.num_hidden_layers > 0 else None,
-        cached.engram_key(spec, ckpt, memo) if spec.model.text.engram_layer_ids else None,
-        tokenizer_digests(config.model.checkpoint),
+        spec, weights=weights, host=host, traces=traces, tokenizer=tokenizer_digests(config.model.checkpoint)
     )
     if verbose:
         for k in [*weights.values(), *traces.values(), key]:

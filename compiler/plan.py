@@ -19,9 +19,11 @@ draft's logits are the target's head).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
+from deepinfer.bundles.layout import executable_name
 from deepinfer.bundles.manifest import DECODE, PROJECT
 from deepinfer.bundles.topology import Topology
 from deepinfer.regions.base import Region
@@ -32,6 +34,22 @@ from deepinfer.regions.step import LayerPlan, plan_layers
 
 METHOD = DECODE
 DRAFT_PROJECT = PROJECT  # the target head's method the draft's logits go through
+
+
+class Exe(NamedTuple):
+    """One executable to build: a kind's method at a (batch, tokens) step shape and, for the kinds
+    whose shapes depend on the context, a context bucket (None for the others)."""
+
+    kind: str
+    method: str
+    batch: int
+    tokens: int
+    context: int | None
+
+    @property
+    def name(self) -> str:
+        """Its name in the bundle: its file, log, cache key and messages (`attn_window.decode.b1t1`)."""
+        return executable_name(self.kind, self.method, self.batch, self.tokens, self.context)
 
 
 @dataclass
@@ -69,16 +87,14 @@ class RegionPlan:
         """The kinds the draft's stages run, in stage order (none without a draft)."""
         return list(dict.fromkeys(kind for stage in self.draft for kind, _ in stage.values()))
 
-    def executables(
-        self, shapes: list[tuple[int, int]], contexts: tuple[int, ...], gathered: int = 1
-    ) -> list[tuple[str, str, int, int, int | None]]:
-        """(kind, method, batch, tokens, context) to build: context is one of `contexts` for the
+    def executables(self, shapes: list[tuple[int, int]], contexts: tuple[int, ...], gathered: int = 1) -> list[Exe]:
+        """The executables to build, in plan order: context is one of `contexts` for the
         kinds that read it, None for the others. With EP dispatch over `gathered` token groups
         the MoE runs on the gathered rows: its batch buckets are `gathered` times larger. The
         draft's kinds come last, one executable per batch bucket."""
         drafts = self.draft_kinds
         out = [
-            (k, METHOD, b * (gathered if k == "moe" else 1), t, c)
+            Exe(k, METHOD, b * (gathered if k == "moe" else 1), t, c)
             for k, kp in self.kinds.items()
             if k not in drafts
             for b, t in shapes
@@ -89,10 +105,10 @@ class RegionPlan:
         batches = sorted({b for b, _ in shapes})
         for k in drafts:
             out += [
-                (k, METHOD, b, self.draft_window if self.kinds[k].slot == "context" else self.draft_block, None)
+                Exe(k, METHOD, b, self.draft_window if self.kinds[k].slot == "context" else self.draft_block, None)
                 for b in batches
             ]
-        return out + [("head", DRAFT_PROJECT, b, self.draft_block, None) for b in batches]
+        return out + [Exe("head", DRAFT_PROJECT, b, self.draft_block, None) for b in batches]
 
 
 def plan_regions(

@@ -62,7 +62,7 @@ class Piece:
     dimension) of source tensor `src`, written as consecutive rows of `row_bytes` each
     starting at byte `offset` of the output tensor (the rest of each row stays zero)."""
 
-    src: TensorInfo
+    src: TensorInfo | Derived  # a checkpoint tensor, or a part of its fp8 conversion
     rows: tuple[int, int]
     cols: tuple[int, int] | None
     offset: int  # from the start of the output tensor's data
@@ -76,7 +76,7 @@ class Piece:
         return (self.cols[1] - self.cols[0]) * self.src.np_dtype.itemsize * _inner(self.src)
 
 
-def _inner(t: TensorInfo) -> int:
+def _inner(t: TensorInfo | Derived) -> int:
     """Elements per column of a tensor's dim 1 (1 for 2-D tensors)."""
     return math.prod(t.shape[2:]) if len(t.shape) > 2 else 1
 

@@ -69,10 +69,10 @@ class Lifted(torch.nn.Module):
                 shell.__dict__.pop(name, None)
 
 
-def dynamic_dims(sig: Signature) -> tuple:
+def dynamic_dims(sig: Signature) -> tuple[dict[int, Dim] | None, ...]:
     """Pool sizes stay dynamic so the runtime may choose its block count and slots."""
     slots, blocks = Dim("slots", min=2), Dim("blocks", min=2)
-    out = []
+    out: list[dict[int, Dim] | None] = []
     for spec in sig.all:
         if spec.role == "state":
             out.append({0: blocks if spec.name in ("ckv", "ikeys") else slots})

@@ -28,9 +28,10 @@ the bytes). Every source tensor is checked here, dtype and shape, naming its fil
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -44,9 +45,11 @@ from deepinfer.quant.formats import FP8_E4M3, FP8_E4M3FN
 from deepinfer.quant.rescale import convert_format
 from deepinfer.regions.base import WeightSpec, engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint, release_block
+from deepinfer.regions.config import V41Config
 
-if TYPE_CHECKING:  # types only: the weights' cache key must not see the region classes
+if TYPE_CHECKING:  # types only: the weights' cache key must not see the region classes or the targets
     from deepinfer.compiler.plan import KindPlan, RegionPlan
+    from deepinfer.compiler.spec import Spec
 
 SAFETENSORS_DTYPES = {
     "uint8": "U8",
@@ -58,7 +61,8 @@ SAFETENSORS_DTYPES = {
     "int32": "I32",
     "bool": "BOOL",
 }
-SHARED = "shared"
+SHARED: Literal["shared"] = "shared"
+Wanted = Callable[[str], bool]  # whether a bundle file (relative path) must be written: a cached one is fetched
 FORMATS = {"F8_E4M3": "e4m3fn", "F8_E8M0": "ue8m0-u8-row-major", "I8": "e2m1-x2-u8", "BF16": "bf16", "F32": "f32"}
 
 
@@ -135,7 +139,9 @@ def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
     return math.prod(shape[1:]) * itemsize if len(shape) > 1 else itemsize
 
 
-def _pieces(ckpt: Checkpoint, kp, spec: WeightSpec, full: WeightSpec, cut: shard.Cut, recipe: Recipe) -> list[Piece]:
+def _pieces(
+    ckpt: Checkpoint, kp: KindPlan, spec: WeightSpec, full: WeightSpec, cut: shard.Cut, recipe: Recipe
+) -> list[Piece]:
     """Where each layer's part of weight `spec` comes from, as pieces of its stack [layers, ...]."""
     if cut.zero:
         return []
@@ -148,8 +154,10 @@ def _pieces(ckpt: Checkpoint, kp, spec: WeightSpec, full: WeightSpec, cut: shard
             e0, e1 = cut.experts or (0, full.experts)
             per_expert = math.prod(spec.shape) * itemsize
             for e in range(e0, e1):
-                src = _source(ckpt, prefix + full.key.format(e=e), full)
-                out.append(Piece(src, (0, src.shape[0]), None, i * slot + (e - e0) * per_expert, src.row_bytes))
+                expert = _source(ckpt, prefix + full.key.format(e=e), full)
+                out.append(
+                    Piece(expert, (0, expert.shape[0]), None, i * slot + (e - e0) * per_expert, expert.row_bytes)
+                )
             continue
         src = _stored(ckpt, prefix + full.key, full, recipe)
         rows = cut.rows or (0, src.shape[0] if src.shape else 1)
@@ -158,7 +166,7 @@ def _pieces(ckpt: Checkpoint, kp, spec: WeightSpec, full: WeightSpec, cut: shard
 
 
 def stack_files(
-    spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path, wanted=None
+    spec: Spec, plan: RegionPlan, ckpt: Checkpoint, staging: Path, wanted: Wanted | None = None
 ) -> tuple[list[OutFile], dict[str, list[WeightStack]]]:
     """The output files of every rank's stacks, and each rank's manifest entries.
 
@@ -172,7 +180,7 @@ def stack_files(
         for rank in range(topo.world):
             tensors, paths = {}, {}
             for s, full in zip(kp.region.specs, kp.full_specs):
-                where = SHARED if s.name in shared else "rank"
+                where: Literal["rank", "shared"] = SHARED if s.name in shared else "rank"
                 rel = layout.shared_weights_path(kind) if where == SHARED else layout.weights_path(rank, kind)
                 paths[where] = rel
                 tensors[s.name] = TensorShape(
@@ -206,7 +214,7 @@ def stack_files(
     return list(files.values()), entries
 
 
-def host_entries(model, *, device_embedding: bool) -> dict[str, HostFile]:
+def host_entries(model: V41Config, *, device_embedding: bool) -> dict[str, HostFile]:
     """The manifest's host-resident tensors of V41Config `model`: the token embedding (unless it is
     a device region's weight), the engram tables (with engram layers), the vision tower (with one)."""
     out = {}
@@ -219,11 +227,11 @@ def host_entries(model, *, device_embedding: bool) -> dict[str, HostFile]:
     return out
 
 
-def _embed_spec(model) -> WeightSpec:
+def _embed_spec(model: V41Config) -> WeightSpec:
     return WeightSpec("embed", "embed.weight", (model.text.vocab_size, model.text.hidden_size), "BF16")
 
 
-def _vision_specs(model) -> list[WeightSpec]:
+def _vision_specs(model: V41Config) -> list[WeightSpec]:
     if model.vision.num_hidden_layers == 0:
         return []
     from deepinfer.regions.vision import vision_specs
@@ -234,7 +242,7 @@ def _vision_specs(model) -> list[WeightSpec]:
     ]
 
 
-def host_bytes(model, *, device_embedding: bool) -> dict[str, int]:
+def host_bytes(model: V41Config, *, device_embedding: bool) -> dict[str, int]:
     """Bytes of each host file's tensors (V41Config `model`): host memory of the machine that runs
     the bundle, mapped once by every rank it runs there, never a device weight."""
     specs = {"embed": [_embed_spec(model)], "engram": engram_table_specs(model.text), "vision": _vision_specs(model)}
@@ -254,7 +262,13 @@ def _whole(src: TensorInfo | Derived, name: str, spec: WeightSpec) -> OutTensor:
 
 
 def host_files(
-    model, ckpt: Checkpoint, staging: Path, recipe: Recipe, wanted=None, *, device_embedding: bool
+    model: V41Config,
+    ckpt: Checkpoint,
+    staging: Path,
+    recipe: Recipe,
+    wanted: Wanted | None = None,
+    *,
+    device_embedding: bool,
 ) -> list[OutFile]:
     """The token embedding (unless on the device), the engram tables (fp8 stored as the recipe
     says, like every fp8 weight) and the vision tower as checkpointed (V41Config `model`)."""
@@ -273,7 +287,7 @@ def host_files(
     return out
 
 
-def host_sources(model, ckpt: Checkpoint) -> list[str]:
+def host_sources(model: V41Config, ckpt: Checkpoint) -> list[str]:
     """The checkpoint tensors the engram host file is built from."""
     return [n for s in engram_table_specs(model.text) for n in ckpt.sources(s, s.key)]
 

@@ -181,15 +181,14 @@ def _compile_tiny(
         parallel=parallel,
         extra=extra,
     )
-    path, _ = compile_bundle(
+    return compile_bundle(
         load_compile_config(toml),
         root / "bundle",
         jobs=2,
         log=lambda msg: None,
         hlo_only=hlo_only,
         cache=Cache(Path(os.environ[CACHE_ENV])),
-    )
-    return path
+    ).bundle
 
 
 @pytest.fixture(scope="session")

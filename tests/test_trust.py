@@ -72,14 +72,15 @@ def test_a_bad_key_file_is_one_line(tmp_path):
 def test_compile_signs_the_manifest_it_publishes(tmp_path, tiny_ckpt, keys, other_public, monkeypatch):
     from deepinfer.compiler.config import load_compile_config
 
-    def write_manifest(run):
+    def write_manifest(config, hlo_only, run, timed):
         (run.staging / layout.MANIFEST_FILE).write_text('{"format_version": 1}')
+        return pipeline.Built(executables=0)
 
-    monkeypatch.setattr(pipeline, "PASSES", [pipeline.Pass("write manifest", write_manifest, ("run",), None)])
+    monkeypatch.setattr(pipeline, "build", write_manifest)
     toml = tmp_path / "model.toml"
     toml.write_text(f'[model]\ncheckpoint = "{tiny_ckpt}"\n[target]\nexecutable = "exported"\n')
     private, public, _, _ = keys
-    out, _ = pipeline.compile_bundle(load_compile_config(toml), tmp_path / "b", sign=private, log=lambda m: None)
+    out = pipeline.compile_bundle(load_compile_config(toml), tmp_path / "b", sign=private, log=lambda m: None).bundle
     raw = (out / layout.MANIFEST_FILE).read_bytes()
     verify_bytes(raw, out / layout.SIGNATURE_FILE, public)
     with pytest.raises(TrustError, match="does not verify with the trusted key"):

@@ -29,8 +29,13 @@ class Target(Protocol):
     device_embedding: ClassVar[bool]  # the token embedding is a region (ids in), not a host lookup
     executable: str
     options: dict
-    lnc: int | None  # logical NeuronCore size (trn2), recorded with the topology
     check: bool  # run the lowered graph against its reference region
+
+    def __init__(self, executable: str = ..., options: dict | None = None) -> None: ...
+
+    @property
+    def lnc(self) -> int | None:
+        """The logical NeuronCore size (trn2; None elsewhere), recorded with the topology."""
 
     @staticmethod
     def check_options(options: dict) -> str | None:

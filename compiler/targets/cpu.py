@@ -11,6 +11,7 @@ import functools
 import platform
 import subprocess
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -22,22 +23,22 @@ from deepinfer.kernels import reference_decompositions
 
 
 class CpuTarget:
-    name = "cpu"
-    recipe = "release"  # the weight recipe [quant] recipe = "target" means
-    EXECUTABLES = ("aoti", "exported")
-    suffix = ".pt2"
-    lowered_suffix = ".pt2"
-    static_shapes = False
-    state_writes = "in-place"
+    name: ClassVar[str] = "cpu"
+    recipe: ClassVar[str] = "release"  # the weight recipe [quant] recipe = "target" means
+    EXECUTABLES: ClassVar[tuple[str, ...]] = ("aoti", "exported")
+    suffix: ClassVar[str] = ".pt2"
+    lowered_suffix: ClassVar[str] = ".pt2"
+    static_shapes: ClassVar[bool] = False
+    state_writes: ClassVar[str] = "in-place"
     # the host lookup: host memory is the executables' memory, so a region saves no transfer.
     # Measured per step at hidden 5120 bf16, 1 thread: host 16-18 us at batch 1 (59-69 us at 8);
     # as a region, an AOTInductor package 6 us (36 us) but one more C++ compile per bucket, a
     # saved ExportedProgram 235 us (383 us). [host] embedding = false makes it a region.
-    device_embedding = False
-    LOWERING_MODULES = ("deepinfer.compiler.targets.cpu",)
+    device_embedding: ClassVar[bool] = False
+    LOWERING_MODULES: ClassVar[tuple[str, ...]] = ("deepinfer.compiler.targets.cpu",)
     # options are Inductor config settings (aoti); these only write logs or dumps, so cache
     # keys leave them out (compiler/keys.py). Every other option is keyed.
-    LOG_OPTIONS = (
+    LOG_OPTIONS: ClassVar[tuple[str, ...]] = (
         "trace.enabled",
         "trace.debug_dir",
         "trace.debug_log",

@@ -19,6 +19,7 @@ a missing one is a `LoweringUnavailable` naming the package and how to install i
 from __future__ import annotations
 
 import functools
+import importlib
 
 import numpy as np
 import torch
@@ -128,9 +129,9 @@ def to_stablehlo(ep: torch.export.ExportedProgram, frontend: str = "torch-mlir")
     """A decomposed, functional ExportedProgram -> StableHLO text (function @main)."""
     if frontend == "torch-xla":
         _need("torch_xla")
-        from torch_xla.stablehlo import exported_program_to_stablehlo
-
-        return exported_program_to_stablehlo(ep).get_stablehlo_text("forward")
+        # optional, and not among the type-checked dependencies (no wheel for every host)
+        stablehlo = importlib.import_module("torch_xla.stablehlo")
+        return stablehlo.exported_program_to_stablehlo(ep).get_stablehlo_text("forward")
     _need("torch_mlir")
     from torch_mlir import fx
     from torch_mlir.compiler_utils import TorchMlirCompilerError
@@ -190,7 +191,9 @@ def finish_module(text: str, aliases: dict[int, int], input_names: list[str], ou
         _tuple_root(main, output_names)
         if aliases:
             module.operation.attributes["mhlo.input_output_alias"] = _must_alias(aliases)
-        return module.operation.get_asm(enable_debug_info=False)
+        asm = module.operation.get_asm(enable_debug_info=False)
+        assert isinstance(asm, str)  # text, not bytecode: binary=False
+        return asm
 
 
 def _frontend(**attrs: str):
@@ -212,7 +215,8 @@ def _name_inputs(main, names: list[str]) -> None:
     )
     new = []
     for name, attrs in zip(names, old):
-        d = {a.name: a.attr for a in ir.DictAttr(attrs)}
+        entries = ir.DictAttr(attrs)
+        d = {entries[i].name: entries[i].attr for i in range(len(entries))}
         d["mhlo.frontend_attributes"] = _frontend(neff_input_names=name)
         new.append(ir.DictAttr.get(d))
     main.attributes["arg_attrs"] = ir.ArrayAttr.get(new)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import platform
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -50,19 +51,19 @@ class CheckFailed(DeepinferError):
 
 
 class Trn2Target:
-    name = "trn2"
-    recipe = "e4m3"  # IEEE-like fp8, as Neuron's float8_e4m3 reads it
-    EXECUTABLES = ("neff",)
-    suffix = ".neff"
-    lowered_suffix = ".hlo.pb"
-    static_shapes = True
-    state_writes = "returned (pool outputs alias their inputs)"
+    name: ClassVar[str] = "trn2"
+    recipe: ClassVar[str] = "e4m3"  # IEEE-like fp8, as Neuron's float8_e4m3 reads it
+    EXECUTABLES: ClassVar[tuple[str, ...]] = ("neff",)
+    suffix: ClassVar[str] = ".neff"
+    lowered_suffix: ClassVar[str] = ".hlo.pb"
+    static_shapes: ClassVar[bool] = True
+    state_writes: ClassVar[str] = "returned (pool outputs alias their inputs)"
     # ids go in, not rows: the table is a resident weight stack (replicated: every rank embeds its
     # own token group, and a vocabulary split would need a collective before the first layer)
-    device_embedding = True
+    device_embedding: ClassVar[bool] = True
     # options that only change logs, waiting or checking: left out of cache keys
-    LOG_OPTIONS = (*neuronxcc.LOG_ONLY, "check")
-    LOWERING_MODULES = (
+    LOG_OPTIONS: ClassVar[tuple[str, ...]] = (*neuronxcc.LOG_ONLY, "check")
+    LOWERING_MODULES: ClassVar[tuple[str, ...]] = (
         "deepinfer.compiler.targets.trn2",
         "deepinfer.compiler.targets.hlo",
         "deepinfer.compiler.targets.neuronxcc",
@@ -75,9 +76,10 @@ class Trn2Target:
         self.frontend = self.options.get("frontend", "torch-mlir")
         self.check = self.options.get("check", True)
         compiler_options = {k: v for k, v in self.options.items() if k not in OWN_OPTIONS}
-        self.compile_options = neuronxcc.NeuronCompileOptions.from_dict(compiler_options)
-        if isinstance(self.compile_options, str):
-            raise ValueError(self.compile_options)
+        compile_options = neuronxcc.NeuronCompileOptions.from_dict(compiler_options)
+        if isinstance(compile_options, str):
+            raise ValueError(compile_options)
+        self.compile_options = compile_options
 
     @staticmethod
     def check_options(options: dict) -> str | None:

@@ -9,7 +9,7 @@ import pytest
 
 from deepinfer.compiler.cache import Cache
 from deepinfer.compiler.config import load_compile_config
-from deepinfer.compiler.pipeline import compile_bundle
+from deepinfer.compiler.pipeline import CompileReport, compile_bundle
 
 from ..conftest import write_model_toml
 
@@ -21,12 +21,13 @@ def write_toml(directory: Path, ckpt: Path, *, options: str = "{}", num_blocks: 
     return write_model_toml(directory, ckpt, executable="exported", options=options, num_blocks=num_blocks, extra=extra)
 
 
-def compile_cached(toml: Path, out: Path, cache_dir: Path, **kwargs) -> tuple[Path, Cache]:
+def compile_cached(toml: Path, out: Path, cache_dir: Path, **kwargs) -> tuple[CompileReport, Cache]:
+    """Compile through a fresh Cache of `cache_dir`: the report (the bundle, what it compiled) and the cache."""
     cache = Cache(cache_dir)
-    path, _ = compile_bundle(
+    report = compile_bundle(
         load_compile_config(toml), out, jobs=2, force=True, log=lambda msg: None, cache=cache, **kwargs
     )
-    return path, cache
+    return report, cache
 
 
 @pytest.fixture(scope="session")
@@ -38,9 +39,9 @@ def small_toml(tmp_path_factory, tiny_ckpt) -> Path:
 def filled(tmp_path_factory, small_toml) -> tuple[Path, Path, Cache]:
     """(cache dir, bundle, cache) after one cold compile of the small model."""
     root = tmp_path_factory.mktemp("filled")
-    bundle, cache = compile_cached(small_toml, root / "bundle", root / "cache")
-    assert len(cache.stats["compiled"]) == EXECUTABLES
-    return root / "cache", bundle, cache
+    report, cache = compile_cached(small_toml, root / "bundle", root / "cache")
+    assert len(report.compiled) == EXECUTABLES
+    return root / "cache", report.bundle, cache
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 import deepinfer.compiler.cached as cached
+import deepinfer.compiler.executables as executables
 import deepinfer.compiler.keys as keys
 import deepinfer.compiler.pipeline as pipeline
 from deepinfer.bundles import manifest as mf
@@ -41,8 +42,9 @@ def without_executable_digests(m: dict) -> dict:
 
 def test_warm_compile_builds_nothing(filled, cache_copy, small_toml, tmp_path):
     _, cold, _ = filled
-    bundle, cache = compile_cached(small_toml, tmp_path / "warm", cache_copy)
-    assert cache.stats["compiled"] == [] and cache.stats["miss"] == [] and cache.stats["stored"] == []
+    report, cache = compile_cached(small_toml, tmp_path / "warm", cache_copy)
+    bundle = report.bundle
+    assert report.compiled == () and cache.stats["miss"] == [] and cache.stats["stored"] == []
     kinds = [kind for kind, _ in cache.stats["hit"]]
     assert kinds.count("executable") == kinds.count("trace") == EXECUTABLES
     assert kinds.count("weights") == 8 and kinds.count("host") == 3  # embedding, engram tables, vision
@@ -60,9 +62,10 @@ def test_tampered_entries_are_detected_and_replaced(filled, cache_copy, small_to
         data[len(data) // 2] ^= 1  # one bit, size unchanged
         entry.artifact.write_bytes(bytes(data))
         damaged[kind] = entry.meta["identity"]
-    bundle, cache = compile_cached(small_toml, tmp_path / "b", cache_copy)
+    report, cache = compile_cached(small_toml, tmp_path / "b", cache_copy)
+    bundle = report.bundle
     assert sorted(k for k, _ in cache.stats["corrupt"]) == ["executable", "weights"]
-    assert cache.stats["compiled"] == [damaged["executable"]]
+    assert report.compiled == (damaged["executable"],)
     assert without_executable_digests(manifest(bundle)) == without_executable_digests(manifest(cold))
     mf.check_files(bundle, mf.read(bundle))
     assert Cache(cache_copy).verify() == []  # replaced by good entries
@@ -79,8 +82,8 @@ def test_kernel_change_recompiles_only_the_graphs_reaching_it(cache_copy, small_
 
     monkeypatch.setattr(keys, "source_closure", changed_closure)
     monkeypatch.setattr(cached, "graph_sources", changed_sources)
-    _, cache = compile_cached(small_toml, tmp_path / "b", cache_copy)
-    assert cache.stats["compiled"] == ["attn_source_r2.decode.b1t1c32"]  # its one context bucket: max_context
+    report, cache = compile_cached(small_toml, tmp_path / "b", cache_copy)
+    assert report.compiled == ("attn_source_r2.decode.b1t1c32",)  # its one context bucket: max_context
     assert sum(1 for kind, _ in cache.stats["stored"] if kind == "trace") == EXECUTABLES  # all retraced
 
 
@@ -89,7 +92,7 @@ def cli(*args):
 
 
 def test_require_cache_fails_cleanly_on_a_miss(cache_copy, small_toml, tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "trace", lambda *a, **k: pytest.fail("traced on an empty cache"))
+    monkeypatch.setattr(executables, "trace", lambda *a, **k: pytest.fail("traced on an empty cache"))
     r = cli(small_toml, "-o", tmp_path / "out", "--cache-dir", tmp_path / "empty", "--require-cache")
     assert r.exit_code == 2
     [line] = [line for line in r.output.splitlines() if line.startswith("error:")]
@@ -119,7 +122,7 @@ def test_require_cache_fails_cleanly_on_a_miss(cache_copy, small_toml, tmp_path,
 
 
 def test_print_cache_key(small_toml, tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "trace", lambda *a, **k: pytest.fail("traced to print a key"))
+    monkeypatch.setattr(executables, "trace", lambda *a, **k: pytest.fail("traced to print a key"))
     r = cli(small_toml, "-o", tmp_path / "out", "--cache-dir", tmp_path / "c", "--print-cache-key")
     assert r.exit_code == 0, r.output
     printed = [line for line in r.output.splitlines() if len(line) == 64]
@@ -178,7 +181,8 @@ def test_killed_compiles_never_leave_an_accepted_bad_entry(filled, small_toml, t
         entries = Cache(cache_dir).entries()
         assert all(e.meta.get("key") == e.key for e in entries)
         assert Cache(cache_dir).verify() == []  # every entry present is whole
-    bundle, cache = compile_cached(small_toml, tmp_path / "final", cache_dir)
+    report, cache = compile_cached(small_toml, tmp_path / "final", cache_dir)
+    bundle = report.bundle
     assert cache.stats["corrupt"] == []
     mf.check_files(bundle, mf.read(bundle))
     assert without_executable_digests(manifest(bundle)) == without_executable_digests(manifest(cold))

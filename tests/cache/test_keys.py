@@ -17,7 +17,9 @@ from deepinfer.bundles.topology import Topology
 from deepinfer.compiler import keys
 from deepinfer.compiler.config import SECTIONS, load_compile_config
 from deepinfer.compiler.keys import KEYED_OPTIONS, UNKEYED_OPTIONS, Key
-from deepinfer.compiler.pipeline import Spec, cache_key, parse, plan
+from deepinfer.compiler.pipeline import cache_key, plan
+from deepinfer.compiler.plan import Exe
+from deepinfer.compiler.spec import Spec, parse
 from deepinfer.compiler.targets import TARGETS
 from deepinfer.compiler.targets.cpu import CpuTarget
 from deepinfer.compiler.trace import trace
@@ -43,6 +45,14 @@ class Build:
         return self.spec.target
 
 
+def trace_key(b: Build, kind: str, method: str, batch: int, tokens: int, context: int | None) -> Key:
+    return cached.trace_key(b.spec, b.plan, Exe(kind, method, batch, tokens, context))
+
+
+def executable_key(b: Build, kind, method, batch, tokens, context, graph: str, kernels: list[str]) -> Key:
+    return cached.executable_key(b.spec, b.plan, Exe(kind, method, batch, tokens, context), graph, kernels)
+
+
 def build(toml: Path) -> Build:
     spec = parse(load_compile_config(toml), False, QUIET["log"])
     return Build(spec, plan(spec, QUIET["log"]))
@@ -63,13 +73,14 @@ from deepinfer.compiler.keys import graph_digest, kernels_reached
 from deepinfer.compiler import cached
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.pipeline import cache_key, parse, plan
+from deepinfer.compiler.plan import Exe
 from deepinfer.compiler.trace import trace
 cfg = load_compile_config(sys.argv[1])
 spec = parse(cfg, False, lambda m: None)
 p = plan(spec, lambda m: None)
 ep, _, _ = trace(p.kinds["head"].region, 1, 1, spec.geometry)
 kernels = kernels_reached(ep)
-exe = cached.executable_key(spec, p, "head", "decode", 1, 1, None, graph_digest(spec.target.lower(ep)), kernels)
+exe = cached.executable_key(spec, p, Exe("head", "decode", 1, 1, None), graph_digest(spec.target.lower(ep)), kernels)
 print(json.dumps({"bundle": cache_key(cfg, log=lambda m: None).digest, "executable": exe.digest,
                   "kernels": kernels}))
 """
@@ -124,11 +135,11 @@ EXE_VARIANTS = {
 
 @pytest.mark.parametrize("part", list(EXE_VARIANTS))
 def test_each_executable_key_part_changes_the_key(b, monkeypatch, part):
-    base = cached.executable_key(b.spec, b.plan, **EXE)
+    base = executable_key(b, **EXE)
     assert [n for n, _ in base.parts] == list(EXE_VARIANTS)  # every part has a variant here
     kw = dict(EXE)
     EXE_VARIANTS[part](b, monkeypatch, kw)
-    assert changed_part(base, cached.executable_key(b.spec, b.plan, **kw)) == [part]
+    assert changed_part(base, executable_key(b, **kw)) == [part]
 
 
 TRACE_VARIANTS = {
@@ -157,29 +168,27 @@ TRACE_VARIANTS = {
 
 @pytest.mark.parametrize("part", [p for p, v in TRACE_VARIANTS.items() if v])
 def test_each_trace_key_part_changes_the_key(b, monkeypatch, part):
-    base = cached.trace_key(b.spec, b.plan, "head", "decode", 1, 1, None)
+    base = trace_key(b, "head", "decode", 1, 1, None)
     assert [n for n, _ in base.parts] == list(TRACE_VARIANTS)
     kw = dict(kind="head", method="decode", batch=1, tokens=1, context=None)
     TRACE_VARIANTS[part](b, monkeypatch, kw)
-    assert changed_part(base, cached.trace_key(b.spec, b.plan, **kw)) == [part]
+    assert changed_part(base, trace_key(b, **kw)) == [part]
 
 
 def test_trace_key_bucket(b):
-    base = cached.trace_key(b.spec, b.plan, "head", "decode", 1, 1, None)
-    assert changed_part(base, cached.trace_key(b.spec, b.plan, "head", "decode", 1, 2, None)) == ["bucket", "signature"]
+    base = trace_key(b, "head", "decode", 1, 1, None)
+    assert changed_part(base, trace_key(b, "head", "decode", 1, 2, None)) == ["bucket", "signature"]
 
 
 def test_trace_key_context_bucket(b):
     """A kind built per context bucket: another bucket is another name, bucket, geometry and signature
     (its block table); the executable key sees the bucket too."""
-    base = cached.trace_key(b.spec, b.plan, "attn_source_r2", "decode", 1, 1, 32)
-    other = cached.trace_key(b.spec, b.plan, "attn_source_r2", "decode", 1, 1, 16)
+    base = trace_key(b, "attn_source_r2", "decode", 1, 1, 32)
+    other = trace_key(b, "attn_source_r2", "decode", 1, 1, 16)
     assert base.identity.endswith("b1t1c32") and other.identity.endswith("b1t1c16")
     assert changed_part(base, other) == ["bucket", "geometry", "signature"]
     exe = dict(EXE, kind="attn_source_r2", context=32)
-    assert changed_part(
-        cached.executable_key(b.spec, b.plan, **exe), cached.executable_key(b.spec, b.plan, **dict(exe, context=16))
-    ) == ["bucket"]
+    assert changed_part(executable_key(b, **exe), executable_key(b, **dict(exe, context=16))) == ["bucket"]
 
 
 WEIGHT_VARIANTS = {
@@ -216,6 +225,27 @@ def test_every_option_is_in_exactly_one_list():
     assert not set(CpuTarget.LOG_OPTIONS) - set(__import__("torch")._inductor.config.get_config_copy())
 
 
+def test_the_keyed_list_is_all_the_bundle_key_sees_of_the_options(b, monkeypatch):
+    """bundle_key's config part is KEYED_OPTIONS, option by option, in order: no second list of
+    config fields. Dropping an option from the list drops it from the key; adding one adds it."""
+    config = cached.config_part(b.spec)
+    assert list(config) == list(KEYED_OPTIONS)
+    assert set(cached.KEYED_VALUES) <= set(KEYED_OPTIONS)  # resolved values only for keyed options
+    assert not [o for o, v in config.items() if isinstance(v, Path)]  # never a path
+
+    def key(spec) -> str:
+        return cached.bundle_key(spec, weights={}, host={}, traces={}, tokenizer={}).digest
+
+    c = b.spec.config
+    more_blocks = dataclasses.replace(b.spec, config=dataclasses.replace(c, kv=dataclasses.replace(c.kv, num_blocks=7)))
+    assert key(more_blocks) != key(b.spec)
+    monkeypatch.setattr(cached, "KEYED_OPTIONS", tuple(o for o in KEYED_OPTIONS if o != "kv.num_blocks"))
+    assert "kv.num_blocks" not in cached.config_part(b.spec)
+    assert key(more_blocks) == key(b.spec)
+    monkeypatch.setattr(cached, "KEYED_OPTIONS", (*KEYED_OPTIONS, "memory.reserve_gib"))
+    assert cached.config_part(b.spec)["memory.reserve_gib"] == c.memory.reserve_gib
+
+
 def bundle_key(toml: Path) -> Key:
     return cache_key(load_compile_config(toml), **QUIET)
 
@@ -233,14 +263,8 @@ def test_unkeyed_options_do_not_change_the_key(small_toml, tmp_path, b):
     moved = write_toml(tmp_path / "elsewhere", ckpt, options=logs, extra='\n[cache]\ndir = "somewhere"\n')
     assert bundle_key(moved).digest == base.digest
     logged = build(moved)
-    assert (
-        cached.trace_key(logged.spec, logged.plan, "head", "decode", 1, 1, None).digest
-        == cached.trace_key(b.spec, b.plan, "head", "decode", 1, 1, None).digest
-    )
-    assert (
-        cached.executable_key(logged.spec, logged.plan, **EXE).digest
-        == cached.executable_key(b.spec, b.plan, **EXE).digest
-    )
+    assert trace_key(logged, "head", "decode", 1, 1, None).digest == trace_key(b, "head", "decode", 1, 1, None).digest
+    assert executable_key(logged, **EXE).digest == executable_key(b, **EXE).digest
 
 
 KEYED_EDITS = {
@@ -329,16 +353,12 @@ def test_a_kernel_change_reaches_only_graphs_calling_it(b, monkeypatch):
         k: kernels_reached(trace(b.plan.kinds[k].region, 1, 1, b.spec.geometry)[0]) for k in ("head", "attn_source_r2")
     }
     assert "compress_pool" in reached["attn_source_r2"] and "compress_pool" not in reached["head"]
-    before = {
-        k: cached.executable_key(b.spec, b.plan, k, "decode", 1, 1, None, "g", ks).digest for k, ks in reached.items()
-    }
+    before = {k: executable_key(b, k, "decode", 1, 1, None, "g", ks).digest for k, ks in reached.items()}
     closure = keys.source_closure
     monkeypatch.setattr(
         keys, "source_closure", lambda fn: closure(fn) + (b"# changed" if fn.__name__ == "compress_pool_ref" else b"")
     )
-    after = {
-        k: cached.executable_key(b.spec, b.plan, k, "decode", 1, 1, None, "g", ks).digest for k, ks in reached.items()
-    }
+    after = {k: executable_key(b, k, "decode", 1, 1, None, "g", ks).digest for k, ks in reached.items()}
     assert after["head"] == before["head"] and after["attn_source_r2"] != before["attn_source_r2"]
 
 

@@ -17,6 +17,7 @@ import pytest
 from deepinfer.compiler import cached, keys
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.pipeline import cache_key, parse, plan
+from deepinfer.compiler.plan import Exe
 from deepinfer.regions.checkpoint import Checkpoint
 
 QUIET = lambda msg: None  # noqa: E731
@@ -45,11 +46,13 @@ KEYS = {
         cached.weight_sources,
     ),
     "trace": (
-        lambda spec, p: cached.trace_key(spec, p, "attn_source_r2", "decode", 1, 1, spec.config.buckets.max_context),
+        lambda spec, p: cached.trace_key(
+            spec, p, Exe("attn_source_r2", "decode", 1, 1, spec.config.buckets.max_context)
+        ),
         lambda: cached.import_closure(cached.TRACE_ROOTS + spec_lowering()),
     ),
     "executable": (
-        lambda spec, p: cached.executable_key(spec, p, "head", "decode", 1, 1, None, "g", ["rmsnorm"]),
+        lambda spec, p: cached.executable_key(spec, p, Exe("head", "decode", 1, 1, None), "g", ["rmsnorm"]),
         lambda: cached.lowering_sources(spec_lowering()),
     ),
 }

@@ -13,7 +13,7 @@ import torch
 from deepinfer.bundles import manifest as mf
 from deepinfer.compiler import budget
 from deepinfer.compiler.config import load_compile_config
-from deepinfer.compiler.pipeline import Traced, compile_bundle, parse, plan
+from deepinfer.compiler.pipeline import compile_bundle, parse, plan
 from deepinfer.errors import ConfigError
 from deepinfer.host import physical_memory
 
@@ -65,7 +65,7 @@ def test_trn2_pools_over_hbm_refused_before_tracing(tmp_path, tiny_ckpt, monkeyp
     """2M KV blocks of the tiny model are ~17 GiB of pools: over one LNC=1 core's 12 GiB of HBM."""
     toml = write_model_toml(tmp_path, tiny_ckpt, target="trn2", options="{ lnc = 1 }", num_blocks=2_000_000)
     called = []
-    monkeypatch.setattr("deepinfer.compiler.pipeline.trace", lambda *a, **k: called.append(a))
+    monkeypatch.setattr("deepinfer.compiler.executables.trace", lambda *a, **k: called.append(a))
     with pytest.raises(ConfigError) as e:
         compile_bundle(load_compile_config(toml), tmp_path / "bundle", log=lambda msg: None)
     message = str(e.value)
@@ -109,7 +109,7 @@ def test_scratch_is_checked_after_tracing(tmp_path, tiny_ckpt):
     head = dataclasses.replace(moe, kind="head", bucket=mf.Shape(batch=2, tokens=1), scratch_bytes=1 << 20)
     moe8 = dataclasses.replace(moe, bucket=mf.Shape(batch=8, tokens=1), scratch_bytes=(2 << 20) + 4096)
     with pytest.raises(ConfigError, match="with the traced graphs' scratch") as e:
-        budget.check_traced(spec, planned, Traced((moe, head, moe8), ()), QUIET)
+        budget.check_traced(spec, planned, (moe, head, moe8), QUIET)
     assert "(largest graph: moe.decode.b8t1)" in str(e.value)
     assert "by kind    moe 2.00 MiB, head 1.00 MiB" in str(e.value)  # each kind's largest graph
 

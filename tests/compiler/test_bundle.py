@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+import deepinfer.compiler.executables as executables
 import deepinfer.compiler.pipeline as pipeline
 from deepinfer.bundles import layout
 from deepinfer.bundles import manifest as mf
@@ -211,7 +212,7 @@ def test_failure_mid_compile_leaves_no_partial_bundle(tmp_path, tiny_ckpt, monke
         seen.extend(p.relative_to(staging).as_posix() for p in staging.rglob("*.safetensors"))
         raise error("injected failure")
 
-    monkeypatch.setattr(pipeline, "trace", failing_trace)
+    monkeypatch.setattr(executables, "trace", failing_trace)
     cfg, out = write_toml(tmp_path, tiny_ckpt), tmp_path / "bundle"
     with pytest.raises(error, match="injected failure"):
         pipeline.compile_bundle(cfg, out, log=lambda msg: None)
@@ -225,7 +226,7 @@ def test_failure_with_force_keeps_the_existing_bundle(tmp_path, tiny_ckpt, monke
     def failing_trace(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(pipeline, "trace", failing_trace)
+    monkeypatch.setattr(executables, "trace", failing_trace)
     cfg, out = write_toml(tmp_path, tiny_ckpt), tmp_path / "bundle"
     out.mkdir()
     (out / "manifest.json").write_text('{"format_version": 1}')  # what --force may replace: a bundle
@@ -237,7 +238,7 @@ def test_failure_with_force_keeps_the_existing_bundle(tmp_path, tiny_ckpt, monke
 
 
 def test_existing_output_needs_force(tmp_path, tiny_ckpt, monkeypatch):
-    monkeypatch.setattr(pipeline, "PASSES", [])  # nothing may run
+    monkeypatch.setattr(pipeline, "build", lambda *a: pytest.fail("a pass ran"))  # nothing may run
     cfg, out = write_toml(tmp_path, tiny_ckpt), tmp_path / "bundle"
     out.mkdir()
     with pytest.raises(ConfigError, match="exists; pass --force"):

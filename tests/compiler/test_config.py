@@ -207,12 +207,13 @@ def test_missing_file(tmp_path):
 
 def test_block_size_not_multiple_of_compress_ratios(tmp_path, tiny_ckpt, monkeypatch):
     """The tiny model compresses at ratios 1 and 2: block_size 15 is refused before anything is traced."""
+    import deepinfer.compiler.executables as executables
     import deepinfer.compiler.pipeline as pipeline
 
     def traced(*args, **kwargs):
         raise AssertionError("traced a region before kv.block_size was checked against the compress ratios")
 
-    monkeypatch.setattr(pipeline, "trace", traced)
+    monkeypatch.setattr(executables, "trace", traced)
     text = BASE.replace('"checkpoint"', f'"{tiny_ckpt}"')
     path, line = write(tmp_path, text, "block_size = 16", "block_size = 15")
     cfg = load_compile_config(path)  # the ratios are the checkpoint's: known once it is read

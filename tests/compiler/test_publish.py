@@ -27,7 +27,7 @@ def cfg(tmp_path, tiny_ckpt):
 @pytest.fixture
 def no_passes(monkeypatch):
     """Publishing without compiling: the staging directory is published empty."""
-    monkeypatch.setattr(pipeline, "PASSES", [])
+    monkeypatch.setattr(pipeline, "build", lambda *a: pipeline.Built(executables=0))
 
 
 def compile_into(cfg, out, force=True):
@@ -96,10 +96,10 @@ def test_next_compile_removes_what_a_killed_compile_left(tmp_path, cfg, no_passe
 
 
 def test_a_failed_compile_leaves_only_what_was_there(tmp_path, cfg, monkeypatch):
-    def failing(*args):
+    def failing(*args):  # the passes
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(pipeline, "PASSES", [pipeline.Pass("fail", failing, (), None)])
+    monkeypatch.setattr(pipeline, "build", failing)
     with pytest.raises(RuntimeError, match="injected failure"):
         compile_into(cfg, tmp_path / "bundle", force=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.toml"]

@@ -311,12 +311,12 @@ def test_compile_killed_mid_weight_pass_leaves_nothing_a_later_compile_accepts(t
     spec, plan = planned(tmp_path, tiny_ckpt)
     staging = tmp_path / "again"
     staging.mkdir()
-    run = pipeline.Run(staging, staging, log=QUIET, cache=cache)
+    run = pipeline.Run(staging=staging, out=staging, log=QUIET, cache=cache)
     pipeline.preprocess_weights(spec, plan, run)  # would block on a lock the dead process kept
     assert not [k for k, _ in cache.stats["hit"] if k in ("weights", "host")]
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    pipeline.preprocess_weights(spec, plan, pipeline.Run(fresh, fresh, log=QUIET))
+    pipeline.preprocess_weights(spec, plan, pipeline.Run(staging=fresh, out=fresh, log=QUIET))
     files = sorted(p.relative_to(fresh) for p in fresh.rglob("*.safetensors"))
     assert files and files == sorted(p.relative_to(staging) for p in staging.rglob("*.safetensors"))
     for rel in files:

@@ -9,6 +9,7 @@ region's output within float32 rounding.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -59,6 +60,25 @@ def test_topology_layout():
     assert Topology(cp=2).to_dict() == {"tp": 1, "ep": 1, "cp": 2, "world_size": 2, "groups": 1}
     assert Topology(ep=4).groups == 4 and Topology(ep=4).dispatch
     assert Topology(cp=4, ep=4).groups == 1 and not Topology(cp=4, ep=4).dispatch
+
+
+def test_one_rank_layout_for_config_planning_and_manifest():
+    """tp/ep/cp are spelled once, by Topology: model.toml's [parallel] is parsed into it, and the
+    manifest's Ranks records it: its degree fields are Topology's, its sizes Topology's, for every layout."""
+    from deepinfer.bundles.manifest import Ranks
+    from deepinfer.compiler.config import SECTIONS
+
+    assert SECTIONS["parallel"] is Topology
+    degrees = [f.name for f in dataclasses.fields(Topology)]
+    fields = [f.name for f in dataclasses.fields(Ranks)]
+    assert degrees == ["tp", "ep", "cp"] and fields[: len(degrees)] == degrees
+    assert fields == [*Topology().to_dict(), "dispatch", "lnc"]  # the record: degrees, sizes, LNC
+    for tp, ep, cp in itertools.product((1, 2, 4, 8), repeat=3):
+        topo = Topology(tp=tp, ep=ep, cp=cp)
+        ranks = Ranks.of(topo, lnc=2)
+        assert ranks.topology == topo
+        assert {k: getattr(ranks, k) for k in topo.to_dict()} == topo.to_dict()
+        assert (ranks.world_size, ranks.groups, ranks.dispatch) == (topo.world, topo.groups, topo.dispatch)
 
 
 @pytest.mark.parametrize("ep", [2, 4])

@@ -379,7 +379,8 @@ def test_wide_sort_is_refused_naming_region_and_op(tmp_path):
     """The same selection lowered without the blockwise form holds a sort over the whole row:
     the target refuses the module (one line naming the region and the op)."""
     from deepinfer.bundles import manifest as mf_types
-    from deepinfer.compiler.pipeline import _emit_and_check
+    from deepinfer.compiler.executables import Graph, emit
+    from deepinfer.compiler.plan import Exe
     from deepinfer.kernels import reference_decompositions
 
     scores = _tied_scores(40000)
@@ -396,18 +397,17 @@ def test_wide_sort_is_refused_naming_region_and_op(tmp_path):
         inputs=(),
         outputs=("idx",),
     )
+    graph = Graph(
+        exe=Exe("select", "decode", 2, 1, None),
+        region=None,
+        program=ep,
+        names=["scores"],
+        inputs=[scores],
+        kernels=[],
+        entry=entry,
+    )
     with pytest.raises(hlo.LoweringError) as err:
-        _emit_and_check(
-            types.SimpleNamespace(target=target),
-            entry,
-            ep,
-            ["scores"],
-            tmp_path / "s.hlo.pb",
-            None,
-            "decode",
-            [scores],
-            None,
-        )
+        emit(types.SimpleNamespace(target=target), graph, tmp_path / "s.hlo.pb")
     message = str(err.value)
     assert "\n" not in message and message.startswith("region select.decode.b2t1: ")
     assert "holds a sort over 40000 entries" in message and not (tmp_path / "s.hlo.pb").exists()

@@ -1,0 +1,254 @@
+"""The trace and compile passes: one executable per (kind, method, bucket).
+
+The trace pass takes each executable of the plan in order through these steps, one function each:
+
+    fetch   a cached trace record whose executable the cache holds: neither traced nor compiled
+    lower   the kind's region traced on fake tensors for the bucket, lowered for the target
+    emit    the lowered module written for the compile job (static-shape targets: now, since
+            what it returns is part of the manifest entry; others: only when it is compiled here)
+    check   static-shape targets (trn2): the lowered module run on XLA:CPU against its region
+    store   the trace record put in the cache: the executable's key and its manifest entry
+
+The compile pass runs the compile jobs, each at most once among the compiles sharing a cache
+(`cached.compile_jobs`), and reports which executables it built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, cast
+
+import torch
+
+from deepinfer.bundles import layout
+from deepinfer.bundles import manifest as mf
+from deepinfer.compiler import budget, cached
+from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.jobs import Job
+from deepinfer.compiler.keys import Key, graph_digest, kernels_reached
+from deepinfer.compiler.plan import Exe, RegionPlan
+from deepinfer.compiler.spec import Log, Run, Spec
+from deepinfer.compiler.trace import trace
+from deepinfer.errors import DeepinferError
+from deepinfer.regions.base import Region
+from deepinfer.regions.state import InputSpec
+
+LOWERED_DIR = ".lowered"
+
+
+class _Outputs(Protocol):
+    """What every region kind defines beside `decode` (regions/base.Region does not declare it)."""
+
+    def output_names(self) -> list[str]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Graph:
+    """One executable's graph, traced and lowered, with its manifest entry as traced."""
+
+    exe: Exe
+    region: Region  # its kind's region (meta weights)
+    program: torch.export.ExportedProgram  # lowered for the target
+    names: list[str]  # its flat inputs' names: weights (rank included), then the method's inputs
+    inputs: list[torch.Tensor]  # the method's example inputs (for numerical checks)
+    kernels: list[str]  # the deepinfer kernels the traced graph reaches
+    entry: mf.Executable
+
+
+@dataclass(frozen=True, kw_only=True)
+class Traced:
+    """What the trace pass made: every manifest entry, and what is left to compile."""
+
+    executables: tuple[mf.Executable, ...]  # every executable, in plan order
+    jobs: tuple[Job, ...]  # those to compile
+    keys: dict[str, Key] = field(default_factory=dict)  # their executable keys (with a cache)
+    lowered: tuple[str, ...] = ()  # HLO-stage bundles: the HLO modules lowered and checked (all of them)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Compiled:
+    """What the compile pass made: every manifest entry as built, and which this compile built."""
+
+    executables: tuple[mf.Executable, ...]
+    built: tuple[str, ...]  # compiled here (the others came from the cache), in the order they finished
+
+
+# --- the trace pass, step by step ----------------------------------------------------------------
+
+
+def fetch(cache: Cache, key: Key, exe: Exe, dest: Path) -> mf.Executable | None:
+    """The manifest entry of a cached trace of `exe` whose executable the cache holds (copied to
+    `dest`); None when either is missing."""
+    record = cached.trace_record(cache, key)
+    if record is None or not cache.get_file("executable", record["executable_key"], dest):
+        return None
+    return mf.parse_executable(record["entry"], f"cached trace record of {exe.name}")
+
+
+def _io(specs: Sequence[InputSpec]) -> tuple[mf.TensorSpec, ...]:
+    return tuple(
+        mf.TensorSpec(name=s.name, shape=tuple(s.shape), dtype=str(s.dtype).removeprefix("torch."), role=s.role)
+        for s in specs
+    )
+
+
+def lower(spec: Spec, plan: RegionPlan, exe: Exe) -> Graph:
+    """Trace `exe`'s region on fake tensors for its bucket and lower it for the target. Static-shape
+    targets return state as outputs, so their entries mutate no input."""
+    target = spec.target
+    region = plan.kinds[exe.kind].region
+    ep, sig, inputs = trace(
+        region, exe.batch, exe.tokens, spec.geometry_at(exe.context), exe.method, dynamic=not target.static_shapes
+    )
+    kernels = kernels_reached(ep)
+    lowered = target.lower(ep)
+    names = [s.name for s in sig.all]
+    user = [s.arg.name for s in lowered.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    mutated = sorted(names[user.index(n)] for n in lowered.graph_signature.user_inputs_to_mutate.values())
+    entry = mf.Executable(
+        kind=exe.kind,
+        method=exe.method,
+        bucket=mf.Shape(batch=exe.batch, tokens=exe.tokens, context=exe.context),
+        artifact=layout.executable_path(*exe, target.suffix),
+        executable=target.executable,
+        inputs=_io(sig.all),
+        outputs=tuple(cast(_Outputs, region).output_names()),
+        mutates=() if target.static_shapes else tuple(mutated),
+        scratch_bytes=budget.scratch_bytes(lowered),
+    )
+    return Graph(exe=exe, region=region, program=lowered, names=names, inputs=inputs, kernels=kernels, entry=entry)
+
+
+def emit(spec: Spec, graph: Graph, lowered: Path) -> mf.Executable:
+    """Write the lowered module a compile job reads to `lowered`; returns the entry with the fields
+    the target adds (trn2: the state it returns and their aliases)."""
+    try:
+        extra = spec.target.emit(graph.program, graph.names, list(graph.entry.outputs), lowered)
+    except DeepinferError as e:
+        raise type(e)(f"region {graph.entry.name}: {e}") from None
+    return dataclasses.replace(graph.entry, **mf.executable_fields(extra))
+
+
+def check(spec: Spec, graph: Graph, entry: mf.Executable, lowered: Path, log: Log) -> mf.Executable:
+    """Static-shape targets: run the emitted module against its reference region (unless the
+    target's check is off); returns the entry with the check's figures."""
+    if not spec.target.check:
+        log(f"lowered {entry.name}: HLO {lowered.stat().st_size} bytes (check off)")
+        return entry
+    result = spec.target.check_numerics(
+        lowered,
+        graph.region,
+        graph.exe.method,
+        graph.inputs,
+        graph.names,
+        list(entry.state_outputs or ()),
+        f"region {entry.name}",
+    )
+    log(
+        f"lowered {entry.name}: HLO {lowered.stat().st_size} bytes, XLA:CPU vs reference "
+        f"max |diff| {result['max_abs']:.2g}, score {result['score']:.2g} (tolerance {result['tolerance']:g})"
+    )
+    return dataclasses.replace(entry, check=result)
+
+
+def store(spec: Spec, plan: RegionPlan, cache: Cache, key: Key, graph: Graph, entry: mf.Executable) -> Key:
+    """Put the trace record of `graph` in the cache under its trace `key`: its executable's key and
+    manifest entry. Returns the executable key."""
+    executable = cached.executable_key(spec, plan, graph.exe, graph_digest(graph.program), graph.kernels)
+    record = {"executable_key": executable.digest, "kernels": graph.kernels, "entry": mf.to_json(entry)}
+    cache.put_bytes("trace", key, json.dumps(record).encode())
+    return executable
+
+
+def keep_lowered(spec: Spec, exe: Exe, entry: mf.Executable, lowered: Path, staging: Path) -> mf.Executable:
+    """HLO-stage bundles: the lowered module is the bundle's artifact (finished later)."""
+    entry = dataclasses.replace(entry, artifact=layout.executable_path(*exe, spec.target.lowered_suffix))
+    (staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
+    os.replace(lowered, staging / entry.artifact)
+    return entry
+
+
+def _job(spec: Spec, exe: Exe, entry: mf.Executable, lowered: Path, staging: Path) -> Job:
+    t = spec.target
+    log = staging / layout.log_path(*exe)
+    return Job(exe.name, lowered, staging / entry.artifact, t.name, t.executable, t.options, log=log)
+
+
+# --- the passes ----------------------------------------------------------------------------------
+
+
+def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
+    """Pass: each executable fetched from the cache, or lowered, emitted, checked (static-shape
+    targets) and stored in the cache, leaving a compile job (HLO-stage bundles: none)."""
+    target = spec.target
+    lowered_dir = run.staging / LOWERED_DIR
+    lowered_dir.mkdir()
+    cache = None if spec.hlo_only else run.cache  # an HLO-stage compile lowers every region
+    executables: list[mf.Executable] = []
+    jobs: list[Job] = []
+    keys: dict[str, Key] = {}
+    hlo: list[str] = []
+    for exe in spec.executables(plan):
+        key = cached.trace_key(spec, plan, exe) if cache is not None else None
+        dest = run.staging / layout.executable_path(*exe, target.suffix)
+        hit = fetch(cache, key, exe, dest) if cache is not None and key is not None else None
+        if hit is not None:
+            executables.append(hit)
+            run.log(f"cached {exe.name}")
+            continue
+        graph = lower(spec, plan, exe)
+        lowered = lowered_dir / f"{exe.name}{target.lowered_suffix}"
+        entry = graph.entry
+        if target.static_shapes:  # state comes back as outputs: the module is part of the entry
+            entry = check(spec, graph, emit(spec, graph, lowered), lowered, run.log)
+        if spec.hlo_only:
+            executables.append(keep_lowered(spec, exe, entry, lowered, run.staging))
+            hlo.append(exe.name)
+            continue
+        executables.append(entry)
+        if not target.static_shapes:
+            run.log(f"traced {exe.name}")
+        if cache is not None and key is not None:
+            executable = store(spec, plan, cache, key, graph, entry)
+            if cache.get_file("executable", executable, dest):  # another graph or compile built it
+                run.log(f"cached {exe.name}")
+                continue
+            cached.missed(run, "executable", executable)
+            keys[exe.name] = executable
+        if not target.static_shapes:
+            emit(spec, graph, lowered)
+        jobs.append(_job(spec, exe, entry, lowered, run.staging))
+    return Traced(executables=tuple(executables), jobs=tuple(jobs), keys=keys, lowered=tuple(hlo))
+
+
+def compile_regions(spec: Spec, traced: Traced, run: Run) -> Compiled:
+    """Pass: compile every job (with a cache, each at most once among the compiles sharing it), then
+    read each executable's facts into its entry. An HLO-stage bundle compiles nothing."""
+    target = spec.target
+    (run.staging / layout.REGIONS_DIR).mkdir(exist_ok=True)
+    if spec.hlo_only:
+        run.log(
+            f"HLO-stage bundle: {len(traced.executables)} HLO modules; finish it where neuronx-cc is "
+            f"installed with: deepinfer-compile --finish {run.out}"
+        )
+    elif traced.jobs:
+        target.require_compiler()
+
+    def progress(done: int, total: int, job: Job, seconds: float) -> None:
+        run.log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
+
+    built = cached.compile_jobs(run, traced.jobs, traced.keys, progress)
+    shutil.rmtree(run.staging / LOWERED_DIR)
+    if spec.hlo_only:
+        return Compiled(executables=traced.executables, built=built)
+    executables = tuple(
+        dataclasses.replace(e, **mf.executable_fields(target.describe(run.staging / e.artifact)))
+        for e in traced.executables
+    )
+    return Compiled(executables=executables, built=built)

@@ -1,0 +1,142 @@
+"""What a compile builds (`Spec`) and how it runs (`Run`): what every pass and cache key takes.
+
+The first pass, `parse`, resolves model.toml (a `CompileConfig`) and the checkpoint's config.json
+into a `Spec`, frozen from then on: the model, the rank layout, the target, the state geometry,
+the weight recipe. `Run` says how the compile runs (staging directory, workers, log, cache),
+never what it builds, so nothing in it may reach a cache key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer.bundles.topology import Topology
+from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.config import CompileConfig, config_error
+from deepinfer.compiler.plan import Exe, RegionPlan
+from deepinfer.compiler.targets import TARGETS, Target
+from deepinfer.compiler.weights import RECIPES, Recipe
+from deepinfer.errors import ConfigError
+from deepinfer.regions import topology
+from deepinfer.regions.config import V41Config, load_config
+from deepinfer.regions.state import Geometry, check_block_size
+from deepinfer.regions.step import DTYPES
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """What a compile builds, resolved from model.toml and the checkpoint's config."""
+
+    config: CompileConfig
+    model: V41Config
+    topology: Topology
+    target: Target
+    geometry: Geometry
+    hlo_only: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.config.model.dtype]
+
+    @property
+    def draft(self) -> bool:
+        """Whether the bundle holds the checkpoint's speculative draft ([speculative] draft)."""
+        return self.config.speculative.draft is not None
+
+    @property
+    def recipe(self) -> Recipe:
+        """The weight recipe: [quant] recipe, or the target's own for "target"."""
+        name = self.config.quant.recipe
+        return RECIPES[self.target.recipe if name == "target" else name]
+
+    @property
+    def device_embedding(self) -> bool:
+        """Whether the token embedding is a region (token ids in, its table a device weight):
+        [host] embedding = false, or the target's choice where model.toml leaves it unset."""
+        host = self.config.host.embedding
+        return self.target.device_embedding if host is None else not host
+
+    def executables(self, plan: RegionPlan) -> list[Exe]:
+        """Every executable, in plan order (MoE on gathered rows under EP dispatch)."""
+        gathered = self.topology.groups if self.topology.dispatch else 1
+        b = self.config.buckets
+        return plan.executables(b.shapes(), b.contexts, gathered)
+
+    def geometry_at(self, context: int | None) -> Geometry:
+        """The geometry an executable of context bucket `context` is traced with (None: the full one)."""
+        return self.geometry if context is None else self.geometry.at_context(context)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """How a compile runs: never what it builds."""
+
+    staging: Path  # the bundle being assembled
+    out: Path  # where it is published
+    jobs: int = 1
+    log: Log = print
+    cache: Cache | None = None
+    require_cache: bool = False
+    verbose: bool = False
+
+
+def parse(config: CompileConfig, hlo_only: bool, log: Log) -> Spec:
+    """Pass: model.toml and the checkpoint's config.json -> what is built, checked against each other
+    (the tiny checkpoint is generated first where model.toml asks for it and it is absent)."""
+    m = config.model
+    if not (m.checkpoint / "config.json").exists() and m.tiny is not None:
+        from deepinfer.regions.tiny import make_tiny
+
+        log(
+            f"checkpoint {m.checkpoint} absent: generating the tiny checkpoint "
+            f"(seed {m.tiny.seed}, {m.tiny.layers} layers)"
+        )
+        make_tiny(m.checkpoint, seed=m.tiny.seed, layers=m.tiny.layers, exist_ok=True)
+    model = load_config(m.checkpoint)
+    try:
+        check_block_size(model.text, config.kv.block_size)
+    except ConfigError as e:
+        raise config_error(config, "kv", "block_size", str(e)) from None
+    if config.speculative.draft is not None and not model.text.has_draft:
+        raise config_error(
+            config,
+            "speculative",
+            "draft",
+            f"the checkpoint {m.checkpoint} has no DSpark draft (its config.json's "
+            "text_config.num_nextn_predict_layers is 0: no mtp.* tensors); drop the key or "
+            "use a checkpoint with a draft",
+        )
+    bad = topology.check(config.parallel, model.text)
+    if bad:
+        raise config_error(config, "parallel", bad[0], bad[1])
+    t = config.target
+    kv, buckets = config.kv, config.buckets
+    geometry = Geometry(
+        slots=max(buckets.batch) + 1,
+        blocks=kv.num_blocks,
+        block_size=kv.block_size,
+        max_blocks=-(-buckets.max_context // kv.block_size),
+    )
+    spec = Spec(
+        config=config,
+        model=model,
+        topology=config.parallel,
+        target=TARGETS[t.name](t.executable or TARGETS[t.name].EXECUTABLES[0], t.options),  # None: its first
+        geometry=geometry,
+        hlo_only=hlo_only,
+    )
+    if spec.draft and spec.device_embedding:
+        raise config_error(
+            config,
+            "speculative",
+            "draft",
+            f"the draft embeds its block with the host's embedding table, and target {t.name} "
+            "makes the embedding a device region; add [host] embedding = true to keep it on the host",
+        )
+    return spec

@@ -199,10 +199,18 @@ def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, opt
         assert comm is not None  # _load_rank gives every rank its Comm
         if comm.leader:
             outs = generate_loaded(executor, prompts, options)
-            for out in outs:  # numpy: tensors would travel as shared memory of an exiting process
-                out.logits = [row.numpy() for row in out.logits]
+            # logits as numpy: tensors would travel as shared memory of an exiting process
+            logits = [[row.numpy() for row in out.logits] for out in outs]
+            for out in outs:
+                out.logits = []
             results.put(
-                {"outs": list(outs), "stats": outs.stats, "sent": dict(comm.sent), "seconds": dict(comm.seconds)}
+                {
+                    "outs": list(outs),
+                    "logits": logits,
+                    "stats": outs.stats,
+                    "sent": dict(comm.sent),
+                    "seconds": dict(comm.seconds),
+                }
             )
         else:
             executor.follow(Stats())
@@ -305,8 +313,8 @@ def generate_ranks(bundle: Bundle, prompts: list[list[int]], options: RunOptions
     if errors:
         raise DeepinferError(errors[0])
     leader = next(i for i in items if i.get("rank", 0) == 0)
-    for out in leader["outs"]:
-        out.logits = [torch.from_numpy(row) for row in out.logits]
+    for out, rows in zip(leader["outs"], leader["logits"]):
+        out.logits = [torch.from_numpy(row) for row in rows]
     sent = {i.get("rank", 0): i["sent"] for i in items}
     return Completions(leader["outs"], stats=leader["stats"], sent=sent, seconds=leader["seconds"])
 

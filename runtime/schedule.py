@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from deepinfer.regions.config import V41Config
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.stepper import Allocator, Captured, Drafter, OutOfBlocks, Row, Stepper
 
@@ -482,16 +484,25 @@ class Scheduler:
         self.events.load(len(self.running), len(self.waiting), blocks)
 
 
-class Completions(list):
+class Completions(list[Completion]):
     """The completions of a batch, in prompt order, with what the run measured: `speculation` (the
     verify steps' counts) and, for a bundle, `stats` (`runtime.executor.Stats`: time per region kind
     and step); for runs over ranks started here, `sent` ({rank: {collective: bytes}}) and `seconds`
     (the leader's {collective: seconds})."""
 
-    def __init__(self, items=(), *, speculation=None, stats=None, sent=None, seconds=None):
+    def __init__(
+        self,
+        items: Iterable[Completion] = (),
+        *,
+        speculation: SpeculationStats | None = None,
+        stats: Any = None,
+        sent: dict[int, dict[str, int]] | None = None,
+        seconds: dict[str, float] | None = None,
+    ):
         super().__init__(items)
-        self.speculation: SpeculationStats = speculation or SpeculationStats()
-        self.stats, self.sent, self.seconds = stats, sent or {}, seconds or {}
+        self.speculation = speculation or SpeculationStats()
+        self.stats = stats  # runtime.executor.Stats (that module imports this one)
+        self.sent, self.seconds = sent or {}, seconds or {}
 
 
 def decode(
@@ -517,8 +528,17 @@ def decode(
     return Completions(outs, speculation=scheduler.speculation)
 
 
+class SteppableModel(Protocol):
+    """A model that makes its own stepper for a batch (`regions.reference.ReferenceModel`)."""
+
+    @property
+    def config(self) -> V41Config: ...
+
+    def stepper(self, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None) -> Stepper: ...
+
+
 def decode_model(
-    model,
+    model: SteppableModel,
     prompts: Sequence[list[int]],
     max_new_tokens: int,
     *,
@@ -530,5 +550,5 @@ def decode_model(
     `model.stepper(prompts, max_new_tokens, chunk)`, its eos from `model.config`): how tools and tests
     reach the reference."""
     with torch.inference_mode():
-        steps = model.stepper(prompts, max_new_tokens, chunk)
+        steps = model.stepper(list(prompts), max_new_tokens, chunk)
         return decode(steps, prompts, max_new_tokens, eos=model.config.eos_token_id, images=images, drafter=drafter)

@@ -22,7 +22,6 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, cast
 
 import torch
 
@@ -40,12 +39,6 @@ from deepinfer.regions.base import Region
 from deepinfer.regions.state import InputSpec
 
 LOWERED_DIR = ".lowered"
-
-
-class _Outputs(Protocol):
-    """What every region kind defines beside `decode` (regions/base.Region does not declare it)."""
-
-    def output_names(self) -> list[str]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,7 +111,7 @@ def lower(spec: Spec, plan: RegionPlan, exe: Exe) -> Graph:
         artifact=layout.executable_path(*exe, target.suffix),
         executable=target.executable,
         inputs=_io(sig.all),
-        outputs=tuple(cast(_Outputs, region).output_names()),
+        outputs=tuple(region.method_outputs(exe.method)),
         mutates=() if target.static_shapes else tuple(mutated),
         scratch_bytes=budget.scratch_bytes(lowered),
     )

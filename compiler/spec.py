@@ -23,7 +23,7 @@ from deepinfer.compiler.weights import RECIPES, Recipe
 from deepinfer.errors import ConfigError
 from deepinfer.regions import topology
 from deepinfer.regions.config import V41Config, load_config
-from deepinfer.regions.state import Geometry, check_block_size
+from deepinfer.regions.state import Geometry, blocks_per_rank, check_block_size
 from deepinfer.regions.step import DTYPES
 
 Log = Callable[[str], None]
@@ -119,7 +119,7 @@ def parse(config: CompileConfig, hlo_only: bool, log: Log) -> Spec:
     kv, buckets = config.kv, config.buckets
     geometry = Geometry(
         slots=max(buckets.batch) + 1,
-        blocks=kv.num_blocks,
+        blocks=blocks_per_rank(kv.num_blocks, config.parallel.cp),  # the paged pools divided over cp
         block_size=kv.block_size,
         max_blocks=-(-buckets.max_context // kv.block_size),
     )

@@ -23,6 +23,26 @@ def sparse_attn_ref(q: Tensor, kv: Tensor, valid: Tensor, sink: Tensor, scale: f
     return torch.matmul(probs, kvf).to(q.dtype)  # [B, T, H, D]
 
 
+def sparse_attn_partial_ref(
+    q: Tensor, kv: Tensor, valid: Tensor, sink: Tensor, scale: float, with_sink: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`sparse_attn` over one rank's share of the keys, unnormalized, with its softmax statistics.
+
+    As `sparse_attn` (the sink joining the softmax where `with_sink`, a 0-d bool: on one rank of the
+    keys' ranks, so it counts once) -> (numerator [B, T, H, D], max logit [B, T, H] (-inf where the
+    share is empty), sum of exp(logit - max) [B, T, H]), all float32. The ranks' shares merge by
+    log-sum-exp (`regions.divided.merge_attention`) into `sparse_attn` over all the keys.
+    """
+    kvf = torch.where(valid.unsqueeze(-1), kv.float(), 0.0)
+    logits = torch.matmul(q.float(), kvf.transpose(-1, -2)) * scale  # [B, T, H, K]
+    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    sinks = torch.where(with_sink, sink.float(), float("-inf")).view(1, 1, -1, 1).expand(*logits.shape[:3], 1)
+    both = torch.cat((logits, sinks), dim=-1)
+    top = both.amax(-1)  # [B, T, H]
+    probs = torch.exp(both - torch.where(torch.isfinite(top), top, 0.0).unsqueeze(-1))
+    return torch.matmul(probs[..., :-1], kvf), top, probs.sum(-1)
+
+
 def index_score_ref(q: Tensor, k: Tensor, w: Tensor, visible: Tensor) -> Tensor:
     """score[t] = sum_h relu(q_h . k_t) * w_h, -inf where not visible.
 
@@ -43,5 +63,6 @@ def compress_pool_ref(kv: Tensor, gate: Tensor) -> Tensor:
 
 
 sparse_attn = register(sparse_attn_ref)
+sparse_attn_partial = register(sparse_attn_partial_ref)
 index_score = register(index_score_ref)
 compress_pool = register(compress_pool_ref)

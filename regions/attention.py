@@ -33,9 +33,11 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from deepinfer.bundles.manifest import DECODE
 from deepinfer.kernels import attention as _attn  # noqa: F401  (registers ops)
 from deepinfer.kernels.cachequant import maybe_quant
 from deepinfer.kernels.rope import apply_rope, rope_angles, rope_frequencies
+from deepinfer.regions import divided
 from deepinfer.regions.base import Region, WeightSpec, fp8_specs
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.paging import gather_pages, gather_rows, write_pages
@@ -88,6 +90,8 @@ class _Attention(Region):
 
     ratio: int = 0
     tp: int = 1  # > 1: this rank's heads only; the output is a partial sum (see _finish)
+    cp: int = 1  # > 1: the paged state divided over cp ranks; the step runs in stages (regions/divided.py)
+    selects: bool = False  # scores the index keys (kv and index sources) rather than reusing a selection
 
     def __init__(self, c: TextConfig, specs: list[WeightSpec], *, dtype: torch.dtype, cache_quant: bool):
         super().__init__(_attention_specs(c) + specs, dtype)
@@ -101,6 +105,55 @@ class _Attention(Region):
 
     def topk_width(self, g: Geometry) -> int:
         return min(self.c.index_topk, g.compressed_width(self.ratio))
+
+    def candidate_width(self, g: Geometry) -> int:
+        """Candidate blocks the pool keeps: its top blocks, at most every block of the sequence."""
+        return min(self.c.candidate_topk_blocks, -(-g.compressed_width(self.ratio) // self.c.candidate_block_size))
+
+    def methods(self) -> tuple[str, ...]:
+        """`decode`; with the paged state divided over cp ranks, its stages (regions/divided.py)."""
+        if self.cp == 1 or not self.ratio:
+            return (DECODE,)
+        return (("select",) if self.selects else ()) + ("attend", "output")
+
+    def _streams(self, B: int, T: int) -> list[InputSpec]:
+        c = self.c
+        return [
+            InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+            InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation"),
+        ]
+
+    def _paged(self, g: Geometry, *names: str) -> list[InputSpec]:
+        widths = {"ckv": self.hd, "ikeys": self.c.index_head_dim}
+        return [InputSpec(n, (g.blocks, g.block_size // self.ratio, widths[n]), self.dtype, "state") for n in names]
+
+    def attend_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        """The divided attention's second stage: the streams, the step, the window ring, this rank's
+        compressed KV and the merged selection."""
+        return [
+            *self._streams(B, T),
+            *step_inputs(B, T, g, paged=True),
+            InputSpec("win", (g.slots, self.window, self.hd), self.dtype, "state"),
+            *self._paged(g, "ckv"),
+            InputSpec("topk", (B, T, self.topk_width(g)), torch.int64, "carry"),
+        ]
+
+    def attend_outputs(self) -> list[str]:
+        return ["numerator", "top", "total"]
+
+    def output_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        """The last stage: the streams, the positions and the merged attention [B, T, H, hd] float32."""
+        return [
+            *self._streams(B, T),
+            InputSpec("positions", (B, T), torch.int64, "step"),
+            InputSpec("attention", (B, T, self.heads, self.hd), torch.float32, "activation"),
+        ]
+
+    def output_outputs(self) -> list[str]:
+        return ["h", "pre"]
+
+    def select_outputs(self) -> list[str]:
+        return ["values", "index"]
 
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         """The inputs of `decode`, in order, for a [B, T] step over geometry g."""
@@ -141,9 +194,12 @@ class _Attention(Region):
         x = ops.rmsnorm(ops.hc_collapse(h, pre), self.attn_norm, self.c.rms_norm_eps)  # [B, T, D]
         return x, mix
 
+    def _q_latent(self, x: Tensor) -> Tensor:
+        return ops.rmsnorm(ops.blockquant_gemm(x, self.wq_a, self.wq_a_s, self.fp8), self.q_norm, self.c.rms_norm_eps)
+
     def _project(self, x: Tensor, angles: Tensor):
         eps = self.c.rms_norm_eps
-        q_lat = ops.rmsnorm(ops.blockquant_gemm(x, self.wq_a, self.wq_a_s, self.fp8), self.q_norm, eps)
+        q_lat = self._q_latent(x)
         q = ops.blockquant_gemm(q_lat, self.wq_b, self.wq_b_s, self.fp8).unflatten(-1, (self.heads, self.hd))
         q = apply_rope(q, angles)  # [B, T, H, hd]
         kv = ops.rmsnorm(ops.blockquant_gemm(x, self.wkv, self.wkv_s, self.fp8), self.kv_norm, eps)
@@ -179,8 +235,11 @@ class _Attention(Region):
 
     def _attend(self, q: Tensor, keys: Tensor, valid: Tensor, angles: Tensor) -> Tensor:
         """Sparse attention with the sink, de-rotation and the grouped output projection."""
+        return self._out_project(ops.sparse_attn(q, keys, valid, self.sink, self.hd**-0.5), angles)
+
+    def _out_project(self, o: Tensor, angles: Tensor) -> Tensor:
+        """The attention's result o [B, T, H, hd] de-rotated through the grouped output projection."""
         c = self.c
-        o = ops.sparse_attn(q, keys, valid, self.sink, self.hd**-0.5)  # [B, T, H, hd]
         o = apply_rope(o, angles, inverse=True)
         G = c.o_groups
         o = o.flatten(-2).unflatten(-1, (G, -1))  # [B, T, G, H*hd/G]
@@ -198,6 +257,58 @@ class _Attention(Region):
             return ops.hc_expand(out, h, post, comb), pre
         lead = (self.rank % self.tp == 0).to(torch.float32)
         return ops.hc_expand(out.float(), h.float() * lead, post, comb), pre
+
+    # -- the divided stages (cp > 1, regions/divided.py) -------------------------------------
+
+    def _cp_rank(self) -> Tensor:
+        return divided.cp_rank(self.rank, self.tp, self.cp)
+
+    def attend(self, h, pre, positions, slots, block_table, win, ckv, topk):
+        """This rank's share of the attention: the entries of the merged selection `topk` [B, T, K] it
+        holds, and on cp rank 0 the window and the sink (they count once); the window ring updated on
+        every rank -> (numerator [B, T, H, hd], max [B, T, H], sum [B, T, H]), float32."""
+        x, _ = self._site_input(h, pre)
+        angles = self._angles(positions)
+        q, _, kv = self._project(x, angles)
+        keys, valid = self._window_keys(kv, positions, slots, win)
+        c = self._cp_rank()
+        lead = c == 0
+        per_block = ckv.shape[1]
+        t = topk.clamp_min(0)  # [B, T, K] global entry indices
+        page = torch.div(t, per_block, rounding_mode="floor").clamp(max=block_table.shape[1] - 1)
+        block = block_table.gather(1, page.flatten(1)).view_as(page)  # this rank's block ids
+        sel = ckv[block, t.remainder(per_block)]  # [B, T, K, hd]
+        mine = (topk >= 0) & divided.owned(t, per_block, self.cp, c)
+        keys = torch.cat((keys, sel.to(keys.dtype)), 2)
+        valid = torch.cat((valid & lead, mine), 2)
+        return ops.sparse_attn_partial(q, keys, valid, self.sink, self.hd**-0.5, lead)
+
+    def output(self, h, pre, positions, attention):
+        """The merged attention [B, T, H, hd] float32 through the output projection -> (h, pre)."""
+        _, mix = self._site_input(h, pre)
+        out = self._out_project(attention.to(self.dtype), self._angles(positions))
+        return self._finish(out, h, mix)
+
+    def _select_local(self, x, q_lat, angles, positions, block_table, ikeys, cand_blocks=None):
+        """This rank's share of the selection: its index keys scored -> (the scores [B, T, Wl] and their
+        global indices [Wl]; the K best (score, global index) pairs [B, T, K], padded to K)."""
+        c = self._cp_rank()
+        per_block = ikeys.shape[1]
+        local, cols = divided.local_pages(block_table, self.cp, c)
+        gidx = divided.local_entries(cols, per_block, block_table.shape[1])  # [Wl]
+        qi, w = self._index_queries(x, q_lat, angles)
+        vis_len = torch.div(positions + 1, self.ratio, rounding_mode="floor").clamp_min(0)  # [B, T]
+        visible = gidx < vis_len.unsqueeze(-1)  # [B, T, Wl]
+        scores = ops.index_score(qi, gather_pages(ikeys, local), w, visible)
+        width = block_table.shape[1] * per_block  # the sequence's compressed entries (Wc)
+        if cand_blocks is not None:  # the candidate pool's chosen blocks [B, T, N], global ids (-1: none)
+            cb = self.c.candidate_block_size
+            chosen = _in_blocks(gidx, cand_blocks, cb, -(-width // cb))
+            scores = scores.masked_fill(~chosen, float("-inf"))
+        K = min(self.c.index_topk, width)
+        top = ops.top_indices(scores, min(K, scores.shape[-1]))
+        values, index = divided.pad_to(scores.gather(-1, top), gidx[top], K)
+        return scores, gidx, values, index
 
     # -- indexer ---------------------------------------------------------------------------
 
@@ -279,6 +390,33 @@ def candidate_blocks(scores: Tensor, vis_len: Tensor, topk_blocks: int, block: i
     return keep.repeat_interleave(block, dim=-1)[..., :width]
 
 
+def local_candidate_blocks(
+    scores: Tensor, gidx: Tensor, vis_len: Tensor, topk_blocks: int, block: int, width: int
+) -> tuple[Tensor, Tensor]:
+    """`candidate_blocks` over one cp rank's entries (scores [B, T, Wl] at global indices gidx [Wl], in
+    blocks of `block` entries that never straddle a KV block; `width` the sequence's compressed width)
+    -> its best blocks as (score [B, T, N], global block id [B, T, N]), padded to N = the pool's
+    blocks, the block of the latest visible entry scored +inf (always kept)."""
+    block_scores = scores.unflatten(-1, (-1, block)).amax(-1)  # [B, T, NBl]
+    ids = torch.div(gidx[::block], block, rounding_mode="floor")  # [NBl] global block ids
+    last = torch.div(vis_len - 1, block, rounding_mode="floor").unsqueeze(-1)
+    block_scores = block_scores.masked_fill(ids == last, float("inf"))
+    N = min(topk_blocks, -(-width // block))
+    top = ops.top_indices(block_scores, min(N, block_scores.shape[-1]))
+    ids = torch.where(gidx[::block] >= divided.NO_ENTRY, divided.NO_ENTRY, ids)
+    return divided.pad_to(block_scores.gather(-1, top), ids[top], N)
+
+
+def _in_blocks(gidx: Tensor, chosen: Tensor, block: int, blocks: int) -> Tensor:
+    """Whether each entry gidx [Wl] lies in one of the chosen candidate blocks [B, T, N] (global ids of
+    the sequence's `blocks` candidate blocks, -1: none) -> [B, T, Wl]."""
+    B, T, _ = chosen.shape
+    ids = torch.where(chosen >= 0, chosen, blocks)  # none: a column past the sequence's blocks
+    mask = torch.zeros((B, T, blocks + 1), dtype=torch.bool, device=chosen.device).scatter(-1, ids, True)
+    entry_block = torch.div(gidx, block, rounding_mode="floor").clamp(max=blocks)  # [Wl]; past the table: none
+    return mask[..., :blocks].gather(-1, entry_block.clamp(max=blocks - 1).expand(B, T, -1)) & (entry_block < blocks)
+
+
 class WindowAttention(_Attention):
     """Ratio-0 layers: attention over the causal window only."""
 
@@ -305,6 +443,7 @@ class SourceAttention(_Attention):
         self.ratio = ratio
         super().__init__(c, _source_specs(c, ratio) + _indexer_query_specs(c), dtype=dtype, cache_quant=cache_quant)
         self.candidate_source = candidate_source
+        self.selects = True
         self.kind = f"attn_source_r{ratio}" + ("_cand" if candidate_source else "")
 
     def _extra_specs(self, B, T, g):
@@ -362,6 +501,34 @@ class SourceAttention(_Attention):
         write_pages(ckv, block_table, t, complete, ckv_new.to(ckv.dtype))
         write_pages(ikeys, block_table, t, complete, ik_new.to(ikeys.dtype))
 
+    def select_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        """The divided first stage: the streams, the step, this rank's compressed KV and index keys (it
+        writes the entries it holds), the compressor's partial groups (every rank keeps them)."""
+        return [*self._streams(B, T), *step_inputs(B, T, g, paged=True), *self._paged(g, "ckv", "ikeys")] + (
+            self._extra_specs(B, T, g)
+        )
+
+    def select_outputs(self) -> list[str]:
+        return ["values", "index"] + (["block_values", "block_index"] if self.candidate_source else [])
+
+    def select(self, h, pre, positions, slots, block_table, ckv, ikeys, part_kv=None, part_gate=None):
+        """Compress the chunk (every rank: the partial groups are per slot), write the entries this rank
+        holds, score its own index keys -> its K best (score [B, T, K], global index [B, T, K]) and,
+        for the candidate source, its best candidate blocks (score, global block id) [B, T, N]."""
+        x, _ = self._site_input(h, pre)
+        angles = self._angles(positions)
+        latent, t, complete = self._compress(x, positions, slots, part_kv, part_gate)
+        mine = complete & divided.owned(t, ckv.shape[1], self.cp, self._cp_rank())
+        self._write_compressed(latent, t, mine, block_table, ckv, ikeys)
+        scores, gidx, values, index = self._select_local(x, self._q_latent(x), angles, positions, block_table, ikeys)
+        if not self.candidate_source:
+            return values, index
+        c = self.c
+        vis_len = torch.div(positions + 1, self.ratio, rounding_mode="floor").clamp_min(0)
+        width = block_table.shape[1] * ckv.shape[1]
+        blocks = local_candidate_blocks(scores, gidx, vis_len, c.candidate_topk_blocks, c.candidate_block_size, width)
+        return values, index, *blocks
+
     def decode(self, h, pre, positions, slots, block_table, win, ckv, ikeys, part_kv=None, part_gate=None):
         """-> (h, pre, topk [B, T, K]) and, for the candidate source, cand [B, T, Wc]."""
         x, mix = self._site_input(h, pre)
@@ -387,6 +554,7 @@ class ReindexAttention(_Attention):
         self.ratio = ratio
         super().__init__(c, _indexer_query_specs(c), dtype=dtype, cache_quant=cache_quant)
         self.uses_candidates = uses_candidates
+        self.selects = True
         self.kind = f"attn_reindex_r{ratio}" + ("_cand" if uses_candidates else "")
 
     def output_names(self) -> list[str]:
@@ -396,6 +564,22 @@ class ReindexAttention(_Attention):
         if not self.uses_candidates:
             return []
         return [InputSpec("cand", (B, T, g.compressed_width(self.ratio)), torch.bool, "carry")]
+
+    def select_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        """The divided first stage: the streams, the step, this rank's index keys (its source's) and,
+        where it uses the candidate pool, the pool's chosen blocks (global ids [B, T, N], -1: none)."""
+        extra = (
+            [InputSpec("cand", (B, T, self.candidate_width(g)), torch.int64, "carry")] if self.uses_candidates else []
+        )
+        return [*self._streams(B, T), *step_inputs(B, T, g, paged=True), *self._paged(g, "ikeys"), *extra]
+
+    def select(self, h, pre, positions, slots, block_table, ikeys, cand=None):
+        """Score this rank's index keys (of its source) -> its K best (score, global index) [B, T, K]."""
+        x, _ = self._site_input(h, pre)
+        _, _, values, index = self._select_local(
+            x, self._q_latent(x), self._angles(positions), positions, block_table, ikeys, cand
+        )
+        return values, index
 
     def decode(self, h, pre, positions, slots, block_table, win, ckv, ikeys, cand=None):
         """-> (h, pre, topk [B, T, K])."""

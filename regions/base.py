@@ -120,8 +120,22 @@ class Region(nn.Module):
 
     def method_inputs(self, method: str, B: int, T: int, g) -> list:
         """The inputs of compiled method `method` for a [B, T] step: `input_specs` for `decode`, every
-        region's; `<method>_inputs` for another (the head's `project`)."""
+        region's; `<method>_inputs` for another (the head's `project`, the divided attention's stages)."""
         return self.input_specs(B, T, g) if method == DECODE else getattr(self, f"{method}_inputs")(B, T, g)
+
+    def output_names(self) -> list[str]:
+        """The names of `decode`'s outputs, in order; every kind defines its own."""
+        raise NotImplementedError(f"{type(self).__name__} does not define output_names")
+
+    def method_outputs(self, method: str) -> list[str]:
+        """The names of compiled method `method`'s outputs: `output_names` for `decode` (and the head's
+        `project`, whose one output is the same logits); `<method>_outputs` for the others."""
+        named = getattr(self, f"{method}_outputs", None)
+        return self.output_names() if named is None else named()
+
+    def methods(self) -> tuple[str, ...]:
+        """The methods a step runs of this kind, in order (one executable per bucket each)."""
+        return (DECODE,)
 
     @property
     def fp8(self) -> str:

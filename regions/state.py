@@ -30,6 +30,13 @@ class StateSpec:
     dtype: torch.dtype
 
 
+def blocks_per_rank(num_blocks: int, cp: int) -> int:
+    """The paged pools' blocks one cp rank holds: a token group's `num_blocks` count one scratch block
+    and `num_blocks - 1` usable ones, divided evenly over its cp ranks, each with a scratch block of
+    its own (regions/divided.py)."""
+    return (num_blocks - 1) // cp + 1
+
+
 def check_block_size(c: TextConfig, block_size: int) -> None:
     ratios = {r for r in c.compress_ratios[: c.num_hidden_layers] if r}
     bad = [r for r in ratios if block_size % r]

@@ -34,14 +34,31 @@ class OutOfBlocks(Exception):
 
 
 class Allocator:
-    """Sequence slots and KV blocks of one token group; slot 0 and block 0 are scratch."""
+    """Sequence slots and KV blocks of one token group; slot 0 and block 0 are scratch.
 
-    def __init__(self, slots: int, blocks: int, block_size: int, max_blocks: int):
+    With `shards` > 1 (the paged state divided over cp ranks, regions/divided.py) each shard is one
+    cp rank's pool of `blocks` blocks (its own scratch block 0 included): a sequence's logical block
+    j comes from shard j % shards, and its table holds that shard's block id."""
+
+    def __init__(self, slots: int, blocks: int, block_size: int, max_blocks: int, shards: int = 1):
         self.free_slots = list(range(slots - 1, 0, -1))
-        self.free_blocks = list(range(blocks - 1, 0, -1))
+        self.free = [list(range(blocks - 1, 0, -1)) for _ in range(shards)]  # per shard
         self.block_size, self.max_blocks = block_size, max_blocks
         self.tables: dict[int, list[int]] = {}
         self.slot_of: dict[int, int] = {}
+
+    @property
+    def shards(self) -> int:
+        return len(self.free)
+
+    @property
+    def free_blocks(self) -> list[int]:
+        """Every free block (of every shard)."""
+        return [b for free in self.free for b in free]
+
+    def shard_counts(self, n: int, start: int = 0) -> list[int]:
+        """How many of a sequence's logical blocks start .. n - 1 each shard holds."""
+        return [len(range(start + (s - start) % self.shards, n, self.shards)) for s in range(self.shards)]
 
     def admit(self, seq: int) -> bool:
         if not self.free_slots:
@@ -59,19 +76,22 @@ class Allocator:
             )
         table = self.tables[seq]
         while len(table) < need:
-            if not self.free_blocks:
+            free = self.free[len(table) % self.shards]
+            if not free:
                 raise OutOfBlocks(
                     f"KV pool exhausted: no free block for position {len(table) * self.block_size} "
                     "(raise --num-kv-blocks or run fewer sequences at once)"
                 )
-            table.append(self.free_blocks.pop())
+            table.append(free.pop())
 
     @property
     def max_context(self) -> int:
         return self.max_blocks * self.block_size
 
     def release(self, seq: int) -> None:
-        self.free_blocks.extend(reversed(self.tables.pop(seq, [])))
+        table = self.tables.pop(seq, [])
+        for j in reversed(range(len(table))):
+            self.free[j % self.shards].append(table[j])
         if seq in self.slot_of:
             self.free_slots.append(self.slot_of.pop(seq))
 

@@ -211,7 +211,8 @@ class Engine:
                 too_long,
             )
         blocks = -(-need // self.block_size)
-        if blocks > self.capacity_blocks:
+        a = self.scheduler.allocs[0]
+        if max(a.shard_counts(blocks)) > self.capacity_blocks // a.shards:  # each shard: its own blocks
             raise RequestError(
                 f"the request needs {blocks} KV blocks of {self.block_size} positions; the pool "
                 f"holds {self.capacity_blocks} (start the server with more --num-kv-blocks)",

@@ -450,15 +450,18 @@ class Scheduler:
         return -(-(len(r.request.prompt) + r.request.max_tokens - 1) // a.block_size)
 
     def _group_for(self, need: int) -> int | None:
-        """The least loaded token group that can take a request needing `need` blocks, or None."""
+        """The least loaded token group that can take a request needing `need` blocks, or None (blocks
+        counted per shard of the group's pool: a divided pool's cp ranks each hold their own)."""
         load = [0] * len(self.allocs)
-        claims = [0] * len(self.allocs)
+        claims = [[0] * a.shards for a in self.allocs]
         for seq, r in self.running.items():
             load[r.group] += 1
-            claims[r.group] += max(0, r.need_blocks - len(self.allocs[r.group].tables[seq]))
+            held = self.allocs[r.group].shard_counts(r.need_blocks, start=len(self.allocs[r.group].tables[seq]))
+            claims[r.group] = [c + h for c, h in zip(claims[r.group], held)]
         for g in sorted(range(len(self.allocs)), key=lambda i: load[i]):
             a = self.allocs[g]
-            if load[g] < self.stepper.max_batch and a.free_slots and len(a.free_blocks) - claims[g] >= need:
+            room = all(len(free) - c >= n for free, c, n in zip(a.free, claims[g], a.shard_counts(need)))
+            if load[g] < self.stepper.max_batch and a.free_slots and room:
                 return g
         return None
 

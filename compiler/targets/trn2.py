@@ -179,7 +179,7 @@ class Trn2Target:
             ref = getattr(region.with_weights(stored), method)(*inputs)
         ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
         ref = [inputs[names.index(n) - n_weights] for n in state_outputs] + ref
-        labels = state_outputs + region.output_names()
+        labels = state_outputs + region.method_outputs(method)
         if len(got) != len(ref):
             raise CheckFailed(f"{where}: the HLO module returns {len(got)} outputs, the region {len(ref)}")
         tol = tolerance(region.dtype)

@@ -64,6 +64,26 @@ def test_sparse_attn_ignores_garbage_in_invalid_keys(garbage):
     torch.testing.assert_close(got.double(), clean, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("shares", [2, 3])
+def test_partial_attention_shares_merge_to_the_whole(shares):
+    """Keys split among ranks (each key on one, the sink on the first): the shares' numerators, maxima
+    and sums merged by log-sum-exp are the per-query loop's attention over every key; a share with
+    no key and no sink has max -inf and sum 0 and weighs nothing."""
+    from deepinfer.regions.divided import merge_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q, kv, valid, sink = _attn_inputs(gen, 2, 3, 4, 12, 16)
+    valid[0, 0] = False  # a query with no key anywhere: the sink alone
+    owner = torch.randint(0, shares, (2, 3, 12), generator=gen)
+    owner[1, 2] = 0  # a query whose keys are all on the first share: the others are empty
+    parts = [
+        OPS.sparse_attn_partial(q, kv, valid & (owner == r), sink, 0.25, torch.tensor(r == 0)) for r in range(shares)
+    ]
+    assert float(parts[1][1][1, 2].max()) == float("-inf") and float(parts[1][2][1, 2].abs().max()) == 0.0
+    got = merge_attention(*(torch.stack(x) for x in zip(*parts)))
+    torch.testing.assert_close(got.double(), _loop_sparse_attn(q, kv, valid, sink, 0.25), rtol=1e-5, atol=1e-6)
+
+
 def test_sparse_attn_sink_takes_its_share():
     # one valid key with logit 0 and a sink logit 0: the key gets half the weight
     q = torch.zeros(1, 1, 2, 4)

@@ -139,16 +139,31 @@ class Pool:
     layers: tuple[int, ...]
 
 
+def blocks_per_rank(num_blocks: int, cp: int) -> int:
+    """The paged pools' blocks one cp rank holds: a token group's `num_blocks` count one scratch block
+    and `num_blocks - 1` usable ones, divided evenly over its cp ranks, each with a scratch block of
+    its own (regions/divided.py)."""
+    return (num_blocks - 1) // cp + 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class KV:
     block_size: int
-    num_blocks: int
+    num_blocks: int  # a token group's blocks, the scratch block included
     slots: int
     max_blocks: int
     scratch: str
     pools: dict[str, Pool]
     state_writes: str
     static_pools: bool
+    # the paged pools (dim "blocks") divided block-wise over this many cp ranks (regions/divided.py):
+    # each rank holds (num_blocks - 1) / divided + 1 blocks, its own scratch block included
+    divided: int = 1
+
+    @property
+    def rank_blocks(self) -> int:
+        """The blocks a rank's paged pools hold."""
+        return blocks_per_rank(self.num_blocks, self.divided)
 
     def blocks_for(self, context: int) -> int:
         """The block-table width of a `context`-position bucket."""
@@ -460,6 +475,17 @@ def check(m: Manifest) -> None:
     kv = m.kv
     for name in ("block_size", "num_blocks", "slots", "max_blocks"):
         _need(getattr(kv, name) >= 1, ("kv", name), f"must be at least 1, got {getattr(kv, name)}")
+    _need(
+        kv.divided == t.cp,
+        ("kv", "divided"),
+        f"the paged pools are divided over {kv.divided} cp rank(s), the topology has cp={t.cp}"
+        + (": compiled before cp divided the context; recompile it" if kv.divided == 1 else ""),
+    )
+    _need(
+        (kv.num_blocks - 1) % kv.divided == 0,
+        ("kv", "num_blocks"),
+        f"{kv.num_blocks} blocks (1 scratch and {kv.num_blocks - 1} usable) do not divide over {kv.divided} cp ranks",
+    )
     b = m.buckets
     _need(b.max_context >= 1 and bool(b.shapes), ("buckets",), "needs shapes and a positive max_context")
     _need(
@@ -499,22 +525,25 @@ def check(m: Manifest) -> None:
                 _need(0 <= src < len(e.inputs), key + ("aliases", o), f"input {src} out of range")
     kinds = {e.kind for e in m.regions}
     drafts = m.draft_kinds
-    for kind in sorted(kinds - drafts):  # one executable per bucket (batch sizes may be gathered rows), and
-        mine = [e for e in m.regions if e.kind == kind and e.method == DECODE]  # per context bucket if read
+    # each method a step runs of a kind (decode, or the divided attention's stages; the head's project is
+    # the draft's): one executable per bucket (batch sizes may be gathered rows), per context bucket if read
+    for kind, method in sorted({(e.kind, e.method) for e in m.regions if e.kind not in drafts} - {DRAFT_PROJECT}):
+        mine = [e for e in m.regions if (e.kind, e.method) == (kind, method)]
         contexts = [None] if mine[0].bucket.context is None else b.context_sizes
+        what = f"kind {kind!r}" + ("" if method == DECODE else f" ({method})")
         for c in contexts:
             at = [e for e in mine if e.bucket.context == c]
             _need(
                 len(at) == len(b.shapes) and {e.bucket.tokens for e in at} == set(b.token_sizes),
                 ("regions",),
-                f"kind {kind!r} has executables for {sorted((e.bucket.batch, e.bucket.tokens) for e in at)}"
+                f"{what} has executables for {sorted((e.bucket.batch, e.bucket.tokens) for e in at)}"
                 + ("" if c is None else f" at context {c}")
                 + f", not one for each of the {len(b.shapes)} buckets",
             )
         _need(
             len(mine) == len(b.shapes) * len(contexts),
             ("regions",),
-            f"kind {kind!r} has executables both with and without a context bucket",
+            f"{what} has executables both with and without a context bucket",
         )
     # weights: one list per rank of the world, inside the bundle
     ranks = [layout.rank_key(r) for r in range(t.world_size)]

@@ -263,6 +263,7 @@ def write_manifest(
             pools=state.pools,
             state_writes=spec.target.state_writes,
             static_pools=spec.target.static_shapes,
+            divided=spec.topology.cp,
         ),
         regions=executables,
         head=mf.Binding(kind="head", index=0),

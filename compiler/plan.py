@@ -65,10 +65,9 @@ class KindPlan:
         """The checkpoint prefix of stack row `layer` (a layer, a draft stage; -1: the head's, none)."""
         return "" if layer < 0 else self.source.format(layer)
 
-    @property
-    def reads_context(self) -> bool:
-        """Built per context bucket: its input shapes depend on the block-table width."""
-        return reads_context(self.region)
+    def reads_context(self, method: str = METHOD) -> bool:
+        """Built per context bucket: the method's input shapes depend on the block-table width."""
+        return reads_context(self.region, method)
 
 
 @dataclass
@@ -94,11 +93,12 @@ class RegionPlan:
         draft's kinds come last, one executable per batch bucket."""
         drafts = self.draft_kinds
         out = [
-            Exe(k, METHOD, b * (gathered if k == "moe" else 1), t, c)
+            Exe(k, method, b * (gathered if k == "moe" else 1), t, c)
             for k, kp in self.kinds.items()
             if k not in drafts
+            for method in kp.region.methods()
             for b, t in shapes
-            for c in (contexts if kp.reads_context else (None,))
+            for c in (contexts if kp.reads_context(method) else (None,))
         ]
         if not self.draft:
             return out

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.bundles.manifest import blocks_per_rank
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.cache import Cache
 from deepinfer.compiler.config import CompileConfig, config_error
@@ -23,7 +24,7 @@ from deepinfer.compiler.weights import RECIPES, Recipe
 from deepinfer.errors import ConfigError
 from deepinfer.regions import topology
 from deepinfer.regions.config import V41Config, load_config
-from deepinfer.regions.state import Geometry, blocks_per_rank, check_block_size
+from deepinfer.regions.state import Geometry, check_block_size
 from deepinfer.regions.step import DTYPES
 
 Log = Callable[[str], None]
@@ -117,6 +118,9 @@ def parse(config: CompileConfig, hlo_only: bool, log: Log) -> Spec:
         raise config_error(config, "parallel", bad[0], bad[1])
     t = config.target
     kv, buckets = config.kv, config.buckets
+    bad = topology.check_division(config.parallel, model.text, kv.block_size, kv.num_blocks)
+    if bad:
+        raise config_error(config, "kv", bad[0], bad[1])
     geometry = Geometry(
         slots=max(buckets.batch) + 1,
         blocks=blocks_per_rank(kv.num_blocks, config.parallel.cp),  # the paged pools divided over cp

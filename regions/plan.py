@@ -41,7 +41,7 @@ def make_attention(
         )
     else:
         region = ReuseAttention(a, ratio=p.ratio, dtype=dtype, cache_quant=cache_quant)
-    region.tp = topo.tp
+    region.tp, region.cp = topo.tp, topo.cp
     return region
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from deepinfer.bundles.manifest import DECODE
 from deepinfer.errors import ConfigError
 from deepinfer.regions.attention import _Attention
 from deepinfer.regions.base import engram_table_specs
@@ -83,9 +84,9 @@ class ReferenceModel:
         )
         self._vision: VisionTower | None = None
 
-    def invoke(self, layer: int, slot: str, *inputs):
+    def invoke(self, layer: int, slot: str, *inputs, method: str = DECODE):
         region = self.head if slot == "head" else self.layers[layer][slot]
-        out = region.decode(*inputs)
+        out = getattr(region, method)(*inputs)
         return out if isinstance(out, tuple) else (out,)
 
     @property

@@ -30,13 +30,6 @@ class StateSpec:
     dtype: torch.dtype
 
 
-def blocks_per_rank(num_blocks: int, cp: int) -> int:
-    """The paged pools' blocks one cp rank holds: a token group's `num_blocks` count one scratch block
-    and `num_blocks - 1` usable ones, divided evenly over its cp ranks, each with a scratch block of
-    its own (regions/divided.py)."""
-    return (num_blocks - 1) // cp + 1
-
-
 def check_block_size(c: TextConfig, block_size: int) -> None:
     ratios = {r for r in c.compress_ratios[: c.num_hidden_layers] if r}
     bad = [r for r in ratios if block_size % r]
@@ -101,11 +94,12 @@ class Geometry:
         return dataclasses.replace(self, max_blocks=-(-context // self.block_size))
 
 
-def reads_context(region) -> bool:
-    """Whether a region's input shapes depend on the block-table width, i.e. on the context (block
-    tables, compressed-width carries): its inputs at two geometries that differ only there."""
+def reads_context(region, method: str = "decode") -> bool:
+    """Whether a region method's input shapes depend on the block-table width, i.e. on the context
+    (block tables, compressed-width carries): its inputs at two geometries that differ only there."""
     g = Geometry(slots=2, blocks=2, block_size=CONTEXT_PROBE_BLOCK, max_blocks=1)
-    return region.input_specs(1, 1, g) != region.input_specs(1, 1, g.at_context(2 * CONTEXT_PROBE_BLOCK))
+    wide = g.at_context(2 * CONTEXT_PROBE_BLOCK)
+    return region.method_inputs(method, 1, 1, g) != region.method_inputs(method, 1, 1, wide)
 
 
 @dataclass(frozen=True)

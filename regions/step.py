@@ -10,6 +10,7 @@ of region inputs and outputs through the layers and the head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -65,18 +66,45 @@ class Batch:
     image_rows: Tensor | None = None  # [B, T, D]: the embeddings of image positions (vision tower)
 
 
+class Merge(Protocol):
+    """How the cp ranks of a token group combine the divided attention's shares (regions/divided.py
+    defines each merge; the runtime computes them with collectives over the cp group)."""
+
+    def topk(self, values: Tensor, index: Tensor) -> Tensor:
+        """This rank's K best (score, global index) [B, T, K] -> the selection over the context."""
+        ...
+
+    def blocks(self, values: Tensor, index: Tensor) -> Tensor:
+        """This rank's best candidate blocks (score, global id) -> the pool's chosen block ids."""
+        ...
+
+    def attention(self, numerator: Tensor, top: Tensor, total: Tensor) -> Tensor:
+        """This rank's partial attention -> the attention over every rank's keys [B, T, H, hd] float32."""
+        ...
+
+
 def run_layers(
-    plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | None, capture: dict | None = None
+    plans,
+    invoke,
+    states,
+    h,
+    pre,
+    batch: Batch,
+    engram: EngramRows | None,
+    capture: dict | None = None,
+    merge: Merge | None = None,
 ) -> Tensor:
     """h, pre through every layer's regions and the head -> logits [B, T, V].
 
-    `invoke(layer, slot, *inputs)` runs one region call (`slot`: engram, attn,
-    moe; the head is layer -1, slot "head") and returns its outputs;
+    `invoke(layer, slot, *inputs, method=...)` runs one region call (`slot`: engram, attn,
+    moe; the head is layer -1, slot "head"; `method` decode unless named) and returns its outputs;
     `states[layer]` holds the layer's state views by name; `engram` the host
     tables the engram layers' rows come from (None without engram layers). This
     is the one wiring of region inputs, shared by the reference and the bundle
     runtime. `capture` (layer -> anything) gets, for each of its layers, the streams and
     `pre` that layer's attention site reads (after its engram): the DSpark draft's features.
+    With `merge` (the paged state divided over cp ranks, regions/divided.py) a compressed layer's
+    attention runs as its stages, merged by `merge` between them (`divided_attention`).
     """
     topk = cand = None
     engram_index = 0
@@ -93,6 +121,8 @@ def run_layers(
             capture[p.layer] = (h, pre)
         if p.attn == "window":
             h, pre = invoke(p.layer, "attn", h, pre, batch.positions, batch.slots, st["win"])
+        elif merge is not None:
+            h, pre, topk, cand = divided_attention(p, invoke, st, h, pre, batch, topk, cand, merge)
         elif p.attn == "source":
             parts = (st["part_kv"], st["part_gate"]) if p.ratio > 1 else ()
             out = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], st["ikeys"], *parts)
@@ -106,6 +136,25 @@ def run_layers(
         h, pre = invoke(p.layer, "moe", h, pre, batch.is_image)
     (logits,) = invoke(-1, "head", h, pre)
     return logits
+
+
+def divided_attention(p: LayerPlan, invoke, st, h, pre, batch: Batch, topk, cand, merge: Merge):
+    """A compressed layer's attention over the cp ranks' shares: select (sources and index layers)
+    and merge the selection (and the candidate pool), attend and merge, output -> (h, pre, topk, cand)."""
+    common = (batch.positions, batch.slots, batch.block_table)
+    if p.attn == "source":
+        parts = (st["part_kv"], st["part_gate"]) if p.ratio > 1 else ()
+        out = invoke(p.layer, "attn", h, pre, *common, st["ckv"], st["ikeys"], *parts, method="select")
+        topk = merge.topk(out[0], out[1])
+        cand = merge.blocks(out[2], out[3]) if p.candidate_source else cand
+    elif p.attn == "reindex":
+        extra = (cand,) if p.uses_candidates else ()
+        values, index = invoke(p.layer, "attn", h, pre, *common, st["ikeys"], *extra, method="select")
+        topk = merge.topk(values, index)
+    shares = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], topk, method="attend")
+    attention = merge.attention(*shares)
+    h, pre = invoke(p.layer, "attn", h, pre, batch.positions, attention, method="output")
+    return h, pre, topk, cand
 
 
 def embed_tokens(

@@ -28,12 +28,13 @@ import torch
 from torch import Tensor
 
 from deepinfer.bundles import manifest as mf
+from deepinfer.bundles.manifest import blocks_per_rank
 from deepinfer.bundles.safetensors import load_mmap
 from deepinfer.host import physical_memory
 from deepinfer.regions.config import V41Config
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.spans import ImageEmbeds
-from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, run_layers
+from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, Merge, run_layers
 from deepinfer.regions.stepper import Allocator, Captured, Drafter, Row, bucket_at_least, make_batch, table_width
 from deepinfer.runtime.backends import Placement, placement_for
 from deepinfer.runtime.bundle import Bundle, open_bundle, require_draft, stack_tensors
@@ -89,7 +90,8 @@ class Sizes:
 
     block_size: int
     max_blocks: int  # blocks of one sequence's table at max_context
-    num_blocks: int  # the pool's blocks (block 0 is scratch)
+    num_blocks: int  # the token group's blocks (block 0 is scratch)
+    divided: int  # the paged pools divided over this many cp ranks (regions/divided.py)
     num_slots: int  # sequence slots (slot 0 is scratch)
     batch_sizes: tuple[int, ...]
     token_sizes: tuple[int, ...]
@@ -121,7 +123,7 @@ class Executor:
     host: HostTables
     placement: Placement  # where executables run and tensors live
     executables: Mapping[tuple, Callable]  # (kind, method, batch, tokens, table width or None) -> executable
-    context_kinds: frozenset[str]  # kinds built per context bucket
+    context_methods: frozenset[tuple[str, str]]  # (kind, method)s built per context bucket
     bound: Mapping[tuple[int, str], Binding]  # (layer, slot) -> binding; the head is (-1, "head")
     draft_bound: Mapping[tuple[int, str], Binding]  # (stage, slot) -> binding of the draft's regions
     pools: Mapping[str, Tensor]
@@ -142,6 +144,11 @@ class Executor:
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.manifest.model.dtype]
+
+    @property
+    def merge(self) -> Merge | None:
+        """How the divided attention's shares merge: over the cp group's collectives (None at cp = 1)."""
+        return self.comm if self.sizes.divided > 1 else None
 
     def close(self) -> None:
         """Release the executables and device memory (a no-op for host bundles)."""
@@ -174,29 +181,30 @@ class Executor:
             if rows is None:
                 rows = torch.zeros(*batch.tokens.shape, self.config.text.hidden_size, dtype=self.dtype)
             h, pre = invoke(-1, "embed", batch.tokens, batch.is_image, rows)
-        logits = run_layers(self.plans, invoke, self.states, h, pre, batch, self.host.engram, capture)
+        logits = run_layers(self.plans, invoke, self.states, h, pre, batch, self.host.engram, capture, self.merge)
         stats.record_step(batch, time.perf_counter() - start)
         return logits
 
     def _invoke(self, blocks: int, stats: Stats, on_call: OnCall | None):
         """invoke(layer, slot, *inputs) for one step whose block tables are `blocks` wide."""
-        executables, bound, comm, context_kinds = self.executables, self.bound, self.comm, self.context_kinds
+        executables, bound, comm, context_methods = self.executables, self.bound, self.comm, self.context_methods
 
-        def invoke(layer: int, slot: str, *inputs):
+        def invoke(layer: int, slot: str, *inputs, method: str = mf.DECODE):
             t0 = time.perf_counter()
             kind, weights = bound[(layer, slot)]
             if comm is not None and slot == "moe" and comm.topo.dispatch:
                 inputs = comm.dispatch(*inputs)  # every group's rows
-            width = blocks if kind in context_kinds else None
-            exe = executables[(kind, mf.DECODE, inputs[0].shape[0], inputs[0].shape[1], width)]
+            width = blocks if (kind, method) in context_methods else None
+            exe = executables[(kind, method, inputs[0].shape[0], inputs[0].shape[1], width)]
             args = weights + list(inputs)
             t1 = time.perf_counter()
             out = exe(args) if on_call is None else on_call(layer, slot, kind, inputs, lambda: exe(args))
             t2 = time.perf_counter()
-            stats.calls[kind] += 1
-            stats.seconds[kind] += t2 - t1
+            name = kind if method == mf.DECODE else f"{kind}.{method}"
+            stats.calls[name] += 1
+            stats.seconds[name] += t2 - t1
             stats.overhead += t1 - t0
-            return out if comm is None else comm.after(slot, out, self.dtype)
+            return out if comm is None or method != mf.DECODE else comm.after(slot, out, self.dtype)
 
         return invoke
 
@@ -261,8 +269,8 @@ class Steps:
         return self.executor.sizes.token_sizes[-1]
 
     def allocator(self) -> Allocator:
-        s = self.executor.sizes
-        return Allocator(s.num_slots, s.num_blocks, s.block_size, s.max_blocks)
+        s = self.executor.sizes  # a divided pool: one shard per cp rank, each of its own blocks
+        return Allocator(s.num_slots, blocks_per_rank(s.num_blocks, s.divided), s.block_size, s.max_blocks, s.divided)
 
     def slot_states(self) -> list[Tensor]:
         return self.executor.slot_states()
@@ -333,6 +341,11 @@ def _sizes(bundle: Bundle, num_kv_blocks: int | None) -> Sizes:
     num_blocks = kv.num_blocks if num_kv_blocks is None else num_kv_blocks
     if num_blocks < 2:
         raise mf.BundleError(f"num_kv_blocks {num_blocks}: needs at least 2 (block 0 is scratch)")
+    if (num_blocks - 1) % kv.divided:
+        raise mf.BundleError(
+            f"num_kv_blocks {num_blocks}: its {num_blocks - 1} usable blocks do not divide over the bundle's "
+            f"cp = {kv.divided} ranks (each holds its share of every sequence's blocks)"
+        )
     if kv.static_pools and num_blocks != kv.num_blocks:
         raise mf.BundleError(
             f"{bundle.path}: compiled for exactly {kv.num_blocks} KV blocks (static shapes); "
@@ -342,6 +355,7 @@ def _sizes(bundle: Bundle, num_kv_blocks: int | None) -> Sizes:
         block_size=kv.block_size,
         max_blocks=kv.max_blocks,
         num_blocks=num_blocks,
+        divided=kv.divided,
         num_slots=kv.slots,
         batch_sizes=tuple(m.buckets.batch_sizes),
         token_sizes=tuple(m.buckets.token_sizes),
@@ -371,7 +385,7 @@ def _load(bundle: Bundle, rank: int, comm, num_kv_blocks: int | None) -> Executo
     host = _host_tables(bundle, plans)
     placement = placement_for(m, bundle.path, rank)
     try:
-        executables, context_kinds = _load_executables(bundle, placement)
+        executables, context_methods = _load_executables(bundle, placement)
         bound, draft_bound = _bind_weights(bundle, placement, rank)
         pools, states = _allocate_pools(m, placement, pool_shapes)
     except BaseException:
@@ -386,7 +400,7 @@ def _load(bundle: Bundle, rank: int, comm, num_kv_blocks: int | None) -> Executo
         host=host,
         placement=placement,
         executables=MappingProxyType(executables),
-        context_kinds=context_kinds,
+        context_methods=context_methods,
         bound=MappingProxyType(bound),
         draft_bound=MappingProxyType(draft_bound),
         pools=MappingProxyType(pools),
@@ -412,18 +426,18 @@ def _host_tables(bundle: Bundle, plans: tuple[LayerPlan, ...]) -> HostTables:
     return HostTables(embed, hasher, engram)
 
 
-def _load_executables(bundle: Bundle, placement: Placement) -> tuple[dict, frozenset[str]]:
+def _load_executables(bundle: Bundle, placement: Placement) -> tuple[dict, frozenset[tuple[str, str]]]:
     """(kind, method, batch, tokens, block-table width or None for kinds that do not read one) ->
-    executable; and the kinds built per context bucket."""
-    executables, context_kinds = {}, set()
+    executable; and the (kind, method)s built per context bucket."""
+    executables, context_methods = {}, set()
     kv = bundle.manifest.kv
     for e in bundle.manifest.regions:
         b = e.bucket
         blocks = None if b.context is None else kv.blocks_for(b.context)
         executables[(e.kind, e.method, b.batch, b.tokens, blocks)] = placement.load(e, bundle.path / e.artifact)
         if blocks is not None:
-            context_kinds.add(e.kind)
-    return executables, frozenset(context_kinds)
+            context_methods.add((e.kind, e.method))
+    return executables, frozenset(context_methods)
 
 
 def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict, dict]:
@@ -459,9 +473,11 @@ def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict
 
 
 def _pool_shapes(m: mf.Manifest, sizes: Sizes) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each pool's shape on this rank: a paged pool holds this rank's share of the blocks."""
+    blocks = blocks_per_rank(sizes.num_blocks, sizes.divided)
     return {
         name: (
-            (len(pool.layers), sizes.num_blocks if pool.dim == "blocks" else sizes.num_slots, *pool.entry_shape),
+            (len(pool.layers), blocks if pool.dim == "blocks" else sizes.num_slots, *pool.entry_shape),
             getattr(torch, pool.dtype),
         )
         for name, pool in m.kv.pools.items()

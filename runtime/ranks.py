@@ -32,6 +32,7 @@ import torch.distributed as dist
 from deepinfer.bundles.signing import trusted
 from deepinfer.bundles.topology import Topology
 from deepinfer.errors import DeepinferError
+from deepinfer.regions import divided
 from deepinfer.runtime.bundle import Bundle, open_bundle
 from deepinfer.runtime.executor import Executor, Stats, generate_loaded, load
 from deepinfer.runtime.options import CHUNK_BYTES, COLLECTIVE_TIMEOUT_S, LoadOptions, RunOptions
@@ -45,7 +46,7 @@ class Comm:
         self.topo, self.rank, self.world = topo, rank, topo.world
         self.group = topo.group_of(rank)
         self.chunk = chunk_bytes // 4  # float32 elements per chunk
-        self.tp_group = None
+        self.tp_group = self.cp_group = None
         for g in range(topo.groups):  # every rank creates every subgroup
             for c in range(topo.cp):
                 base = g * topo.group_size + c * topo.tp
@@ -53,6 +54,11 @@ class Comm:
                 made = dist.new_group(ranks) if topo.tp > 1 else None
                 if rank in ranks:
                     self.tp_group = made
+            for t in range(topo.tp):  # the cp ranks that divide the group's context (regions/divided.py)
+                ranks = [g * topo.group_size + c * topo.tp + t for c in range(topo.cp)]
+                made = dist.new_group(ranks) if topo.cp > 1 else None
+                if rank in ranks:
+                    self.cp_group = made
         self.sent: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
 
@@ -81,6 +87,43 @@ class Comm:
                 own = slice(self.rank * B, (self.rank + 1) * B)
                 return [self._reduce_scatter(out[0]).to(dtype), out[1][own]]
             return [self._all_reduce(out[0], "ep all-reduce", None).to(dtype), *out[1:]]
+        return out
+
+    # -- the divided attention's merges (regions.step.Merge; regions/divided.py defines them) --------
+
+    def topk(self, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Every cp rank's K best (score, global index) gathered, the K best of them kept."""
+        return divided.merge_topk(*self._cp_gather((values, index), "cp selection all-gather"))
+
+    def blocks(self, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The candidate pool's blocks: every cp rank's best gathered, the best of them kept."""
+        return divided.merge_blocks(*self._cp_gather((values, index), "cp selection all-gather"))
+
+    def attention(self, numerator: torch.Tensor, top: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """Log-sum-exp merge of the cp ranks' partial attention, as `divided.merge_attention`: the
+        maxima all-gathered (small), then each rank's numerator and sum scaled by exp(max - global
+        max) and summed with one float32 all-reduce."""
+        start = time.perf_counter()
+        (tops,) = self._cp_gather((top,), "cp attention max all-gather")
+        scale = torch.exp(top - tops.amax(0))  # [B, T, H]; a rank without keys weighs 0
+        parts = torch.cat(((numerator * scale.unsqueeze(-1)).flatten(), (total * scale).flatten()))
+        summed = self._all_reduce(parts, "cp attention all-reduce", self.cp_group)
+        n = numerator.numel()
+        out = summed[:n].view_as(numerator) / summed[n:].view_as(total).unsqueeze(-1)
+        self.seconds["cp attention merge"] += time.perf_counter() - start
+        return out
+
+    def _cp_gather(self, tensors: tuple[torch.Tensor, ...], name: str) -> list[torch.Tensor]:
+        """Each tensor gathered over the cp group -> [cp, *shape] each."""
+        start = time.perf_counter()
+        out = []
+        for tensor in tensors:
+            t = tensor.contiguous()
+            got = torch.empty((self.topo.cp * t.shape[0], *t.shape[1:]), dtype=t.dtype)  # ranks along dim 0
+            dist.all_gather_into_tensor(got, t, group=self.cp_group)
+            self.sent[name] += t.numel() * t.element_size()
+            out.append(got.view(self.topo.cp, *t.shape))
+        self.seconds[name] += time.perf_counter() - start
         return out
 
     def dispatch(self, h: torch.Tensor, pre: torch.Tensor, is_image: torch.Tensor):
@@ -210,17 +253,23 @@ def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, opt
                     "stats": outs.stats,
                     "sent": dict(comm.sent),
                     "seconds": dict(comm.seconds),
+                    "pools": _pool_bytes(executor),
                 }
             )
         else:
             executor.follow(Stats())
-            results.put({"rank": rank, "sent": dict(comm.sent)})
+            results.put({"rank": rank, "sent": dict(comm.sent), "pools": _pool_bytes(executor)})
     except BaseException as e:  # the parent reports the first failure
         results.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _pool_bytes(executor: Executor) -> dict[str, int]:
+    """The bytes of each state pool this rank allocated."""
+    return {name: t.numel() * t.element_size() for name, t in executor.pools.items()}
 
 
 def _follower_main(rank: int, world: int, rendezvous: str, bundle: str, options: LoadOptions) -> None:
@@ -316,7 +365,8 @@ def generate_ranks(bundle: Bundle, prompts: list[list[int]], options: RunOptions
     for out, rows in zip(leader["outs"], leader["logits"]):
         out.logits = [torch.from_numpy(row) for row in rows]
     sent = {i.get("rank", 0): i["sent"] for i in items}
-    return Completions(leader["outs"], stats=leader["stats"], sent=sent, seconds=leader["seconds"])
+    pools = {i.get("rank", 0): i["pools"] for i in items}
+    return Completions(leader["outs"], stats=leader["stats"], sent=sent, seconds=leader["seconds"], pools=pools)
 
 
 def _collect(procs, results, timeout_s: float) -> list[dict]:

@@ -490,8 +490,8 @@ class Scheduler:
 class Completions(list[Completion]):
     """The completions of a batch, in prompt order, with what the run measured: `speculation` (the
     verify steps' counts) and, for a bundle, `stats` (`runtime.executor.Stats`: time per region kind
-    and step); for runs over ranks started here, `sent` ({rank: {collective: bytes}}) and `seconds`
-    (the leader's {collective: seconds})."""
+    and step); for runs over ranks started here, `sent` ({rank: {collective: bytes}}), `seconds`
+    (the leader's {collective: seconds}) and `pools` ({rank: {state pool: bytes allocated}})."""
 
     def __init__(
         self,
@@ -501,11 +501,12 @@ class Completions(list[Completion]):
         stats: Any = None,
         sent: dict[int, dict[str, int]] | None = None,
         seconds: dict[str, float] | None = None,
+        pools: dict[int, dict[str, int]] | None = None,
     ):
         super().__init__(items)
         self.speculation = speculation or SpeculationStats()
         self.stats = stats  # runtime.executor.Stats (that module imports this one)
-        self.sent, self.seconds = sent or {}, seconds or {}
+        self.sent, self.seconds, self.pools = sent or {}, seconds or {}, pools or {}
 
 
 def decode(

@@ -298,7 +298,8 @@ def trn2_hlo_bundle(trn2_hlo_compile) -> Path:
 @pytest.fixture(scope="session")
 def rank_bundle(tmp_path_factory, tiny_ckpt):
     """(tp, ep, cp) -> the tiny model compiled for that topology as saved ExportedPrograms
-    (buckets batch 1, tokens {1, 4}; no cache quantization, so token comparisons are exact)."""
+    (buckets batch 1, tokens {1, 4}; no cache quantization, so token comparisons are exact; contexts
+    of 48 and 576 positions, 40 usable blocks: a prompt of 33 blocks, 8 on each of 4 cp ranks, fits)."""
     built: dict[tuple, Path] = {}
 
     def get(tp: int = 1, ep: int = 1, cp: int = 1) -> Path:
@@ -310,8 +311,9 @@ def rank_bundle(tmp_path_factory, tiny_ckpt):
                 tiny_ckpt,
                 executable="exported",
                 tokens=[1, 4],
-                max_context=48,
-                num_blocks=8,
+                max_context=576,
+                context=(48, 576),
+                num_blocks=41,
                 cache_quant=False,
                 parallel=key,
             )

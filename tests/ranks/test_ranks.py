@@ -9,6 +9,7 @@ one-rank bundle exactly and logits to float32 rounding of the reordered sums.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -21,9 +22,12 @@ from deepinfer.runtime.ranks import Comm, init
 
 PROMPTS = [[0, 72, 101, 108, 108, 111, 44, 32, 119], [0, 5, 9, 11, 13, 40]]
 NEW = 4
+# a prompt of 520 tokens: 33 KV blocks of 16 positions, at least 8 on each of 4 cp ranks
+LONG = [0] + [(7 * i) % 250 + 3 for i in range(519)]
 # ep=2 and cp=ep=4 between them cover ep dispatch/combine and four ranks (a separate ep=4 cost a compile
-# and a four-process run for neither)
-TOPOLOGIES = {"tp=2": (2, 1, 1), "ep=2": (1, 2, 1), "cp=2": (1, 1, 2), "cp=ep=4": (1, 4, 4)}
+# and a four-process run for neither); cp=ep=2 and cp=ep=4 divide the context (regions/divided.py)
+TOPOLOGIES = {"tp=2": (2, 1, 1), "ep=2": (1, 2, 1), "cp=ep=2": (1, 2, 2), "cp=ep=4": (1, 4, 4)}
+DIVIDED = {"cp selection all-gather", "cp attention max all-gather", "cp attention all-reduce"}
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +66,46 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, one_rank, name):
     if tp > 1:
         assert set(sent[0]) == {"tp all-reduce"}
     elif ep > 1 and cp == ep:
-        assert set(sent[0]) == {"ep all-reduce"}
-    elif ep > 1:
-        assert set(sent[0]) == {"ep dispatch all-gather", "ep combine reduce-scatter", "logits all-gather"}
+        assert set(sent[0]) == {"ep all-reduce"} | DIVIDED
     else:
-        assert sent[0] == {}  # cp alone: replicated tokens, nothing to combine
+        assert set(sent[0]) == {"ep dispatch all-gather", "ep combine reduce-scatter", "logits all-gather"}
+
+
+@pytest.fixture(scope="module")
+def one_rank_long(rank_bundle):
+    return generate(load(rank_bundle()), [LONG], RunOptions(max_new_tokens=NEW, keep_logits=True))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_divided_context_generates_the_one_rank_tokens_over_many_blocks(rank_bundle, one_rank_long, cp):
+    """A prompt of 33 blocks at cp = ep = 2 and 4: each cp rank holds 1/cp of the paged pools (the
+    manifest says so and the ranks allocate that), the tokens are the one-rank run's and the logits
+    within 1e-4."""
+    bundle = rank_bundle(1, cp, cp)
+    m = manifest(bundle)
+    assert m["kv"]["divided"] == cp and manifest(rank_bundle())["kv"]["divided"] == 1
+    run = generate(bundle, [LONG], RunOptions(max_new_tokens=NEW, keep_logits=True, threads=1))
+    [got], [want] = run, one_rank_long
+    assert got.error is None and got.tokens == want.tokens
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+    one = manifest(rank_bundle())["kv"]
+    for name, pool in m["kv"]["pools"].items():
+        per_row = _row_bytes(pool)
+        for rank, held in run.pools.items():  # what each rank allocated
+            if pool["dim"] == "blocks":  # 1/cp of the one-rank pool's usable blocks, and a scratch block
+                assert (held[name] // per_row - 1) * cp == one["num_blocks"] - 1, (rank, name)
+            else:  # per-slot state: whole on every rank
+                assert held[name] == per_row * m["kv"]["slots"], (rank, name)
+    assert any(p["dim"] == "blocks" for p in m["kv"]["pools"].values())
+
+
+def _row_bytes(pool: dict) -> int:
+    """Bytes of one block (or slot) row of a manifest pool over its layers."""
+    return (
+        len(pool["layers"])
+        * math.prod(pool["entry_shape"])
+        * torch.empty((), dtype=getattr(torch, pool["dtype"])).element_size()
+    )
 
 
 def test_a_multi_rank_bundle_needs_its_ranks(rank_bundle):

@@ -46,8 +46,14 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, one_rank, name):
     m = manifest(bundle)
     world = m["topology"]["world_size"]
     assert world == max(tp * cp, ep) and sorted(m["weights"]) == [f"rank-{r}" for r in range(world)]
-    # one executable set for every rank: each (kind, bucket) once, every rank's weights its own files
-    assert len({(e["kind"], e["bucket"]["batch"], e["bucket"]["tokens"]) for e in m["regions"]}) == len(m["regions"])
+    # one executable set for every rank: each (kind, method, bucket) once, every rank's weights its own files
+    ids = {
+        (e["kind"], e["method"], e["bucket"]["batch"], e["bucket"]["tokens"], e["bucket"].get("context"))
+        for e in m["regions"]
+    }
+    assert len(ids) == len(m["regions"])
+    stages = {e["method"] for e in m["regions"] if e["kind"].startswith("attn_reuse")}
+    assert stages == ({"attend", "output"} if cp > 1 else {"decode"})
     stacks = [{w["kind"]: w for w in m["weights"][f"rank-{r}"]} for r in range(world)]
     digests = [{k: (w.get("digest"), w.get("shared_digest")) for k, w in s.items()} for s in stacks]
     sharded = {"moe"} if ep > 1 else {k for k in digests[0] if k.startswith("attn")} if tp > 1 else set()

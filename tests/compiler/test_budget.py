@@ -182,7 +182,7 @@ def test_moe_scratch_is_bounded_by_its_local_experts_not_the_rows():
     assert region.w1.shape == (6, 2304, 2560)
     scratch = {}
     for rows in (1, 64):
-        ep, _, _ = trace(region, rows, 1, Geometry(slots=2, blocks=2, block_size=16, max_blocks=1))
+        ep, _ = trace(region, rows, 1, Geometry(slots=2, blocks=2, block_size=16, max_blocks=1))
         scratch[rows] = budget.scratch_bytes(CpuTarget().lower(ep))
     one_expert = 3 * 2304 * 5120 * 4  # w1, w3, w2 of one expert in float32
     assert scratch[1] <= 3 * EXPERT_TILE_BYTES < one_expert

@@ -23,7 +23,7 @@ from deepinfer.compiler.weights import RECIPES, Recipe
 from deepinfer.errors import ConfigError
 from deepinfer.regions import topology
 from deepinfer.regions.config import V41Config, load_config
-from deepinfer.regions.state import Geometry, check_block_size
+from deepinfer.regions.state import Geometry, check_block_size, nearest_num_blocks
 from deepinfer.regions.step import DTYPES
 
 Log = Callable[[str], None]
@@ -123,6 +123,7 @@ def parse(config: CompileConfig, hlo_only: bool, log: Log) -> Spec:
         block_size=kv.block_size,
         max_blocks=-(-buckets.max_context // kv.block_size),
     )
+    check_num_blocks(config, geometry)
     spec = Spec(
         config=config,
         model=model,
@@ -140,3 +141,20 @@ def parse(config: CompileConfig, hlo_only: bool, log: Log) -> Spec:
             "makes the embedding a device region; add [host] embedding = true to keep it on the host",
         )
     return spec
+
+
+def check_num_blocks(config: CompileConfig, geometry: Geometry) -> None:
+    """[kv] num_blocks counts a token group's blocks; its paged pools divide the usable ones
+    (all but scratch block 0) evenly over the group's cp ranks (regions/state.blocks_per_rank)."""
+    cp, n = config.parallel.cp, config.kv.num_blocks
+    if (n - 1) % cp:
+        least = geometry.max_blocks * (geometry.slots - 1) + 1  # [kv] num_blocks's own minimum
+        near = " or ".join(map(str, nearest_num_blocks(n, cp, least)))
+        raise config_error(
+            config,
+            "kv",
+            "num_blocks",
+            f"{n} blocks do not divide over [parallel] cp = {cp}: the paged KV pools are divided block-wise "
+            f"over the cp ranks, so num_blocks - 1 (block 0 is scratch) must be a multiple of {cp}; "
+            f"nearest valid: {near}",
+        )

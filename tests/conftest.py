@@ -311,7 +311,7 @@ def rank_bundle(tmp_path_factory, tiny_ckpt):
                 executable="exported",
                 tokens=[1, 4],
                 max_context=48,
-                num_blocks=8,
+                num_blocks=9,  # 8 usable blocks: divided over cp = 2 and 4
                 cache_quant=False,
                 parallel=key,
             )

@@ -57,7 +57,8 @@ def measure(ep: int, cp: int, batch: int, context: int) -> dict:
         ckpt.mkdir()
         (ckpt / "config.json").write_text(json.dumps(release_config()))
         toml = Path(tmp) / "model.toml"
-        blocks = batch * -(-context // BLOCK) + 1  # every sequence at full context (block 0 scratch)
+        # every sequence at full context (block 0 scratch), the usable blocks a multiple of cp (divided over it)
+        blocks = -(-batch * -(-context // BLOCK) // cp) * cp + 1
         toml.write_text(TOML.format(block=BLOCK, ckpt=ckpt, batch=batch, context=context, blocks=blocks, ep=ep, cp=cp))
         spec = pipeline.parse(load_compile_config(toml), True, lambda m: None)
         plan = pipeline.plan(spec, lambda m: None)

@@ -80,7 +80,7 @@ def main() -> None:
     for rows in sorted(set(args.rows) | set(args.time_rows)):
         row = {"rows": rows}
         if rows in args.rows:
-            ep, _, _ = trace(meta, rows, 1, geometry)
+            ep, _ = trace(meta, rows, 1, geometry)
             lowered = CpuTarget().lower(ep)
             row["scratch_bytes"] = budget.scratch_bytes(lowered)
             row["nodes"] = sum(1 for n in lowered.graph.nodes if n.op == "call_function")

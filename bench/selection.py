@@ -47,7 +47,7 @@ def measure(context: int, kinds: list[str] | None, work: Path) -> list[dict]:
     for kind in kinds or regions:
         start = time.perf_counter()
         region = regions[kind].region
-        ep, sig, _ = trace(region, 1, 1, g, dynamic=False)
+        ep, sig = trace(region, 1, 1, g, dynamic=False)
         out = work / f"{kind}.hlo.pb"
         target.emit(target.lower(ep), [s.name for s in sig.all], region.output_names(), out)
         widths = hlo.selection_widths(out.read_bytes())

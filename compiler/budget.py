@@ -5,8 +5,11 @@ Per rank (every rank holds the same shapes: one executable set serves all):
     weights      the rank's layer-major stacks: every weight spec of a kind's region
                  (already shaped for one rank) x the layers of that kind, exactly the
                  tensor bytes of weights/rank-R/*.safetensors (less their JSON headers)
-    pools        every KV/state pool as the runtime allocates it:
-                 layers owning it x (blocks | slots) x entry shape x dtype size
+    pools        every KV/state pool as a rank holds it:
+                 layers owning it x (blocks | slots) x entry shape x dtype size, where a
+                 paged pool (ckv, ikeys) holds its cp rank's share of the token group's
+                 blocks (`pool_entries`: regions/state.blocks_per_rank) and a per-slot
+                 pool every slot
     executables  the compiled files, all loaded at once (known after compiling)
     scratch      the largest executable's peak of intermediate tensors, from a liveness
                  pass over its lowered FX graph (known after tracing; see `scratch_bytes`);
@@ -46,7 +49,7 @@ from deepinfer.compiler.plan import RegionPlan
 from deepinfer.compiler.pools import plan_pools
 from deepinfer.compiler.spec import Log, Spec
 from deepinfer.compiler.weights import host_bytes
-from deepinfer.regions.state import Geometry
+from deepinfer.regions.state import Geometry, blocks_per_rank
 
 GiB = 1 << 30
 SCRATCH_METHOD = (
@@ -79,15 +82,24 @@ def weights_by_kind(plan: RegionPlan) -> dict[str, int]:
     }
 
 
-def pools_by_name(pools: dict[str, Pool], geometry: Geometry) -> dict[str, int]:
-    """Bytes of each pool as the runtime allocates it ([layers, blocks | slots, *entry])."""
-    return {
-        name: _nbytes(
-            (len(p.layers), geometry.blocks if p.dim == "blocks" else geometry.slots, *p.entry_shape),
-            getattr(torch, p.dtype),
-        )
-        for name, p in pools.items()
-    }
+def divided(p: Pool, cp: int) -> bool:
+    """Whether a rank holds a share of pool `p`: paged pools are divided block-wise over the cp ranks."""
+    return p.dim == "blocks" and cp > 1
+
+
+def pool_entries(p: Pool, geometry: Geometry, cp: int = 1) -> int:
+    """Blocks (paged pools: this cp rank's share, its scratch block included) or slots (whole on
+    every rank) of pool `p` on one rank."""
+    return blocks_per_rank(geometry.blocks, cp) if p.dim == "blocks" else geometry.slots
+
+
+def pool_bytes(p: Pool, geometry: Geometry, cp: int = 1) -> int:
+    """Bytes of pool `p` on one rank of a token group of `cp` ranks ([layers, blocks | slots, *entry])."""
+    return _nbytes((len(p.layers), pool_entries(p, geometry, cp), *p.entry_shape), getattr(torch, p.dtype))
+
+
+def pools_by_name(pools: dict[str, Pool], geometry: Geometry, cp: int = 1) -> dict[str, int]:
+    return {name: pool_bytes(p, geometry, cp) for name, p in pools.items()}
 
 
 # -- scratch: a liveness pass over a lowered graph -------------------------------------------------
@@ -250,7 +262,7 @@ def breakdown(spec: Spec, plan: RegionPlan, executables: Sequence[Graph] = (), f
     )
     out = Breakdown(
         weights_by_kind(plan),
-        pools_by_name(pools, spec.geometry),
+        pools_by_name(pools, spec.geometry, spec.topology.cp),
         limit,
         source,
         reserve=int(mem.reserve_gib * GiB),

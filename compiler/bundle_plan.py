@@ -7,7 +7,8 @@ Every figure is the compile's own, from its passes run as far as they go without
     weight files, bytes on disk   the weight pass's file plan (pipeline.weight_files): every
                                   source tensor checked against its spec, offsets and headers
                                   laid out, nothing read or written
-    state pools                   the state layout pass (pipeline.layout_state)
+    state pools                   the state layout pass (pipeline.layout_state), per rank: paged
+                                  pools divided over the cp ranks (budget.pool_entries)
     memory per rank, verdict      compiler/budget.py's breakdown, with the scratch of the compile's
                                   graphs: its trace records where the compile cache holds them,
                                   else graphs traced here on fake tensors and lowered
@@ -121,6 +122,24 @@ class BundlePlan:
         per_row = (s2 - s1) / ((b2 - b1) * t)
         return max(0, round(s1 - per_row * b1 * t)), per_row
 
+    def pool_division(self, p: Pool) -> dict:
+        """Whether pool `p` is divided over the cp ranks, its blocks per rank (paged pools) and its
+        bytes undivided (the token group's whole pool, as one rank would hold it at cp = 1)."""
+        g, cp = self.spec.geometry, self.spec.topology.cp
+        return {
+            "divided": budget.divided(p, cp),
+            "blocks_per_rank": budget.pool_entries(p, g, cp) if p.dim == "blocks" else None,
+            "bytes_undivided": budget.pool_bytes(p, g),
+        }
+
+    def _pool_note(self, p: Pool) -> str:
+        """How a rank holds pool `p`, beside its bytes per rank (nothing to say at cp = 1)."""
+        d, g, cp = self.pool_division(p), self.spec.geometry, self.spec.topology.cp
+        if d["divided"]:
+            whole = human(d["bytes_undivided"])
+            return f"  ({d['blocks_per_rank']} of {g.blocks} blocks: divided over cp {cp}; {whole} whole)"
+        return "" if cp == 1 else "  (whole on every rank)"
+
     # -- output ----------------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
@@ -172,7 +191,8 @@ class BundlePlan:
                     "layers": list(p.layers),
                     "entry_shape": list(p.entry_shape),
                     "dtype": p.dtype,
-                    "bytes": self.memory[layout.rank_key(0)].pools[name],
+                    "bytes": self.memory[layout.rank_key(0)].pools[name],  # per rank
+                    **self.pool_division(p),
                 }
                 for name, p in self.pools.items()
             },
@@ -247,7 +267,7 @@ class BundlePlan:
         for name, p in self.pools.items():
             out.append(
                 f"  {name:<14} {len(p.layers):>3} layers x {p.dim:<6} x {list(p.entry_shape)} {p.dtype:<9} "
-                f"{human(self.memory[rank0].pools[name]):>12}"
+                f"{human(self.memory[rank0].pools[name]):>12}" + self._pool_note(p)
             )
         out += [
             "",

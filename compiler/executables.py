@@ -36,7 +36,8 @@ from deepinfer.compiler.spec import Log, Run, Spec
 from deepinfer.compiler.trace import trace
 from deepinfer.errors import DeepinferError
 from deepinfer.regions.base import Region
-from deepinfer.regions.state import InputSpec
+from deepinfer.regions.examples import example_inputs
+from deepinfer.regions.state import Geometry, InputSpec
 
 LOWERED_DIR = ".lowered"
 
@@ -49,7 +50,8 @@ class Graph:
     region: Region  # its kind's region (meta weights)
     program: torch.export.ExportedProgram  # lowered for the target
     names: list[str]  # its flat inputs' names: weights (rank included), then the method's inputs
-    inputs: list[torch.Tensor]  # the method's example inputs (for numerical checks)
+    inputs: list[InputSpec]  # the method's inputs, traced as fake tensors of these shapes
+    geometry: Geometry  # the pool geometry it was traced with (its example values follow it)
     kernels: list[str]  # the deepinfer kernels the traced graph reaches
     entry: mf.Executable
 
@@ -96,9 +98,8 @@ def lower(spec: Spec, plan: RegionPlan, exe: Exe) -> Graph:
     targets return state as outputs, so their entries mutate no input."""
     target = spec.target
     region = plan.kinds[exe.kind].region
-    ep, sig, inputs = trace(
-        region, exe.batch, exe.tokens, spec.geometry_at(exe.context), exe.method, dynamic=not target.static_shapes
-    )
+    geometry = spec.geometry_at(exe.context)
+    ep, sig = trace(region, exe.batch, exe.tokens, geometry, exe.method, dynamic=not target.static_shapes)
     kernels = kernels_reached(ep)
     lowered = target.lower(ep)
     names = [s.name for s in sig.all]
@@ -115,7 +116,16 @@ def lower(spec: Spec, plan: RegionPlan, exe: Exe) -> Graph:
         mutates=() if target.static_shapes else tuple(mutated),
         scratch_bytes=budget.scratch_bytes(lowered),
     )
-    return Graph(exe=exe, region=region, program=lowered, names=names, inputs=inputs, kernels=kernels, entry=entry)
+    return Graph(
+        exe=exe,
+        region=region,
+        program=lowered,
+        names=names,
+        inputs=sig.inputs,
+        geometry=geometry,
+        kernels=kernels,
+        entry=entry,
+    )
 
 
 def emit(spec: Spec, graph: Graph, lowered: Path) -> mf.Executable:
@@ -130,7 +140,8 @@ def emit(spec: Spec, graph: Graph, lowered: Path) -> mf.Executable:
 
 def check(spec: Spec, graph: Graph, entry: mf.Executable, lowered: Path, log: Log) -> mf.Executable:
     """Static-shape targets: run the emitted module against its reference region (unless the
-    target's check is off); returns the entry with the check's figures."""
+    target's check is off) on the method's example inputs, made here and only here (real values
+    at the compiled shapes); returns the entry with the check's figures."""
     if not spec.target.check:
         log(f"lowered {entry.name}: HLO {lowered.stat().st_size} bytes (check off)")
         return entry
@@ -138,7 +149,7 @@ def check(spec: Spec, graph: Graph, entry: mf.Executable, lowered: Path, log: Lo
         lowered,
         graph.region,
         graph.exe.method,
-        graph.inputs,
+        example_inputs(graph.inputs, graph.geometry),
         graph.names,
         list(entry.state_outputs or ()),
         f"region {entry.name}",

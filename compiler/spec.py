@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.bundles.manifest import blocks_per_rank
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.cache import Cache
 from deepinfer.compiler.config import CompileConfig, config_error
@@ -24,7 +23,7 @@ from deepinfer.compiler.weights import RECIPES, Recipe
 from deepinfer.errors import ConfigError
 from deepinfer.regions import topology
 from deepinfer.regions.config import V41Config, load_config
-from deepinfer.regions.state import Geometry, check_block_size
+from deepinfer.regions.state import Geometry, check_block_size, nearest_num_blocks
 from deepinfer.regions.step import DTYPES
 
 Log = Callable[[str], None]
@@ -118,15 +117,16 @@ def parse(config: CompileConfig, hlo_only: bool, log: Log) -> Spec:
         raise config_error(config, "parallel", bad[0], bad[1])
     t = config.target
     kv, buckets = config.kv, config.buckets
-    bad = topology.check_division(config.parallel, model.text, kv.block_size, kv.num_blocks)
+    bad = topology.check_division(config.parallel, model.text, kv.block_size)
     if bad:
         raise config_error(config, "kv", bad[0], bad[1])
     geometry = Geometry(
         slots=max(buckets.batch) + 1,
-        blocks=blocks_per_rank(kv.num_blocks, config.parallel.cp),  # the paged pools divided over cp
+        blocks=kv.num_blocks,  # the token group's; a divided region's pools hold its rank's share
         block_size=kv.block_size,
         max_blocks=-(-buckets.max_context // kv.block_size),
     )
+    check_num_blocks(config, geometry)
     spec = Spec(
         config=config,
         model=model,
@@ -144,3 +144,20 @@ def parse(config: CompileConfig, hlo_only: bool, log: Log) -> Spec:
             "makes the embedding a device region; add [host] embedding = true to keep it on the host",
         )
     return spec
+
+
+def check_num_blocks(config: CompileConfig, geometry: Geometry) -> None:
+    """[kv] num_blocks counts a token group's blocks; its paged pools divide the usable ones
+    (all but scratch block 0) evenly over the group's cp ranks (regions/state.blocks_per_rank)."""
+    cp, n = config.parallel.cp, config.kv.num_blocks
+    if (n - 1) % cp:
+        least = geometry.max_blocks * (geometry.slots - 1) + 1  # [kv] num_blocks's own minimum
+        near = " or ".join(map(str, nearest_num_blocks(n, cp, least)))
+        raise config_error(
+            config,
+            "kv",
+            "num_blocks",
+            f"{n} blocks do not divide over [parallel] cp = {cp}: the paged KV pools are divided block-wise "
+            f"over the cp ranks, so num_blocks - 1 (block 0 is scratch) must be a multiple of {cp}; "
+            f"nearest valid: {near}",
+        )

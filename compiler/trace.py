@@ -19,7 +19,6 @@ from torch.export import Dim
 
 from deepinfer.bundles.manifest import DECODE
 from deepinfer.regions.base import Region
-from deepinfer.regions.examples import example_inputs
 from deepinfer.regions.state import Geometry, InputSpec
 
 # torch 2.13's export pickles tree specs through a deprecated isinstance check and warns
@@ -81,21 +80,27 @@ def dynamic_dims(sig: Signature) -> tuple[dict[int, Dim] | None, ...]:
     return tuple(out)
 
 
-def trace(region: Region, B: int, T: int, geometry: Geometry, method: str = DECODE, *, dynamic: bool = True):
-    """Export `region.<method>` for a [B, T] step -> (ExportedProgram, Signature, example inputs).
+def fake_inputs(mode: FakeTensorMode, specs: list[InputSpec]) -> list[torch.Tensor]:
+    """Fake tensors of the specs' shapes and dtypes: no memory behind them, whatever the context."""
+    with mode:
+        return [torch.empty(s.shape, dtype=s.dtype) for s in specs]
+
+
+def trace(
+    region: Region, B: int, T: int, geometry: Geometry, method: str = DECODE, *, dynamic: bool = True
+) -> tuple[torch.export.ExportedProgram, Signature]:
+    """Export `region.<method>` for a [B, T] step -> (ExportedProgram, Signature).
 
     Nothing real-size is allocated: the region's weights are meta tensors (compiler/plan.py)
-    and the graph is traced on fake tensors. The example inputs returned are the method's own
-    (small: positions, slots, activations; no weights), for numerical checks. The program
-    keeps meta example inputs only (its shapes and dtypes), so a saved program holds no
-    sample data. With `dynamic`, pool sizes (slots, blocks) stay symbolic; targets that need
-    static shapes (trn2) trace with the geometry's own sizes."""
+    and the graph is traced on fake tensors of the signature's shapes, weights and the
+    method's inputs alike (at the 1M context one input alone would be 16 GiB of real data).
+    Where a lowered graph is checked numerically, its example values are made there:
+    `regions/examples.example_inputs(sig.inputs, geometry)`. The program keeps meta example
+    inputs only (its shapes and dtypes), so a saved program holds no sample data. With
+    `dynamic`, pool sizes (slots, blocks) stay symbolic; targets that need static shapes
+    (trn2) trace with the geometry's own sizes."""
     sig = Signature(weight_specs(region), region.method_inputs(method, B, T, geometry))
-    inputs = example_inputs(sig.inputs, geometry)
-    mode = FakeTensorMode()
-    with mode:
-        weights = [torch.empty(s.shape, dtype=s.dtype) for s in sig.weights]
-    args = weights + [mode.from_tensor(t) for t in inputs]
+    args = fake_inputs(FakeTensorMode(), sig.all)
     ep = torch.export.export(
         Lifted(region, method),
         tuple(args),
@@ -103,7 +108,7 @@ def trace(region: Region, B: int, T: int, geometry: Geometry, method: str = DECO
         strict=False,
     )
     ep.example_inputs = (tuple(torch.empty(s.shape, dtype=s.dtype, device="meta") for s in sig.all), {})
-    return ep, sig, inputs
+    return ep, sig
 
 
 def concrete_inputs(ep: torch.export.ExportedProgram) -> None:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from deepinfer.bundles.manifest import DECODE
+from deepinfer.bundles.manifest import DECODE, blocks_per_rank
 from deepinfer.kernels import attention as _attn  # noqa: F401  (registers ops)
 from deepinfer.kernels.cachequant import maybe_quant
 from deepinfer.kernels.rope import apply_rope, rope_angles, rope_frequencies
@@ -124,8 +124,11 @@ class _Attention(Region):
         ]
 
     def _paged(self, g: Geometry, *names: str) -> list[InputSpec]:
+        """This rank's share of the paged pools (the token group's `g.blocks` divided over cp; the compile
+        checks that they divide)."""
         widths = {"ckv": self.hd, "ikeys": self.c.index_head_dim}
-        return [InputSpec(n, (g.blocks, g.block_size // self.ratio, widths[n]), self.dtype, "state") for n in names]
+        blocks = blocks_per_rank(g.blocks, self.cp)
+        return [InputSpec(n, (blocks, g.block_size // self.ratio, widths[n]), self.dtype, "state") for n in names]
 
     def attend_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         """The divided attention's second stage: the streams, the step, the window ring, this rank's

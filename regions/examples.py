@@ -1,9 +1,10 @@
 """Example inputs for a region method: valid values of the right shapes.
 
-The compiler traces with them and checks lowered graphs numerically on them,
-so they must exercise real paths: valid consecutive positions, distinct slots
-and blocks per row, engram rows of valid fp8 codes and scales, top-k indices
-that are visible.
+The compiler traces on fake tensors of the same specs (compiler/trace.py); these real
+values are made only where a lowered graph is checked numerically (the trn2 target's
+XLA:CPU check, at the compiled shapes) and in tests, so they must exercise real paths:
+valid consecutive positions, distinct slots and blocks per row, engram rows of valid
+fp8 codes and scales, top-k indices that are visible.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.bundles.manifest import blocks_per_rank as manifest_blocks_per_rank
 from deepinfer.errors import ConfigError
 from deepinfer.regions.config import TextConfig
 
@@ -21,6 +22,29 @@ if TYPE_CHECKING:
 
 
 PAGED = ("ckv", "ikeys")  # indexed by block; the others by sequence slot
+
+
+def blocks_per_rank(num_blocks: int, cp: int) -> int:
+    """Blocks a paged pool (`PAGED`) holds on each cp rank of a token group.
+
+    `num_blocks` ([kv] num_blocks) counts the token group's blocks: scratch block 0 and
+    `num_blocks - 1` usable ones, divided block-wise over its cp ranks (a sequence's logical
+    block j lives on cp rank j % cp). Each rank holds its `(num_blocks - 1) / cp` usable blocks
+    and a scratch block 0 of its own; at cp = 1, all `num_blocks`. Per-slot pools stay whole.
+    Checked here (a ConfigError); the formula is the bundle format's (`bundles.manifest.blocks_per_rank`)."""
+    usable, rest = divmod(num_blocks - 1, cp)
+    if rest or usable < 1:
+        raise ConfigError(
+            f"{num_blocks} blocks (block 0 scratch) do not divide over cp = {cp} ranks: num_blocks - 1 must be "
+            f"a positive multiple of {cp}; nearest valid: {' or '.join(map(str, nearest_num_blocks(num_blocks, cp)))}"
+        )
+    return manifest_blocks_per_rank(num_blocks, cp)
+
+
+def nearest_num_blocks(num_blocks: int, cp: int, least: int = 2) -> tuple[int, ...]:
+    """The valid `num_blocks` at `cp` (num_blocks - 1 a multiple of cp) nearest `num_blocks`, each at least `least`."""
+    below = num_blocks - (num_blocks - 1) % cp
+    return tuple(n for n in (below, below + cp) if n >= max(least, cp + 1)) or (-(-(least - 1) // cp) * cp + 1,)
 
 
 @dataclass(frozen=True)

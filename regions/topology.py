@@ -53,27 +53,18 @@ def check(topo: Topology, c: TextConfig) -> tuple[str, str] | None:
     return None
 
 
-def check_division(topo: Topology, c: TextConfig, block_size: int, num_blocks: int) -> tuple[str, str] | None:
-    """(key of [kv], message) where the paged state cannot divide over the cp ranks
-    (regions/divided.py), else None: the usable blocks (`num_blocks` - 1) must divide evenly, and
-    the candidate pool's blocks must not straddle a KV block."""
-    if topo.cp == 1:
+def check_division(topo: Topology, c: TextConfig, block_size: int) -> tuple[str, str] | None:
+    """(key of [kv], message) where the paged state cannot divide over the cp ranks (regions/divided.py),
+    else None: the candidate pool's blocks must not straddle a KV block (the usable blocks' count is
+    checked with the pools: `compiler.spec.check_num_blocks`)."""
+    if topo.cp == 1 or c.candidate_source_layer_id < 0:
         return None
-    usable = num_blocks - 1
-    if usable % topo.cp:
-        low, high = usable // topo.cp * topo.cp + 1, -(-usable // topo.cp) * topo.cp + 1
-        choices = f"{low} or {high}" if low > 1 else f"{high}"
-        return "num_blocks", (
-            f"{num_blocks} blocks (1 scratch and {usable} usable) do not divide over cp = {topo.cp} ranks; "
-            f"use {choices}"
+    per_block = block_size // c.compress_ratios[c.candidate_source_layer_id]
+    if per_block % c.candidate_block_size:
+        return "block_size", (
+            f"{block_size}: with cp = {topo.cp} a KV block's {per_block} compressed entries must hold whole "
+            f"candidate blocks of {c.candidate_block_size} (candidate_block_size)"
         )
-    if c.candidate_source_layer_id >= 0:
-        per_block = block_size // c.compress_ratios[c.candidate_source_layer_id]
-        if per_block % c.candidate_block_size:
-            return "block_size", (
-                f"{block_size}: with cp = {topo.cp} a KV block's {per_block} compressed entries must hold whole "
-                f"candidate blocks of {c.candidate_block_size} (candidate_block_size)"
-            )
     return None
 
 

@@ -78,7 +78,7 @@ from deepinfer.compiler.trace import trace
 cfg = load_compile_config(sys.argv[1])
 spec = parse(cfg, False, lambda m: None)
 p = plan(spec, lambda m: None)
-ep, _, _ = trace(p.kinds["head"].region, 1, 1, spec.geometry)
+ep, _ = trace(p.kinds["head"].region, 1, 1, spec.geometry)
 kernels = kernels_reached(ep)
 exe = cached.executable_key(spec, p, Exe("head", "decode", 1, 1, None), graph_digest(spec.target.lower(ep)), kernels)
 print(json.dumps({"bundle": cache_key(cfg, log=lambda m: None).digest, "executable": exe.digest,

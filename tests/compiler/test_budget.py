@@ -182,8 +182,25 @@ def test_moe_scratch_is_bounded_by_its_local_experts_not_the_rows():
     assert region.w1.shape == (6, 2304, 2560)
     scratch = {}
     for rows in (1, 64):
-        ep, _, _ = trace(region, rows, 1, Geometry(slots=2, blocks=2, block_size=16, max_blocks=1))
+        ep, _ = trace(region, rows, 1, Geometry(slots=2, blocks=2, block_size=16, max_blocks=1))
         scratch[rows] = budget.scratch_bytes(CpuTarget().lower(ep))
     one_expert = 3 * 2304 * 5120 * 4  # w1, w3, w2 of one expert in float32
     assert scratch[1] <= 3 * EXPERT_TILE_BYTES < one_expert
     assert 0 <= scratch[64] - scratch[1] <= 63 * (1 << 20)
+
+
+def test_paged_pools_hold_their_cp_ranks_share_of_the_blocks():
+    """num_blocks counts a token group's blocks; each cp rank holds (num_blocks - 1) / cp of them and
+    its own scratch block 0; at cp = 1, all of them (what the runtime allocates: test_breakdown_adds_up)."""
+    from deepinfer.regions.state import Geometry, blocks_per_rank
+
+    assert [blocks_per_rank(n, 1) for n in (2, 4, 21, 65537)] == [2, 4, 21, 65537]
+    assert (blocks_per_rank(65537, 64), blocks_per_rank(4097, 64), blocks_per_rank(9, 4)) == (1025, 65, 3)
+    with pytest.raises(ConfigError, match=r"8 blocks .* cp = 2 .*nearest valid: 7 or 9$"):
+        blocks_per_rank(8, 2)
+    pool = mf.Pool(state="ckv", dtype="bfloat16", dim="blocks", entry_shape=(8, 4), layers=(2, 3))
+    win = dataclasses.replace(pool, state="win", dim="slots")
+    g = Geometry(slots=3, blocks=65537, block_size=16, max_blocks=1)
+    assert budget.pools_by_name({"ckv": pool, "win": win}, g) == {"ckv": 2 * 65537 * 64, "win": 2 * 3 * 64}
+    assert budget.pools_by_name({"ckv": pool, "win": win}, g, cp=64) == {"ckv": 2 * 1025 * 64, "win": 2 * 3 * 64}
+    assert budget.divided(pool, 64) and not budget.divided(pool, 1) and not budget.divided(win, 64)

@@ -150,6 +150,74 @@ def test_plan_cli_prints_the_full_plan():
     assert re.search(r"memory budget per rank:\n  ranks 0-63 \(64\): (fits|DOES NOT FIT)\n", r.output)
 
 
+# -- the release at the 1M context: pools divided over the cp ranks, traced on fake tensors ----------
+
+CONTEXT_1M, BLOCKS_1M = 1 << 20, 65537  # 8 sequences x 8192 blocks of 128 positions + scratch block 0
+
+
+def release_toml(tmp_path: Path, *, max_context: int, num_blocks: int) -> Path:
+    """examples/release/model.toml at another context and block count (its checkpoint: the example's config.json)."""
+    text = RELEASE.read_text()
+    for old, new in (
+        ('checkpoint = "."', f'checkpoint = "{RELEASE.parent}"'),
+        ("max_context = 65536", f"max_context = {max_context}"),
+        ("num_blocks = 4097", f"num_blocks = {num_blocks}"),
+    ):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = tmp_path / "model.toml"
+    path.write_text(text)
+    return path
+
+
+def test_release_pools_divided_over_cp_at_1m_context(tmp_path):
+    """65537 blocks are the token group's: each of the 64 cp ranks holds 1/64 of the 65536 usable
+    ones and a scratch block of its own (1025), where every rank held all of them (25.04 GiB of
+    pools a rank); the per-slot pools stay whole. Shapes by MODEL.md: blocks of 128 positions,
+    head_dim 512, index_head_dim 128, bf16; layers 2, 8, 14 at ratio 2 and 20 at ratio 1."""
+    toml = release_toml(tmp_path, max_context=CONTEXT_1M, num_blocks=BLOCKS_1M)
+    plan = plan_bundle(load_compile_config(toml), scratch=False)
+    d = plan.to_dict()
+    paged = {"ckv.r2": (3, 64, 512), "ikeys.r2": (3, 64, 128), "ckv.r1": (1, 128, 512), "ikeys.r1": (1, 128, 128)}
+    for name, (layers, entries, width) in paged.items():
+        p = d["pools"][name]
+        block = layers * entries * width * 2
+        assert p["divided"] and p["blocks_per_rank"] == 65536 // 64 + 1 == 1025, name
+        assert (p["bytes_undivided"], p["bytes"]) == (block * BLOCKS_1M, block * 1025), name
+    for name in ("win", "part_kv.r2", "part_gate.r2"):
+        p = d["pools"][name]
+        assert not p["divided"] and p["blocks_per_rank"] is None and p["bytes"] == p["bytes_undivided"], name
+    assert sum(p["bytes_undivided"] for p in d["pools"].values()) > 25 * GiB
+    for m in d["memory"].values():
+        assert m["pools_by_name"] == {name: p["bytes"] for name, p in d["pools"].items()}
+        assert m["pools"] < GiB / 2
+    assert "  ckv.r2           3 layers x blocks x [64, 512] bfloat16    192.19 MiB  (1025 of 65537 blocks: " in (
+        "\n".join(plan.lines())
+    )
+
+
+def test_release_traced_at_1m_context_without_real_inputs(tmp_path):
+    """Tracing at the 1M context allocates nothing of the traced shapes: a plan that traces the
+    candidate source (one of its inputs was 16 GiB of real random data) runs in a process whose
+    data segment is limited to 2 GiB (an allocation past it fails at once instead of using memory)."""
+    import subprocess
+    import sys
+
+    toml = release_toml(tmp_path, max_context=CONTEXT_1M, num_blocks=BLOCKS_1M)
+    probe = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, 2 << 30))\n"
+        "from deepinfer.compiler.bundle_plan import plan_bundle\n"
+        "from deepinfer.compiler.config import load_compile_config\n"
+        "plan = plan_bundle(load_compile_config(sys.argv[1]), kinds=('attn_source_r1_cand',))\n"
+        "print(list(plan.scratch), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", probe, str(toml)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    traced, max_rss_kib = r.stdout.split("]")[0] + "]", int(r.stdout.split()[-1])
+    assert traced == "['attn_source_r1_cand.decode.b8t128c1048576']" and max_rss_kib < 2 << 20
+
+
 # -- a headers-only checkpoint at release dimensions ------------------------------------------------
 
 
@@ -179,7 +247,7 @@ def synthetic_toml(tmp_path: Path, ckpt: Path) -> Path:
         batch=(1, 4),
         tokens=(1, 8),
         max_context=256,
-        num_blocks=80,
+        num_blocks=81,  # 80 usable blocks: divided over cp = 8
         parallel=(1, 8, 8),
     )
 

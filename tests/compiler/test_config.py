@@ -275,3 +275,24 @@ def test_draft_of_a_checkpoint_without_one_is_refused(tmp_path):
     assert "no DSpark draft" in errors[0] and "num_nextn_predict_layers is 0" in errors[0]
     assert "Traceback" not in result.output
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "cp, max_context, nearest",
+    [(2, 32, "7 or 9"), (4, 32, "5 or 9"), (4, 48, "9")],
+    ids=["cp=2", "cp=4", "cp=4-long"],
+)
+def test_num_blocks_divides_over_cp(tmp_path, tiny_ckpt, cp, max_context, nearest):
+    """[kv] num_blocks counts a token group's blocks, its paged pools divided block-wise over the cp
+    ranks: 8 (7 usable beside scratch block 0) is refused at cp = 2 and 4, naming the nearest valid
+    counts that still hold two sequences of max_context (48 positions: at least 7 blocks)."""
+    from deepinfer.compiler.spec import parse
+
+    text = BASE.replace('"checkpoint"', f'"{tiny_ckpt}"').replace("cp = 1", f"cp = {cp}")
+    path, _ = write(tmp_path, text, "max_context = 32", f"max_context = {max_context}")
+    line = text.splitlines().index("num_blocks = 8") + 1
+    with pytest.raises(ConfigError) as e:
+        parse(load_compile_config(path), False, lambda msg: None)
+    message = str(e.value)
+    assert message.startswith(f"{path}:{line}: kv.num_blocks: 8 blocks do not divide over [parallel] cp = {cp}")
+    assert message.endswith(f"nearest valid: {nearest}") and "\n" not in message, message

@@ -123,7 +123,7 @@ def ep_moe(ref_fp32, tmp_path_factory):
             shard("moe", spec.name, getattr(full, spec.name), c, topo, 0, spec.buffer_shape)
         )
     g = Geometry(slots=2, blocks=2, block_size=16, max_blocks=1)
-    ep, sig, _ = trace(region, 1, 1, g)
+    ep, sig = trace(region, 1, 1, g)
     target = CpuTarget("aoti")
     path = tmp_path_factory.mktemp("ep_moe") / "moe.pt2"
     lowered = target.lower(ep)

@@ -144,7 +144,7 @@ def test_embedding_region_is_the_host_lookup(tiny_ckpt):
     table = load_file(tiny_ckpt / "model.safetensors")["embed.weight"]
     region = plan_regions(c, torch.float32, True, device_embedding=True).kinds["embed"].region
     g = Geometry(slots=2, blocks=2, block_size=16, max_blocks=1)
-    ep, sig, inputs = trace(region, 2, 3, g, dynamic=False)
+    ep, sig = trace(region, 2, 3, g, dynamic=False)
     tokens, is_image, rows = example_inputs(sig.inputs, g, seed=4)
     assert tokens.view(-1)[0] == c.vocab_size - 1 and 0 <= int(tokens.min()) and tokens.unique().numel() > 1
     is_image = torch.tensor([[False, True, False], [True, False, False]])

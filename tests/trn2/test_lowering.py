@@ -30,6 +30,7 @@ from deepinfer.compiler.targets import hlo, neuronxcc
 from deepinfer.compiler.targets.trn2 import MAX_SELECTION_WIDTH, CheckFailed, Trn2Target
 from deepinfer.compiler.trace import trace
 from deepinfer.regions.config import load_config
+from deepinfer.regions.examples import example_inputs
 from deepinfer.regions.state import Geometry
 from deepinfer.runtime import load
 
@@ -207,7 +208,8 @@ def _lower_window(tmp_path, target: Trn2Target, checkpoint: Path) -> dict:
     cfg = load_config(checkpoint)
     region = plan_regions(cfg.text, torch.float32, True).kinds["attn_window"].region
     g = Geometry(slots=2, blocks=4, block_size=16, max_blocks=2)
-    ep, sig, inputs = trace(region, 1, 1, g, dynamic=False)
+    ep, sig = trace(region, 1, 1, g, dynamic=False)
+    inputs = example_inputs(sig.inputs, g)
     ep = target.lower(ep)
     names = [s.name for s in sig.all]
     info = target.emit(ep, names, region.output_names(), tmp_path / "w.hlo.pb")
@@ -402,7 +404,8 @@ def test_wide_sort_is_refused_naming_region_and_op(tmp_path):
         region=None,
         program=ep,
         names=["scores"],
-        inputs=[scores],
+        inputs=[],
+        geometry=Geometry(slots=2, blocks=2, block_size=16, max_blocks=1),
         kernels=[],
         entry=entry,
     )
@@ -419,13 +422,11 @@ def test_indexer_region_at_a_long_context(tmp_path, tiny_ckpt):
     row of compressed entries is 32,768 wide, decoding its last position (every entry visible, the
     pools random): lowered with no sort wider than neuronx-cc compiles, and equal to the reference
     region on XLA:CPU (its top-k indices and candidate pool exactly)."""
-    from deepinfer.regions.examples import example_inputs
-
     cfg = load_config(tiny_ckpt)
     region = plan_regions(cfg.text, torch.float32, True).kinds["attn_source_r1_cand"].region
     g = Geometry(slots=2, blocks=2049, block_size=16, max_blocks=2048)
     assert g.compressed_width(1) == 32768 > MAX_SELECTION_WIDTH
-    ep, sig, _ = trace(region, 1, 1, g, dynamic=False)
+    ep, sig = trace(region, 1, 1, g, dynamic=False)
     inputs = example_inputs(sig.inputs, g, start=32767)
     target = Trn2Target("neff", {})
     ep = target.lower(ep)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from deepinfer.bundles import layout
-from deepinfer.bundles.manifest import Pool
+from deepinfer.bundles.manifest import DECODE, PROJECT, Pool
 from deepinfer.bundles.safetensors import DTYPES, TensorInfo
 from deepinfer.compiler import budget, cached, pipeline
 from deepinfer.compiler.budget import Breakdown, human
@@ -234,10 +234,17 @@ class BundlePlan:
         shapes = c.buckets.shapes()
         methods = sorted({e[1] for e in self.executables})
         drafted = len(self.regions.draft_kinds) + 1 if self.regions.draft else 0  # + the head's project
+        calls = {(e[0], e[1]) for e in self.executables if e[0] not in self.regions.draft_kinds and e[1] != PROJECT}
+        staged = sorted({k for k, m in calls if m != DECODE})  # the divided attention's stages (regions/divided.py)
         out += [
             "",
-            f"executables: {len(self.regions.kinds)} kinds x {len(methods)} method(s) ({', '.join(methods)}) "
-            f"x {len(shapes)} buckets"
+            (
+                f"executables: {len(self.regions.kinds)} kinds x {len(methods)} method(s) ({', '.join(methods)}) "
+                if not staged
+                else f"executables: {len(self.regions.kinds)} kinds, {len(calls)} (kind, method) calls (the "
+                f"{len(staged)} compressed attention kinds as their divided stages) "
+            )
+            + f"x {len(shapes)} buckets"
             + (f" ({drafted} draft calls at the {len(c.buckets.batch)} batch buckets only)" if drafted else "")
             + f" = {len(self.executables)}; compile jobs: {len(self.executables)} (a cache hit skips one)",
             "  buckets (batch x tokens): "
@@ -358,12 +365,12 @@ def plan_checkpoint(model: V41Config, directory: Path) -> tuple[Checkpoint, str]
 
 
 def traced_buckets(executables: list[Exe], kinds=None) -> list[Exe]:
-    """The graphs a plan traces: each kind's largest bucket (most rows; more tokens, then the
+    """The graphs a plan traces: each (kind, method)'s largest bucket (most rows; more tokens, then the
     largest context bucket on a tie), and the MoE's smallest batch bucket at its largest tokens
     bucket; only `kinds` when given. Executables are (kind, method, batch, tokens, context)."""
     out = []
-    for kind in dict.fromkeys(e[0] for e in executables if kinds is None or e[0] in kinds):
-        mine = [e for e in executables if e[0] == kind]
+    for kind, method in dict.fromkeys((e[0], e[1]) for e in executables if kinds is None or e[0] in kinds):
+        mine = [e for e in executables if (e[0], e[1]) == (kind, method)]
         top = max(mine, key=lambda e: (e[2] * e[3], e[3], e[4] or 0))
         out.append(top)
         if kind == MOE:

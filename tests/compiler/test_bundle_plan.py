@@ -66,9 +66,11 @@ def test_release_config_validates():
 def test_release_layer_plan_and_executables(release):
     d = release
     assert {k: v["layers"] for k, v in d["kinds"].items()} == RELEASE_KINDS
-    # 9 kinds (the example keeps the embedding on the host: [host] embedding = true) x 1 method x 4
-    # buckets; EP = CP = 64 is one token group: the MoE is not gathered
-    assert d["executables"]["count"] == d["compile_jobs"] == 9 * 4
+    # 9 kinds (the example keeps the embedding on the host: [host] embedding = true) x 4 buckets; at
+    # CP = 64 the compressed attention kinds run as stages (regions/divided.py): select, attend, output
+    # for the three that select, attend and output for the two reuse kinds, decode for the other four;
+    # EP = CP = 64 is one token group: the MoE is not gathered
+    assert d["executables"]["count"] == d["compile_jobs"] == (4 + 3 * 3 + 2 * 2) * 4
     assert d["topology"] == {"tp": 1, "ep": 64, "cp": 64, "world_size": 64, "groups": 1}
     assert d["checkpoint"]["source"].startswith("config.json only")
 
@@ -140,7 +142,8 @@ def test_plan_cli_prints_the_full_plan():
     assert r.exit_code == 0, r.output
     for line in (
         "layer plan: 40 layers -> 9 region kinds",
-        "9 kinds x 1 method(s) (decode) x 4 buckets = 36; compile jobs: 36",
+        "9 kinds, 17 (kind, method) calls (the 5 compressed attention kinds as their divided stages) x 4 buckets "
+        "= 68; compile jobs: 68",
         "state pools (7):",
         "bundle on disk:",
         "scratch: not traced",
@@ -215,7 +218,9 @@ def test_release_traced_at_1m_context_without_real_inputs(tmp_path):
     r = subprocess.run([sys.executable, "-c", probe, str(toml)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     traced, max_rss_kib = r.stdout.split("]")[0] + "]", int(r.stdout.split()[-1])
-    assert traced == "['attn_source_r1_cand.decode.b8t128c1048576']" and max_rss_kib < 2 << 20
+    stages = ("select", "attend", "output")  # the divided attention's (regions/divided.py), output per context
+    assert traced == str([f"attn_source_r1_cand.{m}.b8t128" + ("c1048576" if m != "output" else "") for m in stages])
+    assert max_rss_kib < 2 << 20
 
 
 # -- a headers-only checkpoint at release dimensions ------------------------------------------------

@@ -40,6 +40,8 @@ def example_inputs(specs: list[InputSpec], g: Geometry, *, start: int = 0, seed:
         elif s.high is not None:  # ids over the whole range, its last included
             t = torch.randint(0, s.high, s.shape, generator=gen)
             t.view(-1)[0] = s.high - 1
+        elif s.name == "cand" and s.dtype == torch.int64:  # the divided pool's chosen blocks: the first ones
+            t = torch.arange(s.shape[-1]).expand(s.shape).clone()
         elif s.name in ("token_mask", "cand"):
             t = torch.ones(s.shape, dtype=torch.bool)
         elif s.name == "is_image":

@@ -102,6 +102,7 @@ def write_model_toml(
     max_context: int = 32,
     context: tuple | None = None,
     num_blocks: int = 4,
+    block_size: int = 16,
     parallel: tuple[int, int, int] = (1, 1, 1),
     extra: str = "",
 ) -> Path:
@@ -131,7 +132,7 @@ tokens = {list(tokens)}
 max_context = {max_context}
 {contexts}
 [kv]
-block_size = 16
+block_size = {block_size}
 num_blocks = {num_blocks}
 {ranks}{extra}""")
     return path
@@ -149,6 +150,7 @@ def _compile_tiny(
     max_context: int = 32,
     context: tuple | None = None,
     num_blocks: int = 4,
+    block_size: int = 16,
     cache_quant: bool = True,
     target: str = "cpu",
     options: str = "{}",
@@ -178,6 +180,7 @@ def _compile_tiny(
         max_context=max_context,
         context=context,
         num_blocks=num_blocks,
+        block_size=block_size,
         parallel=parallel,
         extra=extra,
     )
@@ -298,8 +301,9 @@ def trn2_hlo_bundle(trn2_hlo_compile) -> Path:
 @pytest.fixture(scope="session")
 def rank_bundle(tmp_path_factory, tiny_ckpt):
     """(tp, ep, cp) -> the tiny model compiled for that topology as saved ExportedPrograms
-    (buckets batch 1, tokens {1, 4}; no cache quantization, so token comparisons are exact; contexts
-    of 48 and 576 positions, 40 usable blocks: a prompt of 33 blocks, 8 on each of 4 cp ranks, fits)."""
+    (buckets batch 1, tokens {1, 8}; no cache quantization, so token comparisons are exact; blocks of
+    8 positions, contexts of 48 and 288, 40 usable blocks: a prompt of 33 blocks, 8 on each of 4 cp
+    ranks, fits)."""
     built: dict[tuple, Path] = {}
 
     def get(tp: int = 1, ep: int = 1, cp: int = 1) -> Path:
@@ -310,10 +314,11 @@ def rank_bundle(tmp_path_factory, tiny_ckpt):
                 f"ranks{tp}{ep}{cp}",
                 tiny_ckpt,
                 executable="exported",
-                tokens=[1, 4],
-                max_context=576,
-                context=(48, 576),
+                tokens=[1, 8],
+                max_context=288,
+                context=(48, 288),
                 num_blocks=41,
+                block_size=8,
                 cache_quant=False,
                 parallel=key,
             )

@@ -17,13 +17,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer.bundles.topology import Topology
+from deepinfer.regions.tokenizer import ByteTokenizer
 from deepinfer.runtime import RunOptions, generate, load
 from deepinfer.runtime.ranks import Comm, init
 
+from ..conftest import regenerate
+
 PROMPTS = [[0, 72, 101, 108, 108, 111, 44, 32, 119], [0, 5, 9, 11, 13, 40]]
 NEW = 4
-# a prompt of 520 tokens: 33 KV blocks of 16 positions, at least 8 on each of 4 cp ranks
-LONG = [0] + [(7 * i) % 250 + 3 for i in range(519)]
+# a prompt of 264 tokens: 33 KV blocks of 8 positions, at least 8 on each of 4 cp ranks
+LONG = [0] + [(7 * i) % 250 + 3 for i in range(263)]
+GOLDEN_PROMPTS = [ByteTokenizer().encode(p) for p in regenerate.PROMPTS]
 # ep=2 and cp=ep=4 between them cover ep dispatch/combine and four ranks (a separate ep=4 cost a compile
 # and a four-process run for neither); cp=ep=2 and cp=ep=4 divide the context (regions/divided.py)
 TOPOLOGIES = {"tp=2": (2, 1, 1), "ep=2": (1, 2, 1), "cp=ep=2": (1, 2, 2), "cp=ep=4": (1, 4, 4)}
@@ -79,21 +83,23 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, one_rank, name):
 
 @pytest.fixture(scope="module")
 def one_rank_long(rank_bundle):
-    return generate(load(rank_bundle()), [LONG], RunOptions(max_new_tokens=NEW, keep_logits=True))
+    """The one-rank run of the golden prompts and the long prompt."""
+    return generate(load(rank_bundle()), [*GOLDEN_PROMPTS, LONG], RunOptions(max_new_tokens=NEW, keep_logits=True))
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_divided_context_generates_the_one_rank_tokens_over_many_blocks(rank_bundle, one_rank_long, cp):
-    """A prompt of 33 blocks at cp = ep = 2 and 4: each cp rank holds 1/cp of the paged pools (the
-    manifest says so and the ranks allocate that), the tokens are the one-rank run's and the logits
-    within 1e-4."""
+    """The golden prompts and a prompt of 33 blocks at cp = ep = 2 and 4: each cp rank holds 1/cp of
+    the paged pools (the manifest says so and the ranks allocate that), the tokens are the one-rank
+    run's and the logits within 1e-4."""
     bundle = rank_bundle(1, cp, cp)
     m = manifest(bundle)
     assert m["kv"]["divided"] == cp and manifest(rank_bundle())["kv"]["divided"] == 1
-    run = generate(bundle, [LONG], RunOptions(max_new_tokens=NEW, keep_logits=True, threads=1))
-    [got], [want] = run, one_rank_long
-    assert got.error is None and got.tokens == want.tokens
-    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+    run = generate(bundle, [*GOLDEN_PROMPTS, LONG], RunOptions(max_new_tokens=NEW, keep_logits=True, threads=1))
+    assert len(run) == len(one_rank_long) == 5
+    for got, want in zip(run, one_rank_long):
+        assert got.error is None and got.tokens == want.tokens
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
     one = manifest(rank_bundle())["kv"]
     for name, pool in m["kv"]["pools"].items():
         per_row = _row_bytes(pool)

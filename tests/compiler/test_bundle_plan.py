@@ -123,6 +123,36 @@ def test_release_moe_scratch_independent_of_rows(release):
     assert 0 < scratch["moe_bytes_per_row"] <= 1 << 20
 
 
+def test_release_head_is_split_over_the_ranks(release):
+    """The head (129,280 x 5,120 float32, 2.47 GiB whole) split by vocabulary over the 64 ranks of the
+    one token group: 2,020 rows a rank, padded to 2,048 (64 blocks), 40 MiB and its norm per rank,
+    counted so by the memory budget."""
+    head = 2048 * 5120 * 4 + 5120 * 2  # its rows float32 + the final norm bf16
+    assert release["weights"]["head"] == {
+        "vocab": 129280,
+        "ranks": 64,
+        "rows_per_rank": 2048,
+        "padding_rows": 64 * 2048 - 129280,
+        "bytes_per_rank": head,
+    }
+    assert release["kinds"]["head"]["weights_per_rank"] == head
+    assert all(m["weights_by_kind"]["head"] == head for m in release["memory"].values())
+
+
+@pytest.mark.parametrize(
+    "parallel, rows", [((1, 1, 1), 288), ((1, 1, 2), 160), ((2, 1, 2), 96), ((1, 2, 1), 288)], ids=str
+)
+def test_plan_counts_the_head_per_rank(tmp_path, tiny_ckpt, parallel, rows):
+    """The tiny model's 288-row head: whole on one rank and on token groups of one (ep dispatch),
+    else its share of the group's ranks padded to whole blocks, in the plan and its budget."""
+    plan = plan_bundle(load_compile_config(write_model_toml(tmp_path, tiny_ckpt, parallel=parallel)), scratch=False)
+    d = plan.to_dict()
+    assert d["weights"]["head"]["rows_per_rank"] == rows
+    assert d["kinds"]["head"]["weights_per_rank"] == rows * 256 * 4 + 256 * 2
+    text = "\n".join(plan.lines())
+    assert f"head: vocabulary 288 over the token group's {parallel[0] * parallel[2]} rank(s), {rows} rows each" in text
+
+
 def test_release_every_rank_fits(release):
     """With the engram tables on the host and the MoE's scratch bounded by its local experts."""
     assert all(m["fits"] for m in release["memory"].values())

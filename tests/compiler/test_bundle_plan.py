@@ -65,10 +65,10 @@ def test_release_config_validates():
 
 def test_release_layer_plan_and_executables(release):
     d = release
-    assert {k: v["layers"] for k, v in d["kinds"].items()} == RELEASE_KINDS
-    # 9 kinds (the example keeps the embedding on the host: [host] embedding = true) x 1 method x 4
-    # buckets; EP = CP = 64 is one token group: the MoE is not gathered
-    assert d["executables"]["count"] == d["compile_jobs"] == 9 * 4
+    assert {k: v["layers"] for k, v in d["kinds"].items()} == {"embed": [-1], **RELEASE_KINDS}
+    # 10 kinds (the layers' and the head's, and the embedding on the device: [host] embedding = false)
+    # x 1 method x 4 buckets; EP = CP = 64 is one token group: the MoE is not gathered
+    assert d["executables"]["count"] == d["compile_jobs"] == 10 * 4
     assert d["topology"] == {"tp": 1, "ep": 64, "cp": 64, "world_size": 64, "groups": 1}
     assert d["checkpoint"]["source"].startswith("config.json only")
 
@@ -83,10 +83,10 @@ def test_release_weights_per_rank(release):
     assert routed < moe < routed + 40 * (16 << 20)  # + a shared expert slice, the router, norms per layer
     tables = (384006168 + 384016682) * (256 + 8)
     assert d["kinds"]["engram"]["weights_per_rank"] < GiB
-    # the token embedding: the example's [host] embedding = true keeps it a host file, no device weight
-    assert "embed" not in d["kinds"] and all(
-        m["host_by_file"]["embed"] == 129280 * 5120 * 2 for m in d["memory"].values()
-    )
+    # the token embedding: the example's [host] embedding = false makes it the embed region's table,
+    # held whole by every rank (a shared stack), no host file
+    assert d["kinds"]["embed"]["weights_per_rank"] == 129280 * 5120 * 2
+    assert all("embed" not in m["host_by_file"] for m in d["memory"].values())
     assert all(m["host_by_file"]["engram"] == tables for m in d["memory"].values())
     per_rank = d["weights"]["per_rank_device"]
     assert set(per_rank) == {f"rank-{r}" for r in range(64)} and len(set(per_rank.values())) == 1
@@ -169,8 +169,10 @@ def test_plan_cli_prints_the_full_plan():
     r = CliRunner().invoke(main, ["plan", str(RELEASE), "--no-scratch"])
     assert r.exit_code == 0, r.output
     for line in (
-        "layer plan: 40 layers -> 9 region kinds",
-        "9 kinds x 1 method(s) (decode) x 4 buckets = 36; compile jobs: 36",
+        "layer plan: 40 layers -> 10 region kinds",
+        "10 kinds x 1 method(s) (decode) x 4 buckets = 40; compile jobs: 40",
+        "head: vocabulary 129,280 over the token group's 64 rank(s), 2,048 rows each (1,792 zero rows of "
+        "padding), 40.01 MiB per rank",
         "state pools (7):",
         "bundle on disk:",
         "scratch: not traced",

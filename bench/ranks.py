@@ -57,7 +57,6 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 def predicted(text, layers: int, tp: int, ep: int, cp: int, B: int, act_bytes: int) -> dict:
     """Bytes one rank sends per decode step, per collective, and the all-to-all comparison."""
     from deepinfer.bundles.topology import Topology
-
     from deepinfer.regions.topology import head_rows
 
     topo = Topology(tp=tp, ep=ep, cp=cp)

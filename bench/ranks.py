@@ -13,7 +13,12 @@ payload each collective of runtime/ranks.py sends, summed over the layers:
     ep dispatch all-gather   packed rows (h in the activation dtype, pre, is_image), sent once,
                              received from every other rank
     ep combine reduce-scat.  float32 partials of every rank's rows
-    logits all-gather        the leader's sampler (several token groups)
+    logits all-gather        the leader's sampler: each rank's float32 slice of the vocabulary
+                             [B, rows] (the head is split over the token group: rows = vocab /
+                             (tp * cp) padded to 32; the whole vocabulary in a group of one)
+
+and at the release's shapes (examples/release/config.json at EP = CP = 64, batch 1 and 8) the
+logits all-gather beside the MoE all-reduce, whatever --config says.
 
 next to what an uneven all-to-all would move for the same routing: each token's
 collapsed input x [D] to the distinct remote ranks holding its k experts, and
@@ -52,9 +57,10 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 def predicted(text, layers: int, tp: int, ep: int, cp: int, B: int, act_bytes: int) -> dict:
     """Bytes one rank sends per decode step, per collective, and the all-to-all comparison."""
     from deepinfer.bundles.topology import Topology
+    from deepinfer.regions.topology import head_rows
 
     topo = Topology(tp=tp, ep=ep, cp=cp)
-    n, D, V, k = text.hc_mult, text.hidden_size, text.vocab_size, text.num_experts_per_tok
+    n, D, k = text.hc_mult, text.hidden_size, text.num_experts_per_tok
     R = topo.world
     streams = B * n * D * 4
     out: dict[str, int] = {}
@@ -66,7 +72,8 @@ def predicted(text, layers: int, tp: int, ep: int, cp: int, B: int, act_bytes: i
         row = n * D * act_bytes + n * 4 + 1
         out["ep dispatch all-gather"] = layers * B * row
         out["ep combine reduce-scatter"] = layers * R * streams
-        out["logits all-gather"] = B * V * 4
+    if R > 1:
+        out["logits all-gather"] = B * head_rows(text, topo) * 4
     a2a = 0
     if ep > 1:
         distinct = R * (1 - (1 - 1 / R) ** k)
@@ -74,6 +81,21 @@ def predicted(text, layers: int, tp: int, ep: int, cp: int, B: int, act_bytes: i
         tokens = B if topo.dispatch else B / R  # replicated tokens: each rank routes its share
         a2a = round(layers * tokens * remote * (D * act_bytes + D * 4))
     return {"collectives": out, "total": sum(out.values()), "all_to_all": a2a}
+
+
+def release_logits() -> list[dict]:
+    """The logits all-gather and the MoE all-reduce per rank per decode step at the release's shapes
+    (EP = CP = 64, one token group), batch 1 and 8."""
+    from deepinfer.regions.config import load_config
+
+    text = load_config(ROOT / "examples" / "release").text
+    rows = []
+    for B in (1, 8):
+        sent = predicted(text, text.num_hidden_layers, 1, 64, 64, B, DTYPE_BYTES["bf16"])["collectives"]
+        rows.append(
+            {"batch": B, "logits all-gather": sent["logits all-gather"], "ep all-reduce": sent["ep all-reduce"]}
+        )
+    return rows
 
 
 def measure(bundle: Path, steps: int) -> dict:
@@ -135,6 +157,14 @@ def main() -> int:
             + ", ".join(f"{k} {v:,.0f} (model {m['predicted_b1'].get(k, 0):,})" for k, v in sent.items()),
             file=err,
         )
+    release = release_logits()
+    for r in release:
+        gather, moe = r["logits all-gather"], r["ep all-reduce"]
+        print(
+            f"release (EP = CP = 64), batch {r['batch']}: logits all-gather {gather:,} B a rank "
+            f"({gather / moe:.2%} of the MoE all-reduce's {moe:,})",
+            file=err,
+        )
     if args.json:
         print(
             json.dumps(
@@ -144,6 +174,7 @@ def main() -> int:
                     "layers": text.num_hidden_layers,
                     "layouts": rows,
                     "measured": measured,
+                    "release": release,
                 }
             )
         )

@@ -51,6 +51,7 @@ from deepinfer.compiler.spec import Spec, parse
 from deepinfer.errors import ConfigError
 from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 from deepinfer.regions.config import CONFIG_FILE, V41Config
+from deepinfer.regions.topology import head_rows
 
 BUNDLE = PurePosixPath("bundle")  # where the planned files would go: paths are reported relative to it
 MOE = "moe"
@@ -91,6 +92,20 @@ class BundlePlan:
     def rank_file_bytes(self, rank: str) -> int:
         """Bytes a rank loads from the bundle's weight files: its own and the shared ones."""
         return sum(self.files[f] for f in (*self.rank_files[rank], *self.shared_files))
+
+    @property
+    def head(self) -> dict[str, int]:
+        """The head's vocabulary split: the ranks of a token group it is split over, the rows each
+        holds (padded to whole blocks), the padding rows of a group and a rank's head bytes."""
+        t, topo = self.spec.model.text, self.spec.topology
+        rows = head_rows(t, topo)
+        return {
+            "vocab": t.vocab_size,
+            "ranks": topo.group_size,
+            "rows_per_rank": rows,
+            "padding_rows": rows * topo.group_size - t.vocab_size,
+            "bytes_per_rank": self.device_weights(layout.rank_key(0))["head"],
+        }
 
     @property
     def bundle_bytes(self) -> int:
@@ -183,6 +198,7 @@ class BundlePlan:
                 "shared_files": list(self.shared_files),
                 "per_rank_device": {r: sum(d.weights.values()) for r, d in self.memory.items()},
                 "per_rank_files": {r: self.rank_file_bytes(r) for r in self.rank_files},
+                "head": self.head,
             },
             "pools": {
                 name: {
@@ -259,6 +275,12 @@ class BundlePlan:
             )
         out += ["", "weights per rank after sharding (device):"]
         out += [f"  {ranks}: {human(sum(d.weights.values()))}" for ranks, d in _same(self.memory, _weights_of).items()]
+        head = self.head
+        out.append(
+            f"  head: vocabulary {head['vocab']:,} over the token group's {head['ranks']} rank(s), "
+            f"{head['rows_per_rank']:,} rows each ({head['padding_rows']:,} zero rows of padding), "
+            f"{human(head['bytes_per_rank'])} per rank"
+        )
         own = [f for fs in self.rank_files.values() for f in fs]
         host = [f for f in self.files if f not in own and f not in self.shared_files]
         out.append(

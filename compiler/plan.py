@@ -156,8 +156,9 @@ def _plan_regions(
             kp = kinds.setdefault(region.kind, KindPlan(region.kind, region, slot=slot, full_specs=full[slot].specs))
             bindings[p.layer][slot] = (region.kind, len(kp.layers))
             kp.layers.append(p.layer)
-    head = make_head(c, dtype)
-    kinds[head.kind] = KindPlan(head.kind, head, layers=[-1], slot="head", full_specs=head.specs)
+    head = make_head(c, dtype, topo)  # its rank's vocabulary rows; the checkpoint's are all of them
+    full_head = make_head(c, dtype).specs if topo.world > 1 else head.specs
+    kinds[head.kind] = KindPlan(head.kind, head, layers=[-1], slot="head", full_specs=full_head)
     return RegionPlan(layers, kinds, bindings)
 
 

@@ -5,6 +5,8 @@
                       zero-padded to the slice width; zeros for ranks without a slice
     attn_*, tp > 1    wq_b rows and sink entries of this rank's heads; wo_a rows and wo_b
                       columns of this rank's output groups (scales follow in 32-blocks)
+    head, tp * cp > 1 head.weight [V, D] -> its vocabulary rows [start, stop) of `head_slice`,
+                      zero-padded to `head_rows`; zeros for ranks past the vocabulary
     everything else   replicated
 
 A cut is declarative (`cut`): the weight pass streams exactly those rows and
@@ -22,7 +24,7 @@ import torch
 
 from deepinfer.bundles.topology import Topology
 from deepinfer.regions.config import TextConfig
-from deepinfer.regions.topology import BLOCK, shared_slice, shared_width
+from deepinfer.regions.topology import BLOCK, head_rows, head_slice, shared_slice, shared_width
 
 ROUTED = ("w1", "w1_s", "w3", "w3_s", "w2", "w2_s")
 SHARED = ("sw1", "sw3", "sw2")
@@ -82,8 +84,15 @@ def _attention(name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
     return WHOLE
 
 
+def _head(c: TextConfig, topo: Topology, rank: int) -> Cut:
+    piece = head_slice(c, topo, rank)
+    return ZERO if piece is None else Cut(rows=piece)  # none: padding only
+
+
 def cut(kind: str, name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
     """What rank `rank` holds of weight `name` of a region of `kind`."""
+    if kind == "head" and name == "head" and topo.group_size > 1:
+        return _head(c, topo, rank)
     if kind == "moe" and topo.ep > 1:
         if name in ROUTED:
             n = c.n_routed_experts // topo.ep
@@ -114,11 +123,12 @@ def shard(
         t = t[k.rows[0] : k.rows[1]]
     if k.cols:
         t = t[:, k.cols[0] : k.cols[1]]
-    if tuple(t.shape) != tuple(shape):  # zero-padded to the shared expert's slice width
-        if not name.startswith(SHARED) or t.dim() != len(shape) or any(a > b for a, b in zip(t.shape, shape)):
+    if tuple(t.shape) != tuple(shape):  # zero-padded to the shared expert's slice width or the head's rows
+        padded = name.startswith(SHARED) or kind == "head"
+        if not padded or t.dim() != len(shape) or any(a > b for a, b in zip(t.shape, shape)):
             raise AssertionError(
-                f"{kind}.{name}: shard of rank {rank} has shape {tuple(t.shape)}, "
-                f"the region expects {tuple(shape)} (shared width {shared_width(c, topo)})"
+                f"{kind}.{name}: shard of rank {rank} has shape {tuple(t.shape)}, the region expects "
+                f"{tuple(shape)} (shared width {shared_width(c, topo)}, head rows {head_rows(c, topo)})"
             )
         out = torch.zeros(shape, dtype=t.dtype)
         out[tuple(slice(0, n) for n in t.shape)] = t

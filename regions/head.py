@@ -48,19 +48,24 @@ class Embed(Region):
 
 
 class Head(Region):
-    """Collapse with the last FFN site's `pre`, `norm`, then `head` in float32."""
+    """Collapse with the last FFN site's `pre`, `norm`, then `head` in float32.
+
+    `rows`: the vocabulary rows this rank holds of `head` (regions/topology.head_rows: the
+    vocabulary split over a token group, padded to whole blocks; all of it by default). Its
+    logits are this rank's slice of the vocabulary; the runtime gathers a group's slices."""
 
     kind = "head"
 
-    def __init__(self, c: TextConfig, *, dtype: torch.dtype):
+    def __init__(self, c: TextConfig, *, dtype: torch.dtype, rows: int | None = None):
+        rows = c.vocab_size if rows is None else rows
         super().__init__(
             [
                 WeightSpec("norm", "norm.weight", (c.hidden_size,), "BF16"),
-                WeightSpec("head", "head.weight", (c.vocab_size, c.hidden_size), "F32"),
+                WeightSpec("head", "head.weight", (rows, c.hidden_size), "F32"),  # [rows, D]
             ],
             dtype,
         )
-        self.c = c
+        self.c, self.rows = c, rows
 
     def output_names(self) -> list[str]:
         return ["logits"]
@@ -76,10 +81,11 @@ class Head(Region):
         return [InputSpec("x", (B, T, self.c.hidden_size), self.dtype, "activation")]
 
     def decode(self, h: Tensor, pre: Tensor) -> Tensor:
-        """h [B, T, n, D], pre [B, T, n] -> logits [B, T, V] float32."""
+        """h [B, T, n, D], pre [B, T, n] -> this rank's logits [B, T, rows] float32 (all V with one rank)."""
         return self.project(ops.rmsnorm(ops.hc_collapse(h, pre), self.norm, self.c.rms_norm_eps))
 
     def project(self, x: Tensor) -> Tensor:
-        """The vocabulary projection alone: normalized states x [B, T, D] -> logits [B, T, V] float32.
-        The DSpark draft's own last norm feeds it (its logits are the target's frozen head)."""
+        """The vocabulary projection alone: normalized states x [B, T, D] -> logits [B, T, rows] float32.
+        The DSpark draft's own last norm feeds it (its logits are the target's frozen head); a draft is
+        compiled for single-rank bundles only, whose head holds every row (rows = V)."""
         return F.linear(x.float(), self.head.float())

@@ -20,7 +20,7 @@ from deepinfer.regions.engram import Engram
 from deepinfer.regions.head import Embed, Head
 from deepinfer.regions.moe import MoE
 from deepinfer.regions.step import LayerPlan, plan_layers
-from deepinfer.regions.topology import attention_config
+from deepinfer.regions.topology import attention_config, head_rows
 
 
 def make_attention(
@@ -57,8 +57,9 @@ def make_layer_regions(
     return regions
 
 
-def make_head(c: TextConfig, dtype: torch.dtype) -> Head:
-    return Head(c, dtype=dtype)
+def make_head(c: TextConfig, dtype: torch.dtype, topo: Topology = Topology()) -> Head:
+    """The head with the vocabulary rows one rank of `topo` holds (all of them by default)."""
+    return Head(c, dtype=dtype, rows=head_rows(c, topo))
 
 
 def make_embed(c: TextConfig, dtype: torch.dtype) -> Embed:

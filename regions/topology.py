@@ -16,6 +16,13 @@
   and combined with one fp32 reduce-scatter.
 - The shared expert is split into column slices of `shared_width` over the first
   ranks; the others hold zero weights and add zeros through the same graph.
+- The head is split by vocabulary over the ranks of a token group (tp * cp): each holds
+  `head_rows` rows of it, vocab / (tp * cp) padded up to a whole block of 32 rows, rank
+  `rank % (tp * cp)` of the group the rows from that index times `head_rows` on; the rows
+  past the vocabulary are zeros, at the end (the last ranks of a group may hold only
+  zeros). A rank's head computes its slice of the logits; the runtime gathers a group's
+  slices into the whole vocabulary and drops the padding (runtime/ranks.py). A group of
+  one rank (ep dispatch with cp = 1, or one rank in all) holds the whole head, unpadded.
 
 Regions see only shapes (heads per rank, local experts, slice width) and the rank
 buffer; one executable set serves every rank.
@@ -81,6 +88,24 @@ def shared_width(c: TextConfig, topo: Topology) -> int:
         return c.moe_intermediate_size
     per_rank = -(-c.moe_intermediate_size // topo.world)
     return -(-per_rank // BLOCK) * BLOCK
+
+
+def head_rows(c: TextConfig, topo: Topology) -> int:
+    """Rows of the head (vocabulary entries) each rank of a token group holds: the vocabulary
+    divided over the group, rounded up to a whole block; the whole vocabulary for a group of one."""
+    if topo.group_size == 1:
+        return c.vocab_size
+    per_rank = -(-c.vocab_size // topo.group_size)
+    return -(-per_rank // BLOCK) * BLOCK
+
+
+def head_slice(c: TextConfig, topo: Topology, rank: int) -> tuple[int, int] | None:
+    """[start, stop) of the vocabulary rank `rank` holds of the head; None: zeros only (padding)."""
+    rows = head_rows(c, topo)
+    start = rank % topo.group_size * rows
+    if start >= c.vocab_size:
+        return None
+    return start, min(start + rows, c.vocab_size)
 
 
 def shared_slice(c: TextConfig, topo: Topology, rank: int) -> tuple[int, int] | None:

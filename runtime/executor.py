@@ -165,13 +165,14 @@ class Executor:
         assert comm is not None, "a follower is one of several ranks"
         with torch.inference_mode():
             while (batches := comm.step()) is not None:
-                comm.gather_logits(self.forward(batches[comm.group], stats))
+                comm.gather_logits(self.forward(batches[comm.group], stats), self.config.text.vocab_size)
 
     def forward(
         self, batch: Batch, stats: Stats, *, on_call: OnCall | None = None, capture: Captured | None = None
     ) -> Tensor:
         """This rank's step: the embedding (the host lookup, or the embedding region fed the token
-        ids), every layer and the head -> logits [B, T, V]."""
+        ids), every layer and the head -> logits [B, T, V], this rank's vocabulary slice [B, T, rows]
+        with several ranks (`Comm.gather_logits` makes them whole)."""
         start = time.perf_counter()
         invoke = self._invoke(batch.block_table.shape[1], stats, on_call)
         if self.host.embed is not None:
@@ -310,7 +311,8 @@ class Steps:
         if comm is None:
             return [x.forward(batches[0], self.stats, on_call=self.on_call, capture=capture)]
         comm.step(batches)
-        return comm.gather_logits(x.forward(batches[comm.group], self.stats, on_call=self.on_call, capture=capture))
+        logits = x.forward(batches[comm.group], self.stats, on_call=self.on_call, capture=capture)  # [B, T, rows]
+        return comm.gather_logits(logits, x.config.text.vocab_size)
 
 
 # --- loading -------------------------------------------------------------------------------------

@@ -10,7 +10,10 @@ sent and never sample. Collectives (regions/topology.py for the layout):
     MoE, ep > 1         tokens replicated in the EP group: one all-reduce of the float32
                         partials; otherwise dispatch = one all-gather of packed uint8 rows
                         (h, pre, is_image as bytes) and combine = one float32 reduce-scatter
-    head, groups > 1    one all-gather of the logits for the leader's sampler
+    head                one all-gather of every rank's logits slice [B, T, rows] (the head is
+                        split by vocabulary over each token group); a group's slices side by
+                        side, the padding rows dropped, are its logits [B, T, V] for the
+                        leader's sampler
 
 Large float32 collectives run in chunks of at most `chunk_bytes` per rank.
 Every collective counts the bytes this rank sends (`Comm.sent`).
@@ -148,18 +151,20 @@ class Comm:
         images = out[..., h_bytes + pre_bytes].bool()
         return hs, ps, images
 
-    def gather_logits(self, logits: torch.Tensor) -> list[torch.Tensor]:
-        """Each token group's logits (from the group's first rank), on every rank."""
-        if self.topo.groups == 1:
-            return [logits]
+    def gather_logits(self, logits: torch.Tensor, vocab: int) -> list[torch.Tensor]:
+        """This rank's slice of its group's logits [B, T, rows] -> each token group's logits
+        [B, T, vocab], on every rank: one all-gather of the slices; a group's ranks hold its
+        vocabulary in rank order, the rows past `vocab` are padding (regions/topology.head_rows)."""
         start = time.perf_counter()
-        B = logits.shape[0]
-        out = torch.empty((self.world * B, *logits.shape[1:]), dtype=logits.dtype)
+        B, T, rows = logits.shape
+        out = torch.empty((self.world * B, T, rows), dtype=logits.dtype)
         dist.all_gather_single(out, logits.contiguous())
         self.sent["logits all-gather"] += logits.numel() * logits.element_size()
         self.seconds["logits all-gather"] += time.perf_counter() - start
-        first = [g * self.topo.group_size for g in range(self.topo.groups)]
-        return [out[r * B : (r + 1) * B] for r in first]
+        groups, size = self.topo.groups, self.topo.group_size
+        slices = out.view(groups, size, B, T, rows).permute(0, 2, 3, 1, 4)  # [groups, B, T, size, rows]
+        whole = slices.reshape(groups, B, T, size * rows)[..., :vocab]  # [groups, B, T, V]
+        return [g.contiguous() for g in whole.unbind(0)]
 
     # -- float32 collectives in chunks --------------------------------------------------------
 

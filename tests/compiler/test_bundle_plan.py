@@ -65,12 +65,12 @@ def test_release_config_validates():
 
 def test_release_layer_plan_and_executables(release):
     d = release
-    assert {k: v["layers"] for k, v in d["kinds"].items()} == RELEASE_KINDS
-    # 9 kinds (the example keeps the embedding on the host: [host] embedding = true) x 4 buckets; at
-    # CP = 64 the compressed attention kinds run as stages (regions/divided.py): select, attend, output
-    # for the three that select, attend and output for the two reuse kinds, decode for the other four;
-    # EP = CP = 64 is one token group: the MoE is not gathered
-    assert d["executables"]["count"] == d["compile_jobs"] == (4 + 3 * 3 + 2 * 2) * 4
+    assert {k: v["layers"] for k, v in d["kinds"].items()} == {"embed": [-1], **RELEASE_KINDS}
+    # 10 kinds (the layers' and the head's, and the embedding on the device: [host] embedding = false)
+    # x 4 buckets; at CP = 64 the compressed attention kinds run as stages (regions/divided.py): select,
+    # attend, output for the three that select, attend and output for the two reuse kinds, decode for
+    # the other five; EP = CP = 64 is one token group: the MoE is not gathered
+    assert d["executables"]["count"] == d["compile_jobs"] == (5 + 3 * 3 + 2 * 2) * 4
     assert d["topology"] == {"tp": 1, "ep": 64, "cp": 64, "world_size": 64, "groups": 1}
     assert d["checkpoint"]["source"].startswith("config.json only")
 
@@ -85,10 +85,10 @@ def test_release_weights_per_rank(release):
     assert routed < moe < routed + 40 * (16 << 20)  # + a shared expert slice, the router, norms per layer
     tables = (384006168 + 384016682) * (256 + 8)
     assert d["kinds"]["engram"]["weights_per_rank"] < GiB
-    # the token embedding: the example's [host] embedding = true keeps it a host file, no device weight
-    assert "embed" not in d["kinds"] and all(
-        m["host_by_file"]["embed"] == 129280 * 5120 * 2 for m in d["memory"].values()
-    )
+    # the token embedding: the example's [host] embedding = false makes it the embed region's table,
+    # held whole by every rank (a shared stack), no host file
+    assert d["kinds"]["embed"]["weights_per_rank"] == 129280 * 5120 * 2
+    assert all("embed" not in m["host_by_file"] for m in d["memory"].values())
     assert all(m["host_by_file"]["engram"] == tables for m in d["memory"].values())
     per_rank = d["weights"]["per_rank_device"]
     assert set(per_rank) == {f"rank-{r}" for r in range(64)} and len(set(per_rank.values())) == 1
@@ -125,6 +125,36 @@ def test_release_moe_scratch_independent_of_rows(release):
     assert 0 < scratch["moe_bytes_per_row"] <= 1 << 20
 
 
+def test_release_head_is_split_over_the_ranks(release):
+    """The head (129,280 x 5,120 float32, 2.47 GiB whole) split by vocabulary over the 64 ranks of the
+    one token group: 2,020 rows a rank, padded to 2,048 (64 blocks), 40 MiB and its norm per rank,
+    counted so by the memory budget."""
+    head = 2048 * 5120 * 4 + 5120 * 2  # its rows float32 + the final norm bf16
+    assert release["weights"]["head"] == {
+        "vocab": 129280,
+        "ranks": 64,
+        "rows_per_rank": 2048,
+        "padding_rows": 64 * 2048 - 129280,
+        "bytes_per_rank": head,
+    }
+    assert release["kinds"]["head"]["weights_per_rank"] == head
+    assert all(m["weights_by_kind"]["head"] == head for m in release["memory"].values())
+
+
+@pytest.mark.parametrize(
+    "parallel, rows", [((1, 1, 1), 288), ((1, 1, 2), 160), ((2, 1, 2), 96), ((1, 2, 1), 288)], ids=str
+)
+def test_plan_counts_the_head_per_rank(tmp_path, tiny_ckpt, parallel, rows):
+    """The tiny model's 288-row head: whole on one rank and on token groups of one (ep dispatch),
+    else its share of the group's ranks padded to whole blocks, in the plan and its budget."""
+    plan = plan_bundle(load_compile_config(write_model_toml(tmp_path, tiny_ckpt, parallel=parallel)), scratch=False)
+    d = plan.to_dict()
+    assert d["weights"]["head"]["rows_per_rank"] == rows
+    assert d["kinds"]["head"]["weights_per_rank"] == rows * 256 * 4 + 256 * 2
+    text = "\n".join(plan.lines())
+    assert f"head: vocabulary 288 over the token group's {parallel[0] * parallel[2]} rank(s), {rows} rows each" in text
+
+
 def test_release_every_rank_fits(release):
     """With the engram tables on the host and the MoE's scratch bounded by its local experts."""
     assert all(m["fits"] for m in release["memory"].values())
@@ -141,9 +171,11 @@ def test_plan_cli_prints_the_full_plan():
     r = CliRunner().invoke(main, ["plan", str(RELEASE), "--no-scratch"])
     assert r.exit_code == 0, r.output
     for line in (
-        "layer plan: 40 layers -> 9 region kinds",
-        "9 kinds, 17 (kind, method) calls (the 5 compressed attention kinds as their divided stages) x 4 buckets "
-        "= 68; compile jobs: 68",
+        "layer plan: 40 layers -> 10 region kinds",
+        "10 kinds, 18 (kind, method) calls (the 5 compressed attention kinds as their divided stages) x 4 "
+        "buckets = 72; compile jobs: 72",
+        "head: vocabulary 129,280 over the token group's 64 rank(s), 2,048 rows each (1,792 zero rows of "
+        "padding), 40.01 MiB per rank",
         "state pools (7):",
         "bundle on disk:",
         "scratch: not traced",

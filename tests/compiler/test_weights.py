@@ -109,8 +109,9 @@ def float_scaled_ckpt(tmp_path_factory) -> Path:
         ((2, 1, 1), "e4m3", "ue8m0"),
         ((2, 1, 1), "release", "fp32"),
         ((1, 2, 1), "e4m3", "fp32"),
+        ((1, 4, 4), "release", "ue8m0"),
     ],
-    ids=["ep=2", "tp=2", "tp=2-e4m3", "tp=2-fp32-scales", "ep=2-e4m3-fp32-scales"],
+    ids=["ep=2", "tp=2", "tp=2-e4m3", "tp=2-fp32-scales", "ep=2-e4m3-fp32-scales", "cp=ep=4"],
 )
 def test_ranks_read_once_hold_their_cut_and_share_the_rest(
     tiny_ckpt, float_scaled_ckpt, tmp_path, parallel, recipe, scales
@@ -161,6 +162,17 @@ def test_ranks_read_once_hold_their_cut_and_share_the_rest(
     assert (moe.tensors["w1"].file == "rank") == (ep > 1) and moe.tensors["gate"].file == "shared"
     attn = [w for w in entries["rank-0"] if w.kind == "attn_window"][0]
     assert (attn.tensors["wq_b"].file == "rank") == (tp > 1) and attn.tensors["attn_norm"].file == "shared"
+    # the head: split by vocabulary over a token group of several ranks, each rank's rows its own file
+    group = spec.topology.group_size
+    heads = [next(w for w in entries[layout.rank_key(r)] if w.kind == "head") for r in range(spec.topology.world)]
+    assert all((h.tensors["head"].file == "rank") == (group > 1) and h.tensors["norm"].file == "shared" for h in heads)
+    if group > 1:
+        assert len({h.path for h in heads}) == len(heads)
+        rows = [_read(tmp_path / "b" / h.path)["head"] for h in heads]  # [1, rows, D] each
+        whole = torch.cat([r[0] for r in rows])
+        V = spec.model.text.vocab_size
+        assert rows[0].shape[1] % 32 == 0 and whole.shape[0] > V and not whole[V:].any()
+        assert torch.equal(whole[:V], ckpt.get("head.weight"))
 
 
 def _read(path: Path) -> dict[str, torch.Tensor]:

@@ -61,6 +61,8 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, one_rank, name):
     stacks = [{w["kind"]: w for w in m["weights"][f"rank-{r}"]} for r in range(world)]
     digests = [{k: (w.get("digest"), w.get("shared_digest")) for k, w in s.items()} for s in stacks]
     sharded = {"moe"} if ep > 1 else {k for k in digests[0] if k.startswith("attn")} if tp > 1 else set()
+    if tp * cp > 1:  # the head, split by vocabulary over the token group
+        sharded.add("head")
     for kind in digests[0]:
         assert (len({d[kind] for d in digests}) > 1) == (kind in sharded), kind
         if kind not in sharded:  # every rank holds it whole: one shared file, no rank file
@@ -74,11 +76,17 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, one_rank, name):
     sent = run.sent
     assert sorted(sent) == list(range(world))
     if tp > 1:
-        assert set(sent[0]) == {"tp all-reduce"}
+        assert set(sent[0]) == {"tp all-reduce", "logits all-gather"}
     elif ep > 1 and cp == ep:
-        assert set(sent[0]) == {"ep all-reduce"} | DIVIDED
+        assert set(sent[0]) == {"ep all-reduce", "logits all-gather"} | DIVIDED
     else:
         assert set(sent[0]) == {"ep dispatch all-gather", "ep combine reduce-scatter", "logits all-gather"}
+    # every rank sends its vocabulary slice of each step's logits (float32): the whole vocabulary with a
+    # group of one rank, else its block-padded share
+    rows = {1: 288, 2: 160, 4: 96}[tp * cp]  # the tiny vocabulary: 288, 144 -> 160, 72 -> 96
+    steps = run.stats.steps
+    assert all(sent[r]["logits all-gather"] % (rows * 4) == 0 for r in range(world))
+    assert steps * rows * 4 <= sent[0]["logits all-gather"] <= steps * 8 * rows * 4  # batch 1, tokens <= 8
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +183,47 @@ def test_dispatch_and_combine_collectives(tmp_path):
         row = h[0, 0].numel() * 2 + pre[0, 0].numel() * 4 + 1  # bytes of one packed row
         assert sent["ep dispatch all-gather"] == 2 * 3 * row
         assert sent["ep combine reduce-scatter"] == partial.numel() * 4
+
+
+def _gather(rank: int, world: int, rendezvous: str, out) -> None:
+    init(rank, world, rendezvous, timeout_s=60)
+    try:
+        got = {}
+        for topo in (Topology(cp=world), Topology(ep=world)):  # one token group of two; two groups of one
+            vocab = 50 if topo.group_size > 1 else 32
+            rows = 32  # the rows a rank holds: 25 of 50 padded to a block; the whole 32 in a group of one
+            full = torch.arange(topo.groups * 2 * 3 * vocab, dtype=torch.float32).view(topo.groups, 2, 3, vocab)
+            mine = torch.full((2, 3, rows), float("nan"))  # [B, T, rows]: padding rows NaN, dropped
+            start = rank % topo.group_size * rows
+            piece = full[topo.group_of(rank), :, :, start : start + rows]
+            mine[..., : piece.shape[-1]] = piece
+            comm = Comm(topo, rank)
+            gathered = comm.gather_logits(mine, vocab)
+            got[topo.group_size] = ([_plain(g) for g in gathered], _plain(full), dict(comm.sent))
+        out.put((rank, got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_logits_gather_joins_each_groups_slices(tmp_path):
+    """One all-gather: each token group's vocabulary slices side by side, in rank order, the padding
+    rows dropped (NaN here: a kept one would show); every rank sends its slice once."""
+    world, ctx = 2, mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gather, args=(r, world, str(tmp_path / "rendezvous"), out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for rank in range(world):
+        for size, (gathered, plain, sent) in got[rank].items():
+            full = _tensor(plain)  # [groups, B, T, V]
+            assert len(gathered) == full.shape[0] == world // size
+            for g, logits in enumerate(gathered):
+                assert torch.equal(_tensor(logits), full[g])
+            assert sent == {"logits all-gather": 2 * 3 * 32 * 4}
 
 
 class _Proc:

@@ -146,3 +146,62 @@ def test_tp_partials_sum_to_the_one_rank_attention(tiny_ckpt, text):
     torch.testing.assert_close(parts[0][0] + parts[1][0], want[0], rtol=1e-5, atol=1e-5)
     for p in parts:  # the indexer is replicated: same selection
         assert torch.equal(p[2], want[2]) and torch.equal(p[1], want[1])
+
+
+HEAD_SPLITS = [  # (tp, ep, cp), vocabulary -> rows a rank holds
+    ((1, 1, 2), 288, 160),  # 144 a rank, padded to 5 blocks
+    ((1, 4, 4), 288, 96),  # 72 a rank -> 96: the last rank holds padding only
+    ((2, 1, 2), 1000, 256),  # tp and cp together: the token group is tp * cp
+    ((1, 1, 3), 1000, 352),  # a group of three: 334 -> 352
+    ((1, 2, 1), 1000, 1000),  # ep dispatch, cp = 1: groups of one rank hold the whole head, unpadded
+    ((1, 64, 64), 129280, 2048),  # the release: 2,020 -> 2,048, 1,792 rows of padding on rank 63
+]
+
+
+@pytest.mark.parametrize("layout, vocab, rows", HEAD_SPLITS, ids=[f"{t}-V{v}" for t, v, _ in HEAD_SPLITS])
+def test_head_rows_are_split_over_the_token_group(text, layout, vocab, rows):
+    """Each rank of a token group holds its block-padded rows of the vocabulary in rank order, zeros
+    past the vocabulary; a group's shards side by side, the padding dropped, are the whole head."""
+    from deepinfer.compiler.shard import WHOLE, ZERO, Cut, cut
+    from deepinfer.regions.topology import head_rows, head_slice
+
+    tp, ep, cp = layout
+    topo = Topology(tp=tp, ep=ep, cp=cp)
+    c = dataclasses.replace(text, vocab_size=vocab, hidden_size=4)
+    assert head_rows(c, topo) == rows and (rows % 32 == 0 or topo.group_size == 1)
+    full = torch.arange(vocab * 4, dtype=torch.float32).view(vocab, 4) + 1  # no zero row
+    for group in range(topo.groups):
+        ranks = range(group * topo.group_size, (group + 1) * topo.group_size)
+        shards = [shard("head", "head", full, c, topo, r, (rows, 4)) for r in ranks]
+        assert all(s.shape == (rows, 4) for s in shards)
+        whole = torch.cat(shards)  # [group * rows, D]
+        assert torch.equal(whole[:vocab], full) and not whole[vocab:].any()
+        for r in ranks:  # streamed by the weight pass: the rows of the vocabulary, or nothing
+            piece = head_slice(c, topo, r)
+            want = WHOLE if topo.group_size == 1 else ZERO if piece is None else Cut(rows=piece)
+            assert cut("head", "head", c, topo, r) == want
+        assert cut("head", "norm", c, topo, ranks[0]).whole  # the norm is replicated
+    if vocab == 129280:  # the release: 40 MiB of float32 head a rank, not 2.47 GiB
+        assert rows * 5120 * 4 == 40 << 20 and head_slice(c, topo, 63) == (63 * 2048, vocab)
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 2), (1, 4, 4), (2, 1, 2)])
+def test_head_slices_are_the_one_rank_logits(tiny_ckpt, text, layout):
+    """Each rank's head computes its vocabulary slice of the one-rank logits (its padding rows give
+    zeros); the group's slices side by side, the padding dropped, are the one-rank logits."""
+    from deepinfer.regions.plan import make_head
+
+    tp, ep, cp = layout
+    topo = Topology(tp=tp, ep=ep, cp=cp)
+    full = make_head(text, torch.float32)
+    load_region(Checkpoint(tiny_ckpt), full, "")
+    g = Geometry(slots=3, blocks=4, block_size=16, max_blocks=2)
+    h, pre = example_inputs(full.input_specs(2, 3, g), g, seed=7)
+    want = full.decode(h, pre)  # [B, T, V]
+    parts = [
+        ranked(full, lambda: make_head(text, torch.float32, topo), "head", text, topo, r) for r in range(topo.world)
+    ]
+    assert all(p.head.shape[0] < text.vocab_size for p in parts)
+    got = torch.cat([p.decode(h, pre) for p in parts], -1)  # [B, T, world * rows]
+    torch.testing.assert_close(got[..., : text.vocab_size], want, rtol=1e-5, atol=1e-5)
+    assert not got[..., text.vocab_size :].any()

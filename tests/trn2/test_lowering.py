@@ -231,6 +231,48 @@ def test_check_catches_a_wrong_lowering(tmp_path, tiny_ckpt, monkeypatch):
         _lower_window(tmp_path, target, tiny_ckpt)
 
 
+@pytest.mark.parametrize("layout", [(1, 1, 2), (1, 4, 4)], ids=["cp=2", "cp=ep=4"])
+def test_split_head_is_lowered_and_checked(tmp_path, tiny_ckpt, layout):
+    """The head at a split shape (its rank's vocabulary rows: 160 or 96 of the tiny model's 288) is
+    lowered, checked on XLA:CPU by the target's own check, and run on each rank's cut of the
+    checkpoint's head it gives the one-rank logits, side by side, the padding rows' zeros dropped."""
+    from deepinfer.bundles.topology import Topology
+    from deepinfer.compiler.shard import shard
+    from deepinfer.regions.checkpoint import Checkpoint, load_region
+    from deepinfer.regions.plan import make_head
+
+    tp, ep, cp = layout
+    topo = Topology(tp=tp, ep=ep, cp=cp)
+    c = load_config(tiny_ckpt).text
+    region = plan_regions(c, torch.float32, True, topo).kinds["head"].region
+    rows = region.rows
+    assert rows % 32 == 0 and rows < c.vocab_size <= rows * topo.group_size
+    g = Geometry(slots=2, blocks=4, block_size=16, max_blocks=2)
+    program, sig, inputs = trace(region, 2, 1, g, dynamic=False)
+    target = Trn2Target("neff", {})
+    program = target.lower(program)
+    names = [s.name for s in sig.all]
+    info = target.emit(program, names, region.output_names(), tmp_path / "head.hlo.pb")
+    check = target.check_numerics(
+        tmp_path / "head.hlo.pb", region, "decode", inputs, names, info["state_outputs"], "region head.decode.b2t1"
+    )
+    assert check["score"] <= 1e-5 and check["max_abs"] > 0
+    full = make_head(c, torch.float32)
+    load_region(Checkpoint(tiny_ckpt), full, "")
+    module = hlo.CpuHlo((tmp_path / "head.hlo.pb").read_bytes())
+    slices = []
+    for r in range(topo.group_size):
+        weights = [torch.tensor(r)] + [
+            shard("head", s.name, getattr(full, s.name), c, topo, r, s.buffer_shape) for s in region.specs
+        ]
+        (logits,) = module(weights + [a.clone() for a in inputs])
+        assert logits.shape == (2, 1, rows)
+        slices.append(logits)
+    whole = torch.cat(slices, -1)  # [B, T, group * rows]
+    torch.testing.assert_close(whole[..., : c.vocab_size], full.decode(*inputs), rtol=1e-5, atol=1e-5)
+    assert not whole[..., c.vocab_size :].any()
+
+
 @pytest.mark.parametrize("a, b", [(torch.arange(-9, 9), 4), (torch.arange(-9, 9), torch.tensor(-4))])
 def test_decompositions_match_torch(a, b):
     class M(torch.nn.Module):

@@ -147,7 +147,8 @@ def test_release_head_is_split_over_the_ranks(release):
 def test_plan_counts_the_head_per_rank(tmp_path, tiny_ckpt, parallel, rows):
     """The tiny model's 288-row head: whole on one rank and on token groups of one (ep dispatch),
     else its share of the group's ranks padded to whole blocks, in the plan and its budget."""
-    plan = plan_bundle(load_compile_config(write_model_toml(tmp_path, tiny_ckpt, parallel=parallel)), scratch=False)
+    toml = write_model_toml(tmp_path, tiny_ckpt, parallel=parallel, num_blocks=5)  # 4 usable: divide over cp 2
+    plan = plan_bundle(load_compile_config(toml), scratch=False)
     d = plan.to_dict()
     assert d["weights"]["head"]["rows_per_rank"] == rows
     assert d["kinds"]["head"]["weights_per_rank"] == rows * 256 * 4 + 256 * 2

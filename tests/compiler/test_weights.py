@@ -35,7 +35,9 @@ QUIET = lambda msg: None  # noqa: E731
 def planned(tmp_path, ckpt, parallel=(1, 1, 1), extra=""):
     spec = pipeline.parse(
         load_compile_config(
-            write_model_toml(tmp_path / "toml", ckpt, executable="exported", parallel=parallel, extra=extra)
+            write_model_toml(
+                tmp_path / "toml", ckpt, executable="exported", parallel=parallel, extra=extra, num_blocks=5
+            )
         ),
         False,
         QUIET,

@@ -248,7 +248,8 @@ def test_split_head_is_lowered_and_checked(tmp_path, tiny_ckpt, layout):
     rows = region.rows
     assert rows % 32 == 0 and rows < c.vocab_size <= rows * topo.group_size
     g = Geometry(slots=2, blocks=4, block_size=16, max_blocks=2)
-    program, sig, inputs = trace(region, 2, 1, g, dynamic=False)
+    program, sig = trace(region, 2, 1, g, dynamic=False)
+    inputs = example_inputs(sig.inputs, g)
     target = Trn2Target("neff", {})
     program = target.lower(program)
     names = [s.name for s in sig.all]

@@ -16,9 +16,20 @@ payload each collective of runtime/ranks.py sends, summed over the layers:
     logits all-gather        the leader's sampler: each rank's float32 slice of the vocabulary
                              [B, rows] (the head is split over the token group: rows = vocab /
                              (tp * cp) padded to 32; the whole vocabulary in a group of one)
+    cp selection all-gather  the divided attention (cp > 1): every index layer's K best (score in
+                             the activation dtype, int64 global index) [B, K], K = min(index_topk,
+                             Wc), and on the candidate source its N best blocks the same way
+    cp attention max all-gather  every compressed layer's partial softmax max, float32 [B, H]
+    cp attention all-reduce  every compressed layer's scaled numerator and sum, float32
+                             [B, H, head_dim + 1] (log-sum-exp merge; no KV row leaves its rank)
 
-and at the release's shapes (examples/release/config.json at EP = CP = 64, batch 1 and 8) the
-logits all-gather beside the MoE all-reduce, whatever --config says.
+Wc is a sequence's compressed entries at the step's context bucket (--context); past
+K * ratio positions the merges no longer grow with the context. An all-gather's rank receives
+(cp - 1) times what it sends and merges cp x K candidates; an all-reduce's ring moves about twice
+its payload whatever cp.
+
+At the release's shapes (examples/release/config.json at EP = CP = 64), whatever --config says:
+batch 1 and 8 at contexts 8K, 64K and 1M, every collective above beside the MoE all-reduce.
 
 next to what an uneven all-to-all would move for the same routing: each token's
 collapsed input x [D] to the distinct remote ranks holding its k experts, and
@@ -54,8 +65,9 @@ LAYOUTS = {
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
-def predicted(text, layers: int, tp: int, ep: int, cp: int, B: int, act_bytes: int) -> dict:
-    """Bytes one rank sends per decode step, per collective, and the all-to-all comparison."""
+def predicted(text, layers: int, tp: int, ep: int, cp: int, B: int, act_bytes: int, context: int) -> dict:
+    """Bytes one rank sends per decode step at a `context`-position bucket, per collective, and the
+    all-to-all comparison."""
     from deepinfer.bundles.topology import Topology
     from deepinfer.regions.topology import head_rows
 
@@ -74,6 +86,8 @@ def predicted(text, layers: int, tp: int, ep: int, cp: int, B: int, act_bytes: i
         out["ep combine reduce-scatter"] = layers * R * streams
     if R > 1:
         out["logits all-gather"] = B * head_rows(text, topo) * 4
+    if cp > 1:
+        out.update(divided_merges(text, layers, tp, B, act_bytes, context))
     a2a = 0
     if ep > 1:
         distinct = R * (1 - (1 - 1 / R) ** k)
@@ -83,28 +97,87 @@ def predicted(text, layers: int, tp: int, ep: int, cp: int, B: int, act_bytes: i
     return {"collectives": out, "total": sum(out.values()), "all_to_all": a2a}
 
 
-def release_logits() -> list[dict]:
-    """The logits all-gather and the MoE all-reduce per rank per decode step at the release's shapes
-    (EP = CP = 64, one token group), batch 1 and 8."""
+def divided_merges(text, layers: int, tp: int, B: int, act_bytes: int, context: int) -> dict[str, int]:
+    """The divided attention's merges (runtime/ranks.py Comm.topk, .blocks, .attention), bytes one cp
+    rank sends per decode step over `layers` layers at a `context`-position bucket."""
+    heads = text.num_attention_heads // tp
+    pair = act_bytes + 8  # (score in the activation dtype, int64 global index)
+    select = maxima = reduce = 0
+    for layer in range(layers):
+        ratio = text.compress_ratios[layer]
+        if not ratio:
+            continue
+        maxima += B * heads * 4
+        reduce += B * heads * (text.head_dim + 1) * 4
+        width = context // ratio  # Wc
+        if text.layer_kind(layer) in ("source", "reindex"):
+            select += B * min(text.index_topk, width) * pair
+        if layer == text.candidate_source_layer_id:
+            select += B * min(text.candidate_topk_blocks, -(-width // text.candidate_block_size)) * pair
+    return {
+        "cp selection all-gather": select,
+        "cp attention max all-gather": maxima,
+        "cp attention all-reduce": reduce,
+    }
+
+
+RELEASE_CONTEXTS = (8192, 65536, 1048576)
+RELEASE_COLLECTIVES = (
+    "cp selection all-gather",
+    "cp attention max all-gather",
+    "cp attention all-reduce",
+    "logits all-gather",
+    "ep all-reduce",
+)
+
+
+def release_rows() -> list[dict]:
+    """Each collective's bytes per rank per decode step at the release's shapes (EP = CP = 64, one
+    token group, bf16 activations), batch 1 and 8, contexts 8K, 64K and 1M."""
     from deepinfer.regions.config import load_config
 
     text = load_config(ROOT / "examples" / "release").text
     rows = []
     for B in (1, 8):
-        sent = predicted(text, text.num_hidden_layers, 1, 64, 64, B, DTYPE_BYTES["bf16"])["collectives"]
-        rows.append(
-            {"batch": B, "logits all-gather": sent["logits all-gather"], "ep all-reduce": sent["ep all-reduce"]}
-        )
+        for context in RELEASE_CONTEXTS:
+            p = predicted(text, text.num_hidden_layers, 1, 64, 64, B, DTYPE_BYTES["bf16"], context)
+            sent = p["collectives"]
+            rows.append({"batch": B, "context": context, **{k: sent[k] for k in RELEASE_COLLECTIVES}})
     return rows
 
 
+def selection_growth() -> list[dict]:
+    """How the selection merge grows with cp and k at the release (batch 1, 1M context): a rank sends
+    its own K best per index layer whatever cp, receives (cp - 1) times that and merges cp x K."""
+    from deepinfer.regions.config import load_config
+
+    text = load_config(ROOT / "examples" / "release").text
+    sent = divided_merges(text, text.num_hidden_layers, 1, 1, DTYPE_BYTES["bf16"], RELEASE_CONTEXTS[-1])
+    per_rank = sent["cp selection all-gather"]
+    index_layers = sum(text.layer_kind(i) in ("source", "reindex") for i in range(text.num_hidden_layers))
+    return [
+        {
+            "cp": cp,
+            "sent": per_rank,
+            "received": (cp - 1) * per_rank,
+            "merged_per_index_layer": cp * text.index_topk,
+            "index_layers": index_layers,
+        }
+        for cp in (2, 8, 64)
+    ]
+
+
 def measure(bundle: Path, steps: int) -> dict:
+    """Run a compiled bundle with a one-token prompt (every step a decode step, all in its smallest
+    context bucket) and count each rank's bytes per step."""
+    from deepinfer.bundles import manifest as mf
     from deepinfer.runtime import RunOptions, generate
 
     run = generate(bundle, [[0]], RunOptions(max_new_tokens=steps, threads=1))
     decode_steps = run.stats.steps
     per_rank = {r: {k: v / decode_steps for k, v in sent.items()} for r, sent in run.sent.items()}
-    return {"steps": decode_steps, "per_rank": per_rank}
+    m = mf.read(bundle)
+    return {"steps": decode_steps, "context": m.buckets.context_sizes[0], "per_rank": per_rank}
 
 
 def main() -> int:
@@ -114,6 +187,7 @@ def main() -> int:
     ap.add_argument("--dtype", choices=DTYPE_BYTES, default="fp32", help="activation dtype")
     ap.add_argument("--measure", type=Path, help="a folder of compiled bundles named like the layouts")
     ap.add_argument("--steps", type=int, default=4, help="decode steps per measured run")
+    ap.add_argument("--context", type=int, default=48, help="the context bucket of the predicted steps")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -125,21 +199,18 @@ def main() -> int:
     text = model.text
     rows, measured = [], {}
     for name, (tp, ep, cp) in LAYOUTS.items():
-        p = predicted(text, text.num_hidden_layers, tp, ep, cp, args.batch, DTYPE_BYTES[args.dtype])
-        rows.append({"layout": name, **p})
+        layers, act = text.num_hidden_layers, DTYPE_BYTES[args.dtype]
+        rows.append({"layout": name, **predicted(text, layers, tp, ep, cp, args.batch, act, args.context)})
         bundle = args.measure / name if args.measure else None
         if bundle is not None and (bundle / MANIFEST_FILE).exists():
-            measured[name] = {
-                **measure(bundle, args.steps),
-                "predicted_b1": predicted(text, text.num_hidden_layers, tp, ep, cp, 1, DTYPE_BYTES[args.dtype])[
-                    "collectives"
-                ],
-            }
+            got = measure(bundle, args.steps)
+            model_b1 = predicted(text, layers, tp, ep, cp, 1, act, got["context"])["collectives"]
+            measured[name] = {**got, "predicted_b1": model_b1}
     err = sys.stderr if args.json else sys.stdout
     print(
         f"bytes per rank per decode step: {text.num_hidden_layers} layers, hidden {text.hidden_size} x "
         f"hc {text.hc_mult}, {text.n_routed_experts} experts top-{text.num_experts_per_tok}, batch "
-        f"{args.batch} per token group, {args.dtype} activations",
+        f"{args.batch} per token group, {args.dtype} activations, context bucket {args.context}",
         file=err,
     )
     print(f"{'layout':<9}{'collective':<28}{'bytes':>14}{'all-to-all':>14}{'ratio':>8}", file=err)
@@ -153,16 +224,23 @@ def main() -> int:
     for name, m in measured.items():
         sent = m["per_rank"][0]
         print(
-            f"measured {name} (rank 0, {m['steps']} steps): "
+            f"measured {name} (rank 0, {m['steps']} steps at context {m['context']}): "
             + ", ".join(f"{k} {v:,.0f} (model {m['predicted_b1'].get(k, 0):,})" for k, v in sent.items()),
             file=err,
         )
-    release = release_logits()
+    release, growth = release_rows(), selection_growth()
+    print("\nrelease (EP = CP = 64, bf16): bytes a rank sends per decode step", file=err)
+    short = ["selection", "attn max", "attn all-reduce", "logits", "MoE all-reduce", "cp/MoE"]
+    print(f"{'batch':>5}{'context':>10}" + "".join(f"{h:>17}" for h in short), file=err)
     for r in release:
-        gather, moe = r["logits all-gather"], r["ep all-reduce"]
+        cp_bytes = sum(r[k] for k in RELEASE_COLLECTIVES[:3])
+        figures = [f"{r[k]:>17,}" for k in RELEASE_COLLECTIVES] + [f"{cp_bytes / r['ep all-reduce']:>17.2%}"]
+        print(f"{r['batch']:>5}{r['context']:>10,}" + "".join(figures), file=err)
+    print("selection merge at the release, batch 1, 1M context, by cp (K = index_topk per index layer):", file=err)
+    for g in growth:
         print(
-            f"release (EP = CP = 64), batch {r['batch']}: logits all-gather {gather:,} B a rank "
-            f"({gather / moe:.2%} of the MoE all-reduce's {moe:,})",
+            f"  cp {g['cp']:>2}: sends {g['sent']:,} B, receives {g['received']:,} B, merges "
+            f"{g['merged_per_index_layer']:,} candidates in each of {g['index_layers']} index layers",
             file=err,
         )
     if args.json:
@@ -175,6 +253,7 @@ def main() -> int:
                     "layouts": rows,
                     "measured": measured,
                     "release": release,
+                    "selection_growth": growth,
                 }
             )
         )

@@ -302,7 +302,7 @@ def trn2_hlo_bundle(trn2_hlo_compile) -> Path:
 def rank_bundle(tmp_path_factory, tiny_ckpt):
     """(tp, ep, cp) -> the tiny model compiled for that topology as saved ExportedPrograms
     (buckets batch 1, tokens {1, 8}; no cache quantization, so token comparisons are exact; blocks of
-    8 positions, contexts of 48 and 288, 40 usable blocks: a prompt of 33 blocks, 8 on each of 4 cp
+    4 positions, contexts of 48 and 160, 40 usable blocks: a prompt of 33 blocks, 8 on each of 4 cp
     ranks, fits)."""
     built: dict[tuple, Path] = {}
 
@@ -315,10 +315,10 @@ def rank_bundle(tmp_path_factory, tiny_ckpt):
                 tiny_ckpt,
                 executable="exported",
                 tokens=[1, 8],
-                max_context=288,
-                context=(48, 288),
+                max_context=160,
+                context=(48, 160),
                 num_blocks=41,
-                block_size=8,
+                block_size=4,
                 cache_quant=False,
                 parallel=key,
             )

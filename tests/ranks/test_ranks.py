@@ -25,11 +25,12 @@ from ..conftest import regenerate
 
 PROMPTS = [[0, 72, 101, 108, 108, 111, 44, 32, 119], [0, 5, 9, 11, 13, 40]]
 NEW = 4
-# a prompt of 264 tokens: 33 KV blocks of 8 positions, at least 8 on each of 4 cp ranks
-LONG = [0] + [(7 * i) % 250 + 3 for i in range(263)]
+# a prompt of 132 tokens: 33 KV blocks of 4 positions, at least 8 on each of 4 cp ranks
+LONG = [0] + [(7 * i) % 250 + 3 for i in range(131)]
 GOLDEN_PROMPTS = [ByteTokenizer().encode(p) for p in regenerate.PROMPTS]
 # ep=2 and cp=ep=4 between them cover ep dispatch/combine and four ranks (a separate ep=4 cost a compile
-# and a four-process run for neither); cp=ep=2 and cp=ep=4 divide the context (regions/divided.py)
+# and a four-process run for neither); cp=ep=2 and cp=ep=4 divide the context (regions/divided.py) and
+# run the golden prompts and the long one instead of PROMPTS
 TOPOLOGIES = {"tp=2": (2, 1, 1), "ep=2": (1, 2, 1), "cp=ep=2": (1, 2, 2), "cp=ep=4": (1, 4, 4)}
 DIVIDED = {"cp selection all-gather", "cp attention max all-gather", "cp attention all-reduce"}
 
@@ -43,13 +44,24 @@ def manifest(bundle) -> dict:
     return json.loads((bundle / "manifest.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def one_rank_long(rank_bundle):
+    """The one-rank run of the golden prompts and the long prompt."""
+    return generate(load(rank_bundle()), [*GOLDEN_PROMPTS, LONG], RunOptions(max_new_tokens=NEW, keep_logits=True))
+
+
 @pytest.mark.parametrize("name", list(TOPOLOGIES))
-def test_ranks_generate_the_one_rank_tokens(rank_bundle, one_rank, name):
+def test_ranks_generate_the_one_rank_tokens(rank_bundle, request, name):
+    """Every layout's tokens are the one-rank run's and its logits within 1e-4; one executable set for
+    all ranks; each rank's weights its own cut. Where cp divides the context, the golden prompts and a
+    prompt of 33 blocks: each cp rank holds 1/cp of the paged pools (the manifest says so and the ranks
+    allocate that)."""
     tp, ep, cp = TOPOLOGIES[name]
     bundle = rank_bundle(tp, ep, cp)
     m = manifest(bundle)
     world = m["topology"]["world_size"]
     assert world == max(tp * cp, ep) and sorted(m["weights"]) == [f"rank-{r}" for r in range(world)]
+    assert m["kv"]["divided"] == cp
     # one executable set for every rank: each (kind, method, bucket) once, every rank's weights its own files
     ids = {
         (e["kind"], e["method"], e["bucket"]["batch"], e["bucket"]["tokens"], e["bucket"].get("context"))
@@ -69,10 +81,16 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, one_rank, name):
             assert all(
                 s[kind].get("path") is None and s[kind]["shared"] == stacks[0][kind]["shared"] for s in stacks
             ), kind
-    run = generate(bundle, PROMPTS, RunOptions(max_new_tokens=NEW, keep_logits=True, threads=1))
-    for got, want in zip(run, one_rank, strict=True):
-        assert got.tokens == want.tokens
-        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+    prompts, want = (
+        ([*GOLDEN_PROMPTS, LONG], request.getfixturevalue("one_rank_long"))
+        if cp > 1
+        else (PROMPTS, request.getfixturevalue("one_rank"))
+    )
+    run = generate(bundle, prompts, RunOptions(max_new_tokens=NEW, keep_logits=True, threads=1))
+    assert len(run) == len(want) == len(prompts)
+    for got, one in zip(run, want, strict=True):
+        assert got.error is None and got.tokens == one.tokens
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(one.logits), rtol=1e-4, atol=1e-4)
     sent = run.sent
     assert sorted(sent) == list(range(world))
     if tp > 1:
@@ -87,36 +105,21 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, one_rank, name):
     steps = run.stats.steps
     assert all(sent[r]["logits all-gather"] % (rows * 4) == 0 for r in range(world))
     assert steps * rows * 4 <= sent[0]["logits all-gather"] <= steps * 8 * rows * 4  # batch 1, tokens <= 8
+    if cp > 1:
+        _check_divided_pools(m, manifest(rank_bundle())["kv"], run.pools, cp)
 
 
-@pytest.fixture(scope="module")
-def one_rank_long(rank_bundle):
-    """The one-rank run of the golden prompts and the long prompt."""
-    return generate(load(rank_bundle()), [*GOLDEN_PROMPTS, LONG], RunOptions(max_new_tokens=NEW, keep_logits=True))
-
-
-@pytest.mark.parametrize("cp", [2, 4])
-def test_divided_context_generates_the_one_rank_tokens_over_many_blocks(rank_bundle, one_rank_long, cp):
-    """The golden prompts and a prompt of 33 blocks at cp = ep = 2 and 4: each cp rank holds 1/cp of
-    the paged pools (the manifest says so and the ranks allocate that), the tokens are the one-rank
-    run's and the logits within 1e-4."""
-    bundle = rank_bundle(1, cp, cp)
-    m = manifest(bundle)
-    assert m["kv"]["divided"] == cp and manifest(rank_bundle())["kv"]["divided"] == 1
-    run = generate(bundle, [*GOLDEN_PROMPTS, LONG], RunOptions(max_new_tokens=NEW, keep_logits=True, threads=1))
-    assert len(run) == len(one_rank_long) == 5
-    for got, want in zip(run, one_rank_long):
-        assert got.error is None and got.tokens == want.tokens
-        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
-    one = manifest(rank_bundle())["kv"]
+def _check_divided_pools(m: dict, one: dict, pools: dict, cp: int) -> None:
+    """Each rank allocated 1/cp of the one-rank bundle's usable paged blocks and a scratch block, and
+    every per-slot pool whole."""
+    assert one["divided"] == 1 and any(p["dim"] == "blocks" for p in m["kv"]["pools"].values())
     for name, pool in m["kv"]["pools"].items():
         per_row = _row_bytes(pool)
-        for rank, held in run.pools.items():  # what each rank allocated
-            if pool["dim"] == "blocks":  # 1/cp of the one-rank pool's usable blocks, and a scratch block
+        for rank, held in pools.items():  # what each rank allocated
+            if pool["dim"] == "blocks":
                 assert (held[name] // per_row - 1) * cp == one["num_blocks"] - 1, (rank, name)
-            else:  # per-slot state: whole on every rank
+            else:
                 assert held[name] == per_row * m["kv"]["slots"], (rank, name)
-    assert any(p["dim"] == "blocks" for p in m["kv"]["pools"].values())
 
 
 def _row_bytes(pool: dict) -> int:

@@ -47,6 +47,22 @@ class Topology:
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
+    def tp_groups(self) -> list[list[int]]:
+        """The ranks of each tp group (a token group's ranks at one cp rank), every group in rank order."""
+        return [
+            [g * self.group_size + c * self.tp + t for t in range(self.tp)]
+            for g in range(self.groups)
+            for c in range(self.cp)
+        ]
+
+    def cp_groups(self) -> list[list[int]]:
+        """The ranks of each cp group (a token group's ranks at one tp rank: they divide its context)."""
+        return [
+            [g * self.group_size + c * self.tp + t for c in range(self.cp)]
+            for g in range(self.groups)
+            for t in range(self.tp)
+        ]
+
     def to_dict(self) -> dict[str, int]:
         """The degrees and the sizes they imply, as the manifest's `Ranks` records them."""
         return {"tp": self.tp, "ep": self.ep, "cp": self.cp, "world_size": self.world, "groups": self.groups}

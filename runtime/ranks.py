@@ -50,18 +50,14 @@ class Comm:
         self.group = topo.group_of(rank)
         self.chunk = chunk_bytes // 4  # float32 elements per chunk
         self.tp_group = self.cp_group = None
-        for g in range(topo.groups):  # every rank creates every subgroup
-            for c in range(topo.cp):
-                base = g * topo.group_size + c * topo.tp
-                ranks = list(range(base, base + topo.tp))
-                made = dist.new_group(ranks) if topo.tp > 1 else None
-                if rank in ranks:
-                    self.tp_group = made
-            for t in range(topo.tp):  # the cp ranks that divide the group's context (regions/divided.py)
-                ranks = [g * topo.group_size + c * topo.tp + t for c in range(topo.cp)]
-                made = dist.new_group(ranks) if topo.cp > 1 else None
-                if rank in ranks:
-                    self.cp_group = made
+        for ranks in topo.tp_groups():  # every rank creates every subgroup, in one order
+            made = dist.new_group(ranks) if topo.tp > 1 else None
+            if rank in ranks:
+                self.tp_group = made
+        for ranks in topo.cp_groups():  # the cp ranks that divide a group's context (regions/divided.py)
+            made = dist.new_group(ranks) if topo.cp > 1 else None
+            if rank in ranks:
+                self.cp_group = made
         self.sent: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
 

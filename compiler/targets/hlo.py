@@ -152,7 +152,13 @@ def _walk(op):
                 yield from _walk(inner)
 
 
-def finish_module(text: str, aliases: dict[int, int], input_names: list[str], output_names: list[str]) -> str:
+def finish_module(
+    text: str,
+    aliases: dict[int, int],
+    input_names: list[str],
+    output_names: list[str],
+    reduce: dict[int, list[list[int]]] | None = None,
+) -> str:
     """The StableHLO edits neuronx-cc and libnrt need, through the MLIR API:
 
     - every `stablehlo.sort` becomes stable. torch-mlir lowers only `aten.sort`, with
@@ -167,7 +173,12 @@ def finish_module(text: str, aliases: dict[int, int], input_names: list[str], ou
       NEFF's tensors then have our names, so the runtime binds by name and never by libnrt's
       (lexical) order of tensors;
     - a result that is a parameter unchanged is returned through a `copy` (neuronx-cc cannot
-      return a raw parameter).
+      return a raw parameter);
+    - {j: groups} in `reduce` sums output j over each replica group inside the module: a
+      `stablehlo.all_reduce` in the form AWS's own HLO producers write (replica_groups and an
+      add as to_apply; no channel_id, no replica count: neuronx-cc takes the world from the
+      runtime's collective load), on floating outputs only (neuronx-cc rejects an integer
+      all-reduce, NCC_EVRF061).
     """
     _need("jax")
     from jax._src.interpreters import mlir
@@ -188,6 +199,8 @@ def finish_module(text: str, aliases: dict[int, int], input_names: list[str], ou
         if main is None:
             raise LoweringError("no @main function in the lowered module")
         _name_inputs(main, input_names)
+        if reduce:
+            _reduce_results(main, reduce, output_names)
         _tuple_root(main, output_names)
         if aliases:
             module.operation.attributes["mhlo.input_output_alias"] = _must_alias(aliases)
@@ -248,6 +261,44 @@ def _tuple_root(main, names: list[str]) -> None:
     main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(ftype.inputs, [root.result.type]))
     if "res_attrs" in main.attributes:
         del main.attributes["res_attrs"]
+
+
+def _reduce_results(main, reduce: dict[int, list[list[int]]], names: list[str]) -> None:
+    """@main's results j in `reduce` summed over their replica groups (an all_reduce before the return)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import hlo as stablehlo
+
+    ret = list(main.regions[0].blocks[0].operations)[-1]
+    values = list(ret.operands)
+    with ir.InsertionPoint(ret):
+        for j, groups in sorted(reduce.items()):
+            if not 0 <= j < len(values):
+                raise LoweringError(f"all-reduce of result {j}: @main returns {len(values)} results")
+            kind = ir.RankedTensorType(values[j].type)
+            if not isinstance(kind.element_type.maybe_downcast(), ir.FloatType):
+                raise LoweringError(
+                    f"all-reduce of {names[j]}: {kind.element_type} is not a float type "
+                    "(neuronx-cc rejects integer all-reduce, NCC_EVRF061; move integers with all-gather)"
+                )
+            if len({len(g) for g in groups}) != 1 or sorted(r for g in groups for r in g) != list(
+                range(sum(map(len, groups)))
+            ):
+                raise LoweringError(f"all-reduce of {names[j]}: replica groups {groups} do not partition the ranks")
+            scalar = ir.RankedTensorType.get([], kind.element_type)
+            table = np.asarray(groups, dtype=np.int64)  # [groups, ranks per group]
+            replica_groups = ir.DenseIntElementsAttr.get(table)  # type: ignore[call-overload]  # numpy stubs: __buffer__ only on 3.12+
+            op = ir.Operation.create(
+                "stablehlo.all_reduce",
+                results=[values[j].type],
+                operands=[values[j]],
+                attributes={"replica_groups": replica_groups},
+                regions=1,
+            )
+            body = op.regions[0].blocks.append(scalar, scalar)
+            with ir.InsertionPoint(body):
+                total = stablehlo.AddOp(body.arguments[0], body.arguments[1])
+                stablehlo.ReturnOp([total.result])
+            ret.operands[j] = op.result
 
 
 def _must_alias(aliases: dict[int, int]):
@@ -321,10 +372,15 @@ def selection_widths(proto: bytes) -> list[tuple[str, int]]:
 # --- XLA:CPU --------------------------------------------------------------------------------------
 
 
+# CPU devices XLA:CPU offers (a module with collectives runs one replica on each of N of them)
+MAX_REPLICAS = 8
+
+
 @functools.cache
 def _cpu_client():
     jax = _need("jax")
     jax.config.update("jax_enable_x64", True)  # int64 inputs keep their type
+    jax.config.update("jax_num_cpu_devices", MAX_REPLICAS)
     from jax._src import xla_bridge
 
     return xla_bridge.get_backend("cpu")
@@ -364,3 +420,40 @@ class CpuHlo:
         arrays = [jax.device_put(_to_numpy(t), self.device) for t in inputs]
         results = self.executable.execute_sharded(arrays).disassemble_into_single_device_arrays()
         return [_to_torch(np.asarray(r[0])) for r in results]
+
+
+class CpuReplicas:
+    """An HloModuleProto holding cross-replica collectives, compiled for `n` replicas on XLA:CPU
+    (one CPU device each): call(one input list per replica) -> one output list per replica."""
+
+    def __init__(self, proto: bytes, n: int):
+        from jax._src.lib import xla_client
+
+        if not 1 <= n <= MAX_REPLICAS:
+            raise ValueError(f"{n} replicas: XLA:CPU here offers 1 to {MAX_REPLICAS}")
+        client = _cpu_client()
+        self.devices = client.local_devices()[:n]
+        options = xla_client.CompileOptions()
+        options.num_replicas = n
+        options.device_assignment = xla_client.DeviceAssignment.create(np.arange(n).reshape(n, 1))
+        self.executable = client.compile_and_load(
+            xla_client._xla.mlir.hlo_to_stablehlo(proto), xla_client.DeviceList(tuple(self.devices)), options
+        )
+
+    def __call__(self, inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        import jax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        if len(inputs) != len(self.devices):
+            raise ValueError(f"{len(inputs)} input lists for {len(self.devices)} replicas")
+        # each argument one array over the replicas' devices whose shards differ: a replicated
+        # sharding gives every device a buffer of the parameter's own shape (a 0-d rank too)
+        sharding = NamedSharding(Mesh(np.array(self.devices), ("replica",)), PartitionSpec())
+        args = []
+        for i, per_replica in enumerate(zip(*inputs, strict=True)):  # one argument, every replica's value
+            if len({(tuple(t.shape), t.dtype) for t in per_replica}) != 1:
+                raise ValueError(f"argument {i}: the replicas' tensors differ in shape or dtype")
+            parts = [jax.device_put(_to_numpy(t), d) for t, d in zip(per_replica, self.devices)]
+            args.append(jax.make_array_from_single_device_arrays(tuple(per_replica[0].shape), sharding, parts))
+        results = self.executable.execute_sharded(args).disassemble_into_single_device_arrays()
+        return [[_to_torch(np.asarray(out[r])) for out in results] for r in range(len(self.devices))]

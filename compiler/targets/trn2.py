@@ -118,10 +118,19 @@ class Trn2Target:
     def lower(self, ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
         return ep.run_decompositions({**target_decompositions(self.name), **hlo.hlo_decompositions()})
 
-    def emit(self, ep: torch.export.ExportedProgram, names: list[str], outputs: list[str], out: Path) -> dict:
+    def emit(
+        self,
+        ep: torch.export.ExportedProgram,
+        names: list[str],
+        outputs: list[str],
+        out: Path,
+        reduce: dict[str, list[list[int]]] | None = None,
+    ) -> dict:
         """Write the HLO module of a lowered program to `out`; returns the executable's outputs:
         {"state_outputs": [input names], "aliases": {out: in}, "output_specs": [{name, shape, dtype}]}.
         The new contents of each written state input come first, then the region's outputs.
+        `reduce` {output name: replica groups} sums those outputs over their groups inside the
+        module (hlo.finish_module), the collective a region's boundary needs.
         A module holding a sort or top-k wider than neuronx-cc compiles is refused (LoweringError,
         nothing written; the pipeline prefixes the region)."""
         user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
@@ -130,8 +139,15 @@ class Trn2Target:
         ]
         aliases = {j: names.index(n) for j, n in enumerate(state)}
         labels = state + list(outputs)
+        unknown = sorted(set(reduce or {}) - set(labels))
+        if unknown:
+            raise hlo.LoweringError(f"all-reduce of {', '.join(unknown)}: not an output of the region ({labels})")
         text = hlo.finish_module(
-            hlo.to_stablehlo(ep, self.frontend), aliases, names, [neff.output_name(n) for n in labels]
+            hlo.to_stablehlo(ep, self.frontend),
+            aliases,
+            names,
+            [neff.output_name(n) for n in labels],
+            {labels.index(n): groups for n, groups in (reduce or {}).items()},
         )
         proto = hlo.to_hlo_proto(text)
         for op, width in hlo.selection_widths(proto):

@@ -1,0 +1,110 @@
+"""Collectives inside the HLO modules (issue 29, first part): a region's boundary all-reduce written
+into its module (hlo.finish_module's `reduce`) and run on N replicas of XLA:CPU, one CPU device a
+rank, against the host-collective path: each rank's region run eagerly and its partials summed, as
+runtime/ranks.Comm.after does over gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.bundles.topology import Topology
+from deepinfer.compiler.shard import shard
+from deepinfer.compiler.targets import hlo
+from deepinfer.compiler.targets.trn2 import Trn2Target
+from deepinfer.compiler.trace import trace
+from deepinfer.compiler.weights import in_format
+from deepinfer.regions.checkpoint import Checkpoint, load_region
+from deepinfer.regions.config import load_config
+from deepinfer.regions.examples import example_inputs
+from deepinfer.regions.moe import MoE
+from deepinfer.regions.plan import make_attention
+from deepinfer.regions.state import Geometry
+from deepinfer.regions.step import plan_layers
+
+pytest.importorskip("torch_mlir")
+xla_client = pytest.importorskip("jax._src.lib").xla_client
+
+G = Geometry(slots=2, blocks=4, block_size=16, max_blocks=2)
+
+
+def _module(tmp_path, region, reduce: dict[str, list[list[int]]]):
+    """The region traced for a [2, 1] step, lowered and emitted with `reduce` -> (proto, names, inputs)."""
+    program, sig = trace(region, 2, 1, G, dynamic=False)
+    target = Trn2Target("neff", {})
+    names = [s.name for s in sig.all]
+    path = tmp_path / f"{region.kind}.hlo.pb"
+    target.emit(target.lower(program), names, region.output_names(), path, reduce=reduce)
+    return path.read_bytes(), names, example_inputs(sig.inputs, G, seed=3)
+
+
+def _ranked(full, make, kind: str, c, topo: Topology, rank: int):
+    """`make()` for `topo` holding rank `rank`'s shards of `full`'s weights, as the weight recipe stores them."""
+    region = make()
+    for spec in region.specs:
+        getattr(region, spec.name).copy_(
+            shard(kind, spec.name, getattr(full, spec.name), c, topo, rank, spec.buffer_shape)
+        )
+    region.rank.fill_(rank)
+    stored = in_format(region.specs, {s.name: getattr(region, s.name) for s in region.specs}, region.fp8_format)
+    stored["rank"] = torch.tensor(rank)
+    return region.with_weights(stored), stored
+
+
+def _replicas_equal_host_sum(tmp_path, ranked: list, reduce: dict, state: int) -> None:
+    """The module of ranked[0]'s region with `reduce`, run on one replica a rank: every replica's
+    reduced stream equals the sum of the ranks' eager partials (the host path); the outputs not
+    reduced are each rank's own."""
+    proto, names, inputs = _module(tmp_path, ranked[0][0], reduce)
+    entry = xla_client.XlaComputation(proto).as_hlo_text()
+    assert entry.count(" all-reduce(") == len(reduce) and "channel_id" not in entry
+    n = len(names) - len(inputs)
+    weights = [[stored[name] for name in names[:n]] for _, stored in ranked]
+    regions = [region for region, _ in ranked]
+    got = hlo.CpuReplicas(proto, len(regions))([w + [a.clone() for a in inputs] for w in weights])
+    with torch.no_grad():
+        eager = [r.decode(*[a.clone() for a in inputs]) for r in regions]
+    summed = torch.stack([e[0] for e in eager]).sum(0)
+    assert summed.abs().max() > 0
+    for rank, (out, own) in enumerate(zip(got, eager)):
+        torch.testing.assert_close(out[state], summed, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+        for g, e in zip(out[state + 1 :], own[1:]):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+
+
+def test_moe_all_reduce_in_the_module_equals_the_host_sum(tmp_path, tiny_ckpt):
+    """cp = ep = 2 (one token group): the MoE's float32 partial is summed over the world in the module."""
+    c = load_config(tiny_ckpt).text
+    topo = Topology(cp=2, ep=2)
+    full = MoE(c, dtype=torch.float32)
+    load_region(Checkpoint(tiny_ckpt), full, "layers.1.")
+    ranked = [_ranked(full, lambda: MoE(c, dtype=torch.float32, topo=topo), "moe", c, topo, r) for r in range(2)]
+    _replicas_equal_host_sum(tmp_path, ranked, {"h": [[0, 1]]}, state=0)
+
+
+def test_tp_all_reduce_in_the_module_equals_the_host_sum(tmp_path, tiny_ckpt):
+    """tp = 2: the window attention's partial streams summed over the tp group in the module (the
+    window ring, a state output, comes first and stays each rank's own)."""
+    c = load_config(tiny_ckpt).text
+    topo = Topology(tp=2)
+    plan = next(p for p in plan_layers(c) if p.attn == "window")
+    full = make_attention(c, plan, torch.float32, True)
+    load_region(Checkpoint(tiny_ckpt), full, f"layers.{plan.layer}.")
+    ranked = [
+        _ranked(full, lambda: make_attention(c, plan, torch.float32, True, topo), full.kind, c, topo, r)
+        for r in range(2)
+    ]
+    assert topo.tp_groups() == [[0, 1]]
+    _replicas_equal_host_sum(tmp_path, ranked, {"h": topo.tp_groups()}, state=1)
+
+
+def test_groups_partition_the_ranks_and_integers_are_refused(tmp_path, tiny_ckpt):
+    c = load_config(tiny_ckpt).text
+    region = MoE(c, dtype=torch.float32, topo=Topology(cp=2, ep=2))
+    with pytest.raises(hlo.LoweringError, match="do not partition the ranks"):
+        _module(tmp_path, region, {"h": [[0, 1], [1, 2]]})
+    with pytest.raises(hlo.LoweringError, match="not an output of the region"):
+        _module(tmp_path, region, {"logits": [[0, 1]]})
+    assert Topology(tp=2, cp=2).tp_groups() == [[0, 1], [2, 3]]
+    assert Topology(tp=2, cp=2).cp_groups() == [[0, 2], [1, 3]]
+    assert Topology(cp=2, ep=4).cp_groups() == [[0, 1], [2, 3]]

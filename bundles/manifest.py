@@ -200,6 +200,9 @@ class Executable:
     output_specs: tuple[TensorSpec, ...] | None = None
     check: dict | None = None  # the lowering's numeric check (trn2)
     neff: dict | None = None  # the NEFF header's facts (trn2)
+    # outputs summed over rank groups inside the executable ({output: replica groups}, trn2 with
+    # [target] options collectives = "graph"): the runtime does not reduce them again
+    reduced: dict[str, tuple[tuple[int, ...], ...]] | None = None
 
     @property
     def name(self) -> str:
@@ -517,6 +520,13 @@ def check(m: Manifest) -> None:
             f"{e.bucket.context} is not one of the context buckets {b.context_sizes}",
         )
         _check_table(e, kv, b, key)
+        for out, groups in (e.reduced or {}).items():
+            _need(out in e.outputs, key + ("reduced", out), f"not an output of the executable ({', '.join(e.outputs)})")
+            _need(
+                sorted(r for g in groups for r in g) == list(range(t.world_size)),
+                key + ("reduced", out),
+                f"replica groups {[list(g) for g in groups]} do not partition the {t.world_size} ranks",
+            )
         for j, s in enumerate(e.inputs):
             _need(s.role in ROLES, key + ("inputs", j, "role"), f"unknown role {s.role!r}")
             _need(s.dtype in DTYPE_NAMES, key + ("inputs", j, "dtype"), f"unknown dtype {s.dtype!r}")

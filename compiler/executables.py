@@ -33,11 +33,13 @@ from deepinfer.compiler.jobs import Job
 from deepinfer.compiler.keys import Key, graph_digest, kernels_reached
 from deepinfer.compiler.plan import Exe, RegionPlan
 from deepinfer.compiler.spec import Log, Run, Spec
+from deepinfer.compiler.targets import hlo
 from deepinfer.compiler.trace import trace
 from deepinfer.errors import DeepinferError
 from deepinfer.regions.base import Region
 from deepinfer.regions.examples import example_inputs
 from deepinfer.regions.state import Geometry, InputSpec
+from deepinfer.regions.topology import boundary_reduce
 
 LOWERED_DIR = ".lowered"
 
@@ -130,9 +132,12 @@ def lower(spec: Spec, plan: RegionPlan, exe: Exe) -> Graph:
 
 def emit(spec: Spec, graph: Graph, lowered: Path) -> mf.Executable:
     """Write the lowered module a compile job reads to `lowered`; returns the entry with the fields
-    the target adds (trn2: the state it returns and their aliases)."""
+    the target adds (trn2: the state it returns and their aliases; with collectives in the graph,
+    the outputs it reduces over rank groups, regions.topology.boundary_reduce)."""
+    exe = graph.entry
+    reduce = boundary_reduce(exe.kind, exe.method, spec.topology) if spec.target.graph_collectives else None
     try:
-        extra = spec.target.emit(graph.program, graph.names, list(graph.entry.outputs), lowered)
+        extra = spec.target.emit(graph.program, graph.names, list(graph.entry.outputs), lowered, reduce)
     except DeepinferError as e:
         raise type(e)(f"region {graph.entry.name}: {e}") from None
     return dataclasses.replace(graph.entry, **mf.executable_fields(extra))
@@ -145,15 +150,27 @@ def check(spec: Spec, graph: Graph, entry: mf.Executable, lowered: Path, log: Lo
     if not spec.target.check:
         log(f"lowered {entry.name}: HLO {lowered.stat().st_size} bytes (check off)")
         return entry
-    result = spec.target.check_numerics(
-        lowered,
-        graph.region,
-        graph.exe.method,
-        example_inputs(graph.inputs, graph.geometry),
-        graph.names,
-        list(entry.state_outputs or ()),
-        f"region {entry.name}",
-    )
+    reduce = {k: [list(g) for g in v] for k, v in (entry.reduced or {}).items()}
+    module = lowered
+    if reduce and spec.topology.world > hlo.MAX_REPLICAS:  # more replicas than XLA:CPU offers here: the
+        # graph is checked without its collectives (tests/trn2/test_collectives.py runs them)
+        module = lowered.with_name(f"{lowered.name}.local")
+        spec.target.emit(graph.program, graph.names, list(entry.outputs), module)
+        reduce = {}
+    try:
+        result = spec.target.check_numerics(
+            module,
+            graph.region,
+            graph.exe.method,
+            example_inputs(graph.inputs, graph.geometry),
+            graph.names,
+            list(entry.state_outputs or ()),
+            f"region {entry.name}",
+            reduce=reduce or None,
+        )
+    finally:
+        if module != lowered:
+            module.unlink(missing_ok=True)
     log(
         f"lowered {entry.name}: HLO {lowered.stat().st_size} bytes, XLA:CPU vs reference "
         f"max |diff| {result['max_abs']:.2g}, score {result['score']:.2g} (tolerance {result['tolerance']:g})"

@@ -115,3 +115,17 @@ def shared_slice(c: TextConfig, topo: Topology, rank: int) -> tuple[int, int] | 
     if start >= c.moe_intermediate_size:
         return None
     return start, min(start + width, c.moe_intermediate_size)
+
+
+def boundary_reduce(kind: str, method: str, topo: Topology) -> dict[str, list[list[int]]]:
+    """The outputs of a (kind, method) summed over rank groups at the region's boundary -> {output:
+    replica groups}; what runtime/ranks.Comm.after does on the host: the attention's partial
+    streams over each tp group, the MoE's over the token group when tokens are replicated in it
+    (ep = tp * cp). EP dispatch (token groups of one) moves rows instead; it stays on the host."""
+    if method != "decode":
+        return {}
+    if kind.startswith("attn") and topo.tp > 1:
+        return {"h": topo.tp_groups()}
+    if kind == "moe" and topo.ep > 1 and not topo.dispatch:
+        return {"h": [list(range(topo.world))]}
+    return {}

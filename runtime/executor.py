@@ -124,6 +124,8 @@ class Executor:
     placement: Placement  # where executables run and tensors live
     executables: Mapping[tuple, Callable]  # (kind, method, batch, tokens, table width or None) -> executable
     context_methods: frozenset[tuple[str, str]]  # (kind, method)s built per context bucket
+    # (kind, method)s whose executables sum their streams over the ranks themselves (manifest `reduced`)
+    reduced_in_graph: frozenset[tuple[str, str]]
     bound: Mapping[tuple[int, str], Binding]  # (layer, slot) -> binding; the head is (-1, "head")
     draft_bound: Mapping[tuple[int, str], Binding]  # (stage, slot) -> binding of the draft's regions
     pools: Mapping[str, Tensor]
@@ -189,6 +191,7 @@ class Executor:
     def _invoke(self, blocks: int, stats: Stats, on_call: OnCall | None):
         """invoke(layer, slot, *inputs) for one step whose block tables are `blocks` wide."""
         executables, bound, comm, context_methods = self.executables, self.bound, self.comm, self.context_methods
+        reduced = self.reduced_in_graph
 
         def invoke(layer: int, slot: str, *inputs, method: str = mf.DECODE):
             t0 = time.perf_counter()
@@ -205,7 +208,11 @@ class Executor:
             stats.calls[name] += 1
             stats.seconds[name] += t2 - t1
             stats.overhead += t1 - t0
-            return out if comm is None or method != mf.DECODE else comm.after(slot, out, self.dtype)
+            if comm is None or method != mf.DECODE:
+                return out
+            if (kind, method) in reduced:  # summed over the ranks inside the executable
+                return [out[0].to(self.dtype), *out[1:]]
+            return comm.after(slot, out, self.dtype)
 
         return invoke
 
@@ -403,6 +410,7 @@ def _load(bundle: Bundle, rank: int, comm, num_kv_blocks: int | None) -> Executo
         placement=placement,
         executables=MappingProxyType(executables),
         context_methods=context_methods,
+        reduced_in_graph=frozenset((e.kind, e.method) for e in m.regions if e.reduced),
         bound=MappingProxyType(bound),
         draft_bound=MappingProxyType(draft_bound),
         pools=MappingProxyType(pools),

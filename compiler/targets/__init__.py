@@ -27,6 +27,7 @@ class Target(Protocol):
     static_shapes: ClassVar[bool]  # pools traced at their compiled sizes, state returned
     state_writes: ClassVar[str]  # how executables write state (recorded in the manifest)
     device_embedding: ClassVar[bool]  # the token embedding is a region (ids in), not a host lookup
+    graph_collectives: bool  # the ranks' boundary all-reduces run inside the executables
     executable: str
     options: dict
     check: bool  # run the lowered graph against its reference region
@@ -51,8 +52,17 @@ class Target(Protocol):
 
     def lower(self, ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram: ...
 
-    def emit(self, ep: torch.export.ExportedProgram, names: list[str], outputs: list[str], out: Path) -> dict:
-        """Write what a compile job reads; returns extra manifest fields of the executable."""
+    def emit(
+        self,
+        ep: torch.export.ExportedProgram,
+        names: list[str],
+        outputs: list[str],
+        out: Path,
+        reduce: dict[str, list[list[int]]] | None = None,
+    ) -> dict:
+        """Write what a compile job reads; returns extra manifest fields of the executable. `reduce`
+        {output: replica groups}: outputs to sum over rank groups inside the executable (targets
+        whose `graph_collectives` is true)."""
 
     def check_numerics(
         self,
@@ -64,6 +74,7 @@ class Target(Protocol):
         state_outputs: list[str],
         where: str,
         seed: int = 0,
+        reduce: dict[str, list[list[int]]] | None = None,
     ) -> dict:
         """Run the lowered module against `region` on the method's `inputs` and seeded random weights."""
 

@@ -35,6 +35,7 @@ class CpuTarget:
     # as a region, an AOTInductor package 6 us (36 us) but one more C++ compile per bucket, a
     # saved ExportedProgram 235 us (383 us). [host] embedding = false makes it a region.
     device_embedding: ClassVar[bool] = False
+    graph_collectives: bool = False  # the ranks reduce on the host (runtime/ranks.py over gloo)
     LOWERING_MODULES: ClassVar[tuple[str, ...]] = ("deepinfer.compiler.targets.cpu",)
     # options are Inductor config settings (aoti); these only write logs or dumps, so cache
     # keys leave them out (compiler/keys.py). Every other option is keyed.
@@ -92,8 +93,18 @@ class CpuTarget:
     def lower(self, ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
         return ep.run_decompositions(reference_decompositions())
 
-    def emit(self, ep: torch.export.ExportedProgram, names: list[str], outputs: list[str], out: Path) -> dict:
-        """Save the lowered program for a compile job; state is written in place (no extra outputs)."""
+    def emit(
+        self,
+        ep: torch.export.ExportedProgram,
+        names: list[str],
+        outputs: list[str],
+        out: Path,
+        reduce: dict[str, list[list[int]]] | None = None,
+    ) -> dict:
+        """Save the lowered program for a compile job; state is written in place (no extra outputs).
+        Its ranks reduce on the host: `reduce` must be empty."""
+        if reduce:
+            raise ValueError("the cpu target reduces on the host; no collective goes into its programs")
         torch.export.save(ep, str(out))
         return {}
 

@@ -19,8 +19,11 @@ What differs from the cpu target:
 
 Options (model.toml [target].options): neuronx-cc's (lnc, optlevel, model_type,
 auto_cast, extra_flags, verbose, timeout_s) and deepinfer's own: `frontend`
-("torch-mlir", or "torch-xla" where installed) and `check` (run the XLA:CPU check,
-default true).
+("torch-mlir", or "torch-xla" where installed), `check` (run the XLA:CPU check,
+default true) and `collectives` ("host", the default: the ranks' boundary all-reduces
+run between executables over torch.distributed; "graph": each is an all-reduce inside
+the region's module, regions.topology.boundary_reduce, checked on XLA:CPU with one
+replica a rank).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from deepinfer.kernels import target_decompositions
 from deepinfer.regions.agreement import ShapeMismatch, compare_tensors, tolerance
 from deepinfer.regions.examples import random_weights
 
-OWN_OPTIONS = {"frontend": hlo.FRONTENDS, "check": (True, False)}
+OWN_OPTIONS = {"frontend": hlo.FRONTENDS, "check": (True, False), "collectives": ("host", "graph")}
 # neuronx-cc rewrites a sort (and sort-then-slice) into its AwsNeuronTopK, which fails over rows
 # wider than this (aws-neuron-sdk issue 1339, open): no HLO module of this target holds one
 MAX_SELECTION_WIDTH = 16384
@@ -75,6 +78,7 @@ class Trn2Target:
         self.options = dict(options or {})
         self.frontend = self.options.get("frontend", "torch-mlir")
         self.check = self.options.get("check", True)
+        self.graph_collectives = self.options.get("collectives", "host") == "graph"
         compiler_options = {k: v for k, v in self.options.items() if k not in OWN_OPTIONS}
         compile_options = neuronxcc.NeuronCompileOptions.from_dict(compiler_options)
         if isinstance(compile_options, str):
@@ -163,7 +167,8 @@ class Trn2Target:
             {"name": n, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
             for n, v in zip(labels, values)
         ]
-        return {"state_outputs": state, "aliases": aliases, "output_specs": specs}
+        out_specs = {"state_outputs": state, "aliases": aliases, "output_specs": specs}
+        return {**out_specs, "reduced": reduce} if reduce else out_specs
 
     def check_numerics(
         self,
@@ -175,6 +180,7 @@ class Trn2Target:
         state_outputs: list[str],
         where: str,
         seed: int = 0,
+        reduce: dict[str, list[list[int]]] | None = None,
     ) -> dict:
         """Run the HLO module on XLA:CPU and the reference region eagerly on the same inputs: the
         method's example inputs and seeded random weights of the region's real shapes
@@ -182,23 +188,58 @@ class Trn2Target:
         recipe stores them (e4m3 codes and their scales: compiler/weights.in_format), so the
         module's in-graph decode reads the bytes a bundle holds. Every output must agree
         as `deepinfer diff` judges (regions/agreement.py). Returns {"max_abs", "score",
-        "tolerance"}; raises CheckFailed naming the first output that does not."""
+        "tolerance"}; raises CheckFailed naming the first output that does not.
+
+        A module holding collectives (`reduce`: {output: replica groups}) runs on one XLA:CPU
+        replica a rank, each with its rank; each rank's reference is the region at that rank,
+        its reduced outputs summed over the rank's group (what the host collectives give)."""
         from deepinfer.compiler.weights import in_format
 
         weights = random_weights(region, seed)  # the release's formats
         stored = in_format(region.specs, weights, region.fp8_format)  # as the weight recipe writes them
         n_weights = len(names) - len(inputs)
-        flat = [stored[n] for n in names[:n_weights]]
-        got = hlo.CpuHlo(Path(proto).read_bytes())(flat + [a.clone() for a in inputs])
-        inputs = [a.clone() for a in inputs]
-        with torch.no_grad():
-            ref = getattr(region.with_weights(stored), method)(*inputs)
-        ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
-        ref = [inputs[names.index(n) - n_weights] for n in state_outputs] + ref
         labels = state_outputs + region.method_outputs(method)
+        groups = reduce or {}
+        world = sum(map(len, next(iter(groups.values())))) if groups else 1
+
+        def reference(rank: int) -> list[torch.Tensor]:
+            mine = {**stored, "rank": torch.tensor(rank)} if groups else stored
+            args = [a.clone() for a in inputs]
+            with torch.no_grad():
+                out = getattr(region.with_weights(mine), method)(*args)
+            out = list(out) if isinstance(out, (tuple, list)) else [out]
+            return [args[names.index(n) - n_weights] for n in state_outputs] + out
+
+        if not groups:
+            flat = [stored[n] for n in names[:n_weights]]
+            runs = [hlo.CpuHlo(Path(proto).read_bytes())(flat + [a.clone() for a in inputs])]
+            refs = [reference(0)]
+        else:
+            flats = [[{**stored, "rank": torch.tensor(r)}[n] for n in names[:n_weights]] for r in range(world)]
+            runs = hlo.CpuReplicas(Path(proto).read_bytes(), world)([f + [a.clone() for a in inputs] for f in flats])
+            own = [reference(r) for r in range(world)]
+            refs = [list(o) for o in own]
+            for name, rank_groups in groups.items():
+                j = labels.index(name)
+                for g in rank_groups:
+                    total = torch.stack([own[r][j] for r in g]).sum(0)
+                    for r in g:
+                        refs[r][j] = total
+        diffs = []
+        for got, ref in zip(runs, refs):
+            diffs += self._agree(got, ref, labels, region.dtype, where)
+        return {
+            "max_abs": max((d.max_abs for d in diffs), default=0.0),
+            "score": max((d.score for d in diffs), default=0.0),
+            "tolerance": tolerance(region.dtype),
+        }
+
+    @staticmethod
+    def _agree(got: list, ref: list, labels: list[str], dtype: torch.dtype, where: str) -> list:
+        """Each output's comparison; raises CheckFailed at the first that does not agree."""
         if len(got) != len(ref):
             raise CheckFailed(f"{where}: the HLO module returns {len(got)} outputs, the region {len(ref)}")
-        tol = tolerance(region.dtype)
+        tol = tolerance(dtype)
         diffs = []
         for label, g, r in zip(labels, got, ref):
             try:
@@ -218,11 +259,7 @@ class Trn2Target:
                     f"(score {d.score:.3g}, tolerance {tol:g})"
                 )
             diffs.append(d)
-        return {
-            "max_abs": max((d.max_abs for d in diffs), default=0.0),
-            "score": max((d.score for d in diffs), default=0.0),
-            "tolerance": tol,
-        }
+        return diffs
 
     def require_compiler(self) -> None:
         """Before any NEFF job: neuronx-cc must be here (every graph is already lowered and checked)."""

@@ -5,6 +5,8 @@ runtime/ranks.Comm.after does over gloo."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -21,6 +23,8 @@ from deepinfer.regions.moe import MoE
 from deepinfer.regions.plan import make_attention
 from deepinfer.regions.state import Geometry
 from deepinfer.regions.step import plan_layers
+
+from ..conftest import _compile_tiny
 
 pytest.importorskip("torch_mlir")
 xla_client = pytest.importorskip("jax._src.lib").xla_client
@@ -108,3 +112,29 @@ def test_groups_partition_the_ranks_and_integers_are_refused(tmp_path, tiny_ckpt
     assert Topology(tp=2, cp=2).tp_groups() == [[0, 1], [2, 3]]
     assert Topology(tp=2, cp=2).cp_groups() == [[0, 2], [1, 3]]
     assert Topology(cp=2, ep=4).cp_groups() == [[0, 1], [2, 3]]
+
+
+@pytest.mark.slow
+def test_hlo_bundle_holds_the_all_reduce_and_checks_it_on_replicas(tmp_path_factory, tiny_ckpt):
+    """deepinfer-compile --hlo-only of the tiny model for trn2 at cp = ep = 2 with collectives in the
+    graph: each MoE module sums its stream over both ranks (one all-reduce, recorded in the manifest
+    as `reduced`) and passed its check on two XLA:CPU replicas; no other module holds a collective."""
+    bundle = _compile_tiny(
+        tmp_path_factory,
+        "trn2-graph-collectives",
+        tiny_ckpt,
+        executable="neff",
+        tokens=[1],
+        target="trn2",
+        options='{ lnc = 1, collectives = "graph" }',
+        hlo_only=True,
+        num_blocks=5,
+        parallel=(1, 2, 2),
+    )
+    m = json.loads((bundle / "manifest.json").read_text())
+    moe = [e for e in m["regions"] if e["kind"] == "moe"]
+    assert moe and all(e["reduced"] == {"h": [[0, 1]]} and e["check"]["score"] <= 1e-5 for e in moe)
+    for e in m["regions"]:
+        entry = xla_client.XlaComputation((bundle / e["artifact"]).read_bytes()).as_hlo_text()
+        assert entry.count(" all-reduce(") == (1 if e["kind"] == "moe" else 0), e["kind"]
+        assert (e.get("reduced") is not None) == (e["kind"] == "moe")

@@ -104,32 +104,17 @@ def step(plan, batch: int, context: int) -> dict:
         return total
 
     state = state_read(cp)
-    per_layer_region = seed_executions = 2  # embed and head
-    for layer in layers:
-        methods = {e.split(".")[1] for e in kinds[layer["regions"]["attn"]]["executables"]}
-        engram = 1 if layer["engram"] else 0
-        per_layer_region += len(methods) + 1 + engram  # attention stages, MoE, engram
-        seed_executions += 1 + 1 + engram  # one attention call, MoE, engram
-    executions_region = per_layer_region
+    per_step = plan.per_step  # the plan's count of executions and collectives per decode step
+    seed_executions = 2 + sum(2 + (1 if layer["engram"] else 0) for layer in layers)  # one attention call each
+    executions_region = per_step["executions"]
     executions_layer = len(layers) + 2
     act = BF16
     streams = batch * text.hc_mult * text.hidden_size
     moe_reduce = {"ep all-reduce": len(layers) * streams * 4} if topo.ep > 1 and not topo.dispatch else {}
     sent = {**moe_reduce, "logits all-gather": batch * d["weights"]["head"]["rows_per_rank"] * 4}
-    counts = {"ep all-reduce": len(layers) if moe_reduce else 0, "logits all-gather": 1}
+    counts = per_step["collectives_by_name"]
     if cp > 1:
-        merges = divided_merges(text, len(layers), topo.tp, batch, act, context)
-        sent.update(merges)
-        compressed = sum(1 for layer in layers if layer["ratio"])
-        selecting = sum(1 for layer in layers if layer["ratio"] and layer["attn"] in ("source", "reindex"))
-        candidate = 1 if 0 <= text.candidate_source_layer_id < len(layers) else 0
-        counts.update(
-            {
-                "cp selection all-gather": selecting + candidate,
-                "cp attention max all-gather": compressed,
-                "cp attention all-reduce": compressed,
-            }
-        )
+        sent.update(divided_merges(text, len(layers), topo.tp, batch, act, context))
     collectives = sum(counts.values())
     on_links = sum(
         b * (topo.cp - 1 if "all-gather" in name and name.startswith("cp") else 2) for name, b in sent.items()

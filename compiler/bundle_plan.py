@@ -51,7 +51,7 @@ from deepinfer.compiler.spec import Spec, parse
 from deepinfer.errors import ConfigError
 from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 from deepinfer.regions.config import CONFIG_FILE, V41Config
-from deepinfer.regions.topology import head_rows
+from deepinfer.regions.topology import boundary_reduce, head_rows
 
 BUNDLE = PurePosixPath("bundle")  # where the planned files would go: paths are reported relative to it
 MOE = "moe"
@@ -92,6 +92,53 @@ class BundlePlan:
     def rank_file_bytes(self, rank: str) -> int:
         """Bytes a rank loads from the bundle's weight files: its own and the shared ones."""
         return sum(self.files[f] for f in (*self.rank_files[rank], *self.shared_files))
+
+    @property
+    def per_step(self) -> dict:
+        """What one decode step runs on a rank: its device executions (the embedding where it is a
+        region, each layer's slots, an attention kind's divided stages each, the head) and the ranks'
+        collectives by name (runtime/ranks.Comm's), with those the executables hold themselves."""
+        topo = self.spec.topology
+        embedded = any(kp.slot == "embed" for kp in self.regions.kinds.values())  # trn2's embed region
+        calls: dict[str, int] = {"embed": 1} if embedded else {}
+        collectives: dict[str, int] = {}
+
+        def add(counts: dict[str, int], name: str, n: int = 1) -> None:
+            counts[name] = counts.get(name, 0) + n
+
+        methods = {k: sorted({e[1] for e in self.executables if e[0] == k}) for k in self.regions.kinds}
+        for p in self.regions.layers:
+            for slot, (kind, _) in self.regions.bindings[p.layer].items():
+                add(calls, slot, len(methods[kind]))
+            if topo.tp > 1:
+                add(collectives, "tp all-reduce")
+            if topo.dispatch:
+                add(collectives, "ep dispatch all-gather")
+                add(collectives, "ep combine reduce-scatter")
+            elif topo.ep > 1:
+                add(collectives, "ep all-reduce")
+            if topo.cp > 1 and p.ratio:
+                if p.attn in ("source", "reindex"):
+                    add(collectives, "cp selection all-gather", 2 if p.candidate_source else 1)
+                add(collectives, "cp attention max all-gather")
+                add(collectives, "cp attention all-reduce")
+        add(calls, "head")
+        if topo.world > 1:
+            add(collectives, "logits all-gather")
+        in_graph = 0
+        if self.spec.target.graph_collectives:
+            in_graph = sum(
+                bool(boundary_reduce(kind, DECODE, topo))
+                for p in self.regions.layers
+                for kind, _ in self.regions.bindings[p.layer].values()
+            )
+        return {
+            "executions": sum(calls.values()),
+            "executions_by_slot": calls,
+            "collectives": sum(collectives.values()),
+            "collectives_by_name": collectives,
+            "collectives_in_executables": in_graph,
+        }
 
     @property
     def head(self) -> dict[str, int]:
@@ -193,6 +240,7 @@ class BundlePlan:
                 "names": [layout.executable_name(*e) for e in self.executables],
             },
             "compile_jobs": len(self.executables),
+            "per_decode_step": self.per_step,
             "weights": {
                 "files": self.files,
                 "shared_files": list(self.shared_files),
@@ -267,6 +315,18 @@ class BundlePlan:
             + ", ".join(f"{b}x{tk}" for b, tk in shapes)
             + ("; the MoE runs on the gathered rows (EP dispatch)" if topo.dispatch else ""),
         ]
+        step = self.per_step
+        out.append(
+            f"  per decode step and rank: {step['executions']} device executions ("
+            + ", ".join(f"{n} {slot}" for slot, n in step["executions_by_slot"].items())
+            + f"), {step['collectives']} collectives"
+            + (
+                " (" + ", ".join(f"{n} {name}" for name, n in step["collectives_by_name"].items()) + ")"
+                if step["collectives"]
+                else ""
+            )
+            + (f", {step['collectives_in_executables']} of them inside the executables" if step["collectives"] else "")
+        )
         if len(c.buckets.contexts) > 1:
             per_context = sorted({e[0] for e in self.executables if e[4] is not None})
             out.append(

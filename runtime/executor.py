@@ -210,8 +210,8 @@ class Executor:
             stats.overhead += t1 - t0
             if comm is None or method != mf.DECODE:
                 return out
-            if (kind, method) in reduced:  # summed over the ranks inside the executable
-                return [out[0].to(self.dtype), *out[1:]]
+            if (kind, method) in reduced:  # summed over the ranks and cast inside the executable
+                return out
             return comm.after(slot, out, self.dtype)
 
         return invoke

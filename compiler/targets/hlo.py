@@ -158,6 +158,7 @@ def finish_module(
     input_names: list[str],
     output_names: list[str],
     reduce: dict[int, list[list[int]]] | None = None,
+    reduced_dtype: torch.dtype | None = None,
 ) -> str:
     """The StableHLO edits neuronx-cc and libnrt need, through the MLIR API:
 
@@ -178,7 +179,8 @@ def finish_module(
       `stablehlo.all_reduce` in the form AWS's own HLO producers write (replica_groups and an
       add as to_apply; no channel_id, no replica count: neuronx-cc takes the world from the
       runtime's collective load), on floating outputs only (neuronx-cc rejects an integer
-      all-reduce, NCC_EVRF061).
+      all-reduce, NCC_EVRF061), then converted to `reduced_dtype` where given (the float32
+      partials' sum becomes the activation dtype the next region reads, as the host path casts).
     """
     _need("jax")
     from jax._src.interpreters import mlir
@@ -200,7 +202,7 @@ def finish_module(
             raise LoweringError("no @main function in the lowered module")
         _name_inputs(main, input_names)
         if reduce:
-            _reduce_results(main, reduce, output_names)
+            _reduce_results(main, reduce, output_names, reduced_dtype)
         _tuple_root(main, output_names)
         if aliases:
             module.operation.attributes["mhlo.input_output_alias"] = _must_alias(aliases)
@@ -263,8 +265,12 @@ def _tuple_root(main, names: list[str]) -> None:
         del main.attributes["res_attrs"]
 
 
-def _reduce_results(main, reduce: dict[int, list[list[int]]], names: list[str]) -> None:
-    """@main's results j in `reduce` summed over their replica groups (an all_reduce before the return)."""
+MLIR_FLOATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def _reduce_results(main, reduce: dict[int, list[list[int]]], names: list[str], dtype: torch.dtype | None) -> None:
+    """@main's results j in `reduce` summed over their replica groups (an all_reduce before the
+    return), converted to `dtype` where given."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import hlo as stablehlo
 
@@ -298,7 +304,12 @@ def _reduce_results(main, reduce: dict[int, list[list[int]]], names: list[str]) 
             with ir.InsertionPoint(body):
                 total = stablehlo.AddOp(body.arguments[0], body.arguments[1])
                 stablehlo.ReturnOp([total.result])
-            ret.operands[j] = op.result
+            result = op.result
+            if dtype is not None and dtype in MLIR_FLOATS:
+                to = ir.RankedTensorType.get(kind.shape, ir.Type.parse(MLIR_FLOATS[dtype]))
+                if to != kind:
+                    result = stablehlo.ConvertOp(to, result).result
+            ret.operands[j] = result
 
 
 def _must_alias(aliases: dict[int, int]):

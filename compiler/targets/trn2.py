@@ -146,12 +146,15 @@ class Trn2Target:
         unknown = sorted(set(reduce or {}) - set(labels))
         if unknown:
             raise hlo.LoweringError(f"all-reduce of {', '.join(unknown)}: not an output of the region ({labels})")
+        placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+        streams = placeholders[user[names.index("h")]].meta["val"].dtype if "h" in names else None
         text = hlo.finish_module(
             hlo.to_stablehlo(ep, self.frontend),
             aliases,
             names,
             [neff.output_name(n) for n in labels],
             {labels.index(n): groups for n, groups in (reduce or {}).items()},
+            streams,  # a reduced stream leaves in the dtype of the streams that came in
         )
         proto = hlo.to_hlo_proto(text)
         for op, width in hlo.selection_widths(proto):
@@ -164,7 +167,11 @@ class Trn2Target:
         out.write_bytes(proto)
         values = [a.meta["val"] for a in ep.graph.output_node().args[0]]
         specs = [
-            {"name": n, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+            {
+                "name": n,
+                "shape": list(v.shape),
+                "dtype": str(streams if reduce and n in reduce and streams else v.dtype).removeprefix("torch."),
+            }
             for n, v in zip(labels, values)
         ]
         out_specs = {"state_outputs": state, "aliases": aliases, "output_specs": specs}
@@ -222,7 +229,7 @@ class Trn2Target:
             for name, rank_groups in groups.items():
                 j = labels.index(name)
                 for g in rank_groups:
-                    total = torch.stack([own[r][j] for r in g]).sum(0)
+                    total = torch.stack([own[r][j] for r in g]).sum(0).to(region.dtype)  # cast in the module
                     for r in g:
                         refs[r][j] = total
         diffs = []

@@ -410,3 +410,33 @@ def test_release_geometry_holds_every_region_kind_of_the_release():
         if kind in ("moe", "engram"):  # fewer experts and engram rows by design
             continue
         assert [s.shape for s in small.kinds[kind].region.specs] == [s.shape for s in kp.region.specs], kind
+
+
+def test_release_plan_counts_a_decode_steps_executions_and_collectives(release):
+    """Per decode step at EP = CP = 64: the embed region, one call per window layer, the divided
+    stages of every compressed layer (select, attend, output where it selects; attend, output where it
+    reuses), every MoE, the engram layers and the head; the MoE all-reduce per layer, the selection
+    all-gathers (two on the candidate source), the attention merges per compressed layer and the logits."""
+    t = load_config(RELEASE.parent).text
+    layers = range(t.num_hidden_layers)
+    kinds = [t.layer_kind(i) for i in layers]
+    attention = sum({"window": 1, "source": 3, "reindex": 3, "reuse": 2}[k] for k in kinds)
+    step = release["per_decode_step"]
+    assert step["executions_by_slot"] == {
+        "embed": 1,
+        "attn": attention,
+        "moe": len(layers),
+        "engram": len(t.engram_layer_ids),
+        "head": 1,
+    }
+    assert step["executions"] == 1 + attention + len(layers) + len(t.engram_layer_ids) + 1 == 130
+    compressed = sum(k != "window" for k in kinds)
+    selecting = sum(k in ("source", "reindex") for k in kinds)
+    assert step["collectives_by_name"] == {
+        "ep all-reduce": len(layers),
+        "cp selection all-gather": selecting + 1,
+        "cp attention max all-gather": compressed,
+        "cp attention all-reduce": compressed,
+        "logits all-gather": 1,
+    }
+    assert step["collectives_in_executables"] == 0  # the example keeps host collectives

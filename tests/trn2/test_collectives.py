@@ -129,3 +129,25 @@ def test_hlo_bundle_holds_the_all_reduce_and_checks_it_on_replicas(tmp_path_fact
         entry = xla_client.XlaComputation((bundle / e["artifact"]).read_bytes()).as_hlo_text()
         assert entry.count(" all-reduce(") == (1 if e["kind"] == "moe" else 0), e["kind"]
         assert (e.get("reduced") is not None) == (e["kind"] == "moe")
+
+
+def test_a_reduced_float32_sum_leaves_in_the_streams_dtype():
+    """finish_module sums a float32 output over [[0, 1], [2, 3]] and converts it to bfloat16 (the
+    activation dtype the next region reads); an output it does not reduce keeps its dtype."""
+
+    class Partial(torch.nn.Module):
+        def forward(self, rank, x):
+            return x * (rank + 1).float() / 3, x + 1
+
+    program = torch.export.export(Partial(), (torch.tensor(0), torch.ones(2, 3))).run_decompositions(
+        hlo.hlo_decompositions()
+    )
+    text = hlo.finish_module(
+        hlo.to_stablehlo(program), {}, ["rank", "x"], ["h", "other"], {0: [[0, 1], [2, 3]]}, torch.bfloat16
+    )
+    got = hlo.CpuReplicas(hlo.to_hlo_proto(text), 4)([[torch.tensor(r), torch.ones(2, 3)] for r in range(4)])
+    for r, (h, other) in enumerate(got):
+        pair = (1, 2) if r < 2 else (3, 4)
+        want = sum(torch.full((2, 3), float(k)) / 3 for k in pair).to(torch.bfloat16)
+        assert h.dtype == torch.bfloat16 and torch.equal(h, want), r
+        assert other.dtype == torch.float32 and torch.equal(other, torch.full((2, 3), 2.0))

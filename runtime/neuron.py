@@ -197,10 +197,11 @@ class NeuronModel:
         core._models.append(self)
 
     @classmethod
-    def load(cls, core: NeuronCore, neff_path: str | Path) -> NeuronModel:
+    def load(cls, core: NeuronCore, neff_path: str | Path, collectives: tuple[int, int] | None = None) -> NeuronModel:
+        """Load a NEFF; one holding collectives as rank `collectives[0]` of `collectives[1]`."""
         core._check_open()
         path = Path(neff_path)
-        handle = core.lib.load(path.read_bytes(), core.vnc, detail=str(path))
+        handle = core.lib.load(path.read_bytes(), core.vnc, detail=str(path), collectives=collectives)
         return cls(core, handle, core.lib.tensor_info(handle), path)
 
     def unload(self) -> None:
@@ -321,8 +322,9 @@ class NeuronExecutable:
         *,
         host_outputs: Sequence[str] | None = None,
         host_inputs: HostInputs | None = None,
+        collectives: tuple[int, int] | None = None,
     ):
-        self.model = NeuronModel.load(core, path)
+        self.model = NeuronModel.load(core, path, collectives)
         self.core, self.names = core, [_name(s) for s in signature]
         self.out_specs = [(n, tuple(s), d) for n, s, d in out_specs]
         self.aliases = {int(o): int(i) for o, i in (aliases or {}).items()}  # JSON keys are strings

@@ -64,6 +64,7 @@ class NeuronPlacement:
         self.lnc = manifest.topology.lnc or 1
         _set_lnc(self.lnc, self.bundle)
         self.core = NeuronCore(None if "NEURON_RT_VISIBLE_CORES" in os.environ else rank)
+        self.rank = rank
         self.host_inputs = HostInputs(self.core)
         self.calls: list[RegionCall] = []
 
@@ -89,6 +90,8 @@ class NeuronPlacement:
             entry.aliases or {},
             host_outputs=HOST_OUTPUTS,
             host_inputs=self.host_inputs,
+            # a NEFF that sums over ranks itself is loaded for collectives, as this rank of the world
+            collectives=(self.rank, self.manifest.topology.world_size) if entry.reduced else None,
         )
         self.calls.append(RegionCall(exe, len(entry.state_outputs or ())))
         return self.calls[-1]

@@ -113,6 +113,11 @@ class NeuronRuntimeMissing(DeepinferError):
     """libnrt cannot be found or lacks a function this binding needs."""
 
 
+class NeuronCollectivesError(DeepinferError):
+    """A NEFF holding collectives cannot be loaded as this process is set up (its rendezvous
+    variable, its rank in the world)."""
+
+
 class NeuronRuntimeError(DeepinferError):
     """A libnrt call returned a status other than NRT_SUCCESS: its name from nrt_status.h, and
     the runtime's own words (nrt_get_status_as_str) where this libnrt has them."""
@@ -194,7 +199,15 @@ _SIG = {  # name: (restype, argtypes)
 _OPTIONAL = {
     "nrt_get_version": (_STATUS, [ctypes.POINTER(NrtVersion), ctypes.c_size_t]),
     "nrt_get_status_as_str": (ctypes.c_char_p, [_STATUS]),
+    # NEFFs holding collectives must be loaded with it (nrt.h: "must be used when loading NEFFs
+    # containing Collective Communication operations"); optional until a bundle has such NEFFs
+    "nrt_load_collectives": (
+        _STATUS,
+        [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32, ctypes.c_uint32, ctypes.c_uint32, _PP],
+    ),
 }
+# the collectives' rendezvous (<ip>:<port>): mandatory for NEFFs with collectives, the same on every rank
+ENV_ROOT_COMM = "NEURON_RT_ROOT_COMM_ID"
 
 _FIX = f"install aws-neuronx-runtime-lib on a Trn2 host or set {ENV_LIBRARY} to the path of libnrt.so"
 
@@ -272,24 +285,42 @@ class Libnrt:
 
     # -- models ----------------------------------------------------------------------------------
 
-    def load(self, neff: bytes, vnc: int, *, detail: str = "") -> int:
+    def load(self, neff: bytes, vnc: int, *, detail: str = "", collectives: tuple[int, int] | None = None) -> int:
         """nrt_load; the runtime judges the NEFF's format version (deepinfer does not second-guess
-        it): NRT_UNSUPPORTED_NEFF_VERSION names the runtime's version and what to do."""
+        it): NRT_UNSUPPORTED_NEFF_VERSION names the runtime's version and what to do.
+
+        `collectives` (rank, world): a NEFF holding collectives, loaded with nrt_load_collectives as
+        rank of world; NEURON_RT_ROOT_COMM_ID must be set (refused here, in one line, if not)."""
         model = ctypes.c_void_p()
+        name = "nrt_load" if collectives is None else "nrt_load_collectives"
+        if collectives is not None:
+            rank, world = collectives
+            if not os.environ.get(ENV_ROOT_COMM):
+                raise NeuronCollectivesError(
+                    f"{detail}: holds collectives and {ENV_ROOT_COMM} is not set: set it to one <ip>:<port> "
+                    "that every rank of the run shares (not the gloo port)"
+                )
+            if not 0 <= rank < world:
+                raise NeuronCollectivesError(f"{detail}: rank {rank} is not one of the world's {world} ranks")
+            if not hasattr(self.dll, name):
+                raise NeuronRuntimeMissing(f"{self.path} does not export {name} (libnrt too old?); {_FIX}")
         try:
-            self._call("nrt_load", neff, len(neff), vnc, -1, ctypes.byref(model), detail=detail)
+            if collectives is None:
+                self._call(name, neff, len(neff), vnc, -1, ctypes.byref(model), detail=detail)
+            else:
+                self._call(name, neff, len(neff), vnc, -1, rank, world, ctypes.byref(model), detail=detail)
         except NeuronRuntimeError as e:
             if e.status != NRT_UNSUPPORTED_NEFF_VERSION:
                 raise
             raise NeuronRuntimeError(
-                "nrt_load",
+                name,
                 e.status,
                 f"{detail}: libnrt {self.version() or '(version unknown)'} "
                 "does not load this NEFF's format; compile with the neuronx-cc of the "
                 "Neuron SDK release that installed this runtime",
                 self.status_text(e.status),
             ) from None
-        return _handle(model, "nrt_load")
+        return _handle(model, name)
 
     def unload(self, model: int) -> None:
         self._call("nrt_unload", model)

@@ -421,3 +421,27 @@ def test_outputs_without_a_copy_are_zero_filled(fake_nrt, tmp_path):
         z = DeviceTensor.from_torch(core, torch.tensor([9, 9], dtype=torch.int32), "z")
         model.execute([a], [y, z])
         assert y.to_torch(torch.int32, (2,)).tolist() == [3, 4] and z.to_torch(torch.int32, (2,)).tolist() == [0, 0]
+
+
+def test_a_neff_with_collectives_is_loaded_for_its_rank(fake_nrt, tmp_path, monkeypatch):
+    """A NEFF that holds collectives is loaded with nrt_load_collectives as (rank, world), with the
+    rendezvous variable set; without it the load is refused before libnrt is asked, in one line."""
+    from deepinfer.runtime.nrt import ENV_ROOT_COMM, NeuronCollectivesError
+
+    model = fake_model(tmp_path / "m.fake", {"x": 8}, {"y": 8}, {"y": "x"})
+    with NeuronCore() as core:
+        monkeypatch.delenv(ENV_ROOT_COMM, raising=False)
+        with pytest.raises(NeuronCollectivesError, match=f"{ENV_ROOT_COMM} is not set"):
+            NeuronModel.load(core, model, collectives=(1, 2))
+        assert "nrt_load_collectives" not in fake_nrt.calls() and "nrt_load" not in fake_nrt.calls()
+        monkeypatch.setenv(ENV_ROOT_COMM, "10.0.0.1:62182")
+        with pytest.raises(NeuronCollectivesError, match="rank 2 is not one of the world's 2 ranks"):
+            NeuronModel.load(core, model, collectives=(2, 2))
+        loaded = NeuronModel.load(core, model, collectives=(1, 2))
+        plain = NeuronModel.load(core, model)
+        assert [i.name for i in loaded.inputs] == ["x"] and [o.name for o in loaded.outputs] == ["y"]
+        lines = [line for line in fake_nrt.lines() if line.startswith("nrt_load")]
+        assert lines[1] == "nrt_load_collectives rank=1 world=2 root=10.0.0.1:62182 -> 0", lines
+        assert lines[0].startswith("nrt_load size=") and lines[2].startswith("nrt_load size=") and len(lines) == 3
+        plain.unload()
+        loaded.unload()

@@ -261,6 +261,22 @@ NRT_STATUS nrt_load(const void *neff_bytes, size_t size, int32_t vnc, int32_t vn
                 m->n_io, neff ? "neff" : "text");
 }
 
+/* nrt.h: "must be used when loading NEFFs containing Collective Communication operations".  The
+ * double checks what a real rank needs (the rendezvous variable set, a rank inside its world), then
+ * parses the model as nrt_load does (which logs its own line first) and logs the rank and world. */
+NRT_STATUS nrt_load_collectives(const void *neff_bytes, size_t size, int32_t vnc, int32_t vnc_count,
+                                uint32_t g_device_id, uint32_t g_device_count, nrt_model_t **model) {
+    GUARD("nrt_load_collectives");
+    const char *root = getenv("NEURON_RT_ROOT_COMM_ID");
+    if (!root || !*root) return done(NRT_INVALID, "nrt_load_collectives without NEURON_RT_ROOT_COMM_ID");
+    if (g_device_count < 1 || g_device_id >= g_device_count)
+        return done(NRT_INVALID, "nrt_load_collectives rank=%u world=%u (rank outside the world)", g_device_id,
+                    g_device_count);
+    NRT_STATUS s = nrt_load(neff_bytes, size, vnc, vnc_count, model);
+    if (s) return s;
+    return done(NRT_SUCCESS, "nrt_load_collectives rank=%u world=%u root=%s", g_device_id, g_device_count, root);
+}
+
 NRT_STATUS nrt_unload(nrt_model_t *model) {
     GUARD("nrt_unload");
     if (!model) return done(NRT_INVALID, "nrt_unload model=NULL");

@@ -208,9 +208,7 @@ class Executor:
             stats.calls[name] += 1
             stats.seconds[name] += t2 - t1
             stats.overhead += t1 - t0
-            if comm is None or method != mf.DECODE:
-                return out
-            if (kind, method) in reduced:  # summed over the ranks and cast inside the executable
+            if comm is None or method != mf.DECODE or (kind, method) in reduced:  # reduced: summed in the graph
                 return out
             return comm.after(slot, out, self.dtype)
 

@@ -199,8 +199,8 @@ _SIG = {  # name: (restype, argtypes)
 _OPTIONAL = {
     "nrt_get_version": (_STATUS, [ctypes.POINTER(NrtVersion), ctypes.c_size_t]),
     "nrt_get_status_as_str": (ctypes.c_char_p, [_STATUS]),
-    # NEFFs holding collectives must be loaded with it (nrt.h: "must be used when loading NEFFs
-    # containing Collective Communication operations"); optional until a bundle has such NEFFs
+    # the load a NEFF holding collectives needs (nrt.h says plain nrt_load will not do for those);
+    # optional: only bundles with collectives in their NEFFs call it
     "nrt_load_collectives": (
         _STATUS,
         [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32, ctypes.c_uint32, ctypes.c_uint32, _PP],

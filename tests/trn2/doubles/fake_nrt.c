@@ -261,8 +261,7 @@ NRT_STATUS nrt_load(const void *neff_bytes, size_t size, int32_t vnc, int32_t vn
                 m->n_io, neff ? "neff" : "text");
 }
 
-/* nrt.h: "must be used when loading NEFFs containing Collective Communication operations".  The
- * double checks what a real rank needs (the rendezvous variable set, a rank inside its world), then
+/* The load nrt.h prescribes for a NEFF that holds collectives.  The double checks what a real rank needs (the rendezvous variable set, a rank inside its world), then
  * parses the model as nrt_load does (which logs its own line first) and logs the rank and world. */
 NRT_STATUS nrt_load_collectives(const void *neff_bytes, size_t size, int32_t vnc, int32_t vnc_count,
                                 uint32_t g_device_id, uint32_t g_device_count, nrt_model_t **model) {

@@ -27,7 +27,7 @@ from typing import Literal
 
 from deepinfer.bundles import layout
 from deepinfer.bundles.layout import MANIFEST_FILE, SIGNATURE_FILE, TOKENIZER_FILE, is_inside
-from deepinfer.bundles.topology import Topology
+from deepinfer.bundles.topology import Topology, partitions
 from deepinfer.errors import DeepinferError
 from deepinfer.schema import Problem, Rules, build, coerce, dump
 
@@ -523,7 +523,7 @@ def check(m: Manifest) -> None:
         for out, groups in (e.reduced or {}).items():
             _need(out in e.outputs, key + ("reduced", out), f"not an output of the executable ({', '.join(e.outputs)})")
             _need(
-                sorted(r for g in groups for r in g) == list(range(t.world_size)),
+                partitions(groups, t.world_size),
                 key + ("reduced", out),
                 f"replica groups {[list(g) for g in groups]} do not partition the {t.world_size} ranks",
             )

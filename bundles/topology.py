@@ -16,6 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def partitions(groups, world: int) -> bool:
+    """Whether replica `groups` (equal sizes) split ranks 0 .. world - 1, each rank in one group."""
+    return len({len(g) for g in groups}) == 1 and sorted(r for g in groups for r in g) == list(range(world))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Topology:
     tp: int = 1

@@ -24,6 +24,7 @@ import importlib
 import numpy as np
 import torch
 
+from deepinfer.bundles.topology import partitions
 from deepinfer.errors import DeepinferError
 
 FRONTENDS = ("torch-mlir", "torch-xla")
@@ -286,9 +287,7 @@ def _reduce_results(main, reduce: dict[int, list[list[int]]], names: list[str], 
                     f"all-reduce of {names[j]}: {kind.element_type} is not a float type "
                     "(neuronx-cc rejects integer all-reduce, NCC_EVRF061; move integers with all-gather)"
                 )
-            if len({len(g) for g in groups}) != 1 or sorted(r for g in groups for r in g) != list(
-                range(sum(map(len, groups)))
-            ):
+            if not partitions(groups, sum(map(len, groups))):
                 raise LoweringError(f"all-reduce of {names[j]}: replica groups {groups} do not partition the ranks")
             scalar = ir.RankedTensorType.get([], kind.element_type)
             table = np.asarray(groups, dtype=np.int64)  # [groups, ranks per group]

@@ -181,6 +181,16 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class InGraph:
+    """A collective inside an executable (trn2's fused layers, compiler/layers.py): its op, the value
+    it moves and its replica groups."""
+
+    op: Literal["all_reduce", "all_gather", "reduce_scatter"]
+    value: str
+    groups: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Executable:
     """One compiled (kind, method, bucket): its file, call signature and what it writes."""
 
@@ -203,6 +213,13 @@ class Executable:
     # outputs summed over rank groups inside the executable ({output: replica groups}, trn2 with
     # [target] options collectives = "graph"): the runtime does not reduce them again
     reduced: dict[str, tuple[tuple[int, ...], ...]] | None = None
+    # the collectives inside a fused layer's executable, in the order it runs them
+    collectives: tuple[InGraph, ...] | None = None
+
+    @property
+    def holds_collectives(self) -> bool:
+        """Whether every rank must load and run it together (libnrt's collective load)."""
+        return bool(self.reduced or self.collectives)
 
     @property
     def name(self) -> str:
@@ -229,6 +246,9 @@ class Layer:
     engram: bool
     regions: dict[str, Binding]  # slot (engram, attn, moe) -> binding
     state: dict[str, tuple[str | int, ...]]  # state name -> [pool, row]
+    # the layer kind whose one executable runs the whole layer (trn2's fused layers; its weight
+    # inputs `<slot>.<name>` are the `regions` bindings' rows); None: one executable per region
+    fused: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -520,6 +540,12 @@ def check(m: Manifest) -> None:
             f"{e.bucket.context} is not one of the context buckets {b.context_sizes}",
         )
         _check_table(e, kv, b, key)
+        for n, c in enumerate(e.collectives or ()):
+            _need(
+                partitions(c.groups, t.world_size) and len({len(g) for g in c.groups}) == 1,
+                key + ("collectives", n, "groups"),
+                f"replica groups {[list(g) for g in c.groups]} do not partition the {t.world_size} ranks in equal groups",
+            )
         for out, groups in (e.reduced or {}).items():
             _need(out in e.outputs, key + ("reduced", out), f"not an output of the executable ({', '.join(e.outputs)})")
             _need(
@@ -604,8 +630,10 @@ def check(m: Manifest) -> None:
     rows = {r: {w.kind: len(w.layers) for w in stacks} for r, stacks in m.weights.items()}
     for i, l in enumerate(m.layers):
         _need(l.layer == i, ("layers", i, "layer"), f"expected layer {i}, got {l.layer}")
-        for slot, binding in l.regions.items():
-            _bound(binding, ("layers", i, "regions", slot), kinds, rows)
+        if l.fused is not None:
+            _need(l.fused in kinds, ("layers", i, "fused"), f"no executable of kind {l.fused!r}")
+        for slot, binding in l.regions.items():  # a fused layer's slots: weight rows, no executables
+            _bound(binding, ("layers", i, "regions", slot), kinds if l.fused is None else None, rows)
         for state, ref in l.state.items():
             key = ("layers", i, "state", state)
             if not (len(ref) == 2 and isinstance(ref[0], str) and isinstance(ref[1], int)):
@@ -670,8 +698,10 @@ def _check_table(e: Executable, kv: KV, b: Buckets, key: tuple) -> None:
             )
 
 
-def _bound(b: Binding, key: tuple, kinds: set, rows: dict) -> None:
-    _need(b.kind in kinds, key + ("kind",), f"no executable of kind {b.kind!r}")
+def _bound(b: Binding, key: tuple, kinds: set | None, rows: dict) -> None:
+    """A binding's kind has executables (unless `kinds` is None) and its row is in every rank's stacks."""
+    if kinds is not None:
+        _need(b.kind in kinds, key + ("kind",), f"no executable of kind {b.kind!r}")
     for r, by_kind in rows.items():
         _need(b.kind in by_kind, key + ("kind",), f"{r} has no weights of kind {b.kind!r}")
         _need(

@@ -43,7 +43,7 @@ from deepinfer.compiler.keys import (
     modules_digest,
     sha256,
 )
-from deepinfer.compiler.plan import Exe, KindPlan, RegionPlan
+from deepinfer.compiler.plan import Exe, KindPlan, LayerKind, RegionPlan
 from deepinfer.compiler.spec import Run, Spec
 from deepinfer.compiler.trace import Signature, weight_specs
 from deepinfer.compiler.weights import host_entries, host_sources, source_names, stack_files
@@ -121,6 +121,9 @@ def _specs(specs: Sequence) -> list:
 
 
 def trace_key(spec: Spec, plan: RegionPlan, exe: Exe) -> Key:
+    fused = plan.fused_kinds() if spec.fused else {}
+    if exe.kind in fused:
+        return _layer_trace_key(spec, plan, exe, fused[exe.kind])
     region = plan.kinds[exe.kind].region
     geometry = spec.geometry_at(exe.context)
     sig = Signature(weight_specs(region), region.method_inputs(exe.method, exe.batch, exe.tokens, geometry))
@@ -143,15 +146,34 @@ def trace_key(spec: Spec, plan: RegionPlan, exe: Exe) -> Key:
     )
 
 
+def _layer_trace_key(spec: Spec, plan: RegionPlan, exe: Exe, lk: LayerKind) -> Key:
+    """A fused layer's trace (compiler/layers.py): its regions' pieces' trace keys, the topology its
+    collectives follow, and the modules that wire it (the target's LOWERING_MODULES)."""
+    pieces = plan.pieces(lk, exe, spec.topology.groups if spec.topology.dispatch else 1)
+    return Key.of(
+        "trace",
+        exe.name,
+        [
+            ("format", format_part()),
+            ("layer", {"kind": lk.name, "slots": [list(s) for s in lk.slots]}),
+            ("bucket", bucket_part(exe)),
+            ("pieces", {f"{slot}.{method}": trace_key(spec, plan, p).digest for (slot, method), p in pieces.items()}),
+            ("topology", spec.topology.to_dict()),
+            ("target", target_part(spec)),
+            ("sources", graph_sources(spec.target.LOWERING_MODULES)),
+        ],
+    )
+
+
 def executable_key(spec: Spec, plan: RegionPlan, exe: Exe, graph: str, kernels: list[str]) -> Key:
-    region = plan.kinds[exe.kind].region
+    kind = plan.kinds.get(exe.kind)
     return Key.of(
         "executable",
         exe.name,
         [
             ("format", format_part()),
             ("graph", graph),
-            ("region", {"class": type(region).__qualname__, "method": exe.method}),
+            ("region", {"class": type(kind.region).__qualname__ if kind else "layer", "method": exe.method}),
             ("bucket", bucket_part(exe)),
             ("target", target_part(spec)),
             ("toolchain", spec.target.toolchain()),

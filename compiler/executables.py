@@ -178,11 +178,14 @@ def check(spec: Spec, graph: Graph, entry: mf.Executable, lowered: Path, log: Lo
     return dataclasses.replace(entry, check=result)
 
 
-def store(spec: Spec, plan: RegionPlan, cache: Cache, key: Key, graph: Graph, entry: mf.Executable) -> Key:
-    """Put the trace record of `graph` in the cache under its trace `key`: its executable's key and
-    manifest entry. Returns the executable key."""
-    executable = cached.executable_key(spec, plan, graph.exe, graph_digest(graph.program), graph.kernels)
-    record = {"executable_key": executable.digest, "kernels": graph.kernels, "entry": mf.to_json(entry)}
+def store(
+    spec: Spec, plan: RegionPlan, cache: Cache, key: Key, exe: Exe, graph: str, kernels: list[str], entry: mf.Executable
+) -> Key:
+    """Put the trace record of `exe` (the digest of its lowered `graph`, the `kernels` it reaches)
+    in the cache under its trace `key`: its executable's key and manifest entry. Returns the
+    executable key."""
+    executable = cached.executable_key(spec, plan, exe, graph, kernels)
+    record = {"executable_key": executable.digest, "kernels": kernels, "entry": mf.to_json(entry)}
     cache.put_bytes("trace", key, json.dumps(record).encode())
     return executable
 
@@ -215,6 +218,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
     jobs: list[Job] = []
     keys: dict[str, Key] = {}
     hlo: list[str] = []
+    fused = plan.fused_kinds() if spec.fused else {}
     for exe in spec.executables(plan):
         key = cached.trace_key(spec, plan, exe) if cache is not None else None
         dest = run.staging / layout.executable_path(*exe, target.suffix)
@@ -223,11 +227,18 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
             executables.append(hit)
             run.log(f"cached {exe.name}")
             continue
-        graph = lower(spec, plan, exe)
         lowered = lowered_dir / f"{exe.name}{target.lowered_suffix}"
-        entry = graph.entry
-        if target.static_shapes:  # state comes back as outputs: the module is part of the entry
-            entry = check(spec, graph, emit(spec, graph, lowered), lowered, run.log)
+        graph: Graph | None = None
+        if exe.kind in fused:  # one module for the layer's regions and collectives (static shapes)
+            from deepinfer.compiler import layers  # it lowers its pieces with this module's `lower`
+
+            entry, digest, kernels = layers.trace(spec, plan, fused[exe.kind], exe, lowered, run.log)
+        else:
+            graph = lower(spec, plan, exe)
+            entry = graph.entry
+            digest, kernels = "", graph.kernels  # the graph's digest: only for a cache (below)
+            if target.static_shapes:  # state comes back as outputs: the module is part of the entry
+                entry = check(spec, graph, emit(spec, graph, lowered), lowered, run.log)
         if spec.hlo_only:
             executables.append(keep_lowered(spec, exe, entry, lowered, run.staging))
             hlo.append(exe.name)
@@ -236,13 +247,15 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
         if not target.static_shapes:
             run.log(f"traced {exe.name}")
         if cache is not None and key is not None:
-            executable = store(spec, plan, cache, key, graph, entry)
+            digest = digest or graph_digest(graph.program) if graph is not None else digest
+            executable = store(spec, plan, cache, key, exe, digest, kernels, entry)
             if cache.get_file("executable", executable, dest):  # another graph or compile built it
                 run.log(f"cached {exe.name}")
                 continue
             cached.missed(run, "executable", executable)
             keys[exe.name] = executable
         if not target.static_shapes:
+            assert graph is not None, "only static-shape targets fuse layers"
             emit(spec, graph, lowered)
         jobs.append(_job(spec, exe, entry, lowered, run.staging))
     return Traced(executables=tuple(executables), jobs=tuple(jobs), keys=keys, lowered=tuple(hlo))

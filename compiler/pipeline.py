@@ -217,6 +217,7 @@ def write_manifest(
     run: Run,
 ) -> mf.Manifest:
     c, g = spec.config, spec.geometry
+    fused = {layer: lk.name for lk in plan.fused_kinds().values() for layer in lk.layers} if spec.fused else {}
     layers = tuple(
         mf.Layer(
             layer=p.layer,
@@ -230,6 +231,7 @@ def write_manifest(
                 slot: mf.Binding(kind=kind, index=index) for slot, (kind, index) in plan.bindings[p.layer].items()
             },
             state={name: tuple(ref) for name, ref in state.bindings[p.layer].items()},
+            fused=fused.get(p.layer),
         )
         for p in plan.layers
     )

@@ -70,6 +70,19 @@ class KindPlan:
         return reads_context(self.region, method)
 
 
+@dataclass(frozen=True)
+class LayerKind:
+    """The region kinds a layer runs, in order ((slot, kind): engram, attn, moe), and its layers: one
+    executable per bucket runs all of them where the target fuses layers (compiler/layers.py)."""
+
+    name: str
+    slots: tuple[tuple[str, str], ...]
+    layers: tuple[int, ...]
+
+
+LAYER_PREFIX = "layer_"
+
+
 @dataclass
 class RegionPlan:
     layers: list[LayerPlan]
@@ -80,6 +93,52 @@ class RegionPlan:
     draft: list[dict[str, tuple[str, int]]] = field(default_factory=list)
     draft_block: int = 0  # positions a draft step runs (dspark_block_size)
     draft_window: int = 0  # target positions the context projection reads (sliding_window)
+
+    def fused_kinds(self) -> dict[str, LayerKind]:
+        """The layer kinds by name (`layer_source_r2_engram`: the attention kind without its `attn_`,
+        then the other slots but the MoE), in the order of their first layers."""
+        kinds: dict[str, LayerKind] = {}
+        for p in self.layers:
+            slots = tuple((slot, kind) for slot, (kind, _) in self.bindings[p.layer].items())
+            own = dict(slots)
+            name = LAYER_PREFIX + own["attn"].removeprefix("attn_")
+            name += "".join(f"_{slot}" for slot, _ in slots if slot not in ("attn", "moe"))
+            lk = kinds.get(name)
+            assert lk is None or lk.slots == slots, f"layers {lk.layers[0]} and {p.layer} share {name}, not regions"
+            kinds[name] = LayerKind(name, slots, (lk.layers if lk else ()) + (p.layer,))
+        return kinds
+
+    def fused_executables(self, shapes: list[tuple[int, int]], contexts: tuple[int, ...]) -> list[Exe]:
+        """The executables with one per layer kind and bucket in place of its regions' (the embedding
+        first, the head and the draft's after), context buckets where any of its regions reads one."""
+        kinds = self.fused_kinds()
+        fused = {kind for lk in kinds.values() for _, kind in lk.slots}
+        regions = [e for e in self.executables(shapes, contexts) if e.kind not in fused]
+        layers = [
+            Exe(lk.name, METHOD, b, t, c)
+            for lk in kinds.values()
+            for b, t in shapes
+            for c in (contexts if any(self._reads_context(k) for _, k in lk.slots) else (None,))
+        ]
+        first = [e for e in regions if self.kinds[e.kind].slot == "embed"]
+        return first + layers + [e for e in regions if e not in first]
+
+    def pieces(self, lk: LayerKind, exe: Exe, gathered: int = 1) -> dict[tuple[str, str], Exe]:
+        """(slot, method) -> the region executable a fused layer `exe` of kind `lk` runs it as (each
+        method of each slot's kind; the MoE on `gathered` token groups' rows under EP dispatch)."""
+        out = {}
+        for slot, kind in lk.slots:
+            kp = self.kinds[kind]
+            batch = exe.batch * (gathered if slot == "moe" else 1)
+            for method in kp.region.methods():
+                out[(slot, method)] = Exe(
+                    kind, method, batch, exe.tokens, exe.context if kp.reads_context(method) else None
+                )
+        return out
+
+    def _reads_context(self, kind: str) -> bool:
+        kp = self.kinds[kind]
+        return any(kp.reads_context(m) for m in kp.region.methods())
 
     @property
     def draft_kinds(self) -> list[str]:

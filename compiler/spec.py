@@ -62,8 +62,23 @@ class Spec:
         host = self.config.host.embedding
         return self.target.device_embedding if host is None else not host
 
+    @property
+    def fused(self) -> bool:
+        """One executable per layer (the target fuses layers, compiler/layers.py), not per region call.
+        Not with a draft: the draft reads a layer's attention inputs between its regions."""
+        return self.target.fused_layers and not self.draft
+
     def executables(self, plan: RegionPlan) -> list[Exe]:
-        """Every executable, in plan order (MoE on gathered rows under EP dispatch)."""
+        """Every executable the bundle holds, in plan order: fused layers' where the target fuses them
+        (`fused`), else `region_executables`."""
+        if not self.fused:
+            return self.region_executables(plan)
+        b = self.config.buckets
+        return plan.fused_executables(b.shapes(), b.contexts)
+
+    def region_executables(self, plan: RegionPlan) -> list[Exe]:
+        """One executable per region kind, method and bucket, in plan order (MoE on gathered rows under
+        EP dispatch): the per-region form, and the pieces a fused layer is made of."""
         gathered = self.topology.groups if self.topology.dispatch else 1
         b = self.config.buckets
         return plan.executables(b.shapes(), b.contexts, gathered)

@@ -103,6 +103,20 @@ def merge_blocks(values: Tensor, index: Tensor) -> Tensor:
 
 def merge_attention(numerator: Tensor, top: Tensor, total: Tensor) -> Tensor:
     """Every rank's partial attention (numerator [cp, B, T, H, D], max [cp, B, T, H], sum [cp, B, T, H],
-    `kernels.attention.sparse_attn_partial`) -> the attention over all of them [B, T, H, D] float32."""
-    scale = torch.exp(top - top.amax(0))  # a rank without keys (max -inf) weighs 0
-    return (numerator * scale.unsqueeze(-1)).sum(0) / (total * scale).sum(0).unsqueeze(-1)
+    `kernels.attention.sparse_attn_partial`) -> the attention over all of them [B, T, H, D] float32.
+    The collectives compute it in three parts: the maxima's max over the ranks, `attention_scale` on
+    each rank, the scaled shares summed over the ranks, `attention_divide`."""
+    numerator, total = attention_scale(numerator, top, total, top.amax(0))
+    return attention_divide(numerator.sum(0), total.sum(0))
+
+
+def attention_scale(numerator: Tensor, top: Tensor, total: Tensor, top_max: Tensor) -> tuple[Tensor, Tensor]:
+    """A rank's share (numerator [..., H, D], max and sum [..., H]) scaled to the ranks' max `top_max`:
+    what the ranks sum. A rank without keys (max -inf) weighs 0."""
+    scale = torch.exp(top - top_max)
+    return numerator * scale.unsqueeze(-1), total * scale
+
+
+def attention_divide(numerator: Tensor, total: Tensor) -> Tensor:
+    """The summed scaled shares -> the attention [..., H, D]."""
+    return numerator / total.unsqueeze(-1)

@@ -104,11 +104,12 @@ class Comm:
         max) and summed with one float32 all-reduce."""
         start = time.perf_counter()
         (tops,) = self._cp_gather((top,), "cp attention max all-gather")
-        scale = torch.exp(top - tops.amax(0))  # [B, T, H]; a rank without keys weighs 0
-        parts = torch.cat(((numerator * scale.unsqueeze(-1)).flatten(), (total * scale).flatten()))
-        summed = self._all_reduce(parts, "cp attention all-reduce", self.cp_group)
+        numerator, total = divided.attention_scale(numerator, top, total, tops.amax(0))
+        summed = self._all_reduce(
+            torch.cat((numerator.flatten(), total.flatten())), "cp attention all-reduce", self.cp_group
+        )
         n = numerator.numel()
-        out = summed[:n].view_as(numerator) / summed[n:].view_as(total).unsqueeze(-1)
+        out = divided.attention_divide(summed[:n].view_as(numerator), summed[n:].view_as(total))
         self.seconds["cp attention merge"] += time.perf_counter() - start
         return out
 

@@ -28,6 +28,7 @@ class Target(Protocol):
     state_writes: ClassVar[str]  # how executables write state (recorded in the manifest)
     device_embedding: ClassVar[bool]  # the token embedding is a region (ids in), not a host lookup
     graph_collectives: bool  # the ranks' boundary all-reduces run inside the executables
+    fused_layers: bool  # one executable per layer (compiler/layers.py), not per region call
     executable: str
     options: dict
     check: bool  # run the lowered graph against its reference region

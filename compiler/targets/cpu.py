@@ -36,6 +36,7 @@ class CpuTarget:
     # saved ExportedProgram 235 us (383 us). [host] embedding = false makes it a region.
     device_embedding: ClassVar[bool] = False
     graph_collectives: bool = False  # the ranks reduce on the host (runtime/ranks.py over gloo)
+    fused_layers: bool = False  # one executable per region call: Inductor fuses inside each
     LOWERING_MODULES: ClassVar[tuple[str, ...]] = ("deepinfer.compiler.targets.cpu",)
     # options are Inductor config settings (aoti); these only write logs or dumps, so cache
     # keys leave them out (compiler/keys.py). Every other option is keyed.

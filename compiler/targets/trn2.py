@@ -20,10 +20,17 @@ What differs from the cpu target:
 Options (model.toml [target].options): neuronx-cc's (lnc, optlevel, model_type,
 auto_cast, extra_flags, verbose, timeout_s) and deepinfer's own: `frontend`
 ("torch-mlir", or "torch-xla" where installed), `check` (run the XLA:CPU check,
-default true) and `collectives` ("host", the default: the ranks' boundary all-reduces
-run between executables over torch.distributed; "graph": each is an all-reduce inside
-the region's module, regions.topology.boundary_reduce, checked on XLA:CPU with one
-replica a rank).
+default true), `layers` and `collectives`:
+
+- `layers = "fused"` (the default): a layer's regions (engram, attention and its divided
+  stages, MoE) are one executable with every collective between them inside it
+  (compiler/layers.py): one device execution per layer, and no activation crosses to the
+  host between the embedding and the head;
+- `layers = "regions"`: one executable per region call, the per-region form `deepinfer diff`
+  ranks; its boundary collectives run on the host (`collectives = "host"`, the default
+  there) or, with `collectives = "graph"`, as an all-reduce inside each region's module
+  (regions.topology.boundary_reduce; the divided attention's merges and EP dispatch stay on
+  the host). Either is checked on XLA:CPU with one replica a rank.
 """
 
 from __future__ import annotations
@@ -42,7 +49,12 @@ from deepinfer.kernels import target_decompositions
 from deepinfer.regions.agreement import ShapeMismatch, compare_tensors, tolerance
 from deepinfer.regions.examples import random_weights
 
-OWN_OPTIONS = {"frontend": hlo.FRONTENDS, "check": (True, False), "collectives": ("host", "graph")}
+OWN_OPTIONS = {
+    "frontend": hlo.FRONTENDS,
+    "check": (True, False),
+    "layers": ("fused", "regions"),
+    "collectives": ("host", "graph"),
+}
 # neuronx-cc rewrites a sort (and sort-then-slice) into its AwsNeuronTopK, which fails over rows
 # wider than this (aws-neuron-sdk issue 1339, open): no HLO module of this target holds one
 MAX_SELECTION_WIDTH = 16384
@@ -70,6 +82,9 @@ class Trn2Target:
         "deepinfer.compiler.targets.trn2",
         "deepinfer.compiler.targets.hlo",
         "deepinfer.compiler.targets.neuronxcc",
+        "deepinfer.compiler.targets.link",
+        "deepinfer.compiler.layers",
+        "deepinfer.regions.divided",
         "deepinfer.kernels.select",
     )
 
@@ -78,7 +93,8 @@ class Trn2Target:
         self.options = dict(options or {})
         self.frontend = self.options.get("frontend", "torch-mlir")
         self.check = self.options.get("check", True)
-        self.graph_collectives = self.options.get("collectives", "host") == "graph"
+        self.fused_layers = self.options.get("layers", "fused") == "fused"
+        self.graph_collectives = self.fused_layers or self.options.get("collectives", "host") == "graph"
         compiler_options = {k: v for k, v in self.options.items() if k not in OWN_OPTIONS}
         compile_options = neuronxcc.NeuronCompileOptions.from_dict(compiler_options)
         if isinstance(compile_options, str):
@@ -91,6 +107,9 @@ class Trn2Target:
         for key, allowed in OWN_OPTIONS.items():
             if key in options and options[key] not in allowed:
                 return f"option {key} = {options[key]!r} is not one of {', '.join(map(repr, allowed))}"
+        if options.get("layers", "fused") == "fused" and options.get("collectives", "graph") == "host":
+            return 'option collectives = "host" needs layers = "regions" (a fused layer holds its collectives)'
+
         bad = neuronxcc.NeuronCompileOptions.from_dict({k: v for k, v in options.items() if k not in OWN_OPTIONS})
         if isinstance(bad, str):
             return f"{bad} (or deepinfer's own: {', '.join(OWN_OPTIONS)})"
@@ -157,13 +176,7 @@ class Trn2Target:
             streams,  # a reduced stream leaves in the dtype of the streams that came in
         )
         proto = hlo.to_hlo_proto(text)
-        for op, width in hlo.selection_widths(proto):
-            if width > MAX_SELECTION_WIDTH:
-                raise hlo.LoweringError(
-                    f"the HLO module holds a {op} over {width} entries; neuronx-cc compiles "
-                    f"sort and top-k up to {MAX_SELECTION_WIDTH} (aws-neuron-sdk issue 1339): "
-                    "select blockwise (kernels/select.py)"
-                )
+        self.refuse_wide_selections(proto)
         out.write_bytes(proto)
         values = [a.meta["val"] for a in ep.graph.output_node().args[0]]
         specs = [
@@ -176,6 +189,17 @@ class Trn2Target:
         ]
         out_specs = {"state_outputs": state, "aliases": aliases, "output_specs": specs}
         return {**out_specs, "reduced": reduce} if reduce else out_specs
+
+    @staticmethod
+    def refuse_wide_selections(proto: bytes) -> None:
+        """LoweringError for a module holding a sort or top-k wider than neuronx-cc compiles."""
+        for op, width in hlo.selection_widths(proto):
+            if width > MAX_SELECTION_WIDTH:
+                raise hlo.LoweringError(
+                    f"the HLO module holds a {op} over {width} entries; neuronx-cc compiles "
+                    f"sort and top-k up to {MAX_SELECTION_WIDTH} (aws-neuron-sdk issue 1339): "
+                    "select blockwise (kernels/select.py)"
+                )
 
     def check_numerics(
         self,
@@ -234,7 +258,7 @@ class Trn2Target:
                         refs[r][j] = total
         diffs = []
         for got, ref in zip(runs, refs):
-            diffs += self._agree(got, ref, labels, region.dtype, where)
+            diffs += self.agree(got, ref, labels, region.dtype, where)
         return {
             "max_abs": max((d.max_abs for d in diffs), default=0.0),
             "score": max((d.score for d in diffs), default=0.0),
@@ -242,7 +266,7 @@ class Trn2Target:
         }
 
     @staticmethod
-    def _agree(got: list, ref: list, labels: list[str], dtype: torch.dtype, where: str) -> list:
+    def agree(got: list, ref: list, labels: list[str], dtype: torch.dtype, where: str) -> list:
         """Each output's comparison; raises CheckFailed at the first that does not agree."""
         if len(got) != len(ref):
             raise CheckFailed(f"{where}: the HLO module returns {len(got)} outputs, the region {len(ref)}")

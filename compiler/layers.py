@@ -1,0 +1,488 @@
+"""One execution per layer (trn2): a layer's regions and every collective between them in one module.
+
+The per-region form runs a decode step as one device execution per region call (each divided
+attention stage one call) with the ranks' collectives on the host between them: 130 executions and
+126 host collectives a step at the release. With `[target] options layers = "fused"` (trn2's
+default) a layer is one executable instead: a **layer kind** is the region kinds a layer runs
+(engram, attention kind, MoE: `fused_kinds`), and its module runs them in order with their
+collectives inside (`ops`):
+
+    engram (where the layer has one)
+    attention: decode; or, with the paged state divided over cp ranks (regions/divided.py),
+        select -> all-gather each rank's K best over the cp group -> merge_topk (and the candidate
+        pool's blocks the same way) -> attend -> all-reduce (max) of the softmax maxima ->
+        scale the shares -> all-reduce (sum) of numerators and sums -> divide -> output
+    tp > 1: all-reduce of the attention's partial streams over the tp group
+    MoE: ep all-reduce of the partials over the token group; or, with EP dispatch, all-gather of
+        every group's rows, the MoE on them, reduce-scatter of the partials and this rank's rows
+
+Each piece is lowered as the per-region form lowers it and the pieces are spliced into one module
+(compiler/targets/link.py). Every layer of a kind, and every rank, runs the same executable: its
+weight inputs are each slot's stack rows (`<slot>.<name>`), bound per layer as the regions' are.
+
+The compile checks each layer module on XLA:CPU, one replica a rank (up to hlo.MAX_REPLICAS ranks),
+against `interpret`: the same ops run eagerly per rank, the pieces as the regions' torch code and
+the collectives as the host computes them (regions/divided.py's merges, sums over the groups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer.bundles import layout, neff
+from deepinfer.bundles import manifest as mf
+from deepinfer.bundles.manifest import DECODE
+from deepinfer.bundles.topology import Topology
+from deepinfer.compiler import budget
+from deepinfer.compiler.executables import Graph, lower
+from deepinfer.compiler.plan import Exe, LayerKind, RegionPlan
+from deepinfer.compiler.spec import Log, Spec
+from deepinfer.compiler.targets import hlo, link
+from deepinfer.compiler.targets.link import Collective, Groups
+from deepinfer.errors import DeepinferError
+from deepinfer.regions import divided
+from deepinfer.regions.examples import example_inputs, random_weights
+from deepinfer.regions.state import InputSpec
+
+# --- the ops a layer kind runs ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """A slot's region method. `inputs` renames its inputs (method input -> value), `outputs` its
+    outputs (method output -> value)."""
+
+    slot: str
+    method: str
+    inputs: tuple[tuple[str, str], ...] = ()
+    outputs: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Glue:
+    """A small torch function between collectives (`GLUE[fn]`, with `world` where it takes it)."""
+
+    fn: str
+    args: tuple[str, ...]
+    results: tuple[str, ...]
+
+
+Op = Run | Glue | Collective
+
+
+def own_rows(x: torch.Tensor, rank: torch.Tensor, world: int) -> torch.Tensor:
+    """Rows [world * B, ...] of every rank -> this rank's B rows (rank-major, as the gather made them)."""
+    return x.view(world, x.shape[0] // world, *x.shape[1:])[rank.clamp(0, world - 1)]
+
+
+GLUE: dict[str, Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]] = {
+    "merge_topk": divided.merge_topk,
+    "merge_blocks": divided.merge_blocks,
+    "attention_scale": divided.attention_scale,
+    "attention_divide": divided.attention_divide,
+    "own_rows": own_rows,
+}
+
+
+def ops(lk: LayerKind, plan: RegionPlan, topo: Topology, dtype: torch.dtype) -> list[Op]:
+    """What a layer of kind `lk` runs on a rank of `topo`, in order."""
+    slots = dict(lk.slots)
+    attn = plan.kinds[slots["attn"]].region
+    out: list[Op] = []
+    if "engram" in slots:
+        out.append(Run("engram", DECODE))
+    methods = attn.methods()
+    if methods == (DECODE,):
+        out.append(Run("attn", DECODE))
+    else:
+        out += _divided(attn, topo)
+    if topo.tp > 1:
+        out.append(Collective("all_reduce", "h", "h", _groups(topo.tp_groups()), to=dtype))
+    if topo.dispatch:
+        world = _groups([list(range(topo.world))])
+        out += [
+            Collective("all_gather", "h", "h_all", world),
+            Collective("all_gather", "pre", "pre_all", world),
+            Collective("all_gather", "is_image", "is_image_all", world),
+            Run(
+                "moe",
+                DECODE,
+                inputs=(("h", "h_all"), ("pre", "pre_all"), ("is_image", "is_image_all")),
+                outputs=(("h", "h_part"), ("pre", "pre_rows")),
+            ),
+            Collective("reduce_scatter", "h_part", "h", world, to=dtype),
+            Glue("own_rows", ("pre_rows", "rank"), ("pre",)),
+        ]
+    else:
+        out.append(Run("moe", DECODE))
+        if topo.ep > 1:
+            out.append(Collective("all_reduce", "h", "h", _groups([list(range(topo.world))]), to=dtype))
+    return out
+
+
+def _divided(attn, topo: Topology) -> list[Op]:
+    """The divided attention's stages and merges over the cp groups (regions/divided.py)."""
+    cp = _groups(topo.cp_groups())
+    out: list[Op] = []
+    if "select" in attn.methods():
+        out += [
+            Run("attn", "select"),
+            Collective("all_gather", "values", "values_all", cp, stack=True),
+            Collective("all_gather", "index", "index_all", cp, stack=True),
+            Glue("merge_topk", ("values_all", "index_all"), ("topk",)),
+        ]
+        if "block_values" in attn.method_outputs("select"):
+            out += [
+                Collective("all_gather", "block_values", "block_values_all", cp, stack=True),
+                Collective("all_gather", "block_index", "block_index_all", cp, stack=True),
+                Glue("merge_blocks", ("block_values_all", "block_index_all"), ("cand",)),
+            ]
+    return out + [
+        Run("attn", "attend"),
+        Collective("all_reduce", "top", "top_max", cp, reduce="max"),
+        Glue("attention_scale", ("numerator", "top", "total", "top_max"), ("numerator_s", "total_s")),
+        Collective("all_reduce", "numerator_s", "numerator_sum", cp),
+        Collective("all_reduce", "total_s", "total_sum", cp),
+        Glue("attention_divide", ("numerator_sum", "total_sum"), ("attention",)),
+        Run("attn", "output"),
+    ]
+
+
+def _groups(groups) -> Groups:
+    return tuple(tuple(g) for g in groups)
+
+
+def collectives_of(steps: Sequence[Op]) -> list[dict]:
+    """The collectives a layer kind's module holds, for its manifest entry: op, value, groups."""
+    return [
+        {"op": s.op, "value": s.src, "groups": [list(g) for g in s.groups]} for s in steps if isinstance(s, Collective)
+    ]
+
+
+# --- building a layer kind's module ----------------------------------------------------------------
+
+
+@dataclass
+class Built:
+    """A layer module as built: its pieces' graphs, its steps (link's), signature and outputs."""
+
+    steps: list
+    pieces: dict[str, str]  # piece name -> StableHLO text
+    graphs: dict[str, Graph]  # Run piece name -> its region graph
+    params: list[InputSpec]  # weights ("<slot>.<name>", "rank"), then the layer's inputs
+    state_outputs: list[str]
+    outputs: list[str]
+    ops: list[Op]
+
+
+def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe) -> Built:
+    """Lower every piece of `lk` at `exe`'s bucket and wire them: the steps `link` runs."""
+    target = spec.target
+    kind_ops = ops(lk, plan, spec.topology, spec.dtype)
+    pieces_at = plan.pieces(lk, exe, spec.topology.groups if spec.topology.dispatch else 1)
+    weights: list[InputSpec] = []
+    rank: InputSpec | None = None
+    inputs: dict[str, InputSpec] = {}
+    made: set[str] = set()
+    roles: dict[str, str] = {}
+    pieces: dict[str, str] = {}
+    graphs: dict[str, Graph] = {}
+    steps: list = []
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for op in kind_ops:
+        if isinstance(op, Run):
+            piece = f"{op.slot}.{op.method}"
+            graph = lower(spec, plan, pieces_at[(op.slot, op.method)])
+            graphs[piece] = graph
+            pieces[piece] = hlo.to_stablehlo(graph.program, getattr(target, "frontend", "torch-mlir"))
+            rename = dict(op.inputs)
+            args = []
+            for s in graph.entry.inputs:
+                if s.role in ("weight", "rank"):
+                    name = "rank" if s.role == "rank" else f"{op.slot}.{s.name}"
+                    if s.role == "rank":
+                        rank = InputSpec("rank", s.shape, getattr(torch, s.dtype), "rank")
+                    elif name not in {w.name for w in weights}:
+                        weights.append(InputSpec(name, s.shape, getattr(torch, s.dtype), "weight"))
+                else:
+                    name = rename.get(s.name, s.name)
+                    if name not in made and name not in inputs:
+                        inputs[name] = InputSpec(name, s.shape, getattr(torch, s.dtype), s.role)
+                        roles[name] = s.role
+                args.append(name)
+            state = _state_outputs(graph)
+            named = dict(op.outputs)
+            results = state + [named.get(o, o) for o in graph.entry.outputs]
+            steps.append(link.Call(piece, tuple(args), tuple(results)))
+            made.update(results)
+            for r, v in zip(results, _output_values(graph)):
+                shapes[r] = (tuple(v.shape), v.dtype)
+        elif isinstance(op, Collective):
+            steps.append(op)
+            made.add(op.dst)
+            shapes[op.dst] = _collective_shape(op, *shapes_of(op.src, shapes, inputs))
+        else:
+            args_shapes = [shapes_of(a, shapes, inputs) for a in op.args]
+            fn = _glue_fn(op.fn, spec.topology)
+            program, values = _glue_program(fn, args_shapes)
+            pieces[op.fn] = hlo.to_stablehlo(target.lower(program), getattr(target, "frontend", "torch-mlir"))
+            steps.append(link.Call(op.fn, op.args, op.results))
+            made.update(op.results)
+            for r, v in zip(op.results, values):
+                shapes[r] = (tuple(v.shape), v.dtype)
+    assert rank is not None, "every region takes its rank"
+    states = [n for n, s in inputs.items() if s.role == "state" and n in made]
+    attn = plan.kinds[dict(lk.slots)["attn"]].region
+    outputs = ["h", "pre"] + [o for o in attn.output_names()[2:]]
+    return Built(
+        steps=steps,
+        pieces=pieces,
+        graphs=graphs,
+        params=[*weights, rank, *inputs.values()],
+        state_outputs=states,
+        outputs=outputs,
+        ops=kind_ops,
+    )
+
+
+def shapes_of(name: str, shapes: dict, inputs: dict[str, InputSpec]) -> tuple[tuple[int, ...], torch.dtype]:
+    if name in shapes:
+        return shapes[name]
+    s = inputs.get(name)
+    if s is None:
+        raise hlo.LoweringError(f"no value named {name!r} before it is read")
+    return tuple(s.shape), s.dtype
+
+
+def _collective_shape(
+    op: Collective, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[tuple[int, ...], torch.dtype]:
+    n = len(op.groups[0])
+    out = list(shape)
+    if op.op == "all_gather":
+        if op.stack:
+            out = [n, *out]
+        else:
+            out[op.dim] *= n
+    elif op.op == "reduce_scatter":
+        out[op.dim] //= n
+    return tuple(out), op.to or dtype
+
+
+def _glue_fn(name: str, topo: Topology):
+    fn = GLUE[name]
+    return functools.partial(fn, world=topo.world) if name == "own_rows" else fn
+
+
+class _Glue(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        out = self.fn(*args)
+        return tuple(out) if isinstance(out, tuple) else (out,)
+
+
+def _example(shape, dtype) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype)
+
+
+def _glue_program(fn, args_shapes) -> tuple[torch.export.ExportedProgram, list[torch.Tensor]]:
+    args = tuple(_example(s, d) for s, d in args_shapes)
+    module = _Glue(fn)
+    with torch.no_grad():
+        values = list(module(*args))
+        program = torch.export.export(module, args)
+    return program, values
+
+
+def _state_outputs(graph: Graph) -> list[str]:
+    """The state inputs a piece writes, in its output order (the region's mutations come first)."""
+    ep = graph.program
+    user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    return [
+        graph.names[user.index(o.target)]
+        for o in ep.graph_signature.output_specs
+        if o.kind.name == "USER_INPUT_MUTATION"
+    ]
+
+
+def _output_values(graph: Graph) -> list:
+    return [a.meta["val"] for a in graph.program.graph.output_node().args[0]]
+
+
+def entry_of(spec: Spec, exe: Exe, built: Built) -> mf.Executable:
+    """The layer executable's manifest entry (the target's fields are added by `emit`)."""
+    return mf.Executable(
+        kind=exe.kind,
+        method=exe.method,
+        bucket=mf.Shape(batch=exe.batch, tokens=exe.tokens, context=exe.context),
+        artifact=layout.executable_path(*exe, spec.target.suffix),
+        executable=spec.target.executable,
+        inputs=tuple(
+            mf.TensorSpec(name=s.name, shape=tuple(s.shape), dtype=str(s.dtype).removeprefix("torch."), role=s.role)
+            for s in built.params
+        ),
+        outputs=tuple(built.outputs),
+        scratch_bytes=max((budget.scratch_bytes(g.program) or 0 for g in built.graphs.values()), default=0),
+    )
+
+
+def emit(spec: Spec, exe: Exe, built: Built, out: Path) -> tuple[mf.Executable, str]:
+    """Link, finish and write the layer module to `out` -> (its manifest entry, its StableHLO text)."""
+    names = [s.name for s in built.params]
+    params = [(s.name, link.tensor_type(s.shape, s.dtype)) for s in built.params]
+    labels = built.state_outputs + built.outputs
+    try:
+        text = link.link(params, built.pieces, built.steps, labels)
+        aliases = {j: names.index(n) for j, n in enumerate(built.state_outputs)}
+        text = hlo.finish_module(text, aliases, names, [neff.output_name(n) for n in labels])
+        proto = hlo.to_hlo_proto(text)
+    except DeepinferError as e:
+        raise type(e)(f"layer {exe.name}: {e}") from None
+    spec.target.refuse_wide_selections(proto)
+    out.write_bytes(proto)
+    types = link.result_types(text)
+    entry = entry_of(spec, exe, built)
+    entry = dataclasses.replace(
+        entry,
+        state_outputs=tuple(built.state_outputs),
+        aliases=aliases,
+        output_specs=tuple(mf.TensorSpec(name=n, shape=s, dtype=d) for n, (s, d) in zip(labels, types)),
+        collectives=tuple(collectives_of(built.ops)) or None,
+    )
+    return entry, text
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# --- the reference: the same ops, eagerly, one rank after another --------------------------------------
+
+
+def interpret(
+    built: Built,
+    regions: dict[str, object],
+    ranks: Sequence[dict[str, torch.Tensor]],
+    topo: Topology,
+) -> list[list[torch.Tensor]]:
+    """Run the layer's ops eagerly for every rank in `ranks` (each: its parameters by name), the
+    pieces as their regions' torch code (`regions`: slot -> region holding the slot's weights) and the
+    collectives as the host computes them -> each rank's outputs (state outputs, then the outputs)."""
+    envs = [dict(r) for r in ranks]
+    for op in built.ops:
+        if isinstance(op, Run):
+            piece = f"{op.slot}.{op.method}"
+            graph = built.graphs[piece]
+            call = next(s for s in built.steps if isinstance(s, link.Call) and s.piece == piece)
+            n_weights = sum(1 for s in graph.entry.inputs if s.role in ("weight", "rank"))
+            state = _state_outputs(graph)
+            for env in envs:
+                region = regions[op.slot].with_weights(  # type: ignore[attr-defined]
+                    {**{k: v for k, v in regions[op.slot]._buffers.items()}, "rank": env["rank"]}  # type: ignore[attr-defined]
+                )
+                args = [env[a].clone() for a in call.args[n_weights:]]
+                names = [s.name for s in graph.entry.inputs[n_weights:]]
+                with torch.no_grad():
+                    out = getattr(region, op.method)(*args)
+                out = list(out) if isinstance(out, (tuple, list)) else [out]
+                env.update(zip(call.results, [args[names.index(n)] for n in state] + out))
+        elif isinstance(op, Glue):
+            fn = _glue_fn(op.fn, topo)
+            for env in envs:
+                out = fn(*[env[a] for a in op.args])
+                env.update(zip(op.results, out if isinstance(out, tuple) else (out,)))
+        else:
+            _host_collective(op, envs)
+    labels = built.state_outputs + built.outputs
+    return [[env[n] for n in labels] for env in envs]
+
+
+def _host_collective(op: Collective, envs: list[dict]) -> None:
+    for group in op.groups:
+        values = [envs[r][op.src] for r in group]
+        if op.op == "all_gather":
+            result = torch.stack(values) if op.stack else torch.cat(values, op.dim)
+            parts = [result] * len(group)
+        else:
+            stacked = torch.stack([v.float() for v in values])
+            total = stacked.amax(0) if op.reduce == "max" else stacked.sum(0)
+            parts = list(total.chunk(len(group), op.dim)) if op.op == "reduce_scatter" else [total] * len(group)
+        for r, part in zip(group, parts):
+            envs[r][op.dst] = part.to(op.to) if op.to is not None else part.to(values[0].dtype)
+
+
+def check(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, built: Built, proto: Path, log: Log) -> dict | None:
+    """Run the layer module on XLA:CPU, one replica a rank, against `interpret` on the same inputs: each
+    slot's seeded random weights (as the weight recipe stores them) and the bucket's example inputs.
+    Returns the figures for the manifest entry; None where the world has more ranks than XLA:CPU
+    replicas here (said in the log: tests/trn2/test_layers.py runs the layouts)."""
+    from deepinfer.compiler.targets.trn2 import CheckFailed
+    from deepinfer.compiler.weights import in_format
+    from deepinfer.regions.agreement import tolerance
+
+    topo = spec.topology
+    world = topo.world
+    if world > hlo.MAX_REPLICAS:
+        log(f"lowered {exe.name}: {world} ranks, more than the {hlo.MAX_REPLICAS} XLA:CPU replicas here: not run")
+        return None
+    slots = dict(lk.slots)
+    regions, flat_weights = {}, {}
+    for slot, kind in slots.items():
+        region = plan.kinds[kind].region
+        stored = in_format(region.specs, random_weights(region, 0), region.fp8_format)
+        regions[slot] = region.with_weights(stored)
+        flat_weights.update({f"{slot}.{k}": v for k, v in stored.items() if k != "rank"})
+    inputs = [s for s in built.params if s.role not in ("weight", "rank")]
+    values = dict(zip([s.name for s in inputs], example_inputs(inputs, spec.geometry_at(exe.context))))
+    ranks = [{**flat_weights, **values, "rank": torch.tensor(r)} for r in range(world)]
+    names = [s.name for s in built.params]
+    flats = [[rank[n].clone() for n in names] for rank in ranks]
+    program = hlo.CpuReplicas(proto.read_bytes(), world) if world > 1 else None
+    got = program(flats) if program is not None else [hlo.CpuHlo(proto.read_bytes())(flats[0])]
+    refs = interpret(built, regions, ranks, topo)
+    labels = built.state_outputs + built.outputs
+    where = f"layer {exe.name}"
+    diffs = []
+    for g, r in zip(got, refs):
+        diffs += spec.target.agree(g, r, labels, spec.dtype, where)
+    if not diffs:
+        raise CheckFailed(f"{where}: nothing to compare")
+    return {
+        "max_abs": max(d.max_abs for d in diffs),
+        "score": max(d.score for d in diffs),
+        "tolerance": tolerance(spec.dtype),
+        "replicas": world,
+    }
+
+
+def trace(
+    spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, lowered: Path, log: Log
+) -> tuple[mf.Executable, str, list[str]]:
+    """The trace pass's steps for a fused layer: lower its pieces, link and write its module to
+    `lowered`, check it (unless the target's check is off) -> (its manifest entry, the digest of its
+    module, the kernels its pieces reach)."""
+    built = build(spec, plan, lk, exe)
+    entry, text = emit(spec, exe, built, lowered)
+    if not spec.target.check:
+        log(f"lowered {exe.name}: HLO {lowered.stat().st_size} bytes (check off)")
+    else:
+        result = check(spec, plan, lk, exe, built, lowered, log)
+        if result is not None:
+            entry = dataclasses.replace(entry, check=result)
+            log(
+                f"lowered {exe.name}: HLO {lowered.stat().st_size} bytes, {len(entry.collectives or ())} collectives, "
+                f"XLA:CPU on {result['replicas']} replica(s) vs the ops run eagerly: max |diff| "
+                f"{result['max_abs']:.2g}, score {result['score']:.2g} (tolerance {result['tolerance']:g})"
+            )
+    kernels = sorted({k for g in built.graphs.values() for k in g.kernels})
+    return entry, digest(text), kernels

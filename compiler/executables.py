@@ -219,6 +219,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
     keys: dict[str, Key] = {}
     hlo: list[str] = []
     fused = plan.fused_kinds() if spec.fused else {}
+    pieces: dict = {}  # fused layers' region pieces, lowered once for all the kinds that run them
     for exe in spec.executables(plan):
         key = cached.trace_key(spec, plan, exe) if cache is not None else None
         dest = run.staging / layout.executable_path(*exe, target.suffix)
@@ -232,7 +233,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
         if exe.kind in fused:  # one module for the layer's regions and collectives (static shapes)
             from deepinfer.compiler import layers  # it lowers its pieces with this module's `lower`
 
-            entry, digest, kernels = layers.trace(spec, plan, fused[exe.kind], exe, lowered, run.log)
+            entry, digest, kernels = layers.trace(spec, plan, fused[exe.kind], exe, lowered, run.log, pieces)
         else:
             graph = lower(spec, plan, exe)
             entry = graph.entry

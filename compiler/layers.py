@@ -182,8 +182,13 @@ class Built:
     ops: list[Op]
 
 
-def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe) -> Built:
-    """Lower every piece of `lk` at `exe`'s bucket and wire them: the steps `link` runs."""
+Lowered = dict[Exe, tuple[Graph, str]]  # a region piece -> its graph and StableHLO text
+
+
+def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered | None = None) -> Built:
+    """Lower every piece of `lk` at `exe`'s bucket and wire them: the steps `link` runs. `memo` keeps
+    the region pieces lowered by earlier layer kinds of the compile (every kind runs the MoE)."""
+    memo = {} if memo is None else memo
     target = spec.target
     kind_ops = ops(lk, plan, spec.topology, spec.dtype)
     pieces_at = plan.pieces(lk, exe, spec.topology.groups if spec.topology.dispatch else 1)
@@ -199,9 +204,12 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe) -> Built:
     for op in kind_ops:
         if isinstance(op, Run):
             piece = f"{op.slot}.{op.method}"
-            graph = lower(spec, plan, pieces_at[(op.slot, op.method)])
+            at = pieces_at[(op.slot, op.method)]
+            if at not in memo:
+                graph = lower(spec, plan, at)
+                memo[at] = graph, hlo.to_stablehlo(graph.program, getattr(target, "frontend", "torch-mlir"))
+            graph, pieces[piece] = memo[at]
             graphs[piece] = graph
-            pieces[piece] = hlo.to_stablehlo(graph.program, getattr(target, "frontend", "torch-mlir"))
             rename = dict(op.inputs)
             args = []
             for s in graph.entry.inputs:
@@ -357,9 +365,9 @@ def emit(spec: Spec, exe: Exe, built: Built, out: Path) -> tuple[mf.Executable, 
         state_outputs=tuple(built.state_outputs),
         aliases=aliases,
         output_specs=tuple(mf.TensorSpec(name=n, shape=s, dtype=d) for n, (s, d) in zip(labels, types)),
-        collectives=tuple(collectives_of(built.ops)) or None,
     )
-    return entry, text
+    steps = collectives_of(built.ops)
+    return dataclasses.replace(entry, **mf.executable_fields({"collectives": steps} if steps else {})), text
 
 
 def digest(text: str) -> str:
@@ -452,6 +460,9 @@ def check(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, built: Built, p
     refs = interpret(built, regions, ranks, topo)
     labels = built.state_outputs + built.outputs
     where = f"layer {exe.name}"
+    for label, ref in zip(labels, refs[0]):
+        if ref.is_floating_point() and bool(ref.isnan().any()):
+            raise CheckFailed(f"{where}: the reference's {label} holds NaN on the check's inputs: it would prove nothing")
     diffs = []
     for g, r in zip(got, refs):
         diffs += spec.target.agree(g, r, labels, spec.dtype, where)
@@ -466,12 +477,12 @@ def check(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, built: Built, p
 
 
 def trace(
-    spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, lowered: Path, log: Log
+    spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, lowered: Path, log: Log, memo: Lowered | None = None
 ) -> tuple[mf.Executable, str, list[str]]:
-    """The trace pass's steps for a fused layer: lower its pieces, link and write its module to
-    `lowered`, check it (unless the target's check is off) -> (its manifest entry, the digest of its
-    module, the kernels its pieces reach)."""
-    built = build(spec, plan, lk, exe)
+    """The trace pass's steps for a fused layer: lower its pieces (`memo`: those lowered before),
+    link and write its module to `lowered`, check it (unless the target's check is off) -> (its
+    manifest entry, the digest of its module, the kernels its pieces reach)."""
+    built = build(spec, plan, lk, exe, memo)
     entry, text = emit(spec, exe, built, lowered)
     if not spec.target.check:
         log(f"lowered {exe.name}: HLO {lowered.stat().st_size} bytes (check off)")

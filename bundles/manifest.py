@@ -540,11 +540,12 @@ def check(m: Manifest) -> None:
             f"{e.bucket.context} is not one of the context buckets {b.context_sizes}",
         )
         _check_table(e, kv, b, key)
-        for n, c in enumerate(e.collectives or ()):
+        for n, inside in enumerate(e.collectives or ()):
             _need(
-                partitions(c.groups, t.world_size) and len({len(g) for g in c.groups}) == 1,
+                partitions(inside.groups, t.world_size) and len({len(g) for g in inside.groups}) == 1,
                 key + ("collectives", n, "groups"),
-                f"replica groups {[list(g) for g in c.groups]} do not partition the {t.world_size} ranks in equal groups",
+                f"replica groups {[list(g) for g in inside.groups]} do not partition the {t.world_size} ranks "
+                "in equal groups",
             )
         for out, groups in (e.reduced or {}).items():
             _need(out in e.outputs, key + ("reduced", out), f"not an output of the executable ({', '.join(e.outputs)})")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,8 +46,10 @@ from deepinfer.compiler.plan import Exe, LayerKind, RegionPlan
 from deepinfer.compiler.spec import Log, Spec
 from deepinfer.compiler.targets import hlo, link
 from deepinfer.compiler.targets.link import Collective, Groups
+from deepinfer.compiler.targets.trn2 import CheckFailed, Trn2Target
 from deepinfer.errors import DeepinferError
 from deepinfer.regions import divided
+from deepinfer.regions.base import Region
 from deepinfer.regions.examples import example_inputs, random_weights
 from deepinfer.regions.state import InputSpec
 
@@ -356,7 +358,7 @@ def emit(spec: Spec, exe: Exe, built: Built, out: Path) -> tuple[mf.Executable, 
         proto = hlo.to_hlo_proto(text)
     except DeepinferError as e:
         raise type(e)(f"layer {exe.name}: {e}") from None
-    spec.target.refuse_wide_selections(proto)
+    trn2(spec).refuse_wide_selections(proto)
     out.write_bytes(proto)
     types = link.result_types(text)
     entry = entry_of(spec, exe, built)
@@ -370,6 +372,12 @@ def emit(spec: Spec, exe: Exe, built: Built, out: Path) -> tuple[mf.Executable, 
     return dataclasses.replace(entry, **mf.executable_fields({"collectives": steps} if steps else {})), text
 
 
+def trn2(spec: Spec) -> Trn2Target:
+    """The compile's target: only trn2 fuses layers."""
+    assert isinstance(spec.target, Trn2Target), "only the trn2 target fuses layers"
+    return spec.target
+
+
 def digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -379,7 +387,7 @@ def digest(text: str) -> str:
 
 def interpret(
     built: Built,
-    regions: dict[str, object],
+    regions: Mapping[str, Region],
     ranks: Sequence[dict[str, torch.Tensor]],
     topo: Topology,
 ) -> list[list[torch.Tensor]]:
@@ -395,9 +403,7 @@ def interpret(
             n_weights = sum(1 for s in graph.entry.inputs if s.role in ("weight", "rank"))
             state = _state_outputs(graph)
             for env in envs:
-                region = regions[op.slot].with_weights(  # type: ignore[attr-defined]
-                    {**{k: v for k, v in regions[op.slot]._buffers.items()}, "rank": env["rank"]}  # type: ignore[attr-defined]
-                )
+                region = regions[op.slot].with_weights({**_buffers(regions[op.slot]), "rank": env["rank"]})
                 args = [env[a].clone() for a in call.args[n_weights:]]
                 names = [s.name for s in graph.entry.inputs[n_weights:]]
                 with torch.no_grad():
@@ -413,6 +419,10 @@ def interpret(
             _host_collective(op, envs)
     labels = built.state_outputs + built.outputs
     return [[env[n] for n in labels] for env in envs]
+
+
+def _buffers(region: Region) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in region._buffers.items() if v is not None}
 
 
 def _host_collective(op: Collective, envs: list[dict]) -> None:
@@ -434,7 +444,6 @@ def check(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, built: Built, p
     slot's seeded random weights (as the weight recipe stores them) and the bucket's example inputs.
     Returns the figures for the manifest entry; None where the world has more ranks than XLA:CPU
     replicas here (said in the log: tests/trn2/test_layers.py runs the layouts)."""
-    from deepinfer.compiler.targets.trn2 import CheckFailed
     from deepinfer.compiler.weights import in_format
     from deepinfer.regions.agreement import tolerance
 
@@ -462,10 +471,12 @@ def check(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, built: Built, p
     where = f"layer {exe.name}"
     for label, ref in zip(labels, refs[0]):
         if ref.is_floating_point() and bool(ref.isnan().any()):
-            raise CheckFailed(f"{where}: the reference's {label} holds NaN on the check's inputs: it would prove nothing")
+            raise CheckFailed(
+                f"{where}: the reference's {label} holds NaN on the check's inputs: it would prove nothing"
+            )
     diffs = []
     for g, r in zip(got, refs):
-        diffs += spec.target.agree(g, r, labels, spec.dtype, where)
+        diffs += trn2(spec).agree(g, r, labels, spec.dtype, where)
     if not diffs:
         raise CheckFailed(f"{where}: nothing to compare")
     return {

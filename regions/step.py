@@ -138,6 +138,34 @@ def run_layers(
     return logits
 
 
+def run_fused(plans, invoke_layer, invoke, states, h, pre, batch: Batch, engram: EngramRows | None) -> Tensor:
+    """h, pre through every layer and the head -> logits, one call a layer (trn2's fused layers:
+    compiler/layers.py; their collectives are inside). `invoke_layer(layer, values)` runs layer
+    `layer`'s executable on the values its inputs name (the streams, the step's host inputs, the
+    layer's state views, the selection carried from the layer before, its engram rows) and returns
+    its outputs by name (h, pre; topk and cand where it makes them); `invoke` runs the head."""
+    carry: dict[str, Tensor] = {}
+    engram_index = 0
+    step = {
+        "positions": batch.positions,
+        "slots": batch.slots,
+        "block_table": batch.block_table,
+        "is_image": batch.is_image,
+        "token_mask": (batch.positions >= 0) & ~batch.is_image,
+    }
+    for p in plans:
+        values = {**step, **carry, **states[p.layer], "h": h, "pre": pre}
+        if p.engram_rows:
+            assert engram is not None and batch.hashes is not None, "an engram layer needs its tables and hashes"
+            values["rows"], values["rows_s"] = engram.rows(engram_index, batch.hashes[:, :, engram_index])
+            engram_index += 1
+        out = invoke_layer(p.layer, values)
+        h, pre = out["h"], out["pre"]
+        carry.update({k: v for k, v in out.items() if k in ("topk", "cand")})
+    (logits,) = invoke(-1, "head", h, pre)
+    return logits
+
+
 def divided_attention(p: LayerPlan, invoke, st, h, pre, batch: Batch, topk, cand, merge: Merge):
     """A compressed layer's attention over the cp ranks' shares: select (sources and index layers)
     and merge the selection (and the candidate pool), attend and merge, output -> (h, pre, topk, cand)."""

@@ -34,7 +34,7 @@ from deepinfer.host import physical_memory
 from deepinfer.regions.config import V41Config
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.spans import ImageEmbeds
-from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, Merge, run_layers
+from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, Merge, run_fused, run_layers
 from deepinfer.regions.stepper import Allocator, Captured, Drafter, Row, bucket_at_least, make_batch, table_width
 from deepinfer.runtime.backends import Placement, placement_for
 from deepinfer.runtime.bundle import Bundle, open_bundle, require_draft, stack_tensors
@@ -109,6 +109,7 @@ class HostTables:
 
 
 Binding = tuple[str, list]  # (kind, weight views and the rank in the executable's input order)
+LAYER_SLOT = "layer"  # a fused layer's binding: its one executable (manifest Layer.fused)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +128,8 @@ class Executor:
     # (kind, method)s whose executables sum their streams over the ranks themselves (manifest `reduced`)
     reduced_in_graph: frozenset[tuple[str, str]]
     bound: Mapping[tuple[int, str], Binding]  # (layer, slot) -> binding; the head is (-1, "head")
+    # fused layers (trn2): layer -> its binding (slot "layer"), and each layer kind's inputs and outputs
+    fused: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]  # kind -> (non-weight inputs, outputs)
     draft_bound: Mapping[tuple[int, str], Binding]  # (stage, slot) -> binding of the draft's regions
     pools: Mapping[str, Tensor]
     states: Mapping[int, Mapping[str, Tensor]]  # layer -> state name -> its view of a pool
@@ -184,7 +187,12 @@ class Executor:
             if rows is None:
                 rows = torch.zeros(*batch.tokens.shape, self.config.text.hidden_size, dtype=self.dtype)
             h, pre = invoke(-1, "embed", batch.tokens, batch.is_image, rows)
-        logits = run_layers(self.plans, invoke, self.states, h, pre, batch, self.host.engram, capture, self.merge)
+        if self.fused:
+            assert capture is None, "a bundle with a draft runs its layers per region"
+            invoke_layer = self._invoke_layer(batch.block_table.shape[1], stats, on_call)
+            logits = run_fused(self.plans, invoke_layer, invoke, self.states, h, pre, batch, self.host.engram)
+        else:
+            logits = run_layers(self.plans, invoke, self.states, h, pre, batch, self.host.engram, capture, self.merge)
         stats.record_step(batch, time.perf_counter() - start)
         return logits
 
@@ -213,6 +221,28 @@ class Executor:
             return comm.after(slot, out, self.dtype)
 
         return invoke
+
+    def _invoke_layer(self, blocks: int, stats: Stats, on_call: OnCall | None):
+        """invoke_layer(layer, values) for one step whose block tables are `blocks` wide: the layer's
+        one executable (its collectives inside) on the values its inputs name -> its outputs by name."""
+        executables, bound, fused, context_methods = self.executables, self.bound, self.fused, self.context_methods
+
+        def invoke_layer(layer: int, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+            t0 = time.perf_counter()
+            kind, weights = bound[(layer, LAYER_SLOT)]
+            names, outputs = fused[kind]
+            inputs = [values[n] for n in names]
+            width = blocks if (kind, mf.DECODE) in context_methods else None
+            exe = executables[(kind, mf.DECODE, inputs[0].shape[0], inputs[0].shape[1], width)]
+            args = weights + inputs
+            t1 = time.perf_counter()
+            out = exe(args) if on_call is None else on_call(layer, LAYER_SLOT, kind, tuple(inputs), lambda: exe(args))
+            stats.calls[kind] += 1
+            stats.seconds[kind] += time.perf_counter() - t1
+            stats.overhead += t1 - t0
+            return dict(zip(outputs, out))
+
+        return invoke_layer
 
     def dspark(self, stats: Stats):
         """The bundle's compiled DSpark draft as a `regions.stepper.Drafter` (`regions.drafting.DSparkDrafter`):
@@ -394,6 +424,11 @@ def _load(bundle: Bundle, rank: int, comm, num_kv_blocks: int | None) -> Executo
     try:
         executables, context_methods = _load_executables(bundle, placement)
         bound, draft_bound = _bind_weights(bundle, placement, rank)
+        fused = {
+            e.kind: (tuple(s.name for s in e.inputs if s.role not in ("weight", "rank")), e.outputs)
+            for e in m.regions
+            if any(layer.fused == e.kind for layer in m.layers)
+        }
         pools, states = _allocate_pools(m, placement, pool_shapes)
     except BaseException:
         placement.close()  # a refused load must not keep the device
@@ -410,6 +445,7 @@ def _load(bundle: Bundle, rank: int, comm, num_kv_blocks: int | None) -> Executo
         context_methods=context_methods,
         reduced_in_graph=frozenset((e.kind, e.method) for e in m.regions if e.reduced),
         bound=MappingProxyType(bound),
+        fused=MappingProxyType(fused),
         draft_bound=MappingProxyType(draft_bound),
         pools=MappingProxyType(pools),
         states=MappingProxyType({layer: MappingProxyType(views) for layer, views in states.items()}),
@@ -472,12 +508,29 @@ def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict
         ]
 
     bound = {(layer, slot): views(b) for layer, slot, b in m.bindings()}
+    for layer in m.layers:  # a fused layer's one executable: each slot's weights as `<slot>.<name>`
+        if layer.fused is not None:
+            bound[(layer.layer, LAYER_SLOT)] = (
+                layer.fused,
+                [
+                    rank_tensor if s.role == "rank" else _slot_view(placement, stacks, layer, s.name)
+                    for s in signatures[layer.fused]
+                    if s.role in ("weight", "rank")
+                ],
+            )
     draft_bound = {
         (stage, slot): views(b)
         for stage, regions in enumerate(m.draft.stages if m.draft else ())
         for slot, b in regions.items()
     }
     return bound, draft_bound
+
+
+def _slot_view(placement: Placement, stacks: dict, layer: mf.Layer, name: str):
+    """A fused layer's weight input `<slot>.<name>`: the row of that slot's stack the layer binds."""
+    slot, weight = name.split(".", 1)
+    binding = layer.regions[slot]
+    return placement.view(stacks[binding.kind][weight], binding.index)
 
 
 def _pool_shapes(m: mf.Manifest, sizes: Sizes) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -91,7 +91,7 @@ class NeuronPlacement:
             host_outputs=HOST_OUTPUTS,
             host_inputs=self.host_inputs,
             # a NEFF that sums over ranks itself is loaded for collectives, as this rank of the world
-            collectives=(self.rank, self.manifest.topology.world_size) if entry.reduced else None,
+            collectives=(self.rank, self.manifest.topology.world_size) if entry.holds_collectives else None,
         )
         self.calls.append(RegionCall(exe, len(entry.state_outputs or ())))
         return self.calls[-1]

@@ -97,7 +97,7 @@ def link(
         types = [ir.Type.parse(t) for _, t in params]
         with ir.InsertionPoint(out.body):
             main = func.FuncOp("main", ir.FunctionType.get(types, []))
-        block = main.add_entry_block()
+        block = main.add_entry_block()  # type: ignore[attr-defined]  # the generated stubs lack it
         env: dict[str, ir.Value] = {name: block.arguments[i] for i, (name, _) in enumerate(params)}
         if len(env) != len(params):
             raise LoweringError("the linked module's parameter names repeat")

@@ -26,6 +26,10 @@ Lower bound (`lower_bound`): max(bytes read / HBM bandwidth, FLOPs / the peak FL
 activation dtype) + in-graph collectives x their latency + the bytes they put on the links / link
 bandwidth + host collectives x a host round trip + executions x launch overhead + host<->device
 bytes / host link bandwidth.
+
+What a rank needs, not all its graphs do today: the divided attention's `attend` stage gathers all K
+selected entries on every rank and masks those held elsewhere (K rows read and attended, not
+K / cp), and its stages recompute the site's mixes and the query latent.
 """
 
 from __future__ import annotations

@@ -104,9 +104,14 @@ def main() -> int:
     from deepinfer.compiler.bundle_plan import plan_bundle
     from deepinfer.compiler.config import load_compile_config
     from deepinfer.compiler.step_cost import figures_of
+    from deepinfer.errors import ConfigError
 
     plan = plan_bundle(load_compile_config(args.toml), scratch=False)
-    figures = figures_of(plan)
+    try:
+        figures = figures_of(plan)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     context = args.context or plan.spec.config.buckets.max_context
     rows = [step(plan, b, context) for b in (1, 8)]
     err = sys.stderr if args.json else sys.stdout

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from deepinfer.bundles.layout import rank_key
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.budget import human
-from deepinfer.errors import ConfigError
+from deepinfer.compiler.config import config_error
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.step import LayerPlan
 from deepinfer.regions.topology import attention_config, head_rows, shared_width
@@ -304,9 +304,12 @@ def figures_of(plan: BundlePlan) -> dict[str, Figure]:
     """The plan target's hardware figures; a target without them has no step cost model."""
     figures = plan.spec.target.step_figures()
     if figures is None:
-        raise ConfigError(
-            f"{plan.spec.config.source}: target.name: {plan.spec.target.name} gives no hardware figures for "
-            'the decode step\'s cost model; it models trn2 (set [target] name = "trn2")'
+        raise config_error(
+            plan.spec.config,
+            "target",
+            "name",
+            f"{plan.spec.target.name} gives no hardware figures for the decode step's cost model, "
+            'which models trn2 ([target] name = "trn2")',
         )
     return figures
 

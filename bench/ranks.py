@@ -65,60 +65,23 @@ LAYOUTS = {
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
-def predicted(text, layers: int, tp: int, ep: int, cp: int, B: int, act_bytes: int, context: int) -> dict:
-    """Bytes one rank sends per decode step at a `context`-position bucket, per collective, and the
-    all-to-all comparison."""
+def predicted(text, tp: int, ep: int, cp: int, B: int, act_bytes: int, context: int) -> dict:
+    """Bytes one rank sends per decode step at a `context`-position bucket, per collective
+    (compiler/step_cost.collective_bytes, what `deepinfer plan` models), and the all-to-all comparison."""
     from deepinfer.bundles.topology import Topology
-    from deepinfer.regions.topology import head_rows
+    from deepinfer.compiler.step_cost import collective_bytes
 
     topo = Topology(tp=tp, ep=ep, cp=cp)
-    n, D, k = text.hc_mult, text.hidden_size, text.num_experts_per_tok
+    D, k = text.hidden_size, text.num_experts_per_tok
     R = topo.world
-    streams = B * n * D * 4
-    out: dict[str, int] = {}
-    if tp > 1:
-        out["tp all-reduce"] = layers * streams
-    if ep > 1 and not topo.dispatch:
-        out["ep all-reduce"] = layers * streams
-    if topo.dispatch:
-        row = n * D * act_bytes + n * 4 + 1
-        out["ep dispatch all-gather"] = layers * B * row
-        out["ep combine reduce-scatter"] = layers * R * streams
-    if R > 1:
-        out["logits all-gather"] = B * head_rows(text, topo) * 4
-    if cp > 1:
-        out.update(divided_merges(text, layers, tp, B, act_bytes, context))
+    out = collective_bytes(text, topo, B, act_bytes, context)
     a2a = 0
     if ep > 1:
         distinct = R * (1 - (1 - 1 / R) ** k)
         remote = distinct * (R - 1) / R
         tokens = B if topo.dispatch else B / R  # replicated tokens: each rank routes its share
-        a2a = round(layers * tokens * remote * (D * act_bytes + D * 4))
+        a2a = round(text.num_hidden_layers * tokens * remote * (D * act_bytes + D * 4))
     return {"collectives": out, "total": sum(out.values()), "all_to_all": a2a}
-
-
-def divided_merges(text, layers: int, tp: int, B: int, act_bytes: int, context: int) -> dict[str, int]:
-    """The divided attention's merges (runtime/ranks.py Comm.topk, .blocks, .attention), bytes one cp
-    rank sends per decode step over `layers` layers at a `context`-position bucket."""
-    heads = text.num_attention_heads // tp
-    pair = act_bytes + 8  # (score in the activation dtype, int64 global index)
-    select = maxima = reduce = 0
-    for layer in range(layers):
-        ratio = text.compress_ratios[layer]
-        if not ratio:
-            continue
-        maxima += B * heads * 4
-        reduce += B * heads * (text.head_dim + 1) * 4
-        width = context // ratio  # Wc
-        if text.layer_kind(layer) in ("source", "reindex"):
-            select += B * min(text.index_topk, width) * pair
-        if layer == text.candidate_source_layer_id:
-            select += B * min(text.candidate_topk_blocks, -(-width // text.candidate_block_size)) * pair
-    return {
-        "cp selection all-gather": select,
-        "cp attention max all-gather": maxima,
-        "cp attention all-reduce": reduce,
-    }
 
 
 RELEASE_CONTEXTS = (8192, 65536, 1048576)
@@ -140,7 +103,7 @@ def release_rows() -> list[dict]:
     rows = []
     for B in (1, 8):
         for context in RELEASE_CONTEXTS:
-            p = predicted(text, text.num_hidden_layers, 1, 64, 64, B, DTYPE_BYTES["bf16"], context)
+            p = predicted(text, 1, 64, 64, B, DTYPE_BYTES["bf16"], context)
             sent = p["collectives"]
             rows.append({"batch": B, "context": context, **{k: sent[k] for k in RELEASE_COLLECTIVES}})
     return rows
@@ -149,10 +112,11 @@ def release_rows() -> list[dict]:
 def selection_growth() -> list[dict]:
     """How the selection merge grows with cp and k at the release (batch 1, 1M context): a rank sends
     its own K best per index layer whatever cp, receives (cp - 1) times that and merges cp x K."""
+    from deepinfer.compiler.step_cost import divided_merges
     from deepinfer.regions.config import load_config
 
     text = load_config(ROOT / "examples" / "release").text
-    sent = divided_merges(text, text.num_hidden_layers, 1, 1, DTYPE_BYTES["bf16"], RELEASE_CONTEXTS[-1])
+    sent = divided_merges(text, 1, 1, DTYPE_BYTES["bf16"], RELEASE_CONTEXTS[-1])
     per_rank = sent["cp selection all-gather"]
     index_layers = sum(text.layer_kind(i) in ("source", "reindex") for i in range(text.num_hidden_layers))
     return [
@@ -199,12 +163,12 @@ def main() -> int:
     text = model.text
     rows, measured = [], {}
     for name, (tp, ep, cp) in LAYOUTS.items():
-        layers, act = text.num_hidden_layers, DTYPE_BYTES[args.dtype]
-        rows.append({"layout": name, **predicted(text, layers, tp, ep, cp, args.batch, act, args.context)})
+        act = DTYPE_BYTES[args.dtype]
+        rows.append({"layout": name, **predicted(text, tp, ep, cp, args.batch, act, args.context)})
         bundle = args.measure / name if args.measure else None
         if bundle is not None and (bundle / MANIFEST_FILE).exists():
             got = measure(bundle, args.steps)
-            model_b1 = predicted(text, layers, tp, ep, cp, 1, act, got["context"])["collectives"]
+            model_b1 = predicted(text, tp, ep, cp, 1, act, got["context"])["collectives"]
             measured[name] = {**got, "predicted_b1": model_b1}
     err = sys.stderr if args.json else sys.stdout
     print(

@@ -13,6 +13,8 @@ Every figure is the compile's own, from its passes run as far as they go without
                                   graphs: its trace records where the compile cache holds them,
                                   else graphs traced here on fake tensors and lowered
                                   (executables.lower)
+    decode step cost per rank     compiler/step_cost.py at every decode bucket, from the figures
+                                  above, per_step and the target's hardware figures (trn2)
 
 The checkpoint is the directory's safetensors headers (`model.safetensors` or the index
 and its shards) when it has them, their data never read (it may be absent); else the
@@ -42,7 +44,7 @@ from pathlib import Path, PurePosixPath
 from deepinfer.bundles import layout
 from deepinfer.bundles.manifest import DECODE, PROJECT, Pool
 from deepinfer.bundles.safetensors import DTYPES, TensorInfo
-from deepinfer.compiler import budget, cached, pipeline
+from deepinfer.compiler import budget, cached, pipeline, step_cost
 from deepinfer.compiler.budget import Breakdown, human
 from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.executables import lower
@@ -241,6 +243,7 @@ class BundlePlan:
             },
             "compile_jobs": len(self.executables),
             "per_decode_step": self.per_step,
+            "step_cost": step_cost.report(self),
             "weights": {
                 "files": self.files,
                 "shared_files": list(self.shared_files),
@@ -333,6 +336,7 @@ class BundlePlan:
                 f"  context buckets: {', '.join(map(str, c.buckets.contexts))} (built per context: "
                 f"{', '.join(per_context)})"
             )
+        out += ["", *step_cost.lines(self)]
         out += ["", "weights per rank after sharding (device):"]
         out += [f"  {ranks}: {human(sum(d.weights.values()))}" for ranks, d in _same(self.memory, _weights_of).items()]
         head = self.head

@@ -14,6 +14,7 @@ import torch
 
 from deepinfer.compiler.targets.cpu import CpuTarget
 from deepinfer.compiler.targets.trn2 import Trn2Target
+from deepinfer.compiler.targets.trn2_figures import Figure
 
 
 class Target(Protocol):
@@ -50,6 +51,10 @@ class Target(Protocol):
 
     def device_memory(self) -> tuple[int | None, str]:
         """(bytes of device memory per rank, where the number comes from); None: no limit."""
+
+    def step_figures(self) -> dict[str, Figure] | None:
+        """One rank's hardware figures for the decode step's cost model (compiler/step_cost.py);
+        None: the target has no such model."""
 
     def lower(self, ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram: ...
 

@@ -84,6 +84,10 @@ class CpuTarget:
             versions["cxx"] = _cxx_version()
         return versions
 
+    def step_figures(self) -> None:
+        """No decode step cost model: the host's figures are the running machine's."""
+        return None
+
     def device_memory(self) -> tuple[int | None, str]:
         """A cpu rank runs in host memory: this host's, unless [memory] limit_gib names another's."""
         return physical_memory(), "cpu: this host's memory; set [memory] limit_gib for the host that runs the bundle"

@@ -44,6 +44,7 @@ import torch
 import deepinfer
 from deepinfer.bundles import neff
 from deepinfer.compiler.targets import hlo, neuronxcc
+from deepinfer.compiler.targets.trn2_figures import DEVICE_CORES, DEVICE_FIGURES, RANK_FIGURES, Figure
 from deepinfer.errors import DeepinferError
 from deepinfer.kernels import target_decompositions
 from deepinfer.regions.agreement import ShapeMismatch, compare_tensors, tolerance
@@ -124,6 +125,16 @@ class Trn2Target:
         NeuronCore-v3 (AWS Neuron "Trainium2 Architecture Guide for NKI"), 12 GiB each; a logical
         core of LNC=2 combines two physical cores and their memory ("Logical NeuronCore configuration")."""
         return HBM_PER_CORE * self.lnc, f"trn2 HBM: 12 GiB per NeuronCore x LNC {self.lnc}"
+
+    def step_figures(self) -> dict[str, Figure]:
+        """The hardware figures of one rank for the decode step's cost model: the device's
+        (DEVICE_FIGURES) times lnc / 8, and the per-rank latencies (RANK_FIGURES)."""
+        share = self.lnc / DEVICE_CORES
+        unit = f"a rank ({self.lnc} of a device's {DEVICE_CORES} NeuronCore-v3)"
+        device = {
+            name: Figure(f.value * share, f"{f.unit} {unit}", f.source, f.status) for name, f in DEVICE_FIGURES.items()
+        }
+        return {**device, **RANK_FIGURES}
 
     def keyed_options(self) -> dict:
         return {k: v for k, v in self.options.items() if k not in self.LOG_OPTIONS}

@@ -181,6 +181,7 @@ def test_plan_cli_prints_the_full_plan():
         "bundle on disk:",
         "scratch: not traced",
         "limit 24.00 GiB (trn2 HBM: 12 GiB per NeuronCore x LNC 2)",
+        "decode step per rank, modelled for trn2 at LNC 2",  # compiler/step_cost.py (tests/compiler/test_step_cost.py)
     ):
         assert line in r.output, line
     assert re.search(r"memory budget per rank:\n  ranks 0-63 \(64\): (fits|DOES NOT FIT)\n", r.output)

@@ -1,0 +1,417 @@
+"""A decode step's cost on one rank, from a plan alone (issue 29 item 6): nothing runs.
+
+`deepinfer plan` prints it for every decode bucket (batch x context) when its target gives the
+hardware figures the model needs (`Target.step_figures`: trn2 does); bench/step_model.py reads
+it. Per rank and decode step (one token a sequence, B sequences of a context bucket in the token
+group):
+
+    weight bytes     every device weight stack row a layer binds, read once (the grouped MoE runs
+                     all of a rank's experts whatever the routing), and the head's rows; of the
+                     embedding table only the step's B rows
+    state bytes      each layer's window ring, the selected compressed entries a rank holds
+                     (ceil(K / cp), K = min(index_topk, Wc)) and the index keys it scores (its
+                     ceil(Wc / cp) per index layer), in the activation dtype; Wc = context / ratio
+    FLOPs            the matmuls (`layer_flops`), 2 a multiply-add, at the rank's shapes; weight
+                     formats do not change them
+    executions,      BundlePlan.per_step, as it counts them (a region or attention stage each
+    collectives      today; fewer where a target runs a layer as one execution)
+    collective bytes what a rank sends a step, by collective (`collective_bytes`)
+    host<->device    the host inputs a step changes (token ids, or the embedded streams where the
+                     host looks them up; positions; each engram layer's rows) and the rank's
+                     logits slice; while a collective other than the logits gather runs on the
+                     host, also every execution's streams (h, pre) both ways and each such
+                     collective's payload down and back up
+
+Lower bound (`lower_bound`): max(bytes read / HBM bandwidth, FLOPs / the peak FLOP/s of the
+activation dtype) + in-graph collectives x their latency + the bytes they put on the links / link
+bandwidth + host collectives x a host round trip + executions x launch overhead + host<->device
+bytes / host link bandwidth.
+
+What a rank needs, not all its graphs do today: the divided attention's `attend` stage gathers all K
+selected entries on every rank and masks those held elsewhere (K rows read and attended, not
+K / cp), and its stages recompute the site's mixes and the query latent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from deepinfer.bundles.layout import rank_key
+from deepinfer.bundles.topology import Topology
+from deepinfer.compiler.budget import human
+from deepinfer.compiler.config import config_error
+from deepinfer.regions.config import TextConfig
+from deepinfer.regions.step import LayerPlan
+from deepinfer.regions.topology import attention_config, head_rows, shared_width
+
+if TYPE_CHECKING:
+    from deepinfer.compiler.bundle_plan import BundlePlan
+    from deepinfer.compiler.targets.trn2_figures import Figure
+
+F32 = 4
+INDEX = 8  # int64: token ids, positions, global entry indices
+LOGITS = "logits all-gather"
+# per_step says how many collectives the executables hold, not which: they are taken in this order,
+# the boundary all-reduces first (what trn2's collectives = "graph" moves into the modules,
+# regions.topology.boundary_reduce), then EP's rows, the divided attention's merges, the logits
+GRAPH_ORDER = (
+    "tp all-reduce",
+    "ep all-reduce",
+    "ep dispatch all-gather",
+    "ep combine reduce-scatter",
+    "cp selection all-gather",
+    "cp attention max all-gather",
+    "cp attention all-reduce",
+    LOGITS,
+)
+MOE_PARTS = ("mixes, moe site", "router", "routed experts", "shared expert")  # on the MoE's rows
+
+
+# -- what a step does ---------------------------------------------------------------------------
+
+
+def layer_flops(c: TextConfig, topo: Topology, p: LayerPlan, context: int) -> dict[str, int]:
+    """Matmul FLOPs of one row (a sequence's token) in layer `p` on one rank at a `context`-position
+    bucket, by part. Each is counted once a layer where the divided attention's stages recompute
+    (the site's mixes, the query latent). Attention: the window and the selected entries the rank
+    holds, every head of the rank over each; the index scores: the rank's share of the keys; the
+    MoE: every local expert (the grouped MoE runs them all, a row that did not select one weighted
+    by zero) and the rank's shared-expert slice (zeros past the last slice, computed all the same)."""
+    a = attention_config(c, topo)  # this rank's heads and output groups
+    n, D, q, hd = c.hc_mult, c.hidden_size, c.q_lora_rank, c.head_dim
+    H, G, R = a.num_attention_heads, a.o_groups, c.o_lora_rank
+    Hi, di = c.index_n_heads, c.index_head_dim
+    mix = (2 + n) * n * n * D  # fn [(2 + n) n, n D] x the flattened streams [n D]
+    macs = {"mixes, attention site": mix, "attention projections": q * D + H * hd * q + hd * D + H * hd * R + G * R * D}
+    keys = c.sliding_window
+    if p.ratio:
+        width = context // p.ratio  # Wc
+        keys += -(-min(c.index_topk, width) // topo.cp)
+        if p.attn == "source":  # the compressor's wkv (and wgate) and the index key of one group
+            macs["compressor"] = (2 if p.ratio > 1 else 1) * hd * D + di * hd
+        if p.attn in ("source", "reindex"):
+            macs["indexer queries"] = Hi * di * q + Hi * D  # indexer.wq_b, weights_proj
+            macs["index scores"] = -(-width // topo.cp) * Hi * (di + 1)  # q . k per head, times its weight
+    macs["attention"] = keys * H * hd * 2  # scores and the weighted sum: one latent is key and value
+    if p.engram_rows:
+        macs["engram"] = (n + 1) * D * c.engram_hash_heads * c.engram_head_dim
+    macs["mixes, moe site"] = mix
+    macs["router"] = c.n_routed_experts * D
+    macs["routed experts"] = c.n_routed_experts // topo.ep * 3 * c.moe_intermediate_size * D  # w1, w3, w2
+    macs["shared expert"] = 3 * shared_width(c, topo) * D
+    return {part: 2 * m for part, m in macs.items()}
+
+
+def step_flops(c: TextConfig, layers: Sequence[LayerPlan], topo: Topology, batch: int, context: int) -> dict[str, int]:
+    """A decode step's FLOPs on one rank, by part: every layer's at `batch` rows (the MoE's at the
+    rows it gathers under EP dispatch) and the rank's head slice."""
+    moe_rows = batch * topo.groups if topo.dispatch else batch
+    total: dict[str, int] = {}
+    for p in layers:
+        for part, f in layer_flops(c, topo, p, context).items():
+            total[part] = total.get(part, 0) + f * (moe_rows if part in MOE_PARTS else batch)
+    total["head"] = batch * 2 * head_rows(c, topo) * c.hidden_size
+    return total
+
+
+def state_bytes(
+    c: TextConfig, layers: Sequence[LayerPlan], batch: int, context: int, act_bytes: int, share: int
+) -> int:
+    """Bytes of state a rank reads a decode step when it holds 1/`share` of each sequence's
+    compressed entries (cp; 1: all of them)."""
+    total = 0
+    for p in layers:
+        total += batch * c.sliding_window * c.head_dim * act_bytes  # the window ring
+        if p.ratio:
+            width = context // p.ratio
+            total += batch * -(-min(c.index_topk, width) // share) * c.head_dim * act_bytes  # selected
+            if p.attn in ("source", "reindex"):
+                total += batch * -(-width // share) * c.index_head_dim * act_bytes  # index keys scored
+    return total
+
+
+def weight_bytes(plan: BundlePlan, batch: int) -> int:
+    """Device weight bytes a rank reads a decode step: every stack but the draft's and the embedding
+    table, of which the step's `batch` rows."""
+    regions = plan.regions
+    on_rank = plan.device_weights(rank_key(0))
+    total = 0
+    for kind, n in on_rank.items():
+        if regions.kinds[kind].slot == "embed":
+            total += batch * n // plan.spec.model.text.vocab_size
+        elif kind not in regions.draft_kinds:
+            total += n
+    return total
+
+
+def collective_bytes(c: TextConfig, topo: Topology, batch: int, act_bytes: int, context: int) -> dict[str, int]:
+    """Bytes one rank sends a decode step, by collective (runtime/ranks.Comm's), summed over the
+    layers: `batch` sequences per token group at a `context`-position bucket.
+
+        tp all-reduce            float32 partial streams [B, n, D] after every attention
+        ep all-reduce            float32 partial streams after every MoE (tokens replicated)
+        ep dispatch all-gather   packed rows (h in the activation dtype, pre, is_image) once a layer
+        ep combine reduce-scat.  float32 partials of every rank's rows
+        logits all-gather        the rank's float32 slice of the vocabulary [B, head rows]
+        cp ...                   the divided attention's merges (`divided_merges`)
+    """
+    layers, n, D = c.num_hidden_layers, c.hc_mult, c.hidden_size
+    streams = batch * n * D * F32
+    out: dict[str, int] = {}
+    if topo.tp > 1:
+        out["tp all-reduce"] = layers * streams
+    if topo.dispatch:
+        out["ep dispatch all-gather"] = layers * batch * (n * D * act_bytes + n * F32 + 1)
+        out["ep combine reduce-scatter"] = layers * topo.world * streams
+    elif topo.ep > 1:
+        out["ep all-reduce"] = layers * streams
+    if topo.world > 1:
+        out[LOGITS] = batch * head_rows(c, topo) * F32
+    if topo.cp > 1:
+        out.update(divided_merges(c, topo.tp, batch, act_bytes, context))
+    return out
+
+
+def divided_merges(c: TextConfig, tp: int, batch: int, act_bytes: int, context: int) -> dict[str, int]:
+    """The divided attention's merges (runtime/ranks.Comm.topk, .blocks, .attention): bytes one cp
+    rank sends a decode step. Selection: every index layer's K best (score in the activation dtype,
+    int64 global index) [B, K], and on the candidate source its N best blocks the same way; attention:
+    every compressed layer's float32 softmax max [B, H] and its numerator and sum [B, H, hd + 1]."""
+    heads = c.num_attention_heads // tp
+    pair = act_bytes + INDEX
+    select = maxima = reduce = 0
+    for layer in range(c.num_hidden_layers):
+        ratio = c.compress_ratios[layer]
+        if not ratio:
+            continue
+        maxima += batch * heads * F32
+        reduce += batch * heads * (c.head_dim + 1) * F32
+        width = context // ratio  # Wc
+        if c.layer_kind(layer) in ("source", "reindex"):
+            select += batch * min(c.index_topk, width) * pair
+        if layer == c.candidate_source_layer_id:
+            select += batch * min(c.candidate_topk_blocks, -(-width // c.candidate_block_size)) * pair
+    return {
+        "cp selection all-gather": select,
+        "cp attention max all-gather": maxima,
+        "cp attention all-reduce": reduce,
+    }
+
+
+def link_bytes(name: str, sent: int, topo: Topology) -> int:
+    """Bytes a collective puts on a rank's links: an all-gather brings in (group - 1) times what each
+    rank sends, a ring all-reduce or reduce-scatter moves about twice its payload."""
+    if "all-gather" not in name:
+        return 2 * sent
+    group = topo.cp if name.startswith("cp") else topo.group_size if name == LOGITS else topo.world
+    return (group - 1) * sent
+
+
+def stream_bytes(c: TextConfig, batch: int, act_bytes: int) -> int:
+    """The streams one execution takes and gives: h [B, n, D] and pre [B, n] float32."""
+    return batch * c.hc_mult * (c.hidden_size * act_bytes + F32)
+
+
+def host_inputs(c: TextConfig, batch: int, act_bytes: int, *, device_embedding: bool, engram_layers: int) -> int:
+    """Host input bytes a decode step changes (the runtime writes one only when its bytes change):
+    token ids (or, looked up on the host, the embedded streams [B, n, D]), positions, and each engram
+    layer's hashed rows (fp8 [B, heads, hd] and their ue8m0 scales [B, heads, hd / 32]). Slots,
+    block tables and masks change when a sequence starts or takes a block."""
+    tokens = INDEX if device_embedding else c.hc_mult * c.hidden_size * act_bytes
+    rows = c.engram_hash_heads * (c.engram_head_dim + -(-c.engram_head_dim // 32))
+    return batch * (tokens + INDEX + engram_layers * rows)
+
+
+def in_executables(counts: dict[str, int], n: int) -> dict[str, int]:
+    """How many calls of each collective the executables hold when they hold `n` (GRAPH_ORDER)."""
+    out = {}
+    for name in sorted(counts, key=GRAPH_ORDER.index):
+        out[name] = min(counts[name], n)
+        n -= out[name]
+    return out
+
+
+def lower_bound(
+    figures: dict[str, Figure],
+    dtype: str,
+    *,
+    bytes_read: int,
+    flops: int,
+    executions: int,
+    in_graph: int,
+    link: int,
+    on_host: int,
+    host_device: int,
+) -> dict[str, float]:
+    """A step's lower-bound time and its terms, in ms: memory and compute (`dtype`'s peak; an fp8
+    Tensor Engine's beside it), collective links, latency, and the estimate."""
+    v = {name: f.value for name, f in figures.items()}
+    memory = bytes_read / v["hbm_bytes_per_s"]
+    compute = flops / v[f"{dtype}_flops_per_s"]
+    links = link / v["link_bytes_per_s"]
+    latency = (
+        in_graph * v["collective_s"]
+        + links
+        + on_host * v["host_collective_s"]
+        + executions * v["launch_s"]
+        + host_device / v["host_link_bytes_per_s"]
+    )
+    return {
+        "memory_ms": memory * 1e3,
+        "compute_ms": compute * 1e3,
+        "compute_fp8_ms": flops / v["fp8_flops_per_s"] * 1e3,
+        "collective_link_ms": links * 1e3,
+        "latency_ms": latency * 1e3,
+        "estimated_ms": (max(memory, compute) + latency) * 1e3,
+    }
+
+
+# -- a plan's step ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One rank's decode step at one bucket (every figure per rank and step)."""
+
+    batch: int
+    context: int
+    weight_bytes: int
+    state_bytes: int
+    flops: int
+    flops_by_part: dict[str, int]
+    executions: int
+    collectives: int
+    collectives_by_name: dict[str, int]
+    collectives_in_executables: int
+    collective_bytes: dict[str, int]  # sent, by collective
+    collective_link_bytes: int  # of the collectives in the executables
+    host_device_bytes: int
+    host_device_by_part: dict[str, int]
+    memory_ms: float
+    compute_ms: float
+    compute_fp8_ms: float
+    collective_link_ms: float
+    latency_ms: float
+    estimated_ms: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def figures_of(plan: BundlePlan) -> dict[str, Figure]:
+    """The plan target's hardware figures; a target without them has no step cost model."""
+    figures = plan.spec.target.step_figures()
+    if figures is None:
+        raise config_error(
+            plan.spec.config,
+            "target",
+            "name",
+            f"{plan.spec.target.name} gives no hardware figures for the decode step's cost model, "
+            'which models trn2 ([target] name = "trn2")',
+        )
+    return figures
+
+
+def step_cost(plan: BundlePlan, batch: int, context: int, per_step: dict | None = None) -> StepCost:
+    """One rank's decode step at `batch` sequences of a `context`-position bucket; executions and
+    collectives as `per_step` counts them (default: the plan's own, BundlePlan.per_step)."""
+    figures = figures_of(plan)
+    spec = plan.spec
+    c, topo, act = spec.model.text, spec.topology, spec.dtype.itemsize
+    per_step = plan.per_step if per_step is None else per_step
+    layers = plan.regions.layers
+    flops = step_flops(c, layers, topo, batch, context)
+    weights, state = weight_bytes(plan, batch), state_bytes(c, layers, batch, context, act, topo.cp)
+    counts, executions = per_step["collectives_by_name"], per_step["executions"]
+    sent = collective_bytes(c, topo, batch, act, context)
+    graph = in_executables(counts, per_step["collectives_in_executables"])
+    link = sum(link_bytes(name, sent[name] * k // counts[name], topo) for name, k in graph.items())
+    host = {name: counts[name] - graph[name] for name in counts if counts[name] > graph[name]}
+    engram = sum(p.engram_rows > 0 for p in layers)
+    moved = {
+        "inputs": host_inputs(c, batch, act, device_embedding=spec.device_embedding, engram_layers=engram),
+        "logits": batch * head_rows(c, topo) * F32,
+    }
+    if set(host) - {LOGITS}:  # activations visit the host for its collectives
+        moved["streams"] = executions * 2 * stream_bytes(c, batch, act)
+        moved["collectives"] = 2 * sum(sent[name] * k // counts[name] for name, k in host.items() if name != LOGITS)
+    times = lower_bound(
+        figures,
+        spec.config.model.dtype,
+        bytes_read=weights + state,
+        flops=sum(flops.values()),
+        executions=executions,
+        in_graph=sum(graph.values()),
+        link=link,
+        on_host=sum(host.values()),
+        host_device=sum(moved.values()),
+    )
+    return StepCost(
+        batch=batch,
+        context=context,
+        weight_bytes=weights,
+        state_bytes=state,
+        flops=sum(flops.values()),
+        flops_by_part=flops,
+        executions=executions,
+        collectives=sum(counts.values()),
+        collectives_by_name=dict(counts),
+        collectives_in_executables=sum(graph.values()),
+        collective_bytes={name: sent[name] for name in counts},
+        collective_link_bytes=link,
+        host_device_bytes=sum(moved.values()),
+        host_device_by_part=moved,
+        **times,
+    )
+
+
+def decode_buckets(plan: BundlePlan) -> list[tuple[int, int]]:
+    """(batch, context) of every decode bucket of the plan."""
+    b = plan.spec.config.buckets
+    return [(batch, context) for batch in b.batch for context in b.contexts]
+
+
+def report(plan: BundlePlan) -> dict | None:
+    """`deepinfer plan --json`'s "step_cost": the constants and one entry per decode bucket; None
+    where the target gives no hardware figures."""
+    figures = plan.spec.target.step_figures()
+    if figures is None:
+        return None
+    return {
+        "per": "rank and decode step",
+        "constants": {name: asdict(f) for name, f in figures.items()},
+        "buckets": [step_cost(plan, b, ctx).to_dict() for b, ctx in decode_buckets(plan)],
+    }
+
+
+def lines(plan: BundlePlan) -> list[str]:
+    """The plan's text: one column per decode bucket, then the constants."""
+    target = plan.spec.target
+    figures = target.step_figures()
+    if figures is None:
+        return [f"decode step cost: modelled for trn2 only (target {target.name} gives no hardware figures)"]
+    costs = [step_cost(plan, b, ctx) for b, ctx in decode_buckets(plan)]
+    rows = [
+        ("weight bytes read", lambda s: human(s.weight_bytes)),
+        ("state bytes read", lambda s: human(s.state_bytes)),
+        ("FLOPs", lambda s: f"{s.flops / 1e9:,.2f} G"),
+        ("executions", lambda s: f"{s.executions}"),
+        ("collectives (in executables)", lambda s: f"{s.collectives} ({s.collectives_in_executables})"),
+        ("collective bytes sent", lambda s: human(sum(s.collective_bytes.values()))),
+        ("host<->device bytes", lambda s: human(s.host_device_bytes)),
+        ("memory time (ms)", lambda s: f"{s.memory_ms:.2f}"),
+        (f"compute time at {plan.spec.config.model.dtype} peak (ms)", lambda s: f"{s.compute_ms:.2f}"),
+        ("latency terms (ms)", lambda s: f"{s.latency_ms:.2f}"),
+        ("estimate, a lower bound (ms)", lambda s: f"{s.estimated_ms:.2f}"),
+    ]
+    out = [
+        f"decode step per rank, modelled for trn2 at LNC {target.lnc} (max(memory, compute) + latency terms; "
+        "nothing measured):",
+        f"  {'batch x context':<38}" + "".join(f"{f'{s.batch} x {s.context:,}':>18}" for s in costs),
+    ]
+    out += [f"  {label:<38}" + "".join(f"{cell(s):>18}" for s in costs) for label, cell in rows]
+    out.append("  constants (per rank):")
+    out += [f"    {name:<22} {f.value:g} {f.unit} ({f.status}: {f.source})" for name, f in figures.items()]
+    return out

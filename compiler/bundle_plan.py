@@ -38,7 +38,7 @@ import gc
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from deepinfer.bundles import layout
@@ -85,6 +85,9 @@ class BundlePlan:
     scratch: dict[str, int] | None  # graph -> scratch bytes (None: none known)
     recorded: tuple[str, ...]  # the graphs whose scratch came from the cache's trace records
     seconds: float
+    # what the bundle holds: `executables` (the per-region graphs, whose scratch is traced), or with
+    # fused layers (trn2, compiler/layers.py) one per layer kind and bucket in place of its regions'
+    built: list[Exe] = field(default_factory=list)
 
     # -- figures ---------------------------------------------------------------------------------
 
@@ -109,8 +112,11 @@ class BundlePlan:
             counts[name] = counts.get(name, 0) + n
 
         methods = {k: sorted({e[1] for e in self.executables if e[0] == k}) for k in self.regions.kinds}
+        fused = self.spec.fused
         for p in self.regions.layers:
-            for slot, (kind, _) in self.regions.bindings[p.layer].items():
+            if fused:  # the layer's regions and their collectives in one executable
+                add(calls, "layer")
+            for slot, (kind, _) in self.regions.bindings[p.layer].items() if not fused else ():
                 add(calls, slot, len(methods[kind]))
             if topo.tp > 1:
                 add(collectives, "tp all-reduce")
@@ -128,7 +134,9 @@ class BundlePlan:
         if topo.world > 1:
             add(collectives, "logits all-gather")
         in_graph = 0
-        if self.spec.target.graph_collectives:
+        if fused:  # every collective but the logits' gather (the host samples)
+            in_graph = sum(collectives.values()) - collectives.get("logits all-gather", 0)
+        elif self.spec.target.graph_collectives:
             in_graph = sum(
                 bool(boundary_reduce(kind, DECODE, topo))
                 for p in self.regions.layers
@@ -235,13 +243,16 @@ class BundlePlan:
             ],
             "kinds": kinds,
             "executables": {
-                "count": len(self.executables),
+                "count": len(self.built),
                 "kinds": len(self.regions.kinds),
-                "methods": sorted({e[1] for e in self.executables}),
+                "methods": sorted({e[1] for e in self.built}),
                 "buckets": [list(s) for s in c.buckets.shapes()],
-                "names": [layout.executable_name(*e) for e in self.executables],
+                "names": [layout.executable_name(*e) for e in self.built],
+                "fused_layers": {lk.name: list(lk.layers) for lk in self.regions.fused_kinds().values()}
+                if self.spec.fused
+                else None,
             },
-            "compile_jobs": len(self.executables),
+            "compile_jobs": len(self.built),
             "per_decode_step": self.per_step,
             "step_cost": step_cost.report(self),
             "weights": {
@@ -313,7 +324,14 @@ class BundlePlan:
             )
             + f"x {len(shapes)} buckets"
             + (f" ({drafted} draft calls at the {len(c.buckets.batch)} batch buckets only)" if drafted else "")
-            + f" = {len(self.executables)}; compile jobs: {len(self.executables)} (a cache hit skips one)",
+            + f" = {len(self.executables)}"
+            + (
+                f"; fused (trn2): one executable a layer, {len(self.regions.fused_kinds())} layer kinds, "
+                f"their regions and collectives inside: {len(self.built)} executables"
+                if self.spec.fused
+                else ""
+            )
+            + f"; compile jobs: {len(self.built)} (a cache hit skips one)",
             "  buckets (batch x tokens): "
             + ", ".join(f"{b}x{tk}" for b, tk in shapes)
             + ("; the MoE runs on the gathered rows (EP dispatch)" if topo.dispatch else ""),
@@ -394,7 +412,7 @@ class BundlePlan:
         out += [
             "",
             f"bundle on disk: {human(self.bundle_bytes)} of weights and host files in {len(self.files)} files "
-            f"(+ {len(self.executables)} executables, sized when compiled)",
+            f"(+ {len(self.built)} executables, sized when compiled)",
         ]
         return out
 
@@ -523,7 +541,7 @@ def plan_bundle(
     files = {PurePosixPath(f.path).relative_to(BUNDLE).as_posix(): f.layout()[2] for f in planned}
     rank_files = {rank: tuple(s.path for s in entries if s.path) for rank, entries in stacks.items()}
     shared = tuple(dict.fromkeys(s.shared for entries in stacks.values() for s in entries if s.shared))
-    executables = spec.executables(regions)
+    executables = spec.region_executables(regions)
     unknown = sorted(set(kinds or ()) - set(regions.kinds))
     if unknown:
         raise ConfigError(f"no region kind {unknown[0]!r} in this model; its kinds: {', '.join(regions.kinds)}")
@@ -545,4 +563,5 @@ def plan_bundle(
         traced,
         tuple(known),
         time.perf_counter() - start,
+        spec.executables(regions),
     )

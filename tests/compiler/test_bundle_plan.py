@@ -66,11 +66,11 @@ def test_release_config_validates():
 def test_release_layer_plan_and_executables(release):
     d = release
     assert {k: v["layers"] for k, v in d["kinds"].items()} == {"embed": [-1], **RELEASE_KINDS}
-    # 10 kinds (the layers' and the head's, and the embedding on the device: [host] embedding = false)
-    # x 4 buckets; at CP = 64 the compressed attention kinds run as stages (regions/divided.py): select,
-    # attend, output for the three that select, attend and output for the two reuse kinds, decode for
-    # the other five; EP = CP = 64 is one token group: the MoE is not gathered
-    assert d["executables"]["count"] == d["compile_jobs"] == (5 + 3 * 3 + 2 * 2) * 4
+    # trn2 fuses each layer's regions (compiler/layers.py): one executable per layer kind (its attention
+    # kind and whether it has an engram) x 4 buckets, and the embedding's and the head's
+    layer_kinds = {(l["regions"]["attn"], l["engram"]) for l in d["layers"]}
+    assert len(layer_kinds) == len(d["executables"]["fused_layers"]) == 8
+    assert d["executables"]["count"] == d["compile_jobs"] == (len(layer_kinds) + 2) * 4
     assert d["topology"] == {"tp": 1, "ep": 64, "cp": 64, "world_size": 64, "groups": 1}
     assert d["checkpoint"]["source"].startswith("config.json only")
 
@@ -174,7 +174,9 @@ def test_plan_cli_prints_the_full_plan():
     for line in (
         "layer plan: 40 layers -> 10 region kinds",
         "10 kinds, 18 (kind, method) calls (the 5 compressed attention kinds as their divided stages) x 4 "
-        "buckets = 72; compile jobs: 72",
+        "buckets = 72; fused (trn2): one executable a layer, 8 layer kinds, their regions and collectives "
+        "inside: 40 executables; compile jobs: 40",
+        "per decode step and rank: 42 device executions (1 embed, 40 layer, 1 head)",
         "head: vocabulary 129,280 over the token group's 64 rank(s), 2,048 rows each (1,792 zero rows of "
         "padding), 40.01 MiB per rank",
         "state pools (7):",
@@ -413,7 +415,7 @@ def test_release_geometry_holds_every_region_kind_of_the_release():
         assert [s.shape for s in small.kinds[kind].region.specs] == [s.shape for s in kp.region.specs], kind
 
 
-def test_release_plan_counts_a_decode_steps_executions_and_collectives(release):
+def test_release_plan_counts_a_decode_steps_executions_and_collectives(release, tmp_path):
     """Per decode step at EP = CP = 64: the embed region, one call per window layer, the divided
     stages of every compressed layer (select, attend, output where it selects; attend, output where it
     reuses), every MoE, the engram layers and the head; the MoE all-reduce per layer, the selection
@@ -422,15 +424,20 @@ def test_release_plan_counts_a_decode_steps_executions_and_collectives(release):
     layers = range(t.num_hidden_layers)
     kinds = [t.layer_kind(i) for i in layers]
     attention = sum({"window": 1, "source": 3, "reindex": 3, "reuse": 2}[k] for k in kinds)
-    step = release["per_decode_step"]
-    assert step["executions_by_slot"] == {
+    step = release["per_decode_step"]  # trn2 fuses layers: one execution a layer (issue 29: at most 42)
+    assert step["executions_by_slot"] == {"embed": 1, "layer": len(layers), "head": 1}
+    assert step["executions"] == 1 + len(layers) + 1 == 42
+    per_region = _plan_json(tmp_path, 'options = { lnc = 2, layers = "regions" }')["per_decode_step"]
+    assert per_region["executions_by_slot"] == {
         "embed": 1,
         "attn": attention,
         "moe": len(layers),
         "engram": len(t.engram_layer_ids),
         "head": 1,
     }
-    assert step["executions"] == 1 + attention + len(layers) + len(t.engram_layer_ids) + 1 == 130
+    assert per_region["executions"] == 1 + attention + len(layers) + len(t.engram_layer_ids) + 1 == 130
+    assert per_region["collectives_by_name"] == step["collectives_by_name"]
+    assert per_region["collectives_in_executables"] == 0  # per region: host collectives by default
     compressed = sum(k != "window" for k in kinds)
     selecting = sum(k in ("source", "reindex") for k in kinds)
     assert step["collectives_by_name"] == {
@@ -440,4 +447,16 @@ def test_release_plan_counts_a_decode_steps_executions_and_collectives(release):
         "cp attention all-reduce": compressed,
         "logits all-gather": 1,
     }
-    assert step["collectives_in_executables"] == 0  # the example keeps host collectives
+    assert step["collectives_in_executables"] == step["collectives"] - 1  # all but the logits' gather
+
+
+def _plan_json(tmp_path, options: str) -> dict:
+    """`deepinfer plan --json --no-scratch` of the release example with its [target] options replaced."""
+    text = RELEASE.read_text().replace("options = { lnc = 2 }", options)
+    text = text.replace('checkpoint = "."', f'checkpoint = "{RELEASE.parent.resolve()}"')
+    assert options in text and str(RELEASE.parent.resolve()) in text
+    toml = tmp_path / "model.toml"
+    toml.write_text(text)
+    r = CliRunner().invoke(main, ["plan", str(toml), "--json", "--no-scratch"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)

@@ -29,8 +29,27 @@ V, EP, CP = 129280, 64, 64
 
 
 @pytest.fixture(scope="module")
-def plan():
+def plan(tmp_path_factory):
+    """The release's plan in the per-region form with host collectives (`layers = "regions"`: 130
+    executions, 126 collectives on the host); the example itself fuses layers (`fused_plan`)."""
+    return plan_bundle(
+        load_compile_config(_release_toml(tmp_path_factory, 'options = { lnc = 2, layers = "regions" }')), scratch=False
+    )
+
+
+@pytest.fixture(scope="module")
+def fused_plan():
     return plan_bundle(load_compile_config(RELEASE), scratch=False)
+
+
+def _release_toml(tmp_path_factory, options: str) -> Path:
+    """The release example with its [target] options replaced, its checkpoint path absolute."""
+    text = RELEASE.read_text().replace("options = { lnc = 2 }", options)
+    text = text.replace('checkpoint = "."', f'checkpoint = "{RELEASE.parent.resolve()}"')
+    assert options in text and str(RELEASE.parent.resolve()) in text
+    toml = tmp_path_factory.mktemp("release") / "model.toml"
+    toml.write_text(text)
+    return toml
 
 
 def hand_count(ratio: int, *, source: bool, index: bool, engram: bool) -> int:
@@ -111,6 +130,18 @@ def test_host_bytes_follow_per_step(plan):
     assert moe == 40 * N * D * 4  # float32 partial streams after every MoE
     assert graph.host_device_by_part["collectives"] == today.host_device_by_part["collectives"] - 2 * moe
     assert graph.collective_link_bytes == 2 * moe  # a ring all-reduce moves twice its payload
+
+
+def test_the_release_as_planned_runs_a_layer_in_one_execution(fused_plan):
+    """The example as it is (trn2 fuses layers, compiler/layers.py): 42 executions a step (issue 29's
+    ceiling), every collective but the logits' gather inside them, so only the step's inputs go down
+    and the rank's logits slice comes back; the bound within issue 29's 21 ms at batch 1."""
+    step = fused_plan.per_step
+    assert step["executions"] == 42 and step["collectives_in_executables"] == step["collectives"] - 1
+    inputs = 8 + 8 + 2 * ENGRAM_HEADS * (ENGRAM_HD + ENGRAM_HD // 32)
+    cost = step_cost.step_cost(fused_plan, 1, CONTEXT)
+    assert cost.host_device_by_part == {"inputs": inputs, "logits": 2048 * 4}
+    assert cost.estimated_ms <= 21
 
 
 def test_plan_text_and_json_carry_the_step_cost(plan):

@@ -453,7 +453,7 @@ def test_wide_sort_is_refused_naming_region_and_op(tmp_path):
         entry=entry,
     )
     with pytest.raises(hlo.LoweringError) as err:
-        emit(types.SimpleNamespace(target=target), graph, tmp_path / "s.hlo.pb")
+        emit(types.SimpleNamespace(target=target, topology=Topology()), graph, tmp_path / "s.hlo.pb")
     message = str(err.value)
     assert "\n" not in message and message.startswith("region select.decode.b2t1: ")
     assert "holds a sort over 40000 entries" in message and not (tmp_path / "s.hlo.pb").exists()

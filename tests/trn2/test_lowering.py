@@ -24,6 +24,7 @@ pytest.importorskip("jax", reason="the trn2 lowering needs the [trn2] extra (jax
 from jax._src.lib import xla_client
 
 from deepinfer.bundles import manifest as mf
+from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.finish import finish_bundle
 from deepinfer.compiler.plan import plan_regions
 from deepinfer.compiler.targets import hlo, neuronxcc

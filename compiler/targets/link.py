@@ -144,18 +144,20 @@ def _splice(module, step: Call, env: dict, anchor, where: str) -> list:
     body = funcs[0].regions[0].blocks[0]
     if len(body.arguments) != len(step.args):
         raise LoweringError(f"{where}: @main takes {len(body.arguments)} parameters, {len(step.args)} were named")
-    for arg, name in zip(body.arguments, step.args):
-        value = env.get(name)
-        if value is None:
-            raise LoweringError(f"{where}: no value named {name!r} before it")
-        if value.type != arg.type:
-            raise LoweringError(f"{where}: {name} is {value.type}, the piece takes {arg.type}")
-        arg.replace_all_uses_with(value)
     ops = list(body.operations)
     ret = ops[-1]
     outs = list(ret.operands)
     if len(outs) != len(step.results):
         raise LoweringError(f"{where}: @main returns {len(outs)} results, {len(step.results)} were named")
+    for arg, name in zip(body.arguments, step.args):  # every check before anything moves: the IR of
+        # two modules tied together half way would outlive neither safely
+        value = env.get(name)
+        if value is None:
+            raise LoweringError(f"{where}: no value named {name!r} before it")
+        if value.type != arg.type:
+            raise LoweringError(f"{where}: {name} is {value.type}, the piece takes {arg.type}")
+    for arg, name in zip(body.arguments, step.args):
+        arg.replace_all_uses_with(env[name])
     for op in ops[:-1]:
         op.move_before(anchor)
     funcs[0].operation.erase()  # its return's uses of the moved values go before the module does

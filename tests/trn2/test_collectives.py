@@ -1,8 +1,8 @@
 """Collectives inside the HLO modules (issue 29, first part): a region's boundary all-reduce written
 into its module (hlo.finish_module's `reduce`) and run on N replicas of XLA:CPU, one CPU device a
 rank, against the host-collective path: each rank's region run eagerly and its partials summed, as
-runtime/ranks.Comm.after does over gloo. The MoE's (cp = ep = 2) is checked the same way by the
-compile itself (Trn2Target.check_numerics on replicas) in the bundle test below."""
+runtime/ranks.Comm.after does over gloo. A fused layer's collectives (compiler/layers.py) are checked
+the same way by the compile itself, in the bundle test below and in tests/trn2/test_layers.py."""
 
 from __future__ import annotations
 
@@ -106,29 +106,38 @@ def test_groups_partition_the_ranks_and_integers_are_refused(tmp_path, tiny_ckpt
 
 
 @pytest.mark.slow
-def test_hlo_bundle_holds_the_all_reduce_and_checks_it_on_replicas(tmp_path_factory, tiny_ckpt):
-    """deepinfer-compile --hlo-only of the tiny model for trn2 at cp = ep = 2 with collectives in the
-    graph: each MoE module sums its stream over both ranks (one all-reduce, recorded in the manifest
-    as `reduced`) and passed its check on two XLA:CPU replicas; no other module holds a collective."""
+def test_hlo_bundle_fuses_each_layer_with_its_collectives(tmp_path_factory, tiny_ckpt):
+    """deepinfer-compile --hlo-only of the tiny model for trn2 at ep = 2 (EP dispatch: two token groups
+    of one rank each): one module per layer kind and bucket (compiler/layers.py), every layer bound to
+    one (the manifest's `fused`), each holding the dispatch's three all-gathers and the combine's
+    reduce-scatter over both ranks, recorded in its entry, and checked on two XLA:CPU replicas against
+    its ops run eagerly with host collectives; the embedding and the head hold none."""
     bundle = _compile_tiny(
         tmp_path_factory,
-        "trn2-graph-collectives",
+        "trn2-fused-ep2",
         tiny_ckpt,
         executable="neff",
         tokens=[1],
         target="trn2",
-        options='{ lnc = 1, collectives = "graph" }',
+        options="{ lnc = 1 }",
         hlo_only=True,
-        num_blocks=5,
-        parallel=(1, 2, 2),
+        parallel=(1, 2, 1),
     )
     m = json.loads((bundle / "manifest.json").read_text())
-    moe = [e for e in m["regions"] if e["kind"] == "moe"]
-    assert moe and all(e["reduced"] == {"h": [[0, 1]]} and e["check"]["score"] <= 1e-5 for e in moe)
+    fused = {e["kind"] for e in m["regions"] if e["kind"].startswith("layer_")}
+    assert {l["fused"] for l in m["layers"]} == fused and len(fused) >= 4
     for e in m["regions"]:
-        entry = xla_client.XlaComputation((bundle / e["artifact"]).read_bytes()).as_hlo_text()
-        assert entry.count(" all-reduce(") == (1 if e["kind"] == "moe" else 0), e["kind"]
-        assert (e.get("reduced") is not None) == (e["kind"] == "moe")
+        text = xla_client.XlaComputation((bundle / e["artifact"]).read_bytes()).as_hlo_text()
+        counts = [text.count(f" {op}(") for op in ("all-gather", "reduce-scatter", "all-reduce")]
+        if e["kind"] in fused:
+            assert counts == [3, 1, 0], e["kind"]
+            assert [(c["op"], c["value"], c["groups"]) for c in e["collectives"]] == [
+                *((("all_gather", v, [[0, 1]]) for v in ("h", "pre", "is_image"))),
+                ("reduce_scatter", "h_part", [[0, 1]]),
+            ]
+            assert e["check"]["replicas"] == 2 and 0 < e["check"]["max_abs"] and e["check"]["score"] <= 1e-5
+        else:
+            assert counts == [0, 0, 0] and e["kind"] in ("embed", "head") and not e.get("collectives")
 
 
 def test_a_reduced_float32_sum_leaves_in_the_streams_dtype():

@@ -122,7 +122,7 @@ def boundary_reduce(kind: str, method: str, topo: Topology) -> dict[str, list[li
     replica groups}; what runtime/ranks.Comm.after does on the host: the attention's partial
     streams over each tp group, the MoE's over the token group when tokens are replicated in it
     (ep = tp * cp). EP dispatch (token groups of one) moves rows instead; it stays on the host."""
-    if method != "decode":
+    if method not in ("decode", "output"):  # the divided attention's last stage ends the region
         return {}
     if kind.startswith("attn") and topo.tp > 1:
         return {"h": topo.tp_groups()}

@@ -109,6 +109,7 @@ class HostTables:
 
 
 Binding = tuple[str, list]  # (kind, weight views and the rank in the executable's input order)
+BOUNDARY_METHODS = (mf.DECODE, "output")  # the methods whose outputs cross a region boundary (Comm.after)
 LAYER_SLOT = "layer"  # a fused layer's binding: its one executable (manifest Layer.fused)
 
 
@@ -216,7 +217,9 @@ class Executor:
             stats.calls[name] += 1
             stats.seconds[name] += t2 - t1
             stats.overhead += t1 - t0
-            if comm is None or method != mf.DECODE or (kind, method) in reduced:  # reduced: summed in the graph
+            # a region's streams leave `decode` (or the divided attention's last stage, `output`) as
+            # partials to sum over ranks; reduced: summed in the graph
+            if comm is None or method not in BOUNDARY_METHODS or (kind, method) in reduced:
                 return out
             return comm.after(slot, out, self.dtype)
 

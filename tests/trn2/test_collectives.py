@@ -132,7 +132,7 @@ def test_hlo_bundle_fuses_each_layer_with_its_collectives(tmp_path_factory, tiny
         if e["kind"] in fused:
             assert counts == [3, 1, 0], e["kind"]
             assert [(c["op"], c["value"], c["groups"]) for c in e["collectives"]] == [
-                *((("all_gather", v, [[0, 1]]) for v in ("h", "pre", "is_image"))),
+                *(("all_gather", v, [[0, 1]]) for v in ("h", "pre", "is_image")),
                 ("reduce_scatter", "h_part", [[0, 1]]),
             ]
             assert e["check"]["replicas"] == 2 and 0 < e["check"]["max_abs"] and e["check"]["score"] <= 1e-5

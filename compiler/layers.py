@@ -81,7 +81,8 @@ Op = Run | Glue | Collective
 
 def own_rows(x: torch.Tensor, rank: torch.Tensor, world: int) -> torch.Tensor:
     """Rows [world * B, ...] of every rank -> this rank's B rows (rank-major, as the gather made them)."""
-    return x.view(world, x.shape[0] // world, *x.shape[1:])[rank.clamp(0, world - 1)]
+    rows = x.view(world, x.shape[0] // world, *x.shape[1:])
+    return torch.index_select(rows, 0, rank.clamp(0, world - 1).reshape(1)).squeeze(0)  # a gather in HLO
 
 
 GLUE: dict[str, Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]] = {
@@ -198,7 +199,6 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
     rank: InputSpec | None = None
     inputs: dict[str, InputSpec] = {}
     made: set[str] = set()
-    roles: dict[str, str] = {}
     pieces: dict[str, str] = {}
     graphs: dict[str, Graph] = {}
     steps: list = []
@@ -219,13 +219,13 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
                     name = "rank" if s.role == "rank" else f"{op.slot}.{s.name}"
                     if s.role == "rank":
                         rank = InputSpec("rank", s.shape, getattr(torch, s.dtype), "rank")
+                        shapes["rank"] = (tuple(s.shape), rank.dtype)
                     elif name not in {w.name for w in weights}:
                         weights.append(InputSpec(name, s.shape, getattr(torch, s.dtype), "weight"))
                 else:
                     name = rename.get(s.name, s.name)
                     if name not in made and name not in inputs:
                         inputs[name] = InputSpec(name, s.shape, getattr(torch, s.dtype), s.role)
-                        roles[name] = s.role
                 args.append(name)
             state = _state_outputs(graph)
             named = dict(op.outputs)
@@ -235,6 +235,8 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
             for r, v in zip(results, _output_values(graph)):
                 shapes[r] = (tuple(v.shape), v.dtype)
         elif isinstance(op, Collective):
+            if op.src not in made and op.src not in inputs:  # a layer input moved first (EP dispatch's is_image)
+                inputs[op.src] = _layer_input(plan, lk, exe, spec, op.src)
             steps.append(op)
             made.add(op.dst)
             shapes[op.dst] = _collective_shape(op, *shapes_of(op.src, shapes, inputs))
@@ -260,6 +262,18 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
         outputs=outputs,
         ops=kind_ops,
     )
+
+
+def _layer_input(plan: RegionPlan, lk: LayerKind, exe: Exe, spec: Spec, name: str) -> InputSpec:
+    """The spec of layer input `name` at the layer's own bucket: as the first of its regions that takes it."""
+    geometry = spec.geometry_at(exe.context)
+    for _, kind in lk.slots:
+        region = plan.kinds[kind].region
+        for method in region.methods():
+            for s in region.method_inputs(method, exe.batch, exe.tokens, geometry):
+                if s.name == name:
+                    return s
+    raise hlo.LoweringError(f"no region of layer kind {lk.name} takes an input {name!r}")
 
 
 def shapes_of(name: str, shapes: dict, inputs: dict[str, InputSpec]) -> tuple[tuple[int, ...], torch.dtype]:

@@ -19,20 +19,24 @@ from deepinfer.regions.state import Geometry, InputSpec
 ITEMSIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}
 
 
+PAGED_INPUTS = ("ckv", "ikeys")  # the paged pools a block table indexes
+
+
 def example_inputs(specs: list[InputSpec], g: Geometry, *, start: int = 0, seed: int = 0) -> list[torch.Tensor]:
     """One tensor per spec. Row b holds positions start+b .. start+b+T-1 (b-th slot, own blocks)."""
     gen = torch.Generator().manual_seed(seed)
     by_name = {s.name: s for s in specs}
     B, T = by_name["h"].shape[:2] if "h" in by_name else (1, 1)
     positions = start + torch.arange(B).unsqueeze(1) + torch.arange(T)
+    pool_blocks = min((s.shape[0] for s in specs if s.name in PAGED_INPUTS), default=g.blocks)
     out = []
     for s in specs:
         if s.name == "positions":
             t = positions
         elif s.name == "slots":
             t = (1 + torch.arange(B)) % g.slots
-        elif s.name == "block_table":
-            t = (1 + torch.arange(B * s.shape[1]).view(B, -1)) % g.blocks
+        elif s.name == "block_table":  # ids of this rank's pools (its share of the blocks where cp divides them)
+            t = (1 + torch.arange(B * s.shape[1]).view(B, -1)) % pool_blocks
         elif s.name in ("rows", "rows_s"):  # engram table rows: fp8 codes, ue8m0 scales
             rng = np.random.default_rng(seed)
             values = stored_values(rng, s.name, "F8_E4M3" if s.name == "rows" else "F8_E8M0", math.prod(s.shape))

@@ -30,15 +30,7 @@ from deepinfer.runtime.neuron import (
 )
 from deepinfer.runtime.nrt import NeuronNumericalError, NeuronRuntimeError, NeuronRuntimeMissing
 
-
-def fake_model(path, inputs: dict, outputs: dict, copies: dict):
-    """A fake-model description for the double (NOT a NEFF): sizes in bytes, copies {output: input}."""
-    lines = ["FAKE_NRT_MODEL 1"]
-    lines += [f"input {n} {b}" for n, b in inputs.items()]
-    lines += [f"output {n} {b}" for n, b in outputs.items()]
-    lines += [f"copy {o} {i}" for o, i in copies.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+from .conftest import fake_model, fnv1a
 
 
 def test_struct_layouts_match_the_headers():
@@ -421,14 +413,6 @@ def test_outputs_without_a_copy_are_zero_filled(fake_nrt, tmp_path):
         z = DeviceTensor.from_torch(core, torch.tensor([9, 9], dtype=torch.int32), "z")
         model.execute([a], [y, z])
         assert y.to_torch(torch.int32, (2,)).tolist() == [3, 4] and z.to_torch(torch.int32, (2,)).tolist() == [0, 0]
-
-
-def fnv1a(data: bytes) -> str:
-    """The double's model identity (FNV-1a 64 of the NEFF bytes), as it logs it."""
-    h = 1469598103934665603
-    for b in data:
-        h = ((h ^ b) * 1099511628211) % (1 << 64)
-    return f"{h:016x}"
 
 
 def test_a_neff_with_collectives_is_loaded_for_its_rank(fake_nrt, tmp_path, monkeypatch):

@@ -132,17 +132,22 @@ class ArrivalWatch:
             key = MARKER_KEY.format(call=call, rank=r)
             at[r] = self.store.get(key).decode() if self.store.check([key]) else None
         missing = [r for r, w in at.items() if w is None]
-        elsewhere = {r: w for r, w in at.items() if w is not None and w != what}
-        waited = f"within {self.timeout_s:g} s"
         if missing:
-            who = ", ".join(map(str, missing))
-            return f"rank{'s' if len(missing) > 1 else ''} {who} did not arrive at collective call {call} ({what}) {waited}; {TIMEOUT_FIX}"
-        if elsewhere:
-            where = ", ".join(f"rank {r} at {w}" for r, w in at.items())
-            return f"the ranks are at different NEFFs at collective call {call} ({where}) and none completed; {TIMEOUT_FIX}"
+            return (
+                f"{rank_spans(missing)} did not arrive at collective call {call} ({what}) "
+                f"within {self.timeout_s:g} s; {TIMEOUT_FIX}"
+            )
+        if len(set(at.values())) > 1:
+            by_what: dict[str | None, list[int]] = {}
+            for r, w in at.items():
+                by_what.setdefault(w, []).append(r)
+            where = ", ".join(f"{w} on {rank_spans(rs)}" for w, rs in by_what.items())
+            return (
+                f"the ranks are at different NEFFs at collective call {call} ({where}), none completed; {TIMEOUT_FIX}"
+            )
         return (
-            f"every rank arrived at collective call {call} ({what}) and it did not complete {waited}: "
-            "libnrt or a device is stuck (see the Neuron runtime's log)"
+            f"every rank arrived at collective call {call} ({what}) and it did not complete within "
+            f"{self.timeout_s:g} s: libnrt or a device is stuck (see the Neuron runtime's log)"
         )
 
     def _end(self, message: str, *, shared: bool = True) -> None:
@@ -154,6 +159,18 @@ class ArrivalWatch:
             self.report(CollectiveTimeout(message))
         finally:
             os._exit(EXIT_STATUS)
+
+
+def rank_spans(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "ranks 0-2, 5"; [3] -> "rank 3" (64 ranks stay one short line)."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
 _WATCH: ArrivalWatch | None = None

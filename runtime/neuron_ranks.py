@@ -73,7 +73,7 @@ def share_root_comm(rank: int, world: int, host: str) -> str:
     users = {v for v in values if v is not None}
     if users:
         if len(set(values)) > 1:
-            held = ", ".join(f"{v or 'unset'} on rank{_plural(rs)} {_spans(rs)}" for v, rs in _by_value(values).items())
+            held = ", ".join(f"{v or 'unset'} on {arrival.rank_spans(rs)}" for v, rs in _by_value(values).items())
             raise RootCommError(
                 f"{ENV_ROOT_COMM} differs between the ranks ({held}); set the same <ip>:<port> on every "
                 "rank, or unset it on all and the leader picks one"
@@ -111,18 +111,3 @@ def _by_value(values: list) -> dict:
     for r, v in enumerate(values):
         out.setdefault(v, []).append(r)
     return out
-
-
-def _plural(ranks: list[int]) -> str:
-    return "s" if len(ranks) > 1 else ""
-
-
-def _spans(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5" (64 ranks stay one short line)."""
-    spans: list[list[int]] = []
-    for r in ranks:
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

@@ -294,8 +294,11 @@ def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, opt
 
 
 def _pool_bytes(executor: Executor) -> dict[str, int]:
-    """The bytes of each state pool this rank allocated."""
-    return {name: t.numel() * t.element_size() for name, t in executor.pools.items()}
+    """The bytes of each state pool this rank allocated (a host tensor, or on trn2 a device stack)."""
+    return {
+        name: t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.rows * t.row_bytes
+        for name, t in executor.pools.items()
+    }
 
 
 def _follower_main(rank: int, world: int, rendezvous: str, bundle: str, options: LoadOptions) -> None:

@@ -6,7 +6,9 @@ libnrt TEST DOUBLE (doubles/fake_nrt.c), which makes each rank wait for the othe
 directory and logs rank, world, root and model per call: it proves nothing about Trn2 collectives,
 only what the runtime asks of libnrt and what it does when a rank does not come.
 
-No test binds a port: the chosen one is only compared as a value (the double never listens on it).
+The leader's chooser asks the OS for a free port once (bind to port 0, then release); nothing here
+binds the port it names (the double never listens), so no test races for one. The session tests at
+the end compile a two-rank bundle (slow) and run it with deepinfer's own launcher.
 """
 
 from __future__ import annotations
@@ -15,19 +17,27 @@ import multiprocessing as mp
 import os
 import queue
 import re
+import stat
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from deepinfer.runtime import arrival, neuron_ranks
+from deepinfer.compiler.finish import finish_bundle
+from deepinfer.compiler.targets import neuronxcc
+from deepinfer.errors import DeepinferError
+from deepinfer.runtime import RunOptions, arrival, generate, neuron_ranks
+from deepinfer.runtime.bundle import open_bundle
 from deepinfer.runtime.neuron import DeviceTensor, NeuronCore, NeuronModel
 from deepinfer.runtime.nrt import ENV_ROOT_COMM
 from deepinfer.runtime.ranks import init
 
-from .conftest import fake_model, fnv1a
+from ..conftest import _compile_tiny
+from .conftest import STAND_IN, fake_model, fnv1a
 
 WORLD = 2
 START_S = 120  # a spawned rank imports torch: generous on a loaded 2-core machine
@@ -135,7 +145,7 @@ def test_only_a_trn2_bundle_with_collectives_in_its_neffs_is_prepared(monkeypatc
         assert not neuron_ranks.in_graph_collectives(manifest)
         neuron_ranks.prepare(manifest, 0, None, host=neuron_ranks.LOCAL_HOST, timeout_s=1)
         assert arrival._WATCH is None and ENV_ROOT_COMM not in os.environ
-    assert neuron_ranks._spans([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert arrival.rank_spans([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8" and arrival.rank_spans([3]) == "rank 3"
 
 
 # --- the bounded wait, on the libnrt double -------------------------------------------------------
@@ -172,8 +182,9 @@ def _neuron_rank(rank, world, rendezvous, env, models, executions, timeout_s, ou
 
 def _run_neuron_ranks(tmp_path, fake_nrt_path, models_of, *, hang=None, executions=2, timeout_s=2.0):
     """Two ranks of `_neuron_rank` (rank r loads `models_of(r)`) -> (events {rank: {kind: (message,
-    time)}}, procs, log paths). Waits until every rank is done, or one reported an error and the
-    ranks not frozen by the double have exited; never past START_S."""
+    time)}}, exit codes ("frozen" for a rank the double stopped), the ranks' double logs). Waits until
+    every rank is done, or one reported an error and the ranks not frozen have exited; never past
+    START_S, and every rank process is gone on return."""
     shared = tmp_path / "collectives"
     shared.mkdir()
     logs = [tmp_path / f"nrt-{r}.log" for r in range(WORLD)]
@@ -278,8 +289,107 @@ def test_ranks_at_different_neffs_end_the_run_with_one_line(tmp_path, fake_nrt_p
     assert exits == [arrival.EXIT_STATUS, arrival.EXIT_STATUS]
     messages = {events[r]["error"][0] for r in range(WORLD)}
     assert messages == {
-        "the ranks are at different NEFFs at collective call 2 (rank 0 at load of a.fake, rank 1 at load of "
-        f"b.fake) and none completed; {arrival.TIMEOUT_FIX}"
+        "the ranks are at different NEFFs at collective call 2 (load of a.fake on rank 0, load of b.fake on "
+        f"rank 1), none completed; {arrival.TIMEOUT_FIX}"
     }
     for r in range(WORLD):
         assert events[r]["error"][1] - events[r]["start"][1] < timeout_s + SLACK_S
+
+
+# --- a two-rank session on the doubles ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_rank_bundle(tmp_path_factory, tiny_ckpt) -> Path:
+    """The tiny model for trn2 at tp = 2 with collectives in the graph (each attention module sums its
+    partial streams over both ranks: `reduced`), HLO-stage, finished by the stand-in neuronx-cc (TEST
+    DOUBLE NEFFs)."""
+    bundle = _compile_tiny(
+        tmp_path_factory,
+        "trn2-tp2-graph",
+        tiny_ckpt,
+        executable="neff",
+        tokens=[1],
+        target="trn2",
+        options='{ lnc = 1, collectives = "graph" }',
+        hlo_only=True,
+        parallel=(2, 1, 1),
+    )
+    STAND_IN.chmod(STAND_IN.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    with pytest.MonkeyPatch.context() as mp_:
+        for var in (
+            "FAKE_NEURONX_CC_FAIL",
+            "FAKE_NEURONX_CC_SLEEP",
+            "FAKE_NEURONX_CC_VERSION",
+            "FAKE_NEURONX_CC_RECORD",
+        ):
+            mp_.delenv(var, raising=False)
+        mp_.setenv("FAKE_NEURONX_CC_PYTHON", sys.executable)
+        mp_.setenv(neuronxcc.ENV_COMPILER, str(STAND_IN))
+        finish_bundle(bundle, jobs=1, log=lambda msg: None)
+    return bundle
+
+
+@pytest.fixture
+def session_env(fake_nrt_path, tmp_path, monkeypatch) -> Path:
+    """What the rank processes inherit: the libnrt double, one log for both ranks (each collective line
+    names its rank), a shared directory to wait in, nothing of Neuron's set. Returns the log's path."""
+    (tmp_path / "collectives").mkdir()
+    monkeypatch.setenv("DEEPINFER_LIBNRT", str(fake_nrt_path))
+    monkeypatch.setenv("FAKE_NRT_LOG", str(tmp_path / "nrt.log"))
+    monkeypatch.setenv("FAKE_NRT_COLLECTIVES_DIR", str(tmp_path / "collectives"))
+    for var in (
+        ENV_ROOT_COMM,
+        "FAKE_NRT_HANG_RANK",
+        "FAKE_NRT_FAIL",
+        "NEURON_RT_VISIBLE_CORES",
+        "NEURON_LOGICAL_NC_CONFIG",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path / "nrt.log"
+
+
+@pytest.mark.slow
+def test_a_two_rank_session_runs_the_same_neffs_in_the_same_order(two_rank_bundle, session_env):
+    """deepinfer's own launcher (generate_ranks) runs both ranks on the doubles: each builds the
+    communicator under the leader's root, loads the attention NEFFs that hold collectives, and executes
+    them once per layer per step; the two ranks' collective calls match one for one."""
+    m = open_bundle(two_rank_bundle).manifest
+    reduced = {Path(e.artifact).name for e in m.regions if e.reduced}
+    assert reduced and all(n.startswith("attn") for n in reduced)
+    done = generate(two_rank_bundle, [[1, 5, 9]], RunOptions(max_new_tokens=2, collective_timeout_s=60, timeout_s=600))
+    assert done[0].error is None and len(done[0].tokens) == 5
+    calls = {r: _collective_calls_of(session_env, r) for r in range(WORLD)}
+    assert calls[0] == calls[1] and calls[0][0] == ("nrt_build_global_comm", "comm", "1")
+    loads = [c for c in calls[0] if c[0] == "nrt_load_collectives"]
+    assert len(loads) == len(reduced)
+    attention_layers = sum("attn" in layer.regions for layer in m.layers)
+    executes = [c for c in calls[0] if c[0] == "nrt_execute"]
+    assert len(executes) == attention_layers * done.stats.steps
+    roots = {re.search(r"root=(\S+)", ln).group(1) for ln in session_env.read_text().splitlines() if "root=" in ln}
+    assert len(roots) == 1 and roots.pop().startswith(f"{neuron_ranks.LOCAL_HOST}:")
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_arrives_ends_a_session_naming_it(two_rank_bundle, session_env, monkeypatch):
+    """The double freezes rank 1 at its first execution of a NEFF with collectives: generate_ranks
+    raises, within the collective timeout plus slack, the one line that names rank 1, and no rank
+    process is left."""
+    timeout_s = 3.0
+    loads = sum(1 for e in open_bundle(two_rank_bundle).manifest.regions if e.reduced)
+    monkeypatch.setenv("FAKE_NRT_HANG_RANK", f"1:{2 + loads}")  # past the set-up and the loads
+    start = time.monotonic()
+    with pytest.raises(
+        DeepinferError,
+        match=r"^rank 0: CollectiveTimeout: rank 1 did not arrive at collective call \d+ \(execute of attn",
+    ):
+        generate(
+            two_rank_bundle, [[1, 5, 9]], RunOptions(max_new_tokens=2, collective_timeout_s=timeout_s, timeout_s=600)
+        )
+    assert time.monotonic() - start < START_S
+    assert "FAKE_NRT_HANG_RANK" in session_env.read_text() and not mp.active_children()
+
+
+def _collective_calls_of(log: Path, rank: int) -> list[tuple[str, str, str]]:
+    """(function, model, call) of each completed collective call of `rank` in the shared log."""
+    return [(f, m, n) for f, r, m, n in _collective_calls(log) if r == str(rank)]

@@ -3,9 +3,9 @@
  *
  * It implements exactly the libnrt functions that deepinfer/runtime/nrt.py
  * binds, with the signatures of nrt/nrt.h, nrt/nrt_experimental.h and
- * nrt/nrt_version.h, so that tests/trn2/test_nrt_contract.py can check how
- * the binding calls the API (argument order, out-parameters, struct layouts,
- * status handling, call order). It runs no model and knows nothing about
+ * nrt/nrt_version.h, so that the tests in tests/trn2/ can check how the
+ * binding calls the API (argument order, out-parameters, struct layouts,
+ * status handling, call order, collective calls across rank processes). It runs no model and knows nothing about
  * Trainium: passing against it proves nothing about Trn2 behaviour or numerics.
  *
  * Every call is appended as one line "<function> <key=value ...> -> <status>"

@@ -14,6 +14,11 @@ to physical core k by setting NEURON_RT_VISIBLE_CORES=k when it is unset; the
 core is then index 0 among the visible ones, which is the index given to
 nrt_load and nrt_tensor_allocate. With `core=None` the environment decides and
 the first visible core is used. One process per NeuronCore.
+
+NEFFs that hold collectives (loaded for a rank of a world) wait inside libnrt for every rank: the
+process's communicator is built once before the first of them (nrt_build_global_comm), and that,
+their loads and their executions are bounded by the rank's arrival watch (`arrival.watched`,
+installed by `neuron_ranks.prepare`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import torch
 
 from deepinfer.bundles.neff import output_name
 from deepinfer.errors import DeepinferError
-from deepinfer.runtime.nrt import Libnrt, TensorInfo, open_library
+from deepinfer.runtime import arrival
+from deepinfer.runtime.nrt import Libnrt, NeuronCollectivesError, TensorInfo, open_library
 
 ENV_VISIBLE = "NEURON_RT_VISIBLE_CORES"
 
@@ -55,6 +61,7 @@ class NeuronCore:
         self.version = self.lib.version()
         self._tensors: list[DeviceTensor] = []  # live, allocation order
         self._models: list[NeuronModel] = []
+        self.comm: tuple[int, int] | None = None  # (rank, world) once the collectives' communicator is built
 
     def __repr__(self) -> str:
         visible = os.environ.get(ENV_VISIBLE, "all")
@@ -70,6 +77,21 @@ class NeuronCore:
             t.free()
         self.lib.close()
         NeuronCore._active = None
+
+    def join_collectives(self, rank: int, world: int, detail: str) -> None:
+        """Build this process's collectives communicator as `rank` of `world` (once; every rank
+        waits for all the others here, bounded by the arrival watch). `detail`: what needs it."""
+        self._check_open()
+        if self.comm == (rank, world):
+            return
+        if self.comm is not None:
+            raise NeuronCollectivesError(
+                f"{detail}: loaded as rank {rank} of {world}, but this process already joined the "
+                f"collectives as rank {self.comm[0]} of {self.comm[1]}; one rank per process"
+            )
+        with arrival.watched("the collectives' set-up (nrt_build_global_comm)"):
+            self.lib.build_global_comm(self.vnc, rank, world, detail=detail)
+        self.comm = (rank, world)
 
     def __enter__(self) -> NeuronCore:
         return self
@@ -189,8 +211,10 @@ class DeviceTensor:
 class NeuronModel:
     """A NEFF loaded on one NeuronCore, with the input and output tensors libnrt reports for it."""
 
-    def __init__(self, core: NeuronCore, handle: int, info: list[TensorInfo], path: Path):
-        self.core, self.path = core, path
+    def __init__(
+        self, core: NeuronCore, handle: int, info: list[TensorInfo], path: Path, collectives: tuple[int, int] | None
+    ):
+        self.core, self.path, self.collectives = core, path, collectives
         self.handle: int | None = handle  # None once unloaded
         self.inputs = [i for i in info if i.usage == "input"]
         self.outputs = [i for i in info if i.usage == "output"]
@@ -201,8 +225,14 @@ class NeuronModel:
         """Load a NEFF; one holding collectives as rank `collectives[0]` of `collectives[1]`."""
         core._check_open()
         path = Path(neff_path)
-        handle = core.lib.load(path.read_bytes(), core.vnc, detail=str(path), collectives=collectives)
-        return cls(core, handle, core.lib.tensor_info(handle), path)
+        neff = path.read_bytes()
+        if collectives is None:
+            handle = core.lib.load(neff, core.vnc, detail=str(path))
+        else:
+            core.join_collectives(*collectives, detail=str(path))
+            with arrival.watched(f"load of {path.name}"):
+                handle = core.lib.load(neff, core.vnc, detail=str(path), collectives=collectives)
+        return cls(core, handle, core.lib.tensor_info(handle), path, collectives)
 
     def unload(self) -> None:
         if self.handle is None:
@@ -225,7 +255,11 @@ class NeuronModel:
                 sets.append(lib.tensor_set())
                 for info, t in zip(infos, tensors):
                     lib.add_to_set(sets[-1], info.name, t._live())
-            lib.execute(handle, sets[0], sets[1], detail=str(self.path))
+            if self.collectives is None:
+                lib.execute(handle, sets[0], sets[1], detail=str(self.path))
+            else:  # every rank takes part
+                with arrival.watched(f"execute of {self.path.name}"):
+                    lib.execute(handle, sets[0], sets[1], detail=str(self.path))
         finally:
             for s in sets:
                 lib.destroy_set(s)

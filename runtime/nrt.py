@@ -34,6 +34,11 @@ src/libnrt/include/nrt/, and the rendered API pages):
   NRT_STATUS nrt_add_tensor_to_tensor_set(nrt_tensor_set_t *set, const char *name, nrt_tensor_t *t)
   void nrt_destroy_tensor_set(nrt_tensor_set_t **set)
   NRT_STATUS nrt_execute(nrt_model_t *model, const nrt_tensor_set_t *in, nrt_tensor_set_t *out)
+  NRT_STATUS nrt_load_collectives(const void *neff, size_t size, int32_t vnc, int32_t vnc_count,
+                                  uint32_t ctx_device_id, uint32_t ctx_device_count, nrt_model_t **model)
+      for a NEFF that holds collectives; creates the global communicator if none was built.
+  NRT_STATUS nrt_build_global_comm(int32_t vnc, uint32_t g_device_id, uint32_t g_device_count)
+      the communicator of every collective NEFF the process will run (count: the largest world).
   NRT_STATUS nrt_get_version(nrt_version_t *ver, size_t size)          [nrt_version.h]
       nrt_version_t = {uint64 rt_major, rt_minor, rt_patch, rt_maintenance; char rt_detail[128]; char git_hash[64]}
   nrt_tensor_info_t = {char name[256]; nrt_tensor_usage_t usage; size_t size; nrt_dtype_t dtype;
@@ -54,6 +59,8 @@ Uncertain (not verified on hardware):
     order in that array: the trn2 target names every NEFF tensor (neff_input_names /
     neff_output_names on the HLO module, see neuron.NeuronExecutable).
   - Struct layouts assume LP64 (x86_64 / aarch64 Linux): sizeof(nrt_tensor_info_t) == 296.
+  - nrt_build_global_comm's vnc is "Local VNC (within the instance)" in nrt.h; it is given the same
+    index as nrt_load (this process's first visible core), which the header does not confirm.
 """
 
 from __future__ import annotations
@@ -205,6 +212,7 @@ _OPTIONAL = {
         _STATUS,
         [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32, ctypes.c_uint32, ctypes.c_uint32, _PP],
     ),
+    "nrt_build_global_comm": (_STATUS, [ctypes.c_int32, ctypes.c_uint32, ctypes.c_uint32]),
 }
 # the collectives' rendezvous (<ip>:<port>): mandatory for NEFFs with collectives, the same on every rank
 ENV_ROOT_COMM = "NEURON_RT_ROOT_COMM_ID"
@@ -293,21 +301,11 @@ class Libnrt:
         rank of world; NEURON_RT_ROOT_COMM_ID must be set (refused here, in one line, if not)."""
         model = ctypes.c_void_p()
         name = "nrt_load" if collectives is None else "nrt_load_collectives"
-        if collectives is not None:
-            rank, world = collectives
-            if not os.environ.get(ENV_ROOT_COMM):
-                raise NeuronCollectivesError(
-                    f"{detail}: holds collectives and {ENV_ROOT_COMM} is not set: set it to one <ip>:<port> "
-                    "that every rank of the run shares (not the gloo port)"
-                )
-            if not 0 <= rank < world:
-                raise NeuronCollectivesError(f"{detail}: rank {rank} is not one of the world's {world} ranks")
-            if not hasattr(self.dll, name):
-                raise NeuronRuntimeMissing(f"{self.path} does not export {name} (libnrt too old?); {_FIX}")
         try:
             if collectives is None:
                 self._call(name, neff, len(neff), vnc, -1, ctypes.byref(model), detail=detail)
             else:
+                rank, world = self._collectives(name, collectives, detail)
                 self._call(name, neff, len(neff), vnc, -1, rank, world, ctypes.byref(model), detail=detail)
         except NeuronRuntimeError as e:
             if e.status != NRT_UNSUPPORTED_NEFF_VERSION:
@@ -321,6 +319,27 @@ class Libnrt:
                 self.status_text(e.status),
             ) from None
         return _handle(model, name)
+
+    def build_global_comm(self, vnc: int, rank: int, world: int, *, detail: str = "") -> None:
+        """nrt_build_global_comm: this process as `rank` of `world` in the communicator of every NEFF
+        with collectives it will load (same checks as `load`'s `collectives`)."""
+        name = "nrt_build_global_comm"
+        self._call(name, vnc, *self._collectives(name, (rank, world), detail), detail=detail)
+
+    def _collectives(self, name: str, collectives: tuple[int, int], detail: str) -> tuple[int, int]:
+        """(rank, world) once a collective call `name` can be made: NEURON_RT_ROOT_COMM_ID set, the rank
+        inside the world, the function exported; each refused in one line before libnrt is asked."""
+        rank, world = collectives
+        if not os.environ.get(ENV_ROOT_COMM):
+            raise NeuronCollectivesError(
+                f"{detail}: holds collectives and {ENV_ROOT_COMM} is not set: set it to one <ip>:<port> "
+                "that every rank of the run shares (not the gloo port)"
+            )
+        if not 0 <= rank < world:
+            raise NeuronCollectivesError(f"{detail}: rank {rank} is not one of the world's {world} ranks")
+        if not hasattr(self.dll, name):
+            raise NeuronRuntimeMissing(f"{self.path} does not export {name} (libnrt too old?); {_FIX}")
+        return rank, world
 
     def unload(self, model: int) -> None:
         self._call("nrt_unload", model)

@@ -36,6 +36,7 @@ from deepinfer.bundles.signing import trusted
 from deepinfer.bundles.topology import Topology
 from deepinfer.errors import DeepinferError
 from deepinfer.regions import divided
+from deepinfer.runtime import neuron_ranks
 from deepinfer.runtime.bundle import Bundle, open_bundle
 from deepinfer.runtime.executor import Executor, Stats, generate_loaded, load
 from deepinfer.runtime.options import CHUNK_BYTES, COLLECTIVE_TIMEOUT_S, LoadOptions, RunOptions
@@ -193,14 +194,21 @@ class Comm:
 
 def init(
     rank: int, world: int, rendezvous: str | Path | None = None, *, timeout_s: float = COLLECTIVE_TIMEOUT_S
-) -> None:
+) -> dist.Store:
     """Join the process group (gloo on CPU). `rendezvous`: a file path the ranks of one run share
     (no port to pick, so none to race for); without it, torchrun's environment (env://).
-    Every collective fails after `timeout_s` rather than hang on a dead rank."""
+    Every collective fails after `timeout_s` rather than hang on a dead rank. Returns the store the
+    ranks met through (init_process_group's own, made here so the ranks can leave markers in it:
+    `neuron_ranks.prepare`)."""
     method = f"file://{Path(rendezvous).resolve()}" if rendezvous is not None else "env://"
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world = next(dist.rendezvous(method, rank, world, timeout=timeout))
+    store.set_timeout(timeout)
+    # the process group's keys under the prefix init_process_group gives them when it makes the store
     dist.init_process_group(
-        "gloo", init_method=method, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+        "gloo", store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world, timeout=timeout
     )
+    return store
 
 
 def torchrun_rank() -> tuple[int, int] | None:
@@ -217,7 +225,10 @@ def load_here(opened: Bundle, launched: tuple[int, int] | None, options: LoadOpt
     comm = None
     if launched is not None:
         rank, _ = launched
-        init(rank, opened.manifest.topology.world_size, timeout_s=options.collective_timeout_s)
+        timeout_s = options.collective_timeout_s
+        store = init(rank, opened.manifest.topology.world_size, timeout_s=timeout_s)
+        # rank 0 as the others reach it: the host torchrun names for the process group's store
+        neuron_ranks.prepare(opened.manifest, rank, store, host=os.environ["MASTER_ADDR"], timeout_s=timeout_s)
         comm = Comm(opened.manifest.topology.topology, rank, chunk_bytes=options.chunk_bytes)
     executor = load(opened, num_kv_blocks=options.num_kv_blocks, rank=comm.rank if comm else 0, comm=comm)
     if comm is not None and not comm.leader:
@@ -226,20 +237,34 @@ def load_here(opened: Bundle, launched: tuple[int, int] | None, options: LoadOpt
     return executor
 
 
-def _load_rank(rank: int, world: int, rendezvous: str, bundle: str, options: LoadOptions) -> Executor:
+def _load_rank(rank: int, world: int, rendezvous: str, bundle: str, options: LoadOptions, report=None) -> Executor:
     """Join the ranks' process group and load `bundle` as `rank` (its executor holds the Comm). The
-    caller destroys the process group."""
+    caller destroys the process group. `report`: where a collective that never completes is reported
+    before the process ends (`neuron_ranks.prepare`; default stderr)."""
     if options.threads:
         torch.set_num_threads(options.threads)
-    init(rank, world, rendezvous, timeout_s=options.collective_timeout_s)
+    store = init(rank, world, rendezvous, timeout_s=options.collective_timeout_s)
     opened = open_bundle(bundle, verify=options.verify, trust=trusted(options.trust))
+    neuron_ranks.prepare(
+        opened.manifest,
+        rank,
+        store,
+        host=neuron_ranks.LOCAL_HOST,
+        timeout_s=options.collective_timeout_s,
+        report=report,
+    )
     comm = Comm(opened.manifest.topology.topology, rank, chunk_bytes=options.chunk_bytes)
     return load(opened, rank=rank, comm=comm, num_kv_blocks=options.num_kv_blocks)
 
 
 def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, options: RunOptions, results) -> None:
+    def report(error: Exception) -> None:  # from the arrival watch, which then ends this process
+        results.put({"rank": rank, "error": f"{type(error).__name__}: {error}"})
+        results.close()
+        results.join_thread()  # flushed to the parent first
+
     try:
-        executor = _load_rank(rank, world, rendezvous, bundle, options.load_options())
+        executor = _load_rank(rank, world, rendezvous, bundle, options.load_options(), report)
         comm = executor.comm
         assert comm is not None  # _load_rank gives every rank its Comm
         if comm.leader:
@@ -270,8 +295,11 @@ def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, opt
 
 
 def _pool_bytes(executor: Executor) -> dict[str, int]:
-    """The bytes of each state pool this rank allocated."""
-    return {name: t.numel() * t.element_size() for name, t in executor.pools.items()}
+    """The bytes of each state pool this rank allocated (a host tensor, or on trn2 a device stack)."""
+    return {
+        name: t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.rows * t.row_bytes
+        for name, t in executor.pools.items()
+    }
 
 
 def _follower_main(rank: int, world: int, rendezvous: str, bundle: str, options: LoadOptions) -> None:

@@ -1,4 +1,5 @@
-"""The libnrt TEST DOUBLE (doubles/fake_nrt.c), built once per session, and a per-test environment for it."""
+"""The libnrt TEST DOUBLE (doubles/fake_nrt.c), built once per session, a per-test environment for it,
+and the fake models it loads."""
 
 from __future__ import annotations
 
@@ -41,6 +42,24 @@ def empty_library(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("empty") / "empty.c"
     src.write_text("int not_nrt(void) { return 0; }\n")
     return _gcc(BUILD / "libempty.so", src)
+
+
+def fake_model(path, inputs: dict, outputs: dict, copies: dict):
+    """A fake-model description for the double (NOT a NEFF): sizes in bytes, copies {output: input}."""
+    lines = ["FAKE_NRT_MODEL 1"]
+    lines += [f"input {n} {b}" for n, b in inputs.items()]
+    lines += [f"output {n} {b}" for n, b in outputs.items()]
+    lines += [f"copy {o} {i}" for o, i in copies.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def fnv1a(data: bytes) -> str:
+    """The double's model identity (FNV-1a 64 of the NEFF bytes), as it logs it."""
+    h = 1469598103934665603
+    for b in data:
+        h = ((h ^ b) * 1099511628211) % (1 << 64)
+    return f"{h:016x}"
 
 
 @dataclass

@@ -30,15 +30,7 @@ from deepinfer.runtime.neuron import (
 )
 from deepinfer.runtime.nrt import NeuronNumericalError, NeuronRuntimeError, NeuronRuntimeMissing
 
-
-def fake_model(path, inputs: dict, outputs: dict, copies: dict):
-    """A fake-model description for the double (NOT a NEFF): sizes in bytes, copies {output: input}."""
-    lines = ["FAKE_NRT_MODEL 1"]
-    lines += [f"input {n} {b}" for n, b in inputs.items()]
-    lines += [f"output {n} {b}" for n, b in outputs.items()]
-    lines += [f"copy {o} {i}" for o, i in copies.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+from .conftest import fake_model, fnv1a
 
 
 def test_struct_layouts_match_the_headers():
@@ -424,8 +416,10 @@ def test_outputs_without_a_copy_are_zero_filled(fake_nrt, tmp_path):
 
 
 def test_a_neff_with_collectives_is_loaded_for_its_rank(fake_nrt, tmp_path, monkeypatch):
-    """A NEFF that holds collectives is loaded with nrt_load_collectives as (rank, world), with the
-    rendezvous variable set; without it the load is refused before libnrt is asked, in one line."""
+    """A NEFF that holds collectives is loaded with nrt_load_collectives as (rank, world), after the
+    process's communicator is built once (nrt_build_global_comm, nrt.h's signature), with the
+    rendezvous variable set; without it the load is refused before libnrt is asked, in one line.
+    Executions of that model are collective calls too; a plain model's are not."""
     from deepinfer.runtime.nrt import ENV_ROOT_COMM, NeuronCollectivesError
 
     model = fake_model(tmp_path / "m.fake", {"x": 8}, {"y": 8}, {"y": "x"})
@@ -433,15 +427,32 @@ def test_a_neff_with_collectives_is_loaded_for_its_rank(fake_nrt, tmp_path, monk
         monkeypatch.delenv(ENV_ROOT_COMM, raising=False)
         with pytest.raises(NeuronCollectivesError, match=f"{ENV_ROOT_COMM} is not set"):
             NeuronModel.load(core, model, collectives=(1, 2))
-        assert "nrt_load_collectives" not in fake_nrt.calls() and "nrt_load" not in fake_nrt.calls()
+        assert not [c for c in fake_nrt.calls() if c.startswith(("nrt_load", "nrt_build_global_comm"))]
         monkeypatch.setenv(ENV_ROOT_COMM, "10.0.0.1:62182")
         with pytest.raises(NeuronCollectivesError, match="rank 2 is not one of the world's 2 ranks"):
             NeuronModel.load(core, model, collectives=(2, 2))
         loaded = NeuronModel.load(core, model, collectives=(1, 2))
+        again = NeuronModel.load(core, model, collectives=(1, 2))  # the communicator is built once
         plain = NeuronModel.load(core, model)
+        with pytest.raises(NeuronCollectivesError, match="already joined the collectives as rank 1 of 2"):
+            NeuronModel.load(core, model, collectives=(0, 2))
         assert [i.name for i in loaded.inputs] == ["x"] and [o.name for o in loaded.outputs] == ["y"]
-        lines = [line for line in fake_nrt.lines() if line.startswith("nrt_load")]
-        assert lines[1] == "nrt_load_collectives rank=1 world=2 root=10.0.0.1:62182 -> 0", lines
-        assert lines[0].startswith("nrt_load size=") and lines[2].startswith("nrt_load size=") and len(lines) == 3
-        plain.unload()
-        loaded.unload()
+        x = DeviceTensor.from_torch(core, torch.tensor([1, 2], dtype=torch.int32), "x")
+        y = DeviceTensor.allocate(core, 8, "y")
+        loaded.execute([x], [y])
+        plain.execute([x], [y])
+        ident = fnv1a(model.read_bytes())
+        root = "root=10.0.0.1:62182"
+        collective = [ln for ln in fake_nrt.lines() if "rank=" in ln]
+        assert collective == [
+            f"nrt_build_global_comm vnc=0 rank=1 world=2 {root} call=1 -> 0",
+            f"nrt_load_collectives rank=1 world=2 {root} model={ident} call=2 -> 0",
+            f"nrt_load_collectives rank=1 world=2 {root} model={ident} call=3 -> 0",
+            f"nrt_execute tensors=2 copies=1 in_place=0 to_device=8 to_host=0 rank=1 world=2 {root} model={ident} call=4 -> 0",
+        ], collective
+        loads = [ln.split()[0] for ln in fake_nrt.lines() if ln.startswith("nrt_load")]
+        assert loads == ["nrt_load", "nrt_load_collectives", "nrt_load", "nrt_load_collectives", "nrt_load"]
+        executes = [ln for ln in fake_nrt.lines() if ln.startswith("nrt_execute")]
+        assert executes[-1] == "nrt_execute tensors=2 copies=1 in_place=0 to_device=8 to_host=0 -> 0"
+        for m in (plain, again, loaded):
+            m.unload()

@@ -3,9 +3,9 @@
  *
  * It implements exactly the libnrt functions that deepinfer/runtime/nrt.py
  * binds, with the signatures of nrt/nrt.h, nrt/nrt_experimental.h and
- * nrt/nrt_version.h, so that tests/trn2/test_nrt_contract.py can check how
- * the binding calls the API (argument order, out-parameters, struct layouts,
- * status handling, call order). It runs no model and knows nothing about
+ * nrt/nrt_version.h, so that the tests in tests/trn2/ can check how the
+ * binding calls the API (argument order, out-parameters, struct layouts,
+ * status handling, call order, collective calls across rank processes). It runs no model and knows nothing about
  * Trainium: passing against it proves nothing about Trn2 behaviour or numerics.
  *
  * Every call is appended as one line "<function> <key=value ...> -> <status>"
@@ -13,6 +13,22 @@
  * carries the bytes copied host->device (nrt_tensor_write) and device->host
  * (nrt_tensor_read) since nrt_init: to_device=N to_host=M.  $FAKE_NRT_FAIL=
  * "<function>=<status>" makes that function return <status> without acting.
+ *
+ * Collectives.  nrt_build_global_comm, nrt_load_collectives and nrt_execute of a model loaded
+ * with nrt_load_collectives are this process's "collective calls", numbered from 1 since
+ * nrt_init; each needs NEURON_RT_ROOT_COMM_ID and logs rank=, world=, root= (the
+ * variable's value), call= (its number) and, for loads and executions, model= (an FNV-1a hash of
+ * the NEFF bytes, the same on every rank that loads the same file).  As on Trn2, where each of
+ * these calls waits for every rank, they wait for the other ranks when $FAKE_NRT_COLLECTIVES_DIR
+ * names a directory the ranks share: call n of rank r writes "<root>.<n>.<r>" there holding its
+ * model hash, and returns once every rank of its world has written call n with the same hash (a
+ * rank at another model at call n is logged as a MISMATCH and waited for forever, as peers
+ * running different programs never complete a collective).  Unset: nothing is waited for.
+ * $FAKE_NRT_HANG_RANK="<r>[:<n>]" makes rank r never arrive at its collective call n (default
+ * 1): the double logs it and stops the whole process (SIGSTOP), so no thread of that rank runs
+ * again until it is killed, as a rank that never got there.  None of this is the runtime's
+ * behaviour beyond the waiting: it only lets tests check that every rank makes the same
+ * collective calls in the same order, and what the caller does when one never comes.
  *
  * nrt_load runs no NEFF.  It takes a small text description (the "fake model"):
  *
@@ -39,11 +55,13 @@
  */
 
 #define _GNU_SOURCE         /* memmem */
+#include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef enum {
     NRT_SUCCESS = 0, NRT_FAILURE = 1, NRT_INVALID = 2, NRT_RESOURCE = 4, NRT_UNINITIALIZED = 13,
@@ -91,12 +109,16 @@ typedef struct nrt_model {
     int n_io, n_copy;
     fake_io io[MAX_IO];
     int copy_out[MAX_IO], copy_in[MAX_IO];      /* indices into io */
+    int collective;                             /* loaded with nrt_load_collectives */
+    uint32_t rank, world;                       /* as it was loaded */
+    char id[17];                                /* FNV-1a 64 of the NEFF bytes, hex */
 } nrt_model_t;
 
 typedef struct { int n; char names[MAX_IO][NAME_MAX_]; nrt_tensor_t *tensors[MAX_IO]; } fake_set;
 
 static int g_init;
 static long g_live_tensors, g_live_models, g_live_sets;
+static int g_collective_calls;             /* nrt_build_global_comm, nrt_load_collectives, their executes */
 static size_t g_to_device, g_to_host;      /* bytes through nrt_tensor_write / nrt_tensor_read since nrt_init */
 
 static void log_line(const char *fmt, va_list ap, int status, int with_status) {
@@ -154,6 +176,7 @@ NRT_STATUS nrt_init(nrt_framework_type_t framework, const char *fw_version, cons
         return done(NRT_INVALID, "nrt_init framework=%d", framework);
     g_init = 1;
     g_to_device = g_to_host = 0;
+    g_collective_calls = 0;
     return done(NRT_SUCCESS, "nrt_init framework=%d fw_version='%s' fal_version='%s' visible_cores=%s",
                 framework, fw_version, fal_version, visible ? visible : "unset");
 }
@@ -261,19 +284,109 @@ NRT_STATUS nrt_load(const void *neff_bytes, size_t size, int32_t vnc, int32_t vn
                 m->n_io, neff ? "neff" : "text");
 }
 
-/* The load nrt.h prescribes for a NEFF that holds collectives.  The double checks what a real rank needs (the rendezvous variable set, a rank inside its world), then
- * parses the model as nrt_load does (which logs its own line first) and logs the rank and world. */
+/* ---- collectives ----------------------------------------------------------------------- */
+
+/* NEURON_RT_ROOT_COMM_ID, which every collective call needs; NULL when unset or empty */
+static const char *root_comm(void) {
+    const char *root = getenv("NEURON_RT_ROOT_COMM_ID");
+    return root && *root ? root : NULL;
+}
+
+/* $FAKE_NRT_HANG_RANK = "<r>[:<n>]": does `rank` stop at its collective call `call`? */
+static int hangs_here(uint32_t rank, int call) {
+    const char *spec = getenv("FAKE_NRT_HANG_RANK");
+    char *end;
+    if (!spec || !*spec) return 0;
+    long r = strtol(spec, &end, 10);
+    long n = *end == ':' ? strtol(end + 1, NULL, 10) : 1;
+    return r == (long)rank && n == call;
+}
+
+static void fnv1a(const void *bytes, size_t size, char out[17]) {
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t i = 0; i < size; i++) h = (h ^ ((const unsigned char *)bytes)[i]) * 1099511628211ULL;
+    snprintf(out, 17, "%016llx", (unsigned long long)h);
+}
+
+/* Collective call `call` of `rank` (see the header): stop the process if $FAKE_NRT_HANG_RANK says
+ * so; else, with $FAKE_NRT_COLLECTIVES_DIR, write this rank's arrival and wait until every rank of
+ * `world` has arrived at `call` with the same `model`.  NRT_FAILURE if the arrival cannot be written. */
+static NRT_STATUS take_part(const char *fn, const char *root, uint32_t rank, uint32_t world, int call,
+                            const char *model) {
+    const char *dir = getenv("FAKE_NRT_COLLECTIVES_DIR");
+    char path[4096], tmp[4200];
+    if (hangs_here(rank, call)) {
+        note("%s rank=%u call=%d FAKE_NRT_HANG_RANK: this rank never arrives (process stopped)", fn, rank, call);
+        raise(SIGSTOP);
+    }
+    if (!dir || !*dir) return NRT_SUCCESS;
+    snprintf(path, sizeof path, "%s/%s.%d.%u", dir, root, call, rank);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) return done(NRT_FAILURE, "%s rank=%u call=%d cannot write %s", fn, rank, call, tmp);
+    fputs(model, f);
+    fclose(f);
+    rename(tmp, path);                       /* the others see it whole or not at all */
+    for (uint32_t k = 0, told = 0; k < world;) {
+        char theirs[32] = "";
+        snprintf(path, sizeof path, "%s/%s.%d.%u", dir, root, call, k);
+        FILE *peer = fopen(path, "r");
+        if (peer) {
+            if (!fgets(theirs, sizeof theirs, peer)) theirs[0] = '\0';
+            fclose(peer);
+            if (strcmp(theirs, model) == 0) {
+                k++;
+                continue;
+            }
+            if (!told) note("%s rank=%u call=%d MISMATCH rank %u is at model=%s, this rank at model=%s", fn, rank,
+                            call, k, theirs, model);
+            told = 1;
+        }
+        usleep(1000);
+    }
+    return NRT_SUCCESS;
+}
+
+/* nrt.h: set up the communicator of every NEFF with collectives this process will run, as rank
+ * g_device_id of g_device_count.  The double checks what nrt_load_collectives checks and takes part. */
+NRT_STATUS nrt_build_global_comm(int32_t vnc, uint32_t g_device_id, uint32_t g_device_count) {
+    GUARD("nrt_build_global_comm");
+    const char *root = root_comm();
+    if (!root) return done(NRT_INVALID, "nrt_build_global_comm without NEURON_RT_ROOT_COMM_ID");
+    if (vnc != 0) return done(NRT_INVALID, "nrt_build_global_comm vnc=%d (one visible core)", vnc);
+    if (g_device_count < 1 || g_device_id >= g_device_count)
+        return done(NRT_INVALID, "nrt_build_global_comm rank=%u world=%u (rank outside the world)", g_device_id,
+                    g_device_count);
+    int call = ++g_collective_calls;
+    NRT_STATUS s = take_part("nrt_build_global_comm", root, g_device_id, g_device_count, call, "comm");
+    if (s) return s;
+    return done(NRT_SUCCESS, "nrt_build_global_comm vnc=%d rank=%u world=%u root=%s call=%d", vnc, g_device_id,
+                g_device_count, root, call);
+}
+
+/* The load nrt.h prescribes for a NEFF that holds collectives.  The double checks what a real rank
+ * needs (the rendezvous variable set, a rank inside its world), parses the model as nrt_load does
+ * (which logs its own line first), takes part and logs the rank, world and model. */
 NRT_STATUS nrt_load_collectives(const void *neff_bytes, size_t size, int32_t vnc, int32_t vnc_count,
                                 uint32_t g_device_id, uint32_t g_device_count, nrt_model_t **model) {
     GUARD("nrt_load_collectives");
-    const char *root = getenv("NEURON_RT_ROOT_COMM_ID");
-    if (!root || !*root) return done(NRT_INVALID, "nrt_load_collectives without NEURON_RT_ROOT_COMM_ID");
+    const char *root = root_comm();
+    if (!root) return done(NRT_INVALID, "nrt_load_collectives without NEURON_RT_ROOT_COMM_ID");
     if (g_device_count < 1 || g_device_id >= g_device_count)
         return done(NRT_INVALID, "nrt_load_collectives rank=%u world=%u (rank outside the world)", g_device_id,
                     g_device_count);
     NRT_STATUS s = nrt_load(neff_bytes, size, vnc, vnc_count, model);
     if (s) return s;
-    return done(NRT_SUCCESS, "nrt_load_collectives rank=%u world=%u root=%s", g_device_id, g_device_count, root);
+    nrt_model_t *m = *model;
+    m->collective = 1;
+    m->rank = g_device_id;
+    m->world = g_device_count;
+    fnv1a(neff_bytes, size, m->id);
+    int call = ++g_collective_calls;
+    s = take_part("nrt_load_collectives", root, m->rank, m->world, call, m->id);
+    if (s) return s;
+    return done(NRT_SUCCESS, "nrt_load_collectives rank=%u world=%u root=%s model=%s call=%d", m->rank, m->world,
+                root, m->id, call);
 }
 
 NRT_STATUS nrt_unload(nrt_model_t *model) {
@@ -449,6 +562,16 @@ NRT_STATUS nrt_execute(nrt_model_t *model, const nrt_tensor_set_t *input_set, nr
             return done(NRT_INVALID, "nrt_execute %s has %zu bytes, model wants %zu", io->name, bound[i]->size,
                         io->size);
     }
+    char collective[256] = "";
+    if (model->collective) {                  /* every rank of its world takes part */
+        const char *root = root_comm();
+        if (!root) return done(NRT_INVALID, "nrt_execute without NEURON_RT_ROOT_COMM_ID (a collective model)");
+        int call = ++g_collective_calls;
+        NRT_STATUS s = take_part("nrt_execute", root, model->rank, model->world, call, model->id);
+        if (s) return s;
+        snprintf(collective, sizeof collective, " rank=%u world=%u root=%s model=%s call=%d", model->rank,
+                 model->world, root, model->id, call);
+    }
     int copied[MAX_IO] = {0}, in_place = 0;
     for (int c = 0; c < model->n_copy; c++) copied[model->copy_out[c]] = 1;
     for (int i = 0; i < model->n_io; i++)
@@ -458,6 +581,6 @@ NRT_STATUS nrt_execute(nrt_model_t *model, const nrt_tensor_set_t *input_set, nr
         in_place += bound[o]->data == bound[i]->data;         /* output bound to its input's storage */
         memmove(bound[o]->data, bound[i]->data, model->io[o].size);
     }
-    return done(NRT_SUCCESS, "nrt_execute tensors=%d copies=%d in_place=%d to_device=%zu to_host=%zu", model->n_io,
-                model->n_copy, in_place, g_to_device, g_to_host);
+    return done(NRT_SUCCESS, "nrt_execute tensors=%d copies=%d in_place=%d to_device=%zu to_host=%zu%s", model->n_io,
+                model->n_copy, in_place, g_to_device, g_to_host, collective);
 }

@@ -179,7 +179,7 @@ class Built:
     steps: list
     pieces: dict[str, str]  # piece name -> StableHLO text
     graphs: dict[str, Graph]  # Run piece name -> its region graph
-    params: list[InputSpec]  # weights ("<slot>.<name>", "rank"), then the layer's inputs
+    params: list[InputSpec]  # the rank, the weights ("<slot>.<name>"), then the layer's inputs
     state_outputs: list[str]
     outputs: list[str]
     ops: list[Op]
@@ -257,7 +257,7 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
         steps=steps,
         pieces=pieces,
         graphs=graphs,
-        params=[*weights, rank, *inputs.values()],
+        params=[rank, *weights, *inputs.values()],  # the rank first, as every region takes it
         state_outputs=states,
         outputs=outputs,
         ops=kind_ops,

@@ -35,15 +35,16 @@ from deepinfer.regions.examples import example_inputs
 from deepinfer.regions.state import Geometry
 from deepinfer.runtime import load
 
+# trn2 fuses each layer's regions into one executable (compiler/layers.py): the tiny model's six
+# layers run six layer kinds (its one engram layer is a window layer), the embedding and the head
 KINDS = {
     "embed",
-    "attn_window",
-    "moe",
-    "engram",
-    "attn_source_r2",
-    "attn_reuse_r2",
-    "attn_source_r1_cand",
-    "attn_reindex_r1_cand",
+    "layer_window",
+    "layer_window_engram",
+    "layer_source_r2",
+    "layer_reuse_r2",
+    "layer_source_r1_cand",
+    "layer_reindex_r1_cand",
     "head",
 }
 
@@ -76,7 +77,7 @@ def test_every_region_kind_is_lowered_and_checked(trn2_hlo_bundle):
         assert 0 <= e["check"]["score"] <= 1e-5, e["kind"]  # fp32 graphs: rounding only
     # checked on random weights of the real shapes (all-zero weights made every output zero); the
     # embedding's gather is exact (test_embedding_is_a_gather_of_rows)
-    assert all(e["check"]["max_abs"] > 0 for e in m["regions"] if e["kind"] not in ("engram", "embed"))
+    assert all(e["check"]["max_abs"] > 0 for e in m["regions"] if e["kind"] != "embed")
     mf.check_files(trn2_hlo_bundle, mf.read(trn2_hlo_bundle))
 
 
@@ -106,8 +107,8 @@ def test_state_outputs_must_alias_their_pool_inputs(trn2_hlo_bundle):
             assert e["output_specs"][int(out)]["shape"] == spec["shape"]
             assert f"{{{out}}}: ({inp}, {{}}, must-alias)" in text, text
         assert "may-alias" not in text
-        attn = e["kind"].startswith("attn")
-        assert bool(e["aliases"]) == attn and e["mutates"] == []
+        layer = e["kind"].startswith("layer_")  # its attention writes the window ring (and more)
+        assert bool(e["aliases"]) == layer and e["mutates"] == []
 
 
 def _entry(text: str) -> list[str]:
@@ -313,11 +314,11 @@ def test_hlo_only_reports_the_modules_it_lowered(trn2_hlo_compile):
     runs (with a cache it once said "0 of 8 lowered")."""
     bundle, output = trn2_hlo_compile
     names = sorted(e["artifact"].removeprefix("regions/").removesuffix(".hlo.pb") for e in manifest(bundle)["regions"])
-    assert len(names) == 9
+    assert len(names) == len(KINDS)
     summary = re.findall(r"\((\d+) of (\d+) HLO modules lowered and checked, (\d+) from the cache\)", output)
-    assert summary == [("9", "9", "0")], output[-2000:]
+    assert summary == [(str(len(KINDS)), str(len(KINDS)), "0")], output[-2000:]
     report = json.loads(output.strip().splitlines()[-1])
-    assert sorted(report["lowered"]) == names and report["compiled"] == [] and report["executables"] == 9
+    assert sorted(report["lowered"]) == names and report["compiled"] == [] and report["executables"] == len(KINDS)
 
 
 def test_hlo_stage_bundle_is_refused_at_load(trn2_hlo_bundle):
@@ -333,7 +334,7 @@ def test_finish_with_the_stand_in(trn2_hlo_bundle, tmp_path, stand_in):
     assert m["stage"] == "executable" and m["toolchain"]["neuronx-cc"] == "2.99.0.0+0000000d"
     argvs = [json.loads(line)["argv"] for line in stand_in.read_text().splitlines()]
     compiles = [a for a in argvs if a[:1] == ["compile"]]
-    assert len(compiles) == len(m["regions"]) == 9
+    assert len(compiles) == len(m["regions"]) == len(KINDS)
     for argv in compiles:
         joined = " ".join(argv)
         assert "--framework XLA --target trn2 --lnc 1 --model-type transformer -O1" in joined
@@ -376,7 +377,7 @@ def test_missing_compiler_after_lowering(tmp_path, tiny_ckpt, monkeypatch):
     lines = []
     with pytest.raises(neuronxcc.NeuronCompilerMissing, match="every region was lowered to HLO.*--hlo-only"):
         compile_bundle(load_compile_config(toml), tmp_path / "out", log=lines.append)
-    assert sum(line.startswith("lowered ") for line in lines) == 9
+    assert sum(line.startswith("lowered ") for line in lines) == len(KINDS)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.toml"]
 
 

@@ -510,7 +510,8 @@ def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict
             if s.role in ("weight", "rank")
         ]
 
-    bound = {(layer, slot): views(b) for layer, slot, b in m.bindings()}
+    fused = {layer.layer for layer in m.layers if layer.fused is not None}  # their slots have no executables
+    bound = {(layer, slot): views(b) for layer, slot, b in m.bindings() if layer not in fused}
     for layer in m.layers:  # a fused layer's one executable: each slot's weights as `<slot>.<name>`
         if layer.fused is not None:
             bound[(layer.layer, LAYER_SLOT)] = (

@@ -156,12 +156,12 @@ def test_generate_through_the_doubles(finished, nrt):
     # one runtime, one load per executable (not per layer), all of them stand-in NEFFs
     assert calls["nrt_init"] == 1 and calls["nrt_close"] == 1
     loads = [ln for ln in lines if ln.startswith("nrt_load")]
-    assert len(loads) == len(m["regions"]) == 9
+    assert len(loads) == len(m["regions"]) == 8  # the embedding, six layer kinds (fused), the head
     assert all(ln.endswith("source=neff -> 0") for ln in loads)
     assert sorted(int(field(ln, "size")) for ln in loads) == sorted(
         (finished / e["artifact"]).stat().st_size for e in m["regions"]
     )
-    assert calls["nrt_unload"] == 9
+    assert calls["nrt_unload"] == 8
 
     # resident allocations: one per weight stack and per pool; an input buffer per host input name (shared
     # by the executables) and the outputs once per executable
@@ -175,19 +175,29 @@ def test_generate_through_the_doubles(finished, nrt):
         len(e["output_specs"]) - len(e["aliases"]) for e in m["regions"]
     )
 
-    # every layer's weights and state are slices of the stacks and pools (no copies)
+    # every layer's weights and state are slices of the stacks and pools (no copies): a fused layer's
+    # weight input <slot>.<name> is the row of its slot's stack the layer binds
     signature = {e["kind"]: e["inputs"] for e in m["regions"]}
-    places = [m["embed"]] + [b for layer in m["layers"] for b in layer["regions"].values()] + [m["head"]]
-    weight_views = [
-        f"{b['kind']}.{s['name']}[{b['index']}]" for b in places for s in signature[b["kind"]] if s["role"] == "weight"
-    ]
+    views = {}  # (executable kind, its input) -> the slice bound, per call in a step's order
+    order = [("embed", m["embed"], None)] + [(l["fused"], None, l) for l in m["layers"]] + [("head", m["head"], None)]
+    for kind, place, layer in order:
+        for s in signature[kind]:
+            if s["role"] != "weight":
+                continue
+            if layer is None:
+                views.setdefault(kind, []).append(f"{place['kind']}.{s['name']}[{place['index']}]")
+            else:
+                slot, name = s["name"].split(".", 1)
+                b = layer["regions"][slot]
+                views.setdefault(kind, []).append(f"{b['kind']}.{name}[{b['index']}]")
+    weight_views = [v for kind in views for v in views[kind]]
     state_views = [f"pool.{pool}[{index}]" for layer in m["layers"] for pool, index in layer["state"].values()]
     slices = [field(ln, "name") for ln in lines if ln.startswith("nrt_tensor_allocate_slice")]
     assert Counter(slices) == Counter(weight_views + state_views)
-    assert len(places) == 15 > len(loads)  # the embedding, 6 layers and the head share 9 executables
 
-    # region calls: the embedding, every region of every layer and the head, once per step
-    per_step = sum(len(layer["regions"]) for layer in m["layers"]) + 2
+    # calls: the embedding, one per layer (its regions and their collectives in one NEFF) and the head,
+    # once per step
+    per_step = len(m["layers"]) + 2
     runs = executions(lines)
     assert calls["nrt_execute"] == len(runs) == per_step * steps == sum(stats.calls.values())
 
@@ -198,16 +208,17 @@ def test_generate_through_the_doubles(finished, nrt):
     entries = {e["kind"]: e for e in m["regions"]}
     pool_state = {name: pool["state"] for name, pool in m["kv"]["pools"].items()}
     bound_state = set()
-    for ins, outs, line in runs:
-        kind = next(t.split(".", 1)[0] for _, t in ins if t.split(".", 1)[0] in entries)
+    for n, (ins, outs, line) in enumerate(runs):
+        kind = order[n % per_step][0]
         e = entries[kind]
+        weights = iter(views[kind])
         bound_in, bound_out = dict(ins), dict(outs)
         assert [n for n, _ in ins] == [s["name"] for s in sorted(e["inputs"], key=lambda s: s["name"])]
         assert sorted(bound_out) == sorted(f"out_{s['name']}" for s in e["output_specs"])
         for s in e["inputs"]:
             t = bound_in[s["name"]]
             if s["role"] == "weight":
-                assert t.startswith(f"{kind}.{s['name']}["), (kind, s["name"], t)
+                assert t == next(weights), (kind, s["name"], t)
             elif s["role"] == "state":
                 assert pool_state[t[len("pool.") : t.index("[")]] == s["name"], (kind, s["name"], t)
                 bound_state.add(t)
@@ -248,7 +259,7 @@ def test_generate_through_the_doubles(finished, nrt):
     # the last step's); the host lookup wrote h [1, 1, 4, 256] float32 instead of the id: 4,236 bytes
     # a step (docs/trn2.md)
     decode = per_step_io[-1]
-    engram = {s["name"]: nbytes(s) for s in entries["engram"]["inputs"] if s["name"] in ("rows", "rows_s")}
+    engram = {s["name"]: nbytes(s) for s in entries["layer_window_engram"]["inputs"] if s["name"] in ("rows", "rows_s")}
     changing = {"in:tokens": 8, "in:positions": 8, "in:rows": engram["rows"], "in:rows_s": engram["rows_s"]}
     written = dict(decode["to_device"])
     assert {"in:tokens", "in:positions"} <= set(written) and written.items() <= changing.items(), written
@@ -279,9 +290,9 @@ def replace_neff(bundle: Path, entry: dict) -> None:
 def test_replaced_neff_is_refused(finished, nrt, tmp_path):
     bundle = tmp_path / "bundle"
     shutil.copytree(finished, bundle)
-    entry = next(e for e in manifest(bundle)["regions"] if e["kind"] == "moe")
+    entry = next(e for e in manifest(bundle)["regions"] if e["kind"] == "layer_window")
     replace_neff(bundle, entry)
-    with pytest.raises(BundleError, match=r"moe\.decode\.b1t1\.neff does not match its digest"):
+    with pytest.raises(BundleError, match=r"layer_window\.decode\.b1t1\.neff does not match its digest"):
         load(bundle)  # the digest check comes first
     with pytest.raises(neff.NeffError) as err:
         load(bundle, verify=False)  # without it, the NEFF's uuid still gives it away
@@ -293,7 +304,7 @@ def test_replaced_neff_is_refused(finished, nrt, tmp_path):
 def test_refused_load_releases_the_core(finished, nrt, tmp_path):
     bundle = tmp_path / "bundle"
     shutil.copytree(finished, bundle)
-    replace_neff(bundle, next(e for e in manifest(bundle)["regions"] if e["kind"] == "moe"))
+    replace_neff(bundle, next(e for e in manifest(bundle)["regions"] if e["kind"] == "layer_window"))
     with pytest.raises(neff.NeffError):
         load(bundle, verify=False)
     assert NeuronCore._active is None

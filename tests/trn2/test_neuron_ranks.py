@@ -45,11 +45,12 @@ SLACK_S = 5.0  # past the collective timeout: two watchdog ticks, the report, th
 
 
 def _manifest(target: str = "trn2", world: int = WORLD, reduced: bool = True):
-    """What neuron_ranks reads of a manifest: the target, the world, each executable's `reduced`."""
+    """What neuron_ranks reads of a manifest: the target, the world, whether each executable holds
+    collectives."""
     return SimpleNamespace(
         target=SimpleNamespace(name=target),
         topology=SimpleNamespace(world_size=world),
-        regions=(SimpleNamespace(reduced=None), SimpleNamespace(reduced={"h": [[0, 1]]} if reduced else None)),
+        regions=(SimpleNamespace(holds_collectives=False), SimpleNamespace(holds_collectives=reduced)),
     )
 
 
@@ -301,17 +302,17 @@ def test_ranks_at_different_neffs_end_the_run_with_one_line(tmp_path, fake_nrt_p
 
 @pytest.fixture(scope="module")
 def two_rank_bundle(tmp_path_factory, tiny_ckpt) -> Path:
-    """The tiny model for trn2 at tp = 2 with collectives in the graph (each attention module sums its
-    partial streams over both ranks: `reduced`), HLO-stage, finished by the stand-in neuronx-cc (TEST
-    DOUBLE NEFFs)."""
+    """The tiny model for trn2 at tp = 2, each layer one executable (fused, the default) whose attention
+    sums its partial streams over both ranks inside it, HLO-stage, finished by the stand-in neuronx-cc
+    (TEST DOUBLE NEFFs)."""
     bundle = _compile_tiny(
         tmp_path_factory,
-        "trn2-tp2-graph",
+        "trn2-tp2-fused",
         tiny_ckpt,
         executable="neff",
         tokens=[1],
         target="trn2",
-        options='{ lnc = 1, collectives = "graph" }',
+        options="{ lnc = 1 }",
         hlo_only=True,
         parallel=(2, 1, 1),
     )
@@ -352,20 +353,37 @@ def session_env(fake_nrt_path, tmp_path, monkeypatch) -> Path:
 @pytest.mark.slow
 def test_a_two_rank_session_runs_the_same_neffs_in_the_same_order(two_rank_bundle, session_env):
     """deepinfer's own launcher (generate_ranks) runs both ranks on the doubles: each builds the
-    communicator under the leader's root, loads the attention NEFFs that hold collectives, and executes
-    them once per layer per step; the two ranks' collective calls match one for one."""
+    communicator under the leader's root, loads the layer NEFFs (which hold the collectives), and
+    executes one per layer per step; the two ranks' collective calls match one for one. Between the
+    embedding and the head nothing crosses to the host (issue 29): from one step's first layer to the
+    next's, a rank reads back its logits slice alone and writes only the step's host inputs."""
     m = open_bundle(two_rank_bundle).manifest
-    reduced = {Path(e.artifact).name for e in m.regions if e.reduced}
-    assert reduced and all(n.startswith("attn") for n in reduced)
+    reduced = {Path(e.artifact).name for e in m.regions if e.holds_collectives}
+    assert reduced and all(n.startswith("layer_") for n in reduced) and len(reduced) == len({l.fused for l in m.layers})
     done = generate(two_rank_bundle, [[1, 5, 9]], RunOptions(max_new_tokens=2, collective_timeout_s=60, timeout_s=600))
     assert done[0].error is None and len(done[0].tokens) == 5
     calls = {r: _collective_calls_of(session_env, r) for r in range(WORLD)}
     assert calls[0] == calls[1] and calls[0][0] == ("nrt_build_global_comm", "comm", "1")
     loads = [c for c in calls[0] if c[0] == "nrt_load_collectives"]
     assert len(loads) == len(reduced)
-    attention_layers = sum("attn" in layer.regions for layer in m.layers)
     executes = [c for c in calls[0] if c[0] == "nrt_execute"]
-    assert len(executes) == attention_layers * done.stats.steps
+    assert len(executes) == len(m.layers) * done.stats.steps
+    # host<->device bytes of each rank, sampled at each step's first layer execution (cumulative counts)
+    head = next(e for e in m.regions if e.kind == "head")
+    logits = next(s for s in head.output_specs or () if s.name == "logits")
+    slice_bytes = 4 * logits.shape[0] * logits.shape[1] * logits.shape[2]  # [B, T, rows] float32
+    step_inputs = {
+        s.name: torch.Size(s.shape).numel() * getattr(torch, s.dtype).itemsize
+        for e in m.regions
+        for s in e.inputs
+        if s.role == "step"
+    }
+    for r in range(WORLD):
+        firsts = _execute_bytes(session_env, r)[:: len(m.layers)]
+        assert len(firsts) == done.stats.steps
+        for (to_device, to_host), (next_device, next_host) in zip(firsts, firsts[1:]):
+            assert next_host - to_host == slice_bytes  # the logits slice, no stream, no partial
+            assert 16 <= next_device - to_device <= sum(step_inputs.values())  # ids, positions and the like
     roots = {re.search(r"root=(\S+)", ln).group(1) for ln in session_env.read_text().splitlines() if "root=" in ln}
     assert len(roots) == 1 and roots.pop().startswith(f"{neuron_ranks.LOCAL_HOST}:")
 
@@ -376,18 +394,28 @@ def test_a_rank_that_never_arrives_ends_a_session_naming_it(two_rank_bundle, ses
     raises, within the collective timeout plus slack, the one line that names rank 1, and no rank
     process is left."""
     timeout_s = 3.0
-    loads = sum(1 for e in open_bundle(two_rank_bundle).manifest.regions if e.reduced)
+    loads = sum(1 for e in open_bundle(two_rank_bundle).manifest.regions if e.holds_collectives)
     monkeypatch.setenv("FAKE_NRT_HANG_RANK", f"1:{2 + loads}")  # past the set-up and the loads
     start = time.monotonic()
     with pytest.raises(
         DeepinferError,
-        match=r"^rank 0: CollectiveTimeout: rank 1 did not arrive at collective call \d+ \(execute of attn",
+        match=r"^rank 0: CollectiveTimeout: rank 1 did not arrive at collective call \d+ \(execute of layer_",
     ):
         generate(
             two_rank_bundle, [[1, 5, 9]], RunOptions(max_new_tokens=2, collective_timeout_s=timeout_s, timeout_s=600)
         )
     assert time.monotonic() - start < START_S
     assert "FAKE_NRT_HANG_RANK" in session_env.read_text() and not mp.active_children()
+
+
+def _execute_bytes(log: Path, rank: int) -> list[tuple[int, int]]:
+    """(to_device, to_host) bytes since nrt_init at each of `rank`'s collective executions, in order."""
+    out = []
+    for line in log.read_text().splitlines():
+        if line.startswith("nrt_execute ") and f" rank={rank} " in line and line.endswith("-> 0"):
+            fields = dict(re.findall(r"(\w+)=(\S+)", line))
+            out.append((int(fields["to_device"]), int(fields["to_host"])))
+    return out
 
 
 def _collective_calls_of(log: Path, rank: int) -> list[tuple[str, str, str]]:

@@ -1,6 +1,6 @@
 """Benchmark (a model, nothing runs): what one rank reads, computes, sends and launches per decode
-step, and the step's lower-bound time, for the bundle as planned today, one execution per layer
-and the seed's layout.
+step, and the step's lower-bound time, for the bundle as planned, the per-region form and the seed's
+layout.
 
     python bench/step_model.py                              # examples/release/model.toml, batch 1 and 8
     python bench/step_model.py --toml my/model.toml --context 1048576 --json
@@ -8,10 +8,10 @@ and the seed's layout.
 The model is compiler/step_cost.py, what `deepinfer plan` prints per decode bucket (its figures, its
 trn2 constants and their sources are there). This reads it at one context for three forms:
 
-    today            the plan's own per_step: a region or attention stage an execution, the
-                     collectives where the target puts them (the release: all on the host)
-    one per layer    issue 29's target, modelled (not built): the embedding, one execution a layer
-                     and the head, every collective inside the executables
+    as planned       the plan's own per_step: trn2 fuses each layer into one execution with its
+                     collectives inside (compiler/layers.py; `layers = "fused"`, the default)
+    per-region       the same model.toml with `layers = "regions"` and host collectives: a region or
+                     attention stage an execution, every collective between them on the host
     seed's layout    one execution per region (one attention call a layer), cp replicated (every
                      rank reads the whole context's state and holds the whole float32 head), the
                      MoE all-reduce on the host
@@ -26,14 +26,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-def one_per_layer(plan) -> dict:
-    """The plan's per_step as one execution per layer with the collectives in the executables."""
-    step = plan.per_step
-    slots = step["executions_by_slot"]
-    executions = slots.get("embed", 0) + len(plan.regions.layers) + slots["head"]
-    return {**step, "executions": executions, "collectives_in_executables": step["collectives"]}
 
 
 def seed_layout(plan, today) -> dict:
@@ -63,35 +55,47 @@ def seed_layout(plan, today) -> dict:
     return {"executions": executions, "estimated_ms": times["estimated_ms"]}
 
 
-def step(plan, batch: int, context: int) -> dict:
-    """One rank's figures per decode step at `batch` sequences of `context` positions."""
+def step(plan, regions_plan, batch: int, context: int) -> dict:
+    """One rank's figures per decode step at `batch` sequences of `context` positions: `plan` as
+    planned, `regions_plan` its per-region form."""
     from deepinfer.compiler.step_cost import step_cost
 
-    today = step_cost(plan, batch, context)
-    layer = step_cost(plan, batch, context, one_per_layer(plan))
+    planned = step_cost(plan, batch, context)
+    today = step_cost(regions_plan, batch, context)
     seed = seed_layout(plan, today)
     return {
         "batch": batch,
         "context": context,
-        "weight_bytes": today.weight_bytes,
-        "state_bytes": today.state_bytes,
-        "flops": today.flops,
-        "flops_by_part": today.flops_by_part,
+        "weight_bytes": planned.weight_bytes,
+        "state_bytes": planned.state_bytes,
+        "flops": planned.flops,
+        "flops_by_part": planned.flops_by_part,
+        "executions": planned.executions,
         "executions_per_region": today.executions,
-        "executions_per_layer": layer.executions,
-        "collectives": today.collectives_by_name,
-        "collective_bytes": today.collective_bytes,
+        "collectives": planned.collectives_by_name,
+        "collectives_in_executables": planned.collectives_in_executables,
+        "collective_bytes": planned.collective_bytes,
+        "host_device_bytes": planned.host_device_bytes,
         "host_device_bytes_per_region": today.host_device_bytes,
-        "host_device_bytes_per_layer": layer.host_device_bytes,
-        "memory_ms": today.memory_ms,
-        "compute_ms": today.compute_ms,
-        "collective_link_bytes": layer.collective_link_bytes,
-        "collective_link_ms": layer.collective_link_ms,
-        "estimated_ms_per_layer_form": layer.estimated_ms,
+        "memory_ms": planned.memory_ms,
+        "compute_ms": planned.compute_ms,
+        "collective_link_bytes": planned.collective_link_bytes,
+        "collective_link_ms": planned.collective_link_ms,
+        "estimated_ms": planned.estimated_ms,
         "estimated_ms_per_region_form": today.estimated_ms,
         "executions_seed_layout": seed["executions"],
         "estimated_ms_seed_layout": seed["estimated_ms"],
     }
+
+
+def per_region(config):
+    """`config` with its trn2 layers per region and host collectives (other targets as they are)."""
+    import dataclasses
+
+    if config.target.name != "trn2":
+        return config
+    options = {**config.target.options, "layers": "regions", "collectives": "host"}
+    return dataclasses.replace(config, target=dataclasses.replace(config.target, options=options))
 
 
 def main() -> int:
@@ -106,14 +110,16 @@ def main() -> int:
     from deepinfer.compiler.step_cost import figures_of
     from deepinfer.errors import ConfigError
 
-    plan = plan_bundle(load_compile_config(args.toml), scratch=False)
+    config = load_compile_config(args.toml)
+    plan = plan_bundle(config, scratch=False)
+    regions_plan = plan_bundle(per_region(config), scratch=False)
     try:
         figures = figures_of(plan)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     context = args.context or plan.spec.config.buckets.max_context
-    rows = [step(plan, b, context) for b in (1, 8)]
+    rows = [step(plan, regions_plan, b, context) for b in (1, 8)]
     err = sys.stderr if args.json else sys.stdout
     topo = plan.spec.topology
     print(
@@ -123,15 +129,16 @@ def main() -> int:
         ("weight bytes read", "weight_bytes"),
         ("state bytes read", "state_bytes"),
         ("FLOPs", "flops"),
+        ("executions, as planned", "executions"),
         ("executions, per-region form", "executions_per_region"),
-        ("executions, one per layer", "executions_per_layer"),
+        ("collectives in executables", "collectives_in_executables"),
+        ("host<->device B, as planned", "host_device_bytes"),
         ("host<->device B, per-region", "host_device_bytes_per_region"),
-        ("host<->device B, per-layer", "host_device_bytes_per_layer"),
         ("HBM time (ms)", "memory_ms"),
         (f"compute time, {plan.spec.config.model.dtype} peak (ms)", "compute_ms"),
         ("collective bytes on links", "collective_link_bytes"),
         ("collective link time (ms)", "collective_link_ms"),
-        ("estimate, per-layer (ms)", "estimated_ms_per_layer_form"),
+        ("estimate, as planned (ms)", "estimated_ms"),
         ("estimate, per-region (ms)", "estimated_ms_per_region_form"),
         ("executions, seed's layout", "executions_seed_layout"),
         ("estimate, seed's layout (ms)", "estimated_ms_seed_layout"),
@@ -152,18 +159,19 @@ def main() -> int:
             json.dumps(
                 {
                     "context": context,
-                    # the bundle as planned today: one execution per region and attention stage, host collectives
-                    "executions_per_step": b1["executions_per_region"],
+                    # the bundle as planned (trn2: one execution a layer, its collectives inside)
+                    "executions_per_step": b1["executions"],
                     "collectives_per_step": sum(b1["collectives"].values()),
+                    "collectives_in_executables": b1["collectives_in_executables"],
                     "weight_bytes_per_step_b1": b1["weight_bytes"],
                     "flops_per_step_b1": b1["flops"],
-                    "host_device_bytes_per_step_b1": b1["host_device_bytes_per_region"],
-                    "estimated_step_ms_b1": b1["estimated_ms_per_region_form"],
-                    # issue 29's target, modelled (not built): one execution per layer, collectives in the graph
-                    "one_execution_per_layer": {
-                        "executions_per_step": b1["executions_per_layer"],
-                        "host_device_bytes_per_step_b1": b1["host_device_bytes_per_layer"],
-                        "estimated_step_ms_b1": b1["estimated_ms_per_layer_form"],
+                    "host_device_bytes_per_step_b1": b1["host_device_bytes"],
+                    "estimated_step_ms_b1": b1["estimated_ms"],
+                    # the per-region form with host collectives (`layers = "regions"`), for comparison
+                    "per_region_form": {
+                        "executions_per_step": b1["executions_per_region"],
+                        "host_device_bytes_per_step_b1": b1["host_device_bytes_per_region"],
+                        "estimated_step_ms_b1": b1["estimated_ms_per_region_form"],
                     },
                     "seed_layout_estimated_step_ms_b1": b1["estimated_ms_seed_layout"],
                     "rows": rows,

@@ -239,9 +239,9 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
                 inputs[op.src] = _layer_input(plan, lk, exe, spec, op.src)
             steps.append(op)
             made.add(op.dst)
-            shapes[op.dst] = _collective_shape(op, *shapes_of(op.src, shapes, inputs))
+            shapes[op.dst] = _collective_shape(op, *_shape_of(op.src, shapes, inputs))
         else:
-            args_shapes = [shapes_of(a, shapes, inputs) for a in op.args]
+            args_shapes = [_shape_of(a, shapes, inputs) for a in op.args]
             fn = _glue_fn(op.fn, spec.topology)
             program, values = _glue_program(fn, args_shapes)
             pieces[op.fn] = hlo.to_stablehlo(target.lower(program), getattr(target, "frontend", "torch-mlir"))
@@ -276,7 +276,8 @@ def _layer_input(plan: RegionPlan, lk: LayerKind, exe: Exe, spec: Spec, name: st
     raise hlo.LoweringError(f"no region of layer kind {lk.name} takes an input {name!r}")
 
 
-def shapes_of(name: str, shapes: dict, inputs: dict[str, InputSpec]) -> tuple[tuple[int, ...], torch.dtype]:
+def _shape_of(name: str, shapes: dict, inputs: dict[str, InputSpec]) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of value `name`: made by a step before, or a layer input."""
     if name in shapes:
         return shapes[name]
     s = inputs.get(name)
@@ -315,12 +316,10 @@ class _Glue(torch.nn.Module):
         return tuple(out) if isinstance(out, tuple) else (out,)
 
 
-def _example(shape, dtype) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype)
-
-
 def _glue_program(fn, args_shapes) -> tuple[torch.export.ExportedProgram, list[torch.Tensor]]:
-    args = tuple(_example(s, d) for s, d in args_shapes)
+    """`fn` exported at its arguments' shapes (zeros: it has no data-dependent shapes) -> (the
+    program, its outputs there, whose shapes name the next steps' values)."""
+    args = tuple(torch.zeros(shape, dtype=dtype) for shape, dtype in args_shapes)
     module = _Glue(fn)
     with torch.no_grad():
         values = list(module(*args))

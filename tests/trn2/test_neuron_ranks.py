@@ -360,6 +360,10 @@ def test_a_two_rank_session_runs_the_same_neffs_in_the_same_order(two_rank_bundl
     m = open_bundle(two_rank_bundle).manifest
     reduced = {Path(e.artifact).name for e in m.regions if e.holds_collectives}
     assert reduced and all(n.startswith("layer_") for n in reduced) and len(reduced) == len({l.fused for l in m.layers})
+    for e in m.regions:  # the compile checked each layer's tp all-reduce on two XLA:CPU replicas
+        if e.holds_collectives:
+            assert [(c.op, c.value, c.groups) for c in e.collectives or ()] == [("all_reduce", "h", ((0, 1),))]
+            assert e.check is not None and e.check["replicas"] == 2 and e.check["score"] <= 1e-5
     done = generate(two_rank_bundle, [[1, 5, 9]], RunOptions(max_new_tokens=2, collective_timeout_s=60, timeout_s=600))
     assert done[0].error is None and len(done[0].tokens) == 5
     calls = {r: _collective_calls_of(session_env, r) for r in range(WORLD)}

@@ -129,8 +129,9 @@ class Executor:
     # (kind, method)s whose executables sum their streams over the ranks themselves (manifest `reduced`)
     reduced_in_graph: frozenset[tuple[str, str]]
     bound: Mapping[tuple[int, str], Binding]  # (layer, slot) -> binding; the head is (-1, "head")
-    # fused layers (trn2): layer -> its binding (slot "layer"), and each layer kind's inputs and outputs
-    fused: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]  # kind -> (non-weight inputs, outputs)
+    # fused layers (trn2): each layer kind's non-weight inputs and its outputs, by name; a fused layer's
+    # binding is bound[(layer, LAYER_SLOT)]
+    fused: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]
     draft_bound: Mapping[tuple[int, str], Binding]  # (stage, slot) -> binding of the draft's regions
     pools: Mapping[str, Tensor]
     states: Mapping[int, Mapping[str, Tensor]]  # layer -> state name -> its view of a pool

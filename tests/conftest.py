@@ -51,6 +51,7 @@ GROUPS = {
     "exported_bundle_12": "exported",
     "trn2_hlo_bundle": "trn2",
     "trn2_hlo_compile": "trn2",
+    "trn2_ep2_bundle": "trn2",
     "filled": "cache",
     "cache_copy": "cache",
     "e4m3_bundle": "recipes",
@@ -296,6 +297,23 @@ def trn2_hlo_compile(tmp_path_factory, tiny_ckpt) -> tuple[Path, str]:
 def trn2_hlo_bundle(trn2_hlo_compile) -> Path:
     """The tiny trn2 HLO-stage bundle of `trn2_hlo_compile`."""
     return trn2_hlo_compile[0]
+
+
+@pytest.fixture(scope="session")
+def trn2_ep2_bundle(tmp_path_factory, tiny_ckpt) -> Path:
+    """The tiny model for trn2 at ep = 2 (EP dispatch, two ranks), HLO-stage: each layer one module
+    holding its dispatch collectives (compiler/layers.py), checked on two XLA:CPU replicas."""
+    return _compile_tiny(
+        tmp_path_factory,
+        "trn2-fused-ep2",
+        tiny_ckpt,
+        executable="neff",
+        tokens=[1],
+        target="trn2",
+        options="{ lnc = 1 }",
+        hlo_only=True,
+        parallel=(1, 2, 1),
+    )
 
 
 @pytest.fixture(scope="session")

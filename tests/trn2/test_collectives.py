@@ -25,8 +25,6 @@ from deepinfer.regions.plan import make_attention
 from deepinfer.regions.state import Geometry
 from deepinfer.regions.step import plan_layers
 
-from ..conftest import _compile_tiny
-
 pytest.importorskip("torch_mlir")
 xla_client = pytest.importorskip("jax._src.lib").xla_client
 
@@ -105,24 +103,13 @@ def test_groups_partition_the_ranks_and_integers_are_refused(tmp_path, tiny_ckpt
     assert Topology(cp=2, ep=4).cp_groups() == [[0, 1], [2, 3]]
 
 
-@pytest.mark.slow
-def test_hlo_bundle_fuses_each_layer_with_its_collectives(tmp_path_factory, tiny_ckpt):
+def test_hlo_bundle_fuses_each_layer_with_its_collectives(trn2_ep2_bundle):
     """deepinfer-compile --hlo-only of the tiny model for trn2 at ep = 2 (EP dispatch: two token groups
     of one rank each): one module per layer kind and bucket (compiler/layers.py), every layer bound to
     one (the manifest's `fused`), each holding the dispatch's three all-gathers and the combine's
     reduce-scatter over both ranks, recorded in its entry, and checked on two XLA:CPU replicas against
     its ops run eagerly with host collectives; the embedding and the head hold none."""
-    bundle = _compile_tiny(
-        tmp_path_factory,
-        "trn2-fused-ep2",
-        tiny_ckpt,
-        executable="neff",
-        tokens=[1],
-        target="trn2",
-        options="{ lnc = 1 }",
-        hlo_only=True,
-        parallel=(1, 2, 1),
-    )
+    bundle = trn2_ep2_bundle
     m = json.loads((bundle / "manifest.json").read_text())
     fused = {e["kind"] for e in m["regions"] if e["kind"].startswith("layer_")}
     assert {l["fused"] for l in m["layers"]} == fused and len(fused) >= 4

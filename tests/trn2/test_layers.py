@@ -123,10 +123,11 @@ def _spec(tmp_path, tiny_ckpt, parallel):
     return spec, plan(spec, lambda msg: None)
 
 
-# (tp, ep, cp) -> {layer kind: the collectives its module holds, in order}. EP dispatch (ep = 2) and
-# tp = 2 are checked by the compiles of whole bundles at those layouts, every layer kind on two
-# replicas (tests/trn2/test_collectives.py, tests/trn2/test_neuron_ranks.py)
+# (tp, ep, cp) -> {layer kind: the collectives its module holds, in order}. EP dispatch (ep = 2) is
+# checked by the compile of a whole bundle at that layout, every layer kind on two replicas
+# (tests/conftest.py trn2_ep2_bundle, read by tests/trn2/test_collectives.py)
 LAYOUTS = {
+    "tp=2": ((2, 1, 1), {"layer_window": ["all_reduce h"]}),
     "cp=ep=4": (
         (1, 4, 4),
         {
@@ -143,11 +144,11 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.slow  # each layer module lowered, compiled for 4 XLA:CPU replicas and run: about 40 s
+@pytest.mark.slow  # each layer module lowered, compiled for 2 or 4 XLA:CPU replicas and run: about 60 s
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layer_modules_match_the_host_collectives_on_replicas(tmp_path, tiny_ckpt, name):
-    """At cp = ep = 4 (the divided attention's merges over the cp group, the candidate pool's, the MoE
-    all-reduce) a layer kind's one module holds its collectives over the rank's groups, recorded in
+    """At tp = 2 (the heads' partial streams summed over the tp group) and cp = ep = 4 (the divided
+    attention's merges over the cp group, the candidate pool's, the MoE all-reduce) a layer kind's one module holds its collectives over the rank's groups, recorded in
     its entry, and on one XLA:CPU replica a rank equals its ops run eagerly with the host's
     collectives (the compile's own check, `layers.check`)."""
     parallel, expected = LAYOUTS[name]

@@ -248,7 +248,8 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
         if not target.static_shapes:
             run.log(f"traced {exe.name}")
         if cache is not None and key is not None:
-            digest = digest or graph_digest(graph.program) if graph is not None else digest
+            if graph is not None:  # a region's graph digest; a fused layer's is its module's text's
+                digest = graph_digest(graph.program)
             executable = store(spec, plan, cache, key, exe, digest, kernels, entry)
             if cache.get_file("executable", executable, dest):  # another graph or compile built it
                 run.log(f"cached {exe.name}")

@@ -45,7 +45,7 @@ from deepinfer.compiler.executables import Graph, lower
 from deepinfer.compiler.plan import Exe, LayerKind, RegionPlan
 from deepinfer.compiler.spec import Log, Spec
 from deepinfer.compiler.targets import hlo, link
-from deepinfer.compiler.targets.link import Collective, Groups
+from deepinfer.compiler.targets.hlo import Collective, Groups
 from deepinfer.compiler.targets.trn2 import CheckFailed, Trn2Target
 from deepinfer.errors import DeepinferError
 from deepinfer.regions import divided

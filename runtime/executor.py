@@ -428,10 +428,11 @@ def _load(bundle: Bundle, rank: int, comm, num_kv_blocks: int | None) -> Executo
     try:
         executables, context_methods = _load_executables(bundle, placement)
         bound, draft_bound = _bind_weights(bundle, placement, rank)
+        kinds = {layer.fused for layer in m.layers if layer.fused is not None}
         fused = {
             e.kind: (tuple(s.name for s in e.inputs if s.role not in ("weight", "rank")), e.outputs)
             for e in m.regions
-            if any(layer.fused == e.kind for layer in m.layers)
+            if e.kind in kinds
         }
         pools, states = _allocate_pools(m, placement, pool_shapes)
     except BaseException:

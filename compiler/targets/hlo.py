@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -268,12 +270,122 @@ def _tuple_root(main, names: list[str]) -> None:
 
 MLIR_FLOATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
+# --- collectives ---------------------------------------------------------------------------------
+
+Groups = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective over `groups` (replica groups partitioning the ranks) of value `src`, named `dst`:
+
+    - all_reduce: the sum (or max) over each group, same shape;
+    - all_gather: the group's values along `dim`, concatenated; with `stack`, along a new leading
+      dim instead ([n, *shape], rank order within the group);
+    - reduce_scatter: the sum over each group, split along `dim`, this rank's part.
+
+    Floats only for the reductions (neuronx-cc rejects integer all-reduce, NCC_EVRF061); a bool
+    gathers as bytes. `to` converts the result (a float32 partial sum to the streams' dtype)."""
+
+    op: Literal["all_reduce", "all_gather", "reduce_scatter"]
+    src: str
+    dst: str
+    groups: Groups
+    dim: int = 0
+    stack: bool = False
+    reduce: Literal["add", "max"] = "add"
+    to: torch.dtype | None = None
+
+
+MLIR_TYPES = {
+    **MLIR_FLOATS,
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.uint8: "ui8",
+    torch.int8: "i8",
+    torch.int16: "i16",
+    torch.bool: "i1",
+}
+
+
+def collective(step: Collective, value, where: str):
+    """`step` applied to MLIR `value` at the current insertion point -> its result (`where` names the
+    step in errors): the op in AWS's form, a bool gathered as bytes, the result converted to `step.to`."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import hlo as stablehlo
+
+    groups = [list(g) for g in step.groups]
+    if not partitions(groups, sum(map(len, groups))) or len({len(g) for g in groups}) != 1:
+        raise LoweringError(f"{where}: replica groups {groups} do not partition the ranks in equal groups")
+    n = len(groups[0])
+    table = ir.DenseIntElementsAttr.get(np.asarray(groups, dtype=np.int64))  # type: ignore[call-overload]  # numpy stubs: __buffer__ only on 3.12+
+    kind = ir.RankedTensorType(value.type)
+    element = kind.element_type
+    shape = list(kind.shape)
+    i64 = ir.IntegerType.get_signless(64)
+    if step.op == "all_gather":
+        down = element.maybe_downcast()
+        boolean = isinstance(down, ir.IntegerType) and down.width == 1
+        if boolean:  # bytes on the links, a bool again after
+            element = ir.IntegerType.get_unsigned(8)
+            value = stablehlo.ConvertOp(ir.RankedTensorType.get(shape, element), value).result
+        dim = step.dim
+        if step.stack:
+            shape = [1, *shape]
+            value = stablehlo.ReshapeOp(ir.RankedTensorType.get(shape, element), value).result
+            dim = 0
+        gathered = [*shape]
+        gathered[dim] *= n
+        result = ir.Operation.create(
+            "stablehlo.all_gather",
+            results=[ir.RankedTensorType.get(gathered, element)],
+            operands=[value],
+            attributes={"all_gather_dim": ir.IntegerAttr.get(i64, dim), "replica_groups": table},
+        ).result
+        if boolean:
+            result = stablehlo.ConvertOp(
+                ir.RankedTensorType.get(gathered, ir.IntegerType.get_signless(1)), result
+            ).result
+    else:
+        if not isinstance(element.maybe_downcast(), ir.FloatType):
+            raise LoweringError(
+                f"{where}: {element} is not a float type (neuronx-cc rejects integer reductions, NCC_EVRF061; "
+                "move integers with all-gather)"
+            )
+        attributes = {"replica_groups": table}
+        out_shape = list(shape)
+        if step.op == "reduce_scatter":
+            if out_shape[step.dim] % n:
+                raise LoweringError(f"{where}: dim {step.dim} of {shape} does not split over {n} ranks")
+            out_shape[step.dim] //= n
+            attributes["scatter_dimension"] = ir.IntegerAttr.get(i64, step.dim)
+        elif step.op != "all_reduce":
+            raise LoweringError(f"{where}: unknown collective {step.op}")
+        op = ir.Operation.create(
+            f"stablehlo.{step.op}",
+            results=[ir.RankedTensorType.get(out_shape, element)],
+            operands=[value],
+            attributes=attributes,
+            regions=1,
+        )
+        scalar = ir.RankedTensorType.get([], element)
+        body = op.regions[0].blocks.append(scalar, scalar)
+        with ir.InsertionPoint(body):
+            combine = stablehlo.AddOp if step.reduce == "add" else stablehlo.MaxOp
+            stablehlo.ReturnOp([combine(body.arguments[0], body.arguments[1]).result])
+        result = op.result
+        shape = out_shape
+    if step.to is not None:
+        to = ir.RankedTensorType.get(list(ir.RankedTensorType(result.type).shape), ir.Type.parse(MLIR_TYPES[step.to]))
+        if to != result.type:
+            result = stablehlo.ConvertOp(to, result).result
+    return result
+
 
 def _reduce_results(main, reduce: dict[int, list[list[int]]], names: list[str], dtype: torch.dtype | None) -> None:
     """@main's results j in `reduce` summed over their replica groups (an all_reduce before the
     return), converted to `dtype` where given."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import hlo as stablehlo
 
     ret = list(main.regions[0].blocks[0].operations)[-1]
     values = list(ret.operands)
@@ -281,34 +393,10 @@ def _reduce_results(main, reduce: dict[int, list[list[int]]], names: list[str], 
         for j, groups in sorted(reduce.items()):
             if not 0 <= j < len(values):
                 raise LoweringError(f"all-reduce of result {j}: @main returns {len(values)} results")
-            kind = ir.RankedTensorType(values[j].type)
-            if not isinstance(kind.element_type.maybe_downcast(), ir.FloatType):
-                raise LoweringError(
-                    f"all-reduce of {names[j]}: {kind.element_type} is not a float type "
-                    "(neuronx-cc rejects integer all-reduce, NCC_EVRF061; move integers with all-gather)"
-                )
-            if not partitions(groups, sum(map(len, groups))):
-                raise LoweringError(f"all-reduce of {names[j]}: replica groups {groups} do not partition the ranks")
-            scalar = ir.RankedTensorType.get([], kind.element_type)
-            table = np.asarray(groups, dtype=np.int64)  # [groups, ranks per group]
-            replica_groups = ir.DenseIntElementsAttr.get(table)  # type: ignore[call-overload]  # numpy stubs: __buffer__ only on 3.12+
-            op = ir.Operation.create(
-                "stablehlo.all_reduce",
-                results=[values[j].type],
-                operands=[values[j]],
-                attributes={"replica_groups": replica_groups},
-                regions=1,
+            step = Collective(
+                "all_reduce", names[j], names[j], tuple(map(tuple, groups)), to=dtype if dtype in MLIR_FLOATS else None
             )
-            body = op.regions[0].blocks.append(scalar, scalar)
-            with ir.InsertionPoint(body):
-                total = stablehlo.AddOp(body.arguments[0], body.arguments[1])
-                stablehlo.ReturnOp([total.result])
-            result = op.result
-            if dtype is not None and dtype in MLIR_FLOATS:
-                to = ir.RankedTensorType.get(kind.shape, ir.Type.parse(MLIR_FLOATS[dtype]))
-                if to != kind:
-                    result = stablehlo.ConvertOp(to, result).result
-            ret.operands[j] = result
+            ret.operands[j] = collective(step, values[j], f"all-reduce of {names[j]}")
 
 
 def _must_alias(aliases: dict[int, int]):

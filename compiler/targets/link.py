@@ -18,15 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-import numpy as np
 import torch
 
-from deepinfer.bundles.topology import partitions
-from deepinfer.compiler.targets.hlo import MLIR_FLOATS, LoweringError, _need
-
-Groups = tuple[tuple[int, ...], ...]
+from deepinfer.compiler.targets.hlo import MLIR_TYPES, Collective, LoweringError, _need, collective
 
 
 @dataclass(frozen=True)
@@ -39,39 +34,7 @@ class Call:
     results: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class Collective:
-    """A collective over `groups` (replica groups partitioning the ranks) of value `src`, named `dst`:
-
-    - all_reduce: the sum (or max) over each group, same shape;
-    - all_gather: the group's values along `dim`, concatenated; with `stack`, along a new leading
-      dim instead ([n, *shape], rank order within the group);
-    - reduce_scatter: the sum over each group, split along `dim`, this rank's part.
-
-    Floats only for the reductions (neuronx-cc rejects integer all-reduce, NCC_EVRF061); a bool
-    gathers as bytes. `to` converts the result (a float32 partial sum to the streams' dtype)."""
-
-    op: Literal["all_reduce", "all_gather", "reduce_scatter"]
-    src: str
-    dst: str
-    groups: Groups
-    dim: int = 0
-    stack: bool = False
-    reduce: Literal["add", "max"] = "add"
-    to: torch.dtype | None = None
-
-
 Step = Call | Collective
-
-MLIR_TYPES = {
-    **MLIR_FLOATS,
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.uint8: "ui8",
-    torch.int8: "i8",
-    torch.int16: "i16",
-    torch.bool: "i1",
-}
 
 
 def tensor_type(shape: Sequence[int], dtype: torch.dtype) -> str:
@@ -117,7 +80,7 @@ def link(
                 if step.src not in env:
                     raise LoweringError(f"{where}: no value named {step.src!r} before it")
                 with ir.InsertionPoint(anchor):
-                    env[step.dst] = _collective(step, env[step.src], where)
+                    env[step.dst] = collective(step, env[step.src], where)
         missing = [r for r in results if r not in env]
         if missing:
             raise LoweringError(f"the linked module returns {', '.join(missing)}, which no step makes")
@@ -162,78 +125,6 @@ def _splice(module, step: Call, env: dict, anchor, where: str) -> list:
         op.move_before(anchor)
     funcs[0].operation.erase()  # its return's uses of the moved values go before the module does
     return outs
-
-
-def _collective(step: Collective, value, where: str):
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import hlo as stablehlo
-
-    groups = [list(g) for g in step.groups]
-    if not partitions(groups, sum(map(len, groups))) or len({len(g) for g in groups}) != 1:
-        raise LoweringError(f"{where}: replica groups {groups} do not partition the ranks in equal groups")
-    n = len(groups[0])
-    table = ir.DenseIntElementsAttr.get(np.asarray(groups, dtype=np.int64))  # type: ignore[call-overload]  # numpy stubs: __buffer__ only on 3.12+
-    kind = ir.RankedTensorType(value.type)
-    element = kind.element_type
-    shape = list(kind.shape)
-    i64 = ir.IntegerType.get_signless(64)
-    if step.op == "all_gather":
-        down = element.maybe_downcast()
-        boolean = isinstance(down, ir.IntegerType) and down.width == 1
-        if boolean:  # bytes on the links, a bool again after
-            element = ir.IntegerType.get_unsigned(8)
-            value = stablehlo.ConvertOp(ir.RankedTensorType.get(shape, element), value).result
-        dim = step.dim
-        if step.stack:
-            shape = [1, *shape]
-            value = stablehlo.ReshapeOp(ir.RankedTensorType.get(shape, element), value).result
-            dim = 0
-        gathered = [*shape]
-        gathered[dim] *= n
-        result = ir.Operation.create(
-            "stablehlo.all_gather",
-            results=[ir.RankedTensorType.get(gathered, element)],
-            operands=[value],
-            attributes={"all_gather_dim": ir.IntegerAttr.get(i64, dim), "replica_groups": table},
-        ).result
-        if boolean:
-            result = stablehlo.ConvertOp(
-                ir.RankedTensorType.get(gathered, ir.IntegerType.get_signless(1)), result
-            ).result
-    else:
-        if not isinstance(element.maybe_downcast(), ir.FloatType):
-            raise LoweringError(
-                f"{where}: {element} is not a float type (neuronx-cc rejects integer reductions, NCC_EVRF061; "
-                "move integers with all-gather)"
-            )
-        attributes = {"replica_groups": table}
-        out_shape = list(shape)
-        if step.op == "reduce_scatter":
-            if out_shape[step.dim] % n:
-                raise LoweringError(f"{where}: dim {step.dim} of {shape} does not split over {n} ranks")
-            out_shape[step.dim] //= n
-            attributes["scatter_dimension"] = ir.IntegerAttr.get(i64, step.dim)
-        elif step.op != "all_reduce":
-            raise LoweringError(f"{where}: unknown collective {step.op}")
-        op = ir.Operation.create(
-            f"stablehlo.{step.op}",
-            results=[ir.RankedTensorType.get(out_shape, element)],
-            operands=[value],
-            attributes=attributes,
-            regions=1,
-        )
-        scalar = ir.RankedTensorType.get([], element)
-        body = op.regions[0].blocks.append(scalar, scalar)
-        with ir.InsertionPoint(body):
-            combine = stablehlo.AddOp if step.reduce == "add" else stablehlo.MaxOp
-            stablehlo.ReturnOp([combine(body.arguments[0], body.arguments[1]).result])
-        result = op.result
-        shape = out_shape
-    if step.to is not None:
-        to = ir.RankedTensorType.get(list(ir.RankedTensorType(result.type).shape), ir.Type.parse(MLIR_TYPES[step.to]))
-        if to != result.type:
-            result = stablehlo.ConvertOp(to, result).result
-    return result
 
 
 # MLIR element type -> torch dtype name (the manifest's)

@@ -108,3 +108,25 @@ def stub(tmp_path, monkeypatch) -> str:
     monkeypatch.setenv(ncc.ENV_COMPILER, str(STAND_IN))
     ncc._VERSIONS.clear()
     return str(STAND_IN)
+
+
+def finished_copy(hlo_bundle: Path, dest: Path) -> Path:
+    """A copy of an HLO-stage bundle at `dest`, finished by the stand-in neuronx-cc (TEST DOUBLE NEFFs:
+    each carries only a description of its HLO module's interface for the libnrt double)."""
+    from deepinfer.compiler.finish import finish_bundle
+    from deepinfer.compiler.targets import neuronxcc
+
+    shutil.copytree(hlo_bundle, dest)
+    STAND_IN.chmod(STAND_IN.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    with pytest.MonkeyPatch.context() as mp:
+        for var in (
+            "FAKE_NEURONX_CC_FAIL",
+            "FAKE_NEURONX_CC_SLEEP",
+            "FAKE_NEURONX_CC_VERSION",
+            "FAKE_NEURONX_CC_RECORD",
+        ):
+            mp.delenv(var, raising=False)
+        mp.setenv("FAKE_NEURONX_CC_PYTHON", sys.executable)
+        mp.setenv(neuronxcc.ENV_COMPILER, str(STAND_IN))
+        finish_bundle(dest, jobs=1, log=lambda msg: None)
+    return dest

@@ -17,9 +17,6 @@ import multiprocessing as mp
 import os
 import queue
 import re
-import shutil
-import stat
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,8 +25,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deepinfer.compiler.finish import finish_bundle
-from deepinfer.compiler.targets import neuronxcc
 from deepinfer.errors import DeepinferError
 from deepinfer.runtime import RunOptions, arrival, generate, neuron_ranks
 from deepinfer.runtime.bundle import open_bundle
@@ -37,7 +32,7 @@ from deepinfer.runtime.neuron import DeviceTensor, NeuronCore, NeuronModel
 from deepinfer.runtime.nrt import ENV_ROOT_COMM
 from deepinfer.runtime.ranks import init
 
-from .conftest import STAND_IN, fake_model, fnv1a
+from .conftest import fake_model, finished_copy, fnv1a
 
 WORLD = 2
 START_S = 120  # a spawned rank imports torch: generous on a loaded 2-core machine
@@ -304,21 +299,7 @@ def test_ranks_at_different_neffs_end_the_run_with_one_line(tmp_path, fake_nrt_p
 def two_rank_bundle(trn2_ep2_bundle, tmp_path_factory) -> Path:
     """A copy of the tiny model for trn2 at ep = 2 (tests/conftest.py: each layer one executable
     holding its dispatch collectives), finished by the stand-in neuronx-cc (TEST DOUBLE NEFFs)."""
-    bundle = tmp_path_factory.mktemp("trn2-ranks") / "bundle"
-    shutil.copytree(trn2_ep2_bundle, bundle)
-    STAND_IN.chmod(STAND_IN.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    with pytest.MonkeyPatch.context() as mp_:
-        for var in (
-            "FAKE_NEURONX_CC_FAIL",
-            "FAKE_NEURONX_CC_SLEEP",
-            "FAKE_NEURONX_CC_VERSION",
-            "FAKE_NEURONX_CC_RECORD",
-        ):
-            mp_.delenv(var, raising=False)
-        mp_.setenv("FAKE_NEURONX_CC_PYTHON", sys.executable)
-        mp_.setenv(neuronxcc.ENV_COMPILER, str(STAND_IN))
-        finish_bundle(bundle, jobs=1, log=lambda msg: None)
-    return bundle
+    return finished_copy(trn2_ep2_bundle, tmp_path_factory.mktemp("trn2-ranks") / "bundle")
 
 
 @pytest.fixture

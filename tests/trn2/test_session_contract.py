@@ -16,8 +16,6 @@ import io
 import json
 import re
 import shutil
-import stat
-import sys
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -26,34 +24,19 @@ import pytest
 
 from deepinfer.bundles import layout, neff
 from deepinfer.bundles.manifest import BundleError
-from deepinfer.compiler.finish import finish_bundle
-from deepinfer.compiler.targets import neuronxcc
 from deepinfer.runtime import RunOptions, generate, load
 from deepinfer.runtime.neuron import NeuronCore
 
+from .conftest import finished_copy
+
 DOUBLES = Path(__file__).resolve().parent / "doubles"
-STUB = DOUBLES / "neuronx-cc"
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
 
 
 @pytest.fixture(scope="module")
 def finished(trn2_hlo_bundle, tmp_path_factory) -> Path:
     """A copy of the tiny HLO-stage bundle finished by the stand-in neuronx-cc (TEST DOUBLE NEFFs)."""
-    bundle = tmp_path_factory.mktemp("session") / "bundle"
-    shutil.copytree(trn2_hlo_bundle, bundle)
-    STUB.chmod(STUB.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    with pytest.MonkeyPatch.context() as mp:
-        for var in (
-            "FAKE_NEURONX_CC_FAIL",
-            "FAKE_NEURONX_CC_SLEEP",
-            "FAKE_NEURONX_CC_VERSION",
-            "FAKE_NEURONX_CC_RECORD",
-        ):
-            mp.delenv(var, raising=False)
-        mp.setenv("FAKE_NEURONX_CC_PYTHON", sys.executable)
-        mp.setenv(neuronxcc.ENV_COMPILER, str(STUB))
-        finish_bundle(bundle, jobs=1, log=lambda msg: None)
-    return bundle
+    return finished_copy(trn2_hlo_bundle, tmp_path_factory.mktemp("session") / "bundle")
 
 
 @pytest.fixture

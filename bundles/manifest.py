@@ -654,24 +654,36 @@ DRAFT_PROJECT = ("head", PROJECT)  # the draft's logits: the target head's proje
 
 
 def _check_draft(m: Manifest, kinds: set, rows: dict) -> None:
-    """Every draft stage's binding names a draft executable kind and a row of its stacks; each draft kind
-    and the head's projection have one executable per batch bucket, at the draft's step shape; the
+    """Every draft stage's binding names a draft executable kind and a row of its stacks; each method of
+    each draft kind has executables for every batch bucket (its MoE for the gathered rows of every token
+    group under EP dispatch), the head's projection one per batch bucket at the draft's block; the
     features pool holds one row per target layer it reads."""
     d, batches = m.draft, m.buckets.batch_sizes
     assert d is not None, "check() calls this only for a manifest with a draft"
     _need(d.block >= 1 and d.window >= 1, ("draft",), f"block {d.block} and window {d.window} must be positive")
+    gathered = m.topology.groups if m.topology.dispatch else 1
     for i, stage in enumerate(d.stages):
         for slot, b in stage.items():
             _bound(b, ("draft", "stages", i, slot), kinds, rows)
-    calls = {(k, DECODE) for k in m.draft_kinds} | {DRAFT_PROJECT}
-    for kind, method in sorted(calls):
-        at = [e for e in m.regions if (e.kind, e.method) == (kind, method)]
-        _need(
-            sorted(e.bucket.batch for e in at) == batches,
-            ("regions",),
-            f"draft kind {kind!r} ({method}) has executables for batches {sorted(e.bucket.batch for e in at)}, "
-            f"not one for each of {batches}",
-        )
+            want = {n * (gathered if slot == "moe" else 1) for n in batches}
+            methods = {e.method for e in m.regions if e.kind == b.kind}
+            _need(bool(methods), ("draft", "stages", i, slot), f"draft kind {b.kind!r} has no executables")
+            for method in sorted(methods):
+                got = {e.bucket.batch for e in m.regions if (e.kind, e.method) == (b.kind, method)}
+                _need(
+                    got == want,
+                    ("regions",),
+                    f"draft kind {b.kind!r} ({method}) has executables for batches {sorted(got)}, "
+                    f"not for each of {sorted(want)}",
+                )
+    kind, method = DRAFT_PROJECT
+    got = {e.bucket.batch for e in m.regions if (e.kind, e.method, e.bucket.tokens) == (kind, method, d.block)}
+    _need(
+        got == set(batches),
+        ("regions",),
+        f"the head's {method} has executables at the draft's block {d.block} for batches {sorted(got)}, "
+        f"not for each of {batches}",
+    )
     pool = m.kv.pools.get(d.features)
     _need(
         pool is not None and pool.layers == d.target_layers,

@@ -163,8 +163,14 @@ class RegionPlan:
             return out
         batches = sorted({b for b, _ in shapes})
         for k in drafts:
+            kp = self.kinds[k]
+            if kp.slot == "capture":  # runs in the target's steps: at their shapes
+                out += [Exe(k, METHOD, b, t, None) for b, t in shapes]
+                continue
+            T = self.draft_window if kp.slot == "context" else self.draft_block
             out += [
-                Exe(k, METHOD, b, self.draft_window if self.kinds[k].slot == "context" else self.draft_block, None)
+                Exe(k, method, b * (gathered if kp.slot == "moe" else 1), T, None)
+                for method in kp.region.methods()
                 for b in batches
             ]
         return out + [Exe("head", DRAFT_PROJECT, b, self.draft_block, None) for b in batches]

@@ -4,13 +4,14 @@ Every state view of the same name and owner kind across layers is one pool
 `[layers owning it, slots | blocks, ...]`, so a layer's view is one contiguous
 slice `pool[index]`. Reuse and reindex layers bind their kv source's slices.
 With a draft, its features pool (`DRAFT_FEATURES`, regions/drafting.py) is one more:
-[target layers it reads, slots, sliding_window, hidden], bound to no layer.
+[target layers it reads, slots, sliding_window + dspark_block_size, hidden], bound to no layer.
 """
 
 from __future__ import annotations
 
 from deepinfer.bundles.manifest import Pool
 from deepinfer.regions.config import TextConfig
+from deepinfer.regions.dspark import features_ring
 from deepinfer.regions.state import PAGED, StateSpec, check_block_size, layer_state
 from deepinfer.regions.step import LayerPlan
 
@@ -52,7 +53,7 @@ def plan_pools(
             state="features",
             dtype=str(dtype).removeprefix("torch."),
             dim="slots",
-            entry_shape=(c.sliding_window, c.hidden_size),
+            entry_shape=(features_ring(c), c.hidden_size),
             layers=tuple(c.dspark_target_layer_ids),
         )
     bindings = {}

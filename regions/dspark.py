@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from deepinfer.bundles.manifest import PROJECT
+from deepinfer.bundles.manifest import DECODE, PROJECT
 from deepinfer.kernels.cachequant import maybe_quant
 from deepinfer.kernels.rope import apply_rope
 from deepinfer.regions.attention import _Attention
@@ -37,6 +37,7 @@ from deepinfer.regions.base import Region, WeightSpec, fp8_specs
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.drafting import run_draft_stages
 from deepinfer.regions.moe import MoE
+from deepinfer.regions.paging import gather_rows
 from deepinfer.regions.state import Geometry, InputSpec
 from deepinfer.regions.step import Embedding
 
@@ -55,8 +56,62 @@ def draft_moe_config(c: TextConfig) -> TextConfig:
     )
 
 
+def features_ring(c: TextConfig) -> int:
+    """Rows of a features ring: the window a draft reads and the block a verify step may write past
+    its committed positions (a rejected position's row holds nothing a later draft reads)."""
+    return c.sliding_window + c.dspark_block_size
+
+
+def ring_update(ring: Tensor, slots: Tensor, values: Tensor, positions: Tensor) -> None:
+    """Write values [B, T, ...] at positions [B, T] (-1: padding; a row's valid positions consecutive)
+    into ring [S, R, ...] rows position % R of each row's slot, in place: a ring row takes the latest
+    of the step's positions that maps to it, so a chunk longer than the ring keeps its last R."""
+    R = ring.shape[1]
+    rows = ring.index_select(0, slots)  # [B, R, ...]
+    first = positions[:, :1].clamp_min(0)
+    last = positions.amax(dim=1, keepdim=True)  # [B, 1]; -1 for a padding row
+    s = torch.arange(R, device=ring.device)
+    latest = last - (last - s).remainder(R)  # [B, R]: the latest position <= last in ring row s
+    fresh = (latest >= first) & (last >= 0)
+    new = gather_rows(values, (latest - first).clamp(0, values.shape[1] - 1))
+    shape = (*fresh.shape, *([1] * (ring.dim() - 2)))
+    ring.index_copy_(0, slots, torch.where(fresh.view(shape), new.to(ring.dtype), rows))
+
+
+class DraftCapture(Region):
+    """What the draft reads of the target, written by the target's step: at each of the draft's target
+    layers, the streams its attention site reads, collapsed with that site's `pre`, into the layer's
+    features ring [S, R, D] (row position % R) of each row's slot. It runs on the device beside the
+    layer (no weights): the features never visit the host."""
+
+    kind = "dspark_capture"
+
+    def __init__(self, c: TextConfig, *, dtype: torch.dtype):
+        super().__init__([], dtype)
+        self.c = c
+
+    def output_names(self) -> list[str]:
+        return ["written"]
+
+    def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        c = self.c
+        return [
+            InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+            InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation"),
+            InputSpec("positions", (B, T), torch.int64, "step"),
+            InputSpec("slots", (B,), torch.int64, "step"),
+            InputSpec("features", (g.slots, features_ring(c), c.hidden_size), self.dtype, "state"),
+        ]
+
+    def decode(self, h: Tensor, pre: Tensor, positions: Tensor, slots: Tensor, features: Tensor) -> Tensor:
+        """-> the positions written [B] (a graph output; the ring is written in place)."""
+        ring_update(features, slots, ops.hc_collapse(h, pre), positions)
+        return (positions >= 0).sum(1)
+
+
 class DraftContext(Region):
-    """Stage 0's projection of the target features: features [B, C, L*D] -> context [B, C, D]."""
+    """Stage 0's projection of the target features: each row's window before its anchor, gathered from
+    the L features rings of its slot -> context [B, C, D]."""
 
     kind = "dspark_context"
 
@@ -73,9 +128,24 @@ class DraftContext(Region):
 
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         c = self.c
-        return [InputSpec("features", (B, T, len(c.dspark_target_layer_ids) * c.hidden_size), self.dtype, "activation")]
+        rings = [
+            InputSpec(f"features{i}", (g.slots, features_ring(c), c.hidden_size), self.dtype, "state")
+            for i in range(len(c.dspark_target_layer_ids))
+        ]
+        return [
+            InputSpec("context_positions", (B, T), torch.int64, "step"),
+            InputSpec("slots", (B,), torch.int64, "step"),
+            *rings,
+        ]
 
-    def decode(self, features: Tensor) -> Tensor:
+    def decode(self, context_positions: Tensor, slots: Tensor, *rings: Tensor) -> Tensor:
+        """context_positions [B, C] (-1: before the sequence; its row is ignored by the attention),
+        slots [B], the rings [S, R, D] of the L target layers -> context [B, C, D]."""
+        rows = [gather_rows(ring.index_select(0, slots), context_positions.remainder(ring.shape[1])) for ring in rings]
+        return self.project(torch.cat(rows, -1))
+
+    def project(self, features: Tensor) -> Tensor:
+        """features [B, C, L*D] -> context [B, C, D]."""
         x = ops.blockquant_gemm(features, self.main_proj, self.main_proj_s, self.fp8)
         return ops.rmsnorm(x, self.main_norm, self.c.rms_norm_eps)
 
@@ -151,24 +221,64 @@ class DraftHead(Region):
             InputSpec("previous", (B, T), torch.int64, "step"),
         ]
 
+    def methods(self) -> tuple[str, ...]:
+        """A draft step runs `normalize` (then the target head's `project` of its vocabulary rows) and,
+        on the leader with every rank's rows gathered, `tokens`."""
+        return ("normalize", "tokens")
+
     def decode(self, h: Tensor, pre: Tensor, previous: Tensor):
-        normalized = ops.rmsnorm(ops.hc_collapse(h, pre), self.norm, self.c.rms_norm_eps)
+        """The block's heads as NeMo computes them (teacher-forced `previous` [B, P]): normalized,
+        transition [B, P, V] and confidence [B, P]."""
+        normalized = self.normalize(h, pre)
         embedding = self.markov_embed[previous].to(self.dtype)  # [B, P, R]
         transition = F.linear(embedding, self.markov_head.to(self.dtype))
         confidence = F.linear(torch.cat((normalized.float(), embedding.float()), -1), self.confidence)
         return normalized, transition, confidence.squeeze(-1)
 
+    def normalize_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        return self.input_specs(B, T, g)[:2]
+
+    def normalize_outputs(self) -> list[str]:
+        return ["normalized"]
+
+    def normalize(self, h: Tensor, pre: Tensor) -> Tensor:
+        """The last stage's streams -> the normalized state [B, P, D] the target head projects."""
+        return ops.rmsnorm(ops.hc_collapse(h, pre), self.norm, self.c.rms_norm_eps)
+
+    def tokens_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        return [
+            InputSpec("base", (B, T, self.c.vocab_size), torch.float32, "activation"),
+            InputSpec("anchor", (B,), torch.int64, "step"),
+        ]
+
+    def tokens_outputs(self) -> list[str]:
+        return ["drafts", "logits"]
+
+    def tokens(self, base: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor]:
+        """The block drafted greedily: base [B, P, V] (the target head's logits of `normalize`), the
+        anchor tokens [B] -> drafts [B, P] int64 and the logits [B, P, V] each was the argmax of:
+        position i's are base i plus the Markov transition of the token before it (the anchor, then
+        the drafts), so the positions run in order, in one graph."""
+        previous, drafts, logits = anchor, [], []
+        for i in range(base.shape[1]):
+            embedding = self.markov_embed[previous].to(self.dtype)  # [B, R]
+            row = base[:, i] + F.linear(embedding, self.markov_head.to(self.dtype)).float()
+            previous = row.argmax(-1)  # the lowest index among equal scores
+            drafts.append(previous)
+            logits.append(row)
+        return torch.stack(drafts, 1), torch.stack(logits, 1)
+
 
 def draft_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool) -> list[dict[str, Region]]:
-    """Each stage's regions by slot (`context` on stage 0, `attn`, `moe`, `head` on the last)."""
+    """Each stage's regions by slot (`capture` and `context` on stage 0, `attn`, `moe`, `head` on the last)."""
     stages = []
     for stage in range(c.num_nextn_predict_layers):
         regions = {
             "attn": DraftAttention(c, dtype=dtype, cache_quant=cache_quant),
             "moe": DraftMoE(draft_moe_config(c), dtype=dtype),
         }
-        if stage == 0:
-            regions = {"context": DraftContext(c, dtype=dtype), **regions}
+        if stage == 0:  # the capture runs in the target's steps; stage 0 holds its binding
+            regions = {"capture": DraftCapture(c, dtype=dtype), "context": DraftContext(c, dtype=dtype), **regions}
         if stage == c.num_nextn_predict_layers - 1:
             regions["head"] = DraftHead(c, dtype=dtype)
         stages.append(regions)
@@ -188,15 +298,15 @@ def draft_specs(c: TextConfig) -> list[tuple[str, WeightSpec]]:
 
 
 def eager_invoke(stages: list[dict[str, Region]], head: Head | None):
-    """invoke(stage, slot, *inputs) over eager regions (`regions.drafting`): stage -1 is the target's
-    `head`, whose `project` the draft's logits go through."""
+    """invoke(stage, slot, *inputs, method=...) over eager regions (`regions.drafting`): slot `project`
+    is the target's `head`, whose `project` the draft's logits go through."""
 
-    def invoke(stage: int, slot: str, *inputs):
+    def invoke(stage: int, slot: str, *inputs, method: str = DECODE):
         if slot == PROJECT:
             assert head is not None, "a draft whose logits go through the target head is given the head"
             out = head.project(*inputs)
         else:
-            out = stages[stage][slot].decode(*inputs)
+            out = getattr(stages[stage][slot], method)(*inputs)
         return out if isinstance(out, tuple) else (out,)
 
     return invoke
@@ -217,6 +327,5 @@ def run_stages(
     embed is the target's (`regions.step.Embedding`); features [B, C, L*D] at context_positions [B, C]
     (-1: empty); block_tokens [B, P] (the anchor, then noise tokens) at positions [B, P]."""
     h, pre = embed(block_tokens)
-    return run_draft_stages(
-        eager_invoke(stages, None), len(stages), h, pre, features.to(embed.dtype), context_positions, positions
-    )
+    context = stages[0]["context"].project(features.to(embed.dtype))
+    return run_draft_stages(eager_invoke(stages, None), len(stages), h, pre, context, context_positions, positions)

@@ -21,8 +21,8 @@ from deepinfer.regions.attention import _Attention
 from deepinfer.regions.base import engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint, load_region
 from deepinfer.regions.config import CONFIG_FILE, V41Config, load_config
-from deepinfer.regions.drafting import DSparkDrafter
-from deepinfer.regions.dspark import PREFIX, draft_regions, eager_invoke
+from deepinfer.regions.drafting import DSparkDrafter, EagerCapture, draft_forward
+from deepinfer.regions.dspark import PREFIX, draft_regions, eager_invoke, features_ring
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.engram_map import checked_token_map
 from deepinfer.regions.hf_tokenizer import TokenizersTokenizer
@@ -30,7 +30,7 @@ from deepinfer.regions.plan import make_head, make_layer_regions
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.state import PAGED, allocate, state_layout
 from deepinfer.regions.step import DTYPES, Embedding, EngramRows, plan_layers, run_layers
-from deepinfer.regions.stepper import Allocator, Captured, Row, make_batch
+from deepinfer.regions.stepper import Allocator, Capture, Row, make_batch
 from deepinfer.regions.tokenizer import TOKENIZER_FILE, for_checkpoint
 from deepinfer.regions.vision import VisionTower
 
@@ -111,8 +111,14 @@ class ReferenceModel:
                 f"{self.path / CONFIG_FILE}: text_config.num_nextn_predict_layers is 0: the checkpoint "
                 "has no DSpark draft (mtp.* tensors); speculative decoding needs one"
             )
-        features = torch.zeros(len(c.dspark_target_layer_ids), 1, c.sliding_window, c.hidden_size, dtype=self.dtype)
-        return DSparkDrafter(c, eager_invoke(self.draft_stages(), self.head), self.embed, features)
+        stages = self.draft_stages()
+        invoke = eager_invoke(stages, self.head)
+        capture = EagerCapture(c, stages[0]["capture"], self.dtype, features_ring(c))
+
+        def forward(batches):
+            return [draft_forward(c, invoke, self.embed, capture.rings(), b) for b in batches]
+
+        return DSparkDrafter(c, invoke, forward, capture)
 
     def draft_stages(self) -> list[dict]:
         """The draft's stages (`regions.dspark.draft_regions`) with the checkpoint's `mtp.*` weights."""
@@ -165,7 +171,7 @@ class EagerSteps:
         allocs: list[Allocator],
         histories: Mapping[int, Sequence[int]],
         images: Mapping[int, ImageEmbeds | None],
-        capture: Captured | None = None,
+        capture: Capture | None = None,
     ) -> list[Tensor]:
         m, (rows,) = self.model, rows_by_group
         T = max(len(ids) for _, ids, _ in rows)

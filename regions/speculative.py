@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from deepinfer.regions.stepper import Captured, DraftRequest
+from deepinfer.regions.stepper import DraftRequest
 
 
 class AllAcceptedDraftDouble:
@@ -32,17 +32,14 @@ class AllAcceptedDraftDouble:
     def __init__(self, plain: Sequence, block: int):
         self.plain = [g.tokens for g in plain]  # each run's prompt then generated tokens (`.tokens`)
         self.block = block
-        self.capture_layers: tuple[int, ...] = ()
+        self.capture = None  # it reads nothing of the target
 
     def draft(self, requests: list[DraftRequest]) -> dict[int, list[int]]:
         out = {}
-        for seq, _, tokens, n in requests:
+        for seq, _, tokens, n, _ in requests:
             full = self.plain[seq]
             out[seq] = full[len(tokens) : len(tokens) + n] if full[: len(tokens)] == tokens else []
         return out
-
-    def observe(self, slot: int, captured: Captured, row: int, start: int, keep: int) -> None:
-        """Reads nothing of the target."""
 
 
 class OneRejectedDraftDouble(AllAcceptedDraftDouble):

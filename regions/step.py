@@ -91,7 +91,7 @@ def run_layers(
     pre,
     batch: Batch,
     engram: EngramRows | None,
-    capture: dict | None = None,
+    capture=None,
     merge: Merge | None = None,
 ) -> Tensor:
     """h, pre through every layer's regions and the head -> logits [B, T, V].
@@ -101,7 +101,7 @@ def run_layers(
     `states[layer]` holds the layer's state views by name; `engram` the host
     tables the engram layers' rows come from (None without engram layers). This
     is the one wiring of region inputs, shared by the reference and the bundle
-    runtime. `capture` (layer -> anything) gets, for each of its layers, the streams and
+    runtime. `capture` (a `regions.stepper.Capture`) runs at each of its layers on the streams and
     `pre` that layer's attention site reads (after its engram): the DSpark draft's features.
     With `merge` (the paged state divided over cp ranks, regions/divided.py) a compressed layer's
     attention runs as its stages, merged by `merge` between them (`divided_attention`).
@@ -117,8 +117,8 @@ def run_layers(
             rows, rows_s = engram.rows(engram_index, batch.hashes[:, :, engram_index])
             (h,) = invoke(p.layer, "engram", h, rows, rows_s, token_mask)
             engram_index += 1
-        if capture is not None and p.layer in capture:
-            capture[p.layer] = (h, pre)
+        if capture is not None and p.layer in capture.layers:
+            capture(p.layer, h, pre, batch.positions, batch.slots)
         if p.attn == "window":
             h, pre = invoke(p.layer, "attn", h, pre, batch.positions, batch.slots, st["win"])
         elif merge is not None:

@@ -5,14 +5,14 @@ bundle's executables); the scheduler decides what each step holds. A step's rows
 grouped by token group; each group has an `Allocator` of sequence slots and KV blocks (slot 0
 and block 0 are scratch), and `make_batch` turns a group's rows into the `Batch` (`regions/step.py`)
 that `run_layers` wires through the layers. A `Drafter` proposes tokens for speculative decoding
-and reads what a step captured of the target (`capture`: layer -> the streams its attention read).
+whose `capture` the target's steps run, writing what the draft reads of the target.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -21,7 +21,17 @@ from deepinfer.regions.spans import ImageEmbeds, engram_masks, step_images
 from deepinfer.regions.step import Batch
 
 Row = tuple[int, list[int], int]  # (sequence, token ids this step, position of the first)
-Captured = dict[int, tuple[Tensor, Tensor] | None]  # layer -> (h [B, T, n, D], pre [B, T, n]) its attention read
+
+
+class Capture(Protocol):
+    """What a step writes for a drafter at its `layers` (`regions.drafting`): called with the streams
+    h [B, T, n, D] and pre [B, T, n] that layer's attention site reads, the step's positions [B, T]
+    and slots [B]."""
+
+    @property
+    def layers(self) -> tuple[int, ...]: ...
+
+    def __call__(self, layer: int, h: Tensor, pre: Tensor, positions: Tensor, slots: Tensor) -> None: ...
 
 
 class OutOfBlocks(Exception):
@@ -185,17 +195,24 @@ class Stepper(Protocol):
         allocs: list[Allocator],
         histories: Mapping[int, Sequence[int]],
         images: Mapping[int, ImageEmbeds | None],
-        capture: Captured | None = None,
+        capture: Capture | None = None,
     ) -> list[Tensor]:
         """One step -> each group's logits [B, T, V], batch row i for that group's rows[i].
 
         `histories[seq]`: sequence seq's tokens so far (with this step's drafts), what engram hashes
-        read; `images[seq]`: its prompt's image positions and rows, if any; `capture` (layer -> None):
-        filled, for each of its layers, with what that layer's attention read (`run_layers`)."""
+        read; `images[seq]`: its prompt's image positions and rows, if any; `capture`: the drafter's,
+        run at its layers (`run_layers`; a loaded bundle runs its own compiled capture on every rank)."""
         ...
 
 
-DraftRequest = tuple[int, int, list[int], int]  # (sequence, its slot, its committed tokens, how many to draft)
+class DraftRequest(NamedTuple):
+    """A sequence to draft for: its id, slot and token group, its committed tokens, how many to draft."""
+
+    seq: int
+    slot: int
+    tokens: list[int]
+    n: int
+    group: int = 0
 
 
 class Drafter(Protocol):
@@ -207,16 +224,10 @@ class Drafter(Protocol):
         ...
 
     @property
-    def capture_layers(self) -> tuple[int, ...]:
-        """The target layers whose attention inputs `observe` reads."""
+    def capture(self) -> Capture | None:
+        """What the target's steps run for it (None: it reads nothing of the target)."""
         ...
 
     def draft(self, requests: list[DraftRequest]) -> dict[int, list[int]]:
         """Each request -> its drafted tokens."""
-        ...
-
-    def observe(self, slot: int, captured: Captured, row: int, start: int, keep: int) -> None:
-        """After a step: positions start .. start + keep - 1 of the sequence in slot `slot` (batch row
-        `row` of the step that `captured` holds) are committed; what the drafter reads of the target
-        for them, it takes from `captured` now (its per-sequence state may live in pools by slot)."""
         ...

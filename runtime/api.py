@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from deepinfer.bundles.manifest import BundleError
 from deepinfer.bundles.signing import trusted
 from deepinfer.runtime.bundle import Bundle, open_bundle, require_draft, tokenizer
 from deepinfer.runtime.executor import Executor, generate_loaded
@@ -25,12 +24,6 @@ def opened(bundle: Bundle | str | Path, options: LoadOptions) -> Bundle:
         bundle = open_bundle(bundle, verify=options.verify, trust=trusted(options.trust))
     if options.speculative:
         require_draft(bundle)
-        if bundle.manifest.topology.world_size > 1:
-            raise BundleError(
-                f"{bundle.path}: speculative decoding runs on single-rank bundles only (its rollback "
-                f"restores the leader's per-slot state); this bundle has "
-                f"{bundle.manifest.topology.world_size} ranks"
-            )
     return bundle
 
 

@@ -35,13 +35,14 @@ from deepinfer.regions.config import V41Config
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, Merge, run_fused, run_layers
-from deepinfer.regions.stepper import Allocator, Captured, Drafter, Row, bucket_at_least, make_batch, table_width
+from deepinfer.regions.stepper import Allocator, Capture, Drafter, Row, bucket_at_least, make_batch, table_width
 from deepinfer.runtime.backends import Placement, placement_for
 from deepinfer.runtime.bundle import Bundle, open_bundle, require_draft, stack_tensors
 from deepinfer.runtime.options import RunOptions
 from deepinfer.runtime.schedule import Completions, decode
 
 if TYPE_CHECKING:  # runtime.ranks loads executors: only the type here
+    from deepinfer.regions.drafting import DraftBatch
     from deepinfer.runtime.ranks import Comm
 
 # on_call(layer, slot, kind, inputs, run) -> outputs, where run() calls the executable (deepinfer/diff.py)
@@ -111,6 +112,7 @@ class HostTables:
 Binding = tuple[str, list]  # (kind, weight views and the rank in the executable's input order)
 BOUNDARY_METHODS = (mf.DECODE, "output")  # the methods whose outputs cross a region boundary (Comm.after)
 LAYER_SLOT = "layer"  # a fused layer's binding: its one executable (manifest Layer.fused)
+STEP, DRAFT_STEP = "step", "draft"  # what the leader sends its followers (`Executor.follow`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,19 +169,29 @@ class Executor:
         return Steps(self, stats, on_call)
 
     def follow(self, stats: Stats) -> None:
-        """Follower ranks: run the steps the leader sends until it sends None (no sampling)."""
+        """Follower ranks: run the steps and draft steps the leader sends until it sends None (no
+        sampling): each message is ("step", batches, capture?) or ("draft", batches), a batch per
+        token group; this rank runs its group's and joins the logits all-gather."""
         comm = self.comm
         assert comm is not None, "a follower is one of several ranks"
+        vocab = self.config.text.vocab_size
         with torch.inference_mode():
-            while (batches := comm.step()) is not None:
-                comm.gather_logits(self.forward(batches[comm.group], stats), self.config.text.vocab_size)
+            while (message := comm.step()) is not None:
+                what, batches, *flags = message
+                batch = batches[comm.group]
+                if what == DRAFT_STEP:
+                    comm.gather_logits(self._draft_step(batch, stats), vocab)
+                else:
+                    capture = self.capture(stats) if flags[0] else None
+                    comm.gather_logits(self.forward(batch, stats, capture=capture), vocab)
 
     def forward(
-        self, batch: Batch, stats: Stats, *, on_call: OnCall | None = None, capture: Captured | None = None
+        self, batch: Batch, stats: Stats, *, on_call: OnCall | None = None, capture: Capture | None = None
     ) -> Tensor:
         """This rank's step: the embedding (the host lookup, or the embedding region fed the token
         ids), every layer and the head -> logits [B, T, V], this rank's vocabulary slice [B, T, rows]
-        with several ranks (`Comm.gather_logits` makes them whole)."""
+        with several ranks (`Comm.gather_logits` makes them whole). `capture`: what the step writes
+        for the draft (`capture`)."""
         start = time.perf_counter()
         invoke = self._invoke(batch.block_table.shape[1], stats, on_call)
         if self.host.embed is not None:
@@ -198,9 +210,13 @@ class Executor:
         stats.record_step(batch, time.perf_counter() - start)
         return logits
 
-    def _invoke(self, blocks: int, stats: Stats, on_call: OnCall | None):
-        """invoke(layer, slot, *inputs) for one step whose block tables are `blocks` wide."""
-        executables, bound, comm, context_methods = self.executables, self.bound, self.comm, self.context_methods
+    def _invoke(
+        self, blocks: int, stats: Stats, on_call: OnCall | None, bound: Mapping[tuple[int, str], Binding] | None = None
+    ):
+        """invoke(layer, slot, *inputs) for one step whose block tables are `blocks` wide (`bound`:
+        the bindings it looks (layer, slot) up in, the target's unless given)."""
+        executables, comm, context_methods = self.executables, self.comm, self.context_methods
+        bound = self.bound if bound is None else bound
         reduced = self.reduced_in_graph
 
         def invoke(layer: int, slot: str, *inputs, method: str = mf.DECODE):
@@ -250,31 +266,68 @@ class Executor:
 
     def dspark(self, stats: Stats):
         """The bundle's compiled DSpark draft as a `regions.stepper.Drafter` (`regions.drafting.DSparkDrafter`):
-        its executables at the batch buckets, its features pool; no checkpoint is read."""
-        d = require_draft(self.bundle)
+        its executables at the batch buckets, its features pool written by the target's steps (`capture`),
+        every rank running each draft step (this executor is the leader's); no checkpoint is read."""
+        require_draft(self.bundle)
         from deepinfer.regions.drafting import DSparkDrafter  # the collapse op: only where a draft runs
 
-        invoke = self._draft_invoke(stats)
+        comm, vocab = self.comm, self.config.text.vocab_size
+
+        def forward(batches: list[DraftBatch]) -> list[Tensor]:
+            if comm is None:
+                return [self._draft_step(batches[0], stats)]
+            comm.step((DRAFT_STEP, batches))
+            return comm.gather_logits(self._draft_step(batches[comm.group], stats), vocab)
+
         return DSparkDrafter(
-            self.config.text, invoke, self.host.embed, self.pools[d.features], list(self.sizes.batch_sizes)
+            self.config.text,
+            self._draft_invoke(stats),
+            forward,
+            self.capture(stats),
+            batch_sizes=list(self.sizes.batch_sizes),
+            groups=self.manifest.topology.groups,
         )
 
     def _draft_invoke(self, stats: Stats):
-        """invoke(stage, slot, *inputs) over the draft's executables (stage -1: the head's `project`)."""
-        executables, draft_bound, head = self.executables, self.draft_bound, self.bound[(-1, "head")]
+        """invoke(stage, slot, *inputs, method=...) over the draft's executables, with the collectives
+        the target's regions of the same slots have (slot `project`: the target head's `project`)."""
+        invoke = self._invoke(0, stats, None, {**self.draft_bound, (-1, "head"): self.bound[(-1, "head")]})
 
-        def invoke(stage: int, slot: str, *inputs):
-            kind, weights = head if slot == mf.PROJECT else draft_bound[(stage, slot)]
-            method = mf.PROJECT if slot == mf.PROJECT else mf.DECODE
-            exe = executables[(kind, method, inputs[0].shape[0], inputs[0].shape[1], None)]
-            t0 = time.perf_counter()
-            out = exe(weights + list(inputs))
-            name = kind if method == mf.DECODE else f"{kind}.{method}"
-            stats.calls[name] += 1
-            stats.seconds[name] += time.perf_counter() - t0
-            return out
+        def draft_invoke(stage: int, slot: str, *inputs, method: str = mf.DECODE):
+            if slot == mf.PROJECT:
+                return invoke(-1, "head", *inputs, method=mf.PROJECT)
+            return invoke(stage, slot, *inputs, method=method)
 
-        return invoke
+        return draft_invoke
+
+    def _draft_step(self, batch: DraftBatch, stats: Stats) -> Tensor:
+        """This rank's share of a draft step for its token group -> its logits (vocabulary rows)."""
+        from deepinfer.regions.drafting import draft_forward
+
+        assert self.host.embed is not None, "a bundle with a draft embeds on the host (compiler/spec.py)"
+        return draft_forward(self.config.text, self._draft_invoke(stats), self.host.embed, self._rings(), batch)
+
+    def _rings(self) -> list[Tensor]:
+        """The features pool's ring of each of the draft's target layers [slots, R, D]."""
+        d = require_draft(self.bundle)
+        pool = self.pools[d.features]
+        return [self.placement.view(pool, i) for i in range(len(d.target_layers))]
+
+    def capture(self, stats: Stats) -> Capture:
+        """What a step runs for the draft (`regions.stepper.Capture`): the compiled capture, writing
+        each target layer's features ring on this rank."""
+        d = require_draft(self.bundle)
+        invoke, rings = self._draft_invoke(stats), self._rings()
+        layers = tuple(d.target_layers)
+
+        class Captured:
+            def __init__(self):
+                self.layers = layers
+
+            def __call__(self, layer: int, h: Tensor, pre: Tensor, positions: Tensor, slots: Tensor) -> None:
+                invoke(0, "capture", h, pre, positions, slots, rings[layers.index(layer)])
+
+        return Captured()
 
     def slot_states(self) -> list[Tensor]:
         """Each layer's views of the pools indexed by sequence slot (window rings, compressor partials)."""
@@ -321,11 +374,12 @@ class Steps:
         allocs: list[Allocator],
         histories: Mapping[int, Sequence[int]],
         images: Mapping[int, ImageEmbeds | None],
-        capture: Captured | None = None,
+        capture: Capture | None = None,
     ) -> list[Tensor]:
         """One step of every token group, padded to the nearest bucket -> each group's logits. The
         context bucket is the smallest whose block table holds the longest sequence after the step
-        (its highest written position + 1), for every group alike."""
+        (its highest written position + 1), for every group alike. With `capture` (the bundle's
+        drafter's) every rank runs its own compiled capture."""
         x, s = self.executor, self.executor.sizes
         B = bucket_at_least(list(s.batch_sizes), max(1, *(len(r) for r in rows_by_group)))
         T = bucket_at_least(list(s.token_sizes), max(len(ids) for rows in rows_by_group for _, ids, _ in rows))
@@ -349,7 +403,7 @@ class Steps:
         comm = x.comm
         if comm is None:
             return [x.forward(batches[0], self.stats, on_call=self.on_call, capture=capture)]
-        comm.step(batches)
+        comm.step((STEP, batches, capture is not None))
         logits = x.forward(batches[comm.group], self.stats, on_call=self.on_call, capture=capture)  # [B, T, rows]
         return comm.gather_logits(logits, x.config.text.vocab_size)
 
@@ -591,11 +645,6 @@ def generate_loaded(
     stats = Stats()
     try:
         with torch.inference_mode():
-            if (drafter is not None or options.speculative) and executor.comm is not None:
-                raise mf.BundleError(
-                    f"{executor.path}: speculative decoding runs on single-rank bundles only (its rollback "
-                    "restores the leader's per-slot state)"
-                )
             if drafter is None and options.speculative:
                 drafter = executor.dspark(stats)
             outs = decode(

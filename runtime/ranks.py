@@ -68,10 +68,10 @@ class Comm:
 
     # -- host metadata ------------------------------------------------------------------------
 
-    def step(self, batches=None):
-        """Leader: send this step's batches (one per token group; None ends the run).
-        Follower: receive them. Returns the batches."""
-        box = [batches]
+    def step(self, message=None):
+        """Leader: send the next step (`Executor.follow`'s messages: its kind and a batch per token
+        group; None ends the run). Follower: receive it. Returns the message."""
+        box = [message]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 

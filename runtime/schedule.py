@@ -37,7 +37,7 @@ from torch import Tensor
 
 from deepinfer.regions.config import V41Config
 from deepinfer.regions.spans import ImageEmbeds
-from deepinfer.regions.stepper import Allocator, Captured, Drafter, OutOfBlocks, Row, Stepper
+from deepinfer.regions.stepper import Allocator, Drafter, DraftRequest, OutOfBlocks, Row, Stepper
 
 # --- requests and what they produce -------------------------------------------------------------
 
@@ -189,7 +189,7 @@ def draft_for(drafter: Drafter, running: list[Running], chunk: int, allocs: list
         n = min(drafter.block + 1, chunk) - unfed
         n = min(n, r.request.max_tokens - len(out.generated) - 1, alloc.max_context - len(out.tokens))
         if out.generated and n > 0:
-            requests.append((r.seq, alloc.slot_of[r.seq], out.tokens, n))
+            requests.append(DraftRequest(r.seq, alloc.slot_of[r.seq], out.tokens, n, r.group))
     drafts = drafter.draft(requests) if requests else {}
     return {seq: d for seq, d in drafts.items() if d}
 
@@ -352,9 +352,7 @@ class Scheduler:
             seq: r.out.tokens + drafted[seq] if seq in drafted else r.out.tokens for seq, r in self.running.items()
         }
         images = {seq: r.request.image for seq, r in self.running.items() if r.request.image is not None}
-        capture: Captured | None = None
-        if self.drafter is not None and self.drafter.capture_layers:
-            capture = dict.fromkeys(self.drafter.capture_layers)
+        capture = self.drafter.capture if self.drafter is not None else None
         start = time.perf_counter()
         out = self.stepper.run(rows_by_group, self.allocs, histories, images, capture)
         now = time.perf_counter()
@@ -363,7 +361,7 @@ class Scheduler:
         for rows, logits in zip(rows_by_group, out):
             for b, (seq, ids, first) in enumerate(rows):
                 r = self.running[seq]
-                if not self._commit(r, logits[b, : len(ids)].float(), first, drafted.get(seq, []), capture, b, now):
+                if not self._commit(r, logits[b, : len(ids)].float(), first, drafted.get(seq, []), now):
                     rejected.append(seq)
         saved.restore(rejected)
 
@@ -373,14 +371,12 @@ class Scheduler:
         logits: Tensor,
         start: int,
         drafts: list[int],
-        capture: Captured | None,
-        row: int,
         now: float,
     ) -> bool:
         """One sequence's row of a step: logits [len(ids), V] of its fed tokens (its unfed committed
         ones, then its drafts) -> whether every draft was accepted (else the caller restores its slot's
         state, and the accepted tokens are fed again next step)."""
-        out, alloc = r.out, self.allocs[r.group]
+        out = r.out
         fed = len(logits) - len(drafts)  # committed tokens fed this step
         caught_up = start + fed == len(out.tokens)
         choice, a = verify(logits, fed, drafts, caught_up)
@@ -396,8 +392,6 @@ class Scheduler:
         self.events.prompt_tokens(max(0, min(start + fed, out.prompt_len) - start))
         if r.request.keep_logits:  # refed positions are recorded once
             out.logits.extend(logits[len(out.logits) - start : keep].clone())
-        if self.drafter is not None:  # every committed position's features, for later drafts
-            self.drafter.observe(alloc.slot_of[r.seq], capture or {}, row, start, keep)
         accepted = a == len(drafts)
         if accepted:
             r.consumed = start + len(logits)

@@ -102,6 +102,7 @@ def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, pla
     top-two margin is within that floor (there the argmax may go either way, and later positions are
     conditioned on it, so the comparison stops)."""
     from deepinfer.regions.reference import ReferenceModel
+    from deepinfer.regions.stepper import DraftRequest
 
     session = loaded(run_exported_bundle)
     prompts = [r["prompt_ids"] for r in RUNS]
@@ -110,7 +111,7 @@ def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, pla
     slots, draft = {}, compiled.draft
 
     def recording(requests):
-        slots.update({seq: slot for seq, slot, _, _ in requests})
+        slots.update({r.seq: r.slot for r in requests})
         return draft(requests)
 
     compiled.draft = recording
@@ -119,8 +120,8 @@ def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, pla
     assert got.speculation.verify_steps > 0 and sorted(slots) == [0, 1, 2, 3]
 
     reference = ReferenceModel(tiny_ckpt, dtype="fp32", cache_quant=True, ties="lowest").dspark()
-    reference.features = compiled.features.clone()
-    requests = [(seq, slots[seq], g.tokens, compiled.block) for seq, g in enumerate(got)]
+    reference.capture.features = session.pools[session.manifest.draft.features].clone()
+    requests = [DraftRequest(seq, slots[seq], g.tokens, compiled.block) for seq, g in enumerate(got)]
     (want, want_logits), (mine, logits) = reference.block_logits(requests), compiled.block_logits(requests)
     floor = GOLDEN["noise"]["fp32-quant-lowest"]["tolerance"]
     agreed = 0

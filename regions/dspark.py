@@ -327,5 +327,7 @@ def run_stages(
     embed is the target's (`regions.step.Embedding`); features [B, C, L*D] at context_positions [B, C]
     (-1: empty); block_tokens [B, P] (the anchor, then noise tokens) at positions [B, P]."""
     h, pre = embed(block_tokens)
-    context = stages[0]["context"].project(features.to(embed.dtype))
+    region = stages[0]["context"]
+    assert isinstance(region, DraftContext)
+    context = region.project(features.to(embed.dtype))
     return run_draft_stages(eager_invoke(stages, None), len(stages), h, pre, context, context_positions, positions)

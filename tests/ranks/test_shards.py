@@ -231,7 +231,7 @@ def test_draft_regions_hold_the_shards_of_the_target_layout(text, topo):
     the experts r * E/ep ...), the shared expert's intermediate in whole slices with zeros past it,
     the attention's heads and output groups over tp; context projection and heads whole everywhere."""
     plan = plan_regions(text, torch.float32, True, topo, draft=True)
-    assert plan.draft_kinds == ["dspark_context", "dspark_attn", "dspark_moe", "dspark_head"]
+    assert {"dspark_context", "dspark_attn", "dspark_moe", "dspark_head"} <= set(plan.draft_kinds)
     E, I = text.dspark_n_routed_experts, text.moe_intermediate_size
     assert E != text.n_routed_experts  # the tiny draft's 4 experts, not the target's 8
     for kind in plan.draft_kinds:

@@ -12,9 +12,9 @@ With a draft (`[speculative] draft`), the DSpark stages (`regions/dspark.py`) ar
 the same way, shaped for one rank as the target's layers are (the MoE's experts over the ep
 ranks, the attention's heads over the tp ranks): kinds `dspark_context`, `dspark_attn`,
 `dspark_moe`, `dspark_head` stacked over the stages (`mtp.N.`), traced at the batch buckets
-only, for the draft's step shape: a block of `dspark_block_size` positions (the context projection: the window of
-`sliding_window` target positions), plus the head's `project` method at the block (the
-draft's logits are the target's head).
+only, for the draft's step shape: a block of `dspark_block_size` positions (the context
+projection: the window of `sliding_window` target positions), plus the head's `project`
+method at the block (the draft's logits are the target's head).
 """
 
 from __future__ import annotations

@@ -75,9 +75,12 @@ class Graph(Protocol):
     def scratch_bytes(self) -> int | None: ...
 
 
-def weights_by_kind(plan: RegionPlan) -> dict[str, int]:
+def weights_by_kind(plan: RegionPlan, *, whole: bool = False) -> dict[str, int]:
+    """Bytes of each kind's stacks on one rank; with `whole`, unsharded (the checkpoint's shapes, as
+    one rank would hold them at tp = ep = cp = 1)."""
     return {
-        kind: len(kp.layers) * sum(_nbytes(s.buffer_shape, s.dtype) for s in kp.region.specs)
+        kind: len(kp.layers)
+        * sum(_nbytes(s.buffer_shape, s.dtype) for s in (kp.full_specs if whole else kp.region.specs))
         for kind, kp in plan.kinds.items()
     }
 

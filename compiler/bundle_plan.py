@@ -15,6 +15,8 @@ Every figure is the compile's own, from its passes run as far as they go without
                                   (executables.lower)
     decode step cost per rank     compiler/step_cost.py at every decode bucket, from the figures
                                   above, per_step and the target's hardware figures (trn2)
+    the draft ([speculative])     its kinds and executables (compiler/plan.py), its weights per
+                                  rank (in every rank's budget) and whole (budget.weights_by_kind)
 
 The checkpoint is the directory's safetensors headers (`model.safetensors` or the index
 and its shards) when it has them, their data never read (it may be absent); else the
@@ -165,6 +167,30 @@ class BundlePlan:
         }
 
     @property
+    def draft(self) -> dict | None:
+        """The DSpark draft ([speculative] draft; None without): its kinds, its executables (the draft
+        kinds' and the target head's `project`, which its logits go through), its weight bytes per rank
+        (laid out as the target's layers: in every rank's memory budget) and whole (the checkpoint's,
+        what one rank held when the draft was not divided), in total and by kind."""
+        kinds = self.regions.draft_kinds
+        if not kinds:
+            return None
+        rank = self.device_weights(layout.rank_key(0))
+        whole = budget.weights_by_kind(self.regions, whole=True)
+        return {
+            "kinds": kinds,
+            "stages": len(self.regions.draft),
+            "executables": [
+                layout.executable_name(*e)
+                for e in self.executables
+                if e[0] in kinds or (e[0], e[1]) == ("head", PROJECT)
+            ],
+            "weights_per_rank": sum(rank[k] for k in kinds),
+            "weights_whole": sum(whole[k] for k in kinds),
+            "by_kind": {k: {"per_rank": rank[k], "whole": whole[k]} for k in kinds},
+        }
+
+    @property
     def bundle_bytes(self) -> int:
         """Bytes of the bundle's weight and host files (the executables are known after compiling)."""
         return sum(self.files.values())
@@ -212,6 +238,24 @@ class BundlePlan:
             return f"  ({d['blocks_per_rank']} of {g.blocks} blocks: divided over cp {cp}; {whole} whole)"
         return "" if cp == 1 else "  (whole on every rank)"
 
+    def _draft_lines(self) -> list[str]:
+        d, topo = self.draft, self.spec.topology
+        if d is None:
+            return []
+        name = self.spec.config.speculative.draft
+        per_kind = ", ".join(
+            f"{k} {human(v['per_rank'])}" + ("" if v["per_rank"] == v["whole"] else f" of {human(v['whole'])}")
+            for k, v in d["by_kind"].items()
+        )
+        return [
+            "",
+            f"draft ({name}): {d['stages']} stages, kinds {', '.join(d['kinds'])}; {len(d['executables'])} "
+            f"executables (each kind and head.{PROJECT} at the {len(self.spec.config.buckets.batch)} batch buckets)",
+            f"  weights {human(d['weights_per_rank'])} per rank ({human(d['weights_whole'])} whole; tp {topo.tp}, "
+            f"ep {topo.ep}): {per_kind}; in every rank's memory budget",
+            f"  executables: {', '.join(d['executables'])}",
+        ]
+
     # -- output ----------------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
@@ -253,6 +297,7 @@ class BundlePlan:
                 else None,
             },
             "compile_jobs": len(self.built),
+            "draft": self.draft,
             "per_decode_step": self.per_step,
             "step_cost": step_cost.report(self),
             "weights": {
@@ -354,6 +399,7 @@ class BundlePlan:
                 f"  context buckets: {', '.join(map(str, c.buckets.contexts))} (built per context: "
                 f"{', '.join(per_context)})"
             )
+        out += self._draft_lines()
         out += ["", *step_cost.lines(self)]
         out += ["", "weights per rank after sharding (device):"]
         out += [f"  {ranks}: {human(sum(d.weights.values()))}" for ranks, d in _same(self.memory, _weights_of).items()]

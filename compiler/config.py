@@ -244,13 +244,6 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
     need(
         draft is None or draft in DRAFTS, "speculative", "draft", f"unknown draft {draft!r}; valid: {', '.join(DRAFTS)}"
     )
-    need(
-        draft is None or (p.tp, p.ep, p.cp) == (1, 1, 1),
-        "speculative",
-        "draft",
-        f"a draft is compiled for single-rank bundles only (the runtime's rollback restores the leader's "
-        f"state); got [parallel] tp={p.tp} ep={p.ep} cp={p.cp}",
-    )
     mem = cfg.memory
     need(mem.limit_gib is None or mem.limit_gib > 0, "memory", "limit_gib", f"must be positive, got {mem.limit_gib}")
     need(mem.reserve_gib >= 0, "memory", "reserve_gib", f"must be at least 0, got {mem.reserve_gib}")

@@ -9,11 +9,12 @@ stacked over the layers of that kind so layer i's weights are slice `index`
 of each stack.
 
 With a draft (`[speculative] draft`), the DSpark stages (`regions/dspark.py`) are planned
-the same way: kinds `dspark_context`, `dspark_attn`, `dspark_moe`, `dspark_head` stacked
-over the stages (`mtp.N.`), traced at the batch buckets only, for the draft's step
-shape: a block of `dspark_block_size` positions (the context projection: the window of
-`sliding_window` target positions), plus the head's `project` method at the block (the
-draft's logits are the target's head).
+the same way, shaped for one rank as the target's layers are (the MoE's experts over the ep
+ranks, the attention's heads over the tp ranks): kinds `dspark_context`, `dspark_attn`,
+`dspark_moe`, `dspark_head` stacked over the stages (`mtp.N.`), traced at the batch buckets
+only, for the draft's step shape: a block of `dspark_block_size` positions (the context
+projection: the window of `sliding_window` target positions), plus the head's `project`
+method at the block (the draft's logits are the target's head).
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def plan_regions(
     fp8 weights stored in `fp8_format` (the weight recipe's). With `device_embedding` the token
     embedding is a region kind of its own (`embed`, first), its table a weight stack held whole
     by every rank; without, the runtime looks the rows up on the host. With `draft`, the DSpark
-    stages too (single-rank: every stage whole).
+    stages too, shaped for one rank of `topo` as the target's layers are.
 
     Their weight buffers are on the meta device: shapes and dtypes, no memory (a release
     plan would otherwise allocate a real region of every kind). Whoever runs a region binds
@@ -198,7 +199,7 @@ def plan_regions(
     with torch.device("meta"):
         p = _plan_regions(c, dtype, cache_quant, topo, device_embedding)
         if draft:
-            _plan_draft(p, c, dtype, cache_quant)
+            _plan_draft(p, c, dtype, cache_quant, topo)
     for kp in p.kinds.values():
         kp.region.fp8_format = fp8_format
     return p
@@ -227,14 +228,17 @@ def _plan_regions(
     return RegionPlan(layers, kinds, bindings)
 
 
-def _plan_draft(p: RegionPlan, c: TextConfig, dtype: torch.dtype, cache_quant: bool) -> None:
+def _plan_draft(p: RegionPlan, c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology) -> None:
     from deepinfer.regions.dspark import draft_regions
 
-    for stage, regions in enumerate(draft_regions(c, dtype, cache_quant)):
+    stages = draft_regions(c, dtype, cache_quant, topo)
+    full = draft_regions(c, dtype, cache_quant) if topo.world > 1 else stages  # the checkpoint's shapes
+    for stage, regions in enumerate(stages):
         bound = {}
         for slot, region in regions.items():
             kp = p.kinds.setdefault(
-                region.kind, KindPlan(region.kind, region, slot=slot, full_specs=region.specs, source="mtp.{}.")
+                region.kind,
+                KindPlan(region.kind, region, slot=slot, full_specs=full[stage][slot].specs, source="mtp.{}."),
             )
             bound[slot] = (region.kind, len(kp.layers))
             kp.layers.append(stage)

@@ -1,10 +1,12 @@
 """Per-rank weight shards: which part of a checkpoint tensor rank r holds (regions/topology.py).
 
-    moe, ep > 1       routed experts [E, ...] -> experts r*E/ep ... (r+1)*E/ep - 1
+    moe, dspark_moe,  routed experts [E, ...] -> experts r*E/ep ... (r+1)*E/ep - 1 (E: the
+    ep > 1            target's experts, or the draft's own for the draft's `dspark_moe`)
                       shared expert -> its intermediate columns [start, stop) of `shared_slice`,
                       zero-padded to the slice width; zeros for ranks without a slice
-    attn_*, tp > 1    wq_b rows and sink entries of this rank's heads; wo_a rows and wo_b
-                      columns of this rank's output groups (scales follow in 32-blocks)
+    attn_*,           wq_b rows and sink entries of this rank's heads; wo_a rows and wo_b
+    dspark_attn,      columns of this rank's output groups (scales follow in 32-blocks)
+    tp > 1
     head, tp * cp > 1 head.weight [V, D] -> its vocabulary rows [start, stop) of `head_slice`,
                       zero-padded to `head_rows`; zeros for ranks past the vocabulary
     everything else   replicated
@@ -18,16 +20,20 @@ matching scale blocks (shards are whole blocks, which `topology.check` guarantee
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from deepinfer.bundles.topology import Topology
-from deepinfer.regions.config import TextConfig
+from deepinfer.regions.config import TextConfig, draft_moe_config
 from deepinfer.regions.topology import BLOCK, head_rows, head_slice, shared_slice, shared_width
 
 ROUTED = ("w1", "w1_s", "w3", "w3_s", "w2", "w2_s")
 SHARED = ("sw1", "sw3", "sw2")
+# the kinds whose weights divide as the target's MoE's, with the config each is built with (its expert count)
+MOE_KINDS: dict[str, Callable[[TextConfig], TextConfig]] = {"moe": lambda c: c, "dspark_moe": draft_moe_config}
+DRAFT_ATTENTION = "dspark_attn"  # divides as the target's attention kinds (`attn_*`)
 
 
 @dataclass(frozen=True)
@@ -93,14 +99,15 @@ def cut(kind: str, name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
     """What rank `rank` holds of weight `name` of a region of `kind`."""
     if kind == "head" and name == "head" and topo.group_size > 1:
         return _head(c, topo, rank)
-    if kind == "moe" and topo.ep > 1:
+    if kind in MOE_KINDS and topo.ep > 1:
+        m = MOE_KINDS[kind](c)
         if name in ROUTED:
-            n = c.n_routed_experts // topo.ep
+            n = m.n_routed_experts // topo.ep
             r = rank % topo.ep
             return Cut(experts=(r * n, (r + 1) * n))
         if name.startswith(SHARED):
-            return _shared(name, c, topo, rank)
-    elif kind.startswith("attn") and topo.tp > 1:
+            return _shared(name, m, topo, rank)
+    elif (kind.startswith("attn") or kind == DRAFT_ATTENTION) and topo.tp > 1:
         return _attention(name, c, topo, rank)
     return WHOLE
 
@@ -126,9 +133,10 @@ def shard(
     if tuple(t.shape) != tuple(shape):  # zero-padded to the shared expert's slice width or the head's rows
         padded = name.startswith(SHARED) or kind == "head"
         if not padded or t.dim() != len(shape) or any(a > b for a, b in zip(t.shape, shape)):
+            m = MOE_KINDS.get(kind, lambda c: c)(c)
             raise AssertionError(
                 f"{kind}.{name}: shard of rank {rank} has shape {tuple(t.shape)}, the region expects "
-                f"{tuple(shape)} (shared width {shared_width(c, topo)}, head rows {head_rows(c, topo)})"
+                f"{tuple(shape)} (shared width {shared_width(m, topo)}, head rows {head_rows(c, topo)})"
             )
         out = torch.zeros(shape, dtype=t.dtype)
         out[tuple(slice(0, n) for n in t.shape)] = t

@@ -127,7 +127,7 @@ def parse(config: CompileConfig, hlo_only: bool, log: Log) -> Spec:
             "text_config.num_nextn_predict_layers is 0: no mtp.* tensors); drop the key or "
             "use a checkpoint with a draft",
         )
-    bad = topology.check(config.parallel, model.text)
+    bad = topology.check(config.parallel, model.text, draft=config.speculative.draft is not None)
     if bad:
         raise config_error(config, "parallel", bad[0], bad[1])
     t = config.target

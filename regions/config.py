@@ -122,6 +122,15 @@ class TextConfig:
         return 0 <= c < layer and layer in self.index_source_layer_ids
 
 
+def draft_moe_config(c: TextConfig) -> TextConfig:
+    """The text config as the DSpark draft's MoE sites see it (regions/dspark.py): the draft's routed
+    experts. Here, beside the config, so that the weight pass's shards (compiler/shard.py) divide the
+    draft's experts without importing the region classes."""
+    return dataclasses.replace(
+        c, n_routed_experts=c.dspark_n_routed_experts, num_experts_per_tok=c.dspark_num_experts_per_tok
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class VisionConfig:
     num_hidden_layers: int = 0

@@ -22,7 +22,6 @@ head (`confidence_head.proj`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,16 +29,18 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from deepinfer.bundles.manifest import DECODE, PROJECT
+from deepinfer.bundles.topology import Topology
 from deepinfer.kernels.cachequant import maybe_quant
 from deepinfer.kernels.rope import apply_rope
 from deepinfer.regions.attention import _Attention
 from deepinfer.regions.base import Region, WeightSpec, fp8_specs
-from deepinfer.regions.config import TextConfig
+from deepinfer.regions.config import TextConfig, draft_moe_config
 from deepinfer.regions.drafting import run_draft_stages
 from deepinfer.regions.moe import MoE
 from deepinfer.regions.paging import gather_rows
 from deepinfer.regions.state import Geometry, InputSpec
 from deepinfer.regions.step import Embedding
+from deepinfer.regions.topology import attention_config
 
 if TYPE_CHECKING:
     from deepinfer.regions.head import Head
@@ -47,13 +48,6 @@ if TYPE_CHECKING:
 ops = torch.ops.deepinfer
 
 PREFIX = "mtp.{stage}."
-
-
-def draft_moe_config(c: TextConfig) -> TextConfig:
-    """The text config as the draft's MoE sites see it: the draft's routed experts."""
-    return dataclasses.replace(
-        c, n_routed_experts=c.dspark_n_routed_experts, num_experts_per_tok=c.dspark_num_experts_per_tok
-    )
 
 
 def features_ring(c: TextConfig) -> int:
@@ -159,12 +153,14 @@ class DraftMoE(MoE):
 
 class DraftAttention(_Attention):
     """A draft stage's attention site: the block's queries over the projected target context (its
-    window before the anchor) and the whole block."""
+    window before the anchor) and the whole block. Laid out as the target's attention: with tp > 1
+    the heads one tp rank computes, its output a partial sum over the tp group (`_finish`)."""
 
     kind = "dspark_attn"
 
-    def __init__(self, c: TextConfig, *, dtype: torch.dtype, cache_quant: bool):
-        super().__init__(c, [], dtype=dtype, cache_quant=cache_quant)
+    def __init__(self, c: TextConfig, *, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology()):
+        super().__init__(attention_config(c, topo), [], dtype=dtype, cache_quant=cache_quant)
+        self.tp, self.cp = topo.tp, topo.cp
 
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         c, W = self.c, self.c.sliding_window
@@ -269,13 +265,19 @@ class DraftHead(Region):
         return torch.stack(drafts, 1), torch.stack(logits, 1)
 
 
-def draft_regions(c: TextConfig, dtype: torch.dtype, cache_quant: bool) -> list[dict[str, Region]]:
-    """Each stage's regions by slot (`capture` and `context` on stage 0, `attn`, `moe`, `head` on the last)."""
+def draft_regions(
+    c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology()
+) -> list[dict[str, Region]]:
+    """Each stage's regions by slot (`capture` and `context` on stage 0, `attn`, `moe`, `head` on the
+    last), shaped for one rank of `topo` as the target's layers are (`regions.plan.make_layer_regions`):
+    the MoE's routed experts (the draft's own) divided over the ep ranks and its shared expert sliced,
+    the attention's heads over the tp ranks; the capture, context projection and heads whole on every
+    rank."""
     stages = []
     for stage in range(c.num_nextn_predict_layers):
         regions = {
-            "attn": DraftAttention(c, dtype=dtype, cache_quant=cache_quant),
-            "moe": DraftMoE(draft_moe_config(c), dtype=dtype),
+            "attn": DraftAttention(c, dtype=dtype, cache_quant=cache_quant, topo=topo),
+            "moe": DraftMoE(draft_moe_config(c), dtype=dtype, topo=topo),
         }
         if stage == 0:  # the capture runs in the target's steps; stage 0 holds its binding
             regions = {"capture": DraftCapture(c, dtype=dtype), "context": DraftContext(c, dtype=dtype), **regions}

@@ -86,6 +86,6 @@ class Head(Region):
 
     def project(self, x: Tensor) -> Tensor:
         """The vocabulary projection alone: normalized states x [B, T, D] -> logits [B, T, rows] float32.
-        The DSpark draft's own last norm feeds it (its logits are the target's frozen head); a draft is
-        compiled for single-rank bundles only, whose head holds every row (rows = V)."""
+        The DSpark draft's own last norm feeds it (its logits are the target's frozen head): with the
+        head split by vocabulary, this rank's slice of them, gathered as the head's `decode`'s are."""
         return F.linear(x.float(), self.head.float())

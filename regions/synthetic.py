@@ -24,6 +24,7 @@ import numpy as np
 from deepinfer.bundles.safetensors import layout_header, pwrite
 from deepinfer.regions.checkpoint import written_checkpoint
 from deepinfer.regions.config import parse_config
+from deepinfer.regions.dspark import draft_specs
 from deepinfer.regions.examples import ITEMSIZE, stored_values
 from deepinfer.regions.plan import checkpoint_specs
 from deepinfer.regions.tiny import tiny_config
@@ -141,11 +142,12 @@ def release_config() -> dict:
 
 def checkpoint_tensors(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, shape) of every tensor the model's regions read, in layer order,
-    then the vision tower's (when the config has one): what a compile reads of a checkpoint."""
+    then the DSpark draft's `mtp.*` (when the config has one) and the vision tower's (when it has
+    one): what a compile reads of a checkpoint."""
     model = parse_config(config)
     c = model.text
     out: list[tuple[str, str, tuple[int, ...]]] = [("embed.weight", "BF16", (c.vocab_size, c.hidden_size))]
-    for prefix, spec in checkpoint_specs(c):
+    for prefix, spec in checkpoint_specs(c) + (draft_specs(c) if c.has_draft else []):
         for e in range(spec.experts or 1):
             out.append((prefix + spec.key.format(e=e), spec.ckpt_dtype, spec.shape))
     if model.vision.num_hidden_layers > 0:

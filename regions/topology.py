@@ -16,6 +16,10 @@
   and combined with one fp32 reduce-scatter.
 - The shared expert is split into column slices of `shared_width` over the first
   ranks; the others hold zero weights and add zeros through the same graph.
+- The DSpark draft (`[speculative] draft`, regions/dspark.py) is laid out as the target: its MoE's
+  routed experts (the draft's own, `dspark_n_routed_experts`) over the ep ranks and its shared
+  expert in the same slices, its attention's heads over the tp ranks, their outputs partial sums
+  combined as the target's; its context projection and heads are whole on every rank.
 - The head is split by vocabulary over the ranks of a token group (tp * cp): each holds
   `head_rows` rows of it, vocab / (tp * cp) padded up to a whole block of 32 rows, rank
   `rank % (tp * cp)` of the group the rows from that index times `head_rows` on; the rows
@@ -33,13 +37,14 @@ from __future__ import annotations
 import dataclasses
 
 from deepinfer.bundles.topology import Topology
-from deepinfer.regions.config import TextConfig
+from deepinfer.regions.config import TextConfig, draft_moe_config
 
 BLOCK = 32  # fp8 scale block: shards are whole blocks
 
 
-def check(topo: Topology, c: TextConfig) -> tuple[str, str] | None:
-    """(key, message) for the first degree this model cannot use, else None."""
+def check(topo: Topology, c: TextConfig, *, draft: bool = False) -> tuple[str, str] | None:
+    """(key, message) for the first degree this model cannot use, else None; with `draft`, the
+    checkpoint's DSpark draft too (`check_draft`)."""
     if topo.ep > 1 and topo.ep != topo.world:
         return "ep", f"ep = {topo.ep} must be 1 or the world size {topo.world} (tp * cp = {topo.group_size})"
     if topo.ep > 1 and topo.tp > 1:
@@ -57,6 +62,20 @@ def check(topo: Topology, c: TextConfig) -> tuple[str, str] | None:
     rows = c.o_groups // topo.tp * c.o_lora_rank
     if topo.tp > 1 and (rows % BLOCK or c.num_attention_heads // topo.tp * c.head_dim % BLOCK):
         return "tp", f"tp = {topo.tp} would split the attention weights inside a {BLOCK}-wide fp8 scale block"
+    return check_draft(topo, c) if draft else None
+
+
+def check_draft(topo: Topology, c: TextConfig) -> tuple[str, str] | None:
+    """(key, message) where the DSpark draft cannot be laid out as the target is, else None. Its
+    attention has the target's heads and output groups, and its shared expert the target's width:
+    the target's checks divide them. Its routed experts are its own. Under EP dispatch (ep over several
+    token groups) its MoE runs on every group's gathered rows, as the target's does."""
+    d = draft_moe_config(c)
+    if d.n_routed_experts % topo.ep:
+        return "ep", (
+            f"ep = {topo.ep} does not divide the DSpark draft's {d.n_routed_experts} routed experts "
+            "(dspark_n_routed_experts); use an ep that divides it, or no [speculative] draft"
+        )
     return None
 
 
@@ -121,11 +140,12 @@ def boundary_reduce(kind: str, method: str, topo: Topology) -> dict[str, list[li
     """The outputs of a (kind, method) summed over rank groups at the region's boundary -> {output:
     replica groups}; what runtime/ranks.Comm.after does on the host: the attention's partial
     streams over each tp group, the MoE's over the token group when tokens are replicated in it
-    (ep = tp * cp). EP dispatch (token groups of one) moves rows instead; it stays on the host."""
+    (ep = tp * cp). EP dispatch (token groups of one) moves rows instead; it stays on the host.
+    The draft's attention (`dspark_attn`) and MoE (`dspark_moe`) are reduced as the target's."""
     if method not in ("decode", "output"):  # the divided attention's last stage ends the region
         return {}
-    if kind.startswith("attn") and topo.tp > 1:
+    if (kind.startswith("attn") or kind == "dspark_attn") and topo.tp > 1:
         return {"h": topo.tp_groups()}
-    if kind == "moe" and topo.ep > 1 and not topo.dispatch:
+    if kind in ("moe", "dspark_moe") and topo.ep > 1 and not topo.dispatch:
         return {"h": [list(range(topo.world))]}
     return {}

@@ -460,3 +460,90 @@ def _plan_json(tmp_path, options: str) -> dict:
     r = CliRunner().invoke(main, ["plan", str(toml), "--json", "--no-scratch"])
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout)
+
+
+def _fp8(rows: int, cols: int) -> int:
+    """Bytes of an fp8 [rows, cols] weight and its [rows/32, cols/32] ue8m0 scales (MODEL.md)."""
+    return rows * cols + -(-rows // 32) * -(-cols // 32)
+
+
+def test_release_plan_with_the_draft_divides_it_over_the_ranks(tmp_path):
+    """`deepinfer plan` of the release with [speculative] draft = "dspark" at EP = CP = 64 (issue 30, item
+    5): the draft's kinds and executables listed, every rank fits with the draft in its budget, and the
+    draft's weights stated whole (7.39 GiB, what one rank held when the draft was refused past one rank)
+    and per rank: 2 of its 128 experts a stage plus what every rank holds whole. References typed in
+    from MODEL.md's shapes and the config's draft defaults (3 stages, 128 experts, Markov rank 256,
+    target layers 37-39), not the plan's code. The draft embeds its block with the host's table:
+    [host] embedding = true."""
+    text = RELEASE.read_text()
+    for old, new in (
+        ('checkpoint = "."', f'checkpoint = "{RELEASE.parent}"'),
+        ("embedding = false", "embedding = true"),
+    ):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    toml = tmp_path / "model.toml"
+    toml.write_text(text + '\n[speculative]\ndraft = "dspark"\n')
+    plan = plan_bundle(load_compile_config(toml), scratch=False)
+    d = plan.to_dict()
+
+    kinds = ["dspark_context", "dspark_attn", "dspark_moe", "dspark_head"]
+    assert {k: d["kinds"][k]["layers"] for k in kinds} == {
+        "dspark_context": [0],
+        "dspark_attn": [0, 1, 2],
+        "dspark_moe": [0, 1, 2],
+        "dspark_head": [2],
+    }
+    # each draft kind built at each batch bucket (1, 8) for the draft's step: a block of 5 positions, the
+    # context projection over the window of 128; and the target head's projection of the block
+    draft = d["draft"]
+    assert set(kinds) <= set(draft["kinds"]) and draft["stages"] == 3
+    for k in kinds:
+        T = 128 if k == "dspark_context" else 5
+        assert all(
+            any(n.startswith(f"{k}.") and n.endswith(f".b{b}t{T}") for n in draft["executables"]) for b in (1, 8)
+        )
+    assert {"head.project.b1t5", "head.project.b8t5"} <= set(draft["executables"])
+    assert set(draft["executables"]) <= set(d["executables"]["names"]) and d["executables"]["fused_layers"] is None
+
+    D, I, V, n, ranks = 5120, 2304, 129280, 4, 64
+    expert = 2 * (I * D // 2 + I * D // 32) + D * I // 2 + D * I // 32  # w1, w3 [I, D], w2 [D, I]: fp4 + scales
+    shared = 3 * _fp8(I, D)  # sw1, sw3 [I, D], sw2 [D, I]
+    router = 128 * D * 2 + 2 * 128 * 4 + ((2 + n) * n * n * D + (2 + n) * n + 3) * 4 + D * 2  # gate, biases, hc, norm
+    attention = (
+        ((2 + n) * n * n * D + (2 + n) * n + 3) * 4  # hc_attn_*
+        + D * 2  # attn_norm
+        + _fp8(1280, D)  # wq_a
+        + 1280 * 2  # q_norm
+        + _fp8(64 * 512, 1280)  # wq_b
+        + _fp8(512, D)  # wkv
+        + 512 * 2  # kv_norm
+        + _fp8(8 * 1024, 64 * 512 // 8)  # wo_a
+        + _fp8(D, 8 * 1024)  # wo_b
+        + 64 * 4  # attn_sink
+    )
+    context = _fp8(D, 3 * D) + D * 2  # main_proj [D, L*D], main_norm
+    head = D * 2 + 2 * V * 256 * 2 + (D + 256) * 4  # norm, markov embed and head [V, R], confidence [1, D + R]
+    replicated = context + head + 3 * (attention + router)
+    whole = replicated + 3 * (128 * expert + shared)
+    assert draft["weights_whole"] == whole
+    assert round(whole / GiB, 2) == 7.39  # the issue's figure
+    per_rank = draft["weights_per_rank"]
+    experts = 3 * 2 * expert  # 128 / 64 experts a stage on every rank
+    assert replicated + experts <= per_rank <= replicated + experts + 3 * shared // 32  # + a shared expert slice
+    assert per_rank == sum(v["per_rank"] for v in draft["by_kind"].values()) < GiB
+    by_kind = draft["by_kind"]
+    for k in ("dspark_context", "dspark_attn", "dspark_head"):  # whole on every rank at tp = 1
+        assert by_kind[k]["per_rank"] == by_kind[k]["whole"] == d["kinds"][k]["weights_per_rank"], k
+    assert by_kind["dspark_moe"]["whole"] > 50 * by_kind["dspark_moe"]["per_rank"]  # its router is whole everywhere
+
+    # every rank holds the draft's share, counted in its budget, and fits the 24 GiB of trn2 at LNC 2
+    assert set(d["memory"]) == {f"rank-{r}" for r in range(ranks)}
+    for m in d["memory"].values():
+        assert {k: m["weights_by_kind"][k] for k in kinds} == {k: by_kind[k]["per_rank"] for k in kinds}
+        assert m["weights"] == sum(m["weights_by_kind"].values()) and m["fits"]
+        assert m["limit"] == 24 * GiB and m["total"] + 8 * GiB < m["limit"]  # room for scratch and executables
+    out = "\n".join(plan.lines())
+    assert "draft (dspark): 3 stages, kinds " in out
+    assert "  weights 689.43 MiB per rank (7.39 GiB whole; tp 1, ep 64): " in out
+    assert "dspark_moe 119.80 MiB of 6.83 GiB" in out and "head.project.b8t5" in out

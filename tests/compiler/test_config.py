@@ -150,13 +150,6 @@ CASES = [
         "speculative.draft",
         ["'eagle'", "valid: dspark"],
     ),
-    (
-        "speculative_multi_rank",
-        "ep = 1\ncp = 1",
-        'ep = 2\ncp = 1\n\n[speculative]\ndraft = "dspark"',
-        "speculative.draft",
-        ["single-rank", "ep=2"],
-    ),
 ]
 
 
@@ -296,3 +289,40 @@ def test_num_blocks_divides_over_cp(tmp_path, tiny_ckpt, cp, max_context, neares
     message = str(e.value)
     assert message.startswith(f"{path}:{line}: kv.num_blocks: 8 blocks do not divide over [parallel] cp = {cp}")
     assert message.endswith(f"nearest valid: {nearest}") and "\n" not in message, message
+
+
+@pytest.mark.parametrize(
+    "parallel, refused",
+    [
+        ((2, 1, 1), None),
+        ((1, 2, 2), None),
+        ((1, 4, 4), None),
+        ((1, 8, 8), "ep = 8 does not divide the DSpark draft's 4 routed experts (dspark_n_routed_experts)"),
+        ((1, 2, 1), None),
+    ],
+    ids=["tp=2", "ep=cp=2", "ep=cp=4", "ep=cp=8", "ep=2-dispatch"],
+)
+def test_draft_is_compiled_over_ranks(tmp_path, tiny_ckpt, parallel, refused):
+    """A draft is no longer refused past one rank: it is laid out as the target (issue 30). What cannot
+    divide it is refused in one line at [parallel] ep: the tiny draft's 4 experts over 8 ranks (the
+    target's 8 divide); the same layout without the draft is accepted. EP dispatch (ep = 2 over two token
+    groups) is accepted: the draft's MoE runs on the groups' gathered rows as the target's does."""
+    from deepinfer.compiler.spec import parse
+
+    tp, ep, cp = parallel
+    text = BASE.replace('"checkpoint"', f'"{tiny_ckpt}"').replace("num_blocks = 8", "num_blocks = 9")
+    text = text.replace("tp = 1\nep = 1\ncp = 1", f"tp = {tp}\nep = {ep}\ncp = {cp}")
+    path, _ = write(tmp_path, text + '\n[speculative]\ndraft = "dspark"\n')
+    config = load_compile_config(path)  # [speculative] with [parallel] past one rank: no refusal here
+    assert config.speculative.draft == "dspark" and config.parallel.world == max(tp * cp, ep)
+    line = text.splitlines().index(f"ep = {ep}") + 1
+    if refused is None:
+        spec = parse(config, False, lambda msg: None)
+        assert spec.draft and spec.topology == config.parallel
+        return
+    with pytest.raises(ConfigError) as e:
+        parse(config, False, lambda msg: None)
+    message = str(e.value)
+    assert message.startswith(f"{path}:{line}: parallel.ep: {refused}") and "\n" not in message, message
+    path, _ = write(tmp_path, text)  # the target alone divides over these ranks
+    assert parse(load_compile_config(path), False, lambda msg: None).topology == config.parallel

@@ -53,7 +53,7 @@ def whole_stacks(ckpt: Checkpoint, spec, plan, kind: str, rank: int) -> dict[str
     kp = plan.kinds[kind]
     layers = []
     for layer in kp.layers:
-        prefix = "" if layer < 0 else f"layers.{layer}."
+        prefix = kp.prefix(layer)  # layers.N., mtp.N. (the draft's stages), none for the head
         full = {}
         for s in kp.full_specs:
             full[s.name] = ckpt.load_spec(prefix, s, spec.recipe.fp8_format)
@@ -93,6 +93,42 @@ def test_one_rank_files_are_save_file_bytes(tiny_ckpt, tmp_path):
     assert (tmp_path / "b" / "host/engram.safetensors").read_bytes() == save(tables)
     sources = {p.src.name: p.src.nbytes for f in files for t in f.tensors for p in t.pieces}
     assert report["bytes_read"] == sum(sources.values())  # every source byte once
+
+
+DRAFT = '\n[speculative]\ndraft = "dspark"\n'
+
+
+@pytest.mark.parametrize("parallel", [(1, 2, 2), (2, 1, 1), (1, 4, 4)], ids=["ep=cp=2", "tp=2", "ep=cp=4"])
+def test_draft_stacks_are_cut_per_rank_and_shared_where_whole(tiny_ckpt, tmp_path, parallel):
+    """The draft's stacks (`mtp.N.` rows) through the weight pass as the target's: its MoE's routed
+    experts in each rank's file (its own 4 experts over ep), its attention's heads there under tp,
+    everything every rank holds whole (context projection, heads, router, norms) in one shared file;
+    the bytes each rank's manifest entries point at are the cut of the whole tensors (`shard`)."""
+    spec, plan = planned(tmp_path, tiny_ckpt, parallel, extra=DRAFT)
+    ckpt = Checkpoint(tiny_ckpt)
+    files, entries = stack_files(spec, plan, ckpt, tmp_path / "b")
+    report = stream(files, workers=1, chunk_bytes=1 << 12)
+    sources = {(p.src.path, p.src.name): p.src.nbytes for f in files for t in f.tensors for p in t.pieces}
+    assert report["bytes_read"] == sum(sources.values())
+    assert any(name.startswith("mtp.") for _, name in sources)
+    tp, ep = parallel[0], parallel[1]
+    for rank in range(spec.topology.world):
+        stacks = {w.kind: w for w in entries[layout.rank_key(rank)] if w.kind in plan.draft_kinds}
+        assert list(stacks) == plan.draft_kinds
+        for kind, w in stacks.items():
+            own = _read(tmp_path / "b" / w.path) if w.path else {}
+            common = _read(tmp_path / "b" / w.shared) if w.shared else {}
+            want = whole_stacks(ckpt, spec, plan, kind, rank)
+            assert own.keys() | common.keys() == want.keys() and not own.keys() & common.keys(), kind
+            for name, t in want.items():
+                got = common[name] if w.tensors[name].file == "shared" else own[name]
+                assert tuple(got.shape) == w.tensors[name].shape == (len(plan.kinds[kind].layers), *t.shape[1:])
+                assert torch.equal(got.view(torch.uint8), t.contiguous().view(torch.uint8)), (rank, kind, name)
+        assert stacks["dspark_context"].path is None and stacks["dspark_head"].path is None  # whole: shared only
+        moe, attn = stacks["dspark_moe"].tensors, stacks["dspark_attn"].tensors
+        assert (moe["w1"].file == "rank") == (ep > 1) and moe["gate"].file == "shared"
+        assert moe["w1"].shape[1] == spec.model.text.dspark_n_routed_experts // ep
+        assert (attn["wq_b"].file == "rank") == (tp > 1) and attn["attn_norm"].file == "shared"
 
 
 @pytest.fixture(scope="module")

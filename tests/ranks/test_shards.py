@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 import torch
 
 from deepinfer.bundles.topology import Topology
-from deepinfer.compiler.shard import shard
+from deepinfer.compiler.plan import plan_regions
+from deepinfer.compiler.shard import ROUTED, replicated, shard
 from deepinfer.regions.checkpoint import Checkpoint, load_region
-from deepinfer.regions.config import load_config
+from deepinfer.regions.config import draft_moe_config, load_config
+from deepinfer.regions.dspark import DraftAttention, DraftMoE
 from deepinfer.regions.examples import example_inputs
 from deepinfer.regions.moe import MoE
 from deepinfer.regions.plan import make_attention
@@ -205,3 +208,120 @@ def test_head_slices_are_the_one_rank_logits(tiny_ckpt, text, layout):
     got = torch.cat([p.decode(h, pre) for p in parts], -1)  # [B, T, world * rows]
     torch.testing.assert_close(got[..., : text.vocab_size], want, rtol=1e-5, atol=1e-5)
     assert not got[..., text.vocab_size :].any()
+
+
+# --- the DSpark draft, laid out as the target (issue 30) -------------------------------------------
+
+DRAFT_LAYOUTS = {
+    "ep=cp=2": Topology(ep=2, cp=2),
+    "ep=cp=4": Topology(ep=4, cp=4),
+    "tp=2": Topology(tp=2),
+    "ep=2": Topology(ep=2),
+}
+TP_ROWS = ("wq_b", "wq_b_s", "wo_a", "wo_a_s", "sink")  # split by rows over the tp ranks (MODEL.md's shapes)
+
+
+def _pieces_joined(parts: list[torch.Tensor], dim: int, length: int) -> torch.Tensor:
+    """The ranks' parts joined along `dim`; what lies past `length` must be zero padding."""
+    joined = torch.cat(parts, dim)
+    assert not joined.narrow(dim, length, joined.shape[dim] - length).any(), "only zeros past the tensor"
+    return joined.narrow(dim, 0, length)
+
+
+@pytest.mark.parametrize("topo", DRAFT_LAYOUTS.values(), ids=DRAFT_LAYOUTS)
+def test_draft_regions_hold_the_shards_of_the_target_layout(text, topo):
+    """Compile-free (meta weights): the draft planned for one rank of `topo` holds, for every weight,
+    exactly the shape of its rank's shard of the whole tensor (`shard` checks it), and those shards
+    divide the whole as the target's layers do: the draft's own routed experts in ep ranges (rank r
+    the experts r * E/ep ...), the shared expert's intermediate in whole slices with zeros past it,
+    the attention's heads and output groups over tp; context projection and heads whole everywhere."""
+    plan = plan_regions(text, torch.float32, True, topo, draft=True)
+    assert {"dspark_context", "dspark_attn", "dspark_moe", "dspark_head"} <= set(plan.draft_kinds)
+    E, I = text.dspark_n_routed_experts, text.moe_intermediate_size
+    assert E != text.n_routed_experts  # the tiny draft's 4 experts, not the target's 8
+    for kind in plan.draft_kinds:
+        kp = plan.kinds[kind]
+        assert kp.source == "mtp.{}."
+        for s, full in zip(kp.region.specs, kp.full_specs, strict=True):
+            assert (s.name, s.key) == (full.name, full.key)
+            whole = torch.arange(math.prod(full.buffer_shape), dtype=torch.int64).view(full.buffer_shape) + 1
+            parts = [shard(kind, s.name, whole, text, topo, r, s.buffer_shape) for r in range(topo.world)]
+            assert all(tuple(p.shape) == s.buffer_shape for p in parts), (kind, s.name)
+            divided = not replicated(kind, s.name, text, topo)
+            if kind == "dspark_moe" and topo.ep > 1 and s.name in ROUTED:
+                per = E // topo.ep
+                assert s.buffer_shape[0] == per
+                for r, p in enumerate(parts):
+                    assert torch.equal(p, whole[r * per : (r + 1) * per]), (s.name, r)
+            elif kind == "dspark_moe" and topo.ep > 1 and s.name.startswith("sw"):
+                dim = 1 if s.name.startswith("sw2") else 0  # sw1, sw3 [I, D]: rows; sw2 [D, I]: columns
+                length = I if not s.name.endswith("_s") else I // 32
+                assert torch.equal(_pieces_joined(parts, dim, length), whole) and divided, s.name
+            elif kind == "dspark_attn" and topo.tp > 1 and s.name.startswith(TP_ROWS + ("wo_b",)):
+                dim = 1 if s.name.startswith("wo_b") else 0
+                assert torch.equal(torch.cat(parts, dim), whole) and divided, s.name
+                assert s.buffer_shape[dim] * topo.tp == full.buffer_shape[dim]
+            else:  # replicated: stored once, the whole tensor on every rank
+                assert not divided and s.buffer_shape == full.buffer_shape, (kind, s.name)
+                assert all(torch.equal(p, whole) for p in parts), (kind, s.name)
+    heads = plan.kinds["dspark_attn"].region
+    assert (heads.heads, heads.tp, heads.cp) == (text.num_attention_heads // topo.tp, topo.tp, topo.cp)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_draft_moe_partials_sum_to_the_one_rank_draft_moe(tiny_ckpt, text, ep):
+    """The draft's MoE (its own experts, `mtp.1.`) divided over ep = cp ranks: the ranks' float32
+    partials sum to the one-rank draft MoE (the runtime all-reduces them over the token group)."""
+    c = draft_moe_config(text)
+    full = DraftMoE(c, dtype=torch.float32)
+    load_region(Checkpoint(tiny_ckpt), full, "mtp.1.")
+    topo = Topology(ep=ep, cp=ep)
+    g = Geometry(slots=3, blocks=4, block_size=16, max_blocks=2)
+    h, pre, is_image = example_inputs(full.input_specs(2, text.dspark_block_size, g), g, seed=7)
+    want_h, want_pre = full.decode(h, pre, is_image)
+    parts = [
+        ranked(full, lambda: DraftMoE(c, dtype=torch.float32, topo=topo), "dspark_moe", text, topo, r).decode(
+            h, pre, is_image
+        )
+        for r in range(topo.world)
+    ]
+    assert all(p[0].dtype == torch.float32 for p in parts)
+    torch.testing.assert_close(torch.stack([p[0] for p in parts]).sum(0), want_h, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(p[1], want_pre) for p in parts)
+    assert not torch.equal(parts[0][0], parts[1][0])  # each rank really holds a share
+
+
+def test_draft_attention_partials_sum_to_the_one_rank_draft_attention(tiny_ckpt, text):
+    """The draft's attention (`mtp.0.`) with its heads over tp = 2: the partials sum to the one-rank
+    output (the runtime all-reduces them over the tp group, as the target's attention)."""
+    full = DraftAttention(text, dtype=torch.float32, cache_quant=True)
+    load_region(Checkpoint(tiny_ckpt), full, "mtp.0.")
+    topo = Topology(tp=2)
+    g = Geometry(slots=3, blocks=4, block_size=16, max_blocks=2)
+    specs = full.input_specs(2, text.dspark_block_size, g)
+    args = example_inputs(specs, g, seed=9)
+    names = [s.name for s in specs]
+    if "context_positions" in names:  # the window before the anchor, every position valid
+        i = names.index("context_positions")
+        args[i] = torch.arange(args[i].shape[-1]).expand_as(args[i]).clone()
+    want = full.decode(*[a.clone() for a in args])
+    parts = []
+    for r in range(2):
+        make = lambda: DraftAttention(text, dtype=torch.float32, cache_quant=True, topo=topo)  # noqa: E731
+        region = ranked(full, make, "dspark_attn", text, topo, r)
+        assert region.heads == text.num_attention_heads // 2
+        parts.append(region.decode(*[a.clone() for a in args]))
+    torch.testing.assert_close(parts[0][0] + parts[1][0], want[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(parts[0][1], want[1]) and torch.equal(parts[1][1], want[1])
+    assert not torch.equal(parts[0][0], parts[1][0])
+
+
+@pytest.mark.parametrize("tp, ep, cp, words", [(1, 8, 8, "does not divide the DSpark draft's 4 routed experts")])
+def test_topology_is_checked_against_the_draft(text, tp, ep, cp, words):
+    """With a draft, a layout the target divides but the draft does not is refused (at ep)."""
+    topo = Topology(tp=tp, ep=ep, cp=cp)
+    assert check(topo, text) is None
+    bad = check(topo, text, draft=True)
+    assert bad is not None and bad[0] == "ep" and words in bad[1]
+    for ok in DRAFT_LAYOUTS.values():
+        assert check(ok, text, draft=True) is None

@@ -316,29 +316,38 @@ def trn2_ep2_bundle(tmp_path_factory, tiny_ckpt) -> Path:
     )
 
 
+# the layouts the speculative rank tests run (tests/ranks/test_speculative_ranks.py): compiled with the
+# checkpoint's DSpark draft and a batch bucket of 2 (two sequences a token group), their blocks for it
+SPECULATIVE_LAYOUTS = ((1, 2, 1), (1, 4, 4))
+
+
 @pytest.fixture(scope="session")
 def rank_bundle(tmp_path_factory, tiny_ckpt):
     """(tp, ep, cp) -> the tiny model compiled for that topology as saved ExportedPrograms
     (buckets batch 1, tokens {1, 8}; no cache quantization, so token comparisons are exact; blocks of
     4 positions, contexts of 48 and 160, 40 usable blocks: a prompt of 33 blocks, 8 on each of 4 cp
-    ranks, fits)."""
+    ranks, fits). The `SPECULATIVE_LAYOUTS` also hold the DSpark draft, at batch buckets {1, 2} with 80
+    usable blocks."""
     built: dict[tuple, Path] = {}
 
     def get(tp: int = 1, ep: int = 1, cp: int = 1) -> Path:
         key = (tp, ep, cp)
+        speculative = key in SPECULATIVE_LAYOUTS
         if key not in built:
             built[key] = _compile_tiny(
                 tmp_path_factory,
                 f"ranks{tp}{ep}{cp}",
                 tiny_ckpt,
                 executable="exported",
+                batch=(1, 2) if speculative else (1,),
                 tokens=[1, 8],
                 max_context=160,
                 context=(48, 160),
-                num_blocks=41,
+                num_blocks=81 if speculative else 41,
                 block_size=4,
                 cache_quant=False,
                 parallel=key,
+                extra='\n[speculative]\ndraft = "dspark"\n' if speculative else "",
             )
         return built[key]
 

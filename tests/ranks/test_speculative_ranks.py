@@ -1,0 +1,116 @@
+"""Speculative decoding over ranks: the DSpark draft divided like the target, every rank in each draft step.
+
+The layouts are ep = 2 (two token groups, EP dispatch: the draft's MoE runs on both groups' gathered
+rows) and cp = ep = 4 (one token group whose context the four ranks divide; the draft's experts over
+all four). Each is compiled once with the checkpoint's draft (conftest `SPECULATIVE_LAYOUTS`). The
+reference is the plain greedy run of the one-rank bundle: every drafter (the tiny draft itself, the
+double whose drafts are all accepted and the one that corrupts a position of each block) must give
+its tokens, each golden prompt alone and all of them at once, with nothing fed twice after a
+rejection (`verify` steps carry the bonus token and a full block of fresh drafts).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from deepinfer.regions.speculative import AllAcceptedDraftDouble, OneRejectedDraftDouble
+from deepinfer.regions.tokenizer import ByteTokenizer
+from deepinfer.runtime import RunOptions, Stats, generate, load
+from deepinfer.runtime.ranks import Leader
+from deepinfer.runtime.schedule import decode
+
+from ..conftest import SPECULATIVE_LAYOUTS, regenerate
+
+PROMPTS = [ByteTokenizer().encode(p) for p in regenerate.PROMPTS]
+NEW = 12
+BLOCK = 5  # the tiny checkpoint's dspark_block_size
+LAYOUTS = {"ep=2": (1, 2, 1), "cp=ep=4": (1, 4, 4)}
+assert set(LAYOUTS.values()) <= set(SPECULATIVE_LAYOUTS)
+
+
+@pytest.fixture(scope="module")
+def plain(rank_bundle):
+    """The one-rank bundle's plain greedy runs: each golden prompt alone, then all of them at once."""
+    one = load(rank_bundle())
+    return {
+        tuple(map(tuple, batch)): generate(one, batch, RunOptions(max_new_tokens=NEW))
+        for batch in [[p] for p in PROMPTS] + [PROMPTS]
+    }
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_drafts_over_ranks_keep_the_one_rank_tokens(rank_bundle, plain, name):
+    """Through the ranks' leader (this process; its followers one process each), every drafter gives the
+    one-rank plain tokens, alone and batched; the all-accepted double commits block + 1 tokens at every
+    verify step, and the corrupting one is rejected at some offset of every block it drafts."""
+    bundle = rank_bundle(*LAYOUTS[name])
+    world = json.loads((bundle / "manifest.json").read_text())["topology"]["world_size"]
+    leader = Leader(bundle, world, RunOptions(max_new_tokens=NEW, threads=1))
+    try:
+        x = leader.executor
+        vocab = x.config.text.vocab_size
+        for key, want in plain.items():
+            prompts = [list(p) for p in key]
+            drafters = {
+                "dspark": lambda stats: x.dspark(stats),
+                "all accepted": lambda stats: AllAcceptedDraftDouble(want, BLOCK),
+                "one rejected": lambda stats: OneRejectedDraftDouble(want, BLOCK, vocab, seed=1),
+            }
+            for label, make in drafters.items():
+                stats = Stats()
+                with torch.inference_mode():
+                    got = decode(x.steps(stats), prompts, NEW, eos=x.config.eos_token_id, drafter=make(stats))
+                assert [g.tokens for g in got] == [g.tokens for g in want], (label, len(prompts))
+                assert all(g.error is None for g in got)
+                s = got.speculation
+                assert s.verify_steps > 0, label
+                if label == "all accepted":  # block + 1 tokens a verify step, the last fewer (NEW runs out)
+                    assert s.accepted == s.drafted and s.verify_steps == len(prompts) * -(-(NEW - 1) // (BLOCK + 1))
+                if label == "one rejected" and len(prompts) == 1:  # nothing fed twice: the target's tokens are
+                    assert s.accepted < s.drafted  # the prompt, then the bonus token and drafts of each verify
+                    chunks = -(-len(prompts[0]) // x.sizes.token_sizes[-1])  # step, and single decode steps
+                    plain_steps = stats.steps - chunks - s.verify_steps
+                    assert stats.tokens == len(prompts[0]) + s.verify_steps + s.drafted + plain_steps
+    finally:
+        leader.close()
+
+
+def test_run_and_serve_draft_over_ranks(rank_bundle, plain):
+    """`deepinfer-run --speculative dspark` (its ranks started here) and `deepinfer-serve --speculative
+    dspark` at ep = 2 give the one-rank plain tokens: the run with every golden prompt batched, the server
+    for requests one at a time and all at once."""
+    import openai
+    from click.testing import CliRunner
+
+    from deepinfer.runtime.cli import main
+    from deepinfer.runtime.server import ServerProcess
+
+    bundle = rank_bundle(*LAYOUTS["ep=2"])
+    batched = plain[tuple(map(tuple, PROMPTS))]
+    args = [str(bundle), "--max-new-tokens", str(NEW), "--json", "--timing", "--speculative", "dspark"]
+    args += [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert [o["generated_ids"] for o in out["outputs"]] == [w.generated for w in batched]
+    assert out["timing"]["speculation"]["verify_steps"] > 0
+
+    server = ServerProcess(bundle, "--model-name", "tiny", "--threads", "1", "--speculative", "dspark")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+        def complete(ids):
+            return client.completions.create(model="tiny", prompt=ids, max_tokens=NEW, temperature=0)
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = list(pool.map(complete, PROMPTS))
+        alone = [complete(p) for p in PROMPTS]
+        for got in (alone, together):
+            for response, want in zip(got, batched):
+                assert response.choices[0].text == ByteTokenizer().decode(want.generated)
+    finally:
+        assert server.stop() == 0, server.proc.stderr.read()

@@ -19,7 +19,7 @@ once (this process leads, a follower process per other rank), best of `repeats` 
 Reported: decode and verify step times and their ratio (`verify_over_decode_step`, target at
 most 2.0), tokens per verify step, accepted and wasted drafts per verify step and tokens/s per
 drafter, and the speedups over plain decoding (`tokens_per_step_all_accepted` at least 5,
-`speedup_all_accepted` at least 2.5; `tokens_per_step_corrupting` at least 1.3 times the 1.74 of the
+`speedup_all_accepted` at least 2.5; `tokens_per_step_corrupting` against the 2.78 of the
 loop that fed a rejected block's accepted tokens again, measured on this bundle's one-rank form).
 Times are the decode phase only: a run of `new_tokens` minus a run of one token (the prompt).
 """
@@ -39,7 +39,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 TARGETS = {"verify_over_decode_step": 2.0, "tokens_per_step_all_accepted": 5, "speedup_all_accepted": 2.5}
-REFED_CORRUPTING = 1.74  # tokens per verify step of the corrupting double when accepted tokens were fed again
+REFED_CORRUPTING = 2.78  # tokens per verify step of the corrupting double (seed 0) when accepted tokens were fed again
 
 
 def decode_seconds(generate, new_tokens: int) -> float:

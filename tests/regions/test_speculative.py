@@ -64,7 +64,11 @@ def committed(ids: list[int], start: int, tokens: list[int]) -> int:
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
-def test_doubles_leave_the_output_unchanged(ref_fp32, batched):
+def test_doubles_leave_the_output_unchanged_and_feed_no_token_twice(ref_fp32, batched):
+    """Plain greedy's output with both doubles. With rejections, no token runs through the target
+    twice: each sequence's steps start at strictly increasing positions, each where the previous
+    one's committed tokens (its unfed one and the accepted drafts) end, and every token but the last
+    is fed once."""
     groups = [PROMPTS] if batched else [[p] for p in PROMPTS]
     for prompts in groups:
         plain = decode_model(ref_fp32, prompts, NEW)
@@ -73,9 +77,16 @@ def test_doubles_leave_the_output_unchanged(ref_fp32, batched):
         if not batched:  # one prompt step, then blocks of BLOCK + 1 tokens
             assert st.steps == 1 + -(-(NEW - 1) // (BLOCK + 1)), st.steps
         double = OneRejectedDraftDouble(plain, BLOCK, ref_fp32.config.text.vocab_size, seed=1)
-        got, _ = speculative(ref_fp32, prompts, double)
+        got, st = speculative(ref_fp32, prompts, double)
         assert [g.tokens for g in got] == [g.tokens for g in plain]
-        if batched:  # seed 1 lands a rejection at every offset of the block (16, 2, 2, 3, 2)
+        assert got.speculation.drafted > got.speculation.accepted
+        for seq, g in enumerate(got):
+            steps = st.fed(seq)
+            ends = [start + committed(ids, start, g.tokens) for ids, start in steps]
+            assert [start for _, start in steps[1:]] == ends[:-1], (seq, steps)
+            assert all(end > start for end, (_, start) in zip(ends, steps))
+            assert ends[-1] == len(g.tokens) - 1
+        if batched:  # seed 1 lands a rejection at every offset of the block
             assert all(double.offsets), double.offsets
 
 
@@ -90,27 +101,6 @@ def test_a_drafter_longer_than_the_slack_is_refused(ref_fp32):
     assert len(message.splitlines()) == 1 and "up to 5 tokens" in message and "room for 0" in message
     assert "[speculative] draft" in message
     Scheduler(EagerSteps(ref_fp32, PROMPTS[:1], NEW, None, slack=BLOCK), eos=0, drafter=AllAcceptedDraftDouble([], 5))
-
-
-@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
-def test_no_token_is_fed_twice(ref_fp32, batched):
-    """After a rejection the next step starts where the committed tokens end: each sequence's steps
-    start at strictly increasing positions, each where the previous one's committed tokens (its unfed
-    ones and the accepted drafts) end, so every position is fed once and kept; the output is plain
-    greedy's."""
-    groups = [PROMPTS] if batched else [[p] for p in PROMPTS]
-    for prompts in groups:
-        plain = decode_model(ref_fp32, prompts, NEW)
-        double = OneRejectedDraftDouble(plain, BLOCK, ref_fp32.config.text.vocab_size, seed=1)
-        got, st = speculative(ref_fp32, prompts, double)
-        assert [g.tokens for g in got] == [g.tokens for g in plain]
-        assert got.speculation.drafted > got.speculation.accepted
-        for seq, g in enumerate(got):
-            steps = st.fed(seq)
-            ends = [start + committed(ids, start, g.tokens) for ids, start in steps]
-            assert [start for _, start in steps[1:]] == ends[:-1], (seq, steps)
-            assert all(end > start for end, (_, start) in zip(ends, steps))
-            assert ends[-1] == len(g.tokens) - 1  # every token but the last fed once
 
 
 def test_after_a_rejection_the_next_step_carries_a_full_block(ref_fp32):

@@ -261,7 +261,12 @@ def breakdown(spec: Spec, plan: RegionPlan, executables: Sequence[Graph] = (), f
     else:
         limit, source = spec.target.device_memory()
     pools, _ = plan_pools(
-        spec.model.text, plan.layers, block_size=spec.config.kv.block_size, dtype=spec.dtype, draft=bool(plan.draft)
+        spec.model.text,
+        plan.layers,
+        block_size=spec.config.kv.block_size,
+        dtype=spec.dtype,
+        draft=bool(plan.draft),
+        slack=spec.geometry.slack,
     )
     out = Breakdown(
         weights_by_kind(plan),

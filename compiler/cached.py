@@ -49,6 +49,7 @@ from deepinfer.compiler.trace import Signature, weight_specs
 from deepinfer.compiler.weights import host_entries, host_sources, source_names, stack_files
 from deepinfer.regions.base import engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint
+from deepinfer.regions.state import Geometry
 
 # What each key's "sources" part covers: the import closure of the code that builds it (derived,
 # never listed by hand). Kernel modules are left to the executable key's own "kernels" part, which
@@ -109,6 +110,13 @@ def model_part(spec: Spec) -> ModelPart:
     return {"config_hash": spec.model.digest(), "dtype": m.dtype, "cache_quant": m.cache_quant}
 
 
+def geometry_part(g: Geometry) -> dict:
+    """The geometry's fields but the rings' slack: it shapes only the ring state inputs, which the
+    signature part holds (a region reads the ring's rows from its shape), so a graph that reads no
+    ring keeps its key with a draft, and a bundle without one keeps all of its keys."""
+    return {k: v for k, v in vars(g).items() if k != "slack"}
+
+
 def bucket_part(exe: Exe) -> BucketPart:
     return {"batch": exe.batch, "tokens": exe.tokens, "context": exe.context}
 
@@ -134,7 +142,7 @@ def trace_key(spec: Spec, plan: RegionPlan, exe: Exe) -> Key:
             ("format", format_part()),
             ("region", {"class": type(region).__qualname__, "kind": exe.kind, "method": exe.method}),
             ("bucket", bucket_part(exe)),
-            ("geometry", vars(geometry)),
+            ("geometry", geometry_part(geometry)),
             ("model", model_part(spec)),
             ("topology", spec.topology.to_dict()),
             ("fp8", region.fp8_format),

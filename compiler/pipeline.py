@@ -202,7 +202,12 @@ def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
 
 def layout_state(spec: Spec, plan: RegionPlan) -> State:
     pools, bindings = plan_pools(
-        spec.model.text, plan.layers, block_size=spec.config.kv.block_size, dtype=spec.dtype, draft=bool(plan.draft)
+        spec.model.text,
+        plan.layers,
+        block_size=spec.config.kv.block_size,
+        dtype=spec.dtype,
+        draft=bool(plan.draft),
+        slack=spec.geometry.slack,
     )
     return State(pools=pools, bindings=bindings)
 

@@ -5,6 +5,8 @@ Every state view of the same name and owner kind across layers is one pool
 slice `pool[index]`. Reuse and reindex layers bind their kv source's slices.
 With a draft, its features pool (`DRAFT_FEATURES`, regions/drafting.py) is one more:
 [target layers it reads, slots, sliding_window + dspark_block_size, hidden], bound to no layer.
+The per-slot rings (window, the compressor's partial groups) have `slack` rows more
+(regions/state.py): with a draft, its block.
 """
 
 from __future__ import annotations
@@ -23,16 +25,17 @@ def pool_name(state: str, p: LayerPlan) -> str:
 
 
 def plan_pools(
-    c: TextConfig, plans: list[LayerPlan], *, block_size: int, dtype, draft: bool = False
+    c: TextConfig, plans: list[LayerPlan], *, block_size: int, dtype, draft: bool = False, slack: int = 0
 ) -> tuple[dict[str, Pool], dict[int, dict[str, tuple[str, int]]]]:
-    """-> (pools by name, per layer: state name -> (pool, row)); with `draft`, the draft's features pool."""
+    """-> (pools by name, per layer: state name -> (pool, row)); with `draft`, the draft's features pool;
+    the per-slot rings `slack` rows beyond their window or ratio (`Geometry.slack`)."""
     check_block_size(c, block_size)
     specs: dict[str, StateSpec] = {}
     layers: dict[str, list[int]] = {}
     owned: dict[int, dict[str, tuple[str, int]]] = {}
     for p in plans:
         owned[p.layer] = {}
-        for spec in layer_state(c, p, slots=1, blocks=1, block_size=block_size, dtype=dtype):
+        for spec in layer_state(c, p, slots=1, blocks=1, block_size=block_size, dtype=dtype, slack=slack):
             name = pool_name(spec.name, p)
             specs.setdefault(name, spec)
             rows = layers.setdefault(name, [])

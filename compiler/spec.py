@@ -140,6 +140,8 @@ def parse(config: CompileConfig, hlo_only: bool, log: Log) -> Spec:
         blocks=kv.num_blocks,  # the token group's; a divided region's pools hold its rank's share
         block_size=kv.block_size,
         max_blocks=-(-buckets.max_context // kv.block_size),
+        # with a draft, the per-slot rings take a verify step's drafts without a copy (runtime/schedule.py)
+        slack=model.text.dspark_block_size if config.speculative.draft is not None else 0,
     )
     check_num_blocks(config, geometry)
     spec = Spec(

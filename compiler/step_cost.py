@@ -117,13 +117,13 @@ def step_flops(c: TextConfig, layers: Sequence[LayerPlan], topo: Topology, batch
 
 
 def state_bytes(
-    c: TextConfig, layers: Sequence[LayerPlan], batch: int, context: int, act_bytes: int, share: int
+    c: TextConfig, layers: Sequence[LayerPlan], batch: int, context: int, act_bytes: int, share: int, slack: int = 0
 ) -> int:
     """Bytes of state a rank reads a decode step when it holds 1/`share` of each sequence's
-    compressed entries (cp; 1: all of them)."""
+    compressed entries (cp; 1: all of them), its window rings `slack` rows beyond the window."""
     total = 0
     for p in layers:
-        total += batch * c.sliding_window * c.head_dim * act_bytes  # the window ring
+        total += batch * (c.sliding_window + slack) * c.head_dim * act_bytes  # the window ring
         if p.ratio:
             width = context // p.ratio
             total += batch * -(-min(c.index_topk, width) // share) * c.head_dim * act_bytes  # selected
@@ -323,7 +323,8 @@ def step_cost(plan: BundlePlan, batch: int, context: int, per_step: dict | None 
     per_step = plan.per_step if per_step is None else per_step
     layers = plan.regions.layers
     flops = step_flops(c, layers, topo, batch, context)
-    weights, state = weight_bytes(plan, batch), state_bytes(c, layers, batch, context, act, topo.cp)
+    weights = weight_bytes(plan, batch)
+    state = state_bytes(c, layers, batch, context, act, topo.cp, spec.geometry.slack)
     counts, executions = per_step["collectives_by_name"], per_step["executions"]
     sent = collective_bytes(c, topo, batch, act, context)
     graph = in_executables(counts, per_step["collectives_in_executables"])

@@ -12,14 +12,21 @@ attention, expand. They differ in the state they own and what they select:
 | ReuseAttention     | other compressed   | win; the source's ckv               | topk ->        |
 
 State layouts (one layer's views; the runtime's pools stack them layer-major):
-- `win`   [S, window, hd]: ring of the last `window` latents of each sequence
-          slot, the latent of position j at j % window. Slot 0 is scratch.
+- `win`   [S, R, hd], R = window + slack: ring of the last R latents of each
+          sequence slot, the latent of position j at j % R. Slot 0 is scratch.
 - `ckv`   [NB, bs / r, hd]: compressed latents, paged: block b of a sequence's
           block table holds its compressed entries t with t * r in block b.
 - `ikeys` [NB, bs / r, index_head_dim]: indexer keys, paged like `ckv`.
-- `part_kv`, `part_gate` [S, r, hd] float32: the compressor's projections of
-          the tokens of the incomplete trailing group, at position % r.
+- `part_kv`, `part_gate` [S, R, hd] float32, R = r + slack: ring of the
+          compressor's projections of the last R positions, position j at j % R;
+          a group is pooled from it once its last position is fed.
 Block 0 of every paged pool is scratch: padding writes land there.
+
+The rings' `slack` (regions/state.py `Geometry.slack`; 0 without a draft) is what
+speculative decoding's rollback rests on: a verify step writes at most slack + 1
+positions, so what it writes for drafts the target rejects never overwrites a
+position the sequence still reads, and a rollback restores nothing (runtime/schedule.py).
+The code reads R from the state's shape.
 
 Step inputs: positions [B, T] (absolute, -1 for padding; a row's valid tokens
 come first and are consecutive), slots [B], block_table [B, MB] (block ids,
@@ -136,7 +143,7 @@ class _Attention(Region):
         return [
             *self._streams(B, T),
             *step_inputs(B, T, g, paged=True),
-            InputSpec("win", (g.slots, self.window, self.hd), self.dtype, "state"),
+            self._win_spec(g),
             *self._paged(g, "ckv"),
             InputSpec("topk", (B, T, self.topk_width(g)), torch.int64, "carry"),
         ]
@@ -165,7 +172,7 @@ class _Attention(Region):
             InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
             InputSpec("pre", (B, T, c.hc_mult), f32, "activation"),
             *step_inputs(B, T, g, paged=bool(self.ratio)),
-            InputSpec("win", (g.slots, self.window, self.hd), self.dtype, "state"),
+            self._win_spec(g),
         ]
         if self.ratio:
             per_block = g.block_size // self.ratio
@@ -176,6 +183,10 @@ class _Attention(Region):
 
     def _extra_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         return []
+
+    def _win_spec(self, g: Geometry) -> InputSpec:
+        """The window ring: `window` latents and the geometry's slack rows per slot."""
+        return InputSpec("win", (g.slots, self.window + g.slack, self.hd), self.dtype, "state")
 
     def output_names(self) -> list[str]:
         return ["h", "pre"]
@@ -212,24 +223,20 @@ class _Attention(Region):
     def _window_keys(self, kv: Tensor, positions: Tensor, slots: Tensor, win: Tensor):
         """Keys of the causal window of each query; updates the ring in place.
 
+        The ring `win` [S, R, hd] (R >= window) holds position j at row j % R; keys at positions
+        before the step's first come from it, the others from this step's `kv`.
         Returns keys [B, T, window, hd] and their validity [B, T, window].
         """
-        W = self.window
-        ring = win.index_select(0, slots)  # [B, W, hd]
-        buf = torch.cat((ring, kv), dim=1)  # [B, W + T, hd]
+        W, R = self.window, win.shape[1]
+        ring = win.index_select(0, slots)  # [B, R, hd]
+        buf = torch.cat((ring, kv), dim=1)  # [B, R + T, hd]
         p0 = positions[:, :1]  # [B, 1]
         j = positions.unsqueeze(-1) - (W - 1) + torch.arange(W, device=kv.device)  # [B, T, W]
         p0e = p0.unsqueeze(-1)
-        idx = torch.where(j >= p0e, W + j - p0e, j.remainder(W)).clamp(0, buf.shape[1] - 1)
+        idx = torch.where(j >= p0e, R + j - p0e, j.remainder(R)).clamp(0, buf.shape[1] - 1)
         valid = (j >= 0) & (positions >= 0).unsqueeze(-1)
         keys = gather_rows(buf, idx)  # [B, T, W, hd]
-        # ring update: slot s takes the latest position j* <= last with j* % W == s
-        last = positions.amax(dim=1, keepdim=True)  # [B, 1]
-        s = torch.arange(W, device=kv.device)
-        jstar = last - (last - s).remainder(W)  # [B, W]
-        fresh = (jstar >= p0) & (last >= 0)
-        new = gather_rows(buf, (W + jstar - p0).clamp(0, buf.shape[1] - 1))
-        win.index_copy_(0, slots, torch.where(fresh.unsqueeze(-1), new, ring))
+        win.index_copy_(0, slots, _ring_update(ring, buf, p0, positions.amax(dim=1, keepdim=True)))
         return keys, valid
 
     def _selected_keys(self, ckv_all: Tensor, topk: Tensor):
@@ -372,6 +379,19 @@ class _Attention(Region):
         return topk, cand_out
 
 
+def _ring_update(ring: Tensor, buf: Tensor, p0: Tensor, last: Tensor) -> Tensor:
+    """A per-slot ring after a step: ring [B, R, hd] holds position j at row j % R, buf [B, R + T, hd]
+    is the ring then the step's rows (position p0 + i at R + i), the step wrote positions p0 .. last
+    ([B, 1] each). Row s takes the latest position j* <= last with j* % R == s where the step wrote
+    it (j* >= p0), else keeps what it held -> the ring [B, R, hd]."""
+    R = ring.shape[1]
+    s = torch.arange(R, device=ring.device)
+    jstar = last - (last - s).remainder(R)  # [B, R]
+    fresh = (jstar >= p0) & (last >= 0)
+    new = gather_rows(buf, (R + jstar - p0).clamp(0, buf.shape[1] - 1))
+    return torch.where(fresh.unsqueeze(-1), new, ring)
+
+
 def torch_topk(scores: Tensor, k: int) -> Tensor:
     return scores.topk(k, dim=-1).indices
 
@@ -454,21 +474,25 @@ class SourceAttention(_Attention):
         if r == 1:
             return []
         return [
-            InputSpec("part_kv", (g.slots, r, self.hd), torch.float32, "state"),
-            InputSpec("part_gate", (g.slots, r, self.hd), torch.float32, "state"),
+            InputSpec("part_kv", (g.slots, r + g.slack, self.hd), torch.float32, "state"),
+            InputSpec("part_gate", (g.slots, r + g.slack, self.hd), torch.float32, "state"),
         ]
 
     def output_names(self) -> list[str]:
         return ["h", "pre", "topk"] + (["cand"] if self.candidate_source else [])
 
     def _compress(self, x: Tensor, positions: Tensor, slots: Tensor, part_kv, part_gate):
-        """Complete groups of this chunk -> latents [B, G, hd] (pre-rope), indices t [B, G], mask."""
+        """Complete groups of this chunk -> latents [B, G, hd] (pre-rope), indices t [B, G], mask.
+
+        The rings `part_kv`, `part_gate` [S, R, hd] (R >= ratio) hold position j's projections at
+        row j % R: the first group's positions before the chunk come from them."""
         r = self.ratio
         valid = positions >= 0
         if r == 1:
             latent = ops.rmsnorm(F.linear(x, self.c_wkv.to(x.dtype)), self.c_norm, self.c.rms_norm_eps)
             return latent, positions.clamp_min(0), valid
         B, T = positions.shape
+        R = part_kv.shape[1]
         kv = F.linear(x.float(), self.c_wkv)  # [B, T, hd] f32
         gate = F.linear(x.float(), self.c_wgate)
         p0 = positions[:, :1].clamp_min(0)  # [B, 1]
@@ -476,9 +500,11 @@ class SourceAttention(_Attention):
         nvalid = valid.sum(dim=1, keepdim=True)  # [B, 1]
         L = r * -(-(T + r - 1) // r)
         i = torch.arange(L, device=x.device)
-        src = torch.where(i < off, i, r + i - off).clamp(0, r + T - 1)  # [B, L]
-        buf_kv = torch.cat((part_kv.index_select(0, slots), kv), dim=1)  # [B, r + T, hd]
-        buf_gate = torch.cat((part_gate.index_select(0, slots), gate), dim=1)
+        # row i of the chunk's groups is position p0 - off + i: before p0 from the ring, then the chunk
+        src = torch.where(i < off, (p0 - off + i).remainder(R), R + i - off).clamp(0, R + T - 1)  # [B, L]
+        ring_kv, ring_gate = part_kv.index_select(0, slots), part_gate.index_select(0, slots)  # [B, R, hd]
+        buf_kv = torch.cat((ring_kv, kv), dim=1)  # [B, R + T, hd]
+        buf_gate = torch.cat((ring_gate, gate), dim=1)
         pooled = ops.compress_pool(
             gather_rows(buf_kv, src).unflatten(1, (-1, r)), gather_rows(buf_gate, src).unflatten(1, (-1, r))
         )  # [B, G, hd]
@@ -486,12 +512,9 @@ class SourceAttention(_Attention):
         g = torch.arange(L // r, device=x.device)
         t = torch.div(p0 - off, r, rounding_mode="floor") + g  # [B, G]
         complete = (g + 1) * r <= off + nvalid
-        # the trailing incomplete group becomes the new partial state
-        start = torch.div(off + nvalid, r, rounding_mode="floor") * r  # [B, 1]
-        j = start + torch.arange(r, device=x.device)
-        psrc = torch.where(j < off, j, r + j - off).clamp(0, r + T - 1)
-        part_kv.index_copy_(0, slots, gather_rows(buf_kv, psrc))
-        part_gate.index_copy_(0, slots, gather_rows(buf_gate, psrc))
+        last = p0 + nvalid - 1  # [B, 1]; below p0 for a padding row
+        part_kv.index_copy_(0, slots, _ring_update(ring_kv, buf_kv, p0, last))
+        part_gate.index_copy_(0, slots, _ring_update(ring_gate, buf_gate, p0, last))
         return latent, t, complete
 
     def _write_compressed(self, latent, t, complete, block_table, ckv, ikeys):

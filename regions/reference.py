@@ -28,7 +28,7 @@ from deepinfer.regions.engram_map import checked_token_map
 from deepinfer.regions.hf_tokenizer import TokenizersTokenizer
 from deepinfer.regions.plan import make_head, make_layer_regions
 from deepinfer.regions.spans import ImageEmbeds
-from deepinfer.regions.state import PAGED, allocate, state_layout
+from deepinfer.regions.state import allocate, state_layout
 from deepinfer.regions.step import DTYPES, Embedding, EngramRows, plan_layers, run_layers
 from deepinfer.regions.stepper import Allocator, Capture, Row, make_batch
 from deepinfer.regions.tokenizer import TOKENIZER_FILE, for_checkpoint
@@ -96,12 +96,15 @@ class ReferenceModel:
             self._vision = VisionTower(self.config, Checkpoint(self.path).get, self.dtype, str(self.path / CONFIG_FILE))
         return self._vision
 
-    def stepper(self, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None) -> EagerSteps:
+    def stepper(
+        self, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None, slack: int = 0
+    ) -> EagerSteps:
         """The reference as a `Stepper` for these prompts (the scheduler drives it: `runtime.schedule.decode`).
 
         Prompts run as decode-shaped chunks of `chunk` tokens (default: the longest prompt in one
-        chunk), then one token per step; its pools hold every prompt and `max_new_tokens` more."""
-        return EagerSteps(self, prompts, max_new_tokens, chunk)
+        chunk), then one token per step; its pools hold every prompt and `max_new_tokens` more, its
+        per-slot rings `slack` rows more (room for verify steps of up to `slack` drafts)."""
+        return EagerSteps(self, prompts, max_new_tokens, chunk, slack)
 
     def dspark(self) -> DSparkDrafter:
         """The checkpoint's DSpark draft (`mtp.*`) as eager regions, drafting for this model."""
@@ -132,12 +135,21 @@ class ReferenceModel:
 
 class EagerSteps:
     """The reference as the scheduler drives it: every prompt in one batch, row b always prompt b
-    (finished prompts stay as padding rows), pools sized for the longest sequence."""
+    (finished prompts stay as padding rows), pools sized for the longest sequence, per-slot rings
+    `slack` rows beyond the window and ratios (the most drafts a verify step may carry)."""
 
     groups = 1
 
-    def __init__(self, model: ReferenceModel, prompts: list[list[int]], max_new_tokens: int, chunk: int | None):
+    def __init__(
+        self,
+        model: ReferenceModel,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        chunk: int | None,
+        slack: int = 0,
+    ):
         self.model = model
+        self.slack = slack
         self.max_batch = len(prompts)
         longest = max(len(p) for p in prompts)
         self.chunk = chunk or longest
@@ -152,14 +164,12 @@ class EagerSteps:
                 blocks=blocks,
                 block_size=REFERENCE_BLOCK_SIZE,
                 dtype=model.dtype,
+                slack=slack,
             )
         )
         for p in model.plans:  # reuse / reindex layers read their source's pages
             if p.attn in ("reuse", "reindex") and p.kv_source is not None:
                 self.states[p.layer].update({k: self.states[p.kv_source][k] for k in ("ckv", "ikeys")})
-
-    def slot_states(self) -> list[Tensor]:
-        return [t for layer in self.states.values() for name, t in layer.items() if name not in PAGED]
 
     def allocator(self) -> Allocator:
         slots, blocks, width = self.geometry

@@ -1,17 +1,18 @@
 """Drafters for speculative decoding (the scheduler's `drafter`, `runtime/schedule.py`).
 
 A drafter proposes up to `block` tokens after a sequence's committed ones; the
-target verifies them in one step of the committed-but-unfed tokens plus the
+target verifies them in one step of the committed-but-unfed token plus the
 drafts (a `block + 1`-token bucket) and keeps the longest prefix its own greedy
-choices agree with, then its own next token. The scheduler's `SlotSnapshot` rolls back
-what a rejected position wrote.
+choices agree with, then its own next token. What a rejected position wrote is
+left in the model's state: its per-slot rings have `block` rows of slack, so
+nothing it still reads is overwritten (the scheduler's docstring, `runtime/schedule.py`).
 
 The release's draft is DSpark (`regions/dspark.py`). A randomly initialised
 draft accepts almost nothing, so the mechanism is tested with the two test
 doubles here, which know the plain run's output: one drafts exactly the
 target's greedy continuation (every draft accepted), the other corrupts one
 drafted position at random (acceptance stops there, so every offset of the
-block is rolled back in turn).
+block is rejected in turn).
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 `state_layout` is the one place that knows which layer owns which state and
 its shape, given the pool geometry: `slots` sequence slots (slot 0 scratch),
-`blocks` paged blocks of `block_size` token positions (block 0 scratch).
+`blocks` paged blocks of `block_size` token positions (block 0 scratch), and
+`slack` rows of every per-slot ring beyond the window or ratio it must hold: the
+most drafts a verify step carries, so that what a rejected draft writes never
+overwrites a position the sequence still reads (`runtime/schedule.py`).
 """
 
 from __future__ import annotations
@@ -64,11 +67,12 @@ def check_block_size(c: TextConfig, block_size: int) -> None:
 
 
 def layer_state(
-    c: TextConfig, p: LayerPlan, *, slots: int, blocks: int, block_size: int, dtype: torch.dtype
+    c: TextConfig, p: LayerPlan, *, slots: int, blocks: int, block_size: int, dtype: torch.dtype, slack: int = 0
 ) -> list[StateSpec]:
-    """The state views layer `p` owns (reuse/reindex layers read their source's)."""
+    """The state views layer `p` owns (reuse/reindex layers read their source's); the per-slot rings
+    (`win`, `part_kv`, `part_gate`) have `slack` rows beyond the window or ratio."""
     hd = c.head_dim
-    specs = [StateSpec("win", (slots, c.sliding_window, hd), dtype)]
+    specs = [StateSpec("win", (slots, c.sliding_window + slack, hd), dtype)]
     if p.attn == "source":
         per_block = block_size // p.ratio
         specs += [
@@ -77,17 +81,27 @@ def layer_state(
         ]
         if p.ratio > 1:
             specs += [
-                StateSpec("part_kv", (slots, p.ratio, hd), torch.float32),
-                StateSpec("part_gate", (slots, p.ratio, hd), torch.float32),
+                StateSpec("part_kv", (slots, p.ratio + slack, hd), torch.float32),
+                StateSpec("part_gate", (slots, p.ratio + slack, hd), torch.float32),
             ]
     return specs
 
 
 def state_layout(
-    c: TextConfig, plans: list[LayerPlan], *, slots: int, blocks: int, block_size: int, dtype: torch.dtype
+    c: TextConfig,
+    plans: list[LayerPlan],
+    *,
+    slots: int,
+    blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    slack: int = 0,
 ) -> dict[int, list[StateSpec]]:
     check_block_size(c, block_size)
-    return {p.layer: layer_state(c, p, slots=slots, blocks=blocks, block_size=block_size, dtype=dtype) for p in plans}
+    return {
+        p.layer: layer_state(c, p, slots=slots, blocks=blocks, block_size=block_size, dtype=dtype, slack=slack)
+        for p in plans
+    }
 
 
 def allocate(layout: dict[int, list[StateSpec]]) -> dict[int, dict[str, torch.Tensor]]:
@@ -108,6 +122,7 @@ class Geometry:
     blocks: int  # paged blocks (block 0 is scratch)
     block_size: int  # token positions per block
     max_blocks: int  # block-table width: blocks per sequence at the (bucket's) context
+    slack: int = 0  # per-slot ring rows beyond the window / ratio: the most drafts a verify step carries
 
     def compressed_width(self, ratio: int) -> int:
         """Compressed entries a sequence can hold at `ratio` (Wc)."""

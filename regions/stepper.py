@@ -5,7 +5,9 @@ bundle's executables); the scheduler decides what each step holds. A step's rows
 grouped by token group; each group has an `Allocator` of sequence slots and KV blocks (slot 0
 and block 0 are scratch), and `make_batch` turns a group's rows into the `Batch` (`regions/step.py`)
 that `run_layers` wires through the layers. A `Drafter` proposes tokens for speculative decoding
-whose `capture` the target's steps run, writing what the draft reads of the target.
+whose `capture` the target's steps run, writing what the draft reads of the target; a stepper's
+per-slot rings have room (`slack`) for the drafts of one verify step, so a rejected draft needs
+nothing restored (`runtime/schedule.py`).
 """
 
 from __future__ import annotations
@@ -183,11 +185,14 @@ class Stepper(Protocol):
         """Prompt tokens of one sequence in a step."""
         ...
 
-    def allocator(self) -> Allocator: ...
-
-    def slot_states(self) -> list[Tensor]:
-        """The state views indexed by sequence slot (dim 0): what a rejected draft rolls back."""
+    @property
+    def slack(self) -> int:
+        """Rows its per-slot rings (window rings, the compressor's partial groups) hold beyond the
+        window and ratio: the most drafts a verify step may carry (regions/state.py `Geometry.slack`;
+        0 for a bundle compiled without a draft)."""
         ...
+
+    def allocator(self) -> Allocator: ...
 
     def run(
         self,

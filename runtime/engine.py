@@ -61,6 +61,7 @@ class Metrics:
     ttft: Any
     drafted: Any
     accepted: Any
+    verify_steps: Any
     itl: Any
 
     @classmethod
@@ -99,6 +100,9 @@ class Metrics:
                 "deepinfer_drafted_tokens", "Tokens drafted for greedy requests (--speculative)", registry=r
             ),
             accepted=Counter("deepinfer_accepted_tokens", "Drafted tokens the target's verify steps kept", registry=r),
+            verify_steps=Counter(
+                "deepinfer_verify_steps", "Verify steps: one sequence's row of a step that carried drafts", registry=r
+            ),
             itl=Histogram(
                 "deepinfer_inter_token_latency_seconds",
                 "Between two tokens of one request",
@@ -140,6 +144,7 @@ class MetricsEvents(Events):
     def drafts(self, drafted: int, accepted: int) -> None:
         self.metrics.drafted.inc(drafted)
         self.metrics.accepted.inc(accepted)
+        self.metrics.verify_steps.inc()
 
     def finished(self, request: Request, reason: str) -> None:
         self.arrived.pop(request, None)

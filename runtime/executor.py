@@ -31,7 +31,7 @@ from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.manifest import blocks_per_rank
 from deepinfer.bundles.safetensors import load_mmap
 from deepinfer.host import physical_memory
-from deepinfer.regions.config import V41Config
+from deepinfer.regions.config import TextConfig, V41Config
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, Merge, run_fused, run_layers
@@ -97,6 +97,7 @@ class Sizes:
     batch_sizes: tuple[int, ...]
     token_sizes: tuple[int, ...]
     context_blocks: tuple[int, ...]  # the context buckets' block-table widths
+    slack: int  # per-slot ring rows beyond the window / ratio: the most drafts a verify step may carry
 
 
 @dataclass(frozen=True)
@@ -329,16 +330,6 @@ class Executor:
 
         return Captured()
 
-    def slot_states(self) -> list[Tensor]:
-        """Each layer's views of the pools indexed by sequence slot (window rings, compressor partials)."""
-        pools = self.manifest.kv.pools
-        return [
-            self.states[entry.layer][state]
-            for entry in self.manifest.layers
-            for state, (pool, _) in entry.state.items()
-            if pools[str(pool)].dim == "slots"  # [pool name, row], checked when the manifest was read
-        ]
-
 
 @dataclass(frozen=True)
 class Steps:
@@ -365,8 +356,9 @@ class Steps:
         s = self.executor.sizes  # a divided pool: one shard per cp rank, each of its own blocks
         return Allocator(s.num_slots, blocks_per_rank(s.num_blocks, s.divided), s.block_size, s.max_blocks, s.divided)
 
-    def slot_states(self) -> list[Tensor]:
-        return self.executor.slot_states()
+    @property
+    def slack(self) -> int:
+        return self.executor.sizes.slack
 
     def run(
         self,
@@ -455,6 +447,25 @@ def _sizes(bundle: Bundle, num_kv_blocks: int | None) -> Sizes:
         batch_sizes=tuple(m.buckets.batch_sizes),
         token_sizes=tuple(m.buckets.token_sizes),
         context_blocks=tuple(kv.blocks_for(c) for c in m.buckets.context_sizes),
+        slack=ring_slack(m, bundle.config.text),
+    )
+
+
+RINGS = ("win", "part_kv", "part_gate")  # the per-slot rings (regions/state.py): a window or ratio, and slack
+
+
+def ring_slack(m: mf.Manifest, c: TextConfig) -> int:
+    """The rows the bundle's per-slot rings hold beyond their window or ratio, read from its pools'
+    entry shapes (regions/state.py `layer_state`): a draft block with [speculative] draft, else 0
+    (and 0 for every bundle compiled before the rings had slack)."""
+    ratio = {entry.layer: entry.ratio for entry in m.layers}
+    return min(
+        (
+            pool.entry_shape[0] - (c.sliding_window if pool.state == "win" else ratio[pool.layers[0]])
+            for pool in m.kv.pools.values()
+            if pool.state in RINGS
+        ),
+        default=0,
     )
 
 

@@ -35,11 +35,14 @@ def timing_lines(stats: Stats, wall: float) -> list[str]:
 
 
 def speculation_timing(stats: Stats, speculation: SpeculationStats, verify_tokens: int) -> dict:
-    """A speculative run's tokens per target step, and its verify steps' mean time over its plain decode
-    steps' (a sequence's last step, with no token left to draft for, is one; None without both)."""
+    """A speculative run's tokens per target step, drafts accepted and wasted (drafted, then rejected) per
+    verify step, and its verify steps' mean time over its plain decode steps' (a sequence's last step,
+    with no token left to draft for, is one; None without both)."""
     (n1, s1), (nv, sv) = stats.by_tokens.get(1, (0, 0.0)), stats.by_tokens.get(verify_tokens, (0, 0.0))
     return {
         "tokens_per_step": speculation.tokens_per_step,
+        "accepted_per_step": speculation.accepted_per_step,
+        "wasted_per_step": speculation.wasted_per_step,
         "verify_steps": speculation.verify_steps,
         "drafted": speculation.drafted,
         "accepted": speculation.accepted,

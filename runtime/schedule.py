@@ -14,10 +14,12 @@ Sampling is per request: greedy (argmax) at temperature 0, else top-k, then top-
 its own seeded generator.
 
 With a `drafter`, greedy requests decode speculatively: a sequence that has caught up feeds its
-drafted tokens after its unfed ones in one verify step; the drafts the target's argmax agrees with
-are kept, plus the target's own next token, so the output is the plain loop's token for token. A
-rejected block's per-slot state is restored from its snapshot and its accepted tokens are fed again
-at the head of the next step.
+unfed token (the target's own last token) and its drafts in one verify step; the drafts the target's
+argmax agrees with are kept, plus the target's own next token, so the output is the plain loop's
+token for token. Every position whose token is kept is committed by that step, accepted or not the
+block: the next verify step carries the new token and a full block of fresh drafts, and no token
+runs through the target twice. What a rejected draft wrote is left in place (`Scheduler` says why
+nothing needs restoring), so the model's per-slot rings must have room for a block (`Stepper.slack`).
 
 `decode` is the batch policy (submit every prompt, then drain); `runtime/engine.py` runs the same
 scheduler on a thread for the server, `Events` reporting what it does to the server's metrics.
@@ -35,6 +37,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from deepinfer.errors import DeepinferError
 from deepinfer.regions.config import V41Config
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.stepper import Allocator, Drafter, DraftRequest, OutOfBlocks, Row, Stepper
@@ -114,7 +117,8 @@ class Completion:
 
 @dataclass
 class SpeculationStats:
-    """What a drafter's verify steps gave, counted per sequence and step."""
+    """What a drafter's verify steps gave, counted per sequence and step (a verify step: one
+    sequence's row of a step that carried drafts)."""
 
     verify_steps: int = 0
     drafted: int = 0
@@ -130,10 +134,21 @@ class SpeculationStats:
         """Tokens a verify step commits: the accepted drafts and the target's own next token."""
         return (self.accepted + self.verify_steps) / max(1, self.verify_steps)
 
+    @property
+    def accepted_per_step(self) -> float:
+        """Drafts a verify step accepts."""
+        return self.accepted / max(1, self.verify_steps)
+
+    @property
+    def wasted_per_step(self) -> float:
+        """Drafts a verify step runs through the target and rejects (drafted - accepted)."""
+        return (self.drafted - self.accepted) / max(1, self.verify_steps)
+
     def line(self) -> str:
         return (
             f"{self.verify_steps} verify steps, {self.accepted} of {self.drafted} drafted tokens accepted, "
-            f"{self.tokens_per_step:.2f} tokens per step"
+            f"{self.tokens_per_step:.2f} tokens per step ({self.accepted_per_step:.2f} drafts accepted, "
+            f"{self.wasted_per_step:.2f} wasted)"
         )
 
 
@@ -216,36 +231,6 @@ def reserve(alloc: Allocator, seq: int, positions: int, drafted: dict[int, list[
         alloc.reserve(seq, positions)
 
 
-class SlotSnapshot:
-    """The per-slot state of the sequences a step verifies, as it was before the step.
-
-    Rollback of a partially rejected block: every per-slot state (window rings, the compressor's
-    partial groups) goes back to its snapshot and the sequence's accepted tokens are fed again at
-    the head of its next step. Paged state (compressed KV, index keys) needs no copy: an entry
-    written for a rejected position is invisible to every query until the step that commits its
-    group's last position writes it again, before it is read (`t < (p + 1) // ratio`); candidate
-    pools and top-k selections are carries recomputed every step.
-    """
-
-    def __init__(self, views: list[Tensor], slots: dict[int, int], saved: list[Tensor]):
-        self.views, self.slots, self.saved = views, slots, saved
-
-    @classmethod
-    def take(cls, stepper: Stepper, slots: dict[int, int]) -> SlotSnapshot:
-        views = stepper.slot_states() if slots else []
-        index = torch.tensor(list(slots.values()), dtype=torch.int64)
-        return cls(views, slots, [v.index_select(0, index) for v in views])
-
-    def restore(self, seqs: list[int]) -> None:
-        if not seqs:
-            return
-        order = list(self.slots)
-        rows = torch.tensor([order.index(s) for s in seqs], dtype=torch.int64)
-        index = torch.tensor([self.slots[s] for s in seqs], dtype=torch.int64)
-        for v, saved in zip(self.views, self.saved):
-            v.index_copy_(0, index, saved.index_select(0, rows))
-
-
 # --- the loop ------------------------------------------------------------------------------------
 
 
@@ -264,9 +249,27 @@ def stop_reason(e: OutOfBlocks, out: Completion, max_context: int) -> str:
 NO_SLOT = "no sequence slot (the bundle was compiled without room for a sequence)"
 
 
+class SpeculationError(DeepinferError, ValueError):
+    """A drafter whose verify steps the model cannot take back: more drafts than its rings' slack."""
+
+
 class Scheduler:
     """Continuous batching over `stepper`: `add` queues a request (from any thread when `lock` guards
-    the queue), `step` runs one step boundary on the scheduler's thread."""
+    the queue), `step` runs one step boundary on the scheduler's thread.
+
+    With a `drafter`, a rejected draft restores nothing. A verify step writes a sequence's positions
+    start .. end - 1 (end - start <= block + 1) and commits those before some P >= start + 1; the next
+    step starts at P. Per-slot state (window rings, the compressor's partial groups) lives in rings of
+    R = window (or ratio) + `stepper.slack` rows, position p at row p % R, so with block <= slack a
+    rejected position p >= P overwrites the row of p - R <= start - window (or - ratio): older than
+    anything the sequence reads from its rings again (the window before P, the group P belongs to),
+    and its own row is written again by the step that feeds p before any query reads it (within a
+    step, keys from its first position on come from the step itself). Paged state (compressed KV,
+    index keys) likewise: an entry written for a rejected position is invisible to every query until
+    the step that commits its group's last position writes it again, before it is read
+    (`t < (p + 1) // ratio`); candidate pools and top-k selections are carries recomputed every step.
+    The drafter's features, which the step's `capture` writes, are a ring of the same kind
+    (regions/drafting.py)."""
 
     def __init__(
         self,
@@ -278,6 +281,12 @@ class Scheduler:
         events: Events | None = None,
         lock: AbstractContextManager | None = None,
     ):
+        if drafter is not None and drafter.block > stepper.slack:
+            raise SpeculationError(
+                f"the drafter drafts up to {drafter.block} tokens a verify step, but the model's per-slot rings "
+                f"have room for {stepper.slack} (their slack): compile the bundle with [speculative] draft, "
+                f"whose rings have a draft block of slack"
+            )
         self.stepper, self.eos, self.reserve_whole, self.drafter = stepper, eos, reserve_whole, drafter
         self.events = events or Events()
         self.lock = lock or nullcontext()
@@ -345,9 +354,6 @@ class Scheduler:
         if not any(rows_by_group):
             return
         self.steps += 1
-        saved = SlotSnapshot.take(
-            self.stepper, {seq: self.allocs[self.running[seq].group].slot_of[seq] for seq in drafted}
-        )
         histories = {
             seq: r.out.tokens + drafted[seq] if seq in drafted else r.out.tokens for seq, r in self.running.items()
         }
@@ -357,13 +363,10 @@ class Scheduler:
         out = self.stepper.run(rows_by_group, self.allocs, histories, images, capture)
         now = time.perf_counter()
         self.events.stepped(now - start)
-        rejected = []
         for rows, logits in zip(rows_by_group, out):
             for b, (seq, ids, first) in enumerate(rows):
                 r = self.running[seq]
-                if not self._commit(r, logits[b, : len(ids)].float(), first, drafted.get(seq, []), now):
-                    rejected.append(seq)
-        saved.restore(rejected)
+                self._commit(r, logits[b, : len(ids)].float(), first, drafted.get(seq, []), now)
 
     def _commit(
         self,
@@ -372,10 +375,10 @@ class Scheduler:
         start: int,
         drafts: list[int],
         now: float,
-    ) -> bool:
+    ) -> None:
         """One sequence's row of a step: logits [len(ids), V] of its fed tokens (its unfed committed
-        ones, then its drafts) -> whether every draft was accepted (else the caller restores its slot's
-        state, and the accepted tokens are fed again next step)."""
+        ones, then its drafts). The positions of its committed tokens and accepted drafts are fed for
+        good; what the rejected drafts wrote is left in place (see `Scheduler`)."""
         out = r.out
         fed = len(logits) - len(drafts)  # committed tokens fed this step
         caught_up = start + fed == len(out.tokens)
@@ -388,20 +391,17 @@ class Scheduler:
         if not bool(finite.all()):  # emitting argmax of NaN (token 0) would hide it
             at = start + int((~finite).nonzero()[0, 0])
             self._finish(r, "error", f"non-finite logits (NaN or infinity) at position {at}, step {self.steps}")
-            return True
+            return
         self.events.prompt_tokens(max(0, min(start + fed, out.prompt_len) - start))
-        if r.request.keep_logits:  # refed positions are recorded once
-            out.logits.extend(logits[len(out.logits) - start : keep].clone())
-        accepted = a == len(drafts)
-        if accepted:
-            r.consumed = start + len(logits)
+        if r.request.keep_logits:  # one row per position, each fed once
+            out.logits.extend(logits[:keep].clone())
+        r.consumed = start + keep
         if caught_up:  # the accepted drafts, then the target's own token
             last = logits[fed - 1 + a]
             own = choice[fed - 1 + a] if drafts else sample(last, r.request.sampling, r.generator)
             for token in drafts[:a] + [own]:
                 if self._emit(r, token, now):
                     break
-        return accepted
 
     def _emit(self, r: Running, token: int, now: float) -> bool:
         """Append `token` to `r`'s output and tell its caller -> whether `r` finished."""
@@ -532,7 +532,9 @@ class SteppableModel(Protocol):
     @property
     def config(self) -> V41Config: ...
 
-    def stepper(self, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None) -> Stepper: ...
+    def stepper(
+        self, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None, slack: int = 0
+    ) -> Stepper: ...
 
 
 def decode_model(
@@ -545,8 +547,8 @@ def decode_model(
     drafter: Drafter | None = None,
 ) -> Completions:
     """`decode` for a model that makes its own stepper for a batch (`regions.reference.ReferenceModel`:
-    `model.stepper(prompts, max_new_tokens, chunk)`, its eos from `model.config`): how tools and tests
-    reach the reference."""
+    `model.stepper(prompts, max_new_tokens, chunk, slack)`, its rings with room for the drafter's
+    block; its eos from `model.config`): how tools and tests reach the reference."""
     with torch.inference_mode():
-        steps = model.stepper(list(prompts), max_new_tokens, chunk)
+        steps = model.stepper(list(prompts), max_new_tokens, chunk, drafter.block if drafter is not None else 0)
         return decode(steps, prompts, max_new_tokens, eos=model.config.eos_token_id, images=images, drafter=drafter)

@@ -16,15 +16,13 @@ from deepinfer.runtime.schedule import decode
 
 
 class FixedStepper:
-    """A test double of a model: always predicts token 5; a context of 8 positions (2 blocks of 4)."""
+    """A test double of a model: always predicts token 5; a context of 8 positions (2 blocks of 4);
+    room in its (absent) rings for verify steps of 5 drafts."""
 
-    groups, max_batch = 1, 1
+    groups, max_batch, slack = 1, 1, 5
 
     def __init__(self, chunk: int):
         self.chunk = chunk
-
-    def slot_states(self):
-        return []
 
     def allocator(self):
         return Allocator(slots=2, blocks=10, block_size=4, max_blocks=2)

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -27,6 +28,7 @@ from deepinfer.errors import CheckpointError, ConfigError
 from deepinfer.regions.checkpoint import written_checkpoint
 from deepinfer.regions.config import load_config
 from deepinfer.regions.synthetic import checkpoint_tensors, synthetic_config
+from deepinfer.runtime.executor import ring_slack
 
 from ..conftest import CACHE_ENV, write_model_toml
 
@@ -547,3 +549,33 @@ def test_release_plan_with_the_draft_divides_it_over_the_ranks(tmp_path):
     assert "draft (dspark): 3 stages, kinds " in out
     assert "  weights 689.43 MiB per rank (7.39 GiB whole; tp 1, ep 64): " in out
     assert "dspark_moe 119.80 MiB of 6.83 GiB" in out and "head.project.b8t5" in out
+
+
+def test_a_draft_gives_the_per_slot_rings_a_block_of_slack(tmp_path, tiny_ckpt):
+    """[speculative] draft: the window rings and the compressor's partial groups hold the draft's block
+    (5) of rows beyond the window (8) and the ratio (2), so a rejected draft needs no copy; the paged
+    pools, and every pool without a draft, keep their shapes; the budget counts the rings whole, and
+    the runtime reads the slack back from the pools (`Sizes.slack`)."""
+    shapes = {}
+    for draft in (False, True):
+        extra = '\n[speculative]\ndraft = "dspark"\n' if draft else ""
+        toml = write_model_toml(tmp_path / str(draft), tiny_ckpt, tokens=(1, 6), extra=extra)
+        plan = plan_bundle(load_compile_config(toml), scratch=False)
+        assert plan.spec.geometry.slack == (5 if draft else 0)
+        manifest = SimpleNamespace(layers=plan.regions.layers, kv=SimpleNamespace(pools=plan.pools))
+        assert ring_slack(manifest, plan.spec.model.text) == plan.spec.geometry.slack
+        d = plan.to_dict()
+        shapes[draft] = {name: tuple(p["entry_shape"]) for name, p in d["pools"].items()}
+        for m in d["memory"].values():
+            assert m["pools_by_name"] == {name: p["bytes"] for name, p in d["pools"].items()}
+    assert shapes[False] == {
+        "win": (8, 64),
+        "ckv.r2": (8, 64),
+        "ikeys.r2": (8, 32),
+        "part_kv.r2": (2, 64),
+        "part_gate.r2": (2, 64),
+        "ckv.r1": (16, 64),
+        "ikeys.r1": (16, 32),
+    }
+    rings = {"win": (13, 64), "part_kv.r2": (7, 64), "part_gate.r2": (7, 64)}
+    assert shapes[True] == {**shapes[False], **rings, "dspark_features": (13, 256)}

@@ -57,8 +57,8 @@ def test_drafts_over_ranks_keep_the_one_rank_tokens(rank_bundle, plain, name):
             prompts = [list(p) for p in key]
             drafters = {
                 "dspark": lambda stats: x.dspark(stats),
-                "all accepted": lambda stats: AllAcceptedDraftDouble(want, BLOCK),
-                "one rejected": lambda stats: OneRejectedDraftDouble(want, BLOCK, vocab, seed=1),
+                "all accepted": lambda stats, want=want: AllAcceptedDraftDouble(want, BLOCK),
+                "one rejected": lambda stats, want=want: OneRejectedDraftDouble(want, BLOCK, vocab, seed=1),
             }
             for label, make in drafters.items():
                 stats = Stats()

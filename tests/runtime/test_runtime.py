@@ -72,12 +72,13 @@ def plain(loaded):
 
 def test_speculative_doubles_keep_the_tokens(loaded, plain, run_exported_bundle):
     """Speculative decoding through the bundle's executables (verify steps in its 6-token bucket) gives
-    the plain run's tokens with both test doubles, every golden prompt alone and all four batched."""
+    the plain run's tokens with both test doubles, every golden prompt alone and all four batched; the
+    bundle's rings have a block of slack (compiled with its draft), so nothing is restored."""
     from deepinfer.regions.speculative import AllAcceptedDraftDouble, OneRejectedDraftDouble
 
     session = loaded(run_exported_bundle)
     block = 5
-    assert block + 1 in session.sizes.token_sizes
+    assert block + 1 in session.sizes.token_sizes and session.sizes.slack == block
     prompts = [r["prompt_ids"] for r in RUNS]
     for batch in [[p] for p in prompts] + [prompts]:
         want = plain(run_exported_bundle, batch)
@@ -172,6 +173,8 @@ def test_cli_speculative_keeps_the_tokens(run_exported_bundle, loaded, plain, mo
     assert out["outputs"][0]["generated_ids"] == want
     spec = out["timing"]["speculation"]
     assert spec["verify_steps"] > 0 and spec["tokens_per_step"] >= 1
+    assert spec["accepted_per_step"] == pytest.approx(spec["accepted"] / spec["verify_steps"])
+    assert spec["wasted_per_step"] == pytest.approx((spec["drafted"] - spec["accepted"]) / spec["verify_steps"])
     assert spec["verify_over_decode_step"] is not None and spec["verify_over_decode_step"] > 0
     assert {"dspark_attn", "dspark_moe", "dspark_head", "head.project"} <= {
         row["kind"] for row in out["timing"]["regions"]

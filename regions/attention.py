@@ -47,7 +47,7 @@ from deepinfer.kernels.rope import apply_rope, rope_angles, rope_frequencies
 from deepinfer.regions import divided
 from deepinfer.regions.base import Region, WeightSpec, fp8_specs
 from deepinfer.regions.config import TextConfig
-from deepinfer.regions.paging import gather_pages, gather_rows, write_pages
+from deepinfer.regions.paging import gather_pages, gather_rows, ring_update, write_pages
 from deepinfer.regions.state import Geometry, InputSpec, step_inputs
 
 ops = torch.ops.deepinfer
@@ -236,7 +236,7 @@ class _Attention(Region):
         idx = torch.where(j >= p0e, R + j - p0e, j.remainder(R)).clamp(0, buf.shape[1] - 1)
         valid = (j >= 0) & (positions >= 0).unsqueeze(-1)
         keys = gather_rows(buf, idx)  # [B, T, W, hd]
-        win.index_copy_(0, slots, _ring_update(ring, buf, p0, positions.amax(dim=1, keepdim=True)))
+        win.index_copy_(0, slots, ring_update(ring, buf, p0, positions.amax(dim=1, keepdim=True)))
         return keys, valid
 
     def _selected_keys(self, ckv_all: Tensor, topk: Tensor):
@@ -379,19 +379,6 @@ class _Attention(Region):
         return topk, cand_out
 
 
-def _ring_update(ring: Tensor, buf: Tensor, p0: Tensor, last: Tensor) -> Tensor:
-    """A per-slot ring after a step: ring [B, R, hd] holds position j at row j % R, buf [B, R + T, hd]
-    is the ring then the step's rows (position p0 + i at R + i), the step wrote positions p0 .. last
-    ([B, 1] each). Row s takes the latest position j* <= last with j* % R == s where the step wrote
-    it (j* >= p0), else keeps what it held -> the ring [B, R, hd]."""
-    R = ring.shape[1]
-    s = torch.arange(R, device=ring.device)
-    jstar = last - (last - s).remainder(R)  # [B, R]
-    fresh = (jstar >= p0) & (last >= 0)
-    new = gather_rows(buf, (R + jstar - p0).clamp(0, buf.shape[1] - 1))
-    return torch.where(fresh.unsqueeze(-1), new, ring)
-
-
 def torch_topk(scores: Tensor, k: int) -> Tensor:
     return scores.topk(k, dim=-1).indices
 
@@ -513,8 +500,8 @@ class SourceAttention(_Attention):
         t = torch.div(p0 - off, r, rounding_mode="floor") + g  # [B, G]
         complete = (g + 1) * r <= off + nvalid
         last = p0 + nvalid - 1  # [B, 1]; below p0 for a padding row
-        part_kv.index_copy_(0, slots, _ring_update(ring_kv, buf_kv, p0, last))
-        part_gate.index_copy_(0, slots, _ring_update(ring_gate, buf_gate, p0, last))
+        part_kv.index_copy_(0, slots, ring_update(ring_kv, buf_kv, p0, last))
+        part_gate.index_copy_(0, slots, ring_update(ring_gate, buf_gate, p0, last))
         return latent, t, complete
 
     def _write_compressed(self, latent, t, complete, block_table, ckv, ikeys):

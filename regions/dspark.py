@@ -37,7 +37,7 @@ from deepinfer.regions.base import Region, WeightSpec, fp8_specs
 from deepinfer.regions.config import TextConfig, draft_moe_config
 from deepinfer.regions.drafting import run_draft_stages
 from deepinfer.regions.moe import MoE
-from deepinfer.regions.paging import gather_rows
+from deepinfer.regions.paging import gather_rows, ring_update
 from deepinfer.regions.state import Geometry, InputSpec
 from deepinfer.regions.step import Embedding
 from deepinfer.regions.topology import attention_config
@@ -54,22 +54,6 @@ def features_ring(c: TextConfig) -> int:
     """Rows of a features ring: the window a draft reads and the block a verify step may write past
     its committed positions (a rejected position's row holds nothing a later draft reads)."""
     return c.sliding_window + c.dspark_block_size
-
-
-def ring_update(ring: Tensor, slots: Tensor, values: Tensor, positions: Tensor) -> None:
-    """Write values [B, T, ...] at positions [B, T] (-1: padding; a row's valid positions consecutive)
-    into ring [S, R, ...] rows position % R of each row's slot, in place: a ring row takes the latest
-    of the step's positions that maps to it, so a chunk longer than the ring keeps its last R."""
-    R = ring.shape[1]
-    rows = ring.index_select(0, slots)  # [B, R, ...]
-    first = positions[:, :1].clamp_min(0)
-    last = positions.amax(dim=1, keepdim=True)  # [B, 1]; -1 for a padding row
-    s = torch.arange(R, device=ring.device)
-    latest = last - (last - s).remainder(R)  # [B, R]: the latest position <= last in ring row s
-    fresh = (latest >= first) & (last >= 0)
-    new = gather_rows(values, (latest - first).clamp(0, values.shape[1] - 1))
-    shape = (*fresh.shape, *([1] * (ring.dim() - 2)))
-    ring.index_copy_(0, slots, torch.where(fresh.view(shape), new.to(ring.dtype), rows))
 
 
 class DraftCapture(Region):
@@ -99,7 +83,10 @@ class DraftCapture(Region):
 
     def decode(self, h: Tensor, pre: Tensor, positions: Tensor, slots: Tensor, features: Tensor) -> Tensor:
         """-> the positions written [B] (a graph output; the ring is written in place)."""
-        ring_update(features, slots, ops.hc_collapse(h, pre), positions)
+        rows = features.index_select(0, slots)  # [B, R, D]
+        buf = torch.cat((rows, ops.hc_collapse(h, pre).to(features.dtype)), 1)
+        last = positions.amax(dim=1, keepdim=True)  # -1 for a padding row: it keeps its ring
+        features.index_copy_(0, slots, ring_update(rows, buf, positions[:, :1], last))
         return (positions >= 0).sum(1)
 
 

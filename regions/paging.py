@@ -29,3 +29,16 @@ def write_pages(pool: Tensor, block_table: Tensor, t: Tensor, keep: Tensor, valu
     block = torch.where(keep, block_table.gather(1, page), 0)
     offset = torch.where(keep, t.remainder(per_block), 0)
     pool.index_put_((block.flatten(), offset.flatten()), values.flatten(0, 1))
+
+
+def ring_update(ring: Tensor, buf: Tensor, p0: Tensor, last: Tensor) -> Tensor:
+    """A per-slot ring after a step: ring [B, R, hd] holds position j at row j % R, buf [B, R + T, hd]
+    is the ring then the step's rows (position p0 + i at R + i), the step wrote positions p0 .. last
+    ([B, 1] each). Row s takes the latest position j* <= last with j* % R == s where the step wrote
+    it (j* >= p0), else keeps what it held -> the ring [B, R, hd]."""
+    R = ring.shape[1]
+    s = torch.arange(R, device=ring.device)
+    jstar = last - (last - s).remainder(R)  # [B, R]
+    fresh = (jstar >= p0) & (last >= 0)
+    new = gather_rows(buf, (R + jstar - p0).clamp(0, buf.shape[1] - 1))
+    return torch.where(fresh.unsqueeze(-1), new, ring)

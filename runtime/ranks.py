@@ -278,6 +278,7 @@ def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, opt
                     "outs": list(outs),
                     "logits": logits,
                     "stats": outs.stats,
+                    "speculation": outs.speculation,
                     "sent": dict(comm.sent),
                     "seconds": dict(comm.seconds),
                     "pools": _pool_bytes(executor),
@@ -396,7 +397,14 @@ def generate_ranks(bundle: Bundle, prompts: list[list[int]], options: RunOptions
         out.logits = [torch.from_numpy(row) for row in rows]
     sent = {i.get("rank", 0): i["sent"] for i in items}
     pools = {i.get("rank", 0): i["pools"] for i in items}
-    return Completions(leader["outs"], stats=leader["stats"], sent=sent, seconds=leader["seconds"], pools=pools)
+    return Completions(
+        leader["outs"],
+        speculation=leader["speculation"],
+        stats=leader["stats"],
+        sent=sent,
+        seconds=leader["seconds"],
+        pools=pools,
+    )
 
 
 def _collect(procs, results, timeout_s: float) -> list[dict]:

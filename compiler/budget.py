@@ -58,6 +58,19 @@ SCRATCH_METHOD = (
 )
 
 
+def spec_pools(spec: Spec, plan: RegionPlan):
+    """The bundle's state pools and each layer's views of them (`compiler.pools.plan_pools`), as `spec`
+    lays them out: its block size and dtype, the draft's features pool, the rings' slack."""
+    return plan_pools(
+        spec.model.text,
+        plan.layers,
+        block_size=spec.config.kv.block_size,
+        dtype=spec.dtype,
+        draft=bool(plan.draft),
+        slack=spec.geometry.slack,
+    )
+
+
 def _nbytes(shape, dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
@@ -260,14 +273,7 @@ def breakdown(spec: Spec, plan: RegionPlan, executables: Sequence[Graph] = (), f
         limit, source = int(mem.limit_gib * GiB), "[memory] limit_gib"
     else:
         limit, source = spec.target.device_memory()
-    pools, _ = plan_pools(
-        spec.model.text,
-        plan.layers,
-        block_size=spec.config.kv.block_size,
-        dtype=spec.dtype,
-        draft=bool(plan.draft),
-        slack=spec.geometry.slack,
-    )
+    pools, _ = spec_pools(spec, plan)
     out = Breakdown(
         weights_by_kind(plan),
         pools_by_name(pools, spec.geometry, spec.topology.cp),

@@ -43,7 +43,7 @@ from deepinfer.compiler.executables import compile_regions, trace_regions
 from deepinfer.compiler.jobs import keep_failed_logs
 from deepinfer.compiler.keys import Key
 from deepinfer.compiler.plan import RegionPlan, plan_regions
-from deepinfer.compiler.pools import DRAFT_FEATURES, plan_pools
+from deepinfer.compiler.pools import DRAFT_FEATURES
 from deepinfer.compiler.publish import check_output, clean_stale, make_staging, publish
 from deepinfer.compiler.spec import Log, Run, Spec, parse
 from deepinfer.compiler.stream import OutFile, stream
@@ -201,14 +201,7 @@ def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
 
 
 def layout_state(spec: Spec, plan: RegionPlan) -> State:
-    pools, bindings = plan_pools(
-        spec.model.text,
-        plan.layers,
-        block_size=spec.config.kv.block_size,
-        dtype=spec.dtype,
-        draft=bool(plan.draft),
-        slack=spec.geometry.slack,
-    )
+    pools, bindings = budget.spec_pools(spec, plan)
     return State(pools=pools, bindings=bindings)
 
 

@@ -318,17 +318,20 @@ class Executor:
         """What a step runs for the draft (`regions.stepper.Capture`): the compiled capture, writing
         each target layer's features ring on this rank."""
         d = require_draft(self.bundle)
-        invoke, rings = self._draft_invoke(stats), self._rings()
-        layers = tuple(d.target_layers)
+        return CompiledCapture(tuple(d.target_layers), self._draft_invoke(stats), tuple(self._rings()))
 
-        class Captured:
-            def __init__(self):
-                self.layers = layers
 
-            def __call__(self, layer: int, h: Tensor, pre: Tensor, positions: Tensor, slots: Tensor) -> None:
-                invoke(0, "capture", h, pre, positions, slots, rings[layers.index(layer)])
+@dataclass(frozen=True)
+class CompiledCapture:
+    """`regions.stepper.Capture` over a bundle's compiled capture: writes a target layer's features
+    ring on this rank."""
 
-        return Captured()
+    layers: tuple[int, ...]
+    invoke: Callable
+    rings: tuple[Tensor, ...]
+
+    def __call__(self, layer: int, h: Tensor, pre: Tensor, positions: Tensor, slots: Tensor) -> None:
+        self.invoke(0, "capture", h, pre, positions, slots, self.rings[self.layers.index(layer)])
 
 
 @dataclass(frozen=True)

@@ -384,8 +384,13 @@ def test_plan_predicts_the_compiled_bundle(rank_bundle):
     }
     assert recorded["scratch"]["by_graph"] == scratch and sorted(recorded["scratch"]["from_cache"]) == sorted(scratch)
     # a graph per (kind, method): 4 kinds decode, the 4 compressed attention kinds run divided (cp = 4) as
-    # their stages (select, attend, output; the reuse kind attend and output)
-    assert traced["scratch"]["from_cache"] == [] and len(traced["scratch"]["by_graph"]) == 4 + 3 * 3 + 2
+    # their stages (select, attend, output; the reuse kind attend and output); the MoE also at its smallest
+    # batch bucket (batch buckets 1 and 2); the draft (this layout holds one): its 5 kinds' 6 methods and
+    # the target head's `project`
+    graphs = traced["scratch"]["by_graph"]
+    draft = [n for n in graphs if n.startswith("dspark_") or n.startswith("head.project.")]
+    assert traced["scratch"]["from_cache"] == [] and len(draft) == 6 + 1
+    assert len(graphs) - len(draft) == 4 + 3 * 3 + 2 + 1
     assert traced["scratch"]["by_graph"] == {n: scratch[n] for n in traced["scratch"]["by_graph"]}
     for plan in (traced, recorded):
         for rank, m in manifest["memory"].items():

@@ -466,12 +466,16 @@ Progress = Callable[[int, int, Job, float], None]
 
 def compile_jobs(run: Run, jobs: Sequence[Job], keys: dict[str, Key], progress: Progress) -> tuple[str, ...]:
     """Compile each job's executable once across every compile sharing the cache: the
-    jobs whose lock this compile takes run here (in parallel); the others are waited
-    for and then fetched (or compiled here if their compile died). Returns the names of
-    those compiled here, in the order they finished (without a cache: every job, in order)."""
+    jobs whose lock this compile takes run here (in parallel, or on the Ray cluster of
+    `run.ray`); the others are waited for and then fetched (or compiled here if their
+    compile died). Returns the names of those compiled here, in the order they finished
+    (without a cache: every job, in order)."""
     cache = run.cache
     if cache is None:
-        run_jobs(list(jobs), run.jobs, progress)
+        if run.ray is not None:
+            _on_farm(run, list(jobs), None, lambda job: None)
+        else:
+            run_jobs(list(jobs), run.jobs, progress)
         return tuple(job.name for job in jobs)
     mine, theirs, locks, built = [], [], {}, []
     for job in jobs:
@@ -486,14 +490,20 @@ def compile_jobs(run: Run, jobs: Sequence[Job], keys: dict[str, Key], progress: 
             locks[job.name] = lock
             mine.append(job)
 
-    def done(i: int, total: int, job: Job, seconds: float) -> None:
+    def keep(job: Job) -> None:
         cache.put_file("executable", keys[job.name], job.out)
         built.append(job.name)
         locks.pop(job.name).release()
+
+    def done(i: int, total: int, job: Job, seconds: float) -> None:
+        keep(job)
         progress(i, total, job, seconds)
 
     try:
-        run_jobs(mine, run.jobs, done)
+        if run.ray is not None:
+            _on_farm(run, mine, keys, keep)
+        else:
+            run_jobs(mine, run.jobs, done)
     finally:
         for lock in locks.values():
             lock.release()
@@ -509,3 +519,11 @@ def compile_jobs(run: Run, jobs: Sequence[Job], keys: dict[str, Key], progress: 
             built.append(job.name)
             progress(i, len(theirs), job, seconds)
     return tuple(built)
+
+
+def _on_farm(run: Run, jobs: list[Job], keys: dict[str, Key] | None, keep: Callable[[Job], None]) -> None:
+    """The jobs as Ray tasks (compiler/farm.py); `keep(job)` once each executable is in the staging
+    bundle. Executables come back through Ray; the cache (signing with --sign) stores them."""
+    from deepinfer.compiler import farm
+
+    farm.run_farm(jobs, run.log, keep, keys=keys)

@@ -67,6 +67,12 @@ from deepinfer.cli_common import trust_option, trusted_key, user_errors
     help="Ed25519 private key (PEM): sign the bundle's manifest (signature.json) and the cache entries "
     "this compile stores. `deepinfer keygen` or `openssl genpkey -algorithm ed25519` makes one.",
 )
+@click.option(
+    "--ray",
+    metavar="auto|ADDRESS",
+    help="Run the compile jobs as tasks on a Ray cluster: auto (the cluster this node belongs to) or the "
+    "HOST:PORT `ray start --head` printed. Needs `pip install 'deepinfer[farm]'` (docs/cache.md).",
+)
 @trust_option
 @user_errors
 def main(
@@ -84,6 +90,7 @@ def main(
     finish: Path | None,
     sign: Path | None,
     trust: Path | None,
+    ray: str | None,
 ) -> None:
     """Compile MODEL_TOML into a bundle: one executable per (region kind, method, bucket).
 
@@ -117,6 +124,8 @@ def main(
         from deepinfer.bundles.signing import load_private_key
 
         signing_key = load_private_key(sign)
+    if finish is not None and ray is not None:
+        raise click.UsageError("--ray runs a compile's jobs on a cluster; --finish runs here (drop --ray)")
     if finish is not None:
         from deepinfer.compiler.finish import finish_bundle
 
@@ -145,6 +154,7 @@ def main(
         verbose=verbose,
         hlo_only=hlo_only,
         sign=signing_key,
+        ray=ray,
     )
     if as_json:
         click.echo(json.dumps(report.to_json()))

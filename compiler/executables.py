@@ -201,7 +201,7 @@ def keep_lowered(spec: Spec, exe: Exe, entry: mf.Executable, lowered: Path, stag
 def _job(spec: Spec, exe: Exe, entry: mf.Executable, lowered: Path, staging: Path) -> Job:
     t = spec.target
     log = staging / layout.log_path(*exe)
-    return Job(exe.name, lowered, staging / entry.artifact, t.name, t.executable, t.options, log=log)
+    return Job(exe.name, lowered, staging / entry.artifact, t.name, t.executable, t.options, log=log, exe=exe)
 
 
 # --- the passes ----------------------------------------------------------------------------------

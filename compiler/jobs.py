@@ -9,8 +9,12 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deepinfer.bundles import layout
+
+if TYPE_CHECKING:
+    from deepinfer.compiler.plan import Exe
 
 # worker processes load saved programs; torch 2.13 warns about its own tree-spec pickling
 # once per program (compiler/trace.py filters the same warning in the main process)
@@ -26,6 +30,7 @@ class Job:
     executable: str
     options: dict
     log: Path | None = None  # the compiler's log, kept in the bundle (targets that write one)
+    exe: Exe | None = None  # the region kind, method and bucket it builds (for messages)
 
 
 def run_job(job: Job) -> float:

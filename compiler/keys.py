@@ -75,6 +75,7 @@ UNKEYED_OPTIONS = (
     "--require-cache",
     "--verbose",
     "--finish",
+    "--ray",  # where the compile jobs run: a farm's executables are the same bytes
     # signing adds signature files beside what is built; trust decides which cache entries are used
     "--sign",
     "--trust",

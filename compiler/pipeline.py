@@ -317,7 +317,14 @@ def use_inductor_cache() -> Path:
 
 
 def settings(
-    config: CompileConfig, out: Path, *, jobs: int, cache: Cache | None, require_cache: bool, hlo_only: bool
+    config: CompileConfig,
+    out: Path,
+    *,
+    jobs: int,
+    cache: Cache | None,
+    require_cache: bool,
+    hlo_only: bool,
+    ray: str | None = None,
 ) -> str:
     """The resolved settings of a compile, as it reports them before it starts."""
     b, m, t, p = config.buckets, config.model, config.target, config.parallel
@@ -328,6 +335,7 @@ def settings(
         f"max_context={b.max_context} context={list(b.contexts)}, kv block_size={config.kv.block_size} "
         f"num_blocks={config.kv.num_blocks}, parallel tp={p.tp} ep={p.ep} cp={p.cp}, "
         f"jobs={jobs}, cache {cache.dir if cache else 'off'}{' (required)' if require_cache else ''}"
+        f"{f', on the Ray cluster at {ray}' if ray else ''}"
         f"{', stop at HLO' if hlo_only else ''}"
     )
 
@@ -392,6 +400,7 @@ def compile_bundle(
     verbose: bool = False,
     hlo_only: bool = False,
     sign: object | None = None,
+    ray: str | None = None,
 ) -> CompileReport:
     """Run every pass and publish the bundle; logs the resolved settings first and a summary last,
     and returns both with the seconds each pass took and what was built (`CompileReport`).
@@ -401,11 +410,13 @@ def compile_bundle(
     With `require_cache`, a miss raises CacheError naming the region and why. `verbose` logs each
     missed key's part hashes. `hlo_only` (trn2) stops after lowering and checking: the bundle holds
     HLO modules, finished later by `finish_bundle`. With `sign` (an Ed25519 private key,
-    `bundles.signing`), the manifest is signed before the bundle is published.
+    `bundles.signing`), the manifest is signed before the bundle is published. With `ray` ("auto" or
+    a cluster's HOST:PORT), the compile jobs run as Ray tasks on that cluster (compiler/farm.py),
+    joined before any pass so that a bad address fails at once; the other passes stay here.
     """
     log = log or _stderr
     out = Path(out)
-    resolved = settings(config, out, jobs=jobs, cache=cache, require_cache=require_cache, hlo_only=hlo_only)
+    resolved = settings(config, out, jobs=jobs, cache=cache, require_cache=require_cache, hlo_only=hlo_only, ray=ray)
     log(resolved)
     use_inductor_cache()
     check_output(out, force, config.model.checkpoint)
@@ -413,12 +424,25 @@ def compile_bundle(
         raise ConfigError("--require-cache needs a cache (drop --no-cache)")
     if hlo_only and not TARGETS[config.target.name].static_shapes:
         raise config_error(config, "target", "name", f"--hlo-only is for the trn2 target, not {config.target.name!r}")
+    if ray is not None:
+        from deepinfer.compiler import farm
+
+        farm.connect(ray)
     clean_stale(out, log)
     try:
         staging = make_staging(out)
     except OSError as e:
         raise disk_error(e, out) from None
-    run = Run(staging=staging, out=out, jobs=jobs, log=log, cache=cache, require_cache=require_cache, verbose=verbose)
+    run = Run(
+        staging=staging,
+        out=out,
+        jobs=jobs,
+        log=log,
+        cache=cache,
+        require_cache=require_cache,
+        verbose=verbose,
+        ray=ray,
+    )
     timed = Timings()
     try:
         built = build(config, hlo_only, run, timed)

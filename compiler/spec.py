@@ -99,6 +99,7 @@ class Run:
     cache: Cache | None = None
     require_cache: bool = False
     verbose: bool = False
+    ray: str | None = None  # compile on this Ray cluster (compiler/farm.py): "auto" or HOST:PORT
 
 
 def parse(config: CompileConfig, hlo_only: bool, log: Log) -> Spec:

@@ -1,0 +1,500 @@
+"""The compile farm: compile jobs as Ray tasks across a cluster (`deepinfer-compile --ray`).
+
+    host                                          each worker (any node of the cluster)
+    ----                                          ------------------------------------
+    connect (before any pass: a bad address
+      fails in seconds)
+    weights, trace, lower: as without a farm
+    per job: the lowered program's bytes
+      (ray.put) and a `Task` --------------------> writes them into a local temp dir, checks its
+                                                  toolchain is the host's, compiles (jobs.run_job)
+    the executable's bytes, written beside  <---- `Result`: bytes, digest, node, seconds (with a
+      and verified against the digest             store: published there, the host reads it through)
+    cache store, lock release, progress line
+
+Nothing needs a shared file system. A worker that dies mid-job (killed, its node lost) is run
+again by Ray (`max_retries`); a job that raises is run again on another node where there is
+one, and fails the compile when two attempts fail the same way (or after `ATTEMPTS`), in one
+line naming the region, bucket, node and the log kept in `<out>.failed-logs/`.
+
+Signing stays on the host: with --sign the executables come back through Ray and the host's
+cache signs what it stores, so a private key never travels to a worker. Ray is an optional
+extra (`deepinfer[farm]`), imported only when --ray is given.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from deepinfer.bundles.manifest import sha256_file
+from deepinfer.compiler.jobs import Job, run_job
+from deepinfer.compiler.keys import Key
+from deepinfer.errors import DeepinferError
+
+INSTALL_HINT = "pip install 'deepinfer[farm]'"
+CONNECT_TIMEOUT_S = 10.0  # a cluster address that does not answer fails in this time
+SYSTEM_RETRIES = 2  # Ray runs a task again when its worker or node dies (max_retries)
+ATTEMPTS = 3  # runs of a job that raises; two that fail the same way fail the compile sooner
+POLL_S = 0.5
+HOST_PATHS = ("TORCHINDUCTOR_CACHE_DIR", "TMPDIR")  # set on workers as on the host (`_host_paths`)
+# Test hooks, read by the worker's job function (`_work`); the host forwards them to the workers.
+TEST_HOOK_PREFIX = "DEEPINFER_TEST_FARM_"
+TEST_DIE_ONCE = "DEEPINFER_TEST_FARM_DIE_ONCE"  # a marker path: the first job to see it absent makes it and exits
+TEST_FAIL = "DEEPINFER_TEST_FARM_FAIL"  # jobs whose name contains this raise, every attempt
+
+
+class FarmError(DeepinferError):
+    """--ray without Ray, a cluster that cannot be reached, or a job that failed on the farm."""
+
+
+def ray_module():
+    """Ray, imported on first use (an optional extra)."""
+    try:
+        import ray
+    except ImportError:
+        raise FarmError(f"--ray needs Ray, which is not installed: {INSTALL_HINT}") from None
+    return ray
+
+
+_connected: str | None = None  # the address this process joined
+
+
+def connect(address: str) -> None:
+    """Join the Ray cluster at `address` ("auto": the one this node belongs to), once per process."""
+    global _connected
+    ray = ray_module()
+    if ray.is_initialized() and _connected == address:
+        return
+    if address != "auto":
+        _reachable(address)
+    if ray.is_initialized():
+        ray.shutdown()
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
+    except Exception as e:  # Ray raises ConnectionError, RuntimeError or ValueError here
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise FarmError(f"--ray {address}: cannot join the Ray cluster ({first}); {_START_HINT}") from None
+    _connected = address
+
+
+_START_HINT = "start one with `ray start --head` and pass the address it prints, or --ray auto on one of its nodes"
+
+
+def _reachable(address: str) -> None:
+    """Fail in CONNECT_TIMEOUT_S, not Ray's minutes of retries, when nothing answers at HOST:PORT."""
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise FarmError(f"--ray {address}: expected auto or HOST:PORT (the address `ray start --head` prints)")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise FarmError(f"--ray {address}: cannot reach it ({e.strerror or e}); {_START_HINT}") from None
+
+
+# --- what travels ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """One job as a worker gets it: the Job's fields without its host paths (the lowered program's
+    bytes travel beside it, as a Ray object)."""
+
+    name: str
+    target: str
+    executable: str
+    options: dict
+    lowered: str  # file names, in the worker's temp dir
+    out: str
+    log: str | None
+    toolchain: dict[str, str]  # the host's: a worker with another refuses the job
+    paths: dict[str, str]  # the host's Inductor cache dir and TMPDIR: AOTInductor bakes them into its output
+    key: Key | None = None  # the executable key (a store publishes under it)
+    store: tuple[str, str | None] | None = None  # (url, endpoint): publish there, return no bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    name: str
+    node: str  # IP
+    node_id: str
+    seconds: float
+    digest: str = ""  # "sha256:..." of the executable
+    data: bytes | None = None  # the executable (none when published to a store)
+    log: bytes | None = None  # the compiler's log, where the target writes one
+    error: str | None = None  # "Type: message" of a failed attempt
+    trace: str = ""  # its traceback
+
+
+class Ledger:
+    """A Ray actor (no CPU) each attempt reports its start to: what runs where, and retries
+    (Ray runs a task again after its worker dies without telling the caller)."""
+
+    def __init__(self) -> None:
+        self.starts: dict[str, list[tuple[str, str]]] = {}
+
+    def start(self, name: str, node: str, node_id: str) -> None:
+        self.starts.setdefault(name, []).append((node, node_id))
+
+    def snapshot(self) -> dict[str, list[tuple[str, str]]]:
+        return self.starts
+
+
+# --- the worker's side -------------------------------------------------------------------------
+
+
+def _work(task: Task, lowered: bytes, ledger) -> Result:
+    """Compile one job on this node in a temp dir of its own; failures come back as data."""
+    import ray
+
+    node, node_id = ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+    ray.get(ledger.start.remote(task.name, node, node_id))
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="deepinfer-farm-") as tmp:
+        work = Path(tmp)
+        log = work / task.log if task.log else None
+        try:
+            _test_hooks(task.name)
+            _check_toolchain(task, node)
+            _host_paths(task.paths)
+            (work / task.lowered).write_bytes(lowered)
+            job = Job(task.name, work / task.lowered, work / task.out, task.target, task.executable, task.options, log)
+            run_job(job)
+            out = work / task.out
+            digest = sha256_file(out)
+            data = out.read_bytes() if task.store is None else None
+            if task.store is not None:
+                _publish(task, out, work)
+        except Exception as e:
+            message = f"{type(e).__name__}: {e}".replace(tmp, "<worker dir>")
+            return Result(
+                name=task.name,
+                node=node,
+                node_id=node_id,
+                seconds=time.perf_counter() - start,
+                log=_read(log),
+                error=message,
+                trace=traceback.format_exc(),
+            )
+        return Result(
+            name=task.name,
+            node=node,
+            node_id=node_id,
+            seconds=time.perf_counter() - start,
+            digest=digest,
+            data=data,
+            log=_read(log),
+        )
+
+
+def _read(path: Path | None) -> bytes | None:
+    return path.read_bytes() if path is not None and path.is_file() else None
+
+
+def _test_hooks(name: str) -> None:
+    """Test hooks only (tests/cache/test_farm.py): die once, or fail a job every time."""
+    marker = os.environ.get(TEST_DIE_ONCE)
+    if marker:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            pass
+        else:
+            os._exit(1)  # the worker dies mid-job, as when killed
+    fail = os.environ.get(TEST_FAIL)
+    if fail and fail in name:
+        raise RuntimeError(f"{TEST_FAIL}={fail}: this job fails on purpose")
+
+
+def _check_toolchain(task: Task, node: str) -> None:
+    """A worker compiles only with the host's toolchain: its key names the host's versions."""
+    from deepinfer.compiler.targets import TARGETS
+
+    mine = TARGETS[task.target](task.executable, task.options).toolchain()
+    if mine != task.toolchain:
+        diff = ", ".join(
+            f"{k} {mine.get(k)!r} here, {v!r} on the host" for k, v in task.toolchain.items() if mine.get(k) != v
+        )
+        raise FarmError(f"node {node} has another toolchain ({diff}); install the host's versions on every node")
+
+
+def _host_paths(paths: dict[str, str]) -> None:
+    """Compile under the host's Inductor cache dir and TMPDIR (created here where absent): AOTInductor
+    writes their paths into the generated sources and the library's debug info, so only there does a
+    worker build the bytes the host would. Where they cannot be created, the node's own are kept."""
+    for name, value in paths.items():
+        if os.environ.get(name) == value:
+            continue
+        try:
+            Path(value).mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        os.environ[name] = value
+        if name == "TMPDIR":
+            tempfile.tempdir = None  # read TMPDIR again
+
+
+def _publish(task: Task, out: Path, work: Path) -> None:
+    """Store the executable through a worker-local cache that publishes to the shared store."""
+    from deepinfer.compiler.cache import Cache
+    from deepinfer.compiler.store import Store  # type: ignore[import-not-found]
+
+    assert task.store is not None and task.key is not None
+    url, endpoint = task.store
+    cache = Cache(work / "cache", remote=Store.from_url(url, endpoint))  # type: ignore[call-arg]
+    cache.put_file("executable", task.key, out)
+
+
+# --- the host's side ---------------------------------------------------------------------------
+
+
+Finished = Callable[[Job], None]  # store in the cache and release the job's lock
+
+
+def run_farm(
+    jobs: Sequence[Job],
+    log: Callable[[str], None],
+    finished: Finished,
+    *,
+    keys: dict[str, Key] | None = None,
+    fetch: Callable[[Job], bool] | None = None,
+    store: tuple[str, str | None] | None = None,
+) -> dict[str, float]:
+    """Run every job on the cluster joined by `connect`; `finished(job)` once its executable is at
+    `job.out`. With `store` (and `fetch`, reading a key through it), workers publish there and the
+    host fetches. Returns seconds per job. Raises FarmError naming the job, node and log."""
+    ray = ray_module()
+    if not jobs:
+        return {}
+    work = ray.remote(_work)
+    ledger = ray.remote(num_cpus=0)(Ledger).remote()
+    hooks = {k: v for k, v in os.environ.items() if k.startswith(TEST_HOOK_PREFIX)}
+    options: dict = {"num_cpus": 1, "max_retries": SYSTEM_RETRIES, "retry_exceptions": False}
+    if hooks:
+        options["runtime_env"] = {"env_vars": hooks}
+    from deepinfer.compiler.targets import TARGETS
+
+    toolchain = TARGETS[jobs[0].target](jobs[0].executable, jobs[0].options).toolchain()
+    by_name = {job.name: job for job in jobs}
+    blobs = {job.name: ray.put(job.lowered.read_bytes()) for job in jobs}
+    tasks = {job.name: _task(job, toolchain, keys, store) for job in jobs}
+    progress = Progress(len(jobs), _cpus(ray))
+    errors: dict[str, list[Result]] = {}
+
+    def submit(name: str, avoid: str | None = None) -> None:
+        opts = dict(options, name=f"deepinfer {name}")
+        other = _other_node(ray, avoid) if avoid else None
+        if other:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=other, soft=True)
+        pending[work.options(**opts).remote(tasks[name], blobs[name], ledger)] = name
+
+    pending: dict = {}
+    seconds: dict[str, float] = {}
+    try:
+        for job in jobs:
+            submit(job.name)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+            starts = ray.get(ledger.snapshot.remote(), timeout=60)
+            for ref in ready:
+                name = pending.pop(ref)
+                job = by_name[name]
+                try:
+                    result = ray.get(ref)
+                except ray.exceptions.RayError as e:  # the worker or its node died, SYSTEM_RETRIES + 1 times
+                    raise _died(job, starts.get(name, []), e) from None
+                if result.error is not None:
+                    errors.setdefault(name, []).append(result)
+                    _write_farm_log(job, errors[name])
+                    if _give_up(errors[name]):
+                        raise _failed(job, errors[name])
+                    progress.failed_attempt()
+                    submit(name, avoid=result.node_id)
+                    continue
+                _land(job, result, fetch)
+                seconds[name] = result.seconds
+                finished(job)
+                log(progress.done(job, result, starts, set(pending.values())))
+            if not ready and progress.changed(starts, set(pending.values())):
+                log(progress.line(starts, set(pending.values())))
+    finally:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        ray.kill(ledger)
+    return seconds
+
+
+def _task(job: Job, toolchain: dict[str, str], keys: dict[str, Key] | None, store) -> Task:
+    key = keys.get(job.name) if keys else None
+    return Task(
+        name=job.name,
+        target=job.target,
+        executable=job.executable,
+        options=job.options,
+        lowered=job.lowered.name,
+        out=job.out.name,
+        log=job.log.name if job.log else None,
+        toolchain=toolchain,
+        paths={n: os.environ[n] for n in HOST_PATHS if n in os.environ},
+        key=key,
+        store=store if key is not None else None,
+    )
+
+
+def _cpus(ray) -> int:
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def _other_node(ray, avoid: str) -> str | None:
+    """An alive node with a CPU other than `avoid` (a job that raised runs there next), if any."""
+    for n in ray.nodes():
+        if n.get("Alive") and n["NodeID"] != avoid and n.get("Resources", {}).get("CPU", 0) >= 1:
+            return n["NodeID"]
+    return None
+
+
+def _land(job: Job, result: Result, fetch: Callable[[Job], bool] | None) -> None:
+    """Put the executable at job.out (through the store, or from the bytes) and check its digest."""
+    if result.log is not None and job.log is not None:
+        job.log.parent.mkdir(parents=True, exist_ok=True)
+        job.log.write_bytes(result.log)
+    if result.data is None:
+        if fetch is None or not fetch(job):
+            raise FarmError(
+                f"farm: {_what(job)}: compiled on {_node(result.node, result.node_id)} and published, "
+                "but the store does not hand it back; check the store's credentials on the workers"
+            )
+    else:
+        job.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = job.out.with_name(f".{job.out.name}.farm-{os.getpid()}")
+        tmp.write_bytes(result.data)
+        os.replace(tmp, job.out)
+    got = sha256_file(job.out)
+    if got != result.digest:
+        job.out.unlink(missing_ok=True)
+        raise FarmError(
+            f"farm: {_what(job)}: the executable from {_node(result.node, result.node_id)} arrived with "
+            f"digest {got[:23]}, not the {result.digest[:23]} it was compiled with; compile again"
+        )
+
+
+def _give_up(errors: list[Result]) -> bool:
+    return len(errors) >= ATTEMPTS or len({r.error for r in errors}) < len(errors)
+
+
+def _what(job: Job) -> str:
+    """The region and bucket a job builds, for messages."""
+    if job.exe is None:
+        return f"executable {job.name}"
+    e = job.exe
+    context = f", context {e.context}" if e.context is not None else ""
+    return f"region {e.kind} ({e.method}), bucket batch {e.batch} x tokens {e.tokens}{context}"
+
+
+def _node(ip: str, node_id: str) -> str:
+    return f"node {ip} (id {node_id[:12]})"
+
+
+def _farm_log(job: Job) -> Path | None:
+    return job.log.with_name(f"{job.name}.farm.log") if job.log is not None else None
+
+
+def _write_farm_log(job: Job, errors: list[Result]) -> None:
+    """Every failed attempt's node and traceback, beside the compiler's log (kept on failure)."""
+    path = _farm_log(job)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "".join(
+            f"attempt {i} on {_node(r.node, r.node_id)}, {r.seconds:.1f} s:\n{r.trace}\n"
+            for i, r in enumerate(errors, 1)
+        )
+    )
+
+
+def _failed(job: Job, errors: list[Result]) -> FarmError:
+    last = errors[-1]
+    how = "twice the same way" if len({r.error for r in errors}) < len(errors) else f"{len(errors)} times"
+    nodes = ", ".join(dict.fromkeys(_node(r.node, r.node_id) for r in errors))
+    tail = (last.error or "").strip().splitlines()[-1][:300] if last.error else ""
+    logs = [str(p) for p in (_farm_log(job), job.log) if p is not None and p.is_file()]
+    return FarmError(f"farm: {_what(job)} failed {how} on {nodes}: {tail}; log: {', '.join(logs) or 'none kept'}")
+
+
+def _died(job: Job, starts: list[tuple[str, str]], e: Exception) -> FarmError:
+    nodes = ", ".join(dict.fromkeys(_node(ip, nid) for ip, nid in starts)) or "no node (it never started)"
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    return FarmError(
+        f"farm: {_what(job)}: its worker died {len(starts)} time(s), on {nodes} ({type(e).__name__}: {first}); "
+        "see the nodes' Ray logs (/tmp/ray/session_latest/logs)"
+    )
+
+
+class Progress:
+    """One line per update, every node's figures in it: done, running, queued, retried, ETA, and
+    per node what is done and running there."""
+
+    def __init__(self, total: int, cpus: int) -> None:
+        self.total, self.cpus = total, cpus
+        self.start = time.perf_counter()
+        self.finished: list[tuple[str, str]] = []  # (node label) per job done
+        self.raised = 0  # attempts that failed with an error (each run again, or the compile fails)
+        self.last: tuple = ()
+
+    def failed_attempt(self) -> None:
+        self.raised += 1
+
+    def done(self, job: Job, result: Result, starts, pending: set[str]) -> str:
+        self.finished.append((result.node, result.node_id))
+        head = f"farm [{len(self.finished)}/{self.total}] compiled {job.name} on {_label(result.node, result.node_id)} ({result.seconds:.1f} s)"
+        return f"{head}; {self._figures(starts, pending)}"
+
+    def changed(self, starts, pending: set[str]) -> bool:
+        now = (self._figures(starts, pending, eta=False),)
+        if now == self.last:
+            return False
+        self.last = now
+        return True
+
+    def line(self, starts, pending: set[str]) -> str:
+        return f"farm [{len(self.finished)}/{self.total}] {self._figures(starts, pending)}"
+
+    def _figures(self, starts, pending: set[str], eta: bool = True) -> str:
+        running: dict[str, int] = {}
+        for name in pending:
+            if starts.get(name):
+                label = _label(*starts[name][-1])
+                running[label] = running.get(label, 0) + 1
+        done: dict[str, int] = {}
+        for ip, nid in self.finished:
+            done[_label(ip, nid)] = done.get(_label(ip, nid), 0) + 1
+        n_running = sum(running.values())
+        retried = sum(max(0, len(s) - 1) for s in starts.values())
+        figures = f"{n_running} running, {len(pending) - n_running} queued, {self.raised} failed, {retried} retried"
+        if eta:
+            figures += f", ETA {self._eta()}"
+        nodes = "; ".join(
+            f"{label} {done.get(label, 0)} done {running.get(label, 0)} running" for label in sorted({*done, *running})
+        )
+        return f"{figures}" + (f" | {nodes}" if nodes else "")
+
+    def _eta(self) -> str:
+        n = len(self.finished)
+        if n == 0:
+            return "?"
+        left = (time.perf_counter() - self.start) / n * (self.total - n)
+        return f"{left:.0f} s"
+
+
+def _label(ip: str, node_id: str) -> str:
+    return f"{ip}/{node_id[:8]}"

@@ -44,6 +44,8 @@ regenerate = _load_regenerate()
 # artifact cache, so a bundle two groups need is compiled by one worker and fetched by the other.
 GROUPS = {
     "aoti_bundle": "aoti",
+    # the farm's tests start a Ray cluster; one compiles aoti_bundle again on it, so they share its worker
+    "ray_cluster": "aoti",
     "run_aoti_bundle": "aoti",
     "rank_bundle": "ranks",
     "run_exported_bundle": "run",

@@ -1,0 +1,143 @@
+"""deepinfer-compile --ray: the compile jobs on a real two-node Ray cluster started here (a head and
+one worker node, one CPU each), against local compiles: same bytes, a killed worker retried, a job
+that fails twice failing the compile in one line, and bad addresses refused in seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from deepinfer.compiler import farm
+from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.cli import main as compile_cli
+from deepinfer.compiler.config import load_compile_config
+from deepinfer.compiler.pipeline import compile_bundle
+
+from ..conftest import write_model_toml
+from .conftest import EXECUTABLES, write_toml
+
+NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The address of a two-node cluster (head and worker, one CPU each), shut down after the session."""
+    pytest.importorskip("ray")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    try:
+        cluster.add_node(**NODE)
+        cluster.wait_for_nodes(timeout=60)
+        yield cluster.address
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def manifest(bundle: Path) -> dict:
+    return json.loads((bundle / "manifest.json").read_text())
+
+
+def farm_compile(toml: Path, out: Path, address: str, cache_dir: Path | None, lines: list[str]):
+    cache = Cache(cache_dir) if cache_dir is not None else None
+    return compile_bundle(load_compile_config(toml), out, jobs=1, force=True, log=lines.append, cache=cache, ray=address)
+
+
+# --- (a) the farm builds the bytes a local compile builds --------------------------------------------
+
+
+def test_farm_bundle_matches_the_local_one(ray_cluster, aoti_bundle, tiny_ckpt, tmp_path):
+    """The suite's AOTInductor bundle (compiled locally, conftest.aoti_bundle) compiled again on the
+    farm, through an empty cache: the same executable digests and manifest, every job run on a worker
+    with a progress line per job naming its node."""
+    toml = write_model_toml(
+        tmp_path, tiny_ckpt, executable="aoti", batch=(4,), tokens=(1,), max_context=80, num_blocks=21, cache_quant=False
+    )
+    lines: list[str] = []
+    report = farm_compile(toml, tmp_path / "farm", ray_cluster, tmp_path / "cache", lines)
+    assert len(report.compiled) == report.executables == EXECUTABLES
+    assert manifest(report.bundle) == manifest(aoti_bundle)
+    done = [line for line in lines if line.startswith("farm [") and " compiled " in line]
+    assert len(done) == EXECUTABLES and done[-1].startswith(f"farm [{EXECUTABLES}/{EXECUTABLES}]")
+    assert all(" done " in line and " running" in line and "ETA" in line for line in done)
+    assert len(Cache(tmp_path / "cache").entries(("executable",))) == EXECUTABLES
+
+
+# --- (b), (c) retries and failures (saved ExportedPrograms: no C++ compile) -------------------------
+
+
+def test_a_worker_killed_mid_job_is_retried(ray_cluster, tiny_ckpt, tmp_path, monkeypatch):
+    marker = tmp_path / "died"
+    monkeypatch.setenv(farm.TEST_DIE_ONCE, str(marker))
+    lines: list[str] = []
+    report = farm_compile(write_toml(tmp_path, tiny_ckpt), tmp_path / "b", ray_cluster, None, lines)
+    assert marker.exists()  # one worker died (os._exit) in its first job
+    assert len(report.compiled) == EXECUTABLES
+    assert (report.bundle / "manifest.json").is_file()
+    last = [line for line in lines if line.startswith("farm [")][-1]
+    assert ", 1 retried" in last, last
+
+
+def test_a_job_failing_twice_fails_the_compile_in_one_line(ray_cluster, tiny_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setenv(farm.TEST_FAIL, "moe.")
+    toml = write_toml(tmp_path, tiny_ckpt)
+    out = tmp_path / "b"
+    result = CliRunner().invoke(compile_cli, [str(toml), "-o", str(out), "--no-cache", "--ray", ray_cluster])
+    assert result.exit_code == 2, result.output
+    error = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(error) == 1, result.output
+    line = error[0]
+    assert "region moe (decode), bucket batch 1 x tokens 1" in line
+    assert "failed twice the same way" in line and "this job fails on purpose" in line
+    assert "node " in line and "(id " in line
+    kept = out.parent / f"{out.name}.failed-logs" / "moe.decode.b1t1.farm.log"
+    assert f"log: {kept}" in line and "attempt 2 on node" in kept.read_text()
+    assert not out.exists()
+
+
+# --- the address -----------------------------------------------------------------------------------
+
+
+def test_an_address_nothing_answers_fails_in_seconds(tiny_ckpt, tmp_path):
+    """A port bound here but never listened on: refused at once (and held, so no one else takes it)."""
+    pytest.importorskip("ray")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{held.getsockname()[1]}"
+        toml = write_toml(tmp_path, tiny_ckpt)
+        start = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "deepinfer.compiler.cli", str(toml), "-o", str(tmp_path / "b"), "--ray", address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, RAY_ADDRESS=""),
+        )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"--ray {address}: cannot reach it" in errors[0], proc.stderr
+    assert "ray start --head" in errors[0]
+    assert time.perf_counter() - start < 60 + farm.CONNECT_TIMEOUT_S
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_malformed_address_is_named():
+    pytest.importorskip("ray")
+    with pytest.raises(farm.FarmError, match=r"--ray nowhere: expected auto or HOST:PORT"):
+        farm.connect("nowhere")
+
+
+def test_without_ray_the_flag_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    with pytest.raises(farm.FarmError, match=r"pip install 'deepinfer\[farm\]'"):
+        farm.connect("auto")

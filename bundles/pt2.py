@@ -76,54 +76,35 @@ def load_exported(path: str | Path) -> torch.export.ExportedProgram:
 
 
 SERIALIZATION_ID = ".data/serialization_id"
+COMPILE_CMD = b"\n// Compile cmd\n"  # AOTInductor appends the g++ commands to its cached sources
 
 
-def pin_serialization_id(path: Path) -> None:
-    """Make a `.pt2` archive's bytes a function of its contents: torch's archive writer stores a
-    random number in `<name>/.data/serialization_id` (used only to tag load-time logs), so two
-    packages of the same program would differ. Its digits are replaced, in place and at the same
-    length, by digits of a sha256 over every other record's name and CRC, and the record's CRC is
-    updated where the archive keeps it (local header or data descriptor, and the central directory)."""
+def normalize_package(path: Path) -> None:
+    """Make an AOTInductor package's bytes a function of the program, the toolchain and the paths it
+    was compiled under, not of the compile's history: (1) AOTInductor appends its compile and link
+    commands to the generated C++ in its cache each time it compiles it, so a source compiled before
+    carries them twice; the package's copies are cut before the first. (2) torch's archive writer
+    stores a random number in `<name>/.data/serialization_id` (it only tags load-time logs); its
+    digits become those of a sha256 over every other record. The archive is rewritten beside, stored
+    uncompressed as torch writes it, and renamed into place."""
     import hashlib
-    import struct
-    import zlib
 
     with zipfile.ZipFile(path) as z:
-        infos = z.infolist()
-        start_dir = z.start_dir
-    ids = [i for i in infos if i.filename.endswith(SERIALIZATION_ID) and i.compress_type == zipfile.ZIP_STORED]
-    if len(ids) != 1:
-        return  # not a torch archive (or an unexpected layout): left as written
-    info = ids[0]
+        records = [(i.filename, z.read(i)) for i in z.infolist()]
+    out = [
+        (name, data[: data.index(COMPILE_CMD)] if name.endswith(".cpp") and COMPILE_CMD in data else data)
+        for name, data in records
+    ]
     h = hashlib.sha256()
-    for i in infos:
-        if i is not info:
-            h.update(f"{i.filename}\0{i.CRC}\0{i.file_size}\0".encode())
-    digits = str(int(h.hexdigest(), 16)).zfill(info.file_size)[-info.file_size :].encode()
-    crc = zlib.crc32(digits) & 0xFFFFFFFF
-    with open(path, "r+b") as f:
-        f.seek(info.header_offset)
-        local = f.read(30)
-        assert local[:4] == b"PK\x03\x04", path
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        data = info.header_offset + 30 + name_len + extra_len
-        if info.flag_bits & 0x08:  # CRC in a data descriptor after the data (optional signature first)
-            f.seek(data + info.file_size)
-            sig = f.read(4)
-            crc_at = data + info.file_size + (4 if sig == b"PK\x07\x08" else 0)
-        else:
-            crc_at = info.header_offset + 14
-        f.seek(data)
-        f.write(digits)
-        f.seek(crc_at)
-        f.write(struct.pack("<I", crc))
-        f.seek(start_dir)
-        central = f.read()
-        at = 0
-        while central[at : at + 4] == b"PK\x01\x02":
-            n, e, c = struct.unpack("<HHH", central[at + 28 : at + 34])
-            if central[at + 46 : at + 46 + n].decode() == info.filename:
-                f.seek(start_dir + at + 16)
-                f.write(struct.pack("<I", crc))
-                break
-            at += 46 + n + e + c
+    for name, data in out:
+        if not name.endswith(SERIALIZATION_ID):
+            h.update(f"{name}\0{len(data)}\0".encode() + hashlib.sha256(data).digest())
+    tmp = path.with_name(f".{path.name}.normalized-{os.getpid()}")
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as z:
+        for name, data in out:
+            pinned = str(int(h.hexdigest(), 16)).zfill(len(data))[-len(data) :].encode()
+            z.writestr(
+                zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)),
+                pinned if name.endswith(SERIALIZATION_ID) else data,
+            )
+    os.replace(tmp, path)

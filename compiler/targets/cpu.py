@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 import deepinfer
-from deepinfer.bundles.pt2 import load_exported, pin_serialization_id
+from deepinfer.bundles.pt2 import load_exported, normalize_package
 from deepinfer.compiler.trace import concrete_inputs
 from deepinfer.host import physical_memory
 from deepinfer.kernels import reference_decompositions
@@ -127,7 +127,7 @@ class CpuTarget:
         ep = load_exported(lowered)
         concrete_inputs(ep)  # saved programs carry shapes, not sample data
         torch._inductor.aoti_compile_and_package(ep, package_path=str(out), inductor_configs=self.options or None)
-        pin_serialization_id(out)  # else a random number: no two packages of one program would match
+        normalize_package(out)  # its bytes: the program's, not the compile's history (bundles/pt2.py)
 
 
 @functools.cache

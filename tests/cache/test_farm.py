@@ -50,7 +50,9 @@ def manifest(bundle: Path) -> dict:
 
 def farm_compile(toml: Path, out: Path, address: str, cache_dir: Path | None, lines: list[str]):
     cache = Cache(cache_dir) if cache_dir is not None else None
-    return compile_bundle(load_compile_config(toml), out, jobs=1, force=True, log=lines.append, cache=cache, ray=address)
+    return compile_bundle(
+        load_compile_config(toml), out, jobs=1, force=True, log=lines.append, cache=cache, ray=address
+    )
 
 
 # --- (a) the farm builds the bytes a local compile builds --------------------------------------------
@@ -61,7 +63,14 @@ def test_farm_bundle_matches_the_local_one(ray_cluster, aoti_bundle, tiny_ckpt, 
     farm, through an empty cache: the same executable digests and manifest, every job run on a worker
     with a progress line per job naming its node."""
     toml = write_model_toml(
-        tmp_path, tiny_ckpt, executable="aoti", batch=(4,), tokens=(1,), max_context=80, num_blocks=21, cache_quant=False
+        tmp_path,
+        tiny_ckpt,
+        executable="aoti",
+        batch=(4,),
+        tokens=(1,),
+        max_context=80,
+        num_blocks=21,
+        cache_quant=False,
     )
     lines: list[str] = []
     report = farm_compile(toml, tmp_path / "farm", ray_cluster, tmp_path / "cache", lines)

@@ -96,7 +96,9 @@ class _ScaleAssembler:
         assert not self.pending, f"incomplete scale grids: {sorted(self.pending)}"
 
 
-THREADED_RUNTIMES = ("jax", "jaxlib")  # loaded: fork from a fork server, not from this process
+# loaded: fork from a fork server, not from this process. Ray: a compile with --ray holds a driver's
+# gRPC threads, and a forked stream worker hung on one of their locks (compiler/farm.py).
+THREADED_RUNTIMES = ("jax", "jaxlib", "ray")
 
 
 def worker_context(name: str | None = None):

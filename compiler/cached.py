@@ -444,7 +444,9 @@ def missed(run: Run, kind: str, key: Key) -> None:
     if not run.require_cache or cache is None:
         return
     near = cache.closest(kind, key.identity)
-    if near is None:
+    if near is None and cache.remote_url:
+        why = f"neither the cache at {cache.dir} nor the store {cache.remote_url} holds a {kind} for it"
+    elif near is None:
         why = f"the cache at {cache.dir} holds no {kind} for it"
     else:
         old = {p["name"]: p["hash"] for p in near.meta.get("parts", [])}
@@ -452,7 +454,7 @@ def missed(run: Run, kind: str, key: Key) -> None:
         why = (
             f"key part(s) {', '.join(diff)} differ from the cached entry {near.key[:16]} "
             f"(deepinfer cache explain {near.key[:16]} {key.digest[:16]})"
-        )
+        ) + (f"; the store {cache.remote_url} holds no {kind} for it either" if cache.remote_url else "")
     raise CacheError(f"--require-cache: cache miss for {kind} {key.identity}: {why}")
 
 

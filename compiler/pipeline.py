@@ -28,7 +28,7 @@ import sys
 import time
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -327,7 +327,8 @@ def settings(
         f"  target {t.name} ({t.executable}), buckets batch={list(b.batch)} tokens={list(b.tokens)} "
         f"max_context={b.max_context} context={list(b.contexts)}, kv block_size={config.kv.block_size} "
         f"num_blocks={config.kv.num_blocks}, parallel tp={p.tp} ep={p.ep} cp={p.cp}, "
-        f"jobs={jobs}, cache {cache.dir if cache else 'off'}{' (required)' if require_cache else ''}"
+        f"jobs={jobs}, cache {cache.dir if cache else 'off'}"
+        f"{' + ' + cache.remote_url if cache and cache.remote_url else ''}{' (required)' if require_cache else ''}"
         f"{', stop at HLO' if hlo_only else ''}"
     )
 
@@ -345,6 +346,10 @@ class CompileReport:
     lowered: tuple[str, ...]  # HLO-stage bundles: the HLO modules lowered and checked (every one)
     cache: Path | None  # the artifact cache's directory; None: no cache
     hlo_only: bool = False
+    store: str | None = None  # the cache's remote tier (s3://...); None: none
+    # entries (executables, weights, traces) handed out by the local tier and by the store, and
+    # entries published to the store (`Cache.tiers`); empty without a cache
+    tiers: dict[str, int] = field(default_factory=dict)
 
     @property
     def summary(self) -> str:
@@ -352,7 +357,14 @@ class CompileReport:
         built = self.lowered if self.hlo_only else self.compiled
         what = "HLO modules lowered and checked" if self.hlo_only else "executables compiled"
         n, total = self.executables, sum(self.seconds.values())
-        return f"wrote {self.bundle} in {total:.1f} s ({len(built)} of {n} {what}, {n - len(built)} from the cache)"
+        line = f"wrote {self.bundle} in {total:.1f} s ({len(built)} of {n} {what}, {n - len(built)} from the cache)"
+        if self.store is None:
+            return line
+        t = self.tiers
+        return (
+            f"{line}; cache entries: {t['local']} from the local tier, {t['store']} from {self.store}, "
+            f"{t['published']} published"
+        )
 
     def to_json(self) -> dict[str, object]:
         """The `deepinfer-compile --json` summary."""
@@ -363,6 +375,8 @@ class CompileReport:
             "compiled": list(self.compiled),
             "lowered": list(self.lowered),
             "cache": str(self.cache) if self.cache else None,
+            "store": self.store,
+            "tiers": self.tiers,
         }
 
 
@@ -441,6 +455,8 @@ def compile_bundle(
         lowered=built.lowered,
         cache=cache.dir if cache else None,
         hlo_only=hlo_only,
+        store=cache.remote_url if cache else None,
+        tiers=cache.tiers() if cache else {},
     )
     log(report.summary)
     return report

@@ -83,6 +83,25 @@ def resolve_endpoint(cli_endpoint: str | None, config_endpoint: str | None) -> s
     return cli_endpoint or os.environ.get(ENV_ENDPOINT) or config_endpoint
 
 
+def open_store(
+    cli_url: str | None,
+    cli_endpoint: str | None,
+    config_url: str | None,
+    config_endpoint: str | None,
+    log: Callable[[str], None],
+) -> Store | None:
+    """The store a compile uses (None: none), by `resolve_url` and `resolve_endpoint`; a bad URL or a
+    missing boto3 is a StoreError naming where the URL came from."""
+    url = resolve_url(cli_url, config_url)
+    if url is None:
+        return None
+    where = "--cache-url" if cli_url else f"${ENV_URL}" if os.environ.get(ENV_URL) else "[cache] url"
+    try:
+        return Store.from_url(url, resolve_endpoint(cli_endpoint, config_endpoint), log)
+    except StoreError as e:
+        raise StoreError(f"{where}: {e}") from None
+
+
 def check_url(url: str) -> str | None:
     """Why `url` is not an s3://bucket[/prefix] URL, or None."""
     if not url.startswith("s3://"):

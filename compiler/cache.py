@@ -174,6 +174,9 @@ class Cache:
             "published": [],
         }
         self.read_only = False
+        # every entry this process handed out or stored, (kind, key) -> identity: a bundle records
+        # them (bundles/layout.CACHE_KEYS_FILE) for `deepinfer cache push/pull --bundle`
+        self.used: dict[tuple[str, str], str] = {}
         self._from_store: set[tuple[str, str]] = set()  # (kind, key) installed from the store
 
     def tiers(self) -> dict[str, int]:
@@ -276,6 +279,7 @@ class Cache:
             pass
         what = (entry.kind, entry.meta.get("identity", entry.key))
         self.stats["hit"].append(what)
+        self.used[(entry.kind, entry.key)] = what[1]
         if (entry.kind, entry.key) in self._from_store:
             self._from_store.discard((entry.kind, entry.key))
             self.stats["remote"].append(what)
@@ -424,6 +428,7 @@ class Cache:
     def _put(self, kind: str, key: Key, write) -> None:
         """Write the entry whole in tmp/, then rename it into place (an intact entry already
         there, written by another compile, is kept). A write that fails makes the cache read-only."""
+        self.used[(kind, key.digest)] = key.identity
         if self.read_only:
             return
         try:

@@ -105,7 +105,7 @@ def main(
     \b
     Passes: parse config -> copy tokenizer -> plan regions -> check memory budget -> preprocess
     weights (per rank) -> trace (and lower) -> check memory budget with scratch
-    -> compile -> lay out state -> write manifest -> publish (atomic rename).
+    -> compile -> lay out state -> record cache keys -> write manifest -> publish (atomic rename).
     Every layer of a kind and every rank reuse the same executables; the
     weights are inputs, stacked layer-major in the bundle.
 

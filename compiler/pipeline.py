@@ -3,7 +3,7 @@
     parse config -> copy tokenizer (and build engram's token map) -> plan regions -> check memory budget
     -> preprocess weights (per rank)
     -> trace (and lower; on trn2: HLO, checked on XLA:CPU) -> check memory budget with scratch
-    -> compile -> lay out state -> write manifest -> publish (atomic rename)
+    -> compile -> lay out state -> record cache keys -> write manifest -> publish (atomic rename)
 
 `build` calls the passes in that order, each a plain function that takes what it uses and returns
 what it makes, timed under its name. What is built is fixed once parsed (`Spec`); how the compile
@@ -22,6 +22,7 @@ interrupted or failed compile leaves no partial bundle.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import sys
@@ -106,6 +107,7 @@ def build(config: CompileConfig, hlo_only: bool, run: Run, timed: Timings) -> Bu
     timed("check memory budget with scratch", budget.check_traced, spec, regions, traced.executables, run.log)
     compiled = timed("compile", compile_regions, spec, traced, run)
     state = timed("lay out state", layout_state, spec, regions)
+    timed("record cache keys", record_cache_keys, run)
     manifest = timed(
         "write manifest", write_manifest, spec, regions, weights, tokenizer, compiled.executables, state, run
     )
@@ -198,6 +200,15 @@ def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
         stacks={r: tuple(s) for r, s in stacks.items()},
         host=host_entries(spec.model, device_embedding=spec.device_embedding),
     )
+
+
+def record_cache_keys(run: Run) -> None:
+    """With a cache: the entries the bundle was built from, by kind and key (layout.CACHE_KEYS_FILE),
+    so that `deepinfer cache push --bundle` and `pull --bundle` copy exactly those."""
+    if run.cache is None:
+        return
+    entries = [{"kind": k, "key": key, "identity": ident} for (k, key), ident in sorted(run.cache.used.items())]
+    (run.staging / layout.CACHE_KEYS_FILE).write_text(json.dumps({"entries": entries}, indent=1) + "\n")
 
 
 def layout_state(spec: Spec, plan: RegionPlan) -> State:

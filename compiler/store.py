@@ -48,8 +48,9 @@ class StoreError(DeepinferError):
     """A bad --cache-url or endpoint, or no boto3: the user's to fix."""
 
 
-class StoreUnavailable(Exception):
-    """The store could not be reached or refused a request: the cache goes on without it."""
+class StoreUnavailable(DeepinferError):
+    """The store could not be reached or refused a request: a compile goes on without it (`Cache`);
+    `deepinfer cache ... --url` stops with it."""
 
     def __init__(self, store: Store, why: str):
         super().__init__(f"{store.url}: {why}")
@@ -240,6 +241,73 @@ class Store:
                     parts = obj["Key"][len(self.root) + 1 :].split("/")
                     if len(parts) == 3 and parts[2] == META:
                         yield RemoteEntry(kind, parts[1], obj["LastModified"].timestamp(), obj["Size"])
+
+    def objects(self) -> Iterator[tuple[str, float]]:
+        """Every object: (its sha256, LastModified in seconds since the epoch)."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        prefix = f"{self.root}/{OBJECTS}/"
+        for page in self._call("list", lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=prefix))):
+            for obj in page.get("Contents", []):
+                yield obj["Key"][len(prefix) :], obj["LastModified"].timestamp()
+
+    def find(self, ref: str, kinds: tuple[str, ...]) -> tuple[RemoteEntry, dict] | None:
+        """The entry whose key is `ref` or starts with it (8+ characters, unique) and its meta."""
+        found = [e for e in self.entries(kinds) if len(ref) >= 8 and e.key.startswith(ref)]
+        got = self.get_meta(found[0].kind, found[0].key) if len(found) == 1 else None
+        return (found[0], json.loads(got[0])) if got else None
+
+    # --- maintenance (deepinfer cache verify / prune --url) ---
+    def verify(self, kinds: tuple[str, ...], scratch: Path) -> tuple[int, list[tuple[RemoteEntry, str]]]:
+        """Download and re-hash every entry's object (in `scratch`); delete the meta.json of each
+        corrupt entry, and the object too where its bytes do not match its name. (entries, bad)."""
+        from deepinfer.bundles.manifest import sha256_file
+
+        listed, bad = list(self.entries(kinds)), []
+        for e in listed:
+            got = self.get_meta(e.kind, e.key)
+            if got is None:  # removed since listed
+                continue
+            try:
+                meta = json.loads(got[0])
+                digest = meta["digest"] if meta.get("key") == e.key else None
+            except (ValueError, TypeError, KeyError, AttributeError):
+                digest = None
+            tmp = scratch / e.key
+            if digest is None:
+                why = "unreadable or mismatched meta.json"
+            elif not self.get_object(digest, tmp):
+                why = "missing object"
+            elif sha256_file(tmp) != digest:
+                why = "digest mismatch"
+                self.delete_object(digest)
+            else:
+                why = ""
+            tmp.unlink(missing_ok=True)
+            if why:
+                bad.append((e, why))
+                self.delete_meta(e.kind, e.key)
+        return len(listed), bad
+
+    def prune(self, kinds: tuple[str, ...], max_age: float, now: float) -> list[RemoteEntry]:
+        """Delete entries published more than `max_age` seconds ago (the store keeps no last use),
+        then objects no remaining entry names that are older than `max_age` too (a younger one may
+        belong to a publish in progress, whose meta.json is not written yet)."""
+        removed = []
+        for e in list(self.entries(kinds)):
+            if now - e.last_modified > max_age:
+                self.delete_meta(e.kind, e.key)
+                removed.append(e)
+        named = set()
+        for e in self.entries(kinds):
+            got = self.get_meta(e.kind, e.key)
+            try:
+                named.add(json.loads(got[0])["digest"].removeprefix("sha256:") if got else "")
+            except (ValueError, TypeError, KeyError, AttributeError):
+                pass
+        for digest, modified in list(self.objects()):
+            if digest not in named and now - modified > max_age:
+                self.delete_object(digest)
+        return removed
 
     # --- writing ---
     def publish(self, kind: str, key: str, artifact: Path, raw_meta: bytes, signature: bytes | None) -> bool:

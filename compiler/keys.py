@@ -73,6 +73,11 @@ UNKEYED_OPTIONS = (
     "--no-cache",
     "--print-cache-key",
     "--require-cache",
+    # the remote tier is where entries are found, never what they are: machines sharing a store share keys
+    "cache.url",
+    "cache.endpoint",
+    "--cache-url",
+    "--cache-endpoint",
     "--verbose",
     "--finish",
     # signing adds signature files beside what is built; trust decides which cache entries are used

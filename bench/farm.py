@@ -1,0 +1,148 @@
+"""Benchmark: compiling across machines. Section `store`: the cache's remote tier (compiler/store.py).
+
+    python bench/farm.py                           # examples/tiny/model.toml
+    python bench/farm.py --executable exported     # no C++ compile: a quick run
+    python bench/farm.py --json                    # one JSON object on stdout (tables on stderr)
+
+store: moto's S3 server on a local port (started here; moto[server], the test extra), two compiles
+in this process through `compile_bundle`, each with its own empty local cache directory and
+TORCHINDUCTOR_CACHE_DIR, sharing one empty bucket:
+
+    cold         empty store: everything is built, and published
+    from_store   an empty local directory, the full store: everything comes from the store
+
+Reports wall times, `warm_from_store_over_cold` (target <= 0.05) and `store_requests_per_hit`: the S3
+requests the second compile made (counted by a botocore `before-call` hook) per executable it found.
+Both compiles run in one process (the request count needs the client), so the second skips Python's
+start and imports: the ratio is a little lower than two separate `deepinfer-compile` runs would give.
+
+Sections are functions `name(args, tmp) -> dict` in SECTIONS; each prints its own table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_FROM_STORE = 0.05
+
+
+def model_toml(args, tmp: Path) -> Path:
+    toml = args.model.resolve()
+    if not args.executable:
+        return toml
+    text = toml.read_text()
+    for kind in ("aoti", "exported"):
+        text = text.replace(f'executable = "{kind}"', f'executable = "{args.executable}"')
+    text = text.replace('checkpoint = "checkpoint"', f'checkpoint = "{toml.parent / "checkpoint"}"')
+    out = tmp / "model.toml"
+    out.write_text(text)
+    return out
+
+
+def store_section(args, tmp: Path) -> dict:
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from deepinfer.compiler.cache import Cache
+    from deepinfer.compiler.config import load_compile_config
+    from deepinfer.compiler.pipeline import compile_bundle
+    from deepinfer.compiler.store import Store
+
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        os.environ.setdefault(name, value)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        bucket = f"bench-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+        config = load_compile_config(model_toml(args, tmp))
+        runs = {}
+        for name in ("cold", "from_store"):
+            print(f"store: {name} compile ...", file=sys.stderr, flush=True)
+            store = Store.from_url(f"s3://{bucket}/bench", endpoint)
+            requests: list[str] = []
+            store.client.meta.events.register("before-call.s3", lambda model, _r=requests, **kw: _r.append(model.name))
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / f"inductor-{name}")
+            cache = Cache(tmp / f"cache-{name}", remote=store)
+            start = time.perf_counter()
+            report = compile_bundle(
+                config, tmp / f"bundle-{name}", jobs=args.jobs, force=True, log=lambda m: None, cache=cache
+            )
+            wall = time.perf_counter() - start
+            found = sum(1 for kind, _ in cache.stats["remote"] if kind == "executable")
+            runs[name] = {
+                "wall_s": round(wall, 3),
+                "executables": report.executables,
+                "compiled": len(report.compiled),
+                "tiers": report.tiers,
+                "requests": len(requests),
+                "executables_from_store": found,
+            }
+    finally:
+        server.stop()
+    cold, warm = runs["cold"], runs["from_store"]
+    ratio = round(warm["wall_s"] / cold["wall_s"], 4)
+    per_hit = round(warm["requests"] / max(warm["executables_from_store"], 1), 2)
+    print(
+        f"{'store run':<12} {'wall s':>8} {'compiled':>9} {'from store':>11} {'published':>10} {'requests':>9}",
+        file=sys.stderr,
+    )
+    for name, r in runs.items():
+        print(
+            f"{name:<12} {r['wall_s']:>8.2f} {r['compiled']:>5}/{r['executables']:<3} {r['tiers']['store']:>11} "
+            f"{r['tiers']['published']:>10} {r['requests']:>9}",
+            file=sys.stderr,
+        )
+    print(
+        f"warm_from_store_over_cold {ratio:.4f} (target <= {TARGET_FROM_STORE}); "
+        f"store_requests_per_hit {per_hit} (requests per executable found)",
+        file=sys.stderr,
+    )
+    return {
+        "runs": runs,
+        "warm_from_store_over_cold": ratio,
+        "store_requests_per_hit": per_hit,
+        "targets": {"warm_from_store_over_cold_max": TARGET_FROM_STORE, "ok": ratio <= TARGET_FROM_STORE},
+    }
+
+
+SECTIONS = {"store": store_section}  # a "farm" section (farm_matches_local) slots in here
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ROOT / "examples/tiny/model.toml")
+    ap.add_argument("--executable", choices=["aoti", "exported"], default=None, help="Override [target] executable.")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--only", choices=list(SECTIONS), action="append", help="Run only this section (repeatable).")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    result: dict = {"model": str(args.model), "executable": args.executable or "as model.toml", "jobs": args.jobs}
+    with tempfile.TemporaryDirectory(
+        prefix="bench-farm-", dir=ROOT / ".cache" if (ROOT / ".cache").is_dir() else None
+    ) as tmp_name:
+        for name in args.only or list(SECTIONS):
+            (Path(tmp_name) / name).mkdir()
+            result[name] = SECTIONS[name](args, Path(tmp_name) / name)
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,8 @@ bundle/
   host/engram_token_map.safetensors      engram's compressed token map (`tokenizers` tokenizers)
   tokenizer/tokenizer.json, ...          the checkpoint's tokenizer files, copied (where it has tokenizer.json)
   logs/                                  per-executable compiler logs (targets that write them)
+  cache-keys.json                        compiled with a cache: the cache entries (kind, key, identity) the
+                                         bundle was built from (`deepinfer cache push/pull --bundle`)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ REGIONS_DIR = "regions"
 WEIGHTS_DIR = "weights"
 HOST_DIR = "host"
 LOGS_DIR = "logs"
+CACHE_KEYS_FILE = "cache-keys.json"
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_FILE = "tokenizer.json"  # the checkpoint's names, kept in the bundle
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

@@ -13,6 +13,12 @@ renamed into place, so an interrupted write never leaves an entry. Every hit
 re-verifies the artifact's digest on the copy it hands out: a corrupt entry is
 reported, removed and treated as a miss. Entries are never modified in place;
 a hit only touches meta.json's mtime (last use, for `prune`).
+
+With a remote tier (`remote`, a `compiler/store.Store`), a local miss reads
+through the store: its entry is checked (signature under `trust`, the
+artifact's digest) and installed locally by the same whole-entry rename; an
+entry this process stores locally is then published to the store. A store that
+fails is warned about once and left off for the rest of the process.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from pathlib import Path
 from deepinfer.bundles.manifest import sha256_file
 from deepinfer.bundles.signing import TrustError, sign_bytes, verify_bytes
 from deepinfer.compiler.keys import CACHE_VERSION, Key
+from deepinfer.compiler.store import Store, StoreUnavailable
 from deepinfer.errors import DeepinferError
 
 ENV_DIR = "DEEPINFER_CACHE_DIR"
@@ -37,6 +44,21 @@ ARTIFACT = "artifact"
 META = "meta.json"
 SIGNATURE = "signature.json"
 KINDS = ("executable", "trace", "weights", "host")
+
+
+def _parse_meta(raw: bytes, kind: str, digest: str) -> dict | None:
+    """A store entry's meta.json, or None where it is not one for (kind, digest)."""
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        return None
+    ok = isinstance(meta, dict) and meta.get("key") == digest and meta.get("kind") == kind
+    return meta if ok and isinstance(meta.get("digest"), str) and meta["digest"].startswith("sha256:") else None
+
+
+def _reason(e: Exception) -> str:
+    """A TrustError's message without the temporary path it names."""
+    return str(e).split(": ", 1)[-1]
 
 
 class CacheError(DeepinferError):
@@ -127,17 +149,46 @@ class Cache:
 
     With `sign` (an Ed25519 private key), every entry stored gets a signature of its meta.json
     (which holds the artifact's digest); with `trust` (a public key), an entry is used only when
-    that signature verifies, and is otherwise removed and rebuilt (`bundles.signing`)."""
+    that signature verifies, and is otherwise removed and rebuilt (`bundles.signing`).
 
-    def __init__(self, directory: Path, log=lambda msg: None, *, sign=None, trust=None):
+    With `remote` (a `Store`), a local miss asks the store and an entry stored locally is published
+    to it (`compiler/store.py`; docs/cache.md, The remote store)."""
+
+    def __init__(self, directory: Path, log=lambda msg: None, *, sign=None, trust=None, remote: Store | None = None):
         self.dir = Path(directory)
         self.root = self.dir / f"v{CACHE_VERSION}"
         self.log = log
         self.sign, self.trust = sign, trust
+        self.remote = remote
+        self.remote_url = remote.url if remote is not None else None  # kept when the store goes off
         # what this process asked of the cache: (kind, identity or key) of each hit, miss, corrupt
-        # entry removed and entry stored (what a compile built is its own report: compile_bundle's)
-        self.stats: dict[str, list[tuple[str, str]]] = {"hit": [], "miss": [], "corrupt": [], "stored": []}
+        # entry removed and entry stored (what a compile built is its own report: compile_bundle's).
+        # "hit" counts both tiers; "remote" the hits whose entry came from the store (installed
+        # locally on the way), "published" the entries this process published to it.
+        self.stats: dict[str, list[tuple[str, str]]] = {
+            "hit": [],
+            "miss": [],
+            "corrupt": [],
+            "stored": [],
+            "remote": [],
+            "published": [],
+        }
         self.read_only = False
+        # every entry this process handed out or stored, (kind, key) -> identity: a bundle records
+        # them (bundles/layout.CACHE_KEYS_FILE) for `deepinfer cache push/pull --bundle`
+        self.used: dict[tuple[str, str], str] = {}
+        self._from_store: set[tuple[str, str]] = set()  # (kind, key) installed from the store
+
+    def tiers(self) -> dict[str, int]:
+        """Entries handed out from the local tier and from the store, and entries published."""
+        remote = len(self.stats["remote"])
+        return {"local": len(self.stats["hit"]) - remote, "store": remote, "published": len(self.stats["published"])}
+
+    def _store_failed(self, e: Exception) -> None:
+        """Turn the store off for the rest of the process, with one warning naming it and why."""
+        if self.remote is not None:
+            self.remote = None
+            self.log(f"warning: cache store {e}; this compile goes on with the local cache only")
 
     def _cannot_write(self, e: OSError) -> None:
         """Stop writing to the cache, with one warning naming the directory and why."""
@@ -172,6 +223,8 @@ class Cache:
         except (OSError, ValueError):
             if path.exists():
                 self._corrupt(Entry(kind, digest, path, {}), "unreadable meta.json")
+            elif self.remote is not None and self._fetch(kind, digest):
+                return self.lookup(kind, digest)
             return None
         if self.trust is not None:
             try:
@@ -224,7 +277,12 @@ class Cache:
             os.utime(entry.path / META)  # last use, for prune
         except OSError:
             pass
-        self.stats["hit"].append((entry.kind, entry.meta.get("identity", entry.key)))
+        what = (entry.kind, entry.meta.get("identity", entry.key))
+        self.stats["hit"].append(what)
+        self.used[(entry.kind, entry.key)] = what[1]
+        if (entry.kind, entry.key) in self._from_store:
+            self._from_store.discard((entry.kind, entry.key))
+            self.stats["remote"].append(what)
         return True
 
     def _miss(self, kind: str, key: Key | str) -> bool:
@@ -239,6 +297,127 @@ class Cache:
         self.stats["corrupt"].append((entry.kind, entry.key))
         self.remove(entry.path)
 
+    # --- the remote tier ---
+    def _fetch(self, kind: str, digest: str) -> bool:
+        """Install the store's entry for (kind, digest) in the local tier; True when it is there now.
+        An entry the trusted key did not sign is left alone (it may be another signer's, and a
+        reader with the wrong key must not empty a shared store); a corrupt one is taken out of the
+        store, so that the rebuilt entry's conditional create can succeed."""
+        store = self.remote
+        if store is None or self.read_only:
+            return False
+        try:
+            got = store.get_meta(kind, digest)
+            if got is None:
+                return False
+            raw, signature = got
+            meta = _parse_meta(raw, kind, digest)
+            if meta is None:
+                self._remote_corrupt(kind, digest, {}, "unreadable meta.json", drop_object=False)
+                return False
+            tmp = self._tmp(kind, digest)
+            try:
+                if signature is not None:
+                    _fsync_write(tmp / SIGNATURE, signature)
+                if self.trust is not None:
+                    try:
+                        verify_bytes(raw, tmp / SIGNATURE, self.trust)
+                    except TrustError as e:
+                        self.log(
+                            f"cache: {kind} entry {digest[:16]} ({meta.get('identity', '?')}) in {store.url} "
+                            f"is not signed by the trusted key ({_reason(e)}); not using it (left in the store)"
+                        )
+                        return False
+                if not store.get_object(meta["digest"], tmp / ARTIFACT):
+                    self._remote_corrupt(kind, digest, meta, "its object is missing", drop_object=False)
+                    return False
+                if sha256_file(tmp / ARTIFACT) != meta["digest"]:
+                    self._remote_corrupt(kind, digest, meta, "digest mismatch", drop_object=True)
+                    return False
+                _fsync_write(tmp / META, raw)
+                if self._install(kind, digest, tmp):
+                    self._from_store.add((kind, digest))
+                return True
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except StoreUnavailable as e:
+            self._store_failed(e)
+        except OSError as e:
+            self._cannot_write(e)
+        return False
+
+    def _remote_corrupt(self, kind: str, digest: str, meta: dict, why: str, *, drop_object: bool) -> None:
+        """Report a corrupt store entry once and delete its meta.json (and its object, when the
+        object's bytes do not match its name): it is a miss, rebuilt and republished."""
+        store = self.remote
+        assert store is not None
+        self.log(
+            f"cache: {kind} entry {digest[:16]} ({meta.get('identity', '?')}) in {store.url} is corrupt "
+            f"({why}); removing it from the store, it will be rebuilt and republished"
+        )
+        self.stats["corrupt"].append((kind, digest))
+        store.delete_meta(kind, digest)
+        if drop_object:
+            store.delete_object(meta["digest"])
+
+    def publish(self, kind: str, digest: str) -> bool:
+        """Publish the local entry (kind, digest) to the store; True when this call created it there
+        (False: no store, the entry is gone, or another publisher was first)."""
+        store = self.remote
+        if store is None:
+            return False
+        path = self.entry_dir(kind, digest)
+        try:
+            raw = (path / META).read_bytes()
+            signature = (path / SIGNATURE).read_bytes() if (path / SIGNATURE).exists() else None
+            if not store.publish(kind, digest, path / ARTIFACT, raw, signature):
+                return False
+        except StoreUnavailable as e:
+            self._store_failed(e)
+            return False
+        except OSError:  # removed meanwhile (prune, verify): nothing to publish
+            return False
+        self.stats["published"].append((kind, json.loads(raw).get("identity", digest)))
+        return True
+
+    def push(self, wanted: set[tuple[str, str]] | None = None) -> tuple[int, int]:
+        """Publish the intact local entries (all, or the (kind, key) pairs of `wanted`) to the store:
+        (published, already there or corrupt here)."""
+        published = skipped = 0
+        for e in self.entries():
+            if self.remote is None:
+                break
+            if wanted is not None and (e.kind, e.key) not in wanted:
+                continue
+            if (
+                e.meta.get("key") == e.key
+                and sha256_file(e.artifact) == e.meta.get("digest")
+                and self.publish(e.kind, e.key)
+            ):
+                published += 1
+            else:
+                skipped += 1
+        return published, skipped
+
+    def pull(self, wanted: set[tuple[str, str]] | None = None) -> tuple[int, int]:
+        """Install the store's entries (all, or the (kind, key) pairs of `wanted`) locally:
+        (installed, already here or refused)."""
+        store = self.remote
+        if store is None:
+            return 0, 0
+        try:
+            listed = {(e.kind, e.key) for e in store.entries(KINDS)}
+        except StoreUnavailable as e:
+            self._store_failed(e)
+            return 0, 0
+        installed = skipped = 0
+        for kind, key in sorted(listed if wanted is None else listed & wanted):
+            if self.entry_dir(kind, key).exists() or not self._fetch(kind, key):
+                skipped += 1
+            else:
+                installed += 1
+        return installed, skipped
+
     # --- writing ---
     def put_file(self, kind: str, key: Key, src: Path) -> None:
         self._put(kind, key, lambda dst: shutil.copyfile(src, dst))
@@ -249,6 +428,7 @@ class Cache:
     def _put(self, kind: str, key: Key, write) -> None:
         """Write the entry whole in tmp/, then rename it into place (an intact entry already
         there, written by another compile, is kept). A write that fails makes the cache read-only."""
+        self.used[(kind, key.digest)] = key.identity
         if self.read_only:
             return
         try:
@@ -256,10 +436,24 @@ class Cache:
         except OSError as e:
             self._cannot_write(e)
 
-    def _write_entry(self, kind: str, key: Key, write) -> None:
-        final = self.entry_dir(kind, key.digest)
+    def _tmp(self, kind: str, digest: str) -> Path:
         (self.root / "tmp").mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{kind}-{key.digest[:16]}-", dir=self.root / "tmp"))
+        return Path(tempfile.mkdtemp(prefix=f"{kind}-{digest[:16]}-", dir=self.root / "tmp"))
+
+    def _install(self, kind: str, digest: str, tmp: Path) -> bool:
+        """Rename the whole entry `tmp` into place; False where an intact one is already there."""
+        final = self.entry_dir(kind, digest)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if final.exists() and self.lookup(kind, digest) is not None:
+            return False  # another compile stored it first
+        try:
+            os.replace(tmp, final)
+        except OSError:  # appeared meanwhile (non-empty dir)
+            return False
+        return True
+
+    def _write_entry(self, kind: str, key: Key, write) -> None:
+        tmp = self._tmp(kind, key.digest)
         try:
             write(tmp / ARTIFACT)
             with open(tmp / ARTIFACT, "rb") as f:
@@ -278,16 +472,12 @@ class Cache:
             if self.sign is not None:
                 _fsync_write(tmp / SIGNATURE, (json.dumps(sign_bytes(raw, self.sign)) + "\n").encode())
             _fsync_write(tmp / META, raw)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            if final.exists() and self.lookup(kind, key.digest) is not None:
-                return  # another compile stored it first
-            try:
-                os.replace(tmp, final)
-            except OSError:  # appeared meanwhile (non-empty dir)
+            if not self._install(kind, key.digest, tmp):
                 return
             self.stats["stored"].append((kind, key.identity))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        self.publish(kind, key.digest)
 
     def remove(self, path: Path) -> None:
         """Take an entry out of its place atomically, then delete it."""

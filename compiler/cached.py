@@ -444,7 +444,9 @@ def missed(run: Run, kind: str, key: Key) -> None:
     if not run.require_cache or cache is None:
         return
     near = cache.closest(kind, key.identity)
-    if near is None:
+    if near is None and cache.remote_url:
+        why = f"neither the cache at {cache.dir} nor the store {cache.remote_url} holds a {kind} for it"
+    elif near is None:
         why = f"the cache at {cache.dir} holds no {kind} for it"
     else:
         old = {p["name"]: p["hash"] for p in near.meta.get("parts", [])}
@@ -452,7 +454,7 @@ def missed(run: Run, kind: str, key: Key) -> None:
         why = (
             f"key part(s) {', '.join(diff)} differ from the cached entry {near.key[:16]} "
             f"(deepinfer cache explain {near.key[:16]} {key.digest[:16]})"
-        )
+        ) + (f"; the store {cache.remote_url} holds no {kind} for it either" if cache.remote_url else "")
     raise CacheError(f"--require-cache: cache miss for {kind} {key.identity}: {why}")
 
 
@@ -523,7 +525,7 @@ def compile_jobs(run: Run, jobs: Sequence[Job], keys: dict[str, Key], progress: 
 
 def _on_farm(run: Run, jobs: list[Job], keys: dict[str, Key] | None, keep: Callable[[Job], None]) -> None:
     """The jobs as Ray tasks (compiler/farm.py); `keep(job)` once each executable is in the staging
-    bundle. Executables come back through Ray; the cache (signing with --sign) stores them."""
+    bundle. With the cache's remote store, workers publish there and the host reads through it."""
     from deepinfer.compiler import farm
 
-    farm.run_farm(jobs, run.log, keep, keys=keys)
+    farm.run_farm(jobs, run.log, keep, keys=keys, cache=run.cache)

@@ -35,7 +35,20 @@ from deepinfer.cli_common import trust_option, trusted_key, user_errors
     help="Artifact cache directory (default: $DEEPINFER_CACHE_DIR, else model.toml [cache] dir, "
     "else ~/.cache/deepinfer, under $XDG_CACHE_HOME when set).",
 )
-@click.option("--no-cache", is_flag=True, help="Neither read nor write the artifact cache.")
+@click.option(
+    "--cache-url",
+    metavar="s3://BUCKET/PREFIX",
+    help="Remote tier of the cache, shared between machines: a local miss is looked up there, and what "
+    "this compile builds is published there (default: $DEEPINFER_CACHE_URL, else model.toml [cache] url). "
+    "Needs `pip install 'deepinfer[s3]'`; credentials from the AWS chain (env, ~/.aws, instance role).",
+)
+@click.option(
+    "--cache-endpoint",
+    metavar="URL",
+    help="S3-compatible server of --cache-url, e.g. http://minio:9000 (default: $AWS_ENDPOINT_URL, "
+    "else model.toml [cache] endpoint, else AWS).",
+)
+@click.option("--no-cache", is_flag=True, help="Neither read nor write the artifact cache (local or remote).")
 @click.option(
     "--print-cache-key",
     is_flag=True,
@@ -82,6 +95,8 @@ def main(
     force: bool,
     as_json: bool,
     cache_dir: Path | None,
+    cache_url: str | None,
+    cache_endpoint: str | None,
     no_cache: bool,
     print_cache_key: bool,
     require_cache: bool,
@@ -97,7 +112,7 @@ def main(
     \b
     Passes: parse config -> copy tokenizer -> plan regions -> check memory budget -> preprocess
     weights (per rank) -> trace (and lower) -> check memory budget with scratch
-    -> compile -> lay out state -> write manifest -> publish (atomic rename).
+    -> compile -> lay out state -> record cache keys -> write manifest -> publish (atomic rename).
     Every layer of a kind and every rank reuse the same executables; the
     weights are inputs, stacked layer-major in the bundle.
 
@@ -112,10 +127,13 @@ def main(
       deepinfer-compile examples/tiny/model.toml -o build/tiny
       deepinfer-compile examples/tiny/model_trn2.toml -o build/tiny-trn2 --hlo-only
       deepinfer-compile --finish build/tiny-trn2 --jobs 8
+      deepinfer-compile model.toml -o build/m --cache-url s3://ci-cache/deepinfer --sign ci.pem
+      deepinfer-compile model.toml -o build/m --cache-url s3://ci-cache/deepinfer --require-cache --trust ci.pem.pub
     """
     from deepinfer.compiler.cache import Cache, resolve_dir
     from deepinfer.compiler.config import load_compile_config
     from deepinfer.compiler.pipeline import cache_key, compile_bundle
+    from deepinfer.compiler.store import open_store
 
     if (model_toml is None) == (finish is None):
         raise click.UsageError("give MODEL_TOML, or --finish BUNDLE (not both)")
@@ -133,13 +151,13 @@ def main(
         return
     assert model_toml is not None  # one of the two, checked above
     cfg = load_compile_config(model_toml)
-    if no_cache and (require_cache or cache_dir):
-        raise click.UsageError("--no-cache excludes --require-cache and --cache-dir")
-    cache = (
-        None
-        if no_cache
-        else Cache(resolve_dir(cache_dir, cfg.cache.dir), log=_log, sign=signing_key, trust=trusted_key(trust))
-    )
+    if no_cache and (require_cache or cache_dir or cache_url or cache_endpoint):
+        raise click.UsageError("--no-cache excludes --require-cache, --cache-dir, --cache-url and --cache-endpoint")
+    cache = None
+    if not no_cache:
+        store = open_store(cache_url, cache_endpoint, cfg.cache.url, cfg.cache.endpoint, _log)
+        directory = resolve_dir(cache_dir, cfg.cache.dir)
+        cache = Cache(directory, log=_log, sign=signing_key, trust=trusted_key(trust), remote=store)
     if print_cache_key:
         click.echo(cache_key(cfg, cache=cache, log=_log, verbose=verbose, hlo_only=hlo_only).digest)
         return

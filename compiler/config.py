@@ -7,7 +7,7 @@
     [parallel]  tp, ep, cp (bundles/topology.Topology itself: one spelling of the rank layout)
     [quant]     recipe
     [host]      embedding
-    [cache]     dir
+    [cache]     dir, url (s3://bucket/prefix: the remote tier), endpoint (an S3-compatible server)
     [memory]    limit_gib, reserve_gib (device memory per rank: compiler/budget.py)
     [speculative] draft (compile the checkpoint's speculative draft into the bundle)
 
@@ -95,6 +95,13 @@ class HostSection:
 @dataclass(frozen=True, kw_only=True)
 class CacheSection:
     dir: Path | None = None
+    url: str | None = None  # the remote tier, s3://bucket/prefix (compiler/store.py)
+    endpoint: str | None = None  # an S3-compatible server, e.g. http://minio.internal:9000; None: AWS
+
+
+# Credentials are never read from model.toml (a file that is committed and shared): a [cache] key
+# that looks like one is refused with where they belong instead of "unknown key".
+CREDENTIAL_KEY = re.compile(r"access|secret|token|password|credential|session", re.IGNORECASE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,6 +251,13 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
     need(
         draft is None or draft in DRAFTS, "speculative", "draft", f"unknown draft {draft!r}; valid: {', '.join(DRAFTS)}"
     )
+    from deepinfer.compiler.store import check_endpoint, check_url
+
+    url, endpoint = cfg.cache.url, cfg.cache.endpoint
+    need(url is None or check_url(url) is None, "cache", "url", url and check_url(url))
+    need(
+        endpoint is None or check_endpoint(endpoint) is None, "cache", "endpoint", endpoint and check_endpoint(endpoint)
+    )
     mem = cfg.memory
     need(mem.limit_gib is None or mem.limit_gib > 0, "memory", "limit_gib", f"must be positive, got {mem.limit_gib}")
     need(mem.reserve_gib >= 0, "memory", "reserve_gib", f"must be at least 0, got {mem.reserve_gib}")
@@ -295,6 +309,16 @@ def load_compile_config(path: str | Path) -> CompileConfig:
         raise where.error(unknown[0], None, f"unknown section; valid sections: {', '.join(SECTIONS)}")
     if "model" not in data:
         raise ConfigError(f"{path}: missing required section [model]")
+    cache = data.get("cache")
+    for key in cache if isinstance(cache, dict) else ():
+        if CREDENTIAL_KEY.search(key):
+            raise where.error(
+                "cache",
+                key,
+                "credentials are never read from model.toml; the store's come from the standard AWS chain "
+                "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE and ~/.aws/credentials, or an "
+                "instance role): remove this key",
+            )
     base = path.resolve().parent
     rules = Rules(paths=lambda value: _resolve(base, value))
     model = data["model"]

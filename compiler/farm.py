@@ -32,11 +32,16 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deepinfer.bundles.manifest import sha256_file
 from deepinfer.compiler.jobs import Job, run_job
 from deepinfer.compiler.keys import Key
 from deepinfer.errors import DeepinferError
+
+if TYPE_CHECKING:
+    from deepinfer.compiler.cache import Cache
+    from deepinfer.compiler.store import Store
 
 INSTALL_HINT = "pip install 'deepinfer[farm]'"
 CONNECT_TIMEOUT_S = 10.0  # a cluster address that does not answer fails in this time
@@ -117,7 +122,7 @@ class Task:
     toolchain: dict[str, str]  # the host's: a worker with another refuses the job
     paths: dict[str, str]  # the host's Inductor cache dir and TMPDIR: AOTInductor bakes them into its output
     key: Key | None = None  # the executable key (a store publishes under it)
-    store: tuple[str, str | None] | None = None  # (url, endpoint): publish there, return no bytes
+    store: Store | None = None  # publish there and return no bytes (a Store pickles as its url and endpoint)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,9 +174,7 @@ def _work(task: Task, lowered: bytes, ledger) -> Result:
             run_job(job)
             out = work / task.out
             digest = sha256_file(out)
-            data = out.read_bytes() if task.store is None else None
-            if task.store is not None:
-                _publish(task, out, work)
+            data = None if task.store is not None and _publish(task, out, work) else out.read_bytes()
         except Exception as e:
             message = f"{type(e).__name__}: {e}".replace(tmp, "<worker dir>")
             return Result(
@@ -241,15 +244,15 @@ def _host_paths(paths: dict[str, str]) -> None:
             tempfile.tempdir = None  # read TMPDIR again
 
 
-def _publish(task: Task, out: Path, work: Path) -> None:
-    """Store the executable through a worker-local cache that publishes to the shared store."""
+def _publish(task: Task, out: Path, work: Path) -> bool:
+    """Store the executable through a worker-local cache that publishes to the shared store; False
+    when the store failed here (its bytes then go back through Ray)."""
     from deepinfer.compiler.cache import Cache
-    from deepinfer.compiler.store import Store  # type: ignore[import-not-found]
 
     assert task.store is not None and task.key is not None
-    url, endpoint = task.store
-    cache = Cache(work / "cache", remote=Store.from_url(url, endpoint))  # type: ignore[call-arg]
+    cache = Cache(work / "cache", remote=task.store)
     cache.put_file("executable", task.key, out)
+    return cache.remote is not None and not cache.read_only  # published, or another publisher was first
 
 
 # --- the host's side ---------------------------------------------------------------------------
@@ -264,12 +267,13 @@ def run_farm(
     finished: Finished,
     *,
     keys: dict[str, Key] | None = None,
-    fetch: Callable[[Job], bool] | None = None,
-    store: tuple[str, str | None] | None = None,
+    cache: Cache | None = None,
 ) -> dict[str, float]:
     """Run every job on the cluster joined by `connect`; `finished(job)` once its executable is at
-    `job.out`. With `store` (and `fetch`, reading a key through it), workers publish there and the
-    host fetches. Returns seconds per job. Raises FarmError naming the job, node and log."""
+    `job.out`. With a `cache` whose remote store is on, and which neither signs nor trusts a key,
+    workers publish each executable to the store under its key in `keys`, and the host reads it
+    through the store; otherwise the bytes come back through Ray. Returns seconds per job. Raises
+    FarmError naming the job, node and log."""
     ray = ray_module()
     if not jobs:
         return {}
@@ -284,6 +288,9 @@ def run_farm(
     toolchain = TARGETS[jobs[0].target](jobs[0].executable, jobs[0].options).toolchain()
     by_name = {job.name: job for job in jobs}
     blobs = {job.name: ray.put(job.lowered.read_bytes()) for job in jobs}
+    # signing stays on the host (the private key never travels), and a trusted key would refuse a
+    # worker's unsigned entry: then the bytes come back through Ray and the host's cache signs them
+    store = cache.remote if cache is not None and cache.sign is None and cache.trust is None else None
     tasks = {job.name: _task(job, toolchain, keys, store) for job in jobs}
     progress = Progress(len(jobs), _cpus(ray))
     errors: dict[str, list[Result]] = {}
@@ -320,7 +327,7 @@ def run_farm(
                     progress.failed_attempt()
                     submit(name, avoid=result.node_id)
                     continue
-                _land(job, result, fetch)
+                _land(job, result, cache, keys)
                 seconds[name] = result.seconds
                 finished(job)
                 log(progress.done(job, result, starts, set(pending.values())))
@@ -333,7 +340,7 @@ def run_farm(
     return seconds
 
 
-def _task(job: Job, toolchain: dict[str, str], keys: dict[str, Key] | None, store) -> Task:
+def _task(job: Job, toolchain: dict[str, str], keys: dict[str, Key] | None, store: Store | None) -> Task:
     key = keys.get(job.name) if keys else None
     return Task(
         name=job.name,
@@ -362,13 +369,13 @@ def _other_node(ray, avoid: str) -> str | None:
     return None
 
 
-def _land(job: Job, result: Result, fetch: Callable[[Job], bool] | None) -> None:
+def _land(job: Job, result: Result, cache: Cache | None, keys: dict[str, Key] | None) -> None:
     """Put the executable at job.out (through the store, or from the bytes) and check its digest."""
     if result.log is not None and job.log is not None:
         job.log.parent.mkdir(parents=True, exist_ok=True)
         job.log.write_bytes(result.log)
     if result.data is None:
-        if fetch is None or not fetch(job):
+        if cache is None or keys is None or not cache.get_file("executable", keys[job.name], job.out):
             raise FarmError(
                 f"farm: {_what(job)}: compiled on {_node(result.node, result.node_id)} and published, "
                 "but the store does not hand it back; check the store's credentials on the workers"

@@ -73,6 +73,11 @@ UNKEYED_OPTIONS = (
     "--no-cache",
     "--print-cache-key",
     "--require-cache",
+    # the remote tier is where entries are found, never what they are: machines sharing a store share keys
+    "cache.url",
+    "cache.endpoint",
+    "--cache-url",
+    "--cache-endpoint",
     "--verbose",
     "--finish",
     "--ray",  # where the compile jobs run: a farm's executables are the same bytes

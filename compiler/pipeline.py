@@ -3,7 +3,7 @@
     parse config -> copy tokenizer (and build engram's token map) -> plan regions -> check memory budget
     -> preprocess weights (per rank)
     -> trace (and lower; on trn2: HLO, checked on XLA:CPU) -> check memory budget with scratch
-    -> compile -> lay out state -> write manifest -> publish (atomic rename)
+    -> compile -> lay out state -> record cache keys -> write manifest -> publish (atomic rename)
 
 `build` calls the passes in that order, each a plain function that takes what it uses and returns
 what it makes, timed under its name. What is built is fixed once parsed (`Spec`); how the compile
@@ -22,13 +22,14 @@ interrupted or failed compile leaves no partial bundle.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import sys
 import time
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -106,6 +107,7 @@ def build(config: CompileConfig, hlo_only: bool, run: Run, timed: Timings) -> Bu
     timed("check memory budget with scratch", budget.check_traced, spec, regions, traced.executables, run.log)
     compiled = timed("compile", compile_regions, spec, traced, run)
     state = timed("lay out state", layout_state, spec, regions)
+    timed("record cache keys", record_cache_keys, run)
     manifest = timed(
         "write manifest", write_manifest, spec, regions, weights, tokenizer, compiled.executables, state, run
     )
@@ -198,6 +200,15 @@ def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
         stacks={r: tuple(s) for r, s in stacks.items()},
         host=host_entries(spec.model, device_embedding=spec.device_embedding),
     )
+
+
+def record_cache_keys(run: Run) -> None:
+    """With a cache: the entries the bundle was built from, by kind and key (layout.CACHE_KEYS_FILE),
+    so that `deepinfer cache push --bundle` and `pull --bundle` copy exactly those."""
+    if run.cache is None:
+        return
+    entries = [{"kind": k, "key": key, "identity": ident} for (k, key), ident in sorted(run.cache.used.items())]
+    (run.staging / layout.CACHE_KEYS_FILE).write_text(json.dumps({"entries": entries}, indent=1) + "\n")
 
 
 def layout_state(spec: Spec, plan: RegionPlan) -> State:
@@ -334,7 +345,8 @@ def settings(
         f"  target {t.name} ({t.executable}), buckets batch={list(b.batch)} tokens={list(b.tokens)} "
         f"max_context={b.max_context} context={list(b.contexts)}, kv block_size={config.kv.block_size} "
         f"num_blocks={config.kv.num_blocks}, parallel tp={p.tp} ep={p.ep} cp={p.cp}, "
-        f"jobs={jobs}, cache {cache.dir if cache else 'off'}{' (required)' if require_cache else ''}"
+        f"jobs={jobs}, cache {cache.dir if cache else 'off'}"
+        f"{' + ' + cache.remote_url if cache and cache.remote_url else ''}{' (required)' if require_cache else ''}"
         f"{f', on the Ray cluster at {ray}' if ray else ''}"
         f"{', stop at HLO' if hlo_only else ''}"
     )
@@ -353,6 +365,10 @@ class CompileReport:
     lowered: tuple[str, ...]  # HLO-stage bundles: the HLO modules lowered and checked (every one)
     cache: Path | None  # the artifact cache's directory; None: no cache
     hlo_only: bool = False
+    store: str | None = None  # the cache's remote tier (s3://...); None: none
+    # entries (executables, weights, traces) handed out by the local tier and by the store, and
+    # entries published to the store (`Cache.tiers`); empty without a cache
+    tiers: dict[str, int] = field(default_factory=dict)
 
     @property
     def summary(self) -> str:
@@ -360,7 +376,14 @@ class CompileReport:
         built = self.lowered if self.hlo_only else self.compiled
         what = "HLO modules lowered and checked" if self.hlo_only else "executables compiled"
         n, total = self.executables, sum(self.seconds.values())
-        return f"wrote {self.bundle} in {total:.1f} s ({len(built)} of {n} {what}, {n - len(built)} from the cache)"
+        line = f"wrote {self.bundle} in {total:.1f} s ({len(built)} of {n} {what}, {n - len(built)} from the cache)"
+        if self.store is None:
+            return line
+        t = self.tiers
+        return (
+            f"{line}; cache entries: {t['local']} from the local tier, {t['store']} from {self.store}, "
+            f"{t['published']} published"
+        )
 
     def to_json(self) -> dict[str, object]:
         """The `deepinfer-compile --json` summary."""
@@ -371,6 +394,8 @@ class CompileReport:
             "compiled": list(self.compiled),
             "lowered": list(self.lowered),
             "cache": str(self.cache) if self.cache else None,
+            "store": self.store,
+            "tiers": self.tiers,
         }
 
 
@@ -465,6 +490,8 @@ def compile_bundle(
         lowered=built.lowered,
         cache=cache.dir if cache else None,
         hlo_only=hlo_only,
+        store=cache.remote_url if cache else None,
+        tiers=cache.tiers() if cache else {},
     )
     log(report.summary)
     return report

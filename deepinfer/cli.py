@@ -463,6 +463,49 @@ cache_dir_option = click.option(
 )
 
 
+def store_options(required: bool):
+    """--url and --endpoint: the remote tier (compiler/store.py) a `deepinfer cache` command works on."""
+
+    def add(fn):
+        fn = click.option(
+            "--endpoint",
+            metavar="URL",
+            help="S3-compatible server of --url, e.g. http://minio:9000 (default: $AWS_ENDPOINT_URL, else AWS).",
+        )(fn)
+        return click.option(
+            "--url",
+            metavar="s3://BUCKET/PREFIX",
+            envvar="DEEPINFER_CACHE_URL" if required else None,
+            help="The cache's remote tier"
+            + (" (default: $DEEPINFER_CACHE_URL)." if required else ": work on it instead of the local directory."),
+        )(fn)
+
+    return add
+
+
+def open_store(url: str | None, endpoint: str | None):
+    from deepinfer.compiler.store import Store
+
+    return None if url is None else Store.from_url(url, endpoint, log=lambda msg: click.echo(msg, err=True))
+
+
+def bundle_keys(bundle: Path) -> set[tuple[str, str]]:
+    """The (kind, key) pairs a bundle records it was built from (bundles/layout.CACHE_KEYS_FILE)."""
+    from deepinfer.bundles.layout import CACHE_KEYS_FILE
+    from deepinfer.compiler.cache import CacheError
+
+    path = bundle / CACHE_KEYS_FILE
+    try:
+        return {(e["kind"], e["key"]) for e in json.loads(path.read_text())["entries"]}
+    except FileNotFoundError:
+        raise CacheError(
+            f"{path}: missing; the bundle was compiled without a cache, or by a deepinfer "
+            "that did not record its cache keys (recompile it with a cache)"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CacheError(f'{path}: unreadable ({e}); expected {{"entries": [{{"kind", "key"}}, ...]}}') from None
+
+
 @main.command("plan")
 @click.argument("model_toml", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
@@ -520,12 +563,24 @@ def cache_group():
 
 @cache_group.command("ls")
 @cache_dir_option
+@store_options(required=False)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per entry, one a line.")
 @user_errors
-def cache_ls(cache_dir, as_json):
-    """List the cache's entries: kind, key, what it builds, size, last use."""
+def cache_ls(cache_dir, url, endpoint, as_json):
+    """List the cache's entries: kind, key, what it builds, size, last use
+    (with --url, the store's: kind, key, what it builds, artifact size, when published).
+
+    \b
+    Examples:
+      deepinfer cache ls
+      deepinfer cache ls --url s3://ci-cache/deepinfer --json
+    """
     import time
 
+    store = open_store(url, endpoint)
+    if store is not None:
+        _store_ls(store, as_json)
+        return
     cache = open_cache(cache_dir)
     entries = cache.entries()
     total = 0
@@ -554,17 +609,65 @@ def cache_ls(cache_dir, as_json):
         click.echo(f"{len(entries)} entries, {total / 1e6:.2f} MB in {cache.dir}")
 
 
+def _store_ls(store, as_json: bool) -> None:
+    import time
+
+    from deepinfer.compiler.cache import KINDS
+
+    listed = list(store.entries(KINDS))
+    total = 0
+    for e in listed:
+        got = store.get_meta(e.kind, e.key)
+        meta = json.loads(got[0]) if got else {}
+        size = meta.get("size", 0) if isinstance(meta, dict) else 0
+        total += size
+        ident = meta.get("identity") if isinstance(meta, dict) else None
+        if as_json:
+            row = {"kind": e.kind, "key": e.key, "identity": ident, "size": size, "published": e.last_modified}
+            click.echo(json.dumps(row))
+        else:
+            age = (time.time() - e.last_modified) / 3600
+            click.echo(f"{e.kind:<10} {e.key[:16]}  {ident or '?':<32} {size / 1e6:9.2f} MB  published {age:.1f} h ago")
+    if not as_json:
+        click.echo(f"{len(listed)} entries, {total / 1e6:.2f} MB in {store.url}")
+
+
 @cache_group.command("prune")
 @cache_dir_option
+@store_options(required=False)
 @click.option("--max-size", help="Keep at most this much, least recently used removed first (e.g. 2G, 500M).")
 @click.option("--max-age", help="Remove entries not used for this long (e.g. 7d, 12h).")
 @user_errors
-def cache_prune(cache_dir, max_size, max_age):
-    """Remove entries unused for --max-age, then the least recently used beyond --max-size."""
+def cache_prune(cache_dir, url, endpoint, max_size, max_age):
+    """Remove entries unused for --max-age, then the least recently used beyond --max-size.
+
+    With --url, prune the store instead: entries published more than --max-age ago (the
+    store keeps no last use; --max-size is for the local directory only), then the
+    objects no entry names any more.
+
+    \b
+    Examples:
+      deepinfer cache prune --max-size 5G --max-age 14d
+      deepinfer cache prune --url s3://ci-cache/deepinfer --max-age 30d
+    """
     if max_size is None and max_age is None:
         raise click.UsageError("give --max-size and/or --max-age")
+    if url and max_size:
+        raise click.UsageError("--max-size is for the local directory; prune the store (--url) by --max-age")
     size = parse_amount(max_size, UNITS, "size", "2G or 500M") if max_size else None
     age = parse_amount(max_age, AGES, "duration", "7d or 12h") if max_age else None
+    store = open_store(url, endpoint)
+    if store is not None:
+        import time
+
+        from deepinfer.compiler.cache import KINDS
+
+        assert age is not None
+        gone = store.prune(KINDS, age, time.time())
+        for e in gone:
+            click.echo(f"removed {e.kind} {e.key[:16]} from {store.url}")
+        click.echo(f"removed {len(gone)} entries; {len(list(store.entries(KINDS)))} left in {store.url}")
+        return
     cache = open_cache(cache_dir)
     removed = cache.prune(max_size=size, max_age=age)
     for e in removed:
@@ -574,9 +677,31 @@ def cache_prune(cache_dir, max_size, max_age):
 
 @cache_group.command("verify")
 @cache_dir_option
+@store_options(required=False)
 @user_errors
-def cache_verify(cache_dir):
-    """Re-hash every entry; remove corrupt ones (exit status 1 if any were found)."""
+def cache_verify(cache_dir, url, endpoint):
+    """Re-hash every entry; remove corrupt ones (exit status 1 if any were found).
+
+    With --url, verify the store: every entry's object is downloaded and re-hashed; a corrupt
+    entry's meta.json is deleted (and its object, where its bytes do not match its name).
+
+    \b
+    Examples:
+      deepinfer cache verify
+      deepinfer cache verify --url s3://ci-cache/deepinfer
+    """
+    store = open_store(url, endpoint)
+    if store is not None:
+        import tempfile
+
+        from deepinfer.compiler.cache import KINDS
+
+        with tempfile.TemporaryDirectory() as scratch:
+            n, bad = store.verify(KINDS, Path(scratch))
+        for e, why in bad:
+            click.echo(f"corrupt {e.kind} {e.key[:16]}: {why} (removed from the store)")
+        click.echo(f"{n - len(bad)} of {n} entries intact in {store.url}")
+        sys.exit(1 if bad else 0)
     cache = open_cache(cache_dir)
     n = len(cache.entries())
     bad = cache.verify()
@@ -591,23 +716,36 @@ def cache_verify(cache_dir):
 @click.argument("key_a")
 @click.argument("key_b")
 @cache_dir_option
+@store_options(required=False)
 @user_errors
-def cache_explain(key_a, key_b, cache_dir):
-    """Compare two cache keys part by part (keys, unique key prefixes, or meta.json paths)."""
-    from deepinfer.compiler.cache import CacheError
+def cache_explain(key_a, key_b, cache_dir, url, endpoint):
+    """Compare two cache keys part by part (keys, unique key prefixes, or meta.json paths);
+    with --url, a key not in the local directory is looked up in the store.
+
+    \b
+    Examples:
+      deepinfer cache explain 3f2a9c01 7be41d55
+      deepinfer cache explain 3f2a9c01 7be41d55 --url s3://ci-cache/deepinfer
+    """
+    from deepinfer.compiler.cache import KINDS, CacheError
 
     cache = open_cache(cache_dir)
+    store = open_store(url, endpoint)
 
     def meta(ref: str) -> dict:
         if Path(ref).is_file():
             return json.loads(Path(ref).read_text())
         entry = cache.find(ref)
-        if entry is None:
+        if entry is not None:
+            return entry.meta
+        found = store.find(ref, KINDS) if store is not None else None
+        if found is None:
+            where = f"{cache.dir}" + (f" or {store.url}" if store is not None else "")
             raise CacheError(
-                f"{ref}: no single entry with this key in {cache.dir} (give 8+ characters "
+                f"{ref}: no single entry with this key in {where} (give 8+ characters "
                 "of a key from `deepinfer cache ls`, or a meta.json path)"
             )
-        return entry.meta
+        return found[1]
 
     a, b = meta(key_a), meta(key_b)
     click.echo(f"A {a.get('kind')} {a.get('identity')} {a.get('key', '')[:16]}")
@@ -623,6 +761,72 @@ def cache_explain(key_a, key_b, cache_dir):
             for k in sorted(set(va) | set(vb)):
                 if va.get(k) != vb.get(k):
                     click.echo(f"    {k}: {va.get(k)!r} -> {vb.get(k)!r}")
+
+
+def _copy_options(fn):
+    fn = click.option(
+        "--bundle",
+        type=click.Path(exists=True, file_okay=False, path_type=Path),
+        help="Only the entries this bundle was built from (its cache-keys.json).",
+    )(fn)
+    fn = store_options(required=True)(fn)
+    return cache_dir_option(fn)
+
+
+def _cache_with_store(cache_dir, url, endpoint, **kwargs):
+    from deepinfer.compiler.cache import Cache, resolve_dir
+
+    if url is None:
+        raise click.UsageError("give --url s3://BUCKET/PREFIX (or set $DEEPINFER_CACHE_URL)")
+    log = lambda msg: click.echo(msg, err=True)  # noqa: E731
+    return Cache(resolve_dir(cache_dir, None), log=log, remote=open_store(url, endpoint), **kwargs)
+
+
+@cache_group.command("push")
+@_copy_options
+@user_errors
+def cache_push(cache_dir, url, endpoint, bundle):
+    """Publish the local directory's intact entries (all, or a bundle's) to the store; entries
+    the store already has are left as they are. A compile with --cache-url publishes what it
+    builds itself: push is for entries built without it.
+
+    \b
+    Examples:
+      deepinfer cache push --url s3://ci-cache/deepinfer
+      deepinfer cache push --bundle build/tiny --url s3://ci-cache/deepinfer --endpoint http://minio:9000
+    """
+    cache = _cache_with_store(cache_dir, url, endpoint)
+    wanted = bundle_keys(bundle) if bundle else None
+    published, skipped = cache.push(wanted)
+    if cache.remote is None:
+        sys.exit(1)
+    click.echo(f"published {published} entries to {cache.remote_url}; {skipped} already there (or corrupt here)")
+
+
+@cache_group.command("pull")
+@_copy_options
+@trust_option
+@user_errors
+def cache_pull(cache_dir, url, endpoint, bundle, trust):
+    """Install the store's entries (all, or a bundle's) in the local directory, each checked as a
+    compile checks it (its digest; its signature under --trust). Before going offline, or to
+    warm a runner's disk once for many compiles.
+
+    \b
+    Examples:
+      deepinfer cache pull --url s3://ci-cache/deepinfer
+      deepinfer cache pull --bundle build/tiny --url s3://ci-cache/deepinfer --trust ci.pem.pub
+    """
+    cache = _cache_with_store(cache_dir, url, endpoint, trust=trusted_key(trust))
+    wanted = bundle_keys(bundle) if bundle else None
+    installed, skipped = cache.pull(wanted)
+    if cache.remote is None:
+        sys.exit(1)
+    click.echo(
+        f"pulled {installed} entries from {cache.remote_url} into {cache.dir}; {skipped} already here or refused"
+    )
+    if wanted is not None and installed + skipped < len(wanted):
+        click.echo(f"{len(wanted) - installed - skipped} of the bundle's {len(wanted)} entries are not in the store")
 
 
 @main.command("keygen")

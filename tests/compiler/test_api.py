@@ -30,6 +30,7 @@ PASSES = [
     "check memory budget with scratch",
     "compile",
     "lay out state",
+    "record cache keys",
     "write manifest",
 ]
 INDUCTOR = "TORCHINDUCTOR_CACHE_DIR"

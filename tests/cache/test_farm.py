@@ -25,23 +25,51 @@ from ..conftest import write_model_toml
 from .conftest import EXECUTABLES, write_toml
 
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
+# the nodes' own AWS chain: dummy credentials for moto's S3 server (test (d)); nothing of the user's
+NODE_AWS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+}
 
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """The address of a two-node cluster (head and worker, one CPU each), shut down after the session."""
+    """The address of a two-node cluster (head and worker, one CPU each), shut down after the session.
+    Its processes start with `NODE_AWS` in their environment, as a node's own credentials."""
     pytest.importorskip("ray")
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in NODE_AWS.items():
+            env.setenv(name, value)
+        cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+        try:
+            cluster.add_node(**NODE)
+            cluster.wait_for_nodes(timeout=60)
+        except BaseException:
+            cluster.shutdown()
+            raise
     try:
-        cluster.add_node(**NODE)
-        cluster.wait_for_nodes(timeout=60)
         yield cluster.address
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """moto's S3 server on a port the OS picks (tests/cache/test_remote.py's)."""
+    pytest.importorskip("boto3")
+    pytest.importorskip("moto.server")
+    from .test_remote import Server
+
+    server = Server()
+    yield server.endpoint
+    server.stop()
 
 
 def manifest(bundle: Path) -> dict:
@@ -112,6 +140,40 @@ def test_a_job_failing_twice_fails_the_compile_in_one_line(ray_cluster, tiny_ckp
     kept = out.parent / f"{out.name}.failed-logs" / "moe.decode.b1t1.farm.log"
     assert f"log: {kept}" in line and "attempt 2 on node" in kept.read_text()
     assert not out.exists()
+
+
+# --- (d) results shared through the store ---------------------------------------------------------
+
+
+def test_workers_publish_to_the_store_and_the_host_reads_through(
+    ray_cluster, s3_endpoint, tiny_ckpt, tmp_path, monkeypatch
+):
+    """With a remote store, workers publish each executable and return no bytes: the host's local
+    cache gets every one by read-through (verified against the store's digest)."""
+    import uuid
+
+    import boto3
+
+    from deepinfer.compiler.store import Store
+
+    for name, value in NODE_AWS.items():
+        monkeypatch.setenv(name, value)
+    bucket = f"farm-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
+    cache = Cache(tmp_path / "host-cache", remote=Store.from_url(f"s3://{bucket}/ci", s3_endpoint))
+    report = compile_bundle(
+        load_compile_config(write_toml(tmp_path, tiny_ckpt)),
+        tmp_path / "b",
+        force=True,
+        log=lambda msg: None,
+        cache=cache,
+        ray=ray_cluster,
+    )
+    assert len(report.compiled) == EXECUTABLES
+    from_store = [what for kind, what in cache.stats["remote"] if kind == "executable"]
+    assert sorted(from_store) == sorted(report.compiled)  # every one read through, none sent back by Ray
+    listed = boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=bucket, Prefix="ci/v1/executable/")
+    assert len([o for o in listed.get("Contents", []) if o["Key"].endswith("/meta.json")]) == EXECUTABLES
 
 
 # --- the address -----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,43 @@ def test_workers_publish_to_the_store_and_the_host_reads_through(
     assert sorted(from_store) == sorted(report.compiled)  # every one read through, none sent back by Ray
     listed = boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=bucket, Prefix="ci/v1/executable/")
     assert len([o for o in listed.get("Contents", []) if o["Key"].endswith("/meta.json")]) == EXECUTABLES
+
+
+# --- reproducible AOTInductor packages (bundles/pt2.normalize_package) -------------------------------
+
+
+def _package(path: Path, serialization_id: bytes, appended: int) -> Path:
+    """An archive shaped like an AOTInductor package: a wrapper source that AOTInductor appended its
+    compile commands to `appended` times (once per compile of the cached source), and an id."""
+    import zipfile
+
+    source = b"// generated\nint main() {}\n" + b"\n// Compile cmd\n// g++ /some/cache/x.cpp\n" * appended
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("m/data/aotinductor/model/x.wrapper.cpp", source)
+        z.writestr("m/data/aotinductor/model/x.wrapper.so", b"\x7fELF")
+        z.writestr("m/.data/serialization_id", serialization_id)
+    return path
+
+
+def test_packages_of_one_program_normalize_to_the_same_bytes(tmp_path):
+    from deepinfer.bundles.pt2 import normalize_package
+
+    cold = _package(tmp_path / "cold.pt2", b"1374611803619092859015197142673977563787", appended=1)
+    warm = _package(tmp_path / "warm.pt2", b"0221294188887077102404789295173985261463", appended=2)
+    other = tmp_path / "other.pt2"
+    with zipfile.ZipFile(other, "w") as z:
+        z.writestr("m/data/aotinductor/model/x.wrapper.so", b"\x7fELF another")
+        z.writestr("m/.data/serialization_id", b"0221294188887077102404789295173985261463")
+    for p in (cold, warm, other):
+        normalize_package(p)
+    assert cold.read_bytes() == warm.read_bytes() != other.read_bytes()
+    with zipfile.ZipFile(cold) as z:
+        assert z.testzip() is None
+        assert z.read("m/data/aotinductor/model/x.wrapper.cpp") == b"// generated\nint main() {}\n"
+        assert len(z.read("m/.data/serialization_id")) == 40
+    before = cold.read_bytes()
+    normalize_package(cold)
+    assert cold.read_bytes() == before  # idempotent
 
 
 # --- the address -----------------------------------------------------------------------------------

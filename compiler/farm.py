@@ -121,6 +121,7 @@ class Task:
     log: str | None
     toolchain: dict[str, str]  # the host's: a worker with another refuses the job
     paths: dict[str, str]  # the host's Inductor cache dir and TMPDIR: AOTInductor bakes them into its output
+    threads: int  # the host's torch threads: Inductor emits parallel loops only for more than one
     key: Key | None = None  # the executable key (a store publishes under it)
     store: Store | None = None  # publish there and return no bytes (a Store pickles as its url and endpoint)
 
@@ -169,6 +170,7 @@ def _work(task: Task, lowered: bytes, ledger) -> Result:
             _test_hooks(task.name)
             _check_toolchain(task, node)
             _host_paths(task.paths)
+            _host_threads(task.threads)
             (work / task.lowered).write_bytes(lowered)
             job = Job(task.name, work / task.lowered, work / task.out, task.target, task.executable, task.options, log)
             run_job(job)
@@ -242,6 +244,16 @@ def _host_paths(paths: dict[str, str]) -> None:
         os.environ[name] = value
         if name == "TMPDIR":
             tempfile.tempdir = None  # read TMPDIR again
+
+
+def _host_threads(threads: int) -> None:
+    """Compile with the host's torch thread count: Inductor's C++ code generation reads it (OpenMP
+    parallel loops are emitted only for more than one thread), and Ray starts a worker with one
+    thread per CPU it was given, so a one-CPU worker would write single-threaded code."""
+    import torch
+
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def _publish(task: Task, out: Path, work: Path) -> bool:
@@ -352,9 +364,16 @@ def _task(job: Job, toolchain: dict[str, str], keys: dict[str, Key] | None, stor
         log=job.log.name if job.log else None,
         toolchain=toolchain,
         paths={n: os.environ[n] for n in HOST_PATHS if n in os.environ},
+        threads=_threads(),
         key=key,
         store=store if key is not None else None,
     )
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _cpus(ray) -> int:

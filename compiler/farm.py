@@ -1,7 +1,7 @@
 """The compile farm: compile jobs as Ray tasks across a cluster (`deepinfer-compile --ray`).
 
-    host                                          each worker (any node of the cluster)
-    ----                                          ------------------------------------
+    host (this module)                            each worker (compiler/farm_worker.py)
+    ------------------                            -------------------------------------
     connect (before any pass: a bad address
       fails in seconds)
     weights, trace, lower: as without a farm
@@ -26,37 +26,37 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deepinfer.bundles.manifest import sha256_file
-from deepinfer.compiler.jobs import Job, run_job
+from deepinfer.compiler.farm_worker import (
+    HOST_PATHS,
+    TEST_DIE_ONCE,
+    TEST_FAIL,
+    TEST_HOOK_PREFIX,
+    FarmError,
+    Ledger,
+    Result,
+    Task,
+    work,
+)
+from deepinfer.compiler.jobs import Job
 from deepinfer.compiler.keys import Key
-from deepinfer.errors import DeepinferError
 
 if TYPE_CHECKING:
     from deepinfer.compiler.cache import Cache
     from deepinfer.compiler.store import Store
+
+__all__ = ["TEST_DIE_ONCE", "TEST_FAIL", "FarmError", "connect", "run_farm"]
 
 INSTALL_HINT = "pip install 'deepinfer[farm]'"
 CONNECT_TIMEOUT_S = 10.0  # a cluster address that does not answer fails in this time
 SYSTEM_RETRIES = 2  # Ray runs a task again when its worker or node dies (max_retries)
 ATTEMPTS = 3  # runs of a job that raises; two that fail the same way fail the compile sooner
 POLL_S = 0.5
-HOST_PATHS = ("TORCHINDUCTOR_CACHE_DIR", "TMPDIR")  # set on workers as on the host (`_host_paths`)
-# Test hooks, read by the worker's job function (`_work`); the host forwards them to the workers.
-TEST_HOOK_PREFIX = "DEEPINFER_TEST_FARM_"
-TEST_DIE_ONCE = "DEEPINFER_TEST_FARM_DIE_ONCE"  # a marker path: the first job to see it absent makes it and exits
-TEST_FAIL = "DEEPINFER_TEST_FARM_FAIL"  # jobs whose name contains this raise, every attempt
-
-
-class FarmError(DeepinferError):
-    """--ray without Ray, a cluster that cannot be reached, or a job that failed on the farm."""
 
 
 def ray_module():
@@ -104,169 +104,6 @@ def _reachable(address: str) -> None:
         raise FarmError(f"--ray {address}: cannot reach it ({e.strerror or e}); {_START_HINT}") from None
 
 
-# --- what travels ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class Task:
-    """One job as a worker gets it: the Job's fields without its host paths (the lowered program's
-    bytes travel beside it, as a Ray object)."""
-
-    name: str
-    target: str
-    executable: str
-    options: dict
-    lowered: str  # file names, in the worker's temp dir
-    out: str
-    log: str | None
-    toolchain: dict[str, str]  # the host's: a worker with another refuses the job
-    paths: dict[str, str]  # the host's Inductor cache dir and TMPDIR: AOTInductor bakes them into its output
-    threads: int  # the host's torch threads: Inductor emits parallel loops only for more than one
-    key: Key | None = None  # the executable key (a store publishes under it)
-    store: Store | None = None  # publish there and return no bytes (a Store pickles as its url and endpoint)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Result:
-    name: str
-    node: str  # IP
-    node_id: str
-    seconds: float
-    digest: str = ""  # "sha256:..." of the executable
-    data: bytes | None = None  # the executable (none when published to a store)
-    log: bytes | None = None  # the compiler's log, where the target writes one
-    error: str | None = None  # "Type: message" of a failed attempt
-    trace: str = ""  # its traceback
-
-
-class Ledger:
-    """A Ray actor (no CPU) each attempt reports its start to: what runs where, and retries
-    (Ray runs a task again after its worker dies without telling the caller)."""
-
-    def __init__(self) -> None:
-        self.starts: dict[str, list[tuple[str, str]]] = {}
-
-    def start(self, name: str, node: str, node_id: str) -> None:
-        self.starts.setdefault(name, []).append((node, node_id))
-
-    def snapshot(self) -> dict[str, list[tuple[str, str]]]:
-        return self.starts
-
-
-# --- the worker's side -------------------------------------------------------------------------
-
-
-def _work(task: Task, lowered: bytes, ledger) -> Result:
-    """Compile one job on this node in a temp dir of its own; failures come back as data."""
-    import ray
-
-    node, node_id = ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
-    ray.get(ledger.start.remote(task.name, node, node_id))
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="deepinfer-farm-") as tmp:
-        work = Path(tmp)
-        log = work / task.log if task.log else None
-        try:
-            _test_hooks(task.name)
-            _check_toolchain(task, node)
-            _host_paths(task.paths)
-            _host_threads(task.threads)
-            (work / task.lowered).write_bytes(lowered)
-            job = Job(task.name, work / task.lowered, work / task.out, task.target, task.executable, task.options, log)
-            run_job(job)
-            out = work / task.out
-            digest = sha256_file(out)
-            data = None if task.store is not None and _publish(task, out, work) else out.read_bytes()
-        except Exception as e:
-            message = f"{type(e).__name__}: {e}".replace(tmp, "<worker dir>")
-            return Result(
-                name=task.name,
-                node=node,
-                node_id=node_id,
-                seconds=time.perf_counter() - start,
-                log=_read(log),
-                error=message,
-                trace=traceback.format_exc(),
-            )
-        return Result(
-            name=task.name,
-            node=node,
-            node_id=node_id,
-            seconds=time.perf_counter() - start,
-            digest=digest,
-            data=data,
-            log=_read(log),
-        )
-
-
-def _read(path: Path | None) -> bytes | None:
-    return path.read_bytes() if path is not None and path.is_file() else None
-
-
-def _test_hooks(name: str) -> None:
-    """Test hooks only (tests/cache/test_farm.py): die once, or fail a job every time."""
-    marker = os.environ.get(TEST_DIE_ONCE)
-    if marker:
-        try:
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            pass
-        else:
-            os._exit(1)  # the worker dies mid-job, as when killed
-    fail = os.environ.get(TEST_FAIL)
-    if fail and fail in name:
-        raise RuntimeError(f"{TEST_FAIL}={fail}: this job fails on purpose")
-
-
-def _check_toolchain(task: Task, node: str) -> None:
-    """A worker compiles only with the host's toolchain: its key names the host's versions."""
-    from deepinfer.compiler.targets import TARGETS
-
-    mine = TARGETS[task.target](task.executable, task.options).toolchain()
-    if mine != task.toolchain:
-        diff = ", ".join(
-            f"{k} {mine.get(k)!r} here, {v!r} on the host" for k, v in task.toolchain.items() if mine.get(k) != v
-        )
-        raise FarmError(f"node {node} has another toolchain ({diff}); install the host's versions on every node")
-
-
-def _host_paths(paths: dict[str, str]) -> None:
-    """Compile under the host's Inductor cache dir and TMPDIR (created here where absent): AOTInductor
-    writes their paths into the generated sources and the library's debug info, so only there does a
-    worker build the bytes the host would. Where they cannot be created, the node's own are kept."""
-    for name, value in paths.items():
-        if os.environ.get(name) == value:
-            continue
-        try:
-            Path(value).mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        os.environ[name] = value
-        if name == "TMPDIR":
-            tempfile.tempdir = None  # read TMPDIR again
-
-
-def _host_threads(threads: int) -> None:
-    """Compile with the host's torch thread count: Inductor's C++ code generation reads it (OpenMP
-    parallel loops are emitted only for more than one thread), and Ray starts a worker with one
-    thread per CPU it was given, so a one-CPU worker would write single-threaded code."""
-    import torch
-
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-
-
-def _publish(task: Task, out: Path, work: Path) -> bool:
-    """Store the executable through a worker-local cache that publishes to the shared store; False
-    when the store failed here (its bytes then go back through Ray)."""
-    from deepinfer.compiler.cache import Cache
-
-    assert task.store is not None and task.key is not None
-    cache = Cache(work / "cache", remote=task.store)
-    cache.put_file("executable", task.key, out)
-    return cache.remote is not None and not cache.read_only  # published, or another publisher was first
-
-
 # --- the host's side ---------------------------------------------------------------------------
 
 
@@ -289,7 +126,7 @@ def run_farm(
     ray = ray_module()
     if not jobs:
         return {}
-    work = ray.remote(_work)
+    remote = ray.remote(work)
     ledger = ray.remote(num_cpus=0)(Ledger).remote()
     hooks = {k: v for k, v in os.environ.items() if k.startswith(TEST_HOOK_PREFIX)}
     options: dict = {"num_cpus": 1, "max_retries": SYSTEM_RETRIES, "retry_exceptions": False}
@@ -314,7 +151,7 @@ def run_farm(
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=other, soft=True)
-        pending[work.options(**opts).remote(tasks[name], blobs[name], ledger)] = name
+        pending[remote.options(**opts).remote(tasks[name], blobs[name], ledger)] = name
 
     pending: dict = {}
     seconds: dict[str, float] = {}

@@ -70,6 +70,8 @@ def test_compile_bundle_reports_settings_and_summary(toml, tmp_path, built):
         "compiled": ["head.decode.b1t1"],
         "lowered": [],
         "cache": str(tmp_path / "cache"),
+        "store": None,  # no --cache-url: the local tier alone, nothing from or to a store
+        "tiers": {"local": 0, "store": 0, "published": 0},
     }
     assert (tmp_path / "out").is_dir()
 

@@ -158,8 +158,9 @@ def test_queue_bound_and_requests_that_can_never_fit():
     with pytest.raises(RequestError, match="maximum context length is 16 tokens; the request needs 17"):
         engine.check(10, 8)
     engine.check(10, 7)
-    with pytest.raises(RequestError, match="max_tokens is 0"):
-        engine.check(3, 0)
+    with pytest.raises(RequestError, match="max_tokens is -1"):
+        engine.check(3, -1)
+    engine.check(16, 0)  # the prompt only: its 16 positions
     with pytest.raises(RequestError, match="length is 16 tokens; the prompt has 17") as e:
         engine.check(17, 1)
     assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")

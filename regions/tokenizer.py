@@ -46,6 +46,11 @@ class Tokenizer:
         """Text of `ids`, special tokens left out."""
         raise NotImplementedError
 
+    def token_bytes(self, token: int) -> bytes:
+        """The UTF-8 bytes one token stands for (what logprobs report); by default its decoded text's,
+        so a token holding part of a character gives U+FFFD's bytes."""
+        return self.decode([token]).encode("utf-8")
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """`messages` ({"role", "content"}) as the chat template renders them."""
         raise ConfigError(
@@ -86,6 +91,9 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         data = bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < BYTE_OFFSET + 256)
         return data.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token - BYTE_OFFSET]) if BYTE_OFFSET <= token < BYTE_OFFSET + 256 else b""
 
 
 def for_checkpoint(directory: str | Path, config) -> Tokenizer:

@@ -189,7 +189,7 @@ class Engine:
 
     def positions(self, prompt_len: int, max_tokens: int) -> int:
         """KV positions a request needs: its prompt and every generated token but the last."""
-        return prompt_len + max_tokens - 1
+        return prompt_len + max(max_tokens, 1) - 1
 
     def check(self, prompt_len: int, max_tokens: int) -> None:
         """Refuse a request that could never run (RequestError), whatever else is running."""
@@ -204,8 +204,8 @@ class Engine:
                 "prompt",
                 too_long,
             )
-        if max_tokens < 1:
-            raise RequestError(f"max_tokens is {max_tokens}; it must be at least 1", "max_tokens")
+        if max_tokens < 0:
+            raise RequestError(f"max_tokens is {max_tokens}; it must be at least 0 (0: the prompt only)", "max_tokens")
         need = self.positions(prompt_len, max_tokens)
         if need > self.max_context:
             raise RequestError(

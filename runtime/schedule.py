@@ -11,7 +11,10 @@ the reason in its own terms. Every step gives each running sequence its next pro
 a sequence finishes on eos, on its caller's stop, after `max_tokens`, or with an error.
 
 Sampling is per request: greedy (argmax) at temperature 0, else top-k, then top-p, then a draw from
-its own seeded generator.
+its own seeded generator; a logit bias and presence and frequency penalties (over the tokens the
+request generated so far) adjust the logits first, in float32, before the temperature. A request
+for no tokens (`max_tokens` 0) runs its prompt and ends: prompt scoring, its logits through
+`on_logits`.
 
 With a `drafter`, greedy requests decode speculatively: a sequence that has caught up feeds its
 unfed token (the target's own last token) and its drafts in one verify step; the drafts the target's
@@ -47,12 +50,27 @@ from deepinfer.regions.stepper import Allocator, Drafter, DraftRequest, OutOfBlo
 
 @dataclass(frozen=True)
 class Sampling:
-    """How a request picks its tokens: temperature 0 is greedy; top_k 0 and top_p 1 keep every token."""
+    """How a request picks its tokens: temperature 0 is greedy; top_k 0 and top_p 1 keep every token.
+    `logit_bias` ((token id, value) pairs) is added to the logits; a token generated c times so far
+    loses c * frequency_penalty + (c > 0) * presence_penalty (OpenAI's definitions)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are changed before the pick (a bias or a penalty)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the model's own logits (what speculative decoding verifies against)."""
+        return self.temperature == 0 and not self.adjusts
 
     def generator(self) -> torch.Generator | None:
         if self.temperature == 0:
@@ -68,11 +86,26 @@ class Sampling:
 GREEDY = Sampling()
 
 
-def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None) -> int:
-    """The next token from one position's logits [V]."""
-    if s.temperature == 0:
+def adjusted(logits: Tensor, s: Sampling, generated: Sequence[int]) -> Tensor:
+    """One position's logits [V] in float32 with `s`'s bias and penalties over `generated` applied."""
+    x = logits.float().clone()
+    if s.logit_bias:
+        ids, values = zip(*s.logit_bias)
+        x.index_add_(0, torch.tensor(ids, dtype=torch.int64), torch.tensor(values, dtype=torch.float32))
+    if generated and (s.presence_penalty or s.frequency_penalty):
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.int64), minlength=x.numel()).float()
+        x -= counts * s.frequency_penalty + (counts > 0).float() * s.presence_penalty
+    return x
+
+
+def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None, generated: Sequence[int] = ()) -> int:
+    """The next token from one position's logits [V], `generated` the request's tokens so far."""
+    if s.plain_greedy:
         return int(torch.argmax(logits))
-    x = logits.float() / s.temperature
+    x = adjusted(logits, s, generated) if s.adjusts else logits.float()
+    if s.temperature == 0:
+        return int(torch.argmax(x))
+    x = x / s.temperature
     if 0 < s.top_k < x.numel():
         kth = torch.topk(x, s.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -86,8 +119,11 @@ def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None) -> in
 
 @dataclass(eq=False)
 class Request:
-    """One sequence to generate. `on_token(id) -> stop?` and `on_finish(reason, error)` run on the
-    scheduler's thread; `cancelled` (set from any thread) drops it at the next step boundary."""
+    """One sequence to generate. `on_token(id) -> stop?`, `on_finish(reason, error)` and `on_logits`
+    run on the scheduler's thread; `cancelled` (set from any thread) drops it at the next step
+    boundary. `on_logits(p, rows)`: rows [n, V] (float32) of positions p .. p + n - 1 fed for good
+    by a step, row i predicting the token at p + i + 1; called before that step's tokens are emitted.
+    `max_tokens` 0: the prompt runs, nothing is generated (finish reason length)."""
 
     prompt: list[int]
     max_tokens: int
@@ -96,6 +132,7 @@ class Request:
     sampling: Sampling = GREEDY
     image: ImageEmbeds | None = None  # the prompt's image positions and their rows
     keep_logits: bool = False  # record one [V] row per processed position (--dump-logits, compare)
+    on_logits: Callable[[int, Tensor], None] | None = None
     cancelled: bool = False
 
 
@@ -192,12 +229,12 @@ class Running:
 
 
 def draft_for(drafter: Drafter, running: list[Running], chunk: int, allocs: list[Allocator]) -> dict[int, list[int]]:
-    """This step's drafts: for each greedy sequence of `running` that has generated and whose unfed
+    """This step's drafts: for each plainly greedy sequence of `running` that has generated and whose unfed
     tokens leave room in a verify step of `drafter.block` + 1 tokens, as many as still fit its token
     budget and context -> drafts by sequence (only non-empty ones)."""
     requests = []
     for r in running:
-        if r.request.sampling.temperature != 0:
+        if not r.request.sampling.plain_greedy:
             continue
         out, alloc = r.out, allocs[r.group]
         unfed = len(out.tokens) - r.consumed
@@ -302,10 +339,10 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     def add(self, request: Request) -> Completion:
-        """Queue `request` -> its output, filled in as it runs (a request for no tokens is done at once)."""
+        """Queue `request` -> its output, filled in as it runs (a negative `max_tokens` is done at once)."""
         out = Completion(list(request.prompt), len(request.prompt))
         r = Running(request, out, request.sampling.generator())
-        if request.max_tokens < 1:
+        if request.max_tokens < 0:
             self._finish(r, "length")
             return out
         with self.lock:
@@ -395,10 +432,14 @@ class Scheduler:
         self.events.prompt_tokens(max(0, min(start + fed, out.prompt_len) - start))
         if r.request.keep_logits:  # one row per position, each fed once
             out.logits.extend(logits[:keep].clone())
+        if r.request.on_logits is not None:
+            r.request.on_logits(start, logits[:keep])
         r.consumed = start + keep
-        if caught_up:  # the accepted drafts, then the target's own token
+        if caught_up and r.request.max_tokens == 0:  # prompt scoring: the prompt has run
+            self._finish(r, "length")
+        elif caught_up:  # the accepted drafts, then the target's own token
             last = logits[fed - 1 + a]
-            own = choice[fed - 1 + a] if drafts else sample(last, r.request.sampling, r.generator)
+            own = choice[fed - 1 + a] if drafts else sample(last, r.request.sampling, r.generator, out.generated)
             for token in drafts[:a] + [own]:
                 if self._emit(r, token, now):
                     break
@@ -441,7 +482,7 @@ class Scheduler:
     def _blocks_for(self, r: Running) -> int:
         """KV blocks a request needs: its prompt and every generated token but the last."""
         a = self.allocs[0]
-        return -(-(len(r.request.prompt) + r.request.max_tokens - 1) // a.block_size)
+        return -(-(len(r.request.prompt) + max(r.request.max_tokens, 1) - 1) // a.block_size)
 
     def _group_for(self, need: int) -> int | None:
         """The least loaded token group that can take a request needing `need` blocks, or None (blocks

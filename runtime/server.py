@@ -24,17 +24,21 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from deepinfer.runtime.engine import Engine, QueueFull, RequestError
 from deepinfer.runtime.executor import Executor, Stats
+from deepinfer.runtime.logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY, Entry, Recorder, chat_format, legacy_format
 from deepinfer.runtime.options import ServeOptions
 from deepinfer.runtime.schedule import Completion, Request, Sampling
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_STOPS = 4  # OpenAI's limit on stop strings
+# choices of one request: each is a sequence of its own (a batch row, its KV blocks), so n is held to
+# a share of the default --max-queue (64) that leaves room for others: one request cannot fill it
+MAX_N = 16
 
 
 def plain_chat(messages: list[dict]) -> str:
@@ -64,12 +68,14 @@ class TextStream:
         self.text = ""
         self.sent = 0
         self.stopped = False
+        self.offsets: list[int] = []  # where each pushed token's text begins
 
     def push(self, token: int) -> bool:
         """Add a token; True when the text now holds a stop string (the text ends before it)."""
         if self.stopped:
             return True
         self.ids.append(token)
+        self.offsets.append(len(self.text))  # a character still incomplete begins at the text's end
         new = self.decode(self.ids[self.prefix :])
         old = self.decode(self.ids[self.prefix : self.read])
         if len(new) > len(old) and not new.endswith("\ufffd"):
@@ -113,10 +119,65 @@ class TextStream:
 class Params:
     prompt: list[int]
     max_tokens: int
-    sampling: Sampling
+    sampling: Sampling  # choice 0's; choice i draws from seed + i
     stops: list[str]
     stream: bool
     include_usage: bool
+    n: int = 1
+    logprobs: int | None = None  # top entries per token (None: no logprobs)
+    echo: bool = False
+
+    def sampling_of(self, index: int) -> Sampling:
+        seed = self.sampling.seed
+        return replace(self.sampling, seed=None if seed is None else seed + index)
+
+
+class Choice:
+    """One choice of a request as its sequence runs (on the engine's thread): its text, cut at stop
+    strings (`TextStream`), its logprobs (`Recorder`), sent as ("text", index, delta, entries) events
+    (each entry with the delta whose text holds its token's start; with `echo`, the prompt's text and
+    entries lead the first), then ("done", index, reason, error)."""
+
+    def __init__(self, index: int, p: Params, tokenizer, put: Callable[[tuple], None], echo: tuple[str, list[int]]):
+        self.index, self.p, self.put = index, p, put
+        self.text = TextStream(tokenizer.decode, p.stops)
+        self.recorder = Recorder(p.prompt, p.logprobs, p.echo) if p.logprobs is not None else None
+        self.echo_text, self.echo_offsets = echo  # ("", []) without echo
+        self.entries: list[Entry] = []
+        self.attached = 0  # entries sent
+        self.started = False
+
+    def on_token(self, token: int) -> bool:
+        if self.text.stopped:
+            return True
+        stop = self.text.push(token)
+        if self.recorder is not None:
+            self.entries.append(self.recorder.token(token, len(self.echo_text) + self.text.offsets[-1]))
+        if self.p.stream:
+            self.send(self.text.take())
+        return stop
+
+    def on_finish(self, reason: str, error: str | None) -> None:
+        self.send(self.text.take(final=True), final=True)
+        self.put(("done", self.index, reason, error))
+
+    def send(self, delta: str, final: bool = False) -> None:
+        """Send `delta` with the entries of the tokens whose text begins in what has been sent."""
+        if final and not self.text.stopped:
+            end = len(self.entries)
+        else:
+            sent = len(self.echo_text) + self.text.sent
+            end = self.attached
+            while end < len(self.entries) and self.entries[end].offset < sent:
+                end += 1
+        items, self.attached = self.entries[self.attached : end], end
+        if not self.started:
+            self.started = True
+            delta = self.echo_text + delta
+            if self.recorder is not None and self.p.echo:
+                items = self.recorder.prompt_part(self.echo_offsets) + items
+        if delta or items:
+            self.put(("text", self.index, delta, items))
 
 
 class Served:
@@ -128,7 +189,7 @@ class Served:
 
     # -- request bodies -----------------------------------------------------------------------
 
-    def params(self, body: dict, prompt: list[int], default_max: int) -> Params:
+    def params(self, body: dict, prompt: list[int], default_max: int, chat: bool) -> Params:
         if body.get("model") != self.model:
             raise BadRequest(
                 f"The model {body.get('model')!r} does not exist; this server serves {self.model!r}",
@@ -136,22 +197,20 @@ class Served:
                 code="model_not_found",
             )
         n = _field(body, "n", int, 1)
-        if n != 1:
-            raise BadRequest(f"n is {n}; this server returns one choice per request (n = 1)", "n")
-        for name, harmless in (
-            ("logprobs", (None, False)),
-            ("top_logprobs", (None, 0)),
-            ("best_of", (None, 1)),
-            ("suffix", (None, "")),
-        ):
+        if not 1 <= n <= MAX_N:
+            raise BadRequest(f"n is {n}; expected 1 to {MAX_N} choices", "n")
+        for name, harmless in (("best_of", (None, 1)), ("suffix", (None, ""))):
             if body.get(name) not in harmless:
                 raise BadRequest(f"{name} is not supported by this server", name)
+        logprobs, echo = _logprobs(body, chat)
         bad = [i for i in prompt if not 0 <= i < self.vocab]
         if bad:
             raise BadRequest(f"token ids {bad[:8]} are outside the vocabulary [0, {self.vocab})", "prompt")
         max_tokens = _field(body, "max_tokens", int, None)
         if max_tokens is None:
             max_tokens = _field(body, "max_completion_tokens", int, default_max)
+        if chat and max_tokens == 0:
+            raise BadRequest("max_tokens is 0; a chat completion generates at least 1 token", "max_tokens")
         temperature = _field(body, "temperature", float, 0.0)
         top_p = _field(body, "top_p", float, 1.0)
         top_k = _field(body, "top_k", int, 0)
@@ -165,6 +224,14 @@ class Served:
         stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
             raise BadRequest(f"stop is {stop!r}; expected a non-empty string or a list of at most {MAX_STOPS}", "stop")
+        penalties = {}
+        for name in ("presence_penalty", "frequency_penalty"):
+            penalties[name] = _field(body, name, float, 0.0)
+            if not -2 <= penalties[name] <= 2:
+                raise BadRequest(f"{name} is {penalties[name]}; expected a number in [-2, 2]", name)
+        seed = _field(body, "seed", int, None)
+        if seed is not None and not -(2**63) <= seed <= 2**63 - MAX_N:
+            raise BadRequest(f"seed is {seed}; expected a signed 64-bit integer", "seed")
         stream = _field(body, "stream", bool, False)
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
@@ -173,14 +240,29 @@ class Served:
             self.engine.check(len(prompt), max_tokens)
         except RequestError as e:
             raise BadRequest(str(e), e.param, code=e.code) from None
+        sampling = Sampling(temperature, top_p, max(top_k, 0), seed, logit_bias=self.logit_bias(body), **penalties)
         return Params(
-            prompt,
-            max_tokens,
-            Sampling(temperature, top_p, max(top_k, 0), _field(body, "seed", int, None)),
-            stops,
-            stream,
-            bool(options.get("include_usage")),
+            prompt, max_tokens, sampling, stops, stream, bool(options.get("include_usage")), n, logprobs, echo
         )
+
+    def logit_bias(self, body: dict) -> tuple[tuple[int, float], ...]:
+        """body's logit_bias ({"token id": bias}) as (id, bias) pairs."""
+        bias = body.get("logit_bias")
+        if bias is None:
+            return ()
+        if not isinstance(bias, dict):
+            raise BadRequest(f"logit_bias is {bias!r}; expected an object of token id -> bias", "logit_bias")
+        out = []
+        for key, value in bias.items():
+            token = int(key) if key.strip().lstrip("-").isdigit() else None
+            if token is None or not 0 <= token < self.vocab:
+                raise BadRequest(
+                    f"logit_bias key {key!r} is not a token id in the vocabulary [0, {self.vocab})", "logit_bias"
+                )
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise BadRequest(f"logit_bias[{key!r}] is {value!r}; expected a number in [-100, 100]", "logit_bias")
+            out.append((token, float(value)))
+        return tuple(out)
 
     def completion_prompt(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
@@ -221,11 +303,10 @@ class Served:
 
     # -- generation ---------------------------------------------------------------------------
 
-    def start(self, p: Params) -> tuple[Request, Completion, asyncio.Queue]:
-        """Submit a request -> (it, its output as it grows, its events' queue): ("text", delta) ... then
-        ("done", reason, error)."""
+    def start(self, p: Params) -> tuple[list[Request], list[Completion], asyncio.Queue]:
+        """Submit a request's n choices, one sequence each -> (them, their outputs as they grow, the
+        queue of their events: `Choice`'s). None is left queued when one is refused (QueueFull)."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue[tuple]()
-        text = TextStream(self.tokenizer.decode, p.stops)
 
         def put(item):
             try:
@@ -233,20 +314,46 @@ class Served:
             except RuntimeError:  # the event loop closed under a shutdown
                 pass
 
-        def on_token(token: int) -> bool:
-            stop = text.push(token)
-            if p.stream:
-                delta = text.take()
-                if delta:
-                    put(("text", delta))
-            return stop
+        echo: tuple[str, list[int]] = ("", [])
+        if p.echo:  # the prompt as the tokenizer decodes it, and where each token's text begins
+            prompt = TextStream(self.tokenizer.decode, [])
+            for token in p.prompt:
+                prompt.push(token)
+            prompt.take(final=True)
+            echo = (prompt.text, prompt.offsets)
+        jobs, outs = [], []
+        try:
+            for i in range(p.n):
+                c = Choice(i, p, self.tokenizer, put, echo)
+                on_logits = c.recorder.on_logits if c.recorder is not None else None
+                job = Request(p.prompt, p.max_tokens, c.on_token, c.on_finish, p.sampling_of(i), on_logits=on_logits)
+                outs.append(self.engine.submit(job))
+                jobs.append(job)
+        except QueueFull:
+            for job in jobs:
+                self.engine.cancel(job)
+            raise
+        return jobs, outs, events
 
-        def on_finish(reason: str, error: str | None) -> None:
-            put(("text", text.take(final=True)))
-            put(("done", reason, error))
 
-        request = Request(p.prompt, p.max_tokens, on_token, on_finish, p.sampling)
-        return request, self.engine.submit(request), events
+def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
+    """(top entries per token, or None for no logprobs; echo): chat's `logprobs` (bool) and
+    `top_logprobs` (0 .. 20), or completions' `logprobs` (0 .. 5) and `echo`."""
+    if chat:
+        top = _field(body, "top_logprobs", int, None)
+        if top is not None and not 0 <= top <= MAX_TOP_CHAT:
+            raise BadRequest(f"top_logprobs is {top}; expected an integer in [0, {MAX_TOP_CHAT}]", "top_logprobs")
+        if not _field(body, "logprobs", bool, False):
+            if top:
+                raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+            return None, False
+        return top or 0, False
+    if body.get("top_logprobs") is not None:
+        raise BadRequest("top_logprobs is a chat completions field; completions take logprobs: N", "top_logprobs")
+    top = None if body.get("logprobs") is False else _field(body, "logprobs", int, None)
+    if top is not None and not 0 <= top <= MAX_TOP_LEGACY:
+        raise BadRequest(f"logprobs is {top}; expected an integer in [0, {MAX_TOP_LEGACY}]", "logprobs")
+    return top, _field(body, "echo", bool, False)
 
 
 def _field(body: dict, name: str, kind: type, default):
@@ -301,9 +408,9 @@ def create_app(served: Served):
             body = await body_of(request)
             prompt = served.chat_prompt(body) if chat else served.completion_prompt(body)
             p = served.params(
-                body, prompt, served.engine.max_context - len(prompt) + 1 if chat else DEFAULT_COMPLETION_TOKENS
+                body, prompt, served.engine.max_context - len(prompt) + 1 if chat else DEFAULT_COMPLETION_TOKENS, chat
             )
-            job, out, events = served.start(p)
+            jobs, outs, events = served.start(p)
         except (BadRequest, QueueFull) as e:
             return refuse(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -315,27 +422,32 @@ def create_app(served: Served):
         }
 
         def usage() -> dict:
-            n = len(out.generated)
+            n = sum(len(out.generated) for out in outs)
             return {"prompt_tokens": len(p.prompt), "completion_tokens": n, "total_tokens": len(p.prompt) + n}
+
+        def logprobs(items: list[Entry]) -> dict | None:
+            if p.logprobs is None:
+                return None
+            return (chat_format if chat else legacy_format)(items, served.tokenizer.token_bytes)
 
         if p.stream:
             return StreamingResponse(
-                _sse(served, job, events, head, chat, p.include_usage, usage),
+                _sse(served, jobs, events, head, chat, p.include_usage, usage, logprobs),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        text, done = await _collect(served, request, job, events)
-        if done is None:  # the client left; it reads nothing
+        collected = await _collect(served, request, jobs, events)
+        if collected is None:  # the client left; it reads nothing
             return Response(status_code=499)
-        _, reason, error = done
-        if reason == "error":
-            return JSONResponse(error_body(error, "server_error"), status_code=500)
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-            if chat
-            else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        )
-        return JSONResponse({**head, "choices": [choice], "usage": usage()})
+        choices = []
+        for i, (text, items, reason, error) in enumerate(collected):
+            if reason == "error":
+                return JSONResponse(error_body(error, "server_error"), status_code=500)
+            choices.append(
+                {"index": i, "message": {"role": "assistant", "content": text}} if chat else {"index": i, "text": text}
+            )
+            choices[-1].update(logprobs=logprobs(items), finish_reason=reason)
+        return JSONResponse({**head, "choices": choices, "usage": usage()})
 
     async def completions(request):
         return await generate(request, chat=False)
@@ -362,6 +474,41 @@ def create_app(served: Served):
     async def health(request):
         return JSONResponse({"status": "ok"})
 
+    async def tokenize(request):
+        try:
+            body = await body_of(request)
+            text = body.get("prompt")
+            if not isinstance(text, str):
+                raise BadRequest("prompt: expected a string", "prompt")
+            bos = _field(body, "add_special_tokens", bool, True)
+        except BadRequest as e:
+            return refuse(e)
+        ids = served.tokenizer.encode(text, bos=bos)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": served.engine.max_context})
+
+    async def detokenize(request):
+        try:
+            body = await body_of(request)
+            ids = body.get("tokens")
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise BadRequest("tokens: expected a list of token ids", "tokens")
+        except BadRequest as e:
+            return refuse(e)
+        return JSONResponse({"prompt": served.tokenizer.decode(ids)})
+
+    async def tokenizer_info(request):
+        # special tokens have no text here (decode leaves them out): a client takes its stops elsewhere
+        return JSONResponse(
+            {
+                "tokenizer_class": served.tokenizer.kind,
+                "bos_token": None,
+                "eos_token": None,
+                "pad_token": None,
+                "chat_template": None,
+                "model_max_length": served.engine.max_context,
+            }
+        )
+
     async def metrics(request):
         from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -373,20 +520,30 @@ def create_app(served: Served):
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ]
     )
 
 
-async def _collect(served: Served, request, job: Request, events: asyncio.Queue):
-    """A whole generation's text and its ("done", reason, error), or (text, None) when the client
-    disconnected first (the sequence is then cancelled)."""
+async def _collect(served: Served, request, jobs: list[Request], events: asyncio.Queue):
+    """Each choice's (text, logprob entries, finish reason, error) once all have finished, or None when
+    the client disconnected first (the sequences are then cancelled)."""
 
     async def gather():
-        parts = []
-        while (item := await events.get())[0] == "text":
-            parts.append(item[1])
-        return "".join(parts), item
+        texts: list[list[str]] = [[] for _ in jobs]
+        items: list[list[Entry]] = [[] for _ in jobs]
+        done: dict[int, tuple[str, str | None]] = {}
+        while len(done) < len(jobs):
+            item = await events.get()
+            if item[0] == "text":
+                texts[item[1]].append(item[2])
+                items[item[1]].extend(item[3])
+            else:
+                done[item[1]] = item[2], item[3]
+        return [("".join(texts[i]), items[i], *done[i]) for i in range(len(jobs))]
 
     async def gone():
         while (await request.receive())["type"] != "http.disconnect":
@@ -400,56 +557,61 @@ async def _collect(served: Served, request, job: Request, events: asyncio.Queue)
     if result.done():
         return result.result()
     result.cancel()
-    served.engine.cancel(job)
-    return "", None
+    for job in jobs:
+        served.engine.cancel(job)
+    return None
 
 
 async def _sse(
     served: Served,
-    job: Request,
+    jobs: list[Request],
     events: asyncio.Queue,
     head: dict,
     chat: bool,
     include_usage: bool,
     usage: Callable[[], dict],
+    logprobs: Callable[[list[Entry]], dict | None],
 ):
-    """Server-sent events of one streamed generation; leaving early (the client disconnected) cancels it."""
+    """Server-sent events of one streamed generation, a chunk per choice's delta (its `index`);
+    leaving early (the client disconnected, a choice failed) cancels the choices still running."""
     kind = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
     def event(data: Any) -> str:
         return f"data: {json.dumps(data)}\n\n"
 
-    def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
+    def chunk(i: int, text: str | None, reason: str | None, items: list[Entry], first: bool = False) -> str:
         if chat:
             delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            choice = {"index": i, "delta": delta, "logprobs": logprobs(items) if items else None}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": i, "text": text or "", "logprobs": logprobs(items) if items else None}
+        choice["finish_reason"] = reason
         return event({**kind, "choices": [choice], **({"usage": None} if include_usage else {})})
 
-    finished = False
+    finished = 0
     try:
         if chat:
-            yield chunk(None, None, first=True)
-        while True:
+            for i in range(len(jobs)):
+                yield chunk(i, None, None, [], first=True)
+        while finished < len(jobs):
             item = await events.get()
             if item[0] == "text":
-                if item[1]:
-                    yield chunk(item[1], None)
+                yield chunk(item[1], item[2], None, item[3])
                 continue
-            finished = True
-            _, reason, error = item
+            finished += 1
+            _, i, reason, error = item
             if reason == "error":
                 yield event(error_body(error, "server_error"))
-            else:
-                yield chunk(None, reason)
-                if include_usage:
-                    yield event({**kind, "choices": [], "usage": usage()})
-            yield "data: [DONE]\n\n"
-            return
+                yield "data: [DONE]\n\n"
+                return
+            yield chunk(i, None, reason, [])
+        if include_usage:
+            yield event({**kind, "choices": [], "usage": usage()})
+        yield "data: [DONE]\n\n"
     finally:
-        if not finished:
-            served.engine.cancel(job)
+        if finished < len(jobs):
+            for job in jobs:
+                served.engine.cancel(job)
 
 
 def serve(executor: Executor, tokenizer, options: ServeOptions) -> None:

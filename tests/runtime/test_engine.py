@@ -158,8 +158,9 @@ def test_queue_bound_and_requests_that_can_never_fit():
     with pytest.raises(RequestError, match="maximum context length is 16 tokens; the request needs 17"):
         engine.check(10, 8)
     engine.check(10, 7)
-    with pytest.raises(RequestError, match="max_tokens is 0"):
-        engine.check(3, 0)
+    with pytest.raises(RequestError, match="max_tokens is -1"):
+        engine.check(3, -1)
+    engine.check(16, 0)  # the prompt only: its 16 positions
     with pytest.raises(RequestError, match="length is 16 tokens; the prompt has 17") as e:
         engine.check(17, 1)
     assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
@@ -219,3 +220,29 @@ def test_sampling():
     a, b = Sampling(temperature=1.0, seed=7), Sampling(temperature=1.0, seed=7)
     ga, gb = a.generator(), b.generator()
     assert [sample(logits, a, ga) for _ in range(20)] == [sample(logits, b, gb) for _ in range(20)]
+
+
+def test_a_request_for_no_tokens_runs_its_prompt_and_reports_every_row():
+    """max_tokens 0 (prompt scoring): the prompt is fed in chunks, `on_logits` gets each position's row
+    (row i of a call predicting position p + i + 1), nothing is generated, the finish reason is length."""
+    stepper = Counting(chunk=4)
+    engine = Engine(stepper, eos=EOS, max_queue=4)
+    rows: list[tuple[int, list[int]]] = []
+    log: dict = {}
+    r = request(list(range(10, 20)), 0, log)
+    r.on_logits = lambda p, x: rows.append((p, x.argmax(-1).tolist()))
+    out = engine.submit(r)
+    drain(engine)
+    assert log == {"tokens": [], "finish": ("length", None)} and out.generated == []
+    assert [p for p, _ in rows] == [0, 4, 8] and sum((a for _, a in rows), []) == list(range(11, 21))
+    assert free(engine) == (3, 8)
+
+
+def test_penalties_and_bias_adjust_the_logits_before_the_pick():
+    logits = torch.tensor([0.0, 3.0, 2.9, 1.0])
+    assert sample(logits, Sampling(), None) == 1
+    assert sample(logits, Sampling(logit_bias=((1, -100.0),)), None, [1]) == 2
+    # token 1 generated twice: 3.0 - 2 * 0.1 - 0.5 = 2.3 < 2.9
+    assert sample(logits, Sampling(presence_penalty=0.5, frequency_penalty=0.1), None, [1, 1]) == 2
+    assert sample(logits, Sampling(frequency_penalty=0.01), None, [1]) == 1  # 2.99 > 2.9
+    assert sample(logits, Sampling(presence_penalty=-0.5), None, [2]) == 2  # a negative one favours it

@@ -194,8 +194,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, exp
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="y" * 60, max_tokens=30)
     assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "max_tokens")
-    with pytest.raises(openai.BadRequestError, match="n = 1"):
-        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="n is 17; expected 1 to 16"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=17)
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model=MODEL, prompt=[0, 10**6], max_tokens=2)
     check(

@@ -13,7 +13,8 @@ of `--burst` requests at once: every one must come back exactly once, and the
 server's RSS (from /proc) afterwards is compared with its idle figure before the
 burst. Clients are plain http.client threads, light next to the server.
 
-Prefix caching: `--prefix-requests` requests of 120 token ids sharing their first 96 (80%) go one
+Prefix caching: `--prefix-requests` requests of 120 token ids (`--prefix-len`) sharing their first
+96 (`--shared`, 80%) go one
 at a time after one request that fills the cache with that prefix, against as many requests of
 the same length with prefixes of their own (misses); `ttft_shared_prefix_cached_over_uncached` is
 the ratio of their median times to first token (target <= 0.5), each request's
@@ -123,7 +124,7 @@ def level(url: str, clients: int, prompts: list[str], max_tokens: int) -> dict:
 PREFIX_LEN, SHARED = 120, 96  # token ids per prompt; shared by the cached ones (80%)
 
 
-def shared_prefix(url: str, requests: int, max_tokens: int = 4) -> dict:
+def shared_prefix(url: str, requests: int, length: int = PREFIX_LEN, shared: int = SHARED, max_tokens: int = 4) -> dict:
     """TTFT of requests sharing a cached prompt prefix against requests of the same length that miss
     (prefixes of their own), one at a time, alternating, so both see the same server."""
     rng = random.Random(0)
@@ -131,20 +132,20 @@ def shared_prefix(url: str, requests: int, max_tokens: int = 4) -> dict:
     def ids(n: int) -> list[int]:
         return [rng.randrange(3, 250) for _ in range(n)]
 
-    prefix = ids(SHARED)
-    stream(url, prefix + ids(PREFIX_LEN - SHARED), max_tokens)  # fills the cache with the prefix
+    prefix = ids(shared)
+    stream(url, prefix + ids(length - shared), max_tokens)  # fills the cache with the prefix
     cached, uncached = [], []
     for _ in range(requests):
-        miss = stream(url, ids(PREFIX_LEN), max_tokens)
-        hit = stream(url, prefix + ids(PREFIX_LEN - SHARED), max_tokens)
-        if (hit["cached"], miss["cached"]) != (SHARED, 0):
+        miss = stream(url, ids(length), max_tokens)
+        hit = stream(url, prefix + ids(length - shared), max_tokens)
+        if (hit["cached"], miss["cached"]) != (shared, 0):
             raise RuntimeError(f"cached_tokens {hit['cached']} on a hit, {miss['cached']} on a miss")
         uncached.append((miss["chunks"][0] - miss["sent"]) * 1e3)
         cached.append((hit["chunks"][0] - hit["sent"]) * 1e3)
     return {
         "requests": requests,
-        "prompt_tokens": PREFIX_LEN,
-        "shared_tokens": SHARED,
+        "prompt_tokens": length,
+        "shared_tokens": shared,
         "ttft_cached_p50_ms": statistics.median(cached),
         "ttft_uncached_p50_ms": statistics.median(uncached),
         "ttft_shared_prefix_cached_over_uncached": statistics.median(cached) / statistics.median(uncached),
@@ -194,6 +195,8 @@ def main() -> None:
     ap.add_argument("--burst", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1, help="the server's torch threads")
     ap.add_argument("--prefix-requests", type=int, default=8, help="requests of each kind for the prefix cache")
+    ap.add_argument("--prefix-len", type=int, default=PREFIX_LEN, help="token ids per prefix-cache prompt")
+    ap.add_argument("--shared", type=int, default=SHARED, help="of them shared (a multiple of the bundle's block size)")
     ap.add_argument("--prefix-only", action="store_true", help="only the prefix cache's measurement")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -217,7 +220,7 @@ def main() -> None:
     )
     try:
         level(server.url, 8, PROMPTS, 4)  # warm-up: every bucket once
-        prefix = shared_prefix(server.url, args.prefix_requests)
+        prefix = shared_prefix(server.url, args.prefix_requests, args.prefix_len, args.shared)
         levels, burst_out = {}, {}
         if not args.prefix_only:
             levels = {c: level(server.url, c, prompts, args.max_tokens) for c in LEVELS}

@@ -254,3 +254,34 @@ def test_a_short_pool_evicts_unheld_blocks_and_never_a_held_one(run_exported_bun
     assert (hit.cached_tokens, late.cached_tokens, again.cached_tokens) == (32, 0, 0)
     assert [hit.generated, late.generated, again.generated] == [expected[3], small_out, other_out]
     assert metric(engine, "deepinfer_prefix_cache_evicted_blocks_total") >= 2
+
+
+# --- deepinfer-serve --------------------------------------------------------------------------------------
+
+
+def test_the_server_reports_cached_tokens_and_no_prefix_cache_turns_it_off(aoti_bundle):
+    """A real server (the openai client): a prompt, one sharing 36 of its 40 tokens, the first again;
+    the cached server's texts are the uncached one's and it reports the two blocks it reused."""
+    from .test_serve import MODEL, Server
+
+    rng = random.Random(3)
+    base = [rng.randrange(3, 250) for _ in range(40)]
+    prompts = [base, base[:36] + [rng.randrange(3, 250) for _ in range(4)], base]
+    seen = {}
+    for flags in ((), ("--no-prefix-cache",)):
+        server = Server(aoti_bundle, *flags)
+        try:
+            client = server.client()
+            got = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+            details = [r.usage.prompt_tokens_details if r.usage else None for r in got]
+            seen[flags] = (
+                [r.choices[0].text for r in got],
+                [d.cached_tokens if d is not None else None for d in details],
+                server.metric("deepinfer_prefix_cache_hit_tokens_total"),
+            )
+        finally:
+            assert server.stop() == 0, server.proc.stderr.read()
+    (texts, cached, hits), (plain_texts, plain_cached, plain_hits) = seen[()], seen[("--no-prefix-cache",)]
+    assert cached == [0, 32, 32] and hits == 64
+    assert plain_cached == [0, 0, 0] and plain_hits == 0
+    assert texts == plain_texts

@@ -306,15 +306,18 @@ class Scheduler:
         self.events = events or Events()
         self.lock = lock or nullcontext()
         self.allocs = [stepper.allocator() for _ in range(stepper.groups)]
-        # prefix caching (regions/prefix.py) over one token group's undivided pool
-        self.prefix_cache = prefix_cache and len(self.allocs) == 1 and self.allocs[0].shards == 1
-        if self.prefix_cache:
+        if prefix_cache and len(self.allocs) == 1 and self.allocs[0].shards == 1:  # one undivided pool
             self.allocs[0].use_prefix_cache()
         self.waiting: deque[Running] = deque()
         self.running: dict[int, Running] = {}
         self.speculation = SpeculationStats()
         self.steps = 0
         self._next_seq = 0
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether full prompt blocks are cached and shared (regions/prefix.py)."""
+        return self.allocs[0].cache is not None
 
     @property
     def busy(self) -> bool:

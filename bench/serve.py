@@ -12,6 +12,14 @@ multi-byte character spans two) as p50/p99, measured by the clients. Then a burs
 of `--burst` requests at once: every one must come back exactly once, and the
 server's RSS (from /proc) afterwards is compared with its idle figure before the
 burst. Clients are plain http.client threads, light next to the server.
+
+Prefix caching: `--prefix-requests` requests of 120 token ids (`--prefix-len`) sharing their first
+96 (`--shared`, 80%) go one
+at a time after one request that fills the cache with that prefix, against as many requests of
+the same length with prefixes of their own (misses); `ttft_shared_prefix_cached_over_uncached` is
+the ratio of their median times to first token (target <= 0.5), each request's
+`usage.prompt_tokens_details.cached_tokens` checked (96 on a hit, 0 on a miss). `--prefix-only`
+runs just that.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import argparse
 import http.client
 import json
 import os
+import random
 import statistics
 import sys
 import threading
@@ -46,8 +55,8 @@ LEVELS = (1, 4, 8)
 TIMEOUT_S = 600
 
 
-def stream(url: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed completion: {"sent", "chunks": [arrival times], "tokens", "id", "finish"}."""
+def stream(url: str, prompt: str | list[int], max_tokens: int) -> dict:
+    """One streamed completion: {"sent", "chunks": [arrival times], "tokens", "cached", "id", "finish"}."""
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT_S)
     body = json.dumps(
@@ -64,7 +73,7 @@ def stream(url: str, prompt: str, max_tokens: int) -> dict:
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-    out = {"sent": sent, "chunks": [], "tokens": 0, "id": None, "finish": None}
+    out = {"sent": sent, "chunks": [], "tokens": 0, "cached": None, "id": None, "finish": None}
     for line in resp:
         if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
             continue
@@ -72,6 +81,7 @@ def stream(url: str, prompt: str, max_tokens: int) -> dict:
         out["id"] = event["id"]
         if event.get("usage"):
             out["tokens"] = event["usage"]["completion_tokens"]
+            out["cached"] = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
         for choice in event.get("choices", []):
             if choice["text"]:
                 out["chunks"].append(time.perf_counter())
@@ -108,6 +118,37 @@ def level(url: str, clients: int, prompts: list[str], max_tokens: int) -> dict:
         "ttft_p99_ms": percentile(ttft, 99),
         "itl_p50_ms": percentile(itl, 50),
         "itl_p99_ms": percentile(itl, 99),
+    }
+
+
+PREFIX_LEN, SHARED = 120, 96  # token ids per prompt; shared by the cached ones (80%)
+
+
+def shared_prefix(url: str, requests: int, length: int = PREFIX_LEN, shared: int = SHARED, max_tokens: int = 4) -> dict:
+    """TTFT of requests sharing a cached prompt prefix against requests of the same length that miss
+    (prefixes of their own), one at a time, alternating, so both see the same server."""
+    rng = random.Random(0)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, 250) for _ in range(n)]
+
+    prefix = ids(shared)
+    stream(url, prefix + ids(length - shared), max_tokens)  # fills the cache with the prefix
+    cached, uncached = [], []
+    for _ in range(requests):
+        miss = stream(url, ids(length), max_tokens)
+        hit = stream(url, prefix + ids(length - shared), max_tokens)
+        if (hit["cached"], miss["cached"]) != (shared, 0):
+            raise RuntimeError(f"cached_tokens {hit['cached']} on a hit, {miss['cached']} on a miss")
+        uncached.append((miss["chunks"][0] - miss["sent"]) * 1e3)
+        cached.append((hit["chunks"][0] - hit["sent"]) * 1e3)
+    return {
+        "requests": requests,
+        "prompt_tokens": length,
+        "shared_tokens": shared,
+        "ttft_cached_p50_ms": statistics.median(cached),
+        "ttft_uncached_p50_ms": statistics.median(uncached),
+        "ttft_shared_prefix_cached_over_uncached": statistics.median(cached) / statistics.median(uncached),
     }
 
 
@@ -153,6 +194,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--burst", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    ap.add_argument("--prefix-requests", type=int, default=8, help="requests of each kind for the prefix cache")
+    ap.add_argument("--prefix-len", type=int, default=PREFIX_LEN, help="token ids per prefix-cache prompt")
+    ap.add_argument("--shared", type=int, default=SHARED, help="of them shared (a multiple of the bundle's block size)")
+    ap.add_argument("--prefix-only", action="store_true", help="only the prefix cache's measurement")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -175,8 +220,11 @@ def main() -> None:
     )
     try:
         level(server.url, 8, PROMPTS, 4)  # warm-up: every bucket once
-        levels = {c: level(server.url, c, prompts, args.max_tokens) for c in LEVELS}
-        burst_out = burst(server.url, server.pid, args.burst, 8)
+        prefix = shared_prefix(server.url, args.prefix_requests, args.prefix_len, args.shared)
+        levels, burst_out = {}, {}
+        if not args.prefix_only:
+            levels = {c: level(server.url, c, prompts, args.max_tokens) for c in LEVELS}
+            burst_out = burst(server.url, server.pid, args.burst, 8)
     finally:
         status = server.stop()
     out = {
@@ -185,12 +233,25 @@ def main() -> None:
         "server_threads": args.threads,
         "levels": levels,
         "burst": burst_out,
+        "prefix_cache": prefix,
         "server_exit": status,
-        "throughput_ratio_8_over_1": levels[8]["tokens_per_s"] / levels[1]["tokens_per_s"],
-        "itl_p99_ms_8": levels[8]["itl_p99_ms"],
+        "ttft_shared_prefix_cached_over_uncached": prefix["ttft_shared_prefix_cached_over_uncached"],
     }
+    if levels:
+        out["throughput_ratio_8_over_1"] = levels[8]["tokens_per_s"] / levels[1]["tokens_per_s"]
+        out["itl_p99_ms_8"] = levels[8]["itl_p99_ms"]
     if args.json:
         print(json.dumps(out, indent=1))
+        return
+    p = prefix
+    print(
+        f"prefix cache: {p['requests']} requests of {p['prompt_tokens']} tokens sharing {p['shared_tokens']}: "
+        f"TTFT p50 {p['ttft_cached_p50_ms']:.1f} ms cached, {p['ttft_uncached_p50_ms']:.1f} ms uncached "
+        f"(ttft_shared_prefix_cached_over_uncached {p['ttft_shared_prefix_cached_over_uncached']:.2f}, target <= 0.5)"
+    )
+    if not levels:
+        if status != 0:
+            sys.exit(f"the server exited with status {status}")
         return
     print(f"{'clients':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  (ms)")
     for c, r in levels.items():

@@ -28,7 +28,7 @@ from deepinfer.regions.engram_map import checked_token_map
 from deepinfer.regions.hf_tokenizer import TokenizersTokenizer
 from deepinfer.regions.plan import make_head, make_layer_regions
 from deepinfer.regions.spans import ImageEmbeds
-from deepinfer.regions.state import allocate, state_layout
+from deepinfer.regions.state import PAGED, allocate, state_layout
 from deepinfer.regions.step import DTYPES, Embedding, EngramRows, plan_layers, run_layers
 from deepinfer.regions.stepper import Allocator, Capture, Row, make_batch
 from deepinfer.regions.tokenizer import TOKENIZER_FILE, for_checkpoint
@@ -174,6 +174,18 @@ class EagerSteps:
     def allocator(self) -> Allocator:
         slots, blocks, width = self.geometry
         return Allocator(slots, blocks, REFERENCE_BLOCK_SIZE, width)
+
+    def save_slot(self, group: int, slot: int) -> dict[tuple[int, str], Tensor]:
+        return {
+            (layer, name): t[slot].clone()
+            for layer, views in self.states.items()
+            for name, t in views.items()
+            if name not in PAGED
+        }
+
+    def load_slot(self, group: int, slot: int, state: dict[tuple[int, str], Tensor]) -> None:
+        for (layer, name), rows in state.items():
+            self.states[layer][name][slot].copy_(rows)
 
     def run(
         self,

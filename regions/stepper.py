@@ -19,6 +19,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from deepinfer.regions.prefix import BlockCache, SlotState
 from deepinfer.regions.spans import ImageEmbeds, engram_masks, step_images
 from deepinfer.regions.step import Batch
 
@@ -58,6 +59,40 @@ class Allocator:
         self.block_size, self.max_blocks = block_size, max_blocks
         self.tables: dict[int, list[int]] = {}
         self.slot_of: dict[int, int] = {}
+        self.cache: BlockCache | None = None  # prefix caching (`use_prefix_cache`): one shard only
+
+    def use_prefix_cache(self) -> None:
+        """Keep full blocks that `cache_blocks` names after their sequences end, for `match` to share
+        (regions/prefix.py); the unheld ones are evicted, least recently released first, when no
+        block is free."""
+        assert self.shards == 1, "prefix caching over a divided pool"
+        self.cache = BlockCache()
+
+    def available(self, shard: int = 0) -> int:
+        """Blocks a reservation in `shard` can still take: the free ones and the cached ones no
+        sequence holds."""
+        return len(self.free[shard]) + (len(self.cache.unheld) if self.cache is not None else 0)
+
+    def match(self, keys: Sequence[bytes]) -> tuple[list[int], SlotState | None]:
+        """The cached blocks a prompt whose full blocks have `keys` can start from, and the slot
+        state at their end (`BlockCache.match`); nothing without a cache."""
+        return self.cache.match(keys) if self.cache is not None else ([], None)
+
+    def cache_blocks(self, seq: int, keys: Sequence[bytes], state: SlotState | None) -> None:
+        """Sequence `seq` has fed its first len(keys) full blocks (of keys `keys`) and its slot holds
+        `state` after them: cache those blocks, and keep `state` (None: the cache has one already)
+        with the last (with the block already cached under its key when another sequence wrote that
+        one first)."""
+        cache = self.cache
+        assert cache is not None and keys
+        for key, block in zip(keys, self.tables[seq]):
+            cache.add(key, block)
+        if state is not None:
+            cache.states.setdefault(cache.block_of[keys[-1]], state)
+
+    def blocks_in_use(self) -> int:
+        """Blocks running sequences hold (a shared block once)."""
+        return len({(j % self.shards, b) for t in self.tables.values() for j, b in enumerate(t)})
 
     @property
     def shards(self) -> int:
@@ -72,12 +107,22 @@ class Allocator:
         """How many of a sequence's logical blocks start .. n - 1 each shard holds."""
         return [len(range(start + (s - start) % self.shards, n, self.shards)) for s in range(self.shards)]
 
-    def admit(self, seq: int) -> bool:
+    def admit(self, seq: int, shared: Sequence[int] = ()) -> bool:
+        """Give `seq` a slot; its table starts with `shared`, cached blocks from `match`."""
         if not self.free_slots:
             return False
         self.slot_of[seq] = self.free_slots.pop()
-        self.tables[seq] = []
+        self.tables[seq] = list(shared)
+        for b in shared:
+            assert self.cache is not None
+            self.cache.hold(b)
         return True
+
+    def _take(self, shard: int) -> int | None:
+        """A free block of `shard`, else an evicted cached one, else None."""
+        if self.free[shard]:
+            return self.free[shard].pop()
+        return self.cache.evict() if self.cache is not None else None
 
     def reserve(self, seq: int, positions: int) -> None:
         """Make sure sequence `seq` has blocks for its first `positions` positions."""
@@ -88,13 +133,13 @@ class Allocator:
             )
         table = self.tables[seq]
         while len(table) < need:
-            free = self.free[len(table) % self.shards]
-            if not free:
+            block = self._take(len(table) % self.shards)
+            if block is None:
                 raise OutOfBlocks(
                     f"KV pool exhausted: no free block for position {len(table) * self.block_size} "
                     "(raise --num-kv-blocks or run fewer sequences at once)"
                 )
-            table.append(free.pop())
+            table.append(block)
 
     @property
     def max_context(self) -> int:
@@ -102,8 +147,11 @@ class Allocator:
 
     def release(self, seq: int) -> None:
         table = self.tables.pop(seq, [])
-        for j in reversed(range(len(table))):
-            self.free[j % self.shards].append(table[j])
+        for j in reversed(range(len(table))):  # a cached prefix's last blocks become the first evicted
+            if self.cache is not None and table[j] in self.cache.key_of:
+                self.cache.drop(table[j])
+            else:
+                self.free[j % self.shards].append(table[j])
         if seq in self.slot_of:
             self.free_slots.append(self.slot_of.pop(seq))
 
@@ -193,6 +241,15 @@ class Stepper(Protocol):
         ...
 
     def allocator(self) -> Allocator: ...
+
+    def save_slot(self, group: int, slot: int) -> SlotState:
+        """A copy of sequence slot `slot`'s per-slot state (window rings, the compressor's partial
+        groups) in token group `group`: what prefix caching keeps with a cached block (regions/prefix.py)."""
+        ...
+
+    def load_slot(self, group: int, slot: int, state: SlotState) -> None:
+        """Put back into `slot` what `save_slot` copied (from this or another slot)."""
+        ...
 
     def run(
         self,

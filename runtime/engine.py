@@ -12,7 +12,8 @@ thread: `on_token(id) -> stop?` (stop strings are the caller's) and `on_finish(r
 `Metrics` counts what the scheduler reports (`Events`) for /metrics.
 
 With a `drafter` (`deepinfer-serve --speculative dspark`), greedy requests decode speculatively:
-the same tokens as without. Sampled requests decode plainly.
+the same tokens as without. Sampled requests decode plainly. With `prefix_cache` (the server's
+default; `--no-prefix-cache`), full prompt blocks are shared between requests (regions/prefix.py).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class Metrics:
     accepted: Any
     verify_steps: Any
     itl: Any
+    prefix_hit_tokens: Any
+    prefix_blocks: Any
+    prefix_evicted: Any
 
     @classmethod
     def new(cls) -> Metrics:
@@ -109,6 +113,19 @@ class Metrics:
                 buckets=LATENCY_BUCKETS,
                 registry=r,
             ),
+            prefix_hit_tokens=Counter(
+                "deepinfer_prefix_cache_hit_tokens",
+                "Prompt tokens whose KV came from the prefix cache instead of a prefill",
+                registry=r,
+            ),
+            prefix_blocks=Gauge(
+                "deepinfer_prefix_cache_blocks", "KV blocks the prefix cache holds (shared or evictable)", registry=r
+            ),
+            prefix_evicted=Counter(
+                "deepinfer_prefix_cache_evicted_blocks",
+                "Cached KV blocks evicted (least recently released first) for want of free blocks",
+                registry=r,
+            ),
         )
 
     def text(self) -> bytes:
@@ -124,6 +141,7 @@ class MetricsEvents(Events):
         self.metrics = metrics
         self.arrived: dict[Request, float] = {}  # a running or waiting request -> when it was submitted
         self.last_token: dict[Request, float] = {}
+        self.evicted = 0  # evictions counted so far
 
     def stepped(self, seconds: float) -> None:
         self.metrics.step.observe(seconds)
@@ -156,6 +174,15 @@ class MetricsEvents(Events):
         self.metrics.queue_depth.set(waiting)
         self.metrics.kv_blocks.set(kv_blocks)
 
+    def prefix_hit(self, tokens: int) -> None:
+        self.metrics.prefix_hit_tokens.inc(tokens)
+
+    def prefix_cache(self, blocks: int, evicted: int) -> None:
+        self.metrics.prefix_blocks.set(blocks)
+        if evicted > self.evicted:
+            self.metrics.prefix_evicted.inc(evicted - self.evicted)
+            self.evicted = evicted
+
 
 class Engine:
     """Continuous batching over `stepper` (a loaded bundle's `Steps`: the leader of its ranks); `run`
@@ -169,13 +196,20 @@ class Engine:
         max_queue: int,
         metrics: Metrics | None = None,
         drafter: Drafter | None = None,
+        prefix_cache: bool = False,
     ):
         self.max_queue = max_queue
         self.metrics = metrics or Metrics.new()
         self.events = MetricsEvents(self.metrics)
         self._cond = threading.Condition()
         self.scheduler = Scheduler(
-            stepper, eos=eos, reserve_whole=True, drafter=drafter, events=self.events, lock=self._cond
+            stepper,
+            eos=eos,
+            reserve_whole=True,
+            drafter=drafter,
+            events=self.events,
+            lock=self._cond,
+            prefix_cache=prefix_cache,
         )
         a = self.scheduler.allocs[0]
         self.block_size, self.max_context = a.block_size, a.max_context

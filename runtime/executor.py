@@ -359,6 +359,18 @@ class Steps:
         s = self.executor.sizes  # a divided pool: one shard per cp rank, each of its own blocks
         return Allocator(s.num_slots, blocks_per_rank(s.num_blocks, s.divided), s.block_size, s.max_blocks, s.divided)
 
+    def save_slot(self, group: int, slot: int) -> dict[str, Tensor]:
+        """A copy of `slot`'s rows of every per-slot pool (one rank's: the followers' pools are theirs)."""
+        x = self.executor
+        assert x.comm is None, "a slot's state is saved on one rank only"
+        return {name: x.pools[name][:, slot].clone() for name, p in x.manifest.kv.pools.items() if p.dim == "slots"}
+
+    def load_slot(self, group: int, slot: int, state: dict[str, Tensor]) -> None:
+        x = self.executor
+        assert x.comm is None, "a slot's state is loaded on one rank only"
+        for name, rows in state.items():
+            x.pools[name][:, slot].copy_(rows)
+
     @property
     def slack(self) -> int:
         return self.executor.sizes.slack

@@ -54,3 +54,4 @@ class ServeOptions(LoadOptions):
     max_queue: int = 64  # requests that may wait beyond the batch's free rows (more: HTTP 429)
     model_name: str | None = None  # the model's id in the API (None: the bundle directory's name)
     on_ready: Callable[[str], None] | None = None  # called with the URL once the socket is bound
+    prefix_cache: bool = True  # share full prompt blocks between requests (one-rank bundles; regions/prefix.py)

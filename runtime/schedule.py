@@ -24,6 +24,11 @@ block: the next verify step carries the new token and a full block of fresh draf
 runs through the target twice. What a rejected draft wrote is left in place (`Scheduler` says why
 nothing needs restoring), so the model's per-slot rings must have room for a block (`Stepper.slack`).
 
+With `prefix_cache` (serving), full prompt blocks are cached under the hash chain of their tokens
+with the slot state at the end of the prefill step that filled them, and a request whose prompt
+starts with cached blocks holds them, gets that state back in its slot and prefills the rest only
+(regions/prefix.py, docs/serving.md).
+
 `decode` is the batch policy (submit every prompt, then drain); `runtime/engine.py` runs the same
 scheduler on a thread for the server, `Events` reporting what it does to the server's metrics.
 """
@@ -42,6 +47,7 @@ from torch import Tensor
 
 from deepinfer.errors import DeepinferError
 from deepinfer.regions.config import V41Config
+from deepinfer.regions.prefix import block_keys, root_key
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.stepper import Allocator, Drafter, DraftRequest, OutOfBlocks, Row, Stepper
 
@@ -146,6 +152,7 @@ class Completion:
     logits: list[Tensor] = field(default_factory=list)
     error: str | None = None
     finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt positions a prefix cache hit spared (their KV was shared)
 
     @property
     def generated(self) -> list[int]:
@@ -210,6 +217,12 @@ class Events:
     def load(self, running: int, waiting: int, kv_blocks: int) -> None:
         """The batch after a step boundary: running sequences, waiting requests, KV blocks held."""
 
+    def prefix_hit(self, tokens: int) -> None:
+        """A request starts with `tokens` prompt positions from the prefix cache."""
+
+    def prefix_cache(self, blocks: int, evicted: int) -> None:
+        """After a step boundary: blocks the prefix cache holds, blocks it has evicted so far."""
+
 
 @dataclass(eq=False)
 class Running:
@@ -223,6 +236,7 @@ class Running:
     group: int = 0
     consumed: int = 0  # tokens fed to the model (committed)
     need_blocks: int = 0  # blocks admission set aside for the whole request (serving)
+    keys: list[bytes] | None = None  # its prompt's full blocks' keys (prefix caching)
 
 
 # --- speculation ----------------------------------------------------------------------------------
@@ -317,6 +331,7 @@ class Scheduler:
         drafter: Drafter | None = None,
         events: Events | None = None,
         lock: AbstractContextManager | None = None,
+        prefix_cache: bool = False,
     ):
         if drafter is not None and drafter.block > stepper.slack:
             raise SpeculationError(
@@ -328,11 +343,18 @@ class Scheduler:
         self.events = events or Events()
         self.lock = lock or nullcontext()
         self.allocs = [stepper.allocator() for _ in range(stepper.groups)]
+        if prefix_cache and len(self.allocs) == 1 and self.allocs[0].shards == 1:  # one undivided pool
+            self.allocs[0].use_prefix_cache()
         self.waiting: deque[Running] = deque()
         self.running: dict[int, Running] = {}
         self.speculation = SpeculationStats()
         self.steps = 0
         self._next_seq = 0
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether full prompt blocks are cached and shared (regions/prefix.py)."""
+        return self.allocs[0].cache is not None
 
     @property
     def busy(self) -> bool:
@@ -379,7 +401,7 @@ class Scheduler:
         )
         rows_by_group: list[list[Row]] = [[] for _ in self.allocs]
         for r in list(self.running.values()):
-            n = min(self.stepper.chunk, len(r.out.tokens) - r.consumed)
+            n = self._chunk_of(r)
             alloc = self.allocs[r.group]
             try:
                 reserve(alloc, r.seq, r.consumed + n, drafted)
@@ -435,6 +457,8 @@ class Scheduler:
         if r.request.on_logits is not None:
             r.request.on_logits(start, logits[:keep])
         r.consumed = start + keep
+        if self.prefix_cache:
+            self._cache_prefix(r)
         if caught_up and r.request.max_tokens == 0:  # prompt scoring: the prompt has run
             self._finish(r, "length")
         elif caught_up:  # the accepted drafts, then the target's own token
@@ -465,8 +489,12 @@ class Scheduler:
                 self._finish(r, "cancelled")
             while self.waiting:
                 r = self.waiting[0]
+                shared, state = self._match(r)
                 need = self._blocks_for(r) if self.reserve_whole else 0
-                g = self._group_for(need)
+                # a hit takes fewer new blocks, but holds its cached ones, which no one may then evict
+                cache = self.allocs[0].cache
+                held = sum(b in cache.unheld for b in shared) if cache is not None else 0
+                g = self._group_for(need - len(shared) + held if self.reserve_whole else 0)
                 if g is None:
                     if self.running:
                         break
@@ -475,9 +503,52 @@ class Scheduler:
                     continue
                 self.waiting.popleft()
                 r.seq, self._next_seq = self._next_seq, self._next_seq + 1
-                self.allocs[g].admit(r.seq)
+                self.allocs[g].admit(r.seq, shared)
                 r.group, r.need_blocks = g, need
                 self.running[r.seq] = r
+                if shared:  # its slot as the cached prefix left it; prefill from the boundary on
+                    self.stepper.load_slot(g, self.allocs[g].slot_of[r.seq], state)
+                    r.consumed = r.out.cached_tokens = len(shared) * self.allocs[g].block_size
+                    self.events.prefix_hit(r.consumed)
+
+    # -- prefix caching (regions/prefix.py) ------------------------------------------------------
+
+    def _match(self, r: Running) -> tuple[list[int], Any]:
+        """The cached blocks `r` can start from and the slot state at their end (none for a request
+        that keeps or is handed every position's logits: the prompt's logprobs need every row); at
+        least its last prompt token is left to prefill."""
+        if not self.prefix_cache or r.request.keep_logits or r.request.on_logits is not None:
+            return [], None
+        a = self.allocs[0]
+        if r.keys is None:
+            r.keys = block_keys(r.request.prompt, a.block_size, image_root(r.request.image))
+        return a.match(r.keys[: (len(r.request.prompt) - 1) // a.block_size])
+
+    def _chunk_of(self, r: Running) -> int:
+        """Tokens `r` feeds this step: its next prompt chunk or its unfed token. With prefix caching a
+        prompt chunk that reaches a block boundary ends at the last one it reaches, so the slot state
+        at that boundary can be kept with the cached blocks (`_cache_prefix`)."""
+        n = min(self.stepper.chunk, len(r.out.tokens) - r.consumed)
+        if self.prefix_cache and r.consumed < r.out.prompt_len:
+            bs = self.allocs[r.group].block_size
+            edge = (r.consumed + n) // bs * bs
+            if edge > r.consumed:
+                n = edge - r.consumed
+        return n
+
+    def _cache_prefix(self, r: Running) -> None:
+        """After a step that fed `r` up to a block boundary inside its prompt: cache its full blocks,
+        keeping its slot state with the last (unless one is kept for that block already)."""
+        a, end = self.allocs[r.group], r.consumed
+        if r.keys is None or end % a.block_size or end > r.out.prompt_len or end == 0:
+            return
+        keys = r.keys[: end // a.block_size]
+        cache = a.cache
+        assert cache is not None
+        if cache.block_of.get(keys[-1]) in cache.states:
+            a.cache_blocks(r.seq, keys, None)
+        else:
+            a.cache_blocks(r.seq, keys, self.stepper.save_slot(r.group, a.slot_of[r.seq]))
 
     def _blocks_for(self, r: Running) -> int:
         """KV blocks a request needs: its prompt and every generated token but the last."""
@@ -495,7 +566,7 @@ class Scheduler:
             claims[r.group] = [c + h for c, h in zip(claims[r.group], held)]
         for g in sorted(range(len(self.allocs)), key=lambda i: load[i]):
             a = self.allocs[g]
-            room = all(len(free) - c >= n for free, c, n in zip(a.free, claims[g], a.shard_counts(need)))
+            room = all(a.available(s) - c >= n for s, (c, n) in enumerate(zip(claims[g], a.shard_counts(need))))
             if load[g] < self.stepper.max_batch and a.free_slots and room:
                 return g
         return None
@@ -504,7 +575,7 @@ class Scheduler:
         a = self.allocs[0]
         if not a.free_slots:
             return NO_SLOT
-        return f"needs {need} KV blocks of {a.block_size} positions; the pool holds {len(a.free_blocks)}"
+        return f"needs {need} KV blocks of {a.block_size} positions; the pool holds {sum(map(a.available, range(a.shards)))}"
 
     def _finish(self, r: Running, reason: str, error: str | None = None) -> None:
         if r.out.finish_reason is not None:
@@ -518,8 +589,18 @@ class Scheduler:
             r.request.on_finish(reason, error)
 
     def _report(self) -> None:
-        blocks = sum(len(t) for a in self.allocs for t in a.tables.values())
-        self.events.load(len(self.running), len(self.waiting), blocks)
+        self.events.load(len(self.running), len(self.waiting), sum(a.blocks_in_use() for a in self.allocs))
+        cache = self.allocs[0].cache
+        if cache is not None:
+            self.events.prefix_cache(len(cache), cache.evicted)
+
+
+def image_root(image: ImageEmbeds | None) -> bytes:
+    """The key root of a prompt (regions/prefix.py): its image positions and rows, if any."""
+    if image is None:
+        return root_key()
+    rows = image.embeds.detach().to("cpu", torch.float32).contiguous()
+    return root_key((image.mask.to("cpu").numpy().tobytes(), rows.numpy().tobytes()))
 
 
 class Completions(list[Completion]):

@@ -28,9 +28,15 @@ from deepinfer.cli_common import bundle_options, load_settings, user_errors
     "at the next step; more: HTTP 429 with Retry-After.",
 )
 @click.option("--model-name", default=None, help="The model's id in the API (default: the bundle directory's name).")
+@click.option(
+    "--no-prefix-cache",
+    is_flag=True,
+    help="Do not share the KV blocks of prompt prefixes between requests (prefix caching is on for "
+    "one-rank bundles otherwise).",
+)
 @bundle_options
 @user_errors
-def main(bundle, host, port, max_queue, model_name, **load):
+def main(bundle, host, port, max_queue, model_name, no_prefix_cache, **load):
     """Serve BUNDLE over the OpenAI HTTP API with continuous batching.
 
     POST /v1/completions and /v1/chat/completions (stream: true for server-sent
@@ -54,6 +60,7 @@ def main(bundle, host, port, max_queue, model_name, **load):
         port=port,
         max_queue=max_queue,
         model_name=model_name,
+        prefix_cache=not no_prefix_cache,
         on_ready=click.echo,
     )
     serve(bundle, options)

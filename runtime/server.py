@@ -423,7 +423,12 @@ def create_app(served: Served):
 
         def usage() -> dict:
             n = sum(len(out.generated) for out in outs)
-            return {"prompt_tokens": len(p.prompt), "completion_tokens": n, "total_tokens": len(p.prompt) + n}
+            return {
+                "prompt_tokens": len(p.prompt),
+                "completion_tokens": n,
+                "total_tokens": len(p.prompt) + n,
+                "prompt_tokens_details": {"cached_tokens": outs[0].cached_tokens},
+            }
 
         def logprobs(items: list[Entry]) -> dict | None:
             if p.logprobs is None:
@@ -630,7 +635,10 @@ def serve(executor: Executor, tokenizer, options: ServeOptions) -> None:
     stats = Stats()
     steps = executor.steps(stats)
     drafter = executor.dspark(stats) if options.speculative else None
-    engine = Engine(steps, eos=executor.config.eos_token_id, max_queue=options.max_queue, drafter=drafter)
+    prefix_cache = options.prefix_cache and executor.comm is None  # a slot's state is saved on one rank
+    engine = Engine(
+        steps, eos=executor.config.eos_token_id, max_queue=options.max_queue, drafter=drafter, prefix_cache=prefix_cache
+    )
     model = options.model_name or executor.path.name
     app = create_app(Served(engine, tokenizer, model, executor.config.text.vocab_size))
     host, port = options.host, options.port
@@ -655,7 +663,7 @@ def serve(executor: Executor, tokenizer, options: ServeOptions) -> None:
         if options.on_ready is not None:
             options.on_ready(
                 f"deepinfer-serve: {executor.path} as model {model!r} on {url} (batch up to {steps.max_batch}, "
-                f"queue {options.max_queue})"
+                f"queue {options.max_queue}, prefix cache {'on' if prefix_cache else 'off'})"
             )
         server.run(sockets=[sock])
     except _Stopped:

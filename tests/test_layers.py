@@ -56,6 +56,7 @@ RUNTIME_LOADS = [
     "deepinfer.regions",
     "deepinfer.regions.config",
     "deepinfer.regions.engram_hash",
+    "deepinfer.regions.prefix",
     "deepinfer.regions.spans",
     "deepinfer.regions.step",
     "deepinfer.regions.stepper",

@@ -1,0 +1,287 @@
+"""Prefix caching (regions/prefix.py): the block-hash, hold-count and LRU bookkeeping of the allocator;
+the scheduler over a counting model; and a compiled bundle through the engine, whose greedy outputs
+with the cache must equal its outputs without it, token for token (each prompt alone, no cache)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deepinfer.regions.prefix import block_keys, root_key
+from deepinfer.regions.stepper import Allocator, OutOfBlocks
+from deepinfer.runtime.engine import Engine
+from deepinfer.runtime.schedule import Completion, Request
+
+from .test_engine import Counting
+
+# --- keys -------------------------------------------------------------------------------------------
+
+
+def test_block_keys_chain_their_parents_and_cover_full_blocks_only():
+    a = block_keys([5, 6, 7, 8, 9], 2, root_key())
+    assert len(a) == 2  # the fifth token fills no block
+    assert block_keys([5, 6, 7, 8], 2, root_key()) == a
+    b = block_keys([4, 6, 7, 8], 2, root_key())
+    assert b[0] != a[0] and b[1] != a[1]  # a block's key depends on every token before it
+    assert block_keys([5, 6, 7, 9], 2, root_key())[0] == a[0]
+    image = root_key((b"\x01\x00", b"rows"))
+    assert block_keys([5, 6], 2, image) != block_keys([5, 6], 2, root_key())
+    assert block_keys([5, 6], 2, image) != block_keys([5, 6], 2, root_key((b"\x01\x00", b"other")))
+
+
+# --- the allocator ------------------------------------------------------------------------------------
+
+
+def cached_allocator(blocks: int = 6, block_size: int = 2) -> Allocator:
+    a = Allocator(slots=4, blocks=blocks, block_size=block_size, max_blocks=8)
+    a.use_prefix_cache()
+    return a
+
+
+def test_cached_blocks_are_shared_held_and_released_to_the_lru():
+    a = cached_allocator()  # 5 usable blocks
+    keys = block_keys([1, 2, 3, 4, 5, 6], 2, root_key())
+    a.admit(0)
+    a.reserve(0, 6)
+    a.cache_blocks(0, keys[:2], "state after 4")
+    assert a.match(keys) == (a.tables[0][:2], "state after 4")
+    a.cache_blocks(0, keys, "state after 6")
+    assert a.match(keys) == (a.tables[0], "state after 6")
+    assert a.match(keys[:2]) == (a.tables[0][:2], "state after 4")
+    assert a.match(block_keys([9, 9], 2, root_key())) == ([], None)
+    shared, _ = a.match(keys[:2])
+    a.admit(1, shared)
+    a.reserve(1, 5)
+    assert a.tables[1][:2] == a.tables[0][:2] and a.blocks_in_use() == 4
+    assert a.available() == 1  # 5 usable: 3 of seq 0 (2 shared), 1 of seq 1's own
+    a.release(0)
+    assert a.cache is not None
+    assert list(a.cache.unheld) == [a.cache.block_of[keys[2]]]  # seq 1 still holds the first two
+    a.release(1)
+    assert len(a.cache) == 3 and a.available() == 5
+
+
+def test_eviction_takes_the_least_recently_released_unheld_block_never_a_held_one():
+    a = cached_allocator(blocks=5)  # 4 usable
+    k1 = block_keys([1, 1, 1, 1], 2, root_key())
+    k2 = block_keys([2, 2, 2, 2], 2, root_key())
+    for seq, keys in ((0, k1), (1, k2)):
+        a.admit(seq)
+        a.reserve(seq, 4)
+        a.cache_blocks(seq, keys, f"state {seq}")
+    a.release(0)  # k1's blocks unheld (its last block first), k2's held by seq 1
+    a.admit(2)
+    a.reserve(2, 2)  # no free block: evicts k1's last block (released first), never seq 1's
+    assert a.cache is not None and a.cache.evicted == 1
+    assert a.match(k1) == ([], None)  # its first block is cached still, but without a slot state
+    assert k1[0] in a.cache.block_of and k1[1] not in a.cache.block_of
+    assert a.match(k2) == (a.tables[1], "state 1")
+    a.reserve(2, 4)  # then k1's first block
+    assert a.cache.evicted == 2 and a.match(k1) == ([], None)
+    with pytest.raises(OutOfBlocks, match="KV pool exhausted"):
+        a.reserve(2, 6)  # seq 1's blocks are held: never evicted
+    assert a.match(k2) == (a.tables[1], "state 1")
+
+
+def test_a_key_cached_by_another_sequence_keeps_the_first_block():
+    a = cached_allocator()
+    keys = block_keys([3, 3, 4, 4], 2, root_key())
+    for seq in (0, 1):  # two sequences prefilled the same prompt at once
+        a.admit(seq)
+        a.reserve(seq, 4)
+        a.cache_blocks(seq, keys, f"state {seq}")
+    assert a.match(keys) == (a.tables[0], "state 0")
+    a.release(1)  # its duplicates were never cached: free again
+    assert a.available() == 3 and len(a.cache or ()) == 2
+
+
+# --- the scheduler over a counting model ----------------------------------------------------------------
+
+
+class SlotCounting(Counting):
+    """`Counting` with slot states: a dict per slot of the positions fed (what a window ring holds)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.fed: dict[int, list[int]] = {}  # slot -> positions fed so far
+
+    def run(self, rows_by_group, allocs, histories, images, capture=None):
+        for seq, ids, start in rows_by_group[0]:
+            slot = allocs[0].slot_of[seq]
+            if start == 0:
+                self.fed[slot] = []
+            fed = self.fed[slot]
+            assert fed == list(range(start)), (seq, start, fed)  # the slot's state is this sequence's
+            fed.extend(range(start, start + len(ids)))
+        return super().run(rows_by_group, allocs, histories, images, capture)
+
+    def save_slot(self, group, slot):
+        return list(self.fed[slot])
+
+    def load_slot(self, group, slot, state):
+        self.fed[slot] = list(state)
+
+
+def run_alone(engine: Engine, prompt: list[int], max_tokens: int, limit: int = 200) -> Completion:
+    out = engine.submit(Request(prompt, max_tokens))
+    for _ in range(limit):
+        if not engine.scheduler.busy:
+            return out
+        engine.step()
+    raise AssertionError("the engine did not finish")
+
+
+def metric(engine: Engine, name: str) -> float:
+    value = engine.metrics.registry.get_sample_value(name)
+    assert value is not None, name
+    return value
+
+
+def test_scheduler_starts_a_hit_at_the_cached_boundary_and_chunks_end_at_block_boundaries():
+    model = SlotCounting(chunk=6, block_size=4, blocks=17, max_blocks=8, slots=4)
+    engine = Engine(model, eos=1, max_queue=4, prefix_cache=True)
+    prompt = [5 + i % 20 for i in range(14)]
+    first = run_alone(engine, prompt, 3)
+    # chunks of 6 cut at the blocks' ends: 0-4, 4-8, 8-12 (the state kept at each), then 12-14
+    assert [(s[0][2], len(s[0][1])) for s in model.steps[:4]] == [(0, 4), (4, 4), (8, 4), (12, 2)]
+    assert first.cached_tokens == 0
+    model.steps.clear()
+    again = run_alone(engine, prompt[:10] + [7, 7, 7], 3)
+    assert again.cached_tokens == 8 and model.steps[0][0][2] == 8  # 8 of the 10 shared: two blocks
+    whole = run_alone(engine, prompt, 3)
+    assert whole.cached_tokens == 12 and whole.generated == first.generated  # the last token is fed again
+    assert metric(engine, "deepinfer_prefix_cache_hit_tokens_total") == 20
+
+
+# --- a compiled bundle through the engine ---------------------------------------------------------------
+
+NEW = 8
+
+
+def prompts_sharing(rng: random.Random, base: list[int], shared: int, length: int) -> list[int]:
+    return base[:shared] + [rng.randrange(3, 250) for _ in range(length - shared)]
+
+
+@pytest.fixture(scope="module")
+def executor(run_exported_bundle):
+    """The exported bundle: blocks of 16, prompt chunks of 8, window 8, context 80, 20 usable blocks."""
+    from deepinfer.runtime import load
+
+    return load(run_exported_bundle)
+
+
+def engine_of(executor, prefix_cache: bool) -> Engine:
+    from deepinfer.runtime.executor import Stats
+
+    steps = executor.steps(Stats())
+    return Engine(steps, eos=executor.config.eos_token_id, max_queue=16, prefix_cache=prefix_cache)
+
+
+def alone_without_cache(executor, prompts: list[list[int]]) -> list[list[int]]:
+    engine = engine_of(executor, prefix_cache=False)
+    with torch.inference_mode():
+        return [run_alone(engine, p, NEW).generated for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def workload(executor):
+    """A 45-token prompt, prompts sharing 20 (a prefix ending mid-block: 16 reused) and 36 of its
+    tokens (more than the window of 8: 32 reused) and all 45 (32 reused: one token must be fed),
+    with each one's greedy tokens run alone without the cache."""
+    rng = random.Random(7)
+    base = [rng.randrange(3, 250) for _ in range(45)]
+    prompts = [base, prompts_sharing(rng, base, 20, 30), prompts_sharing(rng, base, 36, 44), list(base)]
+    return prompts, alone_without_cache(executor, prompts)
+
+
+def test_cache_hits_give_the_tokens_of_uncached_runs(executor, workload):
+    prompts, expected = workload
+    engine = engine_of(executor, prefix_cache=True)
+    with torch.inference_mode():
+        outs = [run_alone(engine, p, NEW) for p in prompts]
+    assert [o.cached_tokens for o in outs] == [0, 16, 32, 32]
+    assert [o.generated for o in outs] == expected
+    assert metric(engine, "deepinfer_prefix_cache_hit_tokens_total") == 80
+    assert metric(engine, "deepinfer_prefix_cache_blocks") >= 2
+
+
+def test_concurrent_requests_share_the_cached_blocks(executor, workload):
+    prompts, expected = workload
+    engine = engine_of(executor, prefix_cache=True)
+    with torch.inference_mode():
+        run_alone(engine, prompts[0], NEW)  # warms the cache
+        outs = [engine.submit(Request(p, NEW)) for p in prompts[1:]]
+        engine.step()  # admits all three, each holding the shared first block
+        a = engine.scheduler.allocs[0]
+        assert a.cache is not None and max(a.cache.holders.values()) == 3
+        assert a.blocks_in_use() < sum(len(t) for t in a.tables.values())
+        for _ in range(200):
+            if not engine.scheduler.busy:
+                break
+            engine.step()
+    assert [o.cached_tokens for o in outs] == [16, 32, 32]
+    assert [o.generated for o in outs] == expected[1:]
+
+
+def test_a_short_pool_evicts_unheld_blocks_and_never_a_held_one(run_exported_bundle, workload):
+    from deepinfer.runtime import load
+
+    prompts, expected = workload
+    rng = random.Random(11)
+    other = [rng.randrange(3, 250) for _ in range(33)]  # 33 + 8 - 1 positions: 3 blocks, 2 cached
+    small = [rng.randrange(3, 250) for _ in range(20)]  # 2 blocks
+    executor = load(run_exported_bundle, num_kv_blocks=7)  # 6 usable blocks
+    other_out, small_out = alone_without_cache(executor, [other, small])
+    engine = engine_of(executor, prefix_cache=True)
+    a = engine.scheduler.allocs[0]
+    with torch.inference_mode():
+        run_alone(engine, prompts[0], NEW)  # caches its 2 full prompt blocks of 4
+        run_alone(engine, other, NEW)  # and 2 more: 4 cached, none held, 2 free
+        held_keys = block_keys(prompts[0], 16, root_key())[:2]
+        assert a.cache is not None and len(a.cache) == 4 and a.cache.evicted == 0
+        hit = engine.submit(Request(prompts[3], NEW))  # holds the first prompt's 2 blocks, takes the 2 free
+        late = engine.submit(Request(small, NEW))  # needs 2: only by evicting `other`'s
+        for _ in range(200):
+            if not engine.scheduler.busy:
+                break
+            engine.step()
+            if hit.finish_reason is None:  # the blocks it holds stay cached while it runs
+                assert all(k in a.cache.block_of for k in held_keys)
+        assert a.cache.evicted == 2 and all(k in a.cache.block_of for k in held_keys)
+        again = run_alone(engine, other, NEW)  # its blocks were evicted: a miss, the same tokens
+    assert (hit.cached_tokens, late.cached_tokens, again.cached_tokens) == (32, 0, 0)
+    assert [hit.generated, late.generated, again.generated] == [expected[3], small_out, other_out]
+    assert metric(engine, "deepinfer_prefix_cache_evicted_blocks_total") >= 2
+
+
+# --- deepinfer-serve --------------------------------------------------------------------------------------
+
+
+def test_the_server_reports_cached_tokens_and_no_prefix_cache_turns_it_off(aoti_bundle):
+    """A real server (the openai client): a prompt, one sharing 36 of its 40 tokens, the first again;
+    the cached server's texts are the uncached one's and it reports the two blocks it reused."""
+    from .test_serve import MODEL, Server
+
+    rng = random.Random(3)
+    base = [rng.randrange(3, 250) for _ in range(40)]
+    prompts = [base, base[:36] + [rng.randrange(3, 250) for _ in range(4)], base]
+    seen = {}
+    for flags in ((), ("--no-prefix-cache",)):
+        server = Server(aoti_bundle, *flags)
+        try:
+            client = server.client()
+            got = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+            details = [r.usage.prompt_tokens_details if r.usage else None for r in got]
+            seen[flags] = (
+                [r.choices[0].text for r in got],
+                [d.cached_tokens if d is not None else None for d in details],
+                server.metric("deepinfer_prefix_cache_hit_tokens_total"),
+            )
+        finally:
+            assert server.stop() == 0, server.proc.stderr.read()
+    (texts, cached, hits), (plain_texts, plain_cached, plain_hits) = seen[()], seen[("--no-prefix-cache",)]
+    assert cached == [0, 32, 32] and hits == 64
+    assert plain_cached == [0, 0, 0] and plain_hits == 0
+    assert texts == plain_texts

@@ -177,7 +177,12 @@ def test_prompt_scoring_max_tokens_0_with_echo(server, executor):
     assert status == 200, body
     (choice,) = body["choices"]
     assert choice["text"] == prompt and choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert body["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": 0,
+        "total_tokens": len(ids),
+        "prompt_tokens_details": {"cached_tokens": 0},  # logprobs need every prompt row: never from the cache
+    }
     lp = choice["logprobs"]
     assert len(lp["token_logprobs"]) == len(ids) and lp["token_logprobs"][0] is None
     for j in range(1, len(ids)):

@@ -12,6 +12,11 @@ multi-byte character spans two) as p50/p99, measured by the clients. Then a burs
 of `--burst` requests at once: every one must come back exactly once, and the
 server's RSS (from /proc) afterwards is compared with its idle figure before the
 burst. Clients are plain http.client threads, light next to the server.
+
+Structured output: the same prompts through `--structured-clients` concurrent clients twice, plain
+and with a JSON schema (`response_format`; one string property the model fills until `max_tokens`,
+so both runs generate as many tokens); `structured_over_plain_itl` is the median inter-token latency
+of the constrained run over the plain one (issue 32's target: at most 1.1).
 """
 
 from __future__ import annotations
@@ -44,10 +49,19 @@ PROMPTS = [
 ]
 LEVELS = (1, 4, 8)
 TIMEOUT_S = 600
+# one unbounded string: a constrained request runs to max_tokens as a plain one does (same load)
+STRUCTURED_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "note",
+        "schema": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+    },
+}
 
 
-def stream(url: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed completion: {"sent", "chunks": [arrival times], "tokens", "id", "finish"}."""
+def stream(url: str, prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
+    """One streamed completion (`extra`: more body fields): {"sent", "chunks": [arrival times], "tokens",
+    "id", "finish"}."""
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT_S)
     body = json.dumps(
@@ -57,6 +71,7 @@ def stream(url: str, prompt: str, max_tokens: int) -> dict:
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **(extra or {}),
         }
     )
     sent = time.perf_counter()
@@ -89,11 +104,11 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def level(url: str, clients: int, prompts: list[str], max_tokens: int) -> dict:
+def level(url: str, clients: int, prompts: list[str], max_tokens: int, extra: dict | None = None) -> dict:
     """`prompts` through `clients` concurrent streaming clients."""
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda p: stream(url, p, max_tokens), prompts))
+        results = list(pool.map(lambda p: stream(url, p, max_tokens, extra), prompts))
     wall = time.perf_counter() - start
     tokens = sum(r["tokens"] for r in results)
     ttft = [(r["chunks"][0] - r["sent"]) * 1e3 for r in results if r["chunks"]]
@@ -153,6 +168,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--burst", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    ap.add_argument("--structured-clients", type=int, default=4, help="concurrent clients of the structured run")
+    ap.add_argument("--structured-only", action="store_true", help="only the plain and structured runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -175,8 +192,14 @@ def main() -> None:
     )
     try:
         level(server.url, 8, PROMPTS, 4)  # warm-up: every bucket once
-        levels = {c: level(server.url, c, prompts, args.max_tokens) for c in LEVELS}
-        burst_out = burst(server.url, server.pid, args.burst, 8)
+        level(server.url, 8, PROMPTS, 4, {"response_format": STRUCTURED_FORMAT})  # and the grammar engine
+        c = args.structured_clients
+        structured = {
+            "plain": level(server.url, c, prompts, args.max_tokens),
+            "json_schema": level(server.url, c, prompts, args.max_tokens, {"response_format": STRUCTURED_FORMAT}),
+        }
+        levels = {} if args.structured_only else {c: level(server.url, c, prompts, args.max_tokens) for c in LEVELS}
+        burst_out = None if args.structured_only else burst(server.url, server.pid, args.burst, 8)
     finally:
         status = server.stop()
     out = {
@@ -186,19 +209,27 @@ def main() -> None:
         "levels": levels,
         "burst": burst_out,
         "server_exit": status,
-        "throughput_ratio_8_over_1": levels[8]["tokens_per_s"] / levels[1]["tokens_per_s"],
-        "itl_p99_ms_8": levels[8]["itl_p99_ms"],
+        "structured": structured,
+        "structured_over_plain_itl": structured["json_schema"]["itl_p50_ms"] / structured["plain"]["itl_p50_ms"],
     }
+    if levels:
+        out["throughput_ratio_8_over_1"] = levels[8]["tokens_per_s"] / levels[1]["tokens_per_s"]
+        out["itl_p99_ms_8"] = levels[8]["itl_p99_ms"]
     if args.json:
         print(json.dumps(out, indent=1))
         return
-    print(f"{'clients':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  (ms)")
-    for c, r in levels.items():
+    print(f"{'clients':>12}{'tok/s':>9}{'tokens':>8}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  (ms)")
+    rows = [(str(c), r) for c, r in levels.items()]
+    rows += [(f"{c} {name}", r) for name, r in structured.items()]
+    for name, r in rows:
         print(
-            f"{c:>8}{r['tokens_per_s']:>9.1f}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>8.1f}"
-            f"{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>8.1f}"
+            f"{name:>12}{r['tokens_per_s']:>9.1f}{r['generated_tokens']:>8}{r['ttft_p50_ms']:>10.1f}"
+            f"{r['ttft_p99_ms']:>8.1f}{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>8.1f}"
         )
+    print(f"structured over plain, ITL p50: {out['structured_over_plain_itl']:.3f} (target <= 1.1)")
     b = burst_out
+    if b is None:
+        return
     print(
         f"throughput 8 / 1: {out['throughput_ratio_8_over_1']:.2f}x; burst of {b['requests']}: {b['completed']} "
         f"completed, {b['unique_ids']} distinct ids; RSS {b['rss_idle_mib']:.1f} -> {b['rss_after_mib']:.1f} MiB "

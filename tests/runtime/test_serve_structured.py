@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from .schemas import errors
-from .test_serve import MODEL, Server
+from .test_serve import MODEL, REQUEST_TIMEOUT_S, Server
 
 SCHEMA = {
     "type": "object",
@@ -149,14 +149,16 @@ def test_forced_tool_calls_follow_the_parameters_streamed_or_not(server, choice,
     kw = dict(
         model=MODEL, messages=MESSAGES, max_tokens=CALL_NEW, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False
     )
-    out = client.chat.completions.create(**kw)
+    with ThreadPoolExecutor(2) as pool:  # streamed and not in one batch (greedy: the same tokens)
+        whole = pool.submit(client.chat.completions.create, **kw)
+        streamed = pool.submit(lambda: list(client.chat.completions.create(**kw, stream=True)))
+        out, chunks = whole.result(timeout=REQUEST_TIMEOUT_S), streamed.result(timeout=REQUEST_TIMEOUT_S)
     c = out.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
     for call in c.message.tool_calls:
         assert call.type == "function" and call.id.startswith("call_")
         assert call.function.name in names
         valid(call.function.arguments, PARAMETERS[call.function.name])
-    chunks = list(client.chat.completions.create(**kw, stream=True))
     parts: dict[int, dict] = {}
     for chunk in chunks:
         for d in chunk.choices[0].delta.tool_calls or []:
@@ -170,11 +172,18 @@ def test_forced_tool_calls_follow_the_parameters_streamed_or_not(server, choice,
     assert not any(ch.choices[0].delta.content for ch in chunks)
 
 
-def test_tools_reach_the_prompt_and_none_answers_text(server):
+def test_tools_reach_the_prompt_and_none_and_auto_answer_text(server):
     """The byte tokenizer's plain format takes the tools as the documented system message first."""
     client = server.client()
     tools = [TIME]
-    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, tools=tools, tool_choice="none")
+    with ThreadPoolExecutor(2) as pool:  # in one batch: the same prompt, free text
+        none, auto = pool.map(
+            lambda choice: client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=8, tools=tools, tool_choice=choice
+            ),
+            ["none", "auto"],
+        )
+    out = none
     rendered = (
         '<|system|>\nTools (<tool_call>{"name":...,"arguments":{...}}</tool_call> calls one): '
         '[{"name":"time","parameters":{"type":"object","properties":{}}}]\n<|user|>\nHi\n<|assistant|>\n'
@@ -183,6 +192,9 @@ def test_tools_reach_the_prompt_and_none_answers_text(server):
     direct = client.completions.create(model=MODEL, prompt=rendered, max_tokens=8)
     assert out.choices[0].message.content == direct.choices[0].text and out.choices[0].message.tool_calls is None
     assert out.choices[0].finish_reason == direct.choices[0].finish_reason
+    # auto: the model wrote no call (its text has no <tool_call>), so the same text comes back
+    assert "<tool_call>" not in direct.choices[0].text
+    assert auto.choices[0].message.content == direct.choices[0].text and auto.choices[0].message.tool_calls is None
 
 
 @pytest.mark.parametrize(

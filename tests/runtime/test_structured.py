@@ -256,3 +256,28 @@ def test_the_call_parser_finds_calls_in_free_text_as_it_streams():
     assert streamed == content and [c.name for _, cs in pieces for c in cs] == ["weather"]
     assert pieces[11][0] == "" and pieces[10][0] == "."  # "<" might begin a call: held back
     assert parse_output("a < b", names) == ("a < b", [])
+
+
+def test_a_template_that_reads_tools_gets_them(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from deepinfer.regions.hf_tokenizer import TokenizersTokenizer
+
+    synthetic = Path(__file__).resolve().parents[1] / "golden" / "synthetic_tokenizer"
+    for f in synthetic.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    assert not TokenizersTokenizer.from_dir(tmp_path).takes_tools()  # the synthetic template ignores tools
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if tools %}[{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}"
+        "{% for m in messages %}{{ m.content }}{% for c in m.tool_calls or [] %}({{ c.function.name }}){% endfor %}"
+        "{% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = TokenizersTokenizer.from_dir(tmp_path)
+    assert tok.takes_tools()
+    tools = parse_tools({"tools": [WEATHER, TIME]})
+    calls = [{"id": "c", "type": "function", "function": {"name": "time", "arguments": "{}"}}]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    assert tok.render_chat(messages, tools=[f.spec() for f in tools.functions]) == "[weather;time;]Hi(time)"

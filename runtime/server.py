@@ -12,6 +12,10 @@ Chat messages render through the bundle tokenizer's chat template. The tiny
 byte-level tokenizer has none; for it the server uses `plain_chat`: each
 message as `<|role|>\\n` + its content + `\\n`, then `<|assistant|>\\n`, after bos.
 
+`response_format` (JSON) and forced tool calls hold the output to a grammar (`runtime/structured.py`,
+masks applied by the scheduler); `tools` reach the chat template, and calls are parsed out of the
+output (`runtime/tools.py`) into `tool_calls`, streamed one delta per call.
+
 Text leaves as it is decoded (`TextStream`): stop strings are found in the text,
 which is cut before the first one, and a streamed delta holds back the text
 that could still begin a stop string or a multi-byte character.

@@ -137,9 +137,7 @@ def call_lark(functions: tuple[Function, ...], parallel: bool) -> str:
 
 def fallback_message(functions: tuple[Function, ...]) -> dict:
     """The system message that tells a model the tools when its chat template does not take them."""
-    listed = json.dumps(
-        [{k: v for k, v in f.spec()["function"].items()} for f in functions], separators=(",", ":"), ensure_ascii=False
-    )
+    listed = json.dumps([f.spec()["function"] for f in functions], separators=(",", ":"), ensure_ascii=False)
     return {
         "role": "system",
         "content": f'Tools ({OPEN}{{"name":...,"arguments":{{...}}}}{CLOSE} calls one): {listed}',

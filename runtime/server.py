@@ -278,6 +278,13 @@ class Served:
             tools,
         )
 
+    def request_params(self, body: dict, chat: bool) -> Params:
+        """A generation request's prompt and fields, checked (BadRequest)."""
+        tools = self.tools(body) if chat else None
+        prompt = self.chat_prompt(body, tools) if chat else self.completion_prompt(body)
+        default_max = self.engine.max_context - len(prompt) + 1 if chat else DEFAULT_COMPLETION_TOKENS
+        return self.params(body, prompt, default_max, chat, tools)
+
     def response_format(self, body: dict) -> str | None:
         """body's response_format as the grammar of its output: None for text (or none given)."""
         fmt = body.get("response_format")
@@ -520,6 +527,7 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 def create_app(served: Served):
     """The Starlette application of `served`."""
     from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -548,15 +556,9 @@ def create_app(served: Served):
     async def generate(request: HttpRequest, chat: bool):
         try:
             body = await body_of(request)
-            tools = served.tools(body) if chat else None
-            prompt = served.chat_prompt(body, tools) if chat else served.completion_prompt(body)
-            p = served.params(
-                body,
-                prompt,
-                served.engine.max_context - len(prompt) + 1 if chat else DEFAULT_COMPLETION_TOKENS,
-                chat,
-                tools,
-            )
+            # off the event loop: a chat template renders, a schema compiles to a grammar (up to ~0.1 s for
+            # a large one; the first one builds the grammar engine's tokenizer), while other streams flow
+            p = await run_in_threadpool(served.request_params, body, chat)
             jobs, outs, events = served.start(p)
         except (BadRequest, QueueFull) as e:
             return refuse(e)

@@ -20,6 +20,7 @@ first ends it with `length`, its text a prefix of what the grammar admits, as Op
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 import torch
@@ -121,14 +122,16 @@ class Grammars:
         self.source, self.vocab, self.eos, self.threads = tokenizer, vocab, eos, threads
         self._tokenizer: Any = None
         self._executor: Any = None
+        self._lock = threading.Lock()  # requests are checked on the server's worker threads
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            import llguidance
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance
 
-            self._tokenizer = llguidance_tokenizer(self.source, self.vocab, self.eos)
-            self._executor = llguidance.LLExecutor(num_threads=self.threads)
+                self._executor = llguidance.LLExecutor(num_threads=self.threads)
+                self._tokenizer = llguidance_tokenizer(self.source, self.vocab, self.eos)
         return self._tokenizer
 
     def check(self, grammar: str) -> None:

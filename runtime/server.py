@@ -38,7 +38,16 @@ from deepinfer.runtime.logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY, Entry, Reco
 from deepinfer.runtime.options import ServeOptions
 from deepinfer.runtime.schedule import Completion, Request, Sampling
 from deepinfer.runtime.structured import ANY_OBJECT, GrammarError, Grammars, json_grammar, lark_grammar
-from deepinfer.runtime.tools import CallParser, ToolError, Tools, call_lark, call_text, fallback_message, parse_tools
+from deepinfer.runtime.tools import (
+    CallParser,
+    ToolError,
+    Tools,
+    call_lark,
+    call_text,
+    fallback_message,
+    parse_output,
+    parse_tools,
+)
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -598,9 +607,7 @@ def create_app(served: Served):
             elif p.call_names is None:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text}})
             else:
-                parser = CallParser(p.call_names)
-                content, calls = parser.feed(text)
-                content += parser.end()
+                content, calls = parse_output(text, p.call_names)
                 message: dict[str, Any] = {"role": "assistant", "content": content or None}
                 if calls:
                     message["tool_calls"] = [c.message() for c in calls]
@@ -736,7 +743,8 @@ async def _sse(
     """Server-sent events of one streamed generation, a chunk per choice's delta (its `index`);
     leaving early (the client disconnected, a choice failed) cancels the choices still running.
     With `call_names` (a chat request's tools), each choice's text goes through a `CallParser`: its
-    content as it comes (text that may begin a call held back), each call in one `tool_calls` delta."""
+    content as it comes (text that may begin a call held back), a call's `tool_calls` delta (index,
+    id, type, name) once its opening is whole, then its arguments as they are written."""
     kind = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     parsers = [CallParser(call_names) for _ in jobs] if call_names is not None else None
 
@@ -751,7 +759,7 @@ async def _sse(
                 {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
             )
             if calls:
-                delta = {"tool_calls": calls}
+                delta = {"tool_calls": calls}  # OpenAI's: one call's delta
             choice = {"index": i, "delta": delta, "logprobs": logprobs(items) if items else None}
         else:
             choice = {"index": i, "text": text or "", "logprobs": logprobs(items) if items else None}
@@ -770,13 +778,8 @@ async def _sse(
                 continue
             if item[0] == "text":
                 assert parsers is not None  # the branch above took the rest
-                i, parser = item[1], parsers[item[1]]
-                before = len(parser.calls)
-                content, calls = parser.feed(item[2])
-                if content or item[3]:
-                    yield chunk(i, content, None, item[3])
-                for k, call in enumerate(calls):
-                    yield chunk(i, None, None, [], calls=[{"index": before + k, **call.message()}])
+                for piece in _call_chunks(item[1], parsers[item[1]].feed(item[2]), item[3], chunk):
+                    yield piece
                 continue
             finished += 1
             _, i, reason, error = item
@@ -785,9 +788,8 @@ async def _sse(
                 yield "data: [DONE]\n\n"
                 return
             if parsers is not None:
-                rest = parsers[i].end()
-                if rest:
-                    yield chunk(i, rest, None, [])
+                for piece in _call_chunks(i, parsers[i].end(), [], chunk):
+                    yield piece
                 if parsers[i].calls and reason == "stop":
                     reason = "tool_calls"
             yield chunk(i, None, reason, [])
@@ -798,6 +800,24 @@ async def _sse(
         if finished < len(jobs):
             for job in jobs:
                 served.engine.cancel(job)
+
+
+def _call_chunks(i: int, events: list[tuple], items: list[Entry], chunk: Callable) -> list[str]:
+    """The chunks of choice i's `CallParser` events (`items`, its logprob entries, ride the first)."""
+    out = []
+    for e in events:
+        if e[0] == "content":
+            out.append(chunk(i, e[1], None, items))
+        elif e[0] == "call":
+            call = e[2].message()
+            call["function"]["arguments"] = ""
+            out.append(chunk(i, None, None, items, calls=[{"index": e[1], **call}]))
+        else:
+            out.append(chunk(i, None, None, items, calls=[{"index": e[1], "function": {"arguments": e[2]}}]))
+        items = []
+    if items:  # text held back: the entries go now, with no text
+        out.append(chunk(i, "", None, items))
+    return out
 
 
 def serve(executor: Executor, tokenizer, options: ServeOptions) -> None:

@@ -7,7 +7,8 @@ or a named function the output is constrained (`call_grammar`, a grammar of llgu
 those functions whose arguments match each function's JSON `parameters` schema (compact JSON, objects
 closed as `runtime/structured.py` closes them); `"none"` leaves the output text. Calls come back as
 OpenAI's `tool_calls` (`id`, `type: "function"`, `function: {name, arguments}`, the arguments a JSON
-string), streamed as one delta per whole call, and the finish reason is `tool_calls`.
+string), streamed as a call's opening delta then its arguments as they are written, and the finish
+reason is `tool_calls`.
 
 Tools reach the chat template as its `tools` variable (HF's convention: a list of
 `{"type": "function", "function": {...}}`). A template that never reads `tools` (and the byte-level
@@ -149,66 +150,142 @@ def call_text(name: str, arguments: str) -> str:
     return f'{OPEN}{{"name":{json.dumps(name)},"arguments":{arguments}}}{CLOSE}'
 
 
-@dataclass(frozen=True)
+@dataclass
 class Call:
     id: str
     name: str
-    arguments: str  # a JSON object, compact
+    arguments: str  # the JSON object as the model wrote it (grown as it streams)
 
     def message(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+WS, STRING = object(), object()  # steps of `_match`: any whitespace, a JSON string
+HEAD = (OPEN, WS, "{", WS, '"name"', WS, ":", WS, STRING, WS, ",", WS, '"arguments"', WS, ":", WS, "{")
+TAIL = (WS, "}", WS, CLOSE)
+
+
+def _match(text: str, steps: tuple) -> tuple[str, str | None, int]:
+    """How `text` begins against `steps`: ("yes", the JSON string's value, where the match ends),
+    ("partial", ...) when it ends before they do, or ("no", ...)."""
+    i, value = 0, None
+    for step in steps:
+        if step is WS:
+            while i < len(text) and text[i] in " \t\r\n":
+                i += 1
+        elif step is STRING:
+            if i == len(text):
+                return "partial", None, i
+            if text[i] != '"':
+                return "no", None, i
+            j, escaped = i + 1, False
+            while j < len(text) and (escaped or text[j] != '"'):
+                escaped = not escaped and text[j] == "\\"
+                j += 1
+            if j == len(text):
+                return "partial", None, i
+            try:
+                value = json.loads(text[i : j + 1])
+            except ValueError:
+                return "no", None, i
+            i = j + 1
+        else:
+            n = min(len(step), len(text) - i)
+            if text[i : i + n] != step[:n]:
+                return "no", None, i
+            if n < len(step):
+                return "partial", None, i
+            i += n
+    return "yes", value, i
+
+
 class CallParser:
-    """One choice's text -> its content and calls, as the text comes: `feed` returns the content safe
-    to send (text that may begin a call is held back) and the calls completed; `end` the rest (a call
-    left unfinished, or not a call of one of `names`, is content)."""
+    """One choice's text -> its content and calls, as the text comes. `feed` returns events:
+    ("content", text) safe to send (text that may begin a call is held back), ("call", k, Call) once a
+    call's `<tool_call>{"name": NAME, "arguments": {` is whole and NAME is one of `names`, then
+    ("arguments", k, text) as its arguments object is written, up to its closing brace. Text that turns
+    out not to be such a call is content; `end` returns the events of what was held back."""
 
     def __init__(self, names: set[str]):
         self.names = names
-        self.buffer = ""  # text not yet sent: a possible start of a call, or a call being written
+        self.buffer = ""  # text held back: a possible start of a call, or the markup after its arguments
+        self.state = "text"  # text, head (a call's opening), arguments, tail (its closing)
         self.calls: list[Call] = []
+        self.depth, self.in_string, self.escaped = 0, False, False  # within the arguments object
 
-    def feed(self, text: str) -> tuple[str, list[Call]]:
+    def feed(self, text: str) -> list[tuple]:
         self.buffer += text
-        content, calls = [], []
+        events: list[tuple] = []
         while self.buffer:
-            at = self.buffer.find(OPEN)
-            if at < 0:
-                keep = _partial_suffix(self.buffer, OPEN)
-                content.append(self.buffer[: len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep :]
-                break
-            content.append(self.buffer[:at])
-            self.buffer = self.buffer[at:]
-            end = self.buffer.find(CLOSE)
-            if end < 0:
-                break  # a call being written
-            whole, self.buffer = self.buffer[: end + len(CLOSE)], self.buffer[end + len(CLOSE) :]
-            call = self._call(whole[len(OPEN) : -len(CLOSE)])
-            if call is None:
-                content.append(whole)
+            if self.state == "text":
+                at = self.buffer.find(OPEN)
+                cut = at if at >= 0 else len(self.buffer) - _partial_suffix(self.buffer, OPEN)
+                if cut:
+                    events.append(("content", self.buffer[:cut]))
+                self.buffer = self.buffer[cut:]
+                if at < 0:
+                    break
+                self.state = "head"
+            elif self.state == "head":
+                found, name, end = _match(self.buffer, HEAD)
+                if found == "partial":
+                    break
+                if found == "no" or name not in self.names:  # not a call: its opening tag is text
+                    events.append(("content", OPEN))
+                    self.buffer, self.state = self.buffer[len(OPEN) :], "text"
+                    continue
+                assert isinstance(name, str)  # found a call of a known name
+                self.calls.append(Call("call_" + uuid.uuid4().hex[:24], name, ""))
+                events.append(("call", len(self.calls) - 1, self.calls[-1]))
+                self.buffer, self.state = self.buffer[end - 1 :], "arguments"  # from the arguments' "{"
+                self.depth, self.in_string, self.escaped = 0, False, False
+            elif self.state == "arguments":
+                end = self._arguments_end()
+                piece, self.buffer = self.buffer[:end], self.buffer[end:]
+                self.calls[-1].arguments += piece
+                events.append(("arguments", len(self.calls) - 1, piece))
+                if self.depth > 0:
+                    break
+                self.state = "tail"
             else:
-                calls.append(call)
-        self.calls.extend(calls)
-        return "".join(content), calls
+                found, _, end = _match(self.buffer, TAIL)
+                if found == "partial":
+                    break
+                self.state = "text"
+                if found == "yes":
+                    self.buffer = self.buffer[end:]
+        return events
 
-    def end(self) -> str:
+    def _arguments_end(self) -> int:
+        """Where in the buffer the arguments object closes (past its "}"), or the buffer's end."""
+        for i, ch in enumerate(self.buffer):
+            if self.in_string:
+                self.escaped, self.in_string = (
+                    (not self.escaped and ch == "\\"),
+                    self.escaped or ch != '"',
+                )
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return len(self.buffer)
+
+    def end(self) -> list[tuple]:
+        """The events of the held-back text once the output has ended: an unfinished opening is text;
+        an unfinished call stays a call (its arguments as far as they got)."""
         rest, self.buffer = self.buffer, ""
-        return rest
+        return [("content", rest)] if rest and self.state in ("text", "head") else []
 
-    def _call(self, body: str) -> Call | None:
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
-            return None
-        name, arguments = value["name"], value["arguments"]
-        if name not in self.names or not isinstance(arguments, dict):
-            return None
-        text = json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
-        return Call("call_" + uuid.uuid4().hex[:24], name, text)
+
+def parse_output(text: str, names: set[str]) -> tuple[str, list[Call]]:
+    """A whole output's content (the text outside its calls) and calls."""
+    p = CallParser(names)
+    events = p.feed(text) + p.end()
+    return "".join(e[1] for e in events if e[0] == "content"), p.calls
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -217,10 +294,3 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
-
-
-def parse_output(text: str, names: set[str]) -> tuple[str, list[Call]]:
-    """A whole output's content (the text outside its calls) and calls."""
-    p = CallParser(names)
-    content, calls = p.feed(text)
-    return content + p.end(), calls

@@ -168,6 +168,8 @@ def test_forced_tool_calls_follow_the_parameters_streamed_or_not(server, choice,
             p["arguments"] += d.function.arguments or ""
     assert [(p["name"], json.loads(p["arguments"])) for _, p in sorted(parts.items())] == calls_of(c.message)
     assert all(p["id"] for p in parts.values())
+    pieces = [d for ch in chunks for d in ch.choices[0].delta.tool_calls or [] if d.function.arguments]
+    assert len(pieces) > 1  # the arguments stream as they are written
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not any(ch.choices[0].delta.content for ch in chunks)
 

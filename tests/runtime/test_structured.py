@@ -241,21 +241,28 @@ def test_forced_calls_follow_the_parameters(grammars):
 
 
 def test_the_call_parser_finds_calls_in_free_text_as_it_streams():
-    text = 'Let me see.<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call> <tool_call>bad'
-    text += '</tool_call><tool_call>{"name":"nope","arguments":{}}</tool_call><tool_call>{"name":"time",'
+    text = 'Let me see.<tool_call>{"name": "weather", "arguments": {"city": "O}s\\"lo", "n": [1, {}]}}</tool_call> '
+    text += '<tool_call>bad</tool_call><tool_call>{"name":"nope","arguments":{}}</tool_call><tool_call>{"name":"time",'
     names = {"weather", "time"}
     content, calls = parse_output(text, names)
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("weather", {"city": "Oslo"})]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("weather", {"city": 'O}s"lo', "n": [1, {}]})]
+    assert calls[0].arguments == '{"city": "O}s\\"lo", "n": [1, {}]}'  # as written
     assert content == (
         'Let me see. <tool_call>bad</tool_call><tool_call>{"name":"nope","arguments":{}}</tool_call>'
         '<tool_call>{"name":"time",'
-    )  # a malformed call, an unknown function and an unfinished call stay text
+    )  # a malformed call, an unknown function and an unfinished opening stay text
     p = CallParser(names)
-    pieces = [p.feed(ch) for ch in text]
-    streamed = "".join(c for c, _ in pieces) + p.end()
-    assert streamed == content and [c.name for _, cs in pieces for c in cs] == ["weather"]
-    assert pieces[11][0] == "" and pieces[10][0] == "."  # "<" might begin a call: held back
+    events = [p.feed(ch) for ch in text]
+    flat = [e for es in events for e in es] + p.end()
+    assert "".join(e[1] for e in flat if e[0] == "content") == content
+    assert "".join(e[2] for e in flat if e[0] == "arguments") == calls[0].arguments
+    opened = next(i for i, es in enumerate(events) if any(e[0] == "call" for e in es))
+    assert text[: opened + 1].endswith('"arguments": {')  # the call's delta as soon as its opening is whole
+    assert events[11] == [] and events[10] == [("content", ".")]  # "<" might begin a call: held back
     assert parse_output("a < b", names) == ("a < b", [])
+    # an unfinished call (max_tokens ran out) stays a call, its arguments as far as they got
+    content, calls = parse_output('<tool_call>{"name":"time","arguments":{"a":[1,', names)
+    assert content == "" and calls[0].arguments == '{"a":[1,'
 
 
 def test_a_template_that_reads_tools_gets_them(tmp_path):

@@ -37,7 +37,7 @@ from deepinfer.runtime.executor import Executor, Stats
 from deepinfer.runtime.logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY, Entry, Recorder, chat_format, legacy_format
 from deepinfer.runtime.options import ServeOptions
 from deepinfer.runtime.schedule import Completion, Request, Sampling
-from deepinfer.runtime.structured import ANY_OBJECT, GrammarError, Grammars, json_grammar, lark_grammar
+from deepinfer.runtime.structured import ANY_OBJECT, Compiled, GrammarError, Grammars, json_grammar, lark_grammar
 from deepinfer.runtime.tools import (
     CallParser,
     ToolError,
@@ -143,7 +143,7 @@ class Params:
     n: int = 1
     logprobs: int | None = None  # top entries per token (None: no logprobs)
     echo: bool = False
-    grammar: str | None = None  # what the output must follow (llguidance's), or None
+    grammar: Compiled | None = None  # what the output must follow, compiled once for its choices, or None
     tools: Tools | None = None  # a chat request's tools (calls are parsed from its output unless mode none)
 
     @property
@@ -294,7 +294,7 @@ class Served:
         default_max = self.engine.max_context - len(prompt) + 1 if chat else DEFAULT_COMPLETION_TOKENS
         return self.params(body, prompt, default_max, chat, tools)
 
-    def response_format(self, body: dict) -> str | None:
+    def response_format(self, body: dict) -> Compiled | None:
         """body's response_format as the grammar of its output: None for text (or none given)."""
         fmt = body.get("response_format")
         if fmt is None:
@@ -333,7 +333,7 @@ class Served:
         except BadRequest as e:
             raise BadRequest(f"response_format.json_schema.schema: {e}", "response_format") from None
 
-    def call_grammar(self, tools: Tools) -> str:
+    def call_grammar(self, tools: Tools) -> Compiled:
         """The grammar of a forced output: calls of `tools.forced`, each function's parameters checked alone
         first (so that the error names it)."""
         for i, f in enumerate(tools.functions):
@@ -344,12 +344,11 @@ class Served:
                     raise BadRequest(f"tools[{i}].function.parameters: {e}", "tools") from None
         return self.checked(lark_grammar(call_lark(tools.forced, tools.parallel)), "tools")
 
-    def checked(self, grammar: str, param: str) -> str:
+    def checked(self, grammar: str, param: str) -> Compiled:
         try:
-            self.grammars.check(grammar)
+            return self.grammars.compile(grammar)
         except GrammarError as e:
             raise BadRequest(str(e), param) from None
-        return grammar
 
     def tools(self, body: dict) -> Tools | None:
         try:

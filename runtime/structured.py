@@ -4,9 +4,9 @@
 (`tool_choice: "required"` or a named function, `runtime/tools.py`) become grammars of llguidance
 (a maintained grammar engine: JSON Schema and Lark grammars compiled to token masks over a
 tokenizer's byte-level vocabulary, in Rust, without a torch or transformers dependency). `Grammars`
-is one tokenizer's: its llguidance tokenizer (each token id's bytes, and eos) is built once, `check`
-refuses a grammar the engine cannot compile (`GrammarError`, the server's 400), `constraint` starts a
-matcher for one sequence. The scheduler (`runtime/schedule.py`) asks `masks` once a step for every
+is one tokenizer's: its llguidance tokenizer (each token id's bytes, and eos) is built once, `compile`
+refuses a grammar the engine cannot enforce (`GrammarError`, the server's 400), `constraint` starts a
+matcher for one sequence from a compiled grammar. The scheduler (`runtime/schedule.py`) asks `masks` once a step for every
 constrained sequence that picks a token in it, in one call (llguidance's executor), and applies each
 mask to that sequence's logits before the pick; sequences without a constraint pay nothing.
 
@@ -115,7 +115,7 @@ def llguidance_tokenizer(tokenizer, vocab: int, eos: int):
 
 
 class Grammars:
-    """One tokenizer's grammar engine: `check` a grammar, `constraint` for a sequence, `masks` for a batch.
+    """One tokenizer's grammar engine: `compile` a grammar, `constraint` for a sequence, `masks` for a batch.
     The llguidance tokenizer is built on first use (a `tokenizer.json`'s takes a moment)."""
 
     def __init__(self, tokenizer, vocab: int, eos: int, threads: int = 1):
@@ -134,22 +134,20 @@ class Grammars:
                 self._tokenizer = llguidance_tokenizer(self.source, self.vocab, self.eos)
         return self._tokenizer
 
-    def check(self, grammar: str) -> None:
-        """GrammarError naming the problem when `grammar` cannot be enforced."""
-        import llguidance
-
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if failed:
-            raise GrammarError(messages[0] if messages else "the grammar is invalid")
-
-    def constraint(self, grammar: str) -> Constraint:
-        """A matcher of `grammar` (checked) at the start of a sequence's generated tokens."""
+    def compile(self, grammar: str) -> Compiled:
+        """`grammar` compiled for this tokenizer (GrammarError naming the problem when it cannot be
+        enforced): what `constraint` starts each sequence from, without compiling it again."""
         import llguidance
 
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return Constraint(self, matcher)
+        return Compiled(matcher)
+
+    def constraint(self, grammar: str | Compiled) -> Constraint:
+        """A matcher of `grammar` at the start of a sequence's generated tokens."""
+        compiled = self.compile(grammar) if isinstance(grammar, str) else grammar
+        return Constraint(self, compiled.matcher.deep_copy())
 
     def masks(self, constraints: list[Constraint]) -> Tensor:
         """The tokens each constraint allows next: bool [len(constraints), vocab], in one call."""
@@ -159,6 +157,13 @@ class Grammars:
         fill_next_token_bitmask_par(self._executor, [(c.matcher, i) for i, c in enumerate(constraints)], bits)
         shifts = torch.arange(32, dtype=torch.int32)
         return ((bits[:, :, None] >> shifts) & 1).reshape(len(constraints), -1)[:, : self.vocab].bool()
+
+
+class Compiled:
+    """A grammar compiled for a tokenizer, its matcher at the start (copied for each sequence)."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
 
 
 class Constraint:

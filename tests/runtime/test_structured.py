@@ -86,7 +86,7 @@ def grammars():
 
 def test_json_schema_outputs_parse_and_validate_whatever_the_logits(grammars):
     grammar = json_grammar(SCHEMA)
-    grammars.check(grammar)
+    grammars.compile(grammar)
     runs = [
         generate(f"prompt {i}", 200, grammars, grammar, Sampling(temperature=t, seed=i))
         for i, t in enumerate([0.0, 0.7, 1.0, 1.5, 2.0, 1.0])
@@ -142,7 +142,7 @@ def test_a_bias_and_the_mask_compose(grammars):
 )
 def test_bad_schemas_are_refused_naming_the_problem(grammars, schema, message):
     with pytest.raises(GrammarError, match=message):
-        grammars.check(json_grammar(schema))
+        grammars.compile(json_grammar(schema))
 
 
 def test_closing_objects_leaves_the_schema_alone():
@@ -229,7 +229,7 @@ def test_bad_tools_name_the_param(body, param, message):
 def test_forced_calls_follow_the_parameters(grammars):
     tools = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False})
     grammar = lark_grammar(call_lark(tools.forced, tools.parallel))
-    grammars.check(grammar)
+    grammars.compile(grammar)
     runs = [generate(f"call {i}", 120, grammars, grammar, Sampling(temperature=1.0, seed=i)) for i in range(4)]
     run([r for r, _ in runs])
     schemas = {f.name: f.parameters for f in tools.functions}

@@ -288,3 +288,27 @@ def test_a_template_that_reads_tools_gets_them(tmp_path):
     calls = [{"id": "c", "type": "function", "function": {"name": "time", "arguments": "{}"}}]
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": calls}]
     assert tok.render_chat(messages, tools=[f.spec() for f in tools.functions]) == "[weather;time;]Hi(time)"
+
+
+def test_constrained_sequences_are_never_drafted(grammars):
+    """Speculative decoding verifies drafts against the raw argmax: a constrained sequence decodes plainly."""
+    from deepinfer.runtime.schedule import Completion, Running, draft_for
+
+    class Drafter:
+        block, capture = 3, None
+
+        def __init__(self):
+            self.asked: list[int] = []
+
+        def draft(self, requests):
+            self.asked += [r.seq for r in requests]
+            return {r.seq: [5] * r.n for r in requests}
+
+    alloc = Allocator(4, 16, 16, 4)
+    running = []
+    for seq, constraint in enumerate([None, grammars.constraint(json_grammar({"type": "object"}))]):
+        alloc.admit(seq)
+        r = Request([0, 10], 8, constraint=constraint)
+        running.append(Running(r, Completion([0, 10, 11], 2), None, seq=seq, consumed=2))
+    d = Drafter()
+    assert list(draft_for(d, running, 8, [alloc])) == [0] and d.asked == [0]

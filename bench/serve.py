@@ -1,6 +1,7 @@
 """deepinfer-serve under concurrent streaming clients, against one request at a time, in one run.
 
     python bench/serve.py [--bundle build/tiny-serve] [--requests 16] [--max-tokens 32] [--json]
+                          [--structured-clients 4] [--repeats 3] [--structured-only]
 
 Starts `deepinfer-serve` on the tiny AOTInductor bundle (compiled from
 examples/tiny/model_serve.toml when --bundle does not exist: batch buckets 1 and 8,
@@ -20,6 +21,15 @@ the same length with prefixes of their own (misses); `ttft_shared_prefix_cached_
 the ratio of their median times to first token (target <= 0.5), each request's
 `usage.prompt_tokens_details.cached_tokens` checked (96 on a hit, 0 on a miss). `--prefix-only`
 runs just that.
+
+Structured output: the same prompts through `--structured-clients` concurrent clients twice, plain
+and with a JSON schema (`response_format`; one string property the model fills until `max_tokens`,
+so both runs generate as many tokens), `--repeats` times alternated. Their inter-token latency is
+the server's (`deepinfer_inter_token_latency_seconds` over the run: its sum over its count), per
+token: the clients' chunk gaps would not compare, as the random model's free text holds many
+partial UTF-8 characters that wait for their next byte, and the JSON's strings fewer.
+`structured_over_plain_itl` is the median over the repeats of the constrained run's mean over the
+plain one's (issue 32's target: at most 1.1). `--structured-only` runs just these.
 """
 
 from __future__ import annotations
@@ -53,10 +63,19 @@ PROMPTS = [
 ]
 LEVELS = (1, 4, 8)
 TIMEOUT_S = 600
+# one unbounded string: a constrained request runs to max_tokens as a plain one does (same load)
+STRUCTURED_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "note",
+        "schema": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+    },
+}
 
 
-def stream(url: str, prompt: str | list[int], max_tokens: int) -> dict:
-    """One streamed completion: {"sent", "chunks": [arrival times], "tokens", "cached", "id", "finish"}."""
+def stream(url: str, prompt: str | list[int], max_tokens: int, extra: dict | None = None) -> dict:
+    """One streamed completion (`extra`: more body fields): {"sent", "chunks": [arrival times], "tokens",
+    "cached", "id", "finish"}."""
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT_S)
     body = json.dumps(
@@ -66,6 +85,7 @@ def stream(url: str, prompt: str | list[int], max_tokens: int) -> dict:
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **(extra or {}),
         }
     )
     sent = time.perf_counter()
@@ -99,11 +119,11 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def level(url: str, clients: int, prompts: list[str], max_tokens: int) -> dict:
+def level(url: str, clients: int, prompts: list[str], max_tokens: int, extra: dict | None = None) -> dict:
     """`prompts` through `clients` concurrent streaming clients."""
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda p: stream(url, p, max_tokens), prompts))
+        results = list(pool.map(lambda p: stream(url, p, max_tokens, extra), prompts))
     wall = time.perf_counter() - start
     tokens = sum(r["tokens"] for r in results)
     ttft = [(r["chunks"][0] - r["sent"]) * 1e3 for r in results if r["chunks"]]
@@ -152,6 +172,30 @@ def shared_prefix(url: str, requests: int, length: int = PREFIX_LEN, shared: int
     }
 
 
+def server_itl(url: str) -> tuple[float, float]:
+    """The server's inter-token latency histogram so far: (sum of seconds, count)."""
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT_S)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    found = {}
+    for line in text.splitlines():
+        for part in ("sum", "count"):
+            if line.startswith(f"deepinfer_inter_token_latency_seconds_{part} "):
+                found[part] = float(line.split()[1])
+    return found["sum"], found["count"]
+
+
+def measured(url: str, clients: int, prompts: list[str], max_tokens: int, extra: dict | None = None) -> dict:
+    """`level`, with the server's mean inter-token latency over it (`server_itl_ms`)."""
+    s0, n0 = server_itl(url)
+    out = level(url, clients, prompts, max_tokens, extra)
+    s1, n1 = server_itl(url)
+    out["server_itl_ms"] = (s1 - s0) / max(1.0, n1 - n0) * 1e3
+    return out
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -198,6 +242,9 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=PREFIX_LEN, help="token ids per prefix-cache prompt")
     ap.add_argument("--shared", type=int, default=SHARED, help="of them shared (a multiple of the bundle's block size)")
     ap.add_argument("--prefix-only", action="store_true", help="only the prefix cache's measurement")
+    ap.add_argument("--structured-clients", type=int, default=4, help="concurrent clients of the structured run")
+    ap.add_argument("--structured-only", action="store_true", help="only the plain and structured runs")
+    ap.add_argument("--repeats", type=int, default=3, help="plain and structured runs, alternated")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -220,9 +267,18 @@ def main() -> None:
     )
     try:
         level(server.url, 8, PROMPTS, 4)  # warm-up: every bucket once
-        prefix = shared_prefix(server.url, args.prefix_requests, args.prefix_len, args.shared)
-        levels, burst_out = {}, {}
+        prefix = None
+        if not args.structured_only:
+            prefix = shared_prefix(server.url, args.prefix_requests, args.prefix_len, args.shared)
+        structured: dict = {"plain": [], "json_schema": []}
+        levels, burst_out = {}, None
         if not args.prefix_only:
+            level(server.url, 8, PROMPTS, 4, {"response_format": STRUCTURED_FORMAT})  # and the grammar engine
+            c, fmt = args.structured_clients, {"response_format": STRUCTURED_FORMAT}
+            for _ in range(args.repeats):  # alternated, so that a neighbour's load falls on both alike
+                structured["plain"].append(measured(server.url, c, prompts, args.max_tokens))
+                structured["json_schema"].append(measured(server.url, c, prompts, args.max_tokens, fmt))
+        if not (args.prefix_only or args.structured_only):
             levels = {c: level(server.url, c, prompts, args.max_tokens) for c in LEVELS}
             burst_out = burst(server.url, server.pid, args.burst, 8)
     finally:
@@ -235,7 +291,16 @@ def main() -> None:
         "burst": burst_out,
         "prefix_cache": prefix,
         "server_exit": status,
-        "ttft_shared_prefix_cached_over_uncached": prefix["ttft_shared_prefix_cached_over_uncached"],
+        "ttft_shared_prefix_cached_over_uncached": prefix["ttft_shared_prefix_cached_over_uncached"]
+        if prefix
+        else None,
+        "structured": structured,
+        # the median over the repeats of (structured / plain server ITL), each pair run back to back
+        "structured_over_plain_itl": statistics.median(
+            s["server_itl_ms"] / p["server_itl_ms"] for p, s in zip(structured["plain"], structured["json_schema"])
+        )
+        if structured["plain"]
+        else None,
     }
     if levels:
         out["throughput_ratio_8_over_1"] = levels[8]["tokens_per_s"] / levels[1]["tokens_per_s"]
@@ -244,27 +309,33 @@ def main() -> None:
         print(json.dumps(out, indent=1))
         return
     p = prefix
-    print(
-        f"prefix cache: {p['requests']} requests of {p['prompt_tokens']} tokens sharing {p['shared_tokens']}: "
-        f"TTFT p50 {p['ttft_cached_p50_ms']:.1f} ms cached, {p['ttft_uncached_p50_ms']:.1f} ms uncached "
-        f"(ttft_shared_prefix_cached_over_uncached {p['ttft_shared_prefix_cached_over_uncached']:.2f}, target <= 0.5)"
-    )
-    if not levels:
-        if status != 0:
-            sys.exit(f"the server exited with status {status}")
-        return
-    print(f"{'clients':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  (ms)")
-    for c, r in levels.items():
+    if p:
         print(
-            f"{c:>8}{r['tokens_per_s']:>9.1f}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>8.1f}"
-            f"{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>8.1f}"
+            f"prefix cache: {p['requests']} requests of {p['prompt_tokens']} tokens sharing {p['shared_tokens']}: "
+            f"TTFT p50 {p['ttft_cached_p50_ms']:.1f} ms cached, {p['ttft_uncached_p50_ms']:.1f} ms uncached "
+            f"(ttft_shared_prefix_cached_over_uncached {p['ttft_shared_prefix_cached_over_uncached']:.2f}, "
+            "target <= 0.5)"
         )
+    print(f"{'clients':>14}{'tok/s':>9}{'tokens':>8}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  (ms)")
+    rows = [(str(c), r) for c, r in levels.items()]
+    c = args.structured_clients
+    rows += [(f"{c} {name[:5]} {i}", r) for name, runs in structured.items() for i, r in enumerate(runs)]
+    for name, r in rows:
+        print(
+            f"{name:>14}{r['tokens_per_s']:>9.1f}{r['generated_tokens']:>8}{r['ttft_p50_ms']:>10.1f}"
+            f"{r['ttft_p99_ms']:>8.1f}{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>8.1f}"
+        )
+    for name, runs in structured.items():
+        print(f"{name}: server ITL (ms) " + ", ".join(f"{r['server_itl_ms']:.2f}" for r in runs))
+    if out["structured_over_plain_itl"] is not None:
+        print(f"structured over plain, server ITL: {out['structured_over_plain_itl']:.3f} (target <= 1.1)")
     b = burst_out
-    print(
-        f"throughput 8 / 1: {out['throughput_ratio_8_over_1']:.2f}x; burst of {b['requests']}: {b['completed']} "
-        f"completed, {b['unique_ids']} distinct ids; RSS {b['rss_idle_mib']:.1f} -> {b['rss_after_mib']:.1f} MiB "
-        f"({(b['rss_ratio'] - 1) * 100:+.1f}%)"
-    )
+    if b is not None:
+        print(
+            f"throughput 8 / 1: {out['throughput_ratio_8_over_1']:.2f}x; burst of {b['requests']}: {b['completed']} "
+            f"completed, {b['unique_ids']} distinct ids; RSS {b['rss_idle_mib']:.1f} -> {b['rss_after_mib']:.1f} MiB "
+            f"({(b['rss_ratio'] - 1) * 100:+.1f}%)"
+        )
     if status != 0:
         sys.exit(f"the server exited with status {status}")
 

@@ -10,8 +10,9 @@ The chat template (`chat_template` in `tokenizer_config.json`, a string or the
 "default" of a list of named templates, else a `chat_template.jinja` file) renders
 in a sandboxed Jinja2 environment as transformers' `apply_chat_template` does:
 `trim_blocks` and `lstrip_blocks`, the loop-control extension, `raise_exception`,
-`strftime_now` and a `tojson` filter, with `messages`, `add_generation_prompt`
-and every special token of the config (`bos_token`, `eos_token`, ...) in scope.
+`strftime_now` and a `tojson` filter, with `messages`, `add_generation_prompt`,
+`tools` (None, or the functions a model may call) and every special token of the
+config (`bos_token`, `eos_token`, ...) in scope.
 A template is code from the checkpoint: the sandbox keeps it from reaching
 Python objects beyond what it is given.
 """
@@ -110,14 +111,26 @@ class TokenizersTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def takes_tools(self) -> bool:
         if self.template is None:
-            return super().render_chat(messages, add_generation_prompt)
+            return False
+        from jinja2 import TemplateError, meta
+
+        try:
+            return "tools" in meta.find_undeclared_variables(_environment().parse(self.template))
+        except TemplateError:
+            return False  # rendering names the error
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+        if self.template is None:
+            return super().render_chat(messages, add_generation_prompt, tools)
         from jinja2 import TemplateError
 
         try:
             compiled = _environment().from_string(self.template)
-            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+            return compiled.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special
+            )
         except TemplateError as e:
             raise ChatTemplateError(f"{self.source}: chat template: {e}") from None
 

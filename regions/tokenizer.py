@@ -51,8 +51,13 @@ class Tokenizer:
         so a token holding part of a character gives U+FFFD's bytes."""
         return self.decode([token]).encode("utf-8")
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """`messages` ({"role", "content"}) as the chat template renders them."""
+    def takes_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (the functions a model may call)."""
+        return False
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+        """`messages` ({"role", "content"}) as the chat template renders them; `tools` (OpenAI's
+        `{"type": "function", "function": ...}` items) as its `tools` variable."""
         raise ConfigError(
             f"the {self.kind} tokenizer has no chat template (--chat needs a tokenizer_config.json "
             "or chat_template.jinja that ships one)"
@@ -69,11 +74,16 @@ class Tokenizer:
         return ids
 
     def chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, image_token: int | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        image_token: int | None = None,
+        tools: list | None = None,
     ) -> list[int]:
         """`messages` rendered by the chat template, then encoded without adding special tokens
         (the template writes them), as the ecosystem's `apply_chat_template` does."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), bos=False, image_token=image_token)
+        text = self.render_chat(messages, add_generation_prompt, tools)
+        return self.encode(text, bos=False, image_token=image_token)
 
 
 class ByteTokenizer(Tokenizer):

@@ -104,11 +104,20 @@ def adjusted(logits: Tensor, s: Sampling, generated: Sequence[int]) -> Tensor:
     return x
 
 
-def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None, generated: Sequence[int] = ()) -> int:
-    """The next token from one position's logits [V], `generated` the request's tokens so far."""
-    if s.plain_greedy:
+def sample(
+    logits: Tensor,
+    s: Sampling,
+    generator: torch.Generator | None,
+    generated: Sequence[int] = (),
+    allowed: Tensor | None = None,
+) -> int:
+    """The next token from one position's logits [V], `generated` the request's tokens so far; with
+    `allowed` (bool [V], a grammar's mask) only among those tokens, masked after the bias and penalties."""
+    if s.plain_greedy and allowed is None:
         return int(torch.argmax(logits))
     x = adjusted(logits, s, generated) if s.adjusts else logits.float()
+    if allowed is not None:
+        x = x.masked_fill(~allowed, float("-inf"))
     if s.temperature == 0:
         return int(torch.argmax(x))
     x = x / s.temperature
@@ -123,13 +132,36 @@ def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None, gener
     return int(torch.multinomial(torch.softmax(x, -1), 1, generator=generator))
 
 
+class Masks(Protocol):
+    """What computes the masks of a batch's constraints (`runtime.structured.Grammars`)."""
+
+    def masks(self, constraints: list) -> Tensor:
+        """The tokens each constraint allows next: bool [len(constraints), V]."""
+        ...
+
+
+class Constraint(Protocol):
+    """A grammar a request's generated tokens follow (`runtime.structured.Constraint`): its `grammars`
+    mask the logits of every step that picks its next token (one call for the batch's constraints of
+    one `grammars`); `accept(token) -> complete?` advances it over the token picked."""
+
+    @property
+    def grammars(self) -> Masks: ...
+
+    def accept(self, token: int) -> bool: ...
+
+    def error(self) -> str | None: ...
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence to generate. `on_token(id) -> stop?`, `on_finish(reason, error)` and `on_logits`
     run on the scheduler's thread; `cancelled` (set from any thread) drops it at the next step
     boundary. `on_logits(p, rows)`: rows [n, V] (float32) of positions p .. p + n - 1 fed for good
     by a step, row i predicting the token at p + i + 1; called before that step's tokens are emitted.
-    `max_tokens` 0: the prompt runs, nothing is generated (finish reason length)."""
+    `max_tokens` 0: the prompt runs, nothing is generated (finish reason length). A `constraint`
+    limits each pick to the tokens its grammar allows (never drafted); once the grammar is complete
+    the request ends (finish reason stop)."""
 
     prompt: list[int]
     max_tokens: int
@@ -139,6 +171,7 @@ class Request:
     image: ImageEmbeds | None = None  # the prompt's image positions and their rows
     keep_logits: bool = False  # record one [V] row per processed position (--dump-logits, compare)
     on_logits: Callable[[int, Tensor], None] | None = None
+    constraint: Constraint | None = None
     cancelled: bool = False
 
 
@@ -248,7 +281,7 @@ def draft_for(drafter: Drafter, running: list[Running], chunk: int, allocs: list
     budget and context -> drafts by sequence (only non-empty ones)."""
     requests = []
     for r in running:
-        if not r.request.sampling.plain_greedy:
+        if not r.request.sampling.plain_greedy or r.request.constraint is not None:
             continue
         out, alloc = r.out, allocs[r.group]
         unfed = len(out.tokens) - r.consumed
@@ -258,6 +291,21 @@ def draft_for(drafter: Drafter, running: list[Running], chunk: int, allocs: list
             requests.append(DraftRequest(r.seq, alloc.slot_of[r.seq], out.tokens, n, r.group))
     drafts = drafter.draft(requests) if requests else {}
     return {seq: d for seq, d in drafts.items() if d}
+
+
+def masks_of(picking: list[Running]) -> dict[int, Tensor]:
+    """The masks [V] of the constrained sequences that pick a token this step, by sequence: one call per
+    grammar engine (in practice one, the server's)."""
+    by_engine: dict[int, list[Running]] = {}
+    for r in picking:
+        assert r.request.constraint is not None  # picking holds constrained sequences only
+        by_engine.setdefault(id(r.request.constraint.grammars), []).append(r)
+    out: dict[int, Tensor] = {}
+    for rs in by_engine.values():
+        constraints = [r.request.constraint for r in rs]
+        masks = constraints[0].grammars.masks(constraints)  # type: ignore[union-attr]  # constrained
+        out.update({r.seq: masks[i] for i, r in enumerate(rs)})
+    return out
 
 
 def verify(logits: Tensor, fed: int, drafts: list[int], caught_up: bool = True) -> tuple[list[int], int]:
@@ -400,8 +448,11 @@ class Scheduler:
             else {}
         )
         rows_by_group: list[list[Row]] = [[] for _ in self.allocs]
+        picking: list[Running] = []  # constrained sequences that pick a token after this step
         for r in list(self.running.values()):
             n = self._chunk_of(r)
+            if r.request.constraint is not None and r.request.max_tokens > 0 and r.consumed + n == len(r.out.tokens):
+                picking.append(r)
             alloc = self.allocs[r.group]
             try:
                 reserve(alloc, r.seq, r.consumed + n, drafted)
@@ -418,6 +469,7 @@ class Scheduler:
         }
         images = {seq: r.request.image for seq, r in self.running.items() if r.request.image is not None}
         capture = self.drafter.capture if self.drafter is not None else None
+        allowed = masks_of([r for r in picking if r.seq in self.running])
         start = time.perf_counter()
         out = self.stepper.run(rows_by_group, self.allocs, histories, images, capture)
         now = time.perf_counter()
@@ -425,7 +477,7 @@ class Scheduler:
         for rows, logits in zip(rows_by_group, out):
             for b, (seq, ids, first) in enumerate(rows):
                 r = self.running[seq]
-                self._commit(r, logits[b, : len(ids)].float(), first, drafted.get(seq, []), now)
+                self._commit(r, logits[b, : len(ids)].float(), first, drafted.get(seq, []), now, allowed.get(seq))
 
     def _commit(
         self,
@@ -434,10 +486,12 @@ class Scheduler:
         start: int,
         drafts: list[int],
         now: float,
+        allowed: Tensor | None = None,
     ) -> None:
         """One sequence's row of a step: logits [len(ids), V] of its fed tokens (its unfed committed
-        ones, then its drafts). The positions of its committed tokens and accepted drafts are fed for
-        good; what the rejected drafts wrote is left in place (see `Scheduler`)."""
+        ones, then its drafts); `allowed` its constraint's mask [V] when it picks a token. The
+        positions of its committed tokens and accepted drafts are fed for good; what the rejected
+        drafts wrote is left in place (see `Scheduler`)."""
         out = r.out
         fed = len(logits) - len(drafts)  # committed tokens fed this step
         caught_up = start + fed == len(out.tokens)
@@ -463,7 +517,13 @@ class Scheduler:
             self._finish(r, "length")
         elif caught_up:  # the accepted drafts, then the target's own token
             last = logits[fed - 1 + a]
-            own = choice[fed - 1 + a] if drafts else sample(last, r.request.sampling, r.generator, out.generated)
+            if allowed is not None and not bool(allowed.any()):
+                why = r.request.constraint.error() if r.request.constraint is not None else None
+                self._finish(r, "error", f"the grammar allows no token ({why or 'its matcher is stuck'})")
+                return
+            own = (
+                choice[fed - 1 + a] if drafts else sample(last, r.request.sampling, r.generator, out.generated, allowed)
+            )
             for token in drafts[:a] + [own]:
                 if self._emit(r, token, now):
                     break
@@ -473,6 +533,12 @@ class Scheduler:
         r.out.tokens.append(token)
         self.events.token(r.request, now)
         stop = r.request.on_token(token) if r.request.on_token is not None else False
+        if r.request.constraint is not None:
+            try:
+                stop = r.request.constraint.accept(token) or stop  # a complete grammar ends the request
+            except DeepinferError as e:
+                self._finish(r, "error", str(e))
+                return True
         if token == self.eos or stop:
             self._finish(r, "stop")
         elif len(r.out.generated) >= r.request.max_tokens:

@@ -12,6 +12,10 @@ Chat messages render through the bundle tokenizer's chat template. The tiny
 byte-level tokenizer has none; for it the server uses `plain_chat`: each
 message as `<|role|>\\n` + its content + `\\n`, then `<|assistant|>\\n`, after bos.
 
+`response_format` (JSON) and forced tool calls hold the output to a grammar (`runtime/structured.py`,
+masks applied by the scheduler); `tools` reach the chat template, and calls are parsed out of the
+output (`runtime/tools.py`) into `tool_calls`, streamed one delta per call.
+
 Text leaves as it is decoded (`TextStream`): stop strings are found in the text,
 which is cut before the first one, and a streamed delta holds back the text
 that could still begin a stop string or a multi-byte character.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -32,6 +37,17 @@ from deepinfer.runtime.executor import Executor, Stats
 from deepinfer.runtime.logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY, Entry, Recorder, chat_format, legacy_format
 from deepinfer.runtime.options import ServeOptions
 from deepinfer.runtime.schedule import Completion, Request, Sampling
+from deepinfer.runtime.structured import ANY_OBJECT, Compiled, GrammarError, Grammars, json_grammar, lark_grammar
+from deepinfer.runtime.tools import (
+    CallParser,
+    ToolError,
+    Tools,
+    call_lark,
+    call_text,
+    fallback_message,
+    parse_output,
+    parse_tools,
+)
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -39,6 +55,7 @@ MAX_STOPS = 4  # OpenAI's limit on stop strings
 # choices of one request: each is a sequence of its own (a batch row, its KV blocks), so n is held to
 # a share of the default --max-queue (64) that leaves room for others: one request cannot fill it
 MAX_N = 16
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's names (a response_format's json_schema)
 
 
 def plain_chat(messages: list[dict]) -> str:
@@ -126,6 +143,15 @@ class Params:
     n: int = 1
     logprobs: int | None = None  # top entries per token (None: no logprobs)
     echo: bool = False
+    grammar: Compiled | None = None  # what the output must follow, compiled once for its choices, or None
+    tools: Tools | None = None  # a chat request's tools (calls are parsed from its output unless mode none)
+
+    @property
+    def call_names(self) -> set[str] | None:
+        """The functions whose calls the output is parsed for, or None (no tools, or tool_choice none)."""
+        if self.tools is None or self.tools.mode == "none":
+            return None
+        return {f.name for f in (self.tools.forced or self.tools.functions)}
 
     def sampling_of(self, index: int) -> Sampling:
         seed = self.sampling.seed
@@ -185,11 +211,12 @@ class Served:
 
     def __init__(self, engine: Engine, tokenizer, model: str, vocab: int):
         self.engine, self.tokenizer, self.model, self.vocab = engine, tokenizer, model, vocab
+        self.grammars = Grammars(tokenizer, vocab, engine.scheduler.eos)
         self.created = int(time.time())
 
     # -- request bodies -----------------------------------------------------------------------
 
-    def params(self, body: dict, prompt: list[int], default_max: int, chat: bool) -> Params:
+    def params(self, body: dict, prompt: list[int], default_max: int, chat: bool, tools: Tools | None = None) -> Params:
         if body.get("model") != self.model:
             raise BadRequest(
                 f"The model {body.get('model')!r} does not exist; this server serves {self.model!r}",
@@ -241,9 +268,93 @@ class Served:
         except RequestError as e:
             raise BadRequest(str(e), e.param, code=e.code) from None
         sampling = Sampling(temperature, top_p, max(top_k, 0), seed, logit_bias=self.logit_bias(body), **penalties)
+        grammar = self.response_format(body)
+        if tools is not None and tools.mode == "forced":
+            if grammar is not None:
+                raise BadRequest("response_format cannot apply when tool_choice forces a tool call", "response_format")
+            grammar = self.call_grammar(tools)
         return Params(
-            prompt, max_tokens, sampling, stops, stream, bool(options.get("include_usage")), n, logprobs, echo
+            prompt,
+            max_tokens,
+            sampling,
+            stops,
+            stream,
+            bool(options.get("include_usage")),
+            n,
+            logprobs,
+            echo,
+            grammar,
+            tools,
         )
+
+    def request_params(self, body: dict, chat: bool) -> Params:
+        """A generation request's prompt and fields, checked (BadRequest)."""
+        tools = self.tools(body) if chat else None
+        prompt = self.chat_prompt(body, tools) if chat else self.completion_prompt(body)
+        default_max = self.engine.max_context - len(prompt) + 1 if chat else DEFAULT_COMPLETION_TOKENS
+        return self.params(body, prompt, default_max, chat, tools)
+
+    def response_format(self, body: dict) -> Compiled | None:
+        """body's response_format as the grammar of its output: None for text (or none given)."""
+        fmt = body.get("response_format")
+        if fmt is None:
+            return None
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return self.checked(json_grammar(ANY_OBJECT), "response_format")
+        if kind != "json_schema":
+            raise BadRequest(
+                f'response_format is {fmt!r}; expected {{"type": "text"}}, {{"type": "json_object"}} or '
+                '{"type": "json_schema", "json_schema": {"name", "schema"}}',
+                "response_format",
+            )
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise BadRequest(
+                "response_format.json_schema: expected an object {name, schema, strict}", "response_format"
+            )
+        name = spec.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise BadRequest(
+                f"response_format.json_schema.name is {name!r}; expected 1 to 64 of a-z, A-Z, 0-9, _ and -",
+                "response_format",
+            )
+        if not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise BadRequest("response_format.json_schema.strict: expected a boolean", "response_format")
+        schema = spec.get("schema", ANY_OBJECT)  # OpenAI: absent means any JSON object
+        if not isinstance(schema, dict):
+            raise BadRequest(
+                "response_format.json_schema.schema: expected a JSON schema (an object)", "response_format"
+            )
+        try:
+            return self.checked(json_grammar(schema), "response_format")
+        except BadRequest as e:
+            raise BadRequest(f"response_format.json_schema.schema: {e}", "response_format") from None
+
+    def call_grammar(self, tools: Tools) -> Compiled:
+        """The grammar of a forced output: calls of `tools.forced`, each function's parameters checked alone
+        first (so that the error names it)."""
+        for i, f in enumerate(tools.functions):
+            if f in tools.forced:
+                try:
+                    self.checked(json_grammar(f.parameters), "tools")
+                except BadRequest as e:
+                    raise BadRequest(f"tools[{i}].function.parameters: {e}", "tools") from None
+        return self.checked(lark_grammar(call_lark(tools.forced, tools.parallel)), "tools")
+
+    def checked(self, grammar: str, param: str) -> Compiled:
+        try:
+            return self.grammars.compile(grammar)
+        except GrammarError as e:
+            raise BadRequest(str(e), param) from None
+
+    def tools(self, body: dict) -> Tools | None:
+        try:
+            return parse_tools(body)
+        except ToolError as e:
+            raise BadRequest(str(e), e.param) from None
 
     def logit_bias(self, body: dict) -> tuple[tuple[int, float], ...]:
         """body's logit_bias ({"token id": bias}) as (id, bias) pairs."""
@@ -274,15 +385,23 @@ class Served:
             return prompt
         raise BadRequest("prompt: expected a string or a list of token ids (one prompt per request)", "prompt")
 
-    def chat_prompt(self, body: dict) -> list[int]:
+    def chat_prompt(self, body: dict, tools: Tools | None = None) -> list[int]:
+        """The prompt of a chat request: its messages (and tools) through the chat template, or the
+        plain format of the byte-level tokenizer. Tools reach a template that reads `tools` as that
+        variable, an assistant message's `tool_calls` as that key; otherwise (the plain format too)
+        the tools come as a system message first (`tools.fallback_message`) and calls as their text."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages: expected a non-empty list of {role, content}", "messages")
-        plain = []
+        native = tools is not None and self.tokenizer.takes_tools()
+        plain = [fallback_message(tools.functions)] if tools is not None and not native else []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise BadRequest(f"messages[{i}]: expected an object with a string role", f"messages[{i}]")
+            calls = _tool_calls(m, i)
             content = m.get("content")
+            if content is None and calls:
+                content = ""
             if isinstance(content, list):  # content parts: text only
                 if not all(
                     isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
@@ -291,13 +410,22 @@ class Served:
                 content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
                 raise BadRequest(f"messages[{i}].content: expected a string or a list of text parts", f"messages[{i}]")
-            plain.append({"role": m["role"], "content": content})
+            message = {"role": m["role"], "content": content}
+            if calls and native:
+                message["tool_calls"] = calls
+            elif calls:
+                message["content"] += "".join(
+                    call_text(c["function"]["name"], c["function"]["arguments"]) for c in calls
+                )
+            if isinstance(m.get("tool_call_id"), str):
+                message["tool_call_id"] = m["tool_call_id"]
+            plain.append(message)
         if self.tokenizer.kind == "byte":
             return self.tokenizer.encode(plain_chat(plain))
         from deepinfer.errors import DeepinferError
 
         try:
-            return self.tokenizer.chat(plain)
+            return self.tokenizer.chat(plain, tools=[f.spec() for f in tools.functions] if native and tools else None)
         except DeepinferError as e:  # the template's own raise_exception, or no template
             raise BadRequest(str(e), "messages") from None
 
@@ -326,7 +454,16 @@ class Served:
             for i in range(p.n):
                 c = Choice(i, p, self.tokenizer, put, echo)
                 on_logits = c.recorder.on_logits if c.recorder is not None else None
-                job = Request(p.prompt, p.max_tokens, c.on_token, c.on_finish, p.sampling_of(i), on_logits=on_logits)
+                constraint = self.grammars.constraint(p.grammar) if p.grammar is not None else None
+                job = Request(
+                    p.prompt,
+                    p.max_tokens,
+                    c.on_token,
+                    c.on_finish,
+                    p.sampling_of(i),
+                    on_logits=on_logits,
+                    constraint=constraint,
+                )
                 outs.append(self.engine.submit(job))
                 jobs.append(job)
         except QueueFull:
@@ -334,6 +471,26 @@ class Served:
                 self.engine.cancel(job)
             raise
         return jobs, outs, events
+
+
+def _tool_calls(m: dict, i: int) -> list[dict]:
+    """An assistant message's `tool_calls` (checked: each `{id, type, function: {name, arguments}}`)."""
+    calls = m.get("tool_calls")
+    if calls is None:
+        return []
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict)
+        and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments"), str)
+        for c in calls
+    )
+    if not ok:
+        raise BadRequest(
+            f"messages[{i}].tool_calls: expected a list of {{id, type, function: {{name, arguments}}}}",
+            f"messages[{i}]",
+        )
+    return calls
 
 
 def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
@@ -378,6 +535,7 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 def create_app(served: Served):
     """The Starlette application of `served`."""
     from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -406,10 +564,9 @@ def create_app(served: Served):
     async def generate(request: HttpRequest, chat: bool):
         try:
             body = await body_of(request)
-            prompt = served.chat_prompt(body) if chat else served.completion_prompt(body)
-            p = served.params(
-                body, prompt, served.engine.max_context - len(prompt) + 1 if chat else DEFAULT_COMPLETION_TOKENS, chat
-            )
+            # off the event loop: a chat template renders, a schema compiles to a grammar (up to ~0.1 s for
+            # a large one; the first one builds the grammar engine's tokenizer), while other streams flow
+            p = await run_in_threadpool(served.request_params, body, chat)
             jobs, outs, events = served.start(p)
         except (BadRequest, QueueFull) as e:
             return refuse(e)
@@ -437,7 +594,7 @@ def create_app(served: Served):
 
         if p.stream:
             return StreamingResponse(
-                _sse(served, jobs, events, head, chat, p.include_usage, usage, logprobs),
+                _sse(served, jobs, events, head, chat, p.include_usage, usage, logprobs, p.call_names),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -445,12 +602,21 @@ def create_app(served: Served):
         if collected is None:  # the client left; it reads nothing
             return Response(status_code=499)
         choices = []
-        for i, (text, items, reason, error) in enumerate(collected):
-            if reason == "error":
+        for i, (text, items, finish, error) in enumerate(collected):
+            if finish == "error":
                 return JSONResponse(error_body(error, "server_error"), status_code=500)
-            choices.append(
-                {"index": i, "message": {"role": "assistant", "content": text}} if chat else {"index": i, "text": text}
-            )
+            reason = finish
+            if not chat:
+                choices.append({"index": i, "text": text})
+            elif p.call_names is None:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text}})
+            else:
+                content, calls = parse_output(text, p.call_names)
+                message: dict[str, Any] = {"role": "assistant", "content": content or None}
+                if calls:
+                    message["tool_calls"] = [c.message() for c in calls]
+                    reason = "tool_calls" if reason == "stop" else reason
+                choices.append({"index": i, "message": message})
             choices[-1].update(logprobs=logprobs(items), finish_reason=reason)
         return JSONResponse({**head, "choices": choices, "usage": usage()})
 
@@ -576,17 +742,28 @@ async def _sse(
     include_usage: bool,
     usage: Callable[[], dict],
     logprobs: Callable[[list[Entry]], dict | None],
+    call_names: set[str] | None = None,
 ):
     """Server-sent events of one streamed generation, a chunk per choice's delta (its `index`);
-    leaving early (the client disconnected, a choice failed) cancels the choices still running."""
+    leaving early (the client disconnected, a choice failed) cancels the choices still running.
+    With `call_names` (a chat request's tools), each choice's text goes through a `CallParser`: its
+    content as it comes (text that may begin a call held back), a call's `tool_calls` delta (index,
+    id, type, name) once its opening is whole, then its arguments as they are written."""
     kind = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+    parsers = [CallParser(call_names) for _ in jobs] if call_names is not None else None
 
     def event(data: Any) -> str:
         return f"data: {json.dumps(data)}\n\n"
 
-    def chunk(i: int, text: str | None, reason: str | None, items: list[Entry], first: bool = False) -> str:
+    def chunk(
+        i: int, text: str | None, reason: str | None, items: list[Entry], first: bool = False, calls: list | None = None
+    ) -> str:
         if chat:
-            delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+            )
+            if calls:
+                delta = {"tool_calls": calls}  # OpenAI's: one call's delta
             choice = {"index": i, "delta": delta, "logprobs": logprobs(items) if items else None}
         else:
             choice = {"index": i, "text": text or "", "logprobs": logprobs(items) if items else None}
@@ -600,8 +777,13 @@ async def _sse(
                 yield chunk(i, None, None, [], first=True)
         while finished < len(jobs):
             item = await events.get()
-            if item[0] == "text":
+            if item[0] == "text" and parsers is None:
                 yield chunk(item[1], item[2], None, item[3])
+                continue
+            if item[0] == "text":
+                assert parsers is not None  # the branch above took the rest
+                for piece in _call_chunks(item[1], parsers[item[1]].feed(item[2]), item[3], chunk):
+                    yield piece
                 continue
             finished += 1
             _, i, reason, error = item
@@ -609,6 +791,11 @@ async def _sse(
                 yield event(error_body(error, "server_error"))
                 yield "data: [DONE]\n\n"
                 return
+            if parsers is not None:
+                for piece in _call_chunks(i, parsers[i].end(), [], chunk):
+                    yield piece
+                if parsers[i].calls and reason == "stop":
+                    reason = "tool_calls"
             yield chunk(i, None, reason, [])
         if include_usage:
             yield event({**kind, "choices": [], "usage": usage()})
@@ -617,6 +804,24 @@ async def _sse(
         if finished < len(jobs):
             for job in jobs:
                 served.engine.cancel(job)
+
+
+def _call_chunks(i: int, events: list[tuple], items: list[Entry], chunk: Callable) -> list[str]:
+    """The chunks of choice i's `CallParser` events (`items`, its logprob entries, ride the first)."""
+    out = []
+    for e in events:
+        if e[0] == "content":
+            out.append(chunk(i, e[1], None, items))
+        elif e[0] == "call":
+            call = e[2].message()
+            call["function"]["arguments"] = ""
+            out.append(chunk(i, None, None, items, calls=[{"index": e[1], **call}]))
+        else:
+            out.append(chunk(i, None, None, items, calls=[{"index": e[1], "function": {"arguments": e[2]}}]))
+        items = []
+    if items:  # text held back: the entries go now, with no text
+        out.append(chunk(i, "", None, items))
+    return out
 
 
 def serve(executor: Executor, tokenizer, options: ServeOptions) -> None:

@@ -49,6 +49,7 @@ GROUPS = {
     "run_aoti_bundle": "aoti",
     "rank_bundle": "ranks",
     "run_exported_bundle": "run",
+    "structured_bundle": "structured",
     "exported_bundle": "exported",
     "exported_bundle_12": "exported",
     "trn2_hlo_bundle": "trn2",

@@ -34,3 +34,21 @@ def run_exported_bundle(tmp_path_factory, tiny_ckpt) -> Path:
         cache_quant=True,
         extra='\n[speculative]\ndraft = "dspark"\n',
     )
+
+
+@pytest.fixture(scope="session")
+def structured_bundle(tmp_path_factory, tiny_ckpt) -> Path:
+    """Saved ExportedPrograms for deepinfer-serve's structured output and tool calls: room for a tool's
+    schemas in the prompt (max_context 512, blocks for 4 sequences of it), one shape (batch 4, tokens 1),
+    so a sequence's tokens do not depend on what else runs in its batch."""
+    return _compile_tiny(
+        tmp_path_factory,
+        "structured",
+        tiny_ckpt,
+        executable="exported",
+        tokens=[1],
+        batch=(4,),
+        max_context=512,
+        num_blocks=129,
+        cache_quant=False,
+    )

@@ -41,8 +41,10 @@ class Server(ServerProcess):
         with urllib.request.urlopen(self.url + path, timeout=REQUEST_TIMEOUT_S) as r:
             return r.status, r.read().decode()
 
-    def post(self, path: str, body: bytes) -> tuple[int, dict]:
-        req = urllib.request.Request(self.url + path, data=body, headers={"Content-Type": "application/json"})
+    def post(self, path: str, body: bytes | dict) -> tuple[int, dict]:
+        """POST `body` (bytes as they are, a dict as JSON) -> (status, the JSON answer)."""
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
                 return r.status, json.loads(r.read())

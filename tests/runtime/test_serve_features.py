@@ -15,42 +15,19 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 
-from deepinfer.runtime.server import ServerProcess
+from .test_serve import MODEL, Server
 
-MODEL = "tiny"
-START_TIMEOUT_S = 300  # loading the bundle on a busy 2-core machine
-REQUEST_TIMEOUT_S = 120
 LM_EVAL_TIMEOUT_S = 600
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 TOL = 1e-4  # logprobs: the same rows, log-softmax in float32 here and there
 BOS, EOS, OFFSET = 0, 1, 3
 NEW = 8
-
-
-class Server(ServerProcess):
-    def __init__(self, bundle: Path, *args: str):
-        super().__init__(bundle, "--model-name", MODEL, "--threads", "1", *args, start_timeout_s=START_TIMEOUT_S)
-
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
-
-    def post(self, path: str, body: dict) -> tuple[int, dict]:
-        data = json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
 
 
 @pytest.fixture(scope="module")

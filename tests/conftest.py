@@ -71,7 +71,10 @@ def pytest_collection_modifyitems(items):
         groups = [g for f, g in GROUPS.items() if f in used]  # a fixture, or its name as a parameter
         if groups:
             item.add_marker(pytest.mark.slow)
-            item.add_marker(pytest.mark.xdist_group(groups[0]))
+            # a module may run as a group of its own (`XDIST_GROUP`): its bundles are then fetched from
+            # the shared artifact cache by whichever worker comes second, and the two halves of a long
+            # group run on both workers
+            item.add_marker(pytest.mark.xdist_group(getattr(item.module, "XDIST_GROUP", groups[0])))
 
 
 @pytest.fixture(scope="session")

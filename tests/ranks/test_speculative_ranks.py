@@ -25,6 +25,8 @@ from deepinfer.runtime.schedule import decode
 
 from ..conftest import SPECULATIVE_LAYOUTS, regenerate
 
+# a group of its own, not `rank_bundle`'s: the rank tests together ran over 20 minutes on one worker
+XDIST_GROUP = "ranks-speculative"
 PROMPTS = [ByteTokenizer().encode(p) for p in regenerate.PROMPTS]
 NEW = 8
 BLOCK = 5  # the tiny checkpoint's dspark_block_size

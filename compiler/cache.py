@@ -32,6 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from deepinfer.bundles.manifest import sha256_file
 from deepinfer.bundles.signing import TrustError, sign_bytes, verify_bytes
@@ -79,7 +80,7 @@ def _meta_problem(meta, kind: str, digest: str) -> str | None:
     return None
 
 
-def read_meta(path: Path) -> tuple[bytes, object]:
+def read_meta(path: Path) -> tuple[bytes, Any]:
     """The bytes and JSON value of an entry's meta.json at `path` (a regular file inside its entry,
     under a size cap: a link to /dev/zero is refused before a byte is read). ReadError otherwise."""
     raw = read_bytes(path, CAP_SMALL, root=path.parent)
@@ -554,8 +555,8 @@ class Cache:
                     data = read_meta(meta)[1]
                 except ReadError:
                     data = {}
-                if not isinstance(data, dict):
-                    data = {}
+                if _meta_problem(data, kind, meta.parent.name) is not None:
+                    data = {}  # listed (verify and prune see it) with nothing read from it
                 out.append(Entry(kind, meta.parent.name, meta.parent, data))
         return out
 
@@ -570,17 +571,12 @@ class Cache:
             meta = read_meta(found[0] / META)[1]
         except ReadError:
             meta = {}
-        if not isinstance(meta, dict):
-            meta = {}
-        return Entry(found[0].parent.parent.name, found[0].name, found[0], meta)
+        kind = found[0].parent.parent.name
+        return Entry(kind, found[0].name, found[0], meta if _meta_problem(meta, kind, found[0].name) is None else {})
 
     def closest(self, kind: str, identity: str) -> Entry | None:
         """The most recently used entry of `kind` built for the same `identity` (explains a miss)."""
-        same = [
-            e
-            for e in self.entries((kind,))
-            if e.meta.get("identity") == identity and _meta_problem(e.meta, e.kind, e.key) is None
-        ]
+        same = [e for e in self.entries((kind,)) if e.meta.get("identity") == identity]
         return max(same, key=lambda e: e.last_used, default=None)
 
     def verify(self) -> list[tuple[Entry, str]]:

@@ -345,3 +345,19 @@ def test_bundle_tokenizer_link_outside_the_bundle(tmp_path):
     os.symlink(SYNTH / "tokenizer.json", bundle / "tokenizer" / "tokenizer.json")
     with pytest.raises(DeepinferError, match="outside"):
         TokenizersTokenizer.from_dir(bundle / "tokenizer", root=bundle)
+
+
+@pytest.mark.parametrize(
+    "text", ['{"config": ' + DEEP + "}", "[1]", '{"config": [1]}'], ids=["deep", "list", "config-list"]
+)
+def test_damaged_pt2_payload_config(tmp_path, text):
+    import zipfile
+
+    from deepinfer.bundles.pt2 import _check_archive
+
+    path = tmp_path / "x.pt2"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("x/data/weights/model_weights_config.json", text)
+    with pytest.raises(DeepinferError) as e:
+        _check_archive(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)

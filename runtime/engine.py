@@ -11,6 +11,13 @@ sequences in it, not the server. Requests talk back through their callbacks, run
 thread: `on_token(id) -> stop?` (stop strings are the caller's) and `on_finish(reason, error)`.
 `Metrics` counts what the scheduler reports (`Events`) for /metrics.
 
+The engine cannot die silently: if its thread ever stops on an error, every request it holds ends
+with that error as one line, `dead` says why, and the server answers /health with 503 and exits
+non-zero. `health(watchdog_s)` also reports an engine that has had work but finished no step for
+`watchdog_s`. `end_all` ends every request at the next step boundary (a graceful stop's last act).
+A test hook, `$DEEPINFER_TEST_FAULT` (`step=SEED,thread=SEED,slow=SEED`), makes a step raise, the
+thread die, or each step take 0.25 s more while a request with that sampling seed is held.
+
 With a `drafter` (`deepinfer-serve --speculative dspark`), greedy requests decode speculatively:
 the same tokens as without. Sampled requests decode plainly. With `prefix_cache` (the server's
 default; `--no-prefix-cache`), full prompt blocks are shared between requests (regions/prefix.py).
@@ -18,6 +25,7 @@ default; `--no-prefix-cache`), full prompt blocks are shared between requests (r
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -40,6 +48,10 @@ class RequestError(DeepinferError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param, self.code = param, code
+
+
+FAULT_ENV = "DEEPINFER_TEST_FAULT"  # the test hook (see the module's docstring)
+SLOW_STEP_S = 0.25  # what the hook's `slow` adds to a step
 
 
 class QueueFull(DeepinferError):
@@ -218,6 +230,10 @@ class Engine:
         self.metrics.kv_blocks_total.set(self.capacity_blocks * len(self.scheduler.allocs))
         self._rows = stepper.max_batch * stepper.groups  # the batch's rows over every token group
         self._closing = False
+        self._ending = False  # end_all: end every request at the next step boundary
+        self.progress = time.monotonic()  # when the engine last finished a step, or got work while idle
+        self.dead: str | None = None  # why the engine's thread stopped on an error (one line)
+        self._faults = _faults(os.environ.get(FAULT_ENV, ""))
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -291,23 +307,96 @@ class Engine:
             self._closing = True
             self._cond.notify()
 
+    def end_all(self) -> None:
+        """End every waiting and running request (as cancelled) at the next step boundary; later ones run."""
+        with self._cond:
+            self._ending = True
+            self._cond.notify()
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request waits or runs."""
+        with self._cond:
+            return self.scheduler.busy
+
+    def health(self, watchdog_s: float | None) -> str | None:
+        """None while the engine works, else why not (one line): its thread stopped, or it has had work
+        but finished no step for more than `watchdog_s` (None or 0: no watchdog)."""
+        if self.dead is not None:
+            return f"the engine stopped: {self.dead}"
+        stalled = time.monotonic() - self.progress
+        if watchdog_s and stalled > watchdog_s and self.busy:
+            return f"the engine has had work but finished no step for {stalled:.0f} s (watchdog {watchdog_s:g} s)"
+        return None
+
     # -- the engine's thread ------------------------------------------------------------------
 
     def run(self) -> None:
-        """Step until `close`: sleep while nothing waits or runs."""
+        """Step until `close`: sleep while nothing waits or runs. An error that escapes a step boundary
+        stops the thread: `dead` says why and every request held ends with it."""
+        try:
+            self._loop()
+        except BaseException as e:  # whatever stops the thread is reported, not lost
+            self.dead = one_line(e)
+            with self._cond:
+                self._closing = True  # submit refuses from now on
+            try:
+                self.scheduler.close("error", f"the engine stopped: {self.dead}")
+            except BaseException:  # the requests' callbacks may fail too; `dead` says why
+                pass
+
+    def _loop(self) -> None:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not self._closing and not self.scheduler.busy:
+                    idle = not self.scheduler.busy
+                    while not self._closing and not self._ending and not self.scheduler.busy:
                         self._cond.wait()
                     if self._closing:
                         break
+                    ending, self._ending = self._ending, False
+                    if idle:
+                        self.progress = time.monotonic()
+                if ending:
+                    self.scheduler.close()
+                    continue
+                if self._fault("thread"):
+                    raise RuntimeError(f"test hook {FAULT_ENV}: the engine thread dies")
                 self.step()
+                self.progress = time.monotonic()
         self.scheduler.close()
 
     def step(self) -> None:
         """One step boundary of the scheduler; a step that raises fails its sequences, not the server."""
         try:
+            if self._fault("slow"):
+                time.sleep(SLOW_STEP_S)
+            if self._fault("step", running_only=True):
+                raise RuntimeError(f"test hook {FAULT_ENV}: a step fails")
             self.scheduler.step()
         except Exception as e:
-            self.scheduler.fail_running(f"the step failed: {type(e).__name__}: {e}")
+            self.scheduler.fail_running(f"the step failed: {one_line(e)}")
+
+    def _fault(self, kind: str, running_only: bool = False) -> bool:
+        """Whether the test hook's `kind` applies: a request held (running, or waiting too) has its seed."""
+        seed = self._faults.get(kind)
+        if seed is None:
+            return False
+        with self._cond:  # submit appends to the waiting queue from other threads
+            held = list(self.scheduler.running.values()) + ([] if running_only else list(self.scheduler.waiting))
+        return any(r.request.sampling.seed == seed for r in held)
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _faults(spec: str) -> dict[str, int]:
+    """The test hook's `kind=seed` pairs."""
+    out = {}
+    for part in filter(None, spec.split(",")):
+        kind, _, seed = part.partition("=")
+        out[kind.strip()] = int(seed)
+    return out

@@ -432,13 +432,13 @@ class Scheduler:
         for r in list(self.running.values()):
             self._finish(r, "error", error)
 
-    def close(self) -> None:
-        """End every waiting and running request as cancelled."""
+    def close(self, reason: str = "cancelled", error: str | None = None) -> None:
+        """End every waiting and running request (as cancelled, or with `reason` and `error`)."""
         with self.lock:
             left = list(self.waiting)
             self.waiting.clear()
         for r in left + list(self.running.values()):
-            self._finish(r, "cancelled")
+            self._finish(r, reason, error)
 
     def step(self) -> None:
         """One step boundary: admit waiting requests, drop cancelled ones, run one batched step, emit."""

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 from deepinfer.errors import ConfigError
-from deepinfer.regions.chat_template import TemplateLimit, environment, render
+from deepinfer.regions.chat_template import TIME_LIMIT_S, TemplateLimit, environment, render
 from deepinfer.regions.tokenizer import CHAT_TEMPLATE_FILE as TEMPLATE_FILE
 from deepinfer.regions.tokenizer import TOKENIZER_CONFIG_FILE as CONFIG_FILE
 from deepinfer.regions.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -58,6 +58,7 @@ def _token_text(value, source: Path, key: str) -> str | None:
 
 class TokenizersTokenizer(Tokenizer):
     kind = "tokenizers"
+    render_seconds = TIME_LIMIT_S  # a chat template's time limit
 
     def __init__(self, backend, config: dict, template: str | None, source: Path):
         self.backend, self.template, self.source = backend, template, source
@@ -132,7 +133,7 @@ class TokenizersTokenizer(Tokenizer):
 
         variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special)
         try:
-            return render(self.template, variables)
+            return render(self.template, variables, self.render_seconds)
         except (TemplateError, TemplateLimit) as e:
             raise ChatTemplateError(f"{self.source}: chat template: {first_line(e)}") from None
         except Exception as e:  # the template is code: ZeroDivisionError, RecursionError, TypeError, ...

@@ -15,8 +15,8 @@ The engine cannot die silently: if its thread ever stops on an error, every requ
 with that error as one line, `dead` says why, and the server answers /health with 503 and exits
 non-zero. `health(watchdog_s)` also reports an engine that has had work but finished no step for
 `watchdog_s`. `end_all` ends every request at the next step boundary (a graceful stop's last act).
-A test hook, `$DEEPINFER_TEST_FAULT` (`step=SEED,thread=SEED,slow=SEED`), makes a step raise, the
-thread die, or each step take 0.25 s more while a request with that sampling seed is held.
+A test hook, `$DEEPINFER_TEST_FAULT` (`step=SEED,thread=SEED,slow=SEED,stall=SEED`), makes a step raise,
+the thread die, or each step take 0.25 s (slow) or 3 s (stall) more while a request with that sampling seed is held.
 
 With a `drafter` (`deepinfer-serve --speculative dspark`), greedy requests decode speculatively:
 the same tokens as without. Sampled requests decode plainly. With `prefix_cache` (the server's
@@ -50,8 +50,13 @@ class RequestError(DeepinferError):
         self.param, self.code = param, code
 
 
+class EngineStopped(DeepinferError):
+    """The engine's thread stopped on an error (the server exits with it)."""
+
+
 FAULT_ENV = "DEEPINFER_TEST_FAULT"  # the test hook (see the module's docstring)
 SLOW_STEP_S = 0.25  # what the hook's `slow` adds to a step
+STALL_S = 3.0  # what the hook's `stall` adds to a step
 
 
 class QueueFull(DeepinferError):
@@ -371,6 +376,8 @@ class Engine:
         try:
             if self._fault("slow"):
                 time.sleep(SLOW_STEP_S)
+            if self._fault("stall"):
+                time.sleep(STALL_S)
             if self._fault("step", running_only=True):
                 raise RuntimeError(f"test hook {FAULT_ENV}: a step fails")
             self.scheduler.step()

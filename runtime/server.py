@@ -30,10 +30,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from deepinfer.runtime.bodies import BadRequest, Bodies, Params, error_body
-from deepinfer.runtime.engine import Engine, QueueFull
+from deepinfer.runtime.bodies import BadRequest, Bodies, Params, body_field, error_body, parse_body
+from deepinfer.runtime.engine import Engine, EngineStopped, QueueFull
 from deepinfer.runtime.executor import Executor, Stats
+from deepinfer.runtime.limits import FLUSH_S, Gate, Limits, Stopping, guarded_protocol
 from deepinfer.runtime.logprobs import Entry, Recorder, chat_format, legacy_format
+from deepinfer.runtime.openapi import document
 from deepinfer.runtime.options import ServeOptions
 from deepinfer.runtime.process import ServerProcess
 from deepinfer.runtime.schedule import Completion, Request
@@ -199,13 +201,15 @@ class Served(Bodies):
         return jobs, outs, events
 
 
-def create_app(served: Served):
-    """The Starlette application of `served`."""
+def create_app(served: Served, gate: Gate | None = None):
+    """The Starlette application of `served` (its /health asks `gate`: by default the engine's own)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
+
+    gate = gate or Gate(served.engine)
 
     def refuse(e: BadRequest | QueueFull) -> JSONResponse:
         if isinstance(e, QueueFull):
@@ -219,14 +223,8 @@ def create_app(served: Served):
         return JSONResponse(error_body(str(e), "invalid_request_error", e.param, e.code), status_code=400)
 
     async def body_of(request: HttpRequest) -> dict:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the request body is not valid JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        return body
+        # read whole already (runtime/limits.py: capped, timed); parsed off the event loop, bounded
+        return await run_in_threadpool(parse_body, await request.body())
 
     async def generate(request: HttpRequest, chat: bool):
         try:
@@ -310,7 +308,13 @@ def create_app(served: Served):
         )
 
     async def health(request):
-        return JSONResponse({"status": "ok"})
+        why = gate.health()
+        if why is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", **error_body(why, "service_unavailable")}, status_code=503)
+
+    async def openapi(request):
+        return JSONResponse(document(served.model))
 
     async def tokenize(request):
         try:
@@ -318,10 +322,11 @@ def create_app(served: Served):
             text = body.get("prompt")
             if not isinstance(text, str):
                 raise BadRequest("prompt: expected a string", "prompt")
-            bos = _field(body, "add_special_tokens", bool, True)
+            bos = body_field(body, "add_special_tokens", bool, True)
+            served.text_fits(text, "prompt")
         except BadRequest as e:
             return refuse(e)
-        ids = served.tokenizer.encode(text, bos=bos)
+        ids = await run_in_threadpool(served.tokenizer.encode, text, bos)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": served.engine.max_context})
 
     async def detokenize(request):
@@ -330,6 +335,9 @@ def create_app(served: Served):
             ids = body.get("tokens")
             if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
                 raise BadRequest("tokens: expected a list of token ids", "tokens")
+            bad = [i for i in ids if not 0 <= i < served.vocab]
+            if bad:
+                raise BadRequest(f"token ids {bad[:8]} are outside the vocabulary [0, {served.vocab})", "tokens")
         except BadRequest as e:
             return refuse(e)
         return JSONResponse({"prompt": served.tokenizer.decode(ids)})
@@ -362,6 +370,7 @@ def create_app(served: Served):
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
         ]
     )
 
@@ -496,8 +505,10 @@ def serve(executor: Executor, tokenizer, options: ServeOptions) -> None:
     SIGINT or SIGTERM; with options.speculative, greedy requests decode with the bundle's draft.
 
     Binds first (port 0: a free port; `options.on_ready` gets a line naming the bound URL), then runs
-    the engine on its own thread and uvicorn on this one. At shutdown uvicorn lets open requests end
-    (at most `GRACE_S`), then the engine stops, cancelling what is left."""
+    the engine on its own thread and uvicorn on this one, within the limits of `runtime/limits.py`. A
+    stop signal is graceful (`limits.Stopping`: open requests get `options.grace_s`, then end with a
+    final chunk); the engine stops after. If the engine's thread stops on an error, so does the server:
+    EngineStopped (the CLI's one line and exit status 2)."""
     import signal
     import socket
     import threading
@@ -512,7 +523,8 @@ def serve(executor: Executor, tokenizer, options: ServeOptions) -> None:
         steps, eos=executor.config.eos_token_id, max_queue=options.max_queue, drafter=drafter, prefix_cache=prefix_cache
     )
     model = options.model_name or executor.path.name
-    app = create_app(Served(engine, tokenizer, model, executor.config.text.vocab_size))
+    gate = Gate(engine, options.watchdog_s)
+    app = create_app(Served(engine, tokenizer, model, executor.config.text.vocab_size), gate)
     host, port = options.host, options.port
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -521,12 +533,19 @@ def serve(executor: Executor, tokenizer, options: ServeOptions) -> None:
     thread = threading.Thread(target=engine.run, name="deepinfer-engine", daemon=True)
     thread.start()
     bound = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACE_S, lifespan="off"))
+    config = uvicorn.Config(
+        Limits(app, gate, options.max_body_bytes, options.body_timeout_s),
+        http=guarded_protocol(options.max_connections, options.header_timeout_s),
+        log_level="warning",
+        timeout_graceful_shutdown=FLUSH_S,
+        lifespan="off",
+    )
+    server = Stopping(config, gate, options.grace_s)
 
     def stopped(signum, frame):
         raise _Stopped(signum)
 
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handlers
+    # a second stop signal makes uvicorn stop at once, then raise the signal again under the handlers
     # it found: these make that a clean return (the engine, and a multi-rank bundle's followers, are
     # stopped by the callers' cleanup), not a death by signal that skips it
     previous = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -544,13 +563,15 @@ def serve(executor: Executor, tokenizer, options: ServeOptions) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         engine.close()
-        thread.join(timeout=GRACE_S)
+        thread.join(timeout=JOIN_S)
         sock.close()
+    if engine.dead is not None:
+        raise EngineStopped(f"deepinfer-serve: the engine stopped: {engine.dead}")
 
 
 class _Stopped(Exception):
-    """A stop signal, after uvicorn's graceful shutdown."""
+    """A second stop signal, after uvicorn's shutdown."""
 
 
 BACKLOG = 128  # connections the kernel queues before uvicorn accepts them
-GRACE_S = 10  # seconds open requests get to end at shutdown
+JOIN_S = 10  # seconds the engine's thread gets to end its step at shutdown

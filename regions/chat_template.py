@@ -109,7 +109,7 @@ def environment(budget: Budget | None = None):
 
     class Generator(CodeGenerator):
         def visit_Concat(self, node, frame):  # `a ~ b ~ c` through the size check
-            self.write("environment.concat((")
+            self.write("environment.bounded_concat((")
             for arg in node.nodes:
                 self.visit(arg, frame)
                 self.write(", ")
@@ -119,7 +119,7 @@ def environment(budget: Budget | None = None):
         code_generator_class = Generator
         intercepted_binops = frozenset({"*", "**", "+", "%"})
 
-        def concat(self, parts: tuple) -> str:
+        def bounded_concat(self, parts: tuple) -> str:
             limits.tick()
             text = "".join(map(str, parts))
             limits.size(len(text), "a concatenation")

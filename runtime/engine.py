@@ -16,7 +16,7 @@ with that error as one line, `dead` says why, and the server answers /health wit
 non-zero. `health(watchdog_s)` also reports an engine that has had work but finished no step for
 `watchdog_s`. `end_all` ends every request at the next step boundary (a graceful stop's last act).
 A test hook, `$DEEPINFER_TEST_FAULT` (`step=SEED,thread=SEED,slow=SEED,stall=SEED`), makes a step raise,
-the thread die, or each step take 0.25 s (slow) or 3 s (stall) more while a request with that sampling seed is held.
+the thread die, or each step take 0.25 s more (slow), or one step 3 s more (stall) while a request with that sampling seed is held.
 
 With a `drafter` (`deepinfer-serve --speculative dspark`), greedy requests decode speculatively:
 the same tokens as without. Sampled requests decode plainly. With `prefix_cache` (the server's
@@ -239,6 +239,7 @@ class Engine:
         self.progress = time.monotonic()  # when the engine last finished a step, or got work while idle
         self.dead: str | None = None  # why the engine's thread stopped on an error (one line)
         self._faults = _faults(os.environ.get(FAULT_ENV, ""))
+        self._fired: set[str] = set()  # the hook's one-shot faults that have fired
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -376,7 +377,8 @@ class Engine:
         try:
             if self._fault("slow"):
                 time.sleep(SLOW_STEP_S)
-            if self._fault("stall"):
+            if self._fault("stall") and "stall" not in self._fired:  # once
+                self._fired.add("stall")
                 time.sleep(STALL_S)
             if self._fault("step", running_only=True):
                 raise RuntimeError(f"test hook {FAULT_ENV}: a step fails")

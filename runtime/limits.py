@@ -30,7 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from deepinfer.runtime.engine import Engine
 
 DEAD_LINGER_S = 3.0  # after the engine stops, /health answers 503 this long before the process exits
-FLUSH_S = 5.0  # after every request has ended at a stop, what their last chunks get to leave
+FLUSH_S = 5  # after every request has ended at a stop, what their last chunks get to leave
 
 
 @dataclass

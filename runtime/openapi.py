@@ -49,7 +49,12 @@ SAMPLING = {
     "top_k": _nullable({"type": "integer", "minimum": -1}),
     "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
     "stop": _nullable(
-        {"oneOf": [STRING, {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOPS}]}
+        {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOPS},
+            ]
+        }
     ),
     "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - MAX_N}),
     "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
@@ -114,7 +119,7 @@ MESSAGE = {
     "required": ["role", "content"],
     "properties": {
         "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
-        "content": _nullable(
+        "content": (
             {
                 "oneOf": [
                     STRING,
@@ -147,8 +152,8 @@ def _refusals(*codes: int) -> dict:
 
 def _post(summary: str, request: dict, response: dict, stream: bool = True) -> dict:
     ok: dict[str, Any] = {JSON: {"schema": response}}
-    if stream:
-        ok["text/event-stream"] = {"schema": STRING}
+    if stream:  # server-sent events, each a chunk (or an error) as JSON, the last `[DONE]`
+        ok["text/event-stream"] = {"schema": {"type": "object", "properties": {"data": STRING}}}
     return {
         "post": {
             "summary": summary,

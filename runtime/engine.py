@@ -296,6 +296,8 @@ class Engine:
                     f"{self.max_queue}, {free} free rows in the batch); retry later"
                 )
             self.events.arrived[request] = time.perf_counter()
+            if not self.scheduler.busy:  # the watchdog counts from the work's arrival, not the last step
+                self.progress = time.monotonic()
             out = self.scheduler.add(request)
             self.metrics.queue_depth.set(waiting + 1)
             self._cond.notify()

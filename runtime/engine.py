@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -234,12 +234,8 @@ class Engine:
         self.capacity_slots = len(a.free_slots)  # per group: less the scratch slot
         self.metrics.kv_blocks_total.set(self.capacity_blocks * len(self.scheduler.allocs))
         self._rows = stepper.max_batch * stepper.groups  # the batch's rows over every token group
-        self._closing = False
-        self._ending = False  # end_all: end every request at the next step boundary
-        self.progress = time.monotonic()  # when the engine last finished a step, or got work while idle
-        self.dead: str | None = None  # why the engine's thread stopped on an error (one line)
-        self._faults = _faults(os.environ.get(FAULT_ENV, ""))
-        self._fired: set[str] = set()  # the hook's one-shot faults that have fired
+        self.vitals = Vitals()
+        self.faults = Faults(os.environ.get(FAULT_ENV, ""))
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -286,7 +282,7 @@ class Engine:
         requests wait already beyond those the batch's free rows take at the next step boundary."""
         self.check(len(request.prompt), request.max_tokens)
         with self._cond:
-            if self._closing:
+            if self.vitals.closing:
                 raise QueueFull("the server is shutting down")
             waiting = len(self.scheduler.waiting)
             free = self._rows - len(self.scheduler.running)
@@ -297,7 +293,7 @@ class Engine:
                 )
             self.events.arrived[request] = time.perf_counter()
             if not self.scheduler.busy:  # the watchdog counts from the work's arrival, not the last step
-                self.progress = time.monotonic()
+                self.vitals.progress = time.monotonic()
             out = self.scheduler.add(request)
             self.metrics.queue_depth.set(waiting + 1)
             self._cond.notify()
@@ -312,13 +308,13 @@ class Engine:
     def close(self) -> None:
         """Make `run` return after the current step; waiting and running requests finish as cancelled."""
         with self._cond:
-            self._closing = True
+            self.vitals.closing = True
             self._cond.notify()
 
     def end_all(self) -> None:
         """End every waiting and running request (as cancelled) at the next step boundary; later ones run."""
         with self._cond:
-            self._ending = True
+            self.vitals.ending = True
             self._cond.notify()
 
     @property
@@ -330,9 +326,9 @@ class Engine:
     def health(self, watchdog_s: float | None) -> str | None:
         """None while the engine works, else why not (one line): its thread stopped, or it has had work
         but finished no step for more than `watchdog_s` (None or 0: no watchdog)."""
-        if self.dead is not None:
-            return f"the engine stopped: {self.dead}"
-        stalled = time.monotonic() - self.progress
+        if self.vitals.dead is not None:
+            return f"the engine stopped: {self.vitals.dead}"
+        stalled = time.monotonic() - self.vitals.progress
         if watchdog_s and stalled > watchdog_s and self.busy:
             return f"the engine has had work but finished no step for {stalled:.0f} s (watchdog {watchdog_s:g} s)"
         return None
@@ -345,11 +341,11 @@ class Engine:
         try:
             self._loop()
         except BaseException as e:  # whatever stops the thread is reported, not lost
-            self.dead = one_line(e)
+            self.vitals.dead = one_line(e)
             with self._cond:
-                self._closing = True  # submit refuses from now on
+                self.vitals.closing = True  # submit refuses from now on
             try:
-                self.scheduler.close("error", f"the engine stopped: {self.dead}")
+                self.scheduler.close("error", f"the engine stopped: {self.vitals.dead}")
             except BaseException:  # the requests' callbacks may fail too; `dead` says why
                 pass
 
@@ -358,20 +354,20 @@ class Engine:
             while True:
                 with self._cond:
                     idle = not self.scheduler.busy
-                    while not self._closing and not self._ending and not self.scheduler.busy:
+                    while not self.vitals.closing and not self.vitals.ending and not self.scheduler.busy:
                         self._cond.wait()
-                    if self._closing:
+                    if self.vitals.closing:
                         break
-                    ending, self._ending = self._ending, False
+                    ending, self.vitals.ending = self.vitals.ending, False
                     if idle:
-                        self.progress = time.monotonic()
+                        self.vitals.progress = time.monotonic()
                 if ending:
                     self.scheduler.close()
                     continue
                 if self._fault("thread"):
                     raise RuntimeError(f"test hook {FAULT_ENV}: the engine thread dies")
                 self.step()
-                self.progress = time.monotonic()
+                self.vitals.progress = time.monotonic()
         self.scheduler.close()
 
     def step(self) -> None:
@@ -379,8 +375,7 @@ class Engine:
         try:
             if self._fault("slow"):
                 time.sleep(SLOW_STEP_S)
-            if self._fault("stall") and "stall" not in self._fired:  # once
-                self._fired.add("stall")
+            if self._fault("stall", once=True):
                 time.sleep(STALL_S)
             if self._fault("step", running_only=True):
                 raise RuntimeError(f"test hook {FAULT_ENV}: a step fails")
@@ -388,26 +383,49 @@ class Engine:
         except Exception as e:
             self.scheduler.fail_running(f"the step failed: {one_line(e)}")
 
-    def _fault(self, kind: str, running_only: bool = False) -> bool:
+    def _fault(self, kind: str, running_only: bool = False, once: bool = False) -> bool:
         """Whether the test hook's `kind` applies: a request held (running, or waiting too) has its seed."""
-        seed = self._faults.get(kind)
-        if seed is None:
+        if not self.faults.seeds:
             return False
         with self._cond:  # submit appends to the waiting queue from other threads
             held = list(self.scheduler.running.values()) + ([] if running_only else list(self.scheduler.waiting))
-        return any(r.request.sampling.seed == seed for r in held)
+        return self.faults.applies(kind, {r.request.sampling.seed for r in held}, once)
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine's thread stopped on an error (one line), or None."""
+        return self.vitals.dead
+
+
+@dataclass
+class Vitals:
+    """What the engine's thread and the others tell each other (under the engine's condition)."""
+
+    closing: bool = False  # `run` returns after the current step
+    ending: bool = False  # `end_all`: end every request at the next step boundary
+    progress: float = field(default_factory=time.monotonic)  # a step finished, or work came to an idle engine
+    dead: str | None = None  # why the engine's thread stopped on an error (one line)
+
+
+class Faults:
+    """The test hook of the module's docstring: `kind=seed` pairs, and the one-shot kinds that fired."""
+
+    def __init__(self, spec: str):
+        self.seeds: dict[str, int] = {}
+        for part in filter(None, spec.split(",")):
+            kind, _, seed = part.partition("=")
+            self.seeds[kind.strip()] = int(seed)
+        self.fired: set[str] = set()
+
+    def applies(self, kind: str, seeds: set, once: bool) -> bool:
+        seed = self.seeds.get(kind)
+        if seed is None or seed not in seeds or (once and kind in self.fired):
+            return False
+        self.fired.add(kind)
+        return True
 
 
 def one_line(e: BaseException) -> str:
     """An error as one line: its type and the first line of its message."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-
-
-def _faults(spec: str) -> dict[str, int]:
-    """The test hook's `kind=seed` pairs."""
-    out = {}
-    for part in filter(None, spec.split(",")):
-        kind, _, seed = part.partition("=")
-        out[kind.strip()] = int(seed)
-    return out

@@ -249,7 +249,12 @@ def create_app(served: Served, gate: Gate | None = None):
 
         return Response(served.engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
+    async def failed(request, exc: Exception):
+        # a bug, not a refusal: still one line in OpenAI's error body (the traceback goes to the log)
+        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}".splitlines()[0], "server_error"), 500)
+
     return Starlette(
+        exception_handlers={Exception: failed},
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -260,7 +265,7 @@ def create_app(served: Served, gate: Gate | None = None):
             Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
-        ]
+        ],
     )
 
 

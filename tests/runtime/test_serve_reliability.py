@@ -323,3 +323,39 @@ def test_engine_thread_death_is_503_then_a_nonzero_exit(doomed):
     assert doomed.proc.wait(timeout=60) != 0
     err = doomed.proc.stderr.read() if doomed.proc.stderr else ""
     assert err.strip().splitlines()[-1].startswith("error: deepinfer-serve: the engine stopped"), err
+
+
+def test_a_failing_chat_template_is_400(exported_bundle_12, tmp_path):
+    """A bundle whose chat template divides by zero, or recurses without end: each chat request gets a
+    one-line 400 naming the template, and the server goes on (a copy of the bundle with its template
+    rewritten, loaded with --no-verify: its digests no longer match)."""
+    import shutil
+
+    from deepinfer.bundles.layout import TOKENIZER_CONFIG_FILE, TOKENIZER_DIR
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(exported_bundle_12, bundle)
+    path = bundle / TOKENIZER_DIR / TOKENIZER_CONFIG_FILE
+    config = json.loads(path.read_text())
+    template = (
+        "{% if messages[0].content == 'zero' %}{{ 1 / 0 }}{% endif %}{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}"
+    )
+    config["chat_template"] = template + "{% if messages[0].content == 'deep' %}{{ f(0) }}{% endif %}ok"
+    path.write_text(json.dumps(config))
+    s = Server(bundle, "--no-verify")
+    try:
+        for content, error in (("zero", "ZeroDivisionError"), ("deep", "RecursionError")):
+            status, answer = s.post(
+                "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+            )
+            assert (
+                status == 400
+                and error in one_line_error(answer, "messages")
+                and "chat template" in answer["error"]["message"]
+            )
+        status, _ = s.post(
+            "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        )
+        assert status == 200
+    finally:
+        assert s.stop() == 0

@@ -221,6 +221,7 @@ def test_openapi_document_and_schemathesis(guarded, tmp_path):
         capture_output=True,
         text=True,
         timeout=240,
+        cwd=tmp_path,  # schemathesis keeps a cache of crashes in its working directory
     )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert guarded.health() == 200

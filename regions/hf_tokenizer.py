@@ -14,17 +14,17 @@ in a sandboxed Jinja2 environment as transformers' `apply_chat_template` does:
 `tools` (None, or the functions a model may call) and every special token of the
 config (`bos_token`, `eos_token`, ...) in scope.
 A template is code from the checkpoint: the sandbox keeps it from reaching
-Python objects beyond what it is given.
+Python objects beyond what it is given, and `regions/chat_template.py` bounds its
+time and what it builds; any error it raises is one `ChatTemplateError` line.
 """
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from pathlib import Path
 
 from deepinfer.errors import ConfigError
 from deepinfer.reader import CAP_TOKENIZER, MIB, load_json, read_bytes
+from deepinfer.regions.chat_template import TIME_LIMIT_S, TemplateLimit, environment, render
 from deepinfer.regions.tokenizer import CHAT_TEMPLATE_FILE as TEMPLATE_FILE
 from deepinfer.regions.tokenizer import TOKENIZER_CONFIG_FILE as CONFIG_FILE
 from deepinfer.regions.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -69,9 +69,12 @@ def _token_text(value, source: Path, key: str) -> str | None:
 
 class TokenizersTokenizer(Tokenizer):
     kind = "tokenizers"
+    render_seconds = TIME_LIMIT_S  # a chat template's time limit
 
     def __init__(self, backend, config: dict, template: str | None, source: Path):
         self.backend, self.template, self.source = backend, template, source
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self.longest_token_bytes = max((len(t.encode("utf-8")) for t in vocab), default=1)
         where = source / CONFIG_FILE
         self.special = {}  # "bos_token" -> its text
         for key in SPECIAL_KEYS:
@@ -133,17 +136,23 @@ class TokenizersTokenizer(Tokenizer):
             return False  # rendering names the error
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+        """Rendered within a time and size limit (regions/chat_template.py); any error is one line."""
         if self.template is None:
             return super().render_chat(messages, add_generation_prompt, tools)
         from jinja2 import TemplateError
 
+        variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special)
         try:
-            compiled = _environment().from_string(self.template)
-            return compiled.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special
-            )
-        except TemplateError as e:
-            raise ChatTemplateError(f"{self.source}: chat template: {e}") from None
+            return render(self.template, variables, self.render_seconds)
+        except (TemplateError, TemplateLimit) as e:
+            raise ChatTemplateError(f"{self.source}: chat template: {first_line(e)}") from None
+        except Exception as e:  # the template is code: ZeroDivisionError, RecursionError, TypeError, ...
+            raise ChatTemplateError(f"{self.source}: chat template: {type(e).__name__}: {first_line(e)}") from None
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
 
 
 def _template(value, source: Path) -> str | None:
@@ -160,19 +169,5 @@ def _template(value, source: Path) -> str | None:
 
 
 def _environment():
-    """The sandboxed Jinja2 environment chat templates render in (transformers' settings)."""
-    from jinja2 import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+    """The sandboxed Jinja2 environment chat templates render in (transformers' settings, bounded)."""
+    return environment()

@@ -34,6 +34,7 @@ class Tokenizer:
     """The interface: `bos`, `eos`, `pad` ids and the methods below. `kind` is the manifest's name for it."""
 
     kind: str
+    longest_token_bytes: int = 1  # the most bytes of text one token stands for (a bound, for length checks)
     bos: int | None  # None: the tokenizer has no such token (a tokenizer_config.json may set none)
     eos: int | None
     pad: int | None

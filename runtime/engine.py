@@ -11,6 +11,13 @@ sequences in it, not the server. Requests talk back through their callbacks, run
 thread: `on_token(id) -> stop?` (stop strings are the caller's) and `on_finish(reason, error)`.
 `Metrics` counts what the scheduler reports (`Events`) for /metrics.
 
+The engine cannot die silently: if its thread ever stops on an error, every request it holds ends
+with that error as one line, `dead` says why, and the server answers /health with 503 and exits
+non-zero. `health(watchdog_s)` also reports an engine that has had work but finished no step for
+`watchdog_s`. `end_all` ends every request at the next step boundary (a graceful stop's last act).
+A test hook, `$DEEPINFER_TEST_FAULT` (`step=SEED,thread=SEED,slow=SEED,stall=SEED`), makes a step raise,
+the thread die, or each step take 0.25 s more (slow), or one step 3 s more (stall) while a request with that sampling seed is held.
+
 With a `drafter` (`deepinfer-serve --speculative dspark`), greedy requests decode speculatively:
 the same tokens as without. Sampled requests decode plainly. With `prefix_cache` (the server's
 default; `--no-prefix-cache`), full prompt blocks are shared between requests (regions/prefix.py).
@@ -18,9 +25,10 @@ default; `--no-prefix-cache`), full prompt blocks are shared between requests (r
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +48,15 @@ class RequestError(DeepinferError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param, self.code = param, code
+
+
+class EngineStopped(DeepinferError):
+    """The engine's thread stopped on an error (the server exits with it)."""
+
+
+FAULT_ENV = "DEEPINFER_TEST_FAULT"  # the test hook (see the module's docstring)
+SLOW_STEP_S = 0.25  # what the hook's `slow` adds to a step
+STALL_S = 3.0  # what the hook's `stall` adds to a step
 
 
 class QueueFull(DeepinferError):
@@ -217,7 +234,8 @@ class Engine:
         self.capacity_slots = len(a.free_slots)  # per group: less the scratch slot
         self.metrics.kv_blocks_total.set(self.capacity_blocks * len(self.scheduler.allocs))
         self._rows = stepper.max_batch * stepper.groups  # the batch's rows over every token group
-        self._closing = False
+        self.vitals = Vitals()
+        self.faults = Faults(os.environ.get(FAULT_ENV, ""))
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -264,7 +282,7 @@ class Engine:
         requests wait already beyond those the batch's free rows take at the next step boundary."""
         self.check(len(request.prompt), request.max_tokens)
         with self._cond:
-            if self._closing:
+            if self.vitals.closing:
                 raise QueueFull("the server is shutting down")
             waiting = len(self.scheduler.waiting)
             free = self._rows - len(self.scheduler.running)
@@ -274,6 +292,8 @@ class Engine:
                     f"{self.max_queue}, {free} free rows in the batch); retry later"
                 )
             self.events.arrived[request] = time.perf_counter()
+            if not self.scheduler.busy:  # the watchdog counts from the work's arrival, not the last step
+                self.vitals.progress = time.monotonic()
             out = self.scheduler.add(request)
             self.metrics.queue_depth.set(waiting + 1)
             self._cond.notify()
@@ -288,26 +308,124 @@ class Engine:
     def close(self) -> None:
         """Make `run` return after the current step; waiting and running requests finish as cancelled."""
         with self._cond:
-            self._closing = True
+            self.vitals.closing = True
             self._cond.notify()
+
+    def end_all(self) -> None:
+        """End every waiting and running request (as cancelled) at the next step boundary; later ones run."""
+        with self._cond:
+            self.vitals.ending = True
+            self._cond.notify()
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request waits or runs."""
+        with self._cond:
+            return self.scheduler.busy
+
+    def health(self, watchdog_s: float | None) -> str | None:
+        """None while the engine works, else why not (one line): its thread stopped, or it has had work
+        but finished no step for more than `watchdog_s` (None or 0: no watchdog)."""
+        if self.vitals.dead is not None:
+            return f"the engine stopped: {self.vitals.dead}"
+        stalled = time.monotonic() - self.vitals.progress
+        if watchdog_s and stalled > watchdog_s and self.busy:
+            return f"the engine has had work but finished no step for {stalled:.0f} s (watchdog {watchdog_s:g} s)"
+        return None
 
     # -- the engine's thread ------------------------------------------------------------------
 
     def run(self) -> None:
-        """Step until `close`: sleep while nothing waits or runs."""
+        """Step until `close`: sleep while nothing waits or runs. An error that escapes a step boundary
+        stops the thread: `dead` says why and every request held ends with it."""
+        try:
+            self._loop()
+        except BaseException as e:  # whatever stops the thread is reported, not lost
+            self.vitals.dead = one_line(e)
+            with self._cond:
+                self.vitals.closing = True  # submit refuses from now on
+            try:
+                self.scheduler.close("error", f"the engine stopped: {self.vitals.dead}")
+            except BaseException:  # the requests' callbacks may fail too; `dead` says why
+                pass
+
+    def _loop(self) -> None:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not self._closing and not self.scheduler.busy:
+                    idle = not self.scheduler.busy
+                    while not self.vitals.closing and not self.vitals.ending and not self.scheduler.busy:
                         self._cond.wait()
-                    if self._closing:
+                    if self.vitals.closing:
                         break
+                    ending, self.vitals.ending = self.vitals.ending, False
+                    if idle:
+                        self.vitals.progress = time.monotonic()
+                if ending:
+                    self.scheduler.close()
+                    continue
+                if self._fault("thread"):
+                    raise RuntimeError(f"test hook {FAULT_ENV}: the engine thread dies")
                 self.step()
+                self.vitals.progress = time.monotonic()
         self.scheduler.close()
 
     def step(self) -> None:
         """One step boundary of the scheduler; a step that raises fails its sequences, not the server."""
         try:
+            if self._fault("slow"):
+                time.sleep(SLOW_STEP_S)
+            if self._fault("stall", once=True):
+                time.sleep(STALL_S)
+            if self._fault("step", running_only=True):
+                raise RuntimeError(f"test hook {FAULT_ENV}: a step fails")
             self.scheduler.step()
         except Exception as e:
-            self.scheduler.fail_running(f"the step failed: {type(e).__name__}: {e}")
+            self.scheduler.fail_running(f"the step failed: {one_line(e)}")
+
+    def _fault(self, kind: str, running_only: bool = False, once: bool = False) -> bool:
+        """Whether the test hook's `kind` applies: a request held (running, or waiting too) has its seed."""
+        if not self.faults.seeds:
+            return False
+        with self._cond:  # submit appends to the waiting queue from other threads
+            held = list(self.scheduler.running.values()) + ([] if running_only else list(self.scheduler.waiting))
+        return self.faults.applies(kind, {r.request.sampling.seed for r in held}, once)
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine's thread stopped on an error (one line), or None."""
+        return self.vitals.dead
+
+
+@dataclass
+class Vitals:
+    """What the engine's thread and the others tell each other (under the engine's condition)."""
+
+    closing: bool = False  # `run` returns after the current step
+    ending: bool = False  # `end_all`: end every request at the next step boundary
+    progress: float = field(default_factory=time.monotonic)  # a step finished, or work came to an idle engine
+    dead: str | None = None  # why the engine's thread stopped on an error (one line)
+
+
+class Faults:
+    """The test hook of the module's docstring: `kind=seed` pairs, and the one-shot kinds that fired."""
+
+    def __init__(self, spec: str):
+        self.seeds: dict[str, int] = {}
+        for part in filter(None, spec.split(",")):
+            kind, _, seed = part.partition("=")
+            self.seeds[kind.strip()] = int(seed)
+        self.fired: set[str] = set()
+
+    def applies(self, kind: str, seeds: set, once: bool) -> bool:
+        seed = self.seeds.get(kind)
+        if seed is None or seed not in seeds or (once and kind in self.fired):
+            return False
+        self.fired.add(kind)
+        return True
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

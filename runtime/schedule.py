@@ -35,6 +35,7 @@ scheduler on a thread for the server, `Events` reporting what it does to the ser
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -112,24 +113,31 @@ def sample(
     allowed: Tensor | None = None,
 ) -> int:
     """The next token from one position's logits [V], `generated` the request's tokens so far; with
-    `allowed` (bool [V], a grammar's mask) only among those tokens, masked after the bias and penalties."""
+    `allowed` (bool [V], a grammar's mask) only among those tokens, masked after the bias and penalties.
+
+    Safe for every temperature in (0, 2] and top_p in (0, 1], however small: the logits, in float64,
+    are shifted so that their largest is 0 before the temperature divides them (nothing overflows to
+    +inf; a temperature so small that every other logit underflows to -inf is greedy), top-p compares
+    log probability mass and always keeps the most likely token, and the draw is from probabilities
+    whose largest is at least 1 / V (never all zero, never NaN)."""
     if s.plain_greedy and allowed is None:
         return int(torch.argmax(logits))
     x = adjusted(logits, s, generated) if s.adjusts else logits.float()
     if allowed is not None:
         x = x.masked_fill(~allowed, float("-inf"))
-    if s.temperature == 0:
-        return int(torch.argmax(x))
-    x = x / s.temperature
-    if 0 < s.top_k < x.numel():
-        kth = torch.topk(x, s.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
+    top = int(torch.argmax(x))
+    if s.temperature == 0 or not math.isfinite(float(x[top])):
+        return top  # greedy, or nothing finite to draw from (the scheduler refuses non-finite logits first)
+    z = (x.double() - float(x[top])) / s.temperature  # [V] <= 0: 0 at the top, -inf where masked or underflowed
+    if 0 < s.top_k < z.numel():
+        kth = torch.topk(z, s.top_k).values[-1]
+        z = z.masked_fill(z < kth, float("-inf"))
     if s.top_p < 1.0:
-        order = torch.argsort(x, descending=True)
-        probs = torch.softmax(x[order], -1)
-        before = torch.cumsum(probs, -1) - probs  # mass of the tokens ranked above each
-        x[order[before >= s.top_p]] = float("-inf")  # the smallest prefix reaching top_p stays
-    return int(torch.multinomial(torch.softmax(x, -1), 1, generator=generator))
+        order = torch.argsort(z, descending=True)
+        mass = torch.logcumsumexp(torch.log_softmax(z[order], -1), -1)  # log of the mass up to each rank
+        above = torch.cat([mass.new_full((1,), float("-inf")), mass[:-1]])  # of the tokens ranked above
+        z[order[above >= math.log(s.top_p)]] = float("-inf")  # the smallest prefix reaching top_p stays
+    return int(torch.multinomial(torch.softmax(z, -1), 1, generator=generator))
 
 
 class Masks(Protocol):
@@ -424,13 +432,13 @@ class Scheduler:
         for r in list(self.running.values()):
             self._finish(r, "error", error)
 
-    def close(self) -> None:
-        """End every waiting and running request as cancelled."""
+    def close(self, reason: str = "cancelled", error: str | None = None) -> None:
+        """End every waiting and running request (as cancelled, or with `reason` and `error`)."""
         with self.lock:
             left = list(self.waiting)
             self.waiting.clear()
         for r in left + list(self.running.values()):
-            self._finish(r, "cancelled")
+            self._finish(r, reason, error)
 
     def step(self) -> None:
         """One step boundary: admit waiting requests, drop cancelled ones, run one batched step, emit."""

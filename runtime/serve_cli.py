@@ -8,6 +8,8 @@ import click
 
 from deepinfer.cli_common import bundle_options, load_settings, user_errors
 
+HTTP_LIMITS = ("max_body_bytes", "max_connections", "header_timeout_s", "body_timeout_s", "grace_s", "watchdog_s")
+
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
@@ -34,6 +36,50 @@ from deepinfer.cli_common import bundle_options, load_settings, user_errors
     help="Do not share the KV blocks of prompt prefixes between requests (prefix caching is on for "
     "one-rank bundles otherwise).",
 )
+@click.option(
+    "--max-body-bytes",
+    type=click.IntRange(min=1),
+    default=16 << 20,
+    show_default=True,
+    help="Largest request body; a larger one gets HTTP 413 (judged from Content-Length, or after reading "
+    "no more than this).",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Open connections at most; one more gets HTTP 503 and is closed.",
+)
+@click.option(
+    "--header-timeout-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Seconds a connection has to send a request's headers (from its start or its last response); then it is cut.",
+)
+@click.option(
+    "--body-timeout-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="Seconds a request's body has to arrive whole; then HTTP 408 and the connection closes.",
+)
+@click.option(
+    "--grace-s",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="At SIGTERM or SIGINT: seconds requests in flight get to finish (new ones get 503); any still "
+    "open then end with a final chunk (finish_reason cancelled) and the server exits 0.",
+)
+@click.option(
+    "--watchdog-s",
+    type=click.FloatRange(min=0),
+    default=300.0,
+    show_default=True,
+    help="/health answers 503 while the engine has work but has finished no step for this long (0: off).",
+)
 @bundle_options
 @user_errors
 def main(bundle, host, port, max_queue, model_name, no_prefix_cache, **load):
@@ -54,7 +100,9 @@ def main(bundle, host, port, max_queue, model_name, no_prefix_cache, **load):
     """
     from deepinfer.runtime import ServeOptions, serve
 
+    http = {k: load.pop(k) for k in HTTP_LIMITS}
     options = ServeOptions(
+        **http,
         **load_settings(**load),
         host=host,
         port=port,

@@ -1,0 +1,189 @@
+"""`deepinfer-serve`'s HTTP limits, so that no client can hold the server or starve `/health`:
+
+- `guarded_protocol`: uvicorn's h11 connection with a cap on open connections (one over it gets 503
+  and is closed at once) and a deadline for a request's headers, from the connection's start or the
+  end of its last response (a client that never finishes them is cut);
+- `Limits`, an ASGI middleware: a body over `max_body_bytes` is refused with 413, from its
+  Content-Length or after reading no more than the cap (chunked bodies too); a body must arrive whole
+  within `body_timeout_s` (408, then the connection closes); while the server stops (`Gate.stopping`)
+  or after its engine has stopped, every request but `/health` gets 503;
+- `Stopping`, uvicorn's server with a graceful stop on SIGTERM or SIGINT: new requests get 503, the
+  requests in flight have `grace_s` to end, then every one still open is ended (its stream gets a
+  final chunk with `finish_reason` and `data: [DONE]`), and the process exits 0. A second signal
+  stops at once. An engine whose thread stopped makes the server exit after `DEAD_LINGER_S` (its
+  /health answering 503 meanwhile), so that a supervisor restarts it.
+
+The body is read on the event loop in the transport's chunks (never more than the cap), and parsed
+off it (`runtime.bodies.parse_body` in a worker thread): `/health` answers while any of this goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from deepinfer.runtime.engine import Engine
+
+DEAD_LINGER_S = 3.0  # after the engine stops, /health answers 503 this long before the process exits
+FLUSH_S = 5  # after every request has ended at a stop, what their last chunks get to leave
+
+
+@dataclass
+class Gate:
+    """What decides whether the server takes requests: the engine's health and a stop in progress."""
+
+    engine: Engine
+    watchdog_s: float | None = None
+    stopping: float | None = None  # when a stop signal came (time.monotonic), or None
+
+    def refusal(self) -> str | None:
+        """Why a new request is refused (503), or None."""
+        if self.stopping is not None:
+            return "the server is shutting down"
+        if self.engine.dead is not None:
+            return f"the engine stopped: {self.engine.dead}"
+        return None
+
+    def health(self) -> str | None:
+        """Why /health answers 503, or None: a refusal, or a stalled engine (the watchdog)."""
+        return self.refusal() or self.engine.health(self.watchdog_s)
+
+
+def error_json(message: str, type_: str, code: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+
+
+async def respond(send, status: int, body: bytes, close: bool = False) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Limits:
+    """The ASGI middleware of the module's docstring, around the Starlette application."""
+
+    def __init__(self, app, gate: Gate, max_body_bytes: int, body_timeout_s: float):
+        self.app, self.gate, self.cap, self.timeout_s = app, gate, max_body_bytes, body_timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        why = self.gate.refusal()
+        if why is not None and scope["path"] != "/health":
+            return await respond(send, 503, error_json(why, "service_unavailable", "unavailable"))
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.cap):
+            return await self.too_large(send, length.decode("latin-1"))
+        body = bytearray()
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                why = f"the request body did not arrive within {self.timeout_s:g} s (--body-timeout-s)"
+                return await respond(send, 408, error_json(why, "invalid_request_error", "timeout"), close=True)
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.cap:
+                return await self.too_large(send, f"over {self.cap}")
+            if not message.get("more_body", False):
+                break
+        return await self.app(scope, replay(bytes(body), receive), send)
+
+    async def too_large(self, send, size: str) -> None:
+        why = f"the request body is {size} bytes; the limit is {self.cap} (--max-body-bytes)"
+        await respond(send, 413, error_json(why, "invalid_request_error", "body_too_large"), close=True)
+
+
+def replay(body: bytes, receive):
+    """A receive that gives the body read already, then what the connection says (a disconnect)."""
+    sent = False
+
+    async def again():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 connection with the cap and header deadline of the module's docstring."""
+    busy = (
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"content-length: %d\r\n\r\n%s"
+    )
+    full = error_json(f"too many open connections (--max-connections {max_connections})", "service_unavailable")
+
+    class Guarded(H11Protocol):
+        deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                transport.write(busy % (len(full), full))
+                transport.close()
+                return
+            self.arm()
+
+        def arm(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+            self.deadline = self.loop.call_later(header_timeout_s, self.too_slow)
+
+        def too_slow(self) -> None:
+            """The headers' deadline: cut a connection with no request in progress."""
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self.arm()
+
+        def connection_lost(self, exc) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+            super().connection_lost(exc)
+
+    return Guarded
+
+
+class Stopping(uvicorn.Server):
+    """uvicorn's server with the graceful stop of the module's docstring."""
+
+    def __init__(self, config: uvicorn.Config, gate: Gate, grace_s: float):
+        super().__init__(config)
+        self.gate, self.grace_s = gate, grace_s
+        self.ended = False  # end_all sent
+        self.dead_since: float | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.gate.stopping is None:  # the first signal: stop gracefully (on_tick drives it)
+            self.gate.stopping = time.monotonic()
+        else:
+            super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        now, engine = time.monotonic(), self.gate.engine
+        if engine.dead is not None:
+            self.dead_since = self.dead_since or now
+            if now - self.dead_since > DEAD_LINGER_S:
+                self.should_exit = True
+        elif self.gate.stopping is not None and not self.should_exit:
+            if not engine.busy:
+                self.should_exit = True
+            elif not self.ended and now - self.gate.stopping > self.grace_s:
+                engine.end_all()
+                self.ended = True
+        return await super().on_tick(counter)

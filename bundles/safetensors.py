@@ -116,6 +116,11 @@ def read_header(path: str, *, data: bool = True) -> tuple[dict[str, TensorInfo],
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise TensorFileError(path, None, f"header is not valid JSON ({e})") from None
+    return _index(path, header, n, size, data)
+
+
+def _index(path: str, header, n: int, size: int, data: bool) -> tuple[dict[str, TensorInfo], dict]:
+    """A parsed header (of length `n`, in a `size`-byte file) -> ({name: TensorInfo}, metadata)."""
     if not isinstance(header, dict):
         raise TensorFileError(path, None, "header is not a JSON object")
     meta = header.pop("__metadata__", {}) or {}
@@ -134,10 +139,18 @@ def map_bytes(path: str, offset: int, nbytes: int) -> np.ndarray:
     page fault per 4 KiB. The map lives as long as the returned array."""
     if nbytes == 0:
         return np.empty(0, np.uint8)
+    with open(path, "rb") as f:
+        return map_fd(f.fileno(), offset, nbytes)
+
+
+def map_fd(fd: int, offset: int, nbytes: int) -> np.ndarray:
+    """`map_bytes` of the open file `fd` (a verified bundle file's sealed copy, bundles/verified.py):
+    the bytes mapped are those of the file the descriptor holds, whatever its path names now."""
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), offset + nbytes - start, flags=flags, prot=mmap.PROT_READ, offset=start)
+    mm = mmap.mmap(fd, offset + nbytes - start, flags=flags, prot=mmap.PROT_READ, offset=start)
     return np.frombuffer(mm, np.uint8, nbytes, offset - start)
 
 
@@ -208,6 +221,35 @@ def load_mmap(path) -> dict:
     out = {}
     for name, t in tensors.items():
         array = data[t.offset - start : t.offset - start + t.nbytes].view(t.np_dtype).reshape(t.shape)
+        tensor = torch.from_numpy(array)
+        want = torch_dtype(t.dtype)
+        out[name] = tensor.view(want) if tensor.dtype != want else tensor
+    return out
+
+
+def load_fd(fd: int, where: str) -> dict:
+    """`load_mmap` of the open file `fd` (named `where` in errors): its header read and its tensors
+    mapped through that descriptor, never by path, so they are the bytes of the file it holds (a
+    verified bundle file's sealed copy, bundles/verified.py). Copy-on-write: nothing a caller does
+    writes back."""
+    import torch
+
+    from deepinfer.reader import parse_json
+
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 0 or n > MAX_HEADER or 8 + n > size:
+        raise TensorFileError(where, None, f"header length {n} does not fit a {size}-byte file")
+    header = parse_json(os.pread(fd, n, 8), where, error=lambda m: TensorFileError(where, None, m))
+    tensors, _ = _index(where, header, n, size, True)
+    if not tensors:
+        return {}
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    data = np.frombuffer(mm, np.uint8)
+    out = {}
+    for name, t in tensors.items():
+        array = data[t.offset : t.offset + t.nbytes].view(t.np_dtype).reshape(t.shape)
         tensor = torch.from_numpy(array)
         want = torch_dtype(t.dtype)
         out[name] = tensor.view(want) if tensor.dtype != want else tensor

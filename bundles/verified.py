@@ -1,0 +1,178 @@
+"""A trusted bundle's files, each opened once and held as the bytes that were verified.
+
+Under `--trust` the manifest's signature covers every file through its digest, so what runs must be
+exactly what was hashed. Checking a digest by path and then opening the path again to use it leaves
+a window in which the file can be replaced or rewritten. Here each listed file is:
+
+1. opened once, component by component from the bundle's directory, never following a symlink
+   (`O_NOFOLLOW` on every component): a link inside a trusted bundle is refused;
+2. checked with `fstat` on that descriptor to be a regular file;
+3. copied into a sealed anonymous file (`memfd_create`, then `F_SEAL_WRITE | F_SEAL_GROW |
+   F_SEAL_SHRINK | F_SEAL_SEAL`): no one, this process included, can change it afterwards;
+4. hashed from a read-only mapping of that sealed copy.
+
+Every later use reads the sealed copy: weights are mapped from its descriptor
+(`safetensors.load_fd`), and an executable whose loader insists on a path is written from it into a
+private (0700) directory and loaded from there (`private_copy`). Rewriting or swapping the bundle's
+files after verification changes nothing that runs.
+
+The price: a trusted load holds its bundle in memory (shmem) rather than in the page cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import mmap
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from deepinfer.bundles.layout import is_inside
+
+# the hook a test sets to change a bundle between its verification and its use (see `after_verify`)
+TEST_HOOK_ENV = "DEEPINFER_TEST_AFTER_VERIFY"
+_SEALS = ("F_SEAL_WRITE", "F_SEAL_GROW", "F_SEAL_SHRINK", "F_SEAL_SEAL")
+_COPY_CHUNK = 1 << 30
+
+
+class Verified:
+    """rel path -> the sealed copy (descriptor and read-only mapping) of a verified file."""
+
+    def __init__(self, bundle: Path):
+        self.bundle = bundle
+        self._fds: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap | bytes] = {}
+        self._private: Path | None = None
+
+    def __contains__(self, rel: str) -> bool:
+        return rel in self._fds
+
+    def fd(self, rel: str) -> int:
+        """The sealed copy's descriptor (owned here; dup it to keep it past `close`)."""
+        return self._fds[rel]
+
+    def data(self, rel: str) -> memoryview:
+        """The verified bytes, read-only."""
+        return memoryview(self._maps[rel])
+
+    @contextlib.contextmanager
+    def private_copy(self, rel: str) -> Iterator[Path]:
+        """The verified bytes of `rel` as a file (same name) in a private 0700 directory of this
+        process, for loaders that take only a path; removed when the block ends."""
+        if self._private is None:
+            self._private = Path(tempfile.mkdtemp(prefix="deepinfer-verified-"))  # 0700
+        path = self._private / Path(rel).name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(self.data(rel))
+        try:
+            yield path
+        finally:
+            path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._maps.clear()  # mappings close when the last view of them goes
+        if self._private is not None:
+            shutil.rmtree(self._private, ignore_errors=True)
+            self._private = None
+
+    def add(self, rel: str, fd: int, data: mmap.mmap | bytes) -> None:
+        self._fds[rel] = fd
+        self._maps[rel] = data
+
+
+def open_verified(bundle: Path, digests: dict[str, str], error: Callable[[str], Exception]) -> Verified:
+    """Open, check and seal every file of `digests` (rel path -> "sha256:<hex>") as the module says;
+    a file that is missing, a link, not regular or not matching its digest raises `error(message)`."""
+    bundle = Path(bundle)
+    verified = Verified(bundle)
+    try:
+        root = os.open(bundle, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise error(f"{bundle}: cannot open the bundle directory ({e.strerror})") from None
+    try:
+        for rel, digest in digests.items():
+            if not is_inside(rel):
+                raise error(f"{bundle}: manifest path {rel!r} is not inside the bundle")
+            src = _open_nofollow(root, bundle, rel, error)
+            try:
+                fd, data = _sealed_copy(src, rel)
+            finally:
+                os.close(src)
+            verified.add(rel, fd, data)
+            if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
+                raise error(f"{bundle}: {rel} does not match its digest (altered or corrupt); recompile")
+    except BaseException:
+        verified.close()
+        raise
+    finally:
+        os.close(root)
+    return verified
+
+
+def _open_nofollow(root: int, bundle: Path, rel: str, error: Callable[[str], Exception]) -> int:
+    """A descriptor of `rel` under the directory `root`, opened without following any symlink and
+    checked with fstat to be a regular file."""
+    parts = rel.split("/")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    at, opened = root, []
+    try:
+        for part in parts[:-1]:
+            at = os.open(part, flags | os.O_DIRECTORY, dir_fd=at)
+            opened.append(at)
+        fd = os.open(parts[-1], flags | os.O_NONBLOCK, dir_fd=at)
+    except FileNotFoundError:
+        raise error(f"{bundle}: missing file {rel} (listed in the manifest)") from None
+    except OSError as e:  # ELOOP: a symlink; ENOTDIR: a link or file where a directory should be
+        raise error(
+            f"{bundle}: {rel} cannot be opened without following links ({e.strerror}); a trusted "
+            "bundle's files must be regular files inside it"
+        ) from None
+    finally:
+        for d in opened:
+            os.close(d)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise error(f"{bundle}: {rel} is not a regular file; a trusted bundle holds regular files only")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _sealed_copy(src: int, rel: str) -> tuple[int, mmap.mmap | bytes]:
+    """(descriptor, read-only mapping) of a sealed in-memory copy of the open file `src`."""
+    fd = os.memfd_create(Path(rel).name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        size = 0
+        while n := os.sendfile(fd, src, size, _COPY_CHUNK):
+            size += n
+        seals = 0
+        for name in _SEALS:
+            seals |= getattr(fcntl, name)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        data = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else b""
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, data
+
+
+def after_verify(bundle: Path) -> None:
+    """Run the test hook `$DEEPINFER_TEST_AFTER_VERIFY` (a shell command; `$DEEPINFER_BUNDLE` is the
+    bundle's path), if set: between a bundle's verification and its first use, a test changes its
+    files there to show that the change has no effect. Not for production use."""
+    command = os.environ.get(TEST_HOOK_ENV)
+    if command:
+        import subprocess
+
+        subprocess.run(
+            command, shell=True, check=True, env={**os.environ, "DEEPINFER_BUNDLE": str(bundle)}, timeout=120
+        )

@@ -139,18 +139,10 @@ def map_bytes(path: str, offset: int, nbytes: int) -> np.ndarray:
     page fault per 4 KiB. The map lives as long as the returned array."""
     if nbytes == 0:
         return np.empty(0, np.uint8)
-    with open(path, "rb") as f:
-        return map_fd(f.fileno(), offset, nbytes)
-
-
-def map_fd(fd: int, offset: int, nbytes: int) -> np.ndarray:
-    """`map_bytes` of the open file `fd` (a verified bundle file's sealed copy, bundles/verified.py):
-    the bytes mapped are those of the file the descriptor holds, whatever its path names now."""
-    if nbytes == 0:
-        return np.empty(0, np.uint8)
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    mm = mmap.mmap(fd, offset + nbytes - start, flags=flags, prot=mmap.PROT_READ, offset=start)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), offset + nbytes - start, flags=flags, prot=mmap.PROT_READ, offset=start)
     return np.frombuffer(mm, np.uint8, nbytes, offset - start)
 
 
@@ -227,29 +219,24 @@ def load_mmap(path) -> dict:
     return out
 
 
-def load_fd(fd: int, where: str) -> dict:
-    """`load_mmap` of the open file `fd` (named `where` in errors): its header read and its tensors
-    mapped through that descriptor, never by path, so they are the bytes of the file it holds (a
-    verified bundle file's sealed copy, bundles/verified.py). Copy-on-write: nothing a caller does
-    writes back."""
+def load_buffer(data: memoryview, where: str) -> dict:
+    """`load_mmap` of a file's bytes already in memory (`where` names the file in errors): a trusted
+    bundle's verified copy (bundles/verified.py), so the tensors are views of exactly the bytes whose
+    digest was checked, whatever the file holds now."""
     import torch
 
     from deepinfer.reader import parse_json
 
-    size = os.fstat(fd).st_size
-    head = os.pread(fd, 8, 0)
-    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    size = len(data)
+    n = int.from_bytes(data[:8], "little") if size >= 8 else -1
     if n < 0 or n > MAX_HEADER or 8 + n > size:
         raise TensorFileError(where, None, f"header length {n} does not fit a {size}-byte file")
-    header = parse_json(os.pread(fd, n, 8), where, error=lambda m: TensorFileError(where, None, m))
+    header = parse_json(bytes(data[8 : 8 + n]), where, error=lambda m: TensorFileError(where, None, m))
     tensors, _ = _index(where, header, n, size, True)
-    if not tensors:
-        return {}
-    mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    data = np.frombuffer(mm, np.uint8)
+    flat = np.frombuffer(data, np.uint8)
     out = {}
     for name, t in tensors.items():
-        array = data[t.offset : t.offset + t.nbytes].view(t.np_dtype).reshape(t.shape)
+        array = flat[t.offset : t.offset + t.nbytes].view(t.np_dtype).reshape(t.shape)
         tensor = torch.from_numpy(array)
         want = torch_dtype(t.dtype)
         out[name] = tensor.view(want) if tensor.dtype != want else tensor

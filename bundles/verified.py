@@ -7,22 +7,21 @@ a window in which the file can be replaced or rewritten. Here each listed file i
 1. opened once, component by component from the bundle's directory, never following a symlink
    (`O_NOFOLLOW` on every component): a link inside a trusted bundle is refused;
 2. checked with `fstat` on that descriptor to be a regular file;
-3. copied into a sealed anonymous file (`memfd_create`, then `F_SEAL_WRITE | F_SEAL_GROW |
-   F_SEAL_SHRINK | F_SEAL_SEAL`): no one, this process included, can change it afterwards;
-4. hashed from a read-only mapping of that sealed copy.
+3. read through that descriptor into anonymous memory private to this process (an anonymous
+   `mmap`: no file, no descriptor kept, nothing another process can write);
+4. hashed from that memory.
 
-Every later use reads the sealed copy: weights are mapped from its descriptor
-(`safetensors.load_fd`), and an executable whose loader insists on a path is written from it into a
-private (0700) directory and loaded from there (`private_copy`). Rewriting or swapping the bundle's
-files after verification changes nothing that runs.
+Every later use reads that memory: weights are tensors over it (`safetensors.load_buffer`), and
+an executable whose loader insists on a path is written from it into a private (0700) directory
+and loaded from there (`Verified.private_copy`). Rewriting or swapping the bundle's files after
+verification, in place or by rename, changes nothing that runs.
 
-The price: a trusted load holds its bundle in memory (shmem) rather than in the page cache.
+The price: a trusted load holds its bundle in anonymous memory rather than in the page cache.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import mmap
 import os
@@ -36,61 +35,43 @@ from deepinfer.bundles.layout import is_inside
 
 # the hook a test sets to change a bundle between its verification and its use (see `after_verify`)
 TEST_HOOK_ENV = "DEEPINFER_TEST_AFTER_VERIFY"
-_SEALS = ("F_SEAL_WRITE", "F_SEAL_GROW", "F_SEAL_SHRINK", "F_SEAL_SEAL")
-_COPY_CHUNK = 1 << 30
 
 
 class Verified:
-    """rel path -> the sealed copy (descriptor and read-only mapping) of a verified file."""
+    """rel path -> the verified bytes of a bundle file, in anonymous memory of this process."""
 
     def __init__(self, bundle: Path):
         self.bundle = bundle
-        self._fds: dict[str, int] = {}
-        self._maps: dict[str, mmap.mmap | bytes] = {}
-        self._private: Path | None = None
+        self._data: dict[str, memoryview] = {}
 
     def __contains__(self, rel: str) -> bool:
-        return rel in self._fds
-
-    def fd(self, rel: str) -> int:
-        """The sealed copy's descriptor (owned here; dup it to keep it past `close`)."""
-        return self._fds[rel]
+        return rel in self._data
 
     def data(self, rel: str) -> memoryview:
-        """The verified bytes, read-only."""
-        return memoryview(self._maps[rel])
+        """The verified bytes (writable only in the sense that the memory is this process's own:
+        tensors over it are copy-on-write views of nothing else)."""
+        return self._data[rel]
 
     @contextlib.contextmanager
     def private_copy(self, rel: str) -> Iterator[Path]:
-        """The verified bytes of `rel` as a file (same name) in a private 0700 directory of this
-        process, for loaders that take only a path; removed when the block ends."""
-        if self._private is None:
-            self._private = Path(tempfile.mkdtemp(prefix="deepinfer-verified-"))  # 0700
-        path = self._private / Path(rel).name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(self.data(rel))
+        """The verified bytes of `rel` as a file (same name) in a new private 0700 directory, for
+        loaders that take only a path; removed when the block ends."""
+        private = Path(tempfile.mkdtemp(prefix="deepinfer-verified-"))  # 0700, this process's
         try:
+            path = private / Path(rel).name
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(self.data(rel))
             yield path
         finally:
-            path.unlink(missing_ok=True)
+            shutil.rmtree(private, ignore_errors=True)
 
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-        self._maps.clear()  # mappings close when the last view of them goes
-        if self._private is not None:
-            shutil.rmtree(self._private, ignore_errors=True)
-            self._private = None
-
-    def add(self, rel: str, fd: int, data: mmap.mmap | bytes) -> None:
-        self._fds[rel] = fd
-        self._maps[rel] = data
+    def add(self, rel: str, data: memoryview) -> None:
+        self._data[rel] = data
 
 
 def open_verified(bundle: Path, digests: dict[str, str], error: Callable[[str], Exception]) -> Verified:
-    """Open, check and seal every file of `digests` (rel path -> "sha256:<hex>") as the module says;
+    """Open, check and copy every file of `digests` (rel path -> "sha256:<hex>") as the module says;
     a file that is missing, a link, not regular or not matching its digest raises `error(message)`."""
     bundle = Path(bundle)
     verified = Verified(bundle)
@@ -104,15 +85,12 @@ def open_verified(bundle: Path, digests: dict[str, str], error: Callable[[str], 
                 raise error(f"{bundle}: manifest path {rel!r} is not inside the bundle")
             src = _open_nofollow(root, bundle, rel, error)
             try:
-                fd, data = _sealed_copy(src, rel)
+                data = _read_private(src)
             finally:
                 os.close(src)
-            verified.add(rel, fd, data)
             if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
                 raise error(f"{bundle}: {rel} does not match its digest (altered or corrupt); recompile")
-    except BaseException:
-        verified.close()
-        raise
+            verified.add(rel, data)
     finally:
         os.close(root)
     return verified
@@ -147,22 +125,16 @@ def _open_nofollow(root: int, bundle: Path, rel: str, error: Callable[[str], Exc
     return fd
 
 
-def _sealed_copy(src: int, rel: str) -> tuple[int, mmap.mmap | bytes]:
-    """(descriptor, read-only mapping) of a sealed in-memory copy of the open file `src`."""
-    fd = os.memfd_create(Path(rel).name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        size = 0
-        while n := os.sendfile(fd, src, size, _COPY_CHUNK):
-            size += n
-        seals = 0
-        for name in _SEALS:
-            seals |= getattr(fcntl, name)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-        data = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else b""
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, data
+def _read_private(src: int) -> memoryview:
+    """The bytes of the open file `src` (as `fstat` sized it) read into anonymous memory."""
+    size = os.fstat(src).st_size
+    if size == 0:
+        return memoryview(b"")
+    view = memoryview(mmap.mmap(-1, size))  # anonymous and private: the mapping lives with the view
+    got = 0
+    while got < size and (n := os.preadv(src, [view[got:]], got)):
+        got += n
+    return view[:got]  # shorter only if the file shrank: its digest then fails
 
 
 def after_verify(bundle: Path) -> None:

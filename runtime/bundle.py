@@ -20,7 +20,7 @@ import torch
 
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.layout import MANIFEST_FILE, TOKENIZER_DIR
-from deepinfer.bundles.safetensors import load_fd, load_mmap
+from deepinfer.bundles.safetensors import load_buffer, load_mmap
 from deepinfer.bundles.signatures import check_signature, read_signature
 from deepinfer.bundles.verified import Verified, after_verify, open_verified
 from deepinfer.regions.config import V41Config, parse_config
@@ -143,7 +143,7 @@ def tensors(bundle: Bundle | Path, rel: str) -> dict:
     """The tensors of the bundle's safetensors file `rel`, memory-mapped: of its verified copy (the
     bytes whose digest was checked) for a trusted bundle, else of the file."""
     if isinstance(bundle, Bundle) and bundle.verified is not None:
-        return load_fd(bundle.verified.fd(rel), str(bundle.path / rel))
+        return load_buffer(bundle.verified.data(rel), str(bundle.path / rel))
     return load_mmap(Path(bundle.path if isinstance(bundle, Bundle) else bundle) / rel)
 
 

@@ -3,6 +3,7 @@ verified before anything else of a bundle is read; keys as openssl writes them."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import shutil
@@ -119,13 +120,6 @@ def _run(bundle, *args, env=None):
     return CliRunner().invoke(run_main, [str(bundle), "--prompt-ids", "0,72", "--max-new-tokens", "2", *args], env=env)
 
 
-def test_run_trusts_a_signed_bundle(signed_bundle, keys):
-    r = _run(signed_bundle, "--trust", str(keys[3]))
-    assert r.exit_code == 0, r.output
-    r = _run(signed_bundle, env={"DEEPINFER_TRUST": str(keys[3])})
-    assert r.exit_code == 0, r.output
-
-
 def test_run_refuses_before_loading_anything(signed_bundle, keys, tmp_path, monkeypatch):
     from deepinfer.runtime import backends
 
@@ -170,7 +164,9 @@ os.replace(os.path.join(bundle, exe) + ".new", os.path.join(bundle, exe))  # ano
 """
 
 
-def test_a_swap_between_verification_and_use_has_no_effect(signed_bundle, keys, tmp_path):
+def test_run_trusts_a_signed_bundle_and_runs_what_it_verified(signed_bundle, keys, tmp_path):
+    """A signed bundle runs under --trust (or $DEEPINFER_TRUST); its weights rewritten in place and an
+    executable replaced between verification and use (the test hook) change nothing that runs."""
     from deepinfer.bundles.verified import TEST_HOOK_ENV
 
     m = mf.read(signed_bundle)
@@ -182,7 +178,7 @@ def test_a_swap_between_verification_and_use_has_no_effect(signed_bundle, keys, 
     control = shutil.copytree(signed_bundle, tmp_path / "control")
     trusted = _run(signed_bundle, "--trust", str(keys[3]))
     assert trusted.exit_code == 0, trusted.output
-    swapped = _run(signed_bundle, "--trust", str(keys[3]), env=hook)
+    swapped = _run(signed_bundle, env={"DEEPINFER_TRUST": str(keys[3]), **hook})
     assert swapped.exit_code == 0, swapped.output
     assert swapped.output == trusted.output  # the same tokens: what ran is what was verified
     for rel in (weights, exe):  # the hook did swap them
@@ -212,14 +208,27 @@ def test_a_swapped_executable_is_refused_before_any_program_loads(exported_bundl
     assert f"{bundle / exe}: input 'h' shape [" in r.output and "vs manifest [" in r.output, r.output
 
 
-def test_manifests_record_every_executables_signature(exported_bundle):
+@pytest.mark.parametrize("which", ["exported_bundle", "aoti_bundle"])
+def test_manifests_record_every_executables_signature(which, request):
+    """Each entry records its outputs' signature; each file states the entry's, and a file is refused in
+    one line for an entry whose input shape differs from it."""
     from deepinfer.bundles.signatures import check_signature, read_signature
 
-    m = mf.read(exported_bundle)
+    bundle = request.getfixturevalue(which)
+    m = mf.read(bundle)
     assert m.format_version == 3
     for e in m.regions:
         assert [s.name for s in e.output_specs or ()] == list(e.outputs)
         assert all(s.dtype in mf.DTYPE_NAMES for s in (*e.inputs, *(e.output_specs or ())))
-        sig = read_signature((exported_bundle / e.artifact).read_bytes(), e.executable, e.artifact)
+        sig = read_signature((bundle / e.artifact).read_bytes(), e.executable, e.artifact)
         assert sig is not None and len(sig.inputs) == len(e.inputs) and len(sig.outputs) == len(e.outputs)
         check_signature(e, sig, e.artifact)
+        h = next(i for i, s in enumerate(e.inputs) if s.name == "h")
+        bigger = (e.inputs[h].shape[0] * 2, *e.inputs[h].shape[1:])
+        other = dataclasses.replace(
+            e, inputs=e.inputs[:h] + (dataclasses.replace(e.inputs[h], shape=bigger),) + e.inputs[h + 1 :]
+        )
+        with pytest.raises(mf.BundleError) as err:
+            check_signature(other, sig, e.artifact)
+        assert str(err.value).startswith(f"{e.artifact}: input 'h' shape [{e.inputs[h].shape[0]}, ")
+        assert f"vs manifest {list(bigger)}" in str(err.value) and "\n" not in str(err.value)

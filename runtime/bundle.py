@@ -140,8 +140,8 @@ def stack_tensors(bundle: Bundle | Path, entry: mf.WeightStack) -> dict[str, tor
 
 
 def tensors(bundle: Bundle | Path, rel: str) -> dict:
-    """The tensors of the bundle's safetensors file `rel`, memory-mapped: of its verified copy (the
-    bytes whose digest was checked) for a trusted bundle, else of the file."""
+    """The tensors of the bundle's safetensors file `rel`: views of its verified bytes (those whose
+    digest was checked, held in memory) for a trusted bundle, else of a memory map of the file."""
     if isinstance(bundle, Bundle) and bundle.verified is not None:
         return load_buffer(bundle.verified.data(rel), str(bundle.path / rel))
     return load_mmap(Path(bundle.path if isinstance(bundle, Bundle) else bundle) / rel)

@@ -56,13 +56,25 @@ class Verified:
     def private_copy(self, rel: str) -> Iterator[Path]:
         """The verified bytes of `rel` as a file (same name) in a new private 0700 directory, for
         loaders that take only a path; removed when the block ends."""
+        with self._private([rel]) as private:
+            yield private / Path(rel).name
+
+    @contextlib.contextmanager
+    def private_dir(self, folder: str) -> Iterator[Path]:
+        """The verified files directly under `folder` (a tokenizer's) copied, by name, into a new
+        private 0700 directory; removed when the block ends."""
+        with self._private([r for r in self._data if Path(r).parent == Path(folder)]) as private:
+            yield private
+
+    @contextlib.contextmanager
+    def _private(self, rels: list[str]) -> Iterator[Path]:
         private = Path(tempfile.mkdtemp(prefix="deepinfer-verified-"))  # 0700, this process's
         try:
-            path = private / Path(rel).name
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.data(rel))
-            yield path
+            for rel in rels:
+                fd = os.open(private / Path(rel).name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(self.data(rel))
+            yield private
         finally:
             shutil.rmtree(private, ignore_errors=True)
 

@@ -203,4 +203,9 @@ def tokenizer(bundle: Bundle) -> Tokenizer:
         return ByteTokenizer(c.bos_token_id, c.eos_token_id, c.pad_token_id)
     from deepinfer.regions.hf_tokenizer import TokenizersTokenizer
 
-    return TokenizersTokenizer.from_dir(bundle.path / TOKENIZER_DIR)
+    if bundle.verified is None:
+        return TokenizersTokenizer.from_dir(bundle.path / TOKENIZER_DIR)
+    with bundle.verified.private_dir(TOKENIZER_DIR) as directory:  # the verified files, not the bundle's
+        tok = TokenizersTokenizer.from_dir(directory)
+    tok.source = bundle.path / TOKENIZER_DIR  # errors name the bundle's files
+    return tok

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,3 +73,17 @@ def test_a_file_that_differs_from_its_digest_or_is_not_regular_is_refused(tmp_pa
         open_verified(tmp_path, {"d": _digest(b"")}, BundleError)
     with pytest.raises(BundleError, match="missing file nope"):
         open_verified(tmp_path, {"nope": _digest(b"")}, BundleError)
+
+
+def test_a_tokenizer_is_read_from_its_verified_files(tmp_path):
+    from deepinfer.regions.hf_tokenizer import TokenizersTokenizer
+
+    source = Path(__file__).parent / "golden" / "synthetic_tokenizer"
+    shutil.copytree(source, tmp_path / "tokenizer")
+    files = {f"tokenizer/{p.name}": _digest(p.read_bytes()) for p in (tmp_path / "tokenizer").iterdir()}
+    verified = open_verified(tmp_path, files, BundleError)
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")  # changed after verification
+    with verified.private_dir("tokenizer") as directory:
+        tok = TokenizersTokenizer.from_dir(directory)
+    assert not directory.exists()
+    assert tok.encode_text("hello", False) == TokenizersTokenizer.from_dir(source).encode_text("hello", False)

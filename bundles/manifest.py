@@ -29,6 +29,7 @@ from deepinfer.bundles import layout
 from deepinfer.bundles.layout import MANIFEST_FILE, SIGNATURE_FILE, TOKENIZER_FILE, is_inside
 from deepinfer.bundles.topology import Topology, partitions
 from deepinfer.errors import DeepinferError
+from deepinfer.reader import CAP_MANIFEST, parse_json, read_bytes
 from deepinfer.schema import Problem, Rules, build, coerce, dump
 
 # 2: shared weight stacks, per-tensor file and format; 3: every executable's output signature
@@ -462,22 +463,14 @@ def read(bundle: Path, *, trust=None) -> Manifest:
     Ed25519 public key, `bundles.signing`), the bytes read are first verified against the bundle's
     signature, and those same bytes are parsed."""
     path = Path(bundle) / MANIFEST_FILE
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise BundleError(f"{bundle}: not a bundle (no {MANIFEST_FILE})") from None
-    except OSError as e:
-        raise BundleError(f"{path}: unreadable manifest ({e})") from None
+    if not path.exists() and not path.is_symlink():
+        raise BundleError(f"{bundle}: not a bundle (no {MANIFEST_FILE})")
+    raw = read_bytes(path, CAP_MANIFEST, root=Path(bundle), error=BundleError)
     if trust is not None:
         from deepinfer.bundles.signing import verify_bytes
 
         verify_bytes(raw, Path(bundle) / SIGNATURE_FILE, trust)
-    try:
-        data = json.loads(raw.decode())
-    except UnicodeDecodeError as e:
-        raise BundleError(f"{path}: unreadable manifest ({e})") from None
-    except json.JSONDecodeError as e:
-        raise BundleError(f"{path}: corrupt manifest ({e.msg} at line {e.lineno})") from None
+    data = parse_json(raw, str(path), error=BundleError)
     return parse(data, str(path))
 
 

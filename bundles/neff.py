@@ -45,6 +45,7 @@ The payload digest is exposed but not verified (its exact input is not documente
 
 from __future__ import annotations
 
+import os
 import struct
 import tarfile
 import uuid as uuidlib
@@ -53,6 +54,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from deepinfer.errors import DeepinferError
+from deepinfer.reader import open_regular
 
 HEADER_SIZE = 1024
 PACKAGE_VERSIONS = (1, 2)  # the packagings known today; a later one is the runtime's to judge
@@ -121,16 +123,13 @@ class NeffHeader:
 def read_header(path: Path) -> NeffHeader:
     """The header of the NEFF at `path`, after checking it is structurally a NEFF."""
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_SIZE)
-            raw_size = f.seek(0, 2)
-            header = _parse(path, raw, raw_size)
-            compressed = _check_payload(path, f, header)
-    except FileNotFoundError:
-        raise NeffError(f"{path}: no such NEFF file") from None
-    except IsADirectoryError:
-        raise NeffError(f"{path}: is a directory, not a NEFF file") from None
+    if not path.exists() and not path.is_symlink():
+        raise NeffError(f"{path}: no such NEFF file")
+    with os.fdopen(open_regular(path, error=NeffError), "rb") as f:  # no FIFO, device or directory
+        raw = f.read(HEADER_SIZE)
+        raw_size = f.seek(0, 2)
+        header = _parse(path, raw, raw_size)
+        compressed = _check_payload(path, f, header)
     return replace(header, compressed=compressed)
 
 

@@ -11,7 +11,6 @@ archive that asks for anything else is refused with one line, before and while i
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import zipfile
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.errors import DeepinferError
+from deepinfer.reader import CAP_SMALL, parse_json
 
 
 class UnsafeArchiveError(DeepinferError):
@@ -42,7 +42,12 @@ def _check_archive(path: Path) -> None:
                 if base.startswith((CUSTOM_OBJ_FILENAME_PREFIX, OPAQUE_OBJ_FILENAME_PREFIX)):
                     raise _refuse(path, f"holds a pickled object ({name})")
                 if name.endswith("_config.json") and "/data/" in f"/{name}":
-                    config = json.loads(z.read(name)).get("config", {})
+                    if z.getinfo(name).file_size > CAP_SMALL:
+                        raise ValueError(f"{name} is over {CAP_SMALL} bytes")
+                    data = parse_json(z.read(name), name)
+                    config = data.get("config", {}) if isinstance(data, dict) else None
+                    if not isinstance(config, dict):
+                        raise ValueError(f"{name} holds no config object")
                     pickled = [k for k, v in config.items() if isinstance(v, dict) and v.get("use_pickle")]
                     if pickled:
                         raise _refuse(path, f"stores {pickled[0]!r} pickled ({name})")

@@ -17,6 +17,7 @@ the quant/ workers are numpy only.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from deepinfer.errors import TensorFileError
+from deepinfer.reader import open_regular, parse_json
 
 # safetensors dtype -> (numpy dtype that carries the bytes: bf16 and fp8 as raw bits, torch dtype name)
 TABLE = {
@@ -67,22 +69,27 @@ class TensorInfo:
         return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
 
 
+def _count(v) -> bool:
+    """A dimension or byte offset: an integer in [0, 2**63)."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63
+
+
 def _entry(path: str, name: str, e, data_start: int, data_len: int | None) -> TensorInfo:
     if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
         raise TensorFileError(path, name, "header entry lacks dtype/shape/data_offsets")
     dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise TensorFileError(path, name, f"unexpected dtype {dtype!r}", f"known dtypes: {', '.join(DTYPES)}")
     if (
         not isinstance(shape, list)
-        or not all(isinstance(d, int) and d >= 0 for d in shape)
+        or not all(_count(d) for d in shape)
         or not isinstance(offs, list)
         or len(offs) != 2
-        or not all(isinstance(o, int) for o in offs)
-        or not 0 <= offs[0] <= offs[1]
+        or not all(_count(o) for o in offs)
+        or not offs[0] <= offs[1]
     ):
         raise TensorFileError(path, name, f"malformed shape {shape!r} or data_offsets {offs!r}")
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+    nbytes = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
     if offs[1] - offs[0] != nbytes:
         raise TensorFileError(
             path, name, f"data_offsets {offs} span {offs[1] - offs[0]} bytes, but {dtype} {shape} needs {nbytes}"
@@ -96,14 +103,24 @@ def _entry(path: str, name: str, e, data_start: int, data_len: int | None) -> Te
     return TensorInfo(path, name, dtype, tuple(shape), data_start + offs[0], nbytes)
 
 
+def _metadata(path: str, meta) -> dict[str, str]:
+    """The header's `__metadata__`: a flat map of strings to strings (the format says so), or none."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise TensorFileError(path, None, "header's __metadata__ is not a map of strings to strings")
+    return meta
+
+
 def read_header(path: str, *, data: bool = True) -> tuple[dict[str, TensorInfo], dict]:
     """-> ({name: TensorInfo}, metadata). Raises TensorFileError on anything malformed.
 
     Reads the 8-byte length and the JSON header, never tensor data. With `data` false the data
     section may be absent or short (a headers-only checkpoint, enough to plan a compile): every
     entry is still checked for dtype, shape and offsets, not against the file's size."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    fd = open_regular(path, error=lambda msg: TensorFileError(path, None, msg.removeprefix(f"{path}: ")))
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise TensorFileError(path, None, f"file is truncated: {size} bytes, no header length")
@@ -112,10 +129,8 @@ def read_header(path: str, *, data: bool = True) -> tuple[dict[str, TensorInfo],
             raise TensorFileError(
                 path, None, f"header length {n} does not fit a {size}-byte file (truncated or not a safetensors file)"
             )
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise TensorFileError(path, None, f"header is not valid JSON ({e})") from None
+        raw = f.read(n)
+    header = parse_json(raw, "header", error=lambda msg: TensorFileError(path, None, msg))
     return _index(path, header, n, size, data)
 
 
@@ -123,7 +138,7 @@ def _index(path: str, header, n: int, size: int, data: bool) -> tuple[dict[str, 
     """A parsed header (of length `n`, in a `size`-byte file) -> ({name: TensorInfo}, metadata)."""
     if not isinstance(header, dict):
         raise TensorFileError(path, None, "header is not a JSON object")
-    meta = header.pop("__metadata__", {}) or {}
+    meta = _metadata(path, header.pop("__metadata__", None))
     tensors = {k: _entry(path, k, v, 8 + n, size - 8 - n if data else None) for k, v in header.items()}
     end, last = 8 + n, None
     for t in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
@@ -225,13 +240,11 @@ def load_buffer(data: memoryview, where: str) -> dict:
     digest was checked, whatever the file holds now."""
     import torch
 
-    from deepinfer.reader import parse_json
-
     size = len(data)
     n = int.from_bytes(data[:8], "little") if size >= 8 else -1
     if n < 0 or n > MAX_HEADER or 8 + n > size:
         raise TensorFileError(where, None, f"header length {n} does not fit a {size}-byte file")
-    header = parse_json(bytes(data[8 : 8 + n]), where, error=lambda m: TensorFileError(where, None, m))
+    header = parse_json(bytes(data[8 : 8 + n]), "header", error=lambda msg: TensorFileError(where, None, msg))
     tensors, _ = _index(where, header, n, size, True)
     flat = np.frombuffer(data, np.uint8)
     out = {}

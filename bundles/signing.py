@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from deepinfer.errors import DeepinferError
+from deepinfer.reader import CAP_SMALL, load_json, read_bytes
 
 ALGORITHM = "ed25519"
 
@@ -46,8 +47,8 @@ def _primitives():
 def load_private_key(path: str | Path):
     serialization, ed25519, _ = _primitives()
     try:
-        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
-    except (OSError, ValueError, TypeError) as e:
+        key = serialization.load_pem_private_key(read_bytes(path, CAP_SMALL, error=TrustError), password=None)
+    except (ValueError, TypeError) as e:
         raise TrustError(f"{path}: not a readable unencrypted PEM private key ({e})") from None
     if not isinstance(key, ed25519.Ed25519PrivateKey):
         raise TrustError(
@@ -60,8 +61,8 @@ def load_private_key(path: str | Path):
 def load_public_key(path: str | Path):
     serialization, ed25519, _ = _primitives()
     try:
-        key = serialization.load_pem_public_key(Path(path).read_bytes())
-    except (OSError, ValueError, TypeError) as e:
+        key = serialization.load_pem_public_key(read_bytes(path, CAP_SMALL, error=TrustError))
+    except (ValueError, TypeError) as e:
         raise TrustError(f"{path}: not a readable PEM public key ({e})") from None
     if not isinstance(key, ed25519.Ed25519PublicKey):
         raise TrustError(f"{path}: not an Ed25519 public key (`openssl pkey -pubout` writes one)")
@@ -92,15 +93,12 @@ def sign_bytes(data: bytes, private_key) -> dict:
 def verify_bytes(data: bytes, record_path: Path, public_key) -> None:
     """Check that the signature record at `record_path` signs `data` with `public_key`."""
     _, _, invalid = _primitives()
-    try:
-        record = json.loads(record_path.read_text())
-    except FileNotFoundError:
+    if not record_path.exists() and not record_path.is_symlink():
         raise TrustError(
             f"{record_path}: missing; the trusted key {key_id(public_key)} requires a signature "
             "(compile with --sign KEY)"
-        ) from None
-    except (OSError, ValueError) as e:
-        raise TrustError(f"{record_path}: unreadable signature ({e})") from None
+        )
+    record = load_json(record_path, CAP_SMALL, root=record_path.parent, error=TrustError)
     if (
         not isinstance(record, dict)
         or record.get("algorithm") != ALGORITHM

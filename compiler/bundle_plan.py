@@ -37,7 +37,6 @@ depends on the rows per step.
 from __future__ import annotations
 
 import gc
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -551,8 +550,8 @@ def recorded_scratch(spec: Spec, regions: RegionPlan, executables, cache) -> dic
     """executable name -> scratch bytes, from the trace records the compile cache holds for them."""
     out = {}
     for e in executables:
-        data = cache.get_bytes("trace", cached.trace_key(spec, regions, e))
-        n = json.loads(data)["entry"].get("scratch_bytes") if data is not None else None
+        record = cached.trace_record(cache, cached.trace_key(spec, regions, e))
+        n = record["entry"].get("scratch_bytes") if record is not None else None
         if n is not None:
             out[e.name] = n
     return out

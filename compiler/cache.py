@@ -32,12 +32,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from deepinfer.bundles.manifest import sha256_file
 from deepinfer.bundles.signing import TrustError, sign_bytes, verify_bytes
 from deepinfer.compiler.keys import CACHE_VERSION, Key
 from deepinfer.compiler.store import Store, StoreUnavailable
 from deepinfer.errors import DeepinferError
+from deepinfer.reader import CAP_MANIFEST, CAP_SMALL, ReadError, open_regular, parse_json, read_bytes
 
 ENV_DIR = "DEEPINFER_CACHE_DIR"
 ARTIFACT = "artifact"
@@ -46,14 +48,50 @@ SIGNATURE = "signature.json"
 KINDS = ("executable", "trace", "weights", "host")
 
 
-def _parse_meta(raw: bytes, kind: str, digest: str) -> dict | None:
-    """A store entry's meta.json, or None where it is not one for (kind, digest)."""
+def _parse_meta(raw: bytes, kind: str, digest: str, where: str = META) -> dict | None:
+    """An entry's meta.json, or None where it is not one for (kind, digest): unreadable, or a
+    value of the wrong type (it names the entry, holds its artifact's digest and size)."""
     try:
-        meta = json.loads(raw)
-    except ValueError:
+        meta = parse_json(raw, where)
+    except ReadError:
         return None
-    ok = isinstance(meta, dict) and meta.get("key") == digest and meta.get("kind") == kind
-    return meta if ok and isinstance(meta.get("digest"), str) and meta["digest"].startswith("sha256:") else None
+    return meta if _meta_problem(meta, kind, digest) is None else None
+
+
+def _meta_problem(meta, kind: str, digest: str) -> str | None:
+    """What is wrong with the parsed meta.json of entry (kind, digest), or None."""
+    if not isinstance(meta, dict):
+        return "meta.json is not a JSON object"
+    if meta.get("key") != digest or meta.get("kind") != kind:
+        return "meta.json names another entry"
+    d, size = meta.get("digest"), meta.get("size")
+    if not isinstance(d, str) or not d.startswith("sha256:"):
+        return "meta.json has no sha256 digest"
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+        return "meta.json's size is not a byte count"
+    parts = meta.get("parts", [])
+    if not isinstance(meta.get("identity", ""), str) or not (
+        isinstance(parts, list)
+        and all(
+            isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("hash"), str) for p in parts
+        )
+    ):
+        return "meta.json's identity or parts are of the wrong type"
+    return None
+
+
+def read_meta(path: Path) -> tuple[bytes, Any]:
+    """The bytes and JSON value of an entry's meta.json at `path` (a regular file inside its entry,
+    under a size cap: a link to /dev/zero is refused before a byte is read). ReadError otherwise."""
+    raw = read_bytes(path, CAP_SMALL, root=path.parent)
+    return raw, parse_json(raw, str(path))
+
+
+def _copy_regular(src: Path, root: Path, dest: Path) -> None:
+    """Copy the regular file `src` (inside `root`) to `dest` through one descriptor."""
+    fd = open_regular(src, root=root)
+    with os.fdopen(fd, "rb") as f, open(dest, "wb") as out:
+        shutil.copyfileobj(f, out, 1 << 22)
 
 
 def _reason(e: Exception) -> str:
@@ -218,11 +256,10 @@ class Cache:
         digest = key.digest if isinstance(key, Key) else key
         path = self.entry_dir(kind, digest)
         try:
-            raw = (path / META).read_bytes()
-            meta = json.loads(raw)
-        except (OSError, ValueError):
-            if path.exists():
-                self._corrupt(Entry(kind, digest, path, {}), "unreadable meta.json")
+            raw, meta = read_meta(path / META)
+        except ReadError as e:
+            if path.exists() or path.is_symlink():
+                self._corrupt(Entry(kind, digest, path, {}), f"unreadable meta.json: {_reason(e)}")
             elif self.remote is not None and self._fetch(kind, digest):
                 return self.lookup(kind, digest)
             return None
@@ -235,9 +272,11 @@ class Cache:
                     f"not signed by the trusted key: {e}",
                 )
                 return None
-        if not isinstance(meta, dict) or meta.get("key") != digest or not (path / ARTIFACT).is_file():
-            self._corrupt(Entry(kind, digest, path, meta if isinstance(meta, dict) else {}), "incomplete entry")
+        problem = _meta_problem(meta, kind, digest)
+        if problem is not None or not (path / ARTIFACT).is_file():
+            self._corrupt(Entry(kind, digest, path, {}), problem or "incomplete entry")
             return None
+        assert isinstance(meta, dict)
         return Entry(kind, digest, path, meta)
 
     def get_file(self, kind: str, key: Key | str, dest: Path) -> bool:
@@ -248,7 +287,11 @@ class Cache:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
         try:
-            shutil.copyfile(entry.artifact, tmp)
+            _copy_regular(entry.artifact, entry.path, tmp)
+        except ReadError as e:
+            tmp.unlink(missing_ok=True)
+            self._corrupt(entry, _reason(e))
+            return self._miss(kind, key)
         except OSError:
             tmp.unlink(missing_ok=True)
             return self._miss(kind, key)
@@ -264,7 +307,12 @@ class Cache:
         if entry is None:
             self._miss(kind, key)
             return None
-        data = entry.artifact.read_bytes()
+        try:
+            data = read_bytes(entry.artifact, CAP_MANIFEST, root=entry.path)
+        except ReadError as e:
+            self._corrupt(entry, _reason(e))
+            self._miss(kind, key)
+            return None
         if "sha256:" + hashlib.sha256(data).hexdigest() != entry.meta.get("digest"):
             self._corrupt(entry, "digest mismatch")
             self._miss(kind, key)
@@ -289,9 +337,14 @@ class Cache:
         self.stats["miss"].append((kind, key.identity if isinstance(key, Key) else key))
         return False
 
+    def reject(self, kind: str, key: Key, why: str) -> None:
+        """An entry handed out whose contents turned out unusable (a trace record of the wrong
+        shape): reported once, removed, and so rebuilt as a miss."""
+        self._corrupt(Entry(kind, key.digest, self.entry_dir(kind, key.digest), {"identity": key.identity}), why)
+
     def _corrupt(self, entry: Entry, why: str) -> None:
         self.log(
-            f"cache: {entry.kind} entry {entry.key[:16]} ({entry.meta.get('identity', '?')}) is corrupt "
+            f"warning: cache: {entry.kind} entry {entry.key[:16]} ({entry.meta.get('identity', '?')}) is corrupt "
             f"({why}); removing it, it will be rebuilt"
         )
         self.stats["corrupt"].append((entry.kind, entry.key))
@@ -368,16 +421,16 @@ class Cache:
             return False
         path = self.entry_dir(kind, digest)
         try:
-            raw = (path / META).read_bytes()
-            signature = (path / SIGNATURE).read_bytes() if (path / SIGNATURE).exists() else None
+            raw, meta = read_meta(path / META)
+            signature = read_bytes(path / SIGNATURE, CAP_SMALL, root=path) if (path / SIGNATURE).exists() else None
             if not store.publish(kind, digest, path / ARTIFACT, raw, signature):
                 return False
         except StoreUnavailable as e:
             self._store_failed(e)
             return False
-        except OSError:  # removed meanwhile (prune, verify): nothing to publish
+        except (OSError, ReadError):  # removed meanwhile (prune, verify): nothing to publish
             return False
-        self.stats["published"].append((kind, json.loads(raw).get("identity", digest)))
+        self.stats["published"].append((kind, meta.get("identity", digest) if isinstance(meta, dict) else digest))
         return True
 
     def push(self, wanted: set[tuple[str, str]] | None = None) -> tuple[int, int]:
@@ -499,9 +552,11 @@ class Cache:
         for kind in kinds:
             for meta in sorted((self.root / kind).glob(f"*/*/{META}")):
                 try:
-                    data = json.loads(meta.read_text())
-                except (OSError, ValueError):
+                    data = read_meta(meta)[1]
+                except ReadError:
                     data = {}
+                if _meta_problem(data, kind, meta.parent.name) is not None:
+                    data = {}  # listed (verify and prune see it) with nothing read from it
                 out.append(Entry(kind, meta.parent.name, meta.parent, data))
         return out
 
@@ -513,10 +568,11 @@ class Cache:
         if len(found) != 1:
             return None
         try:
-            meta = json.loads((found[0] / META).read_text())
-        except (OSError, ValueError):
+            meta = read_meta(found[0] / META)[1]
+        except ReadError:
             meta = {}
-        return Entry(found[0].parent.parent.name, found[0].name, found[0], meta)
+        kind = found[0].parent.parent.name
+        return Entry(kind, found[0].name, found[0], meta if _meta_problem(meta, kind, found[0].name) is None else {})
 
     def closest(self, kind: str, identity: str) -> Entry | None:
         """The most recently used entry of `kind` built for the same `identity` (explains a miss)."""

@@ -26,8 +26,8 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypedDict
 
@@ -47,6 +47,7 @@ from deepinfer.compiler.plan import Exe, KindPlan, LayerKind, RegionPlan
 from deepinfer.compiler.spec import Run, Spec
 from deepinfer.compiler.trace import Signature, weight_specs
 from deepinfer.compiler.weights import host_entries, host_sources, source_names, stack_files
+from deepinfer.reader import ReadError, load_json, parse_json
 from deepinfer.regions.base import engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint
 from deepinfer.regions.state import Geometry
@@ -194,21 +195,56 @@ def executable_key(spec: Spec, plan: RegionPlan, exe: Exe, graph: str, kernels: 
 # --- checkpoint tensors, by contents ---
 
 
-def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
+@dataclass
+class Memo:
+    """Where the cache memoizes checkpoint tensor digests (`<cache>/v1/files/`), and where a memo
+    found corrupt is reported (once per memo file; it is then hashed again and rewritten)."""
+
+    dir: Path
+    log: Callable[[str], None] = lambda msg: None
+    warned: set[Path] = field(default_factory=set)
+
+    def read(self, memo_file: Path, names: Collection[str]) -> dict[str, str] | None:
+        """The memo's digests when it holds one for each of `names`; None on a miss (reported
+        when the memo is there but corrupt: not JSON, the wrong types, a tensor missing)."""
+        if not memo_file.exists() and not memo_file.is_symlink():
+            return None
+        try:
+            data = load_json(memo_file, root=self.dir)
+            why = None if _is_memo(data, names) else "it does not hold a sha256 for each tensor of the file"
+        except ReadError as e:
+            data, why = None, str(e).removeprefix(f"{memo_file}: ")
+        if why is None:
+            return data
+        if memo_file not in self.warned:
+            self.warned.add(memo_file)
+            self.log(f"warning: cache: tensor digest memo {memo_file} is corrupt ({why}); hashing the file again")
+        return None
+
+
+def _is_memo(data, names: Collection[str]) -> bool:
+    return (
+        isinstance(data, dict)
+        and all(isinstance(v, str) and len(v) == 64 for v in data.values())
+        and all(n in data for n in names)
+    )
+
+
+def _file_digests(path: Path, memo: Memo | None, names: Collection[str] = ()) -> dict[str, str]:
     """{tensor name: sha256 of dtype, shape and raw bytes} for one safetensors file,
     memoized by the file's identity and stat: path, device, inode, size, mtime and ctime. A file
     edited in place with its size and mtime restored (`rsync -t --inplace`, `touch -r`) still
-    has a new ctime, which no user call can set back, so it is re-hashed."""
+    has a new ctime, which no user call can set back, so it is re-hashed. A memo that does not
+    hold a digest for each of `names` (corrupt, hand-edited) is a miss, reported and rewritten."""
     st = os.stat(path)
     ident = sha256(
         f"{os.path.realpath(path)}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}".encode()
     )
-    memo_file = memo / f"{ident}.json" if memo else None
-    if memo_file and memo_file.exists():
-        try:
-            return json.loads(memo_file.read_text())
-        except ValueError:
-            pass
+    memo_file = memo.dir / f"{ident}.json" if memo else None
+    if memo is not None and memo_file is not None:
+        found = memo.read(memo_file, names)
+        if found is not None:
+            return found
     tensors, _ = read_header(str(path))
     out = {}
     with open(path, "rb") as f:
@@ -235,20 +271,22 @@ def _file_digests(path: Path, memo: Path | None) -> dict[str, str]:
     return out
 
 
-def tensor_digests(ckpt: Checkpoint, names: list[str], memo: Path | None) -> dict[str, str]:
+def tensor_digests(ckpt: Checkpoint, names: list[str], memo: Memo | None) -> dict[str, str]:
+    by_file: dict[Path, list[str]] = {}
     for n in names:
         ckpt.info(n)  # a missing tensor is a CheckpointError here
-    per_file = {p: _file_digests(p, memo) for p in sorted({ckpt.files[n] for n in names})}
+        by_file.setdefault(ckpt.files[n], []).append(n)
+    per_file = {p: _file_digests(p, memo, by_file[p]) for p in sorted(by_file)}
     return {n: per_file[ckpt.files[n]][n] for n in names}
 
 
-def memo_dir(run: Run) -> Path | None:
+def memo_dir(run: Run) -> Memo | None:
     """Where the cache memoizes checkpoint tensor digests (none without a cache)."""
-    return run.cache.root / "files" if run.cache else None
+    return Memo(run.cache.root / "files", run.cache.log) if run.cache else None
 
 
 def weights_key(
-    spec: Spec, ckpt: Checkpoint, kind: str, kp: KindPlan, rank: int | None = 0, memo: Path | None = None
+    spec: Spec, ckpt: Checkpoint, kind: str, kp: KindPlan, rank: int | None = 0, memo: Memo | None = None
 ) -> Key:
     """A kind's stacks of one rank's file (`rank`), or of the file every rank shares (`rank` None)."""
     return Key.of(
@@ -310,7 +348,7 @@ def host_source(spec: Spec, ckpt: Checkpoint, name: str) -> HostSource:
     )
 
 
-def host_key(spec: Spec, ckpt: Checkpoint, name: str, memo: Path | None = None) -> Key:
+def host_key(spec: Spec, ckpt: Checkpoint, name: str, memo: Memo | None = None) -> Key:
     """A host-resident file: its checkpoint tensors, their layout, the recipe (where it stores them)
     and the code that writes it."""
     src = host_source(spec, ckpt, name)
@@ -459,8 +497,25 @@ def missed(run: Run, kind: str, key: Key) -> None:
 
 
 def trace_record(cache: Cache, key: Key) -> dict | None:
+    """The cached trace record of `key` ({"executable_key": str, "entry": {...}}); None on a miss. A
+    record that is not one (corrupt, of the wrong types) is reported once, removed and a miss."""
     data = cache.get_bytes("trace", key)
-    return json.loads(data) if data is not None else None
+    if data is None:
+        return None
+    try:
+        record = parse_json(data, "trace record")
+    except ReadError as e:
+        cache.reject("trace", key, str(e))
+        return None
+    if not (
+        isinstance(record, dict)
+        and isinstance(record.get("executable_key"), str)
+        and isinstance(record.get("entry"), dict)
+        and isinstance(record["entry"].get("scratch_bytes", 0), (int, type(None)))
+    ):
+        cache.reject("trace", key, "trace record of the wrong shape")
+        return None
+    return record
 
 
 Progress = Callable[[int, int, Job, float], None]

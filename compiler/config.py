@@ -25,6 +25,7 @@ from pathlib import Path
 
 from deepinfer.bundles.topology import Topology
 from deepinfer.errors import ConfigError
+from deepinfer.reader import CAP_SMALL, MAX_DEPTH, read_bytes
 from deepinfer.schema import Problem, Rules, build
 
 if sys.version_info >= (3, 11):
@@ -169,12 +170,15 @@ class _Where:
     def error(self, section: str, key: str | None, message: str) -> ConfigError:
         line = self.line(section, key)
         name = f"{section}.{key}" if key else f"[{section}]"
+        name = name.encode("unicode_escape").decode()  # one line, whatever the keys hold
         at = f":{line}" if line else ""
         return ConfigError(f"{self.path}{at}: {name}: {message}")
 
 
 def _resolve(base: Path, value: str) -> Path:
     """A path of the file: relative to its folder, `~` expanded."""
+    if "\0" in value:
+        raise ValueError("a path cannot hold a NUL character")
     p = Path(value).expanduser()
     return p if p.is_absolute() else base / p
 
@@ -281,28 +285,56 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
 def config_error(cfg: CompileConfig, section: str, key: str, message: str) -> ConfigError:
     """A ConfigError located at `section.key` of the model.toml `cfg` came from."""
     try:
-        text = cfg.source.read_text()
-    except OSError:
+        text = read_toml_text(cfg.source)
+    except ConfigError:
         text = ""
     return _Where(cfg.source, text).error(section, key, message)
 
 
-def load_compile_config(path: str | Path) -> CompileConfig:
-    """Parse and validate a model.toml. Relative paths are relative to the file."""
-    path = Path(path)
+def read_toml_text(path: Path) -> str:
+    """The text of the model.toml at `path`: a regular file under `CAP_SMALL`, strict UTF-8."""
+    data = read_bytes(path, CAP_SMALL, error=ConfigError)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def parse_toml(text: str, path: Path) -> dict:
+    """TOML text -> its tables, or ConfigError naming the file (and the line, or the key): not TOML,
+    nested deeper than `MAX_DEPTH`, an integer outside TOML's 64-bit range (which the spec says a
+    reader must refuse rather than keep), a float that is not finite."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         line = re.search(r"line (\d+)", str(e))
         raise ConfigError(f"{path}{':' + line.group(1) if line else ''}: not valid TOML ({e})") from None
+    except (ValueError, RecursionError) as e:  # an integer of over 4300 digits; arrays nested ~300 deep
+        what = "nested too deep" if isinstance(e, RecursionError) else "an integer too large"
+        raise ConfigError(f"{path}: not valid TOML ({what})") from None
+    stack: list[tuple[tuple, object]] = [((), data)]
+    while stack:
+        key, value = stack.pop()
+        if len(key) > MAX_DEPTH:
+            raise ConfigError(f"{path}: {_dotted(key)}: nested more than {MAX_DEPTH} deep")
+        if isinstance(value, dict):
+            stack.extend((key + (k,), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((key + (i,), v) for i, v in enumerate(value))
+        elif isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < 1 << 63:
+            raise ConfigError(f"{path}: {_dotted(key)}: an integer outside the 64-bit range TOML allows")
+    return data
+
+
+def _dotted(key: tuple) -> str:
+    return Problem(key, "").dotted().encode("unicode_escape").decode()
+
+
+def load_compile_config(path: str | Path) -> CompileConfig:
+    """Parse and validate a model.toml. Relative paths are relative to the file."""
+    path = Path(path)
+    text = read_toml_text(path)
+    data = parse_toml(text, path)
     where = _Where(path, text)
     unknown = [s for s in data if s not in SECTIONS]
     if unknown:

@@ -83,9 +83,16 @@ def fetch(cache: Cache, key: Key, exe: Exe, dest: Path) -> mf.Executable | None:
     """The manifest entry of a cached trace of `exe` whose executable the cache holds (copied to
     `dest`); None when either is missing."""
     record = cached.trace_record(cache, key)
-    if record is None or not cache.get_file("executable", record["executable_key"], dest):
+    if record is None:
         return None
-    return mf.parse_executable(record["entry"], f"cached trace record of {exe.name}")
+    try:
+        entry = mf.parse_executable(record["entry"], f"cached trace record of {exe.name}")
+    except mf.BundleError as e:  # a record this deepinfer cannot read: rebuilt, as any corrupt entry
+        cache.reject("trace", key, str(e))
+        return None
+    if not cache.get_file("executable", record["executable_key"], dest):
+        return None
+    return entry
 
 
 def _io(specs: Sequence[InputSpec]) -> tuple[mf.TensorSpec, ...]:

@@ -511,7 +511,7 @@ def cache_key(
     spec = parse(config, hlo_only, log)
     p = plan(spec, log)
     ckpt = Checkpoint(config.model.checkpoint)
-    memo = cache.root / "files" if cache else None
+    memo = cached.Memo(cache.root / "files", log) if cache else None
     weights = {
         f"{kind} rank {r}": cached.weights_key(spec, ckpt, kind, kp, r, memo)
         for kind, kp in p.kinds.items()

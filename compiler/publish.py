@@ -14,7 +14,6 @@ gone. A live process's directories, and other hosts', are never touched.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from deepinfer.bundles import layout
 from deepinfer.errors import ConfigError
+from deepinfer.reader import CAP_MANIFEST, ReadError, load_json
 
 STAGING, TRASH = "tmp", "old"
 
@@ -44,9 +44,8 @@ def is_bundle(path: Path) -> bool:
     """A directory holding a deepinfer manifest (a JSON object with a format version)."""
     manifest = path / layout.MANIFEST_FILE
     try:
-        with open(manifest, "rb") as f:
-            data = json.loads(f.read(1 << 26))
-    except (OSError, ValueError):
+        data = load_json(manifest, CAP_MANIFEST, root=path)
+    except ReadError:
         return False
     return isinstance(data, dict) and "format_version" in data
 

@@ -24,7 +24,6 @@ rebuilt in another process from `(url, endpoint)` alone: pickling it sends only 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from deepinfer.compiler.keys import CACHE_VERSION
 from deepinfer.errors import DeepinferError
+from deepinfer.reader import ReadError, parse_json
 
 ENV_URL = "DEEPINFER_CACHE_URL"
 ENV_ENDPOINT = "AWS_ENDPOINT_URL"  # boto3's own variable
@@ -254,7 +254,13 @@ class Store:
         """The entry whose key is `ref` or starts with it (8+ characters, unique) and its meta."""
         found = [e for e in self.entries(kinds) if len(ref) >= 8 and e.key.startswith(ref)]
         got = self.get_meta(found[0].kind, found[0].key) if len(found) == 1 else None
-        return (found[0], json.loads(got[0])) if got else None
+        if not got:
+            return None
+        try:
+            meta = parse_json(got[0], f"{self.meta_name(found[0].kind, found[0].key)} in {self.url}")
+        except ReadError:
+            meta = None
+        return found[0], meta if isinstance(meta, dict) else {}
 
     # --- maintenance (deepinfer cache verify / prune --url) ---
     def verify(self, kinds: tuple[str, ...], scratch: Path) -> tuple[int, list[tuple[RemoteEntry, str]]]:
@@ -268,7 +274,7 @@ class Store:
             if got is None:  # removed since listed
                 continue
             try:
-                meta = json.loads(got[0])
+                meta = parse_json(got[0], META)
                 digest = meta["digest"] if meta.get("key") == e.key else None
             except (ValueError, TypeError, KeyError, AttributeError):
                 digest = None
@@ -301,7 +307,7 @@ class Store:
         for e in self.entries(kinds):
             got = self.get_meta(e.kind, e.key)
             try:
-                named.add(json.loads(got[0])["digest"].removeprefix("sha256:") if got else "")
+                named.add(parse_json(got[0], META)["digest"].removeprefix("sha256:") if got else "")
             except (ValueError, TypeError, KeyError, AttributeError):
                 pass
         for digest, modified in list(self.objects()):
@@ -315,7 +321,7 @@ class Store:
         True: published; False: another publisher's meta.json was there first (nothing to do)."""
         from botocore.exceptions import ClientError
 
-        digest = json.loads(raw_meta)["digest"]
+        digest = parse_json(raw_meta, META)["digest"]
         if not self.has_object(digest):
             with open(artifact, "rb") as f:
                 self._call(

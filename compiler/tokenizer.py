@@ -21,6 +21,8 @@ from safetensors.numpy import save_file
 
 from deepinfer.bundles import layout
 from deepinfer.bundles.manifest import HostFile
+from deepinfer.errors import ConfigError
+from deepinfer.reader import CAP_TOKENIZER, read_bytes
 from deepinfer.regions.config import CONFIG_FILE, V41Config
 from deepinfer.regions.engram_map import checked_token_map
 from deepinfer.regions.hf_tokenizer import TokenizersTokenizer
@@ -37,7 +39,10 @@ def tokenizer_files(checkpoint: Path) -> list[str]:
 
 def tokenizer_digests(checkpoint: Path) -> dict[str, str]:
     """name -> sha256 of each tokenizer file (a part of the bundle's cache key)."""
-    return {name: hashlib.sha256((checkpoint / name).read_bytes()).hexdigest() for name in tokenizer_files(checkpoint)}
+    return {
+        name: hashlib.sha256(read_bytes(checkpoint / name, CAP_TOKENIZER, error=ConfigError)).hexdigest()
+        for name in tokenizer_files(checkpoint)
+    }
 
 
 def bundle_tokenizer(model: V41Config, checkpoint: Path, staging: Path, log) -> dict[str, HostFile]:

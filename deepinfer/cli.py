@@ -23,6 +23,7 @@ from deepinfer.cli_common import (
     user_errors,
     write_logits,
 )
+from deepinfer.reader import CAP_MANIFEST, ReadError, load_json, parse_json
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -489,21 +490,41 @@ def open_store(url: str | None, endpoint: str | None):
     return None if url is None else Store.from_url(url, endpoint, log=lambda msg: click.echo(msg, err=True))
 
 
+def _explainable(meta, ref: str) -> dict:
+    """A cache entry's meta.json value checked for what `cache explain` reads (CacheError if not)."""
+    from deepinfer.compiler.cache import CacheError
+
+    parts = meta.get("parts", []) if isinstance(meta, dict) else None
+    if not (
+        isinstance(meta, dict)
+        and all(isinstance(meta.get(k, ""), str) for k in ("kind", "identity", "key"))
+        and isinstance(parts, list)
+        and all(
+            isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("hash"), str) for p in parts
+        )
+    ):
+        raise CacheError(f"{ref}: not a cache entry's meta.json (kind, identity, key, parts of name and hash)")
+    return meta
+
+
 def bundle_keys(bundle: Path) -> set[tuple[str, str]]:
     """The (kind, key) pairs a bundle records it was built from (bundles/layout.CACHE_KEYS_FILE)."""
     from deepinfer.bundles.layout import CACHE_KEYS_FILE
     from deepinfer.compiler.cache import CacheError
 
     path = bundle / CACHE_KEYS_FILE
-    try:
-        return {(e["kind"], e["key"]) for e in json.loads(path.read_text())["entries"]}
-    except FileNotFoundError:
+    if not path.exists() and not path.is_symlink():
         raise CacheError(
             f"{path}: missing; the bundle was compiled without a cache, or by a deepinfer "
             "that did not record its cache keys (recompile it with a cache)"
-        ) from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CacheError(f'{path}: unreadable ({e}); expected {{"entries": [{{"kind", "key"}}, ...]}}') from None
+        )
+    data = load_json(path, CAP_MANIFEST, root=bundle, error=CacheError)
+    entries = data.get("entries") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("kind"), str) and isinstance(e.get("key"), str) for e in entries
+    ):
+        raise CacheError(f'{path}: expected {{"entries": [{{"kind": str, "key": str}}, ...]}}')
+    return {(e["kind"], e["key"]) for e in entries}
 
 
 @main.command("plan")
@@ -618,7 +639,10 @@ def _store_ls(store, as_json: bool) -> None:
     total = 0
     for e in listed:
         got = store.get_meta(e.kind, e.key)
-        meta = json.loads(got[0]) if got else {}
+        try:
+            meta = parse_json(got[0], f"{e.kind} {e.key} meta.json") if got else {}
+        except ReadError:
+            meta = {}
         size = meta.get("size", 0) if isinstance(meta, dict) else 0
         total += size
         ident = meta.get("identity") if isinstance(meta, dict) else None
@@ -734,10 +758,10 @@ def cache_explain(key_a, key_b, cache_dir, url, endpoint):
 
     def meta(ref: str) -> dict:
         if Path(ref).is_file():
-            return json.loads(Path(ref).read_text())
+            return _explainable(load_json(Path(ref), error=CacheError), ref)
         entry = cache.find(ref)
         if entry is not None:
-            return entry.meta
+            return _explainable(entry.meta, ref)
         found = store.find(ref, KINDS) if store is not None else None
         if found is None:
             where = f"{cache.dir}" + (f" or {store.url}" if store is not None else "")
@@ -745,7 +769,7 @@ def cache_explain(key_a, key_b, cache_dir, url, endpoint):
                 f"{ref}: no single entry with this key in {where} (give 8+ characters "
                 "of a key from `deepinfer cache ls`, or a meta.json path)"
             )
-        return found[1]
+        return _explainable(found[1], ref)
 
     a, b = meta(key_a), meta(key_b)
     click.echo(f"A {a.get('kind')} {a.get('identity')} {a.get('key', '')[:16]}")

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from deepinfer.errors import CompareError
+from deepinfer.reader import CAP_MANIFEST, load_json
 
 FLOOR_FORMAT = "deepinfer-noise-floor/1"
 MARGIN = 4.0  # default slack over the measured floor: another implementation rounds differently again
@@ -380,12 +381,13 @@ def save_floor(floor: Floor, path: str | Path) -> None:
 
 def load_floor(path: str | Path) -> Floor:
     path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CompareError(f"{path}: no such file (write one with `deepinfer noise-floor CKPT A -o FILE`)") from None
-    except (OSError, ValueError) as e:
-        raise CompareError(f"{path}: not a noise-floor JSON file ({e})") from None
+    if not path.exists() and not path.is_symlink():
+        raise CompareError(f"{path}: no such file (write one with `deepinfer noise-floor CKPT A -o FILE`)")
+    d = load_json(
+        path,
+        CAP_MANIFEST,
+        error=lambda msg: CompareError(f"{path}: not a noise-floor JSON file ({msg.removeprefix(f'{path}: ')})"),
+    )
     if not isinstance(d, dict) or d.get("format") != FLOOR_FORMAT:
         got = d.get("format") if isinstance(d, dict) else None
         raise CompareError(

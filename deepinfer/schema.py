@@ -33,7 +33,11 @@ class Problem(Exception):
         """The key path as `a.b[2].c` (after `root` when given)."""
         out = root
         for part in self.key:
-            out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+            if isinstance(part, int):
+                out += f"[{part}]"
+                continue
+            text = part if part.isprintable() else part.encode("unicode_escape").decode()  # one line
+            out += f".{text}" if out else text
         return out
 
 

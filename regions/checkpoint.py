@@ -21,11 +21,13 @@ from safetensors import safe_open
 from deepinfer.bundles.safetensors import TensorInfo, read_header
 from deepinfer.errors import CheckpointError
 from deepinfer.quant.stream_plan import SCALE_DTYPES, block_from_grid, scale_names
+from deepinfer.reader import MIB, load_json, open_regular
 from deepinfer.regions.base import Region, WeightSpec
 from deepinfer.regions.config import CONFIG_FILE
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+CAP_INDEX = 64 * MIB  # a release's index names ~100k tensors (~10 MB)
 
 
 def _check_weight_map(index: Path, weight_map) -> None:
@@ -40,6 +42,21 @@ def _check_weight_map(index: Path, weight_map) -> None:
             )
 
 
+def _check_shards(directory: Path, index: Path, weight_map: dict) -> None:
+    """Every file the index names is a regular file (checked once per file, on its descriptor):
+    a missing shard, a directory or a symlink loop is refused here, naming the index entry."""
+    first: dict[str, str] = {}
+    for name, file in weight_map.items():
+        first.setdefault(file, name)
+    for file, name in first.items():
+        path = directory / file
+
+        def error(msg: str, name=name, file=file, path=path) -> CheckpointError:
+            return CheckpointError(f"{index}: weight_map[{name!r}] = {file!r}: {msg.removeprefix(f'{path}: ')}")
+
+        os.close(open_regular(path, error=error))
+
+
 class Checkpoint:
     """Name -> tensor access over a checkpoint directory.
 
@@ -51,13 +68,14 @@ class Checkpoint:
         self.dir = Path(directory)
         self.data = data
         index = self.dir / INDEX_FILE
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        if index.exists() or index.is_symlink():
+            parsed = load_json(index, CAP_INDEX, error=CheckpointError)
+            if not isinstance(parsed, dict) or "weight_map" not in parsed:
+                raise CheckpointError(f"{index}: not a safetensors index (no weight_map object)")
+            weight_map = parsed["weight_map"]
             _check_weight_map(index, weight_map)
-        elif (self.dir / SINGLE_FILE).exists():
+            _check_shards(self.dir, index, weight_map)
+        elif (self.dir / SINGLE_FILE).exists() or (self.dir / SINGLE_FILE).is_symlink():
             weight_map = dict.fromkeys(read_header(str(self.dir / SINGLE_FILE), data=data)[0], SINGLE_FILE)
         else:
             raise CheckpointError(f"{self.dir}: no {SINGLE_FILE} or {INDEX_FILE}")

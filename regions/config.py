@@ -18,9 +18,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deepinfer.errors import ConfigError
+from deepinfer.reader import load_json
 from deepinfer.schema import Problem, Rules, build
 
 CONFIG_FILE = "config.json"
+# the quantization_config values deepinfer implements: fp8 e4m3 block weights whose scales are ue8m0
+# (`X.scale`, F8_E8M0) or float32 (`X.weight_scale_inv`, DeepSeek-V3's), on the blocks of
+# quant/stream_plan.SCALE_DTYPES, and fp4 experts; anything else would be read as if it were these
+QUANT_VALUES = {
+    "quant_method": ("fp8",),
+    "activation_scheme": ("dynamic",),
+    "scale_fmt": ("ue8m0",),
+    "expert_dtype": ("fp4",),
+    "fmt": ("e4m3",),
+}
+WEIGHT_BLOCKS = ((32, 32), (128, 128))
 NESTED = ("text_config", "vision_config", "quantization_config")
 EXTRA = Rules(unknown="extra")
 
@@ -226,6 +238,7 @@ def parse_config(data: dict, source: str = CONFIG_FILE) -> V41Config:
         quant=_build(QuantConfig, data.get("quantization_config", {}), source, ("quantization_config",)),
     )
     validate(config, source)
+    validate_quant(config.quant, source)
     return config
 
 
@@ -234,13 +247,9 @@ def load_config(path: str | Path) -> V41Config:
     path = Path(path)
     if path.is_dir():
         path = path / CONFIG_FILE
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file; a checkpoint directory needs {CONFIG_FILE}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return parse_config(data, str(path))
+    if not path.exists() and not path.is_symlink():
+        raise ConfigError(f"{path}: no such file; a checkpoint directory needs {CONFIG_FILE}")
+    return parse_config(load_json(path, error=ConfigError), str(path))
 
 
 # ----------------------------------------------------------------------------- validation
@@ -420,3 +429,19 @@ def validate_draft(t: TextConfig, source: str = CONFIG_FILE) -> None:
         "compress_ratios",
         f"the draft's stages (entries {n}..{n + k - 1}) must be sliding-window only (0), got {stages}",
     )
+
+
+def validate_quant(q: QuantConfig, source: str = CONFIG_FILE) -> None:
+    """Refuse a quantization_config value deepinfer does not implement, rather than ignore it."""
+    given = {f.name: getattr(q, f.name) for f in dataclasses.fields(q) if f.name != "extra"} | q.extra
+    for key, valid in QUANT_VALUES.items():
+        if key in given and given[key] not in valid:
+            raise ConfigError(
+                f"{source}: quantization_config.{key}: {given[key]!r} is not implemented; "
+                f"valid: {', '.join(map(repr, valid))}"
+            )
+    if q.weight_block_size not in WEIGHT_BLOCKS:
+        raise ConfigError(
+            f"{source}: quantization_config.weight_block_size: {list(q.weight_block_size)} is not implemented; "
+            f"valid: {', '.join(str(list(b)) for b in WEIGHT_BLOCKS)}"
+        )

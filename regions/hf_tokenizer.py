@@ -24,10 +24,12 @@ from datetime import datetime
 from pathlib import Path
 
 from deepinfer.errors import ConfigError
+from deepinfer.reader import CAP_TOKENIZER, MIB, load_json, read_bytes
 from deepinfer.regions.tokenizer import CHAT_TEMPLATE_FILE as TEMPLATE_FILE
 from deepinfer.regions.tokenizer import TOKENIZER_CONFIG_FILE as CONFIG_FILE
 from deepinfer.regions.tokenizer import TOKENIZER_FILE, Tokenizer
 
+CAP_CONFIG = 16 * MIB  # tokenizer_config.json (added tokens, chat templates), chat_template.jinja
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -35,16 +37,26 @@ class ChatTemplateError(ConfigError):
     """A chat template failed to render (its own `raise_exception`, or an error in it)."""
 
 
-def read_tokenizer(path: Path):
-    """A `tokenizers.Tokenizer` from `path` (ConfigError naming the file when it cannot be read)."""
+def read_tokenizer(path: Path, *, root: Path | None = None):
+    """A `tokenizers.Tokenizer` from `path` (ConfigError naming the file when it cannot be read): a
+    regular file (inside `root` when given) under `CAP_TOKENIZER`, read once, parsed from those bytes."""
     from tokenizers import Tokenizer as Backend
 
+    text = _text(path, CAP_TOKENIZER, root)
     try:
-        return Backend.from_file(str(path))
+        return Backend.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception for any parse error
         raise ConfigError(
             f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0] if str(e) else e!r})"
         ) from None
+
+
+def _text(path: Path, cap: int, root: Path | None) -> str:
+    data = read_bytes(path, cap, root=root, error=ConfigError)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: is not valid UTF-8 (byte {e.start})") from None
 
 
 def _token_text(value, source: Path, key: str) -> str | None:
@@ -80,22 +92,21 @@ class TokenizersTokenizer(Tokenizer):
         return None if text is None else self.backend.token_to_id(text)
 
     @classmethod
-    def from_dir(cls, directory: str | Path) -> TokenizersTokenizer:
-        """`tokenizer.json`, `tokenizer_config.json` (optional) and `chat_template.jinja` (optional) of `directory`."""
+    def from_dir(cls, directory: str | Path, *, root: Path | None = None) -> TokenizersTokenizer:
+        """`tokenizer.json`, `tokenizer_config.json` (optional) and `chat_template.jinja` (optional) of
+        `directory`; with `root` (a bundle), each must be a regular file inside it, links included."""
         directory = Path(directory)
-        backend = read_tokenizer(directory / TOKENIZER_FILE)
+        backend = read_tokenizer(directory / TOKENIZER_FILE, root=root)
         config = {}
         path = directory / CONFIG_FILE
-        if path.exists():
-            try:
-                config = json.loads(path.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if path.exists() or path.is_symlink():
+            config = load_json(path, CAP_CONFIG, root=root, error=ConfigError)
             if not isinstance(config, dict):
                 raise ConfigError(f"{path}: expected a JSON object at the top level")
         template = _template(config.get("chat_template"), path)
-        if template is None and (directory / TEMPLATE_FILE).exists():
-            template = (directory / TEMPLATE_FILE).read_text(encoding="utf-8")
+        jinja = directory / TEMPLATE_FILE
+        if template is None and (jinja.exists() or jinja.is_symlink()):
+            template = _text(jinja, CAP_CONFIG, root)
         return cls(backend, config, template, directory)
 
     def encode_text(self, text: str, bos: bool) -> list[int]:

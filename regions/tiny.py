@@ -16,7 +16,6 @@ tensors are the same bytes with or without them.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from deepinfer.quant.blockfp8 import quantize_fp8_blocks, quantize_fp8_float_sca
 from deepinfer.quant.fp4 import quantize_mxfp4
 from deepinfer.quant.fp8 import E4M3FN_MAX, e4m3fn_encode
 from deepinfer.quant.ue8m0 import UE8M0_LUT, scale_bytes_for
+from deepinfer.reader import ReadError, load_json
 from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE, written_checkpoint
 from deepinfer.regions.config import CONFIG_FILE, parse_config
 from deepinfer.regions.dspark import draft_specs
@@ -257,11 +257,9 @@ def _vision_tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
 def _is_same_tiny(path: Path, config: dict) -> bool:
     try:
         return (
-            json.loads((path / CONFIG_FILE).read_text()) == config
-            and (path / SINGLE_FILE).exists()
-            and (path / INDEX_FILE).exists()
+            load_json(path / CONFIG_FILE) == config and (path / SINGLE_FILE).exists() and (path / INDEX_FILE).exists()
         )
-    except (OSError, json.JSONDecodeError):
+    except ReadError:  # not a tiny checkpoint: make-tiny refuses to write over it
         return False
 
 

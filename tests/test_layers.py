@@ -25,7 +25,17 @@ from deepinfer.compiler.keys import import_closure, module_imports
 
 # lowest first: a module may import its own layer and those below it
 LAYERS = [
-    ("format", ["deepinfer", "deepinfer.errors", "deepinfer.schema", "deepinfer.host", "deepinfer.bundles"]),
+    (
+        "format",
+        [
+            "deepinfer",
+            "deepinfer.errors",
+            "deepinfer.reader",
+            "deepinfer.schema",
+            "deepinfer.host",
+            "deepinfer.bundles",
+        ],
+    ),
     ("numerics", ["deepinfer.quant", "deepinfer.kernels"]),
     ("model family", ["deepinfer.regions"]),
     ("compiler and runtime", ["deepinfer.compiler", "deepinfer.runtime"]),
@@ -49,10 +59,13 @@ RUNTIME_LOADS = [
     "deepinfer.bundles.manifest",
     "deepinfer.bundles.pt2",
     "deepinfer.bundles.safetensors",
+    "deepinfer.bundles.signatures",
     "deepinfer.bundles.signing",
     "deepinfer.bundles.topology",
+    "deepinfer.bundles.verified",
     "deepinfer.errors",
     "deepinfer.host",
+    "deepinfer.reader",
     "deepinfer.regions",
     "deepinfer.regions.config",
     "deepinfer.regions.engram_hash",

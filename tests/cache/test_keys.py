@@ -367,7 +367,7 @@ def test_a_tensor_edited_in_place_with_size_and_mtime_restored_is_hashed_again(t
     import torch
     from safetensors.torch import save_file
 
-    path, memo = tmp_path / "w.safetensors", tmp_path / "memo"
+    path, memo = tmp_path / "w.safetensors", cached.Memo(tmp_path / "memo")
     save_file({"w": torch.zeros(64)}, str(path))
     before = cached._file_digests(path, memo)
     st = os.stat(path)

@@ -138,7 +138,7 @@ def test_damaged_manifest_is_one_line_naming_the_key(bundle_copy, damage):
 def test_not_a_bundle_and_corrupt_manifest(tmp_path, bundle_copy):
     assert "not a bundle" in bundle_error(mf.read, tmp_path / "nothing")
     (bundle_copy / layout.MANIFEST_FILE).write_text('{"format_version": 1,')
-    assert "corrupt manifest" in bundle_error(mf.read, bundle_copy)
+    assert "manifest.json: is not valid JSON" in bundle_error(mf.read, bundle_copy)
 
 
 # --- validate ---

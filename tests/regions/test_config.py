@@ -162,7 +162,7 @@ def test_load_config_errors_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match=r"config.json: not valid JSON"):
+    with pytest.raises(ConfigError, match=r"config.json: is not valid JSON"):
         load_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(tiny_config()))
     assert load_config(tmp_path).text.num_hidden_layers == 6

@@ -32,8 +32,10 @@ from deepinfer.errors import DeepinferError
 from deepinfer.reader import CAP_MANIFEST, parse_json, read_bytes
 from deepinfer.schema import Problem, Rules, build, coerce, dump
 
-FORMAT_VERSION = 2  # 2: shared weight stacks, per-tensor file and format
-SUPPORTED_VERSIONS = (2,)
+# 2: shared weight stacks, per-tensor file and format; 3: every executable's output signature
+# (output_specs), which loading checks with the inputs' against the executable's own file
+FORMAT_VERSION = 3
+SUPPORTED_VERSIONS = (3,)
 # the compiled methods: every region's step, and the target head's vocabulary projection the draft's logits go
 # through (the one other method a bundle holds); compiler, runtime and regions spell them only here
 DECODE = "decode"
@@ -550,6 +552,13 @@ def check(m: Manifest) -> None:
         for j, s in enumerate(e.inputs):
             _need(s.role in ROLES, key + ("inputs", j, "role"), f"unknown role {s.role!r}")
             _need(s.dtype in DTYPE_NAMES, key + ("inputs", j, "dtype"), f"unknown dtype {s.dtype!r}")
+        returned = len(e.state_outputs or ()) + len(e.outputs)
+        _need(
+            e.output_specs is not None and len(e.output_specs) == returned,
+            key + ("output_specs",),
+            f"expected the signature of its {returned} outputs, got "
+            + ("none" if e.output_specs is None else str(len(e.output_specs))),
+        )
         if e.aliases:
             for o, src in e.aliases.items():
                 _need(0 <= src < len(e.inputs), key + ("aliases", o), f"input {src} out of range")

@@ -131,6 +131,11 @@ def read_header(path: str, *, data: bool = True) -> tuple[dict[str, TensorInfo],
             )
         raw = f.read(n)
     header = parse_json(raw, "header", error=lambda msg: TensorFileError(path, None, msg))
+    return _index(path, header, n, size, data)
+
+
+def _index(path: str, header, n: int, size: int, data: bool) -> tuple[dict[str, TensorInfo], dict]:
+    """A parsed header (of length `n`, in a `size`-byte file) -> ({name: TensorInfo}, metadata)."""
     if not isinstance(header, dict):
         raise TensorFileError(path, None, "header is not a JSON object")
     meta = _metadata(path, header.pop("__metadata__", None))
@@ -223,6 +228,28 @@ def load_mmap(path) -> dict:
     out = {}
     for name, t in tensors.items():
         array = data[t.offset - start : t.offset - start + t.nbytes].view(t.np_dtype).reshape(t.shape)
+        tensor = torch.from_numpy(array)
+        want = torch_dtype(t.dtype)
+        out[name] = tensor.view(want) if tensor.dtype != want else tensor
+    return out
+
+
+def load_buffer(data: memoryview, where: str) -> dict:
+    """`load_mmap` of a file's bytes already in memory (`where` names the file in errors): a trusted
+    bundle's verified copy (bundles/verified.py), so the tensors are views of exactly the bytes whose
+    digest was checked, whatever the file holds now."""
+    import torch
+
+    size = len(data)
+    n = int.from_bytes(data[:8], "little") if size >= 8 else -1
+    if n < 0 or n > MAX_HEADER or 8 + n > size:
+        raise TensorFileError(where, None, f"header length {n} does not fit a {size}-byte file")
+    header = parse_json(bytes(data[8 : 8 + n]), "header", error=lambda msg: TensorFileError(where, None, msg))
+    tensors, _ = _index(where, header, n, size, True)
+    flat = np.frombuffer(data, np.uint8)
+    out = {}
+    for name, t in tensors.items():
+        array = flat[t.offset : t.offset + t.nbytes].view(t.np_dtype).reshape(t.shape)
         tensor = torch.from_numpy(array)
         want = torch_dtype(t.dtype)
         out[name] = tensor.view(want) if tensor.dtype != want else tensor

@@ -102,6 +102,22 @@ def _io(specs: Sequence[InputSpec]) -> tuple[mf.TensorSpec, ...]:
     )
 
 
+def _returns(program: torch.export.ExportedProgram, names: Sequence[str]) -> tuple[mf.TensorSpec, ...]:
+    """The program's user outputs as the manifest records them: `names`, shapes (-1: a dynamic size)
+    and dtypes (static-shape targets replace them in `emit` with the state they return as well)."""
+    values = program.graph.output_node().args[0]
+    kinds = [o.kind.name for o in program.graph_signature.output_specs]
+    returned = [v.meta["val"] for v, k in zip(values, kinds) if k == "USER_OUTPUT"]
+    return tuple(
+        mf.TensorSpec(
+            name=n,
+            shape=tuple(d if isinstance(d, int) else -1 for d in v.shape),
+            dtype=str(v.dtype).removeprefix("torch."),
+        )
+        for n, v in zip(names, returned)
+    )
+
+
 def lower(spec: Spec, plan: RegionPlan, exe: Exe) -> Graph:
     """Trace `exe`'s region on fake tensors for its bucket and lower it for the target. Static-shape
     targets return state as outputs, so their entries mutate no input."""
@@ -122,6 +138,7 @@ def lower(spec: Spec, plan: RegionPlan, exe: Exe) -> Graph:
         executable=target.executable,
         inputs=_io(sig.all),
         outputs=tuple(region.method_outputs(exe.method)),
+        output_specs=_returns(lowered, region.method_outputs(exe.method)),
         mutates=() if target.static_shapes else tuple(mutated),
         scratch_bytes=budget.scratch_bytes(lowered),
     )

@@ -9,8 +9,10 @@ Loading it is `runtime/executor.py`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +20,9 @@ import torch
 
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.layout import MANIFEST_FILE, TOKENIZER_DIR
-from deepinfer.bundles.safetensors import load_mmap
+from deepinfer.bundles.safetensors import load_buffer, load_mmap
+from deepinfer.bundles.signatures import check_signature, read_signature
+from deepinfer.bundles.verified import Verified, after_verify, open_verified
 from deepinfer.regions.config import V41Config, parse_config
 from deepinfer.regions.step import DTYPES, plan_layers
 from deepinfer.regions.tokenizer import ByteTokenizer, Tokenizer
@@ -34,6 +38,8 @@ class Bundle:
     manifest: mf.Manifest
     config: V41Config
     identity: tuple[int, int] = (0, 0)  # the directory's (device, inode) when it was opened
+    # a trusted bundle's files as verified (bundles/verified.py): every later read is of these
+    verified: Verified | None = None
 
     def check_unchanged(self) -> None:
         """Refuse a bundle directory replaced since it was opened (`deepinfer-compile --force` renames
@@ -67,11 +73,14 @@ def open_bundle(path: str | Path, *, verify: bool = True, trust=None) -> Bundle:
         )
     identity = _identity(path)
     manifest = mf.read(path, trust=trust)
-    mf.check_files(path, manifest, digests=verify)
+    mf.check_files(path, manifest, digests=verify and trust is None)
+    verified = None if trust is None else open_verified(path, manifest.files, mf.BundleError)
     check_compatible(manifest, path)
-    bundle = Bundle(path, manifest, parse_config(manifest.model.config, str(path / MANIFEST_FILE)), identity)
+    config = parse_config(manifest.model.config, str(path / MANIFEST_FILE))
+    bundle = Bundle(path, manifest, config, identity, verified)
     check_layers(bundle)
     bundle.check_unchanged()
+    after_verify(path)  # a test hook: nothing runs it unless a test sets it
     return bundle
 
 
@@ -122,12 +131,48 @@ def require_draft(bundle: Bundle) -> mf.Draft:
     return bundle.manifest.draft
 
 
-def stack_tensors(bundle: Path, entry: mf.WeightStack) -> dict[str, torch.Tensor]:
+def stack_tensors(bundle: Bundle | Path, entry: mf.WeightStack) -> dict[str, torch.Tensor]:
     """A kind's stacks on one rank, memory-mapped: its own file's and those every rank shares."""
     out = {}
     for rel in entry.files:
-        out.update(load_mmap(Path(bundle) / rel))
+        out.update(tensors(bundle, rel))
     return out
+
+
+def tensors(bundle: Bundle | Path, rel: str) -> dict:
+    """The tensors of the bundle's safetensors file `rel`: views of its verified bytes (those whose
+    digest was checked, held in memory) for a trusted bundle, else of a memory map of the file."""
+    if isinstance(bundle, Bundle) and bundle.verified is not None:
+        return load_buffer(bundle.verified.data(rel), str(bundle.path / rel))
+    return load_mmap(Path(bundle.path if isinstance(bundle, Bundle) else bundle) / rel)
+
+
+@contextlib.contextmanager
+def executable_file(bundle: Bundle, rel: str) -> Iterator[Path]:
+    """A path a loader may open for the executable `rel`: for a trusted bundle, a private copy of its
+    verified bytes (removed when the block ends), else the bundle's file."""
+    if bundle.verified is None:
+        yield bundle.path / rel
+    else:
+        with bundle.verified.private_copy(rel) as path:
+            yield path
+
+
+def check_executables(bundle: Bundle) -> None:
+    """Each executable's own signature (read from its file, bundles/signatures.py) against its manifest
+    entry, before any program is loaded: a swapped executable is refused in one line naming it."""
+    from deepinfer.reader import open_regular
+
+    for e in bundle.manifest.regions:
+        where = str(bundle.path / e.artifact)
+        if bundle.verified is not None:
+            sig = read_signature(bundle.verified.data(e.artifact), e.executable, where)
+        else:
+            fd = open_regular(bundle.path / e.artifact, 16 << 30, root=bundle.path, error=mf.BundleError)
+            with os.fdopen(fd, "rb") as f:
+                sig = read_signature(f, e.executable, where)
+        if sig is not None:
+            check_signature(e, sig, where)
 
 
 def load_vision(bundle: Bundle):
@@ -143,7 +188,7 @@ def load_vision(bundle: Bundle):
     path = bundle.path / host.path
     return VisionTower(
         bundle.config,
-        tensor_getter(load_mmap(path), str(path)),
+        tensor_getter(tensors(bundle, host.path), str(path)),
         DTYPES[bundle.manifest.model.dtype],
         str(bundle.path / MANIFEST_FILE),
     )
@@ -158,4 +203,9 @@ def tokenizer(bundle: Bundle) -> Tokenizer:
         return ByteTokenizer(c.bos_token_id, c.eos_token_id, c.pad_token_id)
     from deepinfer.regions.hf_tokenizer import TokenizersTokenizer
 
-    return TokenizersTokenizer.from_dir(bundle.path / TOKENIZER_DIR)
+    if bundle.verified is None:
+        return TokenizersTokenizer.from_dir(bundle.path / TOKENIZER_DIR)
+    with bundle.verified.private_dir(TOKENIZER_DIR) as directory:  # the verified files, not the bundle's
+        tok = TokenizersTokenizer.from_dir(directory)
+    tok.source = bundle.path / TOKENIZER_DIR  # errors name the bundle's files
+    return tok

@@ -29,7 +29,6 @@ from torch import Tensor
 
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.manifest import blocks_per_rank
-from deepinfer.bundles.safetensors import load_mmap
 from deepinfer.host import physical_memory
 from deepinfer.regions.config import TextConfig, V41Config
 from deepinfer.regions.engram_hash import EngramHasher
@@ -37,7 +36,15 @@ from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, Merge, run_fused, run_layers
 from deepinfer.regions.stepper import Allocator, Capture, Drafter, Row, bucket_at_least, make_batch, table_width
 from deepinfer.runtime.backends import Placement, placement_for
-from deepinfer.runtime.bundle import Bundle, open_bundle, require_draft, stack_tensors
+from deepinfer.runtime.bundle import (
+    Bundle,
+    check_executables,
+    executable_file,
+    open_bundle,
+    require_draft,
+    stack_tensors,
+    tensors,
+)
 from deepinfer.runtime.options import RunOptions
 from deepinfer.runtime.schedule import Completions, decode
 
@@ -542,28 +549,30 @@ def _host_tables(bundle: Bundle, plans: tuple[LayerPlan, ...]) -> HostTables:
     embed = None  # the bundle's embedding region (m.embed) runs on the device
     if m.embed is None:
         entry = m.host["embed"]
-        embed = Embedding(load_mmap(bundle.path / entry.path)[entry.tensor], text.hc_mult, DTYPES[m.model.dtype])
+        embed = Embedding(tensors(bundle, entry.path)[entry.tensor], text.hc_mult, DTYPES[m.model.dtype])
     hasher = None
     if text.engram_layer_ids:  # the compressed token map the bundle carries (none: the identity, byte-level)
         mapped = m.host.get("engram_token_map")
-        token_map = None if mapped is None else load_mmap(bundle.path / mapped.path)[mapped.tensor].numpy()
+        token_map = None if mapped is None else tensors(bundle, mapped.path)[mapped.tensor].numpy()
         hasher = EngramHasher(text, token_map)
     engram = None
     if any(p.engram_rows for p in plans):  # the manifest then names the host file
-        tables = bundle.path / m.host["engram"].path
-        engram = EngramRows.of(text, load_mmap(tables), str(tables))
+        tables = m.host["engram"].path
+        engram = EngramRows.of(text, tensors(bundle, tables), str(bundle.path / tables))
     return HostTables(embed, hasher, engram)
 
 
 def _load_executables(bundle: Bundle, placement: Placement) -> tuple[dict, frozenset[tuple[str, str]]]:
     """(kind, method, batch, tokens, block-table width or None for kinds that do not read one) ->
     executable; and the (kind, method)s built per context bucket."""
+    check_executables(bundle)  # every file's signature, before any program is loaded
     executables, context_methods = {}, set()
     kv = bundle.manifest.kv
     for e in bundle.manifest.regions:
         b = e.bucket
         blocks = None if b.context is None else kv.blocks_for(b.context)
-        executables[(e.kind, e.method, b.batch, b.tokens, blocks)] = placement.load(e, bundle.path / e.artifact)
+        with executable_file(bundle, e.artifact) as path:
+            executables[(e.kind, e.method, b.batch, b.tokens, blocks)] = placement.load(e, path)
         if blocks is not None:
             context_methods.add((e.kind, e.method))
     return executables, frozenset(context_methods)
@@ -578,7 +587,7 @@ def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict
     except mf.BundleError as e:
         raise mf.BundleError(f"{bundle.path}: {e}") from None
     stacks = {
-        e.kind: {name: placement.resident(t, f"{e.kind}.{name}") for name, t in stack_tensors(bundle.path, e).items()}
+        e.kind: {name: placement.resident(t, f"{e.kind}.{name}") for name, t in stack_tensors(bundle, e).items()}
         for e in entries
     }
     signatures = {e.kind: e.inputs for e in m.regions}

@@ -3,9 +3,12 @@ verified before anything else of a bundle is read; keys as openssl writes them."
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -117,13 +120,6 @@ def _run(bundle, *args, env=None):
     return CliRunner().invoke(run_main, [str(bundle), "--prompt-ids", "0,72", "--max-new-tokens", "2", *args], env=env)
 
 
-def test_run_trusts_a_signed_bundle(signed_bundle, keys):
-    r = _run(signed_bundle, "--trust", str(keys[3]))
-    assert r.exit_code == 0, r.output
-    r = _run(signed_bundle, env={"DEEPINFER_TRUST": str(keys[3])})
-    assert r.exit_code == 0, r.output
-
-
 def test_run_refuses_before_loading_anything(signed_bundle, keys, tmp_path, monkeypatch):
     from deepinfer.runtime import backends
 
@@ -143,3 +139,96 @@ def test_run_refuses_before_loading_anything(signed_bundle, keys, tmp_path, monk
         assert r.output.count("\n") == 1
     r = _run(signed_bundle, "--trust", str(keys[3]), "--no-verify")
     assert r.exit_code == 2 and "drop --no-verify" in r.output
+
+
+# --- what runs is what was verified (bundles/verified.py), and executables match their entries ---
+
+
+def _heads(m: mf.Manifest) -> tuple[str, str]:
+    """Two of the head's executables whose call shapes differ (buckets)."""
+    heads = [e for e in m.regions if (e.kind, e.method) == ("head", mf.DECODE)]
+    assert heads[0].inputs != heads[-1].inputs
+    return heads[0].artifact, heads[-1].artifact
+
+
+SWAP = """
+import os, shutil, sys
+bundle, weights, exe, other = os.environ["DEEPINFER_BUNDLE"], *sys.argv[1:]
+with open(os.path.join(bundle, weights), "r+b") as f:  # in place: every data byte rewritten
+    n = int.from_bytes(f.read(8), "little")
+    size = f.seek(0, 2) - 8 - n
+    f.seek(8 + n)
+    f.write(bytes((i * 131 + 7) % 251 for i in range(size)))
+shutil.copy(os.path.join(bundle, other), os.path.join(bundle, exe) + ".new")
+os.replace(os.path.join(bundle, exe) + ".new", os.path.join(bundle, exe))  # another bucket's program
+"""
+
+
+def test_run_trusts_a_signed_bundle_and_runs_what_it_verified(signed_bundle, keys, tmp_path):
+    """A signed bundle runs under --trust (or $DEEPINFER_TRUST); its weights rewritten in place and an
+    executable replaced between verification and use (the test hook) change nothing that runs."""
+    from deepinfer.bundles.verified import TEST_HOOK_ENV
+
+    m = mf.read(signed_bundle)
+    weights = m.rank_weights(0)[0].files[0]
+    exe, other = _heads(m)
+    script = tmp_path / "swap.py"
+    script.write_text(SWAP)
+    hook = {TEST_HOOK_ENV: f"{shlex.quote(sys.executable)} {script} {weights} {exe} {other}"}
+    control = shutil.copytree(signed_bundle, tmp_path / "control")
+    trusted = _run(signed_bundle, "--trust", str(keys[3]))
+    assert trusted.exit_code == 0, trusted.output
+    swapped = _run(signed_bundle, env={"DEEPINFER_TRUST": str(keys[3]), **hook})
+    assert swapped.exit_code == 0, swapped.output
+    assert swapped.output == trusted.output  # the same tokens: what ran is what was verified
+    for rel in (weights, exe):  # the hook did swap them
+        assert mf.sha256_file(signed_bundle / rel) != m.files[rel]
+    # without --trust the same swap takes effect after the digest check: the executable's own
+    # signature then disagrees with its entry, and it is refused before any program loads
+    r = _run(control, env=hook)
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert f"{control / exe}: input 'h' shape" in r.output, r.output
+
+
+def test_a_swapped_executable_is_refused_before_any_program_loads(exported_bundle, tmp_path, monkeypatch):
+    from deepinfer.runtime import backends
+
+    def never(*args, **kwargs):
+        raise AssertionError("a program was loaded")
+
+    monkeypatch.setattr(backends.ExportedExecutable, "__init__", never)
+    bundle = shutil.copytree(exported_bundle, tmp_path / "bundle")
+    exe, other = _heads(mf.read(bundle))
+    a, b = (bundle / exe).read_bytes(), (bundle / other).read_bytes()
+    (bundle / exe).write_bytes(b)
+    (bundle / other).write_bytes(a)
+    mf.write(bundle, mf.stamp(bundle, mf.read(bundle)))  # digests re-stamped: they cannot tell
+    r = _run(bundle)
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert f"{bundle / exe}: input 'h' shape [" in r.output and "vs manifest [" in r.output, r.output
+
+
+@pytest.mark.parametrize("which", ["exported_bundle", "aoti_bundle"])
+def test_manifests_record_every_executables_signature(which, request):
+    """Each entry records its outputs' signature; each file states the entry's, and a file is refused in
+    one line for an entry whose input shape differs from it."""
+    from deepinfer.bundles.signatures import check_signature, read_signature
+
+    bundle = request.getfixturevalue(which)
+    m = mf.read(bundle)
+    assert m.format_version == 3
+    for e in m.regions:
+        assert [s.name for s in e.output_specs or ()] == list(e.outputs)
+        assert all(s.dtype in mf.DTYPE_NAMES for s in (*e.inputs, *(e.output_specs or ())))
+        sig = read_signature((bundle / e.artifact).read_bytes(), e.executable, e.artifact)
+        assert sig is not None and len(sig.inputs) == len(e.inputs) and len(sig.outputs) == len(e.outputs)
+        check_signature(e, sig, e.artifact)
+        h = next(i for i, s in enumerate(e.inputs) if s.name == "h")
+        bigger = (e.inputs[h].shape[0] * 2, *e.inputs[h].shape[1:])
+        other = dataclasses.replace(
+            e, inputs=e.inputs[:h] + (dataclasses.replace(e.inputs[h], shape=bigger),) + e.inputs[h + 1 :]
+        )
+        with pytest.raises(mf.BundleError) as err:
+            check_signature(other, sig, e.artifact)
+        assert str(err.value).startswith(f"{e.artifact}: input 'h' shape [{e.inputs[h].shape[0]}, ")
+        assert f"vs manifest {list(bigger)}" in str(err.value) and "\n" not in str(err.value)

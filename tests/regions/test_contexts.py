@@ -107,6 +107,7 @@ def _exe(kind: str, context: int | None, *, table: int | None = None) -> mf.Exec
         executable="exported",
         inputs=inputs,
         outputs=("h",),
+        output_specs=(mf.TensorSpec(name="h", shape=(1, 1, 4, 8), dtype="float32"),),
     )
     return dataclasses.replace(e, artifact=f"regions/{e.name}.pt2")
 

@@ -117,7 +117,7 @@ class FollowerWatch:
             ended = wait(list(sentinels), timeout=0.5)
             if not ended or self._stopped.is_set():
                 continue
-            rank = sentinels[ended[0]]  # type: ignore[index]
+            rank = sentinels[ended[0]]
             proc = self.procs[rank]
             proc.join(1.0)
             say(f"error: rank {rank} (pid {proc.pid}) {how_it_ended(proc.exitcode)}; {self.what}")

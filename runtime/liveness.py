@@ -17,7 +17,8 @@ watch each other, outside the collectives:
     deepinfer-run         the command is not a rank: it polls its ranks' exit codes and results
                           (`ranks._collect`) and names the first rank that died.
 
-Followers ignore SIGINT: a Ctrl-C reaches the whole process group, and the leader stops them itself.
+Followers ignore SIGINT and SIGTERM: a Ctrl-C, or a supervisor's SIGTERM, may reach the whole process
+group, and the leader stops them itself once it has drained its requests.
 """
 
 from __future__ import annotations
@@ -92,8 +93,11 @@ def closed(conn: Connection, wait_s: float) -> bool:
 
 
 def ignore_interrupts() -> None:
-    """A follower leaves SIGINT to its leader (which stops it), so a Ctrl-C cannot end it first."""
+    """A follower leaves SIGINT and SIGTERM to its leader, which stops it once its requests are done: a
+    Ctrl-C, or a supervisor's SIGTERM to the process group, must not end it before (it still ends when
+    the leader does, through its pipe)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class FollowerWatch:

@@ -12,7 +12,7 @@ rank faults), through a cache kept in .cache/deepinfer-bench, so a second run co
                /dev/zero, FIFOs) under `deepinfer-run`; cache meta.json and digest memos under
                `deepinfer cache verify/ls` and deepinfer-compile; HTTP bodies and headers sent to a
                live deepinfer-serve. CLIs run in this process through click's runner under an alarm.
-               Unclean: a traceback, a hang (past 120 s for a CLI, 60 s for a request), a 5xx, rc
+               Unclean: a traceback, a hang (past 30 s for a CLI, 60 s for a request), a 5xx, rc
                other than 0 or 2, an error that is not one line, or a server whose engine no longer
                completes a valid request afterwards (then restarted for the next case).
   faults       deepinfer-compile SIGKILLed at each point of DEEPINFER_TEST_KILL_AT, then a compile
@@ -33,9 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -158,6 +160,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+CASE_WATCHDOG_S = 90  # a worker silent this long is stuck in a case: killed, the case a hang
 WORKER_MEMORY = 6 << 30  # address space of a worker: a reader without a bound fails there, not the machine
 
 
@@ -191,6 +194,12 @@ def worker(surface: str, work: Path, skip: int) -> None:
             print(json.dumps(asdict(case)), flush=True)
 
 
+def _pump(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
 def run_worker(surface: str, work: Path, log) -> list:
     """A surface's cases from worker processes: one that dies (a crash, the memory limit) costs the
     case it was running, counted unclean, and the next worker goes on after it."""
@@ -206,14 +215,23 @@ def run_worker(surface: str, work: Path, log) -> list:
         errors = work / f"{surface}.stderr"
         with open(errors, "w") as stderr:
             p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
-            assert p.stdout is not None
-            for line in p.stdout:
+            lines: queue.Queue = queue.Queue()
+            threading.Thread(target=_pump, args=(p.stdout, lines), daemon=True).start()
+            while True:
+                try:
+                    line = lines.get(timeout=CASE_WATCHDOG_S)
+                except queue.Empty:  # a case the alarm could not interrupt (a blocking open of a FIFO)
+                    p.kill()
+                    break
+                if line is None:
+                    break
                 done.append(Case(**json.loads(line)))
         err = errors.read_text()
         if p.wait() == 0:
             log(f"{surface}: {len(done)} cases")
             return done
-        done.append(Case(surface, f"case {len(done) + 1}", False, f"crash (rc {p.returncode})", err[-2000:]))
+        why = "hang (killed by the bench)" if p.returncode == -9 else f"crash (rc {p.returncode})"
+        done.append(Case(surface, f"case {len(done) + 1}", False, why, err[-2000:]))
 
 
 def report(cases, fault_list, load: dict, args, seconds: float) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-CLI_TIMEOUT_S = 120  # past this a case is a hang
+CLI_TIMEOUT_S = 30  # past this a case is a hang (a FIFO opened for reading waits for a writer forever)
 
 
 @dataclass

@@ -226,6 +226,8 @@ def run_worker(surface: str, work: Path, log) -> list:
                 if line is None:
                     break
                 done.append(Case(**json.loads(line)))
+                with open(work / "cases.jsonl", "a") as kept:  # what a run cut short has found so far
+                    kept.write(line)
         err = errors.read_text()
         if p.wait() == 0:
             log(f"{surface}: {len(done)} cases")

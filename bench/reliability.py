@@ -131,7 +131,7 @@ def main() -> None:
                 cases += list(web.http_cases(server.url, restart))
             url = servers[-1].url
             if "faults" in only:
-                fault_list += faults.client_faults(url)
+                fault_list += guarded("client gone", lambda: faults.client_faults(url))
             if "load" in only:
                 texts, unloaded = web.expected(url)
                 got = web.load(url, texts, args.clients, args.load_seconds, args.seed)
@@ -147,17 +147,28 @@ def main() -> None:
                 }
                 load["valid_p99_under_load_over_unloaded"] = load["loaded_p99_s"] / load["unloaded_p99_s"]
             if "faults" in only:
-                fault_list.append(faults.sigterm_fault(servers[-1]))
+                if not web.alive(servers[-1].url):
+                    restart()
+                fault_list += guarded("SIGTERM mid-stream", lambda: [faults.sigterm_fault(servers[-1])])
         finally:
             for s in servers:
                 s.stop()
     if "faults" in only:
-        fault_list += faults.compile_faults(work / "serve" / "model.toml", work)
+        fault_list += guarded("compile faults", lambda: faults.compile_faults(work / "serve" / "model.toml", work))
         ep2 = compile_once(model_toml(ckpt, batch=(1,), num_blocks=9, ep=2), work / "ep2", log)
-        fault_list += faults.rank_faults(ep2, work)
+        fault_list += guarded("killed rank", lambda: faults.rank_faults(ep2, work))
     report(cases, fault_list, load, args, time.perf_counter() - started)
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def guarded(name: str, run) -> list:
+    """A fault's results; one whose check itself failed (a request that timed out, a process that never
+    started) counts as data lost, with the error."""
+    try:
+        return run()
+    except Exception as e:
+        return [faults.Fault(name, True, False, f"{type(e).__name__}: {e}")]
 
 
 CASE_WATCHDOG_S = 90  # a worker silent this long is stuck in a case: killed, the case a hang

@@ -211,7 +211,7 @@ def sigterm_fault(server) -> Fault:
     conn.request(
         "POST",
         "/v1/completions",
-        json.dumps({**VALID, "max_tokens": 60, "stream": True}),
+        json.dumps({**VALID, "max_tokens": 40, "stream": True}),
         {"Content-Type": "application/json"},
     )
     r = conn.getresponse()

@@ -37,6 +37,7 @@ from typing import Any
 from deepinfer.bundles.manifest import sha256_file
 from deepinfer.bundles.signing import TrustError, sign_bytes, verify_bytes
 from deepinfer.compiler.keys import CACHE_VERSION, Key
+from deepinfer.compiler.kill_points import kill_point
 from deepinfer.compiler.store import Store, StoreUnavailable
 from deepinfer.errors import DeepinferError
 from deepinfer.reader import CAP_MANIFEST, CAP_SMALL, ReadError, open_regular, parse_json, read_bytes
@@ -511,6 +512,7 @@ class Cache:
             write(tmp / ARTIFACT)
             with open(tmp / ARTIFACT, "rb") as f:
                 os.fsync(f.fileno())
+            kill_point("entry")
             meta = {
                 "cache_version": CACHE_VERSION,
                 "kind": kind,

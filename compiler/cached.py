@@ -43,6 +43,7 @@ from deepinfer.compiler.keys import (
     modules_digest,
     sha256,
 )
+from deepinfer.compiler.kill_points import kill_point
 from deepinfer.compiler.plan import Exe, KindPlan, LayerKind, RegionPlan
 from deepinfer.compiler.spec import Run, Spec
 from deepinfer.compiler.trace import Signature, weight_specs
@@ -549,6 +550,7 @@ def compile_jobs(run: Run, jobs: Sequence[Job], keys: dict[str, Key], progress: 
 
     def keep(job: Job) -> None:
         cache.put_file("executable", keys[job.name], job.out)
+        kill_point("compile")
         built.append(job.name)
         locks.pop(job.name).release()
 

@@ -31,6 +31,7 @@ from deepinfer.compiler import budget, cached
 from deepinfer.compiler.cache import Cache
 from deepinfer.compiler.jobs import Job
 from deepinfer.compiler.keys import Key, graph_digest, kernels_reached
+from deepinfer.compiler.kill_points import kill_point
 from deepinfer.compiler.plan import Exe, RegionPlan
 from deepinfer.compiler.spec import Log, Run, Spec
 from deepinfer.compiler.targets import hlo
@@ -275,6 +276,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
             if graph is not None:  # a region's graph digest; a fused layer's is its module's text's
                 digest = graph_digest(graph.program)
             executable = store(spec, plan, cache, key, exe, digest, kernels, entry)
+            kill_point("trace")
             if cache.get_file("executable", executable, dest):  # another graph or compile built it
                 run.log(f"cached {exe.name}")
                 continue
@@ -283,6 +285,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
         if not target.static_shapes:
             assert graph is not None, "only static-shape targets fuse layers"
             emit(spec, graph, lowered)
+            kill_point("emit")
         jobs.append(_job(spec, exe, entry, lowered, run.staging))
     return Traced(executables=tuple(executables), jobs=tuple(jobs), keys=keys, lowered=tuple(hlo))
 

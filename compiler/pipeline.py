@@ -43,6 +43,7 @@ from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.executables import compile_regions, trace_regions
 from deepinfer.compiler.jobs import keep_failed_logs
 from deepinfer.compiler.keys import Key
+from deepinfer.compiler.kill_points import kill_point
 from deepinfer.compiler.plan import RegionPlan, plan_regions
 from deepinfer.compiler.pools import DRAFT_FEATURES
 from deepinfer.compiler.publish import check_output, clean_stale, make_staging, publish
@@ -148,7 +149,7 @@ def weight_files(
     return files, stacks
 
 
-DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
 SPACE_MARGIN = 1 << 30  # executables, logs and the manifest besides the weights
 
 
@@ -165,8 +166,9 @@ def check_space(staging: Path, need: int, out: Path) -> None:
 
 def disk_error(e: OSError, out: Path) -> ConfigError:
     """A write into the output's directory that the disk refused, as one line."""
-    where = e.filename or out.parent
-    return ConfigError(f"{where}: {e.strerror} while writing the bundle for {out}; nothing was published")
+    if e.filename:
+        return ConfigError(f"{e.filename}: {e.strerror} while writing the bundle for {out}; nothing was published")
+    return ConfigError(f"{out}: {e.strerror} while writing the bundle; nothing was published")
 
 
 def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
@@ -192,6 +194,7 @@ def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
             rel = Path(f.path).relative_to(run.staging).as_posix()
             if run.cache is not None and rel in keys:
                 run.cache.put_file(keys[rel][0], keys[rel][1], Path(f.path))
+                kill_point("weights")
     run.log(
         f"weights: {len(files)} file(s) written, {report['bytes_read'] / 2**30:.2f} GiB read in "
         f"{report['seconds']:.1f} s" + (f", {len(fetched)} from the cache" if fetched else "")
@@ -410,6 +413,7 @@ def _finish(staging: Path, out: Path, force: bool, sign: object | None) -> None:
     for path in staging.rglob("*"):  # safetensors writes 0600; a bundle is for sharing
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
     os.chmod(staging, 0o755)
+    kill_point("publish")
     publish(staging, out, force)
 
 

@@ -22,7 +22,6 @@ Every collective counts the bytes this rank sends (`Comm.sent`).
 from __future__ import annotations
 
 import os
-import queue
 import tempfile
 import time
 from collections import defaultdict
@@ -36,9 +35,10 @@ from deepinfer.bundles.signing import trusted
 from deepinfer.bundles.topology import Topology
 from deepinfer.errors import DeepinferError
 from deepinfer.regions import divided
-from deepinfer.runtime import neuron_ranks
+from deepinfer.runtime import liveness, neuron_ranks
 from deepinfer.runtime.bundle import Bundle, open_bundle
 from deepinfer.runtime.executor import Executor, Stats, generate_loaded, load
+from deepinfer.runtime.liveness import FollowerWatch, collect, ignore_interrupts, say, watch_launcher
 from deepinfer.runtime.options import CHUNK_BYTES, COLLECTIVE_TIMEOUT_S, LoadOptions, RunOptions
 from deepinfer.runtime.schedule import Completions
 
@@ -257,7 +257,11 @@ def _load_rank(rank: int, world: int, rendezvous: str, bundle: str, options: Loa
     return load(opened, rank=rank, comm=comm, num_kv_blocks=options.num_kv_blocks)
 
 
-def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, options: RunOptions, results) -> None:
+def _rank_main(
+    rank: int, world: int, rendezvous: str, bundle: str, prompts, options: RunOptions, results, launcher
+) -> None:
+    watch_launcher(launcher, rank, "deepinfer-run (which started the ranks)")
+
     def report(error: Exception) -> None:  # from the arrival watch, which then ends this process
         results.put({"rank": rank, "error": f"{type(error).__name__}: {error}"})
         results.close()
@@ -265,6 +269,7 @@ def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, opt
 
     try:
         executor = _load_rank(rank, world, rendezvous, bundle, options.load_options(), report)
+        liveness.loaded(rank)
         comm = executor.comm
         assert comm is not None  # _load_rank gives every rank its Comm
         if comm.leader:
@@ -287,9 +292,9 @@ def _rank_main(rank: int, world: int, rendezvous: str, bundle: str, prompts, opt
         else:
             executor.follow(Stats())
             results.put({"rank": rank, "sent": dict(comm.sent), "pools": _pool_bytes(executor)})
-    except BaseException as e:  # the parent reports the first failure
+    except BaseException as e:  # the parent reports the first failure, in one line
         results.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
-        raise
+        raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -303,10 +308,23 @@ def _pool_bytes(executor: Executor) -> dict[str, int]:
     }
 
 
-def _follower_main(rank: int, world: int, rendezvous: str, bundle: str, options: LoadOptions) -> None:
-    """A follower rank of a leader in another process (`Leader`): run its steps until it sends None."""
+LEADER = "the leader (rank 0, deepinfer-serve)"
+
+
+def _follower_main(rank: int, world: int, rendezvous: str, bundle: str, options: LoadOptions, leader) -> None:
+    """A follower rank of a leader in another process (`Leader`): run its steps until it sends None;
+    exits with one line when the leader is gone (`leader`, the read end of its pipe) or a step fails."""
+    ignore_interrupts()
+    watch_launcher(leader, rank, LEADER)
     try:
-        _load_rank(rank, world, rendezvous, bundle, options).follow(Stats())
+        executor = _load_rank(rank, world, rendezvous, bundle, options)
+        liveness.loaded(rank)
+        executor.follow(Stats())
+    except Exception as e:  # one line; the leader's watch names this rank as it ends
+        if liveness.closed(leader, 1.0):  # the leader died: that is the news, not the broken collective
+            liveness.launcher_gone(rank, LEADER)
+        say(f"error: rank {rank}: {type(e).__name__}: {e}")
+        raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -317,7 +335,8 @@ class Leader:
     (what `deepinfer-serve` runs: the leader schedules every step, the followers run what it sends).
 
     `executor` is the leader's; `close` ends the followers' loop and waits for them (at most
-    `timeout_s` each before they are killed)."""
+    `timeout_s` each before they are killed). A follower that ends before `close` ends this process
+    with one line naming it, and the followers exit once this process is gone (runtime/liveness.py)."""
 
     def __init__(self, bundle: Path, world: int, options: LoadOptions, *, timeout_s: float = 30.0):
         import torch.multiprocessing as mp
@@ -327,12 +346,19 @@ class Leader:
         rendezvous = str(Path(self._tmp.name) / "rendezvous")
         ctx = mp.get_context("spawn")
         options = options.load_options()
+        ends, self._alive = ctx.Pipe(duplex=False)  # never written: closed when this process ends
         self.procs = [
-            ctx.Process(target=_follower_main, args=(r, world, rendezvous, str(bundle), options), daemon=True)
+            ctx.Process(target=_follower_main, args=(r, world, rendezvous, str(bundle), options, ends), daemon=True)
             for r in range(1, world)
         ]
         for p in self.procs:
             p.start()
+        ends.close()
+        self.watch = FollowerWatch(
+            dict(enumerate(self.procs, 1)),
+            what="the server stops: every step needs every rank",
+            cleanup=self._tmp.cleanup,
+        )
         try:
             self.executor = _load_rank(0, world, rendezvous, str(bundle), options)
         except BaseException:
@@ -340,6 +366,7 @@ class Leader:
             raise
 
     def close(self) -> None:
+        self.watch.stop()
         try:
             comm = self.executor.comm
             assert comm is not None  # _load_rank gives every rank its Comm
@@ -348,6 +375,7 @@ class Leader:
             self._stop()
 
     def _stop(self) -> None:
+        self.watch.stop()
         for p in self.procs:
             p.join(timeout=self.timeout_s)
             if p.is_alive():
@@ -355,6 +383,7 @@ class Leader:
                 p.join(timeout=self.timeout_s)
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._alive.close()
         self._tmp.cleanup()
 
 
@@ -369,20 +398,22 @@ def generate_ranks(bundle: Bundle, prompts: list[list[int]], options: RunOptions
     world = bundle.manifest.topology.world_size
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="deepinfer-ranks-") as tmp:
+    ends, alive = ctx.Pipe(duplex=False)  # never written: closed when this process ends (runtime/liveness.py)
+    with tempfile.TemporaryDirectory(prefix="deepinfer-ranks-") as tmp, alive:
         rendezvous = str(Path(tmp) / "rendezvous")
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, world, rendezvous, str(bundle.path), prompts, options, results),
+                args=(r, world, rendezvous, str(bundle.path), prompts, options, results, ends),
                 daemon=True,
             )
             for r in range(world)
         ]
         for p in procs:
             p.start()
+        ends.close()
         try:
-            items = _collect(procs, results, options.timeout_s)
+            items = collect(procs, results, options.timeout_s)
         finally:
             for p in procs:
                 p.join(timeout=10)
@@ -405,29 +436,3 @@ def generate_ranks(bundle: Bundle, prompts: list[list[int]], options: RunOptions
         seconds=leader["seconds"],
         pools=pools,
     )
-
-
-def _collect(procs, results, timeout_s: float) -> list[dict]:
-    """Every rank's result, or the first error; a rank that exits without one, or a run past
-    `timeout_s`, is an error naming the rank."""
-    deadline = time.monotonic() + timeout_s
-    items: list[dict] = []
-    while len(items) < len(procs):
-        try:
-            item = results.get(timeout=1.0)
-        except queue.Empty:
-            reported = {i.get("rank", 0) for i in items}
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
-            if dead:
-                time.sleep(0.5)  # its own report may still be in the queue
-                if results.empty():
-                    return [
-                        {"rank": dead[0], "error": f"exited with status {procs[dead[0]].exitcode} without a result"}
-                    ]
-            elif time.monotonic() > deadline:
-                return [{"rank": min(set(range(len(procs))) - reported), "error": f"no result in {timeout_s:.0f} s"}]
-            continue
-        items.append(item)
-        if "error" in item:
-            return [item]
-    return items

@@ -244,22 +244,22 @@ class _Proc:
 def test_a_rank_that_dies_without_a_result_ends_the_run():
     import queue as q
 
-    from deepinfer.runtime.ranks import _collect
+    from deepinfer.runtime.liveness import collect
 
     results = q.Queue()
     results.put({"rank": 1, "sent": {}})
-    items = _collect([_Proc(-9), _Proc(0)], results, timeout_s=60)  # rank 0 killed, no result
-    assert items == [{"rank": 0, "error": "exited with status -9 without a result"}]
+    items = collect([_Proc(-9), _Proc(0)], results, timeout_s=60)  # rank 0 killed, no result
+    assert items == [{"rank": 0, "error": "was killed by SIGKILL without a result"}]
 
 
 def test_a_run_past_its_deadline_is_an_error_not_a_hang():
     import queue as q
     import time
 
-    from deepinfer.runtime.ranks import _collect
+    from deepinfer.runtime.liveness import collect
 
     start = time.monotonic()
-    items = _collect([_Proc(None), _Proc(None)], q.Queue(), timeout_s=0.5)  # alive, silent
+    items = collect([_Proc(None), _Proc(None)], q.Queue(), timeout_s=0.5)  # alive, silent
     assert items == [{"rank": 0, "error": "no result in 0 s"}] and time.monotonic() - start < 10
 
 

@@ -1,0 +1,230 @@
+"""bench/reliability.py's faults: deepinfer-compile killed at each point and under a full disk, a rank
+killed under deepinfer-serve and deepinfer-run, clients that go away, SIGTERM mid-stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from reliability_http import VALID, request
+
+TIMEOUT_S = 600
+RANK_BOUND_S = 60  # a survivor of a killed rank must be gone within this
+
+
+@dataclass
+class Fault:
+    name: str
+    lost: bool  # data lost: a half-written bundle or cache entry, a later compile failing, a slot not freed
+    clean: bool  # ended as it should (one line, the right status)
+    output: str = ""
+
+
+def compile_cli(toml: Path, out: Path, cache: Path, *, env: dict | None = None, fsize: int | None = None):
+    def limited() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepinfer.compiler.cli",
+            str(toml),
+            "-o",
+            str(out),
+            "--cache-dir",
+            str(cache),
+            "--json",
+        ],
+        env={**os.environ, **(env or {})},
+        preexec_fn=limited if fsize is not None else None,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+
+
+def broken_entries(cache: Path) -> list[str]:
+    """Entries visible in the cache that are not whole."""
+    from deepinfer.bundles.manifest import sha256_file
+
+    bad = []
+    for entry in sorted((cache / "v1").glob("*/??/*")):
+        kind = entry.parent.parent.name
+        if kind in ("tmp", "locks", "files"):
+            continue
+        try:
+            meta = json.loads((entry / "meta.json").read_text())
+            whole = meta["key"] == entry.name and sha256_file(entry / "artifact") == meta["digest"]
+        except (OSError, ValueError, KeyError):
+            whole = False
+        if not whole:
+            bad.append(f"{kind}/{entry.name}")
+    return bad
+
+
+def one_line(stderr: str) -> bool:
+    return (
+        "Traceback" not in stderr
+        and stderr.strip().splitlines()[-1:] != []
+        and (stderr.strip().splitlines()[-1].startswith("error:"))
+    )
+
+
+def compile_faults(toml: Path, work: Path) -> list[Fault]:
+    from deepinfer.compiler.kill_points import KILL_AT_ENV, POINTS
+
+    out: list[Fault] = []
+    cache, bundle = work / "kill-cache", work / "kill-bundle"
+    for point in POINTS:
+        r = compile_cli(toml, bundle, cache, env={KILL_AT_ENV: point})
+        bad = broken_entries(cache)
+        lost = bundle.exists() or bool(bad)
+        out.append(Fault(f"kill -9 at {point}", lost, r.returncode == -signal.SIGKILL, f"{bad} {r.stderr[-500:]}"))
+    r = compile_cli(toml, bundle, cache)
+    ok = r.returncode == 0 and json.loads(r.stdout or "{}").get("compiled") == []
+    out.append(Fault("compile after the kills reuses every entry", not ok, ok, r.stderr[-1000:]))
+    for fsize in (60_000, 150_000, 1_000_000):
+        cache, bundle = work / f"fsize-cache-{fsize}", work / f"fsize-bundle-{fsize}"
+        r = compile_cli(toml, bundle, cache, fsize=fsize)
+        bad = broken_entries(cache) if cache.exists() else []
+        staging = [p.name for p in work.glob(f".{bundle.name}.tmp-*")]
+        lost = bundle.exists() or bool(bad) or bool(staging)
+        clean = r.returncode == 2 and one_line(r.stderr)
+        out.append(Fault(f"RLIMIT_FSIZE {fsize} bytes", lost, clean, f"{bad} {staging} {r.stderr[-500:]}"))
+    return out
+
+
+def _pid(pids: Path, rank: int, timeout_s: float = TIMEOUT_S) -> int:
+    deadline = time.monotonic() + timeout_s
+    while not (pids / f"rank-{rank}.pid").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank} did not load")
+        time.sleep(0.05)
+    return int((pids / f"rank-{rank}.pid").read_text())
+
+
+def rank_faults(bundle: Path, work: Path) -> list[Fault]:
+    """A follower of deepinfer-serve, then rank 1 of deepinfer-run, SIGKILLed while generating."""
+    from deepinfer.runtime.liveness import TEST_PIDS_ENV
+    from deepinfer.runtime.server import ServerProcess
+
+    out = []
+    pids = work / "serve-pids"
+    pids.mkdir()
+    server = ServerProcess(bundle, "--model-name", "tiny", "--threads", "1", env={TEST_PIDS_ENV: str(pids)})
+    try:
+        body = json.dumps({**VALID, "max_tokens": 40, "stream": True}).encode()
+        import threading
+
+        threading.Thread(target=request, args=(server.url, body), daemon=True).start()
+        time.sleep(1.0)
+        os.kill(_pid(pids, 1), signal.SIGKILL)
+        try:
+            rc = server.proc.wait(RANK_BOUND_S)
+        except subprocess.TimeoutExpired:
+            rc = None
+        err = server.proc.stderr.read() if rc is not None else "still running"
+        clean = rc not in (None, 0) and one_line(err) and "rank 1" in err.strip().splitlines()[-1]
+        out.append(Fault("deepinfer-serve follower killed", rc is None, clean, err[-800:]))
+    finally:
+        server.stop()
+    pids = work / "run-pids"
+    pids.mkdir()
+    run = subprocess.Popen(
+        [sys.executable, "-m", "deepinfer.runtime.cli", str(bundle), "--prompt", "Hello", "--max-new-tokens", "40"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, TEST_PIDS_ENV: str(pids)},
+    )
+    try:
+        _pid(pids, 0)
+        os.kill(_pid(pids, 1), signal.SIGKILL)
+        try:
+            _, err = run.communicate(timeout=RANK_BOUND_S)
+        except subprocess.TimeoutExpired:
+            err = "still running"
+        clean = run.returncode == 2 and one_line(err) and "rank 1" in err.strip().splitlines()[-1]
+        out.append(Fault("deepinfer-run rank killed", run.returncode is None, clean, err[-800:]))
+    finally:
+        run.kill()
+        run.wait(TIMEOUT_S)
+    return out
+
+
+def metric(url: str, name: str) -> float:
+    status, text = request(url, b"", path="/metrics", method="GET")
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text.decode(), re.M) if status == 200 else None
+    return float(found.group(1)) if found else float("nan")
+
+
+def freed(url: str, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metric(url, "deepinfer_running_sequences") == 0 and metric(url, "deepinfer_kv_blocks_in_use") == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def client_faults(url: str) -> list[Fault]:
+    """A client gone mid-stream, and one gone mid-body: no slot or block kept, the server serving."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    out = []
+    with socket.create_connection((u.hostname, u.port), timeout=60) as s:
+        body = json.dumps({**VALID, "max_tokens": 40, "stream": True}).encode()
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + b"Content-Length: %d\r\n\r\n" % len(body)
+            + body
+        )
+        s.recv(4096)  # the headers and the first chunk
+    ok = freed(url) and request(url, json.dumps(VALID).encode())[0] == 200
+    out.append(Fault("client gone mid-stream", not ok, ok))
+    with socket.create_connection((u.hostname, u.port), timeout=60) as s:
+        s.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"model": ')
+    ok = freed(url) and request(url, json.dumps(VALID).encode())[0] == 200
+    out.append(Fault("client gone mid-body", not ok, ok))
+    return out
+
+
+def sigterm_fault(server) -> Fault:
+    """SIGTERM while a stream runs: it ends with a finish_reason and [DONE], and the server exits 0."""
+    import http.client
+    from urllib.parse import urlparse
+
+    u = urlparse(server.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({**VALID, "max_tokens": 40, "stream": True}),
+        {"Content-Type": "application/json"},
+    )
+    r = conn.getresponse()
+    first = r.fp.readline()
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        rest = first + r.read()
+    except (OSError, http.client.HTTPException) as e:
+        rest = first + f" [{type(e).__name__}]".encode()
+    try:
+        rc = server.proc.wait(120)
+    except subprocess.TimeoutExpired:
+        rc = None
+    text = rest.decode("utf-8", "replace")
+    done = "[DONE]" in text and '"finish_reason": "' in text.replace('"finish_reason":"', '"finish_reason": "')
+    return Fault("SIGTERM mid-stream", not done, done and rc == 0, f"rc {rc}; {text[-300:]}")

@@ -13,7 +13,7 @@ from deepinfer.cli_common import trust_option, trusted_key, user_errors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("model_toml", type=click.Path(dir_okay=False, path_type=Path), required=False)
+@click.argument("model_toml", type=click.Path(path_type=Path), required=False)
 @click.option(
     "-o",
     "--output",

@@ -528,7 +528,7 @@ def bundle_keys(bundle: Path) -> set[tuple[str, str]]:
 
 
 @main.command("plan")
-@click.argument("model_toml", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("model_toml", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option(
     "--no-scratch",

@@ -215,7 +215,7 @@ def sigterm_fault(server) -> Fault:
         {"Content-Type": "application/json"},
     )
     r = conn.getresponse()
-    first = r.fp.readline()
+    first = r.readline()  # through the chunked decoding (r.fp is the raw socket)
     server.proc.send_signal(signal.SIGTERM)
     try:
         rest = first + r.read()

@@ -14,6 +14,7 @@ from safetensors.torch import save
 
 import deepinfer.compiler.stream as stream_mod
 from deepinfer.bundles import layout
+from deepinfer.bundles import manifest as mf
 from deepinfer.compiler import pipeline
 from deepinfer.compiler.cache import Cache
 from deepinfer.compiler.config import load_compile_config
@@ -303,7 +304,7 @@ def test_progress_names_bytes_rate_and_eta():
 
 def test_manifest_entries_name_their_files(exported_bundle):
     m = json.loads((exported_bundle / layout.MANIFEST_FILE).read_text())
-    assert m["format_version"] == 2
+    assert m["format_version"] == mf.FORMAT_VERSION
     for w in m["weights"]["rank-0"]:
         assert w["path"] == layout.weights_path(0, w["kind"]) and "shared" not in w
         assert {t["file"] for t in w["tensors"].values()} == {"rank"}

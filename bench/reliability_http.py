@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import select
 import socket
 import threading
 import time
@@ -39,8 +40,18 @@ def raw_request(url: str, data: bytes, read_s: float = HTTP_TIMEOUT_S):
     u = urlparse(url)
     try:
         with socket.create_connection((u.hostname, u.port), timeout=read_s) as s:
-            s.sendall(data)
-            s.shutdown(socket.SHUT_WR)
+            # as curl sends a body over 1 MiB: the headers, then up to a second for an early answer (a
+            # server that refuses the body from its Content-Length answers and closes; a client still
+            # writing would only see the connection reset), then the body in 64 KiB pieces
+            end = data.find(b"\r\n\r\n") + 4
+            wait = 1.0 if len(data) - end > 1 << 20 else 0.0
+            pieces = [data[:end], *(data[at : at + (1 << 16)] for at in range(end, len(data), 1 << 16))]
+            for i, piece in enumerate(pieces):
+                if select.select([s], [], [], wait if i == 1 else 0)[0]:
+                    break
+                s.sendall(piece)
+            else:
+                s.shutdown(socket.SHUT_WR)
             got = b""
             while chunk := s.recv(65536):
                 got += chunk

@@ -117,16 +117,21 @@ def replay(body: bytes, receive):
     return again
 
 
+LINGER_S = 2.0  # how long a connection refused as malformed is drained before it is closed
+
+
 def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11Protocol]:
     """uvicorn's h11 connection with the cap and header deadline of the module's docstring."""
     busy = (
         b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
         b"content-length: %d\r\n\r\n%s"
     )
+    bad = busy.replace(b"503 Service Unavailable", b"400 Bad Request")
     full = error_json(f"too many open connections (--max-connections {max_connections})", "service_unavailable")
 
     class Guarded(H11Protocol):
         deadline: asyncio.TimerHandle | None = None
+        lingering = False  # answered a malformed request; dropping the rest
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -150,6 +155,23 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
             super().on_response_complete()
             if not self.transport.is_closing():
                 self.arm()
+
+        def send_400_response(self, msg: str) -> None:
+            """A request h11 cannot parse (a bad request line, Content-Length or chunk size, a path that is
+            not UTF-8, headers over h11's 16 KiB): OpenAI's JSON error body, not uvicorn's plain text."""
+            body = error_json(f"malformed HTTP request ({msg.rstrip('.')})", "invalid_request_error")
+            self.transport.write(bad % (len(body), body))
+            # a lingering close: half-close, drop what the client is still sending, close after LINGER_S;
+            # closing with its bytes unread would reset the connection, and the client would see the
+            # reset instead of the answer (a header line of 1 MB, cut at h11's 16 KiB)
+            self.lingering = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+
+        def data_received(self, data: bytes) -> None:
+            if not self.lingering:
+                super().data_received(data)
 
         def connection_lost(self, exc) -> None:
             if self.deadline is not None:

@@ -205,6 +205,34 @@ def test_slow_clients_are_capped_and_cut_and_health_answers(guarded):
     guarded.wait_for(lambda: guarded.health() == 200, timeout_s=30)
 
 
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST\r\n\r\n",
+        b"GET /v1/\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n",
+    ],
+    ids=["request-line", "path-utf8", "content-length", "1mb-header"],
+)
+def test_malformed_http_is_a_json_400_the_client_can_read(guarded, request_bytes):
+    """Requests h11 cannot parse get OpenAI's JSON error body, not uvicorn's plain text, and the
+    connection is drained before it closes: a client still sending (a 1 MB header line, cut at h11's
+    16 KiB) reads the answer instead of a reset."""
+    conn = guarded.raw()
+    try:
+        conn.sendall(request_bytes)
+        conn.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := conn.recv(65536):
+            got += chunk
+    finally:
+        conn.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, got[:300]
+    assert "malformed HTTP request" in one_line_error(json.loads(body))
+
+
 def test_openapi_document_and_schemathesis(guarded, tmp_path):
     """schemathesis against the live server: no 5xx, every answer as /openapi.json says."""
     status, text = guarded.get("/openapi.json")

@@ -3,8 +3,8 @@
     python bench/reliability.py [--json] [--verbose] [--load-seconds 60] [--clients 64] [--seed 0]
                                 [--work DIR] [--only toml,checkpoint,bundle,cache,http,faults,load]
 
-Compiles the tiny model once (saved ExportedPrograms, batch buckets 1 and 8; a 2-rank copy for the
-rank faults), through a cache kept in .cache/deepinfer-bench, so a second run compiles nothing. Then:
+Compiles the tiny model once (saved ExportedPrograms, batch buckets 1, 8 and 64, so that every client
+of the load phase can hold a batch row at once; a 2-rank copy for the rank faults), through a cache kept in .cache/deepinfer-bench, so a second run compiles nothing. Then:
 
   bad inputs   model.toml mutations and checkpoint files (config.json, the index, safetensors headers,
                quantization_config, special files) under `deepinfer-compile --print-cache-key`;
@@ -55,7 +55,7 @@ CACHE = ROOT / ".cache" / "deepinfer-bench"
 SURFACES = ("toml", "checkpoint", "bundle", "cache", "http", "faults", "load")
 
 
-def model_toml(ckpt: Path, *, batch=(1, 8), max_context=64, num_blocks=33, ep: int = 1) -> str:
+def model_toml(ckpt: Path, *, batch=(1, 8, 64), max_context=64, num_blocks=257, ep: int = 1) -> str:
     ranks = f"\n[parallel]\ntp = 1\nep = {ep}\ncp = 1\n" if ep > 1 else ""
     return (
         f'[model]\ncheckpoint = "{ckpt}"\ndtype = "fp32"\ncache_quant = true\n\n'

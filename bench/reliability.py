@@ -4,7 +4,8 @@
                                 [--work DIR] [--only toml,checkpoint,bundle,cache,http,faults,load]
 
 Compiles the tiny model once (saved ExportedPrograms, batch buckets 1, 8 and 64, so that every client
-of the load phase can hold a batch row at once; a 2-rank copy for the rank faults), through a cache kept in .cache/deepinfer-bench, so a second run compiles nothing. Then:
+of the load phase can hold a batch row at once; a 2-rank copy for the rank faults), through a cache
+kept in .cache/deepinfer-bench, so a second run compiles nothing. Then:
 
   bad inputs   model.toml mutations and checkpoint files (config.json, the index, safetensors headers,
                quantization_config, special files) under `deepinfer-compile --print-cache-key`;

@@ -243,7 +243,7 @@ def test_openapi_document_and_schemathesis(guarded, tmp_path):
             *("--checks", "not_a_server_error,status_code_conformance,content_type_conformance"),
             *("--checks", "response_schema_conformance"),
             *("--phases", "fuzzing", "--max-examples", "15", "--seed", "33", "--workers", "1"),
-            *("--mode", "all", "--no-color", "--max-time", "45", "--request-timeout", "60"),
+            *("--mode", "all", "--no-color", "--max-time", "30", "--request-timeout", "60"),
             *("--report-dir", str(tmp_path)),
         ],
         capture_output=True,

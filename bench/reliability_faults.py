@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -26,31 +25,6 @@ class Fault:
     lost: bool  # data lost: a half-written bundle or cache entry, a later compile failing, a slot not freed
     clean: bool  # ended as it should (one line, the right status)
     output: str = ""
-
-
-def compile_cli(toml: Path, out: Path, cache: Path, *, env: dict | None = None, fsize: int | None = None):
-    def limited() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deepinfer.compiler.cli",
-            str(toml),
-            "-o",
-            str(out),
-            "--cache-dir",
-            str(cache),
-            "--json",
-        ],
-        env={**os.environ, **(env or {})},
-        preexec_fn=limited if fsize is not None else None,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
 
 
 def broken_entries(cache: Path) -> list[str]:
@@ -81,21 +55,21 @@ def one_line(stderr: str) -> bool:
 
 
 def compile_faults(toml: Path, work: Path) -> list[Fault]:
-    from deepinfer.compiler.kill_points import KILL_AT_ENV, POINTS
+    from deepinfer.compiler.kill_points import KILL_AT_ENV, POINTS, compile_process
 
     out: list[Fault] = []
     cache, bundle = work / "kill-cache", work / "kill-bundle"
     for point in POINTS:
-        r = compile_cli(toml, bundle, cache, env={KILL_AT_ENV: point})
+        r = compile_process(toml, bundle, cache, env={KILL_AT_ENV: point})
         bad = broken_entries(cache)
         lost = bundle.exists() or bool(bad)
         out.append(Fault(f"kill -9 at {point}", lost, r.returncode == -signal.SIGKILL, f"{bad} {r.stderr[-500:]}"))
-    r = compile_cli(toml, bundle, cache)
+    r = compile_process(toml, bundle, cache)
     ok = r.returncode == 0 and json.loads(r.stdout or "{}").get("compiled") == []
     out.append(Fault("compile after the kills reuses every entry", not ok, ok, r.stderr[-1000:]))
     for fsize in (60_000, 150_000, 1_000_000):
         cache, bundle = work / f"fsize-cache-{fsize}", work / f"fsize-bundle-{fsize}"
-        r = compile_cli(toml, bundle, cache, fsize=fsize)
+        r = compile_process(toml, bundle, cache, fsize=fsize)
         bad = broken_entries(cache) if cache.exists() else []
         staging = [p.name for p in work.glob(f".{bundle.name}.tmp-*")]
         lost = bundle.exists() or bool(bad) or bool(staging)

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 KILL_AT_ENV = "DEEPINFER_TEST_KILL_AT"
 POINTS = ("entry", "weights", "trace", "emit", "compile", "publish")
+COMPILE_TIMEOUT_S = 600  # a tiny compile takes about 30 s cold on 2 loaded cores
 
 
 def kill_point(point: str) -> None:
@@ -27,3 +29,36 @@ def kill_point(point: str) -> None:
     assert point in POINTS, point
     if os.environ.get(KILL_AT_ENV) == point:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def compile_process(toml: Path, out: Path, cache: Path, *, env: dict | None = None, fsize: int | None = None):
+    """`deepinfer-compile TOML -o OUT --cache-dir CACHE --json` in a process of its own, for the fault
+    tests and the benchmark: with `env` added to its environment (`KILL_AT_ENV`), and with `fsize`, no
+    file it writes may grow past that many bytes (RLIMIT_FSIZE; SIGXFSZ ignored, so an over-limit write
+    fails with EFBIG as on a full disk). A `subprocess.CompletedProcess` with its text output."""
+    import resource
+    import subprocess
+    import sys
+
+    def limited(limit: int) -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepinfer.compiler.cli",
+            str(toml),
+            "-o",
+            str(out),
+            "--cache-dir",
+            str(cache),
+            "--json",
+        ],
+        env={**os.environ, **(env or {})},
+        preexec_fn=None if fsize is None else lambda: limited(fsize),
+        capture_output=True,
+        text=True,
+        timeout=COMPILE_TIMEOUT_S,
+    )

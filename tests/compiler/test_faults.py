@@ -11,50 +11,17 @@ matches the digest). Then a compile succeeds, reusing what the killed ones compl
 from __future__ import annotations
 
 import json
-import os
-import resource
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from deepinfer.bundles.manifest import sha256_file
-from deepinfer.compiler.kill_points import KILL_AT_ENV, POINTS
+from deepinfer.compiler.kill_points import KILL_AT_ENV, POINTS, compile_process
 
 from ..conftest import write_model_toml
 
 pytestmark = pytest.mark.slow  # each compiles the tiny model (about 30 s cold, 5 s warm)
-TIMEOUT_S = 600
-
-
-def compile_cli(toml: Path, out: Path, cache: Path, *, env: dict | None = None, fsize: int | None = None):
-    """`deepinfer-compile TOML -o OUT --cache-dir CACHE --json` in a process of its own: with `env`
-    added to its environment, and with `fsize`, no file it writes may grow past that many bytes."""
-
-    def limited() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an over-limit write fails with EFBIG instead
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deepinfer.compiler.cli",
-            str(toml),
-            "-o",
-            str(out),
-            "--cache-dir",
-            str(cache),
-            "--json",
-        ],
-        env={**os.environ, **(env or {})},
-        preexec_fn=limited if fsize is not None else None,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
 
 
 def visible_entries(cache: Path) -> list[str]:
@@ -88,14 +55,14 @@ def test_kill_9_anywhere_leaves_no_bundle_and_the_next_compile_reuses_what_was_c
     cache, out = tmp_path / "cache", tmp_path / "bundle"
     seen: list[str] = []
     for point in POINTS:
-        r = compile_cli(model, out, cache, env={KILL_AT_ENV: point})
+        r = compile_process(model, out, cache, env={KILL_AT_ENV: point})
         assert r.returncode == -signal.SIGKILL, (point, r.stderr[-2000:])
         assert nothing_at(out), point
         entries = visible_entries(cache)
         assert set(seen) <= set(entries), point  # nothing complete was lost
         seen = entries
     assert any(p.name.startswith(".bundle.tmp-") for p in tmp_path.iterdir())  # the killed compiles' staging
-    r = compile_cli(model, out, cache)
+    r = compile_process(model, out, cache)
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)
     assert report["compiled"] == []  # the compile killed at publish had built every executable
@@ -109,7 +76,7 @@ def test_kill_9_anywhere_leaves_no_bundle_and_the_next_compile_reuses_what_was_c
 @pytest.mark.parametrize("fsize", [60_000, 1_000_000], ids=["cache-memo", "mid-bundle"])
 def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path, model, fsize):
     cache, out = tmp_path / "cache", tmp_path / "bundle"
-    r = compile_cli(model, out, cache, fsize=fsize)
+    r = compile_process(model, out, cache, fsize=fsize)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]

@@ -229,7 +229,7 @@ def _rows(t: TensorInfo) -> int:
 
 def _code_rows(p: Piece) -> tuple[int, int]:
     """The piece's rows in rows of its source tensor (codes rows for a converted part)."""
-    n = getattr(p.src, "rows_per_row", 1)
+    n = p.src.rows_per_row if isinstance(p.src, Derived) else 1
     return p.rows[0] * n, p.rows[1] * n
 
 

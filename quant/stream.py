@@ -19,7 +19,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -71,12 +71,20 @@ def run_task(task: Task):
     return job.weight.name, task.lo // job.dst[0], scales
 
 
+@dataclass
+class _PendingGrid:
+    """A weight's scale grid [Mb, Kb] uint8 as its rows arrive."""
+
+    grid: np.ndarray
+    rows: int = 0
+
+
 class _ScaleAssembler:
     """Collects each fp8 weight's scale rows; packs and writes the grid when complete."""
 
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.pending: dict[str, list[Any]] = {}  # weight name -> [scale grid [Mb, Kb] uint8, rows filled]
+        self.pending: dict[str, _PendingGrid] = {}  # by weight name
 
     def add(self, result) -> None:
         if result is None:
@@ -84,12 +92,12 @@ class _ScaleAssembler:
         name, row0, rows = result
         job = self.plan.jobs[name]
         grid = blocks.grid(job.weight.shape, *job.dst)
-        entry = self.pending.setdefault(name, [np.zeros(grid, np.uint8), 0])
-        entry[0][row0 : row0 + rows.shape[0]] = rows
-        entry[1] += rows.shape[0]
-        if entry[1] == grid[0]:
+        entry = self.pending.setdefault(name, _PendingGrid(np.zeros(grid, np.uint8)))
+        entry.grid[row0 : row0 + rows.shape[0]] = rows
+        entry.rows += rows.shape[0]
+        if entry.rows == grid[0]:
             path, offset = self.plan.scale_slots[name]
-            pwrite(path, offset, pack_scales(entry[0], job.layout))
+            pwrite(path, offset, pack_scales(entry.grid, job.layout))
             del self.pending[name]
 
     def finish(self) -> None:

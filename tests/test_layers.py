@@ -92,6 +92,7 @@ REGION_CLASSES = [
     "deepinfer.regions.head",
     "deepinfer.regions.base",
     "deepinfer.regions.plan",
+    "deepinfer.regions.selection",
 ]
 MOVED = [
     "deepinfer.bundles.keys",

@@ -70,9 +70,9 @@ def compile_once(work: Path, layers: int, args) -> dict:
     if proc.returncode:
         sys.exit(f"compiling {layers} layers failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    from deepinfer.bundles import manifest as mf
+    from deepinfer.bundles import manifest_io
 
-    manifest = mf.read(out)
+    manifest = manifest_io.read(out)
     passes = summary["seconds"]
     total = sum(passes.values())
     return {

@@ -134,13 +134,13 @@ def selection_growth() -> list[dict]:
 def measure(bundle: Path, steps: int) -> dict:
     """Run a compiled bundle with a one-token prompt (every step a decode step, all in its smallest
     context bucket) and count each rank's bytes per step."""
-    from deepinfer.bundles import manifest as mf
+    from deepinfer.bundles import manifest_io
     from deepinfer.runtime import RunOptions, generate
 
     run = generate(bundle, [[0]], RunOptions(max_new_tokens=steps, threads=1))
     decode_steps = run.stats.steps
     per_rank = {r: {k: v / decode_steps for k, v in sent.items()} for r, sent in run.sent.items()}
-    m = mf.read(bundle)
+    m = manifest_io.read(bundle)
     return {"steps": decode_steps, "context": m.buckets.context_sizes[0], "per_rank": per_rank}
 
 

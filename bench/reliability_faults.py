@@ -29,7 +29,7 @@ class Fault:
 
 def broken_entries(cache: Path) -> list[str]:
     """Entries visible in the cache that are not whole."""
-    from deepinfer.bundles.manifest import sha256_file
+    from deepinfer.bundles.manifest_io import sha256_file
 
     bad = []
     for entry in sorted((cache / "v1").glob("*/??/*")):

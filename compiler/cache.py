@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deepinfer.bundles.manifest import sha256_file
+from deepinfer.bundles.manifest_io import sha256_file
 from deepinfer.bundles.signing import TrustError, sign_bytes, verify_bytes
 from deepinfer.compiler.keys import CACHE_VERSION, Key
 from deepinfer.compiler.kill_points import kill_point

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.bundles import layout
+from deepinfer.bundles import layout, manifest_io
 from deepinfer.bundles import manifest as mf
 from deepinfer.compiler import budget, cached
 from deepinfer.compiler.cache import Cache
@@ -87,7 +87,7 @@ def fetch(cache: Cache, key: Key, exe: Exe, dest: Path) -> mf.Executable | None:
     if record is None:
         return None
     try:
-        entry = mf.parse_executable(record["entry"], f"cached trace record of {exe.name}")
+        entry = manifest_io.parse_executable(record["entry"], f"cached trace record of {exe.name}")
     except mf.BundleError as e:  # a record this deepinfer cannot read: rebuilt, as any corrupt entry
         cache.reject("trace", key, str(e))
         return None
@@ -165,7 +165,7 @@ def emit(spec: Spec, graph: Graph, lowered: Path) -> mf.Executable:
         extra = spec.target.emit(graph.program, graph.names, list(graph.entry.outputs), lowered, reduce)
     except DeepinferError as e:
         raise type(e)(f"region {graph.entry.name}: {e}") from None
-    return dataclasses.replace(graph.entry, **mf.executable_fields(extra))
+    return dataclasses.replace(graph.entry, **manifest_io.executable_fields(extra))
 
 
 def check(spec: Spec, graph: Graph, entry: mf.Executable, lowered: Path, log: Log) -> mf.Executable:
@@ -210,7 +210,7 @@ def store(
     in the cache under its trace `key`: its executable's key and manifest entry. Returns the
     executable key."""
     executable = cached.executable_key(spec, plan, exe, graph, kernels)
-    record = {"executable_key": executable.digest, "kernels": kernels, "entry": mf.to_json(entry)}
+    record = {"executable_key": executable.digest, "kernels": kernels, "entry": manifest_io.to_json(entry)}
     cache.put_bytes("trace", key, json.dumps(record).encode())
     return executable
 
@@ -311,7 +311,7 @@ def compile_regions(spec: Spec, traced: Traced, run: Run) -> Compiled:
     if spec.hlo_only:
         return Compiled(executables=traced.executables, built=built)
     executables = tuple(
-        dataclasses.replace(e, **mf.executable_fields(target.describe(run.staging / e.artifact)))
+        dataclasses.replace(e, **manifest_io.executable_fields(target.describe(run.staging / e.artifact)))
         for e in traced.executables
     )
     return Compiled(executables=executables, built=built)

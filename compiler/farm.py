@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deepinfer.bundles.manifest import sha256_file
+from deepinfer.bundles.manifest_io import sha256_file
 from deepinfer.compiler.farm_worker import (
     HOST_PATHS,
     TEST_DIE_ONCE,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deepinfer.bundles.manifest import sha256_file
+from deepinfer.bundles.manifest_io import sha256_file
 from deepinfer.compiler.jobs import Job, run_job
 from deepinfer.compiler.keys import Key
 from deepinfer.errors import DeepinferError

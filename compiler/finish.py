@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from deepinfer.bundles import layout
+from deepinfer.bundles import layout, manifest_io
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.signing import sign_file
 from deepinfer.compiler.jobs import Job, keep_failed_logs, run_jobs
@@ -38,8 +38,8 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None, sign=None) -> 
     private key) signs the finished one."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     bundle = Path(bundle)
-    manifest = mf.read(bundle)
-    mf.check_files(bundle, manifest)
+    manifest = manifest_io.read(bundle)
+    manifest_io.check_files(bundle, manifest)
     if manifest.stage != "hlo":
         raise mf.BundleError(f"{bundle}: not an HLO-stage bundle (stage {manifest.stage!r}); nothing to finish")
     t = manifest.target
@@ -80,7 +80,9 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None, sign=None) -> 
         regions = []
         for e, neff, job in job_list:
             job.lowered.unlink()
-            regions.append(dataclasses.replace(e, artifact=neff, **mf.executable_fields(target.describe(work / neff))))
+            regions.append(
+                dataclasses.replace(e, artifact=neff, **manifest_io.executable_fields(target.describe(work / neff)))
+            )
         finished = dataclasses.replace(
             manifest,
             stage="executable",
@@ -88,7 +90,7 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None, sign=None) -> 
             toolchain={**manifest.toolchain, "neuronx-cc": target.toolchain()["neuronx-cc"]},
         )
         (work / layout.SIGNATURE_FILE).unlink(missing_ok=True)
-        mf.write(work, mf.stamp(work, finished))
+        manifest_io.write(work, manifest_io.stamp(work, finished))
         if sign is not None:
             sign_file(work / layout.MANIFEST_FILE, sign, work / layout.SIGNATURE_FILE)
         publish(work, bundle, force=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.bundles import layout, neff
+from deepinfer.bundles import layout, manifest_io, neff
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.manifest import DECODE
 from deepinfer.bundles.topology import Topology
@@ -382,7 +382,7 @@ def emit(spec: Spec, exe: Exe, built: Built, out: Path) -> tuple[mf.Executable, 
         output_specs=tuple(mf.TensorSpec(name=n, shape=s, dtype=d) for n, (s, d) in zip(labels, types)),
     )
     steps = collectives_of(built.ops)
-    return dataclasses.replace(entry, **mf.executable_fields({"collectives": steps} if steps else {})), text
+    return dataclasses.replace(entry, **manifest_io.executable_fields({"collectives": steps} if steps else {})), text
 
 
 def trn2(spec: Spec) -> Trn2Target:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 import deepinfer
-from deepinfer.bundles import layout
+from deepinfer.bundles import layout, manifest_io
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.signing import sign_file
 from deepinfer.compiler import budget, cached
@@ -289,8 +289,8 @@ def write_manifest(
         memory=budget.record(spec, plan, executables, run.staging),
         draft=_draft_entry(spec, plan),
     )
-    manifest = mf.stamp(run.staging, manifest)
-    mf.write(run.staging, manifest)
+    manifest = manifest_io.stamp(run.staging, manifest)
+    manifest_io.write(run.staging, manifest)
     return manifest
 
 

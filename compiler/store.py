@@ -266,7 +266,7 @@ class Store:
     def verify(self, kinds: tuple[str, ...], scratch: Path) -> tuple[int, list[tuple[RemoteEntry, str]]]:
         """Download and re-hash every entry's object (in `scratch`); delete the meta.json of each
         corrupt entry, and the object too where its bytes do not match its name. (entries, bad)."""
-        from deepinfer.bundles.manifest import sha256_file
+        from deepinfer.bundles.manifest_io import sha256_file
 
         listed, bad = list(self.entries(kinds)), []
         for e in listed:

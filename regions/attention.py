@@ -48,6 +48,7 @@ from deepinfer.regions import divided
 from deepinfer.regions.base import Region, WeightSpec, fp8_specs
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.paging import gather_pages, gather_rows, ring_update, write_pages
+from deepinfer.regions.selection import candidate_blocks, in_blocks, local_candidate_blocks, torch_topk
 from deepinfer.regions.state import Geometry, InputSpec, step_inputs
 
 ops = torch.ops.deepinfer
@@ -313,7 +314,7 @@ class _Attention(Region):
         width = block_table.shape[1] * per_block  # the sequence's compressed entries (Wc)
         if cand_blocks is not None:  # the candidate pool's chosen blocks [B, T, N], global ids (-1: none)
             cb = self.c.candidate_block_size
-            chosen = _in_blocks(gidx, cand_blocks, cb, -(-width // cb))
+            chosen = in_blocks(gidx, cand_blocks, cb, -(-width // cb))
             scores = scores.masked_fill(~chosen, float("-inf"))
         K = min(self.c.index_topk, width)
         top = ops.top_indices(scores, min(K, scores.shape[-1]))
@@ -377,54 +378,6 @@ class _Attention(Region):
             idx = s.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
             topk[b, :, :k] = torch.where(torch.isfinite(s.gather(-1, idx)), idx, -1)
         return topk, cand_out
-
-
-def torch_topk(scores: Tensor, k: int) -> Tensor:
-    return scores.topk(k, dim=-1).indices
-
-
-def candidate_blocks(scores: Tensor, vis_len: Tensor, topk_blocks: int, block: int, select=None) -> Tensor:
-    """Candidate pool: top blocks by max score, the block of the latest visible entry always kept.
-
-    scores [B, T, Wc] (-inf where invisible); vis_len [B, T] -> bool [B, T, Wc].
-    """
-    width = scores.shape[-1]
-    padded = F.pad(scores, (0, -width % block), value=float("-inf"))
-    block_scores = padded.unflatten(-1, (-1, block)).amax(-1)  # [B, T, NBk]
-    last = torch.div(vis_len - 1, block, rounding_mode="floor").unsqueeze(-1)
-    ids = torch.arange(block_scores.shape[-1], device=scores.device)
-    block_scores = block_scores.masked_fill(ids == last, float("inf"))
-    top = (select or ops.top_indices)(block_scores, min(topk_blocks, block_scores.shape[-1]))
-    chosen = block_scores.gather(-1, top) > float("-inf")
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, top, chosen)
-    return keep.repeat_interleave(block, dim=-1)[..., :width]
-
-
-def local_candidate_blocks(
-    scores: Tensor, gidx: Tensor, vis_len: Tensor, topk_blocks: int, block: int, width: int
-) -> tuple[Tensor, Tensor]:
-    """`candidate_blocks` over one cp rank's entries (scores [B, T, Wl] at global indices gidx [Wl], in
-    blocks of `block` entries that never straddle a KV block; `width` the sequence's compressed width)
-    -> its best blocks as (score [B, T, N], global block id [B, T, N]), padded to N = the pool's
-    blocks, the block of the latest visible entry scored +inf (always kept)."""
-    block_scores = scores.unflatten(-1, (-1, block)).amax(-1)  # [B, T, NBl]
-    ids = torch.div(gidx[::block], block, rounding_mode="floor")  # [NBl] global block ids
-    last = torch.div(vis_len - 1, block, rounding_mode="floor").unsqueeze(-1)
-    block_scores = block_scores.masked_fill(ids == last, float("inf"))
-    N = min(topk_blocks, -(-width // block))
-    top = ops.top_indices(block_scores, min(N, block_scores.shape[-1]))
-    ids = torch.where(gidx[::block] >= divided.NO_ENTRY, divided.NO_ENTRY, ids)
-    return divided.pad_to(block_scores.gather(-1, top), ids[top], N)
-
-
-def _in_blocks(gidx: Tensor, chosen: Tensor, block: int, blocks: int) -> Tensor:
-    """Whether each entry gidx [Wl] lies in one of the chosen candidate blocks [B, T, N] (global ids of
-    the sequence's `blocks` candidate blocks, -1: none) -> [B, T, Wl]."""
-    B, T, _ = chosen.shape
-    ids = torch.where(chosen >= 0, chosen, blocks)  # none: a column past the sequence's blocks
-    mask = torch.zeros((B, T, blocks + 1), dtype=torch.bool, device=chosen.device).scatter(-1, ids, True)
-    entry_block = torch.div(gidx, block, rounding_mode="floor").clamp(max=blocks)  # [Wl]; past the table: none
-    return mask[..., :blocks].gather(-1, entry_block.clamp(max=blocks - 1).expand(B, T, -1)) & (entry_block < blocks)
 
 
 class WindowAttention(_Attention):

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from deepinfer.bundles.manifest import DECODE
+from deepinfer.bundles.manifest import DECODE, PROJECT
 from deepinfer.kernels.formats import FP8_GEMM_FORMATS
 from deepinfer.regions.config import TextConfig
 
 if TYPE_CHECKING:
     from deepinfer.regions.state import Geometry, InputSpec
+
+# what a compiled method returns: its one output, or its outputs in order
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 
 # checkpoint storage dtype name -> dtype the region holds it in. fp8 codes, fp4
 # pairs and ue8m0 scales travel as uint8 (no dtype bitcasts inside graphs).
@@ -97,7 +100,7 @@ class Region(nn.Module):
     kind: str = ""
     fp8_format: str = "e4m3fn"
     # the compiled method: every kind defines it, each with its own inputs (`input_specs`)
-    decode: Callable[..., Any]
+    decode: Callable[..., Outputs]
 
     if TYPE_CHECKING:
 
@@ -130,8 +133,7 @@ class Region(nn.Module):
     def method_outputs(self, method: str) -> list[str]:
         """The names of compiled method `method`'s outputs: `output_names` for `decode` (and the head's
         `project`, whose one output is the same logits); `<method>_outputs` for the others."""
-        named = getattr(self, f"{method}_outputs", None)
-        return self.output_names() if named is None else named()
+        return self.output_names() if method in (DECODE, PROJECT) else getattr(self, f"{method}_outputs")()
 
     def methods(self) -> tuple[str, ...]:
         """The methods a step runs of this kind, in order (one executable per bucket each)."""

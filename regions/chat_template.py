@@ -26,7 +26,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Any
 
 TIME_LIMIT_S = 5.0  # one rendering (a real template renders in milliseconds)
 MAX_CHARS = 16 << 20  # the output, and any one string, list or number of digits a template builds
@@ -54,7 +53,7 @@ class Budget:
             raise TemplateLimit(f"{what} of {n} items or characters is over the limit of {self.max_chars}")
 
 
-def _length(x: Any) -> int:
+def _length(x: object) -> int:
     return len(x) if isinstance(x, (str, bytes, list, tuple, dict)) else 0
 
 
@@ -65,7 +64,7 @@ def _check_args(budget: Budget, args: tuple, kwargs: Mapping) -> None:
             budget.size(abs(a), "an argument")
 
 
-def _presize(budget: Budget, fn: Any, name: str, args: tuple) -> None:
+def _presize(budget: Budget, fn: object, name: str, args: tuple) -> None:
     """What a growing string operation (a method or a filter of that name) would build, refused before
     it runs: the strings are the bound string, then the string arguments, in order."""
     owner = getattr(fn, "__self__", None)
@@ -89,7 +88,9 @@ def _widths(budget: Budget, fmt: str) -> None:
         budget.size(10 ** min(len(digits), 30) if len(digits) > 8 else int(digits), "a format width")
 
 
-def _bounded_call(budget: Budget, fn: Callable, name: str, args: tuple, kwargs: Mapping, call: Callable) -> Any:
+def _bounded_call(
+    budget: Budget, fn: Callable, name: str, args: tuple, kwargs: Mapping, call: Callable[[], object]
+) -> object:
     budget.tick()
     _check_args(budget, args, kwargs)
     _presize(budget, fn, name, args)
@@ -100,12 +101,23 @@ def _bounded_call(budget: Budget, fn: Callable, name: str, args: tuple, kwargs: 
 
 def environment(budget: Budget | None = None):
     """The sandboxed environment chat templates render in, held to `budget` (None: parsing only)."""
-    from jinja2 import TemplateError
-    from jinja2.compiler import CodeGenerator
     from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     limits = budget or Budget(TIME_LIMIT_S, MAX_CHARS)
+    env = _sandbox(limits)(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals.pop("lipsum", None)
+    for name, f in list(env.filters.items()):
+        env.filters[name] = _bounded_filter(limits, name, f)
+    return env
+
+
+def _sandbox(limits: Budget):
+    """Jinja's immutable sandbox with every concatenation, operator, call, format and lookup held to `limits`."""
+    from jinja2.compiler import CodeGenerator
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generator(CodeGenerator):
         def visit_Concat(self, node, frame):  # `a ~ b ~ c` through the size check
@@ -127,20 +139,7 @@ def environment(budget: Budget | None = None):
 
         def call_binop(self, context, operator, left, right):
             limits.tick()
-            if operator == "*" and isinstance(right, int) and _length(left):
-                limits.size(_length(left) * right, "a repetition")
-            if operator == "*" and isinstance(left, int) and _length(right):
-                limits.size(_length(right) * left, "a repetition")
-            if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
-                limits.size(int(right * math.log10(abs(left))), "a power's digits")
-            if operator == "+" and _length(left) and _length(right):
-                limits.size(_length(left) + _length(right), "a sum")
-            if operator == "%" and isinstance(left, str):
-                for width in WIDTH.findall(left):
-                    if width != "*" and len(width) > 7:
-                        limits.size(int(width), "a % format width")
-                items = right if isinstance(right, tuple) else (right,)
-                _check_args(limits, items, {})
+            _check_binop(limits, operator, left, right)
             return super().call_binop(context, operator, left, right)
 
         def call(__self, __context, __obj, *args, **kwargs):
@@ -168,20 +167,36 @@ def environment(budget: Budget | None = None):
             limits.tick()
             return super().getitem(obj, argument)
 
-    def raise_exception(message):
-        raise TemplateError(message)
+    return Bounded
 
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals.pop("lipsum", None)
-    for name, f in list(env.filters.items()):
-        env.filters[name] = _bounded_filter(limits, name, f)
-    return env
+def _check_binop(limits: Budget, operator: str, left: object, right: object) -> None:
+    """What an intercepted operator (`*`, `**`, `+`, `%`) would build, refused before it runs."""
+    if operator == "*" and isinstance(right, int) and _length(left):
+        limits.size(_length(left) * right, "a repetition")
+    if operator == "*" and isinstance(left, int) and _length(right):
+        limits.size(_length(right) * left, "a repetition")
+    if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+        limits.size(int(right * math.log10(abs(left))), "a power's digits")
+    if operator == "+" and _length(left) and _length(right):
+        limits.size(_length(left) + _length(right), "a sum")
+    if operator == "%" and isinstance(left, str):
+        for width in WIDTH.findall(left):
+            if width != "*" and len(width) > 7:
+                limits.size(int(width), "a % format width")
+        items = right if isinstance(right, tuple) else (right,)
+        _check_args(limits, items, {})
+
+
+def raise_exception(message):
+    """A template's `raise_exception(message)`: its error, as Jinja raises one."""
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _bounded_filter(budget: Budget, name: str, f: Callable) -> Callable:

@@ -261,28 +261,44 @@ def _require(cond: bool, source: str, key: str, message: str) -> None:
 
 
 def validate(config: V41Config, source: str = CONFIG_FILE) -> None:
-    """Check value ranges and the attention schedule rules of MODEL.md."""
+    """Check value ranges and the attention schedule rules of MODEL.md, one part of the config at a time."""
     t = config.text
-    for key in (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "head_dim",
-        "qk_rope_head_dim",
-        "q_lora_rank",
-        "o_lora_rank",
-        "o_groups",
-        "n_routed_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "sliding_window",
-        "index_n_heads",
-        "index_head_dim",
-        "index_topk",
-        "hc_mult",
-        "hc_sinkhorn_iters",
-    ):
+    _validate_sizes(t, source)
+    _validate_routing(t, source)
+    _validate_floats(t, source)
+    _validate_schedule(t, source)
+    _validate_candidates(t, source)
+    _validate_engram(t, source)
+    if t.has_draft:
+        validate_draft(t, source)
+    _validate_token_ids(config, source)
+
+
+POSITIVE_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "head_dim",
+    "qk_rope_head_dim",
+    "q_lora_rank",
+    "o_lora_rank",
+    "o_groups",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "sliding_window",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "hc_mult",
+    "hc_sinkhorn_iters",
+)
+
+
+def _validate_sizes(t: TextConfig, source: str) -> None:
+    """The model's sizes: positive, one shared latent, heads in whole output groups, an even rope part."""
+    for key in POSITIVE_SIZES:
         _require(getattr(t, key) > 0, source, key, f"must be a positive integer, got {getattr(t, key)}")
     _require(t.num_key_value_heads == 1, source, "num_key_value_heads", "V4.1 uses one shared latent (MQA); expected 1")
     _require(t.n_shared_experts == 1, source, "n_shared_experts", "expected 1")
@@ -298,6 +314,10 @@ def validate(config: V41Config, source: str = CONFIG_FILE) -> None:
         "qk_rope_head_dim",
         "must be even and at most head_dim and index_head_dim",
     )
+
+
+def _validate_routing(t: TextConfig, source: str) -> None:
+    """The MoE router: at most every routed expert per token, the scoring and activation implemented."""
     _require(
         t.num_experts_per_tok <= t.n_routed_experts,
         source,
@@ -306,9 +326,17 @@ def validate(config: V41Config, source: str = CONFIG_FILE) -> None:
     )
     _require(t.scoring_func == "sqrtsoftplus", source, "scoring_func", "only 'sqrtsoftplus' is supported")
     _require(t.hidden_act == "silu", source, "hidden_act", "only 'silu' is supported")
+
+
+def _validate_floats(t: TextConfig, source: str) -> None:
     for key in ("rms_norm_eps", "rope_theta", "compress_rope_theta", "hc_eps"):
         value = getattr(t, key)
         _require(math.isfinite(value) and value > 0, source, key, f"must be finite and positive, got {value}")
+
+
+def _validate_schedule(t: TextConfig, source: str) -> None:
+    """The attention schedule: a compress ratio per layer, sorted layer-id lists, every compressed
+    layer after a kv source of its ratio."""
     n = t.num_hidden_layers
     _require(
         len(t.compress_ratios) >= n,
@@ -331,8 +359,13 @@ def validate(config: V41Config, source: str = CONFIG_FILE) -> None:
         "kv_source_layer_ids",
         "every kv source must also be an index source (index_source_layer_ids)",
     )
+    _validate_sources(t, source)
+
+
+def _validate_sources(t: TextConfig, source: str) -> None:
+    """Layers of ratio 0 are no sources; every compressed layer reads an earlier kv source of its ratio."""
     owner = None
-    for layer in range(n):
+    for layer in range(t.num_hidden_layers):
         ratio = t.compress_ratios[layer]
         if ratio == 0:
             _require(
@@ -350,46 +383,64 @@ def validate(config: V41Config, source: str = CONFIG_FILE) -> None:
             "compress_ratios",
             f"compressed layer {layer} (ratio {ratio}) needs an earlier kv source with the same ratio",
         )
+
+
+def _validate_candidates(t: TextConfig, source: str) -> None:
+    """The candidate pool: disabled (-1), or the last kv source with positive block sizes."""
     c = t.candidate_source_layer_id
     _require(c >= -1, source, "candidate_source_layer_id", "must be -1 (disabled) or a layer id")
-    if c >= 0:
-        _require(c in t.kv_source_layer_ids, source, "candidate_source_layer_id", f"layer {c} must be a kv source")
-        _require(
-            t.candidate_block_size > 0 and t.candidate_topk_blocks > 0,
-            source,
-            "candidate_block_size",
-            "candidate_block_size and candidate_topk_blocks must be positive",
-        )
-        later_sources = [s for s in t.kv_source_layer_ids if s > c]
-        _require(
-            not later_sources,
-            source,
-            "kv_source_layer_ids",
-            f"kv source {later_sources} after the candidate source {c} is not supported",
-        )
+    if c < 0:
+        return
+    _require(c in t.kv_source_layer_ids, source, "candidate_source_layer_id", f"layer {c} must be a kv source")
+    _require(
+        t.candidate_block_size > 0 and t.candidate_topk_blocks > 0,
+        source,
+        "candidate_block_size",
+        "candidate_block_size and candidate_topk_blocks must be positive",
+    )
+    later_sources = [s for s in t.kv_source_layer_ids if s > c]
+    _require(
+        not later_sources,
+        source,
+        "kv_source_layer_ids",
+        f"kv source {later_sources} after the candidate source {c} is not supported",
+    )
+
+
+def _validate_engram(t: TextConfig, source: str) -> None:
+    """Engram: a row count per engram layer; with engram layers, n-grams of 2 or more and a pad token."""
     _require(
         len(t.engram_layer_ids) == len(t.engram_num_embeddings),
         source,
         "engram_num_embeddings",
         "needs one row count per engram_layer_ids entry",
     )
-    if t.engram_layer_ids:
-        _require(t.engram_max_ngram_size >= 2, source, "engram_max_ngram_size", "must be at least 2")
-        _require(
-            0 <= t.engram_pad_token_id < t.vocab_size,
-            source,
-            "engram_pad_token_id",
-            "must be a token id inside the vocabulary",
-        )
-        _require(
-            all(r > 0 for r in t.engram_num_embeddings), source, "engram_num_embeddings", "row counts must be positive"
-        )
-    if t.has_draft:
-        validate_draft(t, source)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id"):
-        value = getattr(config, key)
-        if not 0 <= value < t.vocab_size:
-            raise ConfigError(f"{source}: {key} {value} is outside the vocabulary [0, {t.vocab_size})")
+    if not t.engram_layer_ids:
+        return
+    _require(t.engram_max_ngram_size >= 2, source, "engram_max_ngram_size", "must be at least 2")
+    _require(
+        0 <= t.engram_pad_token_id < t.vocab_size,
+        source,
+        "engram_pad_token_id",
+        "must be a token id inside the vocabulary",
+    )
+    _require(
+        all(r > 0 for r in t.engram_num_embeddings), source, "engram_num_embeddings", "row counts must be positive"
+    )
+
+
+def _validate_token_ids(config: V41Config, source: str) -> None:
+    """The top level's special tokens are inside the vocabulary."""
+    vocab = config.text.vocab_size
+    ids = {
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        "image_token_id": config.image_token_id,
+    }
+    for key, value in ids.items():
+        if not 0 <= value < vocab:
+            raise ConfigError(f"{source}: {key} {value} is outside the vocabulary [0, {vocab})")
 
 
 def validate_draft(t: TextConfig, source: str = CONFIG_FILE) -> None:

@@ -27,11 +27,15 @@ import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 KEY_VERSION = b"deepinfer-prefix-1"
 
-SlotState = Any  # what a stepper's `save_slot` returns and its `load_slot` takes back
+# what a stepper's `save_slot` returns and its `load_slot` takes back: copies of a slot's per-slot state by name
+SlotState = dict[str, "Tensor"]
 
 
 def _part(h, name: bytes, data: bytes) -> None:

@@ -27,6 +27,7 @@ from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.engram_map import checked_token_map
 from deepinfer.regions.hf_tokenizer import TokenizersTokenizer
 from deepinfer.regions.plan import make_head, make_layer_regions
+from deepinfer.regions.prefix import SlotState
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.state import PAGED, allocate, state_layout
 from deepinfer.regions.step import DTYPES, Embedding, EngramRows, plan_layers, run_layers
@@ -175,17 +176,19 @@ class EagerSteps:
         slots, blocks, width = self.geometry
         return Allocator(slots, blocks, REFERENCE_BLOCK_SIZE, width)
 
-    def save_slot(self, group: int, slot: int) -> dict[tuple[int, str], Tensor]:
+    def save_slot(self, group: int, slot: int) -> SlotState:
+        """A copy of `slot`'s rows of every per-slot view, keyed `<layer>/<view>`."""
         return {
-            (layer, name): t[slot].clone()
+            f"{layer}/{name}": t[slot].clone()
             for layer, views in self.states.items()
             for name, t in views.items()
             if name not in PAGED
         }
 
-    def load_slot(self, group: int, slot: int, state: dict[tuple[int, str], Tensor]) -> None:
-        for (layer, name), rows in state.items():
-            self.states[layer][name][slot].copy_(rows)
+    def load_slot(self, group: int, slot: int, state: SlotState) -> None:
+        for key, rows in state.items():
+            layer, name = key.split("/", 1)
+            self.states[int(layer)][name][slot].copy_(rows)
 
     def run(
         self,

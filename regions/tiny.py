@@ -40,6 +40,7 @@ VISION_STREAM = 0x5649  # the vision tensors' generator: default_rng((seed, VISI
 DRAFT_STREAM = 0x4D5450  # the DSpark draft's (`mtp.*`) generator: default_rng((seed, DRAFT_STREAM))
 SCALES = ("ue8m0", "fp32")  # fp8 block scales: the release's, or DeepSeek-V3's float32 [128, 128]
 FLOAT_SCALE_BLOCK = 128
+JsonObject = dict[str, Any]  # one object of config.json, as json.dump writes it
 
 
 def tiny_config(layers: int = MIN_LAYERS) -> dict:
@@ -48,10 +49,30 @@ def tiny_config(layers: int = MIN_LAYERS) -> dict:
         raise ConfigError(
             f"--layers {layers}: a tiny model needs at least {MIN_LAYERS} layers to hold every layer kind"
         )
-    n2 = (layers - 2) // 2
-    src2, src1 = 2, 2 + n2
-    reindex = list(range(src1 + 1, layers))  # the same kinds at any depth
-    text: dict[str, Any] = {
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "text_config": _text_config(layers),
+        "vision_config": _vision_config(),
+        "quantization_config": _quantization_config(),
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "image_token_id": 259,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _text_config(layers: int) -> JsonObject:
+    """`text_config`: the sizes, the MoE, the attention schedule, engram and the DSpark draft, in that order."""
+    text = _text_sizes(layers) | _text_moe() | _text_attention(layers) | _text_engram() | _text_draft(layers)
+    text["compress_ratios"] += [0] * text["num_nextn_predict_layers"]  # the draft's stages, as released
+    return text
+
+
+def _text_sizes(layers: int) -> JsonObject:
+    return {
         "model_type": "deepseek_v41_text",
         "vocab_size": 288,
         "hidden_size": 256,
@@ -74,6 +95,11 @@ def tiny_config(layers: int = MIN_LAYERS) -> dict:
             "beta_fast": 32,
             "beta_slow": 1,
         },
+    }
+
+
+def _text_moe() -> JsonObject:
+    return {
         "n_routed_experts": 8,
         "num_experts_per_tok": 2,
         "n_shared_experts": 1,
@@ -84,6 +110,16 @@ def tiny_config(layers: int = MIN_LAYERS) -> dict:
         "routed_scaling_factor": 1.5,
         "swiglu_limit": 10.0,
         "hidden_act": "silu",
+    }
+
+
+def _text_attention(layers: int) -> JsonObject:
+    """The attention schedule: two window layers, then ratio-2 and ratio-1 layers after a kv source each
+    (the same kinds at any depth), the candidate pool on the last source; the hyper-connections."""
+    n2 = (layers - 2) // 2
+    src2, src1 = 2, 2 + n2
+    reindex = list(range(src1 + 1, layers))
+    return {
         "sliding_window": 8,
         "compress_ratios": [0, 0] + [2] * n2 + [1] * (layers - 2 - n2),
         "kv_source_layer_ids": [src2, src1],
@@ -97,6 +133,11 @@ def tiny_config(layers: int = MIN_LAYERS) -> dict:
         "hc_mult": 4,
         "hc_sinkhorn_iters": 20,
         "hc_eps": 1e-6,
+    }
+
+
+def _text_engram() -> JsonObject:
+    return {
         "engram_layer_ids": [1],
         "engram_num_embeddings": [4096],
         "engram_max_ngram_size": 3,
@@ -105,6 +146,11 @@ def tiny_config(layers: int = MIN_LAYERS) -> dict:
         "engram_head_dim": 32,
         "engram_pad_token_id": 2,
         "engram_compressed_vocab_size": 288,
+    }
+
+
+def _text_draft(layers: int) -> JsonObject:
+    return {
         "num_nextn_predict_layers": 3,
         "dspark_block_size": 5,
         "dspark_noise_token_id": 287,
@@ -113,37 +159,31 @@ def tiny_config(layers: int = MIN_LAYERS) -> dict:
         "dspark_n_routed_experts": 4,
         "dspark_num_experts_per_tok": 2,
     }
-    text["compress_ratios"] += [0] * text["num_nextn_predict_layers"]  # the draft's stages, as released
+
+
+def _vision_config() -> JsonObject:
     return {
-        "architectures": ["DeepseekV41ForCausalLM"],
-        "model_type": "deepseek_v41",
-        "text_config": text,
-        "vision_config": {
-            "model_type": "deepseek_v41_vision",
-            "num_hidden_layers": 2,
-            "hidden_size": 64,
-            "num_attention_heads": 4,
-            "intermediate_size": 128,
-            "patch_size": 4,
-            "rope_theta": 10000.0,
-            "downsample_ratio": 2,
-            "max_image_tokens": 64,
-            "min_pixels": 256,
-            "max_wh_ratio": None,
-        },
-        "quantization_config": {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [32, 32],
-            "scale_fmt": "ue8m0",
-            "expert_dtype": "fp4",
-        },
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "pad_token_id": 2,
-        "image_token_id": 259,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
+        "model_type": "deepseek_v41_vision",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "patch_size": 4,
+        "rope_theta": 10000.0,
+        "downsample_ratio": 2,
+        "max_image_tokens": 64,
+        "min_pixels": 256,
+        "max_wh_ratio": None,
+    }
+
+
+def _quantization_config() -> JsonObject:
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [32, 32],
+        "scale_fmt": "ue8m0",
+        "expert_dtype": "fp4",
     }
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.bundles import manifest as mf
+from deepinfer.bundles import manifest_io
 from deepinfer.bundles.layout import MANIFEST_FILE, TOKENIZER_DIR
 from deepinfer.bundles.safetensors import load_buffer, load_mmap
 from deepinfer.bundles.signatures import check_signature, read_signature
@@ -72,8 +73,8 @@ def open_bundle(path: str | Path, *, verify: bool = True, trust=None) -> Bundle:
             "through their digests); drop --no-verify"
         )
     identity = _identity(path)
-    manifest = mf.read(path, trust=trust)
-    mf.check_files(path, manifest, digests=verify and trust is None)
+    manifest = manifest_io.read(path, trust=trust)
+    manifest_io.check_files(path, manifest, digests=verify and trust is None)
     verified = None if trust is None else open_verified(path, manifest.files, mf.BundleError)
     check_compatible(manifest, path)
     config = parse_config(manifest.model.config, str(path / MANIFEST_FILE))

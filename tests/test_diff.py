@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from deepinfer.bundles import manifest as mf
+from deepinfer.bundles import manifest_io
 from deepinfer.cli import main
 from deepinfer.diff import diff_bundle, diff_session, table_lines
 from deepinfer.regions.agreement import TOLERANCE, compare_tensors
@@ -40,7 +40,7 @@ def _example(spec) -> torch.Tensor:
 
 def break_kind(bundle, kind: str, factor: float = 1.01) -> None:
     """Re-export every executable of `kind` with its `h` output scaled; digests updated (a valid bundle)."""
-    m = mf.read(bundle)
+    m = manifest_io.read(bundle)
     for r in m.regions:
         if r.kind != kind:
             continue
@@ -48,7 +48,7 @@ def break_kind(bundle, kind: str, factor: float = 1.01) -> None:
         inner = torch.export.load(str(path)).module(check_guards=False)
         ep = torch.export.export(Scaled(inner, factor), tuple(_example(s) for s in r.inputs), strict=False)
         torch.export.save(ep, str(path))
-    mf.write(bundle, mf.stamp(bundle, m))
+    manifest_io.write(bundle, manifest_io.stamp(bundle, m))
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def test_compare_tensors_scores():
 
 def test_every_kind_agrees(bundle_copy):
     report = diff_bundle(bundle_copy, PROMPTS, max_new_tokens=2)
-    m = mf.read(bundle_copy)
+    m = manifest_io.read(bundle_copy)
     kinds = report.kinds()
     assert {e.kind for e in kinds} == {r.kind for r in m.regions}  # every kind was called
     calls = {e.kind: e.calls for e in kinds}

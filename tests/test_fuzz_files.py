@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deepinfer.bundles import manifest as mf
+from deepinfer.bundles import manifest_io
 from deepinfer.bundles.safetensors import layout_header, read_header
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.errors import ConfigError, DeepinferError
@@ -225,7 +226,7 @@ def test_synthetic_manifest(data):
     fields = [f.name for f in dataclasses.fields(mf.Manifest)]
     manifest = {"format_version": 2} | {f: data.draw(values) for f in fields if f != "format_version"}
     manifest = mutate(data.draw, manifest)
-    refused_in_one_line(mf.parse, manifest, "manifest.json")
+    refused_in_one_line(manifest_io.parse, manifest, "manifest.json")
 
 
 @pytest.fixture(scope="module")
@@ -236,4 +237,4 @@ def real_manifest(exported_bundle) -> dict:
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_mutated_real_manifest(real_manifest, data):
-    refused_in_one_line(mf.parse, mutate(data.draw, real_manifest), "manifest.json")
+    refused_in_one_line(manifest_io.parse, mutate(data.draw, real_manifest), "manifest.json")

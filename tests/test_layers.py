@@ -57,6 +57,8 @@ RUNTIME_LOADS = [
     "deepinfer.bundles",
     "deepinfer.bundles.layout",
     "deepinfer.bundles.manifest",
+    "deepinfer.bundles.manifest_checks",
+    "deepinfer.bundles.manifest_io",
     "deepinfer.bundles.pt2",
     "deepinfer.bundles.safetensors",
     "deepinfer.bundles.signatures",
@@ -90,6 +92,7 @@ REGION_CLASSES = [
     "deepinfer.regions.head",
     "deepinfer.regions.base",
     "deepinfer.regions.plan",
+    "deepinfer.regions.selection",
 ]
 MOVED = [
     "deepinfer.bundles.keys",

@@ -13,7 +13,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from deepinfer.bundles import layout
+from deepinfer.bundles import layout, manifest_io
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.signing import TrustError, keygen, load_private_key, load_public_key, sign_file, verify_bytes
 from deepinfer.compiler import pipeline
@@ -130,7 +130,7 @@ def test_run_refuses_before_loading_anything(signed_bundle, keys, tmp_path, monk
     manifest = signed_bundle / layout.MANIFEST_FILE
     data = json.loads(manifest.read_text())
     data["model"]["cache_quant"] = not data["model"]["cache_quant"]  # an edit the digests do not see
-    manifest.write_text(mf.dumps(mf.parse(data, str(manifest))))
+    manifest.write_text(manifest_io.dumps(manifest_io.parse(data, str(manifest))))
     unsigned = shutil.copytree(signed_bundle, tmp_path / "unsigned")
     (unsigned / layout.SIGNATURE_FILE).unlink()
     for bundle, why in ((signed_bundle, "does not verify with the trusted key"), (unsigned, "missing")):
@@ -169,7 +169,7 @@ def test_run_trusts_a_signed_bundle_and_runs_what_it_verified(signed_bundle, key
     executable replaced between verification and use (the test hook) change nothing that runs."""
     from deepinfer.bundles.verified import TEST_HOOK_ENV
 
-    m = mf.read(signed_bundle)
+    m = manifest_io.read(signed_bundle)
     weights = m.rank_weights(0)[0].files[0]
     exe, other = _heads(m)
     script = tmp_path / "swap.py"
@@ -182,7 +182,7 @@ def test_run_trusts_a_signed_bundle_and_runs_what_it_verified(signed_bundle, key
     assert swapped.exit_code == 0, swapped.output
     assert swapped.output == trusted.output  # the same tokens: what ran is what was verified
     for rel in (weights, exe):  # the hook did swap them
-        assert mf.sha256_file(signed_bundle / rel) != m.files[rel]
+        assert manifest_io.sha256_file(signed_bundle / rel) != m.files[rel]
     # without --trust the same swap takes effect after the digest check: the executable's own
     # signature then disagrees with its entry, and it is refused before any program loads
     r = _run(control, env=hook)
@@ -198,11 +198,13 @@ def test_a_swapped_executable_is_refused_before_any_program_loads(exported_bundl
 
     monkeypatch.setattr(backends.ExportedExecutable, "__init__", never)
     bundle = shutil.copytree(exported_bundle, tmp_path / "bundle")
-    exe, other = _heads(mf.read(bundle))
+    exe, other = _heads(manifest_io.read(bundle))
     a, b = (bundle / exe).read_bytes(), (bundle / other).read_bytes()
     (bundle / exe).write_bytes(b)
     (bundle / other).write_bytes(a)
-    mf.write(bundle, mf.stamp(bundle, mf.read(bundle)))  # digests re-stamped: they cannot tell
+    manifest_io.write(
+        bundle, manifest_io.stamp(bundle, manifest_io.read(bundle))
+    )  # digests re-stamped: they cannot tell
     r = _run(bundle)
     assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
     assert f"{bundle / exe}: input 'h' shape [" in r.output and "vs manifest [" in r.output, r.output
@@ -215,7 +217,7 @@ def test_manifests_record_every_executables_signature(which, request):
     from deepinfer.bundles.signatures import check_signature, read_signature
 
     bundle = request.getfixturevalue(which)
-    m = mf.read(bundle)
+    m = manifest_io.read(bundle)
     assert m.format_version == 3
     for e in m.regions:
         assert [s.name for s in e.output_specs or ()] == list(e.outputs)

@@ -17,7 +17,7 @@ import deepinfer.compiler.cached as cached
 import deepinfer.compiler.executables as executables
 import deepinfer.compiler.keys as keys
 import deepinfer.compiler.pipeline as pipeline
-from deepinfer.bundles import manifest as mf
+from deepinfer.bundles import manifest_io
 from deepinfer.compiler.cache import Cache
 from deepinfer.compiler.cli import main as compile_cli
 from deepinfer.compiler.config import load_compile_config
@@ -49,7 +49,7 @@ def test_warm_compile_builds_nothing(filled, cache_copy, small_toml, tmp_path):
     assert kinds.count("executable") == kinds.count("trace") == EXECUTABLES
     assert kinds.count("weights") == 8 and kinds.count("host") == 3  # embedding, engram tables, vision
     assert manifest(bundle) == manifest(cold)
-    mf.check_files(bundle, mf.read(bundle))
+    manifest_io.check_files(bundle, manifest_io.read(bundle))
 
 
 def test_tampered_entries_are_detected_and_replaced(filled, cache_copy, small_toml, tmp_path):
@@ -67,7 +67,7 @@ def test_tampered_entries_are_detected_and_replaced(filled, cache_copy, small_to
     assert sorted(k for k, _ in cache.stats["corrupt"]) == ["executable", "weights"]
     assert report.compiled == (damaged["executable"],)
     assert without_executable_digests(manifest(bundle)) == without_executable_digests(manifest(cold))
-    mf.check_files(bundle, mf.read(bundle))
+    manifest_io.check_files(bundle, manifest_io.read(bundle))
     assert Cache(cache_copy).verify() == []  # replaced by good entries
 
 
@@ -165,7 +165,7 @@ def test_two_compiles_at_once_build_each_executable_once(small_toml, tmp_path):
     assert len(both) == len(set(both)) == EXECUTABLES  # each once, between them
     assert manifest(tmp_path / "b0") == manifest(tmp_path / "b1")  # identical bundles
     for i in range(2):
-        mf.check_files(tmp_path / f"b{i}", mf.read(tmp_path / f"b{i}"))
+        manifest_io.check_files(tmp_path / f"b{i}", manifest_io.read(tmp_path / f"b{i}"))
     assert Cache(tmp_path / "cache").verify() == []
 
 
@@ -184,5 +184,5 @@ def test_killed_compiles_never_leave_an_accepted_bad_entry(filled, small_toml, t
     report, cache = compile_cached(small_toml, tmp_path / "final", cache_dir)
     bundle = report.bundle
     assert cache.stats["corrupt"] == []
-    mf.check_files(bundle, mf.read(bundle))
+    manifest_io.check_files(bundle, manifest_io.read(bundle))
     assert without_executable_digests(manifest(bundle)) == without_executable_digests(manifest(cold))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from deepinfer.bundles import manifest as mf
+from deepinfer.bundles import manifest_io
 from deepinfer.compiler import budget
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.pipeline import compile_bundle, parse, plan
@@ -43,7 +44,7 @@ def test_breakdown_adds_up(exported_bundle):
         header = struct.unpack("<Q", path.read_bytes()[:8])[0]
         return path.stat().st_size - 8 - header
 
-    m = mf.read(exported_bundle)
+    m = manifest_io.read(exported_bundle)
     mem = m.memory["rank-0"]
     for entry in m.weights["rank-0"]:
         assert mem["weights_by_kind"][entry.kind] == tensor_bytes(exported_bundle / entry.path), entry.kind

@@ -10,7 +10,7 @@ import pytest
 
 import deepinfer.compiler.executables as executables
 import deepinfer.compiler.pipeline as pipeline
-from deepinfer.bundles import layout
+from deepinfer.bundles import layout, manifest_io
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.manifest import BundleError
 from deepinfer.compiler.config import load_compile_config
@@ -46,20 +46,20 @@ def test_format_version_is_the_first_key(exported_bundle):
     text = manifest_text(exported_bundle)
     assert re.match(rf'\{{\s*"format_version": {mf.FORMAT_VERSION},', text), text[:40]
     assert next(iter(json.loads(text))) == "format_version"
-    assert mf.read(exported_bundle).format_version == mf.FORMAT_VERSION in mf.SUPPORTED_VERSIONS
+    assert manifest_io.read(exported_bundle).format_version == mf.FORMAT_VERSION in mf.SUPPORTED_VERSIONS
 
 
 def test_manifest_round_trip(exported_bundle, bundle_copy):
-    m = mf.read(exported_bundle)
-    assert mf.dumps(m) == manifest_text(exported_bundle)  # the file is what dumps writes
-    assert mf.parse(json.loads(mf.dumps(m)), "round trip") == m
+    m = manifest_io.read(exported_bundle)
+    assert manifest_io.dumps(m) == manifest_text(exported_bundle)  # the file is what dumps writes
+    assert manifest_io.parse(json.loads(manifest_io.dumps(m)), "round trip") == m
     # a reader takes format_version wherever it stands; dumps puts it first
-    data = mf.to_json(m)
+    data = manifest_io.to_json(m)
     moved = {k: v for k, v in data.items() if k != "format_version"} | {"format_version": data["format_version"]}
     (bundle_copy / layout.MANIFEST_FILE).write_text(json.dumps(moved))
-    assert mf.read(bundle_copy) == m
-    assert next(iter(json.loads(mf.dumps(mf.read(bundle_copy))))) == "format_version"
-    mf.check_files(bundle_copy, mf.read(bundle_copy))
+    assert manifest_io.read(bundle_copy) == m
+    assert next(iter(json.loads(manifest_io.dumps(manifest_io.read(bundle_copy))))) == "format_version"
+    manifest_io.check_files(bundle_copy, manifest_io.read(bundle_copy))
 
 
 @pytest.mark.parametrize("version", [mf.FORMAT_VERSION + 1, 0, "1", None], ids=["newer", "zero", "string", "null"])
@@ -69,19 +69,19 @@ def test_unknown_format_version_is_refused_first(bundle_copy, version):
         del data["regions"]  # checked first: the version is the complaint, not this
 
     edit_manifest(bundle_copy, edit)
-    message = bundle_error(mf.read, bundle_copy)
+    message = bundle_error(manifest_io.read, bundle_copy)
     assert message.startswith(f"{bundle_copy / layout.MANIFEST_FILE}: format_version {version!r} is not supported")
     assert "recompile" in message
 
 
 def test_missing_format_version_is_refused(bundle_copy):
     edit_manifest(bundle_copy, lambda data: data.pop("format_version"))
-    assert "format_version None is not supported" in bundle_error(mf.read, bundle_copy)
+    assert "format_version None is not supported" in bundle_error(manifest_io.read, bundle_copy)
 
 
 def test_missing_required_key(bundle_copy):
     edit_manifest(bundle_copy, lambda data: data.pop("layers"))
-    assert bundle_error(mf.read, bundle_copy).endswith("manifest lacks layers")
+    assert bundle_error(manifest_io.read, bundle_copy).endswith("manifest lacks layers")
 
 
 def _set(path: list, value):
@@ -130,23 +130,23 @@ def test_damaged_manifest_is_one_line_naming_the_key(bundle_copy, damage):
     """read() checks types and cross-references once, before anything is loaded."""
     edit, message = DAMAGE[damage]
     edit_manifest(bundle_copy, edit)
-    error = bundle_error(mf.read, bundle_copy)
+    error = bundle_error(manifest_io.read, bundle_copy)
     assert error.startswith(f"{bundle_copy / layout.MANIFEST_FILE}: ") and "\n" not in error, error
     assert message in error, error
 
 
 def test_not_a_bundle_and_corrupt_manifest(tmp_path, bundle_copy):
-    assert "not a bundle" in bundle_error(mf.read, tmp_path / "nothing")
+    assert "not a bundle" in bundle_error(manifest_io.read, tmp_path / "nothing")
     (bundle_copy / layout.MANIFEST_FILE).write_text('{"format_version": 1,')
-    assert "manifest.json: is not valid JSON" in bundle_error(mf.read, bundle_copy)
+    assert "manifest.json: is not valid JSON" in bundle_error(manifest_io.read, bundle_copy)
 
 
 # --- validate ---
 
 
 def test_intact_bundle_validates(exported_bundle):
-    m = mf.read(exported_bundle)
-    mf.check_files(exported_bundle, m)
+    m = manifest_io.read(exported_bundle)
+    manifest_io.check_files(exported_bundle, m)
     listed = set(m.files)
     on_disk = {p.relative_to(exported_bundle).as_posix() for p in exported_bundle.rglob("*") if p.is_file()}
     assert on_disk - listed == {layout.MANIFEST_FILE}  # every other file has a digest
@@ -158,7 +158,7 @@ def test_intact_bundle_validates(exported_bundle):
 )
 def test_missing_file_is_detected(bundle_copy, rel):
     (bundle_copy / rel).unlink()
-    message = bundle_error(mf.check_files, bundle_copy, mf.read(bundle_copy))
+    message = bundle_error(manifest_io.check_files, bundle_copy, manifest_io.read(bundle_copy))
     assert message == f"{bundle_copy}: missing file {rel} (listed in the manifest)"
 
 
@@ -168,22 +168,24 @@ def test_altered_file_is_detected(bundle_copy, rel):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit, size unchanged
     path.write_bytes(bytes(data))
-    m = mf.read(bundle_copy)
-    message = bundle_error(mf.check_files, bundle_copy, m)
+    m = manifest_io.read(bundle_copy)
+    message = bundle_error(manifest_io.check_files, bundle_copy, m)
     assert message.startswith(f"{bundle_copy}: {rel} does not match its digest")
-    mf.check_files(bundle_copy, m, digests=False)  # presence alone still holds
+    manifest_io.check_files(bundle_copy, m, digests=False)  # presence alone still holds
 
 
 def test_referenced_file_without_digest_is_detected(bundle_copy):
     edit_manifest(bundle_copy, lambda data: data["files"].pop("weights/rank-0/moe.safetensors"))
-    message = bundle_error(mf.check_files, bundle_copy, mf.read(bundle_copy))
+    message = bundle_error(manifest_io.check_files, bundle_copy, manifest_io.read(bundle_copy))
     assert "weights/rank-0/moe.safetensors is referenced but not covered by a digest" in message
 
 
 @pytest.mark.parametrize("rel", ["../outside.pt2", "/etc/passwd"])
 def test_path_outside_the_bundle_is_refused(bundle_copy, rel):
     edit_manifest(bundle_copy, lambda data: data["files"].update({rel: "sha256:0"}))
-    assert f"{rel!r} is not inside the bundle" in bundle_error(mf.check_files, bundle_copy, mf.read(bundle_copy))
+    assert f"{rel!r} is not inside the bundle" in bundle_error(
+        manifest_io.check_files, bundle_copy, manifest_io.read(bundle_copy)
+    )
 
 
 # --- no partial bundle ---

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deepinfer.bundles import manifest as mf
+from deepinfer.bundles import manifest_io
 from deepinfer.regions.examples import example_inputs
 from deepinfer.regions.state import Geometry
 
@@ -52,7 +52,7 @@ class MoEPackage:
     """The AOTI bundle's MoE executable, its weight stacks and the inputs of its bucket."""
 
     def __init__(self, bundle):
-        self.m = mf.to_json(mf.read(bundle))
+        self.m = manifest_io.to_json(manifest_io.read(bundle))
         self.bucket = self.m["buckets"]["shapes"][0]
         self.e = entry(self.m, "moe", self.bucket["batch"], self.bucket["tokens"])
         self.runner = torch._inductor.aoti_load_package(str(bundle / self.e["artifact"]))
@@ -179,7 +179,7 @@ def executable_keys(m: dict) -> list[tuple]:
 @pytest.mark.parametrize("name", ["exported_bundle", "exported_bundle_12"])
 def test_one_executable_per_kind_and_bucket(request, name):
     bundle = request.getfixturevalue(name)
-    m = mf.to_json(mf.read(bundle))
+    m = manifest_io.to_json(manifest_io.read(bundle))
     kinds = [w["kind"] for w in m["weights"]["rank-0"]]
     shapes = [(s["batch"], s["tokens"]) for s in m["buckets"]["shapes"]]
     keys = executable_keys(m)
@@ -196,7 +196,7 @@ def test_one_executable_per_kind_and_bucket(request, name):
     artifacts = sorted(e["artifact"] for e in m["regions"])
     assert artifacts == sorted(p.relative_to(bundle).as_posix() for p in (bundle / "regions").iterdir())
     for e in m["regions"]:
-        assert e["digest"] == m["files"][e["artifact"]] == mf.sha256_file(bundle / e["artifact"])
+        assert e["digest"] == m["files"][e["artifact"]] == manifest_io.sha256_file(bundle / e["artifact"])
     # every layer binds a kind (not an executable of its own); the kind's stacks hold one slice per layer
     bound: dict[str, list[int]] = {}
     for layer in m["layers"]:
@@ -214,7 +214,10 @@ def test_one_executable_per_kind_and_bucket(request, name):
 
 def test_signatures_do_not_depend_on_layer_count(exported_bundle, exported_bundle_12):
     """A kind's executable has the same inputs (one layer's weights) in a 6- and a 12-layer model."""
-    m6, m12 = mf.to_json(mf.read(exported_bundle)), mf.to_json(mf.read(exported_bundle_12))
+    m6, m12 = (
+        manifest_io.to_json(manifest_io.read(exported_bundle)),
+        manifest_io.to_json(manifest_io.read(exported_bundle_12)),
+    )
     assert (len(m6["layers"]), len(m12["layers"])) == (6, 12)
     assert len(m6["buckets"]["shapes"]) == 2 and m12["buckets"]["shapes"] == [{"batch": 1, "tokens": 1}]
     by_key = dict(zip(executable_keys(m12), m12["regions"]))
@@ -226,7 +229,10 @@ def test_signatures_do_not_depend_on_layer_count(exported_bundle, exported_bundl
 
 def test_executable_count_does_not_grow_with_layers(exported_bundle, exported_bundle_12):
     """Executables per bucket: kinds, the same for 6 and 12 layers (the 12-layer bundle has bucket (1, 1))."""
-    m6, m12 = mf.to_json(mf.read(exported_bundle)), mf.to_json(mf.read(exported_bundle_12))
+    m6, m12 = (
+        manifest_io.to_json(manifest_io.read(exported_bundle)),
+        manifest_io.to_json(manifest_io.read(exported_bundle_12)),
+    )
     per_bucket = [sorted((k for k in executable_keys(m) if k[2:4] == (1, 1)), key=str) for m in (m6, m12)]
     assert per_bucket[0] == per_bucket[1]
     assert len(m6["regions"]) == len(per_bucket[0]) * len(m6["buckets"]["shapes"])
@@ -234,7 +240,7 @@ def test_executable_count_does_not_grow_with_layers(exported_bundle, exported_bu
 
 def test_bundle_weights_are_the_reference_weights(exported_bundle, ref_fp32):
     """Stack slice `index` of a kind's weights is bit-identical to that layer's reference region buffer."""
-    m = mf.to_json(mf.read(exported_bundle))
+    m = manifest_io.to_json(manifest_io.read(exported_bundle))
     for w in m["weights"]["rank-0"]:
         stack = stacks(exported_bundle, m, w["kind"])
         for index, layer in enumerate(w["layers"]):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.bundles.manifest import sha256_file
+from deepinfer.bundles.manifest_io import sha256_file
 from deepinfer.compiler.kill_points import KILL_AT_ENV, POINTS, compile_process
 
 from ..conftest import write_model_toml

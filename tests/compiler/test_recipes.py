@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from deepinfer.bundles import manifest as mf
+from deepinfer.bundles import manifest_io
 from deepinfer.compiler.plan import plan_regions
 from deepinfer.compiler.weights import in_format
 from deepinfer.diff import References, diff_bundle, table_lines
@@ -227,7 +227,7 @@ def test_diff_runs_e4m3_bundles_with_regions_of_their_format(e4m3_bundle):
     graphs' decoders); bound to the recipe's bytes they agree with every executable."""
     assert {r.fp8_format for r in References(load(e4m3_bundle)).regions.values()} == {"e4m3"}
     report = diff_bundle(e4m3_bundle, PROMPTS[:1], max_new_tokens=2)
-    assert {e.kind for e in report.kinds()} == {r.kind for r in mf.read(e4m3_bundle).regions}
+    assert {e.kind for e in report.kinds()} == {r.kind for r in manifest_io.read(e4m3_bundle).regions}
     assert not report.failing(), "\n".join(table_lines(report))
 
 

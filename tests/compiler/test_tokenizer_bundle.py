@@ -15,8 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 import deepinfer.compiler.pipeline as pipeline
-from deepinfer.bundles import layout
-from deepinfer.bundles import manifest as mf
+from deepinfer.bundles import layout, manifest_io
 from deepinfer.bundles.manifest import BundleError
 from deepinfer.bundles.safetensors import load_mmap
 from deepinfer.compiler.config import load_compile_config
@@ -99,15 +98,17 @@ def test_damaged_tokenizer_fails_the_compile_in_one_line(ckpt, tmp_path):
 
 
 def test_bundle_records_its_tokenizer(exported_bundle_12, exported_bundle):
-    m = mf.read(exported_bundle_12)
+    m = manifest_io.read(exported_bundle_12)
     assert m.model.tokenizer == "tokenizers"
     for name in ("tokenizer.json", "tokenizer_config.json", "engram_token_map"):
         assert (
-            m.files[m.host[name].path] == m.host[name].digest == mf.sha256_file(exported_bundle_12 / m.host[name].path)
+            m.files[m.host[name].path]
+            == m.host[name].digest
+            == manifest_io.sha256_file(exported_bundle_12 / m.host[name].path)
         )
     stored = load_mmap(exported_bundle_12 / m.host["engram_token_map"].path)["token_map"]
     assert stored.tolist() == GOLDEN["map"]
-    byte = mf.read(exported_bundle)
+    byte = manifest_io.read(exported_bundle)
     assert byte.model.tokenizer == "byte" and sorted(byte.host) == ["embed", "engram", "vision"]
 
 
@@ -138,7 +139,7 @@ def test_manifest_without_tokenizer_entries_is_refused(bundle12_copy, drop):
     data = json.loads((bundle12_copy / layout.MANIFEST_FILE).read_text())
     del data["host"][drop]
     with pytest.raises(BundleError, match=r"manifest.json: host: (lacks tokenizer.json|an engram_token_map goes)"):
-        mf.parse(data, str(bundle12_copy / layout.MANIFEST_FILE))
+        manifest_io.parse(data, str(bundle12_copy / layout.MANIFEST_FILE))
 
 
 def test_run_chat_through_the_bundle_matches_the_reference(exported_bundle_12, tiny12_ckpt, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deepinfer.bundles import manifest as mf
+from deepinfer.bundles import manifest_io
 from deepinfer.bundles.manifest import BundleError
 from deepinfer.regions.reference import REFERENCE_BLOCK_SIZE, EagerSteps
 from deepinfer.regions.step import run_layers
@@ -167,7 +168,7 @@ def small_manifest(contexts: tuple[int, ...] = (16, 48)) -> mf.Manifest:
 
 def parse_error(data) -> str:
     with pytest.raises(BundleError) as e:
-        mf.parse(data, "m.json")
+        manifest_io.parse(data, "m.json")
     message = str(e.value)
     assert message.startswith("m.json: ") and "\n" not in message, message
     return message
@@ -175,7 +176,7 @@ def parse_error(data) -> str:
 
 def test_manifest_records_each_executables_context_bucket():
     m = small_manifest()
-    data = mf.to_json(m)
+    data = manifest_io.to_json(m)
     assert data["buckets"]["contexts"] == [16, 48]
     by_name = {e["artifact"]: e["bucket"] for e in data["regions"]}
     assert by_name == {
@@ -184,21 +185,21 @@ def test_manifest_records_each_executables_context_bucket():
         "regions/moe.decode.b1t1.pt2": {"batch": 1, "tokens": 1},  # context-free: absent
         "regions/head.decode.b1t1.pt2": {"batch": 1, "tokens": 1},
     }
-    assert mf.parse(json.loads(json.dumps(data)), "m.json") == m
+    assert manifest_io.parse(json.loads(json.dumps(data)), "m.json") == m
 
 
 def test_a_manifest_without_context_buckets_has_one_at_max_context():
     """Bundles written before context buckets: no `contexts`, no executable with a context."""
-    data = mf.to_json(small_manifest((48,)))
+    data = manifest_io.to_json(small_manifest((48,)))
     del data["buckets"]["contexts"]
     for e in data["regions"]:
         e["bucket"].pop("context", None)
-    m = mf.parse(data, "m.json")
+    m = manifest_io.parse(data, "m.json")
     assert m.buckets.context_sizes == [48] and all(e.bucket.context is None for e in m.regions)
 
 
 def _edit(fn):
-    data = mf.to_json(small_manifest())
+    data = manifest_io.to_json(small_manifest())
     fn(data)
     return data
 

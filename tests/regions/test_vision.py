@@ -416,13 +416,13 @@ def test_bundle_carries_the_tower_and_reproduces_the_reference(exported_bundle, 
     from click.testing import CliRunner
 
     import deepinfer.runtime.ranks
-    from deepinfer.bundles import manifest as mf
+    from deepinfer.bundles import manifest_io
     from deepinfer.regions.reference import ReferenceModel
     from deepinfer.runtime import RunOptions, generate, load
     from deepinfer.runtime.bundle import load_vision
     from deepinfer.runtime.cli import main as run_main
 
-    m = mf.read(exported_bundle)
+    m = manifest_io.read(exported_bundle)
     host = m.host["vision"]
     assert host.path == "host/vision.safetensors" and host.digest == m.files[host.path]
     session = load(exported_bundle)

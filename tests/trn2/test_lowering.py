@@ -24,6 +24,7 @@ pytest.importorskip("jax", reason="the trn2 lowering needs the [trn2] extra (jax
 from jax._src.lib import xla_client
 
 from deepinfer.bundles import manifest as mf
+from deepinfer.bundles import manifest_io
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.finish import finish_bundle
 from deepinfer.compiler.plan import plan_regions
@@ -78,7 +79,7 @@ def test_every_region_kind_is_lowered_and_checked(trn2_hlo_bundle):
     # checked on random weights of the real shapes (all-zero weights made every output zero); the
     # embedding's gather is exact (test_embedding_is_a_gather_of_rows)
     assert all(e["check"]["max_abs"] > 0 for e in m["regions"] if e["kind"] != "embed")
-    mf.check_files(trn2_hlo_bundle, mf.read(trn2_hlo_bundle))
+    manifest_io.check_files(trn2_hlo_bundle, manifest_io.read(trn2_hlo_bundle))
 
 
 def test_weights_and_rank_are_hlo_parameters(trn2_hlo_bundle):
@@ -180,7 +181,7 @@ def test_manifest_binds_one_embedding(trn2_hlo_bundle):
     neither["embed"] = None
     for bad, message in ((both, "holds the token embedding .*not both"), (neither, "lacks the token embedding")):
         with pytest.raises(mf.BundleError, match=rf"m.json: host: {message}"):
-            mf.parse(bad, "m.json")
+            manifest_io.parse(bad, "m.json")
 
 
 class _PassThrough(torch.nn.Module):
@@ -330,7 +331,7 @@ def test_finish_with_the_stand_in(trn2_hlo_bundle, tmp_path, stand_in):
     bundle = copy_bundle(trn2_hlo_bundle, tmp_path)
     finish_bundle(bundle, jobs=2, log=lambda msg: None)
     m = manifest(bundle)
-    mf.check_files(bundle, mf.read(bundle))
+    manifest_io.check_files(bundle, manifest_io.read(bundle))
     assert m["stage"] == "executable" and m["toolchain"]["neuronx-cc"] == "2.99.0.0+0000000d"
     argvs = [json.loads(line)["argv"] for line in stand_in.read_text().splitlines()]
     compiles = [a for a in argvs if a[:1] == ["compile"]]
@@ -359,7 +360,7 @@ def test_failed_finish_names_region_and_keeps_bundle(trn2_hlo_bundle, tmp_path, 
     log = Path(message.rsplit("log: ", 1)[1].rstrip(")"))
     assert log.is_file() and log.parent.name == "bundle.failed-logs"
     assert manifest(bundle) == before
-    mf.check_files(bundle, mf.read(bundle))
+    manifest_io.check_files(bundle, manifest_io.read(bundle))
 
 
 @pytest.mark.slow

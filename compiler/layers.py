@@ -209,7 +209,7 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
             at = pieces_at[(op.slot, op.method)]
             if at not in memo:
                 graph = lower(spec, plan, at)
-                memo[at] = graph, hlo.to_stablehlo(graph.program, getattr(target, "frontend", "torch-mlir"))
+                memo[at] = graph, hlo.to_stablehlo(graph.program, trn2(spec).frontend)
             graph, pieces[piece] = memo[at]
             graphs[piece] = graph
             rename = dict(op.inputs)
@@ -244,7 +244,7 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
             args_shapes = [_shape_of(a, shapes, inputs) for a in op.args]
             fn = _glue_fn(op.fn, spec.topology)
             program, values = _glue_program(fn, args_shapes)
-            pieces[op.fn] = hlo.to_stablehlo(target.lower(program), getattr(target, "frontend", "torch-mlir"))
+            pieces[op.fn] = hlo.to_stablehlo(target.lower(program), trn2(spec).frontend)
             steps.append(link.Call(op.fn, op.args, op.results))
             made.update(op.results)
             for r, v in zip(op.results, values):

@@ -21,6 +21,7 @@ interrupted or failed compile leaves no partial bundle.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -28,10 +29,10 @@ import shutil
 import sys
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import deepinfer
 from deepinfer.bundles import layout
@@ -56,9 +57,6 @@ from deepinfer.errors import ConfigError, DeepinferError
 from deepinfer.regions.checkpoint import Checkpoint
 from deepinfer.schema import Rules, coerce
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
 
 @dataclass(frozen=True, kw_only=True)
 class Weights:
@@ -76,16 +74,17 @@ class State:
 
 
 class Timings:
-    """Runs passes by name, timing each: `seconds` maps pass names to seconds, in the order run."""
+    """Times passes by name (`with timed("trace"): ...`): `seconds` maps pass names to seconds,
+    in the order run; a pass that raises is not recorded."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
 
-    def __call__(self, name: str, run: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
-        made = run(*args, **kwargs)
+        yield
         self.seconds[name] = time.perf_counter() - start
-        return made
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,19 +98,28 @@ class Built:
 
 def build(config: CompileConfig, hlo_only: bool, run: Run, timed: Timings) -> Built:
     """Every pass, in order, into `run.staging`."""
-    spec = timed("parse config", parse, config, hlo_only, run.log)
-    tokenizer = timed("copy tokenizer", copy_tokenizer, spec, run)
-    regions = timed("plan regions", plan, spec, run.log)
-    timed("check memory budget", budget.check_planned, spec, regions, run.log)
-    weights = timed("preprocess weights", preprocess_weights, spec, regions, run)
-    traced = timed("trace", trace_regions, spec, regions, run)
-    timed("check memory budget with scratch", budget.check_traced, spec, regions, traced.executables, run.log)
-    compiled = timed("compile", compile_regions, spec, traced, run)
-    state = timed("lay out state", layout_state, spec, regions)
-    timed("record cache keys", record_cache_keys, run)
-    manifest = timed(
-        "write manifest", write_manifest, spec, regions, weights, tokenizer, compiled.executables, state, run
-    )
+    with timed("parse config"):
+        spec = parse(config, hlo_only, run.log)
+    with timed("copy tokenizer"):
+        tokenizer = copy_tokenizer(spec, run)
+    with timed("plan regions"):
+        regions = plan(spec, run.log)
+    with timed("check memory budget"):
+        budget.check_planned(spec, regions, run.log)
+    with timed("preprocess weights"):
+        weights = preprocess_weights(spec, regions, run)
+    with timed("trace"):
+        traced = trace_regions(spec, regions, run)
+    with timed("check memory budget with scratch"):
+        budget.check_traced(spec, regions, traced.executables, run.log)
+    with timed("compile"):
+        compiled = compile_regions(spec, traced, run)
+    with timed("lay out state"):
+        state = layout_state(spec, regions)
+    with timed("record cache keys"):
+        record_cache_keys(run)
+    with timed("write manifest"):
+        manifest = write_manifest(spec, regions, weights, tokenizer, compiled.executables, state, run)
     return Built(executables=len(manifest.regions), compiled=compiled.built, lowered=traced.lowered)
 
 

@@ -282,14 +282,7 @@ class Trn2Target:
         else:
             flats = [[{**stored, "rank": torch.tensor(r)}[n] for n in names[:n_weights]] for r in range(world)]
             runs = hlo.CpuReplicas(Path(proto).read_bytes(), world)([f + [a.clone() for a in inputs] for f in flats])
-            own = [reference(r) for r in range(world)]
-            refs = [list(o) for o in own]
-            for name, rank_groups in groups.items():
-                j = labels.index(name)
-                for g in rank_groups:
-                    total = torch.stack([own[r][j] for r in g]).sum(0).to(region.dtype)  # cast in the module
-                    for r in g:
-                        refs[r][j] = total
+            refs = _reduced([reference(r) for r in range(world)], groups, labels, region.dtype)
         diffs = []
         for got, ref in zip(runs, refs):
             diffs += self.agree(got, ref, labels, region.dtype, where)
@@ -343,6 +336,21 @@ class Trn2Target:
     def compile(self, lowered: Path, out: Path, *, log: Path | None = None, name: str = "") -> None:
         """HLO module -> NEFF with neuronx-cc; its log is kept at `log`."""
         neuronxcc.compile_neff(lowered, out, log or out.with_suffix(".log"), self.compile_options, region=name)
+
+
+def _reduced(
+    own: list[list[torch.Tensor]], groups: dict[str, list[list[int]]], labels: list[str], dtype: torch.dtype
+) -> list[list[torch.Tensor]]:
+    """Each rank's reference outputs with those in `groups` summed over the rank's group (what the
+    host collectives give), cast to `dtype` as the module casts them."""
+    refs = [list(o) for o in own]
+    for name, rank_groups in groups.items():
+        j = labels.index(name)
+        for g in rank_groups:
+            total = torch.stack([own[r][j] for r in g]).sum(0).to(dtype)  # cast in the module
+            for r in g:
+                refs[r][j] = total
+    return refs
 
 
 def _own_options(options: dict) -> Trn2Options | str:

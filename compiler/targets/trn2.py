@@ -18,7 +18,7 @@ What differs from the cpu target:
   neuronx-cc needs (no dtype bitcasts of graph inputs).
 
 Options (model.toml [target].options): neuronx-cc's (lnc, optlevel, model_type,
-auto_cast, extra_flags, verbose, timeout_s) and deepinfer's own: `frontend`
+auto_cast, extra_flags, verbose, timeout_s) and deepinfer's own (Trn2Options): `frontend`
 ("torch-mlir", or "torch-xla" where installed), `check` (run the XLA:CPU check,
 default true), `layers` and `collectives`:
 

@@ -36,7 +36,6 @@ depends on the rows per step.
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -45,11 +44,11 @@ from pathlib import Path, PurePosixPath
 from deepinfer.bundles import layout
 from deepinfer.bundles.manifest import DECODE, PROJECT, Pool
 from deepinfer.bundles.safetensors import DTYPES, TensorInfo
-from deepinfer.compiler import budget, cached, pipeline, step_cost
+from deepinfer.compiler import budget, pipeline, step_cost
 from deepinfer.compiler.budget import Breakdown, human
 from deepinfer.compiler.config import CompileConfig, config_error
-from deepinfer.compiler.executables import lower
 from deepinfer.compiler.plan import Exe, RegionPlan
+from deepinfer.compiler.plan_scratch import MOE, GraphScratch, recorded_scratch, trace_scratch
 from deepinfer.compiler.spec import Spec, parse
 from deepinfer.errors import ConfigError
 from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
@@ -57,19 +56,6 @@ from deepinfer.regions.config import CONFIG_FILE, V41Config
 from deepinfer.regions.topology import boundary_reduce, head_rows
 
 BUNDLE = PurePosixPath("bundle")  # where the planned files would go: paths are reported relative to it
-MOE = "moe"
-
-
-@dataclass(frozen=True)
-class GraphScratch:
-    """One traced graph's scratch, as `budget.breakdown` reads an executable's."""
-
-    name: str  # the executable's name: `<kind>.<method>.<bucket>`
-    scratch_bytes: int
-
-    @property
-    def kind(self) -> str:
-        return self.name.split(".", 1)[0]
 
 
 @dataclass
@@ -258,85 +244,119 @@ class BundlePlan:
     # -- output ----------------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        c, topo = self.spec.config, self.spec.topology
-        kinds = {}
-        for kind, kp in self.regions.kinds.items():
-            kinds[kind] = {
-                "slot": kp.slot,
-                "layers": kp.layers,
-                "executables": [layout.executable_name(*e) for e in self.executables if e[0] == kind],
-                "weights_per_rank": self.device_weights(layout.rank_key(0))[kind],
-            }
-        moe = self.moe_scratch
+        c = self.spec.config
         return {
             "model_toml": str(c.source),
             "checkpoint": {"path": str(c.model.checkpoint), "source": self.checkpoint},
             "target": {"name": c.target.name, "executable": c.target.executable, "lnc": self.spec.target.lnc},
-            "topology": topo.to_dict(),
-            "layers": [
-                {
-                    "layer": p.layer,
-                    "attn": p.attn,
-                    "ratio": p.ratio,
-                    "kv_source": p.kv_source,
-                    "engram": p.engram_rows > 0,
-                    "regions": {slot: kind for slot, (kind, _) in self.regions.bindings[p.layer].items()},
-                }
-                for p in self.regions.layers
-            ],
-            "kinds": kinds,
-            "executables": {
-                "count": len(self.built),
-                "kinds": len(self.regions.kinds),
-                "methods": sorted({e[1] for e in self.built}),
-                "buckets": [list(s) for s in c.buckets.shapes()],
-                "names": [layout.executable_name(*e) for e in self.built],
-                "fused_layers": {lk.name: list(lk.layers) for lk in self.regions.fused_kinds().values()}
-                if self.spec.fused
-                else None,
-            },
+            "topology": self.spec.topology.to_dict(),
+            "layers": self._layers_dict(),
+            "kinds": self._kinds_dict(),
+            "executables": self._executables_dict(),
             "compile_jobs": len(self.built),
             "draft": self.draft,
             "per_decode_step": self.per_step,
             "step_cost": step_cost.report(self),
-            "weights": {
-                "files": self.files,
-                "shared_files": list(self.shared_files),
-                "per_rank_device": {r: sum(d.weights.values()) for r, d in self.memory.items()},
-                "per_rank_files": {r: self.rank_file_bytes(r) for r in self.rank_files},
-                "head": self.head,
-            },
-            "pools": {
-                name: {
-                    "state": p.state,
-                    "dim": p.dim,
-                    "layers": list(p.layers),
-                    "entry_shape": list(p.entry_shape),
-                    "dtype": p.dtype,
-                    "bytes": self.memory[layout.rank_key(0)].pools[name],  # per rank
-                    **self.pool_division(p),
-                }
-                for name, p in self.pools.items()
-            },
-            "scratch": None
-            if self.scratch is None
-            else {
-                "method": budget.SCRATCH_METHOD,
-                "by_graph": self.scratch,
-                "from_cache": list(self.recorded),
-                "moe_by_batch": {str(b): n for b, n in moe.items()},
-                "moe_fixed_bytes": self.moe_split[0] if self.moe_split else None,
-                "moe_bytes_per_row": self.moe_split[1] if self.moe_split else None,
-            },
+            "weights": self._weights_dict(),
+            "pools": self._pools_dict(),
+            "scratch": self._scratch_dict(),
             "memory": {r: {**d.to_dict(), "fits": d.fits} for r, d in self.memory.items()},
             "bundle": {"bytes": self.bundle_bytes, "executables": None},
             "seconds": round(self.seconds, 2),
         }
 
+    def _layers_dict(self) -> list[dict]:
+        return [
+            {
+                "layer": p.layer,
+                "attn": p.attn,
+                "ratio": p.ratio,
+                "kv_source": p.kv_source,
+                "engram": p.engram_rows > 0,
+                "regions": {slot: kind for slot, (kind, _) in self.regions.bindings[p.layer].items()},
+            }
+            for p in self.regions.layers
+        ]
+
+    def _kinds_dict(self) -> dict:
+        return {
+            kind: {
+                "slot": kp.slot,
+                "layers": kp.layers,
+                "executables": [layout.executable_name(*e) for e in self.executables if e[0] == kind],
+                "weights_per_rank": self.device_weights(layout.rank_key(0))[kind],
+            }
+            for kind, kp in self.regions.kinds.items()
+        }
+
+    def _executables_dict(self) -> dict:
+        return {
+            "count": len(self.built),
+            "kinds": len(self.regions.kinds),
+            "methods": sorted({e[1] for e in self.built}),
+            "buckets": [list(s) for s in self.spec.config.buckets.shapes()],
+            "names": [layout.executable_name(*e) for e in self.built],
+            "fused_layers": {lk.name: list(lk.layers) for lk in self.regions.fused_kinds().values()}
+            if self.spec.fused
+            else None,
+        }
+
+    def _weights_dict(self) -> dict:
+        return {
+            "files": self.files,
+            "shared_files": list(self.shared_files),
+            "per_rank_device": {r: sum(d.weights.values()) for r, d in self.memory.items()},
+            "per_rank_files": {r: self.rank_file_bytes(r) for r in self.rank_files},
+            "head": self.head,
+        }
+
+    def _pools_dict(self) -> dict:
+        return {
+            name: {
+                "state": p.state,
+                "dim": p.dim,
+                "layers": list(p.layers),
+                "entry_shape": list(p.entry_shape),
+                "dtype": p.dtype,
+                "bytes": self.memory[layout.rank_key(0)].pools[name],  # per rank
+                **self.pool_division(p),
+            }
+            for name, p in self.pools.items()
+        }
+
+    def _scratch_dict(self) -> dict | None:
+        if self.scratch is None:
+            return None
+        return {
+            "method": budget.SCRATCH_METHOD,
+            "by_graph": self.scratch,
+            "from_cache": list(self.recorded),
+            "moe_by_batch": {str(b): n for b, n in self.moe_scratch.items()},
+            "moe_fixed_bytes": self.moe_split[0] if self.moe_split else None,
+            "moe_bytes_per_row": self.moe_split[1] if self.moe_split else None,
+        }
+
     def lines(self) -> list[str]:
+        return [
+            *self._header_lines(),
+            *self._layer_plan_lines(),
+            *self._executable_lines(),
+            *self._draft_lines(),
+            "",
+            *step_cost.lines(self),
+            *self._weight_lines(),
+            *self._pool_lines(),
+            *self._scratch_lines(),
+            *self._memory_lines(),
+            "",
+            f"bundle on disk: {human(self.bundle_bytes)} of weights and host files in {len(self.files)} files "
+            f"(+ {len(self.built)} executables, sized when compiled)",
+        ]
+
+    def _header_lines(self) -> list[str]:
         c, topo, spec = self.spec.config, self.spec.topology, self.spec
         t = spec.model.text
-        out = [
+        return [
             f"plan of {c.source} ({self.checkpoint}, {self.seconds:.1f} s)",
             f"model: {t.num_hidden_layers} layers, {t.n_routed_experts} routed experts, hidden {t.hidden_size}; "
             f"target {c.target.name} ({c.target.executable}"
@@ -344,7 +364,9 @@ class BundlePlan:
             + f"; tp {topo.tp}, ep {topo.ep}, cp {topo.cp}: {topo.world} ranks",
             "",
         ]
-        out.append(f"layer plan: {len(self.regions.layers)} layers -> {len(self.regions.kinds)} region kinds")
+
+    def _layer_plan_lines(self) -> list[str]:
+        out = [f"layer plan: {len(self.regions.layers)} layers -> {len(self.regions.kinds)} region kinds"]
         rank0 = layout.rank_key(0)
         for kind, kp in self.regions.kinds.items():
             layers = (
@@ -353,12 +375,16 @@ class BundlePlan:
                 else ("draft stages " if kp.source != "layers.{}." else "layers ") + _ranges(kp.layers)
             )
             out.append(f"  {kind:<22} {kp.slot:<7} {layers:<40} {human(self.device_weights(rank0)[kind]):>12} per rank")
+        return out
+
+    def _executable_lines(self) -> list[str]:
+        c, topo = self.spec.config, self.spec.topology
         shapes = c.buckets.shapes()
         methods = sorted({e[1] for e in self.executables})
         drafted = len(self.regions.draft_kinds) + 1 if self.regions.draft else 0  # + the head's project
         calls = {(e[0], e[1]) for e in self.executables if e[0] not in self.regions.draft_kinds and e[1] != PROJECT}
         staged = sorted({k for k, m in calls if m != DECODE})  # the divided attention's stages (regions/divided.py)
-        out += [
+        out = [
             "",
             (
                 f"executables: {len(self.regions.kinds)} kinds x {len(methods)} method(s) ({', '.join(methods)}) "
@@ -379,9 +405,19 @@ class BundlePlan:
             "  buckets (batch x tokens): "
             + ", ".join(f"{b}x{tk}" for b, tk in shapes)
             + ("; the MoE runs on the gathered rows (EP dispatch)" if topo.dispatch else ""),
+            self._step_line(),
         ]
+        if len(c.buckets.contexts) > 1:
+            per_context = sorted({e[0] for e in self.executables if e[4] is not None})
+            out.append(
+                f"  context buckets: {', '.join(map(str, c.buckets.contexts))} (built per context: "
+                f"{', '.join(per_context)})"
+            )
+        return out
+
+    def _step_line(self) -> str:
         step = self.per_step
-        out.append(
+        return (
             f"  per decode step and rank: {step['executions']} device executions ("
             + ", ".join(f"{n} {slot}" for slot, n in step["executions_by_slot"].items())
             + f"), {step['collectives']} collectives"
@@ -392,15 +428,9 @@ class BundlePlan:
             )
             + (f", {step['collectives_in_executables']} of them inside the executables" if step["collectives"] else "")
         )
-        if len(c.buckets.contexts) > 1:
-            per_context = sorted({e[0] for e in self.executables if e[4] is not None})
-            out.append(
-                f"  context buckets: {', '.join(map(str, c.buckets.contexts))} (built per context: "
-                f"{', '.join(per_context)})"
-            )
-        out += self._draft_lines()
-        out += ["", *step_cost.lines(self)]
-        out += ["", "weights per rank after sharding (device):"]
+
+    def _weight_lines(self) -> list[str]:
+        out = ["", "weights per rank after sharding (device):"]
         out += [f"  {ranks}: {human(sum(d.weights.values()))}" for ranks, d in _same(self.memory, _weights_of).items()]
         head = self.head
         out.append(
@@ -419,46 +449,44 @@ class BundlePlan:
             f"  {ranks} load {human(n)} each from the weight files (own and shared)"
             for ranks, n in _same({r: self.rank_file_bytes(r) for r in self.rank_files}, lambda v: v).items()
         ]
-        out += ["", f"state pools ({len(self.pools)}):"]
+        return out
+
+    def _pool_lines(self) -> list[str]:
+        rank0 = layout.rank_key(0)
+        out = ["", f"state pools ({len(self.pools)}):"]
         for name, p in self.pools.items():
             out.append(
                 f"  {name:<14} {len(p.layers):>3} layers x {p.dim:<6} x {list(p.entry_shape)} {p.dtype:<9} "
                 f"{human(self.memory[rank0].pools[name]):>12}" + self._pool_note(p)
             )
-        out += [
+        return out
+
+    def _scratch_lines(self) -> list[str]:
+        if self.scratch is None:
+            return ["", "scratch: not traced (--no-scratch) and not in the compile cache"]
+        untraced = [k for k in self.regions.kinds if not any(n.startswith(k + ".") for n in self.scratch)]
+        out = [
             "",
-            "scratch: "
-            + (
-                "not traced (--no-scratch) and not in the compile cache"
-                if self.scratch is None
-                else budget.SCRATCH_METHOD
-            ),
+            "scratch: " + budget.SCRATCH_METHOD,
+            f"  {len(self.recorded)} graph(s) from the compile cache's trace records, "
+            f"{len(self.scratch) - len(self.recorded)} traced here at their kind's largest bucket"
+            + (f"; unknown: {', '.join(untraced)}" if untraced else ""),
         ]
-        if self.scratch is not None:
-            untraced = [k for k in self.regions.kinds if not any(n.startswith(k + ".") for n in self.scratch)]
+        out += [f"  {name:<36} {human(n):>12}" for name, n in self.scratch.items()]
+        if self.moe_split:
+            fixed, per_row = self.moe_split
             out.append(
-                f"  {len(self.recorded)} graph(s) from the compile cache's trace records, "
-                f"{len(self.scratch) - len(self.recorded)} traced here at their kind's largest bucket"
-                + (f"; unknown: {', '.join(untraced)}" if untraced else "")
+                f"  MoE scratch: {human(fixed)} whatever the rows (its experts' weights, decoded in "
+                f"tiles) + {human(round(per_row))} per row (activations); "
+                + ", ".join(f"batch {b}: {human(n)}" for b, n in self.moe_scratch.items())
             )
-        if self.scratch is not None:
-            out += [f"  {name:<36} {human(n):>12}" for name, n in self.scratch.items()]
-            if self.moe_split:
-                fixed, per_row = self.moe_split
-                out.append(
-                    f"  MoE scratch: {human(fixed)} whatever the rows (its experts' weights, decoded in "
-                    f"tiles) + {human(round(per_row))} per row (activations); "
-                    + ", ".join(f"batch {b}: {human(n)}" for b, n in self.moe_scratch.items())
-                )
-        out += ["", "memory budget per rank:"]
+        return out
+
+    def _memory_lines(self) -> list[str]:
+        out = ["", "memory budget per rank:"]
         for ranks, d in _same(self.memory, lambda d: (d.total, d.usable)).items():
             out.append(f"  {ranks}: {'fits' if d.fits else 'DOES NOT FIT'}")
             out += ["  " + line for line in d.lines()]
-        out += [
-            "",
-            f"bundle on disk: {human(self.bundle_bytes)} of weights and host files in {len(self.files)} files "
-            f"(+ {len(self.built)} executables, sized when compiled)",
-        ]
         return out
 
 
@@ -510,51 +538,7 @@ def plan_checkpoint(model: V41Config, directory: Path) -> tuple[Checkpoint, str]
     return Checkpoint.described(directory, tensors), f"{CONFIG_FILE} only: shapes from the regions' weight specs"
 
 
-# -- scratch --------------------------------------------------------------------------------------
-
-
-def traced_buckets(executables: list[Exe], kinds=None) -> list[Exe]:
-    """The graphs a plan traces: each (kind, method)'s largest bucket (most rows; more tokens, then the
-    largest context bucket on a tie), and the MoE's smallest batch bucket at its largest tokens
-    bucket; only `kinds` when given. Executables are (kind, method, batch, tokens, context)."""
-    out = []
-    for kind, method in dict.fromkeys((e[0], e[1]) for e in executables if kinds is None or e[0] in kinds):
-        mine = [e for e in executables if (e[0], e[1]) == (kind, method)]
-        top = max(mine, key=lambda e: (e[2] * e[3], e[3], e[4] or 0))
-        out.append(top)
-        if kind == MOE:
-            low = min((e for e in mine if e[3] == top[3]), key=lambda e: e[2])
-            if low != top:
-                out.append(low)
-    return out
-
-
-def trace_scratch(spec: Spec, regions: RegionPlan, executables, log, kinds=None) -> dict[str, int]:
-    """executable name -> peak intermediate bytes of its lowered graph (compiler/budget.scratch_bytes)."""
-    out = {}
-    for exe in traced_buckets(executables, kinds):
-        name = exe.name
-        start = time.perf_counter()
-        graph = lower(spec, regions, exe)
-        out[name] = budget.scratch_bytes(graph.program)
-        del graph
-        gc.collect()
-        log(f"traced {name}: scratch {human(out[name])} ({time.perf_counter() - start:.1f} s)")
-    return out
-
-
 # -- the API --------------------------------------------------------------------------------------
-
-
-def recorded_scratch(spec: Spec, regions: RegionPlan, executables, cache) -> dict[str, int]:
-    """executable name -> scratch bytes, from the trace records the compile cache holds for them."""
-    out = {}
-    for e in executables:
-        record = cached.trace_record(cache, cached.trace_key(spec, regions, e))
-        n = record["entry"].get("scratch_bytes") if record is not None else None
-        if n is not None:
-            out[e.name] = n
-    return out
 
 
 def plan_bundle(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -190,13 +191,26 @@ def _targets() -> dict:
 
 
 def _check(cfg: CompileConfig, where: _Where) -> None:
-    TARGETS = _targets()
+    """The first value of `cfg` that is out of range, as where.error; the sections in file order."""
 
     def need(cond, section, key, message):
         if not cond:
             raise where.error(section, key, message)
 
-    m, t, b, kv, p = cfg.model, cfg.target, cfg.buckets, cfg.kv, cfg.parallel
+    _check_model_target(cfg, need)
+    _check_buckets(cfg, need)
+    _check_parallel(cfg, need)
+    _check_cache(cfg, need)
+    _check_memory(cfg, need)
+    _check_checkpoint(cfg, need)
+
+
+Need = Callable[[object, str, str, str | None], None]  # (condition, section, key, message)
+
+
+def _check_model_target(cfg: CompileConfig, need: Need) -> None:
+    TARGETS = _targets()
+    m, t = cfg.model, cfg.target
     need(m.dtype in DTYPES, "model", "dtype", f"expected one of {', '.join(DTYPES)}, got {m.dtype!r}")
     need(t.name in TARGETS, "target", "name", f"unknown target {t.name!r}; valid: {', '.join(TARGETS)}")
     kinds = TARGETS[t.name].EXECUTABLES
@@ -208,6 +222,10 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
     )
     bad_option = TARGETS[t.name].check_options(t.options)
     need(bad_option is None, "target", "options", bad_option)
+
+
+def _check_buckets(cfg: CompileConfig, need: Need) -> None:
+    b, kv = cfg.buckets, cfg.kv
     for key in ("batch", "tokens"):
         values = getattr(b, key)
         need(
@@ -243,6 +261,11 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
         f"{kv.num_blocks} blocks cannot hold {max(b.batch)} sequences of max_context {b.max_context} "
         f"(need at least {min_blocks}, block 0 is scratch)",
     )
+
+
+def _check_parallel(cfg: CompileConfig, need: Need) -> None:
+    """The parallel sizes, the quant recipe and the draft."""
+    p = cfg.parallel
     for key in ("tp", "ep", "cp"):
         need(getattr(p, key) >= 1, "parallel", key, "must be at least 1")
     need(
@@ -255,6 +278,9 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
     need(
         draft is None or draft in DRAFTS, "speculative", "draft", f"unknown draft {draft!r}; valid: {', '.join(DRAFTS)}"
     )
+
+
+def _check_cache(cfg: CompileConfig, need: Need) -> None:
     from deepinfer.compiler.store import check_endpoint, check_url
 
     url, endpoint = cfg.cache.url, cfg.cache.endpoint
@@ -262,6 +288,9 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
     need(
         endpoint is None or check_endpoint(endpoint) is None, "cache", "endpoint", endpoint and check_endpoint(endpoint)
     )
+
+
+def _check_memory(cfg: CompileConfig, need: Need) -> None:
     mem = cfg.memory
     need(mem.limit_gib is None or mem.limit_gib > 0, "memory", "limit_gib", f"must be positive, got {mem.limit_gib}")
     need(mem.reserve_gib >= 0, "memory", "reserve_gib", f"must be at least 0, got {mem.reserve_gib}")
@@ -271,6 +300,10 @@ def _check(cfg: CompileConfig, where: _Where) -> None:
         "reserve_gib",
         f"{mem.reserve_gib} GiB leaves nothing of limit_gib = {mem.limit_gib}",
     )
+
+
+def _check_checkpoint(cfg: CompileConfig, need: Need) -> None:
+    m = cfg.model
     need(
         not m.checkpoint.exists() or m.checkpoint.is_dir(),
         "model",

@@ -128,29 +128,15 @@ def run_farm(
         return {}
     remote = ray.remote(work)
     ledger = ray.remote(num_cpus=0)(Ledger).remote()
-    hooks = {k: v for k, v in os.environ.items() if k.startswith(TEST_HOOK_PREFIX)}
-    options: dict = {"num_cpus": 1, "max_retries": SYSTEM_RETRIES, "retry_exceptions": False}
-    if hooks:
-        options["runtime_env"] = {"env_vars": hooks}
-    from deepinfer.compiler.targets import TARGETS
-
-    toolchain = TARGETS[jobs[0].target](jobs[0].executable, jobs[0].options).toolchain()
+    options = _ray_options()
     by_name = {job.name: job for job in jobs}
     blobs = {job.name: ray.put(job.lowered.read_bytes()) for job in jobs}
-    # signing stays on the host (the private key never travels), and a trusted key would refuse a
-    # worker's unsigned entry: then the bytes come back through Ray and the host's cache signs them
-    store = cache.remote if cache is not None and cache.sign is None and cache.trust is None else None
-    tasks = {job.name: _task(job, toolchain, keys, store) for job in jobs}
+    tasks = _tasks(jobs, keys, cache)
     progress = Progress(len(jobs), _cpus(ray))
     errors: dict[str, list[Result]] = {}
 
     def submit(name: str, avoid: str | None = None) -> None:
-        opts = dict(options, name=f"deepinfer {name}")
-        other = _other_node(ray, avoid) if avoid else None
-        if other:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=other, soft=True)
+        opts = _placed(ray, dict(options, name=f"deepinfer {name}"), avoid)
         pending[remote.options(**opts).remote(tasks[name], blobs[name], ledger)] = name
 
     pending: dict = {}
@@ -169,10 +155,7 @@ def run_farm(
                 except ray.exceptions.RayError as e:  # the worker or its node died, SYSTEM_RETRIES + 1 times
                     raise _died(job, starts.get(name, []), e) from None
                 if result.error is not None:
-                    errors.setdefault(name, []).append(result)
-                    _write_farm_log(job, errors[name])
-                    if _give_up(errors[name]):
-                        raise _failed(job, errors[name])
+                    _failed_attempt(job, result, errors)
                     progress.failed_attempt()
                     submit(name, avoid=result.node_id)
                     continue
@@ -187,6 +170,44 @@ def run_farm(
             ray.cancel(ref, force=True)
         ray.kill(ledger)
     return seconds
+
+
+def _placed(ray, opts: dict, avoid: str | None) -> dict:
+    """`opts` with a soft affinity to another node than `avoid` (where a task failed), if any."""
+    other = _other_node(ray, avoid) if avoid else None
+    if other:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=other, soft=True)
+    return opts
+
+
+def _failed_attempt(job: Job, result: Result, errors: dict[str, list[Result]]) -> None:
+    """Record a failed attempt of `job` and its farm log; FarmError when it is not worth retrying."""
+    errors.setdefault(job.name, []).append(result)
+    _write_farm_log(job, errors[job.name])
+    if _give_up(errors[job.name]):
+        raise _failed(job, errors[job.name])
+
+
+def _ray_options() -> dict:
+    """Each task's Ray options: one CPU, Ray's retries for lost workers, the test hooks passed on."""
+    hooks = {k: v for k, v in os.environ.items() if k.startswith(TEST_HOOK_PREFIX)}
+    options: dict = {"num_cpus": 1, "max_retries": SYSTEM_RETRIES, "retry_exceptions": False}
+    if hooks:
+        options["runtime_env"] = {"env_vars": hooks}
+    return options
+
+
+def _tasks(jobs: Sequence[Job], keys: dict[str, Key] | None, cache: Cache | None) -> dict[str, Task]:
+    """job name -> what its worker gets: the host's toolchain, its key and the store to publish to."""
+    from deepinfer.compiler.targets import TARGETS
+
+    toolchain = TARGETS[jobs[0].target](jobs[0].executable, jobs[0].options).toolchain()
+    # signing stays on the host (the private key never travels), and a trusted key would refuse a
+    # worker's unsigned entry: then the bytes come back through Ray and the host's cache signs them
+    store = cache.remote if cache is not None and cache.sign is None and cache.trust is None else None
+    return {job.name: _task(job, toolchain, keys, store) for job in jobs}
 
 
 def _task(job: Job, toolchain: dict[str, str], keys: dict[str, Key] | None, store: Store | None) -> Task:

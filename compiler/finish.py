@@ -50,25 +50,7 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None, sign=None) -> 
     try:
         shutil.copytree(bundle, staging / "b", copy_function=_link_or_copy)
         work = staging / "b"
-        job_list = []
-        for e in manifest.regions:
-            ident = (e.kind, e.method, e.bucket.batch, e.bucket.tokens, e.bucket.context)
-            neff = layout.executable_path(*ident, target.suffix)
-            job_list.append(
-                (
-                    e,
-                    neff,
-                    Job(
-                        e.name,
-                        work / e.artifact,
-                        work / neff,
-                        t.name,
-                        t.executable,
-                        t.options,
-                        log=work / layout.log_path(*ident),
-                    ),
-                )
-            )
+        job_list = _jobs(manifest, target.suffix, work)
 
         def progress(done, total, job, seconds):
             log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
@@ -98,3 +80,28 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None, sign=None) -> 
         shutil.rmtree(staging, ignore_errors=True)
     log(f"finished {bundle}: {len(job_list)} NEFFs")
     return bundle
+
+
+def _jobs(manifest: mf.Manifest, suffix: str, work: Path) -> list[tuple[mf.Executable, str, Job]]:
+    """Each HLO module's compile job in the staged copy `work` -> (its entry, its NEFF's path, the job)."""
+    t = manifest.target
+    job_list = []
+    for e in manifest.regions:
+        ident = (e.kind, e.method, e.bucket.batch, e.bucket.tokens, e.bucket.context)
+        neff = layout.executable_path(*ident, suffix)
+        job_list.append(
+            (
+                e,
+                neff,
+                Job(
+                    e.name,
+                    work / e.artifact,
+                    work / neff,
+                    t.name,
+                    t.executable,
+                    t.options,
+                    log=work / layout.log_path(*ident),
+                ),
+            )
+        )
+    return job_list

@@ -192,7 +192,6 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
     """Lower every piece of `lk` at `exe`'s bucket and wire them: the steps `link` runs. `memo` keeps
     the region pieces lowered by earlier layer kinds of the compile (every kind runs the MoE)."""
     memo = {} if memo is None else memo
-    target = spec.target
     kind_ops = ops(lk, plan, spec.topology, spec.dtype)
     pieces_at = plan.pieces(lk, exe, spec.topology.groups if spec.topology.dispatch else 1)
     weights: list[InputSpec] = []
@@ -209,24 +208,10 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
             at = pieces_at[(op.slot, op.method)]
             if at not in memo:
                 graph = lower(spec, plan, at)
-                memo[at] = graph, hlo.to_stablehlo(graph.program, getattr(target, "frontend", "torch-mlir"))
+                memo[at] = graph, hlo.to_stablehlo(graph.program, trn2(spec).frontend)
             graph, pieces[piece] = memo[at]
             graphs[piece] = graph
-            rename = dict(op.inputs)
-            args = []
-            for s in graph.entry.inputs:
-                if s.role in ("weight", "rank"):
-                    name = "rank" if s.role == "rank" else f"{op.slot}.{s.name}"
-                    if s.role == "rank":
-                        rank = InputSpec("rank", s.shape, getattr(torch, s.dtype), "rank")
-                        shapes["rank"] = (tuple(s.shape), rank.dtype)
-                    elif name not in {w.name for w in weights}:
-                        weights.append(InputSpec(name, s.shape, getattr(torch, s.dtype), "weight"))
-                else:
-                    name = rename.get(s.name, s.name)
-                    if name not in made and name not in inputs:
-                        inputs[name] = InputSpec(name, s.shape, getattr(torch, s.dtype), s.role)
-                args.append(name)
+            args, rank = _wire_inputs(op, graph, weights, inputs, made, shapes, rank)
             state = _state_outputs(graph)
             named = dict(op.outputs)
             results = state + [named.get(o, o) for o in graph.entry.outputs]
@@ -244,24 +229,52 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
             args_shapes = [_shape_of(a, shapes, inputs) for a in op.args]
             fn = _glue_fn(op.fn, spec.topology)
             program, values = _glue_program(fn, args_shapes)
-            pieces[op.fn] = hlo.to_stablehlo(target.lower(program), getattr(target, "frontend", "torch-mlir"))
+            pieces[op.fn] = hlo.to_stablehlo(spec.target.lower(program), trn2(spec).frontend)
             steps.append(link.Call(op.fn, op.args, op.results))
             made.update(op.results)
             for r, v in zip(op.results, values):
                 shapes[r] = (tuple(v.shape), v.dtype)
     assert rank is not None, "every region takes its rank"
-    states = [n for n, s in inputs.items() if s.role == "state" and n in made]
     attn = plan.kinds[dict(lk.slots)["attn"]].region
-    outputs = ["h", "pre"] + [o for o in attn.output_names()[2:]]
     return Built(
         steps=steps,
         pieces=pieces,
         graphs=graphs,
         params=[rank, *weights, *inputs.values()],  # the rank first, as every region takes it
-        state_outputs=states,
-        outputs=outputs,
+        state_outputs=[n for n, s in inputs.items() if s.role == "state" and n in made],
+        outputs=["h", "pre"] + [o for o in attn.output_names()[2:]],
         ops=kind_ops,
     )
+
+
+def _wire_inputs(
+    op: Run,
+    graph: Graph,
+    weights: list[InputSpec],
+    inputs: dict[str, InputSpec],
+    made: set[str],
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    rank: InputSpec | None,
+) -> tuple[list[str], InputSpec | None]:
+    """A region piece's arguments by module name: its weights as `<slot>.<name>` (added to `weights`
+    once), the rank, and its other inputs renamed as the op says (a new one added to `inputs`
+    unless an earlier step makes it) -> (its arguments, the rank's spec)."""
+    rename = dict(op.inputs)
+    args = []
+    for s in graph.entry.inputs:
+        if s.role in ("weight", "rank"):
+            name = "rank" if s.role == "rank" else f"{op.slot}.{s.name}"
+            if s.role == "rank":
+                rank = InputSpec("rank", s.shape, getattr(torch, s.dtype), "rank")
+                shapes["rank"] = (tuple(s.shape), rank.dtype)
+            elif name not in {w.name for w in weights}:
+                weights.append(InputSpec(name, s.shape, getattr(torch, s.dtype), "weight"))
+        else:
+            name = rename.get(s.name, s.name)
+            if name not in made and name not in inputs:
+                inputs[name] = InputSpec(name, s.shape, getattr(torch, s.dtype), s.role)
+        args.append(name)
+    return args, rank
 
 
 def _layer_input(plan: RegionPlan, lk: LayerKind, exe: Exe, spec: Spec, name: str) -> InputSpec:

@@ -21,6 +21,7 @@ interrupted or failed compile leaves no partial bundle.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -28,10 +29,10 @@ import shutil
 import sys
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import deepinfer
 from deepinfer.bundles import layout, manifest_io
@@ -56,9 +57,6 @@ from deepinfer.errors import ConfigError, DeepinferError
 from deepinfer.regions.checkpoint import Checkpoint
 from deepinfer.schema import Rules, coerce
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
 
 @dataclass(frozen=True, kw_only=True)
 class Weights:
@@ -76,16 +74,17 @@ class State:
 
 
 class Timings:
-    """Runs passes by name, timing each: `seconds` maps pass names to seconds, in the order run."""
+    """Times passes by name (`with timed("trace"): ...`): `seconds` maps pass names to seconds,
+    in the order run; a pass that raises is not recorded."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
 
-    def __call__(self, name: str, run: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
-        made = run(*args, **kwargs)
+        yield
         self.seconds[name] = time.perf_counter() - start
-        return made
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,19 +98,28 @@ class Built:
 
 def build(config: CompileConfig, hlo_only: bool, run: Run, timed: Timings) -> Built:
     """Every pass, in order, into `run.staging`."""
-    spec = timed("parse config", parse, config, hlo_only, run.log)
-    tokenizer = timed("copy tokenizer", copy_tokenizer, spec, run)
-    regions = timed("plan regions", plan, spec, run.log)
-    timed("check memory budget", budget.check_planned, spec, regions, run.log)
-    weights = timed("preprocess weights", preprocess_weights, spec, regions, run)
-    traced = timed("trace", trace_regions, spec, regions, run)
-    timed("check memory budget with scratch", budget.check_traced, spec, regions, traced.executables, run.log)
-    compiled = timed("compile", compile_regions, spec, traced, run)
-    state = timed("lay out state", layout_state, spec, regions)
-    timed("record cache keys", record_cache_keys, run)
-    manifest = timed(
-        "write manifest", write_manifest, spec, regions, weights, tokenizer, compiled.executables, state, run
-    )
+    with timed("parse config"):
+        spec = parse(config, hlo_only, run.log)
+    with timed("copy tokenizer"):
+        tokenizer = copy_tokenizer(spec, run)
+    with timed("plan regions"):
+        regions = plan(spec, run.log)
+    with timed("check memory budget"):
+        budget.check_planned(spec, regions, run.log)
+    with timed("preprocess weights"):
+        weights = preprocess_weights(spec, regions, run)
+    with timed("trace"):
+        traced = trace_regions(spec, regions, run)
+    with timed("check memory budget with scratch"):
+        budget.check_traced(spec, regions, traced.executables, run.log)
+    with timed("compile"):
+        compiled = compile_regions(spec, traced, run)
+    with timed("lay out state"):
+        state = layout_state(spec, regions)
+    with timed("record cache keys"):
+        record_cache_keys(run)
+    with timed("write manifest"):
+        manifest = write_manifest(spec, regions, weights, tokenizer, compiled.executables, state, run)
     return Built(executables=len(manifest.regions), compiled=compiled.built, lowered=traced.lowered)
 
 
@@ -228,9 +236,40 @@ def write_manifest(
     state: State,
     run: Run,
 ) -> mf.Manifest:
-    c, g = spec.config, spec.geometry
+    c = spec.config
+    layers = _manifest_layers(spec, plan, state)
+    manifest = mf.Manifest(
+        format_version=mf.FORMAT_VERSION,
+        deepinfer_version=deepinfer.__version__,
+        toolchain=spec.target.toolchain(),
+        target=mf.Target(name=c.target.name, executable=spec.target.executable, options=c.target.options),
+        stage="hlo" if spec.hlo_only else "executable",
+        topology=mf.Ranks.of(spec.topology, spec.target.lnc),
+        model=_manifest_model(spec, tokenizer),
+        buckets=mf.Buckets(
+            shapes=tuple(mf.Shape(batch=b, tokens=t) for b, t in c.buckets.shapes()),
+            max_context=c.buckets.max_context,
+            contexts=c.buckets.contexts,
+        ),
+        kv=_manifest_kv(spec, state),
+        regions=executables,
+        head=mf.Binding(kind="head", index=0),
+        embed=mf.Binding(kind="embed", index=0) if "embed" in plan.kinds else None,
+        layers=layers,
+        weights=weights.stacks,
+        host={**weights.host, **tokenizer},
+        # per rank; refuses the bundle if the executables overflow it
+        memory=budget.record(spec, plan, executables, run.staging),
+        draft=_draft_entry(spec, plan),
+    )
+    manifest = manifest_io.stamp(run.staging, manifest)
+    manifest_io.write(run.staging, manifest)
+    return manifest
+
+
+def _manifest_layers(spec: Spec, plan: RegionPlan, state: State) -> tuple[mf.Layer, ...]:
     fused = {layer: lk.name for lk in plan.fused_kinds().values() for layer in lk.layers} if spec.fused else {}
-    layers = tuple(
+    return tuple(
         mf.Layer(
             layer=p.layer,
             attn=_checked(mf.Layer, "attn", p.attn),
@@ -247,51 +286,34 @@ def write_manifest(
         )
         for p in plan.layers
     )
-    manifest = mf.Manifest(
-        format_version=mf.FORMAT_VERSION,
-        deepinfer_version=deepinfer.__version__,
-        toolchain=spec.target.toolchain(),
-        target=mf.Target(name=c.target.name, executable=spec.target.executable, options=c.target.options),
-        stage="hlo" if spec.hlo_only else "executable",
-        topology=mf.Ranks.of(spec.topology, spec.target.lnc),
-        model=mf.Model(
-            config=spec.model.to_dict(),
-            config_hash=spec.model.digest(),
-            dtype=_checked(mf.Model, "dtype", c.model.dtype),
-            cache_quant=c.model.cache_quant,
-            weight_format="e4m3fn",
-            scale_layout="ue8m0-u8-row-major",
-            tokenizer="tokenizers" if tokenizer else "byte",
-        ),
-        buckets=mf.Buckets(
-            shapes=tuple(mf.Shape(batch=b, tokens=t) for b, t in c.buckets.shapes()),
-            max_context=c.buckets.max_context,
-            contexts=c.buckets.contexts,
-        ),
-        kv=mf.KV(
-            block_size=c.kv.block_size,
-            num_blocks=c.kv.num_blocks,
-            slots=g.slots,
-            max_blocks=g.max_blocks,
-            scratch="block 0 and slot 0",
-            pools=state.pools,
-            state_writes=spec.target.state_writes,
-            static_pools=spec.target.static_shapes,
-            divided=spec.topology.cp,
-        ),
-        regions=executables,
-        head=mf.Binding(kind="head", index=0),
-        embed=mf.Binding(kind="embed", index=0) if "embed" in plan.kinds else None,
-        layers=layers,
-        weights=weights.stacks,
-        host={**weights.host, **tokenizer},
-        # per rank; refuses the bundle if the executables overflow it
-        memory=budget.record(spec, plan, executables, run.staging),
-        draft=_draft_entry(spec, plan),
+
+
+def _manifest_model(spec: Spec, tokenizer: dict[str, mf.HostFile]) -> mf.Model:
+    c = spec.config
+    return mf.Model(
+        config=spec.model.to_dict(),
+        config_hash=spec.model.digest(),
+        dtype=_checked(mf.Model, "dtype", c.model.dtype),
+        cache_quant=c.model.cache_quant,
+        weight_format="e4m3fn",
+        scale_layout="ue8m0-u8-row-major",
+        tokenizer="tokenizers" if tokenizer else "byte",
     )
-    manifest = manifest_io.stamp(run.staging, manifest)
-    manifest_io.write(run.staging, manifest)
-    return manifest
+
+
+def _manifest_kv(spec: Spec, state: State) -> mf.KV:
+    c, g = spec.config, spec.geometry
+    return mf.KV(
+        block_size=c.kv.block_size,
+        num_blocks=c.kv.num_blocks,
+        slots=g.slots,
+        max_blocks=g.max_blocks,
+        scratch="block 0 and slot 0",
+        pools=state.pools,
+        state_writes=spec.target.state_writes,
+        static_pools=spec.target.static_shapes,
+        divided=spec.topology.cp,
+    )
 
 
 def _checked(part: type, name: str, value: object) -> Any:
@@ -448,15 +470,7 @@ def compile_bundle(
     resolved = settings(config, out, jobs=jobs, cache=cache, require_cache=require_cache, hlo_only=hlo_only, ray=ray)
     log(resolved)
     use_inductor_cache()
-    check_output(out, force, config.model.checkpoint)
-    if require_cache and cache is None:
-        raise ConfigError("--require-cache needs a cache (drop --no-cache)")
-    if hlo_only and not TARGETS[config.target.name].static_shapes:
-        raise config_error(config, "target", "name", f"--hlo-only is for the trn2 target, not {config.target.name!r}")
-    if ray is not None:
-        from deepinfer.compiler import farm
-
-        farm.connect(ray)
+    _refuse_early(config, out, force, cache is not None, require_cache, hlo_only, ray)
     clean_stale(out, log)
     try:
         staging = make_staging(out)
@@ -473,19 +487,16 @@ def compile_bundle(
         ray=ray,
     )
     timed = Timings()
-    try:
-        built = build(config, hlo_only, run, timed)
-        _finish(staging, out, force, sign)
-    except BaseException as e:
-        if isinstance(e, OSError) and e.errno in DISK_ERRORS:
-            e = disk_error(e, out)
-        if isinstance(e, DeepinferError):
-            e = keep_failed_logs(e, staging / layout.LOGS_DIR, out)
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(e, DeepinferError):
-            raise e from None
-        raise
-    report = CompileReport(
+    built = _build_and_publish(config, hlo_only, run, timed, force, sign)
+    report = _report(out, resolved, timed, built, cache, hlo_only)
+    log(report.summary)
+    return report
+
+
+def _report(
+    out: Path, resolved: str, timed: Timings, built: Built, cache: Cache | None, hlo_only: bool
+) -> CompileReport:
+    return CompileReport(
         bundle=out,
         settings=resolved,
         seconds=timed.seconds,
@@ -497,8 +508,41 @@ def compile_bundle(
         store=cache.remote_url if cache else None,
         tiers=cache.tiers() if cache else {},
     )
-    log(report.summary)
-    return report
+
+
+def _refuse_early(
+    config: CompileConfig, out: Path, force: bool, cached: bool, require_cache: bool, hlo_only: bool, ray: str | None
+) -> None:
+    """What fails before anything is written: the output, the flags' combinations, the Ray cluster."""
+    check_output(out, force, config.model.checkpoint)
+    if require_cache and not cached:
+        raise ConfigError("--require-cache needs a cache (drop --no-cache)")
+    if hlo_only and not TARGETS[config.target.name].static_shapes:
+        raise config_error(config, "target", "name", f"--hlo-only is for the trn2 target, not {config.target.name!r}")
+    if ray is not None:
+        from deepinfer.compiler import farm
+
+        farm.connect(ray)
+
+
+def _build_and_publish(
+    config: CompileConfig, hlo_only: bool, run: Run, timed: Timings, force: bool, sign: object | None
+) -> Built:
+    """Every pass into `run.staging`, then the bundle published; on any failure the staging
+    directory is removed (its logs kept beside the output) and the error raised as one line."""
+    try:
+        built = build(config, hlo_only, run, timed)
+        _finish(run.staging, run.out, force, sign)
+    except BaseException as e:
+        if isinstance(e, OSError) and e.errno in DISK_ERRORS:
+            e = disk_error(e, run.out)
+        if isinstance(e, DeepinferError):
+            e = keep_failed_logs(e, run.staging / layout.LOGS_DIR, run.out)
+        shutil.rmtree(run.staging, ignore_errors=True)
+        if isinstance(e, DeepinferError):
+            raise e from None
+        raise
+    return built
 
 
 def cache_key(

@@ -77,55 +77,78 @@ def _hints(cls) -> dict[str, Any]:
 
 def coerce(value, tp, key: Key, rules: Rules):
     """`value` as annotation `tp` requires, or Problem."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    origin = typing.get_origin(tp)
     if tp is Any or tp is object:
         return value
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        if len(options) == 1:  # X | None: X's own problem, nested keys included
-            return coerce(value, options[0], key, rules)
-        for option in options[:-1]:
-            try:
-                return coerce(value, option, key, rules)
-            except Problem:
-                pass
-        try:
-            return coerce(value, options[-1], key, rules)
-        except Problem:
-            raise Problem(key, f"expected {describe(tp)}, got {value!r}") from None
+        return _union(value, tp, key, rules)
     if origin is Literal:
-        if value in args and type(value) in {type(a) for a in args}:
-            return value
-        raise Problem(key, f"expected one of {', '.join(map(repr, args))}, got {value!r}")
+        return _literal(value, tp, key)
     if dataclasses.is_dataclass(tp):
         return build(tp, value, key=key, rules=rules)
     if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise Problem(key, f"expected {describe(tp)}, got {value!r}")
-        item = args[0]
-        try:
-            return tuple(coerce(v, item, key + (i,), rules) for i, v in enumerate(value))
-        except Problem as p:
-            if item in (int, str, float):  # one message for a flat list
-                raise Problem(key, f"expected {describe(tp)}, got {value!r}") from None
-            raise p
+        return _tuple(value, tp, key, rules)
     if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise Problem(key, f"expected {describe(tp)}, got {value!r}")
-        if not args:
-            return value
-        kt, vt = args
-        out = {}
-        for raw, v in value.items():
-            k = raw
-            if kt is int:
-                if not (isinstance(raw, int) or (isinstance(raw, str) and raw.lstrip("-").isdigit())):
-                    raise Problem(key + (raw,), f"expected an integer key, got {raw!r}")
-                k = int(raw)
-            out[k] = coerce(v, vt, key + (k,), rules)
-        return out
+        return _dict(value, tp, key, rules)
+    return _scalar(value, tp, key, rules)
+
+
+def _union(value, tp, key: Key, rules: Rules):
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    options = [a for a in args if a is not type(None)]
+    if len(options) == 1:  # X | None: X's own problem, nested keys included
+        return coerce(value, options[0], key, rules)
+    for option in options[:-1]:
+        try:
+            return coerce(value, option, key, rules)
+        except Problem:
+            pass
+    try:
+        return coerce(value, options[-1], key, rules)
+    except Problem:
+        raise Problem(key, f"expected {describe(tp)}, got {value!r}") from None
+
+
+def _literal(value, tp, key: Key):
+    args = typing.get_args(tp)
+    if value in args and type(value) in {type(a) for a in args}:
+        return value
+    raise Problem(key, f"expected one of {', '.join(map(repr, args))}, got {value!r}")
+
+
+def _tuple(value, tp, key: Key, rules: Rules):
+    if not isinstance(value, (list, tuple)):
+        raise Problem(key, f"expected {describe(tp)}, got {value!r}")
+    item = typing.get_args(tp)[0]
+    try:
+        return tuple(coerce(v, item, key + (i,), rules) for i, v in enumerate(value))
+    except Problem as p:
+        if item in (int, str, float):  # one message for a flat list
+            raise Problem(key, f"expected {describe(tp)}, got {value!r}") from None
+        raise p
+
+
+def _dict(value, tp, key: Key, rules: Rules):
+    if not isinstance(value, dict):
+        raise Problem(key, f"expected {describe(tp)}, got {value!r}")
+    args = typing.get_args(tp)
+    if not args:
+        return value
+    kt, vt = args
+    out = {}
+    for raw, v in value.items():
+        k = raw
+        if kt is int:
+            if not (isinstance(raw, int) or (isinstance(raw, str) and raw.lstrip("-").isdigit())):
+                raise Problem(key + (raw,), f"expected an integer key, got {raw!r}")
+            k = int(raw)
+        out[k] = coerce(v, vt, key + (k,), rules)
+    return out
+
+
+def _scalar(value, tp, key: Key, rules: Rules):
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -317,69 +317,83 @@ def collective(step: Collective, value, where: str):
     groups = [list(g) for g in step.groups]
     if not partitions(groups, sum(map(len, groups))) or len({len(g) for g in groups}) != 1:
         raise LoweringError(f"{where}: replica groups {groups} do not partition the ranks in equal groups")
-    n = len(groups[0])
     table = ir.DenseIntElementsAttr.get(np.asarray(groups, dtype=np.int64))  # type: ignore[call-overload]  # numpy stubs: __buffer__ only on 3.12+
-    kind = ir.RankedTensorType(value.type)
-    element = kind.element_type
-    shape = list(kind.shape)
-    i64 = ir.IntegerType.get_signless(64)
     if step.op == "all_gather":
-        down = element.maybe_downcast()
-        boolean = isinstance(down, ir.IntegerType) and down.width == 1
-        if boolean:  # bytes on the links, a bool again after
-            element = ir.IntegerType.get_unsigned(8)
-            value = stablehlo.ConvertOp(ir.RankedTensorType.get(shape, element), value).result
-        dim = step.dim
-        if step.stack:
-            shape = [1, *shape]
-            value = stablehlo.ReshapeOp(ir.RankedTensorType.get(shape, element), value).result
-            dim = 0
-        gathered = [*shape]
-        gathered[dim] *= n
-        result = ir.Operation.create(
-            "stablehlo.all_gather",
-            results=[ir.RankedTensorType.get(gathered, element)],
-            operands=[value],
-            attributes={"all_gather_dim": ir.IntegerAttr.get(i64, dim), "replica_groups": table},
-        ).result
-        if boolean:
-            result = stablehlo.ConvertOp(
-                ir.RankedTensorType.get(gathered, ir.IntegerType.get_signless(1)), result
-            ).result
+        result = _all_gather(step, value, table, len(groups[0]))
     else:
-        if not isinstance(element.maybe_downcast(), ir.FloatType):
-            raise LoweringError(
-                f"{where}: {element} is not a float type (neuronx-cc rejects integer reductions, NCC_EVRF061; "
-                "move integers with all-gather)"
-            )
-        attributes = {"replica_groups": table}
-        out_shape = list(shape)
-        if step.op == "reduce_scatter":
-            if out_shape[step.dim] % n:
-                raise LoweringError(f"{where}: dim {step.dim} of {shape} does not split over {n} ranks")
-            out_shape[step.dim] //= n
-            attributes["scatter_dimension"] = ir.IntegerAttr.get(i64, step.dim)
-        elif step.op != "all_reduce":
-            raise LoweringError(f"{where}: unknown collective {step.op}")
-        op = ir.Operation.create(
-            f"stablehlo.{step.op}",
-            results=[ir.RankedTensorType.get(out_shape, element)],
-            operands=[value],
-            attributes=attributes,
-            regions=1,
-        )
-        scalar = ir.RankedTensorType.get([], element)
-        body = op.regions[0].blocks.append(scalar, scalar)
-        with ir.InsertionPoint(body):
-            combine = stablehlo.AddOp if step.reduce == "add" else stablehlo.MaxOp
-            stablehlo.ReturnOp([combine(body.arguments[0], body.arguments[1]).result])
-        result = op.result
-        shape = out_shape
+        result = _reduction(step, value, table, len(groups[0]), where)
     if step.to is not None:
         to = ir.RankedTensorType.get(list(ir.RankedTensorType(result.type).shape), ir.Type.parse(MLIR_TYPES[step.to]))
         if to != result.type:
             result = stablehlo.ConvertOp(to, result).result
     return result
+
+
+def _all_gather(step: Collective, value, table, n: int):
+    """stablehlo.all_gather of `value` over the groups of `table` (`n` ranks each); a bool travels as bytes."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import hlo as stablehlo
+
+    kind = ir.RankedTensorType(value.type)
+    element, shape = kind.element_type, list(kind.shape)
+    down = element.maybe_downcast()
+    boolean = isinstance(down, ir.IntegerType) and down.width == 1
+    if boolean:  # bytes on the links, a bool again after
+        element = ir.IntegerType.get_unsigned(8)
+        value = stablehlo.ConvertOp(ir.RankedTensorType.get(shape, element), value).result
+    dim = step.dim
+    if step.stack:
+        shape = [1, *shape]
+        value = stablehlo.ReshapeOp(ir.RankedTensorType.get(shape, element), value).result
+        dim = 0
+    gathered = [*shape]
+    gathered[dim] *= n
+    i64 = ir.IntegerType.get_signless(64)
+    result = ir.Operation.create(
+        "stablehlo.all_gather",
+        results=[ir.RankedTensorType.get(gathered, element)],
+        operands=[value],
+        attributes={"all_gather_dim": ir.IntegerAttr.get(i64, dim), "replica_groups": table},
+    ).result
+    if boolean:
+        result = stablehlo.ConvertOp(ir.RankedTensorType.get(gathered, ir.IntegerType.get_signless(1)), result).result
+    return result
+
+
+def _reduction(step: Collective, value, table, n: int, where: str):
+    """stablehlo.all_reduce or reduce_scatter (sum or max) of float `value` over the groups of `table`."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import hlo as stablehlo
+
+    kind = ir.RankedTensorType(value.type)
+    element, shape = kind.element_type, list(kind.shape)
+    if not isinstance(element.maybe_downcast(), ir.FloatType):
+        raise LoweringError(
+            f"{where}: {element} is not a float type (neuronx-cc rejects integer reductions, NCC_EVRF061; "
+            "move integers with all-gather)"
+        )
+    attributes = {"replica_groups": table}
+    out_shape = list(shape)
+    if step.op == "reduce_scatter":
+        if out_shape[step.dim] % n:
+            raise LoweringError(f"{where}: dim {step.dim} of {shape} does not split over {n} ranks")
+        out_shape[step.dim] //= n
+        attributes["scatter_dimension"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), step.dim)
+    elif step.op != "all_reduce":
+        raise LoweringError(f"{where}: unknown collective {step.op}")
+    op = ir.Operation.create(
+        f"stablehlo.{step.op}",
+        results=[ir.RankedTensorType.get(out_shape, element)],
+        operands=[value],
+        attributes=attributes,
+        regions=1,
+    )
+    scalar = ir.RankedTensorType.get([], element)
+    body = op.regions[0].blocks.append(scalar, scalar)
+    with ir.InsertionPoint(body):
+        combine = stablehlo.AddOp if step.reduce == "add" else stablehlo.MaxOp
+        stablehlo.ReturnOp([combine(body.arguments[0], body.arguments[1]).result])
+    return op.result
 
 
 def _reduce_results(main, reduce: dict[int, list[list[int]]], names: list[str], dtype: torch.dtype | None) -> None:

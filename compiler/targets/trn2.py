@@ -18,7 +18,7 @@ What differs from the cpu target:
   neuronx-cc needs (no dtype bitcasts of graph inputs).
 
 Options (model.toml [target].options): neuronx-cc's (lnc, optlevel, model_type,
-auto_cast, extra_flags, verbose, timeout_s) and deepinfer's own: `frontend`
+auto_cast, extra_flags, verbose, timeout_s) and deepinfer's own (Trn2Options): `frontend`
 ("torch-mlir", or "torch-xla" where installed), `check` (run the XLA:CPU check,
 default true), `layers` and `collectives`:
 
@@ -35,13 +35,16 @@ default true), `layers` and `collectives`:
 
 from __future__ import annotations
 
+import dataclasses
 import platform
+import typing
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
 import deepinfer
+from deepinfer import schema
 from deepinfer.bundles import neff
 from deepinfer.compiler.targets import hlo, neuronxcc
 from deepinfer.compiler.targets.trn2_figures import DEVICE_CORES, DEVICE_FIGURES, RANK_FIGURES, Figure
@@ -50,12 +53,28 @@ from deepinfer.kernels import target_decompositions
 from deepinfer.regions.agreement import ShapeMismatch, compare_tensors, tolerance
 from deepinfer.regions.examples import random_weights
 
-OWN_OPTIONS = {
-    "frontend": hlo.FRONTENDS,
-    "check": (True, False),
-    "layers": ("fused", "regions"),
-    "collectives": ("host", "graph"),
-}
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Trn2Options:
+    """deepinfer's own [target].options for trn2 (neuronx-cc's are neuronxcc.NeuronCompileOptions),
+    read from the options table by schema.build; each default is here and only here."""
+
+    frontend: Literal["torch-mlir", "torch-xla"] = "torch-mlir"  # hlo.FRONTENDS
+    check: Literal[True, False] = True  # run each lowered module on XLA:CPU against its reference
+    layers: Literal["fused", "regions"] = "fused"  # one executable per layer, or per region call
+    # where a `layers = "regions"` compile runs its boundary all-reduces: None (not given) is
+    # "host" there; a fused layer holds every collective in its module, so None is "graph" with
+    # fused layers and "host" is refused (check_options)
+    collectives: Literal["host", "graph"] | None = None
+
+    @property
+    def graph_collectives(self) -> bool:
+        """The ranks' boundary all-reduces run inside the executables."""
+        return self.layers == "fused" or self.collectives == "graph"
+
+
+OWN_OPTIONS = tuple(f.name for f in dataclasses.fields(Trn2Options))
+assert typing.get_args(typing.get_type_hints(Trn2Options)["frontend"]) == hlo.FRONTENDS
 # neuronx-cc rewrites a sort (and sort-then-slice) into its AwsNeuronTopK, which fails over rows
 # wider than this (aws-neuron-sdk issue 1339, open): no HLO module of this target holds one
 MAX_SELECTION_WIDTH = 16384
@@ -91,11 +110,15 @@ class Trn2Target:
 
     def __init__(self, executable: str = "neff", options: dict | None = None):
         self.executable = executable
-        self.options = dict(options or {})
-        self.frontend = self.options.get("frontend", "torch-mlir")
-        self.check = self.options.get("check", True)
-        self.fused_layers = self.options.get("layers", "fused") == "fused"
-        self.graph_collectives = self.fused_layers or self.options.get("collectives", "host") == "graph"
+        self.options = dict(options or {})  # as given: the manifest and the cache keys hold these
+        own = _own_options(self.options)
+        if isinstance(own, str):
+            raise ValueError(own)
+        self.own = own
+        self.frontend: str = own.frontend
+        self.check: bool = own.check
+        self.fused_layers = own.layers == "fused"
+        self.graph_collectives = own.graph_collectives
         compiler_options = {k: v for k, v in self.options.items() if k not in OWN_OPTIONS}
         compile_options = neuronxcc.NeuronCompileOptions.from_dict(compiler_options)
         if isinstance(compile_options, str):
@@ -105,10 +128,10 @@ class Trn2Target:
     @staticmethod
     def check_options(options: dict) -> str | None:
         """A message for the first bad option, else None."""
-        for key, allowed in OWN_OPTIONS.items():
-            if key in options and options[key] not in allowed:
-                return f"option {key} = {options[key]!r} is not one of {', '.join(map(repr, allowed))}"
-        if options.get("layers", "fused") == "fused" and options.get("collectives", "graph") == "host":
+        own = _own_options(options)
+        if isinstance(own, str):
+            return own
+        if own.layers == "fused" and own.collectives == "host":
             return 'option collectives = "host" needs layers = "regions" (a fused layer holds its collectives)'
 
         bad = neuronxcc.NeuronCompileOptions.from_dict({k: v for k, v in options.items() if k not in OWN_OPTIONS})
@@ -259,14 +282,7 @@ class Trn2Target:
         else:
             flats = [[{**stored, "rank": torch.tensor(r)}[n] for n in names[:n_weights]] for r in range(world)]
             runs = hlo.CpuReplicas(Path(proto).read_bytes(), world)([f + [a.clone() for a in inputs] for f in flats])
-            own = [reference(r) for r in range(world)]
-            refs = [list(o) for o in own]
-            for name, rank_groups in groups.items():
-                j = labels.index(name)
-                for g in rank_groups:
-                    total = torch.stack([own[r][j] for r in g]).sum(0).to(region.dtype)  # cast in the module
-                    for r in g:
-                        refs[r][j] = total
+            refs = _reduced([reference(r) for r in range(world)], groups, labels, region.dtype)
         diffs = []
         for got, ref in zip(runs, refs):
             diffs += self.agree(got, ref, labels, region.dtype, where)
@@ -320,3 +336,29 @@ class Trn2Target:
     def compile(self, lowered: Path, out: Path, *, log: Path | None = None, name: str = "") -> None:
         """HLO module -> NEFF with neuronx-cc; its log is kept at `log`."""
         neuronxcc.compile_neff(lowered, out, log or out.with_suffix(".log"), self.compile_options, region=name)
+
+
+def _reduced(
+    own: list[list[torch.Tensor]], groups: dict[str, list[list[int]]], labels: list[str], dtype: torch.dtype
+) -> list[list[torch.Tensor]]:
+    """Each rank's reference outputs with those in `groups` summed over the rank's group (what the
+    host collectives give), cast to `dtype` as the module casts them."""
+    refs = [list(o) for o in own]
+    for name, rank_groups in groups.items():
+        j = labels.index(name)
+        for g in rank_groups:
+            total = torch.stack([own[r][j] for r in g]).sum(0).to(dtype)  # cast in the module
+            for r in g:
+                refs[r][j] = total
+    return refs
+
+
+def _own_options(options: dict) -> Trn2Options | str:
+    """deepinfer's own options out of the [target].options table, or a message for the first bad one."""
+    own = {k: v for k, v in options.items() if k in OWN_OPTIONS}
+    try:
+        return schema.build(Trn2Options, own)
+    except schema.Problem as p:
+        key = str(p.key[0])
+        allowed = schema.describe(typing.get_type_hints(Trn2Options)[key])
+        return f"option {key} = {own[key]!r} is not {allowed}"

@@ -45,8 +45,9 @@ from pathlib import Path, PurePosixPath
 from deepinfer.bundles import layout
 from deepinfer.bundles.manifest import DECODE, PROJECT, Pool
 from deepinfer.bundles.safetensors import DTYPES, TensorInfo
-from deepinfer.compiler import budget, cached, pipeline, step_cost
+from deepinfer.compiler import budget, pipeline, step_cost
 from deepinfer.compiler.budget import Breakdown, human
+from deepinfer.compiler.cache import artifact_keys, fetch_or_build
 from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.executables import lower
 from deepinfer.compiler.plan import Exe, RegionPlan
@@ -550,7 +551,7 @@ def recorded_scratch(spec: Spec, regions: RegionPlan, executables, cache) -> dic
     """executable name -> scratch bytes, from the trace records the compile cache holds for them."""
     out = {}
     for e in executables:
-        record = cached.trace_record(cache, cached.trace_key(spec, regions, e))
+        record = fetch_or_build.trace_record(cache, artifact_keys.trace_key(spec, regions, e))
         n = record["entry"].get("scratch_bytes") if record is not None else None
         if n is not None:
             out[e.name] = n
@@ -562,7 +563,7 @@ def plan_bundle(
 ) -> BundlePlan:
     """Plan the compile of `config` without reading tensor data or writing anything.
 
-    Scratch comes from the trace records `cache` (a compiler/cache.Cache) holds; with `scratch`,
+    Scratch comes from the trace records `cache` (a compiler/cache/local.Cache) holds; with `scratch`,
     each kind without records (only those of `kinds` when given) is traced on fake tensors. With
     neither, the verdict counts weights and pools only (the compile's first check)."""
     start = time.perf_counter()

@@ -130,34 +130,20 @@ def main(
       deepinfer-compile model.toml -o build/m --cache-url s3://ci-cache/deepinfer --sign ci.pem
       deepinfer-compile model.toml -o build/m --cache-url s3://ci-cache/deepinfer --require-cache --trust ci.pem.pub
     """
-    from deepinfer.compiler.cache import Cache, resolve_dir
     from deepinfer.compiler.config import load_compile_config
     from deepinfer.compiler.pipeline import cache_key, compile_bundle
-    from deepinfer.compiler.store import open_store
 
     if (model_toml is None) == (finish is None):
         raise click.UsageError("give MODEL_TOML, or --finish BUNDLE (not both)")
-    signing_key = None
-    if sign is not None:
-        from deepinfer.bundles.signing import load_private_key
-
-        signing_key = load_private_key(sign)
-    if finish is not None and ray is not None:
-        raise click.UsageError("--ray runs a compile's jobs on a cluster; --finish runs here (drop --ray)")
+    signing_key = _signing_key(sign)
     if finish is not None:
-        from deepinfer.compiler.finish import finish_bundle
-
-        finish_bundle(finish, jobs=jobs, log=_log, sign=signing_key)
+        _finish(finish, jobs, ray, signing_key)
         return
     assert model_toml is not None  # one of the two, checked above
     cfg = load_compile_config(model_toml)
     if no_cache and (require_cache or cache_dir or cache_url or cache_endpoint):
         raise click.UsageError("--no-cache excludes --require-cache, --cache-dir, --cache-url and --cache-endpoint")
-    cache = None
-    if not no_cache:
-        store = open_store(cache_url, cache_endpoint, cfg.cache.url, cfg.cache.endpoint, _log)
-        directory = resolve_dir(cache_dir, cfg.cache.dir)
-        cache = Cache(directory, log=_log, sign=signing_key, trust=trusted_key(trust), remote=store)
+    cache = None if no_cache else _cache(cfg, cache_dir, cache_url, cache_endpoint, signing_key, trust)
     if print_cache_key:
         click.echo(cache_key(cfg, cache=cache, log=_log, verbose=verbose, hlo_only=hlo_only).digest)
         return
@@ -176,6 +162,33 @@ def main(
     )
     if as_json:
         click.echo(json.dumps(report.to_json()))
+
+
+def _signing_key(sign: Path | None):
+    """--sign's private key, loaded (None without one)."""
+    if sign is None:
+        return None
+    from deepinfer.bundles.signing import load_private_key
+
+    return load_private_key(sign)
+
+
+def _finish(bundle: Path, jobs: int, ray: str | None, signing_key) -> None:
+    """--finish BUNDLE: compile an HLO-stage bundle's modules here."""
+    if ray is not None:
+        raise click.UsageError("--ray runs a compile's jobs on a cluster; --finish runs here (drop --ray)")
+    from deepinfer.compiler.finish import finish_bundle
+
+    finish_bundle(bundle, jobs=jobs, log=_log, sign=signing_key)
+
+
+def _cache(cfg, cache_dir: Path | None, url: str | None, endpoint: str | None, signing_key, trust: Path | None):
+    """The compile's cache: its directory and remote tier by the flags, then the environment, then model.toml."""
+    from deepinfer.compiler.cache import open_cache
+    from deepinfer.compiler.cache.remote import open_store
+
+    store = open_store(url, endpoint, cfg.cache.url, cfg.cache.endpoint, _log)
+    return open_cache(cache_dir, cfg.cache.dir, log=_log, sign=signing_key, trust=trusted_key(trust), remote=store)
 
 
 def _log(msg: str) -> None:

@@ -11,8 +11,32 @@ import click
 
 from deepinfer.cli_common import trust_option, trusted_key, user_errors
 
+HELP = """Compile MODEL_TOML into a bundle: one executable per (region kind, method, bucket).
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+\b
+Passes: parse config -> copy tokenizer -> plan regions -> check memory budget -> preprocess
+weights (per rank) -> trace (and lower) -> check memory budget with scratch
+-> compile -> lay out state -> record cache keys -> write manifest -> publish (atomic rename).
+Every layer of a kind and every rank reuse the same executables; the
+weights are inputs, stacked layer-major in the bundle.
+
+\b
+On trn2, each region is lowered to an XLA HLO module, run on XLA:CPU against
+its reference region, and compiled by neuronx-cc into a NEFF. Without
+neuronx-cc, --hlo-only writes the bundle up to the NEFFs, and
+`deepinfer-compile --finish BUNDLE` completes it where neuronx-cc is.
+
+\b
+Examples:
+  deepinfer-compile examples/tiny/model.toml -o build/tiny
+  deepinfer-compile examples/tiny/model_trn2.toml -o build/tiny-trn2 --hlo-only
+  deepinfer-compile --finish build/tiny-trn2 --jobs 8
+  deepinfer-compile model.toml -o build/m --cache-url s3://ci-cache/deepinfer --sign ci.pem
+  deepinfer-compile model.toml -o build/m --cache-url s3://ci-cache/deepinfer --require-cache --trust ci.pem.pub
+"""
+
+
+@click.command(help=HELP, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model_toml", type=click.Path(path_type=Path), required=False)
 @click.option(
     "-o",
@@ -107,29 +131,7 @@ def main(
     trust: Path | None,
     ray: str | None,
 ) -> None:
-    """Compile MODEL_TOML into a bundle: one executable per (region kind, method, bucket).
-
-    \b
-    Passes: parse config -> copy tokenizer -> plan regions -> check memory budget -> preprocess
-    weights (per rank) -> trace (and lower) -> check memory budget with scratch
-    -> compile -> lay out state -> record cache keys -> write manifest -> publish (atomic rename).
-    Every layer of a kind and every rank reuse the same executables; the
-    weights are inputs, stacked layer-major in the bundle.
-
-    \b
-    On trn2, each region is lowered to an XLA HLO module, run on XLA:CPU against
-    its reference region, and compiled by neuronx-cc into a NEFF. Without
-    neuronx-cc, --hlo-only writes the bundle up to the NEFFs, and
-    `deepinfer-compile --finish BUNDLE` completes it where neuronx-cc is.
-
-    \b
-    Examples:
-      deepinfer-compile examples/tiny/model.toml -o build/tiny
-      deepinfer-compile examples/tiny/model_trn2.toml -o build/tiny-trn2 --hlo-only
-      deepinfer-compile --finish build/tiny-trn2 --jobs 8
-      deepinfer-compile model.toml -o build/m --cache-url s3://ci-cache/deepinfer --sign ci.pem
-      deepinfer-compile model.toml -o build/m --cache-url s3://ci-cache/deepinfer --require-cache --trust ci.pem.pub
-    """
+    """Parse, resolve defaults, call `compile_bundle` (or `finish_bundle`, or `cache_key`); the help is HELP."""
     from deepinfer.compiler.config import load_compile_config
     from deepinfer.compiler.pipeline import cache_key, compile_bundle
 

@@ -48,6 +48,28 @@ def fetch(cache: Cache, key: Key, exe: Exe, dest: Path) -> mf.Executable | None:
     return entry
 
 
+def trace_record(cache: Cache, key: Key) -> dict | None:
+    """The cached trace record of `key` ({"executable_key": str, "entry": {...}}); None on a miss. A
+    record that is not one (corrupt, of the wrong types) is reported once, removed and a miss."""
+    data = cache.get_bytes("trace", key)
+    if data is None:
+        return None
+    try:
+        record = parse_json(data, "trace record")
+    except ReadError as e:
+        cache.reject("trace", key, str(e))
+        return None
+    if not (
+        isinstance(record, dict)
+        and isinstance(record.get("executable_key"), str)
+        and isinstance(record.get("entry"), dict)
+        and isinstance(record["entry"].get("scratch_bytes", 0), (int, type(None)))
+    ):
+        cache.reject("trace", key, "trace record of the wrong shape")
+        return None
+    return record
+
+
 def store(
     spec: Spec, plan: RegionPlan, cache: Cache, key: Key, exe: Exe, graph: str, kernels: list[str], entry: mf.Executable
 ) -> Key:
@@ -60,7 +82,7 @@ def store(
     return executable
 
 
-# --- the weights pass: held entries --------------------------------------------------------------
+# --- the weights pass: held entries; and a miss explained (every pass) ---------------------------
 
 
 @contextlib.contextmanager
@@ -112,26 +134,7 @@ def missed(run: Run, kind: str, key: Key) -> None:
     raise CacheError(f"--require-cache: cache miss for {kind} {key.identity}: {why}")
 
 
-def trace_record(cache: Cache, key: Key) -> dict | None:
-    """The cached trace record of `key` ({"executable_key": str, "entry": {...}}); None on a miss. A
-    record that is not one (corrupt, of the wrong types) is reported once, removed and a miss."""
-    data = cache.get_bytes("trace", key)
-    if data is None:
-        return None
-    try:
-        record = parse_json(data, "trace record")
-    except ReadError as e:
-        cache.reject("trace", key, str(e))
-        return None
-    if not (
-        isinstance(record, dict)
-        and isinstance(record.get("executable_key"), str)
-        and isinstance(record.get("entry"), dict)
-        and isinstance(record["entry"].get("scratch_bytes", 0), (int, type(None)))
-    ):
-        cache.reject("trace", key, "trace record of the wrong shape")
-        return None
-    return record
+# --- the compile pass: each job once among the compiles sharing the cache ----------------------
 
 
 Progress = Callable[[int, int, Job, float], None]

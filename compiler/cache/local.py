@@ -134,7 +134,10 @@ class Cache:
     that signature verifies, and is otherwise removed and rebuilt (`bundles.signing`).
 
     With `remote` (a `Store`), a local miss asks the store and an entry stored locally is published
-    to it (`remote.py`; docs/cache.md, The remote store)."""
+    to it (`remote.py`; docs/cache.md, The remote store).
+
+    Its settings (directory, log, keys, store URL) are fixed when it is made; what using it changes
+    (the store turned off, read-only, what was hit, missed, stored and used) is its `use`."""
 
     def __init__(self, directory: Path, log=lambda msg: None, *, sign=None, trust=None, remote: Store | None = None):
         self.dir = Path(directory)

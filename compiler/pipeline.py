@@ -10,7 +10,7 @@ what it makes, timed under its name. What is built is fixed once parsed (`Spec`)
 runs (staging directory, workers, log, cache) is `Run` (compiler/spec.py). The trace and compile
 passes are compiler/executables.py's; the memory checks compiler/budget.py's.
 
-With a cache (`compiler/cache/artifact_keys.py`), the weights pass fetches each kind's
+With a cache (`compiler/cache/`), the weights pass fetches each kind's
 stacks by key instead of rebuilding them, the trace pass fetches an executable
 whose trace record and executable are cached (neither tracing nor compiling
 it), and the compile pass compiles only the misses, each at most once among

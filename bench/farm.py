@@ -1,4 +1,4 @@
-"""Benchmark: compiling across machines. Section `store`: the cache's remote tier (compiler/store.py).
+"""Benchmark: compiling across machines. Section `store`: the cache's remote tier (compiler/cache/remote.py).
 
     python bench/farm.py                           # examples/tiny/model.toml
     python bench/farm.py --executable exported     # no C++ compile: a quick run
@@ -67,10 +67,10 @@ def store_section(args, tmp: Path) -> dict:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    from deepinfer.compiler.cache import Cache
+    from deepinfer.compiler.cache.local import Cache
+    from deepinfer.compiler.cache.remote import Store
     from deepinfer.compiler.config import load_compile_config
     from deepinfer.compiler.pipeline import compile_bundle
-    from deepinfer.compiler.store import Store
 
     for name, value in {
         "AWS_ACCESS_KEY_ID": "bench",

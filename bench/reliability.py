@@ -67,7 +67,7 @@ def model_toml(ckpt: Path, *, batch=(1, 8, 64), max_context=64, num_blocks=257, 
 
 
 def compile_once(text: str, where: Path, log) -> Path:
-    from deepinfer.compiler.cache import Cache
+    from deepinfer.compiler.cache.local import Cache
     from deepinfer.compiler.config import load_compile_config
     from deepinfer.compiler.pipeline import compile_bundle
 

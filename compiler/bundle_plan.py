@@ -546,7 +546,7 @@ def plan_bundle(
 ) -> BundlePlan:
     """Plan the compile of `config` without reading tensor data or writing anything.
 
-    Scratch comes from the trace records `cache` (a compiler/cache.Cache) holds; with `scratch`,
+    Scratch comes from the trace records `cache` (a compiler/cache/local.Cache) holds; with `scratch`,
     each kind without records (only those of `kinds` when given) is traced on fake tensors. With
     neither, the verdict counts weights and pools only (the compile's first check)."""
     start = time.perf_counter()

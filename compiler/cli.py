@@ -11,8 +11,32 @@ import click
 
 from deepinfer.cli_common import trust_option, trusted_key, user_errors
 
+HELP = """Compile MODEL_TOML into a bundle: one executable per (region kind, method, bucket).
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+\b
+Passes: parse config -> copy tokenizer -> plan regions -> check memory budget -> preprocess
+weights (per rank) -> trace (and lower) -> check memory budget with scratch
+-> compile -> lay out state -> record cache keys -> write manifest -> publish (atomic rename).
+Every layer of a kind and every rank reuse the same executables; the
+weights are inputs, stacked layer-major in the bundle.
+
+\b
+On trn2, each region is lowered to an XLA HLO module, run on XLA:CPU against
+its reference region, and compiled by neuronx-cc into a NEFF. Without
+neuronx-cc, --hlo-only writes the bundle up to the NEFFs, and
+`deepinfer-compile --finish BUNDLE` completes it where neuronx-cc is.
+
+\b
+Examples:
+  deepinfer-compile examples/tiny/model.toml -o build/tiny
+  deepinfer-compile examples/tiny/model_trn2.toml -o build/tiny-trn2 --hlo-only
+  deepinfer-compile --finish build/tiny-trn2 --jobs 8
+  deepinfer-compile model.toml -o build/m --cache-url s3://ci-cache/deepinfer --sign ci.pem
+  deepinfer-compile model.toml -o build/m --cache-url s3://ci-cache/deepinfer --require-cache --trust ci.pem.pub
+"""
+
+
+@click.command(help=HELP, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model_toml", type=click.Path(path_type=Path), required=False)
 @click.option(
     "-o",
@@ -107,57 +131,21 @@ def main(
     trust: Path | None,
     ray: str | None,
 ) -> None:
-    """Compile MODEL_TOML into a bundle: one executable per (region kind, method, bucket).
-
-    \b
-    Passes: parse config -> copy tokenizer -> plan regions -> check memory budget -> preprocess
-    weights (per rank) -> trace (and lower) -> check memory budget with scratch
-    -> compile -> lay out state -> record cache keys -> write manifest -> publish (atomic rename).
-    Every layer of a kind and every rank reuse the same executables; the
-    weights are inputs, stacked layer-major in the bundle.
-
-    \b
-    On trn2, each region is lowered to an XLA HLO module, run on XLA:CPU against
-    its reference region, and compiled by neuronx-cc into a NEFF. Without
-    neuronx-cc, --hlo-only writes the bundle up to the NEFFs, and
-    `deepinfer-compile --finish BUNDLE` completes it where neuronx-cc is.
-
-    \b
-    Examples:
-      deepinfer-compile examples/tiny/model.toml -o build/tiny
-      deepinfer-compile examples/tiny/model_trn2.toml -o build/tiny-trn2 --hlo-only
-      deepinfer-compile --finish build/tiny-trn2 --jobs 8
-      deepinfer-compile model.toml -o build/m --cache-url s3://ci-cache/deepinfer --sign ci.pem
-      deepinfer-compile model.toml -o build/m --cache-url s3://ci-cache/deepinfer --require-cache --trust ci.pem.pub
-    """
-    from deepinfer.compiler.cache import Cache, resolve_dir
+    """Parse, resolve defaults, call `compile_bundle` (or `finish_bundle`, or `cache_key`); the help is HELP."""
     from deepinfer.compiler.config import load_compile_config
     from deepinfer.compiler.pipeline import cache_key, compile_bundle
-    from deepinfer.compiler.store import open_store
 
     if (model_toml is None) == (finish is None):
         raise click.UsageError("give MODEL_TOML, or --finish BUNDLE (not both)")
-    signing_key = None
-    if sign is not None:
-        from deepinfer.bundles.signing import load_private_key
-
-        signing_key = load_private_key(sign)
-    if finish is not None and ray is not None:
-        raise click.UsageError("--ray runs a compile's jobs on a cluster; --finish runs here (drop --ray)")
+    signing_key = _signing_key(sign)
     if finish is not None:
-        from deepinfer.compiler.finish import finish_bundle
-
-        finish_bundle(finish, jobs=jobs, log=_log, sign=signing_key)
+        _finish(finish, jobs, ray, signing_key)
         return
     assert model_toml is not None  # one of the two, checked above
     cfg = load_compile_config(model_toml)
     if no_cache and (require_cache or cache_dir or cache_url or cache_endpoint):
         raise click.UsageError("--no-cache excludes --require-cache, --cache-dir, --cache-url and --cache-endpoint")
-    cache = None
-    if not no_cache:
-        store = open_store(cache_url, cache_endpoint, cfg.cache.url, cfg.cache.endpoint, _log)
-        directory = resolve_dir(cache_dir, cfg.cache.dir)
-        cache = Cache(directory, log=_log, sign=signing_key, trust=trusted_key(trust), remote=store)
+    cache = None if no_cache else _cache(cfg, cache_dir, cache_url, cache_endpoint, signing_key, trust)
     if print_cache_key:
         click.echo(cache_key(cfg, cache=cache, log=_log, verbose=verbose, hlo_only=hlo_only).digest)
         return
@@ -176,6 +164,33 @@ def main(
     )
     if as_json:
         click.echo(json.dumps(report.to_json()))
+
+
+def _signing_key(sign: Path | None):
+    """--sign's private key, loaded (None without one)."""
+    if sign is None:
+        return None
+    from deepinfer.bundles.signing import load_private_key
+
+    return load_private_key(sign)
+
+
+def _finish(bundle: Path, jobs: int, ray: str | None, signing_key) -> None:
+    """--finish BUNDLE: compile an HLO-stage bundle's modules here."""
+    if ray is not None:
+        raise click.UsageError("--ray runs a compile's jobs on a cluster; --finish runs here (drop --ray)")
+    from deepinfer.compiler.finish import finish_bundle
+
+    finish_bundle(bundle, jobs=jobs, log=_log, sign=signing_key)
+
+
+def _cache(cfg, cache_dir: Path | None, url: str | None, endpoint: str | None, signing_key, trust: Path | None):
+    """The compile's cache: its directory and remote tier by the flags, then the environment, then model.toml."""
+    from deepinfer.compiler.cache import open_cache
+    from deepinfer.compiler.cache.remote import open_store
+
+    store = open_store(url, endpoint, cfg.cache.url, cfg.cache.endpoint, _log)
+    return open_cache(cache_dir, cfg.cache.dir, log=_log, sign=signing_key, trust=trusted_key(trust), remote=store)
 
 
 def _log(msg: str) -> None:

@@ -97,7 +97,7 @@ class HostSection:
 @dataclass(frozen=True, kw_only=True)
 class CacheSection:
     dir: Path | None = None
-    url: str | None = None  # the remote tier, s3://bucket/prefix (compiler/store.py)
+    url: str | None = None  # the remote tier, s3://bucket/prefix (compiler/cache/remote.py)
     endpoint: str | None = None  # an S3-compatible server, e.g. http://minio.internal:9000; None: AWS
 
 
@@ -281,7 +281,7 @@ def _check_parallel(cfg: CompileConfig, need: Need) -> None:
 
 
 def _check_cache(cfg: CompileConfig, need: Need) -> None:
-    from deepinfer.compiler.store import check_endpoint, check_url
+    from deepinfer.compiler.cache.remote import check_endpoint, check_url
 
     url, endpoint = cfg.cache.url, cfg.cache.endpoint
     need(url is None or check_url(url) is None, "cache", "url", url and check_url(url))

@@ -3,6 +3,7 @@
 The trace pass takes each executable of the plan in order through these steps, one function each:
 
     fetch   a cached trace record whose executable the cache holds: neither traced nor compiled
+            (fetch and store are the cache's: compiler/cache/fetch_or_build.py)
     lower   the kind's region traced on fake tensors for the bucket, lowered for the target
     emit    the lowered module written for the compile job (static-shape targets: now, since
             what it returns is part of the manifest entry; others: only when it is compiled here)
@@ -10,13 +11,12 @@ The trace pass takes each executable of the plan in order through these steps, o
     store   the trace record put in the cache: the executable's key and its manifest entry
 
 The compile pass runs the compile jobs, each at most once among the compiles sharing a cache
-(`cached.compile_jobs`), and reports which executables it built.
+(`fetch_or_build.compile_jobs`), and reports which executables it built.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -27,10 +27,10 @@ import torch
 
 from deepinfer.bundles import layout, manifest_io
 from deepinfer.bundles import manifest as mf
-from deepinfer.compiler import budget, cached
-from deepinfer.compiler.cache import Cache
+from deepinfer.compiler import budget
+from deepinfer.compiler.cache import artifact_keys, fetch_or_build
+from deepinfer.compiler.cache.keys import Key, graph_digest, kernels_reached
 from deepinfer.compiler.jobs import Job
-from deepinfer.compiler.keys import Key, graph_digest, kernels_reached
 from deepinfer.compiler.kill_points import kill_point
 from deepinfer.compiler.plan import Exe, RegionPlan
 from deepinfer.compiler.spec import Log, Run, Spec
@@ -78,22 +78,6 @@ class Compiled:
 
 
 # --- the trace pass, step by step ----------------------------------------------------------------
-
-
-def fetch(cache: Cache, key: Key, exe: Exe, dest: Path) -> mf.Executable | None:
-    """The manifest entry of a cached trace of `exe` whose executable the cache holds (copied to
-    `dest`); None when either is missing."""
-    record = cached.trace_record(cache, key)
-    if record is None:
-        return None
-    try:
-        entry = manifest_io.parse_executable(record["entry"], f"cached trace record of {exe.name}")
-    except mf.BundleError as e:  # a record this deepinfer cannot read: rebuilt, as any corrupt entry
-        cache.reject("trace", key, str(e))
-        return None
-    if not cache.get_file("executable", record["executable_key"], dest):
-        return None
-    return entry
 
 
 def _io(specs: Sequence[InputSpec]) -> tuple[mf.TensorSpec, ...]:
@@ -203,18 +187,6 @@ def check(spec: Spec, graph: Graph, entry: mf.Executable, lowered: Path, log: Lo
     return dataclasses.replace(entry, check=result)
 
 
-def store(
-    spec: Spec, plan: RegionPlan, cache: Cache, key: Key, exe: Exe, graph: str, kernels: list[str], entry: mf.Executable
-) -> Key:
-    """Put the trace record of `exe` (the digest of its lowered `graph`, the `kernels` it reaches)
-    in the cache under its trace `key`: its executable's key and manifest entry. Returns the
-    executable key."""
-    executable = cached.executable_key(spec, plan, exe, graph, kernels)
-    record = {"executable_key": executable.digest, "kernels": kernels, "entry": manifest_io.to_json(entry)}
-    cache.put_bytes("trace", key, json.dumps(record).encode())
-    return executable
-
-
 def keep_lowered(spec: Spec, exe: Exe, entry: mf.Executable, lowered: Path, staging: Path) -> mf.Executable:
     """HLO-stage bundles: the lowered module is the bundle's artifact (finished later)."""
     entry = dataclasses.replace(entry, artifact=layout.executable_path(*exe, spec.target.lowered_suffix))
@@ -246,9 +218,9 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
     fused = plan.fused_kinds() if spec.fused else {}
     pieces: dict = {}  # fused layers' region pieces, lowered once for all the kinds that run them
     for exe in spec.executables(plan):
-        key = cached.trace_key(spec, plan, exe) if cache is not None else None
+        key = artifact_keys.trace_key(spec, plan, exe) if cache is not None else None
         dest = run.staging / layout.executable_path(*exe, target.suffix)
-        hit = fetch(cache, key, exe, dest) if cache is not None and key is not None else None
+        hit = fetch_or_build.fetch(cache, key, exe, dest) if cache is not None and key is not None else None
         if hit is not None:
             executables.append(hit)
             run.log(f"cached {exe.name}")
@@ -275,12 +247,12 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
         if cache is not None and key is not None:
             if graph is not None:  # a region's graph digest; a fused layer's is its module's text's
                 digest = graph_digest(graph.program)
-            executable = store(spec, plan, cache, key, exe, digest, kernels, entry)
+            executable = fetch_or_build.store(spec, plan, cache, key, exe, digest, kernels, entry)
             kill_point("trace")
             if cache.get_file("executable", executable, dest):  # another graph or compile built it
                 run.log(f"cached {exe.name}")
                 continue
-            cached.missed(run, "executable", executable)
+            fetch_or_build.missed(run, "executable", executable)
             keys[exe.name] = executable
         if not target.static_shapes:
             assert graph is not None, "only static-shape targets fuse layers"
@@ -306,7 +278,7 @@ def compile_regions(spec: Spec, traced: Traced, run: Run) -> Compiled:
     def progress(done: int, total: int, job: Job, seconds: float) -> None:
         run.log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
 
-    built = cached.compile_jobs(run, traced.jobs, traced.keys, progress)
+    built = fetch_or_build.compile_jobs(run, traced.jobs, traced.keys, progress)
     shutil.rmtree(run.staging / LOWERED_DIR)
     if spec.hlo_only:
         return Compiled(executables=traced.executables, built=built)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deepinfer.bundles.manifest_io import sha256_file
+from deepinfer.compiler.cache.keys import Key
 from deepinfer.compiler.farm_worker import (
     HOST_PATHS,
     TEST_DIE_ONCE,
@@ -44,11 +45,10 @@ from deepinfer.compiler.farm_worker import (
     work,
 )
 from deepinfer.compiler.jobs import Job
-from deepinfer.compiler.keys import Key
 
 if TYPE_CHECKING:
-    from deepinfer.compiler.cache import Cache
-    from deepinfer.compiler.store import Store
+    from deepinfer.compiler.cache.local import Cache
+    from deepinfer.compiler.cache.remote import Store
 
 __all__ = ["TEST_DIE_ONCE", "TEST_FAIL", "FarmError", "connect", "run_farm"]
 

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deepinfer.bundles.manifest_io import sha256_file
+from deepinfer.compiler.cache.keys import Key
 from deepinfer.compiler.jobs import Job, run_job
-from deepinfer.compiler.keys import Key
 from deepinfer.errors import DeepinferError
 
 if TYPE_CHECKING:
-    from deepinfer.compiler.store import Store
+    from deepinfer.compiler.cache.remote import Store
 
 HOST_PATHS = ("TORCHINDUCTOR_CACHE_DIR", "TMPDIR")  # set on workers as on the host (`_host_paths`)
 # Test hooks, read by the worker's job function (`work`); the host forwards them to the workers.
@@ -187,9 +187,9 @@ def _host_threads(threads: int) -> None:
 def _publish(task: Task, out: Path, work: Path) -> bool:
     """Store the executable through a worker-local cache that publishes to the shared store; False
     when the store failed here (its bytes then go back through Ray)."""
-    from deepinfer.compiler.cache import Cache
+    from deepinfer.compiler.cache import open_cache
 
     assert task.store is not None and task.key is not None
-    cache = Cache(work / "cache", remote=task.store)
+    cache = open_cache(work / "cache", remote=task.store)
     cache.put_file("executable", task.key, out)
     return cache.remote is not None and not cache.read_only  # published, or another publisher was first

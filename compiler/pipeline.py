@@ -10,7 +10,7 @@ what it makes, timed under its name. What is built is fixed once parsed (`Spec`)
 runs (staging directory, workers, log, cache) is `Run` (compiler/spec.py). The trace and compile
 passes are compiler/executables.py's; the memory checks compiler/budget.py's.
 
-With a cache (`compiler/cached.py`), the weights pass fetches each kind's
+With a cache (`compiler/cache/`), the weights pass fetches each kind's
 stacks by key instead of rebuilding them, the trace pass fetches an executable
 whose trace record and executable are cached (neither tracing nor compiling
 it), and the compile pass compiles only the misses, each at most once among
@@ -38,12 +38,13 @@ import deepinfer
 from deepinfer.bundles import layout, manifest_io
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.signing import sign_file
-from deepinfer.compiler import budget, cached
-from deepinfer.compiler.cache import Cache
+from deepinfer.compiler import budget
+from deepinfer.compiler.cache import artifact_keys, fetch_or_build
+from deepinfer.compiler.cache.keys import Key
+from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.executables import compile_regions, trace_regions
 from deepinfer.compiler.jobs import keep_failed_logs
-from deepinfer.compiler.keys import Key
 from deepinfer.compiler.kill_points import kill_point
 from deepinfer.compiler.plan import RegionPlan, plan_regions
 from deepinfer.compiler.pools import DRAFT_FEATURES
@@ -189,8 +190,8 @@ def preprocess_weights(spec: Spec, plan: RegionPlan, run: Run) -> Weights:
             f"note: {ckpt.dir}: the checkpoint holds layers {unused[0]}..{unused[-1]}, which config.json's "
             f"text_config.num_hidden_layers = {spec.model.text.num_hidden_layers} leaves unused"
         )
-    keys = cached.weight_file_keys(spec, plan, ckpt, run) if run.cache else {}
-    with cached.held(run, keys) as fetched:
+    keys = artifact_keys.weight_file_keys(spec, plan, ckpt, run) if run.cache else {}
+    with fetch_or_build.held(run, keys) as fetched:
 
         def wanted(rel: str) -> bool:
             return rel not in fetched
@@ -559,18 +560,18 @@ def cache_key(
     spec = parse(config, hlo_only, log)
     p = plan(spec, log)
     ckpt = Checkpoint(config.model.checkpoint)
-    memo = cached.Memo(cache.root / "files", log) if cache else None
+    memo = artifact_keys.Memo(cache.root / "files", log) if cache else None
     weights = {
-        f"{kind} rank {r}": cached.weights_key(spec, ckpt, kind, kp, r, memo)
+        f"{kind} rank {r}": artifact_keys.weights_key(spec, ckpt, kind, kp, r, memo)
         for kind, kp in p.kinds.items()
         for r in range(spec.topology.world)
     }
     host = {
-        name: cached.host_key(spec, ckpt, name, memo)
+        name: artifact_keys.host_key(spec, ckpt, name, memo)
         for name in host_entries(spec.model, device_embedding=spec.device_embedding)
     }
-    traces = {e.name: cached.trace_key(spec, p, e) for e in spec.executables(p)}
-    key = cached.bundle_key(
+    traces = {e.name: artifact_keys.trace_key(spec, p, e) for e in spec.executables(p)}
+    key = artifact_keys.bundle_key(
         spec, weights=weights, host=host, traces=traces, tokenizer=tokenizer_digests(config.model.checkpoint)
     )
     if verbose:

@@ -12,8 +12,9 @@ import gc
 import time
 from dataclasses import dataclass
 
-from deepinfer.compiler import budget, cached
+from deepinfer.compiler import budget
 from deepinfer.compiler.budget import human
+from deepinfer.compiler.cache import artifact_keys, fetch_or_build
 from deepinfer.compiler.executables import lower
 from deepinfer.compiler.plan import Exe, RegionPlan
 from deepinfer.compiler.spec import Spec
@@ -67,7 +68,7 @@ def recorded_scratch(spec: Spec, regions: RegionPlan, executables, cache) -> dic
     """executable name -> scratch bytes, from the trace records the compile cache holds for them."""
     out = {}
     for e in executables:
-        record = cached.trace_record(cache, cached.trace_key(spec, regions, e))
+        record = fetch_or_build.trace_record(cache, artifact_keys.trace_key(spec, regions, e))
         n = record["entry"].get("scratch_bytes") if record is not None else None
         if n is not None:
             out[e.name] = n

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.bundles.topology import Topology
-from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.plan import Exe, RegionPlan
 from deepinfer.compiler.targets import TARGETS, Target
@@ -96,7 +96,7 @@ class Run:
     out: Path  # where it is published
     jobs: int = 1
     log: Log = print
-    cache: Cache | None = None
+    cache: Cache | None = None  # fixed settings; what the run does with it goes to its `use` (a CacheUse)
     require_cache: bool = False
     verbose: bool = False
     ray: str | None = None  # compile on this Ray cluster (compiler/farm.py): "auto" or HOST:PORT

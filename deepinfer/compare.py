@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -428,6 +429,36 @@ def verdict(c: Comparison, floor: Floor, margin: float = MARGIN) -> Verdict:
     return Verdict(within, rel_limit, argmax_limit, margin)
 
 
+def floor_setting(dtype: str | None, cache_quant: bool | None, recorded) -> tuple[str, bool]:
+    """The floor's precision: as given, else as the dumps record, else bf16 with cache quantization."""
+    rec_dtype, rec_quant = recorded
+    dtype = dtype or rec_dtype or "bf16"
+    cache_quant = cache_quant if cache_quant is not None else rec_quant if rec_quant is not None else True
+    return dtype, cache_quant
+
+
+def judging_floor(
+    a: Dump,
+    b: Dump,
+    *,
+    checkpoint: Path | None,
+    dtype: str | None,
+    cache_quant: bool | None,
+    note: Callable[[str], None],
+) -> Floor:
+    """The floor A and B are judged by, measured with `checkpoint`'s reference, else the checkpoint a
+    reference dump records, at the dumps' precision (`floor_setting`); `note(msg)` says which."""
+    checkpoint = checkpoint or recorded_checkpoint(a, b)
+    if checkpoint is None:
+        raise CompareError(
+            f"no noise floor to judge {a.path} against {b.path}: give --noise-floor CKPT or --floor FILE "
+            "(neither dump records a checkpoint found here), or --no-floor for the metrics alone"
+        )
+    dtype, cache_quant = floor_setting(dtype, cache_quant, floor_precision(a, b))
+    note(f"measuring the noise floor with {checkpoint} ({dtype}, cache quant {'on' if cache_quant else 'off'})")
+    return floor_for(a, checkpoint, dtype=dtype, cache_quant=cache_quant)
+
+
 # --- reports ---
 
 
@@ -545,3 +576,11 @@ def report_json(c: Comparison, floor: Floor | None, v: Verdict | None, *, per_st
             "margin": v.margin,
         }
     return out
+
+
+def judged_lines(c: Comparison, floor: Floor | None, v: Verdict | None, *, per_step: bool = False) -> list[str]:
+    """The comparison's table, then the floor and the verdict (none without a floor)."""
+    lines = table_lines(c, per_step=per_step)
+    if floor is None or v is None:
+        return lines + ["verdict: none (--no-floor)"]
+    return lines + floor_lines(floor) + [verdict_line(v)]

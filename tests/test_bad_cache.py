@@ -13,9 +13,10 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from deepinfer.cli import main as deepinfer
-from deepinfer.compiler import cached
-from deepinfer.compiler.cache import META, Cache
-from deepinfer.compiler.keys import Key
+from deepinfer.compiler.cache import artifact_keys, fetch_or_build
+from deepinfer.compiler.cache.entry import META
+from deepinfer.compiler.cache.keys import Key
+from deepinfer.compiler.cache.local import Cache
 from deepinfer.regions.checkpoint import Checkpoint
 
 DEEP = "[" * 100_000 + "]" * 100_000
@@ -63,10 +64,10 @@ def test_trace_record_of_the_wrong_shape_is_a_miss_reported_once(tmp_path):
     logged: list[str] = []
     cache = Cache(tmp_path / "cache", log=logged.append)
     cache.put_bytes("trace", KEY, b'{"entry": 5}')
-    assert cached.trace_record(cache, KEY) is None and cached.trace_record(cache, KEY) is None
+    assert fetch_or_build.trace_record(cache, KEY) is None and fetch_or_build.trace_record(cache, KEY) is None
     assert len(logged) == 1 and "trace record" in logged[0] and logged[0].startswith("warning:")
     cache.put_bytes("trace", KEY, RECORD)
-    assert cached.trace_record(cache, KEY) == json.loads(RECORD) and len(logged) == 1
+    assert fetch_or_build.trace_record(cache, KEY) == json.loads(RECORD) and len(logged) == 1
 
 
 def test_cache_cli_with_a_meta_linked_to_dev_zero(tmp_path):
@@ -109,14 +110,16 @@ def test_corrupt_digest_memo_is_rehashed_reported_once_and_rewritten(tmp_path, d
     ckpt.mkdir()
     save_file({"w": torch.arange(8, dtype=torch.float32), "v": torch.ones(2)}, str(ckpt / "model.safetensors"))
     logged: list[str] = []
-    memo = cached.Memo(tmp_path / "memo", logged.append)
-    want = cached.tensor_digests(Checkpoint(ckpt), ["w", "v"], memo)
+    memo = artifact_keys.Memo(tmp_path / "memo", logged.append)
+    want = artifact_keys.tensor_digests(Checkpoint(ckpt), ["w", "v"], memo)
     (memo_file,) = memo.dir.glob("*.json")
     MEMO_DAMAGE[damage](memo_file)
     for _ in range(2):  # reported once; the second read finds the rewritten memo
-        assert cached.tensor_digests(Checkpoint(ckpt), ["w", "v"], memo) == want
+        assert artifact_keys.tensor_digests(Checkpoint(ckpt), ["w", "v"], memo) == want
     assert len(logged) == 1 and logged[0].startswith("warning: cache:") and str(memo_file) in logged[0], logged
     assert not memo_file.is_symlink() and json.loads(memo_file.read_text()) == want
     fresh: list[str] = []  # a later compile reads the rewritten memo without a word
-    assert cached.tensor_digests(Checkpoint(ckpt), ["w"], cached.Memo(memo.dir, fresh.append)) == {"w": want["w"]}
+    assert artifact_keys.tensor_digests(Checkpoint(ckpt), ["w"], artifact_keys.Memo(memo.dir, fresh.append)) == {
+        "w": want["w"]
+    }
     assert fresh == []

@@ -10,7 +10,8 @@ import torch
 from click.testing import CliRunner
 
 from deepinfer import compare as cmp
-from deepinfer.cli import main, write_logits
+from deepinfer.cli import main
+from deepinfer.cli_common import write_logits
 from deepinfer.errors import CompareError
 from deepinfer.runtime.schedule import Completion, decode_model
 

@@ -11,9 +11,9 @@ from collections import namedtuple
 import pytest
 
 from deepinfer.compiler import pipeline, stream
-from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.cache.keys import Key
+from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.config import load_compile_config
-from deepinfer.compiler.keys import Key
 from deepinfer.errors import ConfigError
 
 

@@ -21,7 +21,7 @@ import pytest
 
 import deepinfer
 import deepinfer.runtime
-from deepinfer.compiler.keys import import_closure, module_imports
+from deepinfer.compiler.cache.keys import import_closure, module_imports
 
 # lowest first: a module may import its own layer and those below it
 LAYERS = [
@@ -44,6 +44,9 @@ LAYERS = [
         "commands",
         [
             "deepinfer.cli",
+            "deepinfer.cache_cli",
+            "deepinfer.compare_cli",
+            "deepinfer.plan_cli",
             "deepinfer.__main__",
             "deepinfer.compiler.cli",
             "deepinfer.runtime.cli",

@@ -17,8 +17,8 @@ from deepinfer.bundles import layout, manifest_io
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.signing import TrustError, keygen, load_private_key, load_public_key, sign_file, verify_bytes
 from deepinfer.compiler import pipeline
-from deepinfer.compiler.cache import Cache
-from deepinfer.compiler.keys import Key
+from deepinfer.compiler.cache.keys import Key
+from deepinfer.compiler.cache.local import Cache
 from deepinfer.runtime.cli import main as run_main
 
 

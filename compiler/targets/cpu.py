@@ -39,7 +39,7 @@ class CpuTarget:
     fused_layers: bool = False  # one executable per region call: Inductor fuses inside each
     LOWERING_MODULES: ClassVar[tuple[str, ...]] = ("deepinfer.compiler.targets.cpu",)
     # options are Inductor config settings (aoti); these only write logs or dumps, so cache
-    # keys leave them out (compiler/keys.py). Every other option is keyed.
+    # keys leave them out (compiler/cache/keys.py). Every other option is keyed.
     LOG_OPTIONS: ClassVar[tuple[str, ...]] = (
         "trace.enabled",
         "trace.debug_dir",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.pipeline import CompileReport, compile_bundle
 

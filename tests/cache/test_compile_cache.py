@@ -13,12 +13,12 @@ import time
 import pytest
 from click.testing import CliRunner
 
-import deepinfer.compiler.cached as cached
+import deepinfer.compiler.cache.artifact_keys as cached
+import deepinfer.compiler.cache.keys as keys
 import deepinfer.compiler.executables as executables
-import deepinfer.compiler.keys as keys
 import deepinfer.compiler.pipeline as pipeline
 from deepinfer.bundles import manifest_io
-from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.cli import main as compile_cli
 from deepinfer.compiler.config import load_compile_config
 

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from deepinfer.bundles.layout import CACHE_KEYS_FILE
 from deepinfer.compiler import farm
-from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.cli import main as compile_cli
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.pipeline import compile_bundle
@@ -168,7 +168,7 @@ def test_workers_publish_to_the_store_and_the_host_reads_through(
 
     import boto3
 
-    from deepinfer.compiler.store import Store
+    from deepinfer.compiler.cache.remote import Store
 
     for name, value in NODE_AWS.items():
         monkeypatch.setenv(name, value)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-import deepinfer.compiler.cached as cached
+import deepinfer.compiler.cache.artifact_keys as cached
 from deepinfer.bundles.topology import Topology
-from deepinfer.compiler import keys
+from deepinfer.compiler.cache import keys
+from deepinfer.compiler.cache.keys import KEYED_OPTIONS, UNKEYED_OPTIONS, Key
 from deepinfer.compiler.config import SECTIONS, load_compile_config
-from deepinfer.compiler.keys import KEYED_OPTIONS, UNKEYED_OPTIONS, Key
 from deepinfer.compiler.pipeline import cache_key, plan
 from deepinfer.compiler.plan import Exe
 from deepinfer.compiler.spec import Spec, parse
@@ -69,8 +69,8 @@ def test_parts_are_hashed_unambiguously():
 KEYS_SCRIPT = """
 import json, sys
 from pathlib import Path
-from deepinfer.compiler.keys import graph_digest, kernels_reached
-from deepinfer.compiler import cached
+from deepinfer.compiler.cache.keys import graph_digest, kernels_reached
+from deepinfer.compiler.cache import artifact_keys as cached
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.pipeline import cache_key, parse, plan
 from deepinfer.compiler.plan import Exe
@@ -347,7 +347,7 @@ def test_kernel_source_closure_follows_helpers_only():
 
 
 def test_a_kernel_change_reaches_only_graphs_calling_it(b, monkeypatch):
-    from deepinfer.compiler.keys import kernels_reached
+    from deepinfer.compiler.cache.keys import kernels_reached
 
     reached = {
         k: kernels_reached(trace(b.plan.kinds[k].region, 1, 1, b.spec.geometry)[0]) for k in ("head", "attn_source_r2")

@@ -1,4 +1,4 @@
-"""The cache's remote tier (compiler/store.py) against a real S3 endpoint: moto's server on a local port,
+"""The cache's remote tier (compiler/cache/remote.py) against a real S3 endpoint: moto's server on a local port,
 spoken to over HTTP by boto3 (never moto's in-process mocks)."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from click.testing import CliRunner
 
 from deepinfer.bundles.signing import load_private_key, load_public_key
 from deepinfer.cli import main as deepinfer
-from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.cache.keys import Key
+from deepinfer.compiler.cache.local import Cache
+from deepinfer.compiler.cache.remote import Store, StoreError
 from deepinfer.compiler.cli import main as compile_cli
 from deepinfer.compiler.config import load_compile_config
-from deepinfer.compiler.keys import Key
-from deepinfer.compiler.store import Store, StoreError
 
 from .conftest import EXECUTABLES, write_toml
 
@@ -296,7 +296,7 @@ def test_cache_push_pull_ls_verify_prune_round_trip(tmp_path, url, s3, client):
 
 
 def test_cache_url_precedence_and_config_errors(tmp_path, tiny_ckpt, monkeypatch):
-    from deepinfer.compiler.store import open_store
+    from deepinfer.compiler.cache.remote import open_store
     from deepinfer.errors import ConfigError
 
     toml = write_toml(

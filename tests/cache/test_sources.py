@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from deepinfer.compiler import cached, keys
+from deepinfer.compiler.cache import artifact_keys as cached
+from deepinfer.compiler.cache import keys
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.pipeline import cache_key, parse, plan
 from deepinfer.compiler.plan import Exe

@@ -10,8 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 from deepinfer.cli import main as deepinfer
-from deepinfer.compiler.cache import Cache, Lock, default_dir, resolve_dir
-from deepinfer.compiler.keys import Key
+from deepinfer.compiler.cache.entry import Lock
+from deepinfer.compiler.cache.keys import Key
+from deepinfer.compiler.cache.local import Cache, default_dir, resolve_dir
 
 
 def key(n: int, identity: str = "thing") -> Key:

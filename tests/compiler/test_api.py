@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from deepinfer.compiler import budget, pipeline
-from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.cli import main as compile_cli
 from deepinfer.compiler.config import load_compile_config
 

@@ -22,7 +22,7 @@ from deepinfer.bundles import layout
 from deepinfer.bundles.safetensors import layout_header
 from deepinfer.cli import main
 from deepinfer.compiler.bundle_plan import plan_bundle
-from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.errors import CheckpointError, ConfigError
 from deepinfer.regions.checkpoint import written_checkpoint

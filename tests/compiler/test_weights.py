@@ -16,7 +16,7 @@ import deepinfer.compiler.stream as stream_mod
 from deepinfer.bundles import layout
 from deepinfer.bundles import manifest as mf
 from deepinfer.compiler import pipeline
-from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.plan import plan_regions
 from deepinfer.compiler.shard import shard
@@ -317,7 +317,7 @@ KILLED_COMPILE = """
 import os, sys, time
 import deepinfer.compiler.stream as stream
 from deepinfer.compiler import pipeline
-from deepinfer.compiler.cache import Cache
+from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.plan import plan_regions
 

@@ -1,5 +1,5 @@
 """The remote tier of the artifact cache: an S3 bucket (or any S3-compatible endpoint) behind the
-local directory of `compiler/cache.py`.
+local directory of `local.py`.
 
     s3://<bucket>/<prefix>/v1/
       objects/<sha256>                 an artifact, named by the sha256 of its bytes
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepinfer.compiler.keys import CACHE_VERSION
+from deepinfer.compiler.cache.keys import CACHE_VERSION
 from deepinfer.errors import DeepinferError
 from deepinfer.reader import ReadError, parse_json
 
@@ -249,6 +249,20 @@ class Store:
         for page in self._call("list", lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=prefix))):
             for obj in page.get("Contents", []):
                 yield obj["Key"][len(prefix) :], obj["LastModified"].timestamp()
+
+    def listing(self, kinds: tuple[str, ...]) -> list[tuple[RemoteEntry, str | None, int]]:
+        """Every entry with the identity and artifact size its meta.json records (None and 0 where it
+        cannot be read), for `deepinfer cache ls --url`."""
+        out = []
+        for e in self.entries(kinds):
+            got = self.get_meta(e.kind, e.key)
+            try:
+                meta = parse_json(got[0], f"{e.kind} {e.key} meta.json") if got else {}
+            except ReadError:
+                meta = {}
+            size = meta.get("size", 0) if isinstance(meta, dict) else 0
+            out.append((e, meta.get("identity") if isinstance(meta, dict) else None, size))
+        return out
 
     def find(self, ref: str, kinds: tuple[str, ...]) -> tuple[RemoteEntry, dict] | None:
         """The entry whose key is `ref` or starts with it (8+ characters, unique) and its meta."""

@@ -149,6 +149,27 @@ class Key:
         return [f"  {self.kind} {self.identity} {name:<10} {h[:16]}" for name, h in self.part_hashes.items()]
 
 
+def explain(a: dict, b: dict) -> list[str]:
+    """Two entries' meta.json values (`Key.describe`'s parts) compared part by part, for `deepinfer
+    cache explain`: a line naming each, one per part (its hash in A and B, same or DIFFERS), and under
+    a part that differs and whose values are both JSON objects, each field that changed."""
+    out = [
+        f"A {a.get('kind')} {a.get('identity')} {a.get('key', '')[:16]}",
+        f"B {b.get('kind')} {b.get('identity')} {b.get('key', '')[:16]}",
+    ]
+    pa = {p["name"]: p for p in a.get("parts", [])}
+    pb = {p["name"]: p for p in b.get("parts", [])}
+    for name in list(pa) + [n for n in pb if n not in pa]:
+        ha, hb = pa.get(name, {}).get("hash", "-"), pb.get(name, {}).get("hash", "-")
+        out.append(f"  {name:<10} {ha[:16]:<16} {hb[:16]:<16} {'same' if ha == hb else 'DIFFERS'}")
+        va, vb = pa.get(name, {}).get("value"), pb.get(name, {}).get("value")
+        if ha != hb and isinstance(va, dict) and isinstance(vb, dict):
+            out += [
+                f"    {k}: {va.get(k)!r} -> {vb.get(k)!r}" for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)
+            ]
+    return out
+
+
 def format_part() -> dict:
     return {"bundle_format": FORMAT_VERSION, "cache": CACHE_VERSION}
 

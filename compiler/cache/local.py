@@ -1,9 +1,8 @@
-"""The content-addressed artifact cache: entries, verification, locks, listing, pruning.
+"""The local tier of the content-addressed artifact cache (and `Cache`, which reads through to the
+remote tier): entries, verification, locks, listing, pruning.
 
     <dir>/v1/
-      <kind>/<key[:2]>/<key>/artifact     the cached file (executable, weights, trace record)
-      <kind>/<key[:2]>/<key>/meta.json    key, identity, parts and their hashes, digest, size
-      <kind>/<key[:2]>/<key>/signature.json   with a signing key: Ed25519 over meta.json
+      <kind>/<key[:2]>/<key>/...          an entry (entry.py: artifact, meta.json, signature.json)
       locks/<kind>-<key>.lock             flock: one process builds a given entry at a time
       tmp/                                entries being written (renamed into place when whole)
       files/                              memo of checkpoint tensor digests by file stat
@@ -14,7 +13,7 @@ re-verifies the artifact's digest on the copy it hands out: a corrupt entry is
 reported, removed and treated as a miss. Entries are never modified in place;
 a hit only touches meta.json's mtime (last use, for `prune`).
 
-With a remote tier (`remote`, a `compiler/store.Store`), a local miss reads
+With a remote tier (`remote`, a `remote.Store`), a local miss reads
 through the store: its entry is checked (signature under `trust`, the
 artifact's digest) and installed locally by the same whole-entry rename; an
 entry this process stores locally is then published to the store. A store that
@@ -23,69 +22,35 @@ fails is warned about once and left off for the rest of the process.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from deepinfer.bundles.manifest_io import sha256_file
 from deepinfer.bundles.signing import TrustError, sign_bytes, verify_bytes
-from deepinfer.compiler.keys import CACHE_VERSION, Key
+from deepinfer.compiler.cache.entry import (
+    ARTIFACT,
+    META,
+    SIGNATURE,
+    Entry,
+    Lock,
+    NoLock,
+    meta_problem,
+    parse_meta,
+    read_meta,
+)
+from deepinfer.compiler.cache.keys import CACHE_VERSION, Key
+from deepinfer.compiler.cache.remote import Store, StoreUnavailable
 from deepinfer.compiler.kill_points import kill_point
-from deepinfer.compiler.store import Store, StoreUnavailable
-from deepinfer.errors import DeepinferError
-from deepinfer.reader import CAP_MANIFEST, CAP_SMALL, ReadError, open_regular, parse_json, read_bytes
+from deepinfer.reader import CAP_MANIFEST, CAP_SMALL, ReadError, open_regular, read_bytes
 
 ENV_DIR = "DEEPINFER_CACHE_DIR"
-ARTIFACT = "artifact"
-META = "meta.json"
-SIGNATURE = "signature.json"
 KINDS = ("executable", "trace", "weights", "host")
-
-
-def _parse_meta(raw: bytes, kind: str, digest: str, where: str = META) -> dict | None:
-    """An entry's meta.json, or None where it is not one for (kind, digest): unreadable, or a
-    value of the wrong type (it names the entry, holds its artifact's digest and size)."""
-    try:
-        meta = parse_json(raw, where)
-    except ReadError:
-        return None
-    return meta if _meta_problem(meta, kind, digest) is None else None
-
-
-def _meta_problem(meta, kind: str, digest: str) -> str | None:
-    """What is wrong with the parsed meta.json of entry (kind, digest), or None."""
-    if not isinstance(meta, dict):
-        return "meta.json is not a JSON object"
-    if meta.get("key") != digest or meta.get("kind") != kind:
-        return "meta.json names another entry"
-    d, size = meta.get("digest"), meta.get("size")
-    if not isinstance(d, str) or not d.startswith("sha256:"):
-        return "meta.json has no sha256 digest"
-    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
-        return "meta.json's size is not a byte count"
-    parts = meta.get("parts", [])
-    if not isinstance(meta.get("identity", ""), str) or not (
-        isinstance(parts, list)
-        and all(
-            isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("hash"), str) for p in parts
-        )
-    ):
-        return "meta.json's identity or parts are of the wrong type"
-    return None
-
-
-def read_meta(path: Path) -> tuple[bytes, Any]:
-    """The bytes and JSON value of an entry's meta.json at `path` (a regular file inside its entry,
-    under a size cap: a link to /dev/zero is refused before a byte is read). ReadError otherwise."""
-    raw = read_bytes(path, CAP_SMALL, root=path.parent)
-    return raw, parse_json(raw, str(path))
 
 
 def _copy_regular(src: Path, root: Path, dest: Path) -> None:
@@ -98,10 +63,6 @@ def _copy_regular(src: Path, root: Path, dest: Path) -> None:
 def _reason(e: Exception) -> str:
     """A TrustError's message without the temporary path it names."""
     return str(e).split(": ", 1)[-1]
-
-
-class CacheError(DeepinferError):
-    """A cache miss under --require-cache, or a bad cache setting."""
 
 
 def default_dir() -> Path:
@@ -126,60 +87,42 @@ def _fsync_write(path: Path, data: bytes) -> None:
 
 
 @dataclass
-class Entry:
-    kind: str
-    key: str
-    path: Path
-    meta: dict
+class CacheUse:
+    """What one process (a compile, a `deepinfer cache` command) does with its cache: everything about
+    a `Cache` that changes while it is used, so that what a compile runs with (`spec.Run`) never does."""
 
-    @property
-    def artifact(self) -> Path:
-        return self.path / ARTIFACT
+    remote: Store | None  # the remote tier; None once it failed (warned about once), and without one
+    read_only: bool = False  # the directory could not be written (warned about once)
+    # what this process asked of the cache: (kind, identity or key) of each hit, miss, corrupt
+    # entry removed and entry stored (what a compile built is its own report: compile_bundle's).
+    # "hit" counts both tiers; "remote" the hits whose entry came from the store (installed
+    # locally on the way), "published" the entries this process published to it.
+    stats: dict[str, list[tuple[str, str]]] = field(
+        default_factory=lambda: {k: [] for k in ("hit", "miss", "corrupt", "stored", "remote", "published")}
+    )
+    # every entry this process handed out or stored, (kind, key) -> identity: a bundle records
+    # them (bundles/layout.CACHE_KEYS_FILE) for `deepinfer cache push/pull --bundle`
+    used: dict[tuple[str, str], str] = field(default_factory=dict)
+    from_store: set[tuple[str, str]] = field(default_factory=set)  # (kind, key) installed from the store
 
-    @property
-    def last_used(self) -> float:
-        return (self.path / META).stat().st_mtime
-
-
-class Lock:
-    """An exclusive flock on one entry's lock file (released on close or process death)."""
-
-    def __init__(self, path: Path, blocking: bool):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            self.held = True
-        except BlockingIOError:
-            self.held = False
-            os.close(self.fd)
-
-    def release(self) -> None:
-        if self.held:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.held = False
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.release()
+    def tiers(self) -> dict[str, int]:
+        """Entries handed out from the local tier and from the store, and entries published."""
+        remote = len(self.stats["remote"])
+        return {"local": len(self.stats["hit"]) - remote, "store": remote, "published": len(self.stats["published"])}
 
 
-class _NoLock:
-    """What `Cache.lock` hands out when the cache cannot be written: nothing to hold."""
-
-    held = True
-
-    def release(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
+def open_cache(
+    directory: Path | None,
+    config_dir: Path | None = None,
+    *,
+    log=lambda msg: None,
+    remote: Store | None = None,
+    sign=None,
+    trust=None,
+) -> Cache:
+    """The cache at `resolve_dir(directory, config_dir)`, reading through `remote` (a `Store`), signing
+    what it stores with `sign` and using only entries `trust` verifies."""
+    return Cache(resolve_dir(directory, config_dir), log=log, sign=sign, trust=trust, remote=remote)
 
 
 class Cache:
@@ -191,48 +134,49 @@ class Cache:
     that signature verifies, and is otherwise removed and rebuilt (`bundles.signing`).
 
     With `remote` (a `Store`), a local miss asks the store and an entry stored locally is published
-    to it (`compiler/store.py`; docs/cache.md, The remote store)."""
+    to it (`remote.py`; docs/cache.md, The remote store).
+
+    Its settings (directory, log, keys, store URL) are fixed when it is made; what using it changes
+    (the store turned off, read-only, what was hit, missed, stored and used) is its `use`."""
 
     def __init__(self, directory: Path, log=lambda msg: None, *, sign=None, trust=None, remote: Store | None = None):
         self.dir = Path(directory)
         self.root = self.dir / f"v{CACHE_VERSION}"
         self.log = log
         self.sign, self.trust = sign, trust
-        self.remote = remote
         self.remote_url = remote.url if remote is not None else None  # kept when the store goes off
-        # what this process asked of the cache: (kind, identity or key) of each hit, miss, corrupt
-        # entry removed and entry stored (what a compile built is its own report: compile_bundle's).
-        # "hit" counts both tiers; "remote" the hits whose entry came from the store (installed
-        # locally on the way), "published" the entries this process published to it.
-        self.stats: dict[str, list[tuple[str, str]]] = {
-            "hit": [],
-            "miss": [],
-            "corrupt": [],
-            "stored": [],
-            "remote": [],
-            "published": [],
-        }
-        self.read_only = False
-        # every entry this process handed out or stored, (kind, key) -> identity: a bundle records
-        # them (bundles/layout.CACHE_KEYS_FILE) for `deepinfer cache push/pull --bundle`
-        self.used: dict[tuple[str, str], str] = {}
-        self._from_store: set[tuple[str, str]] = set()  # (kind, key) installed from the store
+        self.use = CacheUse(remote=remote)  # all that changes while the cache is used
+
+    @property
+    def remote(self) -> Store | None:
+        """The remote tier, while it answers (None once it failed, and without one)."""
+        return self.use.remote
+
+    @property
+    def read_only(self) -> bool:
+        return self.use.read_only
+
+    @property
+    def stats(self) -> dict[str, list[tuple[str, str]]]:
+        return self.use.stats
+
+    @property
+    def used(self) -> dict[tuple[str, str], str]:
+        return self.use.used
 
     def tiers(self) -> dict[str, int]:
-        """Entries handed out from the local tier and from the store, and entries published."""
-        remote = len(self.stats["remote"])
-        return {"local": len(self.stats["hit"]) - remote, "store": remote, "published": len(self.stats["published"])}
+        return self.use.tiers()
 
     def _store_failed(self, e: Exception) -> None:
         """Turn the store off for the rest of the process, with one warning naming it and why."""
-        if self.remote is not None:
-            self.remote = None
+        if self.use.remote is not None:
+            self.use.remote = None
             self.log(f"warning: cache store {e}; this compile goes on with the local cache only")
 
     def _cannot_write(self, e: OSError) -> None:
         """Stop writing to the cache, with one warning naming the directory and why."""
-        if not self.read_only:
-            self.read_only = True
+        if not self.use.read_only:
+            self.use.read_only = True
             self.log(
                 f"warning: cache {self.dir}: cannot write ({e.strerror or e}); this compile goes on "
                 "without storing to the cache"
@@ -242,14 +186,14 @@ class Cache:
     def entry_dir(self, kind: str, key: str) -> Path:
         return self.root / kind / key[:2] / key
 
-    def lock(self, kind: str, key: Key | str, blocking: bool = True) -> Lock | _NoLock:
+    def lock(self, kind: str, key: Key | str, blocking: bool = True) -> Lock | NoLock:
         digest = key.digest if isinstance(key, Key) else key
         if not self.read_only:
             try:
                 return Lock(self.root / "locks" / f"{kind}-{digest}.lock", blocking)
             except OSError as e:
                 self._cannot_write(e)
-        return _NoLock()
+        return NoLock()
 
     # --- reading ---
     def lookup(self, kind: str, key: Key | str) -> Entry | None:
@@ -273,7 +217,7 @@ class Cache:
                     f"not signed by the trusted key: {e}",
                 )
                 return None
-        problem = _meta_problem(meta, kind, digest)
+        problem = meta_problem(meta, kind, digest)
         if problem is not None or not (path / ARTIFACT).is_file():
             self._corrupt(Entry(kind, digest, path, {}), problem or "incomplete entry")
             return None
@@ -329,8 +273,8 @@ class Cache:
         what = (entry.kind, entry.meta.get("identity", entry.key))
         self.stats["hit"].append(what)
         self.used[(entry.kind, entry.key)] = what[1]
-        if (entry.kind, entry.key) in self._from_store:
-            self._from_store.discard((entry.kind, entry.key))
+        if (entry.kind, entry.key) in self.use.from_store:
+            self.use.from_store.discard((entry.kind, entry.key))
             self.stats["remote"].append(what)
         return True
 
@@ -365,7 +309,7 @@ class Cache:
             if got is None:
                 return False
             raw, signature = got
-            meta = _parse_meta(raw, kind, digest)
+            meta = parse_meta(raw, kind, digest)
             if meta is None:
                 self._remote_corrupt(kind, digest, {}, "unreadable meta.json", drop_object=False)
                 return False
@@ -390,7 +334,7 @@ class Cache:
                     return False
                 _fsync_write(tmp / META, raw)
                 if self._install(kind, digest, tmp):
-                    self._from_store.add((kind, digest))
+                    self.use.from_store.add((kind, digest))
                 return True
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -557,7 +501,7 @@ class Cache:
                     data = read_meta(meta)[1]
                 except ReadError:
                     data = {}
-                if _meta_problem(data, kind, meta.parent.name) is not None:
+                if meta_problem(data, kind, meta.parent.name) is not None:
                     data = {}  # listed (verify and prune see it) with nothing read from it
                 out.append(Entry(kind, meta.parent.name, meta.parent, data))
         return out
@@ -574,7 +518,7 @@ class Cache:
         except ReadError:
             meta = {}
         kind = found[0].parent.parent.name
-        return Entry(kind, found[0].name, found[0], meta if _meta_problem(meta, kind, found[0].name) is None else {})
+        return Entry(kind, found[0].name, found[0], meta if meta_problem(meta, kind, found[0].name) is None else {})
 
     def closest(self, kind: str, identity: str) -> Entry | None:
         """The most recently used entry of `kind` built for the same `identity` (explains a miss)."""

@@ -1,4 +1,4 @@
-"""The compile pipeline's use of the artifact cache: its keys, and fetch-or-build.
+"""The key of each artifact a compile caches (what each key sees); fetch-or-build is `fetch_or_build.py`.
 
 Two levels, so that a warm compile neither traces nor compiles:
 
@@ -26,15 +26,13 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypedDict
 
 from deepinfer.bundles.safetensors import read_header
-from deepinfer.compiler.cache import Cache, CacheError
-from deepinfer.compiler.jobs import Job, run_job, run_jobs
-from deepinfer.compiler.keys import (
+from deepinfer.compiler.cache.keys import (
     KEYED_OPTIONS,
     Key,
     format_part,
@@ -43,12 +41,11 @@ from deepinfer.compiler.keys import (
     modules_digest,
     sha256,
 )
-from deepinfer.compiler.kill_points import kill_point
 from deepinfer.compiler.plan import Exe, KindPlan, LayerKind, RegionPlan
 from deepinfer.compiler.spec import Run, Spec
 from deepinfer.compiler.trace import Signature, weight_specs
 from deepinfer.compiler.weights import host_entries, host_sources, source_names, stack_files
-from deepinfer.reader import ReadError, load_json, parse_json
+from deepinfer.reader import ReadError, load_json
 from deepinfer.regions.base import engram_table_specs
 from deepinfer.regions.checkpoint import Checkpoint
 from deepinfer.regions.state import Geometry
@@ -443,146 +440,3 @@ def weight_file_keys(spec: Spec, plan: RegionPlan, ckpt: Checkpoint, run: Run) -
     for name, entry in host_entries(spec.model, device_embedding=spec.device_embedding).items():
         out[entry.path] = ("host", host_key(spec, ckpt, name, memo))
     return out
-
-
-# --- fetch or build ---
-
-
-@contextlib.contextmanager
-def held(run: Run, keys: dict[str, tuple[str, Key]]) -> Iterator[set[str]]:
-    """Lock every file's entry (sorted: compiles sharing a cache never deadlock), fetch those the
-    cache holds into the staging bundle, yield their paths; the caller builds and stores the rest
-    before the locks are released, so a file is built once among concurrent compiles."""
-    cache = run.cache
-    fetched: set[str] = set()
-    if cache is None:
-        yield fetched
-        return
-    locks = []
-    try:
-        for kind, key in sorted(keys.values(), key=lambda kk: kk[1].digest):
-            locks.append(cache.lock(kind, key))
-        for rel, (kind, key) in keys.items():  # plan order: the first miss named is the first file
-            if cache.get_file(kind, key, run.staging / rel):
-                fetched.add(rel)
-            else:
-                missed(run, kind, key)
-        yield fetched
-    finally:
-        for lock in locks:
-            lock.release()
-
-
-def missed(run: Run, kind: str, key: Key) -> None:
-    """A miss: log the key's parts at debug verbosity; under --require-cache, fail with why."""
-    if run.verbose:
-        run.log(f"cache miss: {kind} {key.identity} {key.digest[:16]}")
-        for line in key.lines():
-            run.log(line)
-    cache = run.cache
-    if not run.require_cache or cache is None:
-        return
-    near = cache.closest(kind, key.identity)
-    if near is None and cache.remote_url:
-        why = f"neither the cache at {cache.dir} nor the store {cache.remote_url} holds a {kind} for it"
-    elif near is None:
-        why = f"the cache at {cache.dir} holds no {kind} for it"
-    else:
-        old = {p["name"]: p["hash"] for p in near.meta.get("parts", [])}
-        diff = [n for n, h in key.part_hashes.items() if old.get(n) != h]
-        why = (
-            f"key part(s) {', '.join(diff)} differ from the cached entry {near.key[:16]} "
-            f"(deepinfer cache explain {near.key[:16]} {key.digest[:16]})"
-        ) + (f"; the store {cache.remote_url} holds no {kind} for it either" if cache.remote_url else "")
-    raise CacheError(f"--require-cache: cache miss for {kind} {key.identity}: {why}")
-
-
-def trace_record(cache: Cache, key: Key) -> dict | None:
-    """The cached trace record of `key` ({"executable_key": str, "entry": {...}}); None on a miss. A
-    record that is not one (corrupt, of the wrong types) is reported once, removed and a miss."""
-    data = cache.get_bytes("trace", key)
-    if data is None:
-        return None
-    try:
-        record = parse_json(data, "trace record")
-    except ReadError as e:
-        cache.reject("trace", key, str(e))
-        return None
-    if not (
-        isinstance(record, dict)
-        and isinstance(record.get("executable_key"), str)
-        and isinstance(record.get("entry"), dict)
-        and isinstance(record["entry"].get("scratch_bytes", 0), (int, type(None)))
-    ):
-        cache.reject("trace", key, "trace record of the wrong shape")
-        return None
-    return record
-
-
-Progress = Callable[[int, int, Job, float], None]
-
-
-def compile_jobs(run: Run, jobs: Sequence[Job], keys: dict[str, Key], progress: Progress) -> tuple[str, ...]:
-    """Compile each job's executable once across every compile sharing the cache: the
-    jobs whose lock this compile takes run here (in parallel, or on the Ray cluster of
-    `run.ray`); the others are waited for and then fetched (or compiled here if their
-    compile died). Returns the names of those compiled here, in the order they finished
-    (without a cache: every job, in order)."""
-    cache = run.cache
-    if cache is None:
-        if run.ray is not None:
-            _on_farm(run, list(jobs), None, lambda job: None)
-        else:
-            run_jobs(list(jobs), run.jobs, progress)
-        return tuple(job.name for job in jobs)
-    mine, theirs, locks, built = [], [], {}, []
-    for job in jobs:
-        key = keys[job.name]
-        lock = cache.lock("executable", key, blocking=False)
-        if not lock.held:
-            theirs.append(job)
-        elif cache.get_file("executable", key, job.out):  # stored since the trace pass
-            lock.release()
-            run.log(f"cached {job.name}")
-        else:
-            locks[job.name] = lock
-            mine.append(job)
-
-    def keep(job: Job) -> None:
-        cache.put_file("executable", keys[job.name], job.out)
-        kill_point("compile")
-        built.append(job.name)
-        locks.pop(job.name).release()
-
-    def done(i: int, total: int, job: Job, seconds: float) -> None:
-        keep(job)
-        progress(i, total, job, seconds)
-
-    try:
-        if run.ray is not None:
-            _on_farm(run, mine, keys, keep)
-        else:
-            run_jobs(mine, run.jobs, done)
-    finally:
-        for lock in locks.values():
-            lock.release()
-    for i, job in enumerate(theirs, 1):
-        key = keys[job.name]
-        run.log(f"waiting for another compile of {job.name}")
-        with cache.lock("executable", key, blocking=True):
-            if cache.get_file("executable", key, job.out):
-                run.log(f"cached {job.name}")
-                continue
-            seconds = run_job(job)
-            cache.put_file("executable", key, job.out)
-            built.append(job.name)
-            progress(i, len(theirs), job, seconds)
-    return tuple(built)
-
-
-def _on_farm(run: Run, jobs: list[Job], keys: dict[str, Key] | None, keep: Callable[[Job], None]) -> None:
-    """The jobs as Ray tasks (compiler/farm.py); `keep(job)` once each executable is in the staging
-    bundle. With the cache's remote store, workers publish there and the host reads through it."""
-    from deepinfer.compiler import farm
-
-    farm.run_farm(jobs, run.log, keep, keys=keys, cache=run.cache)

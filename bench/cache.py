@@ -123,21 +123,24 @@ def main() -> None:
             "only_reaching_recompiled": runs["kernel"]["compiled"] == expected,
         },
     }
-    print(f"{'run':<8} {'wall s':>9} {'/cold':>7} {'compiled':>9}", file=sys.stderr)
-    for k, r in runs.items():
-        print(
-            f"{k:<8} {r['wall_s']:>9.2f} {r['over_cold']:>7.3f} {len(r['compiled']):>5}/{r['executables']}",
-            file=sys.stderr,
-        )
-    print(f"kernel {args.kernel} is reached by {len(expected)}: {', '.join(expected)}", file=sys.stderr)
-    print(f"recompiled after the change: {', '.join(runs['kernel']['compiled']) or 'none'}", file=sys.stderr)
-    print(
-        f"targets: warm/cold {result['warm_over_cold']:.4f} <= {TARGET_WARM}: {result['targets']['warm_ok']}; "
-        f"only reaching executables recompiled: {result['targets']['only_reaching_recompiled']}",
-        file=sys.stderr,
-    )
+    print("\n".join(table(result)), file=sys.stderr)
     if args.json:
         print(json.dumps(result))
+
+
+def table(result: dict) -> list[str]:
+    """The runs, what the kernel change reached and recompiled, and the targets: the lines printed on stderr."""
+    runs, expected, targets = result["runs"], result["kernel_reached_by"], result["targets"]
+    lines = [f"{'run':<8} {'wall s':>9} {'/cold':>7} {'compiled':>9}"]
+    for k, r in runs.items():
+        lines.append(f"{k:<8} {r['wall_s']:>9.2f} {r['over_cold']:>7.3f} {len(r['compiled']):>5}/{r['executables']}")
+    return [
+        *lines,
+        f"kernel {result['kernel']} is reached by {len(expected)}: {', '.join(expected)}",
+        f"recompiled after the change: {', '.join(runs['kernel']['compiled']) or 'none'}",
+        f"targets: warm/cold {result['warm_over_cold']:.4f} <= {TARGET_WARM}: {targets['warm_ok']}; "
+        f"only reaching executables recompiled: {targets['only_reaching_recompiled']}",
+    ]
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def run_child(script: str, *args: str, timeout: float | None = None) -> dict:
     its peak RSS is that run's): the JSON object it prints last; the bench exits if it fails."""
     proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
-        raise failed(f"{Path(script).name} {' '.join(args[:1])}", proc)
+        raise failed(f"{Path(script).name} {' '.join(args)}", proc)
     return last_json(proc.stdout)
 
 

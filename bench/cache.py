@@ -24,39 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT, compile_json, with_executable, work_dir
+
 TARGET_WARM = 0.03
 
 
 def compile_once(toml: Path, out: Path, cache: Path, jobs: int, inductor: Path) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor))
-    cmd = [
-        sys.executable,
-        "-m",
-        "deepinfer.compiler.cli",
-        str(toml),
-        "-o",
-        str(out),
-        "--force",
-        "--cache-dir",
-        str(cache),
-        "--jobs",
-        str(jobs),
-        "--json",
-    ]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode:
-        sys.exit(f"compile failed:\n{proc.stderr[-3000:]}")
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"wall_s": round(wall, 3), "executables": summary["executables"], "compiled": sorted(summary["compiled"])}
+    r = compile_json(toml, out, cache, inductor=inductor, args=["--force", "--jobs", str(jobs)])
+    return {"wall_s": r.wall_s, "executables": r.summary["executables"], "compiled": sorted(r.summary["compiled"])}
 
 
 class TouchedKernel:
@@ -112,20 +90,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    with tempfile.TemporaryDirectory(
-        prefix="bench-cache-", dir=ROOT / ".cache" if (ROOT / ".cache").is_dir() else None
-    ) as tmp_name:
+    with work_dir("bench-cache-") as tmp_name:
         tmp = Path(tmp_name)
-        toml = args.model.resolve()
-        if args.executable:
-            text = (
-                toml.read_text()
-                .replace('executable = "aoti"', f'executable = "{args.executable}"')
-                .replace('executable = "exported"', f'executable = "{args.executable}"')
-            )
-            text = text.replace('checkpoint = "checkpoint"', f'checkpoint = "{toml.parent / "checkpoint"}"')
-            toml = tmp / "model.toml"
-            toml.write_text(text)
+        toml = with_executable(args.model, args.executable, tmp)
         cache = tmp / "cache"
         runs = {}
         for name in ("cold", "warm", "kernel"):
@@ -156,21 +123,24 @@ def main() -> None:
             "only_reaching_recompiled": runs["kernel"]["compiled"] == expected,
         },
     }
-    print(f"{'run':<8} {'wall s':>9} {'/cold':>7} {'compiled':>9}", file=sys.stderr)
-    for k, r in runs.items():
-        print(
-            f"{k:<8} {r['wall_s']:>9.2f} {r['over_cold']:>7.3f} {len(r['compiled']):>5}/{r['executables']}",
-            file=sys.stderr,
-        )
-    print(f"kernel {args.kernel} is reached by {len(expected)}: {', '.join(expected)}", file=sys.stderr)
-    print(f"recompiled after the change: {', '.join(runs['kernel']['compiled']) or 'none'}", file=sys.stderr)
-    print(
-        f"targets: warm/cold {result['warm_over_cold']:.4f} <= {TARGET_WARM}: {result['targets']['warm_ok']}; "
-        f"only reaching executables recompiled: {result['targets']['only_reaching_recompiled']}",
-        file=sys.stderr,
-    )
+    print("\n".join(table(result)), file=sys.stderr)
     if args.json:
         print(json.dumps(result))
+
+
+def table(result: dict) -> list[str]:
+    """The runs, what the kernel change reached and recompiled, and the targets: the lines printed on stderr."""
+    runs, expected, targets = result["runs"], result["kernel_reached_by"], result["targets"]
+    lines = [f"{'run':<8} {'wall s':>9} {'/cold':>7} {'compiled':>9}"]
+    for k, r in runs.items():
+        lines.append(f"{k:<8} {r['wall_s']:>9.2f} {r['over_cold']:>7.3f} {len(r['compiled']):>5}/{r['executables']}")
+    return [
+        *lines,
+        f"kernel {result['kernel']} is reached by {len(expected)}: {', '.join(expected)}",
+        f"recompiled after the change: {', '.join(runs['kernel']['compiled']) or 'none'}",
+        f"targets: warm/cold {result['warm_over_cold']:.4f} <= {TARGET_WARM}: {targets['warm_ok']}; "
+        f"only reaching executables recompiled: {targets['only_reaching_recompiled']}",
+    ]
 
 
 if __name__ == "__main__":

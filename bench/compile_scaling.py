@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from common import compile_json, toml_text
 
 TARGET_RATIO = 1.15
 WEIGHTS_PASS = "preprocess weights"
@@ -40,16 +40,16 @@ def parse_buckets(text: str) -> tuple[list[int], list[int]]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected BATCHES:TOKENS like 1:1 or 1,2:1,8") from None
 
 
-def model_toml(checkpoint: Path, executable: str, batch: list[int], tokens: list[int]) -> str:
+def model_toml(checkpoint: Path, executable: str, batch: list[int], tokens: list[int]) -> dict:
     max_context = max(32, max(tokens))
     block_size = 16
     num_blocks = -(-max_context // block_size) * max(batch) + 1
-    return (
-        f'[model]\ncheckpoint = "{checkpoint}"\ndtype = "fp32"\ncache_quant = true\n\n'
-        f'[target]\nname = "cpu"\nexecutable = "{executable}"\n\n'
-        f"[buckets]\nbatch = {batch}\ntokens = {tokens}\nmax_context = {max_context}\n\n"
-        f"[kv]\nblock_size = {block_size}\nnum_blocks = {num_blocks}\n"
-    )
+    return {
+        "model": {"checkpoint": checkpoint, "dtype": "fp32", "cache_quant": True},
+        "target": {"name": "cpu", "executable": executable},
+        "buckets": {"batch": batch, "tokens": tokens, "max_context": max_context},
+        "kv": {"block_size": block_size, "num_blocks": num_blocks},
+    }
 
 
 def compile_once(work: Path, layers: int, args) -> dict:
@@ -58,18 +58,12 @@ def compile_once(work: Path, layers: int, args) -> dict:
 
     ckpt = make_tiny(work / f"tiny{layers}", layers=layers)
     toml = work / f"model{layers}.toml"
-    toml.write_text(model_toml(ckpt, args.executable, args.batch, args.tokens))
+    toml.write_text(toml_text(model_toml(ckpt, args.executable, args.batch, args.tokens)))
     out = work / f"bundle{layers}"
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(work / f"inductor{layers}"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "deepinfer.compiler.cli", str(toml), "-o", str(out), "--jobs", str(args.jobs), "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode:
-        sys.exit(f"compiling {layers} layers failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the compile's default cache, as `deepinfer-compile` alone uses
+    summary = compile_json(
+        toml, out, None, inductor=work / f"inductor{layers}", args=["--jobs", str(args.jobs)]
+    ).summary
     from deepinfer.bundles import manifest_io
 
     manifest = manifest_io.read(out)

@@ -24,22 +24,11 @@ import json
 from deepinfer.regions.config import parse_config
 from deepinfer.regions.state import Geometry
 from deepinfer.regions.step import plan_layers
-from deepinfer.regions.synthetic import synthetic_config
-
-RELEASE_SCHEDULE = {
-    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20,
-    "kv_source_layer_ids": [2, 8, 14, 20],
-    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
-    "candidate_source_layer_id": 20,
-    "engram_layer_ids": [1, 14],
-    "engram_num_embeddings": [65536, 65536],
-}
+from deepinfer.regions.synthetic import release_config
 
 
 def release_text_config():
-    config = synthetic_config(layers=40)
-    config["text_config"].update(RELEASE_SCHEDULE)
-    return parse_config(config, "the release schedule (MODEL.md)").text
+    return parse_config(release_config(), "the release (MODEL.md)").text
 
 
 def widths(contexts: list[int], block_size: int, cp: int = 64) -> list[dict]:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
+from common import ROOT, ensure_bundle, share_inductor_cache, timing_options, torch_threads
+
+share_inductor_cache()
 
 PROMPTS = ["Hello, world", "The quick brown fox jumps over the lazy dog.", "abc", "1 + 1 ="]
 
@@ -43,27 +42,21 @@ def main() -> None:
     ap.add_argument("--bundle", type=Path, default=ROOT / "build" / "tiny")
     ap.add_argument("--toml", type=Path, default=ROOT / "examples" / "tiny" / "model.toml")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
-    ap.add_argument("--json", action="store_true")
+    timing_options(ap, "torch threads for both (default: torch's)")
     args = ap.parse_args()
 
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = torch_threads(args.threads)
 
     from deepinfer.compiler.config import load_compile_config
-    from deepinfer.compiler.pipeline import compile_bundle
     from deepinfer.regions.reference import ReferenceModel
     from deepinfer.regions.tokenizer import ByteTokenizer
     from deepinfer.runtime import RunOptions, load
     from deepinfer.runtime.executor import generate_loaded
     from deepinfer.runtime.schedule import decode_model
 
-    if not args.bundle.exists():
-        print(f"compiling {args.toml} -> {args.bundle}", file=sys.stderr)
-        compile_bundle(load_compile_config(args.toml), args.bundle, jobs=2)
+    ensure_bundle(args.bundle, args.toml)
     session = load(args.bundle)
     m = session.manifest.model
     ckpt = load_compile_config(args.toml).model.checkpoint
@@ -84,7 +77,7 @@ def main() -> None:
     result = {
         "prompts": len(prompts),
         "new_tokens": args.new_tokens,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
         "bundle_step_ms": best["bundle"][0] * 1e3,
         "eager_step_ms": best["eager"][0] * 1e3,
         "step_ratio_bundle_over_eager": best["bundle"][0] / best["eager"][0],

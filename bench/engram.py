@@ -20,32 +20,11 @@ import math
 import tempfile
 from pathlib import Path
 
+from common import toml_text
+
 from deepinfer.regions.synthetic import release_config
 
 BLOCK = 128
-TOML = """[model]
-checkpoint = "{ckpt}"
-dtype = "bf16"
-
-[target]
-name = "trn2"
-executable = "neff"
-options = {{ lnc = 2 }}
-
-[buckets]
-batch = [1, {batch}]
-tokens = [1]
-max_context = {context}
-
-[kv]
-block_size = {block}
-num_blocks = {blocks}
-
-[parallel]
-tp = 1
-ep = {ep}
-cp = {cp}
-"""
 
 
 def measure(ep: int, cp: int, batch: int, context: int) -> dict:
@@ -59,7 +38,17 @@ def measure(ep: int, cp: int, batch: int, context: int) -> dict:
         toml = Path(tmp) / "model.toml"
         # every sequence at full context (block 0 scratch), the usable blocks a multiple of cp (divided over it)
         blocks = -(-batch * -(-context // BLOCK) // cp) * cp + 1
-        toml.write_text(TOML.format(block=BLOCK, ckpt=ckpt, batch=batch, context=context, blocks=blocks, ep=ep, cp=cp))
+        toml.write_text(
+            toml_text(
+                {
+                    "model": {"checkpoint": ckpt, "dtype": "bf16"},
+                    "target": {"name": "trn2", "executable": "neff", "options": {"lnc": 2}},
+                    "buckets": {"batch": [1, batch], "tokens": [1], "max_context": context},
+                    "kv": {"block_size": BLOCK, "num_blocks": blocks},
+                    "parallel": {"tp": 1, "ep": ep, "cp": cp},
+                }
+            )
+        )
         spec = pipeline.parse(load_compile_config(toml), True, lambda m: None)
         plan = pipeline.plan(spec, lambda m: None)
         d = budget.breakdown(spec, plan)

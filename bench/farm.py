@@ -39,28 +39,14 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT, compile_json, with_executable, work_dir
+
 TARGET_FROM_STORE = 0.05
-
-
-def model_toml(args, tmp: Path) -> Path:
-    toml = args.model.resolve()
-    if not args.executable:
-        return toml
-    text = toml.read_text()
-    for kind in ("aoti", "exported"):
-        text = text.replace(f'executable = "{kind}"', f'executable = "{args.executable}"')
-    text = text.replace('checkpoint = "checkpoint"', f'checkpoint = "{toml.parent / "checkpoint"}"')
-    out = tmp / "model.toml"
-    out.write_text(text)
-    return out
 
 
 def store_section(args, tmp: Path) -> dict:
@@ -86,7 +72,7 @@ def store_section(args, tmp: Path) -> dict:
         endpoint = f"http://{host}:{port}"
         bucket = f"bench-{uuid.uuid4().hex[:12]}"
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-        config = load_compile_config(model_toml(args, tmp))
+        config = load_compile_config(with_executable(args.model, args.executable, tmp))
         runs = {}
         for name in ("cold", "from_store"):
             print(f"store: {name} compile ...", file=sys.stderr, flush=True)
@@ -142,16 +128,9 @@ def _compile_process(toml: Path, out: Path, inductor: Path, extra: list[str]) ->
     (emptied first)."""
     shutil.rmtree(inductor, ignore_errors=True)
     inductor.mkdir(parents=True)
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor))
-    cmd = [sys.executable, "-m", "deepinfer.compiler.cli", str(toml), "-o", str(out), "--force", "--no-cache"]
-    start = time.perf_counter()
-    proc = subprocess.run([*cmd, "--json", *extra], env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode:
-        sys.exit(f"compile failed:\n{proc.stderr[-3000:]}")
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    progress = [line for line in proc.stderr.splitlines() if line.startswith("farm [")]
-    return {"wall_s": round(wall, 3), "executables": summary["executables"], "last_progress": progress[-1:]}
+    r = compile_json(toml, out, None, inductor=inductor, args=["--force", "--no-cache", *extra])
+    progress = [line for line in r.stderr.splitlines() if line.startswith("farm [")]
+    return {"wall_s": r.wall_s, "executables": r.summary["executables"], "last_progress": progress[-1:]}
 
 
 def _region_digests(bundle: Path) -> dict[str, str]:
@@ -161,7 +140,7 @@ def _region_digests(bundle: Path) -> dict[str, str]:
 def farm_section(args, tmp: Path) -> dict:
     from ray.cluster_utils import Cluster
 
-    toml = model_toml(args, tmp)
+    toml = with_executable(args.model, args.executable, tmp)
     node = {"num_cpus": args.cpus, "object_store_memory": 200 * 2**20}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     try:
@@ -212,9 +191,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     result: dict = {"model": str(args.model), "executable": args.executable or "as model.toml", "jobs": args.jobs}
-    with tempfile.TemporaryDirectory(
-        prefix="bench-farm-", dir=ROOT / ".cache" if (ROOT / ".cache").is_dir() else None
-    ) as tmp_name:
+    with work_dir("bench-farm-") as tmp_name:
         for name in args.only or list(SECTIONS):
             (Path(tmp_name) / name).mkdir()
             result[name] = SECTIONS[name](args, Path(tmp_name) / name)

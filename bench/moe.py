@@ -25,6 +25,8 @@ import json
 import sys
 import time
 
+from common import timing_options, torch_threads
+
 
 def rows_list(text: str) -> list[int]:
     try:
@@ -40,9 +42,7 @@ def main() -> None:
     ap.add_argument("--rows", type=rows_list, default=[1, 8, 64], help="rows per step to trace (default 1,8,64)")
     ap.add_argument("--time-rows", type=rows_list, default=[1, 8, 64], help="rows per step to time (default 1,8,64)")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation dtype (default bf16)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--json", action="store_true")
+    timing_options(ap)
     args = ap.parse_args()
 
     import torch
@@ -58,8 +58,7 @@ def main() -> None:
     from deepinfer.regions.step import DTYPES
     from deepinfer.regions.synthetic import synthetic_config
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = torch_threads(args.threads)
     c = parse_config(synthetic_config(experts=args.experts)).text
     dtype = DTYPES[args.dtype]
     geometry = Geometry(slots=2, blocks=2, block_size=16, max_blocks=1)
@@ -74,7 +73,7 @@ def main() -> None:
         "hidden": c.hidden_size,
         "intermediate": c.moe_intermediate_size,
         "dtype": args.dtype,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
         "rows": [],
     }
     for rows in sorted(set(args.rows) | set(args.time_rows)):

@@ -16,12 +16,11 @@ import argparse
 import json
 import os
 import resource
-import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
+from common import answer, run_child, status_kib
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -114,14 +113,6 @@ def bench_ops(n: int, reps: int) -> list[dict]:
 # --- streaming driver, run in a fresh subprocess ------------------------------
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 def write_checkpoint(path: str, size_bytes: int, shape=(4096, 7168), files: int = 2) -> int:
     """Synthetic V4.1-style checkpoint: fp8 weights with [32, 32] ue8m0 scales,
     written with raw writes (the benchmark should not wait on a serializer)."""
@@ -150,21 +141,18 @@ def write_checkpoint(path: str, size_bytes: int, shape=(4096, 7168), files: int 
 def driver_child(src: str, out: str, workers: int, chunk_mib: int) -> None:
     from deepinfer.quant.stream import StreamRecipe, process_checkpoint
 
-    base = _rss_kib("VmRSS")
+    base = status_kib("VmRSS")
     cpu0 = _cpu_seconds()
     rep = process_checkpoint(src, out, StreamRecipe(dst_block=128, chunk_bytes=chunk_mib * MIB), workers=workers)
     child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB, largest child
-    print(
-        json.dumps(
-            {
-                "seconds": rep.seconds,
-                "bytes_in": rep.bytes_in,
-                "base_kib": base,
-                "parent_peak_kib": _rss_kib("VmHWM"),
-                "child_peak_kib": child,
-                "cpu_seconds": _cpu_seconds() - cpu0,
-            }
-        )
+    answer(
+        {
+            "seconds": rep.seconds,
+            "bytes_in": rep.bytes_in,
+            "child_peak_kib": child,
+            "cpu_seconds": _cpu_seconds() - cpu0,
+        },
+        base,
     )
 
 
@@ -175,8 +163,7 @@ def _cpu_seconds() -> float:
 
 
 def _driver_run(src: str, out: str, workers: int, chunk_mib: int) -> dict:
-    cmd = [sys.executable, __file__, "--_driver", src, out, str(workers), str(chunk_mib)]
-    r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    r = run_child(__file__, "--_driver", src, out, str(workers), str(chunk_mib))
     for f in os.listdir(out):
         os.remove(os.path.join(out, f))
     extra_parent = max(0, r["parent_peak_kib"] - r["base_kib"]) / 1024

@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import toml_text
+
 STEPS = [
     "make-tiny",
     "reference",
@@ -66,25 +68,23 @@ NEEDS = {
     "compare-bf16": ["run-bf16", "floor-bf16"],
 }
 
-TOML = """[model]
-checkpoint = "ckpt"
-dtype = "{dtype}"
-cache_quant = false
-[target]
-{target}
-[buckets]
-batch = [1]
-tokens = [1]
-max_context = 64
-[kv]
-block_size = 16
-num_blocks = 5
-"""
 TARGETS = {
-    "exported": 'executable = "exported"',
-    "aoti": 'executable = "aoti"',
-    "trn2": 'name = "trn2"\nexecutable = "neff"\noptions = { lnc = 2 }',
+    "exported": {"executable": "exported"},
+    "aoti": {"executable": "aoti"},
+    "trn2": {"name": "trn2", "executable": "neff", "options": {"lnc": 2}},
 }
+
+
+def model_toml(dtype: str, target: str) -> str:
+    """One bucket (batch 1, tokens 1) of the checkpoint in ./ckpt."""
+    return toml_text(
+        {
+            "model": {"checkpoint": "ckpt", "dtype": dtype, "cache_quant": False},
+            "target": TARGETS[target],
+            "buckets": {"batch": [1], "tokens": [1], "max_context": 64},
+            "kv": {"block_size": 16, "num_blocks": 5},
+        }
+    )
 
 
 def tool(name: str) -> str:
@@ -188,7 +188,7 @@ def main() -> None:
         ("trn2", "fp32", "trn2"),
         ("bf16", "bf16", "exported"),
     ):
-        (work / f"{name}.toml").write_text(TOML.format(dtype=dtype, target=TARGETS[target]))
+        (work / f"{name}.toml").write_text(model_toml(dtype, target))
     argv = commands(a.prompt, a.max_new_tokens, a.experts, a.jobs)
     results: dict[str, dict] = {}
     for step in steps:

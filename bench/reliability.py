@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import shutil
 import sys
@@ -43,27 +42,30 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
 
-import reliability_faults as faults  # noqa: E402
-import reliability_http as web  # noqa: E402
-from reliability_bundles import bundle_cases, cache_cases  # noqa: E402
-from reliability_files import checkpoint_cases, toml_cases  # noqa: E402
+import reliability_faults as faults
+import reliability_http as web
+from common import ROOT, percentile, share_inductor_cache, toml_text
+from reliability_bundles import bundle_cases, cache_cases
+from reliability_files import checkpoint_cases, toml_cases
+
+share_inductor_cache()
 
 CACHE = ROOT / ".cache" / "deepinfer-bench"
 SURFACES = ("toml", "checkpoint", "bundle", "cache", "http", "faults", "load")
 
 
 def model_toml(ckpt: Path, *, batch=(1, 8, 64), max_context=64, num_blocks=257, ep: int = 1) -> str:
-    ranks = f"\n[parallel]\ntp = 1\nep = {ep}\ncp = 1\n" if ep > 1 else ""
-    return (
-        f'[model]\ncheckpoint = "{ckpt}"\ndtype = "fp32"\ncache_quant = true\n\n'
-        '[target]\nname = "cpu"\nexecutable = "exported"\n\n'
-        f"[buckets]\nbatch = {list(batch)}\ntokens = [1]\nmax_context = {max_context}\n\n"
-        f"[kv]\nblock_size = 16\nnum_blocks = {num_blocks}\n{ranks}"
-    )
+    sections: dict[str, dict] = {
+        "model": {"checkpoint": ckpt, "dtype": "fp32", "cache_quant": True},
+        "target": {"name": "cpu", "executable": "exported"},
+        "buckets": {"batch": list(batch), "tokens": [1], "max_context": max_context},
+        "kv": {"block_size": 16, "num_blocks": num_blocks},
+    }
+    if ep > 1:
+        sections["parallel"] = {"tp": 1, "ep": ep, "cp": 1}
+    return toml_text(sections)
 
 
 def compile_once(text: str, where: Path, log) -> Path:
@@ -143,8 +145,8 @@ def main() -> None:
                     "valid_requests_lost": len(got["lost"]),
                     "lost": got["lost"][:20],
                     "server_alive": int(web.alive(url)),
-                    "unloaded_p99_s": web.percentile(unloaded, 0.99),
-                    "loaded_p99_s": web.percentile(got["latencies"], 0.99),
+                    "unloaded_p99_s": percentile(unloaded, 99),
+                    "loaded_p99_s": percentile(got["latencies"], 99),
                 }
                 load["valid_p99_under_load_over_unloaded"] = load["loaded_p99_s"] / load["unloaded_p99_s"]
             if "faults" in only:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from common import server_metrics
 from reliability_http import VALID, request
 
 TIMEOUT_S = 600
@@ -137,9 +137,7 @@ def rank_faults(bundle: Path, work: Path) -> list[Fault]:
 
 
 def metric(url: str, name: str) -> float:
-    status, text = request(url, b"", path="/metrics", method="GET")
-    found = re.search(rf"^{re.escape(name)} (\S+)$", text.decode(), re.M) if status == 200 else None
-    return float(found.group(1)) if found else float("nan")
+    return (server_metrics(url) or {}).get(name, float("nan"))
 
 
 def freed(url: str, timeout_s: float = 30.0) -> bool:

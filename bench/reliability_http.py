@@ -210,13 +210,6 @@ def _closed_cleanly(got: bytes) -> bool:
 # --- load --------------------------------------------------------------------------------------
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 PROMPTS = ["Hello", "abc", "1 + 1 =", "Once upon", "def f(", "GET /", "Dear Sir", "xyz"]
 
 

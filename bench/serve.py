@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import random
 import statistics
 import sys
@@ -47,8 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
 
-ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
+from common import ROOT, ensure_bundle, percentile, server_metrics, share_inductor_cache, status_kib
+
+share_inductor_cache()
 
 MODEL = "tiny"
 PROMPTS = [
@@ -111,14 +111,6 @@ def stream(url: str, prompt: str | list[int], max_tokens: int, extra: dict | Non
     return out
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-
-
 def level(url: str, clients: int, prompts: list[str], max_tokens: int, extra: dict | None = None) -> dict:
     """`prompts` through `clients` concurrent streaming clients."""
     start = time.perf_counter()
@@ -174,17 +166,11 @@ def shared_prefix(url: str, requests: int, length: int = PREFIX_LEN, shared: int
 
 def server_itl(url: str) -> tuple[float, float]:
     """The server's inter-token latency histogram so far: (sum of seconds, count)."""
-    u = urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT_S)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    conn.close()
-    found = {}
-    for line in text.splitlines():
-        for part in ("sum", "count"):
-            if line.startswith(f"deepinfer_inter_token_latency_seconds_{part} "):
-                found[part] = float(line.split()[1])
-    return found["sum"], found["count"]
+    samples = server_metrics(url, TIMEOUT_S)
+    if samples is None:
+        raise RuntimeError(f"{url}/metrics did not answer")
+    name = "deepinfer_inter_token_latency_seconds"
+    return samples[f"{name}_sum"], samples[f"{name}_count"]
 
 
 def measured(url: str, clients: int, prompts: list[str], max_tokens: int, extra: dict | None = None) -> dict:
@@ -197,10 +183,10 @@ def measured(url: str, clients: int, prompts: list[str], max_tokens: int, extra:
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    kib = status_kib("VmRSS", pid)
+    if not kib:
+        raise RuntimeError(f"no VmRSS for process {pid}")
+    return kib / 1024
 
 
 def burst(url: str, pid: int, n: int, max_tokens: int) -> dict:
@@ -250,11 +236,7 @@ def main() -> None:
 
     from deepinfer.runtime.server import ServerProcess
 
-    if not args.bundle.exists():
-        from deepinfer.compiler.config import load_compile_config
-        from deepinfer.compiler.pipeline import compile_bundle
-
-        compile_bundle(load_compile_config(args.toml), args.bundle, jobs=2)
+    ensure_bundle(args.bundle, args.toml)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
     server = ServerProcess(
         args.bundle,

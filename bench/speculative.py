@@ -27,15 +27,14 @@ Times are the decode phase only: a run of `new_tokens` minus a run of one token 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
+from common import ROOT, ensure_bundle, share_inductor_cache
+
+share_inductor_cache()
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 TARGETS = {"verify_over_decode_step": 2.0, "tokens_per_step_all_accepted": 5, "speedup_all_accepted": 2.5}
@@ -67,17 +66,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from deepinfer.compiler.config import load_compile_config
-    from deepinfer.compiler.pipeline import compile_bundle
     from deepinfer.runtime import RunOptions, load
     from deepinfer.runtime.bundle import open_bundle
     from deepinfer.runtime.ranks import Leader
 
-    if not args.bundle.exists():
-        print(f"compiling {args.toml} -> {args.bundle}", file=sys.stderr)
-        config = load_compile_config(args.toml)
-        target = dataclasses.replace(config.target, executable=args.executable)
-        compile_bundle(dataclasses.replace(config, target=target), args.bundle, jobs=2)
+    ensure_bundle(args.bundle, args.toml, args.executable)
     world = open_bundle(args.bundle).manifest.topology.world_size
     leader = Leader(args.bundle, world, RunOptions(threads=1)) if world > 1 else None
     session = leader.executor if leader is not None else load(args.bundle)

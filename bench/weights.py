@@ -34,12 +34,13 @@ import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from common import answer, run_child, status_kib, toml_text
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -48,42 +49,6 @@ EP8_RUNS = ("ep8", "ep8-e4m3")
 DRIVER_FOR = {"ep1": "driver", "ep8": "driver", "ep8-e4m3": "driver-e4m3"}  # the same fp8 work
 RELEASE_GIB = 475
 COLD: list[bool] = []  # per run: whether the page cache was dropped before it (drop_page_cache)
-
-TOML = """[model]
-checkpoint = "{ckpt}"
-dtype = "bf16"
-cache_quant = true
-
-[target]
-name = "cpu"
-executable = "exported"
-
-[buckets]
-batch = [1]
-tokens = [1]
-max_context = 1024
-
-[kv]
-block_size = 256
-num_blocks = 8
-
-[parallel]
-ep = {ep}
-
-[quant]
-recipe = "{recipe}"
-"""
-
-
-def _status_kib(field: str, pid: str = "self") -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:  # the process ended
-        pass
-    return 0
 
 
 class WorkerPeaks(threading.Thread):
@@ -103,15 +68,15 @@ class WorkerPeaks(threading.Thread):
         children = {}
         for d in os.listdir("/proc"):
             if d.isdigit():
-                children.setdefault(_status_kib("PPid", d), []).append(int(d))
+                children.setdefault(status_kib("PPid", d), []).append(int(d))
         for child in children.get(os.getpid(), []):
             workers = children.get(child)
             if workers:  # a fork server (or a compile job's children)
-                base = _status_kib("VmRSS", str(child))
+                base = status_kib("VmRSS", str(child))
                 for w in workers:
-                    self.extra_kib = max(self.extra_kib, _status_kib("VmHWM", str(w)) - base)
+                    self.extra_kib = max(self.extra_kib, status_kib("VmHWM", str(w)) - base)
             else:
-                self.extra_kib = max(self.extra_kib, _status_kib("VmHWM", str(child)) - self.base_kib)
+                self.extra_kib = max(self.extra_kib, status_kib("VmHWM", str(child)) - self.base_kib)
 
     def run(self) -> None:
         while not self.done.wait(0.1):
@@ -132,7 +97,18 @@ def _config(work: Path, ckpt: Path, ep: int, recipe: str = "release"):
     from deepinfer.compiler.config import load_compile_config
 
     toml = work / f"model-ep{ep}-{recipe}.toml"
-    toml.write_text(TOML.format(ckpt=ckpt, ep=ep, recipe=recipe))
+    toml.write_text(
+        toml_text(
+            {
+                "model": {"checkpoint": ckpt, "dtype": "bf16", "cache_quant": True},
+                "target": {"name": "cpu", "executable": "exported"},
+                "buckets": {"batch": [1], "tokens": [1], "max_context": 1024},
+                "kv": {"block_size": 256, "num_blocks": 8},
+                "parallel": {"ep": ep},
+                "quant": {"recipe": recipe},
+            }
+        )
+    )
     return load_compile_config(toml)
 
 
@@ -143,7 +119,7 @@ def child_weights(ckpt: str, out: str, ep: int, jobs: int, recipe: str) -> None:
     from deepinfer.compiler.weights import host_files, stack_files
     from deepinfer.regions.checkpoint import Checkpoint
 
-    base = _status_kib("VmRSS")
+    base = status_kib("VmRSS")
     config = _config(Path(out).parent, Path(ckpt), ep, recipe)
     spec = pipeline.parse(config, False, lambda m: None)
     plan = pipeline.plan(spec, lambda m: None)
@@ -156,17 +132,14 @@ def child_weights(ckpt: str, out: str, ep: int, jobs: int, recipe: str) -> None:
     files += host_files(spec.model, source, staging, spec.recipe, device_embedding=spec.device_embedding)
     report = stream(files, workers=jobs)
     seconds = time.perf_counter() - t0
-    print(
-        json.dumps(
-            {
-                "seconds": seconds,
-                "bytes_read": report["bytes_read"],
-                "bundle_bytes": _dir_bytes(staging),
-                "base_kib": base,
-                "parent_peak_kib": _status_kib("VmHWM"),
-                "worker_extra_kib": peaks.stop(),
-            }
-        )
+    answer(
+        {
+            "seconds": seconds,
+            "bytes_read": report["bytes_read"],
+            "bundle_bytes": _dir_bytes(staging),
+            "worker_extra_kib": peaks.stop(),
+        },
+        base,
     )
 
 
@@ -175,22 +148,19 @@ def child_driver(ckpt: str, out: str, jobs: int, fmt: str) -> None:
     from deepinfer.quant.stream import process_checkpoint
     from deepinfer.quant.stream_plan import StreamRecipe
 
-    base = _status_kib("VmRSS")
+    base = status_kib("VmRSS")
     peaks = WorkerPeaks(base)
     peaks.start()
     t0 = time.perf_counter()
     rep = process_checkpoint(ckpt, out, StreamRecipe(fp8_format=fmt), workers=jobs)
     seconds = time.perf_counter() - t0
-    print(
-        json.dumps(
-            {
-                "seconds": seconds,
-                "bytes_in": rep.bytes_in,
-                "base_kib": base,
-                "parent_peak_kib": _status_kib("VmHWM"),
-                "worker_extra_kib": peaks.stop(),
-            }
-        )
+    answer(
+        {
+            "seconds": seconds,
+            "bytes_in": rep.bytes_in,
+            "worker_extra_kib": peaks.stop(),
+        },
+        base,
     )
 
 
@@ -198,7 +168,7 @@ def child_compile(ckpt: str, out: str, jobs: int) -> None:
     from deepinfer.bundles import layout
     from deepinfer.compiler.pipeline import compile_bundle
 
-    base = _status_kib("VmRSS")
+    base = status_kib("VmRSS")
     config = _config(Path(out).parent, Path(ckpt), 1)
     peaks = WorkerPeaks(base)
     peaks.start()
@@ -208,17 +178,14 @@ def child_compile(ckpt: str, out: str, jobs: int) -> None:
     # compile jobs are spawned children (compiler/jobs.py): RUSAGE_CHILDREN sees them, beyond
     # their own interpreter's start (taken as this process's base)
     jobs_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss - base
-    print(
-        json.dumps(
-            {
-                "seconds": seconds,
-                "base_kib": base,
-                "parent_peak_kib": _status_kib("VmHWM"),
-                "worker_extra_kib": max(peaks.stop(), jobs_kib),
-                "executable_bytes": _dir_bytes(Path(out), (layout.REGIONS_DIR,)),
-                "weight_bytes": _dir_bytes(Path(out), (layout.WEIGHTS_DIR, layout.HOST_DIR)),
-            }
-        )
+    answer(
+        {
+            "seconds": seconds,
+            "worker_extra_kib": max(peaks.stop(), jobs_kib),
+            "executable_bytes": _dir_bytes(Path(out), (layout.REGIONS_DIR,)),
+            "weight_bytes": _dir_bytes(Path(out), (layout.WEIGHTS_DIR, layout.HOST_DIR)),
+        },
+        base,
     )
 
 
@@ -240,11 +207,7 @@ def drop_page_cache() -> bool:
 def _child(*args: str, timeout: float = 3600) -> dict:
     os.sync()  # every run starts with no dirty pages (the last run's writes or the checkpoint's)
     COLD.append(drop_page_cache())
-    cmd = [sys.executable, __file__, "--_child", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0:
-        raise SystemExit(f"bench/weights.py: {' '.join(args[:1])} run failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_child(__file__, "--_child", *args, timeout=timeout)
 
 
 def _extra_mib(r: dict) -> dict:

@@ -17,7 +17,12 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import subprocess
 
 KILL_AT_ENV = "DEEPINFER_TEST_KILL_AT"
 POINTS = ("entry", "weights", "trace", "emit", "compile", "publish")
@@ -31,11 +36,22 @@ def kill_point(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def compile_process(toml: Path, out: Path, cache: Path, *, env: dict | None = None, fsize: int | None = None):
-    """`deepinfer-compile TOML -o OUT --cache-dir CACHE --json` in a process of its own, for the fault
-    tests and the benchmark: with `env` added to its environment (`KILL_AT_ENV`), and with `fsize`, no
+def compile_process(
+    toml: Path,
+    out: Path,
+    cache: Path | None,
+    *,
+    args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    fsize: int | None = None,
+    timeout: float | None = COMPILE_TIMEOUT_S,
+) -> subprocess.CompletedProcess[str]:
+    """`deepinfer-compile TOML -o OUT --cache-dir CACHE --json ARGS` in a process of its own, for the fault
+    tests and the benchmarks: `cache` None leaves `--cache-dir` out (the compile's default cache, or none
+    with `--no-cache` in `args`); with `env` added to its environment (`KILL_AT_ENV`), and with `fsize`, no
     file it writes may grow past that many bytes (RLIMIT_FSIZE; SIGXFSZ ignored, so an over-limit write
-    fails with EFBIG as on a full disk). A `subprocess.CompletedProcess` with its text output."""
+    fails with EFBIG as on a full disk); killed past `timeout` seconds (None: never). A
+    `subprocess.CompletedProcess` with its text output."""
     import resource
     import subprocess
     import sys
@@ -44,21 +60,12 @@ def compile_process(toml: Path, out: Path, cache: Path, *, env: dict | None = No
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
+    where = [] if cache is None else ["--cache-dir", str(cache)]
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deepinfer.compiler.cli",
-            str(toml),
-            "-o",
-            str(out),
-            "--cache-dir",
-            str(cache),
-            "--json",
-        ],
+        [sys.executable, "-m", "deepinfer.compiler.cli", str(toml), "-o", str(out), *where, "--json", *args],
         env={**os.environ, **(env or {})},
         preexec_fn=None if fsize is None else lambda: limited(fsize),
         capture_output=True,
         text=True,
-        timeout=COMPILE_TIMEOUT_S,
+        timeout=timeout,
     )

@@ -58,7 +58,7 @@ def main() -> None:
     from deepinfer.regions.reference import ReferenceModel
     from deepinfer.regions.tokenizer import ByteTokenizer
     from deepinfer.runtime import RunOptions, load
-    from deepinfer.runtime.executor import generate_loaded
+    from deepinfer.runtime.generation import generate_loaded
     from deepinfer.runtime.schedule import decode_model
 
     if not args.bundle.exists():

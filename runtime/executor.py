@@ -34,7 +34,7 @@ from deepinfer.runtime import draft
 from deepinfer.runtime.backends import Placement
 from deepinfer.runtime.bundle import Bundle
 
-if TYPE_CHECKING:  # runtime.ranks loads executors: only the type here
+if TYPE_CHECKING:  # runtime.ranks loads executors, regions.drafting loads where a draft runs: types only
     from deepinfer.regions.drafting import DSparkDrafter
     from deepinfer.runtime.ranks import Comm
 

@@ -53,7 +53,7 @@ def main() -> None:
     from deepinfer.regions.reference import ReferenceModel
     from deepinfer.regions.tokenizer import ByteTokenizer
     from deepinfer.runtime import RunOptions, load
-    from deepinfer.runtime.executor import generate_loaded
+    from deepinfer.runtime.generation import generate_loaded
     from deepinfer.runtime.schedule import decode_model
 
     ensure_bundle(args.bundle, args.toml)

@@ -176,7 +176,7 @@ def diff_session(
 ) -> DiffReport:
     """Generate with a loaded bundle (`runtime.Executor`), every region call checked against its reference region."""
     from deepinfer.runtime import RunOptions
-    from deepinfer.runtime.executor import generate_loaded
+    from deepinfer.runtime.generation import generate_loaded
 
     recorder = Recorder(session, References(session, session.rank))
     generate_loaded(session, prompts, RunOptions(max_new_tokens=max_new_tokens), on_call=recorder)

@@ -10,9 +10,10 @@ class (tests/test_layers.py holds it to that).
 
 from deepinfer.runtime.api import generate, serve
 from deepinfer.runtime.bundle import Bundle, open_bundle
-from deepinfer.runtime.executor import Executor, Stats, load
+from deepinfer.runtime.executor import Executor, Stats
+from deepinfer.runtime.loading import load
 from deepinfer.runtime.options import LoadOptions, RunOptions, ServeOptions
-from deepinfer.runtime.schedule import Completion, Completions
+from deepinfer.runtime.requests import Completion, Completions
 
 __all__ = [
     "Bundle",

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from deepinfer.bundles.signing import trusted
 from deepinfer.runtime.bundle import Bundle, open_bundle, require_draft, tokenizer
-from deepinfer.runtime.executor import Executor, generate_loaded
+from deepinfer.runtime.executor import Executor
+from deepinfer.runtime.generation import generate_loaded
 from deepinfer.runtime.options import LoadOptions, RunOptions, ServeOptions
-from deepinfer.runtime.schedule import Completions
+from deepinfer.runtime.requests import Completions
 
 
 def opened(bundle: Bundle | str | Path, options: LoadOptions) -> Bundle:

@@ -76,7 +76,7 @@ class HostPlacement:
 
 
 def _neuron_placement(manifest: Manifest, bundle: Path, rank: int = 0):
-    from deepinfer.runtime.neuron_bundle import NeuronPlacement  # libnrt only where trn2 bundles run
+    from deepinfer.runtime.neuron.placement import NeuronPlacement  # libnrt only where trn2 bundles run
 
     return NeuronPlacement(manifest, bundle, rank)
 

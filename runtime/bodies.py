@@ -19,7 +19,7 @@ from deepinfer.errors import DeepinferError
 from deepinfer.reader import parse_json
 from deepinfer.runtime.engine import Engine, RequestError
 from deepinfer.runtime.logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
-from deepinfer.runtime.schedule import Sampling
+from deepinfer.runtime.sampling import Sampling
 from deepinfer.runtime.structured import ANY_OBJECT, Compiled, GrammarError, Grammars, json_grammar, lark_grammar
 from deepinfer.runtime.tools import ToolError, Tools, call_lark, call_text, fallback_message, parse_tools
 

@@ -4,7 +4,7 @@ Opening validates the manifest (format version, types, cross-references, digests
 toolchain) and the layer table against the config it carries; nothing is loaded. What else the
 runtime reads of a bundle without loading it is here too: its tokenizer (the copied tokenizer
 files, or byte-level), its host-resident vision tower and its compiled draft's description.
-Loading it is `runtime/executor.py`.
+Loading it is `runtime/loading.py`.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -18,6 +19,10 @@ from deepinfer.cli_common import (
     user_errors,
     write_logits,
 )
+
+if TYPE_CHECKING:  # the runtime loads only once a command runs
+    from deepinfer.regions.tokenizer import Tokenizer
+    from deepinfer.runtime.requests import Completions
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -53,8 +58,6 @@ def main(bundle, prompt, chat, prompt_ids, max_new_tokens, as_json, dump_logits,
     from deepinfer.runtime import RunOptions, generate
     from deepinfer.runtime.api import opened
     from deepinfer.runtime.bundle import load_vision, tokenizer
-    from deepinfer.runtime.report import speculation_lines, speculation_timing, timing_lines
-    from deepinfer.runtime.report import timing as timing_of
 
     start = time.perf_counter()
     settings = load_settings(**load)
@@ -75,33 +78,46 @@ def main(bundle, prompt, chat, prompt_ids, max_new_tokens, as_json, dump_logits,
         m = b.manifest.model
         meta = {"source": "bundle", "dtype": m.dtype, "cache_quant": m.cache_quant, "config_hash": m.config_hash}
         write_logits(dump_logits, outs, meta)
-    verify_tokens = b.config.text.dspark_block_size + 1
+    timings = _timings(outs, wall, b.config.text.dspark_block_size + 1, options.speculative) if timing else None
     if as_json:
-        out = {
-            "outputs": [
-                {
-                    "prompt_ids": o.tokens[: o.prompt_len],
-                    "generated_ids": o.generated,
-                    "text": tok.decode(o.generated),
-                    "error": o.error,
-                }
-                for o in outs
-            ]
-        }
-        if timing:
-            out["timing"] = timing_of(outs.stats, wall)
-            if options.speculative:
-                out["timing"]["speculation"] = speculation_timing(outs.stats, outs.speculation, verify_tokens)
-        click.echo(json.dumps(out))
+        _echo_json(outs, tok, timings)
     else:
-        if timing:
-            click.echo("\n".join(timing_lines(outs.stats, wall)), err=True)
-            if options.speculative:
-                t = speculation_timing(outs.stats, outs.speculation, verify_tokens)
-                click.echo("\n".join(speculation_lines(t, outs.speculation)), err=True)
+        if timings is not None:
+            click.echo("\n".join(timings[1]), err=True)
         echo_generations(outs, tok.decode)
     if any(o.error for o in outs):
         raise SystemExit(1)
+
+
+def _timings(outs: Completions, wall: float, verify_tokens: int, speculative: bool) -> tuple[dict, list[str]]:
+    """--timing: the run's timing as --json prints it, and as lines (with --speculative, speculation's
+    figures: tokens per target step and the verify step's cost over a plain decode step)."""
+    from deepinfer.runtime.report import speculation_lines, speculation_timing, timing, timing_lines
+
+    stats = outs.stats
+    assert stats is not None, "a bundle's run records its stats"
+    figures, lines = timing(stats, wall), timing_lines(stats, wall)
+    if speculative:
+        figures["speculation"] = speculation_timing(stats, outs.speculation, verify_tokens)
+        lines += speculation_lines(figures["speculation"], outs.speculation)
+    return figures, lines
+
+
+def _echo_json(outs: Completions, tok: Tokenizer, timings: tuple[dict, list[str]] | None) -> None:
+    out: dict = {
+        "outputs": [
+            {
+                "prompt_ids": o.tokens[: o.prompt_len],
+                "generated_ids": o.generated,
+                "text": tok.decode(o.generated),
+                "error": o.error,
+            }
+            for o in outs
+        ]
+    }
+    if timings is not None:
+        out["timing"] = timings[0]
+    click.echo(json.dumps(out))
 
 
 if __name__ == "__main__":

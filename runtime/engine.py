@@ -35,7 +35,8 @@ import torch
 
 from deepinfer.errors import DeepinferError
 from deepinfer.regions.stepper import Drafter, Stepper
-from deepinfer.runtime.schedule import Completion, Events, Request, Scheduler
+from deepinfer.runtime.requests import Completion, Request
+from deepinfer.runtime.schedule import Events, Scheduler
 
 # seconds: step times of a tiny CPU bundle (~ms) up to a release rank's prefill chunk (~s)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

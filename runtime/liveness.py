@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
-from deepinfer.runtime.arrival import EXIT_STATUS
+from deepinfer.runtime.neuron.arrival import EXIT_STATUS
 
 __all__ = [
     "EXIT_STATUS",

@@ -17,7 +17,7 @@ from typing import Any
 from deepinfer.runtime.bodies import Params, error_body
 from deepinfer.runtime.engine import Engine
 from deepinfer.runtime.logprobs import Entry, Recorder
-from deepinfer.runtime.schedule import Request
+from deepinfer.runtime.requests import Request
 from deepinfer.runtime.tools import CallParser
 
 

@@ -35,12 +35,15 @@ from deepinfer.bundles.signing import trusted
 from deepinfer.bundles.topology import Topology
 from deepinfer.errors import DeepinferError
 from deepinfer.regions import divided
-from deepinfer.runtime import liveness, neuron_ranks
+from deepinfer.runtime import liveness
 from deepinfer.runtime.bundle import Bundle, open_bundle
-from deepinfer.runtime.executor import Executor, Stats, generate_loaded, load
+from deepinfer.runtime.executor import Executor, Stats
+from deepinfer.runtime.generation import generate_loaded
 from deepinfer.runtime.liveness import FollowerWatch, collect, ignore_interrupts, say, watch_launcher
+from deepinfer.runtime.loading import load
+from deepinfer.runtime.neuron import collectives
 from deepinfer.runtime.options import CHUNK_BYTES, COLLECTIVE_TIMEOUT_S, LoadOptions, RunOptions
-from deepinfer.runtime.schedule import Completions
+from deepinfer.runtime.requests import Completions
 
 
 class Comm:
@@ -199,7 +202,7 @@ def init(
     (no port to pick, so none to race for); without it, torchrun's environment (env://).
     Every collective fails after `timeout_s` rather than hang on a dead rank. Returns the store the
     ranks met through (init_process_group's own, made here so the ranks can leave markers in it:
-    `neuron_ranks.prepare`)."""
+    `collectives.prepare`)."""
     method = f"file://{Path(rendezvous).resolve()}" if rendezvous is not None else "env://"
     timeout = timedelta(seconds=timeout_s)
     store, rank, world = next(dist.rendezvous(method, rank, world, timeout=timeout))
@@ -228,7 +231,7 @@ def load_here(opened: Bundle, launched: tuple[int, int] | None, options: LoadOpt
         timeout_s = options.collective_timeout_s
         store = init(rank, opened.manifest.topology.world_size, timeout_s=timeout_s)
         # rank 0 as the others reach it: the host torchrun names for the process group's store
-        neuron_ranks.prepare(opened.manifest, rank, store, host=os.environ["MASTER_ADDR"], timeout_s=timeout_s)
+        collectives.prepare(opened.manifest, rank, store, host=os.environ["MASTER_ADDR"], timeout_s=timeout_s)
         comm = Comm(opened.manifest.topology.topology, rank, chunk_bytes=options.chunk_bytes)
     executor = load(opened, num_kv_blocks=options.num_kv_blocks, rank=comm.rank if comm else 0, comm=comm)
     if comm is not None and not comm.leader:
@@ -240,16 +243,16 @@ def load_here(opened: Bundle, launched: tuple[int, int] | None, options: LoadOpt
 def _load_rank(rank: int, world: int, rendezvous: str, bundle: str, options: LoadOptions, report=None) -> Executor:
     """Join the ranks' process group and load `bundle` as `rank` (its executor holds the Comm). The
     caller destroys the process group. `report`: where a collective that never completes is reported
-    before the process ends (`neuron_ranks.prepare`; default stderr)."""
+    before the process ends (`collectives.prepare`; default stderr)."""
     if options.threads:
         torch.set_num_threads(options.threads)
     store = init(rank, world, rendezvous, timeout_s=options.collective_timeout_s)
     opened = open_bundle(bundle, verify=options.verify, trust=trusted(options.trust))
-    neuron_ranks.prepare(
+    collectives.prepare(
         opened.manifest,
         rank,
         store,
-        host=neuron_ranks.LOCAL_HOST,
+        host=collectives.LOCAL_HOST,
         timeout_s=options.collective_timeout_s,
         report=report,
     )

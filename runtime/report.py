@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deepinfer.runtime.executor import Stats
-from deepinfer.runtime.schedule import SpeculationStats
+from deepinfer.runtime.requests import SpeculationStats
 
 
 def timing(stats: Stats, wall: float) -> dict:

@@ -10,11 +10,9 @@ the reason in its own terms. Every step gives each running sequence its next pro
 `chunk` tokens) or its one decode token, so new prompts prefill interleaved with the others' decodes;
 a sequence finishes on eos, on its caller's stop, after `max_tokens`, or with an error.
 
-Sampling is per request: greedy (argmax) at temperature 0, else top-k, then top-p, then a draw from
-its own seeded generator; a logit bias and presence and frequency penalties (over the tokens the
-request generated so far) adjust the logits first, in float32, before the temperature. A request
-for no tokens (`max_tokens` 0) runs its prompt and ends: prompt scoring, its logits through
-`on_logits`.
+Sampling is per request (`runtime/sampling.py`); what a request is and what it produces are its
+records (`runtime/requests.py`). A request for no tokens (`max_tokens` 0) runs its prompt and ends:
+prompt scoring, its logits through `on_logits`.
 
 With a `drafter`, greedy requests decode speculatively: a sequence that has caught up feeds its
 unfed token (the target's own last token) and its drafts in one verify step; the drafts the target's
@@ -35,206 +33,23 @@ scheduler on a thread for the server, `Events` reporting what it does to the ser
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from deepinfer.errors import DeepinferError
 from deepinfer.regions.config import V41Config
-from deepinfer.regions.prefix import block_keys, root_key
+from deepinfer.regions.prefix import SlotState, block_keys, root_key
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.stepper import Allocator, Drafter, DraftRequest, OutOfBlocks, Row, Stepper
-
-# --- requests and what they produce -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How a request picks its tokens: temperature 0 is greedy; top_k 0 and top_p 1 keep every token.
-    `logit_bias` ((token id, value) pairs) is added to the logits; a token generated c times so far
-    loses c * frequency_penalty + (c > 0) * presence_penalty (OpenAI's definitions)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
-    @property
-    def adjusts(self) -> bool:
-        """Whether the logits are changed before the pick (a bias or a penalty)."""
-        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
-
-    @property
-    def plain_greedy(self) -> bool:
-        """The argmax of the model's own logits (what speculative decoding verifies against)."""
-        return self.temperature == 0 and not self.adjusts
-
-    def generator(self) -> torch.Generator | None:
-        if self.temperature == 0:
-            return None
-        g = torch.Generator()
-        if self.seed is None:
-            g.seed()
-        else:
-            g.manual_seed(self.seed)
-        return g
-
-
-GREEDY = Sampling()
-
-
-def adjusted(logits: Tensor, s: Sampling, generated: Sequence[int]) -> Tensor:
-    """One position's logits [V] in float32 with `s`'s bias and penalties over `generated` applied."""
-    x = logits.float().clone()
-    if s.logit_bias:
-        ids, values = zip(*s.logit_bias)
-        x.index_add_(0, torch.tensor(ids, dtype=torch.int64), torch.tensor(values, dtype=torch.float32))
-    if generated and (s.presence_penalty or s.frequency_penalty):
-        counts = torch.bincount(torch.tensor(generated, dtype=torch.int64), minlength=x.numel()).float()
-        x -= counts * s.frequency_penalty + (counts > 0).float() * s.presence_penalty
-    return x
-
-
-def sample(
-    logits: Tensor,
-    s: Sampling,
-    generator: torch.Generator | None,
-    generated: Sequence[int] = (),
-    allowed: Tensor | None = None,
-) -> int:
-    """The next token from one position's logits [V], `generated` the request's tokens so far; with
-    `allowed` (bool [V], a grammar's mask) only among those tokens, masked after the bias and penalties.
-
-    Safe for every temperature in (0, 2] and top_p in (0, 1], however small: the logits, in float64,
-    are shifted so that their largest is 0 before the temperature divides them (nothing overflows to
-    +inf; a temperature so small that every other logit underflows to -inf is greedy), top-p compares
-    log probability mass and always keeps the most likely token, and the draw is from probabilities
-    whose largest is at least 1 / V (never all zero, never NaN)."""
-    if s.plain_greedy and allowed is None:
-        return int(torch.argmax(logits))
-    x = adjusted(logits, s, generated) if s.adjusts else logits.float()
-    if allowed is not None:
-        x = x.masked_fill(~allowed, float("-inf"))
-    top = int(torch.argmax(x))
-    if s.temperature == 0 or not math.isfinite(float(x[top])):
-        return top  # greedy, or nothing finite to draw from (the scheduler refuses non-finite logits first)
-    z = (x.double() - float(x[top])) / s.temperature  # [V] <= 0: 0 at the top, -inf where masked or underflowed
-    if 0 < s.top_k < z.numel():
-        kth = torch.topk(z, s.top_k).values[-1]
-        z = z.masked_fill(z < kth, float("-inf"))
-    if s.top_p < 1.0:
-        order = torch.argsort(z, descending=True)
-        mass = torch.logcumsumexp(torch.log_softmax(z[order], -1), -1)  # log of the mass up to each rank
-        above = torch.cat([mass.new_full((1,), float("-inf")), mass[:-1]])  # of the tokens ranked above
-        z[order[above >= math.log(s.top_p)]] = float("-inf")  # the smallest prefix reaching top_p stays
-    return int(torch.multinomial(torch.softmax(z, -1), 1, generator=generator))
-
-
-class Masks(Protocol):
-    """What computes the masks of a batch's constraints (`runtime.structured.Grammars`)."""
-
-    def masks(self, constraints: list) -> Tensor:
-        """The tokens each constraint allows next: bool [len(constraints), V]."""
-        ...
-
-
-class Constraint(Protocol):
-    """A grammar a request's generated tokens follow (`runtime.structured.Constraint`): its `grammars`
-    mask the logits of every step that picks its next token (one call for the batch's constraints of
-    one `grammars`); `accept(token) -> complete?` advances it over the token picked."""
-
-    @property
-    def grammars(self) -> Masks: ...
-
-    def accept(self, token: int) -> bool: ...
-
-    def error(self) -> str | None: ...
-
-
-@dataclass(eq=False)
-class Request:
-    """One sequence to generate. `on_token(id) -> stop?`, `on_finish(reason, error)` and `on_logits`
-    run on the scheduler's thread; `cancelled` (set from any thread) drops it at the next step
-    boundary. `on_logits(p, rows)`: rows [n, V] (float32) of positions p .. p + n - 1 fed for good
-    by a step, row i predicting the token at p + i + 1; called before that step's tokens are emitted.
-    `max_tokens` 0: the prompt runs, nothing is generated (finish reason length). A `constraint`
-    limits each pick to the tokens its grammar allows (never drafted); once the grammar is complete
-    the request ends (finish reason stop)."""
-
-    prompt: list[int]
-    max_tokens: int
-    on_token: Callable[[int], bool] | None = None
-    on_finish: Callable[[str, str | None], None] | None = None
-    sampling: Sampling = GREEDY
-    image: ImageEmbeds | None = None  # the prompt's image positions and their rows
-    keep_logits: bool = False  # record one [V] row per processed position (--dump-logits, compare)
-    on_logits: Callable[[int, Tensor], None] | None = None
-    constraint: Constraint | None = None
-    cancelled: bool = False
-
-
-@dataclass(eq=False)
-class Completion:
-    """What a request produced: its prompt then generated tokens, and why it ended (`finish_reason`:
-    stop, length, cancelled or error; `error` says why an error stopped it early)."""
-
-    tokens: list[int]
-    prompt_len: int
-    logits: list[Tensor] = field(default_factory=list)
-    error: str | None = None
-    finish_reason: str | None = None
-    cached_tokens: int = 0  # prompt positions a prefix cache hit spared (their KV was shared)
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
-
-
-@dataclass
-class SpeculationStats:
-    """What a drafter's verify steps gave, counted per sequence and step (a verify step: one
-    sequence's row of a step that carried drafts)."""
-
-    verify_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-
-    def record(self, drafted: int, accepted: int) -> None:
-        self.verify_steps += 1
-        self.drafted += drafted
-        self.accepted += accepted
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Tokens a verify step commits: the accepted drafts and the target's own next token."""
-        return (self.accepted + self.verify_steps) / max(1, self.verify_steps)
-
-    @property
-    def accepted_per_step(self) -> float:
-        """Drafts a verify step accepts."""
-        return self.accepted / max(1, self.verify_steps)
-
-    @property
-    def wasted_per_step(self) -> float:
-        """Drafts a verify step runs through the target and rejects (drafted - accepted)."""
-        return (self.drafted - self.accepted) / max(1, self.verify_steps)
-
-    def line(self) -> str:
-        return (
-            f"{self.verify_steps} verify steps, {self.accepted} of {self.drafted} drafted tokens accepted, "
-            f"{self.tokens_per_step:.2f} tokens per step ({self.accepted_per_step:.2f} drafts accepted, "
-            f"{self.wasted_per_step:.2f} wasted)"
-        )
+from deepinfer.runtime.requests import Completion, Completions, Request, SpeculationStats
+from deepinfer.runtime.sampling import sample
 
 
 class Events:
@@ -587,7 +402,7 @@ class Scheduler:
 
     # -- prefix caching (regions/prefix.py) ------------------------------------------------------
 
-    def _match(self, r: Running) -> tuple[list[int], Any]:
+    def _match(self, r: Running) -> tuple[list[int], SlotState | None]:
         """The cached blocks `r` can start from and the slot state at their end (none for a request
         that keeps or is handed every position's logits: the prompt's logprobs need every row); at
         least its last prompt token is left to prefill."""
@@ -675,28 +490,6 @@ def image_root(image: ImageEmbeds | None) -> bytes:
         return root_key()
     rows = image.embeds.detach().to("cpu", torch.float32).contiguous()
     return root_key((image.mask.to("cpu").numpy().tobytes(), rows.numpy().tobytes()))
-
-
-class Completions(list[Completion]):
-    """The completions of a batch, in prompt order, with what the run measured: `speculation` (the
-    verify steps' counts) and, for a bundle, `stats` (`runtime.executor.Stats`: time per region kind
-    and step); for runs over ranks started here, `sent` ({rank: {collective: bytes}}), `seconds`
-    (the leader's {collective: seconds}) and `pools` ({rank: {state pool: bytes allocated}})."""
-
-    def __init__(
-        self,
-        items: Iterable[Completion] = (),
-        *,
-        speculation: SpeculationStats | None = None,
-        stats: Any = None,
-        sent: dict[int, dict[str, int]] | None = None,
-        seconds: dict[str, float] | None = None,
-        pools: dict[int, dict[str, int]] | None = None,
-    ):
-        super().__init__(items)
-        self.speculation = speculation or SpeculationStats()
-        self.stats = stats  # runtime.executor.Stats (that module imports this one)
-        self.sent, self.seconds, self.pools = sent or {}, seconds or {}, pools or {}
 
 
 def decode(

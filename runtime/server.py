@@ -36,7 +36,7 @@ from deepinfer.runtime.openapi import document
 from deepinfer.runtime.options import ServeOptions
 from deepinfer.runtime.output import Choice, TextStream, collect, sse
 from deepinfer.runtime.process import ServerProcess
-from deepinfer.runtime.schedule import Completion, Request
+from deepinfer.runtime.requests import Completion, Request
 from deepinfer.runtime.tools import parse_output
 
 __all__ = ["BadRequest", "Served", "ServerProcess", "TextStream", "create_app", "serve"]

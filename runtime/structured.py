@@ -167,7 +167,7 @@ class Compiled:
 
 
 class Constraint:
-    """One sequence's grammar as it generates (`runtime.schedule.Request.constraint`): `grammars.masks`
+    """One sequence's grammar as it generates (`runtime.requests.Request.constraint`): `grammars.masks`
     gives the tokens it allows next, `accept` takes the token picked."""
 
     def __init__(self, grammars: Grammars, matcher):

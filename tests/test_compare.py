@@ -13,7 +13,8 @@ from deepinfer import compare as cmp
 from deepinfer.cli import main
 from deepinfer.cli_common import write_logits
 from deepinfer.errors import CompareError
-from deepinfer.runtime.schedule import Completion, decode_model
+from deepinfer.runtime.requests import Completion
+from deepinfer.runtime.schedule import decode_model
 
 V = 40
 

@@ -83,8 +83,13 @@ RUNTIME_LOADS = [
     "deepinfer.runtime.api",
     "deepinfer.runtime.backends",
     "deepinfer.runtime.bundle",
+    "deepinfer.runtime.draft",
     "deepinfer.runtime.executor",
+    "deepinfer.runtime.generation",
+    "deepinfer.runtime.loading",
     "deepinfer.runtime.options",
+    "deepinfer.runtime.requests",
+    "deepinfer.runtime.sampling",
     "deepinfer.runtime.schedule",
     "deepinfer.schema",
 ]
@@ -105,6 +110,10 @@ MOVED = [
     "deepinfer.quant.safetensors_io",
     "deepinfer.regions.generate",
     "deepinfer.runtime.session",
+    "deepinfer.runtime.nrt",
+    "deepinfer.runtime.neuron_bundle",
+    "deepinfer.runtime.neuron_ranks",
+    "deepinfer.runtime.arrival",
 ]
 
 
@@ -161,6 +170,16 @@ def test_compiler_and_runtime_never_import_each_other():
     runtime = import_closure(("deepinfer.runtime", "deepinfer.runtime.cli"))
     assert not [m for m in runtime if m.startswith("deepinfer.compiler") or m in ("deepinfer.cli", "deepinfer.diff")]
     assert not set(REGION_CLASSES) & set(runtime)
+
+
+def test_the_neuron_runtime_is_a_leaf_of_the_runtime():
+    """runtime/neuron/ (the libnrt binding and what runs on it) imports no other runtime module: the
+    runtime reaches it where a trn2 bundle runs or ranks start, never the reverse."""
+    neuron = [m for m in all_modules() if m.startswith("deepinfer.runtime.neuron.")]
+    assert {"deepinfer.runtime.neuron.libnrt", "deepinfer.runtime.neuron.placement"} <= set(neuron)
+    for m in neuron:
+        runtime = [d for d in module_imports(m) if d.startswith("deepinfer.runtime")]
+        assert all(d.startswith("deepinfer.runtime.neuron") for d in runtime), (m, runtime)
 
 
 def test_sub_commands_do_not_import_the_umbrella():
@@ -234,10 +253,10 @@ def test_no_runtime_class_has_more_than_12_mutable_attributes():
     """What a loaded bundle is stays frozen (`Executor`); what a run changes lives in small objects."""
     root = Path(deepinfer.runtime.__path__[0])
     counts = {}
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(root.rglob("*.py")):  # the subpackages' too (runtime/neuron/)
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
-                counts[f"{path.name}:{node.name}"] = len(_mutable_attributes(node))
+                counts[f"{path.relative_to(root).as_posix()}:{node.name}"] = len(_mutable_attributes(node))
     assert counts["executor.py:Executor"] == 0 and counts["engine.py:Engine"] > 0
     assert max(counts.values()) <= 12, {k: v for k, v in counts.items() if v > 12}
 
@@ -246,5 +265,5 @@ def test_one_scheduler():
     """Batch generation, serving and speculation share one loop: nothing else defines a generation loop."""
     for package in ("regions", "runtime"):
         root = Path(importlib.import_module(f"deepinfer.{package}").__path__[0])
-        for path in root.glob("*.py"):
+        for path in root.rglob("*.py"):
             assert "def greedy" not in path.read_text(), path

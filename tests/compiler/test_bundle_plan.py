@@ -28,7 +28,7 @@ from deepinfer.errors import CheckpointError, ConfigError
 from deepinfer.regions.checkpoint import written_checkpoint
 from deepinfer.regions.config import load_config
 from deepinfer.regions.synthetic import checkpoint_tensors, synthetic_config
-from deepinfer.runtime.executor import ring_slack
+from deepinfer.runtime.loading import ring_slack
 
 from ..conftest import CACHE_ENV, write_model_toml
 

@@ -19,7 +19,8 @@ from deepinfer.regions.attention import SourceAttention
 from deepinfer.regions.reference import EagerSteps
 from deepinfer.regions.speculative import AllAcceptedDraftDouble, OneRejectedDraftDouble
 from deepinfer.regions.tokenizer import ByteTokenizer
-from deepinfer.runtime.schedule import Scheduler, SpeculationError, SpeculationStats, decode, decode_model
+from deepinfer.runtime.requests import SpeculationStats
+from deepinfer.runtime.schedule import Scheduler, SpeculationError, decode, decode_model
 
 from ..conftest import regenerate
 

@@ -11,7 +11,8 @@ import torch
 
 from deepinfer.regions.stepper import Allocator
 from deepinfer.runtime.engine import Engine, QueueFull, RequestError
-from deepinfer.runtime.schedule import Request, Sampling, sample
+from deepinfer.runtime.requests import Request
+from deepinfer.runtime.sampling import Sampling, sample
 
 V, EOS = 32, 1
 

@@ -10,7 +10,7 @@ import pytest
 
 from deepinfer.bundles import manifest as mf
 from deepinfer.runtime import backends
-from deepinfer.runtime.executor import load
+from deepinfer.runtime.loading import load
 
 
 def _moe_swap(m):

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from deepinfer.bundles.manifest import BundleError
 from deepinfer.errors import TensorFileError
 from deepinfer.runtime import RunOptions, Stats, generate, load
-from deepinfer.runtime.executor import generate_loaded
-from deepinfer.runtime.nrt import NeuronRuntimeMissing
+from deepinfer.runtime.generation import generate_loaded
+from deepinfer.runtime.neuron.libnrt import NeuronRuntimeMissing
 
 from ..conftest import regenerate
 
@@ -138,7 +138,7 @@ def test_compiled_draft_keeps_the_tokens_and_drafts_as_the_reference(loaded, pla
 
 
 def reuse_session(monkeypatch, session) -> None:
-    """deepinfer-run's load (runtime.executor.load, through ranks.load_here) returns `session`, the
+    """deepinfer-run's load (runtime.loading.load, through ranks.load_here) returns `session`, the
     bundle loaded once for this module (a run's stats are its own)."""
     import deepinfer.runtime.ranks
 

@@ -1,4 +1,4 @@
-"""`runtime.schedule.sample` at the edges of what the server accepts: every temperature in (0, 2] and
+"""`runtime.sampling.sample` at the edges of what the server accepts: every temperature in (0, 2] and
 top_p in (0, 1], however small, samples a real token (issue 33: 1e-300 made the probabilities NaN and
 killed the engine thread)."""
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer.runtime.schedule import Sampling, sample
+from deepinfer.runtime.sampling import Sampling, sample
 
 V = 50
 

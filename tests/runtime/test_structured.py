@@ -12,7 +12,9 @@ import torch
 
 from deepinfer.regions.stepper import Allocator
 from deepinfer.regions.tokenizer import ByteTokenizer
-from deepinfer.runtime.schedule import Request, Sampling, Scheduler
+from deepinfer.runtime.requests import Request
+from deepinfer.runtime.sampling import Sampling
+from deepinfer.runtime.schedule import Scheduler
 from deepinfer.runtime.structured import GrammarError, Grammars, json_grammar, json_schema, lark_grammar
 from deepinfer.runtime.tools import CallParser, ToolError, call_lark, parse_output, parse_tools
 
@@ -292,7 +294,8 @@ def test_a_template_that_reads_tools_gets_them(tmp_path):
 
 def test_constrained_sequences_are_never_drafted(grammars):
     """Speculative decoding verifies drafts against the raw argmax: a constrained sequence decodes plainly."""
-    from deepinfer.runtime.schedule import Completion, Running, draft_for
+    from deepinfer.runtime.requests import Completion
+    from deepinfer.runtime.schedule import Running, draft_for
 
     class Drafter:
         block, capture = 3, None

@@ -10,7 +10,7 @@ import pytest
 
 from deepinfer.bundles.manifest import BundleError
 from deepinfer.runtime import bundle as rb
-from deepinfer.runtime import executor as rs
+from deepinfer.runtime import loading as rs
 
 
 def _bundle(path):

@@ -80,7 +80,7 @@ class FakeNrt:
 @pytest.fixture
 def fake_nrt(fake_nrt_path, tmp_path, monkeypatch) -> FakeNrt:
     """DEEPINFER_LIBNRT pointed at the double, a fresh call log, no visible-core pinning or injected failure."""
-    from deepinfer.runtime.neuron import NeuronCore
+    from deepinfer.runtime.neuron.device import NeuronCore
 
     monkeypatch.setenv("DEEPINFER_LIBNRT", str(fake_nrt_path))
     monkeypatch.setenv("FAKE_NRT_LOG", str(tmp_path / "nrt.log"))

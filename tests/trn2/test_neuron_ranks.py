@@ -1,4 +1,4 @@
-"""The ranks' set-up for collectives compiled into NEFFs (runtime/neuron_ranks.py, runtime/arrival.py),
+"""The ranks' set-up for collectives compiled into NEFFs (runtime/neuron/collectives.py, runtime/neuron/arrival.py),
 in real processes over gloo with a file rendezvous: the leader's NEURON_RT_ROOT_COMM_ID reaches every
 rank, a user's value is kept only when every rank holds it, and a rank that never arrives at a
 collective libnrt call ends the run within the collective timeout, named. Collective calls run on the
@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.errors import DeepinferError
-from deepinfer.runtime import RunOptions, arrival, generate, neuron_ranks
+from deepinfer.runtime import RunOptions, generate
 from deepinfer.runtime.bundle import open_bundle
-from deepinfer.runtime.neuron import DeviceTensor, NeuronCore, NeuronModel
-from deepinfer.runtime.nrt import ENV_ROOT_COMM
+from deepinfer.runtime.neuron import arrival, collectives
+from deepinfer.runtime.neuron.device import DeviceTensor, NeuronCore, NeuronModel
+from deepinfer.runtime.neuron.libnrt import ENV_ROOT_COMM
 from deepinfer.runtime.ranks import init
 
 from .conftest import fake_model, finished_copy, fnv1a
@@ -40,7 +41,7 @@ SLACK_S = 5.0  # past the collective timeout: two watchdog ticks, the report, th
 
 
 def _manifest(target: str = "trn2", world: int = WORLD, reduced: bool = True):
-    """What neuron_ranks reads of a manifest: the target, the world, whether each executable holds
+    """What collectives reads of a manifest: the target, the world, whether each executable holds
     collectives."""
     return SimpleNamespace(
         target=SimpleNamespace(name=target),
@@ -87,9 +88,9 @@ def _root_comm_rank(rank: int, world: int, rendezvous: str, out) -> None:
             if values[rank] is not None:
                 os.environ[ENV_ROOT_COMM] = values[rank]
             try:
-                got = neuron_ranks.share_root_comm(rank, world, neuron_ranks.LOCAL_HOST)
+                got = collectives.share_root_comm(rank, world, collectives.LOCAL_HOST)
                 results[name] = ("ok", got, os.environ.get(ENV_ROOT_COMM))
-            except neuron_ranks.RootCommError as e:  # every rank sees every value: all refuse alike
+            except collectives.RootCommError as e:  # every rank sees every value: all refuse alike
                 results[name] = ("error", str(e), os.environ.get(ENV_ROOT_COMM))
         out.put((rank, results))
     finally:
@@ -115,7 +116,7 @@ def test_the_leader_chooses_the_root_comm_and_every_rank_sets_it(root_comm_runs)
     assert all(o[0] == "ok" and o[1] == o[2] for o in outcomes), outcomes  # returned and in the environment
     assert len({o[1] for o in outcomes}) == 1
     host, port = outcomes[0][1].rsplit(":", 1)
-    assert host == neuron_ranks.LOCAL_HOST and 0 < int(port) < 65536
+    assert host == collectives.LOCAL_HOST and 0 < int(port) < 65536
 
 
 def test_a_root_comm_the_user_set_on_every_rank_is_kept(root_comm_runs):
@@ -135,11 +136,11 @@ def test_a_root_comm_that_differs_between_ranks_is_refused_in_one_line(root_comm
 def test_only_a_trn2_bundle_with_collectives_in_its_neffs_is_prepared(monkeypatch):
     """cpu bundles, host collectives and single ranks: no watch, the variable untouched, no collective
     over the process group (none exists here)."""
-    assert neuron_ranks.in_graph_collectives(_manifest())
+    assert collectives.in_graph_collectives(_manifest())
     monkeypatch.delenv(ENV_ROOT_COMM, raising=False)
     for manifest in (_manifest(target="cpu"), _manifest(reduced=False), _manifest(world=1)):
-        assert not neuron_ranks.in_graph_collectives(manifest)
-        neuron_ranks.prepare(manifest, 0, None, host=neuron_ranks.LOCAL_HOST, timeout_s=1)
+        assert not collectives.in_graph_collectives(manifest)
+        collectives.prepare(manifest, 0, None, host=collectives.LOCAL_HOST, timeout_s=1)
         assert arrival._WATCH is None and ENV_ROOT_COMM not in os.environ
     assert arrival.rank_spans([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8" and arrival.rank_spans([3]) == "rank 3"
 
@@ -148,7 +149,7 @@ def test_only_a_trn2_bundle_with_collectives_in_its_neffs_is_prepared(monkeypatc
 
 
 def _neuron_rank(rank, world, rendezvous, env, models, executions, timeout_s, out) -> None:
-    """A rank as the start-up path makes one (process group, then neuron_ranks.prepare), loading
+    """A rank as the start-up path makes one (process group, then collectives.prepare), loading
     `models` with collectives on the libnrt double and executing each `executions` times in turn.
     Puts (rank, "start" | "done" | "error", message, monotonic time)."""
     os.environ.update(env)  # the double, its log, the shared directory, the hang knob
@@ -161,7 +162,7 @@ def _neuron_rank(rank, world, rendezvous, env, models, executions, timeout_s, ou
 
     store = init(rank, world, rendezvous, timeout_s=60)
     try:
-        neuron_ranks.prepare(_manifest(), rank, store, host=neuron_ranks.LOCAL_HOST, timeout_s=timeout_s, report=report)
+        collectives.prepare(_manifest(), rank, store, host=collectives.LOCAL_HOST, timeout_s=timeout_s, report=report)
         out.put((rank, "start", os.environ[ENV_ROOT_COMM], time.monotonic()))
         with NeuronCore() as core:
             loaded = [NeuronModel.load(core, m, collectives=(rank, world)) for m in models]
@@ -248,7 +249,7 @@ def test_ranks_load_and_execute_the_same_neffs_in_the_same_order(tmp_path, fake_
     events, exits, logs = _run_neuron_ranks(tmp_path, fake_nrt_path, lambda r: two_models)
     assert exits == [0, 0] and all("done" in events[r] for r in range(WORLD)), events
     root = events[0]["start"][0]
-    assert events[1]["start"][0] == root and root.startswith(f"{neuron_ranks.LOCAL_HOST}:")
+    assert events[1]["start"][0] == root and root.startswith(f"{collectives.LOCAL_HOST}:")
     calls = [_collective_calls(log) for log in logs]
     a, b = (fnv1a(m.read_bytes()) for m in two_models)
     want = ["comm", a, b, a, b, a, b]  # set-up, loads, two rounds of executions
@@ -360,7 +361,7 @@ def test_a_two_rank_session_runs_the_same_neffs_in_the_same_order(two_rank_bundl
             # the step's ids, positions and the like (rank 1's token group has no sequence: nothing changes)
             assert (16 if r == 0 else 0) <= next_device - to_device <= sum(step_inputs.values())
     roots = {re.search(r"root=(\S+)", ln).group(1) for ln in session_env.read_text().splitlines() if "root=" in ln}
-    assert len(roots) == 1 and roots.pop().startswith(f"{neuron_ranks.LOCAL_HOST}:")
+    assert len(roots) == 1 and roots.pop().startswith(f"{collectives.LOCAL_HOST}:")
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ tests/trn2/doubles/fake_nrt.c implements the libnrt functions the binding
 calls, with libnrt's signatures, over malloc'd host memory; its "models" are
 small text files that declare tensor names, byte sizes and output<-input
 copies, not NEFFs (bare, or inside a NEFF-shaped file from the stand-in
-neuronx-cc). These tests check that runtime/nrt.py and runtime/neuron.py
+neuronx-cc). These tests check that runtime/neuron/libnrt.py and runtime/neuron/device.py
 speak the C interface (prototypes, struct layouts, call order, status
 handling, by-name binding); they prove nothing about Trn2 execution or numerics.
 """
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from deepinfer.errors import DeepinferError
-from deepinfer.runtime import nrt
-from deepinfer.runtime.neuron import (
+from deepinfer.runtime.neuron import libnrt
+from deepinfer.runtime.neuron.device import (
     DeviceTensor,
     DeviceValue,
     NeuronArgumentError,
@@ -28,14 +28,14 @@ from deepinfer.runtime.neuron import (
     NeuronExecutable,
     NeuronModel,
 )
-from deepinfer.runtime.nrt import NeuronNumericalError, NeuronRuntimeError, NeuronRuntimeMissing
+from deepinfer.runtime.neuron.libnrt import NeuronNumericalError, NeuronRuntimeError, NeuronRuntimeMissing
 
 from .conftest import fake_model, fnv1a
 
 
 def test_struct_layouts_match_the_headers():
     # nrt_tensor_info_t on LP64: char[256], enum, (pad), size_t, enum, (pad), uint32_t*, uint32_t, (pad)
-    info = nrt.NrtTensorInfo
+    info = libnrt.NrtTensorInfo
     assert [getattr(info, f).offset for f in ("name", "usage", "size", "dtype", "shape", "ndim")] == [
         0,
         256,
@@ -45,8 +45,8 @@ def test_struct_layouts_match_the_headers():
         288,
     ]
     assert ctypes.sizeof(info) == 296
-    assert nrt.NrtTensorInfoArray.tensor_array.offset == 8
-    assert ctypes.sizeof(nrt.NrtVersion) == 4 * 8 + 128 + 64
+    assert libnrt.NrtTensorInfoArray.tensor_array.offset == 8
+    assert ctypes.sizeof(libnrt.NrtVersion) == 4 * 8 + 128 + 64
 
 
 def test_init_close_order_and_version(fake_nrt, tmp_path):
@@ -207,7 +207,7 @@ def test_missing_library_is_one_clear_line(monkeypatch, tmp_path, empty_library)
     assert str(missing) in message and "aws-neuronx-runtime-lib" in message and "DEEPINFER_LIBNRT" in message
     monkeypatch.setenv("DEEPINFER_LIBNRT", str(empty_library))
     with pytest.raises(NeuronRuntimeMissing, match="does not export nrt_init"):
-        nrt.open_library()
+        libnrt.open_library()
 
 
 def test_executable_adapter_resident_host_and_aliased_state(fake_nrt, tmp_path):
@@ -347,7 +347,7 @@ NRT_STATUS_H = {
 
 
 def test_every_status_is_named():
-    assert nrt.STATUS_NAMES == {v: k for k, v in NRT_STATUS_H.items()}
+    assert libnrt.STATUS_NAMES == {v: k for k, v in NRT_STATUS_H.items()}
 
 
 def test_statuses_of_execute_and_load(fake_nrt, tmp_path, monkeypatch):
@@ -420,7 +420,7 @@ def test_a_neff_with_collectives_is_loaded_for_its_rank(fake_nrt, tmp_path, monk
     process's communicator is built once (nrt_build_global_comm, nrt.h's signature), with the
     rendezvous variable set; without it the load is refused before libnrt is asked, in one line.
     Executions of that model are collective calls too; a plain model's are not."""
-    from deepinfer.runtime.nrt import ENV_ROOT_COMM, NeuronCollectivesError
+    from deepinfer.runtime.neuron.libnrt import ENV_ROOT_COMM, NeuronCollectivesError
 
     model = fake_model(tmp_path / "m.fake", {"x": 8}, {"y": 8}, {"y": "x"})
     with NeuronCore() as core:

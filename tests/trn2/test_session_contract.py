@@ -25,7 +25,7 @@ import pytest
 from deepinfer.bundles import layout, neff
 from deepinfer.bundles.manifest import BundleError
 from deepinfer.runtime import RunOptions, generate, load
-from deepinfer.runtime.neuron import NeuronCore
+from deepinfer.runtime.neuron.device import NeuronCore
 
 from .conftest import finished_copy
 

@@ -1,7 +1,7 @@
 /*
  * TEST DOUBLE of libnrt, the AWS Neuron runtime C library.  NOT the Neuron runtime.
  *
- * It implements exactly the libnrt functions that deepinfer/runtime/nrt.py
+ * It implements exactly the libnrt functions that deepinfer/runtime/neuron/libnrt.py
  * binds, with the signatures of nrt/nrt.h, nrt/nrt_experimental.h and
  * nrt/nrt_version.h, so that the tests in tests/trn2/ can check how the
  * binding calls the API (argument order, out-parameters, struct layouts,

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from deepinfer.bundles.manifest import Manifest
 from deepinfer.errors import DeepinferError
-from deepinfer.runtime import arrival
-from deepinfer.runtime.nrt import ENV_ROOT_COMM
+from deepinfer.runtime.neuron import arrival
+from deepinfer.runtime.neuron.libnrt import ENV_ROOT_COMM
 
 LOCAL_HOST = "127.0.0.1"  # ranks started by this process, on this host
 

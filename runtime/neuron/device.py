@@ -1,6 +1,6 @@
 """The Neuron runtime backend: one NeuronCore per process, device tensors, loaded NEFFs.
 
-Built on the ctypes binding in `nrt.py`. Resident tensors (weight stacks,
+Built on the ctypes binding in `libnrt.py`. Resident tensors (weight stacks,
 state pools) are allocated once and bound as `DeviceTensor`s; a layer's view
 into a layer-major stack is a slice (nrt_tensor_allocate_slice), not a copy.
 Host per-step inputs are copied into reusable staging tensors (`HostInputs`,
@@ -18,7 +18,7 @@ the first visible core is used. One process per NeuronCore.
 NEFFs that hold collectives (loaded for a rank of a world) wait inside libnrt for every rank: the
 process's communicator is built once before the first of them (nrt_build_global_comm), and that,
 their loads and their executions are bounded by the rank's arrival watch (`arrival.watched`,
-installed by `neuron_ranks.prepare`).
+installed by `collectives.prepare`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 
 from deepinfer.bundles.neff import output_name
 from deepinfer.errors import DeepinferError
-from deepinfer.runtime import arrival
-from deepinfer.runtime.nrt import Libnrt, NeuronCollectivesError, TensorInfo, open_library
+from deepinfer.runtime.neuron import arrival
+from deepinfer.runtime.neuron.libnrt import Libnrt, NeuronCollectivesError, TensorInfo, open_library
 
 ENV_VISIBLE = "NEURON_RT_VISIBLE_CORES"
 

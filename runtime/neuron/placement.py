@@ -23,7 +23,7 @@ import torch
 
 from deepinfer.bundles import neff
 from deepinfer.bundles.manifest import BundleError, Executable, Manifest, TensorSpec
-from deepinfer.runtime.neuron import DeviceTensor, HostInputs, NeuronCore, NeuronExecutable
+from deepinfer.runtime.neuron.device import DeviceTensor, HostInputs, NeuronCore, NeuronExecutable
 
 ENV_LNC = "NEURON_LOGICAL_NC_CONFIG"
 # the region outputs the host reads (sampling); every other output (the streams h and pre, the

@@ -248,7 +248,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from deepinfer.runtime.server import ServerProcess
+    from deepinfer.runtime.serving.server_process import ServerProcess
 
     if not args.bundle.exists():
         from deepinfer.compiler.config import load_compile_config

@@ -879,7 +879,7 @@ def _add_tools() -> None:
     """`deepinfer compile`, `deepinfer run` and `deepinfer serve`: the sub-CLIs, under the umbrella too."""
     from deepinfer.compiler.cli import main as compile_main
     from deepinfer.runtime.cli import main as run_main
-    from deepinfer.runtime.serve_cli import main as serve_main
+    from deepinfer.runtime.serving.cli import main as serve_main
 
     main.add_command(compile_main, "compile")
     main.add_command(run_main, "run")

@@ -47,7 +47,7 @@ LAYERS = [
             "deepinfer.__main__",
             "deepinfer.compiler.cli",
             "deepinfer.runtime.cli",
-            "deepinfer.runtime.serve_cli",
+            "deepinfer.runtime.serving.cli",
         ],
     ),
 ]
@@ -228,7 +228,7 @@ def test_no_runtime_class_has_more_than_12_mutable_attributes():
     """What a loaded bundle is stays frozen (`Executor`); what a run changes lives in small objects."""
     root = Path(deepinfer.runtime.__path__[0])
     counts = {}
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 counts[f"{path.name}:{node.name}"] = len(_mutable_attributes(node))
@@ -240,5 +240,5 @@ def test_one_scheduler():
     """Batch generation, serving and speculation share one loop: nothing else defines a generation loop."""
     for package in ("regions", "runtime"):
         root = Path(importlib.import_module(f"deepinfer.{package}").__path__[0])
-        for path in root.glob("*.py"):
+        for path in root.rglob("*.py"):
             assert "def greedy" not in path.read_text(), path

@@ -13,8 +13,8 @@ import torch
 from deepinfer.regions.stepper import Allocator
 from deepinfer.regions.tokenizer import ByteTokenizer
 from deepinfer.runtime.schedule import Request, Sampling, Scheduler
-from deepinfer.runtime.structured import GrammarError, Grammars, json_grammar, json_schema, lark_grammar
-from deepinfer.runtime.tools import CallParser, ToolError, call_lark, parse_output, parse_tools
+from deepinfer.runtime.serving.grammars import GrammarError, Grammars, json_grammar, json_schema, lark_grammar
+from deepinfer.runtime.serving.tool_calls import CallParser, ToolError, call_lark, parse_output, parse_tools
 
 from .schemas import errors
 

@@ -84,7 +84,7 @@ def compile_once(text: str, where: Path, log) -> Path:
 
 
 def start_server(bundle: Path):
-    from deepinfer.runtime.server import ServerProcess
+    from deepinfer.runtime.serving.server_process import ServerProcess
 
     return ServerProcess(bundle, "--model-name", web.MODEL, "--max-queue", "128")
 

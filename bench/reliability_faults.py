@@ -90,7 +90,7 @@ def _pid(pids: Path, rank: int, timeout_s: float = TIMEOUT_S) -> int:
 def rank_faults(bundle: Path, work: Path) -> list[Fault]:
     """A follower of deepinfer-serve, then rank 1 of deepinfer-run, SIGKILLed while generating."""
     from deepinfer.runtime.liveness import TEST_PIDS_ENV
-    from deepinfer.runtime.server import ServerProcess
+    from deepinfer.runtime.serving.server_process import ServerProcess
 
     out = []
     pids = work / "serve-pids"

@@ -234,7 +234,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from deepinfer.runtime.server import ServerProcess
+    from deepinfer.runtime.serving.server_process import ServerProcess
 
     ensure_bundle(args.bundle, args.toml)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]

@@ -199,7 +199,7 @@ def check_loadable(header: NeffHeader, *, lnc: int, path: str | Path, recorded: 
     the manifest recorded (`recorded`: its `summary`). A NEFF whose LNC field is 0 (not recorded)
     passes the LNC check: it cannot be judged here. Its format and package versions are the
     runtime's to judge: nrt_load answers NRT_UNSUPPORTED_NEFF_VERSION for one it does not read
-    (runtime/nrt.Libnrt.load names the runtime's version then); a table of versions kept here
+    (runtime/neuron/libnrt.Libnrt.load names the runtime's version then); a table of versions kept here
     would refuse NEFFs a newer runtime loads."""
     if header.lnc is not None and header.lnc != lnc:
         raise NeffError(

@@ -186,7 +186,7 @@ def _add_tools() -> None:
     from deepinfer.compiler.cli import main as compile_main
     from deepinfer.plan_cli import plan_cmd
     from deepinfer.runtime.cli import main as run_main
-    from deepinfer.runtime.serve_cli import main as serve_main
+    from deepinfer.runtime.serving.cli import main as serve_main
 
     main.add_command(cache_group, "cache")
     main.add_command(compare_cmd, "compare")

@@ -53,9 +53,9 @@ def generate(bundle: Bundle | Executor | str | Path, prompts: Sequence[list[int]
 
 def serve(bundle: Bundle | str | Path, options: ServeOptions) -> None:
     """Serve `bundle` over the OpenAI HTTP API on options.host:options.port until SIGINT or SIGTERM
-    (see `runtime.server.serve`); with several ranks this process leads them."""
+    (see `runtime.serving.server.serve`); with several ranks this process leads them."""
     from deepinfer.runtime import ranks
-    from deepinfer.runtime.server import serve as serve_http
+    from deepinfer.runtime.serving.server import serve as serve_http
 
     _threads(options)
     b = opened(bundle, options)

@@ -55,7 +55,7 @@ class ServeOptions(LoadOptions):
     model_name: str | None = None  # the model's id in the API (None: the bundle directory's name)
     on_ready: Callable[[str], None] | None = None  # called with the URL once the socket is bound
     prefix_cache: bool = True  # share full prompt blocks between requests (one-rank bundles; regions/prefix.py)
-    # HTTP limits (runtime/limits.py)
+    # HTTP limits (runtime/serving/limits.py)
     max_body_bytes: int = 16 << 20  # a request body over it: 413
     max_connections: int = 256  # open connections; one more gets 503 and is closed
     header_timeout_s: float = 10.0  # a request's headers must arrive within it (else the connection is cut)

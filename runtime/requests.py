@@ -20,7 +20,7 @@ from deepinfer.runtime.sampling import GREEDY, Sampling
 
 
 class Masks(Protocol):
-    """What computes the masks of a batch's constraints (`runtime.structured.Grammars`)."""
+    """What computes the masks of a batch's constraints (`runtime.serving.grammars.Grammars`)."""
 
     def masks(self, constraints: list) -> Tensor:
         """The tokens each constraint allows next: bool [len(constraints), V]."""
@@ -28,7 +28,7 @@ class Masks(Protocol):
 
 
 class Constraint(Protocol):
-    """A grammar a request's generated tokens follow (`runtime.structured.Constraint`): its `grammars`
+    """A grammar a request's generated tokens follow (`runtime.serving.grammars.Constraint`): its `grammars`
     mask the logits of every step that picks its next token (one call for the batch's constraints of
     one `grammars`); `accept(token) -> complete?` advances it over the token picked."""
 

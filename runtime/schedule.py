@@ -27,7 +27,7 @@ with the slot state at the end of the prefill step that filled them, and a reque
 starts with cached blocks holds them, gets that state back in its slot and prefills the rest only
 (regions/prefix.py, docs/serving.md).
 
-`decode` is the batch policy (submit every prompt, then drain); `runtime/engine.py` runs the same
+`decode` is the batch policy (submit every prompt, then drain); `runtime/serving/engine.py` runs the same
 scheduler on a thread for the server, `Events` reporting what it does to the server's metrics.
 """
 
@@ -53,7 +53,7 @@ from deepinfer.runtime.sampling import sample
 
 
 class Events:
-    """What a scheduler reports as it runs; these do nothing (`runtime.engine.Metrics` counts them)."""
+    """What a scheduler reports as it runs; these do nothing (`runtime.serving.engine.Metrics` counts them)."""
 
     def stepped(self, seconds: float) -> None:
         """One batched step ran."""

@@ -50,7 +50,7 @@ LAYERS = [
             "deepinfer.__main__",
             "deepinfer.compiler.cli",
             "deepinfer.runtime.cli",
-            "deepinfer.runtime.serve_cli",
+            "deepinfer.runtime.serving.cli",
         ],
     ),
 ]

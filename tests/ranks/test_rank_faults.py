@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer.runtime.liveness import EXIT_STATUS, TEST_PIDS_ENV, collect
-from deepinfer.runtime.server import ServerProcess
+from deepinfer.runtime.serving.server_process import ServerProcess
 
 from ..conftest import _compile_tiny
 

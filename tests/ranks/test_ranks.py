@@ -271,7 +271,7 @@ def test_serve_leads_the_ranks(rank_bundle, one_rank):
     import openai
 
     from deepinfer.regions.tokenizer import ByteTokenizer
-    from deepinfer.runtime.server import ServerProcess
+    from deepinfer.runtime.serving.server_process import ServerProcess
 
     server = ServerProcess(rank_bundle(1, 2, 1), "--model-name", "tiny", "--threads", "1")
     try:

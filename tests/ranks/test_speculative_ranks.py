@@ -104,7 +104,7 @@ def test_run_and_serve_draft_over_ranks(rank_bundle, plain):
     from click.testing import CliRunner
 
     from deepinfer.runtime.cli import main
-    from deepinfer.runtime.server import ServerProcess
+    from deepinfer.runtime.serving.server_process import ServerProcess
 
     bundle = rank_bundle(*LAYOUTS["ep=2"])
     batched = plain[tuple(map(tuple, PROMPTS))]

@@ -1,4 +1,4 @@
-"""The continuous-batching engine (runtime/engine.py) over a counting model whose outputs are known:
+"""The continuous-batching engine (runtime/serving/engine.py) over a counting model whose outputs are known:
 the next token is always the last one plus one (mod the vocabulary), so what each request must
 generate, and what each step must hold, follow from the schedule alone."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from deepinfer.regions.stepper import Allocator
-from deepinfer.runtime.engine import Engine, QueueFull, RequestError
 from deepinfer.runtime.requests import Request
 from deepinfer.runtime.sampling import Sampling, sample
+from deepinfer.runtime.serving.engine import Engine, QueueFull, RequestError
 
 V, EOS = 32, 1
 

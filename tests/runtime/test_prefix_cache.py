@@ -11,8 +11,8 @@ import torch
 
 from deepinfer.regions.prefix import block_keys, root_key
 from deepinfer.regions.stepper import Allocator, OutOfBlocks
-from deepinfer.runtime.engine import Engine
 from deepinfer.runtime.requests import Completion, Request
+from deepinfer.runtime.serving.engine import Engine
 
 from .test_engine import Counting
 

@@ -19,7 +19,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from deepinfer.runtime.server import ServerProcess
+from deepinfer.runtime.serving.server_process import ServerProcess
 
 MODEL = "tiny"
 START_TIMEOUT_S = 300  # loading the bundle on a busy 2-core machine
@@ -260,7 +260,7 @@ def byte_ids(text: str) -> list[int]:
 def streamed(text: str, stops: list[str]) -> tuple[list[str], bool, int]:
     """(pieces taken after each token and at the end, stopped, tokens pushed until the stop)."""
     from deepinfer.regions.tokenizer import ByteTokenizer
-    from deepinfer.runtime.server import TextStream
+    from deepinfer.runtime.serving.responses import TextStream
 
     s = TextStream(ByteTokenizer().decode, stops)
     pieces, pushed = [], 0
@@ -315,7 +315,7 @@ def test_speculative_greedy_equals_plain_decoding(run_exported_bundle):
 
 def test_speculative_needs_a_compiled_draft(aoti_bundle):
     """A bundle compiled without a draft is refused in one line, non-zero, before the server starts."""
-    from deepinfer.runtime.serve_cli import main
+    from deepinfer.runtime.serving.cli import main
 
     r = CliRunner().invoke(main, [str(aoti_bundle), "--speculative", "dspark"])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "compiled without a speculative draft" in r.output

@@ -33,7 +33,7 @@ HEALTH_TIMEOUT_S = 10  # "within a second" on a quiet machine; bounded generousl
 
 class Hooked(Server):
     def __init__(self, bundle, *args: str, fault: str):
-        from deepinfer.runtime.process import ServerProcess
+        from deepinfer.runtime.serving.server_process import ServerProcess
 
         ServerProcess.__init__(
             self,

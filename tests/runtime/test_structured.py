@@ -15,8 +15,8 @@ from deepinfer.regions.tokenizer import ByteTokenizer
 from deepinfer.runtime.requests import Request
 from deepinfer.runtime.sampling import Sampling
 from deepinfer.runtime.schedule import Scheduler
-from deepinfer.runtime.structured import GrammarError, Grammars, json_grammar, json_schema, lark_grammar
-from deepinfer.runtime.tools import CallParser, ToolError, call_lark, parse_output, parse_tools
+from deepinfer.runtime.serving.grammars import GrammarError, Grammars, json_grammar, json_schema, lark_grammar
+from deepinfer.runtime.serving.tool_calls import CallParser, ToolError, call_lark, parse_output, parse_tools
 
 from .schemas import errors
 

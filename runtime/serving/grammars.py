@@ -1,7 +1,7 @@
 """Structured output: grammars a request's generated tokens must follow, enforced with token masks.
 
 `deepinfer-serve`'s `response_format` (`json_object`, `json_schema`) and forced tool calls
-(`tool_choice: "required"` or a named function, `runtime/tools.py`) become grammars of llguidance
+(`tool_choice: "required"` or a named function, `runtime/serving/tool_calls.py`) become grammars of llguidance
 (a maintained grammar engine: JSON Schema and Lark grammars compiled to token masks over a
 tokenizer's byte-level vocabulary, in Rust, without a torch or transformers dependency). `Grammars`
 is one tokenizer's: its llguidance tokenizer (each token id's bytes, and eos) is built once, `compile`

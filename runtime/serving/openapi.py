@@ -1,7 +1,7 @@
 """`GET /openapi.json`: an OpenAPI 3.0 document of `deepinfer-serve`'s routes, their request bodies and
 their answers, refusals included (400, 408, 413, 429, 503; 500 for a generation whose step failed).
 
-Written by hand from `runtime/bodies.py` and `runtime/server.py` (what they accept and send); the
+Written by hand from `runtime/serving/params.py` and `runtime/serving/routes.py` (what they accept and send); the
 tests run schemathesis against a live server with it (no 5xx, every answer matching it).
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepinfer.runtime.bodies import MAX_N, MAX_STOPS
-from deepinfer.runtime.logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
+from deepinfer.runtime.serving.logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
+from deepinfer.runtime.serving.params import MAX_N, MAX_STOPS
 
 JSON = "application/json"
 
@@ -178,25 +178,66 @@ def _get(summary: str, response: dict, media: str = JSON, codes: tuple[int, ...]
     }
 
 
-def document(model: str) -> dict:
-    """The OpenAPI document of a server serving `model`."""
-    name = {"type": "string", "enum": [model]}
-    completion = {
+HEALTH = {"type": "object", "required": ["status"], "properties": {"status": STRING}}
+MODELS = {
+    "type": "object",
+    "required": ["object", "data"],
+    "properties": {"object": STRING, "data": {"type": "array", "items": {"type": "object"}}},
+}
+TOKENIZE = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {"prompt": STRING, "add_special_tokens": BOOLEAN},
+}
+TOKEN_IDS = {
+    "type": "object",
+    "required": ["tokens", "count", "max_model_len"],
+    "properties": {"tokens": {"type": "array", "items": INTEGER}, "count": INTEGER, "max_model_len": INTEGER},
+}
+DETOKENIZE = {
+    "type": "object",
+    "required": ["tokens"],
+    "properties": {"tokens": {"type": "array", "items": INTEGER}},
+}
+TEXT = {"type": "object", "required": ["prompt"], "properties": {"prompt": STRING}}
+
+
+def _tokenizer_post(summary: str, request: dict, response: dict) -> dict:
+    """A tokenizer route's POST: never streamed, never queued (no 429), never generating (no 500)."""
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {JSON: {"schema": request}}},
+            "responses": {
+                "200": {"description": summary, "content": {JSON: {"schema": response}}},
+                **_refusals(400, 408, 413, 503),
+            },
+        }
+    }
+
+
+def _completion_request(model: str) -> dict:
+    """A /v1/completions body for a server serving `model`."""
+    return {
         "type": "object",
         "required": ["model", "prompt"],
         "properties": {
-            "model": name,
+            "model": {"type": "string", "enum": [model]},
             "prompt": {"oneOf": [STRING, TOKENS]},
             **SAMPLING,
             "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LEGACY}),
             "echo": _nullable(BOOLEAN),
         },
     }
-    chat = {
+
+
+def _chat_request(model: str) -> dict:
+    """A /v1/chat/completions body for a server serving `model`."""
+    return {
         "type": "object",
         "required": ["model", "messages"],
         "properties": {
-            "model": name,
+            "model": {"type": "string", "enum": [model]},
             "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
             **SAMPLING,
             "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
@@ -205,51 +246,21 @@ def document(model: str) -> dict:
             "response_format": _nullable({"type": "object"}),
         },
     }
-    health = {"type": "object", "required": ["status"], "properties": {"status": STRING}}
-    models = {
-        "type": "object",
-        "required": ["object", "data"],
-        "properties": {"object": STRING, "data": {"type": "array", "items": {"type": "object"}}},
-    }
-    tokenize = {
-        "type": "object",
-        "required": ["prompt"],
-        "properties": {"prompt": STRING, "add_special_tokens": BOOLEAN},
-    }
-    tokens = {
-        "type": "object",
-        "required": ["tokens", "count", "max_model_len"],
-        "properties": {"tokens": {"type": "array", "items": INTEGER}, "count": INTEGER, "max_model_len": INTEGER},
-    }
-    detokenize = {
-        "type": "object",
-        "required": ["tokens"],
-        "properties": {"tokens": {"type": "array", "items": INTEGER}},
-    }
-    text = {"type": "object", "required": ["prompt"], "properties": {"prompt": STRING}}
 
-    def post(summary: str, request: dict, response: dict) -> dict:
-        return {
-            "post": {
-                "summary": summary,
-                "requestBody": {"required": True, "content": {JSON: {"schema": request}}},
-                "responses": {
-                    "200": {"description": summary, "content": {JSON: {"schema": response}}},
-                    **_refusals(400, 408, 413, 503),
-                },
-            }
-        }
 
+def document(model: str) -> dict:
+    """The OpenAPI document of a server serving `model`."""
+    completion, chat = _completion_request(model), _chat_request(model)
     return {
         "openapi": "3.0.3",
         "info": {"title": "deepinfer-serve", "version": "1"},
         "paths": {
             "/v1/completions": _post("A completion", completion, _completion("text_completion", LEGACY_CHOICE)),
             "/v1/chat/completions": _post("A chat completion", chat, _completion("chat.completion", CHAT_CHOICE)),
-            "/v1/models": _get("The served model", models),
-            "/health": _get("Whether the server takes requests", health, codes=(503,)),
-            "/tokenize": post("Text as token ids", tokenize, tokens),
-            "/detokenize": post("Token ids as text", detokenize, text),
+            "/v1/models": _get("The served model", MODELS),
+            "/health": _get("Whether the server takes requests", HEALTH, codes=(503,)),
+            "/tokenize": _tokenizer_post("Text as token ids", TOKENIZE, TOKEN_IDS),
+            "/detokenize": _tokenizer_post("Token ids as text", DETOKENIZE, TEXT),
             "/tokenizer_info": _get("The tokenizer", {"type": "object"}),
             "/metrics": _get("Prometheus metrics", STRING, "text/plain"),
             "/openapi.json": _get("This document", {"type": "object"}),

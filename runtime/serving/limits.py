@@ -14,7 +14,7 @@
   /health answering 503 meanwhile), so that a supervisor restarts it.
 
 The body is read on the event loop in the transport's chunks (never more than the cap), and parsed
-off it (`runtime.bodies.parse_body` in a worker thread): `/health` answers while any of this goes on.
+off it (`runtime.serving.params.parse_body` in a worker thread): `/health` answers while any of this goes on.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from deepinfer.runtime.engine import Engine
+from deepinfer.runtime.serving.engine import Engine
 
 DEAD_LINGER_S = 3.0  # after the engine stops, /health answers 503 this long before the process exits
 FLUSH_S = 5  # after every request has ended at a stop, what their last chunks get to leave

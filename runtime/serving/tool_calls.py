@@ -5,7 +5,7 @@ A model calls a function by writing `<tool_call>{"name": NAME, "arguments": {...
 `tool_choice: "auto"` the output is free and `CallParser` finds such calls in it; with `"required"`
 or a named function the output is constrained (`call_grammar`, a grammar of llguidance) to calls of
 those functions whose arguments match each function's JSON `parameters` schema (compact JSON, objects
-closed as `runtime/structured.py` closes them); `"none"` leaves the output text. Calls come back as
+closed as `runtime/serving/grammars.py` closes them); `"none"` leaves the output text. Calls come back as
 OpenAI's `tool_calls` (`id`, `type: "function"`, `function: {name, arguments}`, the arguments a JSON
 string), streamed as a call's opening delta then its arguments as they are written, and the finish
 reason is `tool_calls`.
@@ -130,7 +130,7 @@ def call_schema(functions: tuple[Function, ...]) -> dict:
 def call_lark(functions: tuple[Function, ...], parallel: bool) -> str:
     """A Lark grammar (llguidance's dialect) of a forced output: one call, or with `parallel` one or
     more in a row, of `functions`."""
-    from deepinfer.runtime.structured import json_schema
+    from deepinfer.runtime.serving.grammars import json_schema
 
     schema = json.dumps(json_schema(call_schema(functions)))
     return f"start: call{'+' if parallel else ''}\ncall: {json.dumps(OPEN)} %json {schema} {json.dumps(CLOSE)}\n"

@@ -17,11 +17,11 @@ from dataclasses import dataclass, replace
 
 from deepinfer.errors import DeepinferError
 from deepinfer.reader import parse_json
-from deepinfer.runtime.engine import Engine, RequestError
-from deepinfer.runtime.logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
 from deepinfer.runtime.sampling import Sampling
-from deepinfer.runtime.structured import ANY_OBJECT, Compiled, GrammarError, Grammars, json_grammar, lark_grammar
-from deepinfer.runtime.tools import ToolError, Tools, call_lark, call_text, fallback_message, parse_tools
+from deepinfer.runtime.serving.engine import Engine, RequestError
+from deepinfer.runtime.serving.grammars import ANY_OBJECT, Compiled, GrammarError, Grammars, json_grammar, lark_grammar
+from deepinfer.runtime.serving.logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
+from deepinfer.runtime.serving.tool_calls import ToolError, Tools, call_lark, call_text, fallback_message, parse_tools
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_STOPS = 4  # OpenAI's limit on stop strings
@@ -82,7 +82,7 @@ class Params:
 
 class Bodies:
     """A request body -> `Params` (BadRequest naming the field): what a body may hold, checked against
-    the engine, the tokenizer and the model's name and limits. `runtime.server.Served` adds the rest."""
+    the engine, the tokenizer and the model's name and limits. `runtime.serving.server.Served` adds the rest."""
 
     def __init__(self, engine: Engine, tokenizer, model: str, vocab: int):
         self.engine, self.tokenizer, self.model, self.vocab = engine, tokenizer, model, vocab
@@ -98,39 +98,15 @@ class Bodies:
                 "model",
                 code="model_not_found",
             )
-        n = body_field(body, "n", int, 1)
-        if not 1 <= n <= MAX_N:
-            raise BadRequest(f"n is {n}; expected 1 to {MAX_N} choices", "n")
-        for name, harmless in (("best_of", (None, 1)), ("suffix", (None, ""))):
-            if body.get(name) not in harmless:
-                raise BadRequest(f"{name} is not supported by this server", name)
+        n = _choices(body)
         logprobs, echo = _logprobs(body, chat)
         bad = [i for i in prompt if not 0 <= i < self.vocab]
         if bad:
             raise BadRequest(f"token ids {bad[:8]} are outside the vocabulary [0, {self.vocab})", "prompt")
-        max_tokens = body_field(body, "max_tokens", int, None)
-        if max_tokens is None:
-            max_tokens = body_field(body, "max_completion_tokens", int, default_max)
-        if chat and max_tokens == 0:
-            raise BadRequest("max_tokens is 0; a chat completion generates at least 1 token", "max_tokens")
-        temperature = body_field(body, "temperature", float, 0.0)
-        top_p = body_field(body, "top_p", float, 1.0)
-        top_k = body_field(body, "top_k", int, 0)
-        if not 0 <= temperature <= 2:
-            raise BadRequest(f"temperature is {temperature}; expected a number in [0, 2]", "temperature")
-        if not 0 < top_p <= 1:
-            raise BadRequest(f"top_p is {top_p}; expected a number in (0, 1]", "top_p")
-        if top_k < -1:
-            raise BadRequest(f"top_k is {top_k}; expected -1 or 0 (every token) or a positive count", "top_k")
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
-            raise BadRequest(f"stop is {stop!r}; expected a non-empty string or a list of at most {MAX_STOPS}", "stop")
-        penalties = {}
-        for name in ("presence_penalty", "frequency_penalty"):
-            penalties[name] = body_field(body, name, float, 0.0)
-            if not -2 <= penalties[name] <= 2:
-                raise BadRequest(f"{name} is {penalties[name]}; expected a number in [-2, 2]", name)
+        max_tokens = _max_tokens(body, default_max, chat)
+        temperature, top_p, top_k = _temperature_top_p_top_k(body)
+        stops = _stops(body)
+        penalties = _penalties(body)
         seed = body_field(body, "seed", int, None)
         if seed is not None and not -(2**63) <= seed <= 2**63 - MAX_N:
             raise BadRequest(f"seed is {seed}; expected a signed 64-bit integer", "seed")
@@ -143,11 +119,7 @@ class Bodies:
         except RequestError as e:
             raise BadRequest(str(e), e.param, code=e.code) from None
         sampling = Sampling(temperature, top_p, max(top_k, 0), seed, logit_bias=self.logit_bias(body), **penalties)
-        grammar = self.response_format(body)
-        if tools is not None and tools.mode == "forced":
-            if grammar is not None:
-                raise BadRequest("response_format cannot apply when tool_choice forces a tool call", "response_format")
-            grammar = self.call_grammar(tools)
+        grammar = self.grammar(body, tools)
         return Params(
             prompt,
             max_tokens,
@@ -168,6 +140,15 @@ class Bodies:
         prompt = self.chat_prompt(body, tools) if chat else self.completion_prompt(body)
         default_max = self.engine.max_context - len(prompt) + 1 if chat else DEFAULT_COMPLETION_TOKENS
         return self.params(body, prompt, default_max, chat, tools)
+
+    def grammar(self, body: dict, tools: Tools | None) -> Compiled | None:
+        """The grammar a request's output follows: its response_format's, or its forced tool call's."""
+        grammar = self.response_format(body)
+        if tools is not None and tools.mode == "forced":
+            if grammar is not None:
+                raise BadRequest("response_format cannot apply when tool_choice forces a tool call", "response_format")
+            grammar = self.call_grammar(tools)
+        return grammar
 
     def response_format(self, body: dict) -> Compiled | None:
         """body's response_format as the grammar of its output: None for text (or none given)."""
@@ -329,6 +310,58 @@ class Bodies:
         return text
 
     # -- generation ---------------------------------------------------------------------------
+
+
+def _choices(body: dict) -> int:
+    """n, the choices of a request (best_of and suffix are refused unless harmless)."""
+    n = body_field(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise BadRequest(f"n is {n}; expected 1 to {MAX_N} choices", "n")
+    for name, harmless in (("best_of", (None, 1)), ("suffix", (None, ""))):
+        if body.get(name) not in harmless:
+            raise BadRequest(f"{name} is not supported by this server", name)
+    return n
+
+
+def _max_tokens(body: dict, default_max: int, chat: bool) -> int:
+    """max_tokens, or max_completion_tokens, or `default_max` (a chat generates at least 1)."""
+    max_tokens = body_field(body, "max_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = body_field(body, "max_completion_tokens", int, default_max)
+    if chat and max_tokens == 0:
+        raise BadRequest("max_tokens is 0; a chat completion generates at least 1 token", "max_tokens")
+    return max_tokens
+
+
+def _temperature_top_p_top_k(body: dict) -> tuple[float, float, int]:
+    temperature = body_field(body, "temperature", float, 0.0)
+    top_p = body_field(body, "top_p", float, 1.0)
+    top_k = body_field(body, "top_k", int, 0)
+    if not 0 <= temperature <= 2:
+        raise BadRequest(f"temperature is {temperature}; expected a number in [0, 2]", "temperature")
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"top_p is {top_p}; expected a number in (0, 1]", "top_p")
+    if top_k < -1:
+        raise BadRequest(f"top_k is {top_k}; expected -1 or 0 (every token) or a positive count", "top_k")
+    return temperature, top_p, top_k
+
+
+def _stops(body: dict) -> list[str]:
+    """`stop`: one string or a list of at most MAX_STOPS, none empty."""
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
+        raise BadRequest(f"stop is {stop!r}; expected a non-empty string or a list of at most {MAX_STOPS}", "stop")
+    return stops
+
+
+def _penalties(body: dict) -> dict[str, float]:
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        penalties[name] = body_field(body, name, float, 0.0)
+        if not -2 <= penalties[name] <= 2:
+            raise BadRequest(f"{name} is {penalties[name]}; expected a number in [-2, 2]", name)
+    return penalties
 
 
 def _tool_calls(m: dict, i: int) -> list[dict]:

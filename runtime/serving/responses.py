@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.runtime.bodies import Params, error_body
-from deepinfer.runtime.engine import Engine
-from deepinfer.runtime.logprobs import Entry, Recorder
 from deepinfer.runtime.requests import Request
-from deepinfer.runtime.tools import CallParser
+from deepinfer.runtime.serving.engine import Engine
+from deepinfer.runtime.serving.logprobs import Entry, Recorder
+from deepinfer.runtime.serving.params import Params, error_body
+from deepinfer.runtime.serving.tool_calls import CallParser
 
 
 class TextStream:
@@ -181,26 +182,8 @@ async def sse(
     content as it comes (text that may begin a call held back), a call's `tool_calls` delta (index,
     id, type, name) once its opening is whole, then its arguments as they are written."""
     kind = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+    chunk = Chunks(kind, chat, include_usage, logprobs)
     parsers = [CallParser(call_names) for _ in jobs] if call_names is not None else None
-
-    def event(data: Any) -> str:
-        return f"data: {json.dumps(data)}\n\n"
-
-    def chunk(
-        i: int, text: str | None, reason: str | None, items: list[Entry], first: bool = False, calls: list | None = None
-    ) -> str:
-        if chat:
-            delta: dict[str, Any] = (
-                {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-            )
-            if calls:
-                delta = {"tool_calls": calls}  # OpenAI's: one call's delta
-            choice = {"index": i, "delta": delta, "logprobs": logprobs(items) if items else None}
-        else:
-            choice = {"index": i, "text": text or "", "logprobs": logprobs(items) if items else None}
-        choice["finish_reason"] = reason
-        return event({**kind, "choices": [choice], **({"usage": None} if include_usage else {})})
-
     finished = 0
     try:
         if chat:
@@ -219,7 +202,7 @@ async def sse(
             finished += 1
             _, i, reason, error = item
             if reason == "error":
-                yield event(error_body(error, "server_error"))
+                yield _event(error_body(error, "server_error"))
                 yield "data: [DONE]\n\n"
                 return
             if parsers is not None:
@@ -229,7 +212,7 @@ async def sse(
                     reason = "tool_calls"
             yield chunk(i, None, reason, [])
         if include_usage:
-            yield event({**kind, "choices": [], "usage": usage()})
+            yield _event({**kind, "choices": [], "usage": usage()})
         yield "data: [DONE]\n\n"
     finally:
         if finished < len(jobs):
@@ -237,7 +220,37 @@ async def sse(
                 engine.cancel(job)
 
 
-def call_chunks(i: int, events: list[tuple], items: list[Entry], chunk: Callable) -> list[str]:
+def _event(data: Any) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """The chunks of one streamed generation (`kind`: its id, object, created and model), a choice's
+    delta each: a chat's first (the role), its text, its tool calls (`calls`), or why it finished."""
+
+    kind: dict
+    chat: bool
+    include_usage: bool
+    logprobs: Callable[[list[Entry]], dict | None]
+
+    def __call__(
+        self, i: int, text: str | None, reason: str | None, items: list[Entry], first: bool = False, calls=None
+    ) -> str:
+        if self.chat:
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+            )
+            if calls:
+                delta = {"tool_calls": calls}  # OpenAI's: one call's delta
+            choice = {"index": i, "delta": delta, "logprobs": self.logprobs(items) if items else None}
+        else:
+            choice = {"index": i, "text": text or "", "logprobs": self.logprobs(items) if items else None}
+        choice["finish_reason"] = reason
+        return _event({**self.kind, "choices": [choice], **({"usage": None} if self.include_usage else {})})
+
+
+def call_chunks(i: int, events: list[tuple], items: list[Entry], chunk: Chunks) -> list[str]:
     """The chunks of choice i's `CallParser` events (`items`, its logprob entries, ride the first)."""
     out = []
     for e in events:

@@ -20,7 +20,7 @@ class ServerProcess:
             [
                 sys.executable,
                 "-m",
-                "deepinfer.runtime.serve_cli",
+                "deepinfer.runtime.serving.cli",
                 str(bundle),
                 "--host",
                 "127.0.0.1",

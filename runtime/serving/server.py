@@ -1,0 +1,147 @@
+"""`deepinfer-serve`'s HTTP side: the OpenAI API over an `Engine`, as a Starlette app under uvicorn.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as server-sent
+events), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text), `POST /tokenize`,
+`POST /detokenize`, `GET /tokenizer_info` and `GET /openapi.json` (`runtime/serving/openapi.py`). Bodies are
+read within the limits of `runtime/serving/limits.py` (size, time, connections; 413, 408, 503) and checked
+before they reach the engine (`runtime/serving/params.py`): a malformed body, an unknown model, a bad field
+or a request that can never fit is a 400 (the model's with `code: model_not_found`) with OpenAI's
+error body `{"error": {"message", "type", "param", "code"}}`; a full queue is a 429 with Retry-After.
+A client that disconnects cancels its sequence. /health answers 503 while the server stops, after
+its engine has stopped, or while the engine has work but makes no progress (`--watchdog-s`).
+
+Chat messages render through the bundle tokenizer's chat template, within a time and size limit
+(`regions/chat_template.py`). The tiny byte-level tokenizer has none; for it the server uses
+`plain_chat`: each message as `<|role|>\\n` + its content + `\\n`, then `<|assistant|>\\n`, after bos.
+
+`response_format` (JSON) and forced tool calls hold the output to a grammar (`runtime/serving/grammars.py`,
+masks applied by the scheduler); `tools` reach the chat template, and calls are parsed out of the
+output (`runtime/serving/tool_calls.py`) into `tool_calls`, streamed one delta per call. How the text leaves:
+`runtime/serving/responses.py`; the routes, one function per group: `runtime/serving/routes.py`.
+"""
+
+from __future__ import annotations
+
+from deepinfer.runtime.executor import Executor, Stats
+from deepinfer.runtime.options import ServeOptions
+from deepinfer.runtime.serving.engine import Engine, EngineStopped
+from deepinfer.runtime.serving.limits import FLUSH_S, Gate, Limits, Stopping, guarded_protocol
+from deepinfer.runtime.serving.params import error_body
+from deepinfer.runtime.serving.routes import Served, generation_routes, service_routes, tokenizer_routes
+
+__all__ = ["Served", "create_app", "serve"]
+
+
+def create_app(served: Served, gate: Gate | None = None):
+    """The Starlette application of `served` (its /health asks `gate`: by default the engine's own)."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+
+    gate = gate or Gate(served.engine)
+
+    async def failed(request, exc: Exception):
+        # a bug, not a refusal: still one line in OpenAI's error body (the traceback goes to the log)
+        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}".splitlines()[0], "server_error"), 500)
+
+    return Starlette(
+        exception_handlers={Exception: failed},
+        routes=[*generation_routes(served), *service_routes(served, gate), *tokenizer_routes(served)],
+    )
+
+
+def serve(executor: Executor, tokenizer, options: ServeOptions) -> None:
+    """Serve `executor` (a loaded bundle: the leader of its ranks) on options.host:options.port until
+    SIGINT or SIGTERM; with options.speculative, greedy requests decode with the bundle's draft.
+
+    Binds first (port 0: a free port; `options.on_ready` gets a line naming the bound URL), then runs
+    the engine on its own thread and uvicorn on this one, within the limits of `runtime/serving/limits.py`.
+    A stop signal is graceful (`limits.Stopping`: open requests get `options.grace_s`, then end with a
+    final chunk); the engine stops after. If the engine's thread stops on an error, so does the server:
+    EngineStopped (the CLI's one line and exit status 2)."""
+    import signal
+    import threading
+
+    engine, max_batch, prefix_cache = _engine(executor, options)
+    model = options.model_name or executor.path.name
+    gate = Gate(engine, options.watchdog_s)
+    app = create_app(Served(engine, tokenizer, model, executor.config.text.vocab_size), gate)
+    sock = _bind(options.host, options.port)
+    thread = threading.Thread(target=engine.run, name="deepinfer-engine", daemon=True)
+    thread.start()
+    server = _server(app, gate, options)
+
+    def stopped(signum, frame):
+        raise _Stopped(signum)
+
+    # a second stop signal makes uvicorn stop at once, then raise the signal again under the handlers
+    # it found: these make that a clean return (the engine, and a multi-rank bundle's followers, are
+    # stopped by the callers' cleanup), not a death by signal that skips it
+    previous = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if options.on_ready is not None:
+            options.on_ready(
+                f"deepinfer-serve: {executor.path} as model {model!r} on {_url(options.host, sock)} "
+                f"(batch up to {max_batch}, queue {options.max_queue}, prefix cache {'on' if prefix_cache else 'off'})"
+            )
+        server.run(sockets=[sock])
+    except _Stopped:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        engine.close()
+        thread.join(timeout=JOIN_S)
+        sock.close()
+    if engine.dead is not None:
+        raise EngineStopped(f"deepinfer-serve: the engine stopped: {engine.dead}")
+
+
+def _engine(executor: Executor, options: ServeOptions) -> tuple[Engine, int, bool]:
+    """The engine over `executor`'s steps (and its draft, with options.speculative) -> (it, the
+    largest batch a step takes, whether it keeps a prefix cache)."""
+    stats = Stats()
+    steps = executor.steps(stats)
+    drafter = executor.dspark(stats) if options.speculative else None
+    prefix_cache = options.prefix_cache and executor.comm is None  # a slot's state is saved on one rank
+    engine = Engine(
+        steps, eos=executor.config.eos_token_id, max_queue=options.max_queue, drafter=drafter, prefix_cache=prefix_cache
+    )
+    return engine, steps.max_batch, prefix_cache
+
+
+def _bind(host: str, port: int):
+    """A listening socket on host:port (port 0: a free port, read back from the socket)."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(BACKLOG)
+    return sock
+
+
+def _url(host: str, sock) -> str:
+    bound = sock.getsockname()[1]
+    return f"http://{host}:{bound}" if ":" not in host else f"http://[{host}]:{bound}"
+
+
+def _server(app, gate: Gate, options: ServeOptions) -> Stopping:
+    """uvicorn over `app`, within the HTTP limits of `options` (body, headers, connections, grace)."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        Limits(app, gate, options.max_body_bytes, options.body_timeout_s),
+        http=guarded_protocol(options.max_connections, options.header_timeout_s),
+        log_level="warning",
+        timeout_graceful_shutdown=FLUSH_S,
+        lifespan="off",
+    )
+    return Stopping(config, gate, options.grace_s)
+
+
+class _Stopped(Exception):
+    """A second stop signal, after uvicorn's shutdown."""
+
+
+BACKLOG = 128  # connections the kernel queues before uvicorn accepts them
+JOIN_S = 10  # seconds the engine's thread gets to end its step at shutdown

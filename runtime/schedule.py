@@ -395,7 +395,7 @@ class Scheduler:
                 self.allocs[g].admit(r.seq, shared)
                 r.group, r.need_blocks = g, need
                 self.running[r.seq] = r
-                if shared:  # its slot as the cached prefix left it; prefill from the boundary on
+                if state is not None:  # a hit: its slot as the cached prefix left it; prefill from the boundary on
                     self.stepper.load_slot(g, self.allocs[g].slot_of[r.seq], state)
                     r.consumed = r.out.cached_tokens = len(shared) * self.allocs[g].block_size
                     self.events.prefix_hit(r.consumed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import typing
 import zipfile
 from pathlib import Path
 
@@ -72,11 +73,50 @@ def _safe_torch_load(path: Path):
         torch.load = real
 
 
+# torch's deserializer resolves a schema dataclass's type hints (`typing.get_type_hints`, which evaluates
+# every annotation string) again for every graph node, argument and tensor it reads: most of a small
+# program's load. The schema does not change in a process, so each class's hints are resolved once.
+_SCHEMA_HINTS: dict[type, dict[str, object]] = {}
+
+
+class _HintsOnce:
+    """`typing` as torch's deserializer sees it while loading: the schema's type hints memoized."""
+
+    def __init__(self, schema: dict):
+        self.schema = schema
+
+    def __getattr__(self, name: str):  # the rest of `typing`, kept here once looked up
+        value = getattr(typing, name)
+        setattr(self, name, value)
+        return value
+
+    def get_type_hints(self, cls, globalns=None, localns=None, include_extras=False):
+        if globalns is not self.schema or localns is not None or include_extras:
+            return typing.get_type_hints(cls, globalns, localns, include_extras)
+        hints = _SCHEMA_HINTS.get(cls)
+        if hints is None:
+            hints = _SCHEMA_HINTS[cls] = typing.get_type_hints(cls, globalns)
+        return hints
+
+
+@contextlib.contextmanager
+def _schema_hints_once():
+    """While loading: torch's deserializer gets each schema class's type hints from `_SCHEMA_HINTS`."""
+    from torch._export.serde import schema, serialize
+
+    real = serialize.typing
+    serialize.typing = _HintsOnce(vars(schema))
+    try:
+        yield
+    finally:
+        serialize.typing = real
+
+
 def load_exported(path: str | Path) -> torch.export.ExportedProgram:
     """The ExportedProgram saved at `path`, loaded without unpickling (see the module)."""
     path = Path(path)
     _check_archive(path)
-    with _safe_torch_load(path):
+    with _safe_torch_load(path), _schema_hints_once():
         return torch.export.load(str(path))
 
 

@@ -240,7 +240,7 @@ def load_here(opened: Bundle, launched: tuple[int, int] | None, options: LoadOpt
     return executor
 
 
-def _load_rank(rank: int, world: int, rendezvous: str, bundle: str, options: LoadOptions, report=None) -> Executor:
+def load_rank(rank: int, world: int, rendezvous: str, bundle: str, options: LoadOptions, report=None) -> Executor:
     """Join the ranks' process group and load `bundle` as `rank` (its executor holds the Comm). The
     caller destroys the process group. `report`: where a collective that never completes is reported
     before the process ends (`collectives.prepare`; default stderr)."""
@@ -271,36 +271,69 @@ def _rank_main(
         results.join_thread()  # flushed to the parent first
 
     try:
-        executor = _load_rank(rank, world, rendezvous, bundle, options.load_options(), report)
+        executor = load_rank(rank, world, rendezvous, bundle, options.load_options(), report)
         liveness.loaded(rank)
         comm = executor.comm
-        assert comm is not None  # _load_rank gives every rank its Comm
+        assert comm is not None  # load_rank gives every rank its Comm
         if comm.leader:
-            outs = generate_loaded(executor, prompts, options)
-            # logits as numpy: tensors would travel as shared memory of an exiting process
-            logits = [[row.numpy() for row in out.logits] for out in outs]
-            for out in outs:
-                out.logits = []
-            results.put(
-                {
-                    "outs": list(outs),
-                    "logits": logits,
-                    "stats": outs.stats,
-                    "speculation": outs.speculation,
-                    "sent": dict(comm.sent),
-                    "seconds": dict(comm.seconds),
-                    "pools": _pool_bytes(executor),
-                }
-            )
+            results.put(leader_result(executor, generate_loaded(executor, prompts, options)))
         else:
             executor.follow(Stats())
-            results.put({"rank": rank, "sent": dict(comm.sent), "pools": _pool_bytes(executor)})
+            results.put(follower_result(executor))
     except BaseException as e:  # the parent reports the first failure, in one line
         results.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def leader_result(executor: Executor, outs: Completions) -> dict:
+    """What the leader's process reports of a run: its completions (logits as numpy: tensors would
+    travel as shared memory of a process that may exit), stats, and its collectives' bytes and seconds."""
+    comm = executor.comm
+    assert comm is not None  # load_rank gives every rank its Comm
+    logits = [[row.numpy() for row in out.logits] for out in outs]
+    for out in outs:
+        out.logits = []
+    return {
+        "outs": list(outs),
+        "logits": logits,
+        "stats": outs.stats,
+        "speculation": outs.speculation,
+        "sent": dict(comm.sent),
+        "seconds": dict(comm.seconds),
+        "pools": _pool_bytes(executor),
+    }
+
+
+def follower_result(executor: Executor) -> dict:
+    """What a follower's process reports of a run: the bytes its collectives sent, its pools."""
+    comm = executor.comm
+    assert comm is not None  # load_rank gives every rank its Comm
+    return {"rank": comm.rank, "sent": dict(comm.sent), "pools": _pool_bytes(executor)}
+
+
+def completions(items: list[dict]) -> Completions:
+    """Every rank's report of one run (`leader_result`, `follower_result`) -> the leader's completions
+    with their `stats`, `sent` ({rank: {collective: bytes}}), `seconds` and `pools`; the first rank's
+    error, if any, raised."""
+    errors = [f"rank {i['rank']}: {i['error']}" for i in items if "error" in i]
+    if errors:
+        raise DeepinferError(errors[0])
+    leader = next(i for i in items if i.get("rank", 0) == 0)
+    for out, rows in zip(leader["outs"], leader["logits"]):
+        out.logits = [torch.from_numpy(row) for row in rows]
+    sent = {i.get("rank", 0): i["sent"] for i in items}
+    pools = {i.get("rank", 0): i["pools"] for i in items}
+    return Completions(
+        leader["outs"],
+        speculation=leader["speculation"],
+        stats=leader["stats"],
+        sent=sent,
+        seconds=leader["seconds"],
+        pools=pools,
+    )
 
 
 def _pool_bytes(executor: Executor) -> dict[str, int]:
@@ -320,7 +353,7 @@ def _follower_main(rank: int, world: int, rendezvous: str, bundle: str, options:
     ignore_interrupts()
     watch_launcher(leader, rank, LEADER)
     try:
-        executor = _load_rank(rank, world, rendezvous, bundle, options)
+        executor = load_rank(rank, world, rendezvous, bundle, options)
         liveness.loaded(rank)
         executor.follow(Stats())
     except Exception as e:  # one line; the leader's watch names this rank as it ends
@@ -363,7 +396,7 @@ class Leader:
             cleanup=self._tmp.cleanup,
         )
         try:
-            self.executor = _load_rank(0, world, rendezvous, str(bundle), options)
+            self.executor = load_rank(0, world, rendezvous, str(bundle), options)
         except BaseException:
             self._stop()
             raise
@@ -372,7 +405,7 @@ class Leader:
         self.watch.stop()
         try:
             comm = self.executor.comm
-            assert comm is not None  # _load_rank gives every rank its Comm
+            assert comm is not None  # load_rank gives every rank its Comm
             comm.step(None)
         finally:
             self._stop()
@@ -423,19 +456,4 @@ def generate_ranks(bundle: Bundle, prompts: list[list[int]], options: RunOptions
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=10)
-    errors = [f"rank {i['rank']}: {i['error']}" for i in items if "error" in i]
-    if errors:
-        raise DeepinferError(errors[0])
-    leader = next(i for i in items if i.get("rank", 0) == 0)
-    for out, rows in zip(leader["outs"], leader["logits"]):
-        out.logits = [torch.from_numpy(row) for row in rows]
-    sent = {i.get("rank", 0): i["sent"] for i in items}
-    pools = {i.get("rank", 0): i["pools"] for i in items}
-    return Completions(
-        leader["outs"],
-        speculation=leader["speculation"],
-        stats=leader["stats"],
-        sent=sent,
-        seconds=leader["seconds"],
-        pools=pools,
-    )
+    return completions(items)

@@ -48,6 +48,8 @@ GROUPS = {
     "ray_cluster": "aoti",
     "run_aoti_bundle": "aoti",
     "rank_bundle": "ranks",
+    "started_ranks": "ranks",
+    "one_rank_loaded": "ranks",
     "run_exported_bundle": "run",
     "structured_bundle": "structured",
     "exported_bundle": "exported",
@@ -358,3 +360,35 @@ def rank_bundle(tmp_path_factory, tiny_ckpt):
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def one_rank_loaded(rank_bundle):
+    """The one-rank `rank_bundle()` loaded once in this process (`runtime.load`): the reference the rank
+    tests hold their runs to (generating on a loaded executor many times is `runtime.generate`'s own)."""
+    from deepinfer.runtime import load
+
+    executor = load(rank_bundle())
+    yield executor
+    executor.close()
+
+
+@pytest.fixture(scope="session")
+def started_ranks(rank_bundle):
+    """(tp, ep, cp) -> that `rank_bundle`'s processes started and loaded once (runtime/launch.py, one
+    thread a rank), shared by every rank test that only generates on them; ended at the session's end.
+    Tests of how ranks start, serve, fail or are killed start their own."""
+    from deepinfer.runtime import LoadOptions, open_bundle
+    from deepinfer.runtime.launch import Ranks, start
+
+    started: dict[tuple, Ranks] = {}
+
+    def get(tp: int = 1, ep: int = 1, cp: int = 1) -> Ranks:
+        key = (tp, ep, cp)
+        if key not in started:
+            started[key] = start(open_bundle(rank_bundle(*key)), LoadOptions(threads=1))
+        return started[key]
+
+    yield get
+    for ranks in started.values():
+        ranks.close()

@@ -1,7 +1,8 @@
 """Multi-rank bundles end to end: processes over gloo generate the one-rank bundle's tokens.
 
-Each topology is compiled once (session fixture `rank_bundle`); `generate_ranks`
-starts one process per rank, the leader schedules and samples, followers run
+Each topology is compiled once (session fixture `rank_bundle`) and its ranks are
+started once (`started_ranks`, runtime/launch.py: one process per rank, as
+`generate_ranks` starts them); the leader schedules and samples, followers run
 the steps they are sent. Cache quantization is off, so tokens must match the
 one-rank bundle exactly and logits to float32 rounding of the reordered sums.
 """
@@ -38,8 +39,8 @@ DIVIDED = {"cp selection all-gather", "cp attention max all-gather", "cp attenti
 
 
 @pytest.fixture(scope="module")
-def one_rank(rank_bundle):
-    return generate(load(rank_bundle()), PROMPTS, RunOptions(max_new_tokens=NEW, keep_logits=True))
+def one_rank(one_rank_loaded):
+    return generate(one_rank_loaded, PROMPTS, RunOptions(max_new_tokens=NEW, keep_logits=True))
 
 
 def manifest(bundle) -> dict:
@@ -47,13 +48,13 @@ def manifest(bundle) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_rank_long(rank_bundle):
+def one_rank_long(one_rank_loaded):
     """The one-rank run of the golden prompts and the long prompt."""
-    return generate(load(rank_bundle()), [*GOLDEN_PROMPTS, LONG], RunOptions(max_new_tokens=NEW, keep_logits=True))
+    return generate(one_rank_loaded, [*GOLDEN_PROMPTS, LONG], RunOptions(max_new_tokens=NEW, keep_logits=True))
 
 
 @pytest.mark.parametrize("name", list(TOPOLOGIES))
-def test_ranks_generate_the_one_rank_tokens(rank_bundle, request, name):
+def test_ranks_generate_the_one_rank_tokens(rank_bundle, started_ranks, request, name):
     """Every layout's tokens are the one-rank run's and its logits within 1e-4; one executable set for
     all ranks; each rank's weights its own cut. Where cp divides the context, the golden prompts and a
     prompt of 33 blocks: each cp rank holds 1/cp of the paged pools (the manifest says so and the ranks
@@ -90,7 +91,7 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, request, name):
         if cp > 1
         else (PROMPTS, request.getfixturevalue("one_rank"))
     )
-    run = generate(bundle, prompts, RunOptions(max_new_tokens=NEW, keep_logits=True, threads=1))
+    run = started_ranks(tp, ep, cp).generate(prompts, RunOptions(max_new_tokens=NEW, keep_logits=True, threads=1))
     assert len(run) == len(want) == len(prompts)
     for got, one in zip(run, want, strict=True):
         assert got.error is None and got.tokens == one.tokens

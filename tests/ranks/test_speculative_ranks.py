@@ -15,13 +15,11 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 from deepinfer.regions.speculative import AllAcceptedDraftDouble, OneRejectedDraftDouble
 from deepinfer.regions.tokenizer import ByteTokenizer
-from deepinfer.runtime import RunOptions, Stats, generate, load
-from deepinfer.runtime.ranks import Leader
-from deepinfer.runtime.schedule import decode
+from deepinfer.runtime import RunOptions, generate, open_bundle
+from deepinfer.runtime.options import SPECULATIVE
 
 from ..conftest import SPECULATIVE_LAYOUTS, regenerate
 
@@ -50,50 +48,45 @@ def full_blocks(new: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def plain(rank_bundle):
+def plain(one_rank_loaded):
     """The one-rank bundle's plain greedy runs: each golden prompt alone, then all of them at once."""
-    one = load(rank_bundle())
     return {
-        tuple(map(tuple, batch)): generate(one, batch, RunOptions(max_new_tokens=NEW))
+        tuple(map(tuple, batch)): generate(one_rank_loaded, batch, RunOptions(max_new_tokens=NEW))
         for batch in [[p] for p in PROMPTS] + [PROMPTS]
     }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_drafts_over_ranks_keep_the_one_rank_tokens(rank_bundle, plain, name):
-    """Through the ranks' leader (this process; its followers one process each), every drafter gives the
-    one-rank plain tokens, alone and batched; the all-accepted double commits block + 1 tokens at every
-    verify step, and the corrupting one is rejected at some offset of every block it drafts."""
-    bundle = rank_bundle(*LAYOUTS[name])
-    world = json.loads((bundle / "manifest.json").read_text())["topology"]["world_size"]
-    leader = Leader(bundle, world, RunOptions(max_new_tokens=NEW, threads=1))
-    try:
-        x = leader.executor
-        vocab = x.config.text.vocab_size
-        for prompts in BATCHES[name]:
-            want = plain[tuple(map(tuple, prompts))]
-            drafters = {
-                "dspark": lambda stats: x.dspark(stats),
-                "all accepted": lambda stats, want=want: AllAcceptedDraftDouble(want, BLOCK),
-                "one rejected": lambda stats, want=want: OneRejectedDraftDouble(want, BLOCK, vocab, seed=1),
-            }
-            for label, make in drafters.items():
-                stats = Stats()
-                with torch.inference_mode():
-                    got = decode(x.steps(stats), prompts, NEW, eos=x.config.eos_token_id, drafter=make(stats))
-                assert [g.tokens for g in got] == [g.tokens for g in want], (label, len(prompts))
-                assert all(g.error is None for g in got)
-                s = got.speculation
-                assert s.verify_steps > 0, label
-                if label == "all accepted":  # block + 1 tokens a verify step, the last fewer (NEW runs out)
-                    assert s.accepted == s.drafted and s.verify_steps == len(prompts) * full_blocks(NEW)
-                if label == "one rejected" and len(prompts) == 1:  # nothing fed twice: the target's tokens are
-                    assert s.accepted < s.drafted  # the prompt, then the bonus token and drafts of each verify
-                    chunks = -(-len(prompts[0]) // x.sizes.token_sizes[-1])  # step, and single decode steps
-                    plain_steps = stats.steps - chunks - s.verify_steps
-                    assert stats.tokens == len(prompts[0]) + s.verify_steps + s.drafted + plain_steps
-    finally:
-        leader.close()
+def test_drafts_over_ranks_keep_the_one_rank_tokens(rank_bundle, started_ranks, plain, name):
+    """Through the ranks' leader (its followers one process each; started once, `started_ranks`), every
+    drafter gives the one-rank plain tokens, alone and batched; the all-accepted double commits block + 1
+    tokens at every verify step, and the corrupting one is rejected at some offset of every block it drafts."""
+    opened = open_bundle(rank_bundle(*LAYOUTS[name]), verify=False)
+    ranks = started_ranks(*LAYOUTS[name])
+    vocab = opened.config.text.vocab_size
+    chunk = opened.manifest.buckets.token_sizes[-1]  # the leader's prompt chunk (its `sizes.token_sizes`)
+    for prompts in BATCHES[name]:
+        want = plain[tuple(map(tuple, prompts))]
+        drafters = {  # the bundle's own draft (--speculative dspark), or a double sent to the leader
+            "dspark": (SPECULATIVE[0], None),
+            "all accepted": (None, AllAcceptedDraftDouble(want, BLOCK)),
+            "one rejected": (None, OneRejectedDraftDouble(want, BLOCK, vocab, seed=1)),
+        }
+        for label, (speculative, drafter) in drafters.items():
+            options = RunOptions(max_new_tokens=NEW, threads=1, speculative=speculative)
+            got = ranks.generate(prompts, options, drafter=drafter)
+            stats = got.stats
+            assert [g.tokens for g in got] == [g.tokens for g in want], (label, len(prompts))
+            assert all(g.error is None for g in got)
+            s = got.speculation
+            assert s.verify_steps > 0, label
+            if label == "all accepted":  # block + 1 tokens a verify step, the last fewer (NEW runs out)
+                assert s.accepted == s.drafted and s.verify_steps == len(prompts) * full_blocks(NEW)
+            if label == "one rejected" and len(prompts) == 1:  # nothing fed twice: the target's tokens are
+                assert s.accepted < s.drafted  # the prompt, then the bonus token and drafts of each verify
+                chunks = -(-len(prompts[0]) // chunk)  # step, and single decode steps
+                plain_steps = stats.steps - chunks - s.verify_steps
+                assert stats.tokens == len(prompts[0]) + s.verify_steps + s.drafted + plain_steps
 
 
 def test_run_and_serve_draft_over_ranks(rank_bundle, plain):

@@ -24,11 +24,12 @@ from deepinfer.errors import DeepinferError
 from deepinfer.regions.stepper import Drafter
 from deepinfer.runtime import liveness
 from deepinfer.runtime.bundle import Bundle
-from deepinfer.runtime.executor import Stats, generate_loaded
+from deepinfer.runtime.executor import Stats
+from deepinfer.runtime.generation import generate_loaded
 from deepinfer.runtime.liveness import collect, watch_launcher
 from deepinfer.runtime.options import LoadOptions, RunOptions
 from deepinfer.runtime.ranks import completions, follower_result, leader_result, load_rank
-from deepinfer.runtime.schedule import Completions
+from deepinfer.runtime.requests import Completions
 
 LAUNCHER = "the process that started the ranks (runtime.launch)"
 FOLLOW = "follow"  # what a follower is told for each batch: run the leader's steps until it ends them

@@ -22,9 +22,10 @@ COMMANDS = [
     "deepinfer/cli.py",
     "deepinfer/cache_cli.py",
     "deepinfer/compare_cli.py",
+    "deepinfer/plan_cli.py",
     "compiler/cli.py",
     "runtime/cli.py",
-    "runtime/serve/cli.py",
+    "runtime/serving/cli.py",
 ]
 MAX_COMMAND_LINES = 350
 MAP_HEADING = "## Where each module lives"

@@ -36,6 +36,8 @@ DECODE = "decode"
 PROJECT = "project"
 ROLES = ("rank", "weight", "activation", "step", "state", "carry")
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "int64", "int32", "uint8", "int8", "bool")
+ModelDtype = Literal["fp32", "bf16"]  # the dtype a bundle computes in
+AttentionKind = Literal["window", "source", "reindex", "reuse"]  # a layer's attention (regions/attention.py)
 
 
 class BundleError(DeepinferError):
@@ -87,7 +89,7 @@ class Ranks:
 class Model:
     config: dict  # the normalized config.json (regions/config.py parses it)
     config_hash: str
-    dtype: Literal["fp32", "bf16"]
+    dtype: ModelDtype
     cache_quant: bool
     weight_format: str
     scale_layout: str
@@ -235,7 +237,7 @@ class Binding:
 @dataclass(frozen=True, kw_only=True)
 class Layer:
     layer: int
-    attn: Literal["window", "source", "reindex", "reuse"]
+    attn: AttentionKind
     ratio: int
     kv_source: int | None
     candidate_source: bool

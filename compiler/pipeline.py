@@ -32,7 +32,6 @@ import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import deepinfer
 from deepinfer.bundles import layout, manifest_io
@@ -273,7 +272,7 @@ def _manifest_layers(spec: Spec, plan: RegionPlan, state: State) -> tuple[mf.Lay
     return tuple(
         mf.Layer(
             layer=p.layer,
-            attn=_checked(mf.Layer, "attn", p.attn),
+            attn=typing.cast(mf.AttentionKind, _checked(mf.Layer, "attn", p.attn)),
             ratio=p.ratio,
             kv_source=p.kv_source,
             candidate_source=p.candidate_source,
@@ -294,7 +293,7 @@ def _manifest_model(spec: Spec, tokenizer: dict[str, mf.HostFile]) -> mf.Model:
     return mf.Model(
         config=spec.model.to_dict(),
         config_hash=spec.model.digest(),
-        dtype=_checked(mf.Model, "dtype", c.model.dtype),
+        dtype=typing.cast(mf.ModelDtype, _checked(mf.Model, "dtype", c.model.dtype)),
         cache_quant=c.model.cache_quant,
         weight_format="e4m3fn",
         scale_layout="ue8m0-u8-row-major",
@@ -317,7 +316,7 @@ def _manifest_kv(spec: Spec, state: State) -> mf.KV:
     )
 
 
-def _checked(part: type, name: str, value: object) -> Any:
+def _checked(part: type, name: str, value: object) -> object:
     """`value` checked against the annotation of field `name` of manifest part `part` (one of its
     literals, where the compiler holds a str), as a reader of the manifest would check it."""
     return coerce(value, typing.get_type_hints(part)[name], (name,), Rules())

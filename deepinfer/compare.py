@@ -25,7 +25,6 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -530,7 +529,7 @@ def report_floor(floor: Floor) -> dict:
 def report_json(c: Comparison, floor: Floor | None, v: Verdict | None, *, per_step: bool = False) -> dict:
     prompts = []
     for p in c.prompts:
-        d: dict[str, Any] = {
+        d: dict[str, object] = {
             "index": p.index,
             "rows_a": p.rows_a,
             "rows_b": p.rows_b,

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +37,9 @@ from deepinfer.errors import DeepinferError
 from deepinfer.regions.stepper import Drafter, Stepper
 from deepinfer.runtime.requests import Completion, Request
 from deepinfer.runtime.schedule import Events, Scheduler
+
+if TYPE_CHECKING:  # prometheus_client loads with the first engine (Metrics.new)
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # seconds: step times of a tiny CPU bundle (~ms) up to a release rank's prefill chunk (~s)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -68,23 +71,23 @@ class QueueFull(DeepinferError):
 class Metrics:
     """The engine's Prometheus metrics, in a registry of their own (one per engine: `Metrics.new()`)."""
 
-    registry: Any
-    requests: Any
-    queue_depth: Any
-    running: Any
-    prompt_tokens: Any
-    generated_tokens: Any
-    kv_blocks: Any
-    kv_blocks_total: Any
-    step: Any
-    ttft: Any
-    drafted: Any
-    accepted: Any
-    verify_steps: Any
-    itl: Any
-    prefix_hit_tokens: Any
-    prefix_blocks: Any
-    prefix_evicted: Any
+    registry: CollectorRegistry
+    requests: Counter
+    queue_depth: Gauge
+    running: Gauge
+    prompt_tokens: Counter
+    generated_tokens: Counter
+    kv_blocks: Gauge
+    kv_blocks_total: Gauge
+    step: Histogram
+    ttft: Histogram
+    drafted: Counter
+    accepted: Counter
+    verify_steps: Counter
+    itl: Histogram
+    prefix_hit_tokens: Counter
+    prefix_blocks: Gauge
+    prefix_evicted: Counter
 
     @classmethod
     def new(cls) -> Metrics:

@@ -5,12 +5,14 @@ hardware figures the model needs (`Target.step_figures`: trn2 does); bench/step_
 it. Per rank and decode step (one token a sequence, B sequences of a context bucket in the token
 group):
 
-    weight bytes     every device weight stack row a layer binds, read once (the grouped MoE runs
-                     all of a rank's experts whatever the routing), and the head's rows; of the
-                     embedding table only the step's B rows
-    state bytes      each layer's window ring, the selected compressed entries a rank holds
-                     (ceil(K / cp), K = min(index_topk, Wc)) and the index keys it scores (its
-                     ceil(Wc / cp) per index layer), in the activation dtype; Wc = context / ratio
+    weight bytes     what each executable's lowered module reads (compiler/step_reads.py): every weight
+                     parameter of every layer whole, the routed experts' slices a step gathers (below
+                     the crossover; every expert's slice above it), the head's rows; of the embedding
+                     table only the step's B rows. Expected under uniform routing and worst case alike
+    state bytes      each layer's window ring, the K = min(index_topk, Wc) selected compressed entries
+                     a rank's attend gathers (static: it attends those it holds, masks the rest) and the
+                     index keys it scores (its ceil(Wc / cp) per index layer), in the activation dtype;
+                     Wc = context / ratio
     FLOPs            the matmuls (`layer_flops`), 2 a multiply-add, at the rank's shapes; weight
                      formats do not change them
     executions,      BundlePlan.per_step, as it counts them (a region or attention stage each
@@ -27,24 +29,24 @@ activation dtype) + in-graph collectives x their latency + the bytes they put on
 bandwidth + host collectives x a host round trip + executions x launch overhead + host<->device
 bytes / host link bandwidth.
 
-What a rank needs, not all its graphs do today: the divided attention's `attend` stage gathers all K
-selected entries on every rank and masks those held elsewhere (K rows read and attended, not
-K / cp), and its stages recompute the site's mixes and the query latent.
+The selected entries are the one read a static shape keeps above a rank's share: the merged selection
+can fall on one rank's blocks, so every rank's attend gathers K rows (about K / cp of them its own).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from deepinfer.bundles.layout import rank_key
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.budget import human
 from deepinfer.compiler.config import config_error
+from deepinfer.compiler.step_reads import read_bytes, weight_flops
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.step import LayerPlan
-from deepinfer.regions.topology import attention_config, head_rows, shared_width
+from deepinfer.regions.topology import head_rows
 
 if TYPE_CHECKING:
     from deepinfer.compiler.bundle_plan import BundlePlan
@@ -66,52 +68,39 @@ GRAPH_ORDER = (
     "cp attention all-reduce",
     LOGITS,
 )
-MOE_PARTS = ("mixes, moe site", "router", "routed experts", "shared expert")  # on the MoE's rows
 
 
 # -- what a step does ---------------------------------------------------------------------------
 
 
-def layer_flops(c: TextConfig, topo: Topology, p: LayerPlan, context: int) -> dict[str, int]:
-    """Matmul FLOPs of one row (a sequence's token) in layer `p` on one rank at a `context`-position
-    bucket, by part. Each is counted once a layer where the divided attention's stages recompute
-    (the site's mixes, the query latent). Attention: the window and the selected entries the rank
-    holds, every head of the rank over each; the index scores: the rank's share of the keys; the
-    MoE: every local expert (the grouped MoE runs them all, a row that did not select one weighted
-    by zero) and the rank's shared-expert slice (zeros past the last slice, computed all the same)."""
-    a = attention_config(c, topo)  # this rank's heads and output groups
-    n, D, q, hd = c.hc_mult, c.hidden_size, c.q_lora_rank, c.head_dim
-    H, G, R = a.num_attention_heads, a.o_groups, c.o_lora_rank
+def layer_flops(plan: BundlePlan, p: LayerPlan, batch: int, context: int) -> dict[str, int]:
+    """FLOPs of layer `p` on one rank at `batch` sequences of a `context`-position bucket, by part:
+    its weight matmuls at the rank's shapes (`step_reads.weight_flops`: the routed experts' gathered
+    slices, or every expert's slice above the crossover) and, per row, the attention over its keys:
+    the window and the selected entries the rank holds, every head the rank attends over each, and
+    the index scores over the rank's share of the keys."""
+    c, topo = plan.spec.model.text, plan.spec.topology
+    out = weight_flops(plan, p.layer, batch)
+    attn = plan.regions.kinds[plan.regions.bindings[p.layer]["attn"][0]].region
     Hi, di = c.index_n_heads, c.index_head_dim
-    mix = (2 + n) * n * n * D  # fn [(2 + n) n, n D] x the flattened streams [n D]
-    macs = {"mixes, attention site": mix, "attention projections": q * D + H * hd * q + hd * D + H * hd * R + G * R * D}
     keys = c.sliding_window
     if p.ratio:
         width = context // p.ratio  # Wc
-        keys += -(-min(c.index_topk, width) // topo.cp)
-        if p.attn == "source":  # the compressor's wkv (and wgate) and the index key of one group
-            macs["compressor"] = (2 if p.ratio > 1 else 1) * hd * D + di * hd
+        keys += min(c.index_topk, width)  # gathered on every rank, its own unmasked
         if p.attn in ("source", "reindex"):
-            macs["indexer queries"] = Hi * di * q + Hi * D  # indexer.wq_b, weights_proj
-            macs["index scores"] = -(-width // topo.cp) * Hi * (di + 1)  # q . k per head, times its weight
-    macs["attention"] = keys * H * hd * 2  # scores and the weighted sum: one latent is key and value
-    if p.engram_rows:
-        macs["engram"] = (n + 1) * D * c.engram_hash_heads * c.engram_head_dim
-    macs["mixes, moe site"] = mix
-    macs["router"] = c.n_routed_experts * D
-    macs["routed experts"] = c.n_routed_experts // topo.ep * 3 * c.moe_intermediate_size * D  # w1, w3, w2
-    macs["shared expert"] = 3 * shared_width(c, topo) * D
-    return {part: 2 * m for part, m in macs.items()}
+            out["index scores"] = 2 * batch * -(-width // topo.cp) * Hi * (di + 1)  # q . k per head, its weight
+    out["attention"] = 2 * batch * keys * attn.heads * c.head_dim * 2  # scores and the weighted sum
+    return out
 
 
-def step_flops(c: TextConfig, layers: Sequence[LayerPlan], topo: Topology, batch: int, context: int) -> dict[str, int]:
-    """A decode step's FLOPs on one rank, by part: every layer's at `batch` rows (the MoE's at the
-    rows it gathers under EP dispatch) and the rank's head slice."""
-    moe_rows = batch * topo.groups if topo.dispatch else batch
+def step_flops(plan: BundlePlan, batch: int, context: int) -> dict[str, int]:
+    """A decode step's FLOPs on one rank, by part: every layer's (the MoE's at the rows it gathers
+    under EP dispatch) and the rank's head slice."""
+    c, topo = plan.spec.model.text, plan.spec.topology
     total: dict[str, int] = {}
-    for p in layers:
-        for part, f in layer_flops(c, topo, p, context).items():
-            total[part] = total.get(part, 0) + f * (moe_rows if part in MOE_PARTS else batch)
+    for p in plan.regions.layers:
+        for part, f in layer_flops(plan, p, batch, context).items():
+            total[part] = total.get(part, 0) + f
     total["head"] = batch * 2 * head_rows(c, topo) * c.hidden_size
     return total
 
@@ -126,24 +115,15 @@ def state_bytes(
         total += batch * (c.sliding_window + slack) * c.head_dim * act_bytes  # the window ring
         if p.ratio:
             width = context // p.ratio
-            total += batch * -(-min(c.index_topk, width) // share) * c.head_dim * act_bytes  # selected
+            total += batch * min(c.index_topk, width) * c.head_dim * act_bytes  # the selected entries gathered
             if p.attn in ("source", "reindex"):
                 total += batch * -(-width // share) * c.index_head_dim * act_bytes  # index keys scored
     return total
 
 
 def weight_bytes(plan: BundlePlan, batch: int) -> int:
-    """Device weight bytes a rank reads a decode step: every stack but the draft's and the embedding
-    table, of which the step's `batch` rows."""
-    regions = plan.regions
-    on_rank = plan.device_weights(rank_key(0))
-    total = 0
-    for kind, n in on_rank.items():
-        if regions.kinds[kind].slot == "embed":
-            total += batch * n // plan.spec.model.text.vocab_size
-        elif kind not in regions.draft_kinds:
-            total += n
-    return total
+    """Device weight bytes a rank reads a decode step (`step_reads.read_bytes`, summed over kinds)."""
+    return sum(read_bytes(plan, batch).values())
 
 
 def collective_bytes(c: TextConfig, topo: Topology, batch: int, act_bytes: int, context: int) -> dict[str, int]:
@@ -277,7 +257,9 @@ class StepCost:
 
     batch: int
     context: int
-    weight_bytes: int
+    weight_bytes: int  # expected under uniform routing
+    weight_bytes_worst: int  # any routing: a static gather reads its entries whatever they are, so the same
+    weight_bytes_by_kind: dict[str, int]
     state_bytes: int
     flops: int
     flops_by_part: dict[str, int]
@@ -322,8 +304,9 @@ def step_cost(plan: BundlePlan, batch: int, context: int, per_step: dict | None 
     c, topo, act = spec.model.text, spec.topology, spec.dtype.itemsize
     per_step = plan.per_step if per_step is None else per_step
     layers = plan.regions.layers
-    flops = step_flops(c, layers, topo, batch, context)
-    weights = weight_bytes(plan, batch)
+    flops = step_flops(plan, batch, context)
+    by_kind = read_bytes(plan, batch)
+    weights = sum(by_kind.values())
     state = state_bytes(c, layers, batch, context, act, topo.cp, spec.geometry.slack)
     counts, executions = per_step["collectives_by_name"], per_step["executions"]
     sent = collective_bytes(c, topo, batch, act, context)
@@ -353,6 +336,8 @@ def step_cost(plan: BundlePlan, batch: int, context: int, per_step: dict | None 
         batch=batch,
         context=context,
         weight_bytes=weights,
+        weight_bytes_worst=weights,
+        weight_bytes_by_kind=by_kind,
         state_bytes=state,
         flops=sum(flops.values()),
         flops_by_part=flops,
@@ -387,6 +372,10 @@ def report(plan: BundlePlan) -> dict | None:
     }
 
 
+def _kind_cell(kind: str, s: StepCost) -> str:
+    return human(s.weight_bytes_by_kind[kind])
+
+
 def lines(plan: BundlePlan) -> list[str]:
     """The plan's text: one column per decode bucket, then the constants."""
     target = plan.spec.target
@@ -395,7 +384,8 @@ def lines(plan: BundlePlan) -> list[str]:
         return [f"decode step cost: modelled for trn2 only (target {target.name} gives no hardware figures)"]
     costs = [step_cost(plan, b, ctx) for b, ctx in decode_buckets(plan)]
     rows = [
-        ("weight bytes read", lambda s: human(s.weight_bytes)),
+        ("weight bytes read (any routing)", lambda s: human(s.weight_bytes)),
+        *((f"  {kind}", functools.partial(_kind_cell, kind)) for kind in costs[0].weight_bytes_by_kind),
         ("state bytes read", lambda s: human(s.state_bytes)),
         ("FLOPs", lambda s: f"{s.flops / 1e9:,.2f} G"),
         ("executions", lambda s: f"{s.executions}"),

@@ -139,6 +139,12 @@ class Region(nn.Module):
         """The methods a step runs of this kind, in order (one executable per bucket each)."""
         return (DECODE,)
 
+    def gathered(self, rows: int) -> dict[str, int]:
+        """The weights a step of `rows` token rows reads by a gather along their first dim instead of
+        whole: buffer name -> entries gathered (what the cost model counts, compiler/step_reads.py).
+        None for most kinds; the MoE's routed expert slices below its crossover."""
+        return {}
+
     @property
     def fp8(self) -> str:
         """The blockquant_gemm format name of this region's fp8 weights."""

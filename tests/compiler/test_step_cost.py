@@ -61,7 +61,7 @@ def hand_count(ratio: int, *, source: bool, index: bool, engram: bool) -> int:
     keys = WINDOW
     if ratio:
         entries = CONTEXT // ratio  # the sequence's compressed entries
-        keys += K // CP  # the selected entries this rank holds
+        keys += K  # the selected entries: every rank's attend gathers K (static), attends its own
         if source:
             macs += (2 if ratio > 1 else 1) * HD * D + DI * HD  # compressor wkv (+ wgate), index key wk
         if index:
@@ -83,9 +83,8 @@ def hand_count(ratio: int, *, source: bool, index: bool, engram: bool) -> int:
     ids=["window", "source-r2-engram", "source-r1-cand", "reindex-r1"],
 )
 def test_layer_flops_match_a_hand_count(plan, layer, ratio, source, index, engram):
-    c, topo = plan.spec.model.text, plan.spec.topology
     p = plan.regions.layers[layer]
-    parts = step_cost.layer_flops(c, topo, p, CONTEXT)
+    parts = step_cost.layer_flops(plan, p, 1, CONTEXT)
     assert sum(parts.values()) == hand_count(ratio, source=source, index=index, engram=engram)
     assert parts["routed experts"] == 2 * 6 * 3 * 2304 * 5120  # all six local experts, whatever the routing
 

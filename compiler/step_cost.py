@@ -36,7 +36,7 @@ can fall on one rank's blocks, so every rank's attend gathers K rows (about K / 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -89,7 +89,8 @@ def layer_flops(plan: BundlePlan, p: LayerPlan, batch: int, context: int) -> dic
         keys += min(c.index_topk, width)  # gathered on every rank, its own unmasked
         if p.attn in ("source", "reindex"):
             out["index scores"] = 2 * batch * -(-width // topo.cp) * Hi * (di + 1)  # q . k per head, its weight
-    out["attention"] = 2 * batch * keys * attn.heads * c.head_dim * 2  # scores and the weighted sum
+    heads = int(attn.heads)  # the heads this rank attends (a region attribute, not a buffer)
+    out["attention"] = 2 * batch * keys * heads * c.head_dim * 2  # scores and the weighted sum
     return out
 
 
@@ -383,7 +384,7 @@ def lines(plan: BundlePlan) -> list[str]:
     if figures is None:
         return [f"decode step cost: modelled for trn2 only (target {target.name} gives no hardware figures)"]
     costs = [step_cost(plan, b, ctx) for b, ctx in decode_buckets(plan)]
-    rows = [
+    rows: list[tuple[str, Callable[[StepCost], str]]] = [
         ("weight bytes read (any routing)", lambda s: human(s.weight_bytes)),
         *((f"  {kind}", functools.partial(_kind_cell, kind)) for kind in costs[0].weight_bytes_by_kind),
         ("state bytes read", lambda s: human(s.state_bytes)),

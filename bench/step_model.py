@@ -67,6 +67,8 @@ def step(plan, regions_plan, batch: int, context: int) -> dict:
         "batch": batch,
         "context": context,
         "weight_bytes": planned.weight_bytes,
+        "weight_bytes_worst": planned.weight_bytes_worst,
+        "weight_bytes_by_kind": planned.weight_bytes_by_kind,
         "state_bytes": planned.state_bytes,
         "flops": planned.flops,
         "flops_by_part": planned.flops_by_part,
@@ -126,7 +128,8 @@ def main() -> int:
         f"{args.toml}: tp={topo.tp} ep={topo.ep} cp={topo.cp}, context {context:,}, per rank per decode step", file=err
     )
     figures_shown = [
-        ("weight bytes read", "weight_bytes"),
+        ("weight bytes read, expected", "weight_bytes"),
+        ("weight bytes read, worst case", "weight_bytes_worst"),
         ("state bytes read", "state_bytes"),
         ("FLOPs", "flops"),
         ("executions, as planned", "executions"),
@@ -147,6 +150,9 @@ def main() -> int:
     for label, key in figures_shown:
         cells = "".join(f"{r[key]:>18,.2f}" if isinstance(r[key], float) else f"{r[key]:>18,}" for r in rows)
         print(f"{label:<32}{cells}", file=err)
+    for kind in rows[0]["weight_bytes_by_kind"]:
+        cells = "".join(f"{r['weight_bytes_by_kind'][kind]:>18,}" for r in rows)
+        print(f"  {kind:<30}{cells}", file=err)
     for name in rows[0]["collectives"]:
         cells = "".join(f"{r['collectives'][name]:>4} calls {r['collective_bytes'][name]:>10,} B" for r in rows)
         print(f"{name:<32}{cells}", file=err)
@@ -154,7 +160,7 @@ def main() -> int:
     for key, f in figures.items():
         print(f"  {key:<22} {f.value:g} {f.unit} ({f.status}: {f.source})", file=err)
     if args.json:
-        b1 = rows[0]
+        b1, b8 = rows
         print(
             json.dumps(
                 {
@@ -164,9 +170,15 @@ def main() -> int:
                     "collectives_per_step": sum(b1["collectives"].values()),
                     "collectives_in_executables": b1["collectives_in_executables"],
                     "weight_bytes_per_step_b1": b1["weight_bytes"],
+                    "weight_bytes_worst_b1": b1["weight_bytes_worst"],
+                    "weight_bytes_per_step_b8": b8["weight_bytes"],
+                    "weight_bytes_worst_b8": b8["weight_bytes_worst"],
+                    "weight_bytes_by_kind_b1": b1["weight_bytes_by_kind"],
                     "flops_per_step_b1": b1["flops"],
                     "host_device_bytes_per_step_b1": b1["host_device_bytes"],
                     "estimated_step_ms_b1": b1["estimated_ms"],
+                    "estimated_step_ms_b8": b8["estimated_ms"],
+                    "collectives_by_name_b1": b1["collectives"],
                     # the per-region form with host collectives (`layers = "regions"`), for comparison
                     "per_region_form": {
                         "executions_per_step": b1["executions_per_region"],

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING
 from deepinfer.regions.base import Region, WeightSpec
 
 if TYPE_CHECKING:
+    from deepinfer.bundles.topology import Topology
     from deepinfer.compiler.bundle_plan import BundlePlan
+    from deepinfer.compiler.plan import RegionPlan
 
 PROJECTIONS = "attention projections"
 # (slot, weight) -> the FLOPs part its matmul counts in; weights not named here are not matmuls
@@ -45,10 +47,9 @@ def spec_bytes(spec: WeightSpec) -> int:
     return math.prod(spec.buffer_shape) * spec.dtype.itemsize
 
 
-def slot_rows(plan: BundlePlan, slot: str, batch: int) -> int:
+def slot_rows(topo: Topology, slot: str, batch: int) -> int:
     """Token rows a slot's region computes in a decode step of `batch` sequences per token group:
     the MoE's are every group's under EP dispatch (it runs on the gathered rows)."""
-    topo = plan.spec.topology
     return batch * topo.groups if slot == "moe" and topo.dispatch else batch
 
 
@@ -77,7 +78,7 @@ def read_bytes(plan: BundlePlan, batch: int) -> dict[str, int]:
             (table,) = kp.region.specs  # [V, D]
             out[kind] = batch * spec_bytes(table) // table.shape[0]
             continue
-        out[kind] = layer_bytes(kp.region, slot_rows(plan, kp.slot, batch)) * max(1, len(kp.layers))
+        out[kind] = layer_bytes(kp.region, slot_rows(plan.spec.topology, kp.slot, batch)) * max(1, len(kp.layers))
     return out
 
 
@@ -86,7 +87,7 @@ def weight_flops(plan: BundlePlan, layer: int, batch: int) -> dict[str, int]:
     out: dict[str, int] = {}
     for slot, (kind, _) in plan.regions.bindings[layer].items():
         region = plan.regions.kinds[kind].region
-        rows = slot_rows(plan, slot, batch)
+        rows = slot_rows(plan.spec.topology, slot, batch)
         gathered = region.gathered(rows)
         for spec in region.specs:
             part = PARTS.get((slot, spec.name))
@@ -101,16 +102,15 @@ def weight_flops(plan: BundlePlan, layer: int, batch: int) -> dict[str, int]:
     return out
 
 
-def executable_reads(plan: BundlePlan, kind: str, rows: int) -> int:
+def executable_reads(regions: RegionPlan, topo: Topology, kind: str, rows: int) -> int:
     """Weight bytes one call of executable kind `kind` (a region kind, or trn2's fused layer kind:
     its slots' regions) reads at `rows` token rows a token group: what its lowered module's
     weight parameters give (`compiler.targets.hlo_reads`)."""
-    regions = plan.regions
     if kind in regions.kinds:
         kp = regions.kinds[kind]
         if kp.slot == "embed":
             (table,) = kp.region.specs
             return rows * spec_bytes(table) // table.shape[0]
-        return layer_bytes(kp.region, slot_rows(plan, kp.slot, rows))
+        return layer_bytes(kp.region, slot_rows(topo, kp.slot, rows))
     slots = regions.fused_kinds()[kind].slots
-    return sum(layer_bytes(regions.kinds[k].region, slot_rows(plan, slot, rows)) for slot, k in slots)
+    return sum(layer_bytes(regions.kinds[k].region, slot_rows(topo, slot, rows)) for slot, k in slots)

@@ -34,7 +34,7 @@ def _check(bundle: Path) -> list[str]:
         reads = parameter_reads((bundle / e["artifact"]).read_bytes())
         module = sum(reads[name] for name in weights)
         rows = e["bucket"]["batch"] * e["bucket"]["tokens"]
-        assert executable_reads(plan, e["kind"], rows) == module, e["kind"]
+        assert executable_reads(plan.regions, plan.spec.topology, e["kind"], rows) == module, e["kind"]
         seen.append(e["kind"])
     return seen
 

@@ -53,7 +53,7 @@ from deepinfer.compiler.spec import Spec, parse
 from deepinfer.errors import ConfigError
 from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 from deepinfer.regions.config import CONFIG_FILE, V41Config
-from deepinfer.regions.topology import boundary_reduce, head_rows
+from deepinfer.regions.topology import ENGRAM_KV, boundary_reduce, head_rows
 
 BUNDLE = PurePosixPath("bundle")  # where the planned files would go: paths are reported relative to it
 
@@ -112,6 +112,8 @@ class BundlePlan:
                 add(collectives, "ep combine reduce-scatter")
             elif topo.ep > 1:
                 add(collectives, "ep all-reduce")
+            if p.engram_rows and topo.group_size > 1:  # its projection divided over the token group
+                add(collectives, "engram all-reduce")
             if topo.cp > 1 and p.ratio:
                 if p.attn in ("source", "reindex"):
                     add(collectives, "cp selection all-gather", 2 if p.candidate_source else 1)
@@ -128,7 +130,7 @@ class BundlePlan:
                 bool(boundary_reduce(kind, DECODE, topo))
                 for p in self.regions.layers
                 for kind, _ in self.regions.bindings[p.layer].values()
-            )
+            ) + sum(bool(boundary_reduce("engram", ENGRAM_KV, topo)) for p in self.regions.layers if p.engram_rows)
         return {
             "executions": sum(calls.values()),
             "executions_by_slot": calls,

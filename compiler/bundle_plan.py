@@ -386,13 +386,14 @@ class BundlePlan:
         drafted = len(self.regions.draft_kinds) + 1 if self.regions.draft else 0  # + the head's project
         calls = {(e[0], e[1]) for e in self.executables if e[0] not in self.regions.draft_kinds and e[1] != PROJECT}
         staged = sorted({k for k, m in calls if m != DECODE})  # the divided attention's stages (regions/divided.py)
+        engram, staged = "engram" in staged, [k for k in staged if k != "engram"]  # the engram: kv, then mix
         out = [
             "",
             (
                 f"executables: {len(self.regions.kinds)} kinds x {len(methods)} method(s) ({', '.join(methods)}) "
                 if not staged
                 else f"executables: {len(self.regions.kinds)} kinds, {len(calls)} (kind, method) calls (the "
-                f"{len(staged)} compressed attention kinds as their divided stages) "
+                f"{len(staged)} compressed attention kinds as their divided stages{', the engram as kv and mix' if engram else ''}) "
             )
             + f"x {len(shapes)} buckets"
             + (f" ({drafted} draft calls at the {len(c.buckets.batch)} batch buckets only)" if drafted else "")

@@ -68,6 +68,10 @@ class Topology:
             for t in range(self.tp)
         ]
 
+    def token_groups(self) -> list[list[int]]:
+        """The ranks of each token group (tp * cp ranks that share a token stream), in rank order."""
+        return [list(range(g * self.group_size, (g + 1) * self.group_size)) for g in range(self.groups)]
+
     def to_dict(self) -> dict[str, int]:
         """The degrees and the sizes they imply, as the manifest's `Ranks` records them."""
         return {"tp": self.tp, "ep": self.ep, "cp": self.cp, "world_size": self.world, "groups": self.groups}

@@ -53,7 +53,7 @@ from deepinfer.compiler.spec import Spec, parse
 from deepinfer.errors import ConfigError
 from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 from deepinfer.regions.config import CONFIG_FILE, V41Config
-from deepinfer.regions.topology import boundary_reduce, head_rows
+from deepinfer.regions.topology import ENGRAM_KV, boundary_reduce, head_rows
 
 BUNDLE = PurePosixPath("bundle")  # where the planned files would go: paths are reported relative to it
 
@@ -112,6 +112,8 @@ class BundlePlan:
                 add(collectives, "ep combine reduce-scatter")
             elif topo.ep > 1:
                 add(collectives, "ep all-reduce")
+            if p.engram_rows and topo.group_size > 1:  # its projection divided over the token group
+                add(collectives, "engram all-reduce")
             if topo.cp > 1 and p.ratio:
                 if p.attn in ("source", "reindex"):
                     add(collectives, "cp selection all-gather", 2 if p.candidate_source else 1)
@@ -128,7 +130,7 @@ class BundlePlan:
                 bool(boundary_reduce(kind, DECODE, topo))
                 for p in self.regions.layers
                 for kind, _ in self.regions.bindings[p.layer].values()
-            )
+            ) + sum(bool(boundary_reduce("engram", ENGRAM_KV, topo)) for p in self.regions.layers if p.engram_rows)
         return {
             "executions": sum(calls.values()),
             "executions_by_slot": calls,
@@ -384,13 +386,14 @@ class BundlePlan:
         drafted = len(self.regions.draft_kinds) + 1 if self.regions.draft else 0  # + the head's project
         calls = {(e[0], e[1]) for e in self.executables if e[0] not in self.regions.draft_kinds and e[1] != PROJECT}
         staged = sorted({k for k, m in calls if m != DECODE})  # the divided attention's stages (regions/divided.py)
+        engram, staged = "engram" in staged, [k for k in staged if k != "engram"]  # the engram: kv, then mix
         out = [
             "",
             (
                 f"executables: {len(self.regions.kinds)} kinds x {len(methods)} method(s) ({', '.join(methods)}) "
                 if not staged
                 else f"executables: {len(self.regions.kinds)} kinds, {len(calls)} (kind, method) calls (the "
-                f"{len(staged)} compressed attention kinds as their divided stages) "
+                f"{len(staged)} compressed attention kinds as their divided stages{', the engram as kv and mix' if engram else ''}) "
             )
             + f"x {len(shapes)} buckets"
             + (f" ({drafted} draft calls at the {len(c.buckets.batch)} batch buckets only)" if drafted else "")

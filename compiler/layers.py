@@ -7,7 +7,8 @@ default) a layer is one executable instead: a **layer kind** is the region kinds
 (engram, attention kind, MoE: `fused_kinds`), and its module runs them in order with their
 collectives inside (`ops`):
 
-    engram (where the layer has one)
+    engram (where the layer has one); over a token group of several ranks: kv -> all-reduce of the
+        partial keys and value over the token group -> mix (regions/engram.py)
     attention: decode; or, with the paged state divided over cp ranks (regions/divided.py),
         select -> all-gather each rank's K best over the cp group -> merge_topk (and the candidate
         pool's blocks the same way) -> attend -> all-reduce (max) of the softmax maxima ->
@@ -100,7 +101,7 @@ def ops(lk: LayerKind, plan: RegionPlan, topo: Topology, dtype: torch.dtype) -> 
     attn = plan.kinds[slots["attn"]].region
     out: list[Op] = []
     if "engram" in slots:
-        out.append(Run("engram", DECODE))
+        out += _engram(plan.kinds[slots["engram"]].region, topo)
     methods = attn.methods()
     if methods == (DECODE,):
         out.append(Run("attn", DECODE))
@@ -128,6 +129,15 @@ def ops(lk: LayerKind, plan: RegionPlan, topo: Topology, dtype: torch.dtype) -> 
         if topo.ep > 1:
             out.append(Collective("all_reduce", "h", "h", _groups([list(range(topo.world))]), to=dtype))
     return out
+
+
+def _engram(engram: Region, topo: Topology) -> list[Op]:
+    """The engram: whole, or its projection divided over the token group, the partials summed between
+    its two methods ("engram all-reduce")."""
+    if engram.methods() == (DECODE,):
+        return [Run("engram", DECODE)]
+    kv, mix = engram.methods()
+    return [Run("engram", kv), Collective("all_reduce", "kv", "kv", _groups(topo.token_groups())), Run("engram", mix)]
 
 
 def _divided(attn, topo: Topology) -> list[Op]:

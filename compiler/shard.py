@@ -9,6 +9,9 @@
     tp > 1
     head, tp * cp > 1 head.weight [V, D] -> its vocabulary rows [start, stop) of `head_slice`,
                       zero-padded to `head_rows`; zeros for ranks past the vocabulary
+    engram,           wkv [(n+1)*D, hash_heads*hd] -> its input columns [start, stop) of
+    tp * cp > 1       `engram_slice` (scales: the 32-blocks), zero-padded to `engram_width`;
+                      zeros for ranks past the columns
     everything else   replicated
 
 A cut is declarative (`cut`): the weight pass streams exactly those rows and
@@ -27,7 +30,7 @@ import torch
 
 from deepinfer.bundles.topology import Topology
 from deepinfer.regions.config import TextConfig, draft_moe_config
-from deepinfer.regions.topology import BLOCK, head_rows, head_slice, shared_slice, shared_width
+from deepinfer.regions.topology import BLOCK, engram_slice, head_rows, head_slice, shared_slice, shared_width
 
 ROUTED = ("w1", "w1_s", "w3", "w3_s", "w2", "w2_s")
 SHARED = ("sw1", "sw3", "sw2")
@@ -95,6 +98,13 @@ def _head(c: TextConfig, topo: Topology, rank: int) -> Cut:
     return ZERO if piece is None else Cut(rows=piece)  # none: padding only
 
 
+def _engram(name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
+    piece = engram_slice(c, topo, rank)
+    if piece is None:
+        return ZERO  # this rank adds zeros
+    return Cut(cols=_span(*piece, name.endswith("_s")))
+
+
 def cut(kind: str, name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
     """What rank `rank` holds of weight `name` of a region of `kind`."""
     if kind == "head" and name == "head" and topo.group_size > 1:
@@ -109,6 +119,8 @@ def cut(kind: str, name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
             return _shared(name, m, topo, rank)
     elif (kind.startswith("attn") or kind == DRAFT_ATTENTION) and topo.tp > 1:
         return _attention(name, c, topo, rank)
+    if kind == "engram" and name.startswith("wkv") and topo.group_size > 1:
+        return _engram(name, c, topo, rank)
     return WHOLE
 
 
@@ -131,7 +143,7 @@ def shard(
     if k.cols:
         t = t[:, k.cols[0] : k.cols[1]]
     if tuple(t.shape) != tuple(shape):  # zero-padded to the shared expert's slice width or the head's rows
-        padded = name.startswith(SHARED) or kind == "head"
+        padded = name.startswith(SHARED) or kind in ("head", "engram")
         if not padded or t.dim() != len(shape) or any(a > b for a, b in zip(t.shape, shape)):
             m = MOE_KINDS.get(kind, lambda c: c)(c)
             raise AssertionError(

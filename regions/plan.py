@@ -51,7 +51,7 @@ def make_layer_regions(
     """The regions of one layer (shaped for one rank of `topo`): optional `engram`, `attn`, `moe`."""
     regions: dict[str, Region] = {}
     if p.engram_rows:
-        regions["engram"] = Engram(c, dtype=dtype)
+        regions["engram"] = Engram(c, dtype=dtype, topo=topo)
     regions["attn"] = make_attention(c, p, dtype, cache_quant, topo)
     regions["moe"] = MoE(c, dtype=dtype, topo=topo)
     return regions

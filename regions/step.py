@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from deepinfer.errors import TensorFileError
 from deepinfer.regions.config import TextConfig
+from deepinfer.regions.topology import ENGRAM_KV, ENGRAM_MIX
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -93,6 +94,8 @@ def run_layers(
     engram: EngramRows | None,
     capture=None,
     merge: Merge | None = None,
+    *,
+    divided_engram: bool = False,
 ) -> Tensor:
     """h, pre through every layer's regions and the head -> logits [B, T, V].
 
@@ -105,6 +108,8 @@ def run_layers(
     `pre` that layer's attention site reads (after its engram): the DSpark draft's features.
     With `merge` (the paged state divided over cp ranks, regions/divided.py) a compressed layer's
     attention runs as its stages, merged by `merge` between them (`divided_attention`).
+    With `divided_engram` (a token group of several ranks: regions/engram.py) an engram runs as `kv`,
+    whose partials `invoke` sums over the token group, then `mix`.
     """
     topk = cand = None
     engram_index = 0
@@ -113,9 +118,7 @@ def run_layers(
     for p in plans:
         st = states[p.layer]
         if p.engram_rows:
-            assert engram is not None and batch.hashes is not None, "an engram layer needs its tables and hashes"
-            rows, rows_s = engram.rows(engram_index, batch.hashes[:, :, engram_index])
-            (h,) = invoke(p.layer, "engram", h, rows, rows_s, token_mask)
+            h = run_engram(p.layer, invoke, h, engram, batch, engram_index, token_mask, divided_engram)
             engram_index += 1
         if capture is not None and p.layer in capture.layers:
             capture(p.layer, h, pre, batch.positions, batch.slots)
@@ -136,6 +139,22 @@ def run_layers(
         h, pre = invoke(p.layer, "moe", h, pre, batch.is_image)
     (logits,) = invoke(-1, "head", h, pre)
     return logits
+
+
+def run_engram(
+    layer: int, invoke, h, engram: EngramRows | None, batch: Batch, index: int, token_mask, divided: bool
+) -> Tensor:
+    """Layer `layer`'s engram (the `index`-th engram layer) on the streams -> h. `divided`: its
+    projection divided over the token group, run as `kv` (whose partials `invoke` sums over the
+    group) and `mix` (regions/engram.py)."""
+    assert engram is not None and batch.hashes is not None, "an engram layer needs its tables and hashes"
+    rows, rows_s = engram.rows(index, batch.hashes[:, :, index])
+    if not divided:
+        (h,) = invoke(layer, "engram", h, rows, rows_s, token_mask)
+        return h
+    (kv,) = invoke(layer, "engram", rows, rows_s, method=ENGRAM_KV)
+    (h,) = invoke(layer, "engram", h, kv, token_mask, method=ENGRAM_MIX)
+    return h
 
 
 def run_fused(plans, invoke_layer, invoke, states, h, pre, batch: Batch, engram: EngramRows | None) -> Tensor:

@@ -16,6 +16,11 @@
   and combined with one fp32 reduce-scatter.
 - The shared expert is split into column slices of `shared_width` over the first
   ranks; the others hold zero weights and add zeros through the same graph.
+- The engram's projection (`wkv` [(n + 1) * D, hash_heads * head_dim]) is divided over a token
+  group by its input columns: each rank holds `engram_width` of them (whole 32-blocks over the
+  first ranks, zeros on the others) and multiplies its columns of the step's looked-up rows into
+  partial keys and value, summed by one float32 all-reduce over the token group before the gate
+  ("engram all-reduce"); a group of one rank holds the whole projection.
 - The DSpark draft (`[speculative] draft`, regions/dspark.py) is laid out as the target: its MoE's
   routed experts (the draft's own, `dspark_n_routed_experts`) over the ep ranks and its shared
   expert in the same slices, its attention's heads over the tp ranks, their outputs partial sums
@@ -40,6 +45,8 @@ from deepinfer.bundles.topology import Topology
 from deepinfer.regions.config import TextConfig, draft_moe_config
 
 BLOCK = 32  # fp8 scale block: shards are whole blocks
+# the divided engram's methods (regions/engram.py): `kv`'s partials are summed over the token group, then `mix`
+ENGRAM_KV, ENGRAM_MIX = "kv", "mix"
 
 
 def check(topo: Topology, c: TextConfig, *, draft: bool = False) -> tuple[str, str] | None:
@@ -109,6 +116,27 @@ def shared_width(c: TextConfig, topo: Topology) -> int:
     return -(-per_rank // BLOCK) * BLOCK
 
 
+def engram_width(c: TextConfig, topo: Topology) -> int:
+    """Input columns of the engram's `wkv` (the flattened looked-up rows, hash_heads * head_dim) each
+    rank of a token group multiplies: the columns divided over the group, rounded up to a whole block;
+    all of them for a group of one."""
+    cols = c.engram_hash_heads * c.engram_head_dim
+    if topo.group_size == 1:
+        return cols
+    per_rank = -(-cols // topo.group_size)
+    return -(-per_rank // BLOCK) * BLOCK
+
+
+def engram_slice(c: TextConfig, topo: Topology, rank: int) -> tuple[int, int] | None:
+    """[start, stop) of the engram `wkv`'s input columns rank `rank` holds; None: zeros only."""
+    cols = c.engram_hash_heads * c.engram_head_dim
+    width = engram_width(c, topo)
+    start = rank % topo.group_size * width
+    if start >= cols:
+        return None
+    return start, min(start + width, cols)
+
+
 def head_rows(c: TextConfig, topo: Topology) -> int:
     """Rows of the head (vocabulary entries) each rank of a token group holds: the vocabulary
     divided over the group, rounded up to a whole block; the whole vocabulary for a group of one."""
@@ -141,7 +169,10 @@ def boundary_reduce(kind: str, method: str, topo: Topology) -> dict[str, list[li
     replica groups}; what runtime/ranks.Comm.after does on the host: the attention's partial
     streams over each tp group, the MoE's over the token group when tokens are replicated in it
     (ep = tp * cp). EP dispatch (token groups of one) moves rows instead; it stays on the host.
-    The draft's attention (`dspark_attn`) and MoE (`dspark_moe`) are reduced as the target's."""
+    The draft's attention (`dspark_attn`) and MoE (`dspark_moe`) are reduced as the target's. The
+    engram's partial keys and value (its `kv` method) are summed over the token group."""
+    if kind == "engram" and method == ENGRAM_KV and topo.group_size > 1:
+        return {"kv": topo.token_groups()}
     if method not in ("decode", "output"):  # the divided attention's last stage ends the region
         return {}
     if (kind.startswith("attn") or kind == "dspark_attn") and topo.tp > 1:

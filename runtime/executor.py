@@ -30,6 +30,7 @@ from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, Merge, run_fused, run_layers
 from deepinfer.regions.stepper import Allocator, Capture, Row, bucket_at_least, make_batch, table_width
+from deepinfer.regions.topology import ENGRAM_KV
 from deepinfer.runtime import draft
 from deepinfer.runtime.backends import Placement
 from deepinfer.runtime.bundle import Bundle
@@ -104,7 +105,9 @@ class HostTables:
 
 
 Binding = tuple[str, list]  # (kind, weight views and the rank in the executable's input order)
-BOUNDARY_METHODS = (mf.DECODE, "output")  # the methods whose outputs cross a region boundary (Comm.after)
+# the methods whose outputs cross a region boundary (Comm.after); the divided engram's `kv` is summed
+# over the token group before its `mix`
+BOUNDARY_METHODS = (mf.DECODE, "output", ENGRAM_KV)
 LAYER_SLOT = "layer"  # a fused layer's binding: its one executable (manifest Layer.fused)
 STEP = "step"  # what the leader sends its followers for a target step (`Executor.follow`; draft.DRAFT_STEP)
 
@@ -200,7 +203,18 @@ class Executor:
             invoke_layer = self._invoke_layer(batch.block_table.shape[1], stats, on_call)
             logits = run_fused(self.plans, invoke_layer, invoke, self.states, h, pre, batch, self.host.engram)
         else:
-            logits = run_layers(self.plans, invoke, self.states, h, pre, batch, self.host.engram, capture, self.merge)
+            logits = run_layers(
+                self.plans,
+                invoke,
+                self.states,
+                h,
+                pre,
+                batch,
+                self.host.engram,
+                capture,
+                self.merge,
+                divided_engram=self.manifest.topology.topology.group_size > 1,
+            )
         stats.record_step(batch, time.perf_counter() - start)
         return logits
 

@@ -10,6 +10,8 @@ sent and never sample. Collectives (regions/topology.py for the layout):
     MoE, ep > 1         tokens replicated in the EP group: one all-reduce of the float32
                         partials; otherwise dispatch = one all-gather of packed uint8 rows
                         (h, pre, is_image as bytes) and combine = one float32 reduce-scatter
+    engram, tp * cp > 1 all-reduce of the float32 partial keys and value over the token group
+                        (its projection's input columns divided over the group), mid-region
     head                one all-gather of every rank's logits slice [B, T, rows] (the head is
                         split by vocabulary over each token group); a group's slices side by
                         side, the padding rows dropped, are its logits [B, T, V] for the
@@ -62,6 +64,11 @@ class Comm:
             made = dist.new_group(ranks) if topo.cp > 1 else None
             if rank in ranks:
                 self.cp_group = made
+        self.token_group = None  # the whole world when it is one token group
+        for ranks in topo.token_groups():  # the engram's all-reduce (regions/engram.py)
+            made = dist.new_group(ranks) if topo.group_size > 1 and topo.groups > 1 else None
+            if rank in ranks:
+                self.token_group = made
         self.sent: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
 
@@ -81,7 +88,10 @@ class Comm:
     # -- region boundaries --------------------------------------------------------------------
 
     def after(self, slot: str, out: list, dtype: torch.dtype) -> list:
-        """Combine a region's outputs over its group (attention with tp, MoE with ep)."""
+        """Combine a region's outputs over its group (attention with tp, MoE with ep, the engram's
+        partial keys and value over the token group)."""
+        if slot == "engram" and self.topo.group_size > 1:  # its `kv`: float32 into `mix`
+            return [self._all_reduce(out[0], "engram all-reduce", self.token_group), *out[1:]]
         if slot == "attn" and self.topo.tp > 1:
             return [self._all_reduce(out[0], "tp all-reduce", self.tp_group).to(dtype), *out[1:]]
         if slot == "moe" and self.topo.ep > 1:

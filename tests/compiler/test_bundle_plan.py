@@ -175,8 +175,8 @@ def test_plan_cli_prints_the_full_plan():
     assert r.exit_code == 0, r.output
     for line in (
         "layer plan: 40 layers -> 10 region kinds",
-        "10 kinds, 18 (kind, method) calls (the 5 compressed attention kinds as their divided stages) x 4 "
-        "buckets = 72; fused (trn2): one executable a layer, 8 layer kinds, their regions and collectives "
+        "10 kinds, 19 (kind, method) calls (the 5 compressed attention kinds as their divided stages, the "
+        "engram as kv and mix) x 4 buckets = 76; fused (trn2): one executable a layer, 8 layer kinds, their regions and collectives "
         "inside: 40 executables; compile jobs: 40",
         "per decode step and rank: 42 device executions (1 embed, 40 layer, 1 head)",
         "head: vocabulary 129,280 over the token group's 64 rank(s), 2,048 rows each (1,792 zero rows of "
@@ -425,8 +425,9 @@ def test_release_geometry_holds_every_region_kind_of_the_release():
 def test_release_plan_counts_a_decode_steps_executions_and_collectives(release, tmp_path):
     """Per decode step at EP = CP = 64: the embed region, one call per window layer, the divided
     stages of every compressed layer (select, attend, output where it selects; attend, output where it
-    reuses), every MoE, the engram layers and the head; the MoE all-reduce per layer, the selection
-    all-gathers (two on the candidate source), the attention merges per compressed layer and the logits."""
+    reuses), every MoE, the engram layers' kv and mix and the head; the MoE all-reduce per layer, the
+    selection all-gathers (two on the candidate source), the attention merges per compressed layer, the
+    engram all-reduce per engram layer and the logits."""
     t = load_config(RELEASE.parent).text
     layers = range(t.num_hidden_layers)
     kinds = [t.layer_kind(i) for i in layers]
@@ -439,10 +440,10 @@ def test_release_plan_counts_a_decode_steps_executions_and_collectives(release, 
         "embed": 1,
         "attn": attention,
         "moe": len(layers),
-        "engram": len(t.engram_layer_ids),
+        "engram": 2 * len(t.engram_layer_ids),  # kv, then mix: the engram all-reduce between them
         "head": 1,
     }
-    assert per_region["executions"] == 1 + attention + len(layers) + len(t.engram_layer_ids) + 1 == 130
+    assert per_region["executions"] == 1 + attention + len(layers) + 2 * len(t.engram_layer_ids) + 1 == 132
     assert per_region["collectives_by_name"] == step["collectives_by_name"]
     assert per_region["collectives_in_executables"] == 0  # per region: host collectives by default
     compressed = sum(k != "window" for k in kinds)
@@ -452,6 +453,7 @@ def test_release_plan_counts_a_decode_steps_executions_and_collectives(release, 
         "cp selection all-gather": selecting + 1,
         "cp attention max all-gather": compressed,
         "cp attention all-reduce": compressed,
+        "engram all-reduce": len(t.engram_layer_ids),
         "logits all-gather": 1,
     }
     assert step["collectives_in_executables"] == step["collectives"] - 1  # all but the logits' gather

@@ -78,8 +78,8 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, started_ranks, request,
     sharded = {"moe"} if ep > 1 else {k for k in digests[0] if k.startswith("attn")} if tp > 1 else set()
     if ep > 1 and "dspark_moe" in digests[0]:  # a draft's experts divide as the target's
         sharded.add("dspark_moe")
-    if tp * cp > 1:  # the head, split by vocabulary over the token group
-        sharded.add("head")
+    if tp * cp > 1:  # the head, split by vocabulary over the token group; the engram's wkv by its input columns
+        sharded |= {"head", "engram"}
     for kind in digests[0]:
         assert (len({d[kind] for d in digests}) > 1) == (kind in sharded), kind
         if kind not in sharded and stacks[0][kind]["tensors"]:  # whole on every rank: one shared file, no rank file
@@ -99,9 +99,9 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, started_ranks, request,
     sent = run.sent
     assert sorted(sent) == list(range(world))
     if tp > 1:
-        assert set(sent[0]) == {"tp all-reduce", "logits all-gather"}
+        assert set(sent[0]) == {"tp all-reduce", "engram all-reduce", "logits all-gather"}
     elif ep > 1 and cp == ep:
-        assert set(sent[0]) == {"ep all-reduce", "logits all-gather"} | DIVIDED
+        assert set(sent[0]) == {"ep all-reduce", "engram all-reduce", "logits all-gather"} | DIVIDED
     else:
         assert set(sent[0]) == {"ep dispatch all-gather", "ep combine reduce-scatter", "logits all-gather"}
     # every rank sends its vocabulary slice of each step's logits (float32): the whole vocabulary with a
@@ -111,6 +111,9 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, started_ranks, request,
     assert all(sent[r]["logits all-gather"] % (rows * 4) == 0 for r in range(world))
     batch = max(s["batch"] for s in m["buckets"]["shapes"])
     assert steps * rows * 4 <= sent[0]["logits all-gather"] <= steps * batch * 8 * rows * 4  # tokens <= 8
+    if tp * cp > 1:  # the engram's float32 partial keys and value [B, T, (n+1)*D], the same on every rank
+        engram = [sent[r]["engram all-reduce"] for r in range(world)]
+        assert engram[0] > 0 and engram[0] % (5 * 256 * 4) == 0 and len(set(engram)) == 1
     if cp > 1:
         _check_divided_pools(m, run.pools, cp)
 

@@ -127,10 +127,11 @@ def _spec(tmp_path, tiny_ckpt, parallel):
 # checked by the compile of a whole bundle at that layout, every layer kind on two replicas
 # (tests/conftest.py trn2_ep2_bundle, read by tests/trn2/test_collectives.py)
 LAYOUTS = {
-    "tp=2": ((2, 1, 1), {"layer_window": ["all_reduce h"]}),
+    "tp=2": ((2, 1, 1), {"layer_window": ["all_reduce h"], "layer_window_engram": ["all_reduce kv", "all_reduce h"]}),
     "cp=ep=4": (
         (1, 4, 4),
         {
+            "layer_window_engram": ["all_reduce kv", "all_reduce h"],  # the engram's partials, the MoE's
             "layer_source_r1_cand": [
                 *("all_gather values", "all_gather index", "all_gather block_values", "all_gather block_index"),
                 *("all_reduce top", "all_reduce numerator_s", "all_reduce total_s", "all_reduce h"),
@@ -148,7 +149,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layer_modules_match_the_host_collectives_on_replicas(tmp_path, tiny_ckpt, name):
     """At tp = 2 (the heads' partial streams summed over the tp group) and cp = ep = 4 (the divided
-    attention's merges over the cp group, the candidate pool's, the MoE all-reduce) a layer kind's one module holds its collectives over the rank's groups, recorded in
+    attention's merges over the cp group, the candidate pool's, the MoE all-reduce), with the engram's
+    partial keys and value summed over the token group at both, a layer kind's one module holds its collectives over the rank's groups, recorded in
     its entry, and on one XLA:CPU replica a rank equals its ops run eagerly with the host's
     collectives (the compile's own check, `layers.check`)."""
     parallel, expected = LAYOUTS[name]

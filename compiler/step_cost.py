@@ -61,6 +61,7 @@ LOGITS = "logits all-gather"
 GRAPH_ORDER = (
     "tp all-reduce",
     "ep all-reduce",
+    "engram all-reduce",
     "ep dispatch all-gather",
     "ep combine reduce-scatter",
     "cp selection all-gather",
@@ -135,6 +136,8 @@ def collective_bytes(c: TextConfig, topo: Topology, batch: int, act_bytes: int, 
         ep all-reduce            float32 partial streams after every MoE (tokens replicated)
         ep dispatch all-gather   packed rows (h in the activation dtype, pre, is_image) once a layer
         ep combine reduce-scat.  float32 partials of every rank's rows
+        engram all-reduce        float32 partial keys and value [B, (n+1)*D] of every engram layer
+                                 (its projection divided over the token group: tp * cp > 1)
         logits all-gather        the rank's float32 slice of the vocabulary [B, head rows]
         cp ...                   the divided attention's merges (`divided_merges`)
     """
@@ -148,6 +151,8 @@ def collective_bytes(c: TextConfig, topo: Topology, batch: int, act_bytes: int, 
         out["ep combine reduce-scatter"] = layers * topo.world * streams
     elif topo.ep > 1:
         out["ep all-reduce"] = layers * streams
+    if topo.group_size > 1 and c.engram_layer_ids:
+        out["engram all-reduce"] = len(c.engram_layer_ids) * batch * (n + 1) * D * F32
     if topo.world > 1:
         out[LOGITS] = batch * head_rows(c, topo) * F32
     if topo.cp > 1:

@@ -75,6 +75,7 @@ def moe_experts_ref(
     w2_s: Tensor,
     limit: float,
     blocks: Tensor | None = None,
+    partial: bool = False,
 ) -> Tensor:
     """sum_e w2_e(swiglu(w1_e(x), w3_e(x)) * weights[:, e]) over the local experts -> [N, D] float32.
 
@@ -88,6 +89,9 @@ def moe_experts_ref(
     `blocks` [I] int64: w2's columns are a slice of the expert's that does not start on a
     32-block (regions/topology.expert_slice): w2_s [E, D, nb] holds the blocks it spans and
     column j uses block blocks[j] of them (`dequant_fp4_columns`); None: w2_s [E, D, I/32].
+    `partial`: the stacks are column slices of the experts (ep > 1), whose outputs are no expert's
+    output: w2 contracts every expert's columns at once, accumulated in float32 (the product
+    still cast to x's dtype first), and scratch holds [N, t] of a tile, not [E, N, t].
     """
     E, I = w1.shape[0], w1.shape[1]
     D = x.shape[-1]
@@ -97,11 +101,15 @@ def moe_experts_ref(
         g = F.linear(x, dequant_fp4(w1[:, start:stop], w1_s[:, start:stop], x.dtype, pairs).flatten(0, 1))
         u = F.linear(x, dequant_fp4(w3[:, start:stop], w3_s[:, start:stop], x.dtype, pairs).flatten(0, 1))
         parts.append(swiglu_ref(g.unflatten(-1, (E, -1)), u.unflatten(-1, (E, -1)), weight, limit))  # [N, E, t]
-    a = torch.cat(parts, -1).transpose(0, 1)  # [E, N, I]
+    a = torch.cat(parts, -1)  # [N, E, I] in x's dtype
     out = []
     for start, stop in expert_tiles(E, D, I):
+        if partial:  # [N, E * I] @ [E * I, t] in float32
+            w = _dequant_w2(w2[:, start:stop], w2_s[:, start:stop], blocks, torch.float32, pairs)  # [E, t, I]
+            out.append(a.float().flatten(1) @ w.transpose(0, 1).flatten(1).T)
+            continue
         w = _dequant_w2(w2[:, start:stop], w2_s[:, start:stop], blocks, x.dtype, pairs)  # [E, t, I]
-        out.append(torch.bmm(a, w.transpose(1, 2)).float().sum(0))  # [N, t]
+        out.append(torch.bmm(a.transpose(0, 1), w.transpose(1, 2)).float().sum(0))  # [N, t]
     return torch.cat(out, -1)
 
 
@@ -131,6 +139,7 @@ def moe_gathered_ref(
     w2_s: Tensor,
     limit: float,
     blocks: Tensor | None = None,
+    partial: bool = False,
 ) -> Tensor:
     """sum_j w2_e(swiglu(w1_e(x), w3_e(x)) * weights[:, j]) over each row's k choices e = experts[:, j]
     -> [N, D] float32: only the chosen experts' weights are read and decoded.
@@ -141,8 +150,9 @@ def moe_gathered_ref(
     slices from the stacks (`index_select`: an HLO gather of N * k slices, static shapes whatever
     the routing), decodes them, and computes as `moe_experts` does: the weighted SwiGLU product
     cast to x's dtype before w2, each choice's output in x's dtype, the k choices summed in
-    float32. The same result as `moe_experts` with dense weights; cheaper where N * k is under
-    the expert count (regions/topology.moe_form).
+    float32 (`partial`: w2 contracts the k choices' columns at once in float32, as `moe_experts`
+    does with it). The same result as `moe_experts` with dense weights; cheaper where N * k is
+    under the expert count (regions/topology.moe_form).
     """
     N, k = experts.shape
     ids, weight = experts.reshape(-1), weights.reshape(N * k, 1)  # [N * k]
@@ -157,12 +167,17 @@ def moe_gathered_ref(
         g = torch.bmm(dequant_fp4(w1g[:, start:stop], w1sg[:, start:stop], x.dtype, pairs), xr)
         u = torch.bmm(dequant_fp4(w3g[:, start:stop], w3sg[:, start:stop], x.dtype, pairs), xr)
         parts.append(swiglu_ref(g.squeeze(-1), u.squeeze(-1), weight, limit))  # [N * k, t]
-    a = torch.cat(parts, -1).unsqueeze(-1)  # [N * k, I, 1] in x's dtype
+    a = torch.cat(parts, -1)  # [N * k, I] in x's dtype
     out = []
     for start, stop in expert_tiles(N * k, x.shape[-1], I):
-        w = _dequant_w2(w2g[:, start:stop], w2sg[:, start:stop], blocks, x.dtype, pairs)  # [N * k, t, I]
-        out.append(torch.bmm(w, a).squeeze(-1))  # [N * k, t] in x's dtype
-    return torch.cat(out, -1).float().view(N, k, -1).sum(1)
+        dtype = torch.float32 if partial else x.dtype
+        w = _dequant_w2(w2g[:, start:stop], w2sg[:, start:stop], blocks, dtype, pairs)  # [N * k, t, I]
+        if partial:  # [N, t, k * I] @ [N, k * I, 1] in float32
+            w = w.view(N, k, stop - start, I).transpose(1, 2).flatten(2)
+            out.append(torch.bmm(w, a.float().view(N, k * I, 1)).squeeze(-1))  # [N, t]
+        else:
+            out.append(torch.bmm(w, a.unsqueeze(-1)).squeeze(-1).float().view(N, k, -1).sum(1))  # [N, t]
+    return torch.cat(out, -1)
 
 
 blockquant_gemm = register(blockquant_gemm_ref)

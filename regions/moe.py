@@ -98,6 +98,8 @@ class MoE(Region):
         with the row's routing weight of it, zero where not chosen (`moe_experts`). Where the
         slice width is not a whole number of 32-blocks, column j of the slice takes w2's scale
         block ((r * s) mod 32 + j) // 32 of the rank's blocks, computed here from the rank buffer.
+        With ep > 1 a slice's output is no expert's output: w2 contracts every slice's columns at
+        once in float32 (`partial`); at ep = 1 each expert's output is rounded to x's dtype first.
         """
         c = self.c
         s = self.w1.shape[1]
@@ -106,11 +108,12 @@ class MoE(Region):
             offset = (self.rank % self.ep) * s % BLOCK
             blocks = (offset + torch.arange(s, device=x.device)) // BLOCK  # [s]
         stacks = (self.w1, self.w1_s, self.w3, self.w3_s, self.w2, self.w2_s)
+        partial = self.ep > 1  # slices: w2 contracts all of them at once, in float32
         if moe_form(x.shape[0], c.num_experts_per_tok, c.n_routed_experts) == "gathered":
-            return ops.moe_gathered(x, weights, experts, *stacks, c.swiglu_limit, blocks)
+            return ops.moe_gathered(x, weights, experts, *stacks, c.swiglu_limit, blocks, partial)
         ids = torch.arange(c.n_routed_experts, device=x.device)
         dense = (weights.unsqueeze(-1) * (experts.unsqueeze(-1) == ids)).sum(1)  # [N, E]
-        return ops.moe_experts(x, dense, *stacks, c.swiglu_limit, blocks)
+        return ops.moe_experts(x, dense, *stacks, c.swiglu_limit, blocks, partial)
 
     def shared(self, x: Tensor) -> Tensor:
         g = ops.blockquant_gemm(x, self.sw1, self.sw1_s, self.fp8)

@@ -298,13 +298,14 @@ def _slice_stacks(stacks, a: int, b: int):
     return cut, blocks
 
 
+@pytest.mark.parametrize("partial", [False, True], ids=["per-expert", "partial"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("piece", [None, (20, 44), (40, 64)], ids=["whole", "straddling", "aligned-end"])
-def test_moe_gathered_equals_grouped_and_the_expert_loop(rows, piece):
+def test_moe_gathered_equals_grouped_and_the_expert_loop(rows, piece, partial):
     """Each row's k chosen experts gathered (`moe_gathered`) give what every expert over dense routing
     weights gives (`moe_experts`) and a plain loop over rows and choices in float64; on a column slice
     of the experts whose w2 scale blocks straddle (column j takes block blocks[j]) as on whole experts.
-    Repeated choices of one expert across rows, clamps active."""
+    Repeated choices of one expert across rows, clamps active; w2 per expert or over all (`partial`)."""
     gen = torch.Generator().manual_seed(11)
     E, inter, hidden, k = 5, 64, 64, 2
     whole = _expert_stacks(gen, E, inter, hidden)
@@ -313,9 +314,9 @@ def test_moe_gathered_equals_grouped_and_the_expert_loop(rows, piece):
     x = torch.randn(rows, hidden, generator=gen)
     experts = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(rows)])
     weights = torch.rand(rows, k, generator=gen)
-    got = OPS.moe_gathered(x, weights, experts, *stacks, 10.0, blocks)
+    got = OPS.moe_gathered(x, weights, experts, *stacks, 10.0, blocks, partial)
     dense = torch.zeros(rows, E).scatter(1, experts, weights)
-    grouped = OPS.moe_experts(x, dense, *stacks, 10.0, blocks)
+    grouped = OPS.moe_experts(x, dense, *stacks, 10.0, blocks, partial)
     want = torch.zeros(rows, hidden, dtype=torch.float64)
     for n in range(rows):
         for j in range(k):
@@ -328,12 +329,15 @@ def test_moe_gathered_equals_grouped_and_the_expert_loop(rows, piece):
     torch.testing.assert_close(got, grouped, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def test_moe_gathered_bf16_matches_grouped():
-    """In bf16 both forms round the weighted product and each expert's output alike."""
+@pytest.mark.parametrize("partial", [False, True], ids=["per-expert", "partial"])
+def test_moe_gathered_bf16_matches_grouped(partial):
+    """In bf16 both forms round the weighted product alike, and each expert's output (or, `partial`,
+    none: w2 over all the slices in float32, within float32 rounding of each other)."""
     gen = torch.Generator().manual_seed(12)
     stacks = _expert_stacks(gen, 4, 64, 64)
     x = torch.randn(2, 64, generator=gen).to(torch.bfloat16)
     experts, weights = torch.tensor([[3, 1], [1, 0]]), torch.rand(2, 2, generator=gen)
-    got = OPS.moe_gathered(x, weights, experts, *stacks, 10.0)
-    want = OPS.moe_experts(x, torch.zeros(2, 4).scatter(1, experts, weights), *stacks, 10.0)
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    got = OPS.moe_gathered(x, weights, experts, *stacks, 10.0, None, partial)
+    want = OPS.moe_experts(x, torch.zeros(2, 4).scatter(1, experts, weights), *stacks, 10.0, None, partial)
+    tol = 1e-5 if partial else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())

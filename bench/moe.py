@@ -1,113 +1,230 @@
-"""Benchmark: the MoE region at the release's widths, against the rows of a step.
+"""Benchmark: one rank's MoE layer at the release's dimensions, whole local experts against expert slices.
 
-    python bench/moe.py                                   # 8 local experts, top-6, bf16; rows 1, 8, 64
-    python bench/moe.py --experts 384 --ep 64 --time-rows 1,64   # one rank of the release: 6 local experts
-    python bench/moe.py --experts 6 --rows 1,8,64 --time-rows 1,8 --dtype fp32 --json
+    python bench/moe.py                       # batch 1 and 8, a table
+    python bench/moe.py --batches 1,8 --repeats 20 --json
 
-For each row count (one step's tokens, B = rows, T = 1) the region is traced and
-lowered for the cpu target exactly as the compiler does (compiler/trace.py, the cpu
-target's reference inlining) and reports the budget's scratch figure
-(`compiler/budget.scratch_bytes`, the peak of live intermediates, an upper bound)
-and the lowered graph's node count. For the row counts in --time-rows it also runs
-one call of the region eagerly on seeded random weights of the real shapes
-(`regions/examples.random_weights`) and reports the best of --repeats: wall time and
-the process's CPU time (all threads; steadier than wall time on a shared machine).
+One rank of the release at EP = 64 (hidden 5120, moe_intermediate 2304, 384 routed experts,
+top-6; regions/synthetic.py), its whole MoE site (mixes, norm, router, routed experts, shared
+expert slice), in two layouts, each traced, lowered and compiled by AOTInductor as the cpu
+target does (compiler/trace.py, `CpuTarget.lower`, `aoti_compile_and_package`) and run from
+its package on seeded random weights of the real shapes and dtypes (fp4 codes with ue8m0
+scales; `regions/examples.random_weights`):
 
-Hidden 5120 and moe_intermediate 2304 are the release's (regions/synthetic.py);
-only the expert count is small: `--experts` routed experts, `--ep` ranks (the
-region of rank 0 holds experts / ep of them; the release's ranks hold 384 / 64 = 6).
+- dense: today's layout, the rank's 6 whole experts (384 / 64), every one computed over the
+  step's rows with dense routing weights (`kernels/linear.moe_experts` on [6, 2304, ...]);
+- divided: a 36-column slice of all 384 experts (regions/topology.expert_slice_width), the
+  rows' chosen slices gathered (`moe_gathered`) while rows x 6 < 384 (`moe_form`).
+
+The two packages run alternately, call after call, in one process (the same machine state);
+the best and the median of --repeats calls are reported, wall and process CPU time. Weight
+bytes read per call: every weight of the layer the graph reads; the routed experts' part
+for dense is the 6 whole experts, for divided rows x 6 gathered slices (the same under any
+routing: the gather reads one slice per (row, choice), repeats included).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 import time
+from pathlib import Path
 
-from common import timing_options, torch_threads
+from common import share_inductor_cache, timing_options, torch_threads, work_dir
+
+EP, ROWS_TOKENS = 64, 1  # the release's expert-parallel degree; one token a row (decode)
 
 
-def rows_list(text: str) -> list[int]:
+def batches_list(text: str) -> list[int]:
     try:
-        return [int(r) for r in text.split(",") if r]
+        return [int(b) for b in text.split(",") if b]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected row counts like 1,8,64") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected batch sizes like 1,8") from None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=8, help="routed experts, all local (default 8)")
-    ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (default 1: all experts local)")
-    ap.add_argument("--rows", type=rows_list, default=[1, 8, 64], help="rows per step to trace (default 1,8,64)")
-    ap.add_argument("--time-rows", type=rows_list, default=[1, 8, 64], help="rows per step to time (default 1,8,64)")
-    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation dtype (default bf16)")
-    timing_options(ap)
-    args = ap.parse_args()
+def whole_experts_moe(c, dtype, topo):
+    """Today's layout of an MoE rank: E / ep whole experts, grouped over every row each call."""
+    import torch
 
+    from deepinfer.kernels import linear  # noqa: F401  (registers the ops)
+    from deepinfer.regions.base import fp4_specs
+    from deepinfer.regions.moe import MoE, moe_specs
+
+    class WholeExperts(MoE):
+        def __init__(self):
+            super().__init__(c, dtype=dtype, topo=topo)
+            local, I, D = c.n_routed_experts // topo.ep, c.moe_intermediate_size, c.hidden_size
+            whole = [
+                *fp4_specs("w1", "ffn.experts.{e}.w1", I, D, local),
+                *fp4_specs("w3", "ffn.experts.{e}.w3", I, D, local),
+                *fp4_specs("w2", "ffn.experts.{e}.w2", D, I, local),
+            ]
+            by_name = {s.name: s for s in whole}
+            self.specs = [by_name.get(s.name, s) for s in moe_specs(c, topo)]
+            for s in whole:
+                self.register_buffer(s.name, torch.zeros(s.buffer_shape, dtype=s.dtype))
+
+        def routed(self, x, weights, experts):
+            local = self.w1.shape[0]
+            ids = torch.arange(local, device=x.device) + (self.rank % self.ep) * local
+            dense = (weights.unsqueeze(-1) * (experts.unsqueeze(-1) == ids)).sum(1)  # [N, local]
+            stacks = (self.w1, self.w1_s, self.w3, self.w3_s, self.w2, self.w2_s)
+            return torch.ops.deepinfer.moe_experts(x, dense, *stacks, c.swiglu_limit)
+
+    with torch.device("meta"):
+        return WholeExperts()
+
+
+def compiled(meta, batch: int, geometry, out: Path):
+    """`meta` (a region of meta weights) traced for [batch, 1], lowered and compiled as the cpu target
+    does -> (the loaded package's runner, the lowered graph)."""
+    import torch
+
+    from deepinfer.compiler.targets.cpu import CpuTarget
+    from deepinfer.compiler.trace import concrete_inputs, trace
+
+    ep, _ = trace(meta, batch, ROWS_TOKENS, geometry)
+    lowered = CpuTarget().lower(ep)
+    concrete_inputs(lowered)
+    torch._inductor.aoti_compile_and_package(lowered, package_path=str(out))
+    return torch._inductor.aoti_load_package(str(out)), lowered
+
+
+def read_bytes(region, batch: int, divided: bool) -> tuple[int, int]:
+    """(the routed experts' weight bytes one call reads, every other weight's) of `region`."""
+    routed = other = 0
+    for s in region.specs:
+        n = math.prod(s.buffer_shape) * s.dtype.itemsize
+        if s.name in ("w1", "w1_s", "w3", "w3_s", "w2", "w2_s"):
+            routed += n // s.experts * batch * region.c.num_experts_per_tok if divided else n
+        else:
+            other += n
+    return routed, other
+
+
+def time_pair(runners: dict, inputs: dict, repeats: int) -> dict[str, dict[str, float]]:
+    """Each runner called alternately `repeats` times (after one warm call each): best and median ms."""
+    import torch
+
+    walls: dict[str, list[float]] = {k: [] for k in runners}
+    cpus: dict[str, list[float]] = {k: [] for k in runners}
+    with torch.inference_mode():
+        for name, run in runners.items():
+            run(*inputs[name])
+        for _ in range(repeats):
+            for name, run in runners.items():
+                start, start_cpu = time.perf_counter(), time.process_time()
+                run(*inputs[name])
+                walls[name].append((time.perf_counter() - start) * 1e3)
+                cpus[name].append((time.process_time() - start_cpu) * 1e3)
+    return {
+        name: {
+            "best_ms": min(walls[name]),
+            "median_ms": statistics.median(walls[name]),
+            "cpu_best_ms": min(cpus[name]),
+        }
+        for name in runners
+    }
+
+
+def measure(batches: list[int], repeats: int) -> dict:
     import torch
 
     from deepinfer.bundles.topology import Topology
     from deepinfer.compiler import budget
-    from deepinfer.compiler.targets.cpu import CpuTarget
-    from deepinfer.compiler.trace import trace
     from deepinfer.regions.config import parse_config
     from deepinfer.regions.examples import example_inputs, random_weights
     from deepinfer.regions.moe import MoE
     from deepinfer.regions.state import Geometry
-    from deepinfer.regions.step import DTYPES
     from deepinfer.regions.synthetic import synthetic_config
+    from deepinfer.regions.topology import expert_slice_width, moe_form
 
-    threads = torch_threads(args.threads)
-    c = parse_config(synthetic_config(experts=args.experts)).text
-    dtype = DTYPES[args.dtype]
+    c = parse_config(synthetic_config(experts=384)).text
+    topo, dtype = Topology(ep=EP), torch.bfloat16
     geometry = Geometry(slots=2, blocks=2, block_size=16, max_blocks=1)
     with torch.device("meta"):
-        meta = MoE(c, dtype=dtype, topo=Topology(ep=args.ep))
-    region = meta.with_weights(random_weights(meta)) if args.time_rows else None
+        metas = {"dense": whole_experts_moe(c, dtype, topo), "divided": MoE(c, dtype=dtype, topo=topo)}
+    weights = {k: random_weights(m, seed=1) for k, m in metas.items()}
+    order = {k: [n for n, _ in m.named_buffers()] for k, m in metas.items()}
     result = {
-        "experts": args.experts,
-        "ep": args.ep,
-        "local_experts": meta.w1.shape[0],
+        "experts": c.n_routed_experts,
+        "ep": EP,
         "top_k": c.num_experts_per_tok,
         "hidden": c.hidden_size,
         "intermediate": c.moe_intermediate_size,
-        "dtype": args.dtype,
-        "threads": threads,
-        "rows": [],
+        "slice_width": expert_slice_width(c, topo),
+        "dense_local_experts": metas["dense"].w1.shape[0],
+        "dtype": "bf16",
+        "repeats": repeats,
+        "batches": [],
     }
-    for rows in sorted(set(args.rows) | set(args.time_rows)):
-        row = {"rows": rows}
-        if rows in args.rows:
-            ep, _ = trace(meta, rows, 1, geometry)
-            lowered = CpuTarget().lower(ep)
-            row["scratch_bytes"] = budget.scratch_bytes(lowered)
-            row["nodes"] = sum(1 for n in lowered.graph.nodes if n.op == "call_function")
-        if rows in args.time_rows:
-            inputs = example_inputs(region.input_specs(rows, 1, geometry), geometry)
-            best, best_cpu = float("inf"), float("inf")
-            with torch.inference_mode():
-                for _ in range(args.repeats):
-                    start, start_cpu = time.perf_counter(), time.process_time()
-                    region.decode(*inputs)
-                    best = min(best, time.perf_counter() - start)
-                    best_cpu = min(best_cpu, time.process_time() - start_cpu)
-            row["call_ms"], row["cpu_ms"] = best * 1e3, best_cpu * 1e3
-        result["rows"].append(row)
-        print(json.dumps(row), file=sys.stderr)
+    with work_dir("bench-moe-") as tmp:
+        for batch in batches:
+            runners, inputs, row = {}, {}, {"batch": batch, "form": moe_form(batch, c.num_experts_per_tok, 384)}
+            step = example_inputs(metas["divided"].input_specs(batch, ROWS_TOKENS, geometry), geometry, seed=batch)
+            for name, meta in metas.items():
+                start = time.perf_counter()
+                runners[name], lowered = compiled(meta, batch, geometry, Path(tmp) / f"{name}-{batch}.pt2")
+                routed, other = read_bytes(meta, batch, name == "divided")
+                row[name] = {
+                    "compile_s": round(time.perf_counter() - start, 1),
+                    "scratch_bytes": budget.scratch_bytes(lowered),
+                    "routed_bytes": routed,
+                    "weight_bytes": routed + other,
+                }
+                inputs[name] = [weights[name][n] for n in order[name]] + step
+            for name, t in time_pair(runners, inputs, repeats).items():
+                row[name].update(t)
+            row["divided_over_dense"] = row["divided"]["best_ms"] / row["dense"]["best_ms"]
+            row["divided_over_dense_median"] = row["divided"]["median_ms"] / row["dense"]["median_ms"]
+            result["batches"].append(row)
+            print(json.dumps(row), file=sys.stderr)
+    for row in result["batches"]:
+        result[f"moe_b{row['batch']}_divided_over_dense"] = row["divided_over_dense"]
+        for name in ("dense", "divided"):
+            result[f"moe_b{row['batch']}_weight_bytes_{name}"] = row[name]["weight_bytes"]
+    return result
+
+
+def table(result: dict) -> None:
+    print(
+        f"MoE layer, one rank of {result['experts']} experts at EP = {result['ep']}: dense = "
+        f"{result['dense_local_experts']} whole experts, divided = {result['slice_width']}-column slices of all; "
+        f"hidden {result['hidden']}, intermediate {result['intermediate']}, top-{result['top_k']}, bf16, "
+        f"{result['threads']} threads, {result['repeats']} calls each"
+    )
+    head = f"{'batch':>5} {'form':>9} {'layout':>8} {'best ms':>9} {'median ms':>10} {'cpu ms':>8}"
+    print(head + f" {'routed read':>12} {'weights read':>13} {'scratch':>10}")
+    for row in result["batches"]:
+        for name in ("dense", "divided"):
+            r = row[name]
+            print(
+                f"{row['batch']:>5} {row['form'] if name == 'divided' else 'grouped':>9} {name:>8} "
+                f"{r['best_ms']:>9.2f} {r['median_ms']:>10.2f} {r['cpu_best_ms']:>8.2f} "
+                f"{r['routed_bytes'] / 1e6:>10.1f}MB {r['weight_bytes'] / 1e6:>11.1f}MB "
+                f"{r['scratch_bytes'] / 2**20:>7.1f}MiB"
+            )
+        print(
+            f"{'':>5} divided / dense: {row['divided_over_dense']:.3f} (best), "
+            f"{row['divided_over_dense_median']:.3f} (median)"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=batches_list, default=[1, 8], help="batch sizes, one token a row (default 1,8)")
+    timing_options(ap)
+    ap.set_defaults(repeats=20)
+    args = ap.parse_args()
+    share_inductor_cache()
+    threads = torch_threads(args.threads)
+    result = {**measure(args.batches, args.repeats), "threads": threads}
     if args.json:
         print(json.dumps(result))
-        return
-    print(
-        f"MoE region: {result['local_experts']} local experts of {args.experts}, top-{c.num_experts_per_tok}, hidden {c.hidden_size}, "
-        f"intermediate {c.moe_intermediate_size}, {args.dtype}, {result['threads']} threads"
-    )
-    print(f"{'rows':>6}{'scratch':>14}{'nodes':>8}{'call ms':>10}{'cpu ms':>10}")
-    for row in result["rows"]:
-        scratch = budget.human(row["scratch_bytes"]) if "scratch_bytes" in row else "-"
-        call = f"{row['call_ms']:.0f}" if "call_ms" in row else "-"
-        cpu = f"{row['cpu_ms']:.0f}" if "cpu_ms" in row else "-"
-        print(f"{row['rows']:>6}{scratch:>14}{row.get('nodes', '-'):>8}{call:>10}{cpu:>10}")
+    else:
+        table(result)
 
 
 if __name__ == "__main__":

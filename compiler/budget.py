@@ -14,7 +14,7 @@ Per rank (every rank holds the same shapes: one executable set serves all):
     scratch      the largest executable's peak of intermediate tensors, from a liveness
                  pass over its lowered FX graph (known after tracing; see `scratch_bytes`);
                  also per region kind (`scratch_by_kind`): the MoE's is bounded by a tile of
-                 its local experts' weights, whatever the rows of a step (kernels/linear.py)
+                 its expert slices' weights, whatever the rows of a step (kernels/linear.py)
 
 Host-resident tensors (`compiler/weights.py` places them: the token embedding where the
 target looks it up on the host, the engram

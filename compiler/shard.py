@@ -1,7 +1,10 @@
 """Per-rank weight shards: which part of a checkpoint tensor rank r holds (regions/topology.py).
 
-    moe, dspark_moe,  routed experts [E, ...] -> experts r*E/ep ... (r+1)*E/ep - 1 (E: the
-    ep > 1            target's experts, or the draft's own for the draft's `dspark_moe`)
+    moe, dspark_moe,  routed experts (every one; the target's, or the draft's own for the
+    ep > 1            draft's `dspark_moe`) -> each expert's intermediate [start, stop) of
+                      `expert_slice`: w1, w3 rows (codes and per-row scales), w2 byte columns
+                      [start/2, stop/2) and the scale blocks they span, zero-padded to the
+                      slice width and `expert_scale_blocks`; zeros for ranks without a slice
                       shared expert -> its intermediate columns [start, stop) of `shared_slice`,
                       zero-padded to the slice width; zeros for ranks without a slice
     attn_*,           wq_b rows and sink entries of this rank's heads; wo_a rows and wo_b
@@ -30,7 +33,17 @@ import torch
 
 from deepinfer.bundles.topology import Topology
 from deepinfer.regions.config import TextConfig, draft_moe_config
-from deepinfer.regions.topology import BLOCK, engram_slice, head_rows, head_slice, shared_slice, shared_width
+from deepinfer.regions.topology import (
+    BLOCK,
+    engram_slice,
+    expert_scale_blocks,
+    expert_slice,
+    expert_slice_width,
+    head_rows,
+    head_slice,
+    shared_slice,
+    shared_width,
+)
 
 ROUTED = ("w1", "w1_s", "w3", "w3_s", "w2", "w2_s")
 SHARED = ("sw1", "sw3", "sw2")
@@ -44,7 +57,8 @@ class Cut:
     """What a rank holds of one (per-layer) checkpoint tensor, in that tensor's own units.
 
     experts: [e0, e1) of a per-expert stack (one checkpoint tensor per expert); rows: [r0, r1)
-    of dim 0; cols: [c0, c1) of dim 1; None: all of it. zero: the rank holds zeros only.
+    of dim 0; cols: [c0, c1) of dim 1 (of each expert's tensor in a stack); None: all of it.
+    zero: the rank holds zeros only.
     The destination may be larger (zero padding): the piece sits at its start.
     """
 
@@ -74,6 +88,20 @@ def _shared(name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
     if name.startswith(("sw1", "sw3")):  # [I, D]: intermediate rows
         return Cut(rows=span)
     return Cut(cols=span)  # sw2 [D, I]: intermediate columns
+
+
+def _routed(name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
+    """Every expert's intermediate slice: w1, w3 [I, D/2] and their scales [I, D/32] by rows; w2
+    [D, I/2] by byte columns, its scales [D, I/32] by the 32-blocks the slice spans."""
+    piece = expert_slice(c, topo, rank)
+    if piece is None:
+        return ZERO
+    start, stop = piece
+    if name.startswith(("w1", "w3")):
+        return Cut(rows=piece)
+    if name == "w2":
+        return Cut(cols=(start // 2, -(-stop // 2)))
+    return Cut(cols=_span(start, stop, True))
 
 
 def _attention(name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
@@ -112,9 +140,7 @@ def cut(kind: str, name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
     if kind in MOE_KINDS and topo.ep > 1:
         m = MOE_KINDS[kind](c)
         if name in ROUTED:
-            n = m.n_routed_experts // topo.ep
-            r = rank % topo.ep
-            return Cut(experts=(r * n, (r + 1) * n))
+            return _routed(name, m, topo, rank)
         if name.startswith(SHARED):
             return _shared(name, m, topo, rank)
     elif (kind.startswith("attn") or kind == DRAFT_ATTENTION) and topo.tp > 1:
@@ -136,19 +162,22 @@ def shard(
     k = cut(kind, name, c, topo, rank)
     if k.zero:
         return torch.zeros(shape, dtype=t.dtype)
+    routed = kind in MOE_KINDS and name in ROUTED
+    dim = 1 if routed else 0  # a stack [E, ...]: rows and columns of each expert's tensor
     if k.experts:
         t = t[k.experts[0] : k.experts[1]]
     if k.rows:
-        t = t[k.rows[0] : k.rows[1]]
+        t = t.narrow(dim, k.rows[0], k.rows[1] - k.rows[0])
     if k.cols:
-        t = t[:, k.cols[0] : k.cols[1]]
-    if tuple(t.shape) != tuple(shape):  # zero-padded to the shared expert's slice width or the head's rows
-        padded = name.startswith(SHARED) or kind in ("head", "engram")
+        t = t.narrow(dim + 1, k.cols[0], k.cols[1] - k.cols[0])
+    if tuple(t.shape) != tuple(shape):  # zero-padded to a slice width (routed or shared) or the head's rows
+        padded = name.startswith(SHARED) or routed or kind in ("head", "engram")
         if not padded or t.dim() != len(shape) or any(a > b for a, b in zip(t.shape, shape)):
             m = MOE_KINDS.get(kind, lambda c: c)(c)
             raise AssertionError(
                 f"{kind}.{name}: shard of rank {rank} has shape {tuple(t.shape)}, the region expects "
-                f"{tuple(shape)} (shared width {shared_width(m, topo)}, head rows {head_rows(c, topo)})"
+                f"{tuple(shape)} (shared width {shared_width(m, topo)}, expert slice {expert_slice_width(m, topo)} "
+                f"with {expert_scale_blocks(m, topo)} scale blocks, head rows {head_rows(c, topo)})"
             )
         out = torch.zeros(shape, dtype=t.dtype)
         out[tuple(slice(0, n) for n in t.shape)] = t

@@ -150,14 +150,14 @@ def _pieces(
     out = []
     for i, layer in enumerate(kp.layers):
         prefix = kp.prefix(layer)
-        if full.experts:  # one checkpoint tensor per expert
+        if full.experts:  # one checkpoint tensor per expert: its rows and columns of the cut, zero-padded
             e0, e1 = cut.experts or (0, full.experts)
             per_expert = math.prod(spec.shape) * itemsize
             for e in range(e0, e1):
                 expert = _source(ckpt, prefix + full.key.format(e=e), full)
-                out.append(
-                    Piece(expert, (0, expert.shape[0]), None, i * slot + (e - e0) * per_expert, expert.row_bytes)
-                )
+                rows = cut.rows or (0, expert.shape[0])
+                offset = i * slot + (e - e0) * per_expert
+                out.append(Piece(expert, rows, cut.cols, offset, _row_bytes(spec.shape, itemsize)))
             continue
         src = _stored(ckpt, prefix + full.key, full, recipe)
         rows = cut.rows or (0, src.shape[0] if src.shape else 1)

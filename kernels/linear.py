@@ -1,4 +1,5 @@
-"""Block-quantized GEMM, the clamped SwiGLU of V4.1's experts, and the routed experts as a group."""
+"""Block-quantized GEMM, the clamped SwiGLU of V4.1's experts, and the routed experts: grouped (every
+expert's slice over all rows, `moe_experts`) or gathered (each row's chosen experts' slices, `moe_gathered`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from deepinfer.kernels.formats import FP8_GEMM_FORMATS, dequant_fp4, dequant_fp8, fp4_pairs
+from deepinfer.kernels.formats import FP8_GEMM_FORMATS, dequant_fp4, dequant_fp8, fp4_pairs, ue8m0_decode, unpack_fp4
 from deepinfer.kernels.registry import register
 
 FP8_OF_GEMM_FORMAT = {gemm: fp8 for fp8, gemm in FP8_GEMM_FORMATS.items()}  # "fp8" -> "e4m3fn", ...
@@ -73,6 +74,8 @@ def moe_experts_ref(
     w2: Tensor,
     w2_s: Tensor,
     limit: float,
+    blocks: Tensor | None = None,
+    partial: bool = False,
 ) -> Tensor:
     """sum_e w2_e(swiglu(w1_e(x), w3_e(x)) * weights[:, e]) over the local experts -> [N, D] float32.
 
@@ -83,6 +86,12 @@ def moe_experts_ref(
     scratch is bounded by a tile of the local experts' weights plus the activations
     ([N, E, I] of the intermediate). Each expert's output is computed in x's dtype (the
     weighted SwiGLU product cast to it before w2, as `swiglu` does) and summed in float32.
+    `blocks` [I] int64: w2's columns are a slice of the expert's that does not start on a
+    32-block (regions/topology.expert_slice): w2_s [E, D, nb] holds the blocks it spans and
+    column j uses block blocks[j] of them (`dequant_fp4_columns`); None: w2_s [E, D, I/32].
+    `partial`: the stacks are column slices of the experts (ep > 1), whose outputs are no expert's
+    output: w2 contracts every expert's columns at once, accumulated in float32 (the product
+    still cast to x's dtype first), and scratch holds [N, t] of a tile, not [E, N, t].
     """
     E, I = w1.shape[0], w1.shape[1]
     D = x.shape[-1]
@@ -92,14 +101,86 @@ def moe_experts_ref(
         g = F.linear(x, dequant_fp4(w1[:, start:stop], w1_s[:, start:stop], x.dtype, pairs).flatten(0, 1))
         u = F.linear(x, dequant_fp4(w3[:, start:stop], w3_s[:, start:stop], x.dtype, pairs).flatten(0, 1))
         parts.append(swiglu_ref(g.unflatten(-1, (E, -1)), u.unflatten(-1, (E, -1)), weight, limit))  # [N, E, t]
-    a = torch.cat(parts, -1).transpose(0, 1)  # [E, N, I]
+    a = torch.cat(parts, -1)  # [N, E, I] in x's dtype
     out = []
     for start, stop in expert_tiles(E, D, I):
-        w = dequant_fp4(w2[:, start:stop], w2_s[:, start:stop], x.dtype, pairs)  # [E, t, I]
-        out.append(torch.bmm(a, w.transpose(1, 2)).float().sum(0))  # [N, t]
+        if partial:  # [N, E * I] @ [E * I, t] in float32
+            w = _dequant_w2(w2[:, start:stop], w2_s[:, start:stop], blocks, torch.float32, pairs)  # [E, t, I]
+            out.append(a.float().flatten(1) @ w.transpose(0, 1).flatten(1).T)
+            continue
+        w = _dequant_w2(w2[:, start:stop], w2_s[:, start:stop], blocks, x.dtype, pairs)  # [E, t, I]
+        out.append(torch.bmm(a.transpose(0, 1), w.transpose(1, 2)).float().sum(0))  # [N, t]
+    return torch.cat(out, -1)
+
+
+def dequant_fp4_columns(packed: Tensor, scales: Tensor, blocks: Tensor, dtype: torch.dtype, pairs: Tensor) -> Tensor:
+    """fp4 weight [..., N, K/2] whose K columns take their ue8m0 scale from `scales` [..., N, nb] by
+    column: column j from block blocks[j] ([K] int64) -> dtype [..., N, K]. A column slice of a
+    weight that straddles its 32-blocks decodes exactly as the whole weight's columns do."""
+    s = ue8m0_decode(scales.index_select(-1, blocks))  # [..., N, K]
+    return (unpack_fp4(packed, pairs) * s).to(dtype)
+
+
+def _dequant_w2(packed: Tensor, scales: Tensor, blocks: Tensor | None, dtype: torch.dtype, pairs: Tensor) -> Tensor:
+    if blocks is None:
+        return dequant_fp4(packed, scales, dtype, pairs)
+    return dequant_fp4_columns(packed, scales, blocks, dtype, pairs)
+
+
+def moe_gathered_ref(
+    x: Tensor,
+    weights: Tensor,
+    experts: Tensor,
+    w1: Tensor,
+    w1_s: Tensor,
+    w3: Tensor,
+    w3_s: Tensor,
+    w2: Tensor,
+    w2_s: Tensor,
+    limit: float,
+    blocks: Tensor | None = None,
+    partial: bool = False,
+) -> Tensor:
+    """sum_j w2_e(swiglu(w1_e(x), w3_e(x)) * weights[:, j]) over each row's k choices e = experts[:, j]
+    -> [N, D] float32: only the chosen experts' weights are read and decoded.
+
+    x [N, D]; weights [N, k] float32; experts [N, k] int64 (indices into the stacks); the stacks
+    as `moe_experts` takes them (w1, w3 [E, I, D/2] with scales [E, I, D/32]; w2 [E, D, I/2],
+    scales [E, D, I/32], or [E, D, nb] with `blocks`). Each (row, choice) gathers its expert's
+    slices from the stacks (`index_select`: an HLO gather of N * k slices, static shapes whatever
+    the routing), decodes them, and computes as `moe_experts` does: the weighted SwiGLU product
+    cast to x's dtype before w2, each choice's output in x's dtype, the k choices summed in
+    float32 (`partial`: w2 contracts the k choices' columns at once in float32, as `moe_experts`
+    does with it). The same result as `moe_experts` with dense weights; cheaper where N * k is
+    under the expert count (regions/topology.moe_form).
+    """
+    N, k = experts.shape
+    ids, weight = experts.reshape(-1), weights.reshape(N * k, 1)  # [N * k]
+    pairs, I = fp4_pairs(x.device), w1.shape[1]
+    xr = x.unsqueeze(1).expand(N, k, x.shape[-1]).reshape(N * k, -1, 1)  # [N * k, D, 1]
+    # one gather of each stack's codes and scales by the routed ids, then decoded in tiles as
+    # `moe_experts` decodes (`expert_tiles`): scratch bounded by a tile, not the rows
+    w1g, w1sg, w3g, w3sg = (t.index_select(0, ids) for t in (w1, w1_s, w3, w3_s))  # [N * k, I, ...]
+    w2g, w2sg = w2.index_select(0, ids), w2_s.index_select(0, ids)  # [N * k, D, ...]
+    parts = []
+    for start, stop in expert_tiles(N * k, I, x.shape[-1]):
+        g = torch.bmm(dequant_fp4(w1g[:, start:stop], w1sg[:, start:stop], x.dtype, pairs), xr)
+        u = torch.bmm(dequant_fp4(w3g[:, start:stop], w3sg[:, start:stop], x.dtype, pairs), xr)
+        parts.append(swiglu_ref(g.squeeze(-1), u.squeeze(-1), weight, limit))  # [N * k, t]
+    a = torch.cat(parts, -1)  # [N * k, I] in x's dtype
+    out = []
+    for start, stop in expert_tiles(N * k, x.shape[-1], I):
+        dtype = torch.float32 if partial else x.dtype
+        w = _dequant_w2(w2g[:, start:stop], w2sg[:, start:stop], blocks, dtype, pairs)  # [N * k, t, I]
+        if partial:  # [N, t, k * I] @ [N, k * I, 1] in float32
+            w = w.view(N, k, stop - start, I).transpose(1, 2).flatten(2)
+            out.append(torch.bmm(w, a.float().view(N, k * I, 1)).squeeze(-1))  # [N, t]
+        else:
+            out.append(torch.bmm(w, a.unsqueeze(-1)).squeeze(-1).float().view(N, k, -1).sum(1))  # [N, t]
     return torch.cat(out, -1)
 
 
 blockquant_gemm = register(blockquant_gemm_ref)
 swiglu = register(swiglu_ref)
 moe_experts = register(moe_experts_ref)
+moe_gathered = register(moe_gathered_ref)

@@ -2,13 +2,18 @@
 
 Routing: gate logits in float32, s = sqrt(softplus(logits)); experts = top-k of
 s + bias (`bias_vl` for image tokens); weights = s of the selected experts,
-normalised to sum one, times routed_scaling_factor. Routed experts (fp4, per-32
-ue8m0 scales) are computed grouped (`kernels/linear.moe_experts`): every local
-expert once over all rows of the step, each row weighted by its routing weight
-of that expert (zero when not selected), so the graph has static shapes whatever
-the routing and each expert's weights are decoded once per call, in row tiles:
-scratch is bounded by the local experts' weights, not by the rows. Each expert
-and the fp8 shared expert is a clamped SwiGLU; routed outputs accumulate in float32.
+normalised to sum one, times routed_scaling_factor. Routed experts are fp4 with
+per-32 ue8m0 scales. With ep > 1 a rank holds a slice of every expert: its
+`expert_slice_width` intermediate columns (w1, w3 rows; w2 columns with the scale
+blocks they span, regions/topology.py), and returns its columns' partial. Two forms,
+both static-shaped, nothing dropped or capped, chosen by `topology.moe_form` from the
+step's rows: gathered (rows x top-k under the expert count: decode steps) gathers the
+rows' chosen experts' slices by their ids (`kernels/linear.moe_gathered`, an HLO
+gather of rows x k slices) and reads no other expert; grouped (prompt chunks)
+computes every expert's slice once over all rows, each row weighted by its routing
+weight of that expert, zero when not selected (`moe_experts`, decoded in row tiles:
+scratch bounded by the slices' weights, not by the rows). Each expert and the fp8
+shared expert is a clamped SwiGLU; routed outputs accumulate in float32.
 """
 
 from __future__ import annotations
@@ -22,15 +27,16 @@ from deepinfer.kernels import hc as _hc  # noqa: F401  (registers ops)
 from deepinfer.regions.base import Region, WeightSpec, fp4_specs, fp8_specs
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.state import Geometry, InputSpec
-from deepinfer.regions.topology import shared_width
+from deepinfer.regions.topology import BLOCK, expert_scale_blocks, expert_slice_width, moe_form, shared_width
 
 ops = torch.ops.deepinfer
 
 
 def moe_specs(c: TextConfig, topo: Topology = Topology()) -> list[WeightSpec]:
-    """The weights one rank holds: its E / ep routed experts and its shared-expert slice."""
-    n, D, I, E = c.hc_mult, c.hidden_size, c.moe_intermediate_size, c.n_routed_experts
-    El, Is = E // topo.ep, shared_width(c, topo)
+    """The weights one rank holds: its slice of every routed expert (s intermediate columns; w2's
+    scales the nb blocks they span) and its shared-expert slice."""
+    n, D, E = c.hc_mult, c.hidden_size, c.n_routed_experts
+    s, nb, Is = expert_slice_width(c, topo), expert_scale_blocks(c, topo), shared_width(c, topo)
     return [
         WeightSpec("hc_fn", "hc_ffn_fn", ((2 + n) * n, n * D), "F32"),
         WeightSpec("hc_base", "hc_ffn_base", ((2 + n) * n,), "F32"),
@@ -39,9 +45,10 @@ def moe_specs(c: TextConfig, topo: Topology = Topology()) -> list[WeightSpec]:
         WeightSpec("gate", "ffn.gate.weight", (E, D), "BF16"),
         WeightSpec("gate_bias", "ffn.gate.bias", (E,), "F32"),
         WeightSpec("gate_bias_vl", "ffn.gate.bias_vl", (E,), "F32"),
-        *fp4_specs("w1", "ffn.experts.{e}.w1", I, D, El),
-        *fp4_specs("w3", "ffn.experts.{e}.w3", I, D, El),
-        *fp4_specs("w2", "ffn.experts.{e}.w2", D, I, El),
+        *fp4_specs("w1", "ffn.experts.{e}.w1", s, D, E),
+        *fp4_specs("w3", "ffn.experts.{e}.w3", s, D, E),
+        WeightSpec("w2", "ffn.experts.{e}.w2.weight", (D, s // 2), "I8", E),
+        WeightSpec("w2_s", "ffn.experts.{e}.w2.scale", (D, nb), "F8_E8M0", E),
         *fp8_specs("sw1", "ffn.shared_experts.w1", Is, D),
         *fp8_specs("sw3", "ffn.shared_experts.w3", Is, D),
         *fp8_specs("sw2", "ffn.shared_experts.w2", D, Is),
@@ -59,7 +66,7 @@ def route(x: Tensor, gate: Tensor, bias: Tensor, k: int, normalize: bool, scale:
 
 
 class MoE(Region):
-    """With ep > 1 the region returns this rank's partial (float32): its experts' and its
+    """With ep > 1 the region returns this rank's partial (float32): its expert slices' and its
     shared slice's contribution, the residual mix added by rank 0 only; the runtime sums
     the partials over the EP group (regions/topology.py)."""
 
@@ -81,23 +88,40 @@ class MoE(Region):
             InputSpec("is_image", (B, T), torch.bool, "step"),
         ]
 
-    def routed(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        """x [N, D] through the selected experts this rank holds, weighted and summed -> [N, D] f32.
+    def gathered(self, rows: int) -> dict[str, int]:
+        """Below the crossover (`moe_form`) a step of `rows` rows reads rows x k entries of each routed
+        stack (w1, w3, w2 and their scales), whatever they are: the cost model's figure."""
+        c = self.c
+        if moe_form(rows, c.num_experts_per_tok, c.n_routed_experts) != "gathered":
+            return {}
+        return {name: rows * c.num_experts_per_tok for name in ("w1", "w1_s", "w3", "w3_s", "w2", "w2_s")}
 
-        The expert stacks hold this rank's E_local experts, global ids
-        r * E_local ... (r + 1) * E_local - 1 for r = rank mod ep (all of them when ep
-        is 1). Each local expert computes every row once (`moe_experts`), with the row's
-        routing weight of it, zero where the row did not select it or selected an expert
-        held elsewhere: static shapes, no capacity to overflow, and each expert's weights
-        decoded once per call whatever the row count.
+    def routed(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """x [N, D] through its rows' chosen experts (weights, experts [N, k]) -> [N, D] f32: with
+        ep > 1 this rank's partial, its intermediate columns r * s ... of every expert
+        (r = rank mod ep), the ranks' partials summing to the whole.
+
+        The form is static, from the rows (`moe_form`): gathered, each row's k chosen slices
+        read and decoded (`moe_gathered`); grouped, every expert's slice computes every row
+        with the row's routing weight of it, zero where not chosen (`moe_experts`). Where the
+        slice width is not a whole number of 32-blocks, column j of the slice takes w2's scale
+        block ((r * s) mod 32 + j) // 32 of the rank's blocks, computed here from the rank buffer.
+        With ep > 1 a slice's output is no expert's output: w2 contracts every slice's columns at
+        once in float32 (`partial`); at ep = 1 each expert's output is rounded to x's dtype first.
         """
-        local_count = self.w1.shape[0]
-        local = experts - (self.rank % self.ep) * local_count  # [N, k]
-        ids = torch.arange(local_count, device=x.device)
-        dense = (weights.unsqueeze(-1) * (local.unsqueeze(-1) == ids)).sum(1)  # [N, E_local]
-        return ops.moe_experts(
-            x, dense, self.w1, self.w1_s, self.w3, self.w3_s, self.w2, self.w2_s, self.c.swiglu_limit
-        )
+        c = self.c
+        s = self.w1.shape[1]
+        blocks = None
+        if s % BLOCK:
+            offset = (self.rank % self.ep) * s % BLOCK
+            blocks = (offset + torch.arange(s, device=x.device)) // BLOCK  # [s]
+        stacks = (self.w1, self.w1_s, self.w3, self.w3_s, self.w2, self.w2_s)
+        partial = self.ep > 1  # slices: w2 contracts all of them at once, in float32
+        if moe_form(x.shape[0], c.num_experts_per_tok, c.n_routed_experts) == "gathered":
+            return ops.moe_gathered(x, weights, experts, *stacks, c.swiglu_limit, blocks, partial)
+        ids = torch.arange(c.n_routed_experts, device=x.device)
+        dense = (weights.unsqueeze(-1) * (experts.unsqueeze(-1) == ids)).sum(1)  # [N, E]
+        return ops.moe_experts(x, dense, *stacks, c.swiglu_limit, blocks, partial)
 
     def shared(self, x: Tensor) -> Tensor:
         g = ops.blockquant_gemm(x, self.sw1, self.sw1_s, self.fp8)

@@ -10,10 +10,15 @@
 - tp splits attention heads (and output groups): each tp rank computes its heads'
   share of the attention output; the shares are summed (all-reduce) at the region
   boundary. KV is a single latent head: every tp rank keeps the same pools.
-- ep splits the routed experts over all ranks (ep is 1 or world). When the EP group
-  is one token group (ep == tp * cp), tokens are already replicated: the MoE partials
-  are all-reduced. Otherwise tokens are dispatched with one all-gather of packed rows
-  and combined with one fp32 reduce-scatter.
+- ep splits every routed expert over all ranks (ep is 1 or world): each rank holds a
+  slice of `expert_slice_width` intermediate columns of EVERY expert (w1, w3 rows; w2
+  columns and the 32-blocks of w2's scales the slice spans, `expert_scale_blocks`),
+  zero-padded past the intermediate size, and computes its columns' partial of the
+  rows' chosen experts. A step reads the chosen experts' slices only (gathered) while
+  rows x top-k is under the expert count, else every slice once (grouped): `moe_form`.
+  When the EP group is one token group (ep == tp * cp), tokens are already replicated:
+  the MoE partials are all-reduced. Otherwise tokens are dispatched with one all-gather
+  of packed rows and combined with one fp32 reduce-scatter.
 - The shared expert is split into column slices of `shared_width` over the first
   ranks; the others hold zero weights and add zeros through the same graph.
 - The engram's projection (`wkv` [(n + 1) * D, hash_heads * head_dim]) is divided over a token
@@ -22,7 +27,7 @@
   partial keys and value, summed by one float32 all-reduce over the token group before the gate
   ("engram all-reduce"); a group of one rank holds the whole projection.
 - The DSpark draft (`[speculative] draft`, regions/dspark.py) is laid out as the target: its MoE's
-  routed experts (the draft's own, `dspark_n_routed_experts`) over the ep ranks and its shared
+  routed experts (the draft's own, `dspark_n_routed_experts`) sliced over the ep ranks and its shared
   expert in the same slices, its attention's heads over the tp ranks, their outputs partial sums
   combined as the target's; its context projection and heads are whole on every rank.
 - The head is split by vocabulary over the ranks of a token group (tp * cp): each holds
@@ -33,8 +38,8 @@
   slices into the whole vocabulary and drops the padding (runtime/ranks.py). A group of
   one rank (ep dispatch with cp = 1, or one rank in all) holds the whole head, unpadded.
 
-Regions see only shapes (heads per rank, local experts, slice width) and the rank
-buffer; one executable set serves every rank.
+Regions see only shapes (heads per rank, expert slice width, shared slice width) and the
+rank buffer; one executable set serves every rank.
 """
 
 from __future__ import annotations
@@ -135,6 +140,42 @@ def engram_slice(c: TextConfig, topo: Topology, rank: int) -> tuple[int, int] | 
     if start >= cols:
         return None
     return start, min(start + width, cols)
+
+
+def expert_slice_width(c: TextConfig, topo: Topology) -> int:
+    """Intermediate columns of every routed expert each rank holds: moe_intermediate_size / ep
+    rounded up to even (w2's fp4 codes pack two columns a byte); the whole width at ep = 1."""
+    if topo.ep == 1:
+        return c.moe_intermediate_size
+    per_rank = -(-c.moe_intermediate_size // topo.ep)
+    return per_rank + per_rank % 2
+
+
+def expert_slice(c: TextConfig, topo: Topology, rank: int) -> tuple[int, int] | None:
+    """[start, stop) of every expert's intermediate rank `rank` holds (zero-padded to the slice
+    width past stop); None: it holds zeros only."""
+    width = expert_slice_width(c, topo)
+    start = rank % topo.ep * width
+    if start >= c.moe_intermediate_size:
+        return None
+    return start, min(start + width, c.moe_intermediate_size)
+
+
+def expert_scale_blocks(c: TextConfig, topo: Topology) -> int:
+    """32-blocks of w2's ue8m0 scale columns each rank holds: the most any rank's slice spans (a
+    slice starting at column a spans blocks a // 32 ... (a + width - 1) // 32; release: 36 columns,
+    at most 2 blocks). Column j of rank r's slice uses block ((r * width) % 32 + j) // 32 of them."""
+    width = expert_slice_width(c, topo)
+    return max((r * width % BLOCK + width + BLOCK - 1) // BLOCK for r in range(topo.ep))
+
+
+def moe_form(rows: int, k: int, experts: int) -> str:
+    """How a step's MoE reads the routed experts for `rows` rows (B x T; under EP dispatch the
+    gathered groups' rows) with top-`k` routing over `experts` experts: "gathered" (each row's k
+    chosen experts' slices, rows x k of them) while rows x k is under the expert count, else
+    "grouped" (every expert's slice once, dense routing weights). The region and the cost model
+    both decide here."""
+    return "gathered" if rows * k < experts else "grouped"
 
 
 def head_rows(c: TextConfig, topo: Topology) -> int:

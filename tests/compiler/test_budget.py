@@ -164,10 +164,11 @@ def test_engram_tables_are_host_bytes_at_release_scale(tmp_path):
     assert "engram" in d.to_dict()["host_by_file"] and d.to_dict()["total"] == d.total
 
 
-def test_moe_scratch_is_bounded_by_its_local_experts_not_the_rows():
-    """One rank of the release at EP = 64 (6 of 384 experts, hidden 5120, intermediate 2304), traced and
-    lowered for cpu at 1 and 64 rows: scratch stays within a few decoded weight tiles (gathering 6 experts'
-    float32 weights per row was 810 MiB a row) and grows only by the rows' activations."""
+def test_moe_scratch_is_bounded_by_a_few_tiles_in_both_forms():
+    """One rank of the release at EP = 64 (a 36-column slice of each of 384 experts, hidden 5120),
+    traced and lowered for cpu at 1 and 64 rows: the gathered form (1 row: 6 slices) decodes only the
+    routed slices, a few MiB; the grouped form (64 rows x top-6 = 384) decodes every slice in row tiles,
+    within a few tiles (gathering 6 whole experts' float32 weights per row was 810 MiB a row)."""
     from deepinfer.bundles.topology import Topology
     from deepinfer.compiler.targets.cpu import CpuTarget
     from deepinfer.compiler.trace import trace
@@ -180,14 +181,15 @@ def test_moe_scratch_is_bounded_by_its_local_experts_not_the_rows():
     c = parse_config(synthetic_config(experts=384)).text
     with torch.device("meta"):
         region = MoE(c, dtype=torch.bfloat16, topo=Topology(ep=64))
-    assert region.w1.shape == (6, 2304, 2560)
+    assert region.w1.shape == (384, 36, 2560) and region.w2.shape == (384, 5120, 18)
+    assert region.w2_s.shape == (384, 5120, 2)  # the 32-blocks a 36-column slice spans
     scratch = {}
     for rows in (1, 64):
         ep, _ = trace(region, rows, 1, Geometry(slots=2, blocks=2, block_size=16, max_blocks=1))
         scratch[rows] = budget.scratch_bytes(CpuTarget().lower(ep))
-    one_expert = 3 * 2304 * 5120 * 4  # w1, w3, w2 of one expert in float32
-    assert scratch[1] <= 3 * EXPERT_TILE_BYTES < one_expert
-    assert 0 <= scratch[64] - scratch[1] <= 63 * (1 << 20)
+    one_slice, one_expert = 3 * 36 * 5120 * 4, 3 * 2304 * 5120 * 4  # w1, w3, w2 in float32
+    assert scratch[1] <= 3 * 6 * one_slice < one_expert
+    assert scratch[64] <= 4 * EXPERT_TILE_BYTES
 
 
 def test_paged_pools_hold_their_cp_ranks_share_of_the_blocks():

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from deepinfer.bundles import layout
 from deepinfer.bundles.safetensors import layout_header
 from deepinfer.cli import main
+from deepinfer.compiler.budget import human
 from deepinfer.compiler.bundle_plan import plan_bundle
 from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.config import load_compile_config
@@ -538,7 +539,9 @@ def test_release_plan_with_the_draft_divides_it_over_the_ranks(tmp_path):
     assert draft["weights_whole"] == whole
     assert round(whole / GiB, 2) == 7.39  # the figure
     per_rank = draft["weights_per_rank"]
-    experts = 3 * 2 * expert  # 128 / 64 experts a stage on every rank
+    s = I // ranks  # 36 intermediate columns of every expert on every rank (regions/topology.expert_slice_width)
+    w2_blocks = 2  # a 36-column slice at offset 36 r spans at most two 32-column scale blocks
+    experts = 3 * 128 * (2 * (s * D // 2 + s * D // 32) + D * s // 2 + D * w2_blocks)  # w1, w3 rows; w2 columns
     assert replicated + experts <= per_rank <= replicated + experts + 3 * shared // 32  # + a shared expert slice
     assert per_rank == sum(v["per_rank"] for v in draft["by_kind"].values()) < GiB
     by_kind = draft["by_kind"]
@@ -554,8 +557,8 @@ def test_release_plan_with_the_draft_divides_it_over_the_ranks(tmp_path):
         assert m["limit"] == 24 * GiB and m["total"] + 8 * GiB < m["limit"]  # room for scratch and executables
     out = "\n".join(plan.lines())
     assert "draft (dspark): 3 stages, kinds " in out
-    assert "  weights 689.43 MiB per rank (7.39 GiB whole; tp 1, ep 64): " in out
-    assert "dspark_moe 119.80 MiB of 6.83 GiB" in out and "head.project.b8t5" in out
+    assert f"  weights {human(per_rank)} per rank (7.39 GiB whole; tp 1, ep 64): " in out
+    assert f"dspark_moe {human(by_kind['dspark_moe']['per_rank'])} of 6.83 GiB" in out and "head.project.b8t5" in out
 
 
 def test_a_draft_gives_the_per_slot_rings_a_block_of_slack(tmp_path, tiny_ckpt):

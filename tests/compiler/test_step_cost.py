@@ -71,7 +71,7 @@ def hand_count(ratio: int, *, source: bool, index: bool, engram: bool) -> int:
     if engram:
         macs += (N + 1) * D * ENGRAM_HEADS * ENGRAM_HD // CP  # the rank's 96 input columns of wkv
     macs += E * D  # router
-    macs += E // EP * 3 * I * D  # every local expert on the row: w1, w3, w2
+    macs += TOPK_EXPERTS * 3 * (I // EP) * D  # the row's 6 chosen experts' 36-column slices, gathered: w1, w3, w2
     shared = 64  # 2304 / 64 ranks = 36 columns, a whole fp8 block of 32 -> 64
     macs += 3 * shared * D
     return 2 * macs
@@ -86,15 +86,17 @@ def test_layer_flops_match_a_hand_count(plan, layer, ratio, source, index, engra
     p = plan.regions.layers[layer]
     parts = step_cost.layer_flops(plan, p, 1, CONTEXT)
     assert sum(parts.values()) == hand_count(ratio, source=source, index=index, engram=engram)
-    assert parts["routed experts"] == 2 * 6 * 3 * 2304 * 5120  # all six local experts, whatever the routing
+    assert parts["routed experts"] == 2 * 6 * 3 * 36 * 5120  # the row's 6 chosen experts, a rank's 36 columns of each
 
 
 def test_step_figures_at_batch_1_and_8(plan):
-    """Per rank: FLOPs and state grow with the batch (8x), the weight stacks do not (only the 7 more
-    embedding rows the step gathers); the lower bound does not fall."""
+    """Per rank: FLOPs and state grow with the batch (8x), the weight stacks do not but for the rows a
+    step gathers (7 more embedding rows, 42 more routed expert slices a layer); the lower bound does not fall."""
     one, eight = step_cost.step_cost(plan, 1, CONTEXT), step_cost.step_cost(plan, 8, CONTEXT)
     assert eight.flops == 8 * one.flops and eight.state_bytes == 8 * one.state_bytes
-    assert eight.weight_bytes - one.weight_bytes == 7 * D * 2
+    s = I // EP  # a rank's 36 columns of every expert; a decode step gathers the chosen ones
+    expert_slice = 2 * (s * D // 2 + s * D // 32) + D * s // 2 + D * 2  # w1, w3 rows; w2 columns, 2 scale blocks
+    assert eight.weight_bytes - one.weight_bytes == 7 * D * 2 + 40 * (8 - 1) * TOPK_EXPERTS * expert_slice
     assert eight.memory_ms > one.memory_ms and eight.compute_ms == pytest.approx(8 * one.compute_ms)
     assert eight.estimated_ms >= one.estimated_ms
     # memory bound: a rank's 10.4 GB of weights at 0.725 TB/s against 29 GFLOP at 166.75 TFLOP/s (bf16)

@@ -26,7 +26,8 @@ from deepinfer.errors import CheckpointError
 from deepinfer.quant.formats import FP8_E4M3
 from deepinfer.quant.rescale import convert_format
 from deepinfer.regions.checkpoint import Checkpoint
-from deepinfer.regions.config import load_config
+from deepinfer.regions.config import draft_moe_config, load_config
+from deepinfer.regions.topology import expert_slice_width
 
 from ..conftest import write_model_toml
 
@@ -128,7 +129,8 @@ def test_draft_stacks_are_cut_per_rank_and_shared_where_whole(tiny_ckpt, tmp_pat
         assert stacks["dspark_context"].path is None and stacks["dspark_head"].path is None  # whole: shared only
         moe, attn = stacks["dspark_moe"].tensors, stacks["dspark_attn"].tensors
         assert (moe["w1"].file == "rank") == (ep > 1) and moe["gate"].file == "shared"
-        assert moe["w1"].shape[1] == spec.model.text.dspark_n_routed_experts // ep
+        draft = draft_moe_config(spec.model.text)  # every expert, each rank its intermediate slice
+        assert moe["w1"].shape[1:3] == (draft.n_routed_experts, expert_slice_width(draft, spec.topology))
         assert (attn["wq_b"].file == "rank") == (tp > 1) and attn["attn_norm"].file == "shared"
 
 

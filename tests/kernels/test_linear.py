@@ -277,3 +277,67 @@ def test_expert_tiles_cover_the_rows_in_bounded_tiles(experts, rows, cols):
     tile_bytes = experts * (tiles[0][1] - tiles[0][0]) * cols * 4
     assert tile_bytes <= EXPERT_TILE_BYTES or len(tiles) == EXPERT_MAX_TILES
     assert tile_bytes <= max(EXPERT_TILE_BYTES, -(-experts * rows * cols * 4 // EXPERT_MAX_TILES) + experts * cols * 4)
+
+
+# ---------------------------------------------------------------- moe_gathered
+
+
+def _slice_stacks(stacks, a: int, b: int):
+    """Columns [a, b) of every expert's intermediate (regions/topology.expert_slice): w1, w3 rows, w2 byte
+    columns and the 32-blocks of its scales they span; with the column -> block map."""
+    w1, w1_s, w3, w3_s, w2, w2_s = stacks
+    blocks = (a % 32 + torch.arange(b - a)) // 32
+    cut = (
+        w1[:, a:b],
+        w1_s[:, a:b],
+        w3[:, a:b],
+        w3_s[:, a:b],
+        w2[:, :, a // 2 : b // 2],
+        w2_s[:, :, a // 32 : -(-b // 32)],
+    )
+    return cut, blocks
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["per-expert", "partial"])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("piece", [None, (20, 44), (40, 64)], ids=["whole", "straddling", "aligned-end"])
+def test_moe_gathered_equals_grouped_and_the_expert_loop(rows, piece, partial):
+    """Each row's k chosen experts gathered (`moe_gathered`) give what every expert over dense routing
+    weights gives (`moe_experts`) and a plain loop over rows and choices in float64; on a column slice
+    of the experts whose w2 scale blocks straddle (column j takes block blocks[j]) as on whole experts.
+    Repeated choices of one expert across rows, clamps active; w2 per expert or over all (`partial`)."""
+    gen = torch.Generator().manual_seed(11)
+    E, inter, hidden, k = 5, 64, 64, 2
+    whole = _expert_stacks(gen, E, inter, hidden)
+    stacks, blocks = _slice_stacks(whole, *piece) if piece else (whole, None)
+    a, b = piece or (0, inter)
+    x = torch.randn(rows, hidden, generator=gen)
+    experts = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(rows)])
+    weights = torch.rand(rows, k, generator=gen)
+    got = OPS.moe_gathered(x, weights, experts, *stacks, 10.0, blocks, partial)
+    dense = torch.zeros(rows, E).scatter(1, experts, weights)
+    grouped = OPS.moe_experts(x, dense, *stacks, 10.0, blocks, partial)
+    want = torch.zeros(rows, hidden, dtype=torch.float64)
+    for n in range(rows):
+        for j in range(k):
+            e = int(experts[n, j])
+            g = x[n].double() @ _weight_fp4(whole[0][e], whole[1][e])[a:b].T
+            u = x[n].double() @ _weight_fp4(whole[2][e], whole[3][e])[a:b].T
+            want[n] += _swiglu_formula(g, u, weights[n, j], 10.0) @ _weight_fp4(whole[4][e], whole[5][e])[:, a:b].T
+    assert got.dtype == torch.float32 and got.shape == (rows, hidden)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(got, grouped, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["per-expert", "partial"])
+def test_moe_gathered_bf16_matches_grouped(partial):
+    """In bf16 both forms round the weighted product alike, and each expert's output (or, `partial`,
+    none: w2 over all the slices in float32, within float32 rounding of each other)."""
+    gen = torch.Generator().manual_seed(12)
+    stacks = _expert_stacks(gen, 4, 64, 64)
+    x = torch.randn(2, 64, generator=gen).to(torch.bfloat16)
+    experts, weights = torch.tensor([[3, 1], [1, 0]]), torch.rand(2, 2, generator=gen)
+    got = OPS.moe_gathered(x, weights, experts, *stacks, 10.0, None, partial)
+    want = OPS.moe_experts(x, torch.zeros(2, 4).scatter(1, experts, weights), *stacks, 10.0, None, partial)
+    tol = 1e-5 if partial else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())

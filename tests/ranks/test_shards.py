@@ -26,7 +26,15 @@ from deepinfer.regions.moe import MoE
 from deepinfer.regions.plan import make_attention
 from deepinfer.regions.state import Geometry
 from deepinfer.regions.step import plan_layers
-from deepinfer.regions.topology import check, shared_slice, shared_width
+from deepinfer.regions.topology import (
+    check,
+    expert_scale_blocks,
+    expert_slice,
+    expert_slice_width,
+    moe_form,
+    shared_slice,
+    shared_width,
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +93,19 @@ def test_one_rank_layout_for_config_planning_and_manifest():
 
 
 @pytest.mark.parametrize("ep", [2, 4])
-def test_ep_partials_sum_to_the_one_rank_moe(tiny_ckpt, text, ep):
+@pytest.mark.parametrize("batch, form", [(2, "grouped"), (1, "gathered")])
+def test_ep_partials_sum_to_the_one_rank_moe(tiny_ckpt, text, ep, batch, form):
+    """Every rank's slice of every expert: the partials sum to the one-rank MoE, in the grouped form
+    (2 x 3 rows x top-2 over 8 experts) and the gathered one (3 rows: 6 slices gathered)."""
     full = MoE(text, dtype=torch.float32)
     load_region(Checkpoint(tiny_ckpt), full, "layers.1.")
     topo = Topology(ep=ep) if ep == 2 else Topology(cp=4, ep=4)
+    assert moe_form(batch * 3, text.num_experts_per_tok, text.n_routed_experts) == form
     g = Geometry(slots=3, blocks=4, block_size=16, max_blocks=2)
-    h, pre, is_image = example_inputs(full.input_specs(2, 3, g), g, seed=3)
+    h, pre, is_image = example_inputs(full.input_specs(batch, 3, g), g, seed=3)
     is_image[0, 1] = True  # the image bias too
     want_h, want_pre = full.decode(h, pre, is_image)
+    assert full.w1.shape[:2] == (text.n_routed_experts, text.moe_intermediate_size)
     parts = [
         ranked(full, lambda: MoE(text, dtype=torch.float32, topo=topo), "moe", text, topo, r).decode(h, pre, is_image)
         for r in range(topo.world)
@@ -103,6 +116,39 @@ def test_ep_partials_sum_to_the_one_rank_moe(tiny_ckpt, text, ep):
     for p in parts:
         assert torch.equal(p[1], want_pre)
     assert not torch.equal(parts[0][0], parts[1][0])  # each rank really holds a share
+
+
+def _random_fp4(region, names: tuple[str, ...], gen: torch.Generator) -> None:
+    """Seeded fp4 codes (any byte) and ue8m0 scales near 1 in `region`'s buffers `names`."""
+    for name in names:
+        buf = getattr(region, name)
+        lo, hi = (122, 130) if name.endswith("_s") else (0, 256)
+        buf.copy_(torch.randint(lo, hi, buf.shape, generator=gen, dtype=torch.int32).to(torch.uint8))
+
+
+@pytest.mark.parametrize("inter, world", [(96, 4), (100, 3), (96, 2), (64, 4), (2304, 64)])
+def test_expert_slices_give_the_whole_experts(text, inter, world):
+    """Any intermediate width over any rank count: each rank's slice of every routed expert (even width,
+    zero-padded past the width; w2's scale blocks the slice spans, straddling ones included: 96 over 4
+    ranks is 24 columns at offsets 0, 24, 48, 72, 2304 over 64 the release's 36 at every 4th column),
+    in both forms: the ranks' partials sum to the one-rank experts'."""
+    c = dataclasses.replace(text, moe_intermediate_size=inter, n_routed_experts=12)
+    topo = Topology(ep=world)
+    width, blocks = expert_slice_width(c, topo), expert_scale_blocks(c, topo)
+    assert width % 2 == 0 and width * world >= inter and width * (world - 1) < inter
+    assert blocks == (2 if inter in (96, 100, 2304) else 1)
+    gen = torch.Generator().manual_seed(5)
+    full = MoE(c, dtype=torch.float32)
+    _random_fp4(full, ROUTED, gen)
+    ranks = [ranked(full, lambda: MoE(c, dtype=torch.float32, topo=topo), "moe", c, topo, r) for r in range(world)]
+    assert ranks[0].w1.shape == (12, width, c.hidden_size // 2) and ranks[0].w2_s.shape == (12, c.hidden_size, blocks)
+    for rows in (2, 7):  # 4 slices gathered; 14 of 12 experts: grouped
+        x = torch.randn(rows, c.hidden_size, generator=gen)
+        experts = torch.stack([torch.randperm(12, generator=gen)[:2] for _ in range(rows)])
+        weights = torch.rand(rows, 2, generator=gen)
+        want = full.routed(x, weights, experts)
+        total = sum(region.routed(x, weights, experts) for region in ranks)
+        torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("inter, world", [(64, 2), (64, 4), (96, 4), (96, 3)])
@@ -228,12 +274,33 @@ def _pieces_joined(parts: list[torch.Tensor], dim: int, length: int) -> torch.Te
     return joined.narrow(dim, 0, length)
 
 
+def _check_expert_slices(name: str, parts: list, whole: torch.Tensor, c, topo: Topology) -> None:
+    """Each rank's part of a routed stack [E, ...] is its intermediate slice of every expert: w1, w3 (and
+    their per-row scales) its rows, w2 its byte columns, w2's scales the 32-blocks its columns span;
+    zeros past them. The w1, w3, w2 slices joined over the ranks are the whole stack."""
+    I = c.moe_intermediate_size
+    for r, p in enumerate(parts):
+        piece = expert_slice(c, topo, r)
+        if piece is None:
+            assert not p.any(), (name, r)
+            continue
+        a, b = piece
+        dim, (lo, hi) = (1, piece) if name.startswith(("w1", "w3")) else (2, (a // 2, b // 2))
+        if name == "w2_s":
+            lo, hi = a // 32, -(-b // 32)
+        assert torch.equal(p.narrow(dim, 0, hi - lo), whole.narrow(dim, lo, hi - lo)), (name, r)
+        assert not p.narrow(dim, hi - lo, p.shape[dim] - (hi - lo)).any(), (name, r)  # zero padding
+    if name != "w2_s":
+        dim, length = (1, I) if name.startswith(("w1", "w3")) else (2, I // 2)
+        assert torch.equal(_pieces_joined(parts, dim, length), whole), name
+
+
 @pytest.mark.parametrize("topo", DRAFT_LAYOUTS.values(), ids=DRAFT_LAYOUTS)
 def test_draft_regions_hold_the_shards_of_the_target_layout(text, topo):
     """Compile-free (meta weights): the draft planned for one rank of `topo` holds, for every weight,
     exactly the shape of its rank's shard of the whole tensor (`shard` checks it), and those shards
-    divide the whole as the target's layers do: the draft's own routed experts in ep ranges (rank r
-    the experts r * E/ep ...), the shared expert's intermediate in whole slices with zeros past it,
+    divide the whole as the target's layers do: a slice of every one of the draft's own routed experts
+    on each rank (its intermediate columns, `expert_slice`), the shared expert's intermediate in whole slices with zeros past it,
     the attention's heads and output groups over tp; context projection and heads whole everywhere."""
     plan = plan_regions(text, torch.float32, True, topo, draft=True)
     assert {"dspark_context", "dspark_attn", "dspark_moe", "dspark_head"} <= set(plan.draft_kinds)
@@ -248,11 +315,9 @@ def test_draft_regions_hold_the_shards_of_the_target_layout(text, topo):
             parts = [shard(kind, s.name, whole, text, topo, r, s.buffer_shape) for r in range(topo.world)]
             assert all(tuple(p.shape) == s.buffer_shape for p in parts), (kind, s.name)
             divided = not replicated(kind, s.name, text, topo)
-            if kind == "dspark_moe" and topo.ep > 1 and s.name in ROUTED:
-                per = E // topo.ep
-                assert s.buffer_shape[0] == per
-                for r, p in enumerate(parts):
-                    assert torch.equal(p, whole[r * per : (r + 1) * per]), (s.name, r)
+            if kind == "dspark_moe" and topo.ep > 1 and s.name in ROUTED:  # every expert, sliced
+                assert s.buffer_shape[0] == E and divided
+                _check_expert_slices(s.name, parts, whole, draft_moe_config(text), topo)
             elif kind == "dspark_moe" and topo.ep > 1 and s.name.startswith("sw"):
                 dim = 1 if s.name.startswith("sw2") else 0  # sw1, sw3 [I, D]: rows; sw2 [D, I]: columns
                 length = I if not s.name.endswith("_s") else I // 32

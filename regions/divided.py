@@ -120,3 +120,13 @@ def attention_scale(numerator: Tensor, top: Tensor, total: Tensor, top_max: Tens
 def attention_divide(numerator: Tensor, total: Tensor) -> Tensor:
     """The summed scaled shares -> the attention [..., H, D]."""
     return numerator / total.unsqueeze(-1)
+
+
+def split_queries(queries: Tensor, q_heads: int, hd: int) -> tuple[Tensor, Tensor]:
+    """Every cp rank's query rows [cp, B, T, W] (the `query` stage's, all-gathered: its q_heads heads'
+    queries, then its rows of the indexer's) -> (the tp share's queries [B, T, cp * q_heads, hd], in cp
+    order: rank (t, c) owns heads j = t * cp + c; the indexer's query rows [B, T, Hi*di], empty where
+    the layer does not select)."""
+    width = q_heads * hd
+    q = queries[..., :width].movedim(0, 2).unflatten(-1, (q_heads, hd)).flatten(2, 3)
+    return q, queries[..., width:].movedim(0, 2).flatten(-2)

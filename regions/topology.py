@@ -35,6 +35,7 @@ buffer; one executable set serves every rank.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from deepinfer.bundles.topology import Topology
 from deepinfer.regions.config import TextConfig, draft_moe_config
@@ -47,8 +48,11 @@ def check(topo: Topology, c: TextConfig, *, draft: bool = False) -> tuple[str, s
     checkpoint's DSpark draft too (`check_draft`)."""
     if topo.ep > 1 and topo.ep != topo.world:
         return "ep", f"ep = {topo.ep} must be 1 or the world size {topo.world} (tp * cp = {topo.group_size})"
-    if topo.ep > 1 and topo.tp > 1:
-        return "ep", "expert parallel with tensor parallel attention is not supported; use tp = 1 or ep = 1"
+    if topo.ep > 1 and topo.tp > 1 and topo.ep != topo.group_size:
+        return "ep", (
+            f"expert parallel with tensor parallel attention needs ep = tp * cp (one token group), "
+            f"not ep = {topo.ep} with tp * cp = {topo.group_size}; use tp = 1 or ep = tp * cp"
+        )
     if topo.ep > 1 and topo.groups > 1 and topo.cp > 1:
         return "ep", (
             f"ep = {topo.ep} over {topo.groups} groups of cp = {topo.cp}: use ep = cp (all-reduce) or cp = 1 (dispatch)"
@@ -62,7 +66,42 @@ def check(topo: Topology, c: TextConfig, *, draft: bool = False) -> tuple[str, s
     rows = c.o_groups // topo.tp * c.o_lora_rank
     if topo.tp > 1 and (rows % BLOCK or c.num_attention_heads // topo.tp * c.head_dim % BLOCK):
         return "tp", f"tp = {topo.tp} would split the attention weights inside a {BLOCK}-wide fp8 scale block"
+    bad = check_heads(topo, c)
+    if bad is not None:
+        return bad
     return check_draft(topo, c) if draft else None
+
+
+def check_heads(topo: Topology, c: TextConfig) -> tuple[str, str] | None:
+    """(key, message) where the target's attention heads cannot divide over the token group (issue 40's
+    layout: `attention_share`), else None."""
+    H, hd, G, R, d = c.num_attention_heads, c.head_dim, c.o_groups, c.o_lora_rank, topo.group_size
+    if d == 1:
+        return None
+    key = "cp" if topo.cp > 1 else "tp"
+    where = f"tp = {topo.tp} x cp = {topo.cp}"
+    if H % d:
+        return key, f"{where} = {d} ranks must divide the attention heads ({H})"
+    if H // d * hd % BLOCK:
+        return key, f"{where}: {H // d} heads of {hd} a rank would split wq_b inside a {BLOCK}-wide fp8 scale block"
+    if G % d and d % G:
+        return key, f"{where} = {d} ranks and the {G} output groups must divide one another"
+    if G // d * R % BLOCK:
+        return key, f"{where}: {G // d} output groups of {R} rows a rank would split wo_a inside a {BLOCK}-row block"
+    if topo.cp == 1 or not any(c.compress_ratios):
+        return None
+    rr = out_rows(c, topo)
+    if rr % R and R % rr:
+        return (
+            "cp",
+            f"cp = {topo.cp}: the row-split output's {rr} wo_a rows a rank and the {R} rows of a group must divide one another",
+        )
+    if c.index_n_heads * c.index_head_dim // topo.cp % BLOCK or c.index_n_heads * c.index_head_dim % topo.cp:
+        return "cp", (
+            f"cp = {topo.cp} would split the indexer's {c.index_n_heads * c.index_head_dim} query rows "
+            f"inside a {BLOCK}-row fp8 scale block"
+        )
+    return None
 
 
 def check_draft(topo: Topology, c: TextConfig) -> tuple[str, str] | None:
@@ -95,7 +134,8 @@ def check_division(topo: Topology, c: TextConfig, block_size: int) -> tuple[str,
 
 
 def attention_config(c: TextConfig, topo: Topology) -> TextConfig:
-    """The attention shapes one tp rank computes: its heads and output groups."""
+    """The attention shapes one tp rank computes: its heads and output groups (the DSpark draft's
+    layout; the target's attention kinds divide over the token group: `attention_share`)."""
     if topo.tp == 1:
         return c
     return dataclasses.replace(c, num_attention_heads=c.num_attention_heads // topo.tp, o_groups=c.o_groups // topo.tp)
@@ -139,13 +179,65 @@ def shared_slice(c: TextConfig, topo: Topology, rank: int) -> tuple[int, int] | 
 def boundary_reduce(kind: str, method: str, topo: Topology) -> dict[str, list[list[int]]]:
     """The outputs of a (kind, method) summed over rank groups at the region's boundary -> {output:
     replica groups}; what runtime/ranks.Comm.after does on the host: the attention's partial
-    streams over each tp group, the MoE's over the token group when tokens are replicated in it
+    streams over each token group (the draft's over each tp group), the MoE's over the token group when tokens are replicated in it
     (ep = tp * cp). EP dispatch (token groups of one) moves rows instead; it stays on the host.
     The draft's attention (`dspark_attn`) and MoE (`dspark_moe`) are reduced as the target's."""
     if method not in ("decode", "output"):  # the divided attention's last stage ends the region
         return {}
-    if (kind.startswith("attn") or kind == "dspark_attn") and topo.tp > 1:
+    if kind.startswith("attn") and topo.group_size > 1:
+        return {"h": token_groups(topo)}
+    if kind == "dspark_attn" and topo.tp > 1:
         return {"h": topo.tp_groups()}
     if kind in ("moe", "dspark_moe") and topo.ep > 1 and not topo.dispatch:
         return {"h": [list(range(topo.world))]}
     return {}
+
+
+# --- the target's attention divided over the token group (issue 40) ----------------------------------
+
+
+def token_groups(topo: Topology) -> list[list[int]]:
+    """The ranks of each token group (tp * cp ranks that share a token stream), in rank order."""
+    d = topo.group_size
+    return [[g * d + i for i in range(d)] for g in range(topo.groups)]
+
+
+def head_index(topo: Topology, rank: int) -> int:
+    """j = t * cp + c: which 1/(tp * cp) of the heads rank `rank` owns (a tp rank's share of H/tp
+    heads split over its cp ranks in cp order)."""
+    return topo.tp_rank(rank) * topo.cp + rank % topo.group_size // topo.tp
+
+
+@dataclass(frozen=True)
+class AttentionShare:
+    """What one rank holds of a target attention layer.
+
+    head-split (window layers; every kind at cp = 1): q_heads = heads = H / d of wq_b and the sink;
+    wo_a [groups * R, q_heads * hd / groups], wo_b [D, groups * R] with groups = max(1, G / d).
+    row-split (compressed kinds at cp > 1, in stages): wq_b rows of its H / d heads, the sink of its
+    tp share's H / tp heads (it attends over them), `rows` of the share's wo_a rows (all H * hd / G
+    columns) and those wo_b columns, from `groups` whole groups (or part of one)."""
+
+    q_heads: int  # heads of its wq_b rows
+    heads: int  # heads it attends over; its sink entries
+    rows: int  # wo_a rows = wo_b columns
+    cols: int  # wo_a columns
+    groups: int  # the output groups the grouped projection runs over
+    staged: bool  # row-split (the divided stages)
+
+
+def out_rows(c: TextConfig, topo: Topology) -> int:
+    """rr: the row-split output's wo_a rows a rank holds: its tp share's G / tp * R rows over its cp
+    ranks in whole 32-blocks (the last ranks may hold zeros past the share)."""
+    blocks = -(-(c.o_groups // topo.tp * c.o_lora_rank) // BLOCK)
+    return -(-blocks // topo.cp) * BLOCK
+
+
+def attention_share(c: TextConfig, topo: Topology, ratio: int) -> AttentionShare:
+    """The share of a target attention layer (compress ratio `ratio`) one rank of `topo` holds."""
+    H, hd, G, R, d = c.num_attention_heads, c.head_dim, c.o_groups, c.o_lora_rank, topo.group_size
+    if topo.cp > 1 and ratio:
+        rr = out_rows(c, topo)
+        return AttentionShare(H // d, H // topo.tp, rr, H * hd // G, max(1, rr // R), True)
+    g = max(1, G // d)
+    return AttentionShare(H // d, H // d, g * R, H // d * hd // g, g, False)

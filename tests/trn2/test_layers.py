@@ -126,20 +126,27 @@ def _spec(tmp_path, tiny_ckpt, parallel):
 # (tp, ep, cp) -> {layer kind: the collectives its module holds, in order}. EP dispatch (ep = 2) is
 # checked by the compile of a whole bundle at that layout, every layer kind on two replicas
 # (tests/conftest.py trn2_ep2_bundle, read by tests/trn2/test_collectives.py)
+# The attention's partial streams are summed over the token group ("all_reduce h" after the attention),
+# then, with ep = tp * cp, the MoE's (the second "all_reduce h").
+SOURCE_R1_CAND = [
+    *("all_gather query", "all_gather values", "all_gather index", "all_gather block_values", "all_gather block_index"),
+    *("all_reduce top", "all_reduce numerator_s", "all_reduce total_s", "all_reduce h", "all_reduce h"),
+]
 LAYOUTS = {
     "tp=2": ((2, 1, 1), {"layer_window": ["all_reduce h"]}),
     "cp=ep=4": (
         (1, 4, 4),
         {
-            "layer_source_r1_cand": [
-                *("all_gather values", "all_gather index", "all_gather block_values", "all_gather block_index"),
-                *("all_reduce top", "all_reduce numerator_s", "all_reduce total_s", "all_reduce h"),
-            ],
+            "layer_source_r1_cand": SOURCE_R1_CAND,
             "layer_reindex_r1_cand": [
-                *("all_gather values", "all_gather index"),
-                *("all_reduce top", "all_reduce numerator_s", "all_reduce total_s", "all_reduce h"),
+                *("all_gather query", "all_gather values", "all_gather index"),
+                *("all_reduce top", "all_reduce numerator_s", "all_reduce total_s", "all_reduce h", "all_reduce h"),
             ],
         },
+    ),
+    "tp=2xcp=2,ep=4": (
+        (2, 4, 2),
+        {"layer_window": ["all_reduce h", "all_reduce h"], "layer_source_r1_cand": SOURCE_R1_CAND},
     ),
 }
 

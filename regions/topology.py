@@ -7,9 +7,13 @@
   the same prompt chunks and decode steps (the seed notes' context parallel, with
   prompt chunks replicated). Groups (world / (tp * cp) of them) serve different
   sequences, each with its own KV pools.
-- tp splits attention heads (and output groups): each tp rank computes its heads'
-  share of the attention output; the shares are summed (all-reduce) at the region
-  boundary. KV is a single latent head: every tp rank keeps the same pools.
+- The target's attention heads divide over the token group (tp * cp ranks, `attention_share`):
+  rank (t, c) holds the wq_b rows of heads j * H/(tp*cp) ... with j = t * cp + c; window layers
+  (and every kind at cp = 1) their output groups (head-split), compressed layers at cp > 1 whole
+  32-blocks of their tp share's output rows (row-split, after the cp ranks gathered the share's
+  queries). Each rank's output is a partial of the streams; the partials are summed (all-reduce)
+  over the token group at the region boundary. KV is a single latent head: every tp rank keeps
+  the same pools.
 - ep splits the routed experts over all ranks (ep is 1 or world). When the EP group
   is one token group (ep == tp * cp), tokens are already replicated: the MoE partials
   are all-reduced. Otherwise tokens are dispatched with one all-gather of packed rows
@@ -18,8 +22,8 @@
   ranks; the others hold zero weights and add zeros through the same graph.
 - The DSpark draft (`[speculative] draft`, regions/dspark.py) is laid out as the target: its MoE's
   routed experts (the draft's own, `dspark_n_routed_experts`) over the ep ranks and its shared
-  expert in the same slices, its attention's heads over the tp ranks, their outputs partial sums
-  combined as the target's; its context projection and heads are whole on every rank.
+  expert in the same slices, its attention's heads over the tp ranks (tp-only: its outputs'
+  partial sums combined over the tp group); its context projection and heads are whole on every rank.
 - The head is split by vocabulary over the ranks of a token group (tp * cp): each holds
   `head_rows` rows of it, vocab / (tp * cp) padded up to a whole block of 32 rows, rank
   `rank % (tp * cp)` of the group the rows from that index times `head_rows` on; the rows

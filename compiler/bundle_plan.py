@@ -105,8 +105,8 @@ class BundlePlan:
                 add(calls, "layer")
             for slot, (kind, _) in self.regions.bindings[p.layer].items() if not fused else ():
                 add(calls, slot, len(methods[kind]))
-            if topo.tp > 1:
-                add(collectives, "tp all-reduce")
+            if topo.group_size > 1:  # the heads (or output rows) divided over the token group
+                add(collectives, "attention all-reduce")
             if topo.dispatch:
                 add(collectives, "ep dispatch all-gather")
                 add(collectives, "ep combine reduce-scatter")
@@ -115,6 +115,7 @@ class BundlePlan:
             if p.engram_rows and topo.group_size > 1:  # its projection divided over the token group
                 add(collectives, "engram all-reduce")
             if topo.cp > 1 and p.ratio:
+                add(collectives, "cp query all-gather")
                 if p.attn in ("source", "reindex"):
                     add(collectives, "cp selection all-gather", 2 if p.candidate_source else 1)
                 add(collectives, "cp attention max all-gather")

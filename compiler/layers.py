@@ -10,10 +10,12 @@ collectives inside (`ops`):
     engram (where the layer has one); over a token group of several ranks: kv -> all-reduce of the
         partial keys and value over the token group -> mix (regions/engram.py)
     attention: decode; or, with the paged state divided over cp ranks (regions/divided.py),
-        select -> all-gather each rank's K best over the cp group -> merge_topk (and the candidate
-        pool's blocks the same way) -> attend -> all-reduce (max) of the softmax maxima ->
-        scale the shares -> all-reduce (sum) of numerators and sums -> divide -> output
-    tp > 1: all-reduce of the attention's partial streams over the tp group
+        query -> all-gather of the ranks' query rows over the cp group -> select -> all-gather each
+        rank's K best over the cp group -> merge_topk (and the candidate pool's blocks the same way)
+        -> attend -> all-reduce (max) of the softmax maxima -> scale the shares -> all-reduce (sum)
+        of numerators and sums -> divide -> output
+    tp * cp > 1: all-reduce of the attention's partial streams over the token group (its heads,
+        or the row-split output's rows, divided over it)
     MoE: ep all-reduce of the partials over the token group; or, with EP dispatch, all-gather of
         every group's rows, the MoE on them, reduce-scatter of the partials and this rank's rows
 
@@ -107,8 +109,8 @@ def ops(lk: LayerKind, plan: RegionPlan, topo: Topology, dtype: torch.dtype) -> 
         out.append(Run("attn", DECODE))
     else:
         out += _divided(attn, topo)
-    if topo.tp > 1:
-        out.append(Collective("all_reduce", "h", "h", _groups(topo.tp_groups()), to=dtype))
+    if topo.group_size > 1:  # the heads divided over the token group: its partial streams summed
+        out.append(Collective("all_reduce", "h", "h", _groups(topo.token_groups()), to=dtype))
     if topo.dispatch:
         world = _groups([list(range(topo.world))])
         out += [
@@ -141,9 +143,11 @@ def _engram(engram: Region, topo: Topology) -> list[Op]:
 
 
 def _divided(attn, topo: Topology) -> list[Op]:
-    """The divided attention's stages and merges over the cp groups (regions/divided.py)."""
+    """The divided attention's stages and merges over the cp groups (regions/divided.py): the query
+    rows gathered once, the selection's pairs gathered and merged, the attention's shares merged by
+    log-sum-exp; the output's partial streams are summed over the token group after it (`ops`)."""
     cp = _groups(topo.cp_groups())
-    out: list[Op] = []
+    out: list[Op] = [Run("attn", "query"), Collective("all_gather", "query", "queries", cp, stack=True)]
     if "select" in attn.methods():
         out += [
             Run("attn", "select"),

@@ -7,9 +7,13 @@
                       slice width and `expert_scale_blocks`; zeros for ranks without a slice
                       shared expert -> its intermediate columns [start, stop) of `shared_slice`,
                       zero-padded to the slice width; zeros for ranks without a slice
-    attn_*,           wq_b rows and sink entries of this rank's heads; wo_a rows and wo_b
-    dspark_attn,      columns of this rank's output groups (scales follow in 32-blocks)
-    tp > 1
+    attn_*,           heads over the token group (regions/topology.attention_share): wq_b rows
+    tp * cp > 1       of this rank's heads; window kinds and cp = 1: sink entries of its heads, wo_a
+                      rows (and, past G ranks, columns) and wo_b columns of its groups; compressed
+                      kinds at cp > 1: sink entries of its tp share, whole 32-blocks of the share's
+                      wo_a rows and those wo_b columns (zeros past it), indexer.wq_b rows over cp
+    dspark_attn,      wq_b rows and sink entries of this rank's heads; wo_a rows and wo_b
+    tp > 1            columns of this rank's output groups (scales follow in 32-blocks)
     head, tp * cp > 1 head.weight [V, D] -> its vocabulary rows [start, stop) of `head_slice`,
                       zero-padded to `head_rows`; zeros for ranks past the vocabulary
     engram,           wkv [(n+1)*D, hash_heads*hd] -> its input columns [start, stop) of
@@ -35,10 +39,12 @@ from deepinfer.bundles.topology import Topology
 from deepinfer.regions.config import TextConfig, draft_moe_config
 from deepinfer.regions.topology import (
     BLOCK,
+    attention_share,
     engram_slice,
     expert_scale_blocks,
     expert_slice,
     expert_slice_width,
+    head_index,
     head_rows,
     head_slice,
     shared_slice,
@@ -121,6 +127,46 @@ def _attention(name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
     return WHOLE
 
 
+def _heads(kind: str, name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
+    """The target's attention over the token group (regions/topology.attention_share): wq_b rows of
+    the rank's heads j = t * cp + c; the head-split output (sink of its heads, wo_a rows of its groups,
+    or of its one group and its heads' columns, wo_b columns of those groups) or, staged, the
+    row-split output (sink of its tp share, rr rows of the share's wo_a, those wo_b columns, zeros
+    past the share) and indexer.wq_b rows over the cp ranks."""
+    H, hd, G, R = c.num_attention_heads, c.head_dim, c.o_groups, c.o_lora_rank
+    share = attention_share(c, topo, 0 if kind == "attn_window" else 1)
+    j, scale = head_index(topo, rank), name.endswith("_s")
+    t, cp = topo.tp_rank(rank), rank % topo.group_size // topo.tp
+    if name.startswith("wq_b"):
+        width = share.q_heads * hd
+        return Cut(rows=_span(j * width, (j + 1) * width, scale))
+    if name.startswith("iwq_b") and share.staged:
+        width = c.index_n_heads * c.index_head_dim // topo.cp
+        return Cut(rows=_span(cp * width, (cp + 1) * width, scale))
+    if name == "sink":
+        first = (t if share.staged else j) * share.heads
+        return Cut(rows=(first, first + share.heads))
+    if not name.startswith(("wo_a", "wo_b")):
+        return WHOLE
+    cols: tuple[int, int] | None = None
+    if share.staged:
+        s0, s1 = t * (G // topo.tp) * R, (t + 1) * (G // topo.tp) * R
+        r0 = s0 + cp * share.rows
+        if r0 >= s1:
+            return ZERO  # past the tp share: zeros
+        rows = (r0, min(r0 + share.rows, s1))
+    elif G >= topo.group_size:
+        rows = (j * share.rows, (j + 1) * share.rows)
+    else:  # one group's rows, the columns of the rank's heads inside it
+        per_group = H // G
+        g = j * share.q_heads // per_group
+        rows = (g * R, (g + 1) * R)
+        c0 = j * share.q_heads % per_group * hd
+        cols = _span(c0, c0 + share.q_heads * hd, scale)
+    span = _span(*rows, scale)
+    return Cut(rows=span, cols=cols) if name.startswith("wo_a") else Cut(cols=span)
+
+
 def _head(c: TextConfig, topo: Topology, rank: int) -> Cut:
     piece = head_slice(c, topo, rank)
     return ZERO if piece is None else Cut(rows=piece)  # none: padding only
@@ -143,7 +189,9 @@ def cut(kind: str, name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
             return _routed(name, m, topo, rank)
         if name.startswith(SHARED):
             return _shared(name, m, topo, rank)
-    elif (kind.startswith("attn") or kind == DRAFT_ATTENTION) and topo.tp > 1:
+    elif kind.startswith("attn") and topo.group_size > 1:
+        return _heads(kind, name, c, topo, rank)
+    elif kind == DRAFT_ATTENTION and topo.tp > 1:
         return _attention(name, c, topo, rank)
     if kind == "engram" and name.startswith("wkv") and topo.group_size > 1:
         return _engram(name, c, topo, rank)
@@ -171,7 +219,12 @@ def shard(
     if k.cols:
         t = t.narrow(dim + 1, k.cols[0], k.cols[1] - k.cols[0])
     if tuple(t.shape) != tuple(shape):  # zero-padded to a slice width (routed or shared) or the head's rows
-        padded = name.startswith(SHARED) or routed or kind in ("head", "engram")
+        padded = (
+            name.startswith(SHARED)
+            or routed
+            or kind in ("head", "engram")
+            or (kind.startswith("attn") and name.startswith("wo_"))
+        )
         if not padded or t.dim() != len(shape) or any(a > b for a, b in zip(t.shape, shape)):
             m = MOE_KINDS.get(kind, lambda c: c)(c)
             raise AssertionError(

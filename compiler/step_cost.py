@@ -59,11 +59,13 @@ LOGITS = "logits all-gather"
 # the boundary all-reduces first (what trn2's collectives = "graph" moves into the modules,
 # regions.topology.boundary_reduce), then EP's rows, the divided attention's merges, the logits
 GRAPH_ORDER = (
+    "attention all-reduce",
     "tp all-reduce",
     "ep all-reduce",
     "engram all-reduce",
     "ep dispatch all-gather",
     "ep combine reduce-scatter",
+    "cp query all-gather",
     "cp selection all-gather",
     "cp attention max all-gather",
     "cp attention all-reduce",
@@ -132,7 +134,8 @@ def collective_bytes(c: TextConfig, topo: Topology, batch: int, act_bytes: int, 
     """Bytes one rank sends a decode step, by collective (runtime/ranks.Comm's), summed over the
     layers: `batch` sequences per token group at a `context`-position bucket.
 
-        tp all-reduce            float32 partial streams [B, n, D] after every attention
+        attention all-reduce     float32 partial streams [B, n, D] after every attention (its heads
+                                 or output rows divided over the token group, tp * cp > 1)
         ep all-reduce            float32 partial streams after every MoE (tokens replicated)
         ep dispatch all-gather   packed rows (h in the activation dtype, pre, is_image) once a layer
         ep combine reduce-scat.  float32 partials of every rank's rows
@@ -144,8 +147,8 @@ def collective_bytes(c: TextConfig, topo: Topology, batch: int, act_bytes: int, 
     layers, n, D = c.num_hidden_layers, c.hc_mult, c.hidden_size
     streams = batch * n * D * F32
     out: dict[str, int] = {}
-    if topo.tp > 1:
-        out["tp all-reduce"] = layers * streams
+    if topo.group_size > 1:
+        out["attention all-reduce"] = layers * streams
     if topo.dispatch:
         out["ep dispatch all-gather"] = layers * batch * (n * D * act_bytes + n * F32 + 1)
         out["ep combine reduce-scatter"] = layers * topo.world * streams
@@ -156,22 +159,25 @@ def collective_bytes(c: TextConfig, topo: Topology, batch: int, act_bytes: int, 
     if topo.world > 1:
         out[LOGITS] = batch * head_rows(c, topo) * F32
     if topo.cp > 1:
-        out.update(divided_merges(c, topo.tp, batch, act_bytes, context))
+        out.update(divided_merges(c, topo.tp, batch, act_bytes, context, cp=topo.cp))
     return out
 
 
-def divided_merges(c: TextConfig, tp: int, batch: int, act_bytes: int, context: int) -> dict[str, int]:
+def divided_merges(c: TextConfig, tp: int, batch: int, act_bytes: int, context: int, *, cp: int = 1) -> dict[str, int]:
     """The divided attention's merges (runtime/ranks.Comm.topk, .blocks, .attention): bytes one cp
     rank sends a decode step. Selection: every index layer's K best (score in the activation dtype,
     int64 global index) [B, K], and on the candidate source its N best blocks the same way; attention:
-    every compressed layer's float32 softmax max [B, H] and its numerator and sum [B, H, hd + 1]."""
+    every compressed layer's float32 softmax max [B, H] and its numerator and sum [B, H, hd + 1]; query:
+    every compressed layer's query rows (its H/(tp*cp) heads, on index layers its 1/cp of the indexer's)."""
     heads = c.num_attention_heads // tp
     pair = act_bytes + INDEX
-    select = maxima = reduce = 0
+    select = maxima = reduce = query = 0
     for layer in range(c.num_hidden_layers):
         ratio = c.compress_ratios[layer]
         if not ratio:
             continue
+        index_rows = c.index_n_heads * c.index_head_dim if c.layer_kind(layer) in ("source", "reindex") else 0
+        query += batch * (heads // cp * c.head_dim + index_rows // cp) * act_bytes  # its query rows
         maxima += batch * heads * F32
         reduce += batch * heads * (c.head_dim + 1) * F32
         width = context // ratio  # Wc
@@ -180,6 +186,7 @@ def divided_merges(c: TextConfig, tp: int, batch: int, act_bytes: int, context: 
         if layer == c.candidate_source_layer_id:
             select += batch * min(c.candidate_topk_blocks, -(-width // c.candidate_block_size)) * pair
     return {
+        "cp query all-gather": query,
         "cp selection all-gather": select,
         "cp attention max all-gather": maxima,
         "cp attention all-reduce": reduce,

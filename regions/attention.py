@@ -44,53 +44,16 @@ from deepinfer.bundles.manifest import DECODE, blocks_per_rank
 from deepinfer.kernels import attention as _attn  # noqa: F401  (registers ops)
 from deepinfer.kernels.cachequant import maybe_quant
 from deepinfer.kernels.rope import apply_rope, rope_angles, rope_frequencies
+from deepinfer.regions import attention_specs as held
 from deepinfer.regions import divided
-from deepinfer.regions.base import Region, WeightSpec, fp8_specs
+from deepinfer.regions.base import Region, WeightSpec
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.paging import gather_pages, gather_rows, ring_update, write_pages
-from deepinfer.regions.selection import candidate_blocks, in_blocks, local_candidate_blocks, torch_topk
+from deepinfer.regions.selection import candidate_blocks, in_blocks, local_candidate_blocks
 from deepinfer.regions.state import Geometry, InputSpec, step_inputs
+from deepinfer.regions.topology import AttentionShare
 
 ops = torch.ops.deepinfer
-
-
-def _attention_specs(c: TextConfig) -> list[WeightSpec]:
-    n, D, H, hd = c.hc_mult, c.hidden_size, c.num_attention_heads, c.head_dim
-    G, R = c.o_groups, c.o_lora_rank
-    return [
-        WeightSpec("hc_fn", "hc_attn_fn", ((2 + n) * n, n * D), "F32"),
-        WeightSpec("hc_base", "hc_attn_base", ((2 + n) * n,), "F32"),
-        WeightSpec("hc_scale", "hc_attn_scale", (3,), "F32"),
-        WeightSpec("attn_norm", "attn_norm.weight", (D,), "BF16"),
-        *fp8_specs("wq_a", "attn.wq_a", c.q_lora_rank, D),
-        WeightSpec("q_norm", "attn.q_norm.weight", (c.q_lora_rank,), "BF16"),
-        *fp8_specs("wq_b", "attn.wq_b", H * hd, c.q_lora_rank),
-        *fp8_specs("wkv", "attn.wkv", hd, D),
-        WeightSpec("kv_norm", "attn.kv_norm.weight", (hd,), "BF16"),
-        *fp8_specs("wo_a", "attn.wo_a", G * R, H * hd // G),
-        *fp8_specs("wo_b", "attn.wo_b", D, G * R),
-        WeightSpec("sink", "attn.attn_sink", (H,), "F32"),
-    ]
-
-
-def _indexer_query_specs(c: TextConfig) -> list[WeightSpec]:
-    return [
-        *fp8_specs("iwq_b", "attn.indexer.wq_b", c.index_n_heads * c.index_head_dim, c.q_lora_rank),
-        WeightSpec("iweights", "attn.indexer.weights_proj.weight", (c.index_n_heads, c.hidden_size), "BF16"),
-    ]
-
-
-def _source_specs(c: TextConfig, ratio: int) -> list[WeightSpec]:
-    hd, D = c.head_dim, c.hidden_size
-    specs = [WeightSpec("c_wkv", "attn.compressor.wkv.weight", (hd, D), "F32")]
-    if ratio > 1:
-        specs.append(WeightSpec("c_wgate", "attn.compressor.wgate.weight", (hd, D), "F32"))
-    specs += [
-        WeightSpec("c_norm", "attn.compressor.norm.weight", (hd,), "BF16"),
-        WeightSpec("iwk", "attn.indexer.wk.weight", (c.index_head_dim, hd), "BF16"),
-        WeightSpec("ik_norm", "attn.indexer.k_norm.weight", (c.index_head_dim,), "BF16"),
-    ]
-    return specs
 
 
 class _Attention(Region):
@@ -101,11 +64,20 @@ class _Attention(Region):
     cp: int = 1  # > 1: the paged state divided over cp ranks; the step runs in stages (regions/divided.py)
     selects: bool = False  # scores the index keys (kv and index sources) rather than reusing a selection
 
-    def __init__(self, c: TextConfig, specs: list[WeightSpec], *, dtype: torch.dtype, cache_quant: bool):
-        super().__init__(_attention_specs(c) + specs, dtype)
+    def __init__(
+        self,
+        c: TextConfig,
+        specs: list[WeightSpec],
+        *,
+        dtype: torch.dtype,
+        cache_quant: bool,
+        share: AttentionShare | None = None,
+    ):
+        self.share = held.whole_share(c) if share is None else share  # what this rank holds (regions/topology.py)
+        super().__init__(held.attention_specs(c, self.share) + specs, dtype)
         self.c = c
         self.cache_quant = cache_quant
-        self.heads, self.hd = c.num_attention_heads, c.head_dim
+        self.q_heads, self.heads, self.hd = self.share.q_heads, self.share.heads, c.head_dim
         self.window = c.sliding_window
         self.ties = "lowest"  # see kernels/select.py; the eager reference may choose "nemo"
 
@@ -120,9 +92,9 @@ class _Attention(Region):
 
     def methods(self) -> tuple[str, ...]:
         """`decode`; with the paged state divided over cp ranks, its stages (regions/divided.py)."""
-        if self.cp == 1 or not self.ratio:
+        if not self.share.staged:
             return (DECODE,)
-        return (("select",) if self.selects else ()) + ("attend", "output")
+        return ("query",) + (("select",) if self.selects else ()) + ("attend", "output")
 
     def _streams(self, B: int, T: int) -> list[InputSpec]:
         c = self.c
@@ -138,11 +110,22 @@ class _Attention(Region):
         blocks = blocks_per_rank(g.blocks, self.cp)
         return [InputSpec(n, (blocks, g.block_size // self.ratio, widths[n]), self.dtype, "state") for n in names]
 
+    def query_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        """The divided attention's first stage: the streams and the positions."""
+        return [*self._streams(B, T), InputSpec("positions", (B, T), torch.int64, "step")]
+
+    def query_outputs(self) -> list[str]:
+        return ["x", "query", "mix_pre", "post", "comb"]
+
+    def _queried(self, B: int, T: int) -> list[InputSpec]:
+        """What the stages after `query` read of it: x and every cp rank's query rows (`_queries`)."""
+        return held.queried_specs(self.c, self.share, self.cp, self.selects, self.dtype, B, T)
+
     def attend_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
-        """The divided attention's second stage: the streams, the step, the window ring, this rank's
-        compressed KV and the merged selection."""
+        """The divided attention's attend stage: x, the gathered queries, the step, the window ring,
+        this rank's compressed KV and the merged selection."""
         return [
-            *self._streams(B, T),
+            *self._queried(B, T),
             *step_inputs(B, T, g, paged=True),
             self._win_spec(g),
             *self._paged(g, "ckv"),
@@ -153,12 +136,9 @@ class _Attention(Region):
         return ["numerator", "top", "total"]
 
     def output_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
-        """The last stage: the streams, the positions and the merged attention [B, T, H, hd] float32."""
-        return [
-            *self._streams(B, T),
-            InputSpec("positions", (B, T), torch.int64, "step"),
-            InputSpec("attention", (B, T, self.heads, self.hd), torch.float32, "activation"),
-        ]
+        """The last stage: the streams, the site's mixes, the positions and the merged attention
+        [B, T, H/tp, hd] float32."""
+        return held.output_stage_specs(self.c, self.share, self.dtype, B, T)
 
     def output_outputs(self) -> list[str]:
         return ["h", "pre"]
@@ -213,13 +193,18 @@ class _Attention(Region):
         return ops.rmsnorm(ops.blockquant_gemm(x, self.wq_a, self.wq_a_s, self.fp8), self.q_norm, self.c.rms_norm_eps)
 
     def _project(self, x: Tensor, angles: Tensor):
-        eps = self.c.rms_norm_eps
         q_lat = self._q_latent(x)
-        q = ops.blockquant_gemm(q_lat, self.wq_b, self.wq_b_s, self.fp8).unflatten(-1, (self.heads, self.hd))
-        q = apply_rope(q, angles)  # [B, T, H, hd]
-        kv = ops.rmsnorm(ops.blockquant_gemm(x, self.wkv, self.wkv_s, self.fp8), self.kv_norm, eps)
-        kv = maybe_quant(apply_rope(kv, angles), "fp8", self.cache_quant)  # [B, T, hd]
-        return q, q_lat, kv
+        return self._heads_query(q_lat, angles), q_lat, self._kv(x, angles)
+
+    def _heads_query(self, q_lat: Tensor, angles: Tensor) -> Tensor:
+        """This rank's heads' queries [B, T, q_heads, hd], rope applied."""
+        q = ops.blockquant_gemm(q_lat, self.wq_b, self.wq_b_s, self.fp8).unflatten(-1, (self.q_heads, self.hd))
+        return apply_rope(q, angles)
+
+    def _kv(self, x: Tensor, angles: Tensor) -> Tensor:
+        """The step's latents [B, T, hd] (the window's keys and values), rope applied."""
+        kv = ops.rmsnorm(ops.blockquant_gemm(x, self.wkv, self.wkv_s, self.fp8), self.kv_norm, self.c.rms_norm_eps)
+        return maybe_quant(apply_rope(kv, angles), "fp8", self.cache_quant)
 
     def _window_keys(self, kv: Tensor, positions: Tensor, slots: Tensor, win: Tensor):
         """Keys of the causal window of each query; updates the ring in place.
@@ -250,23 +235,28 @@ class _Attention(Region):
 
     def _out_project(self, o: Tensor, angles: Tensor) -> Tensor:
         """The attention's result o [B, T, H, hd] de-rotated through the grouped output projection."""
-        c = self.c
         o = apply_rope(o, angles, inverse=True)
-        G = c.o_groups
+        G = self.share.groups
         o = o.flatten(-2).unflatten(-1, (G, -1))  # [B, T, G, H*hd/G]
         wo_a = self.wo_a.unflatten(0, (G, -1))  # [G, R, H*hd/G]
         wo_a_s = self.wo_a_s.unflatten(0, (G, -1))
         o = ops.blockquant_gemm(o, wo_a, wo_a_s, self.fp8).flatten(-2)  # [B, T, G*R]
         return ops.blockquant_gemm(o, self.wo_b, self.wo_b_s, self.fp8)  # [B, T, D]
 
+    def summed_over(self) -> int:
+        """The ranks whose partial streams sum to this layer's: the token group's tp * cp (the target's
+        heads divided over it), the tp group's for the DSpark draft (regions/topology.boundary_reduce)."""
+        return self.tp * self.cp if self.kind.startswith("attn") else self.tp
+
     def _finish(self, out: Tensor, h: Tensor, mix) -> tuple[Tensor, Tensor]:
-        """The new streams. With tp > 1, `out` covers this rank's heads: the streams come back
-        as a float32 partial whose residual mix only the group's first rank adds; the runtime
-        sums the partials over the tp ranks (regions/topology.py)."""
+        """The new streams. With several ranks (`summed_over`), `out` covers this rank's heads (or
+        output rows): the streams come back as a float32 partial whose residual mix only the group's
+        first rank adds; the runtime sums the partials over the group (regions/topology.py)."""
         pre, post, comb = mix
-        if self.tp == 1:
+        n = self.summed_over()
+        if n == 1:
             return ops.hc_expand(out, h, post, comb), pre
-        lead = (self.rank % self.tp == 0).to(torch.float32)
+        lead = (self.rank % n == 0).to(torch.float32)
         return ops.hc_expand(out.float(), h.float() * lead, post, comb), pre
 
     # -- the divided stages (cp > 1, regions/divided.py) -------------------------------------
@@ -274,14 +264,31 @@ class _Attention(Region):
     def _cp_rank(self) -> Tensor:
         return divided.cp_rank(self.rank, self.tp, self.cp)
 
-    def attend(self, h, pre, positions, slots, block_table, win, ckv, topk):
-        """This rank's share of the attention: the entries of the merged selection `topk` [B, T, K] it
-        holds, and on cp rank 0 the window and the sink (they count once); the window ring updated on
-        every rank -> (numerator [B, T, H, hd], max [B, T, H], sum [B, T, H]), float32."""
-        x, _ = self._site_input(h, pre)
+    def query(self, h, pre, positions):
+        """The site's input, mixes and query latent, once: -> x [B, T, D], this rank's query rows
+        [B, T, W] (its H/(tp*cp) heads' queries, rope applied, flattened; on index layers then its
+        (Hi*di)/cp rows of the indexer's queries, before rope), the mixes mix_pre, post [B, T, n] and
+        comb [B, T, n, n]. The cp ranks all-gather the query rows (`Merge.queries`)."""
+        x, (mix_pre, post, comb) = self._site_input(h, pre)
+        q_lat = self._q_latent(x)
+        query = self._heads_query(q_lat, self._angles(positions)).flatten(-2)
+        if self.selects:
+            query = torch.cat((query, ops.blockquant_gemm(q_lat, self.iwq_b, self.iwq_b_s, self.fp8)), -1)
+        return x, query, mix_pre, post, comb
+
+    def _queries(self, queries: Tensor) -> tuple[Tensor, Tensor]:
+        """Every cp rank's query rows [cp, B, T, W] -> (the tp share's queries [B, T, H/tp, hd], in cp
+        order; the indexer's query rows [B, T, Hi*di], empty where the layer does not select)."""
+        return divided.split_queries(queries, self.q_heads, self.hd)
+
+    def attend(self, x, queries, positions, slots, block_table, win, ckv, topk):
+        """This rank's share of the attention over the tp share's heads: the entries of the merged
+        selection `topk` [B, T, K] it holds, and on cp rank 0 the window and the sink (they count once);
+        the window ring updated on every rank -> (numerator [B, T, H/tp, hd], max [B, T, H/tp], sum
+        [B, T, H/tp]), float32."""
         angles = self._angles(positions)
-        q, _, kv = self._project(x, angles)
-        keys, valid = self._window_keys(kv, positions, slots, win)
+        q, _ = self._queries(queries)
+        keys, valid = self._window_keys(self._kv(x, angles), positions, slots, win)
         c = self._cp_rank()
         lead = c == 0
         per_block = ckv.shape[1]
@@ -294,20 +301,35 @@ class _Attention(Region):
         valid = torch.cat((valid & lead, mine), 2)
         return ops.sparse_attn_partial(q, keys, valid, self.sink, self.hd**-0.5, lead)
 
-    def output(self, h, pre, positions, attention):
-        """The merged attention [B, T, H, hd] float32 through the output projection -> (h, pre)."""
-        _, mix = self._site_input(h, pre)
-        out = self._out_project(attention.to(self.dtype), self._angles(positions))
-        return self._finish(out, h, mix)
+    def output(self, h, mix_pre, post, comb, positions, attention):
+        """The merged attention [B, T, H/tp, hd] float32 through this rank's rows of the output
+        projection (`_row_split`) -> (the partial streams, float32; pre)."""
+        return self._finish(self._row_split(attention, self._angles(positions)), h, (mix_pre, post, comb))
 
-    def _select_local(self, x, q_lat, angles, positions, block_table, ikeys, cand_blocks=None):
-        """This rank's share of the selection: its index keys scored -> (the scores [B, T, Wl] and their
-        global indices [Wl]; the K best (score, global index) pairs [B, T, K], padded to K)."""
+    def _row_split(self, attention: Tensor, angles: Tensor) -> Tensor:
+        """The row-split output: this rank's rr rows of its tp share's wo_a (cp rank c: the share's rows
+        c * rr ...; zeros past the share) over their groups' de-rotated heads, then those wo_b columns
+        -> this rank's partial [B, T, D]; summed over the token group it is the whole output."""
+        s, R = self.share, self.c.o_lora_rank
+        per_group = self.c.num_attention_heads // self.c.o_groups  # heads a group
+        groups = self.heads // per_group  # the tp share's groups
+        first = torch.div(self._cp_rank() * s.rows, R, rounding_mode="floor")
+        idx = (first + torch.arange(s.groups, device=attention.device)).clamp(max=groups - 1)
+        o = attention.unflatten(2, (groups, per_group)).index_select(2, idx).flatten(2, 3)  # [B, T, ng*pg, hd]
+        o = apply_rope(o.to(self.dtype), angles, inverse=True).flatten(-2).unflatten(-1, (s.groups, -1))
+        wo_a, wo_a_s = self.wo_a.unflatten(0, (s.groups, -1)), self.wo_a_s.unflatten(0, (s.groups, -1))
+        o = ops.blockquant_gemm(o, wo_a, wo_a_s, self.fp8).flatten(-2)  # [B, T, rr]
+        return ops.blockquant_gemm(o, self.wo_b, self.wo_b_s, self.fp8)  # [B, T, D]
+
+    def _select_local(self, x, iq, angles, positions, block_table, ikeys, cand_blocks=None):
+        """This rank's share of the selection: its index keys scored by the indexer's query rows `iq`
+        [B, T, Hi*di] (gathered, before rope) -> (the scores [B, T, Wl] and their global indices [Wl];
+        the K best (score, global index) pairs [B, T, K], padded to K)."""
         c = self._cp_rank()
         per_block = ikeys.shape[1]
         local, cols = divided.local_pages(block_table, self.cp, c)
         gidx = divided.local_entries(cols, per_block, block_table.shape[1])  # [Wl]
-        qi, w = self._index_queries(x, q_lat, angles)
+        qi, w = self._index_rows(x, iq, angles)
         vis_len = torch.div(positions + 1, self.ratio, rounding_mode="floor").clamp_min(0)  # [B, T]
         visible = gidx < vis_len.unsqueeze(-1)  # [B, T, Wl]
         scores = ops.index_score(qi, gather_pages(ikeys, local), w, visible)
@@ -323,9 +345,10 @@ class _Attention(Region):
 
     # -- indexer ---------------------------------------------------------------------------
 
-    def _index_queries(self, x: Tensor, q_lat: Tensor, angles: Tensor):
+    def _index_rows(self, x: Tensor, qi: Tensor, angles: Tensor):
+        """The indexer's query rows [B, T, Hi*di] -> its queries [B, T, Hi, di] (rope applied) and head
+        weights [B, T, Hi]."""
         c = self.c
-        qi = ops.blockquant_gemm(q_lat, self.iwq_b, self.iwq_b_s, self.fp8)
         qi = apply_rope(qi.unflatten(-1, (c.index_n_heads, c.index_head_dim)), angles)
         qi = maybe_quant(qi, "mxfp4", self.cache_quant)  # [B, T, Hi, di]
         w = F.linear(x, self.iweights.to(x.dtype)) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
@@ -334,13 +357,13 @@ class _Attention(Region):
     def _select(self, x, q_lat, angles, positions, ikeys_all, cand, make_cand: bool):
         """Index scores over the visible compressed entries -> topk (and the candidate pool)."""
         c = self.c
-        qi, w = self._index_queries(x, q_lat, angles)
+        qi, w = self._index_rows(x, ops.blockquant_gemm(q_lat, self.iwq_b, self.iwq_b_s, self.fp8), angles)
         width = ikeys_all.shape[1]
         vis_len = torch.div(positions + 1, self.ratio, rounding_mode="floor").clamp_min(0)  # [B, T]
         visible = torch.arange(width, device=x.device) < vis_len.unsqueeze(-1)  # [B, T, Wc]
         scores = ops.index_score(qi, ikeys_all, w, visible)
         if self.ties == "nemo":
-            return self._select_nemo(scores, positions, vis_len, visible, cand, make_cand)
+            return held.select_nemo(c, self.ratio, scores, positions, vis_len, visible, cand, make_cand)
         if make_cand:
             cand = candidate_blocks(scores, vis_len, c.candidate_topk_blocks, c.candidate_block_size) & visible
         elif cand is not None:
@@ -349,44 +372,14 @@ class _Attention(Region):
         idx = torch.where(torch.isfinite(scores.gather(-1, idx)), idx, -1)
         return idx, cand
 
-    def _select_nemo(self, scores, positions, vis_len, visible, cand, make_cand: bool):
-        """Selection as NeMo AutoModel's full-sequence forward makes it (eager only).
-
-        NeMo scores a row of width floor(length / ratio) and calls torch.topk,
-        whose choice among equal scores depends on that width. Slicing each
-        sequence's row to the width of its forward so far reproduces it exactly.
-        """
-        c = self.c
-        B, T, width = scores.shape
-        k_out = min(c.index_topk, width)
-        topk = torch.full((B, T, k_out), -1, dtype=torch.int64)
-        cand_out = torch.zeros_like(scores, dtype=torch.bool) if make_cand else cand
-        for b in range(B):
-            W = int(positions[b].max() + 1) // self.ratio
-            if W <= 0:
-                continue
-            s = scores[b, :, :W]
-            if make_cand:
-                keep = (
-                    candidate_blocks(s, vis_len[b], c.candidate_topk_blocks, c.candidate_block_size, select=torch_topk)
-                    & visible[b, :, :W]
-                )
-                cand_out[b, :, :W] = keep
-            elif cand is not None:
-                s = s.masked_fill(~cand[b, :, :W], float("-inf"))
-            k = min(c.index_topk, W)
-            idx = s.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
-            topk[b, :, :k] = torch.where(torch.isfinite(s.gather(-1, idx)), idx, -1)
-        return topk, cand_out
-
 
 class WindowAttention(_Attention):
     """Ratio-0 layers: attention over the causal window only."""
 
     kind = "attn_window"
 
-    def __init__(self, c: TextConfig, *, dtype: torch.dtype, cache_quant: bool):
-        super().__init__(c, [], dtype=dtype, cache_quant=cache_quant)
+    def __init__(self, c: TextConfig, *, dtype: torch.dtype, cache_quant: bool, share: AttentionShare | None = None):
+        super().__init__(c, [], dtype=dtype, cache_quant=cache_quant, share=share)
 
     def decode(self, h: Tensor, pre: Tensor, positions: Tensor, slots: Tensor, win: Tensor):
         """h [B, T, n, D], pre [B, T, n] -> (h [B, T, n, D], pre [B, T, n])."""
@@ -402,9 +395,19 @@ class SourceAttention(_Attention):
 
     kind = "attn_source"
 
-    def __init__(self, c: TextConfig, *, ratio: int, candidate_source: bool, dtype: torch.dtype, cache_quant: bool):
+    def __init__(
+        self,
+        c: TextConfig,
+        *,
+        ratio: int,
+        candidate_source: bool,
+        dtype: torch.dtype,
+        cache_quant: bool,
+        share: AttentionShare | None = None,
+    ):
         self.ratio = ratio
-        super().__init__(c, _source_specs(c, ratio) + _indexer_query_specs(c), dtype=dtype, cache_quant=cache_quant)
+        specs = held.source_specs(c, ratio) + held.indexer_query_specs(c, held.query_split(share))
+        super().__init__(c, specs, dtype=dtype, cache_quant=cache_quant, share=share)
         self.candidate_source = candidate_source
         self.selects = True
         self.kind = f"attn_source_r{ratio}" + ("_cand" if candidate_source else "")
@@ -468,25 +471,25 @@ class SourceAttention(_Attention):
         write_pages(ikeys, block_table, t, complete, ik_new.to(ikeys.dtype))
 
     def select_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
-        """The divided first stage: the streams, the step, this rank's compressed KV and index keys (it
-        writes the entries it holds), the compressor's partial groups (every rank keeps them)."""
-        return [*self._streams(B, T), *step_inputs(B, T, g, paged=True), *self._paged(g, "ckv", "ikeys")] + (
+        """The divided selection: x, the gathered queries, the step, this rank's compressed KV and index
+        keys (it writes the entries it holds), the compressor's partial groups (every rank keeps them)."""
+        return [*self._queried(B, T), *step_inputs(B, T, g, paged=True), *self._paged(g, "ckv", "ikeys")] + (
             self._extra_specs(B, T, g)
         )
 
     def select_outputs(self) -> list[str]:
         return ["values", "index"] + (["block_values", "block_index"] if self.candidate_source else [])
 
-    def select(self, h, pre, positions, slots, block_table, ckv, ikeys, part_kv=None, part_gate=None):
+    def select(self, x, queries, positions, slots, block_table, ckv, ikeys, part_kv=None, part_gate=None):
         """Compress the chunk (every rank: the partial groups are per slot), write the entries this rank
         holds, score its own index keys -> its K best (score [B, T, K], global index [B, T, K]) and,
         for the candidate source, its best candidate blocks (score, global block id) [B, T, N]."""
-        x, _ = self._site_input(h, pre)
         angles = self._angles(positions)
         latent, t, complete = self._compress(x, positions, slots, part_kv, part_gate)
         mine = complete & divided.owned(t, ckv.shape[1], self.cp, self._cp_rank())
         self._write_compressed(latent, t, mine, block_table, ckv, ikeys)
-        scores, gidx, values, index = self._select_local(x, self._q_latent(x), angles, positions, block_table, ikeys)
+        iq = self._queries(queries)[1]
+        scores, gidx, values, index = self._select_local(x, iq, angles, positions, block_table, ikeys)
         if not self.candidate_source:
             return values, index
         c = self.c
@@ -516,9 +519,19 @@ class ReindexAttention(_Attention):
 
     kind = "attn_reindex"
 
-    def __init__(self, c: TextConfig, *, ratio: int, uses_candidates: bool, dtype: torch.dtype, cache_quant: bool):
+    def __init__(
+        self,
+        c: TextConfig,
+        *,
+        ratio: int,
+        uses_candidates: bool,
+        dtype: torch.dtype,
+        cache_quant: bool,
+        share: AttentionShare | None = None,
+    ):
         self.ratio = ratio
-        super().__init__(c, _indexer_query_specs(c), dtype=dtype, cache_quant=cache_quant)
+        specs = held.indexer_query_specs(c, held.query_split(share))
+        super().__init__(c, specs, dtype=dtype, cache_quant=cache_quant, share=share)
         self.uses_candidates = uses_candidates
         self.selects = True
         self.kind = f"attn_reindex_r{ratio}" + ("_cand" if uses_candidates else "")
@@ -532,19 +545,17 @@ class ReindexAttention(_Attention):
         return [InputSpec("cand", (B, T, g.compressed_width(self.ratio)), torch.bool, "carry")]
 
     def select_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
-        """The divided first stage: the streams, the step, this rank's index keys (its source's) and,
-        where it uses the candidate pool, the pool's chosen blocks (global ids [B, T, N], -1: none)."""
+        """The divided selection: x, the gathered queries, the step, this rank's index keys (its source's)
+        and, where it uses the candidate pool, the pool's chosen blocks (global ids [B, T, N], -1: none)."""
         extra = (
             [InputSpec("cand", (B, T, self.candidate_width(g)), torch.int64, "carry")] if self.uses_candidates else []
         )
-        return [*self._streams(B, T), *step_inputs(B, T, g, paged=True), *self._paged(g, "ikeys"), *extra]
+        return [*self._queried(B, T), *step_inputs(B, T, g, paged=True), *self._paged(g, "ikeys"), *extra]
 
-    def select(self, h, pre, positions, slots, block_table, ikeys, cand=None):
+    def select(self, x, queries, positions, slots, block_table, ikeys, cand=None):
         """Score this rank's index keys (of its source) -> its K best (score, global index) [B, T, K]."""
-        x, _ = self._site_input(h, pre)
-        _, _, values, index = self._select_local(
-            x, self._q_latent(x), self._angles(positions), positions, block_table, ikeys, cand
-        )
+        iq = self._queries(queries)[1]
+        _, _, values, index = self._select_local(x, iq, self._angles(positions), positions, block_table, ikeys, cand)
         return values, index
 
     def decode(self, h, pre, positions, slots, block_table, win, ckv, ikeys, cand=None):
@@ -566,9 +577,11 @@ class ReuseAttention(_Attention):
 
     kind = "attn_reuse"
 
-    def __init__(self, c: TextConfig, *, ratio: int, dtype: torch.dtype, cache_quant: bool):
+    def __init__(
+        self, c: TextConfig, *, ratio: int, dtype: torch.dtype, cache_quant: bool, share: AttentionShare | None = None
+    ):
         self.ratio = ratio
-        super().__init__(c, [], dtype=dtype, cache_quant=cache_quant)
+        super().__init__(c, [], dtype=dtype, cache_quant=cache_quant, share=share)
         self.kind = f"attn_reuse_r{ratio}"
 
     def _extra_specs(self, B, T, g):

@@ -7,9 +7,12 @@ cp rank j % cp, in that rank's own pool, at the block id the sequence's block ta
 entry t is written only by its owner. The per-slot state (window rings, the compressor's partial
 groups) stays whole on every rank: every rank compresses, only the owner writes.
 
-A compressed attention layer then runs in stages (`regions/attention.py`: `select`, `attend`,
-`output`), merged between them:
+A compressed attention layer then runs in stages (`regions/attention.py`: `query`, `select`,
+`attend`, `output`), merged between them:
 
+- query: the site's mixes, x and the query latent once; each rank's query rows (its H/(tp*cp)
+  heads' queries, on index layers its 1/cp of the indexer's query rows) are all-gathered over the
+  cp group (`split_queries` reads them: the tp share's heads, every indexer row).
 - select: each rank scores its own entries and keeps its K best as (score, global index) pairs,
   padded to K; `merge_topk` picks the K best of all ranks' pairs in the order cp = 1 uses (score
   descending, the lowest index first among equal scores): each rank's share of the true top-K is
@@ -20,7 +23,9 @@ A compressed attention layer then runs in stages (`regions/attention.py`: `selec
   and the sink too (they count once), returning the unnormalized numerator and the softmax's max
   and sum (`kernels.attention.sparse_attn_partial`); `merge_attention` combines them by
   log-sum-exp into the attention over everything, within float32 rounding of cp = 1.
-- output: the merged attention through the output projections, on every rank.
+- output: the merged attention through the rank's rows of its tp share's output projection (the
+  row-split output: regions/topology.attention_share); the partial streams are summed over the
+  token group at the region boundary.
 
 These functions are the merges' definition: the runtime computes the same with collectives over
 the cp group (`runtime.ranks.Comm`), the tests with them directly.
@@ -120,3 +125,13 @@ def attention_scale(numerator: Tensor, top: Tensor, total: Tensor, top_max: Tens
 def attention_divide(numerator: Tensor, total: Tensor) -> Tensor:
     """The summed scaled shares -> the attention [..., H, D]."""
     return numerator / total.unsqueeze(-1)
+
+
+def split_queries(queries: Tensor, q_heads: int, hd: int) -> tuple[Tensor, Tensor]:
+    """Every cp rank's query rows [cp, B, T, W] (the `query` stage's, all-gathered: its q_heads heads'
+    queries, then its rows of the indexer's) -> (the tp share's queries [B, T, cp * q_heads, hd], in cp
+    order: rank (t, c) owns heads j = t * cp + c; the indexer's query rows [B, T, Hi*di], empty where
+    the layer does not select)."""
+    width = q_heads * hd
+    q = queries[..., :width].movedim(0, 2).unflatten(-1, (q_heads, hd)).flatten(2, 3)
+    return q, queries[..., width:].movedim(0, 2).flatten(-2)

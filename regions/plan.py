@@ -20,27 +20,28 @@ from deepinfer.regions.engram import Engram
 from deepinfer.regions.head import Embed, Head
 from deepinfer.regions.moe import MoE
 from deepinfer.regions.step import LayerPlan, plan_layers
-from deepinfer.regions.topology import attention_config, head_rows
+from deepinfer.regions.topology import attention_share, head_rows
 
 
 def make_attention(
     c: TextConfig, p: LayerPlan, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology()
 ) -> Region:
-    """The layer's attention region, with the heads one tp rank computes."""
-    a = attention_config(c, topo)
+    """The layer's attention region, with the share of it one rank of `topo` holds (its heads over the
+    token group: regions/topology.attention_share)."""
+    a = attention_share(c, topo, p.ratio)
     region: _Attention
     if p.attn == "window":
-        region = WindowAttention(a, dtype=dtype, cache_quant=cache_quant)
+        region = WindowAttention(c, dtype=dtype, cache_quant=cache_quant, share=a)
     elif p.attn == "source":
         region = SourceAttention(
-            a, ratio=p.ratio, candidate_source=p.candidate_source, dtype=dtype, cache_quant=cache_quant
+            c, ratio=p.ratio, candidate_source=p.candidate_source, dtype=dtype, cache_quant=cache_quant, share=a
         )
     elif p.attn == "reindex":
         region = ReindexAttention(
-            a, ratio=p.ratio, uses_candidates=p.uses_candidates, dtype=dtype, cache_quant=cache_quant
+            c, ratio=p.ratio, uses_candidates=p.uses_candidates, dtype=dtype, cache_quant=cache_quant, share=a
         )
     else:
-        region = ReuseAttention(a, ratio=p.ratio, dtype=dtype, cache_quant=cache_quant)
+        region = ReuseAttention(c, ratio=p.ratio, dtype=dtype, cache_quant=cache_quant, share=a)
     region.tp, region.cp = topo.tp, topo.cp
     return region
 

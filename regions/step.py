@@ -71,6 +71,10 @@ class Merge(Protocol):
     """How the cp ranks of a token group combine the divided attention's shares (regions/divided.py
     defines each merge; the runtime computes them with collectives over the cp group)."""
 
+    def queries(self, query: Tensor) -> Tensor:
+        """This rank's query rows [B, T, W] (`query` stage) -> every cp rank's [cp, B, T, W], in cp order."""
+        ...
+
     def topk(self, values: Tensor, index: Tensor) -> Tensor:
         """This rank's K best (score, global index) [B, T, K] -> the selection over the context."""
         ...
@@ -186,21 +190,24 @@ def run_fused(plans, invoke_layer, invoke, states, h, pre, batch: Batch, engram:
 
 
 def divided_attention(p: LayerPlan, invoke, st, h, pre, batch: Batch, topk, cand, merge: Merge):
-    """A compressed layer's attention over the cp ranks' shares: select (sources and index layers)
-    and merge the selection (and the candidate pool), attend and merge, output -> (h, pre, topk, cand)."""
+    """A compressed layer's attention over the cp ranks' shares: query and gather the queries, select
+    (sources and index layers) and merge the selection (and the candidate pool), attend and merge,
+    output (this rank's partial streams, summed over the token group at the boundary) -> (h, pre, topk, cand)."""
     common = (batch.positions, batch.slots, batch.block_table)
+    x, query, mix_pre, post, comb = invoke(p.layer, "attn", h, pre, batch.positions, method="query")
+    queries = merge.queries(query)
     if p.attn == "source":
         parts = (st["part_kv"], st["part_gate"]) if p.ratio > 1 else ()
-        out = invoke(p.layer, "attn", h, pre, *common, st["ckv"], st["ikeys"], *parts, method="select")
+        out = invoke(p.layer, "attn", x, queries, *common, st["ckv"], st["ikeys"], *parts, method="select")
         topk = merge.topk(out[0], out[1])
         cand = merge.blocks(out[2], out[3]) if p.candidate_source else cand
     elif p.attn == "reindex":
         extra = (cand,) if p.uses_candidates else ()
-        values, index = invoke(p.layer, "attn", h, pre, *common, st["ikeys"], *extra, method="select")
+        values, index = invoke(p.layer, "attn", x, queries, *common, st["ikeys"], *extra, method="select")
         topk = merge.topk(values, index)
-    shares = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], topk, method="attend")
+    shares = invoke(p.layer, "attn", x, queries, *common, st["win"], st["ckv"], topk, method="attend")
     attention = merge.attention(*shares)
-    h, pre = invoke(p.layer, "attn", h, pre, batch.positions, attention, method="output")
+    h, pre = invoke(p.layer, "attn", h, mix_pre, post, comb, batch.positions, attention, method="output")
     return h, pre, topk, cand
 
 

@@ -7,9 +7,13 @@
   the same prompt chunks and decode steps (the seed notes' context parallel, with
   prompt chunks replicated). Groups (world / (tp * cp) of them) serve different
   sequences, each with its own KV pools.
-- tp splits attention heads (and output groups): each tp rank computes its heads'
-  share of the attention output; the shares are summed (all-reduce) at the region
-  boundary. KV is a single latent head: every tp rank keeps the same pools.
+- The target's attention heads divide over the token group (tp * cp ranks, `attention_share`):
+  rank (t, c) holds the wq_b rows of heads j * H/(tp*cp) ... with j = t * cp + c; window layers
+  (and every kind at cp = 1) their output groups (head-split), compressed layers at cp > 1 whole
+  32-blocks of their tp share's output rows (row-split, after the cp ranks gathered the share's
+  queries). Each rank's output is a partial of the streams; the partials are summed (all-reduce)
+  over the token group at the region boundary. KV is a single latent head: every tp rank keeps
+  the same pools.
 - ep splits every routed expert over all ranks (ep is 1 or world): each rank holds a
   slice of `expert_slice_width` intermediate columns of EVERY expert (w1, w3 rows; w2
   columns and the 32-blocks of w2's scales the slice spans, `expert_scale_blocks`),
@@ -28,8 +32,8 @@
   ("engram all-reduce"); a group of one rank holds the whole projection.
 - The DSpark draft (`[speculative] draft`, regions/dspark.py) is laid out as the target: its MoE's
   routed experts (the draft's own, `dspark_n_routed_experts`) sliced over the ep ranks and its shared
-  expert in the same slices, its attention's heads over the tp ranks, their outputs partial sums
-  combined as the target's; its context projection and heads are whole on every rank.
+  expert in the same slices, its attention's heads over the tp ranks (tp-only: its outputs'
+  partial sums combined over the tp group); its context projection and heads are whole on every rank.
 - The head is split by vocabulary over the ranks of a token group (tp * cp): each holds
   `head_rows` rows of it, vocab / (tp * cp) padded up to a whole block of 32 rows, rank
   `rank % (tp * cp)` of the group the rows from that index times `head_rows` on; the rows
@@ -45,6 +49,7 @@ rank buffer; one executable set serves every rank.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from deepinfer.bundles.topology import Topology
 from deepinfer.regions.config import TextConfig, draft_moe_config
@@ -59,8 +64,11 @@ def check(topo: Topology, c: TextConfig, *, draft: bool = False) -> tuple[str, s
     checkpoint's DSpark draft too (`check_draft`)."""
     if topo.ep > 1 and topo.ep != topo.world:
         return "ep", f"ep = {topo.ep} must be 1 or the world size {topo.world} (tp * cp = {topo.group_size})"
-    if topo.ep > 1 and topo.tp > 1:
-        return "ep", "expert parallel with tensor parallel attention is not supported; use tp = 1 or ep = 1"
+    if topo.ep > 1 and topo.tp > 1 and topo.ep != topo.group_size:
+        return "ep", (
+            f"expert parallel with tensor parallel attention needs ep = tp * cp (one token group), "
+            f"not ep = {topo.ep} with tp * cp = {topo.group_size}; use tp = 1 or ep = tp * cp"
+        )
     if topo.ep > 1 and topo.groups > 1 and topo.cp > 1:
         return "ep", (
             f"ep = {topo.ep} over {topo.groups} groups of cp = {topo.cp}: use ep = cp (all-reduce) or cp = 1 (dispatch)"
@@ -74,7 +82,42 @@ def check(topo: Topology, c: TextConfig, *, draft: bool = False) -> tuple[str, s
     rows = c.o_groups // topo.tp * c.o_lora_rank
     if topo.tp > 1 and (rows % BLOCK or c.num_attention_heads // topo.tp * c.head_dim % BLOCK):
         return "tp", f"tp = {topo.tp} would split the attention weights inside a {BLOCK}-wide fp8 scale block"
+    bad = check_heads(topo, c)
+    if bad is not None:
+        return bad
     return check_draft(topo, c) if draft else None
+
+
+def check_heads(topo: Topology, c: TextConfig) -> tuple[str, str] | None:
+    """(key, message) where the target's attention heads cannot divide over the token group (issue 40's
+    layout: `attention_share`), else None."""
+    H, hd, G, R, d = c.num_attention_heads, c.head_dim, c.o_groups, c.o_lora_rank, topo.group_size
+    if d == 1:
+        return None
+    key = "cp" if topo.cp > 1 else "tp"
+    where = f"tp = {topo.tp} x cp = {topo.cp}"
+    if H % d:
+        return key, f"{where} = {d} ranks must divide the attention heads ({H})"
+    if H // d * hd % BLOCK:
+        return key, f"{where}: {H // d} heads of {hd} a rank would split wq_b inside a {BLOCK}-wide fp8 scale block"
+    if G % d and d % G:
+        return key, f"{where} = {d} ranks and the {G} output groups must divide one another"
+    if G // d * R % BLOCK:
+        return key, f"{where}: {G // d} output groups of {R} rows a rank would split wo_a inside a {BLOCK}-row block"
+    if topo.cp == 1 or not any(c.compress_ratios):
+        return None
+    rr = out_rows(c, topo)
+    if rr % R and R % rr:
+        return (
+            "cp",
+            f"cp = {topo.cp}: the row-split output's {rr} wo_a rows a rank and the {R} rows of a group must divide one another",
+        )
+    if c.index_n_heads * c.index_head_dim // topo.cp % BLOCK or c.index_n_heads * c.index_head_dim % topo.cp:
+        return "cp", (
+            f"cp = {topo.cp} would split the indexer's {c.index_n_heads * c.index_head_dim} query rows "
+            f"inside a {BLOCK}-row fp8 scale block"
+        )
+    return None
 
 
 def check_draft(topo: Topology, c: TextConfig) -> tuple[str, str] | None:
@@ -107,7 +150,8 @@ def check_division(topo: Topology, c: TextConfig, block_size: int) -> tuple[str,
 
 
 def attention_config(c: TextConfig, topo: Topology) -> TextConfig:
-    """The attention shapes one tp rank computes: its heads and output groups."""
+    """The attention shapes one tp rank computes: its heads and output groups (the DSpark draft's
+    layout; the target's attention kinds divide over the token group: `attention_share`)."""
     if topo.tp == 1:
         return c
     return dataclasses.replace(c, num_attention_heads=c.num_attention_heads // topo.tp, o_groups=c.o_groups // topo.tp)
@@ -208,7 +252,7 @@ def shared_slice(c: TextConfig, topo: Topology, rank: int) -> tuple[int, int] | 
 def boundary_reduce(kind: str, method: str, topo: Topology) -> dict[str, list[list[int]]]:
     """The outputs of a (kind, method) summed over rank groups at the region's boundary -> {output:
     replica groups}; what runtime/ranks.Comm.after does on the host: the attention's partial
-    streams over each tp group, the MoE's over the token group when tokens are replicated in it
+    streams over each token group (the draft's over each tp group), the MoE's over the token group when tokens are replicated in it
     (ep = tp * cp). EP dispatch (token groups of one) moves rows instead; it stays on the host.
     The draft's attention (`dspark_attn`) and MoE (`dspark_moe`) are reduced as the target's. The
     engram's partial keys and value (its `kv` method) are summed over the token group."""
@@ -216,8 +260,54 @@ def boundary_reduce(kind: str, method: str, topo: Topology) -> dict[str, list[li
         return {"kv": topo.token_groups()}
     if method not in ("decode", "output"):  # the divided attention's last stage ends the region
         return {}
-    if (kind.startswith("attn") or kind == "dspark_attn") and topo.tp > 1:
+    if kind.startswith("attn") and topo.group_size > 1:
+        return {"h": topo.token_groups()}
+    if kind == "dspark_attn" and topo.tp > 1:
         return {"h": topo.tp_groups()}
     if kind in ("moe", "dspark_moe") and topo.ep > 1 and not topo.dispatch:
         return {"h": [list(range(topo.world))]}
     return {}
+
+
+# --- the target's attention divided over the token group (issue 40) ----------------------------------
+
+
+def head_index(topo: Topology, rank: int) -> int:
+    """j = t * cp + c: which 1/(tp * cp) of the heads rank `rank` owns (a tp rank's share of H/tp
+    heads split over its cp ranks in cp order)."""
+    return topo.tp_rank(rank) * topo.cp + rank % topo.group_size // topo.tp
+
+
+@dataclass(frozen=True)
+class AttentionShare:
+    """What one rank holds of a target attention layer.
+
+    head-split (window layers; every kind at cp = 1): q_heads = heads = H / d of wq_b and the sink;
+    wo_a [groups * R, q_heads * hd / groups], wo_b [D, groups * R] with groups = max(1, G / d).
+    row-split (compressed kinds at cp > 1, in stages): wq_b rows of its H / d heads, the sink of its
+    tp share's H / tp heads (it attends over them), `rows` of the share's wo_a rows (all H * hd / G
+    columns) and those wo_b columns, from `groups` whole groups (or part of one)."""
+
+    q_heads: int  # heads of its wq_b rows
+    heads: int  # heads it attends over; its sink entries
+    rows: int  # wo_a rows = wo_b columns
+    cols: int  # wo_a columns
+    groups: int  # the output groups the grouped projection runs over
+    staged: bool  # row-split (the divided stages)
+
+
+def out_rows(c: TextConfig, topo: Topology) -> int:
+    """rr: the row-split output's wo_a rows a rank holds: its tp share's G / tp * R rows over its cp
+    ranks in whole 32-blocks (the last ranks may hold zeros past the share)."""
+    blocks = -(-(c.o_groups // topo.tp * c.o_lora_rank) // BLOCK)
+    return -(-blocks // topo.cp) * BLOCK
+
+
+def attention_share(c: TextConfig, topo: Topology, ratio: int) -> AttentionShare:
+    """The share of a target attention layer (compress ratio `ratio`) one rank of `topo` holds."""
+    H, hd, G, R, d = c.num_attention_heads, c.head_dim, c.o_groups, c.o_lora_rank, topo.group_size
+    if topo.cp > 1 and ratio:
+        rr = out_rows(c, topo)
+        return AttentionShare(H // d, H // topo.tp, rr, H * hd // G, max(1, rr // R), True)
+    g = max(1, G // d)
+    return AttentionShare(H // d, H // d, g * R, H // d * hd // g, g, False)

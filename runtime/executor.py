@@ -246,7 +246,7 @@ class Executor:
             # partials to sum over ranks; reduced: summed in the graph
             if comm is None or method not in BOUNDARY_METHODS or (kind, method) in reduced:
                 return out
-            return comm.after(slot, out, self.dtype)
+            return comm.after(slot, out, self.dtype, kind)
 
         return invoke
 

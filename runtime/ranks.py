@@ -6,7 +6,9 @@ and broadcasts the step's host metadata (tokens, positions, slots, block
 tables, engram hashes) for each token group; followers run the steps they are
 sent and never sample. Collectives (regions/topology.py for the layout):
 
-    attention, tp > 1   all-reduce of the float32 partial streams over the tp group
+    attention,          all-reduce of the float32 partial streams over the token group (the
+    tp * cp > 1         heads divided over it; the DSpark draft's over the tp group); divided
+                        over cp, one all-gather of the ranks' query rows after `query`
     MoE, ep > 1         tokens replicated in the EP group: one all-reduce of the float32
                         partials; otherwise dispatch = one all-gather of packed uint8 rows
                         (h, pre, is_image as bytes) and combine = one float32 reduce-scatter
@@ -55,7 +57,7 @@ class Comm:
         self.topo, self.rank, self.world = topo, rank, topo.world
         self.group = topo.group_of(rank)
         self.chunk = chunk_bytes // 4  # float32 elements per chunk
-        self.tp_group = self.cp_group = None
+        self.tp_group = self.cp_group = self.token_group = None
         for ranks in topo.tp_groups():  # every rank creates every subgroup, in one order
             made = dist.new_group(ranks) if topo.tp > 1 else None
             if rank in ranks:
@@ -64,9 +66,8 @@ class Comm:
             made = dist.new_group(ranks) if topo.cp > 1 else None
             if rank in ranks:
                 self.cp_group = made
-        self.token_group = None  # the whole world when it is one token group
-        for ranks in topo.token_groups():  # the engram's all-reduce (regions/engram.py)
-            made = dist.new_group(ranks) if topo.group_size > 1 and topo.groups > 1 else None
+        for ranks in topo.token_groups():  # the attention's partial streams, the engram's keys and value
+            made = dist.new_group(ranks) if topo.group_size > 1 else None
             if rank in ranks:
                 self.token_group = made
         self.sent: dict[str, int] = defaultdict(int)
@@ -87,11 +88,14 @@ class Comm:
 
     # -- region boundaries --------------------------------------------------------------------
 
-    def after(self, slot: str, out: list, dtype: torch.dtype) -> list:
-        """Combine a region's outputs over its group (attention with tp, MoE with ep, the engram's
-        partial keys and value over the token group)."""
+    def after(self, slot: str, out: list, dtype: torch.dtype, kind: str) -> list:
+        """Combine a region's (of `kind`) outputs over its group (the attention's over the token group,
+        the draft's over the tp group, MoE with ep, the engram's partial keys and value over the token group): as
+        regions/topology.boundary_reduce says."""
         if slot == "engram" and self.topo.group_size > 1:  # its `kv`: float32 into `mix`
             return [self._all_reduce(out[0], "engram all-reduce", self.token_group), *out[1:]]
+        if slot == "attn" and kind.startswith("attn") and self.topo.group_size > 1:
+            return [self._all_reduce(out[0], "attention all-reduce", self.token_group).to(dtype), *out[1:]]
         if slot == "attn" and self.topo.tp > 1:
             return [self._all_reduce(out[0], "tp all-reduce", self.tp_group).to(dtype), *out[1:]]
         if slot == "moe" and self.topo.ep > 1:
@@ -103,6 +107,11 @@ class Comm:
         return out
 
     # -- the divided attention's merges (regions.step.Merge; regions/divided.py defines them) --------
+
+    def queries(self, query: torch.Tensor) -> torch.Tensor:
+        """Every cp rank's query rows (its heads' queries, its rows of the indexer's), one all-gather."""
+        (got,) = self._cp_gather((query,), "cp query all-gather")
+        return got
 
     def topk(self, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Every cp rank's K best (score, global index) gathered, the K best of them kept."""

@@ -121,6 +121,7 @@ def _splice(module, step: Call, env: dict, anchor, where: str) -> list:
             raise LoweringError(f"{where}: {name} is {value.type}, the piece takes {arg.type}")
     for arg, name in zip(body.arguments, step.args):
         arg.replace_all_uses_with(env[name])
+    outs = list(ret.operands)  # again: a result that is a parameter passed through is now env's value
     for op in ops[:-1]:
         op.move_before(anchor)
     funcs[0].operation.erase()  # its return's uses of the moved values go before the module does

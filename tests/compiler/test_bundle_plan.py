@@ -176,8 +176,8 @@ def test_plan_cli_prints_the_full_plan():
     assert r.exit_code == 0, r.output
     for line in (
         "layer plan: 40 layers -> 10 region kinds",
-        "10 kinds, 19 (kind, method) calls (the 5 compressed attention kinds as their divided stages, the "
-        "engram as kv and mix) x 4 buckets = 76; fused (trn2): one executable a layer, 8 layer kinds, their regions and collectives "
+        "10 kinds, 24 (kind, method) calls (the 5 compressed attention kinds as their divided stages, the "
+        "engram as kv and mix) x 4 buckets = 96; fused (trn2): one executable a layer, 8 layer kinds, their regions and collectives "
         "inside: 40 executables; compile jobs: 40",
         "per decode step and rank: 42 device executions (1 embed, 40 layer, 1 head)",
         "head: vocabulary 129,280 over the token group's 64 rank(s), 2,048 rows each (1,792 zero rows of "
@@ -257,8 +257,9 @@ def test_release_traced_at_1m_context_without_real_inputs(tmp_path):
     r = subprocess.run([sys.executable, "-c", probe, str(toml)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     traced, max_rss_kib = r.stdout.split("]")[0] + "]", int(r.stdout.split()[-1])
-    stages = ("select", "attend", "output")  # the divided attention's (regions/divided.py), output per context
-    assert traced == str([f"attn_source_r1_cand.{m}.b8t128" + ("c1048576" if m != "output" else "") for m in stages])
+    stages = ("query", "select", "attend", "output")  # the divided attention's (regions/divided.py)
+    per_context = ("select", "attend")  # query and output read no paged state: one per bucket of rows
+    assert traced == str([f"attn_source_r1_cand.{m}.b8t128" + ("c1048576" if m in per_context else "") for m in stages])
     assert max_rss_kib < 2 << 20
 
 
@@ -385,13 +386,13 @@ def test_plan_predicts_the_compiled_bundle(rank_bundle):
     }
     assert recorded["scratch"]["by_graph"] == scratch and sorted(recorded["scratch"]["from_cache"]) == sorted(scratch)
     # a graph per (kind, method): 4 kinds decode, the 4 compressed attention kinds run divided (cp = 4) as
-    # their stages (select, attend, output; the reuse kind attend and output); the MoE also at its smallest
+    # their stages (query, select, attend, output; the reuse kind query, attend and output); the MoE also at its smallest
     # batch bucket (batch buckets 1 and 2); the draft (this layout holds one): its 5 kinds' 6 methods and
     # the target head's `project`
     graphs = traced["scratch"]["by_graph"]
     draft = [n for n in graphs if n.startswith("dspark_") or n.startswith("head.project.")]
     assert traced["scratch"]["from_cache"] == [] and len(draft) == 6 + 1
-    assert len(graphs) - len(draft) == 4 + 3 * 3 + 2 + 1
+    assert len(graphs) - len(draft) == 4 + 3 * 4 + 3 + 1
     assert traced["scratch"]["by_graph"] == {n: scratch[n] for n in traced["scratch"]["by_graph"]}
     for plan in (traced, recorded):
         for rank, m in manifest["memory"].items():
@@ -425,14 +426,15 @@ def test_release_geometry_holds_every_region_kind_of_the_release():
 
 def test_release_plan_counts_a_decode_steps_executions_and_collectives(release, tmp_path):
     """Per decode step at EP = CP = 64: the embed region, one call per window layer, the divided
-    stages of every compressed layer (select, attend, output where it selects; attend, output where it
-    reuses), every MoE, the engram layers' kv and mix and the head; the MoE all-reduce per layer, the
-    selection all-gathers (two on the candidate source), the attention merges per compressed layer, the
-    engram all-reduce per engram layer and the logits."""
+    stages of every compressed layer (query, select, attend, output where it selects; query, attend,
+    output where it reuses), every MoE, the engram layers' kv and mix and the head; the attention
+    all-reduce (its heads or output rows over the token group) and the MoE all-reduce per layer, the
+    query all-gather per compressed layer, the selection all-gathers (two on the candidate source), the
+    attention merges per compressed layer, the engram all-reduce per engram layer and the logits."""
     t = load_config(RELEASE.parent).text
     layers = range(t.num_hidden_layers)
     kinds = [t.layer_kind(i) for i in layers]
-    attention = sum({"window": 1, "source": 3, "reindex": 3, "reuse": 2}[k] for k in kinds)
+    attention = sum({"window": 1, "source": 4, "reindex": 4, "reuse": 3}[k] for k in kinds)
     step = release["per_decode_step"]  # trn2 fuses layers: one execution a layer (issue 29: at most 42)
     assert step["executions_by_slot"] == {"embed": 1, "layer": len(layers), "head": 1}
     assert step["executions"] == 1 + len(layers) + 1 == 42
@@ -444,13 +446,15 @@ def test_release_plan_counts_a_decode_steps_executions_and_collectives(release, 
         "engram": 2 * len(t.engram_layer_ids),  # kv, then mix: the engram all-reduce between them
         "head": 1,
     }
-    assert per_region["executions"] == 1 + attention + len(layers) + 2 * len(t.engram_layer_ids) + 1 == 132
+    assert per_region["executions"] == 1 + attention + len(layers) + 2 * len(t.engram_layer_ids) + 1 == 170
     assert per_region["collectives_by_name"] == step["collectives_by_name"]
     assert per_region["collectives_in_executables"] == 0  # per region: host collectives by default
     compressed = sum(k != "window" for k in kinds)
     selecting = sum(k in ("source", "reindex") for k in kinds)
     assert step["collectives_by_name"] == {
+        "attention all-reduce": len(layers),
         "ep all-reduce": len(layers),
+        "cp query all-gather": compressed,
         "cp selection all-gather": selecting + 1,
         "cp attention max all-gather": compressed,
         "cp attention all-reduce": compressed,

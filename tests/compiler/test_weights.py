@@ -198,11 +198,11 @@ def test_ranks_read_once_hold_their_cut_and_share_the_rest(
         assert torch.equal(host[codes_name], torch.from_numpy(codes)) and torch.equal(
             host[scales_name], torch.from_numpy(scales)
         ), (recipe, codes_name)
-    ep, tp = parallel[1], parallel[0]
+    ep, tp, cp = parallel[1], parallel[0], parallel[2]
     moe = [w for w in entries["rank-0"] if w.kind == "moe"][0]
     assert (moe.tensors["w1"].file == "rank") == (ep > 1) and moe.tensors["gate"].file == "shared"
-    attn = [w for w in entries["rank-0"] if w.kind == "attn_window"][0]
-    assert (attn.tensors["wq_b"].file == "rank") == (tp > 1) and attn.tensors["attn_norm"].file == "shared"
+    attn = [w for w in entries["rank-0"] if w.kind == "attn_window"][0]  # its heads over the token group
+    assert (attn.tensors["wq_b"].file == "rank") == (tp * cp > 1) and attn.tensors["attn_norm"].file == "shared"
     # the head: split by vocabulary over a token group of several ranks, each rank's rows its own file
     group = spec.topology.group_size
     heads = [next(w for w in entries[layout.rank_key(r)] if w.kind == "head") for r in range(spec.topology.world)]

@@ -34,8 +34,9 @@ GOLDEN_PROMPTS = [ByteTokenizer().encode(p) for p in regenerate.PROMPTS]
 # runs the golden prompts and the long one instead of PROMPTS (cp=ep=2, the same division over two ranks,
 # is left to tests/ranks/test_shards.py and tests/regions/test_divided.py: its compile and two-process run
 # cost the suite two minutes for no path cp=ep=4 does not take)
-TOPOLOGIES = {"tp=2": (2, 1, 1), "ep=2": (1, 2, 1), "cp=ep=4": (1, 4, 4)}
-DIVIDED = {"cp selection all-gather", "cp attention max all-gather", "cp attention all-reduce"}
+# tp=2xcp=2,ep=4: the heads over a token group of tp x cp (issue 40), the EP group that token group
+TOPOLOGIES = {"tp=2": (2, 1, 1), "ep=2": (1, 2, 1), "cp=ep=4": (1, 4, 4), "tp=2xcp=2,ep=4": (2, 4, 2)}
+DIVIDED = {"cp query all-gather", "cp selection all-gather", "cp attention max all-gather", "cp attention all-reduce"}
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +73,12 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, started_ranks, request,
     }
     assert len(ids) == len(m["regions"])
     stages = {e["method"] for e in m["regions"] if e["kind"].startswith("attn_reuse")}
-    assert stages == ({"attend", "output"} if cp > 1 else {"decode"})
+    assert stages == ({"query", "attend", "output"} if cp > 1 else {"decode"})
     stacks = [{w["kind"]: w for w in m["weights"][f"rank-{r}"]} for r in range(world)]
     digests = [{k: (w.get("digest"), w.get("shared_digest")) for k, w in s.items()} for s in stacks]
-    sharded = {"moe"} if ep > 1 else {k for k in digests[0] if k.startswith("attn")} if tp > 1 else set()
+    sharded = {"moe"} if ep > 1 else set()
+    if tp * cp > 1:  # the attention's heads (and output rows) over the token group
+        sharded |= {k for k in digests[0] if k.startswith("attn")}
     if ep > 1 and "dspark_moe" in digests[0]:  # a draft's experts divide as the target's
         sharded.add("dspark_moe")
     if tp * cp > 1:  # the head, split by vocabulary over the token group; the engram's wkv by its input columns
@@ -98,10 +101,11 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, started_ranks, request,
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(one.logits), rtol=1e-4, atol=1e-4)
     sent = run.sent
     assert sorted(sent) == list(range(world))
-    if tp > 1:
-        assert set(sent[0]) == {"tp all-reduce", "engram all-reduce", "logits all-gather"}
-    elif ep > 1 and cp == ep:
-        assert set(sent[0]) == {"ep all-reduce", "engram all-reduce", "logits all-gather"} | DIVIDED
+    engram = {"engram all-reduce"} if tp * cp > 1 else set()
+    if ep == 1:
+        assert set(sent[0]) == {"attention all-reduce", "logits all-gather"} | engram
+    elif ep == tp * cp:
+        assert set(sent[0]) == {"attention all-reduce", "ep all-reduce", "logits all-gather"} | engram | DIVIDED
     else:
         assert set(sent[0]) == {"ep dispatch all-gather", "ep combine reduce-scatter", "logits all-gather"}
     # every rank sends its vocabulary slice of each step's logits (float32): the whole vocabulary with a

@@ -57,14 +57,22 @@ def ranked(full, make, kind: str, c, topo: Topology, rank: int):
     [
         (3, 1, 1, "tp", "must divide the attention heads"),
         (1, 2, 4, "ep", "must be 1 or the world size"),
-        (2, 2, 1, "ep", "tensor parallel attention is not supported"),
+        (2, 4, 1, "ep", "needs ep = tp * cp (one token group)"),
         (1, 4, 2, "ep", "use ep = cp"),
         (1, 16, 1, "ep", "does not divide the model's 8 routed experts"),
+        (1, 1, 16, "cp", "16 ranks must divide the attention heads (8)"),
+        (1, 8, 8, "cp", "split the indexer's 128 query rows"),
     ],
 )
 def test_topology_is_checked_against_the_model(text, tp, ep, cp, key, words):
     bad = check(Topology(tp=tp, ep=ep, cp=cp), text)
     assert bad is not None and bad[0] == key and words in bad[1]
+
+
+@pytest.mark.parametrize("tp, ep, cp", [(2, 4, 2), (2, 1, 2), (1, 4, 4), (2, 8, 4), (1, 2, 2)])
+def test_layouts_the_heads_divide_over_are_allowed(text, tp, ep, cp):
+    """Expert parallel with tensor parallel attention where the EP group is one token group (ep = tp * cp)."""
+    assert check(Topology(tp=tp, ep=ep, cp=cp), text) is None
 
 
 def test_topology_layout():
@@ -179,22 +187,68 @@ def test_shared_expert_slices_give_the_unsliced_result(text, inter, world):
     torch.testing.assert_close(total, full.shared(x).float(), rtol=1e-5, atol=1e-4)
 
 
-def test_tp_partials_sum_to_the_one_rank_attention(tiny_ckpt, text):
-    plan = next(p for p in plan_layers(text) if p.attn == "source" and p.ratio == 2)
+HEAD_SPLIT = {  # (attention kind, tp, cp): the head-split output (decode) over the token group
+    "source-tp=2": ("source", 2, 1),  # d <= G: whole groups
+    "window-tp=2xcp=2": ("window", 2, 2),  # d > G: each rank one group's rows, its heads' columns
+    "window-cp=4": ("window", 1, 4),
+    "window-cp=2": ("window", 1, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(HEAD_SPLIT))
+def test_tp_partials_sum_to_the_one_rank_attention(tiny_ckpt, text, name):
+    """Heads over the token group (j = t * cp + c): each rank's decode gives a float32 partial of the
+    streams; summed over the tp * cp ranks they are the one-rank output. A selecting layer's selection
+    is every rank's (its indexer is whole at cp = 1)."""
+    attn, tp, cp = HEAD_SPLIT[name]
+    plan = next(p for p in plan_layers(text) if p.attn == attn and (p.ratio == 2 or attn == "window"))
     full = make_attention(text, plan, torch.float32, True)
     load_region(Checkpoint(tiny_ckpt), full, f"layers.{plan.layer}.")
-    topo = Topology(tp=2)
+    topo = Topology(tp=tp, cp=cp)
+    assert check(topo, text) is None
     g = Geometry(slots=3, blocks=6, block_size=16, max_blocks=2)
     args = example_inputs(full.input_specs(2, 3, g), g, seed=5)
     want = full.decode(*[a.clone() for a in args])
     parts = []
-    for r in range(2):
+    for r in range(topo.world):
         region = ranked(full, lambda: make_attention(text, plan, torch.float32, True, topo), full.kind, text, topo, r)
-        assert region.heads == text.num_attention_heads // 2
+        assert region.methods() == ("decode",) and region.heads == text.num_attention_heads // (tp * cp)
         parts.append(region.decode(*[a.clone() for a in args]))
-    torch.testing.assert_close(parts[0][0] + parts[1][0], want[0], rtol=1e-5, atol=1e-5)
-    for p in parts:  # the indexer is replicated: same selection
-        assert torch.equal(p[2], want[2]) and torch.equal(p[1], want[1])
+    assert all(p[0].dtype == torch.float32 for p in parts)
+    torch.testing.assert_close(torch.stack([p[0] for p in parts]).sum(0), want[0].float(), rtol=1e-5, atol=1e-5)
+    for p in parts:
+        assert torch.equal(p[1], want[1]) and all(torch.equal(a, b) for a, b in zip(p[2:], want[2:]))
+    assert not torch.equal(parts[0][0], parts[1][0])  # each rank really holds a share
+
+
+@pytest.mark.parametrize("tp, cp", [(1, 4), (2, 2), (1, 2)])
+def test_row_split_output_sums_to_the_one_rank_output(tiny_ckpt, text, tp, cp):
+    """The staged kinds' output: each rank's whole 32-blocks of its tp share's wo_a rows (zeros past the
+    share) and those wo_b columns over the merged attention of its tp share's heads; the partial
+    streams summed over the token group are the one-rank output projection's."""
+    plan = next(p for p in plan_layers(text) if p.attn == "source" and p.ratio == 2)
+    full = make_attention(text, plan, torch.float32, True)
+    load_region(Checkpoint(tiny_ckpt), full, f"layers.{plan.layer}.")
+    topo = Topology(tp=tp, cp=cp)
+    assert check(topo, text) is None
+    g = Geometry(slots=3, blocks=6, block_size=16, max_blocks=2)
+    h, pre, positions = example_inputs(full.input_specs(2, 3, g), g, seed=5)[:3]
+    gen = torch.Generator().manual_seed(2)
+    H, hd = text.num_attention_heads, text.head_dim
+    attention = torch.randn(2, 3, H, hd, generator=gen)
+    _, mix = full._site_input(h, pre)
+    want = full._finish(full._out_project(attention, full._angles(positions)), h, mix)
+    parts, zeros = [], 0
+    for r in range(topo.world):
+        region = ranked(full, lambda: make_attention(text, plan, torch.float32, True, topo), full.kind, text, topo, r)
+        assert region.share.staged and region.methods()[0] == "query" and region.heads == H // tp
+        t = r % tp
+        zeros += not region.wo_b.any()
+        share = attention[:, :, t * H // tp : (t + 1) * H // tp]
+        parts.append(region.output(h, *mix, positions, share))
+    assert zeros == (0 if cp == 2 and tp == 1 else 2)  # rr = 32: cp ranks past their tp share hold zeros
+    torch.testing.assert_close(torch.stack([p[0] for p in parts]).sum(0), want[0].float(), rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(p[1], want[1]) for p in parts)
 
 
 HEAD_SPLITS = [  # (tp, ep, cp), vocabulary -> rows a rank holds
@@ -381,7 +435,7 @@ def test_draft_attention_partials_sum_to_the_one_rank_draft_attention(tiny_ckpt,
     assert not torch.equal(parts[0][0], parts[1][0])
 
 
-@pytest.mark.parametrize("tp, ep, cp, words", [(1, 8, 8, "does not divide the DSpark draft's 4 routed experts")])
+@pytest.mark.parametrize("tp, ep, cp, words", [(2, 8, 4, "does not divide the DSpark draft's 4 routed experts")])
 def test_topology_is_checked_against_the_draft(text, tp, ep, cp, words):
     """With a draft, a layout the target divides but the draft does not is refused (at ep)."""
     topo = Topology(tp=tp, ep=ep, cp=cp)

@@ -2,7 +2,7 @@
 merged, compute what one rank's `decode` does, on the tiny model's layers.
 
 Every layer kind that reads compressed state runs a prompt in chunks and then decode steps, at
-cp = 1 (`decode` over whole pools) and at cp = 2 and 4 (`select` / `attend` / `output` per rank,
+cp = 1 (`decode` over whole pools) and at cp = 2 and 4 (`query` / `select` / `attend` / `output` per rank,
 each rank holding its blocks only, merged by the functions the runtime's collectives compute): the
 selections and the candidate pool equal cp = 1's exactly, the streams agree within float32
 rounding, every rank's pools hold exactly cp = 1's entries of the blocks it owns, and every
@@ -16,7 +16,10 @@ import copy
 import pytest
 import torch
 
+from deepinfer.bundles.topology import Topology
+from deepinfer.compiler.shard import shard
 from deepinfer.regions import divided
+from deepinfer.regions.plan import make_attention
 from deepinfer.regions.stepper import Allocator
 
 BLOCK_SIZE, MAX_BLOCKS, SLOTS = 16, 8, 3
@@ -24,11 +27,16 @@ PROMPTS = (40, 70)  # two sequences: 3 and 5 blocks of prompt, then decode steps
 CHUNK, DECODE_STEPS = 8, 12
 
 
-def at_rank(region, cp: int, rank: int):
-    """The region as cp rank `rank` of a divided token group runs it (its weights shared)."""
-    r = copy.copy(region)
-    r._buffers = dict(region._buffers)
-    r.cp = cp
+def at_rank(region, plan, cp: int, rank: int):
+    """The region as cp rank `rank` of a divided token group runs it: built for the layout, holding
+    that rank's shards of the whole region's weights (compiler/shard.py)."""
+    topo = Topology(cp=cp)
+    r = make_attention(region.c, plan, region.dtype, region.cache_quant, topo)
+    r.ties = region.ties
+    for spec in r.specs:
+        getattr(r, spec.name).copy_(
+            shard(r.kind, spec.name, getattr(region, spec.name), region.c, topo, rank, spec.buffer_shape)
+        )
     r.rank = torch.tensor(rank, dtype=torch.int64)
     return r
 
@@ -41,7 +49,8 @@ class Layers:
         c = model.config.text
         self.regions = {p.layer: model.layers[p.layer]["attn"] for p in model.plans if p.ratio}
         if cp > 1:
-            self.regions = {layer: at_rank(r, cp, rank) for layer, r in self.regions.items()}
+            plans = {p.layer: p for p in model.plans}
+            self.regions = {layer: at_rank(r, plans[layer], cp, rank) for layer, r in self.regions.items()}
         self.state: dict[int, dict[str, torch.Tensor]] = {}
         for p in model.plans:
             if not p.ratio:
@@ -80,34 +89,38 @@ def whole_step(layers: Layers, layer: int, h, pre, step, carry: dict):
 
 
 def divided_step(ranks: list[Layers], layer: int, h, pre, step, carry: dict):
-    """cp ranks: select on each, merge, attend on each, merge, output -> (h, pre) of rank 0 (every
-    rank's must be the same), the carries updated."""
+    """cp ranks: query on each, gather the query rows, select on each, merge, attend on each, merge,
+    output -> (the ranks' partial streams summed, as the attention all-reduce does; pre, every rank's
+    the same), the carries updated."""
     positions, slots, table = step
     first = ranks[0].regions[layer]
+    queried = [lr.regions[layer].query(h, pre, positions) for lr in ranks]  # x, query, mix_pre, post, comb
+    queries = torch.stack([q[1] for q in queried])  # the cp query all-gather
     if first.selects:
         picks = []
-        for lr in ranks:
+        for lr, (x, *_) in zip(ranks, queried):
             region, st = lr.regions[layer], lr.state[layer]
             if region.kind.startswith("attn_source"):
                 parts = (st["part_kv"], st["part_gate"]) if region.ratio > 1 else ()
-                picks.append(region.select(h, pre, positions, slots, table, st["ckv"], st["ikeys"], *parts))
+                picks.append(region.select(x, queries, positions, slots, table, st["ckv"], st["ikeys"], *parts))
             else:
                 extra = (carry["cand"],) if region.uses_candidates else ()
-                picks.append(region.select(h, pre, positions, slots, table, st["ikeys"], *extra))
+                picks.append(region.select(x, queries, positions, slots, table, st["ikeys"], *extra))
         carry["topk"] = divided.merge_topk(torch.stack([p[0] for p in picks]), torch.stack([p[1] for p in picks]))
         if getattr(first, "candidate_source", False):
             carry["cand"] = divided.merge_blocks(torch.stack([p[2] for p in picks]), torch.stack([p[3] for p in picks]))
     shares = [
         lr.regions[layer].attend(
-            h, pre, positions, slots, table, lr.state[layer]["win"], lr.state[layer]["ckv"], carry["topk"]
+            q[0], queries, positions, slots, table, lr.state[layer]["win"], lr.state[layer]["ckv"], carry["topk"]
         )
-        for lr in ranks
+        for lr, q in zip(ranks, queried)
     ]
     attention = divided.merge_attention(*(torch.stack(x) for x in zip(*shares)))
-    outs = [lr.regions[layer].output(h, pre, positions, attention) for lr in ranks]
-    for h_r, pre_r in outs[1:]:
-        assert torch.equal(h_r, outs[0][0]) and torch.equal(pre_r, outs[0][1])
-    return outs[0]
+    outs = [lr.regions[layer].output(h, *q[2:], positions, attention) for lr, q in zip(ranks, queried)]
+    for _, pre_r in outs[1:]:
+        assert torch.equal(pre_r, outs[0][1])
+    assert all(o[0].dtype == torch.float32 for o in outs)  # partials: the row-split output's rows
+    return torch.stack([o[0] for o in outs]).sum(0).to(h.dtype), outs[0][1]
 
 
 def cand_mask(ids: torch.Tensor, positions: torch.Tensor, ratio: int, block: int, width: int) -> torch.Tensor:

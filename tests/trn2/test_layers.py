@@ -20,7 +20,9 @@ from deepinfer.compiler import layers
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.pipeline import plan
 from deepinfer.compiler.spec import parse
+from deepinfer.compiler.step_reads import executable_reads
 from deepinfer.compiler.targets import hlo, link
+from deepinfer.compiler.targets.hlo_reads import parameter_reads
 from deepinfer.compiler.targets.link import Call, Collective
 from deepinfer.compiler.targets.trn2 import Trn2Target
 
@@ -126,21 +128,29 @@ def _spec(tmp_path, tiny_ckpt, parallel):
 # (tp, ep, cp) -> {layer kind: the collectives its module holds, in order}. EP dispatch (ep = 2) is
 # checked by the compile of a whole bundle at that layout, every layer kind on two replicas
 # (tests/conftest.py trn2_ep2_bundle, read by tests/trn2/test_collectives.py)
+# The attention's partial streams are summed over the token group ("all_reduce h" after the attention),
+# then, with ep = tp * cp, the MoE's (the second "all_reduce h").
+SOURCE_R1_CAND = [
+    *("all_gather query", "all_gather values", "all_gather index", "all_gather block_values", "all_gather block_index"),
+    *("all_reduce top", "all_reduce numerator_s", "all_reduce total_s", "all_reduce h", "all_reduce h"),
+]
 LAYOUTS = {
     "tp=2": ((2, 1, 1), {"layer_window": ["all_reduce h"], "layer_window_engram": ["all_reduce kv", "all_reduce h"]}),
     "cp=ep=4": (
         (1, 4, 4),
         {
-            "layer_window_engram": ["all_reduce kv", "all_reduce h"],  # the engram's partials, the MoE's
-            "layer_source_r1_cand": [
-                *("all_gather values", "all_gather index", "all_gather block_values", "all_gather block_index"),
-                *("all_reduce top", "all_reduce numerator_s", "all_reduce total_s", "all_reduce h"),
-            ],
+            # the engram's partials, the attention's, the MoE's
+            "layer_window_engram": ["all_reduce kv", "all_reduce h", "all_reduce h"],
+            "layer_source_r1_cand": SOURCE_R1_CAND,
             "layer_reindex_r1_cand": [
-                *("all_gather values", "all_gather index"),
-                *("all_reduce top", "all_reduce numerator_s", "all_reduce total_s", "all_reduce h"),
+                *("all_gather query", "all_gather values", "all_gather index"),
+                *("all_reduce top", "all_reduce numerator_s", "all_reduce total_s", "all_reduce h", "all_reduce h"),
             ],
         },
+    ),
+    "tp=2xcp=2,ep=4": (
+        (2, 4, 2),
+        {"layer_window": ["all_reduce h", "all_reduce h"], "layer_source_r1_cand": SOURCE_R1_CAND},
     ),
 }
 
@@ -165,6 +175,9 @@ def test_layer_modules_match_the_host_collectives_on_replicas(tmp_path, tiny_ckp
         for c in entry.collectives or ():
             assert sorted(r for g in c.groups for r in g) == list(range(spec.topology.world))
         assert entry.check is not None and entry.check["replicas"] == spec.topology.world
+        reads = parameter_reads(out.read_bytes())  # what the module reads: the cost model's figure
+        module = sum(reads[s.name] for s in entry.inputs if s.role == "weight")
+        assert module == executable_reads(regions, spec.topology, kind, exe.batch * exe.tokens), kind
         assert 0 < entry.check["max_abs"] and entry.check["score"] <= 1e-5, (kind, entry.check)
         text = xla_client.XlaComputation(out.read_bytes()).as_hlo_text()
         for op in {c.op for c in entry.collectives or ()}:

@@ -143,6 +143,9 @@ def _heads(kind: str, name: str, c: TextConfig, topo: Topology, rank: int) -> Cu
     if name.startswith("iwq_b") and share.staged:
         width = c.index_n_heads * c.index_head_dim // topo.cp
         return Cut(rows=_span(cp * width, (cp + 1) * width, scale))
+    if name == "iweights" and share.staged:  # its index heads' rows of weights_proj (zeros past the heads)
+        per = -(-c.index_n_heads // topo.cp)
+        return ZERO if cp * per >= c.index_n_heads else Cut(rows=(cp * per, min((cp + 1) * per, c.index_n_heads)))
     if name == "sink":
         first = (t if share.staged else j) * share.heads
         return Cut(rows=(first, first + share.heads))
@@ -223,7 +226,7 @@ def shard(
             name.startswith(SHARED)
             or routed
             or kind in ("head", "engram")
-            or (kind.startswith("attn") and name.startswith("wo_"))
+            or (kind.startswith("attn") and name.startswith(("wo_", "iweights")))
         )
         if not padded or t.dim() != len(shape) or any(a > b for a, b in zip(t.shape, shape)):
             m = MOE_KINDS.get(kind, lambda c: c)(c)

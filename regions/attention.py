@@ -273,13 +273,16 @@ class _Attention(Region):
         q_lat = self._q_latent(x)
         query = self._heads_query(q_lat, self._angles(positions)).flatten(-2)
         if self.selects:
-            query = torch.cat((query, ops.blockquant_gemm(q_lat, self.iwq_b, self.iwq_b_s, self.fp8)), -1)
+            iq = ops.blockquant_gemm(q_lat, self.iwq_b, self.iwq_b_s, self.fp8)  # its rows of the indexer's queries
+            query = torch.cat((query, iq, F.linear(x, self.iweights.to(x.dtype))), -1)  # and of its head weights
         return x, query, mix_pre, post, comb
 
-    def _queries(self, queries: Tensor) -> tuple[Tensor, Tensor]:
+    def _queries(self, queries: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Every cp rank's query rows [cp, B, T, W] -> (the tp share's queries [B, T, H/tp, hd], in cp
-        order; the indexer's query rows [B, T, Hi*di], empty where the layer does not select)."""
-        return divided.split_queries(queries, self.q_heads, self.hd)
+        order; the indexer's query rows [B, T, Hi*di] and head weights [B, T, cp * rows], empty where the
+        layer does not select)."""
+        index_rows = self.iwq_b.shape[0] if self.selects else 0
+        return divided.split_queries(queries, self.q_heads, self.hd, index_rows)
 
     def attend(self, x, queries, positions, slots, block_table, win, ckv, topk):
         """This rank's share of the attention over the tp share's heads: the entries of the merged
@@ -287,7 +290,7 @@ class _Attention(Region):
         the window ring updated on every rank -> (numerator [B, T, H/tp, hd], max [B, T, H/tp], sum
         [B, T, H/tp]), float32."""
         angles = self._angles(positions)
-        q, _ = self._queries(queries)
+        q = self._queries(queries)[0]
         keys, valid = self._window_keys(self._kv(x, angles), positions, slots, win)
         c = self._cp_rank()
         lead = c == 0
@@ -321,15 +324,16 @@ class _Attention(Region):
         o = ops.blockquant_gemm(o, wo_a, wo_a_s, self.fp8).flatten(-2)  # [B, T, rr]
         return ops.blockquant_gemm(o, self.wo_b, self.wo_b_s, self.fp8)  # [B, T, D]
 
-    def _select_local(self, x, iq, angles, positions, block_table, ikeys, cand_blocks=None):
-        """This rank's share of the selection: its index keys scored by the indexer's query rows `iq`
-        [B, T, Hi*di] (gathered, before rope) -> (the scores [B, T, Wl] and their global indices [Wl];
+    def _select_local(self, x, queries, angles, positions, block_table, ikeys, cand_blocks=None):
+        """This rank's share of the selection: its index keys scored by the indexer's query rows and head
+        weights the cp ranks gathered (`queries`, `_queries`) -> (the scores [B, T, Wl] and their global indices [Wl];
         the K best (score, global index) pairs [B, T, K], padded to K)."""
         c = self._cp_rank()
         per_block = ikeys.shape[1]
         local, cols = divided.local_pages(block_table, self.cp, c)
         gidx = divided.local_entries(cols, per_block, block_table.shape[1])  # [Wl]
-        qi, w = self._index_rows(x, iq, angles)
+        _, iq, w = self._queries(queries)
+        qi, w = self._index_rows(x, iq, angles, w)
         vis_len = torch.div(positions + 1, self.ratio, rounding_mode="floor").clamp_min(0)  # [B, T]
         visible = gidx < vis_len.unsqueeze(-1)  # [B, T, Wl]
         scores = ops.index_score(qi, gather_pages(ikeys, local), w, visible)
@@ -345,13 +349,15 @@ class _Attention(Region):
 
     # -- indexer ---------------------------------------------------------------------------
 
-    def _index_rows(self, x: Tensor, qi: Tensor, angles: Tensor):
+    def _index_rows(self, x: Tensor, qi: Tensor, angles: Tensor, w: Tensor | None = None):
         """The indexer's query rows [B, T, Hi*di] -> its queries [B, T, Hi, di] (rope applied) and head
-        weights [B, T, Hi]."""
+        weights [B, T, Hi] (from `w`, the cp ranks' gathered rows, where given; else from x)."""
         c = self.c
         qi = apply_rope(qi.unflatten(-1, (c.index_n_heads, c.index_head_dim)), angles)
         qi = maybe_quant(qi, "mxfp4", self.cache_quant)  # [B, T, Hi, di]
-        w = F.linear(x, self.iweights.to(x.dtype)) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
+        if w is None:
+            w = F.linear(x, self.iweights.to(x.dtype))
+        w = w[..., : c.index_n_heads] * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
         return qi, w
 
     def _select(self, x, q_lat, angles, positions, ikeys_all, cand, make_cand: bool):
@@ -488,8 +494,7 @@ class SourceAttention(_Attention):
         latent, t, complete = self._compress(x, positions, slots, part_kv, part_gate)
         mine = complete & divided.owned(t, ckv.shape[1], self.cp, self._cp_rank())
         self._write_compressed(latent, t, mine, block_table, ckv, ikeys)
-        iq = self._queries(queries)[1]
-        scores, gidx, values, index = self._select_local(x, iq, angles, positions, block_table, ikeys)
+        scores, gidx, values, index = self._select_local(x, queries, angles, positions, block_table, ikeys)
         if not self.candidate_source:
             return values, index
         c = self.c
@@ -554,8 +559,9 @@ class ReindexAttention(_Attention):
 
     def select(self, x, queries, positions, slots, block_table, ikeys, cand=None):
         """Score this rank's index keys (of its source) -> its K best (score, global index) [B, T, K]."""
-        iq = self._queries(queries)[1]
-        _, _, values, index = self._select_local(x, iq, self._angles(positions), positions, block_table, ikeys, cand)
+        _, _, values, index = self._select_local(
+            x, queries, self._angles(positions), positions, block_table, ikeys, cand
+        )
         return values, index
 
     def decode(self, h, pre, positions, slots, block_table, win, ckv, ikeys, cand=None):

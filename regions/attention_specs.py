@@ -42,11 +42,18 @@ def attention_specs(c: TextConfig, s: AttentionShare) -> list[WeightSpec]:
 
 
 def indexer_query_specs(c: TextConfig, cp: int) -> list[WeightSpec]:
-    """The indexer's query weights; staged (cp > 1), wq_b's rows divided over the cp ranks."""
+    """The indexer's query weights; staged (cp > 1), wq_b's rows and weights_proj's rows (its heads'
+    weights, `weight_rows`) divided over the cp ranks: both ride the query all-gather."""
     return [
         *fp8_specs("iwq_b", "attn.indexer.wq_b", c.index_n_heads * c.index_head_dim // cp, c.q_lora_rank),
-        WeightSpec("iweights", "attn.indexer.weights_proj.weight", (c.index_n_heads, c.hidden_size), "BF16"),
+        WeightSpec("iweights", "attn.indexer.weights_proj.weight", (weight_rows(c, cp), c.hidden_size), "BF16"),
     ]
+
+
+def weight_rows(c: TextConfig, cp: int) -> int:
+    """Rows of the indexer's weights_proj (one per index head) a cp rank computes: the heads over the
+    cp ranks, rounded up (zero rows past the heads)."""
+    return -(-c.index_n_heads // cp)
 
 
 def source_specs(c: TextConfig, ratio: int) -> list[WeightSpec]:
@@ -71,8 +78,11 @@ def queried_specs(
     c: TextConfig, share: AttentionShare, cp: int, selects: bool, dtype: torch.dtype, B: int, T: int
 ) -> list[InputSpec]:
     """What the divided stages after `query` read of it: x [B, T, D] and every cp rank's query rows
-    [cp, B, T, W]: its q_heads' queries, then (selecting kinds) its 1/cp of the indexer's query rows."""
-    width = share.q_heads * c.head_dim + (c.index_n_heads * c.index_head_dim // cp if selects else 0)
+    [cp, B, T, W]: its q_heads' queries, then (selecting kinds) its 1/cp of the indexer's query rows and
+    of its head weights."""
+    width = share.q_heads * c.head_dim
+    if selects:  # its rows of the indexer's queries, then of its head weights
+        width += c.index_n_heads * c.index_head_dim // cp + weight_rows(c, cp)
     return [
         InputSpec("x", (B, T, c.hidden_size), dtype, "activation"),
         InputSpec("queries", (cp, B, T, width), dtype, "activation"),

@@ -127,11 +127,13 @@ def attention_divide(numerator: Tensor, total: Tensor) -> Tensor:
     return numerator / total.unsqueeze(-1)
 
 
-def split_queries(queries: Tensor, q_heads: int, hd: int) -> tuple[Tensor, Tensor]:
+def split_queries(queries: Tensor, q_heads: int, hd: int, index_rows: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Every cp rank's query rows [cp, B, T, W] (the `query` stage's, all-gathered: its q_heads heads'
-    queries, then its rows of the indexer's) -> (the tp share's queries [B, T, cp * q_heads, hd], in cp
-    order: rank (t, c) owns heads j = t * cp + c; the indexer's query rows [B, T, Hi*di], empty where
-    the layer does not select)."""
+    queries, then its `index_rows` rows of the indexer's queries and its rows of the indexer's head
+    weights) -> (the tp share's queries [B, T, cp * q_heads, hd], in cp order: rank (t, c) owns heads
+    j = t * cp + c; the indexer's query rows [B, T, Hi*di] and head weights [B, T, cp * rows] (zero rows
+    past the heads at the end), both empty where the layer does not select)."""
     width = q_heads * hd
     q = queries[..., :width].movedim(0, 2).unflatten(-1, (q_heads, hd)).flatten(2, 3)
-    return q, queries[..., width:].movedim(0, 2).flatten(-2)
+    iq = queries[..., width : width + index_rows].movedim(0, 2).flatten(-2)
+    return q, iq, queries[..., width + index_rows :].movedim(0, 2).flatten(-2)

@@ -22,11 +22,10 @@ State layouts (one layer's views; the runtime's pools stack them layer-major):
           a group is pooled from it once its last position is fed.
 Block 0 of every paged pool is scratch: padding writes land there.
 
-The rings' `slack` (regions/state.py `Geometry.slack`; 0 without a draft) is what
-speculative decoding's rollback rests on: a verify step writes at most slack + 1
-positions, so what it writes for drafts the target rejects never overwrites a
-position the sequence still reads, and a rollback restores nothing (runtime/schedule.py).
-The code reads R from the state's shape.
+The rings' `slack` (regions/state.py `Geometry.slack`; 0 without a draft) is what speculative
+decoding's rollback rests on: a verify step writes at most slack + 1 positions, so what it writes
+for drafts the target rejects never overwrites a position the sequence still reads, and a rollback
+restores nothing (runtime/schedule.py); the code reads R from the state's shape.
 
 Step inputs: positions [B, T] (absolute, -1 for padding; a row's valid tokens
 come first and are consecutive), slots [B], block_table [B, MB] (block ids,
@@ -104,8 +103,7 @@ class _Attention(Region):
         ]
 
     def _paged(self, g: Geometry, *names: str) -> list[InputSpec]:
-        """This rank's share of the paged pools (the token group's `g.blocks` divided over cp; the compile
-        checks that they divide)."""
+        """This rank's share of the paged pools (the token group's `g.blocks` divided over cp, checked)."""
         widths = {"ckv": self.hd, "ikeys": self.c.index_head_dim}
         blocks = blocks_per_rank(g.blocks, self.cp)
         return [InputSpec(n, (blocks, g.block_size // self.ratio, widths[n]), self.dtype, "state") for n in names]
@@ -355,8 +353,7 @@ class _Attention(Region):
         c = self.c
         qi = apply_rope(qi.unflatten(-1, (c.index_n_heads, c.index_head_dim)), angles)
         qi = maybe_quant(qi, "mxfp4", self.cache_quant)  # [B, T, Hi, di]
-        if w is None:
-            w = F.linear(x, self.iweights.to(x.dtype))
+        w = F.linear(x, self.iweights.to(x.dtype)) if w is None else w
         w = w[..., : c.index_n_heads] * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
         return qi, w
 
@@ -559,10 +556,8 @@ class ReindexAttention(_Attention):
 
     def select(self, x, queries, positions, slots, block_table, ikeys, cand=None):
         """Score this rank's index keys (of its source) -> its K best (score, global index) [B, T, K]."""
-        _, _, values, index = self._select_local(
-            x, queries, self._angles(positions), positions, block_table, ikeys, cand
-        )
-        return values, index
+        angles = self._angles(positions)
+        return self._select_local(x, queries, angles, positions, block_table, ikeys, cand)[2:]
 
     def decode(self, h, pre, positions, slots, block_table, win, ckv, ikeys, cand=None):
         """-> (h, pre, topk [B, T, K])."""

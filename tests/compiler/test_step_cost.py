@@ -54,9 +54,16 @@ def _release_toml(tmp_path_factory, options: str) -> Path:
 
 def hand_count(ratio: int, *, source: bool, index: bool, engram: bool) -> int:
     """FLOPs one token costs one rank (EP = CP = 64) in a release layer at the 64K context, by hand:
-    2 per multiply-add of each matmul, at the rank's shapes."""
-    macs = Q * D + H * HD * Q + HD * D  # wq_a, wq_b, wkv
-    macs += G * R * (H * HD // G) + D * G * R  # wo_a (per group), wo_b
+    2 per multiply-add of each matmul, at the rank's shapes (docs/ranks.md: one query head a rank; a
+    window layer its head's columns of its group's wo_a rows and that group's wo_b columns, a compressed
+    layer 128 rows of wo_a and those wo_b columns after attending every head over the entries it holds)."""
+    macs = Q * D + (H // CP) * HD * Q + HD * D  # wq_a, its head's wq_b rows, wkv
+    if ratio:
+        heads, rows = H, G * R // CP  # every head attended; 128 output rows
+        macs += rows * (H * HD // G) + D * rows  # wo_a rows [128, 4096], wo_b columns [5120, 128]
+    else:
+        heads = H // CP  # its one head, over the window
+        macs += R * (H // CP) * HD + D * R  # its head's columns of its group's wo_a, the group's wo_b
     macs += 2 * (2 + N) * N * (N * D)  # both sites' hyper-connection mixes
     keys = WINDOW
     if ratio:
@@ -65,9 +72,9 @@ def hand_count(ratio: int, *, source: bool, index: bool, engram: bool) -> int:
         if source:
             macs += (2 if ratio > 1 else 1) * HD * D + DI * HD  # compressor wkv (+ wgate), index key wk
         if index:
-            macs += HI * DI * Q + HI * D  # index queries, weights_proj
+            macs += HI * DI // CP * Q + 1 * D  # its rows of the index queries (64) and of weights_proj (1)
             macs += entries // CP * HI * (DI + 1)  # scores over this rank's share of the keys
-    macs += keys * H * HD * 2  # q . k and the weighted sum of the latents
+    macs += keys * heads * HD * 2  # q . k and the weighted sum of the latents
     if engram:
         macs += (N + 1) * D * ENGRAM_HEADS * ENGRAM_HD // CP  # the rank's 96 input columns of wkv
     macs += E * D  # router

@@ -26,7 +26,8 @@ def example_inputs(specs: list[InputSpec], g: Geometry, *, start: int = 0, seed:
     """One tensor per spec. Row b holds positions start+b .. start+b+T-1 (b-th slot, own blocks)."""
     gen = torch.Generator().manual_seed(seed)
     by_name = {s.name: s for s in specs}
-    B, T = by_name["h"].shape[:2] if "h" in by_name else (1, 1)
+    step = next((by_name[n] for n in ("h", "x", "positions") if n in by_name), None)  # [B, T, ...]
+    B, T = step.shape[:2] if step is not None else (1, 1)
     positions = start + torch.arange(B).unsqueeze(1) + torch.arange(T)
     pool_blocks = min((s.shape[0] for s in specs if s.name in PAGED_INPUTS), default=g.blocks)
     out = []

@@ -153,3 +153,17 @@ def test_engram_gate_matches_formula(ref_fp32):
         dot = (rms(hi) * region.q_weight[i].float() * rms(key) * region.k_weight[i].float()).sum() / D**0.5
         gate = torch.sigmoid(torch.sign(dot) * dot.abs().clamp_min(1e-6).sqrt())
         torch.testing.assert_close(out[b, t, i], hi + gate * value, rtol=1e-4, atol=1e-4)
+
+
+def test_example_inputs_size_the_step_from_a_stage_without_streams():
+    """The divided attention's later stages take x, not the streams h: the step's B rows (slots,
+    positions, block table) come from x, or from the positions where neither is an input."""
+    from deepinfer.regions.state import InputSpec
+
+    g = Geometry(slots=9, blocks=5, block_size=16, max_blocks=2)
+    for lead in (InputSpec("x", (8, 1, 4), torch.bfloat16, "activation"), None):
+        specs = [InputSpec("positions", (8, 1), torch.int64, "step"), InputSpec("slots", (8,), torch.int64, "step")]
+        specs += [InputSpec("block_table", (8, 2), torch.int64, "step")] + ([lead] if lead else [])
+        positions, slots, table, *_ = example_inputs(specs, g)
+        assert positions.flatten().tolist() == list(range(8)) and slots.tolist() == list(range(1, 9))
+        assert table.shape == (8, 2) and len(set(table.flatten().tolist())) > 1

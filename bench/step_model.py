@@ -28,16 +28,47 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+SEED_SHARED_RANKS = 18  # the seed split the shared expert's 2,304 columns over 18 ranks
+
+
+def seed_weights(plan, batch: int) -> int:
+    """What a rank of the seed's layout read a decode step: every kind's unsharded weights (the attention
+    of every head, the engram, the whole float32 head), of the MoE its E / ep whole experts (all of them,
+    whatever the routing) and 1/18 of the shared expert, of the embedding the step's rows."""
+    from deepinfer.compiler.shard import ROUTED
+    from deepinfer.compiler.step_reads import spec_bytes
+
+    regions, ep = plan.regions, plan.spec.topology.ep
+    total = 0
+    for kind, kp in regions.kinds.items():
+        if kind in regions.draft_kinds:
+            continue
+        if kp.slot == "embed":
+            (table,) = kp.full_specs
+            total += batch * spec_bytes(table) // table.shape[0]
+            continue
+        per_layer = 0
+        for spec in kp.full_specs:
+            n = spec_bytes(spec)
+            if kp.slot == "moe" and spec.name in ROUTED:
+                n //= ep
+            elif kp.slot == "moe" and spec.name.startswith("sw"):
+                n //= SEED_SHARED_RANKS
+            per_layer += n
+        total += per_layer * max(1, len(kp.layers))
+    return total
+
+
 def seed_layout(plan, today) -> dict:
     """The seed's layout at `today`'s bucket: (executions, estimate in ms). Its FLOPs are taken as
-    today's, fewer than it computes (whole selections, the whole head): its memory time bounds it."""
+    today's, fewer than it computes (whole selections, the whole head, every head's projections): its
+    memory time bounds it."""
     from deepinfer.compiler import step_cost as sc
-    from deepinfer.regions.topology import head_rows
 
-    c, topo, act = plan.spec.model.text, plan.spec.topology, plan.spec.dtype.itemsize
+    c, act = plan.spec.model.text, plan.spec.dtype.itemsize
     layers, batch = plan.regions.layers, today.batch
     executions = 2 + sum(2 + (p.engram_rows > 0) for p in layers)
-    weights = today.weight_bytes + (c.vocab_size - head_rows(c, topo)) * c.hidden_size * sc.F32
+    weights = seed_weights(plan, batch)
     state = sc.state_bytes(c, layers, batch, today.context, act, share=1)
     moe = today.collective_bytes.get("ep all-reduce", 0)
     host = executions * 2 * sc.stream_bytes(c, batch, act) + 2 * moe + batch * c.vocab_size * sc.F32
@@ -52,7 +83,7 @@ def seed_layout(plan, today) -> dict:
         on_host=today.collectives_by_name.get("ep all-reduce", 0),
         host_device=host,
     )
-    return {"executions": executions, "estimated_ms": times["estimated_ms"]}
+    return {"executions": executions, "estimated_ms": times["estimated_ms"], "weight_bytes": weights}
 
 
 def step(plan, regions_plan, batch: int, context: int) -> dict:
@@ -87,6 +118,7 @@ def step(plan, regions_plan, batch: int, context: int) -> dict:
         "estimated_ms_per_region_form": today.estimated_ms,
         "executions_seed_layout": seed["executions"],
         "estimated_ms_seed_layout": seed["estimated_ms"],
+        "weight_bytes_seed_layout": seed["weight_bytes"],
     }
 
 
@@ -143,6 +175,7 @@ def main() -> int:
         ("collective link time (ms)", "collective_link_ms"),
         ("estimate, as planned (ms)", "estimated_ms"),
         ("estimate, per-region (ms)", "estimated_ms_per_region_form"),
+        ("weight bytes, seed's layout", "weight_bytes_seed_layout"),
         ("executions, seed's layout", "executions_seed_layout"),
         ("estimate, seed's layout (ms)", "estimated_ms_seed_layout"),
     ]

@@ -297,15 +297,15 @@ def test_num_blocks_divides_over_cp(tmp_path, tiny_ckpt, cp, max_context, neares
         ((2, 1, 1), None),
         ((1, 2, 2), None),
         ((1, 4, 4), None),
-        ((1, 8, 8), "ep = 8 does not divide the DSpark draft's 4 routed experts (dspark_n_routed_experts)"),
+        ((2, 8, 4), "ep = 8 does not divide the DSpark draft's 4 routed experts (dspark_n_routed_experts)"),
         ((1, 2, 1), None),
     ],
-    ids=["tp=2", "ep=cp=2", "ep=cp=4", "ep=cp=8", "ep=2-dispatch"],
+    ids=["tp=2", "ep=cp=2", "ep=cp=4", "tp=2,ep=8,cp=4", "ep=2-dispatch"],
 )
 def test_draft_is_compiled_over_ranks(tmp_path, tiny_ckpt, parallel, refused):
     """A draft is no longer refused past one rank: it is laid out as the target (issue 30). What cannot
     divide it is refused in one line at [parallel] ep: the tiny draft's 4 experts over 8 ranks (the
-    target's 8 divide); the same layout without the draft is accepted. EP dispatch (ep = 2 over two token
+    target's 8 divide; tp = 2 x cp = 4, as the tiny indexer's 128 query rows cannot divide over cp = 8); the same layout without the draft is accepted. EP dispatch (ep = 2 over two token
     groups) is accepted: the draft's MoE runs on the groups' gathered rows as the target's does."""
     from deepinfer.compiler.spec import parse
 

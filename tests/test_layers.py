@@ -79,6 +79,7 @@ RUNTIME_LOADS = [
     "deepinfer.regions.step",
     "deepinfer.regions.stepper",
     "deepinfer.regions.tokenizer",
+    "deepinfer.regions.topology",  # the layout's pure functions: the engram's methods, what a boundary sums
     "deepinfer.runtime",
     "deepinfer.runtime.api",
     "deepinfer.runtime.backends",

@@ -260,7 +260,9 @@ def test_release_traced_at_1m_context_without_real_inputs(tmp_path):
     stages = ("query", "select", "attend", "output")  # the divided attention's (regions/divided.py)
     per_context = ("select", "attend")  # query and output read no paged state: one per bucket of rows
     assert traced == str([f"attn_source_r1_cand.{m}.b8t128" + ("c1048576" if m in per_context else "") for m in stages])
-    assert max_rss_kib < 2 << 20
+    # planning alone (64 ranks' own attention, expert-slice and engram cuts since issue 40) peaks near 1.5 GiB
+    # here; one real input of the traced shapes would be 16 GiB
+    assert max_rss_kib < 3 << 20
 
 
 # -- a headers-only checkpoint at release dimensions ------------------------------------------------
@@ -385,14 +387,14 @@ def test_plan_predicts_the_compiled_bundle(rank_bundle):
         for e in manifest["regions"]
     }
     assert recorded["scratch"]["by_graph"] == scratch and sorted(recorded["scratch"]["from_cache"]) == sorted(scratch)
-    # a graph per (kind, method): 4 kinds decode, the 4 compressed attention kinds run divided (cp = 4) as
+    # a graph per (kind, method): 3 kinds decode and the engram's kv and mix, the 4 compressed attention kinds run divided (cp = 4) as
     # their stages (query, select, attend, output; the reuse kind query, attend and output); the MoE also at its smallest
     # batch bucket (batch buckets 1 and 2); the draft (this layout holds one): its 5 kinds' 6 methods and
     # the target head's `project`
     graphs = traced["scratch"]["by_graph"]
     draft = [n for n in graphs if n.startswith("dspark_") or n.startswith("head.project.")]
     assert traced["scratch"]["from_cache"] == [] and len(draft) == 6 + 1
-    assert len(graphs) - len(draft) == 4 + 3 * 4 + 3 + 1
+    assert len(graphs) - len(draft) == 3 + 2 + 3 * 4 + 3 + 1
     assert traced["scratch"]["by_graph"] == {n: scratch[n] for n in traced["scratch"]["by_graph"]}
     for plan in (traced, recorded):
         for rank, m in manifest["memory"].items():

@@ -15,6 +15,11 @@ trn2 constants and their sources are there). This reads it at one context for th
     seed's layout    one execution per region (one attention call a layer), cp replicated (every
                      rank reads the whole context's state and holds the whole float32 head), the
                      MoE all-reduce on the host
+
+and a prompt's time to first token at batch 1 (compiler/prompt_cost.py) for prompts of 8K, 64K and
+1M tokens, planned at context buckets 8K / 64K / 1M (`LONG`), in chunks of the toml's largest tokens
+bucket, beside other chunk sizes (`--chunks`), and the compute bound: the prompt's useful FLOPs over
+every rank's peak.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 
 SEED_SHARED_RANKS = 18  # the seed split the shared expert's 2,304 columns over 18 ranks
+LONG = (8192, 65536, 1048576)  # the context buckets a prompt's cost is planned at
 
 
 def seed_weights(plan, batch: int) -> int:
@@ -132,11 +138,61 @@ def per_region(config):
     return dataclasses.replace(config, target=dataclasses.replace(config.target, options=options))
 
 
+def long_context(config):
+    """`config` with context buckets `LONG` and blocks for 8 sequences of the longest (1M x 8 fits)."""
+    import dataclasses
+
+    buckets = dataclasses.replace(config.buckets, max_context=LONG[-1], context=LONG)
+    blocks = 8 * LONG[-1] // config.kv.block_size + 1
+    return dataclasses.replace(config, buckets=buckets, kv=dataclasses.replace(config.kv, num_blocks=blocks))
+
+
+def prompts(config, chunks: list[int]) -> dict:
+    """Time to first token at batch 1 for prompts of LONG's lengths, in the toml's largest tokens
+    bucket and in each of `chunks` (the chunk-size sweep at 64K)."""
+    from deepinfer.compiler.bundle_plan import plan_bundle
+    from deepinfer.compiler.prompt_cost import prompt_cost
+
+    plan = plan_bundle(long_context(config), scratch=False)
+    chunk = max(plan.spec.config.buckets.tokens)
+    costs = {L: prompt_cost(plan, L, chunk) for L in LONG}
+    sweep = {T: prompt_cost(plan, LONG[1], T) for T in sorted({*chunks, chunk})}
+    return {"chunk": chunk, "costs": costs, "sweep": sweep}
+
+
+def print_prompts(p: dict, err) -> None:
+    costs, sweep = p["costs"], p["sweep"]
+    print(f"prompt at batch 1, chunks of {p['chunk']} tokens, per rank:", file=err)
+    print(f"{'':<32}" + "".join(f"{f'{L:,} tokens':>18}" for L in costs), file=err)
+    shown = [
+        ("chunks", lambda c: f"{c.chunks:,}"),
+        ("FLOPs on a rank (T)", lambda c: f"{c.flops / 1e12:,.1f}"),
+        ("useful FLOPs, all ranks (T)", lambda c: f"{c.useful_flops / 1e12:,.1f}"),
+        ("weight bytes read (GB)", lambda c: f"{c.weight_bytes / 1e9:,.1f}"),
+        ("collectives", lambda c: f"{c.collectives:,}"),
+        ("time to first token (ms)", lambda c: f"{c.ttft_ms:,.1f}"),
+        ("compute bound (ms)", lambda c: f"{c.compute_bound_ms:,.1f}"),
+        ("TTFT / compute bound", lambda c: f"{c.ttft_over_compute_bound:,.2f}"),
+    ]
+    for label, cell in shown:
+        print(f"{label:<32}" + "".join(f"{cell(c):>18}" for c in costs.values()), file=err)
+    big = costs[LONG[-1]]
+    for part in sorted(big.flops_by_part, key=big.flops_by_part.get, reverse=True):
+        cells = "".join(f"{c.flops_by_part[part] / 1e12:>18,.1f}" for c in costs.values())
+        print(f"  {part:<30}{cells}", file=err)
+    print(f"chunk size at {LONG[1]:,} tokens: TTFT (ms), and / compute bound", file=err)
+    for T, c in sweep.items():
+        print(f"  {T:>6} tokens  {c.ttft_ms:>12,.1f}  {c.ttft_over_compute_bound:>8,.2f}", file=err)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--toml", type=Path, default=ROOT / "examples" / "release" / "model.toml")
     ap.add_argument("--context", type=int, help="positions per sequence (default: the toml's max_context)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--chunks", type=int, nargs="*", default=[128, 512, 2048, 8192], help="prompt chunk sizes to compare at 64K"
+    )
     args = ap.parse_args()
 
     from deepinfer.compiler.bundle_plan import plan_bundle
@@ -189,6 +245,8 @@ def main() -> int:
     for name in rows[0]["collectives"]:
         cells = "".join(f"{r['collectives'][name]:>4} calls {r['collective_bytes'][name]:>10,} B" for r in rows)
         print(f"{name:<32}{cells}", file=err)
+    long = prompts(config, args.chunks)
+    print_prompts(long, err)
     print("constants:", file=err)
     for key, f in figures.items():
         print(f"  {key:<22} {f.value:g} {f.unit} ({f.status}: {f.source})", file=err)
@@ -220,6 +278,17 @@ def main() -> int:
                     },
                     "seed_layout_estimated_step_ms_b1": b1["estimated_ms_seed_layout"],
                     "rows": rows,
+                    # a prompt at batch 1, planned at context buckets LONG (compiler/prompt_cost.py)
+                    "prompt_chunk_tokens": long["chunk"],
+                    "ttft_ms_8k": long["costs"][LONG[0]].ttft_ms,
+                    "ttft_ms_64k": long["costs"][LONG[1]].ttft_ms,
+                    "ttft_ms_1m": long["costs"][LONG[2]].ttft_ms,
+                    "compute_bound_ms_64k": long["costs"][LONG[1]].compute_bound_ms,
+                    "compute_bound_ms_1m": long["costs"][LONG[2]].compute_bound_ms,
+                    "ttft_64k_over_compute_bound": long["costs"][LONG[1]].ttft_over_compute_bound,
+                    "ttft_1m_over_compute_bound": long["costs"][LONG[2]].ttft_over_compute_bound,
+                    "prompts": {str(L): c.to_dict() for L, c in long["costs"].items()},
+                    "ttft_ms_64k_by_chunk": {str(T): c.ttft_ms for T, c in long["sweep"].items()},
                     "constants": {
                         k: {"value": f.value, "unit": f.unit, "source": f.source, "kind": f.status}
                         for k, f in figures.items()

@@ -340,3 +340,29 @@ def record(spec: Spec, plan: RegionPlan, executables: Sequence[Executable], stag
     files = [staging / e.artifact for e in executables]
     d = check(spec, plan, "with the compiled executables", executables, files)
     return {rank: b.to_dict() for rank, b in per_rank(spec, d).items()}
+
+
+def id_ranges(ids: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    parts, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            parts.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(parts)
+
+
+def rank_label(ranks: list[str]) -> str:
+    """["rank-0", "rank-1"] -> 'ranks 0-1 (2)'."""
+    ids = [int(r.rsplit("-", 1)[1]) for r in ranks]
+    return f"rank {id_ranges(ids)}" if len(ids) == 1 else f"ranks {id_ranges(ids)} ({len(ids)})"
+
+
+def by_rank_group(by_rank: dict, key) -> dict:
+    """Ranks grouped by `key` of their value -> {label: the first value of the group}."""
+    groups: dict = {}
+    for r, v in by_rank.items():
+        groups.setdefault(key(v), []).append((r, v))
+    return {rank_label([r for r, _ in g]): g[0][1] for g in groups.values()}

@@ -13,8 +13,8 @@ Every figure is the compile's own, from its passes run as far as they go without
                                   graphs: its trace records where the compile cache holds them,
                                   else graphs traced here on fake tensors and lowered
                                   (executables.lower)
-    decode step cost per rank     compiler/step_cost.py at every decode bucket, from the figures
-                                  above, per_step and the target's hardware figures (trn2)
+    decode step, prompt cost      compiler/step_cost.py per decode bucket, prompt_cost.py per prompt
+                                  (8K, 64K, 1M): the figures above, per_step, the target's (trn2)
     the draft ([speculative])     its kinds and executables (compiler/plan.py), its weights per
                                   rank (in every rank's budget) and whole (budget.weights_by_kind)
 
@@ -44,7 +44,7 @@ from pathlib import Path, PurePosixPath
 from deepinfer.bundles import layout
 from deepinfer.bundles.manifest import DECODE, PROJECT, Pool
 from deepinfer.bundles.safetensors import DTYPES, TensorInfo
-from deepinfer.compiler import budget, pipeline, step_cost
+from deepinfer.compiler import budget, pipeline, prompt_cost, step_cost
 from deepinfer.compiler.budget import Breakdown, human
 from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.plan import Exe, RegionPlan
@@ -260,6 +260,7 @@ class BundlePlan:
             "draft": self.draft,
             "per_decode_step": self.per_step,
             "step_cost": step_cost.report(self),
+            "prompt_cost": prompt_cost.report(self),
             "weights": self._weights_dict(),
             "pools": self._pools_dict(),
             "scratch": self._scratch_dict(),
@@ -347,6 +348,7 @@ class BundlePlan:
             *self._draft_lines(),
             "",
             *step_cost.lines(self),
+            *prompt_cost.lines(self),
             *self._weight_lines(),
             *self._pool_lines(),
             *self._scratch_lines(),
@@ -375,7 +377,7 @@ class BundlePlan:
             layers = (
                 kp.slot
                 if kp.layers == [-1]
-                else ("draft stages " if kp.source != "layers.{}." else "layers ") + _ranges(kp.layers)
+                else ("draft stages " if kp.source != "layers.{}." else "layers ") + budget.id_ranges(kp.layers)
             )
             out.append(f"  {kind:<22} {kp.slot:<7} {layers:<40} {human(self.device_weights(rank0)[kind]):>12} per rank")
         return out
@@ -435,7 +437,10 @@ class BundlePlan:
 
     def _weight_lines(self) -> list[str]:
         out = ["", "weights per rank after sharding (device):"]
-        out += [f"  {ranks}: {human(sum(d.weights.values()))}" for ranks, d in _same(self.memory, _weights_of).items()]
+        out += [
+            f"  {ranks}: {human(sum(d.weights.values()))}"
+            for ranks, d in budget.by_rank_group(self.memory, _weights_of).items()
+        ]
         head = self.head
         out.append(
             f"  head: vocabulary {head['vocab']:,} over the token group's {head['ranks']} rank(s), "
@@ -451,7 +456,9 @@ class BundlePlan:
         )
         out += [
             f"  {ranks} load {human(n)} each from the weight files (own and shared)"
-            for ranks, n in _same({r: self.rank_file_bytes(r) for r in self.rank_files}, lambda v: v).items()
+            for ranks, n in budget.by_rank_group(
+                {r: self.rank_file_bytes(r) for r in self.rank_files}, lambda v: v
+            ).items()
         ]
         return out
 
@@ -488,7 +495,7 @@ class BundlePlan:
 
     def _memory_lines(self) -> list[str]:
         out = ["", "memory budget per rank:"]
-        for ranks, d in _same(self.memory, lambda d: (d.total, d.usable)).items():
+        for ranks, d in budget.by_rank_group(self.memory, lambda d: (d.total, d.usable)).items():
             out.append(f"  {ranks}: {'fits' if d.fits else 'DOES NOT FIT'}")
             out += ["  " + line for line in d.lines()]
         return out
@@ -496,31 +503,6 @@ class BundlePlan:
 
 def _weights_of(d: Breakdown):
     return tuple(sorted(d.weights.items()))
-
-
-def _ranges(ids: list[int]) -> str:
-    """[1, 2, 3, 7] -> '1-3, 7'."""
-    parts, start = [], None
-    for i, x in enumerate(ids):
-        if start is None:
-            start = x
-        if i + 1 == len(ids) or ids[i + 1] != x + 1:
-            parts.append(str(start) if start == x else f"{start}-{x}")
-            start = None
-    return ", ".join(parts)
-
-
-def _rank_label(ranks: list[str]) -> str:
-    ids = [int(r.rsplit("-", 1)[1]) for r in ranks]
-    return f"rank {_ranges(ids)}" if len(ids) == 1 else f"ranks {_ranges(ids)} ({len(ids)})"
-
-
-def _same(by_rank: dict, key) -> dict:
-    """Ranks grouped by `key` of their value -> {label: the first value of the group}."""
-    groups: dict = {}
-    for r, v in by_rank.items():
-        groups.setdefault(key(v), []).append((r, v))
-    return {_rank_label([r for r, _ in g]): g[0][1] for g in groups.values()}
 
 
 # -- the checkpoint a plan reads --------------------------------------------------------------------

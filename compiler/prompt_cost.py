@@ -300,6 +300,21 @@ def prompt_lengths(plan: BundlePlan) -> list[int]:
     return [L for L in PROMPTS if L <= plan.spec.config.buckets.max_context]
 
 
+SWEEP = (128, 256, 512, 1024, 2048, 4096, 8192)  # the chunk sizes a plan compares
+
+
+def chunk_sweep(plan: BundlePlan, tokens: int) -> list[dict]:
+    """A prompt of `tokens` tokens in chunks of each size of `SWEEP` and of the plan's prompt buckets:
+    its TTFT, its chunks' bound, and whether the plan builds that bucket (whose scratch the memory
+    verdict then counts); sizes the plan does not build have no scratch figure here."""
+    built = set(prompt_buckets(plan))
+    out = []
+    for size in sorted({*SWEEP, *built}):
+        p = prompt_cost(plan, tokens, size)
+        out.append({"chunk": size, "built": size in built, "ttft_ms": p.ttft_ms, "bound_chunks": p.bound_chunks})
+    return out
+
+
 def report(plan: BundlePlan) -> dict | None:
     """`deepinfer plan --json`'s "prompt_cost": per prompt bucket one chunk at each context bucket,
     and per prompt length (`PROMPTS`) its cost in the largest bucket; None where the target gives no
@@ -313,6 +328,9 @@ def report(plan: BundlePlan) -> dict | None:
             asdict(chunk_cost(plan, t, ctx)) for t in prompt_buckets(plan) for ctx in plan.spec.config.buckets.contexts
         ],
         "prompts": [prompt_cost(plan, L, chunk).to_dict() for L in prompt_lengths(plan)],
+        "chunk_sweep": {"tokens": prompt_lengths(plan)[-1], "sizes": chunk_sweep(plan, prompt_lengths(plan)[-1])}
+        if prompt_lengths(plan)
+        else None,
     }
 
 
@@ -349,6 +367,11 @@ def lines(plan: BundlePlan) -> list[str]:
         f"  {'prompt tokens':<38}" + "".join(f"{p.tokens:>18,}" for p in costs),
     ]
     out += [f"  {label:<38}" + "".join(f"{cell(p):>18}" for p in costs) for label, cell in rows]
+    tokens = costs[-1].tokens
+    out.append(f"  a {tokens:,}-token prompt by chunk size (* built: its scratch is in the memory verdict):")
+    for row in chunk_sweep(plan, tokens):
+        bound = ", ".join(f"{n} {b}-bound" for b, n in row["bound_chunks"].items())
+        out.append(f"    {row['chunk']:>6}{'*' if row['built'] else ' '} {row['ttft_ms']:>14,.1f} ms  ({bound})")
     return out
 
 

@@ -119,8 +119,13 @@ def test_plan_text_and_json_carry_the_prompt_cost(plan):
     assert [(p["tokens"], p["chunk"], p["chunks"]) for p in d["prompts"]] == [(8192, 128, 64), (65536, 128, 512)]
     for p in d["prompts"]:
         assert p["flops"] == sum(p["flops_by_part"].values()) and p["ttft_ms"] > p["compute_bound_ms"] > 0
+    sweep = d["chunk_sweep"]
+    assert sweep["tokens"] == 65536 and [r["chunk"] for r in sweep["sizes"]] == list(prompt_cost.SWEEP)
+    assert [r["built"] for r in sweep["sizes"]] == [True] + [False] * 6
+    assert sweep["sizes"][0]["ttft_ms"] == d["prompts"][1]["ttft_ms"]
     text = "\n".join(plan.lines())
     assert "prompt at batch 1 per rank, chunks of 128 tokens" in text
+    assert "a 65,536-token prompt by chunk size (* built" in text
     for label in ("time to first token (ms)", "compute bound, all ranks (ms)", "TTFT / compute bound", "index scores"):
         assert label in text, label
 

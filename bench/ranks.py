@@ -40,7 +40,10 @@ inside the MoE region; ours crosses the region boundary with the streams.
 With --measure DIR, every bundle DIR/<name> compiled for a listed layout
 (see tests/conftest.py `rank_bundle` for the model.toml) is run with one-token
 prompts (so every step is a decode step) and the bytes counted by the
-collectives are reported per step, beside the model's prediction for B = 1.
+collectives are reported per step, beside the model's prediction for B = 1;
+then with a 132-token prompt, for the rows each execution of a prompt chunk
+takes over the chunk's tokens (`prompt_rows_per_rank_over_chunk`: 1 plus the
+last chunk's padding while every rank of a token group computes every row).
 """
 
 from __future__ import annotations
@@ -131,9 +134,14 @@ def selection_growth() -> list[dict]:
     ]
 
 
+LONG_PROMPT = [0] + [(7 * i) % 250 + 3 for i in range(131)]  # 132 tokens: 17 chunks of the tiny buckets' 8
+
+
 def measure(bundle: Path, steps: int) -> dict:
     """Run a compiled bundle with a one-token prompt (every step a decode step, all in its smallest
-    context bucket) and count each rank's bytes per step."""
+    context bucket) and count each rank's bytes per step; then a 132-token prompt, whose chunks'
+    executions the leader counts (`Stats.prompt_rows_over_chunk`: the rows an execution of a prompt
+    chunk takes over the chunk's tokens)."""
     from deepinfer.bundles import manifest_io
     from deepinfer.runtime import RunOptions, generate
 
@@ -141,7 +149,14 @@ def measure(bundle: Path, steps: int) -> dict:
     decode_steps = run.stats.steps
     per_rank = {r: {k: v / decode_steps for k, v in sent.items()} for r, sent in run.sent.items()}
     m = manifest_io.read(bundle)
-    return {"steps": decode_steps, "context": m.buckets.context_sizes[0], "per_rank": per_rank}
+    prompt = generate(bundle, [LONG_PROMPT], RunOptions(max_new_tokens=1, threads=1)).stats
+    return {
+        "steps": decode_steps,
+        "context": m.buckets.context_sizes[0],
+        "per_rank": per_rank,
+        "prompt_chunks": prompt.prompt_steps,
+        "prompt_rows_per_rank_over_chunk": prompt.prompt_rows_over_chunk,
+    }
 
 
 def main() -> int:
@@ -192,6 +207,11 @@ def main() -> int:
             + ", ".join(f"{k} {v:,.0f} (model {m['predicted_b1'].get(k, 0):,})" for k, v in sent.items()),
             file=err,
         )
+        print(
+            f"  a {len(LONG_PROMPT)}-token prompt in {m['prompt_chunks']} chunks: an execution takes "
+            f"{m['prompt_rows_per_rank_over_chunk']:.3f} x a chunk's tokens (1: every rank computes every row)",
+            file=err,
+        )
     release, growth = release_rows(), selection_growth()
     print("\nrelease (EP = CP = 64, bf16): bytes a rank sends per decode step", file=err)
     short = ["selection", "attn max", "attn all-reduce", "logits", "MoE all-reduce", "cp/MoE"]
@@ -216,6 +236,9 @@ def main() -> int:
                     "layers": text.num_hidden_layers,
                     "layouts": rows,
                     "measured": measured,
+                    "prompt_rows_per_rank_over_chunk": {
+                        n: m["prompt_rows_per_rank_over_chunk"] for n, m in measured.items()
+                    },
                     "release": release,
                     "selection_growth": growth,
                 }

@@ -55,6 +55,12 @@ class Stats:
     by_tokens: dict = field(default_factory=dict)  # tokens bucket -> [steps, seconds] (picklable: ranks send it)
     tokens: int = 0  # real tokens processed
     padded: int = 0  # token slots computed (incl. padding)
+    # steps at a tokens bucket above one (prompt chunks; verify steps too, with a draft): their real
+    # tokens, and the rows their executions took (a region, stage or fused layer each)
+    prompt_steps: int = 0
+    prompt_tokens: int = 0
+    prompt_executions: int = 0
+    prompt_rows: int = 0
 
     def table(self) -> list[dict]:
         total = sum(self.seconds.values()) or 1.0
@@ -76,7 +82,25 @@ class Stats:
         shape[0] += 1
         shape[1] += seconds
         self.padded += batch.tokens.numel()
-        self.tokens += int((batch.positions >= 0).sum())
+        real = int((batch.positions >= 0).sum())
+        self.tokens += real
+        if batch.tokens.shape[1] > 1:
+            self.prompt_steps += 1
+            self.prompt_tokens += real
+
+    def record_rows(self, shape: torch.Size) -> None:
+        """One execution of a step whose leading dims are `shape` [B, T]: counted where T > 1."""
+        if shape[1] > 1:
+            self.prompt_executions += 1
+            self.prompt_rows += shape[0] * shape[1]
+
+    @property
+    def prompt_rows_over_chunk(self) -> float:
+        """The rows an execution takes per prompt step over the real tokens of a prompt step (1 where
+        every rank computes every row of a chunk, plus the chunks' padding; 0 before a prompt step)."""
+        if not self.prompt_executions or not self.prompt_tokens:
+            return 0.0
+        return (self.prompt_rows / self.prompt_executions) / (self.prompt_tokens / self.prompt_steps)
 
 
 @dataclass(frozen=True)
@@ -240,6 +264,7 @@ class Executor:
             t2 = time.perf_counter()
             name = kind if method == mf.DECODE else f"{kind}.{method}"
             stats.calls[name] += 1
+            stats.record_rows(inputs[0].shape)
             stats.seconds[name] += t2 - t1
             stats.overhead += t1 - t0
             # a region's streams leave `decode` (or the divided attention's last stage, `output`) as
@@ -266,6 +291,7 @@ class Executor:
             t1 = time.perf_counter()
             out = exe(args) if on_call is None else on_call(layer, LAYER_SLOT, kind, tuple(inputs), lambda: exe(args))
             stats.calls[kind] += 1
+            stats.record_rows(inputs[0].shape)
             stats.seconds[kind] += time.perf_counter() - t1
             stats.overhead += t1 - t0
             return dict(zip(outputs, out))

@@ -215,6 +215,20 @@ def test_padding_waste_and_timing_are_recorded(run_exported_bundle, loaded):
     assert abs(sum(r["share"] for r in table) - 1) < 1e-9
 
 
+def test_prompt_rows_are_counted_per_execution(run_exported_bundle, loaded):
+    """A 20-token prompt in chunks of 8, 8 and 4 tokens (buckets 8, 8 and 6): every execution of a
+    step takes its bucket's rows (bench/ranks.py's prompt_rows_per_rank_over_chunk)."""
+    session = loaded(run_exported_bundle)
+    buckets = session.manifest.buckets
+    assert buckets.token_sizes == [1, 6, 8] and buckets.batch_sizes[0] == 1
+    s = run(session, [[0] + [5 + i for i in range(19)]], 1).stats
+    assert (s.prompt_steps, s.prompt_tokens) == (3, 20)
+    per_step = s.prompt_executions // 3
+    assert s.prompt_executions == sum(s.calls.values()) == 3 * per_step > 3
+    assert s.prompt_rows == per_step * (8 + 8 + 6)
+    assert s.prompt_rows_over_chunk == pytest.approx((22 / 3) / (20 / 3))
+
+
 def _table_widths(session):
     """(an on_call hook recording, per call of a kind built per context bucket, its block table's width;
     the widths it records)."""

@@ -218,6 +218,7 @@ class Engine:
         metrics: Metrics | None = None,
         drafter: Drafter | None = None,
         prefix_cache: bool = False,
+        max_step_tokens: int | None = None,
     ):
         self.max_queue = max_queue
         self.metrics = metrics or Metrics.new()
@@ -231,6 +232,7 @@ class Engine:
             events=self.events,
             lock=self._cond,
             prefix_cache=prefix_cache,
+            max_step_tokens=max_step_tokens,
         )
         a = self.scheduler.allocs[0]
         self.block_size, self.max_context = a.block_size, a.max_context

@@ -257,3 +257,25 @@ def test_decode_passes_the_budget_through(ref_exact, unbudgeted):
     got = decode(st, GOLDEN[:1], NEW, eos=ref_exact.config.eos_token_id, max_step_tokens=2)
     assert got[0].tokens == unbudgeted[0].tokens
     assert got.steps is not None and got.steps.largest == 2 and got.steps.steps == 3 + NEW - 1
+
+
+# --- a compiled bundle: the steps run at its buckets ------------------------------------------------------
+
+
+def test_a_bundle_runs_budgeted_steps_at_its_buckets(run_exported_bundle):
+    """The exported bundle (tokens buckets 1, 6, 8; batch 1, 4): at budget 3 no step needs the 8-token
+    bucket (a mixed step's rows are padded to 6); every budget gives the unbudgeted tokens, and the
+    executor's real positions are the scheduler's fed tokens."""
+    from deepinfer.runtime import generate, load
+
+    executor = load(run_exported_bundle)
+    with torch.inference_mode():
+        plain = generate(executor, GOLDEN, RunOptions(max_new_tokens=NEW))
+        for budget in (3, 7, 100):
+            got = generate(executor, GOLDEN, RunOptions(max_new_tokens=NEW, max_step_tokens=budget))
+            assert [g.tokens for g in got] == [g.tokens for g in plain], budget
+            stats, steps = got.stats, got.steps
+            assert stats is not None and steps is not None
+            assert stats.tokens == steps.fed and steps.largest <= budget and stats.steps == steps.steps
+            assert set(stats.by_tokens) <= {1, 6, 8} and (budget > 6 or 8 not in stats.by_tokens)
+    assert plain.steps is not None and got.steps is not None and got.steps.steps == plain.steps.steps

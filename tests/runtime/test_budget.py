@@ -6,6 +6,8 @@ quantization, where any chunk width gives the same tokens) and with speculative 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -279,3 +281,25 @@ def test_a_bundle_runs_budgeted_steps_at_its_buckets(run_exported_bundle):
             assert stats.tokens == steps.fed and steps.largest <= budget and stats.steps == steps.steps
             assert set(stats.by_tokens) <= {1, 6, 8} and (budget > 6 or 8 not in stats.by_tokens)
     assert plain.steps is not None and got.steps is not None and got.steps.steps == plain.steps.steps
+
+
+def test_deepinfer_run_budget_timing_and_speculative_refusal(run_exported_bundle):
+    """--max-step-tokens 3 --timing --json: the fed tokens split into prompt and decode, no step over 3,
+    the padded rows; with --speculative (a draft block of 5) a budget of 5 is refused in one line."""
+    from deepinfer.runtime.cli import main
+
+    ids = ",".join(map(str, GOLDEN[1]))
+    r = CliRunner().invoke(
+        main,
+        [str(run_exported_bundle), "--prompt-ids", ids, "--max-new-tokens", "4", "--max-step-tokens", "3"]
+        + ["--json", "--timing"],
+    )
+    assert r.exit_code == 0, r.output
+    t = json.loads(r.stdout)["timing"]
+    assert (t["prompt_tokens"], t["decode_tokens"], t["largest_step_tokens"]) == (57, 3, 3)
+    assert t["fed_tokens"] == 60 and t["padded_rows"] >= 60 and t["steps"] == 19 + 3
+    r = CliRunner().invoke(
+        main, [str(run_exported_bundle), "--prompt", "Hi", "--speculative", "dspark", "--max-step-tokens", "5"]
+    )
+    assert r.exit_code == 2 and r.output.strip().count("\n") == 0, r.output
+    assert "smaller than a speculative verify row" in r.output and "at least 6" in r.output

@@ -157,6 +157,11 @@ def test_prefix_caching_chunks_end_at_block_edges_within_the_budget():
     assert whole.cached_tokens == 12 and whole.generated == first.generated
     plain = Engine(SlotCounting(chunk=6, block_size=4, blocks=17, max_blocks=8, slots=4), eos=1, max_queue=4)
     assert run_alone(plain, prompt, 3).generated == first.generated
+    fed, registry = engine.scheduler.fed, engine.metrics.registry  # /metrics: every step within 3 tokens
+    assert registry.get_sample_value("deepinfer_step_tokens_count") == fed.steps and fed.largest == 3
+    assert registry.get_sample_value("deepinfer_step_tokens_sum") == fed.fed
+    assert registry.get_sample_value("deepinfer_step_tokens_bucket", {"le": "4.0"}) == fed.steps
+    assert registry.get_sample_value("deepinfer_step_tokens_bucket", {"le": "2.0"}) < fed.steps
 
 
 def test_a_budget_under_one_or_a_verify_row_is_refused(ref_exact):

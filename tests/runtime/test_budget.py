@@ -7,6 +7,7 @@ quantization, where any chunk width gives the same tokens) and with speculative 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -308,3 +309,28 @@ def test_deepinfer_run_budget_timing_and_speculative_refusal(run_exported_bundle
     )
     assert r.exit_code == 2 and r.output.strip().count("\n") == 0, r.output
     assert "smaller than a speculative verify row" in r.output and "at least 6" in r.output
+
+
+def test_deepinfer_serve_with_a_budget_gives_deepinfer_runs_tokens(aoti_bundle):
+    """deepinfer-serve --max-step-tokens 2 (one token bucket: prompts fed a token a step, two rows at
+    most): concurrent greedy completions equal deepinfer-run's, and /metrics counts no step over 2."""
+    from deepinfer.runtime.cli import main
+
+    from .test_serve import MODEL, Server
+
+    prompts = ["Hello, world", "abc", "1 + 1 ="]
+    r = CliRunner().invoke(
+        main, [str(aoti_bundle), "--json", "--max-new-tokens", "6"] + [f"--prompt={p}" for p in prompts]
+    )
+    assert r.exit_code == 0, r.output
+    want = [o["text"] for o in json.loads(r.stdout)["outputs"]]
+    s = Server(aoti_bundle, "--max-step-tokens", "2")
+    try:
+        client = s.client()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            out = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=6), prompts))
+        assert [o.choices[0].text for o in out] == want
+        steps = s.metric("deepinfer_step_tokens_count")
+        assert steps > 0 and s.metric('deepinfer_step_tokens_bucket{le="2.0"}') == steps
+    finally:
+        assert s.stop() == 0, s.proc.stderr.read()

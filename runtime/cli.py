@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # the runtime loads only once a command runs
     "--max-step-tokens",
     type=click.IntRange(min=1),
     default=None,
+    metavar="N",
     help=STEP_TOKENS_HELP,
 )
 @bundle_options

@@ -81,7 +81,7 @@ HTTP_LIMITS = ("max_body_bytes", "max_connections", "header_timeout_s", "body_ti
     show_default=True,
     help="/health answers 503 while the engine has work but has finished no step for this long (0: off).",
 )
-@click.option("--max-step-tokens", type=click.IntRange(min=1), default=None, help=STEP_TOKENS_HELP)
+@click.option("--max-step-tokens", type=click.IntRange(min=1), default=None, metavar="N", help=STEP_TOKENS_HELP)
 @bundle_options
 @user_errors
 def main(bundle, host, port, max_queue, model_name, no_prefix_cache, max_step_tokens, **load):

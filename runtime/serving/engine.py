@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # prometheus_client loads with the first engine (Metrics.new)
 # seconds: step times of a tiny CPU bundle (~ms) up to a release rank's prefill chunk (~s)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STEP_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(15))  # 1 .. 16384 tokens
+STEP_TOKENS_HELP = "Tokens one step fed: prompt chunks, decode and verify rows (--max-step-tokens bounds it)"
 
 
 class RequestError(DeepinferError):
@@ -149,12 +150,7 @@ class Metrics:
                 "Cached KV blocks evicted (least recently released first) for want of free blocks",
                 registry=r,
             ),
-            step_tokens=Histogram(
-                "deepinfer_step_tokens",
-                "Tokens one step fed: prompt chunks, decode and verify rows (--max-step-tokens bounds it)",
-                buckets=STEP_TOKEN_BUCKETS,
-                registry=r,
-            ),
+            step_tokens=Histogram("deepinfer_step_tokens", STEP_TOKENS_HELP, buckets=STEP_TOKEN_BUCKETS, registry=r),
         )
 
     def text(self) -> bytes:

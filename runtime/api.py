@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from deepinfer.bundles.signing import trusted
+from deepinfer.runtime.budget import check_budget
 from deepinfer.runtime.bundle import Bundle, open_bundle, require_draft, tokenizer
 from deepinfer.runtime.executor import Executor
 from deepinfer.runtime.generation import generate_loaded
@@ -59,6 +60,7 @@ def serve(bundle: Bundle | str | Path, options: ServeOptions) -> None:
 
     _threads(options)
     b = opened(bundle, options)
+    check_budget(options.max_step_tokens, b.config.text.dspark_block_size if options.speculative else None)
     tok = tokenizer(b)
     launched = ranks.torchrun_rank()
     leader = None

@@ -20,6 +20,16 @@ from deepinfer.cli_common import (
     write_logits,
 )
 
+STEP_TOKENS_HELP = (
+    "Tokens one step feeds at most, over every running sequence (chunked prefill with a token budget, as "
+    "vLLM's max_num_batched_tokens): decode rows (with --speculative, a verify row: the unfed token and its "
+    "drafts) all run first, then prompt chunks in arrival order cut to what is left; a prompt left none waits "
+    "a step. Smaller: running sequences get their next token sooner (time between tokens) and a step stays "
+    "small, while a long prompt takes more steps to its first token. The same greedy tokens whatever the "
+    "budget. At least 1 (and a verify row, the draft block + 1, with --speculative). Default: none "
+    "(every prompt feeds its whole chunk, the largest tokens bucket, each step)."
+)
+
 if TYPE_CHECKING:  # the runtime loads only once a command runs
     from deepinfer.regions.tokenizer import Tokenizer
     from deepinfer.runtime.requests import Completions
@@ -34,10 +44,19 @@ if TYPE_CHECKING:  # the runtime loads only once a command runs
     help="Print host time per region kind and the runtime's own overhead; with --speculative, tokens per "
     "target step and the verify step's cost over a plain decode step.",
 )
+@click.option(
+    "--max-step-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help=STEP_TOKENS_HELP,
+)
 @bundle_options
 @image_option
 @user_errors
-def main(bundle, prompt, chat, prompt_ids, max_new_tokens, as_json, dump_logits, timing, images, **load):
+def main(
+    bundle, prompt, chat, prompt_ids, max_new_tokens, as_json, dump_logits, timing, images, max_step_tokens, **load
+):
     """Load BUNDLE (validated: format version, digests, target) and generate greedily.
 
     Text goes through the bundle's tokenizer (the checkpoint's tokenizer.json, copied at
@@ -57,11 +76,13 @@ def main(bundle, prompt, chat, prompt_ids, max_new_tokens, as_json, dump_logits,
     """
     from deepinfer.runtime import RunOptions, generate
     from deepinfer.runtime.api import opened
+    from deepinfer.runtime.budget import check_budget
     from deepinfer.runtime.bundle import load_vision, tokenizer
 
     start = time.perf_counter()
     settings = load_settings(**load)
     b = opened(bundle, RunOptions(**settings))
+    check_budget(max_step_tokens, b.config.text.dspark_block_size if settings["speculative"] else None)
     tok = tokenizer(b)
     prompts, embeds = prompts_with_images(prompt, prompt_ids, images, b.config, tok, lambda: load_vision(b), chat)
     options = RunOptions(
@@ -69,6 +90,7 @@ def main(bundle, prompt, chat, prompt_ids, max_new_tokens, as_json, dump_logits,
         max_new_tokens=max_new_tokens,
         images=tuple(embeds) if embeds else None,
         keep_logits=dump_logits is not None,
+        max_step_tokens=max_step_tokens,
     )
     outs = generate(b, prompts, options)
     if not outs:  # a follower rank under torchrun: rank 0 prints
@@ -96,7 +118,7 @@ def _timings(outs: Completions, wall: float, verify_tokens: int, speculative: bo
 
     stats = outs.stats
     assert stats is not None, "a bundle's run records its stats"
-    figures, lines = timing(stats, wall), timing_lines(stats, wall)
+    figures, lines = timing(stats, wall, outs.steps), timing_lines(stats, wall, outs.steps)
     if speculative:
         figures["speculation"] = speculation_timing(stats, outs.speculation, verify_tokens)
         lines += speculation_lines(figures["speculation"], outs.speculation)

@@ -2,7 +2,8 @@
 
 `generate_loaded` joins the two halves of a run: the executor's `Steps` (what a step runs, timed into
 this run's `Stats`) and the scheduler's batch policy (submit every prompt, then step until all have
-finished), with the bundle's compiled draft when `options.speculative` asks for it. `runtime.generate`
+finished, at most `options.max_step_tokens` tokens a step), with the bundle's compiled draft when
+`options.speculative` asks for it. `runtime.generate`
 and the ranks' leader call it; a follower rank runs what the leader sends (`Executor.follow`).
 """
 
@@ -44,6 +45,7 @@ def generate_loaded(
                 images=options.images,
                 drafter=drafter,
                 keep_logits=options.keep_logits,
+                max_step_tokens=options.max_step_tokens,
             )
     finally:
         if executor.comm is not None:

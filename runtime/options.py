@@ -2,7 +2,8 @@
 
 `LoadOptions` are what opening and loading a bundle take (both commands share them, and rank
 processes receive them); `RunOptions` add what one batch generation asks for, `ServeOptions`
-what the HTTP server does.
+what the HTTP server does; both take `max_step_tokens`, the scheduler's token budget per step
+(runtime/budget.py), refused at construction when under 1 (`BudgetError`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from deepinfer.regions.spans import ImageEmbeds
+from deepinfer.runtime.budget import check_budget
 
 COLLECTIVE_TIMEOUT_S = 600.0  # a collective (a step's broadcast included) that waits longer fails
 CHUNK_BYTES = 64 << 20  # float32 collectives run in chunks of at most this many bytes per rank
@@ -43,6 +45,10 @@ class RunOptions(LoadOptions):
     images: tuple[ImageEmbeds | None, ...] | None = None  # per prompt: its image positions and rows
     keep_logits: bool = False  # each completion's logits, one [V] row per position (--dump-logits)
     timeout_s: float = 3600.0  # the whole run, when this process starts the ranks
+    max_step_tokens: int | None = None  # tokens a step feeds at most (runtime/budget.py; None: no budget)
+
+    def __post_init__(self) -> None:
+        check_budget(self.max_step_tokens)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +61,7 @@ class ServeOptions(LoadOptions):
     model_name: str | None = None  # the model's id in the API (None: the bundle directory's name)
     on_ready: Callable[[str], None] | None = None  # called with the URL once the socket is bound
     prefix_cache: bool = True  # share full prompt blocks between requests (one-rank bundles; regions/prefix.py)
+    max_step_tokens: int | None = None  # tokens a step feeds at most (runtime/budget.py; None: no budget)
     # HTTP limits (runtime/serving/limits.py)
     max_body_bytes: int = 16 << 20  # a request body over it: 413
     max_connections: int = 256  # open connections; one more gets 503 and is closed
@@ -62,3 +69,6 @@ class ServeOptions(LoadOptions):
     body_timeout_s: float = 60.0  # a request's body must arrive within it (else 408)
     grace_s: float = 30.0  # at a stop signal, what open requests get to end before they are ended
     watchdog_s: float = 300.0  # an engine with work but no finished step for this long: /health 503 (0: off)
+
+    def __post_init__(self) -> None:
+        check_budget(self.max_step_tokens)

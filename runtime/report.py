@@ -1,25 +1,35 @@
-"""What `deepinfer-run --timing` prints: host time per region kind, steps, and speculation's figures."""
+"""What `deepinfer-run --timing` prints: host time per region kind, steps, the tokens the steps fed
+(prompt and decode) and the rows they computed padded to their buckets, and speculation's figures."""
 
 from __future__ import annotations
 
+from deepinfer.runtime.budget import StepTokens
 from deepinfer.runtime.executor import Stats
 from deepinfer.runtime.requests import SpeculationStats
 
 
-def timing(stats: Stats, wall: float) -> dict:
-    """The run's timing as `--json` prints it."""
+def timing(stats: Stats, wall: float, steps: StepTokens | None = None) -> dict:
+    """The run's timing as `--json` prints it. `fed_tokens` and `padded_rows` are the executor's (this
+    rank's token group: real positions, and the B_bucket x T_bucket rows computed); `steps` (the
+    scheduler's, where it ran in this process) splits what was fed into prompt and decode tokens
+    and gives the largest step."""
     calls = sum(stats.calls.values())
-    return {
+    figures = {
         "regions": stats.table(),
         "steps": stats.steps,
         "step_ms": stats.step_seconds / max(stats.steps, 1) * 1e3,
         "overhead_us_per_call": stats.overhead / max(calls, 1) * 1e6,
         "padding_waste": 1 - stats.tokens / stats.padded if stats.padded else 0.0,
+        "fed_tokens": stats.tokens,
+        "padded_rows": stats.padded,
         "wall_s": wall,
     }
+    if steps is not None:
+        figures |= {"prompt_tokens": steps.prompt, "decode_tokens": steps.decode, "largest_step_tokens": steps.largest}
+    return figures
 
 
-def timing_lines(stats: Stats, wall: float) -> list[str]:
+def timing_lines(stats: Stats, wall: float, steps: StepTokens | None = None) -> list[str]:
     lines = [f"{'region kind':<24}{'calls':>7}{'total ms':>11}{'mean us':>10}{'share':>8}"]
     for row in stats.table():
         lines.append(
@@ -31,6 +41,10 @@ def timing_lines(stats: Stats, wall: float) -> list[str]:
         f"runtime overhead {t['overhead_us_per_call']:.1f} us a region call; "
         f"padding waste {t['padding_waste']:.1%}; wall {wall:.2f} s"
     )
+    fed = f"fed tokens {stats.tokens}"
+    if steps is not None:
+        fed += f" ({steps.prompt} prompt, {steps.decode} decode; at most {steps.largest} a step)"
+    lines.append(f"{fed}; padded rows {stats.padded} (each step's batch x tokens bucket)")
     return lines
 
 

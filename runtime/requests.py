@@ -15,6 +15,7 @@ from typing import Protocol
 from torch import Tensor
 
 from deepinfer.regions.spans import ImageEmbeds
+from deepinfer.runtime.budget import StepTokens
 from deepinfer.runtime.executor import Stats
 from deepinfer.runtime.sampling import GREEDY, Sampling
 
@@ -118,8 +119,8 @@ class SpeculationStats:
 
 class Completions(list[Completion]):
     """The completions of a batch, in prompt order, with what the run measured: `speculation` (the
-    verify steps' counts) and, for a bundle, `stats` (the executor's: time per region kind and
-    step); for runs over ranks started here, `sent` ({rank: {collective: bytes}}), `seconds`
+    verify steps' counts), `steps` (the scheduler's tokens fed, prompt and decode; runtime/budget.py) and,
+    for a bundle, `stats` (the executor's: time per region kind and step); for runs over ranks started here, `sent` ({rank: {collective: bytes}}), `seconds`
     (the leader's {collective: seconds}) and `pools` ({rank: {state pool: bytes allocated}})."""
 
     def __init__(
@@ -131,8 +132,10 @@ class Completions(list[Completion]):
         sent: dict[int, dict[str, int]] | None = None,
         seconds: dict[str, float] | None = None,
         pools: dict[int, dict[str, int]] | None = None,
+        steps: StepTokens | None = None,
     ):
         super().__init__(items)
         self.speculation = speculation or SpeculationStats()
         self.stats = stats
         self.sent, self.seconds, self.pools = sent or {}, seconds or {}, pools or {}
+        self.steps = steps  # None where the scheduler ran in another process (ranks started here)

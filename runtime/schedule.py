@@ -10,6 +10,12 @@ the reason in its own terms. Every step gives each running sequence its next pro
 `chunk` tokens) or its one decode token, so new prompts prefill interleaved with the others' decodes;
 a sequence finishes on eos, on its caller's stop, after `max_tokens`, or with an error.
 
+With `max_step_tokens` (chunked prefill with a token budget, runtime/budget.py) a step feeds at most
+that many tokens: decode and verify rows first (all of them, whatever they cost), then prompt chunks
+in admission order cut to what is left; a prompt left none waits for a later step. The stepper pads
+a step to the smallest (batch, tokens) bucket that holds it, a mixed step's rows to its T bucket, so
+the budget bounds the padded work B_bucket x T_bucket too. The greedy tokens are the unbudgeted run's.
+
 Sampling is per request (`runtime/sampling.py`); what a request is and what it produces are its
 records (`runtime/requests.py`). A request for no tokens (`max_tokens` 0) runs its prompt and ends:
 prompt scoring, its logits through `on_logits`.
@@ -48,6 +54,7 @@ from deepinfer.regions.config import V41Config
 from deepinfer.regions.prefix import SlotState, block_keys, root_key
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.stepper import Allocator, Drafter, DraftRequest, OutOfBlocks, Row, Stepper
+from deepinfer.runtime.budget import StepTokens, check_budget, fed_split, plan_step
 from deepinfer.runtime.requests import Completion, Completions, Request, SpeculationStats
 from deepinfer.runtime.sampling import sample
 
@@ -78,6 +85,11 @@ class Events:
 
     def prefix_cache(self, blocks: int, evicted: int) -> None:
         """After a step boundary: blocks the prefix cache holds, blocks it has evicted so far."""
+
+    def fed(self, prompt: int, decode: int, rows: int, longest: int) -> None:
+        """A step fed `prompt` prompt tokens and `decode` decode tokens (unfed tokens and drafts) in
+        `rows` rows, the longest `longest` tokens: the stepper pads it to the (batch, tokens) bucket
+        that holds [rows, longest] (per token group)."""
 
 
 @dataclass(eq=False)
@@ -203,7 +215,9 @@ class Scheduler:
         events: Events | None = None,
         lock: AbstractContextManager | None = None,
         prefix_cache: bool = False,
+        max_step_tokens: int | None = None,
     ):
+        check_budget(max_step_tokens, drafter.block if drafter is not None else None)
         if drafter is not None and drafter.block > stepper.slack:
             raise SpeculationError(
                 f"the drafter drafts up to {drafter.block} tokens a verify step, but the model's per-slot rings "
@@ -219,6 +233,8 @@ class Scheduler:
         self.waiting: deque[Running] = deque()
         self.running: dict[int, Running] = {}
         self.speculation = SpeculationStats()
+        self.max_step_tokens = max_step_tokens  # None: no budget (every prompt its whole chunk a step)
+        self.fed = StepTokens()
         self.steps = 0
         self._next_seq = 0
 
@@ -272,8 +288,11 @@ class Scheduler:
         )
         rows_by_group: list[list[Row]] = [[] for _ in self.allocs]
         picking: list[Running] = []  # constrained sequences that pick a token after this step
+        plan = plan_step(list(self.running.values()), drafted, self.max_step_tokens, self._chunk_of)
         for r in list(self.running.values()):
-            n = self._chunk_of(r)
+            n = plan[r.seq]
+            if n == 0:  # a prompt that waits for room in the budget
+                continue
             if r.request.constraint is not None and r.request.max_tokens > 0 and r.consumed + n == len(r.out.tokens):
                 picking.append(r)
             alloc = self.allocs[r.group]
@@ -287,6 +306,7 @@ class Scheduler:
         if not any(rows_by_group):
             return
         self.steps += 1
+        self._record_fed(rows_by_group)
         histories = {
             seq: r.out.tokens + drafted[seq] if seq in drafted else r.out.tokens for seq, r in self.running.items()
         }
@@ -301,6 +321,14 @@ class Scheduler:
             for b, (seq, ids, first) in enumerate(rows):
                 r = self.running[seq]
                 self._commit(r, logits[b, : len(ids)].float(), first, drafted.get(seq, []), now, allowed.get(seq))
+
+    def _record_fed(self, rows_by_group: list[list[Row]]) -> None:
+        """Count a step's fed tokens, prompt and decode (`fed`, `Events.fed`)."""
+        rows = [row for group in rows_by_group for row in group]
+        split = [fed_split(start, len(ids), self.running[seq].out.prompt_len) for seq, ids, start in rows]
+        prompt, decode = sum(p for p, _ in split), sum(d for _, d in split)
+        self.fed.record(prompt, decode)
+        self.events.fed(prompt, decode, len(rows), max(len(ids) for _, ids, _ in rows))
 
     def _commit(
         self,
@@ -413,11 +441,14 @@ class Scheduler:
             r.keys = block_keys(r.request.prompt, a.block_size, image_root(r.request.image))
         return a.match(r.keys[: (len(r.request.prompt) - 1) // a.block_size])
 
-    def _chunk_of(self, r: Running) -> int:
-        """Tokens `r` feeds this step: its next prompt chunk or its unfed token. With prefix caching a
-        prompt chunk that reaches a block boundary ends at the last one it reaches, so the slot state
-        at that boundary can be kept with the cached blocks (`_cache_prefix`)."""
+    def _chunk_of(self, r: Running, limit: int | None = None) -> int:
+        """Tokens `r` feeds this step: its next prompt chunk (at most `limit` tokens: what is left of
+        the step's budget) or its unfed token. With prefix caching a prompt chunk that reaches a block
+        boundary ends at the last one it reaches, so the slot state at that boundary can be kept with
+        the cached blocks (`_cache_prefix`); one that reaches none runs as it is."""
         n = min(self.stepper.chunk, len(r.out.tokens) - r.consumed)
+        if limit is not None:
+            n = min(n, limit)
         if self.prefix_cache and r.consumed < r.out.prompt_len:
             bs = self.allocs[r.group].block_size
             edge = (r.consumed + n) // bs * bs
@@ -501,18 +532,20 @@ def decode(
     images: Sequence[ImageEmbeds | None] | None = None,
     drafter: Drafter | None = None,
     keep_logits: bool = True,
+    max_step_tokens: int | None = None,
 ) -> Completions:
     """Batch generation (greedy): submit every prompt, then step until all have finished. A request
     that cannot get blocks fails alone (its `error` is set); images[i]: prompt i's image positions
-    and their rows. With a `drafter`, speculative decoding: the same tokens."""
-    scheduler = Scheduler(stepper, eos=eos, drafter=drafter)
+    and their rows. With a `drafter`, speculative decoding; with `max_step_tokens`, at most that many
+    tokens a step (runtime/budget.py): the same tokens."""
+    scheduler = Scheduler(stepper, eos=eos, drafter=drafter, max_step_tokens=max_step_tokens)
     outs = [
         scheduler.add(Request(list(p), max_new_tokens, image=images[i] if images else None, keep_logits=keep_logits))
         for i, p in enumerate(prompts)
     ]
     while scheduler.busy:
         scheduler.step()
-    return Completions(outs, speculation=scheduler.speculation)
+    return Completions(outs, speculation=scheduler.speculation, steps=scheduler.fed)
 
 
 class SteppableModel(Protocol):
@@ -534,10 +567,14 @@ def decode_model(
     chunk: int | None = None,
     images: Sequence[ImageEmbeds | None] | None = None,
     drafter: Drafter | None = None,
+    max_step_tokens: int | None = None,
 ) -> Completions:
     """`decode` for a model that makes its own stepper for a batch (`regions.reference.ReferenceModel`:
     `model.stepper(prompts, max_new_tokens, chunk, slack)`, its rings with room for the drafter's
     block; its eos from `model.config`): how tools and tests reach the reference."""
     with torch.inference_mode():
         steps = model.stepper(list(prompts), max_new_tokens, chunk, drafter.block if drafter is not None else 0)
-        return decode(steps, prompts, max_new_tokens, eos=model.config.eos_token_id, images=images, drafter=drafter)
+        eos = model.config.eos_token_id
+        return decode(
+            steps, prompts, max_new_tokens, eos=eos, images=images, drafter=drafter, max_step_tokens=max_step_tokens
+        )

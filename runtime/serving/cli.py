@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from deepinfer.cli_common import bundle_options, load_settings, user_errors
+from deepinfer.runtime.cli import STEP_TOKENS_HELP
 
 HTTP_LIMITS = ("max_body_bytes", "max_connections", "header_timeout_s", "body_timeout_s", "grace_s", "watchdog_s")
 
@@ -80,9 +81,10 @@ HTTP_LIMITS = ("max_body_bytes", "max_connections", "header_timeout_s", "body_ti
     show_default=True,
     help="/health answers 503 while the engine has work but has finished no step for this long (0: off).",
 )
+@click.option("--max-step-tokens", type=click.IntRange(min=1), default=None, metavar="N", help=STEP_TOKENS_HELP)
 @bundle_options
 @user_errors
-def main(bundle, host, port, max_queue, model_name, no_prefix_cache, **load):
+def main(bundle, host, port, max_queue, model_name, no_prefix_cache, max_step_tokens, **load):
     """Serve BUNDLE over the OpenAI HTTP API with continuous batching.
 
     POST /v1/completions and /v1/chat/completions (stream: true for server-sent
@@ -109,6 +111,7 @@ def main(bundle, host, port, max_queue, model_name, no_prefix_cache, **load):
         max_queue=max_queue,
         model_name=model_name,
         prefix_cache=not no_prefix_cache,
+        max_step_tokens=max_step_tokens,
         on_ready=click.echo,
     )
     serve(bundle, options)

@@ -43,6 +43,8 @@ if TYPE_CHECKING:  # prometheus_client loads with the first engine (Metrics.new)
 
 # seconds: step times of a tiny CPU bundle (~ms) up to a release rank's prefill chunk (~s)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STEP_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(15))  # 1 .. 16384 tokens
+STEP_TOKENS_HELP = "Tokens one step fed: prompt chunks, decode and verify rows (--max-step-tokens bounds it)"
 
 
 class RequestError(DeepinferError):
@@ -88,6 +90,7 @@ class Metrics:
     prefix_hit_tokens: Counter
     prefix_blocks: Gauge
     prefix_evicted: Counter
+    step_tokens: Histogram
 
     @classmethod
     def new(cls) -> Metrics:
@@ -147,6 +150,7 @@ class Metrics:
                 "Cached KV blocks evicted (least recently released first) for want of free blocks",
                 registry=r,
             ),
+            step_tokens=Histogram("deepinfer_step_tokens", STEP_TOKENS_HELP, buckets=STEP_TOKEN_BUCKETS, registry=r),
         )
 
     def text(self) -> bytes:
@@ -166,6 +170,9 @@ class MetricsEvents(Events):
 
     def stepped(self, seconds: float) -> None:
         self.metrics.step.observe(seconds)
+
+    def fed(self, prompt: int, decode: int, rows: int, longest: int) -> None:
+        self.metrics.step_tokens.observe(prompt + decode)
 
     def prompt_tokens(self, n: int) -> None:
         if n:
@@ -218,6 +225,7 @@ class Engine:
         metrics: Metrics | None = None,
         drafter: Drafter | None = None,
         prefix_cache: bool = False,
+        max_step_tokens: int | None = None,
     ):
         self.max_queue = max_queue
         self.metrics = metrics or Metrics.new()
@@ -231,6 +239,7 @@ class Engine:
             events=self.events,
             lock=self._cond,
             prefix_cache=prefix_cache,
+            max_step_tokens=max_step_tokens,
         )
         a = self.scheduler.allocs[0]
         self.block_size, self.max_context = a.block_size, a.max_context

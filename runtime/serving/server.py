@@ -104,7 +104,12 @@ def _engine(executor: Executor, options: ServeOptions) -> tuple[Engine, int, boo
     drafter = executor.dspark(stats) if options.speculative else None
     prefix_cache = options.prefix_cache and executor.comm is None  # a slot's state is saved on one rank
     engine = Engine(
-        steps, eos=executor.config.eos_token_id, max_queue=options.max_queue, drafter=drafter, prefix_cache=prefix_cache
+        steps,
+        eos=executor.config.eos_token_id,
+        max_queue=options.max_queue,
+        drafter=drafter,
+        prefix_cache=prefix_cache,
+        max_step_tokens=options.max_step_tokens,
     )
     return engine, steps.max_batch, prefix_cache
 

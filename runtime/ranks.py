@@ -320,6 +320,7 @@ def leader_result(executor: Executor, outs: Completions) -> dict:
         "logits": logits,
         "stats": outs.stats,
         "speculation": outs.speculation,
+        "steps": outs.steps,
         "sent": dict(comm.sent),
         "seconds": dict(comm.seconds),
         "pools": _pool_bytes(executor),
@@ -348,6 +349,7 @@ def completions(items: list[dict]) -> Completions:
     return Completions(
         leader["outs"],
         speculation=leader["speculation"],
+        steps=leader["steps"],
         stats=leader["stats"],
         sent=sent,
         seconds=leader["seconds"],

@@ -120,8 +120,9 @@ class SpeculationStats:
 class Completions(list[Completion]):
     """The completions of a batch, in prompt order, with what the run measured: `speculation` (the
     verify steps' counts), `steps` (the scheduler's tokens fed, prompt and decode; runtime/budget.py) and,
-    for a bundle, `stats` (the executor's: time per region kind and step); for runs over ranks started here, `sent` ({rank: {collective: bytes}}), `seconds`
-    (the leader's {collective: seconds}) and `pools` ({rank: {state pool: bytes allocated}})."""
+    for a bundle, `stats` (the executor's: time per region kind and step); for runs over ranks started
+    here, `sent` ({rank: {collective: bytes}}), `seconds` (the leader's {collective: seconds}) and
+    `pools` ({rank: {state pool: bytes allocated}})."""
 
     def __init__(
         self,

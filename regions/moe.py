@@ -130,17 +130,25 @@ class MoE(Region):
         """
         c = self.c
         k, E = c.num_experts_per_tok, c.n_routed_experts
-        s = self.w1.shape[1]
-        blocks = None
-        if s % BLOCK:
-            offset = (self.rank % self.ep) * s % BLOCK
-            blocks = (offset + torch.arange(s, device=x.device)) // BLOCK  # [s]
-        stacks = (self.w1, self.w1_s, self.w3, self.w3_s, self.w2, self.w2_s)
+        blocks, stacks = self.scale_blocks(x.device), self.stacks()
         partial = self.ep > 1  # slices: w2 contracts all of them at once, in float32
         if moe_form(x.shape[0], k, E) == "gathered":
             return ops.moe_gathered(x, weights, experts, *stacks, c.swiglu_limit, blocks, partial)
         tile = moe_tile(x.shape[0], k, E)
         return ops.moe_tiled(x, weights, experts, *stacks, c.swiglu_limit, tile, blocks, partial)
+
+    def stacks(self) -> tuple[Tensor, ...]:
+        """The routed stacks as the expert kernels take them: w1, w1_s, w3, w3_s, w2, w2_s."""
+        return (self.w1, self.w1_s, self.w3, self.w3_s, self.w2, self.w2_s)
+
+    def scale_blocks(self, device: torch.device) -> Tensor | None:
+        """The `blocks` argument of the expert kernels: None where this rank's slice is whole 32-blocks,
+        else w2's scale block of each of its columns ([s] int64, from the rank buffer)."""
+        s = self.w1.shape[1]
+        if s % BLOCK == 0:
+            return None
+        offset = (self.rank % self.ep) * s % BLOCK
+        return (offset + torch.arange(s, device=device)) // BLOCK  # [s]
 
     def shared(self, x: Tensor) -> Tensor:
         g = ops.blockquant_gemm(x, self.sw1, self.sw1_s, self.fp8)

@@ -268,13 +268,12 @@ def moe_tiled_ref(
     weight = torch.zeros(M * tile, device=x.device).scatter(0, slot, weights.reshape(-1).float())
     xg = x.index_select(0, rows).view(M, tile, D).transpose(1, 2)  # [M, D, tile]
     up = _gather_stacks((w1, w1_s, w3, w3_s), tile_expert)  # [M, I, ...]
-    w2g, w2sg = _gather_stacks((w2, w2_s), tile_expert)  # [M, D, ...]
-    a = _gathered_products(xg, weight.view(M, 1, tile), up, limit, pairs)  # [M, I, tile] x's dtype
-    if partial:
-        a = a.float()
+    a = _gathered_products(xg, weight.view(M, 1, tile), up, limit, pairs).transpose(1, 2)  # [M, tile, I]
+    a = a.float() if partial else a  # x's dtype
+    w2g, w2sg = _gather_stacks((w2, w2_s), tile_expert)  # [M, D, ...], gathered once the rows are done with
     out = []
     for start, stop, w in _w2_tiles(w2g, w2sg, blocks, a.dtype, pairs):  # [M, t, I]
-        y = torch.bmm(w, a).float().transpose(1, 2).reshape(M * tile, stop - start)  # [M * tile, t]
+        y = torch.bmm(a, w.transpose(1, 2)).float().view(M * tile, stop - start)  # [M * tile, t]
         out.append(torch.zeros(N, stop - start, device=x.device).index_add(0, rows, y))
     return torch.cat(out, -1)
 

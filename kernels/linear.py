@@ -210,21 +210,39 @@ def tiles_bound(assignments: int, experts: int, tile: int) -> int:
     return n + (assignments - n) // tile
 
 
+RANK_BLOCK = 128  # assignments whose places within their experts `_expert_places` counts pairwise
+
+
+def _expert_places(ids: Tensor, E: int) -> tuple[Tensor, Tensor]:
+    """(each assignment's place among its expert's, in order: [A] int64; each expert's count: [E])
+    for ids [A] in [0, E), with no sort and no scan over A (torch-mlir lowers a cumsum to a
+    reduce-window as wide as its dim: quadratic): the ids cut in blocks of `RANK_BLOCK`, a place is
+    the expert's count in the blocks before (a cumsum over the blocks' counts) plus the earlier
+    equal ids of its own block (pairwise)."""
+    A = ids.shape[0]
+    pad = -A % RANK_BLOCK
+    blocks = F.pad(ids, (0, pad), value=E).view(-1, RANK_BLOCK)  # [nb, b]: padding matches no expert
+    per_block = (blocks.unsqueeze(-1) == torch.arange(E, device=ids.device)).sum(1)  # [nb, E]
+    before = per_block.cumsum(0) - per_block  # [nb, E]: each expert's assignments in earlier blocks
+    earlier = torch.ones(RANK_BLOCK, RANK_BLOCK, dtype=torch.bool, device=ids.device).tril(-1)
+    within = ((blocks.unsqueeze(-1) == blocks.unsqueeze(-2)) & earlier).sum(-1)  # [nb, b]
+    nb = blocks.shape[0]
+    base = before.flatten().gather(
+        0, (torch.arange(nb, device=ids.device).unsqueeze(-1) * E + blocks.clamp(max=E - 1)).flatten()
+    )
+    return (base + within.flatten())[:A], per_block.sum(0)
+
+
 def _tile_slots(experts: Tensor, E: int, tile: int) -> tuple[Tensor, Tensor]:
     """Where each (row, choice) of experts [N, k] goes in the tiled layout, static shapes, no sort:
     (slot [N * k] int64: tile m's row j is slot m * tile + j, an expert's assignments in row order
     from its first tile on; tile_expert [M] int64, unused tiles the last expert's)."""
     ids = experts.reshape(-1)
-    onehot = ids.unsqueeze(-1) == torch.arange(E, device=ids.device)  # [N * k, E]
-    seen = onehot.cumsum(0, dtype=torch.int32)  # [N * k, E]: assignments of each expert so far
-    counts = seen[-1].long()  # [E]
+    place, counts = _expert_places(ids, E)
     tiles = (counts + tile - 1) // tile
     end = tiles.cumsum(0)  # [E]: each expert's tiles end here
-    start = end - tiles
-    rank = seen.gather(1, ids.unsqueeze(-1)).squeeze(-1).long() - 1  # [N * k]: place within its expert
-    slot = start.index_select(0, ids) * tile + rank
-    M = tiles_bound(ids.shape[0], E, tile)
-    m = torch.arange(M, device=ids.device)
+    slot = (end - tiles).index_select(0, ids) * tile + place
+    m = torch.arange(tiles_bound(ids.shape[0], E, tile), device=ids.device)
     tile_expert = (end.unsqueeze(0) <= m.unsqueeze(-1)).sum(-1).clamp(max=E - 1)  # [M]
     return slot, tile_expert
 
@@ -248,7 +266,7 @@ def moe_tiled_ref(
     it takes them) -> [N, D] float32, computed in tiles of `tile` rows of one expert each.
 
     The N * k (row, choice) assignments are grouped by expert, each expert's in row order from the
-    start of its ceil(count / tile) tiles (`_tile_slots`: a one-hot cumsum, no sort); the static
+    start of its ceil(count / tile) tiles (`_tile_slots`: no sort, no scan over the assignments); the static
     tile count M = tiles_bound(N * k, E, tile) covers every routing. Each tile gathers its expert's
     slices (one `index_select` per stack: an HLO gather of M entries), decodes them as
     `moe_gathered` does, and computes its rows as one batched matmul [M, tile, D] x slices; a slot

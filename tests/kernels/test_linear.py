@@ -448,3 +448,32 @@ def test_moe_tiled_worst_routing_fills_every_tile():
     assert sorted(set((slot // tile).tolist())) == list(range(tile_expert.shape[0]))
     assert len(set(slot.tolist())) == rows * k
     assert torch.equal(tile_expert[slot // tile], experts.reshape(-1))
+
+
+@pytest.mark.parametrize("A, E", [(1, 1), (5, 3), (128, 4), (300, 7), (1000, 384)])
+def test_expert_places_count_the_earlier_equal_ids(A, E):
+    """Each assignment's place among its expert's (no sort, no scan over the assignments: blocks of
+    `RANK_BLOCK`, padded) is the number of earlier equal ids, and the counts are each expert's."""
+    from deepinfer.kernels.linear import _expert_places
+
+    ids = torch.randint(0, E, (A,), generator=torch.Generator().manual_seed(A))
+    place, counts = _expert_places(ids, E)
+    want = [int((ids[:a] == ids[a]).sum()) for a in range(A)]
+    assert place.tolist() == want
+    assert torch.equal(counts, torch.bincount(ids, minlength=E))
+
+
+def test_moe_tiled_over_several_place_blocks():
+    """300 rows x top-2 (5 blocks of `RANK_BLOCK` assignments, the last padded), skewed routing: the
+    tiled form gives the gathered form's result."""
+    gen = torch.Generator().manual_seed(23)
+    E, rows = 6, 300
+    stacks = _expert_stacks(gen, E, 32, 64)
+    x = torch.randn(rows, 64, generator=gen)
+    first = torch.where(torch.rand(rows, generator=gen) < 0.7, 0, torch.randint(1, E, (rows,), generator=gen))
+    experts = torch.stack([first, (first + 1 + torch.randint(0, E - 1, (rows,), generator=gen)) % E], -1)
+    weights = torch.rand(rows, 2, generator=gen)
+    for partial in (False, True):
+        got = OPS.moe_tiled(x, weights, experts, *stacks, 10.0, 16, None, partial)
+        want = OPS.moe_gathered(x, weights, experts, *stacks, 10.0, None, partial)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())

@@ -4,6 +4,8 @@ or tiled (the rows grouped by expert in tiles, each tile one expert's slice, `mo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 from torch.nn import functional as F
@@ -148,7 +150,9 @@ def _gathered_products(xg: Tensor, weight: Tensor, stacks: tuple[Tensor, ...], l
     return torch.cat(parts, 1)
 
 
-def _w2_tiles(w2: Tensor, w2_s: Tensor, blocks: Tensor | None, dtype: torch.dtype, pairs: Tensor):
+def _w2_tiles(
+    w2: Tensor, w2_s: Tensor, blocks: Tensor | None, dtype: torch.dtype, pairs: Tensor
+) -> Iterator[tuple[int, int, Tensor]]:
     """(start, stop, w2 decoded [G, t, I]) over the row tiles of gathered w2 [G, D, I/2] (`expert_tiles`)."""
     G, D, I = w2.shape[0], w2.shape[1], 2 * w2.shape[2]
     for start, stop in expert_tiles(G, D, I):

@@ -2,6 +2,7 @@
 
     python bench/moe.py                       # batch 1 and 8, a table
     python bench/moe.py --batches 1,8 --repeats 20 --json
+    python bench/moe.py --rows 2048 --experts 48 --repeats 3   # a prompt chunk: grouped vs tiled
 
 One rank of the release at EP = 64 (hidden 5120, moe_intermediate 2304, 384 routed experts,
 top-6; regions/synthetic.py), its whole MoE site (mixes, norm, router, routed experts, shared
@@ -20,6 +21,20 @@ the best and the median of --repeats calls are reported, wall and process CPU ti
 bytes read per call: every weight of the layer the graph reads; the routed experts' part
 for dense is the 6 whole experts, for divided rows x 6 gathered slices (the same under any
 routing: the gather reads one slice per (row, choice), repeats included).
+
+`--rows N` times a prompt chunk of N rows instead, the routed experts alone at one rank's shapes (a
+36-column slice of each expert at EP = 64, hidden 5120; `--experts` fewer than the release's 384 to
+fit the machine, never smaller hidden sizes), in the two static forms above the crossover, each op
+run eagerly (its pure-torch reference) on seeded random weights and the router's own choices:
+
+- grouped: every expert's slice over every row with dense routing weights (`moe_experts`);
+- tiled: the N x 6 assignments grouped by expert in tiles of `regions/topology.moe_tile` rows, each
+  tile one gathered slice (`moe_tiled`; the region's form above the crossover).
+
+Printed per form: best and median wall time, the matmul FLOPs (2 a multiply-add, padding rows
+included) over the useful ones (N x 6 slices' rows) and the routed weight bytes read (grouped: every
+slice; tiled: its static tile count's gathered slices); `--json` adds `tiled_over_grouped_prompt`
+(best time, tiled over grouped) and `tiled_flops_over_useful`.
 """
 
 from __future__ import annotations
@@ -188,6 +203,84 @@ def measure(batches: list[int], repeats: int) -> dict:
     return result
 
 
+def measure_prompt(rows: int, experts: int, repeats: int) -> dict:
+    """The routed experts of one rank (slices of `experts` experts at EP = 64) over a prompt chunk of
+    `rows` rows, grouped (`moe_experts`) and tiled (`moe_tiled`), timed alternately; their results
+    compared (within float32 rounding: both contract w2 over the slices in float32)."""
+    import torch
+
+    from deepinfer.bundles.topology import Topology
+    from deepinfer.compiler.shard import ROUTED
+    from deepinfer.compiler.step_reads import spec_bytes
+    from deepinfer.kernels.linear import tiles_bound
+    from deepinfer.regions.config import parse_config
+    from deepinfer.regions.examples import random_weights
+    from deepinfer.regions.moe import MoE, route
+    from deepinfer.regions.synthetic import synthetic_config
+    from deepinfer.regions.topology import moe_form, moe_tile
+
+    c = parse_config(synthetic_config(experts=experts)).text
+    k, limit = c.num_experts_per_tok, c.swiglu_limit
+    region = MoE(c, dtype=torch.bfloat16, topo=Topology(ep=EP))
+    for name, value in random_weights(region, seed=1).items():
+        getattr(region, name).copy_(value)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, c.hidden_size, generator=gen).to(torch.bfloat16)
+    weights, chosen = route(x, region.gate, region.gate_bias.expand(rows, -1), k, c.norm_topk_prob, 2.5)
+    dense = torch.zeros(rows, experts).scatter(1, chosen, weights)
+    stacks, blocks, tile = region.stacks(), region.scale_blocks(x.device), moe_tile(rows, k, experts)
+    ops = torch.ops.deepinfer
+    runners = {
+        "grouped": lambda: ops.moe_experts(x, dense, *stacks, limit, blocks, True),
+        "tiled": lambda: ops.moe_tiled(x, weights, chosen, *stacks, limit, tile, blocks, True),
+    }
+    with torch.inference_mode():
+        grouped, tiled = runners["grouped"](), runners["tiled"]()
+    error = ((tiled - grouped).abs().max() / grouped.abs().max()).item()
+    s, D = region.w1.shape[1], c.hidden_size
+    entry = sum(spec_bytes(spec) // experts for spec in region.specs if spec.name in ROUTED)  # one slice
+    tiles = tiles_bound(rows * k, experts, tile)
+    macs = 3 * s * D  # w1, w3, w2 of one slice against one row
+    result = {
+        "rows": rows,
+        "experts": experts,
+        "ep": EP,
+        "top_k": k,
+        "hidden": D,
+        "slice_width": s,
+        "form": moe_form(rows, k, experts),
+        "tile": tile,
+        "tiles": tiles,
+        "useful_flops": 2 * rows * k * macs,
+        "grouped": {"flops": 2 * rows * experts * macs, "routed_bytes": experts * entry},
+        "tiled": {"flops": 2 * tiles * tile * macs, "routed_bytes": tiles * entry},
+        "max_error_over_max": error,
+        "repeats": repeats,
+    }
+    for name, t in time_pair(runners, dict.fromkeys(runners, ()), repeats).items():
+        result[name].update(t)
+    result["tiled_over_grouped_prompt"] = result["tiled"]["best_ms"] / result["grouped"]["best_ms"]
+    result["tiled_flops_over_useful"] = result["tiled"]["flops"] / result["useful_flops"]
+    result["grouped_flops_over_useful"] = result["grouped"]["flops"] / result["useful_flops"]
+    return result
+
+
+def prompt_table(r: dict) -> None:
+    print(
+        f"Routed experts of one rank, a prompt chunk of {r['rows']} rows: slices of {r['slice_width']} columns of "
+        f"{r['experts']} experts (EP = {r['ep']}), hidden {r['hidden']}, top-{r['top_k']}, bf16, "
+        f"{r['threads']} threads, {r['repeats']} calls each; tiled: {r['tiles']} tiles of {r['tile']} rows"
+    )
+    print(f"{'form':>8} {'best ms':>9} {'median ms':>10} {'GFLOP':>8} {'/ useful':>9} {'routed read':>12}")
+    for name in ("grouped", "tiled"):
+        f = r[name]
+        print(
+            f"{name:>8} {f['best_ms']:>9.1f} {f['median_ms']:>10.1f} {f['flops'] / 1e9:>8.1f} "
+            f"{f['flops'] / r['useful_flops']:>9.2f} {f['routed_bytes'] / 1e6:>10.1f}MB"
+        )
+    print(f"tiled / grouped: {r['tiled_over_grouped_prompt']:.3f} (best); results within {r['max_error_over_max']:.1e}")
+
+
 def table(result: dict) -> None:
     print(
         f"MoE layer, one rank of {result['experts']} experts at EP = {result['ep']}: dense = "
@@ -215,11 +308,20 @@ def table(result: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=batches_list, default=[1, 8], help="batch sizes, one token a row (default 1,8)")
+    ap.add_argument("--rows", type=int, default=None, help="a prompt chunk of this many rows: grouped vs tiled")
+    ap.add_argument("--experts", type=int, default=384, help="with --rows: routed experts (default the release's 384)")
     timing_options(ap)
     ap.set_defaults(repeats=20)
     args = ap.parse_args()
     share_inductor_cache()
     threads = torch_threads(args.threads)
+    if args.rows is not None:
+        prompt = {**measure_prompt(args.rows, args.experts, args.repeats), "threads": threads}
+        if args.json:
+            print(json.dumps(prompt))
+        else:
+            prompt_table(prompt)
+        return
     result = {**measure(args.batches, args.repeats), "threads": threads}
     if args.json:
         print(json.dumps(result))

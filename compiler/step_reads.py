@@ -2,10 +2,11 @@
 
 The bytes `deepinfer plan` counts for an executable are the bytes its lowered module reads: every
 weight parameter whole, except the stacks a region reads by a gather along their first dim
-(`Region.gathered`: the MoE's routed expert slices below its crossover), of which only the gathered
-entries. The FLOPs of the weight matmuls follow from the same specs: 2 per multiply-add, one
-multiply-add per weight element and row (an fp4 byte holds two elements), a gathered entry against
-the one row it was gathered for. Because both come from the specs a region is traced with, the cost
+(`Region.gathered`: the MoE's routed expert slices, rows x k below its crossover, its tiled form's
+tiles above it), of which only the gathered entries. The FLOPs of the weight matmuls follow from the
+same specs: 2 per multiply-add, one multiply-add per weight element and row (an fp4 byte holds two
+elements), a gathered entry against the rows it was gathered for (`Region.gathered_rows`: one, or a
+tile's, padding included). Because both come from the specs a region is traced with, the cost
 model follows the layout without a second description of it; tests/trn2/test_step_reads.py ties the
 bytes to the parameters and gathers of a tiny trn2 bundle's lowered modules.
 
@@ -94,8 +95,8 @@ def weight_flops(plan: BundlePlan, layer: int, batch: int) -> dict[str, int]:
             if part is None:
                 continue
             macs = math.prod(spec.buffer_shape) * (2 if spec.ckpt_dtype == FP4 else 1)
-            if spec.name in gathered:  # each gathered entry meets the one row it was gathered for
-                macs = macs * gathered[spec.name] // spec.buffer_shape[0]
+            if spec.name in gathered:  # each gathered entry meets the rows it was gathered for
+                macs = macs * gathered[spec.name] * region.gathered_rows(rows) // spec.buffer_shape[0]
             else:
                 macs *= rows
             out[part] = out.get(part, 0) + 2 * macs

@@ -142,8 +142,14 @@ class Region(nn.Module):
     def gathered(self, rows: int) -> dict[str, int]:
         """The weights a step of `rows` token rows reads by a gather along their first dim instead of
         whole: buffer name -> entries gathered (what the cost model counts, compiler/step_reads.py).
-        None for most kinds; the MoE's routed expert slices below its crossover."""
+        None for most kinds; the MoE's routed expert slices (rows x k of them below its crossover, its
+        tiled form's tiles above it)."""
         return {}
+
+    def gathered_rows(self, rows: int) -> int:
+        """Token rows each entry of `gathered` multiplies in a step of `rows` rows (the cost model's
+        FLOPs): 1 where an entry is gathered for one row; the MoE's tiled form, its tile's rows."""
+        return 1
 
     @property
     def fp8(self) -> str:

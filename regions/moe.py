@@ -9,11 +9,12 @@ blocks they span, regions/topology.py), and returns its columns' partial. Two fo
 both static-shaped, nothing dropped or capped, chosen by `topology.moe_form` from the
 step's rows: gathered (rows x top-k under the expert count: decode steps) gathers the
 rows' chosen experts' slices by their ids (`kernels/linear.moe_gathered`, an HLO
-gather of rows x k slices) and reads no other expert; grouped (prompt chunks)
-computes every expert's slice once over all rows, each row weighted by its routing
-weight of that expert, zero when not selected (`moe_experts`, decoded in row tiles:
-scratch bounded by the slices' weights, not by the rows). Each expert and the fp8
-shared expert is a clamped SwiGLU; routed outputs accumulate in float32.
+gather of rows x k slices) and reads no other expert; tiled (prompt chunks) groups the
+rows x k assignments by expert in tiles of `topology.moe_tile` rows and gathers each
+tile's expert slice (`moe_tiled`, an HLO gather of `tiles_bound` slices, each computing
+its tile's rows: about twice the useful rows, not the expert count's 64 times as every
+slice over every row would). Each expert and the fp8 shared expert is a clamped SwiGLU;
+routed outputs accumulate in float32.
 """
 
 from __future__ import annotations
@@ -24,10 +25,18 @@ from torch.nn import functional as F
 
 from deepinfer.bundles.topology import Topology
 from deepinfer.kernels import hc as _hc  # noqa: F401  (registers ops)
+from deepinfer.kernels.linear import tiles_bound
 from deepinfer.regions.base import Region, WeightSpec, fp4_specs, fp8_specs
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.state import Geometry, InputSpec
-from deepinfer.regions.topology import BLOCK, expert_scale_blocks, expert_slice_width, moe_form, shared_width
+from deepinfer.regions.topology import (
+    BLOCK,
+    expert_scale_blocks,
+    expert_slice_width,
+    moe_form,
+    moe_tile,
+    shared_width,
+)
 
 ops = torch.ops.deepinfer
 
@@ -89,12 +98,22 @@ class MoE(Region):
         ]
 
     def gathered(self, rows: int) -> dict[str, int]:
-        """Below the crossover (`moe_form`) a step of `rows` rows reads rows x k entries of each routed
-        stack (w1, w3, w2 and their scales), whatever they are: the cost model's figure."""
+        """The entries a step of `rows` rows reads of each routed stack (w1, w3, w2 and their scales),
+        whatever the routing: rows x k below the crossover (`moe_form`), the tiled form's static tile
+        count above it (`tiles_bound`): the cost model's figure."""
         c = self.c
-        if moe_form(rows, c.num_experts_per_tok, c.n_routed_experts) != "gathered":
-            return {}
-        return {name: rows * c.num_experts_per_tok for name in ("w1", "w1_s", "w3", "w3_s", "w2", "w2_s")}
+        k, E = c.num_experts_per_tok, c.n_routed_experts
+        if moe_form(rows, k, E) == "gathered":
+            entries = rows * k
+        else:
+            entries = tiles_bound(rows * k, E, moe_tile(rows, k, E))
+        return {name: entries for name in ("w1", "w1_s", "w3", "w3_s", "w2", "w2_s")}
+
+    def gathered_rows(self, rows: int) -> int:
+        """Rows each gathered entry computes: 1 in the gathered form, a tile's in the tiled form."""
+        c = self.c
+        k, E = c.num_experts_per_tok, c.n_routed_experts
+        return 1 if moe_form(rows, k, E) == "gathered" else moe_tile(rows, k, E)
 
     def routed(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """x [N, D] through its rows' chosen experts (weights, experts [N, k]) -> [N, D] f32: with
@@ -102,26 +121,34 @@ class MoE(Region):
         (r = rank mod ep), the ranks' partials summing to the whole.
 
         The form is static, from the rows (`moe_form`): gathered, each row's k chosen slices
-        read and decoded (`moe_gathered`); grouped, every expert's slice computes every row
-        with the row's routing weight of it, zero where not chosen (`moe_experts`). Where the
+        read and decoded (`moe_gathered`); tiled, the assignments grouped by expert in tiles of
+        `moe_tile` rows, each tile's slice gathered and computed over its rows (`moe_tiled`). Where the
         slice width is not a whole number of 32-blocks, column j of the slice takes w2's scale
         block ((r * s) mod 32 + j) // 32 of the rank's blocks, computed here from the rank buffer.
         With ep > 1 a slice's output is no expert's output: w2 contracts every slice's columns at
         once in float32 (`partial`); at ep = 1 each expert's output is rounded to x's dtype first.
         """
         c = self.c
-        s = self.w1.shape[1]
-        blocks = None
-        if s % BLOCK:
-            offset = (self.rank % self.ep) * s % BLOCK
-            blocks = (offset + torch.arange(s, device=x.device)) // BLOCK  # [s]
-        stacks = (self.w1, self.w1_s, self.w3, self.w3_s, self.w2, self.w2_s)
+        k, E = c.num_experts_per_tok, c.n_routed_experts
+        blocks, stacks = self.scale_blocks(x.device), self.stacks()
         partial = self.ep > 1  # slices: w2 contracts all of them at once, in float32
-        if moe_form(x.shape[0], c.num_experts_per_tok, c.n_routed_experts) == "gathered":
+        if moe_form(x.shape[0], k, E) == "gathered":
             return ops.moe_gathered(x, weights, experts, *stacks, c.swiglu_limit, blocks, partial)
-        ids = torch.arange(c.n_routed_experts, device=x.device)
-        dense = (weights.unsqueeze(-1) * (experts.unsqueeze(-1) == ids)).sum(1)  # [N, E]
-        return ops.moe_experts(x, dense, *stacks, c.swiglu_limit, blocks, partial)
+        tile = moe_tile(x.shape[0], k, E)
+        return ops.moe_tiled(x, weights, experts, *stacks, c.swiglu_limit, tile, blocks, partial)
+
+    def stacks(self) -> tuple[Tensor, ...]:
+        """The routed stacks as the expert kernels take them: w1, w1_s, w3, w3_s, w2, w2_s."""
+        return (self.w1, self.w1_s, self.w3, self.w3_s, self.w2, self.w2_s)
+
+    def scale_blocks(self, device: torch.device) -> Tensor | None:
+        """The `blocks` argument of the expert kernels: None where this rank's slice is whole 32-blocks,
+        else w2's scale block of each of its columns ([s] int64, from the rank buffer)."""
+        s = self.w1.shape[1]
+        if s % BLOCK == 0:
+            return None
+        offset = (self.rank % self.ep) * s % BLOCK
+        return (offset + torch.arange(s, device=device)) // BLOCK  # [s]
 
     def shared(self, x: Tensor) -> Tensor:
         g = ops.blockquant_gemm(x, self.sw1, self.sw1_s, self.fp8)

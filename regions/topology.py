@@ -19,7 +19,8 @@
   columns and the 32-blocks of w2's scales the slice spans, `expert_scale_blocks`),
   zero-padded past the intermediate size, and computes its columns' partial of the
   rows' chosen experts. A step reads the chosen experts' slices only (gathered) while
-  rows x top-k is under the expert count, else every slice once (grouped): `moe_form`.
+  rows x top-k is under the expert count, else the rows grouped by expert in tiles, each tile one
+  gathered slice (tiled, `moe_tile` rows a tile): `moe_form`.
   When the EP group is one token group (ep == tp * cp), tokens are already replicated:
   the MoE partials are all-reduced. Otherwise tokens are dispatched with one all-gather
   of packed rows and combined with one fp32 reduce-scatter.
@@ -49,6 +50,7 @@ rank buffer; one executable set serves every rank.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from deepinfer.bundles.topology import Topology
@@ -217,9 +219,31 @@ def moe_form(rows: int, k: int, experts: int) -> str:
     """How a step's MoE reads the routed experts for `rows` rows (B x T; under EP dispatch the
     gathered groups' rows) with top-`k` routing over `experts` experts: "gathered" (each row's k
     chosen experts' slices, rows x k of them) while rows x k is under the expert count, else
-    "grouped" (every expert's slice once, dense routing weights). The region and the cost model
-    both decide here."""
-    return "gathered" if rows * k < experts else "grouped"
+    "tiled" (the rows x k assignments grouped by expert in tiles of `moe_tile` rows, each tile one
+    gathered slice: kernels/linear.moe_tiled). The region and the cost model both decide here."""
+    return "gathered" if rows * k < experts else "tiled"
+
+
+MOE_TILE_RANGE = (8, 128)  # rows per tile of the tiled form: matmuls of at least 8 rows, at most 128
+
+
+def moe_tile(rows: int, k: int, experts: int) -> int:
+    """Rows per tile of the tiled form (`moe_form`): the power of two nearest the mean assignments
+    per expert (rows x k / experts), within `MOE_TILE_RANGE`. A static shape computes
+    M = kernels/linear.tiles_bound(rows x k, experts, tile) tiles, min(E, A) + (A - min(E, A)) // tile
+    for A = rows x k: the padding (M x tile rows against A useful) grows with the tile, the gathered
+    slices (M) and the matmuls' inefficiency shrink with it; the mean balances the two (each expert's
+    assignments fill about one tile). At the release (384 experts, top-6):
+
+        rows   tile   tiles M   rows computed / useful (M x tile / (rows x 6))
+         128      8       432   4.50   (grouped: 64.0)
+        1024     16       744   1.94
+        2048     32       756   1.97
+        8192    128       765   1.99
+    """
+    lo, hi = MOE_TILE_RANGE
+    mean = max(1.0, rows * k / experts)
+    return max(lo, min(hi, 1 << round(math.log2(mean))))
 
 
 def head_rows(c: TextConfig, topo: Topology) -> int:

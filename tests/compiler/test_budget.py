@@ -167,8 +167,10 @@ def test_engram_tables_are_host_bytes_at_release_scale(tmp_path):
 def test_moe_scratch_is_bounded_by_a_few_tiles_in_both_forms():
     """One rank of the release at EP = 64 (a 36-column slice of each of 384 experts, hidden 5120),
     traced and lowered for cpu at 1 and 64 rows: the gathered form (1 row: 6 slices) decodes only the
-    routed slices, a few MiB; the grouped form (64 rows x top-6 = 384) decodes every slice in row tiles,
-    within a few tiles (gathering 6 whole experts' float32 weights per row was 810 MiB a row)."""
+    routed slices, a few MiB; the tiled form (64 rows x top-6 = 384 assignments, in `tiles_bound` tiles
+    of `moe_tile` rows) holds its tiles' gathered w1 and w3 codes and rows and decodes them in row
+    tiles, within a few tiles beside those (gathering 6 whole experts' float32 weights per row was
+    810 MiB a row). The grouped form it replaced held 4 tiles: it decoded the stacks in place."""
     from deepinfer.bundles.topology import Topology
     from deepinfer.compiler.targets.cpu import CpuTarget
     from deepinfer.compiler.trace import trace
@@ -177,6 +179,7 @@ def test_moe_scratch_is_bounded_by_a_few_tiles_in_both_forms():
     from deepinfer.regions.moe import MoE
     from deepinfer.regions.state import Geometry
     from deepinfer.regions.synthetic import synthetic_config
+    from deepinfer.regions.topology import moe_tile
 
     c = parse_config(synthetic_config(experts=384)).text
     with torch.device("meta"):
@@ -189,7 +192,10 @@ def test_moe_scratch_is_bounded_by_a_few_tiles_in_both_forms():
         scratch[rows] = budget.scratch_bytes(CpuTarget().lower(ep))
     one_slice, one_expert = 3 * 36 * 5120 * 4, 3 * 2304 * 5120 * 4  # w1, w3, w2 in float32
     assert scratch[1] <= 3 * 6 * one_slice < one_expert
-    assert scratch[64] <= 4 * EXPERT_TILE_BYTES
+    tiles, tile = region.gathered(64)["w1"], moe_tile(64, 6, 384)
+    assert (tiles, tile) == (384, 8)
+    codes = tiles * sum(math.prod(region.w(n).shape[1:]) for n in ("w1", "w1_s", "w3", "w3_s"))  # gathered, u8
+    assert scratch[64] <= codes + tiles * tile * 5120 * 2 + 4 * EXPERT_TILE_BYTES
 
 
 def test_paged_pools_hold_their_cp_ranks_share_of_the_blocks():

@@ -298,6 +298,19 @@ def _slice_stacks(stacks, a: int, b: int):
     return cut, blocks
 
 
+def _routing_loop(x, weights, experts, whole, a, b):
+    """Each row's k choices in float64, columns [a, b) of every expert's intermediate."""
+    rows, k = experts.shape
+    want = torch.zeros(rows, x.shape[-1], dtype=torch.float64)
+    for n in range(rows):
+        for j in range(k):
+            e = int(experts[n, j])
+            g = x[n].double() @ _weight_fp4(whole[0][e], whole[1][e])[a:b].T
+            u = x[n].double() @ _weight_fp4(whole[2][e], whole[3][e])[a:b].T
+            want[n] += _swiglu_formula(g, u, weights[n, j], 10.0) @ _weight_fp4(whole[4][e], whole[5][e])[:, a:b].T
+    return want
+
+
 @pytest.mark.parametrize("partial", [False, True], ids=["per-expert", "partial"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("piece", [None, (20, 44), (40, 64)], ids=["whole", "straddling", "aligned-end"])
@@ -317,13 +330,7 @@ def test_moe_gathered_equals_grouped_and_the_expert_loop(rows, piece, partial):
     got = OPS.moe_gathered(x, weights, experts, *stacks, 10.0, blocks, partial)
     dense = torch.zeros(rows, E).scatter(1, experts, weights)
     grouped = OPS.moe_experts(x, dense, *stacks, 10.0, blocks, partial)
-    want = torch.zeros(rows, hidden, dtype=torch.float64)
-    for n in range(rows):
-        for j in range(k):
-            e = int(experts[n, j])
-            g = x[n].double() @ _weight_fp4(whole[0][e], whole[1][e])[a:b].T
-            u = x[n].double() @ _weight_fp4(whole[2][e], whole[3][e])[a:b].T
-            want[n] += _swiglu_formula(g, u, weights[n, j], 10.0) @ _weight_fp4(whole[4][e], whole[5][e])[:, a:b].T
+    want = _routing_loop(x, weights, experts, whole, a, b)
     assert got.dtype == torch.float32 and got.shape == (rows, hidden)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     torch.testing.assert_close(got, grouped, rtol=1e-5, atol=1e-5 * want.abs().max().item())
@@ -341,3 +348,132 @@ def test_moe_gathered_bf16_matches_grouped(partial):
     want = OPS.moe_experts(x, torch.zeros(2, 4).scatter(1, experts, weights), *stacks, 10.0, None, partial)
     tol = 1e-5 if partial else 2e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+# ---------------------------------------------------------------- moe_tiled
+
+
+def _worst_routings(gen, rows: int, E: int, k: int) -> dict[str, torch.Tensor]:
+    """experts [rows, k] (distinct per row): random; uniform (each expert as often); every expert one
+    assignment and one expert the rest (the tile bound's worst case); all on the same k experts."""
+    shifted = (torch.arange(rows).unsqueeze(-1) * k + torch.arange(k)) % E
+    few = torch.arange(k).expand(rows, k)
+    worst = torch.stack([torch.tensor([0, 1 + n]) if n + 1 < E else torch.tensor([0, 1]) for n in range(rows)])
+    random = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(rows)])
+    return {"random": random, "uniform": shifted, "worst": worst, "same": few}
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["per-expert", "partial"])
+@pytest.mark.parametrize("tile", [1, 2, 4, 16])
+@pytest.mark.parametrize("piece", [None, (20, 44)], ids=["whole", "straddling"])
+def test_moe_tiled_equals_gathered_grouped_and_the_expert_loop(tile, piece, partial):
+    """The assignments grouped by expert in tiles (`moe_tiled`) give what `moe_gathered`, `moe_experts`
+    over dense weights and a float64 loop over rows and choices give, at every routing the tile bound
+    must cover (a tile of 1 row to one wider than any expert's count; whole experts and a column slice
+    whose w2 scale blocks straddle; w2 per expert or over all, `partial`)."""
+    gen = torch.Generator().manual_seed(21)
+    E, inter, hidden, k, rows = 6, 64, 64, 2, 9
+    whole = _expert_stacks(gen, E, inter, hidden)
+    stacks, blocks = _slice_stacks(whole, *piece) if piece else (whole, None)
+    a, b = piece or (0, inter)
+    x = torch.randn(rows, hidden, generator=gen)
+    weights = torch.rand(rows, k, generator=gen)
+    for name, experts in _worst_routings(gen, rows, E, k).items():
+        got = OPS.moe_tiled(x, weights, experts, *stacks, 10.0, tile, blocks, partial)
+        gathered = OPS.moe_gathered(x, weights, experts, *stacks, 10.0, blocks, partial)
+        dense = torch.zeros(rows, E).scatter(1, experts, weights)
+        grouped = OPS.moe_experts(x, dense, *stacks, 10.0, blocks, partial)
+        want = _routing_loop(x, weights, experts, whole, a, b)
+        tol = 1e-5 * want.abs().max().item()
+        assert got.dtype == torch.float32 and got.shape == (rows, hidden), name
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=tol, msg=name)
+        torch.testing.assert_close(got, gathered, rtol=1e-6, atol=1e-6 * want.abs().max().item(), msg=name)
+        torch.testing.assert_close(got, grouped, rtol=1e-5, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["per-expert", "partial"])
+def test_moe_tiled_bf16_matches_gathered_and_grouped(partial):
+    """In bf16 the tiled form rounds as the gathered one does: the weighted product before w2, each
+    expert's output (`partial`: w2 over the slices in float32), so it matches both within the
+    tolerances the gathered form meets against the grouped one."""
+    gen = torch.Generator().manual_seed(22)
+    stacks = _expert_stacks(gen, 4, 64, 64)
+    x = torch.randn(7, 64, generator=gen).to(torch.bfloat16)
+    experts = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(7)])
+    weights = torch.rand(7, 2, generator=gen)
+    got = OPS.moe_tiled(x, weights, experts, *stacks, 10.0, 4, None, partial)
+    gathered = OPS.moe_gathered(x, weights, experts, *stacks, 10.0, None, partial)
+    grouped = OPS.moe_experts(x, torch.zeros(7, 4).scatter(1, experts, weights), *stacks, 10.0, None, partial)
+    torch.testing.assert_close(got, gathered, rtol=1e-5, atol=1e-5 * gathered.abs().max().item())
+    tol = 1e-5 if partial else 2e-2
+    torch.testing.assert_close(got, grouped, rtol=tol, atol=tol * grouped.abs().max().item())
+
+
+@pytest.mark.parametrize("experts, k", [(384, 6), (8, 2), (5, 2)])
+@pytest.mark.parametrize("rows", [1, 3, 64, 200])
+@pytest.mark.parametrize("tile", [1, 3, 8, 32, 128])
+def test_tiles_bound_is_the_worst_routing_exactly(experts, k, rows, tile):
+    """`tiles_bound` is met by the worst routing (every expert but one a single assignment, the last
+    the rest) and never passed: uniform, one expert all of them, random counts."""
+    from deepinfer.kernels.linear import tiles_bound
+
+    A = rows * k
+    bound = tiles_bound(A, experts, tile)
+
+    def tiles(counts) -> int:
+        assert sum(counts) == A and len(counts) <= experts
+        return sum(-(-c // tile) for c in counts)
+
+    n = min(experts, A)
+    assert tiles([1] * (n - 1) + [A - n + 1]) == bound
+    assert tiles([A]) <= bound and tiles([A // n + (i < A % n) for i in range(n)]) <= bound
+    gen = torch.Generator().manual_seed(rows * tile)
+    for _ in range(20):
+        counts = torch.zeros(experts, dtype=torch.long).scatter_add(
+            0, torch.randint(0, experts, (A,), generator=gen), torch.ones(A, dtype=torch.long)
+        )
+        assert tiles(counts.tolist()) <= bound
+    assert -(-A // tile) <= bound <= A
+
+
+def test_moe_tiled_worst_routing_fills_every_tile():
+    """At the bound's worst routing every one of the static tiles holds an assignment: none to spare,
+    and the result still equals the gathered form's."""
+    from deepinfer.kernels.linear import _tile_slots, tiles_bound
+
+    E, k, rows, tile = 6, 2, 9, 2
+    experts = _worst_routings(torch.Generator().manual_seed(0), rows, E, k)["worst"]
+    slot, tile_expert = _tile_slots(experts, E, tile)
+    assert tile_expert.shape == (tiles_bound(rows * k, E, tile),)
+    assert sorted(set((slot // tile).tolist())) == list(range(tile_expert.shape[0]))
+    assert len(set(slot.tolist())) == rows * k
+    assert torch.equal(tile_expert[slot // tile], experts.reshape(-1))
+
+
+@pytest.mark.parametrize("A, E", [(1, 1), (5, 3), (128, 4), (300, 7), (1000, 384)])
+def test_expert_places_count_the_earlier_equal_ids(A, E):
+    """Each assignment's place among its expert's (no sort, no scan over the assignments: blocks of
+    `RANK_BLOCK`, padded) is the number of earlier equal ids, and the counts are each expert's."""
+    from deepinfer.kernels.linear import _expert_places
+
+    ids = torch.randint(0, E, (A,), generator=torch.Generator().manual_seed(A))
+    place, counts = _expert_places(ids, E)
+    want = [int((ids[:a] == ids[a]).sum()) for a in range(A)]
+    assert place.tolist() == want
+    assert torch.equal(counts, torch.bincount(ids, minlength=E))
+
+
+def test_moe_tiled_over_several_place_blocks():
+    """300 rows x top-2 (5 blocks of `RANK_BLOCK` assignments, the last padded), skewed routing: the
+    tiled form gives the gathered form's result."""
+    gen = torch.Generator().manual_seed(23)
+    E, rows = 6, 300
+    stacks = _expert_stacks(gen, E, 32, 64)
+    x = torch.randn(rows, 64, generator=gen)
+    first = torch.where(torch.rand(rows, generator=gen) < 0.7, 0, torch.randint(1, E, (rows,), generator=gen))
+    experts = torch.stack([first, (first + 1 + torch.randint(0, E - 1, (rows,), generator=gen)) % E], -1)
+    weights = torch.rand(rows, 2, generator=gen)
+    for partial in (False, True):
+        got = OPS.moe_tiled(x, weights, experts, *stacks, 10.0, 16, None, partial)
+        want = OPS.moe_gathered(x, weights, experts, *stacks, 10.0, None, partial)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())

@@ -12,6 +12,7 @@ EXPECTED = {
     "swiglu",
     "moe_experts",
     "moe_gathered",
+    "moe_tiled",
     "rmsnorm",
     "hc_mixes",
     "hc_collapse",
@@ -30,6 +31,13 @@ def _t(shape, dtype):
     if dtype == torch.bool:
         return torch.rand(shape) < 0.5
     return torch.randn(shape).to(dtype)
+
+
+def _stacks(width: int, blocks: int) -> tuple[torch.Tensor, ...]:
+    """Three experts' routed stacks (w1, w1_s, w3, w3_s, w2, w2_s) of `width` intermediate columns, hidden
+    64, w2's scales `blocks` 32-blocks."""
+    up = (_t((3, width, 32), u8), _t((3, width, 2), u8))
+    return (*up, _t((3, width, 32), u8), _t((3, width, 2), u8), _t((3, 64, width // 2), u8), _t((3, 64, blocks), u8))
 
 
 # name -> list of (args, [(shape, dtype) of each output])
@@ -108,6 +116,32 @@ CASES = {
                 True,
             ),
             [((1, 64), f32)],
+        ),
+    ],
+    "moe_tiled": [
+        (
+            (
+                _t((5, 64), bf16),
+                _t((5, 2), f32),
+                torch.tensor([[0, 2], [1, 2], [2, 0], [1, 0], [0, 1]]),
+                *_stacks(32, 1),
+                10.0,
+                4,
+            ),
+            [((5, 64), f32)],
+        ),
+        (  # tiles of 2 rows over slices of 24 columns whose w2 scales span 2 blocks, w2 over all of them
+            (
+                _t((3, 64), f32),
+                _t((3, 2), f32),
+                torch.tensor([[2, 1], [1, 0], [1, 2]]),
+                *_stacks(24, 2),
+                10.0,
+                2,
+                torch.tensor([0] * 8 + [1] * 16),
+                True,
+            ),
+            [((3, 64), f32)],
         ),
     ],
     "rmsnorm": [

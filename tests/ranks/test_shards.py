@@ -101,9 +101,9 @@ def test_one_rank_layout_for_config_planning_and_manifest():
 
 
 @pytest.mark.parametrize("ep", [2, 4])
-@pytest.mark.parametrize("batch, form", [(2, "grouped"), (1, "gathered")])
+@pytest.mark.parametrize("batch, form", [(2, "tiled"), (1, "gathered")])
 def test_ep_partials_sum_to_the_one_rank_moe(tiny_ckpt, text, ep, batch, form):
-    """Every rank's slice of every expert: the partials sum to the one-rank MoE, in the grouped form
+    """Every rank's slice of every expert: the partials sum to the one-rank MoE, in the tiled form
     (2 x 3 rows x top-2 over 8 experts) and the gathered one (3 rows: 6 slices gathered)."""
     full = MoE(text, dtype=torch.float32)
     load_region(Checkpoint(tiny_ckpt), full, "layers.1.")
@@ -150,7 +150,7 @@ def test_expert_slices_give_the_whole_experts(text, inter, world):
     _random_fp4(full, ROUTED, gen)
     ranks = [ranked(full, lambda: MoE(c, dtype=torch.float32, topo=topo), "moe", c, topo, r) for r in range(world)]
     assert ranks[0].w1.shape == (12, width, c.hidden_size // 2) and ranks[0].w2_s.shape == (12, c.hidden_size, blocks)
-    for rows in (2, 7):  # 4 slices gathered; 14 of 12 experts: grouped
+    for rows in (2, 7):  # 4 slices gathered; 14 of 12 experts: tiled
         x = torch.randn(rows, c.hidden_size, generator=gen)
         experts = torch.stack([torch.randperm(12, generator=gen)[:2] for _ in range(rows)])
         weights = torch.rand(rows, 2, generator=gen)

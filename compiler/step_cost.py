@@ -6,8 +6,8 @@ it. Per rank and decode step (one token a sequence, B sequences of a context buc
 group):
 
     weight bytes     what each executable's lowered module reads (compiler/step_reads.py): every weight
-                     parameter of every layer whole, the routed experts' slices a step gathers (below
-                     the crossover; every expert's slice above it), the head's rows; of the embedding
+                     parameter of every layer whole, the routed experts' slices a step gathers (a row's
+                     chosen ones below the crossover; a tile's above it), the head's rows; of the embedding
                      table only the step's B rows. Expected under uniform routing and worst case alike
     state bytes      each layer's window ring, the K = min(index_topk, Wc) selected compressed entries
                      a rank's attend gathers (static: it attends those it holds, masks the rest) and the
@@ -79,7 +79,7 @@ GRAPH_ORDER = (
 def layer_flops(plan: BundlePlan, p: LayerPlan, batch: int, context: int) -> dict[str, int]:
     """FLOPs of layer `p` on one rank at `batch` sequences of a `context`-position bucket, by part:
     its weight matmuls at the rank's shapes (`step_reads.weight_flops`: the routed experts' gathered
-    slices, or every expert's slice above the crossover) and, per row, the attention over its keys:
+    slices, each against its row, or above the crossover its tile's rows) and, per row, the attention over its keys:
     the window and the selected entries the rank holds, every head the rank attends over each, and
     the index scores over the rank's share of the keys."""
     c, topo = plan.spec.model.text, plan.spec.topology

@@ -70,10 +70,11 @@ def test_release_layer_plan_and_executables(release):
     d = release
     assert {k: v["layers"] for k, v in d["kinds"].items()} == {"embed": [-1], **RELEASE_KINDS}
     # trn2 fuses each layer's regions (compiler/layers.py): one executable per layer kind (its attention
-    # kind and whether it has an engram) x 4 buckets, and the embedding's and the head's
+    # kind and whether it has an engram) x 6 buckets (batch 1, 8 x tokens 1, 128, 512), and the embedding's
+    # and the head's
     layer_kinds = {(l["regions"]["attn"], l["engram"]) for l in d["layers"]}
     assert len(layer_kinds) == len(d["executables"]["fused_layers"]) == 8
-    assert d["executables"]["count"] == d["compile_jobs"] == (len(layer_kinds) + 2) * 4
+    assert d["executables"]["count"] == d["compile_jobs"] == (len(layer_kinds) + 2) * 6
     assert d["topology"] == {"tp": 1, "ep": 64, "cp": 64, "world_size": 64, "groups": 1}
     assert d["checkpoint"]["source"].startswith("config.json only")
 
@@ -168,7 +169,7 @@ def test_release_moe_scratch_traced_at_two_batches(release):
     """Both batch buckets' MoE graphs are traced; the larger holds more rows' activations."""
     moe = release["scratch"]["moe_by_batch"]
     assert sorted(moe) == ["1", "8"] and moe["8"] > moe["1"] > 0
-    assert set(release["scratch"]["by_graph"]) == {"moe.decode.b1t128", "moe.decode.b8t128"}
+    assert set(release["scratch"]["by_graph"]) == {"moe.decode.b1t512", "moe.decode.b8t512"}
 
 
 def test_plan_cli_prints_the_full_plan():
@@ -177,8 +178,8 @@ def test_plan_cli_prints_the_full_plan():
     for line in (
         "layer plan: 40 layers -> 10 region kinds",
         "10 kinds, 24 (kind, method) calls (the 5 compressed attention kinds as their divided stages, the "
-        "engram as kv and mix) x 4 buckets = 96; fused (trn2): one executable a layer, 8 layer kinds, their regions and collectives "
-        "inside: 40 executables; compile jobs: 40",
+        "engram as kv and mix) x 6 buckets = 144; fused (trn2): one executable a layer, 8 layer kinds, their regions and collectives "
+        "inside: 60 executables; compile jobs: 60",
         "per decode step and rank: 42 device executions (1 embed, 40 layer, 1 head)",
         "head: vocabulary 129,280 over the token group's 64 rank(s), 2,048 rows each (1,792 zero rows of "
         "padding), 40.01 MiB per rank",
@@ -187,6 +188,7 @@ def test_plan_cli_prints_the_full_plan():
         "scratch: not traced",
         "limit 24.00 GiB (trn2 HBM: 12 GiB per NeuronCore x LNC 2)",
         "decode step per rank, modelled for trn2 at LNC 2",  # compiler/step_cost.py (tests/compiler/test_step_cost.py)
+        "prompt at batch 1 per rank, chunks of 512 tokens",  # compiler/prompt_cost.py (tests/compiler/test_prompt_cost.py)
     ):
         assert line in r.output, line
     assert re.search(r"memory budget per rank:\n  ranks 0-63 \(64\): (fits|DOES NOT FIT)\n", r.output)
@@ -259,7 +261,7 @@ def test_release_traced_at_1m_context_without_real_inputs(tmp_path):
     traced, max_rss_kib = r.stdout.split("]")[0] + "]", int(r.stdout.split()[-1])
     stages = ("query", "select", "attend", "output")  # the divided attention's (regions/divided.py)
     per_context = ("select", "attend")  # query and output read no paged state: one per bucket of rows
-    assert traced == str([f"attn_source_r1_cand.{m}.b8t128" + ("c1048576" if m in per_context else "") for m in stages])
+    assert traced == str([f"attn_source_r1_cand.{m}.b8t512" + ("c1048576" if m in per_context else "") for m in stages])
     # planning alone (64 ranks' own attention, expert-slice and engram cuts since issue 40) peaks near 1.5 GiB
     # here; one real input of the traced shapes would be 16 GiB
     assert max_rss_kib < 3 << 20

@@ -114,17 +114,23 @@ def test_every_rank_computes_every_row_of_a_chunk_today(plan):
 
 
 def test_plan_text_and_json_carry_the_prompt_cost(plan):
+    """The release builds prompt buckets of 128 and 512 tokens and models its prompts in the larger."""
     d = plan.to_dict()["prompt_cost"]
-    assert [(c["rows"], c["context"]) for c in d["chunks"]] == [(128, 65536)]
-    assert [(p["tokens"], p["chunk"], p["chunks"]) for p in d["prompts"]] == [(8192, 128, 64), (65536, 128, 512)]
+    assert [(c["rows"], c["context"]) for c in d["chunks"]] == [(128, 65536), (512, 65536)]
+    assert [(p["tokens"], p["chunk"], p["chunks"]) for p in d["prompts"]] == [(8192, 512, 16), (65536, 512, 128)]
     for p in d["prompts"]:
         assert p["flops"] == sum(p["flops_by_part"].values()) and p["ttft_ms"] > p["compute_bound_ms"] > 0
     sweep = d["chunk_sweep"]
     assert sweep["tokens"] == 65536 and [r["chunk"] for r in sweep["sizes"]] == list(prompt_cost.SWEEP)
-    assert [r["built"] for r in sweep["sizes"]] == [True] + [False] * 6
-    assert sweep["sizes"][0]["ttft_ms"] == d["prompts"][1]["ttft_ms"]
+    assert [r["built"] for r in sweep["sizes"]] == [True, False, True, False, False, False, False]
+    assert sweep["sizes"][2]["ttft_ms"] == d["prompts"][1]["ttft_ms"]
+    # the cost model's choice: 128-token chunks are bound by their weight reads, 512-token ones by compute
+    assert sweep["sizes"][0]["bound_chunks"] == {"memory": 512} and sweep["sizes"][2]["bound_chunks"] == {
+        "compute": 128
+    }
+    assert sweep["sizes"][2]["ttft_ms"] < sweep["sizes"][0]["ttft_ms"]
     text = "\n".join(plan.lines())
-    assert "prompt at batch 1 per rank, chunks of 128 tokens" in text
+    assert "prompt at batch 1 per rank, chunks of 512 tokens" in text
     assert "a 65,536-token prompt by chunk size (* built" in text
     for label in ("time to first token (ms)", "compute bound, all ranks (ms)", "TTFT / compute bound", "index scores"):
         assert label in text, label

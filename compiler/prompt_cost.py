@@ -12,7 +12,7 @@ position. A chunk's figures per rank are the decode step's model (compiler/step_
     FLOPs            `step_cost.step_flops` at T rows: the matmuls at the rank's shapes (rows that every
                      rank of a token group computes are counted on every rank), each row's attention
                      over its keys, the index scores over the rank's keys, the head's rows; each part at
-                     the peak of the dtype it runs in (`PART_DTYPES`: float32 for the mixes, the router,
+                     the peak of the dtype it runs in (`part_dtype`: float32 for the mixes, the router,
                      the compressor, the attention and the head; the activation dtype for the rest)
     collectives      the decode step's (BundlePlan.per_step) at T rows of bytes
 
@@ -24,8 +24,9 @@ tokens, from the config alone: each token through every layer's projections, its
 and the shared one, its attention over its window and its selected entries, the indexer's scores over
 every visible entry, which grow with the square of the context, and the head for the last token) over
 the sum of every rank's peak, each part at its dtype's. `ttft / compute bound` is how far the layout
-is from dividing the prompt's work over the ranks; with every rank computing every row of a chunk
-through whole weights it is at least the token group's size.
+is from dividing the prompt's work over the ranks: while every rank of a token group computes every
+row of a chunk (docs/ranks.md, "What a prompt costs"), the parts it computes with whole weights and
+every head's attention cost each rank what they cost the whole prompt.
 """
 
 from __future__ import annotations

@@ -56,9 +56,11 @@ def check_budget(max_step_tokens: int | None, draft_block: int | None = None) ->
 
 @dataclass
 class StepTokens:
-    """What a run's steps fed: prompt tokens, decode tokens (unfed tokens and drafts), and the most
-    tokens one step fed; `padded` rows come from the stepper (`runtime.executor.Stats.padded`)."""
+    """A run's token budget a step (`limit`, None: none) and what its steps fed: prompt tokens, decode
+    tokens (unfed tokens and drafts), and the most tokens one step fed; `padded` rows come from the
+    stepper (`runtime.executor.Stats.padded`)."""
 
+    limit: int | None = None
     steps: int = 0
     prompt: int = 0
     decode: int = 0

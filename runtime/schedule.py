@@ -233,10 +233,15 @@ class Scheduler:
         self.waiting: deque[Running] = deque()
         self.running: dict[int, Running] = {}
         self.speculation = SpeculationStats()
-        self.max_step_tokens = max_step_tokens  # None: no budget (every prompt its whole chunk a step)
-        self.fed = StepTokens()
-        self.steps = 0
+        self.fed = StepTokens(
+            limit=max_step_tokens
+        )  # the budget (None: every prompt its whole chunk a step), the steps
         self._next_seq = 0
+
+    @property
+    def steps(self) -> int:
+        """The steps run so far (each fed at least one row)."""
+        return self.fed.steps
 
     @property
     def prefix_cache(self) -> bool:
@@ -288,7 +293,7 @@ class Scheduler:
         )
         rows_by_group: list[list[Row]] = [[] for _ in self.allocs]
         picking: list[Running] = []  # constrained sequences that pick a token after this step
-        plan = plan_step(list(self.running.values()), drafted, self.max_step_tokens, self._chunk_of)
+        plan = plan_step(list(self.running.values()), drafted, self.fed.limit, self._chunk_of)
         for r in list(self.running.values()):
             n = plan[r.seq]
             if n == 0:  # a prompt that waits for room in the budget
@@ -305,7 +310,6 @@ class Scheduler:
             rows_by_group[r.group].append((r.seq, ids, r.consumed))
         if not any(rows_by_group):
             return
-        self.steps += 1
         self._record_fed(rows_by_group)
         histories = {
             seq: r.out.tokens + drafted[seq] if seq in drafted else r.out.tokens for seq, r in self.running.items()

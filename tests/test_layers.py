@@ -83,6 +83,7 @@ RUNTIME_LOADS = [
     "deepinfer.runtime",
     "deepinfer.runtime.api",
     "deepinfer.runtime.backends",
+    "deepinfer.runtime.budget",  # the scheduler's token budget a step
     "deepinfer.runtime.bundle",
     "deepinfer.runtime.draft",
     "deepinfer.runtime.executor",

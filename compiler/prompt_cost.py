@@ -37,14 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from deepinfer.compiler.budget import human
-from deepinfer.compiler.step_cost import (
-    F32,
-    collective_bytes,
-    figures_of,
-    in_executables,
-    link_bytes,
-    step_flops,
-)
+from deepinfer.compiler.step_cost import F32, collective_terms, figures_of, lower_bound, step_flops
 from deepinfer.compiler.step_reads import read_bytes
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.topology import head_rows
@@ -176,27 +169,26 @@ def chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
     """One rank's prompt chunk of `rows` tokens (batch 1) at a `context`-position bucket."""
     spec = plan.spec
     figures = figures_of(plan)
-    v = {name: f.value for name, f in figures.items()}
     c, topo, act = spec.model.text, spec.topology, spec.dtype.itemsize
     per_step = plan.per_step
     flops = step_flops(plan, rows, context)
     weights = sum(read_bytes(plan, rows).values())
     state = chunk_state_bytes(c, plan, rows, context, act)
     counts = per_step["collectives_by_name"]
-    sent = collective_bytes(c, topo, rows, act, context)
-    graph = in_executables(counts, per_step["collectives_in_executables"])
-    link = sum(link_bytes(name, sent[name] * k // counts[name], topo) for name, k in graph.items())
-    on_host = sum(counts.values()) - sum(graph.values())
-    host_device = rows * (2 * F32 + head_rows(c, topo) * F32)  # ids, positions in; the logits slice out
-    memory = (weights + state) / v["hbm_bytes_per_s"]
-    compute = compute_s(flops, figures, spec.config.model.dtype)
-    latency = (
-        sum(graph.values()) * v["collective_s"]
-        + link / v["link_bytes_per_s"]
-        + on_host * v["host_collective_s"]
-        + per_step["executions"] * v["launch_s"]
-        + host_device / v["host_link_bytes_per_s"]
+    sent, graph, link = collective_terms(plan, per_step, rows, context)
+    times = lower_bound(  # its memory and latency terms; compute below, each part at its dtype's peak
+        figures,
+        spec.config.model.dtype,
+        bytes_read=weights + state,
+        flops=0,
+        executions=per_step["executions"],
+        in_graph=sum(graph.values()),
+        link=link,
+        on_host=sum(counts.values()) - sum(graph.values()),
+        host_device=rows * (2 * F32 + head_rows(c, topo) * F32),  # ids, positions in; the logits slice out
     )
+    memory_ms, latency_ms = times["memory_ms"], times["latency_ms"]
+    compute_ms = compute_s(flops, figures, spec.config.model.dtype) * 1e3
     return ChunkCost(
         rows=rows,
         context=context,
@@ -207,10 +199,10 @@ def chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
         executions=per_step["executions"],
         collectives=sum(counts.values()),
         collective_bytes=sum(sent[name] for name in counts),
-        memory_ms=memory * 1e3,
-        compute_ms=compute * 1e3,
-        latency_ms=latency * 1e3,
-        estimated_ms=(max(memory, compute) + latency) * 1e3,
+        memory_ms=memory_ms,
+        compute_ms=compute_ms,
+        latency_ms=latency_ms,
+        estimated_ms=max(memory_ms, compute_ms) + latency_ms,
     )
 
 

@@ -226,6 +226,19 @@ def in_executables(counts: dict[str, int], n: int) -> dict[str, int]:
     return out
 
 
+def collective_terms(plan: BundlePlan, per_step: dict, rows: int, context: int) -> tuple[dict, dict, int]:
+    """A step's collectives at `rows` token rows a token group and a `context` bucket: the bytes a rank
+    sends by collective (`collective_bytes`), the calls the executables hold by collective
+    (`in_executables`), and the bytes those put on the rank's links (`link_bytes`)."""
+    spec = plan.spec
+    c, topo = spec.model.text, spec.topology
+    counts = per_step["collectives_by_name"]
+    sent = collective_bytes(c, topo, rows, spec.dtype.itemsize, context)
+    graph = in_executables(counts, per_step["collectives_in_executables"])
+    link = sum(link_bytes(name, sent[name] * k // counts[name], topo) for name, k in graph.items())
+    return sent, graph, link
+
+
 def lower_bound(
     figures: dict[str, Figure],
     dtype: str,
@@ -322,9 +335,7 @@ def step_cost(plan: BundlePlan, batch: int, context: int, per_step: dict | None 
     weights = sum(by_kind.values())
     state = state_bytes(c, layers, batch, context, act, topo.cp, spec.geometry.slack)
     counts, executions = per_step["collectives_by_name"], per_step["executions"]
-    sent = collective_bytes(c, topo, batch, act, context)
-    graph = in_executables(counts, per_step["collectives_in_executables"])
-    link = sum(link_bytes(name, sent[name] * k // counts[name], topo) for name, k in graph.items())
+    sent, graph, link = collective_terms(plan, per_step, batch, context)
     host = {name: counts[name] - graph[name] for name in counts if counts[name] > graph[name]}
     engram = sum(p.engram_rows > 0 for p in layers)
     moved = {

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from deepinfer.compiler.budget import human
-from deepinfer.compiler.step_cost import F32, collective_terms, figures_of, lower_bound, step_flops
+from deepinfer.compiler.step_cost import F32, collective_terms, columns, figures_of, lower_bound, step_flops
 from deepinfer.compiler.step_reads import read_bytes
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.topology import head_rows
@@ -357,9 +357,8 @@ def lines(plan: BundlePlan) -> list[str]:
     out = [
         f"prompt at batch 1 per rank, chunks of {chunk} tokens, modelled for trn2 (sum of the chunks' estimates; "
         "the compute bound: the prompt's useful FLOPs over every rank's peak):",
-        f"  {'prompt tokens':<38}" + "".join(f"{p.tokens:>18,}" for p in costs),
+        *columns("prompt tokens", [f"{p.tokens:,}" for p in costs], rows, costs),
     ]
-    out += [f"  {label:<38}" + "".join(f"{cell(p):>18}" for p in costs) for label, cell in rows]
     tokens = costs[-1].tokens
     out.append(f"  a {tokens:,}-token prompt by chunk size (* built: its scratch is in the memory verdict):")
     for row in chunk_sweep(plan, tokens):

@@ -396,6 +396,13 @@ def report(plan: BundlePlan) -> dict | None:
     }
 
 
+def columns(label: str, heads: Sequence[str], rows: Sequence[tuple[str, Callable]], items: Sequence) -> list[str]:
+    """A plan's table: a header line (`label`, one head a column), then one line a row (its label, its
+    cell function of each of `items`, one a column)."""
+    out = [f"  {label:<38}" + "".join(f"{h:>18}" for h in heads)]
+    return out + [f"  {name:<38}" + "".join(f"{cell(item):>18}" for item in items) for name, cell in rows]
+
+
 def _kind_cell(kind: str, s: StepCost) -> str:
     return human(s.weight_bytes_by_kind[kind])
 
@@ -424,9 +431,8 @@ def lines(plan: BundlePlan) -> list[str]:
     out = [
         f"decode step per rank, modelled for trn2 at LNC {target.lnc} (max(memory, compute) + latency terms; "
         "nothing measured):",
-        f"  {'batch x context':<38}" + "".join(f"{f'{s.batch} x {s.context:,}':>18}" for s in costs),
+        *columns("batch x context", [f"{s.batch} x {s.context:,}" for s in costs], rows, costs),
     ]
-    out += [f"  {label:<38}" + "".join(f"{cell(s):>18}" for s in costs) for label, cell in rows]
     out.append("  constants (per rank):")
     out += [f"    {name:<22} {f.value:g} {f.unit} ({f.status}: {f.source})" for name, f in figures.items()]
     return out

@@ -2,7 +2,8 @@
 
 - `guarded_protocol`: uvicorn's h11 connection with a cap on open connections (one over it gets 503
   and is closed at once) and a deadline for a request's headers, from the connection's start or the
-  end of its last response (a client that never finishes them is cut);
+  end of its last response (a client that never finishes them is cut), and a lingering close (a
+  connection closed with its request body unread is drained first, so the client reads the answer);
 - `Limits`, an ASGI middleware: a body over `max_body_bytes` is refused with 413, from its
   Content-Length or after reading no more than the cap (chunked bodies too); a body must arrive whole
   within `body_timeout_s` (408, then the connection closes); while the server stops (`Gate.stopping`)
@@ -24,6 +25,7 @@ import json
 import time
 from dataclasses import dataclass
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -117,11 +119,35 @@ def replay(body: bytes, receive):
     return again
 
 
-LINGER_S = 2.0  # how long a connection refused as malformed is drained before it is closed
+LINGER_S = 5.0  # how long a connection closed with its request unread is drained before it is closed
+LINGER_BYTES = 256 << 20  # and how much of it is read and dropped at most
+
+
+class _Closing:
+    """A connection's transport whose close() drains first while the client may still be sending.
+
+    Closing a socket with bytes unread makes the kernel reset the connection, and the reset can reach
+    the client before it reads the answer: a client that writes its whole body before reading (Python's
+    http.client) saw a broken pipe instead of the 413. So, as nginx's lingering close does, such a
+    close half-closes (the answer, then FIN), drops what still arrives, and closes when the client
+    ends, after `LINGER_S`, or after `LINGER_BYTES`, whichever comes first."""
+
+    def __init__(self, transport, protocol):
+        self._transport, self._protocol = transport, protocol
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        if self._protocol.may_still_send():
+            self._protocol.linger()
+        else:
+            self._transport.close()
 
 
 def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 connection with the cap and header deadline of the module's docstring."""
+    """uvicorn's h11 connection with the cap and header deadline of the module's docstring, and the
+    lingering close of `_Closing`."""
     busy = (
         b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
         b"content-length: %d\r\n\r\n%s"
@@ -131,10 +157,10 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
 
     class Guarded(H11Protocol):
         deadline: asyncio.TimerHandle | None = None
-        lingering = False  # answered a malformed request; dropping the rest
+        dropped: int | None = None  # lingering: the bytes dropped since; None while not
 
         def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+            super().connection_made(_Closing(transport, self))
             if len(self.connections) > max_connections:
                 transport.write(busy % (len(full), full))
                 transport.close()
@@ -153,7 +179,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
+            if not self.transport.is_closing() and self.dropped is None:
                 self.arm()
 
         def send_400_response(self, msg: str) -> None:
@@ -161,17 +187,34 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
             not UTF-8, headers over h11's 16 KiB): OpenAI's JSON error body, not uvicorn's plain text."""
             body = error_json(f"malformed HTTP request ({msg.rstrip('.')})", "invalid_request_error")
             self.transport.write(bad % (len(body), body))
-            # a lingering close: half-close, drop what the client is still sending, close after LINGER_S;
-            # closing with its bytes unread would reset the connection, and the client would see the
-            # reset instead of the answer (a header line of 1 MB, cut at h11's 16 KiB)
-            self.lingering = True
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-            self.loop.call_later(LINGER_S, self.transport.close)
+            self.linger()
+
+        def may_still_send(self) -> bool:
+            """Whether the client may have bytes on the way: a request body unread, or a broken request."""
+            return self.conn.their_state in (h11.SEND_BODY, h11.ERROR)
+
+        def linger(self) -> None:
+            raw = self.transport._transport
+            if self.dropped is not None or raw.is_closing():  # lingering already, or the client left
+                return raw.close()
+            self.dropped = 0
+            if self.deadline is not None:
+                self.deadline.cancel()
+            raw.resume_reading()  # uvicorn pauses reading while a body waits for the application
+            if raw.can_write_eof():
+                raw.write_eof()
+            self.loop.call_later(LINGER_S, raw.close)
 
         def data_received(self, data: bytes) -> None:
-            if not self.lingering:
-                super().data_received(data)
+            if self.dropped is None:
+                return super().data_received(data)
+            self.dropped += len(data)
+            if self.dropped > LINGER_BYTES:
+                self.transport._transport.close()
+
+        def eof_received(self) -> None:
+            if self.dropped is not None:  # the client has sent everything: nothing unread is left
+                self.transport._transport.close()
 
         def connection_lost(self, exc) -> None:
             if self.deadline is not None:

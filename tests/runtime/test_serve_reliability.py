@@ -135,6 +135,20 @@ def test_hostile_json_bodies_are_400(guarded, body, param, words):
     assert words.lower() in one_line_error(answer, param).lower()
 
 
+def _read_until_closed(conn, limit: int = 1 << 16) -> bytes:
+    """What the server sends before it closes (the head and body of an answer may arrive apart)."""
+    got = b""
+    while len(got) < limit:
+        try:
+            part = conn.recv(4096)
+        except OSError:  # reset after the answer: what came before it stands
+            break
+        if not part:
+            break
+        got += part
+    return got
+
+
 def _send_slowly(s: Hooked, head: bytes, chunks, stop: threading.Event) -> bytes:
     """Send `head` then `chunks` until the server answers (or closes); its first bytes."""
     conn = s.raw()
@@ -148,7 +162,7 @@ def _send_slowly(s: Hooked, head: bytes, chunks, stop: threading.Event) -> bytes
             except OSError:  # the server answered and closed
                 break
         conn.settimeout(REQUEST_TIMEOUT_S)
-        return conn.recv(4096)
+        return _read_until_closed(conn)
     finally:
         conn.close()
 
@@ -174,6 +188,23 @@ def test_a_100_mb_body_is_413_and_health_answers_meanwhile(guarded, chunked):
         stop.set()
     assert answer and answer[0].startswith(b"HTTP/1.1 413"), answer
     assert b"--max-body-bytes" in answer[0]
+    assert guarded.health() == 200
+
+
+def test_a_client_that_writes_its_whole_body_first_reads_the_413(guarded):
+    """http.client sends all 40 MB before it reads: the server drains what it will not read (a
+    lingering close) instead of resetting the connection under the answer (issue 44, item 1)."""
+    import http.client
+
+    host, port = guarded.address()
+    conn = http.client.HTTPConnection(host, port, timeout=REQUEST_TIMEOUT_S)
+    try:
+        conn.request("POST", "/v1/completions", body=b"x" * (40 << 20), headers={"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        assert answer.status == 413
+        assert b"--max-body-bytes" in answer.read()
+    finally:
+        conn.close()
     assert guarded.health() == 200
 
 

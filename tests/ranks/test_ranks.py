@@ -122,6 +122,20 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, started_ranks, request,
         _check_divided_pools(m, run.pools, cp)
 
 
+def test_a_token_budget_at_cp_ep_4_keeps_the_one_rank_tokens(started_ranks, one_rank_long):
+    """--max-step-tokens at a divided layout (issue 41 item 4): a budget of 5 splits the prompts' 8-token
+    chunks and mixes decode rows into prompt steps; every step is within it, the executor's real tokens
+    are the scheduler's fed ones on the leader, and the tokens are the one-rank run's."""
+    prompts = [*GOLDEN_PROMPTS, LONG]
+    run = started_ranks(1, 4, 4).generate(prompts, RunOptions(max_new_tokens=NEW, max_step_tokens=5, threads=1))
+    assert [r.tokens for r in run] == [r.tokens for r in one_rank_long]
+    assert all(r.error is None for r in run)
+    stats, steps = run.stats, run.steps
+    assert stats is not None and steps is not None
+    assert steps.largest <= 5 and stats.tokens == steps.fed and stats.steps == steps.steps
+    assert steps.prompt == sum(len(p) for p in prompts) and set(stats.by_tokens) <= {1, 8}
+
+
 def _check_divided_pools(m: dict, pools: dict, cp: int) -> None:
     """Each rank allocated 1/cp of the token group's usable paged blocks and a scratch block, and every
     per-slot pool whole."""

@@ -44,7 +44,7 @@ from deepinfer.kernels import attention as _attn  # noqa: F401  (registers ops)
 from deepinfer.kernels.cachequant import maybe_quant
 from deepinfer.kernels.rope import apply_rope, rope_angles, rope_frequencies
 from deepinfer.regions import attention_specs as held
-from deepinfer.regions import divided
+from deepinfer.regions import compress, divided
 from deepinfer.regions.base import Region, WeightSpec
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.paging import gather_pages, gather_rows, ring_update, write_pages
@@ -204,22 +204,24 @@ class _Attention(Region):
         kv = ops.rmsnorm(ops.blockquant_gemm(x, self.wkv, self.wkv_s, self.fp8), self.kv_norm, self.c.rms_norm_eps)
         return maybe_quant(apply_rope(kv, angles), "fp8", self.cache_quant)
 
-    def _window_keys(self, kv: Tensor, positions: Tensor, slots: Tensor, win: Tensor):
+    def _window_keys(self, kv: Tensor, positions: Tensor, slots: Tensor, win: Tensor, rows: slice = slice(None)):
         """Keys of the causal window of each query; updates the ring in place.
 
         The ring `win` [S, R, hd] (R >= window) holds position j at row j % R; keys at positions
-        before the step's first come from it, the others from this step's `kv`.
-        Returns keys [B, T, window, hd] and their validity [B, T, window].
+        before the step's first come from it, the others from this step's `kv` [B, T, hd].
+        Returns keys [B, t, window, hd] and their validity [B, t, window] for the queries at the step's
+        `rows` (t of them; every row unless given: a prompt divided by rows, regions/rows.py).
         """
         W, R = self.window, win.shape[1]
         ring = win.index_select(0, slots)  # [B, R, hd]
         buf = torch.cat((ring, kv), dim=1)  # [B, R + T, hd]
         p0 = positions[:, :1]  # [B, 1]
-        j = positions.unsqueeze(-1) - (W - 1) + torch.arange(W, device=kv.device)  # [B, T, W]
+        queries = positions[:, rows]  # [B, t]
+        j = queries.unsqueeze(-1) - (W - 1) + torch.arange(W, device=kv.device)  # [B, t, W]
         p0e = p0.unsqueeze(-1)
         idx = torch.where(j >= p0e, R + j - p0e, j.remainder(R)).clamp(0, buf.shape[1] - 1)
-        valid = (j >= 0) & (positions >= 0).unsqueeze(-1)
-        keys = gather_rows(buf, idx)  # [B, T, W, hd]
+        valid = (j >= 0) & (queries >= 0).unsqueeze(-1)
+        keys = gather_rows(buf, idx)  # [B, t, W, hd]
         win.index_copy_(0, slots, ring_update(ring, buf, p0, positions.amax(dim=1, keepdim=True)))
         return keys, valid
 
@@ -428,40 +430,9 @@ class SourceAttention(_Attention):
         return ["h", "pre", "topk"] + (["cand"] if self.candidate_source else [])
 
     def _compress(self, x: Tensor, positions: Tensor, slots: Tensor, part_kv, part_gate):
-        """Complete groups of this chunk -> latents [B, G, hd] (pre-rope), indices t [B, G], mask.
-
-        The rings `part_kv`, `part_gate` [S, R, hd] (R >= ratio) hold position j's projections at
-        row j % R: the first group's positions before the chunk come from them."""
-        r = self.ratio
-        valid = positions >= 0
-        if r == 1:
-            latent = ops.rmsnorm(F.linear(x, self.c_wkv.to(x.dtype)), self.c_norm, self.c.rms_norm_eps)
-            return latent, positions.clamp_min(0), valid
-        B, T = positions.shape
-        R = part_kv.shape[1]
-        kv = F.linear(x.float(), self.c_wkv)  # [B, T, hd] f32
-        gate = F.linear(x.float(), self.c_wgate)
-        p0 = positions[:, :1].clamp_min(0)  # [B, 1]
-        off = p0.remainder(r)
-        nvalid = valid.sum(dim=1, keepdim=True)  # [B, 1]
-        L = r * -(-(T + r - 1) // r)
-        i = torch.arange(L, device=x.device)
-        # row i of the chunk's groups is position p0 - off + i: before p0 from the ring, then the chunk
-        src = torch.where(i < off, (p0 - off + i).remainder(R), R + i - off).clamp(0, R + T - 1)  # [B, L]
-        ring_kv, ring_gate = part_kv.index_select(0, slots), part_gate.index_select(0, slots)  # [B, R, hd]
-        buf_kv = torch.cat((ring_kv, kv), dim=1)  # [B, R + T, hd]
-        buf_gate = torch.cat((ring_gate, gate), dim=1)
-        pooled = ops.compress_pool(
-            gather_rows(buf_kv, src).unflatten(1, (-1, r)), gather_rows(buf_gate, src).unflatten(1, (-1, r))
-        )  # [B, G, hd]
-        latent = ops.rmsnorm(pooled.to(x.dtype), self.c_norm, self.c.rms_norm_eps)
-        g = torch.arange(L // r, device=x.device)
-        t = torch.div(p0 - off, r, rounding_mode="floor") + g  # [B, G]
-        complete = (g + 1) * r <= off + nvalid
-        last = p0 + nvalid - 1  # [B, 1]; below p0 for a padding row
-        part_kv.index_copy_(0, slots, ring_update(ring_kv, buf_kv, p0, last))
-        part_gate.index_copy_(0, slots, ring_update(ring_gate, buf_gate, p0, last))
-        return latent, t, complete
+        """Complete groups of this chunk -> latents [B, G, hd] (pre-rope), indices t [B, G], mask
+        (regions/compress.py); the partial groups `part_kv`, `part_gate` updated."""
+        return compress.pool(self, compress.projections(self, x), positions, slots, part_kv, part_gate, x.dtype)
 
     def _write_compressed(self, latent, t, complete, block_table, ckv, ikeys):
         c, eps = self.c, self.c.rms_norm_eps

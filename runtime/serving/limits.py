@@ -24,6 +24,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import h11
 import uvicorn
@@ -158,9 +159,11 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
     class Guarded(H11Protocol):
         deadline: asyncio.TimerHandle | None = None
         dropped: int | None = None  # lingering: the bytes dropped since; None while not
+        raw: asyncio.Transport
 
         def connection_made(self, transport) -> None:
-            super().connection_made(_Closing(transport, self))
+            self.raw = transport  # the socket's own transport; uvicorn's code gets the lingering one
+            super().connection_made(cast(asyncio.Transport, _Closing(transport, self)))
             if len(self.connections) > max_connections:
                 transport.write(busy % (len(full), full))
                 transport.close()
@@ -194,7 +197,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
             return self.conn.their_state in (h11.SEND_BODY, h11.ERROR)
 
         def linger(self) -> None:
-            raw = self.transport._transport
+            raw = self.raw
             if self.dropped is not None or raw.is_closing():  # lingering already, or the client left
                 return raw.close()
             self.dropped = 0
@@ -210,11 +213,11 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
                 return super().data_received(data)
             self.dropped += len(data)
             if self.dropped > LINGER_BYTES:
-                self.transport._transport.close()
+                self.raw.close()
 
         def eof_received(self) -> None:
             if self.dropped is not None:  # the client has sent everything: nothing unread is left
-                self.transport._transport.close()
+                self.raw.close()
 
         def connection_lost(self, exc) -> None:
             if self.deadline is not None:

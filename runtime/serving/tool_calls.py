@@ -113,18 +113,48 @@ def parse_tools(body: dict) -> Tools | None:
 
 
 def call_schema(functions: tuple[Function, ...]) -> dict:
-    """The JSON schema of one call's object: {"name": one of them, "arguments": its parameters}."""
-    return {
-        "anyOf": [
+    """The JSON schema of one call's object: {"name": one of them, "arguments": its parameters}.
+
+    Each function's parameters move to the root's `$defs` (as `f<i>`, their own `$defs` and
+    `definitions` beside them as `f<i>.<name>`) and their local `$ref`s are rewritten to match: a
+    parameters schema's `#/$defs/...` (what pydantic emits) names its own root, not this wrapper's."""
+    defs: dict = {}
+    choices = []
+    for i, f in enumerate(functions):
+        prefix = f"f{i}"
+        params = dict(f.parameters)
+        for key in ("$defs", "definitions"):
+            for name, sub in (params.pop(key, None) or {}).items():
+                defs[f"{prefix}.{name}"] = _local_refs(sub, prefix)
+        defs[prefix] = _local_refs(params, prefix)
+        choices.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+                "properties": {"name": {"const": f.name}, "arguments": {"$ref": f"#/$defs/{prefix}"}},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for f in functions
-        ]
-    }
+        )
+    return {"$defs": defs, "anyOf": choices}
+
+
+def _local_refs(schema, prefix: str):
+    """`schema` with its local `$ref`s pointed at where `call_schema` moved its root: `#` at
+    `#/$defs/<prefix>`, `#/$defs/X` and `#/definitions/X` at `#/$defs/<prefix>.X`, other pointers into
+    the moved root."""
+    if isinstance(schema, list):
+        return [_local_refs(s, prefix) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _local_refs(v, prefix) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        parts = ref[2:].split("/", 2) if ref != "#" else []
+        if len(parts) >= 2 and parts[0] in ("$defs", "definitions"):
+            out["$ref"] = "/".join([f"#/$defs/{prefix}.{parts[1]}", *parts[2:]])
+        else:
+            out["$ref"] = f"#/$defs/{prefix}" + (ref[1:] if ref != "#" else "")
+    return out
 
 
 def call_lark(functions: tuple[Function, ...], parallel: bool) -> str:

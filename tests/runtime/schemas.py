@@ -1,6 +1,6 @@
 """An independent check of a JSON value against the JSON Schema keywords the structured-output tests
 use (jsonschema is not a dependency): type, enum, const, properties, required, additionalProperties,
-items, minItems, maxItems, minimum, maximum, minLength, maxLength, anyOf. Unknown keywords fail, so
+items, minItems, maxItems, minimum, maximum, minLength, maxLength, anyOf, and $ref to the root's $defs. Unknown keywords fail, so
 a test cannot lean on one this does not check."""
 
 from __future__ import annotations
@@ -33,13 +33,21 @@ KNOWN = {
     "anyOf",
     "description",
     "title",
+    "$ref",
+    "$defs",
 }
 
 
-def errors(value: Any, schema: dict, where: str = "$") -> list[str]:
-    """What in `value` breaks `schema` (empty: it validates)."""
+def errors(value: Any, schema: dict, where: str = "$", root: dict | None = None) -> list[str]:
+    """What in `value` breaks `schema` (empty: it validates); `root`: the schema whose `$defs` a
+    `$ref` names (`schema` itself at the top)."""
     unknown = set(schema) - KNOWN
     assert not unknown, f"the checker does not know {unknown}"
+    root = schema if root is None else root
+    if "$ref" in schema:
+        ref = schema["$ref"]
+        assert ref.startswith("#/$defs/") and ref.count("/") == 2, f"the checker does not follow {ref}"
+        return errors(value, root["$defs"][ref.rsplit("/", 1)[1]], where, root)
     out: list[str] = []
     kind = schema.get("type")
     if kind is not None:
@@ -50,20 +58,20 @@ def errors(value: Any, schema: dict, where: str = "$") -> list[str]:
         out.append(f"{where}: {value!r} not in {schema['enum']}")
     if "const" in schema and value != schema["const"]:
         out.append(f"{where}: {value!r} != {schema['const']!r}")
-    if "anyOf" in schema and all(errors(value, s, where) for s in schema["anyOf"]):
+    if "anyOf" in schema and all(errors(value, s, where, root) for s in schema["anyOf"]):
         out.append(f"{where}: {value!r} matches none of anyOf")
     if isinstance(value, dict):
         props = schema.get("properties", {})
         out += [f"{where}: {k!r} is missing" for k in schema.get("required", []) if k not in value]
         for k, v in value.items():
             if k in props:
-                out += errors(v, props[k], f"{where}.{k}")
+                out += errors(v, props[k], f"{where}.{k}", root)
             elif schema.get("additionalProperties") is False:
                 out.append(f"{where}: {k!r} is not allowed")
     if isinstance(value, list):
         if "items" in schema:
             for i, v in enumerate(value):
-                out += errors(v, schema["items"], f"{where}[{i}]")
+                out += errors(v, schema["items"], f"{where}[{i}]", root)
         if len(value) < schema.get("minItems", 0) or len(value) > schema.get("maxItems", len(value)):
             out.append(f"{where}: {len(value)} items")
     if isinstance(value, str) and not schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value)):

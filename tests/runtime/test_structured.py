@@ -242,6 +242,43 @@ def test_forced_calls_follow_the_parameters(grammars):
         assert errors(json.loads(calls[0].arguments), schemas[calls[0].name]) == []
 
 
+# pydantic's shape: the parameters' own $defs, named by local $refs (one recursive)
+PLACE = {
+    "type": "object",
+    "properties": {"at": {"$ref": "#/$defs/Place"}, "stops": {"type": "array", "items": {"$ref": "#/$defs/Place"}}},
+    "required": ["at", "stops"],
+    "$defs": {
+        "Place": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "near": {"anyOf": [{"$ref": "#/$defs/Place"}, {"type": "null"}]},
+            },
+            "required": ["city", "near"],
+        }
+    },
+}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "route"}}])
+def test_forced_calls_follow_parameters_with_local_refs(grammars, choice):
+    """A forced call whose parameters use `$defs` (issue 44): the grammar compiles, and what it lets the
+    model write validates against the parameters as given."""
+    route = {"type": "function", "function": {"name": "route", "parameters": PLACE}}
+    tools = parse_tools({"tools": [route, TIME], "tool_choice": choice, "parallel_tool_calls": False})
+    grammar = lark_grammar(call_lark(tools.forced, tools.parallel))
+    grammars.compile(grammar)
+    runs = [generate(f"go {i}", 160, grammars, grammar, Sampling(temperature=1.0, seed=i)) for i in range(4)]
+    run([r for r, _ in runs])
+    schemas = {f.name: f.parameters for f in tools.functions}
+    ended = [log for _, log in runs if log["finish"] == ("stop", None)]  # the others ran out of tokens
+    assert ended
+    for log in ended:
+        content, calls = parse_output(ByteTokenizer().decode(log["tokens"]), set(schemas))
+        assert content == "" and len(calls) == 1
+        assert errors(json.loads(calls[0].arguments), schemas[calls[0].name]) == []
+
+
 def test_the_call_parser_finds_calls_in_free_text_as_it_streams():
     text = 'Let me see.<tool_call>{"name": "weather", "arguments": {"city": "O}s\\"lo", "n": [1, {}]}}</tool_call> '
     text += '<tool_call>bad</tool_call><tool_call>{"name":"nope","arguments":{}}</tool_call><tool_call>{"name":"time",'

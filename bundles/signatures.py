@@ -13,7 +13,10 @@ What each kind of file says about itself:
   int, or an expression for a dynamic size: any size matches it) and dtype;
 - an AOTInductor package (`aoti`): the generated wrapper's C++ source in the package gives the
   input and output counts (`AOTInductorModelBase(inputs, outputs, ...)`) and, per input, the
-  dtype and the static sizes its input check enforces (`check_input_<i>`); no output shapes.
+  dtype and the static sizes its input check enforces (`check_input_<i>`); per output, the shape and
+  dtype of the buffer the wrapper allocates for it (`output_handles[i] = bufN.release()`, followed
+  through the wrapper's buffer reuses to its `aoti_torch_empty_strided`, or a view of one), and
+  nothing where the output is another kind of value (an input passed through).
 
 NEFFs (trn2) are checked by their header (bundles/neff.py `check_loadable`), which records no
 tensor signature.
@@ -129,6 +132,18 @@ _DTYPE = re.compile(r"_expected_dtype = aoti_torch_dtype_(\w+)\(\)")
 _SIZE = re.compile(r"if \((\d+) != \w+_size\[(\d+)\]\)")
 
 
+_OUTPUT = re.compile(r"output_handles\[(\d+)\] = (\w+)\.release\(\);")
+_ARRAY = re.compile(r"static constexpr int64_t (int_array_\d+)\[\] = \{([^}]*)\};")
+_ALLOC = re.compile(
+    r"aoti_torch_empty_strided\(\d+, (int_array_\d+), int_array_\d+, cached_torch_dtype_(\w+), [^;]*?&(\w+)_handle\)"
+)
+_MOVE = re.compile(r"auto (\w+) = std::move\((\w+)\);")
+_ASSERTED = re.compile(r"assert_size_stride\((\w+), \{([^}]*)\}")  # an extern op's result: its sizes
+_VIEW = re.compile(
+    r"auto (\w+) = wrap_with_raii_handle_if_needed\(reinterpret_tensor_wrapper\((\w+), \d+, (int_array_\d+), "
+)
+
+
 def _aoti(z: zipfile.ZipFile, where: str) -> Signature:
     source = _member(z, ".wrapper.cpp", where).decode("utf-8", "replace")
     counts = _COUNTS.search(source)
@@ -143,7 +158,46 @@ def _aoti(z: zipfile.ZipFile, where: str) -> Signature:
         sizes = {int(d): int(v) for v, d in _SIZE.findall(body)}
         shape = tuple(sizes.get(d) for d in range(max(sizes) + 1)) if sizes else None
         inputs[i] = IO(shape, dtype.group(1) if dtype else None, rank=False)
-    return Signature(tuple(inputs), (IO(None, None),) * int(counts.group(2)))
+    return Signature(tuple(inputs), _aoti_outputs(source, int(counts.group(2))))
+
+
+def _aoti_outputs(source: str, count: int) -> tuple[IO, ...]:
+    """Each output's shape and dtype from the buffer the wrapper returns for it (IO(None, None) where the
+    wrapper returns something it did not allocate here, or a name it reuses ambiguously)."""
+    arrays: dict[str, tuple[int, ...] | None] = {}
+    for name, body in _ARRAY.findall(source):
+        arrays[name] = None if name in arrays else _sizes(body)  # a name defined twice: no shape from it
+    allocated: dict[str, tuple[str, str | None]] = {}  # buffer -> (its sizes' array, dtype)
+    for array, dtype, buf in _ALLOC.findall(source):
+        allocated[buf] = (array, dtype)
+    for buf, base, array in _VIEW.findall(source):
+        allocated[buf] = (array, allocated.get(base, ("", None))[1])
+    asserted = {buf: _sizes(body) for buf, body in _ASSERTED.findall(source) if buf.startswith("buf")}
+    moved = dict(_MOVE.findall(source))  # new name -> the buffer it reuses
+    outputs = [IO(None, None)] * count
+    for i, returned in _OUTPUT.findall(source):
+        buf = returned
+        for _ in range(len(moved) + 1):  # follow the reuses back to an allocation
+            if buf in allocated or buf not in moved:
+                break
+            buf = moved[buf]
+        if int(i) >= count:
+            continue
+        if buf in allocated:
+            array, dtype = allocated[buf]
+            shape = arrays.get(array)
+            outputs[int(i)] = IO(shape, dtype if shape is not None else None)
+        elif asserted.get(buf) is not None:  # made by an extern op (a sort): its sizes, not its dtype
+            outputs[int(i)] = IO(asserted[buf], None)
+    return tuple(outputs)
+
+
+def _sizes(body: str) -> tuple[int, ...] | None:
+    """`1L, 8L, 6L` -> (1, 8, 6); None where a size is symbolic."""
+    try:
+        return tuple(int(v.strip().rstrip("L")) for v in body.split(",") if v.strip())
+    except ValueError:
+        return None
 
 
 def check_signature(entry: Executable, sig: Signature, where: str) -> None:

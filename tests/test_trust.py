@@ -213,7 +213,7 @@ def test_a_swapped_executable_is_refused_before_any_program_loads(exported_bundl
 @pytest.mark.parametrize("which", ["exported_bundle", "aoti_bundle"])
 def test_manifests_record_every_executables_signature(which, request):
     """Each entry records its outputs' signature; each file states the entry's, and a file is refused in
-    one line for an entry whose input shape differs from it."""
+    one line for an entry whose input or output shape differs from it."""
     from deepinfer.bundles.signatures import check_signature, read_signature
 
     bundle = request.getfixturevalue(which)
@@ -234,3 +234,13 @@ def test_manifests_record_every_executables_signature(which, request):
             check_signature(other, sig, e.artifact)
         assert str(err.value).startswith(f"{e.artifact}: input 'h' shape [{e.inputs[h].shape[0]}, ")
         assert f"vs manifest {list(bigger)}" in str(err.value) and "\n" not in str(err.value)
+        # every output's shape is stated (an AOTInductor package's from its wrapper source, issue 44),
+        # and an entry whose output shape differs is refused
+        assert all(o.shape is not None and None not in o.shape for o in sig.outputs), (e.artifact, sig.outputs)
+        first = len(e.state_outputs or ())
+        specs = e.output_specs or ()
+        out = specs[first]
+        wrong = dataclasses.replace(out, shape=(out.shape[0] + 1, *out.shape[1:]))
+        other = dataclasses.replace(e, output_specs=specs[:first] + (wrong,) + specs[first + 1 :])
+        with pytest.raises(mf.BundleError, match=f"output '{out.name}' shape .* vs manifest"):
+            check_signature(other, sig, e.artifact)

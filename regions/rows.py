@@ -28,8 +28,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from deepinfer.bundles.manifest import blocks_per_rank
 from deepinfer.regions import compress, divided
+from deepinfer.regions.attention import ReuseAttention, SourceAttention
 from deepinfer.regions.paging import gather_pages
+from deepinfer.regions.state import Geometry, InputSpec
+
+ROWS_PREFIX = "rows_"  # a twin kind's name: this prefix and its attention kind's
+ROWS_IN, ROWS_WRITE, ROWS_ATTEND = "rows_in", "rows_write", "rows_attend"
 
 
 def rows_of(T: int, d: int, j: int) -> slice:
@@ -104,8 +110,7 @@ def rows_attend(region, h, x, mix, positions: Tensor, rows: slice, slots, kv: Te
     if context is not None:
         ckv_all, ik_all = context
         if region.selects:
-            source = region.kind.startswith("attn_source")
-            make = source and region.candidate_source
+            make = isinstance(region, SourceAttention) and region.candidate_source
             cand = carry.get("cand") if getattr(region, "uses_candidates", False) else None
             carry["topk"], made = region._select(x, q_lat, angles, own, ik_all, cand, make)
             if make:
@@ -116,4 +121,148 @@ def rows_attend(region, h, x, mix, positions: Tensor, rows: slice, slots, kv: Te
 
 
 def _compresses(region) -> bool:
-    return region.kind.startswith("attn_source")
+    return isinstance(region, SourceAttention)
+
+
+class RowsStages:
+    """The compiled form of the stages above: mixed into an attention kind holding its whole weights
+    (`rows_twin`), one method a stage. `group` is the token group's ranks d; a step's T rows are the
+    chunk's, and a rank's own rows T / d, the rank's place in its group (`rank` mod d) choosing them.
+    The paged pools are the rank's share (regions/divided.py); the gathered pages arrive as every
+    rank's [d, B, MBl * P, *] and are joined in the graph."""
+
+    group: int = 1
+
+    def methods(self) -> tuple[str, ...]:
+        return (ROWS_IN, ROWS_WRITE, ROWS_ATTEND) if _compresses(self) else (ROWS_IN, ROWS_ATTEND)
+
+    def _packed_width(self) -> int:
+        if not _compresses(self):
+            return self.hd
+        return self.hd * (2 if self.ratio == 1 else 3)
+
+    def _own_rows(self, n: int, device) -> Tensor:
+        """This rank's n rows of the chunk, as indices."""
+        return torch.remainder(self.rank, self.group) * n + torch.arange(n, device=device)
+
+    def _rows_streams(self, B: int, n: int) -> list[InputSpec]:
+        c, f32 = self.c, torch.float32
+        return [
+            InputSpec("h", (B, n, c.hc_mult, c.hidden_size), self.dtype, "activation"),
+            InputSpec("pre", (B, n, c.hc_mult), f32, "activation"),
+        ]
+
+    def _step(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        i64 = torch.int64
+        return [
+            InputSpec("positions", (B, T), i64, "step"),
+            InputSpec("slots", (B,), i64, "step"),
+            InputSpec("block_table", (B, g.max_blocks), i64, "step"),
+        ]
+
+    def _packed(self, B: int, T: int) -> InputSpec:
+        return InputSpec("packed", (B, T, self._packed_width()), torch.float32, "activation")
+
+    def rows_in_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        n = T // self.group
+        return [*self._rows_streams(B, n), InputSpec("positions", (B, n), torch.int64, "step")]
+
+    def rows_in_outputs(self) -> list[str]:
+        return ["x", "mix_pre", "post", "comb", "packed"]
+
+    def rows_in(self, h, pre, positions):
+        x, (mix_pre, post, comb), packed = rows_in(self, h, pre, positions)
+        return x, mix_pre, post, comb, packed
+
+    def rows_write_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        per_block = g.block_size // self.ratio
+        blocks = blocks_per_rank(g.blocks, self.group)
+        specs = [
+            self._packed(B, T),
+            *self._step(B, T, g),
+            InputSpec("ckv", (blocks, per_block, self.hd), self.dtype, "state"),
+            InputSpec("ikeys", (blocks, per_block, self.c.index_head_dim), self.dtype, "state"),
+        ]
+        if self.ratio > 1:
+            ring = (g.slots, self.ratio + g.slack, self.hd)
+            specs += [
+                InputSpec("part_kv", ring, torch.float32, "state"),
+                InputSpec("part_gate", ring, torch.float32, "state"),
+            ]
+        return specs
+
+    def rows_write_outputs(self) -> list[str]:
+        return ["ckv_pages", "ikeys_pages"]
+
+    def rows_write(self, packed, positions, slots, block_table, ckv, ikeys, part_kv=None, part_gate=None):
+        _, proj = unpack(self, packed, self.dtype)
+        c = torch.remainder(self.rank, self.group)
+        return rows_write(self, proj, positions, slots, block_table, ckv, ikeys, part_kv, part_gate, self.group, c)
+
+    def rows_attend_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        c, f32, n = self.c, torch.float32, T // self.group
+        specs = [
+            self._rows_streams(B, n)[0],
+            InputSpec("x", (B, n, c.hidden_size), self.dtype, "activation"),
+            InputSpec("mix_pre", (B, n, c.hc_mult), f32, "activation"),
+            InputSpec("post", (B, n, c.hc_mult), f32, "activation"),
+            InputSpec("comb", (B, n, c.hc_mult, c.hc_mult), f32, "activation"),
+            *self._step(B, T, g),
+            self._packed(B, T),
+            self._win_spec(g),
+        ]
+        if not self.ratio:
+            return specs
+        local = -(-g.max_blocks // self.group) * (g.block_size // self.ratio)
+        specs.append(InputSpec("ckv_pages", (self.group, B, local, self.hd), self.dtype, "activation"))
+        if self.selects:
+            specs.append(InputSpec("ikeys_pages", (self.group, B, local, c.index_head_dim), self.dtype, "activation"))
+        if getattr(self, "uses_candidates", False):
+            specs.append(InputSpec("cand", (B, n, g.compressed_width(self.ratio)), torch.bool, "carry"))
+        if isinstance(self, ReuseAttention):
+            specs.append(InputSpec("topk", (B, n, self.topk_width(g)), torch.int64, "carry"))
+        return specs
+
+    def rows_attend_outputs(self) -> list[str]:
+        out = ["h", "pre"]
+        if self.selects:
+            out.append("topk")
+        if isinstance(self, SourceAttention) and self.candidate_source:
+            out.append("cand")
+        return out
+
+    def rows_attend(self, h, x, mix_pre, post, comb, positions, slots, block_table, packed, win, *pages):
+        rows = self._own_rows(h.shape[1], h.device)
+        kv, _ = unpack(self, packed, self.dtype)
+        context, carry = None, {}
+        if self.ratio:
+            width = block_table.shape[1]
+            per_block = pages[0].shape[2] // -(-width // self.group)
+            ckv_all = join_pages(pages[0], width, per_block)
+            ik_all = join_pages(pages[1], width, per_block) if self.selects else None
+            context = (ckv_all, ik_all)
+            extra = pages[2:] if self.selects else pages[1:]
+            if getattr(self, "uses_candidates", False):
+                carry["cand"] = extra[0]
+            elif isinstance(self, ReuseAttention):
+                carry["topk"] = extra[0]
+        h, pre = rows_attend(self, h, x, (mix_pre, post, comb), positions, rows, slots, kv, win, context, carry)
+        return (h, pre) + tuple(carry[k] for k in self.rows_attend_outputs()[2:])
+
+
+_TWINS: dict[type, type] = {}
+
+
+def rows_twin(region, group: int):
+    """`region` (an attention kind holding its whole weights: meta buffers in a plan) as the divided-rows
+    twin of a token group of `group` ranks: kind `rows_<its kind>`, the `RowsStages` methods."""
+    base = type(region)
+    cls = _TWINS.get(base)
+    if cls is None:
+        cls = _TWINS[base] = type("Rows" + base.__name__, (RowsStages, base), {})
+    twin = object.__new__(cls)
+    twin.__dict__.update(region.__dict__)
+    twin._buffers = dict(region._buffers)
+    twin.kind = ROWS_PREFIX + region.kind
+    twin.group = group
+    return twin

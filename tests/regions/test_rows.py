@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from deepinfer.regions import rows as divided_rows
+from deepinfer.regions.state import Geometry
 from deepinfer.regions.stepper import Allocator
 
 BLOCK_SIZE, MAX_BLOCKS, SLOTS = 16, 8, 3
@@ -104,7 +105,52 @@ def rows_layer(region, p, ranks, contexts, h, pre, positions, slots, table, carr
     return torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 1)
 
 
-def run(model, d: int) -> int:
+def twin_layer(region, p, ranks, contexts, h, pre, positions, slots, table, carries):
+    """As `rows_layer`, through the compiled form's methods (`rows_twin`, each rank's with its rank),
+    every input checked against the method's input specs."""
+    d, (B, T) = len(ranks), positions.shape
+    geometry = Geometry(slots=SLOTS, blocks=2 * MAX_BLOCKS + 1, block_size=BLOCK_SIZE, max_blocks=MAX_BLOCKS)
+    twins = []
+    for j in range(d):
+        twin = divided_rows.rows_twin(region, d)
+        twin._buffers["rank"] = torch.tensor(j)
+        twins.append(twin)
+
+    def call(twin, method, *args):
+        specs = twin.method_inputs(method, B, T, geometry)
+        assert [(tuple(a.shape), a.dtype) for a in args] == [(s.shape, s.dtype) for s in specs], method
+        out = getattr(twin, method)(*args)
+        assert len(out) == len(twin.method_outputs(method)), method
+        return out
+
+    n = T // d
+    own = [slice(j * n, (j + 1) * n) for j in range(d)]
+    firsts = [call(t, "rows_in", h[:, r], pre[:, r], positions[:, r]) for t, r in zip(twins, own)]
+    packed = torch.cat([f[4] for f in firsts], 1)
+    if p.attn == "source":
+        pages = []
+        for t, st in zip(twins, ranks):
+            lay = st[p.layer]
+            parts = (lay["part_kv"], lay["part_gate"]) if p.ratio > 1 else ()
+            pages.append(call(t, "rows_write", packed, positions, slots, table, lay["ckv"], lay["ikeys"], *parts))
+        contexts[p.layer] = tuple(torch.stack(x) for x in zip(*pages))  # the all-gather
+    outs = []
+    for t, r, f, st, carry in zip(twins, own, firsts, ranks, carries):
+        extra: tuple = ()
+        if p.attn != "window":
+            ckv, ikeys = contexts[p.kv_source]
+            extra = (ckv, ikeys) if t.selects else (ckv,)
+            if p.attn == "reindex" and p.uses_candidates:
+                extra += (carry["cand"],)
+            elif p.attn == "reuse":
+                extra += (carry["topk"],)
+        out = call(t, "rows_attend", h[:, r], *f[:4], positions, slots, table, packed, st[p.layer]["win"], *extra)
+        carry.update(zip(t.rows_attend_outputs()[2:], out[2:]))
+        outs.append(out)
+    return torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 1)
+
+
+def run(model, d: int, layer_fn=None) -> int:
     """The prompts through every attention layer, whole and divided by rows over d ranks -> the entries
     selected (checked equal on the way)."""
     per_rank = (MAX_BLOCKS * 2) // d + 1
@@ -130,7 +176,7 @@ def run(model, d: int) -> int:
             h = torch.randn(2, CHUNK, c.hc_mult, c.hidden_size, generator=gen)
             pre = torch.softmax(torch.randn(2, CHUNK, c.hc_mult, generator=gen), -1)
             want = whole_layer(region, p, whole[p.layer], h, pre, positions, slots, t1, carry)
-            got = rows_layer(region, p, ranks, contexts, h, pre, positions, slots, tn, carries)
+            got = (layer_fn or rows_layer)(region, p, ranks, contexts, h, pre, positions, slots, tn, carries)
             for w, g in zip(want, got):
                 err = (w - g)[valid].abs().max() / w[valid].abs().max()
                 assert err <= 1e-5, (p.layer, int(positions[0, 0]), float(err))
@@ -170,6 +216,13 @@ def _check_state(model, whole, ranks, a1, an) -> None:
 def test_each_rank_computes_its_rows_as_one_rank_does(ref_fp32, d):
     with torch.inference_mode():
         assert run(ref_fp32, d) > 0
+
+
+def test_the_compiled_form_computes_the_same(ref_fp32):
+    """The stages as the twin kinds' methods (what a bundle compiles): their inputs as their specs say,
+    each rank's rows chosen by its rank, the pages joined in the graph; the same checks at d = 4."""
+    with torch.inference_mode():
+        assert run(ref_fp32, 4, twin_layer) > 0
 
 
 def test_join_pages_puts_each_ranks_blocks_in_sequence_order():

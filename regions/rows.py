@@ -30,7 +30,7 @@ from torch import Tensor
 
 from deepinfer.bundles.manifest import blocks_per_rank
 from deepinfer.regions import compress, divided
-from deepinfer.regions.attention import ReuseAttention, SourceAttention
+from deepinfer.regions.attention import ReuseAttention, SourceAttention, _Attention
 from deepinfer.regions.paging import gather_pages
 from deepinfer.regions.state import Geometry, InputSpec
 
@@ -124,7 +124,7 @@ def _compresses(region) -> bool:
     return isinstance(region, SourceAttention)
 
 
-class RowsStages:
+class RowsStages(_Attention):
     """The compiled form of the stages above: mixed into an attention kind holding its whole weights
     (`rows_twin`), one method a stage. `group` is the token group's ranks d; a step's T rows are the
     chunk's, and a rank's own rows T / d, the rank's place in its group (`rank` mod d) choosing them.
@@ -250,7 +250,7 @@ class RowsStages:
         return (h, pre) + tuple(carry[k] for k in self.rows_attend_outputs()[2:])
 
 
-_TWINS: dict[type, type] = {}
+_TWINS: dict[type, type[RowsStages]] = {}
 
 
 def rows_twin(region, group: int):
@@ -260,7 +260,7 @@ def rows_twin(region, group: int):
     cls = _TWINS.get(base)
     if cls is None:
         cls = _TWINS[base] = type("Rows" + base.__name__, (RowsStages, base), {})
-    twin = object.__new__(cls)
+    twin: RowsStages = object.__new__(cls)
     twin.__dict__.update(region.__dict__)
     twin._buffers = dict(region._buffers)
     twin.kind = ROWS_PREFIX + region.kind

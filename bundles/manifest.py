@@ -34,6 +34,8 @@ SUPPORTED_VERSIONS = (3,)
 # through (the one other method a bundle holds); compiler, runtime and regions spell them only here
 DECODE = "decode"
 PROJECT = "project"
+ROWS_PREFIX = "rows_"  # an attention kind's twin for prompt chunks divided by rows (regions/rows.py)
+ROWS_SLOT = "rows"  # the slot a layer's twin is bound at
 ROLES = ("rank", "weight", "activation", "step", "state", "carry")
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "int64", "int32", "uint8", "int8", "bool")
 ModelDtype = Literal["fp32", "bf16"]  # the dtype a bundle computes in

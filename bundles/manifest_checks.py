@@ -17,6 +17,7 @@ from deepinfer.bundles.manifest import (
     KV,
     PROJECT,
     ROLES,
+    ROWS_PREFIX,
     Binding,
     Buckets,
     Executable,
@@ -187,21 +188,28 @@ def _check_coverage(m: Manifest) -> None:
     """Each method a step runs of a kind (decode, or the divided attention's stages; the head's project is
     the draft's): one executable per bucket (batch sizes may be gathered rows), per context bucket if read."""
     b, drafts = m.buckets, m.draft_kinds
+    every = [(s.batch, s.tokens) for s in b.shapes]
+    prompts = [(n, t) for n, t in every if t > 1]
+    rows = m.topology.topology.group_size if any(e.kind.startswith(ROWS_PREFIX) for e in m.regions) else 1
     for kind, method in sorted({(e.kind, e.method) for e in m.regions if e.kind not in drafts} - {DRAFT_PROJECT}):
         mine = [e for e in m.regions if (e.kind, e.method) == (kind, method)]
         contexts = [None] if mine[0].bucket.context is None else b.context_sizes
         what = f"kind {kind!r}" + ("" if method == DECODE else f" ({method})")
+        # a rows twin at the prompt buckets only; with one, the MoE also at each prompt bucket's gathered rows
+        shapes = prompts if kind.startswith(ROWS_PREFIX) else list(every)
+        if rows > 1 and kind == "moe":
+            shapes += [s for n, t in prompts if (s := (n * rows, t // rows)) not in every]
         for c in contexts:
             at = [e for e in mine if e.bucket.context == c]
             _need(
-                len(at) == len(b.shapes) and {e.bucket.tokens for e in at} == set(b.token_sizes),
+                len(at) == len(shapes) and {e.bucket.tokens for e in at} == {t for _, t in shapes},
                 ("regions",),
                 f"{what} has executables for {sorted((e.bucket.batch, e.bucket.tokens) for e in at)}"
                 + ("" if c is None else f" at context {c}")
-                + f", not one for each of the {len(b.shapes)} buckets",
+                + f", not one for each of the {len(shapes)} buckets",
             )
         _need(
-            len(mine) == len(b.shapes) * len(contexts),
+            len(mine) == len(shapes) * len(contexts),
             ("regions",),
             f"{what} has executables both with and without a context bucket",
         )

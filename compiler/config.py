@@ -10,6 +10,8 @@
     [cache]     dir, url (s3://bucket/prefix: the remote tier), endpoint (an S3-compatible server)
     [memory]    limit_gib, reserve_gib (device memory per rank: compiler/budget.py)
     [speculative] draft (compile the checkpoint's speculative draft into the bundle)
+    [prompt]    rows ("replicated": every rank of a token group computes every row of a prompt chunk;
+                "divided": each its share, regions/rows.py)
 
 Unknown sections or keys, wrong types and impossible values raise ConfigError
 naming the file, the key and its line, and listing what is valid.
@@ -119,6 +121,13 @@ class SpeculativeSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PromptSection:
+    # how a token group's ranks share a prompt chunk's rows: "replicated" (each computes every row) or
+    # "divided" (each its T / (tp * cp) rows, regions/rows.py: cp > 1, tp = 1, ep = cp, no draft, cpu)
+    rows: str = "replicated"
+
+
+@dataclass(frozen=True, kw_only=True)
 class CompileConfig:
     source: Path
     model: ModelSection
@@ -131,6 +140,7 @@ class CompileConfig:
     cache: CacheSection
     memory: MemorySection
     speculative: SpeculativeSection
+    prompt: PromptSection
 
 
 SECTIONS = {
@@ -144,10 +154,12 @@ SECTIONS = {
     "cache": CacheSection,
     "memory": MemorySection,
     "speculative": SpeculativeSection,
+    "prompt": PromptSection,
 }
 DTYPES = ("fp32", "bf16")
 QUANT_RECIPES = ("target", "release", "e4m3")  # "target" or a name of compiler/weights.RECIPES
 DRAFTS = ("dspark",)
+PROMPT_ROWS = ("replicated", "divided")
 
 
 class _Where:
@@ -277,6 +289,37 @@ def _check_parallel(cfg: CompileConfig, need: Need) -> None:
     draft = cfg.speculative.draft
     need(
         draft is None or draft in DRAFTS, "speculative", "draft", f"unknown draft {draft!r}; valid: {', '.join(DRAFTS)}"
+    )
+    _check_prompt_rows(cfg, need)
+
+
+def _check_prompt_rows(cfg: CompileConfig, need: Need) -> None:
+    """[prompt] rows: divided where this build can divide them (regions/rows.py), and each prompt
+    bucket a whole number of rows a rank."""
+    rows, p = cfg.prompt.rows, cfg.parallel
+    need(rows in PROMPT_ROWS, "prompt", "rows", f"expected one of {', '.join(PROMPT_ROWS)}, got {rows!r}")
+    if rows != "divided":
+        return
+    need(
+        p.cp > 1 and p.tp == 1 and p.ep == p.cp,
+        "prompt",
+        "rows",
+        f"divided rows need [parallel] cp > 1, tp = 1 and ep = cp (the MoE dispatches each rank's rows over "
+        f"the token group); got tp = {p.tp}, ep = {p.ep}, cp = {p.cp}",
+    )
+    need(cfg.speculative.draft is None, "prompt", "rows", "divided rows are not built with a draft yet")
+    need(
+        cfg.target.name == "cpu",
+        "prompt",
+        "rows",
+        f"divided rows are built for target cpu only, not {cfg.target.name!r}",
+    )
+    bad = [t for t in cfg.buckets.tokens if t > 1 and t % p.cp]
+    need(
+        not bad,
+        "prompt",
+        "rows",
+        f"divided rows need each prompt bucket of [buckets] tokens to be a multiple of cp = {p.cp}; {bad} are not",
     )
 
 

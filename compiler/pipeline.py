@@ -141,6 +141,7 @@ def plan(spec: Spec, log: Log) -> RegionPlan:
         spec.recipe.fp8_format,
         device_embedding=spec.device_embedding,
         draft=spec.draft,
+        divided_rows=spec.divided_rows,
     )
     kinds = ", ".join(f"{k} x{len(kp.layers)}" for k, kp in p.kinds.items())
     log(f"{len(p.layers)} layers -> {len(p.kinds)} region kinds ({kinds})")

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from deepinfer.bundles.layout import executable_name
-from deepinfer.bundles.manifest import DECODE, PROJECT
+from deepinfer.bundles.manifest import DECODE, PROJECT, ROWS_SLOT
 from deepinfer.bundles.topology import Topology
 from deepinfer.regions.base import Region
 from deepinfer.regions.config import TextConfig
@@ -146,11 +146,15 @@ class RegionPlan:
         """The kinds the draft's stages run, in stage order (none without a draft)."""
         return list(dict.fromkeys(kind for stage in self.draft for kind, _ in stage.values()))
 
-    def executables(self, shapes: list[tuple[int, int]], contexts: tuple[int, ...], gathered: int = 1) -> list[Exe]:
+    def executables(
+        self, shapes: list[tuple[int, int]], contexts: tuple[int, ...], gathered: int = 1, rows: int = 1
+    ) -> list[Exe]:
         """The executables to build, in plan order: context is one of `contexts` for the
         kinds that read it, None for the others. With EP dispatch over `gathered` token groups
-        the MoE runs on the gathered rows: its batch buckets are `gathered` times larger. The
-        draft's kinds come last, one executable per batch bucket."""
+        the MoE runs on the gathered rows: its batch buckets are `gathered` times larger. With a
+        prompt's rows divided over `rows` ranks (the `rows` twins: at the prompt buckets only), the
+        MoE also runs each prompt bucket's rows gathered from them: `rows` times the batch at 1 / `rows`
+        of the tokens. The draft's kinds come last, one executable per batch bucket."""
         drafts = self.draft_kinds
         out = [
             Exe(k, method, b * (gathered if k == "moe" else 1), t, c)
@@ -158,8 +162,14 @@ class RegionPlan:
             if k not in drafts
             for method in kp.region.methods()
             for b, t in shapes
+            if kp.slot != ROWS_SLOT or t > 1
             for c in (contexts if kp.reads_context(method) else (None,))
         ]
+        if rows > 1:
+            have = set(out)
+            out += [
+                e for b, t in shapes if t > 1 for e in [Exe("moe", METHOD, b * rows, t // rows, None)] if e not in have
+            ]
         if not self.draft:
             return out
         batches = sorted({b for b, _ in shapes})
@@ -186,18 +196,23 @@ def plan_regions(
     *,
     device_embedding: bool = False,
     draft: bool = False,
+    divided_rows: bool = False,
 ) -> RegionPlan:
     """Regions shaped for one rank of `topo` (one executable set serves every rank), decoding
     fp8 weights stored in `fp8_format` (the weight recipe's). With `device_embedding` the token
     embedding is a region kind of its own (`embed`, first), its table a weight stack held whole
     by every rank; without, the runtime looks the rows up on the host. With `draft`, the DSpark
-    stages too, shaped for one rank of `topo` as the target's layers are.
+    stages too, shaped for one rank of `topo` as the target's layers are. With `divided_rows`, each
+    attention kind's twin too (`regions.rows.rows_twin`, slot `rows`: its whole weights, the prompt
+    chunk's stages divided by rows over the token group).
 
     Their weight buffers are on the meta device: shapes and dtypes, no memory (a release
     plan would otherwise allocate a real region of every kind). Whoever runs a region binds
     real tensors to it first (`deepinfer diff`, the trn2 check)."""
     with torch.device("meta"):
         p = _plan_regions(c, dtype, cache_quant, topo, device_embedding)
+        if divided_rows:
+            _plan_rows(p, c, dtype, cache_quant, topo)
         if draft:
             _plan_draft(p, c, dtype, cache_quant, topo)
     for kp in p.kinds.values():
@@ -226,6 +241,18 @@ def _plan_regions(
     full_head = make_head(c, dtype).specs if topo.world > 1 else head.specs
     kinds[head.kind] = KindPlan(head.kind, head, layers=[-1], slot="head", full_specs=full_head)
     return RegionPlan(layers, kinds, bindings)
+
+
+def _plan_rows(p: RegionPlan, c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology) -> None:
+    """Each layer's attention twin for prompt chunks divided by rows (slot `rows`)."""
+    from deepinfer.regions.rows import rows_twin
+
+    for lp in p.layers:
+        whole = make_layer_regions(c, lp, dtype, cache_quant)["attn"]
+        twin = rows_twin(whole, topo.group_size)
+        kp = p.kinds.setdefault(twin.kind, KindPlan(twin.kind, twin, slot=ROWS_SLOT, full_specs=whole.specs))
+        p.bindings[lp.layer][ROWS_SLOT] = (twin.kind, len(kp.layers))
+        kp.layers.append(lp.layer)
 
 
 def _plan_draft(p: RegionPlan, c: TextConfig, dtype: torch.dtype, cache_quant: bool, topo: Topology) -> None:

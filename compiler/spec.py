@@ -63,6 +63,11 @@ class Spec:
         return self.target.device_embedding if host is None else not host
 
     @property
+    def divided_rows(self) -> bool:
+        """Whether a prompt chunk's rows are divided over the token group ([prompt] rows = "divided")."""
+        return self.config.prompt.rows == "divided"
+
+    @property
     def fused(self) -> bool:
         """One executable per layer (the target fuses layers, compiler/layers.py), not per region call.
         Not with a draft: the draft reads a layer's attention inputs between its regions."""
@@ -81,7 +86,8 @@ class Spec:
         EP dispatch): the per-region form, and the pieces a fused layer is made of."""
         gathered = self.topology.groups if self.topology.dispatch else 1
         b = self.config.buckets
-        return plan.executables(b.shapes(), b.contexts, gathered)
+        rows = self.topology.group_size if self.divided_rows else 1
+        return plan.executables(b.shapes(), b.contexts, gathered, rows)
 
     def geometry_at(self, context: int | None) -> Geometry:
         """The geometry an executable of context bucket `context` is traced with (None: the full one)."""

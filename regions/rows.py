@@ -28,13 +28,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deepinfer.bundles.manifest import blocks_per_rank
+from deepinfer.bundles.manifest import ROWS_PREFIX, blocks_per_rank
 from deepinfer.regions import compress, divided
 from deepinfer.regions.attention import ReuseAttention, SourceAttention, _Attention
 from deepinfer.regions.paging import gather_pages
 from deepinfer.regions.state import Geometry, InputSpec
 
-ROWS_PREFIX = "rows_"  # a twin kind's name: this prefix and its attention kind's
 ROWS_IN, ROWS_WRITE, ROWS_ATTEND = "rows_in", "rows_write", "rows_attend"
 
 

@@ -145,6 +145,77 @@ def run_layers(
     return logits
 
 
+class Rows(Protocol):
+    """How a token group's ranks exchange a prompt chunk divided by rows (regions/rows.py; the runtime's
+    collectives over the group, `runtime.ranks.Comm`)."""
+
+    def rows(self, t: Tensor) -> Tensor:
+        """This rank's rows [B, n, ...] -> the chunk's [B, n * d, ...], the ranks' rows in order."""
+        ...
+
+    def pages(self, *parts: Tensor) -> list[Tensor]:
+        """Each of this rank's pages [B, L, C] -> every rank's [d, B, L, C]."""
+        ...
+
+    def dispatch(self, h: Tensor, pre: Tensor, is_image: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's rows -> every rank's, stacked along the batch (the MoE's experts are divided)."""
+        ...
+
+    def combine(self, h: Tensor, pre: Tensor) -> tuple[Tensor, Tensor]:
+        """The MoE's partial streams over every rank's rows -> this rank's rows, summed over the ranks
+        (float32), and their pre."""
+        ...
+
+
+def run_rows(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | None, rows: Rows, own: slice) -> Tensor:
+    """A prompt step whose chunk's rows are divided over a token group (regions/rows.py): h, pre are this
+    rank's rows `own` of the chunk; each layer's attention runs as its `rows` twin's stages with the
+    gathers between them, the MoE on every rank's rows dispatched to its experts and combined back;
+    an engram layer and the head see the chunk's every row (gathered) -> logits [B, T, rows], as
+    `run_layers`'."""
+    T = batch.positions.shape[1]
+    step = (batch.positions, batch.slots, batch.block_table)
+    token_mask = (batch.positions >= 0) & ~batch.is_image
+    contexts: dict[int, list[Tensor]] = {}
+    carry: dict[str, Tensor] = {}
+    engram_index = 0
+    for p in plans:
+        st = states[p.layer]
+        if p.engram_rows:
+            whole = run_engram(p.layer, invoke, rows.rows(h), engram, batch, engram_index, token_mask, True)
+            h = whole[:, own]
+            engram_index += 1
+        x, mix_pre, post, comb, packed = invoke(
+            p.layer, "rows", h, pre, batch.positions[:, own], method="rows_in", chunk=T
+        )
+        packed = rows.rows(packed)
+        if p.attn == "source":
+            parts = (st["part_kv"], st["part_gate"]) if p.ratio > 1 else ()
+            pages = invoke(p.layer, "rows", packed, *step, st["ckv"], st["ikeys"], *parts, method="rows_write")
+            contexts[p.layer] = rows.pages(*pages)
+        extra: tuple = ()
+        if p.attn != "window":
+            ckv, ikeys = contexts[p.kv_source]
+            extra = (ckv, ikeys) if p.attn in ("source", "reindex") else (ckv,)
+            if p.uses_candidates:
+                extra += (carry["cand"],)
+            elif p.attn == "reuse":
+                extra += (carry["topk"],)
+        out = invoke(
+            p.layer, "rows", h, x, mix_pre, post, comb, *step, packed, st["win"], *extra, method="rows_attend", chunk=T
+        )
+        h, pre = out[0], out[1]
+        if p.attn in ("source", "reindex"):
+            carry["topk"] = out[2]
+        if p.candidate_source:
+            carry["cand"] = out[3]
+        hs, ps, images = rows.dispatch(h, pre, batch.is_image[:, own])
+        summed, pre = rows.combine(*invoke(p.layer, "moe", hs, ps, images, whole=False))
+        h = summed.to(h.dtype)
+    (logits,) = invoke(-1, "head", rows.rows(h), rows.rows(pre))
+    return logits
+
+
 def run_engram(
     layer: int, invoke, h, engram: EngramRows | None, batch: Batch, index: int, token_mask, divided: bool
 ) -> Tensor:

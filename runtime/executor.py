@@ -28,7 +28,17 @@ from deepinfer.bundles.manifest import blocks_per_rank
 from deepinfer.regions.config import V41Config
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.spans import ImageEmbeds
-from deepinfer.regions.step import DTYPES, Batch, Embedding, EngramRows, LayerPlan, Merge, run_fused, run_layers
+from deepinfer.regions.step import (
+    DTYPES,
+    Batch,
+    Embedding,
+    EngramRows,
+    LayerPlan,
+    Merge,
+    run_fused,
+    run_layers,
+    run_rows,
+)
 from deepinfer.regions.stepper import Allocator, Capture, Row, bucket_at_least, make_batch, table_width
 from deepinfer.regions.topology import ENGRAM_KV
 from deepinfer.runtime import draft
@@ -215,6 +225,13 @@ class Executor:
         for the draft (`capture`)."""
         start = time.perf_counter()
         invoke = self.invoker(batch.block_table.shape[1], stats, on_call)
+        own = self.own_rows(batch) if capture is None else None
+        if own is not None:  # a prompt chunk divided by rows over the token group (regions/rows.py)
+            assert self.comm is not None and self.host.embed is not None
+            h, pre = self.host.embed(batch.tokens[:, own], batch.is_image[:, own], _rows_of(batch.image_rows, own))
+            logits = run_rows(self.plans, invoke, self.states, h, pre, batch, self.host.engram, self.comm, own)
+            stats.record_step(batch, time.perf_counter() - start)
+            return logits
         if self.host.embed is not None:
             h, pre = self.host.embed(batch.tokens, batch.is_image, batch.image_rows)
         else:  # a text-only step's zero image rows equal the last ones: the device staging skips them
@@ -242,6 +259,16 @@ class Executor:
         stats.record_step(batch, time.perf_counter() - start)
         return logits
 
+    def own_rows(self, batch: Batch) -> slice | None:
+        """This rank's rows of a prompt step divided by rows (a bundle with the `rows` twins, a step of
+        several tokens a whole number of rows a rank, the host's embedding), else None."""
+        T, group = batch.tokens.shape[1], self.manifest.topology.topology.group_size
+        if T == 1 or T % group or (0, mf.ROWS_SLOT) not in self.bound or self.host.embed is None or self.fused:
+            return None
+        n = T // group
+        c = self.rank % group
+        return slice(c * n, (c + 1) * n)
+
     def invoker(
         self, blocks: int, stats: Stats, on_call: OnCall | None, bound: Mapping[tuple[int, str], Binding] | None = None
     ):
@@ -251,13 +278,15 @@ class Executor:
         bound = self.bound if bound is None else bound
         reduced = self.reduced_in_graph
 
-        def invoke(layer: int, slot: str, *inputs, method: str = mf.DECODE):
+        def invoke(layer: int, slot: str, *inputs, method: str = mf.DECODE, chunk: int | None = None, whole=True):
+            """`chunk`: the step's tokens bucket where the first input's rows are a rank's share of it (a
+            prompt divided by rows); `whole` false: the outputs as the executable gives them (partials)."""
             t0 = time.perf_counter()
             kind, weights = bound[(layer, slot)]
             if comm is not None and slot == "moe" and comm.topo.dispatch:
                 inputs = comm.dispatch(*inputs)  # every group's rows
             width = blocks if (kind, method) in context_methods else None
-            exe = executables[(kind, method, inputs[0].shape[0], inputs[0].shape[1], width)]
+            exe = executables[(kind, method, inputs[0].shape[0], chunk or inputs[0].shape[1], width)]
             args = weights + list(inputs)
             t1 = time.perf_counter()
             out = exe(args) if on_call is None else on_call(layer, slot, kind, inputs, lambda: exe(args))
@@ -269,7 +298,7 @@ class Executor:
             stats.overhead += t1 - t0
             # a region's streams leave `decode` (or the divided attention's last stage, `output`) as
             # partials to sum over ranks; reduced: summed in the graph
-            if comm is None or method not in BOUNDARY_METHODS or (kind, method) in reduced:
+            if comm is None or not whole or method not in BOUNDARY_METHODS or (kind, method) in reduced:
                 return out
             return comm.after(slot, out, self.dtype, kind)
 
@@ -386,3 +415,7 @@ class Steps:
         comm.step((STEP, batches, capture is not None))
         logits = x.forward(batches[comm.group], self.stats, on_call=self.on_call, capture=capture)  # [B, T, rows]
         return comm.gather_logits(logits, x.config.text.vocab_size)
+
+
+def _rows_of(t: Tensor | None, own: slice) -> Tensor | None:
+    return None if t is None else t[:, own]

@@ -149,6 +149,22 @@ class Comm:
         self.seconds[name] += time.perf_counter() - start
         return out
 
+    # -- a prompt chunk divided by rows (regions.step.Rows; tp = 1, ep = cp: the token group is the world) --
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [B, n, ...] -> the chunk's [B, cp * n, ...], one all-gather."""
+        (got,) = self._cp_gather((t,), "rows all-gather")
+        return torch.cat(got.unbind(0), 1)
+
+    def pages(self, *parts: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's pages of a kv source's context -> every rank's [cp, ...], one all-gather each."""
+        return self._cp_gather(parts, "rows context all-gather")
+
+    def combine(self, h: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MoE's float32 partial streams over every rank's rows -> this rank's (float32), reduce-scattered."""
+        B = h.shape[0] // self.world
+        return self._reduce_scatter(h), pre[self.rank * B : (self.rank + 1) * B]
+
     def dispatch(self, h: torch.Tensor, pre: torch.Tensor, is_image: torch.Tensor):
         """Every rank's (h, pre, is_image) rows, gathered with one all-gather of packed bytes."""
         start = time.perf_counter()

@@ -335,16 +335,19 @@ def rank_bundle(tmp_path_factory, tiny_ckpt):
     (buckets batch 1, tokens {1, 8}; no cache quantization, so token comparisons are exact; blocks of
     4 positions, contexts of 48 and 160, 40 usable blocks: a prompt of 33 blocks, 8 on each of 4 cp
     ranks, fits). The `SPECULATIVE_LAYOUTS` also hold the DSpark draft, at batch buckets {1, 2} with 80
-    usable blocks."""
+    usable blocks. `rows` "divided": a prompt chunk's rows divided over the token group ([prompt] rows)."""
     built: dict[tuple, Path] = {}
 
-    def get(tp: int = 1, ep: int = 1, cp: int = 1) -> Path:
+    def get(tp: int = 1, ep: int = 1, cp: int = 1, rows: str = "replicated") -> Path:
         key = (tp, ep, cp)
-        speculative = key in SPECULATIVE_LAYOUTS
-        if key not in built:
-            built[key] = _compile_tiny(
+        speculative = key in SPECULATIVE_LAYOUTS and rows == "replicated"  # divided rows: no draft yet
+        extra = '\n[speculative]\ndraft = "dspark"\n' if speculative else ""
+        if rows != "replicated":
+            extra += f'\n[prompt]\nrows = "{rows}"\n'
+        if (*key, rows) not in built:
+            built[(*key, rows)] = _compile_tiny(
                 tmp_path_factory,
-                f"ranks{tp}{ep}{cp}",
+                f"ranks{tp}{ep}{cp}{rows[0]}",
                 tiny_ckpt,
                 executable="exported",
                 batch=(1, 2) if speculative else (1,),
@@ -355,9 +358,9 @@ def rank_bundle(tmp_path_factory, tiny_ckpt):
                 block_size=4,
                 cache_quant=False,
                 parallel=key,
-                extra='\n[speculative]\ndraft = "dspark"\n' if speculative else "",
+                extra=extra,
             )
-        return built[key]
+        return built[(*key, rows)]
 
     return get
 
@@ -383,8 +386,8 @@ def started_ranks(rank_bundle):
 
     started: dict[tuple, Ranks] = {}
 
-    def get(tp: int = 1, ep: int = 1, cp: int = 1) -> Ranks:
-        key = (tp, ep, cp)
+    def get(tp: int = 1, ep: int = 1, cp: int = 1, rows: str = "replicated") -> Ranks:
+        key = (tp, ep, cp, rows)
         if key not in started:
             started[key] = start(open_bundle(rank_bundle(*key)), LoadOptions(threads=1))
         return started[key]

@@ -61,6 +61,7 @@ KEYED_OPTIONS = (
     "host.embedding",
     "--hlo-only",
     "speculative.draft",  # the draft's executables and stacks: their own keys, in the bundle's
+    "prompt.rows",
 )
 # ...and those that only change logs, dumps, locations or parallelism: never in a key.
 UNKEYED_OPTIONS = (

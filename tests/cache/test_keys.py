@@ -306,6 +306,12 @@ def test_keyed_options_change_the_key(small_toml, tmp_path, monkeypatch, option)
     if option == "--hlo-only":
         assert cache_key(load_compile_config(small_toml), hlo_only=True, **QUIET).digest != base.digest
         return
+    if option == "prompt.rows":  # divided rows need cp > 1: against the same layout replicated
+        ckpt, two = load_compile_config(small_toml).model.checkpoint, "[parallel]\nep = 2\ncp = 2\n"
+        replicated = write_toml(tmp_path / "replicated", ckpt, extra=f"\n{two}")
+        divided = write_toml(tmp_path / "divided", ckpt, extra=f'\n{two}\n[prompt]\nrows = "divided"\n')
+        assert bundle_key(divided).digest != bundle_key(replicated).digest
+        return
     if option in SECTION_EDITS:
         edited = write_toml(
             tmp_path / "section", load_compile_config(small_toml).model.checkpoint, extra=f"\n{SECTION_EDITS[option]}\n"

@@ -150,6 +150,27 @@ CASES = [
         "speculative.draft",
         ["'eagle'", "valid: dspark"],
     ),
+    (
+        "prompt_rows_unknown",
+        "cp = 1",
+        'cp = 1\n\n[prompt]\nrows = "halved"',
+        "prompt.rows",
+        ["'halved'", "replicated, divided"],
+    ),
+    (
+        "prompt_rows_one_rank",
+        "cp = 1",
+        'cp = 1\n\n[prompt]\nrows = "divided"',
+        "prompt.rows",
+        ["cp > 1, tp = 1 and ep = cp", "got tp = 1, ep = 1, cp = 1"],
+    ),
+    (
+        "prompt_rows_bucket",
+        "ep = 1\ncp = 1",
+        'ep = 3\ncp = 3\n\n[prompt]\nrows = "divided"',
+        "prompt.rows",
+        ["a multiple of cp = 3", "[4] are not"],
+    ),
 ]
 
 

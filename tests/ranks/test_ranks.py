@@ -136,6 +136,41 @@ def test_a_token_budget_at_cp_ep_4_keeps_the_one_rank_tokens(started_ranks, one_
     assert steps.prompt == sum(len(p) for p in prompts) and set(stats.by_tokens) <= {1, 8}
 
 
+def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_ranks, one_rank_long):
+    """[prompt] rows = "divided" (issue 41 item 2): each of the four ranks takes a quarter of every prompt
+    chunk's rows through every layer (the attention as its `rows` twin's stages, the MoE dispatched over
+    the ranks' rows), on the golden prompts and a prompt of 17 chunks; the tokens are the one-rank run's
+    and the logits within 1e-4. The executor's row count is exactly the plan's: the attention's stages a
+    quarter of the chunk; a kv source's pooling (`rows_write`), the engram, the MoE (every rank's rows, a
+    quarter of each expert's columns) and the head every row."""
+    m = manifest(rank_bundle(1, 4, 4, "divided"))
+    twins = {e["kind"] for e in m["regions"] if e["kind"].startswith("rows_")}
+    assert twins and all(e["bucket"]["tokens"] == 8 for e in m["regions"] if e["kind"] in twins)
+    assert {(e["bucket"]["batch"], e["bucket"]["tokens"]) for e in m["regions"] if e["kind"] == "moe"} == {
+        (1, 1),
+        (1, 8),
+        (4, 2),
+    }
+    prompts = [*GOLDEN_PROMPTS, LONG]
+    run = started_ranks(1, 4, 4, "divided").generate(
+        prompts, RunOptions(max_new_tokens=NEW, keep_logits=True, threads=1)
+    )
+    for got, one in zip(run, one_rank_long, strict=True):
+        assert got.error is None and got.tokens == one.tokens
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(one.logits), rtol=1e-4, atol=1e-4)
+    stats = run.stats
+    assert stats is not None and stats.prompt_steps >= 17
+    assert {"rows all-gather", "rows context all-gather", "ep dispatch all-gather"} <= set(run.sent[0])
+    T, n = 8, 2  # the prompt bucket, a rank's rows of it
+    layers = m["layers"]
+    sources = sum(1 for lay in layers if lay["attn"] == "source")
+    engrams = sum(1 for lay in layers if lay["engram"])
+    per_step = [n, n, T] * len(layers) + [T] * sources + [T, T] * engrams + [T]  # the head last
+    assert stats.prompt_executions == stats.prompt_steps * len(per_step)
+    assert stats.prompt_rows == stats.prompt_steps * sum(per_step)
+    assert stats.prompt_rows_over_chunk < 1.0  # 0.64 here: the attention's work divided, not yet the rest
+
+
 def _check_divided_pools(m: dict, pools: dict, cp: int) -> None:
     """Each rank allocated 1/cp of the token group's usable paged blocks and a scratch block, and every
     per-slot pool whole."""

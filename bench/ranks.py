@@ -43,7 +43,9 @@ prompts (so every step is a decode step) and the bytes counted by the
 collectives are reported per step, beside the model's prediction for B = 1;
 then with a 132-token prompt, for the rows each execution of a prompt chunk
 takes over the chunk's tokens (`prompt_rows_per_rank_over_chunk`: 1 plus the
-last chunk's padding while every rank of a token group computes every row).
+last chunk's padding while every rank of a token group computes every row; the
+layout "cp=ep=4,divided" is cp=ep=4 compiled with [prompt] rows = "divided",
+docs/ranks.md "Dividing a prompt's rows").
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ LAYOUTS = {
     "ep=4": (1, 4, 1),
     "cp=2": (1, 1, 2),
     "cp=ep=4": (1, 4, 4),
+    "cp=ep=4,divided": (1, 4, 4),  # [prompt] rows = "divided": the decode the same, prompt rows divided
     "ep=8": (1, 8, 1),
     "cp=ep=8": (1, 8, 8),
 }

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -52,12 +55,37 @@ def run_jobs(jobs: list[Job], n_workers: int, progress) -> dict[str, float]:
         return seconds
     # spawned workers inherit the environment (TMPDIR, TORCHINDUCTOR_CACHE_DIR)
     with ProcessPoolExecutor(max_workers=n_workers, mp_context=get_context("spawn")) as pool:
-        futures = {pool.submit(run_job, job): job for job in jobs}
+        with main_unseen():  # the workers start at the submits
+            futures = {pool.submit(run_job, job): job for job in jobs}
         for i, future in enumerate(as_completed(futures), 1):
             job = futures[future]
             seconds[job.name] = future.result()
             progress(i, len(jobs), job, seconds[job.name])
     return seconds
+
+
+@contextmanager
+def main_unseen() -> Iterator[None]:
+    """While worker processes start: the caller's __main__ as one they cannot import.
+
+    A spawned worker first imports the parent's main module (multiprocessing's spawn), so that
+    functions defined there unpickle. The compile's workers run deepinfer's own functions only; and
+    importing the caller's main would run a script without an `if __name__ == "__main__":` guard again
+    in every worker (a compile inside each, then "An attempt has been made to start a new process
+    before the current process has finished its bootstrapping phase"), and fails for code from standard
+    input ('<stdin>') or a notebook. So the main module's file and spec are hidden while they start."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def keep_failed_logs(error: Exception, logs: Path, out: Path) -> Exception:

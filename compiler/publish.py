@@ -66,7 +66,7 @@ def check_output(out: Path, force: bool, checkpoint: Path | None = None) -> None
     if not out.exists() and not out.is_symlink():
         return
     if not force:
-        raise ConfigError(f"{out}: exists; pass --force to replace it")
+        raise ConfigError(f"{out}: exists; replace it with --force (compile_bundle(..., force=True) from Python)")
     if out.is_symlink() or not out.is_dir():
         raise ConfigError(f"{out}: exists and is not a directory; --force replaces only a bundle or an empty directory")
     if not is_bundle(out) and any(out.iterdir()):

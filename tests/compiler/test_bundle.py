@@ -243,6 +243,8 @@ def test_existing_output_needs_force(tmp_path, tiny_ckpt, monkeypatch):
     monkeypatch.setattr(pipeline, "build", lambda *a: pytest.fail("a pass ran"))  # nothing may run
     cfg, out = write_toml(tmp_path, tiny_ckpt), tmp_path / "bundle"
     out.mkdir()
-    with pytest.raises(ConfigError, match="exists; pass --force"):
+    with pytest.raises(
+        ConfigError, match=r"exists; replace it with --force \(compile_bundle\(\.\.\., force=True\) from Python\)"
+    ):
         pipeline.compile_bundle(cfg, out, log=lambda msg: None)
     assert list(out.iterdir()) == [] and staging_dirs(tmp_path) == []

@@ -46,26 +46,32 @@ class Layers:
     and their state, at one rank of `cp` or whole."""
 
     def __init__(self, model, cp: int, rank: int, blocks: int):
-        c = model.config.text
         self.regions = {p.layer: model.layers[p.layer]["attn"] for p in model.plans if p.ratio}
         if cp > 1:
             plans = {p.layer: p for p in model.plans}
             self.regions = {layer: at_rank(r, plans[layer], cp, rank) for layer, r in self.regions.items()}
-        self.state: dict[int, dict[str, torch.Tensor]] = {}
-        for p in model.plans:
-            if not p.ratio:
-                continue
-            st = {"win": torch.zeros(SLOTS, c.sliding_window, c.head_dim)}
-            if p.attn == "source":
-                per_block = BLOCK_SIZE // p.ratio
-                st["ckv"] = torch.zeros(blocks, per_block, c.head_dim)
-                st["ikeys"] = torch.zeros(blocks, per_block, c.index_head_dim)
-                if p.ratio > 1:
-                    st["part_kv"] = torch.zeros(SLOTS, p.ratio, c.head_dim)
-                    st["part_gate"] = torch.zeros(SLOTS, p.ratio, c.head_dim)
-            else:
-                st.update({k: self.state[p.kv_source][k] for k in ("ckv", "ikeys")})
-            self.state[p.layer] = st
+        held = {p.layer for p in model.plans if p.ratio}
+        self.state = {layer: st for layer, st in states(model, blocks).items() if layer in held}
+
+
+def states(model, blocks: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Every attention layer's state views, zero: its ring, and at a kv source its pools and partial
+    groups (reindex and reuse layers read their source's pools)."""
+    c = model.config.text
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for p in model.plans:
+        st = {"win": torch.zeros(SLOTS, c.sliding_window, c.head_dim)}
+        if p.attn == "source":
+            per_block = BLOCK_SIZE // p.ratio
+            st["ckv"] = torch.zeros(blocks, per_block, c.head_dim)
+            st["ikeys"] = torch.zeros(blocks, per_block, c.index_head_dim)
+            if p.ratio > 1:
+                st["part_kv"] = torch.zeros(SLOTS, p.ratio, c.head_dim)
+                st["part_gate"] = torch.zeros(SLOTS, p.ratio, c.head_dim)
+        elif p.attn != "window":
+            st.update({k: out[p.kv_source][k] for k in ("ckv", "ikeys")})
+        out[p.layer] = st
+    return out
 
 
 def whole_step(layers: Layers, layer: int, h, pre, step, carry: dict):

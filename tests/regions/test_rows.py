@@ -20,7 +20,8 @@ from deepinfer.regions import rows as divided_rows
 from deepinfer.regions.state import Geometry
 from deepinfer.regions.stepper import Allocator
 
-BLOCK_SIZE, MAX_BLOCKS, SLOTS = 16, 8, 3
+from .test_divided import BLOCK_SIZE, MAX_BLOCKS, SLOTS, states
+
 PROMPTS = (40, 70)
 CHUNK = 8
 
@@ -35,26 +36,6 @@ def chunks():
             rows.append(list(range(done[b], done[b] + k)) + [-1] * (CHUNK - k))
             done[b] += k
         yield torch.tensor(rows)
-
-
-def states(model, blocks: int) -> dict[int, dict[str, torch.Tensor]]:
-    """Every attention layer's state views, zero: its ring, and at a kv source its pools and partial
-    groups (reindex and reuse layers read their source's pools)."""
-    c = model.config.text
-    out: dict[int, dict[str, torch.Tensor]] = {}
-    for p in model.plans:
-        st = {"win": torch.zeros(SLOTS, c.sliding_window, c.head_dim)}
-        if p.attn == "source":
-            per_block = BLOCK_SIZE // p.ratio
-            st["ckv"] = torch.zeros(blocks, per_block, c.head_dim)
-            st["ikeys"] = torch.zeros(blocks, per_block, c.index_head_dim)
-            if p.ratio > 1:
-                st["part_kv"] = torch.zeros(SLOTS, p.ratio, c.head_dim)
-                st["part_gate"] = torch.zeros(SLOTS, p.ratio, c.head_dim)
-        elif p.attn != "window":
-            st.update({k: out[p.kv_source][k] for k in ("ckv", "ikeys")})
-        out[p.layer] = st
-    return out
 
 
 def whole_layer(region, p, st, h, pre, positions, slots, table, carry):

@@ -44,7 +44,7 @@ from deepinfer.compiler.farm_worker import (
     Task,
     work,
 )
-from deepinfer.compiler.jobs import Job
+from deepinfer.compiler.jobs import Job, torch_threads
 
 if TYPE_CHECKING:
     from deepinfer.compiler.cache.local import Cache
@@ -222,16 +222,10 @@ def _task(job: Job, toolchain: dict[str, str], keys: dict[str, Key] | None, stor
         log=job.log.name if job.log else None,
         toolchain=toolchain,
         paths={n: os.environ[n] for n in HOST_PATHS if n in os.environ},
-        threads=_threads(),
+        threads=torch_threads(),
         key=key,
         store=store if key is not None else None,
     )
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _cpus(ray) -> int:

@@ -96,9 +96,9 @@ def work(task: Task, lowered: bytes, ledger) -> Result:
         log = work / task.log if task.log else None
         try:
             _test_hooks(task.name)
+            _host_threads(task.threads)  # first: the toolchain names the threads the code is written for
             _check_toolchain(task, node)
             _host_paths(task.paths)
-            _host_threads(task.threads)
             (work / task.lowered).write_bytes(lowered)
             job = Job(task.name, work / task.lowered, work / task.out, task.target, task.executable, task.options, log)
             run_job(job)

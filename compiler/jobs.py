@@ -36,10 +36,15 @@ class Job:
     exe: Exe | None = None  # the region kind, method and bucket it builds (for messages)
 
 
-def run_job(job: Job) -> float:
-    """Compile one executable (in this process or a worker); returns seconds."""
+def run_job(job: Job, threads: int = 0) -> float:
+    """Compile one executable (in this process or a worker); returns seconds. `threads`: the torch
+    threads to compile with (a worker takes its leader's: Inductor writes the count into the code)."""
+    import torch
+
     from deepinfer.compiler.targets import TARGETS
 
+    if threads and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     start = time.perf_counter()
     TARGETS[job.target](job.executable, job.options).compile(job.lowered, job.out, log=job.log, name=job.name)
     return time.perf_counter() - start
@@ -56,12 +61,19 @@ def run_jobs(jobs: list[Job], n_workers: int, progress) -> dict[str, float]:
     # spawned workers inherit the environment (TMPDIR, TORCHINDUCTOR_CACHE_DIR)
     with ProcessPoolExecutor(max_workers=n_workers, mp_context=get_context("spawn")) as pool:
         with main_unseen():  # the workers start at the submits
-            futures = {pool.submit(run_job, job): job for job in jobs}
+            threads = torch_threads()
+            futures = {pool.submit(run_job, job, threads): job for job in jobs}
         for i, future in enumerate(as_completed(futures), 1):
             job = futures[future]
             seconds[job.name] = future.result()
             progress(i, len(jobs), job, seconds[job.name])
     return seconds
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 @contextmanager

@@ -82,6 +82,7 @@ class CpuTarget:
         }
         if self.executable == "aoti":
             versions["cxx"] = _cxx_version()
+            versions["threads"] = str(codegen_threads(self.options))
         return versions
 
     def step_figures(self) -> None:
@@ -128,6 +129,15 @@ class CpuTarget:
         concrete_inputs(ep)  # saved programs carry shapes, not sample data
         torch._inductor.aoti_compile_and_package(ep, package_path=str(out), inductor_configs=self.options or None)
         normalize_package(out)  # its bytes: the program's, not the compile's history (bundles/pt2.py)
+
+
+def codegen_threads(options: dict) -> int:
+    """The thread count Inductor writes into an AOTInductor package's C++ (its OpenMP loops and GEMM
+    blockings): the `cpp.threads` option where set, else this process's torch threads. Keyed with
+    the toolchain, and the compile's workers take the leader's (`compiler.jobs.run_jobs`), so one
+    key always names the same bytes."""
+    threads = options.get("cpp.threads", -1)
+    return threads if isinstance(threads, int) and threads >= 1 else torch.get_num_threads()
 
 
 @functools.cache

@@ -388,3 +388,22 @@ def test_a_tensor_edited_in_place_with_size_and_mtime_restored_is_hashed_again(t
     now = os.stat(path)
     assert (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
     assert cached._file_digests(path, memo)["w"] != before["w"]
+
+
+def test_an_aoti_key_names_the_threads_its_code_is_written_for(small_toml, tmp_path, monkeypatch):
+    """Inductor writes the compile's thread count into an AOTInductor package (its OpenMP loops): two
+    compiles at different counts give different bytes, so the count is in the key (issue 44 item 2);
+    `cpp.threads` pins it whatever the host's, and an exported program does not depend on it."""
+    ckpt = load_compile_config(small_toml).model.checkpoint
+    aoti = write_toml(tmp_path / "aoti", ckpt, extra="")
+    aoti.write_text(aoti.read_text().replace('executable = "exported"', 'executable = "aoti"'))
+    pinned = write_toml(tmp_path / "pinned", ckpt, options='{"cpp.threads" = 3}')
+    pinned.write_text(pinned.read_text().replace('executable = "exported"', 'executable = "aoti"'))
+    keys = {}
+    for threads in (1, 2):
+        monkeypatch.setattr("torch.get_num_threads", lambda n=threads: n)
+        keys[threads] = (bundle_key(aoti).digest, bundle_key(pinned).digest, bundle_key(small_toml).digest)
+        assert TARGETS["cpu"]("aoti", {}).toolchain()["threads"] == str(threads)
+        assert TARGETS["cpu"]("aoti", {"cpp.threads": 3}).toolchain()["threads"] == "3"
+    assert keys[1][0] != keys[2][0]
+    assert keys[1][1:] == keys[2][1:]

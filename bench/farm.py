@@ -25,8 +25,8 @@ farm: a Ray cluster started here (a head and `--nodes - 1` worker nodes, `--cpus
 
 `farm_matches_local` is 1 when the two bundles' manifests are byte-equal (the manifest holds every
 executable's sha256) and so is every executable file, else 0 (the differing files are listed).
-Saved ExportedPrograms differ between any two traces (torch records object ids in their
-metadata), so with `--executable exported` it is 0 whatever the farm does.
+With `--executable exported` the executables are the host's saved programs, the same bytes in every
+process (bundles/pt2.save_exported), so the figure compares the two compiles' traces.
 
 Sections are functions `name(args, tmp) -> dict` in SECTIONS; each prints its own table.
 """

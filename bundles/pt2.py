@@ -153,3 +153,31 @@ def normalize_package(path: Path) -> None:
                 pinned if name.endswith(SERIALIZATION_ID) else data,
             )
     os.replace(tmp, path)
+
+
+def save_exported(ep: torch.export.ExportedProgram, path: Path) -> None:
+    """Save `ep` as bytes that are a function of the program alone: its nodes' provenance
+    (`meta["from_node"]`, which the archive's graph JSON carries) names each graph it came through by
+    the graph's Python object id, which differs in every process; the ids are renumbered in the
+    order the nodes first name them, and the archive is normalized as a package is
+    (`normalize_package`: its random serialization id pinned)."""
+    ids: dict[int, int] = {}
+    seen: set[int] = set()  # sources that nodes share are renumbered once
+
+    def renumber(sources: list) -> None:
+        for source in sources:
+            if id(source) in seen:
+                continue
+            seen.add(id(source))
+            info = source.node_info
+            if info is not None:
+                info.graph_id = ids.setdefault(info.graph_id, len(ids))
+            source._dict = None  # its cached dict held the old id
+            renumber(source.from_node)
+
+    for module in ep.graph_module.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                renumber(node.meta.get("from_node", []))
+    torch.export.save(ep, str(path))
+    normalize_package(path)

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 import deepinfer
-from deepinfer.bundles.pt2 import load_exported, normalize_package
+from deepinfer.bundles.pt2 import load_exported, normalize_package, save_exported
 from deepinfer.compiler.trace import concrete_inputs
 from deepinfer.host import physical_memory
 from deepinfer.kernels import reference_decompositions
@@ -111,7 +111,7 @@ class CpuTarget:
         Its ranks reduce on the host: `reduce` must be empty."""
         if reduce:
             raise ValueError("the cpu target reduces on the host; no collective goes into its programs")
-        torch.export.save(ep, str(out))
+        save_exported(ep, out)  # the same bytes in every process: an exported bundle is the lowered file
         return {}
 
     def require_compiler(self) -> None:

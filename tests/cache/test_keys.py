@@ -99,6 +99,42 @@ def test_same_inputs_same_key_across_processes(small_toml):
     assert out[0]["kernels"] == ["hc_collapse", "rmsnorm"]
 
 
+EMIT_SCRIPT = """
+import hashlib, sys
+from pathlib import Path
+from deepinfer.compiler.config import load_compile_config
+from deepinfer.compiler.pipeline import parse, plan
+from deepinfer.compiler.trace import trace
+spec = parse(load_compile_config(sys.argv[1]), False, lambda m: None)
+p = plan(spec, lambda m: None)
+ep, _ = trace(p.kinds[sys.argv[2]].region, 1, 1, spec.geometry)
+out = Path(sys.argv[3]) / f"{sys.argv[2]}.pt2"
+spec.target.emit(spec.target.lower(ep), [], [], out)
+print(hashlib.sha256(out.read_bytes()).hexdigest())
+"""
+
+
+def test_a_saved_program_is_the_same_bytes_in_every_process(small_toml, tmp_path):
+    """An exported bundle's executables are its lowered programs as saved: two processes tracing the
+    same region save the same bytes (issue 44 item 2; before, the nodes' provenance named graphs by
+    their object ids and the archive held a random id, so every file differed)."""
+    kind = "attn_window"
+    digests = []
+    for run in ("1", "2"):
+        (tmp_path / run).mkdir()
+        proc = subprocess.run(
+            [sys.executable, "-c", EMIT_SCRIPT, str(small_toml), kind, str(tmp_path / run)],
+            env=dict(os.environ, PYTHONHASHSEED=run),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=600,
+        )
+        digests.append(proc.stdout.strip().splitlines()[-1])
+    assert digests[0] == digests[1]
+    assert (tmp_path / "1" / f"{kind}.pt2").read_bytes() == (tmp_path / "2" / f"{kind}.pt2").read_bytes()
+
+
 # --- every part changes the key ---
 
 

@@ -19,7 +19,10 @@ trn2 constants and their sources are there). This reads it at one context for th
 and a prompt's time to first token at batch 1 (compiler/prompt_cost.py) for prompts of 8K, 64K and
 1M tokens, planned at context buckets 8K / 64K / 1M (`LONG`), in chunks of the toml's largest tokens
 bucket, beside other chunk sizes (`--chunks`), and the compute bound: the prompt's useful FLOPs over
-every rank's peak.
+every rank's peak. Beside it, the same prompts with each chunk divided by rows over the token group
+(compiler/prompt_rows.py: what `[prompt] rows = "divided"` builds on cpu; trn2 does not build it yet,
+so these figures are the design's, not the bundle's), in chunks of `--divided-chunk` tokens and at
+each of `--chunks`; the JSON's `divided` holds them.
 """
 
 from __future__ import annotations
@@ -160,6 +163,22 @@ def prompts(config, chunks: list[int]) -> dict:
     return {"chunk": chunk, "costs": costs, "sweep": sweep}
 
 
+def divided(config, chunk: int, chunks: list[int]) -> dict:
+    """`prompts`' figures with each chunk divided by rows (compiler/prompt_rows.py), where the
+    topology allows it (tp = 1, ep = cp > 1), else {}."""
+    from deepinfer.compiler.bundle_plan import plan_bundle
+    from deepinfer.compiler.prompt_cost import prompt_cost
+    from deepinfer.compiler.prompt_rows import divided_chunk_cost
+
+    plan = plan_bundle(long_context(config), scratch=False)
+    topo = plan.spec.topology
+    if topo.tp != 1 or topo.ep != topo.cp or topo.cp == 1:
+        return {}
+    costs = {L: prompt_cost(plan, L, chunk, divided_chunk_cost) for L in LONG}
+    sweep = {T: prompt_cost(plan, LONG[1], T, divided_chunk_cost) for T in sorted({*chunks, chunk})}
+    return {"chunk": chunk, "costs": costs, "sweep": sweep}
+
+
 def print_prompts(p: dict, err) -> None:
     costs, sweep = p["costs"], p["sweep"]
     print(f"prompt at batch 1, chunks of {p['chunk']} tokens, per rank:", file=err)
@@ -192,6 +211,9 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--chunks", type=int, nargs="*", default=[128, 512, 2048, 8192], help="prompt chunk sizes to compare at 64K"
+    )
+    ap.add_argument(
+        "--divided-chunk", type=int, default=8192, help="the chunk of the divided-rows figures (default 8192)"
     )
     args = ap.parse_args()
 
@@ -247,6 +269,10 @@ def main() -> int:
         print(f"{name:<32}{cells}", file=err)
     long = prompts(config, args.chunks)
     print_prompts(long, err)
+    rows_divided = divided(config, args.divided_chunk, args.chunks)
+    if rows_divided:
+        print("divided by rows over the token group (the cpu design, modelled; trn2 does not build it):", file=err)
+        print_prompts(rows_divided, err)
     print("constants:", file=err)
     for key, f in figures.items():
         print(f"  {key:<22} {f.value:g} {f.unit} ({f.status}: {f.source})", file=err)
@@ -289,6 +315,19 @@ def main() -> int:
                     "ttft_1m_over_compute_bound": long["costs"][LONG[2]].ttft_over_compute_bound,
                     "prompts": {str(L): c.to_dict() for L, c in long["costs"].items()},
                     "ttft_ms_64k_by_chunk": {str(T): c.ttft_ms for T, c in long["sweep"].items()},
+                    # the same prompts divided by rows (compiler/prompt_rows.py; not built for trn2)
+                    "divided": {
+                        "prompt_chunk_tokens": rows_divided["chunk"],
+                        "ttft_ms_8k": rows_divided["costs"][LONG[0]].ttft_ms,
+                        "ttft_ms_64k": rows_divided["costs"][LONG[1]].ttft_ms,
+                        "ttft_ms_1m": rows_divided["costs"][LONG[2]].ttft_ms,
+                        "ttft_64k_over_compute_bound": rows_divided["costs"][LONG[1]].ttft_over_compute_bound,
+                        "ttft_1m_over_compute_bound": rows_divided["costs"][LONG[2]].ttft_over_compute_bound,
+                        "prompts": {str(L): c.to_dict() for L, c in rows_divided["costs"].items()},
+                        "ttft_ms_64k_by_chunk": {str(T): c.ttft_ms for T, c in rows_divided["sweep"].items()},
+                    }
+                    if rows_divided
+                    else None,
                     "constants": {
                         k: {"value": f.value, "unit": f.unit, "source": f.source, "kind": f.status}
                         for k, f in figures.items()

@@ -240,15 +240,20 @@ class PromptCost:
         return asdict(self)
 
 
-def prompt_cost(plan: BundlePlan, tokens: int, chunk: int) -> PromptCost:
+def prompt_cost(
+    plan: BundlePlan, tokens: int, chunk: int, cost: Callable[[BundlePlan, int, int], ChunkCost] | None = None
+) -> PromptCost:
     """One rank's work for a prompt of `tokens` tokens in chunks of `chunk` (the last one padded to
-    the bucket: a static shape), each at the context bucket that holds its last position."""
+    the bucket: a static shape), each at the context bucket that holds its last position. `cost`:
+    a chunk's (`chunk_cost` unless given: compiler/prompt_rows.divided_chunk_cost models the chunk
+    divided by rows)."""
+    cost = chunk_cost if cost is None else cost
     n = -(-tokens // chunk)
     by_bucket: dict[int, int] = {}
     for i in range(n):
         ctx = context_bucket(plan, min(tokens, (i + 1) * chunk))
         by_bucket[ctx] = by_bucket.get(ctx, 0) + 1
-    costs = [(chunk_cost(plan, chunk, ctx), k) for ctx, k in by_bucket.items()]
+    costs = [(cost(plan, chunk, ctx), k) for ctx, k in by_bucket.items()]
     parts: dict[str, int] = {}
     for cc, k in costs:
         for part, f in cc.flops_by_part.items():

@@ -1,0 +1,162 @@
+"""A prompt chunk divided by rows over the token group, costed per rank (issue 41): the step that
+`[prompt] rows = "divided"` builds on cpu (regions/rows.py, regions/step.run_rows), modelled at a
+plan's topology and target figures. trn2 does not build it yet: for the release this is what the
+design would cost there, beside the replicated chunks `prompt_cost` models from what is built.
+
+Rank j of d (the token group: tp = 1, ep = cp = d) takes T / d consecutive rows of a T-token chunk:
+
+    own rows, whole weights   the attention site's mixes, the projections, the compressor's and the
+                              indexer's (`ROW_PARTS`: the model's arithmetic for T / d tokens), and
+                              the attention: every head of its rows over the window and the K
+                              entries each selects (static K, as the replicated step gathers)
+    every row                 the MoE site (its mixes, the router, the routed experts' slices at
+                              T rows, the shared expert), the engram and the head, as run_rows runs
+                              them on gathered rows; the index scores: its rows against every key
+                              (T / d x width), what the replicated step spends on T x width / cp
+    weights read              the plan's per kind at T rows, each attention kind's whole weights
+                              (its rows twin) in place of its slices
+    state                     the window ring read and every row written (each rank keeps the ring
+                              whole), the selected entries of its rows, every index key (the joined
+                              pages), its own entries written and the whole context joined
+    collectives               a layer's rows all-gather (packed float32 rows), a kv source's two
+                              context all-gathers (its pages of the latents and the index keys), the
+                              MoE's dispatch all-gather and combine reduce-scatter; the engram's and
+                              the head's rows all-gathers, the engram all-reduce, the logits'
+
+Every collective is counted inside the executables (trn2's place for them: `collective_s` each, and
+its bytes over the links).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from deepinfer.compiler.prompt_cost import ChunkCost, compute_s, useful_flops
+from deepinfer.compiler.step_cost import F32, LOGITS, figures_of, link_bytes, lower_bound, step_flops
+from deepinfer.compiler.step_reads import read_bytes, spec_bytes
+from deepinfer.regions.topology import head_rows
+
+if TYPE_CHECKING:
+    from deepinfer.compiler.bundle_plan import BundlePlan
+
+ROW_PARTS = ("mixes, attention site", "attention projections", "compressor", "indexer queries")
+
+
+def own_rows(plan: BundlePlan, rows: int) -> int:
+    """A rank's rows of a chunk of `rows` (the last rank's padding counted)."""
+    return -(-rows // plan.spec.topology.group_size)
+
+
+def divided_flops(plan: BundlePlan, rows: int, context: int) -> dict[str, int]:
+    """One rank's FLOPs of a divided chunk, by part (the module's table)."""
+    c = plan.spec.model.text
+    own = own_rows(plan, rows)
+    flops = step_flops(plan, rows, context)
+    mine = useful_flops(c, own)
+    for part in ROW_PARTS:
+        flops[part] = mine[part]
+    attention = 0
+    for p in plan.regions.layers:
+        keys = c.sliding_window + (min(c.index_topk, context // p.ratio) if p.ratio else 0)
+        attention += 2 * own * keys * c.num_attention_heads * c.head_dim * 2
+    flops["attention"] = attention
+    return flops
+
+
+def divided_weight_bytes(plan: BundlePlan, rows: int) -> int:
+    """Weight bytes a rank reads in a divided chunk: the plan's at `rows` rows, each attention kind's
+    whole weights instead of its slices."""
+    regions = plan.regions
+    total = 0
+    for kind, n in read_bytes(plan, rows).items():
+        kp = regions.kinds[kind]
+        whole = kp.slot == "attn"
+        total += sum(spec_bytes(s) for s in kp.full_specs) * len(kp.layers) if whole else n
+    return total
+
+
+def divided_state_bytes(plan: BundlePlan, rows: int, context: int) -> int:
+    """State bytes a rank reads and writes in a divided chunk (the module's table)."""
+    c, act, cp = plan.spec.model.text, plan.spec.dtype.itemsize, plan.spec.topology.cp
+    own, hd, di = own_rows(plan, rows), c.head_dim, c.index_head_dim
+    total = 0
+    for p in plan.regions.layers:
+        total += (c.sliding_window + rows) * hd * act
+        if not p.ratio:
+            continue
+        width = context // p.ratio
+        total += own * min(c.index_topk, width) * hd * act
+        if p.attn in ("source", "reindex"):
+            total += width * di * act  # every key, the joined pages
+        if p.attn == "source":
+            total += -(-rows // p.ratio // cp) * (hd + di) * act  # its own entries written
+            total += width * (hd + di) * act  # the context joined from every rank's pages
+    return total
+
+
+def divided_collectives(plan: BundlePlan, rows: int, context: int) -> dict[str, tuple[int, int]]:
+    """name -> (calls, bytes one rank sends) of a divided chunk."""
+    c, topo, act = plan.spec.model.text, plan.spec.topology, plan.spec.dtype.itemsize
+    own, n, D, hd, di = own_rows(plan, rows), c.hc_mult, c.hidden_size, c.head_dim, c.index_head_dim
+    streams = n * (D * act + F32)  # a row of h and pre
+    out: dict[str, list[int]] = {}
+
+    def add(name: str, calls: int, sent: int) -> None:
+        got = out.setdefault(name, [0, 0])
+        got[0] += calls
+        got[1] += sent
+
+    for p in plan.regions.layers:
+        packed = hd * (3 if p.ratio > 1 else 2) if p.attn == "source" else hd
+        add("rows all-gather", 1, own * packed * F32)
+        if p.attn == "source":
+            add("rows context all-gather", 2, -(-(context // p.ratio) // topo.cp) * (hd + di) * act)
+        if p.engram_rows:
+            add("rows all-gather", 1, own * streams)
+            add("engram all-reduce", 1, rows * (n + 1) * D * F32)
+        add("ep dispatch all-gather", 1, own * (streams + 1))
+        add("ep combine reduce-scatter", 1, rows * n * D * F32)
+    add("rows all-gather", 1, own * streams)  # the head's rows
+    add(LOGITS, 1, rows * head_rows(c, topo) * F32)
+    return {name: (calls, sent) for name, (calls, sent) in out.items()}
+
+
+def divided_chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
+    """One rank's divided prompt chunk of `rows` tokens (batch 1) at a `context`-position bucket."""
+    spec = plan.spec
+    figures, topo = figures_of(plan), spec.topology
+    flops = divided_flops(plan, rows, context)
+    weights = divided_weight_bytes(plan, rows)
+    state = divided_state_bytes(plan, rows, context)
+    collectives = divided_collectives(plan, rows, context)
+    link = sum(link_bytes(name, sent // calls, topo) * calls for name, (calls, sent) in collectives.items())
+    layers = plan.regions.layers
+    executions = 2 + sum(3 + (p.attn == "source") + 2 * (p.engram_rows > 0) for p in layers)
+    calls = sum(k for k, _ in collectives.values())
+    times = lower_bound(
+        figures,
+        spec.config.model.dtype,
+        bytes_read=weights + state,
+        flops=0,
+        executions=executions,
+        in_graph=calls,
+        link=link,
+        on_host=0,
+        host_device=own_rows(plan, rows) * 2 * F32 + rows * head_rows(spec.model.text, topo) * F32,
+    )
+    compute_ms = compute_s(flops, figures, spec.config.model.dtype) * 1e3
+    return ChunkCost(
+        rows=rows,
+        context=context,
+        weight_bytes=weights,
+        state_bytes=state,
+        flops=sum(flops.values()),
+        flops_by_part=flops,
+        executions=executions,
+        collectives=calls,
+        collective_bytes=sum(sent for _, sent in collectives.values()),
+        memory_ms=times["memory_ms"],
+        compute_ms=compute_ms,
+        latency_ms=times["latency_ms"],
+        estimated_ms=max(times["memory_ms"], compute_ms) + times["latency_ms"],
+    )

@@ -1,0 +1,89 @@
+"""compiler/prompt_rows.py: a prompt chunk divided by rows, costed per rank at the release (EP = CP =
+64), against the model's own arithmetic (prompt_cost.useful_flops, counted by hand in
+test_prompt_cost) and the release's unsharded weights (a plan at one rank)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from deepinfer.compiler import prompt_cost, prompt_rows, step_cost
+from deepinfer.compiler.bundle_plan import plan_bundle
+from deepinfer.compiler.config import load_compile_config
+from deepinfer.compiler.step_reads import read_bytes
+
+from .test_prompt_cost import RELEASE, WORLD
+
+L, T = 65536, 8192  # a 64K prompt in 8 chunks: a rank's 128 rows a chunk, whole compressed groups
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return plan_bundle(load_compile_config(RELEASE), scratch=False)
+
+
+@pytest.fixture(scope="module")
+def whole():
+    """The release planned at one rank: every region with its whole weights."""
+    one = load_compile_config(RELEASE)
+    one = dataclasses.replace(one, parallel=dataclasses.replace(one.parallel, tp=1, ep=1, cp=1))
+    return plan_bundle(one, scratch=False)
+
+
+@pytest.fixture(scope="module")
+def divided(plan):
+    return prompt_cost.prompt_cost(plan, L, T, prompt_rows.divided_chunk_cost)
+
+
+def test_the_row_parts_are_a_rank_s_share_of_the_prompt(divided):
+    """The parts a rank computes on its own rows with whole weights add up over the 64 ranks to the
+    model's arithmetic for the prompt, exactly; the attention of every head of its rows over the
+    window and K selected entries to within the static K (a row early in the context selects fewer
+    than K; the replicated chunk spends 64 times it)."""
+    for part in prompt_rows.ROW_PARTS:
+        assert divided.flops_by_part[part] * WORLD == divided.useful_flops_by_part[part], part
+    useful = divided.useful_flops_by_part["attention"]
+    assert useful <= divided.flops_by_part["attention"] * WORLD <= 1.01 * useful
+
+
+def test_what_still_takes_every_row_costs_what_the_replicated_chunk_does(plan, divided):
+    """The MoE site, the engram and the head run on the gathered rows (regions/step.run_rows), so they
+    cost a rank what they cost it replicated; the index scores (a rank's rows against every key) what
+    the replicated chunk spends on every row against its 1/64 of the keys."""
+    replicated = prompt_cost.prompt_cost(plan, L, T)
+    for part in ("mixes, moe site", "router", "routed experts", "shared expert", "engram", "head", "index scores"):
+        assert divided.flops_by_part[part] == replicated.flops_by_part[part], part
+    assert divided.ttft_ms < replicated.ttft_ms / 4
+
+
+def test_a_divided_chunk_reads_the_whole_attention_weights(plan, whole):
+    """A rank's attention twins hold the whole weights: the divided chunk reads the plan's bytes but
+    for the attention kinds, whose bytes are the one-rank plan's."""
+    attn = {k for k, kp in plan.regions.kinds.items() if kp.slot == "attn"}
+    theirs = read_bytes(plan, T)
+    assert attn and attn == {k for k, kp in whole.regions.kinds.items() if kp.slot == "attn"}
+    whole_attn = sum(read_bytes(whole, T)[k] for k in attn)
+    assert whole_attn > 8 * sum(theirs[k] for k in attn)  # what the slices were
+    expected = sum(n for k, n in theirs.items() if k not in attn) + whole_attn
+    assert prompt_rows.divided_weight_bytes(plan, T) == expected
+
+
+def test_a_rank_sends_its_rows_and_the_moe_s_partials(plan, whole):
+    """Per layer a rank sends its rows' packed float32 row (the width the rows twin of the layer's
+    whole attention packs), its rows to the MoE's dispatch and every row's float32 partial streams to
+    the combine; the head's rows once."""
+    from deepinfer.regions.rows import rows_twin
+
+    c = plan.spec.model.text
+    sent = prompt_rows.divided_collectives(plan, T, L)
+    own, layers = T // WORLD, c.num_hidden_layers
+    assert sent["ep dispatch all-gather"][0] == sent["ep combine reduce-scatter"][0] == layers
+    assert sent["ep combine reduce-scatter"][1] == layers * T * c.hc_mult * c.hidden_size * step_cost.F32
+    packed = 0
+    for p in whole.regions.layers:
+        region = whole.regions.kinds[whole.regions.bindings[p.layer]["attn"][0]].region
+        packed += own * rows_twin(region, WORLD)._packed_width() * step_cost.F32
+    streams = own * c.hc_mult * (c.hidden_size * plan.spec.dtype.itemsize + step_cost.F32)
+    engram = sum(p.engram_rows > 0 for p in plan.regions.layers)
+    assert sent["rows all-gather"] == (layers + engram + 1, packed + (engram + 1) * streams)

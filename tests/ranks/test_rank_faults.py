@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -115,25 +116,29 @@ def test_a_killed_rank_ends_deepinfer_run_with_one_line_naming_it(ep2_bundle, tm
 NOTICED_WITHIN_S = 8  # the bound on ending a run whose rank died before the rendezvous (gloo's store waits minutes)
 
 
-def spawned(parent: int, count: int, timeout_s: float = START_TIMEOUT_S) -> list[int]:
-    """The pids of the first `count` rank processes `parent` spawns (multiprocessing's spawn_main in their
-    command line), oldest first, read from /proc as soon as they appear: before they have imported
-    anything, so long before any reaches the rendezvous."""
+def rank_processes(parent: int) -> list[int]:
+    """The pids of the processes `parent` has spawned with multiprocessing (spawn_main in their command
+    line: its ranks), oldest first, read from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:  # it ended while we looked
+            continue
+        if int(fields[1]) == parent and b"spawn_main" in cmdline:
+            found.append((int(fields[19]), int(stat.parent.name)))  # (start time, pid)
+    return [pid for _, pid in sorted(found)]
+
+
+def spawned(parent: int, count: int, besides: frozenset[int] = frozenset(), timeout_s: float = START_TIMEOUT_S):
+    """The first `count` rank processes `parent` spawns (other than `besides`), as soon as they appear:
+    before they have imported anything, so long before any reaches the rendezvous."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        found = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rpartition(")")[2].split()
-                cmdline = (stat.parent / "cmdline").read_bytes()
-            except OSError:  # it ended while we looked
-                continue
-            if int(fields[1]) == parent and b"spawn_main" in cmdline:
-                found.append((int(fields[19]), int(stat.parent.name)))  # (start time, pid)
-        if len(found) >= count:
-            return [pid for _, pid in sorted(found)[:count]]
+    while len(found := [pid for pid in rank_processes(parent) if pid not in besides]) < count:
         assert time.monotonic() < deadline, f"{len(found)} of {count} rank processes started in {timeout_s} s"
         time.sleep(0.01)
+    return found[:count]
 
 
 @pytest.mark.slow  # compiles and loads a bundle
@@ -202,6 +207,33 @@ def test_a_follower_killed_before_the_rendezvous_stops_the_server_at_once(ep2_bu
     finally:
         server.kill()
         server.wait(ENDS_WITHIN_S)
+
+
+@pytest.mark.slow  # compiles and loads a bundle
+def test_a_rank_killed_before_the_rendezvous_ends_a_start_at_once(ep2_bundle):
+    """runtime.launch.start (the rank tests' and benchmarks' started ranks): rank 1 SIGKILLed as soon as
+    its process exists ends the start with the error naming it within a few seconds, every rank gone."""
+    from deepinfer.errors import DeepinferError
+    from deepinfer.runtime import LoadOptions, open_bundle
+    from deepinfer.runtime.launch import start
+
+    besides = frozenset(rank_processes(os.getpid()))  # the ranks this session started before
+    ranks: list[int] = []
+    killed: list[float] = []
+
+    def kill_rank_1() -> None:
+        ranks.extend(spawned(os.getpid(), 2, besides))
+        os.kill(ranks[1], signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    killer = threading.Thread(target=kill_rank_1, daemon=True)
+    killer.start()
+    with pytest.raises(DeepinferError) as failed:
+        start(open_bundle(ep2_bundle), LoadOptions(threads=1), timeout_s=ENDS_WITHIN_S)
+    took = time.monotonic() - killed[0]
+    assert str(failed.value) == "rank 1: was killed by SIGKILL without a result"
+    assert took < NOTICED_WITHIN_S, f"start raised {took:.1f} s after its rank 1 was killed"
+    assert all(gone(pid) for pid in ranks)
 
 
 class _Proc:

@@ -18,7 +18,8 @@ kept in .cache/deepinfer-bench, so a second run compiles nothing. Then:
                completes a valid request afterwards (then restarted for the next case).
   faults       deepinfer-compile SIGKILLed at each point of DEEPINFER_TEST_KILL_AT, then a compile
                that must reuse every entry; RLIMIT_FSIZE at three sizes; a follower of deepinfer-serve
-               and a rank of deepinfer-run SIGKILLed mid-generation; a client gone mid-stream and
+               and a rank of deepinfer-run SIGKILLed mid-generation, and as soon as its process exists
+               (before the rendezvous: ended within 8 s, nothing left); a client gone mid-stream and
                mid-body; SIGTERM mid-stream. Lost data: a bundle or cache entry half written, a later
                compile failing, a slot not freed, a stream cut without its end.
   load         `--clients` threads for `--load-seconds`, a quarter of their requests valid (greedy,
@@ -160,6 +161,7 @@ def main() -> None:
         fault_list += guarded("compile faults", lambda: faults.compile_faults(work / "serve" / "model.toml", work))
         ep2 = compile_once(model_toml(ckpt, batch=(1,), num_blocks=9, ep=2), work / "ep2", log)
         fault_list += guarded("killed rank", lambda: faults.rank_faults(ep2, work))
+        fault_list += guarded("rank killed before the rendezvous", lambda: faults.rendezvous_faults(ep2, work))
     report(cases, fault_list, load, args, time.perf_counter() - started)
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -200,3 +200,65 @@ def sigterm_fault(server) -> Fault:
     text = rest.decode("utf-8", "replace")
     done = "[DONE]" in text and '"finish_reason": "' in text.replace('"finish_reason":"', '"finish_reason": "')
     return Fault("SIGTERM mid-stream", not done, done and rc == 0, f"rc {rc}; {text[-300:]}")
+
+
+RENDEZVOUS_BOUND_S = 8  # a rank that dies before the rendezvous must end its run within this (gloo: minutes)
+
+
+def rank_processes(parent: int) -> list[int]:
+    """The processes `parent` spawned with multiprocessing (its ranks), oldest first, from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and b"spawn_main" in cmdline:
+            found.append((int(fields[19]), int(stat.parent.name)))  # (start time, pid)
+    return [pid for _, pid in sorted(found)]
+
+
+def rendezvous_faults(bundle: Path, work: Path) -> list[Fault]:
+    """The last rank of deepinfer-run, then deepinfer-serve's follower, SIGKILLed as soon as its process
+    exists (long before the rendezvous): clean when the command ends within RENDEZVOUS_BOUND_S with one
+    line naming rank 1, and leaves nothing in its TMPDIR."""
+    from deepinfer.runtime.liveness import EXIT_STATUS
+
+    out = []
+    commands = {
+        "deepinfer-run rank killed before the rendezvous": ("deepinfer.runtime.cli", "--prompt", "Hello", 2, 2),
+        "deepinfer-serve follower killed before the rendezvous": (
+            "deepinfer.runtime.serving.cli",
+            "--port",
+            "0",
+            1,
+            EXIT_STATUS,
+        ),
+    }
+    for name, (module, flag, value, ranks, status) in commands.items():
+        tmp = work / f"tmp-{module}"
+        tmp.mkdir()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, str(bundle), flag, value, "--threads", "1"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "TMPDIR": str(tmp)},
+        )
+        try:
+            deadline = time.monotonic() + TIMEOUT_S
+            while len(pids := rank_processes(proc.pid)) < ranks and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(pids[ranks - 1], signal.SIGKILL)
+            try:
+                _, err = proc.communicate(timeout=RENDEZVOUS_BOUND_S)
+            except subprocess.TimeoutExpired:
+                err = f"still running {RENDEZVOUS_BOUND_S} s after its rank was killed"
+            last = err.strip().splitlines()[-1:]
+            clean = proc.returncode == status and one_line(err) and last[0].startswith("error: rank 1")
+            out.append(Fault(name, proc.returncode is None, clean and not any(tmp.iterdir()), err[-800:]))
+        finally:
+            proc.kill()
+            proc.wait(TIMEOUT_S)
+    return out

@@ -104,7 +104,8 @@ class Ranks:
     def _collect(self, timeout_s: float) -> list[dict]:
         items = collect(self.procs, self._results, timeout_s)
         errors = [f"rank {i['rank']}: {i['error']}" for i in items if "error" in i]
-        if errors:
+        if errors:  # the other ranks wait in the rendezvous or a collective: killed at once
+            liveness.end(self.procs, ok=False)
             self.close(timeout_s=10.0)
             raise DeepinferError(errors[0])
         return items

@@ -15,7 +15,9 @@ watch each other, outside the collectives:
                           it ended. A step cannot be run without every rank, so the server stops (exit
                           status `EXIT_STATUS`) for its supervisor to restart it.
     deepinfer-run         the command is not a rank: it polls its ranks' exit codes and results
-                          (`ranks._collect`) and names the first rank that died.
+                          (`collect`) and names the first rank that died; the others, waiting in
+                          the rendezvous or a collective that cannot complete, are killed at once
+                          (`end`) rather than left to gloo's timeout.
 
 Followers ignore SIGINT and SIGTERM: a Ctrl-C, or a supervisor's SIGTERM, may reach the whole process
 group, and the leader stops them itself once it has drained its requests.
@@ -39,6 +41,7 @@ __all__ = [
     "FollowerWatch",
     "collect",
     "died",
+    "end",
     "how_it_ended",
     "ignore_interrupts",
     "say",
@@ -191,3 +194,18 @@ def died(procs, reported: set[int], settle_s: float = 0.0, killed: bool = False)
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.1)
+
+
+def end(procs, ok: bool, timeout_s: float = 10.0) -> None:
+    """Every rank process of a run ended and reaped. `ok` (every rank reported its result): each is given
+    `timeout_s` to exit on its own, then killed. Otherwise (a rank died or failed, or the wait was
+    interrupted) the others are killed at once: they wait in the rendezvous or in a collective that
+    cannot complete without that rank, which gloo would end only at its timeout (minutes)."""
+    if ok:
+        for p in procs:
+            p.join(timeout=timeout_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=timeout_s)

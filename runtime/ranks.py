@@ -485,12 +485,9 @@ def generate_ranks(bundle: Bundle, prompts: list[list[int]], options: RunOptions
         for p in procs:
             p.start()
         ends.close()
+        items: list[dict] = []
         try:
             items = collect(procs, results, options.timeout_s)
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=10)
+        finally:  # a rank that died or failed: the others are killed at once (runtime/liveness.py)
+            liveness.end(procs, ok=bool(items) and not any("error" in i for i in items))
     return completions(items)

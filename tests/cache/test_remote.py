@@ -7,6 +7,7 @@ import json
 import logging
 import pickle
 import socket
+import subprocess
 import sys
 import threading
 import uuid
@@ -290,6 +291,68 @@ def test_cache_push_pull_ls_verify_prune_round_trip(tmp_path, url, s3, client):
     assert r.exit_code == 2 and "--max-size is for the local directory" in r.output
     r = run(deepinfer, ["cache", "push", "--cache-dir", str(tmp_path / "a")])
     assert r.exit_code == 2 and "give --url" in r.output
+
+
+# --- a store that fails: one line naming the URL, a non-zero exit, whatever the command ---
+
+BARE_404 = """
+import http.server
+class Answer(http.server.BaseHTTPRequestHandler):
+    def answer(self):
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = answer
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+@pytest.fixture(scope="module")
+def bare_404():
+    """A plain HTTP server (not S3) answering every request with a bare 404, no body: its endpoint."""
+    proc = subprocess.Popen([sys.executable, "-c", BARE_404], stdout=subprocess.PIPE, text=True)
+    port: list[str] = []
+    reader = threading.Thread(target=lambda: port.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    reader.join(WAIT)
+    try:
+        assert port and port[0].strip().isdigit(), f"the 404 server did not start within {WAIT} s"
+        yield f"http://127.0.0.1:{port[0].strip()}"
+    finally:
+        proc.kill()
+        proc.wait(WAIT)
+
+
+COMMANDS = [["ls"], ["verify"], ["prune", "--max-age", "1d"], ["explain", "0" * 8, "1" * 8]]
+
+
+def cache_cli(*args: str) -> subprocess.CompletedProcess:
+    """The real `deepinfer cache` in its own process (the environment is the test's: aws_env)."""
+    return subprocess.run(
+        [sys.executable, "-m", "deepinfer", "cache", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_an_endpoint_answering_bare_404s_is_one_line(tmp_path, bare_404, command):
+    """Every `deepinfer cache ... --url` against a server that is not S3 (a bare 404 to everything,
+    no S3 error document): one line naming the URL, the bucket and the endpoint, exit 2 (it was a
+    botocore traceback, the ClientError of code "404" taken for a missing key outside lookups)."""
+    r = cache_cli(*command, "--cache-dir", str(tmp_path / "a"), "--url", "s3://bkt/p", "--endpoint", bare_404)
+    line = one_line_error(r)
+    assert r.returncode == 2 and line.startswith("error: s3://bkt/p: ") and "HTTP 404" in line, line
+    assert "'bkt'" in line and bare_404 in line, line
 
 
 # --- configuration ---

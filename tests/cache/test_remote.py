@@ -327,7 +327,7 @@ def bare_404():
         proc.wait(WAIT)
 
 
-COMMANDS = [["ls"], ["verify"], ["prune", "--max-age", "1d"], ["explain", "0" * 8, "1" * 8]]
+COMMANDS = [["ls"], ["pull"], ["push"], ["verify"], ["prune", "--max-age", "1d"], ["explain", "0" * 8, "1" * 8]]
 
 
 def cache_cli(*args: str) -> subprocess.CompletedProcess:
@@ -349,10 +349,32 @@ def test_an_endpoint_answering_bare_404s_is_one_line(tmp_path, bare_404, command
     """Every `deepinfer cache ... --url` against a server that is not S3 (a bare 404 to everything,
     no S3 error document): one line naming the URL, the bucket and the endpoint, exit 2 (it was a
     botocore traceback, the ClientError of code "404" taken for a missing key outside lookups)."""
+    Cache(tmp_path / "a").put_bytes("executable", key(1), b"one")  # push has an entry to publish
     r = cache_cli(*command, "--cache-dir", str(tmp_path / "a"), "--url", "s3://bkt/p", "--endpoint", bare_404)
     line = one_line_error(r)
     assert r.returncode == 2 and line.startswith("error: s3://bkt/p: ") and "HTTP 404" in line, line
     assert "'bkt'" in line and bare_404 in line, line
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_no_credentials_or_no_bucket_is_one_line_in_the_commands_terms(tmp_path, s3, monkeypatch, command):
+    """Without credentials, and against moto's server with a bucket that does not exist: one line naming
+    the URL and what is wrong, exit 2, and nothing of a compile's fallback (push and pull said "this
+    compile goes on with the local cache only" and exited 1)."""
+    Cache(tmp_path / "a").put_bytes("executable", key(1), b"one")
+    where = ["--cache-dir", str(tmp_path / "a")]
+    missing = f"t-{uuid.uuid4().hex[:16]}"
+    r = cache_cli(*command, *where, "--url", f"s3://{missing}/p", "--endpoint", s3)
+    line = one_line_error(r)
+    assert r.returncode == 2 and line.startswith(f"error: s3://{missing}/p: ") and "NoSuchBucket" in line, line
+    assert f"no bucket {missing!r} at {s3}" in line and "compile" not in line, line
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-role lookup (it waits on a timeout)
+    r = cache_cli(*command, *where, "--url", "s3://bkt/p", "--endpoint", s3)
+    line = one_line_error(r)
+    assert r.returncode == 2 and line.startswith("error: s3://bkt/p: ") and "no AWS credentials" in line, line
+    assert "compile" not in line, line
 
 
 # --- configuration ---

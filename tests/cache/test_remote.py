@@ -356,6 +356,18 @@ def test_an_endpoint_answering_bare_404s_is_one_line(tmp_path, bare_404, command
     assert "'bkt'" in line and bare_404 in line, line
 
 
+def test_a_compile_against_a_bare_404_endpoint_warns_once_and_goes_on(tmp_path, bare_404):
+    """A compile's cache (lookups miss, the publish's upload fails) against the same server: one
+    warning in the compile's terms and the local entry kept (the upload's ClientError of code "404"
+    escaped Cache.publish as a traceback)."""
+    c = cache(tmp_path / "a", "s3://bkt/p", bare_404)
+    assert c.get_bytes("executable", key(1)) is None
+    c.put_bytes("executable", key(1), b"one")
+    assert len(c.logged) == 1 and c.logged[0].startswith("warning: cache store s3://bkt/p: put object: HTTP 404")
+    assert "this compile goes on with the local cache only" in c.logged[0] and c.remote is None
+    assert c.get_bytes("executable", key(1)) == b"one"
+
+
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
 def test_no_credentials_or_no_bucket_is_one_line_in_the_commands_terms(tmp_path, s3, monkeypatch, command):
     """Without credentials, and against moto's server with a bucket that does not exist: one line naming

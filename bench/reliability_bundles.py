@@ -67,6 +67,24 @@ def bundle_cases(bundle: Path, work: Path, run_main) -> Iterator[Case]:
         args = [str(d), "--prompt-ids", "0,5,9", "--max-new-tokens", "1", "--threads", "1", *extra]
         yield judge_cli("bundle", name, run_cli(run_main, args))
         shutil.rmtree(d, ignore_errors=True)
+    yield from context_cases(bundle, run_main)
+
+
+def context_cases(bundle: Path, run_main) -> Iterator[Case]:
+    """What cannot fit the bundle's max_context under deepinfer-run: refused (rc 2, one line) before
+    the load, never run to the context and answered rc 1 (issue 44)."""
+    max_context = json.loads((bundle / "manifest.json").read_text())["buckets"]["max_context"]
+    cases = [
+        ("--max-new-tokens 10**12", ["--prompt-ids", "0,5,9", "--max-new-tokens", str(10**12)]),
+        (
+            "--max-new-tokens beyond what the prompt leaves",
+            ["--prompt-ids", "0,5,9", "--max-new-tokens", str(max_context)],
+        ),
+        ("a prompt of 100k characters", ["--prompt", "x" * 100_000]),
+        ("a prompt of max_context + 1 ids", ["--prompt-ids", ",".join(["5"] * (max_context + 1))]),
+    ]
+    for name, args in cases:
+        yield judge_cli("bundle", name, run_cli(run_main, [str(bundle), "--threads", "1", *args]), answers=())
 
 
 def _outside(p: Path) -> None:
@@ -106,6 +124,72 @@ def cache_cases(cache: Path, toml: Path, work: Path, compile_main, deepinfer_mai
             yield judge_cli("cache", name, run_cli(compile_main, [str(toml), "-o", str(out), "--cache-dir", str(d)]))
             shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(d, ignore_errors=True)
+    yield from missing_dir_cases(work, deepinfer_main)
+    yield from store_cases(work, deepinfer_main)
+
+
+CACHE_COMMANDS = (["ls"], ["verify"], ["prune", "--max-age", "1d"])
+
+
+def missing_dir_cases(work: Path, deepinfer_main) -> Iterator[Case]:
+    """`deepinfer cache ls/verify/prune` on a directory that is not there: refused, not "0 entries"."""
+    for command in CACHE_COMMANDS:
+        got = run_cli(deepinfer_main, ["cache", *command, "--cache-dir", str(work / "no-such-cache")])
+        yield judge_cli("cache", f"cache {command[0]} on a missing directory", got, answers=())
+
+
+BARE_404 = """
+import http.server
+class Answer(http.server.BaseHTTPRequestHandler):
+    def answer(self):
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = answer
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+def store_cases(work: Path, deepinfer_main) -> Iterator[Case]:
+    """Every `deepinfer cache ... --url` against an endpoint that is not S3 (a plain HTTP server in its
+    own process answering a bare 404 to everything): refused in one line, never a botocore traceback."""
+    import subprocess
+    import sys
+    import threading
+
+    from deepinfer.compiler.cache.keys import Key
+    from deepinfer.compiler.cache.local import Cache
+
+    local = work / "store-local"
+    Cache(local).put_bytes("executable", Key.of("executable", "x", [("format", 1)]), b"x")  # push has one
+    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    proc = subprocess.Popen([sys.executable, "-c", BARE_404], stdout=subprocess.PIPE, text=True)
+    port: list[str] = []
+    reader = threading.Thread(target=lambda: port.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    reader.join(30)
+    try:
+        if not port or not port[0].strip().isdigit():
+            yield Case("cache", "store answering bare 404s", False, "the 404 server did not start in 30 s")
+            return
+        store = ["--cache-dir", str(local), "--url", "s3://bkt/p", "--endpoint", f"http://127.0.0.1:{port[0].strip()}"]
+        for command in [*CACHE_COMMANDS, ["pull"], ["push"], ["explain", "0" * 8, "1" * 8]]:
+            got = run_cli(deepinfer_main, ["cache", *command, *store])
+            yield judge_cli("cache", f"cache {command[0]} --url on a bare-404 endpoint", got, answers=())
+    finally:
+        proc.kill()
+        proc.wait(30)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 __all__ = ["SPECIALS", "bundle_cases", "cache_cases"]

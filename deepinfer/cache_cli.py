@@ -37,6 +37,23 @@ def open_local(cache_dir: Path | None, **kwargs):
     return open_cache(cache_dir, log=_log, **kwargs)
 
 
+def open_existing(cache_dir: Path | None):
+    """The cache `open_local` opens, refused (CacheError, one line naming where the directory came
+    from) where it is not a directory: listing, verifying or pruning nothing would say "0 entries"
+    about a mistyped path."""
+    import os
+
+    from deepinfer.compiler.cache.entry import CacheError
+    from deepinfer.compiler.cache.local import ENV_DIR
+
+    cache = open_local(cache_dir)
+    if not cache.dir.is_dir():
+        where = "--cache-dir" if cache_dir is not None else f"${ENV_DIR}" if os.environ.get(ENV_DIR) else "the default"
+        what = "not a directory" if cache.dir.exists() else "no such directory"
+        raise CacheError(f"{cache.dir} ({where}): {what}; give --cache-dir the directory your compiles use")
+    return cache
+
+
 cache_dir_option = click.option(
     "--cache-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -94,7 +111,7 @@ def cache_ls(cache_dir, url, endpoint, as_json):
     if store is not None:
         _store_ls(store, as_json)
         return
-    cache = open_local(cache_dir)
+    cache = open_existing(cache_dir)
     entries = cache.entries()
     total = 0
     for e in sorted(entries, key=lambda e: (e.kind, e.meta.get("identity", ""))):
@@ -162,7 +179,7 @@ def cache_prune(cache_dir, url, endpoint, max_size, max_age):
             click.echo(f"removed {e.kind} {e.key[:16]} from {store.url}")
         click.echo(f"removed {len(gone)} entries; {len(list(store.entries(KINDS)))} left in {store.url}")
         return
-    cache = open_local(cache_dir)
+    cache = open_existing(cache_dir)
     removed = cache.prune(max_size=size, max_age=age)
     for e in removed:
         click.echo(f"removed {e.kind} {e.key[:16]} {e.meta.get('identity', '?')}")
@@ -196,7 +213,7 @@ def cache_verify(cache_dir, url, endpoint):
             click.echo(f"corrupt {e.kind} {e.key[:16]}: {why} (removed from the store)")
         click.echo(f"{n - len(bad)} of {n} entries intact in {store.url}")
         sys.exit(1 if bad else 0)
-    cache = open_local(cache_dir)
+    cache = open_existing(cache_dir)
     n = len(cache.entries())
     bad = cache.verify()
     for e, why in bad:
@@ -286,8 +303,6 @@ def cache_push(cache_dir, url, endpoint, bundle):
     """
     cache = _cache_with_store(cache_dir, url, endpoint)
     published, skipped = cache.push(_wanted(bundle))
-    if cache.remote is None:
-        sys.exit(1)
     click.echo(f"published {published} entries to {cache.remote_url}; {skipped} already there (or corrupt here)")
 
 
@@ -308,8 +323,6 @@ def cache_pull(cache_dir, url, endpoint, bundle, trust):
     cache = _cache_with_store(cache_dir, url, endpoint, trust=trusted_key(trust))
     wanted = _wanted(bundle)
     installed, skipped = cache.pull(wanted)
-    if cache.remote is None:
-        sys.exit(1)
     click.echo(
         f"pulled {installed} entries from {cache.remote_url} into {cache.dir}; {skipped} already here or refused"
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+from click.core import ParameterSource
 
 from deepinfer.cli_common import (
     bundle_options,
@@ -19,6 +20,7 @@ from deepinfer.cli_common import (
     user_errors,
     write_logits,
 )
+from deepinfer.errors import DeepinferError
 
 STEP_TOKENS_HELP = (
     "Tokens one step feeds at most, over every running sequence (chunked prefill with a token budget, as "
@@ -83,11 +85,14 @@ def main(
     settings = load_settings(**load)
     b = opened(bundle, RunOptions(**settings))
     check_budget(max_step_tokens, b.config.text.dspark_block_size if settings["speculative"] else None)
+    max_context = b.manifest.buckets.max_context
     tok = tokenizer(b)
+    check_texts(prompt, max_context, tok.longest_token_bytes)
     prompts, embeds = prompts_with_images(prompt, prompt_ids, images, b.config, tok, lambda: load_vision(b), chat)
+    given = click.get_current_context().get_parameter_source("max_new_tokens") != ParameterSource.DEFAULT
     options = RunOptions(
         **settings,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=tokens_to_generate([len(p) for p in prompts], max_new_tokens, given, max_context),
         images=tuple(embeds) if embeds else None,
         keep_logits=dump_logits is not None,
         max_step_tokens=max_step_tokens,
@@ -109,6 +114,54 @@ def main(
         echo_generations(outs, tok.decode)
     if any(o.error for o in outs):
         raise SystemExit(1)
+
+
+class ContextError(DeepinferError, ValueError):
+    """A prompt, or a prompt and --max-new-tokens, that cannot fit the bundle's max_context."""
+
+
+def check_texts(texts: tuple[str, ...], max_context: int, longest_token_bytes: int) -> None:
+    """Refuse a --prompt text no tokenization could fit in `max_context` tokens, before tokenizing it:
+    more characters than the server's bound (`runtime.serving.params`: max_context times the bytes
+    the tokenizer's longest token stands for, times its slack); a character is at least a byte."""
+    from deepinfer.runtime.serving.params import TEXT_SLACK
+
+    limit = max_context * longest_token_bytes * TEXT_SLACK
+    for i, text in enumerate(texts):
+        if len(text) > limit:
+            raise ContextError(
+                f"--prompt {i}: the text has {len(text)} characters; no text over {limit} bytes fits the "
+                f"bundle's max_context of {max_context} tokens"
+            )
+
+
+def tokens_to_generate(prompt_lens: list[int], max_new_tokens: int, given: bool, max_context: int) -> int:
+    """The tokens each prompt generates, checked against the bundle's context before anything is loaded.
+
+    A sequence holds its prompt and every generated token but the last (the server's
+    `Engine.positions`). A prompt longer than max_context is refused; so is a --max-new-tokens the
+    user gave that a prompt leaves no room for, as vLLM's and OpenAI's servers refuse prompt plus
+    max_tokens beyond the context. The default (16) is cut to what the longest prompt leaves, with a
+    note on stderr. Prompts are numbered as the output numbers them (--prompt first, then --prompt-ids)."""
+    for i, n in enumerate(prompt_lens):
+        if n > max_context:
+            raise ContextError(f"prompt {i} has {n} tokens, more than the bundle's max_context ({max_context})")
+    room = max_context - max(prompt_lens) + 1  # at least 1: every prompt fits
+    if max_new_tokens <= room:
+        return max_new_tokens
+    if given:
+        i = prompt_lens.index(max(prompt_lens))
+        raise ContextError(
+            f"--max-new-tokens {max_new_tokens}: prompt {i} ({prompt_lens[i]} tokens) leaves room for {room} "
+            f"(the bundle's max_context is {max_context} positions: the prompt and every generated token "
+            "but the last); lower --max-new-tokens or shorten the prompt"
+        )
+    click.echo(
+        f"note: generating {room} tokens per prompt, what the bundle's max_context ({max_context}) leaves after "
+        f"the longest prompt ({max(prompt_lens)} tokens); --max-new-tokens defaults to {max_new_tokens}",
+        err=True,
+    )
+    return room
 
 
 def _timings(outs: Completions, wall: float, verify_tokens: int, speculative: bool) -> tuple[dict, list[str]]:

@@ -3,6 +3,10 @@ and says why in its own terms (issue 16, class 9)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import click
 import pytest
 import torch
@@ -101,3 +105,54 @@ def test_a_dump_destination_is_checked_before_generating(tmp_path, tiny_ckpt):
     assert "is a directory" in _usage_error(
         deepinfer_main, ["reference", str(tiny_ckpt), "--prompt-ids", "0,72", "--dump-logits", str(tmp_path)]
     )
+
+
+def run_cli(bundle, *args: str) -> subprocess.CompletedProcess:
+    """The real deepinfer-run, in its own process, on one thread."""
+    cmd = [sys.executable, "-m", "deepinfer.runtime.cli", str(bundle), "--threads", "1", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_what_cannot_fit_the_context_is_refused_before_loading(exported_bundle):
+    """The bundle's max_context (32) checked before anything is loaded, exit 2 and one line (a
+    --max-new-tokens of 10**12 ran to the context and exited 1; a 100k-character prompt was refused
+    after the load with exit 1): a prompt plus a given --max-new-tokens beyond it, as vLLM's server
+    refuses; a text no tokenization could fit, before tokenizing (the byte tokenizer: 4 x 32
+    characters at most); a prompt of more tokens than the context."""
+    ids = ",".join(["5"] * 3)
+    for args, line in [
+        (
+            ["--prompt-ids", ids, "--max-new-tokens", str(10**12)],
+            "error: --max-new-tokens 1000000000000: prompt 0 (3 tokens) leaves room for 30 (the bundle's "
+            "max_context is 32 positions: the prompt and every generated token but the last); lower "
+            "--max-new-tokens or shorten the prompt",
+        ),
+        (
+            ["--prompt", "x" * 100_000],
+            "error: --prompt 0: the text has 100000 characters; no text over 128 bytes fits the bundle's "
+            "max_context of 32 tokens",
+        ),
+        (
+            ["--prompt-ids", "5", "--prompt-ids", ",".join(["5"] * 33)],
+            "error: prompt 1 has 33 tokens, more than the bundle's max_context (32)",
+        ),
+    ]:
+        r = run_cli(exported_bundle, *args)
+        assert (r.returncode, r.stdout, r.stderr.splitlines()) == (2, "", [line]), (r.returncode, r.stdout, r.stderr)
+
+
+@pytest.mark.slow
+def test_the_whole_context_is_usable_and_the_default_is_cut_to_it(exported_bundle):
+    """A given --max-new-tokens that just fits runs whole (prompt + new - 1 = max_context); the default
+    (16) is cut to what the longest prompt leaves, with a note, and generates that many, exit 0."""
+    r = run_cli(exported_bundle, "--prompt-ids", "5,6,7", "--max-new-tokens", "30", "--json")
+    assert r.returncode == 0, r.stderr
+    assert [len(o["generated_ids"]) for o in json.loads(r.stdout)["outputs"]] == [30]
+    r = run_cli(exported_bundle, "--prompt-ids", ",".join(["5"] * 28), "--prompt-ids", "5", "--json")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == [
+        "note: generating 5 tokens per prompt, what the bundle's max_context (32) leaves after the longest "
+        "prompt (28 tokens); --max-new-tokens defaults to 16"
+    ]
+    assert [len(o["generated_ids"]) for o in json.loads(r.stdout)["outputs"]] == [5, 5]

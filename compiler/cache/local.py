@@ -296,8 +296,10 @@ class Cache:
         self.remove(entry.path)
 
     # --- the remote tier ---
-    def _fetch(self, kind: str, digest: str) -> bool:
+    def _fetch(self, kind: str, digest: str, strict: bool = False) -> bool:
         """Install the store's entry for (kind, digest) in the local tier; True when it is there now.
+        The store failing turns it off with one warning (a compile goes on), or with `strict` (a
+        `deepinfer cache` command, for which the store is the point) raises StoreUnavailable.
         An entry the trusted key did not sign is left alone (it may be another signer's, and a
         reader with the wrong key must not empty a shared store); a corrupt one is taken out of the
         store, so that the rebuilt entry's conditional create can succeed."""
@@ -339,6 +341,8 @@ class Cache:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         except StoreUnavailable as e:
+            if strict:
+                raise
             self._store_failed(e)
         except OSError as e:
             self._cannot_write(e)
@@ -358,9 +362,10 @@ class Cache:
         if drop_object:
             store.delete_object(meta["digest"])
 
-    def publish(self, kind: str, digest: str) -> bool:
+    def publish(self, kind: str, digest: str, strict: bool = False) -> bool:
         """Publish the local entry (kind, digest) to the store; True when this call created it there
-        (False: no store, the entry is gone, or another publisher was first)."""
+        (False: no store, the entry is gone, or another publisher was first). The store failing is
+        as in `_fetch`: one warning, or StoreUnavailable with `strict`."""
         store = self.remote
         if store is None:
             return False
@@ -371,6 +376,8 @@ class Cache:
             if not store.publish(kind, digest, path / ARTIFACT, raw, signature):
                 return False
         except StoreUnavailable as e:
+            if strict:
+                raise
             self._store_failed(e)
             return False
         except (OSError, ReadError):  # removed meanwhile (prune, verify): nothing to publish
@@ -380,17 +387,16 @@ class Cache:
 
     def push(self, wanted: set[tuple[str, str]] | None = None) -> tuple[int, int]:
         """Publish the intact local entries (all, or the (kind, key) pairs of `wanted`) to the store:
-        (published, already there or corrupt here)."""
+        (published, already there or corrupt here). The store failing raises StoreUnavailable: a
+        command that copies to the store stops there (a compile's publishes warn and go on)."""
         published = skipped = 0
         for e in self.entries():
-            if self.remote is None:
-                break
             if wanted is not None and (e.kind, e.key) not in wanted:
                 continue
             if (
                 e.meta.get("key") == e.key
                 and sha256_file(e.artifact) == e.meta.get("digest")
-                and self.publish(e.kind, e.key)
+                and self.publish(e.kind, e.key, strict=True)
             ):
                 published += 1
             else:
@@ -399,18 +405,14 @@ class Cache:
 
     def pull(self, wanted: set[tuple[str, str]] | None = None) -> tuple[int, int]:
         """Install the store's entries (all, or the (kind, key) pairs of `wanted`) locally:
-        (installed, already here or refused)."""
+        (installed, already here or refused). The store failing raises StoreUnavailable, as in `push`."""
         store = self.remote
         if store is None:
             return 0, 0
-        try:
-            listed = {(e.kind, e.key) for e in store.entries(KINDS)}
-        except StoreUnavailable as e:
-            self._store_failed(e)
-            return 0, 0
+        listed = {(e.kind, e.key) for e in store.entries(KINDS)}
         installed = skipped = 0
         for kind, key in sorted(listed if wanted is None else listed & wanted):
-            if self.entry_dir(kind, key).exists() or not self._fetch(kind, key):
+            if self.entry_dir(kind, key).exists() or not self._fetch(kind, key, strict=True):
                 skipped += 1
             else:
                 installed += 1

@@ -41,6 +41,10 @@ META = "meta.json"
 OBJECTS = "objects"
 SIGNATURE_HEADER = "signature"  # S3 user metadata (x-amz-meta-signature) of meta.json
 INSTALL_HINT = "pip install 'deepinfer[s3]'"
+NO_CREDENTIALS = (
+    "no AWS credentials found ($AWS_ACCESS_KEY_ID and $AWS_SECRET_ACCESS_KEY, $AWS_PROFILE, "
+    "~/.aws/credentials, or an instance or task role)"
+)
 URL_FORMAT = re.compile(r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(/.*)?")
 
 
@@ -176,19 +180,34 @@ class Store:
                 )
             return self._client
 
-    def _call(self, what: str, fn: Callable, **kwargs):
-        """Run one client call; errors other than the ones the caller handles become StoreUnavailable."""
-        from botocore.exceptions import BotoCoreError, ClientError
+    def _call(self, what: str, fn: Callable, expected: tuple[str, ...] = (), **kwargs):
+        """Run one client call; a ClientError whose code is in `expected` (the answers the caller
+        handles: a missing key, a lost conditional create) is raised as it is, every other error
+        becomes StoreUnavailable. A listing or an upload expects none: a bare 404 there (an endpoint
+        that is not S3, or a bucket a proxy hides) is the store failing, not an empty store."""
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
         try:
             return fn(**kwargs)
         except ClientError as e:
-            if _code(e) in _EXPECTED:
+            if _code(e) in expected:
                 raise
-            err = e.response.get("Error", {})
-            raise StoreUnavailable(self, f"{what}: {err.get('Code', '?')} ({err.get('Message', '')})") from None
+            raise StoreUnavailable(self, f"{what}: {self._client_error(e)}") from None
+        except NoCredentialsError:
+            raise StoreUnavailable(self, f"{what}: {NO_CREDENTIALS}") from None
         except BotoCoreError as e:
             raise StoreUnavailable(self, f"{what}: {e}") from None
+
+    def _client_error(self, e) -> str:
+        """What an S3 error answer says, naming the bucket and the endpoint where it helps."""
+        err = e.response.get("Error", {})
+        code, message = str(err.get("Code", "?")), err.get("Message", "")
+        where = self.endpoint or "AWS S3"
+        if code.isdigit():  # an HTTP status with no S3 error document in the answer
+            return f"HTTP {code} {message} from {where} with no S3 error code (an S3 endpoint with a bucket {self.bucket!r}?)"
+        if code == "NoSuchBucket":
+            return f"NoSuchBucket: there is no bucket {self.bucket!r} at {where} ({message})"
+        return f"{code} ({message})"
 
     # --- reading ---
     def get_meta(self, kind: str, key: str) -> tuple[bytes, bytes | None] | None:
@@ -196,7 +215,9 @@ class Store:
         from botocore.exceptions import ClientError
 
         try:
-            r = self._call("get meta.json", self.client.get_object, Bucket=self.bucket, Key=self.meta_name(kind, key))
+            r = self._call(
+                "get meta.json", self.client.get_object, _MISSING, Bucket=self.bucket, Key=self.meta_name(kind, key)
+            )
         except ClientError as e:
             if _code(e) in _MISSING:
                 return None
@@ -209,7 +230,9 @@ class Store:
         from botocore.exceptions import ClientError
 
         try:
-            r = self._call("get object", self.client.get_object, Bucket=self.bucket, Key=self.object_name(digest))
+            r = self._call(
+                "get object", self.client.get_object, _MISSING, Bucket=self.bucket, Key=self.object_name(digest)
+            )
         except ClientError as e:
             if _code(e) in _MISSING:
                 return False
@@ -223,7 +246,9 @@ class Store:
         from botocore.exceptions import ClientError
 
         try:
-            self._call("head object", self.client.head_object, Bucket=self.bucket, Key=self.object_name(digest))
+            self._call(
+                "head object", self.client.head_object, _MISSING, Bucket=self.bucket, Key=self.object_name(digest)
+            )
         except ClientError as e:
             if _code(e) in _MISSING:
                 return False
@@ -346,6 +371,7 @@ class Store:
             self._call(
                 "put meta.json",
                 self.client.put_object,
+                _TAKEN,
                 Bucket=self.bucket,
                 Key=self.meta_name(kind, key),
                 Body=raw_meta,
@@ -368,7 +394,6 @@ class Store:
 
 _MISSING = ("NoSuchKey", "404", "NotFound")
 _TAKEN = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
-_EXPECTED = _MISSING + _TAKEN
 
 
 def _code(e) -> str:

@@ -7,6 +7,7 @@ import json
 import logging
 import pickle
 import socket
+import subprocess
 import sys
 import threading
 import uuid
@@ -290,6 +291,102 @@ def test_cache_push_pull_ls_verify_prune_round_trip(tmp_path, url, s3, client):
     assert r.exit_code == 2 and "--max-size is for the local directory" in r.output
     r = run(deepinfer, ["cache", "push", "--cache-dir", str(tmp_path / "a")])
     assert r.exit_code == 2 and "give --url" in r.output
+
+
+# --- a store that fails: one line naming the URL, a non-zero exit, whatever the command ---
+
+BARE_404 = """
+import http.server
+class Answer(http.server.BaseHTTPRequestHandler):
+    def answer(self):
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = answer
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+@pytest.fixture(scope="module")
+def bare_404():
+    """A plain HTTP server (not S3) answering every request with a bare 404, no body: its endpoint."""
+    proc = subprocess.Popen([sys.executable, "-c", BARE_404], stdout=subprocess.PIPE, text=True)
+    port: list[str] = []
+    reader = threading.Thread(target=lambda: port.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    reader.join(WAIT)
+    try:
+        assert port and port[0].strip().isdigit(), f"the 404 server did not start within {WAIT} s"
+        yield f"http://127.0.0.1:{port[0].strip()}"
+    finally:
+        proc.kill()
+        proc.wait(WAIT)
+
+
+COMMANDS = [["ls"], ["pull"], ["push"], ["verify"], ["prune", "--max-age", "1d"], ["explain", "0" * 8, "1" * 8]]
+
+
+def cache_cli(*args: str) -> subprocess.CompletedProcess:
+    """The real `deepinfer cache` in its own process (the environment is the test's: aws_env)."""
+    return subprocess.run(
+        [sys.executable, "-m", "deepinfer", "cache", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_an_endpoint_answering_bare_404s_is_one_line(tmp_path, bare_404, command):
+    """Every `deepinfer cache ... --url` against a server that is not S3 (a bare 404 to everything,
+    no S3 error document): one line naming the URL, the bucket and the endpoint, exit 2 (it was a
+    botocore traceback, the ClientError of code "404" taken for a missing key outside lookups)."""
+    Cache(tmp_path / "a").put_bytes("executable", key(1), b"one")  # push has an entry to publish
+    r = cache_cli(*command, "--cache-dir", str(tmp_path / "a"), "--url", "s3://bkt/p", "--endpoint", bare_404)
+    line = one_line_error(r)
+    assert r.returncode == 2 and line.startswith("error: s3://bkt/p: ") and "HTTP 404" in line, line
+    assert "'bkt'" in line and bare_404 in line, line
+
+
+def test_a_compile_against_a_bare_404_endpoint_warns_once_and_goes_on(tmp_path, bare_404):
+    """A compile's cache (lookups miss, the publish's upload fails) against the same server: one
+    warning in the compile's terms and the local entry kept (the upload's ClientError of code "404"
+    escaped Cache.publish as a traceback)."""
+    c = cache(tmp_path / "a", "s3://bkt/p", bare_404)
+    assert c.get_bytes("executable", key(1)) is None
+    c.put_bytes("executable", key(1), b"one")
+    assert len(c.logged) == 1 and c.logged[0].startswith("warning: cache store s3://bkt/p: put object: HTTP 404")
+    assert "this compile goes on with the local cache only" in c.logged[0] and c.remote is None
+    assert c.get_bytes("executable", key(1)) == b"one"
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_no_credentials_or_no_bucket_is_one_line_in_the_commands_terms(tmp_path, s3, monkeypatch, command):
+    """Without credentials, and against moto's server with a bucket that does not exist: one line naming
+    the URL and what is wrong, exit 2, and nothing of a compile's fallback (push and pull said "this
+    compile goes on with the local cache only" and exited 1)."""
+    Cache(tmp_path / "a").put_bytes("executable", key(1), b"one")
+    where = ["--cache-dir", str(tmp_path / "a")]
+    missing = f"t-{uuid.uuid4().hex[:16]}"
+    r = cache_cli(*command, *where, "--url", f"s3://{missing}/p", "--endpoint", s3)
+    line = one_line_error(r)
+    assert r.returncode == 2 and line.startswith(f"error: s3://{missing}/p: ") and "NoSuchBucket" in line, line
+    assert f"no bucket {missing!r} at {s3}" in line and "compile" not in line, line
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-role lookup (it waits on a timeout)
+    r = cache_cli(*command, *where, "--url", "s3://bkt/p", "--endpoint", s3)
+    line = one_line_error(r)
+    assert r.returncode == 2 and line.startswith("error: s3://bkt/p: ") and "no AWS credentials" in line, line
+    assert "compile" not in line, line
 
 
 # --- configuration ---

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -139,3 +141,29 @@ def test_cache_commands(cache):
     r = run("prune", "--max-size", "0", "--cache-dir", cache.dir)
     assert r.exit_code == 0 and "removed 1 entries; 0 left" in r.output
     assert run("prune", "--max-age", "7x", "--cache-dir", cache.dir).exit_code == 2
+
+
+@pytest.mark.parametrize("command", [["ls"], ["verify"], ["prune", "--max-age", "1d"]], ids=lambda c: c[0])
+def test_a_cache_directory_that_is_not_there_is_refused(tmp_path, command):
+    """ls, verify and prune on a mistyped directory refuse in one line naming it and where it came from
+    (they reported "0 entries" with exit 0), and create nothing; the real CLI, in its own process."""
+    missing = tmp_path / "no-such-cache"
+    (tmp_path / "a-file").write_text("x")
+    env = os.environ | {"DEEPINFER_CACHE_DIR": str(tmp_path / "a-file")}
+    for args, where, what in [
+        (["--cache-dir", str(missing)], "--cache-dir", "no such directory"),
+        ([], "$DEEPINFER_CACHE_DIR", "not a directory"),
+    ]:
+        r = subprocess.run(
+            [sys.executable, "-m", "deepinfer", "cache", *command, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+        assert r.stderr.splitlines() == [
+            f"error: {missing if args else tmp_path / 'a-file'} ({where}): {what}; "
+            "give --cache-dir the directory your compiles use"
+        ], r.stderr
+    assert not missing.exists()

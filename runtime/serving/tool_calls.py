@@ -99,13 +99,18 @@ def parse_tools(body: dict) -> Tools | None:
         return Tools(tuple(functions), choice or "auto", parallel=parallel)
     if choice == "required":
         return Tools(tuple(functions), "forced", tuple(functions), parallel)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+    if not isinstance(choice, dict) or choice.get("type") != "function":
         raise ToolError(
             f'tool_choice is {choice!r}; expected "none", "auto", "required" or '
             '{"type": "function", "function": {"name": ...}}',
             "tool_choice",
         )
+    named_function = choice.get("function")
+    if not isinstance(named_function, dict):
+        raise ToolError(f'tool_choice.function is {named_function!r}; expected {{"name": ...}}', "tool_choice")
+    name = named_function.get("name")
+    if not isinstance(name, str):
+        raise ToolError(f"tool_choice.function.name is {name!r}; expected the name of one of tools", "tool_choice")
     named = [f for f in functions if f.name == name]
     if not named:
         raise ToolError(f"tool_choice names the function {name!r}, which is not in tools", "tool_choice")

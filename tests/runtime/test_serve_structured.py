@@ -227,6 +227,26 @@ def test_invalid_tools_are_400_naming_the_param(server, kw, param):
     assert e.value.body["param"] == param
 
 
+@pytest.mark.parametrize(
+    "choice, names",
+    [
+        ({"type": "function", "function": "weather"}, "tool_choice.function is"),
+        ({"type": "function", "function": ["weather"]}, "tool_choice.function is"),
+        ({"type": "function", "function": None}, "tool_choice.function is"),
+        ({"type": "function"}, "tool_choice.function is"),
+        ({"type": "function", "function": {"name": 5}}, "tool_choice.function.name is"),
+        ({"type": "function", "function": {}}, "tool_choice.function.name is"),
+    ],
+)
+def test_a_malformed_named_tool_choice_is_400_naming_it(server, choice, names):
+    """A named choice whose `function` is not an object with a string name (the first of these was a
+    500, AttributeError, with a traceback in the server's log)."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "tools": TOOLS, "tool_choice": choice}
+    status, answer = server.post("/v1/chat/completions", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == "tool_choice" and answer["error"]["message"].startswith(names), answer
+
+
 def test_a_bad_parameters_schema_names_its_function(server):
     bad = {
         "type": "function",

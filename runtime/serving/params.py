@@ -22,6 +22,7 @@ from deepinfer.runtime.serving.engine import Engine, RequestError
 from deepinfer.runtime.serving.grammars import ANY_OBJECT, Compiled, GrammarError, Grammars, json_grammar, lark_grammar
 from deepinfer.runtime.serving.logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
 from deepinfer.runtime.serving.tool_calls import ToolError, Tools, call_lark, call_text, fallback_message, parse_tools
+from deepinfer.runtime.serving.values import lone_surrogate
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_STOPS = 4  # OpenAI's limit on stop strings
@@ -38,6 +39,10 @@ def parse_body(raw: bytes) -> dict:
     body = parse_json(raw, "the request body", error=BadRequest)
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    found = lone_surrogate(raw, body)
+    if found is not None:
+        field, message = found
+        raise BadRequest(f"{message}; every string of a request must be Unicode text", field)
     return body
 
 
@@ -159,7 +164,7 @@ class Bodies:
         if kind == "text":
             return None
         if kind == "json_object":
-            return self.checked(json_grammar(ANY_OBJECT), "response_format")
+            return self.schema_checked(ANY_OBJECT, "response_format")
         if kind != "json_schema":
             raise BadRequest(
                 f'response_format is {fmt!r}; expected {{"type": "text"}}, {{"type": "json_object"}} or '
@@ -185,7 +190,7 @@ class Bodies:
                 "response_format.json_schema.schema: expected a JSON schema (an object)", "response_format"
             )
         try:
-            return self.checked(json_grammar(schema), "response_format")
+            return self.schema_checked(schema, "response_format")
         except BadRequest as e:
             raise BadRequest(f"response_format.json_schema.schema: {e}", "response_format") from None
 
@@ -195,7 +200,7 @@ class Bodies:
         for i, f in enumerate(tools.functions):
             if f in tools.forced:
                 try:
-                    self.checked(json_grammar(f.parameters), "tools")
+                    self.schema_checked(f.parameters, "tools")
                 except BadRequest as e:
                     raise BadRequest(f"tools[{i}].function.parameters: {e}", "tools") from None
         return self.checked(lark_grammar(call_lark(tools.forced, tools.parallel)), "tools")
@@ -205,6 +210,15 @@ class Bodies:
             return self.grammars.compile(grammar)
         except GrammarError as e:
             raise BadRequest(str(e), param) from None
+
+    def schema_checked(self, schema: dict, param: str) -> Compiled:
+        """The grammar of JSON matching `schema`, compiled: a schema the grammar engine cannot even read
+        (an integer past 64 bits) is a BadRequest too, as one it cannot enforce is."""
+        try:
+            grammar = json_grammar(schema)
+        except GrammarError as e:
+            raise BadRequest(str(e), param) from None
+        return self.checked(grammar, param)
 
     def tools(self, body: dict) -> Tools | None:
         try:

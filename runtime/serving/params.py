@@ -116,9 +116,12 @@ class Bodies:
         if seed is not None and not -(2**63) <= seed <= 2**63 - MAX_N:
             raise BadRequest(f"seed is {seed}; expected a signed 64-bit integer", "seed")
         stream = body_field(body, "stream", bool, False)
-        options = body.get("stream_options") or {}
+        options = body.get("stream_options")
+        if options is None:
+            options = {}
         if not isinstance(options, dict):
-            raise BadRequest("stream_options: expected an object", "stream_options")
+            raise BadRequest(f"stream_options is {options!r}; expected an object", "stream_options")
+        include_usage = body_field(options, "include_usage", bool, False, parent="stream_options")
         try:
             self.engine.check(len(prompt), max_tokens)
         except RequestError as e:
@@ -131,7 +134,7 @@ class Bodies:
             sampling,
             stops,
             stream,
-            bool(options.get("include_usage")),
+            include_usage,
             n,
             logprobs,
             echo,
@@ -331,9 +334,10 @@ def _choices(body: dict) -> int:
     n = body_field(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise BadRequest(f"n is {n}; expected 1 to {MAX_N} choices", "n")
-    for name, harmless in (("best_of", (None, 1)), ("suffix", (None, ""))):
-        if body.get(name) not in harmless:
-            raise BadRequest(f"{name} is not supported by this server", name)
+    if body_field(body, "best_of", int, None) not in (None, 1):
+        raise BadRequest("best_of is not supported by this server", "best_of")
+    if body.get("suffix") not in (None, ""):
+        raise BadRequest("suffix is not supported by this server", "suffix")
     return n
 
 
@@ -418,15 +422,17 @@ def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
     return top, body_field(body, "echo", bool, False)
 
 
-def body_field(body: dict, name: str, kind: type, default):
-    """body[name] as `kind` (int accepts no bool or float; float accepts an int), or `default` when absent/null."""
+def body_field(body: dict, name: str, kind: type, default, *, parent: str | None = None):
+    """body[name] as `kind` (bool accepts only true and false; int accepts no bool or float; float accepts
+    an int), or `default` when absent/null. `parent`: the field `body` is the object of (the param named)."""
     value = body.get(name)
     if value is None:
         return default
     accepted = {bool: (bool,), int: (int,), float: (int, float)}[kind]
     if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
         expected = {bool: "a boolean", int: "an integer", float: "a number"}[kind]
-        raise BadRequest(f"{name} is {value!r}; expected {expected}", name)
+        where = name if parent is None else f"{parent}.{name}"
+        raise BadRequest(f"{where} is {value!r}; expected {expected}", parent or name)
     if kind is float:
         assert isinstance(value, (int, float))  # accepted above
         return float(value)

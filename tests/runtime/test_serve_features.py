@@ -303,6 +303,41 @@ def test_stop_strings_spanning_tokens_are_cut_with_their_logprobs(server, execut
     assert "".join(tokens) == want if ascii_ else "".join(tokens).startswith(want[:1])
 
 
+@pytest.mark.parametrize(
+    "path, extra, param, words",
+    [
+        (
+            "/v1/completions",
+            {"stream": True, "stream_options": {"include_usage": "no"}},
+            "stream_options",
+            "include_usage",
+        ),
+        (
+            "/v1/completions",
+            {"stream": True, "stream_options": {"include_usage": 1}},
+            "stream_options",
+            "include_usage",
+        ),
+        ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": "false"}}, "stream_options", ""),
+        ("/v1/completions", {"stream": True, "stream_options": False}, "stream_options", "expected an object"),
+        ("/v1/completions", {"stream": True, "stream_options": ""}, "stream_options", "expected an object"),
+        ("/v1/completions", {"stream": "true"}, "stream", "boolean"),
+        ("/v1/completions", {"stream": 1}, "stream", "boolean"),
+        ("/v1/completions", {"echo": 1}, "echo", "boolean"),
+        ("/v1/chat/completions", {"logprobs": 1}, "logprobs", "boolean"),
+        ("/v1/completions", {"best_of": True}, "best_of", "integer"),
+    ],
+)
+def test_a_boolean_is_true_or_false_not_a_string_or_a_number(server, path, extra, param, words):
+    """`stream_options.include_usage: "no"` was taken as true (any truthy value was), `stream_options:
+    false` as none given, `best_of: true` as 1."""
+    base = {"model": MODEL, "max_tokens": 2}
+    base.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
+    status, body = server.post(path, {**base, **extra})
+    assert status == 400, (extra, body)
+    assert body["error"]["param"] == param and words in body["error"]["message"], (extra, body)
+
+
 def test_invalid_fields_get_400_naming_the_param_and_the_server_keeps_serving(server):
     completion = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}

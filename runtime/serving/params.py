@@ -63,7 +63,7 @@ class BadRequest(Exception):
 class Params:
     prompt: list[int]
     max_tokens: int
-    sampling: Sampling  # choice 0's; choice i draws from seed + i
+    sampling: Sampling  # choice 0's; choice i draws from seed + i, wrapped to a signed 64-bit integer
     stops: list[str]
     stream: bool
     include_usage: bool
@@ -81,8 +81,10 @@ class Params:
         return {f.name for f in (self.tools.forced or self.tools.functions)}
 
     def sampling_of(self, index: int) -> Sampling:
+        """Choice `index`'s sampling: seed + index, wrapped as a signed 64-bit integer adds (2**63 - 1 + 1
+        is -2**63), so that every seed in the range the request may give has its n choices."""
         seed = self.sampling.seed
-        return replace(self.sampling, seed=None if seed is None else seed + index)
+        return replace(self.sampling, seed=None if seed is None else (seed + index + 2**63) % 2**64 - 2**63)
 
 
 class Bodies:
@@ -113,7 +115,7 @@ class Bodies:
         stops = _stops(body)
         penalties = _penalties(body)
         seed = body_field(body, "seed", int, None)
-        if seed is not None and not -(2**63) <= seed <= 2**63 - MAX_N:
+        if seed is not None and not -(2**63) <= seed <= 2**63 - 1:
             raise BadRequest(f"seed is {seed}; expected a signed 64-bit integer", "seed")
         stream = body_field(body, "stream", bool, False)
         options = body.get("stream_options")

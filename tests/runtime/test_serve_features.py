@@ -245,6 +245,19 @@ def test_seed_gives_the_same_tokens_alone_and_batched(server):
     assert sampled("Once upon a time", 4321).text != alone or sampled("Once upon a time", 99).text != alone
 
 
+def test_every_signed_64_bit_seed_is_taken_and_its_choices_wrap(server):
+    """2**63 - 1 was refused as not a signed 64-bit integer (the bound left room for seed + i of n
+    choices); choice i draws from seed + i wrapped as 64-bit integers add: 2**63 - 1 + 1 is -2**63."""
+    client = server.client()
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=NEW, temperature=1.0)
+    top, bottom = 2**63 - 1, -(2**63)
+    both = [c.text for c in client.completions.create(**kw, seed=top, n=2).choices]
+    assert both == [client.completions.create(**kw, seed=s).choices[0].text for s in (top, bottom)]
+    for seed in (2**63, bottom - 1):
+        status, body = server.post("/v1/completions", {**kw, "seed": seed})
+        assert status == 400 and body["error"]["param"] == "seed", body
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_n_choices_each_their_own_sequence(server, stream):
     client = server.client()

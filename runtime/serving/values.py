@@ -1,5 +1,9 @@
-"""A request's JSON values as `deepinfer-serve`'s refusals see them: where a body holds text that is not
-Unicode (`lone_surrogate`).
+"""A request's JSON values as `deepinfer-serve`'s refusals see them: how a message shows one (`shown`),
+and where a body holds text that is not Unicode (`lone_surrogate`).
+
+A refusal names the value it refuses as the client wrote it, in JSON (`true`, `null`, `"tiny"`), not
+as Python prints it (`True`, `None`, `'tiny'`), cut to `SHOWN_CHARS` characters: a message repeats no
+megabyte of a body.
 
 JSON text may carry a lone UTF-16 surrogate as an escape (`"\\ud800"`); Python's json module accepts it
 as a str that no UTF-8 encoder takes, so anything that later encodes it (a grammar engine in Rust, a
@@ -16,6 +20,15 @@ import re
 # a \uD800 .. \uDFFF escape in JSON text: the only way a body decoded from UTF-8 can hold a surrogate
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 PLAIN_KEY = re.compile(r"[A-Za-z_$][A-Za-z0-9_$-]*")  # a key written .key in a path; others ["key"]
+SHOWN_CHARS = 200  # the most of a value a message shows
+
+
+def shown(value: object) -> str:
+    """`value` as JSON text for an error message (non-ASCII as it is, a lone surrogate escaped), at most
+    SHOWN_CHARS characters (then cut, with "...")."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate as its \u escape
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
 def lone_surrogate(raw: bytes, body: object) -> tuple[str | None, str] | None:

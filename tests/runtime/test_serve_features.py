@@ -351,6 +351,43 @@ def test_a_boolean_is_true_or_false_not_a_string_or_a_number(server, path, extra
     assert body["error"]["param"] == param and words in body["error"]["message"], (extra, body)
 
 
+@pytest.mark.parametrize(
+    "path, extra, shown",
+    [
+        ("/v1/completions", {"logprobs": True}, "logprobs is true; expected an integer"),
+        ("/v1/completions", {"model": None}, 'The model null does not exist; this server serves "tiny"'),
+        ("/v1/completions", {"model": "gpt-4"}, 'The model "gpt-4" does not exist'),
+        ("/v1/completions", {"echo": "yes"}, 'echo is "yes"; expected a boolean'),
+        ("/v1/completions", {"stop": [None]}, "stop is [null]; expected"),
+        ("/v1/completions", {"logit_bias": {"5": False}}, 'logit_bias["5"] is false; expected'),
+        ("/v1/completions", {"stream_options": [True]}, "stream_options is [true]; expected an object"),
+        ("/v1/completions", {"response_format": {"type": "yaml", "x": None}}, 'response_format is {"type": "yaml"'),
+        ("/v1/chat/completions", {"tool_choice": "required"}, 'tool_choice is "required" but the request has no'),
+        (
+            "/v1/chat/completions",
+            {"tools": [{"type": "function", "function": {"name": "a"}}], "parallel_tool_calls": None},
+            "parallel_tool_calls is null; expected a boolean",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [{"type": "function", "function": {"name": "a"}}],
+                "tool_choice": {"type": "function", "function": {"name": "b"}},
+            },
+            'names the function "b", which',
+        ),
+        ("/v1/completions", {"model": "x" * 1000}, 'The model "' + "x" * 196 + "... does not exist"),
+    ],
+)
+def test_refusals_show_the_values_as_json(server, path, extra, shown):
+    """Error messages printed Python values (`logprobs is True`, `The model None does not exist`); they
+    show JSON (true, null, quoted strings), a long value cut."""
+    base = {"model": MODEL, "max_tokens": 2}
+    base.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
+    status, body = server.post(path, {**base, **extra})
+    assert status == 400 and shown in body["error"]["message"], (extra, body)
+
+
 def test_invalid_fields_get_400_naming_the_param_and_the_server_keeps_serving(server):
     completion = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
@@ -382,7 +419,7 @@ def test_invalid_fields_get_400_naming_the_param_and_the_server_keeps_serving(se
         assert set(body["error"]) == {"message", "type", "param", "code"}
         assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == param, (extra, body)
     status, body = server.post("/v1/completions", {**completion, "logit_bias": {"1000000": 5}})
-    assert "'1000000'" in body["error"]["message"]
+    assert '"1000000"' in body["error"]["message"]
     status, body = server.post("/v1/completions", completion)
     assert status == 200 and body["usage"]["completion_tokens"] == 2
 

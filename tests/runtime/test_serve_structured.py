@@ -119,7 +119,7 @@ def test_json_object_and_max_tokens_running_out(server):
     [
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}, "strin"),
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}, "nowhere"),
-        ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "name is None"),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "name is null"),
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "expected a JSON schema"),
         ({"type": "yaml"}, "expected"),
         ("json", "expected"),

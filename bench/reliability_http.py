@@ -145,6 +145,51 @@ def bodies() -> list[tuple[str, bytes, str]]:
         )
     for field, v in [("temperature", 1e-300), ("top_p", 1e-300), ("tools", "x"), ("tool_choice", 5), ("n", 0)]:
         out.append((f"chat {field} = {v}", json.dumps({**chat, field: v}).encode(), "/v1/chat/completions"))
+    out += request_parts(chat)
+    return out
+
+
+def request_parts(chat: dict) -> list[tuple[str, bytes, str]]:
+    """(name, body, path) of malformed parts of a request issue 44 found (500s with a traceback, or taken
+    as what they are not): a named tool_choice whose function is no object, lone surrogates and integers
+    past 64 bits in schemas, booleans written as strings or numbers, the ends of the seed's range."""
+    tools = [{"type": "function", "function": {"name": "t"}}]
+
+    def schema(s: dict) -> dict:
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}}
+
+    def forced(parameters: dict, choice="required") -> dict:
+        function = {"name": "t", "parameters": {"type": "object", "properties": {"a": parameters}}}
+        return {"tools": [{"type": "function", "function": function}], "tool_choice": choice}
+
+    chats = [
+        ("tool_choice function a string", {"tools": tools, "tool_choice": {"type": "function", "function": "t"}}),
+        ("tool_choice function a list", {"tools": tools, "tool_choice": {"type": "function", "function": ["t"]}}),
+        ("tool_choice function null", {"tools": tools, "tool_choice": {"type": "function", "function": None}}),
+        ("tool_choice function name 5", {"tools": tools, "tool_choice": {"type": "function", "function": {"name": 5}}}),
+        ("json_schema enum lone surrogate", schema({"enum": ["\ud800"]})),
+        ("json_schema const lone surrogate", schema({"const": "\udfff"})),
+        ("json_schema pattern lone surrogate", schema({"type": "string", "pattern": "\ud800"})),
+        ("json_schema key lone surrogate", schema({"type": "object", "properties": {"\ud800": {}}})),
+        ("json_schema enum 2**100", schema({"enum": [2**100]})),
+        ("tool parameters enum lone surrogate", forced({"enum": ["\ud800"]})),
+        ("tool parameters const 2**100", forced({"const": 2**100})),
+        ("tool parameters auto lone surrogate", forced({"pattern": "\ud800"}, "auto")),
+        ("stream_options include_usage no", {"stream": True, "stream_options": {"include_usage": "no"}}),
+        ("stream_options false", {"stream": True, "stream_options": False}),
+        ("logprobs 1", {"logprobs": 1}),
+    ]
+    out = [(f"chat {name}", json.dumps({**chat, **extra}).encode(), "/v1/chat/completions") for name, extra in chats]
+    for name, extra in [
+        ("seed 2**63-1 n 2", {"seed": 2**63 - 1, "n": 2, "temperature": 1.0}),
+        ("seed -2**63", {"seed": -(2**63), "temperature": 1.0}),
+        ("seed 2**63", {"seed": 2**63}),
+        ("best_of true", {"best_of": True}),
+        ("echo 1", {"echo": 1}),
+        ("stop lone surrogate", {"stop": ["\ud800"]}),
+        ("a key lone surrogate", {"\ud800": 1}),
+    ]:
+        out.append((f"completions {name}", _with(**extra), "/v1/completions"))
     return out
 
 

@@ -4,6 +4,7 @@
 - `server`: the Starlette app and `serve` (bind, run the engine's thread and uvicorn, stop cleanly);
 - `routes`: the routes, one function per group (generation, the service, the tokenizer);
 - `params`: request bodies -> checked `Params` (400s with OpenAI's error body);
+- `values`: a request's JSON values as refusals see them (a lone surrogate anywhere is refused);
 - `responses`: a generation's text as it leaves (stop strings, whole or as server-sent events);
 - `engine`: the scheduler on a thread of its own, taking requests while it runs;
 - `limits`: the HTTP limits (body size and time, connections, graceful stop, /health's gate);

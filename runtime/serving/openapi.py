@@ -56,7 +56,7 @@ SAMPLING = {
             ]
         }
     ),
-    "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - MAX_N}),
+    "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}),
     "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
     "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
     "logit_bias": _nullable(

@@ -22,6 +22,7 @@ from deepinfer.runtime.serving.engine import Engine, RequestError
 from deepinfer.runtime.serving.grammars import ANY_OBJECT, Compiled, GrammarError, Grammars, json_grammar, lark_grammar
 from deepinfer.runtime.serving.logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
 from deepinfer.runtime.serving.tool_calls import ToolError, Tools, call_lark, call_text, fallback_message, parse_tools
+from deepinfer.runtime.serving.values import lone_surrogate, shown
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_STOPS = 4  # OpenAI's limit on stop strings
@@ -38,6 +39,10 @@ def parse_body(raw: bytes) -> dict:
     body = parse_json(raw, "the request body", error=BadRequest)
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    found = lone_surrogate(raw, body)
+    if found is not None:
+        field, message = found
+        raise BadRequest(f"{message}; every string of a request must be Unicode text", field)
     return body
 
 
@@ -58,7 +63,7 @@ class BadRequest(Exception):
 class Params:
     prompt: list[int]
     max_tokens: int
-    sampling: Sampling  # choice 0's; choice i draws from seed + i
+    sampling: Sampling  # choice 0's; choice i draws from seed + i, wrapped to a signed 64-bit integer
     stops: list[str]
     stream: bool
     include_usage: bool
@@ -76,8 +81,10 @@ class Params:
         return {f.name for f in (self.tools.forced or self.tools.functions)}
 
     def sampling_of(self, index: int) -> Sampling:
+        """Choice `index`'s sampling: seed + index, wrapped as a signed 64-bit integer adds (2**63 - 1 + 1
+        is -2**63), so that every seed in the range the request may give has its n choices."""
         seed = self.sampling.seed
-        return replace(self.sampling, seed=None if seed is None else seed + index)
+        return replace(self.sampling, seed=None if seed is None else (seed + index + 2**63) % 2**64 - 2**63)
 
 
 class Bodies:
@@ -94,7 +101,7 @@ class Bodies:
     def params(self, body: dict, prompt: list[int], default_max: int, chat: bool, tools: Tools | None = None) -> Params:
         if body.get("model") != self.model:
             raise BadRequest(
-                f"The model {body.get('model')!r} does not exist; this server serves {self.model!r}",
+                f"The model {shown(body.get('model'))} does not exist; this server serves {shown(self.model)}",
                 "model",
                 code="model_not_found",
             )
@@ -102,18 +109,21 @@ class Bodies:
         logprobs, echo = _logprobs(body, chat)
         bad = [i for i in prompt if not 0 <= i < self.vocab]
         if bad:
-            raise BadRequest(f"token ids {bad[:8]} are outside the vocabulary [0, {self.vocab})", "prompt")
+            raise BadRequest(f"token ids {shown(bad[:8])} are outside the vocabulary [0, {self.vocab})", "prompt")
         max_tokens = _max_tokens(body, default_max, chat)
         temperature, top_p, top_k = _temperature_top_p_top_k(body)
         stops = _stops(body)
         penalties = _penalties(body)
         seed = body_field(body, "seed", int, None)
-        if seed is not None and not -(2**63) <= seed <= 2**63 - MAX_N:
-            raise BadRequest(f"seed is {seed}; expected a signed 64-bit integer", "seed")
+        if seed is not None and not -(2**63) <= seed <= 2**63 - 1:
+            raise BadRequest(f"seed is {shown(seed)}; expected a signed 64-bit integer", "seed")
         stream = body_field(body, "stream", bool, False)
-        options = body.get("stream_options") or {}
+        options = body.get("stream_options")
+        if options is None:
+            options = {}
         if not isinstance(options, dict):
-            raise BadRequest("stream_options: expected an object", "stream_options")
+            raise BadRequest(f"stream_options is {shown(options)}; expected an object", "stream_options")
+        include_usage = body_field(options, "include_usage", bool, False, parent="stream_options")
         try:
             self.engine.check(len(prompt), max_tokens)
         except RequestError as e:
@@ -126,7 +136,7 @@ class Bodies:
             sampling,
             stops,
             stream,
-            bool(options.get("include_usage")),
+            include_usage,
             n,
             logprobs,
             echo,
@@ -159,10 +169,10 @@ class Bodies:
         if kind == "text":
             return None
         if kind == "json_object":
-            return self.checked(json_grammar(ANY_OBJECT), "response_format")
+            return self.schema_checked(ANY_OBJECT, "response_format")
         if kind != "json_schema":
             raise BadRequest(
-                f'response_format is {fmt!r}; expected {{"type": "text"}}, {{"type": "json_object"}} or '
+                f'response_format is {shown(fmt)}; expected {{"type": "text"}}, {{"type": "json_object"}} or '
                 '{"type": "json_schema", "json_schema": {"name", "schema"}}',
                 "response_format",
             )
@@ -174,7 +184,7 @@ class Bodies:
         name = spec.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise BadRequest(
-                f"response_format.json_schema.name is {name!r}; expected 1 to 64 of a-z, A-Z, 0-9, _ and -",
+                f"response_format.json_schema.name is {shown(name)}; expected 1 to 64 of a-z, A-Z, 0-9, _ and -",
                 "response_format",
             )
         if not isinstance(spec.get("strict", False), (bool, type(None))):
@@ -185,7 +195,7 @@ class Bodies:
                 "response_format.json_schema.schema: expected a JSON schema (an object)", "response_format"
             )
         try:
-            return self.checked(json_grammar(schema), "response_format")
+            return self.schema_checked(schema, "response_format")
         except BadRequest as e:
             raise BadRequest(f"response_format.json_schema.schema: {e}", "response_format") from None
 
@@ -195,7 +205,7 @@ class Bodies:
         for i, f in enumerate(tools.functions):
             if f in tools.forced:
                 try:
-                    self.checked(json_grammar(f.parameters), "tools")
+                    self.schema_checked(f.parameters, "tools")
                 except BadRequest as e:
                     raise BadRequest(f"tools[{i}].function.parameters: {e}", "tools") from None
         return self.checked(lark_grammar(call_lark(tools.forced, tools.parallel)), "tools")
@@ -205,6 +215,15 @@ class Bodies:
             return self.grammars.compile(grammar)
         except GrammarError as e:
             raise BadRequest(str(e), param) from None
+
+    def schema_checked(self, schema: dict, param: str) -> Compiled:
+        """The grammar of JSON matching `schema`, compiled: a schema the grammar engine cannot even read
+        (an integer past 64 bits) is a BadRequest too, as one it cannot enforce is."""
+        try:
+            grammar = json_grammar(schema)
+        except GrammarError as e:
+            raise BadRequest(str(e), param) from None
+        return self.checked(grammar, param)
 
     def tools(self, body: dict) -> Tools | None:
         try:
@@ -218,16 +237,18 @@ class Bodies:
         if bias is None:
             return ()
         if not isinstance(bias, dict):
-            raise BadRequest(f"logit_bias is {bias!r}; expected an object of token id -> bias", "logit_bias")
+            raise BadRequest(f"logit_bias is {shown(bias)}; expected an object of token id -> bias", "logit_bias")
         out = []
         for key, value in bias.items():
             token = int(key) if TOKEN_ID.fullmatch(key) else None
             if token is None or not 0 <= token < self.vocab:
                 raise BadRequest(
-                    f"logit_bias key {key!r} is not a token id in the vocabulary [0, {self.vocab})", "logit_bias"
+                    f"logit_bias key {shown(key)} is not a token id in the vocabulary [0, {self.vocab})", "logit_bias"
                 )
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-                raise BadRequest(f"logit_bias[{key!r}] is {value!r}; expected a number in [-100, 100]", "logit_bias")
+                raise BadRequest(
+                    f"logit_bias[{shown(key)}] is {shown(value)}; expected a number in [-100, 100]", "logit_bias"
+                )
             out.append((token, float(value)))
         return tuple(out)
 
@@ -316,10 +337,11 @@ def _choices(body: dict) -> int:
     """n, the choices of a request (best_of and suffix are refused unless harmless)."""
     n = body_field(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
-        raise BadRequest(f"n is {n}; expected 1 to {MAX_N} choices", "n")
-    for name, harmless in (("best_of", (None, 1)), ("suffix", (None, ""))):
-        if body.get(name) not in harmless:
-            raise BadRequest(f"{name} is not supported by this server", name)
+        raise BadRequest(f"n is {shown(n)}; expected 1 to {MAX_N} choices", "n")
+    if body_field(body, "best_of", int, None) not in (None, 1):
+        raise BadRequest("best_of is not supported by this server", "best_of")
+    if body.get("suffix") not in (None, ""):
+        raise BadRequest("suffix is not supported by this server", "suffix")
     return n
 
 
@@ -338,11 +360,11 @@ def _temperature_top_p_top_k(body: dict) -> tuple[float, float, int]:
     top_p = body_field(body, "top_p", float, 1.0)
     top_k = body_field(body, "top_k", int, 0)
     if not 0 <= temperature <= 2:
-        raise BadRequest(f"temperature is {temperature}; expected a number in [0, 2]", "temperature")
+        raise BadRequest(f"temperature is {shown(temperature)}; expected a number in [0, 2]", "temperature")
     if not 0 < top_p <= 1:
-        raise BadRequest(f"top_p is {top_p}; expected a number in (0, 1]", "top_p")
+        raise BadRequest(f"top_p is {shown(top_p)}; expected a number in (0, 1]", "top_p")
     if top_k < -1:
-        raise BadRequest(f"top_k is {top_k}; expected -1 or 0 (every token) or a positive count", "top_k")
+        raise BadRequest(f"top_k is {shown(top_k)}; expected -1 or 0 (every token) or a positive count", "top_k")
     return temperature, top_p, top_k
 
 
@@ -351,7 +373,7 @@ def _stops(body: dict) -> list[str]:
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
-        raise BadRequest(f"stop is {stop!r}; expected a non-empty string or a list of at most {MAX_STOPS}", "stop")
+        raise BadRequest(f"stop is {shown(stop)}; expected a non-empty string or a list of at most {MAX_STOPS}", "stop")
     return stops
 
 
@@ -360,7 +382,7 @@ def _penalties(body: dict) -> dict[str, float]:
     for name in ("presence_penalty", "frequency_penalty"):
         penalties[name] = body_field(body, name, float, 0.0)
         if not -2 <= penalties[name] <= 2:
-            raise BadRequest(f"{name} is {penalties[name]}; expected a number in [-2, 2]", name)
+            raise BadRequest(f"{name} is {shown(penalties[name])}; expected a number in [-2, 2]", name)
     return penalties
 
 
@@ -390,7 +412,9 @@ def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
     if chat:
         top = body_field(body, "top_logprobs", int, None)
         if top is not None and not 0 <= top <= MAX_TOP_CHAT:
-            raise BadRequest(f"top_logprobs is {top}; expected an integer in [0, {MAX_TOP_CHAT}]", "top_logprobs")
+            raise BadRequest(
+                f"top_logprobs is {shown(top)}; expected an integer in [0, {MAX_TOP_CHAT}]", "top_logprobs"
+            )
         if not body_field(body, "logprobs", bool, False):
             if top:
                 raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
@@ -400,19 +424,21 @@ def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
         raise BadRequest("top_logprobs is a chat completions field; completions take logprobs: N", "top_logprobs")
     top = None if body.get("logprobs") is False else body_field(body, "logprobs", int, None)
     if top is not None and not 0 <= top <= MAX_TOP_LEGACY:
-        raise BadRequest(f"logprobs is {top}; expected an integer in [0, {MAX_TOP_LEGACY}]", "logprobs")
+        raise BadRequest(f"logprobs is {shown(top)}; expected an integer in [0, {MAX_TOP_LEGACY}]", "logprobs")
     return top, body_field(body, "echo", bool, False)
 
 
-def body_field(body: dict, name: str, kind: type, default):
-    """body[name] as `kind` (int accepts no bool or float; float accepts an int), or `default` when absent/null."""
+def body_field(body: dict, name: str, kind: type, default, *, parent: str | None = None):
+    """body[name] as `kind` (bool accepts only true and false; int accepts no bool or float; float accepts
+    an int), or `default` when absent/null. `parent`: the field `body` is the object of (the param named)."""
     value = body.get(name)
     if value is None:
         return default
     accepted = {bool: (bool,), int: (int,), float: (int, float)}[kind]
     if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
         expected = {bool: "a boolean", int: "an integer", float: "a number"}[kind]
-        raise BadRequest(f"{name} is {value!r}; expected {expected}", name)
+        where = name if parent is None else f"{parent}.{name}"
+        raise BadRequest(f"{where} is {shown(value)}; expected {expected}", parent or name)
     if kind is float:
         assert isinstance(value, (int, float))  # accepted above
         return float(value)

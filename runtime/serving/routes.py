@@ -29,6 +29,7 @@ from deepinfer.runtime.serving.openapi import document
 from deepinfer.runtime.serving.params import BadRequest, Bodies, Params, body_field, error_body, parse_body
 from deepinfer.runtime.serving.responses import Choice, TextStream, collect, sse
 from deepinfer.runtime.serving.tool_calls import parse_output
+from deepinfer.runtime.serving.values import shown
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
@@ -245,7 +246,7 @@ def tokenizer_routes(served: Served) -> list[Route]:
                 raise BadRequest("tokens: expected a list of token ids", "tokens")
             bad = [i for i in ids if not 0 <= i < served.vocab]
             if bad:
-                raise BadRequest(f"token ids {bad[:8]} are outside the vocabulary [0, {served.vocab})", "tokens")
+                raise BadRequest(f"token ids {shown(bad[:8])} are outside the vocabulary [0, {served.vocab})", "tokens")
         except BadRequest as e:
             return refuse(served, e)
         return JSONResponse({"prompt": served.tokenizer.decode(ids)})

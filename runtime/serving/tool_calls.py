@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.errors import DeepinferError
+from deepinfer.runtime.serving.values import shown
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
@@ -70,7 +71,7 @@ def parse_tools(body: dict) -> Tools | None:
     raw, choice = body.get("tools"), body.get("tool_choice")
     if raw is None:
         if choice not in (None, "none"):
-            raise ToolError(f"tool_choice is {choice!r} but the request has no tools", "tool_choice")
+            raise ToolError(f"tool_choice is {shown(choice)} but the request has no tools", "tool_choice")
         return None
     if not isinstance(raw, list) or not raw:
         raise ToolError("tools: expected a non-empty list of {type: function, function: {name, parameters}}", "tools")
@@ -82,9 +83,11 @@ def parse_tools(body: dict) -> Tools | None:
         f = t["function"]
         name = f.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise ToolError(f"{where}.function.name is {name!r}; expected 1 to 64 of a-z, A-Z, 0-9, _ and -", "tools")
+            raise ToolError(
+                f"{where}.function.name is {shown(name)}; expected 1 to 64 of a-z, A-Z, 0-9, _ and -", "tools"
+            )
         if any(g.name == name for g in functions):
-            raise ToolError(f"{where}: the function {name!r} is defined twice", "tools")
+            raise ToolError(f"{where}: the function {shown(name)} is defined twice", "tools")
         description = f.get("description")
         if description is not None and not isinstance(description, str):
             raise ToolError(f"{where}.function.description: expected a string", "tools")
@@ -94,21 +97,26 @@ def parse_tools(body: dict) -> Tools | None:
         functions.append(Function(name, description, parameters))
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
-        raise ToolError(f"parallel_tool_calls is {parallel!r}; expected a boolean", "parallel_tool_calls")
+        raise ToolError(f"parallel_tool_calls is {shown(parallel)}; expected a boolean", "parallel_tool_calls")
     if choice is None or choice in ("auto", "none"):
         return Tools(tuple(functions), choice or "auto", parallel=parallel)
     if choice == "required":
         return Tools(tuple(functions), "forced", tuple(functions), parallel)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+    if not isinstance(choice, dict) or choice.get("type") != "function":
         raise ToolError(
-            f'tool_choice is {choice!r}; expected "none", "auto", "required" or '
+            f'tool_choice is {shown(choice)}; expected "none", "auto", "required" or '
             '{"type": "function", "function": {"name": ...}}',
             "tool_choice",
         )
+    named_function = choice.get("function")
+    if not isinstance(named_function, dict):
+        raise ToolError(f'tool_choice.function is {shown(named_function)}; expected {{"name": ...}}', "tool_choice")
+    name = named_function.get("name")
+    if not isinstance(name, str):
+        raise ToolError(f"tool_choice.function.name is {shown(name)}; expected the name of one of tools", "tool_choice")
     named = [f for f in functions if f.name == name]
     if not named:
-        raise ToolError(f"tool_choice names the function {name!r}, which is not in tools", "tool_choice")
+        raise ToolError(f"tool_choice names the function {shown(name)}, which is not in tools", "tool_choice")
     return Tools(tuple(functions), "forced", tuple(named), parallel)
 
 

@@ -245,6 +245,19 @@ def test_seed_gives_the_same_tokens_alone_and_batched(server):
     assert sampled("Once upon a time", 4321).text != alone or sampled("Once upon a time", 99).text != alone
 
 
+def test_every_signed_64_bit_seed_is_taken_and_its_choices_wrap(server):
+    """2**63 - 1 was refused as not a signed 64-bit integer (the bound left room for seed + i of n
+    choices); choice i draws from seed + i wrapped as 64-bit integers add: 2**63 - 1 + 1 is -2**63."""
+    client = server.client()
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=NEW, temperature=1.0)
+    top, bottom = 2**63 - 1, -(2**63)
+    both = [c.text for c in client.completions.create(**kw, seed=top, n=2).choices]
+    assert both == [client.completions.create(**kw, seed=s).choices[0].text for s in (top, bottom)]
+    for seed in (2**63, bottom - 1):
+        status, body = server.post("/v1/completions", {**kw, "seed": seed})
+        assert status == 400 and body["error"]["param"] == "seed", body
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_n_choices_each_their_own_sequence(server, stream):
     client = server.client()
@@ -303,6 +316,78 @@ def test_stop_strings_spanning_tokens_are_cut_with_their_logprobs(server, execut
     assert "".join(tokens) == want if ascii_ else "".join(tokens).startswith(want[:1])
 
 
+@pytest.mark.parametrize(
+    "path, extra, param, words",
+    [
+        (
+            "/v1/completions",
+            {"stream": True, "stream_options": {"include_usage": "no"}},
+            "stream_options",
+            "include_usage",
+        ),
+        (
+            "/v1/completions",
+            {"stream": True, "stream_options": {"include_usage": 1}},
+            "stream_options",
+            "include_usage",
+        ),
+        ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": "false"}}, "stream_options", ""),
+        ("/v1/completions", {"stream": True, "stream_options": False}, "stream_options", "expected an object"),
+        ("/v1/completions", {"stream": True, "stream_options": ""}, "stream_options", "expected an object"),
+        ("/v1/completions", {"stream": "true"}, "stream", "boolean"),
+        ("/v1/completions", {"stream": 1}, "stream", "boolean"),
+        ("/v1/completions", {"echo": 1}, "echo", "boolean"),
+        ("/v1/chat/completions", {"logprobs": 1}, "logprobs", "boolean"),
+        ("/v1/completions", {"best_of": True}, "best_of", "integer"),
+    ],
+)
+def test_a_boolean_is_true_or_false_not_a_string_or_a_number(server, path, extra, param, words):
+    """`stream_options.include_usage: "no"` was taken as true (any truthy value was), `stream_options:
+    false` as none given, `best_of: true` as 1."""
+    base = {"model": MODEL, "max_tokens": 2}
+    base.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
+    status, body = server.post(path, {**base, **extra})
+    assert status == 400, (extra, body)
+    assert body["error"]["param"] == param and words in body["error"]["message"], (extra, body)
+
+
+@pytest.mark.parametrize(
+    "path, extra, shown",
+    [
+        ("/v1/completions", {"logprobs": True}, "logprobs is true; expected an integer"),
+        ("/v1/completions", {"model": None}, 'The model null does not exist; this server serves "tiny"'),
+        ("/v1/completions", {"model": "gpt-4"}, 'The model "gpt-4" does not exist'),
+        ("/v1/completions", {"echo": "yes"}, 'echo is "yes"; expected a boolean'),
+        ("/v1/completions", {"stop": [None]}, "stop is [null]; expected"),
+        ("/v1/completions", {"logit_bias": {"5": False}}, 'logit_bias["5"] is false; expected'),
+        ("/v1/completions", {"stream_options": [True]}, "stream_options is [true]; expected an object"),
+        ("/v1/completions", {"response_format": {"type": "yaml", "x": None}}, 'response_format is {"type": "yaml"'),
+        ("/v1/chat/completions", {"tool_choice": "required"}, 'tool_choice is "required" but the request has no'),
+        (
+            "/v1/chat/completions",
+            {"tools": [{"type": "function", "function": {"name": "a"}}], "parallel_tool_calls": None},
+            "parallel_tool_calls is null; expected a boolean",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [{"type": "function", "function": {"name": "a"}}],
+                "tool_choice": {"type": "function", "function": {"name": "b"}},
+            },
+            'names the function "b", which',
+        ),
+        ("/v1/completions", {"model": "x" * 1000}, 'The model "' + "x" * 196 + "... does not exist"),
+    ],
+)
+def test_refusals_show_the_values_as_json(server, path, extra, shown):
+    """Error messages printed Python values (`logprobs is True`, `The model None does not exist`); they
+    show JSON (true, null, quoted strings), a long value cut."""
+    base = {"model": MODEL, "max_tokens": 2}
+    base.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
+    status, body = server.post(path, {**base, **extra})
+    assert status == 400 and shown in body["error"]["message"], (extra, body)
+
+
 def test_invalid_fields_get_400_naming_the_param_and_the_server_keeps_serving(server):
     completion = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
@@ -334,7 +419,7 @@ def test_invalid_fields_get_400_naming_the_param_and_the_server_keeps_serving(se
         assert set(body["error"]) == {"message", "type", "param", "code"}
         assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == param, (extra, body)
     status, body = server.post("/v1/completions", {**completion, "logit_bias": {"1000000": 5}})
-    assert "'1000000'" in body["error"]["message"]
+    assert '"1000000"' in body["error"]["message"]
     status, body = server.post("/v1/completions", completion)
     assert status == 200 and body["usage"]["completion_tokens"] == 2
 

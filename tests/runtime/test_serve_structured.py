@@ -119,7 +119,7 @@ def test_json_object_and_max_tokens_running_out(server):
     [
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}, "strin"),
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}, "nowhere"),
-        ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "name is None"),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "name is null"),
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "expected a JSON schema"),
         ({"type": "yaml"}, "expected"),
         ("json", "expected"),
@@ -225,6 +225,74 @@ def test_invalid_tools_are_400_naming_the_param(server, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **kw)
     assert e.value.body["param"] == param
+
+
+@pytest.mark.parametrize(
+    "choice, names",
+    [
+        ({"type": "function", "function": "weather"}, "tool_choice.function is"),
+        ({"type": "function", "function": ["weather"]}, "tool_choice.function is"),
+        ({"type": "function", "function": None}, "tool_choice.function is"),
+        ({"type": "function"}, "tool_choice.function is"),
+        ({"type": "function", "function": {"name": 5}}, "tool_choice.function.name is"),
+        ({"type": "function", "function": {}}, "tool_choice.function.name is"),
+    ],
+)
+def test_a_malformed_named_tool_choice_is_400_naming_it(server, choice, names):
+    """A named choice whose `function` is not an object with a string name (the first of these was a
+    500, AttributeError, with a traceback in the server's log)."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "tools": TOOLS, "tool_choice": choice}
+    status, answer = server.post("/v1/chat/completions", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == "tool_choice" and answer["error"]["message"].startswith(names), answer
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+def _forced(parameters: dict, choice: str = "required") -> dict:
+    return {"tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}], "tool_choice": choice}
+
+
+@pytest.mark.parametrize(
+    "extra, param, where",
+    [
+        (_schema_format({"enum": ["a", "\ud800"]}), "response_format", "response_format.json_schema.schema.enum[1]"),
+        (_schema_format({"const": "\ud800"}), "response_format", "response_format.json_schema.schema.const"),
+        (
+            _schema_format({"type": "string", "pattern": "x\udc00"}),
+            "response_format",
+            "response_format.json_schema.schema.pattern",
+        ),
+        (
+            _forced({"type": "object", "properties": {"a": {"enum": ["\ud800"]}}}),
+            "tools",
+            "tools[0].function.parameters.properties.a.enum[0]",
+        ),
+        (
+            _forced({"type": "object", "properties": {"a": {"const": "\ud800"}}}, "auto"),
+            "tools",
+            "tools[0].function.parameters.properties.a.const",
+        ),
+        (_schema_format({"enum": [10**30]}), "response_format", "response_format.json_schema.schema: "),
+        (
+            _forced({"type": "object", "properties": {"a": {"const": 10**30}}}),
+            "tools",
+            "tools[0].function.parameters: ",
+        ),
+    ],
+    ids=["enum", "const", "pattern", "tool-enum", "tool-auto-const", "huge-int-enum", "huge-int-tool-const"],
+)
+def test_schema_values_no_grammar_engine_can_read_are_400_naming_them(server, extra, param, where):
+    """A lone surrogate (JSON can escape one; no UTF-8 encoder takes it) or an integer past 64 bits in a
+    schema: 500s with a traceback in the server's log before, now a 400 naming the field (a tool's
+    through the plain prompt format was a 400 naming `messages`)."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **extra}
+    status, answer = server.post("/v1/chat/completions", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and answer["error"]["message"].startswith(where), answer
+    assert server.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2})[0] == 200
 
 
 def test_a_bad_parameters_schema_names_its_function(server):

@@ -215,10 +215,10 @@ def test_tool_choice_forms():
         ({"tool_choice": "required"}, "tool_choice", "no tools"),
         ({"tools": []}, "tools", "non-empty list"),
         ({"tools": [{"type": "function"}]}, "tools", "tools\\[0\\]"),
-        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "'a b'"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", '"a b"'),
         ({"tools": [TIME, TIME]}, "tools", "defined twice"),
-        ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", "'always'"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice", "'x'"),
+        ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", '"always"'),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice", '"x"'),
         ({"tools": [WEATHER], "parallel_tool_calls": 1}, "parallel_tool_calls", "boolean"),
     ],
 )

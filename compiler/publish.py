@@ -8,16 +8,22 @@ directory is deleted.
 
 A staging directory is named `.<out>.tmp-<host>-<pid>-<random>` (a replaced bundle waits in
 `.<out>.old-<host>-<pid>-<random>` until the new one is in place), so the next compile into
-the same parent removes the ones a killed compile left: those of this host whose process is
-gone. A live process's directories, and other hosts', are never touched.
+the same parent, whatever its output, removes the ones a killed compile left: those of this host
+whose process is gone. A live process's directories, and other hosts', are never touched. A
+compile stopped by SIGTERM or SIGINT (`stopped_by_signals`) removes its own before it exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
+import signal
 import socket
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from deepinfer.bundles import layout
@@ -86,20 +92,59 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _stale_name(host: str) -> re.Pattern[str]:
+    """The name of any output's staging or replaced-bundle directory made on `host`: its pid in group 1."""
+    return re.compile(rf"\..+\.(?:{STAGING}|{TRASH})-{re.escape(host)}-(\d+)-[^-]+")
+
+
 def clean_stale(out: Path, log=lambda msg: None) -> list[Path]:
-    """Remove the staging and replaced-bundle directories of `out` left by compiles on this host
-    whose process is gone; returns what was removed."""
-    removed = []
-    for what in (STAGING, TRASH):
-        prefix = _prefix(out, what) + _host() + "-"
-        for path in out.parent.glob(f"{prefix}*"):
-            pid = path.name[len(prefix) :].split("-", 1)[0]
-            if not path.is_dir() or path.is_symlink() or not pid.isdigit() or _alive(int(pid)):
-                continue
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-            log(f"removed {path} (left by process {pid}, which is gone)")
+    """Remove the staging and replaced-bundle directories in `out`'s parent (of any output) left by
+    compiles on this host whose process is gone; returns what was removed."""
+    removed: list[Path] = []
+    pattern = _stale_name(_host())
+    if not out.parent.is_dir():
+        return removed
+    for path in sorted(out.parent.iterdir()):
+        match = pattern.fullmatch(path.name)
+        if match is None or not path.is_dir() or path.is_symlink() or _alive(int(match[1])):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+        log(f"removed {path} (left by process {match[1]}, which is gone)")
     return removed
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stopped_by_signals(log=lambda msg: None) -> Iterator[None]:
+    """While a compile runs: SIGTERM, like SIGINT, raises in the main thread (SystemExit with status
+    128 + the signal; KeyboardInterrupt for SIGINT) so that the compile's cleanup runs (its staging
+    directory removed, its worker processes stopped) instead of the process vanishing with them left
+    behind. Handlers the caller installed are kept, and so is everything off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+
+    def stop(signum: int, frame: object) -> None:
+        for s in STOP_SIGNALS:  # a second signal does not interrupt the cleanup
+            signal.signal(s, signal.SIG_IGN)
+        name = signal.Signals(signum).name
+        log(f"{name}: stopping the compile; removing its staging directory, nothing is published")
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    for s in STOP_SIGNALS:
+        if previous[s] in (signal.SIG_DFL, signal.default_int_handler):
+            signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        for s in STOP_SIGNALS:
+            signal.signal(s, previous[s])
 
 
 def make_staging(out: Path, what: str = STAGING) -> Path:

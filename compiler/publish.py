@@ -16,11 +16,13 @@ compile stopped by SIGTERM or SIGINT (`stopped_by_signals`) removes its own befo
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import re
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -115,27 +117,46 @@ def clean_stale(out: Path, log=lambda msg: None) -> list[Path]:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_GRACE_S = 30.0  # after a stop signal: how long the cleanup may take before the backstop ends it
 
 
 @contextlib.contextmanager
-def stopped_by_signals(log=lambda msg: None) -> Iterator[None]:
-    """While a compile runs: SIGTERM, like SIGINT, raises in the main thread (SystemExit with status
-    128 + the signal; KeyboardInterrupt for SIGINT) so that the compile's cleanup runs (its staging
-    directory removed, its worker processes stopped) instead of the process vanishing with them left
-    behind. Handlers the caller installed are kept, and so is everything off the main thread."""
+def stopped_by_signals(log=lambda msg: None, staging: Path | None = None) -> Iterator[None]:
+    """While a compile runs, a stop signal takes its staging directory and worker processes with it.
+
+    SIGTERM ends the compile at once: the workers (`multiprocessing.active_children`) are killed,
+    `staging` removed and the process exits with 128 + 15, as a kill -9 would but with nothing left
+    behind (what the artifact cache holds survives a kill -9 at any point: tests/compiler/test_faults.py).
+    It does not raise: an exception raised from a signal handler inside a finalizer or an at-fork hook
+    is printed and ignored by Python, and the compile would go on. SIGINT (Ctrl-C) raises
+    KeyboardInterrupt as Python does, for notebooks and callers that catch it, and the compile's own
+    cleanup runs; should that exception be lost, the same hard stop follows STOP_GRACE_S later. Forked
+    workers, which inherit the handler, take the default action. Handlers the caller installed are
+    kept, and so is everything off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    owner = os.getpid()
+    backstops: list[threading.Timer] = []
 
     def stop(signum: int, frame: object) -> None:
+        if os.getpid() != owner:  # a forked worker: end as it would have without this handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         for s in STOP_SIGNALS:  # a second signal does not interrupt the cleanup
             signal.signal(s, signal.SIG_IGN)
-        name = signal.Signals(signum).name
-        log(f"{name}: stopping the compile; removing its staging directory, nothing is published")
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
+        log(
+            f"{signal.Signals(signum).name}: stopping the compile; removing its staging directory, nothing is published"
+        )
+        if signum != signal.SIGINT:
+            _hard_stop(signum, staging)
+        backstop = threading.Timer(STOP_GRACE_S, _hard_stop, (signum, staging))
+        backstop.daemon = True
+        backstop.start()
+        backstops.append(backstop)
+        raise KeyboardInterrupt
 
     for s in STOP_SIGNALS:
         if previous[s] in (signal.SIG_DFL, signal.default_int_handler):
@@ -143,8 +164,20 @@ def stopped_by_signals(log=lambda msg: None) -> Iterator[None]:
     try:
         yield
     finally:
+        for backstop in backstops:  # the compile ended (the interrupt reached the caller)
+            backstop.cancel()
         for s in STOP_SIGNALS:
             signal.signal(s, previous[s])
+
+
+def _hard_stop(signum: int, staging: Path | None) -> None:
+    """End the compile now: its workers killed, its staging directory removed, exit 128 + signum."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+    sys.stderr.flush()
+    os._exit(128 + signum)
 
 
 def make_staging(out: Path, what: str = STAGING) -> Path:

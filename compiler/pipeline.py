@@ -488,7 +488,7 @@ def compile_bundle(
         ray=ray,
     )
     timed = Timings()
-    with stopped_by_signals(log):  # SIGTERM or Ctrl-C: the staging directory and the workers go too
+    with stopped_by_signals(log, staging):  # SIGTERM or Ctrl-C: the staging directory and the workers go too
         built = _build_and_publish(config, hlo_only, run, timed, force, sign)
     report = _report(out, resolved, timed, built, cache, hlo_only)
     log(report.summary)

@@ -20,7 +20,7 @@ from deepinfer.bundles import layout, manifest_io
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.signing import sign_file
 from deepinfer.compiler.jobs import Job, keep_failed_logs, run_jobs
-from deepinfer.compiler.publish import clean_stale, make_staging, publish
+from deepinfer.compiler.publish import clean_stale, make_staging, publish, stopped_by_signals
 from deepinfer.compiler.targets import TARGETS
 from deepinfer.errors import DeepinferError
 
@@ -46,38 +46,39 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None, sign=None) -> 
     target = TARGETS[t.name](t.executable, t.options)
     target.require_compiler()
     clean_stale(bundle.resolve(), log)
-    staging = make_staging(bundle.resolve())
-    try:
-        shutil.copytree(bundle, staging / "b", copy_function=_link_or_copy)
-        work = staging / "b"
-        job_list = _jobs(manifest, target.suffix, work)
-
-        def progress(done, total, job, seconds):
-            log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
-
+    with stopped_by_signals(log):  # SIGTERM or Ctrl-C: the staging directory and the workers go too
+        staging = make_staging(bundle.resolve())
         try:
-            run_jobs([j for _, _, j in job_list], jobs, progress)
-        except DeepinferError as err:
-            raise keep_failed_logs(err, work / layout.LOGS_DIR, bundle) from None
-        regions = []
-        for e, neff, job in job_list:
-            job.lowered.unlink()
-            regions.append(
-                dataclasses.replace(e, artifact=neff, **manifest_io.executable_fields(target.describe(work / neff)))
+            shutil.copytree(bundle, staging / "b", copy_function=_link_or_copy)
+            work = staging / "b"
+            job_list = _jobs(manifest, target.suffix, work)
+
+            def progress(done, total, job, seconds):
+                log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
+
+            try:
+                run_jobs([j for _, _, j in job_list], jobs, progress)
+            except DeepinferError as err:
+                raise keep_failed_logs(err, work / layout.LOGS_DIR, bundle) from None
+            regions = []
+            for e, neff, job in job_list:
+                job.lowered.unlink()
+                regions.append(
+                    dataclasses.replace(e, artifact=neff, **manifest_io.executable_fields(target.describe(work / neff)))
+                )
+            finished = dataclasses.replace(
+                manifest,
+                stage="executable",
+                regions=tuple(regions),
+                toolchain={**manifest.toolchain, "neuronx-cc": target.toolchain()["neuronx-cc"]},
             )
-        finished = dataclasses.replace(
-            manifest,
-            stage="executable",
-            regions=tuple(regions),
-            toolchain={**manifest.toolchain, "neuronx-cc": target.toolchain()["neuronx-cc"]},
-        )
-        (work / layout.SIGNATURE_FILE).unlink(missing_ok=True)
-        manifest_io.write(work, manifest_io.stamp(work, finished))
-        if sign is not None:
-            sign_file(work / layout.MANIFEST_FILE, sign, work / layout.SIGNATURE_FILE)
-        publish(work, bundle, force=True)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            (work / layout.SIGNATURE_FILE).unlink(missing_ok=True)
+            manifest_io.write(work, manifest_io.stamp(work, finished))
+            if sign is not None:
+                sign_file(work / layout.MANIFEST_FILE, sign, work / layout.SIGNATURE_FILE)
+            publish(work, bundle, force=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     log(f"finished {bundle}: {len(job_list)} NEFFs")
     return bundle
 

@@ -59,7 +59,8 @@ def run_jobs(jobs: list[Job], n_workers: int, progress) -> dict[str, float]:
             progress(i, len(jobs), job, seconds[job.name])
         return seconds
     # spawned workers inherit the environment (TMPDIR, TORCHINDUCTOR_CACHE_DIR)
-    with ProcessPoolExecutor(max_workers=n_workers, mp_context=get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(max_workers=n_workers, mp_context=get_context("spawn"))
+    try:
         with main_unseen():  # the workers start at the submits
             threads = torch_threads()
             futures = {pool.submit(run_job, job, threads): job for job in jobs}
@@ -67,6 +68,10 @@ def run_jobs(jobs: list[Job], n_workers: int, progress) -> dict[str, float]:
             job = futures[future]
             seconds[job.name] = future.result()
             progress(i, len(jobs), job, seconds[job.name])
+    except BaseException:  # a failed job, or the compile stopped (SIGTERM, Ctrl-C): no job runs on
+        stop_workers(pool)
+        raise
+    pool.shutdown()
     return seconds
 
 
@@ -74,6 +79,20 @@ def torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def stop_workers(pool: ProcessPoolExecutor) -> None:
+    """End a pool's workers now: its queued jobs cancelled and its running ones killed (leaving the
+    pool's `with` would wait for every job, queued ones included, to finish first)."""
+    workers = list(pool._processes.values())  # the executor's own processes (no public accessor)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for worker in workers:
+        worker.terminate()
+    for worker in workers:
+        worker.join(timeout=10)
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=10)
 
 
 @contextmanager

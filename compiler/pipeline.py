@@ -47,7 +47,7 @@ from deepinfer.compiler.jobs import keep_failed_logs
 from deepinfer.compiler.kill_points import kill_point
 from deepinfer.compiler.plan import RegionPlan, plan_regions
 from deepinfer.compiler.pools import DRAFT_FEATURES
-from deepinfer.compiler.publish import check_output, clean_stale, make_staging, publish
+from deepinfer.compiler.publish import check_output, clean_stale, make_staging, publish, stopped_by_signals
 from deepinfer.compiler.spec import Log, Run, Spec, parse
 from deepinfer.compiler.stream import OutFile, stream
 from deepinfer.compiler.targets import TARGETS
@@ -488,7 +488,8 @@ def compile_bundle(
         ray=ray,
     )
     timed = Timings()
-    built = _build_and_publish(config, hlo_only, run, timed, force, sign)
+    with stopped_by_signals(log, staging):  # SIGTERM or Ctrl-C: the staging directory and the workers go too
+        built = _build_and_publish(config, hlo_only, run, timed, force, sign)
     report = _report(out, resolved, timed, built, cache, hlo_only)
     log(report.summary)
     return report

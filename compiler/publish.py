@@ -8,16 +8,24 @@ directory is deleted.
 
 A staging directory is named `.<out>.tmp-<host>-<pid>-<random>` (a replaced bundle waits in
 `.<out>.old-<host>-<pid>-<random>` until the new one is in place), so the next compile into
-the same parent removes the ones a killed compile left: those of this host whose process is
-gone. A live process's directories, and other hosts', are never touched.
+the same parent, whatever its output, removes the ones a killed compile left: those of this host
+whose process is gone. A live process's directories, and other hosts', are never touched. A
+compile stopped by SIGTERM or SIGINT (`stopped_by_signals`) removes its own before it exits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
+import re
 import shutil
+import signal
 import socket
+import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from deepinfer.bundles import layout
@@ -86,20 +94,90 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _stale_name(host: str) -> re.Pattern[str]:
+    """The name of any output's staging or replaced-bundle directory made on `host`: its pid in group 1."""
+    return re.compile(rf"\..+\.(?:{STAGING}|{TRASH})-{re.escape(host)}-(\d+)-[^-]+")
+
+
 def clean_stale(out: Path, log=lambda msg: None) -> list[Path]:
-    """Remove the staging and replaced-bundle directories of `out` left by compiles on this host
-    whose process is gone; returns what was removed."""
-    removed = []
-    for what in (STAGING, TRASH):
-        prefix = _prefix(out, what) + _host() + "-"
-        for path in out.parent.glob(f"{prefix}*"):
-            pid = path.name[len(prefix) :].split("-", 1)[0]
-            if not path.is_dir() or path.is_symlink() or not pid.isdigit() or _alive(int(pid)):
-                continue
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-            log(f"removed {path} (left by process {pid}, which is gone)")
+    """Remove the staging and replaced-bundle directories in `out`'s parent (of any output) left by
+    compiles on this host whose process is gone; returns what was removed."""
+    removed: list[Path] = []
+    pattern = _stale_name(_host())
+    if not out.parent.is_dir():
+        return removed
+    for path in sorted(out.parent.iterdir()):
+        match = pattern.fullmatch(path.name)
+        if match is None or not path.is_dir() or path.is_symlink() or _alive(int(match[1])):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+        log(f"removed {path} (left by process {match[1]}, which is gone)")
     return removed
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_GRACE_S = 30.0  # after a stop signal: how long the cleanup may take before the backstop ends it
+
+
+@contextlib.contextmanager
+def stopped_by_signals(log=lambda msg: None, staging: Path | None = None) -> Iterator[None]:
+    """While a compile runs, a stop signal takes its staging directory and worker processes with it.
+
+    SIGTERM ends the compile at once: the workers (`multiprocessing.active_children`) are killed,
+    `staging` removed and the process exits with 128 + 15, as a kill -9 would but with nothing left
+    behind (what the artifact cache holds survives a kill -9 at any point: tests/compiler/test_faults.py).
+    It does not raise: an exception raised from a signal handler inside a finalizer or an at-fork hook
+    is printed and ignored by Python, and the compile would go on. SIGINT (Ctrl-C) raises
+    KeyboardInterrupt as Python does, for notebooks and callers that catch it, and the compile's own
+    cleanup runs; should that exception be lost, the same hard stop follows STOP_GRACE_S later. Forked
+    workers, which inherit the handler, take the default action. Handlers the caller installed are
+    kept, and so is everything off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    owner = os.getpid()
+    backstops: list[threading.Timer] = []
+
+    def stop(signum: int, frame: object) -> None:
+        if os.getpid() != owner:  # a forked worker: end as it would have without this handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        for s in STOP_SIGNALS:  # a second signal does not interrupt the cleanup
+            signal.signal(s, signal.SIG_IGN)
+        log(
+            f"{signal.Signals(signum).name}: stopping the compile; removing its staging directory, nothing is published"
+        )
+        if signum != signal.SIGINT:
+            _hard_stop(signum, staging)
+        backstop = threading.Timer(STOP_GRACE_S, _hard_stop, (signum, staging))
+        backstop.daemon = True
+        backstop.start()
+        backstops.append(backstop)
+        raise KeyboardInterrupt
+
+    for s in STOP_SIGNALS:
+        if previous[s] in (signal.SIG_DFL, signal.default_int_handler):
+            signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        for backstop in backstops:  # the compile ended (the interrupt reached the caller)
+            backstop.cancel()
+        for s in STOP_SIGNALS:
+            signal.signal(s, previous[s])
+
+
+def _hard_stop(signum: int, staging: Path | None) -> None:
+    """End the compile now: its workers killed, its staging directory removed, exit 128 + signum."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+    sys.stderr.flush()
+    os._exit(128 + signum)
 
 
 def make_staging(out: Path, what: str = STAGING) -> Path:

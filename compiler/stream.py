@@ -342,12 +342,12 @@ class Progress:
         now = time.perf_counter()
         if now - self.last >= self.every or self.done >= self.total:
             self.last = now
+            from deepinfer.compiler.budget import human  # budget imports the weight planning
+
             rate = self.done / max(now - self.start, 1e-9)
             eta = (self.total - self.done) / rate if rate > 0 else 0.0
-            self.log(
-                f"{self.what}: {self.done / 2**30:.2f} / {self.total / 2**30:.2f} GiB, "
-                f"{rate / 1e9:.2f} GB/s, ETA {eta:.0f} s"
-            )
+            line = f"{self.what}: {human(self.done)} / {human(self.total)}, {human(int(rate))}/s"
+            self.log(line + (f", ETA {eta:.0f} s" if eta >= 1 else ""))
 
 
 def stream(

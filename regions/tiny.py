@@ -16,6 +16,7 @@ tensors are the same bytes with or without them.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,8 @@ from deepinfer.regions.plan import checkpoint_specs
 from deepinfer.regions.vision import vision_specs
 
 MIN_LAYERS = 6
+MAX_LAYERS = 1024  # about 0.6 GiB of checkpoint, drawn in host memory first: far past any test's need
+SPACE_MARGIN = 64 << 20  # the config, the index and the file system's own
 VISION_STREAM = 0x5649  # the vision tensors' generator: default_rng((seed, VISION_STREAM))
 DRAFT_STREAM = 0x4D5450  # the DSpark draft's (`mtp.*`) generator: default_rng((seed, DRAFT_STREAM))
 SCALES = ("ue8m0", "fp32")  # fp8 block scales: the release's, or DeepSeek-V3's float32 [128, 128]
@@ -48,6 +51,11 @@ def tiny_config(layers: int = MIN_LAYERS) -> dict:
     if layers < MIN_LAYERS:
         raise ConfigError(
             f"--layers {layers}: a tiny model needs at least {MIN_LAYERS} layers to hold every layer kind"
+        )
+    if layers > MAX_LAYERS:
+        raise ConfigError(
+            f"--layers {layers}: a tiny model holds at most {MAX_LAYERS} layers (about 0.6 MiB each, drawn "
+            "in memory before it is written); the released model has 40"
         )
     return {
         "architectures": ["DeepseekV41ForCausalLM"],
@@ -294,6 +302,39 @@ def _vision_tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def planned_bytes(config: dict) -> int:
+    """The bytes of the checkpoint's tensors, from their specs (nothing drawn)."""
+    cfg = parse_config(config)
+    c = cfg.text
+    specs = [s for _, s in checkpoint_specs(c)] + ([s for _, s in draft_specs(c)] if c.has_draft else [])
+    total = c.vocab_size * c.hidden_size * 2  # the bf16 embedding
+    for spec in specs:
+        total += _numel(spec.shape) * spec.dtype.itemsize * (spec.experts or 1)
+    for shape, dtype in vision_specs(cfg.vision, c.hidden_size).values():
+        total += _numel(shape) * (2 if dtype == "BF16" else 4)
+    return total
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_room(out_dir: Path, layers: int, need: int) -> None:
+    """Refuse, before drawing anything, a checkpoint the output's file system has no room for."""
+    where = out_dir.absolute().parent
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if need + SPACE_MARGIN > free:
+        raise ConfigError(
+            f"--layers {layers}: the checkpoint needs about {(need + SPACE_MARGIN) / 2**20:.0f} MiB and "
+            f"{where} has {free / 2**20:.0f} MiB free; free space, choose fewer layers or another directory"
+        )
+
+
 def _is_same_tiny(path: Path, config: dict) -> bool:
     try:
         return (
@@ -346,6 +387,7 @@ def make_tiny(
             + (" and holds a different checkpoint (seed or layers)" if exist_ok else "")
             + "; choose a new directory"
         )
+    _check_room(out_dir, layers, planned_bytes(config))
     tensors = _tensors(config, seed, scales)
     tensors.update(_draft_tensors(config, seed, scales))
     tensors.update(_vision_tensors(config, seed))

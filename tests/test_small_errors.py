@@ -57,3 +57,31 @@ def test_pools_larger_than_the_host_are_refused_before_any_work(tmp_path, tiny_c
     assert "memory.limit_gib: the bundle does not fit (weights and state pools, as planned)" in r.output
     assert "lower [kv] num_blocks" in r.output and "this host's memory" in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.toml"]
+
+
+def test_make_tiny_refuses_absurd_layers_before_drawing_anything(tmp_path):
+    """`make-tiny --layers 1000000` (about 560 GiB) is one line naming --layers, exit 2, nothing written."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "deepinfer.cli", "make-tiny", str(tmp_path / "t"), "--layers", "1000000"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: --layers 1000000: "), r.stderr[-2000:]
+    assert "at most 1024 layers" in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_tiny_plans_its_size_exactly(tiny_ckpt):
+    """The size make-tiny checks against free space is the size it writes (the index's total_size)."""
+    import json
+
+    from deepinfer.regions.tiny import planned_bytes
+
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())
+    assert planned_bytes(config) == index["metadata"]["total_size"]

@@ -8,8 +8,11 @@ compiled code would go back through Python.
 from __future__ import annotations
 
 import functools
+import json
 import platform
 import subprocess
+import types
+import typing
 from pathlib import Path
 from typing import ClassVar
 
@@ -65,10 +68,20 @@ class CpuTarget:
 
     @staticmethod
     def check_options(options: dict) -> str | None:
-        """A message for the first option Inductor does not know, else None."""
+        """A message for the first option Inductor does not know, or whose value is not of the type
+        Inductor declares for it (`cpp.simdlen = "8"`: a string where an int is expected), else None."""
         known = torch._inductor.config.get_config_copy()
         bad = [k for k in options if k not in known]
-        return f"unknown Inductor option {bad[0]!r} (see torch._inductor.config)" if bad else None
+        if bad:
+            return f"unknown Inductor option {bad[0]!r} (see torch._inductor.config)"
+        for key, value in options.items():
+            expected = inductor_option_type(key, known[key])
+            if _fits(value, expected) is False:
+                return (
+                    f"Inductor option {key!r} = {json.dumps(value, default=str)} is a TOML {_toml_kind(value)}; "
+                    f"Inductor expects {_type_name(expected)} (see torch._inductor.config)"
+                )
+        return None
 
     def keyed_options(self) -> dict:
         return {k: v for k, v in self.options.items() if k not in self.LOG_OPTIONS}
@@ -151,3 +164,62 @@ def _cxx_version() -> str:
     except (OSError, subprocess.SubprocessError):
         return f"{cxx} (version unknown)"
     return out.splitlines()[0].strip() if out else f"{cxx} (version unknown)"
+
+
+def inductor_option_type(key: str, default: object) -> object:
+    """The type Inductor declares for option `key` (torch._inductor.config's entry for it; the type of
+    its default where the entry says nothing)."""
+    # torch's table of typed config entries (a ConfigModule's, which its stubs do not declare)
+    entry = torch._inductor.config._config.get(key)  # type: ignore[attr-defined]
+    declared = entry.value_type if entry is not None else None
+    return declared if declared not in (None, type(None)) else type(default)
+
+
+def _fits(value: object, expected: object) -> bool | None:
+    """Whether a TOML value fits the declared type; None where it cannot be told (a callable, a class)."""
+    origin, args = typing.get_origin(expected), typing.get_args(expected)
+    if origin in (typing.Union, types.UnionType):
+        fits = [_fits(value, a) for a in args]
+        return True if True in fits else (None if None in fits else False)
+    if origin is typing.Literal:
+        return value in args
+    if expected is type(None):
+        return value is None  # TOML has no null
+    if expected is bool:
+        return isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is str:
+        return isinstance(value, str)
+    if expected in (list, tuple) or origin in (list, tuple):
+        return _fits_items(value, origin or expected, args)
+    if expected is dict or origin is dict:
+        return isinstance(value, dict)
+    return None
+
+
+def _fits_items(value: object, kind: object, args: tuple) -> bool | None:
+    """A TOML array against list[X], tuple[X, ...] or tuple[X, Y]."""
+    if not isinstance(value, list):
+        return False
+    if not args:
+        return True
+    if kind is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+        if len(value) != len(args):
+            return False
+        fits = [_fits(v, a) for v, a in zip(value, args, strict=True)]
+    else:
+        fits = [_fits(v, args[0]) for v in value]
+    return False if False in fits else (None if None in fits else True)
+
+
+def _type_name(expected: object) -> str:
+    return expected.__name__ if isinstance(expected, type) else str(expected).replace("typing.", "")
+
+
+def _toml_kind(value: object) -> str:
+    """How TOML calls the kind of a value."""
+    kinds = {bool: "boolean", int: "integer", float: "float", str: "string", list: "array", dict: "table"}
+    return kinds.get(type(value), type(value).__name__)

@@ -140,6 +140,27 @@ CASES = [
         "target.executable",
         ["'neff'", "aoti, exported"],
     ),
+    (
+        "inductor_option_unknown",
+        'executable = "exported"',
+        'executable = "aoti"\noptions = { "cpp.simd_len" = 8 }',
+        "target.options",
+        ["unknown Inductor option 'cpp.simd_len'"],
+    ),
+    (
+        "inductor_option_type",
+        'executable = "exported"',
+        'executable = "aoti"\noptions = { "cpp.simdlen" = "8" }',
+        "target.options",
+        ["Inductor option 'cpp.simdlen' = \"8\" is a TOML string", "expects int | None"],
+    ),
+    (
+        "inductor_option_bool_for_int",
+        'executable = "exported"',
+        'executable = "aoti"\noptions = { "cpp.threads" = true }',
+        "target.options",
+        ["'cpp.threads' = true is a TOML boolean", "expects int"],
+    ),
     ("parallel_tp", "tp = 1", "tp = 0", "parallel.tp", ["must be at least 1"]),
     ("parallel_ep", "ep = 1", "ep = -2", "parallel.ep", ["must be at least 1"]),
     ("parallel_cp", "cp = 1", "cp = true", "parallel.cp", ["expected int"]),
@@ -347,3 +368,11 @@ def test_draft_is_compiled_over_ranks(tmp_path, tiny_ckpt, parallel, refused):
     assert message.startswith(f"{path}:{line}: parallel.ep: {refused}") and "\n" not in message, message
     path, _ = write(tmp_path, text)  # the target alone divides over these ranks
     assert parse(load_compile_config(path), False, lambda msg: None).topology == config.parallel
+
+
+def test_inductor_options_of_their_declared_type_pass(tmp_path):
+    """Options typed as torch._inductor.config declares them are kept as written (int | None, int, bool, str)."""
+    options = '{ "cpp.simdlen" = 8, "cpp.threads" = 2, max_autotune = false, "trace.debug_dir" = "d" }'
+    path, _ = write(tmp_path, BASE, 'executable = "exported"', f'executable = "aoti"\noptions = {options}')
+    cfg = load_compile_config(path)
+    assert cfg.target.options == {"cpp.simdlen": 8, "cpp.threads": 2, "max_autotune": False, "trace.debug_dir": "d"}

@@ -300,8 +300,8 @@ def test_progress_names_bytes_rate_and_eta():
     p = stream_mod.Progress(4 << 30, lines.append, every=0.0)
     p.add(1 << 30)
     p.add(3 << 30)
-    assert lines[0].startswith("weights: 1.00 / 4.00 GiB, ") and "GB/s, ETA" in lines[0]
-    assert lines[-1].startswith("weights: 4.00 / 4.00 GiB") and lines[-1].endswith("ETA 0 s")
+    assert lines[0].startswith("weights: 1.00 GiB / 4.00 GiB, ") and "/s" in lines[0]
+    assert lines[-1].startswith("weights: 4.00 GiB / 4.00 GiB") and "ETA" not in lines[-1]  # done: no ETA
 
 
 def test_manifest_entries_name_their_files(exported_bundle):
@@ -374,3 +374,15 @@ def test_compile_killed_mid_weight_pass_leaves_nothing_a_later_compile_accepts(t
     assert files and files == sorted(p.relative_to(staging) for p in staging.rglob("*.safetensors"))
     for rel in files:
         assert (fresh / rel).read_bytes() == (staging / rel).read_bytes(), rel
+
+
+def test_weight_progress_prints_sizes_in_their_unit_and_no_trivial_eta():
+    """The tiny model's weight pass said '0.00 / 0.00 GiB, ETA 0 s': sizes now take their unit, and an
+    ETA under a second is left out."""
+    from deepinfer.compiler.stream import Progress
+
+    lines: list[str] = []
+    progress = Progress(4_047_872, lines.append)
+    progress.add(4_047_872)
+    assert len(lines) == 1 and lines[0].startswith("weights: 3.86 MiB / 3.86 MiB, "), lines
+    assert "ETA" not in lines[0], lines

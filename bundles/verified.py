@@ -102,8 +102,11 @@ class Verified:
         private = Path(tempfile.mkdtemp(prefix="deepinfer-verified-", dir=self._store))
         try:
             for rel in rels:
-                if rel in self._files:  # a link to the streamed file: no copy
-                    os.link(self._files[rel], private / Path(rel).name)
+                if rel in self._files:  # a link to the streamed file: no copy (a copy where links fail)
+                    try:
+                        os.link(self._files[rel], private / Path(rel).name)
+                    except OSError:
+                        shutil.copyfile(self._files[rel], private / Path(rel).name)
                     continue
                 fd = os.open(private / Path(rel).name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 with os.fdopen(fd, "wb") as f:
@@ -121,28 +124,37 @@ class Verified:
         of it kept) unless it matches `digest`."""
         if rel.endswith(IN_MEMORY):
             data, got = _read_private(src)
+            if "sha256:" + got == digest:
+                self._data[rel] = data
         else:
-            path, got = self._stream_to_file(rel, src)
-        if "sha256:" + got != digest:
-            if not rel.endswith(IN_MEMORY):
+            path, got = self._stream_to_file(rel, src, error)
+            if "sha256:" + got == digest:
+                self._files[rel] = path
+            else:
                 path.unlink()
+        if "sha256:" + got != digest:
             raise error(f"{self.bundle}: {rel} does not match its digest (altered or corrupt); recompile")
-        if rel.endswith(IN_MEMORY):
-            self._data[rel] = data
-        else:
-            self._files[rel] = path
 
-    def _stream_to_file(self, rel: str, src: int) -> tuple[Path, str]:
+    def _stream_to_file(self, rel: str, src: int, error: Callable[[str], Exception]) -> tuple[Path, str]:
         """Copy `src` through one buffer of CHUNK_BYTES into a new file of the private store, hashing
         what is written -> (the file, the hex digest)."""
         sha = hashlib.sha256()
         buffer = memoryview(bytearray(CHUNK_BYTES))
         self.buffer_bytes = max(self.buffer_bytes, buffer.nbytes)
-        fd, name = tempfile.mkstemp(prefix=Path(rel).name + ".", dir=self._store)
-        with os.fdopen(fd, "wb") as out:
-            while n := os.readv(src, [buffer]):
-                sha.update(buffer[:n])
-                out.write(buffer[:n])
+        name = ""
+        try:
+            fd, name = tempfile.mkstemp(prefix=Path(rel).name + ".", dir=self._store)
+            with os.fdopen(fd, "wb") as out:
+                while n := os.readv(src, [buffer]):
+                    sha.update(buffer[:n])
+                    out.write(buffer[:n])
+        except OSError as e:  # the private store's disk (TMPDIR) full or read-only
+            if name:
+                os.unlink(name)
+            raise error(
+                f"{self.bundle}: {rel}: cannot copy it into a private directory in {self._store.parent} "
+                f"({e.strerror}); free space there or point TMPDIR elsewhere"
+            ) from None
         return Path(name), sha.hexdigest()
 
 

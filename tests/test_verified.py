@@ -131,6 +131,21 @@ def test_a_file_hashed_piece_by_piece_is_refused_whole_when_any_piece_differs(tm
             open_verified(tmp_path, {name: _digest(data)}, BundleError)
 
 
+def test_no_room_for_a_private_copy_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tmp_path / "exe.pt2").write_bytes(b"program")
+    monkeypatch.setattr(verified_module.tempfile, "mkstemp", full)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(verified_module.tempfile, "tempdir", str(tmp_path / "tmp"))
+    with pytest.raises(BundleError, match=r"exe\.pt2: cannot copy it into a private directory .*No space left") as e:
+        open_verified(tmp_path, {"exe.pt2": _digest(b"program")}, BundleError)
+    assert "\n" not in str(e.value) and list((tmp_path / "tmp").iterdir()) == []  # the private store went too
+
+
 def test_a_trusted_rank_verifies_only_the_files_it_uses(rank_bundle, tmp_path):
     """A rank of a trusted 2-rank bundle streams its own weight files, those every rank shares, the host
     files and the executables; never the other rank's weights (each rank read every file before)."""

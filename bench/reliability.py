@@ -1,7 +1,7 @@
 """Bad inputs and faults against every surface of deepinfer, on the tiny model (issue 33's figures).
 
     python bench/reliability.py [--json] [--verbose] [--load-seconds 60] [--clients 64] [--seed 0]
-                                [--work DIR] [--only toml,checkpoint,bundle,cache,http,faults,load]
+                                [--work DIR] [--only toml,checkpoint,bundle,cache,http,faults,load,rss]
 
 Compiles the tiny model once (saved ExportedPrograms, batch buckets 1, 8 and 64, so that every client
 of the load phase can hold a batch row at once; a 2-rank copy for the rank faults), through a cache
@@ -25,6 +25,8 @@ kept in .cache/deepinfer-bench, so a second run compiles nothing. Then:
   load         `--clients` threads for `--load-seconds`, a quarter of their requests valid (greedy,
                checked against the unloaded answers), the rest malformed: valid requests lost, the
                server alive after, and p99 latency of valid requests over their unloaded p99.
+  rss          peak RSS of a trusted load of the bundle over a plain one's, in fresh processes, and what
+               a release rank holds while it loads under --trust, before and now (reliability_rss.py).
 
 Prints a table per surface; `--verbose` prints every unclean case with its output; `--json` prints
 one JSON object with the figures. Deterministic: fixed seeds and case lists.
@@ -47,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import reliability_faults as faults
 import reliability_http as web
+import reliability_rss
 from common import ROOT, percentile, share_inductor_cache, toml_text
 from reliability_bundles import bundle_cases, cache_cases
 from reliability_files import checkpoint_cases, toml_cases
@@ -54,7 +57,7 @@ from reliability_files import checkpoint_cases, toml_cases
 share_inductor_cache()
 
 CACHE = ROOT / ".cache" / "deepinfer-bench"
-SURFACES = ("toml", "checkpoint", "bundle", "cache", "http", "faults", "load")
+SURFACES = ("toml", "checkpoint", "bundle", "cache", "http", "faults", "load", "rss")
 
 
 def model_toml(ckpt: Path, *, batch=(1, 8, 64), max_context=64, num_blocks=257, ep: int = 1) -> str:
@@ -116,11 +119,14 @@ def main() -> None:
     started = time.perf_counter()
     ckpt = make_tiny(work / "ckpt", exist_ok=True)
     bundle = compile_once(model_toml(ckpt), work / "serve", log)
-    cases, fault_list, load = [], [], {}
+    cases, fault_list, load, rss = [], [], {}, {}
     for surface in ("toml", "checkpoint", "bundle", "cache"):
         if surface in only:
             cases += run_worker(surface, work, log)
     log(f"file surfaces: {len(cases)} cases in {time.perf_counter() - started:.0f} s")
+    if "rss" in only:
+        rss = {**reliability_rss.measured(bundle, work / "rss"), "release": reliability_rss.release_model()}
+        log(f"rss: a trusted load's peak over a plain one's {rss['trusted_over_plain_peak_rss']}")
     if only & {"http", "faults", "load"}:
         server = start_server(bundle)
         servers = [server]
@@ -162,7 +168,7 @@ def main() -> None:
         ep2 = compile_once(model_toml(ckpt, batch=(1,), num_blocks=9, ep=2), work / "ep2", log)
         fault_list += guarded("killed rank", lambda: faults.rank_faults(ep2, work))
         fault_list += guarded("rank killed before the rendezvous", lambda: faults.rendezvous_faults(ep2, work))
-    report(cases, fault_list, load, args, time.perf_counter() - started)
+    report(cases, fault_list, load, rss, args, time.perf_counter() - started)
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -252,7 +258,7 @@ def run_worker(surface: str, work: Path, log) -> list:
         done.append(Case(surface, f"case {len(done) + 1}", False, why, err[-2000:]))
 
 
-def report(cases, fault_list, load: dict, args, seconds: float) -> None:
+def report(cases, fault_list, load: dict, rss: dict, args, seconds: float) -> None:
     surfaces = Counter(c.surface for c in cases)
     unclean = [c for c in cases if not c.clean]
     figures = {
@@ -266,10 +272,12 @@ def report(cases, fault_list, load: dict, args, seconds: float) -> None:
             for k in ("valid_requests_lost", "server_alive", "valid_p99_under_load_over_unloaded")
             if k in load
         },
+        **({"trusted_over_plain_peak_rss": rss["trusted_over_plain_peak_rss"]} if rss else {}),
         "by_surface": {
             s: {"tried": n, "unclean": sum(1 for c in unclean if c.surface == s)} for s, n in surfaces.items()
         },
         "load": {k: v for k, v in load.items() if k != "lost"},
+        "rss": rss,
         "seconds": round(seconds, 1),
     }
     if args.json:
@@ -289,6 +297,8 @@ def report(cases, fault_list, load: dict, args, seconds: float) -> None:
                 f"{load['valid_requests_lost']}, server alive {load['server_alive']}, p99 {load['loaded_p99_s']:.3f} s "
                 f"loaded / {load['unloaded_p99_s']:.3f} s unloaded = {load['valid_p99_under_load_over_unloaded']:.2f}"
             )
+        if rss:
+            print(reliability_rss.table(rss, rss["release"]))
         print(f"\n{json.dumps({k: v for k, v in figures.items() if not isinstance(v, dict)})}")
     if args.verbose:
         for c in unclean:

@@ -173,7 +173,7 @@ def child_compile(ckpt: str, out: str, jobs: int) -> None:
     peaks = WorkerPeaks(base)
     peaks.start()
     t0 = time.perf_counter()
-    compile_bundle(config, Path(out), jobs=jobs, log=lambda m: None)
+    compile_bundle(config, Path(out), jobs=jobs, log=lambda m: None, cache=None)  # a cold compile
     seconds = time.perf_counter() - t0
     # compile jobs are spawned children (compiler/jobs.py): RUSAGE_CHILDREN sees them, beyond
     # their own interpreter's start (taken as this process's base)

@@ -186,11 +186,11 @@ def _finish(bundle: Path, jobs: int, ray: str | None, signing_key) -> None:
 
 def _cache(cfg, cache_dir: Path | None, url: str | None, endpoint: str | None, signing_key, trust: Path | None):
     """The compile's cache: its directory and remote tier by the flags, then the environment, then model.toml."""
-    from deepinfer.compiler.cache import open_cache
-    from deepinfer.compiler.cache.remote import open_store
+    from deepinfer.compiler.cache import default_cache
 
-    store = open_store(url, endpoint, cfg.cache.url, cfg.cache.endpoint, _log)
-    return open_cache(cache_dir, cfg.cache.dir, log=_log, sign=signing_key, trust=trusted_key(trust), remote=store)
+    return default_cache(
+        cfg, directory=cache_dir, url=url, endpoint=endpoint, log=_log, sign=signing_key, trust=trusted_key(trust)
+    )
 
 
 def _log(msg: str) -> None:

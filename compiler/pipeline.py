@@ -38,7 +38,7 @@ from deepinfer.bundles import layout, manifest_io
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.signing import sign_file
 from deepinfer.compiler import budget
-from deepinfer.compiler.cache import artifact_keys, fetch_or_build
+from deepinfer.compiler.cache import artifact_keys, default_cache, fetch_or_build
 from deepinfer.compiler.cache.keys import Key
 from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.config import CompileConfig, config_error
@@ -447,7 +447,7 @@ def compile_bundle(
     jobs: int = 1,
     force: bool = False,
     log: Log | None = None,
-    cache: Cache | None = None,
+    cache: Cache | typing.Literal["default"] | None = "default",
     require_cache: bool = False,
     verbose: bool = False,
     hlo_only: bool = False,
@@ -458,7 +458,9 @@ def compile_bundle(
     and returns both with the seconds each pass took and what was built (`CompileReport`).
 
     Inductor's cache goes to $TORCHINDUCTOR_CACHE_DIR, else ./.cache/inductor (`use_inductor_cache`).
-    With `cache`, every executable, weight stack and trace is fetched by key or built and stored.
+    Every executable, weight stack and trace is fetched by key from `cache` or built and stored there:
+    by default the cache deepinfer-compile uses (`compiler.cache.default_cache`), None for none (as
+    --no-cache).
     With `require_cache`, a miss raises CacheError naming the region and why. `verbose` logs each
     missed key's part hashes. `hlo_only` (trn2) stops after lowering and checking: the bundle holds
     HLO modules, finished later by `finish_bundle`. With `sign` (an Ed25519 private key,
@@ -468,6 +470,8 @@ def compile_bundle(
     """
     log = log or _stderr
     out = Path(out)
+    if isinstance(cache, str):  # "default"
+        cache = default_cache(config, log=log, sign=sign)
     resolved = settings(config, out, jobs=jobs, cache=cache, require_cache=require_cache, hlo_only=hlo_only, ray=ray)
     log(resolved)
     use_inductor_cache()

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.bundles import layout, manifest_io
 from deepinfer.bundles import manifest as mf
-from deepinfer.bundles import manifest_io
 from deepinfer.bundles.layout import MANIFEST_FILE, TOKENIZER_DIR
 from deepinfer.bundles.safetensors import load_buffer, load_mmap
 from deepinfer.bundles.signatures import check_signature, read_signature
@@ -60,12 +60,14 @@ def _identity(path: Path) -> tuple[int, int]:
     return (st.st_dev, st.st_ino)
 
 
-def open_bundle(path: str | Path, *, verify: bool = True, trust=None) -> Bundle:
+def open_bundle(path: str | Path, *, verify: bool = True, trust=None, rank: int | None = None) -> Bundle:
     """Read and check a bundle's manifest (format version first, types, cross-references), its files
     (present; digests unless `verify` is off) and that this process can run it; parse its config.
     With `trust` (an Ed25519 public key, `bundles.signing.load_public_key`), the manifest must carry a
-    signature by that key, checked before anything else is read. Loading checks at its end that the
-    directory is still the one opened here."""
+    signature by that key, checked before anything else is read, and the files this process uses
+    (`rank`'s, every rank's without one: `files_for_rank`) are verified as they are streamed to
+    where they are used (bundles/verified.py). Loading checks at its end that the directory is still
+    the one opened here."""
     path = Path(path)
     if trust is not None and not verify:
         raise mf.BundleError(
@@ -75,7 +77,7 @@ def open_bundle(path: str | Path, *, verify: bool = True, trust=None) -> Bundle:
     identity = _identity(path)
     manifest = manifest_io.read(path, trust=trust)
     manifest_io.check_files(path, manifest, digests=verify and trust is None)
-    verified = None if trust is None else open_verified(path, manifest.files, mf.BundleError)
+    verified = None if trust is None else open_verified(path, files_for_rank(manifest, rank), mf.BundleError)
     check_compatible(manifest, path)
     config = parse_config(manifest.model.config, str(path / MANIFEST_FILE))
     bundle = Bundle(path, manifest, config, identity, verified)
@@ -83,6 +85,16 @@ def open_bundle(path: str | Path, *, verify: bool = True, trust=None) -> Bundle:
     bundle.check_unchanged()
     after_verify(path)  # a test hook: nothing runs it unless a test sets it
     return bundle
+
+
+def files_for_rank(manifest: mf.Manifest, rank: int | None) -> dict[str, str]:
+    """The files (rel path -> digest) a process loading `rank` reads: all of them but the other ranks'
+    own weight files (every file for `rank` None)."""
+    if rank is None:
+        return dict(manifest.files)
+    mine = {f for w in manifest.weights.get(layout.rank_key(rank), ()) for f in w.files}
+    others = {f for ws in manifest.weights.values() for w in ws for f in w.files} - mine
+    return {rel: digest for rel, digest in manifest.files.items() if rel not in others}
 
 
 LAYER_FIELDS = ("attn", "ratio", "kv_source", "candidate_source", "uses_candidates")
@@ -167,7 +179,8 @@ def check_executables(bundle: Bundle) -> None:
     for e in bundle.manifest.regions:
         where = str(bundle.path / e.artifact)
         if bundle.verified is not None:
-            sig = read_signature(bundle.verified.data(e.artifact), e.executable, where)
+            with bundle.verified.open(e.artifact) as f:
+                sig = read_signature(f, e.executable, where)
         else:
             fd = open_regular(bundle.path / e.artifact, 16 << 30, root=bundle.path, error=mf.BundleError)
             with os.fdopen(fd, "rb") as f:

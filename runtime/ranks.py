@@ -282,7 +282,7 @@ def load_rank(rank: int, world: int, rendezvous: str, bundle: str, options: Load
     if options.threads:
         torch.set_num_threads(options.threads)
     store = init(rank, world, rendezvous, timeout_s=options.collective_timeout_s)
-    opened = open_bundle(bundle, verify=options.verify, trust=trusted(options.trust))
+    opened = open_bundle(bundle, verify=options.verify, trust=trusted(options.trust), rank=rank)
     collectives.prepare(
         opened.manifest,
         rank,

@@ -27,7 +27,7 @@ def test_no_room_for_the_weights_is_refused_before_writing(tmp_path, cfg, monkey
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, (1 << 30) - (5 << 20), 5 << 20))
     with pytest.raises(ConfigError, match=r"0\.00 GiB free, the bundle needs about 1\.\d\d GiB") as e:
-        pipeline.compile_bundle(cfg, tmp_path / "out", log=lambda m: None)
+        pipeline.compile_bundle(cfg, tmp_path / "out", log=lambda m: None, cache=None)
     assert str(e.value).startswith(str(tmp_path)) and "\n" not in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.toml"]
 
@@ -39,7 +39,7 @@ def test_a_disk_that_refuses_a_write_is_one_line(tmp_path, cfg, monkeypatch, cod
 
     monkeypatch.setattr(stream, "pwrite", refused)
     with pytest.raises(ConfigError, match="while writing the bundle for .*out; nothing was published") as e:
-        pipeline.compile_bundle(cfg, tmp_path / "out", log=lambda m: None)
+        pipeline.compile_bundle(cfg, tmp_path / "out", log=lambda m: None, cache=None)  # written, not fetched
     assert "\n" not in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.toml"]
 

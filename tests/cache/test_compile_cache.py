@@ -52,6 +52,21 @@ def test_warm_compile_builds_nothing(filled, cache_copy, small_toml, tmp_path):
     manifest_io.check_files(bundle, manifest_io.read(bundle))
 
 
+def test_the_api_compiles_through_the_clis_cache_by_default(filled, cache_copy, small_toml, tmp_path, monkeypatch):
+    """compile_bundle without `cache` opens the cache deepinfer-compile opens (issue 44 item 6): here
+    $DEEPINFER_CACHE_DIR, holding the small model's entries, so a second compile of the same model.toml
+    builds nothing and adds no entry; the CLI's opt-out, cache=None, builds everything again."""
+    _, cold, _ = filled
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(cache_copy))
+    entries = len(Cache(cache_copy).entries())
+    report = pipeline.compile_bundle(load_compile_config(small_toml), tmp_path / "api", log=lambda m: None)
+    assert report.cache == cache_copy and report.compiled == () and report.executables == EXECUTABLES
+    assert report.tiers["local"] > 0 and len(Cache(cache_copy).entries()) == entries
+    assert manifest(report.bundle) == manifest(cold)
+    off = pipeline.compile_bundle(load_compile_config(small_toml), tmp_path / "off", log=lambda m: None, cache=None)
+    assert off.cache is None and len(off.compiled) == EXECUTABLES
+
+
 def test_tampered_entries_are_detected_and_replaced(filled, cache_copy, small_toml, tmp_path):
     _, cold, _ = filled
     cache = Cache(cache_copy)

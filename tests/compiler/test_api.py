@@ -76,6 +76,19 @@ def test_compile_bundle_reports_settings_and_summary(toml, tmp_path, built):
     assert (tmp_path / "out").is_dir()
 
 
+def test_the_api_opens_the_clis_cache_unless_told_not_to(toml, tmp_path, built, monkeypatch):
+    """Without `cache`, compile_bundle uses the cache deepinfer-compile uses by default (issue 44 item 6:
+    it used none): here $DEEPINFER_CACHE_DIR; cache=None is --no-cache."""
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "shared"))
+    report = pipeline.compile_bundle(load_compile_config(toml), tmp_path / "a", log=lambda m: None)
+    assert report.cache == tmp_path / "shared" and report.settings.endswith(f"cache {tmp_path / 'shared'}")
+    r = CliRunner().invoke(compile_cli, [str(toml), "-o", str(tmp_path / "b"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout.strip().splitlines()[-1])["cache"] == str(report.cache)  # the CLI's: the same
+    off = pipeline.compile_bundle(load_compile_config(toml), tmp_path / "c", log=lambda m: None, cache=None)
+    assert off.cache is None and off.settings.endswith("cache off")
+
+
 def test_the_cli_prints_what_the_api_reports(toml, tmp_path, built):
     r = CliRunner().invoke(compile_cli, [str(toml), "-o", str(tmp_path / "out"), "--no-cache", "--json"])
     assert r.exit_code == 0, r.output

@@ -217,7 +217,7 @@ def test_failure_mid_compile_leaves_no_partial_bundle(tmp_path, tiny_ckpt, monke
     monkeypatch.setattr(executables, "trace", failing_trace)
     cfg, out = write_toml(tmp_path, tiny_ckpt), tmp_path / "bundle"
     with pytest.raises(error, match="injected failure"):
-        pipeline.compile_bundle(cfg, out, log=lambda msg: None)
+        pipeline.compile_bundle(cfg, out, log=lambda msg: None, cache=None)  # traced, not fetched
     assert "weights/rank-0/moe.safetensors" in seen  # the failure was mid-compile
     assert not out.exists()
     assert staging_dirs(tmp_path) == []
@@ -234,7 +234,7 @@ def test_failure_with_force_keeps_the_existing_bundle(tmp_path, tiny_ckpt, monke
     (out / "manifest.json").write_text('{"format_version": 1}')  # what --force may replace: a bundle
     (out / "marker").write_text("the previous bundle")
     with pytest.raises(RuntimeError):
-        pipeline.compile_bundle(cfg, out, force=True, log=lambda msg: None)
+        pipeline.compile_bundle(cfg, out, force=True, log=lambda msg: None, cache=None)  # traced, not fetched
     assert (out / "marker").read_text() == "the previous bundle"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "model.toml"]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,7 +218,9 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
     hlo: list[str] = []
     fused = plan.fused_kinds() if spec.fused else {}
     pieces: dict = {}  # fused layers' region pieces, lowered once for all the kinds that run them
-    for exe in spec.executables(plan):
+    every = spec.executables(plan)
+    for i, exe in enumerate(every, 1):
+        start = time.perf_counter()
         key = artifact_keys.trace_key(spec, plan, exe) if cache is not None else None
         dest = run.staging / layout.executable_path(*exe, target.suffix)
         hit = fetch_or_build.fetch(cache, key, exe, dest) if cache is not None and key is not None else None
@@ -243,7 +246,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
             continue
         executables.append(entry)
         if not target.static_shapes:
-            run.log(f"traced {exe.name}")
+            run.log(f"traced {exe.name} ({i}/{len(every)}, {time.perf_counter() - start:.1f} s)")
         if cache is not None and key is not None:
             if graph is not None:  # a region's graph digest; a fused layer's is its module's text's
                 digest = graph_digest(graph.program)
@@ -275,8 +278,11 @@ def compile_regions(spec: Spec, traced: Traced, run: Run) -> Compiled:
     elif traced.jobs:
         target.require_compiler()
 
+    # a saved program is its executable: its job only copies it in (nothing is compiled)
+    verb = "saved" if target.executable == "exported" else "compiled"
+
     def progress(done: int, total: int, job: Job, seconds: float) -> None:
-        run.log(f"[{done}/{total}] compiled {job.name} ({seconds:.1f} s)")
+        run.log(f"[{done}/{total}] {verb} {job.name}" + ("" if verb == "saved" else f" ({seconds:.1f} s)"))
 
     built = fetch_or_build.compile_jobs(run, traced.jobs, traced.keys, progress)
     shutil.rmtree(run.staging / LOWERED_DIR)

@@ -50,7 +50,7 @@ HTTP_LIMITS = ("max_body_bytes", "max_connections", "header_timeout_s", "body_ti
     type=click.IntRange(min=1),
     default=256,
     show_default=True,
-    help="Open connections at most; one more gets HTTP 503 and is closed.",
+    help="Open connections at most; one more gets HTTP 503 and is closed (a few past the cap may still GET /health).",
 )
 @click.option(
     "--header-timeout-s",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 class ServerProcess:
     """`deepinfer-serve BUNDLE --port 0 ARGS` in a subprocess on 127.0.0.1, for tests and benchmarks:
-    `url` is read from its first line (the port it bound; no race for a free port); `log` holds the
-    lines of its stderr so far; every wait is bounded; `stop` sends SIGTERM, then kills after `timeout_s`."""
+    `url` is read from its first line (the port it bound; no race for a free port); every wait is
+    bounded; `stop` sends SIGTERM, then kills after `timeout_s`."""
 
     def __init__(self, bundle, *args: str, start_timeout_s: float = 300.0, env: dict | None = None):
         import os
@@ -34,17 +34,14 @@ class ServerProcess:
             env={**os.environ, **(env or {})},
         )
         lines: queue.Queue = queue.Queue()
-        stdout, stderr = self.proc.stdout, self.proc.stderr
-        assert stdout is not None and stderr is not None  # PIPE both
-        self.log: list[str] = []  # its stderr's lines so far (read as they come: a full pipe would block it)
+        stdout = self.proc.stdout
+        assert stdout is not None  # stdout=PIPE
 
         def read() -> None:
             for line in stdout:
                 lines.put(line)
 
         threading.Thread(target=read, daemon=True).start()
-        self._log_reader = threading.Thread(target=lambda: self.log.extend(iter(stderr.readline, "")), daemon=True)
-        self._log_reader.start()
         try:
             first = lines.get(timeout=start_timeout_s)
         except queue.Empty:
@@ -53,8 +50,7 @@ class ServerProcess:
         found = re.search(r" on (http://127\.0\.0\.1:\d+) ", first)
         if not found:
             self.stop()
-            self._log_reader.join(timeout=10)
-            raise RuntimeError(f"deepinfer-serve: {first!r} {''.join(self.log)}")
+            raise RuntimeError(f"deepinfer-serve: {first!r} {self.proc.stderr.read() if self.proc.stderr else ''}")
         self.url = found.group(1)
 
     @property

@@ -158,25 +158,39 @@ class _Guarded(H11Protocol):
     The cap spares /health: the `HEALTH_SPARE` connections after the cap may send one request within
     `SPARE_S`; `GET /health` is answered (so that a liveness probe does not restart a server whose
     connections are all held by idle clients), any other request, or none in time, gets the cap's
-    503; then the connection closes. One past those gets the 503 at once."""
+    503; then the connection closes. One past those takes the place of the oldest that has sent no
+    request yet (which gets the 503 at once), or, with none, gets the 503 at once itself."""
 
     max_connections: int
     header_timeout_s: float
     deadline: asyncio.TimerHandle | None = None
     dropped: int | None = None  # lingering: the bytes dropped since; None while not
     spare: bool = False  # over the cap: /health only (the class's docstring)
+    born: float = 0.0  # when it connected (the event loop's clock)
     raw: asyncio.Transport
 
     def connection_made(self, transport) -> None:
         self.raw = transport  # the socket's own transport; uvicorn's code gets the lingering one
         super().connection_made(cast(asyncio.Transport, _Closing(transport, self)))
+        self.born = self.loop.time()
         over = len(self.connections) - self.max_connections
-        if over > HEALTH_SPARE:
+        if over > HEALTH_SPARE and not self.evict_spare():
             return self.refuse()
         if over > 0:
             self.spare = True
             self.app = _health_only(self.app, self.full())
         self.arm()
+
+    def evict_spare(self) -> bool:
+        """Refuse the oldest spare connection that has sent no request yet, for this one to take its
+        place (idle clients past the cap cannot keep a probe out); False when there is none."""
+        idle = [c for c in self.connections if isinstance(c, _Guarded) and c.spare and c.cycle is None]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.born)
+        oldest.spare = False  # refused: no longer a place (it leaves `connections` when it is lost)
+        oldest.refuse()
+        return True
 
     def full(self) -> bytes:
         why = f"too many open connections (--max-connections {self.max_connections})"

@@ -23,6 +23,7 @@ import urllib.request
 
 import pytest
 
+from deepinfer.runtime.serving.limits import HEALTH_SPARE
 from deepinfer.runtime.serving.server_process import ServerProcess
 
 CAP = 4  # --max-connections of `capped`
@@ -101,7 +102,10 @@ def get(url: str, path: str) -> tuple[int, bytes]:
 
 def test_health_answers_while_idle_clients_hold_every_connection(capped):
     host, port = capped.url.removeprefix("http://").split(":")
-    idle = [socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S) for _ in range(CAP)]
+    # the cap's places, and more than its spare places for /health, all held by idle clients
+    idle = [
+        socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S) for _ in range(CAP + HEALTH_SPARE + 2)
+    ]
     try:
         for c in idle:
             c.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")  # and never the rest

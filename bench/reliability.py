@@ -12,7 +12,8 @@ kept in .cache/deepinfer-bench, so a second run compiles nothing. Then:
                bundle files (manifest.json, weights headers, signature.json under --trust, links to
                /dev/zero, FIFOs) under `deepinfer-run`; cache meta.json and digest memos under
                `deepinfer cache verify/ls` and deepinfer-compile; HTTP bodies and headers sent to a
-               live deepinfer-serve. CLIs run in this process through click's runner under an alarm.
+               live deepinfer-serve, and deepinfer-serve on addresses it cannot listen on (a port in
+               use, bad hosts). CLIs run in this process through click's runner under an alarm.
                Unclean: a traceback, a hang (past 30 s for a CLI, 60 s for a request), a 5xx, rc
                other than 0 or 2, an error that is not one line, or a server whose engine no longer
                completes a valid request afterwards (then restarted for the next case).
@@ -139,6 +140,7 @@ def main() -> None:
         try:
             if "http" in only:
                 cases += list(web.http_cases(server.url, restart))
+                cases += list(web.address_cases(bundle, servers[-1].url))
             url = servers[-1].url
             if "faults" in only:
                 fault_list += guarded("client gone", lambda: faults.client_faults(url))

@@ -248,6 +248,23 @@ def http_cases(url: str, restart) -> Iterator[Case]:
         yield case
 
 
+def address_cases(bundle, url: str) -> Iterator[Case]:
+    """deepinfer-serve started on an address it cannot listen on (the live server's port, a host that does
+    not resolve, one that is not this machine's): refused in one line, exit status 2, before the load."""
+    from reliability_files import judge_cli, run_cli
+
+    from deepinfer.runtime.serving.cli import main as serve_main
+
+    u = urlparse(url)
+    for name, host, port in [
+        ("deepinfer-serve on a port in use", str(u.hostname), str(u.port)),
+        ("deepinfer-serve --host that does not resolve", "no.such.host.invalid", "0"),
+        ("deepinfer-serve --host that is not a host", "not a host", "0"),
+        ("deepinfer-serve --host not of this machine", "192.0.2.1", "0"),
+    ]:
+        yield judge_cli("http", name, run_cli(serve_main, [str(bundle), "--host", host, "--port", port]), answers=())
+
+
 def _closed_cleanly(got: bytes) -> bool:
     return got == b"connection closed without an answer"
 

@@ -54,31 +54,47 @@ def generate(bundle: Bundle | Executor | str | Path, prompts: Sequence[list[int]
 
 def serve(bundle: Bundle | str | Path, options: ServeOptions) -> None:
     """Serve `bundle` over the OpenAI HTTP API on options.host:options.port until SIGINT or SIGTERM
-    (see `runtime.serving.server.serve`); with several ranks this process leads them."""
+    (see `runtime.serving.server.serve`); with several ranks this process leads them.
+
+    The address is bound first, before anything of the bundle is read (a taken port or a bad host:
+    `AddressError`, at once), and held through the load; `options.on_loading` gets a line naming what
+    is loaded, `options.on_ready` the URL once it serves. A follower under torchrun binds nothing."""
     from deepinfer.runtime import ranks
+    from deepinfer.runtime.serving.server import bind_address, listen_url
     from deepinfer.runtime.serving.server import serve as serve_http
 
-    _threads(options)
-    b = opened(bundle, options)
-    check_budget(options.max_step_tokens, b.config.text.dspark_block_size if options.speculative else None)
-    tok = tokenizer(b)
     launched = ranks.torchrun_rank()
-    leader = None
-    if b.manifest.topology.world_size > 1 and launched is None:  # start the followers here: one process each
-        leader = ranks.Leader(b.path, b.manifest.topology.world_size, options)
-        executor = leader.executor
-    else:
-        loaded = ranks.load_here(b, launched, options)
-        if loaded is None:  # a follower: the leader has stopped serving
-            return
-        executor = loaded
+    sock = bind_address(options.host, options.port) if launched is None or launched[0] == 0 else None
     try:
-        serve_http(executor, tok, options)
+        _threads(options)
+        b = opened(bundle, options)
+        check_budget(options.max_step_tokens, b.config.text.dspark_block_size if options.speculative else None)
+        tok = tokenizer(b)
+        if sock is not None and options.on_loading is not None:
+            world = b.manifest.topology.world_size
+            options.on_loading(
+                f"deepinfer-serve: loading bundle {b.path} ({len(b.manifest.regions)} executables, "
+                f"{world} rank{'s' if world > 1 else ''}) to serve on {listen_url(options.host, sock)} ..."
+            )
+        leader = None
+        if b.manifest.topology.world_size > 1 and launched is None:  # start the followers here: one process each
+            leader = ranks.Leader(b.path, b.manifest.topology.world_size, options)
+            executor = leader.executor
+        else:
+            loaded = ranks.load_here(b, launched, options)
+            if loaded is None:  # a follower: the leader has stopped serving
+                return
+            executor = loaded
+        try:
+            serve_http(executor, tok, options, sock)
+        finally:
+            if leader is not None:
+                leader.close()
+            elif executor.comm is not None:
+                executor.comm.step(None)
     finally:
-        if leader is not None:
-            leader.close()
-        elif executor.comm is not None:
-            executor.comm.step(None)
+        if sock is not None:
+            sock.close()
 
 
 def _threads(options: LoadOptions) -> None:

@@ -59,7 +59,8 @@ class ServeOptions(LoadOptions):
     port: int = 8000  # 0: a free port (the URL given to `on_ready` names it)
     max_queue: int = 64  # requests that may wait beyond the batch's free rows (more: HTTP 429)
     model_name: str | None = None  # the model's id in the API (None: the bundle directory's name)
-    on_ready: Callable[[str], None] | None = None  # called with the URL once the socket is bound
+    on_loading: Callable[[str], None] | None = None  # called with a line naming what loads, once the address is bound
+    on_ready: Callable[[str], None] | None = None  # called with a line naming the URL once it serves
     prefix_cache: bool = True  # share full prompt blocks between requests (one-rank bundles; regions/prefix.py)
     max_step_tokens: int | None = None  # tokens a step feeds at most (runtime/budget.py; None: no budget)
     # HTTP limits (runtime/serving/limits.py)

@@ -50,7 +50,7 @@ HTTP_LIMITS = ("max_body_bytes", "max_connections", "header_timeout_s", "body_ti
     type=click.IntRange(min=1),
     default=256,
     show_default=True,
-    help="Open connections at most; one more gets HTTP 503 and is closed.",
+    help="Open connections at most; one more gets HTTP 503 and is closed (a few past the cap may still GET /health).",
 )
 @click.option(
     "--header-timeout-s",
@@ -92,7 +92,8 @@ def main(bundle, host, port, max_queue, model_name, no_prefix_cache, max_step_to
     running batch at step boundaries up to the largest batch bucket; the others wait
     in a queue of --max-queue. A multi-rank bundle starts one process per rank here
     (gloo), or runs under torchrun; this process (rank 0) serves. With --speculative,
-    sampled requests (temperature > 0) decode plainly.
+    sampled requests (temperature > 0) decode plainly. The address is bound first: a port
+    in use or a bad host is refused in one line (exit status 2) before the bundle loads.
 
     \b
     Example:
@@ -112,6 +113,7 @@ def main(bundle, host, port, max_queue, model_name, no_prefix_cache, max_step_to
         model_name=model_name,
         prefix_cache=not no_prefix_cache,
         max_step_tokens=max_step_tokens,
+        on_loading=lambda line: click.echo(line, err=True),
         on_ready=click.echo,
     )
     serve(bundle, options)

@@ -1,7 +1,7 @@
 """`deepinfer-serve`'s HTTP limits, so that no client can hold the server or starve `/health`:
 
 - `guarded_protocol`: uvicorn's h11 connection with a cap on open connections (one over it gets 503
-  and is closed at once) and a deadline for a request's headers, from the connection's start or the
+  and is closed; the few just past the cap may still ask `GET /health`) and a deadline for a request's headers, from the connection's start or the
   end of its last response (a client that never finishes them is cut), and a lingering close (a
   connection closed with its request body unread is drained first, so the client reads the answer);
 - `Limits`, an ASGI middleware: a body over `max_body_bytes` is refused with 413, from its
@@ -146,85 +146,136 @@ class _Closing:
             self._transport.close()
 
 
-def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11Protocol]:
+RAW_ANSWER = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+HEALTH_SPARE = 8  # connections over --max-connections that may still ask GET /health
+SPARE_S = 1.0  # what such a connection gets to send its request's headers (at most --header-timeout-s)
+
+
+class _Guarded(H11Protocol):
     """uvicorn's h11 connection with the cap and header deadline of the module's docstring, and the
-    lingering close of `_Closing`."""
-    busy = (
-        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        b"content-length: %d\r\n\r\n%s"
-    )
-    bad = busy.replace(b"503 Service Unavailable", b"400 Bad Request")
-    full = error_json(f"too many open connections (--max-connections {max_connections})", "service_unavailable")
+    lingering close of `_Closing`; `guarded_protocol` sets its limits.
 
-    class Guarded(H11Protocol):
-        deadline: asyncio.TimerHandle | None = None
-        dropped: int | None = None  # lingering: the bytes dropped since; None while not
-        raw: asyncio.Transport
+    The cap spares /health: the `HEALTH_SPARE` connections after the cap may send one request within
+    `SPARE_S`; `GET /health` is answered (so that a liveness probe does not restart a server whose
+    connections are all held by idle clients), any other request, or none in time, gets the cap's
+    503; then the connection closes. One past those takes the place of the oldest that has sent no
+    request yet (which gets the 503 at once), or, with none, gets the 503 at once itself."""
 
-        def connection_made(self, transport) -> None:
-            self.raw = transport  # the socket's own transport; uvicorn's code gets the lingering one
-            super().connection_made(cast(asyncio.Transport, _Closing(transport, self)))
-            if len(self.connections) > max_connections:
-                transport.write(busy % (len(full), full))
-                transport.close()
-                return
+    max_connections: int
+    header_timeout_s: float
+    deadline: asyncio.TimerHandle | None = None
+    dropped: int | None = None  # lingering: the bytes dropped since; None while not
+    spare: bool = False  # over the cap: /health only (the class's docstring)
+    born: float = 0.0  # when it connected (the event loop's clock)
+    raw: asyncio.Transport
+
+    def connection_made(self, transport) -> None:
+        self.raw = transport  # the socket's own transport; uvicorn's code gets the lingering one
+        super().connection_made(cast(asyncio.Transport, _Closing(transport, self)))
+        self.born = self.loop.time()
+        over = len(self.connections) - self.max_connections
+        if over > HEALTH_SPARE and not self.evict_spare():
+            return self.refuse()
+        if over > 0:
+            self.spare = True
+            self.app = _health_only(self.app, self.full())
+        self.arm()
+
+    def evict_spare(self) -> bool:
+        """Refuse the oldest spare connection that has sent no request yet, for this one to take its
+        place (idle clients past the cap cannot keep a probe out); False when there is none."""
+        idle = [c for c in self.connections if isinstance(c, _Guarded) and c.spare and c.cycle is None]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.born)
+        oldest.spare = False  # refused: no longer a place (it leaves `connections` when it is lost)
+        oldest.refuse()
+        return True
+
+    def full(self) -> bytes:
+        why = f"too many open connections (--max-connections {self.max_connections})"
+        return error_json(why, "service_unavailable")
+
+    def refuse(self) -> None:
+        """The cap's 503, written raw, and close."""
+        body = self.full()
+        self.raw.write(RAW_ANSWER % (b"503 Service Unavailable", len(body), body))
+        self.raw.close()
+
+    def arm(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+        timeout_s = min(SPARE_S, self.header_timeout_s) if self.spare else self.header_timeout_s
+        self.deadline = self.loop.call_later(timeout_s, self.too_slow)
+
+    def too_slow(self) -> None:
+        """The headers' deadline: cut a connection with no request in progress (a spare one: the 503)."""
+        if self.cycle is None or self.cycle.response_complete:
+            if self.spare and self.cycle is None:
+                return self.refuse()
+            self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.spare:  # its one request answered: the place is the next probe's
+            self.transport.close()
+        elif not self.transport.is_closing() and self.dropped is None:
             self.arm()
 
-        def arm(self) -> None:
-            if self.deadline is not None:
-                self.deadline.cancel()
-            self.deadline = self.loop.call_later(header_timeout_s, self.too_slow)
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a bad request line, Content-Length or chunk size, a path that is
+        not UTF-8, headers over h11's 16 KiB): OpenAI's JSON error body, not uvicorn's plain text."""
+        body = error_json(f"malformed HTTP request ({msg.rstrip('.')})", "invalid_request_error")
+        self.transport.write(RAW_ANSWER % (b"400 Bad Request", len(body), body))
+        self.linger()
 
-        def too_slow(self) -> None:
-            """The headers' deadline: cut a connection with no request in progress."""
-            if self.cycle is None or self.cycle.response_complete:
-                self.transport.close()
+    def may_still_send(self) -> bool:
+        """Whether the client may have bytes on the way: a request body unread, or a broken request."""
+        return self.conn.their_state in (h11.SEND_BODY, h11.ERROR)
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing() and self.dropped is None:
-                self.arm()
+    def linger(self) -> None:
+        raw = self.raw
+        if self.dropped is not None or raw.is_closing():  # lingering already, or the client left
+            return raw.close()
+        self.dropped = 0
+        if self.deadline is not None:
+            self.deadline.cancel()
+        raw.resume_reading()  # uvicorn pauses reading while a body waits for the application
+        if raw.can_write_eof():
+            raw.write_eof()
+        self.loop.call_later(LINGER_S, raw.close)
 
-        def send_400_response(self, msg: str) -> None:
-            """A request h11 cannot parse (a bad request line, Content-Length or chunk size, a path that is
-            not UTF-8, headers over h11's 16 KiB): OpenAI's JSON error body, not uvicorn's plain text."""
-            body = error_json(f"malformed HTTP request ({msg.rstrip('.')})", "invalid_request_error")
-            self.transport.write(bad % (len(body), body))
-            self.linger()
+    def data_received(self, data: bytes) -> None:
+        if self.dropped is None:
+            return super().data_received(data)
+        self.dropped += len(data)
+        if self.dropped > LINGER_BYTES:
+            self.raw.close()
 
-        def may_still_send(self) -> bool:
-            """Whether the client may have bytes on the way: a request body unread, or a broken request."""
-            return self.conn.their_state in (h11.SEND_BODY, h11.ERROR)
+    def eof_received(self) -> None:
+        if self.dropped is not None:  # the client has sent everything: nothing unread is left
+            self.raw.close()
 
-        def linger(self) -> None:
-            raw = self.raw
-            if self.dropped is not None or raw.is_closing():  # lingering already, or the client left
-                return raw.close()
-            self.dropped = 0
-            if self.deadline is not None:
-                self.deadline.cancel()
-            raw.resume_reading()  # uvicorn pauses reading while a body waits for the application
-            if raw.can_write_eof():
-                raw.write_eof()
-            self.loop.call_later(LINGER_S, raw.close)
+    def connection_lost(self, exc) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+        super().connection_lost(exc)
 
-        def data_received(self, data: bytes) -> None:
-            if self.dropped is None:
-                return super().data_received(data)
-            self.dropped += len(data)
-            if self.dropped > LINGER_BYTES:
-                self.raw.close()
 
-        def eof_received(self) -> None:
-            if self.dropped is not None:  # the client has sent everything: nothing unread is left
-                self.raw.close()
+def _health_only(app, full: bytes):
+    """`app` for GET /health; the cap's 503 (and a close) for anything else."""
 
-        def connection_lost(self, exc) -> None:
-            if self.deadline is not None:
-                self.deadline.cancel()
-            super().connection_lost(exc)
+    async def health_only(scope, receive, send):
+        if scope["type"] == "http" and scope["method"] in ("GET", "HEAD") and scope["path"] == "/health":
+            return await app(scope, receive, send)
+        return await respond(send, 503, full, close=True)
 
-    return Guarded
+    return health_only
+
+
+def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11Protocol]:
+    """`_Guarded` with these limits."""
+    return type("Guarded", (_Guarded,), {"max_connections": max_connections, "header_timeout_s": header_timeout_s})
 
 
 class Stopping(uvicorn.Server):

@@ -22,6 +22,10 @@ output (`runtime/serving/tool_calls.py`) into `tool_calls`, streamed one delta p
 
 from __future__ import annotations
 
+import errno
+import json
+
+from deepinfer.errors import DeepinferError
 from deepinfer.runtime.executor import Executor, Stats
 from deepinfer.runtime.options import ServeOptions
 from deepinfer.runtime.serving.engine import Engine, EngineStopped
@@ -29,7 +33,7 @@ from deepinfer.runtime.serving.limits import FLUSH_S, Gate, Limits, Stopping, gu
 from deepinfer.runtime.serving.params import error_body
 from deepinfer.runtime.serving.routes import Served, generation_routes, service_routes, tokenizer_routes
 
-__all__ = ["Served", "create_app", "serve"]
+__all__ = ["AddressError", "Served", "bind_address", "create_app", "serve"]
 
 
 def create_app(served: Served, gate: Gate | None = None):
@@ -49,12 +53,13 @@ def create_app(served: Served, gate: Gate | None = None):
     )
 
 
-def serve(executor: Executor, tokenizer, options: ServeOptions) -> None:
+def serve(executor: Executor, tokenizer, options: ServeOptions, sock=None) -> None:
     """Serve `executor` (a loaded bundle: the leader of its ranks) on options.host:options.port until
     SIGINT or SIGTERM; with options.speculative, greedy requests decode with the bundle's draft.
 
-    Binds first (port 0: a free port; `options.on_ready` gets a line naming the bound URL), then runs
-    the engine on its own thread and uvicorn on this one, within the limits of `runtime/serving/limits.py`.
+    Listens on `sock` (from `bind_address`, bound before the load; None: binds here; port 0: a free
+    port; `options.on_ready` gets a line naming the bound URL), then runs the engine on its own thread
+    and uvicorn on this one, within the limits of `runtime/serving/limits.py`.
     A stop signal is graceful (`limits.Stopping`: open requests get `options.grace_s`, then end with a
     final chunk); the engine stops after. If the engine's thread stops on an error, so does the server:
     EngineStopped (the CLI's one line and exit status 2)."""
@@ -65,7 +70,8 @@ def serve(executor: Executor, tokenizer, options: ServeOptions) -> None:
     model = options.model_name or executor.path.name
     gate = Gate(engine, options.watchdog_s)
     app = create_app(Served(engine, tokenizer, model, executor.config.text.vocab_size), gate)
-    sock = _bind(options.host, options.port)
+    sock = sock or bind_address(options.host, options.port)
+    sock.listen(BACKLOG)
     thread = threading.Thread(target=engine.run, name="deepinfer-engine", daemon=True)
     thread.start()
     server = _server(app, gate, options)
@@ -80,7 +86,7 @@ def serve(executor: Executor, tokenizer, options: ServeOptions) -> None:
     try:
         if options.on_ready is not None:
             options.on_ready(
-                f"deepinfer-serve: {executor.path} as model {model!r} on {_url(options.host, sock)} "
+                f"deepinfer-serve: {executor.path} as model {model!r} on {listen_url(options.host, sock)} "
                 f"(batch up to {max_batch}, queue {options.max_queue}, prefix cache {'on' if prefix_cache else 'off'})"
             )
         server.run(sockets=[sock])
@@ -114,18 +120,45 @@ def _engine(executor: Executor, options: ServeOptions) -> tuple[Engine, int, boo
     return engine, steps.max_batch, prefix_cache
 
 
-def _bind(host: str, port: int):
-    """A listening socket on host:port (port 0: a free port, read back from the socket)."""
+class AddressError(DeepinferError):
+    """--host/--port name no address this process can listen on (taken, unresolvable, not local)."""
+
+
+def bind_address(host: str, port: int):
+    """A socket bound to host:port, not yet listening (port 0: a free port, read back from the socket):
+    bound before the bundle loads, so that a taken port or a bad host is refused at once, and held, so
+    that nothing takes the address meanwhile (a client connecting during the load is refused, not
+    queued). A bad address: AddressError, one line."""
     import socket
 
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(BACKLOG)
+    where = f"--host {json.dumps(host)} --port {port}"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except socket.gaierror as e:
+        sock.close()
+        raise AddressError(f"{where}: the host does not resolve to an address ({e.strerror})") from None
+    except (ValueError, TypeError, OSError) as e:  # a host idna cannot encode, or holding NUL
+        sock.close()
+        reason = str(e).splitlines()[0] if e.args else type(e).__name__
+        if isinstance(e, OSError):
+            reason = _LISTEN_ERRORS.get(e.errno or 0) or e.strerror or reason
+        raise AddressError(f"{where}: cannot listen there: {reason}") from None
     return sock
 
 
-def _url(host: str, sock) -> str:
+_LISTEN_ERRORS: dict[int, str] = {
+    errno.EADDRINUSE: "the address is in use (another process listens there; pick another --port, or --port 0 "
+    "for a free one)",
+    errno.EADDRNOTAVAIL: "the host is not an address of this machine",
+    errno.EACCES: "this user may not listen on that port",
+}
+
+
+def listen_url(host: str, sock) -> str:
+    """The URL of `sock`, bound on `host` (the port it got, for port 0)."""
     bound = sock.getsockname()[1]
     return f"http://{host}:{bound}" if ":" not in host else f"http://[{host}]:{bound}"
 

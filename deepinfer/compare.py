@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -308,9 +309,15 @@ def teacher_forced(model, tokens: list[list[int]], chunk: int | None) -> list[to
 
 
 def measure_floor(
-    checkpoint: str | Path, tokens: list[list[int]], *, dtype: str = "bf16", cache_quant: bool = True
+    checkpoint: str | Path,
+    tokens: list[list[int]],
+    *,
+    dtype: str = "bf16",
+    cache_quant: bool = True,
+    note: Callable[[str], None] | None = None,
 ) -> Floor:
-    """Run the reference on `tokens` (teacher-forced) as fp32 in one chunk and as each perturbation.
+    """Run the reference on `tokens` (teacher-forced) as fp32 in one chunk and as each perturbation;
+    `note(msg)` before each run (they take seconds to minutes).
 
     All runs break index top-k ties by lowest index (NeMo's rule depends on
     the chunk width, which would measure the rule, not rounding).
@@ -334,9 +341,15 @@ def measure_floor(
                 f"prompt {i}: token ids {bad[:5]} outside {checkpoint}'s vocabulary [0, {vocab}); "
                 "measure the floor with the checkpoint the dump came from"
             )
+    runs = len(FLOOR_DTYPES[dtype]) + 1
+    say = note or (lambda msg: None)
+    start = time.perf_counter()
+    rows_fed = sum(map(len, tokens))
+    say(f"noise floor: run 1/{runs}, the fp32 reference in one chunk ({rows_fed} rows)")
     base = teacher_forced(model("fp32"), tokens, None)
     results = []
-    for name in FLOOR_DTYPES[dtype]:
+    for i, name in enumerate(FLOOR_DTYPES[dtype], 2):
+        say(f"noise floor: run {i}/{runs}, {name} ({time.perf_counter() - start:.0f} s so far)")
         d, chunk = PERTURBATIONS[name]
         rows = teacher_forced(model(d), tokens, chunk)
         pairs = [row_metrics(x, y) for x, y in zip(rows, base)]
@@ -358,7 +371,14 @@ def floor_tokens(dump: Dump) -> list[list[int]]:
     return [t[: len(x)] for t, x in zip(dump.tokens, dump.logits)]
 
 
-def floor_for(dump: Dump, checkpoint: str | Path, *, dtype: str = "bf16", cache_quant: bool = True) -> Floor:
+def floor_for(
+    dump: Dump,
+    checkpoint: str | Path,
+    *,
+    dtype: str = "bf16",
+    cache_quant: bool = True,
+    note: Callable[[str], None] | None = None,
+) -> Floor:
     """measure_floor on `dump`'s tokens, after checking the checkpoint's vocabulary is the dump's."""
     from deepinfer.regions.config import load_config
 
@@ -368,7 +388,7 @@ def floor_for(dump: Dump, checkpoint: str | Path, *, dtype: str = "bf16", cache_
             f"{dump.path} has logits over {dump.vocab} tokens but {checkpoint} has a vocabulary "
             f"of {vocab}; measure the floor with the checkpoint the dump came from"
         )
-    return measure_floor(checkpoint, floor_tokens(dump), dtype=dtype, cache_quant=cache_quant)
+    return measure_floor(checkpoint, floor_tokens(dump), dtype=dtype, cache_quant=cache_quant, note=note)
 
 
 def save_floor(floor: Floor, path: str | Path) -> None:
@@ -455,7 +475,7 @@ def judging_floor(
         )
     dtype, cache_quant = floor_setting(dtype, cache_quant, floor_precision(a, b))
     note(f"measuring the noise floor with {checkpoint} ({dtype}, cache quant {'on' if cache_quant else 'off'})")
-    return floor_for(a, checkpoint, dtype=dtype, cache_quant=cache_quant)
+    return floor_for(a, checkpoint, dtype=dtype, cache_quant=cache_quant, note=note)
 
 
 # --- reports ---

@@ -183,7 +183,8 @@ def noise_floor_cmd(checkpoint, dump, dtype, cache_quant, output, as_json):
 
     d = cmp.load_dump(dump)
     dtype, cache_quant = cmp.floor_setting(dtype, cache_quant, cmp.floor_precision(d, d))
-    floor = cmp.floor_for(d, checkpoint, dtype=dtype, cache_quant=cache_quant)
+    note = lambda msg: click.echo(msg, err=True)  # noqa: E731
+    floor = cmp.floor_for(d, checkpoint, dtype=dtype, cache_quant=cache_quant, note=note)
     if output:
         cmp.save_floor(floor, output)
     if as_json:

@@ -228,6 +228,8 @@ def test_cli_noise_floor_measures_and_saves(ref_dump, tiny_ckpt, tmp_path):
     floor = cmp.load_floor(out)
     assert [p["name"] for p in floor.perturbations] == cmp.FLOOR_DTYPES["fp32"] and floor.rel < 1e-2
     assert "fp32 chunk 3" in r.output and f"wrote {out}" in r.output
+    runs = len(cmp.FLOOR_DTYPES["fp32"]) + 1  # each run says so as it starts (issue 44: no minute of silence)
+    assert [f"noise floor: run {i}/{runs}" in r.stderr for i in range(1, runs + 1)] == [True] * runs
 
 
 def test_cli_margin_default_is_the_modules():

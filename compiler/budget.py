@@ -50,6 +50,7 @@ from deepinfer.compiler.pools import plan_pools
 from deepinfer.compiler.spec import Log, Spec
 from deepinfer.compiler.weights import host_bytes
 from deepinfer.regions.state import Geometry, blocks_per_rank
+from deepinfer.units import human
 
 GiB = 1 << 30
 SCRATCH_METHOD = (
@@ -181,15 +182,6 @@ def scratch_bytes(ep: torch.export.ExportedProgram) -> int:
 
 
 # -- the breakdown and the checks ----------------------------------------------------------------
-
-
-def human(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 @dataclass

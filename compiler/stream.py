@@ -342,7 +342,7 @@ class Progress:
         now = time.perf_counter()
         if now - self.last >= self.every or self.done >= self.total:
             self.last = now
-            from deepinfer.compiler.budget import human  # budget imports the weight planning
+            from deepinfer.units import human
 
             rate = self.done / max(now - self.start, 1e-9)
             eta = (self.total - self.done) / rate if rate > 0 else 0.0

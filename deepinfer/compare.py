@@ -33,6 +33,7 @@ from deepinfer.errors import CompareError
 from deepinfer.reader import CAP_MANIFEST, load_json
 
 FLOOR_FORMAT = "deepinfer-noise-floor/1"
+Note = Callable[[str], None]  # where a long measurement says what it is doing
 MARGIN = 4.0  # default slack over the measured floor: another implementation rounds differently again
 REL_MIN = 1e-6  # the floor's relative error never counts as less than this (a few fp32 ulps of a row)
 
@@ -314,7 +315,7 @@ def measure_floor(
     *,
     dtype: str = "bf16",
     cache_quant: bool = True,
-    note: Callable[[str], None] | None = None,
+    note: Note | None = None,
 ) -> Floor:
     """Run the reference on `tokens` (teacher-forced) as fp32 in one chunk and as each perturbation;
     `note(msg)` before each run (they take seconds to minutes).
@@ -344,8 +345,7 @@ def measure_floor(
     runs = len(FLOOR_DTYPES[dtype]) + 1
     say = note or (lambda msg: None)
     start = time.perf_counter()
-    rows_fed = sum(map(len, tokens))
-    say(f"noise floor: run 1/{runs}, the fp32 reference in one chunk ({rows_fed} rows)")
+    say(f"noise floor: run 1/{runs}, the fp32 reference in one chunk ({sum(map(len, tokens))} rows)")
     base = teacher_forced(model("fp32"), tokens, None)
     results = []
     for i, name in enumerate(FLOOR_DTYPES[dtype], 2):
@@ -372,12 +372,7 @@ def floor_tokens(dump: Dump) -> list[list[int]]:
 
 
 def floor_for(
-    dump: Dump,
-    checkpoint: str | Path,
-    *,
-    dtype: str = "bf16",
-    cache_quant: bool = True,
-    note: Callable[[str], None] | None = None,
+    dump: Dump, checkpoint: str | Path, *, dtype: str = "bf16", cache_quant: bool = True, note: Note | None = None
 ) -> Floor:
     """measure_floor on `dump`'s tokens, after checking the checkpoint's vocabulary is the dump's."""
     from deepinfer.regions.config import load_config
@@ -463,7 +458,7 @@ def judging_floor(
     checkpoint: Path | None,
     dtype: str | None,
     cache_quant: bool | None,
-    note: Callable[[str], None],
+    note: Note,
 ) -> Floor:
     """The floor A and B are judged by, measured with `checkpoint`'s reference, else the checkpoint a
     reference dump records, at the dumps' precision (`floor_setting`); `note(msg)` says which."""

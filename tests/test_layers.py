@@ -33,6 +33,7 @@ LAYERS = [
             "deepinfer.reader",
             "deepinfer.schema",
             "deepinfer.host",
+            "deepinfer.units",
             "deepinfer.bundles",
         ],
     ),

@@ -187,8 +187,37 @@ def chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
         on_host=sum(counts.values()) - sum(graph.values()),
         host_device=rows * (2 * F32 + head_rows(c, topo) * F32),  # ids, positions in; the logits slice out
     )
+    return timed_chunk(
+        plan,
+        rows,
+        context,
+        flops,
+        weights,
+        state,
+        per_step["executions"],
+        sum(counts.values()),
+        sum(sent[name] for name in counts),
+        times,
+    )
+
+
+def timed_chunk(
+    plan: BundlePlan,
+    rows: int,
+    context: int,
+    flops: dict[str, int],
+    weights: int,
+    state: int,
+    executions: int,
+    collectives: int,
+    collective_bytes: int,
+    times: dict[str, float],
+) -> ChunkCost:
+    """A chunk's figures with its time: `times` the memory and latency terms (`lower_bound`'s), the
+    compute each part's FLOPs at its dtype's peak; the estimate the larger of memory and compute
+    plus the latency (any chunk's form: `chunk_cost`, compiler/prompt_rows.divided_chunk_cost)."""
     memory_ms, latency_ms = times["memory_ms"], times["latency_ms"]
-    compute_ms = compute_s(flops, figures, spec.config.model.dtype) * 1e3
+    compute_ms = compute_s(flops, figures_of(plan), plan.spec.config.model.dtype) * 1e3
     return ChunkCost(
         rows=rows,
         context=context,
@@ -196,9 +225,9 @@ def chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
         state_bytes=state,
         flops=sum(flops.values()),
         flops_by_part=flops,
-        executions=per_step["executions"],
-        collectives=sum(counts.values()),
-        collective_bytes=sum(sent[name] for name in counts),
+        executions=executions,
+        collectives=collectives,
+        collective_bytes=collective_bytes,
         memory_ms=memory_ms,
         compute_ms=compute_ms,
         latency_ms=latency_ms,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from deepinfer.compiler.prompt_cost import ChunkCost, compute_s, useful_flops
+from deepinfer.compiler.prompt_cost import ChunkCost, timed_chunk, useful_flops
 from deepinfer.compiler.step_cost import F32, LOGITS, figures_of, link_bytes, lower_bound, step_flops
 from deepinfer.compiler.step_reads import read_bytes, spec_bytes
 from deepinfer.regions.topology import head_rows
@@ -144,19 +144,5 @@ def divided_chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
         on_host=0,
         host_device=own_rows(plan, rows) * 2 * F32 + rows * head_rows(spec.model.text, topo) * F32,
     )
-    compute_ms = compute_s(flops, figures, spec.config.model.dtype) * 1e3
-    return ChunkCost(
-        rows=rows,
-        context=context,
-        weight_bytes=weights,
-        state_bytes=state,
-        flops=sum(flops.values()),
-        flops_by_part=flops,
-        executions=executions,
-        collectives=calls,
-        collective_bytes=sum(sent for _, sent in collectives.values()),
-        memory_ms=times["memory_ms"],
-        compute_ms=compute_ms,
-        latency_ms=times["latency_ms"],
-        estimated_ms=max(times["memory_ms"], compute_ms) + times["latency_ms"],
-    )
+    sent = sum(sent for _, sent in collectives.values())
+    return timed_chunk(plan, rows, context, flops, weights, state, executions, calls, sent, times)

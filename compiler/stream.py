@@ -29,7 +29,7 @@ import numpy as np
 from deepinfer.bundles.safetensors import TensorInfo, layout_header, map_rows, pwrite
 from deepinfer.errors import CheckpointError
 from deepinfer.quant.finite import first_nonfinite
-from deepinfer.quant.stream import worker_context
+from deepinfer.quant.stream import unordered
 
 CHUNK_BYTES = 64 << 20
 # the safetensors library's dtype order (its Dtype enum), by which it sorts a file's tensors
@@ -373,9 +373,8 @@ def stream(
         for task in tasks:
             progress.add(run_task(task))
     else:
-        with worker_context().Pool(workers) as pool:
-            for n in pool.imap_unordered(run_task, tasks, chunksize=1):
-                progress.add(n)
+        for n in unordered(run_task, tasks, workers):
+            progress.add(n)
     return {
         "bytes_read": progress.done,
         "bytes_written": sum(s for _, s in layouts.values()),

@@ -19,6 +19,8 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,15 +125,32 @@ def worker_context(name: str | None = None):
     return mp.get_context(name)
 
 
+def unordered(fn: Callable, tasks: Iterable, workers: int, start_method: str | None = None) -> Iterator:
+    """`fn(task)` for every task in `workers` worker processes; the results in the order they finish.
+
+    A concurrent.futures pool, not a multiprocessing.Pool: a Pool replaces a worker that dies, so a
+    compile stopped by SIGTERM (compiler/publish.py kills the children it finds, then exits) could
+    leave a replacement forked in between running on alone, writing into a removed staging directory
+    and printing a BrokenPipeError traceback. This pool starts its workers once and breaks
+    (BrokenProcessPool) when one dies. Leaving early (an error, the caller stops iterating) cancels
+    the queued tasks and waits only for the running ones."""
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=worker_context(start_method))
+    try:
+        futures = [pool.submit(fn, task) for task in tasks]
+        for future in as_completed(futures):
+            yield future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _execute(plan: Plan, recipe: StreamRecipe, workers: int, start_method: str | None) -> None:
     scales = _ScaleAssembler(plan)
     if workers <= 1:
         for task in plan.tasks:
             scales.add(run_task(task))
     else:
-        with worker_context(start_method).Pool(workers) as pool:
-            for result in pool.imap_unordered(run_task, plan.tasks, chunksize=1):
-                scales.add(result)
+        for result in unordered(run_task, plan.tasks, workers, start_method):
+            scales.add(result)
     scales.finish()
 
 

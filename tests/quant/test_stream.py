@@ -228,3 +228,35 @@ def test_rescale_writes_into_given_output():
     assert got is out and np.array_equal(out, rescale_ue8m0(codes, scales, 32, 64)[0])
     with pytest.raises(QuantInputError, match="writable uint8"):
         rescale_ue8m0(codes, scales, 32, 64, out=np.zeros((2, 2), np.uint8))
+
+
+def _end_the_worker(task):
+    if task == 1:
+        os._exit(3)  # as a worker killed by a stopped compile ends: no result, no cleanup
+    return task
+
+
+def test_a_dead_worker_breaks_the_pool_and_is_not_replaced():
+    """A stopped compile kills the stream workers it finds and exits: a pool that forked a replacement
+    in between would leave it running on alone (CI saw one print a BrokenPipeError traceback after its
+    compile had ended). `unordered` fails instead, and leaves no worker behind."""
+    import multiprocessing
+    import threading
+    from concurrent.futures.process import BrokenProcessPool
+
+    from deepinfer.quant.stream import unordered
+
+    raised: list[BaseException] = []
+
+    def run():  # a pool that replaces the worker waits for the lost result forever
+        try:
+            list(unordered(_end_the_worker, range(8), workers=2, start_method="fork"))
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the pool waited on after its worker died"
+    assert len(raised) == 1 and isinstance(raised[0], BrokenProcessPool), raised
+    assert multiprocessing.active_children() == []

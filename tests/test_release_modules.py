@@ -60,9 +60,13 @@ def test_an_unknown_kind_is_refused_in_one_line(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].endswith(
-        "--kinds: not a release layer kind: layer_nope (the kinds: layer_window, layer_window_engram, "
-        "layer_source_r2, layer_reuse_r2, layer_source_r2_engram, layer_source_r1_cand, layer_reuse_r1, "
-        "layer_reindex_r1_cand)"
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "--kinds: not a release layer kind: layer_nope (the kinds: layer_window, layer_window_engram, "
+            "layer_source_r2, layer_reuse_r2, layer_source_r2_engram, layer_source_r1_cand, layer_reuse_r1, "
+            "layer_reindex_r1_cand)"
+        )
     )
     assert not (tmp_path / "w").exists()  # refused before anything is written

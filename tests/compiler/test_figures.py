@@ -247,3 +247,40 @@ def test_compile_refuses_a_bad_figures_file_before_building(tmp_path, tiny_trn2)
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
     assert r.stderr.startswith(f"error: {bad}: figures.launch_s.value: 0 is not a positive number")
     assert not out.exists() and not any(p.name.startswith("bundle") for p in tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_compile_models_its_step_with_the_figures(tmp_path, tiny_ckpt):
+    """`deepinfer-compile --figures` (an HLO-stage trn2 compile of the tiny model, about 3 min): after
+    the summary, the decode step modelled with the measured launch overhead, in the log and in --json's
+    "step_cost"; the bundle is the same compile's (its executables)."""
+    toml = write_model_toml(
+        tmp_path, tiny_ckpt, tiny_layers=6, target="trn2", executable="neff", options="{ lnc = 1, optlevel = 1 }"
+    )
+    figures = write(tmp_path / "figures.json", figures_doc(launch_s=2 * LAUNCH))
+    r = cli(
+        "deepinfer-compile",
+        toml,
+        "-o",
+        tmp_path / "bundle",
+        "--hlo-only",
+        "--json",
+        "--jobs",
+        "2",
+        "--figures",
+        figures,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["bundle"] == str(tmp_path / "bundle") and summary["executables"] == len(summary["lowered"]) > 0
+    cost = summary["step_cost"]
+    assert cost["figures"]["launch_s"] == {
+        "value": 2 * LAUNCH,
+        "unit": RANK_FIGURES["launch_s"].unit,
+        "source": f"{figures} (trn2-test-host, LNC 2): written by {__name__}",
+        "status": "measured",
+    }
+    (step,) = cost["buckets"]
+    before = plan_json(toml)["step_cost"]["buckets"][0]
+    assert step["estimated_ms"] - before["estimated_ms"] == pytest.approx(step["executions"] * LAUNCH * 1e3, rel=1e-9)
+    assert f"figures measured on trn2-test-host: {figures}" in r.stderr

@@ -176,9 +176,7 @@ def main(
         sign=signing_key,
         ray=ray,
     )
-    summary = report.to_json()
-    if measured is not None:
-        summary["step_cost"] = _modelled_step(cfg, measured)
+    summary = {**report.to_json(), **({} if measured is None else {"step_cost": _modelled_step(cfg, measured)})}
     if as_json:
         click.echo(json.dumps(summary))
 

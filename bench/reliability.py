@@ -1,7 +1,7 @@
 """Bad inputs and faults against every surface of deepinfer, on the tiny model (issue 33's figures).
 
     python bench/reliability.py [--json] [--verbose] [--load-seconds 60] [--clients 64] [--seed 0]
-                                [--work DIR] [--only toml,checkpoint,bundle,cache,http,faults,load,rss]
+                                [--work DIR] [--only toml,checkpoint,bundle,cache,figures,http,faults,load,rss]
 
 Compiles the tiny model once (saved ExportedPrograms, batch buckets 1, 8 and 64, so that every client
 of the load phase can hold a batch row at once; a 2-rank copy for the rank faults), through a cache
@@ -13,7 +13,8 @@ kept in .cache/deepinfer-bench, so a second run compiles nothing. Then:
                /dev/zero, FIFOs) under `deepinfer-run`; cache meta.json and digest memos under
                `deepinfer cache verify/ls` and deepinfer-compile; HTTP bodies and headers sent to a
                live deepinfer-serve, and deepinfer-serve on addresses it cannot listen on (a port in
-               use, bad hosts). CLIs run in this process through click's runner under an alarm.
+               use, bad hosts); figures files (a Trn2 host's measured figures) under `deepinfer plan
+               --figures`. CLIs run in this process through click's runner under an alarm.
                Unclean: a traceback, a hang (past 30 s for a CLI, 60 s for a request), a 5xx, rc
                other than 0 or 2, an error that is not one line, or a server whose engine no longer
                completes a valid request afterwards (then restarted for the next case).
@@ -53,12 +54,12 @@ import reliability_http as web
 import reliability_rss
 from common import ROOT, percentile, share_inductor_cache, toml_text
 from reliability_bundles import bundle_cases, cache_cases
-from reliability_files import checkpoint_cases, toml_cases
+from reliability_files import checkpoint_cases, figures_cases, toml_cases
 
 share_inductor_cache()
 
 CACHE = ROOT / ".cache" / "deepinfer-bench"
-SURFACES = ("toml", "checkpoint", "bundle", "cache", "http", "faults", "load", "rss")
+SURFACES = ("toml", "checkpoint", "bundle", "cache", "figures", "http", "faults", "load", "rss")
 
 
 def model_toml(ckpt: Path, *, batch=(1, 8, 64), max_context=64, num_blocks=257, ep: int = 1) -> str:
@@ -121,7 +122,7 @@ def main() -> None:
     ckpt = make_tiny(work / "ckpt", exist_ok=True)
     bundle = compile_once(model_toml(ckpt), work / "serve", log)
     cases, fault_list, load, rss = [], [], {}, {}
-    for surface in ("toml", "checkpoint", "bundle", "cache"):
+    for surface in ("toml", "checkpoint", "bundle", "cache", "figures"):
         if surface in only:
             cases += run_worker(surface, work, log)
     log(f"file surfaces: {len(cases)} cases in {time.perf_counter() - started:.0f} s")
@@ -209,6 +210,8 @@ def worker(surface: str, work: Path, skip: int) -> None:
         made = checkpoint_cases(ckpt, base, out, compile_main)
     elif surface == "bundle":
         made = bundle_cases(work / "serve" / "bundle", out, run_main)
+    elif surface == "figures":
+        made = figures_cases(base, out, deepinfer_main)
     else:
         copy = out / "cache-copy"
         shutil.copytree(CACHE, copy, ignore=shutil.ignore_patterns("locks", "tmp"))

@@ -318,3 +318,61 @@ def _index_to(index: dict, name: str, target: str) -> Callable[[Path], None]:
         p.write_text(json.dumps(d))
 
     return mutate
+
+
+# --- figures file (`deepinfer plan --figures`; `deepinfer doctor` writes it) ------------------------
+
+FIGURES = {
+    "deepinfer_figures": 1,
+    "measured_on": {
+        "host": "bench",
+        "instance_type": None,
+        "neuronx_cc": None,
+        "libnrt": None,
+        "lnc": 2,
+        "when": "2026-12-06T12:00:00+00:00",
+    },
+    "figures": {"launch_s": {"value": 4e-05, "how": "bench"}, "hbm_bytes_per_s": {"value": 2.5e12, "how": "bench"}},
+    "collectives": {"all_reduce": [[1024, 2e-05], [1048576, 6e-05]], "all_gather": [[1024, 2e-05]]},
+}
+FIGURE_FIELDS = [
+    ("deepinfer_figures",),
+    ("measured_on",),
+    ("measured_on", "lnc"),
+    ("measured_on", "when"),
+    ("figures",),
+    ("figures", "launch_s"),
+    ("figures", "launch_s", "value"),
+    ("figures", "launch_s", "how"),
+    ("collectives", "all_reduce"),
+]
+
+
+def figures_cases(base: str, work: Path, deepinfer_main) -> Iterator[Case]:
+    """The figures file mutated under `deepinfer plan --figures` of the tiny model for trn2: whole-file
+    mutations, bad values at its keys, and what a measuring host might get wrong."""
+    toml = work / "figures" / "model.toml"
+    toml.parent.mkdir(parents=True, exist_ok=True)
+    toml.write_text(base.replace('name = "cpu"\nexecutable = "exported"', 'name = "trn2"\nexecutable = "neff"'))
+    text = json.dumps(FIGURES)
+    named: list[tuple[str, Callable[[Path], None]]] = [
+        ("version 2", lambda p: p.write_text(text.replace('"deepinfer_figures": 1', '"deepinfer_figures": 2'))),
+        ("unknown figure", lambda p: p.write_text(text.replace('"launch_s"', '"launch_us"'))),
+        ("unknown top-level key", lambda p: p.write_text(text.replace("{", '{"extra": 1, ', 1))),
+        ("NaN value", lambda p: p.write_text(text.replace("4e-05", "NaN"))),
+        ("Infinity value", lambda p: p.write_text(text.replace("4e-05", "Infinity"))),
+        ("1e999 value", lambda p: p.write_text(text.replace("4e-05", "1e999"))),
+        ("negative value", lambda p: p.write_text(text.replace("4e-05", "-4e-05"))),
+        ("true as value", lambda p: p.write_text(text.replace("4e-05", "true"))),
+        ("payload twice", lambda p: p.write_text(text.replace("1048576", "1024"))),
+        ("pair of three", lambda p: p.write_text(text.replace("[1024, 2e-05]", "[1024, 2e-05, 3]", 1))),
+        ("empty curve", lambda p: p.write_text(text.replace("[[1024, 2e-05]]}", "[]}"))),
+        ("when not ISO", lambda p: p.write_text(text.replace("2026-12-06T12:00:00+00:00", "yesterday"))),
+    ]
+    for name, mutate in [*json_mutations(FIGURES, FIGURE_FIELDS), *named]:
+        path = work / "figures" / "figures.json"
+        special(path, "empty")  # whatever the previous case left there, a file again
+        path.write_text(text)
+        mutate(path)
+        got = run_cli(deepinfer_main, ["plan", str(toml), "--no-scratch", "--no-cache", "--figures", str(path)])
+        yield judge_cli("figures", name, got)

@@ -4,6 +4,7 @@ layout.
 
     python bench/step_model.py                              # examples/release/model.toml, batch 1 and 8
     python bench/step_model.py --toml my/model.toml --context 1048576 --json
+    python bench/step_model.py --figures deepinfer-figures.json   # figures a Trn2 host measured
 
 The model is compiler/step_cost.py, what `deepinfer plan` prints per decode bucket (its figures, its
 trn2 constants and their sources are there). This reads it at one context for three forms:
@@ -23,6 +24,9 @@ every rank's peak. Beside it, the same prompts with each chunk divided by rows o
 (compiler/prompt_rows.py: what `[prompt] rows = "divided"` builds on cpu; trn2 does not build it yet,
 so these figures are the design's, not the bundle's), in chunks of `--divided-chunk` tokens and at
 each of `--chunks`; the JSON's `divided` holds them.
+
+With `--figures FILE` (a figures file `deepinfer doctor` writes: docs/trn2.md), every plan here uses the
+figures a Trn2 host measured in place of the target's (`deepinfer plan --figures`), each marked measured.
 """
 
 from __future__ import annotations
@@ -150,27 +154,34 @@ def long_context(config):
     return dataclasses.replace(config, buckets=buckets, kv=dataclasses.replace(config.kv, num_blocks=blocks))
 
 
-def prompts(config, chunks: list[int]) -> dict:
+def planned(config, measured=None):
+    """`config`'s plan (no scratch), with the measured figures of a figures file where given."""
+    from deepinfer.compiler.bundle_plan import plan_bundle
+    from deepinfer.compiler.step_cost import with_measured
+
+    plan = plan_bundle(config, scratch=False)
+    return plan if measured is None else with_measured(plan, measured)
+
+
+def prompts(config, chunks: list[int], measured=None) -> dict:
     """Time to first token at batch 1 for prompts of LONG's lengths, in the toml's largest tokens
     bucket and in each of `chunks` (the chunk-size sweep at 64K)."""
-    from deepinfer.compiler.bundle_plan import plan_bundle
     from deepinfer.compiler.prompt_cost import prompt_cost
 
-    plan = plan_bundle(long_context(config), scratch=False)
+    plan = planned(long_context(config), measured)
     chunk = max(plan.spec.config.buckets.tokens)
     costs = {L: prompt_cost(plan, L, chunk) for L in LONG}
     sweep = {T: prompt_cost(plan, LONG[1], T) for T in sorted({*chunks, chunk})}
     return {"chunk": chunk, "costs": costs, "sweep": sweep}
 
 
-def divided(config, chunk: int, chunks: list[int]) -> dict:
+def divided(config, chunk: int, chunks: list[int], measured=None) -> dict:
     """`prompts`' figures with each chunk divided by rows (compiler/prompt_rows.py), where the
     topology allows it (tp = 1, ep = cp > 1), else {}."""
-    from deepinfer.compiler.bundle_plan import plan_bundle
     from deepinfer.compiler.prompt_cost import prompt_cost
     from deepinfer.compiler.prompt_rows import divided_chunk_cost
 
-    plan = plan_bundle(long_context(config), scratch=False)
+    plan = planned(long_context(config), measured)
     topo = plan.spec.topology
     if topo.tp != 1 or topo.ep != topo.cp or topo.cp == 1:
         return {}
@@ -215,17 +226,21 @@ def main() -> int:
     ap.add_argument(
         "--divided-chunk", type=int, default=8192, help="the chunk of the divided-rows figures (default 8192)"
     )
+    ap.add_argument(
+        "--figures", type=Path, help="a figures file of a Trn2 host (`deepinfer doctor`): measured in place of assumed"
+    )
     args = ap.parse_args()
 
-    from deepinfer.compiler.bundle_plan import plan_bundle
     from deepinfer.compiler.config import load_compile_config
     from deepinfer.compiler.step_cost import figures_of
+    from deepinfer.compiler.targets.trn2_figures import load_figures
     from deepinfer.errors import ConfigError
 
-    config = load_compile_config(args.toml)
-    plan = plan_bundle(config, scratch=False)
-    regions_plan = plan_bundle(per_region(config), scratch=False)
     try:
+        config = load_compile_config(args.toml)
+        measured = load_figures(args.figures) if args.figures else None
+        plan = planned(config, measured)
+        regions_plan = planned(per_region(config), measured)
         figures = figures_of(plan)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -267,13 +282,13 @@ def main() -> int:
     for name in rows[0]["collectives"]:
         cells = "".join(f"{r['collectives'][name]:>4} calls {r['collective_bytes'][name]:>10,} B" for r in rows)
         print(f"{name:<32}{cells}", file=err)
-    long = prompts(config, args.chunks)
+    long = prompts(config, args.chunks, measured)
     print_prompts(long, err)
-    rows_divided = divided(config, args.divided_chunk, args.chunks)
+    rows_divided = divided(config, args.divided_chunk, args.chunks, measured)
     if rows_divided:
         print("divided by rows over the token group (the cpu design, modelled; trn2 does not build it):", file=err)
         print_prompts(rows_divided, err)
-    print("constants:", file=err)
+    print("constants (measured / published / assumed):", file=err)
     for key, f in figures.items():
         print(f"  {key:<22} {f.value:g} {f.unit} ({f.status}: {f.source})", file=err)
     if args.json:

@@ -50,6 +50,7 @@ from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.plan import Exe, RegionPlan
 from deepinfer.compiler.plan_scratch import MOE, GraphScratch, recorded_scratch, trace_scratch
 from deepinfer.compiler.spec import Spec, parse
+from deepinfer.compiler.targets.trn2_figures import Measured
 from deepinfer.errors import ConfigError
 from deepinfer.regions.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 from deepinfer.regions.config import CONFIG_FILE, V41Config
@@ -75,6 +76,8 @@ class BundlePlan:
     # what the bundle holds: `executables` (the per-region graphs, whose scratch is traced), or with
     # fused layers (trn2, compiler/layers.py) one per layer kind and bucket in place of its regions'
     built: list[Exe] = field(default_factory=list)
+    # figures a Trn2 host measured (`deepinfer plan --figures`), in place of the target's in the step model
+    measured: Measured | None = None
 
     # -- figures ---------------------------------------------------------------------------------
 

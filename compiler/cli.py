@@ -110,6 +110,14 @@ Examples:
     help="Run the compile jobs as tasks on a Ray cluster: auto (the cluster this node belongs to) or the "
     "HOST:PORT `ray start --head` printed. Needs `pip install 'deepinfer[farm]'` (docs/cache.md).",
 )
+@click.option(
+    "--figures",
+    type=click.Path(path_type=Path),
+    metavar="FILE",
+    help="trn2: after the compile, print its decode step modelled with the figures a Trn2 host measured "
+    '(`deepinfer doctor` writes them; `deepinfer plan --figures`); --json adds it as "step_cost". '
+    "Figures change no executable: they are in no cache key.",
+)
 @trust_option
 @user_errors
 def main(
@@ -130,6 +138,7 @@ def main(
     sign: Path | None,
     trust: Path | None,
     ray: str | None,
+    figures: Path | None,
 ) -> None:
     """Parse, resolve defaults, call `compile_bundle` (or `finish_bundle`, or `cache_key`); the help is HELP."""
     from deepinfer.compiler.config import load_compile_config
@@ -137,12 +146,17 @@ def main(
 
     if (model_toml is None) == (finish is None):
         raise click.UsageError("give MODEL_TOML, or --finish BUNDLE (not both)")
+    if finish is not None and figures is not None:
+        raise click.UsageError(
+            "--figures models a compile of MODEL_TOML; --finish BUNDLE does not model (drop --figures)"
+        )
     signing_key = _signing_key(sign)
     if finish is not None:
         _finish(finish, jobs, ray, signing_key)
         return
     assert model_toml is not None  # one of the two, checked above
     cfg = load_compile_config(model_toml)
+    measured = _measured(cfg, figures)  # a bad file is refused before anything is built
     if no_cache and (require_cache or cache_dir or cache_url or cache_endpoint):
         raise click.UsageError("--no-cache excludes --require-cache, --cache-dir, --cache-url and --cache-endpoint")
     cache = None if no_cache else _cache(cfg, cache_dir, cache_url, cache_endpoint, signing_key, trust)
@@ -162,8 +176,37 @@ def main(
         sign=signing_key,
         ray=ray,
     )
+    summary = {**report.to_json(), **({} if measured is None else {"step_cost": _modelled_step(cfg, measured)})}
     if as_json:
-        click.echo(json.dumps(report.to_json()))
+        click.echo(json.dumps(summary))
+
+
+def _measured(cfg, figures: Path | None):
+    """--figures FILE, loaded and checked (None without one); a target without the step model refuses it."""
+    if figures is None:
+        return None
+    from deepinfer.compiler.config import config_error
+    from deepinfer.compiler.targets import TARGETS
+    from deepinfer.compiler.targets.trn2_figures import load_figures
+
+    measured = load_figures(figures)
+    t = cfg.target
+    if TARGETS[t.name](t.executable or TARGETS[t.name].EXECUTABLES[0], t.options).step_figures() is None:
+        raise config_error(cfg, "target", "name", f"--figures feeds the trn2 decode step model; {t.name} has none")
+    return measured
+
+
+def _modelled_step(cfg, measured) -> dict | None:
+    """The compiled model's decode step with the measured figures (compiler/step_cost.py), planned from
+    the compile's own config (no scratch: the step model reads none); logged as `deepinfer plan` prints
+    it, returned as its JSON."""
+    from deepinfer.compiler import step_cost
+    from deepinfer.compiler.bundle_plan import plan_bundle
+
+    plan = step_cost.with_measured(plan_bundle(cfg, scratch=False), measured)
+    for line in step_cost.lines(plan):
+        _log(line)
+    return step_cost.report(plan)
 
 
 def _signing_key(sign: Path | None):

@@ -37,7 +37,15 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from deepinfer.compiler.budget import human
-from deepinfer.compiler.step_cost import F32, collective_terms, columns, figures_of, lower_bound, step_flops
+from deepinfer.compiler.step_cost import (
+    F32,
+    collective_terms,
+    columns,
+    figures_of,
+    lower_bound,
+    plan_figures,
+    step_flops,
+)
 from deepinfer.compiler.step_reads import read_bytes
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.topology import head_rows
@@ -175,17 +183,18 @@ def chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
     weights = sum(read_bytes(plan, rows).values())
     state = chunk_state_bytes(c, plan, rows, context, act)
     counts = per_step["collectives_by_name"]
-    sent, graph, link = collective_terms(plan, per_step, rows, context)
+    sent, graph, link, timed = collective_terms(plan, per_step, rows, context)
     times = lower_bound(  # its memory and latency terms; compute below, each part at its dtype's peak
         figures,
         spec.config.model.dtype,
         bytes_read=weights + state,
         flops=0,
         executions=per_step["executions"],
-        in_graph=sum(graph.values()),
+        in_graph=sum(k for name, k in graph.items() if name not in timed),
         link=link,
         on_host=sum(counts.values()) - sum(graph.values()),
         host_device=rows * (2 * F32 + head_rows(c, topo) * F32),  # ids, positions in; the logits slice out
+        timed_s=sum(timed.values()),
     )
     return timed_chunk(
         plan,
@@ -346,7 +355,7 @@ def report(plan: BundlePlan) -> dict | None:
     """`deepinfer plan --json`'s "prompt_cost": per prompt bucket one chunk at each context bucket,
     and per prompt length (`PROMPTS`) its cost in the largest bucket; None where the target gives no
     hardware figures or the plan has no prompt bucket."""
-    if plan.spec.target.step_figures() is None or not prompt_buckets(plan):
+    if plan_figures(plan) is None or not prompt_buckets(plan):
         return None
     chunk = max(prompt_buckets(plan))
     return {
@@ -363,7 +372,7 @@ def report(plan: BundlePlan) -> dict | None:
 
 def lines(plan: BundlePlan) -> list[str]:
     """The plan's text: the prompts at its largest prompt bucket, one column each."""
-    if plan.spec.target.step_figures() is None or not prompt_buckets(plan):
+    if plan_figures(plan) is None or not prompt_buckets(plan):
         return []
     chunk = max(prompt_buckets(plan))
     costs = [prompt_cost(plan, L, chunk) for L in prompt_lengths(plan)]

@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from deepinfer.compiler.prompt_cost import ChunkCost, timed_chunk, useful_flops
-from deepinfer.compiler.step_cost import F32, LOGITS, figures_of, link_bytes, lower_bound, step_flops
+from deepinfer.compiler.step_cost import F32, LOGITS, curve_timed, figures_of, link_bytes, lower_bound, step_flops
 from deepinfer.compiler.step_reads import read_bytes, spec_bytes
 from deepinfer.regions.topology import head_rows
 
@@ -129,7 +129,9 @@ def divided_chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
     weights = divided_weight_bytes(plan, rows)
     state = divided_state_bytes(plan, rows, context)
     collectives = divided_collectives(plan, rows, context)
-    link = sum(link_bytes(name, sent // calls, topo) * calls for name, (calls, sent) in collectives.items())
+    timed = curve_timed(plan, {name: (calls, sent // calls) for name, (calls, sent) in collectives.items()})
+    untimed = {name: kc for name, kc in collectives.items() if name not in timed}
+    link = sum(link_bytes(name, sent // calls, topo) * calls for name, (calls, sent) in untimed.items())
     layers = plan.regions.layers
     executions = 2 + sum(3 + (p.attn == "source") + 2 * (p.engram_rows > 0) for p in layers)
     calls = sum(k for k, _ in collectives.values())
@@ -139,10 +141,11 @@ def divided_chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
         bytes_read=weights + state,
         flops=0,
         executions=executions,
-        in_graph=calls,
+        in_graph=sum(k for k, _ in untimed.values()),
         link=link,
         on_host=0,
         host_device=own_rows(plan, rows) * 2 * F32 + rows * head_rows(spec.model.text, topo) * F32,
+        timed_s=sum(timed.values()),
     )
     sent = sum(sent for _, sent in collectives.values())
     return timed_chunk(plan, rows, context, flops, weights, state, executions, calls, sent, times)

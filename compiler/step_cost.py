@@ -29,12 +29,20 @@ activation dtype) + in-graph collectives x their latency + the bytes they put on
 bandwidth + host collectives x a host round trip + executions x launch overhead + host<->device
 bytes / host link bandwidth.
 
+Figures: the target's (`Target.step_figures`), or with `deepinfer plan --figures FILE` those a Trn2
+host measured in their place (`with_measured`, BundlePlan.measured). Where the file holds the
+in-graph collectives' latency by payload ("collectives": all_reduce, all_gather), each in-graph
+collective of that kind is timed by its curve at the bytes a rank puts in a call (`curve_timed`:
+interpolated; the reduce-scatter by the all-reduce's), in place of collective_s + its link bytes /
+link bandwidth; the others keep that.
+
 The selected entries are the one read a static shape keeps above a rank's share: the merged selection
 can fall on one rank's blocks, so every rank's attend gathers K rows (about K / cp of them its own).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -44,6 +52,7 @@ from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.budget import human
 from deepinfer.compiler.config import config_error
 from deepinfer.compiler.step_reads import read_bytes, weight_flops
+from deepinfer.compiler.targets.trn2_figures import Measured, curve_seconds, measured_figures
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.step import LayerPlan
 from deepinfer.regions.topology import head_rows
@@ -226,17 +235,37 @@ def in_executables(counts: dict[str, int], n: int) -> dict[str, int]:
     return out
 
 
-def collective_terms(plan: BundlePlan, per_step: dict, rows: int, context: int) -> tuple[dict, dict, int]:
+def collective_terms(plan: BundlePlan, per_step: dict, rows: int, context: int) -> tuple[dict, dict, int, dict]:
     """A step's collectives at `rows` token rows a token group and a `context` bucket: the bytes a rank
     sends by collective (`collective_bytes`), the calls the executables hold by collective
-    (`in_executables`), and the bytes those put on the rank's links (`link_bytes`)."""
+    (`in_executables`), the bytes those a measured curve does not time put on the rank's links
+    (`link_bytes`), and the seconds of those it times by collective (`curve_timed`)."""
     spec = plan.spec
     c, topo = spec.model.text, spec.topology
     counts = per_step["collectives_by_name"]
     sent = collective_bytes(c, topo, rows, spec.dtype.itemsize, context)
     graph = in_executables(counts, per_step["collectives_in_executables"])
-    link = sum(link_bytes(name, sent[name] * k // counts[name], topo) for name, k in graph.items())
-    return sent, graph, link
+    timed = curve_timed(plan, {name: (k, sent[name] // counts[name]) for name, k in graph.items() if k})
+    link = sum(link_bytes(name, sent[name] * k // counts[name], topo) for name, k in graph.items() if name not in timed)
+    return sent, graph, link, timed
+
+
+def curve_timed(plan: BundlePlan, calls: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """Seconds of the in-graph collectives a measured latency curve times (BundlePlan.measured's
+    "collectives"): `calls` {name: (calls, bytes a rank puts in one)}; an all-gather by the all_gather
+    curve, an all-reduce or reduce-scatter by the all_reduce one, beyond the largest payload measured
+    its link bytes at the link's bandwidth. Empty without curves."""
+    curves = plan.measured.collectives if plan.measured is not None else {}
+    if not curves:
+        return {}
+    per_byte = 1 / figures_of(plan)["link_bytes_per_s"].value
+    out = {}
+    for name, (k, payload) in calls.items():
+        curve = curves.get("all_gather" if "all-gather" in name else "all_reduce")
+        if curve is not None:
+            beyond = link_bytes(name, 1, plan.spec.topology) * per_byte
+            out[name] = k * curve_seconds(curve, payload, beyond)
+    return out
 
 
 def lower_bound(
@@ -250,9 +279,11 @@ def lower_bound(
     link: int,
     on_host: int,
     host_device: int,
+    timed_s: float = 0.0,
 ) -> dict[str, float]:
     """A step's lower-bound time and its terms, in ms: memory and compute (`dtype`'s peak; an fp8
-    Tensor Engine's beside it), collective links, latency, and the estimate."""
+    Tensor Engine's beside it), collective links, latency, and the estimate. `in_graph` and `link`:
+    the in-graph collectives no measured curve times; `timed_s` the seconds of those one does."""
     v = {name: f.value for name, f in figures.items()}
     memory = bytes_read / v["hbm_bytes_per_s"]
     compute = flops / v[f"{dtype}_flops_per_s"]
@@ -260,6 +291,7 @@ def lower_bound(
     latency = (
         in_graph * v["collective_s"]
         + links
+        + timed_s
         + on_host * v["host_collective_s"]
         + executions * v["launch_s"]
         + host_device / v["host_link_bytes_per_s"]
@@ -294,7 +326,8 @@ class StepCost:
     collectives_by_name: dict[str, int]
     collectives_in_executables: int
     collective_bytes: dict[str, int]  # sent, by collective
-    collective_link_bytes: int  # of the collectives in the executables
+    collective_link_bytes: int  # of the collectives in the executables no measured curve times
+    collectives_by_curve_ms: dict[str, float]  # in-graph collectives a measured latency curve times
     host_device_bytes: int
     host_device_by_part: dict[str, int]
     memory_ms: float
@@ -308,9 +341,27 @@ class StepCost:
         return asdict(self)
 
 
+def plan_figures(plan: BundlePlan) -> dict[str, Figure] | None:
+    """The figures the plan's step model uses: its target's (None: the target has none), with those
+    a Trn2 host measured in their place (BundlePlan.measured, `with_measured`)."""
+    target = plan.spec.target
+    figures = target.step_figures()
+    if figures is None or plan.measured is None:
+        return figures
+    assert target.lnc is not None  # a target with figures (trn2) has logical cores
+    return measured_figures(figures, plan.measured, target.lnc)
+
+
+def with_measured(plan: BundlePlan, measured: Measured) -> BundlePlan:
+    """`plan` with the figures of a figures file (trn2_figures.load_figures) in place of its target's;
+    a target without the step model refuses them."""
+    figures_of(plan)
+    return dataclasses.replace(plan, measured=measured)
+
+
 def figures_of(plan: BundlePlan) -> dict[str, Figure]:
-    """The plan target's hardware figures; a target without them has no step cost model."""
-    figures = plan.spec.target.step_figures()
+    """The plan's hardware figures (`plan_figures`); a target without them has no step cost model."""
+    figures = plan_figures(plan)
     if figures is None:
         raise config_error(
             plan.spec.config,
@@ -335,7 +386,7 @@ def step_cost(plan: BundlePlan, batch: int, context: int, per_step: dict | None 
     weights = sum(by_kind.values())
     state = state_bytes(c, layers, batch, context, act, topo.cp, spec.geometry.slack)
     counts, executions = per_step["collectives_by_name"], per_step["executions"]
-    sent, graph, link = collective_terms(plan, per_step, batch, context)
+    sent, graph, link, timed = collective_terms(plan, per_step, batch, context)
     host = {name: counts[name] - graph[name] for name in counts if counts[name] > graph[name]}
     engram = sum(p.engram_rows > 0 for p in layers)
     moved = {
@@ -351,10 +402,11 @@ def step_cost(plan: BundlePlan, batch: int, context: int, per_step: dict | None 
         bytes_read=weights + state,
         flops=sum(flops.values()),
         executions=executions,
-        in_graph=sum(graph.values()),
+        in_graph=sum(k for name, k in graph.items() if name not in timed),
         link=link,
         on_host=sum(host.values()),
         host_device=sum(moved.values()),
+        timed_s=sum(timed.values()),
     )
     return StepCost(
         batch=batch,
@@ -371,6 +423,7 @@ def step_cost(plan: BundlePlan, batch: int, context: int, per_step: dict | None 
         collectives_in_executables=sum(graph.values()),
         collective_bytes={name: sent[name] for name in counts},
         collective_link_bytes=link,
+        collectives_by_curve_ms={name: s * 1e3 for name, s in timed.items()},
         host_device_bytes=sum(moved.values()),
         host_device_by_part=moved,
         **times,
@@ -386,12 +439,20 @@ def decode_buckets(plan: BundlePlan) -> list[tuple[int, int]]:
 def report(plan: BundlePlan) -> dict | None:
     """`deepinfer plan --json`'s "step_cost": the constants and one entry per decode bucket; None
     where the target gives no hardware figures."""
-    figures = plan.spec.target.step_figures()
+    figures = plan_figures(plan)
     if figures is None:
         return None
+    m = plan.measured
     return {
         "per": "rank and decode step",
-        "constants": {name: asdict(f) for name, f in figures.items()},
+        "figures": {name: asdict(f) for name, f in figures.items()},
+        "measured": None
+        if m is None
+        else {
+            "path": str(m.path),
+            "measured_on": m.measured_on,
+            "collectives": {k: list(map(list, c)) for k, c in m.collectives.items()},
+        },
         "buckets": [step_cost(plan, b, ctx).to_dict() for b, ctx in decode_buckets(plan)],
     }
 
@@ -410,7 +471,7 @@ def _kind_cell(kind: str, s: StepCost) -> str:
 def lines(plan: BundlePlan) -> list[str]:
     """The plan's text: one column per decode bucket, then the constants."""
     target = plan.spec.target
-    figures = target.step_figures()
+    figures = plan_figures(plan)
     if figures is None:
         return [f"decode step cost: modelled for trn2 only (target {target.name} gives no hardware figures)"]
     costs = [step_cost(plan, b, ctx) for b, ctx in decode_buckets(plan)]
@@ -428,11 +489,15 @@ def lines(plan: BundlePlan) -> list[str]:
         ("latency terms (ms)", lambda s: f"{s.latency_ms:.2f}"),
         ("estimate, a lower bound (ms)", lambda s: f"{s.estimated_ms:.2f}"),
     ]
+    m = plan.measured
+    what = "nothing measured" if m is None else f"figures measured on {m.measured_on['host']}: {m.path}"
     out = [
-        f"decode step per rank, modelled for trn2 at LNC {target.lnc} (max(memory, compute) + latency terms; "
-        "nothing measured):",
+        f"decode step per rank, modelled for trn2 at LNC {target.lnc} (max(memory, compute) + latency terms; {what}):",
         *columns("batch x context", [f"{s.batch} x {s.context:,}" for s in costs], rows, costs),
     ]
-    out.append("  constants (per rank):")
+    out.append("  figures (per rank; measured / published / assumed):")
     out += [f"    {name:<22} {f.value:g} {f.unit} ({f.status}: {f.source})" for name, f in figures.items()]
+    if m is not None and m.collectives:
+        curves = ", ".join(f"{kind} at {len(c)} payloads" for kind, c in m.collectives.items())
+        out.append(f"  in-graph collectives timed by the measured latency by payload ({curves}), interpolated")
     return out

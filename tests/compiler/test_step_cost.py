@@ -159,8 +159,8 @@ def test_plan_text_and_json_carry_the_step_cost(plan):
         assert b["flops"] == sum(b["flops_by_part"].values()) > 0 and b["executions"] == 170
         assert b["collectives"] == 206 and b["estimated_ms"] >= max(b["memory_ms"], b["compute_ms"])
         assert b["host_device_bytes"] == sum(b["host_device_by_part"].values())
-    assert d["constants"]["bf16_flops_per_s"]["status"] == "published"
-    assert d["constants"]["fp8_flops_per_s"]["value"] == 1299e12 / 4
+    assert d["figures"]["bf16_flops_per_s"]["status"] == "published"
+    assert d["figures"]["fp8_flops_per_s"]["value"] == 1299e12 / 4
     text = "\n".join(plan.lines())
     assert "decode step per rank, modelled for trn2 at LNC 2" in text
     for label in ("weight bytes read", "state bytes read", "FLOPs", "host<->device bytes", "estimate, a lower bound"):

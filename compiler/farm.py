@@ -136,7 +136,7 @@ def run_farm(
     if not jobs:
         return {}
     tasks = _tasks(jobs, keys, cache)
-    resources, qualified = _qualified(ray, tasks[jobs[0].name])
+    resources, qualified = _qualified(ray, tasks[jobs[0].name], log)
     remote = ray.remote(work)
     ledger = ray.remote(num_cpus=0)(Ledger).remote()
     options = dict(_ray_options(), **resources)
@@ -251,7 +251,7 @@ def _cpus(ray) -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
-def _qualified(ray, task: Task) -> tuple[dict, list[str]]:
+def _qualified(ray, task: Task, log: Callable[[str], None]) -> tuple[dict, list[str]]:
     """The toolchain check on each node before its first job: every node a job may go to must
     have the host's toolchain. Those nodes are the ones with a CPU, or, where any node declares a
     `RESOURCES` part ("neuronx_cc:<version>"), the ones declaring the host's version. Returns the
@@ -270,7 +270,9 @@ def _qualified(ray, task: Task) -> tuple[dict, list[str]]:
         )
     wanted = need if declared else "CPU"
     nodes = [n for n in alive if n.get("Resources", {}).get(wanted, 0) >= 1]
+    start = time.perf_counter()
     found = _probe(ray, task, nodes)
+    log(f"farm: toolchain checked on {len(found)} node(s) ({time.perf_counter() - start:.1f} s)")
     bad = [
         f"{_node(ip, nid)} has {differences(mine, task.toolchain)}" for ip, nid, mine in found if mine != task.toolchain
     ]

@@ -163,8 +163,10 @@ def refusal(e: Exception) -> TypeGuard[DeepinferError]:
 
 
 def with_message(e: DeepinferError, message: str) -> DeepinferError:
-    """`e` again (same type and attributes) with another message (a path in it replaced)."""
-    again = type(e)(message)
+    """`e` again (same type and attributes) with another message (a path in it replaced): an error
+    whose constructor takes more than its message has them as its other args, as jobs.keep_failed_logs
+    expects (a refusal's NCC code and region)."""
+    again = type(e)(message, *e.args[1:])
     again.__dict__.update(e.__dict__)
     return again
 

@@ -19,14 +19,14 @@ import pytest
 from deepinfer.bundles.neff import HEADER_SIZE
 from deepinfer.compiler import farm
 from deepinfer.compiler.config import load_compile_config
+from deepinfer.compiler.farm_worker import with_message
 from deepinfer.compiler.pipeline import compile_bundle
 from deepinfer.compiler.targets import neuronxcc
+from deepinfer.errors import DeepinferError
 
 from ..conftest import write_model_toml
 from .conftest import STAND_IN
 from .doubles.neuronx_cc_stub import DEFAULT_VERSION, HEADER
-
-pytestmark = pytest.mark.slow  # each test lowers the tiny model's modules (and starts Ray nodes)
 
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
 OTHER_VERSION = "2.98.0.0+0000000e"  # the stand-in's format, another (impossible) release
@@ -138,6 +138,7 @@ def _without_run_facts(manifest: dict) -> dict:
     return manifest
 
 
+@pytest.mark.slow  # lowers the tiny model's modules and starts Ray nodes
 def test_the_farm_runs_neuronx_cc_on_the_nodes_and_lands_what_a_local_compile_lands(
     nodes, toml, host, tmp_path, monkeypatch
 ):
@@ -167,6 +168,7 @@ def test_the_farm_runs_neuronx_cc_on_the_nodes_and_lands_what_a_local_compile_la
     assert [line for line in lines if line.startswith("farm: toolchain checked on 2 node(s)")]
 
 
+@pytest.mark.slow  # lowers the tiny model's modules and starts Ray nodes
 def test_a_node_with_another_neuronx_cc_is_refused_before_any_job(nodes, toml, host, tmp_path, monkeypatch):
     """The host's compile expects another version than the nodes have: one line naming each node and
     both versions, before any job runs; no bundle."""
@@ -185,6 +187,7 @@ def test_a_node_with_another_neuronx_cc_is_refused_before_any_job(nodes, toml, h
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.slow  # lowers the tiny model's modules and starts Ray nodes
 def test_a_refusal_on_a_node_is_the_local_jobs_error_with_its_code_and_log(nodes, toml, host, tmp_path):
     """The stand-in fails with an NCC code on every node: the compile raises the NeuronCompileError a
     local job raises (its NCC code, the log on the host under <out>.failed-logs/), after one attempt."""
@@ -212,6 +215,7 @@ def test_a_refusal_on_a_node_is_the_local_jobs_error_with_its_code_and_log(nodes
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.slow  # lowers the tiny model's modules and starts Ray nodes
 def test_declared_resources_send_jobs_only_where_the_hosts_version_is(toml, host, tmp_path, monkeypatch):
     """Nodes that declare neuronx_cc:<version>: the jobs go only to those declaring the host's; a host
     whose version no node declares is refused in one line naming what is declared."""
@@ -240,3 +244,23 @@ def test_declared_resources_send_jobs_only_where_the_hosts_version_is(toml, host
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+class _Refused(DeepinferError):
+    """An error whose constructor takes more than its message (as a refusal's code)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message, code)
+        self.code = code
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def test_a_refusal_gets_the_hosts_log_path_and_keeps_its_type_and_fields():
+    error = _Refused("region x: neuronx-cc failed with NCC_IBIR297: no (log: <worker log>)", "NCC_IBIR297")
+    again = with_message(error, str(error).replace("<worker log>", "/b.failed-logs/x.log"))
+    assert type(again) is _Refused and again.code == "NCC_IBIR297"
+    assert str(again) == "region x: neuronx-cc failed with NCC_IBIR297: no (log: /b.failed-logs/x.log)"
+    plain = with_message(neuronxcc.NeuronCompileError("region x: failed (log: a)"), "region x: failed (log: b)")
+    assert type(plain) is neuronxcc.NeuronCompileError and str(plain) == "region x: failed (log: b)"

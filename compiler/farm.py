@@ -38,13 +38,18 @@ from deepinfer.compiler.farm_worker import (
     TEST_DIE_ONCE,
     TEST_FAIL,
     TEST_HOOK_PREFIX,
+    WORKER_LOG,
     FarmError,
     Ledger,
     Result,
     Task,
+    differences,
+    probe,
+    with_message,
     work,
 )
 from deepinfer.compiler.jobs import Job, torch_threads
+from deepinfer.errors import DeepinferError
 
 if TYPE_CHECKING:
     from deepinfer.compiler.cache.local import Cache
@@ -57,6 +62,10 @@ CONNECT_TIMEOUT_S = 10.0  # a cluster address that does not answer fails in this
 SYSTEM_RETRIES = 2  # Ray runs a task again when its worker or node dies (max_retries)
 ATTEMPTS = 3  # runs of a job that raises; two that fail the same way fail the compile sooner
 POLL_S = 0.5
+PROBE_TIMEOUT_S = 60.0  # each node's toolchain check (`_qualified`) answers within this
+# toolchain parts a node may declare as a Ray resource "<prefix>:<version>" (`ray start --resources`):
+# where any node declares one, jobs go only to the nodes declaring the host's version, one unit a job
+RESOURCES = {"neuronx-cc": "neuronx_cc"}
 
 
 def ray_module():
@@ -126,17 +135,18 @@ def run_farm(
     ray = ray_module()
     if not jobs:
         return {}
+    tasks = _tasks(jobs, keys, cache)
+    resources, qualified = _qualified(ray, tasks[jobs[0].name], log)
     remote = ray.remote(work)
     ledger = ray.remote(num_cpus=0)(Ledger).remote()
-    options = _ray_options()
+    options = dict(_ray_options(), **resources)
     by_name = {job.name: job for job in jobs}
     blobs = {job.name: ray.put(job.lowered.read_bytes()) for job in jobs}
-    tasks = _tasks(jobs, keys, cache)
     progress = Progress(len(jobs), _cpus(ray))
     errors: dict[str, list[Result]] = {}
 
     def submit(name: str, avoid: str | None = None) -> None:
-        opts = _placed(ray, dict(options, name=f"deepinfer {name}"), avoid)
+        opts = _placed(dict(options, name=f"deepinfer {name}"), avoid, qualified)
         pending[remote.options(**opts).remote(tasks[name], blobs[name], ledger)] = name
 
     pending: dict = {}
@@ -150,10 +160,7 @@ def run_farm(
             for ref in ready:
                 name = pending.pop(ref)
                 job = by_name[name]
-                try:
-                    result = ray.get(ref)
-                except ray.exceptions.RayError as e:  # the worker or its node died, SYSTEM_RETRIES + 1 times
-                    raise _died(job, starts.get(name, []), e) from None
+                result = _result(ray, ref, job, starts, log)
                 if result.error is not None:
                     _failed_attempt(job, result, errors)
                     progress.failed_attempt()
@@ -172,9 +179,21 @@ def run_farm(
     return seconds
 
 
-def _placed(ray, opts: dict, avoid: str | None) -> dict:
-    """`opts` with a soft affinity to another node than `avoid` (where a task failed), if any."""
-    other = _other_node(ray, avoid) if avoid else None
+def _result(ray, ref, job: Job, starts: dict[str, list[tuple[str, str]]], log: Callable[[str], None]) -> Result:
+    """An attempt's result; raises where the compile stops: its worker died (SYSTEM_RETRIES + 1
+    times), or the compiler refused the program (the error a local job raises: no node does better)."""
+    try:
+        result = ray.get(ref)
+    except ray.exceptions.RayError as e:
+        raise _died(job, starts.get(job.name, []), e) from None
+    if result.refused is not None:
+        raise _refused(job, result, log)
+    return result
+
+
+def _placed(opts: dict, avoid: str | None, qualified: list[str]) -> dict:
+    """`opts` with a soft affinity to another qualified node than `avoid` (where a task failed), if any."""
+    other = next((n for n in qualified if n != avoid), None) if avoid else None
     if other:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -232,12 +251,67 @@ def _cpus(ray) -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
-def _other_node(ray, avoid: str) -> str | None:
-    """An alive node with a CPU other than `avoid` (a job that raised runs there next), if any."""
-    for n in ray.nodes():
-        if n.get("Alive") and n["NodeID"] != avoid and n.get("Resources", {}).get("CPU", 0) >= 1:
-            return n["NodeID"]
-    return None
+def _qualified(ray, task: Task, log: Callable[[str], None]) -> tuple[dict, list[str]]:
+    """The toolchain check on each node before its first job: every node a job may go to must
+    have the host's toolchain. Those nodes are the ones with a CPU, or, where any node declares a
+    `RESOURCES` part ("neuronx_cc:<version>"), the ones declaring the host's version. Returns the
+    tasks' resource options and the qualified nodes' ids; FarmError in one line naming each node
+    that differs and both versions (or that declares none, or does not answer)."""
+    need = next((f"{RESOURCES[k]}:{v}" for k, v in task.toolchain.items() if k in RESOURCES), None)
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    declared = {r: n for n in alive for r in n.get("Resources", {}) if need and r.startswith(need.split(":")[0] + ":")}
+    if declared and need not in declared:
+        offered = ", ".join(
+            f"{r} on {_node(n['NodeManagerAddress'], n['NodeID'])}" for r, n in sorted(declared.items())
+        )
+        raise FarmError(
+            f"farm: no node declares {need}, which the host's compile needs (declared: {offered}); "
+            f"start the nodes that have it with `ray start ... --resources '{{\"{need}\": N}}'`"
+        )
+    wanted = need if declared else "CPU"
+    nodes = [n for n in alive if n.get("Resources", {}).get(wanted, 0) >= 1]
+    start = time.perf_counter()
+    found = _probe(ray, task, nodes)
+    log(f"farm: toolchain checked on {len(found)} node(s) ({time.perf_counter() - start:.1f} s)")
+    bad = [
+        f"{_node(ip, nid)} has {differences(mine, task.toolchain)}" for ip, nid, mine in found if mine != task.toolchain
+    ]
+    if bad:
+        where = f"or declare {need} on the nodes that have it" if need else ""
+        raise FarmError(f"farm: {'; '.join(bad)}; install the host's versions there{', ' + where if where else ''}")
+    return ({"resources": {need: 1}} if declared else {}), [nid for _, nid, _ in found]
+
+
+def _probe(ray, task: Task, nodes: list[dict]) -> list[tuple[str, str, dict[str, str]]]:
+    """Each node's (IP, id, toolchain), from a task pinned there (no CPU: it runs beside busy jobs)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    remote = ray.remote(probe)
+    refs = {
+        remote.options(
+            num_cpus=0,
+            name="deepinfer toolchain check",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False),
+        ).remote(task.target, task.executable, task.options, task.threads): n
+        for n in nodes
+    }
+    ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
+    if late:
+        silent = ", ".join(_node(refs[r]["NodeManagerAddress"], refs[r]["NodeID"]) for r in late)
+        for ref in late:
+            ray.cancel(ref, force=True)
+        raise FarmError(f"farm: {silent} did not answer the toolchain check in {PROBE_TIMEOUT_S:g} s")
+    return [ray.get(r) for r in refs]
+
+
+def _refused(job: Job, result: Result, log: Callable[[str], None]) -> DeepinferError:
+    """The compiler's refusal from a worker as a local job raises it, its log at `job.log`."""
+    assert result.refused is not None
+    if result.log is not None and job.log is not None:
+        job.log.parent.mkdir(parents=True, exist_ok=True)
+        job.log.write_bytes(result.log)
+    log(f"farm: {job.name} refused by the compiler on {_node(result.node, result.node_id)}")
+    return with_message(result.refused, str(result.refused).replace(WORKER_LOG, str(job.log or "no log kept")))
 
 
 def _land(job: Job, result: Result, cache: Cache | None, keys: dict[str, Key] | None) -> None:

@@ -6,12 +6,13 @@ the job function.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 from deepinfer.bundles.manifest_io import sha256_file
 from deepinfer.compiler.cache.keys import Key
@@ -26,6 +27,9 @@ HOST_PATHS = ("TORCHINDUCTOR_CACHE_DIR", "TMPDIR")  # set on workers as on the h
 TEST_HOOK_PREFIX = "DEEPINFER_TEST_FARM_"
 TEST_DIE_ONCE = "DEEPINFER_TEST_FARM_DIE_ONCE"  # a marker path: the first job to see it absent makes it and exits
 TEST_FAIL = "DEEPINFER_TEST_FARM_FAIL"  # jobs whose name contains this raise, every attempt
+WORKER_LOG = "<worker log>"  # a refusal's message names the job's log by this; the host puts its own path
+# how compiler/targets/neuronxcc.compile_neff words a failure that printed an NCC error code
+_REFUSAL = re.compile(r"neuronx-cc failed with [A-Z][A-Z_]*[0-9]{3,4}: ")
 
 
 class FarmError(DeepinferError):
@@ -65,6 +69,8 @@ class Result:
     log: bytes | None = None  # the compiler's log, where the target writes one
     error: str | None = None  # "Type: message" of a failed attempt
     trace: str = ""  # its traceback
+    # the compiler refused the program (`refusal`): the error a local job raises, its log named WORKER_LOG
+    refused: DeepinferError | None = None
 
 
 class Ledger:
@@ -115,6 +121,7 @@ def work(task: Task, lowered: bytes, ledger) -> Result:
                 log=_read(log),
                 error=message,
                 trace=traceback.format_exc(),
+                refused=_refused(e, log, tmp) if refusal(e) else None,
             )
         return Result(
             name=task.name,
@@ -146,16 +153,68 @@ def _test_hooks(name: str) -> None:
         raise RuntimeError(f"{TEST_FAIL}={fail}: this job fails on purpose")
 
 
+def refusal(e: Exception) -> TypeGuard[DeepinferError]:
+    """The compiler rejected the program: neuronx-cc exited with an NCC error code. Every node with
+    the host's toolchain rejects it the same way, so it is not run again: it comes back to the host
+    as the error a local job raises (compiler/jobs.run_job), for the compile to handle as its own."""
+    from deepinfer.compiler.targets.neuronxcc import NeuronCompileError
+
+    return isinstance(e, NeuronCompileError) and _REFUSAL.search(str(e)) is not None
+
+
+def with_message(e: DeepinferError, message: str) -> DeepinferError:
+    """`e` again (same type and attributes) with another message (a path in it replaced): an error
+    whose constructor takes more than its message has them as its other args, as jobs.keep_failed_logs
+    expects (a refusal's NCC code and region)."""
+    again = type(e)(message, *e.args[1:])
+    again.__dict__.update(e.__dict__)
+    return again
+
+
+def _refused(e: DeepinferError, log: Path | None, tmp: str) -> DeepinferError:
+    message = str(e)
+    if log is not None:
+        for path in dict.fromkeys((str(log.resolve()), str(log))):
+            message = message.replace(path, WORKER_LOG)
+    return with_message(e, message.replace(tmp, "<worker dir>"))
+
+
 def _check_toolchain(task: Task, node: str) -> None:
-    """A worker compiles only with the host's toolchain: its key names the host's versions."""
+    """A worker compiles only with the host's toolchain: its key names the host's versions (a node
+    that joined after the farm's check, `probe`, is checked here)."""
     from deepinfer.compiler.targets import TARGETS
 
     mine = TARGETS[task.target](task.executable, task.options).toolchain()
     if mine != task.toolchain:
-        diff = ", ".join(
-            f"{k} {mine.get(k)!r} here, {v!r} on the host" for k, v in task.toolchain.items() if mine.get(k) != v
-        )
-        raise FarmError(f"node {node} has another toolchain ({diff}); install the host's versions on every node")
+        raise FarmError(f"node {node} has {differences(mine, task.toolchain)}; install the host's versions there")
+
+
+def differences(mine: dict[str, str], host: dict[str, str]) -> str:
+    """What a node's toolchain has where the host's differs, e.g. "neuronx-cc 2.98.0 where the host's
+    compile expects 2.99.0", or "no neuronx-cc where ..."."""
+    if "error" in mine:
+        return f"a toolchain it cannot report ({mine['error']})"
+    return ", ".join(
+        f"{'no ' + k if mine.get(k) in (None, 'absent') else f'{k} {mine[k]}'} where the host's compile expects {v}"
+        for k, v in host.items()
+        if mine.get(k) != v
+    )
+
+
+def probe(target: str, executable: str, options: dict, threads: int) -> tuple[str, str, dict[str, str]]:
+    """This node's IP, id and toolchain for `target`, compiled with the host's `threads` (as `work`
+    compiles): compiler/farm.py checks each node with it before the first job. A toolchain that
+    cannot be read (a broken compiler) comes back as {"error": one line}."""
+    import ray
+
+    from deepinfer.compiler.targets import TARGETS
+
+    node, node_id = ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+    _host_threads(threads)
+    try:
+        return node, node_id, TARGETS[target](executable, options).toolchain()
+    except DeepinferError as e:
+        return node, node_id, {"error": str(e).splitlines()[0][:300]}
 
 
 def _host_paths(paths: dict[str, str]) -> None:

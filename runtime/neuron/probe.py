@@ -4,7 +4,8 @@ XLA:CPU), run here on a NeuronCore and timed.
 
 - `launch`: y = x + x on 4 floats; its median execution time is the launch overhead (launch_s).
 - `hbm_read`: the row sums of a [rows, 4096] float32 tensor resident on the device (the module reads
-  every byte once); bytes / (median time - launch_s) is one logical core's HBM read bandwidth.
+  every byte once); bytes / its median execution time (a lower bound: the launch is in it) is one
+  logical core's HBM read bandwidth.
 - `all_reduce.<bytes>` / `all_gather.<bytes>`: one collective over two ranks, each rank's input of
   <bytes>, written as AWS's own HLO producers write them (replica_groups, no channel_id: see
   compiler/targets/hlo.py); loaded with nrt_load_collectives under NEURON_RT_ROOT_COMM_ID by one

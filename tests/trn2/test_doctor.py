@@ -135,8 +135,9 @@ def test_the_double_computes_nothing_so_compares_fail(first_run):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     got = lines(proc.stdout)
     assert got["toolchain"].startswith("PASS toolchain: neuronx-cc 2.99.0.0+0000000d, libnrt 2.99.0.0 (fake_nrt")
-    assert got["modules"].startswith("FAIL modules: kind "), got["modules"]
-    assert "differs from the reference" in got["modules"]
+    assert got["modules"].startswith("FAIL modules: "), got["modules"]
+    assert " kinds differ; the first: kind " in got["modules"]
+    assert "on the NeuronCore differs from XLA:CPU" in got["modules"]
     assert got["collectives"].startswith("FAIL collectives: all_reduce.1024 (2 ranks) rank 0: output 0 differs")
     assert got["measurements"].startswith("FAIL measurements: measurement probe launch: output 0 differs")
     assert not (tmp / "deepinfer-figures.json").exists()
@@ -184,7 +185,7 @@ def test_every_stage_passes_on_the_doubles_with_answers(first_run, fake_nrt_path
     "stage, answered, extra, expect",
     [
         ("toolchain", ("modules", "collectives", "measurements"), {"FAKE_NRT_FAIL": "nrt_init=1"}, "nrt_init failed"),
-        ("modules", ("collectives", "measurements"), {}, "differs from the reference"),
+        ("modules", ("collectives", "measurements"), {}, "on the NeuronCore differs from XLA:CPU"),
         ("collectives", ("modules", "measurements"), {}, "differs from XLA:CPU"),
         ("measurements", ("modules", "collectives"), {}, "measurement probe launch"),
     ],

@@ -37,6 +37,7 @@ one JSON object with the figures. Deterministic: fixed seeds and case lists.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import queue
 import shutil
@@ -53,7 +54,7 @@ import reliability_faults as faults
 import reliability_http as web
 import reliability_rss
 from common import ROOT, percentile, share_inductor_cache, toml_text
-from reliability_bundles import bundle_cases, cache_cases
+from reliability_bundles import bundle_cases, cache_cases, doctor_cases
 from reliability_files import checkpoint_cases, figures_cases, toml_cases
 
 share_inductor_cache()
@@ -209,7 +210,10 @@ def worker(surface: str, work: Path, skip: int) -> None:
     elif surface == "checkpoint":
         made = checkpoint_cases(ckpt, base, out, compile_main)
     elif surface == "bundle":
-        made = bundle_cases(work / "serve" / "bundle", out, run_main)
+        made = itertools.chain(
+            bundle_cases(work / "serve" / "bundle", out, run_main),
+            doctor_cases(work / "serve" / "bundle", out, deepinfer_main),
+        )
     elif surface == "figures":
         made = figures_cases(base, out, deepinfer_main)
     else:

@@ -70,6 +70,24 @@ def bundle_cases(bundle: Path, work: Path, run_main) -> Iterator[Case]:
     yield from context_cases(bundle, run_main)
 
 
+def doctor_cases(bundle: Path, work: Path, deepinfer_main) -> Iterator[Case]:
+    """`deepinfer doctor --bundle` on a bundle whose manifest.json is mutated (the only file it reads):
+    refused (rc 2, one line) before any stage runs, or a verdict about the host (rc 0, or rc 1: a FAIL
+    line names what does not fit); never a traceback."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    fields = [("format_version",), ("target", "name"), ("topology", "lnc"), ("toolchain",)]
+    cases = [(f"doctor: manifest.json {n}", m) for n, m in json_mutations(manifest, fields)]
+    cases += [(f"doctor: manifest.json as {kind}", lambda p, kind=kind: special(p, kind)) for kind in ("fifo", "loop")]
+    for i, (name, mutate) in enumerate(cases):
+        d = copy_bundle(bundle, work / "doctor-bundles" / str(i))
+        (d / "manifest.json").unlink()
+        shutil.copyfile(bundle / "manifest.json", d / "manifest.json")
+        mutate(d / "manifest.json")
+        args = ["doctor", "--bundle", str(d), "--work", str(work / "doctor-work"), "--figures-out", str(d / "f.json")]
+        yield judge_cli("bundle", name, run_cli(deepinfer_main, args), answers=(0, 1))
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def context_cases(bundle: Path, run_main) -> Iterator[Case]:
     """What cannot fit the bundle's max_context under deepinfer-run: refused (rc 2, one line) before
     the load, never run to the context and answered rc 1 (issue 44)."""
@@ -192,4 +210,4 @@ def store_cases(work: Path, deepinfer_main) -> Iterator[Case]:
                 os.environ[k] = v
 
 
-__all__ = ["SPECIALS", "bundle_cases", "cache_cases"]
+__all__ = ["SPECIALS", "bundle_cases", "cache_cases", "doctor_cases"]

@@ -179,17 +179,19 @@ def keygen_cmd(private_key: Path, public_key: Path | None):
 
 
 def _add_tools() -> None:
-    """The commands of their own modules (cache, compare, noise-floor, plan, reference), and
+    """The commands of their own modules (cache, compare, doctor, noise-floor, plan, reference), and
     `deepinfer compile`, `deepinfer run` and `deepinfer serve`: the sub-CLIs, under the umbrella too."""
     from deepinfer.cache_cli import cache_group
     from deepinfer.compare_cli import compare_cmd, noise_floor_cmd, reference_cmd
     from deepinfer.compiler.cli import main as compile_main
+    from deepinfer.doctor_cli import doctor_cmd
     from deepinfer.plan_cli import plan_cmd
     from deepinfer.runtime.cli import main as run_main
     from deepinfer.runtime.serving.cli import main as serve_main
 
     main.add_command(cache_group, "cache")
     main.add_command(compare_cmd, "compare")
+    main.add_command(doctor_cmd, "doctor")
     main.add_command(noise_floor_cmd, "noise-floor")
     main.add_command(plan_cmd, "plan")
     main.add_command(reference_cmd, "reference")

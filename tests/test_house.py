@@ -22,6 +22,7 @@ COMMANDS = [
     "deepinfer/cli.py",
     "deepinfer/cache_cli.py",
     "deepinfer/compare_cli.py",
+    "deepinfer/doctor_cli.py",
     "deepinfer/plan_cli.py",
     "compiler/cli.py",
     "runtime/cli.py",

@@ -40,13 +40,17 @@ LAYERS = [
     ("numerics", ["deepinfer.quant", "deepinfer.kernels"]),
     ("model family", ["deepinfer.regions"]),
     ("compiler and runtime", ["deepinfer.compiler", "deepinfer.runtime"]),
-    ("tools", ["deepinfer.compare", "deepinfer.diff", "deepinfer.cli_common"]),
+    (
+        "tools",
+        ["deepinfer.compare", "deepinfer.diff", "deepinfer.cli_common", "deepinfer.doctor", "deepinfer.doctor_stages"],
+    ),
     (
         "commands",
         [
             "deepinfer.cli",
             "deepinfer.cache_cli",
             "deepinfer.compare_cli",
+            "deepinfer.doctor_cli",
             "deepinfer.plan_cli",
             "deepinfer.__main__",
             "deepinfer.compiler.cli",

@@ -81,6 +81,11 @@ class Doctor:
     figures: dict[str, dict] = field(default_factory=dict)
     collectives: dict[str, list[list[float]]] = field(default_factory=dict)
     figures_out: Path = Path(DEFAULT_FIGURES)
+    only: tuple[str, ...] = ()  # the device stages to run (--only); () runs every stage
+
+    def selected(self, name: str) -> bool:
+        """The toolchain stage always runs: every other stage needs what it finds."""
+        return name == "toolchain" or not self.only or name in self.only
 
     def write_figures(self) -> Path:
         return save_figures(self, self.figures_out)
@@ -106,7 +111,7 @@ def run(doctor: Doctor, echo=print) -> Doctor:
     doctor.work.mkdir(parents=True, exist_ok=True)
     for name in STAGES:
         try:
-            stage = steps[name](doctor)
+            stage = steps[name](doctor) if doctor.selected(name) else Stage(name, "SKIP", "not selected (--only)")
         except DeepinferError as e:
             stage = Stage(name, "FAIL", str(e).splitlines()[0] if str(e) else type(e).__name__)
         except Exception as e:  # a doctor bug or a runtime surprise: one line, the traceback kept

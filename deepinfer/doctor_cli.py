@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from deepinfer.cli_common import user_errors
-from deepinfer.doctor import DEFAULT_FIGURES, EXIT_FAILED, EXIT_OK, Doctor, default_work, report_json, run
+from deepinfer.doctor import DEFAULT_FIGURES, EXIT_FAILED, EXIT_OK, STAGES, Doctor, default_work, report_json, run
 
 
 @click.command("doctor")
@@ -40,8 +40,16 @@ from deepinfer.doctor import DEFAULT_FIGURES, EXIT_FAILED, EXIT_OK, Doctor, defa
 @click.option(
     "--hbm-mib", type=click.IntRange(min=1), default=256, show_default=True, help="MiB the HBM read probe reads."
 )
+@click.option(
+    "--only",
+    type=click.Choice(STAGES[1:]),
+    multiple=True,
+    help="Run only this device stage (repeatable; toolchain always runs), e.g. to rerun the one that failed.",
+)
 @user_errors
-def doctor_cmd(as_json: bool, bundle: Path | None, work: Path | None, figures_out: Path, runs: int, hbm_mib: int):
+def doctor_cmd(
+    as_json: bool, bundle: Path | None, work: Path | None, figures_out: Path, runs: int, hbm_mib: int, only: tuple
+):
     """Check this host for trn2 bundles, stage by stage, one line each: PASS|FAIL|SKIP <stage>: <reason>.
 
     \b
@@ -70,6 +78,7 @@ def doctor_cmd(as_json: bool, bundle: Path | None, work: Path | None, figures_ou
         hbm_bytes=hbm_mib << 20,
         runs=runs,
         figures_out=figures_out.resolve(),
+        only=tuple(only),
     )
     run(doctor, echo=(lambda line: click.echo(line, err=True)) if as_json else click.echo)
     if as_json:

@@ -156,7 +156,8 @@ def test_every_stage_passes_on_the_doubles_with_answers(first_run, fake_nrt_path
     from deepinfer.compiler.targets.trn2_figures import DEVICE_FIGURES, RANK_FIGURES
 
     tmp, _ = first_run
-    proc = _run(tmp, fake_nrt_path, ("modules", "collectives", "measurements"), "--json")
+    bundle = tmp / "work" / "modules" / "neff"  # the doctor's own finished tiny bundle fits this host
+    proc = _run(tmp, fake_nrt_path, ("modules", "collectives", "measurements"), "--json", "--bundle", str(bundle))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = lines(proc.stderr)
     assert all(line.startswith("PASS ") for line in got.values()), got
@@ -181,39 +182,39 @@ def test_every_stage_passes_on_the_doubles_with_answers(first_run, fake_nrt_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "stage, answered, extra, expect",
-    [
-        ("toolchain", ("modules", "collectives", "measurements"), {"FAKE_NRT_FAIL": "nrt_init=1"}, "nrt_init failed"),
-        ("modules", ("collectives", "measurements"), {}, "on the NeuronCore differs from XLA:CPU"),
-        ("collectives", ("modules", "measurements"), {}, "differs from XLA:CPU"),
-        ("measurements", ("modules", "collectives"), {}, "measurement probe launch"),
-    ],
-)
-def test_each_stage_fails_alone(first_run, fake_nrt_path, stage, answered, extra, expect):
+def test_a_failed_toolchain_skips_every_device_stage(first_run, fake_nrt_path):
     tmp, _ = first_run
-    proc = _run(tmp, fake_nrt_path, answered, **extra)
+    proc = _run(tmp, fake_nrt_path, STAGES[1:], FAKE_NRT_FAIL="nrt_init=1")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     got = lines(proc.stdout)
-    assert [s for s, line in got.items() if line.startswith("FAIL ")] == [stage], got
-    assert expect in got[stage], got[stage]
-    for other in STAGES:
-        if other != stage:
-            want = "SKIP" if stage == "toolchain" else "PASS"
-            assert got[other].startswith(f"{want} {other}: "), got[other]
-    if stage == "toolchain":
-        assert all(got[s].endswith(": toolchain failed") for s in STAGES[1:])
+    assert got["toolchain"].startswith("FAIL toolchain: ") and "nrt_init failed" in got["toolchain"], got
+    assert all(got[s] == f"SKIP {s}: toolchain failed" for s in STAGES[1:]), got
+
+
+@pytest.mark.slow
+def test_only_runs_the_stage_it_names(first_run, fake_nrt_path):
+    """`--only measurements`: the toolchain and that stage run (the double answers it: PASS), the
+    others SKIP as not selected, and the figures file is written."""
+    tmp, _ = first_run
+    (tmp / "deepinfer-figures.json").unlink(missing_ok=True)
+    proc = _run(tmp, fake_nrt_path, ("measurements",), "--only", "measurements")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = lines(proc.stdout)
+    assert got["toolchain"].startswith("PASS ") and got["measurements"].startswith("PASS measurements: "), got
+    assert got["modules"] == "SKIP modules: not selected (--only)", got
+    assert got["collectives"] == "SKIP collectives: not selected (--only)", got
+    assert (tmp / "deepinfer-figures.json").exists()
 
 
 @pytest.mark.slow
 def test_a_rank_refused_by_libnrt_fails_collectives_naming_it(first_run, fake_nrt_path):
     tmp, _ = first_run
-    proc = _run(tmp, fake_nrt_path, STAGES[1:], FAKE_NRT_FAIL="nrt_load_collectives=4")
+    proc = _run(tmp, fake_nrt_path, STAGES[1:], "--only", "collectives", FAKE_NRT_FAIL="nrt_load_collectives=4")
     assert proc.returncode == 1
     got = lines(proc.stdout)
     assert got["collectives"].startswith("FAIL collectives: rank 0: "), got["collectives"]
     assert "nrt_load_collectives failed with NRT status 4 (NRT_RESOURCE" in got["collectives"]
-    assert "rank0.log" in got["collectives"] and got["modules"].startswith("PASS")
+    assert "rank0.log" in got["collectives"] and got["toolchain"].startswith("PASS")
 
 
 @pytest.mark.slow
@@ -221,9 +222,7 @@ def test_bundle_that_does_not_fit_the_host_fails_toolchain_naming_the_field(firs
     """The doctor's own finished tiny bundle (lnc 2, neuronx-cc 2.99.0.0+0000000d) fits; with the host
     at lnc 1 and another neuronx-cc version, toolchain FAILs naming each field."""
     tmp, _ = first_run
-    bundle = tmp / "work" / "modules" / "neff"
-    proc = _run(tmp, fake_nrt_path, STAGES[1:], "--bundle", str(bundle))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    bundle = tmp / "work" / "modules" / "neff"  # it fits: test_every_stage_passes_on_the_doubles_with_answers
     proc = _run(
         tmp,
         fake_nrt_path,

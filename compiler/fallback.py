@@ -52,7 +52,7 @@ def compile_pass(spec: Spec, plan: RegionPlan, traced: Traced, run: Run) -> Comp
         except NeuronRefused as refused:
             job = _fallen_back(spec, plan, traced, refused)
             if job is None:
-                raise
+                raise _explained(spec, plan, refused, records) from None
             assert job.exe is not None, "_fallen_back returns a fused layer's job"
             records[job.exe.kind] = _record(traced, job, refused, run, fresh=not records)
             traced, finished = _per_region(spec, plan, traced, job, run)
@@ -68,6 +68,20 @@ def _fallen_back(spec: Spec, plan: RegionPlan, traced: Traced, refused: NeuronRe
     fused = plan.fused_kinds()
     job = next((j for j in traced.jobs if j.name == refused.region), None)
     return job if job is not None and job.exe is not None and job.exe.kind in fused else None
+
+
+def _explained(spec: Spec, plan: RegionPlan, refused: NeuronRefused, records: dict[str, mf.Fallback]) -> NeuronRefused:
+    """The refusal that stops the compile, saying why no fallback: the option is "none", or the
+    module refused is a fallback's own region."""
+    name = refused.region.split(".", 1)[0]
+    note = ""
+    if spec.fused and name in plan.fused_kinds():
+        note = '; [target] options fallback = "none" (set "regions" to compile a refused layer kind per region)'
+    else:
+        owners = [k for k in records if name in {r for _, r in plan.fused_kinds()[k].slots}]
+        if owners:
+            note = f"; it is a region of layer kind {owners[0]}, which neuronx-cc refused fused: no form of it is left"
+    return NeuronRefused(f"{refused}{note}", refused.code, refused.region)
 
 
 def _record(traced: Traced, job: Job, refused: NeuronRefused, run: Run, *, fresh: bool) -> mf.Fallback:

@@ -58,6 +58,11 @@ def compile_pass(spec: Spec, plan: RegionPlan, traced: Traced, run: Run) -> Comp
             traced, finished = _per_region(spec, plan, traced, job, run)
             done += finished
             continue
+        if records:  # what it costs a decode step (compiler/fallback_cost.py)
+            from deepinfer.compiler import fallback_cost  # it plans through the pipeline, which imports this
+
+            for line in fallback_cost.after_compile(spec.config, list(records))[0]:
+                run.log(line)
         return dataclasses.replace(compiled, built=tuple(done) + compiled.built, fallback=records)
 
 

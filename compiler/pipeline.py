@@ -120,13 +120,10 @@ def build(config: CompileConfig, hlo_only: bool, run: Run, timed: Timings) -> Bu
         state = layout_state(spec, regions)
     with timed("record cache keys"):
         record_cache_keys(run)
+    fell = compiled.fallback
     with timed("write manifest"):
-        manifest = write_manifest(
-            spec, regions, weights, tokenizer, compiled.executables, state, run, fallback=compiled.fallback
-        )
-    return Built(
-        executables=len(manifest.regions), compiled=compiled.built, lowered=traced.lowered, fallback=compiled.fallback
-    )
+        manifest = write_manifest(spec, regions, weights, tokenizer, compiled.executables, state, run, fallback=fell)
+    return Built(executables=len(manifest.regions), compiled=compiled.built, lowered=traced.lowered, fallback=fell)
 
 
 # --- the passes (the trace and compile passes: compiler/executables.py) -------------------------
@@ -407,6 +404,7 @@ class CompileReport:
     # entries (executables, weights, traces) handed out by the local tier and by the store, and
     # entries published to the store (`Cache.tiers`); empty without a cache
     tiers: dict[str, int] = field(default_factory=dict)
+    fallback: dict[str, mf.Fallback] = field(default_factory=dict)  # layer kinds compiled per region
 
     @property
     def summary(self) -> str:
@@ -415,6 +413,7 @@ class CompileReport:
         what = "HLO modules lowered and checked" if self.hlo_only else "executables compiled"
         n, total = self.executables, sum(self.seconds.values())
         line = f"wrote {self.bundle} in {total:.1f} s ({len(built)} of {n} {what}, {n - len(built)} from the cache)"
+        line += "".join(f"; {k} per region (neuronx-cc: {f.code})" for k, f in self.fallback.items())
         if self.store is None:
             return line
         t = self.tiers
@@ -434,6 +433,7 @@ class CompileReport:
             "cache": str(self.cache) if self.cache else None,
             "store": self.store,
             "tiers": self.tiers,
+            "fallback": {kind: manifest_io.to_json(f) for kind, f in self.fallback.items()},
         }
 
 
@@ -525,6 +525,7 @@ def _report(
         hlo_only=hlo_only,
         store=cache.remote_url if cache else None,
         tiers=cache.tiers() if cache else {},
+        fallback=built.fallback,
     )
 
 

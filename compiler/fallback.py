@@ -79,14 +79,16 @@ def _explained(spec: Spec, plan: RegionPlan, refused: NeuronRefused, records: di
     """The refusal that stops the compile, saying why no fallback: the option is "none", or the
     module refused is a fallback's own region."""
     name = refused.region.split(".", 1)[0]
-    note = ""
     if spec.fused and name in plan.fused_kinds():
-        note = '; [target] options fallback = "none" (set "regions" to compile a refused layer kind per region)'
-    else:
-        owners = [k for k in records if name in {r for _, r in plan.fused_kinds()[k].slots}]
-        if owners:
-            note = f"; it is a region of layer kind {owners[0]}, which neuronx-cc refused fused: no form of it is left"
-    return NeuronRefused(f"{refused}{note}", refused.code, refused.region)
+        return refused.noted(
+            '[target] options fallback = "none" (set "regions" to compile a refused layer kind per region)'
+        )
+    owners = [k for k in records if name in {r for _, r in plan.fused_kinds()[k].slots}]
+    if owners:
+        return refused.noted(
+            f"it is a region of layer kind {owners[0]}, which neuronx-cc refused fused: no form is left"
+        )
+    return refused
 
 
 def _record(traced: Traced, job: Job, refused: NeuronRefused, run: Run, *, fresh: bool) -> mf.Fallback:

@@ -117,6 +117,11 @@ class NeuronRefused(NeuronCompileError):
     def __str__(self) -> str:
         return str(self.args[0])
 
+    def noted(self, note: str) -> NeuronRefused:
+        """The same refusal with `note` before its closing `(log: ...)`."""
+        head, sep, log = str(self).rpartition(" (log: ")
+        return NeuronRefused(f"{head}; {note}{sep}{log}" if sep else f"{self}; {note}", self.code, self.region)
+
 
 # --- finding the compiler ---
 

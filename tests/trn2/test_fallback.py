@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -132,8 +133,8 @@ def test_fallback_none_stops_the_compile(tiny_ckpt, tmp_path):
     kept = layout.failed_logs(tmp_path / "out")
     assert error_lines(done.stderr) == [
         f"error: region {REFUSED}.decode.b1t1c32: neuronx-cc failed with {CODE}: stand-in failure requested "
-        f"through FAKE_NEURONX_CC_FAIL (INTERNAL_ERROR) (log: {kept / f'{REFUSED}.decode.b1t1c32.log'}); "
-        '[target] options fallback = "none" (set "regions" to compile a refused layer kind per region)'
+        'through FAKE_NEURONX_CC_FAIL (INTERNAL_ERROR); [target] options fallback = "none" (set "regions" to '
+        f"compile a refused layer kind per region) (log: {kept / f'{REFUSED}.decode.b1t1c32.log'})"
     ]
     assert "refused fused layer kind" not in done.stderr
     assert not (tmp_path / "out").exists() and (kept / f"{REFUSED}.decode.b1t1c32.log").is_file()
@@ -151,8 +152,8 @@ def test_a_refused_region_of_the_fallback_stops_the_compile(tiny_ckpt, tmp_path)
     )
     assert error_lines(done.stderr) == [
         f"error: region attn_source_r2.decode.b1t1c32: neuronx-cc failed with {CODE}: stand-in failure requested "
-        f"through FAKE_NEURONX_CC_FAIL (INTERNAL_ERROR) (log: {kept / 'attn_source_r2.decode.b1t1c32.log'}); "
-        f"it is a region of layer kind {REFUSED}, which neuronx-cc refused fused: no form of it is left"
+        f"through FAKE_NEURONX_CC_FAIL (INTERNAL_ERROR); it is a region of layer kind {REFUSED}, which neuronx-cc "
+        f"refused fused: no form is left (log: {kept / 'attn_source_r2.decode.b1t1c32.log'})"
     ]
     assert not (tmp_path / "out").exists()
     assert {f"{REFUSED}.decode.b1t1c32.log", "attn_source_r2.decode.b1t1c32.log"} <= {p.name for p in kept.iterdir()}
@@ -231,3 +232,23 @@ def test_plan_fallback_option(tiny_ckpt, tmp_path):
         "error: --fallback attn_source_r2: not a fused layer kind of this compile; its layer kinds: layer_window, "
         "layer_window_engram, layer_source_r2, layer_reuse_r2, layer_source_r1_cand, layer_reindex_r1_cand"
     ]
+
+
+def test_finish_does_not_fall_back_and_says_so(trn2_hlo_bundle, tmp_path, stub, monkeypatch):
+    """An HLO-stage bundle holds no region modules for its fused kinds: finishing one stops at a
+    refusal, in one line that says where the fallback happens."""
+    from deepinfer.compiler.finish import finish_bundle
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(trn2_hlo_bundle, bundle)
+    monkeypatch.setenv("FAKE_NEURONX_CC_FAIL", CODE)
+    monkeypatch.setenv("FAKE_NEURONX_CC_FAIL_MATCH", rf"^{REFUSED}\.")
+    with pytest.raises(NeuronRefused) as err:
+        finish_bundle(bundle, log=lambda msg: None)
+    kept = layout.failed_logs(bundle) / f"{REFUSED}.decode.b1t1c32.log"
+    assert str(err.value) == (
+        f"region {REFUSED}.decode.b1t1c32: neuronx-cc failed with {CODE}: stand-in failure requested through "
+        "FAKE_NEURONX_CC_FAIL (INTERNAL_ERROR); --finish does not fall back to the layer's regions: compile from "
+        f"model.toml where neuronx-cc is (log: {kept})"
+    )
+    assert kept.is_file() and json.loads((bundle / layout.MANIFEST_FILE).read_text())["stage"] == "hlo"

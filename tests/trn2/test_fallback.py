@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.bundles import layout
+from deepinfer.bundles import layout, manifest_io
+from deepinfer.bundles.manifest import BundleError
 from deepinfer.compiler.jobs import keep_failed_logs
 from deepinfer.compiler.targets.neuronxcc import NeuronRefused
 from deepinfer.compiler.targets.trn2 import Trn2Target
@@ -104,6 +105,9 @@ def test_a_refused_fused_kind_is_compiled_per_region(compiled):
     assert REFUSED not in kinds and {"attn_source_r2", "moe"} <= set(kinds) and len(kinds) == FUSED_PER_STEP + 1
     assert not any(p.name.startswith((REFUSED, ".")) for p in (root / "fell" / layout.REGIONS_DIR).iterdir())
     assert (root / "fell" / "logs" / log.name).is_file()  # the bundle keeps the refused log too
+    m["fallback"]["layer_window"] = m["fallback"][REFUSED]  # a manifest that says both is refused
+    with pytest.raises(BundleError, match="fallback.layer_window: compiled per region, but layer 0 runs it fused"):
+        manifest_io.parse(m, "manifest.json")
 
 
 @pytest.mark.slow

@@ -413,7 +413,7 @@ class CompileReport:
         what = "HLO modules lowered and checked" if self.hlo_only else "executables compiled"
         n, total = self.executables, sum(self.seconds.values())
         line = f"wrote {self.bundle} in {total:.1f} s ({len(built)} of {n} {what}, {n - len(built)} from the cache)"
-        line += "".join(f"; {k} per region (neuronx-cc: {f.code})" for k, f in self.fallback.items())
+        line += "".join(f"; {k} per region ({f.code})" for k, f in self.fallback.items())
         if self.store is None:
             return line
         t = self.tiers

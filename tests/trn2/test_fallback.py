@@ -80,7 +80,7 @@ def compiled(tmp_path_factory, tiny_ckpt, trn2_hlo_bundle) -> dict:
 def test_a_refused_fused_kind_is_compiled_per_region(compiled):
     root, done = compiled["root"], compiled["fell"]
     assert done.returncode == 0, done.stderr
-    said = [ln for ln in done.stderr.splitlines() if CODE in ln]
+    said = [ln for ln in done.stderr.splitlines() if ln.startswith("neuronx-cc refused")]
     kept = layout.failed_logs(root / "fell")
     assert said == [
         f"neuronx-cc refused fused layer kind {REFUSED} at bucket batch 1 x tokens 1, context 32 with {CODE}; "
@@ -88,6 +88,14 @@ def test_a_refused_fused_kind_is_compiled_per_region(compiled):
         f"log: {kept / f'{REFUSED}.decode.b1t1c32.log'}"
     ]
     assert not error_lines(done.stderr)
+    lines = done.stderr.splitlines()  # what it costs, then the summary naming it
+    cost = lines.index(next(ln for ln in lines if ln.startswith("fallback of ")))
+    assert lines[cost] == (
+        f"fallback of {REFUSED} (layers 2 per region): {FUSED_PER_STEP} -> {FUSED_PER_STEP + 1} device executions "
+        "per decode step and rank, 0 -> 0 collectives on the host"
+    )
+    assert lines[cost + 1].startswith("  batch 1 x context 32: modelled step ")
+    assert lines[-1].startswith(f"wrote {root / 'fell'} in ") and lines[-1].endswith(f"; {REFUSED} per region ({CODE})")
     log = kept / f"{REFUSED}.decode.b1t1c32.log"
     assert f"[{CODE}]" in log.read_text() and sorted(p.name for p in kept.iterdir()) == [log.name]
     m = json.loads((root / "fell" / layout.MANIFEST_FILE).read_text())

@@ -178,6 +178,8 @@ def toml_cases(base: str, work: Path, compile_main) -> Iterator[Case]:
         ("tiny huge layers", base.replace("[model]", "[model]\ntiny = { seed = 0, layers = " + HUGE_INT + " }")),
         ("tiny negative seed", base.replace("[model]", "[model]\ntiny = { seed = -1, layers = 6 }")),
         ("parallel ep = 3", base + "\n[parallel]\ntp = 1\nep = 3\ncp = 1\n"),
+        ("trn2 fallback = maybe", _trn2(base, '{ fallback = "maybe" }')),
+        ("trn2 fallback = true", _trn2(base, "{ fallback = true }")),
         ("parallel tp = 0", base + "\n[parallel]\ntp = 0\nep = 1\ncp = 1\n"),
     ]
     for name, text in mutated:
@@ -203,6 +205,12 @@ def _toml_line(lines: list[str], section: str, key: str) -> int:
         elif current == section and line.split("=")[0].strip() == key:
             return i
     raise KeyError((section, key))
+
+
+def _trn2(base: str, options: str) -> str:
+    """`base` (the cpu target's model.toml) for trn2 with these [target] options."""
+    target = base.replace('name = "cpu"', 'name = "trn2"', 1)
+    return target.replace('executable = "exported"', f'executable = "neff"\noptions = {options}', 1)
 
 
 def _replace_ckpt(base: str, path: str) -> str:

@@ -253,6 +253,19 @@ class Layer:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Fallback:
+    """A layer kind neuronx-cc refused to compile as one module (compiler/fallback.py): its layers
+    run per region (their `fused` is None) at every bucket the fused kind had (`buckets`). `bucket`
+    is the one refused, with its error `code` (NCC_IBIR297); `log` the refused compile's log,
+    relative to `<bundle>.failed-logs/` (the bundle keeps a copy at logs/<log>)."""
+
+    buckets: tuple[Shape, ...]
+    bucket: Shape
+    code: str
+    log: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Draft:
     """The speculative draft compiled into the bundle (`[speculative] draft`): its stages' region
     bindings (rows of the draft kinds' stacks), the step it runs (`block` positions at each batch
@@ -328,6 +341,8 @@ class Manifest:
     memory: dict = field(default_factory=dict)  # the budget's breakdown per rank (informational)
     files: dict[str, str] = field(default_factory=dict)
     draft: Draft | None = None
+    # layer kind -> what neuronx-cc refused of it, its layers run per region instead; None: nothing
+    fallback: dict[str, Fallback] | None = None
 
     @property
     def draft_kinds(self) -> set[str]:

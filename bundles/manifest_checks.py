@@ -280,6 +280,9 @@ def _check_layers(m: Manifest, kinds: set[str], rows: Rows) -> None:
             if held is None:
                 raise Problem(key, f"unknown pool {ref[0]!r}")
             _need(0 <= ref[1] < len(held.layers), key, f"row {ref[1]} of pool {ref[0]!r} ({len(held.layers)} rows)")
+    for kind in m.fallback or {}:  # a layer kind compiled per region (compiler/fallback.py): none runs it fused
+        runs = [l.layer for l in m.layers if l.fused == kind]
+        _need(not runs, ("fallback", kind), f"compiled per region, but layer {runs[0] if runs else ''} runs it fused")
 
 
 def _check_draft(m: Manifest, kinds: set[str], rows: Rows) -> None:

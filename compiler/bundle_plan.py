@@ -78,6 +78,8 @@ class BundlePlan:
     built: list[Exe] = field(default_factory=list)
     # figures a Trn2 host measured (`deepinfer plan --figures`), in place of the target's in the step model
     measured: Measured | None = None
+    # fused layer kinds whose layers run per region: neuronx-cc refused them (compiler/fallback.py)
+    per_region: frozenset[str] = frozenset()
 
     # -- figures ---------------------------------------------------------------------------------
 
@@ -102,39 +104,41 @@ class BundlePlan:
             counts[name] = counts.get(name, 0) + n
 
         methods = {k: sorted({e[1] for e in self.executables if e[0] == k}) for k in self.regions.kinds}
-        fused = self.spec.fused
+        fused = self.fused_layers
+        in_graph = 0
         for p in self.regions.layers:
-            if fused:  # the layer's regions and their collectives in one executable
+            mine: dict[str, int] = {}  # this layer's collectives
+            if p.layer in fused:  # the layer's regions and their collectives in one executable
                 add(calls, "layer")
-            for slot, (kind, _) in self.regions.bindings[p.layer].items() if not fused else ():
+            for slot, (kind, _) in self.regions.bindings[p.layer].items() if p.layer not in fused else ():
                 add(calls, slot, len(methods[kind]))
             if topo.group_size > 1:  # the heads (or output rows) divided over the token group
-                add(collectives, "attention all-reduce")
+                add(mine, "attention all-reduce")
             if topo.dispatch:
-                add(collectives, "ep dispatch all-gather")
-                add(collectives, "ep combine reduce-scatter")
+                add(mine, "ep dispatch all-gather")
+                add(mine, "ep combine reduce-scatter")
             elif topo.ep > 1:
-                add(collectives, "ep all-reduce")
+                add(mine, "ep all-reduce")
             if p.engram_rows and topo.group_size > 1:  # its projection divided over the token group
-                add(collectives, "engram all-reduce")
+                add(mine, "engram all-reduce")
             if topo.cp > 1 and p.ratio:
-                add(collectives, "cp query all-gather")
+                add(mine, "cp query all-gather")
                 if p.attn in ("source", "reindex"):
-                    add(collectives, "cp selection all-gather", 2 if p.candidate_source else 1)
-                add(collectives, "cp attention max all-gather")
-                add(collectives, "cp attention all-reduce")
+                    add(mine, "cp selection all-gather", 2 if p.candidate_source else 1)
+                add(mine, "cp attention max all-gather")
+                add(mine, "cp attention all-reduce")
+            for name, n in mine.items():
+                add(collectives, name, n)
+            if p.layer in fused:  # every collective of the layer
+                in_graph += sum(mine.values())
+            elif self.spec.target.graph_collectives:  # the boundary all-reduces
+                in_graph += sum(
+                    bool(boundary_reduce(k, DECODE, topo)) for k, _ in self.regions.bindings[p.layer].values()
+                )
+                in_graph += bool(p.engram_rows and boundary_reduce("engram", ENGRAM_KV, topo))
         add(calls, "head")
         if topo.world > 1:
             add(collectives, "logits all-gather")
-        in_graph = 0
-        if fused:  # every collective but the logits' gather (the host samples)
-            in_graph = sum(collectives.values()) - collectives.get("logits all-gather", 0)
-        elif self.spec.target.graph_collectives:
-            in_graph = sum(
-                bool(boundary_reduce(kind, DECODE, topo))
-                for p in self.regions.layers
-                for kind, _ in self.regions.bindings[p.layer].values()
-            ) + sum(bool(boundary_reduce("engram", ENGRAM_KV, topo)) for p in self.regions.layers if p.engram_rows)
         return {
             "executions": sum(calls.values()),
             "executions_by_slot": calls,
@@ -142,6 +146,13 @@ class BundlePlan:
             "collectives_by_name": collectives,
             "collectives_in_executables": in_graph,
         }
+
+    @property
+    def fused_layers(self) -> set[int]:
+        """The layers a step runs as one execution: every layer of a fused compile (trn2's default),
+        but those of the layer kinds in `per_region`."""
+        kinds = self.regions.fused_kinds().values() if self.spec.fused else ()
+        return {layer for lk in kinds if lk.name not in self.per_region for layer in lk.layers}
 
     @property
     def head(self) -> dict[str, int]:

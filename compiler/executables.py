@@ -76,6 +76,8 @@ class Compiled:
 
     executables: tuple[mf.Executable, ...]
     built: tuple[str, ...]  # compiled here (the others came from the cache), in the order they finished
+    # layer kinds neuronx-cc refused, compiled per region instead (compiler/fallback.py)
+    fallback: dict[str, mf.Fallback] = field(default_factory=dict)
 
 
 # --- the trace pass, step by step ----------------------------------------------------------------
@@ -205,12 +207,13 @@ def _job(spec: Spec, exe: Exe, entry: mf.Executable, lowered: Path, staging: Pat
 # --- the passes ----------------------------------------------------------------------------------
 
 
-def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
+def trace_regions(spec: Spec, plan: RegionPlan, run: Run, exes: Sequence[Exe] | None = None) -> Traced:
     """Pass: each executable fetched from the cache, or lowered, emitted, checked (static-shape
-    targets) and stored in the cache, leaving a compile job (HLO-stage bundles: none)."""
+    targets) and stored in the cache, leaving a compile job (HLO-stage bundles: none). `exes`: those
+    executables only (a layer kind's regions, compiler/fallback.py), not the bundle's every one."""
     target = spec.target
     lowered_dir = run.staging / LOWERED_DIR
-    lowered_dir.mkdir()
+    lowered_dir.mkdir(exist_ok=True)
     cache = None if spec.hlo_only else run.cache  # an HLO-stage compile lowers every region
     executables: list[mf.Executable] = []
     jobs: list[Job] = []
@@ -218,7 +221,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run) -> Traced:
     hlo: list[str] = []
     fused = plan.fused_kinds() if spec.fused else {}
     pieces: dict = {}  # fused layers' region pieces, lowered once for all the kinds that run them
-    every = spec.executables(plan)
+    every = spec.executables(plan) if exes is None else list(exes)
     for i, exe in enumerate(every, 1):
         start = time.perf_counter()
         key = artifact_keys.trace_key(spec, plan, exe) if cache is not None else None

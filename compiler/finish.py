@@ -22,6 +22,7 @@ from deepinfer.bundles.signing import sign_file
 from deepinfer.compiler.jobs import Job, keep_failed_logs, run_jobs
 from deepinfer.compiler.publish import clean_stale, make_staging, publish, stopped_by_signals
 from deepinfer.compiler.targets import TARGETS
+from deepinfer.compiler.targets.neuronxcc import NeuronRefused
 from deepinfer.errors import DeepinferError
 
 
@@ -59,7 +60,7 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None, sign=None) -> 
             try:
                 run_jobs([j for _, _, j in job_list], jobs, progress)
             except DeepinferError as err:
-                raise keep_failed_logs(err, work / layout.LOGS_DIR, bundle) from None
+                raise keep_failed_logs(_no_fallback(err, manifest), work / layout.LOGS_DIR, bundle) from None
             regions = []
             for e, neff, job in job_list:
                 job.lowered.unlink()
@@ -81,6 +82,15 @@ def finish_bundle(bundle: str | Path, *, jobs: int = 1, log=None, sign=None) -> 
             shutil.rmtree(staging, ignore_errors=True)
     log(f"finished {bundle}: {len(job_list)} NEFFs")
     return bundle
+
+
+def _no_fallback(err: DeepinferError, manifest: mf.Manifest) -> DeepinferError:
+    """A fused layer module refused: say how to compile that layer kind per region (compiler/fallback.py),
+    which finishing cannot (the HLO-stage bundle holds no region modules for it)."""
+    fused = {layer.fused for layer in manifest.layers}
+    if not isinstance(err, NeuronRefused) or err.region.split(".", 1)[0] not in fused:
+        return err
+    return err.noted("--finish does not fall back to the layer's regions: compile from model.toml where neuronx-cc is")
 
 
 def _jobs(manifest: mf.Manifest, suffix: str, work: Path) -> list[tuple[mf.Executable, str, Job]]:

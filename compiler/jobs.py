@@ -134,4 +134,4 @@ def keep_failed_logs(error: Exception, logs: Path, out: Path) -> Exception:
     message = str(error)
     for path in (logs.resolve(), logs):
         message = message.replace(str(path), str(kept))
-    return type(error)(message)
+    return type(error)(message, *error.args[1:])  # a NeuronRefused's code and region stay

@@ -42,7 +42,8 @@ from deepinfer.compiler.cache import artifact_keys, default_cache, fetch_or_buil
 from deepinfer.compiler.cache.keys import Key
 from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.config import CompileConfig, config_error
-from deepinfer.compiler.executables import compile_regions, trace_regions
+from deepinfer.compiler.executables import trace_regions
+from deepinfer.compiler.fallback import compile_pass
 from deepinfer.compiler.jobs import keep_failed_logs
 from deepinfer.compiler.kill_points import kill_point
 from deepinfer.compiler.plan import RegionPlan, plan_regions
@@ -94,6 +95,7 @@ class Built:
     executables: int  # in the manifest
     compiled: tuple[str, ...] = ()  # compiled here (the others came from the cache)
     lowered: tuple[str, ...] = ()  # HLO-stage bundles: the HLO modules lowered and checked
+    fallback: dict[str, mf.Fallback] = field(default_factory=dict)  # layer kinds compiled per region
 
 
 def build(config: CompileConfig, hlo_only: bool, run: Run, timed: Timings) -> Built:
@@ -112,15 +114,16 @@ def build(config: CompileConfig, hlo_only: bool, run: Run, timed: Timings) -> Bu
         traced = trace_regions(spec, regions, run)
     with timed("check memory budget with scratch"):
         budget.check_traced(spec, regions, traced.executables, run.log)
-    with timed("compile"):
-        compiled = compile_regions(spec, traced, run)
+    with timed("compile"):  # a fused layer kind neuronx-cc refuses: per region (compiler/fallback.py)
+        compiled = compile_pass(spec, regions, traced, run)
     with timed("lay out state"):
         state = layout_state(spec, regions)
     with timed("record cache keys"):
         record_cache_keys(run)
+    fell = compiled.fallback
     with timed("write manifest"):
-        manifest = write_manifest(spec, regions, weights, tokenizer, compiled.executables, state, run)
-    return Built(executables=len(manifest.regions), compiled=compiled.built, lowered=traced.lowered)
+        manifest = write_manifest(spec, regions, weights, tokenizer, compiled.executables, state, run, fallback=fell)
+    return Built(executables=len(manifest.regions), compiled=compiled.built, lowered=traced.lowered, fallback=fell)
 
 
 # --- the passes (the trace and compile passes: compiler/executables.py) -------------------------
@@ -236,9 +239,11 @@ def write_manifest(
     executables: tuple[mf.Executable, ...],
     state: State,
     run: Run,
+    *,
+    fallback: dict[str, mf.Fallback] | None = None,
 ) -> mf.Manifest:
     c = spec.config
-    layers = _manifest_layers(spec, plan, state)
+    layers = _manifest_layers(spec, plan, state, set(fallback or ()))
     manifest = mf.Manifest(
         format_version=mf.FORMAT_VERSION,
         deepinfer_version=deepinfer.__version__,
@@ -262,14 +267,18 @@ def write_manifest(
         # per rank; refuses the bundle if the executables overflow it
         memory=budget.record(spec, plan, executables, run.staging),
         draft=_draft_entry(spec, plan),
+        fallback=fallback or None,
     )
     manifest = manifest_io.stamp(run.staging, manifest)
     manifest_io.write(run.staging, manifest)
     return manifest
 
 
-def _manifest_layers(spec: Spec, plan: RegionPlan, state: State) -> tuple[mf.Layer, ...]:
-    fused = {layer: lk.name for lk in plan.fused_kinds().values() for layer in lk.layers} if spec.fused else {}
+def _manifest_layers(spec: Spec, plan: RegionPlan, state: State, per_region: set[str]) -> tuple[mf.Layer, ...]:
+    """Each layer's entry; a fused layer names its layer kind, unless that kind is in `per_region`
+    (neuronx-cc refused it: compiler/fallback.py)."""
+    kinds = plan.fused_kinds().values() if spec.fused else ()
+    fused = {layer: lk.name for lk in kinds if lk.name not in per_region for layer in lk.layers}
     return tuple(
         mf.Layer(
             layer=p.layer,
@@ -395,6 +404,7 @@ class CompileReport:
     # entries (executables, weights, traces) handed out by the local tier and by the store, and
     # entries published to the store (`Cache.tiers`); empty without a cache
     tiers: dict[str, int] = field(default_factory=dict)
+    fallback: dict[str, mf.Fallback] = field(default_factory=dict)  # layer kinds compiled per region
 
     @property
     def summary(self) -> str:
@@ -403,6 +413,7 @@ class CompileReport:
         what = "HLO modules lowered and checked" if self.hlo_only else "executables compiled"
         n, total = self.executables, sum(self.seconds.values())
         line = f"wrote {self.bundle} in {total:.1f} s ({len(built)} of {n} {what}, {n - len(built)} from the cache)"
+        line += "".join(f"; {k} per region ({f.code})" for k, f in self.fallback.items())
         if self.store is None:
             return line
         t = self.tiers
@@ -422,6 +433,7 @@ class CompileReport:
             "cache": str(self.cache) if self.cache else None,
             "store": self.store,
             "tiers": self.tiers,
+            "fallback": {kind: manifest_io.to_json(f) for kind, f in self.fallback.items()},
         }
 
 
@@ -513,6 +525,7 @@ def _report(
         hlo_only=hlo_only,
         store=cache.remote_url if cache else None,
         tiers=cache.tiers() if cache else {},
+        fallback=built.fallback,
     )
 
 

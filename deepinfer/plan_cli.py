@@ -30,6 +30,14 @@ from deepinfer.cli_common import user_errors
     metavar="KIND",
     help="Trace only this region kind (repeat for several), e.g. moe.",
 )
+@click.option(
+    "--fallback",
+    "fallen",
+    multiple=True,
+    metavar="LAYER_KIND",
+    help="Also show what it costs when neuronx-cc refuses this fused layer kind and the compile runs it per "
+    "region (repeat for several): executions per decode step and the modelled step time, with and without.",
+)
 @cache_dir_option
 @click.option("--no-cache", is_flag=True, help="Do not read the compile cache's trace records.")
 @click.option(
@@ -41,7 +49,7 @@ from deepinfer.cli_common import user_errors
     "of the assumed and published ones in the decode step and prompt models; each is marked measured.",
 )
 @user_errors
-def plan_cmd(model_toml, as_json, no_scratch, kinds, cache_dir, no_cache, figures):
+def plan_cmd(model_toml, as_json, no_scratch, kinds, fallen, cache_dir, no_cache, figures):
     """Print what `deepinfer compile MODEL_TOML` would build, reading no tensor data.
 
     From the checkpoint's config.json and its safetensors headers (or config.json
@@ -79,4 +87,13 @@ def plan_cmd(model_toml, as_json, no_scratch, kinds, cache_dir, no_cache, figure
     plan = plan_bundle(cfg, scratch=not no_scratch, kinds=kinds or None, cache=cache, log=log)
     if measured is not None:
         plan = with_measured(plan, measured)
-    click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else "\n".join(plan.lines()))
+    if not fallen:
+        click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else "\n".join(plan.lines()))
+        return
+    from deepinfer.compiler import fallback_cost
+
+    fallback_cost.check_kinds(plan, fallen)
+    if as_json:
+        click.echo(json.dumps({**plan.to_dict(), "fallback": fallback_cost.report(plan, fallen)}, indent=2))
+    else:
+        click.echo("\n".join([*plan.lines(), "", *fallback_cost.lines(plan, fallen)]))

@@ -9,6 +9,7 @@ of region inputs and outputs through the layers and the head.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -118,31 +119,38 @@ def run_layers(
     topk = cand = None
     engram_index = 0
     token_mask = (batch.positions >= 0) & ~batch.is_image
-    common = (batch.positions, batch.slots, batch.block_table)
     for p in plans:
-        st = states[p.layer]
         if p.engram_rows:
             h = run_engram(p.layer, invoke, h, engram, batch, engram_index, token_mask, divided_engram)
             engram_index += 1
         if capture is not None and p.layer in capture.layers:
             capture(p.layer, h, pre, batch.positions, batch.slots)
-        if p.attn == "window":
-            h, pre = invoke(p.layer, "attn", h, pre, batch.positions, batch.slots, st["win"])
-        elif merge is not None:
-            h, pre, topk, cand = divided_attention(p, invoke, st, h, pre, batch, topk, cand, merge)
-        elif p.attn == "source":
-            parts = (st["part_kv"], st["part_gate"]) if p.ratio > 1 else ()
-            out = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], st["ikeys"], *parts)
-            h, pre, topk = out[:3]
-            cand = out[3] if p.candidate_source else cand
-        elif p.attn == "reindex":
-            extra = (cand,) if p.uses_candidates else ()
-            h, pre, topk = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], st["ikeys"], *extra)
-        else:
-            h, pre = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], topk)
-        h, pre = invoke(p.layer, "moe", h, pre, batch.is_image)
+        h, pre, topk, cand = layer_regions(p, invoke, states[p.layer], h, pre, batch, topk, cand, merge)
     (logits,) = invoke(-1, "head", h, pre)
     return logits
+
+
+def layer_regions(p: LayerPlan, invoke, st, h, pre, batch: Batch, topk, cand, merge: Merge | None = None):
+    """Layer `p`'s attention and MoE (after its engram), a region call each (a divided attention's
+    stages each, with `merge`), on the selection `topk` and candidate pool `cand` the layers before
+    it made -> (h, pre, topk, cand), the selection and pool as this layer leaves them."""
+    common = (batch.positions, batch.slots, batch.block_table)
+    if p.attn == "window":
+        h, pre = invoke(p.layer, "attn", h, pre, batch.positions, batch.slots, st["win"])
+    elif merge is not None:
+        h, pre, topk, cand = divided_attention(p, invoke, st, h, pre, batch, topk, cand, merge)
+    elif p.attn == "source":
+        parts = (st["part_kv"], st["part_gate"]) if p.ratio > 1 else ()
+        out = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], st["ikeys"], *parts)
+        h, pre, topk = out[:3]
+        cand = out[3] if p.candidate_source else cand
+    elif p.attn == "reindex":
+        extra = (cand,) if p.uses_candidates else ()
+        h, pre, topk = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], st["ikeys"], *extra)
+    else:
+        h, pre = invoke(p.layer, "attn", h, pre, *common, st["win"], st["ckv"], topk)
+    h, pre = invoke(p.layer, "moe", h, pre, batch.is_image)
+    return h, pre, topk, cand
 
 
 class Rows(Protocol):
@@ -232,22 +240,46 @@ def run_engram(
     return h
 
 
-def run_fused(plans, invoke_layer, invoke, states, h, pre, batch: Batch, engram: EngramRows | None) -> Tensor:
+def run_fused(
+    plans,
+    invoke_layer,
+    invoke,
+    states,
+    h,
+    pre,
+    batch: Batch,
+    engram: EngramRows | None,
+    regions: Container[int] = (),
+    merge: Merge | None = None,
+    *,
+    divided_engram: bool = False,
+) -> Tensor:
     """h, pre through every layer and the head -> logits, one call a layer (trn2's fused layers:
     compiler/layers.py; their collectives are inside). `invoke_layer(layer, values)` runs layer
     `layer`'s executable on the values its inputs name (the streams, the step's host inputs, the
     layer's state views, the selection carried from the layer before, its engram rows) and returns
-    its outputs by name (h, pre; topk and cand where it makes them); `invoke` runs the head."""
+    its outputs by name (h, pre; topk and cand where it makes them); `invoke` runs the head.
+    The layers in `regions` run per region through `invoke`, as `run_layers` runs them (with `merge`
+    and `divided_engram`): a layer kind neuronx-cc refused to compile fused (compiler/fallback.py)."""
     carry: dict[str, Tensor] = {}
     engram_index = 0
+    token_mask = (batch.positions >= 0) & ~batch.is_image
     step = {
         "positions": batch.positions,
         "slots": batch.slots,
         "block_table": batch.block_table,
         "is_image": batch.is_image,
-        "token_mask": (batch.positions >= 0) & ~batch.is_image,
+        "token_mask": token_mask,
     }
     for p in plans:
+        if p.layer in regions:
+            if p.engram_rows:
+                h = run_engram(p.layer, invoke, h, engram, batch, engram_index, token_mask, divided_engram)
+                engram_index += 1
+            out = layer_regions(p, invoke, states[p.layer], h, pre, batch, carry.get("topk"), carry.get("cand"), merge)
+            h, pre = out[0], out[1]
+            carry.update({k: v for k, v in zip(("topk", "cand"), out[2:]) if v is not None})
+            continue
         values = {**step, **carry, **states[p.layer], "h": h, "pre": pre}
         if p.engram_rows:
             assert engram is not None and batch.hashes is not None, "an engram layer needs its tables and hashes"

@@ -242,7 +242,21 @@ class Executor:
         if self.fused:
             assert capture is None, "a bundle with a draft runs its layers per region"
             invoke_layer = self._invoke_layer(batch.block_table.shape[1], stats, on_call)
-            logits = run_fused(self.plans, invoke_layer, invoke, self.states, h, pre, batch, self.host.engram)
+            # a layer kind neuronx-cc refused to compile fused runs per region (compiler/fallback.py)
+            regions = {p.layer for p in self.plans if (p.layer, LAYER_SLOT) not in self.bound}
+            logits = run_fused(
+                self.plans,
+                invoke_layer,
+                invoke,
+                self.states,
+                h,
+                pre,
+                batch,
+                self.host.engram,
+                regions,
+                self.merge,
+                divided_engram=self.manifest.topology.topology.group_size > 1,
+            )
         else:
             logits = run_layers(
                 self.plans,

@@ -104,6 +104,25 @@ class NeuronCompileError(DeepinferError):
     """neuronx-cc ran and failed, timed out, or wrote no NEFF."""
 
 
+class NeuronRefused(NeuronCompileError):
+    """neuronx-cc exited non-zero with an error code (`NCC_IBIR297`, or the older `[TEN404]`): it
+    refused the module of executable `region`. Both travel with the message (as its args, so that
+    it pickles: a compile worker raises it)."""
+
+    def __init__(self, message: str, code: str, region: str) -> None:
+        super().__init__(message, code, region)
+        self.code = code
+        self.region = region
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def noted(self, note: str) -> NeuronRefused:
+        """The same refusal with `note` before its closing `(log: ...)`."""
+        head, sep, log = str(self).rpartition(" (log: ")
+        return NeuronRefused(f"{head}; {note}{sep}{log}" if sep else f"{self}; {note}", self.code, self.region)
+
+
 # --- finding the compiler ---
 
 
@@ -292,7 +311,8 @@ def compile_neff(
         finally:
             _append_compiler_log(workdir / COMPILER_LOG, log_path)
         if returncode != 0:
-            raise NeuronCompileError(_failure_message(region, returncode, log_path))
+            message, code = _failure(region, returncode, log_path)
+            raise NeuronRefused(message, code, region) if code else NeuronCompileError(message)
         if not staged.is_file() or staged.stat().st_size == 0:
             raise NeuronCompileError(f"region {region}: neuronx-cc exited 0 but wrote no NEFF (log: {log_path})")
         os.replace(staged, neff_path)
@@ -351,6 +371,11 @@ def _append_compiler_log(compiler_log: Path, log_path: Path) -> None:
 def _failure_message(region: str, returncode: int, log_path: Path) -> str:
     """The first NCC_ error line (console output first, then the compiler's log), else the
     last console line."""
+    return _failure(region, returncode, log_path)[0]
+
+
+def _failure(region: str, returncode: int, log_path: Path) -> tuple[str, str | None]:
+    """`_failure_message`'s line and the error code it quotes (None: no code in the output)."""
     text = log_path.read_text(encoding="utf-8", errors="replace")
     console = text.split(_LOG_SEPARATOR, 1)[0]
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("# ")]
@@ -360,13 +385,11 @@ def _failure_message(region: str, returncode: int, log_path: Path) -> str:
             text = line[match.end() :].lstrip(" :-").rstrip()
             if not text and i + 1 < len(lines):  # message on the next line
                 text = lines[i + 1]
-            return (
-                f"region {region}: neuronx-cc failed with {match.group(1) or match.group(2)}: {_clip(text)} "
-                f"(log: {log_path})"
-            )
+            code = match.group(1) or match.group(2)
+            return f"region {region}: neuronx-cc failed with {code}: {_clip(text)} (log: {log_path})", code
     console_lines = [ln.strip() for ln in console.splitlines() if ln.strip() and not ln.startswith("# ")]
     last = console_lines[-1] if console_lines else "(no output)"
-    return f"region {region}: neuronx-cc failed (exit {returncode}): {_clip(last)} (log: {log_path})"
+    return f"region {region}: neuronx-cc failed (exit {returncode}): {_clip(last)} (log: {log_path})", None
 
 
 def _clip(text: str) -> str:

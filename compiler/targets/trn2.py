@@ -20,7 +20,9 @@ What differs from the cpu target:
 Options (model.toml [target].options): neuronx-cc's (lnc, optlevel, model_type,
 auto_cast, extra_flags, verbose, timeout_s) and deepinfer's own (Trn2Options): `frontend`
 ("torch-mlir", or "torch-xla" where installed), `check` (run the XLA:CPU check,
-default true), `layers` and `collectives`:
+default true), `fallback` ("regions", the default: a fused layer kind neuronx-cc refuses is
+compiled per region, compiler/fallback.py; "none": the refusal stops the compile), `layers`
+and `collectives`:
 
 - `layers = "fused"` (the default): a layer's regions (engram, attention and its divided
   stages, MoE) are one executable with every collective between them inside it
@@ -66,6 +68,10 @@ class Trn2Options:
     # "host" there; a fused layer holds every collective in its module, so None is "graph" with
     # fused layers and "host" is refused (check_options)
     collectives: Literal["host", "graph"] | None = None
+    # what a compile does when neuronx-cc refuses a fused layer module (an NCC_ error code): compile
+    # that layer kind per region and go on ("regions"), or stop ("none"). Left out of cache keys: no
+    # executable changes with it, only whether a refused kind's regions are built (compiler/fallback.py)
+    fallback: Literal["regions", "none"] = "regions"
 
     @property
     def graph_collectives(self) -> bool:
@@ -97,7 +103,7 @@ class Trn2Target:
     # own token group, and a vocabulary split would need a collective before the first layer)
     device_embedding: ClassVar[bool] = True
     # options that only change logs, waiting or checking: left out of cache keys
-    LOG_OPTIONS: ClassVar[tuple[str, ...]] = (*neuronxcc.LOG_ONLY, "check")
+    LOG_OPTIONS: ClassVar[tuple[str, ...]] = (*neuronxcc.LOG_ONLY, "check", "fallback")
     LOWERING_MODULES: ClassVar[tuple[str, ...]] = (
         "deepinfer.compiler.targets.trn2",
         "deepinfer.compiler.targets.hlo",
@@ -119,6 +125,7 @@ class Trn2Target:
         self.check: bool = own.check
         self.fused_layers = own.layers == "fused"
         self.graph_collectives = own.graph_collectives
+        self.fallback: str = own.fallback
         compiler_options = {k: v for k, v in self.options.items() if k not in OWN_OPTIONS}
         compile_options = neuronxcc.NeuronCompileOptions.from_dict(compiler_options)
         if isinstance(compile_options, str):

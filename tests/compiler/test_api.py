@@ -113,11 +113,12 @@ def test_inductor_cache_directory_is_set_unless_the_user_set_one(toml, tmp_path,
 
 def test_passes_run_in_order_each_timed_under_its_name(tmp_path, monkeypatch):
     """`build` calls each pass directly, handing each what the earlier ones made."""
-    ran = []
+    ran, kw = [], []
 
     def stub(name, made=None):
-        def run(*args):
+        def run(*args, **kwargs):
             ran.append((name, args))
+            kw.append((name, kwargs))
             return made
 
         return run
@@ -126,7 +127,7 @@ def test_passes_run_in_order_each_timed_under_its_name(tmp_path, monkeypatch):
         SimpleNamespace(name=n) for n in "spec tokenizer plan weights state".split()
     )
     traced = SimpleNamespace(executables=("e",), lowered=())
-    compiled = SimpleNamespace(executables=("e",), built=("e",))
+    compiled = SimpleNamespace(executables=("e",), built=("e",), fallback={})
     manifest = SimpleNamespace(regions=("e",))
     for attr, made in [
         ("parse", spec),
@@ -134,7 +135,7 @@ def test_passes_run_in_order_each_timed_under_its_name(tmp_path, monkeypatch):
         ("plan", regions),
         ("preprocess_weights", weights),
         ("trace_regions", traced),
-        ("compile_regions", compiled),
+        ("compile_pass", compiled),
         ("layout_state", state),
         ("write_manifest", manifest),
     ]:
@@ -154,7 +155,7 @@ def test_passes_run_in_order_each_timed_under_its_name(tmp_path, monkeypatch):
         "preprocess_weights",
         "trace_regions",
         "check_traced",
-        "compile_regions",
+        "compile_pass",
         "layout_state",
         "write_manifest",
     ]
@@ -162,3 +163,5 @@ def test_passes_run_in_order_each_timed_under_its_name(tmp_path, monkeypatch):
     assert args["parse"] == ("config", False, run.log)
     assert args["check_traced"] == (spec, regions, traced.executables, run.log)
     assert args["write_manifest"] == (spec, regions, weights, tokenizer, compiled.executables, state, run)
+    assert args["compile_pass"] == (spec, regions, traced, run)
+    assert dict(kw)["write_manifest"] == {"fallback": compiled.fallback}

@@ -101,7 +101,12 @@ def stub(tmp_path, monkeypatch) -> str:
     from deepinfer.compiler.targets import neuronxcc as ncc
 
     STAND_IN.chmod(STAND_IN.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    for var in ("FAKE_NEURONX_CC_FAIL", "FAKE_NEURONX_CC_SLEEP", "FAKE_NEURONX_CC_VERSION"):
+    for var in (
+        "FAKE_NEURONX_CC_FAIL",
+        "FAKE_NEURONX_CC_FAIL_MATCH",
+        "FAKE_NEURONX_CC_SLEEP",
+        "FAKE_NEURONX_CC_VERSION",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("FAKE_NEURONX_CC_PYTHON", sys.executable)
     monkeypatch.setenv("FAKE_NEURONX_CC_RECORD", str(tmp_path / "record.jsonl"))
@@ -121,6 +126,7 @@ def finished_copy(hlo_bundle: Path, dest: Path) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         for var in (
             "FAKE_NEURONX_CC_FAIL",
+            "FAKE_NEURONX_CC_FAIL_MATCH",
             "FAKE_NEURONX_CC_SLEEP",
             "FAKE_NEURONX_CC_VERSION",
             "FAKE_NEURONX_CC_RECORD",

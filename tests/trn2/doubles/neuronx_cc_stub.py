@@ -20,6 +20,8 @@ cannot read (any other bytes, a module without names or with a may-alias) gets t
 Environment:
   FAKE_NEURONX_CC_RECORD=path   append {"argv": [...], "cwd": ...} as one JSON line per call
   FAKE_NEURONX_CC_FAIL=NCC_X    print an error line in the real format and exit 70
+  FAKE_NEURONX_CC_FAIL_MATCH=re with FAKE_NEURONX_CC_FAIL: fail only modules whose --output file
+                                name matches the regular expression (re.search), compile the others
   FAKE_NEURONX_CC_SLEEP=N       sleep N seconds first (timeout tests)
   FAKE_NEURONX_CC_VERSION=v     the version to report (default below)
 """
@@ -186,7 +188,8 @@ def compile_(argv: list[str]) -> int:
             print(f"ERROR: input file {args.model_files} is missing or empty (stand-in)", file=sys.stderr)
             return 1
         fail = os.environ.get("FAKE_NEURONX_CC_FAIL")
-        if fail:
+        match = os.environ.get("FAKE_NEURONX_CC_FAIL_MATCH")
+        if fail and (not match or re.search(match, os.path.basename(args.output))):
             kind = "INTERNAL_ERROR" if fail[4:5] == "I" else "ERROR"
             print("Compiler status: starting stand-in", flush=True)
             return _error(

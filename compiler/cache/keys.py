@@ -88,6 +88,7 @@ UNKEYED_OPTIONS = (
     # the budget decides whether a compile is refused, not what it builds
     "memory.limit_gib",
     "memory.reserve_gib",
+    "--figures",  # measured hardware figures change the modelled step printed after the compile, no executable
 )
 
 
@@ -364,5 +365,6 @@ def graph_digest(ep: torch.export.ExportedProgram) -> str:
     h.update(_lp(repr(ranges).encode()))
     for name, value in sorted({**ep.state_dict, **ep.constants}.items()):
         t = value.detach().contiguous().cpu()
-        h.update(_lp(f"{name}:{_val(t)}".encode()) + _lp(t.view(torch.uint8).numpy().tobytes() if t.numel() else b""))
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""  # 0-d: reshape first
+        h.update(_lp(f"{name}:{_val(t)}".encode()) + _lp(raw))
     return h.hexdigest()

@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import deepinfer.compiler.cache.artifact_keys as cached
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.cache import keys
-from deepinfer.compiler.cache.keys import KEYED_OPTIONS, UNKEYED_OPTIONS, Key
+from deepinfer.compiler.cache.keys import KEYED_OPTIONS, UNKEYED_OPTIONS, Key, graph_digest
 from deepinfer.compiler.config import SECTIONS, load_compile_config
 from deepinfer.compiler.pipeline import cache_key, plan
 from deepinfer.compiler.plan import Exe
@@ -443,3 +444,21 @@ def test_an_aoti_key_names_the_threads_its_code_is_written_for(small_toml, tmp_p
         assert TARGETS["cpu"]("aoti", {"cpp.threads": 3}).toolchain()["threads"] == "3"
     assert keys[1][0] != keys[2][0]
     assert keys[1][1:] == keys[2][1:]
+
+
+class _ScaledByAConstant(torch.nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = torch.tensor(scale)  # not a parameter or buffer: export lifts it as a 0-d constant
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def test_graph_digest_hashes_a_zero_dimensional_constant():
+    """A 0-d float constant (the trn2 fused layers hold one) is hashed by its bytes: no view error."""
+    x = (torch.ones(3),)
+    a, b = (torch.export.export(_ScaledByAConstant(s), x) for s in (2.0, 3.0))
+    assert any(t.dim() == 0 for t in a.constants.values())
+    assert graph_digest(a) == graph_digest(torch.export.export(_ScaledByAConstant(2.0), x))
+    assert graph_digest(a) != graph_digest(b)

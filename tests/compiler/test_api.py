@@ -72,6 +72,7 @@ def test_compile_bundle_reports_settings_and_summary(toml, tmp_path, built):
         "cache": str(tmp_path / "cache"),
         "store": None,  # no --cache-url: the local tier alone, nothing from or to a store
         "tiers": {"local": 0, "store": 0, "published": 0},
+        "fallback": {},  # no fused layer kind refused by neuronx-cc
     }
     assert (tmp_path / "out").is_dir()
 

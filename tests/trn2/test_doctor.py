@@ -192,6 +192,22 @@ def test_a_failed_toolchain_skips_every_device_stage(first_run, fake_nrt_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "stage, expect",
+    [("modules", "on the NeuronCore differs from XLA:CPU"), ("measurements", "measurement probe launch")],
+)
+def test_a_device_stage_that_differs_fails_alone(first_run, fake_nrt_path, stage, expect):
+    """The double without that stage's answers computes nothing for it: one FAIL line, exit 1, the
+    toolchain PASSes and the stages not selected SKIP (collectives: the libnrt refusal test below)."""
+    tmp, _ = first_run
+    proc = _run(tmp, fake_nrt_path, tuple(s for s in STAGES[1:] if s != stage), "--only", stage)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    got = lines(proc.stdout)
+    assert [s for s, line in got.items() if line.startswith("FAIL ")] == [stage], got
+    assert expect in got[stage] and got["toolchain"].startswith("PASS "), got
+
+
+@pytest.mark.slow
 def test_only_runs_the_stage_it_names(first_run, fake_nrt_path):
     """`--only measurements`: the toolchain and that stage run (the double answers it: PASS), the
     others SKIP as not selected, and the figures file is written."""

@@ -238,13 +238,8 @@ def _check_kind(core, entry, hlo_path: Path, neff_path: Path, root: Path) -> flo
         except ShapeMismatch as e:
             raise DoctorCheckFailed(f"kind {entry.kind} ({entry.name}): {e}") from None
         if not d.agrees(tol):
-            what = (
-                f"in {d.mismatches} of {d.numel} entries"
-                if d.integer
-                else f"by {d.max_abs:.3g} (max |ref| {d.ref_max:.3g})"
-            )
             raise DoctorCheckFailed(
-                f"kind {entry.kind} ({entry.name}): output {label} on the NeuronCore differs from XLA:CPU {what} "
+                f"kind {entry.kind} ({entry.name}): output {label} on the NeuronCore differs from XLA:CPU {d.how()} "
                 f"(score {d.score:.3g}, tolerance {tol:g}; reference in {root / probe.REFERENCE_DIR})"
             )
         worst = max(worst, d.score)

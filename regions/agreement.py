@@ -46,6 +46,12 @@ class OutputDiff:
     def agrees(self, tol: float) -> bool:
         return self.score <= tol  # NaN and inf never agree
 
+    def how(self) -> str:
+        """How far off it is, for a message: "in 3 of 64 entries" or "by 0.5 (max |ref| 54)"."""
+        if self.integer:
+            return f"in {self.mismatches} of {self.numel} entries"
+        return f"by {self.max_abs:.3g} (max |ref| {self.ref_max:.3g})"
+
 
 class ShapeMismatch(ValueError):
     """An executable and its reference region return outputs of different shapes."""

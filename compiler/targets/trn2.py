@@ -314,13 +314,8 @@ class Trn2Target:
                     f"{where}: output {label} has shape {tuple(g.shape)} on XLA:CPU, {tuple(r.shape)} in the reference"
                 ) from None
             if not d.agrees(tol):
-                what = (
-                    f"in {d.mismatches} of {d.numel} entries"
-                    if d.integer
-                    else f"by {d.max_abs:.3g} (max |ref| {d.ref_max:.3g})"
-                )
                 raise CheckFailed(
-                    f"{where}: output {label} differs from the reference {what} on XLA:CPU "
+                    f"{where}: output {label} differs from the reference {d.how()} on XLA:CPU "
                     f"(score {d.score:.3g}, tolerance {tol:g})"
                 )
             diffs.append(d)

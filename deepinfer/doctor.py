@@ -24,7 +24,7 @@ import json
 import os
 import socket
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -136,7 +136,7 @@ def toolchain(doctor: Doctor) -> Stage:
     if lnc is not None and lnc not in ("1", "2"):
         problems.append(f"{ENV_LNC}={lnc!r} is not 1 or 2")
     host.lnc = int(lnc) if lnc in ("1", "2") else DEFAULT_LNC
-    details = _host_details(host)
+    details = asdict(host)  # every field the stage found, as the JSON report's details
     if doctor.bundle is not None:
         bundle_problems = check_bundle(doctor.bundle, host)
         details["bundle"] = {"path": str(doctor.bundle), "problems": bundle_problems}
@@ -186,20 +186,6 @@ def _open_runtime(host: Host, problems: list[str]) -> None:
         return
     if not host.visible_cores:
         problems.append(f"libnrt {lib.path} sees no NeuronCore (is the Neuron driver loaded? /dev/neuron*)")
-
-
-def _host_details(host: Host) -> dict:
-    return {
-        "neuronx_cc": host.neuronx_cc,
-        "compiler": host.compiler,
-        "libnrt": host.libnrt,
-        "libnrt_version": host.libnrt_version,
-        "total_cores": host.total_cores,
-        "visible_cores": host.visible_cores,
-        "devices": host.devices,
-        "lnc": host.lnc,
-        "missing": host.missing,
-    }
 
 
 def check_bundle(bundle: Path, host: Host) -> list[str]:

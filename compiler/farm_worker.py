@@ -6,7 +6,6 @@ the job function.
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 import time
 import traceback
@@ -28,8 +27,6 @@ TEST_HOOK_PREFIX = "DEEPINFER_TEST_FARM_"
 TEST_DIE_ONCE = "DEEPINFER_TEST_FARM_DIE_ONCE"  # a marker path: the first job to see it absent makes it and exits
 TEST_FAIL = "DEEPINFER_TEST_FARM_FAIL"  # jobs whose name contains this raise, every attempt
 WORKER_LOG = "<worker log>"  # a refusal's message names the job's log by this; the host puts its own path
-# how compiler/targets/neuronxcc.compile_neff words a failure that printed an NCC error code
-_REFUSAL = re.compile(r"neuronx-cc failed with [A-Z][A-Z_]*[0-9]{3,4}: ")
 
 
 class FarmError(DeepinferError):
@@ -157,9 +154,9 @@ def refusal(e: Exception) -> TypeGuard[DeepinferError]:
     """The compiler rejected the program: neuronx-cc exited with an NCC error code. Every node with
     the host's toolchain rejects it the same way, so it is not run again: it comes back to the host
     as the error a local job raises (compiler/jobs.run_job), for the compile to handle as its own."""
-    from deepinfer.compiler.targets.neuronxcc import NeuronCompileError
+    from deepinfer.compiler.targets.neuronxcc import NeuronRefused
 
-    return isinstance(e, NeuronCompileError) and _REFUSAL.search(str(e)) is not None
+    return isinstance(e, NeuronRefused)
 
 
 def with_message(e: DeepinferError, message: str) -> DeepinferError:

@@ -12,6 +12,7 @@ import os
 import stat
 import struct
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -36,13 +37,16 @@ UUID = slice(_BEFORE_UUID, _BEFORE_UUID + 16)  # the uuid field's bytes in a NEF
 
 def _wrapper(directory: Path, version: str) -> Path:
     """A node's neuronx-cc: the stand-in (TEST DOUBLE) reporting `version`, failing with the NCC code in
-    `<directory>/fail` while that file exists, and recording each call to `<directory>/calls.jsonl`."""
+    `<directory>/fail` while that file exists (only the modules whose output name matches the regular
+    expression in `<directory>/fail-match`, where that exists), and recording each call to
+    `<directory>/calls.jsonl`."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "neuronx-cc"
     path.write_text(
         "#!/bin/sh\n# TEST DOUBLE: the neuronx-cc stand-in as one Ray node has it\n"
         f"export FAKE_NEURONX_CC_VERSION='{version}' FAKE_NEURONX_CC_RECORD='{directory}/calls.jsonl'\n"
         f'[ -f "{directory}/fail" ] && export FAKE_NEURONX_CC_FAIL="$(cat "{directory}/fail")"\n'
+        f'[ -f "{directory}/fail-match" ] && export FAKE_NEURONX_CC_FAIL_MATCH="$(cat "{directory}/fail-match")"\n'
         f'exec "{sys.executable}" "{STAND_IN.parent / "neuronx_cc_stub.py"}" "$@"\n'
     )
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
@@ -189,12 +193,14 @@ def test_a_node_with_another_neuronx_cc_is_refused_before_any_job(nodes, toml, h
 
 @pytest.mark.slow  # lowers the tiny model's modules and starts Ray nodes
 def test_a_refusal_on_a_node_is_the_local_jobs_error_with_its_code_and_log(nodes, toml, host, tmp_path):
-    """The stand-in fails with an NCC code on every node: the compile raises the NeuronCompileError a
-    local job raises (its NCC code, the log on the host under <out>.failed-logs/), after one attempt."""
+    """The stand-in refuses the embedding's modules with an NCC code on every node (a region that is
+    never fused, so no fallback runs): the compile raises the NeuronCompileError a local job raises (its
+    NCC code, the log on the host under <out>.failed-logs/), after one attempt of each module."""
     address, dirs = nodes
-    before = sum(len(_calls(d)) for d in dirs)
+    before = {d: len(_calls(d)) for d in dirs}
     for d in dirs:
         (d / "fail").write_text("NCC_IBIR297")
+        (d / "fail-match").write_text(r"^embed\.")
     lines: list[str] = []
     try:
         with pytest.raises(neuronxcc.NeuronCompileError) as info:
@@ -202,15 +208,16 @@ def test_a_refusal_on_a_node_is_the_local_jobs_error_with_its_code_and_log(nodes
     finally:
         for d in dirs:
             (d / "fail").unlink()
+            (d / "fail-match").unlink()
     message = str(info.value)
     assert "\n" not in message and ": neuronx-cc failed with NCC_IBIR297: stand-in failure" in message
     kept = tmp_path / "b.failed-logs"
     assert f"(log: {kept}/" in message and "<worker" not in message
     log = Path(message.rsplit("(log: ", 1)[1].rstrip(")"))
     assert log.is_file() and "NCC_IBIR297" in log.read_text()
-    assert message.startswith("region ") and message.split(":")[0].removeprefix("region ") in log.name
-    tried = sum(len(_calls(d)) for d in dirs) - before
-    assert 1 <= tried <= farm.ATTEMPTS - 1  # the refused job once (others may have started beside it)
+    assert message.startswith("region embed.") and message.split(":")[0].removeprefix("region ") in log.name
+    tried = Counter(Path(c["argv"][c["argv"].index("--output") + 1]).name for d in dirs for c in _calls(d)[before[d] :])
+    assert any(name.startswith("embed.") for name in tried) and max(tried.values()) == 1, tried  # none run again
     assert [line for line in lines if "refused by the compiler on node " in line]
     assert not (tmp_path / "b").exists()
 

@@ -204,10 +204,13 @@ def divided_merges(c: TextConfig, tp: int, batch: int, act_bytes: int, context: 
 
 def link_bytes(name: str, sent: int, topo: Topology) -> int:
     """Bytes a collective puts on a rank's links: an all-gather brings in (group - 1) times what each
-    rank sends, a ring all-reduce or reduce-scatter moves about twice its payload."""
+    rank sends; a ring reduce-scatter sends (group - 1) / group of its payload (`sent`, the partials of
+    every rank's rows), and a ring all-reduce (a reduce-scatter, then an all-gather) about twice it."""
+    group = topo.cp if name.startswith("cp") else topo.group_size if name == LOGITS else topo.world
+    if "reduce-scatter" in name:
+        return sent * (group - 1) // group
     if "all-gather" not in name:
         return 2 * sent
-    group = topo.cp if name.startswith("cp") else topo.group_size if name == LOGITS else topo.world
     return (group - 1) * sent
 
 

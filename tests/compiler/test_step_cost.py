@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from deepinfer.bundles.topology import Topology
 from deepinfer.compiler import step_cost
 from deepinfer.compiler.bundle_plan import plan_bundle
 from deepinfer.compiler.config import load_compile_config
@@ -138,6 +139,19 @@ def test_host_bytes_follow_per_step(plan):
     assert moe == 40 * N * D * 4  # float32 partial streams after every MoE
     assert graph.host_device_by_part["collectives"] == today.host_device_by_part["collectives"] - 2 * moe
     assert graph.collective_link_bytes == 2 * moe  # a ring all-reduce moves twice its payload
+
+
+def test_link_bytes_of_a_ring_by_collective():
+    """What a ring puts on one rank's links at a group of 4, payloads counted by hand: an all-gather
+    brings in the 3 other ranks' parts, a reduce-scatter sends 3 of its 4 quarters (each a partial
+    the next rank adds to), an all-reduce is a reduce-scatter then an all-gather of the sums."""
+    topo = Topology(ep=4, cp=4)
+    payload = 4 * 1024  # the reduce-scatter's: every rank's rows' partials
+    assert step_cost.link_bytes("ep combine reduce-scatter", payload, topo) == 3 * 1024
+    assert step_cost.link_bytes("ep dispatch all-gather", 1024, topo) == 3 * 1024
+    assert (
+        step_cost.link_bytes("ep all-reduce", payload, topo) == 2 * payload
+    )  # about 2 x 3/4 of it: the model counts 2
 
 
 def test_the_release_as_planned_runs_a_layer_in_one_execution(fused_plan):

@@ -11,10 +11,11 @@ position. A chunk's figures per rank are the decode step's model (compiler/step_
                      keys once (a chunk scores them in one matmul), the chunk's entries written
     FLOPs            `step_cost.step_flops` at T rows: the matmuls at the rank's shapes (rows that every
                      rank of a token group computes are counted on every rank), each row's attention
-                     over its keys, the index scores over the rank's keys, the head's rows; each part at
+                     over its keys, the index scores over the rank's keys, the head on the chunk's last
+                     row (`last_row_head`: what the runtime samples from); each part at
                      the peak of the dtype it runs in (`part_dtype`: float32 for the mixes, the router,
                      the compressor, the attention and the head; the activation dtype for the rest)
-    collectives      the decode step's (BundlePlan.per_step) at T rows of bytes
+    collectives      the decode step's (BundlePlan.per_step) at T rows of bytes, the logits' at one row
 
 and its time the decode step's lower bound: max(memory, compute) + latency terms. The time to first
 token (TTFT) is the sum over the chunks; nothing overlaps one chunk with the next.
@@ -173,17 +174,23 @@ class ChunkCost:
         return "compute" if self.compute_ms >= self.memory_ms else "memory"
 
 
+def last_row_head(flops: dict[str, int], rows: int) -> dict[str, int]:
+    """A chunk's FLOPs (`step_flops` at `rows` rows of one sequence) with the head on its last row
+    only: what the runtime runs where no request keeps every row's logits (runtime/schedule.py)."""
+    return {**flops, "head": flops["head"] // rows}
+
+
 def chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
     """One rank's prompt chunk of `rows` tokens (batch 1) at a `context`-position bucket."""
     spec = plan.spec
     figures = figures_of(plan)
     c, topo, act = spec.model.text, spec.topology, spec.dtype.itemsize
     per_step = plan.per_step
-    flops = step_flops(plan, rows, context)
+    flops = last_row_head(step_flops(plan, rows, context), rows)
     weights = sum(read_bytes(plan, rows).values())
     state = chunk_state_bytes(c, plan, rows, context, act)
     counts = per_step["collectives_by_name"]
-    sent, graph, link, timed = collective_terms(plan, per_step, rows, context)
+    sent, graph, link, timed = collective_terms(plan, per_step, rows, context, logit_rows=1)
     times = lower_bound(  # its memory and latency terms; compute below, each part at its dtype's peak
         figures,
         spec.config.model.dtype,
@@ -193,7 +200,7 @@ def chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
         in_graph=sum(k for name, k in graph.items() if name not in timed),
         link=link,
         on_host=sum(counts.values()) - sum(graph.values()),
-        host_device=rows * (2 * F32 + head_rows(c, topo) * F32),  # ids, positions in; the logits slice out
+        host_device=rows * 2 * F32 + head_rows(c, topo) * F32,  # ids, positions in; the last row's logits out
         timed_s=sum(timed.values()),
     )
     return timed_chunk(

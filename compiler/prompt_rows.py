@@ -10,9 +10,10 @@ Rank j of d (the token group: tp = 1, ep = cp = d) takes T / d consecutive rows 
                               the attention: every head of its rows over the window and the K
                               entries each selects (static K, as the replicated step gathers)
     every row                 the MoE site (its mixes, the router, the routed experts' slices at
-                              T rows, the shared expert), the engram and the head, as run_rows runs
-                              them on gathered rows; the index scores: its rows against every key
-                              (T / d x width), what the replicated step spends on T x width / cp
+                              T rows, the shared expert) and the engram, as run_rows runs them on
+                              gathered rows; the index scores: its rows against every key (T / d x
+                              width), what the replicated step spends on T x width / cp
+    the last row              the head (`prompt_cost.last_row_head`), after the rows' gather
     weights read              the plan's per kind at T rows, each attention kind's whole weights
                               (its rows twin) in place of its slices
     state                     the window ring read and every row written (each rank keeps the ring
@@ -21,7 +22,8 @@ Rank j of d (the token group: tp = 1, ep = cp = d) takes T / d consecutive rows 
     collectives               a layer's rows all-gather (packed float32 rows), a kv source's two
                               context all-gathers (its pages of the latents and the index keys), the
                               MoE's dispatch all-gather and combine reduce-scatter; the engram's and
-                              the head's rows all-gathers, the engram all-reduce, the logits'
+                              the head's rows all-gathers, the engram all-reduce, the logits' of
+                              the last row
 
 Every collective is counted inside the executables (trn2's place for them: `collective_s` each, and
 its bytes over the links).
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from deepinfer.compiler.prompt_cost import ChunkCost, timed_chunk, useful_flops
+from deepinfer.compiler.prompt_cost import ChunkCost, last_row_head, timed_chunk, useful_flops
 from deepinfer.compiler.step_cost import F32, LOGITS, curve_timed, figures_of, link_bytes, lower_bound, step_flops
 from deepinfer.compiler.step_reads import read_bytes, spec_bytes
 from deepinfer.regions.topology import head_rows
@@ -51,7 +53,7 @@ def divided_flops(plan: BundlePlan, rows: int, context: int) -> dict[str, int]:
     """One rank's FLOPs of a divided chunk, by part (the module's table)."""
     c = plan.spec.model.text
     own = own_rows(plan, rows)
-    flops = step_flops(plan, rows, context)
+    flops = last_row_head(step_flops(plan, rows, context), rows)
     mine = useful_flops(c, own)
     for part in ROW_PARTS:
         flops[part] = mine[part]
@@ -117,7 +119,7 @@ def divided_collectives(plan: BundlePlan, rows: int, context: int) -> dict[str, 
         add("ep dispatch all-gather", 1, own * (streams + 1))
         add("ep combine reduce-scatter", 1, rows * n * D * F32)
     add("rows all-gather", 1, own * streams)  # the head's rows
-    add(LOGITS, 1, rows * head_rows(c, topo) * F32)
+    add(LOGITS, 1, head_rows(c, topo) * F32)  # the head on the chunk's last row
     return {name: (calls, sent) for name, (calls, sent) in out.items()}
 
 
@@ -144,7 +146,7 @@ def divided_chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
         in_graph=sum(k for k, _ in untimed.values()),
         link=link,
         on_host=0,
-        host_device=own_rows(plan, rows) * 2 * F32 + rows * head_rows(spec.model.text, topo) * F32,
+        host_device=own_rows(plan, rows) * 2 * F32 + head_rows(spec.model.text, topo) * F32,
         timed_s=sum(timed.values()),
     )
     sent = sum(sent for _, sent in collectives.values())

@@ -139,9 +139,12 @@ def weight_bytes(plan: BundlePlan, batch: int) -> int:
     return sum(read_bytes(plan, batch).values())
 
 
-def collective_bytes(c: TextConfig, topo: Topology, batch: int, act_bytes: int, context: int) -> dict[str, int]:
+def collective_bytes(
+    c: TextConfig, topo: Topology, batch: int, act_bytes: int, context: int, logit_rows: int | None = None
+) -> dict[str, int]:
     """Bytes one rank sends a decode step, by collective (runtime/ranks.Comm's), summed over the
-    layers: `batch` sequences per token group at a `context`-position bucket.
+    layers: `batch` sequences per token group at a `context`-position bucket; `logit_rows` the rows
+    the head runs on where fewer (a prompt chunk's: one a sequence, its last).
 
         attention all-reduce     float32 partial streams [B, n, D] after every attention (its heads
                                  or output rows divided over the token group, tp * cp > 1)
@@ -166,7 +169,7 @@ def collective_bytes(c: TextConfig, topo: Topology, batch: int, act_bytes: int, 
     if topo.group_size > 1 and c.engram_layer_ids:
         out["engram all-reduce"] = len(c.engram_layer_ids) * batch * (n + 1) * D * F32
     if topo.world > 1:
-        out[LOGITS] = batch * head_rows(c, topo) * F32
+        out[LOGITS] = (batch if logit_rows is None else logit_rows) * head_rows(c, topo) * F32
     if topo.cp > 1:
         out.update(divided_merges(c, topo.tp, batch, act_bytes, context, cp=topo.cp))
     return out
@@ -238,15 +241,18 @@ def in_executables(counts: dict[str, int], n: int) -> dict[str, int]:
     return out
 
 
-def collective_terms(plan: BundlePlan, per_step: dict, rows: int, context: int) -> tuple[dict, dict, int, dict]:
-    """A step's collectives at `rows` token rows a token group and a `context` bucket: the bytes a rank
+def collective_terms(
+    plan: BundlePlan, per_step: dict, rows: int, context: int, logit_rows: int | None = None
+) -> tuple[dict, dict, int, dict]:
+    """A step's collectives at `rows` token rows a token group and a `context` bucket (the head on
+    `logit_rows` of them where given: `collective_bytes`): the bytes a rank
     sends by collective (`collective_bytes`), the calls the executables hold by collective
     (`in_executables`), the bytes those a measured curve does not time put on the rank's links
     (`link_bytes`), and the seconds of those it times by collective (`curve_timed`)."""
     spec = plan.spec
     c, topo = spec.model.text, spec.topology
     counts = per_step["collectives_by_name"]
-    sent = collective_bytes(c, topo, rows, spec.dtype.itemsize, context)
+    sent = collective_bytes(c, topo, rows, spec.dtype.itemsize, context, logit_rows)
     graph = in_executables(counts, per_step["collectives_in_executables"])
     timed = curve_timed(plan, {name: (k, sent[name] // counts[name]) for name, k in graph.items() if k})
     link = sum(link_bytes(name, sent[name] * k // counts[name], topo) for name, k in graph.items() if name not in timed)

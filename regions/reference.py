@@ -197,6 +197,7 @@ class EagerSteps:
         histories: Mapping[int, Sequence[int]],
         images: Mapping[int, ImageEmbeds | None],
         capture: Capture | None = None,
+        last_only: bool = False,
     ) -> list[Tensor]:
         m, (rows,) = self.model, rows_by_group
         T = max(len(ids) for _, ids, _ in rows)
@@ -212,6 +213,7 @@ class EagerSteps:
             hasher=m.hasher,
             pad=m.config.pad_token_id,
             dtype=m.dtype,
+            last_only=last_only,
         )
         h, pre = m.embed(batch.tokens, batch.is_image, batch.image_rows)
         logits = run_layers(m.plans, m.invoke, self.states, h, pre, batch, m.engram, capture)

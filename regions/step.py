@@ -66,6 +66,9 @@ class Batch:
     hashes: Tensor | None  # [B, T, engram_layers, hash_heads] int64
     is_image: Tensor  # [B, T] bool
     image_rows: Tensor | None = None  # [B, T, D]: the embeddings of image positions (vision tower)
+    # [B] int64: the one row of each sequence whose logits the step gives (its last fed row: what a
+    # prompt chunk samples from), the head run on those rows only; None: the head on every row
+    heads: Tensor | None = None
 
 
 class Merge(Protocol):
@@ -126,8 +129,17 @@ def run_layers(
         if capture is not None and p.layer in capture.layers:
             capture(p.layer, h, pre, batch.positions, batch.slots)
         h, pre, topk, cand = layer_regions(p, invoke, states[p.layer], h, pre, batch, topk, cand, merge)
-    (logits,) = invoke(-1, "head", h, pre)
+    (logits,) = invoke(-1, "head", *head_rows(h, pre, batch))
     return logits
+
+
+def head_rows(h: Tensor, pre: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
+    """The streams [B, T, ...] the head takes: every row, or each sequence's `batch.heads` row
+    ([B, 1, ...]: the head's T = 1 bucket) when the step wants one row of logits a sequence."""
+    if batch.heads is None:
+        return h, pre
+    b = torch.arange(h.shape[0])
+    return h[b, batch.heads].unsqueeze(1), pre[b, batch.heads].unsqueeze(1)
 
 
 def layer_regions(p: LayerPlan, invoke, st, h, pre, batch: Batch, topk, cand, merge: Merge | None = None):
@@ -220,7 +232,7 @@ def run_rows(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | N
         hs, ps, images = rows.dispatch(h, pre, batch.is_image[:, own])
         summed, pre = rows.combine(*invoke(p.layer, "moe", hs, ps, images, whole=False))
         h = summed.to(h.dtype)
-    (logits,) = invoke(-1, "head", rows.rows(h), rows.rows(pre))
+    (logits,) = invoke(-1, "head", *head_rows(rows.rows(h), rows.rows(pre), batch))
     return logits
 
 
@@ -288,7 +300,7 @@ def run_fused(
         out = invoke_layer(p.layer, values)
         h, pre = out["h"], out["pre"]
         carry.update({k: v for k, v in out.items() if k in ("topk", "cand")})
-    (logits,) = invoke(-1, "head", h, pre)
+    (logits,) = invoke(-1, "head", *head_rows(h, pre, batch))
     return logits
 
 

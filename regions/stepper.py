@@ -188,9 +188,11 @@ def make_batch(
     hasher,
     pad: int,
     dtype: torch.dtype,
+    last_only: bool = False,
 ) -> Batch:
     """A step's host metadata: row i of `rows` at batch row `places[i]` of a [B, T] step (others padding),
-    block tables `blocks` wide (the step's context bucket)."""
+    block tables `blocks` wide (the step's context bucket). `last_only`: the step's logits are each
+    sequence's last fed row only (`Batch.heads`)."""
     tokens = torch.full((B, T), pad, dtype=torch.int64)
     positions = torch.full((B, T), -1, dtype=torch.int64)
     slots = torch.zeros(B, dtype=torch.int64)
@@ -211,7 +213,12 @@ def make_batch(
     if hasher is not None:
         masks = engram_masks(with_images, list(range(B)))
         hashes = torch.from_numpy(hasher.step(row_histories, positions.numpy(), masks))
-    return Batch(tokens, positions, slots, table, hashes, is_image, image_rows)
+    heads = None
+    if last_only:
+        heads = torch.zeros(B, dtype=torch.int64)
+        for (_, ids, _), b in zip(rows, places):
+            heads[b] = len(ids) - 1
+    return Batch(tokens, positions, slots, table, hashes, is_image, image_rows, heads)
 
 
 class Stepper(Protocol):
@@ -258,8 +265,11 @@ class Stepper(Protocol):
         histories: Mapping[int, Sequence[int]],
         images: Mapping[int, ImageEmbeds | None],
         capture: Capture | None = None,
+        last_only: bool = False,
     ) -> list[Tensor]:
-        """One step -> each group's logits [B, T, V], batch row i for that group's rows[i].
+        """One step -> each group's logits [B, T, V], batch row i for that group's rows[i]; with
+        `last_only`, [B, 1, V]: each row's last fed token's only (what sampling needs), the head
+        run on those rows alone.
 
         `histories[seq]`: sequence seq's tokens so far (with this step's drafts), what engram hashes
         read; `images[seq]`: its prompt's image positions and rows, if any; `capture`: the drafter's,

@@ -98,9 +98,11 @@ class Stats:
             self.prompt_steps += 1
             self.prompt_tokens += real
 
-    def record_rows(self, shape: torch.Size) -> None:
-        """One execution of a step whose leading dims are `shape` [B, T]: counted where T > 1."""
-        if shape[1] > 1:
+    def record_rows(self, shape: torch.Size, step_tokens: int | None = None) -> None:
+        """One execution whose leading dims are `shape` [B, T], of a step of `step_tokens` tokens a
+        sequence (T unless given): counted where the step's are more than 1 (a prompt step; its head
+        may take one row a sequence)."""
+        if (step_tokens or shape[1]) > 1:
             self.prompt_executions += 1
             self.prompt_rows += shape[0] * shape[1]
 
@@ -224,7 +226,7 @@ class Executor:
         with several ranks (`Comm.gather_logits` makes them whole). `capture`: what the step writes
         for the draft (`capture`)."""
         start = time.perf_counter()
-        invoke = self.invoker(batch.block_table.shape[1], stats, on_call)
+        invoke = self.invoker(batch.block_table.shape[1], stats, on_call, step_tokens=batch.tokens.shape[1])
         own = self.own_rows(batch) if capture is None else None
         if own is not None:  # a prompt chunk divided by rows over the token group (regions/rows.py)
             assert self.comm is not None and self.host.embed is not None
@@ -273,6 +275,11 @@ class Executor:
         stats.record_step(batch, time.perf_counter() - start)
         return logits
 
+    def head_at(self, B: int, T: int) -> bool:
+        """Whether the bundle holds the head at batch B and T tokens."""
+        kind = self.bound[(-1, "head")][0]
+        return any(key[:4] == (kind, mf.DECODE, B, T) for key in self.executables)
+
     def own_rows(self, batch: Batch) -> slice | None:
         """This rank's rows of a prompt step divided by rows (a bundle with the `rows` twins, a step of
         several tokens a whole number of rows a rank, the host's embedding), else None."""
@@ -284,10 +291,16 @@ class Executor:
         return slice(c * n, (c + 1) * n)
 
     def invoker(
-        self, blocks: int, stats: Stats, on_call: OnCall | None, bound: Mapping[tuple[int, str], Binding] | None = None
+        self,
+        blocks: int,
+        stats: Stats,
+        on_call: OnCall | None,
+        bound: Mapping[tuple[int, str], Binding] | None = None,
+        step_tokens: int | None = None,
     ):
         """invoke(layer, slot, *inputs) for one step whose block tables are `blocks` wide (`bound`:
-        the bindings it looks (layer, slot) up in, the target's unless given)."""
+        the bindings it looks (layer, slot) up in, the target's unless given; `step_tokens`: the
+        step's tokens a sequence, for `Stats.record_rows`)."""
         executables, comm, context_methods = self.executables, self.comm, self.context_methods
         bound = self.bound if bound is None else bound
         reduced = self.reduced_in_graph
@@ -307,7 +320,7 @@ class Executor:
             t2 = time.perf_counter()
             name = kind if method == mf.DECODE else f"{kind}.{method}"
             stats.calls[name] += 1
-            stats.record_rows(inputs[0].shape)
+            stats.record_rows(inputs[0].shape, step_tokens)
             stats.seconds[name] += t2 - t1
             stats.overhead += t1 - t0
             # a region's streams leave `decode` (or the divided attention's last stage, `output`) as
@@ -398,14 +411,18 @@ class Steps:
         histories: Mapping[int, Sequence[int]],
         images: Mapping[int, ImageEmbeds | None],
         capture: Capture | None = None,
+        last_only: bool = False,
     ) -> list[Tensor]:
-        """One step of every token group, padded to the nearest bucket -> each group's logits. The
+        """One step of every token group, padded to the nearest bucket -> each group's logits (each
+        row's last only with `last_only`, where the head has that bucket: a prompt step then runs the
+        head on one row a sequence, not on the chunk's every row). The
         context bucket is the smallest whose block table holds the longest sequence after the step
         (its highest written position + 1), for every group alike. With `capture` (the bundle's
         drafter's) every rank runs its own compiled capture."""
         x, s = self.executor, self.executor.sizes
         B = bucket_at_least(list(s.batch_sizes), max(1, *(len(r) for r in rows_by_group)))
         T = bucket_at_least(list(s.token_sizes), max(len(ids) for rows in rows_by_group for _, ids, _ in rows))
+        last_only = last_only and T > 1 and x.head_at(B, 1)
         blocks = table_width(rows_by_group, s.block_size, list(s.context_blocks))
         batches = [
             make_batch(
@@ -420,6 +437,7 @@ class Steps:
                 hasher=x.host.hasher,
                 pad=x.config.pad_token_id,
                 dtype=x.dtype,
+                last_only=last_only,
             )
             for rows, alloc in zip(rows_by_group, allocs)
         ]

@@ -317,14 +317,21 @@ class Scheduler:
         images = {seq: r.request.image for seq, r in self.running.items() if r.request.image is not None}
         capture = self.drafter.capture if self.drafter is not None else None
         allowed = masks_of([r for r in picking if r.seq in self.running])
+        # each sequence samples from its last fed row: the head runs on that row alone unless a request
+        # keeps or is handed every row's logits, or verifies drafts
+        stepping = [self.running[seq].request for rows in rows_by_group for seq, _, _ in rows]
+        last_only = not drafted and not any(q.keep_logits or q.on_logits is not None for q in stepping)
         start = time.perf_counter()
-        out = self.stepper.run(rows_by_group, self.allocs, histories, images, capture)
+        out = self.stepper.run(rows_by_group, self.allocs, histories, images, capture, last_only=last_only)
         now = time.perf_counter()
         self.events.stepped(now - start)
         for rows, logits in zip(rows_by_group, out):
             for b, (seq, ids, first) in enumerate(rows):
-                r = self.running[seq]
-                self._commit(r, logits[b, : len(ids)].float(), first, drafted.get(seq, []), now, allowed.get(seq))
+                r, mine = self.running[seq], drafted.get(seq, [])
+                if last_only and logits.shape[1] < len(ids):  # the stepper ran it `last_only`
+                    self._commit(r, logits[b, :1].float(), first, mine, now, allowed.get(seq), last_of=len(ids))
+                else:
+                    self._commit(r, logits[b, : len(ids)].float(), first, mine, now, allowed.get(seq))
 
     def _record_fed(self, rows_by_group: list[list[Row]]) -> None:
         """Count a step's fed tokens, prompt and decode (`fed`, `Events.fed`)."""
@@ -342,13 +349,17 @@ class Scheduler:
         drafts: list[int],
         now: float,
         allowed: Tensor | None = None,
+        last_of: int | None = None,
     ) -> None:
         """One sequence's row of a step: logits [len(ids), V] of its fed tokens (its unfed committed
-        ones, then its drafts); `allowed` its constraint's mask [V] when it picks a token. The
-        positions of its committed tokens and accepted drafts are fed for good; what the rejected
+        ones, then its drafts), or with `last_of` (a step run `last_only`, no drafts) [1, V] of the
+        last of its `last_of` fed tokens; `allowed` its constraint's mask [V] when it picks a token.
+        The positions of its committed tokens and accepted drafts are fed for good; what the rejected
         drafts wrote is left in place (see `Scheduler`)."""
         out = r.out
-        fed = len(logits) - len(drafts)  # committed tokens fed this step
+        fed = len(logits) - len(drafts) if last_of is None else last_of  # committed tokens fed this step
+        first = start if last_of is None else start + fed - 1  # the position of logits' first row
+        assert last_of is None or not (drafts or r.request.keep_logits or r.request.on_logits), "every row wanted"
         caught_up = start + fed == len(out.tokens)
         choice, a = verify(logits, fed, drafts, caught_up)
         keep = fed + a  # rows whose input tokens are now committed
@@ -357,7 +368,7 @@ class Scheduler:
             self.events.drafts(len(drafts), a)
         finite = torch.isfinite(logits[:keep]).all(-1)
         if not bool(finite.all()):  # emitting argmax of NaN (token 0) would hide it
-            at = start + int((~finite).nonzero()[0, 0])
+            at = first + int((~finite).nonzero()[0, 0])
             self._finish(r, "error", f"non-finite logits (NaN or infinity) at position {at}, step {self.steps}")
             return
         self.events.prompt_tokens(max(0, min(start + fed, out.prompt_len) - start))
@@ -371,7 +382,7 @@ class Scheduler:
         if caught_up and r.request.max_tokens == 0:  # prompt scoring: the prompt has run
             self._finish(r, "length")
         elif caught_up:  # the accepted drafts, then the target's own token
-            last = logits[fed - 1 + a]
+            last = logits[fed - 1 + a - (first - start)]
             if allowed is not None and not bool(allowed.any()):
                 why = r.request.constraint.error() if r.request.constraint is not None else None
                 self._finish(r, "error", f"the grammar allows no token ({why or 'its matcher is stuck'})")

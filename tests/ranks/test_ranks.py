@@ -171,6 +171,21 @@ def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_r
     assert stats.prompt_rows_over_chunk < 1.0  # 0.64 here: the attention's work divided, not yet the rest
 
 
+def test_divided_rows_sample_from_each_sequences_last_row(rank_bundle, started_ranks, one_rank_long):
+    """Divided rows with no request keeping every row's logits: the head (after the rows' gather) takes
+    each sequence's last fed row, so every step's logits all-gather carries one row a sequence (the
+    T = 1 bucket's), not the chunk's 8; the tokens are the one-rank run's."""
+    m = manifest(rank_bundle(1, 4, 4, "divided"))
+    prompts = [*GOLDEN_PROMPTS, LONG]
+    run = started_ranks(1, 4, 4, "divided").generate(prompts, RunOptions(max_new_tokens=NEW, threads=1))
+    assert all(r.error is None for r in run) and [r.tokens for r in run] == [r.tokens for r in one_rank_long]
+    stats, rows = run.stats, 96  # a rank's block-padded share of the tiny vocabulary (288 over 4)
+    batch = max(s["batch"] for s in m["buckets"]["shapes"])
+    assert stats is not None and stats.prompt_steps >= 17
+    sent = run.sent[0]["logits all-gather"]  # every row would send stats.padded rows
+    assert sent <= stats.steps * batch * rows * 4 and sent <= (stats.padded - 7 * stats.prompt_steps) * rows * 4
+
+
 def _check_divided_pools(m: dict, pools: dict, cp: int) -> None:
     """Each rank allocated 1/cp of the token group's usable paged blocks and a scratch block, and every
     per-slot pool whole."""

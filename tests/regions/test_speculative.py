@@ -41,9 +41,9 @@ class Counting(EagerSteps):
     def steps(self) -> int:
         return len(self.rows)
 
-    def run(self, rows_by_group, *args):
+    def run(self, rows_by_group, *args, **kwargs):
         self.rows.append([(seq, list(ids), start) for seq, ids, start in rows_by_group[0]])
-        return super().run(rows_by_group, *args)
+        return super().run(rows_by_group, *args, **kwargs)
 
     def fed(self, seq: int) -> list[tuple[list[int], int]]:
         """Sequence `seq`'s steps in order: (its token ids, the position of the first)."""

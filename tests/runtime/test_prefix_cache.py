@@ -107,7 +107,7 @@ class SlotCounting(Counting):
         super().__init__(**kw)
         self.fed: dict[int, list[int]] = {}  # slot -> positions fed so far
 
-    def run(self, rows_by_group, allocs, histories, images, capture=None):
+    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False):
         for seq, ids, start in rows_by_group[0]:
             slot = allocs[0].slot_of[seq]
             if start == 0:
@@ -115,7 +115,7 @@ class SlotCounting(Counting):
             fed = self.fed[slot]
             assert fed == list(range(start)), (seq, start, fed)  # the slot's state is this sequence's
             fed.extend(range(start, start + len(ids)))
-        return super().run(rows_by_group, allocs, histories, images, capture)
+        return super().run(rows_by_group, allocs, histories, images, capture, last_only)
 
     def save_slot(self, group, slot):
         return list(self.fed[slot])

@@ -229,6 +229,29 @@ def test_prompt_rows_are_counted_per_execution(run_exported_bundle, loaded):
     assert s.prompt_rows_over_chunk == pytest.approx((22 / 3) / (20 / 3))
 
 
+def test_a_prompt_chunk_runs_the_head_on_its_last_row_only(run_exported_bundle, loaded):
+    """Without a request that keeps every row's logits, each step runs the head on one row a sequence
+    (its T = 1 bucket): the last fed row, what sampling reads. The tokens are those of the run that
+    keeps every row; a prompt step's executions take its bucket's rows, the head one."""
+    session = loaded(run_exported_bundle)
+    prompt = [[0] + [5 + i for i in range(19)]]
+    every = run(session, prompt, 4)
+    heads: list[tuple[int, int]] = []
+
+    def on_call(layer, slot, kind, inputs, call):
+        if slot == "head":
+            heads.append(tuple(inputs[0].shape[:2]))
+        return call()
+
+    last = generate_loaded(session, prompt, RunOptions(max_new_tokens=4), on_call=on_call)
+    assert last[0].error is None and last[0].tokens == every[0].tokens
+    # three prompt steps (buckets 8, 8, 6), the first token from the last; then a decode step a token
+    assert heads == [(1, 1)] * (3 + len(last[0].generated) - 1)
+    s = last.stats
+    per_step = s.prompt_executions // 3
+    assert s.prompt_rows == (per_step - 1) * (8 + 8 + 6) + 3
+
+
 def _table_widths(session):
     """(an on_call hook recording, per call of a kind built per context bucket, its block table's width;
     the widths it records)."""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer.bundles.topology import Topology
+from deepinfer.regions.config import load_config
 from deepinfer.regions.tokenizer import ByteTokenizer
 from deepinfer.runtime import RunOptions, generate, load
 from deepinfer.runtime.ranks import Comm, init
@@ -136,20 +137,24 @@ def test_a_token_budget_at_cp_ep_4_keeps_the_one_rank_tokens(started_ranks, one_
     assert steps.prompt == sum(len(p) for p in prompts) and set(stats.by_tokens) <= {1, 8}
 
 
-def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_ranks, one_rank_long):
+def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_ranks, one_rank_long, tiny_ckpt):
     """[prompt] rows = "divided" (issue 41 item 2): each of the four ranks takes a quarter of every prompt
     chunk's rows through every layer (the attention as its `rows` twin's stages, the MoE dispatched over
     the ranks' rows), on the golden prompts and a prompt of 17 chunks; the tokens are the one-rank run's
-    and the logits within 1e-4. The executor's row count is exactly the plan's: the attention's stages a
-    quarter of the chunk; a kv source's pooling (`rows_write`), the engram, the MoE (every rank's rows, a
-    quarter of each expert's columns) and the head every row."""
+    and the logits within 1e-4. The executor's row count is exactly the plan's: the attention's stages and
+    the MoE's site and expand (`moe_in`, `moe_out`) a quarter of the chunk; a kv source's pooling
+    (`rows_write`), the engram, the MoE's experts (`moe_experts`: every row, a quarter of each expert's
+    columns) and the head every row. The MoE's dispatch sends a rank's rows' x and routing, its combine
+    every row's D-wide float32 partial."""
     m = manifest(rank_bundle(1, 4, 4, "divided"))
     twins = {e["kind"] for e in m["regions"] if e["kind"].startswith("rows_")}
     assert twins and all(e["bucket"]["tokens"] == 8 for e in m["regions"] if e["kind"] in twins)
-    assert {(e["bucket"]["batch"], e["bucket"]["tokens"]) for e in m["regions"] if e["kind"] == "moe"} == {
-        (1, 1),
-        (1, 8),
-        (4, 2),
+    assert {(e["method"], e["bucket"]["batch"], e["bucket"]["tokens"]) for e in m["regions"] if e["kind"] == "moe"} == {
+        ("decode", 1, 1),
+        ("decode", 1, 8),
+        ("moe_in", 1, 8),
+        ("moe_experts", 1, 8),
+        ("moe_out", 1, 8),
     }
     prompts = [*GOLDEN_PROMPTS, LONG]
     run = started_ranks(1, 4, 4, "divided").generate(
@@ -165,10 +170,16 @@ def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_r
     layers = m["layers"]
     sources = sum(1 for lay in layers if lay["attn"] == "source")
     engrams = sum(1 for lay in layers if lay["engram"])
-    per_step = [n, n, T] * len(layers) + [T] * sources + [T, T] * engrams + [T]  # the head last
+    # rows_in, rows_attend, moe_in, moe_experts, moe_out a layer; rows_write, the engram's kv and mix, the head
+    per_step = [n, n, n, T, n] * len(layers) + [T] * sources + [T, T] * engrams + [T]
     assert stats.prompt_executions == stats.prompt_steps * len(per_step)
     assert stats.prompt_rows == stats.prompt_steps * sum(per_step)
-    assert stats.prompt_rows_over_chunk < 1.0  # 0.64 here: the attention's work divided, not yet the rest
+    assert stats.prompt_rows_over_chunk < 0.5  # 0.627 with the MoE's site on every row
+    text = load_config(tiny_ckpt).text
+    D, k = text.hidden_size, text.num_experts_per_tok
+    for rank, sent in run.sent.items():  # every prompt step, every layer: a rank's rows out, every row back
+        assert sent["ep dispatch all-gather"] == stats.prompt_steps * len(layers) * n * (D * 4 + k * (4 + 8)), rank
+        assert sent["ep combine reduce-scatter"] == stats.prompt_steps * len(layers) * T * D * 4, rank
 
 
 def _check_divided_pools(m: dict, pools: dict, cp: int) -> None:

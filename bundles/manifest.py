@@ -36,6 +36,10 @@ DECODE = "decode"
 PROJECT = "project"
 ROWS_PREFIX = "rows_"  # an attention kind's twin for prompt chunks divided by rows (regions/rows.py)
 ROWS_SLOT = "rows"  # the slot a layer's twin is bound at
+# the MoE's methods in a prompt chunk divided by rows (regions/moe.py): the site on a rank's rows, the
+# experts on every row, the expand on a rank's rows again
+MOE_IN, MOE_EXPERTS, MOE_OUT = "moe_in", "moe_experts", "moe_out"
+MOE_ROWS = (MOE_IN, MOE_EXPERTS, MOE_OUT)
 ROLES = ("rank", "weight", "activation", "step", "state", "carry")
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "int64", "int32", "uint8", "int8", "bool")
 ModelDtype = Literal["fp32", "bf16"]  # the dtype a bundle computes in

@@ -15,6 +15,7 @@ from deepinfer.bundles.manifest import (
     DECODE,
     DTYPE_NAMES,
     KV,
+    MOE_ROWS,
     PROJECT,
     ROLES,
     ROWS_PREFIX,
@@ -195,10 +196,9 @@ def _check_coverage(m: Manifest) -> None:
         mine = [e for e in m.regions if (e.kind, e.method) == (kind, method)]
         contexts = [None] if mine[0].bucket.context is None else b.context_sizes
         what = f"kind {kind!r}" + ("" if method == DECODE else f" ({method})")
-        # a rows twin at the prompt buckets only; with one, the MoE also at each prompt bucket's gathered rows
-        shapes = prompts if kind.startswith(ROWS_PREFIX) else list(every)
-        if rows > 1 and kind == "moe":
-            shapes += [s for n, t in prompts if (s := (n * rows, t // rows)) not in every]
+        # a rows twin at the prompt buckets only; with one, the MoE's divided methods too (keyed by the chunk)
+        divided = kind.startswith(ROWS_PREFIX) or (rows > 1 and kind == "moe" and method in MOE_ROWS)
+        shapes = prompts if divided else list(every)
         for c in contexts:
             at = [e for e in mine if e.bucket.context == c]
             _need(

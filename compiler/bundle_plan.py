@@ -199,14 +199,15 @@ class BundlePlan:
 
     @property
     def moe_scratch(self) -> dict[int, int]:
-        """batch -> scratch of the MoE graph at the largest tokens bucket (from the traced graphs)."""
+        """batch -> scratch of the MoE graph (`decode`: not a divided prompt's methods) at the largest
+        tokens bucket (from the traced graphs)."""
         if self.scratch is None:
             return {}
         t = max(e[3] for e in self.executables if e[0] == MOE)
         return {
             e[2]: self.scratch[layout.executable_name(*e)]
             for e in self.executables
-            if e[0] == MOE and e[3] == t and layout.executable_name(*e) in self.scratch
+            if e[:2] == (MOE, DECODE) and e[3] == t and layout.executable_name(*e) in self.scratch
         }
 
     @property

@@ -6,13 +6,14 @@ design would cost there, beside the replicated chunks `prompt_cost` models from 
 Rank j of d (the token group: tp = 1, ep = cp = d) takes T / d consecutive rows of a T-token chunk:
 
     own rows, whole weights   the attention site's mixes, the projections, the compressor's and the
-                              indexer's (`ROW_PARTS`: the model's arithmetic for T / d tokens), and
-                              the attention: every head of its rows over the window and the K
-                              entries each selects (static K, as the replicated step gathers)
-    every row                 the MoE site (its mixes, the router, the routed experts' slices at
-                              T rows, the shared expert) and the engram, as run_rows runs them on
-                              gathered rows; the index scores: its rows against every key (T / d x
-                              width), what the replicated step spends on T x width / cp
+                              indexer's, the MoE site's mixes and the router (`moe_in`; `ROW_PARTS`:
+                              the model's arithmetic for T / d tokens), and the attention: every head
+                              of its rows over the window and the K entries each selects (static K,
+                              as the replicated step gathers)
+    every row                 the routed experts' slices at T rows and the shared expert's slice
+                              (`moe_experts`) and the engram, as run_rows runs them on gathered rows;
+                              the index scores: its rows against every key (T / d x width), what the
+                              replicated step spends on T x width / cp
     the last row              the head (`prompt_cost.last_row_head`), after the rows' gather
     weights read              the plan's per kind at T rows, each attention kind's whole weights
                               (its rows twin) in place of its slices
@@ -21,9 +22,10 @@ Rank j of d (the token group: tp = 1, ep = cp = d) takes T / d consecutive rows 
                               pages), its own entries written and the whole context joined
     collectives               a layer's rows all-gather (packed float32 rows), a kv source's two
                               context all-gathers (its pages of the latents and the index keys), the
-                              MoE's dispatch all-gather and combine reduce-scatter; the engram's and
-                              the head's rows all-gathers, the engram all-reduce, the logits' of
-                              the last row
+                              MoE's dispatch all-gather (its rows' x and routing: D x act + k x
+                              (4 + 8) bytes a row) and combine reduce-scatter (every row's D-wide
+                              float32 partial); the engram's and the head's rows all-gathers, the
+                              engram all-reduce, the logits' of the last row
 
 Every collective is counted inside the executables (trn2's place for them: `collective_s` each, and
 its bytes over the links).
@@ -41,7 +43,16 @@ from deepinfer.regions.topology import head_rows
 if TYPE_CHECKING:
     from deepinfer.compiler.bundle_plan import BundlePlan
 
-ROW_PARTS = ("mixes, attention site", "attention projections", "compressor", "indexer queries")
+ROW_PARTS = (
+    "mixes, attention site",
+    "attention projections",
+    "compressor",
+    "indexer queries",
+    "mixes, moe site",
+    "router",
+)
+# a rank's row of the MoE's dispatch: x in the activation dtype, its k weights (float32) and experts (int64)
+EXPERT_ID = 8
 
 
 def own_rows(plan: BundlePlan, rows: int) -> int:
@@ -101,6 +112,7 @@ def divided_collectives(plan: BundlePlan, rows: int, context: int) -> dict[str, 
     c, topo, act = plan.spec.model.text, plan.spec.topology, plan.spec.dtype.itemsize
     own, n, D, hd, di = own_rows(plan, rows), c.hc_mult, c.hidden_size, c.head_dim, c.index_head_dim
     streams = n * (D * act + F32)  # a row of h and pre
+    routed = D * act + c.num_experts_per_tok * (F32 + EXPERT_ID)  # a row of x and its routing
     out: dict[str, list[int]] = {}
 
     def add(name: str, calls: int, sent: int) -> None:
@@ -116,8 +128,8 @@ def divided_collectives(plan: BundlePlan, rows: int, context: int) -> dict[str, 
         if p.engram_rows:
             add("rows all-gather", 1, own * streams)
             add("engram all-reduce", 1, rows * (n + 1) * D * F32)
-        add("ep dispatch all-gather", 1, own * (streams + 1))
-        add("ep combine reduce-scatter", 1, rows * n * D * F32)
+        add("ep dispatch all-gather", 1, own * routed)
+        add("ep combine reduce-scatter", 1, rows * D * F32)
     add("rows all-gather", 1, own * streams)  # the head's rows
     add(LOGITS, 1, head_rows(c, topo) * F32)  # the head on the chunk's last row
     return {name: (calls, sent) for name, (calls, sent) in out.items()}
@@ -135,7 +147,8 @@ def divided_chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
     untimed = {name: kc for name, kc in collectives.items() if name not in timed}
     link = sum(link_bytes(name, sent // calls, topo) * calls for name, (calls, sent) in untimed.items())
     layers = plan.regions.layers
-    executions = 2 + sum(3 + (p.attn == "source") + 2 * (p.engram_rows > 0) for p in layers)
+    # a layer: rows_in, rows_attend, moe_in, moe_experts, moe_out (+ rows_write, the engram's kv and mix)
+    executions = 2 + sum(5 + (p.attn == "source") + 2 * (p.engram_rows > 0) for p in layers)
     calls = sum(k for k, _ in collectives.values())
     times = lower_bound(
         figures,

@@ -15,6 +15,13 @@ tile's expert slice (`moe_tiled`, an HLO gather of `tiles_bound` slices, each co
 its tile's rows: about twice the useful rows, not the expert count's 64 times as every
 slice over every row would). Each expert and the fp8 shared expert is a clamped SwiGLU;
 routed outputs accumulate in float32.
+
+A prompt chunk divided by rows over the token group (`[prompt] rows = "divided"`, regions/rows.py)
+runs the region as three methods, the runtime's collectives between them (regions/step.run_rows):
+`moe_in` on the rank's own rows (the mixes, ffn_norm, the router: x and its routing), one all-gather
+of every rank's (x, weights, experts), `moe_experts` on every row of the chunk (this rank's expert
+slices and shared slice: a float32 partial [T, D]), one reduce-scatter of the partials to each rank's
+rows, summed, and `moe_out` on the rank's rows (hc_expand with the whole streams as residual).
 """
 
 from __future__ import annotations
@@ -85,6 +92,7 @@ class MoE(Region):
         super().__init__(moe_specs(c, topo), dtype)
         self.c = c
         self.ep = topo.ep
+        self.group = topo.group_size  # a divided prompt chunk's ranks (`moe_in`, `moe_out`: T / group rows)
 
     def output_names(self) -> list[str]:
         return ["h", "pre"]
@@ -156,19 +164,86 @@ class MoE(Region):
         a = ops.swiglu(g, u, None, self.c.swiglu_limit)
         return ops.blockquant_gemm(a, self.sw2, self.sw2_s, self.fp8)
 
-    def decode(self, h: Tensor, pre: Tensor, is_image: Tensor):
-        """h [B, T, n, D], pre [B, T, n] (the attention site's), is_image [B, T] bool -> (h, pre)."""
+    def _site(self, h: Tensor, pre: Tensor, is_image: Tensor):
+        """The site's mixes, its input x [B, T, D] and the routing of its rows -> (pre_f, post, comb, x,
+        weights [B * T, k] f32, experts [B * T, k])."""
         c = self.c
         pre_f, post, comb = ops.hc_mixes(
             h, self.hc_fn, self.hc_base, self.hc_scale, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters
         )
         x = ops.rmsnorm(ops.hc_collapse(h, pre), self.ffn_norm, c.rms_norm_eps)  # [B, T, D]
-        xf = x.flatten(0, 1)  # [N, D]
         bias = torch.where(is_image.flatten().unsqueeze(-1), self.gate_bias_vl, self.gate_bias)
-        weights, experts = route(xf, self.gate, bias, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
+        k = c.num_experts_per_tok
+        weights, experts = route(x.flatten(0, 1), self.gate, bias, k, c.norm_topk_prob, c.routed_scaling_factor)
+        return pre_f, post, comb, x, weights, experts
+
+    def _partial(self, xf: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """Rows xf [N, D] through this rank's expert slices and shared slice -> its partial [N, D] f32."""
+        return self.routed(xf, weights, experts) + self.shared(xf).float()
+
+    def decode(self, h: Tensor, pre: Tensor, is_image: Tensor):
+        """h [B, T, n, D], pre [B, T, n] (the attention site's), is_image [B, T] bool -> (h, pre)."""
+        pre_f, post, comb, x, weights, experts = self._site(h, pre, is_image)
+        xf = x.flatten(0, 1)  # [N, D]
         if self.ep == 1:
             out = (self.routed(xf, weights, experts).to(x.dtype) + self.shared(xf)).view_as(x)
             return ops.hc_expand(out, h, post, comb), pre_f
-        out = (self.routed(xf, weights, experts) + self.shared(xf).float()).view(x.shape)  # [B, T, D] f32
+        out = self._partial(xf, weights, experts).view(x.shape)  # [B, T, D] f32
         lead = (self.rank == 0).to(torch.float32)
         return ops.hc_expand(out, h.float() * lead, post, comb), pre_f
+
+    # -- a prompt chunk divided by rows over the token group (regions/rows.py, regions/step.run_rows) --
+    # `moe_in` and `moe_out` on this rank's T / group rows of a T-row chunk (their executables keyed
+    # by the chunk's T, as the rows twin's stages are), `moe_experts` on every row of it.
+
+    def _own(self, B: int, T: int) -> tuple[int, int]:
+        return B, T // self.group
+
+    def moe_in_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        return self.input_specs(*self._own(B, T), g)
+
+    def moe_in_outputs(self) -> list[str]:
+        return ["x", "weights", "experts", "post", "comb", "pre"]
+
+    def moe_in(self, h: Tensor, pre: Tensor, is_image: Tensor):
+        """This rank's rows h [B, t, n, D], pre [B, t, n], is_image [B, t] -> the site's input x [B, t, D],
+        its routing (weights [B, t, k] f32, experts [B, t, k]), the mixes post, comb and the site's pre."""
+        pre_f, post, comb, x, weights, experts = self._site(h, pre, is_image)
+        k = self.c.num_experts_per_tok
+        return x, weights.view(*x.shape[:2], k), experts.view(*x.shape[:2], k), post, comb, pre_f
+
+    def moe_experts_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        c, k = self.c, self.c.num_experts_per_tok
+        return [
+            InputSpec("x", (B, T, c.hidden_size), self.dtype, "activation"),
+            InputSpec("weights", (B, T, k), torch.float32, "activation"),
+            InputSpec("experts", (B, T, k), torch.int64, "activation"),
+        ]
+
+    def moe_experts_outputs(self) -> list[str]:
+        return ["partial"]
+
+    def moe_experts(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """Every row of the chunk (x [B, T, D], its routing [B, T, k]) through this rank's expert slices
+        and shared slice -> its partial [B, T, D] float32 (D wide: the streams stay on their rank)."""
+        xf = x.flatten(0, 1)
+        return self._partial(xf, weights.flatten(0, 1), experts.flatten(0, 1)).view(x.shape)
+
+    def moe_out_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        c, f32 = self.c, torch.float32
+        B, t = self._own(B, T)
+        n, D = c.hc_mult, c.hidden_size
+        return [
+            InputSpec("out", (B, t, D), f32, "activation"),
+            InputSpec("h", (B, t, n, D), self.dtype, "activation"),
+            InputSpec("post", (B, t, n), f32, "activation"),
+            InputSpec("comb", (B, t, n, n), f32, "activation"),
+        ]
+
+    def moe_out_outputs(self) -> list[str]:
+        return ["h"]
+
+    def moe_out(self, out: Tensor, h: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+        """This rank's rows: out [B, t, D] the partials summed over the ranks (float32), the streams h and
+        the site's mixes -> h expanded (float32, then h's dtype, as decode's partials summed are)."""
+        return ops.hc_expand(out, h.float(), post, comb).to(h.dtype)

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from deepinfer.bundles.manifest import MOE_EXPERTS, MOE_IN, MOE_OUT
 from deepinfer.errors import TensorFileError
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.topology import ENGRAM_KV, ENGRAM_MIX
@@ -177,20 +178,22 @@ class Rows(Protocol):
         """Each of this rank's pages [B, L, C] -> every rank's [d, B, L, C]."""
         ...
 
-    def dispatch(self, h: Tensor, pre: Tensor, is_image: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """This rank's rows -> every rank's, stacked along the batch (the MoE's experts are divided)."""
+    def routes(self, x: Tensor, weights: Tensor, experts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's rows' MoE inputs and routing [B, n, ...] -> the chunk's [B, n * d, ...] (the MoE's
+        experts are divided over the ranks), one collective."""
         ...
 
-    def combine(self, h: Tensor, pre: Tensor) -> tuple[Tensor, Tensor]:
-        """The MoE's partial streams over every rank's rows -> this rank's rows, summed over the ranks
-        (float32), and their pre."""
+    def combine(self, partial: Tensor) -> Tensor:
+        """The MoE's float32 partials [B, n * d, D] over every row -> this rank's rows [B, n, D], summed
+        over the ranks."""
         ...
 
 
 def run_rows(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | None, rows: Rows, own: slice) -> Tensor:
     """A prompt step whose chunk's rows are divided over a token group (regions/rows.py): h, pre are this
     rank's rows `own` of the chunk; each layer's attention runs as its `rows` twin's stages with the
-    gathers between them, the MoE on every rank's rows dispatched to its experts and combined back;
+    gathers between them, the MoE's site and expand on its rows (`moe_in`, `moe_out`) and its experts
+    on every row (`moe_experts`: the rows' inputs and routing gathered, the partials reduce-scattered back);
     an engram layer and the head see the chunk's every row (gathered) -> logits [B, T, rows], as
     `run_layers`'."""
     T = batch.positions.shape[1]
@@ -229,9 +232,11 @@ def run_rows(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | N
             carry["topk"] = out[2]
         if p.candidate_source:
             carry["cand"] = out[3]
-        hs, ps, images = rows.dispatch(h, pre, batch.is_image[:, own])
-        summed, pre = rows.combine(*invoke(p.layer, "moe", hs, ps, images, whole=False))
-        h = summed.to(h.dtype)
+        x, weights, experts, post, comb, pre = invoke(
+            p.layer, "moe", h, pre, batch.is_image[:, own], method=MOE_IN, chunk=T
+        )
+        (partial,) = invoke(p.layer, "moe", *rows.routes(x, weights, experts), method=MOE_EXPERTS)
+        (h,) = invoke(p.layer, "moe", rows.combine(partial), h, post, comb, method=MOE_OUT, chunk=T)
     (logits,) = invoke(-1, "head", *head_rows(rows.rows(h), rows.rows(pre), batch))
     return logits
 

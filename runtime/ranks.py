@@ -11,7 +11,10 @@ sent and never sample. Collectives (regions/topology.py for the layout):
                         over cp, one all-gather of the ranks' query rows after `query`
     MoE, ep > 1         tokens replicated in the EP group: one all-reduce of the float32
                         partials; otherwise dispatch = one all-gather of packed uint8 rows
-                        (h, pre, is_image as bytes) and combine = one float32 reduce-scatter
+                        (h, pre, is_image as bytes) and combine = one float32 reduce-scatter;
+                        a prompt chunk divided by rows: dispatch = one all-gather of each rank's
+                        rows' x and routing (`routes`), combine = one reduce-scatter of the
+                        D-wide float32 partials to each rank's rows
     engram, tp * cp > 1 all-reduce of the float32 partial keys and value over the token group
                         (its projection's input columns divided over the group), mid-region
     head                one all-gather of every rank's logits slice [B, T, rows] (the head is
@@ -153,17 +156,36 @@ class Comm:
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows [B, n, ...] -> the chunk's [B, cp * n, ...], one all-gather."""
-        (got,) = self._cp_gather((t,), "rows all-gather")
+        return self.rows_named(t, "rows all-gather")
+
+    def rows_named(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """`rows`, its bytes counted under `name`."""
+        (got,) = self._cp_gather((t,), name)
         return torch.cat(got.unbind(0), 1)
 
     def pages(self, *parts: torch.Tensor) -> list[torch.Tensor]:
         """This rank's pages of a kv source's context -> every rank's [cp, ...], one all-gather each."""
         return self._cp_gather(parts, "rows context all-gather")
 
-    def combine(self, h: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MoE's float32 partial streams over every rank's rows -> this rank's (float32), reduce-scattered."""
-        B = h.shape[0] // self.world
-        return self._reduce_scatter(h), pre[self.rank * B : (self.rank + 1) * B]
+    def combine(self, partial: torch.Tensor) -> torch.Tensor:
+        """The MoE's float32 partials [B, T, D] over every row of the chunk -> this rank's rows [B, T / cp, D],
+        summed over the ranks: one reduce-scatter (the rows put rank-major first)."""
+        B, T = partial.shape[:2]
+        by_rank = partial.unflatten(1, (self.world, T // self.world)).movedim(1, 0)  # [world, B, T / world, D]
+        return self._reduce_scatter(by_rank.flatten(0, 1))
+
+    def routes(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor):
+        """Every rank's rows of the MoE's input x [B, n, D] and routing (weights [B, n, k] float32,
+        experts [B, n, k]) -> the chunk's [B, cp * n, ...]: one all-gather of the rows packed as bytes."""
+        parts = (x, weights, experts)
+        widths = [t.shape[-1] * t.element_size() for t in parts]
+        packed = torch.cat([t.contiguous().view(torch.uint8) for t in parts], -1)  # [B, n, bytes]
+        rows = self.rows_named(packed, "ep dispatch all-gather")
+        out, at = [], 0
+        for t, width in zip(parts, widths):
+            out.append(rows[..., at : at + width].contiguous().view(t.dtype))
+            at += width
+        return tuple(out)
 
     def dispatch(self, h: torch.Tensor, pre: torch.Tensor, is_image: torch.Tensor):
         """Every rank's (h, pre, is_image) rows, gathered with one all-gather of packed bytes."""

@@ -48,11 +48,15 @@ def test_the_row_parts_are_a_rank_s_share_of_the_prompt(divided):
 
 
 def test_what_still_takes_every_row_costs_what_the_replicated_chunk_does(plan, divided):
-    """The MoE site, the engram and the head run on the gathered rows (regions/step.run_rows), so they
-    cost a rank what they cost it replicated; the index scores (a rank's rows against every key) what
-    the replicated chunk spends on every row against its 1/64 of the keys."""
+    """The MoE's experts (`moe_experts`), the engram and the head run on the gathered rows
+    (regions/step.run_rows), so they cost a rank what they cost it replicated; the index scores (a rank's
+    rows against every key) what the replicated chunk spends on every row against its 1/64 of the keys.
+    The MoE site's mixes and router run on a rank's own rows (`moe_in`: `ROW_PARTS`)."""
     replicated = prompt_cost.prompt_cost(plan, L, T)
-    for part in ("mixes, moe site", "router", "routed experts", "shared expert", "engram", "head", "index scores"):
+    assert {"mixes, moe site", "router"} <= set(prompt_rows.ROW_PARTS)
+    for part in ("mixes, moe site", "router"):
+        assert divided.flops_by_part[part] * WORLD == replicated.flops_by_part[part], part
+    for part in ("routed experts", "shared expert", "engram", "head", "index scores"):
         assert divided.flops_by_part[part] == replicated.flops_by_part[part], part
     assert divided.ttft_ms < replicated.ttft_ms / 4
 
@@ -71,15 +75,17 @@ def test_a_divided_chunk_reads_the_whole_attention_weights(plan, whole):
 
 def test_a_rank_sends_its_rows_and_the_moe_s_partials(plan, whole):
     """Per layer a rank sends its rows' packed float32 row (the width the rows twin of the layer's
-    whole attention packs), its rows to the MoE's dispatch and every row's float32 partial streams to
-    the combine; the head's rows once."""
+    whole attention packs), its rows' MoE input x and routing (k float32 weights, k int64 experts) to
+    the MoE's dispatch and every row's D-wide float32 partial to the combine; the head's rows once."""
     from deepinfer.regions.rows import rows_twin
 
     c = plan.spec.model.text
     sent = prompt_rows.divided_collectives(plan, T, L)
     own, layers = T // WORLD, c.num_hidden_layers
     assert sent["ep dispatch all-gather"][0] == sent["ep combine reduce-scatter"][0] == layers
-    assert sent["ep combine reduce-scatter"][1] == layers * T * c.hc_mult * c.hidden_size * step_cost.F32
+    assert sent["ep combine reduce-scatter"][1] == layers * T * c.hidden_size * step_cost.F32
+    act, k = plan.spec.dtype.itemsize, c.num_experts_per_tok
+    assert sent["ep dispatch all-gather"][1] == layers * own * (c.hidden_size * act + k * (4 + 8))
     packed = 0
     for p in whole.regions.layers:
         region = whole.regions.kinds[whole.regions.bindings[p.layer]["attn"][0]].region

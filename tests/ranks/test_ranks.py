@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer.bundles.topology import Topology
+from deepinfer.regions.config import load_config
 from deepinfer.regions.tokenizer import ByteTokenizer
 from deepinfer.runtime import RunOptions, generate, load
 from deepinfer.runtime.ranks import Comm, init
@@ -136,20 +137,24 @@ def test_a_token_budget_at_cp_ep_4_keeps_the_one_rank_tokens(started_ranks, one_
     assert steps.prompt == sum(len(p) for p in prompts) and set(stats.by_tokens) <= {1, 8}
 
 
-def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_ranks, one_rank_long):
+def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_ranks, one_rank_long, tiny_ckpt):
     """[prompt] rows = "divided" (issue 41 item 2): each of the four ranks takes a quarter of every prompt
     chunk's rows through every layer (the attention as its `rows` twin's stages, the MoE dispatched over
     the ranks' rows), on the golden prompts and a prompt of 17 chunks; the tokens are the one-rank run's
-    and the logits within 1e-4. The executor's row count is exactly the plan's: the attention's stages a
-    quarter of the chunk; a kv source's pooling (`rows_write`), the engram, the MoE (every rank's rows, a
-    quarter of each expert's columns) and the head every row."""
+    and the logits within 1e-4. The executor's row count is exactly the plan's: the attention's stages and
+    the MoE's site and expand (`moe_in`, `moe_out`) a quarter of the chunk; a kv source's pooling
+    (`rows_write`), the engram, the MoE's experts (`moe_experts`: every row, a quarter of each expert's
+    columns) and the head every row. The MoE's dispatch sends a rank's rows' x and routing, its combine
+    every row's D-wide float32 partial."""
     m = manifest(rank_bundle(1, 4, 4, "divided"))
     twins = {e["kind"] for e in m["regions"] if e["kind"].startswith("rows_")}
     assert twins and all(e["bucket"]["tokens"] == 8 for e in m["regions"] if e["kind"] in twins)
-    assert {(e["bucket"]["batch"], e["bucket"]["tokens"]) for e in m["regions"] if e["kind"] == "moe"} == {
-        (1, 1),
-        (1, 8),
-        (4, 2),
+    assert {(e["method"], e["bucket"]["batch"], e["bucket"]["tokens"]) for e in m["regions"] if e["kind"] == "moe"} == {
+        ("decode", 1, 1),
+        ("decode", 1, 8),
+        ("moe_in", 1, 8),
+        ("moe_experts", 1, 8),
+        ("moe_out", 1, 8),
     }
     prompts = [*GOLDEN_PROMPTS, LONG]
     run = started_ranks(1, 4, 4, "divided").generate(
@@ -165,10 +170,16 @@ def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_r
     layers = m["layers"]
     sources = sum(1 for lay in layers if lay["attn"] == "source")
     engrams = sum(1 for lay in layers if lay["engram"])
-    per_step = [n, n, T] * len(layers) + [T] * sources + [T, T] * engrams + [T]  # the head last
+    # rows_in, rows_attend, moe_in, moe_experts, moe_out a layer; rows_write, the engram's kv and mix, the head
+    per_step = [n, n, n, T, n] * len(layers) + [T] * sources + [T, T] * engrams + [T]
     assert stats.prompt_executions == stats.prompt_steps * len(per_step)
     assert stats.prompt_rows == stats.prompt_steps * sum(per_step)
-    assert stats.prompt_rows_over_chunk < 1.0  # 0.64 here: the attention's work divided, not yet the rest
+    assert stats.prompt_rows_over_chunk < 0.55  # 0.509 here (0.627 with the MoE's site on every row)
+    text = load_config(tiny_ckpt).text
+    D, k = text.hidden_size, text.num_experts_per_tok
+    for rank, sent in run.sent.items():  # every prompt step, every layer: a rank's rows out, every row back
+        assert sent["ep dispatch all-gather"] == stats.prompt_steps * len(layers) * n * (D * 4 + k * (4 + 8)), rank
+        assert sent["ep combine reduce-scatter"] == stats.prompt_steps * len(layers) * T * D * 4, rank
 
 
 def test_divided_rows_sample_from_each_sequences_last_row(rank_bundle, started_ranks, one_rank_long):
@@ -262,6 +273,53 @@ def test_dispatch_and_combine_collectives(tmp_path):
         torch.testing.assert_close(summed, want)
         row = h[0, 0].numel() * 2 + pre[0, 0].numel() * 4 + 1  # bytes of one packed row
         assert sent["ep dispatch all-gather"] == 2 * 3 * row
+        assert sent["ep combine reduce-scatter"] == partial.numel() * 4
+
+
+def _divided_collectives(rank: int, world: int, rendezvous: str, out) -> None:
+    init(rank, world, rendezvous, timeout_s=60)
+    try:
+        comm = Comm(Topology(ep=world, cp=world), rank, chunk_bytes=64)  # one token group: a divided chunk's
+        B, n, D, k = 2, 3, 8, 2  # a chunk of world x n rows, a rank's n
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(B, n, D, generator=gen).to(torch.bfloat16)
+        weights = torch.rand(B, n, k, generator=gen)
+        experts = torch.randint(0, 1 << 40, (B, n, k), generator=gen)  # int64: every byte of them travels
+        xs, ws, es = comm.routes(x, weights, experts)
+        partial = torch.randn(B, world * n, D, generator=gen)
+        summed = comm.combine(partial)
+        out.put((rank, *(_plain(t) for t in (x, weights, experts, xs, ws, es, partial, summed)), dict(comm.sent)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_divided_routes_and_combine_collectives(tmp_path):
+    """A divided prompt chunk's MoE collectives (regions/step.run_rows): `routes` gives every rank the
+    chunk's rows of x and routing in row order (rank j's rows j * n ...), exactly, from one all-gather of
+    packed bytes; `combine` gives each rank its rows of the partials summed over the ranks, at B = 2."""
+    world, ctx = 2, mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_divided_collectives, args=(r, world, str(tmp_path / "rendezvous"), out))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    got = {item[0]: [_tensor(x) for x in item[1:-1]] + [item[-1]] for item in (out.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    n = 3
+    for r in range(world):
+        x, weights, experts, xs, ws, es, partial, summed, sent = got[r]
+        for i, whole in enumerate((xs, ws, es)):
+            want = torch.cat([got[s][i] for s in range(world)], 1)
+            assert whole.dtype == want.dtype and torch.equal(whole, want)
+        want = sum(got[s][6][:, r * n : (r + 1) * n] for s in range(world))
+        assert summed.shape == (2, n, 8)
+        torch.testing.assert_close(summed, want)
+        row = 8 * 2 + 2 * (4 + 8)  # bytes of one packed row: x bf16, k weights f32, k experts int64
+        assert sent["ep dispatch all-gather"] == 2 * n * row
         assert sent["ep combine reduce-scatter"] == partial.numel() * 4
 
 

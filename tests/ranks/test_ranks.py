@@ -253,17 +253,25 @@ def _collectives(rank: int, world: int, rendezvous: str, out) -> None:
         dist.destroy_process_group()
 
 
-def test_dispatch_and_combine_collectives(tmp_path):
-    """Packed-byte dispatch returns every rank's rows exactly; the chunked reduce-scatter sums."""
-    world, ctx = 2, mp.get_context("spawn")
+def _two_ranks(target, world: int, tmp_path) -> dict[int, list]:
+    """Run `target(rank, world, rendezvous, queue)` in `world` spawned processes (bounded waits) -> each
+    rank's tensors (as `_plain` sent them) and, last, its `Comm.sent`."""
+    ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_collectives, args=(r, world, str(tmp_path / "rendezvous"), out)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, str(tmp_path / "rendezvous"), out)) for r in range(world)]
     for p in procs:
         p.start()
     got = {item[0]: [_tensor(x) for x in item[1:-1]] + [item[-1]] for item in (out.get(timeout=120) for _ in procs)}
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
+    return got
+
+
+def test_dispatch_and_combine_collectives(tmp_path):
+    """Packed-byte dispatch returns every rank's rows exactly; the chunked reduce-scatter sums."""
+    world = 2
+    got = _two_ranks(_collectives, world, tmp_path)
     for r in range(world):
         h, pre, img, hs, ps, imgs, partial, summed, sent = got[r]
         for s in range(world):
@@ -297,18 +305,8 @@ def test_divided_routes_and_combine_collectives(tmp_path):
     """A divided prompt chunk's MoE collectives (regions/step.run_rows): `routes` gives every rank the
     chunk's rows of x and routing in row order (rank j's rows j * n ...), exactly, from one all-gather of
     packed bytes; `combine` gives each rank its rows of the partials summed over the ranks, at B = 2."""
-    world, ctx = 2, mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_divided_collectives, args=(r, world, str(tmp_path / "rendezvous"), out))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    got = {item[0]: [_tensor(x) for x in item[1:-1]] + [item[-1]] for item in (out.get(timeout=120) for _ in procs)}
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    world = 2
+    got = _two_ranks(_divided_collectives, world, tmp_path)
     n = 3
     for r in range(world):
         x, weights, experts, xs, ws, es, partial, summed, sent = got[r]

@@ -40,6 +40,8 @@ ROWS_SLOT = "rows"  # the slot a layer's twin is bound at
 # experts on every row, the expand on a rank's rows again
 MOE_IN, MOE_EXPERTS, MOE_OUT = "moe_in", "moe_experts", "moe_out"
 MOE_ROWS = (MOE_IN, MOE_EXPERTS, MOE_OUT)
+# the engram's mix on a rank's rows in such a chunk (regions/engram.py), after its `kv` on every row
+ENGRAM_ROWS_MIX = "rows_mix"
 ROLES = ("rank", "weight", "activation", "step", "state", "carry")
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "int64", "int32", "uint8", "int8", "bool")
 ModelDtype = Literal["fp32", "bf16"]  # the dtype a bundle computes in

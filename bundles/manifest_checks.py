@@ -14,6 +14,7 @@ from deepinfer.bundles.layout import TOKENIZER_FILE, is_inside
 from deepinfer.bundles.manifest import (
     DECODE,
     DTYPE_NAMES,
+    ENGRAM_ROWS_MIX,
     KV,
     MOE_ROWS,
     PROJECT,
@@ -197,7 +198,7 @@ def _check_coverage(m: Manifest) -> None:
         contexts = [None] if mine[0].bucket.context is None else b.context_sizes
         what = f"kind {kind!r}" + ("" if method == DECODE else f" ({method})")
         # a rows twin at the prompt buckets only; with one, the MoE's divided methods too (keyed by the chunk)
-        divided = kind.startswith(ROWS_PREFIX) or (rows > 1 and kind == "moe" and method in MOE_ROWS)
+        divided = kind.startswith(ROWS_PREFIX) or (rows > 1 and method in (*MOE_ROWS, ENGRAM_ROWS_MIX))
         shapes = prompts if divided else list(every)
         for c in contexts:
             at = [e for e in mine if e.bucket.context == c]

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from deepinfer.bundles.layout import executable_name
-from deepinfer.bundles.manifest import DECODE, MOE_ROWS, PROJECT, ROWS_SLOT
+from deepinfer.bundles.manifest import DECODE, ENGRAM_ROWS_MIX, MOE_ROWS, PROJECT, ROWS_SLOT
 from deepinfer.bundles.topology import Topology
 from deepinfer.regions.base import Region
 from deepinfer.regions.config import TextConfig
@@ -153,7 +153,8 @@ class RegionPlan:
         kinds that read it, None for the others. With EP dispatch over `gathered` token groups
         the MoE runs on the gathered rows: its batch buckets are `gathered` times larger. With a
         prompt's rows divided over `rows` ranks (the `rows` twins: at the prompt buckets only), the
-        MoE's divided methods too (`moe_in`, `moe_experts`, `moe_out`), at the prompt buckets. The
+        MoE's divided methods too (`moe_in`, `moe_experts`, `moe_out`) and the engram's `rows_mix`, at
+        the prompt buckets. The
         draft's kinds come last, one executable per batch bucket."""
         drafts = self.draft_kinds
         out = [
@@ -167,6 +168,8 @@ class RegionPlan:
         ]
         if rows > 1:  # the MoE's divided methods at each prompt bucket (regions/moe.py: keyed by the chunk)
             out += [Exe("moe", m, b, t, None) for m in MOE_ROWS for b, t in shapes if t > 1]
+            if "engram" in self.kinds:
+                out += [Exe("engram", ENGRAM_ROWS_MIX, b, t, None) for b, t in shapes if t > 1]
         if not self.draft:
             return out
         batches = sorted({b for b, _ in shapes})

@@ -11,9 +11,10 @@ Rank j of d (the token group: tp = 1, ep = cp = d) takes T / d consecutive rows 
                               of its rows over the window and the K entries each selects (static K,
                               as the replicated step gathers)
     every row                 the routed experts' slices at T rows and the shared expert's slice
-                              (`moe_experts`) and the engram, as run_rows runs them on gathered rows;
-                              the index scores: its rows against every key (T / d x width), what the
-                              replicated step spends on T x width / cp
+                              (`moe_experts`) on gathered rows, and the engram's `kv` (its slice of
+                              the projection; its `rows_mix` on a rank's rows), as run_rows runs
+                              them; the index scores: its rows against every key (T / d x width),
+                              what the replicated step spends on T x width / cp
     the last row              the head (`prompt_cost.last_row_head`), after the rows' gather
     weights read              the plan's per kind at T rows, each attention kind's whole weights
                               (its rows twin) in place of its slices
@@ -24,8 +25,9 @@ Rank j of d (the token group: tp = 1, ep = cp = d) takes T / d consecutive rows 
                               context all-gathers (its pages of the latents and the index keys), the
                               MoE's dispatch all-gather (its rows' x and routing: D x act + k x
                               (4 + 8) bytes a row) and combine reduce-scatter (every row's D-wide
-                              float32 partial); the engram's and the head's rows all-gathers, the
-                              engram all-reduce, the logits' of the last row
+                              float32 partial); the engram's reduce-scatter (every row's float32
+                              partial keys and value to each rank's rows), the head's rows
+                              all-gather, the logits' of the last row
 
 Every collective is counted inside the executables (trn2's place for them: `collective_s` each, and
 its bytes over the links).
@@ -125,9 +127,8 @@ def divided_collectives(plan: BundlePlan, rows: int, context: int) -> dict[str, 
         add("rows all-gather", 1, own * packed * F32)
         if p.attn == "source":
             add("rows context all-gather", 2, -(-(context // p.ratio) // topo.cp) * (hd + di) * act)
-        if p.engram_rows:
-            add("rows all-gather", 1, own * streams)
-            add("engram all-reduce", 1, rows * (n + 1) * D * F32)
+        if p.engram_rows:  # its kv's float32 partials of every row, to each rank's rows
+            add("engram reduce-scatter", 1, rows * (n + 1) * D * F32)
         add("ep dispatch all-gather", 1, own * routed)
         add("ep combine reduce-scatter", 1, rows * D * F32)
     add("rows all-gather", 1, own * streams)  # the head's rows
@@ -147,7 +148,7 @@ def divided_chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
     untimed = {name: kc for name, kc in collectives.items() if name not in timed}
     link = sum(link_bytes(name, sent // calls, topo) * calls for name, (calls, sent) in untimed.items())
     layers = plan.regions.layers
-    # a layer: rows_in, rows_attend, moe_in, moe_experts, moe_out (+ rows_write, the engram's kv and mix)
+    # a layer: rows_in, rows_attend, moe_in, moe_experts, moe_out (+ rows_write, the engram's kv and rows_mix)
     executions = 2 + sum(5 + (p.attn == "source") + 2 * (p.engram_rows > 0) for p in layers)
     calls = sum(k for k, _ in collectives.values())
     times = lower_bound(

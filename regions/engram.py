@@ -19,6 +19,10 @@ between them, since the gate is not linear in the keys:
     (the "engram all-reduce": the partials summed over the token group)
     mix  h, kv, token_mask -> h: the gate and the update, on every rank, as `decode` does
 
+A prompt chunk divided by rows over the token group (regions/step.run_rows) runs `kv` on every row
+of the chunk (each rank is handed them all), reduce-scatters the partials to each rank's rows (the
+"engram reduce-scatter") and runs `rows_mix`, `mix` on the rank's rows only.
+
 Every rank is handed all of a step's rows (B * T * hash_heads * head_dim bytes, 6 KiB a token at
 the release) and slices its own in the graph: one input set and one executable for every rank, and
 the host's lookup and the fused layers' inputs stay as they are. A group of one rank runs `decode`
@@ -99,6 +103,19 @@ class Engram(Region):
 
     def mix_outputs(self) -> list[str]:
         return ["h"]
+
+    def rows_mix_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        """`mix`'s inputs at a rank's T / group rows of a T-row prompt chunk divided by rows (keyed by
+        the chunk's T, as the rows twin's stages are)."""
+        return self.mix_inputs(B, T // self.group, g)
+
+    def rows_mix_outputs(self) -> list[str]:
+        return ["h"]
+
+    def rows_mix(self, h: Tensor, kv: Tensor, token_mask: Tensor) -> Tensor:
+        """`mix` on a rank's rows of a divided prompt chunk: kv its rows' keys and value, reduce-scattered
+        from every row's partials."""
+        return self.mix(h, kv, token_mask)
 
     def decode(self, h: Tensor, rows: Tensor, rows_s: Tensor, token_mask: Tensor) -> Tensor:
         """h [B, T, n, D], rows [B, T, hash_heads, hd] fp8 codes of the hashed table rows, rows_s

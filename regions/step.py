@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from deepinfer.bundles.manifest import MOE_EXPERTS, MOE_IN, MOE_OUT
+from deepinfer.bundles.manifest import ENGRAM_ROWS_MIX, MOE_EXPERTS, MOE_IN, MOE_OUT
 from deepinfer.errors import TensorFileError
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.topology import ENGRAM_KV, ENGRAM_MIX
@@ -188,14 +188,19 @@ class Rows(Protocol):
         over the ranks."""
         ...
 
+    def scatter(self, partial: Tensor, name: str) -> Tensor:
+        """`combine` for other float32 partials [B, n * d, ...], counted as collective `name`."""
+        ...
+
 
 def run_rows(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | None, rows: Rows, own: slice) -> Tensor:
     """A prompt step whose chunk's rows are divided over a token group (regions/rows.py): h, pre are this
     rank's rows `own` of the chunk; each layer's attention runs as its `rows` twin's stages with the
     gathers between them, the MoE's site and expand on its rows (`moe_in`, `moe_out`) and its experts
     on every row (`moe_experts`: the rows' inputs and routing gathered, the partials reduce-scattered back);
-    an engram layer and the head see the chunk's every row (gathered) -> logits [B, T, rows], as
-    `run_layers`'."""
+    an engram layer's `kv` on every row (each rank has the chunk's looked-up rows), reduce-scattered to
+    its `rows_mix` on the rank's rows; the head on the chunk's rows (gathered) -> logits [B, T, rows] (or
+    each sequence's `batch.heads` row), as `run_layers`'."""
     T = batch.positions.shape[1]
     step = (batch.positions, batch.slots, batch.block_table)
     token_mask = (batch.positions >= 0) & ~batch.is_image
@@ -205,8 +210,11 @@ def run_rows(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | N
     for p in plans:
         st = states[p.layer]
         if p.engram_rows:
-            whole = run_engram(p.layer, invoke, rows.rows(h), engram, batch, engram_index, token_mask, True)
-            h = whole[:, own]
+            assert engram is not None and batch.hashes is not None, "an engram layer needs its tables and hashes"
+            looked_up = engram.rows(engram_index, batch.hashes[:, :, engram_index])  # the chunk's every row
+            (partial,) = invoke(p.layer, "engram", *looked_up, method=ENGRAM_KV, whole=False)
+            kv = rows.scatter(partial, "engram reduce-scatter")
+            (h,) = invoke(p.layer, "engram", h, kv, token_mask[:, own], method=ENGRAM_ROWS_MIX, chunk=T)
             engram_index += 1
         x, mix_pre, post, comb, packed = invoke(
             p.layer, "rows", h, pre, batch.positions[:, own], method="rows_in", chunk=T

@@ -170,9 +170,14 @@ class Comm:
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         """The MoE's float32 partials [B, T, D] over every row of the chunk -> this rank's rows [B, T / cp, D],
         summed over the ranks: one reduce-scatter (the rows put rank-major first)."""
+        return self.scatter(partial, "ep combine reduce-scatter")
+
+    def scatter(self, partial: torch.Tensor, name: str) -> torch.Tensor:
+        """Float32 partials [B, T, ...] over every row of a divided chunk -> this rank's rows [B, T / cp,
+        ...] summed over the ranks, one reduce-scatter counted as `name`."""
         B, T = partial.shape[:2]
-        by_rank = partial.unflatten(1, (self.world, T // self.world)).movedim(1, 0)  # [world, B, T / world, D]
-        return self._reduce_scatter(by_rank.flatten(0, 1))
+        by_rank = partial.unflatten(1, (self.world, T // self.world)).movedim(1, 0)  # [world, B, T / world, ...]
+        return self._reduce_scatter(by_rank.flatten(0, 1), name)
 
     def routes(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor):
         """Every rank's rows of the MoE's input x [B, n, D] and routing (weights [B, n, k] float32,
@@ -236,7 +241,7 @@ class Comm:
         self.seconds[name] += time.perf_counter() - start
         return flat.view(x.shape)
 
-    def _reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+    def _reduce_scatter(self, x: torch.Tensor, name: str = "ep combine reduce-scatter") -> torch.Tensor:
         """x [world * B, ...] float32 partials -> this rank's rows [B, ...], summed over ranks."""
         start = time.perf_counter()
         per = x.float().contiguous().view(self.world, -1)
@@ -244,8 +249,8 @@ class Comm:
         for i in range(0, per.shape[1], self.chunk):
             piece = out[i : i + self.chunk]
             dist.reduce_scatter_single(piece, per[:, i : i + self.chunk].contiguous().view(-1))
-        self.sent["ep combine reduce-scatter"] += per.numel() * 4
-        self.seconds["ep combine reduce-scatter"] += time.perf_counter() - start
+        self.sent[name] += per.numel() * 4
+        self.seconds[name] += time.perf_counter() - start
         return out.view(x.shape[0] // self.world, *x.shape[1:])
 
 

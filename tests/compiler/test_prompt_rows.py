@@ -76,7 +76,9 @@ def test_a_divided_chunk_reads_the_whole_attention_weights(plan, whole):
 def test_a_rank_sends_its_rows_and_the_moe_s_partials(plan, whole):
     """Per layer a rank sends its rows' packed float32 row (the width the rows twin of the layer's
     whole attention packs), its rows' MoE input x and routing (k float32 weights, k int64 experts) to
-    the MoE's dispatch and every row's D-wide float32 partial to the combine; the head's rows once."""
+    the MoE's dispatch and every row's D-wide float32 partial to the combine; at an engram layer every
+    row's float32 partial keys and value to the engram's reduce-scatter (no rows gathered for it); the
+    head's rows once."""
     from deepinfer.regions.rows import rows_twin
 
     c = plan.spec.model.text
@@ -92,4 +94,6 @@ def test_a_rank_sends_its_rows_and_the_moe_s_partials(plan, whole):
         packed += own * rows_twin(region, WORLD)._packed_width() * step_cost.F32
     streams = own * c.hc_mult * (c.hidden_size * plan.spec.dtype.itemsize + step_cost.F32)
     engram = sum(p.engram_rows > 0 for p in plan.regions.layers)
-    assert sent["rows all-gather"] == (layers + engram + 1, packed + (engram + 1) * streams)
+    assert sent["rows all-gather"] == (layers + 1, packed + streams)
+    kv = T * (c.hc_mult + 1) * c.hidden_size * step_cost.F32
+    assert engram and sent["engram reduce-scatter"] == (engram, engram * kv) and "engram all-reduce" not in sent

@@ -142,10 +142,11 @@ def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_r
     chunk's rows through every layer (the attention as its `rows` twin's stages, the MoE dispatched over
     the ranks' rows), on the golden prompts and a prompt of 17 chunks; the tokens are the one-rank run's
     and the logits within 1e-4. The executor's row count is exactly the plan's: the attention's stages and
-    the MoE's site and expand (`moe_in`, `moe_out`) a quarter of the chunk; a kv source's pooling
-    (`rows_write`), the engram, the MoE's experts (`moe_experts`: every row, a quarter of each expert's
-    columns) and the head every row. The MoE's dispatch sends a rank's rows' x and routing, its combine
-    every row's D-wide float32 partial."""
+    the MoE's site and expand (`moe_in`, `moe_out`) and the engram's `rows_mix` a quarter of the chunk; a
+    kv source's pooling (`rows_write`), the engram's `kv`, the MoE's experts (`moe_experts`: every row, a
+    quarter of each expert's columns) and the head (every row's logits kept) every row. The MoE's
+    dispatch sends a rank's rows' x and routing, its combine every row's D-wide float32 partial, the
+    engram's reduce-scatter every row's float32 partial keys and value."""
     m = manifest(rank_bundle(1, 4, 4, "divided"))
     twins = {e["kind"] for e in m["regions"] if e["kind"].startswith("rows_")}
     assert twins and all(e["bucket"]["tokens"] == 8 for e in m["regions"] if e["kind"] in twins)
@@ -170,16 +171,18 @@ def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_r
     layers = m["layers"]
     sources = sum(1 for lay in layers if lay["attn"] == "source")
     engrams = sum(1 for lay in layers if lay["engram"])
-    # rows_in, rows_attend, moe_in, moe_experts, moe_out a layer; rows_write, the engram's kv and mix, the head
-    per_step = [n, n, n, T, n] * len(layers) + [T] * sources + [T, T] * engrams + [T]
+    # rows_in, rows_attend, moe_in, moe_experts, moe_out a layer; rows_write, the engram's kv and rows_mix, the head
+    per_step = [n, n, n, T, n] * len(layers) + [T] * sources + [T, n] * engrams + [T]
     assert stats.prompt_executions == stats.prompt_steps * len(per_step)
     assert stats.prompt_rows == stats.prompt_steps * sum(per_step)
-    assert stats.prompt_rows_over_chunk < 0.55  # 0.509 here (0.627 with the MoE's site on every row)
+    assert stats.prompt_rows_over_chunk < 0.5  # 0.45 here (0.627 with the MoE's site and the engram's mix on every row)
     text = load_config(tiny_ckpt).text
     D, k = text.hidden_size, text.num_experts_per_tok
     for rank, sent in run.sent.items():  # every prompt step, every layer: a rank's rows out, every row back
         assert sent["ep dispatch all-gather"] == stats.prompt_steps * len(layers) * n * (D * 4 + k * (4 + 8)), rank
         assert sent["ep combine reduce-scatter"] == stats.prompt_steps * len(layers) * T * D * 4, rank
+        kv = (text.hc_mult + 1) * D * 4  # a row's float32 keys and value
+        assert sent["engram reduce-scatter"] == stats.prompt_steps * engrams * T * kv, rank
 
 
 def test_divided_rows_sample_from_each_sequences_last_row(rank_bundle, started_ranks, one_rank_long):

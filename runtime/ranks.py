@@ -16,7 +16,9 @@ sent and never sample. Collectives (regions/topology.py for the layout):
                         rows' x and routing (`routes`), combine = one reduce-scatter of the
                         D-wide float32 partials to each rank's rows
     engram, tp * cp > 1 all-reduce of the float32 partial keys and value over the token group
-                        (its projection's input columns divided over the group), mid-region
+                        (its projection's input columns divided over the group), mid-region; a
+                        prompt chunk divided by rows: one reduce-scatter of every row's partials
+                        to each rank's rows (`scatter`)
     head                one all-gather of every rank's logits slice [B, T, rows] (the head is
                         split by vocabulary over each token group); a group's slices side by
                         side, the padding rows dropped, are its logits [B, T, V] for the

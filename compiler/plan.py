@@ -154,8 +154,7 @@ class RegionPlan:
         the MoE runs on the gathered rows: its batch buckets are `gathered` times larger. With a
         prompt's rows divided over `rows` ranks (the `rows` twins: at the prompt buckets only), the
         MoE's divided methods too (`moe_in`, `moe_experts`, `moe_out`) and the engram's `rows_mix`, at
-        the prompt buckets. The
-        draft's kinds come last, one executable per batch bucket."""
+        the prompt buckets. The draft's kinds come last, one executable per batch bucket."""
         drafts = self.draft_kinds
         out = [
             Exe(k, method, b * (gathered if k == "moe" else 1), t, c)

@@ -210,9 +210,8 @@ def run_rows(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | N
     for p in plans:
         st = states[p.layer]
         if p.engram_rows:
-            assert engram is not None and batch.hashes is not None, "an engram layer needs its tables and hashes"
-            looked_up = engram.rows(engram_index, batch.hashes[:, :, engram_index])  # the chunk's every row
-            (partial,) = invoke(p.layer, "engram", *looked_up, method=ENGRAM_KV, whole=False)
+            rows_in = looked_up(engram, batch, engram_index)  # the chunk's every row
+            (partial,) = invoke(p.layer, "engram", *rows_in, method=ENGRAM_KV, whole=False)
             kv = rows.scatter(partial, "engram reduce-scatter")
             (h,) = invoke(p.layer, "engram", h, kv, token_mask[:, own], method=ENGRAM_ROWS_MIX, chunk=T)
             engram_index += 1
@@ -249,14 +248,20 @@ def run_rows(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | N
     return logits
 
 
+def looked_up(engram: EngramRows | None, batch: Batch, index: int) -> tuple[Tensor, Tensor]:
+    """The step's table rows of the `index`-th engram layer (fp8 codes and their scales), looked up on the
+    host from the step's hashes."""
+    assert engram is not None and batch.hashes is not None, "an engram layer needs its tables and hashes"
+    return engram.rows(index, batch.hashes[:, :, index])
+
+
 def run_engram(
     layer: int, invoke, h, engram: EngramRows | None, batch: Batch, index: int, token_mask, divided: bool
 ) -> Tensor:
     """Layer `layer`'s engram (the `index`-th engram layer) on the streams -> h. `divided`: its
     projection divided over the token group, run as `kv` (whose partials `invoke` sums over the
     group) and `mix` (regions/engram.py)."""
-    assert engram is not None and batch.hashes is not None, "an engram layer needs its tables and hashes"
-    rows, rows_s = engram.rows(index, batch.hashes[:, :, index])
+    rows, rows_s = looked_up(engram, batch, index)
     if not divided:
         (h,) = invoke(layer, "engram", h, rows, rows_s, token_mask)
         return h
@@ -307,8 +312,7 @@ def run_fused(
             continue
         values = {**step, **carry, **states[p.layer], "h": h, "pre": pre}
         if p.engram_rows:
-            assert engram is not None and batch.hashes is not None, "an engram layer needs its tables and hashes"
-            values["rows"], values["rows_s"] = engram.rows(engram_index, batch.hashes[:, :, engram_index])
+            values["rows"], values["rows_s"] = looked_up(engram, batch, engram_index)
             engram_index += 1
         out = invoke_layer(p.layer, values)
         h, pre = out["h"], out["pre"]

@@ -62,7 +62,8 @@ CONNECT_TIMEOUT_S = 10.0  # a cluster address that does not answer fails in this
 SYSTEM_RETRIES = 2  # Ray runs a task again when its worker or node dies (max_retries)
 ATTEMPTS = 3  # runs of a job that raises; two that fail the same way fail the compile sooner
 POLL_S = 0.5
-PROBE_TIMEOUT_S = 60.0  # each node's toolchain check (`_qualified`) answers within this
+PROBE_TIMEOUT_S = 120.0  # each node's toolchain check (`_qualified`) answers within this
+LEDGER_TIMEOUT_S = 120.0  # the ledger actor (which attempt started where) answers within this
 # toolchain parts a node may declare as a Ray resource "<prefix>:<version>" (`ray start --resources`):
 # where any node declares one, jobs go only to the nodes declaring the host's version, one unit a job
 RESOURCES = {"neuronx-cc": "neuronx_cc"}
@@ -156,7 +157,7 @@ def run_farm(
             submit(job.name)
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
-            starts = ray.get(ledger.snapshot.remote(), timeout=60)
+            starts = _snapshot(ray, ledger)
             for ref in ready:
                 name = pending.pop(ref)
                 job = by_name[name]
@@ -177,6 +178,17 @@ def run_farm(
             ray.cancel(ref, force=True)
         ray.kill(ledger)
     return seconds
+
+
+def _snapshot(ray, ledger) -> dict[str, list[tuple[str, str]]]:
+    """The ledger's record of which attempt started on which node, or a FarmError if it does not answer."""
+    try:
+        return ray.get(ledger.snapshot.remote(), timeout=LEDGER_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise FarmError(
+            f"farm: the job ledger (a Ray actor on the head node) did not answer in {LEDGER_TIMEOUT_S:g} s;"
+            " the cluster is overloaded or its head node is gone"
+        ) from None
 
 
 def _result(ray, ref, job: Job, starts: dict[str, list[tuple[str, str]]], log: Callable[[str], None]) -> Result:

@@ -156,6 +156,30 @@ def test_a_job_failing_twice_fails_the_compile_in_one_line(ray_cluster, tiny_ckp
     assert not out.exists()
 
 
+class _SilentLedger:
+    """A ledger whose snapshot answers after `seconds`: a head node too loaded to answer in time."""
+
+    def snapshot(self, seconds: float = 30.0) -> dict:
+        time.sleep(seconds)
+        return {}
+
+
+def test_a_ledger_that_does_not_answer_is_a_one_line_farm_error(ray_cluster, monkeypatch):
+    import ray
+
+    farm.connect(ray_cluster)
+    monkeypatch.setattr(farm, "LEDGER_TIMEOUT_S", 1.0)
+    ledger = ray.remote(num_cpus=0)(_SilentLedger).remote()
+    try:
+        assert ray.get(ledger.snapshot.remote(0.0), timeout=120) == {}  # the actor is up: only its answer is late
+        with pytest.raises(farm.FarmError) as e:
+            farm._snapshot(ray, ledger)
+        assert "job ledger" in str(e.value) and "did not answer in 1 s" in str(e.value)
+        assert "\n" not in str(e.value)
+    finally:
+        ray.kill(ledger)
+
+
 # --- (d) results shared through the store ---------------------------------------------------------
 
 

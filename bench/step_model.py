@@ -23,7 +23,9 @@ bucket, beside other chunk sizes (`--chunks`), and the compute bound: the prompt
 every rank's peak. Beside it, the same prompts with each chunk divided by rows over the token group
 (compiler/prompt_rows.py: what `[prompt] rows = "divided"` builds on cpu; trn2 does not build it yet,
 so these figures are the design's, not the bundle's), in chunks of `--divided-chunk` tokens and at
-each of `--chunks`; the JSON's `divided` holds them.
+each of `--chunks`, each chunk run as two micro-batches of half of it (regions/micro.py: one's
+collectives on the links while the other computes; compiler/prompt_rows.micro_chunk_cost), and beside
+them the same chunks in one pass; the JSON's `divided` holds them (`one_pass` the latter).
 
 With `--figures FILE` (a figures file `deepinfer doctor` writes: docs/trn2.md), every plan here uses the
 figures a Trn2 host measured in place of the target's (`deepinfer plan --figures`), each marked measured.
@@ -179,15 +181,16 @@ def divided(config, chunk: int, chunks: list[int], measured=None) -> dict:
     """`prompts`' figures with each chunk divided by rows (compiler/prompt_rows.py), where the
     topology allows it (tp = 1, ep = cp > 1), else {}."""
     from deepinfer.compiler.prompt_cost import prompt_cost
-    from deepinfer.compiler.prompt_rows import divided_chunk_cost
+    from deepinfer.compiler.prompt_rows import MICRO_BATCHES, divided_chunk_cost, micro_chunk_cost
 
     plan = planned(long_context(config), measured)
     topo = plan.spec.topology
     if topo.tp != 1 or topo.ep != topo.cp or topo.cp == 1:
         return {}
-    costs = {L: prompt_cost(plan, L, chunk, divided_chunk_cost) for L in LONG}
-    sweep = {T: prompt_cost(plan, LONG[1], T, divided_chunk_cost) for T in sorted({*chunks, chunk})}
-    return {"chunk": chunk, "costs": costs, "sweep": sweep}
+    costs = {L: prompt_cost(plan, L, chunk, micro_chunk_cost) for L in LONG}
+    sweep = {T: prompt_cost(plan, LONG[1], T, micro_chunk_cost) for T in sorted({*chunks, chunk})}
+    one_pass = {L: prompt_cost(plan, L, chunk, divided_chunk_cost) for L in LONG}
+    return {"chunk": chunk, "costs": costs, "sweep": sweep, "one_pass": one_pass, "micro_batches": MICRO_BATCHES}
 
 
 def print_prompts(p: dict, err) -> None:
@@ -286,8 +289,15 @@ def main() -> int:
     print_prompts(long, err)
     rows_divided = divided(config, args.divided_chunk, args.chunks, measured)
     if rows_divided:
-        print("divided by rows over the token group (the cpu design, modelled; trn2 does not build it):", file=err)
+        print(
+            f"divided by rows over the token group, each chunk as {rows_divided['micro_batches']} micro-batches"
+            " (the cpu design, modelled; trn2 does not build it):",
+            file=err,
+        )
         print_prompts(rows_divided, err)
+        print("the same chunks in one pass (no micro-batches): TTFT (ms), and / compute bound", file=err)
+        for L, c in rows_divided["one_pass"].items():
+            print(f"  {L:>9,} tokens  {c.ttft_ms:>12,.1f}  {c.ttft_over_compute_bound:>6.2f}", file=err)
     print("constants (measured / published / assumed):", file=err)
     for key, f in figures.items():
         print(f"  {key:<22} {f.value:g} {f.unit} ({f.status}: {f.source})", file=err)
@@ -340,6 +350,12 @@ def main() -> int:
                         "ttft_1m_over_compute_bound": rows_divided["costs"][LONG[2]].ttft_over_compute_bound,
                         "prompts": {str(L): c.to_dict() for L, c in rows_divided["costs"].items()},
                         "ttft_ms_64k_by_chunk": {str(T): c.ttft_ms for T, c in rows_divided["sweep"].items()},
+                        "micro_batches": rows_divided["micro_batches"],
+                        "one_pass": {
+                            "ttft_ms_64k": rows_divided["one_pass"][LONG[1]].ttft_ms,
+                            "ttft_64k_over_compute_bound": rows_divided["one_pass"][LONG[1]].ttft_over_compute_bound,
+                            "ttft_ms_1m": rows_divided["one_pass"][LONG[2]].ttft_ms,
+                        },
                     }
                     if rows_divided
                     else None,

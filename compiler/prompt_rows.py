@@ -1,5 +1,5 @@
 """A prompt chunk divided by rows over the token group, costed per rank (issue 41): the step that
-`[prompt] rows = "divided"` builds on cpu (regions/rows.py, regions/step.run_rows), modelled at a
+`[prompt] rows = "divided"` builds on cpu (regions/rows.py, regions/step.rows_steps), modelled at a
 plan's topology and target figures. trn2 does not build it yet: for the release this is what the
 design would cost there, beside the replicated chunks `prompt_cost` models from what is built.
 
@@ -12,7 +12,7 @@ Rank j of d (the token group: tp = 1, ep = cp = d) takes T / d consecutive rows 
                               as the replicated step gathers)
     every row                 the routed experts' slices at T rows and the shared expert's slice
                               (`moe_experts`) on gathered rows, and the engram's `kv` (its slice of
-                              the projection; its `rows_mix` on a rank's rows), as run_rows runs
+                              the projection; its `rows_mix` on a rank's rows), as rows_steps runs
                               them; the index scores: its rows against every key (T / d x width),
                               what the replicated step spends on T x width / cp
     the last row              the head (`prompt_cost.last_row_head`), after the rows' gather
@@ -35,6 +35,7 @@ its bytes over the links).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from deepinfer.compiler.prompt_cost import ChunkCost, last_row_head, timed_chunk, useful_flops
@@ -53,6 +54,7 @@ ROW_PARTS = (
     "mixes, moe site",
     "router",
 )
+MICRO_BATCHES = 2  # a divided chunk's micro-batches (regions/micro.py: where the half chunk's bucket is built)
 # a rank's row of the MoE's dispatch: x in the activation dtype, its k weights (float32) and experts (int64)
 EXPERT_ID = 8
 
@@ -137,7 +139,44 @@ def divided_collectives(plan: BundlePlan, rows: int, context: int) -> dict[str, 
 
 
 def divided_chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
-    """One rank's divided prompt chunk of `rows` tokens (batch 1) at a `context`-position bucket."""
+    """One rank's divided prompt chunk of `rows` tokens (batch 1) at a `context`-position bucket, run in
+    one pass."""
+    return _divided(plan, rows, context)[0]
+
+
+def micro_chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
+    """`divided_chunk_cost` for a chunk run as MICRO_BATCHES micro-batches of rows / MICRO_BATCHES
+    (regions/micro.py: one's collectives on the links while another computes). Each micro-batch reads
+    the weights again and costs its own arithmetic, collectives and launches; its link time overlaps the
+    others' memory and compute, except about one layer's (the first micro-batch's first gather and the
+    last one's last combine have nothing beside them): the estimate is max(the passes' max(memory,
+    compute), their link time) + that layer's links + the passes' other latency (per-collective and
+    launch latency, host bytes: not overlapped)."""
+    m = MICRO_BATCHES
+    one, links_ms = _divided(plan, rows // m, context)
+    busy, wire = m * max(one.memory_ms, one.compute_ms), m * links_ms
+    other = m * (one.latency_ms - links_ms) + links_ms / len(plan.regions.layers)
+    estimated = max(busy, wire) + other
+    return replace(
+        one,
+        rows=rows,
+        weight_bytes=m * one.weight_bytes,
+        state_bytes=m * one.state_bytes,
+        flops=m * one.flops,
+        flops_by_part={part: m * f for part, f in one.flops_by_part.items()},
+        executions=m * one.executions,
+        collectives=m * one.collectives,
+        collective_bytes=m * one.collective_bytes,
+        memory_ms=m * one.memory_ms,
+        compute_ms=m * one.compute_ms,
+        latency_ms=estimated - busy,  # what the chunk waits beyond its passes' memory or compute
+        estimated_ms=estimated,
+    )
+
+
+def _divided(plan: BundlePlan, rows: int, context: int) -> tuple[ChunkCost, float]:
+    """`divided_chunk_cost` and the ms of its latency that is link time (bytes on the links, and the
+    collectives a measured curve times)."""
     spec = plan.spec
     figures, topo = figures_of(plan), spec.topology
     flops = divided_flops(plan, rows, context)
@@ -164,4 +203,5 @@ def divided_chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
         timed_s=sum(timed.values()),
     )
     sent = sum(sent for _, sent in collectives.values())
-    return timed_chunk(plan, rows, context, flops, weights, state, executions, calls, sent, times)
+    cost = timed_chunk(plan, rows, context, flops, weights, state, executions, calls, sent, times)
+    return cost, times["collective_link_ms"] + sum(timed.values()) * 1e3

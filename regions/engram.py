@@ -19,7 +19,7 @@ between them, since the gate is not linear in the keys:
     (the "engram all-reduce": the partials summed over the token group)
     mix  h, kv, token_mask -> h: the gate and the update, on every rank, as `decode` does
 
-A prompt chunk divided by rows over the token group (regions/step.run_rows) runs `kv` on every row
+A prompt chunk divided by rows over the token group (regions/step.rows_steps) runs `kv` on every row
 of the chunk (each rank is handed them all), reduce-scatters the partials to each rank's rows (the
 "engram reduce-scatter") and runs `rows_mix`, `mix` on the rank's rows only.
 

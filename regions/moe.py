@@ -17,7 +17,7 @@ slice over every row would). Each expert and the fp8 shared expert is a clamped 
 routed outputs accumulate in float32.
 
 A prompt chunk divided by rows over the token group (`[prompt] rows = "divided"`, regions/rows.py)
-runs the region as three methods, the runtime's collectives between them (regions/step.run_rows):
+runs the region as three methods, the runtime's collectives between them (regions/step.rows_steps):
 `moe_in` on the rank's own rows (the mixes, ffn_norm, the router: x and its routing), one all-gather
 of every rank's (x, weights, experts), `moe_experts` on every row of the chunk (this rank's expert
 slices and shared slice: a float32 partial [T, D]), one reduce-scatter of the partials to each rank's
@@ -192,7 +192,7 @@ class MoE(Region):
         lead = (self.rank == 0).to(torch.float32)
         return ops.hc_expand(out, h.float() * lead, post, comb), pre_f
 
-    # -- a prompt chunk divided by rows over the token group (regions/rows.py, regions/step.run_rows) --
+    # -- a prompt chunk divided by rows over the token group (regions/rows.py, regions/step.rows_steps) --
     # `moe_in` and `moe_out` on this rank's T / group rows of a T-row chunk (their executables keyed
     # by the chunk's T, as the rows twin's stages are), `moe_experts` on every row of it.
 

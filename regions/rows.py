@@ -21,7 +21,7 @@ stays whole on every rank. A layer runs in three stages:
 
 These functions are the stages' definition; `RowsStages` makes them the compiled methods of each
 attention kind's twin (`rows_twin`: kind `rows_<kind>`, what `[prompt] rows = "divided"` builds), and
-`regions.step.run_rows` wires them, with the runtime's collectives (`runtime.ranks.Comm`) between them
+`regions.step.rows_steps` wires them, with the runtime's collectives (`runtime.ranks.Comm`) between them
 (`runtime.executor.Executor.own_rows` picks a rank's rows as `rows_of` does). The tests also gather with
 `torch.cat` in one process, a stand-in for the collectives. trn2's fused layers do not run them yet.
 """

@@ -193,14 +193,16 @@ class Rows(Protocol):
         ...
 
 
-def run_rows(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | None, rows: Rows, own: slice) -> Tensor:
+def rows_steps(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | None, rows: Rows, own: slice):
     """A prompt step whose chunk's rows are divided over a token group (regions/rows.py): h, pre are this
     rank's rows `own` of the chunk; each layer's attention runs as its `rows` twin's stages with the
     gathers between them, the MoE's site and expand on its rows (`moe_in`, `moe_out`) and its experts
     on every row (`moe_experts`: the rows' inputs and routing gathered, the partials reduce-scattered back);
     an engram layer's `kv` on every row (each rank has the chunk's looked-up rows), reduce-scattered to
     its `rows_mix` on the rank's rows; the head on the chunk's rows (gathered) -> logits [B, T, rows] (or
-    each sequence's `batch.heads` row), as `run_layers`'."""
+    each sequence's `batch.heads` row), as `run_layers`'. A generator: it yields each collective as
+    (a `rows` method, its arguments) and takes back its result (`regions.micro.drive`), so the one
+    collective stream can be interleaved with another micro-batch's computation."""
     T = batch.positions.shape[1]
     step = (batch.positions, batch.slots, batch.block_table)
     token_mask = (batch.positions >= 0) & ~batch.is_image
@@ -212,17 +214,17 @@ def run_rows(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | N
         if p.engram_rows:
             rows_in = looked_up(engram, batch, engram_index)  # the chunk's every row
             (partial,) = invoke(p.layer, "engram", *rows_in, method=ENGRAM_KV, whole=False)
-            kv = rows.scatter(partial, "engram reduce-scatter")
+            kv = yield rows.scatter, (partial, "engram reduce-scatter")
             (h,) = invoke(p.layer, "engram", h, kv, token_mask[:, own], method=ENGRAM_ROWS_MIX, chunk=T)
             engram_index += 1
         x, mix_pre, post, comb, packed = invoke(
             p.layer, "rows", h, pre, batch.positions[:, own], method="rows_in", chunk=T
         )
-        packed = rows.rows(packed)
+        packed = yield rows.rows, (packed,)
         if p.attn == "source":
             parts = (st["part_kv"], st["part_gate"]) if p.ratio > 1 else ()
             pages = invoke(p.layer, "rows", packed, *step, st["ckv"], st["ikeys"], *parts, method="rows_write")
-            contexts[p.layer] = rows.pages(*pages)
+            contexts[p.layer] = yield rows.pages, tuple(pages)
         extra: tuple = ()
         if p.attn != "window":
             ckv, ikeys = contexts[p.kv_source]
@@ -242,9 +244,10 @@ def run_rows(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows | N
         x, weights, experts, post, comb, pre = invoke(
             p.layer, "moe", h, pre, batch.is_image[:, own], method=MOE_IN, chunk=T
         )
-        (partial,) = invoke(p.layer, "moe", *rows.routes(x, weights, experts), method=MOE_EXPERTS)
-        (h,) = invoke(p.layer, "moe", rows.combine(partial), h, post, comb, method=MOE_OUT, chunk=T)
-    (logits,) = invoke(-1, "head", *head_rows(rows.rows(h), rows.rows(pre), batch))
+        (partial,) = invoke(p.layer, "moe", *(yield rows.routes, (x, weights, experts)), method=MOE_EXPERTS)
+        (h,) = invoke(p.layer, "moe", (yield rows.combine, (partial,)), h, post, comb, method=MOE_OUT, chunk=T)
+    whole = yield rows.rows, (h,)
+    (logits,) = invoke(-1, "head", *head_rows(whole, (yield rows.rows, (pre,)), batch))
     return logits
 
 

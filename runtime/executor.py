@@ -25,6 +25,7 @@ from torch import Tensor
 
 from deepinfer.bundles import manifest as mf
 from deepinfer.bundles.manifest import blocks_per_rank
+from deepinfer.regions import micro
 from deepinfer.regions.config import V41Config
 from deepinfer.regions.engram_hash import EngramHasher
 from deepinfer.regions.spans import ImageEmbeds
@@ -35,9 +36,9 @@ from deepinfer.regions.step import (
     EngramRows,
     LayerPlan,
     Merge,
+    rows_steps,
     run_fused,
     run_layers,
-    run_rows,
 )
 from deepinfer.regions.stepper import Allocator, Capture, Row, bucket_at_least, make_batch, table_width
 from deepinfer.regions.topology import ENGRAM_KV
@@ -69,7 +70,7 @@ class Stats:
     # tokens, and the rows their executions took (a region, stage or fused layer each)
     prompt_steps: int = 0
     prompt_tokens: int = 0
-    prompt_executions: int = 0
+    prompt_executions: float = 0.0  # call sites: a micro-batch's execution counts 1 / micro-batches
     prompt_rows: int = 0
 
     def table(self) -> list[dict]:
@@ -98,12 +99,13 @@ class Stats:
             self.prompt_steps += 1
             self.prompt_tokens += real
 
-    def record_rows(self, shape: torch.Size, step_tokens: int | None = None) -> None:
+    def record_rows(self, shape: torch.Size, step_tokens: int | None = None, passes: int = 1) -> None:
         """One execution whose leading dims are `shape` [B, T], of a step of `step_tokens` tokens a
-        sequence (T unless given): counted where the step's are more than 1 (a prompt step; its head
-        may take one row a sequence)."""
+        sequence (T unless given) run as `passes` micro-batches: counted where the step's tokens are
+        more than 1 (a prompt step; its head may take one row a sequence), as 1 / `passes` of an
+        execution, so that a call site of the step counts once whatever its micro-batches."""
         if (step_tokens or shape[1]) > 1:
-            self.prompt_executions += 1
+            self.prompt_executions += 1 / passes
             self.prompt_rows += shape[0] * shape[1]
 
     @property
@@ -227,11 +229,8 @@ class Executor:
         for the draft (`capture`)."""
         start = time.perf_counter()
         invoke = self.invoker(batch.block_table.shape[1], stats, on_call, step_tokens=batch.tokens.shape[1])
-        own = self.own_rows(batch) if capture is None else None
-        if own is not None:  # a prompt chunk divided by rows over the token group (regions/rows.py)
-            assert self.comm is not None and self.host.embed is not None
-            h, pre = self.host.embed(batch.tokens[:, own], batch.is_image[:, own], _rows_of(batch.image_rows, own))
-            logits = run_rows(self.plans, invoke, self.states, h, pre, batch, self.host.engram, self.comm, own)
+        if capture is None and self.own_rows(batch) is not None:  # divided by rows (regions/rows.py)
+            logits = self._divided(batch, stats, on_call)
             stats.record_step(batch, time.perf_counter() - start)
             return logits
         if self.host.embed is not None:
@@ -286,9 +285,26 @@ class Executor:
         T, group = batch.tokens.shape[1], self.manifest.topology.topology.group_size
         if T == 1 or T % group or (0, mf.ROWS_SLOT) not in self.bound or self.host.embed is None or self.fused:
             return None
-        n = T // group
-        c = self.rank % group
-        return slice(c * n, (c + 1) * n)
+        return _share(T, group, self.rank)
+
+    def _divided(self, batch: Batch, stats: Stats, on_call: OnCall | None) -> Tensor:
+        """A prompt step divided by rows over the token group (regions/rows.py): as two micro-batches of
+        half the chunk, one's collectives on the wire while the other computes, where the bundle has the
+        half's tokens bucket and it divides over the group (regions/micro.py); else as one."""
+        comm, group, T = self.comm, self.manifest.topology.topology.group_size, batch.tokens.shape[1]
+        assert comm is not None and self.host.embed is not None
+        half = T // 2
+        parts = (
+            micro.split(batch, 2) if half in self.sizes.token_sizes and half % group == 0 else [(batch, slice(0, T))]
+        )
+        invoke = self.invoker(batch.block_table.shape[1], stats, on_call, step_tokens=T, passes=len(parts))
+        steps = []
+        for part, _ in parts:
+            own = _share(part.tokens.shape[1], group, self.rank)
+            h, pre = self.host.embed(part.tokens[:, own], part.is_image[:, own], _rows_of(part.image_rows, own))
+            steps.append(rows_steps(self.plans, invoke, self.states, h, pre, part, self.host.engram, comm, own))
+        logits = micro.drive(steps, comm.start if len(steps) > 1 else micro.now)
+        return logits[0] if parts[0][0] is batch else micro.join(batch, parts, logits)
 
     def invoker(
         self,
@@ -297,10 +313,11 @@ class Executor:
         on_call: OnCall | None,
         bound: Mapping[tuple[int, str], Binding] | None = None,
         step_tokens: int | None = None,
+        passes: int = 1,
     ):
         """invoke(layer, slot, *inputs) for one step whose block tables are `blocks` wide (`bound`:
         the bindings it looks (layer, slot) up in, the target's unless given; `step_tokens`: the
-        step's tokens a sequence, for `Stats.record_rows`)."""
+        step's tokens a sequence, for `Stats.record_rows`; `passes`: the micro-batches it runs as)."""
         executables, comm, context_methods = self.executables, self.comm, self.context_methods
         bound = self.bound if bound is None else bound
         reduced = self.reduced_in_graph
@@ -320,7 +337,7 @@ class Executor:
             t2 = time.perf_counter()
             name = kind if method == mf.DECODE else f"{kind}.{method}"
             stats.calls[name] += 1
-            stats.record_rows(inputs[0].shape, step_tokens)
+            stats.record_rows(inputs[0].shape, step_tokens, passes)
             stats.seconds[name] += t2 - t1
             stats.overhead += t1 - t0
             # a region's streams leave `decode` (or the divided attention's last stage, `output`) as
@@ -447,6 +464,12 @@ class Steps:
         comm.step((STEP, batches, capture is not None))
         logits = x.forward(batches[comm.group], self.stats, on_call=self.on_call, capture=capture)  # [B, T, rows]
         return comm.gather_logits(logits, x.config.text.vocab_size)
+
+
+def _share(T: int, group: int, rank: int) -> slice:
+    """Rank `rank`'s T / group consecutive rows of T (its place in its token group; regions/rows.rows_of)."""
+    n, c = T // group, rank % group
+    return slice(c * n, (c + 1) * n)
 
 
 def _rows_of(t: Tensor | None, own: slice) -> Tensor | None:

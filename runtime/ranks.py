@@ -34,6 +34,7 @@ import os
 import tempfile
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -77,6 +78,7 @@ class Comm:
                 self.token_group = made
         self.sent: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
+        self._wire: ThreadPoolExecutor | None = None  # `start`'s one thread, made on first use
 
     @property
     def leader(self) -> bool:
@@ -153,6 +155,15 @@ class Comm:
             out.append(got.view(self.topo.cp, *t.shape))
         self.seconds[name] += time.perf_counter() - start
         return out
+
+    def start(self, fn, args: tuple) -> Future:
+        """Start collective `fn(*args)` on this rank's one collective thread and return at once (a
+        `regions.micro.Start`: a micro-batch computes while another's collective is on the wire). The
+        thread runs them in the order they start, the order every rank starts them in; nothing else
+        may call a collective of this rank until their results are taken."""
+        if self._wire is None:
+            self._wire = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-collectives")
+        return self._wire.submit(fn, *args)
 
     # -- a prompt chunk divided by rows (regions.step.Rows; tp = 1, ep = cp: the token group is the world) --
 

@@ -332,7 +332,8 @@ SPECULATIVE_LAYOUTS = ((1, 2, 1), (1, 4, 4))
 @pytest.fixture(scope="session")
 def rank_bundle(tmp_path_factory, tiny_ckpt):
     """(tp, ep, cp) -> the tiny model compiled for that topology as saved ExportedPrograms
-    (buckets batch 1, tokens {1, 8}; no cache quantization, so token comparisons are exact; blocks of
+    (buckets batch 1, tokens {1, 8}, and 4 with divided rows: an 8-token chunk's micro-batches
+    (regions/micro.py); no cache quantization, so token comparisons are exact; blocks of
     4 positions, contexts of 48 and 160, 40 usable blocks: a prompt of 33 blocks, 8 on each of 4 cp
     ranks, fits). The `SPECULATIVE_LAYOUTS` also hold the DSpark draft, at batch buckets {1, 2} with 80
     usable blocks. `rows` "divided": a prompt chunk's rows divided over the token group ([prompt] rows)."""
@@ -351,7 +352,7 @@ def rank_bundle(tmp_path_factory, tiny_ckpt):
                 tiny_ckpt,
                 executable="exported",
                 batch=(1, 2) if speculative else (1,),
-                tokens=[1, 8],
+                tokens=[1, 4, 8] if rows == "divided" else [1, 8],  # divided: 8-token chunks as two micro-batches
                 max_context=160,
                 context=(48, 160),
                 num_blocks=81 if speculative else 41,

@@ -79,6 +79,7 @@ RUNTIME_LOADS = [
     "deepinfer.regions",
     "deepinfer.regions.config",
     "deepinfer.regions.engram_hash",
+    "deepinfer.regions.micro",  # a divided chunk's micro-batches (the executor drives them)
     "deepinfer.regions.prefix",
     "deepinfer.regions.spans",
     "deepinfer.regions.step",

@@ -49,7 +49,7 @@ def test_the_row_parts_are_a_rank_s_share_of_the_prompt(divided):
 
 def test_what_still_takes_every_row_costs_what_the_replicated_chunk_does(plan, divided):
     """The MoE's experts (`moe_experts`), the engram and the head run on the gathered rows
-    (regions/step.run_rows), so they cost a rank what they cost it replicated; the index scores (a rank's
+    (regions/step.rows_steps), so they cost a rank what they cost it replicated; the index scores (a rank's
     rows against every key) what the replicated chunk spends on every row against its 1/64 of the keys.
     The MoE site's mixes and router run on a rank's own rows (`moe_in`: `ROW_PARTS`)."""
     replicated = prompt_cost.prompt_cost(plan, L, T)
@@ -97,3 +97,20 @@ def test_a_rank_sends_its_rows_and_the_moe_s_partials(plan, whole):
     assert sent["rows all-gather"] == (layers + 1, packed + streams)
     kv = T * (c.hc_mult + 1) * c.hidden_size * step_cost.F32
     assert engram and sent["engram reduce-scatter"] == (engram, engram * kv) and "engram all-reduce" not in sent
+
+
+def test_micro_batches_cost_two_half_passes_with_their_links_under_the_compute(plan):
+    """A chunk as two micro-batches (regions/micro.py) is two passes of half its rows: every count twice a
+    half pass's (the weights read again). Its estimate is no better than the passes' memory or compute
+    and their links, each alone, and no worse than the two passes in series, links not overlapped."""
+    ctx = prompt_cost.context_bucket(plan, L)
+    whole = prompt_rows.micro_chunk_cost(plan, T, ctx)
+    half = prompt_rows.divided_chunk_cost(plan, T // prompt_rows.MICRO_BATCHES, ctx)
+    assert prompt_rows.MICRO_BATCHES == 2 and whole.rows == T
+    for field in ("weight_bytes", "state_bytes", "flops", "executions", "collectives", "collective_bytes"):
+        assert getattr(whole, field) == 2 * getattr(half, field), field
+    busy = 2 * max(half.memory_ms, half.compute_ms)
+    assert whole.estimated_ms >= busy and whole.estimated_ms == busy + whole.latency_ms
+    assert whole.estimated_ms < 2 * half.estimated_ms  # the links under the other pass's compute
+    one_pass = prompt_rows.divided_chunk_cost(plan, T, ctx)
+    assert whole.latency_ms < one_pass.latency_ms

@@ -139,7 +139,7 @@ def test_a_token_budget_at_cp_ep_4_keeps_the_one_rank_tokens(started_ranks, one_
 
 def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_ranks, one_rank_long, tiny_ckpt):
     """[prompt] rows = "divided" (issue 41 item 2): each of the four ranks takes a quarter of every prompt
-    chunk's rows through every layer (the attention as its `rows` twin's stages, the MoE dispatched over
+    chunk's rows (an 8-token chunk as two micro-batches of 4, regions/micro.py) through every layer (the attention as its `rows` twin's stages, the MoE dispatched over
     the ranks' rows), on the golden prompts and a prompt of 17 chunks; the tokens are the one-rank run's
     and the logits within 1e-4. The executor's row count is exactly the plan's: the attention's stages and
     the MoE's site and expand (`moe_in`, `moe_out`) and the engram's `rows_mix` a quarter of the chunk; a
@@ -149,13 +149,11 @@ def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_r
     engram's reduce-scatter every row's float32 partial keys and value."""
     m = manifest(rank_bundle(1, 4, 4, "divided"))
     twins = {e["kind"] for e in m["regions"] if e["kind"].startswith("rows_")}
-    assert twins and all(e["bucket"]["tokens"] == 8 for e in m["regions"] if e["kind"] in twins)
+    assert twins and all(e["bucket"]["tokens"] in (4, 8) for e in m["regions"] if e["kind"] in twins)
     assert {(e["method"], e["bucket"]["batch"], e["bucket"]["tokens"]) for e in m["regions"] if e["kind"] == "moe"} == {
         ("decode", 1, 1),
-        ("decode", 1, 8),
-        ("moe_in", 1, 8),
-        ("moe_experts", 1, 8),
-        ("moe_out", 1, 8),
+        *(("decode", 1, T) for T in (4, 8)),
+        *((method, 1, T) for method in ("moe_in", "moe_experts", "moe_out") for T in (4, 8)),
     }
     prompts = [*GOLDEN_PROMPTS, LONG]
     run = started_ranks(1, 4, 4, "divided").generate(
@@ -167,28 +165,32 @@ def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_r
     stats = run.stats
     assert stats is not None and stats.prompt_steps >= 17
     assert {"rows all-gather", "rows context all-gather", "ep dispatch all-gather"} <= set(run.sent[0])
-    T, n = 8, 2  # the prompt bucket, a rank's rows of it
+    # an 8-token chunk runs as two micro-batches of 4 (regions/micro.py), a shorter one as one 4-token
+    # pass: every pass has T = 4 rows and n = 1 a rank, and runs `moe_experts` once a layer
     layers = m["layers"]
+    T, n, passes = 4, 1, stats.calls["moe.moe_experts"] // len(layers)
+    assert stats.calls["moe.moe_experts"] == passes * len(layers)
+    assert stats.prompt_steps < passes < 2 * stats.prompt_steps
     sources = sum(1 for lay in layers if lay["attn"] == "source")
     engrams = sum(1 for lay in layers if lay["engram"])
     # rows_in, rows_attend, moe_in, moe_experts, moe_out a layer; rows_write, the engram's kv and rows_mix, the head
-    per_step = [n, n, n, T, n] * len(layers) + [T] * sources + [T, n] * engrams + [T]
-    assert stats.prompt_executions == stats.prompt_steps * len(per_step)
-    assert stats.prompt_rows == stats.prompt_steps * sum(per_step)
+    per_pass = [n, n, n, T, n] * len(layers) + [T] * sources + [T, n] * engrams + [T]
+    assert stats.prompt_executions == stats.prompt_steps * len(per_pass)  # a call site once a step
+    assert stats.prompt_rows == passes * sum(per_pass)
     assert stats.prompt_rows_over_chunk < 0.5  # 0.45 here (0.627 with the MoE's site and the engram's mix on every row)
     text = load_config(tiny_ckpt).text
     D, k = text.hidden_size, text.num_experts_per_tok
-    for rank, sent in run.sent.items():  # every prompt step, every layer: a rank's rows out, every row back
-        assert sent["ep dispatch all-gather"] == stats.prompt_steps * len(layers) * n * (D * 4 + k * (4 + 8)), rank
-        assert sent["ep combine reduce-scatter"] == stats.prompt_steps * len(layers) * T * D * 4, rank
+    for rank, sent in run.sent.items():  # every pass, every layer: a rank's rows out, every row back
+        assert sent["ep dispatch all-gather"] == passes * len(layers) * n * (D * 4 + k * (4 + 8)), rank
+        assert sent["ep combine reduce-scatter"] == passes * len(layers) * T * D * 4, rank
         kv = (text.hc_mult + 1) * D * 4  # a row's float32 keys and value
-        assert sent["engram reduce-scatter"] == stats.prompt_steps * engrams * T * kv, rank
+        assert sent["engram reduce-scatter"] == passes * engrams * T * kv, rank
 
 
 def test_divided_rows_sample_from_each_sequences_last_row(rank_bundle, started_ranks, one_rank_long):
     """Divided rows with no request keeping every row's logits: the head (after the rows' gather) takes
     each sequence's last fed row, so every step's logits all-gather carries one row a sequence (the
-    T = 1 bucket's), not the chunk's 8; the tokens are the one-rank run's."""
+    T = 1 bucket's), not the chunk's 4 or 8; the tokens are the one-rank run's."""
     m = manifest(rank_bundle(1, 4, 4, "divided"))
     prompts = [*GOLDEN_PROMPTS, LONG]
     run = started_ranks(1, 4, 4, "divided").generate(prompts, RunOptions(max_new_tokens=NEW, threads=1))
@@ -197,7 +199,8 @@ def test_divided_rows_sample_from_each_sequences_last_row(rank_bundle, started_r
     batch = max(s["batch"] for s in m["buckets"]["shapes"])
     assert stats is not None and stats.prompt_steps >= 17
     sent = run.sent[0]["logits all-gather"]  # every row would send stats.padded rows
-    assert sent <= stats.steps * batch * rows * 4 and sent <= (stats.padded - 7 * stats.prompt_steps) * rows * 4
+    spared = sum(steps * (T - 1) for T, (steps, _) in stats.by_tokens.items())  # a T-token step sends 1 row a sequence
+    assert sent <= stats.steps * batch * rows * 4 and sent <= (stats.padded - spared) * rows * 4
 
 
 def _check_divided_pools(m: dict, pools: dict, cp: int) -> None:
@@ -305,7 +308,7 @@ def _divided_collectives(rank: int, world: int, rendezvous: str, out) -> None:
 
 
 def test_divided_routes_and_combine_collectives(tmp_path):
-    """A divided prompt chunk's MoE collectives (regions/step.run_rows): `routes` gives every rank the
+    """A divided prompt chunk's MoE collectives (regions/step.rows_steps): `routes` gives every rank the
     chunk's rows of x and routing in row order (rank j's rows j * n ...), exactly, from one all-gather of
     packed bytes; `combine` gives each rank its rows of the partials summed over the ranks, at B = 2."""
     world = 2

@@ -144,7 +144,8 @@ def measure(bundle: Path, steps: int) -> dict:
     """Run a compiled bundle with a one-token prompt (every step a decode step, all in its smallest
     context bucket) and count each rank's bytes per step; then a 132-token prompt, whose chunks'
     executions the leader counts (`Stats.prompt_rows_over_chunk`: the rows an execution of a prompt
-    chunk takes over the chunk's tokens)."""
+    chunk takes over the chunk's tokens; a chunk run as micro-batches, regions/micro.py, counts each
+    call site once, its rows summed over the micro-batches)."""
     from deepinfer.bundles import manifest_io
     from deepinfer.runtime import RunOptions, generate
 

@@ -5,7 +5,8 @@ filled the last (regions/prefix.py).
 The scheduler (`runtime/schedule.py`, `Scheduler._commit`) calls `cache_fed` after each step of a
 sequence that has keys (prefix caching on, and a request that neither keeps nor is handed every
 position's logits: `Scheduler._match` gives those no hit, so they cache nothing either, prompt or
-generated) and whose step ended `clean`:
+generated). Every full block a step completes is cached; a step that ends on a block boundary
+keeps the slot state there with the last block if it ended `clean`:
 
 - a prompt chunk (chunks that reach a block boundary end at it, `Scheduler._chunk_of`);
 - a plain decode step: its one fed token is the last one generated, so the step after the one that
@@ -13,8 +14,9 @@ generated) and whose step ended `clean`:
 - a verify step whose drafts were all accepted (every position it wrote is committed).
 
 A verify step that rejected a draft is not clean: its slot's rings also hold what the rejected drafts
-wrote past the committed end, so no state is kept after it. The blocks it completed are cached at
-the next clean step that ends on a boundary, the state kept with that step's last block. The last
+wrote past the committed end, so no state is kept after it (its blocks are cached without one: a
+hit reaches past them only to a later block with a state). The fed tokens are the committed ones
+and a verify step's accepted drafts (`Completion.tokens` gets those only after the step). The last
 generated token is never fed, so it is never in a cached block; a next turn's prompt that repeats
 the answer feeds it itself.
 
@@ -38,21 +40,24 @@ def cache_fed(
     keys: list[bytes],
     tokens: Sequence[int],
     end: int,
+    clean: bool,
     root: Callable[[], bytes],
 ) -> None:
-    """After a clean step that fed sequence `seq` its first `end` tokens `tokens[:end]` (prompt then
-    generated): if they end on a block boundary, extend `keys` (the chain so far; `root()` starts an
-    empty one) over them and cache every full block, keeping the slot state with the last unless the
-    cache keeps one for that key already."""
-    bs = alloc.block_size
-    if end == 0 or end % bs:
+    """After a step that fed sequence `seq` up to position `end` (`tokens[:end]`: prompt then
+    generated, a verify step's accepted drafts included): extend `keys` (the chain so far; `root()`
+    starts an empty one) over its full blocks and cache those it completed; a `clean` step that
+    ends on a block boundary also keeps the slot state with the last block (unless the cache keeps
+    one for that key already)."""
+    n, edge = end // alloc.block_size, clean and end % alloc.block_size == 0
+    if n == 0:
         return
-    if len(keys) < end // bs:
-        extend_keys(keys, tokens[:end], bs, root() if not keys else b"")
-    blocks = keys[: end // bs]
+    if len(keys) < n:  # blocks of generated tokens this step completed
+        extend_keys(keys, tokens[:end], alloc.block_size, root() if not keys else b"")
+    elif not edge:  # nothing new (a prompt's keys are all known: its chunks end on the boundaries they reach)
+        return
     cache = alloc.cache
     assert cache is not None
-    if cache.block_of.get(blocks[-1]) in cache.states:
-        alloc.cache_blocks(seq, blocks, None)
+    if not edge or cache.block_of.get(keys[n - 1]) in cache.states:
+        alloc.cache_blocks(seq, keys[:n], None)
     else:
-        alloc.cache_blocks(seq, blocks, stepper.save_slot(group, alloc.slot_of[seq]))
+        alloc.cache_blocks(seq, keys[:n], stepper.save_slot(group, alloc.slot_of[seq]))

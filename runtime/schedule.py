@@ -380,7 +380,7 @@ class Scheduler:
             r.request.on_logits(start, logits[:keep])
         r.consumed = start + keep
         if self.prefix_cache:
-            self._cache_prefix(r, clean=a == len(drafts))
+            self._cache_prefix(r, drafts[:a], clean=a == len(drafts))
         if caught_up and r.request.max_tokens == 0:  # prompt scoring: the prompt has run
             self._finish(r, "length")
         elif caught_up:  # the accepted drafts, then the target's own token
@@ -473,12 +473,13 @@ class Scheduler:
                 n = edge - r.consumed
         return n
 
-    def _cache_prefix(self, r: Running, clean: bool) -> None:
-        """After a step of `r` that left no rejected draft's writes (`clean`): cache its full blocks,
-        prompt and generated, with its slot state if it ends on a block boundary (runtime/prefix_gen.py)."""
-        if clean and r.keys is not None:
-            a, image = self.allocs[r.group], r.request.image
-            cache_fed(self.stepper, a, r.group, r.seq, r.keys, r.out.tokens, r.consumed, lambda: image_root(image))
+    def _cache_prefix(self, r: Running, accepted: list[int], clean: bool) -> None:
+        """After a step of `r` that fed its committed tokens and `accepted` drafts, `clean` if it left
+        no rejected draft's writes: cache the full blocks it completed, prompt and generated, with
+        its slot state where it ends on a block boundary (runtime/prefix_gen.py)."""
+        if r.keys is not None:
+            a, image, fed = self.allocs[r.group], r.request.image, r.out.tokens + accepted if accepted else r.out.tokens
+            cache_fed(self.stepper, a, r.group, r.seq, r.keys, fed, r.consumed, clean, lambda: image_root(image))
 
     def _blocks_for(self, r: Running) -> int:
         """KV blocks a request needs: its prompt and every generated token but the last."""

@@ -188,6 +188,59 @@ def test_generated_blocks_are_cached_and_a_next_turn_starts_past_the_answer():
     assert second.generated == [4, 5, 6, 7]
 
 
+class RingCounting(SlotCounting):
+    """`SlotCounting` with room for a verify step (`slack`): what a rejected draft fed stays in the
+    slot's state past the committed end, as a bundle's rings keep it, until a step from there on."""
+
+    slack = 3
+
+    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False):
+        for seq, _, start in rows_by_group[0]:
+            del self.fed.setdefault(allocs[0].slot_of[seq], [])[start:]
+        return super().run(rows_by_group, allocs, histories, images, capture, last_only)
+
+
+class Guessing:
+    """A drafter over `Counting`: each token's successor, the last draft wrong on every other call."""
+
+    block, capture = 3, None
+
+    def __init__(self):
+        self.calls = 0
+
+    def draft(self, requests):
+        self.calls += 1
+        out = {}
+        for q in requests:
+            d = [(q.tokens[-1] + 1 + i) % 32 for i in range(q.n)]
+            if self.calls % 2 and d:
+                d[-1] = 3  # never Counting's choice here
+            out[q.seq] = d
+        return out
+
+
+def test_verify_steps_keep_a_state_only_where_every_draft_was_accepted():
+    """A speculative sequence's blocks are all cached, and each state kept is the slot's right at
+    its block's end: never one after a verify step that rejected a draft (its state holds the
+    rejected positions too). A next turn starts from the last block with a state."""
+    model = RingCounting(chunk=6, block_size=4, blocks=17, max_blocks=8, slots=4)
+    engine = Engine(model, eos=1, max_queue=4, prefix_cache=True, drafter=Guessing())
+    prompt = [5 + i for i in range(6)]
+    first = run_alone(engine, prompt, 16)
+    assert first.generated == list(range(11, 27))
+    s = engine.scheduler.speculation
+    assert s.verify_steps > 0 and 0 < s.accepted < s.drafted  # some drafts were rejected
+    cache = engine.scheduler.allocs[0].cache
+    assert cache is not None
+    keys = block_keys(first.tokens[:-1], 4, root_key())  # the last token was never fed
+    assert len(keys) == 5 and all(k in cache.block_of for k in keys)
+    states = {j: cache.states[cache.block_of[k]] for j, k in enumerate(keys) if cache.block_of[k] in cache.states}
+    assert all(state == list(range(4 * (j + 1))) for j, state in states.items()), states
+    assert max(states) >= 2  # a generated block's state
+    second = run_alone(engine, first.tokens + [3, 3], 2)
+    assert second.cached_tokens == 4 * (max(states) + 1)
+
+
 # --- a compiled bundle through the engine ---------------------------------------------------------------
 
 NEW = 8

@@ -14,9 +14,10 @@ block that ends a step, a copy of the sequence's per-slot state right after that
 boundary on. Generated tokens are cached too: a block that a decode step fills (the fed tokens,
 prompt then generated, continue the key chain: `extend_keys`) is kept with the state after that
 step, so a chat's next turn, whose prompt repeats the previous answer, reuses the answer's blocks
-(runtime/prefix_gen.py says which steps keep one). Block boundaries are multiples of every compression ratio (`check_block_size`), so no
-partial group straddles one, and a sequence writes only entries of the blocks its own positions
-fall in: the shared blocks before its boundary are never written again.
+(runtime/prefix_gen.py says which steps keep one). Block boundaries are multiples of every
+compression ratio (`check_block_size`), so no partial group straddles one, and a sequence writes
+only entries of the blocks its own positions fall in: the shared blocks before its boundary are
+never written again.
 
 `BlockCache` is the bookkeeping of one pool (`regions.stepper.Allocator` owns one): which block
 holds which key, how many sequences hold each cached block, and, least recently released first,

@@ -9,13 +9,16 @@ generated). Every full block a step completes is cached; a step that ends on a b
 keeps the slot state there with the last block if it ended `clean`:
 
 - a prompt chunk (chunks that reach a block boundary end at it, `Scheduler._chunk_of`);
-- a plain decode step: its one fed token is the last one generated, so the step after the one that
-  wrote position k * block_size - 1 ends on a boundary and its slot state is the state there;
+- a plain decode step: it feeds one token, the last generated, so the step that feeds position
+  k * block_size - 1 ends on the boundary and its slot state is the state there;
 - a verify step whose drafts were all accepted (every position it wrote is committed).
 
 A verify step that rejected a draft is not clean: its slot's rings also hold what the rejected drafts
 wrote past the committed end, so no state is kept after it (its blocks are cached without one: a
-hit reaches past them only to a later block with a state). The fed tokens are the committed ones
+hit reaches past them only to a later block with a state). This is the cautious rule: a clean
+step's state can still hold rows that an earlier step's rejected drafts wrote past its end, which
+a hit then runs on from exactly as the sequence itself does (`Scheduler` says why nothing needs
+restoring). The fed tokens are the committed ones
 and a verify step's accepted drafts (`Completion.tokens` gets those only after the step). The last
 generated token is never fed, so it is never in a cached block; a next turn's prompt that repeats
 the answer feeds it itself.

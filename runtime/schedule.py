@@ -478,7 +478,8 @@ class Scheduler:
         no rejected draft's writes: cache the full blocks it completed, prompt and generated, with
         its slot state where it ends on a block boundary (runtime/prefix_gen.py)."""
         if r.keys is not None:
-            a, image, fed = self.allocs[r.group], r.request.image, r.out.tokens + accepted if accepted else r.out.tokens
+            a, image = self.allocs[r.group], r.request.image
+            fed = r.out.tokens + accepted if accepted else r.out.tokens  # the step emits `accepted` after this
             cache_fed(self.stepper, a, r.group, r.seq, r.keys, fed, r.consumed, clean, lambda: image_root(image))
 
     def _blocks_for(self, r: Running) -> int:

@@ -323,23 +323,26 @@ def test_a_short_pool_evicts_unheld_blocks_and_never_a_held_one(run_exported_bun
     engine = engine_of(executor, prefix_cache=True)
     a = engine.scheduler.allocs[0]
     with torch.inference_mode():
-        run_alone(engine, prompts[0], NEW)  # caches its 2 full prompt blocks of 4
-        run_alone(engine, other, NEW)  # and 2 more: 4 cached, none held, 2 free
+        # caches 3 of its 4 blocks: its 2 full prompt blocks, and the third (positions 32-47) its decode filled
+        run_alone(engine, prompts[0], NEW)
+        run_alone(engine, other, NEW)  # and 2 more: 5 cached, none held, 1 free
         held_keys = block_keys(prompts[0], 16, root_key())[:2]
-        assert a.cache is not None and len(a.cache) == 4 and a.cache.evicted == 0
-        hit = engine.submit(Request(prompts[3], NEW))  # holds the first prompt's 2 blocks, takes the 2 free
-        late = engine.submit(Request(small, NEW))  # needs 2: only by evicting `other`'s
+        assert a.cache is not None and len(a.cache) == 5 and a.cache.evicted == 0
+        # holds the first prompt's 2 blocks (its 45 tokens reach 2 keys), takes the free one, then evicts
+        # the least recently released: the first prompt's third block, then `other`'s, as `late` needs 2
+        hit = engine.submit(Request(prompts[3], NEW))
+        late = engine.submit(Request(small, NEW))
         for _ in range(200):
             if not engine.scheduler.busy:
                 break
             engine.step()
             if hit.finish_reason is None:  # the blocks it holds stay cached while it runs
                 assert all(k in a.cache.block_of for k in held_keys)
-        assert a.cache.evicted == 2 and all(k in a.cache.block_of for k in held_keys)
+        assert a.cache.evicted == 3 and all(k in a.cache.block_of for k in held_keys)
         again = run_alone(engine, other, NEW)  # its blocks were evicted: a miss, the same tokens
     assert (hit.cached_tokens, late.cached_tokens, again.cached_tokens) == (32, 0, 0)
     assert [hit.generated, late.generated, again.generated] == [expected[3], small_out, other_out]
-    assert metric(engine, "deepinfer_prefix_cache_evicted_blocks_total") >= 2
+    assert metric(engine, "deepinfer_prefix_cache_evicted_blocks_total") >= 3
 
 
 def test_a_next_turn_reuses_the_answers_blocks_and_its_tokens_are_the_uncached_ones(executor):

@@ -370,10 +370,10 @@ def test_a_next_turn_reuses_the_answers_blocks_and_its_tokens_are_the_uncached_o
 
 def test_the_server_reports_cached_tokens_and_no_prefix_cache_turns_it_off(aoti_bundle):
     """A real server (the openai client): a prompt, one sharing 36 of its 40 tokens, the first again,
-    then a chat's two turns: the first prompt answered with 25 tokens (64 positions fed: blocks 2
-    and 3 are the answer's), and a next turn that repeats prompt and answer and adds 3 tokens. The
-    cached server's texts are the uncached one's; it reports the prompt's two blocks reused, then
-    the answer's two as well.
+    then a chat's two turns: another 40-token prompt answered with 25 tokens (64 positions fed:
+    blocks 2 and 3 are the answer's), and a next turn that repeats prompt and answer and adds 3
+    tokens. The cached server's texts are the uncached one's; it reports the first prompt's two
+    blocks reused, then the opening's four, the answer's two among them.
 
     The turns are token prompts to /v1/completions, not /v1/chat/completions: the tiny model's
     byte-level tokenizer does not give a random model's answer back (ids outside its 256 bytes
@@ -387,11 +387,13 @@ def test_the_server_reports_cached_tokens_and_no_prefix_cache_turns_it_off(aoti_
     rng = random.Random(3)
     base = [rng.randrange(3, 250) for _ in range(40)]
     near = base[:36] + [rng.randrange(3, 250) for _ in range(4)]
+    chat = random.Random(21)  # an opening whose greedy answer runs 25 tokens without an eos
+    opening = [chat.randrange(3, 250) for _ in range(40)]
     with torch.inference_mode():
-        answer = run_alone(engine_of(load(aoti_bundle), prefix_cache=False), base, 25)
+        answer = run_alone(engine_of(load(aoti_bundle), prefix_cache=False), opening, 25)
     assert answer.finish_reason == "length"
-    turn = base + answer.generated + [rng.randrange(3, 250) for _ in range(3)]
-    asks = [(base, 6), (near, 6), (base, 6), (base, 25), (turn, 6)]
+    turn = opening + answer.generated + [chat.randrange(3, 250) for _ in range(3)]
+    asks = [(base, 6), (near, 6), (base, 6), (opening, 25), (turn, 6)]
     seen = {}
     for flags in ((), ("--no-prefix-cache",)):
         server = Server(aoti_bundle, *flags)
@@ -407,6 +409,6 @@ def test_the_server_reports_cached_tokens_and_no_prefix_cache_turns_it_off(aoti_
         finally:
             assert server.stop() == 0, server.proc.stderr.read()
     (texts, cached, hits), (plain_texts, plain_cached, plain_hits) = seen[()], seen[("--no-prefix-cache",)]
-    assert cached == [0, 32, 32, 32, (len(base) + 25 - 1) // 16 * 16] == [0, 32, 32, 32, 64] and hits == 160
+    assert cached == [0, 32, 32, 0, (len(opening) + 25 - 1) // 16 * 16] == [0, 32, 32, 0, 64] and hits == 128
     assert plain_cached == [0] * 5 and plain_hits == 0
     assert texts == plain_texts

@@ -9,11 +9,15 @@ paged state (compressed KV, index keys) in those blocks.
 What a block's key does not cover is the per-slot state at its end: the window ring (whose latents
 at a position depend, layer by layer, on every earlier token, so re-running the last window of
 tokens cannot rebuild it) and the compressor's partial groups. The cache therefore keeps, with the
-block that ends a prefill step, a copy of the sequence's per-slot state right after that step
+block that ends a step, a copy of the sequence's per-slot state right after that step
 (`Stepper.save_slot`): a hit restores it into the new sequence's slot and prefills from the block
-boundary on. Block boundaries are multiples of every compression ratio (`check_block_size`), so no
-partial group straddles one, and a sequence writes only entries of the blocks its own positions
-fall in: the shared blocks before its boundary are never written again.
+boundary on. Generated tokens are cached too: a block that a decode step fills (the fed tokens,
+prompt then generated, continue the key chain: `extend_keys`) is kept with the state after that
+step, so a chat's next turn, whose prompt repeats the previous answer, reuses the answer's blocks
+(runtime/prefix_gen.py says which steps keep one). Block boundaries are multiples of every
+compression ratio (`check_block_size`), so no partial group straddles one, and a sequence writes
+only entries of the blocks its own positions fall in: the shared blocks before its boundary are
+never written again.
 
 `BlockCache` is the bookkeeping of one pool (`regions.stepper.Allocator` owns one): which block
 holds which key, how many sequences hold each cached block, and, least recently released first,
@@ -56,14 +60,22 @@ def root_key(image: tuple[bytes, bytes] | None = None) -> bytes:
 
 def block_keys(tokens: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
     """The keys of every full block of `tokens` (a block of `block_size` tokens, from position 0)."""
-    keys, parent = [], root
-    for j in range(len(tokens) // block_size):
+    keys: list[bytes] = []
+    extend_keys(keys, tokens, block_size, root)
+    return keys
+
+
+def extend_keys(keys: list[bytes], tokens: Sequence[int], block_size: int, root: bytes) -> None:
+    """Append to `keys`, the keys of the first len(keys) full blocks of `tokens`, those of its
+    further full blocks: the chain goes on from its last key (from `root` when empty), so a
+    sequence's keys grow with its generated tokens as `block_keys` of all its tokens would."""
+    parent = keys[-1] if keys else root
+    for j in range(len(keys), len(tokens) // block_size):
         h = hashlib.blake2b(digest_size=16)
         _part(h, b"parent", parent)
         _part(h, b"tokens", struct.pack(f"<{block_size}q", *tokens[j * block_size : (j + 1) * block_size]))
         parent = h.digest()
         keys.append(parent)
-    return keys
 
 
 @dataclass(eq=False)

@@ -28,10 +28,11 @@ block: the next verify step carries the new token and a full block of fresh draf
 runs through the target twice. What a rejected draft wrote is left in place (`Scheduler` says why
 nothing needs restoring), so the model's per-slot rings must have room for a block (`Stepper.slack`).
 
-With `prefix_cache` (serving), full prompt blocks are cached under the hash chain of their tokens
-with the slot state at the end of the prefill step that filled them, and a request whose prompt
-starts with cached blocks holds them, gets that state back in its slot and prefills the rest only
-(regions/prefix.py, docs/serving.md).
+With `prefix_cache` (serving), full blocks, of the prompt and of the generated tokens, are cached
+under the hash chain of their tokens with the slot state at the end of the step that filled them,
+and a request whose prompt starts with cached blocks (a chat's next turn: the previous answer's too)
+holds them, gets that state back in its slot and prefills the rest only (regions/prefix.py,
+runtime/prefix_gen.py, docs/serving.md).
 
 `decode` is the batch policy (submit every prompt, then drain); `runtime/serving/engine.py` runs the same
 scheduler on a thread for the server, `Events` reporting what it does to the server's metrics.
@@ -55,6 +56,7 @@ from deepinfer.regions.prefix import SlotState, block_keys, root_key
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.stepper import Allocator, Drafter, DraftRequest, OutOfBlocks, Row, Stepper
 from deepinfer.runtime.budget import StepTokens, check_budget, fed_split, plan_step
+from deepinfer.runtime.prefix_gen import cache_fed
 from deepinfer.runtime.requests import Completion, Completions, Request, SpeculationStats
 from deepinfer.runtime.sampling import sample
 
@@ -104,7 +106,7 @@ class Running:
     group: int = 0
     consumed: int = 0  # tokens fed to the model (committed)
     need_blocks: int = 0  # blocks admission set aside for the whole request (serving)
-    keys: list[bytes] | None = None  # its prompt's full blocks' keys (prefix caching)
+    keys: list[bytes] | None = None  # its fed tokens' full blocks' keys, the prompt's then more (prefix caching)
 
 
 # --- speculation ----------------------------------------------------------------------------------
@@ -245,7 +247,7 @@ class Scheduler:
 
     @property
     def prefix_cache(self) -> bool:
-        """Whether full prompt blocks are cached and shared (regions/prefix.py)."""
+        """Whether full blocks are cached and shared (regions/prefix.py)."""
         return self.allocs[0].cache is not None
 
     @property
@@ -378,7 +380,7 @@ class Scheduler:
             r.request.on_logits(start, logits[:keep])
         r.consumed = start + keep
         if self.prefix_cache:
-            self._cache_prefix(r)
+            self._cache_prefix(r, drafts[:a], clean=a == len(drafts))
         if caught_up and r.request.max_tokens == 0:  # prompt scoring: the prompt has run
             self._finish(r, "length")
         elif caught_up:  # the accepted drafts, then the target's own token
@@ -471,19 +473,14 @@ class Scheduler:
                 n = edge - r.consumed
         return n
 
-    def _cache_prefix(self, r: Running) -> None:
-        """After a step that fed `r` up to a block boundary inside its prompt: cache its full blocks,
-        keeping its slot state with the last (unless one is kept for that block already)."""
-        a, end = self.allocs[r.group], r.consumed
-        if r.keys is None or end % a.block_size or end > r.out.prompt_len or end == 0:
-            return
-        keys = r.keys[: end // a.block_size]
-        cache = a.cache
-        assert cache is not None
-        if cache.block_of.get(keys[-1]) in cache.states:
-            a.cache_blocks(r.seq, keys, None)
-        else:
-            a.cache_blocks(r.seq, keys, self.stepper.save_slot(r.group, a.slot_of[r.seq]))
+    def _cache_prefix(self, r: Running, accepted: list[int], clean: bool) -> None:
+        """After a step of `r` that fed its committed tokens and `accepted` drafts, `clean` if it left
+        no rejected draft's writes: cache the full blocks it completed, prompt and generated, with
+        its slot state where it ends on a block boundary (runtime/prefix_gen.py)."""
+        if r.keys is not None:
+            a, image = self.allocs[r.group], r.request.image
+            fed = r.out.tokens + accepted if accepted else r.out.tokens  # the step emits `accepted` after this
+            cache_fed(self.stepper, a, r.group, r.seq, r.keys, fed, r.consumed, clean, lambda: image_root(image))
 
     def _blocks_for(self, r: Running) -> int:
         """KV blocks a request needs: its prompt and every generated token but the last."""

@@ -96,6 +96,7 @@ RUNTIME_LOADS = [
     "deepinfer.runtime.generation",
     "deepinfer.runtime.loading",
     "deepinfer.runtime.options",
+    "deepinfer.runtime.prefix_gen",  # the scheduler's prefix caching at a step's end
     "deepinfer.runtime.requests",
     "deepinfer.runtime.sampling",
     "deepinfer.runtime.schedule",

@@ -20,7 +20,8 @@ the thread die, or each step take 0.25 s more (slow), or one step 3 s more (stal
 
 With a `drafter` (`deepinfer-serve --speculative dspark`), greedy requests decode speculatively:
 the same tokens as without. Sampled requests decode plainly. With `prefix_cache` (the server's
-default; `--no-prefix-cache`), full prompt blocks are shared between requests (regions/prefix.py).
+default; `--no-prefix-cache`), full blocks, prompt and generated, are shared between requests
+(regions/prefix.py, runtime/prefix_gen.py).
 """
 
 from __future__ import annotations

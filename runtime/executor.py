@@ -228,11 +228,11 @@ class Executor:
         with several ranks (`Comm.gather_logits` makes them whole). `capture`: what the step writes
         for the draft (`capture`)."""
         start = time.perf_counter()
-        invoke = self.invoker(batch.block_table.shape[1], stats, on_call, step_tokens=batch.tokens.shape[1])
         if capture is None and self.own_rows(batch) is not None:  # divided by rows (regions/rows.py)
             logits = self._divided(batch, stats, on_call)
             stats.record_step(batch, time.perf_counter() - start)
             return logits
+        invoke = self.invoker(batch.block_table.shape[1], stats, on_call, step_tokens=batch.tokens.shape[1])
         if self.host.embed is not None:
             h, pre = self.host.embed(batch.tokens, batch.is_image, batch.image_rows)
         else:  # a text-only step's zero image rows equal the last ones: the device staging skips them

@@ -42,20 +42,23 @@ def cache_fed(
     seq: int,
     keys: list[bytes],
     tokens: Sequence[int],
+    accepted: Sequence[int],
     end: int,
     clean: bool,
     root: Callable[[], bytes],
 ) -> None:
-    """After a step that fed sequence `seq` up to position `end` (`tokens[:end]`: prompt then
-    generated, a verify step's accepted drafts included): extend `keys` (the chain so far; `root()`
-    starts an empty one) over its full blocks and cache those it completed; a `clean` step that
-    ends on a block boundary also keeps the slot state with the last block (unless the cache keeps
-    one for that key already)."""
+    """After a step that fed sequence `seq` up to position `end` (the first `end` of `tokens`, its
+    committed ones, then of `accepted`, a verify step's accepted drafts, which the step emits after
+    this): extend `keys` (the chain so far; `root()` starts an empty one) over its full blocks and
+    cache those it completed; a `clean` step that ends on a block boundary also keeps the slot state
+    with the last block (unless the cache keeps one for that key already). The fed tokens are put
+    together only when a block is completed, not every step."""
     n, edge = end // alloc.block_size, clean and end % alloc.block_size == 0
     if n == 0:
         return
     if len(keys) < n:  # blocks of generated tokens this step completed
-        extend_keys(keys, tokens[:end], alloc.block_size, root() if not keys else b"")
+        fed = [*tokens, *accepted][:end]
+        extend_keys(keys, fed, alloc.block_size, root() if not keys else b"")
     elif not edge:  # nothing new (a prompt's keys are all known: its chunks end on the boundaries they reach)
         return
     cache = alloc.cache

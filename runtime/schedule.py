@@ -479,8 +479,8 @@ class Scheduler:
         its slot state where it ends on a block boundary (runtime/prefix_gen.py)."""
         if r.keys is not None:
             a, image = self.allocs[r.group], r.request.image
-            fed = r.out.tokens + accepted if accepted else r.out.tokens  # the step emits `accepted` after this
-            cache_fed(self.stepper, a, r.group, r.seq, r.keys, fed, r.consumed, clean, lambda: image_root(image))
+            tokens, end = r.out.tokens, r.consumed  # the step emits `accepted` after this
+            cache_fed(self.stepper, a, r.group, r.seq, r.keys, tokens, accepted, end, clean, lambda: image_root(image))
 
     def _blocks_for(self, r: Running) -> int:
         """KV blocks a request needs: its prompt and every generated token but the last."""

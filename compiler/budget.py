@@ -49,6 +49,7 @@ from deepinfer.compiler.plan import RegionPlan
 from deepinfer.compiler.pools import plan_pools
 from deepinfer.compiler.spec import Log, Spec
 from deepinfer.compiler.weights import host_bytes
+from deepinfer.regions.prefix import PREFIX_STATE_BUDGET, state_every
 from deepinfer.regions.state import Geometry, blocks_per_rank
 from deepinfer.units import human
 
@@ -117,6 +118,38 @@ def pool_bytes(p: Pool, geometry: Geometry, cp: int = 1) -> int:
 
 def pools_by_name(pools: dict[str, Pool], geometry: Geometry, cp: int = 1) -> dict[str, int]:
     return {name: pool_bytes(p, geometry, cp) for name, p in pools.items()}
+
+
+def slot_state_bytes(pools: dict[str, Pool]) -> int:
+    """One sequence slot's per-slot state on one rank (every `slots` pool's rows: the window rings,
+    the compressor's partial groups, a draft's features ring): what prefix caching keeps with a
+    cached block where it keeps one (regions/prefix.py)."""
+    return sum(
+        _nbytes((len(p.layers), *p.entry_shape), getattr(torch, p.dtype)) for p in pools.values() if p.dim == "slots"
+    )
+
+
+def prefix_state(pools: dict[str, Pool], budget: int = PREFIX_STATE_BUDGET) -> dict:
+    """`deepinfer plan`'s prefix cache figures: the slot state per rank, the blocks per kept state
+    within `budget` bytes a cached block (`regions.prefix.state_every`), the bytes kept per block."""
+    state = slot_state_bytes(pools)
+    every = state_every(state, budget)
+    return {
+        "slot_state_bytes": state,
+        "budget_bytes": budget,
+        "state_every_blocks": every,
+        "kept_bytes_per_block": state / every,
+    }
+
+
+def prefix_state_line(pools: dict[str, Pool]) -> str:
+    d = prefix_state(pools)
+    every = d["state_every_blocks"]
+    return (
+        f"  prefix cache: a slot's state is {human(d['slot_state_bytes'])} a rank, kept with every "
+        f"{every} cached block(s): {human(d['kept_bytes_per_block'])} a block (budget {human(d['budget_bytes'])}; "
+        f"a hit prefills at most {every - 1} block(s) again)"
+    )
 
 
 # -- scratch: a liveness pass over a lowered graph -------------------------------------------------

@@ -278,6 +278,7 @@ class BundlePlan:
             "prompt_cost": prompt_cost.report(self),
             "weights": self._weights_dict(),
             "pools": self._pools_dict(),
+            "prefix_cache": budget.prefix_state(self.pools),
             "scratch": self._scratch_dict(),
             "memory": {r: {**d.to_dict(), "fits": d.fits} for r, d in self.memory.items()},
             "bundle": {"bytes": self.bundle_bytes, "executables": None},
@@ -485,7 +486,7 @@ class BundlePlan:
                 f"  {name:<14} {len(p.layers):>3} layers x {p.dim:<6} x {list(p.entry_shape)} {p.dtype:<9} "
                 f"{human(self.memory[rank0].pools[name]):>12}" + self._pool_note(p)
             )
-        return out
+        return [*out, budget.prefix_state_line(self.pools)]
 
     def _scratch_lines(self) -> list[str]:
         if self.scratch is None:

@@ -29,17 +29,15 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from torch import Tensor
+from typing import Any
 
 KEY_VERSION = b"deepinfer-prefix-1"
 
-# what a stepper's `save_slot` returns and its `load_slot` takes back: copies of a slot's per-slot state by name
-SlotState = dict[str, "Tensor"]
+# what a stepper's `save_slot` returns and its `load_slot` takes back: on one rank, copies of a slot's
+# per-slot state by name (dict[str, Tensor]); over several ranks, a handle each rank keeps its own copy under
+SlotState = Any
 
 
 def _part(h, name: bytes, data: bytes) -> None:
@@ -78,19 +76,50 @@ def extend_keys(keys: list[bytes], tokens: Sequence[int], block_size: int, root:
         keys.append(parent)
 
 
+PREFIX_STATE_BUDGET = 1 << 20  # bytes of kept slot state per cached block, amortized (`state_every`)
+
+
+def state_every(state_bytes: int, budget_bytes: int) -> int:
+    """Blocks per kept slot state: a copy of `state_bytes` (one slot's per-slot state on one rank) kept
+    with every k-th cached block keeps at most `budget_bytes` per cached block, amortized. Re-running
+    a shorter tail cannot stand in for a kept state (the window ring's receptive field grows by a
+    window per layer: module doc), so the cut is the cost of a hit that reaches only the last kept
+    boundary before its prefix's end: at most k - 1 blocks prefilled again."""
+    return max(1, -(-state_bytes // max(1, budget_bytes)))
+
+
+Node = tuple[int, int]  # a cached block: (shard, block id in that shard's pool)
+
+
 @dataclass(eq=False)
 class BlockCache:
-    """Cached blocks of one pool: key <-> block, holders per block, the unheld ones in LRU order."""
+    """Cached blocks of one pool: key <-> block, holders per block, the unheld ones in LRU order.
 
-    block_of: dict[bytes, int] = field(default_factory=dict)
-    key_of: dict[int, bytes] = field(default_factory=dict)
-    holders: dict[int, int] = field(default_factory=dict)  # cached block -> sequences holding it
-    unheld: OrderedDict[int, None] = field(default_factory=OrderedDict)  # least recently released first
-    states: dict[int, SlotState] = field(default_factory=dict)  # block -> slot state at its end
+    A divided pool (`shards` > 1, one per cp rank) caches each block as (shard, block): a sequence's
+    block j lives in shard j % shards, so a key, which names its block's place in the chain, always
+    maps to the same shard. A slot state is kept with every `every`-th block of a chain only
+    (`state_every`); `forget` is told of each kept state that eviction drops (a bundle's ranks then
+    free their copies)."""
+
+    shards: int = 1
+    every: int = 1
+    forget: Callable[[SlotState], None] | None = None
+    block_of: dict[bytes, Node] = field(default_factory=dict)
+    key_of: dict[Node, bytes] = field(default_factory=dict)
+    holders: dict[Node, int] = field(default_factory=dict)  # cached block -> sequences holding it
+    unheld: list[OrderedDict[Node, None]] = field(default_factory=list)  # per shard, least recently released first
+    states: dict[Node, SlotState] = field(default_factory=dict)  # block -> slot state at its end
     evicted: int = 0  # blocks evicted so far
+
+    def __post_init__(self) -> None:
+        self.unheld = [OrderedDict() for _ in range(self.shards)]
 
     def __len__(self) -> int:
         return len(self.key_of)
+
+    def unheld_in(self, shard: int) -> int:
+        """Cached blocks of `shard` no sequence holds (evictable)."""
+        return len(self.unheld[shard])
 
     def match(self, keys: Sequence[bytes]) -> tuple[list[int], SlotState | None]:
         """The cached blocks of the longest prefix of `keys` that ends at a block with a saved slot
@@ -98,39 +127,45 @@ class BlockCache:
         blocks: list[int] = []
         best: tuple[list[int], SlotState | None] = ([], None)
         for key in keys:
-            b = self.block_of.get(key)
-            if b is None:
+            node = self.block_of.get(key)
+            if node is None:
                 break
-            blocks.append(b)
-            if b in self.states:
-                best = (list(blocks), self.states[b])
+            blocks.append(node[1])
+            if node in self.states:
+                best = (list(blocks), self.states[node])
         return best
 
-    def hold(self, block: int) -> None:
-        """One more sequence holds cached `block` (it is not evictable while held)."""
-        self.holders[block] += 1
-        self.unheld.pop(block, None)
+    def hold(self, node: Node) -> None:
+        """One more sequence holds cached `node` (it is not evictable while held)."""
+        self.holders[node] += 1
+        self.unheld[node[0]].pop(node, None)
 
-    def drop(self, block: int) -> None:
-        """A sequence lets go of cached `block`; unheld, it becomes the most recent eviction candidate."""
-        self.holders[block] -= 1
-        if not self.holders[block]:
-            self.unheld[block] = None
+    def drop(self, node: Node) -> None:
+        """A sequence lets go of cached `node`; unheld, it becomes the most recent eviction candidate."""
+        self.holders[node] -= 1
+        if not self.holders[node]:
+            self.unheld[node[0]][node] = None
 
-    def add(self, key: bytes, block: int) -> bool:
-        """Cache `block` (held by the one sequence that wrote it) under `key` -> False when the key
+    def add(self, key: bytes, node: Node) -> bool:
+        """Cache `node` (held by the one sequence that wrote it) under `key` -> False when the key
         is cached already (in another block; this one stays the sequence's own)."""
-        if key in self.block_of or block in self.key_of:
+        if key in self.block_of or node in self.key_of:
             return False
-        self.block_of[key], self.key_of[block], self.holders[block] = block, key, 1
+        self.block_of[key], self.key_of[node], self.holders[node] = node, key, 1
         return True
 
-    def evict(self) -> int | None:
-        """Forget the least recently released unheld block -> its id (now free), or None."""
-        if not self.unheld:
+    def keeps_state(self, blocks: int) -> bool:
+        """Whether the block that ends a chain's first `blocks` blocks is one a slot state is kept with."""
+        return blocks % self.every == 0
+
+    def evict(self, shard: int = 0) -> int | None:
+        """Forget the least recently released unheld block of `shard` -> its id (now free), or None."""
+        if not self.unheld[shard]:
             return None
-        block, _ = self.unheld.popitem(last=False)
-        del self.block_of[self.key_of.pop(block)], self.holders[block]
-        self.states.pop(block, None)
+        node, _ = self.unheld[shard].popitem(last=False)
+        del self.block_of[self.key_of.pop(node)], self.holders[node]
+        state = self.states.pop(node, None)
+        if state is not None and self.forget is not None:
+            self.forget(state)
         self.evicted += 1
-        return block
+        return node[1]

@@ -190,6 +190,9 @@ class EagerSteps:
             layer, name = key.split("/", 1)
             self.states[int(layer)][name][slot].copy_(rows)
 
+    def forget_slot(self, group: int, state: SlotState) -> None:
+        """Nothing to do: the copy is the state itself, gone with the cache's reference."""
+
     def run(
         self,
         rows_by_group: list[list[Row]],

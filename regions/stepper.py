@@ -13,7 +13,7 @@ nothing restored (`runtime/schedule.py`).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -59,19 +59,19 @@ class Allocator:
         self.block_size, self.max_blocks = block_size, max_blocks
         self.tables: dict[int, list[int]] = {}
         self.slot_of: dict[int, int] = {}
-        self.cache: BlockCache | None = None  # prefix caching (`use_prefix_cache`): one shard only
+        self.cache: BlockCache | None = None  # prefix caching (`use_prefix_cache`)
 
-    def use_prefix_cache(self) -> None:
+    def use_prefix_cache(self, every: int = 1, forget: Callable[[SlotState], None] | None = None) -> None:
         """Keep full blocks that `cache_blocks` names after their sequences end, for `match` to share
-        (regions/prefix.py); the unheld ones are evicted, least recently released first, when no
-        block is free."""
-        assert self.shards == 1, "prefix caching over a divided pool"
-        self.cache = BlockCache()
+        (regions/prefix.py), a slot state with every `every`-th; the unheld ones are evicted, least
+        recently released first, when their shard has no free block (`forget` is told of each kept
+        state eviction drops)."""
+        self.cache = BlockCache(shards=self.shards, every=every, forget=forget)
 
     def available(self, shard: int = 0) -> int:
         """Blocks a reservation in `shard` can still take: the free ones and the cached ones no
         sequence holds."""
-        return len(self.free[shard]) + (len(self.cache.unheld) if self.cache is not None else 0)
+        return len(self.free[shard]) + (self.cache.unheld_in(shard) if self.cache is not None else 0)
 
     def match(self, keys: Sequence[bytes]) -> tuple[list[int], SlotState | None]:
         """The cached blocks a prompt whose full blocks have `keys` can start from, and the slot
@@ -85,10 +85,14 @@ class Allocator:
         one first)."""
         cache = self.cache
         assert cache is not None and keys
-        for key, block in zip(keys, self.tables[seq]):
-            cache.add(key, block)
+        for j, (key, block) in enumerate(zip(keys, self.tables[seq])):
+            cache.add(key, (j % self.shards, block))
         if state is not None:
             cache.states.setdefault(cache.block_of[keys[-1]], state)
+
+    def node(self, seq: int, j: int) -> tuple[int, int]:
+        """Sequence `seq`'s block j as the cache names it: (its shard, its id there)."""
+        return j % self.shards, self.tables[seq][j]
 
     def blocks_in_use(self) -> int:
         """Blocks running sequences hold (a shared block once)."""
@@ -113,16 +117,16 @@ class Allocator:
             return False
         self.slot_of[seq] = self.free_slots.pop()
         self.tables[seq] = list(shared)
-        for b in shared:
+        for j in range(len(shared)):
             assert self.cache is not None
-            self.cache.hold(b)
+            self.cache.hold(self.node(seq, j))
         return True
 
     def _take(self, shard: int) -> int | None:
         """A free block of `shard`, else an evicted cached one, else None."""
         if self.free[shard]:
             return self.free[shard].pop()
-        return self.cache.evict() if self.cache is not None else None
+        return self.cache.evict(shard) if self.cache is not None else None
 
     def reserve(self, seq: int, positions: int) -> None:
         """Make sure sequence `seq` has blocks for its first `positions` positions."""
@@ -148,8 +152,8 @@ class Allocator:
     def release(self, seq: int) -> None:
         table = self.tables.pop(seq, [])
         for j in reversed(range(len(table))):  # a cached prefix's last blocks become the first evicted
-            if self.cache is not None and table[j] in self.cache.key_of:
-                self.cache.drop(table[j])
+            if self.cache is not None and (j % self.shards, table[j]) in self.cache.key_of:
+                self.cache.drop((j % self.shards, table[j]))
             else:
                 self.free[j % self.shards].append(table[j])
         if seq in self.slot_of:
@@ -256,6 +260,10 @@ class Stepper(Protocol):
 
     def load_slot(self, group: int, slot: int, state: SlotState) -> None:
         """Put back into `slot` what `save_slot` copied (from this or another slot)."""
+        ...
+
+    def forget_slot(self, group: int, state: SlotState) -> None:
+        """The prefix cache no longer keeps `state` (evicted): what holds its copies may free them."""
         ...
 
     def run(

@@ -13,9 +13,10 @@ hashes, never the rows). The bundle's compiled draft runs on it through `runtime
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +29,7 @@ from deepinfer.bundles.manifest import blocks_per_rank
 from deepinfer.regions import micro
 from deepinfer.regions.config import V41Config
 from deepinfer.regions.engram_hash import EngramHasher
+from deepinfer.regions.prefix import SlotState
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.step import (
     DTYPES,
@@ -42,9 +44,10 @@ from deepinfer.regions.step import (
 )
 from deepinfer.regions.stepper import Allocator, Capture, Row, bucket_at_least, make_batch, table_width
 from deepinfer.regions.topology import ENGRAM_KV
-from deepinfer.runtime import draft
+from deepinfer.runtime import draft, slot_store
 from deepinfer.runtime.backends import Placement
 from deepinfer.runtime.bundle import Bundle
+from deepinfer.runtime.slot_store import LOAD, SAVE, SlotRef, copy_slot, put_slot
 
 if TYPE_CHECKING:  # runtime.ranks loads executors, regions.drafting loads where a draft runs: types only
     from deepinfer.regions.drafting import DSparkDrafter
@@ -172,6 +175,8 @@ class Executor:
     draft_bound: Mapping[tuple[int, str], Binding]  # (stage, slot) -> binding of the draft's regions
     pools: Mapping[str, Tensor]
     states: Mapping[int, Mapping[str, Tensor]]  # layer -> state name -> its view of a pool
+    # prefix caching over several ranks: this rank's copies of saved slot states by id (runtime/slot_store.py)
+    slot_states: dict[int, dict[str, Tensor]] = field(default_factory=dict)
 
     @property
     def path(self) -> Path:
@@ -206,12 +211,16 @@ class Executor:
     def follow(self, stats: Stats) -> None:
         """Follower ranks: run the steps and draft steps the leader sends until it sends None (no
         sampling): each message is ("step", batches, capture?) or ("draft", batches), a batch per
-        token group; this rank runs its group's and joins the logits all-gather."""
+        token group (this rank runs its group's and joins the logits all-gather), or a prefix cache's
+        slot save or load (runtime/slot_store.py)."""
         comm = self.comm
         assert comm is not None, "a follower is one of several ranks"
         vocab = self.config.text.vocab_size
         with torch.inference_mode():
             while (message := comm.step()) is not None:
+                if message[0] == slot_store.SLOT:
+                    slot_store.apply(self, *message[1:])
+                    continue
                 what, batches, *flags = message
                 batch = batches[comm.group]
                 if what == draft.DRAFT_STEP:
@@ -388,6 +397,8 @@ class Steps:
     executor: Executor
     stats: Stats
     on_call: OnCall | None = None
+    ids: Iterator[int] = field(default_factory=itertools.count)  # slot states saved over several ranks
+    forgotten: list[int] = field(default_factory=list)  # their ids evicted since the last slot message
 
     @property
     def groups(self) -> int:
@@ -405,17 +416,34 @@ class Steps:
         s = self.executor.sizes  # a divided pool: one shard per cp rank, each of its own blocks
         return Allocator(s.num_slots, blocks_per_rank(s.num_blocks, s.divided), s.block_size, s.max_blocks, s.divided)
 
-    def save_slot(self, group: int, slot: int) -> dict[str, Tensor]:
-        """A copy of `slot`'s rows of every per-slot pool (one rank's: the followers' pools are theirs)."""
-        x = self.executor
-        assert x.comm is None, "a slot's state is saved on one rank only"
-        return {name: x.pools[name][:, slot].clone() for name, p in x.manifest.kv.pools.items() if p.dim == "slots"}
+    def save_slot(self, group: int, slot: int) -> SlotState:
+        """A copy of `slot`'s per-slot pools: on one rank the copies, over several a `SlotRef` every
+        rank of `group` keeps its own copy under (runtime/slot_store.py)."""
+        if self.executor.comm is None:
+            return copy_slot(self.executor, slot)
+        ref = SlotRef(next(self.ids))
+        self._slot_message(SAVE, group, slot, ref)
+        return ref
 
-    def load_slot(self, group: int, slot: int, state: dict[str, Tensor]) -> None:
+    def load_slot(self, group: int, slot: int, state: SlotState) -> None:
+        if self.executor.comm is None:
+            put_slot(self.executor, slot, state)
+        else:
+            self._slot_message(LOAD, group, slot, state)
+
+    def forget_slot(self, group: int, state: SlotState) -> None:
+        """The prefix cache evicted `state`: over several ranks its id is freed on every rank with the
+        next slot message."""
+        if isinstance(state, SlotRef):
+            self.forgotten.append(state.id)
+
+    def _slot_message(self, op: str, group: int, slot: int, ref: SlotRef) -> None:
         x = self.executor
-        assert x.comm is None, "a slot's state is loaded on one rank only"
-        for name, rows in state.items():
-            x.pools[name][:, slot].copy_(rows)
+        assert x.comm is not None
+        sent = slot_store.message(op, group, slot, ref, self.forgotten)
+        self.forgotten.clear()
+        x.comm.step(sent)
+        slot_store.apply(x, *sent[1:])
 
     @property
     def slack(self) -> int:

@@ -61,7 +61,8 @@ class ServeOptions(LoadOptions):
     model_name: str | None = None  # the model's id in the API (None: the bundle directory's name)
     on_loading: Callable[[str], None] | None = None  # called with a line naming what loads, once the address is bound
     on_ready: Callable[[str], None] | None = None  # called with a line naming the URL once it serves
-    prefix_cache: bool = True  # share full blocks (prompt, generated) between requests (one-rank; regions/prefix.py)
+    prefix_cache: bool = True  # share full blocks (prompt, generated) between requests (regions/prefix.py)
+    prefix_state_mib: float = 1.0  # slot state kept per cached block, amortized: one kept every k blocks
     max_step_tokens: int | None = None  # tokens a step feeds at most (runtime/budget.py; None: no budget)
     # HTTP limits (runtime/serving/limits.py)
     max_body_bytes: int = 16 << 20  # a request body over it: 413

@@ -52,11 +52,11 @@ from torch import Tensor
 
 from deepinfer.errors import DeepinferError
 from deepinfer.regions.config import V41Config
-from deepinfer.regions.prefix import SlotState, block_keys, root_key
+from deepinfer.regions.prefix import SlotState
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.stepper import Allocator, Drafter, DraftRequest, OutOfBlocks, Row, Stepper
+from deepinfer.runtime import prefix_gen
 from deepinfer.runtime.budget import StepTokens, check_budget, fed_split, plan_step
-from deepinfer.runtime.prefix_gen import cache_fed
 from deepinfer.runtime.requests import Completion, Completions, Request, SpeculationStats
 from deepinfer.runtime.sampling import sample
 
@@ -217,6 +217,7 @@ class Scheduler:
         events: Events | None = None,
         lock: AbstractContextManager | None = None,
         prefix_cache: bool = False,
+        prefix_state_every: int = 1,
         max_step_tokens: int | None = None,
     ):
         check_budget(max_step_tokens, drafter.block if drafter is not None else None)
@@ -230,8 +231,8 @@ class Scheduler:
         self.events = events or Events()
         self.lock = lock or nullcontext()
         self.allocs = [stepper.allocator() for _ in range(stepper.groups)]
-        if prefix_cache and len(self.allocs) == 1 and self.allocs[0].shards == 1:  # one undivided pool
-            self.allocs[0].use_prefix_cache()
+        if prefix_cache:
+            prefix_gen.use_prefix_cache(stepper, self.allocs, prefix_state_every)
         self.waiting: deque[Running] = deque()
         self.running: dict[int, Running] = {}
         self.speculation = SpeculationStats()
@@ -423,12 +424,12 @@ class Scheduler:
                 self._finish(r, "cancelled")
             while self.waiting:
                 r = self.waiting[0]
-                shared, state = self._match(r)
+                hit, shared, state = self._match(r)
                 need = self._blocks_for(r) if self.reserve_whole else 0
-                # a hit takes fewer new blocks, but holds its cached ones, which no one may then evict
-                cache = self.allocs[0].cache
-                held = sum(b in cache.unheld for b in shared) if cache is not None else 0
-                g = self._group_for(need - len(shared) + held if self.reserve_whole else 0)
+                g = self._group_for(need, hit, shared)
+                if g is None and hit is not None:  # the group holding its prefix is full: elsewhere, uncached
+                    shared, state = [], None
+                    g = self._group_for(need)
                 if g is None:
                     if self.running:
                         break
@@ -447,58 +448,58 @@ class Scheduler:
 
     # -- prefix caching (regions/prefix.py) ------------------------------------------------------
 
-    def _match(self, r: Running) -> tuple[list[int], SlotState | None]:
-        """The cached blocks `r` can start from and the slot state at their end (none for a request
-        that keeps or is handed every position's logits: the prompt's logprobs need every row); at
-        least its last prompt token is left to prefill."""
+    def _match(self, r: Running) -> tuple[int | None, list[int], SlotState | None]:
+        """The token group whose cache holds the longest prefix `r` can start from, its cached blocks
+        and the slot state at their end (none for a request that keeps or is handed every position's
+        logits: the prompt's logprobs need every row); at least its last prompt token is left to prefill."""
         if not self.prefix_cache or r.request.keep_logits or r.request.on_logits is not None:
-            return [], None
-        a = self.allocs[0]
+            return None, [], None
+        bs = self.allocs[0].block_size
         if r.keys is None:
-            r.keys = block_keys(r.request.prompt, a.block_size, image_root(r.request.image))
-        return a.match(r.keys[: (len(r.request.prompt) - 1) // a.block_size])
+            r.keys = prefix_gen.prompt_keys(r.request.prompt, bs, r.request.image)
+        return prefix_gen.best_hit(self.allocs, r.keys[: (len(r.request.prompt) - 1) // bs])
 
     def _chunk_of(self, r: Running, limit: int | None = None) -> int:
         """Tokens `r` feeds this step: its next prompt chunk (at most `limit` tokens: what is left of
-        the step's budget) or its unfed token. With prefix caching a prompt chunk that reaches a block
-        boundary ends at the last one it reaches, so the slot state at that boundary can be kept with
-        the cached blocks (`_cache_prefix`); one that reaches none runs as it is."""
+        the step's budget) or its unfed token. With prefix caching a prompt chunk ends at the last
+        block boundary it reaches, one that keeps a slot state where it can (`prefix_gen.chunk_end`),
+        so the blocks are cached as it ends, with the state where one is kept (`_cache_prefix`)."""
         n = min(self.stepper.chunk, len(r.out.tokens) - r.consumed)
         if limit is not None:
             n = min(n, limit)
         if self.prefix_cache and r.consumed < r.out.prompt_len:
-            bs = self.allocs[r.group].block_size
-            edge = (r.consumed + n) // bs * bs
-            if edge > r.consumed:
-                n = edge - r.consumed
+            n = prefix_gen.chunk_end(r.consumed, n, self.allocs[r.group])
         return n
 
     def _cache_prefix(self, r: Running, accepted: list[int], clean: bool) -> None:
         """After a step of `r` that fed its committed tokens and `accepted` drafts, `clean` if it left
         no rejected draft's writes: cache the full blocks it completed, prompt and generated, with
         its slot state where it ends on a block boundary (runtime/prefix_gen.py)."""
-        if r.keys is not None:
-            a, image = self.allocs[r.group], r.request.image
-            tokens, end = r.out.tokens, r.consumed  # the step emits `accepted` after this
-            cache_fed(self.stepper, a, r.group, r.seq, r.keys, tokens, accepted, end, clean, lambda: image_root(image))
+        if r.keys is not None:  # the step emits `accepted` after this
+            a, seq = self.allocs[r.group], r.seq
+            prefix_gen.cache_fed(
+                self.stepper, a, r.group, seq, r.keys, r.out.tokens, accepted, r.consumed, clean, r.request.image
+            )
 
     def _blocks_for(self, r: Running) -> int:
         """KV blocks a request needs: its prompt and every generated token but the last."""
         a = self.allocs[0]
         return -(-(len(r.request.prompt) + max(r.request.max_tokens, 1) - 1) // a.block_size)
 
-    def _group_for(self, need: int) -> int | None:
+    def _group_for(self, need: int, hit: int | None = None, shared: Sequence[int] = ()) -> int | None:
         """The least loaded token group that can take a request needing `need` blocks, or None (blocks
-        counted per shard of the group's pool: a divided pool's cp ranks each hold their own)."""
+        counted per shard of the group's pool: a divided pool's cp ranks each hold their own); with a
+        prefix `hit`, that group only, the request starting from its cached blocks `shared`."""
         load = [0] * len(self.allocs)
         claims = [[0] * a.shards for a in self.allocs]
         for seq, r in self.running.items():
             load[r.group] += 1
             held = self.allocs[r.group].shard_counts(r.need_blocks, start=len(self.allocs[r.group].tables[seq]))
             claims[r.group] = [c + h for c, h in zip(claims[r.group], held)]
-        for g in sorted(range(len(self.allocs)), key=lambda i: load[i]):
+        for g in sorted(range(len(self.allocs)), key=lambda i: load[i]) if hit is None else [hit]:
             a = self.allocs[g]
-            room = all(a.available(s) - c >= n for s, (c, n) in enumerate(zip(claims[g], a.shard_counts(need))))
+            takes = prefix_gen.hit_takes(a, shared, need) if hit is not None else a.shard_counts(need)
+            room = all(a.available(s) - c >= n for s, (c, n) in enumerate(zip(claims[g], takes)))
             if load[g] < self.stepper.max_batch and a.free_slots and room:
                 return g
         return None
@@ -522,17 +523,9 @@ class Scheduler:
 
     def _report(self) -> None:
         self.events.load(len(self.running), len(self.waiting), sum(a.blocks_in_use() for a in self.allocs))
-        cache = self.allocs[0].cache
-        if cache is not None:
-            self.events.prefix_cache(len(cache), cache.evicted)
-
-
-def image_root(image: ImageEmbeds | None) -> bytes:
-    """The key root of a prompt (regions/prefix.py): its image positions and rows, if any."""
-    if image is None:
-        return root_key()
-    rows = image.embeds.detach().to("cpu", torch.float32).contiguous()
-    return root_key((image.mask.to("cpu").numpy().tobytes(), rows.numpy().tobytes()))
+        caches = [a.cache for a in self.allocs if a.cache is not None]
+        if caches:
+            self.events.prefix_cache(sum(map(len, caches)), sum(c.evicted for c in caches))
 
 
 def decode(

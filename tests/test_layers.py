@@ -100,6 +100,7 @@ RUNTIME_LOADS = [
     "deepinfer.runtime.requests",
     "deepinfer.runtime.sampling",
     "deepinfer.runtime.schedule",
+    "deepinfer.runtime.slot_store",  # prefix caching's slot states on every rank (the executor's followers)
     "deepinfer.schema",
 ]
 REGION_CLASSES = [

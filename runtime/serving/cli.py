@@ -34,8 +34,17 @@ HTTP_LIMITS = ("max_body_bytes", "max_connections", "header_timeout_s", "body_ti
 @click.option(
     "--no-prefix-cache",
     is_flag=True,
-    help="Do not share the KV blocks of prompt prefixes between requests (prefix caching is on for "
-    "one-rank bundles otherwise).",
+    help="Do not share the KV blocks of prompt prefixes between requests (prefix caching is on otherwise, "
+    "at every rank layout).",
+)
+@click.option(
+    "--prefix-state-mib",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Slot state (window rings, partial groups) the prefix cache keeps per cached block on each rank, "
+    "amortized: a state is kept with every k-th block, k the slot state over this; a hit then prefills "
+    "at most k - 1 blocks again. `deepinfer plan` prints the slot state and k.",
 )
 @click.option(
     "--max-body-bytes",
@@ -84,7 +93,7 @@ HTTP_LIMITS = ("max_body_bytes", "max_connections", "header_timeout_s", "body_ti
 @click.option("--max-step-tokens", type=click.IntRange(min=1), default=None, metavar="N", help=STEP_TOKENS_HELP)
 @bundle_options
 @user_errors
-def main(bundle, host, port, max_queue, model_name, no_prefix_cache, max_step_tokens, **load):
+def main(bundle, host, port, max_queue, model_name, no_prefix_cache, prefix_state_mib, max_step_tokens, **load):
     """Serve BUNDLE over the OpenAI HTTP API with continuous batching.
 
     POST /v1/completions and /v1/chat/completions (stream: true for server-sent
@@ -112,6 +121,7 @@ def main(bundle, host, port, max_queue, model_name, no_prefix_cache, max_step_to
         max_queue=max_queue,
         model_name=model_name,
         prefix_cache=not no_prefix_cache,
+        prefix_state_mib=prefix_state_mib,
         max_step_tokens=max_step_tokens,
         on_loading=lambda line: click.echo(line, err=True),
         on_ready=click.echo,

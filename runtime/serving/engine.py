@@ -226,6 +226,7 @@ class Engine:
         metrics: Metrics | None = None,
         drafter: Drafter | None = None,
         prefix_cache: bool = False,
+        prefix_state_every: int = 1,
         max_step_tokens: int | None = None,
     ):
         self.max_queue = max_queue
@@ -240,6 +241,7 @@ class Engine:
             events=self.events,
             lock=self._cond,
             prefix_cache=prefix_cache,
+            prefix_state_every=prefix_state_every,
             max_step_tokens=max_step_tokens,
         )
         a = self.scheduler.allocs[0]

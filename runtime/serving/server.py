@@ -26,12 +26,15 @@ import errno
 import json
 
 from deepinfer.errors import DeepinferError
+from deepinfer.regions.prefix import state_every
 from deepinfer.runtime.executor import Executor, Stats
 from deepinfer.runtime.options import ServeOptions
 from deepinfer.runtime.serving.engine import Engine, EngineStopped
 from deepinfer.runtime.serving.limits import FLUSH_S, Gate, Limits, Stopping, guarded_protocol
 from deepinfer.runtime.serving.params import error_body
 from deepinfer.runtime.serving.routes import Served, generation_routes, service_routes, tokenizer_routes
+from deepinfer.runtime.slot_store import slot_bytes
+from deepinfer.units import human
 
 __all__ = ["AddressError", "Served", "bind_address", "create_app", "serve"]
 
@@ -66,7 +69,7 @@ def serve(executor: Executor, tokenizer, options: ServeOptions, sock=None) -> No
     import signal
     import threading
 
-    engine, max_batch, prefix_cache = _engine(executor, options)
+    engine, max_batch, prefix = _engine(executor, options)
     model = options.model_name or executor.path.name
     gate = Gate(engine, options.watchdog_s)
     app = create_app(Served(engine, tokenizer, model, executor.config.text.vocab_size), gate)
@@ -87,7 +90,7 @@ def serve(executor: Executor, tokenizer, options: ServeOptions, sock=None) -> No
         if options.on_ready is not None:
             options.on_ready(
                 f"deepinfer-serve: {executor.path} as model {model!r} on {listen_url(options.host, sock)} "
-                f"(batch up to {max_batch}, queue {options.max_queue}, prefix cache {'on' if prefix_cache else 'off'})"
+                f"(batch up to {max_batch}, queue {options.max_queue}, prefix cache {prefix})"
             )
         server.run(sockets=[sock])
     except _Stopped:
@@ -102,22 +105,26 @@ def serve(executor: Executor, tokenizer, options: ServeOptions, sock=None) -> No
         raise EngineStopped(f"deepinfer-serve: the engine stopped: {engine.dead}")
 
 
-def _engine(executor: Executor, options: ServeOptions) -> tuple[Engine, int, bool]:
+def _engine(executor: Executor, options: ServeOptions) -> tuple[Engine, int, str]:
     """The engine over `executor`'s steps (and its draft, with options.speculative) -> (it, the
-    largest batch a step takes, whether it keeps a prefix cache)."""
+    largest batch a step takes, its prefix cache in words)."""
     stats = Stats()
     steps = executor.steps(stats)
     drafter = executor.dspark(stats) if options.speculative else None
-    prefix_cache = options.prefix_cache and executor.comm is None  # a slot's state is saved on one rank
+    prefix_cache = options.prefix_cache
+    state = slot_bytes(executor)
+    every = state_every(state, int(options.prefix_state_mib * (1 << 20)))
     engine = Engine(
         steps,
         eos=executor.config.eos_token_id,
         max_queue=options.max_queue,
         drafter=drafter,
         prefix_cache=prefix_cache,
+        prefix_state_every=every,
         max_step_tokens=options.max_step_tokens,
     )
-    return engine, steps.max_batch, prefix_cache
+    kept = f"on, a slot state of {human(state)} kept every {every} block(s)" if prefix_cache else "off"
+    return engine, steps.max_batch, kept
 
 
 class AddressError(DeepinferError):

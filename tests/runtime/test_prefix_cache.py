@@ -72,7 +72,7 @@ def test_cached_blocks_are_shared_held_and_released_to_the_lru():
     assert a.available() == 1  # 5 usable: 3 of seq 0 (2 shared), 1 of seq 1's own
     a.release(0)
     assert a.cache is not None
-    assert list(a.cache.unheld) == [a.cache.block_of[keys[2]]]  # seq 1 still holds the first two
+    assert list(a.cache.unheld[0]) == [a.cache.block_of[keys[2]]]  # seq 1 still holds the first two
     a.release(1)
     assert len(a.cache) == 3 and a.available() == 5
 
@@ -120,6 +120,7 @@ class SlotCounting(Counting):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.fed: dict[int, list[int]] = {}  # slot -> positions fed so far
+        self.forgotten: list[list[int]] = []  # states the cache evicted, in order
 
     def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False):
         for seq, ids, start in rows_by_group[0]:
@@ -136,6 +137,9 @@ class SlotCounting(Counting):
 
     def load_slot(self, group, slot, state):
         self.fed[slot] = list(state)
+
+    def forget_slot(self, group, state):
+        self.forgotten.append(state)
 
 
 def run_alone(engine: Engine, prompt: list[int], max_tokens: int, limit: int = 200) -> Completion:

@@ -18,9 +18,10 @@ Prefix caching: `--prefix-requests` requests of 120 token ids (`--prefix-len`) s
 96 (`--shared`, 80%) go one
 at a time after one request that fills the cache with that prefix, against as many requests of
 the same length with prefixes of their own (misses); `ttft_shared_prefix_cached_over_uncached` is
-the ratio of their median times to first token (target <= 0.5), each request's
+the ratio of their median times to first token (target <= 0.4), each request's
 `usage.prompt_tokens_details.cached_tokens` checked (96 on a hit, 0 on a miss). `--prefix-only`
-runs just that.
+runs just that; `--cp2` runs it on a cp = ep = 2 bundle too (`--bundle-cp2`, compiled from
+examples/tiny/model_serve_cp2.toml when absent), `ttft_shared_prefix_cached_over_uncached_cp2`.
 
 Structured output: the same prompts through `--structured-clients` concurrent clients twice, plain
 and with a JSON schema (`response_format`; one string property the model fills until `max_tokens`,
@@ -164,6 +165,20 @@ def shared_prefix(url: str, requests: int, length: int = PREFIX_LEN, shared: int
     }
 
 
+def prefix_at_ranks(args) -> dict:
+    """`shared_prefix` on the cp = ep = 2 bundle (`--bundle-cp2`, compiled from `--toml-cp2` when
+    absent): deepinfer-serve leads its follower, the slot states saved on both ranks."""
+    from deepinfer.runtime.serving.server_process import ServerProcess
+
+    ensure_bundle(args.bundle_cp2, args.toml_cp2)
+    server = ServerProcess(args.bundle_cp2, "--model-name", MODEL, "--threads", str(args.threads))
+    try:
+        level(server.url, 2, PROMPTS, 4)  # warm-up
+        return {**shared_prefix(server.url, args.prefix_requests, args.prefix_len, args.shared), "ranks": 2}
+    finally:
+        server.stop()
+
+
 def server_itl(url: str) -> tuple[float, float]:
     """The server's inter-token latency histogram so far: (sum of seconds, count)."""
     samples = server_metrics(url, TIMEOUT_S)
@@ -228,6 +243,9 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=PREFIX_LEN, help="token ids per prefix-cache prompt")
     ap.add_argument("--shared", type=int, default=SHARED, help="of them shared (a multiple of the bundle's block size)")
     ap.add_argument("--prefix-only", action="store_true", help="only the prefix cache's measurement")
+    ap.add_argument("--cp2", action="store_true", help="the prefix cache's measurement on a cp = ep = 2 bundle too")
+    ap.add_argument("--bundle-cp2", type=Path, default=ROOT / "build" / "tiny-serve-cp2")
+    ap.add_argument("--toml-cp2", type=Path, default=ROOT / "examples" / "tiny" / "model_serve_cp2.toml")
     ap.add_argument("--structured-clients", type=int, default=4, help="concurrent clients of the structured run")
     ap.add_argument("--structured-only", action="store_true", help="only the plain and structured runs")
     ap.add_argument("--repeats", type=int, default=3, help="plain and structured runs, alternated")
@@ -265,6 +283,7 @@ def main() -> None:
             burst_out = burst(server.url, server.pid, args.burst, 8)
     finally:
         status = server.stop()
+    prefix_cp2 = prefix_at_ranks(args) if args.cp2 else None
     out = {
         "bundle": str(args.bundle),
         "max_tokens": args.max_tokens,
@@ -272,9 +291,13 @@ def main() -> None:
         "levels": levels,
         "burst": burst_out,
         "prefix_cache": prefix,
+        "prefix_cache_cp2": prefix_cp2,
         "server_exit": status,
         "ttft_shared_prefix_cached_over_uncached": prefix["ttft_shared_prefix_cached_over_uncached"]
         if prefix
+        else None,
+        "ttft_shared_prefix_cached_over_uncached_cp2": prefix_cp2["ttft_shared_prefix_cached_over_uncached"]
+        if prefix_cp2
         else None,
         "structured": structured,
         # the median over the repeats of (structured / plain server ITL), each pair run back to back
@@ -290,14 +313,14 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=1))
         return
-    p = prefix
-    if p:
-        print(
-            f"prefix cache: {p['requests']} requests of {p['prompt_tokens']} tokens sharing {p['shared_tokens']}: "
-            f"TTFT p50 {p['ttft_cached_p50_ms']:.1f} ms cached, {p['ttft_uncached_p50_ms']:.1f} ms uncached "
-            f"(ttft_shared_prefix_cached_over_uncached {p['ttft_shared_prefix_cached_over_uncached']:.2f}, "
-            "target <= 0.5)"
-        )
+    for suffix, p in (("", prefix), ("_cp2", prefix_cp2)):
+        if p:
+            print(
+                f"prefix cache{' at cp = ep = 2' if suffix else ''}: {p['requests']} requests of {p['prompt_tokens']} "
+                f"tokens sharing {p['shared_tokens']}: TTFT p50 {p['ttft_cached_p50_ms']:.1f} ms cached, "
+                f"{p['ttft_uncached_p50_ms']:.1f} ms uncached (ttft_shared_prefix_cached_over_uncached{suffix} "
+                f"{p['ttft_shared_prefix_cached_over_uncached']:.2f}, target <= 0.4)"
+            )
     print(f"{'clients':>14}{'tok/s':>9}{'tokens':>8}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}  (ms)")
     rows = [(str(c), r) for c, r in levels.items()]
     c = args.structured_clients

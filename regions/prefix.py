@@ -8,10 +8,12 @@ paged state (compressed KV, index keys) in those blocks.
 
 What a block's key does not cover is the per-slot state at its end: the window ring (whose latents
 at a position depend, layer by layer, on every earlier token, so re-running the last window of
-tokens cannot rebuild it) and the compressor's partial groups. The cache therefore keeps, with the
+tokens cannot rebuild it) and the compressor's partial groups. The cache therefore keeps, with a
 block that ends a step, a copy of the sequence's per-slot state right after that step
-(`Stepper.save_slot`): a hit restores it into the new sequence's slot and prefills from the block
-boundary on. Generated tokens are cached too: a block that a decode step fills (the fed tokens,
+(`Stepper.save_slot`; over several ranks each rank keeps its own, runtime/slot_store.py): a hit
+restores it into the new sequence's slot and prefills from the block boundary on. Only every k-th
+block of a chain keeps one (`state_every`: at most a budget of bytes per cached block, amortized),
+so a hit reaches the last such boundary within its prefix. Generated tokens are cached too: a block that a decode step fills (the fed tokens,
 prompt then generated, continue the key chain: `extend_keys`) is kept with the state after that
 step, so a chat's next turn, whose prompt repeats the previous answer, reuses the answer's blocks
 (runtime/prefix_gen.py says which steps keep one). Block boundaries are multiples of every
@@ -21,7 +23,8 @@ never written again.
 
 `BlockCache` is the bookkeeping of one pool (`regions.stepper.Allocator` owns one): which block
 holds which key, how many sequences hold each cached block, and, least recently released first,
-the cached blocks nobody holds, which are evicted when the pool has no free block left.
+the cached blocks nobody holds, which are evicted when the pool (a divided pool: the shard a block
+is taken from) has no free block left.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ block that keeps a state keeps the slot state there with that block if it ended 
 - a prompt chunk (chunks end at the last such boundary they reach, else at the last block
   boundary, `chunk_end`);
 - a plain decode step: it feeds one token, the last generated, so the step that feeds position
-  k * block_size - 1 ends on the boundary and its slot state is the state there;
+  j * block_size - 1 ends on the boundary and its slot state is the state there;
 - a verify step whose drafts were all accepted (every position it wrote is committed).
 
 A verify step that rejected a draft is not clean: its slot's rings also hold what the rejected drafts

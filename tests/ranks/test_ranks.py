@@ -82,6 +82,9 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, started_ranks, request,
         sharded |= {k for k in digests[0] if k.startswith("attn")}
     if ep > 1 and "dspark_moe" in digests[0]:  # a draft's experts divide as the target's
         sharded.add("dspark_moe")
+    if tp > 1 and "dspark_attn" in digests[0]:  # a draft's heads divide over the tp group only: the cp ranks
+        sharded.add("dspark_attn")  # of one tp rank hold the same
+        assert all(digests[r]["dspark_attn"] == digests[r % tp]["dspark_attn"] for r in range(world))
     if tp * cp > 1:  # the head, split by vocabulary over the token group; the engram's wkv by its input columns
         sharded |= {"head", "engram"}
     for kind in digests[0]:

@@ -28,13 +28,14 @@ XDIST_GROUP = "ranks-speculative"
 PROMPTS = [ByteTokenizer().encode(p) for p in regenerate.PROMPTS]
 NEW = 8
 BLOCK = 5  # the tiny checkpoint's dspark_block_size
-LAYOUTS = {"ep=2": (1, 2, 1), "cp=ep=4": (1, 4, 4)}
+LAYOUTS = {"ep=2": (1, 2, 1), "cp=ep=4": (1, 4, 4), "tp=2xcp=2,ep=4": (2, 4, 2)}
 assert set(LAYOUTS.values()) <= set(SPECULATIVE_LAYOUTS)
 
 
 # what each layout runs: ep = 2 every golden prompt alone and all at once; cp = ep = 4 (four processes on
 # the test machine's cores) the shortest alone and all at once
-BATCHES = {"ep=2": [[p] for p in PROMPTS] + [PROMPTS], "cp=ep=4": [[min(PROMPTS, key=len)], PROMPTS]}
+SHORT_AND_ALL = [[min(PROMPTS, key=len)], PROMPTS]
+BATCHES = {"ep=2": [[p] for p in PROMPTS] + [PROMPTS], "cp=ep=4": SHORT_AND_ALL, "tp=2xcp=2,ep=4": SHORT_AND_ALL}
 
 
 def full_blocks(new: int) -> int:

@@ -326,7 +326,7 @@ def trn2_ep2_bundle(tmp_path_factory, tiny_ckpt) -> Path:
 
 # the layouts the speculative rank tests run (tests/ranks/test_speculative_ranks.py): compiled with the
 # checkpoint's DSpark draft and a batch bucket of 2 (two sequences a token group), their blocks for it
-SPECULATIVE_LAYOUTS = ((1, 2, 1), (1, 4, 4))
+SPECULATIVE_LAYOUTS = ((1, 2, 1), (1, 4, 4), (2, 4, 2))
 
 
 @pytest.fixture(scope="session")

@@ -366,11 +366,12 @@ def test_unknown_kind_to_trace(tmp_path, tiny_ckpt):
 # -- against what a compile writes (slow: the multi-rank bundle) ------------------------------------
 
 
-def test_plan_predicts_the_compiled_bundle(rank_bundle):
-    """EP = CP = 4 on the tiny model: the planned files are the files written, byte for byte in
-    size; memory per rank and every graph's scratch are the manifest's, traced here or read from
-    the trace records the compile left in its cache."""
-    bundle = rank_bundle(1, 4, 4)
+@pytest.mark.parametrize("parallel", [(1, 4, 4), (2, 4, 2)], ids=["cp=ep=4", "tp=2xcp=2,ep=4"])
+def test_plan_predicts_the_compiled_bundle(rank_bundle, parallel):
+    """EP = CP = 4 and tp = 2 x cp = 2, ep = 4 (both with the draft) on the tiny model: the planned files
+    are the files written, byte for byte in size; memory per rank and every graph's scratch are the
+    manifest's, traced here or read from the trace records the compile left in its cache."""
+    bundle = rank_bundle(*parallel)
     config = load_compile_config(bundle.parent / "model.toml")
     traced = plan_bundle(config).to_dict()
     recorded = plan_bundle(config, scratch=False, cache=Cache(Path(os.environ[CACHE_ENV]))).to_dict()
@@ -389,7 +390,7 @@ def test_plan_predicts_the_compiled_bundle(rank_bundle):
         for e in manifest["regions"]
     }
     assert recorded["scratch"]["by_graph"] == scratch and sorted(recorded["scratch"]["from_cache"]) == sorted(scratch)
-    # a graph per (kind, method): 3 kinds decode and the engram's kv and mix, the 4 compressed attention kinds run divided (cp = 4) as
+    # a graph per (kind, method): 3 kinds decode and the engram's kv and mix, the 4 compressed attention kinds run divided (cp > 1) as
     # their stages (query, select, attend, output; the reuse kind query, attend and output); the MoE also at its smallest
     # batch bucket (batch buckets 1 and 2); the draft (this layout holds one): its 5 kinds' 6 methods and
     # the target head's `project`

@@ -35,7 +35,8 @@ GOLDEN_PROMPTS = [ByteTokenizer().encode(p) for p in regenerate.PROMPTS]
 # runs the golden prompts and the long one instead of PROMPTS (cp=ep=2, the same division over two ranks,
 # is left to tests/ranks/test_shards.py and tests/regions/test_divided.py: its compile and two-process run
 # cost the suite two minutes for no path cp=ep=4 does not take)
-# tp=2xcp=2,ep=4: the heads over a token group of tp x cp (issue 40), the EP group that token group
+# tp=2xcp=2,ep=4: the heads over a token group of tp x cp (issue 40), the EP group that token group; like
+# cp=ep=4 it is compiled with the DSpark draft (conftest SPECULATIVE_LAYOUTS: test_speculative_ranks.py runs it)
 TOPOLOGIES = {"tp=2": (2, 1, 1), "ep=2": (1, 2, 1), "cp=ep=4": (1, 4, 4), "tp=2xcp=2,ep=4": (2, 4, 2)}
 DIVIDED = {"cp query all-gather", "cp selection all-gather", "cp attention max all-gather", "cp attention all-reduce"}
 
@@ -53,6 +54,29 @@ def manifest(bundle) -> dict:
 def one_rank_long(one_rank_loaded):
     """The one-rank run of the golden prompts and the long prompt."""
     return generate(one_rank_loaded, [*GOLDEN_PROMPTS, LONG], RunOptions(max_new_tokens=NEW, keep_logits=True))
+
+
+def _check_weight_cuts(m: dict, tp: int, ep: int, cp: int) -> None:
+    """Each rank's weights its own cut where the layout divides a kind; one shared file for the rest."""
+    world = m["topology"]["world_size"]
+    stacks = [{w["kind"]: w for w in m["weights"][f"rank-{r}"]} for r in range(world)]
+    digests = [{k: (w.get("digest"), w.get("shared_digest")) for k, w in s.items()} for s in stacks]
+    sharded = {"moe"} if ep > 1 else set()
+    if tp * cp > 1:  # the attention's heads (and output rows) over the token group
+        sharded |= {k for k in digests[0] if k.startswith("attn")}
+    if ep > 1 and "dspark_moe" in digests[0]:  # a draft's experts divide as the target's
+        sharded.add("dspark_moe")
+    if tp > 1 and "dspark_attn" in digests[0]:  # a draft's heads divide over the tp group only: the cp ranks
+        sharded.add("dspark_attn")  # of one tp rank hold the same
+        assert all(digests[r]["dspark_attn"] == digests[r % tp]["dspark_attn"] for r in range(world))
+    if tp * cp > 1:  # the head, split by vocabulary over the token group; the engram's wkv by its input columns
+        sharded |= {"head", "engram"}
+    for kind in digests[0]:
+        assert (len({d[kind] for d in digests}) > 1) == (kind in sharded), kind
+        if kind not in sharded and stacks[0][kind]["tensors"]:  # whole on every rank: one shared file, no rank file
+            assert all(
+                s[kind].get("path") is None and s[kind]["shared"] == stacks[0][kind]["shared"] for s in stacks
+            ), kind
 
 
 @pytest.mark.parametrize("name", list(TOPOLOGIES))
@@ -75,21 +99,7 @@ def test_ranks_generate_the_one_rank_tokens(rank_bundle, started_ranks, request,
     assert len(ids) == len(m["regions"])
     stages = {e["method"] for e in m["regions"] if e["kind"].startswith("attn_reuse")}
     assert stages == ({"query", "attend", "output"} if cp > 1 else {"decode"})
-    stacks = [{w["kind"]: w for w in m["weights"][f"rank-{r}"]} for r in range(world)]
-    digests = [{k: (w.get("digest"), w.get("shared_digest")) for k, w in s.items()} for s in stacks]
-    sharded = {"moe"} if ep > 1 else set()
-    if tp * cp > 1:  # the attention's heads (and output rows) over the token group
-        sharded |= {k for k in digests[0] if k.startswith("attn")}
-    if ep > 1 and "dspark_moe" in digests[0]:  # a draft's experts divide as the target's
-        sharded.add("dspark_moe")
-    if tp * cp > 1:  # the head, split by vocabulary over the token group; the engram's wkv by its input columns
-        sharded |= {"head", "engram"}
-    for kind in digests[0]:
-        assert (len({d[kind] for d in digests}) > 1) == (kind in sharded), kind
-        if kind not in sharded and stacks[0][kind]["tensors"]:  # whole on every rank: one shared file, no rank file
-            assert all(
-                s[kind].get("path") is None and s[kind]["shared"] == stacks[0][kind]["shared"] for s in stacks
-            ), kind
+    _check_weight_cuts(m, tp, ep, cp)
     prompts, want = (
         ([*GOLDEN_PROMPTS, LONG], request.getfixturevalue("one_rank_long"))
         if cp > 1

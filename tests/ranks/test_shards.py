@@ -317,6 +317,7 @@ DRAFT_LAYOUTS = {
     "ep=cp=4": Topology(ep=4, cp=4),
     "tp=2": Topology(tp=2),
     "ep=2": Topology(ep=2),
+    "tp=2xcp=2,ep=4": Topology(tp=2, ep=4, cp=2),  # the heads over each cp rank's tp group
 }
 TP_ROWS = ("wq_b", "wq_b_s", "wo_a", "wo_a_s", "sink")  # split by rows over the tp ranks (MODEL.md's shapes)
 
@@ -377,8 +378,9 @@ def test_draft_regions_hold_the_shards_of_the_target_layout(text, topo):
                 length = I if not s.name.endswith("_s") else I // 32
                 assert torch.equal(_pieces_joined(parts, dim, length), whole) and divided, s.name
             elif kind == "dspark_attn" and topo.tp > 1 and s.name.startswith(TP_ROWS + ("wo_b",)):
-                dim = 1 if s.name.startswith("wo_b") else 0
-                assert torch.equal(torch.cat(parts, dim), whole) and divided, s.name
+                dim = 1 if s.name.startswith("wo_b") else 0  # one tp group's parts make the whole; every
+                assert torch.equal(torch.cat(parts[: topo.tp], dim), whole) and divided, s.name  # cp rank
+                assert all(torch.equal(p, parts[r % topo.tp]) for r, p in enumerate(parts)), s.name  # the same
                 assert s.buffer_shape[dim] * topo.tp == full.buffer_shape[dim]
             else:  # replicated: stored once, the whole tensor on every rank
                 assert not divided and s.buffer_shape == full.buffer_shape, (kind, s.name)
@@ -387,14 +389,17 @@ def test_draft_regions_hold_the_shards_of_the_target_layout(text, topo):
     assert (heads.heads, heads.tp, heads.cp) == (text.num_attention_heads // topo.tp, topo.tp, topo.cp)
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_draft_moe_partials_sum_to_the_one_rank_draft_moe(tiny_ckpt, text, ep):
-    """The draft's MoE (its own experts, `mtp.1.`) divided over ep = cp ranks: the ranks' float32
-    partials sum to the one-rank draft MoE (the runtime all-reduces them over the token group)."""
+@pytest.mark.parametrize(
+    "topo",
+    [Topology(ep=2, cp=2), Topology(ep=4, cp=4), Topology(tp=2, ep=4, cp=2)],
+    ids=["ep=cp=2", "ep=cp=4", "tp=2xcp=2,ep=4"],
+)
+def test_draft_moe_partials_sum_to_the_one_rank_draft_moe(tiny_ckpt, text, topo):
+    """The draft's MoE (its own experts, `mtp.1.`) divided over ep = tp * cp ranks (one token group): the
+    ranks' float32 partials sum to the one-rank draft MoE (the runtime all-reduces them over the token group)."""
     c = draft_moe_config(text)
     full = DraftMoE(c, dtype=torch.float32)
     load_region(Checkpoint(tiny_ckpt), full, "mtp.1.")
-    topo = Topology(ep=ep, cp=ep)
     g = Geometry(slots=3, blocks=4, block_size=16, max_blocks=2)
     h, pre, is_image = example_inputs(full.input_specs(2, text.dspark_block_size, g), g, seed=7)
     want_h, want_pre = full.decode(h, pre, is_image)
@@ -410,12 +415,13 @@ def test_draft_moe_partials_sum_to_the_one_rank_draft_moe(tiny_ckpt, text, ep):
     assert not torch.equal(parts[0][0], parts[1][0])  # each rank really holds a share
 
 
-def test_draft_attention_partials_sum_to_the_one_rank_draft_attention(tiny_ckpt, text):
-    """The draft's attention (`mtp.0.`) with its heads over tp = 2: the partials sum to the one-rank
-    output (the runtime all-reduces them over the tp group, as the target's attention)."""
+@pytest.mark.parametrize("topo", [Topology(tp=2), Topology(tp=2, ep=4, cp=2)], ids=["tp=2", "tp=2xcp=2,ep=4"])
+def test_draft_attention_partials_sum_to_the_one_rank_draft_attention(tiny_ckpt, text, topo):
+    """The draft's attention (`mtp.0.`) with its heads over tp = 2: each tp group's partials sum to the
+    one-rank output (the runtime all-reduces them over the tp group, as the target's attention); with
+    cp = 2 both cp ranks' groups compute it (the draft does not divide the context: its own is whole)."""
     full = DraftAttention(text, dtype=torch.float32, cache_quant=True)
     load_region(Checkpoint(tiny_ckpt), full, "mtp.0.")
-    topo = Topology(tp=2)
     g = Geometry(slots=3, blocks=4, block_size=16, max_blocks=2)
     specs = full.input_specs(2, text.dspark_block_size, g)
     args = example_inputs(specs, g, seed=9)
@@ -425,14 +431,16 @@ def test_draft_attention_partials_sum_to_the_one_rank_draft_attention(tiny_ckpt,
         args[i] = torch.arange(args[i].shape[-1]).expand_as(args[i]).clone()
     want = full.decode(*[a.clone() for a in args])
     parts = []
-    for r in range(2):
+    for r in range(topo.world):
         make = lambda: DraftAttention(text, dtype=torch.float32, cache_quant=True, topo=topo)  # noqa: E731
         region = ranked(full, make, "dspark_attn", text, topo, r)
         assert region.heads == text.num_attention_heads // 2
         parts.append(region.decode(*[a.clone() for a in args]))
-    torch.testing.assert_close(parts[0][0] + parts[1][0], want[0], rtol=1e-5, atol=1e-5)
-    assert torch.equal(parts[0][1], want[1]) and torch.equal(parts[1][1], want[1])
-    assert not torch.equal(parts[0][0], parts[1][0])
+    for group in topo.tp_groups():  # each the residual once (its first rank) and its heads' share
+        got = torch.stack([parts[r][0] for r in group]).sum(0)
+        torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
+        assert not torch.equal(parts[group[0]][0], parts[group[1]][0])
+    assert all(torch.equal(p[1], want[1]) for p in parts)
 
 
 @pytest.mark.parametrize("tp, ep, cp, words", [(2, 8, 4, "does not divide the DSpark draft's 4 routed experts")])

@@ -1,8 +1,10 @@
 """Speculative decoding over ranks: the DSpark draft divided like the target, every rank in each draft step.
 
 The layouts are ep = 2 (two token groups, EP dispatch: the draft's MoE runs on both groups' gathered
-rows) and cp = ep = 4 (one token group whose context the four ranks divide; the draft's experts over
-all four). Each is compiled once with the checkpoint's draft (conftest `SPECULATIVE_LAYOUTS`). The
+rows), cp = ep = 4 (one token group whose context the four ranks divide; the draft's experts over
+all four) and tp = 2 x cp = 2, ep = 4 (the draft's heads over each cp rank's tp group, its experts over
+the token group of four). Each is compiled once with the checkpoint's draft (conftest
+`SPECULATIVE_LAYOUTS`; tests/ranks/test_ranks.py runs the same bundles without it). The
 reference is the plain greedy run of the one-rank bundle: every drafter (the tiny draft itself, the
 double whose drafts are all accepted and the one that corrupts a position of each block) must give
 its tokens, each golden prompt alone and all of them at once, with nothing fed twice after a
@@ -28,13 +30,14 @@ XDIST_GROUP = "ranks-speculative"
 PROMPTS = [ByteTokenizer().encode(p) for p in regenerate.PROMPTS]
 NEW = 8
 BLOCK = 5  # the tiny checkpoint's dspark_block_size
-LAYOUTS = {"ep=2": (1, 2, 1), "cp=ep=4": (1, 4, 4)}
+LAYOUTS = {"ep=2": (1, 2, 1), "cp=ep=4": (1, 4, 4), "tp=2xcp=2,ep=4": (2, 4, 2)}
 assert set(LAYOUTS.values()) <= set(SPECULATIVE_LAYOUTS)
 
 
-# what each layout runs: ep = 2 every golden prompt alone and all at once; cp = ep = 4 (four processes on
-# the test machine's cores) the shortest alone and all at once
-BATCHES = {"ep=2": [[p] for p in PROMPTS] + [PROMPTS], "cp=ep=4": [[min(PROMPTS, key=len)], PROMPTS]}
+# what each layout runs: ep = 2 every golden prompt alone and all at once; the four-rank layouts (four
+# processes on the test machine's cores) the shortest alone and all at once
+SHORT_AND_ALL = [[min(PROMPTS, key=len)], PROMPTS]
+BATCHES = {"ep=2": [[p] for p in PROMPTS] + [PROMPTS], "cp=ep=4": SHORT_AND_ALL, "tp=2xcp=2,ep=4": SHORT_AND_ALL}
 
 
 def full_blocks(new: int) -> int:
@@ -56,11 +59,36 @@ def plain(one_rank_loaded):
     }
 
 
+@pytest.fixture(scope="module")
+def reference_accepted(tiny_ckpt):
+    """prompts -> how many drafts the eager reference's DSpark draft (one rank, no cache quantization, as
+    the rank bundles) has accepted in its greedy run of them: what the ranks' compiled draft must match.
+    The tiny draft's random weights rarely agree with the target (none, or one over the golden prompts),
+    so a draft broken at ranks (its tokens are still the target's, verified) shows here."""
+    from deepinfer.regions.reference import ReferenceModel
+    from deepinfer.runtime.schedule import decode
+
+    model = ReferenceModel(tiny_ckpt, dtype="fp32", cache_quant=False, ties="lowest")
+    done: dict[tuple, int] = {}
+
+    def get(prompts: list[list[int]]) -> int:
+        key = tuple(map(tuple, prompts))
+        if key not in done:
+            steps = model.stepper(prompts, NEW, slack=BLOCK)
+            done[key] = decode(
+                steps, prompts, NEW, eos=model.config.eos_token_id, drafter=model.dspark()
+            ).speculation.accepted
+        return done[key]
+
+    return get
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_drafts_over_ranks_keep_the_one_rank_tokens(rank_bundle, started_ranks, plain, name):
+def test_drafts_over_ranks_keep_the_one_rank_tokens(rank_bundle, started_ranks, plain, reference_accepted, name):
     """Through the ranks' leader (its followers one process each; started once, `started_ranks`), every
     drafter gives the one-rank plain tokens, alone and batched; the all-accepted double commits block + 1
-    tokens at every verify step, and the corrupting one is rejected at some offset of every block it drafts."""
+    tokens at every verify step, and the corrupting one is rejected at some offset of every block it drafts;
+    the bundle's draft accepts as many drafts as the one-rank reference's draft."""
     opened = open_bundle(rank_bundle(*LAYOUTS[name]), verify=False)
     ranks = started_ranks(*LAYOUTS[name])
     vocab = opened.config.text.vocab_size
@@ -80,6 +108,8 @@ def test_drafts_over_ranks_keep_the_one_rank_tokens(rank_bundle, started_ranks, 
             assert all(g.error is None for g in got)
             s = got.speculation
             assert s.verify_steps > 0, label
+            if label == "dspark":
+                assert s.accepted == reference_accepted(prompts), len(prompts)
             if label == "all accepted":  # block + 1 tokens a verify step, the last fewer (NEW runs out)
                 assert s.accepted == s.drafted and s.verify_steps == len(prompts) * full_blocks(NEW)
             if label == "one rejected" and len(prompts) == 1:  # nothing fed twice: the target's tokens are

@@ -16,6 +16,8 @@
     tp > 1            columns of this rank's output groups (scales follow in 32-blocks)
     head, tp * cp > 1 head.weight [V, D] -> its vocabulary rows [start, stop) of `head_slice`,
                       zero-padded to `head_rows`; zeros for ranks past the vocabulary
+    dspark_head,      markov_head.head.weight [V, R]: the same vocabulary rows as the head's
+    tp * cp > 1
     engram,           wkv [(n+1)*D, hash_heads*hd] -> its input columns [start, stop) of
     tp * cp > 1       `engram_slice` (scales: the 32-blocks), zero-padded to `engram_width`;
                       zeros for ranks past the columns
@@ -56,6 +58,9 @@ SHARED = ("sw1", "sw3", "sw2")
 # the kinds whose weights divide as the target's MoE's, with the config each is built with (its expert count)
 MOE_KINDS: dict[str, Callable[[TextConfig], TextConfig]] = {"moe": lambda c: c, "dspark_moe": draft_moe_config}
 DRAFT_ATTENTION = "dspark_attn"  # divides as the target's attention kinds (`attn_*`)
+# the weights whose rows are the vocabulary, split over a token group as the head's: the target head and
+# the draft's Markov head (its transition logits are added to the head's, slice by slice)
+VOCABULARY_ROWS = {("head", "head"), ("dspark_head", "markov_head")}
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,7 @@ def _engram(name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
 
 def cut(kind: str, name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
     """What rank `rank` holds of weight `name` of a region of `kind`."""
-    if kind == "head" and name == "head" and topo.group_size > 1:
+    if (kind, name) in VOCABULARY_ROWS and topo.group_size > 1:
         return _head(c, topo, rank)
     if kind in MOE_KINDS and topo.ep > 1:
         m = MOE_KINDS[kind](c)
@@ -225,7 +230,7 @@ def shard(
         padded = (
             name.startswith(SHARED)
             or routed
-            or kind in ("head", "engram")
+            or kind in ("head", "engram", "dspark_head")
             or (kind.startswith("attn") and name.startswith(("wo_", "iweights")))
         )
         if not padded or t.dim() != len(shape) or any(a > b for a, b in zip(t.shape, shape)):

@@ -14,8 +14,10 @@ fed) reads the positions [a - W, a), every one of them fed and committed by then
 position p wrote row p % R, which held position p - R < a - W, so nothing is rolled back.
 
 A draft step is `draft_forward` for each token group (on every rank of that group: the stages'
-collectives run between its calls) and, with every group's logits gathered, the block's tokens:
-the draft head's `tokens` method runs the Markov chain over the block's positions in one call.
+collectives run between its calls) and the block's tokens: with one rank to a group, the draft
+head's `tokens` method runs the Markov chain over the block's positions in one call; with the head
+split by vocabulary over a group's ranks, each rank chooses on its slice, position by position, and
+only (value, index) pairs cross ranks (regions/picking.py).
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ class EagerCapture:
 
 
 Forward = Callable[[list[DraftBatch]], list[Tensor]]  # each group's batch -> its logits [B, P, V]
+# each group's batch, whether its logits are wanted -> each group's (drafts [B, P], logits [B, P, V] or None)
+Choose = Callable[[list[DraftBatch], bool], list[tuple[Tensor, Tensor | None]]]
 
 
 class DSparkDrafter:
@@ -129,40 +133,59 @@ class DSparkDrafter:
     A block drafts greedily: the stages run once over the anchor and `dspark_block_size` - 1 noise
     tokens; position i's token is the argmax of the target head's logits of the last stage's
     normalized state plus the Markov transition bias of position i - 1's token (the anchor for i = 0).
-    `forward` runs every group's draft step (`draft_forward` on each rank; the bundle runtime's sends it
-    to its followers); `invoke` runs the head's `tokens`; `capture` is what the target's steps run to
-    write the features (`regions.stepper.Capture`); `batch_sizes` the batch buckets the executables were
-    built for (None: any batch, eager regions); `groups` the token groups."""
+    `forward` runs every group's draft step (`draft_forward`) to its whole logits, and `invoke` the
+    head's `tokens` on them; or, with the head split by vocabulary over several ranks, `choose` runs
+    the draft step and the choice on every rank, each on its slice (regions/picking.py), the full
+    logits gathered only when asked for (`block_logits`; the scheduler's `draft` never asks). `capture`
+    is what the target's steps run to write the features (`regions.stepper.Capture`); `batch_sizes`
+    the batch buckets the executables were built for (None: any batch, eager regions); `groups` the
+    token groups."""
 
     def __init__(
         self,
         c: TextConfig,
         invoke,
-        forward: Forward,
+        forward: Forward | None,
         capture,
         *,
         batch_sizes: list[int] | None = None,
         groups: int = 1,
+        choose: Choose | None = None,
     ):
         self.c, self.invoke, self.forward, self.capture = c, invoke, forward, capture
         self.batch_sizes, self.groups = batch_sizes, groups
+        self.choose = self._whole if choose is None else choose
         self.block = c.dspark_block_size
+
+    def _whole(self, batches: list[DraftBatch], logits: bool) -> list[tuple[Tensor, Tensor | None]]:
+        """`Choose` over the whole logits: `forward`, then the head's `tokens` for each group."""
+        stage = self.c.num_nextn_predict_layers - 1
+        assert self.forward is not None, "a drafter without `choose` is given `forward`"
+        return [
+            self.invoke(stage, "head", base, batch.tokens[:, 0], method="tokens")
+            for batch, base in zip(batches, self.forward(batches))
+        ]
 
     def block_logits(self, requests: list[DraftRequest]) -> tuple[Tensor, Tensor]:
         """Each request's block drafted -> (drafts [n, P] int64, the logits each was the argmax of
         [n, P, V] float32), one row per request, in order."""
+        drafts, logits = self._blocks(requests, True)
+        assert logits is not None
+        return drafts, logits
+
+    def _blocks(self, requests: list[DraftRequest], keep: bool) -> tuple[Tensor, Tensor | None]:
         batches, places = draft_batches(self.c, requests, self.groups, self.batch_sizes)
         drafts = torch.zeros(len(requests), self.block, dtype=torch.int64)
-        logits = torch.zeros(len(requests), self.block, self.c.vocab_size, dtype=torch.float32)
-        for batch, base, rows in zip(batches, self.forward(batches), places):
+        logits = torch.zeros(len(requests), self.block, self.c.vocab_size) if keep else None
+        for (got, row_logits), rows in zip(self.choose(batches, keep), places):
             if rows:
-                got, row_logits = self.invoke(
-                    self.c.num_nextn_predict_layers - 1, "head", base, batch.tokens[:, 0], method="tokens"
-                )
-                drafts[rows], logits[rows] = got[: len(rows)], row_logits[: len(rows)]
+                drafts[rows] = got[: len(rows)]
+                if logits is not None:
+                    assert row_logits is not None, "asked for, the draft's logits come with its drafts"
+                    logits[rows] = row_logits[: len(rows)]
         return drafts, logits
 
     @torch.inference_mode()
     def draft(self, requests: list[DraftRequest]) -> dict[int, list[int]]:
-        drafts, _ = self.block_logits(requests)
+        drafts, _ = self._blocks(requests, False)
         return {r.seq: drafts[i, : r.n].tolist() for i, r in enumerate(requests)}

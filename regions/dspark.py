@@ -40,7 +40,7 @@ from deepinfer.regions.moe import MoE
 from deepinfer.regions.paging import gather_rows, ring_update
 from deepinfer.regions.state import Geometry, InputSpec
 from deepinfer.regions.step import Embedding
-from deepinfer.regions.topology import attention_config
+from deepinfer.regions.topology import attention_config, head_rows
 
 if TYPE_CHECKING:
     from deepinfer.regions.head import Head
@@ -176,22 +176,30 @@ class DraftAttention(_Attention):
 
 class DraftHead(Region):
     """The last stage's heads: normalized state [B, P, D], the Markov transition logits [B, P, V] of
-    each position's previous token, and the confidence logit [B, P] (float32)."""
+    each position's previous token, and the confidence logit [B, P] (float32).
+
+    With the target's head split by vocabulary over a token group of `group` ranks, the Markov head's
+    output rows are split the same way (`rows` of them, regions/topology.head_rows; zeros past the
+    vocabulary): this rank's transition logits are its slice, beside its slice of the target head's,
+    and with several ranks (`world`) the block's tokens are chosen per slice on every rank (`pick`,
+    regions/picking.py; a slice is the whole vocabulary where a token group is one rank). The Markov
+    embedding (indexed by the previous token) stays whole."""
 
     kind = "dspark_head"
 
-    def __init__(self, c: TextConfig, *, dtype: torch.dtype):
+    def __init__(self, c: TextConfig, *, dtype: torch.dtype, rows: int | None = None, group: int = 1, world: int = 1):
         D, V, R = c.hidden_size, c.vocab_size, c.dspark_markov_rank
+        rows = V if rows is None else rows
         super().__init__(
             [
                 WeightSpec("norm", "norm.weight", (D,), "BF16"),
                 WeightSpec("markov_embed", "markov_head.embed.weight", (V, R), "BF16"),
-                WeightSpec("markov_head", "markov_head.head.weight", (V, R), "BF16"),
+                WeightSpec("markov_head", "markov_head.head.weight", (rows, R), "BF16"),
                 WeightSpec("confidence", "confidence_head.proj.weight", (1, D + R), "F32"),
             ],
             dtype,
         )
-        self.c = c
+        self.c, self.rows, self.group, self.world = c, rows, group, world
 
     def output_names(self) -> list[str]:
         return ["normalized", "transition", "confidence"]
@@ -206,8 +214,9 @@ class DraftHead(Region):
 
     def methods(self) -> tuple[str, ...]:
         """A draft step runs `normalize` (then the target head's `project` of its vocabulary rows) and,
-        on the leader with every rank's rows gathered, `tokens`."""
-        return ("normalize", "tokens")
+        with one rank, `tokens`; with several, `pick` once per block position on every rank (and
+        `chain`, only where the full draft logits are asked for: tests, debugging)."""
+        return ("normalize", "tokens") if self.world == 1 else ("normalize", "pick", "chain")
 
     def decode(self, h: Tensor, pre: Tensor, previous: Tensor):
         """The block's heads as NeMo computes them (teacher-forced `previous` [B, P]): normalized,
@@ -244,12 +253,59 @@ class DraftHead(Region):
         the drafts), so the positions run in order, in one graph."""
         previous, drafts, logits = anchor, [], []
         for i in range(base.shape[1]):
-            embedding = self.markov_embed[previous].to(self.dtype)  # [B, R]
-            row = base[:, i] + F.linear(embedding, self.markov_head.to(self.dtype)).float()
+            row = base[:, i] + self._transition(previous)  # [B, V]
             previous = row.argmax(-1)  # the lowest index among equal scores
             drafts.append(previous)
             logits.append(row)
         return torch.stack(drafts, 1), torch.stack(logits, 1)
+
+    def pick_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        return [
+            InputSpec("base", (B, T, self.rows), torch.float32, "activation"),
+            InputSpec("previous", (B,), torch.int64, "step", high=self.c.vocab_size),
+            InputSpec("position", (B,), torch.int64, "step", high=T),
+        ]
+
+    def pick_outputs(self) -> list[str]:
+        return ["value", "index"]
+
+    def pick(self, base: Tensor, previous: Tensor, position: Tensor) -> tuple[Tensor, Tensor]:
+        """One block position's choice on this rank's vocabulary slice: base [B, P, rows] (this rank's
+        rows of the target head's logits of `normalize`), the token before the position [B] (the
+        anchor, then the chosen drafts) and the position [B] -> this slice's best (value [B] float32,
+        its global vocabulary index [B] int64; the lowest among equal values). The padding rows past
+        the vocabulary score -inf and carry indices past it, so they never win a merge
+        (`regions.picking.merge_picks`). On cpu the runtime loops over the positions on the host, the
+        ranks' (value, index) pairs all-gathered between calls; on trn2 that loop, its all-gathers in
+        the graph, belongs inside one executable (not built: no trn2 execution is claimed here)."""
+        B = base.shape[0]
+        at = position.view(B, 1, 1).expand(B, 1, self.rows)
+        row = base.gather(1, at).squeeze(1) + self._transition(previous)  # [B, rows]
+        first = (self.rank % self.group) * self.rows
+        index = first + torch.arange(self.rows, device=base.device)  # [rows] global vocabulary indices
+        row = row.masked_fill(index >= self.c.vocab_size, float("-inf"))
+        best = row.argmax(-1)  # the lowest index among equal scores
+        return row.gather(1, best.unsqueeze(1)).squeeze(1), first + best
+
+    def chain_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        return [
+            InputSpec("base", (B, T, self.rows), torch.float32, "activation"),
+            InputSpec("previous", (B, T), torch.int64, "step", high=self.c.vocab_size),
+        ]
+
+    def chain_outputs(self) -> list[str]:
+        return ["logits"]
+
+    def chain(self, base: Tensor, previous: Tensor) -> Tensor:
+        """This rank's slice of the block's draft logits [B, P, rows] float32, the chosen tokens known
+        (previous [B, P]: the anchor, then the drafts): base plus each position's Markov transition, as
+        `pick` scored them. Only for callers that ask for the full draft logits (gathered after it)."""
+        return base + self._transition(previous)
+
+    def _transition(self, previous: Tensor) -> Tensor:
+        """The Markov head's logits of the tokens `previous` [...] -> [..., rows] float32 (this rank's rows)."""
+        embedding = self.markov_embed[previous].to(self.dtype)  # [..., R]
+        return F.linear(embedding, self.markov_head.to(self.dtype)).float()
 
 
 def draft_regions(
@@ -258,7 +314,8 @@ def draft_regions(
     """Each stage's regions by slot (`capture` and `context` on stage 0, `attn`, `moe`, `head` on the
     last), shaped for one rank of `topo` as the target's layers are (`regions.plan.make_layer_regions`):
     the MoE's routed experts (the draft's own) divided over the ep ranks and its shared expert sliced,
-    the attention's heads over the tp ranks; the capture, context projection and heads whole on every
+    the attention's heads over the tp ranks, the Markov head's output rows over the token group as the
+    target head's vocabulary; the capture, context projection and the rest of the heads whole on every
     rank."""
     stages = []
     for stage in range(c.num_nextn_predict_layers):
@@ -269,7 +326,9 @@ def draft_regions(
         if stage == 0:  # the capture runs in the target's steps; stage 0 holds its binding
             regions = {"capture": DraftCapture(c, dtype=dtype), "context": DraftContext(c, dtype=dtype), **regions}
         if stage == c.num_nextn_predict_layers - 1:
-            regions["head"] = DraftHead(c, dtype=dtype)
+            regions["head"] = DraftHead(
+                c, dtype=dtype, rows=head_rows(c, topo), group=topo.group_size, world=topo.world
+            )
         stages.append(regions)
     return stages
 

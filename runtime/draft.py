@@ -4,7 +4,9 @@ A bundle compiled with [speculative] draft carries the draft's regions (bound be
 `Executor.draft_bound`) and a features pool: the target's steps write each target layer's features
 ring (`capture`, the compiled capture region) and the draft's steps read them (`draft_step`). With
 several ranks the leader sends each draft step to its followers (`DRAFT_STEP`, `Executor.follow`),
-and every rank runs its token group's share and joins the logits all-gather, as for a target step.
+and every rank runs its token group's share and chooses the block's tokens on its vocabulary slice,
+joining an all-gather of (value, index) pairs per block position (`choose`): the draft's logits
+never cross ranks unless asked for (tests, debugging).
 No checkpoint is read: everything runs the bundle's executables.
 """
 
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from deepinfer.bundles import manifest as mf
@@ -25,30 +28,35 @@ if TYPE_CHECKING:  # the executor calls this module: only the types here
     from deepinfer.runtime.executor import Executor, Stats
 
 DRAFT_STEP = "draft"  # what the leader sends its followers for a draft step (`Executor.follow`)
+DRAFT_LOGITS = "draft logits all-gather"  # the draft's full logits, gathered only where asked for (`choose`)
 
 
 def dspark(x: Executor, stats: Stats) -> DSparkDrafter:
     """The bundle's compiled DSpark draft as a `regions.stepper.Drafter` (`regions.drafting.DSparkDrafter`):
     its executables at the batch buckets, its features pool written by the target's steps (`capture`),
-    every rank running each draft step (`x` is the leader's executor); no checkpoint is read."""
+    every rank running each draft step and choosing its group's tokens on its vocabulary slice
+    (`choose`; `x` is the leader's executor); no checkpoint is read."""
     require_draft(x.bundle)
     from deepinfer.regions.drafting import DSparkDrafter  # the collapse op: only where a draft runs
 
-    comm, vocab = x.comm, x.config.text.vocab_size
+    comm = x.comm
 
     def forward(batches: list[DraftBatch]) -> list[Tensor]:
-        if comm is None:
-            return [draft_step(x, batches[0], stats)]
-        comm.step((DRAFT_STEP, batches))
-        return comm.gather_logits(draft_step(x, batches[comm.group], stats), vocab)
+        return [draft_step(x, batches[0], stats)]
+
+    def chosen(batches: list[DraftBatch], logits: bool) -> list[tuple[Tensor, Tensor | None]]:
+        assert comm is not None
+        comm.step((DRAFT_STEP, batches, logits))
+        return choose(x, batches, stats, logits)
 
     return DSparkDrafter(
         x.config.text,
         _draft_invoke(x, stats),
-        forward,
+        forward if comm is None else None,
         capture(x, stats),
         batch_sizes=list(x.sizes.batch_sizes),
         groups=x.manifest.topology.groups,
+        choose=None if comm is None else chosen,
     )
 
 
@@ -58,6 +66,34 @@ def draft_step(x: Executor, batch: DraftBatch, stats: Stats) -> Tensor:
 
     assert x.host.embed is not None, "a bundle with a draft embeds on the host (compiler/spec.py)"
     return draft_forward(x.config.text, _draft_invoke(x, stats), x.host.embed, _rings(x), batch)
+
+
+def choose(x: Executor, batches: list[DraftBatch], stats: Stats, logits: bool) -> list[tuple[Tensor, Tensor | None]]:
+    """A draft step on this rank of several (the leader's and every follower's, `Executor.follow`): its
+    group's share of the stages to its vocabulary slice of the block's logits, then the block's tokens
+    chosen position by position with only (value, index) pairs all-gathered (the head's `pick`,
+    regions/picking.py) -> every group's (drafts [B, P], logits [B, P, V] or None). `logits`: the
+    full draft logits too (the head's `chain` of its slice, then one all-gather, `DRAFT_LOGITS`),
+    for tests and debugging; the scheduler's drafts never ask."""
+    from deepinfer.regions.picking import pick_block
+
+    comm, c = x.comm, x.config.text
+    assert comm is not None, "a draft step's choice per vocabulary slice runs with several ranks"
+    batch, stage, invoke = batches[comm.group], c.num_nextn_predict_layers - 1, _draft_invoke(x, stats)
+    base = draft_step(x, batch, stats)  # [B, P, rows]
+
+    def pick(position: Tensor, previous: Tensor) -> tuple[Tensor, Tensor]:
+        value, index = invoke(stage, "head", base, previous, position, method="pick")
+        return value, index
+
+    anchor = batch.tokens[:, 0]
+    drafts = pick_block(pick, anchor, base.shape[1], comm.picks, comm.topo.groups, comm.group)  # [groups, B, P]
+    if not logits:
+        return [(d, None) for d in drafts.unbind(0)]
+    previous = torch.cat((anchor.unsqueeze(1), drafts[comm.group, :, :-1]), 1)  # [B, P]
+    (rows,) = invoke(stage, "head", base, previous, method="chain")
+    whole = comm.gather_logits(rows, c.vocab_size, DRAFT_LOGITS)
+    return list(zip(drafts.unbind(0), whole))
 
 
 def capture(x: Executor, stats: Stats) -> Capture:

@@ -210,9 +210,10 @@ class Executor:
 
     def follow(self, stats: Stats) -> None:
         """Follower ranks: run the steps and draft steps the leader sends until it sends None (no
-        sampling): each message is ("step", batches, capture?) or ("draft", batches), a batch per
-        token group (this rank runs its group's and joins the logits all-gather), or a prefix cache's
-        slot save or load (runtime/slot_store.py)."""
+        sampling): each message is ("step", batches, capture?) or ("draft", batches, logits?), a batch
+        per token group (this rank runs its group's and joins the collectives: a step's logits
+        all-gather, a draft step's picks, `draft.choose`), or a prefix cache's slot save or load
+        (runtime/slot_store.py)."""
         comm = self.comm
         assert comm is not None, "a follower is one of several ranks"
         vocab = self.config.text.vocab_size
@@ -224,7 +225,7 @@ class Executor:
                 what, batches, *flags = message
                 batch = batches[comm.group]
                 if what == draft.DRAFT_STEP:
-                    comm.gather_logits(draft.draft_step(self, batch, stats), vocab)
+                    draft.choose(self, batches, stats, flags[0])
                 else:
                     capture = self.capture(stats) if flags[0] else None
                     comm.gather_logits(self.forward(batch, stats, capture=capture), vocab)

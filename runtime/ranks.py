@@ -23,6 +23,9 @@ sent and never sample. Collectives (regions/topology.py for the layout):
                         split by vocabulary over each token group); a group's slices side by
                         side, the padding rows dropped, are its logits [B, T, V] for the
                         leader's sampler
+    draft tokens        per block position, one all-gather of each rank's best (value, index)
+                        of its vocabulary slice (`picks`, regions/picking.py): the draft's
+                        logits are gathered only where asked for (runtime/draft.py)
 
 Large float32 collectives run in chunks of at most `chunk_bytes` per rank.
 Every collective counts the bytes this rank sends (`Comm.sent`).
@@ -54,6 +57,8 @@ from deepinfer.runtime.loading import load
 from deepinfer.runtime.neuron import collectives
 from deepinfer.runtime.options import CHUNK_BYTES, COLLECTIVE_TIMEOUT_S, LoadOptions, RunOptions
 from deepinfer.runtime.requests import Completions
+
+DRAFT_PICKS = "draft pick all-gather"  # the draft's (value, index) pairs, P a draft step (`Comm.picks`)
 
 
 class Comm:
@@ -227,20 +232,34 @@ class Comm:
         images = out[..., h_bytes + pre_bytes].bool()
         return hs, ps, images
 
-    def gather_logits(self, logits: torch.Tensor, vocab: int) -> list[torch.Tensor]:
+    def gather_logits(self, logits: torch.Tensor, vocab: int, name: str = "logits all-gather") -> list[torch.Tensor]:
         """This rank's slice of its group's logits [B, T, rows] -> each token group's logits
-        [B, T, vocab], on every rank: one all-gather of the slices; a group's ranks hold its
-        vocabulary in rank order, the rows past `vocab` are padding (regions/topology.head_rows)."""
+        [B, T, vocab], on every rank: one all-gather of the slices (counted as `name`); a group's ranks
+        hold its vocabulary in rank order, the rows past `vocab` are padding (regions/topology.head_rows)."""
         start = time.perf_counter()
         B, T, rows = logits.shape
         out = torch.empty((self.world * B, T, rows), dtype=logits.dtype)
         dist.all_gather_single(out, logits.contiguous())
-        self.sent["logits all-gather"] += logits.numel() * logits.element_size()
-        self.seconds["logits all-gather"] += time.perf_counter() - start
+        self.sent[name] += logits.numel() * logits.element_size()
+        self.seconds[name] += time.perf_counter() - start
         groups, size = self.topo.groups, self.topo.group_size
         slices = out.view(groups, size, B, T, rows).permute(0, 2, 3, 1, 4)  # [groups, B, T, size, rows]
         whole = slices.reshape(groups, B, T, size * rows)[..., :vocab]  # [groups, B, T, V]
         return [g.contiguous() for g in whole.unbind(0)]
+
+    def picks(self, value: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's best of its vocabulary slice for each row (value [B] float32, global index [B])
+        -> every rank's (values [world, B], indices [world, B] int64), rank-major: one all-gather of the
+        pairs packed as int32 (8 bytes a row; an index fits: the vocabulary is under 2^31), counted as
+        "draft pick all-gather" (regions/picking.py)."""
+        start = time.perf_counter()
+        packed = torch.stack((value.float().view(torch.int32), index.to(torch.int32)), -1)  # [B, 2]
+        out = torch.empty((self.world * packed.shape[0], 2), dtype=torch.int32)
+        dist.all_gather_single(out, packed.contiguous())
+        self.sent[DRAFT_PICKS] += packed.numel() * packed.element_size()
+        self.seconds[DRAFT_PICKS] += time.perf_counter() - start
+        out = out.view(self.world, -1, 2)
+        return out[..., 0].contiguous().view(torch.float32), out[..., 1].long()
 
     # -- float32 collectives in chunks --------------------------------------------------------
 

@@ -551,11 +551,16 @@ def test_release_plan_with_the_draft_divides_it_over_the_ranks(tmp_path):
     s = I // ranks  # 36 intermediate columns of every expert on every rank (regions/topology.expert_slice_width)
     w2_blocks = 2  # a 36-column slice at offset 36 r spans at most two 32-column scale blocks
     experts = 3 * 128 * (2 * (s * D // 2 + s * D // 32) + D * s // 2 + D * w2_blocks)  # w1, w3 rows; w2 columns
-    assert replicated + experts <= per_rank <= replicated + experts + 3 * shared // 32  # + a shared expert slice
+    # the Markov head's output rows split as the target head's vocabulary: 2048 rows a rank (whole 32-blocks)
+    head_rank = head - V * 256 * 2 + 2048 * 256 * 2
+    held = replicated - head + head_rank
+    assert held + experts <= per_rank <= held + experts + 3 * shared // 32  # + a shared expert slice
     assert per_rank == sum(v["per_rank"] for v in draft["by_kind"].values()) < GiB
     by_kind = draft["by_kind"]
-    for k in ("dspark_context", "dspark_attn", "dspark_head"):  # whole on every rank at tp = 1
+    for k in ("dspark_context", "dspark_attn"):  # whole on every rank at tp = 1
         assert by_kind[k]["per_rank"] == by_kind[k]["whole"] == d["kinds"][k]["weights_per_rank"], k
+    assert by_kind["dspark_head"]["per_rank"] == head_rank == d["kinds"]["dspark_head"]["weights_per_rank"]
+    assert by_kind["dspark_head"]["whole"] == head
     assert by_kind["dspark_moe"]["whole"] > 50 * by_kind["dspark_moe"]["per_rank"]  # its router is whole everywhere
 
     # every rank holds the draft's share, counted in its budget, and fits the 24 GiB of trn2 at LNC 2

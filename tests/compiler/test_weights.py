@@ -103,8 +103,9 @@ DRAFT = '\n[speculative]\ndraft = "dspark"\n'
 @pytest.mark.parametrize("parallel", [(1, 2, 2), (2, 1, 1), (1, 4, 4)], ids=["ep=cp=2", "tp=2", "ep=cp=4"])
 def test_draft_stacks_are_cut_per_rank_and_shared_where_whole(tiny_ckpt, tmp_path, parallel):
     """The draft's stacks (`mtp.N.` rows) through the weight pass as the target's: its MoE's routed
-    experts in each rank's file (its own 4 experts over ep), its attention's heads there under tp,
-    everything every rank holds whole (context projection, heads, router, norms) in one shared file;
+    experts in each rank's file (its own 4 experts over ep), its attention's heads there under tp, the
+    Markov head's vocabulary rows over the token group, everything every rank holds whole (context
+    projection, the other heads' weights, router, norms) in one shared file;
     the bytes each rank's manifest entries point at are the cut of the whole tensors (`shard`)."""
     spec, plan = planned(tmp_path, tiny_ckpt, parallel, extra=DRAFT)
     ckpt = Checkpoint(tiny_ckpt)
@@ -126,7 +127,9 @@ def test_draft_stacks_are_cut_per_rank_and_shared_where_whole(tiny_ckpt, tmp_pat
                 got = common[name] if w.tensors[name].file == "shared" else own[name]
                 assert tuple(got.shape) == w.tensors[name].shape == (len(plan.kinds[kind].layers), *t.shape[1:])
                 assert torch.equal(got.view(torch.uint8), t.contiguous().view(torch.uint8)), (rank, kind, name)
-        assert stacks["dspark_context"].path is None and stacks["dspark_head"].path is None  # whole: shared only
+        assert stacks["dspark_context"].path is None  # whole: shared only
+        head = stacks["dspark_head"].tensors  # the Markov head's rows: the vocabulary over the token group
+        assert head["markov_head"].file == "rank" and head["markov_embed"].file == head["norm"].file == "shared"
         moe, attn = stacks["dspark_moe"].tensors, stacks["dspark_attn"].tensors
         assert (moe["w1"].file == "rank") == (ep > 1) and moe["gate"].file == "shared"
         draft = draft_moe_config(spec.model.text)  # every expert, each rank its intermediate slice

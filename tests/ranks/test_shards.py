@@ -31,6 +31,7 @@ from deepinfer.regions.topology import (
     expert_scale_blocks,
     expert_slice,
     expert_slice_width,
+    head_rows,
     moe_form,
     shared_slice,
     shared_width,
@@ -356,7 +357,8 @@ def test_draft_regions_hold_the_shards_of_the_target_layout(text, topo):
     exactly the shape of its rank's shard of the whole tensor (`shard` checks it), and those shards
     divide the whole as the target's layers do: a slice of every one of the draft's own routed experts
     on each rank (its intermediate columns, `expert_slice`), the shared expert's intermediate in whole slices with zeros past it,
-    the attention's heads and output groups over tp; context projection and heads whole everywhere."""
+    the attention's heads and output groups over tp, the Markov head's output rows over the token group as
+    the target head's vocabulary; context projection and the other heads' weights whole everywhere."""
     plan = plan_regions(text, torch.float32, True, topo, draft=True)
     assert {"dspark_context", "dspark_attn", "dspark_moe", "dspark_head"} <= set(plan.draft_kinds)
     E, I = text.dspark_n_routed_experts, text.moe_intermediate_size
@@ -382,6 +384,11 @@ def test_draft_regions_hold_the_shards_of_the_target_layout(text, topo):
                 assert torch.equal(torch.cat(parts[: topo.tp], dim), whole) and divided, s.name  # cp rank
                 assert all(torch.equal(p, parts[r % topo.tp]) for r, p in enumerate(parts)), s.name  # the same
                 assert s.buffer_shape[dim] * topo.tp == full.buffer_shape[dim]
+            elif kind == "dspark_head" and s.name == "markov_head" and topo.group_size > 1:
+                rows = head_rows(text, topo)  # the target head's vocabulary rows, zeros past the vocabulary
+                assert s.buffer_shape == (rows, full.buffer_shape[1]) and divided
+                assert torch.equal(torch.cat(parts)[: text.vocab_size], whole)
+                assert not torch.cat(parts)[text.vocab_size :].any()
             else:  # replicated: stored once, the whole tensor on every rank
                 assert not divided and s.buffer_shape == full.buffer_shape, (kind, s.name)
                 assert all(torch.equal(p, whole) for p in parts), (kind, s.name)

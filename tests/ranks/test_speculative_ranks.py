@@ -20,8 +20,10 @@ import pytest
 
 from deepinfer.regions.speculative import AllAcceptedDraftDouble, OneRejectedDraftDouble
 from deepinfer.regions.tokenizer import ByteTokenizer
+from deepinfer.regions.topology import head_rows
 from deepinfer.runtime import RunOptions, generate, open_bundle
 from deepinfer.runtime.options import SPECULATIVE
+from deepinfer.runtime.ranks import DRAFT_PICKS
 
 from ..conftest import SPECULATIVE_LAYOUTS, regenerate
 
@@ -101,11 +103,15 @@ def test_drafts_over_ranks_keep_the_one_rank_tokens(rank_bundle, started_ranks, 
             "one rejected": (None, OneRejectedDraftDouble(want, BLOCK, vocab, seed=1)),
         }
         for label, (speculative, drafter) in drafters.items():
-            options = RunOptions(max_new_tokens=NEW, threads=1, speculative=speculative)
+            # the bundle's draft keeping every target logit: each step's logits all-gather carries its B * T rows
+            keep = speculative is not None
+            options = RunOptions(max_new_tokens=NEW, threads=1, speculative=speculative, keep_logits=keep)
             got = ranks.generate(prompts, options, drafter=drafter)
             stats = got.stats
             assert [g.tokens for g in got] == [g.tokens for g in want], (label, len(prompts))
             assert all(g.error is None for g in got)
+            if keep:
+                _check_draft_sends_pairs_only(got, head_rows(opened.config.text, opened.manifest.topology.topology))
             s = got.speculation
             assert s.verify_steps > 0, label
             if label == "dspark":
@@ -117,6 +123,23 @@ def test_drafts_over_ranks_keep_the_one_rank_tokens(rank_bundle, started_ranks, 
                 chunks = -(-len(prompts[0]) // chunk)  # step, and single decode steps
                 plain_steps = stats.steps - chunks - s.verify_steps
                 assert stats.tokens == len(prompts[0]) + s.verify_steps + s.drafted + plain_steps
+
+
+def _check_draft_sends_pairs_only(got, rows: int) -> None:
+    """The draft's logits never cross ranks: every rank's logits all-gather carries the target steps'
+    rows only (B * T of each, float32 over its vocabulary slice), and each draft step sends P pairs of 8
+    bytes a batch row (the draft's batch bucket: 1 for one prompt, at most 2) in the draft's pick
+    all-gather, one `pick` per block position. `rows`: a rank's vocabulary slice."""
+    stats = got.stats
+    drafts = stats.calls["dspark_head.normalize"]  # the leader's draft steps
+    assert drafts > 0 and stats.calls["dspark_head.pick"] == BLOCK * drafts
+    for rank, sent in got.sent.items():
+        assert "draft logits all-gather" not in sent and "dspark_head.tokens" not in stats.calls, rank
+        assert sent["logits all-gather"] == stats.padded * rows * 4, rank
+        picks = sent[DRAFT_PICKS]
+        assert BLOCK * 8 * drafts <= picks <= BLOCK * 8 * 2 * drafts and picks % (BLOCK * 8) == 0, rank
+        if len(got) == 1:
+            assert picks == BLOCK * 8 * drafts, rank
 
 
 def test_run_and_serve_draft_over_ranks(rank_bundle, plain):

@@ -1,0 +1,148 @@
+"""The draft's token choice per vocabulary slice (regions/picking.py, `DraftHead.pick`).
+
+Each rank holds its slice of the block's logits (the target head's rows, the Markov head's same rows,
+cut by `compiler.shard` as a bundle's are); the ranks' (value, index) pairs, merged at every position,
+must give exactly the one-rank head's `tokens`: the highest score, the lowest index among equal scores,
+never a padding row past the vocabulary. The ranks here are threads of this process, their all-gather
+a barrier (bounded) over a shared list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from deepinfer.bundles.topology import Topology
+from deepinfer.compiler.shard import shard
+from deepinfer.regions.config import parse_config
+from deepinfer.regions.dspark import DraftHead
+from deepinfer.regions.picking import merge_picks, pick_block
+from deepinfer.regions.tiny import tiny_config
+from deepinfer.regions.topology import head_rows, head_slice
+
+V, P = 100, 5  # a vocabulary that is no whole number of 32-row blocks
+# one group of 3 ranks (the last holds padding only), of 4, and two groups of 2 ranks
+LAYOUTS = {"cp=3": Topology(ep=3, cp=3), "cp=4": Topology(ep=4, cp=4), "2 groups of 2": Topology(ep=4, cp=2)}
+
+
+@pytest.fixture(scope="module")
+def c():
+    return dataclasses.replace(parse_config(tiny_config()).text, vocab_size=V, dspark_block_size=P)
+
+
+def whole_head(c, seed: int) -> DraftHead:
+    """The one-rank draft head, float32, its Markov weights drawn."""
+    head = DraftHead(c, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    head.markov_embed.copy_(torch.randn(head.markov_embed.shape, generator=gen))
+    head.markov_head.copy_(torch.randn(head.markov_head.shape, generator=gen))
+    return head
+
+
+def rank_head(whole: DraftHead, c, topo: Topology, rank: int) -> DraftHead:
+    """Rank `rank`'s draft head of `topo`, holding its shards of `whole`'s weights (`compiler.shard`)."""
+    head = DraftHead(c, dtype=torch.float32, rows=head_rows(c, topo), group=topo.group_size, world=topo.world)
+    for spec in head.specs:
+        head._buffers[spec.name] = shard("dspark_head", spec.name, whole.w(spec.name), c, topo, rank, spec.buffer_shape)
+    head.rank.fill_(rank)
+    return head
+
+
+def base_slice(base: torch.Tensor, c, topo: Topology, rank: int) -> torch.Tensor:
+    """Rank `rank`'s rows of the target head's logits [B, P, V] -> [B, P, rows], zeros past the vocabulary
+    (what a padded head row projects to)."""
+    out = torch.zeros(*base.shape[:2], head_rows(c, topo))
+    piece = head_slice(c, topo, rank)
+    if piece is not None:
+        out[..., : piece[1] - piece[0]] = base[..., piece[0] : piece[1]]
+    return out
+
+
+def run_ranks(whole: DraftHead, c, topo: Topology, bases: list[torch.Tensor], anchors: list[torch.Tensor]):
+    """Every rank of `topo` choosing its group's block (group g: bases[g] [B, P, V], anchors[g] [B]) ->
+    each rank's drafts [groups, B, P] and its `chain` logits [B, P, rows]."""
+    world, B = topo.world, anchors[0].shape[0]
+    box: list = [None] * world
+    barrier = threading.Barrier(world, timeout=30)
+
+    def rank_main(rank: int):
+        group = topo.group_of(rank)
+        head, base = rank_head(whole, c, topo, rank), base_slice(bases[group], c, topo, rank)
+
+        def gather(value, index):
+            box[rank] = (value, index)
+            barrier.wait()
+            values, indices = torch.stack([b[0] for b in box]), torch.stack([b[1] for b in box])
+            barrier.wait()  # every rank read the box before the next position writes it
+            return values, indices
+
+        drafts = pick_block(lambda at, prev: head.pick(base, prev, at), anchors[group], P, gather, topo.groups, group)
+        previous = torch.cat((anchors[group].unsqueeze(1), drafts[group, :, :-1]), 1)
+        return drafts, head.chain(base, previous)
+
+    with ThreadPoolExecutor(world) as pool:
+        out = list(pool.map(rank_main, range(world)))
+    assert all(d.shape == (topo.groups, B, P) for d, _ in out)
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_slices_choose_the_one_rank_tokens(c, layout, seed):
+    """On random logits and Markov weights, every rank of every layout gets each group's one-rank `tokens`
+    exactly, and its `chain` slices side by side are the one-rank logits each draft was the argmax of."""
+    topo = LAYOUTS[layout]
+    whole, gen = whole_head(c, seed), torch.Generator().manual_seed(100 + seed)
+    bases = [torch.randn(3, P, V, generator=gen) * 4 for _ in range(topo.groups)]
+    anchors = [torch.randint(0, V, (3,), generator=gen) for _ in range(topo.groups)]
+    want = [whole.tokens(b, a) for b, a in zip(bases, anchors)]
+    out = run_ranks(whole, c, topo, bases, anchors)
+    for rank, (drafts, _) in enumerate(out):
+        for g, (tokens, _logits) in enumerate(want):
+            assert torch.equal(drafts[g], tokens), (layout, rank, g)
+    for g, (_, logits) in enumerate(want):
+        ranks = [r for r in range(topo.world) if topo.group_of(r) == g]
+        joined = torch.cat([out[r][1] for r in ranks], -1)[..., :V]
+        torch.testing.assert_close(joined, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_ties_across_slices_go_to_the_lowest_index(c):
+    """Equal best scores on several ranks' slices: the lowest global index wins, as the one-rank argmax."""
+    topo = LAYOUTS["cp=3"]  # rows 64: rank 0 holds [0, 64), rank 1 [64, 100), rank 2 padding only
+    whole = whole_head(c, 0)
+    whole.markov_head.zero_()  # no transition: the base alone scores
+    base = torch.full((2, P, V), -1.0)
+    base[0, :, [70, 90]] = 5.0  # both on rank 1: the lower
+    base[1, :, [63, 64, 99]] = 5.0  # across ranks 0 and 1: rank 0's 63
+    base[1, 2, 12] = 5.0  # and at position 2, a lower one on rank 0
+    out = run_ranks(whole, c, topo, [base], [torch.tensor([1, 2])])
+    want = torch.tensor([[70] * P, [63, 63, 12, 63, 63]])
+    assert all(torch.equal(drafts[0], want) for drafts, _ in out)
+    assert torch.equal(whole.tokens(base, torch.tensor([1, 2]))[0], want)
+
+
+def test_padding_rows_never_win(c):
+    """Every real score below the padding rows' zeros (a padded head row projects to 0): the winner is
+    still inside the vocabulary, the one-rank argmax."""
+    topo = LAYOUTS["cp=3"]  # rank 1 holds 28 padding rows, rank 2 only padding
+    whole = whole_head(c, 1)
+    gen = torch.Generator().manual_seed(5)
+    base = -1000.0 - torch.rand(2, P, V, generator=gen)
+    anchors = torch.tensor([0, V - 1])
+    out = run_ranks(whole, c, topo, [base], [anchors])
+    tokens, _ = whole.tokens(base, anchors)
+    for drafts, _ in out:
+        assert bool((drafts < V).all()) and torch.equal(drafts[0], tokens)
+
+
+def test_merge_picks_takes_the_highest_then_the_lowest_index():
+    """The merge alone: the highest value; among equal values the lowest index, whichever rank holds it;
+    -inf picks (a rank of padding only) lose to any real value."""
+    inf = float("-inf")
+    values = torch.tensor([[1.0, 2.0, inf, 3.0], [1.0, 5.0, 0.5, 3.0], [0.5, 5.0, inf, 3.0]])
+    index = torch.tensor([[9, 1, 200, 40], [3, 70, 80, 39], [150, 65, 290, 41]])
+    assert merge_picks(values, index).tolist() == [3, 65, 80, 39]

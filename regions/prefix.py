@@ -34,7 +34,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 KEY_VERSION = b"deepinfer-prefix-1"
 
@@ -94,6 +94,17 @@ def state_every(state_bytes: int, budget_bytes: int) -> int:
 Node = tuple[int, int]  # a cached block: (shard, block id in that shard's pool)
 
 
+class StatePolicy(NamedTuple):
+    """Which slot states a prefix cache keeps: one with every `every`-th block of a chain
+    (`state_every`), at most `max_states` of them (None: no bound)."""
+
+    every: int = 1
+    max_states: int | None = None
+
+
+EVERY_STATE = StatePolicy()  # a state with every block, unbounded: the default where nothing is said
+
+
 @dataclass(eq=False)
 class BlockCache:
     """Cached blocks of one pool: key <-> block, holders per block, the unheld ones in LRU order.
@@ -101,17 +112,20 @@ class BlockCache:
     A divided pool (`shards` > 1, one per cp rank) caches each block as (shard, block): a sequence's
     block j lives in shard j % shards, so a key, which names its block's place in the chain, always
     maps to the same shard. A slot state is kept with every `every`-th block of a chain only
-    (`state_every`); `forget` is told of each kept state that eviction drops (a bundle's ranks then
-    free their copies)."""
+    (`state_every`), and at most `max_states` of them (None: no bound), the least recently kept or
+    used dropped first (its blocks stay cached; a hit then reaches an earlier kept state, or
+    misses); `forget` is told of each kept state that is dropped (a bundle's ranks then free their
+    copies)."""
 
     shards: int = 1
     every: int = 1
     forget: Callable[[SlotState], None] | None = None
+    max_states: int | None = None
     block_of: dict[bytes, Node] = field(default_factory=dict)
     key_of: dict[Node, bytes] = field(default_factory=dict)
     holders: dict[Node, int] = field(default_factory=dict)  # cached block -> sequences holding it
     unheld: list[OrderedDict[Node, None]] = field(default_factory=list)  # per shard, least recently released first
-    states: dict[Node, SlotState] = field(default_factory=dict)  # block -> slot state at its end
+    states: OrderedDict[Node, SlotState] = field(default_factory=OrderedDict)  # block -> state at its end, LRU first
     evicted: int = 0  # blocks evicted so far
 
     def __post_init__(self) -> None:
@@ -136,7 +150,19 @@ class BlockCache:
             blocks.append(node[1])
             if node in self.states:
                 best = (list(blocks), self.states[node])
+                self.states.move_to_end(node)  # recently used: the last a bound drops
         return best
+
+    def keep(self, node: Node, state: SlotState) -> None:
+        """Keep `state` with cached `node` (unless it has one), dropping the least recently kept or
+        used states beyond `max_states`."""
+        if node in self.states:
+            return
+        self.states[node] = state
+        while self.max_states is not None and len(self.states) > self.max_states:
+            _, dropped = self.states.popitem(last=False)
+            if self.forget is not None:
+                self.forget(dropped)
 
     def hold(self, node: Node) -> None:
         """One more sequence holds cached `node` (it is not evictable while held)."""

@@ -61,12 +61,14 @@ class Allocator:
         self.slot_of: dict[int, int] = {}
         self.cache: BlockCache | None = None  # prefix caching (`use_prefix_cache`)
 
-    def use_prefix_cache(self, every: int = 1, forget: Callable[[SlotState], None] | None = None) -> None:
+    def use_prefix_cache(
+        self, every: int = 1, forget: Callable[[SlotState], None] | None = None, max_states: int | None = None
+    ) -> None:
         """Keep full blocks that `cache_blocks` names after their sequences end, for `match` to share
-        (regions/prefix.py), a slot state with every `every`-th; the unheld ones are evicted, least
-        recently released first, when their shard has no free block (`forget` is told of each kept
-        state eviction drops)."""
-        self.cache = BlockCache(shards=self.shards, every=every, forget=forget)
+        (regions/prefix.py), a slot state with every `every`-th (at most `max_states` of them); the
+        unheld ones are evicted, least recently released first, when their shard has no free block
+        (`forget` is told of each kept state that is dropped)."""
+        self.cache = BlockCache(shards=self.shards, every=every, forget=forget, max_states=max_states)
 
     def available(self, shard: int = 0) -> int:
         """Blocks a reservation in `shard` can still take: the free ones and the cached ones no
@@ -88,7 +90,7 @@ class Allocator:
         for j, (key, block) in enumerate(zip(keys, self.tables[seq])):
             cache.add(key, (j % self.shards, block))
         if state is not None:
-            cache.states.setdefault(cache.block_of[keys[-1]], state)
+            cache.keep(cache.block_of[keys[-1]], state)
 
     def node(self, seq: int, j: int) -> tuple[int, int]:
         """Sequence `seq`'s block j as the cache names it: (its shard, its id there)."""

@@ -63,6 +63,7 @@ class ServeOptions(LoadOptions):
     on_ready: Callable[[str], None] | None = None  # called with a line naming the URL once it serves
     prefix_cache: bool = True  # share full blocks (prompt, generated) between requests (regions/prefix.py)
     prefix_state_mib: float = 1.0  # slot state kept per cached block, amortized: one kept every k blocks
+    prefix_states_mib: float = 1024.0  # the kept slot states' bytes on a rank at most (the least recent dropped)
     max_step_tokens: int | None = None  # tokens a step feeds at most (runtime/budget.py; None: no budget)
     # HTTP limits (runtime/serving/limits.py)
     max_body_bytes: int = 16 << 20  # a request body over it: 413

@@ -41,16 +41,16 @@ from collections.abc import Sequence
 
 import torch
 
-from deepinfer.regions.prefix import SlotState, block_keys, extend_keys, root_key
+from deepinfer.regions.prefix import SlotState, StatePolicy, block_keys, extend_keys, root_key
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.stepper import Allocator, Stepper
 
 
-def use_prefix_cache(stepper: Stepper, allocs: Sequence[Allocator], every: int) -> None:
-    """Cache every token group's blocks, a slot state with every `every`-th (regions/prefix.py
-    `state_every`), each group's evicted states forgotten by `stepper` (its ranks free their copies)."""
+def use_prefix_cache(stepper: Stepper, allocs: Sequence[Allocator], policy: StatePolicy) -> None:
+    """Cache every token group's blocks, the slot states `policy` keeps (regions/prefix.py), each
+    group's dropped states forgotten by `stepper` (its ranks free their copies)."""
     for g, a in enumerate(allocs):
-        a.use_prefix_cache(every, functools.partial(stepper.forget_slot, g))
+        a.use_prefix_cache(policy.every, functools.partial(stepper.forget_slot, g), policy.max_states)
 
 
 def image_root(image: ImageEmbeds | None) -> bytes:

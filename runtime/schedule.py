@@ -52,7 +52,7 @@ from torch import Tensor
 
 from deepinfer.errors import DeepinferError
 from deepinfer.regions.config import V41Config
-from deepinfer.regions.prefix import SlotState
+from deepinfer.regions.prefix import EVERY_STATE, SlotState, StatePolicy
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.stepper import Allocator, Drafter, DraftRequest, OutOfBlocks, Row, Stepper
 from deepinfer.runtime import prefix_gen
@@ -217,7 +217,7 @@ class Scheduler:
         events: Events | None = None,
         lock: AbstractContextManager | None = None,
         prefix_cache: bool = False,
-        prefix_state_every: int = 1,
+        prefix_states: StatePolicy = EVERY_STATE,
         max_step_tokens: int | None = None,
     ):
         check_budget(max_step_tokens, drafter.block if drafter is not None else None)
@@ -232,7 +232,7 @@ class Scheduler:
         self.lock = lock or nullcontext()
         self.allocs = [stepper.allocator() for _ in range(stepper.groups)]
         if prefix_cache:
-            prefix_gen.use_prefix_cache(stepper, self.allocs, prefix_state_every)
+            prefix_gen.use_prefix_cache(stepper, self.allocs, prefix_states)
         self.waiting: deque[Running] = deque()
         self.running: dict[int, Running] = {}
         self.speculation = SpeculationStats()

@@ -47,6 +47,15 @@ HTTP_LIMITS = ("max_body_bytes", "max_connections", "header_timeout_s", "body_ti
     "at most k - 1 blocks again. `deepinfer plan` prints the slot state and k.",
 )
 @click.option(
+    "--prefix-states-mib",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1024.0,
+    show_default=True,
+    help="The most memory the prefix cache's kept slot states take on each rank (device memory beside "
+    "the bundle's pools): past it the least recently kept or used state is dropped, its blocks staying "
+    "cached (a hit then reaches an earlier kept state).",
+)
+@click.option(
     "--max-body-bytes",
     type=click.IntRange(min=1),
     default=16 << 20,
@@ -93,7 +102,18 @@ HTTP_LIMITS = ("max_body_bytes", "max_connections", "header_timeout_s", "body_ti
 @click.option("--max-step-tokens", type=click.IntRange(min=1), default=None, metavar="N", help=STEP_TOKENS_HELP)
 @bundle_options
 @user_errors
-def main(bundle, host, port, max_queue, model_name, no_prefix_cache, prefix_state_mib, max_step_tokens, **load):
+def main(
+    bundle,
+    host,
+    port,
+    max_queue,
+    model_name,
+    no_prefix_cache,
+    prefix_state_mib,
+    prefix_states_mib,
+    max_step_tokens,
+    **load,
+):
     """Serve BUNDLE over the OpenAI HTTP API with continuous batching.
 
     POST /v1/completions and /v1/chat/completions (stream: true for server-sent
@@ -122,6 +142,7 @@ def main(bundle, host, port, max_queue, model_name, no_prefix_cache, prefix_stat
         model_name=model_name,
         prefix_cache=not no_prefix_cache,
         prefix_state_mib=prefix_state_mib,
+        prefix_states_mib=prefix_states_mib,
         max_step_tokens=max_step_tokens,
         on_loading=lambda line: click.echo(line, err=True),
         on_ready=click.echo,

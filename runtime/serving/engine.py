@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer.errors import DeepinferError
+from deepinfer.regions.prefix import EVERY_STATE, StatePolicy
 from deepinfer.regions.stepper import Drafter, Stepper
 from deepinfer.runtime.requests import Completion, Request
 from deepinfer.runtime.schedule import Events, Scheduler
@@ -226,7 +227,7 @@ class Engine:
         metrics: Metrics | None = None,
         drafter: Drafter | None = None,
         prefix_cache: bool = False,
-        prefix_state_every: int = 1,
+        prefix_states: StatePolicy = EVERY_STATE,
         max_step_tokens: int | None = None,
     ):
         self.max_queue = max_queue
@@ -241,7 +242,7 @@ class Engine:
             events=self.events,
             lock=self._cond,
             prefix_cache=prefix_cache,
-            prefix_state_every=prefix_state_every,
+            prefix_states=prefix_states,
             max_step_tokens=max_step_tokens,
         )
         a = self.scheduler.allocs[0]

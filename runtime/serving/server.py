@@ -26,7 +26,7 @@ import errno
 import json
 
 from deepinfer.errors import DeepinferError
-from deepinfer.regions.prefix import state_every
+from deepinfer.regions.prefix import StatePolicy, state_every
 from deepinfer.runtime.executor import Executor, Stats
 from deepinfer.runtime.options import ServeOptions
 from deepinfer.runtime.serving.engine import Engine, EngineStopped
@@ -37,6 +37,8 @@ from deepinfer.runtime.slot_store import slot_bytes
 from deepinfer.units import human
 
 __all__ = ["AddressError", "Served", "bind_address", "create_app", "serve"]
+
+MIB = 1 << 20
 
 
 def create_app(served: Served, gate: Gate | None = None):
@@ -113,17 +115,23 @@ def _engine(executor: Executor, options: ServeOptions) -> tuple[Engine, int, str
     drafter = executor.dspark(stats) if options.speculative else None
     prefix_cache = options.prefix_cache
     state = slot_bytes(executor)
-    every = state_every(state, int(options.prefix_state_mib * (1 << 20)))
+    policy = StatePolicy(
+        state_every(state, int(options.prefix_state_mib * MIB)), max(1, int(options.prefix_states_mib * MIB) // state)
+    )
     engine = Engine(
         steps,
         eos=executor.config.eos_token_id,
         max_queue=options.max_queue,
         drafter=drafter,
         prefix_cache=prefix_cache,
-        prefix_state_every=every,
+        prefix_states=policy,
         max_step_tokens=options.max_step_tokens,
     )
-    kept = f"on, a slot state of {human(state)} kept every {every} block(s)" if prefix_cache else "off"
+    kept = (
+        f"on, a slot state of {human(state)} kept every {policy.every} block(s), {policy.max_states} at most"
+        if prefix_cache
+        else "off"
+    )
     return engine, steps.max_batch, kept
 
 

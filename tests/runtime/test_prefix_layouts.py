@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.regions.prefix import block_keys, root_key, state_every
+from deepinfer.regions.prefix import StatePolicy, block_keys, root_key, state_every
 from deepinfer.regions.stepper import Allocator
 from deepinfer.runtime.prefix_gen import hit_takes
 from deepinfer.runtime.requests import Request
@@ -53,7 +53,7 @@ def test_a_divided_pool_caches_a_block_in_its_shard_and_evicts_there():
 
 def test_a_state_is_kept_every_k_blocks_and_a_hit_starts_at_the_last_kept():
     model = SlotCounting(chunk=6, block_size=4, blocks=17, max_blocks=8, slots=4)
-    engine = Engine(model, eos=1, max_queue=4, prefix_cache=True, prefix_state_every=2)
+    engine = Engine(model, eos=1, max_queue=4, prefix_cache=True, prefix_states=StatePolicy(every=2))
     prompt = [5 + i % 20 for i in range(14)]
     first = run_alone(engine, prompt, 3)
     # chunks of 6 end at the kept boundary (8) where they reach it, else at a block's end
@@ -75,6 +75,22 @@ def test_an_evicted_state_is_handed_back_to_the_stepper():
     assert model.forgotten == []
     run_alone(engine, [8] * 13, 2)  # needs 4 blocks: evicts the first prompt's two
     assert sorted(map(len, model.forgotten)) == [4, 8]
+
+
+def test_past_max_states_the_least_recently_used_state_is_dropped_and_its_blocks_stay():
+    model = SlotCounting(chunk=8, block_size=4, blocks=33, max_blocks=8, slots=4)
+    engine = Engine(model, eos=1, max_queue=4, prefix_cache=True, prefix_states=StatePolicy(max_states=2))
+    a, b, c = [5] * 9, [6] * 9, [7] * 9  # each keeps one state: after its first chunk, 8 tokens
+    run_alone(engine, a, 1)
+    run_alone(engine, b, 1)
+    cache = engine.scheduler.allocs[0].cache
+    assert cache is not None and len(cache.states) == 2
+    assert run_alone(engine, a[:8] + [3], 1).cached_tokens == 8  # a's state used: the most recent now
+    run_alone(engine, c, 1)  # a third state: b's, the least recently kept or used, is dropped
+    assert len(cache.states) == 2 and len(model.forgotten) == 1
+    assert all(key in cache.block_of for key in block_keys(b, 4, root_key()))  # b's blocks stay cached
+    assert run_alone(engine, a[:8] + [4], 1).cached_tokens == 8
+    assert run_alone(engine, b[:8] + [3], 1).cached_tokens == 0
 
 
 class TwoGroups(Counting):

@@ -113,23 +113,23 @@ def _engine(executor: Executor, options: ServeOptions) -> tuple[Engine, int, str
     stats = Stats()
     steps = executor.steps(stats)
     drafter = executor.dspark(stats) if options.speculative else None
-    prefix_cache = options.prefix_cache
     state = slot_bytes(executor)
-    policy = StatePolicy(
-        state_every(state, int(options.prefix_state_mib * MIB)), max(1, int(options.prefix_states_mib * MIB) // state)
+    policy = StatePolicy(  # a state kept every k-th block, and as many as the states' bound holds
+        state_every(state, int(options.prefix_state_mib * MIB)),
+        max(1, int(options.prefix_states_mib * MIB) // max(1, state)),
     )
     engine = Engine(
         steps,
         eos=executor.config.eos_token_id,
         max_queue=options.max_queue,
         drafter=drafter,
-        prefix_cache=prefix_cache,
+        prefix_cache=options.prefix_cache,
         prefix_states=policy,
         max_step_tokens=options.max_step_tokens,
     )
     kept = (
         f"on, a slot state of {human(state)} kept every {policy.every} block(s), {policy.max_states} at most"
-        if prefix_cache
+        if options.prefix_cache
         else "off"
     )
     return engine, steps.max_batch, kept

@@ -71,6 +71,8 @@ def _check_weight_cuts(m: dict, tp: int, ep: int, cp: int) -> None:
         assert all(digests[r]["dspark_attn"] == digests[r % tp]["dspark_attn"] for r in range(world))
     if tp * cp > 1:  # the head, split by vocabulary over the token group; the engram's wkv by its input columns
         sharded |= {"head", "engram"}
+        if "dspark_head" in digests[0]:  # the draft's Markov head: the head's vocabulary rows (regions/picking.py)
+            sharded.add("dspark_head")
     for kind in digests[0]:
         assert (len({d[kind] for d in digests}) > 1) == (kind in sharded), kind
         if kind not in sharded and stacks[0][kind]["tensors"]:  # whole on every rank: one shared file, no rank file

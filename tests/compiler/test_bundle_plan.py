@@ -392,11 +392,11 @@ def test_plan_predicts_the_compiled_bundle(rank_bundle, parallel):
     assert recorded["scratch"]["by_graph"] == scratch and sorted(recorded["scratch"]["from_cache"]) == sorted(scratch)
     # a graph per (kind, method): 3 kinds decode and the engram's kv and mix, the 4 compressed attention kinds run divided (cp > 1) as
     # their stages (query, select, attend, output; the reuse kind query, attend and output); the MoE also at its smallest
-    # batch bucket (batch buckets 1 and 2); the draft (this layout holds one): its 5 kinds' 6 methods and
-    # the target head's `project`
+    # batch bucket (batch buckets 1 and 2); the draft (this layout holds one): its 5 kinds' 7 methods (the
+    # head's normalize, pick and chain at several ranks, regions/picking.py) and the target head's `project`
     graphs = traced["scratch"]["by_graph"]
     draft = [n for n in graphs if n.startswith("dspark_") or n.startswith("head.project.")]
-    assert traced["scratch"]["from_cache"] == [] and len(draft) == 6 + 1
+    assert traced["scratch"]["from_cache"] == [] and len(draft) == 7 + 1
     assert len(graphs) - len(draft) == 3 + 2 + 3 * 4 + 3 + 1
     assert traced["scratch"]["by_graph"] == {n: scratch[n] for n in traced["scratch"]["by_graph"]}
     for plan in (traced, recorded):

@@ -82,6 +82,9 @@ class Events:
     def load(self, running: int, waiting: int, kv_blocks: int) -> None:
         """The batch after a step boundary: running sequences, waiting requests, KV blocks held."""
 
+    def prefix_query(self, tokens: int) -> None:
+        """A request's `tokens` prompt tokens were looked up in the prefix cache as it was admitted."""
+
     def prefix_hit(self, tokens: int) -> None:
         """A request starts with `tokens` prompt positions from the prefix cache."""
 
@@ -441,6 +444,8 @@ class Scheduler:
                 self.allocs[g].admit(r.seq, shared)
                 r.group, r.need_blocks = g, need
                 self.running[r.seq] = r
+                if r.keys is not None:  # it was looked up (`_match`)
+                    self.events.prefix_query(len(r.request.prompt))
                 if state is not None:  # a hit: its slot as the cached prefix left it; prefill from the boundary on
                     self.stepper.load_slot(g, self.allocs[g].slot_of[r.seq], state)
                     r.consumed = r.out.cached_tokens = len(shared) * self.allocs[g].block_size

@@ -30,7 +30,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,15 +37,8 @@ from deepinfer.errors import DeepinferError
 from deepinfer.regions.prefix import EVERY_STATE, StatePolicy
 from deepinfer.regions.stepper import Drafter, Stepper
 from deepinfer.runtime.requests import Completion, Request
-from deepinfer.runtime.schedule import Events, Scheduler
-
-if TYPE_CHECKING:  # prometheus_client loads with the first engine (Metrics.new)
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-# seconds: step times of a tiny CPU bundle (~ms) up to a release rank's prefill chunk (~s)
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-STEP_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(15))  # 1 .. 16384 tokens
-STEP_TOKENS_HELP = "Tokens one step fed: prompt chunks, decode and verify rows (--max-step-tokens bounds it)"
+from deepinfer.runtime.schedule import Scheduler
+from deepinfer.runtime.serving.metrics import Metrics, MetricsEvents
 
 
 class RequestError(DeepinferError):
@@ -69,149 +61,6 @@ STALL_S = 3.0  # what the hook's `stall` adds to a step
 
 class QueueFull(DeepinferError):
     """The waiting queue holds `max_queue` requests already (the server answers 429)."""
-
-
-@dataclass(frozen=True)
-class Metrics:
-    """The engine's Prometheus metrics, in a registry of their own (one per engine: `Metrics.new()`)."""
-
-    registry: CollectorRegistry
-    requests: Counter
-    queue_depth: Gauge
-    running: Gauge
-    prompt_tokens: Counter
-    generated_tokens: Counter
-    kv_blocks: Gauge
-    kv_blocks_total: Gauge
-    step: Histogram
-    ttft: Histogram
-    drafted: Counter
-    accepted: Counter
-    verify_steps: Counter
-    itl: Histogram
-    prefix_hit_tokens: Counter
-    prefix_blocks: Gauge
-    prefix_evicted: Counter
-    step_tokens: Histogram
-
-    @classmethod
-    def new(cls) -> Metrics:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-
-        disable_created_metrics()  # no `_created` timestamp series beside every counter
-        r = CollectorRegistry()
-        return cls(
-            registry=r,
-            requests=Counter(
-                "deepinfer_requests",
-                "Requests by outcome: the finish reason (stop, length, "
-                "cancelled, error) or why it was refused (queue_full, bad_request)",
-                ["outcome"],
-                registry=r,
-            ),
-            queue_depth=Gauge("deepinfer_queue_depth", "Requests waiting to join the batch", registry=r),
-            running=Gauge("deepinfer_running_sequences", "Sequences in the running batch", registry=r),
-            prompt_tokens=Counter("deepinfer_prompt_tokens", "Prompt tokens processed", registry=r),
-            generated_tokens=Counter("deepinfer_generated_tokens", "Tokens generated", registry=r),
-            kv_blocks=Gauge("deepinfer_kv_blocks_in_use", "KV blocks held by running sequences", registry=r),
-            kv_blocks_total=Gauge(
-                "deepinfer_kv_blocks",
-                "KV blocks sequences can hold (the pool less the scratch block, over every token group)",
-                registry=r,
-            ),
-            step=Histogram("deepinfer_step_seconds", "Time of one batched step", buckets=LATENCY_BUCKETS, registry=r),
-            ttft=Histogram(
-                "deepinfer_time_to_first_token_seconds",
-                "From a request's arrival to its first token",
-                buckets=LATENCY_BUCKETS,
-                registry=r,
-            ),
-            drafted=Counter(
-                "deepinfer_drafted_tokens", "Tokens drafted for greedy requests (--speculative)", registry=r
-            ),
-            accepted=Counter("deepinfer_accepted_tokens", "Drafted tokens the target's verify steps kept", registry=r),
-            verify_steps=Counter(
-                "deepinfer_verify_steps", "Verify steps: one sequence's row of a step that carried drafts", registry=r
-            ),
-            itl=Histogram(
-                "deepinfer_inter_token_latency_seconds",
-                "Between two tokens of one request",
-                buckets=LATENCY_BUCKETS,
-                registry=r,
-            ),
-            prefix_hit_tokens=Counter(
-                "deepinfer_prefix_cache_hit_tokens",
-                "Prompt tokens whose KV came from the prefix cache instead of a prefill",
-                registry=r,
-            ),
-            prefix_blocks=Gauge(
-                "deepinfer_prefix_cache_blocks", "KV blocks the prefix cache holds (shared or evictable)", registry=r
-            ),
-            prefix_evicted=Counter(
-                "deepinfer_prefix_cache_evicted_blocks",
-                "Cached KV blocks evicted (least recently released first) for want of free blocks",
-                registry=r,
-            ),
-            step_tokens=Histogram("deepinfer_step_tokens", STEP_TOKENS_HELP, buckets=STEP_TOKEN_BUCKETS, registry=r),
-        )
-
-    def text(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
-
-
-class MetricsEvents(Events):
-    """The scheduler's events counted in `Metrics`: token latencies from each request's arrival."""
-
-    def __init__(self, metrics: Metrics):
-        self.metrics = metrics
-        self.arrived: dict[Request, float] = {}  # a running or waiting request -> when it was submitted
-        self.last_token: dict[Request, float] = {}
-        self.evicted = 0  # evictions counted so far
-
-    def stepped(self, seconds: float) -> None:
-        self.metrics.step.observe(seconds)
-
-    def fed(self, prompt: int, decode: int, rows: int, longest: int) -> None:
-        self.metrics.step_tokens.observe(prompt + decode)
-
-    def prompt_tokens(self, n: int) -> None:
-        if n:
-            self.metrics.prompt_tokens.inc(n)
-
-    def token(self, request: Request, now: float) -> None:
-        self.metrics.generated_tokens.inc()
-        last = self.last_token.get(request)
-        if last is None:
-            self.metrics.ttft.observe(now - self.arrived.get(request, now))
-        else:
-            self.metrics.itl.observe(now - last)
-        self.last_token[request] = now
-
-    def drafts(self, drafted: int, accepted: int) -> None:
-        self.metrics.drafted.inc(drafted)
-        self.metrics.accepted.inc(accepted)
-        self.metrics.verify_steps.inc()
-
-    def finished(self, request: Request, reason: str) -> None:
-        self.arrived.pop(request, None)
-        self.last_token.pop(request, None)
-        self.metrics.requests.labels(reason).inc()
-
-    def load(self, running: int, waiting: int, kv_blocks: int) -> None:
-        self.metrics.running.set(running)
-        self.metrics.queue_depth.set(waiting)
-        self.metrics.kv_blocks.set(kv_blocks)
-
-    def prefix_hit(self, tokens: int) -> None:
-        self.metrics.prefix_hit_tokens.inc(tokens)
-
-    def prefix_cache(self, blocks: int, evicted: int) -> None:
-        self.metrics.prefix_blocks.set(blocks)
-        if evicted > self.evicted:
-            self.metrics.prefix_evicted.inc(evicted - self.evicted)
-            self.evicted = evicted
 
 
 class Engine:
@@ -249,7 +98,7 @@ class Engine:
         self.block_size, self.max_context = a.block_size, a.max_context
         self.capacity_blocks = len(a.free_blocks)  # per group: the pool less the scratch block
         self.capacity_slots = len(a.free_slots)  # per group: less the scratch slot
-        self.metrics.kv_blocks_total.set(self.capacity_blocks * len(self.scheduler.allocs))
+        self.events.set_capacity(self.capacity_blocks * len(self.scheduler.allocs))
         self._rows = stepper.max_batch * stepper.groups  # the batch's rows over every token group
         self.vitals = Vitals()
         self.faults = Faults(os.environ.get(FAULT_ENV, ""))
@@ -312,7 +161,7 @@ class Engine:
             if not self.scheduler.busy:  # the watchdog counts from the work's arrival, not the last step
                 self.vitals.progress = time.monotonic()
             out = self.scheduler.add(request)
-            self.metrics.queue_depth.set(waiting + 1)
+            self.events.queued(len(self.scheduler.running), waiting + 1)
             self._cond.notify()
         return out
 

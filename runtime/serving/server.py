@@ -31,6 +31,7 @@ from deepinfer.runtime.executor import Executor, Stats
 from deepinfer.runtime.options import ServeOptions
 from deepinfer.runtime.serving.engine import Engine, EngineStopped
 from deepinfer.runtime.serving.limits import FLUSH_S, Gate, Limits, Stopping, guarded_protocol
+from deepinfer.runtime.serving.metrics import Metrics
 from deepinfer.runtime.serving.params import error_body
 from deepinfer.runtime.serving.routes import Served, generation_routes, service_routes, tokenizer_routes
 from deepinfer.runtime.slot_store import slot_bytes
@@ -71,8 +72,8 @@ def serve(executor: Executor, tokenizer, options: ServeOptions, sock=None) -> No
     import signal
     import threading
 
-    engine, max_batch, prefix = _engine(executor, options)
     model = options.model_name or executor.path.name
+    engine, max_batch, prefix = _engine(executor, options, model)
     gate = Gate(engine, options.watchdog_s)
     app = create_app(Served(engine, tokenizer, model, executor.config.text.vocab_size), gate)
     sock = sock or bind_address(options.host, options.port)
@@ -107,9 +108,9 @@ def serve(executor: Executor, tokenizer, options: ServeOptions, sock=None) -> No
         raise EngineStopped(f"deepinfer-serve: the engine stopped: {engine.dead}")
 
 
-def _engine(executor: Executor, options: ServeOptions) -> tuple[Engine, int, str]:
-    """The engine over `executor`'s steps (and its draft, with options.speculative) -> (it, the
-    largest batch a step takes, its prefix cache in words)."""
+def _engine(executor: Executor, options: ServeOptions, model: str) -> tuple[Engine, int, str]:
+    """The engine over `executor`'s steps (and its draft, with options.speculative), its metrics
+    labelled with the served `model` -> (it, the largest batch a step takes, its prefix cache in words)."""
     stats = Stats()
     steps = executor.steps(stats)
     drafter = executor.dspark(stats) if options.speculative else None
@@ -126,6 +127,7 @@ def _engine(executor: Executor, options: ServeOptions) -> tuple[Engine, int, str
         prefix_cache=options.prefix_cache,
         prefix_states=policy,
         max_step_tokens=options.max_step_tokens,
+        metrics=Metrics.new(model),
     )
     kept = (
         f"on, a slot state of {human(state)} kept every {policy.every} block(s), {policy.max_states} at most"

@@ -31,6 +31,10 @@ token: the clients' chunk gaps would not compare, as the random model's free tex
 partial UTF-8 characters that wait for their next byte, and the JSON's strings fewer.
 `structured_over_plain_itl` is the median over the repeats of the constrained run's mean over the
 plain one's (issue 32's target: at most 1.1). `--structured-only` runs just these.
+
+`--replicas`: only the endpoint on Ray Serve, one replica against two under the same load, and the
+prefix affinity of conversations over two (bench/serve_replicas.py: `replicas_2_over_1_throughput`,
+`prefix_affinity_hit_rate`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
 
+import serve_replicas
 from common import ROOT, ensure_bundle, percentile, server_metrics, share_inductor_cache, status_kib
 
 share_inductor_cache()
@@ -249,8 +254,16 @@ def main() -> None:
     ap.add_argument("--structured-clients", type=int, default=4, help="concurrent clients of the structured run")
     ap.add_argument("--structured-only", action="store_true", help="only the plain and structured runs")
     ap.add_argument("--repeats", type=int, default=3, help="plain and structured runs, alternated")
+    ap.add_argument(
+        "--replicas", action="store_true", help="only two replicas against one on Ray Serve (serve_replicas.py)"
+    )
+    serve_replicas.add_arguments(ap)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.replicas:  # replicas_2_over_1_throughput and prefix_affinity_hit_rate (issue 45)
+        out = serve_replicas.measure(args)
+        print(json.dumps(out, indent=1) if args.json else serve_replicas.summary(out))
+        return
 
     from deepinfer.runtime.serving.server_process import ServerProcess
 

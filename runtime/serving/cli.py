@@ -100,6 +100,38 @@ HTTP_LIMITS = ("max_body_bytes", "max_connections", "header_timeout_s", "body_ti
     help="/health answers 503 while the engine has work but has finished no step for this long (0: off).",
 )
 @click.option("--max-step-tokens", type=click.IntRange(min=1), default=None, metavar="N", help=STEP_TOKENS_HELP)
+@click.option(
+    "--ray-serve",
+    metavar="ADDRESS",
+    default=None,
+    help="Serve --replicas replicas of the engine behind one endpoint (--host/--port) on Ray Serve, routed by "
+    "prompt-prefix affinity: the cluster at ADDRESS (auto, HOST:PORT, or local: start one here). Each replica "
+    "runs this command's other options on its node; the bundle's path must be the same on every node.",
+)
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="With --ray-serve: replicas of the engine, each loading the bundle once (a multi-rank bundle's ranks "
+    "stay one replica).",
+)
+@click.option(
+    "--replica-cpus",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="With --ray-serve: CPUs a replica reserves.",
+)
+@click.option(
+    "--min-replicas",
+    type=click.IntRange(min=0),
+    default=None,
+    help="With --ray-serve: autoscale, Ray Serve adding replicas under load and removing idle ones down to this.",
+)
+@click.option(
+    "--max-replicas", type=click.IntRange(min=1), default=None, help="With --ray-serve: autoscale up to this."
+)
 @bundle_options
 @user_errors
 def main(
@@ -112,6 +144,11 @@ def main(
     prefix_state_mib,
     prefix_states_mib,
     max_step_tokens,
+    ray_serve,
+    replicas,
+    replica_cpus,
+    min_replicas,
+    max_replicas,
     **load,
 ):
     """Serve BUNDLE over the OpenAI HTTP API with continuous batching.
@@ -129,7 +166,15 @@ def main(
       deepinfer-serve build/tiny --port 8000
       curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
            -d '{"model": "tiny", "prompt": "Hello", "max_tokens": 8}'
+      deepinfer-serve build/tiny --ray-serve local --replicas 2 --port 8000
     """
+    if ray_serve is not None:
+        import sys
+
+        from deepinfer.runtime.serving.ray_serve import RayServeOptions, run
+
+        scaling = RayServeOptions(ray_serve, replicas, replica_cpus, min_replicas, max_replicas)
+        return run(bundle, sys.argv[1:], scaling, host, port, click.echo)
     from deepinfer.runtime import ServeOptions, serve
 
     http = {k: load.pop(k) for k in HTTP_LIMITS}

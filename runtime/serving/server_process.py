@@ -6,9 +6,18 @@ from __future__ import annotations
 class ServerProcess:
     """`deepinfer-serve BUNDLE --port 0 ARGS` in a subprocess on 127.0.0.1, for tests and benchmarks:
     `url` is read from its first line (the port it bound; no race for a free port); every wait is
-    bounded; `stop` sends SIGTERM, then kills after `timeout_s`."""
+    bounded; `stop` sends SIGTERM, then kills after `timeout_s`. `die_with_parent`: the server gets
+    SIGTERM when this process dies, however it dies (Linux's PR_SET_PDEATHSIG: a Ray Serve replica's
+    child, runtime/serving/ray_serve.py)."""
 
-    def __init__(self, bundle, *args: str, start_timeout_s: float = 300.0, env: dict | None = None):
+    def __init__(
+        self,
+        bundle,
+        *args: str,
+        start_timeout_s: float = 300.0,
+        env: dict | None = None,
+        die_with_parent: bool = False,
+    ):
         import os
         import queue
         import re
@@ -32,6 +41,7 @@ class ServerProcess:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {})},
+            preexec_fn=_die_with_parent if die_with_parent else None,
         )
         lines: queue.Queue = queue.Queue()
         stdout = self.proc.stdout
@@ -70,3 +80,12 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=timeout_s)
         return self.proc.returncode
+
+
+def _die_with_parent() -> None:
+    """In the child before it execs: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -1,0 +1,409 @@
+"""`deepinfer-serve --ray-serve ADDRESS`: N replicas of the engine behind one endpoint, on Ray Serve.
+
+    client --HTTP--> Ray Serve's proxy --> Ingress --(prefix affinity)--> Replica 1..N
+                                                                            `-- deepinfer-serve (child)
+
+Each `Replica` (a Ray Serve replica, one actor) runs one `deepinfer-serve` of the bundle as its child
+process on 127.0.0.1 (a multi-rank bundle starts its rank processes there, so a replica's ranks stay
+one replica) and forwards requests to it: every route, streaming, refusal and limit is the one server's.
+The child dies with its replica (PR_SET_PDEATHSIG), and a replica whose child died fails Ray Serve's
+health check, so Ray Serve replaces it.
+
+The `Ingress` takes every request and hands it to a replica through a handle whose request router is
+`PrefixAffinityRouter`: a request with a prompt (or messages) goes to the replica its prompt's first
+`prefix_chars` characters hash to (rendezvous hashing over the live replicas: a key moves only when
+its replica goes), so the turns of a conversation, which repeat its beginning, reach the replica whose
+prefix cache holds it; unless that replica has `imbalance` more requests in flight than the least
+loaded one, and then least loaded first (as a request without a prompt). Ray's own prefix-aware router
+ships with Ray Serve LLM, which needs vLLM or SGLang installed; this one needs neither.
+
+A response names the replica that served it (header `x-deepinfer-replica`). A replica that dies
+mid-request: a stream gets an error event naming the replica, then ends; a request not streamed gets
+HTTP 502 naming it; new requests go to the live replicas. `GET /health` on the
+endpoint: 200 with the replicas ready, 503 while none is.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from deepinfer.errors import DeepinferError
+
+APP = "deepinfer"
+REPLICA, INGRESS = "Replica", "Ingress"
+PREFIX_CHARS = 1024  # the characters of a prompt the affinity key reads
+IMBALANCE = 8  # requests in flight a prompt's replica may have beyond the least loaded one
+START_TIMEOUT_S = 600.0  # a replica's child loading its bundle
+STOP_TIMEOUT_S = 120.0  # deleting the application, its replicas and children, and leaving the cluster
+RAY_OPTIONS = ("--ray-serve", "--replicas", "--replica-cpus", "--min-replicas", "--max-replicas")
+REPLICA_HEADER = "x-deepinfer-replica"  # which replica served a response (debugging, tests)
+HOST_OPTIONS = ("--host", "--port")  # the endpoint's, not a replica's (its child binds 127.0.0.1:0)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One HTTP request as the ingress hands it to a replica: `prompt` is what the router's affinity
+    reads (Ray's routers look for an argument with a `prompt` attribute too)."""
+
+    method: str
+    path: str
+    query: str
+    body: bytes
+    content_type: str
+    prompt: str | None
+    stream: bool
+
+
+def prompt_text(body: bytes) -> tuple[str | None, bool]:
+    """A request body -> (the text its affinity key reads: the prompt, or the messages' roles and text
+    in order; None when it has neither), whether it asks for a stream."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None, False
+    if not isinstance(doc, dict):
+        return None, False
+    stream = doc.get("stream") is True
+    prompt = doc.get("prompt")
+    if isinstance(prompt, list):  # token ids, or a batch of prompts: their first
+        prompt = " ".join(map(str, prompt)) if all(isinstance(t, int) for t in prompt) else (prompt or [None])[0]
+    if isinstance(prompt, str):
+        return prompt, stream
+    messages = doc.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for m in messages:
+            if isinstance(m, dict):
+                content = m.get("content")
+                if isinstance(content, list):  # OpenAI's content parts: their text
+                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                parts.append(f"{m.get('role')}: {content}\n")
+        return "".join(parts), stream
+    return None, stream
+
+
+def affinity(prompt: str, replica: str, prefix_chars: int = PREFIX_CHARS) -> int:
+    """Rendezvous score of a prompt's prefix for one replica: the highest-scoring live replica is its home."""
+    key = f"{replica}\0{prompt[:prefix_chars]}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+
+
+def rank_replicas(prompt: str | None, replicas: Sequence, load, *, prefix_chars: int, imbalance: int) -> list[list]:
+    """Ranks of `replicas` (objects with `.replica_id.unique_id`) for a request: its prompt's home first,
+    then the others least loaded first (`load(replica)`: requests in flight); least loaded first
+    without a prompt or when the home has more than `imbalance` beyond the least loaded."""
+    ordered = sorted(replicas, key=load)
+    if prompt is None or not ordered:
+        return [ordered]
+    home = max(replicas, key=lambda r: affinity(prompt, r.replica_id.unique_id, prefix_chars))
+    if load(home) - load(ordered[0]) > imbalance:
+        return [ordered]
+    return [[home], [r for r in ordered if r is not home]]
+
+
+def replica_args(argv: Sequence[str]) -> list[str]:
+    """`deepinfer-serve`'s arguments as a replica's child takes them: without the bundle (the first
+    positional) and the options of the endpoint and of Ray (`RAY_OPTIONS`, `HOST_OPTIONS`)."""
+    out: list[str] = []
+    dropped = RAY_OPTIONS + HOST_OPTIONS
+    skip, bundle_seen = False, False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in dropped:
+            skip = "=" not in arg
+            continue
+        if not arg.startswith("-") and not bundle_seen and (not out or not _takes_value(out[-1])):
+            bundle_seen = True
+            continue
+        out.append(arg)
+    return out
+
+
+def _takes_value(option: str) -> bool:
+    """Whether `option` (as written before a value) is one of deepinfer-serve's options with a value."""
+    from deepinfer.runtime.serving.cli import main
+
+    for p in main.params:
+        if option in getattr(p, "opts", ()) and not getattr(p, "is_flag", False):
+            return "=" not in option
+    return False
+
+
+# --- the replica --------------------------------------------------------------------------------
+
+
+class Replica:
+    """One engine: `deepinfer-serve BUNDLE ARGS` as a child on 127.0.0.1:0, requests forwarded to it."""
+
+    def __init__(self, bundle: str, args: Sequence[str], start_timeout_s: float = START_TIMEOUT_S):
+        from ray import serve
+
+        from deepinfer.runtime.serving.server_process import ServerProcess
+
+        self.id = serve.get_replica_context().replica_id.unique_id
+        self.server = ServerProcess(bundle, *args, start_timeout_s=start_timeout_s, die_with_parent=True)
+
+    async def __call__(self, f: Forward) -> AsyncIterator:
+        """Yields ("head", replica id, status, content type), then the body's chunks as they come."""
+        import aiohttp
+
+        url = f"{self.server.url}{f.path}" + (f"?{f.query}" if f.query else "")
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            headers = {"Content-Type": f.content_type} if f.content_type else {}
+            async with session.request(f.method, url, data=f.body, headers=headers) as r:
+                yield ("head", self.id, r.status, r.headers.get("Content-Type", ""))
+                async for chunk in r.content.iter_any():
+                    yield chunk
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: the child serves (else the replica is replaced)."""
+        code = self.server.proc.poll()
+        if code is not None:
+            raise RuntimeError(f"replica {self.id}: its deepinfer-serve exited with status {code}")
+
+    def __del__(self):
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.stop(timeout_s=10)
+
+
+# --- the router -----------------------------------------------------------------------------------
+
+
+@functools.cache
+def _router_class():
+    """`PrefixAffinityRouter`, built once where Ray Serve is installed (the module imports without it)."""
+    from ray.serve.request_router import RequestRouter
+
+    class PrefixAffinityRouter(RequestRouter):
+        """Ray Serve's request router for the replicas: `rank_replicas` over the replicas' queue lengths."""
+
+        def initialize_state(self, prefix_chars: int = PREFIX_CHARS, imbalance: int = IMBALANCE, **kwargs):
+            self.prefix_chars, self.imbalance = prefix_chars, imbalance
+
+        async def choose_replicas(self, candidate_replicas, pending_request=None):
+            prompt = None
+            if pending_request is not None and pending_request.args:
+                prompt = getattr(pending_request.args[0], "prompt", None)
+
+            def load(r) -> int:
+                return self.replica_queue_len_cache.get(r.replica_id) or 0
+
+            return rank_replicas(
+                prompt, candidate_replicas, load, prefix_chars=self.prefix_chars, imbalance=self.imbalance
+            )
+
+    PrefixAffinityRouter.__module__ = __name__
+    PrefixAffinityRouter.__qualname__ = "PrefixAffinityRouter"
+    return PrefixAffinityRouter
+
+
+def __getattr__(name: str):
+    if name == "PrefixAffinityRouter":  # Ray Serve imports the router by its path on every node
+        return _router_class()
+    raise AttributeError(name)
+
+
+# --- the ingress -----------------------------------------------------------------------------------
+
+
+class Ingress:
+    """Every HTTP request of the endpoint: `/health` answered here, the rest handed to a replica."""
+
+    def __init__(self, replicas):
+        self.replicas = replicas.options(stream=True)
+
+    async def __call__(self, request):
+        from starlette.responses import JSONResponse, Response, StreamingResponse
+
+        if request.url.path == "/health":
+            ready, wanted = replicas_ready()
+            body = {"status": "ok" if ready else "unavailable", "replicas_ready": ready, "replicas": wanted}
+            return JSONResponse(body, status_code=200 if ready else 503)
+        body = await request.body()
+        prompt, stream = prompt_text(body)
+        f = Forward(
+            request.method,
+            request.url.path,
+            request.url.query,
+            body,
+            request.headers.get("content-type", ""),
+            prompt,
+            stream,
+        )
+        gen = self.replicas.remote(f)
+        try:
+            _, replica, status, content_type = await gen.__anext__()
+        except Exception as e:  # the replica died before it answered
+            return JSONResponse(_error(f"the replica died before it answered: {_one_line(e)}"), status_code=502)
+        if not stream:
+            chunks = []
+            try:
+                async for chunk in gen:
+                    chunks.append(chunk)
+            except Exception as e:
+                return JSONResponse(_error(f"replica {replica} died mid-request: {_one_line(e)}"), status_code=502)
+            return Response(
+                b"".join(chunks), status_code=status, media_type=content_type or None, headers=_served(replica)
+            )
+
+        async def rest():
+            try:
+                async for chunk in gen:
+                    yield chunk
+            except Exception as e:
+                yield b"data: " + json.dumps(_error(f"replica {replica} died mid-stream: {_one_line(e)}")).encode()
+                yield b"\n\n"
+
+        return StreamingResponse(rest(), status_code=status, media_type=content_type or None, headers=_served(replica))
+
+
+def _served(replica: str) -> dict[str, str]:
+    """The response header naming the replica that served it (`REPLICA_HEADER`)."""
+    return {REPLICA_HEADER: replica}
+
+
+def _error(message: str) -> dict:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": "replica_failed"}}
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def replicas_ready() -> tuple[int, int]:
+    """(replicas of the app's Replica deployment running, replicas it wants), from Ray Serve's status."""
+    from ray import serve
+
+    app = serve.status().applications.get(APP)
+    if app is None or REPLICA not in app.deployments:
+        return 0, 0
+    d = app.deployments[REPLICA]
+    return d.replica_states.get("RUNNING", 0), sum(d.replica_states.values())
+
+
+# --- the application --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RayServeOptions:
+    """How the endpoint runs: `replicas` fixed, or autoscaled between `min_replicas` and `max_replicas`."""
+
+    address: str  # "auto", "local" (a cluster of this machine, started here) or HOST:PORT
+    replicas: int = 2
+    replica_cpus: float = 1.0
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    prefix_chars: int = PREFIX_CHARS
+    imbalance: int = IMBALANCE
+
+
+def build_app(bundle: str, args: Sequence[str], o: RayServeOptions):
+    """The Ray Serve application: the ingress bound to the replicas' deployment."""
+    from ray import serve
+    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+    scaling: dict = {"num_replicas": o.replicas}
+    if o.min_replicas is not None or o.max_replicas is not None:
+        low = o.min_replicas if o.min_replicas is not None else 1
+        high = o.max_replicas if o.max_replicas is not None else max(low, o.replicas)
+        scaling = {"autoscaling_config": AutoscalingConfig(min_replicas=low, max_replicas=high, initial_replicas=low)}
+    router = RequestRouterConfig(
+        request_router_class=f"{__name__}.PrefixAffinityRouter",
+        request_router_kwargs={"prefix_chars": o.prefix_chars, "imbalance": o.imbalance},
+    )
+    replica = serve.deployment(
+        Replica,
+        name=REPLICA,
+        ray_actor_options={"num_cpus": o.replica_cpus},
+        request_router_config=router,
+        health_check_period_s=2,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=30,
+        **scaling,
+    )
+    ingress = serve.deployment(Ingress, name=INGRESS, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replica.bind(bundle, list(args)))
+
+
+def connect(address: str) -> None:
+    """Join the Ray cluster at `address` ("auto", HOST:PORT) or, for "local", start one on this machine."""
+    import ray
+
+    if address == "local":
+        ray.init(include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(address=address, log_to_driver=False)
+
+
+def run(bundle, argv: Sequence[str], o: RayServeOptions, host: str, port: int, echo) -> None:
+    """Serve `bundle` with `o.replicas` replicas on the Ray cluster at `o.address`, the endpoint on
+    host:port, until SIGINT or SIGTERM (from the cluster's connection on); then the application is
+    deleted (its replicas and their children stop) and Ray Serve shut down, within STOP_TIMEOUT_S. `argv`:
+    deepinfer-serve's own arguments (each replica's child takes `replica_args`)."""
+    import signal
+    import threading
+
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError as e:
+        raise RayServeError(f"--ray-serve needs Ray Serve ({e}): pip install 'ray[serve]'") from None
+    connect(o.address)  # first: ray.init installs handlers of its own, which these replace
+    stop, failed = threading.Event(), []
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        threading.Thread(target=_start, args=(bundle, argv, o, host, port, echo, stop, failed), daemon=True).start()
+        while not stop.wait(1.0):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _bounded(_shutdown, STOP_TIMEOUT_S)
+    if failed:
+        raise RayServeError(f"--ray-serve {o.address}: {_one_line(failed[0])}")
+
+
+class RayServeError(DeepinferError):
+    """The endpoint could not start on Ray Serve (the cluster, the port, a replica's start): one line."""
+
+
+def _start(bundle, argv, o: RayServeOptions, host: str, port: int, echo, stop, failed: list) -> None:
+    """Connect, start Ray Serve's proxy on host:port and run the application; an error stops `run`."""
+    from ray import serve
+
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(str(bundle.resolve()), replica_args(argv), o), name=APP, route_prefix="/")
+        ready, wanted = replicas_ready()
+        echo(f"deepinfer-serve: {bundle} on Ray Serve at http://{host}:{port} ({ready} of {wanted} replicas ready)")
+    except BaseException as e:
+        failed.append(e)
+        stop.set()
+
+
+def _shutdown() -> None:
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.delete(APP)
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _bounded(fn, timeout_s: float) -> None:
+    """`fn()` on a thread, waited for at most `timeout_s` (a stop must end)."""
+    import threading
+
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(timeout_s)

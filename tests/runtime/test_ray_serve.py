@@ -1,0 +1,204 @@
+"""deepinfer-serve --ray-serve: two replicas of the tiny exported bundle behind one Ray Serve endpoint,
+on a real local Ray cluster the test starts (its own head node; every wait bounded).
+
+The `openai` client completes and streams through the endpoint; a conversation's second turn reaches
+the replica that holds its prefix (`cached_tokens`); a replica killed mid-run ends each of its
+requests with one error naming it while the other replica keeps serving, and Ray Serve brings it
+back. The pure parts (the affinity ranking, the argument filter, the prompt's text) run without Ray."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from deepinfer.runtime.serving import ray_serve
+
+START_TIMEOUT_S = 600  # two replicas loading the bundle on a busy 2-core machine
+REQUEST_TIMEOUT_S = 120
+MODEL = "tiny"
+
+
+# --- without Ray ------------------------------------------------------------------------------------
+
+
+def replica(name: str):
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name))
+
+
+def test_a_prompt_has_one_home_and_keeps_it_while_its_replica_lives():
+    replicas = [replica(n) for n in "abcd"]
+    idle = {r.replica_id.unique_id: 0 for r in replicas}
+
+    def rank(prompt, live, loads):
+        return ray_serve.rank_replicas(
+            prompt, live, lambda r: loads[r.replica_id.unique_id], prefix_chars=16, imbalance=2
+        )
+
+    homes = {}
+    for i in range(40):
+        prompt = f"conversation {i:02d}: the system prompt, then the turns"
+        first, rest = rank(prompt, replicas, idle)
+        assert len(first) == 1 and sorted(map(id, first + rest)) == sorted(map(id, replicas))
+        homes[prompt] = first[0]
+        # the same first 16 characters: the same home, whatever follows
+        assert rank(prompt[:16] + " and a later turn", replicas, idle)[0] == first
+    assert len({id(h) for h in homes.values()}) == 4  # 40 prompts spread over the 4 replicas
+    gone = replicas[1]
+    for prompt, home in homes.items():  # a replica goes: only its prompts move
+        after = rank(prompt, [r for r in replicas if r is not gone], idle)[0][0]
+        assert after is home or home is gone
+    busy = {**idle, homes[next(iter(homes))].replica_id.unique_id: 3}
+    (ordered,) = rank(next(iter(homes)), replicas, busy)  # its home 3 beyond the least loaded: by load
+    assert ordered[-1] is homes[next(iter(homes))]
+    assert rank(None, replicas, idle) == [replicas]  # no prompt: least loaded first
+
+
+def test_the_prompt_text_of_completions_and_chats():
+    assert ray_serve.prompt_text(b'{"prompt": "Hi", "stream": true}') == ("Hi", True)
+    assert ray_serve.prompt_text(b'{"prompt": [5, 6, 7]}') == ("5 6 7", False)
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"text": "Hi"}]}]}
+    assert ray_serve.prompt_text(json.dumps(chat).encode()) == ("system: Be brief.\nuser: Hi\n", False)
+    assert ray_serve.prompt_text(b"not json") == (None, False)
+    assert ray_serve.prompt_text(b"[1, 2]") == (None, False)
+
+
+def test_a_replica_takes_the_options_but_the_endpoints_and_rays():
+    argv = ["build/tiny", "--ray-serve", "auto", "--replicas=3", "--port", "8000", "--host=0.0.0.0"]
+    argv += ["--model-name", "tiny", "--max-queue", "8", "--no-prefix-cache", "--replica-cpus", "2"]
+    assert ray_serve.replica_args(argv) == ["--model-name", "tiny", "--max-queue", "8", "--no-prefix-cache"]
+    assert ray_serve.replica_args(["--model-name", "m", "b"]) == ["--model-name", "m"]
+
+
+# --- on a Ray cluster ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster of one head node with 4 logical CPUs (two replicas of one each)."""
+    pytest.importorskip("ray.serve")
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
+    yield c.address
+    c.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Endpoint:
+    """`deepinfer-serve BUNDLE --ray-serve ADDRESS --replicas 2` in a subprocess, ready when it says so."""
+
+    def __init__(self, bundle: Path, address: str):
+        self.port = free_port()  # Ray Serve's proxy binds a port it is given; a taken one fails the start below
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "deepinfer.runtime.serving.cli", str(bundle), "--ray-serve", address]
+            + ["--replicas", "2", "--host", "127.0.0.1", "--port", str(self.port), "--model-name", MODEL]
+            + ["--threads", "1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.health().get("replicas_ready") == 2:
+            assert self.proc.poll() is None, self.proc.stderr.read() if self.proc.stderr else ""
+            assert time.monotonic() < deadline, "the endpoint was not ready in time"
+            time.sleep(1)
+
+    def health(self) -> dict:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+                return json.loads(r.read())
+        except OSError:
+            return {}
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def endpoint(exported_bundle, cluster):
+    e = Endpoint(exported_bundle, cluster)
+    yield e
+    assert e.stop() == 0
+
+
+@pytest.mark.slow
+def test_completions_and_streams_through_the_endpoint(endpoint):
+    client = endpoint.client()
+    done = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 4
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text  # greedy: the same tokens
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert chat.choices[0].message.role == "assistant"
+    assert endpoint.health() == {"status": "ok", "replicas_ready": 2, "replicas": 2}
+
+
+@pytest.mark.slow
+def test_a_conversations_second_turn_reaches_the_replica_holding_its_prefix(endpoint):
+    client = endpoint.client()
+    system = "A system prompt every turn repeats, long enough for blocks. "  # 60 tokens: 3 blocks of 16
+    for i in range(4):  # different conversations, most likely on both replicas
+        first = client.completions.with_raw_response.create(model=MODEL, prompt=f"{i} {system}One", max_tokens=2)
+        second = client.completions.with_raw_response.create(model=MODEL, prompt=f"{i} {system}Two", max_tokens=2)
+        assert first.headers[ray_serve.REPLICA_HEADER] == second.headers[ray_serve.REPLICA_HEADER]
+        assert second.parse().usage.prompt_tokens_details.cached_tokens >= 48
+
+
+@pytest.mark.slow
+def test_a_killed_replica_ends_its_requests_with_an_error_and_comes_back(endpoint, cluster):
+    import ray
+
+    streams = []
+    for i in range(6):  # held open, one token read from each
+        body = json.dumps({"model": MODEL, "prompt": f"stream {i} " * 3, "max_tokens": 60, "stream": True})
+        req = urllib.request.Request(
+            endpoint.url + "/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"}
+        )
+        r = urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S)
+        assert r.readline().startswith(b"data: ")
+        streams.append(r)
+    served = [r.headers[ray_serve.REPLICA_HEADER] for r in streams]
+    victim = served[0]
+    assert len(set(served)) == 2, served  # both replicas hold streams
+    ray.init(address=cluster, log_to_driver=False)
+    try:
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{ray_serve.APP}#{ray_serve.REPLICA}#{victim}", namespace="serve"))
+        for r, name in zip(streams, served):
+            events = [line for line in r.read().decode().split("\n\n") if line.startswith("data: ")]
+            errors = [e for e in events if '"error"' in e]
+            if name == victim:
+                assert len(errors) == 1 and victim in errors[0], events[-2:]
+            else:
+                assert not errors and events[-1] == "data: [DONE]"
+        client = endpoint.client()
+        assert client.completions.create(model=MODEL, prompt="after", max_tokens=2).usage.completion_tokens == 2
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while endpoint.health().get("replicas_ready") != 2:  # Ray Serve replaces the replica
+            assert time.monotonic() < deadline, endpoint.health()
+            time.sleep(1)
+    finally:
+        ray.shutdown()

@@ -10,9 +10,10 @@ The child dies with its replica (PR_SET_PDEATHSIG), and a replica whose child di
 health check, so Ray Serve replaces it.
 
 The `Ingress` takes every request and hands it to a replica through a handle whose request router is
-`PrefixAffinityRouter`: a request with a prompt (or messages) goes to the replica its prompt's first
-`prefix_chars` characters hash to (rendezvous hashing over the live replicas: a key moves only when
-its replica goes), so the turns of a conversation, which repeat its beginning, reach the replica whose
+`PrefixAffinityRouter`: a request with a prompt (or messages) goes to the live replica that last took
+the longest prefix it shares with an earlier request (prefixes keyed every 64 characters), else to its
+first 64 characters' home by rendezvous hashing over the live replicas (a key moves only when its
+replica goes), so the turns of a conversation, which repeat its beginning, reach the replica whose
 prefix cache holds it; unless that replica has `imbalance` more requests in flight than the least
 loaded one, and then least loaded first (as a request without a prompt). Ray's own prefix-aware router
 ships with Ray Serve LLM, which needs vLLM or SGLang installed; this one needs neither.
@@ -35,7 +36,9 @@ from deepinfer.errors import DeepinferError
 
 APP = "deepinfer"
 REPLICA, INGRESS = "Replica", "Ingress"
-PREFIX_CHARS = 1024  # the characters of a prompt the affinity key reads
+CHUNK_CHARS = 64  # a prompt's prefixes are keyed at every 64 characters (`prefix_keys`)
+MAX_CHUNKS = 64  # up to its first 4,096 characters
+MAX_KEYS = 1 << 18  # prefix keys the router remembers (16-byte keys: about 10 MiB with the table)
 IMBALANCE = 8  # requests in flight a prompt's replica may have beyond the least loaded one
 START_TIMEOUT_S = 600.0  # a replica's child loading its bundle
 STOP_TIMEOUT_S = 120.0  # deleting the application, its replicas and children, and leaving the cluster
@@ -86,20 +89,56 @@ def prompt_text(body: bytes) -> tuple[str | None, bool]:
     return None, stream
 
 
-def affinity(prompt: str, replica: str, prefix_chars: int = PREFIX_CHARS) -> int:
-    """Rendezvous score of a prompt's prefix for one replica: the highest-scoring live replica is its home."""
-    key = f"{replica}\0{prompt[:prefix_chars]}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+def prefix_keys(prompt: str, chunk: int = CHUNK_CHARS, most: int = MAX_CHUNKS) -> list[bytes]:
+    """The keys of a prompt's prefixes: of its first chunk, 2 chunks, ... characters (at most `most`;
+    a prompt shorter than a chunk: its whole text), each a hash of everything before its end."""
+    h = hashlib.blake2b(digest_size=16)
+    keys = []
+    for i in range(0, min(len(prompt), chunk * most) or 1, chunk):
+        h.update(prompt[i : i + chunk].encode())
+        keys.append(h.copy().digest())
+    return keys
 
 
-def rank_replicas(prompt: str | None, replicas: Sequence, load, *, prefix_chars: int, imbalance: int) -> list[list]:
-    """Ranks of `replicas` (objects with `.replica_id.unique_id`) for a request: its prompt's home first,
-    then the others least loaded first (`load(replica)`: requests in flight); least loaded first
-    without a prompt or when the home has more than `imbalance` beyond the least loaded."""
+def rendezvous(key: bytes, replica: str) -> int:
+    """A key's score for one replica: the highest-scoring live replica is the key's home."""
+    return int.from_bytes(hashlib.blake2b(key + replica.encode(), digest_size=8).digest(), "big")
+
+
+class Affinity:
+    """Where prompts' prefixes went: a bounded table from prefix key (`prefix_keys`) to the replica a
+    request with that prefix was routed to, the least recently routed dropped first."""
+
+    def __init__(self, most: int = MAX_KEYS):
+        from collections import OrderedDict
+
+        self.table: OrderedDict[bytes, str] = OrderedDict()
+        self.most = most
+
+    def home(self, keys: list[bytes], live: dict[str, object]):
+        """The live replica that took the longest of `keys` last, else the first key's rendezvous home."""
+        for key in reversed(keys):
+            name = self.table.get(key)
+            if name in live:
+                return live[name]
+        return live[max(live, key=lambda name: rendezvous(keys[0], name))]
+
+    def routed(self, keys: list[bytes], replica: str) -> None:
+        for key in keys:
+            self.table[key] = replica
+            self.table.move_to_end(key)
+        while len(self.table) > self.most:
+            self.table.popitem(last=False)
+
+
+def rank_replicas(prompt: str | None, replicas: Sequence, load, affinity: Affinity, imbalance: int) -> list[list]:
+    """Ranks of `replicas` (objects with `.replica_id.unique_id`) for a request: its prompt's home
+    (`Affinity.home`) first, then the others least loaded first (`load(replica)`: requests in flight);
+    least loaded first without a prompt or when the home has more than `imbalance` beyond the least loaded."""
     ordered = sorted(replicas, key=load)
     if prompt is None or not ordered:
         return [ordered]
-    home = max(replicas, key=lambda r: affinity(prompt, r.replica_id.unique_id, prefix_chars))
+    home = affinity.home(prefix_keys(prompt), {r.replica_id.unique_id: r for r in replicas})
     if load(home) - load(ordered[0]) > imbalance:
         return [ordered]
     return [[home], [r for r in ordered if r is not home]]
@@ -178,6 +217,13 @@ class Replica:
 # --- the router -----------------------------------------------------------------------------------
 
 
+def _prompt(pending_request) -> str | None:
+    """The prompt text a routed request carries (`Forward.prompt`), if any."""
+    if pending_request is None or not pending_request.args:
+        return None
+    return getattr(pending_request.args[0], "prompt", None)
+
+
 @functools.cache
 def _router_class():
     """`PrefixAffinityRouter`, built once where Ray Serve is installed (the module imports without it)."""
@@ -186,20 +232,19 @@ def _router_class():
     class PrefixAffinityRouter(RequestRouter):
         """Ray Serve's request router for the replicas: `rank_replicas` over the replicas' queue lengths."""
 
-        def initialize_state(self, prefix_chars: int = PREFIX_CHARS, imbalance: int = IMBALANCE, **kwargs):
-            self.prefix_chars, self.imbalance = prefix_chars, imbalance
+        def initialize_state(self, imbalance: int = IMBALANCE, **kwargs):
+            self.imbalance, self.affinity = imbalance, Affinity()
 
         async def choose_replicas(self, candidate_replicas, pending_request=None):
-            prompt = None
-            if pending_request is not None and pending_request.args:
-                prompt = getattr(pending_request.args[0], "prompt", None)
-
             def load(r) -> int:
                 return self.replica_queue_len_cache.get(r.replica_id) or 0
 
-            return rank_replicas(
-                prompt, candidate_replicas, load, prefix_chars=self.prefix_chars, imbalance=self.imbalance
-            )
+            return rank_replicas(_prompt(pending_request), candidate_replicas, load, self.affinity, self.imbalance)
+
+        def on_request_routed(self, pending_request, replica_id, result) -> None:
+            prompt = _prompt(pending_request)
+            if prompt is not None:
+                self.affinity.routed(prefix_keys(prompt), replica_id.unique_id)
 
     PrefixAffinityRouter.__module__ = __name__
     PrefixAffinityRouter.__qualname__ = "PrefixAffinityRouter"
@@ -303,7 +348,6 @@ class RayServeOptions:
     replica_cpus: float = 1.0
     min_replicas: int | None = None
     max_replicas: int | None = None
-    prefix_chars: int = PREFIX_CHARS
     imbalance: int = IMBALANCE
 
 
@@ -319,7 +363,7 @@ def build_app(bundle: str, args: Sequence[str], o: RayServeOptions):
         scaling = {"autoscaling_config": AutoscalingConfig(min_replicas=low, max_replicas=high, initial_replicas=low)}
     router = RequestRouterConfig(
         request_router_class=f"{__name__}.PrefixAffinityRouter",
-        request_router_kwargs={"prefix_chars": o.prefix_chars, "imbalance": o.imbalance},
+        request_router_kwargs={"imbalance": o.imbalance},
     )
     replica = serve.deployment(
         Replica,

@@ -1,4 +1,5 @@
-"""deepinfer-serve --ray-serve: two replicas of the tiny exported bundle behind one Ray Serve endpoint,
+"""deepinfer-serve --ray-serve: two replicas of the tiny exported bundle (tests/runtime/conftest.py's
+`run_exported_bundle`: batch 4, context 80, blocks of 16) behind one Ray Serve endpoint,
 on a real local Ray cluster the test starts (its own head node; every wait bounded).
 
 The `openai` client completes and streams through the endpoint; a conversation's second turn reaches
@@ -36,29 +37,48 @@ def replica(name: str):
 def test_a_prompt_has_one_home_and_keeps_it_while_its_replica_lives():
     replicas = [replica(n) for n in "abcd"]
     idle = {r.replica_id.unique_id: 0 for r in replicas}
+    fresh = ray_serve.Affinity()
 
-    def rank(prompt, live, loads):
-        return ray_serve.rank_replicas(
-            prompt, live, lambda r: loads[r.replica_id.unique_id], prefix_chars=16, imbalance=2
-        )
+    def rank(prompt, live, loads, affinity=fresh):
+        return ray_serve.rank_replicas(prompt, live, lambda r: loads[r.replica_id.unique_id], affinity, imbalance=2)
 
     homes = {}
     for i in range(40):
-        prompt = f"conversation {i:02d}: the system prompt, then the turns"
+        prompt = f"conversation {i:02d}: the system prompt every turn repeats, then the turns. " * 2
         first, rest = rank(prompt, replicas, idle)
         assert len(first) == 1 and sorted(map(id, first + rest)) == sorted(map(id, replicas))
         homes[prompt] = first[0]
-        # the same first 16 characters: the same home, whatever follows
-        assert rank(prompt[:16] + " and a later turn", replicas, idle)[0] == first
+        assert rank(prompt[:64] + " and a later turn", replicas, idle)[0] == first  # its first 64 characters
     assert len({id(h) for h in homes.values()}) == 4  # 40 prompts spread over the 4 replicas
     gone = replicas[1]
     for prompt, home in homes.items():  # a replica goes: only its prompts move
         after = rank(prompt, [r for r in replicas if r is not gone], idle)[0][0]
         assert after is home or home is gone
-    busy = {**idle, homes[next(iter(homes))].replica_id.unique_id: 3}
-    (ordered,) = rank(next(iter(homes)), replicas, busy)  # its home 3 beyond the least loaded: by load
-    assert ordered[-1] is homes[next(iter(homes))]
+    prompt = next(iter(homes))
+    busy = {**idle, homes[prompt].replica_id.unique_id: 3}
+    (ordered,) = rank(prompt, replicas, busy)  # its home 3 beyond the least loaded: by load
+    assert ordered[-1] is homes[prompt]
     assert rank(None, replicas, idle) == [replicas]  # no prompt: least loaded first
+
+
+def test_a_short_conversation_follows_where_its_first_turn_went():
+    """Prompts shorter than a key's 64 characters differ in their last turn: the table, not the hash,
+    sends the second turn where the first went; the longest shared prefix wins."""
+    replicas = [replica(n) for n in "ab"]
+    idle = {"a": 0, "b": 0}
+    affinity = ray_serve.Affinity()
+
+    def home(prompt):
+        return ray_serve.rank_replicas(prompt, replicas, lambda r: idle[r.replica_id.unique_id], affinity, 8)[0][0]
+
+    system = "S" * 64
+    affinity.routed(ray_serve.prefix_keys(system + "x" * 64 + "first turn"), "b")
+    affinity.routed(ray_serve.prefix_keys(system + "y"), "a")
+    assert home(system + "x" * 64 + "second turn").replica_id.unique_id == "b"  # 128 shared characters
+    assert home(system + "z").replica_id.unique_id == "a"  # 64 shared: the latest to take them
+    small = ray_serve.Affinity(most=3)
+    small.routed(ray_serve.prefix_keys("p" * 200), "a")  # 4 keys: the oldest dropped
+    assert len(small.table) == 3 and ray_serve.prefix_keys("p" * 200)[0] not in small.table
 
 
 def test_the_prompt_text_of_completions_and_chats():
@@ -139,8 +159,8 @@ class Endpoint:
 
 
 @pytest.fixture(scope="module")
-def endpoint(exported_bundle, cluster):
-    e = Endpoint(exported_bundle, cluster)
+def endpoint(run_exported_bundle, cluster):
+    e = Endpoint(run_exported_bundle, cluster)
     yield e
     assert e.stop() == 0
 
@@ -172,16 +192,23 @@ def test_a_conversations_second_turn_reaches_the_replica_holding_its_prefix(endp
 def test_a_killed_replica_ends_its_requests_with_an_error_and_comes_back(endpoint, cluster):
     import ray
 
-    streams = []
-    for i in range(6):  # held open, one token read from each
-        body = json.dumps({"model": MODEL, "prompt": f"stream {i} " * 3, "max_tokens": 60, "stream": True})
+    streams, served = [], []
+    for i in range(16):  # until each replica holds two streams, one token read from each
+        body = json.dumps({"model": MODEL, "prompt": f"stream {i} " * 3, "max_tokens": 40, "stream": True})
         req = urllib.request.Request(
             endpoint.url + "/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"}
         )
         r = urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S)
+        name = r.headers[ray_serve.REPLICA_HEADER]
+        if served.count(name) == 2:  # a third on one replica: not needed
+            r.close()
+            continue
         assert r.readline().startswith(b"data: ")
         streams.append(r)
-    served = [r.headers[ray_serve.REPLICA_HEADER] for r in streams]
+        served.append(name)
+        if len(served) == 4:
+            break
+    assert len(set(served)) == 2 and len(served) == 4, served
     victim = served[0]
     assert len(set(served)) == 2, served  # both replicas hold streams
     ray.init(address=cluster, log_to_driver=False)

@@ -14,7 +14,7 @@ On cpu the loop runs on the host between the `pick` calls (`pick_block`); on trn
 one executable with in-graph all-gathers (not built here).
 
 The target's greedy steps choose the same way (`slice_best` on each rank's slice of a step's logits
-[B, T, rows], `merge_best` of a group's pairs, runtime/ranks.Comm.greedy): where no request of a step
+[B, T, rows], `merge_best` of a group's pairs, runtime/ranks.Comm.argmax_pairs): where no request of a step
 needs the full logits (runtime/schedule.py says which do), one all-gather of B * T pairs replaces the
 all-gather of the logits [B, T, V].
 """

@@ -304,7 +304,7 @@ class Stepper(Protocol):
         `last_only`, [B, 1, V]: each row's last fed token's only (what sampling needs), the head
         run on those rows alone. With `greedy` (every row's request greedy, none needing the logits)
         a stepper may give each group's `Greedy` choices [B, T] instead: over several ranks only
-        (value, index) pairs then cross them (runtime/ranks.Comm.greedy).
+        (value, index) pairs then cross them (runtime/ranks.Comm.argmax_pairs).
 
         `histories[seq]`: sequence seq's tokens so far (with this step's drafts), what engram hashes
         read; `images[seq]`: its prompt's image positions and rows, if any; `capture`: the drafter's,

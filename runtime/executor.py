@@ -230,7 +230,7 @@ class Executor:
                     capture, greedy = self.capture(stats) if flags[0] else None, flags[1]
                     logits = self.forward(batch, stats, capture=capture)
                     if greedy:
-                        comm.greedy(logits, vocab)
+                        comm.argmax_pairs(logits, vocab)
                     else:
                         comm.gather_logits(logits, vocab)
 
@@ -467,7 +467,7 @@ class Steps:
         """One step of every token group, padded to the nearest bucket -> each group's logits (each
         row's last only with `last_only`, where the head has that bucket: a prompt step then runs the
         head on one row a sequence, not on the chunk's every row); with `greedy` over several ranks,
-        each group's `Greedy` choices, only (value, index) pairs all-gathered (`Comm.greedy`). The
+        each group's `Greedy` choices, only (value, index) pairs all-gathered (`Comm.argmax_pairs`). The
         context bucket is the smallest whose block table holds the longest sequence after the step
         (its highest written position + 1), for every group alike. With `capture` (the bundle's
         drafter's) every rank runs its own compiled capture."""
@@ -499,7 +499,7 @@ class Steps:
         comm.step((STEP, batches, capture is not None, greedy))
         logits = x.forward(batches[comm.group], self.stats, on_call=self.on_call, capture=capture)  # [B, T, rows]
         vocab = x.config.text.vocab_size
-        return list(comm.greedy(logits, vocab)) if greedy else list(comm.gather_logits(logits, vocab))
+        return list(comm.argmax_pairs(logits, vocab)) if greedy else list(comm.gather_logits(logits, vocab))
 
 
 def _share(T: int, group: int, rank: int) -> slice:

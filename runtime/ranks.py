@@ -64,7 +64,7 @@ from deepinfer.runtime.options import CHUNK_BYTES, COLLECTIVE_TIMEOUT_S, LoadOpt
 from deepinfer.runtime.requests import Completions
 
 DRAFT_PICKS = "draft pick all-gather"  # the draft's (value, index) pairs, P a draft step (`Comm.picks`)
-GREEDY_PICKS = "greedy pick all-gather"  # a greedy step's (value, index) pairs, a row each (`Comm.greedy`)
+GREEDY_PICKS = "greedy pick all-gather"  # a greedy step's (value, index) pairs, a row each (`Comm.argmax_pairs`)
 
 
 class Comm:
@@ -269,7 +269,7 @@ class Comm:
         out = out.view(self.world, *value.shape, 2)
         return out[..., 0].contiguous().view(torch.float32), out[..., 1].long()
 
-    def greedy(self, logits: torch.Tensor, vocab: int) -> list[Greedy]:
+    def argmax_pairs(self, logits: torch.Tensor, vocab: int) -> list[Greedy]:
         """A step where every row is greedy and no request needs the logits: this rank's slice of its
         group's logits [B, T, rows] -> each token group's choices (`Greedy`: tokens and values [B, T]),
         on every rank. Each rank takes its slice's best (value, global index) per row

@@ -63,7 +63,7 @@ class Request:
     cancelled: bool = False
 
     @property
-    def greedy_only(self) -> bool:
+    def argmax_only(self) -> bool:
         """Whether its steps need each row's greedy token only, no logits (`Stepper.run`'s `greedy`,
         a step of such requests alone): plainly greedy (temperature 0, no bias or penalty),
         unconstrained (no grammar's mask), neither keeping its logits (`--dump-logits`, compare) nor

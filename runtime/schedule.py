@@ -325,14 +325,14 @@ class Scheduler:
         stepping = [self.running[seq].request for rows in rows_by_group for seq, _, _ in rows]
         last_only = not drafted and not any(q.keep_logits or q.on_logits is not None for q in stepping)
         start = time.perf_counter()
-        greedy = all(q.greedy_only for q in stepping)  # no logits needed: the stepper may give choices
+        greedy = all(q.argmax_only for q in stepping)  # no logits needed: the stepper may give choices
         out = self.stepper.run(
             rows_by_group, self.allocs, histories, images, capture, last_only=last_only, greedy=greedy
         )
         now = time.perf_counter()
         self.events.stepped(now - start)
         for rows, got in zip(rows_by_group, out):
-            logits = got if isinstance(got, Greedy) else got.float()  # Greedy choices: `Request.greedy_only`
+            logits = got if isinstance(got, Greedy) else got.float()  # Greedy choices: `Request.argmax_only`
             for b, (seq, ids, first) in enumerate(rows):
                 r, mine = self.running[seq], drafted.get(seq, [])
                 if last_only and logits.shape[1] < len(ids):  # the stepper ran it `last_only`

@@ -201,18 +201,20 @@ def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_r
 
 def test_divided_rows_sample_from_each_sequences_last_row(rank_bundle, started_ranks, one_rank_long):
     """Divided rows with no request keeping every row's logits: the head (after the rows' gather) takes
-    each sequence's last fed row, so every step's logits all-gather carries one row a sequence (the
-    T = 1 bucket's), not the chunk's 4 or 8; the tokens are the one-rank run's."""
+    each sequence's last fed row, so every step's greedy pick all-gather (the run is greedy, no logits
+    wanted: each rank's (value, index) pair a row, 8 bytes) carries one row a sequence (the T = 1
+    bucket's), not the chunk's 4 or 8; the tokens are the one-rank run's."""
     m = manifest(rank_bundle(1, 4, 4, "divided"))
     prompts = [*GOLDEN_PROMPTS, LONG]
     run = started_ranks(1, 4, 4, "divided").generate(prompts, RunOptions(max_new_tokens=NEW, threads=1))
     assert all(r.error is None for r in run) and [r.tokens for r in run] == [r.tokens for r in one_rank_long]
-    stats, rows = run.stats, 96  # a rank's block-padded share of the tiny vocabulary (288 over 4)
+    stats = run.stats
     batch = max(s["batch"] for s in m["buckets"]["shapes"])
     assert stats is not None and stats.prompt_steps >= 17
-    sent = run.sent[0]["logits all-gather"]  # every row would send stats.padded rows
+    assert "logits all-gather" not in run.sent[0]
+    sent = run.sent[0]["greedy pick all-gather"]  # every row would send stats.padded rows
     spared = sum(steps * (T - 1) for T, (steps, _) in stats.by_tokens.items())  # a T-token step sends 1 row a sequence
-    assert sent <= stats.steps * batch * rows * 4 and sent <= (stats.padded - spared) * rows * 4
+    assert sent <= stats.steps * batch * 8 and sent <= (stats.padded - spared) * 8
 
 
 def _check_divided_pools(m: dict, pools: dict, cp: int) -> None:
@@ -378,6 +380,57 @@ def test_logits_gather_joins_each_groups_slices(tmp_path):
             for g, logits in enumerate(gathered):
                 assert torch.equal(_tensor(logits), full[g])
             assert sent == {"logits all-gather": 2 * 3 * 32 * 4}
+
+
+def _greedy(rank: int, world: int, rendezvous: str, out) -> None:
+    init(rank, world, rendezvous, timeout_s=60)
+    try:
+        got = {}
+        for topo in (Topology(cp=world), Topology(ep=world)):  # one token group of two; two groups of one
+            vocab = 50 if topo.group_size > 1 else 32
+            rows = 32  # as `_gather`: 25 of 50 padded to a block; the whole 32 in a group of one
+            gen = torch.Generator().manual_seed(7)  # the same logits on every rank: [groups, B, T, V]
+            full = torch.randint(0, 3, (topo.groups, 2, 3, vocab), generator=gen).float()  # ties everywhere
+            full[0, 1, 2, vocab - 1] = float("-inf")  # the last rank's real rows: the row is NaN
+            mine = torch.full((2, 3, rows), 1e9)  # padding rows that would win if they were read
+            start = rank % topo.group_size * rows
+            piece = full[topo.group_of(rank), :, :, start : start + rows]
+            mine[..., : piece.shape[-1]] = piece
+            comm = Comm(topo, rank)
+            chosen = comm.argmax_pairs(mine, vocab)
+            got[topo.group_size] = (
+                [(_plain(g.tokens), _plain(g.values)) for g in chosen],
+                _plain(full),
+                dict(comm.sent),
+            )
+        out.put((rank, got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_greedy_pairs_give_each_groups_argmax(tmp_path):
+    """`Comm.argmax_pairs`: one all-gather of each rank's (value, index) pair per row (8 bytes a row); every
+    rank gets each token group's one-rank argmax (the lowest index among equal values, the padding rows
+    never read) and its value, NaN for the row with an infinite logit (the leader's non-finite check)."""
+    world, ctx = 2, mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_greedy, args=(r, world, str(tmp_path / "rendezvous"), out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for rank in range(world):
+        for size, (chosen, plain, sent) in got[rank].items():
+            full = _tensor(plain)  # [groups, B, T, V]
+            assert len(chosen) == full.shape[0] == world // size
+            for g, (tokens, values) in enumerate(chosen):
+                bad = ~torch.isfinite(full[g]).all(-1)
+                assert torch.equal(_tensor(tokens)[~bad], full[g].argmax(-1)[~bad])
+                assert torch.equal(_tensor(values)[~bad], full[g].amax(-1)[~bad])
+                assert bool(_tensor(values)[bad].isnan().all()) and bool(bad.any()) == (g == 0)
+            assert sent == {"greedy pick all-gather": 2 * 3 * 8}
 
 
 class _Proc:

@@ -27,7 +27,7 @@ PROMPTS = [[1, 2, 3], [4, 5], [6, 1, 2, 3, 4, 5, 6, 1, 2]]
 class Sliced:
     """A model double: each position's logits drawn from its sequence's tokens so far (integers in
     [0, 3): ties everywhere), each row's last only with `last_only`, NaN from step `bad` on; with `greedy`, the choices of two vocabulary
-    slices merged as `Comm.greedy` merges the ranks' pairs. `picks` says whether it may give them."""
+    slices merged as `Comm.argmax_pairs` merges the ranks' pairs. `picks` says whether it may give them."""
 
     groups, max_batch, chunk, slack = 1, 4, 8, 6
 

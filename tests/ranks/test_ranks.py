@@ -487,3 +487,41 @@ def test_serve_leads_the_ranks(rank_bundle, one_rank):
                 assert got.usage.completion_tokens == len(want.generated)
     finally:
         assert server.stop() == 0, server.proc.stderr.read()
+
+
+def test_serve_logprobs_at_cp_ep_4_beside_greedy_requests(rank_bundle, one_rank):
+    """deepinfer-serve on the cp = ep = 4 bundle: a request asking for logprobs, sent at once with plain
+    greedy ones, gets the one-rank run's tokens and logprobs (the log-softmax of the one-rank logits,
+    within 1e-4): a step holding it gathers the full logits, where the greedy requests' steps alone send
+    (value, index) pairs (issue 42 item 2); every request gets the one-rank tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from deepinfer.regions.tokenizer import ByteTokenizer
+    from deepinfer.runtime.serving.server_process import ServerProcess
+
+    server = ServerProcess(rank_bundle(1, 4, 4), "--model-name", "tiny", "--threads", "1")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+        def complete(ids, logprobs=None):
+            return client.completions.create(model="tiny", prompt=ids, max_tokens=NEW, temperature=0, logprobs=logprobs)
+
+        with ThreadPoolExecutor(3) as pool:
+            asks = [
+                pool.submit(complete, PROMPTS[0], 1),
+                pool.submit(complete, PROMPTS[1]),
+                pool.submit(complete, PROMPTS[0]),
+            ]
+            got = [a.result() for a in asks]
+        for response, want in zip(got, [one_rank[0], one_rank[1], one_rank[0]]):
+            assert response.choices[0].text == ByteTokenizer().decode(want.generated)
+        one = one_rank[0]
+        rows = torch.stack(one.logits).float().log_softmax(-1)  # row p: the position predicting token p + 1
+        want = [float(rows[one.prompt_len - 1 + i, t]) for i, t in enumerate(one.generated)]
+        logprobs = got[0].choices[0].logprobs
+        assert logprobs is not None and logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
+        assert got[1].choices[0].logprobs is None
+    finally:
+        assert server.stop() == 0, server.proc.stderr.read()

@@ -1,4 +1,4 @@
-"""The draft's token choice per vocabulary slice: only (value, index) pairs cross ranks.
+"""Token choices per vocabulary slice, the draft's and greedy verification's: only (value, index) pairs cross ranks.
 
 With the head split by vocabulary over a token group (regions/topology.head_rows), each rank holds
 its slice of a draft block's logits (the target head's rows and the Markov head's same rows,
@@ -12,6 +12,11 @@ values: exactly the one-rank argmax). The winner is the next position's `previou
 P tiny collectives (B pairs a rank each) replace one all-gather of the block's logits [B, P, V].
 On cpu the loop runs on the host between the `pick` calls (`pick_block`); on trn2 it belongs inside
 one executable with in-graph all-gathers (not built here).
+
+The target's greedy steps choose the same way (`slice_best` on each rank's slice of a step's logits
+[B, T, rows], `merge_best` of a group's pairs, runtime/ranks.Comm.argmax_pairs): where no request of a step
+needs the full logits (runtime/schedule.py says which do), one all-gather of B * T pairs replaces the
+all-gather of the logits [B, T, V].
 """
 
 from __future__ import annotations
@@ -51,3 +56,36 @@ def pick_block(pick: Pick, anchor: Tensor, positions: int, gather: Gather, group
         drafts.append(winners)  # [groups, B]
         previous = winners[group]
     return torch.stack(drafts, -1)
+
+
+def slice_best(logits: Tensor, first: int, vocab: int) -> tuple[Tensor, Tensor]:
+    """A greedy step's choice on one rank's vocabulary slice: logits [..., rows] (the global indices
+    `first` .. `first` + rows - 1, the rows past `vocab` padding) -> per row this slice's best (value
+    [...] float32, global index [...] int64: the lowest among equal values). The value is NaN where any
+    of the slice's real logits is not finite (NaN or infinity), so that the merged row is NaN and the
+    scheduler's non-finite check fires as it does on the whole logits; a slice wholly past the
+    vocabulary scores -inf at an index past it (it never wins, `merge_picks`).
+
+    On cpu this runs on the host over the head's output; on trn2 it belongs in the head's NEFF (the
+    head's normalize, projection and slice max in one execution, a pair a row out instead of the
+    slice's logits): not built here."""
+    real = max(0, min(logits.shape[-1], vocab - first))
+    if real == 0:
+        shape = logits.shape[:-1]
+        return torch.full(shape, float("-inf")), torch.full(shape, first, dtype=torch.int64)
+    x = logits[..., :real].float()
+    best = x.argmax(-1)  # the lowest index among equal values
+    value = x.gather(-1, best.unsqueeze(-1)).squeeze(-1)
+    value = torch.where(torch.isfinite(x).all(-1), value, torch.full_like(value, float("nan")))
+    return value, first + best
+
+
+def merge_best(values: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+    """The slices' bests (values, index [n, ...], `slice_best` of each rank of a token group, in rank
+    order) -> the whole vocabulary's (value [...] float32, index [...] int64): the one-rank argmax
+    (`merge_picks`) and its value, NaN where any slice's is (its index then means nothing: the
+    scheduler refuses the row)."""
+    bad = values.isnan().any(0)
+    value = torch.where(bad, torch.full_like(values[0], float("nan")), values.amax(0))
+    winner = torch.where(bad, torch.zeros_like(index[0]), merge_picks(values.nan_to_num(float("-inf")), index))
+    return value, winner

@@ -201,6 +201,7 @@ class EagerSteps:
         images: Mapping[int, ImageEmbeds | None],
         capture: Capture | None = None,
         last_only: bool = False,
+        greedy: bool = False,  # the logits whatever: one process holds them whole
     ) -> list[Tensor]:
         m, (rows,) = self.model, rows_by_group
         T = max(len(ids) for _, ids, _ in rows)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
@@ -227,6 +228,27 @@ def make_batch(
     return Batch(tokens, positions, slots, table, hashes, is_image, image_rows, heads)
 
 
+@dataclass(frozen=True)
+class Greedy:
+    """A step's greedy choices where no request needed its logits (`Stepper.run(greedy=True)`, a
+    bundle over several ranks: regions/picking.py): each row's token of the whole vocabulary's argmax
+    (the lowest index among equal values) and its logit, NaN where any logit of the row is not finite.
+    Indexed and sized as the logits would be without their last dim ([B, T], a sequence's [n])."""
+
+    tokens: Tensor  # [B, T] int64
+    values: Tensor  # [B, T] float32
+
+    def __getitem__(self, at) -> Greedy:
+        return Greedy(self.tokens[at], self.values[at])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tokens.shape
+
+
 class Stepper(Protocol):
     """A model the scheduler drives: the reference (`ReferenceModel.stepper`) or a loaded bundle
     (`runtime.executor.Steps`)."""
@@ -276,10 +298,13 @@ class Stepper(Protocol):
         images: Mapping[int, ImageEmbeds | None],
         capture: Capture | None = None,
         last_only: bool = False,
-    ) -> list[Tensor]:
+        greedy: bool = False,
+    ) -> list[Tensor | Greedy]:
         """One step -> each group's logits [B, T, V], batch row i for that group's rows[i]; with
         `last_only`, [B, 1, V]: each row's last fed token's only (what sampling needs), the head
-        run on those rows alone.
+        run on those rows alone. With `greedy` (every row's request greedy, none needing the logits)
+        a stepper may give each group's `Greedy` choices [B, T] instead: over several ranks only
+        (value, index) pairs then cross them (runtime/ranks.Comm.argmax_pairs).
 
         `histories[seq]`: sequence seq's tokens so far (with this step's drafts), what engram hashes
         read; `images[seq]`: its prompt's image positions and rows, if any; `capture`: the drafter's,

@@ -42,7 +42,7 @@ from deepinfer.regions.step import (
     run_fused,
     run_layers,
 )
-from deepinfer.regions.stepper import Allocator, Capture, Row, bucket_at_least, make_batch, table_width
+from deepinfer.regions.stepper import Allocator, Capture, Greedy, Row, bucket_at_least, make_batch, table_width
 from deepinfer.regions.topology import ENGRAM_KV
 from deepinfer.runtime import draft, slot_store
 from deepinfer.runtime.backends import Placement
@@ -210,9 +210,9 @@ class Executor:
 
     def follow(self, stats: Stats) -> None:
         """Follower ranks: run the steps and draft steps the leader sends until it sends None (no
-        sampling): each message is ("step", batches, capture?) or ("draft", batches, logits?), a batch
-        per token group (this rank runs its group's and joins the collectives: a step's logits
-        all-gather, a draft step's picks, `draft.choose`), or a prefix cache's slot save or load
+        sampling): each message is ("step", batches, capture?, greedy?) or ("draft", batches, logits?), a
+        batch per token group (this rank runs its group's and joins the collectives: a step's logits
+        all-gather or, greedy, its pairs', a draft step's picks, `draft.choose`), or a prefix cache's slot save or load
         (runtime/slot_store.py)."""
         comm = self.comm
         assert comm is not None, "a follower is one of several ranks"
@@ -227,8 +227,12 @@ class Executor:
                 if what == draft.DRAFT_STEP:
                     draft.choose(self, batches, stats, flags[0])
                 else:
-                    capture = self.capture(stats) if flags[0] else None
-                    comm.gather_logits(self.forward(batch, stats, capture=capture), vocab)
+                    capture, greedy = self.capture(stats) if flags[0] else None, flags[1]
+                    logits = self.forward(batch, stats, capture=capture)
+                    if greedy:
+                        comm.argmax_pairs(logits, vocab)
+                    else:
+                        comm.gather_logits(logits, vocab)
 
     def forward(
         self, batch: Batch, stats: Stats, *, on_call: OnCall | None = None, capture: Capture | None = None
@@ -458,10 +462,12 @@ class Steps:
         images: Mapping[int, ImageEmbeds | None],
         capture: Capture | None = None,
         last_only: bool = False,
-    ) -> list[Tensor]:
+        greedy: bool = False,
+    ) -> list[Tensor | Greedy]:
         """One step of every token group, padded to the nearest bucket -> each group's logits (each
         row's last only with `last_only`, where the head has that bucket: a prompt step then runs the
-        head on one row a sequence, not on the chunk's every row). The
+        head on one row a sequence, not on the chunk's every row); with `greedy` over several ranks,
+        each group's `Greedy` choices, only (value, index) pairs all-gathered (`Comm.argmax_pairs`). The
         context bucket is the smallest whose block table holds the longest sequence after the step
         (its highest written position + 1), for every group alike. With `capture` (the bundle's
         drafter's) every rank runs its own compiled capture."""
@@ -490,9 +496,10 @@ class Steps:
         comm = x.comm
         if comm is None:
             return [x.forward(batches[0], self.stats, on_call=self.on_call, capture=capture)]
-        comm.step((STEP, batches, capture is not None))
+        comm.step((STEP, batches, capture is not None, greedy))
         logits = x.forward(batches[comm.group], self.stats, on_call=self.on_call, capture=capture)  # [B, T, rows]
-        return comm.gather_logits(logits, x.config.text.vocab_size)
+        vocab = x.config.text.vocab_size
+        return list(comm.argmax_pairs(logits, vocab)) if greedy else list(comm.gather_logits(logits, vocab))
 
 
 def _share(T: int, group: int, rank: int) -> slice:

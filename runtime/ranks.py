@@ -26,6 +26,10 @@ sent and never sample. Collectives (regions/topology.py for the layout):
     draft tokens        per block position, one all-gather of each rank's best (value, index)
                         of its vocabulary slice (`picks`, regions/picking.py): the draft's
                         logits are gathered only where asked for (runtime/draft.py)
+    greedy steps        where every row is greedy and no request needs the logits (the
+                        scheduler says, `Stepper.run(greedy=True)`), one all-gather of each
+                        rank's best (value, index) of its slice per row (`greedy`) instead of
+                        the logits'
 
 Large float32 collectives run in chunks of at most `chunk_bytes` per rank.
 Every collective counts the bytes this rank sends (`Comm.sent`).
@@ -48,6 +52,7 @@ from deepinfer.bundles.signing import trusted
 from deepinfer.bundles.topology import Topology
 from deepinfer.errors import DeepinferError
 from deepinfer.regions import divided
+from deepinfer.regions.stepper import Greedy
 from deepinfer.runtime import liveness
 from deepinfer.runtime.bundle import Bundle, open_bundle
 from deepinfer.runtime.executor import Executor, Stats
@@ -59,6 +64,7 @@ from deepinfer.runtime.options import CHUNK_BYTES, COLLECTIVE_TIMEOUT_S, LoadOpt
 from deepinfer.runtime.requests import Completions
 
 DRAFT_PICKS = "draft pick all-gather"  # the draft's (value, index) pairs, P a draft step (`Comm.picks`)
+GREEDY_PICKS = "greedy pick all-gather"  # a greedy step's (value, index) pairs, a row each (`Comm.argmax_pairs`)
 
 
 class Comm:
@@ -247,19 +253,39 @@ class Comm:
         whole = slices.reshape(groups, B, T, size * rows)[..., :vocab]  # [groups, B, T, V]
         return [g.contiguous() for g in whole.unbind(0)]
 
-    def picks(self, value: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's best of its vocabulary slice for each row (value [B] float32, global index [B])
-        -> every rank's (values [world, B], indices [world, B] int64), rank-major: one all-gather of the
-        pairs packed as int32 (8 bytes a row; an index fits: the vocabulary is under 2^31), counted as
-        "draft pick all-gather" (regions/picking.py)."""
+    def picks(
+        self, value: torch.Tensor, index: torch.Tensor, name: str = DRAFT_PICKS
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's best of its vocabulary slice for each row (value [...] float32, global index
+        [...], any leading shape) -> every rank's (values [world, ...], indices [world, ...] int64),
+        rank-major: one all-gather of the pairs packed as int32 (8 bytes a row; an index fits: the
+        vocabulary is under 2^31), counted as `name` (regions/picking.py)."""
         start = time.perf_counter()
-        packed = torch.stack((value.float().view(torch.int32), index.to(torch.int32)), -1)  # [B, 2]
+        packed = torch.stack((value.float().view(torch.int32), index.to(torch.int32)), -1).reshape(-1, 2)
         out = torch.empty((self.world * packed.shape[0], 2), dtype=torch.int32)
         dist.all_gather_single(out, packed.contiguous())
-        self.sent[DRAFT_PICKS] += packed.numel() * packed.element_size()
-        self.seconds[DRAFT_PICKS] += time.perf_counter() - start
-        out = out.view(self.world, -1, 2)
+        self.sent[name] += packed.numel() * packed.element_size()
+        self.seconds[name] += time.perf_counter() - start
+        out = out.view(self.world, *value.shape, 2)
         return out[..., 0].contiguous().view(torch.float32), out[..., 1].long()
+
+    def argmax_pairs(self, logits: torch.Tensor, vocab: int) -> list[Greedy]:
+        """A step where every row is greedy and no request needs the logits: this rank's slice of its
+        group's logits [B, T, rows] -> each token group's choices (`Greedy`: tokens and values [B, T]),
+        on every rank. Each rank takes its slice's best (value, global index) per row
+        (`regions.picking.slice_best`: NaN where a logit of its slice is not finite) and only these
+        pairs are all-gathered (8 bytes a row, "greedy pick all-gather"), merged per group into the
+        one-rank argmax (`merge_best`): the logits [B, T, V] never cross ranks."""
+        from deepinfer.regions.picking import merge_best, slice_best
+
+        size = self.topo.group_size
+        first = (self.rank % size) * logits.shape[-1]  # this rank's place in its group's vocabulary
+        values, indices = self.picks(*slice_best(logits, first, vocab), GREEDY_PICKS)  # [world, B, T]
+        out = []
+        for g in range(self.topo.groups):
+            value, token = merge_best(values[g * size : (g + 1) * size], indices[g * size : (g + 1) * size])
+            out.append(Greedy(token, value))
+        return out
 
     # -- float32 collectives in chunks --------------------------------------------------------
 

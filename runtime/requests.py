@@ -62,6 +62,16 @@ class Request:
     constraint: Constraint | None = None
     cancelled: bool = False
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether its steps need each row's greedy token only, no logits (`Stepper.run`'s `greedy`,
+        a step of such requests alone): plainly greedy (temperature 0, no bias or penalty),
+        unconstrained (no grammar's mask), neither keeping its logits (`--dump-logits`, compare) nor
+        handed them (`on_logits`: the server's logprobs)."""
+        return (
+            self.sampling.plain_greedy and self.constraint is None and not self.keep_logits and self.on_logits is None
+        )
+
 
 @dataclass(eq=False)
 class Completion:

@@ -54,7 +54,7 @@ from deepinfer.errors import DeepinferError
 from deepinfer.regions.config import V41Config
 from deepinfer.regions.prefix import EVERY_STATE, SlotState, StatePolicy
 from deepinfer.regions.spans import ImageEmbeds
-from deepinfer.regions.stepper import Allocator, Drafter, DraftRequest, OutOfBlocks, Row, Stepper
+from deepinfer.regions.stepper import Allocator, Drafter, DraftRequest, Greedy, OutOfBlocks, Row, Stepper
 from deepinfer.runtime import prefix_gen
 from deepinfer.runtime.budget import StepTokens, check_budget, fed_split, plan_step
 from deepinfer.runtime.requests import Completion, Completions, Request, SpeculationStats
@@ -148,11 +148,11 @@ def masks_of(picking: list[Running]) -> dict[int, Tensor]:
     return out
 
 
-def verify(logits: Tensor, fed: int, drafts: list[int], caught_up: bool = True) -> tuple[list[int], int]:
-    """One sequence's verify step: logits [fed + len(drafts), V] of its fed committed tokens then its
-    drafts -> (the target's greedy token after each position, how many drafts it accepts: the longest
-    prefix equal to its own choices; none unless the sequence had caught up, all its tokens fed)."""
-    choice = logits.argmax(-1).tolist()
+def verify(logits: Tensor | Greedy, fed: int, drafts: list[int], caught_up: bool = True) -> tuple[list[int], int]:
+    """One sequence's verify step: logits [fed + len(drafts), V] (or their `Greedy` choices) of its fed
+    committed tokens then its drafts -> (the target's greedy token after each position, how many drafts
+    it accepts: the longest prefix equal to its own choices; none unless the sequence had caught up)."""
+    choice = logits.tokens.tolist() if isinstance(logits, Greedy) else logits.argmax(-1).tolist()
     a = 0
     while caught_up and a < len(drafts) and choice[fed - 1 + a] == drafts[a]:
         a += 1
@@ -328,16 +328,20 @@ class Scheduler:
         stepping = [self.running[seq].request for rows in rows_by_group for seq, _, _ in rows]
         last_only = not drafted and not any(q.keep_logits or q.on_logits is not None for q in stepping)
         start = time.perf_counter()
-        out = self.stepper.run(rows_by_group, self.allocs, histories, images, capture, last_only=last_only)
+        greedy = all(q.argmax_only for q in stepping)  # no logits needed: the stepper may give choices
+        out = self.stepper.run(
+            rows_by_group, self.allocs, histories, images, capture, last_only=last_only, greedy=greedy
+        )
         now = time.perf_counter()
         self.events.stepped(now - start)
-        for rows, logits in zip(rows_by_group, out):
+        for rows, got in zip(rows_by_group, out):
+            logits = got if isinstance(got, Greedy) else got.float()  # Greedy choices: `Request.argmax_only`
             for b, (seq, ids, first) in enumerate(rows):
                 r, mine = self.running[seq], drafted.get(seq, [])
                 if last_only and logits.shape[1] < len(ids):  # the stepper ran it `last_only`
-                    self._commit(r, logits[b, :1].float(), first, mine, now, allowed.get(seq), last_of=len(ids))
+                    self._commit(r, logits[b, :1], first, mine, now, allowed.get(seq), last_of=len(ids))
                 else:
-                    self._commit(r, logits[b, : len(ids)].float(), first, mine, now, allowed.get(seq))
+                    self._commit(r, logits[b, : len(ids)], first, mine, now, allowed.get(seq))
 
     def _record_fed(self, rows_by_group: list[list[Row]]) -> None:
         """Count a step's fed tokens, prompt and decode (`fed`, `Events.fed`)."""
@@ -350,7 +354,7 @@ class Scheduler:
     def _commit(
         self,
         r: Running,
-        logits: Tensor,
+        logits: Tensor | Greedy,
         start: int,
         drafts: list[int],
         now: float,
@@ -359,9 +363,9 @@ class Scheduler:
     ) -> None:
         """One sequence's row of a step: logits [len(ids), V] of its fed tokens (its unfed committed
         ones, then its drafts), or with `last_of` (a step run `last_only`, no drafts) [1, V] of the
-        last of its `last_of` fed tokens; `allowed` its constraint's mask [V] when it picks a token.
-        The positions of its committed tokens and accepted drafts are fed for good; what the rejected
-        drafts wrote is left in place (see `Scheduler`)."""
+        last of its `last_of` fed tokens (or their `Greedy` choices); `allowed` its constraint's mask
+        [V] when it picks a token. The positions of its committed tokens and accepted drafts are fed for
+        good; what the rejected drafts wrote is left in place (see `Scheduler`)."""
         out = r.out
         fed = len(logits) - len(drafts) if last_of is None else last_of  # committed tokens fed this step
         first = start if last_of is None else start + fed - 1  # the position of logits' first row
@@ -372,15 +376,19 @@ class Scheduler:
         if drafts:
             self.speculation.record(len(drafts), a)
             self.events.drafts(len(drafts), a)
-        finite = torch.isfinite(logits[:keep]).all(-1)
+        finite = (
+            torch.isfinite(logits.values[:keep])
+            if isinstance(logits, Greedy)
+            else torch.isfinite(logits[:keep]).all(-1)
+        )
         if not bool(finite.all()):  # emitting argmax of NaN (token 0) would hide it
             at = first + int((~finite).nonzero()[0, 0])
             self._finish(r, "error", f"non-finite logits (NaN or infinity) at position {at}, step {self.steps}")
             return
         self.events.prompt_tokens(max(0, min(start + fed, out.prompt_len) - start))
-        if r.request.keep_logits:  # one row per position, each fed once
+        if r.request.keep_logits and not isinstance(logits, Greedy):  # one row per position, each fed once
             out.logits.extend(logits[:keep].clone())
-        if r.request.on_logits is not None:
+        if r.request.on_logits is not None and not isinstance(logits, Greedy):
             r.request.on_logits(start, logits[:keep])
         r.consumed = start + keep
         if self.prefix_cache:
@@ -388,13 +396,15 @@ class Scheduler:
         if caught_up and r.request.max_tokens == 0:  # prompt scoring: the prompt has run
             self._finish(r, "length")
         elif caught_up:  # the accepted drafts, then the target's own token
-            last = logits[fed - 1 + a - (first - start)]
+            at = fed - 1 + a - (first - start)  # the row of its last committed token
             if allowed is not None and not bool(allowed.any()):
                 why = r.request.constraint.error() if r.request.constraint is not None else None
                 self._finish(r, "error", f"the grammar allows no token ({why or 'its matcher is stuck'})")
                 return
             own = (
-                choice[fed - 1 + a] if drafts else sample(last, r.request.sampling, r.generator, out.generated, allowed)
+                choice[at]
+                if drafts or isinstance(logits, Greedy)
+                else sample(logits[at], r.request.sampling, r.generator, out.generated, allowed)
             )
             for token in drafts[:a] + [own]:
                 if self._emit(r, token, now):

@@ -104,7 +104,7 @@ class NanAtStep:
     def allocator(self):
         return Allocator(slots=2, blocks=16, block_size=4, max_blocks=4)
 
-    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False):
+    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False, greedy=False):
         self.steps += 1
         (rows,) = rows_by_group
         logits = torch.zeros((len(rows), max(len(ids) for _, ids, _ in rows), 8))

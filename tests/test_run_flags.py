@@ -31,7 +31,7 @@ class FixedStepper:
     def allocator(self):
         return Allocator(slots=2, blocks=10, block_size=4, max_blocks=2)
 
-    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False):
+    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False, greedy=False):
         (rows,) = rows_by_group
         T = max(len(ids) for _, ids, _ in rows)
         logits = torch.zeros((len(rows), T, 8))

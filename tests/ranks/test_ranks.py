@@ -201,18 +201,20 @@ def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_r
 
 def test_divided_rows_sample_from_each_sequences_last_row(rank_bundle, started_ranks, one_rank_long):
     """Divided rows with no request keeping every row's logits: the head (after the rows' gather) takes
-    each sequence's last fed row, so every step's logits all-gather carries one row a sequence (the
-    T = 1 bucket's), not the chunk's 4 or 8; the tokens are the one-rank run's."""
+    each sequence's last fed row, so every step's greedy pick all-gather (the run is greedy, no logits
+    wanted: each rank's (value, index) pair a row, 8 bytes) carries one row a sequence (the T = 1
+    bucket's), not the chunk's 4 or 8; the tokens are the one-rank run's."""
     m = manifest(rank_bundle(1, 4, 4, "divided"))
     prompts = [*GOLDEN_PROMPTS, LONG]
     run = started_ranks(1, 4, 4, "divided").generate(prompts, RunOptions(max_new_tokens=NEW, threads=1))
     assert all(r.error is None for r in run) and [r.tokens for r in run] == [r.tokens for r in one_rank_long]
-    stats, rows = run.stats, 96  # a rank's block-padded share of the tiny vocabulary (288 over 4)
+    stats = run.stats
     batch = max(s["batch"] for s in m["buckets"]["shapes"])
     assert stats is not None and stats.prompt_steps >= 17
-    sent = run.sent[0]["logits all-gather"]  # every row would send stats.padded rows
+    assert "logits all-gather" not in run.sent[0]
+    sent = run.sent[0]["greedy pick all-gather"]  # every row would send stats.padded rows
     spared = sum(steps * (T - 1) for T, (steps, _) in stats.by_tokens.items())  # a T-token step sends 1 row a sequence
-    assert sent <= stats.steps * batch * rows * 4 and sent <= (stats.padded - spared) * rows * 4
+    assert sent <= stats.steps * batch * 8 and sent <= (stats.padded - spared) * 8
 
 
 def _check_divided_pools(m: dict, pools: dict, cp: int) -> None:
@@ -380,6 +382,57 @@ def test_logits_gather_joins_each_groups_slices(tmp_path):
             assert sent == {"logits all-gather": 2 * 3 * 32 * 4}
 
 
+def _greedy(rank: int, world: int, rendezvous: str, out) -> None:
+    init(rank, world, rendezvous, timeout_s=60)
+    try:
+        got = {}
+        for topo in (Topology(cp=world), Topology(ep=world)):  # one token group of two; two groups of one
+            vocab = 50 if topo.group_size > 1 else 32
+            rows = 32  # as `_gather`: 25 of 50 padded to a block; the whole 32 in a group of one
+            gen = torch.Generator().manual_seed(7)  # the same logits on every rank: [groups, B, T, V]
+            full = torch.randint(0, 3, (topo.groups, 2, 3, vocab), generator=gen).float()  # ties everywhere
+            full[0, 1, 2, vocab - 1] = float("-inf")  # the last rank's real rows: the row is NaN
+            mine = torch.full((2, 3, rows), 1e9)  # padding rows that would win if they were read
+            start = rank % topo.group_size * rows
+            piece = full[topo.group_of(rank), :, :, start : start + rows]
+            mine[..., : piece.shape[-1]] = piece
+            comm = Comm(topo, rank)
+            chosen = comm.argmax_pairs(mine, vocab)
+            got[topo.group_size] = (
+                [(_plain(g.tokens), _plain(g.values)) for g in chosen],
+                _plain(full),
+                dict(comm.sent),
+            )
+        out.put((rank, got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_greedy_pairs_give_each_groups_argmax(tmp_path):
+    """`Comm.argmax_pairs`: one all-gather of each rank's (value, index) pair per row (8 bytes a row); every
+    rank gets each token group's one-rank argmax (the lowest index among equal values, the padding rows
+    never read) and its value, NaN for the row with an infinite logit (the leader's non-finite check)."""
+    world, ctx = 2, mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_greedy, args=(r, world, str(tmp_path / "rendezvous"), out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for rank in range(world):
+        for size, (chosen, plain, sent) in got[rank].items():
+            full = _tensor(plain)  # [groups, B, T, V]
+            assert len(chosen) == full.shape[0] == world // size
+            for g, (tokens, values) in enumerate(chosen):
+                bad = ~torch.isfinite(full[g]).all(-1)
+                assert torch.equal(_tensor(tokens)[~bad], full[g].argmax(-1)[~bad])
+                assert torch.equal(_tensor(values)[~bad], full[g].amax(-1)[~bad])
+                assert bool(_tensor(values)[bad].isnan().all()) and bool(bad.any()) == (g == 0)
+            assert sent == {"greedy pick all-gather": 2 * 3 * 8}
+
+
 class _Proc:
     """A stand-in for a rank's process: only its exit code is read."""
 
@@ -432,5 +485,43 @@ def test_serve_leads_the_ranks(rank_bundle, one_rank):
             for got, want in zip(out, one_rank):
                 assert got.choices[0].text == ByteTokenizer().decode(want.generated)
                 assert got.usage.completion_tokens == len(want.generated)
+    finally:
+        assert server.stop() == 0, server.proc.stderr.read()
+
+
+def test_serve_logprobs_at_cp_ep_4_beside_greedy_requests(rank_bundle, one_rank):
+    """deepinfer-serve on the cp = ep = 4 bundle: a request asking for logprobs, sent at once with plain
+    greedy ones, gets the one-rank run's tokens and logprobs (the log-softmax of the one-rank logits,
+    within 1e-4): a step holding it gathers the full logits, where the greedy requests' steps alone send
+    (value, index) pairs (issue 42 item 2); every request gets the one-rank tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from deepinfer.regions.tokenizer import ByteTokenizer
+    from deepinfer.runtime.serving.server_process import ServerProcess
+
+    server = ServerProcess(rank_bundle(1, 4, 4), "--model-name", "tiny", "--threads", "1")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+        def complete(ids, logprobs=None):
+            return client.completions.create(model="tiny", prompt=ids, max_tokens=NEW, temperature=0, logprobs=logprobs)
+
+        with ThreadPoolExecutor(3) as pool:
+            asks = [
+                pool.submit(complete, PROMPTS[0], 1),
+                pool.submit(complete, PROMPTS[1]),
+                pool.submit(complete, PROMPTS[0]),
+            ]
+            got = [a.result() for a in asks]
+        for response, want in zip(got, [one_rank[0], one_rank[1], one_rank[0]]):
+            assert response.choices[0].text == ByteTokenizer().decode(want.generated)
+        one = one_rank[0]
+        rows = torch.stack(one.logits).float().log_softmax(-1)  # row p: the position predicting token p + 1
+        want = [float(rows[one.prompt_len - 1 + i, t]) for i, t in enumerate(one.generated)]
+        logprobs = got[0].choices[0].logprobs
+        assert logprobs is not None and logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
+        assert got[1].choices[0].logprobs is None
     finally:
         assert server.stop() == 0, server.proc.stderr.read()

@@ -23,7 +23,7 @@ from deepinfer.regions.tokenizer import ByteTokenizer
 from deepinfer.regions.topology import head_rows
 from deepinfer.runtime import RunOptions, generate, open_bundle
 from deepinfer.runtime.options import SPECULATIVE
-from deepinfer.runtime.ranks import DRAFT_PICKS
+from deepinfer.runtime.ranks import DRAFT_PICKS, GREEDY_PICKS
 
 from ..conftest import SPECULATIVE_LAYOUTS, regenerate
 
@@ -140,6 +140,30 @@ def _check_draft_sends_pairs_only(got, rows: int) -> None:
         assert BLOCK * 8 * drafts <= picks <= BLOCK * 8 * 2 * drafts and picks % (BLOCK * 8) == 0, rank
         if len(got) == 1:
             assert picks == BLOCK * 8 * drafts, rank
+
+
+def test_greedy_steps_send_pairs_not_logits(started_ranks, plain):
+    """All-greedy runs at cp = ep = 4, no request needing the logits (issue 42 item 2): plain and with
+    `--speculative dspark`, alone and batched, the tokens are the one-rank plain run's and no logits
+    cross ranks: every rank sends (value, index) pairs only, 8 bytes a head row ("greedy pick
+    all-gather"), no "logits all-gather" (the draft's picks as before). A lone sequence's head rows are
+    exactly one a step (prompt steps run the head on their last row) and the 8-token bucket's rows of
+    each verify step. The runs keeping the logits (the drafters test's) still gather them whole."""
+    ranks = started_ranks(*LAYOUTS["cp=ep=4"])
+    for prompts in SHORT_AND_ALL:
+        want = plain[tuple(map(tuple, prompts))]
+        for speculative in (None, SPECULATIVE[0]):
+            got = ranks.generate(prompts, RunOptions(max_new_tokens=NEW, threads=1, speculative=speculative))
+            assert [g.tokens for g in got] == [g.tokens for g in want] and all(g.error is None for g in got)
+            stats, verify = got.stats, got.speculation.verify_steps
+            assert (verify > 0) == (speculative is not None)
+            for rank, sent in got.sent.items():
+                assert "logits all-gather" not in sent and "draft logits all-gather" not in sent, rank
+                assert (DRAFT_PICKS in sent) == (speculative is not None), rank
+                pairs = sent[GREEDY_PICKS]
+                assert pairs % 8 == 0 and stats.steps * 8 <= pairs <= stats.padded * 8, rank
+                if len(prompts) == 1:
+                    assert pairs == 8 * (stats.steps + 7 * verify), rank
 
 
 def test_run_and_serve_draft_over_ranks(rank_bundle, plain):

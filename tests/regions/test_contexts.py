@@ -54,7 +54,7 @@ class _Bucketed(EagerSteps):
         super().__init__(*args)
         self.widths, self.seen = widths, []
 
-    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False):
+    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False, greedy=False):
         m, (rows,) = self.model, rows_by_group
         T = max(len(ids) for _, ids, _ in rows)
         blocks = table_width(rows_by_group, REFERENCE_BLOCK_SIZE, self.widths)

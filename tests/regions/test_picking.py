@@ -20,7 +20,7 @@ from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.shard import shard
 from deepinfer.regions.config import parse_config
 from deepinfer.regions.dspark import DraftHead
-from deepinfer.regions.picking import merge_picks, pick_block
+from deepinfer.regions.picking import merge_best, merge_picks, pick_block, slice_best
 from deepinfer.regions.tiny import tiny_config
 from deepinfer.regions.topology import head_rows, head_slice
 
@@ -146,3 +146,77 @@ def test_merge_picks_takes_the_highest_then_the_lowest_index():
     values = torch.tensor([[1.0, 2.0, inf, 3.0], [1.0, 5.0, 0.5, 3.0], [0.5, 5.0, inf, 3.0]])
     index = torch.tensor([[9, 1, 200, 40], [3, 70, 80, 39], [150, 65, 290, 41]])
     assert merge_picks(values, index).tolist() == [3, 65, 80, 39]
+
+
+# --- greedy verification: the target's step logits chosen per slice (`slice_best`, `merge_best`) ---
+
+
+def greedy_slices(logits: torch.Tensor, c, topo: Topology, pad: float) -> list[torch.Tensor]:
+    """Each rank of `topo`'s one token group's slice of step logits [B, T, V] -> [B, T, rows], the
+    rows past the vocabulary `pad` (a padded head row; a value that would win if it were read)."""
+    rows = head_rows(c, topo)
+    out = []
+    for rank in range(topo.group_size):
+        mine = torch.full((*logits.shape[:-1], rows), pad)
+        piece = head_slice(c, topo, rank)
+        if piece is not None:
+            mine[..., : piece[1] - piece[0]] = logits[..., piece[0] : piece[1]]
+        out.append(mine)
+    return out
+
+
+def greedy_merge(logits: torch.Tensor, c, topo: Topology, pad: float = 1e30) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step logits [B, T, V] chosen per slice of `topo`'s token group, then merged -> (value, token) [B, T]."""
+    rows = head_rows(c, topo)
+    picks = [slice_best(s, rank * rows, c.vocab_size) for rank, s in enumerate(greedy_slices(logits, c, topo, pad))]
+    return merge_best(torch.stack([v for v, _ in picks]), torch.stack([i for _, i in picks]))
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_slices_merge_to_the_whole_argmax(c, group, seed):
+    """Random step logits (and integer ones, full of ties) cut into a token group's slices: the merged
+    pairs are torch.argmax of the whole row (its lowest index among equal values) and its maximum, the
+    padding rows (which would win) never read."""
+    topo = Topology(ep=group, cp=group)
+    gen = torch.Generator().manual_seed(seed)
+    for logits in (torch.randn(3, 6, V, generator=gen), torch.randint(0, 4, (3, 6, V), generator=gen).float()):
+        value, token = greedy_merge(logits, c, topo)
+        assert torch.equal(token, logits.argmax(-1))
+        assert torch.equal(value, logits.amax(-1))
+
+
+def test_greedy_ties_across_slices_go_to_the_lowest_index(c):
+    """Equal maxima in several slices: the lowest global index wins, as the one-rank argmax; a row
+    whose every logit is equal picks token 0."""
+    topo = Topology(ep=4, cp=4)  # 32 rows a rank: [0, 32), [32, 64), [64, 96), [96, 100)
+    logits = torch.zeros(1, 3, V)
+    logits[0, 0, [40, 70, 97]] = 5.0  # ranks 1, 2 and 3 tie
+    logits[0, 1, [99, 33]] = 2.0  # ranks 3 and 1 tie, the higher rank's index listed first
+    value, token = greedy_merge(logits, c, topo)
+    assert token.tolist() == [[40, 33, 0]] and value.tolist() == [[5.0, 2.0, 0.0]]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_greedy_nonfinite_anywhere_in_a_row_makes_its_value_nan(c, bad):
+    """A non-finite logit anywhere in a row's real vocabulary (not its slice's best: the lowest logit of
+    rank 2's slice) makes the merged value NaN for that row alone, so the scheduler's non-finite check
+    fires as on the whole logits; non-finite padding rows past the vocabulary are not the row's."""
+    topo = Topology(ep=4, cp=4)
+    logits = torch.randn(2, 3, V, generator=torch.Generator().manual_seed(3))
+    logits[1, 2, 70] = bad
+    value, _ = greedy_merge(logits, c, topo, pad=float("nan"))
+    assert torch.isnan(value[1, 2]) and bool(torch.isfinite(value.flatten()[:-1]).all())
+
+
+def test_greedy_slice_past_the_vocabulary_never_wins(c):
+    """A rank whose slice is padding only scores -inf at an index past the vocabulary, never NaN: it
+    neither wins nor marks the row non-finite."""
+    topo = Topology(ep=3, cp=3)  # 64 rows a rank: the third holds padding only
+    assert head_slice(c, topo, 2) is None
+    value, index = slice_best(torch.full((1, 2, 64), 9.0), 128, V)
+    assert value.tolist() == [[float("-inf")] * 2] and bool((index >= V).all())
+    logits = torch.full((1, 2, V), -3.0)
+    logits[0, 1, 99] = -1.0
+    value, token = greedy_merge(logits, c, topo)
+    assert token.tolist() == [[0, 99]] and value.tolist() == [[-3.0, -1.0]]

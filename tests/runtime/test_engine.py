@@ -39,7 +39,7 @@ class Counting:
     def allocator(self) -> Allocator:
         return Allocator(*self.geometry)
 
-    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False):
+    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False, greedy=False):
         (rows,) = rows_by_group
         self.steps.append([(seq, list(ids), start) for seq, ids, start in rows])
         for seq, ids, start in rows:  # the engine reserved the blocks of every position it sends

@@ -122,7 +122,7 @@ class SlotCounting(Counting):
         self.fed: dict[int, list[int]] = {}  # slot -> positions fed so far
         self.forgotten: list[list[int]] = []  # states the cache evicted, in order
 
-    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False):
+    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False, greedy=False):
         for seq, ids, start in rows_by_group[0]:
             slot = allocs[0].slot_of[seq]
             if start == 0:
@@ -198,7 +198,7 @@ class RingCounting(SlotCounting):
 
     slack = 3
 
-    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False):
+    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False, greedy=False):
         for seq, _, start in rows_by_group[0]:
             del self.fed.setdefault(allocs[0].slot_of[seq], [])[start:]
         return super().run(rows_by_group, allocs, histories, images, capture, last_only)

@@ -104,7 +104,7 @@ class TwoGroups(Counting):
         self.fed: dict[tuple[int, int], list[int]] = {}  # (group, slot) -> positions fed so far
         self.rows: list[tuple[int, int, int]] = []  # (group, sequence, first position) of every row run
 
-    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False):
+    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False, greedy=False):
         out = []
         for g, rows in enumerate(rows_by_group):
             for seq, ids, start in rows:

@@ -46,7 +46,7 @@ class Noise:
     def allocator(self) -> Allocator:
         return Allocator(8, 64, 16, 16)
 
-    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False):
+    def run(self, rows_by_group, allocs, histories, images, capture=None, last_only=False, greedy=False):
         (rows,) = rows_by_group
         logits = torch.zeros(len(rows), 1, V)
         for b, (seq, ids, start) in enumerate(rows):

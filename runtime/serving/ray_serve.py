@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -383,7 +384,9 @@ def connect(address: str) -> None:
     """Join the Ray cluster at `address` ("auto", HOST:PORT) or, for "local", start one on this machine."""
     import ray
 
-    if address == "local":
+    if address == "local":  # its proxy's checks wait for a machine busy loading the replicas' bundles
+        for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+            os.environ.setdefault(name, "60")
         ray.init(include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=address, log_to_driver=False)

@@ -25,6 +25,9 @@ from deepinfer.runtime.serving import ray_serve
 START_TIMEOUT_S = 600  # two replicas loading the bundle on a busy 2-core machine
 REQUEST_TIMEOUT_S = 120
 MODEL = "tiny"
+# Ray Serve's proxy must answer its readiness check in 5 s and its health check in 10 s (3 misses: it is
+# replaced), which a machine busy with compiles misses: the cluster the test starts waits a minute
+SLOW_MACHINE = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S")
 
 
 # --- without Ray ------------------------------------------------------------------------------------
@@ -106,9 +109,12 @@ def cluster():
     pytest.importorskip("ray.serve")
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
-    yield c.address
-    c.shutdown()
+    with pytest.MonkeyPatch.context() as env:  # the cluster's processes read these: a loaded 2-core machine
+        for name in SLOW_MACHINE:
+            env.setenv(name, "60")
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
+        yield c.address
+        c.shutdown()
 
 
 def free_port() -> int:
@@ -180,7 +186,9 @@ def test_completions_and_streams_through_the_endpoint(endpoint):
 @pytest.mark.slow
 def test_a_conversations_second_turn_reaches_the_replica_holding_its_prefix(endpoint):
     client = endpoint.client()
-    system = "A system prompt every turn repeats, long enough for blocks. "  # 60 tokens: 3 blocks of 16
+    # 70 characters the turns share after the conversation's number: past the router's first 64-character
+    # key, and 4 of the bundle's blocks of 16 tokens (a prompt of 76 tokens of its context of 80)
+    system = "A system prompt that every turn repeats, long enough for four blocks. "
     for i in range(4):  # different conversations, most likely on both replicas
         first = client.completions.with_raw_response.create(model=MODEL, prompt=f"{i} {system}One", max_tokens=2)
         second = client.completions.with_raw_response.create(model=MODEL, prompt=f"{i} {system}Two", max_tokens=2)

@@ -54,8 +54,9 @@ if TYPE_CHECKING:
     from deepinfer.compiler.bundle_plan import BundlePlan
 
 ACCEPTANCE = (2.70, 3.10, 3.34)  # tokens a verify step at EP = CP = 64, the seed's DSpark figures
-PAIR = F32 + INDEX  # a (value, index) pair: float32 value, int64 global index
-PICKS = "pick all-gather"  # the head's choice per vocabulary slice: (value, index) pairs over the token group
+PAIR = 8  # a (value, index) pair as the ranks send it: float32 value and int32 index (runtime/ranks.Comm.picks)
+PICKS = "greedy pick all-gather"  # the target's choice per vocabulary slice, a pair a row (Comm.argmax_pairs)
+DRAFT_PICKS = "draft pick all-gather"  # the draft's, a pair a row and block position (Comm.picks)
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def target_part(plan: BundlePlan, batch: int, rows: int, context: int, pairs: bo
         sent.pop(LOGITS)
     capture = len(c.dspark_target_layer_ids) * n * c.hidden_size * act  # the features rings written
     state = batch * chunk_state_bytes(c, plan, rows, context, act) + capture
-    out = n * PAIR if pairs else n * head_rows(c, topo) * F32
+    out = n * head_rows(c, topo) * F32  # the rank's slice comes back; its best is taken on the host
     engram = sum(p.engram_rows > 0 for p in plan.regions.layers)
     moved = host_inputs(c, n, act, device_embedding=spec.device_embedding, engram_layers=engram) + out
     return _part(
@@ -211,7 +212,7 @@ def draft_calls(plan: BundlePlan) -> int:
 
 def _link_name(name: str) -> str:
     """The step model's name whose group a draft collective's links are counted over (`link_bytes`)."""
-    return LOGITS if PICKS in name else name.removeprefix("draft ")
+    return LOGITS if "pick" in name else name.removeprefix("draft ")
 
 
 def draft_collectives(plan: BundlePlan, batch: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -229,7 +230,7 @@ def draft_collectives(plan: BundlePlan, batch: int) -> tuple[dict[str, int], dic
     if topo.tp > 1:  # its heads divided over the tp ranks (compiler/shard.py), whole at cp
         add("draft attention all-reduce", stages, stages * streams)
     if topo.group_size > 1:
-        add(f"draft {PICKS}", P, P * batch * PAIR)
+        add(DRAFT_PICKS, P, P * batch * PAIR)
     if topo.dispatch:
         packed = batch * P * (c.hc_mult * c.hidden_size * act + c.hc_mult * F32 + 1)
         add("draft ep dispatch all-gather", stages, stages * packed)

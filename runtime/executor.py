@@ -471,7 +471,7 @@ class Steps:
         x, s = self.executor, self.executor.sizes
         B = bucket_at_least(list(s.batch_sizes), max(1, *(len(r) for r in rows_by_group)))
         T = bucket_at_least(list(s.token_sizes), max(len(ids) for rows in rows_by_group for _, ids, _ in rows))
-        last_only = last_only and T > 1 and x.head_at(B, 1)
+        last_only = last_only and T > 1 and x.head_at(B, 1) and x.placement.host_values
         blocks = table_width(rows_by_group, s.block_size, list(s.context_blocks))
         batches = [
             make_batch(

@@ -111,7 +111,7 @@ def run_speculative(bundle: Path, libnrt: Path, log: Path) -> dict:
     env.update(DEEPINFER_LIBNRT=str(libnrt), FAKE_NRT_LOG=str(log))
     argv = [str(BIN / "deepinfer-run"), str(bundle), "--prompt-ids", "1,5,9", "--max-new-tokens", "8"]
     done = subprocess.run(
-        [*argv, "--speculative", "--json", "--timing"], env=env, capture_output=True, text=True, timeout=600
+        [*argv, "--speculative", "dspark", "--json", "--timing"], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -133,3 +133,37 @@ def test_the_fused_draft_bundle_speculates_on_the_libnrt_double(compiled, fake_n
     assert not any(k.startswith(("attn_", "moe", "dspark_capture")) for k in calls)
     executes = sum(ln.startswith("nrt_execute") for ln in (tmp_path / "nrt.log").read_text().splitlines())
     assert executes == (len(KINDS) + 1) * steps + DRAFT_EXECUTIONS * drafts
+
+
+@pytest.mark.slow  # one layer module lowered, compiled for 4 XLA:CPU replicas and run: about a minute
+def test_a_capture_twin_at_cp_ep_4_matches_the_host_collectives(tmp_path, tiny_ckpt):
+    """At cp = ep = 4 a twin holds its kind's collectives (the capture adds none: every rank writes its
+    own ring of the streams it holds whole) and on one XLA:CPU replica a rank equals its ops run eagerly."""
+    pytest.importorskip("torch_mlir", reason="the trn2 lowering needs the [trn2] extra (torch-mlir)")
+    from deepinfer.compiler import layers
+    from deepinfer.compiler.config import load_compile_config
+    from deepinfer.compiler.pipeline import plan
+    from deepinfer.compiler.spec import parse
+
+    from .test_layers import SOURCE_R1_CAND
+
+    toml = write_model_toml(
+        tmp_path,
+        tiny_ckpt,
+        target="trn2",
+        executable="neff",
+        options="{ lnc = 1, optlevel = 1 }",
+        num_blocks=5,
+        parallel=(1, 4, 4),
+        extra=DRAFT,
+    )
+    spec = parse(load_compile_config(toml), True, lambda msg: None)
+    regions = plan(spec, lambda msg: None)
+    kind = "layer_source_r1_cand_capture"
+    lk = regions.fused_kinds()[kind]
+    assert lk.layers == (4,) and dict(lk.slots)["capture"] == "dspark_capture"
+    exe = next(e for e in spec.executables(regions) if e.kind == kind)
+    entry, _, _ = layers.trace(spec, regions, lk, exe, tmp_path / f"{exe.name}.hlo.pb", lambda msg: None)
+    assert [f"{c.op} {c.value}" for c in entry.collectives or ()] == SOURCE_R1_CAND
+    assert entry.check is not None and entry.check["replicas"] == 4 and entry.check["score"] <= 1e-5
+    assert "features" in (entry.state_outputs or ())

@@ -167,3 +167,27 @@ def test_a_capture_twin_at_cp_ep_4_matches_the_host_collectives(tmp_path, tiny_c
     assert [f"{c.op} {c.value}" for c in entry.collectives or ()] == SOURCE_R1_CAND
     assert entry.check is not None and entry.check["replicas"] == 4 and entry.check["score"] <= 1e-5
     assert "features" in (entry.state_outputs or ())
+
+
+@pytest.mark.slow  # a compile (no XLA:CPU check) with the stand-in neuronx-cc, then a run on the double
+def test_a_refused_capture_twin_runs_per_region_with_its_capture(tiny_ckpt, tmp_path, fake_nrt_path):
+    """neuronx-cc refusing a capture twin (compiler/fallback.py): its layer runs as its regions and the
+    draft's capture region (compiled at every bucket for it), the other layers fused."""
+    from .test_fallback import compile_cli
+
+    twin = "layer_reuse_r2_capture"
+    done = compile_cli(
+        toml_of(tmp_path, tiny_ckpt, "lnc = 1, optlevel = 1, check = false"), tmp_path / "fell", rf"^{twin}\."
+    )
+    assert done.returncode == 0, done.stderr
+    m = json.loads((tmp_path / "fell" / layout.MANIFEST_FILE).read_text())
+    assert [layer["fused"] for layer in m["layers"]] == [*KINDS[:3], None, *KINDS[4:]]
+    built = {(e["kind"], e["bucket"]["tokens"]) for e in m["regions"]}
+    assert {(k, t) for k in ("attn_reuse_r2", "moe", "dspark_capture") for t in (1, 6)} <= built
+    out = run_speculative(tmp_path / "fell", fake_nrt_path, tmp_path / "nrt.log")
+    assert out["outputs"][0]["error"] is None and len(out["outputs"][0]["generated_ids"]) == 8
+    timing = out["timing"]
+    steps, calls = timing["steps"], {r["kind"]: r["calls"] for r in timing["regions"]}
+    assert calls["dspark_capture"] == calls["attn_reuse_r2"] == calls["moe"] == steps and twin not in calls
+    executes = sum(ln.startswith("nrt_execute") for ln in (tmp_path / "nrt.log").read_text().splitlines())
+    assert executes == (len(KINDS) + 3) * steps + DRAFT_EXECUTIONS * calls["dspark_context"]

@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 SEED_SHARED_RANKS = 18  # the seed split the shared expert's 2,304 columns over 18 ranks
 LONG = (8192, 65536, 1048576)  # the context buckets a prompt's cost is planned at
+DRAFT_TOML = ROOT / "examples" / "release" / "model_dspark.toml"  # the release with its DSpark draft
 
 
 def seed_weights(plan, batch: int) -> int:
@@ -193,6 +194,43 @@ def divided(config, chunk: int, chunks: list[int], measured=None) -> dict:
     return {"chunk": chunk, "costs": costs, "sweep": sweep, "one_pass": one_pass, "micro_batches": MICRO_BATCHES}
 
 
+def verify(config, context: int, measured=None) -> dict:
+    """The verify step with the DSpark draft (compiler/verify_cost.py) at batch 1 and 8 of `DRAFT_TOML`,
+    the bundle as planned (trn2: fused layers holding the capture, the draft step fused) beside its
+    per-region form with every choice's full logits gathered (issue 42's before)."""
+    from deepinfer.compiler.verify_cost import verify_cost
+
+    plan, before = planned(config, measured), planned(per_region(config), measured)
+    out = {"plan": plan}
+    for b in (1, 8):
+        out[b] = (verify_cost(plan, b, context), verify_cost(before, b, context, pairs=False))
+    return out
+
+
+def print_verify(v: dict, plain: dict, err) -> None:
+    from deepinfer.compiler.verify_cost import ACCEPTANCE
+
+    print("verify step with the DSpark draft, per rank (as planned | per-region form, full logits):", file=err)
+    shown = [
+        ("executions", lambda c: f"{c.executions:,}"),
+        (
+            "collectives (on the host)",
+            lambda c: f"{c.collectives} ({c.target.collectives_on_host + c.draft.collectives_on_host})",
+        ),
+        ("host<->device bytes", lambda c: f"{c.host_device_bytes:,}"),
+        ("target verify (ms)", lambda c: f"{c.target.estimated_ms:,.2f}"),
+        ("draft step (ms)", lambda c: f"{c.draft.estimated_ms:,.2f}"),
+        ("verify step (ms)", lambda c: f"{c.estimated_ms:,.2f}"),
+        *((f"per output token at {a:.2f} (ms)", lambda c, a=a: f"{c.tpot_ms(a):,.2f}") for a in ACCEPTANCE),
+    ]
+    print(f"{'':<32}" + "".join(f"{f'batch {b}':>18}{'(per region)':>16}" for b in (1, 8)), file=err)
+    for label, cell in shown:
+        cells = "".join(f"{cell(v[b][0]):>18}{cell(v[b][1]):>16}" for b in (1, 8))
+        print(f"{label:<32}{cells}", file=err)
+    ratio = "".join(f"{v[b][0].estimated_ms / plain[b]:>18,.2f}{'':>16}" for b in (1, 8))
+    print(f"{'verify / plain fused step':<32}{ratio}", file=err)
+
+
 def print_prompts(p: dict, err) -> None:
     costs, sweep = p["costs"], p["sweep"]
     print(f"prompt at batch 1, chunks of {p['chunk']} tokens, per rank:", file=err)
@@ -230,6 +268,9 @@ def main() -> int:
         "--divided-chunk", type=int, default=8192, help="the chunk of the divided-rows figures (default 8192)"
     )
     ap.add_argument(
+        "--draft-toml", type=Path, default=DRAFT_TOML, help="the same bundle with [speculative] draft (the verify step)"
+    )
+    ap.add_argument(
         "--figures", type=Path, help="a figures file of a Trn2 host (`deepinfer doctor`): measured in place of assumed"
     )
     args = ap.parse_args()
@@ -241,6 +282,7 @@ def main() -> int:
 
     try:
         config = load_compile_config(args.toml)
+        draft_config = load_compile_config(args.draft_toml)
         measured = load_figures(args.figures) if args.figures else None
         plan = planned(config, measured)
         regions_plan = planned(per_region(config), measured)
@@ -285,6 +327,8 @@ def main() -> int:
     for name in rows[0]["collectives"]:
         cells = "".join(f"{r['collectives'][name]:>4} calls {r['collective_bytes'][name]:>10,} B" for r in rows)
         print(f"{name:<32}{cells}", file=err)
+    ver = verify(draft_config, context, measured)
+    print_verify(ver, {r["batch"]: r["estimated_ms"] for r in rows}, err)
     long = prompts(config, args.chunks, measured)
     print_prompts(long, err)
     rows_divided = divided(config, args.divided_chunk, args.chunks, measured)
@@ -328,6 +372,18 @@ def main() -> int:
                         "estimated_step_ms_b1": b1["estimated_ms_per_region_form"],
                     },
                     "seed_layout_estimated_step_ms_b1": b1["estimated_ms_seed_layout"],
+                    # the verify step with the DSpark draft (compiler/verify_cost.py), --draft-toml's bundle
+                    "verify_executions_per_step": ver[1][0].executions,
+                    "verify_collectives_per_step": ver[1][0].collectives,
+                    "verify_over_step_b1": ver[1][0].estimated_ms / b1["estimated_ms"],
+                    "verify_over_step_b8": ver[8][0].estimated_ms / b8["estimated_ms"],
+                    "verify_host_device_bytes_b1": ver[1][0].host_device_bytes,
+                    "verify_step_ms_b1": ver[1][0].estimated_ms,
+                    "tpot_ms_b1_at_2_70": ver[1][0].tpot_ms(2.70),
+                    "tpot_ms_b1_at_3_10": ver[1][0].tpot_ms(3.10),
+                    "tpot_ms_b1_at_3_34": ver[1][0].tpot_ms(3.34),
+                    "verify": {str(b): v[0].to_dict() for b, v in ver.items() if b != "plan"},
+                    "verify_per_region_form": {str(b): v[1].to_dict() for b, v in ver.items() if b != "plan"},
                     "rows": rows,
                     # a prompt at batch 1, planned at context buckets LONG (compiler/prompt_cost.py)
                     "prompt_chunk_tokens": long["chunk"],

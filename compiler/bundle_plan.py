@@ -16,7 +16,7 @@ Every figure is the compile's own, from its passes run as far as they go without
     decode step, prompt cost      compiler/step_cost.py per decode bucket, prompt_cost.py per prompt
                                   (8K, 64K, 1M): the figures above, per_step, the target's (trn2)
     the draft ([speculative])     its kinds and executables (compiler/plan.py), its weights per
-                                  rank (in every rank's budget) and whole (budget.weights_by_kind)
+                                  rank and whole (budget.weights_by_kind), its verify step (verify_cost.py)
 
 The checkpoint is the directory's safetensors headers (`model.safetensors` or the index
 and its shards) when it has them, their data never read (it may be absent); else the
@@ -44,7 +44,7 @@ from pathlib import Path, PurePosixPath
 from deepinfer.bundles import layout
 from deepinfer.bundles.manifest import DECODE, PROJECT, Pool
 from deepinfer.bundles.safetensors import DTYPES, TensorInfo
-from deepinfer.compiler import budget, pipeline, prompt_cost, step_cost
+from deepinfer.compiler import budget, pipeline, prompt_cost, step_cost, verify_cost
 from deepinfer.compiler.budget import Breakdown, human
 from deepinfer.compiler.config import CompileConfig, config_error
 from deepinfer.compiler.plan import Exe, RegionPlan
@@ -277,6 +277,7 @@ class BundlePlan:
             "per_decode_step": self.per_step,
             "step_cost": step_cost.report(self),
             "prompt_cost": prompt_cost.report(self),
+            "verify_step": verify_cost.report(self),
             "weights": self._weights_dict(),
             "pools": self._pools_dict(),
             "prefix_cache": budget.prefix_state(self.pools),
@@ -366,6 +367,7 @@ class BundlePlan:
             "",
             *step_cost.lines(self),
             *prompt_cost.lines(self),
+            *verify_cost.lines(self),
             *self._weight_lines(),
             *self._pool_lines(),
             *self._scratch_lines(),

@@ -87,19 +87,26 @@ def weight_flops(plan: BundlePlan, layer: int, batch: int) -> dict[str, int]:
     """FLOPs of layer `layer`'s weight matmuls on one rank at `batch` sequences, by part (`PARTS`)."""
     out: dict[str, int] = {}
     for slot, (kind, _) in plan.regions.bindings[layer].items():
-        region = plan.regions.kinds[kind].region
         rows = slot_rows(plan.spec.topology, slot, batch)
-        gathered = region.gathered(rows)
-        for spec in region.specs:
-            part = PARTS.get((slot, spec.name))
-            if part is None:
-                continue
-            macs = math.prod(spec.buffer_shape) * (2 if spec.ckpt_dtype == FP4 else 1)
-            if spec.name in gathered:  # each gathered entry meets the rows it was gathered for
-                macs = macs * gathered[spec.name] * region.gathered_rows(rows) // spec.buffer_shape[0]
-            else:
-                macs *= rows
-            out[part] = out.get(part, 0) + 2 * macs
+        for part, f in region_flops(plan.regions.kinds[kind].region, slot, rows).items():
+            out[part] = out.get(part, 0) + f
+    return out
+
+
+def region_flops(region: Region, slot: str, rows: int) -> dict[str, int]:
+    """FLOPs of one call of `region` in slot `slot` at `rows` rows, by part (`PARTS`)."""
+    out: dict[str, int] = {}
+    gathered = region.gathered(rows)
+    for spec in region.specs:
+        part = PARTS.get((slot, spec.name))
+        if part is None:
+            continue
+        macs = math.prod(spec.buffer_shape) * (2 if spec.ckpt_dtype == FP4 else 1)
+        if spec.name in gathered:  # each gathered entry meets the rows it was gathered for
+            macs = macs * gathered[spec.name] * region.gathered_rows(rows) // spec.buffer_shape[0]
+        else:
+            macs *= rows
+        out[part] = out.get(part, 0) + 2 * macs
     return out
 
 

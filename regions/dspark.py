@@ -227,6 +227,10 @@ class DraftHead(Region):
         confidence = F.linear(torch.cat((normalized.float(), embedding.float()), -1), self.confidence)
         return normalized, transition, confidence.squeeze(-1)
 
+    def gathered(self, rows: int) -> dict[str, int]:
+        """A draft step of `rows` rows reads the Markov embedding's row of each one's previous token."""
+        return {"markov_embed": rows}
+
     def normalize_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         return self.input_specs(B, T, g)[:2]
 

@@ -36,6 +36,9 @@ DECODE = "decode"
 PROJECT = "project"
 ROWS_PREFIX = "rows_"  # an attention kind's twin for prompt chunks divided by rows (regions/rows.py)
 ROWS_SLOT = "rows"  # the slot a layer's twin is bound at
+# the draft's capture (regions/dspark.py): draft stage 0's slot, and the slot of a fused layer's capture
+# twin (trn2, compiler/layers.py), which runs it inside the layer
+CAPTURE_SLOT = "capture"
 # the MoE's methods in a prompt chunk divided by rows (regions/moe.py): the site on a rank's rows, the
 # experts on every row, the expand on a rank's rows again
 MOE_IN, MOE_EXPERTS, MOE_OUT = "moe_in", "moe_experts", "moe_out"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from deepinfer.bundles import layout
 from deepinfer.bundles.layout import TOKENIZER_FILE, is_inside
 from deepinfer.bundles.manifest import (
+    CAPTURE_SLOT,
     DECODE,
     DTYPE_NAMES,
     ENGRAM_ROWS_MIX,
@@ -295,8 +296,13 @@ def _check_draft(m: Manifest, kinds: set[str], rows: Rows) -> None:
     assert d is not None, "check() calls this only for a manifest with a draft"
     _need(d.block >= 1 and d.window >= 1, ("draft",), f"block {d.block} and window {d.window} must be positive")
     gathered = m.topology.groups if m.topology.dispatch else 1
+    # the capture runs inside the fused layers where every target layer is fused (capture twins)
+    inside = all(m.layers[t].fused is not None for t in d.target_layers if 0 <= t < len(m.layers))
     for i, stage in enumerate(d.stages):
         for slot, b in stage.items():
+            if slot == CAPTURE_SLOT and inside:
+                _bound(b, ("draft", "stages", i, slot), None, rows)
+                continue
             _bound(b, ("draft", "stages", i, slot), kinds, rows)
             want = {n * (gathered if slot == "moe" else 1) for n in batches}
             methods = {e.method for e in m.regions if e.kind == b.kind}

@@ -184,7 +184,7 @@ class BundlePlan:
             "stages": len(self.regions.draft),
             "executables": [
                 layout.executable_name(*e)
-                for e in self.executables
+                for e in self.built  # fused (trn2): the capture runs inside the target layers' capture twins
                 if e[0] in kinds or (e[0], e[1]) == ("head", PROJECT)
             ],
             "weights_per_rank": sum(rank[k] for k in kinds),
@@ -253,7 +253,8 @@ class BundlePlan:
         return [
             "",
             f"draft ({name}): {d['stages']} stages, kinds {', '.join(d['kinds'])}; {len(d['executables'])} "
-            f"executables (each kind and head.{PROJECT} at the {len(self.spec.config.buckets.batch)} batch buckets)",
+            f"executables (each kind and head.{PROJECT} at the {len(self.spec.config.buckets.batch)} batch buckets"
+            + ("; the capture inside the fused layers it reads: their capture twins)" if self.spec.fused else ")"),
             f"  weights {human(d['weights_per_rank'])} per rank ({human(d['weights_whole'])} whole; tp {topo.tp}, "
             f"ep {topo.ep}): {per_kind}; in every rank's memory budget",
             f"  executables: {', '.join(d['executables'])}",

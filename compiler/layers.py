@@ -9,6 +9,9 @@ collectives inside (`ops`):
 
     engram (where the layer has one); over a token group of several ranks: kv -> all-reduce of the
         partial keys and value over the token group -> mix (regions/engram.py)
+    capture (a layer the draft reads: its kind's capture twin, `..._capture`): the draft's features
+        of the streams the attention reads, written into the layer's features ring, a state input
+        aliased to its output as the pools' (regions/dspark.py DraftCapture); no collective
     attention: decode; or, with the paged state divided over cp ranks (regions/divided.py),
         query -> all-gather of the ranks' query rows over the cp group -> select -> all-gather each
         rank's K best over the cp group -> merge_topk (and the candidate pool's blocks the same way)
@@ -41,7 +44,7 @@ import torch
 
 from deepinfer.bundles import layout, manifest_io, neff
 from deepinfer.bundles import manifest as mf
-from deepinfer.bundles.manifest import DECODE
+from deepinfer.bundles.manifest import CAPTURE_SLOT, DECODE
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler import budget
 from deepinfer.compiler.executables import Graph, lower
@@ -104,6 +107,8 @@ def ops(lk: LayerKind, plan: RegionPlan, topo: Topology, dtype: torch.dtype) -> 
     out: list[Op] = []
     if "engram" in slots:
         out += _engram(plan.kinds[slots["engram"]].region, topo)
+    if CAPTURE_SLOT in slots:  # on the h, pre the attention reads; the ring written in place
+        out.append(Run(CAPTURE_SLOT, DECODE, outputs=(("written", "captured"),)))
     methods = attn.methods()
     if methods == (DECODE,):
         out.append(Run("attn", DECODE))

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from deepinfer.bundles.layout import executable_name
-from deepinfer.bundles.manifest import DECODE, ENGRAM_ROWS_MIX, MOE_ROWS, PROJECT, ROWS_SLOT
+from deepinfer.bundles.manifest import CAPTURE_SLOT, DECODE, ENGRAM_ROWS_MIX, MOE_ROWS, PROJECT, ROWS_SLOT
 from deepinfer.bundles.topology import Topology
 from deepinfer.regions.base import Region
 from deepinfer.regions.config import TextConfig
@@ -94,13 +94,18 @@ class RegionPlan:
     draft: list[dict[str, tuple[str, int]]] = field(default_factory=list)
     draft_block: int = 0  # positions a draft step runs (dspark_block_size)
     draft_window: int = 0  # target positions the context projection reads (sliding_window)
+    draft_targets: tuple[int, ...] = ()  # the target layers whose features the draft reads (capture)
 
     def fused_kinds(self) -> dict[str, LayerKind]:
         """The layer kinds by name (`layer_source_r2_engram`: the attention kind without its `attn_`,
-        then the other slots but the MoE), in the order of their first layers."""
+        then the other slots but the MoE), in the order of their first layers. A layer the draft reads
+        (`draft_targets`) is a capture twin of its kind (`..._capture`): the draft's capture, bound
+        from stage 0's, runs inside it (compiler/layers.py)."""
         kinds: dict[str, LayerKind] = {}
         for p in self.layers:
             slots = tuple((slot, kind) for slot, (kind, _) in self.bindings[p.layer].items())
+            if p.layer in self.draft_targets:
+                slots += ((CAPTURE_SLOT, self.draft[0][CAPTURE_SLOT][0]),)
             own = dict(slots)
             name = LAYER_PREFIX + own["attn"].removeprefix("attn_")
             name += "".join(f"_{slot}" for slot, _ in slots if slot not in ("attn", "moe"))
@@ -109,12 +114,15 @@ class RegionPlan:
             kinds[name] = LayerKind(name, slots, (lk.layers if lk else ()) + (p.layer,))
         return kinds
 
-    def fused_executables(self, shapes: list[tuple[int, int]], contexts: tuple[int, ...]) -> list[Exe]:
+    def fused_executables(
+        self, shapes: list[tuple[int, int]], contexts: tuple[int, ...], gathered: int = 1
+    ) -> list[Exe]:
         """The executables with one per layer kind and bucket in place of its regions' (the embedding
-        first, the head and the draft's after), context buckets where any of its regions reads one."""
+        first, the head and the draft's after: the draft's MoE on `gathered` token groups' rows under EP
+        dispatch; its capture inside the twins), context buckets where any of its regions reads one."""
         kinds = self.fused_kinds()
         fused = {kind for lk in kinds.values() for _, kind in lk.slots}
-        regions = [e for e in self.executables(shapes, contexts) if e.kind not in fused]
+        regions = [e for e in self.executables(shapes, contexts, gathered) if e.kind not in fused]
         layers = [
             Exe(lk.name, METHOD, b, t, c)
             for lk in kinds.values()
@@ -174,7 +182,7 @@ class RegionPlan:
         batches = sorted({b for b, _ in shapes})
         for k in drafts:
             kp = self.kinds[k]
-            if kp.slot == "capture":  # runs in the target's steps: at their shapes
+            if kp.slot == CAPTURE_SLOT:  # runs in the target's steps: at their shapes
                 out += [Exe(k, METHOD, b, t, None) for b, t in shapes]
                 continue
             T = self.draft_window if kp.slot == "context" else self.draft_block
@@ -270,3 +278,4 @@ def _plan_draft(p: RegionPlan, c: TextConfig, dtype: torch.dtype, cache_quant: b
             kp.layers.append(stage)
         p.draft.append(bound)
     p.draft_block, p.draft_window = c.dspark_block_size, c.sliding_window
+    p.draft_targets = tuple(c.dspark_target_layer_ids)

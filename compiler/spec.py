@@ -69,9 +69,9 @@ class Spec:
 
     @property
     def fused(self) -> bool:
-        """One executable per layer (the target fuses layers, compiler/layers.py), not per region call.
-        Not with a draft: the draft reads a layer's attention inputs between its regions."""
-        return self.target.fused_layers and not self.draft
+        """One executable per layer (the target fuses layers, compiler/layers.py), not per region call;
+        with a draft, the layers it reads capture its features inside (capture twins)."""
+        return self.target.fused_layers
 
     def executables(self, plan: RegionPlan) -> list[Exe]:
         """Every executable the bundle holds, in plan order: fused layers' where the target fuses them
@@ -79,7 +79,7 @@ class Spec:
         if not self.fused:
             return self.region_executables(plan)
         b = self.config.buckets
-        return plan.fused_executables(b.shapes(), b.contexts)
+        return plan.fused_executables(b.shapes(), b.contexts, self.topology.groups if self.topology.dispatch else 1)
 
     def region_executables(self, plan: RegionPlan) -> list[Exe]:
         """One executable per region kind, method and bucket, in plan order (MoE on gathered rows under

@@ -9,7 +9,7 @@ of region inputs and outputs through the layers and the head.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -286,14 +286,17 @@ def run_fused(
     merge: Merge | None = None,
     *,
     divided_engram: bool = False,
+    features: Mapping[int, Tensor] | None = None,
+    capture=None,
 ) -> Tensor:
     """h, pre through every layer and the head -> logits, one call a layer (trn2's fused layers:
     compiler/layers.py; their collectives are inside). `invoke_layer(layer, values)` runs layer
     `layer`'s executable on the values its inputs name (the streams, the step's host inputs, the
-    layer's state views, the selection carried from the layer before, its engram rows) and returns
+    layer's state views, the selection carried from the layer before, its engram rows; a layer the
+    draft reads, its features ring `features[layer]`, which its capture twin always writes) and returns
     its outputs by name (h, pre; topk and cand where it makes them); `invoke` runs the head.
-    The layers in `regions` run per region through `invoke`, as `run_layers` runs them (with `merge`
-    and `divided_engram`): a layer kind neuronx-cc refused to compile fused (compiler/fallback.py)."""
+    The layers in `regions` run per region through `invoke`, as `run_layers` runs them (with `merge`,
+    `divided_engram` and `capture`): a layer kind neuronx-cc refused to compile fused (compiler/fallback.py)."""
     carry: dict[str, Tensor] = {}
     engram_index = 0
     token_mask = (batch.positions >= 0) & ~batch.is_image
@@ -304,16 +307,21 @@ def run_fused(
         "is_image": batch.is_image,
         "token_mask": token_mask,
     }
+    features = {} if features is None else features
     for p in plans:
         if p.layer in regions:
             if p.engram_rows:
                 h = run_engram(p.layer, invoke, h, engram, batch, engram_index, token_mask, divided_engram)
                 engram_index += 1
+            if capture is not None and p.layer in capture.layers:
+                capture(p.layer, h, pre, batch.positions, batch.slots)
             out = layer_regions(p, invoke, states[p.layer], h, pre, batch, carry.get("topk"), carry.get("cand"), merge)
             h, pre = out[0], out[1]
             carry.update({k: v for k, v in zip(("topk", "cand"), out[2:]) if v is not None})
             continue
         values = {**step, **carry, **states[p.layer], "h": h, "pre": pre}
+        if p.layer in features:
+            values["features"] = features[p.layer]
         if p.engram_rows:
             values["rows"], values["rows_s"] = looked_up(engram, batch, engram_index)
             engram_index += 1

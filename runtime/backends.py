@@ -44,7 +44,12 @@ RUNNABLE = (*LOADERS, ("trn2", "neff"))
 
 
 class Placement(Protocol):
-    """Where a bundle's tensors live and its executables run (host memory, or a NeuronCore)."""
+    """Where a bundle's tensors live and its executables run (host memory, or a NeuronCore).
+    `host_values`: whether executables' outputs are host tensors the runtime may index (a prompt
+    step's head on each sequence's last fed row, `regions.step.head_rows`); a NeuronCore's stay on
+    the device, so its head runs on every row and the host picks the rows of the logits."""
+
+    host_values: bool
 
     def resident(self, tensor: torch.Tensor, name: str) -> torch.Tensor: ...
 
@@ -58,6 +63,8 @@ class Placement(Protocol):
 class HostPlacement:
     """Where a cpu bundle's tensors live: host memory. Weight views are views of the
     memory-mapped stacks; executables write state in place and return only their outputs."""
+
+    host_values = True
 
     def __init__(self, manifest: Manifest, bundle: Path, rank: int = 0):
         self.loader = LOADERS[(manifest.target.name, manifest.target.executable)]

@@ -132,5 +132,4 @@ def _draft_invoke(x: Executor, stats: Stats):
 def _rings(x: Executor) -> list[Tensor]:
     """The features pool's ring of each of the draft's target layers [slots, R, D]."""
     d = require_draft(x.bundle)
-    pool = x.pools[d.features]
-    return [x.placement.view(pool, i) for i in range(len(d.target_layers))]
+    return [x.features[layer] for layer in d.target_layers]

@@ -175,6 +175,8 @@ class Executor:
     draft_bound: Mapping[tuple[int, str], Binding]  # (stage, slot) -> binding of the draft's regions
     pools: Mapping[str, Tensor]
     states: Mapping[int, Mapping[str, Tensor]]  # layer -> state name -> its view of a pool
+    # a bundle with a draft: each target layer's features ring [slots, R, D], its row of the features pool
+    features: Mapping[int, Tensor] = field(default_factory=dict)
     # prefix caching over several ranks: this rank's copies of saved slot states by id (runtime/slot_store.py)
     slot_states: dict[int, dict[str, Tensor]] = field(default_factory=dict)
 
@@ -254,8 +256,7 @@ class Executor:
             if rows is None:
                 rows = torch.zeros(*batch.tokens.shape, self.config.text.hidden_size, dtype=self.dtype)
             h, pre = invoke(-1, "embed", batch.tokens, batch.is_image, rows)
-        if self.fused:
-            assert capture is None, "a bundle with a draft runs its layers per region"
+        if self.fused:  # a target layer's capture twin writes its ring at every step (`features`)
             invoke_layer = self._invoke_layer(batch.block_table.shape[1], stats, on_call)
             # a layer kind neuronx-cc refused to compile fused runs per region (compiler/fallback.py)
             regions = {p.layer for p in self.plans if (p.layer, LAYER_SLOT) not in self.bound}
@@ -271,6 +272,8 @@ class Executor:
                 regions,
                 self.merge,
                 divided_engram=self.manifest.topology.topology.group_size > 1,
+                features=self.features,
+                capture=capture,
             )
         else:
             logits = run_layers(
@@ -474,7 +477,7 @@ class Steps:
         x, s = self.executor, self.executor.sizes
         B = bucket_at_least(list(s.batch_sizes), max(1, *(len(r) for r in rows_by_group)))
         T = bucket_at_least(list(s.token_sizes), max(len(ids) for rows in rows_by_group for _, ids, _ in rows))
-        last_only = last_only and T > 1 and x.head_at(B, 1)
+        last_only = last_only and T > 1 and x.head_at(B, 1) and x.placement.host_values
         blocks = table_width(rows_by_group, s.block_size, list(s.context_blocks))
         batches = [
             make_batch(

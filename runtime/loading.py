@@ -154,6 +154,7 @@ def _load(bundle: Bundle, rank: int, comm, num_kv_blocks: int | None) -> Executo
         draft_bound=MappingProxyType(draft_bound),
         pools=MappingProxyType(pools),
         states=MappingProxyType({layer: MappingProxyType(views) for layer, views in states.items()}),
+        features=MappingProxyType(_features(m, placement, pools)),
     )
 
 
@@ -215,13 +216,14 @@ def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict
         ]
 
     fused = {layer.layer for layer in m.layers if layer.fused is not None}  # their slots have no executables
+    draft = m.draft.stages[0] if m.draft else {}  # a capture twin's `capture` slot: stage 0's binding
     bound = {(layer, slot): views(b) for layer, slot, b in m.bindings() if layer not in fused}
     for layer in m.layers:  # a fused layer's one executable: each slot's weights as `<slot>.<name>`
         if layer.fused is not None:
             bound[(layer.layer, LAYER_SLOT)] = (
                 layer.fused,
                 [
-                    rank_tensor if s.role == "rank" else _slot_view(placement, stacks, layer, s.name)
+                    rank_tensor if s.role == "rank" else _slot_view(placement, stacks, layer, s.name, draft)
                     for s in signatures[layer.fused]
                     if s.role in ("weight", "rank")
                 ],
@@ -230,14 +232,16 @@ def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict
         (stage, slot): views(b)
         for stage, regions in enumerate(m.draft.stages if m.draft else ())
         for slot, b in regions.items()
+        if b.kind in signatures  # the capture runs inside the fused layers: no executable of its own
     }
     return bound, draft_bound
 
 
-def _slot_view(placement: Placement, stacks: dict, layer: mf.Layer, name: str):
-    """A fused layer's weight input `<slot>.<name>`: the row of that slot's stack the layer binds."""
+def _slot_view(placement: Placement, stacks: dict, layer: mf.Layer, name: str, draft: dict[str, mf.Binding]):
+    """A fused layer's weight input `<slot>.<name>`: the row of that slot's stack the layer binds (a
+    slot it does not bind, the draft's first stage's: a capture twin's `capture`)."""
     slot, weight = name.split(".", 1)
-    binding = layer.regions[slot]
+    binding = layer.regions[slot] if slot in layer.regions else draft[slot]
     return placement.view(stacks[binding.kind][weight], binding.index)
 
 
@@ -261,6 +265,14 @@ def _check_pool_memory(bundle: Bundle, shapes: dict, sizes: Sizes) -> None:
             f"{bundle.path}: the KV/state pools need {need / 2**30:.1f} GiB at num_kv_blocks "
             f"{sizes.num_blocks}, more than this host's {physical_memory() / 2**30:.1f} GiB of memory"
         )
+
+
+def _features(m: mf.Manifest, placement: Placement, pools: dict) -> dict[int, Tensor]:
+    """A bundle with a draft: target layer -> its features ring, its row of the features pool."""
+    if m.draft is None:
+        return {}
+    pool = pools[m.draft.features]
+    return {layer: placement.view(pool, i) for i, layer in enumerate(m.draft.target_layers)}
 
 
 def _allocate_pools(m: mf.Manifest, placement: Placement, shapes: dict) -> tuple[dict, dict]:

@@ -29,6 +29,9 @@ ENV_LNC = "NEURON_LOGICAL_NC_CONFIG"
 # the region outputs the host reads (sampling); every other output (the streams h and pre, the
 # selected indices, the candidate pool) stays on the device for the next region call
 HOST_OUTPUTS = ("logits",)
+# the draft head's: the block's tokens the scheduler verifies, and (several ranks) each block position's
+# (value, index) pair the ranks all-gather (regions/picking.py); its normalized state stays for `project`
+DRAFT_HOST_OUTPUTS = ("drafts", "value", "index")
 
 
 @dataclass
@@ -59,6 +62,8 @@ class NeuronPlacement:
     """Session placement for trn2: one NeuronCore per process (rank r uses core r unless
     NEURON_RT_VISIBLE_CORES is set by the launcher)."""
 
+    host_values = False  # outputs stay on the device (`DeviceValue`s) but the logits
+
     def __init__(self, manifest: Manifest, bundle: Path, rank: int = 0):
         self.manifest, self.bundle = manifest, Path(bundle)
         self.lnc = manifest.topology.lnc or 1
@@ -67,6 +72,7 @@ class NeuronPlacement:
         self.rank = rank
         self.host_inputs = HostInputs(self.core)
         self.calls: list[RegionCall] = []
+        self.draft_head = manifest.draft.stages[-1]["head"].kind if manifest.draft else None
 
     def resident(self, tensor: torch.Tensor, name: str) -> DeviceStack:
         t = tensor.contiguous()
@@ -88,7 +94,7 @@ class NeuronPlacement:
             [s.name for s in entry.inputs],
             outputs,
             entry.aliases or {},
-            host_outputs=HOST_OUTPUTS,
+            host_outputs=HOST_OUTPUTS + (DRAFT_HOST_OUTPUTS if entry.kind == self.draft_head else ()),
             host_inputs=self.host_inputs,
             # a NEFF that sums over ranks itself is loaded for collectives, as this rank of the world
             collectives=(self.rank, self.manifest.topology.world_size) if entry.holds_collectives else None,

@@ -196,21 +196,30 @@ def divided(config, chunk: int, chunks: list[int], measured=None) -> dict:
 
 def verify(config, context: int, measured=None) -> dict:
     """The verify step with the DSpark draft (compiler/verify_cost.py) at batch 1 and 8 of `DRAFT_TOML`,
-    the bundle as planned (trn2: fused layers holding the capture, the draft step fused) beside its
-    per-region form with every choice's full logits gathered (issue 42's before)."""
+    the bundle as planned (trn2: fused layers holding the capture, the draft step per region call)
+    beside its per-region form with every choice's full logits gathered (issue 42's before) and the
+    design with the draft step as one module (not built)."""
     from deepinfer.compiler.verify_cost import verify_cost
 
     plan, before = planned(config, measured), planned(per_region(config), measured)
     out = {"plan": plan}
     for b in (1, 8):
-        out[b] = (verify_cost(plan, b, context), verify_cost(before, b, context, pairs=False))
+        out[b] = (
+            verify_cost(plan, b, context),
+            verify_cost(before, b, context, pairs=False),
+            verify_cost(plan, b, context, draft_module=True),
+        )
     return out
 
 
 def print_verify(v: dict, plain: dict, err) -> None:
     from deepinfer.compiler.verify_cost import ACCEPTANCE
 
-    print("verify step with the DSpark draft, per rank (as planned | per-region form, full logits):", file=err)
+    print(
+        "verify step with the DSpark draft, per rank (as planned | per-region form, full logits | the draft"
+        " step as one module, designed):",
+        file=err,
+    )
     shown = [
         ("executions", lambda c: f"{c.executions:,}"),
         (
@@ -223,11 +232,16 @@ def print_verify(v: dict, plain: dict, err) -> None:
         ("verify step (ms)", lambda c: f"{c.estimated_ms:,.2f}"),
         *((f"per output token at {a:.2f} (ms)", lambda c, a=a: f"{c.tpot_ms(a):,.2f}") for a in ACCEPTANCE),
     ]
-    print(f"{'':<32}" + "".join(f"{f'batch {b}':>18}{'(per region)':>16}" for b in (1, 8)), file=err)
+    heads = "".join(f"{f'batch {b}':>14}{'(per region)':>14}{'(module)':>12}" for b in (1, 8))
+    print(f"{'':<32}{heads}", file=err)
     for label, cell in shown:
-        cells = "".join(f"{cell(v[b][0]):>18}{cell(v[b][1]):>16}" for b in (1, 8))
+        cells = "".join(f"{cell(v[b][0]):>14}{cell(v[b][1]):>14}{cell(v[b][2]):>12}" for b in (1, 8))
         print(f"{label:<32}{cells}", file=err)
-    ratio = "".join(f"{v[b][0].estimated_ms / plain[b]:>18,.2f}{'':>16}" for b in (1, 8))
+    ratio = "".join(
+        f"{v[b][0].estimated_ms / plain[b]:>14,.2f}{v[b][1].estimated_ms / plain[b]:>14,.2f}"
+        f"{v[b][2].estimated_ms / plain[b]:>12,.2f}"
+        for b in (1, 8)
+    )
     print(f"{'verify / plain fused step':<32}{ratio}", file=err)
 
 
@@ -384,6 +398,13 @@ def main() -> int:
                     "tpot_ms_b1_at_3_34": ver[1][0].tpot_ms(3.34),
                     "verify": {str(b): v[0].to_dict() for b, v in ver.items() if b != "plan"},
                     "verify_per_region_form": {str(b): v[1].to_dict() for b, v in ver.items() if b != "plan"},
+                    # the draft step as one module a batch bucket: designed, not built
+                    "verify_with_draft_module": {
+                        "executions_per_step": ver[1][2].executions,
+                        "verify_over_step_b1": ver[1][2].estimated_ms / b1["estimated_ms"],
+                        "host_device_bytes_b1": ver[1][2].host_device_bytes,
+                        "tpot_ms_b1_at_3_10": ver[1][2].tpot_ms(3.10),
+                    },
                     "rows": rows,
                     # a prompt at batch 1, planned at context buckets LONG (compiler/prompt_cost.py)
                     "prompt_chunk_tokens": long["chunk"],

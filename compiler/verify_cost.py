@@ -5,9 +5,12 @@ With [speculative] draft a decode step of B sequences is a verify step and a dra
     target    the anchor and the block's drafts, T = the smallest tokens bucket holding
               dspark_block_size + 1 rows a sequence, through every layer and the head: the decode
               step's model (compiler/step_cost.py) at B * T rows, with the state read as a prompt
-              chunk reads it (each window ring once a sequence) and the capture's writes (each target
-              layer's features ring, T rows of D a sequence). The head's choice per vocabulary slice:
-              a greedy step's rows leave each rank as (value, index) pairs, not logits
+              chunk reads it (each window ring once a sequence) and the capture's (trn2: inside each
+              target layer's fused module, compiler/layers.py's capture twins): as lowered, a
+              sequence's whole features ring [W + P, D] read and written at each target layer.
+              The head's choice per vocabulary slice: a greedy step's rows cross ranks as (value,
+              index) pairs, not logits; each rank's slice still comes back to its host, where its
+              pair is taken (an argmax in the head's executable, not built, would bring 8 bytes a row)
     draft     the next block, P = dspark_block_size positions: its context from the features rings
               (W positions of D per target layer), every stage's attention and MoE (their weights at
               B * P rows, the routed experts' gathered slices as the target's), the last stage's
@@ -15,11 +18,15 @@ With [speculative] draft a decode step of B sequences is a verify step and a dra
               position on each rank's vocabulary slice: one all-gather of (value, index) pairs each
 
 Executions and collectives: the target's as its plan counts them (BundlePlan.per_step: trn2's fused
-layers hold the capture, so it adds neither); the draft as one execution where the target fuses layers
-(compiler/draft_layers.py: its collectives inside), else one per region method it calls with its
-collectives on the host. A draft stage's collectives are the target layer's at P rows: the attention
-all-reduce over the token group (tp * cp > 1), the MoE's EP all-reduce or dispatch and combine; then
-P pick all-gathers over the token group.
+layers hold the capture, so it adds neither); the draft's one per region method it calls, with its
+collectives on the host (`draft_calls`; as built on every target). A draft stage's collectives are at
+P rows: the attention's all-reduce over the tp group (its heads are divided over tp only: whole on
+every cp rank), the MoE's as the target's (EP all-reduce, or dispatch and combine); then P pick
+all-gathers over the token group.
+
+The draft step as one module a batch bucket (designed, not built; `draft_module=True` models it): its
+context, each stage's attention and MoE with their collectives, the normalize, the target head's
+projection and the P positions' picks with their all-gathers, all in one execution.
 
 The step's time is the target's lower bound plus the draft's (the draft's block starts at the token
 the verify accepted last, so nothing overlaps); the time per output token at an acceptance of a
@@ -110,21 +117,28 @@ def verify_rows(plan: BundlePlan) -> int:
 
 
 def fused_draft(plan: BundlePlan) -> bool:
-    """Whether the plan runs a draft step as one execution (compiler/draft_layers.py)."""
-    return plan.spec.fused
+    """Whether the plan runs a draft step as one execution. No target builds that module yet (issue
+    42: its design is in the module's docstring), so the draft runs per region call everywhere;
+    `verify_cost(..., draft_module=True)` models the design."""
+    return False
 
 
-def verify_cost(plan: BundlePlan, batch: int, context: int, *, pairs: bool = True) -> VerifyCost:
+def verify_cost(
+    plan: BundlePlan, batch: int, context: int, *, pairs: bool = True, draft_module: bool | None = None
+) -> VerifyCost:
     """One rank's verify step with the draft; `pairs`: the target's choice as (value, index) pairs (a
-    greedy step's), else its logits slice (a step that samples or returns logprobs)."""
+    greedy step's), else its logits slice (a step that samples or returns logprobs); `draft_module`:
+    the draft step as one execution with its collectives inside (True: the design; None: as built,
+    `fused_draft`)."""
     rows = verify_rows(plan)
-    target, draft = target_part(plan, batch, rows, context, pairs), draft_part(plan, batch)
+    fused = fused_draft(plan) if draft_module is None else draft_module
+    target, draft = target_part(plan, batch, rows, context, pairs), draft_part(plan, batch, fused)
     return VerifyCost(
         batch=batch,
         context=context,
         rows=rows,
         block=plan.spec.model.text.dspark_block_size,
-        fused_draft=fused_draft(plan),
+        fused_draft=fused,
         pairs=pairs,
         target=target,
         draft=draft,
@@ -149,7 +163,10 @@ def target_part(plan: BundlePlan, batch: int, rows: int, context: int, pairs: bo
         sent[PICKS] = n * PAIR
         counts[PICKS] = counts.pop(LOGITS)
         sent.pop(LOGITS)
-    capture = len(c.dspark_target_layer_ids) * n * c.hidden_size * act  # the features rings written
+    # the capture, as lowered: each target layer's ring of every slot in the step read and written whole
+    capture = (
+        2 * len(c.dspark_target_layer_ids) * batch * (c.sliding_window + c.dspark_block_size) * c.hidden_size * act
+    )
     state = batch * chunk_state_bytes(c, plan, rows, context, act) + capture
     out = n * head_rows(c, topo) * F32  # the rank's slice comes back; its best is taken on the host
     engram = sum(p.engram_rows > 0 for p in plan.regions.layers)
@@ -170,14 +187,13 @@ def target_part(plan: BundlePlan, batch: int, rows: int, context: int, pairs: bo
     )
 
 
-def draft_part(plan: BundlePlan, batch: int) -> Part:
+def draft_part(plan: BundlePlan, batch: int, fused: bool) -> Part:
     """The draft's step: one execution with its collectives inside where the draft is fused, else
     one a region call with its collectives on the host (and the streams through the host for them)."""
     c, topo, act = plan.spec.model.text, plan.spec.topology, plan.spec.dtype.itemsize
     P = c.dspark_block_size
     counts, sent = draft_collectives(plan, batch)
     weights, state, flops = draft_reads(plan, batch)
-    fused = fused_draft(plan)
     executions = 1 if fused else draft_calls(plan)
     moved = batch * P * (c.hc_mult * c.hidden_size * act + 2 * INDEX) + 2 * batch * INDEX  # block, slots, anchors
     if not fused and counts:  # every collective through the host: the streams and payloads both ways
@@ -325,7 +341,7 @@ def lines(plan: BundlePlan) -> list[str]:
         return []
     costs = [verify_cost(plan, b, ctx) for b, ctx in decode_buckets(plan)]
     v = costs[0]
-    form = "one execution, its collectives inside" if v.fused_draft else "one execution a region call"
+    form = "one execution, its collectives inside" if v.fused_draft else "an execution a region call"
     rows: list[tuple[str, Callable[[VerifyCost], str]]] = [
         ("executions (target + draft)", lambda s: f"{s.executions} ({s.target.executions} + {s.draft.executions})"),
         (

@@ -106,3 +106,13 @@ def test_plan_text_and_json_carry_the_verify_step(plan, tmp_path, tiny_ckpt):
     assert "\n  per output token at 3.10 a step (ms)" in text
     plain = plan_bundle(load_compile_config(write_model_toml(tmp_path, tiny_ckpt, target="trn2")), scratch=False)
     assert plain.to_dict()["verify_step"] is None and "verify step" not in "\n".join(plain.lines())
+
+
+def test_the_draft_as_one_module_is_the_design(plan):
+    """As built the draft runs an execution a region call, its collectives on the host; the designed
+    module (not built) is one execution holding them: the target's figures unchanged."""
+    built, module = verify_cost.verify_cost(plan, 1, 32), verify_cost.verify_cost(plan, 1, 32, draft_module=True)
+    assert not built.fused_draft and built.draft.executions == 3 + STAGES * 2 + P
+    assert built.draft.collectives_on_host == P + STAGES
+    assert module.fused_draft and module.draft.executions == 1 and module.draft.collectives_on_host == 0
+    assert module.target == built.target and module.estimated_ms < built.estimated_ms

@@ -53,6 +53,7 @@ from deepinfer.compiler.step_cost import (
     lower_bound,
     plan_figures,
     step_flops,
+    stream_bytes,
 )
 from deepinfer.compiler.step_reads import layer_bytes, read_bytes, region_flops, slot_rows
 from deepinfer.regions.topology import head_rows
@@ -171,6 +172,11 @@ def target_part(plan: BundlePlan, batch: int, rows: int, context: int, pairs: bo
     out = n * head_rows(c, topo) * F32  # the rank's slice comes back; its best is taken on the host
     engram = sum(p.engram_rows > 0 for p in plan.regions.layers)
     moved = host_inputs(c, n, act, device_embedding=spec.device_embedding, engram_layers=engram) + out
+    host = {name: k - graph.get(name, 0) for name, k in counts.items() if k > graph.get(name, 0) and "pick" not in name}
+    host.pop(LOGITS, None)
+    if host:  # activations visit the host for its collectives (step_cost's rule)
+        moved += per_step["executions"] * 2 * stream_bytes(c, n, act)
+        moved += 2 * sum(sent[name] * k // counts[name] for name, k in host.items())
     return _part(
         plan,
         executions=per_step["executions"],

@@ -91,6 +91,7 @@ def test_the_draft_runs_per_region_where_layers_are_not_fused(tmp_path, tiny_ckp
     assert v.draft.collectives_on_host == P + STAGES
     inputs = P * (N * D * 4 + 2 * 8) + 2 * 8  # the embedded block, positions, slots and anchors
     assert v.draft.host_device_bytes > inputs + v.draft.executions * 2 * P * N * D * 4
+    assert v.target.host_device_bytes > v.target.executions * 2 * 6 * N * (D * 4 + 4)  # its streams, 6 rows
 
 
 def test_the_verify_bucket_is_the_smallest_holding_the_block(tmp_path, tiny_ckpt):

@@ -20,61 +20,17 @@ import argparse
 import json
 import os
 import random
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 from common import ROOT, ensure_bundle, share_inductor_cache
+
+from deepinfer.runtime.serving.server_process import RayServeProcess, free_port
 
 share_inductor_cache()
 
 MODEL = "tiny"
 START_TIMEOUT_S = 900
 OPENING = 64  # token ids a conversation repeats each turn: 4 blocks of 16
-
-
-class Endpoint:
-    """`deepinfer-serve BUNDLE --ray-serve local --replicas N` in a subprocess, ready when /health says so."""
-
-    def __init__(self, bundle: Path, replicas: int, threads: int):
-        with socket.socket() as s:  # Ray Serve's proxy binds the port it is given
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "deepinfer.runtime.serving.cli", str(bundle), "--ray-serve", "local"]
-            + ["--replicas", str(replicas), "--port", str(self.port), "--model-name", MODEL]
-            + ["--threads", str(threads), "--max-queue", "256"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while self.health().get("replicas_ready") != replicas:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the endpoint exited: {self.proc.stderr.read() if self.proc.stderr else ''}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"{replicas} replicas were not ready in {START_TIMEOUT_S} s")
-            time.sleep(1)
-
-    def health(self) -> dict:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
-                return json.loads(r.read())
-        except OSError:
-            return {}
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        try:
-            return self.proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(timeout=30)
 
 
 def affinity(url: str, conversations: int, turns: int) -> dict:
@@ -108,7 +64,19 @@ def measure(args) -> dict:
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.replica_requests)]
     out: dict = {"cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)), "levels": {}}
     for n in (1, 2):
-        e = Endpoint(args.bundle, n, args.threads)
+        e = RayServeProcess(
+            args.bundle,
+            "local",
+            n,
+            free_port(),
+            "--model-name",
+            MODEL,
+            "--threads",
+            str(args.threads),
+            "--max-queue",
+            "256",
+            start_timeout_s=START_TIMEOUT_S,
+        )
         try:
             level(e.url, args.replica_clients, PROMPTS, 4)  # warm-up: every replica, every bucket
             out["levels"][n] = level(e.url, args.replica_clients, prompts, args.max_tokens)

@@ -1,4 +1,5 @@
-"""`ServerProcess`: a real `deepinfer-serve` in a subprocess, for tests and benchmarks."""
+"""`ServerProcess`: a real `deepinfer-serve` in a subprocess, for tests and benchmarks; `RayServeProcess`:
+one on Ray Serve (`--ray-serve`), N replicas behind one endpoint."""
 
 from __future__ import annotations
 
@@ -89,3 +90,60 @@ def _die_with_parent() -> None:
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class RayServeProcess:
+    """`deepinfer-serve BUNDLE --ray-serve ADDRESS --replicas N ARGS` in a subprocess, the endpoint on
+    127.0.0.1:`port` (Ray Serve's proxy binds the port it is given, so the caller picks a free one),
+    ready once `/health` counts every replica (bounded by `start_timeout_s`)."""
+
+    def __init__(self, bundle, address: str, replicas: int, port: int, *args: str, start_timeout_s: float = 600.0):
+        import subprocess
+        import sys
+        import time
+
+        cmd = [sys.executable, "-m", "deepinfer.runtime.serving.cli", str(bundle), "--ray-serve", address]
+        cmd += ["--replicas", str(replicas), "--host", "127.0.0.1", "--port", str(port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + start_timeout_s
+        while self.health().get("replicas_ready") != replicas:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"deepinfer-serve --ray-serve exited: {self.proc.stderr.read() if self.proc.stderr else ''}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"{replicas} replicas were not ready in {start_timeout_s:.0f} s")
+            time.sleep(1)
+
+    def health(self) -> dict:
+        """The endpoint's /health body ({} while it does not answer)."""
+        import json
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+                return json.loads(r.read())
+        except (OSError, ValueError):
+            return {}
+
+    def stop(self, timeout_s: float = 180.0) -> int:
+        """SIGTERM (the application deleted, its replicas stopped), then kill after `timeout_s`; the exit status."""
+        import subprocess
+
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=30)
+
+
+def free_port() -> int:
+    """A port free now on 127.0.0.1 (for Ray Serve's proxy, which cannot take port 0 and say which it got)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -10,9 +10,6 @@ back. The pure parts (the affinity ranking, the argument filter, the prompt's te
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -21,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from deepinfer.runtime.serving import ray_serve
+from deepinfer.runtime.serving.server_process import RayServeProcess, free_port
 
 START_TIMEOUT_S = 600  # two replicas loading the bundle on a busy 2-core machine
 REQUEST_TIMEOUT_S = 120
@@ -117,51 +115,17 @@ def cluster():
         c.shutdown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Endpoint:
-    """`deepinfer-serve BUNDLE --ray-serve ADDRESS --replicas 2` in a subprocess, ready when it says so."""
+class Endpoint(RayServeProcess):
+    """Two replicas of `bundle` on the cluster at `address`, with what these tests ask of them."""
 
     def __init__(self, bundle: Path, address: str):
-        self.port = free_port()  # Ray Serve's proxy binds a port it is given; a taken one fails the start below
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "deepinfer.runtime.serving.cli", str(bundle), "--ray-serve", address]
-            + ["--replicas", "2", "--host", "127.0.0.1", "--port", str(self.port), "--model-name", MODEL]
-            + ["--threads", "1"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.health().get("replicas_ready") == 2:
-            assert self.proc.poll() is None, self.proc.stderr.read() if self.proc.stderr else ""
-            assert time.monotonic() < deadline, "the endpoint was not ready in time"
-            time.sleep(1)
-
-    def health(self) -> dict:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
-                return json.loads(r.read())
-        except OSError:
-            return {}
+        # Ray Serve's proxy binds the port it is given: a port taken meanwhile fails the start, in one line
+        super().__init__(bundle, address, 2, free_port(), "--model-name", MODEL, "--threads", "1")
 
     def client(self):
         import openai
 
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        try:
-            return self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -184,7 +184,8 @@ class _Guarded(H11Protocol):
     def evict_spare(self) -> bool:
         """Refuse the oldest spare connection that has sent no request yet, for this one to take its
         place (idle clients past the cap cannot keep a probe out); False when there is none."""
-        idle = [c for c in self.connections if isinstance(c, _Guarded) and c.spare and c.cycle is None]
+        mine = [c for c in self.connections if isinstance(c, _Guarded)]
+        idle = [c for c in mine if c.spare and c.cycle is None]
         if not idle:
             return False
         oldest = min(idle, key=lambda c: c.born)

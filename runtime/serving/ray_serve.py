@@ -32,6 +32,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from deepinfer.errors import DeepinferError
 
@@ -334,7 +335,8 @@ def replicas_ready() -> tuple[int, int]:
     if app is None or REPLICA not in app.deployments:
         return 0, 0
     d = app.deployments[REPLICA]
-    return d.replica_states.get("RUNNING", 0), sum(d.replica_states.values())
+    states: dict = dict(d.replica_states)
+    return states.get("RUNNING", 0), sum(states.values())
 
 
 # --- the application --------------------------------------------------------------------------------
@@ -362,21 +364,20 @@ def build_app(bundle: str, args: Sequence[str], o: RayServeOptions):
         low = o.min_replicas if o.min_replicas is not None else 1
         high = o.max_replicas if o.max_replicas is not None else max(low, o.replicas)
         scaling = {"autoscaling_config": AutoscalingConfig(min_replicas=low, max_replicas=high, initial_replicas=low)}
-    router = RequestRouterConfig(
-        request_router_class=f"{__name__}.PrefixAffinityRouter",
-        request_router_kwargs={"imbalance": o.imbalance},
-    )
+    routing: dict[str, Any] = {  # by path: Ray Serve imports it where the handle routes (the ingress)
+        "request_router_class": f"{__name__}.PrefixAffinityRouter",
+        "request_router_kwargs": {"imbalance": o.imbalance},
+    }
     replica = serve.deployment(
-        Replica,
         name=REPLICA,
         ray_actor_options={"num_cpus": o.replica_cpus},
-        request_router_config=router,
+        request_router_config=RequestRouterConfig(**routing),
         health_check_period_s=2,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=30,
         **scaling,
-    )
-    ingress = serve.deployment(Ingress, name=INGRESS, ray_actor_options={"num_cpus": 0})
+    )(Replica)
+    ingress = serve.deployment(name=INGRESS, ray_actor_options={"num_cpus": 0})(Ingress)
     return ingress.bind(replica.bind(bundle, list(args)))
 
 
@@ -405,7 +406,7 @@ def run(bundle, argv: Sequence[str], o: RayServeOptions, host: str, port: int, e
     except ImportError as e:
         raise RayServeError(f"--ray-serve needs Ray Serve ({e}): pip install 'ray[serve]'") from None
     connect(o.address)  # first: ray.init installs handlers of its own, which these replace
-    stop, failed = threading.Event(), []
+    stop, failed = threading.Event(), list[BaseException]()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         threading.Thread(target=_start, args=(bundle, argv, o, host, port, echo, stop, failed), daemon=True).start()

@@ -187,6 +187,7 @@ def _server(app, gate: Gate, options: ServeOptions) -> Stopping:
     config = uvicorn.Config(
         Limits(app, gate, options.max_body_bytes, options.body_timeout_s),
         http=guarded_protocol(options.max_connections, options.header_timeout_s),
+        loop="asyncio",  # the loop the limits are written and tested on, whether or not uvloop is installed
         log_level="warning",
         timeout_graceful_shutdown=FLUSH_S,
         lifespan="off",

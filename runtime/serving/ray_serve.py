@@ -42,6 +42,10 @@ CHUNK_CHARS = 64  # a prompt's prefixes are keyed at every 64 characters (`prefi
 MAX_CHUNKS = 64  # up to its first 4,096 characters
 MAX_KEYS = 1 << 18  # prefix keys the router remembers (16-byte keys: about 10 MiB with the table)
 IMBALANCE = 8  # requests in flight a prompt's replica may have beyond the least loaded one
+# requests a replica (or the ingress) takes at once: Ray Serve's default of 5 would hold a batching engine
+# below its batch; the engine's own queue (--max-queue, then 429) is what bounds a replica's load
+MAX_ONGOING = 1024
+TARGET_ONGOING = 8  # with --min/--max-replicas: the requests in flight per replica Ray Serve scales toward
 START_TIMEOUT_S = 600.0  # a replica's child loading its bundle
 STOP_TIMEOUT_S = 120.0  # deleting the application, its replicas and children, and leaving the cluster
 RAY_OPTIONS = ("--ray-serve", "--replicas", "--replica-cpus", "--min-replicas", "--max-replicas")
@@ -363,7 +367,11 @@ def build_app(bundle: str, args: Sequence[str], o: RayServeOptions):
     if o.min_replicas is not None or o.max_replicas is not None:
         low = o.min_replicas if o.min_replicas is not None else 1
         high = o.max_replicas if o.max_replicas is not None else max(low, o.replicas)
-        scaling = {"autoscaling_config": AutoscalingConfig(min_replicas=low, max_replicas=high, initial_replicas=low)}
+        scaling = {
+            "autoscaling_config": AutoscalingConfig(
+                min_replicas=low, max_replicas=high, initial_replicas=low, target_ongoing_requests=TARGET_ONGOING
+            )
+        }
     routing: dict[str, Any] = {  # by path: Ray Serve imports it where the handle routes (the ingress)
         "request_router_class": f"{__name__}.PrefixAffinityRouter",
         "request_router_kwargs": {"imbalance": o.imbalance},
@@ -371,13 +379,16 @@ def build_app(bundle: str, args: Sequence[str], o: RayServeOptions):
     replica = serve.deployment(
         name=REPLICA,
         ray_actor_options={"num_cpus": o.replica_cpus},
+        max_ongoing_requests=MAX_ONGOING,
         request_router_config=RequestRouterConfig(**routing),
         health_check_period_s=2,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=30,
         **scaling,
     )(Replica)
-    ingress = serve.deployment(name=INGRESS, ray_actor_options={"num_cpus": 0})(Ingress)
+    ingress = serve.deployment(name=INGRESS, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING)(
+        Ingress
+    )
     return ingress.bind(replica.bind(bundle, list(args)))
 
 

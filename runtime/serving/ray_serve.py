@@ -49,6 +49,7 @@ TARGET_ONGOING = 8  # with --min/--max-replicas: the requests in flight per repl
 START_TIMEOUT_S = 600.0  # a replica's child loading its bundle
 STOP_TIMEOUT_S = 120.0  # deleting the application, its replicas and children, and leaving the cluster
 RAY_OPTIONS = ("--ray-serve", "--replicas", "--replica-cpus", "--min-replicas", "--max-replicas")
+DONE = b"data: [DONE]"  # a stream's last event, from the replica's server
 REPLICA_HEADER = "x-deepinfer-replica"  # which replica served a response (debugging, tests)
 HOST_OPTIONS = ("--host", "--port")  # the endpoint's, not a replica's (its child binds 127.0.0.1:0)
 
@@ -307,12 +308,17 @@ class Ingress:
             )
 
         async def rest():
+            tail, why = b"", None
             try:
                 async for chunk in gen:
+                    tail = (tail + chunk)[-64:]
                     yield chunk
             except Exception as e:
-                yield b"data: " + json.dumps(_error(f"replica {replica} died mid-stream: {_one_line(e)}")).encode()
-                yield b"\n\n"
+                why = _one_line(e)
+            if why is None and status == 200 and not tail.rstrip().endswith(DONE):
+                why = "its stream ended before [DONE]"  # the replica's actor went without raising here
+            if why is not None:
+                yield b"data: " + json.dumps(_error(f"replica {replica} died mid-stream: {why}")).encode() + b"\n\n"
 
         return StreamingResponse(rest(), status_code=status, media_type=content_type or None, headers=_served(replica))
 

@@ -253,8 +253,7 @@ class BundlePlan:
         return [
             "",
             f"draft ({name}): {d['stages']} stages, kinds {', '.join(d['kinds'])}; {len(d['executables'])} "
-            f"executables (each kind and head.{PROJECT} at the {len(self.spec.config.buckets.batch)} batch buckets"
-            + ("; the capture inside the fused layers it reads: their capture twins)" if self.spec.fused else ")"),
+            f"executables (each kind and head.{PROJECT} at each batch bucket{'; the capture in the fused twins' * self.spec.fused})",
             f"  weights {human(d['weights_per_rank'])} per rank ({human(d['weights_whole'])} whole; tp {topo.tp}, "
             f"ep {topo.ep}): {per_kind}; in every rank's memory budget",
             f"  executables: {', '.join(d['executables'])}",

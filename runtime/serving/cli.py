@@ -171,10 +171,11 @@ def main(
     if ray_serve is not None:
         import sys
 
-        from deepinfer.runtime.serving.ray_serve import RayServeOptions, run
+        from deepinfer.runtime.serving.ray_serve import RayServeOptions, replica_args, run
 
+        valued = {o for p in main.params if not getattr(p, "is_flag", False) for o in p.opts if o.startswith("-")}
         scaling = RayServeOptions(ray_serve, replicas, replica_cpus, min_replicas, max_replicas)
-        return run(bundle, sys.argv[1:], scaling, host, port, click.echo)
+        return run(bundle, replica_args(sys.argv[1:], valued), scaling, host, port, click.echo)
     from deepinfer.runtime import ServeOptions, serve
 
     http = {k: load.pop(k) for k in HTTP_LIMITS}

@@ -30,7 +30,7 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,9 +151,10 @@ def rank_replicas(prompt: str | None, replicas: Sequence, load, affinity: Affini
     return [[home], [r for r in ordered if r is not home]]
 
 
-def replica_args(argv: Sequence[str]) -> list[str]:
+def replica_args(argv: Sequence[str], valued: Collection[str]) -> list[str]:
     """`deepinfer-serve`'s arguments as a replica's child takes them: without the bundle (the first
-    positional) and the options of the endpoint and of Ray (`RAY_OPTIONS`, `HOST_OPTIONS`)."""
+    positional) and the options of the endpoint and of Ray (`RAY_OPTIONS`, `HOST_OPTIONS`). `valued`:
+    the command's options that take a value (the command knows them)."""
     out: list[str] = []
     dropped = RAY_OPTIONS + HOST_OPTIONS
     skip, bundle_seen = False, False
@@ -165,21 +166,11 @@ def replica_args(argv: Sequence[str]) -> list[str]:
         if name in dropped:
             skip = "=" not in arg
             continue
-        if not arg.startswith("-") and not bundle_seen and (not out or not _takes_value(out[-1])):
+        if not arg.startswith("-") and not bundle_seen and (not out or out[-1] not in valued):
             bundle_seen = True
             continue
         out.append(arg)
     return out
-
-
-def _takes_value(option: str) -> bool:
-    """Whether `option` (as written before a value) is one of deepinfer-serve's options with a value."""
-    from deepinfer.runtime.serving.cli import main
-
-    for p in main.params:
-        if option in getattr(p, "opts", ()) and not getattr(p, "is_flag", False):
-            return "=" not in option
-    return False
 
 
 # --- the replica --------------------------------------------------------------------------------
@@ -410,11 +401,11 @@ def connect(address: str) -> None:
         ray.init(address=address, log_to_driver=False)
 
 
-def run(bundle, argv: Sequence[str], o: RayServeOptions, host: str, port: int, echo) -> None:
+def run(bundle, args: Sequence[str], o: RayServeOptions, host: str, port: int, echo) -> None:
     """Serve `bundle` with `o.replicas` replicas on the Ray cluster at `o.address`, the endpoint on
     host:port, until SIGINT or SIGTERM (from the cluster's connection on); then the application is
     deleted (its replicas and their children stop) and Ray Serve shut down, within STOP_TIMEOUT_S. `argv`:
-    deepinfer-serve's own arguments (each replica's child takes `replica_args`)."""
+    the arguments each replica's child takes (`replica_args`)."""
     import signal
     import threading
 
@@ -426,7 +417,7 @@ def run(bundle, argv: Sequence[str], o: RayServeOptions, host: str, port: int, e
     stop, failed = threading.Event(), list[BaseException]()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        threading.Thread(target=_start, args=(bundle, argv, o, host, port, echo, stop, failed), daemon=True).start()
+        threading.Thread(target=_start, args=(bundle, args, o, host, port, echo, stop, failed), daemon=True).start()
         while not stop.wait(1.0):
             pass
     finally:
@@ -441,13 +432,13 @@ class RayServeError(DeepinferError):
     """The endpoint could not start on Ray Serve (the cluster, the port, a replica's start): one line."""
 
 
-def _start(bundle, argv, o: RayServeOptions, host: str, port: int, echo, stop, failed: list) -> None:
+def _start(bundle, args, o: RayServeOptions, host: str, port: int, echo, stop, failed: list) -> None:
     """Connect, start Ray Serve's proxy on host:port and run the application; an error stops `run`."""
     from ray import serve
 
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(build_app(str(bundle.resolve()), replica_args(argv), o), name=APP, route_prefix="/")
+        serve.run(build_app(str(bundle.resolve()), args, o), name=APP, route_prefix="/")
         ready, wanted = replicas_ready()
         echo(f"deepinfer-serve: {bundle} on Ray Serve at http://{host}:{port} ({ready} of {wanted} replicas ready)")
     except BaseException as e:

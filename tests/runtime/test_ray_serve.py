@@ -94,8 +94,9 @@ def test_the_prompt_text_of_completions_and_chats():
 def test_a_replica_takes_the_options_but_the_endpoints_and_rays():
     argv = ["build/tiny", "--ray-serve", "auto", "--replicas=3", "--port", "8000", "--host=0.0.0.0"]
     argv += ["--model-name", "tiny", "--max-queue", "8", "--no-prefix-cache", "--replica-cpus", "2"]
-    assert ray_serve.replica_args(argv) == ["--model-name", "tiny", "--max-queue", "8", "--no-prefix-cache"]
-    assert ray_serve.replica_args(["--model-name", "m", "b"]) == ["--model-name", "m"]
+    valued = {"--model-name", "--max-queue"}
+    assert ray_serve.replica_args(argv, valued) == ["--model-name", "tiny", "--max-queue", "8", "--no-prefix-cache"]
+    assert ray_serve.replica_args(["--model-name", "m", "b"], valued) == ["--model-name", "m"]
 
 
 # --- on a Ray cluster ---------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ loaded one, and then least loaded first (as a request without a prompt). Ray's o
 ships with Ray Serve LLM, which needs vLLM or SGLang installed; this one needs neither.
 
 A response names the replica that served it (header `x-deepinfer-replica`). A replica that dies
-mid-request: a stream gets an error event naming the replica, then ends; a request not streamed gets
-HTTP 502 naming it; new requests go to the live replicas. `GET /health` on the
+mid-request: a stream gets an error event naming the replica, then ends, where the ingress sees the
+failure (a stream cut before the replica's `[DONE]` counts; in some runs the connection closes before
+the event); a request not streamed gets HTTP 502 naming it; new requests go to the live replicas. `GET /health` on the
 endpoint: 200 with the replicas ready, 503 while none is.
 """
 

@@ -232,6 +232,27 @@ def host_inputs(c: TextConfig, batch: int, act_bytes: int, *, device_embedding: 
     return batch * (tokens + INDEX + engram_layers * rows)
 
 
+def through_host(
+    c: TextConfig,
+    host: dict[str, int],
+    counts: dict[str, int],
+    sent: dict[str, int],
+    executions: int,
+    rows: int,
+    act: int,
+) -> dict[str, int]:
+    """Host<->device bytes of the collectives a step runs on the host (`host`: calls by name) beyond the
+    choice's (the logits' gather, the (value, index) pairs'): every execution's streams both ways and
+    each such collective's payload down and back up; none without such a collective."""
+    others = {name: k for name, k in host.items() if name != LOGITS and "pick" not in name}
+    if not others:
+        return {}
+    return {
+        "streams": executions * 2 * stream_bytes(c, rows, act),
+        "collectives": 2 * sum(sent[name] * k // counts[name] for name, k in others.items()),
+    }
+
+
 def in_executables(counts: dict[str, int], n: int) -> dict[str, int]:
     """How many calls of each collective the executables hold when they hold `n` (GRAPH_ORDER)."""
     out = {}
@@ -402,9 +423,7 @@ def step_cost(plan: BundlePlan, batch: int, context: int, per_step: dict | None 
         "inputs": host_inputs(c, batch, act, device_embedding=spec.device_embedding, engram_layers=engram),
         "logits": batch * head_rows(c, topo) * F32,
     }
-    if set(host) - {LOGITS}:  # activations visit the host for its collectives
-        moved["streams"] = executions * 2 * stream_bytes(c, batch, act)
-        moved["collectives"] = 2 * sum(sent[name] * k // counts[name] for name, k in host.items() if name != LOGITS)
+    moved.update(through_host(c, host, counts, sent, executions, batch, act))
     times = lower_bound(
         figures,
         spec.config.model.dtype,

@@ -54,6 +54,7 @@ from deepinfer.compiler.step_cost import (
     plan_figures,
     step_flops,
     stream_bytes,
+    through_host,
 )
 from deepinfer.compiler.step_reads import layer_bytes, read_bytes, region_flops, slot_rows
 from deepinfer.regions.topology import head_rows
@@ -172,11 +173,8 @@ def target_part(plan: BundlePlan, batch: int, rows: int, context: int, pairs: bo
     out = n * head_rows(c, topo) * F32  # the rank's slice comes back; its best is taken on the host
     engram = sum(p.engram_rows > 0 for p in plan.regions.layers)
     moved = host_inputs(c, n, act, device_embedding=spec.device_embedding, engram_layers=engram) + out
-    host = {name: k - graph.get(name, 0) for name, k in counts.items() if k > graph.get(name, 0) and "pick" not in name}
-    host.pop(LOGITS, None)
-    if host:  # activations visit the host for its collectives (step_cost's rule)
-        moved += per_step["executions"] * 2 * stream_bytes(c, n, act)
-        moved += 2 * sum(sent[name] * k // counts[name] for name, k in host.items())
+    host = {name: k - graph.get(name, 0) for name, k in counts.items() if k > graph.get(name, 0)}
+    moved += sum(through_host(c, host, counts, sent, per_step["executions"], n, act).values())
     return _part(
         plan,
         executions=per_step["executions"],
@@ -203,7 +201,7 @@ def draft_part(plan: BundlePlan, batch: int, fused: bool) -> Part:
     executions = 1 if fused else draft_calls(plan)
     moved = batch * P * (c.hc_mult * c.hidden_size * act + 2 * INDEX) + 2 * batch * INDEX  # block, slots, anchors
     if not fused and counts:  # every collective through the host: the streams and payloads both ways
-        moved += executions * 2 * batch * P * c.hc_mult * (c.hidden_size * act + F32) + 2 * sum(sent.values())
+        moved += executions * 2 * stream_bytes(c, batch * P, act) + 2 * sum(sent.values())
     link = sum(link_bytes(_link_name(name), b, topo) for name, b in sent.items()) if fused else 0
     return _part(
         plan,

@@ -9,6 +9,12 @@ class DeepinferError(Exception):
     """Base class for errors caused by user input."""
 
 
+def one_line(e: BaseException) -> str:
+    """An error as one line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
 class ConfigError(DeepinferError):
     """A config.json or model.toml value is missing, mistyped or impossible."""
 

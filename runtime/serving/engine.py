@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.errors import DeepinferError
+from deepinfer.errors import DeepinferError, one_line
 from deepinfer.regions.prefix import EVERY_STATE, StatePolicy
 from deepinfer.regions.stepper import Drafter, Stepper
 from deepinfer.runtime.requests import Completion, Request
@@ -289,9 +289,3 @@ class Faults:
             return False
         self.fired.add(kind)
         return True
-
-
-def one_line(e: BaseException) -> str:
-    """An error as one line: its type and the first line of its message."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

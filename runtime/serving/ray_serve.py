@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.errors import DeepinferError
+from deepinfer.errors import DeepinferError, one_line
 
 APP = "deepinfer"
 REPLICA, INGRESS = "Replica", "Ingress"
@@ -287,14 +287,14 @@ class Ingress:
         try:
             _, replica, status, content_type = await gen.__anext__()
         except Exception as e:  # the replica died before it answered
-            return JSONResponse(_error(f"the replica died before it answered: {_one_line(e)}"), status_code=502)
+            return JSONResponse(_error(f"the replica died before it answered: {one_line(e)}"), status_code=502)
         if not stream:
             chunks = []
             try:
                 async for chunk in gen:
                     chunks.append(chunk)
             except Exception as e:
-                return JSONResponse(_error(f"replica {replica} died mid-request: {_one_line(e)}"), status_code=502)
+                return JSONResponse(_error(f"replica {replica} died mid-request: {one_line(e)}"), status_code=502)
             return Response(
                 b"".join(chunks), status_code=status, media_type=content_type or None, headers=_served(replica)
             )
@@ -306,7 +306,7 @@ class Ingress:
                     tail = (tail + chunk)[-64:]
                     yield chunk
             except Exception as e:
-                why = _one_line(e)
+                why = one_line(e)
             if why is None and status == 200 and not tail.rstrip().endswith(DONE):
                 why = "its stream ended before [DONE]"  # the replica's actor went without raising here
             if why is not None:
@@ -322,11 +322,6 @@ def _served(replica: str) -> dict[str, str]:
 
 def _error(message: str) -> dict:
     return {"error": {"message": message, "type": "server_error", "param": None, "code": "replica_failed"}}
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def replicas_ready() -> tuple[int, int]:
@@ -426,7 +421,7 @@ def run(bundle, args: Sequence[str], o: RayServeOptions, host: str, port: int, e
             signal.signal(sig, handler)
         _bounded(_shutdown, STOP_TIMEOUT_S)
     if failed:
-        raise RayServeError(f"--ray-serve {o.address}: {_one_line(failed[0])}")
+        raise RayServeError(f"--ray-serve {o.address}: {one_line(failed[0])}")
 
 
 class RayServeError(DeepinferError):

@@ -19,6 +19,7 @@ and in this order:
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,6 +40,9 @@ ROWS_SLOT = "rows"  # the slot a layer's twin is bound at
 # the draft's capture (regions/dspark.py): draft stage 0's slot, and the slot of a fused layer's capture
 # twin (trn2, compiler/layers.py), which runs it inside the layer
 CAPTURE_SLOT = "capture"
+# trn2's fused path: a draft step as one executable (compiler/draft_layers.py), its weights by slot
+# (`Draft.module_binding`)
+DRAFT_MODULE = "draft_step"
 # the MoE's methods in a prompt chunk divided by rows (regions/moe.py): the site on a rank's rows, the
 # experts on every row, the expand on a rank's rows again
 MOE_IN, MOE_EXPERTS, MOE_OUT = "moe_in", "moe_experts", "moe_out"
@@ -288,6 +292,19 @@ class Draft:
     target_layers: tuple[int, ...]
     features: str
     stages: tuple[dict[str, Binding], ...]
+
+    def module_binding(self, slot: str, head: Binding) -> Binding:
+        """The binding behind weight slot `slot` of the draft step's one executable (trn2's fused path,
+        `DRAFT_MODULE`): `context` stage 0's, `attn<s>` and `moe<s>` stage s's, `head` the last
+        stage's, `project` the target head's (`head`)."""
+        if slot == PROJECT:
+            return head
+        if slot in ("context", "head"):
+            return self.stages[0 if slot == "context" else -1][slot]
+        staged = re.fullmatch(r"([a-z]+)(\d+)", slot)
+        if staged is None or int(staged[2]) >= len(self.stages) or staged[1] not in self.stages[int(staged[2])]:
+            raise BundleError(f"the draft step's executable binds a slot {slot!r} that no draft stage has")
+        return self.stages[int(staged[2])][staged[1]]
 
 
 @dataclass(frozen=True, kw_only=True)

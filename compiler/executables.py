@@ -219,7 +219,7 @@ def trace_regions(spec: Spec, plan: RegionPlan, run: Run, exes: Sequence[Exe] | 
     jobs: list[Job] = []
     keys: dict[str, Key] = {}
     hlo: list[str] = []
-    fused = plan.fused_kinds() if spec.fused else {}
+    fused = plan.fused_modules() if spec.fused else {}
     pieces: dict = {}  # fused layers' region pieces, lowered once for all the kinds that run them
     every = spec.executables(plan) if exes is None else list(exes)
     for i, exe in enumerate(every, 1):

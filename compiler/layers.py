@@ -44,7 +44,7 @@ import torch
 
 from deepinfer.bundles import layout, manifest_io, neff
 from deepinfer.bundles import manifest as mf
-from deepinfer.bundles.manifest import CAPTURE_SLOT, DECODE
+from deepinfer.bundles.manifest import CAPTURE_SLOT, DECODE, DRAFT_MODULE
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler import budget
 from deepinfer.compiler.executables import Graph, lower
@@ -54,7 +54,7 @@ from deepinfer.compiler.targets import hlo, link
 from deepinfer.compiler.targets.hlo import Collective, Groups
 from deepinfer.compiler.targets.trn2 import CheckFailed, Trn2Target
 from deepinfer.errors import DeepinferError
-from deepinfer.regions import divided
+from deepinfer.regions import divided, picking
 from deepinfer.regions.base import Region
 from deepinfer.regions.examples import example_inputs, random_weights
 from deepinfer.regions.state import InputSpec
@@ -97,6 +97,16 @@ GLUE: dict[str, Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]] = {
     "attention_scale": divided.attention_scale,
     "attention_divide": divided.attention_divide,
     "own_rows": own_rows,
+    # the draft step's choice per vocabulary slice (compiler/draft_layers.py, regions/picking.py)
+    "pack_pick": picking.pack_pick,
+    "merge_pairs": picking.merge_pairs,
+    "next_position": picking.next_position,
+    "stack_drafts": picking.stack_drafts,
+}
+# the glue that takes the topology's sizes, by keyword
+TOPOLOGY_GLUE: dict[str, Callable[[Topology], dict[str, int]]] = {
+    "own_rows": lambda t: {"world": t.world},
+    "merge_pairs": lambda t: {"groups": t.groups},
 }
 
 
@@ -116,26 +126,29 @@ def ops(lk: LayerKind, plan: RegionPlan, topo: Topology, dtype: torch.dtype) -> 
         out += _divided(attn, topo)
     if topo.group_size > 1:  # the heads divided over the token group: its partial streams summed
         out.append(Collective("all_reduce", "h", "h", _groups(topo.token_groups()), to=dtype))
-    if topo.dispatch:
-        world = _groups([list(range(topo.world))])
-        out += [
-            Collective("all_gather", "h", "h_all", world),
-            Collective("all_gather", "pre", "pre_all", world),
-            Collective("all_gather", "is_image", "is_image_all", world),
-            Run(
-                "moe",
-                DECODE,
-                inputs=(("h", "h_all"), ("pre", "pre_all"), ("is_image", "is_image_all")),
-                outputs=(("h", "h_part"), ("pre", "pre_rows")),
-            ),
-            Collective("reduce_scatter", "h_part", "h", world, to=dtype),
-            Glue("own_rows", ("pre_rows", "rank"), ("pre",)),
-        ]
-    else:
-        out.append(Run("moe", DECODE))
-        if topo.ep > 1:
-            out.append(Collective("all_reduce", "h", "h", _groups([list(range(topo.world))]), to=dtype))
-    return out
+    return out + moe_ops("moe", topo, dtype)
+
+
+def moe_ops(slot: str, topo: Topology, dtype: torch.dtype) -> list[Op]:
+    """The MoE of slot `slot` on the streams h, pre: with EP dispatch, every rank's rows gathered, the
+    MoE on them, the partials reduce-scattered back to each rank's rows; else the MoE on this rank's
+    rows, its partials all-reduced over the ep ranks where they are several."""
+    world = _groups([list(range(topo.world))])
+    if not topo.dispatch:
+        return [Run(slot, DECODE)] + ([Collective("all_reduce", "h", "h", world, to=dtype)] if topo.ep > 1 else [])
+    return [
+        Collective("all_gather", "h", "h_all", world),
+        Collective("all_gather", "pre", "pre_all", world),
+        Collective("all_gather", "is_image", "is_image_all", world),
+        Run(
+            slot,
+            DECODE,
+            inputs=(("h", "h_all"), ("pre", "pre_all"), ("is_image", "is_image_all")),
+            outputs=(("h", "h_part"), ("pre", "pre_rows")),
+        ),
+        Collective("reduce_scatter", "h_part", "h", world, to=dtype),
+        Glue("own_rows", ("pre_rows", "rank"), ("pre",)),
+    ]
 
 
 def _engram(engram: Region, topo: Topology) -> list[Op]:
@@ -211,8 +224,14 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
     """Lower every piece of `lk` at `exe`'s bucket and wire them: the steps `link` runs. `memo` keeps
     the region pieces lowered by earlier layer kinds of the compile (every kind runs the MoE)."""
     memo = {} if memo is None else memo
-    kind_ops = ops(lk, plan, spec.topology, spec.dtype)
     pieces_at = plan.pieces(lk, exe, spec.topology.groups if spec.topology.dispatch else 1)
+    if lk.name == DRAFT_MODULE:
+        from deepinfer.compiler import draft_layers
+
+        kind_ops, outputs = draft_layers.ops(plan, spec.topology, spec.dtype), [draft_layers.OUTPUT]
+    else:
+        kind_ops = ops(lk, plan, spec.topology, spec.dtype)
+        outputs = ["h", "pre", *plan.kinds[dict(lk.slots)["attn"]].region.output_names()[2:]]
     weights: list[InputSpec] = []
     rank: InputSpec | None = None
     inputs: dict[str, InputSpec] = {}
@@ -254,14 +273,13 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
             for r, v in zip(op.results, values):
                 shapes[r] = (tuple(v.shape), v.dtype)
     assert rank is not None, "every region takes its rank"
-    attn = plan.kinds[dict(lk.slots)["attn"]].region
     return Built(
         steps=steps,
         pieces=pieces,
         graphs=graphs,
         params=[rank, *weights, *inputs.values()],  # the rank first, as every region takes it
         state_outputs=[n for n, s in inputs.items() if s.role == "state" and n in made],
-        outputs=["h", "pre"] + [o for o in attn.output_names()[2:]],
+        outputs=outputs,
         ops=kind_ops,
     )
 
@@ -335,7 +353,7 @@ def _collective_shape(
 
 def _glue_fn(name: str, topo: Topology):
     fn = GLUE[name]
-    return functools.partial(fn, world=topo.world) if name == "own_rows" else fn
+    return functools.partial(fn, **TOPOLOGY_GLUE[name](topo)) if name in TOPOLOGY_GLUE else fn
 
 
 class _Glue(torch.nn.Module):
@@ -440,11 +458,9 @@ def interpret(
     pieces as their regions' torch code (`regions`: slot -> region holding the slot's weights) and the
     collectives as the host computes them -> each rank's outputs (state outputs, then the outputs)."""
     envs = [dict(r) for r in ranks]
-    for op in built.ops:
+    for op, call in zip(built.ops, built.steps, strict=True):  # a step an op (a piece may run twice)
         if isinstance(op, Run):
-            piece = f"{op.slot}.{op.method}"
-            graph = built.graphs[piece]
-            call = next(s for s in built.steps if isinstance(s, link.Call) and s.piece == piece)
+            graph = built.graphs[call.piece]
             n_weights = sum(1 for s in graph.entry.inputs if s.role in ("weight", "rank"))
             state = _state_outputs(graph)
             for env in envs:

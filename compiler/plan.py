@@ -25,7 +25,15 @@ from typing import NamedTuple
 import torch
 
 from deepinfer.bundles.layout import executable_name
-from deepinfer.bundles.manifest import CAPTURE_SLOT, DECODE, ENGRAM_ROWS_MIX, MOE_ROWS, PROJECT, ROWS_SLOT
+from deepinfer.bundles.manifest import (
+    CAPTURE_SLOT,
+    DECODE,
+    DRAFT_MODULE,
+    ENGRAM_ROWS_MIX,
+    MOE_ROWS,
+    PROJECT,
+    ROWS_SLOT,
+)
 from deepinfer.bundles.topology import Topology
 from deepinfer.regions.base import Region
 from deepinfer.regions.config import TextConfig
@@ -130,11 +138,31 @@ class RegionPlan:
             for c in (contexts if any(self._reads_context(k) for _, k in lk.slots) else (None,))
         ]
         first = [e for e in regions if self.kinds[e.kind].slot == "embed"]
-        return first + layers + [e for e in regions if e not in first]
+        # the draft step as one executable a batch bucket (compiler/draft_layers.py); its regions'
+        # own executables stay for the full draft logits (tests, debugging)
+        drafts = [Exe(DRAFT_MODULE, METHOD, b, self.draft_block, None) for b in sorted({b for b, _ in shapes})]
+        return first + layers + [e for e in regions if e not in first] + (drafts if self.draft else [])
+
+    def draft_module(self) -> LayerKind:
+        """The draft step's one executable as a kind (`DRAFT_MODULE`): the context projection, each
+        stage's attention and MoE (slots `attn<s>`, `moe<s>`), the last stage's head and the target
+        head's projection (slot `project`); `layers` its stages (manifest.Draft.module_binding binds them)."""
+        assert self.draft, "a plan without a draft has no draft step"
+        slots = [("context", self.draft[0]["context"][0])]
+        for s, stage in enumerate(self.draft):
+            slots += [(f"attn{s}", stage["attn"][0]), (f"moe{s}", stage["moe"][0])]
+        slots += [("head", self.draft[-1]["head"][0]), (PROJECT, "head")]
+        return LayerKind(DRAFT_MODULE, tuple(slots), tuple(range(len(self.draft))))
+
+    def fused_modules(self) -> dict[str, LayerKind]:
+        """What the fused path builds as one module each: the layer kinds, and the draft step."""
+        return {**self.fused_kinds(), **({DRAFT_MODULE: self.draft_module()} if self.draft else {})}
 
     def pieces(self, lk: LayerKind, exe: Exe, gathered: int = 1) -> dict[tuple[str, str], Exe]:
         """(slot, method) -> the region executable a fused layer `exe` of kind `lk` runs it as (each
         method of each slot's kind; the MoE on `gathered` token groups' rows under EP dispatch)."""
+        if lk.name == DRAFT_MODULE:
+            return self._draft_pieces(lk, exe, gathered)
         out = {}
         for slot, kind in lk.slots:
             kp = self.kinds[kind]
@@ -143,6 +171,16 @@ class RegionPlan:
                 out[(slot, method)] = Exe(
                     kind, method, batch, exe.tokens, exe.context if kp.reads_context(method) else None
                 )
+        return out
+
+    def _draft_pieces(self, lk: LayerKind, exe: Exe, gathered: int) -> dict[tuple[str, str], Exe]:
+        """The draft step's pieces: its regions' executables at `exe`'s batch (see `executables`)."""
+        out = {(PROJECT, PROJECT): Exe("head", DRAFT_PROJECT, exe.batch, self.draft_block, None)}
+        for slot, kind in lk.slots[:-1]:
+            kp = self.kinds[kind]
+            T = self.draft_window if kp.slot == "context" else self.draft_block
+            batch = exe.batch * (gathered if kp.slot == "moe" else 1)
+            out.update({(slot, m): Exe(kind, m, batch, T, None) for m in kp.region.methods()})
         return out
 
     def _reads_context(self, kind: str) -> bool:

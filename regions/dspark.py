@@ -281,7 +281,7 @@ class DraftHead(Region):
         the vocabulary score -inf and carry indices past it, so they never win a merge
         (`regions.picking.merge_picks`). On cpu the runtime loops over the positions on the host, the
         ranks' (value, index) pairs all-gathered between calls; on trn2 that loop, its all-gathers in
-        the graph, belongs inside one executable (not built: no trn2 execution is claimed here)."""
+        the graph, runs inside the draft step's one executable (compiler/draft_layers.py)."""
         B = base.shape[0]
         at = position.view(B, 1, 1).expand(B, 1, self.rows)
         row = base.gather(1, at).squeeze(1) + self._transition(previous)  # [B, rows]

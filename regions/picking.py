@@ -10,8 +10,9 @@ every rank takes the same winner (`merge_picks`: the highest value, the lowest i
 values: exactly the one-rank argmax). The winner is the next position's `previous` on every rank.
 
 P tiny collectives (B pairs a rank each) replace one all-gather of the block's logits [B, P, V].
-On cpu the loop runs on the host between the `pick` calls (`pick_block`); on trn2 it belongs inside
-one executable with in-graph all-gathers (not built here).
+On cpu the loop runs on the host between the `pick` calls (`pick_block`); on trn2 it runs inside the
+draft step's one executable, the pairs all-gathered in the graph (compiler/draft_layers.py, with the
+glue below).
 
 The target's greedy steps choose the same way (`slice_best` on each rank's slice of a step's logits
 [B, T, rows], `merge_best` of a group's pairs, runtime/ranks.Comm.argmax_pairs): where no request of a step
@@ -56,6 +57,37 @@ def pick_block(pick: Pick, anchor: Tensor, positions: int, gather: Gather, group
         drafts.append(winners)  # [groups, B]
         previous = winners[group]
     return torch.stack(drafts, -1)
+
+
+# --- the same choice inside one executable (trn2's draft step, compiler/draft_layers.py): glue between
+# the head's `pick` calls and the pairs' all-gathers
+
+
+def pack_pick(value: Tensor, index: Tensor) -> Tensor:
+    """A rank's pick (value [B] float32, global index [B]) -> one float32 tensor [B, 2] to all-gather
+    (an index below 2^24 is exact in float32: every vocabulary is smaller)."""
+    return torch.stack((value.float(), index.float()), -1)
+
+
+def merge_pairs(pairs: Tensor, rank: Tensor, *, groups: int) -> tuple[Tensor, Tensor]:
+    """Every rank's packed picks [world, B, 2] (rank-major, a group's ranks adjacent) and this rank ->
+    (each group's winners [groups, B] int64, this rank's group's [B]: the next position's `previous`)."""
+    world, B = pairs.shape[0], pairs.shape[1]
+    values = pairs[..., 0].view(groups, world // groups, B).transpose(0, 1)
+    index = pairs[..., 1].long().view(groups, world // groups, B).transpose(0, 1)
+    winners = merge_picks(values, index)
+    group = (rank // (world // groups)).clamp(0, groups - 1).reshape(1)
+    return winners, torch.index_select(winners, 0, group).squeeze(0)
+
+
+def next_position(position: Tensor) -> Tensor:
+    """The block position the next `pick` scores: one on."""
+    return position + 1
+
+
+def stack_drafts(*winners: Tensor) -> Tensor:
+    """Each position's winners [groups, B] -> the drafts [groups, B, P]."""
+    return torch.stack(winners, -1)
 
 
 def slice_best(logits: Tensor, first: int, vocab: int) -> tuple[Tensor, Tensor]:

@@ -128,7 +128,7 @@ def _specs(specs: Sequence) -> list:
 
 
 def trace_key(spec: Spec, plan: RegionPlan, exe: Exe) -> Key:
-    fused = plan.fused_kinds() if spec.fused else {}
+    fused = plan.fused_modules() if spec.fused else {}
     if exe.kind in fused:
         return _layer_trace_key(spec, plan, exe, fused[exe.kind])
     region = plan.kinds[exe.kind].region

@@ -14,6 +14,7 @@ from deepinfer.bundles.layout import TOKENIZER_FILE, is_inside
 from deepinfer.bundles.manifest import (
     CAPTURE_SLOT,
     DECODE,
+    DRAFT_MODULE,
     DTYPE_NAMES,
     ENGRAM_ROWS_MIX,
     KV,
@@ -190,7 +191,7 @@ def _check_collectives(e: Executable, key: tuple, world_size: int) -> None:
 def _check_coverage(m: Manifest) -> None:
     """Each method a step runs of a kind (decode, or the divided attention's stages; the head's project is
     the draft's): one executable per bucket (batch sizes may be gathered rows), per context bucket if read."""
-    b, drafts = m.buckets, m.draft_kinds
+    b, drafts = m.buckets, m.draft_kinds | {DRAFT_MODULE}  # the draft's: at the batch buckets only
     every = [(s.batch, s.tokens) for s in b.shapes]
     prompts = [(n, t) for n, t in every if t > 1]
     rows = m.topology.topology.group_size if any(e.kind.startswith(ROWS_PREFIX) for e in m.regions) else 1

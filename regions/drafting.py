@@ -137,7 +137,9 @@ class DSparkDrafter:
     head's `tokens` on them; or, with the head split by vocabulary over several ranks, `choose` runs
     the draft step and the choice on every rank, each on its slice (regions/picking.py), the full
     logits gathered only when asked for (`block_logits`; the scheduler's `draft` never asks). `capture`
-    is what the target's steps run to write the features (`regions.stepper.Capture`); `batch_sizes`
+    is what the target's steps run to write the features (`regions.stepper.Capture`); `module`, where
+    given, the draft step as one execution (trn2's fused path) -> each group's drafts, what `draft`
+    runs instead of `choose`; `batch_sizes`
     the batch buckets the executables were built for (None: any batch, eager regions); `groups` the
     token groups."""
 
@@ -151,10 +153,12 @@ class DSparkDrafter:
         batch_sizes: list[int] | None = None,
         groups: int = 1,
         choose: Choose | None = None,
+        module: Callable[[list[DraftBatch]], list[Tensor]] | None = None,
     ):
         self.c, self.invoke, self.forward, self.capture = c, invoke, forward, capture
         self.batch_sizes, self.groups = batch_sizes, groups
         self.choose = self._whole if choose is None else choose
+        self.module = module
         self.block = c.dspark_block_size
 
     def _whole(self, batches: list[DraftBatch], logits: bool) -> list[tuple[Tensor, Tensor | None]]:
@@ -177,7 +181,11 @@ class DSparkDrafter:
         batches, places = draft_batches(self.c, requests, self.groups, self.batch_sizes)
         drafts = torch.zeros(len(requests), self.block, dtype=torch.int64)
         logits = torch.zeros(len(requests), self.block, self.c.vocab_size) if keep else None
-        for (got, row_logits), rows in zip(self.choose(batches, keep), places):
+        if keep or self.module is None:
+            chosen = self.choose(batches, keep)
+        else:  # the draft step as one execution (trn2): drafts only
+            chosen = [(got, None) for got in self.module(batches)]
+        for (got, row_logits), rows in zip(chosen, places):
             if rows:
                 drafts[rows] = got[: len(rows)]
                 if logits is not None:

@@ -6,12 +6,16 @@ ring (`capture`, the compiled capture region) and the draft's steps read them (`
 several ranks the leader sends each draft step to its followers (`DRAFT_STEP`, `Executor.follow`),
 and every rank runs its token group's share and chooses the block's tokens on its vocabulary slice,
 joining an all-gather of (value, index) pairs per block position (`choose`): the draft's logits
-never cross ranks unless asked for (tests, debugging).
+never cross ranks unless asked for (tests, debugging). A trn2 bundle's fused path runs the draft step
+as one executable instead (`module_step`, compiler/draft_layers.py): its collectives and the choice
+inside, each rank's host given every group's drafts; its regions' own executables then serve only
+the full draft logits.
 No checkpoint is read: everything runs the bundle's executables.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,7 +43,7 @@ def dspark(x: Executor, stats: Stats) -> DSparkDrafter:
     require_draft(x.bundle)
     from deepinfer.regions.drafting import DSparkDrafter  # the collapse op: only where a draft runs
 
-    comm = x.comm
+    comm, step = x.comm, module_step(x, stats)
 
     def forward(batches: list[DraftBatch]) -> list[Tensor]:
         return [draft_step(x, batches[0], stats)]
@@ -49,6 +53,13 @@ def dspark(x: Executor, stats: Stats) -> DSparkDrafter:
         comm.step((DRAFT_STEP, batches, logits))
         return choose(x, batches, stats, logits)
 
+    def module(batches: list[DraftBatch]) -> list[Tensor]:
+        """Each group's drafts [B, P] from the draft step's one executable on every rank."""
+        if comm is None:
+            assert step is not None
+            return list(step(batches[0]).unbind(0))
+        return [drafts for drafts, _ in chosen(batches, False)]
+
     return DSparkDrafter(
         x.config.text,
         _draft_invoke(x, stats),
@@ -57,7 +68,49 @@ def dspark(x: Executor, stats: Stats) -> DSparkDrafter:
         batch_sizes=list(x.sizes.batch_sizes),
         groups=x.manifest.topology.groups,
         choose=None if comm is None else chosen,
+        module=None if step is None else module,
     )
+
+
+def module_step(x: Executor, stats: Stats) -> Callable[[DraftBatch], Tensor] | None:
+    """The draft step as one executable (trn2's fused path, compiler/draft_layers.py), or None where
+    the bundle has none: a token group's batch -> every group's drafts [groups, B, P] (the block's
+    choice and its all-gathers inside: no logits leave the device)."""
+    binding = x.draft_bound.get((0, mf.DRAFT_MODULE))
+    if binding is None:
+        return None
+    kind, weights = binding
+    entry = next(e for e in x.manifest.regions if e.kind == kind)
+    names = [s.name for s in entry.inputs if s.role not in ("weight", "rank")]
+    c, rings = x.config.text, _rings(x)
+    assert x.host.embed is not None, "a bundle with a draft embeds on the host (compiler/spec.py)"
+    embed = x.host.embed
+
+    def run(batch: DraftBatch) -> Tensor:
+        t0 = time.perf_counter()
+        B, P = batch.tokens.shape
+        h, pre = embed(batch.tokens)
+        values = {
+            **{f"features{i}": ring for i, ring in enumerate(rings)},
+            "context_positions": batch.context_positions(c.sliding_window),
+            "slots": batch.slots,
+            "h": h,
+            "pre": pre,
+            "positions": batch.positions,
+            "is_image": torch.zeros(B, P, dtype=torch.bool),
+            "anchor": batch.tokens[:, 0],
+            "position": torch.zeros(B, dtype=torch.int64),  # the block's first; the module steps it on
+        }
+        exe = x.executables[(kind, mf.DECODE, B, P, None)]
+        args = weights + [values[n] for n in names]
+        t1 = time.perf_counter()
+        (drafts,) = exe(args)
+        stats.calls[kind] += 1
+        stats.seconds[kind] += time.perf_counter() - t1
+        stats.overhead += t1 - t0
+        return drafts if drafts.dim() == 3 else drafts.unsqueeze(0)  # one rank: its one group's
+
+    return run
 
 
 def draft_step(x: Executor, batch: DraftBatch, stats: Stats) -> Tensor:
@@ -79,6 +132,9 @@ def choose(x: Executor, batches: list[DraftBatch], stats: Stats, logits: bool) -
 
     comm, c = x.comm, x.config.text
     assert comm is not None, "a draft step's choice per vocabulary slice runs with several ranks"
+    step = None if logits else module_step(x, stats)
+    if step is not None:  # trn2's fused path: the whole step and its choice in one execution
+        return [(drafts, None) for drafts in step(batches[comm.group]).unbind(0)]
     batch, stage, invoke = batches[comm.group], c.num_nextn_predict_layers - 1, _draft_invoke(x, stats)
     base = draft_step(x, batch, stats)  # [B, P, rows]
 

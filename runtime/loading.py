@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
 
@@ -223,7 +224,11 @@ def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict
             bound[(layer.layer, LAYER_SLOT)] = (
                 layer.fused,
                 [
-                    rank_tensor if s.role == "rank" else _slot_view(placement, stacks, layer, s.name, draft)
+                    rank_tensor
+                    if s.role == "rank"
+                    else _slot_view(
+                        placement, stacks, s.name, lambda slot, layer=layer: layer.regions.get(slot) or draft[slot]
+                    )
                     for s in signatures[layer.fused]
                     if s.role in ("weight", "rank")
                 ],
@@ -234,14 +239,27 @@ def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict
         for slot, b in regions.items()
         if b.kind in signatures  # the capture runs inside the fused layers: no executable of its own
     }
+    if m.draft is not None and mf.DRAFT_MODULE in signatures:  # the draft step as one executable (trn2)
+        module, head = m.draft, m.head
+        draft_bound[(0, mf.DRAFT_MODULE)] = (
+            mf.DRAFT_MODULE,
+            [
+                rank_tensor
+                if s.role == "rank"
+                else _slot_view(placement, stacks, s.name, lambda slot: module.module_binding(slot, head))
+                for s in signatures[mf.DRAFT_MODULE]
+                if s.role in ("weight", "rank")
+            ],
+        )
     return bound, draft_bound
 
 
-def _slot_view(placement: Placement, stacks: dict, layer: mf.Layer, name: str, draft: dict[str, mf.Binding]):
-    """A fused layer's weight input `<slot>.<name>`: the row of that slot's stack the layer binds (a
-    slot it does not bind, the draft's first stage's: a capture twin's `capture`)."""
+def _slot_view(placement: Placement, stacks: dict, name: str, binding_of: Callable[[str], mf.Binding]):
+    """A one-module executable's weight input `<slot>.<name>` (a fused layer's, the draft step's): the
+    row of that slot's stack it binds (`binding_of`: a fused layer's slot, else the draft's first
+    stage's, a capture twin's `capture`; the draft step's, `Draft.module_binding`)."""
     slot, weight = name.split(".", 1)
-    binding = layer.regions[slot] if slot in layer.regions else draft[slot]
+    binding = binding_of(slot)
     return placement.view(stacks[binding.kind][weight], binding.index)
 
 

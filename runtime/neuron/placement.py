@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.bundles import neff
-from deepinfer.bundles.manifest import BundleError, Executable, Manifest, TensorSpec
+from deepinfer.bundles.manifest import DRAFT_MODULE, BundleError, Executable, Manifest, TensorSpec
 from deepinfer.runtime.neuron.device import DeviceTensor, HostInputs, NeuronCore, NeuronExecutable
 
 ENV_LNC = "NEURON_LOGICAL_NC_CONFIG"
@@ -30,7 +30,8 @@ ENV_LNC = "NEURON_LOGICAL_NC_CONFIG"
 # selected indices, the candidate pool) stays on the device for the next region call
 HOST_OUTPUTS = ("logits",)
 # the draft head's: the block's tokens the scheduler verifies, and (several ranks) each block position's
-# (value, index) pair the ranks all-gather (regions/picking.py); its normalized state stays for `project`
+# (value, index) pair the ranks all-gather (regions/picking.py); its normalized state stays for `project`;
+# the draft step's one module's drafts (compiler/draft_layers.py)
 DRAFT_HOST_OUTPUTS = ("drafts", "value", "index")
 
 
@@ -72,7 +73,8 @@ class NeuronPlacement:
         self.rank = rank
         self.host_inputs = HostInputs(self.core)
         self.calls: list[RegionCall] = []
-        self.draft_head = manifest.draft.stages[-1]["head"].kind if manifest.draft else None
+        # the kinds whose draft outputs the host reads: the draft's head, the draft step's one module
+        self.draft_hosted = (manifest.draft.stages[-1]["head"].kind, DRAFT_MODULE) if manifest.draft else ()
 
     def resident(self, tensor: torch.Tensor, name: str) -> DeviceStack:
         t = tensor.contiguous()
@@ -94,7 +96,7 @@ class NeuronPlacement:
             [s.name for s in entry.inputs],
             outputs,
             entry.aliases or {},
-            host_outputs=HOST_OUTPUTS + (DRAFT_HOST_OUTPUTS if entry.kind == self.draft_head else ()),
+            host_outputs=HOST_OUTPUTS + (DRAFT_HOST_OUTPUTS if entry.kind in self.draft_hosted else ()),
             host_inputs=self.host_inputs,
             # a NEFF that sums over ranks itself is loaded for collectives, as this rank of the world
             collectives=(self.rank, self.manifest.topology.world_size) if entry.holds_collectives else None,

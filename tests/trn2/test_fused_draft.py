@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer.bundles import layout
+from deepinfer.bundles.manifest import DRAFT_MODULE
 
 from ..conftest import CACHE_ENV, write_model_toml
 from .conftest import finished_copy
@@ -34,9 +35,6 @@ KINDS = [
     "layer_source_r1_cand_capture",
     "layer_reindex_r1_cand_capture",
 ]
-# a draft step, per region: the context, each of the 3 stages' attention and MoE, the head's normalize,
-# the target head's project and the greedy choice (`tokens`, one rank)
-DRAFT_EXECUTIONS = 1 + 3 * 2 + 3
 
 
 def toml_of(root: Path, ckpt: Path, options: str = "lnc = 1, optlevel = 1") -> Path:
@@ -103,6 +101,12 @@ def test_the_capture_twins_are_fused_and_checked(compiled):
         assert f"lowered {kind}.decode.b1t6c32: HLO " in output
     for kind in KINDS[:3]:  # the layers the draft does not read have no ring
         assert all("features" not in (e.get("state_outputs") or ()) for e in m["regions"] if e["kind"] == kind)
+    # the draft step as one module at the batch bucket: its block's drafts out, checked on XLA:CPU
+    (module,) = [e for e in m["regions"] if e["kind"] == DRAFT_MODULE]
+    assert module["bucket"] == {"batch": 1, "tokens": 5}
+    assert [o["name"] for o in module["output_specs"]] == ["drafts"] and module["check"]["score"] == 0
+    assert {"h", "pre", "anchor", "features0", "features2"} <= {s["name"] for s in module["inputs"]}
+    assert "lowered draft_step.decode.b1t5: HLO " in output
 
 
 def run_speculative(bundle: Path, libnrt: Path, log: Path) -> dict:
@@ -120,19 +124,20 @@ def run_speculative(bundle: Path, libnrt: Path, log: Path) -> dict:
 @pytest.mark.slow
 def test_the_fused_draft_bundle_speculates_on_the_libnrt_double(compiled, fake_nrt_path, tmp_path):
     """Every target step one execution a layer (the twins write the rings), the head; each draft step
-    its regions: no per-region capture and no attention or MoE call of the target."""
+    one execution (the draft's module): no per-region capture, no attention or MoE call of the target,
+    no call of the draft's regions."""
     bundle = finished_copy(compiled[0], tmp_path / "finished")
     out = run_speculative(bundle, fake_nrt_path, tmp_path / "nrt.log")
     assert out["outputs"][0]["error"] is None and len(out["outputs"][0]["generated_ids"]) == 8
     timing = out["timing"]
     steps, calls = timing["steps"], {r["kind"]: r["calls"] for r in timing["regions"]}
     assert timing["speculation"]["verify_steps"] >= 1
-    drafts = calls["dspark_context"]
+    drafts = calls[DRAFT_MODULE]
     assert drafts >= timing["speculation"]["verify_steps"]
     assert all(calls[k] == steps for k in KINDS) and calls["head"] == steps
-    assert not any(k.startswith(("attn_", "moe", "dspark_capture")) for k in calls)
+    assert not any(k.startswith(("attn_", "moe", "dspark_")) for k in calls)
     executes = sum(ln.startswith("nrt_execute") for ln in (tmp_path / "nrt.log").read_text().splitlines())
-    assert executes == (len(KINDS) + 1) * steps + DRAFT_EXECUTIONS * drafts
+    assert executes == (len(KINDS) + 1) * steps + drafts
 
 
 @pytest.mark.slow  # one layer module lowered, compiled for 4 XLA:CPU replicas and run: about a minute
@@ -190,4 +195,4 @@ def test_a_refused_capture_twin_runs_per_region_with_its_capture(tiny_ckpt, tmp_
     steps, calls = timing["steps"], {r["kind"]: r["calls"] for r in timing["regions"]}
     assert calls["dspark_capture"] == calls["attn_reuse_r2"] == calls["moe"] == steps and twin not in calls
     executes = sum(ln.startswith("nrt_execute") for ln in (tmp_path / "nrt.log").read_text().splitlines())
-    assert executes == (len(KINDS) + 3) * steps + DRAFT_EXECUTIONS * calls["dspark_context"]
+    assert executes == (len(KINDS) + 3) * steps + calls[DRAFT_MODULE]

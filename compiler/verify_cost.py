@@ -18,15 +18,16 @@ With [speculative] draft a decode step of B sequences is a verify step and a dra
               position on each rank's vocabulary slice: one all-gather of (value, index) pairs each
 
 Executions and collectives: the target's as its plan counts them (BundlePlan.per_step: trn2's fused
-layers hold the capture, so it adds neither); the draft's one per region method it calls, with its
-collectives on the host (`draft_calls`; as built on every target). A draft stage's collectives are at
-P rows: the attention's all-reduce over the tp group (its heads are divided over tp only: whole on
-every cp rank), the MoE's as the target's (EP all-reduce, or dispatch and combine); then P pick
-all-gathers over the token group.
+layers hold the capture, so it adds neither); the draft's one execution where the target fuses
+layers, else one per region method it calls with its collectives on the host (`draft_calls`). A
+draft stage's collectives are at P rows: the attention's all-reduce over the tp group (its heads are
+divided over tp only: whole on every cp rank), the MoE's as the target's (EP all-reduce, or dispatch
+and combine); then P pick all-gathers over every rank (each rank's host gets every group's drafts).
 
-The draft step as one module a batch bucket (designed, not built; `draft_module=True` models it): its
-context, each stage's attention and MoE with their collectives, the normalize, the target head's
-projection and the P positions' picks with their all-gathers, all in one execution.
+Where the target fuses layers (trn2) the draft step is one module a batch bucket (compiler/draft_layers.py,
+`fused_draft`): its context, each stage's attention and MoE with their collectives, the normalize,
+the target head's projection and the P positions' picks with their all-gathers, all in one execution,
+every group's drafts back to each rank's host; `draft_module=False` models the draft per region call.
 
 The step's time is the target's lower bound plus the draft's (the draft's block starts at the token
 the verify accepted last, so nothing overlaps); the time per output token at an acceptance of a
@@ -119,10 +120,9 @@ def verify_rows(plan: BundlePlan) -> int:
 
 
 def fused_draft(plan: BundlePlan) -> bool:
-    """Whether the plan runs a draft step as one execution. No target builds that module yet (issue
-    42: its design is in the module's docstring), so the draft runs per region call everywhere;
-    `verify_cost(..., draft_module=True)` models the design."""
-    return False
+    """Whether the plan runs a draft step as one execution: where the target fuses layers, the draft
+    step is one module a batch bucket (compiler/draft_layers.py)."""
+    return plan.spec.fused and bool(plan.regions.draft)
 
 
 def verify_cost(
@@ -130,8 +130,8 @@ def verify_cost(
 ) -> VerifyCost:
     """One rank's verify step with the draft; `pairs`: the target's choice as (value, index) pairs (a
     greedy step's), else its logits slice (a step that samples or returns logprobs); `draft_module`:
-    the draft step as one execution with its collectives inside (True: the design; None: as built,
-    `fused_draft`)."""
+    the draft step as one execution with its collectives inside (None: as planned, `fused_draft`;
+    False: per region call, to compare)."""
     rows = verify_rows(plan)
     fused = fused_draft(plan) if draft_module is None else draft_module
     target, draft = target_part(plan, batch, rows, context, pairs), draft_part(plan, batch, fused)
@@ -200,6 +200,8 @@ def draft_part(plan: BundlePlan, batch: int, fused: bool) -> Part:
     weights, state, flops = draft_reads(plan, batch)
     executions = 1 if fused else draft_calls(plan)
     moved = batch * P * (c.hc_mult * c.hidden_size * act + 2 * INDEX) + 2 * batch * INDEX  # block, slots, anchors
+    if fused:  # every group's drafts back to each rank's host
+        moved += topo.groups * batch * P * INDEX
     if not fused and counts:  # every collective through the host: the streams and payloads both ways
         moved += executions * 2 * stream_bytes(c, batch * P, act) + 2 * sum(sent.values())
     link = sum(link_bytes(_link_name(name), b, topo) for name, b in sent.items()) if fused else 0
@@ -227,7 +229,7 @@ def draft_calls(plan: BundlePlan) -> int:
     calls = 1 + 1 + 1  # context, normalize, project
     for stage in regions.draft:
         calls += sum(len(methods[kind]) for slot, (kind, _) in stage.items() if slot in ("attn", "moe"))
-    return calls + (plan.spec.model.text.dspark_block_size if topo.group_size > 1 else 1)
+    return calls + (plan.spec.model.text.dspark_block_size if topo.world > 1 else 1)
 
 
 def _link_name(name: str) -> str:
@@ -249,7 +251,7 @@ def draft_collectives(plan: BundlePlan, batch: int) -> tuple[dict[str, int], dic
 
     if topo.tp > 1:  # its heads divided over the tp ranks (compiler/shard.py), whole at cp
         add("draft attention all-reduce", stages, stages * streams)
-    if topo.group_size > 1:
+    if topo.world > 1:  # over every rank: each rank's host gets every group's drafts
         add(DRAFT_PICKS, P, P * batch * PAIR)
     if topo.dispatch:
         packed = batch * P * (c.hc_mult * c.hidden_size * act + c.hc_mult * F32 + 1)
@@ -275,7 +277,7 @@ def draft_reads(plan: BundlePlan, batch: int) -> tuple[int, int, int]:
             weights += layer_bytes(region, rows)
             flops += sum(region_flops(region, slot, rows).values())
     rows = head_rows(c, topo)
-    weights += rows * c.hidden_size * act  # the target head's projection, its vocabulary slice
+    weights += plan.head["bytes_per_rank"]  # the target head's projection: its vocabulary slice as stored
     flops += 2 * batch * P * rows * c.hidden_size
     state = len(c.dspark_target_layer_ids) * batch * c.sliding_window * c.hidden_size * act
     return weights, state, flops

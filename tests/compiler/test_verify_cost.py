@@ -51,7 +51,7 @@ def test_a_verify_step_at_the_tiny_dimensions(plan):
     assert "logits all-gather" not in t.collective_bytes
     assert t.collective_bytes["greedy pick all-gather"] == 2 * 6 * 8 and t.collectives_by_name[verify_cost.PICKS] == 1
     assert d.collectives_by_name == {"draft pick all-gather": P, "draft ep all-reduce": STAGES}
-    assert d.collective_bytes["draft pick all-gather"] == P * 2 * 8  # float32 value and int32 index
+    assert d.collective_bytes["draft pick all-gather"] == P * 2 * 8  # a float32 value and index a row
     assert d.collective_bytes["draft ep all-reduce"] == STAGES * 2 * P * N * D * 4  # float32 partial streams
     assert d.state_bytes == TARGET_LAYERS * 2 * W * D * 4
     assert v.executions == t.executions + d.executions and v.estimated_ms == t.estimated_ms + d.estimated_ms
@@ -109,11 +109,14 @@ def test_plan_text_and_json_carry_the_verify_step(plan, tmp_path, tiny_ckpt):
     assert plain.to_dict()["verify_step"] is None and "verify step" not in "\n".join(plain.lines())
 
 
-def test_the_draft_as_one_module_is_the_design(plan):
-    """As built the draft runs an execution a region call, its collectives on the host; the designed
-    module (not built) is one execution holding them: the target's figures unchanged."""
-    built, module = verify_cost.verify_cost(plan, 1, 32), verify_cost.verify_cost(plan, 1, 32, draft_module=True)
-    assert not built.fused_draft and built.draft.executions == 3 + STAGES * 2 + P
-    assert built.draft.collectives_on_host == P + STAGES
+def test_the_draft_step_is_one_module_where_layers_are_fused(plan):
+    """Fused layers (trn2's default): the draft step is one execution holding its collectives, every
+    group's drafts back to the host (8 bytes a position a row); per region call it would be 3 + 2 a
+    stage + a pick a position, its collectives on the host: the target's figures the same."""
+    module, per_region = verify_cost.verify_cost(plan, 1, 32), verify_cost.verify_cost(plan, 1, 32, draft_module=False)
     assert module.fused_draft and module.draft.executions == 1 and module.draft.collectives_on_host == 0
-    assert module.target == built.target and module.estimated_ms < built.estimated_ms
+    assert not per_region.fused_draft and per_region.draft.executions == 3 + STAGES * 2 + P
+    assert per_region.draft.collectives_on_host == P + STAGES
+    inputs = P * (N * D * 4 + 2 * 8) + 2 * 8  # the embedded block, positions, slots and anchors
+    assert module.draft.host_device_bytes == inputs + P * 8  # and the drafts back (one token group)
+    assert module.target == per_region.target and module.estimated_ms < per_region.estimated_ms

@@ -19,10 +19,10 @@ loaded one, and then least loaded first (as a request without a prompt). Ray's o
 ships with Ray Serve LLM, which needs vLLM or SGLang installed; this one needs neither.
 
 A response names the replica that served it (header `x-deepinfer-replica`). A replica that dies
-mid-request: a stream gets an error event naming the replica, then ends, where the ingress sees the
-failure (a stream cut before the replica's `[DONE]` counts; in some runs the connection closes before
-the event); a request not streamed gets HTTP 502 naming it; new requests go to the live replicas. `GET /health` on the
-endpoint: 200 with the replicas ready, 503 while none is.
+mid-request (its actor's stream raises in the ingress, or ends before the replica's `[DONE]`): a stream
+ends with one error event naming the replica, after the last event the replica sent whole (`relay`); a
+request not streamed gets HTTP 502 naming it; new requests go to the live replicas. `GET /health` on
+the endpoint: 200 with the replicas ready, 503 while none is.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ START_TIMEOUT_S = 600.0  # a replica's child loading its bundle
 STOP_TIMEOUT_S = 120.0  # deleting the application, its replicas and children, and leaving the cluster
 RAY_OPTIONS = ("--ray-serve", "--replicas", "--replica-cpus", "--min-replicas", "--max-replicas")
 DONE = b"data: [DONE]"  # a stream's last event, from the replica's server
+EVENT_STREAM = "text/event-stream"
+MAX_EVENT_BYTES = 1 << 20  # the most of a stream's bytes the ingress holds back for an event's blank line
 REPLICA_HEADER = "x-deepinfer-replica"  # which replica served a response (debugging, tests)
 HOST_OPTIONS = ("--host", "--port")  # the endpoint's, not a replica's (its child binds 127.0.0.1:0)
 
@@ -299,20 +301,42 @@ class Ingress:
                 b"".join(chunks), status_code=status, media_type=content_type or None, headers=_served(replica)
             )
 
-        async def rest():
-            tail, why = b"", None
-            try:
-                async for chunk in gen:
-                    tail = (tail + chunk)[-64:]
-                    yield chunk
-            except Exception as e:
-                why = one_line(e)
-            if why is None and status == 200 and not tail.rstrip().endswith(DONE):
-                why = "its stream ended before [DONE]"  # the replica's actor went without raising here
-            if why is not None:
-                yield b"data: " + json.dumps(_error(f"replica {replica} died mid-stream: {why}")).encode() + b"\n\n"
+        events = relay(gen, replica, status == 200 and content_type.startswith(EVENT_STREAM))
+        return StreamingResponse(events, status_code=status, media_type=content_type or None, headers=_served(replica))
 
-        return StreamingResponse(rest(), status_code=status, media_type=content_type or None, headers=_served(replica))
+
+async def relay(chunks: AsyncIterator[bytes], replica: str, events: bool) -> AsyncIterator[bytes]:
+    """A replica's streamed body as the ingress forwards it. `events` (a 200 `text/event-stream`): whole
+    events only, each up to its blank line, so that a replica that fails mid-stream (its generator raises,
+    or ends before `[DONE]`) leaves no partial event to run into what follows; the stream then ends with
+    one error event naming the replica. Any other body is forwarded as it comes, the error event appended
+    if the replica's generator raises."""
+    held, done, why = b"", False, None
+    try:
+        async for chunk in chunks:
+            held += chunk
+            cut = _whole(held) if events else len(held)
+            if cut:
+                done = held[:cut].rstrip().endswith(DONE)
+                yield held[:cut]
+                held = held[cut:]
+    except Exception as e:
+        why = one_line(e)
+    if why is None and events and not done:
+        why = "its stream ended before [DONE]"  # the replica's actor went without raising here
+    if why is None:
+        if held:
+            yield held
+        return
+    yield b"data: " + json.dumps(_error(f"replica {replica} died mid-stream: {why}")).encode() + b"\n\n"
+
+
+def _whole(held: bytes) -> int:
+    """How much of an event stream's held bytes the ingress forwards now: up to its last blank line (the
+    events it has whole), or all of them past MAX_EVENT_BYTES (no event of the server's is that long)."""
+    if len(held) > MAX_EVENT_BYTES:
+        return len(held)
+    return held.rfind(b"\n\n") + 2 if b"\n\n" in held else 0
 
 
 def _served(replica: str) -> dict[str, str]:

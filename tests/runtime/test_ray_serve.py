@@ -100,6 +100,36 @@ def test_a_replica_takes_the_options_but_the_endpoints_and_rays():
     assert ray_serve.replica_args(["--model-name", "m", "b"], valued) == ["--model-name", "m"]
 
 
+def relayed(chunks: list[bytes], fail: Exception | None = None, events: bool = True) -> list[str]:
+    """What the ingress forwards of a replica's body that comes in `chunks`, then raises `fail`: its events."""
+    import asyncio
+
+    async def replica():
+        for chunk in chunks:
+            yield chunk
+        if fail is not None:
+            raise fail
+
+    async def forwarded():
+        return b"".join([part async for part in ray_serve.relay(replica(), "r1", events)])
+
+    return asyncio.run(forwarded()).decode().split("\n\n")
+
+
+def test_the_ingress_forwards_whole_events_and_ends_a_cut_stream_with_one_error():
+    one, two, done = 'data: {"n": 1}', 'data: {"n": 2}', "data: [DONE]"
+    whole = f"{one}\n\n{two}\n\n".encode()
+    assert relayed([whole[:5], whole[5:20], whole[20:], f"{done}\n\n".encode()]) == [one, two, done, ""]
+    died = RuntimeError("The actor died unexpectedly")
+    for cut in (relayed([whole, b'data: {"n"'], died), relayed([whole[:20], whole[20:], b'data: {"n": 3'])):
+        assert cut[:2] == [one, two] and cut[-1] == "" and len(cut) == 4  # the partial third event: dropped
+        error = json.loads(cut[2].removeprefix("data: "))["error"]
+        assert error["code"] == "replica_failed" and error["message"].startswith("replica r1 died mid-stream: ")
+    assert "RuntimeError: The actor died unexpectedly" in relayed([whole], died)[2]
+    assert "ended before [DONE]" in relayed([whole])[2]
+    assert relayed([b'{"error": ', b"1}"], events=False) == ['{"error": 1}']  # a refusal's body: as it came
+
+
 # --- on a Ray cluster ---------------------------------------------------------------------------------
 
 
@@ -164,13 +194,17 @@ def test_a_conversations_second_turn_reaches_the_replica_holding_its_prefix(endp
 
 
 @pytest.mark.slow
-def test_a_killed_replica_ends_its_requests_with_an_error_and_comes_back(endpoint, cluster):
+def test_a_killed_replica_ends_its_requests_with_an_error_and_comes_back(endpoint, cluster, run_exported_bundle):
     import ray
 
+    from deepinfer.runtime.bundle import open_bundle
+
+    # eos banned: each stream runs to its max_tokens (64 slow steps' worth), still running when its replica is killed
+    no_eos = {str(open_bundle(run_exported_bundle, verify=False).config.eos_token_id): -100}
     streams, served = [], []
-    for i in range(16):  # until each replica holds two streams, one token read from each
-        body = {"model": MODEL, "prompt": f"stream {i} " * 3, "max_tokens": 40, "stream": True, "seed": SLOW_SEED}
-        body = json.dumps(body)
+    for i in range(16):  # until each replica holds two streams, one event read from each
+        body = {"model": MODEL, "prompt": f"stream {i} ", "max_tokens": 64, "stream": True, "seed": SLOW_SEED}
+        body = json.dumps({**body, "logit_bias": no_eos})
         req = urllib.request.Request(
             endpoint.url + "/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"}
         )
@@ -179,26 +213,25 @@ def test_a_killed_replica_ends_its_requests_with_an_error_and_comes_back(endpoin
         if served.count(name) == 2:  # a third on one replica: not needed
             r.close()
             continue
-        assert r.readline().startswith(b"data: ")
-        streams.append(r)
+        first = r.readline()  # "data: {...}\n" of the stream's first event (its blank line still to read)
+        assert first.startswith(b"data: "), first
+        streams.append((r, first))
         served.append(name)
         if len(served) == 4:
             break
-    assert len(set(served)) == 2 and len(served) == 4, served
-    victim = served[0]
-    assert len(set(served)) == 2, served  # both replicas hold streams
+    assert len(set(served)) == 2 and len(served) == 4, served  # both replicas hold two streams
+    victim = list(dict.fromkeys(served))[-1]  # the replica whose first stream started last
     ray.init(address=cluster, log_to_driver=False)
     try:
         ray.kill(ray.get_actor(f"SERVE_REPLICA::{ray_serve.APP}#{ray_serve.REPLICA}#{victim}", namespace="serve"))
-        for r, name in zip(streams, served):
-            events = [line for line in r.read().decode().split("\n\n") if line.startswith("data: ")]
+        for (r, first), name in zip(streams, served):
+            events = [e for e in (first + r.read()).decode().split("\n\n") if e.startswith("data: ")]
             errors = [e for e in events if '"error"' in e]
-            if name == victim:  # cut short: no [DONE]; an error event, where one arrives, names the replica
-                # (not every run delivers it: the connection may close first; docs/serving.md says so)
-                assert "data: [DONE]" not in events and len(errors) <= 1, events[-2:]
-                assert all(victim in e for e in errors), errors
+            if name == victim:  # cut short: one error event naming the replica, last, and no [DONE]
+                assert len(errors) == 1 and events[-1] == errors[0] and "data: [DONE]" not in events, events[-2:]
+                assert f"replica {victim} died mid-stream" in errors[0], errors
             else:
-                assert not errors and events[-1] == "data: [DONE]"
+                assert not errors and events[-1] == "data: [DONE]", events[-2:]
         client = endpoint.client()
         assert client.completions.create(model=MODEL, prompt="after", max_tokens=2).usage.completion_tokens == 2
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -15,6 +15,9 @@ refuses a fused layer module with an error code, the compile pass (`compile_pass
         the divided attention's merges and EP dispatch run on the host between them)
     compiles the jobs that were not done, and goes on
 
+The draft step's one module (compiler/draft_layers.py) falls back the same way: its regions' own
+executables are in the bundle already, so the module is dropped and the draft runs per region call.
+
 The manifest records each refused kind (`Manifest.fallback`: its buckets, the bucket refused, the
 code, the log) and its layers run per region (`Layer.fused` None). `[target] options fallback =
 "none"` stops the compile at the refusal instead. Anything else stops it as before, in one line and
@@ -58,11 +61,14 @@ def compile_pass(spec: Spec, plan: RegionPlan, traced: Traced, run: Run) -> Comp
             traced, finished = _per_region(spec, plan, traced, job, run)
             done += finished
             continue
-        if records:  # what it costs a decode step (compiler/fallback_cost.py)
+        layer_kinds = [k for k in records if k != mf.DRAFT_MODULE]
+        if layer_kinds:  # what it costs a decode step (compiler/fallback_cost.py)
             from deepinfer.compiler import fallback_cost  # it plans through the pipeline, which imports this
 
-            for line in fallback_cost.after_compile(spec.config, list(records))[0]:
+            for line in fallback_cost.after_compile(spec.config, layer_kinds)[0]:
                 run.log(line)
+        if mf.DRAFT_MODULE in records:
+            run.log("the draft step runs as its regions' executables: an execution a region call, not one a step")
         return dataclasses.replace(compiled, built=tuple(done) + compiled.built, fallback=records)
 
 
@@ -70,7 +76,7 @@ def _fallen_back(spec: Spec, plan: RegionPlan, traced: Traced, refused: NeuronRe
     """The refused job, where it is a fused layer's and the target falls back; else None."""
     if not spec.fused or not isinstance(spec.target, Trn2Target) or spec.target.fallback != REGIONS:
         return None
-    fused = plan.fused_kinds()
+    fused = plan.fused_modules()  # the layer kinds, and the draft step's one module
     job = next((j for j in traced.jobs if j.name == refused.region), None)
     return job if job is not None and job.exe is not None and job.exe.kind in fused else None
 
@@ -79,11 +85,11 @@ def _explained(spec: Spec, plan: RegionPlan, refused: NeuronRefused, records: di
     """The refusal that stops the compile, saying why no fallback: the option is "none", or the
     module refused is a fallback's own region."""
     name = refused.region.split(".", 1)[0]
-    if spec.fused and name in plan.fused_kinds():
+    if spec.fused and name in plan.fused_modules():
         return refused.noted(
             '[target] options fallback = "none" (set "regions" to compile a refused layer kind per region)'
         )
-    owners = [k for k in records if name in {r for _, r in plan.fused_kinds()[k].slots}]
+    owners = [k for k in records if name in {r for _, r in plan.fused_modules()[k].slots}]
     if owners:
         return refused.noted(
             f"it is a region of layer kind {owners[0]}, which neuronx-cc refused fused: no form is left"
@@ -104,8 +110,9 @@ def _record(traced: Traced, job: Job, refused: NeuronRefused, run: Run, *, fresh
     log = job.log.name
     shutil.copyfile(job.log, kept / log)
     buckets = tuple(e.bucket for e in traced.executables if e.kind == exe.kind)
+    what = "the draft step's module" if exe.kind == mf.DRAFT_MODULE else "layer kind"
     run.log(
-        f"neuronx-cc refused fused layer kind {exe.kind} at {_bucket(exe)} with {refused.code}; "
+        f"neuronx-cc refused fused {what} {exe.kind} at {_bucket(exe)} with {refused.code}; "
         f'compiling its {len(buckets)} bucket(s) per region instead ([target] options fallback = "regions"); '
         f"log: {kept / log}"
     )
@@ -128,7 +135,7 @@ def _per_region(spec: Spec, plan: RegionPlan, traced: Traced, refused: Job, run:
     and the names of those done (compiled before the refusal stopped the jobs)."""
     assert refused.exe is not None, "a fused layer's job"
     kind = refused.exe.kind
-    slots = {k for _, k in plan.fused_kinds()[kind].slots}
+    slots = {k for _, k in plan.fused_modules()[kind].slots}  # the draft's: all built already
     have = {e.name for e in traced.executables}
     exes = [e for e in spec.region_executables(plan) if e.kind in slots and e.name not in have]
     regions = trace_regions(spec, plan, run, exes)

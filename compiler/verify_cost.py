@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from deepinfer.bundles.manifest import DRAFT_MODULE
 from deepinfer.compiler.budget import human
 from deepinfer.compiler.step_cost import (
     F32,
@@ -121,8 +122,9 @@ def verify_rows(plan: BundlePlan) -> int:
 
 def fused_draft(plan: BundlePlan) -> bool:
     """Whether the plan runs a draft step as one execution: where the target fuses layers, the draft
-    step is one module a batch bucket (compiler/draft_layers.py)."""
-    return plan.spec.fused and bool(plan.regions.draft)
+    step is one module a batch bucket (compiler/draft_layers.py), unless neuronx-cc refused it
+    (`per_region`, compiler/fallback.py)."""
+    return plan.spec.fused and bool(plan.regions.draft) and DRAFT_MODULE not in plan.per_region
 
 
 def verify_cost(

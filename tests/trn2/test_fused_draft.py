@@ -37,6 +37,11 @@ KINDS = [
 ]
 
 
+# a draft step per region call: the context, each of the 3 stages' attention and MoE, the head's
+# normalize, the target head's project and the greedy choice (`tokens`, one rank)
+PER_REGION_DRAFT_EXECUTIONS = 1 + 3 * 2 + 3
+
+
 def toml_of(root: Path, ckpt: Path, options: str = "lnc = 1, optlevel = 1") -> Path:
     """The tiny model for trn2 with its DSpark draft, a verify bucket of 6 tokens (its block and anchor)."""
     return write_model_toml(
@@ -196,3 +201,30 @@ def test_a_refused_capture_twin_runs_per_region_with_its_capture(tiny_ckpt, tmp_
     assert calls["dspark_capture"] == calls["attn_reuse_r2"] == calls["moe"] == steps and twin not in calls
     executes = sum(ln.startswith("nrt_execute") for ln in (tmp_path / "nrt.log").read_text().splitlines())
     assert executes == (len(KINDS) + 3) * steps + calls[DRAFT_MODULE]
+
+
+@pytest.mark.slow  # a compile (no XLA:CPU check) with the stand-in neuronx-cc, then a run on the double
+def test_a_refused_draft_module_drafts_per_region(tiny_ckpt, tmp_path, fake_nrt_path):
+    """neuronx-cc refusing the draft step's module (compiler/fallback.py): the module is dropped, the
+    draft's regions (in the bundle already) run its steps, the layers stay fused."""
+    from .test_fallback import CODE, compile_cli
+
+    done = compile_cli(
+        toml_of(tmp_path, tiny_ckpt, "lnc = 1, optlevel = 1, check = false"), tmp_path / "fell", rf"^{DRAFT_MODULE}\."
+    )
+    assert done.returncode == 0, done.stderr
+    assert (
+        f"neuronx-cc refused fused the draft step's module {DRAFT_MODULE} at bucket batch 1 x tokens 5 with {CODE}"
+        in (done.stderr)
+    )
+    m = json.loads((tmp_path / "fell" / layout.MANIFEST_FILE).read_text())
+    assert [layer["fused"] for layer in m["layers"]] == KINDS and list(m["fallback"]) == [DRAFT_MODULE]
+    assert DRAFT_MODULE not in {e["kind"] for e in m["regions"]}
+    out = run_speculative(tmp_path / "fell", fake_nrt_path, tmp_path / "nrt.log")
+    assert out["outputs"][0]["error"] is None and len(out["outputs"][0]["generated_ids"]) == 8
+    timing = out["timing"]
+    steps, calls = timing["steps"], {r["kind"]: r["calls"] for r in timing["regions"]}
+    drafts = calls["dspark_context"]
+    assert drafts >= timing["speculation"]["verify_steps"] and DRAFT_MODULE not in calls
+    executes = sum(ln.startswith("nrt_execute") for ln in (tmp_path / "nrt.log").read_text().splitlines())
+    assert executes == (len(KINDS) + 1) * steps + PER_REGION_DRAFT_EXECUTIONS * drafts

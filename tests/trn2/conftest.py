@@ -136,3 +136,25 @@ def finished_copy(hlo_bundle: Path, dest: Path) -> Path:
         mp.setenv(neuronxcc.ENV_COMPILER, str(STAND_IN))
         finish_bundle(dest, jobs=1, log=lambda msg: None)
     return dest
+
+
+@pytest.fixture
+def session_env(fake_nrt_path, tmp_path, monkeypatch) -> Path:
+    """What the rank processes of a session on the doubles inherit: the libnrt double, one log for
+    every rank (each collective line names its rank), a shared directory to wait in, nothing of
+    Neuron's set. Returns the log's path."""
+    from deepinfer.runtime.neuron.libnrt import ENV_ROOT_COMM
+
+    (tmp_path / "collectives").mkdir()
+    monkeypatch.setenv("DEEPINFER_LIBNRT", str(fake_nrt_path))
+    monkeypatch.setenv("FAKE_NRT_LOG", str(tmp_path / "nrt.log"))
+    monkeypatch.setenv("FAKE_NRT_COLLECTIVES_DIR", str(tmp_path / "collectives"))
+    for var in (
+        ENV_ROOT_COMM,
+        "FAKE_NRT_HANG_RANK",
+        "FAKE_NRT_FAIL",
+        "NEURON_RT_VISIBLE_CORES",
+        "NEURON_LOGICAL_NC_CONFIG",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path / "nrt.log"

@@ -228,3 +228,46 @@ def test_a_refused_draft_module_drafts_per_region(tiny_ckpt, tmp_path, fake_nrt_
     assert drafts >= timing["speculation"]["verify_steps"] and DRAFT_MODULE not in calls
     executes = sum(ln.startswith("nrt_execute") for ln in (tmp_path / "nrt.log").read_text().splitlines())
     assert executes == (len(KINDS) + 1) * steps + PER_REGION_DRAFT_EXECUTIONS * drafts
+
+
+@pytest.mark.slow  # an HLO-stage compile at two ranks (no XLA:CPU check), then a session on the doubles
+def test_a_two_rank_session_drafts_with_the_module(tiny_ckpt, tmp_path, session_env):
+    """ep = 2 (EP dispatch, two token groups): each draft step is one execution of the draft module on
+    each rank, its dispatch collectives and pick all-gathers inside; the ranks' collective calls match
+    one for one (runtime/draft.py `module_step`, the followers' `choose`)."""
+    from click.testing import CliRunner
+
+    from deepinfer.compiler.cli import main
+    from deepinfer.runtime import RunOptions, generate
+    from deepinfer.runtime.bundle import open_bundle
+
+    toml = write_model_toml(
+        tmp_path,
+        tiny_ckpt,
+        target="trn2",
+        executable="neff",
+        options="{ lnc = 1, optlevel = 1, check = false }",
+        tokens=(1, 6),
+        num_blocks=5,
+        parallel=(1, 2, 1),
+        extra=DRAFT,
+    )
+    argv = [str(toml), "-o", str(tmp_path / "hlo"), "--jobs", "1", "--hlo-only"]
+    result = CliRunner().invoke(main, [*argv, "--cache-dir", os.environ[CACHE_ENV]])
+    assert result.exit_code == 0, result.output
+    bundle = finished_copy(tmp_path / "hlo", tmp_path / "finished")
+    m = open_bundle(bundle).manifest
+    (module,) = [e for e in m.regions if e.kind == DRAFT_MODULE]
+    dispatch = ["all_gather"] * 3 + ["reduce_scatter"]
+    assert [c.op for c in module.collectives or ()] == dispatch * 3 + ["all_gather"] * 5
+    options = RunOptions(max_new_tokens=8, speculative="dspark", collective_timeout_s=60, timeout_s=600)
+    done = generate(bundle, [[1, 5, 9]], options)
+    assert done[0].error is None and len(done[0].tokens) == 3 + 8
+    stats = done.stats
+    drafts = stats.calls[DRAFT_MODULE]
+    assert drafts >= 1 and not any(k.startswith("dspark_") for k in stats.calls)
+    executes = {
+        r: [ln for ln in session_env.read_text().splitlines() if ln.startswith("nrt_execute") and f" rank={r} " in ln]
+        for r in range(2)
+    }  # the executions of modules with collectives: every fused layer's and the draft module's
+    assert len(executes[0]) == len(executes[1]) == len(m.layers) * stats.steps + drafts

@@ -303,25 +303,6 @@ def two_rank_bundle(trn2_ep2_bundle, tmp_path_factory) -> Path:
     return finished_copy(trn2_ep2_bundle, tmp_path_factory.mktemp("trn2-ranks") / "bundle")
 
 
-@pytest.fixture
-def session_env(fake_nrt_path, tmp_path, monkeypatch) -> Path:
-    """What the rank processes inherit: the libnrt double, one log for both ranks (each collective line
-    names its rank), a shared directory to wait in, nothing of Neuron's set. Returns the log's path."""
-    (tmp_path / "collectives").mkdir()
-    monkeypatch.setenv("DEEPINFER_LIBNRT", str(fake_nrt_path))
-    monkeypatch.setenv("FAKE_NRT_LOG", str(tmp_path / "nrt.log"))
-    monkeypatch.setenv("FAKE_NRT_COLLECTIVES_DIR", str(tmp_path / "collectives"))
-    for var in (
-        ENV_ROOT_COMM,
-        "FAKE_NRT_HANG_RANK",
-        "FAKE_NRT_FAIL",
-        "NEURON_RT_VISIBLE_CORES",
-        "NEURON_LOGICAL_NC_CONFIG",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path / "nrt.log"
-
-
 @pytest.mark.slow
 def test_a_two_rank_session_runs_the_same_neffs_in_the_same_order(two_rank_bundle, session_env):
     """deepinfer's own launcher (generate_ranks) runs both ranks on the doubles: each builds the

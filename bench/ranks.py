@@ -8,7 +8,7 @@
 Per decode step (T = 1, `--batch` sequences per token group) and per rank, the
 payload each collective of runtime/ranks.py sends, summed over the layers:
 
-    tp all-reduce            float32 partial streams [B, n, D] after every attention
+    attention all-reduce     float32 partial streams [B, n, D] after every attention
     ep all-reduce            float32 partial streams after every MoE (tokens replicated)
     ep dispatch all-gather   packed rows (h in the activation dtype, pre, is_image), sent once,
                              received from every other rank

@@ -9,8 +9,8 @@ ranks' collectives on the host between them. The module (`manifest.DRAFT_MODULE`
 (`ops`):
 
     context: the features rings of the target layers the draft reads -> the window's context rows
-    each stage s: attention (its heads divided over the tp ranks: its partial streams all-reduced over
-        the tp group) -> MoE (compiler/layers.py `moe_ops`: the ep all-reduce, or EP dispatch's
+    each stage s: attention (its heads divided over the token group as the target's window
+        attention's: its partial streams all-reduced over the token group) -> MoE (compiler/layers.py `moe_ops`: the ep all-reduce, or EP dispatch's
         all-gather of every rank's rows and reduce-scatter of the partials)
     the last stage's head `normalize` -> the target head's `project`: this rank's vocabulary slice of
         the block's logits [B, P, rows]
@@ -46,8 +46,8 @@ def ops(plan: RegionPlan, topo: Topology, dtype: torch.dtype) -> list[Op]:
     out: list[Op] = [Run("context", DECODE)]
     for s in range(len(plan.draft)):
         out.append(Run(f"attn{s}", DECODE))
-        if topo.tp > 1:  # the draft's heads are divided over tp only: whole on every cp rank
-            out.append(Collective("all_reduce", "h", "h", _groups(topo.tp_groups()), to=dtype))
+        if topo.group_size > 1:  # its heads divided over the token group: the partial streams summed
+            out.append(Collective("all_reduce", "h", "h", _groups(topo.token_groups()), to=dtype))
         out += moe_ops(f"moe{s}", topo, dtype)
     out += [
         Run("head", "normalize"),

@@ -8,12 +8,11 @@
                       shared expert -> its intermediate columns [start, stop) of `shared_slice`,
                       zero-padded to the slice width; zeros for ranks without a slice
     attn_*,           heads over the token group (regions/topology.attention_share): wq_b rows
-    tp * cp > 1       of this rank's heads; window kinds and cp = 1: sink entries of its heads, wo_a
-                      rows (and, past G ranks, columns) and wo_b columns of its groups; compressed
-                      kinds at cp > 1: sink entries of its tp share, whole 32-blocks of the share's
-                      wo_a rows and those wo_b columns (zeros past it), indexer.wq_b rows over cp
-    dspark_attn,      wq_b rows and sink entries of this rank's heads; wo_a rows and wo_b
-    tp > 1            columns of this rank's output groups (scales follow in 32-blocks)
+    dspark_attn,      of this rank's heads; window kinds (the draft's too) and cp = 1: sink entries
+    tp * cp > 1       of its heads, wo_a rows (and, past G ranks, columns) and wo_b columns of its
+                      groups; compressed kinds at cp > 1: sink entries of its tp share, whole
+                      32-blocks of the share's wo_a rows and those wo_b columns (zeros past it),
+                      indexer.wq_b rows over cp
     head, tp * cp > 1 head.weight [V, D] -> its vocabulary rows [start, stop) of `head_slice`,
                       zero-padded to `head_rows`; zeros for ranks past the vocabulary
     dspark_head,      markov_head.head.weight [V, R]: the same vocabulary rows as the head's
@@ -57,7 +56,7 @@ ROUTED = ("w1", "w1_s", "w3", "w3_s", "w2", "w2_s")
 SHARED = ("sw1", "sw3", "sw2")
 # the kinds whose weights divide as the target's MoE's, with the config each is built with (its expert count)
 MOE_KINDS: dict[str, Callable[[TextConfig], TextConfig]] = {"moe": lambda c: c, "dspark_moe": draft_moe_config}
-DRAFT_ATTENTION = "dspark_attn"  # divides as the target's attention kinds (`attn_*`)
+DRAFT_ATTENTION = "dspark_attn"  # divides as the target's window attention (`attn_window`)
 # the weights whose rows are the vocabulary, split over a token group as the head's: the target head and
 # the draft's Markov head (its transition logits are added to the head's, slice by slice)
 VOCABULARY_ROWS = {("head", "head"), ("dspark_head", "markov_head")}
@@ -115,31 +114,15 @@ def _routed(name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
     return Cut(cols=_span(start, stop, True))
 
 
-def _attention(name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
-    r = topo.tp_rank(rank)
-    heads = c.num_attention_heads // topo.tp
-    rows = c.o_groups // topo.tp * c.o_lora_rank
-    scale = name.endswith("_s")
-    if name.startswith("wq_b"):
-        span = heads * c.head_dim
-        return Cut(rows=_span(r * span, (r + 1) * span, scale))
-    if name == "sink":
-        return Cut(rows=(r * heads, (r + 1) * heads))
-    if name.startswith("wo_a"):
-        return Cut(rows=_span(r * rows, (r + 1) * rows, scale))
-    if name.startswith("wo_b"):
-        return Cut(cols=_span(r * rows, (r + 1) * rows, scale))
-    return WHOLE
-
-
-def _heads(kind: str, name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
-    """The target's attention over the token group (regions/topology.attention_share): wq_b rows of
+def _heads(ratio: int, name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
+    """An attention over the token group (regions/topology.attention_share; `ratio` 0 for the window
+    kinds, the draft's included, 1 for the compressed ones, whichever ratio): wq_b rows of
     the rank's heads j = t * cp + c; the head-split output (sink of its heads, wo_a rows of its groups,
     or of its one group and its heads' columns, wo_b columns of those groups) or, staged, the
     row-split output (sink of its tp share, rr rows of the share's wo_a, those wo_b columns, zeros
     past the share) and indexer.wq_b rows over the cp ranks."""
     H, hd, G, R = c.num_attention_heads, c.head_dim, c.o_groups, c.o_lora_rank
-    share = attention_share(c, topo, 0 if kind == "attn_window" else 1)
+    share = attention_share(c, topo, ratio)
     j, scale = head_index(topo, rank), name.endswith("_s")
     t, cp = topo.tp_rank(rank), rank % topo.group_size // topo.tp
     if name.startswith("wq_b"):
@@ -197,10 +180,8 @@ def cut(kind: str, name: str, c: TextConfig, topo: Topology, rank: int) -> Cut:
             return _routed(name, m, topo, rank)
         if name.startswith(SHARED):
             return _shared(name, m, topo, rank)
-    elif kind.startswith("attn") and topo.group_size > 1:
-        return _heads(kind, name, c, topo, rank)
-    elif kind == DRAFT_ATTENTION and topo.tp > 1:
-        return _attention(name, c, topo, rank)
+    elif (kind.startswith("attn") or kind == DRAFT_ATTENTION) and topo.group_size > 1:
+        return _heads(0 if kind in ("attn_window", DRAFT_ATTENTION) else 1, name, c, topo, rank)
     if kind == "engram" and name.startswith("wkv") and topo.group_size > 1:
         return _engram(name, c, topo, rank)
     return WHOLE

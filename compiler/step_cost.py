@@ -69,7 +69,6 @@ LOGITS = "logits all-gather"
 # regions.topology.boundary_reduce), then EP's rows, the divided attention's merges, the logits
 GRAPH_ORDER = (
     "attention all-reduce",
-    "tp all-reduce",
     "ep all-reduce",
     "engram all-reduce",
     "ep dispatch all-gather",

@@ -20,8 +20,8 @@ With [speculative] draft a decode step of B sequences is a verify step and a dra
 Executions and collectives: the target's as its plan counts them (BundlePlan.per_step: trn2's fused
 layers hold the capture, so it adds neither); the draft's one execution where the target fuses
 layers, else one per region method it calls with its collectives on the host (`draft_calls`). A
-draft stage's collectives are at P rows: the attention's all-reduce over the tp group (its heads are
-divided over tp only: whole on every cp rank), the MoE's as the target's (EP all-reduce, or dispatch
+draft stage's collectives are at P rows: the attention's all-reduce over the token group (its heads are
+divided over it as the target's window attention's), the MoE's as the target's (EP all-reduce, or dispatch
 and combine); then P pick all-gathers over every rank (each rank's host gets every group's drafts).
 
 Where the target fuses layers (trn2) the draft step is one module a batch bucket (compiler/draft_layers.py,
@@ -251,7 +251,7 @@ def draft_collectives(plan: BundlePlan, batch: int) -> tuple[dict[str, int], dic
         if k:
             calls[name], sent[name] = k, b
 
-    if topo.tp > 1:  # its heads divided over the tp ranks (compiler/shard.py), whole at cp
+    if topo.group_size > 1:  # its heads divided over the token group (compiler/shard.py)
         add("draft attention all-reduce", stages, stages * streams)
     if topo.world > 1:  # over every rank: each rank's host gets every group's drafts
         add(DRAFT_PICKS, P, P * batch * PAIR)

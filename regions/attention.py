@@ -244,9 +244,9 @@ class _Attention(Region):
         return ops.blockquant_gemm(o, self.wo_b, self.wo_b_s, self.fp8)  # [B, T, D]
 
     def summed_over(self) -> int:
-        """The ranks whose partial streams sum to this layer's: the token group's tp * cp (the target's
-        heads divided over it), the tp group's for the DSpark draft (regions/topology.boundary_reduce)."""
-        return self.tp * self.cp if self.kind.startswith("attn") else self.tp
+        """The ranks whose partial streams sum to this layer's: the token group's tp * cp (its heads
+        divided over it, the DSpark draft's as the target's; regions/topology.boundary_reduce)."""
+        return self.tp * self.cp
 
     def _finish(self, out: Tensor, h: Tensor, mix) -> tuple[Tensor, Tensor]:
         """The new streams. With several ranks (`summed_over`), `out` covers this rank's heads (or

@@ -40,7 +40,7 @@ from deepinfer.regions.moe import MoE
 from deepinfer.regions.paging import gather_rows, ring_update
 from deepinfer.regions.state import Geometry, InputSpec
 from deepinfer.regions.step import Embedding
-from deepinfer.regions.topology import attention_config, head_rows
+from deepinfer.regions.topology import attention_share, head_rows
 
 if TYPE_CHECKING:
     from deepinfer.regions.head import Head
@@ -140,13 +140,15 @@ class DraftMoE(MoE):
 
 class DraftAttention(_Attention):
     """A draft stage's attention site: the block's queries over the projected target context (its
-    window before the anchor) and the whole block. Laid out as the target's attention: with tp > 1
-    the heads one tp rank computes, its output a partial sum over the tp group (`_finish`)."""
+    window before the anchor) and the whole block. Laid out as the target's window attention: with a
+    token group of several ranks the heads one rank computes (regions/topology.attention_share at
+    ratio 0), its output a partial sum over the token group (`_finish`)."""
 
     kind = "dspark_attn"
 
     def __init__(self, c: TextConfig, *, dtype: torch.dtype, cache_quant: bool, topo: Topology = Topology()):
-        super().__init__(attention_config(c, topo), [], dtype=dtype, cache_quant=cache_quant)
+        share = attention_share(c, topo, 0) if topo.group_size > 1 else None
+        super().__init__(c, [], dtype=dtype, cache_quant=cache_quant, share=share)
         self.tp, self.cp = topo.tp, topo.cp
 
     def input_specs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:

@@ -49,7 +49,6 @@ rank buffer; one executable set serves every rank.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -149,14 +148,6 @@ def check_division(topo: Topology, c: TextConfig, block_size: int) -> tuple[str,
             f"candidate blocks of {c.candidate_block_size} (candidate_block_size)"
         )
     return None
-
-
-def attention_config(c: TextConfig, topo: Topology) -> TextConfig:
-    """The attention shapes one tp rank computes: its heads and output groups (the DSpark draft's
-    layout; the target's attention kinds divide over the token group: `attention_share`)."""
-    if topo.tp == 1:
-        return c
-    return dataclasses.replace(c, num_attention_heads=c.num_attention_heads // topo.tp, o_groups=c.o_groups // topo.tp)
 
 
 def shared_width(c: TextConfig, topo: Topology) -> int:
@@ -276,7 +267,7 @@ def shared_slice(c: TextConfig, topo: Topology, rank: int) -> tuple[int, int] | 
 def boundary_reduce(kind: str, method: str, topo: Topology) -> dict[str, list[list[int]]]:
     """The outputs of a (kind, method) summed over rank groups at the region's boundary -> {output:
     replica groups}; what runtime/ranks.Comm.after does on the host: the attention's partial
-    streams over each token group (the draft's over each tp group), the MoE's over the token group when tokens are replicated in it
+    streams over each token group (the draft's too), the MoE's over the token group when tokens are replicated in it
     (ep = tp * cp). EP dispatch (token groups of one) moves rows instead; it stays on the host.
     The draft's attention (`dspark_attn`) and MoE (`dspark_moe`) are reduced as the target's. The
     engram's partial keys and value (its `kv` method) are summed over the token group."""
@@ -284,10 +275,8 @@ def boundary_reduce(kind: str, method: str, topo: Topology) -> dict[str, list[li
         return {"kv": topo.token_groups()}
     if method not in ("decode", "output"):  # the divided attention's last stage ends the region
         return {}
-    if kind.startswith("attn") and topo.group_size > 1:
+    if (kind.startswith("attn") or kind == "dspark_attn") and topo.group_size > 1:
         return {"h": topo.token_groups()}
-    if kind == "dspark_attn" and topo.tp > 1:
-        return {"h": topo.tp_groups()}
     if kind in ("moe", "dspark_moe") and topo.ep > 1 and not topo.dispatch:
         return {"h": [list(range(topo.world))]}
     return {}

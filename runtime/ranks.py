@@ -65,6 +65,7 @@ from deepinfer.runtime.requests import Completions
 
 DRAFT_PICKS = "draft pick all-gather"  # the draft's (value, index) pairs, P a draft step (`Comm.picks`)
 GREEDY_PICKS = "greedy pick all-gather"  # a greedy step's (value, index) pairs, a row each (`Comm.argmax_pairs`)
+DRAFT_ATTENTION_SUM = "draft attention all-reduce"  # a draft stage's partial streams over the token group
 
 
 class Comm:
@@ -74,12 +75,8 @@ class Comm:
         self.topo, self.rank, self.world = topo, rank, topo.world
         self.group = topo.group_of(rank)
         self.chunk = chunk_bytes // 4  # float32 elements per chunk
-        self.tp_group = self.cp_group = self.token_group = None
-        for ranks in topo.tp_groups():  # every rank creates every subgroup, in one order
-            made = dist.new_group(ranks) if topo.tp > 1 else None
-            if rank in ranks:
-                self.tp_group = made
-        for ranks in topo.cp_groups():  # the cp ranks that divide a group's context (regions/divided.py)
+        self.cp_group = self.token_group = None
+        for ranks in topo.cp_groups():  # every rank creates every subgroup, in one order  # the cp ranks that divide a group's context (regions/divided.py)
             made = dist.new_group(ranks) if topo.cp > 1 else None
             if rank in ranks:
                 self.cp_group = made
@@ -108,14 +105,13 @@ class Comm:
 
     def after(self, slot: str, out: list, dtype: torch.dtype, kind: str) -> list:
         """Combine a region's (of `kind`) outputs over its group (the attention's over the token group,
-        the draft's over the tp group, MoE with ep, the engram's partial keys and value over the token group): as
+        the draft's too, MoE with ep, the engram's partial keys and value over the token group): as
         regions/topology.boundary_reduce says."""
         if slot == "engram" and self.topo.group_size > 1:  # its `kv`: float32 into `mix`
             return [self._all_reduce(out[0], "engram all-reduce", self.token_group), *out[1:]]
-        if slot == "attn" and kind.startswith("attn") and self.topo.group_size > 1:
-            return [self._all_reduce(out[0], "attention all-reduce", self.token_group).to(dtype), *out[1:]]
-        if slot == "attn" and self.topo.tp > 1:
-            return [self._all_reduce(out[0], "tp all-reduce", self.tp_group).to(dtype), *out[1:]]
+        if slot == "attn" and self.topo.group_size > 1:  # the target's heads or the draft's
+            name = "attention all-reduce" if kind.startswith("attn") else DRAFT_ATTENTION_SUM
+            return [self._all_reduce(out[0], name, self.token_group).to(dtype), *out[1:]]
         if slot == "moe" and self.topo.ep > 1:
             if self.topo.dispatch:
                 B = out[0].shape[0] // self.world

@@ -557,12 +557,19 @@ def test_release_plan_with_the_draft_divides_it_over_the_ranks(tmp_path):
     experts = 3 * 128 * (2 * (s * D // 2 + s * D // 32) + D * s // 2 + D * w2_blocks)  # w1, w3 rows; w2 columns
     # the Markov head's output rows split as the target head's vocabulary: 2048 rows a rank (whole 32-blocks)
     head_rank = head - V * 256 * 2 + 2048 * 256 * 2
-    held = replicated - head + head_rank
+    # the attention's heads over the token group of 64, as the target's window attention's: one head a
+    # rank (wq_b's 512 rows, its sink entry), the one output group of 8 it falls in (wo_a's 1024 rows of
+    # that group, its head's 512 columns; wo_b's 1024 columns of the group)
+    heads = _fp8(64 * 512, 1280) + _fp8(8 * 1024, 64 * 512 // 8) + _fp8(D, 8 * 1024) + 64 * 4
+    attention_rank = attention - heads + _fp8(512, 1280) + _fp8(1024, 512) + _fp8(D, 1024) + 4
+    held = replicated - head + head_rank - 3 * (attention - attention_rank)
     assert held + experts <= per_rank <= held + experts + 3 * shared // 32  # + a shared expert slice
     assert per_rank == sum(v["per_rank"] for v in draft["by_kind"].values()) < GiB
     by_kind = draft["by_kind"]
-    for k in ("dspark_context", "dspark_attn"):  # whole on every rank at tp = 1
-        assert by_kind[k]["per_rank"] == by_kind[k]["whole"] == d["kinds"][k]["weights_per_rank"], k
+    context_kind = by_kind["dspark_context"]  # whole on every rank
+    assert context_kind["per_rank"] == context_kind["whole"] == d["kinds"]["dspark_context"]["weights_per_rank"]
+    assert by_kind["dspark_attn"]["per_rank"] == 3 * attention_rank == d["kinds"]["dspark_attn"]["weights_per_rank"]
+    assert by_kind["dspark_attn"]["whole"] == 3 * attention
     assert by_kind["dspark_head"]["per_rank"] == head_rank == d["kinds"]["dspark_head"]["weights_per_rank"]
     assert by_kind["dspark_head"]["whole"] == head
     assert by_kind["dspark_moe"]["whole"] > 50 * by_kind["dspark_moe"]["per_rank"]  # its router is whole everywhere

@@ -103,7 +103,7 @@ DRAFT = '\n[speculative]\ndraft = "dspark"\n'
 @pytest.mark.parametrize("parallel", [(1, 2, 2), (2, 1, 1), (1, 4, 4)], ids=["ep=cp=2", "tp=2", "ep=cp=4"])
 def test_draft_stacks_are_cut_per_rank_and_shared_where_whole(tiny_ckpt, tmp_path, parallel):
     """The draft's stacks (`mtp.N.` rows) through the weight pass as the target's: its MoE's routed
-    experts in each rank's file (its own 4 experts over ep), its attention's heads there under tp, the
+    experts in each rank's file (its own 4 experts over ep), its attention's heads there over the token group, the
     Markov head's vocabulary rows over the token group, everything every rank holds whole (context
     projection, the other heads' weights, router, norms) in one shared file;
     the bytes each rank's manifest entries point at are the cut of the whole tensors (`shard`)."""
@@ -134,7 +134,7 @@ def test_draft_stacks_are_cut_per_rank_and_shared_where_whole(tiny_ckpt, tmp_pat
         assert (moe["w1"].file == "rank") == (ep > 1) and moe["gate"].file == "shared"
         draft = draft_moe_config(spec.model.text)  # every expert, each rank its intermediate slice
         assert moe["w1"].shape[1:3] == (draft.n_routed_experts, expert_slice_width(draft, spec.topology))
-        assert (attn["wq_b"].file == "rank") == (tp > 1) and attn["attn_norm"].file == "shared"
+        assert (attn["wq_b"].file == "rank") == (tp * parallel[2] > 1) and attn["attn_norm"].file == "shared"
 
 
 @pytest.fixture(scope="module")

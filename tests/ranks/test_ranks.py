@@ -66,9 +66,8 @@ def _check_weight_cuts(m: dict, tp: int, ep: int, cp: int) -> None:
         sharded |= {k for k in digests[0] if k.startswith("attn")}
     if ep > 1 and "dspark_moe" in digests[0]:  # a draft's experts divide as the target's
         sharded.add("dspark_moe")
-    if tp > 1 and "dspark_attn" in digests[0]:  # a draft's heads divide over the tp group only: the cp ranks
-        sharded.add("dspark_attn")  # of one tp rank hold the same
-        assert all(digests[r]["dspark_attn"] == digests[r % tp]["dspark_attn"] for r in range(world))
+    if tp * cp > 1 and "dspark_attn" in digests[0]:  # a draft's heads divide as the target's window attention's
+        sharded.add("dspark_attn")
     if tp * cp > 1:  # the head, split by vocabulary over the token group; the engram's wkv by its input columns
         sharded |= {"head", "engram"}
         if "dspark_head" in digests[0]:  # the draft's Markov head: the head's vocabulary rows (regions/picking.py)

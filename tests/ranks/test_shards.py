@@ -357,10 +357,12 @@ def test_draft_regions_hold_the_shards_of_the_target_layout(text, topo):
     exactly the shape of its rank's shard of the whole tensor (`shard` checks it), and those shards
     divide the whole as the target's layers do: a slice of every one of the draft's own routed experts
     on each rank (its intermediate columns, `expert_slice`), the shared expert's intermediate in whole slices with zeros past it,
-    the attention's heads and output groups over tp, the Markov head's output rows over the token group as
+    the attention's heads and output groups over the token group as the target's window attention's
+    (the same shapes), the Markov head's output rows over the token group as
     the target head's vocabulary; context projection and the other heads' weights whole everywhere."""
     plan = plan_regions(text, torch.float32, True, topo, draft=True)
     assert {"dspark_context", "dspark_attn", "dspark_moe", "dspark_head"} <= set(plan.draft_kinds)
+    window_specs = plan.kinds["attn_window"].region.specs
     E, I = text.dspark_n_routed_experts, text.moe_intermediate_size
     assert E != text.n_routed_experts  # the tiny draft's 4 experts, not the target's 8
     for kind in plan.draft_kinds:
@@ -379,11 +381,10 @@ def test_draft_regions_hold_the_shards_of_the_target_layout(text, topo):
                 dim = 1 if s.name.startswith("sw2") else 0  # sw1, sw3 [I, D]: rows; sw2 [D, I]: columns
                 length = I if not s.name.endswith("_s") else I // 32
                 assert torch.equal(_pieces_joined(parts, dim, length), whole) and divided, s.name
-            elif kind == "dspark_attn" and topo.tp > 1 and s.name.startswith(TP_ROWS + ("wo_b",)):
-                dim = 1 if s.name.startswith("wo_b") else 0  # one tp group's parts make the whole; every
-                assert torch.equal(torch.cat(parts[: topo.tp], dim), whole) and divided, s.name  # cp rank
-                assert all(torch.equal(p, parts[r % topo.tp]) for r, p in enumerate(parts)), s.name  # the same
-                assert s.buffer_shape[dim] * topo.tp == full.buffer_shape[dim]
+            elif kind == "dspark_attn" and topo.group_size > 1 and s.name.startswith(TP_ROWS + ("wo_b",)):
+                window = {w.name: w for w in window_specs}[s.name]  # the target's window attention's share
+                assert divided and s.buffer_shape == window.buffer_shape, s.name
+                assert len({p.sum().item() for p in parts[: topo.group_size]}) > 1, s.name  # its own heads
             elif kind == "dspark_head" and s.name == "markov_head" and topo.group_size > 1:
                 rows = head_rows(text, topo)  # the target head's vocabulary rows, zeros past the vocabulary
                 assert s.buffer_shape == (rows, full.buffer_shape[1]) and divided
@@ -393,7 +394,7 @@ def test_draft_regions_hold_the_shards_of_the_target_layout(text, topo):
                 assert not divided and s.buffer_shape == full.buffer_shape, (kind, s.name)
                 assert all(torch.equal(p, whole) for p in parts), (kind, s.name)
     heads = plan.kinds["dspark_attn"].region
-    assert (heads.heads, heads.tp, heads.cp) == (text.num_attention_heads // topo.tp, topo.tp, topo.cp)
+    assert (heads.heads, heads.tp, heads.cp) == (text.num_attention_heads // topo.group_size, topo.tp, topo.cp)
 
 
 @pytest.mark.parametrize(
@@ -422,11 +423,15 @@ def test_draft_moe_partials_sum_to_the_one_rank_draft_moe(tiny_ckpt, text, topo)
     assert not torch.equal(parts[0][0], parts[1][0])  # each rank really holds a share
 
 
-@pytest.mark.parametrize("topo", [Topology(tp=2), Topology(tp=2, ep=4, cp=2)], ids=["tp=2", "tp=2xcp=2,ep=4"])
+@pytest.mark.parametrize(
+    "topo",
+    [Topology(tp=2), Topology(tp=2, ep=4, cp=2), Topology(ep=4, cp=4)],
+    ids=["tp=2", "tp=2xcp=2,ep=4", "ep=cp=4"],
+)
 def test_draft_attention_partials_sum_to_the_one_rank_draft_attention(tiny_ckpt, text, topo):
-    """The draft's attention (`mtp.0.`) with its heads over tp = 2: each tp group's partials sum to the
-    one-rank output (the runtime all-reduces them over the tp group, as the target's attention); with
-    cp = 2 both cp ranks' groups compute it (the draft does not divide the context: its own is whole)."""
+    """The draft's attention (`mtp.0.`) with its heads over the token group, as the target's window
+    attention's: the group's partials sum to the one-rank output (the runtime all-reduces them over the
+    token group); the context is whole on every rank (the draft's own window, not the paged state)."""
     full = DraftAttention(text, dtype=torch.float32, cache_quant=True)
     load_region(Checkpoint(tiny_ckpt), full, "mtp.0.")
     g = Geometry(slots=3, blocks=4, block_size=16, max_blocks=2)
@@ -441,9 +446,9 @@ def test_draft_attention_partials_sum_to_the_one_rank_draft_attention(tiny_ckpt,
     for r in range(topo.world):
         make = lambda: DraftAttention(text, dtype=torch.float32, cache_quant=True, topo=topo)  # noqa: E731
         region = ranked(full, make, "dspark_attn", text, topo, r)
-        assert region.heads == text.num_attention_heads // 2
+        assert region.heads == text.num_attention_heads // topo.group_size
         parts.append(region.decode(*[a.clone() for a in args]))
-    for group in topo.tp_groups():  # each the residual once (its first rank) and its heads' share
+    for group in topo.token_groups():  # each the residual once (its first rank) and its heads' share
         got = torch.stack([parts[r][0] for r in group]).sum(0)
         torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
         assert not torch.equal(parts[group[0]][0], parts[group[1]][0])

@@ -36,7 +36,7 @@ from ..conftest import write_model_toml
 DRAFT = '\n[host]\nembedding = true\n\n[speculative]\ndraft = "dspark"\n'
 WAIT_S = 120  # a rank's wait for the others at a collective
 # drawn as the rest, the Markov head's transition is too small to move an argmax (a wrong `previous`
-# went unseen); at 30 it alone chose the first position: at 3 a dropped tp or ep all-reduce and a
+# went unseen); at 30 it alone chose the first position: at 3 a dropped attention or ep all-reduce and a
 # wrong group's `previous` each change the drafts
 MARKOV_SCALE = 3.0
 
@@ -160,9 +160,9 @@ def reference_drafts(spec, regions, lk, weights, inputs) -> list[torch.Tensor]:
             with torch.no_grad():
                 out = getattr(region(name), PROJECT if slot == PROJECT else method)(*args)
             out = list(out) if isinstance(out, (tuple, list)) else [out]
-            if slot == "attn" and topo.tp > 1:
-                tp = next(g for g in topo.tp_groups() if rank in g)
-                out[0] = summed(out[0], tp).to(dtype)
+            if slot == "attn" and topo.group_size > 1:  # its heads divided over the token group
+                group = next(g for g in topo.token_groups() if rank in g)
+                out[0] = summed(out[0], group).to(dtype)
             if slot == "moe" and topo.ep > 1:
                 total = summed(out[0], range(topo.world))
                 if topo.dispatch:
@@ -199,8 +199,8 @@ DISPATCH = ["all_gather h", "all_gather pre", "all_gather is_image", "reduce_sca
     "parallel, per_stage",
     [
         ((1, 1, 1), []),
-        ((1, 4, 4), ["all_reduce h"]),  # the MoE's ep all-reduce
-        ((2, 4, 2), ["all_reduce h", "all_reduce h"]),  # the attention's over tp, then the MoE's
+        ((1, 4, 4), ["all_reduce h", "all_reduce h"]),  # the attention's over the token group, the MoE's
+        ((2, 4, 2), ["all_reduce h", "all_reduce h"]),
         ((1, 4, 1), DISPATCH),  # four token groups, EP dispatch
     ],
     ids=["one-rank", "cp=ep=4", "tp=2xcp=2,ep=4", "ep=4-dispatch"],

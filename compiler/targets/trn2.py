@@ -110,7 +110,9 @@ class Trn2Target:
         "deepinfer.compiler.targets.neuronxcc",
         "deepinfer.compiler.targets.link",
         "deepinfer.compiler.layers",
+        "deepinfer.compiler.draft_layers",
         "deepinfer.regions.divided",
+        "deepinfer.regions.picking",
         "deepinfer.kernels.select",
     )
 

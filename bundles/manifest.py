@@ -35,6 +35,9 @@ SUPPORTED_VERSIONS = (3,)
 # through (the one other method a bundle holds); compiler, runtime and regions spell them only here
 DECODE = "decode"
 PROJECT = "project"
+# the head's greedy choice on its vocabulary slice in the graph (trn2 with several ranks): each row's
+# (value, global index) packed [B, T, 2] float32 instead of the slice's logits (regions/head.py)
+BEST = "best"
 ROWS_PREFIX = "rows_"  # an attention kind's twin for prompt chunks divided by rows (regions/rows.py)
 ROWS_SLOT = "rows"  # the slot a layer's twin is bound at
 # the draft's capture (regions/dspark.py): draft stage 0's slot, and the slot of a fused layer's capture

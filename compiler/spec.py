@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.bundles.manifest import BEST
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.config import CompileConfig, config_error
@@ -79,7 +80,17 @@ class Spec:
         if not self.fused:
             return self.region_executables(plan)
         b = self.config.buckets
-        return plan.fused_executables(b.shapes(), b.contexts, self.topology.groups if self.topology.dispatch else 1)
+        exes = plan.fused_executables(b.shapes(), b.contexts, self.topology.groups if self.topology.dispatch else 1)
+        if self.head_best:  # the head's greedy choice in its graph, at every bucket the head has
+            exes += [Exe("head", BEST, batch, tokens, None) for batch, tokens in b.shapes()]
+        return exes
+
+    @property
+    def head_best(self) -> bool:
+        """Whether the head also picks a greedy step's (value, index) pairs in its graph (`Head.best`):
+        fused layers (trn2) with several ranks, where a greedy step's pairs cross ranks and the logits
+        slice need not leave the device."""
+        return self.fused and self.topology.world > 1
 
     def region_executables(self, plan: RegionPlan) -> list[Exe]:
         """One executable per region kind, method and bucket, in plan order (MoE on gathered rows under

@@ -9,8 +9,9 @@ With [speculative] draft a decode step of B sequences is a verify step and a dra
               target layer's fused module, compiler/layers.py's capture twins): as lowered, a
               sequence's whole features ring [W + P, D] read and written at each target layer.
               The head's choice per vocabulary slice: a greedy step's rows cross ranks as (value,
-              index) pairs, not logits; each rank's slice still comes back to its host, where its
-              pair is taken (an argmax in the head's executable, not built, would bring 8 bytes a row)
+              index) pairs, not logits; where the head picks in its graph (fused layers, several
+              ranks: `Head.best`) only the pairs leave the device, 8 bytes a row, else each rank's
+              slice comes back to its host, where its pair is taken
     draft     the next block, P = dspark_block_size positions: its context from the features rings
               (W positions of D per target layer), every stage's attention and MoE (their weights at
               B * P rows, the routed experts' gathered slices as the target's), the last stage's
@@ -172,7 +173,8 @@ def target_part(plan: BundlePlan, batch: int, rows: int, context: int, pairs: bo
         2 * len(c.dspark_target_layer_ids) * batch * (c.sliding_window + c.dspark_block_size) * c.hidden_size * act
     )
     state = batch * chunk_state_bytes(c, plan, rows, context, act) + capture
-    out = n * head_rows(c, topo) * F32  # the rank's slice comes back; its best is taken on the host
+    # the rank's pairs come back where its head picks in its graph (`Spec.head_best`), else its slice
+    out = n * PAIR if pairs and spec.head_best else n * head_rows(c, topo) * F32
     engram = sum(p.engram_rows > 0 for p in plan.regions.layers)
     moved = host_inputs(c, n, act, device_embedding=spec.device_embedding, engram_layers=engram) + out
     host = {name: k - graph.get(name, 0) for name, k in counts.items() if k > graph.get(name, 0)}

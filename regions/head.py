@@ -8,9 +8,11 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from deepinfer.bundles.manifest import BEST
 from deepinfer.kernels import hc as _hc  # noqa: F401  (registers ops)
 from deepinfer.regions.base import Region, WeightSpec
 from deepinfer.regions.config import TextConfig
+from deepinfer.regions.picking import pack_pick, slice_best_in_graph
 from deepinfer.regions.state import Geometry, InputSpec
 from deepinfer.regions.step import embed_tokens
 
@@ -56,7 +58,7 @@ class Head(Region):
 
     kind = "head"
 
-    def __init__(self, c: TextConfig, *, dtype: torch.dtype, rows: int | None = None):
+    def __init__(self, c: TextConfig, *, dtype: torch.dtype, rows: int | None = None, group: int = 1):
         rows = c.vocab_size if rows is None else rows
         super().__init__(
             [
@@ -65,7 +67,7 @@ class Head(Region):
             ],
             dtype,
         )
-        self.c, self.rows = c, rows
+        self.c, self.rows, self.group = c, rows, group
 
     def output_names(self) -> list[str]:
         return ["logits"]
@@ -76,6 +78,20 @@ class Head(Region):
             InputSpec("h", (B, T, c.hc_mult, c.hidden_size), self.dtype, "activation"),
             InputSpec("pre", (B, T, c.hc_mult), torch.float32, "activation"),
         ]
+
+    def best_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
+        return self.input_specs(B, T, g)
+
+    def best_outputs(self) -> list[str]:
+        return [BEST]
+
+    def best(self, h: Tensor, pre: Tensor) -> Tensor:
+        """A greedy step's choice on this rank's vocabulary slice in the graph: h, pre -> [B, T, 2]
+        float32, each row's best value and its global index (exact in float32: a vocabulary is below
+        2^24), as `regions.picking.slice_best` takes them from `decode`'s logits on the host. The ranks
+        all-gather these pairs (runtime/ranks.Comm.best_pairs); the logits never leave the device."""
+        first = self.rank % self.group * self.rows
+        return pack_pick(*slice_best_in_graph(self.decode(h, pre), first, self.c.vocab_size))
 
     def project_inputs(self, B: int, T: int, g: Geometry) -> list[InputSpec]:
         return [InputSpec("x", (B, T, self.c.hidden_size), self.dtype, "activation")]

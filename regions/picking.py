@@ -90,6 +90,19 @@ def stack_drafts(*winners: Tensor) -> Tensor:
     return torch.stack(winners, -1)
 
 
+def slice_best_in_graph(logits: Tensor, first: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+    """`slice_best` as one graph for every rank (`first` a tensor: this rank's first global index):
+    the rows past the vocabulary at -inf, NaN where a real logit is not finite; a slice wholly past
+    the vocabulary gives (-inf, `first`) as `slice_best` does."""
+    index = first + torch.arange(logits.shape[-1], device=logits.device)
+    real = index < vocab
+    x = logits.float().masked_fill(~real, float("-inf"))
+    best = x.argmax(-1)  # the lowest index among equal values
+    value = x.gather(-1, best.unsqueeze(-1)).squeeze(-1)
+    finite = (torch.isfinite(x) | ~real).all(-1)
+    return torch.where(finite, value, torch.full_like(value, float("nan"))), first + best
+
+
 def slice_best(logits: Tensor, first: int, vocab: int) -> tuple[Tensor, Tensor]:
     """A greedy step's choice on one rank's vocabulary slice: logits [..., rows] (the global indices
     `first` .. `first` + rows - 1, the rows past `vocab` padding) -> per row this slice's best (value
@@ -98,9 +111,9 @@ def slice_best(logits: Tensor, first: int, vocab: int) -> tuple[Tensor, Tensor]:
     scheduler's non-finite check fires as it does on the whole logits; a slice wholly past the
     vocabulary scores -inf at an index past it (it never wins, `merge_picks`).
 
-    On cpu this runs on the host over the head's output; on trn2 it belongs in the head's NEFF (the
-    head's normalize, projection and slice max in one execution, a pair a row out instead of the
-    slice's logits): not built here."""
+    On cpu this runs on the host over the head's output; on trn2 with several ranks the head's `best`
+    method runs it in the head's NEFF (`slice_best_in_graph`): a pair a row leaves the device instead
+    of the slice's logits."""
     real = max(0, min(logits.shape[-1], vocab - first))
     if real == 0:
         shape = logits.shape[:-1]

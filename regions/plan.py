@@ -60,7 +60,7 @@ def make_layer_regions(
 
 def make_head(c: TextConfig, dtype: torch.dtype, topo: Topology = Topology()) -> Head:
     """The head with the vocabulary rows one rank of `topo` holds (all of them by default)."""
-    return Head(c, dtype=dtype, rows=head_rows(c, topo))
+    return Head(c, dtype=dtype, rows=head_rows(c, topo), group=topo.group_size)
 
 
 def make_embed(c: TextConfig, dtype: torch.dtype) -> Embed:

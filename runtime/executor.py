@@ -230,25 +230,47 @@ class Executor:
                     draft.choose(self, batches, stats, flags[0])
                 else:
                     capture, greedy = self.capture(stats) if flags[0] else None, flags[1]
-                    logits = self.forward(batch, stats, capture=capture)
                     if greedy:
-                        comm.argmax_pairs(logits, vocab)
+                        self.greedy_step(batch, stats, capture=capture)
                     else:
-                        comm.gather_logits(logits, vocab)
+                        comm.gather_logits(self.forward(batch, stats, capture=capture), vocab)
+
+    def greedy_step(
+        self, batch: Batch, stats: Stats, *, on_call: OnCall | None = None, capture: Capture | None = None
+    ) -> list[Greedy]:
+        """A step on this rank of several where every row is greedy and none needs logits -> each token
+        group's choices, only (value, index) pairs crossing ranks (`Comm.best_pairs`): picked by the
+        head in its graph where the bundle has its `best` method (trn2: no logits leave the device),
+        else on the host from this rank's logits slice (`Comm.argmax_pairs`)."""
+        comm = self.comm
+        assert comm is not None, "greedy pairs cross ranks"
+        if any(key[:2] == (self.bound[(-1, "head")][0], mf.BEST) for key in self.executables):
+            pairs = self.forward(batch, stats, on_call=on_call, capture=capture, head=mf.BEST)  # [B, T, 2]
+            return comm.best_pairs(pairs[..., 0], pairs[..., 1].long())
+        logits = self.forward(batch, stats, on_call=on_call, capture=capture)
+        return comm.argmax_pairs(logits, self.config.text.vocab_size)
 
     def forward(
-        self, batch: Batch, stats: Stats, *, on_call: OnCall | None = None, capture: Capture | None = None
+        self,
+        batch: Batch,
+        stats: Stats,
+        *,
+        on_call: OnCall | None = None,
+        capture: Capture | None = None,
+        head: str = mf.DECODE,
     ) -> Tensor:
         """This rank's step: the embedding (the host lookup, or the embedding region fed the token
         ids), every layer and the head -> logits [B, T, V], this rank's vocabulary slice [B, T, rows]
         with several ranks (`Comm.gather_logits` makes them whole). `capture`: what the step writes
-        for the draft (`capture`)."""
+        for the draft (`capture`). `head`: the head's method (`mf.BEST`: its slice's greedy pairs)."""
         start = time.perf_counter()
         if capture is None and self.own_rows(batch) is not None:  # divided by rows (regions/rows.py)
             logits = self._divided(batch, stats, on_call)
             stats.record_step(batch, time.perf_counter() - start)
             return logits
         invoke = self.invoker(batch.block_table.shape[1], stats, on_call, step_tokens=batch.tokens.shape[1])
+        if head != mf.DECODE:
+            invoke = _head_method(invoke, head)
         if self.host.embed is not None:
             h, pre = self.host.embed(batch.tokens, batch.is_image, batch.image_rows)
         else:  # a text-only step's zero image rows equal the last ones: the device staging skips them
@@ -500,9 +522,22 @@ class Steps:
         if comm is None:
             return [x.forward(batches[0], self.stats, on_call=self.on_call, capture=capture)]
         comm.step((STEP, batches, capture is not None, greedy))
-        logits = x.forward(batches[comm.group], self.stats, on_call=self.on_call, capture=capture)  # [B, T, rows]
-        vocab = x.config.text.vocab_size
-        return list(comm.argmax_pairs(logits, vocab)) if greedy else list(comm.gather_logits(logits, vocab))
+        batch = batches[comm.group]
+        if greedy:
+            return list(x.greedy_step(batch, self.stats, on_call=self.on_call, capture=capture))
+        logits = x.forward(batch, self.stats, on_call=self.on_call, capture=capture)  # [B, T, rows]
+        return list(comm.gather_logits(logits, x.config.text.vocab_size))
+
+
+def _head_method(invoke, method: str):
+    """`invoke` with the head's call made as `method`."""
+
+    def head_as(layer: int, slot: str, *inputs, **options):
+        if (layer, slot) == (-1, "head"):
+            options["method"] = method
+        return invoke(layer, slot, *inputs, **options)
+
+    return head_as
 
 
 def _share(T: int, group: int, rank: int) -> slice:

@@ -272,11 +272,19 @@ class Comm:
         (`regions.picking.slice_best`: NaN where a logit of its slice is not finite) and only these
         pairs are all-gathered (8 bytes a row, "greedy pick all-gather"), merged per group into the
         one-rank argmax (`merge_best`): the logits [B, T, V] never cross ranks."""
-        from deepinfer.regions.picking import merge_best, slice_best
+        from deepinfer.regions.picking import slice_best
+
+        first = (self.rank % self.topo.group_size) * logits.shape[-1]  # this rank's place in its group's vocabulary
+        return self.best_pairs(*slice_best(logits, first, vocab))
+
+    def best_pairs(self, value: torch.Tensor, index: torch.Tensor) -> list[Greedy]:
+        """This rank's best (value, global index) of its slice for each row [B, T] (`slice_best`, or
+        the head's `best` in its graph) -> each token group's choices: one all-gather of the pairs, merged
+        per group into the one-rank argmax (`merge_best`)."""
+        from deepinfer.regions.picking import merge_best
 
         size = self.topo.group_size
-        first = (self.rank % size) * logits.shape[-1]  # this rank's place in its group's vocabulary
-        values, indices = self.picks(*slice_best(logits, first, vocab), GREEDY_PICKS)  # [world, B, T]
+        values, indices = self.picks(value, index, GREEDY_PICKS)  # [world, B, T]
         out = []
         for g in range(self.topo.groups):
             value, token = merge_best(values[g * size : (g + 1) * size], indices[g * size : (g + 1) * size])

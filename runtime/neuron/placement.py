@@ -28,7 +28,7 @@ from deepinfer.runtime.neuron.device import DeviceTensor, HostInputs, NeuronCore
 ENV_LNC = "NEURON_LOGICAL_NC_CONFIG"
 # the region outputs the host reads (sampling); every other output (the streams h and pre, the
 # selected indices, the candidate pool) stays on the device for the next region call
-HOST_OUTPUTS = ("logits",)
+HOST_OUTPUTS = ("logits", "best")  # the head's slice, or its greedy pairs (`Head.best`)
 # the draft head's: the block's tokens the scheduler verifies, and (several ranks) each block position's
 # (value, index) pair the ranks all-gather (regions/picking.py); its normalized state stays for `project`;
 # the draft step's one module's drafts (compiler/draft_layers.py)

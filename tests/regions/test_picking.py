@@ -20,7 +20,7 @@ from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.shard import shard
 from deepinfer.regions.config import parse_config
 from deepinfer.regions.dspark import DraftHead
-from deepinfer.regions.picking import merge_best, merge_picks, pick_block, slice_best
+from deepinfer.regions.picking import merge_best, merge_picks, pick_block, slice_best, slice_best_in_graph
 from deepinfer.regions.tiny import tiny_config
 from deepinfer.regions.topology import head_rows, head_slice
 
@@ -220,3 +220,43 @@ def test_greedy_slice_past_the_vocabulary_never_wins(c):
     logits[0, 1, 99] = -1.0
     value, token = greedy_merge(logits, c, topo)
     assert token.tolist() == [[0, 99]] and value.tolist() == [[-3.0, -1.0]]
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("pad", [1e30, float("nan")])
+def test_the_heads_graph_picks_as_the_host_does(c, group, pad):
+    """`slice_best_in_graph` (the head's `best` on trn2: one graph for every rank, its first index a
+    tensor) gives `slice_best`'s pairs on every rank's slice: random logits, ties, a non-finite logit
+    in the vocabulary, padding rows that would win (or are NaN), a slice of padding only (group 3)."""
+    topo = Topology(ep=group, cp=group)
+    rows = head_rows(c, topo)
+    gen = torch.Generator().manual_seed(group)
+    tied = torch.randint(0, 3, (2, 3, V), generator=gen).float()
+    broken = torch.randn(2, 3, V, generator=gen)
+    broken[0, 1, 70], broken[1, 2, 5] = float("nan"), float("-inf")
+    for logits in (torch.randn(2, 3, V, generator=gen), tied, broken):
+        for rank, piece in enumerate(greedy_slices(logits, c, topo, pad)):
+            want = slice_best(piece, rank * rows, V)
+            got = slice_best_in_graph(piece, torch.tensor(rank * rows), V)
+            assert torch.equal(got[1], want[1]), (rank, got[1], want[1])
+            assert torch.equal(got[0].isnan(), want[0].isnan()) and torch.equal(
+                got[0].nan_to_num(0.0), want[0].nan_to_num(0.0)
+            ), rank
+
+
+def test_the_heads_best_packs_its_slices_pairs(c):
+    """`Head.best` on rank 1 of a token group of 4: its `decode` logits' `slice_best`, packed as
+    float32 (value, index) [B, T, 2]."""
+    from deepinfer.regions.examples import example_inputs, random_weights
+    from deepinfer.regions.plan import make_head
+    from deepinfer.regions.state import Geometry
+
+    topo = Topology(ep=4, cp=4)
+    head = make_head(c, torch.float32, topo)
+    head = head.with_weights({**random_weights(head, 0), "rank": torch.tensor(1)})
+    g = Geometry(slots=2, blocks=4, block_size=16, max_blocks=2)
+    h, pre = example_inputs(head.input_specs(2, 3, g), g, seed=4)
+    value, index = slice_best(head.decode(h, pre), head.rows, V)
+    packed = head.best(h, pre)
+    assert packed.shape == (2, 3, 2) and torch.equal(packed[..., 0], value)
+    assert torch.equal(packed[..., 1].long(), index) and bool((index >= head.rows).all())

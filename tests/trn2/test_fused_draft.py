@@ -234,7 +234,8 @@ def test_a_refused_draft_module_drafts_per_region(tiny_ckpt, tmp_path, fake_nrt_
 def test_a_two_rank_session_drafts_with_the_module(tiny_ckpt, tmp_path, session_env):
     """ep = 2 (EP dispatch, two token groups): each draft step is one execution of the draft module on
     each rank, its dispatch collectives and pick all-gathers inside; the ranks' collective calls match
-    one for one (runtime/draft.py `module_step`, the followers' `choose`)."""
+    one for one (runtime/draft.py `module_step`, the followers' `choose`); greedy steps run the head's
+    `best` (its pairs, not its logits, leave the device)."""
     from click.testing import CliRunner
 
     from deepinfer.compiler.cli import main
@@ -266,6 +267,8 @@ def test_a_two_rank_session_drafts_with_the_module(tiny_ckpt, tmp_path, session_
     stats = done.stats
     drafts = stats.calls[DRAFT_MODULE]
     assert drafts >= 1 and not any(k.startswith("dspark_") for k in stats.calls)
+    # greedy verify steps: the head picks in its graph (`Head.best`), only pairs cross ranks
+    assert stats.calls["head.best"] >= 1 and "logits all-gather" not in done.sent[0]
     executes = {
         r: [ln for ln in session_env.read_text().splitlines() if ln.startswith("nrt_execute") and f" rank={r} " in ln]
         for r in range(2)

@@ -135,7 +135,8 @@ def moe_ops(slot: str, topo: Topology, dtype: torch.dtype) -> list[Op]:
     rows, its partials all-reduced over the ep ranks where they are several."""
     world = _groups([list(range(topo.world))])
     if not topo.dispatch:
-        return [Run(slot, DECODE)] + ([Collective("all_reduce", "h", "h", world, to=dtype)] if topo.ep > 1 else [])
+        out: list[Op] = [Run(slot, DECODE)]
+        return out + ([Collective("all_reduce", "h", "h", world, to=dtype)] if topo.ep > 1 else [])
     return [
         Collective("all_gather", "h", "h_all", world),
         Collective("all_gather", "pre", "pre_all", world),

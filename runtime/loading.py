@@ -12,6 +12,7 @@ runtime/bundle.py (`tensors`, `stack_tensors`, `executable_file`, `check_executa
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -221,14 +222,11 @@ def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict
     bound = {(layer, slot): views(b) for layer, slot, b in m.bindings() if layer not in fused}
     for layer in m.layers:  # a fused layer's one executable: each slot's weights as `<slot>.<name>`
         if layer.fused is not None:
+            own = functools.partial(_layer_binding, layer, draft)
             bound[(layer.layer, LAYER_SLOT)] = (
                 layer.fused,
                 [
-                    rank_tensor
-                    if s.role == "rank"
-                    else _slot_view(
-                        placement, stacks, s.name, lambda slot, layer=layer: layer.regions.get(slot) or draft[slot]
-                    )
+                    rank_tensor if s.role == "rank" else _slot_view(placement, stacks, s.name, own)
                     for s in signatures[layer.fused]
                     if s.role in ("weight", "rank")
                 ],
@@ -252,6 +250,11 @@ def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict
             ],
         )
     return bound, draft_bound
+
+
+def _layer_binding(layer: mf.Layer, draft: dict[str, mf.Binding], slot: str) -> mf.Binding:
+    """A fused layer's binding of `slot`: its own, else the draft's first stage's (a capture twin's `capture`)."""
+    return layer.regions.get(slot) or draft[slot]
 
 
 def _slot_view(placement: Placement, stacks: dict, name: str, binding_of: Callable[[str], mf.Binding]):

@@ -71,10 +71,10 @@ def test_release_layer_plan_and_executables(release):
     assert {k: v["layers"] for k, v in d["kinds"].items()} == {"embed": [-1], **RELEASE_KINDS}
     # trn2 fuses each layer's regions (compiler/layers.py): one executable per layer kind (its attention
     # kind and whether it has an engram) x 6 buckets (batch 1, 8 x tokens 1, 128, 512), and the embedding's
-    # and the head's
+    # and the head's: its logits and its greedy pairs (`best`, picked in its graph at several ranks)
     layer_kinds = {(l["regions"]["attn"], l["engram"]) for l in d["layers"]}
     assert len(layer_kinds) == len(d["executables"]["fused_layers"]) == 8
-    assert d["executables"]["count"] == d["compile_jobs"] == (len(layer_kinds) + 2) * 6
+    assert d["executables"]["count"] == d["compile_jobs"] == (len(layer_kinds) + 3) * 6
     assert d["topology"] == {"tp": 1, "ep": 64, "cp": 64, "world_size": 64, "groups": 1}
     assert d["checkpoint"]["source"].startswith("config.json only")
 
@@ -179,7 +179,7 @@ def test_plan_cli_prints_the_full_plan():
         "layer plan: 40 layers -> 10 region kinds",
         "10 kinds, 24 (kind, method) calls (the 5 compressed attention kinds as their divided stages, the "
         "engram as kv and mix) x 6 buckets = 144; fused (trn2): one executable a layer, 8 layer kinds, their regions and collectives "
-        "inside: 60 executables; compile jobs: 60",
+        "inside: 66 executables; compile jobs: 66",
         "per decode step and rank: 42 device executions (1 embed, 40 layer, 1 head)",
         "head: vocabulary 129,280 over the token group's 64 rank(s), 2,048 rows each (1,792 zero rows of "
         "padding), 40.01 MiB per rank",

@@ -309,7 +309,8 @@ def test_a_two_rank_session_runs_the_same_neffs_in_the_same_order(two_rank_bundl
     communicator under the leader's root, loads the layer NEFFs (which hold the collectives), and
     executes one per layer per step; the two ranks' collective calls match one for one. Between the
     embedding and the head nothing crosses to the host (issue 29): from one step's first layer to the
-    next's, a rank reads back its logits alone and writes only the step's host inputs."""
+    next's, a rank reads back its greedy pairs alone (the head picks in its graph) and writes only the
+    step's host inputs."""
     m = open_bundle(two_rank_bundle).manifest
     reduced = {Path(e.artifact).name for e in m.regions if e.holds_collectives}
     assert reduced and all(n.startswith("layer_") for n in reduced) and len(reduced) == len({l.fused for l in m.layers})
@@ -325,9 +326,10 @@ def test_a_two_rank_session_runs_the_same_neffs_in_the_same_order(two_rank_bundl
     executes = [c for c in calls[0] if c[0] == "nrt_execute"]
     assert len(executes) == len(m.layers) * done.stats.steps
     # host<->device bytes of each rank, sampled at each step's first layer execution (cumulative counts)
-    head = next(e for e in m.regions if e.kind == "head")
-    logits = next(s for s in head.output_specs or () if s.name == "logits")
-    slice_bytes = 4 * logits.shape[0] * logits.shape[1] * logits.shape[2]  # [B, T, rows] float32
+    # a greedy step: the head picks in its graph (`Head.best`), its (value, index) pairs come back alone
+    head = next(e for e in m.regions if (e.kind, e.method) == ("head", "best"))
+    pairs = next(s for s in head.output_specs or () if s.name == "best")
+    pair_bytes = 4 * pairs.shape[0] * pairs.shape[1] * pairs.shape[2]  # [B, T, 2] float32
     step_inputs = {
         s.name: torch.Size(s.shape).numel() * getattr(torch, s.dtype).itemsize
         for e in m.regions
@@ -338,7 +340,7 @@ def test_a_two_rank_session_runs_the_same_neffs_in_the_same_order(two_rank_bundl
         firsts = _execute_bytes(session_env, r)[:: len(m.layers)]
         assert len(firsts) == done.stats.steps
         for (to_device, to_host), (next_device, next_host) in zip(firsts, firsts[1:]):
-            assert next_host - to_host == slice_bytes  # the logits slice, no stream, no partial
+            assert next_host - to_host == pair_bytes  # the head's pairs: no logits, stream or partial
             # the step's ids, positions and the like (rank 1's token group has no sequence: nothing changes)
             assert (16 if r == 0 else 0) <= next_device - to_device <= sum(step_inputs.values())
     roots = {re.search(r"root=(\S+)", ln).group(1) for ln in session_env.read_text().splitlines() if "root=" in ln}

@@ -10,6 +10,7 @@ from deepinfer.cli_common import bundle_options, load_settings, user_errors
 from deepinfer.runtime.cli import STEP_TOKENS_HELP
 
 HTTP_LIMITS = ("max_body_bytes", "max_connections", "header_timeout_s", "body_timeout_s", "grace_s", "watchdog_s")
+METRICS_INTERVAL_S = 10.0  # Ray Serve's: how often a handle reports its requests in flight (the window's least)
 # --ray-serve's settings (RayServeOptions' fields)
 RAY_SERVE_SETTINGS = (
     "replicas",
@@ -158,10 +159,11 @@ RAY_SERVE_SETTINGS = (
 )
 @click.option(
     "--scaling-window-s",
-    type=click.FloatRange(min=0, min_open=True),
+    type=click.FloatRange(min=METRICS_INTERVAL_S, min_open=True),
     default=30.0,
     show_default=True,
-    help="With --min/--max-replicas: the requests in flight are averaged over this last window.",
+    help="With --min/--max-replicas: the requests in flight are averaged over this last window (longer than "
+    "the 10 s at which the ingress reports them).",
 )
 @bundle_options
 @user_errors

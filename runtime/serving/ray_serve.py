@@ -381,7 +381,9 @@ class RayServeOptions:
     requests in flight, averaged over the last `scaling_window_s`, have asked for more for
     `upscale_delay_s`, and removes one after `downscale_delay_s` of asking for fewer. The defaults are Ray
     Serve's own (30 s, 600 s, 30 s): they ride out bursts. They are options because a replica that takes
-    a minute to load may be worth adding sooner, and a test of the scaling must see it happen in seconds."""
+    a minute to load may be worth adding sooner, and a test of the scaling must see it happen in seconds.
+    The window must be longer than the 10 s at which the ingress's handle reports its requests in flight
+    (Ray Serve's `metrics_interval_s`, which it warns about now and will refuse)."""
 
     address: str  # "auto", "local" (a cluster of this machine, started here) or HOST:PORT
     replicas: int = 2

@@ -32,11 +32,10 @@ MODEL = "tiny"
 # replaced), which a machine busy with compiles misses: the cluster the test starts waits a minute
 SLOW_SEED = 7  # a stream with this seed makes its replica's steps slow: it is still running when killed
 SLOW_MACHINE = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S")
-# the autoscaled endpoint: Ray Serve's delays cut from 30 s up, 600 s down and a 30 s window to seconds,
-# and the ingress's handle reporting its requests in flight every second (Ray's default: 10 s)
+# the autoscaled endpoint: Ray Serve's delays cut from 30 s up and 600 s down to seconds, and its window
+# from 30 s to 12 (more than the 10 s at which the ingress's handle reports its requests in flight)
 AUTOSCALED = ("--min-replicas", "1", "--max-replicas", "2", "--upscale-delay-s", "0")
-AUTOSCALED += ("--downscale-delay-s", "5", "--scaling-window-s", "4")
-METRICS_PUSH = "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
+AUTOSCALED += ("--downscale-delay-s", "5", "--scaling-window-s", "12")
 LOAD = 12  # slow streams kept in flight: more than one replica's target of ray_serve.TARGET_ONGOING (8)
 LOAD_TOKENS = 16  # each stream's tokens: short, so that the load's streams end soon after it stops
 
@@ -107,7 +106,7 @@ def test_the_prompt_text_of_completions_and_chats():
 def test_a_replica_takes_the_options_but_the_endpoints_and_rays():
     argv = ["build/tiny", "--ray-serve", "auto", "--replicas=3", "--port", "8000", "--host=0.0.0.0"]
     argv += ["--model-name", "tiny", "--max-queue", "8", "--no-prefix-cache", "--replica-cpus", "2"]
-    argv += ["--min-replicas", "1", "--upscale-delay-s", "0", "--downscale-delay-s=5", "--scaling-window-s", "4"]
+    argv += ["--min-replicas", "1", "--upscale-delay-s", "0", "--downscale-delay-s=5", "--scaling-window-s", "12"]
     valued = {"--model-name", "--max-queue"}
     assert ray_serve.replica_args(argv, valued) == ["--model-name", "tiny", "--max-queue", "8", "--no-prefix-cache"]
     assert ray_serve.replica_args(["--model-name", "m", "b"], valued) == ["--model-name", "m"]
@@ -155,7 +154,6 @@ def cluster():
     with pytest.MonkeyPatch.context() as env:  # the cluster's processes read these: a loaded 2-core machine
         for name in SLOW_MACHINE:
             env.setenv(name, "60")
-        env.setenv(METRICS_PUSH, "1")
         env.setenv("DEEPINFER_TEST_FAULT", f"slow={SLOW_SEED}")  # the engine's hook: 0.25 s more a step
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
         yield c.address

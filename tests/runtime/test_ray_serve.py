@@ -112,6 +112,17 @@ def test_a_replica_takes_the_options_but_the_endpoints_and_rays():
     assert ray_serve.replica_args(["--model-name", "m", "b"], valued) == ["--model-name", "m"]
 
 
+def test_the_scaling_window_must_outlast_the_ingress_reporting_interval(tmp_path):
+    """Ray Serve averages what the ingress reports every 10 s: a window of 10 s or less is refused, in one line."""
+    from click.testing import CliRunner
+
+    from deepinfer.runtime.serving.cli import main
+
+    argv = [str(tmp_path), "--ray-serve", "local", "--min-replicas", "1", "--scaling-window-s", "10"]
+    refused = CliRunner().invoke(main, argv)
+    assert refused.exit_code == 2 and "'--scaling-window-s': 10.0 is not in the range x>10" in refused.output
+
+
 def relayed(chunks: list[bytes], fail: Exception | None = None, events: bool = True) -> list[str]:
     """What the ingress forwards of a replica's body that comes in `chunks`, then raises `fail`: its events."""
     import asyncio

@@ -10,6 +10,17 @@ from deepinfer.cli_common import bundle_options, load_settings, user_errors
 from deepinfer.runtime.cli import STEP_TOKENS_HELP
 
 HTTP_LIMITS = ("max_body_bytes", "max_connections", "header_timeout_s", "body_timeout_s", "grace_s", "watchdog_s")
+METRICS_INTERVAL_S = 10.0  # Ray Serve's: how often a handle reports its requests in flight (the window's least)
+# --ray-serve's settings (RayServeOptions' fields)
+RAY_SERVE_SETTINGS = (
+    "replicas",
+    "replica_cpus",
+    "min_replicas",
+    "max_replicas",
+    "upscale_delay_s",
+    "downscale_delay_s",
+    "scaling_window_s",
+)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -132,6 +143,28 @@ HTTP_LIMITS = ("max_body_bytes", "max_connections", "header_timeout_s", "body_ti
 @click.option(
     "--max-replicas", type=click.IntRange(min=1), default=None, help="With --ray-serve: autoscale up to this."
 )
+@click.option(
+    "--upscale-delay-s",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="With --min/--max-replicas: how long the load must ask for more replicas before Ray Serve adds one.",
+)
+@click.option(
+    "--downscale-delay-s",
+    type=click.FloatRange(min=0),
+    default=600.0,
+    show_default=True,
+    help="With --min/--max-replicas: how long the load must ask for fewer replicas before Ray Serve removes one.",
+)
+@click.option(
+    "--scaling-window-s",
+    type=click.FloatRange(min=METRICS_INTERVAL_S, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="With --min/--max-replicas: the requests in flight are averaged over this last window (longer than "
+    "the 10 s at which the ingress reports them).",
+)
 @bundle_options
 @user_errors
 def main(
@@ -145,10 +178,6 @@ def main(
     prefix_states_mib,
     max_step_tokens,
     ray_serve,
-    replicas,
-    replica_cpus,
-    min_replicas,
-    max_replicas,
     **load,
 ):
     """Serve BUNDLE over the OpenAI HTTP API with continuous batching.
@@ -168,13 +197,14 @@ def main(
            -d '{"model": "tiny", "prompt": "Hello", "max_tokens": 8}'
       deepinfer-serve build/tiny --ray-serve local --replicas 2 --port 8000
     """
+    settings = {k: load.pop(k) for k in RAY_SERVE_SETTINGS}  # --ray-serve's
     if ray_serve is not None:
         import sys
 
         from deepinfer.runtime.serving.ray_serve import RayServeOptions, replica_args, run
 
         valued = {o for p in main.params if not getattr(p, "is_flag", False) for o in p.opts if o.startswith("-")}
-        scaling = RayServeOptions(ray_serve, replicas, replica_cpus, min_replicas, max_replicas)
+        scaling = RayServeOptions(ray_serve, **settings)
         return run(bundle, replica_args(sys.argv[1:], valued), scaling, host, port, click.echo)
     from deepinfer.runtime import ServeOptions, serve
 

@@ -49,10 +49,20 @@ MAX_ONGOING = 1024
 TARGET_ONGOING = 8  # with --min/--max-replicas: the requests in flight per replica Ray Serve scales toward
 START_TIMEOUT_S = 600.0  # a replica's child loading its bundle
 STOP_TIMEOUT_S = 120.0  # deleting the application, its replicas and children, and leaving the cluster
-RAY_OPTIONS = ("--ray-serve", "--replicas", "--replica-cpus", "--min-replicas", "--max-replicas")
+RAY_OPTIONS = (
+    "--ray-serve",
+    "--replicas",
+    "--replica-cpus",
+    "--min-replicas",
+    "--max-replicas",
+    "--upscale-delay-s",
+    "--downscale-delay-s",
+    "--scaling-window-s",
+)
 DONE = b"data: [DONE]"  # a stream's last event, from the replica's server
 EVENT_STREAM = "text/event-stream"
 MAX_EVENT_BYTES = 1 << 20  # the most of a stream's bytes the ingress holds back for an event's blank line
+GOING = ("STOPPING", "STOPPED")  # Ray Serve's states of a replica on its way out
 REPLICA_HEADER = "x-deepinfer-replica"  # which replica served a response (debugging, tests)
 HOST_OPTIONS = ("--host", "--port")  # the endpoint's, not a replica's (its child binds 127.0.0.1:0)
 
@@ -349,15 +359,16 @@ def _error(message: str) -> dict:
 
 
 def replicas_ready() -> tuple[int, int]:
-    """(replicas of the app's Replica deployment running, replicas it wants), from Ray Serve's status."""
+    """(replicas of the app's Replica deployment running, replicas it wants), from Ray Serve's status.
+    A replica stopping (scaled down, or dead and being replaced) is not wanted: it drains, takes nothing new."""
     from ray import serve
 
     app = serve.status().applications.get(APP)
     if app is None or REPLICA not in app.deployments:
         return 0, 0
-    d = app.deployments[REPLICA]
-    states: dict = dict(d.replica_states)
-    return states.get("RUNNING", 0), sum(states.values())
+    states = {str(getattr(state, "value", state)): n for state, n in app.deployments[REPLICA].replica_states.items()}
+    wanted = sum(n for state, n in states.items() if state not in GOING)
+    return states.get("RUNNING", 0), wanted
 
 
 # --- the application --------------------------------------------------------------------------------
@@ -365,13 +376,23 @@ def replicas_ready() -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class RayServeOptions:
-    """How the endpoint runs: `replicas` fixed, or autoscaled between `min_replicas` and `max_replicas`."""
+    """How the endpoint runs: `replicas` fixed, or autoscaled between `min_replicas` and `max_replicas`
+    toward TARGET_ONGOING requests in flight a replica. Autoscaled, Ray Serve adds a replica once the
+    requests in flight, averaged over the last `scaling_window_s`, have asked for more for
+    `upscale_delay_s`, and removes one after `downscale_delay_s` of asking for fewer. The defaults are Ray
+    Serve's own (30 s, 600 s, 30 s): they ride out bursts. They are options because a replica that takes
+    a minute to load may be worth adding sooner, and a test of the scaling must see it happen in seconds.
+    The window must be longer than the 10 s at which the ingress's handle reports its requests in flight
+    (Ray Serve's `metrics_interval_s`, which it warns about now and will refuse)."""
 
     address: str  # "auto", "local" (a cluster of this machine, started here) or HOST:PORT
     replicas: int = 2
     replica_cpus: float = 1.0
     min_replicas: int | None = None
     max_replicas: int | None = None
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    scaling_window_s: float = 30.0  # Ray Serve's look_back_period_s
     imbalance: int = IMBALANCE
 
 
@@ -386,7 +407,13 @@ def build_app(bundle: str, args: Sequence[str], o: RayServeOptions):
         high = o.max_replicas if o.max_replicas is not None else max(low, o.replicas)
         scaling = {
             "autoscaling_config": AutoscalingConfig(
-                min_replicas=low, max_replicas=high, initial_replicas=low, target_ongoing_requests=TARGET_ONGOING
+                min_replicas=low,
+                max_replicas=high,
+                initial_replicas=low,
+                target_ongoing_requests=TARGET_ONGOING,
+                upscale_delay_s=o.upscale_delay_s,
+                downscale_delay_s=o.downscale_delay_s,
+                look_back_period_s=o.scaling_window_s,
             )
         }
     routing: dict[str, Any] = {  # by path: Ray Serve imports it where the handle routes (the ingress)

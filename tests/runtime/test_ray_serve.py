@@ -5,11 +5,16 @@ on a real local Ray cluster the test starts (its own head node; every wait bound
 The `openai` client completes and streams through the endpoint; a conversation's second turn reaches
 the replica that holds its prefix (`cached_tokens`); a replica killed mid-run ends each of its
 requests with one error naming it while the other replica keeps serving, and Ray Serve brings it
-back. The pure parts (the affinity ranking, the argument filter, the prompt's text) run without Ray."""
+back. An endpoint autoscaled between 1 and 2 replicas (its delays short: the options exist for this)
+adds the second replica under a load of slow streams, new streams reach it, every stream finishes, and
+it goes back to one replica once the load ends. One endpoint runs at a time (`Endpoints`): Ray Serve's
+proxy and the application's name are the cluster's. The pure parts (the affinity ranking, the argument
+filter, the prompt's text) run without Ray."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -27,6 +32,12 @@ MODEL = "tiny"
 # replaced), which a machine busy with compiles misses: the cluster the test starts waits a minute
 SLOW_SEED = 7  # a stream with this seed makes its replica's steps slow: it is still running when killed
 SLOW_MACHINE = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S")
+# the autoscaled endpoint: Ray Serve's delays cut from 30 s up and 600 s down to seconds, and its window
+# from 30 s to 12 (more than the 10 s at which the ingress's handle reports its requests in flight)
+AUTOSCALED = ("--min-replicas", "1", "--max-replicas", "2", "--upscale-delay-s", "0")
+AUTOSCALED += ("--downscale-delay-s", "5", "--scaling-window-s", "12")
+LOAD = 12  # slow streams kept in flight: more than one replica's target of ray_serve.TARGET_ONGOING (8)
+LOAD_TOKENS = 16  # each stream's tokens: short, so that the load's streams end soon after it stops
 
 
 # --- without Ray ------------------------------------------------------------------------------------
@@ -95,9 +106,21 @@ def test_the_prompt_text_of_completions_and_chats():
 def test_a_replica_takes_the_options_but_the_endpoints_and_rays():
     argv = ["build/tiny", "--ray-serve", "auto", "--replicas=3", "--port", "8000", "--host=0.0.0.0"]
     argv += ["--model-name", "tiny", "--max-queue", "8", "--no-prefix-cache", "--replica-cpus", "2"]
+    argv += ["--min-replicas", "1", "--upscale-delay-s", "0", "--downscale-delay-s=5", "--scaling-window-s", "12"]
     valued = {"--model-name", "--max-queue"}
     assert ray_serve.replica_args(argv, valued) == ["--model-name", "tiny", "--max-queue", "8", "--no-prefix-cache"]
     assert ray_serve.replica_args(["--model-name", "m", "b"], valued) == ["--model-name", "m"]
+
+
+def test_the_scaling_window_must_outlast_the_ingress_reporting_interval(tmp_path):
+    """Ray Serve averages what the ingress reports every 10 s: a window of 10 s or less is refused, in one line."""
+    from click.testing import CliRunner
+
+    from deepinfer.runtime.serving.cli import main
+
+    argv = [str(tmp_path), "--ray-serve", "local", "--min-replicas", "1", "--scaling-window-s", "10"]
+    refused = CliRunner().invoke(main, argv)
+    assert refused.exit_code == 2 and "'--scaling-window-s': 10.0 is not in the range x>10" in refused.output
 
 
 def relayed(chunks: list[bytes], fail: Exception | None = None, events: bool = True) -> list[str]:
@@ -149,11 +172,12 @@ def cluster():
 
 
 class Endpoint(RayServeProcess):
-    """Two replicas of `bundle` on the cluster at `address`, with what these tests ask of them."""
+    """`replicas` replicas of `bundle` on the cluster at `address` (with `scaling`, the replicas it starts
+    with), with what these tests ask of them."""
 
-    def __init__(self, bundle: Path, address: str):
+    def __init__(self, bundle: Path, address: str, replicas: int, *scaling: str):
         # Ray Serve's proxy binds the port it is given: a port taken meanwhile fails the start, in one line
-        super().__init__(bundle, address, 2, free_port(), "--model-name", MODEL, "--threads", "1")
+        super().__init__(bundle, address, replicas, free_port(), "--model-name", MODEL, "--threads", "1", *scaling)
 
     def client(self):
         import openai
@@ -161,11 +185,60 @@ class Endpoint(RayServeProcess):
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
 
 
+class Endpoints:
+    """The cluster's one endpoint at a time: asking for another stops the one running (Ray Serve's proxy
+    and the application's name are the cluster's), so each endpoint starts once whatever the tests' order."""
+
+    def __init__(self, bundle: Path, address: str):
+        self.bundle, self.address = bundle, address
+        self.running: Endpoint | None = None
+        self.settings: tuple = ()
+
+    def get(self, replicas: int, *scaling: str) -> Endpoint:
+        if self.running is None or self.settings != (replicas, *scaling):
+            self.stop()
+            self.running = Endpoint(self.bundle, self.address, replicas, *scaling)
+            self.settings = (replicas, *scaling)
+        return self.running
+
+    def stop(self) -> None:
+        running, self.running = self.running, None
+        if running is not None:
+            assert running.stop() == 0
+
+
 @pytest.fixture(scope="module")
-def endpoint(run_exported_bundle, cluster):
-    e = Endpoint(run_exported_bundle, cluster)
+def endpoints(run_exported_bundle, cluster):
+    e = Endpoints(run_exported_bundle, cluster)
     yield e
-    assert e.stop() == 0
+    e.stop()
+
+
+@pytest.fixture
+def endpoint(endpoints):
+    """Two replicas, fixed."""
+    return endpoints.get(2)
+
+
+def banned_eos(bundle: Path) -> dict[str, int]:
+    """A logit_bias banning the bundle's eos: a stream runs to its max_tokens."""
+    from deepinfer.runtime.bundle import open_bundle
+
+    return {str(open_bundle(bundle, verify=False).config.eos_token_id): -100}
+
+
+def slow_stream(url: str, prompt: str, no_eos: dict, max_tokens: int):
+    """A stream whose steps the engine's hook slows (SLOW_SEED), opened: the response (headers read)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "seed": SLOW_SEED}
+    body = json.dumps({**body, "logit_bias": no_eos})
+    req = urllib.request.Request(
+        url + "/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"}
+    )
+    return urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S)
+
+
+def data_events(body: bytes) -> list[str]:
+    return [e for e in body.decode().split("\n\n") if e.startswith("data: ")]
 
 
 @pytest.mark.slow
@@ -197,18 +270,11 @@ def test_a_conversations_second_turn_reaches_the_replica_holding_its_prefix(endp
 def test_a_killed_replica_ends_its_requests_with_an_error_and_comes_back(endpoint, cluster, run_exported_bundle):
     import ray
 
-    from deepinfer.runtime.bundle import open_bundle
-
     # eos banned: each stream runs to its max_tokens (64 slow steps' worth), still running when its replica is killed
-    no_eos = {str(open_bundle(run_exported_bundle, verify=False).config.eos_token_id): -100}
+    no_eos = banned_eos(run_exported_bundle)
     streams, served = [], []
     for i in range(16):  # until each replica holds two streams, one event read from each
-        body = {"model": MODEL, "prompt": f"stream {i} ", "max_tokens": 64, "stream": True, "seed": SLOW_SEED}
-        body = json.dumps({**body, "logit_bias": no_eos})
-        req = urllib.request.Request(
-            endpoint.url + "/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"}
-        )
-        r = urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S)
+        r = slow_stream(endpoint.url, f"stream {i} ", no_eos, 64)
         name = r.headers[ray_serve.REPLICA_HEADER]
         if served.count(name) == 2:  # a third on one replica: not needed
             r.close()
@@ -225,7 +291,7 @@ def test_a_killed_replica_ends_its_requests_with_an_error_and_comes_back(endpoin
     try:
         ray.kill(ray.get_actor(f"SERVE_REPLICA::{ray_serve.APP}#{ray_serve.REPLICA}#{victim}", namespace="serve"))
         for (r, first), name in zip(streams, served):
-            events = [e for e in (first + r.read()).decode().split("\n\n") if e.startswith("data: ")]
+            events = data_events(first + r.read())
             errors = [e for e in events if '"error"' in e]
             if name == victim:  # cut short: one error event naming the replica, last, and no [DONE]
                 assert len(errors) == 1 and events[-1] == errors[0] and "data: [DONE]" not in events, events[-2:]
@@ -240,3 +306,55 @@ def test_a_killed_replica_ends_its_requests_with_an_error_and_comes_back(endpoin
             time.sleep(1)
     finally:
         ray.shutdown()
+
+
+def keep_streaming(url: str, i: int, no_eos: dict, routed: list, finished: list, stop: threading.Event) -> None:
+    """Slow streams one after another until `stop`: each one's replica goes to `routed` as it starts,
+    (its replica, its events) to `finished` once it ends."""
+    n = 0
+    while not stop.is_set():
+        with slow_stream(url, f"load {i}.{n} ", no_eos, LOAD_TOKENS) as r:
+            name = r.headers[ray_serve.REPLICA_HEADER]
+            routed.append(name)
+            finished.append((name, data_events(r.read())))
+        n += 1
+
+
+def wait_until(done, timeout_s: float, what) -> None:
+    """Until `done()`, at most `timeout_s`; failing, with `what()`."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, what()
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_an_autoscaled_endpoint_adds_a_replica_under_load_and_removes_it_after(endpoints, run_exported_bundle):
+    from concurrent.futures import ThreadPoolExecutor
+
+    e = endpoints.get(1, *AUTOSCALED)
+    one = {"status": "ok", "replicas_ready": 1, "replicas": 1}
+    assert e.health() == one
+    hello = e.client().completions.with_raw_response.create(model=MODEL, prompt="Hello", max_tokens=2)
+    first = hello.headers[ray_serve.REPLICA_HEADER]
+    no_eos = banned_eos(run_exported_bundle)
+    routed: list[str] = []
+    finished: list[tuple[str, list[str]]] = []
+    stop = threading.Event()
+    with ThreadPoolExecutor(LOAD) as pool:
+        load = [pool.submit(keep_streaming, e.url, i, no_eos, routed, finished, stop) for i in range(LOAD)]
+        try:  # LOAD streams in flight: Ray Serve adds the second replica, and new streams reach it
+            wait_until(lambda: e.health().get("replicas_ready") == 2, START_TIMEOUT_S, e.health)
+            wait_until(lambda: set(routed) - {first}, REQUEST_TIMEOUT_S, lambda: (set(routed), e.health()))
+        finally:
+            stop.set()
+        for f in load:
+            f.result(timeout=START_TIMEOUT_S)  # a stream's error, raised
+    assert len({name for name, _ in finished}) == 2
+    for name, events in finished:
+        assert events[-1] == "data: [DONE]" and not [x for x in events if '"error"' in x], (name, events[-2:])
+    # idle: back to one replica; the one going counts as neither ready nor wanted from when it starts to stop
+    seen: list[dict] = []
+    wait_until(lambda: seen.append(e.health()) or seen[-1] == one, START_TIMEOUT_S, lambda: seen[-3:])
+    two = {**one, "replicas_ready": 2, "replicas": 2}
+    assert all(h in (one, two) for h in seen if h), [h for h in seen if h not in (one, two)]

@@ -231,11 +231,11 @@ class Executor:
                 else:
                     capture, greedy = self.capture(stats) if flags[0] else None, flags[1]
                     if greedy:
-                        self.greedy_step(batch, stats, capture=capture)
+                        self.paired_step(batch, stats, capture=capture)
                     else:
                         comm.gather_logits(self.forward(batch, stats, capture=capture), vocab)
 
-    def greedy_step(
+    def paired_step(
         self, batch: Batch, stats: Stats, *, on_call: OnCall | None = None, capture: Capture | None = None
     ) -> list[Greedy]:
         """A step on this rank of several where every row is greedy and none needs logits -> each token
@@ -524,7 +524,7 @@ class Steps:
         comm.step((STEP, batches, capture is not None, greedy))
         batch = batches[comm.group]
         if greedy:
-            return list(x.greedy_step(batch, self.stats, on_call=self.on_call, capture=capture))
+            return list(x.paired_step(batch, self.stats, on_call=self.on_call, capture=capture))
         logits = x.forward(batch, self.stats, on_call=self.on_call, capture=capture)  # [B, T, rows]
         return list(comm.gather_logits(logits, x.config.text.vocab_size))
 

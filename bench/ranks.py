@@ -42,10 +42,14 @@ With --measure DIR, every bundle DIR/<name> compiled for a listed layout
 prompts (so every step is a decode step) and the bytes counted by the
 collectives are reported per step, beside the model's prediction for B = 1;
 then with a 132-token prompt, for the rows each execution of a prompt chunk
-takes over the chunk's tokens (`prompt_rows_per_rank_over_chunk`: 1 plus the
-last chunk's padding while every rank of a token group computes every row; the
-layout "cp=ep=4,divided" is cp=ep=4 compiled with [prompt] rows = "divided",
-docs/ranks.md "Dividing a prompt's rows").
+takes over the chunk's tokens, each row counted at the share of its work the
+rank does there (`prompt_rows_per_rank_over_chunk`: runtime/executor.py
+`SLICED`: the MoE's experts, the engram's kv and the head compute each row with
+a rank's column slice, 1 / d of it), and as whole rows
+(`prompt_rows_taken_per_execution_over_chunk`). Both are 1 plus the last
+chunk's padding where every rank of a token group computes every row the same
+way; the layout "cp=ep=4,divided" is cp=ep=4 compiled with [prompt] rows =
+"divided", docs/ranks.md "Dividing a prompt's rows").
 """
 
 from __future__ import annotations
@@ -143,9 +147,10 @@ LONG_PROMPT = [0] + [(7 * i) % 250 + 3 for i in range(131)]  # 132 tokens: 17 ch
 def measure(bundle: Path, steps: int) -> dict:
     """Run a compiled bundle with a one-token prompt (every step a decode step, all in its smallest
     context bucket) and count each rank's bytes per step; then a 132-token prompt, whose chunks'
-    executions the leader counts (`Stats.prompt_rows_over_chunk`: the rows an execution of a prompt
-    chunk takes over the chunk's tokens; a chunk run as micro-batches, regions/micro.py, counts each
-    call site once, its rows summed over the micro-batches)."""
+    executions the leader counts (`PromptRows.share_over_chunk`: the rows' work an execution of a
+    prompt chunk does over the chunk's tokens, and `rows_over_chunk`, its rows whole; a chunk run as
+    micro-batches, regions/micro.py, counts each call site once, its rows summed over the
+    micro-batches)."""
     from deepinfer.bundles import manifest_io
     from deepinfer.runtime import RunOptions, generate
 
@@ -158,8 +163,9 @@ def measure(bundle: Path, steps: int) -> dict:
         "steps": decode_steps,
         "context": m.buckets.context_sizes[0],
         "per_rank": per_rank,
-        "prompt_chunks": prompt.prompt_steps,
-        "prompt_rows_per_rank_over_chunk": prompt.prompt_rows_over_chunk,
+        "prompt_chunks": prompt.prompt.steps,
+        "prompt_rows_per_rank_over_chunk": prompt.prompt.share_over_chunk,
+        "prompt_rows_taken_per_execution_over_chunk": prompt.prompt.rows_over_chunk,
     }
 
 
@@ -212,8 +218,9 @@ def main() -> int:
             file=err,
         )
         print(
-            f"  a {len(LONG_PROMPT)}-token prompt in {m['prompt_chunks']} chunks: an execution takes "
-            f"{m['prompt_rows_per_rank_over_chunk']:.3f} x a chunk's tokens (1: every rank computes every row)",
+            f"  a {len(LONG_PROMPT)}-token prompt in {m['prompt_chunks']} chunks: an execution does "
+            f"{m['prompt_rows_per_rank_over_chunk']:.3f} x a chunk's tokens of rows' work and takes "
+            f"{m['prompt_rows_taken_per_execution_over_chunk']:.3f} x of rows (1: every rank computes every row)",
             file=err,
         )
     release, growth = release_rows(), selection_growth()
@@ -242,6 +249,9 @@ def main() -> int:
                     "measured": measured,
                     "prompt_rows_per_rank_over_chunk": {
                         n: m["prompt_rows_per_rank_over_chunk"] for n, m in measured.items()
+                    },
+                    "prompt_rows_taken_per_execution_over_chunk": {
+                        n: m["prompt_rows_taken_per_execution_over_chunk"] for n, m in measured.items()
                     },
                     "release": release,
                     "selection_growth": growth,

@@ -157,7 +157,9 @@ def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_r
     kv source's pooling (`rows_write`), the engram's `kv`, the MoE's experts (`moe_experts`: every row, a
     quarter of each expert's columns) and the head (every row's logits kept) every row. The MoE's
     dispatch sends a rank's rows' x and routing, its combine every row's D-wide float32 partial, the
-    engram's reduce-scatter every row's float32 partial keys and value."""
+    engram's reduce-scatter every row's float32 partial keys and value. Counted by the rows' work
+    (`PromptRows.work`: the experts', the engram kv's and the head's rows at a rank's quarter of their
+    columns), an execution does at most 0.3 of a chunk's tokens (bench/ranks.py's target)."""
     m = manifest(rank_bundle(1, 4, 4, "divided"))
     twins = {e["kind"] for e in m["regions"] if e["kind"].startswith("rows_")}
     assert twins and all(e["bucket"]["tokens"] in (4, 8) for e in m["regions"] if e["kind"] in twins)
@@ -174,21 +176,25 @@ def test_divided_rows_at_cp_ep_4_give_the_one_rank_tokens(rank_bundle, started_r
         assert got.error is None and got.tokens == one.tokens
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(one.logits), rtol=1e-4, atol=1e-4)
     stats = run.stats
-    assert stats is not None and stats.prompt_steps >= 17
+    assert stats is not None and stats.prompt.steps >= 17
     assert {"rows all-gather", "rows context all-gather", "ep dispatch all-gather"} <= set(run.sent[0])
     # an 8-token chunk runs as two micro-batches of 4 (regions/micro.py), a shorter one as one 4-token
     # pass: every pass has T = 4 rows and n = 1 a rank, and runs `moe_experts` once a layer
     layers = m["layers"]
     T, n, passes = 4, 1, stats.calls["moe.moe_experts"] // len(layers)
     assert stats.calls["moe.moe_experts"] == passes * len(layers)
-    assert stats.prompt_steps < passes < 2 * stats.prompt_steps
+    assert stats.prompt.steps < passes < 2 * stats.prompt.steps
     sources = sum(1 for lay in layers if lay["attn"] == "source")
     engrams = sum(1 for lay in layers if lay["engram"])
     # rows_in, rows_attend, moe_in, moe_experts, moe_out a layer; rows_write, the engram's kv and rows_mix, the head
     per_pass = [n, n, n, T, n] * len(layers) + [T] * sources + [T, n] * engrams + [T]
-    assert stats.prompt_executions == stats.prompt_steps * len(per_pass)  # a call site once a step
-    assert stats.prompt_rows == passes * sum(per_pass)
-    assert stats.prompt_rows_over_chunk < 0.5  # 0.45 here (0.627 with the MoE's site and the engram's mix on every row)
+    assert stats.prompt.executions == stats.prompt.steps * len(per_pass)  # a call site once a step
+    assert stats.prompt.rows == passes * sum(per_pass)
+    assert stats.prompt.rows_over_chunk < 0.5  # 0.45 here (0.627 with the MoE's site and the engram's mix on every row)
+    # the rows' work: the experts', the engram kv's and the head's rows at a rank's quarter of their columns
+    work = [n, n, n, T / 4, n] * len(layers) + [T] * sources + [T / 4, n] * engrams + [T / 4]
+    assert stats.prompt.work == pytest.approx(passes * sum(work))
+    assert stats.prompt.share_over_chunk <= 0.3  # 0.296 here: a quarter of the chunk and the pooling's rows
     text = load_config(tiny_ckpt).text
     D, k = text.hidden_size, text.num_experts_per_tok
     for rank, sent in run.sent.items():  # every pass, every layer: a rank's rows out, every row back
@@ -209,11 +215,12 @@ def test_divided_rows_sample_from_each_sequences_last_row(rank_bundle, started_r
     assert all(r.error is None for r in run) and [r.tokens for r in run] == [r.tokens for r in one_rank_long]
     stats = run.stats
     batch = max(s["batch"] for s in m["buckets"]["shapes"])
-    assert stats is not None and stats.prompt_steps >= 17
+    assert stats is not None and stats.prompt.steps >= 17
     assert "logits all-gather" not in run.sent[0]
     sent = run.sent[0]["greedy pick all-gather"]  # every row would send stats.padded rows
     spared = sum(steps * (T - 1) for T, (steps, _) in stats.by_tokens.items())  # a T-token step sends 1 row a sequence
     assert sent <= stats.steps * batch * 8 and sent <= (stats.padded - spared) * 8
+    assert stats.prompt.share_over_chunk <= 0.3 < stats.prompt.rows_over_chunk  # 0.290 and 0.447 here
 
 
 def _check_divided_pools(m: dict, pools: dict, cp: int) -> None:

@@ -222,11 +222,12 @@ def test_prompt_rows_are_counted_per_execution(run_exported_bundle, loaded):
     buckets = session.manifest.buckets
     assert buckets.token_sizes == [1, 6, 8] and buckets.batch_sizes[0] == 1
     s = run(session, [[0] + [5 + i for i in range(19)]], 1).stats
-    assert (s.prompt_steps, s.prompt_tokens) == (3, 20)
-    per_step = s.prompt_executions // 3
-    assert s.prompt_executions == sum(s.calls.values()) == 3 * per_step > 3
-    assert s.prompt_rows == per_step * (8 + 8 + 6)
-    assert s.prompt_rows_over_chunk == pytest.approx((22 / 3) / (20 / 3))
+    assert (s.prompt.steps, s.prompt.tokens) == (3, 20)
+    per_step = s.prompt.executions // 3
+    assert s.prompt.executions == sum(s.calls.values()) == 3 * per_step > 3
+    assert s.prompt.rows == per_step * (8 + 8 + 6)
+    assert s.prompt.rows_over_chunk == pytest.approx((22 / 3) / (20 / 3))
+    assert s.prompt.work == s.prompt.rows  # one rank: no execution is a slice of a group's columns
 
 
 def test_a_prompt_chunk_runs_the_head_on_its_last_row_only(run_exported_bundle, loaded):
@@ -248,8 +249,8 @@ def test_a_prompt_chunk_runs_the_head_on_its_last_row_only(run_exported_bundle, 
     # three prompt steps (buckets 8, 8, 6), the first token from the last; then a decode step a token
     assert heads == [(1, 1)] * (3 + len(last[0].generated) - 1)
     s = last.stats
-    per_step = s.prompt_executions // 3
-    assert s.prompt_rows == (per_step - 1) * (8 + 8 + 6) + 3
+    per_step = s.prompt.executions // 3
+    assert s.prompt.rows == (per_step - 1) * (8 + 8 + 6) + 3
 
 
 def _table_widths(session):

@@ -40,6 +40,8 @@ PROJECT = "project"
 BEST = "best"
 ROWS_PREFIX = "rows_"  # an attention kind's twin for prompt chunks divided by rows (regions/rows.py)
 ROWS_SLOT = "rows"  # the slot a layer's twin is bound at
+# trn2's fused path: a layer kind's method for a prompt chunk divided by rows (compiler/rows_layers.py)
+LAYER_ROWS = "rows"
 # the draft's capture (regions/dspark.py): draft stage 0's slot, and the slot of a fused layer's capture
 # twin (trn2, compiler/layers.py), which runs it inside the layer
 CAPTURE_SLOT = "capture"

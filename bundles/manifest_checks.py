@@ -18,6 +18,7 @@ from deepinfer.bundles.manifest import (
     DTYPE_NAMES,
     ENGRAM_ROWS_MIX,
     KV,
+    LAYER_ROWS,
     MOE_ROWS,
     PROJECT,
     ROLES,
@@ -199,8 +200,13 @@ def _check_coverage(m: Manifest) -> None:
         mine = [e for e in m.regions if (e.kind, e.method) == (kind, method)]
         contexts = [None] if mine[0].bucket.context is None else b.context_sizes
         what = f"kind {kind!r}" + ("" if method == DECODE else f" ({method})")
-        # a rows twin at the prompt buckets only; with one, the MoE's divided methods too (keyed by the chunk)
-        divided = kind.startswith(ROWS_PREFIX) or (rows > 1 and method in (*MOE_ROWS, ENGRAM_ROWS_MIX))
+        # a rows twin (or a fused layer's rows method) at the prompt buckets only; with one, the MoE's divided
+        # methods too (keyed by the chunk)
+        divided = (
+            kind.startswith(ROWS_PREFIX)
+            or method == LAYER_ROWS
+            or (rows > 1 and method in (*MOE_ROWS, ENGRAM_ROWS_MIX))
+        )
         shapes = prompts if divided else list(every)
         for c in contexts:
             at = [e for e in mine if e.bucket.context == c]

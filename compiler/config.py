@@ -308,12 +308,6 @@ def _check_prompt_rows(cfg: CompileConfig, need: Need) -> None:
         f"the token group); got tp = {p.tp}, ep = {p.ep}, cp = {p.cp}",
     )
     need(cfg.speculative.draft is None, "prompt", "rows", "divided rows are not built with a draft yet")
-    need(
-        cfg.target.name == "cpu",
-        "prompt",
-        "rows",
-        f"divided rows are built for target cpu only, not {cfg.target.name!r}",
-    )
     bad = [t for t in cfg.buckets.tokens if t > 1 and t % p.cp]
     need(
         not bad,

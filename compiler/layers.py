@@ -44,7 +44,7 @@ import torch
 
 from deepinfer.bundles import layout, manifest_io, neff
 from deepinfer.bundles import manifest as mf
-from deepinfer.bundles.manifest import CAPTURE_SLOT, DECODE, DRAFT_MODULE
+from deepinfer.bundles.manifest import CAPTURE_SLOT, DECODE, DRAFT_MODULE, LAYER_ROWS
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler import budget
 from deepinfer.compiler.executables import Graph, lower
@@ -230,6 +230,10 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
         from deepinfer.compiler import draft_layers
 
         kind_ops, outputs = draft_layers.ops(plan, spec.topology, spec.dtype), [draft_layers.OUTPUT]
+    elif exe.method == LAYER_ROWS:  # a prompt chunk divided by rows
+        from deepinfer.compiler import rows_layers
+
+        kind_ops, outputs = rows_layers.ops(lk, plan, spec.topology), rows_layers.outputs(lk, plan)
     else:
         kind_ops = ops(lk, plan, spec.topology, spec.dtype)
         outputs = ["h", "pre", *plan.kinds[dict(lk.slots)["attn"]].region.output_names()[2:]]

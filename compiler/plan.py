@@ -30,6 +30,7 @@ from deepinfer.bundles.manifest import (
     DECODE,
     DRAFT_MODULE,
     ENGRAM_ROWS_MIX,
+    LAYER_ROWS,
     MOE_ROWS,
     PROJECT,
     ROWS_SLOT,
@@ -123,18 +124,22 @@ class RegionPlan:
         return kinds
 
     def fused_executables(
-        self, shapes: list[tuple[int, int]], contexts: tuple[int, ...], gathered: int = 1
+        self, shapes: list[tuple[int, int]], contexts: tuple[int, ...], gathered: int = 1, rows: int = 1
     ) -> list[Exe]:
         """The executables with one per layer kind and bucket in place of its regions' (the embedding
         first, the head and the draft's after: the draft's MoE on `gathered` token groups' rows under EP
-        dispatch; its capture inside the twins), context buckets where any of its regions reads one."""
+        dispatch; its capture inside the twins), context buckets where any of its regions reads one.
+        With prompt rows divided over `rows` ranks, each layer kind's `LAYER_ROWS` method too, at each
+        prompt bucket (compiler/rows_layers.py)."""
         kinds = self.fused_kinds()
         fused = {kind for lk in kinds.values() for _, kind in lk.slots}
         regions = [e for e in self.executables(shapes, contexts, gathered) if e.kind not in fused]
+        prompts = [(b, t) for b, t in shapes if t > 1 and t % rows == 0] if rows > 1 else []
         layers = [
-            Exe(lk.name, METHOD, b, t, c)
+            Exe(lk.name, method, b, t, c)
+            for method, buckets in ((METHOD, shapes), (LAYER_ROWS, prompts))
             for lk in kinds.values()
-            for b, t in shapes
+            for b, t in buckets
             for c in (contexts if any(self._reads_context(k) for _, k in lk.slots) else (None,))
         ]
         first = [e for e in regions if self.kinds[e.kind].slot == "embed"]
@@ -163,11 +168,15 @@ class RegionPlan:
         method of each slot's kind; the MoE on `gathered` token groups' rows under EP dispatch)."""
         if lk.name == DRAFT_MODULE:
             return self._draft_pieces(lk, exe, gathered)
+        # a prompt chunk divided by rows: the MoE's and the engram's divided methods too, the MoE at the
+        # chunk's batch (the rows gather along the tokens)
+        divided = {"moe": MOE_ROWS, "engram": (ENGRAM_ROWS_MIX,)} if exe.method == LAYER_ROWS else {}
+        gathered = 1 if divided else gathered
         out = {}
         for slot, kind in lk.slots:
             kp = self.kinds[kind]
             batch = exe.batch * (gathered if slot == "moe" else 1)
-            for method in kp.region.methods():
+            for method in (*kp.region.methods(), *divided.get(slot, ())):
                 out[(slot, method)] = Exe(
                     kind, method, batch, exe.tokens, exe.context if kp.reads_context(method) else None
                 )

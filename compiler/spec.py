@@ -80,7 +80,9 @@ class Spec:
         if not self.fused:
             return self.region_executables(plan)
         b = self.config.buckets
-        exes = plan.fused_executables(b.shapes(), b.contexts, self.topology.groups if self.topology.dispatch else 1)
+        gathered = self.topology.groups if self.topology.dispatch else 1
+        rows = self.topology.group_size if self.divided_rows else 1
+        exes = plan.fused_executables(b.shapes(), b.contexts, gathered, rows)
         if self.head_best:  # the head's greedy choice in its graph, at every bucket the head has
             exes += [Exe("head", BEST, batch, tokens, None) for batch, tokens in b.shapes()]
         return exes

@@ -32,8 +32,12 @@ def example_inputs(specs: list[InputSpec], g: Geometry, *, start: int = 0, seed:
     pool_blocks = min((s.shape[0] for s in specs if s.name in PAGED_INPUTS), default=g.blocks)
     out = []
     for s in specs:
-        if s.name == "positions":
-            t = positions
+        if s.name in ("positions", "own_positions"):  # a divided chunk's stages take its rows' or a rank's
+            t = (
+                positions[:, : s.shape[1]]
+                if s.shape[1] <= T
+                else start + torch.arange(B).unsqueeze(1) + torch.arange(s.shape[1])
+            )
         elif s.name == "slots":
             t = (1 + torch.arange(B)) % g.slots
         elif s.name == "block_table":  # ids of this rank's pools (its share of the blocks where cp divides them)

@@ -111,6 +111,7 @@ class Trn2Target:
         "deepinfer.compiler.targets.link",
         "deepinfer.compiler.layers",
         "deepinfer.compiler.draft_layers",
+        "deepinfer.compiler.rows_layers",
         "deepinfer.regions.divided",
         "deepinfer.regions.picking",
         "deepinfer.kernels.select",

@@ -1,0 +1,81 @@
+"""A prompt chunk divided by rows as one execution a layer (trn2's fused path, issue 41): the stages of
+regions/rows.py and regions/moe.py's divided methods, with the collectives between them inside one
+module, as compiler/layers.py builds a layer's decode.
+
+On the cpu target a divided chunk runs each stage as a region call with the ranks' collectives on the
+host between them (`regions.step.rows_steps`): 5 to 8 executions and 3 to 5 host collectives a layer.
+Here a fused layer kind has a second method, `manifest.LAYER_ROWS`, built at each prompt bucket of a
+bundle compiled with `[prompt] rows = "divided"` (`RegionPlan.fused_executables`). Its module takes a
+rank's T / d rows of the chunk's streams (h, pre) and gives them back through the layer (`ops`):
+
+    engram (where the layer has one): kv on every row of the chunk (the rank's input columns of the
+        looked-up rows) -> reduce-scatter of the partial keys and value along the rows -> rows_mix on
+        the rank's rows
+    rows_in on the rank's rows -> all-gather of the packed window latents (and compressor projections)
+        along the rows: the chunk's
+    a kv source: rows_write (every rank pools the chunk's groups, writes the entries it owns) ->
+        all-gather of every rank's pages of the sequence (stacked) -> outputs `ckv_pages`,
+        `ikeys_pages`, which the source's reindex and reuse layers take as inputs
+    rows_attend on the rank's rows (every head; the selection over the joined context)
+    MoE: moe_in on the rank's rows -> all-gather of x and the routing along the rows -> moe_experts on
+        every row (the rank's columns of every expert) -> reduce-scatter of the float32 partials along
+        the rows -> moe_out on the rank's rows
+
+The groups are the token group's ranks: divided rows need tp = 1 and ep = cp, so a token group is
+every rank (compiler/config.py). Inside the module, a row's streams never leave the device; the head's
+rows are gathered on the host after the last layer (one gather a chunk).
+
+The compile checks each module on XLA:CPU against the same ops run eagerly (`layers.check`);
+tests/trn2/test_rows_layers.py runs it against the cpu runtime's stage calls (`rows_steps`).
+"""
+
+from __future__ import annotations
+
+from deepinfer.bundles.manifest import ENGRAM_ROWS_MIX, MOE_EXPERTS, MOE_IN, MOE_OUT, ROWS_SLOT
+from deepinfer.bundles.topology import Topology
+from deepinfer.compiler.layers import Op, Run, _groups
+from deepinfer.compiler.plan import LayerKind, RegionPlan
+from deepinfer.compiler.targets.hlo import Collective
+from deepinfer.regions.rows import ROWS_ATTEND, ROWS_IN, ROWS_WRITE
+from deepinfer.regions.topology import ENGRAM_KV
+
+ROWS = 1  # the token dim of a stage's [B, T, ...] values: the gathers and scatters run along it
+OWN_POSITIONS = "own_positions"  # the rank's rows' positions [B, T / d] (the stages after take the chunk's)
+PAGES = ("ckv_pages", "ikeys_pages")  # a kv source's joined context: its outputs, its readers' inputs
+
+
+def ops(lk: LayerKind, plan: RegionPlan, topo: Topology) -> list[Op]:
+    """What layer kind `lk` runs on a rank's rows of a divided prompt chunk, in order."""
+    slots = dict(lk.slots)
+    group = _groups(topo.token_groups())
+    out: list[Op] = []
+    if "engram" in slots:
+        out += [
+            Run("engram", ENGRAM_KV),
+            Collective("reduce_scatter", "kv", "kv", group, dim=ROWS),
+            Run("engram", ENGRAM_ROWS_MIX),
+        ]
+    out += [
+        Run(ROWS_SLOT, ROWS_IN, inputs=(("positions", OWN_POSITIONS),)),
+        Collective("all_gather", "packed", "packed", group, dim=ROWS),
+    ]
+    if ROWS_WRITE in plan.kinds[slots[ROWS_SLOT]].region.methods():
+        out += [Run(ROWS_SLOT, ROWS_WRITE, outputs=tuple((p, f"{p}_mine") for p in PAGES))]
+        out += [Collective("all_gather", f"{p}_mine", p, group, stack=True) for p in PAGES]
+    gathered = (("x", "x_all"), ("weights", "weights_all"), ("experts", "experts_all"))
+    return out + [
+        Run(ROWS_SLOT, ROWS_ATTEND),
+        Run("moe", MOE_IN),
+        *(Collective("all_gather", mine, every, group, dim=ROWS) for mine, every in gathered),
+        Run("moe", MOE_EXPERTS, inputs=gathered),
+        Collective("reduce_scatter", "partial", "out", group, dim=ROWS),
+        Run("moe", MOE_OUT),
+    ]
+
+
+def outputs(lk: LayerKind, plan: RegionPlan) -> list[str]:
+    """The module's outputs: the rank's rows' streams (h, pre), its rows' carries (the selection, the
+    candidate pool) where the attention makes them, and a kv source's joined context."""
+    twin = plan.kinds[dict(lk.slots)[ROWS_SLOT]].region
+    pages = list(PAGES) if ROWS_WRITE in twin.methods() else []
+    return ["h", "pre", *twin.rows_attend_outputs()[2:], *pages]

@@ -40,8 +40,10 @@ PROJECT = "project"
 BEST = "best"
 ROWS_PREFIX = "rows_"  # an attention kind's twin for prompt chunks divided by rows (regions/rows.py)
 ROWS_SLOT = "rows"  # the slot a layer's twin is bound at
-# trn2's fused path: a layer kind's method for a prompt chunk divided by rows (compiler/rows_layers.py)
+# trn2's fused path, a prompt chunk divided by rows (compiler/rows_layers.py): a layer kind's method for
+# it, and the head's one module (the rank's rows gathered, then the head's decode or best)
 LAYER_ROWS = "rows"
+HEAD_ROWS = "head_rows"
 # the draft's capture (regions/dspark.py): draft stage 0's slot, and the slot of a fused layer's capture
 # twin (trn2, compiler/layers.py), which runs it inside the layer
 CAPTURE_SLOT = "capture"

@@ -17,6 +17,7 @@ from deepinfer.bundles.manifest import (
     DRAFT_MODULE,
     DTYPE_NAMES,
     ENGRAM_ROWS_MIX,
+    HEAD_ROWS,
     KV,
     LAYER_ROWS,
     MOE_ROWS,
@@ -195,19 +196,19 @@ def _check_coverage(m: Manifest) -> None:
     b, drafts = m.buckets, m.draft_kinds | {DRAFT_MODULE}  # the draft's: at the batch buckets only
     every = [(s.batch, s.tokens) for s in b.shapes]
     prompts = [(n, t) for n, t in every if t > 1]
-    rows = m.topology.topology.group_size if any(e.kind.startswith(ROWS_PREFIX) for e in m.regions) else 1
+    divides = any(e.kind.startswith(ROWS_PREFIX) or e.method == LAYER_ROWS for e in m.regions)
+    rows = m.topology.topology.group_size if divides else 1
     for kind, method in sorted({(e.kind, e.method) for e in m.regions if e.kind not in drafts} - {DRAFT_PROJECT}):
         mine = [e for e in m.regions if (e.kind, e.method) == (kind, method)]
         contexts = [None] if mine[0].bucket.context is None else b.context_sizes
         what = f"kind {kind!r}" + ("" if method == DECODE else f" ({method})")
-        # a rows twin (or a fused layer's rows method) at the prompt buckets only; with one, the MoE's divided
-        # methods too (keyed by the chunk)
-        divided = (
-            kind.startswith(ROWS_PREFIX)
-            or method == LAYER_ROWS
-            or (rows > 1 and method in (*MOE_ROWS, ENGRAM_ROWS_MIX))
-        )
+        # a rows twin (or a fused layer's rows method, the head's module after it) at the prompt buckets
+        # only; with one, the MoE's divided methods too (keyed by the chunk)
+        divided = kind.startswith(ROWS_PREFIX) or method == LAYER_ROWS or kind == HEAD_ROWS
+        divided = divided or (rows > 1 and method in (*MOE_ROWS, ENGRAM_ROWS_MIX))
         shapes = prompts if divided else list(every)
+        if rows > 1 and kind == "embed" and any(e.method == LAYER_ROWS for e in m.regions):  # a rank's rows' tokens
+            shapes = sorted(set(every) | {(n, t // rows) for n, t in prompts})
         for c in contexts:
             at = [e for e in mine if e.bucket.context == c]
             _need(

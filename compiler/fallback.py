@@ -78,13 +78,25 @@ def _fallen_back(spec: Spec, plan: RegionPlan, traced: Traced, refused: NeuronRe
         return None
     fused = plan.fused_modules()  # the layer kinds, and the draft step's one module
     job = next((j for j in traced.jobs if j.name == refused.region), None)
-    return job if job is not None and job.exe is not None and job.exe.kind in fused else None
+    if job is None or job.exe is None or _divided(job.exe):
+        return None
+    return job if job.exe.kind in fused else None
+
+
+def _divided(exe: Exe) -> bool:
+    """A divided prompt chunk's module (compiler/rows_layers.py): no per-region form on trn2."""
+    return exe.method == mf.LAYER_ROWS or exe.kind == mf.HEAD_ROWS
 
 
 def _explained(spec: Spec, plan: RegionPlan, refused: NeuronRefused, records: dict[str, mf.Fallback]) -> NeuronRefused:
     """The refusal that stops the compile, saying why no fallback: the option is "none", or the
     module refused is a fallback's own region."""
-    name = refused.region.split(".", 1)[0]
+    name, method = (refused.region.split(".") + [""])[:2]
+    if spec.fused and (method == mf.LAYER_ROWS or name == mf.HEAD_ROWS):
+        return refused.noted(
+            'a divided prompt chunk has no per-region form on trn2 (set [prompt] rows = "replicated" to compile '
+            "the prompt's rows on every rank)"
+        )
     if spec.fused and name in plan.fused_modules():
         return refused.noted(
             '[target] options fallback = "none" (set "regions" to compile a refused layer kind per region)'

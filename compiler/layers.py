@@ -44,7 +44,7 @@ import torch
 
 from deepinfer.bundles import layout, manifest_io, neff
 from deepinfer.bundles import manifest as mf
-from deepinfer.bundles.manifest import CAPTURE_SLOT, DECODE, DRAFT_MODULE, LAYER_ROWS
+from deepinfer.bundles.manifest import CAPTURE_SLOT, DECODE, DRAFT_MODULE, HEAD_ROWS, LAYER_ROWS
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler import budget
 from deepinfer.compiler.executables import Graph, lower
@@ -230,10 +230,13 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
         from deepinfer.compiler import draft_layers
 
         kind_ops, outputs = draft_layers.ops(plan, spec.topology, spec.dtype), [draft_layers.OUTPUT]
-    elif exe.method == LAYER_ROWS:  # a prompt chunk divided by rows
+    elif exe.method == LAYER_ROWS or lk.name == HEAD_ROWS:  # a prompt chunk divided by rows
         from deepinfer.compiler import rows_layers
 
-        kind_ops, outputs = rows_layers.ops(lk, plan, spec.topology), rows_layers.outputs(lk, plan)
+        if lk.name == HEAD_ROWS:
+            kind_ops, outputs = rows_layers.head_ops(spec.topology, exe.method), rows_layers.head_outputs(exe.method)
+        else:
+            kind_ops, outputs = rows_layers.ops(lk, plan, spec.topology), rows_layers.outputs(lk, plan)
     else:
         kind_ops = ops(lk, plan, spec.topology, spec.dtype)
         outputs = ["h", "pre", *plan.kinds[dict(lk.slots)["attn"]].region.output_names()[2:]]
@@ -245,6 +248,8 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
     graphs: dict[str, Graph] = {}
     steps: list = []
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    if lk.name == HEAD_ROWS:  # it takes the rank's rows of the chunk
+        inputs.update(rows_layers.head_inputs(plan, exe, spec.topology.group_size, spec.geometry_at(exe.context)))
     for op in kind_ops:
         if isinstance(op, Run):
             piece = f"{op.slot}.{op.method}"

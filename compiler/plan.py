@@ -30,6 +30,7 @@ from deepinfer.bundles.manifest import (
     DECODE,
     DRAFT_MODULE,
     ENGRAM_ROWS_MIX,
+    HEAD_ROWS,
     LAYER_ROWS,
     MOE_ROWS,
     PROJECT,
@@ -130,7 +131,8 @@ class RegionPlan:
         first, the head and the draft's after: the draft's MoE on `gathered` token groups' rows under EP
         dispatch; its capture inside the twins), context buckets where any of its regions reads one.
         With prompt rows divided over `rows` ranks, each layer kind's `LAYER_ROWS` method too, at each
-        prompt bucket (compiler/rows_layers.py)."""
+        prompt bucket, the head's module there (`HEAD_ROWS`) and the embedding at a rank's share of
+        each prompt bucket's tokens (compiler/rows_layers.py)."""
         kinds = self.fused_kinds()
         fused = {kind for lk in kinds.values() for _, kind in lk.slots}
         regions = [e for e in self.executables(shapes, contexts, gathered) if e.kind not in fused]
@@ -143,10 +145,15 @@ class RegionPlan:
             for c in (contexts if any(self._reads_context(k) for _, k in lk.slots) else (None,))
         ]
         first = [e for e in regions if self.kinds[e.kind].slot == "embed"]
+        if first and prompts:  # the embedding at a rank's rows too (it takes their tokens)
+            have = {(e.batch, e.tokens) for e in first}
+            own = sorted({(b, t // rows) for b, t in prompts} - have)
+            first = first + [Exe(first[0].kind, METHOD, b, t, None) for b, t in own]
         # the draft step as one executable a batch bucket (compiler/draft_layers.py); its regions'
         # own executables stay for the full draft logits (tests, debugging)
         drafts = [Exe(DRAFT_MODULE, METHOD, b, self.draft_block, None) for b in sorted({b for b, _ in shapes})]
-        return first + layers + [e for e in regions if e not in first] + (drafts if self.draft else [])
+        heads = [Exe(HEAD_ROWS, METHOD, b, t, None) for b, t in prompts]
+        return first + layers + [e for e in regions if e not in first] + heads + (drafts if self.draft else [])
 
     def draft_module(self) -> LayerKind:
         """The draft step's one executable as a kind (`DRAFT_MODULE`): the context projection, each
@@ -159,15 +166,26 @@ class RegionPlan:
         slots += [("head", self.draft[-1]["head"][0]), (PROJECT, "head")]
         return LayerKind(DRAFT_MODULE, tuple(slots), tuple(range(len(self.draft))))
 
+    @property
+    def divided_rows(self) -> bool:
+        """Whether a prompt chunk's rows are divided over the token group (the layers' `rows` twins)."""
+        return any(ROWS_SLOT in slots for slots in self.bindings.values())
+
     def fused_modules(self) -> dict[str, LayerKind]:
-        """What the fused path builds as one module each: the layer kinds, and the draft step."""
-        return {**self.fused_kinds(), **({DRAFT_MODULE: self.draft_module()} if self.draft else {})}
+        """What the fused path builds as one module each: the layer kinds, the draft step, and with
+        divided prompt rows the head after the rows' gather (compiler/rows_layers.py)."""
+        out = {**self.fused_kinds(), **({DRAFT_MODULE: self.draft_module()} if self.draft else {})}
+        if self.divided_rows:
+            out[HEAD_ROWS] = LayerKind(HEAD_ROWS, (("head", "head"),), (-1,))
+        return out
 
     def pieces(self, lk: LayerKind, exe: Exe, gathered: int = 1) -> dict[tuple[str, str], Exe]:
         """(slot, method) -> the region executable a fused layer `exe` of kind `lk` runs it as (each
         method of each slot's kind; the MoE on `gathered` token groups' rows under EP dispatch)."""
         if lk.name == DRAFT_MODULE:
             return self._draft_pieces(lk, exe, gathered)
+        if lk.name == HEAD_ROWS:
+            return {("head", exe.method): Exe("head", exe.method, exe.batch, exe.tokens, None)}
         # a prompt chunk divided by rows: the MoE's and the engram's divided methods too, the MoE at the
         # chunk's batch (the rows gather along the tokens)
         divided = {"moe": MOE_ROWS, "engram": (ENGRAM_ROWS_MIX,)} if exe.method == LAYER_ROWS else {}

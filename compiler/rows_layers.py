@@ -22,8 +22,10 @@ rank's T / d rows of the chunk's streams (h, pre) and gives them back through th
         the rows -> moe_out on the rank's rows
 
 The groups are the token group's ranks: divided rows need tp = 1 and ep = cp, so a token group is
-every rank (compiler/config.py). Inside the module, a row's streams never leave the device; the head's
-rows are gathered on the host after the last layer (one gather a chunk).
+every rank (compiler/config.py). A row's streams never leave the device: the embedding takes the rank's
+rows' tokens (its executable at T / d tokens), and after the last layer the head is one module too
+(`manifest.HEAD_ROWS`, `head_ops`): the rank's rows of h and pre all-gathered along the rows, then the
+head's `decode` (this rank's vocabulary slice of every row's logits) or `best` (their greedy pairs).
 
 The compile checks each module on XLA:CPU against the same ops run eagerly (`layers.check`);
 tests/trn2/test_rows_layers.py runs it against the cpu runtime's stage calls (`rows_steps`).
@@ -31,17 +33,16 @@ tests/trn2/test_rows_layers.py runs it against the cpu runtime's stage calls (`r
 
 from __future__ import annotations
 
-from deepinfer.bundles.manifest import ENGRAM_ROWS_MIX, MOE_EXPERTS, MOE_IN, MOE_OUT, ROWS_SLOT
+from deepinfer.bundles.manifest import BEST, DECODE, ENGRAM_ROWS_MIX, MOE_EXPERTS, MOE_IN, MOE_OUT, ROWS_SLOT
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.layers import Op, Run, _groups
-from deepinfer.compiler.plan import LayerKind, RegionPlan
+from deepinfer.compiler.plan import Exe, LayerKind, RegionPlan
 from deepinfer.compiler.targets.hlo import Collective
-from deepinfer.regions.rows import ROWS_ATTEND, ROWS_IN, ROWS_WRITE
+from deepinfer.regions.rows import OWN_POSITIONS, PAGES, ROWS_ATTEND, ROWS_IN, ROWS_WRITE
+from deepinfer.regions.state import Geometry, InputSpec
 from deepinfer.regions.topology import ENGRAM_KV
 
 ROWS = 1  # the token dim of a stage's [B, T, ...] values: the gathers and scatters run along it
-OWN_POSITIONS = "own_positions"  # the rank's rows' positions [B, T / d] (the stages after take the chunk's)
-PAGES = ("ckv_pages", "ikeys_pages")  # a kv source's joined context: its outputs, its readers' inputs
 
 
 def ops(lk: LayerKind, plan: RegionPlan, topo: Topology) -> list[Op]:
@@ -79,3 +80,23 @@ def outputs(lk: LayerKind, plan: RegionPlan) -> list[str]:
     twin = plan.kinds[dict(lk.slots)[ROWS_SLOT]].region
     pages = list(PAGES) if ROWS_WRITE in twin.methods() else []
     return ["h", "pre", *twin.rows_attend_outputs()[2:], *pages]
+
+
+def head_ops(topo: Topology, method: str) -> list[Op]:
+    """The head of a divided chunk: the rank's rows gathered along the rows, then its `method`."""
+    group = _groups(topo.token_groups())
+    return [
+        Collective("all_gather", "h", "h", group, dim=ROWS),
+        Collective("all_gather", "pre", "pre", group, dim=ROWS),
+        Run("head", method),
+    ]
+
+
+def head_inputs(plan: RegionPlan, exe: Exe, group: int, geometry: Geometry) -> dict[str, InputSpec]:
+    """The head module's inputs: the rank's T / `group` rows of the chunk's streams."""
+    specs = plan.kinds["head"].region.method_inputs(DECODE, exe.batch, exe.tokens // group, geometry)
+    return {s.name: s for s in specs}
+
+
+def head_outputs(method: str) -> list[str]:
+    return [BEST if method == BEST else "logits"]

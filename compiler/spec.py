@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.bundles.manifest import BEST
+from deepinfer.bundles.manifest import BEST, DECODE, HEAD_ROWS
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.cache.local import Cache
 from deepinfer.compiler.config import CompileConfig, config_error
@@ -84,7 +84,8 @@ class Spec:
         rows = self.topology.group_size if self.divided_rows else 1
         exes = plan.fused_executables(b.shapes(), b.contexts, gathered, rows)
         if self.head_best:  # the head's greedy choice in its graph, at every bucket the head has
-            exes += [Exe("head", BEST, batch, tokens, None) for batch, tokens in b.shapes()]
+            heads = [e for e in exes if e.kind in ("head", HEAD_ROWS) and e.method == DECODE]  # and a divided chunk's
+            exes += [Exe(e.kind, BEST, e.batch, e.tokens, None) for e in heads]
         return exes
 
     @property

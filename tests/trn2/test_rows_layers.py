@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("torch_mlir", reason="the trn2 lowering needs the [trn2] extra (torch-mlir)")
 pytest.importorskip("jax", reason="the trn2 lowering needs the [trn2] extra (jax, jaxlib)")
 
-from deepinfer.bundles.manifest import DECODE, LAYER_ROWS, ROWS_SLOT
+from deepinfer.bundles.manifest import BEST, DECODE, HEAD_ROWS, LAYER_ROWS, ROWS_SLOT
 from deepinfer.compiler import layers, rows_layers
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.pipeline import plan
@@ -79,3 +79,25 @@ def test_each_layer_kinds_rows_module_matches_its_ops_on_four_replicas(tmp_path,
         assert entry.outputs == tuple(rows_layers.outputs(lk, regions)), name
         h = next(s for s in entry.inputs if s.name == "h")
         assert h.shape[1] == 8 // WORLD, name  # a rank's rows of the chunk
+
+
+@pytest.mark.slow  # the head's module at the prompt bucket, its decode and its best, on 4 XLA:CPU replicas
+def test_the_heads_module_gathers_the_ranks_rows_then_runs_the_head(tmp_path, divided):
+    """After the layers, the head is one module at the prompt bucket: the rank's rows of h and pre
+    all-gathered along the rows, then the head's `decode` (this rank's vocabulary slice of every row)
+    or `best` (their greedy pairs); on one XLA:CPU replica a rank it equals its ops run eagerly. The
+    embedding is built at a rank's share of the prompt bucket's tokens too."""
+    spec, regions = divided
+    exes = spec.executables(regions)
+    assert {(e.method, e.tokens) for e in exes if e.kind == HEAD_ROWS} == {(DECODE, 8), (BEST, 8)}
+    assert {e.tokens for e in exes if e.kind == "embed"} == {1, 8, 8 // WORLD}
+    lk = regions.fused_modules()[HEAD_ROWS]
+    memo: layers.Lowered = {}
+    for exe in (e for e in exes if e.kind == HEAD_ROWS):
+        entry, _, _ = layers.trace(spec, regions, lk, exe, tmp_path / f"{exe.name}.hlo.pb", lambda msg: None, memo)
+        assert [f"{c.op} {c.value}" for c in entry.collectives or ()] == ["all_gather h", "all_gather pre"]
+        assert entry.check is not None and entry.check["replicas"] == WORLD
+        assert entry.check["score"] <= 1e-5, entry.check
+        h = next(s for s in entry.inputs if s.name == "h")
+        out = entry.output_specs[0]
+        assert h.shape[:2] == (1, 8 // WORLD) and out.shape[:2] == (1, 8), exe  # every row of the chunk out

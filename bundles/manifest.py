@@ -44,6 +44,7 @@ ROWS_SLOT = "rows"  # the slot a layer's twin is bound at
 # it, and the head's one module (the rank's rows gathered, then the head's decode or best)
 LAYER_ROWS = "rows"
 HEAD_ROWS = "head_rows"
+ROWS_LAYER_SLOT = "layer_rows"  # the runtime's binding of a fused layer's `rows` executable
 # the draft's capture (regions/dspark.py): draft stage 0's slot, and the slot of a fused layer's capture
 # twin (trn2, compiler/layers.py), which runs it inside the layer
 CAPTURE_SLOT = "capture"

@@ -16,9 +16,10 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from deepinfer.bundles.manifest import ENGRAM_ROWS_MIX, MOE_EXPERTS, MOE_IN, MOE_OUT
+from deepinfer.bundles.manifest import ENGRAM_ROWS_MIX, LAYER_ROWS, MOE_EXPERTS, MOE_IN, MOE_OUT, ROWS_LAYER_SLOT
 from deepinfer.errors import TensorFileError
 from deepinfer.regions.config import TextConfig
+from deepinfer.regions.rows import OWN_POSITIONS, PAGES
 from deepinfer.regions.topology import ENGRAM_KV, ENGRAM_MIX
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -249,6 +250,41 @@ def rows_steps(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows |
     whole = yield rows.rows, (h,)
     (logits,) = invoke(-1, "head", *head_rows(whole, (yield rows.rows, (pre,)), batch))
     return logits
+
+
+def run_rows_fused(plans, invoke_layer, states, h, pre, batch: Batch, engram: EngramRows | None, own: slice):
+    """A prompt step divided by rows on trn2's fused layers (compiler/rows_layers.py): h, pre are this
+    rank's rows `own` of the chunk; each layer is one execution of its kind's `rows` module
+    (`invoke_layer(layer, values, slot=, method=, chunk=)`, the collectives inside) on the values its
+    inputs name: the streams, the chunk's and the rank's rows' step inputs, the layer's state, the
+    selection its rank's rows carry from the layer before, a kv source's joined context for the layers
+    that read it, the chunk's every engram row -> the rank's rows (h, pre) after the last layer."""
+    token_mask = (batch.positions >= 0) & ~batch.is_image
+    step = {
+        "positions": batch.positions,
+        OWN_POSITIONS: batch.positions[:, own],
+        "slots": batch.slots,
+        "block_table": batch.block_table,
+        "is_image": batch.is_image[:, own],
+        "token_mask": token_mask[:, own],
+    }
+    T = batch.positions.shape[1]
+    contexts: dict[int, dict[str, Tensor]] = {}
+    carry: dict[str, Tensor] = {}
+    engram_index = 0
+    for p in plans:
+        values = {**step, **carry, **states[p.layer], "h": h, "pre": pre}
+        if p.attn in ("reindex", "reuse"):  # a source joins its context inside its module
+            values.update(contexts[p.kv_source])
+        if p.engram_rows:
+            values["rows"], values["rows_s"] = looked_up(engram, batch, engram_index)
+            engram_index += 1
+        out = invoke_layer(p.layer, values, slot=ROWS_LAYER_SLOT, method=LAYER_ROWS, chunk=T)
+        h, pre = out["h"], out["pre"]
+        carry.update({k: v for k, v in out.items() if k in ("topk", "cand")})
+        if p.attn == "source":
+            contexts[p.layer] = {k: out[k] for k in PAGES}
+    return h, pre
 
 
 def looked_up(engram: EngramRows | None, batch: Batch, index: int) -> tuple[Tensor, Tensor]:

@@ -41,6 +41,7 @@ from deepinfer.regions.step import (
     rows_steps,
     run_fused,
     run_layers,
+    run_rows_fused,
 )
 from deepinfer.regions.stepper import Allocator, Capture, Greedy, Row, bucket_at_least, make_batch, table_width
 from deepinfer.regions.topology import ENGRAM_KV
@@ -183,6 +184,7 @@ Binding = tuple[str, list]  # (kind, weight views and the rank in the executable
 # over the token group before its `mix`
 BOUNDARY_METHODS = (mf.DECODE, "output", ENGRAM_KV)
 LAYER_SLOT = "layer"  # a fused layer's binding: its one executable (manifest Layer.fused)
+ROWS_LAYER_SLOT = mf.ROWS_LAYER_SLOT  # its divided prompt chunk's executable (the kind's `rows` method)
 STEP = "step"  # what the leader sends its followers for a target step (`Executor.follow`; draft.DRAFT_STEP)
 
 
@@ -202,9 +204,10 @@ class Executor:
     # (kind, method)s whose executables sum their streams over the ranks themselves (manifest `reduced`)
     reduced_in_graph: frozenset[tuple[str, str]]
     bound: Mapping[tuple[int, str], Binding]  # (layer, slot) -> binding; the head is (-1, "head")
-    # fused layers (trn2): each layer kind's non-weight inputs and its outputs, by name; a fused layer's
-    # binding is bound[(layer, LAYER_SLOT)]
-    fused: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]
+    # fused layers (trn2): each (layer kind, method)'s non-weight inputs and its outputs, by name; a fused
+    # layer's binding is bound[(layer, LAYER_SLOT)] (a divided prompt chunk's, ROWS_LAYER_SLOT; the head's
+    # module after it, (-1, HEAD_ROWS))
+    fused: Mapping[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]]
     draft_bound: Mapping[tuple[int, str], Binding]  # (stage, slot) -> binding of the draft's regions
     pools: Mapping[str, Tensor]
     states: Mapping[int, Mapping[str, Tensor]]  # layer -> state name -> its view of a pool
@@ -298,7 +301,8 @@ class Executor:
         for the draft (`capture`). `head`: the head's method (`mf.BEST`: its slice's greedy pairs)."""
         start = time.perf_counter()
         if capture is None and self.own_rows(batch) is not None:  # divided by rows (regions/rows.py)
-            logits = self._divided(batch, stats, on_call)
+            divided = self._divided_fused(batch, stats, on_call, head) if self.fused else None
+            logits = self._divided(batch, stats, on_call) if divided is None else divided
             stats.record_step(batch, time.perf_counter() - start)
             return logits
         invoke = self.invoker(batch.block_table.shape[1], stats, on_call, step_tokens=batch.tokens.shape[1])
@@ -352,12 +356,39 @@ class Executor:
         return any(key[:4] == (kind, mf.DECODE, B, T) for key in self.executables)
 
     def own_rows(self, batch: Batch) -> slice | None:
-        """This rank's rows of a prompt step divided by rows (a bundle with the `rows` twins, a step of
-        several tokens a whole number of rows a rank, the host's embedding), else None."""
+        """This rank's rows of a prompt step divided by rows (a step of several tokens a whole number of
+        rows a rank; a bundle with the `rows` twins and the host's embedding, or trn2's fused layers with
+        every layer's rows module and the head's), else None."""
         T, group = batch.tokens.shape[1], self.manifest.topology.topology.group_size
-        if T == 1 or T % group or (0, mf.ROWS_SLOT) not in self.bound or self.host.embed is None or self.fused:
+        if T == 1 or T % group:
+            return None
+        if self.fused:
+            every = (-1, mf.HEAD_ROWS) in self.bound and all(
+                (p.layer, ROWS_LAYER_SLOT) in self.bound for p in self.plans
+            )
+            return _share(T, group, self.rank) if every else None
+        if (0, mf.ROWS_SLOT) not in self.bound or self.host.embed is None:
             return None
         return _share(T, group, self.rank)
+
+    def _divided_fused(self, batch: Batch, stats: Stats, on_call: OnCall | None, head: str) -> Tensor:
+        """A prompt step divided by rows on trn2's fused layers (compiler/rows_layers.py): the rank's rows
+        embedded, one execution a layer (its kind's rows module, the collectives inside), then the head's
+        module (the rows gathered inside) as `head` -> this rank's slice of every row's logits (or pairs)."""
+        group, T, blocks = self.manifest.topology.topology.group_size, batch.tokens.shape[1], batch.block_table.shape[1]
+        own = _share(T, group, self.rank)
+        invoke = self.invoker(blocks, stats, on_call, step_tokens=T)
+        if self.host.embed is not None:
+            h, pre = self.host.embed(batch.tokens[:, own], batch.is_image[:, own], _rows_of(batch.image_rows, own))
+        else:
+            rows = _rows_of(batch.image_rows, own)
+            if rows is None:
+                rows = torch.zeros(batch.tokens.shape[0], T // group, self.config.text.hidden_size, dtype=self.dtype)
+            h, pre = invoke(-1, "embed", batch.tokens[:, own], batch.is_image[:, own], rows)
+        invoke_layer = self._invoke_layer(blocks, stats, on_call)
+        h, pre = run_rows_fused(self.plans, invoke_layer, self.states, h, pre, batch, self.host.engram, own)
+        out = invoke_layer(-1, {"h": h, "pre": pre}, slot=mf.HEAD_ROWS, method=head, chunk=T)
+        return next(iter(out.values()))
 
     def _divided(self, batch: Batch, stats: Stats, on_call: OnCall | None) -> Tensor:
         """A prompt step divided by rows over the token group (regions/rows.py): as two micro-batches of
@@ -428,19 +459,28 @@ class Executor:
         one executable (its collectives inside) on the values its inputs name -> its outputs by name."""
         executables, bound, fused, context_methods = self.executables, self.bound, self.fused, self.context_methods
 
-        def invoke_layer(layer: int, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        def invoke_layer(
+            layer: int,
+            values: Mapping[str, Tensor],
+            *,
+            slot: str = LAYER_SLOT,
+            method: str = mf.DECODE,
+            chunk: int | None = None,
+        ) -> dict[str, Tensor]:
+            """`chunk`: the step's tokens bucket where the streams are a rank's share of it (divided rows)."""
             t0 = time.perf_counter()
-            kind, weights = bound[(layer, LAYER_SLOT)]
-            names, outputs = fused[kind]
+            kind, weights = bound[(layer, slot)]
+            names, outputs = fused[(kind, method)]
             inputs = [values[n] for n in names]
-            width = blocks if (kind, mf.DECODE) in context_methods else None
-            exe = executables[(kind, mf.DECODE, inputs[0].shape[0], inputs[0].shape[1], width)]
+            width = blocks if (kind, method) in context_methods else None
+            exe = executables[(kind, method, inputs[0].shape[0], chunk or inputs[0].shape[1], width)]
             args = weights + inputs
             t1 = time.perf_counter()
-            out = exe(args) if on_call is None else on_call(layer, LAYER_SLOT, kind, tuple(inputs), lambda: exe(args))
-            stats.calls[kind] += 1
-            stats.record_rows(inputs[0].shape)
-            stats.seconds[kind] += time.perf_counter() - t1
+            out = exe(args) if on_call is None else on_call(layer, slot, kind, tuple(inputs), lambda: exe(args))
+            name = kind if method == mf.DECODE else f"{kind}.{method}"
+            stats.calls[name] += 1
+            stats.record_rows(inputs[0].shape, chunk)
+            stats.seconds[name] += time.perf_counter() - t1
             stats.overhead += t1 - t0
             return dict(zip(outputs, out))
 

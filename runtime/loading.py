@@ -37,7 +37,7 @@ from deepinfer.runtime.bundle import (
     stack_tensors,
     tensors,
 )
-from deepinfer.runtime.executor import LAYER_SLOT, Binding, Executor, HostTables, Sizes
+from deepinfer.runtime.executor import LAYER_SLOT, ROWS_LAYER_SLOT, Binding, Executor, HostTables, Sizes
 
 
 def load(
@@ -130,9 +130,9 @@ def _load(bundle: Bundle, rank: int, comm, num_kv_blocks: int | None) -> Executo
     try:
         executables, context_methods = _load_executables(bundle, placement)
         bound, draft_bound = _bind_weights(bundle, placement, rank)
-        kinds = {layer.fused for layer in m.layers if layer.fused is not None}
+        kinds = {layer.fused for layer in m.layers if layer.fused is not None} | {mf.HEAD_ROWS}
         fused = {
-            e.kind: (tuple(s.name for s in e.inputs if s.role not in ("weight", "rank")), e.outputs)
+            (e.kind, e.method): (tuple(s.name for s in e.inputs if s.role not in ("weight", "rank")), e.outputs)
             for e in m.regions
             if e.kind in kinds
         }
@@ -207,6 +207,7 @@ def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict
         for e in entries
     }
     signatures = {e.kind: e.inputs for e in m.regions}
+    methods = {(e.kind, e.method): e.inputs for e in m.regions}  # a one-module kind's weights by method
     rank_tensor = torch.tensor(rank, dtype=torch.int64)
 
     def views(b: mf.Binding) -> Binding:
@@ -217,20 +218,25 @@ def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict
             if s.role in ("weight", "rank")
         ]
 
+    def module(kind: str, method: str, binding_of: Callable[[str], mf.Binding]) -> Binding:
+        """A one-module executable's weights (`<slot>.<name>`, `binding_of` each slot) and rank."""
+        return kind, [
+            rank_tensor if s.role == "rank" else _slot_view(placement, stacks, s.name, binding_of)
+            for s in methods[(kind, method)]
+            if s.role in ("weight", "rank")
+        ]
+
     fused = {layer.layer for layer in m.layers if layer.fused is not None}  # their slots have no executables
     draft = m.draft.stages[0] if m.draft else {}  # a capture twin's `capture` slot: stage 0's binding
     bound = {(layer, slot): views(b) for layer, slot, b in m.bindings() if layer not in fused}
     for layer in m.layers:  # a fused layer's one executable: each slot's weights as `<slot>.<name>`
         if layer.fused is not None:
             own = functools.partial(_layer_binding, layer, draft)
-            bound[(layer.layer, LAYER_SLOT)] = (
-                layer.fused,
-                [
-                    rank_tensor if s.role == "rank" else _slot_view(placement, stacks, s.name, own)
-                    for s in signatures[layer.fused]
-                    if s.role in ("weight", "rank")
-                ],
-            )
+            bound[(layer.layer, LAYER_SLOT)] = module(layer.fused, mf.DECODE, own)
+            if (layer.fused, mf.LAYER_ROWS) in methods:  # a divided prompt chunk's (compiler/rows_layers.py)
+                bound[(layer.layer, ROWS_LAYER_SLOT)] = module(layer.fused, mf.LAYER_ROWS, own)
+    if (mf.HEAD_ROWS, mf.DECODE) in methods:  # its `best` takes the same weights: the head's
+        bound[(-1, mf.HEAD_ROWS)] = module(mf.HEAD_ROWS, mf.DECODE, lambda slot: m.head)
     draft_bound = {
         (stage, slot): views(b)
         for stage, regions in enumerate(m.draft.stages if m.draft else ())
@@ -238,16 +244,9 @@ def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict
         if b.kind in signatures  # the capture runs inside the fused layers: no executable of its own
     }
     if m.draft is not None and mf.DRAFT_MODULE in signatures:  # the draft step as one executable (trn2)
-        module, head = m.draft, m.head
-        draft_bound[(0, mf.DRAFT_MODULE)] = (
-            mf.DRAFT_MODULE,
-            [
-                rank_tensor
-                if s.role == "rank"
-                else _slot_view(placement, stacks, s.name, lambda slot: module.module_binding(slot, head))
-                for s in signatures[mf.DRAFT_MODULE]
-                if s.role in ("weight", "rank")
-            ],
+        stages, head = m.draft, m.head
+        draft_bound[(0, mf.DRAFT_MODULE)] = module(
+            mf.DRAFT_MODULE, mf.DECODE, lambda slot: stages.module_binding(slot, head)
         )
     return bound, draft_bound
 

@@ -11,7 +11,11 @@ Real HLO modules on real XLA:CPU, one replica a rank; nothing of Trn2 or neuronx
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
+import torch
 
 pytest.importorskip("torch_mlir", reason="the trn2 lowering needs the [trn2] extra (torch-mlir)")
 pytest.importorskip("jax", reason="the trn2 lowering needs the [trn2] extra (jax, jaxlib)")
@@ -21,6 +25,12 @@ from deepinfer.compiler import layers, rows_layers
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.pipeline import plan
 from deepinfer.compiler.spec import parse
+from deepinfer.compiler.targets import hlo
+from deepinfer.compiler.weights import in_format
+from deepinfer.regions import micro
+from deepinfer.regions.examples import example_inputs, random_weights
+from deepinfer.regions.state import InputSpec
+from deepinfer.regions.step import Batch, rows_steps, run_rows_fused
 
 from ..conftest import write_model_toml
 
@@ -101,3 +111,226 @@ def test_the_heads_module_gathers_the_ranks_rows_then_runs_the_head(tmp_path, di
         h = next(s for s in entry.inputs if s.name == "h")
         out = entry.output_specs[0]
         assert h.shape[:2] == (1, 8 // WORLD) and out.shape[:2] == (1, 8), exe  # every row of the chunk out
+
+
+# --- the modules driven as the runtime drives them, against the cpu runtime's divided step -----------
+
+
+class Exchange:
+    """Every rank's value at a collective, in rank order (threads; each wait bounded)."""
+
+    def __init__(self, world: int):
+        self.barrier = threading.Barrier(world, timeout=WAIT_S)
+        self.values: list = [None] * world
+
+    def all(self, rank: int, value):
+        self.values[rank] = value
+        self.barrier.wait()
+        got = list(self.values)
+        self.barrier.wait()
+        return got
+
+
+class HostRows:
+    """`regions.step.Rows` as the host computes it over the exchange (what runtime.ranks.Comm does)."""
+
+    def __init__(self, exchange: Exchange, rank: int):
+        self.exchange, self.rank = exchange, rank
+
+    def rows(self, t):
+        return torch.cat(self.exchange.all(self.rank, t), 1)
+
+    def pages(self, *parts):
+        return [torch.stack(every) for every in zip(*self.exchange.all(self.rank, parts))]
+
+    def routes(self, x, weights, experts):
+        got = self.exchange.all(self.rank, (x, weights, experts))
+        return tuple(torch.cat([g[i] for g in got], 1) for i in range(3))
+
+    def combine(self, partial):
+        return self.scatter(partial, "ep combine reduce-scatter")
+
+    def scatter(self, partial, name):
+        total = torch.stack([p.float() for p in self.exchange.all(self.rank, partial)]).sum(0)
+        n = total.shape[1] // WORLD
+        return total[:, self.rank * n : (self.rank + 1) * n]
+
+
+class TableRows:
+    """The engram's looked-up table rows, fixed per engram layer (a test double of the host tables)."""
+
+    def __init__(self, rows: list):
+        self.values = rows
+
+    def rows(self, index, hashes):
+        return self.values[index]
+
+
+class Lockstep:
+    """An `invoke_layer` per rank that runs each module once for every rank on XLA:CPU replicas (each
+    rank hands its arguments over the exchange; rank 0 runs them); the state outputs written back into
+    the rank's state tensors, as the device's aliased pools are."""
+
+    def __init__(self, modules: dict, weights: dict, exchange: Exchange):
+        self.modules, self.weights, self.exchange = modules, weights, exchange
+        self.programs: dict = {}
+
+    def invoke_layer(self, rank: int):
+        def invoke_layer(layer, values, *, slot, method, chunk):
+            key = (HEAD_ROWS, method) if slot == HEAD_ROWS else (layer, LAYER_ROWS)
+            entry, proto = self.modules[key]
+            weights = self.weights[-1 if slot == HEAD_ROWS else layer]
+            args = [
+                torch.tensor(rank) if s.role == "rank" else weights[s.name] if s.role == "weight" else values[s.name]
+                for s in entry.inputs
+            ]
+            every = self.exchange.all(rank, [a.clone() for a in args])
+            if rank == 0:
+                program = self.programs.setdefault(key, hlo.CpuReplicas(proto, WORLD))
+                results = program(every)
+            outs = self.exchange.all(rank, results if rank == 0 else None)[0][rank]
+            states = entry.state_outputs or ()
+            for name, out in zip(states, outs):
+                values[name].copy_(out)
+            return dict(zip(entry.outputs, outs[len(states) :]))
+
+        return invoke_layer
+
+
+def _stored(region, seed: int) -> dict:
+    return in_format(region.specs, random_weights(region, seed), region.fp8_format)
+
+
+@pytest.mark.slow  # the rows modules and the head's lowered, compiled for 4 XLA:CPU replicas, run for two chunks
+def test_the_modules_run_a_chunk_as_the_cpu_runtimes_divided_step(tmp_path, divided):
+    """Two 8-token chunks of one prompt through every layer and the head, each rank its two rows: the
+    runtime's `run_rows_fused` on the rows modules (run in lockstep on four XLA:CPU replicas) gives every
+    rank's rows of h and pre, its slice of the logits, and its window rings, partial groups and paged
+    pools as `rows_steps` does with the stages as region calls and the host's collectives (the cpu
+    runtime's divided step, which tests/ranks/test_ranks.py ties to one rank's tokens)."""
+
+    spec, regions = divided
+    kinds = regions.fused_kinds()
+    exes = spec.executables(regions)
+    memo: layers.Lowered = {}
+    modules, weights, per_slot = {}, {}, {}
+    seeds = {kind: i for i, kind in enumerate(regions.kinds)}
+    for kind, kp in regions.kinds.items():
+        if kp.region.specs:
+            per_slot[kind] = _stored(kp.region, seeds[kind])
+    for lk in kinds.values():
+        exe = next(e for e in exes if e.kind == lk.name and e.method == LAYER_ROWS)
+        out = tmp_path / f"{exe.name}.hlo.pb"
+        entry, _, _ = layers.trace(spec, regions, lk, exe, out, lambda msg: None, memo)
+        for layer in lk.layers:
+            modules[(layer, LAYER_ROWS)] = entry, out.read_bytes()
+            weights[layer] = {
+                f"{slot}.{name}": t
+                for slot, (kind, _) in regions.bindings[layer].items()
+                for name, t in per_slot.get(kind, {}).items()
+                if name != "rank"
+            }
+    head_exe = next(e for e in exes if e.kind == HEAD_ROWS and e.method == DECODE)
+    out = tmp_path / f"{head_exe.name}.hlo.pb"
+    entry, _, _ = layers.trace(spec, regions, regions.fused_modules()[HEAD_ROWS], head_exe, out, lambda msg: None, memo)
+    modules[(HEAD_ROWS, DECODE)] = entry, out.read_bytes()
+    weights[-1] = {f"head.{name}": t for name, t in per_slot["head"].items() if name != "rank"}
+
+    specs = {
+        s.name: InputSpec(s.name, tuple(s.shape), getattr(torch, s.dtype), s.role)
+        for m, _ in modules.values()
+        for s in m.inputs
+    }
+    T, n = 8, 8 // WORLD
+    B, _, hc, D = specs["h"].shape
+    whole = [InputSpec(name, (B, T, *specs[name].shape[2:]), specs[name].dtype, "activation") for name in ("h", "pre")]
+    chunks = [example_inputs(whole, spec.geometry, seed=c) for c in range(2)]  # each chunk's h, pre
+    engrams = [p for p in regions.layers if p.engram_rows]
+    tables = TableRows(
+        [
+            tuple(example_inputs([specs["rows"], specs["rows_s"]], spec.geometry, seed=7 + i))
+            for i in range(len(engrams))
+        ]
+    )
+
+    def batch(c: int) -> Batch:
+        positions = (c * T + torch.arange(T)).unsqueeze(0)
+        return Batch(
+            tokens=torch.zeros(B, T, dtype=torch.int64),
+            positions=positions,
+            slots=torch.ones(B, dtype=torch.int64),
+            # column k on cp rank k % 4, as its local block 1 + k // 4 (regions/divided.py; 0 the scratch)
+            block_table=(1 + torch.arange(specs["block_table"].shape[1]) // WORLD).unsqueeze(0),
+            hashes=torch.zeros(B, T, len(engrams), 1, dtype=torch.int64),
+            is_image=torch.zeros(B, T, dtype=torch.bool),
+        )
+
+    def states():  # every rank's zeroed state, a layer's by name
+        return [
+            {
+                layer: {
+                    s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype))
+                    for s in entry.inputs
+                    if s.role == "state"
+                }
+                for (layer, _), (entry, _) in modules.items()
+                if layer != HEAD_ROWS
+            }
+            for _ in range(WORLD)
+        ]
+
+    fused_states, host_states = states(), states()
+    exchange = Exchange(WORLD)
+    lockstep = Lockstep(modules, weights, exchange)
+
+    def fused(rank: int) -> list:
+        own = slice(rank * n, (rank + 1) * n)
+        out = []
+        invoke_layer = lockstep.invoke_layer(rank)
+        for c, (h_all, pre_all) in enumerate(chunks):
+            mine = (h_all[:, own], pre_all[:, own])
+            h, pre = run_rows_fused(regions.layers, invoke_layer, fused_states[rank], *mine, batch(c), tables, own)
+            head = invoke_layer(-1, {"h": h, "pre": pre}, slot=HEAD_ROWS, method=DECODE, chunk=T)
+            out.append(head["logits"])
+        return out
+
+    def host(rank: int) -> list:
+        own = slice(rank * n, (rank + 1) * n)
+        mine = {
+            layer: {
+                slot: regions.kinds[kind].region.with_weights({**per_slot[kind], "rank": torch.tensor(rank)})
+                for slot, (kind, _) in regions.bindings[layer].items()
+                if slot in ("rows", "moe", "engram")
+            }
+            for layer in regions.bindings
+        }
+        head = regions.kinds["head"].region.with_weights({**per_slot["head"], "rank": torch.tensor(rank)})
+
+        def invoke(layer, slot, *inputs, method=DECODE, chunk=None, whole=True):
+            if (layer, slot) == (-1, "head"):
+                return (head.decode(*inputs),)
+            out = getattr(mine[layer][slot], method)(*inputs)
+            return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+        rows = HostRows(exchange, rank)
+        out = []
+        for c, (h, pre) in enumerate(chunks):
+            step = rows_steps(
+                regions.layers, invoke, host_states[rank], h[:, own], pre[:, own], batch(c), tables, rows, own
+            )
+            out.append(micro.drive([step], micro.now)[0])
+        return out
+
+    with torch.no_grad(), ThreadPoolExecutor(WORLD) as pool:
+        got = list(pool.map(fused, range(WORLD)))
+        want = list(pool.map(host, range(WORLD)))
+    for rank in range(WORLD):
+        for c in range(2):
+            assert got[rank][c].shape == (B, T, want[rank][c].shape[-1])
+            torch.testing.assert_close(got[rank][c], want[rank][c], rtol=1e-4, atol=1e-4)
+        for layer, st in host_states[rank].items():
+            for name, t in st.items():
+                torch.testing.assert_close(
+                    fused_states[rank][layer][name], t, rtol=1e-4, atol=1e-4, msg=f"{rank} {layer} {name}"
+                )
+                assert t.abs().sum() > 0 or name in ("part_kv", "part_gate"), (rank, layer, name)

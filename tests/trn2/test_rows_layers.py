@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,9 +32,14 @@ from deepinfer.regions import micro
 from deepinfer.regions.examples import example_inputs, random_weights
 from deepinfer.regions.state import InputSpec
 from deepinfer.regions.step import Batch, rows_steps, run_rows_fused
+from deepinfer.runtime import RunOptions, generate
+from deepinfer.runtime.bundle import open_bundle
 
-from ..conftest import write_model_toml
+from ..conftest import _compile_tiny, write_model_toml
+from .conftest import finished_copy
+from .test_neuron_ranks import _collective_calls_of, _execute_bytes
 
+pytestmark = pytest.mark.xdist_group("rows-layers")  # one worker traces the modules for all of them
 WORLD = 4  # cp = ep = 4: the rows over the four ranks
 WAIT_S = 120  # a rank's wait for the others at a collective
 DIVIDED = '\n[prompt]\nrows = "divided"\n'
@@ -60,28 +66,37 @@ def compiled(tmp_path, ckpt):
 
 @pytest.fixture(scope="module")
 def divided(tmp_path_factory, tiny_ckpt):
-    return compiled(tmp_path_factory.mktemp("rows-layers"), tiny_ckpt)
+    """(spec, plan, modules): the tiny model's trn2 plan at cp = ep = 4 with divided rows, and every
+    layer kind's `rows` module and the head's module, traced (each checked on four XLA:CPU replicas
+    against its ops, `layers.check`): (layer or HEAD_ROWS, method) -> (entry, HLO module bytes)."""
+    tmp = tmp_path_factory.mktemp("rows-layers")
+    spec, regions = compiled(tmp, tiny_ckpt)
+    exes = spec.executables(regions)
+    memo: layers.Lowered = {}
+    modules = {}
+    for name, lk in regions.fused_modules().items():
+        for exe in (e for e in exes if e.kind == name and (e.method == LAYER_ROWS or name == HEAD_ROWS)):
+            out = tmp / f"{exe.name}.hlo.pb"
+            entry, _, _ = layers.trace(spec, regions, lk, exe, out, lambda msg: None, memo)
+            for layer in lk.layers:
+                modules[(HEAD_ROWS if name == HEAD_ROWS else layer, exe.method)] = entry, out.read_bytes()
+    return spec, regions, modules
 
 
 @pytest.mark.slow  # each layer kind's rows module lowered, compiled for 4 XLA:CPU replicas and run
-def test_each_layer_kinds_rows_module_matches_its_ops_on_four_replicas(tmp_path, divided):
+def test_each_layer_kinds_rows_module_matches_its_ops_on_four_replicas(divided):
     """Every layer kind has a `rows` executable at the prompt bucket only (decode at both); its module
     holds the rows' gathers and scatters over the four ranks, in the order the stages need them, and on
     one XLA:CPU replica a rank equals its ops run eagerly with the host's collectives."""
-    spec, regions = divided
-    kinds = regions.fused_kinds()
+    spec, regions, modules = divided
     exes = spec.executables(regions)
-    memo: layers.Lowered = {}
-    for name, lk in kinds.items():
+    for name, lk in regions.fused_kinds().items():
         assert {(e.method, e.tokens) for e in exes if e.kind == name} == {(DECODE, 1), (DECODE, 8), (LAYER_ROWS, 8)}
-        exe = next(e for e in exes if e.kind == name and e.method == LAYER_ROWS)
-        out = tmp_path / f"{exe.name}.hlo.pb"
-        entry, _, _ = layers.trace(spec, regions, lk, exe, out, lambda msg: None, memo)
+        entry, _ = modules[(lk.layers[0], LAYER_ROWS)]
         twin = regions.kinds[dict(lk.slots)[ROWS_SLOT]].region
-        source = "rows_write" in twin.methods()
         want = ["reduce_scatter kv"] if "engram" in dict(lk.slots) else []
         want += ["all_gather packed"]
-        want += ["all_gather ckv_pages_mine", "all_gather ikeys_pages_mine"] if source else []
+        want += ["all_gather ckv_pages_mine", "all_gather ikeys_pages_mine"] if "rows_write" in twin.methods() else []
         want += ["all_gather x", "all_gather weights", "all_gather experts", "reduce_scatter partial"]
         assert [f"{c.op} {c.value}" for c in entry.collectives or ()] == want, name
         assert entry.check is not None and entry.check["replicas"] == WORLD
@@ -92,25 +107,23 @@ def test_each_layer_kinds_rows_module_matches_its_ops_on_four_replicas(tmp_path,
 
 
 @pytest.mark.slow  # the head's module at the prompt bucket, its decode and its best, on 4 XLA:CPU replicas
-def test_the_heads_module_gathers_the_ranks_rows_then_runs_the_head(tmp_path, divided):
+def test_the_heads_module_gathers_the_ranks_rows_then_runs_the_head(divided):
     """After the layers, the head is one module at the prompt bucket: the rank's rows of h and pre
     all-gathered along the rows, then the head's `decode` (this rank's vocabulary slice of every row)
     or `best` (their greedy pairs); on one XLA:CPU replica a rank it equals its ops run eagerly. The
     embedding is built at a rank's share of the prompt bucket's tokens too."""
-    spec, regions = divided
+    spec, regions, modules = divided
     exes = spec.executables(regions)
     assert {(e.method, e.tokens) for e in exes if e.kind == HEAD_ROWS} == {(DECODE, 8), (BEST, 8)}
     assert {e.tokens for e in exes if e.kind == "embed"} == {1, 8, 8 // WORLD}
-    lk = regions.fused_modules()[HEAD_ROWS]
-    memo: layers.Lowered = {}
-    for exe in (e for e in exes if e.kind == HEAD_ROWS):
-        entry, _, _ = layers.trace(spec, regions, lk, exe, tmp_path / f"{exe.name}.hlo.pb", lambda msg: None, memo)
+    for method in (DECODE, BEST):
+        entry, _ = modules[(HEAD_ROWS, method)]
         assert [f"{c.op} {c.value}" for c in entry.collectives or ()] == ["all_gather h", "all_gather pre"]
         assert entry.check is not None and entry.check["replicas"] == WORLD
         assert entry.check["score"] <= 1e-5, entry.check
         h = next(s for s in entry.inputs if s.name == "h")
         out = entry.output_specs[0]
-        assert h.shape[:2] == (1, 8 // WORLD) and out.shape[:2] == (1, 8), exe  # every row of the chunk out
+        assert h.shape[:2] == (1, 8 // WORLD) and out.shape[:2] == (1, 8), method  # every row of the chunk out
 
 
 # --- the modules driven as the runtime drives them, against the cpu runtime's divided step -----------
@@ -202,38 +215,25 @@ def _stored(region, seed: int) -> dict:
 
 
 @pytest.mark.slow  # the rows modules and the head's lowered, compiled for 4 XLA:CPU replicas, run for two chunks
-def test_the_modules_run_a_chunk_as_the_cpu_runtimes_divided_step(tmp_path, divided):
+def test_the_modules_run_a_chunk_as_the_cpu_runtimes_divided_step(divided):
     """Two 8-token chunks of one prompt through every layer and the head, each rank its two rows: the
     runtime's `run_rows_fused` on the rows modules (run in lockstep on four XLA:CPU replicas) gives every
     rank's rows of h and pre, its slice of the logits, and its window rings, partial groups and paged
     pools as `rows_steps` does with the stages as region calls and the host's collectives (the cpu
     runtime's divided step, which tests/ranks/test_ranks.py ties to one rank's tokens)."""
 
-    spec, regions = divided
-    kinds = regions.fused_kinds()
-    exes = spec.executables(regions)
-    memo: layers.Lowered = {}
-    modules, weights, per_slot = {}, {}, {}
+    spec, regions, modules = divided
     seeds = {kind: i for i, kind in enumerate(regions.kinds)}
-    for kind, kp in regions.kinds.items():
-        if kp.region.specs:
-            per_slot[kind] = _stored(kp.region, seeds[kind])
-    for lk in kinds.values():
-        exe = next(e for e in exes if e.kind == lk.name and e.method == LAYER_ROWS)
-        out = tmp_path / f"{exe.name}.hlo.pb"
-        entry, _, _ = layers.trace(spec, regions, lk, exe, out, lambda msg: None, memo)
-        for layer in lk.layers:
-            modules[(layer, LAYER_ROWS)] = entry, out.read_bytes()
-            weights[layer] = {
-                f"{slot}.{name}": t
-                for slot, (kind, _) in regions.bindings[layer].items()
-                for name, t in per_slot.get(kind, {}).items()
-                if name != "rank"
-            }
-    head_exe = next(e for e in exes if e.kind == HEAD_ROWS and e.method == DECODE)
-    out = tmp_path / f"{head_exe.name}.hlo.pb"
-    entry, _, _ = layers.trace(spec, regions, regions.fused_modules()[HEAD_ROWS], head_exe, out, lambda msg: None, memo)
-    modules[(HEAD_ROWS, DECODE)] = entry, out.read_bytes()
+    per_slot = {kind: _stored(kp.region, seeds[kind]) for kind, kp in regions.kinds.items() if kp.region.specs}
+    weights = {  # each layer's module's weights by input name, the head module's at -1
+        layer: {
+            f"{slot}.{name}": t
+            for slot, (kind, _) in regions.bindings[layer].items()
+            for name, t in per_slot.get(kind, {}).items()
+            if name != "rank"
+        }
+        for layer in regions.bindings
+    }
     weights[-1] = {f"head.{name}": t for name, t in per_slot["head"].items() if name != "rank"}
 
     specs = {
@@ -334,3 +334,61 @@ def test_the_modules_run_a_chunk_as_the_cpu_runtimes_divided_step(tmp_path, divi
                     fused_states[rank][layer][name], t, rtol=1e-4, atol=1e-4, msg=f"{rank} {layer} {name}"
                 )
                 assert t.abs().sum() > 0 or name in ("part_kv", "part_gate"), (rank, layer, name)
+
+
+# --- a session on the doubles: the ranks run a divided prompt one module a layer ----------------------
+
+
+@pytest.fixture(scope="module")
+def rows_bundle(tmp_path_factory, tiny_ckpt) -> Path:
+    """The tiny model for trn2 at cp = ep = 2 with divided prompt rows, HLO-stage (unchecked: the tests
+    above run the modules), finished by the stand-in neuronx-cc (TEST DOUBLE NEFFs)."""
+    built = _compile_tiny(
+        tmp_path_factory,
+        "trn2-rows-cp2",
+        tiny_ckpt,
+        executable="neff",
+        tokens=[1, 8],
+        target="trn2",
+        options="{ lnc = 1, check = false }",  # the modules' numbers: the tests above
+        hlo_only=True,
+        parallel=(1, 2, 2),
+        num_blocks=9,
+        block_size=4,
+        extra=DIVIDED,
+    )
+    return finished_copy(built, tmp_path_factory.mktemp("trn2-rows") / "bundle")
+
+
+@pytest.mark.slow
+def test_a_two_rank_session_runs_a_divided_prompt_one_module_a_layer(rows_bundle, session_env):
+    """deepinfer's launcher runs both ranks on the doubles: the prompt's 8-token chunk is one execution a
+    layer of its kind's `rows` NEFF (the rows' gathers and scatters inside) and one of the head's module,
+    each rank's embedding at its 4 rows; the two ranks' collective calls match one for one; and between
+    the chunk's first layer and the next step's, a rank writes only the step's host inputs and reads back
+    its slice of the head's output: no row of the streams crosses to the host."""
+    m = open_bundle(rows_bundle).manifest
+    rows = {e.kind: e for e in m.regions if e.method == LAYER_ROWS}
+    assert rows and all(e.holds_collectives for e in rows.values()) and len(rows) == len({la.fused for la in m.layers})
+    prompt = list(range(1, 9))  # one 8-token chunk
+    done = generate(rows_bundle, [prompt], RunOptions(max_new_tokens=2, collective_timeout_s=60, timeout_s=600))
+    assert done[0].error is None and len(done[0].tokens) == len(prompt) + 2
+    stats = done.stats
+    assert stats is not None and stats.prompt.steps == 1
+    assert sum(n for k, n in stats.calls.items() if k.endswith(f".{LAYER_ROWS}")) == len(m.layers)
+    assert stats.calls[f"{HEAD_ROWS}.{BEST}"] == 1 and stats.calls["embed"] == stats.steps  # greedy: its pairs
+    calls = {r: _collective_calls_of(session_env, r) for r in range(2)}
+    assert calls[0] == calls[1]
+    executes = [c for c in calls[0] if c[0] == "nrt_execute"]
+    assert len(executes) == len(m.layers) * stats.steps + 1  # the chunk's head module holds collectives too
+    head = next(e for e in m.regions if e.kind == HEAD_ROWS and e.method == BEST)
+    pairs = next(s for s in head.output_specs or () if s.name == BEST)
+    n = len(m.layers)
+    stream = next(s for s in next(iter(rows.values())).inputs if s.name == "h")  # a rank's rows of h
+    stream_bytes = torch.Size(stream.shape).numel() * getattr(torch, stream.dtype).itemsize
+    for r in range(2):
+        sampled = _execute_bytes(session_env, r)
+        assert len(sampled) == 2 * n + 1  # the chunk's layers and head, the decode step's layers
+        (device0, host0), (device1, host1) = sampled[0], sampled[n + 1]
+        assert host1 - host0 == 4 * torch.Size(pairs.shape).numel()  # the chunk's greedy pairs alone come back
+        assert device1 - device0 < stream_bytes  # the steps' host inputs; no rank's rows of h go in

@@ -43,7 +43,7 @@ prompts (so every step is a decode step) and the bytes counted by the
 collectives are reported per step, beside the model's prediction for B = 1;
 then with a 132-token prompt, for the rows each execution of a prompt chunk
 takes over the chunk's tokens, each row counted at the share of its work the
-rank does there (`prompt_rows_per_rank_over_chunk`: runtime/executor.py
+rank does there (`prompt_rows_per_rank_over_chunk`: runtime/stats.py
 `SLICED`: the MoE's experts, the engram's kv and the head compute each row with
 a rank's column slice, 1 / d of it), and as whole rows
 (`prompt_rows_taken_per_execution_over_chunk`). Both are 1 plus the last

@@ -45,6 +45,10 @@ ROWS_SLOT = "rows"  # the slot a layer's twin is bound at
 LAYER_ROWS = "rows"
 HEAD_ROWS = "head_rows"
 ROWS_LAYER_SLOT = "layer_rows"  # the runtime's binding of a fused layer's `rows` executable
+# its values by name: the rank's rows' positions (the stages after `rows_in` take the chunk's), and a kv
+# source's joined context (its outputs, the inputs of the layers that read it)
+OWN_POSITIONS = "own_positions"
+PAGES = ("ckv_pages", "ikeys_pages")
 # the draft's capture (regions/dspark.py): draft stage 0's slot, and the slot of a fused layer's capture
 # twin (trn2, compiler/layers.py), which runs it inside the layer
 CAPTURE_SLOT = "capture"

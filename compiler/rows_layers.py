@@ -33,12 +33,22 @@ tests/trn2/test_rows_layers.py runs it against the cpu runtime's stage calls (`r
 
 from __future__ import annotations
 
-from deepinfer.bundles.manifest import BEST, DECODE, ENGRAM_ROWS_MIX, MOE_EXPERTS, MOE_IN, MOE_OUT, ROWS_SLOT
+from deepinfer.bundles.manifest import (
+    BEST,
+    DECODE,
+    ENGRAM_ROWS_MIX,
+    MOE_EXPERTS,
+    MOE_IN,
+    MOE_OUT,
+    OWN_POSITIONS,
+    PAGES,
+    ROWS_SLOT,
+)
 from deepinfer.bundles.topology import Topology
 from deepinfer.compiler.layers import Op, Run, _groups
 from deepinfer.compiler.plan import Exe, LayerKind, RegionPlan
 from deepinfer.compiler.targets.hlo import Collective
-from deepinfer.regions.rows import OWN_POSITIONS, PAGES, ROWS_ATTEND, ROWS_IN, ROWS_WRITE
+from deepinfer.regions.rows import ROWS_ATTEND, ROWS_IN, ROWS_WRITE
 from deepinfer.regions.state import Geometry, InputSpec
 from deepinfer.regions.topology import ENGRAM_KV
 

@@ -38,10 +38,6 @@ from deepinfer.regions.paging import gather_pages
 from deepinfer.regions.state import Geometry, InputSpec
 
 ROWS_IN, ROWS_WRITE, ROWS_ATTEND = "rows_in", "rows_write", "rows_attend"
-# trn2's one module a layer (compiler/rows_layers.py) by value name: the rank's rows' positions (the
-# stages after `rows_in` take the chunk's), and a kv source's joined context, which its readers take
-OWN_POSITIONS = "own_positions"
-PAGES = ("ckv_pages", "ikeys_pages")
 
 
 def rows_of(T: int, d: int, j: int) -> slice:

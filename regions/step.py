@@ -16,10 +16,18 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from deepinfer.bundles.manifest import ENGRAM_ROWS_MIX, LAYER_ROWS, MOE_EXPERTS, MOE_IN, MOE_OUT, ROWS_LAYER_SLOT
+from deepinfer.bundles.manifest import (
+    ENGRAM_ROWS_MIX,
+    LAYER_ROWS,
+    MOE_EXPERTS,
+    MOE_IN,
+    MOE_OUT,
+    OWN_POSITIONS,
+    PAGES,
+    ROWS_LAYER_SLOT,
+)
 from deepinfer.errors import TensorFileError
 from deepinfer.regions.config import TextConfig
-from deepinfer.regions.rows import OWN_POSITIONS, PAGES
 from deepinfer.regions.topology import ENGRAM_KV, ENGRAM_MIX
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

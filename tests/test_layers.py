@@ -101,6 +101,7 @@ RUNTIME_LOADS = [
     "deepinfer.runtime.sampling",
     "deepinfer.runtime.schedule",
     "deepinfer.runtime.slot_store",  # prefix caching's slot states on every rank (the executor's followers)
+    "deepinfer.runtime.stats",  # what a run measured (the executor's Stats)
     "deepinfer.schema",
 ]
 REGION_CLASSES = [

@@ -89,7 +89,7 @@ def outputs(lk: LayerKind, plan: RegionPlan) -> list[str]:
     candidate pool) where the attention makes them, and a kv source's joined context."""
     twin = plan.kinds[dict(lk.slots)[ROWS_SLOT]].region
     pages = list(PAGES) if ROWS_WRITE in twin.methods() else []
-    return ["h", "pre", *twin.rows_attend_outputs()[2:], *pages]
+    return ["h", "pre", *twin.method_outputs(ROWS_ATTEND)[2:], *pages]
 
 
 def head_ops(topo: Topology, method: str) -> list[Op]:

@@ -198,6 +198,7 @@ def _check_coverage(m: Manifest) -> None:
     prompts = [(n, t) for n, t in every if t > 1]
     divides = any(e.kind.startswith(ROWS_PREFIX) or e.method == LAYER_ROWS for e in m.regions)
     rows = m.topology.topology.group_size if divides else 1
+    methods = {(e.kind, e.method) for e in m.regions}
     for kind, method in sorted({(e.kind, e.method) for e in m.regions if e.kind not in drafts} - {DRAFT_PROJECT}):
         mine = [e for e in m.regions if (e.kind, e.method) == (kind, method)]
         contexts = [None] if mine[0].bucket.context is None else b.context_sizes
@@ -209,6 +210,8 @@ def _check_coverage(m: Manifest) -> None:
         shapes = prompts if divided else list(every)
         if rows > 1 and kind == "embed" and any(e.method == LAYER_ROWS for e in m.regions):  # a rank's rows' tokens
             shapes = sorted(set(every) | {(n, t // rows) for n, t in prompts})
+        if method == DECODE and (kind, LAYER_ROWS) in methods:  # a prompt step runs its rows method instead
+            shapes = [s for s in every if s not in prompts]
         for c in contexts:
             at = [e for e in mine if e.bucket.context == c]
             _need(

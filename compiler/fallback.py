@@ -78,24 +78,19 @@ def _fallen_back(spec: Spec, plan: RegionPlan, traced: Traced, refused: NeuronRe
         return None
     fused = plan.fused_modules()  # the layer kinds, and the draft step's one module
     job = next((j for j in traced.jobs if j.name == refused.region), None)
-    if job is None or job.exe is None or _divided(job.exe):
+    if job is None or job.exe is None or plan.divided_rows:  # a divided prompt has no per-region form here
         return None
     return job if job.exe.kind in fused else None
-
-
-def _divided(exe: Exe) -> bool:
-    """A divided prompt chunk's module (compiler/rows_layers.py): no per-region form on trn2."""
-    return exe.method == mf.LAYER_ROWS or exe.kind == mf.HEAD_ROWS
 
 
 def _explained(spec: Spec, plan: RegionPlan, refused: NeuronRefused, records: dict[str, mf.Fallback]) -> NeuronRefused:
     """The refusal that stops the compile, saying why no fallback: the option is "none", or the
     module refused is a fallback's own region."""
-    name, method = (refused.region.split(".") + [""])[:2]
-    if spec.fused and (method == mf.LAYER_ROWS or name == mf.HEAD_ROWS):
+    name = refused.region.split(".", 1)[0]
+    if spec.fused and plan.divided_rows and name in plan.fused_modules():
         return refused.noted(
-            'a divided prompt chunk has no per-region form on trn2 (set [prompt] rows = "replicated" to compile '
-            "the prompt's rows on every rank)"
+            "a bundle with divided prompt rows has no per-region form on trn2 (its prompt steps run the layers' "
+            'rows modules): set [prompt] rows = "replicated" to compile the fallback'
         )
     if spec.fused and name in plan.fused_modules():
         return refused.noted(

@@ -42,6 +42,7 @@ from deepinfer.regions.config import TextConfig
 from deepinfer.regions.plan import make_embed, make_head, make_layer_regions
 from deepinfer.regions.state import reads_context
 from deepinfer.regions.step import LayerPlan, plan_layers
+from deepinfer.regions.topology import ENGRAM_MIX
 
 METHOD = DECODE
 DRAFT_PROJECT = PROJECT  # the target head's method the draft's logits go through
@@ -137,9 +138,11 @@ class RegionPlan:
         fused = {kind for lk in kinds.values() for _, kind in lk.slots}
         regions = [e for e in self.executables(shapes, contexts, gathered) if e.kind not in fused]
         prompts = [(b, t) for b, t in shapes if t > 1 and t % rows == 0] if rows > 1 else []
+        # with divided rows every prompt step runs the rows modules: the decode's at the decode buckets only
+        decode = [s for s in shapes if s not in prompts]
         layers = [
             Exe(lk.name, method, b, t, c)
-            for method, buckets in ((METHOD, shapes), (LAYER_ROWS, prompts))
+            for method, buckets in ((METHOD, decode), (LAYER_ROWS, prompts))
             for lk in kinds.values()
             for b, t in buckets
             for c in (contexts if any(self._reads_context(k) for _, k in lk.slots) else (None,))
@@ -209,6 +212,16 @@ class RegionPlan:
             batch = exe.batch * (gathered if kp.slot == "moe" else 1)
             out.update({(slot, m): Exe(kind, m, batch, T, None) for m in kp.region.methods()})
         return out
+
+    def replicated_prompt_piece(self, exe: Exe) -> bool:
+        """Whether `exe` is a layer's piece of a replicated prompt step (every rank every row: the
+        attention's, the MoE's `decode`, the engram's `decode` and `mix`), which a fused bundle with
+        divided rows never runs: its prompt steps run the layers' rows modules."""
+        slot = self.kinds[exe.kind].slot
+        replicated = slot in ("attn", CAPTURE_SLOT) or (
+            slot in ("moe", "engram") and exe.method in (METHOD, ENGRAM_MIX)
+        )
+        return exe.tokens > 1 and replicated
 
     def _reads_context(self, kind: str) -> bool:
         kp = self.kinds[kind]

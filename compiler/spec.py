@@ -101,7 +101,10 @@ class Spec:
         gathered = self.topology.groups if self.topology.dispatch else 1
         b = self.config.buckets
         rows = self.topology.group_size if self.divided_rows else 1
-        return plan.executables(b.shapes(), b.contexts, gathered, rows)
+        exes = plan.executables(b.shapes(), b.contexts, gathered, rows)
+        if self.fused and rows > 1:  # a prompt step runs the layers' rows modules: no replicated piece there
+            exes = [e for e in exes if not plan.replicated_prompt_piece(e)]
+        return exes
 
     def geometry_at(self, context: int | None) -> Geometry:
         """The geometry an executable of context bucket `context` is traced with (None: the full one)."""

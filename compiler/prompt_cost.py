@@ -285,14 +285,25 @@ class PromptCost:
         return asdict(self)
 
 
+def built_chunk_cost(plan: BundlePlan) -> Callable[[BundlePlan, int, int], ChunkCost]:
+    """How the plan's bundle runs a prompt chunk: divided by rows over the token group where it is
+    compiled with `[prompt] rows = "divided"` (compiler/prompt_rows.py, in one pass: trn2's rows modules,
+    compiler/rows_layers.py), else every rank every row (`chunk_cost`)."""
+    if not plan.spec.divided_rows:
+        return chunk_cost
+    from deepinfer.compiler import prompt_rows  # it builds on this module's figures
+
+    return prompt_rows.divided_chunk_cost
+
+
 def prompt_cost(
     plan: BundlePlan, tokens: int, chunk: int, cost: Callable[[BundlePlan, int, int], ChunkCost] | None = None
 ) -> PromptCost:
     """One rank's work for a prompt of `tokens` tokens in chunks of `chunk` (the last one padded to
     the bucket: a static shape), each at the context bucket that holds its last position. `cost`:
-    a chunk's (`chunk_cost` unless given: compiler/prompt_rows.divided_chunk_cost models the chunk
+    a chunk's (`built_chunk_cost` unless given: compiler/prompt_rows.divided_chunk_cost models the chunk
     divided by rows)."""
-    cost = chunk_cost if cost is None else cost
+    cost = built_chunk_cost(plan) if cost is None else cost
     n = -(-tokens // chunk)
     by_bucket: dict[int, int] = {}
     for i in range(n):
@@ -368,7 +379,9 @@ def report(plan: BundlePlan) -> dict | None:
     return {
         "per": "rank; prompts at batch 1",
         "chunks": [
-            asdict(chunk_cost(plan, t, ctx)) for t in prompt_buckets(plan) for ctx in plan.spec.config.buckets.contexts
+            asdict(built_chunk_cost(plan)(plan, t, ctx))
+            for t in prompt_buckets(plan)
+            for ctx in plan.spec.config.buckets.contexts
         ],
         "prompts": [prompt_cost(plan, L, chunk).to_dict() for L in prompt_lengths(plan)],
         "chunk_sweep": {"tokens": prompt_lengths(plan)[-1], "sizes": chunk_sweep(plan, prompt_lengths(plan)[-1])}

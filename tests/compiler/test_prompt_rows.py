@@ -114,3 +114,20 @@ def test_micro_batches_cost_two_half_passes_with_their_links_under_the_compute(p
     assert whole.estimated_ms < 2 * half.estimated_ms  # the links under the other pass's compute
     one_pass = prompt_rows.divided_chunk_cost(plan, T, ctx)
     assert whole.latency_ms < one_pass.latency_ms
+
+
+def test_a_plan_with_divided_rows_costs_its_prompts_divided(plan):
+    """`deepinfer plan` of the release with `[prompt] rows = "divided"` (which trn2 builds,
+    compiler/rows_layers.py) costs its prompts as that bundle runs them: each chunk divided by rows, in
+    one pass; the release as it is, every rank every row."""
+    config = load_compile_config(RELEASE)
+    config = dataclasses.replace(
+        config,
+        prompt=dataclasses.replace(config.prompt, rows="divided"),
+        buckets=dataclasses.replace(config.buckets, tokens=(1, T)),
+    )
+    rows = plan_bundle(config, scratch=False)
+    got = prompt_cost.prompt_cost(rows, L, T)
+    assert got == prompt_cost.prompt_cost(rows, L, T, prompt_rows.divided_chunk_cost)
+    assert prompt_cost.prompt_cost(plan, L, T) == prompt_cost.prompt_cost(plan, L, T, prompt_cost.chunk_cost)
+    assert got.ttft_ms < prompt_cost.prompt_cost(plan, L, T).ttft_ms / 5

@@ -21,11 +21,13 @@ and a prompt's time to first token at batch 1 (compiler/prompt_cost.py) for prom
 1M tokens, planned at context buckets 8K / 64K / 1M (`LONG`), in chunks of the toml's largest tokens
 bucket, beside other chunk sizes (`--chunks`), and the compute bound: the prompt's useful FLOPs over
 every rank's peak. Beside it, the same prompts with each chunk divided by rows over the token group
-(compiler/prompt_rows.py: what `[prompt] rows = "divided"` builds on cpu; trn2 does not build it yet,
-so these figures are the design's, not the bundle's), in chunks of `--divided-chunk` tokens and at
-each of `--chunks`, each chunk run as two micro-batches of half of it (regions/micro.py: one's
-collectives on the links while the other computes; compiler/prompt_rows.micro_chunk_cost), and beside
-them the same chunks in one pass; the JSON's `divided` holds them (`one_pass` the latter).
+(compiler/prompt_rows.py: what `[prompt] rows = "divided"` builds), in chunks of `--divided-chunk`
+tokens and at each of `--chunks`, each chunk run as two micro-batches of half of it (regions/micro.py:
+one's collectives on the links while the other computes; compiler/prompt_rows.micro_chunk_cost: the cpu
+bundle runs them, trn2's rows modules do not yet), and beside them the same chunks in one pass (what
+trn2 builds: one rows module a layer, compiler/rows_layers.py; `deepinfer plan` of such a config gives
+these); the JSON's `divided` holds them (`one_pass` the latter). The release's own figures stay every
+rank every row: at 1M x 8 an 8,192-token divided chunk's selection does not fit a rank (docs/ranks.md).
 
 With `--figures FILE` (a figures file `deepinfer doctor` writes: docs/trn2.md), every plan here uses the
 figures a Trn2 host measured in place of the target's (`deepinfer plan --figures`), each marked measured.
@@ -417,7 +419,8 @@ def main() -> int:
                     "ttft_1m_over_compute_bound": long["costs"][LONG[2]].ttft_over_compute_bound,
                     "prompts": {str(L): c.to_dict() for L, c in long["costs"].items()},
                     "ttft_ms_64k_by_chunk": {str(T): c.ttft_ms for T, c in long["sweep"].items()},
-                    # the same prompts divided by rows (compiler/prompt_rows.py; not built for trn2)
+                    # the same prompts divided by rows (compiler/prompt_rows.py): micro-batched as the cpu
+                    # bundle runs them; `one_pass` as trn2's rows modules do (compiler/rows_layers.py)
                     "divided": {
                         "prompt_chunk_tokens": rows_divided["chunk"],
                         "ttft_ms_8k": rows_divided["costs"][LONG[0]].ttft_ms,

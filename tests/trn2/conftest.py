@@ -8,6 +8,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,3 +159,22 @@ def session_env(fake_nrt_path, tmp_path, monkeypatch) -> Path:
     ):
         monkeypatch.delenv(var, raising=False)
     return tmp_path / "nrt.log"
+
+
+EXCHANGE_WAIT_S = 120  # a rank thread's wait for the others at a collective (`Exchange`)
+
+
+class Exchange:
+    """Every rank's value at a collective, in rank order: the ranks as threads of one test process
+    (tests/trn2/test_draft_module.py, test_rows_layers.py), each wait bounded."""
+
+    def __init__(self, world: int):
+        self.barrier = threading.Barrier(world, timeout=EXCHANGE_WAIT_S)
+        self.values: list = [None] * world
+
+    def all(self, rank: int, value):
+        self.values[rank] = value
+        self.barrier.wait()
+        got = list(self.values)
+        self.barrier.wait()
+        return got

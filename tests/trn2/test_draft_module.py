@@ -11,7 +11,6 @@ each token group gets its own block, context and rings.
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -32,6 +31,7 @@ from deepinfer.regions.examples import random_weights
 from deepinfer.regions.picking import pick_block
 
 from ..conftest import write_model_toml
+from .conftest import Exchange
 
 DRAFT = '\n[host]\nembedding = true\n\n[speculative]\ndraft = "dspark"\n'
 WAIT_S = 120  # a rank's wait for the others at a collective
@@ -39,21 +39,6 @@ WAIT_S = 120  # a rank's wait for the others at a collective
 # went unseen); at 30 it alone chose the first position: at 3 a dropped attention or ep all-reduce and a
 # wrong group's `previous` each change the drafts
 MARKOV_SCALE = 3.0
-
-
-class Exchange:
-    """Every rank's value at a collective, in rank order (threads; each wait bounded)."""
-
-    def __init__(self, world: int):
-        self.barrier = threading.Barrier(world, timeout=WAIT_S)
-        self.values: list = [None] * world
-
-    def all(self, rank: int, value):
-        self.values[rank] = value
-        self.barrier.wait()
-        got = list(self.values)
-        self.barrier.wait()
-        return got
 
 
 def compiled(tmp_path, ckpt, parallel):

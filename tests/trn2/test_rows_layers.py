@@ -11,7 +11,6 @@ Real HLO modules on real XLA:CPU, one replica a rank; nothing of Trn2 or neuronx
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from deepinfer.runtime import RunOptions, generate
 from deepinfer.runtime.bundle import open_bundle
 
 from ..conftest import _compile_tiny, write_model_toml
-from .conftest import finished_copy
+from .conftest import Exchange, finished_copy
 from .test_neuron_ranks import _collective_calls_of, _execute_bytes
 
 pytestmark = pytest.mark.xdist_group("rows-layers")  # one worker traces the modules for all of them
@@ -127,21 +126,6 @@ def test_the_heads_module_gathers_the_ranks_rows_then_runs_the_head(divided):
 
 
 # --- the modules driven as the runtime drives them, against the cpu runtime's divided step -----------
-
-
-class Exchange:
-    """Every rank's value at a collective, in rank order (threads; each wait bounded)."""
-
-    def __init__(self, world: int):
-        self.barrier = threading.Barrier(world, timeout=WAIT_S)
-        self.values: list = [None] * world
-
-    def all(self, rank: int, value):
-        self.values[rank] = value
-        self.barrier.wait()
-        got = list(self.values)
-        self.barrier.wait()
-        return got
 
 
 class HostRows:
@@ -322,8 +306,8 @@ def test_the_modules_run_a_chunk_as_the_cpu_runtimes_divided_step(divided):
         return out
 
     with torch.no_grad(), ThreadPoolExecutor(WORLD) as pool:
-        got = list(pool.map(fused, range(WORLD)))
-        want = list(pool.map(host, range(WORLD)))
+        got = list(pool.map(fused, range(WORLD), timeout=WAIT_S * 10))
+        want = list(pool.map(host, range(WORLD), timeout=WAIT_S * 10))
     for rank in range(WORLD):
         for c in range(2):
             assert got[rank][c].shape == (B, T, want[rank][c].shape[-1])

@@ -205,8 +205,10 @@ class Executor:
         for the draft (`capture`). `head`: the head's method (`mf.BEST`: its slice's greedy pairs)."""
         start = time.perf_counter()
         if capture is None and self.own_rows(batch) is not None:  # divided by rows (regions/rows.py)
-            divided = self._divided_fused(batch, stats, on_call, head) if self.fused else None
-            logits = self._divided(batch, stats, on_call) if divided is None else divided
+            if self.fused:  # trn2: one rows module a layer (compiler/rows_layers.py)
+                logits = self._divided_fused(batch, stats, on_call, head)
+            else:
+                logits = self._divided(batch, stats, on_call)
             stats.record_step(batch, time.perf_counter() - start)
             return logits
         invoke = self.invoker(batch.block_table.shape[1], stats, on_call, step_tokens=batch.tokens.shape[1])

@@ -235,7 +235,12 @@ def _bind_weights(bundle: Bundle, placement: Placement, rank: int) -> tuple[dict
             bound[(layer.layer, LAYER_SLOT)] = module(layer.fused, mf.DECODE, own)
             if (layer.fused, mf.LAYER_ROWS) in methods:  # a divided prompt chunk's (compiler/rows_layers.py)
                 bound[(layer.layer, ROWS_LAYER_SLOT)] = module(layer.fused, mf.LAYER_ROWS, own)
-    if (mf.HEAD_ROWS, mf.DECODE) in methods:  # its `best` takes the same weights: the head's
+    if (mf.HEAD_ROWS, mf.DECODE) in methods:  # a divided chunk's head; its `best` binds the same weights
+        named = {
+            k: [s.name for s in v if s.role == "weight"] for (kind, k), v in methods.items() if kind == mf.HEAD_ROWS
+        }
+        if named.get(mf.BEST, named[mf.DECODE]) != named[mf.DECODE]:
+            raise mf.BundleError(f"{bundle.path}: {mf.HEAD_ROWS}'s best and decode take different weights")
         bound[(-1, mf.HEAD_ROWS)] = module(mf.HEAD_ROWS, mf.DECODE, lambda slot: m.head)
     draft_bound = {
         (stage, slot): views(b)

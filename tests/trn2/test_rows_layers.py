@@ -182,9 +182,11 @@ class Lockstep:
                 for s in entry.inputs
             ]
             every = self.exchange.all(rank, [a.clone() for a in args])
-            if rank == 0:
-                program = self.programs.setdefault(key, hlo.CpuReplicas(proto, WORLD))
-                results = program(every)
+            if rank == 0:  # each module compiled once for the replicas
+                name = (entry.kind, entry.method)
+                if name not in self.programs:
+                    self.programs[name] = hlo.CpuReplicas(proto, WORLD)
+                results = self.programs[name](every)
             outs = self.exchange.all(rank, results if rank == 0 else None)[0][rank]
             states = entry.state_outputs or ()
             for name, out in zip(states, outs):

@@ -203,9 +203,9 @@ def _stored(region, seed: int) -> dict:
 @pytest.mark.slow  # the rows modules and the head's lowered, compiled for 4 XLA:CPU replicas, run for two chunks
 def test_the_modules_run_a_chunk_as_the_cpu_runtimes_divided_step(divided):
     """Two 8-token chunks of one prompt through every layer and the head, each rank its two rows: the
-    runtime's `run_rows_fused` on the rows modules (run in lockstep on four XLA:CPU replicas) gives every
-    rank's rows of h and pre, its slice of the logits, and its window rings, partial groups and paged
-    pools as `rows_steps` does with the stages as region calls and the host's collectives (the cpu
+    runtime's `run_rows_fused` on the rows modules and the head's module (run in lockstep on four XLA:CPU
+    replicas) gives every rank its slice of every row's logits, and its window rings, partial groups and
+    paged pools, as `rows_steps` does with the stages as region calls and the host's collectives (the cpu
     runtime's divided step, which tests/ranks/test_ranks.py ties to one rank's tokens)."""
 
     spec, regions, modules = divided
@@ -228,7 +228,7 @@ def test_the_modules_run_a_chunk_as_the_cpu_runtimes_divided_step(divided):
         for s in m.inputs
     }
     T, n = 8, 8 // WORLD
-    B, _, hc, D = specs["h"].shape
+    B = specs["h"].shape[0]
     whole = [InputSpec(name, (B, T, *specs[name].shape[2:]), specs[name].dtype, "activation") for name in ("h", "pre")]
     chunks = [example_inputs(whole, spec.geometry, seed=c) for c in range(2)]  # each chunk's h, pre
     engrams = [p for p in regions.layers if p.engram_rows]

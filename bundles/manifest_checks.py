@@ -196,9 +196,10 @@ def _check_coverage(m: Manifest) -> None:
     b, drafts = m.buckets, m.draft_kinds | {DRAFT_MODULE}  # the draft's: at the batch buckets only
     every = [(s.batch, s.tokens) for s in b.shapes]
     prompts = [(n, t) for n, t in every if t > 1]
-    divides = any(e.kind.startswith(ROWS_PREFIX) or e.method == LAYER_ROWS for e in m.regions)
-    rows = m.topology.topology.group_size if divides else 1
     methods = {(e.kind, e.method) for e in m.regions}
+    fused_rows = any(method == LAYER_ROWS for _, method in methods)  # trn2's rows modules
+    divides = fused_rows or any(kind.startswith(ROWS_PREFIX) for kind, _ in methods)
+    rows = m.topology.topology.group_size if divides else 1
     for kind, method in sorted({(e.kind, e.method) for e in m.regions if e.kind not in drafts} - {DRAFT_PROJECT}):
         mine = [e for e in m.regions if (e.kind, e.method) == (kind, method)]
         contexts = [None] if mine[0].bucket.context is None else b.context_sizes
@@ -208,7 +209,7 @@ def _check_coverage(m: Manifest) -> None:
         divided = kind.startswith(ROWS_PREFIX) or method == LAYER_ROWS or kind == HEAD_ROWS
         divided = divided or (rows > 1 and method in (*MOE_ROWS, ENGRAM_ROWS_MIX))
         shapes = prompts if divided else list(every)
-        if rows > 1 and kind == "embed" and any(e.method == LAYER_ROWS for e in m.regions):  # a rank's rows' tokens
+        if fused_rows and kind == "embed":  # at a rank's rows' tokens too
             shapes = sorted(set(every) | {(n, t // rows) for n, t in prompts})
         if method == DECODE and (kind, LAYER_ROWS) in methods:  # a prompt step runs its rows method instead
             shapes = [s for s in every if s not in prompts]

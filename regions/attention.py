@@ -48,7 +48,7 @@ from deepinfer.regions import compress, divided
 from deepinfer.regions.base import Region, WeightSpec
 from deepinfer.regions.config import TextConfig
 from deepinfer.regions.paging import gather_pages, gather_rows, ring_update, write_pages
-from deepinfer.regions.selection import candidate_blocks, in_blocks, local_candidate_blocks
+from deepinfer.regions.selection import in_blocks, local_candidate_blocks
 from deepinfer.regions.state import Geometry, InputSpec, step_inputs
 from deepinfer.regions.topology import AttentionShare
 
@@ -360,22 +360,21 @@ class _Attention(Region):
         return qi, w
 
     def _select(self, x, q_lat, angles, positions, ikeys_all, cand, make_cand: bool):
-        """Index scores over the visible compressed entries -> topk (and the candidate pool)."""
+        """Index scores over the visible compressed entries -> topk (and the candidate pool):
+        kernels/index_select.py's one op, whose trn2 lowering scores the context in tiles."""
         c = self.c
         qi, w = self._index_rows(x, ops.blockquant_gemm(q_lat, self.iwq_b, self.iwq_b_s, self.fp8), angles)
         width = ikeys_all.shape[1]
         vis_len = torch.div(positions + 1, self.ratio, rounding_mode="floor").clamp_min(0)  # [B, T]
-        visible = torch.arange(width, device=x.device) < vis_len.unsqueeze(-1)  # [B, T, Wc]
-        scores = ops.index_score(qi, ikeys_all, w, visible)
         if self.ties == "nemo":
+            visible = torch.arange(width, device=x.device) < vis_len.unsqueeze(-1)  # [B, T, Wc]
+            scores = ops.index_score(qi, ikeys_all, w, visible)
             return held.select_nemo(c, self.ratio, scores, positions, vis_len, visible, cand, make_cand)
-        if make_cand:
-            cand = candidate_blocks(scores, vis_len, c.candidate_topk_blocks, c.candidate_block_size) & visible
-        elif cand is not None:
-            scores = scores.masked_fill(~cand, float("-inf"))
-        idx = ops.top_indices(scores, min(c.index_topk, width)).sort(dim=-1).values
-        idx = torch.where(torch.isfinite(scores.gather(-1, idx)), idx, -1)
-        return idx, cand
+        pool = None if make_cand else cand
+        topk, made = ops.index_topk(
+            qi, ikeys_all, w, vis_len, pool, c.index_topk, c.candidate_topk_blocks, c.candidate_block_size, make_cand
+        )
+        return topk, (made if make_cand else cand)
 
 
 class WindowAttention(_Attention):

@@ -98,10 +98,24 @@ def join_pages(parts: Tensor, table_width: int, per_block: int) -> Tensor:
     return blocks[:, :table_width].flatten(1, 2)
 
 
+def pages_at(parts: Tensor, index: Tensor, per_block: int) -> Tensor:
+    """Every cp rank's pages [cp, B, L, C] (`local_context`, all-gathered) at the sequence's entries
+    `index` [B, *S] (each within the table) -> [B, *S, C]: what `join_pages` holds there, without
+    joining the whole context (its latents are 8 GiB a rank at 8 sequences of 1M entries)."""
+    cp, B, L, C = parts.shape
+    block = torch.div(index, per_block, rounding_mode="floor")
+    local = torch.div(block, cp, rounding_mode="floor") * per_block + index.remainder(per_block)
+    batch = torch.arange(B, device=index.device).view(B, *([1] * (index.dim() - 1)))
+    flat = ((block.remainder(cp) * B + batch) * L + local).flatten()
+    return parts.reshape(cp * B * L, C).index_select(0, flat).reshape(*index.shape, C)
+
+
 def rows_attend(region, h, x, mix, positions: Tensor, rows: slice, slots, kv: Tensor, win, context, carry: dict):
     """Stage 3 on this rank's rows: h [B, t, n, D], x and the mixes from `rows_in`; positions [B, T] of
     the whole chunk, `rows` this rank's; kv [B, T, hd] the chunk's gathered window latents; `context`
-    (ckv, ikeys) the whole context [B, Wc, *] joined (`join_pages`; None for a window layer); `carry`
+    (ckv_parts, per_block, ikeys) the context: every rank's pages of the latents [d, B, L, hd]
+    (`local_context`, gathered: the selected entries are read from them, `pages_at`), their entries
+    a block, and the index keys [B, Wc, di] joined (`join_pages`); None for a window layer; `carry`
     this rank's rows' selection and candidate pool (updated) -> (h, pre) of its rows. The ring `win`
     is updated with every row of the chunk."""
     own = positions[:, rows]
@@ -110,14 +124,15 @@ def rows_attend(region, h, x, mix, positions: Tensor, rows: slice, slots, kv: Te
     q = region._heads_query(q_lat, angles)
     keys, valid = region._window_keys(kv, positions, slots, win, rows)
     if context is not None:
-        ckv_all, ik_all = context
+        ckv_parts, per_block, ik_all = context
         if region.selects:
             make = isinstance(region, SourceAttention) and region.candidate_source
             cand = carry.get("cand") if getattr(region, "uses_candidates", False) else None
             carry["topk"], made = region._select(x, q_lat, angles, own, ik_all, cand, make)
             if make:
                 carry["cand"] = made
-        sel, sel_valid = region._selected_keys(ckv_all, carry["topk"])
+        top = carry["topk"]
+        sel, sel_valid = pages_at(ckv_parts, top.clamp_min(0), per_block), top >= 0
         keys, valid = torch.cat((keys, sel.to(keys.dtype)), 2), torch.cat((valid, sel_valid), 2)
     return region._finish(region._attend(q, keys, valid, angles), h, mix)
 
@@ -240,9 +255,8 @@ class RowsStages(_Attention):
         if self.ratio:
             width = block_table.shape[1]
             per_block = pages[0].shape[2] // -(-width // self.group)
-            ckv_all = join_pages(pages[0], width, per_block)
             ik_all = join_pages(pages[1], width, per_block) if self.selects else None
-            context = (ckv_all, ik_all)
+            context = (pages[0], per_block, ik_all)
             extra = pages[2:] if self.selects else pages[1:]
             if getattr(self, "uses_candidates", False):
                 carry["cand"] = extra[0]

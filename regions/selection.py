@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.nn import functional as F
 
 from deepinfer.kernels import select as _select  # noqa: F401  (registers top_indices)
+from deepinfer.kernels.index_select import block_scores, blocks_mask
 from deepinfer.regions import divided
 
 ops = torch.ops.deepinfer
@@ -28,16 +28,9 @@ def candidate_blocks(scores: Tensor, vis_len: Tensor, topk_blocks: int, block: i
 
     scores [B, T, Wc] (-inf where invisible); vis_len [B, T] -> bool [B, T, Wc].
     """
-    width = scores.shape[-1]
-    padded = F.pad(scores, (0, -width % block), value=float("-inf"))
-    block_scores = padded.unflatten(-1, (-1, block)).amax(-1)  # [B, T, NBk]
-    last = torch.div(vis_len - 1, block, rounding_mode="floor").unsqueeze(-1)
-    ids = torch.arange(block_scores.shape[-1], device=scores.device)
-    block_scores = block_scores.masked_fill(ids == last, float("inf"))
-    top = (select or ops.top_indices)(block_scores, min(topk_blocks, block_scores.shape[-1]))
-    chosen = block_scores.gather(-1, top) > float("-inf")
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, top, chosen)
-    return keep.repeat_interleave(block, dim=-1)[..., :width]
+    best = block_scores(scores, vis_len, block)
+    top = (select or ops.top_indices)(best, min(topk_blocks, best.shape[-1]))
+    return blocks_mask(best.gather(-1, top), top, best.shape[-1], block, scores.shape[-1])
 
 
 def local_candidate_blocks(

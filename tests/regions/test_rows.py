@@ -59,7 +59,7 @@ def whole_layer(region, p, st, h, pre, positions, slots, table, carry):
 
 def rows_layer(region, p, ranks, contexts, h, pre, positions, slots, table, carries):
     """d ranks, each its rows: stage 1, the packed rows gathered, stage 2 at a kv source (its pages
-    gathered and joined), stage 3 -> (h, pre) of every row, the ranks' rows in order."""
+    gathered; the index keys joined), stage 3 -> (h, pre) of every row, the ranks' rows in order."""
     d, T = len(ranks), positions.shape[1]
     own = [divided_rows.rows_of(T, d, j) for j in range(d)]
     firsts = [divided_rows.rows_in(region, h[:, r], pre[:, r], positions[:, r]) for r in own]
@@ -73,9 +73,8 @@ def rows_layer(region, p, ranks, contexts, h, pre, positions, slots, table, carr
                 divided_rows.rows_write(region, proj, positions, slots, table, lay["ckv"], lay["ikeys"], *parts, d, j)
             )
         per_block = ranks[0][p.layer]["ckv"].shape[1]
-        contexts[p.layer] = tuple(
-            divided_rows.join_pages(torch.stack(x), table.shape[1], per_block) for x in zip(*pages)
-        )
+        ckv_parts, ikeys_parts = (torch.stack(x) for x in zip(*pages))
+        contexts[p.layer] = (ckv_parts, per_block, divided_rows.join_pages(ikeys_parts, table.shape[1], per_block))
     context = None if p.attn == "window" else contexts[p.kv_source]
     outs = [
         divided_rows.rows_attend(
@@ -219,6 +218,8 @@ def test_join_pages_puts_each_ranks_blocks_in_sequence_order():
         local = torch.cat((local, torch.full((1, pad, per_block, 1), -1.0)), 1)
         parts.append(local.flatten(1, 2))
     assert torch.equal(divided_rows.join_pages(torch.stack(parts), width, per_block), whole)
+    index = torch.tensor([[[0, 14, 7], [3, 3, 9]]])  # entries [B=1, 2, 3]
+    assert torch.equal(divided_rows.pages_at(torch.stack(parts), index, per_block), index.unsqueeze(-1).float())
 
 
 def test_rows_of_refuses_a_chunk_that_does_not_divide():

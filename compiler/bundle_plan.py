@@ -95,23 +95,23 @@ class BundlePlan:
         """What one decode step runs on a rank: its device executions (the embedding where it is a
         region, each layer's slots, an attention kind's divided stages each, the head) and the ranks'
         collectives by name (runtime/ranks.Comm's), with those the executables hold themselves."""
-        topo = self.spec.topology
-        embedded = any(kp.slot == "embed" for kp in self.regions.kinds.values())  # trn2's embed region
-        calls: dict[str, int] = {"embed": 1} if embedded else {}
-        collectives: dict[str, int] = {}
+        topo, collectives, calls = self.spec.topology, dict[str, int](), dict[str, int]()
+        if any(kp.slot == "embed" for kp in self.regions.kinds.values()):  # trn2's embed region
+            calls["embed"] = 1
 
         def add(counts: dict[str, int], name: str, n: int = 1) -> None:
             counts[name] = counts.get(name, 0) + n
 
-        methods = {k: sorted({e[1] for e in self.executables if e[0] == k}) for k in self.regions.kinds}
-        fused = self.fused_layers
-        in_graph = 0
+        step = min(e[3] for e in self.executables)  # a decode step's tokens bucket
+        methods = {k: {e[1] for e in self.executables if e[0] == k and e[3] == step} for k in self.regions.kinds}
+        fused, in_graph = self.fused_layers, 0
         for p in self.regions.layers:
             mine: dict[str, int] = {}  # this layer's collectives
             if p.layer in fused:  # the layer's regions and their collectives in one executable
                 add(calls, "layer")
             for slot, (kind, _) in self.regions.bindings[p.layer].items() if p.layer not in fused else ():
-                add(calls, slot, len(methods[kind]))
+                if methods[kind]:  # a rows twin has no method at a decode step
+                    add(calls, slot, len(methods[kind]))
             if topo.group_size > 1:  # the heads (or output rows) divided over the token group
                 add(mine, "attention all-reduce")
             if topo.dispatch:

@@ -35,6 +35,7 @@ from ..conftest import CACHE_ENV, write_model_toml
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = ROOT / "examples" / "release" / "model.toml"
+REPLICATED = RELEASE.parent / "model_replicated.toml"  # the release, every rank every row of a prompt chunk
 GiB = 1 << 30
 # MODEL.md's layer kinds at the released schedule: attention kind per layer range, engram on 1 and 14
 RELEASE_KINDS = {
@@ -52,8 +53,10 @@ RELEASE_KINDS = {
 
 @pytest.fixture(scope="module")
 def release() -> dict:
-    """`deepinfer plan examples/release/model.toml --json`, the MoE traced (all kinds: minutes more)."""
-    r = CliRunner().invoke(main, ["plan", str(RELEASE), "--json", "--scratch-of", "moe"])
+    """`deepinfer plan examples/release/model_replicated.toml --json` (the release's prompt chunks run
+    replicated: its MoE at the prompt buckets is the decode method's), the MoE traced (all kinds:
+    minutes more)."""
+    r = CliRunner().invoke(main, ["plan", str(REPLICATED), "--json", "--scratch-of", "moe"])
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout)
 
@@ -173,7 +176,7 @@ def test_release_moe_scratch_traced_at_two_batches(release):
 
 
 def test_plan_cli_prints_the_full_plan():
-    r = CliRunner().invoke(main, ["plan", str(RELEASE), "--no-scratch"])
+    r = CliRunner().invoke(main, ["plan", str(REPLICATED), "--no-scratch"])
     assert r.exit_code == 0, r.output
     for line in (
         "layer plan: 40 layers -> 10 region kinds",
@@ -242,26 +245,32 @@ def test_release_pools_divided_over_cp_at_1m_context(tmp_path):
 
 def test_release_traced_at_1m_context_without_real_inputs(tmp_path):
     """Tracing at the 1M context allocates nothing of the traced shapes: a plan that traces the
-    candidate source (one of its inputs was 16 GiB of real random data) runs in a process whose
-    data segment is limited to 2 GiB (an allocation past it fails at once instead of using memory)."""
+    candidate source's rows stages (one input of the replicated form's was 16 GiB of real random data)
+    runs in a process whose data segment is limited to 2 GiB (an allocation past it fails at once
+    instead of using memory). The stage that selects over the whole context at 8 x 8,192 rows holds
+    under 6 GiB of scratch (4.24 GiB traced), where scoring the whole row at once held 137 GiB
+    (kernels/index_select.py: trn2 scores the context in tiles)."""
     import subprocess
     import sys
 
     toml = release_toml(tmp_path, max_context=CONTEXT_1M, num_blocks=BLOCKS_1M)
     probe = (
-        "import resource, sys\n"
+        "import json, resource, sys\n"
         "resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, 2 << 30))\n"
         "from deepinfer.compiler.bundle_plan import plan_bundle\n"
         "from deepinfer.compiler.config import load_compile_config\n"
-        "plan = plan_bundle(load_compile_config(sys.argv[1]), kinds=('attn_source_r1_cand',))\n"
-        "print(list(plan.scratch), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "plan = plan_bundle(load_compile_config(sys.argv[1]), kinds=('rows_attn_source_r1_cand',))\n"
+        "print(json.dumps(plan.scratch), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
     )
     r = subprocess.run([sys.executable, "-c", probe, str(toml)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    traced, max_rss_kib = r.stdout.split("]")[0] + "]", int(r.stdout.split()[-1])
-    stages = ("query", "select", "attend", "output")  # the divided attention's (regions/divided.py)
-    per_context = ("select", "attend")  # query and output read no paged state: one per bucket of rows
-    assert traced == str([f"attn_source_r1_cand.{m}.b8t512" + ("c1048576" if m in per_context else "") for m in stages])
+    traced, max_rss_kib = json.loads(r.stdout.rsplit(" ", 1)[0]), int(r.stdout.split()[-1])
+    per_context = ("rows_write", "rows_attend")  # rows_in reads no paged state: one per bucket of rows
+    stages = ("rows_in", "rows_write", "rows_attend")  # regions/rows.py
+    assert list(traced) == [
+        f"rows_attn_source_r1_cand.{m}.b8t8192" + ("c1048576" if m in per_context else "") for m in stages
+    ]
+    assert 0 < traced["rows_attn_source_r1_cand.rows_attend.b8t8192c1048576"] < 6 * GiB
     # planning alone (64 ranks' own attention, expert-slice and engram cuts since issue 40) peaks near 1.5 GiB
     # here; one real input of the traced shapes would be 16 GiB
     assert max_rss_kib < 3 << 20
@@ -493,8 +502,8 @@ def test_release_plan_with_the_draft_divides_it_over_the_ranks(tmp_path):
     and per rank: 2 of its 128 experts a stage plus what every rank holds whole. References typed in
     from MODEL.md's shapes and the config's draft defaults (3 stages, 128 experts, Markov rank 256,
     target layers 37-39), not the plan's code. The draft embeds its block with the host's table:
-    [host] embedding = true."""
-    text = RELEASE.read_text()
+    [host] embedding = true. Divided prompt rows are not built with a draft: the release run replicated."""
+    text = REPLICATED.read_text()
     for old, new in (
         ('checkpoint = "."', f'checkpoint = "{RELEASE.parent}"'),
         ("embedding = false", "embedding = true"),

@@ -18,6 +18,7 @@ from deepinfer.compiler.config import load_compile_config
 from ..conftest import write_model_toml
 
 RELEASE = Path(__file__).resolve().parents[2] / "examples" / "release" / "model.toml"
+REPLICATED = RELEASE.parent / "model_replicated.toml"  # every rank every row: the prompt model here
 # MODEL.md, the released Flash text_config
 D, H, HD, Q, G, R = 5120, 64, 512, 1280, 8, 1024  # hidden, heads, head_dim, q_lora, o_groups, o_lora
 E, TOPK_EXPERTS, I, N = 384, 6, 2304, 4  # experts, per token, moe_intermediate, hc_mult
@@ -30,7 +31,7 @@ SOURCES, INDEXED, ENGRAM = {2, 8, 14, 20}, {2, 8, 14, 20, 24, 28, 32, 36}, {1, 1
 
 @pytest.fixture(scope="module")
 def plan():
-    return plan_bundle(load_compile_config(RELEASE), scratch=False)
+    return plan_bundle(load_compile_config(REPLICATED), scratch=False)
 
 
 @pytest.mark.parametrize("ratio", [1, 2, 4])
@@ -115,7 +116,8 @@ def test_every_rank_computes_every_row_of_a_chunk_today(plan):
 
 
 def test_plan_text_and_json_carry_the_prompt_cost(plan):
-    """The release builds prompt buckets of 128 and 512 tokens and models its prompts in the larger."""
+    """The release run replicated builds prompt buckets of 128 and 512 tokens and models its prompts in
+    the larger."""
     d = plan.to_dict()["prompt_cost"]
     assert [(c["rows"], c["context"]) for c in d["chunks"]] == [(128, 65536), (512, 65536)]
     assert [(p["tokens"], p["chunk"], p["chunks"]) for p in d["prompts"]] == [(8192, 512, 16), (65536, 512, 128)]

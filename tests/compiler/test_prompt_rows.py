@@ -13,20 +13,20 @@ from deepinfer.compiler.bundle_plan import plan_bundle
 from deepinfer.compiler.config import load_compile_config
 from deepinfer.compiler.step_reads import read_bytes
 
-from .test_prompt_cost import RELEASE, WORLD
+from .test_prompt_cost import RELEASE, REPLICATED, WORLD
 
 L, T = 65536, 8192  # a 64K prompt in 8 chunks: a rank's 128 rows a chunk, whole compressed groups
 
 
 @pytest.fixture(scope="module")
 def plan():
-    return plan_bundle(load_compile_config(RELEASE), scratch=False)
+    return plan_bundle(load_compile_config(REPLICATED), scratch=False)
 
 
 @pytest.fixture(scope="module")
 def whole():
     """The release planned at one rank: every region with its whole weights."""
-    one = load_compile_config(RELEASE)
+    one = load_compile_config(REPLICATED)
     one = dataclasses.replace(one, parallel=dataclasses.replace(one.parallel, tp=1, ep=1, cp=1))
     return plan_bundle(one, scratch=False)
 
@@ -117,16 +117,11 @@ def test_micro_batches_cost_two_half_passes_with_their_links_under_the_compute(p
 
 
 def test_a_plan_with_divided_rows_costs_its_prompts_divided(plan):
-    """`deepinfer plan` of the release with `[prompt] rows = "divided"` (which trn2 builds,
+    """`deepinfer plan` of the release (`[prompt] rows = "divided"`, which trn2 builds:
     compiler/rows_layers.py) costs its prompts as that bundle runs them: each chunk divided by rows, in
-    one pass; the release as it is, every rank every row."""
-    config = load_compile_config(RELEASE)
-    config = dataclasses.replace(
-        config,
-        prompt=dataclasses.replace(config.prompt, rows="divided"),
-        buckets=dataclasses.replace(config.buckets, tokens=(1, T)),
-    )
-    rows = plan_bundle(config, scratch=False)
+    one pass; the release run replicated, every rank every row."""
+    rows = plan_bundle(load_compile_config(RELEASE), scratch=False)
+    assert rows.spec.divided_rows and not plan.spec.divided_rows
     got = prompt_cost.prompt_cost(rows, L, T)
     assert got == prompt_cost.prompt_cost(rows, L, T, prompt_rows.divided_chunk_cost)
     assert prompt_cost.prompt_cost(plan, L, T) == prompt_cost.prompt_cost(plan, L, T, prompt_cost.chunk_cost)

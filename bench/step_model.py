@@ -53,13 +53,14 @@ def seed_weights(plan, batch: int) -> int:
     """What a rank of the seed's layout read a decode step: every kind's unsharded weights (the attention
     of every head, the engram, the whole float32 head), of the MoE its E / ep whole experts (all of them,
     whatever the routing) and 1/18 of the shared expert, of the embedding the step's rows."""
+    from deepinfer.bundles.manifest import ROWS_SLOT
     from deepinfer.compiler.shard import ROUTED
     from deepinfer.compiler.step_reads import spec_bytes
 
     regions, ep = plan.regions, plan.spec.topology.ep
     total = 0
     for kind, kp in regions.kinds.items():
-        if kind in regions.draft_kinds:
+        if kind in regions.draft_kinds or kp.slot == ROWS_SLOT:  # the rows twins run prompt chunks only
             continue
         if kp.slot == "embed":
             (table,) = kp.full_specs

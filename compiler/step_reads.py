@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from deepinfer.bundles.manifest import ROWS_SLOT
 from deepinfer.regions.base import Region, WeightSpec
 
 if TYPE_CHECKING:
@@ -68,12 +69,12 @@ def layer_bytes(region: Region, rows: int) -> int:
 
 def read_bytes(plan: BundlePlan, batch: int) -> dict[str, int]:
     """Device weight bytes a rank reads a decode step of `batch` sequences, by region kind: every
-    layer of the kind (the draft's kinds are not in a plain step); of the embedding table the step's
-    rows."""
+    layer of the kind (the draft's kinds and the attention's rows twins, which run prompt chunks only,
+    are not in a plain step); of the embedding table the step's rows."""
     regions = plan.regions
     out: dict[str, int] = {}
     for kind, kp in regions.kinds.items():
-        if kind in regions.draft_kinds:
+        if kind in regions.draft_kinds or kp.slot == ROWS_SLOT:
             continue
         if kp.slot == "embed":
             (table,) = kp.region.specs  # [V, D]

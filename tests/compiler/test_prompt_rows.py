@@ -24,6 +24,12 @@ def plan():
 
 
 @pytest.fixture(scope="module")
+def release():
+    """The release as it is: `[prompt] rows = "divided"`, its attention kinds' rows twins built."""
+    return plan_bundle(load_compile_config(RELEASE), scratch=False)
+
+
+@pytest.fixture(scope="module")
 def whole():
     """The release planned at one rank: every region with its whole weights."""
     one = load_compile_config(REPLICATED)
@@ -116,13 +122,24 @@ def test_micro_batches_cost_two_half_passes_with_their_links_under_the_compute(p
     assert whole.latency_ms < one_pass.latency_ms
 
 
-def test_a_plan_with_divided_rows_costs_its_prompts_divided(plan):
+def test_a_plan_with_divided_rows_costs_its_prompts_divided(plan, release):
     """`deepinfer plan` of the release (`[prompt] rows = "divided"`, which trn2 builds:
     compiler/rows_layers.py) costs its prompts as that bundle runs them: each chunk divided by rows, in
     one pass; the release run replicated, every rank every row."""
-    rows = plan_bundle(load_compile_config(RELEASE), scratch=False)
+    rows = release
     assert rows.spec.divided_rows and not plan.spec.divided_rows
     got = prompt_cost.prompt_cost(rows, L, T)
     assert got == prompt_cost.prompt_cost(rows, L, T, prompt_rows.divided_chunk_cost)
     assert prompt_cost.prompt_cost(plan, L, T) == prompt_cost.prompt_cost(plan, L, T, prompt_cost.chunk_cost)
     assert got.ttft_ms < prompt_cost.prompt_cost(plan, L, T).ttft_ms / 5
+
+
+def test_the_rows_twins_leave_the_decode_step_as_it_was(plan, release):
+    """The rows twins run prompt chunks only: the release's decode step reads, runs and sends what the
+    release run replicated does, and a divided chunk counts each attention's whole weights once."""
+    assert any(kind.startswith("rows_") for kind in release.regions.kinds)
+    assert not any(kind.startswith("rows_") for kind in plan.regions.kinds)
+    for batch in (1, 8):
+        assert read_bytes(release, batch) == read_bytes(plan, batch)
+    assert release.per_step == plan.per_step
+    assert prompt_rows.divided_weight_bytes(release, T) == prompt_rows.divided_weight_bytes(plan, T)

@@ -150,6 +150,12 @@ class Buckets:
         return sorted({s.tokens for s in self.shapes})
 
     @property
+    def prompt_batch_sizes(self) -> list[int]:
+        """The batch buckets of steps of more than one token (`[buckets] prompt_batch`; every batch
+        bucket where the bundle has no such step)."""
+        return sorted({s.batch for s in self.shapes if s.tokens > 1}) or self.batch_sizes
+
+    @property
     def context_sizes(self) -> list[int]:
         return list(self.contexts or (self.max_context,))
 

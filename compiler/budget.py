@@ -10,6 +10,10 @@ Per rank (every rank holds the same shapes: one executable set serves all):
                  paged pool (ckv, ikeys) holds its cp rank's share of the token group's
                  blocks (`pool_entries`: regions/state.blocks_per_rank) and a per-slot
                  pool every slot
+    contexts     a prompt chunk divided by rows ([prompt] rows = "divided", regions/rows.py):
+                 every rank's pages of a kv source's sequence, gathered by its layer and held
+                 until its last reader (`gathered_contexts`): the largest source's at the
+                 largest batch and context (the runtime holds one source's at a time)
     executables  the compiled files, all loaded at once (known after compiling)
     scratch      the largest executable's peak of intermediate tensors, from a liveness
                  pass over its lowered FX graph (known after tracing; see `scratch_bytes`);
@@ -43,13 +47,14 @@ from typing import Protocol
 import torch
 
 from deepinfer.bundles.layout import rank_key
-from deepinfer.bundles.manifest import Executable, Pool
+from deepinfer.bundles.manifest import PAGES, ROWS_SLOT, Executable, Pool
 from deepinfer.compiler.config import config_error
 from deepinfer.compiler.plan import RegionPlan
 from deepinfer.compiler.pools import plan_pools
 from deepinfer.compiler.spec import Log, Spec
 from deepinfer.compiler.weights import host_bytes
 from deepinfer.regions.prefix import PREFIX_STATE_BUDGET, state_every
+from deepinfer.regions.rows import ROWS_ATTEND, ROWS_WRITE
 from deepinfer.regions.state import Geometry, blocks_per_rank
 from deepinfer.units import human
 
@@ -229,10 +234,12 @@ class Breakdown:
     scratch_by_kind: dict[str, int] = field(default_factory=dict)  # kind -> its largest traced scratch
     executables: int | None = None  # None: not compiled yet
     host: dict[str, int] = field(default_factory=dict)  # host file -> bytes (host memory, not in the total)
+    contexts: int = 0  # a divided prompt step's gathered pages (`gathered_contexts`)
 
     @property
     def total(self) -> int:
-        return sum(self.weights.values()) + sum(self.pools.values()) + (self.scratch or 0) + (self.executables or 0)
+        device = sum(self.weights.values()) + sum(self.pools.values()) + self.contexts
+        return device + (self.scratch or 0) + (self.executables or 0)
 
     @property
     def usable(self) -> int | None:
@@ -249,6 +256,11 @@ class Breakdown:
             f"  weights      {human(w):>15}  ({len(self.weights)} region kinds)",
             f"  state pools  {human(p):>15}  ({len(self.pools)} pools"
             + (f"; largest {big} {human(self.pools[big])})" if big else ")"),
+            *(
+                [f"  contexts     {human(self.contexts):>15}  (a divided prompt step's gathered pages)"]
+                if self.contexts
+                else []
+            ),
             f"  executables  {human(self.executables) if self.executables is not None else 'after compiling':>15}",
             f"  scratch      {human(self.scratch) if self.scratch is not None else 'after tracing':>15}"
             + (f"  (largest graph: {self.scratch_of})" if self.scratch_of else ""),
@@ -274,6 +286,7 @@ class Breakdown:
             "weights": sum(self.weights.values()),
             "pools": sum(self.pools.values()),
             "executables": self.executables,
+            "contexts": self.contexts,
             "scratch": self.scratch,
             "total": self.total,
             "limit": self.limit,
@@ -287,6 +300,24 @@ class Breakdown:
             "host": sum(self.host.values()),
             "host_by_file": self.host,
         }
+
+
+def gathered_contexts(spec: Spec, plan: RegionPlan) -> int:
+    """Bytes of the pages a divided prompt step holds gathered on a rank: a kv source's rows module
+    all-gathers every rank's pages of the sequence (its latents and index keys, [d, B, L, *]), which
+    its reindex and reuse layers read (`regions.step.run_rows_fused` drops them after the last): the
+    largest source's, at the largest tokens bucket and its largest batch bucket (`[buckets]
+    prompt_batch`) and the full context; 0 unless divided."""
+    if not spec.divided_rows:
+        return 0
+    tokens = max(spec.config.buckets.tokens)
+    batch = max(b for b, t in spec.config.buckets.shapes() if t == tokens)  # [buckets] prompt_batch
+    most = 0
+    for kp in plan.kinds.values():
+        if kp.slot == ROWS_SLOT and ROWS_WRITE in kp.region.methods():
+            specs = kp.region.method_inputs(ROWS_ATTEND, batch, tokens, spec.geometry)
+            most = max(most, sum(_nbytes(s.shape, s.dtype) for s in specs if s.name in PAGES))
+    return most
 
 
 def breakdown(spec: Spec, plan: RegionPlan, executables: Sequence[Graph] = (), files: Sequence[Path] = ()) -> Breakdown:
@@ -306,6 +337,7 @@ def breakdown(spec: Spec, plan: RegionPlan, executables: Sequence[Graph] = (), f
         source,
         reserve=int(mem.reserve_gib * GiB),
         host=host_bytes(spec.model, device_embedding=spec.device_embedding),
+        contexts=gathered_contexts(spec, plan),
     )
     if executables:
         known = [(e, n) for e in executables if (n := e.scratch_bytes) is not None]

@@ -2,7 +2,7 @@
 
     [model]     checkpoint, dtype, cache_quant, tiny (generate when absent)
     [target]    name, executable, options
-    [buckets]   batch, tokens, max_context, context
+    [buckets]   batch, tokens, max_context, context, prompt_batch
     [kv]        block_size, num_blocks
     [parallel]  tp, ep, cp (bundles/topology.Topology itself: one spelling of the rank layout)
     [quant]     recipe
@@ -69,10 +69,15 @@ class BucketSection:
     # context are built once per bucket; a step runs the smallest that holds its longest sequence.
     # None: [max_context]
     context: tuple[int, ...] | None = None
+    # the batch buckets of a step with a prompt chunk (tokens > 1), a subset of `batch`; None: `batch`.
+    # A long chunk is bound by compute at one sequence, and a divided chunk's gathered context grows
+    # with the batch (compiler/budget.py): the scheduler then alternates prompt and decode steps
+    prompt_batch: tuple[int, ...] | None = None
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (batch, tokens) step shape an executable is compiled for."""
-        return [(b, t) for b in self.batch for t in self.tokens]
+        prompt = self.batch if self.prompt_batch is None else self.prompt_batch
+        return [(b, t) for b in self.batch for t in self.tokens if t == 1 or b in prompt]
 
     @property
     def contexts(self) -> tuple[int, ...]:
@@ -247,6 +252,21 @@ def _check_buckets(cfg: CompileConfig, need: Need) -> None:
             f"expected distinct positive integers, got {list(values)}",
         )
     need(1 in b.tokens, "buckets", "tokens", "must include 1 (decode steps run one token per sequence)")
+    if b.prompt_batch is not None:
+        need(
+            bool(b.prompt_batch)
+            and set(b.prompt_batch) <= set(b.batch)
+            and len(set(b.prompt_batch)) == len(b.prompt_batch),
+            "buckets",
+            "prompt_batch",
+            f"expected distinct values of [buckets] batch {list(b.batch)}, got {list(b.prompt_batch)}",
+        )
+        need(
+            cfg.speculative.draft is None,
+            "buckets",
+            "prompt_batch",
+            "a draft's verify steps run more than one token at every batch bucket: leave prompt_batch out",
+        )
     need(
         b.max_context > 0 and b.max_context >= max(b.tokens),
         "buckets",

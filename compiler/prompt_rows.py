@@ -187,8 +187,10 @@ def _divided(plan: BundlePlan, rows: int, context: int) -> tuple[ChunkCost, floa
     untimed = {name: kc for name, kc in collectives.items() if name not in timed}
     link = sum(link_bytes(name, sent // calls, topo) * calls for name, (calls, sent) in untimed.items())
     layers = plan.regions.layers
-    # a layer: rows_in, rows_attend, moe_in, moe_experts, moe_out (+ rows_write, the engram's kv and rows_mix)
-    executions = 2 + sum(5 + (p.attn == "source") + 2 * (p.engram_rows > 0) for p in layers)
+    # a layer: one module where the target fuses layers (compiler/rows_layers.py); else rows_in,
+    # rows_attend, moe_in, moe_experts, moe_out (+ rows_write, the engram's kv and rows_mix)
+    stages = [1 if spec.fused else 5 + (p.attn == "source") + 2 * (p.engram_rows > 0) for p in layers]
+    executions = 2 + sum(stages)
     calls = sum(k for k, _ in collectives.values())
     times = lower_bound(
         figures,

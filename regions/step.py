@@ -218,6 +218,7 @@ def rows_steps(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows |
     contexts: dict[int, list[Tensor]] = {}
     carry: dict[str, Tensor] = {}
     engram_index = 0
+    drop = last_reads(plans)
     for p in plans:
         st = states[p.layer]
         if p.engram_rows:
@@ -255,6 +256,7 @@ def rows_steps(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows |
         )
         (partial,) = invoke(p.layer, "moe", *(yield rows.routes, (x, weights, experts)), method=MOE_EXPERTS)
         (h,) = invoke(p.layer, "moe", (yield rows.combine, (partial,)), h, post, comb, method=MOE_OUT, chunk=T)
+        contexts.pop(drop.get(p.layer, -1), None)
     whole = yield rows.rows, (h,)
     (logits,) = invoke(-1, "head", *head_rows(whole, (yield rows.rows, (pre,)), batch))
     return logits
@@ -280,6 +282,7 @@ def run_rows_fused(plans, invoke_layer, states, h, pre, batch: Batch, engram: En
     contexts: dict[int, dict[str, Tensor]] = {}
     carry: dict[str, Tensor] = {}
     engram_index = 0
+    drop = last_reads(plans)
     for p in plans:
         values = {**step, **carry, **states[p.layer], "h": h, "pre": pre}
         if p.attn in ("reindex", "reuse"):  # a source joins its context inside its module
@@ -292,7 +295,15 @@ def run_rows_fused(plans, invoke_layer, states, h, pre, batch: Batch, engram: En
         carry.update({k: v for k, v in out.items() if k in ("topk", "cand")})
         if p.attn == "source":
             contexts[p.layer] = {k: out[k] for k in PAGES}
+        contexts.pop(drop.get(p.layer, -1), None)
     return h, pre
+
+
+def last_reads(plans) -> dict[int, int]:
+    """layer -> the kv source whose gathered context it is the last to read: a divided step drops the
+    context after that layer, so that it holds one source's at a time (compiler/budget.py counts it)."""
+    last = {p.kv_source: p.layer for p in plans if p.kv_source is not None}
+    return {layer: source for source, layer in last.items()}
 
 
 def looked_up(engram: EngramRows | None, batch: Batch, index: int) -> tuple[Tensor, Tensor]:

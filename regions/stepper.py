@@ -251,7 +251,9 @@ class Greedy:
 
 class Stepper(Protocol):
     """A model the scheduler drives: the reference (`ReferenceModel.stepper`) or a loaded bundle
-    (`runtime.executor.Steps`)."""
+    (`runtime.executor.Steps`). One whose steps with a prompt chunk hold fewer sequences than
+    `max_batch` says so with a `prompt_batch` attribute (a bundle compiled with `[buckets]
+    prompt_batch`; the scheduler's `runtime.budget.fit_prompt_batch`)."""
 
     @property
     def groups(self) -> int:

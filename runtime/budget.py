@@ -61,6 +61,7 @@ class StepTokens:
     stepper (`runtime.executor.Stats.padded`)."""
 
     limit: int | None = None
+    prompt_turn: bool = False  # `fit_prompt_batch`: whether the next step that cannot hold every row prefills
     steps: int = 0
     prompt: int = 0
     decode: int = 0
@@ -101,6 +102,36 @@ def plan_step(
         if left is not None:
             left -= n
     return plan
+
+
+def fit_prompt_batch(
+    plan: dict[int, int], running: Sequence[Running], drafted: dict[int, list[int]], prompt_batch: int, fed: StepTokens
+) -> dict[int, int]:
+    """`plan` held to a stepper whose prompt buckets take fewer sequences than its decode steps
+    (`prompt_batch` a token group: a bundle compiled with `[buckets] prompt_batch`). A step that feeds a
+    row of more than one token (a prompt chunk) runs at a prompt bucket, so it holds at most
+    `prompt_batch` rows a group. Where the planned rows do not fit so, steps alternate (`fed.prompt_turn`):
+    a decode turn feeds the rows of one token and the prompt chunks wait; a prompt turn feeds, in
+    each group, its first `prompt_batch` prompt chunks (admission order), then rows of one token up to
+    `prompt_batch`, and the others wait. A decode turn with nothing to feed is a prompt turn, so a
+    step always makes progress and neither kind starves."""
+    fed_rows = [r for r in running if plan.get(r.seq, 0) > 0]
+    wide = {r.seq for r in fed_rows if plan[r.seq] + len(drafted.get(r.seq, [])) > 1}
+    groups: dict[int, list[Running]] = {}
+    for r in fed_rows:
+        groups.setdefault(r.group, []).append(r)
+    if not wide or all(len(rows) <= prompt_batch for rows in groups.values()):
+        return plan
+    narrow = {seq: 0 if seq in wide else n for seq, n in plan.items()}
+    if not fed.prompt_turn and any(narrow.values()):
+        fed.prompt_turn = True
+        return narrow
+    fed.prompt_turn = False
+    out = dict.fromkeys(plan, 0)
+    for rows in groups.values():
+        for r in sorted(rows, key=lambda r: r.seq not in wide)[:prompt_batch]:  # stable: admission order
+            out[r.seq] = plan[r.seq]
+    return out
 
 
 def fed_split(start: int, n: int, prompt_len: int) -> tuple[int, int]:

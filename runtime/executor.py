@@ -69,6 +69,7 @@ class Sizes:
     num_slots: int  # sequence slots (slot 0 is scratch)
     batch_sizes: tuple[int, ...]
     token_sizes: tuple[int, ...]
+    prompt_batch_sizes: tuple[int, ...]  # the batch buckets of steps of more than one token
     context_blocks: tuple[int, ...]  # the context buckets' block-table widths
     slack: int  # per-slot ring rows beyond the window / ratio: the most drafts a verify step may carry
 
@@ -424,6 +425,11 @@ class Steps:
     def chunk(self) -> int:
         return self.executor.sizes.token_sizes[-1]
 
+    @property
+    def prompt_batch(self) -> int:
+        """Sequences of one group in a step with a prompt chunk (`[buckets] prompt_batch`)."""
+        return self.executor.sizes.prompt_batch_sizes[-1]
+
     def allocator(self) -> Allocator:
         s = self.executor.sizes  # a divided pool: one shard per cp rank, each of its own blocks
         return Allocator(s.num_slots, blocks_per_rank(s.num_blocks, s.divided), s.block_size, s.max_blocks, s.divided)
@@ -479,8 +485,9 @@ class Steps:
         (its highest written position + 1), for every group alike. With `capture` (the bundle's
         drafter's) every rank runs its own compiled capture."""
         x, s = self.executor, self.executor.sizes
-        B = bucket_at_least(list(s.batch_sizes), max(1, *(len(r) for r in rows_by_group)))
         T = bucket_at_least(list(s.token_sizes), max(len(ids) for rows in rows_by_group for _, ids, _ in rows))
+        sizes = s.batch_sizes if T == 1 else s.prompt_batch_sizes
+        B = bucket_at_least(list(sizes), max(1, *(len(r) for r in rows_by_group)))
         last_only = last_only and T > 1 and x.head_at(B, 1) and x.placement.host_values
         blocks = table_width(rows_by_group, s.block_size, list(s.context_blocks))
         batches = [

@@ -83,6 +83,7 @@ def _sizes(bundle: Bundle, num_kv_blocks: int | None) -> Sizes:
         num_slots=kv.slots,
         batch_sizes=tuple(m.buckets.batch_sizes),
         token_sizes=tuple(m.buckets.token_sizes),
+        prompt_batch_sizes=tuple(m.buckets.prompt_batch_sizes),
         context_blocks=tuple(kv.blocks_for(c) for c in m.buckets.context_sizes),
         slack=ring_slack(m, bundle.config.text),
     )

@@ -56,7 +56,7 @@ from deepinfer.regions.prefix import EVERY_STATE, SlotState, StatePolicy
 from deepinfer.regions.spans import ImageEmbeds
 from deepinfer.regions.stepper import Allocator, Drafter, DraftRequest, Greedy, OutOfBlocks, Row, Stepper
 from deepinfer.runtime import prefix_gen
-from deepinfer.runtime.budget import StepTokens, check_budget, fed_split, plan_step
+from deepinfer.runtime.budget import StepTokens, check_budget, fed_split, fit_prompt_batch, plan_step
 from deepinfer.runtime.requests import Completion, Completions, Request, SpeculationStats
 from deepinfer.runtime.sampling import sample
 
@@ -239,9 +239,7 @@ class Scheduler:
         self.waiting: deque[Running] = deque()
         self.running: dict[int, Running] = {}
         self.speculation = SpeculationStats()
-        self.fed = StepTokens(
-            limit=max_step_tokens
-        )  # the budget (None: every prompt its whole chunk a step), the steps
+        self.fed = StepTokens(limit=max_step_tokens)  # the budget (None: a prompt's whole chunk a step), the steps
         self._next_seq = 0
 
     @property
@@ -300,6 +298,8 @@ class Scheduler:
         rows_by_group: list[list[Row]] = [[] for _ in self.allocs]
         picking: list[Running] = []  # constrained sequences that pick a token after this step
         plan = plan_step(list(self.running.values()), drafted, self.fed.limit, self._chunk_of)
+        narrow = getattr(self.stepper, "prompt_batch", self.stepper.max_batch)  # `Stepper.prompt_batch`
+        plan = fit_prompt_batch(plan, list(self.running.values()), drafted, narrow, self.fed)
         for r in list(self.running.values()):
             n = plan[r.seq]
             if n == 0:  # a prompt that waits for room in the budget

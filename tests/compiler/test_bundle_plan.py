@@ -202,9 +202,10 @@ def test_plan_cli_prints_the_full_plan():
 CONTEXT_1M, BLOCKS_1M = 1 << 20, 65537  # 8 sequences x 8192 blocks of 128 positions + scratch block 0
 
 
-def release_toml(tmp_path: Path, *, max_context: int, num_blocks: int) -> Path:
-    """examples/release/model.toml at another context and block count (its checkpoint: the example's config.json)."""
-    text = RELEASE.read_text()
+def release_toml(tmp_path: Path, *, max_context: int, num_blocks: int, source: Path = RELEASE) -> Path:
+    """examples/release/model.toml (or `source`, another of its tomls) at another context and block
+    count (its checkpoint: the example's config.json)."""
+    text = source.read_text()
     for old, new in (
         ('checkpoint = "."', f'checkpoint = "{RELEASE.parent}"'),
         ("max_context = 65536", f"max_context = {max_context}"),
@@ -245,11 +246,37 @@ def test_release_pools_divided_over_cp_at_1m_context(tmp_path):
 
 def test_release_traced_at_1m_context_without_real_inputs(tmp_path):
     """Tracing at the 1M context allocates nothing of the traced shapes: a plan that traces the
-    candidate source's rows stages (one input of the replicated form's was 16 GiB of real random data)
-    runs in a process whose data segment is limited to 2 GiB (an allocation past it fails at once
-    instead of using memory). The stage that selects over the whole context at 8 x 8,192 rows holds
-    under 6 GiB of scratch (4.24 GiB traced), where scoring the whole row at once held 137 GiB
-    (kernels/index_select.py: trn2 scores the context in tiles)."""
+    candidate source (one of its inputs was 16 GiB of real random data) runs in a process whose
+    data segment is limited to 2 GiB (an allocation past it fails at once instead of using memory)."""
+    import subprocess
+    import sys
+
+    toml = release_toml(tmp_path, max_context=CONTEXT_1M, num_blocks=BLOCKS_1M, source=REPLICATED)
+    probe = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, 2 << 30))\n"
+        "from deepinfer.compiler.bundle_plan import plan_bundle\n"
+        "from deepinfer.compiler.config import load_compile_config\n"
+        "plan = plan_bundle(load_compile_config(sys.argv[1]), kinds=('attn_source_r1_cand',))\n"
+        "print(list(plan.scratch), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", probe, str(toml)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    traced, max_rss_kib = r.stdout.split("]")[0] + "]", int(r.stdout.split()[-1])
+    stages = ("query", "select", "attend", "output")  # the divided attention's (regions/divided.py)
+    per_context = ("select", "attend")  # query and output read no paged state: one per bucket of rows
+    assert traced == str([f"attn_source_r1_cand.{m}.b8t512" + ("c1048576" if m in per_context else "") for m in stages])
+    # planning alone (64 ranks' own attention, expert-slice and engram cuts since issue 40) peaks near 1.5 GiB
+    # here; one real input of the traced shapes would be 16 GiB
+    assert max_rss_kib < 3 << 20
+
+
+def test_divided_rows_select_over_1m_in_tiles(tmp_path):
+    """The release (prompt rows divided, one sequence a prompt step) at the 1M context: the candidate
+    source's rows_attend scores a rank's 128 rows against every one of 1M entries and holds under 1 GiB
+    of scratch (744 MiB traced), where scoring the whole row at once held 17 GiB (137 GiB at batch 8;
+    kernels/index_select.py: trn2 scores the context in tiles beside a running top-k). Traced on fake
+    tensors in a process whose data segment is limited to 2 GiB."""
     import subprocess
     import sys
 
@@ -260,20 +287,14 @@ def test_release_traced_at_1m_context_without_real_inputs(tmp_path):
         "from deepinfer.compiler.bundle_plan import plan_bundle\n"
         "from deepinfer.compiler.config import load_compile_config\n"
         "plan = plan_bundle(load_compile_config(sys.argv[1]), kinds=('rows_attn_source_r1_cand',))\n"
-        "print(json.dumps(plan.scratch), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "print(json.dumps(plan.scratch))\n"
     )
     r = subprocess.run([sys.executable, "-c", probe, str(toml)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    traced, max_rss_kib = json.loads(r.stdout.rsplit(" ", 1)[0]), int(r.stdout.split()[-1])
-    per_context = ("rows_write", "rows_attend")  # rows_in reads no paged state: one per bucket of rows
-    stages = ("rows_in", "rows_write", "rows_attend")  # regions/rows.py
-    assert list(traced) == [
-        f"rows_attn_source_r1_cand.{m}.b8t8192" + ("c1048576" if m in per_context else "") for m in stages
-    ]
-    assert 0 < traced["rows_attn_source_r1_cand.rows_attend.b8t8192c1048576"] < 6 * GiB
-    # planning alone (64 ranks' own attention, expert-slice and engram cuts since issue 40) peaks near 1.5 GiB
-    # here; one real input of the traced shapes would be 16 GiB
-    assert max_rss_kib < 3 << 20
+    traced = json.loads(r.stdout)
+    stages = [f"rows_attn_source_r1_cand.{m}.b1t8192" for m in ("rows_in", "rows_write", "rows_attend")]
+    assert list(traced) == [stages[0], stages[1] + "c1048576", stages[2] + "c1048576"]
+    assert 0 < traced[stages[2] + "c1048576"] < GiB
 
 
 # -- a headers-only checkpoint at release dimensions ------------------------------------------------

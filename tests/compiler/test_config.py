@@ -172,6 +172,20 @@ CASES = [
         ["'eagle'", "valid: dspark"],
     ),
     (
+        "prompt_batch_not_a_batch_bucket",
+        "max_context = 32",
+        "max_context = 32\nprompt_batch = [4]",
+        "buckets.prompt_batch",
+        ["distinct values of [buckets] batch [1, 2]", "got [4]"],
+    ),
+    (
+        "prompt_batch_with_a_draft",
+        "[buckets]",
+        '[speculative]\ndraft = "dspark"\n\n[buckets]\nprompt_batch = [1]',
+        "buckets.prompt_batch",
+        ["verify steps"],
+    ),
+    (
         "prompt_rows_unknown",
         "cp = 1",
         'cp = 1\n\n[prompt]\nrows = "halved"',
@@ -202,6 +216,14 @@ def test_config_error_names_file_key_and_line(tmp_path, old, new, name, fragment
     assert message.startswith(f"{path}:{line}: {name}: "), message
     for fragment in fragments:
         assert fragment in message, (fragment, message)
+
+
+def test_prompt_batch_leaves_out_the_wide_buckets_of_other_batches(tmp_path):
+    """[buckets] prompt_batch = [1]: steps of more than one token only at batch 1; decode at every batch."""
+    path, _ = write(tmp_path, BASE)
+    assert load_compile_config(path).buckets.shapes() == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    path, _ = write(tmp_path, BASE, "max_context = 32", "max_context = 32\nprompt_batch = [1]")
+    assert load_compile_config(path).buckets.shapes() == [(1, 1), (1, 4), (2, 1)]
 
 
 def test_context_buckets_default_to_max_context(tmp_path):

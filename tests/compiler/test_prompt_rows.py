@@ -24,8 +24,8 @@ def plan():
 
 
 @pytest.fixture(scope="module")
-def release():
-    """The release as it is: `[prompt] rows = "divided"`, its attention kinds' rows twins built."""
+def rows_plan():
+    """The release as it is (`[prompt] rows = "divided"`): its attention kinds' rows twins built."""
     return plan_bundle(load_compile_config(RELEASE), scratch=False)
 
 
@@ -122,11 +122,11 @@ def test_micro_batches_cost_two_half_passes_with_their_links_under_the_compute(p
     assert whole.latency_ms < one_pass.latency_ms
 
 
-def test_a_plan_with_divided_rows_costs_its_prompts_divided(plan, release):
+def test_a_plan_with_divided_rows_costs_its_prompts_divided(plan, rows_plan):
     """`deepinfer plan` of the release (`[prompt] rows = "divided"`, which trn2 builds:
     compiler/rows_layers.py) costs its prompts as that bundle runs them: each chunk divided by rows, in
-    one pass; the release run replicated, every rank every row."""
-    rows = release
+    one pass; the release run replicated (model_replicated.toml), every rank every row."""
+    rows = rows_plan
     assert rows.spec.divided_rows and not plan.spec.divided_rows
     got = prompt_cost.prompt_cost(rows, L, T)
     assert got == prompt_cost.prompt_cost(rows, L, T, prompt_rows.divided_chunk_cost)
@@ -134,12 +134,36 @@ def test_a_plan_with_divided_rows_costs_its_prompts_divided(plan, release):
     assert got.ttft_ms < prompt_cost.prompt_cost(plan, L, T).ttft_ms / 5
 
 
-def test_the_rows_twins_leave_the_decode_step_as_it_was(plan, release):
+def test_the_rows_twins_leave_the_decode_step_as_it_was(plan, rows_plan):
     """The rows twins run prompt chunks only: the release's decode step reads, runs and sends what the
     release run replicated does, and a divided chunk counts each attention's whole weights once."""
+    release = rows_plan
     assert any(kind.startswith("rows_") for kind in release.regions.kinds)
     assert not any(kind.startswith("rows_") for kind in plan.regions.kinds)
     for batch in (1, 8):
         assert read_bytes(release, batch) == read_bytes(plan, batch)
     assert release.per_step == plan.per_step
     assert prompt_rows.divided_weight_bytes(release, T) == prompt_rows.divided_weight_bytes(plan, T)
+
+
+def test_a_divided_step_holds_one_source_s_gathered_context(rows_plan, plan):
+    """Every rank's pages of a kv source's sequence, gathered for its rows (compiler/rows_layers.py),
+    are device memory the plan counts: the ratio-1 source's latents and index keys of one sequence
+    (`[buckets] prompt_batch = [1]`) of 64K (MODEL.md: head_dim 512, index_head_dim 128, bf16; 1,024
+    entries in a rank's 8 local blocks of 128), one source's at a time (`regions.step.last_reads`:
+    reuse layers 3-7 read layer 2's, ... 21-39 layer 20's); 16 times that at 1M. At batch 8 a prompt
+    step at 1M would hold 10 GiB of them. The release run replicated gathers none."""
+    from deepinfer.compiler import budget
+    from deepinfer.regions.step import last_reads, plan_layers
+
+    r1 = WORLD * 1024 * (512 + 128) * 2
+    assert budget.breakdown(rows_plan.spec, rows_plan.regions).contexts == r1 == 80 << 20
+    assert budget.breakdown(plan.spec, plan.regions).contexts == 0
+    assert last_reads(plan_layers(rows_plan.spec.model.text)) == {7: 2, 13: 8, 19: 14, 39: 20}
+    config = load_compile_config(RELEASE)
+    long = dataclasses.replace(config.buckets, max_context=1 << 20)
+    at_1m = dataclasses.replace(config, buckets=long, kv=dataclasses.replace(config.kv, num_blocks=65537))
+    every = dataclasses.replace(at_1m, buckets=dataclasses.replace(long, prompt_batch=None))
+    for c, batch in ((at_1m, 1), (every, 8)):
+        p = plan_bundle(c, scratch=False)
+        assert budget.breakdown(p.spec, p.regions).contexts == 16 * batch * r1

@@ -21,6 +21,7 @@ EXPECTED = {
     "index_score",
     "compress_pool",
     "top_indices",
+    "index_topk",
 }
 u8, f32, bf16, b8 = torch.uint8, torch.float32, torch.bfloat16, torch.bool
 
@@ -185,6 +186,18 @@ CASES = {
     ],
     "compress_pool": [((_t((2, 3, 4, 16), bf16), _t((2, 3, 4, 16), bf16)), [((2, 3, 16), f32)])],
     "top_indices": [((_t((2, 3, 37), f32), 5), [((2, 3, 5), torch.int64)])],
+    "index_topk": [
+        (
+            (_t((2, 3, 4, 16), f32), _t((2, 40, 16), f32), _t((2, 3, 4), f32), torch.randint(0, 40, (2, 3)), None)
+            + (5, 3, 4, True),
+            [((2, 3, 5), torch.int64), ((2, 3, 40), b8)],
+        ),
+        (
+            (_t((2, 3, 4, 16), bf16), _t((2, 40, 16), bf16), _t((2, 3, 4), bf16), torch.randint(0, 40, (2, 3)))
+            + (_t((2, 3, 40), b8), 5, 3, 4, False),
+            [((2, 3, 5), torch.int64), ((0,), b8)],
+        ),
+    ],
 }
 
 

@@ -334,3 +334,62 @@ def test_deepinfer_serve_with_a_budget_gives_deepinfer_runs_tokens(aoti_bundle):
         assert steps > 0 and s.metric('deepinfer_step_tokens_bucket{le="2.0"}') == steps
     finally:
         assert s.stop() == 0, s.proc.stderr.read()
+
+
+# -- a bundle whose prompt steps take fewer sequences than its decode steps ([buckets] prompt_batch) --
+
+
+class NarrowPrompts(Counting):
+    """The counting model with prompt buckets of `prompt_batch` sequences (the runtime's `Steps` reads it
+    from the bundle's shapes): a step holding a row of more than one token and more rows fails, as a
+    bundle without that (batch, tokens) executable would."""
+
+    def __init__(self, prompt_batch: int, **kw):
+        super().__init__(**kw)
+        self.prompt_batch = prompt_batch
+
+    def run(self, rows_by_group, *args, **kw):
+        (rows,) = rows_by_group
+        assert len(rows) <= self.prompt_batch or all(len(ids) == 1 for _, ids, _ in rows), rows
+        return super().run(rows_by_group, *args, **kw)
+
+
+@pytest.mark.parametrize("budget", [None, 3])
+@pytest.mark.parametrize("prompt_batch", [1, 2])
+def test_prompt_steps_hold_the_prompt_batch_and_alternate_with_decode_rows(prompt_batch, budget):
+    """Four prompts (9, 2, 14 and 5 tokens, chunks of 4) at up to 4 sequences a step but `prompt_batch` a
+    prompt step: every step within it (`NarrowPrompts`), the tokens of the run without it; while a
+    prompt prefills beside decoding sequences, no decode row waits two steps running and no prompt
+    waits two steps running (the steps alternate)."""
+    want, _, _ = counting_run(PROMPTS, 6, budget)
+    model = NarrowPrompts(prompt_batch, max_batch=4, chunk=4, slots=5, blocks=65, max_blocks=16)
+    s = Scheduler(model, eos=NEVER, max_step_tokens=budget)
+    outs = [s.add(Request(list(p), 6)) for p in PROMPTS]
+    while s.busy:
+        s.step()
+    assert [o.tokens for o in outs] == want
+    kinds = ["prompt" if any(len(ids) > 1 for _, ids, _ in rows) else "decode" for rows in model.steps]
+    assert "prompt" in kinds and "decode" in kinds
+    decoding: dict[int, list[int]] = {}  # seq -> the steps it fed a decode row in
+    for i, rows in enumerate(model.steps):
+        for seq, _, start in rows:
+            if start >= len(PROMPTS[seq]):
+                decoding.setdefault(seq, []).append(i)
+    for seq, steps in decoding.items():
+        assert all(b - a <= 2 for a, b in zip(steps, steps[1:])), (seq, steps)  # never two steps waiting
+    for i in range(len(kinds) - 1 if budget is None else 0):  # prompts prefill one step in two at least
+        assert "prompt" in kinds[i : i + 2] or "prompt" not in kinds[i:], (i, kinds)
+    narrow = [k for k, rows in zip(kinds, model.steps) if len(rows) > prompt_batch]
+    assert set(narrow) <= {"decode"}  # every step over the prompt batch holds decode rows only
+
+
+def test_without_a_narrower_prompt_batch_the_plan_is_as_it_was():
+    """A stepper without `prompt_batch` (or with its max batch) feeds every row a step, as before."""
+    _, steps, _ = counting_run(PROMPTS, 6, None)
+    model = NarrowPrompts(4, max_batch=4, chunk=4, slots=5, blocks=65, max_blocks=16)
+    s = Scheduler(model, eos=NEVER)
+    for p in PROMPTS:
+        s.add(Request(list(p), 6))
+    while s.busy:
+        s.step()
+    assert model.steps == steps

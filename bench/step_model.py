@@ -26,8 +26,9 @@ tokens and at each of `--chunks`, each chunk run as two micro-batches of half of
 one's collectives on the links while the other computes; compiler/prompt_rows.micro_chunk_cost: the cpu
 bundle runs them, trn2's rows modules do not yet), and beside them the same chunks in one pass (what
 trn2 builds: one rows module a layer, compiler/rows_layers.py; `deepinfer plan` of such a config gives
-these); the JSON's `divided` holds them (`one_pass` the latter). The release's own figures stay every
-rank every row: at 1M x 8 an 8,192-token divided chunk's selection does not fit a rank (docs/ranks.md).
+these); the JSON's `divided` holds them (`one_pass` the latter). The release's own figures (the
+top-level `ttft_*`) are its model.toml's chunks as trn2 builds them: divided by rows, one pass, since
+issue 41's third stop (`--toml examples/release/model_replicated.toml` gives every rank every row).
 
 With `--figures FILE` (a figures file `deepinfer doctor` writes: docs/trn2.md), every plan here uses the
 figures a Trn2 host measured in place of the target's (`deepinfer plan --figures`), each marked measured.
@@ -352,7 +353,7 @@ def main() -> int:
     if rows_divided:
         print(
             f"divided by rows over the token group, each chunk as {rows_divided['micro_batches']} micro-batches"
-            " (the cpu design, modelled; trn2 does not build it):",
+            " (the cpu bundle runs them; trn2's rows modules run one pass, below):",
             file=err,
         )
         print_prompts(rows_divided, err)

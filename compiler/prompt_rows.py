@@ -1,7 +1,8 @@
 """A prompt chunk divided by rows over the token group, costed per rank (issue 41): the step that
-`[prompt] rows = "divided"` builds on cpu (regions/rows.py, regions/step.rows_steps), modelled at a
-plan's topology and target figures. trn2 does not build it yet: for the release this is what the
-design would cost there, beside the replicated chunks `prompt_cost` models from what is built.
+`[prompt] rows = "divided"` builds (regions/rows.py: on cpu its stages, regions/step.rows_steps; on
+trn2 one module a layer, compiler/rows_layers.py), modelled at a plan's topology and target figures:
+the release's prompt chunks (examples/release/model.toml), beside the replicated chunks `prompt_cost`
+models.
 
 Rank j of d (the token group: tp = 1, ep = cp = d) takes T / d consecutive rows of a T-token chunk:
 

@@ -52,6 +52,7 @@ KEYED_OPTIONS = (
     "buckets.tokens",
     "buckets.max_context",
     "buckets.context",
+    "buckets.prompt_batch",
     "kv.block_size",
     "kv.num_blocks",
     "parallel.tp",

@@ -314,6 +314,7 @@ KEYED_EDITS = {
     "buckets.tokens": ("tokens = [1]", "tokens = [1, 2]"),
     "buckets.max_context": ("max_context = 32", "max_context = 48"),
     "buckets.context": ("max_context = 32", "max_context = 32\ncontext = [16, 32]"),
+    "buckets.prompt_batch": ("max_context = 32", "max_context = 32\nprompt_batch = [1]"),
     "kv.block_size": ("block_size = 16", "block_size = 32"),
     "kv.num_blocks": ("num_blocks = 5", "num_blocks = 6"),
 }

@@ -114,11 +114,13 @@ def write_model_toml(
     block_size: int = 16,
     parallel: tuple[int, int, int] = (1, 1, 1),
     extra: str = "",
+    extra_buckets: str = "",
 ) -> Path:
     """A small fp32 model.toml for `checkpoint` in `directory` (created); returns its path.
 
     `tiny_layers`: generate the tiny checkpoint there when absent. Sections the defaults
-    leave out (executable, context buckets, [parallel] at one rank) are not written; `extra` is appended.
+    leave out (executable, context buckets, [parallel] at one rank) are not written; `extra` is appended,
+    `extra_buckets` (lines) added to [buckets].
     """
     directory.mkdir(parents=True, exist_ok=True)
     model = f"tiny = {{ seed = 0, layers = {tiny_layers} }}\n" if tiny_layers else ""
@@ -139,7 +141,7 @@ name = "{target}"
 batch = {list(batch)}
 tokens = {list(tokens)}
 max_context = {max_context}
-{contexts}
+{contexts}{extra_buckets}
 [kv]
 block_size = {block_size}
 num_blocks = {num_blocks}
@@ -166,6 +168,7 @@ def _compile_tiny(
     hlo_only: bool = False,
     parallel: tuple[int, int, int] = (1, 1, 1),
     extra: str = "",
+    extra_buckets: str = "",
 ) -> Path:
     """Write a small model.toml for `checkpoint` and compile it; returns the bundle directory.
 
@@ -192,6 +195,7 @@ def _compile_tiny(
         block_size=block_size,
         parallel=parallel,
         extra=extra,
+        extra_buckets=extra_buckets,
     )
     return compile_bundle(
         load_compile_config(toml),

@@ -393,3 +393,34 @@ def test_without_a_narrower_prompt_batch_the_plan_is_as_it_was():
     while s.busy:
         s.step()
     assert model.steps == steps
+
+
+@pytest.mark.slow
+def test_a_bundle_with_one_sequence_a_prompt_step_gives_the_reference_tokens(tmp_path_factory, tiny_ckpt, unbudgeted):
+    """A bundle compiled with `[buckets] prompt_batch = [1]` (batch {1, 4}, tokens {1, 8}) builds its 8-token
+    bucket at batch 1 only; the four golden prompts run together (their prompt steps one sequence each,
+    alternating with the decode steps of those that have started) and give the reference's tokens."""
+    from deepinfer.bundles import manifest_io
+    from deepinfer.runtime import generate, load
+
+    from ..conftest import _compile_tiny
+
+    bundle = _compile_tiny(
+        tmp_path_factory,
+        "prompt-batch",
+        tiny_ckpt,
+        executable="exported",
+        tokens=[1, 8],
+        batch=(1, 4),
+        max_context=80,
+        num_blocks=21,
+        cache_quant=False,
+        extra_buckets="prompt_batch = [1]\n",
+    )
+    shapes = {(s.batch, s.tokens) for s in manifest_io.read(bundle).buckets.shapes}
+    assert shapes == {(1, 1), (1, 8), (4, 1)}
+    executor = load(bundle)
+    with torch.inference_mode():
+        got = generate(executor, GOLDEN, RunOptions(max_new_tokens=NEW))
+    assert [g.tokens for g in got] == [g.tokens for g in unbudgeted]
+    assert got.stats is not None and set(got.stats.by_tokens) == {1, 8}

@@ -244,28 +244,36 @@ def test_release_pools_divided_over_cp_at_1m_context(tmp_path):
     )
 
 
-def test_release_traced_at_1m_context_without_real_inputs(tmp_path):
-    """Tracing at the 1M context allocates nothing of the traced shapes: a plan that traces the
-    candidate source (one of its inputs was 16 GiB of real random data) runs in a process whose
-    data segment is limited to 2 GiB (an allocation past it fails at once instead of using memory)."""
+def traced_in_2gib(toml: Path, kind: str) -> tuple[dict[str, int], int]:
+    """`plan_bundle` of `toml` tracing `kind` in a process whose data segment is limited to 2 GiB (an
+    allocation past it fails at once instead of using memory) -> (its scratch by graph, its peak RSS KiB)."""
     import subprocess
     import sys
 
-    toml = release_toml(tmp_path, max_context=CONTEXT_1M, num_blocks=BLOCKS_1M, source=REPLICATED)
     probe = (
-        "import resource, sys\n"
+        "import json, resource, sys\n"
         "resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, 2 << 30))\n"
         "from deepinfer.compiler.bundle_plan import plan_bundle\n"
         "from deepinfer.compiler.config import load_compile_config\n"
-        "plan = plan_bundle(load_compile_config(sys.argv[1]), kinds=('attn_source_r1_cand',))\n"
-        "print(list(plan.scratch), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "plan = plan_bundle(load_compile_config(sys.argv[1]), kinds=(sys.argv[2],))\n"
+        "print(json.dumps(plan.scratch), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
     )
-    r = subprocess.run([sys.executable, "-c", probe, str(toml)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", probe, str(toml), kind], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    traced, max_rss_kib = r.stdout.split("]")[0] + "]", int(r.stdout.split()[-1])
+    scratch, rss = r.stdout.rsplit(" ", 1)
+    return json.loads(scratch), int(rss)
+
+
+def test_release_traced_at_1m_context_without_real_inputs(tmp_path):
+    """Tracing at the 1M context allocates nothing of the traced shapes: a plan that traces the
+    candidate source (one of its inputs was 16 GiB of real random data) runs within 2 GiB of data."""
+    toml = release_toml(tmp_path, max_context=CONTEXT_1M, num_blocks=BLOCKS_1M, source=REPLICATED)
+    traced, max_rss_kib = traced_in_2gib(toml, "attn_source_r1_cand")
     stages = ("query", "select", "attend", "output")  # the divided attention's (regions/divided.py)
     per_context = ("select", "attend")  # query and output read no paged state: one per bucket of rows
-    assert traced == str([f"attn_source_r1_cand.{m}.b8t512" + ("c1048576" if m in per_context else "") for m in stages])
+    assert list(traced) == [
+        f"attn_source_r1_cand.{m}.b8t512" + ("c1048576" if m in per_context else "") for m in stages
+    ]
     # planning alone (64 ranks' own attention, expert-slice and engram cuts since issue 40) peaks near 1.5 GiB
     # here; one real input of the traced shapes would be 16 GiB
     assert max_rss_kib < 3 << 20
@@ -276,22 +284,9 @@ def test_divided_rows_select_over_1m_in_tiles(tmp_path):
     source's rows_attend scores a rank's 128 rows against every one of 1M entries and holds under 1 GiB
     of scratch (744 MiB traced), where scoring the whole row at once held 17 GiB (137 GiB at batch 8;
     kernels/index_select.py: trn2 scores the context in tiles beside a running top-k). Traced on fake
-    tensors in a process whose data segment is limited to 2 GiB."""
-    import subprocess
-    import sys
-
+    tensors within 2 GiB of data."""
     toml = release_toml(tmp_path, max_context=CONTEXT_1M, num_blocks=BLOCKS_1M)
-    probe = (
-        "import json, resource, sys\n"
-        "resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, 2 << 30))\n"
-        "from deepinfer.compiler.bundle_plan import plan_bundle\n"
-        "from deepinfer.compiler.config import load_compile_config\n"
-        "plan = plan_bundle(load_compile_config(sys.argv[1]), kinds=('rows_attn_source_r1_cand',))\n"
-        "print(json.dumps(plan.scratch))\n"
-    )
-    r = subprocess.run([sys.executable, "-c", probe, str(toml)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    traced = json.loads(r.stdout)
+    traced, _ = traced_in_2gib(toml, "rows_attn_source_r1_cand")
     stages = [f"rows_attn_source_r1_cand.{m}.b1t8192" for m in ("rows_in", "rows_write", "rows_attend")]
     assert list(traced) == [stages[0], stages[1] + "c1048576", stages[2] + "c1048576"]
     assert 0 < traced[stages[2] + "c1048576"] < GiB

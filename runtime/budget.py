@@ -15,6 +15,9 @@ The policy, in order:
    A prompt left no tokens waits for a later step in its place: the prompts admitted before it go
    first (FIFO), so none starves; with no decode row the first prompt gets at least one token.
 No budget (None): every prompt feeds its whole chunk each step, decodes beside it.
+3. Where the stepper's prompt steps take fewer sequences than its decode steps (a bundle compiled
+   with `[buckets] prompt_batch`), a step that cannot hold every planned row at a prompt bucket
+   alternates: a step of the decode rows, then one of the first prompt chunks (`fit_prompt_batch`).
 
 The stepper runs a step at the smallest (batch, tokens) bucket that holds it: B_bucket >= its rows,
 T_bucket >= its longest row (`runtime.executor.Steps.run`). Rows of a mixed step are padded to the

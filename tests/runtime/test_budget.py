@@ -370,10 +370,10 @@ def test_prompt_steps_hold_the_prompt_batch_and_alternate_with_decode_rows(promp
     assert [o.tokens for o in outs] == want
     kinds = ["prompt" if any(len(ids) > 1 for _, ids, _ in rows) else "decode" for rows in model.steps]
     assert "prompt" in kinds and "decode" in kinds
-    decoding: dict[int, list[int]] = {}  # seq -> the steps it fed a decode row in
+    decoding: dict[int, list[int]] = {}  # seq -> the step that ended its prompt and those it decoded in
     for i, rows in enumerate(model.steps):
-        for seq, _, start in rows:
-            if start >= len(PROMPTS[seq]):
+        for seq, ids, start in rows:
+            if start + len(ids) >= len(PROMPTS[seq]):
                 decoding.setdefault(seq, []).append(i)
     for seq, steps in decoding.items():
         assert all(b - a <= 2 for a, b in zip(steps, steps[1:])), (seq, steps)  # never two steps waiting

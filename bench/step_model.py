@@ -22,13 +22,13 @@ and a prompt's time to first token at batch 1 (compiler/prompt_cost.py) for prom
 bucket, beside other chunk sizes (`--chunks`), and the compute bound: the prompt's useful FLOPs over
 every rank's peak. Beside it, the same prompts with each chunk divided by rows over the token group
 (compiler/prompt_rows.py: what `[prompt] rows = "divided"` builds), in chunks of `--divided-chunk`
-tokens and at each of `--chunks`, each chunk run as two micro-batches of half of it (regions/micro.py:
-one's collectives on the links while the other computes; compiler/prompt_rows.micro_chunk_cost: the cpu
-bundle runs them, trn2's rows modules do not yet), and beside them the same chunks in one pass (what
-trn2 builds: one rows module a layer, compiler/rows_layers.py; `deepinfer plan` of such a config gives
-these); the JSON's `divided` holds them (`one_pass` the latter). The release's own figures (the
-top-level `ttft_*`) are its model.toml's chunks as trn2 builds them: divided by rows, one pass, since
-issue 41's third stop (`--toml examples/release/model_replicated.toml` gives every rank every row).
+tokens and at each of `--chunks`, each chunk run as two micro-batches of half of it (regions/micro.py,
+compiler/rows_layers.py: one's collectives on the links while the other computes;
+compiler/prompt_rows.micro_chunk_cost), and beside them the same chunks in one pass; the JSON's
+`divided` holds them (`one_pass` the latter). The release's own figures (the top-level `ttft_*`) are
+its model.toml's chunks as trn2 builds them (`deepinfer plan` gives the same): divided by rows since
+issue 41's third stop, each chunk as two micro-batches inside each layer's rows module since its fourth
+(`--toml examples/release/model_replicated.toml` gives every rank every row).
 
 With `--figures FILE` (a figures file `deepinfer doctor` writes: docs/trn2.md), every plan here uses the
 figures a Trn2 host measured in place of the target's (`deepinfer plan --figures`), each marked measured.
@@ -353,7 +353,7 @@ def main() -> int:
     if rows_divided:
         print(
             f"divided by rows over the token group, each chunk as {rows_divided['micro_batches']} micro-batches"
-            " (the cpu bundle runs them; trn2's rows modules run one pass, below):",
+            " (trn2's rows modules and the cpu bundle run them):",
             file=err,
         )
         print_prompts(rows_divided, err)
@@ -421,8 +421,8 @@ def main() -> int:
                     "ttft_1m_over_compute_bound": long["costs"][LONG[2]].ttft_over_compute_bound,
                     "prompts": {str(L): c.to_dict() for L, c in long["costs"].items()},
                     "ttft_ms_64k_by_chunk": {str(T): c.ttft_ms for T, c in long["sweep"].items()},
-                    # the same prompts divided by rows (compiler/prompt_rows.py): micro-batched as the cpu
-                    # bundle runs them; `one_pass` as trn2's rows modules do (compiler/rows_layers.py)
+                    # the same prompts divided by rows (compiler/prompt_rows.py) in chunks of --divided-chunk,
+                    # micro-batched as the bundles run them (compiler/rows_layers.py); `one_pass` without
                     "divided": {
                         "prompt_chunk_tokens": rows_divided["chunk"],
                         "ttft_ms_8k": rows_divided["costs"][LONG[0]].ttft_ms,

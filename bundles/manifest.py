@@ -247,6 +247,9 @@ class Executable:
     reduced: dict[str, tuple[tuple[int, ...], ...]] | None = None
     # the collectives inside a fused layer's executable, in the order it runs them
     collectives: tuple[InGraph, ...] | None = None
+    # the micro-batches trn2's modules of a prompt chunk divided by rows run it as (compiler/rows_layers.py):
+    # a rank's rows go in and come out in their order (regions.micro.micro_rows); None: one
+    passes: int | None = None
 
     @property
     def holds_collectives(self) -> bool:

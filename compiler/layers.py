@@ -49,12 +49,13 @@ from deepinfer.bundles.topology import Topology
 from deepinfer.compiler import budget
 from deepinfer.compiler.executables import Graph, lower
 from deepinfer.compiler.plan import Exe, LayerKind, RegionPlan
+from deepinfer.compiler.prompt_rows import fused_passes
 from deepinfer.compiler.spec import Log, Spec
 from deepinfer.compiler.targets import hlo, link
 from deepinfer.compiler.targets.hlo import Collective, Groups
 from deepinfer.compiler.targets.trn2 import CheckFailed, Trn2Target
 from deepinfer.errors import DeepinferError
-from deepinfer.regions import divided, picking
+from deepinfer.regions import divided, micro, picking
 from deepinfer.regions.base import Region
 from deepinfer.regions.examples import example_inputs, random_weights
 from deepinfer.regions.state import InputSpec
@@ -75,11 +76,14 @@ class Run:
 
 @dataclass(frozen=True)
 class Glue:
-    """A small torch function between collectives (`GLUE[fn]`, with `world` where it takes it)."""
+    """A small torch function between collectives (`GLUE[fn]`, with `world` where it takes it, and
+    `kwargs`); its module function is named `piece` where one module runs it at several shapes."""
 
     fn: str
     args: tuple[str, ...]
     results: tuple[str, ...]
+    kwargs: tuple[tuple[str, int], ...] = ()
+    piece: str = ""
 
 
 Op = Run | Glue | Collective
@@ -102,6 +106,10 @@ GLUE: dict[str, Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]] = {
     "merge_pairs": picking.merge_pairs,
     "next_position": picking.next_position,
     "stack_drafts": picking.stack_drafts,
+    # a divided prompt chunk's micro-batches (compiler/rows_layers.py, regions/micro.py)
+    "split_rows": micro.split_rows,
+    "join_rows": micro.join_rows,
+    "position_order": micro.position_order,
 }
 # the glue that takes the topology's sizes, by keyword
 TOPOLOGY_GLUE: dict[str, Callable[[Topology], dict[str, int]]] = {
@@ -225,31 +233,14 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
     """Lower every piece of `lk` at `exe`'s bucket and wire them: the steps `link` runs. `memo` keeps
     the region pieces lowered by earlier layer kinds of the compile (every kind runs the MoE)."""
     memo = {} if memo is None else memo
-    pieces_at = plan.pieces(lk, exe, spec.topology.groups if spec.topology.dispatch else 1)
-    if lk.name == DRAFT_MODULE:
-        from deepinfer.compiler import draft_layers
-
-        kind_ops, outputs = draft_layers.ops(plan, spec.topology, spec.dtype), [draft_layers.OUTPUT]
-    elif exe.method == LAYER_ROWS or lk.name == HEAD_ROWS:  # a prompt chunk divided by rows
-        from deepinfer.compiler import rows_layers
-
-        if lk.name == HEAD_ROWS:
-            kind_ops, outputs = rows_layers.head_ops(spec.topology, exe.method), rows_layers.head_outputs(exe.method)
-        else:
-            kind_ops, outputs = rows_layers.ops(lk, plan, spec.topology), rows_layers.outputs(lk, plan)
-    else:
-        kind_ops = ops(lk, plan, spec.topology, spec.dtype)
-        outputs = ["h", "pre", *plan.kinds[dict(lk.slots)["attn"]].region.output_names()[2:]]
+    kind_ops, outputs, pieces_at, inputs = _module_of(spec, plan, lk, exe)
     weights: list[InputSpec] = []
     rank: InputSpec | None = None
-    inputs: dict[str, InputSpec] = {}
     made: set[str] = set()
     pieces: dict[str, str] = {}
     graphs: dict[str, Graph] = {}
     steps: list = []
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    if lk.name == HEAD_ROWS:  # it takes the rank's rows of the chunk
-        inputs.update(rows_layers.head_inputs(plan, exe, spec.topology.group_size, spec.geometry_at(exe.context)))
     for op in kind_ops:
         if isinstance(op, Run):
             piece = f"{op.slot}.{op.method}"
@@ -275,10 +266,9 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
             shapes[op.dst] = _collective_shape(op, *_shape_of(op.src, shapes, inputs))
         else:
             args_shapes = [_shape_of(a, shapes, inputs) for a in op.args]
-            fn = _glue_fn(op.fn, spec.topology)
-            program, values = _glue_program(fn, args_shapes)
-            pieces[op.fn] = hlo.to_stablehlo(spec.target.lower(program), trn2(spec).frontend)
-            steps.append(link.Call(op.fn, op.args, op.results))
+            program, values = _glue_program(_glue_fn(op, spec.topology), args_shapes)
+            pieces[op.piece or op.fn] = hlo.to_stablehlo(spec.target.lower(program), trn2(spec).frontend)
+            steps.append(link.Call(op.piece or op.fn, op.args, op.results))
             made.update(op.results)
             for r, v in zip(op.results, values):
                 shapes[r] = (tuple(v.shape), v.dtype)
@@ -292,6 +282,28 @@ def build(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe, memo: Lowered |
         outputs=outputs,
         ops=kind_ops,
     )
+
+
+def _module_of(spec: Spec, plan: RegionPlan, lk: LayerKind, exe: Exe):
+    """What layer module `lk` at `exe` runs: (its ops, its outputs, the region executable each (slot,
+    method) piece is lowered as, the inputs it takes that no piece's own would name: a divided chunk's)."""
+    pieces_at = plan.pieces(lk, exe, spec.topology.groups if spec.topology.dispatch else 1)
+    inputs: dict[str, InputSpec] = {}
+    if lk.name == DRAFT_MODULE:
+        from deepinfer.compiler import draft_layers
+
+        return draft_layers.ops(plan, spec.topology, spec.dtype), [draft_layers.OUTPUT], pieces_at, inputs
+    if exe.method != LAYER_ROWS and lk.name != HEAD_ROWS:
+        outputs = ["h", "pre", *plan.kinds[dict(lk.slots)["attn"]].region.output_names()[2:]]
+        return ops(lk, plan, spec.topology, spec.dtype), outputs, pieces_at, inputs
+    from deepinfer.compiler import rows_layers  # a prompt chunk divided by rows
+
+    g = spec.geometry_at(exe.context)
+    if lk.name == HEAD_ROWS:  # it takes the rank's rows of the chunk
+        inputs.update(rows_layers.head_inputs(plan, exe, spec.topology.group_size, g))
+        return rows_layers.head_ops(spec.topology, exe), rows_layers.head_outputs(exe.method), pieces_at, inputs
+    kind_ops, inputs = rows_layers.module(lk, plan, spec.topology, exe, g)
+    return kind_ops, rows_layers.outputs(lk, plan), rows_layers.pieces(plan, lk, exe, spec.topology), inputs
 
 
 def _wire_inputs(
@@ -361,9 +373,9 @@ def _collective_shape(
     return tuple(out), op.to or dtype
 
 
-def _glue_fn(name: str, topo: Topology):
-    fn = GLUE[name]
-    return functools.partial(fn, **TOPOLOGY_GLUE[name](topo)) if name in TOPOLOGY_GLUE else fn
+def _glue_fn(op: Glue, topo: Topology):
+    sizes = {**(TOPOLOGY_GLUE[op.fn](topo) if op.fn in TOPOLOGY_GLUE else {}), **dict(op.kwargs)}
+    return functools.partial(GLUE[op.fn], **sizes) if sizes else GLUE[op.fn]
 
 
 class _Glue(torch.nn.Module):
@@ -441,8 +453,11 @@ def emit(spec: Spec, exe: Exe, built: Built, out: Path) -> tuple[mf.Executable, 
         aliases=aliases,
         output_specs=tuple(mf.TensorSpec(name=n, shape=s, dtype=d) for n, (s, d) in zip(labels, types)),
     )
-    steps = collectives_of(built.ops)
-    return dataclasses.replace(entry, **manifest_io.executable_fields({"collectives": steps} if steps else {})), text
+    fields: dict = {"collectives": collectives_of(built.ops)}
+    if exe.method == LAYER_ROWS or exe.kind == HEAD_ROWS:
+        fields["passes"] = fused_passes(exe.tokens, spec.topology.group_size)
+    fields = {k: v for k, v in fields.items() if v and v != 1}
+    return dataclasses.replace(entry, **manifest_io.executable_fields(fields)), text
 
 
 def trn2(spec: Spec) -> Trn2Target:
@@ -482,7 +497,7 @@ def interpret(
                 out = list(out) if isinstance(out, (tuple, list)) else [out]
                 env.update(zip(call.results, [args[names.index(n)] for n in state] + out))
         elif isinstance(op, Glue):
-            fn = _glue_fn(op.fn, topo)
+            fn = _glue_fn(op, topo)
             for env in envs:
                 out = fn(*[env[a] for a in op.args])
                 env.update(zip(op.results, out if isinstance(out, tuple) else (out,)))

@@ -287,13 +287,13 @@ class PromptCost:
 
 def built_chunk_cost(plan: BundlePlan) -> Callable[[BundlePlan, int, int], ChunkCost]:
     """How the plan's bundle runs a prompt chunk: divided by rows over the token group where it is
-    compiled with `[prompt] rows = "divided"` (compiler/prompt_rows.py, in one pass: trn2's rows modules,
-    compiler/rows_layers.py), else every rank every row (`chunk_cost`)."""
+    compiled with `[prompt] rows = "divided"` (compiler/prompt_rows.py, in the micro-batches the bundle
+    runs: trn2's rows modules, compiler/rows_layers.py), else every rank every row (`chunk_cost`)."""
     if not plan.spec.divided_rows:
         return chunk_cost
     from deepinfer.compiler import prompt_rows  # it builds on this module's figures
 
-    return prompt_rows.divided_chunk_cost
+    return prompt_rows.built_divided_cost
 
 
 def prompt_cost(
@@ -301,7 +301,7 @@ def prompt_cost(
 ) -> PromptCost:
     """One rank's work for a prompt of `tokens` tokens in chunks of `chunk` (the last one padded to
     the bucket: a static shape), each at the context bucket that holds its last position. `cost`:
-    a chunk's (`built_chunk_cost` unless given: compiler/prompt_rows.divided_chunk_cost models the chunk
+    a chunk's (`built_chunk_cost` unless given: compiler/prompt_rows.built_divided_cost models the chunk
     divided by rows)."""
     cost = built_chunk_cost(plan) if cost is None else cost
     n = -(-tokens // chunk)

@@ -60,6 +60,12 @@ MICRO_BATCHES = 2  # a divided chunk's micro-batches (regions/micro.py: where th
 EXPERT_ID = 8
 
 
+def fused_passes(tokens: int, group: int) -> int:
+    """The micro-batches trn2's rows modules run a divided chunk of `tokens` rows as (compiler/rows_layers.py):
+    MICRO_BATCHES where a rank has a whole number of rows of each, else one."""
+    return MICRO_BATCHES if tokens % (MICRO_BATCHES * group) == 0 else 1
+
+
 def own_rows(plan: BundlePlan, rows: int) -> int:
     """A rank's rows of a chunk of `rows` (the last rank's padding counted)."""
     return -(-rows // plan.spec.topology.group_size)
@@ -147,16 +153,19 @@ def divided_chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
 
 def micro_chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
     """`divided_chunk_cost` for a chunk run as MICRO_BATCHES micro-batches of rows / MICRO_BATCHES
-    (regions/micro.py: one's collectives on the links while another computes). Each micro-batch reads
-    the weights again and costs its own arithmetic, collectives and launches; its link time overlaps the
-    others' memory and compute, except about one layer's (the first micro-batch's first gather and the
-    last one's last combine have nothing beside them): the estimate is max(the passes' max(memory,
-    compute), their link time) + that layer's links + the passes' other latency (per-collective and
-    launch latency, host bytes: not overlapped)."""
+    (regions/micro.py, compiler/rows_layers.py: one's collectives on the links while another computes).
+    Each micro-batch reads the weights again and costs its own arithmetic and collectives; its link
+    time overlaps the others' memory and compute, except about one layer's (the first micro-batch's
+    first gather and the last one's last combine have nothing beside them): the estimate is max(the
+    passes' max(memory, compute), their link time) + that layer's links + the passes' other latency
+    (per-collective latency, host bytes: not overlapped) + the launches: each pass's own on the cpu
+    target (a region call a stage), once a chunk where the target fuses layers (both passes inside a
+    layer's one module)."""
     m = MICRO_BATCHES
-    one, links_ms = _divided(plan, rows // m, context)
+    one, links_ms, launch_ms = _divided(plan, rows // m, context)
+    launches = 1 if plan.spec.fused else m
     busy, wire = m * max(one.memory_ms, one.compute_ms), m * links_ms
-    other = m * (one.latency_ms - links_ms) + links_ms / len(plan.regions.layers)
+    other = m * (one.latency_ms - links_ms - launch_ms) + launches * launch_ms + links_ms / len(plan.regions.layers)
     estimated = max(busy, wire) + other
     return replace(
         one,
@@ -165,7 +174,7 @@ def micro_chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
         state_bytes=m * one.state_bytes,
         flops=m * one.flops,
         flops_by_part={part: m * f for part, f in one.flops_by_part.items()},
-        executions=m * one.executions,
+        executions=launches * one.executions,
         collectives=m * one.collectives,
         collective_bytes=m * one.collective_bytes,
         memory_ms=m * one.memory_ms,
@@ -175,9 +184,27 @@ def micro_chunk_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
     )
 
 
-def _divided(plan: BundlePlan, rows: int, context: int) -> tuple[ChunkCost, float]:
+def built_passes(plan: BundlePlan, rows: int) -> int:
+    """The micro-batches the plan's bundle runs a divided chunk of `rows` as: trn2's rows modules'
+    (`fused_passes`); the cpu runtime's, where the half chunk's tokens bucket is built and divides over
+    the group (runtime/executor.py)."""
+    group = plan.spec.topology.group_size
+    if plan.spec.fused:
+        return fused_passes(rows, group)
+    half = rows // MICRO_BATCHES
+    built = {t for _, t in plan.spec.config.buckets.shapes()}
+    return MICRO_BATCHES if half * MICRO_BATCHES == rows and half in built and half % group == 0 else 1
+
+
+def built_divided_cost(plan: BundlePlan, rows: int, context: int) -> ChunkCost:
+    """A divided chunk as the plan's bundle runs it: in `built_passes` micro-batches."""
+    many = built_passes(plan, rows) > 1
+    return micro_chunk_cost(plan, rows, context) if many else divided_chunk_cost(plan, rows, context)
+
+
+def _divided(plan: BundlePlan, rows: int, context: int) -> tuple[ChunkCost, float, float]:
     """`divided_chunk_cost` and the ms of its latency that is link time (bytes on the links, and the
-    collectives a measured curve times)."""
+    collectives a measured curve times) and launches."""
     spec = plan.spec
     figures, topo = figures_of(plan), spec.topology
     flops = divided_flops(plan, rows, context)
@@ -207,4 +234,5 @@ def _divided(plan: BundlePlan, rows: int, context: int) -> tuple[ChunkCost, floa
     )
     sent = sum(sent for _, sent in collectives.values())
     cost = timed_chunk(plan, rows, context, flops, weights, state, executions, calls, sent, times)
-    return cost, times["collective_link_ms"] + sum(timed.values()) * 1e3
+    launch_ms = executions * figures["launch_s"].value * 1e3
+    return cost, times["collective_link_ms"] + sum(timed.values()) * 1e3, launch_ms

@@ -15,6 +15,11 @@ causal masks never select. Every rank drives the same generators in the same ord
 collectives start in one order on every rank.
 
 `join` puts the micro-batches' logits back in the chunk's shape.
+
+trn2 runs the micro-batches inside each layer's one module instead (compiler/rows_layers.py), its glue
+below: a rank's rows arrive in micro order (`micro_rows`: its rows of the first micro-batch, then of the
+second), are split per micro-batch (`split_rows`) and joined after (`join_rows`); the head puts every
+rank's gathered rows back in position order (`position_order`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from deepinfer.regions.step import Batch
@@ -102,3 +108,28 @@ def join(batch: Batch, parts: list[tuple[Batch, slice]], logits: list[Tensor]) -
         mine = (batch.heads >= cols.start) & (batch.heads < cols.stop)
         out[mine] = got[mine]
     return out
+
+
+def micro_rows(T: int, group: int, rank: int, parts: int) -> Tensor:
+    """A rank's rows of a T-row chunk run as `parts` micro-batches over a token group of `group` ranks,
+    in micro order: its T / (parts * group) rows of each micro-batch, the micro-batches in turn."""
+    n, c = T // (parts * group), rank % group
+    return torch.cat([j * (T // parts) + c * n + torch.arange(n) for j in range(parts)])
+
+
+def split_rows(x: Tensor, parts: int) -> tuple[Tensor, ...]:
+    """[B, parts * n, ...] -> each micro-batch's [B, n, ...] (a rank's rows in micro order, or a chunk's)."""
+    return tuple(p.clone() for p in x.chunk(parts, 1))
+
+
+def join_rows(*parts: Tensor) -> Tensor:
+    """The micro-batches' [B, n, ...] -> [B, parts * n, ...], in micro order."""
+    return torch.cat(parts, 1)
+
+
+def position_order(x: Tensor, ranks: int, parts: int) -> Tensor:
+    """Every rank's rows gathered along the rows, each rank's in micro order [B, ranks * parts * n, ...]
+    -> the chunk's rows in position order [B, parts * ranks * n, ...]."""
+    B, rest = x.shape[0], x.shape[2:]
+    n = x.shape[1] // (ranks * parts)
+    return x.reshape(B, ranks, parts, n, *rest).transpose(1, 2).reshape(B, ranks * parts * n, *rest)

@@ -262,9 +262,10 @@ def rows_steps(plans, invoke, states, h, pre, batch: Batch, engram: EngramRows |
     return logits
 
 
-def run_rows_fused(plans, invoke_layer, states, h, pre, batch: Batch, engram: EngramRows | None, own: slice):
+def run_rows_fused(plans, invoke_layer, states, h, pre, batch: Batch, engram: EngramRows | None, own: slice | Tensor):
     """A prompt step divided by rows on trn2's fused layers (compiler/rows_layers.py): h, pre are this
-    rank's rows `own` of the chunk; each layer is one execution of its kind's `rows` module
+    rank's rows `own` of the chunk (in micro order where the modules run micro-batches,
+    `regions.micro.micro_rows`); each layer is one execution of its kind's `rows` module
     (`invoke_layer(layer, values, slot=, method=, chunk=)`, the collectives inside) on the values its
     inputs name: the streams, the chunk's and the rank's rows' step inputs, the layer's state, the
     selection its rank's rows carry from the layer before, a kv source's joined context for the layers

@@ -283,7 +283,11 @@ class Executor:
         embedded, one execution a layer (its kind's rows module, the collectives inside), then the head's
         module (the rows gathered inside) as `head` -> this rank's slice of every row's logits (or pairs)."""
         group, T, blocks = self.manifest.topology.topology.group_size, batch.tokens.shape[1], batch.block_table.shape[1]
-        own = _share(T, group, self.rank)
+        # the rank's rows, in micro order where the modules run the chunk as micro-batches
+        passes = next(
+            (e.passes or 1 for e in self.manifest.regions if (e.kind, e.bucket.tokens) == (mf.HEAD_ROWS, T)), 1
+        )
+        own = _share(T, group, self.rank) if passes == 1 else micro.micro_rows(T, group, self.rank, passes)
         invoke = self.invoker(blocks, stats, on_call, step_tokens=T)
         if self.host.embed is not None:
             h, pre = self.host.embed(batch.tokens[:, own], batch.is_image[:, own], _rows_of(batch.image_rows, own))
@@ -535,5 +539,5 @@ def _share(T: int, group: int, rank: int) -> slice:
     return slice(c * n, (c + 1) * n)
 
 
-def _rows_of(t: Tensor | None, own: slice) -> Tensor | None:
+def _rows_of(t: Tensor | None, own: slice | Tensor) -> Tensor | None:
     return None if t is None else t[:, own]

@@ -84,9 +84,10 @@ def divided(tmp_path_factory, tiny_ckpt):
 
 @pytest.mark.slow  # each layer kind's rows module lowered, compiled for 4 XLA:CPU replicas and run
 def test_each_layer_kinds_rows_module_matches_its_ops_on_four_replicas(divided):
-    """Every layer kind has a `rows` executable at the prompt bucket and its decode at the decode bucket only; its module
-    holds the rows' gathers and scatters over the four ranks, in the order the stages need them, and on
-    one XLA:CPU replica a rank equals its ops run eagerly with the host's collectives."""
+    """Every layer kind has a `rows` executable at the prompt bucket and its decode at the decode bucket
+    only; its module runs the chunk as two micro-batches, holding each one's gathers and scatters over
+    the four ranks, interleaved in the order the stages need them, and on one XLA:CPU replica a rank
+    equals its ops run eagerly with the host's collectives."""
     spec, regions, modules = divided
     exes = spec.executables(regions)
     for name, lk in regions.fused_kinds().items():
@@ -97,7 +98,10 @@ def test_each_layer_kinds_rows_module_matches_its_ops_on_four_replicas(divided):
         want += ["all_gather packed"]
         want += ["all_gather ckv_pages_mine", "all_gather ikeys_pages_mine"] if "rows_write" in twin.methods() else []
         want += ["all_gather x", "all_gather weights", "all_gather experts", "reduce_scatter partial"]
-        assert [f"{c.op} {c.value}" for c in entry.collectives or ()] == want, name
+        # two micro-batches of 4 rows, one a rank: each collective of the one, then the other's
+        micro = [f"{c}.{j}" for c in want for j in range(2)]
+        assert [f"{c.op} {c.value}" for c in entry.collectives or ()] == micro, name
+        assert entry.passes == 2, name
         assert entry.check is not None and entry.check["replicas"] == WORLD
         assert 0 < entry.check["max_abs"] and entry.check["score"] <= 1e-5, (name, entry.check)
         assert entry.outputs == tuple(rows_layers.outputs(lk, regions)), name
@@ -154,13 +158,15 @@ class HostRows:
 
 
 class TableRows:
-    """The engram's looked-up table rows, fixed per engram layer (a test double of the host tables)."""
+    """The engram's looked-up table rows, fixed per engram layer and chunk column (a test double of the
+    host tables: the test's hashes are each row's column in the chunk)."""
 
     def __init__(self, rows: list):
         self.values = rows
 
     def rows(self, index, hashes):
-        return self.values[index]
+        cols = hashes[0, :, 0]
+        return tuple(t[:, cols] for t in self.values[index])
 
 
 class Lockstep:
@@ -247,7 +253,7 @@ def test_the_modules_run_a_chunk_as_the_cpu_runtimes_divided_step(divided):
             slots=torch.ones(B, dtype=torch.int64),
             # column k on cp rank k % 4, as its local block 1 + k // 4 (regions/divided.py; 0 the scratch)
             block_table=(1 + torch.arange(specs["block_table"].shape[1]) // WORLD).unsqueeze(0),
-            hashes=torch.zeros(B, T, len(engrams), 1, dtype=torch.int64),
+            hashes=torch.arange(T).view(1, T, 1, 1).expand(B, T, len(engrams), 1).clone(),
             is_image=torch.zeros(B, T, dtype=torch.bool),
         )
 
@@ -270,7 +276,7 @@ def test_the_modules_run_a_chunk_as_the_cpu_runtimes_divided_step(divided):
     lockstep = Lockstep(modules, weights, exchange)
 
     def fused(rank: int) -> list:
-        own = slice(rank * n, (rank + 1) * n)
+        own = micro.micro_rows(T, WORLD, rank, 2)  # the modules run two micro-batches: a rank's rows of each
         out = []
         invoke_layer = lockstep.invoke_layer(rank)
         for c, (h_all, pre_all) in enumerate(chunks):
@@ -300,11 +306,14 @@ def test_the_modules_run_a_chunk_as_the_cpu_runtimes_divided_step(divided):
 
         rows = HostRows(exchange, rank)
         out = []
-        for c, (h, pre) in enumerate(chunks):
-            step = rows_steps(
-                regions.layers, invoke, host_states[rank], h[:, own], pre[:, own], batch(c), tables, rows, own
-            )
-            out.append(micro.drive([step], micro.now)[0])
+        for c, (h, pre) in enumerate(chunks):  # as the cpu runtime's two micro-batches
+            parts = micro.split(batch(c), 2)
+            steps = []
+            for part, cols in parts:
+                own = slice(rank * n // 2, (rank + 1) * n // 2)
+                streams = h[:, cols][:, own], pre[:, cols][:, own]
+                steps.append(rows_steps(regions.layers, invoke, host_states[rank], *streams, part, tables, rows, own))
+            out.append(micro.join(batch(c), parts, micro.drive(steps, micro.now)))
         return out
 
     with torch.no_grad(), ThreadPoolExecutor(WORLD) as pool:

@@ -106,15 +106,18 @@ def test_a_rank_sends_its_rows_and_the_moe_s_partials(plan, whole):
 
 
 def test_micro_batches_cost_two_half_passes_with_their_links_under_the_compute(plan):
-    """A chunk as two micro-batches (regions/micro.py) is two passes of half its rows: every count twice a
-    half pass's (the weights read again). Its estimate is no better than the passes' memory or compute
-    and their links, each alone, and no worse than the two passes in series, links not overlapped."""
+    """A chunk as two micro-batches (regions/micro.py, compiler/rows_layers.py) is two passes of half its
+    rows: every count twice a half pass's (the weights read again) but the executions, one a layer and
+    the embedding's and head's once a chunk, both passes inside each of trn2's modules. Its estimate is
+    no better than the passes' memory or compute and their links, each alone, and no worse than the two
+    passes in series, links not overlapped."""
     ctx = prompt_cost.context_bucket(plan, L)
     whole = prompt_rows.micro_chunk_cost(plan, T, ctx)
     half = prompt_rows.divided_chunk_cost(plan, T // prompt_rows.MICRO_BATCHES, ctx)
     assert prompt_rows.MICRO_BATCHES == 2 and whole.rows == T
-    for field in ("weight_bytes", "state_bytes", "flops", "executions", "collectives", "collective_bytes"):
+    for field in ("weight_bytes", "state_bytes", "flops", "collectives", "collective_bytes"):
         assert getattr(whole, field) == 2 * getattr(half, field), field
+    assert plan.spec.fused and whole.executions == half.executions == 2 + len(plan.regions.layers)
     busy = 2 * max(half.memory_ms, half.compute_ms)
     assert whole.estimated_ms >= busy and whole.estimated_ms == busy + whole.latency_ms
     assert whole.estimated_ms < 2 * half.estimated_ms  # the links under the other pass's compute
@@ -124,12 +127,17 @@ def test_micro_batches_cost_two_half_passes_with_their_links_under_the_compute(p
 
 def test_a_plan_with_divided_rows_costs_its_prompts_divided(plan, rows_plan):
     """`deepinfer plan` of the release (`[prompt] rows = "divided"`, which trn2 builds:
-    compiler/rows_layers.py) costs its prompts as that bundle runs them: each chunk divided by rows, in
-    one pass; the release run replicated (model_replicated.toml), every rank every row."""
+    compiler/rows_layers.py) costs its prompts as that bundle runs them: each chunk divided by rows, as
+    two micro-batches where a rank has whole rows of each (128 rows a chunk of 8,192), else in one pass;
+    the release run replicated (model_replicated.toml), every rank every row."""
     rows = rows_plan
     assert rows.spec.divided_rows and not plan.spec.divided_rows
     got = prompt_cost.prompt_cost(rows, L, T)
-    assert got == prompt_cost.prompt_cost(rows, L, T, prompt_rows.divided_chunk_cost)
+    assert prompt_rows.built_passes(rows, T) == 2
+    assert got == prompt_cost.prompt_cost(rows, L, T, prompt_rows.micro_chunk_cost)
+    odd = 3 * WORLD  # three rows a rank: no whole half
+    assert prompt_rows.built_passes(rows, odd) == 1
+    assert prompt_cost.prompt_cost(rows, L, odd) == prompt_cost.prompt_cost(rows, L, odd, prompt_rows.divided_chunk_cost)
     assert prompt_cost.prompt_cost(plan, L, T) == prompt_cost.prompt_cost(plan, L, T, prompt_cost.chunk_cost)
     assert got.ttft_ms < prompt_cost.prompt_cost(plan, L, T).ttft_ms / 5
 

@@ -101,3 +101,25 @@ def test_join_takes_each_sequences_head_row_from_its_micro_batch_and_every_row_i
     every = replace(batch, heads=None)
     rows = micro.join(every, micro.split(every, 2), [torch.full((2, 4, 5), 1.0), torch.full((2, 4, 5), 2.0)])
     assert rows.shape == (2, 8, 5) and rows[:, :4].eq(1).all() and rows[:, 4:].eq(2).all()
+
+
+# --- the glue of trn2's rows modules (compiler/rows_layers.py) ------------------------------------------
+
+
+@pytest.mark.parametrize("T,group", [(8, 4), (16, 2), (4096, 64)])
+def test_a_ranks_rows_in_micro_order_are_its_rows_of_each_half_and_every_row_once(T, group):
+    """`micro_rows`: rank c's rows are its T / (2 * group) rows of each half, the first half's first;
+    the ranks' rows together are every row once. Gathered rank by rank, `position_order` puts them
+    back in position order; `split_rows` and `join_rows` undo each other."""
+    every = [micro.micro_rows(T, group, rank, 2) for rank in range(group)]
+    n = T // (2 * group)
+    for c, rows in enumerate(every):
+        assert rows.tolist() == [*range(c * n, (c + 1) * n), *range(T // 2 + c * n, T // 2 + (c + 1) * n)]
+    assert sorted(torch.cat(every).tolist()) == list(range(T))
+    x = torch.randn(3, T, 5)
+    gathered = torch.cat([x[:, rows] for rows in every], 1)  # an all-gather along the rows
+    assert torch.equal(micro.position_order(gathered, group, 2), x)
+    mine = x[:, every[1]]
+    halves = micro.split_rows(mine, 2)
+    assert [h.shape[1] for h in halves] == [n, n]
+    assert torch.equal(halves[1], x[:, every[1][n:]]) and torch.equal(micro.join_rows(*halves), mine)

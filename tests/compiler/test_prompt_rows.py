@@ -137,7 +137,9 @@ def test_a_plan_with_divided_rows_costs_its_prompts_divided(plan, rows_plan):
     assert got == prompt_cost.prompt_cost(rows, L, T, prompt_rows.micro_chunk_cost)
     odd = 3 * WORLD  # three rows a rank: no whole half
     assert prompt_rows.built_passes(rows, odd) == 1
-    assert prompt_cost.prompt_cost(rows, L, odd) == prompt_cost.prompt_cost(rows, L, odd, prompt_rows.divided_chunk_cost)
+    assert prompt_cost.prompt_cost(rows, L, odd) == prompt_cost.prompt_cost(
+        rows, L, odd, prompt_rows.divided_chunk_cost
+    )
     assert prompt_cost.prompt_cost(plan, L, T) == prompt_cost.prompt_cost(plan, L, T, prompt_cost.chunk_cost)
     assert got.ttft_ms < prompt_cost.prompt_cost(plan, L, T).ttft_ms / 5
 

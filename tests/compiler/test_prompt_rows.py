@@ -177,3 +177,21 @@ def test_a_divided_step_holds_one_source_s_gathered_context(rows_plan, plan):
     for c, batch in ((at_1m, 1), (every, 8)):
         p = plan_bundle(c, scratch=False)
         assert budget.breakdown(p.spec, p.regions).contexts == 16 * batch * r1
+
+
+def test_per_region_layers_launch_each_pass_and_split_where_the_half_bucket_is_built():
+    """With trn2's layers run per region (`[target] options layers = "regions"`) the runtime runs a divided
+    chunk as two micro-batches only where the half chunk's tokens bucket is built and divides over the
+    group (runtime/executor.py): the release's 8,192 (4,096 built), not its 4,096 (no 2,048). Each pass
+    is its own region calls, so a micro-batched chunk counts twice a half pass's executions."""
+    config = load_compile_config(RELEASE)
+    options = {**config.target.options, "layers": "regions"}
+    regions = plan_bundle(
+        dataclasses.replace(config, target=dataclasses.replace(config.target, options=options)), scratch=False
+    )
+    assert not regions.spec.fused
+    assert prompt_rows.built_passes(regions, T) == 2 and prompt_rows.built_passes(regions, T // 2) == 1
+    ctx = prompt_cost.context_bucket(regions, L)
+    whole = prompt_rows.micro_chunk_cost(regions, T, ctx)
+    half = prompt_rows.divided_chunk_cost(regions, T // 2, ctx)
+    assert whole.executions == 2 * half.executions > 2 * (2 + len(regions.regions.layers))
